@@ -1,0 +1,78 @@
+//! Tests of identifiers: string forms, parsing and runner equality.
+
+use std::collections::BTreeSet;
+
+use super::*;
+
+#[test]
+fn shard_id_string_form_round_trips() {
+    let shard = ShardId::new(ShardGroup::from("default"), 7);
+    assert_eq!(shard.to_string(), "default:7");
+    assert_eq!("default:7".parse::<ShardId>(), Ok(shard));
+}
+
+#[test]
+fn shard_id_is_split_at_the_last_colon() {
+    let shard: ShardId = "tenant:eu:12".parse().unwrap();
+    assert_eq!(shard.group().as_str(), "tenant:eu");
+    assert_eq!(shard.id(), 12);
+    let empty_group: ShardId = ":3".parse().unwrap();
+    assert_eq!(empty_group.group().as_str(), "");
+}
+
+#[test]
+fn malformed_shard_ids_are_typed_errors() {
+    for (input, reason) in [
+        ("default", "expected `group:id`"),
+        ("default:", "the id after the last `:` must be a number"),
+        ("default:x", "the id after the last `:` must be a number"),
+        ("default:-1", "the id after the last `:` must be a number"),
+        ("default:1.5", "the id after the last `:` must be a number"),
+        ("default:0", "shard numbers start at 1"),
+        ("default:99999999999", "the id after the last `:` must be a number"),
+    ] {
+        let error = input.parse::<ShardId>().unwrap_err();
+        assert_eq!(error.what(), "shard id");
+        assert_eq!(error.input(), input);
+        assert_eq!(error.reason(), reason, "{input}");
+    }
+}
+
+#[test]
+fn runner_address_string_form() {
+    let address: RunnerAddress = "10.0.0.1:34431".parse().unwrap();
+    assert_eq!(address.host(), "10.0.0.1");
+    assert_eq!(address.port(), 34431);
+    assert_eq!(address.to_string(), "10.0.0.1:34431");
+    let ipv6: RunnerAddress = "::1:34431".parse().unwrap();
+    assert_eq!(ipv6.host(), "::1");
+    for input in ["localhost", ":80", "host:", "host:65536", "host:port"] {
+        assert!(input.parse::<RunnerAddress>().is_err(), "{input}");
+    }
+}
+
+#[test]
+fn runner_equality_ignores_groups() {
+    let address = RunnerAddress::new("a", 1);
+    let one = Runner::new(address.clone(), vec![ShardGroup::from("x")], RunnerWeight::ONE);
+    let other_groups = Runner::new(address.clone(), vec![ShardGroup::from("y")], RunnerWeight::ONE);
+    let heavier = Runner::new(address, vec![ShardGroup::from("x")], RunnerWeight::new(2.0).unwrap());
+    assert_eq!(one, other_groups);
+    assert_ne!(one, heavier);
+    let set: BTreeSet<Runner> = [one, other_groups, heavier].into_iter().collect();
+    assert_eq!(set.len(), 2);
+}
+
+#[test]
+fn runner_weight_rejects_non_finite_values() {
+    assert!(RunnerWeight::new(f64::NAN).is_none());
+    assert!(RunnerWeight::new(f64::INFINITY).is_none());
+    assert_eq!(RunnerWeight::new(-0.0), RunnerWeight::new(0.0));
+}
+
+#[test]
+fn machine_id_bits_wrap_at_1024() {
+    assert_eq!(MachineId::new(5).snowflake_bits(), 5);
+    assert_eq!(MachineId::new(1025).snowflake_bits(), 1);
+    assert_eq!(MachineId::new(-1).snowflake_bits(), 1023);
+}

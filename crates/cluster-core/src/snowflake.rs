@@ -1,0 +1,186 @@
+//! 64-bit unique ids (reference §9).
+//!
+//! Layout, from the most significant bit: 42 bits of milliseconds since [`EPOCH`]
+//! (2025-01-01T00:00:00Z), 10 bits of machine id (the registry's [`MachineId`] modulo 1024) and
+//! 12 bits of sequence. Ids are decimal strings in JSON and `BIGINT` in SQL.
+//!
+//! [`SnowflakeGenerator`] follows the reference's 4.1.0 rule: the timestamp never goes
+//! backwards, and when the clock stands still or goes back and the 4096 sequence numbers of the
+//! current millisecond are used up, it borrows the next millisecond. So ids from one generator
+//! strictly increase whatever the clock does. The generator takes `now` as an argument and
+//! never reads a clock, busy-waits or fails.
+
+use std::fmt;
+use std::str::FromStr;
+
+use crate::clock::Timestamp;
+use crate::error::ParseError;
+use crate::ids::MachineId;
+
+/// The snowflake epoch, 2025-01-01T00:00:00Z.
+pub const EPOCH: Timestamp = Timestamp::from_unix_millis(1_735_689_600_000);
+
+const TIMESTAMP_SHIFT: u32 = 22;
+const MACHINE_SHIFT: u32 = 12;
+const SEQUENCE_COUNT: u32 = 4096;
+const MACHINE_COUNT: u64 = 1024;
+/// The largest millisecond offset from the epoch that fits 42 bits (year 2164).
+const MAX_OFFSET_MILLIS: i64 = (1 << 42) - 1;
+
+/// A 64-bit id: timestamp, machine id and sequence.
+#[derive(Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub struct Snowflake(u64);
+
+/// The fields of a [`Snowflake`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct SnowflakeParts {
+    /// When the id was made, at or after [`EPOCH`].
+    pub timestamp: Timestamp,
+    /// The machine that made it; only the low 10 bits (`mod 1024`) are kept.
+    pub machine_id: MachineId,
+    /// The sequence within the millisecond; only the low 12 bits (`mod 4096`) are kept.
+    pub sequence: u16,
+}
+
+impl Snowflake {
+    /// The id with the raw value `value`.
+    pub const fn new(value: u64) -> Snowflake {
+        Snowflake(value)
+    }
+
+    /// The raw 64-bit value.
+    pub const fn get(self) -> u64 {
+        self.0
+    }
+
+    /// The id made of `parts`. A timestamp before [`EPOCH`] counts as the epoch, and one past
+    /// the 42-bit range as its end.
+    pub fn from_parts(parts: SnowflakeParts) -> Snowflake {
+        let offset = parts.timestamp.unix_millis().saturating_sub(EPOCH.unix_millis());
+        let offset = offset.clamp(0, MAX_OFFSET_MILLIS).unsigned_abs();
+        let machine = u64::from(parts.machine_id.snowflake_bits());
+        let sequence = u64::from(parts.sequence) % u64::from(SEQUENCE_COUNT);
+        Snowflake((offset << TIMESTAMP_SHIFT) | (machine << MACHINE_SHIFT) | sequence)
+    }
+
+    /// The fields of this id.
+    pub fn to_parts(self) -> SnowflakeParts {
+        SnowflakeParts {
+            timestamp: self.timestamp(),
+            machine_id: self.machine_id(),
+            sequence: self.sequence(),
+        }
+    }
+
+    /// When this id was made.
+    pub fn timestamp(self) -> Timestamp {
+        // A u64 shifted right by 22 has at most 42 bits: it fits an i64.
+        let offset = i64::try_from(self.0 >> TIMESTAMP_SHIFT).unwrap_or(i64::MAX);
+        Timestamp::from_unix_millis(EPOCH.unix_millis().saturating_add(offset))
+    }
+
+    /// The machine id bits (`0..1024`).
+    pub fn machine_id(self) -> MachineId {
+        let bits = (self.0 >> MACHINE_SHIFT) % MACHINE_COUNT;
+        MachineId::new(i32::try_from(bits).unwrap_or(0))
+    }
+
+    /// The sequence number within the millisecond (`0..4096`).
+    pub fn sequence(self) -> u16 {
+        u16::try_from(self.0 % u64::from(SEQUENCE_COUNT)).unwrap_or(0)
+    }
+
+    /// The id as a SQL `BIGINT`, or `None` past `i64::MAX` (after the year 2094).
+    pub fn to_i64(self) -> Option<i64> {
+        i64::try_from(self.0).ok()
+    }
+
+    /// The id stored as a SQL `BIGINT`, or `None` if it is negative (not a snowflake).
+    pub fn from_i64(value: i64) -> Option<Snowflake> {
+        u64::try_from(value).ok().map(Snowflake)
+    }
+}
+
+impl fmt::Display for Snowflake {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        fmt::Display::fmt(&self.0, f)
+    }
+}
+
+impl fmt::Debug for Snowflake {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "Snowflake({})", self.0)
+    }
+}
+
+impl FromStr for Snowflake {
+    type Err = ParseError;
+
+    /// Parses the decimal string form used in JSON.
+    fn from_str(input: &str) -> Result<Snowflake, ParseError> {
+        if input.is_empty() || !input.bytes().all(|byte| byte.is_ascii_digit()) {
+            return Err(ParseError::new("snowflake", input, "expected a decimal number"));
+        }
+        input
+            .parse()
+            .map(Snowflake)
+            .map_err(|_| ParseError::new("snowflake", input, "the number does not fit 64 bits"))
+    }
+}
+
+/// Makes snowflakes for one machine; ids strictly increase whatever the clock does.
+#[derive(Clone, Debug)]
+pub struct SnowflakeGenerator {
+    machine_id: MachineId,
+    /// The next sequence number of `sequence_at`; `SEQUENCE_COUNT` when used up.
+    sequence: u32,
+    /// The millisecond (since the Unix epoch) ids are currently made for.
+    sequence_at: i64,
+}
+
+impl SnowflakeGenerator {
+    /// A generator for `machine_id` whose clock currently reads `now`.
+    ///
+    /// Until the runner registers, the reference uses a random machine id in `0..1024`; callers
+    /// pass one drawn from their seeded RNG.
+    pub fn new(machine_id: MachineId, now: Timestamp) -> SnowflakeGenerator {
+        SnowflakeGenerator { machine_id, sequence: 0, sequence_at: clamp_to_epoch(now) }
+    }
+
+    /// The machine id stamped into new ids.
+    pub fn machine_id(&self) -> MachineId {
+        self.machine_id
+    }
+
+    /// Stamps new ids with `machine_id` (after the runner registered).
+    pub fn set_machine_id(&mut self, machine_id: MachineId) {
+        self.machine_id = machine_id;
+    }
+
+    /// The next id, given that the clock reads `now`.
+    pub fn next(&mut self, now: Timestamp) -> Snowflake {
+        let now = clamp_to_epoch(now);
+        if now > self.sequence_at {
+            self.sequence = 0;
+            self.sequence_at = now;
+        } else if self.sequence >= SEQUENCE_COUNT {
+            // The sequence is used up and the clock has not advanced: borrow the next millisecond.
+            self.sequence_at += 1;
+            self.sequence = 0;
+        }
+        let sequence = u16::try_from(self.sequence).unwrap_or(0);
+        self.sequence += 1;
+        Snowflake::from_parts(SnowflakeParts {
+            timestamp: Timestamp::from_unix_millis(self.sequence_at),
+            machine_id: self.machine_id,
+            sequence,
+        })
+    }
+}
+
+fn clamp_to_epoch(now: Timestamp) -> i64 {
+    now.unix_millis().clamp(EPOCH.unix_millis(), EPOCH.unix_millis() + MAX_OFFSET_MILLIS)
+}
+
+#[cfg(test)]
+mod tests;
