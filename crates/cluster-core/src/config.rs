@@ -1,1 +1,1192 @@
-//! (being written)
+//! The runner's sharding configuration: the reference's `ShardingConfig` (reference §2).
+//!
+//! [`ShardingConfig`] holds every option of the reference, with the reference's defaults
+//! ([`ShardingConfig::default`]) and environment variables ([`ShardingConfig::from_env`]). It lives
+//! in core because every crate reads it, and because loading it stays pure when the environment
+//! is passed in as a function ([`ShardingConfig::from_env_with`]).
+//!
+//! [`ShardingConfig::validate`] is stricter than the reference, which checks nothing: it rejects
+//! values that would break the cluster (colliding advisory lock numbers, a shard id that does not
+//! fit its column, an assigned group that is not available, a zero poll interval) and values so
+//! large that they are surely mistakes. Each bound is a `*_MAX` constant of this module that says
+//! why it is there.
+//!
+//! # Environment variables
+//!
+//! The names are the constant case of the reference's config keys, without a prefix. An unset
+//! variable, or one set to the empty string, keeps the default.
+//!
+//! | Variable | Field | Default |
+//! | --- | --- | --- |
+//! | `HOST`, `PORT` | [`runner_address`](ShardingConfig::runner_address) | `localhost`, `34431` (always `Some` from the environment) |
+//! | `LISTEN_HOST`, `LISTEN_PORT` | [`runner_listen_address`](ShardingConfig::runner_listen_address) | `None`; `LISTEN_PORT` defaults to `34431` and needs `LISTEN_HOST` |
+//! | `RUNNER_SHARD_WEIGHT` | [`runner_shard_weight`](ShardingConfig::runner_shard_weight) | `1` (an integer) |
+//! | `AVAILABLE_SHARD_GROUPS` | [`available_shard_groups`](ShardingConfig::available_shard_groups) | `default` |
+//! | `SHARD_GROUPS` | [`assigned_shard_groups`](ShardingConfig::assigned_shard_groups) | `default` |
+//! | `SHARDS_PER_GROUP` | [`shards_per_group`](ShardingConfig::shards_per_group) | `300` |
+//! | `SHARD_LOCK_REFRESH_INTERVAL` | [`shard_lock_refresh_interval`](ShardingConfig::shard_lock_refresh_interval) | `10 seconds` |
+//! | `SHARD_LOCK_EXPIRATION` | [`shard_lock_expiration`](ShardingConfig::shard_lock_expiration) | `35 seconds` |
+//! | `SHARD_LOCK_DISABLE_ADVISORY` | [`shard_lock_disable_advisory`](ShardingConfig::shard_lock_disable_advisory) | `false` |
+//! | `PREEMPTIVE_SHUTDOWN` | [`preemptive_shutdown`](ShardingConfig::preemptive_shutdown) | `true` |
+//! | `ENTITY_MAILBOX_CAPACITY` | [`entity_mailbox_capacity`](ShardingConfig::entity_mailbox_capacity) | `4096` |
+//! | `ENTITY_MAILBOX_METRICS` | [`entity_mailbox_metrics`](ShardingConfig::entity_mailbox_metrics) | `false` |
+//! | `MAX_RESIDENT_ENTITIES` | [`max_resident_entities`](ShardingConfig::max_resident_entities) | `10000` |
+//! | `UNPROCESSED_MESSAGE_BATCH_SIZE` | [`unprocessed_message_batch_size`](ShardingConfig::unprocessed_message_batch_size) | `1024` |
+//! | `ENTITY_MAX_IDLE_TIME` | [`entity_max_idle_time`](ShardingConfig::entity_max_idle_time) | `1 minute` (`Infinity` = never) |
+//! | `ENTITY_REGISTRATION_TIMEOUT` | [`entity_registration_timeout`](ShardingConfig::entity_registration_timeout) | `1 minute` |
+//! | `ENTITY_TERMINATION_TIMEOUT` | [`entity_termination_timeout`](ShardingConfig::entity_termination_timeout) | `15 seconds` |
+//! | `ENTITY_MESSAGE_POLL_INTERVAL` | [`entity_message_poll_interval`](ShardingConfig::entity_message_poll_interval) | `10 seconds` |
+//! | `ENTITY_REPLY_POLL_INTERVAL` | [`entity_reply_poll_interval`](ShardingConfig::entity_reply_poll_interval) | `200 millis` |
+//! | `REFRESH_ASSIGNMENTS_INTERVAL` | [`refresh_assignments_interval`](ShardingConfig::refresh_assignments_interval) | `3 seconds` |
+//! | `RUNNER_JOIN_DEBOUNCE` | [`runner_join_debounce`](ShardingConfig::runner_join_debounce) | `0 seconds` |
+//! | `SEND_RETRY_INTERVAL` | [`send_retry_interval`](ShardingConfig::send_retry_interval) | `100 millis` |
+//! | `RUNNER_HEALTH_CHECK_INTERVAL` | [`runner_health_check_interval`](ShardingConfig::runner_health_check_interval) | `1 minute` |
+//! | `SIMULATE_REMOTE_SERIALIZATION` | [`simulate_remote_serialization`](ShardingConfig::simulate_remote_serialization) | `true` |
+//!
+//! `HOST` and `PORT` are generic names that platforms and other tools also set; a runner reads
+//! them all the same, as the reference does.
+//!
+//! # Value syntax
+//!
+//! - Integers: decimal, with an optional sign (`300`, `+300`); no exponent, no fraction.
+//! - Booleans: `true`, `yes`, `on`, `1`, `y` or `false`, `no`, `off`, `0`, `n` (lower case).
+//! - Lists: comma-separated, not trimmed (`a,b`).
+//! - Durations: see [`parse_duration`]; `Infinity` only for `ENTITY_MAX_IDLE_TIME`.
+
+use std::collections::BTreeSet;
+use std::fmt;
+use std::num::{IntErrorKind, NonZeroU32, ParseIntError};
+use std::time::Duration;
+
+use crate::error::{ConfigError, ParseError};
+use crate::hash;
+use crate::ids::{RunnerAddress, RunnerWeight, ShardGroup, ShardId};
+
+/// The host a runner advertises unless `HOST` says otherwise.
+pub const DEFAULT_HOST: &str = "localhost";
+
+/// The port a runner advertises and listens on unless `PORT` or `LISTEN_PORT` say otherwise.
+pub const DEFAULT_PORT: u16 = 34431;
+
+/// The largest [`shards_per_group`](ShardingConfig::shards_per_group).
+///
+/// The advisory lock number of shard `s` of the group at index `i` (in the sorted available
+/// groups) is `(i + 1) × 1_000_000 + s`, a wire format shared with the reference; a larger
+/// shard count would give two shards the same lock.
+pub const SHARDS_PER_GROUP_MAX: u32 = 999_999;
+
+/// The largest number of [available shard groups](ShardingConfig::available_shard_groups).
+///
+/// Advisory lock numbers are `i32` in PostgreSQL: `2146 × 1_000_000 + 999_999` is the largest
+/// lock number that fits.
+pub const SHARD_GROUPS_MAX: u32 = 2146;
+
+/// The longest shard id string (`group:shard`), in characters.
+///
+/// The `shard_id` columns of the reference's tables are `VARCHAR(50)`, so a group name may have
+/// at most `50 - 1 - digits(shards_per_group)` characters.
+pub const SHARD_ID_LEN_MAX: usize = 50;
+
+/// The longest runner address string (`host:port`), in characters: the registry's `address`
+/// columns are `VARCHAR(255)`.
+pub const RUNNER_ADDRESS_LEN_MAX: usize = 255;
+
+/// The largest [`runner_shard_weight`](ShardingConfig::runner_shard_weight).
+///
+/// A runner places `weight × 128` points on each group's hash ring, and a runner a thousand times
+/// heavier than another is surely a mistake.
+pub const RUNNER_SHARD_WEIGHT_MAX: f64 = 1000.0;
+
+/// The largest bounded [`entity_mailbox_capacity`](ShardingConfig::entity_mailbox_capacity).
+///
+/// More than a million requests in flight for one entity is surely a mistake; use
+/// [`Capacity::Unbounded`] to mean "no limit".
+pub const ENTITY_MAILBOX_CAPACITY_MAX: u32 = 1 << 20;
+
+/// The largest bounded [`max_resident_entities`](ShardingConfig::max_resident_entities).
+///
+/// Ten million live entities on one runner is surely a mistake; use [`Capacity::Unbounded`] to
+/// mean "no limit".
+pub const RESIDENT_ENTITIES_MAX: u32 = 10_000_000;
+
+/// The largest [`unprocessed_message_batch_size`](ShardingConfig::unprocessed_message_batch_size).
+///
+/// The ids of one claimed batch may be bound as parameters of one statement, and PostgreSQL and
+/// MySQL accept at most 65,535 parameters per statement.
+pub const UNPROCESSED_MESSAGE_BATCH_SIZE_MAX: u32 = 65_535;
+
+/// The largest interval, timeout, lock expiration or join debounce: one hour.
+///
+/// A poll that happens less than once an hour, a frozen runner that keeps its shards for more
+/// than an hour, or joins that wait more than four hours (the debounce cap) are surely mistakes.
+pub const INTERVAL_MAX: Duration = Duration::from_secs(60 * 60);
+
+/// The largest finite [`entity_max_idle_time`](ShardingConfig::entity_max_idle_time): 365 days.
+///
+/// Timers much further out overflow instant arithmetic on some platforms; `None` (`Infinity`)
+/// means "never reap".
+pub const ENTITY_MAX_IDLE_TIME_MAX: Duration = Duration::from_secs(365 * 24 * 60 * 60);
+
+/// The shortest [`shard_lock_expiration`](ShardingConfig::shard_lock_expiration): one
+/// millisecond, the resolution of the cluster's clock and of the lock timestamps it writes.
+pub const SHARD_LOCK_EXPIRATION_MIN: Duration = Duration::from_millis(1);
+
+// Advisory lock numbers of the largest configuration fit an `i32` (see `SHARD_GROUPS_MAX`).
+const _: () =
+    assert!(SHARD_GROUPS_MAX as i64 * 1_000_000 + SHARDS_PER_GROUP_MAX as i64 <= i32::MAX as i64);
+
+/// Every environment variable [`ShardingConfig::from_env`] reads.
+pub const ENV_VARS: [&str; 26] = [
+    var::HOST,
+    var::PORT,
+    var::LISTEN_HOST,
+    var::LISTEN_PORT,
+    var::RUNNER_SHARD_WEIGHT,
+    var::AVAILABLE_SHARD_GROUPS,
+    var::SHARD_GROUPS,
+    var::SHARDS_PER_GROUP,
+    var::SHARD_LOCK_REFRESH_INTERVAL,
+    var::SHARD_LOCK_EXPIRATION,
+    var::SHARD_LOCK_DISABLE_ADVISORY,
+    var::PREEMPTIVE_SHUTDOWN,
+    var::ENTITY_MAILBOX_CAPACITY,
+    var::ENTITY_MAILBOX_METRICS,
+    var::MAX_RESIDENT_ENTITIES,
+    var::UNPROCESSED_MESSAGE_BATCH_SIZE,
+    var::ENTITY_MAX_IDLE_TIME,
+    var::ENTITY_REGISTRATION_TIMEOUT,
+    var::ENTITY_TERMINATION_TIMEOUT,
+    var::ENTITY_MESSAGE_POLL_INTERVAL,
+    var::ENTITY_REPLY_POLL_INTERVAL,
+    var::REFRESH_ASSIGNMENTS_INTERVAL,
+    var::RUNNER_JOIN_DEBOUNCE,
+    var::SEND_RETRY_INTERVAL,
+    var::RUNNER_HEALTH_CHECK_INTERVAL,
+    var::SIMULATE_REMOTE_SERIALIZATION,
+];
+
+/// The configuration of sharding on one runner (or client).
+///
+/// Build it with [`ShardingConfig::default`] and struct update syntax, or load it with
+/// [`ShardingConfig::from_env`]; call [`validate`](ShardingConfig::validate) after changing fields.
+/// Options marked "cluster-wide" must have the same value on every runner and client.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ShardingConfig {
+    /// The address other runners use to reach this runner; `None` makes it a client that sends
+    /// messages but owns no shards.
+    ///
+    /// Default `Some(localhost:34431)`. Environment: `HOST` and `PORT` (each with its default,
+    /// so the environment always gives `Some`; `None` is programmatic only).
+    pub runner_address: Option<RunnerAddress>,
+    /// The address transports bind to, if it differs from `runner_address` (for example
+    /// `0.0.0.0`). Port 0 binds an ephemeral port.
+    ///
+    /// Default `None` (bind `runner_address`). Environment: `LISTEN_HOST` and `LISTEN_PORT`
+    /// (neither: `None`; `LISTEN_HOST` alone: port 34431; `LISTEN_PORT` alone: an error).
+    pub runner_listen_address: Option<RunnerAddress>,
+    /// This runner's share of the shards relative to other runners: 2 takes twice the shards
+    /// of a runner with weight 1. Greater than 0 and at most [`RUNNER_SHARD_WEIGHT_MAX`].
+    ///
+    /// Default `1`. Environment: `RUNNER_SHARD_WEIGHT` (an integer, as in the reference).
+    pub runner_shard_weight: RunnerWeight,
+    /// Every shard group of the cluster (cluster-wide). Their sorted order gives each group its
+    /// advisory lock numbers; names must be distinct and non-empty.
+    ///
+    /// Default `["default"]`. Environment: `AVAILABLE_SHARD_GROUPS` (comma-separated).
+    pub available_shard_groups: Vec<ShardGroup>,
+    /// The shard groups this runner serves. Each must be one of `available_shard_groups`:
+    /// [`validate`](ShardingConfig::validate) rejects any other, where the reference ignores it
+    /// silently. Repeating a group is harmless.
+    ///
+    /// Default `["default"]`. Environment: `SHARD_GROUPS` (comma-separated; note the name).
+    pub assigned_shard_groups: Vec<ShardGroup>,
+    /// The number of shards of every group (cluster-wide), `1..=`[`SHARDS_PER_GROUP_MAX`].
+    ///
+    /// Default `300`. Environment: `SHARDS_PER_GROUP`.
+    pub shards_per_group: u32,
+    /// The longest time between two refreshes of this runner's shard locks. The runner refreshes
+    /// at [`shard_lock_interval`](ShardingConfig::shard_lock_interval), which is at most a third of
+    /// `shard_lock_expiration`, so that it has time to stop its entities if lock storage becomes
+    /// unavailable. Greater than 0.
+    ///
+    /// Default 10 s. Environment: `SHARD_LOCK_REFRESH_INTERVAL`.
+    pub shard_lock_refresh_interval: Duration,
+    /// How long a shard lock (and a runner's heartbeat) stays valid without a refresh. With
+    /// PostgreSQL or MySQL advisory locks the database also ends an idle lock session after
+    /// this long, so a frozen runner loses its shards. At least [`SHARD_LOCK_EXPIRATION_MIN`].
+    ///
+    /// Default 35 s. Environment: `SHARD_LOCK_EXPIRATION`.
+    pub shard_lock_expiration: Duration,
+    /// Use lock-table leases instead of PostgreSQL or MySQL advisory locks.
+    ///
+    /// Default `false`. Environment: `SHARD_LOCK_DISABLE_ADVISORY`.
+    pub shard_lock_disable_advisory: bool,
+    /// Start shutting the runner down (unregister, stop taking work) as soon as the first entity
+    /// starts shutting down.
+    ///
+    /// Default `true`. Environment: `PREEMPTIVE_SHUTDOWN`.
+    pub preemptive_shutdown: bool,
+    /// The default number of requests one entity may have in flight; more fail with
+    /// `MailboxFull`. Entity types may override it.
+    ///
+    /// Default 4096. Environment: `ENTITY_MAILBOX_CAPACITY` (a positive integer; `Unbounded` is
+    /// programmatic only).
+    pub entity_mailbox_capacity: Capacity,
+    /// Report each resident entity's mailbox size as a gauge, unless its entity type says
+    /// otherwise.
+    ///
+    /// Default `false`. Environment: `ENTITY_MAILBOX_METRICS`.
+    pub entity_mailbox_metrics: bool,
+    /// The most entities that may be resident on this runner at once. At the limit no new entity
+    /// starts: persisted messages for new entities stay in storage until a slot frees up, and
+    /// volatile sends to new entities fail with `MailboxFull`.
+    ///
+    /// Default 10,000. Environment: `MAX_RESIDENT_ENTITIES` (a positive integer; `Unbounded` is
+    /// programmatic only).
+    pub max_resident_entities: Capacity,
+    /// The most unprocessed messages claimed from storage by one read, at most
+    /// [`UNPROCESSED_MESSAGE_BATCH_SIZE_MAX`]. The reference treats values below 1 as 1; here the
+    /// type rules them out.
+    ///
+    /// Default 1024. Environment: `UNPROCESSED_MESSAGE_BATCH_SIZE` (a positive integer).
+    pub unprocessed_message_batch_size: NonZeroU32,
+    /// How long an entity may go without requests in flight before it is stopped; `None` never
+    /// stops idle entities. Entity types may override it.
+    ///
+    /// Default 1 min. Environment: `ENTITY_MAX_IDLE_TIME` (`Infinity` gives `None`).
+    pub entity_max_idle_time: Option<Duration>,
+    /// How long messages for an entity type that no runner has registered are kept before they
+    /// fail.
+    ///
+    /// Default 1 min. Environment: `ENTITY_REGISTRATION_TIMEOUT`.
+    pub entity_registration_timeout: Duration,
+    /// How long an entity may take to finish its requests when it is stopped before they are
+    /// interrupted (15 s stays within Kubernetes' default grace period).
+    ///
+    /// Default 15 s. Environment: `ENTITY_TERMINATION_TIMEOUT`.
+    pub entity_termination_timeout: Duration,
+    /// How often storage is polled for unprocessed messages (and the acquisition of unlocked
+    /// shards retried). Greater than 0.
+    ///
+    /// Default 10 s. Environment: `ENTITY_MESSAGE_POLL_INTERVAL`.
+    pub entity_message_poll_interval: Duration,
+    /// How often storage is polled for replies to requests that wait on storage. Greater than 0.
+    ///
+    /// Default 200 ms. Environment: `ENTITY_REPLY_POLL_INTERVAL`.
+    pub entity_reply_poll_interval: Duration,
+    /// How often the runner registry is read and shard assignments recomputed. Greater than 0.
+    ///
+    /// Default 3 s. Environment: `REFRESH_ASSIGNMENTS_INTERVAL`.
+    pub refresh_assignments_interval: Duration,
+    /// How long the set of healthy runners must stay unchanged before runners that joined are
+    /// given shards, so that a burst of joins (a scale-up, a deployment with a large surge) moves
+    /// each shard once instead of once per join.
+    ///
+    /// Only joins wait: the initial assignment, departures and unhealthy runners are published at
+    /// once, together with any pending joins. While joins are pending, shards stay where they
+    /// are, the new runners stay idle and no runner takes a shard it does not already hold.
+    /// Pending joins are published at most four times this duration after the first one; since
+    /// the quiet period is checked once per `refresh_assignments_interval`, the worst-case delay
+    /// is four times this duration plus one interval.
+    ///
+    /// Default 0: every change is published at once, which suits load-driven scale-ups where idle
+    /// new runners are costly. Environment: `RUNNER_JOIN_DEBOUNCE`.
+    pub runner_join_debounce: Duration,
+    /// The delay before a send is retried after `EntityNotAssignedToRunner` or
+    /// `RunnerUnavailable`. Greater than 0.
+    ///
+    /// Default 100 ms. Environment: `SEND_RETRY_INTERVAL`.
+    pub send_retry_interval: Duration,
+    /// How often the runner-health singleton checks the other runners. Greater than 0.
+    ///
+    /// Default 1 min. Environment: `RUNNER_HEALTH_CHECK_INTERVAL`.
+    pub runner_health_check_interval: Duration,
+    /// Encode and decode volatile messages to local entities as if they went to another runner,
+    /// so that serialization bugs show up on one machine.
+    ///
+    /// Default `true`. Environment: `SIMULATE_REMOTE_SERIALIZATION`.
+    pub simulate_remote_serialization: bool,
+}
+
+/// A limit that can be switched off: the reference's `number | "unbounded"`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Capacity {
+    /// At most this many.
+    Bounded(NonZeroU32),
+    /// No limit (programmatic only; the environment accepts integers).
+    Unbounded,
+}
+
+/// The shard groups of a configuration, normalised (the reference's `shardGroupConfig`).
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct ShardGroups {
+    /// The available groups, sorted and without duplicates.
+    pub available: BTreeSet<ShardGroup>,
+    /// The assigned groups that are available.
+    pub assigned: BTreeSet<ShardGroup>,
+}
+
+/// Parses a duration in the reference's string syntax: `<number> <unit>`.
+///
+/// - The number is `digits` or `digits.digits`, optionally preceded by `-`.
+/// - One or more whitespace characters separate it from the unit.
+/// - The unit is one of `nano`, `micro`, `milli`, `second`, `minute`, `hour`, `day`, `week`,
+///   optionally with a final `s`.
+/// - Nothing else is accepted: no leading or trailing space, no `ms` or `s` shorthand, no
+///   exponent.
+///
+/// Fractions are exact and rounded to the nearest nanosecond, ties away from zero, as in the
+/// reference (`1.5 nanos` is 2 ns). Negative durations are an error (`-0 seconds` is zero), as
+/// are durations beyond [`Duration::MAX`]. `Infinity` is valid syntax but not a [`Duration`], so
+/// it is an error here; [`ShardingConfig::from_env`] accepts it for `ENTITY_MAX_IDLE_TIME`.
+///
+/// ```
+/// use std::time::Duration;
+/// use cluster_core::config::parse_duration;
+///
+/// assert_eq!(parse_duration("1.5 seconds"), Ok(Duration::from_millis(1500)));
+/// assert_eq!(parse_duration("200 millis"), Ok(Duration::from_millis(200)));
+/// assert!(parse_duration("10s").is_err());
+/// ```
+pub fn parse_duration(input: &str) -> Result<Duration, ParseError> {
+    match parse_duration_input(input)? {
+        DurationInput::Finite(duration) => Ok(duration),
+        DurationInput::Infinite => {
+            Err(ParseError::new(DURATION, input, "`Infinity` is not a finite duration"))
+        }
+    }
+}
+
+/// Formats `duration` in the syntax [`parse_duration`] reads, in the largest unit that keeps it
+/// exact (`35 seconds`, `200 millis`, `1 minute`, `1500 millis`).
+pub fn format_duration(duration: Duration) -> String {
+    let nanos = duration.as_nanos();
+    if nanos == 0 {
+        return "0 seconds".to_owned();
+    }
+    let (unit, _, scale) =
+        UNITS.iter().rev().find(|(_, _, scale)| nanos.is_multiple_of(*scale)).unwrap_or(&UNITS[0]);
+    let count = nanos / scale;
+    let plural = if count == 1 { "" } else { "s" };
+    format!("{count} {unit}{plural}")
+}
+
+impl Default for ShardingConfig {
+    /// The reference's defaults.
+    fn default() -> ShardingConfig {
+        ShardingConfig {
+            runner_address: Some(RunnerAddress::new(DEFAULT_HOST, DEFAULT_PORT)),
+            runner_listen_address: None,
+            runner_shard_weight: RunnerWeight::ONE,
+            available_shard_groups: vec![ShardGroup::default_group()],
+            assigned_shard_groups: vec![ShardGroup::default_group()],
+            shards_per_group: 300,
+            shard_lock_refresh_interval: Duration::from_secs(10),
+            shard_lock_expiration: Duration::from_secs(35),
+            shard_lock_disable_advisory: false,
+            preemptive_shutdown: true,
+            entity_mailbox_capacity: Capacity::Bounded(DEFAULT_ENTITY_MAILBOX_CAPACITY),
+            entity_mailbox_metrics: false,
+            max_resident_entities: Capacity::Bounded(DEFAULT_MAX_RESIDENT_ENTITIES),
+            unprocessed_message_batch_size: DEFAULT_UNPROCESSED_MESSAGE_BATCH_SIZE,
+            entity_max_idle_time: Some(Duration::from_secs(60)),
+            entity_registration_timeout: Duration::from_secs(60),
+            entity_termination_timeout: Duration::from_secs(15),
+            entity_message_poll_interval: Duration::from_secs(10),
+            entity_reply_poll_interval: Duration::from_millis(200),
+            refresh_assignments_interval: Duration::from_secs(3),
+            runner_join_debounce: Duration::ZERO,
+            send_retry_interval: Duration::from_millis(100),
+            runner_health_check_interval: Duration::from_secs(60),
+            simulate_remote_serialization: true,
+        }
+    }
+}
+
+impl ShardingConfig {
+    /// Loads the configuration from the process environment (see the [module docs](self) for the
+    /// variables), then [validates](ShardingConfig::validate) it.
+    ///
+    /// A variable that is not valid UTF-8 is an error.
+    pub fn from_env() -> Result<ShardingConfig, ConfigError> {
+        for var in ENV_VARS {
+            if let Some(value) = std::env::var_os(var)
+                && value.to_str().is_none()
+            {
+                return Err(ConfigError::new(var, value.to_string_lossy(), "is not valid UTF-8"));
+            }
+        }
+        ShardingConfig::from_env_with(|var| std::env::var(var).ok())
+    }
+
+    /// Loads the configuration from `lookup`, which maps an environment variable name to its
+    /// value, then [validates](ShardingConfig::validate) it.
+    ///
+    /// Unset and empty variables keep their defaults. Every error names the variable, its value
+    /// and the reason.
+    ///
+    /// ```
+    /// use std::time::Duration;
+    /// use cluster_core::config::ShardingConfig;
+    ///
+    /// let config = ShardingConfig::from_env_with(|var| match var {
+    ///     "SHARDS_PER_GROUP" => Some("64".to_owned()),
+    ///     "SHARD_LOCK_EXPIRATION" => Some("30 seconds".to_owned()),
+    ///     _ => None,
+    /// })
+    /// .unwrap();
+    /// assert_eq!(config.shards_per_group, 64);
+    /// assert_eq!(config.shard_lock_expiration, Duration::from_secs(30));
+    ///
+    /// let error = ShardingConfig::from_env_with(|var| {
+    ///     (var == "SHARDS_PER_GROUP").then(|| "abc".to_owned())
+    /// })
+    /// .unwrap_err();
+    /// assert_eq!((error.key(), error.value()), ("SHARDS_PER_GROUP", "abc"));
+    /// ```
+    pub fn from_env_with(
+        lookup: impl Fn(&str) -> Option<String>,
+    ) -> Result<ShardingConfig, ConfigError> {
+        let env = Env { lookup };
+        let mut config = ShardingConfig::default();
+        env.read_runner(&mut config)?;
+        env.read_groups(&mut config)?;
+        env.read_limits(&mut config)?;
+        env.read_durations(&mut config)?;
+        env.read_flags(&mut config)?;
+        config.check().map_err(|violation| violation.into_env_error(&env))?;
+        Ok(config)
+    }
+
+    /// Checks every option against the rules in its documentation and the `*_MAX` bounds of this
+    /// module. The error names the first offending field (`shards_per_group`, ...).
+    ///
+    /// The reference checks nothing. In particular it drops assigned groups that are not
+    /// available and duplicate available groups silently; both are errors here, because a
+    /// misspelt group would otherwise leave its entities without a runner.
+    pub fn validate(&self) -> Result<(), ConfigError> {
+        self.check().map_err(Violation::into_field_error)
+    }
+
+    /// How often shard locks are refreshed: `min(shard_lock_refresh_interval,
+    /// shard_lock_expiration / 3)` (10 s by default).
+    pub fn shard_lock_interval(&self) -> Duration {
+        self.shard_lock_refresh_interval.min(self.shard_lock_expiration / 3)
+    }
+
+    /// The available groups (sorted, deduplicated) and the assigned groups among them.
+    pub fn shard_groups(&self) -> ShardGroups {
+        let available: BTreeSet<ShardGroup> = self.available_shard_groups.iter().cloned().collect();
+        let assigned = self
+            .assigned_shard_groups
+            .iter()
+            .filter(|group| available.contains(*group))
+            .cloned()
+            .collect();
+        ShardGroups { available, assigned }
+    }
+
+    /// The position of `group` among the sorted available groups, or `None` if it is not
+    /// available. Advisory lock numbers are `(index + 1) × 1_000_000 + shard`.
+    pub fn group_index(&self, group: &ShardGroup) -> Option<u32> {
+        let available: BTreeSet<&ShardGroup> = self.available_shard_groups.iter().collect();
+        let index = available.iter().position(|candidate| *candidate == group)?;
+        u32::try_from(index).ok()
+    }
+
+    /// The shard of `entity_id` in `group`, with this configuration's `shards_per_group`.
+    pub fn shard_id(&self, entity_id: &str, group: &ShardGroup) -> ShardId {
+        hash::shard_id(entity_id, group, self.shards_per_group)
+    }
+
+    /// The most unprocessed messages one storage read claims (at least 1).
+    pub fn batch_size(&self) -> u32 {
+        self.unprocessed_message_batch_size.get()
+    }
+}
+
+impl ShardingConfig {
+    fn check(&self) -> Result<(), Violation> {
+        self.check_runner()?;
+        self.check_groups()?;
+        self.check_limits()?;
+        self.check_durations()
+    }
+
+    fn check_runner(&self) -> Result<(), Violation> {
+        if let Some(address) = &self.runner_address {
+            let value = address.to_string();
+            let violation = |env_var, reason: String| {
+                Err(Violation::new("runner_address", env_var, value.clone(), reason))
+            };
+            if address.host().is_empty() {
+                return violation(var::HOST, "the host is empty".to_owned());
+            }
+            if address.port() == 0 {
+                return violation(var::PORT, "other runners cannot reach port 0".to_owned());
+            }
+            let len = value.chars().count();
+            if len > RUNNER_ADDRESS_LEN_MAX {
+                return violation(
+                    var::HOST,
+                    format!(
+                        "`host:port` has {len} characters; the runner registry stores at most \
+                         {RUNNER_ADDRESS_LEN_MAX}"
+                    ),
+                );
+            }
+        }
+        if let Some(address) = &self.runner_listen_address
+            && address.host().is_empty()
+        {
+            return Err(Violation::new(
+                "runner_listen_address",
+                var::LISTEN_HOST,
+                address.to_string(),
+                "the host is empty".to_owned(),
+            ));
+        }
+        let weight = self.runner_shard_weight.get();
+        if !(weight.is_finite() && weight > 0.0 && weight <= RUNNER_SHARD_WEIGHT_MAX) {
+            return Err(Violation::new(
+                "runner_shard_weight",
+                var::RUNNER_SHARD_WEIGHT,
+                weight.to_string(),
+                format!("must be greater than 0 and at most {RUNNER_SHARD_WEIGHT_MAX}"),
+            ));
+        }
+        Ok(())
+    }
+
+    fn check_groups(&self) -> Result<(), Violation> {
+        let shards = self.shards_per_group;
+        if !(1..=SHARDS_PER_GROUP_MAX).contains(&shards) {
+            return Err(Violation::new(
+                "shards_per_group",
+                var::SHARDS_PER_GROUP,
+                shards.to_string(),
+                shards_per_group_reason(),
+            ));
+        }
+        let available = &self.available_shard_groups;
+        let violation = |reason: String| {
+            Err(Violation::new(
+                "available_shard_groups",
+                var::AVAILABLE_SHARD_GROUPS,
+                join_groups(available),
+                reason,
+            ))
+        };
+        if available.is_empty() {
+            return violation("at least one shard group is required".to_owned());
+        }
+        if !u32::try_from(available.len()).is_ok_and(|n_groups| n_groups <= SHARD_GROUPS_MAX) {
+            return violation(format!(
+                "{} shard groups; advisory lock numbers fit an i32 for at most {SHARD_GROUPS_MAX}",
+                available.len()
+            ));
+        }
+        for group in available {
+            if let Some(reason) = group_name_problem(group, shards) {
+                return violation(reason);
+            }
+        }
+        let mut sorted: Vec<&ShardGroup> = available.iter().collect();
+        sorted.sort();
+        for pair in sorted.windows(2) {
+            if let [first, second] = pair
+                && first == second
+            {
+                return violation(format!("shard group `{first}` is listed twice"));
+            }
+        }
+        for group in &self.assigned_shard_groups {
+            if !available.contains(group) {
+                return Err(Violation::new(
+                    "assigned_shard_groups",
+                    var::SHARD_GROUPS,
+                    join_groups(&self.assigned_shard_groups),
+                    format!(
+                        "shard group `{group}` is not one of the available shard groups ({}); \
+                         every assigned group must be available",
+                        join_groups(available)
+                    ),
+                ));
+            }
+        }
+        Ok(())
+    }
+
+    fn check_limits(&self) -> Result<(), Violation> {
+        let capacities = [
+            (
+                "entity_mailbox_capacity",
+                var::ENTITY_MAILBOX_CAPACITY,
+                self.entity_mailbox_capacity,
+                ENTITY_MAILBOX_CAPACITY_MAX,
+            ),
+            (
+                "max_resident_entities",
+                var::MAX_RESIDENT_ENTITIES,
+                self.max_resident_entities,
+                RESIDENT_ENTITIES_MAX,
+            ),
+        ];
+        for (field, env_var, capacity, max) in capacities {
+            if let Capacity::Bounded(limit) = capacity
+                && limit.get() > max
+            {
+                return Err(Violation::new(
+                    field,
+                    env_var,
+                    limit.to_string(),
+                    format!("must be at most {max}; use Capacity::Unbounded for no limit"),
+                ));
+            }
+        }
+        let batch_size = self.batch_size();
+        if batch_size > UNPROCESSED_MESSAGE_BATCH_SIZE_MAX {
+            return Err(Violation::new(
+                "unprocessed_message_batch_size",
+                var::UNPROCESSED_MESSAGE_BATCH_SIZE,
+                batch_size.to_string(),
+                format!("must be at most {UNPROCESSED_MESSAGE_BATCH_SIZE_MAX}"),
+            ));
+        }
+        Ok(())
+    }
+
+    fn check_durations(&self) -> Result<(), Violation> {
+        let positive = Duration::from_nanos(1);
+        let bounds = [
+            DurationBound::new(
+                "shard_lock_refresh_interval",
+                var::SHARD_LOCK_REFRESH_INTERVAL,
+                self.shard_lock_refresh_interval,
+            )
+            .at_least(positive),
+            DurationBound::new(
+                "shard_lock_expiration",
+                var::SHARD_LOCK_EXPIRATION,
+                self.shard_lock_expiration,
+            )
+            .at_least(SHARD_LOCK_EXPIRATION_MIN),
+            DurationBound::new(
+                "entity_registration_timeout",
+                var::ENTITY_REGISTRATION_TIMEOUT,
+                self.entity_registration_timeout,
+            ),
+            DurationBound::new(
+                "entity_termination_timeout",
+                var::ENTITY_TERMINATION_TIMEOUT,
+                self.entity_termination_timeout,
+            ),
+            DurationBound::new(
+                "entity_message_poll_interval",
+                var::ENTITY_MESSAGE_POLL_INTERVAL,
+                self.entity_message_poll_interval,
+            )
+            .at_least(positive),
+            DurationBound::new(
+                "entity_reply_poll_interval",
+                var::ENTITY_REPLY_POLL_INTERVAL,
+                self.entity_reply_poll_interval,
+            )
+            .at_least(positive),
+            DurationBound::new(
+                "refresh_assignments_interval",
+                var::REFRESH_ASSIGNMENTS_INTERVAL,
+                self.refresh_assignments_interval,
+            )
+            .at_least(positive),
+            DurationBound::new(
+                "runner_join_debounce",
+                var::RUNNER_JOIN_DEBOUNCE,
+                self.runner_join_debounce,
+            ),
+            DurationBound::new(
+                "send_retry_interval",
+                var::SEND_RETRY_INTERVAL,
+                self.send_retry_interval,
+            )
+            .at_least(positive),
+            DurationBound::new(
+                "runner_health_check_interval",
+                var::RUNNER_HEALTH_CHECK_INTERVAL,
+                self.runner_health_check_interval,
+            )
+            .at_least(positive),
+        ];
+        for bound in bounds {
+            bound.check()?;
+        }
+        if let Some(idle_time) = self.entity_max_idle_time {
+            DurationBound::new("entity_max_idle_time", var::ENTITY_MAX_IDLE_TIME, idle_time)
+                .at_most(
+                    ENTITY_MAX_IDLE_TIME_MAX,
+                    "use None (`Infinity`) to never stop idle entities",
+                )
+                .check()?;
+        }
+        Ok(())
+    }
+}
+
+impl Capacity {
+    /// At most `limit`, or `None` if `limit` is 0.
+    pub const fn bounded(limit: u32) -> Option<Capacity> {
+        match NonZeroU32::new(limit) {
+            Some(limit) => Some(Capacity::Bounded(limit)),
+            None => None,
+        }
+    }
+
+    /// The limit, or `None` if unbounded.
+    pub const fn limit(self) -> Option<NonZeroU32> {
+        match self {
+            Capacity::Bounded(limit) => Some(limit),
+            Capacity::Unbounded => None,
+        }
+    }
+
+    /// Whether `len` items already reach the limit, so that no more may be added.
+    pub fn is_full(self, len: usize) -> bool {
+        match self {
+            Capacity::Bounded(limit) => {
+                usize::try_from(limit.get()).is_ok_and(|limit| len >= limit)
+            }
+            Capacity::Unbounded => false,
+        }
+    }
+}
+
+impl fmt::Display for Capacity {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Capacity::Bounded(limit) => fmt::Display::fmt(limit, f),
+            Capacity::Unbounded => f.write_str("unbounded"),
+        }
+    }
+}
+
+/// The environment variable names.
+mod var {
+    pub(super) const HOST: &str = "HOST";
+    pub(super) const PORT: &str = "PORT";
+    pub(super) const LISTEN_HOST: &str = "LISTEN_HOST";
+    pub(super) const LISTEN_PORT: &str = "LISTEN_PORT";
+    pub(super) const RUNNER_SHARD_WEIGHT: &str = "RUNNER_SHARD_WEIGHT";
+    pub(super) const AVAILABLE_SHARD_GROUPS: &str = "AVAILABLE_SHARD_GROUPS";
+    pub(super) const SHARD_GROUPS: &str = "SHARD_GROUPS";
+    pub(super) const SHARDS_PER_GROUP: &str = "SHARDS_PER_GROUP";
+    pub(super) const SHARD_LOCK_REFRESH_INTERVAL: &str = "SHARD_LOCK_REFRESH_INTERVAL";
+    pub(super) const SHARD_LOCK_EXPIRATION: &str = "SHARD_LOCK_EXPIRATION";
+    pub(super) const SHARD_LOCK_DISABLE_ADVISORY: &str = "SHARD_LOCK_DISABLE_ADVISORY";
+    pub(super) const PREEMPTIVE_SHUTDOWN: &str = "PREEMPTIVE_SHUTDOWN";
+    pub(super) const ENTITY_MAILBOX_CAPACITY: &str = "ENTITY_MAILBOX_CAPACITY";
+    pub(super) const ENTITY_MAILBOX_METRICS: &str = "ENTITY_MAILBOX_METRICS";
+    pub(super) const MAX_RESIDENT_ENTITIES: &str = "MAX_RESIDENT_ENTITIES";
+    pub(super) const UNPROCESSED_MESSAGE_BATCH_SIZE: &str = "UNPROCESSED_MESSAGE_BATCH_SIZE";
+    pub(super) const ENTITY_MAX_IDLE_TIME: &str = "ENTITY_MAX_IDLE_TIME";
+    pub(super) const ENTITY_REGISTRATION_TIMEOUT: &str = "ENTITY_REGISTRATION_TIMEOUT";
+    pub(super) const ENTITY_TERMINATION_TIMEOUT: &str = "ENTITY_TERMINATION_TIMEOUT";
+    pub(super) const ENTITY_MESSAGE_POLL_INTERVAL: &str = "ENTITY_MESSAGE_POLL_INTERVAL";
+    pub(super) const ENTITY_REPLY_POLL_INTERVAL: &str = "ENTITY_REPLY_POLL_INTERVAL";
+    pub(super) const REFRESH_ASSIGNMENTS_INTERVAL: &str = "REFRESH_ASSIGNMENTS_INTERVAL";
+    pub(super) const RUNNER_JOIN_DEBOUNCE: &str = "RUNNER_JOIN_DEBOUNCE";
+    pub(super) const SEND_RETRY_INTERVAL: &str = "SEND_RETRY_INTERVAL";
+    pub(super) const RUNNER_HEALTH_CHECK_INTERVAL: &str = "RUNNER_HEALTH_CHECK_INTERVAL";
+    pub(super) const SIMULATE_REMOTE_SERIALIZATION: &str = "SIMULATE_REMOTE_SERIALIZATION";
+}
+
+// The reference's defaults that are not zero by construction (checked at compile time).
+const DEFAULT_ENTITY_MAILBOX_CAPACITY: NonZeroU32 = NonZeroU32::new(4096).expect("not zero");
+const DEFAULT_MAX_RESIDENT_ENTITIES: NonZeroU32 = NonZeroU32::new(10_000).expect("not zero");
+const DEFAULT_UNPROCESSED_MESSAGE_BATCH_SIZE: NonZeroU32 = NonZeroU32::new(1024).expect("not zero");
+
+/// What `ParseError::what` says for durations.
+const DURATION: &str = "duration";
+
+/// Duration units: singular name, plural name, nanoseconds. Ascending.
+const UNITS: [(&str, &str, u128); 8] = [
+    ("nano", "nanos", 1),
+    ("micro", "micros", 1_000),
+    ("milli", "millis", 1_000_000),
+    ("second", "seconds", 1_000_000_000),
+    ("minute", "minutes", 60 * 1_000_000_000),
+    ("hour", "hours", 60 * 60 * 1_000_000_000),
+    ("day", "days", 24 * 60 * 60 * 1_000_000_000),
+    ("week", "weeks", 7 * 24 * 60 * 60 * 1_000_000_000),
+];
+
+/// A parsed duration string: finite, or `Infinity`.
+enum DurationInput {
+    Finite(Duration),
+    Infinite,
+}
+
+fn parse_duration_input(input: &str) -> Result<DurationInput, ParseError> {
+    let error = |reason| Err(ParseError::new(DURATION, input, reason));
+    match input {
+        "Infinity" => return Ok(DurationInput::Infinite),
+        "-Infinity" => return error("negative durations are not accepted"),
+        _ => {}
+    }
+    let Some(space) = input.find(is_js_whitespace) else {
+        return error("expected `<number> <unit>`, for example `10 seconds`");
+    };
+    let (number, rest) = input.split_at(space);
+    let unit = rest.trim_start_matches(is_js_whitespace);
+    let Some(&(_, _, scale)) =
+        UNITS.iter().find(|(singular, plural, _)| unit == *singular || unit == *plural)
+    else {
+        return error(
+            "the unit must be one of nanos, micros, millis, seconds, minutes, hours, days, weeks",
+        );
+    };
+    let (negative, magnitude) = match number.strip_prefix('-') {
+        Some(magnitude) => (true, magnitude),
+        None => (false, number),
+    };
+    let (whole, fraction) = magnitude.split_once('.').unwrap_or((magnitude, ""));
+    let is_digits = |digits: &str| !digits.is_empty() && digits.bytes().all(|b| b.is_ascii_digit());
+    if !is_digits(whole) || (magnitude.contains('.') && !is_digits(fraction)) {
+        return error("the number must be digits, optionally with a fraction (`1.5`)");
+    }
+    let Some(nanos) = whole_nanos(whole, scale)
+        .and_then(|nanos| nanos.checked_add(fraction_nanos(fraction, scale)))
+    else {
+        return error("the duration is too large");
+    };
+    if negative && nanos > 0 {
+        return error("negative durations are not accepted");
+    }
+    let (Ok(secs), Ok(subsec_nanos)) =
+        (u64::try_from(nanos / 1_000_000_000), u32::try_from(nanos % 1_000_000_000))
+    else {
+        return error("the duration is too large");
+    };
+    Ok(DurationInput::Finite(Duration::new(secs, subsec_nanos)))
+}
+
+/// The reference's `\s`: Unicode white space and U+FEFF, but not U+0085.
+fn is_js_whitespace(c: char) -> bool {
+    c != '\u{85}' && (c.is_whitespace() || c == '\u{feff}')
+}
+
+/// `whole × scale` for a string of ASCII digits, or `None` on overflow.
+fn whole_nanos(whole: &str, scale: u128) -> Option<u128> {
+    let mut value: u128 = 0;
+    for digit in whole.bytes() {
+        let digit = char::from(digit).to_digit(10)?;
+        value = value.checked_mul(10)?.checked_add(u128::from(digit))?;
+    }
+    value.checked_mul(scale)
+}
+
+/// `0.fraction × scale` rounded to the nearest integer, ties up, exactly and without overflow.
+///
+/// Horner's rule from the last digit: with `y_j = (d_j × scale + y_{j+1}) / 10`, the integer part
+/// of each `y_j` only depends on the integer part of `y_{j+1}`, and `y_1` is at least one half
+/// past its integer part exactly when the last remainder is at least 5. Every `y_j` is below
+/// `scale`, so nothing overflows however long the fraction is.
+fn fraction_nanos(fraction: &str, scale: u128) -> u128 {
+    let mut whole: u128 = 0;
+    let mut remainder: u128 = 0;
+    for digit in fraction.bytes().rev() {
+        let digit = char::from(digit).to_digit(10).unwrap_or(0);
+        let sum = u128::from(digit) * scale + whole;
+        whole = sum / 10;
+        remainder = sum % 10;
+    }
+    whole + u128::from(remainder >= 5)
+}
+
+fn parse_bool(input: &str) -> Option<bool> {
+    match input {
+        "true" | "yes" | "on" | "1" | "y" => Some(true),
+        "false" | "no" | "off" | "0" | "n" => Some(false),
+        _ => None,
+    }
+}
+
+fn join_groups(groups: &[ShardGroup]) -> String {
+    groups.iter().map(ShardGroup::as_str).collect::<Vec<_>>().join(",")
+}
+
+fn shards_per_group_reason() -> String {
+    format!(
+        "must be from 1 to {SHARDS_PER_GROUP_MAX}: advisory lock numbers are \
+         (group index + 1) × 1000000 + shard"
+    )
+}
+
+/// Why `group` cannot be a shard group name with `shards` shards per group, if it cannot.
+fn group_name_problem(group: &ShardGroup, shards: u32) -> Option<String> {
+    let name = group.as_str();
+    if name.is_empty() {
+        return Some("a shard group name is empty".to_owned());
+    }
+    if name.starts_with(char::is_whitespace) || name.ends_with(char::is_whitespace) {
+        return Some(format!(
+            "shard group `{name}` starts or ends with white space; lists are not trimmed"
+        ));
+    }
+    let shard_digits = usize::try_from(shards.checked_ilog10().unwrap_or(0) + 1).unwrap_or(0);
+    let name_len_max = SHARD_ID_LEN_MAX.saturating_sub(1 + shard_digits);
+    if name.chars().count() > name_len_max {
+        return Some(format!(
+            "shard group `{name}` is too long: shard ids `group:shard` are stored in \
+             {SHARD_ID_LEN_MAX} characters, which leaves {name_len_max} for the group name \
+             with {shards} shards per group"
+        ));
+    }
+    None
+}
+
+/// A broken rule, named both by field (programmatic) and by environment variable.
+struct Violation {
+    field: &'static str,
+    env_var: &'static str,
+    value: String,
+    reason: String,
+}
+
+impl Violation {
+    fn new(field: &'static str, env_var: &'static str, value: String, reason: String) -> Violation {
+        Violation { field, env_var, value, reason }
+    }
+
+    fn into_field_error(self) -> ConfigError {
+        ConfigError::new(self.field, self.value, self.reason)
+    }
+
+    /// The error naming the variable, with its raw value if it is set (otherwise the value came
+    /// from the default, and the formatted value is reported).
+    fn into_env_error<F: Fn(&str) -> Option<String>>(self, env: &Env<F>) -> ConfigError {
+        let value = env.get(self.env_var).unwrap_or(self.value);
+        ConfigError::new(self.env_var, value, self.reason)
+    }
+}
+
+/// The allowed range of one duration field.
+struct DurationBound {
+    field: &'static str,
+    env_var: &'static str,
+    value: Duration,
+    min: Duration,
+    max: Duration,
+    max_hint: &'static str,
+}
+
+impl DurationBound {
+    fn new(field: &'static str, env_var: &'static str, value: Duration) -> DurationBound {
+        DurationBound {
+            field,
+            env_var,
+            value,
+            min: Duration::ZERO,
+            max: INTERVAL_MAX,
+            max_hint: "a longer one is surely a mistake",
+        }
+    }
+
+    fn at_least(self, min: Duration) -> DurationBound {
+        DurationBound { min, ..self }
+    }
+
+    fn at_most(self, max: Duration, max_hint: &'static str) -> DurationBound {
+        DurationBound { max, max_hint, ..self }
+    }
+
+    fn check(&self) -> Result<(), Violation> {
+        let reason = if self.value < self.min {
+            if self.min == Duration::from_nanos(1) {
+                "must be greater than zero".to_owned()
+            } else {
+                format!("must be at least {}", format_duration(self.min))
+            }
+        } else if self.value > self.max {
+            format!("must be at most {}; {}", format_duration(self.max), self.max_hint)
+        } else {
+            return Ok(());
+        };
+        Err(Violation::new(self.field, self.env_var, format_duration(self.value), reason))
+    }
+}
+
+/// The environment, seen through a lookup function.
+struct Env<F> {
+    lookup: F,
+}
+
+impl<F: Fn(&str) -> Option<String>> Env<F> {
+    /// The value of `var`; the empty string counts as unset, as in the reference.
+    fn get(&self, var: &str) -> Option<String> {
+        (self.lookup)(var).filter(|value| !value.is_empty())
+    }
+
+    /// `var` as an integer in `min..=max`.
+    fn integer<T>(&self, var: &'static str, min: T, max: T) -> Result<Option<T>, ConfigError>
+    where
+        T: Copy + fmt::Display + Into<i64> + TryFrom<i64>,
+    {
+        let Some(raw) = self.get(var) else { return Ok(None) };
+        let range = || format!("must be an integer from {min} to {max}");
+        let value: i64 = raw.parse().map_err(|error: ParseIntError| {
+            let reason = match error.kind() {
+                IntErrorKind::PosOverflow | IntErrorKind::NegOverflow => range(),
+                _ if raw == "unbounded" => {
+                    format!("{}; `unbounded` can only be set programmatically", range())
+                }
+                _ => format!("is not a decimal integer; {}", range()),
+            };
+            ConfigError::new(var, &raw, reason)
+        })?;
+        if value < min.into() || value > max.into() {
+            return Err(ConfigError::new(var, raw, range()));
+        }
+        T::try_from(value).map(Some).map_err(|_| ConfigError::new(var, raw, range()))
+    }
+
+    fn capacity(&self, var: &'static str, max: u32) -> Result<Option<Capacity>, ConfigError> {
+        Ok(self.integer(var, 1, max)?.and_then(Capacity::bounded))
+    }
+
+    fn boolean(&self, var: &'static str) -> Result<Option<bool>, ConfigError> {
+        let Some(raw) = self.get(var) else { return Ok(None) };
+        parse_bool(&raw).map(Some).ok_or_else(|| {
+            ConfigError::new(
+                var,
+                raw,
+                "is not a boolean: expected true, yes, on, 1, y, false, no, off, 0 or n",
+            )
+        })
+    }
+
+    fn duration_input(&self, var: &'static str) -> Result<Option<DurationInput>, ConfigError> {
+        let Some(raw) = self.get(var) else { return Ok(None) };
+        parse_duration_input(&raw)
+            .map(Some)
+            .map_err(|error| ConfigError::new(var, &raw, error.reason()))
+    }
+
+    fn duration(&self, var: &'static str) -> Result<Option<Duration>, ConfigError> {
+        match self.duration_input(var)? {
+            None => Ok(None),
+            Some(DurationInput::Finite(duration)) => Ok(Some(duration)),
+            Some(DurationInput::Infinite) => Err(ConfigError::new(
+                var,
+                "Infinity",
+                format!(
+                    "only {} accepts `Infinity`; give a finite duration such as `10 seconds`",
+                    var::ENTITY_MAX_IDLE_TIME
+                ),
+            )),
+        }
+    }
+
+    fn groups(&self, var: &'static str) -> Option<Vec<ShardGroup>> {
+        self.get(var).map(|raw| raw.split(',').map(ShardGroup::from).collect())
+    }
+
+    fn read_runner(&self, config: &mut ShardingConfig) -> Result<(), ConfigError> {
+        let host = self.get(var::HOST).unwrap_or_else(|| DEFAULT_HOST.to_owned());
+        let port = self.integer(var::PORT, 1, u16::MAX)?.unwrap_or(DEFAULT_PORT);
+        config.runner_address = Some(RunnerAddress::new(host, port));
+        let listen_port = self.integer(var::LISTEN_PORT, 0, u16::MAX)?;
+        config.runner_listen_address = match (self.get(var::LISTEN_HOST), listen_port) {
+            (None, None) => None,
+            (Some(host), port) => Some(RunnerAddress::new(host, port.unwrap_or(DEFAULT_PORT))),
+            (None, Some(_)) => {
+                return Err(ConfigError::new(
+                    var::LISTEN_PORT,
+                    self.get(var::LISTEN_PORT).unwrap_or_default(),
+                    format!("is set without {}; set both or neither", var::LISTEN_HOST),
+                ));
+            }
+        };
+        // An integer, as in the reference; 1000 is `RUNNER_SHARD_WEIGHT_MAX`.
+        if let Some(weight) = self.integer(var::RUNNER_SHARD_WEIGHT, 1, 1000_u16)? {
+            config.runner_shard_weight =
+                RunnerWeight::new(f64::from(weight)).unwrap_or(RunnerWeight::ONE);
+        }
+        Ok(())
+    }
+
+    fn read_groups(&self, config: &mut ShardingConfig) -> Result<(), ConfigError> {
+        if let Some(groups) = self.groups(var::AVAILABLE_SHARD_GROUPS) {
+            config.available_shard_groups = groups;
+        }
+        if let Some(groups) = self.groups(var::SHARD_GROUPS) {
+            config.assigned_shard_groups = groups;
+        }
+        if let Some(shards) = self.integer(var::SHARDS_PER_GROUP, 1, SHARDS_PER_GROUP_MAX)? {
+            config.shards_per_group = shards;
+        }
+        Ok(())
+    }
+
+    fn read_limits(&self, config: &mut ShardingConfig) -> Result<(), ConfigError> {
+        let mailbox = self.capacity(var::ENTITY_MAILBOX_CAPACITY, ENTITY_MAILBOX_CAPACITY_MAX)?;
+        if let Some(capacity) = mailbox {
+            config.entity_mailbox_capacity = capacity;
+        }
+        if let Some(capacity) = self.capacity(var::MAX_RESIDENT_ENTITIES, RESIDENT_ENTITIES_MAX)? {
+            config.max_resident_entities = capacity;
+        }
+        let batch_size = self.integer(
+            var::UNPROCESSED_MESSAGE_BATCH_SIZE,
+            1,
+            UNPROCESSED_MESSAGE_BATCH_SIZE_MAX,
+        )?;
+        if let Some(batch_size) = batch_size.and_then(NonZeroU32::new) {
+            config.unprocessed_message_batch_size = batch_size;
+        }
+        Ok(())
+    }
+
+    fn read_durations(&self, config: &mut ShardingConfig) -> Result<(), ConfigError> {
+        let fields = [
+            (var::SHARD_LOCK_REFRESH_INTERVAL, &mut config.shard_lock_refresh_interval),
+            (var::SHARD_LOCK_EXPIRATION, &mut config.shard_lock_expiration),
+            (var::ENTITY_REGISTRATION_TIMEOUT, &mut config.entity_registration_timeout),
+            (var::ENTITY_TERMINATION_TIMEOUT, &mut config.entity_termination_timeout),
+            (var::ENTITY_MESSAGE_POLL_INTERVAL, &mut config.entity_message_poll_interval),
+            (var::ENTITY_REPLY_POLL_INTERVAL, &mut config.entity_reply_poll_interval),
+            (var::REFRESH_ASSIGNMENTS_INTERVAL, &mut config.refresh_assignments_interval),
+            (var::RUNNER_JOIN_DEBOUNCE, &mut config.runner_join_debounce),
+            (var::SEND_RETRY_INTERVAL, &mut config.send_retry_interval),
+            (var::RUNNER_HEALTH_CHECK_INTERVAL, &mut config.runner_health_check_interval),
+        ];
+        for (var, field) in fields {
+            if let Some(duration) = self.duration(var)? {
+                *field = duration;
+            }
+        }
+        match self.duration_input(var::ENTITY_MAX_IDLE_TIME)? {
+            None => {}
+            Some(DurationInput::Finite(duration)) => config.entity_max_idle_time = Some(duration),
+            Some(DurationInput::Infinite) => config.entity_max_idle_time = None,
+        }
+        Ok(())
+    }
+
+    fn read_flags(&self, config: &mut ShardingConfig) -> Result<(), ConfigError> {
+        let fields = [
+            (var::SHARD_LOCK_DISABLE_ADVISORY, &mut config.shard_lock_disable_advisory),
+            (var::PREEMPTIVE_SHUTDOWN, &mut config.preemptive_shutdown),
+            (var::ENTITY_MAILBOX_METRICS, &mut config.entity_mailbox_metrics),
+            (var::SIMULATE_REMOTE_SERIALIZATION, &mut config.simulate_remote_serialization),
+        ];
+        for (var, field) in fields {
+            if let Some(value) = self.boolean(var)? {
+                *field = value;
+            }
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests;

@@ -207,7 +207,8 @@ impl<N: RingNode> HashRing<N> {
         let len = self.ring.len();
         let lo = self.ring.partition_point(|(point_hash, _)| *point_hash < hash);
         let a = if lo == len { lo - 1 } else { lo };
-        let distance = |point_idx: usize| (i64::from(self.ring[point_idx].0) - i64::from(hash)).abs();
+        let distance =
+            |point_idx: usize| (i64::from(self.ring[point_idx].0) - i64::from(hash)).abs();
         let dist_a = distance(a);
         let Some(exclude) = exclude else {
             if lo == 0 {

@@ -126,9 +126,9 @@ impl FromStr for ShardId {
         let Some((group, id)) = input.rsplit_once(':') else {
             return Err(ParseError::new("shard id", input, "expected `group:id`"));
         };
-        let id: u32 = id
-            .parse()
-            .map_err(|_| ParseError::new("shard id", input, "the id after the last `:` must be a number"))?;
+        let id: u32 = id.parse().map_err(|_| {
+            ParseError::new("shard id", input, "the id after the last `:` must be a number")
+        })?;
         if id == 0 {
             return Err(ParseError::new("shard id", input, "shard numbers start at 1"));
         }

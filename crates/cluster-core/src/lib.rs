@@ -20,8 +20,8 @@
 
 pub mod clock;
 pub mod config;
-// pub mod encoded;
-// pub mod envelope;
+pub mod encoded;
+pub mod envelope;
 pub mod error;
 pub mod future;
 pub mod hash;
@@ -29,14 +29,14 @@ pub mod hash_ring;
 pub mod ids;
 pub mod membership;
 pub mod ownership;
-// pub mod reply_handlers;
-// pub mod runners;
+pub mod reply_handlers;
+pub mod runners;
 pub mod snowflake;
-// pub mod storage;
+pub mod storage;
 
 pub use clock::{Clock, SystemClock, Timestamp};
-// pub use config::ShardingConfig;
-// pub use envelope::{Envelope, Exit, RawJson, Reply};
+pub use config::ShardingConfig;
+pub use envelope::{Envelope, Exit, RawJson, Reply};
 pub use error::{ClusterError, ConfigError, DecodeError, ParseError, StorageError};
 pub use hash_ring::HashRing;
 pub use ids::{

@@ -85,7 +85,15 @@ fn seven_runners_leave_a_remainder() {
     // 7 × floor(300 / 7) = 294; the 6 left over go to their nearest runners, unbalanced.
     assert_eq!(
         counts(&owners),
-        BTreeMap::from([('1', 47), ('2', 42), ('3', 42), ('4', 42), ('5', 42), ('6', 42), ('7', 43)])
+        BTreeMap::from([
+            ('1', 47),
+            ('2', 42),
+            ('3', 42),
+            ('4', 42),
+            ('5', 42),
+            ('6', 42),
+            ('7', 43)
+        ])
     );
     expect![[r#"777151461517273272344462443531232665515225714757465645256267742645726543225512136632261253773414725712125227717374515426652371246526436555766214313154373775362256655313431233737145561352263164436351531166677643215724432641142644331127117236712766344715771473311273457454364541567361612147313147114566"#]]
     .assert_eq(&owners);
@@ -105,8 +113,10 @@ fn readding_with_another_weight_replaces_the_points() {
 #[test]
 fn fewer_shards_than_runners_and_nearest_lookup() {
     let three = ring_of(&["10.0.0.1", "10.0.0.2", "10.0.0.3"], &[]);
-    let looked_up: Vec<&str> =
-        ["", "a", "user-42", "shard-0", "x:1"].iter().map(|key| three.get(key).unwrap().host()).collect();
+    let looked_up: Vec<&str> = ["", "a", "user-42", "shard-0", "x:1"]
+        .iter()
+        .map(|key| three.get(key).unwrap().host())
+        .collect();
     assert_eq!(looked_up, ["10.0.0.2", "10.0.0.2", "10.0.0.3", "10.0.0.2", "10.0.0.3"]);
 
     let short = |ring: &HashRing<RunnerAddress>, count| -> String {
@@ -149,7 +159,7 @@ proptest! {
             forward.add(address.clone(), f64::from(*weight));
         }
         // A permutation drawn from the seed, plus a removed and re-added runner.
-        let mut shuffled = runners.clone();
+        let mut shuffled = runners;
         let n = shuffled.len();
         for idx in 0..n {
             let swap = usize::try_from((seed >> (idx % 60)) % u64::try_from(n).unwrap()).unwrap();
@@ -177,7 +187,13 @@ proptest! {
             .map(|(_, weight)| {
                 // The reference's share, `count × (weight / total)`, rounding included.
                 let floor = (f64::from(count) * (f64::from(*weight) / total)).floor();
-                u32::try_from(floor as i64).unwrap()
+                #[expect(
+                    clippy::cast_possible_truncation,
+                    clippy::cast_sign_loss,
+                    reason = "a floor of 0..=600"
+                )]
+                let floor = floor as u32;
+                floor
             })
             .collect();
         let mut excess = 0u32;

@@ -56,7 +56,8 @@ fn runner_equality_ignores_groups() {
     let address = RunnerAddress::new("a", 1);
     let one = Runner::new(address.clone(), vec![ShardGroup::from("x")], RunnerWeight::ONE);
     let other_groups = Runner::new(address.clone(), vec![ShardGroup::from("y")], RunnerWeight::ONE);
-    let heavier = Runner::new(address, vec![ShardGroup::from("x")], RunnerWeight::new(2.0).unwrap());
+    let heavier =
+        Runner::new(address, vec![ShardGroup::from("x")], RunnerWeight::new(2.0).unwrap());
     assert_eq!(one, other_groups);
     assert_ne!(one, heavier);
     let set: BTreeSet<Runner> = [one, other_groups, heavier].into_iter().collect();

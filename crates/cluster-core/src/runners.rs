@@ -1,0 +1,147 @@
+//! The runner-to-runner transport contract (reference §1.5).
+//!
+//! [`Runners`] is the client side, used by the runtime to reach other runners: `Ping`,
+//! `Notify`, `Effect` ([`Runners::send`]), `Stream` ([`Runners::stream`]) and `Envelope`
+//! ([`Runners::send_envelope`]). [`RunnerHandler`] is the server side the transport calls into
+//! when a peer's call arrives. `cluster-rpc` implements both ends over TCP; the testkit has a
+//! simulated transport with faults.
+//!
+//! Error mapping (reference §1.5, §12.3), which every implementation keeps: a transport failure
+//! is [`ClusterError::RunnerUnavailable`] (routing retries it); the server's typed errors
+//! (`EntityNotAssignedToRunner`, `MailboxFull`, `AlreadyProcessingMessage`) come back as they
+//! are; a defect the server delivers for a *persisted* request is `RunnerUnavailable` too, so the
+//! caller recovers the reply from storage, while for a volatile request it becomes the
+//! request's `Die` reply; a reply that cannot be encoded fails only its own request, with a
+//! `Die(MalformedMessage)` final reply.
+//!
+//! Persisted traffic never depends on the transport: storage is the source of truth and
+//! polling the fallback.
+
+use std::fmt;
+
+use crate::envelope::{Envelope, Reply, Request};
+use crate::error::ClusterError;
+use crate::future::BoxFuture;
+use crate::ids::RunnerAddress;
+
+/// The replies of one request, in order, ending with its final reply.
+///
+/// Dropping the stream tells the other side that the caller went away: the server interrupts a
+/// volatile request whose caller is gone.
+pub trait ReplyStream: Send {
+    /// The next reply, or `None` after the final reply (or when the stream was cut, which the
+    /// previous item reported as an error).
+    ///
+    /// # Cancel safety
+    ///
+    /// Cancel safe: a reply is only removed from the stream when this future returns it.
+    fn next_reply(&mut self) -> BoxFuture<'_, Option<Result<Reply, ClusterError>>>;
+}
+
+/// Reaching other runners.
+pub trait Runners: Send + Sync + fmt::Debug {
+    /// Whether the runner answers (the runner-health check).
+    ///
+    /// # Cancel safety
+    ///
+    /// Cancel safe.
+    fn ping<'a>(&'a self, address: &'a RunnerAddress) -> BoxFuture<'a, Result<(), ClusterError>>;
+
+    /// Delivers `envelope` without waiting for a reply (the `Notify` RPC). For a persisted
+    /// envelope it only tells the owner to read storage, so failures of persisted
+    /// notifications are ignored by the caller; a volatile one is delivered to the entity.
+    ///
+    /// # Cancel safety
+    ///
+    /// Not cancel safe: the notification may or may not have been delivered.
+    fn notify<'a>(
+        &'a self,
+        address: &'a RunnerAddress,
+        envelope: Envelope,
+        persisted: bool,
+    ) -> BoxFuture<'a, Result<(), ClusterError>>;
+
+    /// Sends `request` and waits for its final reply (the `Effect` RPC). For a persisted
+    /// request the request is already stored and the owner pushes the reply back when it saves
+    /// it.
+    ///
+    /// # Cancel safety
+    ///
+    /// Dropping the future abandons the call; the server interrupts a volatile request whose
+    /// caller went away.
+    fn send<'a>(
+        &'a self,
+        address: &'a RunnerAddress,
+        request: Request,
+        persisted: bool,
+    ) -> BoxFuture<'a, Result<Reply, ClusterError>>;
+
+    /// Sends a streaming `request` and returns its replies (the `Stream` RPC): chunks, each to
+    /// be acknowledged with an `AckChunk` envelope, then the final reply.
+    ///
+    /// # Cancel safety
+    ///
+    /// As [`Runners::send`]; dropping the returned stream also abandons the call.
+    fn stream<'a>(
+        &'a self,
+        address: &'a RunnerAddress,
+        request: Request,
+        persisted: bool,
+    ) -> BoxFuture<'a, Result<Box<dyn ReplyStream>, ClusterError>>;
+
+    /// Delivers an `AckChunk` or `Interrupt` envelope of a request (the `Envelope` RPC).
+    ///
+    /// # Cancel safety
+    ///
+    /// Not cancel safe: the envelope may or may not have been delivered. Both kinds are
+    /// idempotent at the entity (an ack of another chunk is ignored, an interrupt of a finished
+    /// request too).
+    fn send_envelope<'a>(
+        &'a self,
+        address: &'a RunnerAddress,
+        envelope: Envelope,
+        persisted: bool,
+    ) -> BoxFuture<'a, Result<(), ClusterError>>;
+
+    /// Forgets cached connections to a runner that left the healthy set.
+    fn on_runner_unavailable(&self, address: &RunnerAddress);
+}
+
+/// The server side: what the transport calls when a peer's RPC arrives.
+pub trait RunnerHandler: Send + Sync + fmt::Debug {
+    /// A `Notify`: a persisted envelope wakes the storage read loop; a volatile one is
+    /// delivered (and its reply discarded).
+    ///
+    /// # Cancel safety
+    ///
+    /// Not cancel safe: the envelope may or may not have been delivered.
+    fn notify(
+        &self,
+        envelope: Envelope,
+        persisted: bool,
+    ) -> BoxFuture<'_, Result<(), ClusterError>>;
+
+    /// An `Effect` or `Stream`: the replies of `request` (one final reply for `Effect`).
+    /// Dropping the returned stream means the caller went away: a volatile request still
+    /// running is interrupted.
+    ///
+    /// # Cancel safety
+    ///
+    /// Dropping the future before it returns abandons the call like dropping the stream.
+    fn request(
+        &self,
+        request: Request,
+        persisted: bool,
+    ) -> BoxFuture<'_, Result<Box<dyn ReplyStream>, ClusterError>>;
+
+    /// An `Envelope`: an acknowledgement or interrupt of a request.
+    ///
+    /// # Cancel safety
+    ///
+    /// Not cancel safe, but idempotent at the entity.
+    fn envelope(
+        &self,
+        envelope: Envelope,
+        persisted: bool,
+    ) -> BoxFuture<'_, Result<(), ClusterError>>;
+}
