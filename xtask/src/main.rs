@@ -1,2 +1,172 @@
-//! placeholder
-fn main() {}
+//! Automation for this workspace: `cargo xtask <command>`.
+//!
+//! - `ci`: everything CI checks, in order: formatting, clippy (all targets, then each storage
+//!   feature on its own), the database services, all tests, documentation.
+//! - `tidy`: the repository rules that are not compiler lints (also run as tests by `ci`).
+//!
+//! Automation is written in Rust so that it runs wherever cargo does (STYLE rule 24).
+
+mod tidy;
+
+use std::env;
+use std::net::{SocketAddr, TcpStream};
+use std::path::{Path, PathBuf};
+use std::process::{Command, ExitCode};
+use std::time::Duration;
+
+use anyhow::{Context, Result, bail};
+
+/// The storage features of `cluster-storage-sql`; clippy checks each on its own.
+const STORAGE_FEATURES: [&str; 3] = ["postgres", "mysql", "sqlite"];
+
+/// A database service the test suite uses: its URL variable, default URL and TCP address.
+struct Service {
+    name: &'static str,
+    url_variable: &'static str,
+    default_url: &'static str,
+    address: &'static str,
+}
+
+const SERVICES: [Service; 2] = [
+    Service {
+        name: "PostgreSQL",
+        url_variable: "CLUSTER_TEST_POSTGRES_URL",
+        default_url: "postgres://postgres@127.0.0.1:5432/test",
+        address: "127.0.0.1:5432",
+    },
+    Service {
+        name: "MySQL (MariaDB)",
+        url_variable: "CLUSTER_TEST_MYSQL_URL",
+        default_url: "mysql://root@127.0.0.1:3306/test",
+        address: "127.0.0.1:3306",
+    },
+];
+
+fn main() -> ExitCode {
+    let args: Vec<String> = env::args().skip(1).collect();
+    let result = match args.first().map(String::as_str) {
+        Some("ci") => ci(),
+        Some("tidy") => tidy::run(&workspace_root()),
+        _ => {
+            usage();
+            return ExitCode::from(2);
+        }
+    };
+    match result {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(error) => {
+            report(&format!("xtask: {error:#}"));
+            ExitCode::FAILURE
+        }
+    }
+}
+
+fn usage() {
+    report("usage: cargo xtask <ci | tidy>");
+}
+
+#[expect(clippy::print_stderr, reason = "xtask reports to the terminal")]
+fn report(message: &str) {
+    eprintln!("{message}");
+}
+
+fn workspace_root() -> PathBuf {
+    // xtask/Cargo.toml sits one level below the workspace root.
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .parent()
+        .map_or_else(|| PathBuf::from("."), Path::to_path_buf)
+}
+
+fn ci() -> Result<()> {
+    let root = workspace_root();
+    env::set_current_dir(&root).with_context(|| format!("cannot enter {}", root.display()))?;
+    step("format", &["fmt", "--all", "--", "--check"], &[])?;
+    step("clippy", &["clippy", "--workspace", "--all-targets", "--", "-D", "warnings"], &[])?;
+    for feature in STORAGE_FEATURES {
+        step(
+            &format!("clippy cluster-storage-sql --features {feature}"),
+            &[
+                "clippy",
+                "--package",
+                "cluster-storage-sql",
+                "--no-default-features",
+                "--features",
+                feature,
+                "--all-targets",
+                "--",
+                "-D",
+                "warnings",
+            ],
+            &[],
+        )?;
+    }
+    let service_env = services()?;
+    let service_env: Vec<(&str, &str)> =
+        service_env.iter().map(|(name, value)| (*name, value.as_str())).collect();
+    if has_nextest() {
+        step("tests", &["nextest", "run", "--workspace", "--no-fail-fast"], &service_env)?;
+        step("doc tests", &["test", "--workspace", "--doc"], &service_env)?;
+    } else {
+        step("tests", &["test", "--workspace", "--no-fail-fast"], &service_env)?;
+    }
+    step("docs", &["doc", "--workspace", "--no-deps"], &[("RUSTDOCFLAGS", "-D warnings")])?;
+    report("xtask ci: all steps passed");
+    Ok(())
+}
+
+/// Runs `cargo <args>` with extra environment variables; a non-zero exit fails the step.
+fn step(name: &str, args: &[&str], envs: &[(&str, &str)]) -> Result<()> {
+    report(&format!("==> {name}: cargo {}", args.join(" ")));
+    let cargo = env::var("CARGO").unwrap_or_else(|_| "cargo".to_owned());
+    let status = Command::new(cargo)
+        .args(args)
+        .envs(envs.iter().copied())
+        .status()
+        .with_context(|| format!("cannot run cargo for step `{name}`"))?;
+    if !status.success() {
+        bail!("step `{name}` failed ({status})");
+    }
+    Ok(())
+}
+
+fn has_nextest() -> bool {
+    Command::new("cargo")
+        .args(["nextest", "--version"])
+        .output()
+        .is_ok_and(|output| output.status.success())
+}
+
+/// Checks the database services and returns the URL variables for the tests.
+///
+/// Under `CI=true` a missing service fails the run loudly: the suite must never pass by
+/// skipping its Postgres and MySQL tests. Locally a missing service is reported and its URL
+/// variable left unset, so that those tests skip with a message.
+fn services() -> Result<Vec<(&'static str, String)>> {
+    let in_ci = env::var("CI").is_ok_and(|value| value == "true");
+    let mut envs = Vec::new();
+    for service in &SERVICES {
+        let url = env::var(service.url_variable).unwrap_or_else(|_| service.default_url.to_owned());
+        if is_reachable(service.address) {
+            report(&format!("==> service {}: reachable at {}", service.name, service.address));
+            envs.push((service.url_variable, url));
+        } else if in_ci {
+            bail!(
+                "{} is not reachable at {} and CI=true: its tests cannot be skipped",
+                service.name,
+                service.address
+            );
+        } else {
+            report(&format!(
+                "==> service {}: NOT reachable at {}; its tests will be skipped",
+                service.name, service.address
+            ));
+        }
+    }
+    Ok(envs)
+}
+
+fn is_reachable(address: &str) -> bool {
+    address
+        .parse::<SocketAddr>()
+        .is_ok_and(|address| TcpStream::connect_timeout(&address, Duration::from_secs(3)).is_ok())
+}
