@@ -81,7 +81,11 @@ fn ci() -> Result<()> {
     let root = workspace_root();
     env::set_current_dir(&root).with_context(|| format!("cannot enter {}", root.display()))?;
     step("format", &["fmt", "--all", "--", "--check"], &[])?;
-    step("clippy", &["clippy", "--workspace", "--all-targets", "--", "-D", "warnings"], &[])?;
+    step(
+        "clippy",
+        &["clippy", "--workspace", "--all-targets", "--all-features", "--", "-D", "warnings"],
+        &[],
+    )?;
     for feature in STORAGE_FEATURES {
         step(
             &format!("clippy cluster-storage-sql --features {feature}"),
@@ -104,12 +108,20 @@ fn ci() -> Result<()> {
     let service_env: Vec<(&str, &str)> =
         service_env.iter().map(|(name, value)| (*name, value.as_str())).collect();
     if has_nextest() {
-        step("tests", &["nextest", "run", "--workspace", "--no-fail-fast"], &service_env)?;
-        step("doc tests", &["test", "--workspace", "--doc"], &service_env)?;
+        step(
+            "tests",
+            &["nextest", "run", "--workspace", "--all-features", "--no-fail-fast"],
+            &service_env,
+        )?;
+        step("doc tests", &["test", "--workspace", "--all-features", "--doc"], &service_env)?;
     } else {
-        step("tests", &["test", "--workspace", "--no-fail-fast"], &service_env)?;
+        step("tests", &["test", "--workspace", "--all-features", "--no-fail-fast"], &service_env)?;
     }
-    step("docs", &["doc", "--workspace", "--no-deps"], &[("RUSTDOCFLAGS", "-D warnings")])?;
+    step(
+        "docs",
+        &["doc", "--workspace", "--all-features", "--no-deps"],
+        &[("RUSTDOCFLAGS", "-D warnings")],
+    )?;
     report("xtask ci: all steps passed");
     Ok(())
 }

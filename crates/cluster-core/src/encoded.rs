@@ -56,6 +56,20 @@ json_form!(Reply, ReplyOut, ReplyWire, "reply");
 json_form!(Exit, ExitOut, ExitWire, "exit");
 json_form!(Runner, RunnerOut, RunnerWire, "runner");
 
+/// A JSON array of raw values, as stored in a chunk reply's `payload` column. An undefined value
+/// is written as `null`, as `JSON.stringify` does inside arrays.
+pub fn values_to_json(values: &[RawJson]) -> String {
+    let values: Vec<RawOut<'_>> = values.iter().map(RawOut).collect();
+    serde_json::to_string(&values).expect("raw values always serialize")
+}
+
+/// The raw values of a JSON array (a chunk reply's `payload` column), each kept as written.
+pub fn values_from_json(json: &str) -> Result<Vec<RawJson>, DecodeError> {
+    let values: Vec<Box<RawValue>> = serde_json::from_str(json)
+        .map_err(|error| DecodeError::new("chunk values", error.to_string()))?;
+    Ok(values.into_iter().map(RawJson::from_raw).collect())
+}
+
 // --- Writing -----------------------------------------------------------------------------------
 
 struct SnowflakeOut(Snowflake);

@@ -174,9 +174,13 @@ pub trait MessageStorage: Send + Sync + fmt::Debug {
     fn save_reply<'a>(&'a self, reply: &'a Reply) -> BoxFuture<'a, Result<(), StorageError>>;
 
     /// Resets a request so it runs again: deletes its final reply and its interrupts, and marks
-    /// all its rows unprocessed and unclaimed with no latest reply. Chunks are kept. With
-    /// `expected_reply_id`, only if that is still the request's latest reply (checked
-    /// atomically in storage; protects workflow resumes).
+    /// all its rows unprocessed and unclaimed with no latest reply. Chunks are kept.
+    ///
+    /// With `expected_reply_id` it is the reference's conditional reset, which protects workflow
+    /// resumes: only if that is still the request's latest reply (checked atomically in
+    /// storage), its final reply is deleted and the rows whose latest reply it is (the request
+    /// and the acknowledgements and interrupts it completed) become unprocessed and unclaimed;
+    /// interrupts are kept.
     ///
     /// # Cancel safety
     ///

@@ -1,11 +1,33 @@
-//! SQL implementations of the storage contracts of `cluster-core`.
+//! SQL implementations of the storage contracts of `cluster-core`:
+//! [`MessageStorage`](cluster_core::storage::MessageStorage) and
+//! [`RunnerStorage`](cluster_core::storage::RunnerStorage) for PostgreSQL, MySQL and SQLite.
 //!
-//! This crate will hold `MessageStorage` and `RunnerStorage` for PostgreSQL (tokio-postgres and
-//! deadpool-postgres), MySQL (mysql_async) and SQLite (rusqlite on its own thread), each behind
-//! the cargo feature of the same name (`sqlite` is the default), with their migrations and the
-//! shard lock modes (advisory locks and lease rows).
-//! The tables, columns and lock keys are the reference's, so a database can be shared with
-//! TypeScript runners (see `ARCHITECTURE.md`).
+//! Each database is a module behind the cargo feature of the same name (`sqlite` is the
+//! default), with the same file set: `message_storage.rs`, `runner_storage.rs`, `shard_lock.rs`
+//! and `queries.rs` (STYLE rule 5). Their public types are prefixed `Pg*`, `MySql*` and
+//! `Sqlite*`.
 //!
-//! Status: the contracts live in `cluster_core::storage`; the implementations are the subject of
-//! the SQL storage issue and are not written yet.
+//! The tables, columns, migration-history tables and lock keys are the reference's (effect
+//! 4.1.0, reference §4.2 and §5.2), so a database can be shared with TypeScript runners; the
+//! only additions are indexes. All backends store and read rows through the same mapping
+//! (`row`), so they agree on every column.
+
+pub mod options;
+
+#[cfg(any(feature = "postgres", feature = "mysql"))]
+pub(crate) mod batch;
+pub(crate) mod lock;
+pub(crate) mod row;
+
+#[cfg(feature = "mysql")]
+pub mod mysql;
+#[cfg(feature = "postgres")]
+pub mod postgres;
+#[cfg(feature = "sqlite")]
+pub mod sqlite;
+
+pub use options::{LockMode, SqlStorageOptions, TablePrefix};
+#[cfg(feature = "postgres")]
+pub use postgres::{PgMessageStorage, PgRunnerStorage};
+#[cfg(feature = "sqlite")]
+pub use sqlite::{SqliteMessageStorage, SqliteOptions, SqliteRunnerStorage, Synchronous};

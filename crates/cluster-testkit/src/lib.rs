@@ -1,7 +1,16 @@
-//! Test support for the cluster crates; only ever a dev-dependency.
+//! Test support for the cluster crates; only ever a dev-dependency (tests that use it live in
+//! `tests/`, never in `src/`).
 //!
-//! This crate will hold the in-memory `MessageStorage` and `RunnerStorage` with the reference's
-//! semantics, the simulated transport and clock with fault injection, the simulated cluster
-//! (`SimCluster`), the storage conformance suite and the invariant checkers.
+//! - [`storage_suite`]: the storage conformance suite, run against every `MessageStorage` and
+//!   `RunnerStorage` implementation (memory, SQLite, PostgreSQL, MySQL) with
+//!   [`storage_suite!`](crate::storage_suite!).
+//! - [`measure`]: throughput measurements of storages, for benchmarks and notes.
+//! - [`memory`]: in-memory storages with the reference's semantics, whose shard locks are
+//!   exclusive and expire, for unit tests and simulation.
 //!
-//! Status: not written yet (the storage and simulation issues).
+//! Still to come (the simulation issue): the simulated transport and clock with fault injection,
+//! `SimCluster` and the invariant checkers.
+
+pub mod measure;
+pub mod memory;
+pub mod storage_suite;

@@ -122,6 +122,17 @@ fn empty_chunk_from_writes_undefined_as_null() {
 }
 
 #[test]
+fn chunk_values_columns() {
+    let values = values_from_json("[1, {\"a\":2},null]").unwrap();
+    assert_eq!(values.len(), 3);
+    assert_eq!(values[1].json(), Some("{\"a\":2}"));
+    assert_eq!(values_to_json(&values), "[1,{\"a\":2},null]");
+    assert_eq!(values_to_json(&[RawJson::undefined()]), "[null]");
+    assert!(values_from_json("{}").is_err());
+    assert!(values_from_json("[1,").is_err());
+}
+
+#[test]
 fn runners() {
     let runner = round_trip::<Runner>(
         r#"{"address":{"host":"127.0.0.1","port":34431},"groups":["default"],"weight":1}"#,

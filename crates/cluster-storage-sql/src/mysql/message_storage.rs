@@ -1,0 +1,1105 @@
+//! [`MySqlMessageStorage`]: mailboxes and replies in `<prefix>_messages` and `<prefix>_replies`
+//! on a `mysql_async` pool, with the reference's MySQL semantics (reference §5.2–§5.5): dedup
+//! with `INSERT IGNORE` and the affected-row count, claims with `SELECT … FOR UPDATE` and an
+//! `UPDATE` in one transaction, replies written in a transaction with their message rows.
+//!
+//! Rows are mapped by the shared `row` module; this file only moves values between it and the
+//! driver, and checks column widths before writing (`INSERT IGNORE` would otherwise truncate an
+//! over-long value with a mere warning).
+//!
+//! Departures from the reference, each for a reason given where it is made: the storage's own
+//! transactions run in `READ COMMITTED` and are retried after a deadlock (gap locks of
+//! `REPEATABLE READ` deadlocked concurrent claims on different shards); acknowledgements and
+//! interrupts are inserted with `INSERT IGNORE` and a retried chunk is accepted, so that
+//! retries are idempotent as the contract says; a reply is inserted before its message rows are
+//! updated, so a rejected duplicate changes nothing.
+
+use std::any::Any;
+use std::fmt;
+use std::sync::{Arc, OnceLock};
+
+use cluster_core::clock::Timestamp;
+use cluster_core::envelope::{self, AckChunk, Interrupt, Reply, Request};
+use cluster_core::error::{DecodeError, StorageError, StorageErrorKind};
+use cluster_core::future::BoxFuture;
+use cluster_core::storage::{
+    MalformedMessage, MessageStorage, MessageTransaction, SaveRequestOptions, SaveResult,
+    UnprocessedBatch, UnprocessedOptions,
+};
+use cluster_core::{EntityAddress, ShardId, Snowflake};
+use mysql_async::prelude::Queryable;
+use mysql_async::{Conn, IsolationLevel, Pool, Row, Transaction, TxOpts, Value};
+use tracing::Instrument;
+
+use super::queries::{self, IN_LIST_LEN_MAX, MessageQueries};
+use super::{
+    Columns, ER_DUP_ENTRY, check_bytes, check_chars, is_deadlock, migrate_messages, storage_error,
+};
+use crate::batch::Batcher;
+use crate::options::TablePrefix;
+use crate::row::{self, LastReplyRow, MessageInsert, MessageRow, ReplyInsert, ReplyRow};
+
+/// The most placeholders one statement may bind (the protocol's limit).
+const PARAMS_MAX: usize = 65_535;
+/// How often a transaction runs when InnoDB keeps choosing it as a deadlock victim.
+const DEADLOCK_ATTEMPTS_MAX: u32 = 3;
+
+/// [`MessageStorage`] on MySQL or MariaDB (reference §5), sharing its tables with TypeScript
+/// runners that use the same prefix.
+///
+/// Every operation takes a connection from the pool for its duration; the transactions the
+/// storage runs itself (claims, replies, acknowledgements, resets) use `READ COMMITTED` and are
+/// retried when InnoDB picks them as deadlock victims. [`begin_transaction`] uses the server's
+/// default isolation level.
+///
+/// Pool advice: by default `mysql_async` resets a connection on checkout, which drops its
+/// prepared statements, and a pool with `min = 0` and no inactive TTL closes connections as
+/// they come back. `PoolOpts::with_reset_connection(false)` and
+/// `with_inactive_connection_ttl(..)` avoid both (the tests use them).
+///
+/// [`begin_transaction`]: MessageStorage::begin_transaction
+pub struct MySqlMessageStorage {
+    pool: Pool,
+    prefix: TablePrefix,
+    queries: Arc<MessageQueries>,
+    /// The group-commit writers, started on first use (that is, inside the runtime).
+    writers: OnceLock<Writers>,
+}
+
+/// Group commit (DESIGN.md §3, decision 5): requests saved concurrently go into one multi-row
+/// insert, replies saved concurrently into one transaction: one commit per batch.
+struct Writers {
+    requests: Batcher<(Request, SaveRequestOptions), SaveResult>,
+    replies: Batcher<Reply, ()>,
+}
+
+/// How many writes wait for a batch writer before callers wait for room.
+const WRITE_QUEUE_CAPACITY: usize = 4096;
+
+/// The most rows one batch writes (256 × 15 placeholders stays far below the protocol's limit).
+const WRITE_BATCH_SIZE_MAX: usize = 256;
+
+impl Writers {
+    fn spawn(pool: &Pool, queries: &Arc<MessageQueries>) -> Writers {
+        let (request_pool, request_queries) = (pool.clone(), Arc::clone(queries));
+        let requests = Batcher::spawn(WRITE_QUEUE_CAPACITY, WRITE_BATCH_SIZE_MAX, move |inputs| {
+            let (pool, queries) = (request_pool.clone(), Arc::clone(&request_queries));
+            async move { save_requests(&pool, &queries, inputs).await }
+        });
+        let (reply_pool, reply_queries) = (pool.clone(), Arc::clone(queries));
+        let replies = Batcher::spawn(WRITE_QUEUE_CAPACITY, WRITE_BATCH_SIZE_MAX, move |inputs| {
+            let (pool, queries) = (reply_pool.clone(), Arc::clone(&reply_queries));
+            async move { save_replies(&pool, &queries, inputs).await }
+        });
+        Writers { requests, replies }
+    }
+}
+
+impl fmt::Debug for MySqlMessageStorage {
+    /// Names the tables only: the pool's options hold the password.
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("MySqlMessageStorage").field("prefix", &self.prefix).finish_non_exhaustive()
+    }
+}
+
+impl MySqlMessageStorage {
+    /// The storage on `pool` with tables named by `prefix`, after running the migrations
+    /// ([`migrate_messages`](super::migrate_messages)).
+    ///
+    /// # Cancel safety
+    ///
+    /// As [`migrate_messages`](super::migrate_messages).
+    pub async fn new(
+        pool: Pool,
+        prefix: &TablePrefix,
+    ) -> Result<MySqlMessageStorage, StorageError> {
+        migrate_messages(&pool, prefix).await?;
+        Ok(MySqlMessageStorage::without_migrations(pool, prefix))
+    }
+
+    /// The storage on `pool` without running any DDL: the tables must have been migrated, for
+    /// example by a deploy step with a schema owner's connection.
+    pub fn without_migrations(pool: Pool, prefix: &TablePrefix) -> MySqlMessageStorage {
+        let queries = Arc::new(MessageQueries::new(prefix));
+        MySqlMessageStorage { pool, prefix: prefix.clone(), queries, writers: OnceLock::new() }
+    }
+
+    /// The pool the storage runs on.
+    pub fn pool(&self) -> &Pool {
+        &self.pool
+    }
+
+    async fn conn(&self) -> Result<Conn, StorageError> {
+        self.pool.get_conn().await.map_err(|error| storage_error("cannot get a connection", error))
+    }
+
+    async fn begin(&self, options: &TxOpts) -> Result<Transaction<'static>, StorageError> {
+        self.pool
+            .start_transaction(options.clone())
+            .await
+            .map_err(|error| storage_error("cannot start a transaction", error))
+    }
+
+    /// Runs `body` in a `READ COMMITTED` transaction and commits, retrying the whole
+    /// transaction (at most [`DEADLOCK_ATTEMPTS_MAX`] times) when InnoDB chose it as a
+    /// deadlock victim, which rolled it back.
+    ///
+    /// `READ COMMITTED` rather than the default `REPEATABLE READ`: the claim's
+    /// `SELECT … FOR UPDATE` and the reply's `UPDATE … WHERE request_id = ?` would otherwise take
+    /// gap locks on the shard and request indexes, which make runners claiming different shards
+    /// deadlock with each other's inserts. Every statement here reads the latest committed
+    /// rows and locks what it changes, so nothing relies on a repeatable snapshot.
+    async fn transaction(&self, body: TxBody<'_>) -> Result<TxOutput, StorageError> {
+        transaction(&self.pool, &self.queries, body).await
+    }
+
+    fn writers(&self) -> &Writers {
+        self.writers.get_or_init(|| Writers::spawn(&self.pool, &self.queries))
+    }
+
+    async fn save_ack_chunk_inner(&self, ack: &AckChunk) -> Result<(), StorageError> {
+        let insert = MessageInsert::ack_chunk(ack)?;
+        check_message(&insert)?;
+        let reply_id = row::id_to_sql(ack.reply_id)?;
+        self.transaction(TxBody::AckChunk { insert: &insert, reply_id }).await?;
+        Ok(())
+    }
+
+    async fn save_interrupt_inner(&self, interrupt: &Interrupt) -> Result<(), StorageError> {
+        let insert = MessageInsert::interrupt(interrupt)?;
+        check_message(&insert)?;
+        let mut conn = self.conn().await?;
+        conn.exec_drop(self.queries.insert_message_ignore.as_str(), message_params(&insert))
+            .await
+            .map_err(|error| storage_error("save_interrupt", error))?;
+        if conn.affected_rows() == 0 {
+            tracing::debug!("interrupt already stored");
+        }
+        Ok(())
+    }
+
+    async fn clear_replies_inner(
+        &self,
+        request_id: Snowflake,
+        expected_reply_id: Option<Snowflake>,
+    ) -> Result<(), StorageError> {
+        let id = row::id_to_sql(request_id)?;
+        let expected_reply_id = expected_reply_id.map(row::id_to_sql).transpose()?;
+        self.transaction(TxBody::ClearReplies { request_id: id, expected_reply_id }).await?;
+        Ok(())
+    }
+
+    async fn request_id_for_primary_key_inner(
+        &self,
+        primary_key: &str,
+    ) -> Result<Option<Snowflake>, StorageError> {
+        let message_id = envelope::message_id(primary_key);
+        let mut conn = self.conn().await?;
+        let id: Option<Row> = conn
+            .exec_first(self.queries.request_id_for_message_id.as_str(), (message_id.as_ref(),))
+            .await
+            .map_err(|error| storage_error("request_id_for_primary_key", error))?;
+        let Some(id) = id else { return Ok(None) };
+        let id = required(Columns::new(id).int(), "id")?;
+        row::id_from_sql(id).map(Some).map_err(malformed_row)
+    }
+
+    async fn replies_inner(
+        &self,
+        request_ids: &[Snowflake],
+        unacked_only: bool,
+    ) -> Result<Vec<Reply>, StorageError> {
+        if request_ids.is_empty() {
+            return Ok(Vec::new());
+        }
+        let ids =
+            request_ids.iter().map(|id| row::id_to_sql(*id)).collect::<Result<Vec<_>, _>>()?;
+        let mut conn = self.conn().await?;
+        let mut replies = Vec::new();
+        for chunk in ids.chunks(IN_LIST_LEN_MAX) {
+            let sql = self.queries.replies_for(chunk.len(), unacked_only);
+            let rows: Vec<Row> = conn
+                .exec(sql, chunk.to_vec())
+                .await
+                .map_err(|error| storage_error("replies_for", error))?;
+            for row in rows {
+                replies.push(read_reply_row(row)?);
+            }
+        }
+        // Statements over several chunks each return insertion order; merge them.
+        replies.sort_by_key(|(rowid, _)| *rowid);
+        Ok(replies.into_iter().map(|(_, reply)| reply).collect())
+    }
+
+    async fn unprocessed_messages_inner(
+        &self,
+        shard_ids: &[ShardId],
+        now: Timestamp,
+        options: UnprocessedOptions<'_>,
+    ) -> Result<UnprocessedBatch, StorageError> {
+        if shard_ids.is_empty() || options.addresses.is_some_and(<[EntityAddress]>::is_empty) {
+            return Ok(UnprocessedBatch::default());
+        }
+        let groups = options.addresses.map(row::group_addresses);
+        let group_sizes: Option<Vec<usize>> =
+            groups.as_ref().map(|groups| groups.iter().map(|(_, _, ids)| ids.len()).collect());
+        let mut params: Vec<Value> =
+            shard_ids.iter().map(|shard_id| Value::from(shard_id.to_string())).collect();
+        for (shard_id, entity_type, entity_ids) in groups.iter().flatten() {
+            params.push(Value::from(shard_id.as_str()));
+            params.push(Value::from(*entity_type));
+            params.extend(entity_ids.iter().map(|entity_id| Value::from(*entity_id)));
+        }
+        params.push(Value::from(now.unix_millis()));
+        if let Some(limit) = options.limit {
+            params.push(Value::from(limit.get()));
+        }
+        if params.len() > PARAMS_MAX {
+            return Err(StorageError::new(
+                StorageErrorKind::InvalidInput,
+                format!("unprocessed_messages: {} parameters in one claim", params.len()),
+            ));
+        }
+        let sql = self.queries.claim_select(
+            shard_ids.len(),
+            group_sizes.as_deref(),
+            options.limit.is_some(),
+        );
+        let read = match self.transaction(TxBody::Claim { sql: &sql, params: &params }).await? {
+            TxOutput::Claimed(read) => read,
+            TxOutput::Done => Vec::new(),
+        };
+        let batch = into_batch(read);
+        tracing::debug!(n_messages = batch.messages.len(), n_malformed = batch.malformed.len());
+        Ok(batch)
+    }
+
+    async fn unprocessed_messages_by_id_inner(
+        &self,
+        ids: &[Snowflake],
+        now: Timestamp,
+    ) -> Result<UnprocessedBatch, StorageError> {
+        if ids.is_empty() {
+            return Ok(UnprocessedBatch::default());
+        }
+        let ids = ids.iter().map(|id| row::id_to_sql(*id)).collect::<Result<Vec<_>, _>>()?;
+        let mut conn = self.conn().await?;
+        let mut read = Vec::new();
+        for chunk in ids.chunks(IN_LIST_LEN_MAX) {
+            let mut params: Vec<Value> = chunk.iter().map(|id| Value::from(*id)).collect();
+            params.push(Value::from(now.unix_millis()));
+            let rows: Vec<Row> = conn
+                .exec(self.queries.unprocessed_by_id(chunk.len()), params)
+                .await
+                .map_err(|error| storage_error("unprocessed_messages_by_id", error))?;
+            for row in rows {
+                read.push(read_message_row(row)?);
+            }
+        }
+        read.sort_by_key(|message| message.rowid);
+        Ok(into_batch(read))
+    }
+
+    /// Runs `sql(n)` once per chunk of `values` (claim releases).
+    async fn update_in_chunks(
+        &self,
+        what: &str,
+        values: &[Value],
+        sql: impl Fn(usize) -> String,
+    ) -> Result<(), StorageError> {
+        if values.is_empty() {
+            return Ok(());
+        }
+        let mut conn = self.conn().await?;
+        for chunk in values.chunks(IN_LIST_LEN_MAX) {
+            conn.exec_drop(sql(chunk.len()), chunk.to_vec())
+                .await
+                .map_err(|error| storage_error(what, error))?;
+        }
+        Ok(())
+    }
+
+    async fn reset_addresses_inner(&self, addresses: &[EntityAddress]) -> Result<(), StorageError> {
+        if addresses.is_empty() {
+            return Ok(());
+        }
+        let mut conn = self.conn().await?;
+        for chunk in addresses.chunks(IN_LIST_LEN_MAX) {
+            let groups = row::group_addresses(chunk);
+            let sizes: Vec<usize> = groups.iter().map(|(_, _, ids)| ids.len()).collect();
+            let mut params = Vec::new();
+            for (shard_id, entity_type, entity_ids) in &groups {
+                params.push(Value::from(shard_id.as_str()));
+                params.push(Value::from(*entity_type));
+                params.extend(entity_ids.iter().map(|entity_id| Value::from(*entity_id)));
+            }
+            conn.exec_drop(self.queries.reset_addresses(&sizes), params)
+                .await
+                .map_err(|error| storage_error("reset_addresses", error))?;
+        }
+        Ok(())
+    }
+
+    async fn clear_address_inner(&self, address: &EntityAddress) -> Result<(), StorageError> {
+        let body = TxBody::ClearAddress {
+            entity_type: address.entity_type.as_str(),
+            entity_id: address.entity_id.as_str(),
+        };
+        self.transaction(body).await?;
+        Ok(())
+    }
+}
+
+fn span(operation: &'static str) -> tracing::Span {
+    tracing::debug_span!("mysql.message_storage", operation)
+}
+
+impl MessageStorage for MySqlMessageStorage {
+    fn save_request<'a>(
+        &'a self,
+        request: &'a Request,
+        options: &'a SaveRequestOptions,
+    ) -> BoxFuture<'a, Result<SaveResult, StorageError>> {
+        let span = tracing::debug_span!(
+            "mysql.message_storage",
+            operation = "save_request",
+            request_id = %request.request_id,
+        );
+        Box::pin(
+            self.writers().requests.submit((request.clone(), options.clone())).instrument(span),
+        )
+    }
+
+    fn save_ack_chunk<'a>(&'a self, ack: &'a AckChunk) -> BoxFuture<'a, Result<(), StorageError>> {
+        Box::pin(self.save_ack_chunk_inner(ack).instrument(span("save_ack_chunk")))
+    }
+
+    fn save_interrupt<'a>(
+        &'a self,
+        interrupt: &'a Interrupt,
+    ) -> BoxFuture<'a, Result<(), StorageError>> {
+        Box::pin(self.save_interrupt_inner(interrupt).instrument(span("save_interrupt")))
+    }
+
+    fn save_reply<'a>(&'a self, reply: &'a Reply) -> BoxFuture<'a, Result<(), StorageError>> {
+        let span = tracing::debug_span!(
+            "mysql.message_storage",
+            operation = "save_reply",
+            request_id = %reply.request_id(),
+            is_final = reply.is_final(),
+        );
+        Box::pin(self.writers().replies.submit(reply.clone()).instrument(span))
+    }
+
+    fn clear_replies(
+        &self,
+        request_id: Snowflake,
+        expected_reply_id: Option<Snowflake>,
+    ) -> BoxFuture<'_, Result<(), StorageError>> {
+        let operation = self.clear_replies_inner(request_id, expected_reply_id);
+        Box::pin(operation.instrument(span("clear_replies")))
+    }
+
+    fn request_id_for_primary_key<'a>(
+        &'a self,
+        primary_key: &'a str,
+    ) -> BoxFuture<'a, Result<Option<Snowflake>, StorageError>> {
+        let operation = self.request_id_for_primary_key_inner(primary_key);
+        Box::pin(operation.instrument(span("request_id_for_primary_key")))
+    }
+
+    fn replies_for<'a>(
+        &'a self,
+        request_ids: &'a [Snowflake],
+    ) -> BoxFuture<'a, Result<Vec<Reply>, StorageError>> {
+        Box::pin(self.replies_inner(request_ids, true).instrument(span("replies_for")))
+    }
+
+    fn replies_for_unfiltered<'a>(
+        &'a self,
+        request_ids: &'a [Snowflake],
+    ) -> BoxFuture<'a, Result<Vec<Reply>, StorageError>> {
+        let operation = self.replies_inner(request_ids, false);
+        Box::pin(operation.instrument(span("replies_for_unfiltered")))
+    }
+
+    fn unprocessed_messages<'a>(
+        &'a self,
+        shard_ids: &'a [ShardId],
+        now: Timestamp,
+        options: UnprocessedOptions<'a>,
+    ) -> BoxFuture<'a, Result<UnprocessedBatch, StorageError>> {
+        let operation = self.unprocessed_messages_inner(shard_ids, now, options);
+        Box::pin(operation.instrument(span("unprocessed_messages")))
+    }
+
+    fn unprocessed_messages_by_id<'a>(
+        &'a self,
+        ids: &'a [Snowflake],
+        now: Timestamp,
+    ) -> BoxFuture<'a, Result<UnprocessedBatch, StorageError>> {
+        let operation = self.unprocessed_messages_by_id_inner(ids, now);
+        Box::pin(operation.instrument(span("unprocessed_messages_by_id")))
+    }
+
+    fn reset_requests<'a>(
+        &'a self,
+        request_ids: &'a [Snowflake],
+    ) -> BoxFuture<'a, Result<(), StorageError>> {
+        Box::pin(
+            async move {
+                let ids = request_ids
+                    .iter()
+                    .map(|id| row::id_to_sql(*id).map(Value::from))
+                    .collect::<Result<Vec<_>, _>>()?;
+                let queries = &self.queries;
+                self.update_in_chunks("reset_requests", &ids, |n| queries.reset_requests(n)).await
+            }
+            .instrument(span("reset_requests")),
+        )
+    }
+
+    fn reset_addresses<'a>(
+        &'a self,
+        addresses: &'a [EntityAddress],
+    ) -> BoxFuture<'a, Result<(), StorageError>> {
+        Box::pin(self.reset_addresses_inner(addresses).instrument(span("reset_addresses")))
+    }
+
+    fn reset_shards<'a>(
+        &'a self,
+        shard_ids: &'a [ShardId],
+    ) -> BoxFuture<'a, Result<(), StorageError>> {
+        Box::pin(
+            async move {
+                let shards: Vec<Value> =
+                    shard_ids.iter().map(|shard_id| Value::from(shard_id.to_string())).collect();
+                let queries = &self.queries;
+                self.update_in_chunks("reset_shards", &shards, |n| queries.reset_shards(n)).await
+            }
+            .instrument(span("reset_shards")),
+        )
+    }
+
+    fn clear_address<'a>(
+        &'a self,
+        address: &'a EntityAddress,
+    ) -> BoxFuture<'a, Result<(), StorageError>> {
+        Box::pin(self.clear_address_inner(address).instrument(span("clear_address")))
+    }
+
+    fn begin_transaction(
+        &self,
+    ) -> BoxFuture<'_, Result<Box<dyn MessageTransaction>, StorageError>> {
+        Box::pin(
+            async move {
+                // The caller's transaction: the server's default isolation level.
+                let tx = self.begin(&TxOpts::default()).await?;
+                let transaction = MySqlTransaction { tx, queries: Arc::clone(&self.queries) };
+                Ok(Box::new(transaction) as Box<dyn MessageTransaction>)
+            }
+            .instrument(span("begin_transaction")),
+        )
+    }
+}
+
+/// A storage transaction on one pooled connection. [`backend`](MessageTransaction::backend)
+/// downcasts to `mysql_async::Transaction<'static>` for the handler's own statements.
+///
+/// Dropped without commit, `mysql_async` marks the transaction for rollback and the pool rolls
+/// it back before the connection is reused.
+struct MySqlTransaction {
+    tx: Transaction<'static>,
+    queries: Arc<MessageQueries>,
+}
+
+impl MessageTransaction for MySqlTransaction {
+    fn save_reply<'a>(&'a mut self, reply: &'a Reply) -> BoxFuture<'a, Result<(), StorageError>> {
+        Box::pin(
+            async move {
+                let insert = ReplyInsert::new(reply)?;
+                check_bytes("payload", &insert.payload)?;
+                write_reply(&mut self.tx, &self.queries, &insert).await.map(|_| ())
+            }
+            .instrument(span("transaction.save_reply")),
+        )
+    }
+
+    fn backend(&mut self) -> &mut (dyn Any + Send) {
+        &mut self.tx
+    }
+
+    fn commit(self: Box<Self>) -> BoxFuture<'static, Result<(), StorageError>> {
+        Box::pin(
+            async move { self.tx.commit().await.map_err(|error| storage_error("commit", error)) }
+                .instrument(span("transaction.commit")),
+        )
+    }
+
+    fn rollback(self: Box<Self>) -> BoxFuture<'static, Result<(), StorageError>> {
+        Box::pin(
+            async move {
+                self.tx.rollback().await.map_err(|error| storage_error("rollback", error))
+            }
+            .instrument(span("transaction.rollback")),
+        )
+    }
+}
+
+/// Runs `body` in a `READ COMMITTED` transaction and commits, retrying the whole transaction
+/// (at most [`DEADLOCK_ATTEMPTS_MAX`] times) when InnoDB chose it as a deadlock victim, which
+/// rolled it back.
+///
+/// `READ COMMITTED` rather than the default `REPEATABLE READ`: the claim's
+/// `SELECT … FOR UPDATE` and the reply's `UPDATE … WHERE request_id = ?` would otherwise take
+/// gap locks on the shard and request indexes, which make runners claiming different shards
+/// deadlock with each other's inserts. Every statement here reads the latest committed rows and
+/// locks what it changes, so nothing relies on a repeatable snapshot.
+async fn transaction(
+    pool: &Pool,
+    queries: &MessageQueries,
+    body: TxBody<'_>,
+) -> Result<TxOutput, StorageError> {
+    let mut attempt = 1;
+    loop {
+        let mut tx = begin_read_committed(pool).await?;
+        match run_body(&mut tx, queries, &body).await {
+            Ok(output) => {
+                tx.commit().await.map_err(|error| storage_error("commit", error))?;
+                return Ok(output);
+            }
+            Err(error) if attempt < DEADLOCK_ATTEMPTS_MAX && is_deadlock(&error) => {
+                tracing::debug!(%error, attempt, "deadlock victim; retrying the transaction");
+                attempt += 1;
+            }
+            // Dropped: the pool rolls it back.
+            Err(error) => return Err(error),
+        }
+    }
+}
+
+async fn begin_read_committed(pool: &Pool) -> Result<Transaction<'static>, StorageError> {
+    let mut options = TxOpts::default();
+    options.with_isolation_level(IsolationLevel::ReadCommitted);
+    pool.start_transaction(options)
+        .await
+        .map_err(|error| storage_error("cannot start a transaction", error))
+}
+
+/// Saves one request: insert, or report the stored request with the same primary key.
+async fn save_request_one(
+    pool: &Pool,
+    queries: &MessageQueries,
+    request: &Request,
+    options: &SaveRequestOptions,
+) -> Result<SaveResult, StorageError> {
+    let insert = MessageInsert::request(request, options)?;
+    check_message(&insert)?;
+    let mut conn =
+        pool.get_conn().await.map_err(|error| storage_error("cannot get a connection", error))?;
+    let Some(message_id) = insert.message_id.as_deref() else {
+        // Without a primary key nothing deduplicates: a second save of the same id is a key
+        // conflict.
+        conn.exec_drop(queries.insert_message.as_str(), message_params(&insert))
+            .await
+            .map_err(|error| storage_error("save_request", error))?;
+        return Ok(SaveResult::Success);
+    };
+    conn.exec_drop(queries.insert_message_ignore.as_str(), message_params(&insert))
+        .await
+        .map_err(|error| storage_error("save_request", error))?;
+    if conn.affected_rows() > 0 {
+        return Ok(SaveResult::Success);
+    }
+    let existing: Option<Row> = conn
+        .exec_first(queries.select_duplicate.as_str(), (message_id,))
+        .await
+        .map_err(|error| storage_error("save_request: read the duplicate", error))?;
+    let Some(existing) = existing else {
+        // Ignored, yet no row has this primary key: the request id is stored under another key.
+        return Err(StorageError::new(
+            StorageErrorKind::Conflict,
+            format!("request {} is already stored with another primary key", request.request_id),
+        ));
+    };
+    read_duplicate(existing)
+}
+
+/// Saves a batch of requests. Those with a primary key go into one multi-row `INSERT IGNORE`;
+/// a request whose row is then found under its own id and key was inserted, the others (a
+/// taken key, no key, or a failed batch) are saved one by one, which also resolves duplicates.
+async fn save_requests(
+    pool: &Pool,
+    queries: &MessageQueries,
+    inputs: Vec<(Request, SaveRequestOptions)>,
+) -> Vec<Result<SaveResult, StorageError>> {
+    let inserted = if inputs.len() > 1 {
+        insert_keyed_requests(pool, queries, &inputs).await.unwrap_or_default()
+    } else {
+        Vec::new()
+    };
+    let mut results = Vec::with_capacity(inputs.len());
+    for (request, options) in &inputs {
+        let id = row::id_to_sql(request.request_id).ok();
+        results.push(match id {
+            Some(id) if inserted.contains(&id) => Ok(SaveResult::Success),
+            _ => save_request_one(pool, queries, request, options).await,
+        });
+    }
+    results
+}
+
+/// The multi-row insert of [`save_requests`]; returns the ids now stored under their own key.
+async fn insert_keyed_requests(
+    pool: &Pool,
+    queries: &MessageQueries,
+    inputs: &[(Request, SaveRequestOptions)],
+) -> Result<Vec<i64>, StorageError> {
+    let inserts: Vec<MessageInsert<'_>> = inputs
+        .iter()
+        .filter_map(|(request, options)| MessageInsert::request(request, options).ok())
+        .filter(|insert| insert.message_id.is_some() && check_message(insert).is_ok())
+        .collect();
+    if inserts.is_empty() {
+        return Ok(Vec::new());
+    }
+    let params: Vec<Value> = inserts.iter().flat_map(message_params).collect();
+    let mut conn =
+        pool.get_conn().await.map_err(|error| storage_error("cannot get a connection", error))?;
+    conn.exec_drop(queries.insert_messages_ignore(inserts.len()), params)
+        .await
+        .map_err(|error| storage_error("save_request: batch", error))?;
+    let keys: Vec<Value> =
+        inserts.iter().map(|insert| Value::from(insert.message_id.as_deref())).collect();
+    let stored: Vec<(i64, String)> = conn
+        .exec(queries.ids_for_message_ids(inserts.len()), keys)
+        .await
+        .map_err(|error| storage_error("save_request: batch ids", error))?;
+    Ok(inserts
+        .iter()
+        .filter(|insert| {
+            stored.iter().any(|(id, key)| {
+                *id == insert.id && Some(key.as_str()) == insert.message_id.as_deref()
+            })
+        })
+        .map(|insert| insert.id)
+        .collect())
+}
+
+/// Saves one reply in its own transaction.
+async fn save_reply_one(
+    pool: &Pool,
+    queries: &MessageQueries,
+    reply: &Reply,
+) -> Result<(), StorageError> {
+    let insert = ReplyInsert::new(reply)?;
+    check_bytes("payload", &insert.payload)?;
+    // A retried chunk (`AlreadyStored`) changed nothing; committing that is a no-op.
+    transaction(pool, queries, TxBody::Reply(&insert)).await?;
+    Ok(())
+}
+
+/// Saves a batch of replies in one transaction (one commit). If a reply fails inside it (a
+/// second final reply), the transaction is rolled back and each reply is saved on its own, so
+/// only the faulty one fails; a failed commit is reported to every caller of the batch.
+async fn save_replies(
+    pool: &Pool,
+    queries: &MessageQueries,
+    replies: Vec<Reply>,
+) -> Vec<Result<(), StorageError>> {
+    if replies.len() > 1 {
+        let inserts: Result<Vec<ReplyInsert>, StorageError> = replies
+            .iter()
+            .map(|reply| {
+                let insert = ReplyInsert::new(reply)?;
+                check_bytes("payload", &insert.payload)?;
+                Ok(insert)
+            })
+            .collect();
+        if let Ok(inserts) = inserts
+            && let Ok(mut tx) = begin_read_committed(pool).await
+        {
+            let mut written = true;
+            for insert in &inserts {
+                if run_body(&mut tx, queries, &TxBody::Reply(insert)).await.is_err() {
+                    written = false;
+                    break;
+                }
+            }
+            if written {
+                let committed = tx.commit().await.map_err(|error| storage_error("commit", error));
+                return replies.iter().map(|_| committed.clone()).collect();
+            }
+        }
+    }
+    let mut results = Vec::with_capacity(replies.len());
+    for reply in &replies {
+        results.push(save_reply_one(pool, queries, reply).await);
+    }
+    results
+}
+
+/// The transactions of the storage (a closed set, run by
+/// [`MySqlMessageStorage::transaction`]).
+enum TxBody<'a> {
+    /// Store an acknowledgement: insert it, mark its chunk acked, retire older acks.
+    AckChunk { insert: &'a MessageInsert<'a>, reply_id: i64 },
+    /// Store a reply with its message-row updates.
+    Reply(&'a ReplyInsert),
+    /// Reset a request, unconditionally or if `expected_reply_id` is its latest reply.
+    ClearReplies { request_id: i64, expected_reply_id: Option<i64> },
+    /// Claim: the locking read `sql`, then mark the rows read.
+    Claim { sql: &'a str, params: &'a [Value] },
+    /// Delete an entity's messages and replies.
+    ClearAddress { entity_type: &'a str, entity_id: &'a str },
+}
+
+/// What a [`TxBody`] produced.
+enum TxOutput {
+    Done,
+    Claimed(Vec<ReadMessage>),
+}
+
+async fn run_body(
+    tx: &mut Transaction<'static>,
+    queries: &MessageQueries,
+    body: &TxBody<'_>,
+) -> Result<TxOutput, StorageError> {
+    match body {
+        TxBody::AckChunk { insert, reply_id } => {
+            // Inserted first (the reference inserts last, in the same transaction): a retried
+            // acknowledgement finds its row and changes nothing, instead of marking its own
+            // first copy processed.
+            tx.exec_drop(queries.insert_message_ignore.as_str(), message_params(insert))
+                .await
+                .map_err(|error| storage_error("save_ack_chunk", error))?;
+            if tx.affected_rows() == 0 {
+                tracing::debug!("acknowledgement already stored");
+                return Ok(TxOutput::Done);
+            }
+            tx.exec_drop(queries.ack_reply.as_str(), (*reply_id,))
+                .await
+                .map_err(|error| storage_error("save_ack_chunk: mark the chunk acked", error))?;
+            tx.exec_drop(queries.ack_older_acks.as_str(), (insert.request_id, insert.id))
+                .await
+                .map_err(|error| storage_error("save_ack_chunk: retire older acks", error))?;
+        }
+        TxBody::Reply(insert) => {
+            write_reply(tx, queries, insert).await?;
+        }
+        TxBody::ClearReplies { request_id, expected_reply_id } => {
+            clear_replies(tx, queries, *request_id, *expected_reply_id).await?;
+        }
+        TxBody::Claim { sql, params } => {
+            let rows: Vec<Row> = tx
+                .exec(*sql, params.to_vec())
+                .await
+                .map_err(|error| storage_error("unprocessed_messages: claim", error))?;
+            let read = rows.into_iter().map(read_message_row).collect::<Result<Vec<_>, _>>()?;
+            let ids: Vec<i64> = read.iter().map(|message| message.id).collect();
+            for chunk in ids.chunks(IN_LIST_LEN_MAX) {
+                tx.exec_drop(queries.claim_update(chunk.len()), chunk.to_vec())
+                    .await
+                    .map_err(|error| storage_error("unprocessed_messages: mark read", error))?;
+            }
+            return Ok(TxOutput::Claimed(read));
+        }
+        TxBody::ClearAddress { entity_type, entity_id } => {
+            let key = (*entity_type, *entity_id);
+            tx.exec_drop(queries.clear_address_replies.as_str(), key)
+                .await
+                .map_err(|error| storage_error("clear_address: replies", error))?;
+            tx.exec_drop(queries.clear_address_messages.as_str(), key)
+                .await
+                .map_err(|error| storage_error("clear_address: messages", error))?;
+        }
+    }
+    Ok(TxOutput::Done)
+}
+
+/// Resets a request (reference §5.1); with `expected_reply_id`, only if that is still its
+/// latest reply, checked here, in storage, not at the caller's earlier read.
+async fn clear_replies(
+    tx: &mut Transaction<'static>,
+    queries: &MessageQueries,
+    id: i64,
+    expected_reply_id: Option<i64>,
+) -> Result<(), StorageError> {
+    let error = |error| storage_error("clear_replies", error);
+    match expected_reply_id {
+        None => {
+            tx.exec_drop(queries.clear_exit.as_str(), (id,)).await.map_err(error)?;
+            tx.exec_drop(queries.clear_interrupts.as_str(), (id,)).await.map_err(error)?;
+            tx.exec_drop(queries.clear_reset.as_str(), (id,)).await.map_err(error)
+        }
+        Some(expected) => {
+            tx.exec_drop(queries.clear_exit_if_latest.as_str(), (id, id, expected))
+                .await
+                .map_err(error)?;
+            tx.exec_drop(queries.clear_reset_if_latest.as_str(), (id, expected))
+                .await
+                .map_err(error)
+        }
+    }
+}
+
+/// What [`write_reply`] did.
+enum ReplyWrite {
+    Written,
+    /// The same chunk (same id, same request) was already stored: a retry. Nothing changed.
+    AlreadyStored,
+}
+
+/// Inserts a reply and updates its message rows (reference §5.5): a chunk becomes the
+/// request's latest reply; a final reply also marks the request and its acknowledgements and
+/// interrupts processed. The insert goes first, so a rejected duplicate changes nothing.
+async fn write_reply<Q: Queryable>(
+    conn: &mut Q,
+    queries: &MessageQueries,
+    insert: &ReplyInsert,
+) -> Result<ReplyWrite, StorageError> {
+    let params =
+        (insert.id, insert.kind, insert.request_id, insert.payload.as_str(), insert.sequence);
+    match conn.exec_drop(queries.insert_reply.as_str(), params).await {
+        Ok(()) => {}
+        Err(mysql_async::Error::Server(error)) if error.code == ER_DUP_ENTRY => {
+            return duplicate_reply(conn, queries, insert, error).await;
+        }
+        Err(error) => return Err(storage_error("save_reply", error)),
+    }
+    let update =
+        if insert.kind.is_some() { &queries.exit_processed } else { &queries.chunk_last_reply };
+    conn.exec_drop(update.as_str(), (insert.id, insert.request_id))
+        .await
+        .map_err(|error| storage_error("save_reply: update the message rows", error))?;
+    Ok(ReplyWrite::Written)
+}
+
+/// A reply insert hit a unique key. A second final reply is a conflict (the contract); the
+/// same chunk saved again is a retry.
+async fn duplicate_reply<Q: Queryable>(
+    conn: &mut Q,
+    queries: &MessageQueries,
+    insert: &ReplyInsert,
+    error: mysql_async::ServerError,
+) -> Result<ReplyWrite, StorageError> {
+    let conflict = |message: String| {
+        StorageError::with_source(
+            StorageErrorKind::Conflict,
+            message,
+            mysql_async::Error::Server(error.clone()),
+        )
+    };
+    if insert.kind.is_some() {
+        return Err(conflict(format!("request {} already has a final reply", insert.request_id)));
+    }
+    let existing: Option<Row> = conn
+        .exec_first(queries.select_reply_owner.as_str(), (insert.id,))
+        .await
+        .map_err(|error| storage_error("save_reply: read the duplicate", error))?;
+    if let Some(existing) = existing {
+        let mut columns = Columns::new(existing);
+        let same_request = columns.int().ok().flatten() == Some(insert.request_id);
+        let is_chunk = matches!(columns.int(), Ok(None));
+        if same_request && is_chunk {
+            tracing::debug!(reply_id = insert.id, "chunk already stored");
+            return Ok(ReplyWrite::AlreadyStored);
+        }
+    }
+    Err(conflict(format!("a reply of request {} conflicts with a stored one", insert.request_id)))
+}
+
+/// Checks the column widths of a message row (see the module docs).
+fn check_message(insert: &MessageInsert<'_>) -> Result<(), StorageError> {
+    check_chars("shard_id", &insert.shard_id, queries::SHARD_ID_LEN_MAX)?;
+    check_chars("entity_type", insert.entity_type, queries::ENTITY_TYPE_LEN_MAX)?;
+    check_chars("entity_id", insert.entity_id, queries::ENTITY_ID_LEN_MAX)?;
+    let optional = [
+        ("message_id", insert.message_id.as_deref(), queries::MESSAGE_ID_LEN_MAX),
+        ("tag", insert.tag, queries::TAG_LEN_MAX),
+        ("trace_id", insert.trace_id, queries::TRACE_ID_LEN_MAX),
+        ("span_id", insert.span_id, queries::SPAN_ID_LEN_MAX),
+    ];
+    for (column, value, len_max) in optional {
+        if let Some(value) = value {
+            check_chars(column, value, len_max)?;
+        }
+    }
+    for (column, value) in [("payload", insert.payload), ("headers", insert.headers)] {
+        if let Some(value) = value {
+            check_bytes(column, value)?;
+        }
+    }
+    Ok(())
+}
+
+/// The parameters of `insert_message`, in its column order.
+fn message_params(insert: &MessageInsert<'_>) -> Vec<Value> {
+    vec![
+        Value::from(insert.id),
+        Value::from(insert.message_id.as_deref()),
+        Value::from(insert.shard_id.as_str()),
+        Value::from(insert.entity_type),
+        Value::from(insert.entity_id),
+        Value::from(insert.kind),
+        Value::from(insert.tag),
+        Value::from(insert.payload),
+        Value::from(insert.headers),
+        Value::from(insert.trace_id),
+        Value::from(insert.span_id),
+        Value::from(insert.sampled),
+        Value::from(insert.request_id),
+        Value::from(insert.reply_id),
+        Value::from(insert.deliver_at),
+    ]
+}
+
+/// A row whose ids cannot be read: the database holds something no runner wrote.
+fn malformed_row(error: DecodeError) -> StorageError {
+    StorageError::with_source(StorageErrorKind::Malformed, "unreadable row", error)
+}
+
+/// A column every row has.
+fn required(column: Result<Option<i64>, DecodeError>, name: &str) -> Result<i64, StorageError> {
+    column.map_err(malformed_row)?.ok_or_else(|| {
+        StorageError::new(StorageErrorKind::Malformed, format!("column {name} is NULL"))
+    })
+}
+
+/// A `NOT NULL` text column.
+fn present(column: Result<Option<String>, DecodeError>, name: &str) -> Result<String, DecodeError> {
+    column?.ok_or_else(|| DecodeError::new("message row", format!("{name} is NULL")))
+}
+
+/// A reply row's `kind`, `payload` and `sequence`, or why they cannot be read.
+type ReplyColumns = Result<(Option<i32>, Option<String>, Option<i32>), DecodeError>;
+
+/// The reply a row describes; a row whose ids are readable but whose other columns are not
+/// becomes a defect reply, as `ReplyRow::decode` does for bad JSON.
+fn read_reply(id: i64, request_id: i64, rest: ReplyColumns) -> Result<Reply, StorageError> {
+    match rest {
+        Ok((kind, payload, sequence)) => {
+            // A NULL payload (impossible in this schema) fails to decode like bad JSON.
+            let payload = payload.unwrap_or_default();
+            ReplyRow { id, kind, request_id, payload, sequence }.decode()
+        }
+        Err(error) => {
+            let request_id = row::id_from_sql(request_id).map_err(malformed_row)?;
+            let id = row::id_from_sql(id).map_err(malformed_row)?;
+            Ok(Reply::malformed(request_id, id, &error))
+        }
+    }
+}
+
+/// A `replies_for` row: `id, kind, request_id, payload, sequence, rowid`.
+fn read_reply_row(row: Row) -> Result<(i64, Reply), StorageError> {
+    let mut columns = Columns::new(row);
+    let id = columns.int();
+    let kind = columns.int32();
+    let request_id = columns.int();
+    let payload = columns.text();
+    let sequence = columns.int32();
+    let rowid = required(columns.int(), "rowid")?;
+    let id = required(id, "id")?;
+    let request_id = required(request_id, "request_id")?;
+    let rest = kind.and_then(|kind| Ok((kind, payload?, sequence?)));
+    Ok((rowid, read_reply(id, request_id, rest)?))
+}
+
+/// A duplicate's row: `m.id, r.id, r.kind, r.payload, r.sequence`.
+fn read_duplicate(row: Row) -> Result<SaveResult, StorageError> {
+    let mut columns = Columns::new(row);
+    let original = required(columns.int(), "id")?;
+    let reply_id = columns.int().map_err(malformed_row)?;
+    let kind = columns.int32();
+    let payload = columns.text();
+    let sequence = columns.int32();
+    let original_id = row::id_from_sql(original).map_err(malformed_row)?;
+    let last_received_reply = match reply_id {
+        None => None,
+        Some(reply_id) => {
+            let rest = kind.and_then(|kind| Ok((kind, payload?, sequence?)));
+            Some(read_reply(reply_id, original, rest)?)
+        }
+    };
+    tracing::debug!(%original_id, "duplicate request");
+    Ok(SaveResult::Duplicate { original_id, last_received_reply })
+}
+
+/// A message row as read: its ordering key and id (always readable), and the row or why it
+/// cannot be read.
+struct ReadMessage {
+    rowid: i64,
+    id: i64,
+    row: Result<MessageRow, MalformedMessage>,
+}
+
+/// A message row with its last reply and rowid, in `queries::MESSAGE_COLUMNS` order.
+fn read_message_row(row: Row) -> Result<ReadMessage, StorageError> {
+    let mut columns = Columns::new(row);
+    let id = columns.int();
+    let shard_id = columns.text();
+    let entity_type = columns.text();
+    let entity_id = columns.text();
+    let kind = columns.int32();
+    let tag = columns.text();
+    let payload = columns.text();
+    let headers = columns.text();
+    let trace_id = columns.text();
+    let span_id = columns.text();
+    let sampled = columns.boolean();
+    let request_id = columns.int();
+    let reply_id = columns.int();
+    let last_reply_id = columns.int();
+    let last_reply_payload = columns.text();
+    let last_reply_sequence = columns.int32();
+    let rowid = required(columns.int(), "rowid")?;
+    let id = required(id, "id")?;
+    let request_id = required(request_id, "request_id")?;
+    let read = || -> Result<MessageRow, DecodeError> {
+        let last_reply = match last_reply_id? {
+            None => None,
+            Some(id) => Some(LastReplyRow {
+                id,
+                payload: last_reply_payload?.unwrap_or_default(),
+                sequence: last_reply_sequence?,
+            }),
+        };
+        Ok(MessageRow {
+            id,
+            shard_id: present(shard_id, "shard_id")?,
+            entity_type: present(entity_type, "entity_type")?,
+            entity_id: present(entity_id, "entity_id")?,
+            kind: kind?.ok_or_else(|| DecodeError::new("message row", "kind is NULL"))?,
+            tag: tag?,
+            payload: payload?,
+            headers: headers?,
+            trace_id: trace_id?,
+            span_id: span_id?,
+            sampled: sampled?,
+            request_id,
+            reply_id: reply_id?,
+            last_reply,
+        })
+    };
+    let row = read().map_err(|error| MalformedMessage {
+        id: Snowflake::from_i64(id).unwrap_or(Snowflake::new(0)),
+        request_id: Snowflake::from_i64(request_id).unwrap_or(Snowflake::new(0)),
+        error,
+    });
+    Ok(ReadMessage { rowid, id, row })
+}
+
+/// Splits read rows into messages and malformed rows with `row::into_batch`, keeping storage
+/// order; rows whose columns could not even be read (text that is not UTF-8) join the
+/// malformed ones after it.
+fn into_batch(read: Vec<ReadMessage>) -> UnprocessedBatch {
+    let mut unreadable = Vec::new();
+    let rows: Vec<MessageRow> = read
+        .into_iter()
+        .filter_map(|message| message.row.map_err(|malformed| unreadable.push(malformed)).ok())
+        .collect();
+    let mut batch = row::into_batch(rows);
+    batch.malformed.extend(unreadable);
+    batch
+}

@@ -1,0 +1,573 @@
+//! Every SQL text of the MySQL backend: the reference's DDL (migrations) and the statements of
+//! the two storages, built once per table prefix so that the hot paths only bind parameters.
+//!
+//! Identifiers come only from the validated [`TablePrefix`] (and are quoted with backticks);
+//! every value is a `?` parameter. The only literals spliced in are our own numbers (kinds,
+//! the claim window, the lease expiration in seconds), never input.
+
+use cluster_core::storage::CLAIM_WINDOW;
+
+use crate::options::TablePrefix;
+use crate::row::{MESSAGE_KIND_ACK_CHUNK, MESSAGE_KIND_INTERRUPT, REPLY_KIND_WITH_EXIT};
+
+/// Widths of the reference's columns (reference §4.2, §5.2), checked before writing so that a
+/// value never reaches `INSERT IGNORE`, which would truncate it with a mere warning.
+pub(crate) const SHARD_ID_LEN_MAX: usize = 50;
+/// `entity_type VARCHAR(150)` (after migration `0002_entity_type_size`).
+pub(crate) const ENTITY_TYPE_LEN_MAX: usize = 150;
+/// `entity_id VARCHAR(255)`.
+pub(crate) const ENTITY_ID_LEN_MAX: usize = 255;
+/// `message_id VARCHAR(255)`.
+pub(crate) const MESSAGE_ID_LEN_MAX: usize = 255;
+/// `tag VARCHAR(50)`.
+pub(crate) const TAG_LEN_MAX: usize = 50;
+/// `trace_id VARCHAR(32)`.
+pub(crate) const TRACE_ID_LEN_MAX: usize = 32;
+/// `span_id VARCHAR(16)`.
+pub(crate) const SPAN_ID_LEN_MAX: usize = 16;
+/// `address VARCHAR(255)` of runners and locks.
+pub(crate) const ADDRESS_LEN_MAX: usize = 255;
+/// A `TEXT` column holds at most this many bytes.
+pub(crate) const TEXT_BYTES_MAX: usize = 65_535;
+/// MySQL and MariaDB refuse `GET_LOCK` names longer than this (in characters).
+pub(crate) const LOCK_NAME_LEN_MAX: usize = 64;
+/// At most this many ids, shards or names in one statement: far below the protocol's 65,535
+/// placeholders, and small enough that a statement stays cheap to prepare.
+pub(crate) const IN_LIST_LEN_MAX: usize = 1_000;
+
+// Address groups bind up to three parameters per entry; stay under the 65,535 placeholders.
+const _: () = assert!(IN_LIST_LEN_MAX * 3 < 65_535);
+
+/// `name` quoted as an identifier. Prefixes are validated identifiers, so there is nothing to
+/// escape; the quotes only keep reserved words apart.
+fn quote(name: &str) -> String {
+    format!("`{name}`")
+}
+
+/// `?, ?, …` with `n` placeholders.
+pub(crate) fn placeholders(n: usize) -> String {
+    let mut text = String::with_capacity(n * 3);
+    for index in 0..n {
+        if index > 0 {
+            text.push_str(", ");
+        }
+        text.push('?');
+    }
+    text
+}
+
+/// One DDL statement of a migration.
+#[derive(Clone, Debug)]
+pub(crate) struct DdlStatement {
+    pub(crate) sql: String,
+    /// The reference ignores errors of MySQL's `CREATE INDEX` (there is no `IF NOT EXISTS`) and
+    /// of the `0002` column resize; so do we, for server errors only.
+    pub(crate) ignore_server_errors: bool,
+}
+
+/// A migration as effect's SQL migrator records it: `<id>_<name>`, e.g. `0001_create_tables`
+/// is id 1, name `create_tables`.
+#[derive(Clone, Debug)]
+pub(crate) struct Migration {
+    pub(crate) id: u32,
+    pub(crate) name: &'static str,
+    pub(crate) statements: Vec<DdlStatement>,
+}
+
+fn strict(sql: String) -> DdlStatement {
+    DdlStatement { sql, ignore_server_errors: false }
+}
+
+fn lenient(sql: String) -> DdlStatement {
+    DdlStatement { sql, ignore_server_errors: true }
+}
+
+/// The history table of effect's SQL migrator, MySQL dialect (`Migrator.ts`).
+pub(crate) fn history_table_ddl(table: &str) -> String {
+    // language=SQL
+    format!(
+        "CREATE TABLE IF NOT EXISTS {} (
+  migration_id INTEGER UNSIGNED NOT NULL,
+  created_at TIMESTAMP NOT NULL DEFAULT CURRENT_TIMESTAMP,
+  name VARCHAR(255) NOT NULL,
+  PRIMARY KEY (migration_id)
+)",
+        quote(table)
+    )
+}
+
+/// The message storage migrations (history `<prefix>_migrations`), MySQL dialect.
+pub(crate) fn message_migrations(prefix: &TablePrefix) -> Vec<Migration> {
+    let messages_name = prefix.table("messages");
+    let replies_name = prefix.table("replies");
+    let messages = quote(&messages_name);
+    let replies = quote(&replies_name);
+    // language=SQL
+    let create_messages = format!(
+        "CREATE TABLE IF NOT EXISTS {messages} (
+  id BIGINT NOT NULL,
+  rowid BIGINT NOT NULL AUTO_INCREMENT PRIMARY KEY,
+  message_id VARCHAR({MESSAGE_ID_LEN_MAX}),
+  shard_id VARCHAR({SHARD_ID_LEN_MAX}) NOT NULL,
+  entity_type VARCHAR({ENTITY_TYPE_LEN_MAX}) NOT NULL,
+  entity_id VARCHAR({ENTITY_ID_LEN_MAX}) NOT NULL,
+  kind INT NOT NULL,
+  tag VARCHAR({TAG_LEN_MAX}),
+  payload TEXT,
+  headers TEXT,
+  trace_id VARCHAR({TRACE_ID_LEN_MAX}),
+  span_id VARCHAR({SPAN_ID_LEN_MAX}),
+  sampled BOOLEAN,
+  processed BOOLEAN NOT NULL DEFAULT FALSE,
+  request_id BIGINT NOT NULL,
+  reply_id BIGINT,
+  last_reply_id BIGINT,
+  last_read DATETIME,
+  deliver_at BIGINT,
+  UNIQUE (id),
+  UNIQUE (message_id)
+)"
+    );
+    // language=SQL
+    let create_replies = format!(
+        "CREATE TABLE IF NOT EXISTS {replies} (
+  id BIGINT NOT NULL,
+  rowid BIGINT AUTO_INCREMENT PRIMARY KEY,
+  kind INT,
+  request_id BIGINT NOT NULL,
+  payload TEXT NOT NULL,
+  sequence INT,
+  acked BOOLEAN NOT NULL DEFAULT FALSE,
+  UNIQUE (id),
+  UNIQUE (request_id, kind),
+  UNIQUE (request_id, sequence)
+)"
+    );
+    let shard_index = quote(&format!("{messages_name}_shard_idx"));
+    let request_index = quote(&format!("{messages_name}_request_id_idx"));
+    let reply_index = quote(&format!("{replies_name}_request_lookup_idx"));
+    vec![
+        Migration {
+            id: 1,
+            name: "create_tables",
+            statements: vec![
+                strict(create_messages),
+                // language=SQL
+                lenient(format!(
+                    "CREATE INDEX {shard_index} ON {messages} \
+                     (shard_id, processed, last_read, deliver_at)"
+                )),
+                // language=SQL
+                lenient(format!("CREATE INDEX {request_index} ON {messages} (request_id)")),
+                strict(create_replies),
+                // language=SQL
+                lenient(format!(
+                    "CREATE INDEX {reply_index} ON {replies} (request_id, kind, acked)"
+                )),
+            ],
+        },
+        Migration {
+            id: 2,
+            name: "entity_type_size",
+            statements: vec![lenient(format!(
+                // language=SQL
+                "ALTER TABLE {messages} MODIFY entity_type VARCHAR({ENTITY_TYPE_LEN_MAX}) NOT NULL"
+            ))],
+        },
+    ]
+}
+
+/// The runner storage migrations (history `<prefix>_runner_migrations`), MySQL dialect. The
+/// locks table is created in every lock mode, as the reference does.
+pub(crate) fn runner_migrations(prefix: &TablePrefix) -> Vec<Migration> {
+    let runners = quote(&prefix.table("runners"));
+    let locks = quote(&prefix.table("locks"));
+    vec![Migration {
+        id: 1,
+        name: "create_tables",
+        statements: vec![
+            // language=SQL
+            strict(format!(
+                "CREATE TABLE IF NOT EXISTS {runners} (
+  machine_id INT AUTO_INCREMENT PRIMARY KEY,
+  address VARCHAR({ADDRESS_LEN_MAX}) NOT NULL,
+  runner TEXT NOT NULL,
+  healthy BOOLEAN NOT NULL DEFAULT TRUE,
+  last_heartbeat DATETIME NOT NULL DEFAULT CURRENT_TIMESTAMP,
+  UNIQUE(address)
+)"
+            )),
+            // language=SQL
+            strict(format!(
+                "CREATE TABLE IF NOT EXISTS {locks} (
+  shard_id VARCHAR({SHARD_ID_LEN_MAX}) PRIMARY KEY,
+  address VARCHAR({ADDRESS_LEN_MAX}) NOT NULL,
+  acquired_at DATETIME NOT NULL
+)"
+            )),
+        ],
+    }]
+}
+
+/// The columns of a message read: the row, then its last reply, then `rowid` (for ordering
+/// across statements). [`super::message_storage`] reads them in this order.
+const MESSAGE_COLUMNS: &str = "m.id, m.shard_id, m.entity_type, m.entity_id, m.kind, m.tag, \
+     m.payload, m.headers, m.trace_id, m.span_id, m.sampled, m.request_id, m.reply_id, \
+     r.id, r.payload, r.sequence, m.rowid";
+
+/// The statements of the message storage for one prefix.
+#[derive(Debug)]
+pub(crate) struct MessageQueries {
+    messages: String,
+    replies: String,
+    pub(crate) insert_message: String,
+    pub(crate) insert_message_ignore: String,
+    pub(crate) select_duplicate: String,
+    pub(crate) ack_reply: String,
+    pub(crate) ack_older_acks: String,
+    pub(crate) insert_reply: String,
+    pub(crate) select_reply_owner: String,
+    pub(crate) chunk_last_reply: String,
+    pub(crate) exit_processed: String,
+    pub(crate) clear_exit: String,
+    pub(crate) clear_interrupts: String,
+    pub(crate) clear_reset: String,
+    pub(crate) clear_exit_if_latest: String,
+    pub(crate) clear_reset_if_latest: String,
+    pub(crate) request_id_for_message_id: String,
+    pub(crate) clear_address_replies: String,
+    pub(crate) clear_address_messages: String,
+}
+
+impl MessageQueries {
+    pub(crate) fn new(prefix: &TablePrefix) -> MessageQueries {
+        let messages = quote(&prefix.table("messages"));
+        let replies = quote(&prefix.table("replies"));
+        let insert_columns = "(id, message_id, shard_id, entity_type, entity_id, kind, tag, \
+             payload, headers, trace_id, span_id, sampled, request_id, reply_id, deliver_at)";
+        let insert_values = placeholders(15);
+        let ack = MESSAGE_KIND_ACK_CHUNK;
+        let interrupt = MESSAGE_KIND_INTERRUPT;
+        let exit = REPLY_KIND_WITH_EXIT;
+        // language=SQL
+        MessageQueries {
+            insert_message: format!(
+                "INSERT INTO {messages} {insert_columns} VALUES ({insert_values})"
+            ),
+            insert_message_ignore: format!(
+                "INSERT IGNORE INTO {messages} {insert_columns} VALUES ({insert_values})"
+            ),
+            select_duplicate: format!(
+                "SELECT m.id, r.id, r.kind, r.payload, r.sequence FROM {messages} m \
+                 LEFT JOIN {replies} r ON r.id = m.last_reply_id WHERE m.message_id = ?"
+            ),
+            ack_reply: format!("UPDATE {replies} SET acked = TRUE WHERE id = ?"),
+            ack_older_acks: format!(
+                "UPDATE {messages} SET processed = TRUE WHERE processed = FALSE \
+                 AND request_id = ? AND kind = {ack} AND id <> ?"
+            ),
+            insert_reply: format!(
+                "INSERT INTO {replies} (id, kind, request_id, payload, sequence) \
+                 VALUES (?, ?, ?, ?, ?)"
+            ),
+            select_reply_owner: format!("SELECT request_id, kind FROM {replies} WHERE id = ?"),
+            chunk_last_reply: format!("UPDATE {messages} SET last_reply_id = ? WHERE id = ?"),
+            exit_processed: format!(
+                "UPDATE {messages} SET processed = TRUE, last_reply_id = ? WHERE request_id = ?"
+            ),
+            clear_exit: format!("DELETE FROM {replies} WHERE request_id = ? AND kind = {exit}"),
+            clear_interrupts: format!(
+                "DELETE FROM {messages} WHERE request_id = ? AND kind = {interrupt}"
+            ),
+            clear_reset: format!(
+                "UPDATE {messages} SET processed = FALSE, last_reply_id = NULL, last_read = NULL \
+                 WHERE request_id = ?"
+            ),
+            clear_exit_if_latest: format!(
+                "DELETE FROM {replies} WHERE request_id = ? AND kind = {exit} AND EXISTS \
+                 (SELECT 1 FROM {messages} WHERE id = ? AND last_reply_id = ?)"
+            ),
+            clear_reset_if_latest: format!(
+                "UPDATE {messages} SET processed = FALSE, last_reply_id = NULL, last_read = NULL \
+                 WHERE request_id = ? AND last_reply_id = ?"
+            ),
+            request_id_for_message_id: format!("SELECT id FROM {messages} WHERE message_id = ?"),
+            clear_address_replies: format!(
+                "DELETE FROM {replies} WHERE request_id IN \
+                 (SELECT id FROM {messages} WHERE entity_type = ? AND entity_id = ?)"
+            ),
+            clear_address_messages: format!(
+                "DELETE FROM {messages} WHERE entity_type = ? AND entity_id = ?"
+            ),
+            messages,
+            replies,
+        }
+    }
+
+    /// Replies of `n_requests` requests, in insertion order; `unacked_only` keeps final replies
+    /// and unacknowledged chunks (`replies_for`).
+    pub(crate) fn replies_for(&self, n_requests: usize, unacked_only: bool) -> String {
+        let replies = &self.replies;
+        let exit = REPLY_KIND_WITH_EXIT;
+        let filter = if unacked_only {
+            format!(" AND (kind = {exit} OR (kind IS NULL AND acked = FALSE))")
+        } else {
+            String::new()
+        };
+        // language=SQL
+        format!(
+            "SELECT id, kind, request_id, payload, sequence, rowid FROM {replies} \
+             WHERE request_id IN ({}){filter} ORDER BY rowid ASC",
+            placeholders(n_requests)
+        )
+    }
+
+    /// The filters every unprocessed read shares (reference §5.3): no final reply and no
+    /// unacknowledged chunk for the request, not processed, due at the `?` runner time.
+    fn unprocessed_tail(&self) -> String {
+        let replies = &self.replies;
+        let exit = REPLY_KIND_WITH_EXIT;
+        format!(
+            " AND NOT EXISTS (SELECT 1 FROM {replies} x WHERE x.request_id = m.request_id \
+             AND (x.kind = {exit} OR x.acked = FALSE)) \
+             AND m.processed = FALSE \
+             AND (m.deliver_at IS NULL OR m.deliver_at <= ?)"
+        )
+    }
+
+    /// The claim read: messages of `n_shards` shards, optionally of the address groups (one
+    /// entry per group: its number of entity ids), unclaimed within the claim window, in rowid
+    /// order, locked for the claim's update. Parameters: shard ids, then per group shard id,
+    /// entity type and entity ids, then `now`, then the limit if `limited`.
+    pub(crate) fn claim_select(
+        &self,
+        n_shards: usize,
+        address_groups: Option<&[usize]>,
+        limited: bool,
+    ) -> String {
+        let (messages, replies) = (&self.messages, &self.replies);
+        let mut sql = format!(
+            "SELECT {MESSAGE_COLUMNS} FROM {messages} m \
+             LEFT JOIN {replies} r ON r.id = m.last_reply_id \
+             WHERE m.shard_id IN ({})",
+            placeholders(n_shards)
+        );
+        if let Some(groups) = address_groups {
+            sql.push_str(" AND (");
+            sql.push_str(&address_filter("m.", groups));
+            sql.push(')');
+        }
+        sql.push_str(&format!(
+            " AND (m.last_read IS NULL OR m.last_read < NOW() - INTERVAL {} SECOND)",
+            CLAIM_WINDOW.as_secs()
+        ));
+        sql.push_str(&self.unprocessed_tail());
+        sql.push_str(" ORDER BY m.rowid ASC");
+        if limited {
+            sql.push_str(" LIMIT ?");
+        }
+        sql.push_str(" FOR UPDATE");
+        sql
+    }
+
+    /// Marks `n_ids` claimed rows read now.
+    pub(crate) fn claim_update(&self, n_ids: usize) -> String {
+        // language=SQL
+        format!(
+            "UPDATE {} SET last_read = NOW() WHERE id IN ({})",
+            self.messages,
+            placeholders(n_ids)
+        )
+    }
+
+    /// Unprocessed messages by id, without the claim window and without locking.
+    /// Parameters: ids, then `now`.
+    pub(crate) fn unprocessed_by_id(&self, n_ids: usize) -> String {
+        let (messages, replies) = (&self.messages, &self.replies);
+        let mut sql = format!(
+            "SELECT {MESSAGE_COLUMNS} FROM {messages} m \
+             LEFT JOIN {replies} r ON r.id = m.last_reply_id \
+             WHERE m.id IN ({})",
+            placeholders(n_ids)
+        );
+        sql.push_str(&self.unprocessed_tail());
+        sql.push_str(" ORDER BY m.rowid ASC");
+        sql
+    }
+
+    /// Inserts `n_rows` messages at once, ignoring rows whose id or primary key is taken (group
+    /// commit of requests with a primary key).
+    pub(crate) fn insert_messages_ignore(&self, n_rows: usize) -> String {
+        let row = format!("({})", placeholders(15));
+        let rows = vec![row; n_rows].join(", ");
+        // language=SQL
+        format!(
+            "INSERT IGNORE INTO {} (id, message_id, shard_id, entity_type, entity_id, kind, tag, \
+             payload, headers, trace_id, span_id, sampled, request_id, reply_id, deliver_at) \
+             VALUES {rows}",
+            self.messages
+        )
+    }
+
+    /// The id stored under each of `n_keys` primary keys.
+    pub(crate) fn ids_for_message_ids(&self, n_keys: usize) -> String {
+        // language=SQL
+        format!(
+            "SELECT id, message_id FROM {} WHERE message_id IN ({})",
+            self.messages,
+            placeholders(n_keys)
+        )
+    }
+
+    /// Releases the claims of unprocessed request rows by id.
+    pub(crate) fn reset_requests(&self, n_ids: usize) -> String {
+        // language=SQL
+        format!(
+            "UPDATE {} SET last_read = NULL WHERE processed = FALSE AND id IN ({})",
+            self.messages,
+            placeholders(n_ids)
+        )
+    }
+
+    /// Releases the claims of unprocessed rows of `n_shards` shards.
+    pub(crate) fn reset_shards(&self, n_shards: usize) -> String {
+        // language=SQL
+        format!(
+            "UPDATE {} SET last_read = NULL WHERE processed = FALSE AND shard_id IN ({})",
+            self.messages,
+            placeholders(n_shards)
+        )
+    }
+
+    /// Releases the claims of unprocessed rows of the address groups.
+    pub(crate) fn reset_addresses(&self, address_groups: &[usize]) -> String {
+        // language=SQL
+        format!(
+            "UPDATE {} SET last_read = NULL WHERE processed = FALSE AND ({})",
+            self.messages,
+            address_filter("", address_groups)
+        )
+    }
+}
+
+/// `(shard_id = ? AND entity_type = ? AND entity_id IN (?, …)) OR …`, one clause per group.
+fn address_filter(alias: &str, address_groups: &[usize]) -> String {
+    let clauses: Vec<String> = address_groups
+        .iter()
+        .map(|n_ids| {
+            format!(
+                "({alias}shard_id = ? AND {alias}entity_type = ? AND {alias}entity_id IN ({}))",
+                placeholders(*n_ids)
+            )
+        })
+        .collect();
+    clauses.join(" OR ")
+}
+
+/// The statements of the runner registry and of lease locks for one prefix.
+#[derive(Debug)]
+pub(crate) struct RunnerQueries {
+    locks: String,
+    /// `DATE_SUB(NOW(), INTERVAL <expiration> SECOND)`: the oldest live heartbeat or lease.
+    expired_before: String,
+    pub(crate) register: String,
+    pub(crate) select_machine_id: String,
+    pub(crate) unregister: String,
+    pub(crate) get_runners: String,
+    pub(crate) set_health: String,
+    pub(crate) heartbeat: String,
+    pub(crate) lease_release: String,
+    pub(crate) lease_release_all: String,
+}
+
+impl RunnerQueries {
+    pub(crate) fn new(prefix: &TablePrefix, expiration_seconds: u64) -> RunnerQueries {
+        let runners = quote(&prefix.table("runners"));
+        let locks = quote(&prefix.table("locks"));
+        let expired_before = format!("DATE_SUB(NOW(), INTERVAL {expiration_seconds} SECOND)");
+        // language=SQL
+        RunnerQueries {
+            register: format!(
+                "INSERT INTO {runners} (address, runner, last_heartbeat, healthy) \
+                 VALUES (?, ?, NOW(), ?) ON DUPLICATE KEY UPDATE runner = VALUES(runner), \
+                 last_heartbeat = VALUES(last_heartbeat), healthy = VALUES(healthy)"
+            ),
+            select_machine_id: format!("SELECT machine_id FROM {runners} WHERE address = ?"),
+            unregister: format!(
+                "DELETE FROM {runners} WHERE address = ? OR last_heartbeat < {expired_before}"
+            ),
+            get_runners: format!(
+                "SELECT runner, healthy FROM {runners} WHERE last_heartbeat > {expired_before} \
+                 ORDER BY machine_id"
+            ),
+            set_health: format!("UPDATE {runners} SET healthy = ? WHERE address = ?"),
+            heartbeat: format!("UPDATE {runners} SET last_heartbeat = NOW() WHERE address = ?"),
+            lease_release: format!("DELETE FROM {locks} WHERE address = ? AND shard_id = ?"),
+            lease_release_all: format!("DELETE FROM {locks} WHERE address = ?"),
+            locks,
+            expired_before,
+        }
+    }
+
+    /// Takes `n_shards` leases (parameters: shard id and address per shard, in the fixed
+    /// order), each unless another runner holds it unexpired (the reference's MySQL lease SQL).
+    /// `ON DUPLICATE KEY UPDATE` assigns left to right, so the second `IF` sees the new
+    /// `address`: it is true exactly when the first one took or kept the row.
+    pub(crate) fn lease_acquire(&self, n_shards: usize) -> String {
+        let (locks, expired_before) = (&self.locks, &self.expired_before);
+        let values = vec!["(?, ?, NOW())"; n_shards].join(", ");
+        // language=SQL
+        format!(
+            "INSERT INTO {locks} (shard_id, address, acquired_at) VALUES {values} \
+             ON DUPLICATE KEY UPDATE \
+             address = IF(address = VALUES(address) OR acquired_at < {expired_before}, \
+             VALUES(address), address), \
+             acquired_at = IF(address = VALUES(address) OR acquired_at < {expired_before}, \
+             VALUES(acquired_at), acquired_at)"
+        )
+    }
+
+    /// The unexpired leases of the address among `n_shards` shards (parameters: address, then
+    /// shard ids).
+    pub(crate) fn lease_held(&self, n_shards: usize) -> String {
+        // language=SQL
+        format!(
+            "SELECT shard_id FROM {} WHERE address = ? AND acquired_at >= {} \
+             AND shard_id IN ({})",
+            self.locks,
+            self.expired_before,
+            placeholders(n_shards)
+        )
+    }
+
+    /// Extends the address's leases among `n_shards` shards (parameters: address, shard ids).
+    pub(crate) fn lease_refresh(&self, n_shards: usize) -> String {
+        // language=SQL
+        format!(
+            "UPDATE {} SET acquired_at = NOW() WHERE address = ? AND shard_id IN ({})",
+            self.locks,
+            placeholders(n_shards)
+        )
+    }
+
+    /// The address's leases among `n_shards` shards, expired or not (parameters: address,
+    /// shard ids).
+    pub(crate) fn lease_owned(&self, n_shards: usize) -> String {
+        // language=SQL
+        format!(
+            "SELECT shard_id FROM {} WHERE address = ? AND shard_id IN ({})",
+            self.locks,
+            placeholders(n_shards)
+        )
+    }
+}
+
+/// `SELECT IS_USED_LOCK(?), …` over `n` lock names: the connection id holding each, or NULL.
+pub(crate) fn advisory_holders(n: usize) -> String {
+    format!("SELECT {}", vec!["IS_USED_LOCK(?)"; n].join(", "))
+}
+
+/// `SELECT GET_LOCK(?, 0), …` over `n` lock names: 1 where the lock was taken.
+pub(crate) fn advisory_try_lock(n: usize) -> String {
+    format!("SELECT {}", vec!["GET_LOCK(?, 0)"; n].join(", "))
+}

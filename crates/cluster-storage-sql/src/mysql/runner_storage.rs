@@ -1,0 +1,297 @@
+//! [`MySqlRunnerStorage`]: the runner registry (`<prefix>_runners`) on the pool, and the shard
+//! locks on the reserved lock session of `shard_lock` (reference §4.2).
+//!
+//! Every lock operation runs under the deadline `shard_lock_interval`; a failure or a deadline
+//! drops the lock session, which the next operation rebuilds. `acquire` retries once after a
+//! failure (an idle session may have been ended by the server's `wait_timeout`), and the empty
+//! `refresh` (the probe used while lock storage is unhealthy) runs only the heartbeat, on the
+//! pool, so that a wedged lock session cannot block recovery.
+
+use std::fmt;
+use std::sync::Arc;
+
+use cluster_core::encoded::JsonForm;
+use cluster_core::error::{StorageError, StorageErrorKind};
+use cluster_core::future::BoxFuture;
+use cluster_core::storage::RunnerStorage;
+use cluster_core::{MachineId, Runner, RunnerAddress, ShardId};
+use mysql_async::prelude::Queryable;
+use mysql_async::{Conn, Opts, Pool, Row};
+use tracing::Instrument;
+
+use super::queries::{self, RunnerQueries};
+use super::shard_lock::{LockCommand, ShardLocks};
+use super::{Columns, check_bytes, check_chars, migrate_runners, storage_error};
+use crate::lock::with_deadline;
+use crate::options::SqlStorageOptions;
+
+/// [`RunnerStorage`] on MySQL or MariaDB (reference §4), in either [`LockMode`].
+///
+/// The registry uses the pool; shard locks use one connection of their own, opened with the
+/// same [`Opts`], in both lock modes (as the reference does). Dropping the storage closes that
+/// connection, which releases its advisory locks.
+///
+/// [`LockMode`]: crate::options::LockMode
+pub struct MySqlRunnerStorage {
+    pool: Pool,
+    options: SqlStorageOptions,
+    queries: Arc<RunnerQueries>,
+    locks: ShardLocks,
+}
+
+impl MySqlRunnerStorage {
+    /// The storage on `pool` after running the migrations
+    /// ([`migrate_runners`](super::migrate_runners)); `opts` (normally the pool's) opens the
+    /// reserved lock connection.
+    ///
+    /// # Cancel safety
+    ///
+    /// As [`migrate_runners`](super::migrate_runners).
+    pub async fn new(
+        pool: Pool,
+        opts: Opts,
+        options: SqlStorageOptions,
+    ) -> Result<MySqlRunnerStorage, StorageError> {
+        migrate_runners(&pool, &options.prefix).await?;
+        Ok(MySqlRunnerStorage::without_migrations(pool, opts, options))
+    }
+
+    /// The storage without running any DDL (the tables must have been migrated). The lock
+    /// session is opened by the first lock operation.
+    pub fn without_migrations(
+        pool: Pool,
+        opts: Opts,
+        options: SqlStorageOptions,
+    ) -> MySqlRunnerStorage {
+        let queries = Arc::new(RunnerQueries::new(&options.prefix, options.expiration_seconds()));
+        let locks = ShardLocks::new(opts, &options, Arc::clone(&queries));
+        MySqlRunnerStorage { pool, options, queries, locks }
+    }
+
+    async fn conn(&self) -> Result<Conn, StorageError> {
+        self.pool.get_conn().await.map_err(|error| storage_error("cannot get a connection", error))
+    }
+
+    async fn register_inner(
+        &self,
+        runner: &Runner,
+        healthy: bool,
+    ) -> Result<MachineId, StorageError> {
+        let address = address_text(&runner.address)?;
+        let json = runner.to_json();
+        check_bytes("runner", &json)?;
+        let mut conn = self.conn().await?;
+        conn.exec_drop(self.queries.register.as_str(), (address.as_str(), json.as_str(), healthy))
+            .await
+            .map_err(|error| storage_error("register", error))?;
+        let row: Option<Row> = conn
+            .exec_first(self.queries.select_machine_id.as_str(), (address.as_str(),))
+            .await
+            .map_err(|error| storage_error("register: read the machine id", error))?;
+        let machine_id = row
+            .map(|row| Columns::new(row).int32())
+            .transpose()
+            .map_err(|error| {
+                StorageError::with_source(StorageErrorKind::Malformed, "machine_id", error)
+            })?
+            .flatten()
+            .ok_or_else(|| {
+                // Deleted between the upsert and the read (an unregister racing a register).
+                StorageError::new(StorageErrorKind::Conflict, format!("runner {address} vanished"))
+            })?;
+        Ok(MachineId::new(machine_id))
+    }
+
+    async fn get_runners_inner(&self) -> Result<Vec<(Runner, bool)>, StorageError> {
+        let mut conn = self.conn().await?;
+        let rows: Vec<Row> = conn
+            .exec(self.queries.get_runners.as_str(), ())
+            .await
+            .map_err(|error| storage_error("get_runners", error))?;
+        let mut runners = Vec::with_capacity(rows.len());
+        for row in rows {
+            let mut columns = Columns::new(row);
+            let runner = columns.text();
+            let healthy = columns.boolean();
+            let decoded = match (runner, healthy) {
+                (Ok(Some(runner)), Ok(Some(healthy))) => Runner::from_json(&runner)
+                    .map(|runner| (runner, healthy))
+                    .map_err(|e| e.to_string()),
+                (runner, healthy) => Err(format!("unreadable row: {runner:?}, {healthy:?}")),
+            };
+            match decoded {
+                Ok(entry) => runners.push(entry),
+                Err(error) => {
+                    tracing::warn!(%error, "skipping a runner row that cannot be decoded")
+                }
+            }
+        }
+        Ok(runners)
+    }
+
+    /// A lock operation under the deadline `shard_lock_interval`.
+    async fn locked(
+        &self,
+        what: &str,
+        command: LockCommand<'_>,
+    ) -> Result<Vec<ShardId>, StorageError> {
+        with_deadline(self.options.shard_lock_interval, what, self.locks.run(command)).await
+    }
+}
+
+/// The registry's key of a runner: `host:port`.
+fn address_text(address: &RunnerAddress) -> Result<String, StorageError> {
+    let text = address.to_string();
+    check_chars("address", &text, queries::ADDRESS_LEN_MAX)?;
+    Ok(text)
+}
+
+impl fmt::Debug for MySqlRunnerStorage {
+    /// The options and the lock session only: the pool's options hold the password.
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("MySqlRunnerStorage")
+            .field("options", &self.options)
+            .field("locks", &self.locks)
+            .finish_non_exhaustive()
+    }
+}
+
+fn span(operation: &'static str) -> tracing::Span {
+    tracing::debug_span!("mysql.runner_storage", operation)
+}
+
+impl RunnerStorage for MySqlRunnerStorage {
+    fn register<'a>(
+        &'a self,
+        runner: &'a Runner,
+        healthy: bool,
+    ) -> BoxFuture<'a, Result<MachineId, StorageError>> {
+        Box::pin(self.register_inner(runner, healthy).instrument(span("register")))
+    }
+
+    fn unregister<'a>(
+        &'a self,
+        address: &'a RunnerAddress,
+    ) -> BoxFuture<'a, Result<(), StorageError>> {
+        Box::pin(
+            async move {
+                let address = address_text(address)?;
+                let mut conn = self.conn().await?;
+                conn.exec_drop(self.queries.unregister.as_str(), (address,))
+                    .await
+                    .map_err(|error| storage_error("unregister", error))
+            }
+            .instrument(span("unregister")),
+        )
+    }
+
+    fn get_runners(&self) -> BoxFuture<'_, Result<Vec<(Runner, bool)>, StorageError>> {
+        Box::pin(self.get_runners_inner().instrument(span("get_runners")))
+    }
+
+    fn set_runner_health<'a>(
+        &'a self,
+        address: &'a RunnerAddress,
+        healthy: bool,
+    ) -> BoxFuture<'a, Result<(), StorageError>> {
+        Box::pin(
+            async move {
+                let address = address_text(address)?;
+                let mut conn = self.conn().await?;
+                conn.exec_drop(self.queries.set_health.as_str(), (healthy, address))
+                    .await
+                    .map_err(|error| storage_error("set_runner_health", error))
+            }
+            .instrument(span("set_runner_health")),
+        )
+    }
+
+    fn acquire<'a>(
+        &'a self,
+        address: &'a RunnerAddress,
+        shard_ids: &'a [ShardId],
+    ) -> BoxFuture<'a, Result<Vec<ShardId>, StorageError>> {
+        Box::pin(
+            async move {
+                if shard_ids.is_empty() {
+                    return Ok(Vec::new());
+                }
+                let address = address_text(address)?;
+                let command = LockCommand::Acquire { address: &address, shard_ids };
+                let attempts = async {
+                    match self.locks.run(command).await {
+                        Err(error) if error.kind() != StorageErrorKind::InvalidInput => {
+                            // The failed session is gone; acquiring does not depend on it.
+                            tracing::debug!(%error, "acquire failed; retrying on a new session");
+                            self.locks.run(command).await
+                        }
+                        result => result,
+                    }
+                };
+                let acquired =
+                    with_deadline(self.options.shard_lock_interval, "acquire", attempts).await?;
+                tracing::debug!(n_requested = shard_ids.len(), n_held = acquired.len());
+                Ok(acquired)
+            }
+            .instrument(span("acquire")),
+        )
+    }
+
+    fn refresh<'a>(
+        &'a self,
+        address: &'a RunnerAddress,
+        shard_ids: &'a [ShardId],
+    ) -> BoxFuture<'a, Result<Vec<ShardId>, StorageError>> {
+        Box::pin(
+            async move {
+                let address = address_text(address)?;
+                if shard_ids.is_empty() {
+                    // The probe: heartbeat only, on the pool.
+                    let heartbeat = async {
+                        let mut conn = self.conn().await?;
+                        conn.exec_drop(self.queries.heartbeat.as_str(), (address.as_str(),))
+                            .await
+                            .map_err(|error| storage_error("refresh: heartbeat", error))
+                    };
+                    with_deadline(self.options.shard_lock_interval, "refresh", heartbeat).await?;
+                    return Ok(Vec::new());
+                }
+                let command = LockCommand::Refresh { address: &address, shard_ids };
+                let held = self.locked("refresh", command).await?;
+                tracing::debug!(n_requested = shard_ids.len(), n_held = held.len());
+                Ok(held)
+            }
+            .instrument(span("refresh")),
+        )
+    }
+
+    fn release<'a>(
+        &'a self,
+        address: &'a RunnerAddress,
+        shard_id: &'a ShardId,
+    ) -> BoxFuture<'a, Result<(), StorageError>> {
+        Box::pin(
+            async move {
+                let address = address_text(address)?;
+                self.locked("release", LockCommand::Release { address: &address, shard_id })
+                    .await?;
+                Ok(())
+            }
+            .instrument(span("release")),
+        )
+    }
+
+    fn release_all<'a>(
+        &'a self,
+        address: &'a RunnerAddress,
+    ) -> BoxFuture<'a, Result<(), StorageError>> {
+        Box::pin(
+            async move {
+                let address = address_text(address)?;
+                self.locked("release_all", LockCommand::ReleaseAll { address: &address }).await?;
+                Ok(())
+            }
+            .instrument(span("release_all")),
+        )
+    }
+}

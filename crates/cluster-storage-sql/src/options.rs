@@ -1,0 +1,133 @@
+//! What every SQL backend is configured with: the table prefix and the shard lock settings.
+
+use std::fmt;
+use std::time::Duration;
+
+use cluster_core::error::ConfigError;
+use cluster_core::{ShardGroup, ShardingConfig};
+
+/// The longest table prefix. The longest derived name, `<prefix>_replies_request_lookup_idx`,
+/// must fit PostgreSQL's 63-byte identifiers.
+pub const TABLE_PREFIX_LEN_MAX: usize = 32;
+
+/// A validated table prefix: an ASCII letter or `_`, then letters, digits or `_`, at most
+/// [`TABLE_PREFIX_LEN_MAX`] characters. It is spliced into SQL as an identifier, so anything
+/// else is refused: configuration can never inject SQL.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct TablePrefix(String);
+
+impl TablePrefix {
+    /// `prefix`, if it is a safe identifier.
+    pub fn new(prefix: &str) -> Result<TablePrefix, ConfigError> {
+        let reject = |reason: &str| Err(ConfigError::new("table_prefix", prefix, reason));
+        let mut chars = prefix.chars();
+        match chars.next() {
+            None => return reject("the prefix is empty"),
+            Some(first) if !(first.is_ascii_alphabetic() || first == '_') => {
+                return reject("the prefix must start with an ASCII letter or `_`");
+            }
+            Some(_) => {}
+        }
+        if !chars.all(|c| c.is_ascii_alphanumeric() || c == '_') {
+            return reject("the prefix may only hold ASCII letters, digits and `_`");
+        }
+        if prefix.len() > TABLE_PREFIX_LEN_MAX {
+            return reject("the prefix is longer than 32 characters");
+        }
+        Ok(TablePrefix(prefix.to_owned()))
+    }
+
+    /// The prefix text.
+    pub fn as_str(&self) -> &str {
+        &self.0
+    }
+
+    /// `<prefix>_<name>`.
+    pub fn table(&self, name: &str) -> String {
+        format!("{}_{name}", self.0)
+    }
+}
+
+impl Default for TablePrefix {
+    /// The reference's prefix, `cluster`.
+    fn default() -> TablePrefix {
+        TablePrefix("cluster".to_owned())
+    }
+}
+
+impl fmt::Display for TablePrefix {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+
+/// How shard locks are held.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum LockMode {
+    /// Session advisory locks (PostgreSQL `pg_try_advisory_lock`, MySQL `GET_LOCK`) on one
+    /// reserved connection; they live as long as the session. The default on PostgreSQL and
+    /// MySQL. SQLite has none and always uses leases.
+    Advisory,
+    /// Rows in the `<prefix>_locks` table with an acquisition time; a lease older than the
+    /// shard lock expiration can be taken over (`shardLockDisableAdvisory`).
+    Lease,
+}
+
+/// The settings shared by the SQL backends.
+#[derive(Clone, Debug)]
+pub struct SqlStorageOptions {
+    /// The table prefix (`cluster` by default).
+    pub prefix: TablePrefix,
+    /// How shard locks are held (ignored by SQLite, which always uses leases).
+    pub lock_mode: LockMode,
+    /// How long a lease lasts, how old a heartbeat may be, and the advisory lock session's idle
+    /// timeout.
+    pub shard_lock_expiration: Duration,
+    /// The deadline of every lock operation: `min(refresh interval, expiration / 3)`.
+    pub shard_lock_interval: Duration,
+    /// All shard groups of the cluster, sorted: a group's index gives its advisory lock numbers.
+    pub available_groups: Vec<ShardGroup>,
+}
+
+impl SqlStorageOptions {
+    /// The options of a runner configured with `config`, using `prefix`.
+    pub fn from_config(config: &ShardingConfig, prefix: TablePrefix) -> SqlStorageOptions {
+        let mut available_groups = config.available_shard_groups.clone();
+        available_groups.sort();
+        available_groups.dedup();
+        SqlStorageOptions {
+            prefix,
+            lock_mode: if config.shard_lock_disable_advisory {
+                LockMode::Lease
+            } else {
+                LockMode::Advisory
+            },
+            shard_lock_expiration: config.shard_lock_expiration,
+            shard_lock_interval: config.shard_lock_interval(),
+            available_groups,
+        }
+    }
+
+    /// The index of `group` among the sorted available groups.
+    pub fn group_index(&self, group: &ShardGroup) -> Option<u32> {
+        let index = self.available_groups.binary_search(group).ok()?;
+        u32::try_from(index).ok()
+    }
+
+    /// The shard lock expiration in whole seconds, rounded up (at least 1), as the reference
+    /// uses it for heartbeats, leases and MySQL's `wait_timeout`.
+    pub fn expiration_seconds(&self) -> u64 {
+        let expiration = self.shard_lock_expiration;
+        let seconds = expiration.as_secs() + u64::from(expiration.subsec_nanos() > 0);
+        seconds.max(1)
+    }
+}
+
+impl Default for SqlStorageOptions {
+    fn default() -> SqlStorageOptions {
+        SqlStorageOptions::from_config(&ShardingConfig::default(), TablePrefix::default())
+    }
+}
+
+#[cfg(test)]
+mod tests;

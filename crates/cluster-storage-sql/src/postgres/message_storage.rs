@@ -1,0 +1,881 @@
+//! [`PgMessageStorage`]: mailboxes and replies in `<prefix>_messages` and `<prefix>_replies`, on
+//! a connection pool (reference §5.2 to §5.5).
+//!
+//! Multi-step writes are single statements with data-modifying CTEs where the reference uses a
+//! transaction of several statements (saving a reply, saving an acknowledgement, clearing an
+//! address): PostgreSQL runs one statement atomically, so the effect is the same and it costs
+//! one round-trip. Every statement is prepared once per pooled connection.
+
+use std::any::Any;
+use std::fmt;
+use std::sync::{Arc, OnceLock};
+
+use cluster_core::envelope::{AckChunk, Interrupt, Reply, Request};
+use cluster_core::error::{StorageError, StorageErrorKind};
+use cluster_core::future::BoxFuture;
+use cluster_core::storage::{
+    MessageStorage, MessageTransaction, SaveRequestOptions, SaveResult, UnprocessedBatch,
+    UnprocessedOptions,
+};
+use cluster_core::{EntityAddress, ShardId, Snowflake, Timestamp};
+use deadpool_postgres::{ClientWrapper, Object, Pool};
+use postgres_types::ToSql;
+use tokio_postgres::Row;
+use tracing::Instrument;
+
+use crate::batch::Batcher;
+use crate::lock::advisory_namespace;
+use crate::options::{SqlStorageOptions, TablePrefix};
+use crate::row::{
+    self, LastReplyRow, MessageInsert, MessageRow, ReplyInsert, ReplyRow, id_from_sql, id_to_sql,
+};
+
+use super::queries::{self, MessageQueries, MigrationTarget};
+use super::{
+    column_error, driver_error, execute, migrate_on_pool, pool_error, pooled_execute, pooled_query,
+    settle,
+};
+
+/// The PostgreSQL [`MessageStorage`].
+///
+/// Cheap to clone (the pool and the statements are shared). Every method checks a connection
+/// out of the pool for one statement (or one short transaction) and gives it back.
+#[derive(Clone)]
+pub struct PgMessageStorage {
+    pool: Pool,
+    queries: Arc<MessageQueries>,
+    prefix: TablePrefix,
+    /// The group-commit writers, started on first use (that is, inside the runtime).
+    writers: Arc<OnceLock<Writers>>,
+}
+
+/// Group commit (DESIGN.md §3, decision 5): requests and replies saved concurrently are
+/// written together, with one multi-row statement and one commit per batch.
+struct Writers {
+    requests: Batcher<(Request, SaveRequestOptions), SaveResult>,
+    replies: Batcher<Reply, ()>,
+}
+
+/// How many writes wait for a batch writer before callers wait for room.
+const WRITE_QUEUE_CAPACITY: usize = 4096;
+
+/// The most rows one batch writes.
+const WRITE_BATCH_SIZE_MAX: usize = 256;
+
+impl Writers {
+    fn spawn(pool: &Pool, queries: &Arc<MessageQueries>) -> Writers {
+        let (request_pool, request_queries) = (pool.clone(), Arc::clone(queries));
+        let requests = Batcher::spawn(WRITE_QUEUE_CAPACITY, WRITE_BATCH_SIZE_MAX, move |inputs| {
+            let (pool, queries) = (request_pool.clone(), Arc::clone(&request_queries));
+            async move { save_requests(&pool, &queries, inputs).await }
+        });
+        let (reply_pool, reply_queries) = (pool.clone(), Arc::clone(queries));
+        let replies = Batcher::spawn(WRITE_QUEUE_CAPACITY, WRITE_BATCH_SIZE_MAX, move |inputs| {
+            let (pool, queries) = (reply_pool.clone(), Arc::clone(&reply_queries));
+            async move { save_replies(&pool, &queries, inputs).await }
+        });
+        Writers { requests, replies }
+    }
+}
+
+impl fmt::Debug for PgMessageStorage {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("PgMessageStorage").field("prefix", &self.prefix).finish_non_exhaustive()
+    }
+}
+
+impl PgMessageStorage {
+    /// Connects to `url` with a pool of [`POOL_SIZE_DEFAULT`](super::POOL_SIZE_DEFAULT)
+    /// connections, runs the migrations and returns the storage.
+    ///
+    /// # Cancel safety
+    ///
+    /// Cancel safe: the migrations run in one transaction, which a dropped future rolls back.
+    pub async fn connect(
+        url: &str,
+        options: &SqlStorageOptions,
+    ) -> Result<PgMessageStorage, StorageError> {
+        let pool = super::pool(super::parse_config(url)?, super::POOL_SIZE_DEFAULT)?;
+        PgMessageStorage::new(pool, options).await
+    }
+
+    /// Runs the migrations on `pool` and returns the storage (the reference's `layerWith`).
+    ///
+    /// # Cancel safety
+    ///
+    /// Cancel safe: the migrations run in one transaction, which a dropped future rolls back.
+    pub async fn new(
+        pool: Pool,
+        options: &SqlStorageOptions,
+    ) -> Result<PgMessageStorage, StorageError> {
+        PgMessageStorage::migrate(&pool, &options.prefix).await?;
+        Ok(PgMessageStorage::without_migrations(pool, options))
+    }
+
+    /// The storage on tables that were migrated elsewhere, for a role without DDL rights (the
+    /// reference's `layerStorage`). Runs no statement.
+    pub fn without_migrations(pool: Pool, options: &SqlStorageOptions) -> PgMessageStorage {
+        PgMessageStorage {
+            pool,
+            queries: Arc::new(MessageQueries::new(&options.prefix)),
+            prefix: options.prefix.clone(),
+            writers: Arc::new(OnceLock::new()),
+        }
+    }
+
+    /// Creates or upgrades `<prefix>_messages` and `<prefix>_replies` (history in
+    /// `<prefix>_migrations`); returns the ids of the migrations that ran. Idempotent, and safe
+    /// to run from several processes at once: they take turns on an advisory transaction lock.
+    ///
+    /// # Cancel safety
+    ///
+    /// Cancel safe: the migrations run in one transaction, which a dropped future rolls back.
+    pub async fn migrate(pool: &Pool, prefix: &TablePrefix) -> Result<Vec<i32>, StorageError> {
+        let migrations = queries::message_migrations(prefix);
+        let target = MigrationTarget {
+            history: queries::quoted(prefix, "migrations"),
+            lock: (advisory_namespace(prefix), queries::MESSAGE_MIGRATION_LOCK),
+            migrations: &migrations,
+        };
+        migrate_on_pool(pool, &target).await
+    }
+
+    /// The connection pool.
+    pub fn pool(&self) -> &Pool {
+        &self.pool
+    }
+
+    async fn client(&self, what: &str) -> Result<Object, StorageError> {
+        self.pool.get().await.map_err(|error| pool_error(what, error))
+    }
+
+    async fn query(
+        &self,
+        what: &str,
+        sql: &str,
+        params: &[&(dyn ToSql + Sync)],
+    ) -> Result<Vec<Row>, StorageError> {
+        pooled_query(&self.pool, what, sql, params).await
+    }
+
+    async fn execute(
+        &self,
+        what: &str,
+        sql: &str,
+        params: &[&(dyn ToSql + Sync)],
+    ) -> Result<u64, StorageError> {
+        pooled_execute(&self.pool, what, sql, params).await
+    }
+
+    fn writers(&self) -> &Writers {
+        self.writers.get_or_init(|| Writers::spawn(&self.pool, &self.queries))
+    }
+
+    async fn clear_replies_inner(
+        &self,
+        request_id: Snowflake,
+        expected_reply_id: Option<Snowflake>,
+    ) -> Result<(), StorageError> {
+        let what = "clear_replies";
+        let request_id = id_to_sql(request_id)?;
+        let expected_reply_id = expected_reply_id.map(id_to_sql).transpose()?;
+        let mut client = self.client(what).await?;
+        let result =
+            clear_replies_on(&mut client, &self.queries, request_id, expected_reply_id).await;
+        settle(client, result.as_ref().err());
+        result
+    }
+
+    async fn unprocessed_inner(
+        &self,
+        shard_ids: &[ShardId],
+        now: Timestamp,
+        options: UnprocessedOptions<'_>,
+    ) -> Result<UnprocessedBatch, StorageError> {
+        let shards: Vec<String> = shard_ids.iter().map(ShardId::to_string).collect();
+        let now = now.unix_millis();
+        let limit = options.limit.map(|limit| i64::from(limit.get()));
+        let rows = match options.addresses {
+            None => {
+                self.query("unprocessed_messages", &self.queries.claim, &[&shards, &now, &limit])
+                    .await?
+            }
+            Some(addresses) => {
+                let (address_shards, types, ids) = address_columns(addresses);
+                let params: [&(dyn ToSql + Sync); 6] =
+                    [&shards, &now, &limit, &address_shards, &types, &ids];
+                self.query("unprocessed_messages", &self.queries.claim_for_addresses, &params)
+                    .await?
+            }
+        };
+        message_rows(&rows)
+    }
+}
+
+/// Saves one request: insert, or report the stored request with the same primary key.
+async fn save_request_one(
+    pool: &Pool,
+    queries: &MessageQueries,
+    request: &Request,
+    options: &SaveRequestOptions,
+) -> Result<SaveResult, StorageError> {
+    let insert = MessageInsert::request(request, options)?;
+    let inserted =
+        pooled_query(pool, "save_request", &queries.insert_request, &insert_params(&insert))
+            .await?;
+    if !inserted.is_empty() {
+        return Ok(SaveResult::Success);
+    }
+    // Nothing was inserted: the message id is taken. The insert waited for a concurrent
+    // writer of the same key to commit, so this statement (with a new snapshot) sees it.
+    let Some(message_id) = insert.message_id.as_deref() else {
+        return Err(StorageError::new(
+            StorageErrorKind::Other,
+            "a request without a primary key was not inserted",
+        ));
+    };
+    let rows =
+        pooled_query(pool, "save_request: duplicate", &queries.select_duplicate, &[&message_id])
+            .await?;
+    let Some(row) = rows.first() else {
+        // The row that conflicted was deleted in between (clear_address): try again once.
+        let retried =
+            pooled_query(pool, "save_request", &queries.insert_request, &insert_params(&insert))
+                .await?;
+        return if retried.is_empty() {
+            Err(StorageError::new(
+                StorageErrorKind::Conflict,
+                "the request's primary key is taken and its row cannot be read",
+            ))
+        } else {
+            Ok(SaveResult::Success)
+        };
+    };
+    duplicate(row)
+}
+
+/// Saves a batch of requests with one multi-row insert (one commit). Requests whose primary
+/// key was taken are then resolved one by one as duplicates; if the batch statement fails (a
+/// reused request id), every request is saved on its own, so only the faulty one fails.
+async fn save_requests(
+    pool: &Pool,
+    queries: &MessageQueries,
+    inputs: Vec<(Request, SaveRequestOptions)>,
+) -> Vec<Result<SaveResult, StorageError>> {
+    if inputs.len() > 1
+        && let Ok(inserted) = insert_requests(pool, queries, &inputs).await
+    {
+        let mut results = Vec::with_capacity(inputs.len());
+        for (request, options) in &inputs {
+            let id = id_to_sql(request.request_id);
+            results.push(match id {
+                Ok(id) if inserted.contains(&id) => Ok(SaveResult::Success),
+                _ => save_request_one(pool, queries, request, options).await,
+            });
+        }
+        return results;
+    }
+    let mut results = Vec::with_capacity(inputs.len());
+    for (request, options) in &inputs {
+        results.push(save_request_one(pool, queries, request, options).await);
+    }
+    results
+}
+
+/// The multi-row insert of [`save_requests`]; returns the ids that were inserted.
+async fn insert_requests(
+    pool: &Pool,
+    queries: &MessageQueries,
+    inputs: &[(Request, SaveRequestOptions)],
+) -> Result<Vec<i64>, StorageError> {
+    let inserts = inputs
+        .iter()
+        .map(|(request, options)| MessageInsert::request(request, options))
+        .collect::<Result<Vec<_>, _>>()?;
+    let column = |f: &dyn Fn(&MessageInsert<'_>) -> Option<String>| -> Vec<Option<String>> {
+        inserts.iter().map(f).collect()
+    };
+    let ids: Vec<i64> = inserts.iter().map(|insert| insert.id).collect();
+    let message_ids = column(&|insert| insert.message_id.as_deref().map(str::to_owned));
+    let shard_ids = column(&|insert| Some(insert.shard_id.clone()));
+    let entity_types = column(&|insert| Some(insert.entity_type.to_owned()));
+    let entity_ids = column(&|insert| Some(insert.entity_id.to_owned()));
+    let kinds: Vec<i32> = inserts.iter().map(|insert| insert.kind).collect();
+    let tags = column(&|insert| insert.tag.map(str::to_owned));
+    let payloads = column(&|insert| insert.payload.map(str::to_owned));
+    let headers = column(&|insert| insert.headers.map(str::to_owned));
+    let trace_ids = column(&|insert| insert.trace_id.map(str::to_owned));
+    let span_ids = column(&|insert| insert.span_id.map(str::to_owned));
+    let sampled: Vec<Option<bool>> = inserts.iter().map(|insert| insert.sampled).collect();
+    let request_ids: Vec<i64> = inserts.iter().map(|insert| insert.request_id).collect();
+    let reply_ids: Vec<Option<i64>> = inserts.iter().map(|insert| insert.reply_id).collect();
+    let deliver_at: Vec<Option<i64>> = inserts.iter().map(|insert| insert.deliver_at).collect();
+    let params: [&(dyn ToSql + Sync); 15] = [
+        &ids,
+        &message_ids,
+        &shard_ids,
+        &entity_types,
+        &entity_ids,
+        &kinds,
+        &tags,
+        &payloads,
+        &headers,
+        &trace_ids,
+        &span_ids,
+        &sampled,
+        &request_ids,
+        &reply_ids,
+        &deliver_at,
+    ];
+    let rows = pooled_query(pool, "save_request: batch", &queries.insert_requests, &params).await?;
+    rows.iter().map(|row| row.try_get::<_, i64>(0).map_err(column_error)).collect()
+}
+
+/// Saves one reply.
+async fn save_reply_one(
+    pool: &Pool,
+    queries: &MessageQueries,
+    reply: &Reply,
+) -> Result<(), StorageError> {
+    let client = pool.get().await.map_err(|error| pool_error("save_reply", error))?;
+    let result = save_reply_on(&client, queries, reply).await;
+    settle(client, result.as_ref().err());
+    result
+}
+
+/// Saves a batch of replies with one statement (one commit) when they belong to distinct
+/// requests; otherwise, or if the batch statement fails (a second final reply), each reply is
+/// saved on its own, so only the faulty one fails.
+async fn save_replies(
+    pool: &Pool,
+    queries: &MessageQueries,
+    replies: Vec<Reply>,
+) -> Vec<Result<(), StorageError>> {
+    let mut request_ids: Vec<_> = replies.iter().map(Reply::request_id).collect();
+    request_ids.sort_unstable();
+    request_ids.dedup();
+    if replies.len() > 1
+        && request_ids.len() == replies.len()
+        && insert_replies(pool, queries, &replies).await.is_ok()
+    {
+        return replies.iter().map(|_| Ok(())).collect();
+    }
+    let mut results = Vec::with_capacity(replies.len());
+    for reply in &replies {
+        results.push(save_reply_one(pool, queries, reply).await);
+    }
+    results
+}
+
+async fn insert_replies(
+    pool: &Pool,
+    queries: &MessageQueries,
+    replies: &[Reply],
+) -> Result<(), StorageError> {
+    let inserts = replies.iter().map(ReplyInsert::new).collect::<Result<Vec<_>, _>>()?;
+    let ids: Vec<i64> = inserts.iter().map(|insert| insert.id).collect();
+    let kinds: Vec<Option<i32>> = inserts.iter().map(|insert| insert.kind).collect();
+    let request_ids: Vec<i64> = inserts.iter().map(|insert| insert.request_id).collect();
+    let payloads: Vec<&str> = inserts.iter().map(|insert| insert.payload.as_str()).collect();
+    let sequences: Vec<Option<i32>> = inserts.iter().map(|insert| insert.sequence).collect();
+    let params: [&(dyn ToSql + Sync); 5] = [&ids, &kinds, &request_ids, &payloads, &sequences];
+    pooled_execute(pool, "save_reply: batch", &queries.save_replies, &params).await.map(drop)
+}
+
+/// The address filter as three parallel columns `(shard_id, entity_type, entity_id)`, from the
+/// reference's grouping ([`row::group_addresses`]), matched with `IN (SELECT * FROM
+/// unnest(...))`: one prepared statement for any number of addresses and groups, matching the
+/// same rows as the reference's `OR` of `(shard, type, ids)` clauses.
+fn address_columns(addresses: &[EntityAddress]) -> (Vec<String>, Vec<&str>, Vec<&str>) {
+    let mut shards = Vec::with_capacity(addresses.len());
+    let mut types = Vec::with_capacity(addresses.len());
+    let mut ids = Vec::with_capacity(addresses.len());
+    for (shard_id, entity_type, entity_ids) in row::group_addresses(addresses) {
+        for entity_id in entity_ids {
+            shards.push(shard_id.clone());
+            types.push(entity_type);
+            ids.push(entity_id);
+        }
+    }
+    (shards, types, ids)
+}
+
+/// The parameters `$1..$15` of a message insert.
+fn insert_params<'a>(insert: &'a MessageInsert<'_>) -> [&'a (dyn ToSql + Sync); 15] {
+    [
+        &insert.id,
+        &insert.message_id,
+        &insert.shard_id,
+        &insert.entity_type,
+        &insert.entity_id,
+        &insert.kind,
+        &insert.tag,
+        &insert.payload,
+        &insert.headers,
+        &insert.trace_id,
+        &insert.span_id,
+        &insert.sampled,
+        &insert.request_id,
+        &insert.reply_id,
+        &insert.deliver_at,
+    ]
+}
+
+/// `SaveResult::Duplicate` from a `select_duplicate` row (`m.id, r.id, r.kind, r.payload,
+/// r.sequence`). The reply is addressed to the stored request, as the reference does.
+fn duplicate(row: &Row) -> Result<SaveResult, StorageError> {
+    let original_id: i64 = row.try_get(0).map_err(column_error)?;
+    let reply_id: Option<i64> = row.try_get(1).map_err(column_error)?;
+    let last_received_reply = match reply_id {
+        None => None,
+        Some(id) => Some(
+            ReplyRow {
+                id,
+                kind: row.try_get(2).map_err(column_error)?,
+                request_id: original_id,
+                payload: row.try_get(3).map_err(column_error)?,
+                sequence: row.try_get(4).map_err(column_error)?,
+            }
+            .decode()?,
+        ),
+    };
+    let original_id = id_from_sql(original_id).map_err(|error| {
+        StorageError::with_source(StorageErrorKind::Malformed, "unreadable message id", error)
+    })?;
+    Ok(SaveResult::Duplicate { original_id, last_received_reply })
+}
+
+/// Saves `reply` on `client` (a pooled connection, or one inside a transaction).
+async fn save_reply_on(
+    client: &ClientWrapper,
+    queries: &MessageQueries,
+    reply: &Reply,
+) -> Result<(), StorageError> {
+    let insert = ReplyInsert::new(reply)?;
+    let sql = if reply.is_final() { &queries.save_exit } else { &queries.save_chunk };
+    let params: [&(dyn ToSql + Sync); 5] =
+        [&insert.id, &insert.kind, &insert.request_id, &insert.payload, &insert.sequence];
+    execute(client, "save_reply", sql, &params).await.map(drop)
+}
+
+/// `clear_replies` in one transaction. With an expected reply id, the request row is locked
+/// first and the reset happens only if its latest reply is still that one (a concurrent
+/// `save_reply` either commits first, and then the check fails, or waits for this transaction).
+async fn clear_replies_on(
+    client: &mut ClientWrapper,
+    queries: &MessageQueries,
+    request_id: i64,
+    expected_reply_id: Option<i64>,
+) -> Result<(), StorageError> {
+    let what = "clear_replies";
+    let fail = |error| driver_error(what, error);
+    // Dropped before commit (an error, or a dropped future), the transaction sends ROLLBACK.
+    let transaction = client.transaction().await.map_err(fail)?;
+    if let Some(expected_reply_id) = expected_reply_id {
+        // The reference's conditional reset: the final reply goes and the rows whose latest
+        // reply it was are reset; interrupts are kept.
+        let statement = transaction.prepare_cached(&queries.lock_if_latest).await.map_err(fail)?;
+        let latest = transaction
+            .query_opt(&statement, &[&request_id, &expected_reply_id])
+            .await
+            .map_err(fail)?;
+        if latest.is_some() {
+            let statement = transaction.prepare_cached(&queries.delete_exit).await.map_err(fail)?;
+            transaction.execute(&statement, &[&request_id]).await.map_err(fail)?;
+            let statement =
+                transaction.prepare_cached(&queries.reset_request_if_latest).await.map_err(fail)?;
+            transaction
+                .execute(&statement, &[&request_id, &expected_reply_id])
+                .await
+                .map_err(fail)?;
+        }
+        return transaction.commit().await.map_err(fail);
+    }
+    for sql in [&queries.delete_exit, &queries.delete_interrupts, &queries.reset_request] {
+        let statement = transaction.prepare_cached(sql).await.map_err(fail)?;
+        transaction.execute(&statement, &[&request_id]).await.map_err(fail)?;
+    }
+    transaction.commit().await.map_err(fail)
+}
+
+/// Message rows (`MESSAGE_ROW_COLUMNS`) as a batch; rows that cannot be decoded are reported
+/// as malformed.
+fn message_rows(rows: &[Row]) -> Result<UnprocessedBatch, StorageError> {
+    let rows = rows.iter().map(message_row).collect::<Result<Vec<_>, _>>()?;
+    Ok(row::into_batch(rows))
+}
+
+fn message_row(row: &Row) -> Result<MessageRow, StorageError> {
+    let last_reply_id: Option<i64> = row.try_get(13).map_err(column_error)?;
+    let last_reply = match last_reply_id {
+        None => None,
+        Some(id) => Some(LastReplyRow {
+            id,
+            payload: row.try_get(14).map_err(column_error)?,
+            sequence: row.try_get(15).map_err(column_error)?,
+        }),
+    };
+    Ok(MessageRow {
+        id: row.try_get(0).map_err(column_error)?,
+        shard_id: row.try_get(1).map_err(column_error)?,
+        entity_type: row.try_get(2).map_err(column_error)?,
+        entity_id: row.try_get(3).map_err(column_error)?,
+        kind: row.try_get(4).map_err(column_error)?,
+        tag: row.try_get(5).map_err(column_error)?,
+        payload: row.try_get(6).map_err(column_error)?,
+        headers: row.try_get(7).map_err(column_error)?,
+        trace_id: row.try_get(8).map_err(column_error)?,
+        span_id: row.try_get(9).map_err(column_error)?,
+        sampled: row.try_get(10).map_err(column_error)?,
+        request_id: row.try_get(11).map_err(column_error)?,
+        reply_id: row.try_get(12).map_err(column_error)?,
+        last_reply,
+    })
+}
+
+fn reply_rows(rows: &[Row]) -> Result<Vec<Reply>, StorageError> {
+    rows.iter()
+        .map(|row| {
+            ReplyRow {
+                id: row.try_get(0).map_err(column_error)?,
+                kind: row.try_get(1).map_err(column_error)?,
+                request_id: row.try_get(2).map_err(column_error)?,
+                payload: row.try_get(3).map_err(column_error)?,
+                sequence: row.try_get(4).map_err(column_error)?,
+            }
+            .decode()
+        })
+        .collect()
+}
+
+fn ids_to_sql(ids: &[Snowflake]) -> Result<Vec<i64>, StorageError> {
+    ids.iter().copied().map(id_to_sql).collect()
+}
+
+fn span(operation: &'static str) -> tracing::Span {
+    tracing::debug_span!("message_storage", backend = "postgres", operation)
+}
+
+impl MessageStorage for PgMessageStorage {
+    fn save_request<'a>(
+        &'a self,
+        request: &'a Request,
+        options: &'a SaveRequestOptions,
+    ) -> BoxFuture<'a, Result<SaveResult, StorageError>> {
+        let input = (request.clone(), options.clone());
+        Box::pin(self.writers().requests.submit(input).instrument(span("save_request")))
+    }
+
+    fn save_ack_chunk<'a>(&'a self, ack: &'a AckChunk) -> BoxFuture<'a, Result<(), StorageError>> {
+        Box::pin(
+            async move {
+                let insert = MessageInsert::ack_chunk(ack)?;
+                self.execute(
+                    "save_ack_chunk",
+                    &self.queries.insert_ack_chunk,
+                    &insert_params(&insert),
+                )
+                .await
+                .map(drop)
+            }
+            .instrument(span("save_ack_chunk")),
+        )
+    }
+
+    fn save_interrupt<'a>(
+        &'a self,
+        interrupt: &'a Interrupt,
+    ) -> BoxFuture<'a, Result<(), StorageError>> {
+        Box::pin(
+            async move {
+                let insert = MessageInsert::interrupt(interrupt)?;
+                self.execute(
+                    "save_interrupt",
+                    &self.queries.insert_interrupt,
+                    &insert_params(&insert),
+                )
+                .await
+                .map(drop)
+            }
+            .instrument(span("save_interrupt")),
+        )
+    }
+
+    fn save_reply<'a>(&'a self, reply: &'a Reply) -> BoxFuture<'a, Result<(), StorageError>> {
+        Box::pin(self.writers().replies.submit(reply.clone()).instrument(span("save_reply")))
+    }
+
+    fn clear_replies(
+        &self,
+        request_id: Snowflake,
+        expected_reply_id: Option<Snowflake>,
+    ) -> BoxFuture<'_, Result<(), StorageError>> {
+        Box::pin(
+            self.clear_replies_inner(request_id, expected_reply_id)
+                .instrument(span("clear_replies")),
+        )
+    }
+
+    fn request_id_for_primary_key<'a>(
+        &'a self,
+        primary_key: &'a str,
+    ) -> BoxFuture<'a, Result<Option<Snowflake>, StorageError>> {
+        Box::pin(
+            async move {
+                let message_id = cluster_core::envelope::message_id(primary_key);
+                let sql = &self.queries.request_id_for_message_id;
+                let rows = self.query("request_id_for_primary_key", sql, &[&message_id]).await?;
+                let Some(row) = rows.first() else { return Ok(None) };
+                let id: i64 = row.try_get(0).map_err(column_error)?;
+                id_from_sql(id).map(Some).map_err(|error| {
+                    StorageError::with_source(StorageErrorKind::Malformed, "unreadable id", error)
+                })
+            }
+            .instrument(span("request_id_for_primary_key")),
+        )
+    }
+
+    fn replies_for<'a>(
+        &'a self,
+        request_ids: &'a [Snowflake],
+    ) -> BoxFuture<'a, Result<Vec<Reply>, StorageError>> {
+        Box::pin(
+            async move {
+                if request_ids.is_empty() {
+                    return Ok(Vec::new());
+                }
+                let ids = ids_to_sql(request_ids)?;
+                reply_rows(&self.query("replies_for", &self.queries.replies_for, &[&ids]).await?)
+            }
+            .instrument(span("replies_for")),
+        )
+    }
+
+    fn replies_for_unfiltered<'a>(
+        &'a self,
+        request_ids: &'a [Snowflake],
+    ) -> BoxFuture<'a, Result<Vec<Reply>, StorageError>> {
+        Box::pin(
+            async move {
+                if request_ids.is_empty() {
+                    return Ok(Vec::new());
+                }
+                let ids = ids_to_sql(request_ids)?;
+                let sql = &self.queries.replies_for_unfiltered;
+                reply_rows(&self.query("replies_for_unfiltered", sql, &[&ids]).await?)
+            }
+            .instrument(span("replies_for_unfiltered")),
+        )
+    }
+
+    fn unprocessed_messages<'a>(
+        &'a self,
+        shard_ids: &'a [ShardId],
+        now: Timestamp,
+        options: UnprocessedOptions<'a>,
+    ) -> BoxFuture<'a, Result<UnprocessedBatch, StorageError>> {
+        Box::pin(
+            async move {
+                if shard_ids.is_empty() || options.addresses.is_some_and(<[_]>::is_empty) {
+                    return Ok(UnprocessedBatch::default());
+                }
+                self.unprocessed_inner(shard_ids, now, options).await
+            }
+            .instrument(span("unprocessed_messages")),
+        )
+    }
+
+    fn unprocessed_messages_by_id<'a>(
+        &'a self,
+        ids: &'a [Snowflake],
+        now: Timestamp,
+    ) -> BoxFuture<'a, Result<UnprocessedBatch, StorageError>> {
+        Box::pin(
+            async move {
+                if ids.is_empty() {
+                    return Ok(UnprocessedBatch::default());
+                }
+                let ids = ids_to_sql(ids)?;
+                let now = now.unix_millis();
+                let sql = &self.queries.unprocessed_by_id;
+                message_rows(&self.query("unprocessed_messages_by_id", sql, &[&ids, &now]).await?)
+            }
+            .instrument(span("unprocessed_messages_by_id")),
+        )
+    }
+
+    fn reset_requests<'a>(
+        &'a self,
+        request_ids: &'a [Snowflake],
+    ) -> BoxFuture<'a, Result<(), StorageError>> {
+        Box::pin(
+            async move {
+                if request_ids.is_empty() {
+                    return Ok(());
+                }
+                let ids = ids_to_sql(request_ids)?;
+                self.execute("reset_requests", &self.queries.reset_requests, &[&ids])
+                    .await
+                    .map(drop)
+            }
+            .instrument(span("reset_requests")),
+        )
+    }
+
+    fn reset_addresses<'a>(
+        &'a self,
+        addresses: &'a [EntityAddress],
+    ) -> BoxFuture<'a, Result<(), StorageError>> {
+        Box::pin(
+            async move {
+                if addresses.is_empty() {
+                    return Ok(());
+                }
+                let (shards, types, ids) = address_columns(addresses);
+                let sql = &self.queries.reset_addresses;
+                self.execute("reset_addresses", sql, &[&shards, &types, &ids]).await.map(drop)
+            }
+            .instrument(span("reset_addresses")),
+        )
+    }
+
+    fn reset_shards<'a>(
+        &'a self,
+        shard_ids: &'a [ShardId],
+    ) -> BoxFuture<'a, Result<(), StorageError>> {
+        Box::pin(
+            async move {
+                if shard_ids.is_empty() {
+                    return Ok(());
+                }
+                let shards: Vec<String> = shard_ids.iter().map(ShardId::to_string).collect();
+                self.execute("reset_shards", &self.queries.reset_shards, &[&shards]).await.map(drop)
+            }
+            .instrument(span("reset_shards")),
+        )
+    }
+
+    fn clear_address<'a>(
+        &'a self,
+        address: &'a EntityAddress,
+    ) -> BoxFuture<'a, Result<(), StorageError>> {
+        Box::pin(
+            async move {
+                let entity_type = address.entity_type.as_str();
+                let entity_id = address.entity_id.as_str();
+                let sql = &self.queries.clear_address;
+                self.execute("clear_address", sql, &[&entity_type, &entity_id]).await.map(drop)
+            }
+            .instrument(span("clear_address")),
+        )
+    }
+
+    fn begin_transaction(
+        &self,
+    ) -> BoxFuture<'_, Result<Box<dyn MessageTransaction>, StorageError>> {
+        Box::pin(
+            async move {
+                let client = self.client("begin_transaction").await?;
+                // The guard exists before BEGIN is sent: if this future is dropped while BEGIN
+                // is in flight, the connection is closed instead of going back to the pool
+                // inside a transaction.
+                let transaction = PgTransaction {
+                    client: Some(client),
+                    queries: Arc::clone(&self.queries),
+                    closed: (),
+                };
+                transaction.simple("begin_transaction", "BEGIN").await?;
+                Ok(Box::new(transaction) as Box<dyn MessageTransaction>)
+            }
+            .instrument(span("begin_transaction")),
+        )
+    }
+}
+
+/// An open transaction on one pooled connection (`BEGIN` was sent).
+///
+/// [`backend`](MessageTransaction::backend) is the [`deadpool_postgres::Object`] (a
+/// `tokio_postgres::Client` through `Deref`): the handler runs its own statements on it and
+/// they commit or roll back with the saved replies. The handler must not send `COMMIT` or
+/// `ROLLBACK` itself.
+///
+/// Dropped without [`commit`](MessageTransaction::commit) or
+/// [`rollback`](MessageTransaction::rollback), the connection is closed rather than given back
+/// to the pool, and the server rolls the transaction back when the session ends.
+pub struct PgTransaction {
+    /// `None` once committed or rolled back (both consume the transaction).
+    client: Option<Object>,
+    queries: Arc<MessageQueries>,
+    /// What [`MessageTransaction::backend`] lends when there is no connection.
+    closed: (),
+}
+
+impl fmt::Debug for PgTransaction {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("PgTransaction").field("open", &self.client.is_some()).finish()
+    }
+}
+
+impl PgTransaction {
+    fn connection(&self) -> Result<&ClientWrapper, StorageError> {
+        self.client.as_deref().ok_or_else(|| {
+            StorageError::new(StorageErrorKind::Other, "the transaction is already finished")
+        })
+    }
+
+    async fn simple(&self, what: &str, sql: &str) -> Result<(), StorageError> {
+        let client = self.connection()?;
+        client.batch_execute(sql).await.map_err(|error| driver_error(what, error))
+    }
+
+    /// Sends `sql` (`COMMIT` or `ROLLBACK`) and gives the connection back, or closes it if the
+    /// statement failed.
+    async fn finish(mut self, what: &str, sql: &str) -> Result<(), StorageError> {
+        let result = self.simple(what, sql).await;
+        if let Some(client) = self.client.take() {
+            if result.is_ok() {
+                drop(client);
+            } else {
+                // The session may still be inside the transaction: never reuse it.
+                drop(Object::take(client));
+            }
+        }
+        result
+    }
+}
+
+impl Drop for PgTransaction {
+    fn drop(&mut self) {
+        if let Some(client) = self.client.take() {
+            tracing::debug!("transaction dropped while open: closing its connection");
+            drop(Object::take(client));
+        }
+    }
+}
+
+impl MessageTransaction for PgTransaction {
+    fn save_reply<'a>(&'a mut self, reply: &'a Reply) -> BoxFuture<'a, Result<(), StorageError>> {
+        Box::pin(
+            async move { save_reply_on(self.connection()?, &self.queries, reply).await }
+                .instrument(span("transaction.save_reply")),
+        )
+    }
+
+    fn backend(&mut self) -> &mut (dyn Any + Send) {
+        match &mut self.client {
+            Some(client) => client,
+            None => &mut self.closed,
+        }
+    }
+
+    fn commit(self: Box<Self>) -> BoxFuture<'static, Result<(), StorageError>> {
+        // `SELECT 1` first: in a transaction that already failed, PostgreSQL answers a bare
+        // `COMMIT` by rolling back without an error; the `SELECT` fails instead (SQLSTATE
+        // 25P02), so a failed transaction is never reported as committed.
+        Box::pin((*self).finish("commit", "SELECT 1; COMMIT").instrument(span("commit")))
+    }
+
+    fn rollback(self: Box<Self>) -> BoxFuture<'static, Result<(), StorageError>> {
+        Box::pin((*self).finish("rollback", "ROLLBACK").instrument(span("rollback")))
+    }
+}

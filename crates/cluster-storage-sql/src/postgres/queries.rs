@@ -1,0 +1,560 @@
+//! Every SQL text of the PostgreSQL backend, and its migrations.
+//!
+//! Texts are built once per storage, when it is made, from the validated
+//! [`TablePrefix`](crate::TablePrefix) (always quoted, so mixed-case prefixes name the same tables
+//! as the reference's quoted identifiers) and from configured numbers; every user value is a
+//! bind parameter. Statements are prepared once per pooled connection (`prepare_cached`).
+//!
+//! The DDL is the reference's (effect 4.1.0 `SqlMessageStorage.migrations` and
+//! `SqlRunnerStorage.migrations`, PostgreSQL dialect), and the histories are recorded as its
+//! `Migrator` records them, so a database migrated by either side is recognised by the other.
+
+use cluster_core::error::StorageError;
+use cluster_core::storage::CLAIM_WINDOW;
+
+use crate::options::TablePrefix;
+use crate::row::{MESSAGE_KIND_ACK_CHUNK, MESSAGE_KIND_INTERRUPT, REPLY_KIND_WITH_EXIT};
+
+use super::{column_error, driver_error};
+
+// The claim window is spliced into the claim statement in whole seconds.
+const _: () = assert!(CLAIM_WINDOW.subsec_nanos() == 0 && CLAIM_WINDOW.as_secs() > 0);
+// The kinds are spliced into statements as literals; they are small constants.
+const _: () = assert!(MESSAGE_KIND_ACK_CHUNK == 1 && MESSAGE_KIND_INTERRUPT == 2);
+const _: () = assert!(REPLY_KIND_WITH_EXIT == 0);
+
+/// `<prefix>_<name>` as a quoted identifier. The prefix holds only ASCII letters, digits and
+/// `_` (checked by [`TablePrefix::new`]), so quoting cannot be escaped.
+pub(crate) fn quoted(prefix: &TablePrefix, name: &str) -> String {
+    format!("\"{}\"", prefix.table(name))
+}
+
+/// The columns of a message insert, in the order of [`MessageQueries::insert_request`]'s
+/// parameters `$1..$15`.
+const MESSAGE_INSERT_COLUMNS: &str = "id, message_id, shard_id, entity_type, entity_id, kind, \
+     tag, payload, headers, trace_id, span_id, sampled, request_id, reply_id, deliver_at";
+const MESSAGE_INSERT_VALUES: &str =
+    "$1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14, $15";
+
+/// The columns read into a `MessageRow` (`m` the message, `r` the reply at `last_reply_id`).
+const MESSAGE_ROW_COLUMNS: &str = "m.id, m.shard_id, m.entity_type, m.entity_id, m.kind, m.tag, \
+     m.payload, m.headers, m.trace_id, m.span_id, m.sampled, m.request_id, m.reply_id, r.id, \
+     r.payload, r.sequence";
+
+/// The statements of [`PgMessageStorage`](super::PgMessageStorage).
+#[derive(Debug)]
+pub(crate) struct MessageQueries {
+    /// Insert a request; `RETURNING id` is empty when its `message_id` is taken.
+    pub(crate) insert_request: String,
+    /// Insert many requests (group commit): `$1..$15` are arrays of the insert columns;
+    /// `RETURNING id` lists the inserted ones.
+    pub(crate) insert_requests: String,
+    /// Save many replies (group commit): `$1..$5` are arrays of `(id, kind, request_id,
+    /// payload, sequence)`, one reply per request.
+    pub(crate) save_replies: String,
+    /// The stored request with `message_id = $1` and the reply at its `last_reply_id`.
+    pub(crate) select_duplicate: String,
+    /// Acknowledge the chunk `$14`, mark older acknowledgements of `$13` processed, insert.
+    pub(crate) insert_ack_chunk: String,
+    /// Insert an interrupt (a retried save inserts nothing).
+    pub(crate) insert_interrupt: String,
+    /// `$1 id, $2 kind, $3 request_id, $4 payload, $5 sequence`: a chunk and the request's
+    /// `last_reply_id`, in one statement.
+    pub(crate) save_chunk: String,
+    /// Like `save_chunk` for a final reply: every row of the request becomes processed.
+    pub(crate) save_exit: String,
+    /// Locks the request row `$1` if its `last_reply_id` is `$2`.
+    pub(crate) lock_if_latest: String,
+    /// Deletes the final reply of `$1`.
+    pub(crate) delete_exit: String,
+    /// Deletes the interrupts of `$1`.
+    pub(crate) delete_interrupts: String,
+    /// Marks every row of `$1` unprocessed, unclaimed, without a latest reply.
+    /// Reset the rows of request `$1` whose latest reply is `$2` (the conditional reset).
+    pub(crate) reset_request_if_latest: String,
+    pub(crate) reset_request: String,
+    /// The id of the request with `message_id = $1`.
+    pub(crate) request_id_for_message_id: String,
+    /// Final replies and unacknowledged chunks of the requests `$1`.
+    pub(crate) replies_for: String,
+    /// Every reply of the requests `$1`.
+    pub(crate) replies_for_unfiltered: String,
+    /// Claims unprocessed messages of shards `$1`, due at `$2`, at most `$3` (NULL: all).
+    pub(crate) claim: String,
+    /// `claim` restricted to the addresses `($4, $5, $6)` (parallel arrays).
+    pub(crate) claim_for_addresses: String,
+    /// Unprocessed messages with ids `$1`, due at `$2`, not claimed.
+    pub(crate) unprocessed_by_id: String,
+    /// Releases the claims of the requests `$1`.
+    pub(crate) reset_requests: String,
+    /// Releases the claims of the addresses `($1, $2, $3)`.
+    pub(crate) reset_addresses: String,
+    /// Releases the claims of the shards `$1`.
+    pub(crate) reset_shards: String,
+    /// Deletes every message and reply of entity type `$1`, id `$2`.
+    pub(crate) clear_address: String,
+}
+
+impl MessageQueries {
+    #[expect(clippy::too_many_lines, reason = "a table of SQL statements, one per field")]
+    pub(crate) fn new(prefix: &TablePrefix) -> MessageQueries {
+        let messages = quoted(prefix, "messages");
+        let replies = quoted(prefix, "replies");
+        MessageQueries {
+            insert_request: format!(
+                "INSERT INTO {messages} ({MESSAGE_INSERT_COLUMNS}) VALUES ({MESSAGE_INSERT_VALUES}) \
+                 ON CONFLICT (message_id) DO NOTHING RETURNING id"
+            ),
+            insert_requests: format!(
+                "INSERT INTO {messages} ({MESSAGE_INSERT_COLUMNS}) \
+                 SELECT * FROM unnest($1::bigint[], $2::text[], $3::text[], $4::text[], \
+                 $5::text[], $6::int[], $7::text[], $8::text[], $9::text[], $10::text[], \
+                 $11::text[], $12::bool[], $13::bigint[], $14::bigint[], $15::bigint[]) \
+                 ON CONFLICT (message_id) DO NOTHING RETURNING id"
+            ),
+            save_replies: format!(
+                "WITH input AS ( \
+                   SELECT * FROM unnest($1::bigint[], $2::int[], $3::bigint[], $4::text[], \
+                   $5::int[]) AS i (id, kind, request_id, payload, sequence) \
+                 ), \
+                 chunks AS ( \
+                   UPDATE {messages} m SET last_reply_id = i.id FROM input i \
+                   WHERE i.kind IS NULL AND m.id = i.request_id \
+                 ), \
+                 exits AS ( \
+                   UPDATE {messages} m SET processed = TRUE, last_reply_id = i.id FROM input i \
+                   WHERE i.kind = 0 AND m.request_id = i.request_id \
+                 ) \
+                 INSERT INTO {replies} (id, kind, request_id, payload, sequence) \
+                 SELECT id, kind, request_id, payload, sequence FROM input"
+            ),
+            select_duplicate: format!(
+                "SELECT m.id, r.id, r.kind, r.payload, r.sequence FROM {messages} m \
+                 LEFT JOIN {replies} r ON r.id = m.last_reply_id WHERE m.message_id = $1"
+            ),
+            insert_ack_chunk: format!(
+                "WITH acked AS (UPDATE {replies} SET acked = TRUE WHERE id = $14), \
+                 older AS ( \
+                   UPDATE {messages} SET processed = TRUE \
+                   WHERE processed = FALSE AND request_id = $13 AND kind = 1 AND id <> $1 \
+                 ) \
+                 INSERT INTO {messages} ({MESSAGE_INSERT_COLUMNS}) VALUES ({MESSAGE_INSERT_VALUES}) \
+                 ON CONFLICT (id) DO NOTHING"
+            ),
+            insert_interrupt: format!(
+                "INSERT INTO {messages} ({MESSAGE_INSERT_COLUMNS}) VALUES ({MESSAGE_INSERT_VALUES}) \
+                 ON CONFLICT (id) DO NOTHING"
+            ),
+            save_chunk: format!(
+                "WITH latest AS (UPDATE {messages} SET last_reply_id = $1 WHERE id = $3) \
+                 INSERT INTO {replies} (id, kind, request_id, payload, sequence) \
+                 VALUES ($1, $2, $3, $4, $5)"
+            ),
+            save_exit: format!(
+                "WITH done AS ( \
+                   UPDATE {messages} SET processed = TRUE, last_reply_id = $1 WHERE request_id = $3 \
+                 ) \
+                 INSERT INTO {replies} (id, kind, request_id, payload, sequence) \
+                 VALUES ($1, $2, $3, $4, $5)"
+            ),
+            lock_if_latest: format!(
+                "SELECT 1 FROM {messages} WHERE id = $1 AND last_reply_id = $2 FOR UPDATE"
+            ),
+            delete_exit: format!("DELETE FROM {replies} WHERE request_id = $1 AND kind = 0"),
+            delete_interrupts: format!("DELETE FROM {messages} WHERE request_id = $1 AND kind = 2"),
+            reset_request_if_latest: format!(
+                "UPDATE {messages} SET processed = FALSE, last_reply_id = NULL, last_read = NULL \
+                 WHERE request_id = $1 AND last_reply_id = $2"
+            ),
+            reset_request: format!(
+                "UPDATE {messages} SET processed = FALSE, last_reply_id = NULL, last_read = NULL \
+                 WHERE request_id = $1"
+            ),
+            request_id_for_message_id: format!("SELECT id FROM {messages} WHERE message_id = $1"),
+            replies_for: format!(
+                "SELECT id, kind, request_id, payload, sequence FROM {replies} \
+                 WHERE request_id = ANY($1) AND (kind = 0 OR (kind IS NULL AND acked = FALSE)) \
+                 ORDER BY rowid ASC"
+            ),
+            replies_for_unfiltered: format!(
+                "SELECT id, kind, request_id, payload, sequence FROM {replies} \
+                 WHERE request_id = ANY($1) ORDER BY rowid ASC"
+            ),
+            claim: claim(&messages, &replies, ""),
+            claim_for_addresses: claim(
+                &messages,
+                &replies,
+                "AND (m.shard_id, m.entity_type, m.entity_id) IN \
+                 (SELECT * FROM unnest($4::text[], $5::text[], $6::text[]))",
+            ),
+            unprocessed_by_id: format!(
+                "SELECT {MESSAGE_ROW_COLUMNS} \
+                 FROM {messages} m LEFT JOIN {replies} r ON r.id = m.last_reply_id \
+                 WHERE m.id = ANY($1) AND m.processed = FALSE \
+                 AND (m.deliver_at IS NULL OR m.deliver_at <= $2) \
+                 AND {} \
+                 ORDER BY m.rowid ASC",
+                no_pending_reply(&replies)
+            ),
+            reset_requests: reset(&messages, "request_id = ANY($1)"),
+            reset_addresses: reset(
+                &messages,
+                "(shard_id, entity_type, entity_id) IN \
+                 (SELECT * FROM unnest($1::text[], $2::text[], $3::text[]))",
+            ),
+            reset_shards: reset(&messages, "shard_id = ANY($1)"),
+            clear_address: format!(
+                "WITH gone AS ( \
+                   DELETE FROM {messages} WHERE entity_type = $1 AND entity_id = $2 RETURNING id \
+                 ) \
+                 DELETE FROM {replies} WHERE request_id IN (SELECT id FROM gone)"
+            ),
+        }
+    }
+}
+
+/// A request is waiting while it has a final reply or an unacknowledged chunk (then its stream
+/// waits for the acknowledgement); this holds its acknowledgements and interrupts back too.
+fn no_pending_reply(replies: &str) -> String {
+    format!(
+        "NOT EXISTS (SELECT 1 FROM {replies} p WHERE p.request_id = m.request_id \
+         AND (p.kind = 0 OR p.acked = FALSE))"
+    )
+}
+
+/// The claim (reference §5.3): lock the due, unclaimed, unprocessed rows in rowid order, stamp
+/// `last_read`, return them with the reply at their `last_reply_id`.
+fn claim(messages: &str, replies: &str, address_filter: &str) -> String {
+    let claim_window_secs = CLAIM_WINDOW.as_secs();
+    let no_pending_reply = no_pending_reply(replies);
+    format!(
+        "WITH claimed AS ( \
+           UPDATE {messages} c SET last_read = NOW() \
+           FROM ( \
+             SELECT m.id FROM {messages} m \
+             WHERE m.shard_id = ANY($1) {address_filter} \
+             AND m.processed = FALSE \
+             AND (m.last_read IS NULL \
+                  OR m.last_read < NOW() - INTERVAL '{claim_window_secs} seconds') \
+             AND (m.deliver_at IS NULL OR m.deliver_at <= $2) \
+             AND {no_pending_reply} \
+             ORDER BY m.rowid ASC \
+             LIMIT $3 \
+             FOR UPDATE \
+           ) AS picked \
+           WHERE c.id = picked.id \
+           RETURNING c.* \
+         ) \
+         SELECT {MESSAGE_ROW_COLUMNS} \
+         FROM claimed m LEFT JOIN {replies} r ON r.id = m.last_reply_id \
+         ORDER BY m.rowid ASC"
+    )
+}
+
+/// Releases the claims of the unprocessed rows matching `filter`, locking them in the claim's
+/// order (rowid) so that a reset and a claim cannot deadlock.
+fn reset(messages: &str, filter: &str) -> String {
+    format!(
+        "WITH target AS ( \
+           SELECT id FROM {messages} \
+           WHERE processed = FALSE AND last_read IS NOT NULL AND {filter} \
+           ORDER BY rowid ASC FOR UPDATE \
+         ) \
+         UPDATE {messages} SET last_read = NULL WHERE id IN (SELECT id FROM target)"
+    )
+}
+
+/// The statements of [`PgRunnerStorage`](super::PgRunnerStorage) and its lock session.
+#[derive(Debug)]
+pub(crate) struct RunnerQueries {
+    /// Upsert `$1 address, $2 runner, $3 healthy`, returning the machine id.
+    pub(crate) register: String,
+    /// Deletes `$1` and every expired runner.
+    pub(crate) unregister: String,
+    /// `runner, healthy` of the live runners.
+    pub(crate) get_runners: String,
+    /// Sets `$1`'s health to `$2`.
+    pub(crate) set_runner_health: String,
+    /// Refreshes `$1`'s heartbeat.
+    pub(crate) heartbeat: String,
+    /// Takes the shards `$2` for `$1` where free, own or expired; returns those now held.
+    pub(crate) lease_acquire: String,
+    /// Extends `$1`'s leases on `$2`; returns those still held.
+    pub(crate) lease_refresh: String,
+    /// Deletes `$1`'s lease on `$2`.
+    pub(crate) lease_release: String,
+    /// Deletes every lease of `$1`.
+    pub(crate) lease_release_all: String,
+}
+
+impl RunnerQueries {
+    pub(crate) fn new(prefix: &TablePrefix, expiration_secs: u64) -> RunnerQueries {
+        let runners = quoted(prefix, "runners");
+        let locks = quoted(prefix, "locks");
+        let expired_before = format!("NOW() - INTERVAL '{expiration_secs} seconds'");
+        RunnerQueries {
+            register: format!(
+                "INSERT INTO {runners} (address, runner, last_heartbeat, healthy) \
+                 VALUES ($1, $2, NOW(), $3) \
+                 ON CONFLICT (address) DO UPDATE SET runner = EXCLUDED.runner, \
+                   last_heartbeat = EXCLUDED.last_heartbeat, healthy = EXCLUDED.healthy \
+                 RETURNING machine_id"
+            ),
+            unregister: format!(
+                "DELETE FROM {runners} WHERE address = $1 OR last_heartbeat < {expired_before}"
+            ),
+            get_runners: format!(
+                "SELECT runner, healthy FROM {runners} WHERE last_heartbeat > {expired_before} \
+                 ORDER BY machine_id"
+            ),
+            set_runner_health: format!("UPDATE {runners} SET healthy = $2 WHERE address = $1"),
+            heartbeat: format!("UPDATE {runners} SET last_heartbeat = NOW() WHERE address = $1"),
+            // Rows are written in one order (shard id, byte-wise) by every statement that
+            // locks several lease rows, so that two runners cannot deadlock. The upsert
+            // touches (and so returns) exactly the rows that are now this runner's.
+            lease_acquire: format!(
+                "INSERT INTO {locks} AS l (shard_id, address, acquired_at) \
+                 SELECT requested.shard_id, $1, NOW() \
+                 FROM unnest($2::text[]) AS requested (shard_id) \
+                 ORDER BY requested.shard_id COLLATE \"C\" \
+                 ON CONFLICT (shard_id) DO UPDATE SET address = EXCLUDED.address, acquired_at = NOW() \
+                 WHERE l.address = EXCLUDED.address OR l.acquired_at < {expired_before} \
+                 RETURNING l.shard_id"
+            ),
+            lease_refresh: format!(
+                "WITH locked AS ( \
+                   SELECT shard_id FROM {locks} WHERE address = $1 AND shard_id = ANY($2) \
+                   ORDER BY shard_id COLLATE \"C\" FOR UPDATE \
+                 ) \
+                 UPDATE {locks} SET acquired_at = NOW() \
+                 WHERE address = $1 AND shard_id IN (SELECT shard_id FROM locked) \
+                 RETURNING shard_id"
+            ),
+            lease_release: format!("DELETE FROM {locks} WHERE address = $1 AND shard_id = $2"),
+            lease_release_all: format!(
+                "WITH locked AS ( \
+                   SELECT shard_id FROM {locks} WHERE address = $1 \
+                   ORDER BY shard_id COLLATE \"C\" FOR UPDATE \
+                 ) \
+                 DELETE FROM {locks} WHERE address = $1 AND shard_id IN (SELECT shard_id FROM locked)"
+            ),
+        }
+    }
+}
+
+/// The advisory lock session's statements; they name no table.
+pub(crate) mod advisory {
+    /// On a new lock session: its backend pid, and `idle_session_timeout` set to `$1` (ms, as
+    /// text) so the server ends the session of a frozen runner. Servers before PostgreSQL 14
+    /// have no such setting and keep the session.
+    pub(crate) const SETUP: &str = "SELECT pg_backend_pid(), \
+         (SELECT set_config(name, $1, false) FROM pg_settings WHERE name = 'idle_session_timeout')";
+    /// The lock numbers among `$3` that session `$2` holds in namespace `$1` (an oid).
+    pub(crate) const HELD: &str = "SELECT objid FROM pg_locks \
+         WHERE locktype = 'advisory' AND granted = TRUE AND classid = $1 AND objsubid = 2 \
+         AND pid = $2 AND objid = ANY($3)";
+    /// Tries to lock `(namespace $1, n)` for every `n` in `$2`.
+    pub(crate) const TRY_LOCK: &str =
+        "SELECT n, pg_try_advisory_lock($1, n) FROM unnest($2::int4[]) AS n";
+    /// Releases one hold of `($1, $2)`.
+    pub(crate) const UNLOCK: &str = "SELECT pg_advisory_unlock($1, $2)";
+    /// Whether session `$3` still holds `(namespace oid $1, lock number $2)`.
+    pub(crate) const IS_HELD: &str = "SELECT EXISTS (SELECT 1 FROM pg_locks \
+         WHERE locktype = 'advisory' AND granted = TRUE AND classid = $1 AND objid = $2 \
+         AND objsubid = 2 AND pid = $3)";
+    /// Releases every advisory lock of the session.
+    pub(crate) const UNLOCK_ALL: &str = "SELECT pg_advisory_unlock_all()";
+}
+
+/// One migration: its id and name as the reference's history records them (`0001_create_tables`
+/// is id 1, name `create_tables`) and its statements.
+#[derive(Debug)]
+pub(crate) struct Migration {
+    pub(crate) id: i32,
+    pub(crate) name: &'static str,
+    pub(crate) statements: Vec<String>,
+}
+
+/// The migrations of the message tables, recorded in `<prefix>_migrations`.
+pub(crate) fn message_migrations(prefix: &TablePrefix) -> Vec<Migration> {
+    let messages = quoted(prefix, "messages");
+    let replies = quoted(prefix, "replies");
+    let index = |name: &str| quoted(prefix, name);
+    vec![
+        Migration {
+            id: 1,
+            name: "create_tables",
+            statements: vec![
+                format!(
+                    "CREATE TABLE IF NOT EXISTS {messages} ( \
+                       id BIGINT PRIMARY KEY, \
+                       rowid BIGSERIAL, \
+                       message_id VARCHAR(255), \
+                       shard_id VARCHAR(50) NOT NULL, \
+                       entity_type VARCHAR(150) NOT NULL, \
+                       entity_id VARCHAR(255) NOT NULL, \
+                       kind INT NOT NULL, \
+                       tag VARCHAR(50), \
+                       payload TEXT, \
+                       headers TEXT, \
+                       trace_id VARCHAR(32), \
+                       span_id VARCHAR(16), \
+                       sampled BOOLEAN, \
+                       processed BOOLEAN NOT NULL DEFAULT FALSE, \
+                       request_id BIGINT NOT NULL, \
+                       reply_id BIGINT, \
+                       last_reply_id BIGINT, \
+                       last_read TIMESTAMP, \
+                       deliver_at BIGINT, \
+                       UNIQUE (message_id) \
+                     )"
+                ),
+                format!(
+                    "CREATE INDEX IF NOT EXISTS {} ON {messages} \
+                     (shard_id, processed, last_read, deliver_at)",
+                    index("messages_shard_idx")
+                ),
+                format!(
+                    "CREATE INDEX IF NOT EXISTS {} ON {messages} (request_id)",
+                    index("messages_request_id_idx")
+                ),
+                format!(
+                    "CREATE TABLE IF NOT EXISTS {replies} ( \
+                       id BIGINT PRIMARY KEY, \
+                       rowid BIGSERIAL, \
+                       kind INT, \
+                       request_id BIGINT NOT NULL, \
+                       payload TEXT NOT NULL, \
+                       sequence INT, \
+                       acked BOOLEAN NOT NULL DEFAULT FALSE, \
+                       UNIQUE (request_id, kind), \
+                       UNIQUE (request_id, sequence) \
+                     )"
+                ),
+                format!(
+                    "CREATE INDEX IF NOT EXISTS {} ON {replies} (request_id, kind, acked)",
+                    index("replies_request_lookup_idx")
+                ),
+            ],
+        },
+        Migration {
+            id: 2,
+            name: "entity_type_size",
+            statements: vec![format!(
+                "ALTER TABLE {messages} ALTER COLUMN entity_type TYPE VARCHAR(150)"
+            )],
+        },
+        Migration {
+            id: 3,
+            name: "pg_messages_rowid_index",
+            statements: vec![format!(
+                "CREATE INDEX IF NOT EXISTS {} ON {messages} (rowid)",
+                index("messages_rowid_idx")
+            )],
+        },
+    ]
+}
+
+/// The migrations of the runner tables, recorded in `<prefix>_runner_migrations` (the ids
+/// overlap the message migrations', so the histories are separate).
+pub(crate) fn runner_migrations(prefix: &TablePrefix) -> Vec<Migration> {
+    let runners = quoted(prefix, "runners");
+    let locks = quoted(prefix, "locks");
+    vec![Migration {
+        id: 1,
+        name: "create_tables",
+        statements: vec![
+            format!(
+                "CREATE TABLE IF NOT EXISTS {runners} ( \
+                   machine_id SERIAL PRIMARY KEY, \
+                   address VARCHAR(255) NOT NULL, \
+                   runner TEXT NOT NULL, \
+                   healthy BOOLEAN NOT NULL DEFAULT TRUE, \
+                   last_heartbeat TIMESTAMP NOT NULL DEFAULT NOW(), \
+                   UNIQUE(address) \
+                 )"
+            ),
+            format!(
+                "CREATE TABLE IF NOT EXISTS {locks} ( \
+                   shard_id VARCHAR(50) PRIMARY KEY, \
+                   address VARCHAR(255) NOT NULL, \
+                   acquired_at TIMESTAMP NOT NULL \
+                 )"
+            ),
+        ],
+    }]
+}
+
+/// The advisory transaction lock key (second half) that serialises message migrations.
+pub(crate) const MESSAGE_MIGRATION_LOCK: i32 = 0;
+/// The advisory transaction lock key (second half) that serialises runner migrations.
+pub(crate) const RUNNER_MIGRATION_LOCK: i32 = 1;
+// Shard lock numbers start at 1_000_001, so the migration keys never collide with them.
+const _: () = assert!(MESSAGE_MIGRATION_LOCK < 1_000_000 && RUNNER_MIGRATION_LOCK < 1_000_000);
+
+/// What a migration run needs to know besides the migrations.
+#[derive(Debug)]
+pub(crate) struct MigrationTarget<'a> {
+    /// The history table, quoted.
+    pub(crate) history: String,
+    /// The advisory transaction lock `(namespace, key)` held while migrating.
+    pub(crate) lock: (i32, i32),
+    pub(crate) migrations: &'a [Migration],
+}
+
+/// Runs the pending `migrations` in one transaction, as the reference's `Migrator` does:
+/// ensure the history table, lock it, read the latest id, record the pending migrations, run
+/// them. An advisory transaction lock taken first makes a concurrent migration of the same
+/// prefix wait and then find nothing to do. Returns the ids that were run.
+pub(crate) async fn migrate(
+    client: &mut tokio_postgres::Client,
+    target: &MigrationTarget<'_>,
+) -> Result<Vec<i32>, StorageError> {
+    let history = &target.history;
+    let transaction = client.transaction().await.map_err(|e| driver_error("migrate: BEGIN", e))?;
+    transaction
+        .execute("SELECT pg_advisory_xact_lock($1, $2)", &[&target.lock.0, &target.lock.1])
+        .await
+        .map_err(|e| driver_error("migrate: advisory lock", e))?;
+    let ensure = format!(
+        "CREATE TABLE IF NOT EXISTS {history} ( \
+           migration_id integer primary key, \
+           created_at timestamp with time zone not null default now(), \
+           name text not null \
+         )"
+    );
+    transaction.batch_execute(&ensure).await.map_err(|e| driver_error("migrate: history", e))?;
+    // The reference's migrator takes this lock; taking it too keeps both kinds of migrator
+    // apart.
+    let lock = format!("LOCK TABLE {history} IN ACCESS EXCLUSIVE MODE");
+    transaction.batch_execute(&lock).await.map_err(|e| driver_error("migrate: lock", e))?;
+    let latest_sql =
+        format!("SELECT migration_id FROM {history} ORDER BY migration_id DESC LIMIT 1");
+    let latest = transaction
+        .query_opt(&latest_sql, &[])
+        .await
+        .map_err(|e| driver_error("migrate: latest", e))?
+        .map(|row| row.try_get::<_, i32>(0))
+        .transpose()
+        .map_err(column_error)?
+        .unwrap_or(0);
+    let pending: Vec<&Migration> =
+        target.migrations.iter().filter(|migration| migration.id > latest).collect();
+    let insert = format!("INSERT INTO {history} (migration_id, name) VALUES ($1, $2)");
+    for migration in &pending {
+        transaction
+            .execute(&insert, &[&migration.id, &migration.name])
+            .await
+            .map_err(|e| driver_error("migrate: record", e))?;
+    }
+    for migration in &pending {
+        tracing::debug!(id = migration.id, name = migration.name, "running migration");
+        for statement in &migration.statements {
+            transaction.batch_execute(statement).await.map_err(|e| {
+                driver_error(&format!("migration {:04}_{}", migration.id, migration.name), e)
+            })?;
+        }
+    }
+    transaction.commit().await.map_err(|e| driver_error("migrate: COMMIT", e))?;
+    Ok(pending.iter().map(|migration| migration.id).collect())
+}

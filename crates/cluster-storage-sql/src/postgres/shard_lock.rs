@@ -1,0 +1,471 @@
+//! The shard locks of [`PgRunnerStorage`](super::PgRunnerStorage), held on one reserved lock
+//! session (reference §4.2, "PostgreSQL, advisory mode" and "Row-lease mode").
+//!
+//! The session is a connection of its own, not from the pool, kept in a slot and rebuilt after a
+//! failure: advisory locks belong to a session, so the session *is* the lock holder. On connect
+//! it reads its `pg_backend_pid()` (its identity in `pg_locks`) and sets `idle_session_timeout`
+//! to the shard lock expiration, so the server ends the session of a frozen runner and its
+//! locks are released. In lease mode the same session carries the lease statements.
+//!
+//! Every operation runs under the lock deadline (`shard_lock_interval`). A failure or a deadline
+//! discards the session it used: its connection task is aborted at once, which closes the
+//! socket, so the server ends the session and releases whatever it held; the next operation
+//! connects a new one. Since a new session holds nothing, a refresh after a rebuild reports the
+//! locks as lost instead of hiding the loss, and `acquire` retries once on a new session (an
+//! idle session may have been ended by the server).
+
+use std::collections::BTreeSet;
+use std::fmt;
+use std::future::Future;
+use std::sync::{Arc, Mutex, PoisonError};
+use std::time::Duration;
+
+use cluster_core::error::StorageError;
+use cluster_core::{RunnerAddress, ShardId};
+use tokio::task::JoinHandle;
+use tokio_postgres::NoTls;
+
+use crate::lock::{advisory_lock_number, advisory_namespace, with_deadline};
+use crate::options::{LockMode, SqlStorageOptions};
+
+use super::driver_error;
+use super::queries::{RunnerQueries, advisory};
+
+/// The largest `idle_session_timeout` PostgreSQL accepts, in milliseconds.
+const IDLE_SESSION_TIMEOUT_MS_MAX: u128 = 2_147_483_647;
+
+/// How often `release` unlocks one advisory lock before it falls back to unlocking all (a lock
+/// taken several times by one session is held until unlocked as many times).
+const UNLOCK_ATTEMPTS_MAX: u32 = 5;
+
+/// The shard locks of one runner storage: the lock session slot and the lock statements.
+pub(crate) struct ShardLocks {
+    connect_config: tokio_postgres::Config,
+    mode: LockMode,
+    options: SqlStorageOptions,
+    namespace: i32,
+    queries: Arc<RunnerQueries>,
+    /// `idle_session_timeout` of the lock session, in milliseconds, as text for `set_config`.
+    idle_session_timeout_ms: String,
+    /// The current lock session; `None` before the first operation and after a discard.
+    slot: Mutex<Option<Arc<LockSession>>>,
+    /// Serialises connecting, so that concurrent operations open one session, not several.
+    connecting: tokio::sync::Mutex<()>,
+}
+
+/// One lock session: a dedicated connection and its backend pid.
+struct LockSession {
+    client: tokio_postgres::Client,
+    pid: i32,
+    /// Operations on the session take turns. The advisory check-then-lock of `acquire` and the
+    /// unlock loop of `release` are several statements; interleaving two of them could take a
+    /// lock twice (a session-level lock is re-entrant and counted).
+    turn: tokio::sync::Mutex<()>,
+    connection: JoinHandle<()>,
+}
+
+impl Drop for LockSession {
+    fn drop(&mut self) {
+        // Closing the socket ends the server session, which releases its advisory locks.
+        self.connection.abort();
+    }
+}
+
+/// The session an operation used, so that a failure or a deadline can discard exactly that one.
+type Used = Mutex<Option<Arc<LockSession>>>;
+
+impl fmt::Debug for ShardLocks {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("ShardLocks")
+            .field("mode", &self.mode)
+            .field("namespace", &self.namespace)
+            .field("session_pid", &self.session_pid())
+            .finish_non_exhaustive()
+    }
+}
+
+impl ShardLocks {
+    pub(crate) fn new(
+        connect_config: tokio_postgres::Config,
+        options: &SqlStorageOptions,
+        queries: Arc<RunnerQueries>,
+    ) -> ShardLocks {
+        let expiration = options.shard_lock_expiration;
+        let expiration_ms = expiration.as_millis()
+            + u128::from(!expiration.subsec_nanos().is_multiple_of(1_000_000));
+        ShardLocks {
+            connect_config,
+            mode: options.lock_mode,
+            options: options.clone(),
+            namespace: advisory_namespace(&options.prefix),
+            queries,
+            idle_session_timeout_ms: expiration_ms.min(IDLE_SESSION_TIMEOUT_MS_MAX).to_string(),
+            slot: Mutex::new(None),
+            connecting: tokio::sync::Mutex::new(()),
+        }
+    }
+
+    /// The advisory lock namespace (the first key) of these locks.
+    pub(crate) fn namespace(&self) -> i32 {
+        self.namespace
+    }
+
+    /// The backend pid of the current lock session, if one is open.
+    pub(crate) fn session_pid(&self) -> Option<i32> {
+        self.current().map(|session| session.pid)
+    }
+
+    /// The deadline of every lock operation.
+    pub(crate) fn deadline(&self) -> Duration {
+        self.options.shard_lock_interval
+    }
+
+    /// Locks the shards that are free; returns those held now (new and already held), in the
+    /// order asked.
+    pub(crate) async fn acquire(
+        &self,
+        address: &RunnerAddress,
+        shard_ids: &[ShardId],
+    ) -> Result<Vec<ShardId>, StorageError> {
+        let numbers = self.lock_numbers(shard_ids)?;
+        let used = Used::default();
+        let operation = async {
+            match self.acquire_once(&used, address, shard_ids, &numbers).await {
+                Ok(held) => Ok(held),
+                Err(error) => {
+                    tracing::debug!(%error, "acquire failed; retrying on a new lock session");
+                    self.discard(&used);
+                    self.acquire_once(&used, address, shard_ids, &numbers).await
+                }
+            }
+        };
+        self.bounded("acquire", &used, operation).await
+    }
+
+    /// Refreshes the heartbeat of `address` on the lock session and reports which of
+    /// `shard_ids` it still holds (leases are extended). Never takes a lock.
+    pub(crate) async fn refresh(
+        &self,
+        address: &RunnerAddress,
+        shard_ids: &[ShardId],
+    ) -> Result<Vec<ShardId>, StorageError> {
+        let numbers = self.lock_numbers(shard_ids)?;
+        let used = Used::default();
+        let operation = async {
+            let session = self.session(&used).await?;
+            let _turn = session.turn.lock().await;
+            let address_text = address.to_string();
+            session
+                .client
+                .execute(self.queries.heartbeat.as_str(), &[&address_text])
+                .await
+                .map_err(|error| driver_error("refresh: heartbeat", error))?;
+            match self.mode {
+                LockMode::Advisory => self.held(&session, shard_ids, &numbers).await,
+                LockMode::Lease => {
+                    let shards = shard_texts(shard_ids);
+                    let rows = session
+                        .client
+                        .query(self.queries.lease_refresh.as_str(), &[&address_text, &shards])
+                        .await
+                        .map_err(|error| driver_error("refresh", error))?;
+                    Ok(in_request_order(shard_ids, &returned_shards(&rows)?))
+                }
+            }
+        };
+        self.bounded("refresh", &used, operation).await
+    }
+
+    /// Releases one lock, verified.
+    pub(crate) async fn release(
+        &self,
+        address: &RunnerAddress,
+        shard_id: &ShardId,
+    ) -> Result<(), StorageError> {
+        let numbers = self.lock_numbers(std::slice::from_ref(shard_id))?;
+        if self.mode == LockMode::Advisory && self.current().is_none() {
+            // Without a live session nothing is held: a closed session released its locks.
+            return Ok(());
+        }
+        let used = Used::default();
+        let operation = async {
+            let session = self.session(&used).await?;
+            let _turn = session.turn.lock().await;
+            match (self.mode, numbers.first()) {
+                (LockMode::Advisory, Some(&number)) => self.unlock(&session, number).await,
+                _ => {
+                    let address = address.to_string();
+                    let shard = shard_id.to_string();
+                    session
+                        .client
+                        .execute(self.queries.lease_release.as_str(), &[&address, &shard])
+                        .await
+                        .map(drop)
+                        .map_err(|error| driver_error("release", error))
+                }
+            }
+        };
+        self.bounded("release", &used, operation).await
+    }
+
+    /// Releases every lock of `address`.
+    pub(crate) async fn release_all(&self, address: &RunnerAddress) -> Result<(), StorageError> {
+        if self.mode == LockMode::Advisory && self.current().is_none() {
+            return Ok(());
+        }
+        let used = Used::default();
+        let operation = async {
+            let session = self.session(&used).await?;
+            let _turn = session.turn.lock().await;
+            let result = match self.mode {
+                LockMode::Advisory => session.client.execute(advisory::UNLOCK_ALL, &[]).await,
+                LockMode::Lease => {
+                    let address = address.to_string();
+                    session
+                        .client
+                        .execute(self.queries.lease_release_all.as_str(), &[&address])
+                        .await
+                }
+            };
+            result.map(drop).map_err(|error| driver_error("release_all", error))
+        };
+        self.bounded("release_all", &used, operation).await
+    }
+
+    /// The advisory lock numbers of `shard_ids` (empty in lease mode, which needs none). A
+    /// shard outside the configured groups is invalid input, found before any statement runs.
+    fn lock_numbers(&self, shard_ids: &[ShardId]) -> Result<Vec<i32>, StorageError> {
+        match self.mode {
+            LockMode::Advisory => shard_ids
+                .iter()
+                .map(|shard_id| advisory_lock_number(&self.options, shard_id))
+                .collect(),
+            LockMode::Lease => Ok(Vec::new()),
+        }
+    }
+
+    async fn acquire_once(
+        &self,
+        used: &Used,
+        address: &RunnerAddress,
+        shard_ids: &[ShardId],
+        numbers: &[i32],
+    ) -> Result<Vec<ShardId>, StorageError> {
+        let session = self.session(used).await?;
+        let _turn = session.turn.lock().await;
+        match self.mode {
+            LockMode::Advisory => {
+                let held = self.held_numbers(&session, numbers).await?;
+                let wanted: BTreeSet<i32> =
+                    numbers.iter().copied().filter(|number| !held.contains(number)).collect();
+                let mut now_held = held;
+                if !wanted.is_empty() {
+                    let wanted: Vec<i32> = wanted.into_iter().collect();
+                    let rows = session
+                        .client
+                        .query(advisory::TRY_LOCK, &[&self.namespace, &wanted])
+                        .await
+                        .map_err(|error| driver_error("acquire: try lock", error))?;
+                    for row in rows {
+                        let number: i32 = row.try_get(0).map_err(super::column_error)?;
+                        let locked: bool = row.try_get(1).map_err(super::column_error)?;
+                        if locked {
+                            now_held.insert(number);
+                        }
+                    }
+                }
+                Ok(shard_ids
+                    .iter()
+                    .zip(numbers)
+                    .filter(|(_, number)| now_held.contains(number))
+                    .map(|(shard_id, _)| shard_id.clone())
+                    .collect())
+            }
+            LockMode::Lease => {
+                let address = address.to_string();
+                let shards = shard_texts(shard_ids);
+                let rows = session
+                    .client
+                    .query(self.queries.lease_acquire.as_str(), &[&address, &shards])
+                    .await
+                    .map_err(|error| driver_error("acquire", error))?;
+                Ok(in_request_order(shard_ids, &returned_shards(&rows)?))
+            }
+        }
+    }
+
+    /// The shards among `shard_ids` whose advisory locks `session` holds.
+    async fn held(
+        &self,
+        session: &LockSession,
+        shard_ids: &[ShardId],
+        numbers: &[i32],
+    ) -> Result<Vec<ShardId>, StorageError> {
+        let held = self.held_numbers(session, numbers).await?;
+        Ok(shard_ids
+            .iter()
+            .zip(numbers)
+            .filter(|(_, number)| held.contains(number))
+            .map(|(shard_id, _)| shard_id.clone())
+            .collect())
+    }
+
+    /// The lock numbers among `numbers` that `session` holds, from `pg_locks`.
+    async fn held_numbers(
+        &self,
+        session: &LockSession,
+        numbers: &[i32],
+    ) -> Result<BTreeSet<i32>, StorageError> {
+        // pg_locks shows the signed keys as unsigned oids; lock numbers are positive.
+        let oids: Vec<u32> =
+            numbers.iter().filter_map(|&number| u32::try_from(number).ok()).collect();
+        let rows = session
+            .client
+            .query(advisory::HELD, &[&self.namespace.cast_unsigned(), &session.pid, &oids])
+            .await
+            .map_err(|error| driver_error("held locks", error))?;
+        let mut held = BTreeSet::new();
+        for row in rows {
+            let oid: u32 = row.try_get(0).map_err(super::column_error)?;
+            if let Ok(number) = i32::try_from(oid) {
+                held.insert(number);
+            }
+        }
+        Ok(held)
+    }
+
+    /// Unlocks `number` until `pg_locks` no longer shows it held by the session, at most
+    /// [`UNLOCK_ATTEMPTS_MAX`] times, then unlocks everything.
+    async fn unlock(&self, session: &LockSession, number: i32) -> Result<(), StorageError> {
+        let oid = number.cast_unsigned();
+        for _ in 0..UNLOCK_ATTEMPTS_MAX {
+            session
+                .client
+                .execute(advisory::UNLOCK, &[&self.namespace, &number])
+                .await
+                .map_err(|error| driver_error("release: unlock", error))?;
+            let still_held: bool = session
+                .client
+                .query_one(
+                    advisory::IS_HELD,
+                    &[&self.namespace.cast_unsigned(), &oid, &session.pid],
+                )
+                .await
+                .map_err(|error| driver_error("release: check", error))?
+                .try_get(0)
+                .map_err(super::column_error)?;
+            if !still_held {
+                return Ok(());
+            }
+        }
+        tracing::warn!(number, "advisory lock still held after unlocking; unlocking all");
+        session
+            .client
+            .execute(advisory::UNLOCK_ALL, &[])
+            .await
+            .map(drop)
+            .map_err(|error| driver_error("release: unlock all", error))
+    }
+
+    /// Runs `operation` under the lock deadline; on any failure (a deadline included) the
+    /// session it used is discarded, so the next operation starts on a new one.
+    async fn bounded<T>(
+        &self,
+        what: &str,
+        used: &Used,
+        operation: impl Future<Output = Result<T, StorageError>>,
+    ) -> Result<T, StorageError> {
+        let result = with_deadline(self.deadline(), what, operation).await;
+        if let Err(error) = &result {
+            tracing::debug!(%error, what, "lock operation failed; discarding its lock session");
+            self.discard(used);
+        }
+        result
+    }
+
+    fn current(&self) -> Option<Arc<LockSession>> {
+        let slot = self.slot.lock().unwrap_or_else(PoisonError::into_inner);
+        slot.as_ref().filter(|session| !session.client.is_closed()).cloned()
+    }
+
+    /// The current session, or a new one if there is none or it was closed (for example by
+    /// `idle_session_timeout`); recorded in `used`.
+    async fn session(&self, used: &Used) -> Result<Arc<LockSession>, StorageError> {
+        let session = match self.current() {
+            Some(session) => session,
+            None => {
+                let _connecting = self.connecting.lock().await;
+                match self.current() {
+                    Some(session) => session,
+                    None => {
+                        let session = Arc::new(self.connect().await?);
+                        let mut slot = self.slot.lock().unwrap_or_else(PoisonError::into_inner);
+                        *slot = Some(Arc::clone(&session));
+                        session
+                    }
+                }
+            }
+        };
+        *used.lock().unwrap_or_else(PoisonError::into_inner) = Some(Arc::clone(&session));
+        Ok(session)
+    }
+
+    async fn connect(&self) -> Result<LockSession, StorageError> {
+        let (client, connection) = self
+            .connect_config
+            .connect(NoTls)
+            .await
+            .map_err(|error| driver_error("lock session: connect", error))?;
+        let connection = tokio::spawn(async move {
+            if let Err(error) = connection.await {
+                tracing::debug!(%error, "lock session ended");
+            }
+        });
+        let pid = match self.mode {
+            LockMode::Lease => 0,
+            LockMode::Advisory => {
+                let setup =
+                    client.query_one(advisory::SETUP, &[&self.idle_session_timeout_ms]).await;
+                let pid = setup
+                    .map_err(|error| driver_error("lock session: setup", error))
+                    .and_then(|row| row.try_get::<_, i32>(0).map_err(super::column_error));
+                match pid {
+                    Ok(pid) => pid,
+                    Err(error) => {
+                        connection.abort();
+                        return Err(error);
+                    }
+                }
+            }
+        };
+        tracing::debug!(pid, "lock session opened");
+        Ok(LockSession { client, pid, turn: tokio::sync::Mutex::new(()), connection })
+    }
+
+    /// Drops the session recorded in `used` from the slot (if it is still the current one) and
+    /// closes its connection.
+    fn discard(&self, used: &Used) {
+        let Some(session) = used.lock().unwrap_or_else(PoisonError::into_inner).take() else {
+            return;
+        };
+        let mut slot = self.slot.lock().unwrap_or_else(PoisonError::into_inner);
+        if slot.as_ref().is_some_and(|current| Arc::ptr_eq(current, &session)) {
+            *slot = None;
+        }
+        drop(slot);
+        session.connection.abort();
+    }
+}
+
+fn shard_texts(shard_ids: &[ShardId]) -> Vec<String> {
+    shard_ids.iter().map(ShardId::to_string).collect()
+}
+
+fn returned_shards(rows: &[tokio_postgres::Row]) -> Result<BTreeSet<String>, StorageError> {
+    rows.iter().map(|row| row.try_get::<_, String>(0).map_err(super::column_error)).collect()
+}
+
+/// The shards of `shard_ids` (in that order) whose text is in `held`.
+fn in_request_order(shard_ids: &[ShardId], held: &BTreeSet<String>) -> Vec<ShardId> {
+    shard_ids.iter().filter(|shard_id| held.contains(&shard_id.to_string())).cloned().collect()
+}

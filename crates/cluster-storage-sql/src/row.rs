@@ -1,0 +1,352 @@
+//! The mapping between domain values and table rows, shared by every backend so that all of
+//! them store and read the same columns the same way (reference §5.2).
+//!
+//! Message rows: `kind` 0 = request, 1 = chunk acknowledgement, 2 = interrupt. Reply rows:
+//! `kind` 0 = final reply, `NULL` = chunk. Payloads, headers, exits and chunk values are stored
+//! as the JSON text the caller encoded, never re-encoded. A row that cannot be decoded becomes
+//! a [`MalformedMessage`] (messages) or a defect reply (replies), never a panic.
+
+use std::borrow::Cow;
+use std::collections::BTreeMap;
+
+use cluster_core::encoded::{self, JsonForm};
+use cluster_core::envelope::{
+    self, AckChunk, Chunk, Envelope, Exit, Interrupt, RawJson, Reply, Request, TraceContext,
+    WithExit,
+};
+use cluster_core::error::{DecodeError, StorageError, StorageErrorKind};
+use cluster_core::storage::{
+    MalformedMessage, SaveRequestOptions, UnprocessedBatch, UnprocessedMessage,
+};
+use cluster_core::{EntityAddress, EntityId, EntityType, ShardId, Snowflake};
+
+/// `kind` of a request row.
+pub(crate) const MESSAGE_KIND_REQUEST: i32 = 0;
+/// `kind` of a chunk acknowledgement row.
+pub(crate) const MESSAGE_KIND_ACK_CHUNK: i32 = 1;
+/// `kind` of an interrupt row.
+pub(crate) const MESSAGE_KIND_INTERRUPT: i32 = 2;
+/// `kind` of a final reply row (chunks have `NULL`).
+pub(crate) const REPLY_KIND_WITH_EXIT: i32 = 0;
+
+/// A snowflake as a `BIGINT`.
+pub(crate) fn id_to_sql(id: Snowflake) -> Result<i64, StorageError> {
+    id.to_i64().ok_or_else(|| {
+        StorageError::new(StorageErrorKind::InvalidInput, format!("id {id} does not fit a BIGINT"))
+    })
+}
+
+/// A `BIGINT` as a snowflake.
+pub(crate) fn id_from_sql(id: i64) -> Result<Snowflake, DecodeError> {
+    Snowflake::from_i64(id).ok_or_else(|| DecodeError::new("row", format!("negative id {id}")))
+}
+
+/// The column values of a message row to insert.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub(crate) struct MessageInsert<'a> {
+    pub(crate) id: i64,
+    /// The primary key, or its digest when longer than the column.
+    pub(crate) message_id: Option<Cow<'a, str>>,
+    pub(crate) shard_id: String,
+    pub(crate) entity_type: &'a str,
+    pub(crate) entity_id: &'a str,
+    pub(crate) kind: i32,
+    pub(crate) tag: Option<&'a str>,
+    pub(crate) payload: Option<&'a str>,
+    pub(crate) headers: Option<&'a str>,
+    pub(crate) trace_id: Option<&'a str>,
+    pub(crate) span_id: Option<&'a str>,
+    pub(crate) sampled: Option<bool>,
+    pub(crate) request_id: i64,
+    pub(crate) reply_id: Option<i64>,
+    pub(crate) deliver_at: Option<i64>,
+}
+
+impl<'a> MessageInsert<'a> {
+    /// The row of a request.
+    pub(crate) fn request(
+        request: &'a Request,
+        options: &'a SaveRequestOptions,
+    ) -> Result<MessageInsert<'a>, StorageError> {
+        let id = id_to_sql(request.request_id)?;
+        Ok(MessageInsert {
+            id,
+            message_id: options.primary_key.as_deref().map(envelope::message_id),
+            tag: Some(&request.tag),
+            payload: request.payload.json(),
+            headers: request.headers.json(),
+            trace_id: request.trace.trace_id.as_deref(),
+            span_id: request.trace.span_id.as_deref(),
+            sampled: request.trace.sampled,
+            request_id: id,
+            deliver_at: options.deliver_at.map(|at| at.unix_millis()),
+            ..MessageInsert::bare(&request.address, MESSAGE_KIND_REQUEST, id)
+        })
+    }
+
+    /// The row of a chunk acknowledgement.
+    pub(crate) fn ack_chunk(ack: &'a AckChunk) -> Result<MessageInsert<'a>, StorageError> {
+        Ok(MessageInsert {
+            request_id: id_to_sql(ack.request_id)?,
+            reply_id: Some(id_to_sql(ack.reply_id)?),
+            ..MessageInsert::bare(&ack.address, MESSAGE_KIND_ACK_CHUNK, id_to_sql(ack.id)?)
+        })
+    }
+
+    /// The row of an interrupt.
+    pub(crate) fn interrupt(interrupt: &'a Interrupt) -> Result<MessageInsert<'a>, StorageError> {
+        Ok(MessageInsert {
+            request_id: id_to_sql(interrupt.request_id)?,
+            ..MessageInsert::bare(
+                &interrupt.address,
+                MESSAGE_KIND_INTERRUPT,
+                id_to_sql(interrupt.id)?,
+            )
+        })
+    }
+
+    fn bare(address: &'a EntityAddress, kind: i32, id: i64) -> MessageInsert<'a> {
+        MessageInsert {
+            id,
+            message_id: None,
+            shard_id: address.shard_id.to_string(),
+            entity_type: address.entity_type.as_str(),
+            entity_id: address.entity_id.as_str(),
+            kind,
+            tag: None,
+            payload: None,
+            headers: None,
+            trace_id: None,
+            span_id: None,
+            sampled: None,
+            request_id: id,
+            reply_id: None,
+            deliver_at: None,
+        }
+    }
+}
+
+/// The column values of a reply row to insert.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub(crate) struct ReplyInsert {
+    pub(crate) id: i64,
+    /// `Some(0)` for a final reply, `None` for a chunk.
+    pub(crate) kind: Option<i32>,
+    pub(crate) request_id: i64,
+    /// The exit (final reply) or the values array (chunk), as JSON.
+    pub(crate) payload: String,
+    /// The chunk's sequence number.
+    pub(crate) sequence: Option<i32>,
+}
+
+impl ReplyInsert {
+    /// The row of `reply`.
+    pub(crate) fn new(reply: &Reply) -> Result<ReplyInsert, StorageError> {
+        let id = id_to_sql(reply.id())?;
+        let request_id = id_to_sql(reply.request_id())?;
+        Ok(match reply {
+            Reply::WithExit(with_exit) => ReplyInsert {
+                id,
+                kind: Some(REPLY_KIND_WITH_EXIT),
+                request_id,
+                payload: with_exit.exit.to_json(),
+                sequence: None,
+            },
+            Reply::Chunk(chunk) => ReplyInsert {
+                id,
+                kind: None,
+                request_id,
+                payload: encoded::values_to_json(chunk.values()),
+                sequence: Some(i32::try_from(chunk.sequence()).map_err(|_| {
+                    StorageError::new(StorageErrorKind::InvalidInput, "chunk sequence over i32")
+                })?),
+            },
+        })
+    }
+}
+
+/// A reply row as read (`id, kind, request_id, payload, sequence`).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub(crate) struct ReplyRow {
+    pub(crate) id: i64,
+    pub(crate) kind: Option<i32>,
+    pub(crate) request_id: i64,
+    pub(crate) payload: String,
+    pub(crate) sequence: Option<i32>,
+}
+
+impl ReplyRow {
+    /// The reply; a row that cannot be decoded becomes a defect reply for its request (reference
+    /// §5.1), so its caller is answered instead of left waiting.
+    pub(crate) fn decode(self) -> Result<Reply, StorageError> {
+        let request_id = id_from_sql(self.request_id).map_err(malformed_row)?;
+        let id = id_from_sql(self.id).map_err(malformed_row)?;
+        Ok(match self.decode_parts(request_id, id) {
+            Ok(reply) => reply,
+            Err(error) => Reply::malformed(request_id, id, &error),
+        })
+    }
+
+    fn decode_parts(&self, request_id: Snowflake, id: Snowflake) -> Result<Reply, DecodeError> {
+        match self.kind {
+            Some(REPLY_KIND_WITH_EXIT) => {
+                let exit = Exit::from_json(&self.payload)?;
+                Ok(Reply::WithExit(WithExit { request_id, id, exit }))
+            }
+            None => Ok(Reply::Chunk(decode_chunk(request_id, id, &self.payload, self.sequence)?)),
+            Some(other) => Err(DecodeError::new("reply", format!("unknown reply kind {other}"))),
+        }
+    }
+}
+
+fn decode_chunk(
+    request_id: Snowflake,
+    id: Snowflake,
+    payload: &str,
+    sequence: Option<i32>,
+) -> Result<Chunk, DecodeError> {
+    let values = encoded::values_from_json(payload)?;
+    let sequence = sequence
+        .and_then(|sequence| u32::try_from(sequence).ok())
+        .ok_or_else(|| DecodeError::new("chunk", "missing or negative sequence"))?;
+    Chunk::new(request_id, id, sequence, values)
+        .ok_or_else(|| DecodeError::new("chunk", "a chunk needs at least one value"))
+}
+
+/// A row whose ids cannot even be read: the database holds something no runner wrote.
+fn malformed_row(error: DecodeError) -> StorageError {
+    StorageError::with_source(StorageErrorKind::Malformed, "unreadable reply row", error)
+}
+
+/// The reply a message row's `last_reply_id` points at (always a chunk for a message that is
+/// still unprocessed).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub(crate) struct LastReplyRow {
+    pub(crate) id: i64,
+    pub(crate) payload: String,
+    pub(crate) sequence: Option<i32>,
+}
+
+/// A message row as read, joined with its last reply.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub(crate) struct MessageRow {
+    pub(crate) id: i64,
+    pub(crate) shard_id: String,
+    pub(crate) entity_type: String,
+    pub(crate) entity_id: String,
+    pub(crate) kind: i32,
+    pub(crate) tag: Option<String>,
+    pub(crate) payload: Option<String>,
+    pub(crate) headers: Option<String>,
+    pub(crate) trace_id: Option<String>,
+    pub(crate) span_id: Option<String>,
+    pub(crate) sampled: Option<bool>,
+    pub(crate) request_id: i64,
+    pub(crate) reply_id: Option<i64>,
+    pub(crate) last_reply: Option<LastReplyRow>,
+}
+
+impl MessageRow {
+    /// The stored message, or why it cannot be decoded.
+    pub(crate) fn decode(self) -> Result<UnprocessedMessage, MalformedMessage> {
+        let id = Snowflake::from_i64(self.id).unwrap_or(Snowflake::new(0));
+        let request_id = Snowflake::from_i64(self.request_id).unwrap_or(Snowflake::new(0));
+        self.decode_inner().map_err(|error| MalformedMessage { id, request_id, error })
+    }
+
+    fn decode_inner(self) -> Result<UnprocessedMessage, DecodeError> {
+        let id = id_from_sql(self.id)?;
+        let request_id = id_from_sql(self.request_id)?;
+        let address = EntityAddress {
+            shard_id: self.shard_id.parse::<ShardId>()?,
+            entity_type: EntityType::from(self.entity_type),
+            entity_id: EntityId::from(self.entity_id),
+        };
+        match self.kind {
+            MESSAGE_KIND_REQUEST => {
+                let tag = self.tag.ok_or_else(|| DecodeError::new("request row", "no tag"))?;
+                let trace = match self.trace_id {
+                    // The reference restores the trace only when it has a trace id.
+                    Some(trace_id) if !trace_id.is_empty() => TraceContext {
+                        trace_id: Some(trace_id),
+                        span_id: self.span_id,
+                        sampled: Some(self.sampled.unwrap_or(false)),
+                    },
+                    _ => TraceContext::default(),
+                };
+                let last_sent_reply = match self.last_reply {
+                    Some(last) => {
+                        let reply_id = id_from_sql(last.id)?;
+                        Some(Reply::Chunk(decode_chunk(
+                            request_id,
+                            reply_id,
+                            &last.payload,
+                            last.sequence,
+                        )?))
+                    }
+                    None => None,
+                };
+                let request = Request {
+                    request_id: id,
+                    address,
+                    tag: tag.into(),
+                    payload: raw_column(self.payload)?,
+                    headers: match self.headers {
+                        Some(headers) => RawJson::from_json(headers)?,
+                        None => RawJson::empty_object(),
+                    },
+                    trace,
+                };
+                Ok(UnprocessedMessage { envelope: Envelope::Request(request), last_sent_reply })
+            }
+            MESSAGE_KIND_ACK_CHUNK => {
+                let reply_id = self
+                    .reply_id
+                    .ok_or_else(|| DecodeError::new("ack row", "no reply id"))
+                    .and_then(id_from_sql)?;
+                let ack = AckChunk { id, address, request_id, reply_id };
+                Ok(UnprocessedMessage { envelope: Envelope::AckChunk(ack), last_sent_reply: None })
+            }
+            MESSAGE_KIND_INTERRUPT => {
+                let interrupt = Interrupt { id, address, request_id };
+                Ok(UnprocessedMessage {
+                    envelope: Envelope::Interrupt(interrupt),
+                    last_sent_reply: None,
+                })
+            }
+            other => Err(DecodeError::new("message row", format!("unknown message kind {other}"))),
+        }
+    }
+}
+
+/// A nullable JSON column: `NULL` is the undefined value (the reference stores an undefined
+/// payload as `NULL`).
+fn raw_column(column: Option<String>) -> Result<RawJson, DecodeError> {
+    column.map_or_else(|| Ok(RawJson::undefined()), RawJson::from_json)
+}
+
+/// Splits decoded rows into messages and malformed rows, keeping storage order.
+pub(crate) fn into_batch(rows: impl IntoIterator<Item = MessageRow>) -> UnprocessedBatch {
+    let mut batch = UnprocessedBatch::default();
+    for row in rows {
+        match row.decode() {
+            Ok(message) => batch.messages.push(message),
+            Err(malformed) => batch.malformed.push(malformed),
+        }
+    }
+    batch
+}
+
+/// The address filter of `unprocessed_messages`, grouped as the reference groups it: one
+/// `(shard_id, entity_type, [entity_id, ...])` clause per shard and type.
+pub(crate) fn group_addresses(addresses: &[EntityAddress]) -> Vec<(String, &str, Vec<&str>)> {
+    let mut groups: BTreeMap<(String, &str), Vec<&str>> = BTreeMap::new();
+    for address in addresses {
+        let key = (address.shard_id.to_string(), address.entity_type.as_str());
+        groups.entry(key).or_default().push(address.entity_id.as_str());
+    }
+    groups.into_iter().map(|((shard_id, entity_type), ids)| (shard_id, entity_type, ids)).collect()
+}
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,204 @@
+//! Tests of the row mapping: what every backend writes and how malformed rows are read.
+
+use cluster_core::envelope::CauseReason;
+use cluster_core::{ShardGroup, Timestamp};
+
+use super::*;
+
+fn address() -> EntityAddress {
+    EntityAddress {
+        shard_id: ShardId::new(ShardGroup::from("default"), 7),
+        entity_type: EntityType::from("Counter"),
+        entity_id: EntityId::from("c-1"),
+    }
+}
+
+fn request() -> Request {
+    Request {
+        request_id: Snowflake::new(123),
+        address: address(),
+        tag: "Increment".into(),
+        payload: RawJson::from_json(r#"{"by":1}"#.to_owned()).unwrap(),
+        headers: RawJson::empty_object(),
+        trace: TraceContext {
+            trace_id: Some("t".to_owned()),
+            span_id: Some("s".to_owned()),
+            sampled: Some(true),
+        },
+    }
+}
+
+fn message_row(kind: i32) -> MessageRow {
+    MessageRow {
+        id: 123,
+        shard_id: "default:7".to_owned(),
+        entity_type: "Counter".to_owned(),
+        entity_id: "c-1".to_owned(),
+        kind,
+        tag: Some("Increment".to_owned()),
+        payload: Some(r#"{"by":1}"#.to_owned()),
+        headers: Some("{}".to_owned()),
+        trace_id: Some("t".to_owned()),
+        span_id: Some("s".to_owned()),
+        sampled: Some(true),
+        request_id: 123,
+        reply_id: None,
+        last_reply: None,
+    }
+}
+
+#[test]
+fn request_rows_round_trip() {
+    let options = SaveRequestOptions {
+        primary_key: Some("Counter/c-1/Increment/k1".to_owned()),
+        deliver_at: Some(Timestamp::from_unix_millis(5)),
+    };
+    let request = request();
+    let insert = MessageInsert::request(&request, &options).unwrap();
+    assert_eq!(insert.shard_id, "default:7");
+    assert_eq!(insert.message_id.as_deref(), Some("Counter/c-1/Increment/k1"));
+    assert_eq!((insert.kind, insert.id, insert.request_id), (MESSAGE_KIND_REQUEST, 123, 123));
+    assert_eq!(insert.deliver_at, Some(5));
+    let message = message_row(MESSAGE_KIND_REQUEST).decode().unwrap();
+    assert_eq!(message.envelope, Envelope::Request(request));
+    assert_eq!(message.last_sent_reply, None);
+}
+
+#[test]
+fn long_primary_keys_are_stored_as_digests() {
+    let options = SaveRequestOptions { primary_key: Some("k".repeat(300)), deliver_at: None };
+    let request = request();
+    let insert = MessageInsert::request(&request, &options).unwrap();
+    assert_eq!(insert.message_id.unwrap().len(), 64);
+}
+
+#[test]
+fn ack_and_interrupt_rows() {
+    let ack = AckChunk {
+        id: Snowflake::new(5),
+        address: address(),
+        request_id: Snowflake::new(123),
+        reply_id: Snowflake::new(9),
+    };
+    let insert = MessageInsert::ack_chunk(&ack).unwrap();
+    assert_eq!((insert.id, insert.request_id, insert.reply_id), (5, 123, Some(9)));
+    assert_eq!((insert.tag, insert.payload), (None, None));
+    let row = MessageRow { id: 5, reply_id: Some(9), tag: None, payload: None, ..message_row(1) };
+    assert_eq!(row.decode().unwrap().envelope, Envelope::AckChunk(ack));
+
+    let interrupt =
+        Interrupt { id: Snowflake::new(6), address: address(), request_id: Snowflake::new(123) };
+    assert_eq!(MessageInsert::interrupt(&interrupt).unwrap().kind, MESSAGE_KIND_INTERRUPT);
+    let row = MessageRow { id: 6, ..message_row(2) };
+    assert_eq!(row.decode().unwrap().envelope, Envelope::Interrupt(interrupt));
+}
+
+#[test]
+fn a_resumed_stream_carries_its_last_chunk() {
+    let row = MessageRow {
+        last_reply: Some(LastReplyRow { id: 44, payload: "[3]".to_owned(), sequence: Some(2) }),
+        ..message_row(MESSAGE_KIND_REQUEST)
+    };
+    let Some(Reply::Chunk(chunk)) = row.decode().unwrap().last_sent_reply else {
+        panic!("a chunk")
+    };
+    assert_eq!(
+        (chunk.request_id(), chunk.id(), chunk.sequence()),
+        (Snowflake::new(123), Snowflake::new(44), 2)
+    );
+}
+
+#[test]
+fn null_payload_is_undefined_and_trace_needs_a_trace_id() {
+    let row = MessageRow { payload: None, trace_id: None, ..message_row(MESSAGE_KIND_REQUEST) };
+    let Envelope::Request(request) = row.decode().unwrap().envelope else { panic!("a request") };
+    assert!(request.payload.is_undefined());
+    assert_eq!(request.trace, TraceContext::default());
+}
+
+#[test]
+fn malformed_message_rows_are_reported_not_panicked() {
+    let cases = [
+        MessageRow { shard_id: "no-colon".to_owned(), ..message_row(0) },
+        MessageRow { payload: Some("{".to_owned()), ..message_row(0) },
+        MessageRow { headers: Some("not json".to_owned()), ..message_row(0) },
+        MessageRow { tag: None, ..message_row(0) },
+        MessageRow { kind: 7, ..message_row(0) },
+        MessageRow { reply_id: None, ..message_row(1) },
+        MessageRow { id: -1, ..message_row(0) },
+        MessageRow {
+            last_reply: Some(LastReplyRow { id: 1, payload: "[]".to_owned(), sequence: Some(0) }),
+            ..message_row(0)
+        },
+    ];
+    for row in cases {
+        let described = format!("{row:?}");
+        let malformed = row.decode().unwrap_err();
+        assert_eq!(malformed.request_id, Snowflake::new(123), "{described}");
+    }
+    let batch = into_batch([message_row(0), MessageRow { kind: 9, ..message_row(0) }]);
+    assert_eq!((batch.messages.len(), batch.malformed.len()), (1, 1));
+}
+
+#[test]
+fn reply_rows_round_trip_and_malformed_ones_become_defects() {
+    let final_reply = Reply::WithExit(WithExit {
+        request_id: Snowflake::new(1),
+        id: Snowflake::new(2),
+        exit: Exit::void(),
+    });
+    let insert = ReplyInsert::new(&final_reply).unwrap();
+    assert_eq!(insert.payload, r#"{"_tag":"Success","value":null}"#);
+    assert_eq!((insert.kind, insert.sequence), (Some(REPLY_KIND_WITH_EXIT), None));
+    let row = ReplyRow {
+        id: 2,
+        kind: insert.kind,
+        request_id: 1,
+        payload: insert.payload,
+        sequence: None,
+    };
+    assert_eq!(row.decode().unwrap(), final_reply);
+
+    let chunk = Reply::Chunk(Chunk::empty_from(Snowflake::new(1)));
+    let insert = ReplyInsert::new(&chunk).unwrap();
+    assert_eq!((insert.kind, insert.payload.as_str(), insert.sequence), (None, "[null]", Some(0)));
+
+    let broken =
+        ReplyRow { id: 2, kind: Some(0), request_id: 1, payload: "{".to_owned(), sequence: None };
+    let Reply::WithExit(WithExit { exit: Exit::Failure(cause), request_id, .. }) =
+        broken.decode().unwrap()
+    else {
+        panic!("a defect")
+    };
+    assert_eq!(request_id, Snowflake::new(1));
+    assert!(matches!(&cause.0[0], CauseReason::Die(_)));
+    let negative =
+        ReplyRow { id: -2, kind: Some(0), request_id: 1, payload: "{}".to_owned(), sequence: None };
+    assert_eq!(negative.decode().unwrap_err().kind(), StorageErrorKind::Malformed);
+}
+
+#[test]
+fn ids_past_bigint_are_refused() {
+    assert_eq!(
+        id_to_sql(Snowflake::new(u64::MAX)).unwrap_err().kind(),
+        StorageErrorKind::InvalidInput
+    );
+    assert_eq!(id_to_sql(Snowflake::new(7)).unwrap(), 7);
+}
+
+#[test]
+fn addresses_group_by_shard_and_type() {
+    let mut other = address();
+    other.entity_id = EntityId::from("c-2");
+    let mut elsewhere = address();
+    elsewhere.entity_type = EntityType::from("Other");
+    let addresses = [address(), other, elsewhere];
+    let groups = group_addresses(&addresses);
+    assert_eq!(
+        groups,
+        [
+            ("default:7".to_owned(), "Counter", vec!["c-1", "c-2"]),
+            ("default:7".to_owned(), "Other", vec!["c-1"])
+        ]
+    );
+}

@@ -1,0 +1,591 @@
+//! Every SQL text of the SQLite backend, built once per connection from the validated table
+//! prefix, plus the migrations (the reference's SQLite DDL, reference §4.2 and §5.2) and the
+//! small helpers that bind lists and read columns leniently.
+//!
+//! Identifiers come only from [`TablePrefix`]; every value is a bound parameter. A list (ids,
+//! shards, entity ids) is bound as one JSON array and expanded with `json_each`, so a statement's
+//! text does not depend on the list's length and stays in the prepared statement cache.
+
+use std::fmt::Write as _;
+
+use cluster_core::storage::CLAIM_WINDOW;
+use rusqlite::types::ValueRef;
+use rusqlite::{Connection, OptionalExtension};
+
+use crate::options::TablePrefix;
+
+// The claim window is spelled `DATETIME('now', '-10 minute')` in the claim query, as in the
+// reference; it must stay the contract's window.
+const _: () = assert!(CLAIM_WINDOW.as_secs() == 10 * 60);
+
+/// The columns of a message row as read, joined with its last reply (`MessageRow`).
+const MESSAGE_COLUMNS: &str = "m.id, m.shard_id, m.entity_type, m.entity_id, m.kind, m.tag, \
+     m.payload, m.headers, m.trace_id, m.span_id, m.sampled, m.request_id, m.reply_id, \
+     r.id, r.payload, r.sequence";
+
+/// The SQL of the message storage on one prefix.
+#[derive(Debug)]
+pub(super) struct MessageSql {
+    pub(super) messages: String,
+    pub(super) replies: String,
+    pub(super) select_duplicate_by_message_id: String,
+    pub(super) select_duplicate_by_id: String,
+    pub(super) insert_message: String,
+    pub(super) insert_message_or_ignore: String,
+    pub(super) ack_reply: String,
+    pub(super) process_older_acks: String,
+    pub(super) chunk_last_reply: String,
+    pub(super) exit_last_reply: String,
+    pub(super) insert_reply: String,
+    pub(super) delete_exit: String,
+    pub(super) delete_interrupts: String,
+    pub(super) unprocess_request: String,
+    pub(super) delete_exit_if_latest: String,
+    pub(super) unprocess_request_if_latest: String,
+    pub(super) select_id_by_message_id: String,
+    pub(super) replies_for: String,
+    pub(super) replies_for_unfiltered: String,
+    pub(super) claim: String,
+    pub(super) unprocessed_by_id: String,
+    pub(super) reset_requests: String,
+    pub(super) reset_shards: String,
+    pub(super) clear_address_replies: String,
+    pub(super) clear_address_messages: String,
+}
+
+impl MessageSql {
+    pub(super) fn new(prefix: &TablePrefix) -> MessageSql {
+        let m = prefix.table("messages");
+        let r = prefix.table("replies");
+        let duplicate = format!(
+            "SELECT m.id, r.id, r.kind, r.payload, r.sequence FROM {m} m \
+             LEFT JOIN {r} r ON r.id = m.last_reply_id"
+        );
+        let insert_columns = "(id, message_id, shard_id, entity_type, entity_id, kind, tag, \
+             payload, headers, trace_id, span_id, sampled, request_id, reply_id, deliver_at) \
+             VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?12, ?13, ?14, ?15)";
+        MessageSql {
+            select_duplicate_by_message_id: format!("{duplicate} WHERE m.message_id = ?1"),
+            select_duplicate_by_id: format!("{duplicate} WHERE m.id = ?1"),
+            insert_message: format!("INSERT INTO {m} {insert_columns}"),
+            insert_message_or_ignore: format!("INSERT OR IGNORE INTO {m} {insert_columns}"),
+            ack_reply: format!("UPDATE {r} SET acked = 1 WHERE id = ?1"),
+            process_older_acks: format!(
+                "UPDATE {m} SET processed = 1 WHERE processed = 0 AND request_id = ?1 AND kind = 1"
+            ),
+            chunk_last_reply: format!("UPDATE {m} SET last_reply_id = ?1 WHERE id = ?2"),
+            exit_last_reply: format!(
+                "UPDATE {m} SET processed = 1, last_reply_id = ?1 WHERE request_id = ?2"
+            ),
+            insert_reply: format!(
+                "INSERT INTO {r} (id, kind, request_id, payload, sequence) \
+                 VALUES (?1, ?2, ?3, ?4, ?5)"
+            ),
+            delete_exit: format!("DELETE FROM {r} WHERE request_id = ?1 AND kind = 0"),
+            delete_interrupts: format!("DELETE FROM {m} WHERE request_id = ?1 AND kind = 2"),
+            unprocess_request: format!(
+                "UPDATE {m} SET processed = 0, last_reply_id = NULL, last_read = NULL \
+                 WHERE request_id = ?1"
+            ),
+            delete_exit_if_latest: format!(
+                "DELETE FROM {r} WHERE request_id = ?1 AND kind = 0 \
+                 AND EXISTS (SELECT 1 FROM {m} WHERE id = ?1 AND last_reply_id = ?2)"
+            ),
+            unprocess_request_if_latest: format!(
+                "UPDATE {m} SET processed = 0, last_reply_id = NULL, last_read = NULL \
+                 WHERE request_id = ?1 AND last_reply_id = ?2"
+            ),
+            select_id_by_message_id: format!("SELECT id FROM {m} WHERE message_id = ?1"),
+            replies_for: format!(
+                "SELECT id, kind, request_id, payload, sequence FROM {r} \
+                 WHERE request_id IN (SELECT value FROM json_each(?1)) \
+                 AND (kind = 0 OR (kind IS NULL AND acked = 0)) \
+                 ORDER BY rowid ASC"
+            ),
+            replies_for_unfiltered: format!(
+                "SELECT id, kind, request_id, payload, sequence FROM {r} \
+                 WHERE request_id IN (SELECT value FROM json_each(?1)) \
+                 ORDER BY rowid ASC"
+            ),
+            claim: format!(
+                "UPDATE {m} SET last_read = CURRENT_TIMESTAMP \
+                 WHERE id IN (SELECT value FROM json_each(?1))"
+            ),
+            unprocessed_by_id: format!(
+                "SELECT {MESSAGE_COLUMNS} FROM {m} m LEFT JOIN {r} r ON r.id = m.last_reply_id \
+                 WHERE m.id IN (SELECT value FROM json_each(?1)) \
+                 AND NOT EXISTS (SELECT 1 FROM {r} WHERE request_id = m.request_id \
+                   AND (kind = 0 OR acked = 0)) \
+                 AND m.processed = 0 \
+                 AND (m.deliver_at IS NULL OR m.deliver_at <= ?2) \
+                 ORDER BY m.rowid ASC"
+            ),
+            reset_requests: format!(
+                "UPDATE {m} SET last_read = NULL WHERE processed = 0 \
+                 AND id IN (SELECT value FROM json_each(?1))"
+            ),
+            reset_shards: format!(
+                "UPDATE {m} SET last_read = NULL WHERE processed = 0 \
+                 AND shard_id IN (SELECT value FROM json_each(?1))"
+            ),
+            clear_address_replies: format!(
+                "DELETE FROM {r} WHERE request_id IN \
+                 (SELECT id FROM {m} WHERE entity_type = ?1 AND entity_id = ?2)"
+            ),
+            clear_address_messages: format!(
+                "DELETE FROM {m} WHERE entity_type = ?1 AND entity_id = ?2"
+            ),
+            messages: m,
+            replies: r,
+        }
+    }
+
+    /// The claim query (reference §5.3) over the shards in `?1`, due at `?2`, at most `?3` rows
+    /// (`-1`: no limit), with `n_address_groups` address clauses whose parameters start at `?4`
+    /// (three per clause: shard, entity type, entity ids as JSON).
+    pub(super) fn unprocessed(&self, n_address_groups: usize) -> String {
+        let MessageSql { messages: m, replies: r, .. } = self;
+        let address_filter = address_filter("m.", n_address_groups, 4);
+        format!(
+            "SELECT {MESSAGE_COLUMNS} FROM {m} m LEFT JOIN {r} r ON r.id = m.last_reply_id \
+             WHERE m.shard_id IN (SELECT value FROM json_each(?1)) \
+             {address_filter} \
+             AND NOT EXISTS (SELECT 1 FROM {r} WHERE request_id = m.request_id \
+               AND (kind = 0 OR acked = 0)) \
+             AND m.processed = 0 \
+             AND (m.last_read IS NULL OR m.last_read < DATETIME('now', '-10 minute')) \
+             AND (m.deliver_at IS NULL OR m.deliver_at <= ?2) \
+             ORDER BY m.rowid ASC \
+             LIMIT ?3"
+        )
+    }
+
+    /// `reset_addresses` with `n_address_groups` clauses whose parameters start at `?1`.
+    pub(super) fn reset_addresses(&self, n_address_groups: usize) -> String {
+        let address_filter = address_filter("", n_address_groups, 1);
+        format!(
+            "UPDATE {} SET last_read = NULL WHERE processed = 0 {address_filter}",
+            self.messages
+        )
+    }
+}
+
+/// `AND ((shard_id = ? AND entity_type = ? AND entity_id IN (…)) OR …)`, the reference's
+/// grouped address filter, with parameters numbered from `first_parameter`.
+fn address_filter(alias: &str, n_groups: usize, first_parameter: usize) -> String {
+    if n_groups == 0 {
+        return String::new();
+    }
+    let mut filter = String::from("AND (");
+    for group_idx in 0..n_groups {
+        let p = first_parameter + group_idx * 3;
+        if group_idx > 0 {
+            filter.push_str(" OR ");
+        }
+        let _ = write!(
+            filter,
+            "({alias}shard_id = ?{p} AND {alias}entity_type = ?{} \
+             AND {alias}entity_id IN (SELECT value FROM json_each(?{})))",
+            p + 1,
+            p + 2
+        );
+    }
+    filter.push(')');
+    filter
+}
+
+/// The SQL of the runner registry and the shard lock leases on one prefix. `?` parameters named
+/// `expiration` take a `datetime` modifier such as `-30 seconds`.
+#[derive(Debug)]
+pub(super) struct RunnerSql {
+    pub(super) register: String,
+    pub(super) unregister: String,
+    pub(super) get_runners: String,
+    pub(super) set_health: String,
+    pub(super) heartbeat: String,
+    pub(super) acquire: String,
+    pub(super) acquired: String,
+    pub(super) refresh: String,
+    pub(super) release: String,
+    pub(super) release_all: String,
+}
+
+impl RunnerSql {
+    pub(super) fn new(prefix: &TablePrefix) -> RunnerSql {
+        let runners = prefix.table("runners");
+        let locks = prefix.table("locks");
+        RunnerSql {
+            register: format!(
+                "INSERT INTO {runners} (address, runner, last_heartbeat, healthy) \
+                 VALUES (?1, ?2, CURRENT_TIMESTAMP, ?3) \
+                 ON CONFLICT(address) DO UPDATE SET \
+                   runner = excluded.runner, \
+                   last_heartbeat = excluded.last_heartbeat, \
+                   healthy = excluded.healthy \
+                 RETURNING machine_id"
+            ),
+            // ?2: the expiration modifier.
+            unregister: format!(
+                "DELETE FROM {runners} WHERE address = ?1 \
+                 OR last_heartbeat < datetime(CURRENT_TIMESTAMP, ?2)"
+            ),
+            // ?1: the expiration modifier.
+            get_runners: format!(
+                "SELECT runner, healthy FROM {runners} \
+                 WHERE last_heartbeat > datetime(CURRENT_TIMESTAMP, ?1)"
+            ),
+            set_health: format!("UPDATE {runners} SET healthy = ?2 WHERE address = ?1"),
+            heartbeat: format!(
+                "UPDATE {runners} SET last_heartbeat = CURRENT_TIMESTAMP WHERE address = ?1"
+            ),
+            // ?1: address, ?2: shard ids (JSON), ?3: expiration in seconds. A shard is taken
+            // unless another runner holds a lease on it that is at most the expiration old.
+            acquire: format!(
+                "INSERT INTO {locks} (shard_id, address, acquired_at) \
+                 SELECT source.value, ?1, CURRENT_TIMESTAMP FROM json_each(?2) AS source \
+                 WHERE NOT EXISTS ( \
+                   SELECT 1 FROM {locks} \
+                   WHERE shard_id = source.value \
+                   AND address != ?1 \
+                   AND (strftime('%s', CURRENT_TIMESTAMP) - strftime('%s', acquired_at)) <= ?3 \
+                 ) \
+                 ON CONFLICT(shard_id) DO UPDATE \
+                 SET address = ?1, acquired_at = CURRENT_TIMESTAMP"
+            ),
+            // ?1: address, ?2: expiration modifier, ?3: shard ids (JSON).
+            acquired: format!(
+                "SELECT shard_id FROM {locks} \
+                 WHERE address = ?1 \
+                 AND acquired_at >= datetime(CURRENT_TIMESTAMP, ?2) \
+                 AND shard_id IN (SELECT value FROM json_each(?3))"
+            ),
+            refresh: format!(
+                "UPDATE {locks} SET acquired_at = CURRENT_TIMESTAMP \
+                 WHERE address = ?1 AND shard_id IN (SELECT value FROM json_each(?2)) \
+                 RETURNING shard_id"
+            ),
+            release: format!("DELETE FROM {locks} WHERE address = ?1 AND shard_id = ?2"),
+            release_all: format!("DELETE FROM {locks} WHERE address = ?1"),
+        }
+    }
+}
+
+/// The SQL of one connection: both storages' statements, whichever the worker serves.
+#[derive(Debug)]
+pub(super) struct Statements {
+    pub(super) prefix: TablePrefix,
+    pub(super) message: MessageSql,
+    pub(super) runner: RunnerSql,
+}
+
+impl Statements {
+    pub(super) fn new(prefix: &TablePrefix) -> Statements {
+        Statements {
+            prefix: prefix.clone(),
+            message: MessageSql::new(prefix),
+            runner: RunnerSql::new(prefix),
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Migrations
+// ---------------------------------------------------------------------------------------------
+
+/// Which migration history to bring up to date.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) enum MigrationSet {
+    /// `<prefix>_messages` and `<prefix>_replies`, history `<prefix>_migrations`.
+    Messages,
+    /// `<prefix>_runners` and `<prefix>_locks`, history `<prefix>_runner_migrations`.
+    Runners,
+}
+
+/// One migration: the reference's id and name, and its SQLite statements (empty where the
+/// reference's migration does nothing on SQLite; it is still recorded, so a TypeScript runner
+/// sharing the file sees the same history).
+struct Migration {
+    id: i64,
+    name: &'static str,
+    statements: Vec<String>,
+}
+
+impl MigrationSet {
+    fn history_table(self, prefix: &TablePrefix) -> String {
+        match self {
+            MigrationSet::Messages => prefix.table("migrations"),
+            MigrationSet::Runners => prefix.table("runner_migrations"),
+        }
+    }
+
+    fn migrations(self, prefix: &TablePrefix) -> Vec<Migration> {
+        match self {
+            MigrationSet::Messages => message_migrations(prefix),
+            MigrationSet::Runners => runner_migrations(prefix),
+        }
+    }
+}
+
+fn message_migrations(prefix: &TablePrefix) -> Vec<Migration> {
+    let m = prefix.table("messages");
+    let r = prefix.table("replies");
+    let create_tables = vec![
+        format!(
+            "CREATE TABLE IF NOT EXISTS {m} (
+              id INTEGER PRIMARY KEY,
+              message_id TEXT,
+              shard_id TEXT NOT NULL,
+              entity_type TEXT NOT NULL,
+              entity_id TEXT NOT NULL,
+              kind INTEGER NOT NULL,
+              tag TEXT,
+              payload TEXT,
+              headers TEXT,
+              trace_id TEXT,
+              span_id TEXT,
+              sampled BOOLEAN,
+              processed BOOLEAN NOT NULL DEFAULT FALSE,
+              request_id INTEGER NOT NULL,
+              reply_id INTEGER,
+              last_reply_id INTEGER,
+              last_read TEXT,
+              deliver_at INTEGER,
+              UNIQUE (message_id)
+            )"
+        ),
+        format!(
+            "CREATE INDEX IF NOT EXISTS {m}_shard_idx \
+             ON {m} (shard_id, processed, last_read, deliver_at)"
+        ),
+        format!("CREATE INDEX IF NOT EXISTS {m}_request_id_idx ON {m} (request_id)"),
+        format!(
+            "CREATE TABLE IF NOT EXISTS {r} (
+              id INTEGER PRIMARY KEY,
+              kind INTEGER,
+              request_id INTEGER NOT NULL,
+              payload TEXT NOT NULL,
+              sequence INTEGER,
+              acked BOOLEAN NOT NULL DEFAULT FALSE,
+              UNIQUE (request_id, kind),
+              UNIQUE (request_id, sequence)
+            )"
+        ),
+        format!(
+            "CREATE INDEX IF NOT EXISTS {r}_request_lookup_idx ON {r} (request_id, kind, acked)"
+        ),
+    ];
+    vec![
+        Migration { id: 1, name: "create_tables", statements: create_tables },
+        // Resizes entity_type on the other dialects; SQLite's TEXT has no size.
+        Migration { id: 2, name: "entity_type_size", statements: Vec::new() },
+        // PostgreSQL only.
+        Migration { id: 3, name: "pg_messages_rowid_index", statements: Vec::new() },
+    ]
+}
+
+fn runner_migrations(prefix: &TablePrefix) -> Vec<Migration> {
+    let runners = prefix.table("runners");
+    let locks = prefix.table("locks");
+    let create_tables = vec![
+        format!(
+            "CREATE TABLE IF NOT EXISTS {runners} (
+              machine_id INTEGER PRIMARY KEY AUTOINCREMENT,
+              address TEXT NOT NULL,
+              runner TEXT NOT NULL,
+              healthy INTEGER NOT NULL DEFAULT 1,
+              last_heartbeat DATETIME NOT NULL DEFAULT (CURRENT_TIMESTAMP),
+              UNIQUE(address)
+            )"
+        ),
+        format!(
+            "CREATE TABLE IF NOT EXISTS {locks} (
+              shard_id TEXT PRIMARY KEY,
+              address TEXT NOT NULL,
+              acquired_at DATETIME NOT NULL
+            )"
+        ),
+    ];
+    vec![Migration { id: 1, name: "create_tables", statements: create_tables }]
+}
+
+/// Brings `set` up to date the way effect's SQL migrator does (reference
+/// `sql/Migrator.ts`), so either side recognises the other's history: the history table has
+/// `migration_id`, `created_at`, `name`; in one transaction, the migrations above the latest
+/// recorded id are recorded first and then run; a concurrent migrator that recorded them first
+/// makes this one a no-op. Returns the ids that ran.
+pub(super) fn migrate(
+    connection: &Connection,
+    prefix: &TablePrefix,
+    set: MigrationSet,
+) -> rusqlite::Result<Vec<i64>> {
+    let history = set.history_table(prefix);
+    connection.execute_batch(&format!(
+        "CREATE TABLE IF NOT EXISTS {history} (
+          migration_id integer PRIMARY KEY NOT NULL,
+          created_at datetime NOT NULL DEFAULT current_timestamp,
+          name VARCHAR(255) NOT NULL
+        )"
+    ))?;
+    let result = immediate(connection, |connection| {
+        let latest: i64 = connection
+            .query_row(
+                &format!("SELECT migration_id FROM {history} ORDER BY migration_id DESC LIMIT 1"),
+                [],
+                |row| row.get(0),
+            )
+            .optional()?
+            .unwrap_or(0);
+        let required: Vec<Migration> =
+            set.migrations(prefix).into_iter().filter(|migration| migration.id > latest).collect();
+        let insert = format!("INSERT INTO {history} (migration_id, name) VALUES (?1, ?2)");
+        for migration in &required {
+            connection.execute(&insert, rusqlite::params![migration.id, migration.name])?;
+        }
+        for migration in &required {
+            for statement in &migration.statements {
+                connection.execute_batch(statement)?;
+            }
+        }
+        Ok(required.iter().map(|migration| migration.id).collect())
+    });
+    match result {
+        // Another migrator recorded the same ids first (the reference's "Locked").
+        Err(error) if is_unique_violation(&error) => Ok(Vec::new()),
+        other => other,
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Transactions
+// ---------------------------------------------------------------------------------------------
+
+/// Runs `body` in a `BEGIN IMMEDIATE` transaction: the write lock is taken up front (waiting up
+/// to the busy timeout), so a read followed by a write never fails on a lock upgrade. Commits
+/// on success, rolls back on failure.
+pub(super) fn immediate<T>(
+    connection: &Connection,
+    body: impl FnOnce(&Connection) -> rusqlite::Result<T>,
+) -> rusqlite::Result<T> {
+    connection.prepare_cached("BEGIN IMMEDIATE")?.execute([])?;
+    let result = body(connection).and_then(|value| {
+        connection.prepare_cached("COMMIT")?.execute([])?;
+        Ok(value)
+    });
+    if result.is_err() {
+        rollback(connection);
+    }
+    result
+}
+
+/// Rolls back the open transaction, if any. A failed rollback leaves nothing to do: SQLite has
+/// then already rolled back, or the connection is broken and its next statement says so.
+pub(super) fn rollback(connection: &Connection) {
+    if !connection.is_autocommit() {
+        let _ = connection.execute_batch("ROLLBACK");
+    }
+}
+
+/// Runs `body` under a savepoint of the open transaction; on failure its changes are undone and
+/// the transaction goes on.
+pub(super) fn savepoint<T>(
+    connection: &Connection,
+    body: impl FnOnce(&Connection) -> rusqlite::Result<T>,
+) -> rusqlite::Result<Result<T, rusqlite::Error>> {
+    connection.prepare_cached("SAVEPOINT cluster_save")?.execute([])?;
+    match body(connection) {
+        Ok(value) => {
+            connection.prepare_cached("RELEASE cluster_save")?.execute([])?;
+            Ok(Ok(value))
+        }
+        Err(error) => {
+            connection.prepare_cached("ROLLBACK TO cluster_save")?.execute([])?;
+            connection.prepare_cached("RELEASE cluster_save")?.execute([])?;
+            Ok(Err(error))
+        }
+    }
+}
+
+/// Whether `error` is a `UNIQUE` or `PRIMARY KEY` violation.
+pub(super) fn is_unique_violation(error: &rusqlite::Error) -> bool {
+    matches!(
+        error,
+        rusqlite::Error::SqliteFailure(failure, _)
+            if failure.extended_code == rusqlite::ffi::SQLITE_CONSTRAINT_UNIQUE
+                || failure.extended_code == rusqlite::ffi::SQLITE_CONSTRAINT_PRIMARYKEY
+    )
+}
+
+// ---------------------------------------------------------------------------------------------
+// Binding lists, reading columns
+// ---------------------------------------------------------------------------------------------
+
+/// A JSON array of integers, for `json_each`.
+pub(super) fn json_integers(values: impl IntoIterator<Item = i64>) -> String {
+    let mut json = String::from("[");
+    for (value_idx, value) in values.into_iter().enumerate() {
+        if value_idx > 0 {
+            json.push(',');
+        }
+        let _ = write!(json, "{value}");
+    }
+    json.push(']');
+    json
+}
+
+/// A JSON array of strings, for `json_each`.
+pub(super) fn json_strings<S: AsRef<str>>(values: impl IntoIterator<Item = S>) -> String {
+    let mut json = String::from("[");
+    for (value_idx, value) in values.into_iter().enumerate() {
+        if value_idx > 0 {
+            json.push(',');
+        }
+        json.push('"');
+        for c in value.as_ref().chars() {
+            match c {
+                '"' => json.push_str("\\\""),
+                '\\' => json.push_str("\\\\"),
+                c if u32::from(c) < 0x20 => {
+                    let _ = write!(json, "\\u{:04x}", u32::from(c));
+                }
+                c => json.push(c),
+            }
+        }
+        json.push('"');
+    }
+    json.push(']');
+    json
+}
+
+/// A text column read whatever it holds: a row written by something else (or damaged) must
+/// become a malformed message, never a failed query.
+pub(super) fn text(value: ValueRef<'_>) -> Option<String> {
+    match value {
+        ValueRef::Null => None,
+        ValueRef::Text(bytes) | ValueRef::Blob(bytes) => {
+            Some(String::from_utf8_lossy(bytes).into_owned())
+        }
+        ValueRef::Integer(integer) => Some(integer.to_string()),
+        ValueRef::Real(real) => Some(real.to_string()),
+    }
+}
+
+/// An integer column read whatever it holds: `None` for `NULL`, `Some(unreadable)` for a value
+/// that is not an integer.
+pub(super) fn integer(value: ValueRef<'_>, unreadable: i64) -> Option<i64> {
+    match value {
+        ValueRef::Null => None,
+        ValueRef::Integer(integer) => Some(integer),
+        ValueRef::Text(bytes) => Some(
+            std::str::from_utf8(bytes)
+                .ok()
+                .and_then(|text| text.trim().parse().ok())
+                .unwrap_or(unreadable),
+        ),
+        ValueRef::Real(_) | ValueRef::Blob(_) => Some(unreadable),
+    }
+}
+
+/// A small integer column (kinds, sequences), as [`integer`].
+pub(super) fn small_integer(value: ValueRef<'_>, unreadable: i32) -> Option<i32> {
+    integer(value, i64::from(unreadable)).map(|value| i32::try_from(value).unwrap_or(unreadable))
+}

@@ -1,0 +1,286 @@
+//! [`SqliteRunnerStorage`]: the runner registry of `cluster_core::storage::RunnerStorage` on a
+//! SQLite file (reference §4.1, §4.2); its shard locks are lease rows, in `shard_lock.rs`.
+//!
+//! Heartbeats, expiry and lease ages use the database clock (`CURRENT_TIMESTAMP`), never a
+//! runner's, so runners with skewed clocks agree on who is alive.
+
+use std::fmt;
+use std::path::Path;
+use std::time::Duration;
+
+use cluster_core::encoded::JsonForm;
+use cluster_core::error::{StorageError, StorageErrorKind};
+use cluster_core::future::BoxFuture;
+use cluster_core::storage::RunnerStorage;
+use cluster_core::{MachineId, Runner, RunnerAddress, ShardId};
+use rusqlite::params;
+
+use super::SqliteOptions;
+use super::queries::{self, MigrationSet};
+use super::shard_lock::LockKind;
+use super::worker::{Command, Responder, Worker, WorkerState, classify};
+
+/// [`RunnerStorage`] on a SQLite file: the runner registry and lease-row shard locks.
+///
+/// Every lock operation is bounded by
+/// [`shard_lock_interval`](crate::SqlStorageOptions::shard_lock_interval); leases and heartbeats
+/// expire after [`shard_lock_expiration`](crate::SqlStorageOptions::shard_lock_expiration),
+/// rounded up to whole seconds.
+pub struct SqliteRunnerStorage {
+    pub(super) worker: Worker,
+    pub(super) lock_deadline: Duration,
+}
+
+impl fmt::Debug for SqliteRunnerStorage {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("SqliteRunnerStorage")
+            .field("worker", &self.worker)
+            .field("lock_deadline", &self.lock_deadline)
+            .finish()
+    }
+}
+
+impl SqliteRunnerStorage {
+    /// Opens (creating it if needed) the database file at `path`, brings the runner tables up
+    /// to date and starts the worker.
+    ///
+    /// # Cancel safety
+    ///
+    /// Cancel safe: a dropped open stops its worker; migrations are transactional.
+    pub async fn open(
+        path: impl AsRef<Path>,
+        options: SqliteOptions,
+    ) -> Result<SqliteRunnerStorage, StorageError> {
+        let storage = SqliteRunnerStorage::open_without_migrations(path, options).await?;
+        storage
+            .worker
+            .call("migrate", |reply| Command::Migrate { set: MigrationSet::Runners, reply })
+            .await?;
+        Ok(storage)
+    }
+
+    /// Opens the database at `path` without creating or changing any table; see
+    /// [`migrate`](SqliteRunnerStorage::migrate).
+    ///
+    /// # Cancel safety
+    ///
+    /// Cancel safe.
+    pub async fn open_without_migrations(
+        path: impl AsRef<Path>,
+        options: SqliteOptions,
+    ) -> Result<SqliteRunnerStorage, StorageError> {
+        let worker = Worker::spawn(path.as_ref(), &options, "runners").await?;
+        Ok(SqliteRunnerStorage { worker, lock_deadline: options.storage.shard_lock_interval })
+    }
+
+    /// Brings the runner tables of the database at `path` up to date (history
+    /// `<prefix>_runner_migrations`) and returns the ids of the migrations that ran.
+    ///
+    /// # Cancel safety
+    ///
+    /// Cancel safe: the migrations run in one transaction.
+    pub async fn migrate(
+        path: impl AsRef<Path>,
+        options: &SqliteOptions,
+    ) -> Result<Vec<i64>, StorageError> {
+        let worker = Worker::spawn(path.as_ref(), options, "migrate").await?;
+        let ran = worker
+            .call("migrate", |reply| Command::Migrate { set: MigrationSet::Runners, reply })
+            .await;
+        worker.shutdown().await;
+        ran
+    }
+
+    /// Stops the worker once the commands queued before have run and waits until its
+    /// connection is closed; later calls fail as [`Unavailable`](StorageErrorKind::Unavailable).
+    /// Locks are not released: call [`release_all`](RunnerStorage::release_all) first.
+    ///
+    /// # Cancel safety
+    ///
+    /// Cancel safe.
+    pub async fn close(&self) {
+        self.worker.shutdown().await;
+    }
+
+    async fn runner_op<T>(
+        &self,
+        operation: &'static str,
+        make: impl FnOnce(Responder<T>) -> RunnerOp,
+    ) -> Result<T, StorageError> {
+        self.worker.call(operation, |reply| Command::Runner(make(reply))).await
+    }
+}
+
+impl RunnerStorage for SqliteRunnerStorage {
+    fn register<'a>(
+        &'a self,
+        runner: &'a Runner,
+        healthy: bool,
+    ) -> BoxFuture<'a, Result<MachineId, StorageError>> {
+        Box::pin(async move {
+            tracing::debug!(operation = "register", address = %runner.address, healthy, "sqlite");
+            let machine_id = self
+                .runner_op("register", |reply| RunnerOp::Register {
+                    address: runner.address.to_string(),
+                    runner: runner.to_json(),
+                    healthy,
+                    reply,
+                })
+                .await?;
+            i32::try_from(machine_id).map(MachineId::new).map_err(|_| {
+                StorageError::new(
+                    StorageErrorKind::Malformed,
+                    format!("machine id {machine_id} does not fit an i32"),
+                )
+            })
+        })
+    }
+
+    fn unregister<'a>(
+        &'a self,
+        address: &'a RunnerAddress,
+    ) -> BoxFuture<'a, Result<(), StorageError>> {
+        Box::pin(async move {
+            tracing::debug!(operation = "unregister", %address, "sqlite");
+            self.runner_op("unregister", |reply| RunnerOp::Unregister {
+                address: address.to_string(),
+                reply,
+            })
+            .await
+        })
+    }
+
+    fn get_runners(&self) -> BoxFuture<'_, Result<Vec<(Runner, bool)>, StorageError>> {
+        Box::pin(async move {
+            let rows =
+                self.runner_op("get_runners", |reply| RunnerOp::GetRunners { reply }).await?;
+            let mut runners = Vec::with_capacity(rows.len());
+            for (json, healthy) in rows {
+                match Runner::from_json(&json) {
+                    Ok(runner) => runners.push((runner, healthy)),
+                    Err(error) => {
+                        tracing::warn!(%error, runner = %json, "skipping a runner row that cannot be decoded");
+                    }
+                }
+            }
+            tracing::debug!(operation = "get_runners", n_runners = runners.len(), "sqlite");
+            Ok(runners)
+        })
+    }
+
+    fn set_runner_health<'a>(
+        &'a self,
+        address: &'a RunnerAddress,
+        healthy: bool,
+    ) -> BoxFuture<'a, Result<(), StorageError>> {
+        Box::pin(async move {
+            tracing::debug!(operation = "set_runner_health", %address, healthy, "sqlite");
+            self.runner_op("set_runner_health", |reply| RunnerOp::SetHealth {
+                address: address.to_string(),
+                healthy,
+                reply,
+            })
+            .await
+        })
+    }
+
+    fn acquire<'a>(
+        &'a self,
+        address: &'a RunnerAddress,
+        shard_ids: &'a [ShardId],
+    ) -> BoxFuture<'a, Result<Vec<ShardId>, StorageError>> {
+        Box::pin(async move {
+            if shard_ids.is_empty() {
+                return Ok(Vec::new());
+            }
+            self.lock("acquire", address, shard_ids, LockKind::Acquire).await
+        })
+    }
+
+    fn refresh<'a>(
+        &'a self,
+        address: &'a RunnerAddress,
+        shard_ids: &'a [ShardId],
+    ) -> BoxFuture<'a, Result<Vec<ShardId>, StorageError>> {
+        Box::pin(self.lock("refresh", address, shard_ids, LockKind::Refresh))
+    }
+
+    fn release<'a>(
+        &'a self,
+        address: &'a RunnerAddress,
+        shard_id: &'a ShardId,
+    ) -> BoxFuture<'a, Result<(), StorageError>> {
+        Box::pin(async move {
+            self.lock("release", address, std::slice::from_ref(shard_id), LockKind::Release)
+                .await
+                .map(drop)
+        })
+    }
+
+    fn release_all<'a>(
+        &'a self,
+        address: &'a RunnerAddress,
+    ) -> BoxFuture<'a, Result<(), StorageError>> {
+        Box::pin(async move {
+            self.lock("release_all", address, &[], LockKind::ReleaseAll).await.map(drop)
+        })
+    }
+}
+
+/// The runner registry operations.
+pub(super) enum RunnerOp {
+    Register { address: String, runner: String, healthy: bool, reply: Responder<i64> },
+    Unregister { address: String, reply: Responder<()> },
+    GetRunners { reply: Responder<Vec<(String, bool)>> },
+    SetHealth { address: String, healthy: bool, reply: Responder<()> },
+}
+
+/// Runs a registry operation on the worker thread.
+pub(super) fn run_operation(state: &WorkerState, op: RunnerOp) {
+    let connection = &state.connection;
+    let sql = &state.statements.runner;
+    match op {
+        RunnerOp::Register { address, runner, healthy, reply } => {
+            let result = connection
+                .prepare_cached(&sql.register)
+                .and_then(|mut statement| {
+                    statement.query_row(params![address, runner, healthy], |row| row.get(0))
+                })
+                .map_err(|error| classify("register", error));
+            let _ = reply.send(result);
+        }
+        RunnerOp::Unregister { address, reply } => {
+            let result = connection
+                .prepare_cached(&sql.unregister)
+                .and_then(|mut statement| {
+                    statement.execute(params![address, state.expiration_modifier])
+                })
+                .map(drop)
+                .map_err(|error| classify("unregister", error));
+            let _ = reply.send(result);
+        }
+        RunnerOp::GetRunners { reply } => {
+            let result = get_runners(state).map_err(|error| classify("get_runners", error));
+            let _ = reply.send(result);
+        }
+        RunnerOp::SetHealth { address, healthy, reply } => {
+            let result = connection
+                .prepare_cached(&sql.set_health)
+                .and_then(|mut statement| statement.execute(params![address, healthy]))
+                .map(drop)
+                .map_err(|error| classify("set_runner_health", error));
+            let _ = reply.send(result);
+        }
+    }
+}
+
+/// The live runners' JSON and health. `healthy` is read leniently (any non-zero integer).
+fn get_runners(state: &WorkerState) -> rusqlite::Result<Vec<(String, bool)>> {
+    let mut statement = state.connection.prepare_cached(&state.statements.runner.get_runners)?;
+    let rows = statement.query_map([&state.expiration_modifier], |row| {
+        let runner = queries::text(row.get_ref(0)?).unwrap_or_default();
+        let healthy = queries::integer(row.get_ref(1)?, 0).is_some_and(|healthy| healthy != 0);
+        Ok((runner, healthy))
+    })?;
+    rows.collect()
+}

@@ -1,0 +1,53 @@
+//! Integration tests of the SQL storages: the testkit's conformance suite on every backend, plus
+//! each backend's own tests (schema against the reference's DDL, lock sessions, faults).
+//!
+//! PostgreSQL and MySQL tests read their URLs from `CLUSTER_TEST_POSTGRES_URL` and
+//! `CLUSTER_TEST_MYSQL_URL` (`cargo xtask ci` sets them for the local services). Without one,
+//! that backend's tests print a note and pass, except under `CI=true`, where a missing database
+//! fails them: CI never passes by skipping. Every test works on tables with its own prefix and
+//! drops them at the end.
+
+#[cfg(feature = "mysql")]
+mod mysql;
+#[cfg(feature = "postgres")]
+mod postgres;
+#[cfg(feature = "sqlite")]
+mod sqlite;
+
+use std::sync::atomic::{AtomicU32, Ordering};
+
+use cluster_storage_sql::TablePrefix;
+
+/// A table prefix no other test, process or earlier run uses: `t<pid>_<counter>_<nanos>`.
+pub(crate) fn unique_prefix() -> TablePrefix {
+    static COUNTER: AtomicU32 = AtomicU32::new(0);
+    let counter = COUNTER.fetch_add(1, Ordering::Relaxed);
+    // Only the low bits of a fresh random-ish number are needed to keep runs apart.
+    let entropy = std::collections::hash_map::RandomState::new();
+    let salt = std::hash::BuildHasher::hash_one(&entropy, counter) % 100_000;
+    let prefix = format!("t{}_{counter}_{salt}", std::process::id());
+    TablePrefix::new(&prefix).expect("a generated prefix is an identifier")
+}
+
+#[cfg(any(feature = "postgres", feature = "mysql"))]
+/// The database URL in `variable`, or `None` (after a note) when it is not set. Under `CI=true`
+/// a missing URL fails the test.
+pub(crate) fn database_url(variable: &str) -> Option<String> {
+    match std::env::var(variable) {
+        Ok(url) if !url.is_empty() => Some(url),
+        _ => {
+            assert!(
+                std::env::var("CI").as_deref() != Ok("true"),
+                "{variable} is not set and CI=true: this database's tests must run in CI"
+            );
+            report(&format!("skipped: {variable} is not set"));
+            None
+        }
+    }
+}
+
+#[cfg(any(feature = "postgres", feature = "mysql"))]
+#[expect(clippy::print_stderr, reason = "a skipped database is reported to the test output")]
+fn report(message: &str) {
+    eprintln!("{message}");
+}

@@ -1,0 +1,807 @@
+//! PostgreSQL tests: the conformance suite in both lock modes, the schema against the
+//! reference's DDL, migrations, advisory lock namespaces, and faults of the lock session and
+//! the pool (a frozen holder, killed backends, malformed rows).
+//!
+//! They need `CLUSTER_TEST_POSTGRES_URL` (for example `postgres://postgres@127.0.0.1:5432/test`);
+//! each test uses tables with its own prefix and drops them.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use cluster_core::envelope::{RawJson, Request, TraceContext};
+use cluster_core::error::{StorageError, StorageErrorKind};
+use cluster_core::future::BoxFuture;
+use cluster_core::storage::{
+    MessageStorage, RunnerStorage, SaveRequestOptions, SaveResult, UnprocessedBatch,
+    UnprocessedOptions,
+};
+use cluster_core::{
+    Clock, EntityAddress, EntityId, EntityType, RunnerAddress, ShardGroup, ShardId, ShardingConfig,
+    Snowflake, SystemClock,
+};
+use cluster_storage_sql::postgres::{self, PgMessageStorage, PgRunnerStorage};
+use cluster_storage_sql::{LockMode, SqlStorageOptions, TablePrefix};
+use cluster_testkit::storage_suite::{Corruption, StorageFixture};
+use tokio::task::JoinHandle;
+use tokio_postgres::NoTls;
+
+const URL_VARIABLE: &str = "CLUSTER_TEST_POSTGRES_URL";
+
+/// How long a test waits for an eventual condition before failing.
+const EVENTUAL: Duration = Duration::from_secs(30);
+
+/// The tables of a prefix, histories included.
+const TABLES: [&str; 6] =
+    ["messages", "replies", "migrations", "runners", "locks", "runner_migrations"];
+
+fn options(prefix: &TablePrefix, lock_mode: LockMode, expiration: Duration) -> SqlStorageOptions {
+    let config = ShardingConfig {
+        shard_lock_expiration: expiration,
+        shard_lock_disable_advisory: lock_mode == LockMode::Lease,
+        ..ShardingConfig::default()
+    };
+    SqlStorageOptions::from_config(&config, prefix.clone())
+}
+
+/// A plain connection for the test's own statements.
+struct Admin {
+    client: tokio_postgres::Client,
+    connection: JoinHandle<()>,
+}
+
+impl Admin {
+    async fn connect(url: &str) -> Admin {
+        let (client, connection) = tokio_postgres::connect(url, NoTls).await.unwrap();
+        let connection = tokio::spawn(async move {
+            let _ended = connection.await;
+        });
+        Admin { client, connection }
+    }
+
+    async fn drop_tables(&self, prefix: &TablePrefix) {
+        let tables: Vec<String> =
+            TABLES.iter().map(|table| format!("\"{}\"", prefix.table(table))).collect();
+        let sql = format!("DROP TABLE IF EXISTS {}", tables.join(", "));
+        self.client.batch_execute(&sql).await.unwrap();
+    }
+}
+
+impl Drop for Admin {
+    fn drop(&mut self) {
+        self.connection.abort();
+    }
+}
+
+/// Fresh tables for one conformance case, in one lock mode.
+struct PgFixture {
+    url: String,
+    prefix: TablePrefix,
+    lock_mode: LockMode,
+    admin: Admin,
+    message_storage: Arc<PgMessageStorage>,
+}
+
+async fn pg_fixture(lock_mode: LockMode) -> Option<Box<dyn StorageFixture>> {
+    let url = crate::database_url(URL_VARIABLE)?;
+    let prefix = crate::unique_prefix();
+    let options = options(&prefix, lock_mode, Duration::from_secs(60));
+    let pool = postgres::pool(postgres::parse_config(&url).unwrap(), 8).unwrap();
+    let message_storage = PgMessageStorage::new(pool, &options).await.unwrap();
+    PgRunnerStorage::migrate(message_storage.pool(), &prefix).await.unwrap();
+    let admin = Admin::connect(&url).await;
+    Some(Box::new(PgFixture {
+        url,
+        prefix,
+        lock_mode,
+        admin,
+        message_storage: Arc::new(message_storage),
+    }))
+}
+
+impl StorageFixture for PgFixture {
+    fn name(&self) -> &str {
+        match self.lock_mode {
+            LockMode::Advisory => "postgres (advisory locks)",
+            LockMode::Lease => "postgres (lease locks)",
+        }
+    }
+
+    fn message_storage(&self) -> Arc<dyn MessageStorage> {
+        Arc::clone(&self.message_storage) as Arc<dyn MessageStorage>
+    }
+
+    fn runner_storage(&self, expiration: Duration) -> BoxFuture<'_, Arc<dyn RunnerStorage>> {
+        Box::pin(async move {
+            let options = options(&self.prefix, self.lock_mode, expiration);
+            let storage = PgRunnerStorage::connect(&self.url, &options).await.unwrap();
+            Arc::new(storage) as Arc<dyn RunnerStorage>
+        })
+    }
+
+    fn corrupt(&self, corruption: Corruption) -> BoxFuture<'_, ()> {
+        Box::pin(async move {
+            let (table, id) = match corruption {
+                Corruption::MessagePayload(id) => ("messages", id),
+                Corruption::ReplyPayload(id) => ("replies", id),
+            };
+            let sql = format!(
+                "UPDATE \"{}\" SET payload = '{{not json' WHERE id = $1",
+                self.prefix.table(table)
+            );
+            let id = id.to_i64().unwrap();
+            let changed = self.admin.client.execute(&sql, &[&id]).await.unwrap();
+            assert_eq!(changed, 1, "corrupting {corruption:?}");
+        })
+    }
+
+    fn cleanup(self: Box<Self>) -> BoxFuture<'static, ()> {
+        Box::pin(async move { self.admin.drop_tables(&self.prefix).await })
+    }
+}
+
+mod advisory {
+    use super::*;
+
+    async fn fixture() -> Option<Box<dyn StorageFixture>> {
+        pg_fixture(LockMode::Advisory).await
+    }
+
+    cluster_testkit::storage_suite!(fixture);
+}
+
+mod lease {
+    use super::*;
+
+    async fn fixture() -> Option<Box<dyn StorageFixture>> {
+        pg_fixture(LockMode::Lease).await
+    }
+
+    cluster_testkit::storage_suite!(fixture);
+}
+
+// --- Helpers of the backend's own tests ------------------------------------------------------
+
+/// A prefix, its URL and an admin connection, with the tables dropped at the end.
+struct Scratch {
+    url: String,
+    prefix: TablePrefix,
+    admin: Admin,
+}
+
+impl Scratch {
+    async fn new() -> Option<Scratch> {
+        let url = crate::database_url(URL_VARIABLE)?;
+        let admin = Admin::connect(&url).await;
+        Some(Scratch { url, prefix: crate::unique_prefix(), admin })
+    }
+
+    fn options(&self, lock_mode: LockMode, expiration: Duration) -> SqlStorageOptions {
+        options(&self.prefix, lock_mode, expiration)
+    }
+
+    async fn message_storage(&self) -> PgMessageStorage {
+        let options = self.options(LockMode::Advisory, Duration::from_secs(60));
+        PgMessageStorage::connect(&self.url, &options).await.unwrap()
+    }
+
+    async fn runner_storage(&self, lock_mode: LockMode, expiration: Duration) -> PgRunnerStorage {
+        PgRunnerStorage::connect(&self.url, &self.options(lock_mode, expiration)).await.unwrap()
+    }
+
+    fn table(&self, name: &str) -> String {
+        self.prefix.table(name)
+    }
+
+    async fn cleanup(self) {
+        self.admin.drop_tables(&self.prefix).await;
+    }
+}
+
+fn shard(id: u32) -> ShardId {
+    ShardId::new(ShardGroup::from("default"), id)
+}
+
+fn shards(ids: &[u32]) -> Vec<ShardId> {
+    ids.iter().copied().map(shard).collect()
+}
+
+fn request(id: u64, entity: &str) -> Request {
+    Request {
+        request_id: Snowflake::new(id),
+        address: EntityAddress {
+            shard_id: shard(1),
+            entity_type: EntityType::from("TestEntity"),
+            entity_id: EntityId::from(entity),
+        },
+        tag: "GetUser".into(),
+        payload: RawJson::from_json(format!(r#"{{"id":{id}}}"#)).unwrap(),
+        headers: RawJson::empty_object(),
+        trace: TraceContext::default(),
+    }
+}
+
+async fn read(storage: &PgMessageStorage) -> Result<UnprocessedBatch, StorageError> {
+    storage
+        .unprocessed_messages(&[shard(1)], SystemClock.now(), UnprocessedOptions::default())
+        .await
+}
+
+fn message_ids(batch: &UnprocessedBatch) -> Vec<u64> {
+    batch.messages.iter().map(|message| message.envelope.id().get()).collect()
+}
+
+/// Polls `condition` every 100 ms until it holds; fails after [`EVENTUAL`].
+async fn eventually<F, Fut>(what: &str, mut condition: F)
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = bool>,
+{
+    let polled = tokio::time::timeout(EVENTUAL, async {
+        while !condition().await {
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    })
+    .await;
+    assert!(polled.is_ok(), "{what} did not happen within {EVENTUAL:?}");
+}
+
+// --- Schema and migrations --------------------------------------------------------------------
+
+/// Every column of a table as `name type nullability default`, in column order.
+async fn columns(admin: &Admin, table: &str) -> Vec<String> {
+    let rows = admin
+        .client
+        .query(
+            "SELECT column_name::text, data_type::text, character_maximum_length, \
+                    is_nullable::text, column_default::text \
+             FROM information_schema.columns WHERE table_name = $1 ORDER BY ordinal_position",
+            &[&table],
+        )
+        .await
+        .unwrap();
+    rows.iter()
+        .map(|row| {
+            let name: String = row.get(0);
+            let data_type: String = row.get(1);
+            let length: Option<i32> = row.get(2);
+            let nullable: String = row.get(3);
+            let default: Option<String> = row.get(4);
+            let data_type = match length {
+                Some(length) => format!("{data_type}({length})"),
+                None => data_type,
+            };
+            let nullable = if nullable == "YES" { "null" } else { "not null" };
+            // A serial column's default names its sequence; only its kind matters.
+            let default = match default {
+                Some(default) if default.starts_with("nextval(") => " default nextval".to_owned(),
+                Some(default) => format!(" default {default}"),
+                None => String::new(),
+            };
+            format!("{name} {data_type} {nullable}{default}")
+        })
+        .collect()
+}
+
+/// The indexes of a table: `name: definition` with the table name replaced by `T`.
+async fn indexes(admin: &Admin, table: &str) -> Vec<String> {
+    let rows = admin
+        .client
+        .query(
+            "SELECT indexname::text, indexdef FROM pg_indexes WHERE tablename = $1 ORDER BY indexname",
+            &[&table],
+        )
+        .await
+        .unwrap();
+    rows.iter()
+        .map(|row| {
+            let name: String = row.get(0);
+            let definition: String = row.get(1);
+            format!("{}: {}", name.replace(table, "T"), definition.replace(table, "T"))
+        })
+        .collect()
+}
+
+/// The created tables have the reference's columns, types, nullability, defaults, unique
+/// constraints and indexes (reference §4.2, §5.2; PostgreSQL DDL of effect 4.1.0).
+#[tokio::test]
+async fn schema_matches_the_reference() {
+    let Some(scratch) = Scratch::new().await else { return };
+    let _messages = scratch.message_storage().await;
+    let _runners = scratch.runner_storage(LockMode::Advisory, Duration::from_secs(30)).await;
+    let admin = &scratch.admin;
+    assert_eq!(
+        columns(admin, &scratch.table("messages")).await,
+        [
+            "id bigint not null",
+            "rowid bigint not null default nextval",
+            "message_id character varying(255) null",
+            "shard_id character varying(50) not null",
+            "entity_type character varying(150) not null",
+            "entity_id character varying(255) not null",
+            "kind integer not null",
+            "tag character varying(50) null",
+            "payload text null",
+            "headers text null",
+            "trace_id character varying(32) null",
+            "span_id character varying(16) null",
+            "sampled boolean null",
+            "processed boolean not null default false",
+            "request_id bigint not null",
+            "reply_id bigint null",
+            "last_reply_id bigint null",
+            "last_read timestamp without time zone null",
+            "deliver_at bigint null",
+        ]
+    );
+    assert_eq!(
+        columns(admin, &scratch.table("replies")).await,
+        [
+            "id bigint not null",
+            "rowid bigint not null default nextval",
+            "kind integer null",
+            "request_id bigint not null",
+            "payload text not null",
+            "sequence integer null",
+            "acked boolean not null default false",
+        ]
+    );
+    assert_eq!(
+        columns(admin, &scratch.table("runners")).await,
+        [
+            "machine_id integer not null default nextval",
+            "address character varying(255) not null",
+            "runner text not null",
+            "healthy boolean not null default true",
+            "last_heartbeat timestamp without time zone not null default now()",
+        ]
+    );
+    assert_eq!(
+        columns(admin, &scratch.table("locks")).await,
+        [
+            "shard_id character varying(50) not null",
+            "address character varying(255) not null",
+            "acquired_at timestamp without time zone not null",
+        ]
+    );
+    for history in ["migrations", "runner_migrations"] {
+        assert_eq!(
+            columns(admin, &scratch.table(history)).await,
+            [
+                "migration_id integer not null",
+                "created_at timestamp with time zone not null default now()",
+                "name text not null",
+            ]
+        );
+    }
+    assert_eq!(
+        indexes(admin, &scratch.table("messages")).await,
+        [
+            "T_message_id_key: CREATE UNIQUE INDEX T_message_id_key ON public.T USING btree (message_id)",
+            "T_pkey: CREATE UNIQUE INDEX T_pkey ON public.T USING btree (id)",
+            "T_request_id_idx: CREATE INDEX T_request_id_idx ON public.T USING btree (request_id)",
+            "T_rowid_idx: CREATE INDEX T_rowid_idx ON public.T USING btree (rowid)",
+            "T_shard_idx: CREATE INDEX T_shard_idx ON public.T USING btree (shard_id, processed, last_read, deliver_at)",
+        ]
+    );
+    assert_eq!(
+        indexes(admin, &scratch.table("replies")).await,
+        [
+            "T_pkey: CREATE UNIQUE INDEX T_pkey ON public.T USING btree (id)",
+            "T_request_id_kind_key: CREATE UNIQUE INDEX T_request_id_kind_key ON public.T USING btree (request_id, kind)",
+            "T_request_id_sequence_key: CREATE UNIQUE INDEX T_request_id_sequence_key ON public.T USING btree (request_id, sequence)",
+            "T_request_lookup_idx: CREATE INDEX T_request_lookup_idx ON public.T USING btree (request_id, kind, acked)",
+        ]
+    );
+    assert_eq!(
+        indexes(admin, &scratch.table("runners")).await,
+        [
+            "T_address_key: CREATE UNIQUE INDEX T_address_key ON public.T USING btree (address)",
+            "T_pkey: CREATE UNIQUE INDEX T_pkey ON public.T USING btree (machine_id)",
+        ]
+    );
+    assert_eq!(
+        indexes(admin, &scratch.table("locks")).await,
+        ["T_pkey: CREATE UNIQUE INDEX T_pkey ON public.T USING btree (shard_id)"]
+    );
+    scratch.cleanup().await;
+}
+
+async fn history(admin: &Admin, table: &str) -> Vec<(i32, String)> {
+    let sql = format!("SELECT migration_id, name FROM \"{table}\" ORDER BY migration_id");
+    let rows = admin.client.query(&sql, &[]).await.unwrap();
+    rows.iter().map(|row| (row.get(0), row.get(1))).collect()
+}
+
+/// Migrations are recorded as the reference's migrator records them, run once, are safe to run
+/// concurrently, and a second storage on the prefix shares the tables.
+#[tokio::test]
+async fn migrations_are_idempotent_and_shared() {
+    let Some(scratch) = Scratch::new().await else { return };
+    let pool = postgres::pool(postgres::parse_config(&scratch.url).unwrap(), 4).unwrap();
+    // Two migrators at once: one runs the migrations, the other waits and finds none to run.
+    let (first, second) = tokio::join!(
+        PgMessageStorage::migrate(&pool, &scratch.prefix),
+        PgMessageStorage::migrate(&pool, &scratch.prefix),
+    );
+    let mut ran = [first.unwrap(), second.unwrap()];
+    ran.sort();
+    assert_eq!(ran, [vec![], vec![1, 2, 3]]);
+    let (first, second) = tokio::join!(
+        PgRunnerStorage::migrate(&pool, &scratch.prefix),
+        PgRunnerStorage::migrate(&pool, &scratch.prefix),
+    );
+    let mut ran = [first.unwrap(), second.unwrap()];
+    ran.sort();
+    assert_eq!(ran, [vec![], vec![1]]);
+    assert!(PgMessageStorage::migrate(&pool, &scratch.prefix).await.unwrap().is_empty());
+    assert!(PgRunnerStorage::migrate(&pool, &scratch.prefix).await.unwrap().is_empty());
+    let expected_messages = [
+        (1, "create_tables".to_owned()),
+        (2, "entity_type_size".to_owned()),
+        (3, "pg_messages_rowid_index".to_owned()),
+    ];
+    assert_eq!(history(&scratch.admin, &scratch.table("migrations")).await, expected_messages);
+    assert_eq!(
+        history(&scratch.admin, &scratch.table("runner_migrations")).await,
+        [(1, "create_tables".to_owned())]
+    );
+
+    // A second storage (another process) on the prefix sees the first one's rows.
+    let first = scratch.message_storage().await;
+    let second = scratch.message_storage().await;
+    let saved = first.save_request(&request(1, "e1"), &SaveRequestOptions::default()).await;
+    assert_eq!(saved.unwrap(), SaveResult::Success);
+    assert_eq!(message_ids(&read(&second).await.unwrap()), [1]);
+    // Tables created by someone else without a history (the reference's case of existing
+    // deployments) are adopted: the history is rewritten and the DDL is a no-op.
+    scratch
+        .admin
+        .client
+        .batch_execute(&format!("DELETE FROM \"{}\"", scratch.table("migrations")))
+        .await
+        .unwrap();
+    assert_eq!(PgMessageStorage::migrate(&pool, &scratch.prefix).await.unwrap(), [1, 2, 3]);
+    assert_eq!(
+        message_ids(
+            &second
+                .unprocessed_messages_by_id(&[Snowflake::new(1)], SystemClock.now())
+                .await
+                .unwrap()
+        ),
+        [1]
+    );
+    scratch.cleanup().await;
+}
+
+/// A prefix with upper-case letters names its own (quoted) tables, as the reference's quoted
+/// identifiers do.
+#[tokio::test]
+async fn mixed_case_prefix_is_quoted() {
+    let Some(url) = crate::database_url(URL_VARIABLE) else { return };
+    let prefix = TablePrefix::new(&format!("Mixed{}", crate::unique_prefix())).unwrap();
+    let options = options(&prefix, LockMode::Advisory, Duration::from_secs(30));
+    let storage = PgMessageStorage::connect(&url, &options).await.unwrap();
+    let saved = storage.save_request(&request(1, "e1"), &SaveRequestOptions::default()).await;
+    assert_eq!(saved.unwrap(), SaveResult::Success);
+    let admin = Admin::connect(&url).await;
+    let rows = admin
+        .client
+        .query("SELECT 1 FROM pg_tables WHERE tablename = $1", &[&prefix.table("messages")])
+        .await
+        .unwrap();
+    assert_eq!(rows.len(), 1, "the table keeps the prefix's case");
+    admin.drop_tables(&prefix).await;
+}
+
+// --- Advisory locks ---------------------------------------------------------------------------
+
+/// The advisory locks `pid` holds, as `(classid, objid)`.
+async fn advisory_locks_of(admin: &Admin, pid: i32) -> Vec<(u32, u32)> {
+    let rows = admin
+        .client
+        .query(
+            "SELECT classid, objid FROM pg_locks \
+             WHERE locktype = 'advisory' AND granted AND objsubid = 2 AND pid = $1 \
+             ORDER BY classid, objid",
+            &[&pid],
+        )
+        .await
+        .unwrap();
+    rows.iter().map(|row| (row.get(0), row.get(1))).collect()
+}
+
+/// Storages with different prefixes lock the same shard independently, under their own
+/// namespaces; the default prefix's namespace is the reference's.
+#[tokio::test]
+async fn prefixes_have_disjoint_advisory_namespaces() {
+    let Some(first) = Scratch::new().await else { return };
+    let Some(second) = Scratch::new().await else { return };
+    let expiration = Duration::from_secs(30);
+    let a = first.runner_storage(LockMode::Advisory, expiration).await;
+    let b = second.runner_storage(LockMode::Advisory, expiration).await;
+    assert_ne!(a.advisory_namespace(), b.advisory_namespace());
+    let address = RunnerAddress::new("a", 1);
+    assert_eq!(a.acquire(&address, &shards(&[1, 2])).await.unwrap(), shards(&[1, 2]));
+    assert_eq!(b.acquire(&address, &shards(&[1, 2])).await.unwrap(), shards(&[1, 2]));
+    // Lock number of shard default:n with one group: 1_000_000 + n.
+    let a_pid = a.lock_session_pid().unwrap();
+    let b_pid = b.lock_session_pid().unwrap();
+    assert_ne!(a_pid, b_pid);
+    let a_namespace = a.advisory_namespace().cast_unsigned();
+    let b_namespace = b.advisory_namespace().cast_unsigned();
+    assert_eq!(
+        advisory_locks_of(&first.admin, a_pid).await,
+        [(a_namespace, 1_000_001), (a_namespace, 1_000_002)]
+    );
+    assert_eq!(
+        advisory_locks_of(&first.admin, b_pid).await,
+        [(b_namespace, 1_000_001), (b_namespace, 1_000_002)]
+    );
+    // A third storage on the first prefix is excluded by the first.
+    let c = first.runner_storage(LockMode::Advisory, expiration).await;
+    assert!(
+        c.acquire(&RunnerAddress::new("c", 1), &shards(&[1, 2, 3])).await.unwrap() == shards(&[3])
+    );
+    // The reference's namespace of the default prefix (a permanent wire format).
+    let default_prefix = SqlStorageOptions::default();
+    let pool = postgres::pool(postgres::parse_config(&first.url).unwrap(), 1).unwrap();
+    let default_storage = PgRunnerStorage::without_migrations(
+        pool,
+        postgres::parse_config(&first.url).unwrap(),
+        &default_prefix,
+    );
+    assert_eq!(default_storage.advisory_namespace(), -1_455_371_005);
+    first.cleanup().await;
+    second.cleanup().await;
+}
+
+/// A runner that acquired shards and then froze loses them when the server ends its idle lock
+/// session (`idle_session_timeout` = the lock expiration); another runner then takes them.
+#[tokio::test]
+async fn frozen_lock_holder_loses_its_locks_after_idle_session_timeout() {
+    let Some(scratch) = Scratch::new().await else { return };
+    let expiration = Duration::from_secs(2);
+    let frozen = scratch.runner_storage(LockMode::Advisory, expiration).await;
+    let taker = scratch.runner_storage(LockMode::Advisory, expiration).await;
+    let (a, b) = (RunnerAddress::new("a", 1), RunnerAddress::new("b", 1));
+    assert_eq!(frozen.acquire(&a, &shards(&[1, 2])).await.unwrap(), shards(&[1, 2]));
+    let frozen_pid = frozen.lock_session_pid().unwrap();
+    let timeout: String = scratch
+        .admin
+        .client
+        .query_one("SELECT setting FROM pg_settings WHERE name = 'idle_session_timeout'", &[])
+        .await
+        .map(|row| row.get(0))
+        .unwrap();
+    assert_eq!(timeout, "0", "the admin session keeps the server default");
+    assert!(taker.acquire(&b, &shards(&[1, 2])).await.unwrap().is_empty());
+    eventually("the frozen session's locks are released", || async {
+        taker.acquire(&b, &shards(&[1, 2])).await.is_ok_and(|held| held == shards(&[1, 2]))
+    })
+    .await;
+    let alive = scratch
+        .admin
+        .client
+        .query("SELECT 1 FROM pg_stat_activity WHERE pid = $1", &[&frozen_pid])
+        .await
+        .unwrap();
+    assert!(alive.is_empty(), "the server ended the frozen session");
+    // The frozen runner, when it wakes, learns that it lost them, and cannot take them back.
+    assert!(frozen.refresh(&a, &shards(&[1, 2])).await.unwrap().is_empty());
+    assert!(frozen.acquire(&a, &shards(&[1, 2])).await.unwrap().is_empty());
+    scratch.cleanup().await;
+}
+
+/// A terminated lock session: the next lock operation fails within the deadline or reports
+/// the loss, never a stale "held"; the storage reconnects by itself and can lock again.
+#[tokio::test]
+async fn terminated_lock_session_is_rebuilt() {
+    let Some(scratch) = Scratch::new().await else { return };
+    let expiration = Duration::from_secs(6);
+    let storage = scratch.runner_storage(LockMode::Advisory, expiration).await;
+    let deadline = scratch.options(LockMode::Advisory, expiration).shard_lock_interval;
+    let address = RunnerAddress::new("a", 1);
+    assert_eq!(storage.acquire(&address, &shards(&[1, 2])).await.unwrap(), shards(&[1, 2]));
+    let first_pid = storage.lock_session_pid().unwrap();
+    let terminated: bool = scratch
+        .admin
+        .client
+        .query_one("SELECT pg_terminate_backend($1)", &[&first_pid])
+        .await
+        .unwrap()
+        .get(0);
+    assert!(terminated);
+    // Bounded: the lock deadline plus a margin for scheduling.
+    let refreshed = tokio::time::timeout(
+        deadline + Duration::from_secs(1),
+        storage.refresh(&address, &shards(&[1, 2])),
+    )
+    .await
+    .expect("refresh is bounded by the lock deadline");
+    match refreshed {
+        Ok(held) => assert!(held.is_empty(), "a new session holds nothing: {held:?}"),
+        Err(error) => assert!(
+            matches!(error.kind(), StorageErrorKind::Unavailable | StorageErrorKind::Timeout),
+            "{error}"
+        ),
+    }
+    assert_eq!(storage.acquire(&address, &shards(&[1, 2])).await.unwrap(), shards(&[1, 2]));
+    let second_pid = storage.lock_session_pid().unwrap();
+    assert_ne!(first_pid, second_pid);
+    assert_eq!(advisory_locks_of(&scratch.admin, second_pid).await.len(), 2);
+    scratch.cleanup().await;
+}
+
+/// A pooled connection killed while a statement runs on it: that operation fails with a
+/// storage error, and the pool replaces the connection (later operations succeed).
+#[tokio::test]
+async fn killed_pool_connection_is_replaced() {
+    let Some(scratch) = Scratch::new().await else { return };
+    let storage = Arc::new(scratch.message_storage().await);
+    let saved = storage.save_request(&request(1, "e1"), &SaveRequestOptions::default()).await;
+    assert_eq!(saved.unwrap(), SaveResult::Success);
+    // Hold the row so that a claim blocks on it, mid-use of its pooled connection.
+    let (mut blocker, blocker_connection) =
+        tokio_postgres::connect(&scratch.url, NoTls).await.unwrap();
+    let blocker_connection = tokio::spawn(async move {
+        let _ended = blocker_connection.await;
+    });
+    let transaction = blocker.transaction().await.unwrap();
+    let lock = format!("SELECT 1 FROM \"{}\" WHERE id = 1 FOR UPDATE", scratch.table("messages"));
+    transaction.execute(&lock, &[]).await.unwrap();
+    let claim = tokio::spawn({
+        let storage = Arc::clone(&storage);
+        async move { read(&storage).await }
+    });
+    let waiting = "SELECT pid FROM pg_stat_activity \
+                   WHERE wait_event_type = 'Lock' AND query LIKE '%' || $1 || '%'";
+    let messages_table = scratch.table("messages");
+    let victim: i32 = tokio::time::timeout(EVENTUAL, async {
+        loop {
+            let rows = scratch.admin.client.query(waiting, &[&messages_table]).await.unwrap();
+            if let Some(row) = rows.first() {
+                break row.get(0);
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    })
+    .await
+    .expect("the claim waits on the row lock");
+    let terminate = "SELECT pg_terminate_backend($1)";
+    scratch.admin.client.execute(terminate, &[&victim]).await.unwrap();
+    let claimed = tokio::time::timeout(EVENTUAL, claim).await.unwrap().unwrap();
+    let error = claimed.expect_err("the claim's connection was killed");
+    assert_eq!(error.kind(), StorageErrorKind::Unavailable, "{error}");
+    transaction.rollback().await.unwrap();
+    drop(blocker);
+    blocker_connection.abort();
+    // Every later operation gets a live connection.
+    for _ in 0..20 {
+        assert_eq!(message_ids(&read(&storage).await.unwrap()).len(), 1);
+        storage.reset_requests(&[Snowflake::new(1)]).await.unwrap();
+    }
+    scratch.cleanup().await;
+}
+
+// --- Malformed rows ---------------------------------------------------------------------------
+
+/// Rows no runner could have written (an unknown kind, an unparsable shard id, a bad last
+/// chunk) are reported as malformed for their request, stay claimed, and do not hold up the
+/// rows after them.
+#[tokio::test]
+async fn malformed_rows_are_reported_and_skipped() {
+    let Some(scratch) = Scratch::new().await else { return };
+    let storage = scratch.message_storage().await;
+    for (id, entity) in [(1, "e1"), (2, "e2"), (3, "e3"), (4, "e4")] {
+        let saved =
+            storage.save_request(&request(id, entity), &SaveRequestOptions::default()).await;
+        assert_eq!(saved.unwrap(), SaveResult::Success);
+    }
+    let messages = format!("\"{}\"", scratch.table("messages"));
+    let admin = &scratch.admin.client;
+    admin.execute(&format!("UPDATE {messages} SET kind = 7 WHERE id = 2"), &[]).await.unwrap();
+    admin
+        .execute(&format!("UPDATE {messages} SET shard_id = 'default:x' WHERE id = 3"), &[])
+        .await
+        .unwrap();
+    admin.execute(&format!("UPDATE {messages} SET headers = '[' WHERE id = 4"), &[]).await.unwrap();
+    let batch = read(&storage).await.unwrap();
+    assert_eq!(message_ids(&batch), [1]);
+    let malformed: Vec<(u64, u64)> =
+        batch.malformed.iter().map(|row| (row.id.get(), row.request_id.get())).collect();
+    assert_eq!(malformed, [(2, 2), (4, 4)], "row 3 is on no readable shard");
+    assert!(read(&storage).await.unwrap().is_empty(), "malformed rows stay claimed");
+    // Read by id, the row with the unparsable shard is reported too.
+    let by_id = storage.unprocessed_messages_by_id(&[Snowflake::new(3)], SystemClock.now()).await;
+    let by_id = by_id.unwrap();
+    assert_eq!(by_id.malformed.len(), 1);
+    assert_eq!(by_id.malformed[0].request_id, Snowflake::new(3));
+    // Newer rows are still delivered.
+    let saved = storage.save_request(&request(5, "e5"), &SaveRequestOptions::default()).await;
+    assert_eq!(saved.unwrap(), SaveResult::Success);
+    assert_eq!(message_ids(&read(&storage).await.unwrap()), [5]);
+    scratch.cleanup().await;
+}
+
+/// Values that do not fit their columns are invalid input, not a lost connection.
+#[tokio::test]
+async fn oversized_values_are_invalid_input() {
+    let Some(scratch) = Scratch::new().await else { return };
+    let storage = scratch.message_storage().await;
+    let mut long_tag = request(1, "e1");
+    long_tag.tag = "t".repeat(51).into();
+    let error = storage.save_request(&long_tag, &SaveRequestOptions::default()).await.unwrap_err();
+    assert_eq!(error.kind(), StorageErrorKind::InvalidInput, "{error}");
+    let saved = storage.save_request(&request(1, "e1"), &SaveRequestOptions::default()).await;
+    assert_eq!(saved.unwrap(), SaveResult::Success);
+    let again = storage.save_request(&request(1, "e1"), &SaveRequestOptions::default()).await;
+    assert_eq!(again.unwrap_err().kind(), StorageErrorKind::Conflict, "a reused request id");
+    scratch.cleanup().await;
+}
+
+/// Saves retried after a dropped future are correct: a request with a primary key reports
+/// itself as the duplicate, and an acknowledgement or interrupt is stored once.
+#[tokio::test]
+async fn retried_saves_are_idempotent() {
+    let Some(scratch) = Scratch::new().await else { return };
+    let storage = scratch.message_storage().await;
+    let first = request(1, "e1");
+    let keyed = SaveRequestOptions {
+        primary_key: Some("TestEntity/e1/GetUser/k".to_owned()),
+        deliver_at: None,
+    };
+    assert_eq!(storage.save_request(&first, &keyed).await.unwrap(), SaveResult::Success);
+    assert_eq!(
+        storage.save_request(&first, &keyed).await.unwrap(),
+        SaveResult::Duplicate { original_id: Snowflake::new(1), last_received_reply: None }
+    );
+    let chunk = cluster_core::Reply::Chunk(
+        cluster_core::envelope::Chunk::new(
+            Snowflake::new(1),
+            Snowflake::new(10),
+            0,
+            vec![RawJson::null()],
+        )
+        .unwrap(),
+    );
+    storage.save_reply(&chunk).await.unwrap();
+    let ack = cluster_core::envelope::AckChunk {
+        id: Snowflake::new(11),
+        address: first.address.clone(),
+        request_id: Snowflake::new(1),
+        reply_id: Snowflake::new(10),
+    };
+    storage.save_ack_chunk(&ack).await.unwrap();
+    storage.save_ack_chunk(&ack).await.unwrap();
+    let interrupt = cluster_core::envelope::Interrupt {
+        id: Snowflake::new(12),
+        address: first.address.clone(),
+        request_id: Snowflake::new(1),
+    };
+    storage.save_interrupt(&interrupt).await.unwrap();
+    storage.save_interrupt(&interrupt).await.unwrap();
+    // The retried ack did not mark itself processed: request, ack and interrupt are delivered.
+    assert_eq!(message_ids(&read(&storage).await.unwrap()), [1, 11, 12]);
+    scratch.cleanup().await;
+}
+
+/// A transaction whose handler statement failed is never reported as committed.
+#[tokio::test]
+async fn failed_transaction_does_not_commit() {
+    let Some(scratch) = Scratch::new().await else { return };
+    let storage = scratch.message_storage().await;
+    let saved = storage.save_request(&request(1, "e1"), &SaveRequestOptions::default()).await;
+    assert_eq!(saved.unwrap(), SaveResult::Success);
+    let mut transaction = storage.begin_transaction().await.unwrap();
+    let reply = cluster_core::Reply::WithExit(cluster_core::envelope::WithExit {
+        request_id: Snowflake::new(1),
+        id: Snowflake::new(10),
+        exit: cluster_core::Exit::void(),
+    });
+    transaction.save_reply(&reply).await.unwrap();
+    let client = transaction.backend().downcast_mut::<deadpool_postgres::Object>().unwrap();
+    assert!(client.batch_execute("SELECT 1/0").await.is_err());
+    assert!(transaction.commit().await.is_err());
+    assert!(storage.replies_for(&[Snowflake::new(1)]).await.unwrap().is_empty());
+    scratch.cleanup().await;
+}

@@ -1,0 +1,819 @@
+//! In-memory storages: [`MemoryMessageStorage`] and [`MemoryRunnerStorage`].
+//!
+//! They follow the SQL backends' semantics row for row (claims with the 10-minute window, the
+//! exit and unacked-chunk filter, at most one final reply per request, leases that expire), so
+//! that unit tests and simulations exercise the same rules as production; they pass the same
+//! conformance suite ([`crate::storage_suite`]). Unlike the reference's memory runner storage,
+//! shard locks here are exclusive and expire, so several simulated runners can share one
+//! [`MemoryRunnerDatabase`].
+//!
+//! Time comes from an injected [`Clock`] (the database clock of the SQL backends).
+
+use std::any::Any;
+use std::collections::{BTreeMap, BTreeSet};
+use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
+use std::time::Duration;
+
+use cluster_core::envelope::{self, AckChunk, Envelope, Interrupt, Reply, Request};
+use cluster_core::error::{DecodeError, StorageError, StorageErrorKind};
+use cluster_core::future::BoxFuture;
+use cluster_core::storage::{
+    CLAIM_WINDOW, MalformedMessage, MessageStorage, MessageTransaction, RunnerStorage,
+    SaveRequestOptions, SaveResult, UnprocessedBatch, UnprocessedMessage, UnprocessedOptions,
+};
+use cluster_core::{
+    Clock, EntityAddress, MachineId, Runner, RunnerAddress, ShardId, Snowflake, Timestamp,
+};
+
+use crate::storage_suite::{Corruption, StorageFixture};
+
+fn lock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
+    // A panic while holding the lock cannot leave a half-applied change: every mutation is
+    // checked before it is applied.
+    mutex.lock().unwrap_or_else(PoisonError::into_inner)
+}
+
+fn ready<'a, T: Send + 'a>(value: T) -> BoxFuture<'a, T> {
+    Box::pin(std::future::ready(value))
+}
+
+fn conflict(message: String) -> StorageError {
+    StorageError::new(StorageErrorKind::Conflict, message)
+}
+
+#[derive(Debug)]
+struct StoredMessage {
+    envelope: Envelope,
+    message_id: Option<String>,
+    processed: bool,
+    last_reply_id: Option<Snowflake>,
+    last_read: Option<Timestamp>,
+    deliver_at: Option<Timestamp>,
+    corrupted: bool,
+}
+
+#[derive(Debug)]
+struct StoredReply {
+    reply: Reply,
+    acked: bool,
+    corrupted: bool,
+}
+
+#[derive(Debug, Default)]
+struct MessageState {
+    next_rowid: u64,
+    /// Message rows by insertion order.
+    messages: BTreeMap<u64, StoredMessage>,
+    /// Message id → row (ids are unique, as the `id` primary key).
+    message_rows: BTreeMap<Snowflake, u64>,
+    /// Primary key (`message_id`) → row.
+    primary_keys: BTreeMap<String, u64>,
+    /// Reply rows by insertion order.
+    replies: BTreeMap<u64, StoredReply>,
+    reply_rows: BTreeMap<Snowflake, u64>,
+}
+
+impl MessageState {
+    fn rowid(&mut self) -> u64 {
+        self.next_rowid += 1;
+        self.next_rowid
+    }
+
+    fn insert_message(&mut self, message: StoredMessage) -> Result<(), StorageError> {
+        let id = message.envelope.id();
+        if self.message_rows.contains_key(&id) {
+            return Err(conflict(format!("message {id} already exists")));
+        }
+        let rowid = self.rowid();
+        if let Some(message_id) = &message.message_id {
+            self.primary_keys.insert(message_id.clone(), rowid);
+        }
+        self.message_rows.insert(id, rowid);
+        self.messages.insert(rowid, message);
+        Ok(())
+    }
+
+    fn message(&self, id: Snowflake) -> Option<&StoredMessage> {
+        self.message_rows.get(&id).and_then(|rowid| self.messages.get(rowid))
+    }
+
+    fn reply(&self, id: Snowflake) -> Option<&StoredReply> {
+        self.reply_rows.get(&id).and_then(|rowid| self.replies.get(rowid))
+    }
+
+    /// Whether the request has a final reply or an unacknowledged chunk (§5.3).
+    fn blocks_delivery(&self, request_id: Snowflake) -> bool {
+        self.replies.values().any(|stored| {
+            stored.reply.request_id() == request_id && (stored.reply.is_final() || !stored.acked)
+        })
+    }
+
+    fn check_reply(&self, reply: &Reply) -> Result<(), StorageError> {
+        let request_id = reply.request_id();
+        if self.reply_rows.contains_key(&reply.id()) {
+            return Err(conflict(format!("reply {} already exists", reply.id())));
+        }
+        let clash = self.replies.values().any(|stored| {
+            stored.reply.request_id() == request_id
+                && match (&stored.reply, reply) {
+                    (Reply::WithExit(_), Reply::WithExit(_)) => true,
+                    (Reply::Chunk(old), Reply::Chunk(new)) => old.sequence() == new.sequence(),
+                    _ => false,
+                }
+        });
+        if clash {
+            return Err(conflict(format!("request {request_id} already has this reply")));
+        }
+        Ok(())
+    }
+
+    fn apply_reply(&mut self, reply: &Reply) {
+        let request_id = reply.request_id();
+        for message in self.messages.values_mut() {
+            match reply {
+                Reply::Chunk(_) if message.envelope.id() == request_id => {
+                    message.last_reply_id = Some(reply.id());
+                }
+                Reply::WithExit(_) if message.envelope.request_id() == request_id => {
+                    message.processed = true;
+                    message.last_reply_id = Some(reply.id());
+                }
+                _ => {}
+            }
+        }
+        let rowid = self.rowid();
+        self.reply_rows.insert(reply.id(), rowid);
+        self.replies
+            .insert(rowid, StoredReply { reply: reply.clone(), acked: false, corrupted: false });
+    }
+
+    fn decoded_reply(stored: &StoredReply) -> Reply {
+        if stored.corrupted {
+            let error = DecodeError::new("reply", "corrupted by the test");
+            return Reply::malformed(stored.reply.request_id(), stored.reply.id(), &error);
+        }
+        stored.reply.clone()
+    }
+
+    fn to_batch<'a>(&self, rows: impl IntoIterator<Item = &'a StoredMessage>) -> UnprocessedBatch {
+        let mut batch = UnprocessedBatch::default();
+        for message in rows {
+            if message.corrupted {
+                batch.malformed.push(MalformedMessage {
+                    id: message.envelope.id(),
+                    request_id: message.envelope.request_id(),
+                    error: DecodeError::new("message row", "corrupted by the test"),
+                });
+                continue;
+            }
+            let last_sent_reply = match &message.envelope {
+                Envelope::Request(_) => message
+                    .last_reply_id
+                    .and_then(|id| self.reply(id))
+                    .map(|stored| stored.reply.clone()),
+                _ => None,
+            };
+            batch
+                .messages
+                .push(UnprocessedMessage { envelope: message.envelope.clone(), last_sent_reply });
+        }
+        batch
+    }
+
+    fn deliverable(&self, message: &StoredMessage, now: Timestamp) -> bool {
+        !message.processed
+            && message.deliver_at.is_none_or(|at| at <= now)
+            && !self.blocks_delivery(message.envelope.request_id())
+    }
+
+    fn reset(&mut self, matches: impl Fn(&StoredMessage) -> bool) {
+        for message in self.messages.values_mut().filter(|message| !message.processed) {
+            if matches(message) {
+                message.last_read = None;
+            }
+        }
+    }
+}
+
+fn matches_address(message: &StoredMessage, address: &EntityAddress) -> bool {
+    message.envelope.address() == address
+}
+
+/// An in-memory [`MessageStorage`].
+#[derive(Debug)]
+pub struct MemoryMessageStorage {
+    state: Arc<Mutex<MessageState>>,
+    clock: Arc<dyn Clock>,
+}
+
+impl MemoryMessageStorage {
+    /// An empty storage whose claims use `clock`.
+    pub fn new(clock: Arc<dyn Clock>) -> MemoryMessageStorage {
+        MemoryMessageStorage { state: Arc::default(), clock }
+    }
+
+    /// Test hook: the message row `id` can no longer be decoded.
+    pub fn corrupt_message(&self, id: Snowflake) {
+        let mut state = lock(&self.state);
+        if let Some(rowid) = state.message_rows.get(&id).copied()
+            && let Some(message) = state.messages.get_mut(&rowid)
+        {
+            message.corrupted = true;
+        }
+    }
+
+    /// Test hook: the reply row `id` can no longer be decoded.
+    pub fn corrupt_reply(&self, id: Snowflake) {
+        let mut state = lock(&self.state);
+        if let Some(rowid) = state.reply_rows.get(&id).copied()
+            && let Some(reply) = state.replies.get_mut(&rowid)
+        {
+            reply.corrupted = true;
+        }
+    }
+
+    fn save_request_now(
+        &self,
+        request: &Request,
+        options: &SaveRequestOptions,
+    ) -> Result<SaveResult, StorageError> {
+        let mut state = lock(&self.state);
+        let message_id =
+            options.primary_key.as_deref().map(|key| envelope::message_id(key).into_owned());
+        if let Some(rowid) = message_id.as_ref().and_then(|key| state.primary_keys.get(key)) {
+            let existing = &state.messages[rowid];
+            let last_received_reply = existing
+                .last_reply_id
+                .and_then(|id| state.reply(id))
+                .map(MessageState::decoded_reply);
+            return Ok(SaveResult::Duplicate {
+                original_id: existing.envelope.id(),
+                last_received_reply,
+            });
+        }
+        state.insert_message(StoredMessage {
+            envelope: Envelope::Request(request.clone()),
+            message_id,
+            processed: false,
+            last_reply_id: None,
+            last_read: None,
+            deliver_at: options.deliver_at,
+            corrupted: false,
+        })?;
+        Ok(SaveResult::Success)
+    }
+
+    fn save_ack_now(&self, ack: &AckChunk) -> Result<(), StorageError> {
+        let mut state = lock(&self.state);
+        if state.message_rows.contains_key(&ack.id) {
+            return Err(conflict(format!("message {} already exists", ack.id)));
+        }
+        if let Some(rowid) = state.reply_rows.get(&ack.reply_id).copied()
+            && let Some(reply) = state.replies.get_mut(&rowid)
+        {
+            reply.acked = true;
+        }
+        for message in state.messages.values_mut() {
+            if !message.processed
+                && message.envelope.request_id() == ack.request_id
+                && matches!(message.envelope, Envelope::AckChunk(_))
+            {
+                message.processed = true;
+            }
+        }
+        state.insert_message(plain(Envelope::AckChunk(ack.clone())))
+    }
+
+    fn save_reply_now(&self, reply: &Reply) -> Result<(), StorageError> {
+        let mut state = lock(&self.state);
+        state.check_reply(reply)?;
+        state.apply_reply(reply);
+        Ok(())
+    }
+
+    fn clear_replies_now(&self, request_id: Snowflake, expected: Option<Snowflake>) {
+        let mut state = lock(&self.state);
+        if let Some(expected) = expected
+            && state.message(request_id).and_then(|message| message.last_reply_id) != Some(expected)
+        {
+            return;
+        }
+        let final_reply = state.replies.iter().find_map(|(rowid, stored)| {
+            (stored.reply.request_id() == request_id && stored.reply.is_final()).then_some(*rowid)
+        });
+        if let Some(rowid) = final_reply
+            && let Some(stored) = state.replies.remove(&rowid)
+        {
+            state.reply_rows.remove(&stored.reply.id());
+        }
+        if expected.is_none() {
+            let interrupts: Vec<(u64, Snowflake)> = state
+                .messages
+                .iter()
+                .filter(|(_, message)| {
+                    message.envelope.request_id() == request_id
+                        && matches!(message.envelope, Envelope::Interrupt(_))
+                })
+                .map(|(rowid, message)| (*rowid, message.envelope.id()))
+                .collect();
+            for (rowid, id) in interrupts {
+                state.messages.remove(&rowid);
+                state.message_rows.remove(&id);
+            }
+        }
+        for message in state.messages.values_mut() {
+            let selected = message.envelope.request_id() == request_id
+                && expected.is_none_or(|expected| message.last_reply_id == Some(expected));
+            if selected {
+                message.processed = false;
+                message.last_reply_id = None;
+                message.last_read = None;
+            }
+        }
+    }
+
+    fn unprocessed_now(
+        &self,
+        shard_ids: &[ShardId],
+        now: Timestamp,
+        options: UnprocessedOptions<'_>,
+    ) -> UnprocessedBatch {
+        if shard_ids.is_empty() || options.addresses.is_some_and(<[EntityAddress]>::is_empty) {
+            return UnprocessedBatch::default();
+        }
+        let database_now = self.clock.now();
+        let claim_expired_before = database_now.saturating_sub(CLAIM_WINDOW);
+        let limit = options
+            .limit
+            .map_or(usize::MAX, |limit| usize::try_from(limit.get()).unwrap_or(usize::MAX));
+        let mut state = lock(&self.state);
+        let claimed: Vec<u64> = state
+            .messages
+            .iter()
+            .filter(|(_, message)| {
+                let address = message.envelope.address();
+                shard_ids.contains(&address.shard_id)
+                    && options.addresses.is_none_or(|addresses| addresses.contains(address))
+                    && message.last_read.is_none_or(|read| read < claim_expired_before)
+                    && state.deliverable(message, now)
+            })
+            .map(|(rowid, _)| *rowid)
+            .take(limit)
+            .collect();
+        for rowid in &claimed {
+            if let Some(message) = state.messages.get_mut(rowid) {
+                message.last_read = Some(database_now);
+            }
+        }
+        state.to_batch(claimed.iter().filter_map(|rowid| state.messages.get(rowid)))
+    }
+}
+
+fn plain(envelope: Envelope) -> StoredMessage {
+    StoredMessage {
+        envelope,
+        message_id: None,
+        processed: false,
+        last_reply_id: None,
+        last_read: None,
+        deliver_at: None,
+        corrupted: false,
+    }
+}
+
+impl MessageStorage for MemoryMessageStorage {
+    fn save_request<'a>(
+        &'a self,
+        request: &'a Request,
+        options: &'a SaveRequestOptions,
+    ) -> BoxFuture<'a, Result<SaveResult, StorageError>> {
+        ready(self.save_request_now(request, options))
+    }
+
+    fn save_ack_chunk<'a>(&'a self, ack: &'a AckChunk) -> BoxFuture<'a, Result<(), StorageError>> {
+        ready(self.save_ack_now(ack))
+    }
+
+    fn save_interrupt<'a>(
+        &'a self,
+        interrupt: &'a Interrupt,
+    ) -> BoxFuture<'a, Result<(), StorageError>> {
+        ready(lock(&self.state).insert_message(plain(Envelope::Interrupt(interrupt.clone()))))
+    }
+
+    fn save_reply<'a>(&'a self, reply: &'a Reply) -> BoxFuture<'a, Result<(), StorageError>> {
+        ready(self.save_reply_now(reply))
+    }
+
+    fn clear_replies(
+        &self,
+        request_id: Snowflake,
+        expected_reply_id: Option<Snowflake>,
+    ) -> BoxFuture<'_, Result<(), StorageError>> {
+        self.clear_replies_now(request_id, expected_reply_id);
+        ready(Ok(()))
+    }
+
+    fn request_id_for_primary_key<'a>(
+        &'a self,
+        primary_key: &'a str,
+    ) -> BoxFuture<'a, Result<Option<Snowflake>, StorageError>> {
+        let state = lock(&self.state);
+        let message_id = envelope::message_id(primary_key);
+        let id = state
+            .primary_keys
+            .get(message_id.as_ref())
+            .map(|rowid| state.messages[rowid].envelope.id());
+        ready(Ok(id))
+    }
+
+    fn replies_for<'a>(
+        &'a self,
+        request_ids: &'a [Snowflake],
+    ) -> BoxFuture<'a, Result<Vec<Reply>, StorageError>> {
+        let state = lock(&self.state);
+        let replies = state
+            .replies
+            .values()
+            .filter(|stored| request_ids.contains(&stored.reply.request_id()))
+            .filter(|stored| stored.reply.is_final() || !stored.acked)
+            .map(MessageState::decoded_reply)
+            .collect();
+        ready(Ok(replies))
+    }
+
+    fn replies_for_unfiltered<'a>(
+        &'a self,
+        request_ids: &'a [Snowflake],
+    ) -> BoxFuture<'a, Result<Vec<Reply>, StorageError>> {
+        let state = lock(&self.state);
+        let replies = state
+            .replies
+            .values()
+            .filter(|stored| request_ids.contains(&stored.reply.request_id()))
+            .map(MessageState::decoded_reply)
+            .collect();
+        ready(Ok(replies))
+    }
+
+    fn unprocessed_messages<'a>(
+        &'a self,
+        shard_ids: &'a [ShardId],
+        now: Timestamp,
+        options: UnprocessedOptions<'a>,
+    ) -> BoxFuture<'a, Result<UnprocessedBatch, StorageError>> {
+        ready(Ok(self.unprocessed_now(shard_ids, now, options)))
+    }
+
+    fn unprocessed_messages_by_id<'a>(
+        &'a self,
+        ids: &'a [Snowflake],
+        now: Timestamp,
+    ) -> BoxFuture<'a, Result<UnprocessedBatch, StorageError>> {
+        let state = lock(&self.state);
+        let wanted: BTreeSet<&Snowflake> = ids.iter().collect();
+        let rows = state.messages.values().filter(|message| {
+            wanted.contains(&message.envelope.id()) && state.deliverable(message, now)
+        });
+        ready(Ok(state.to_batch(rows)))
+    }
+
+    fn reset_requests<'a>(
+        &'a self,
+        request_ids: &'a [Snowflake],
+    ) -> BoxFuture<'a, Result<(), StorageError>> {
+        lock(&self.state).reset(|message| request_ids.contains(&message.envelope.request_id()));
+        ready(Ok(()))
+    }
+
+    fn reset_addresses<'a>(
+        &'a self,
+        addresses: &'a [EntityAddress],
+    ) -> BoxFuture<'a, Result<(), StorageError>> {
+        lock(&self.state)
+            .reset(|message| addresses.iter().any(|address| matches_address(message, address)));
+        ready(Ok(()))
+    }
+
+    fn reset_shards<'a>(
+        &'a self,
+        shard_ids: &'a [ShardId],
+    ) -> BoxFuture<'a, Result<(), StorageError>> {
+        lock(&self.state).reset(|message| shard_ids.contains(&message.envelope.address().shard_id));
+        ready(Ok(()))
+    }
+
+    fn clear_address<'a>(
+        &'a self,
+        address: &'a EntityAddress,
+    ) -> BoxFuture<'a, Result<(), StorageError>> {
+        let mut state = lock(&self.state);
+        let removed: Vec<u64> = state
+            .messages
+            .iter()
+            .filter(|(_, message)| {
+                let candidate = message.envelope.address();
+                candidate.entity_type == address.entity_type
+                    && candidate.entity_id == address.entity_id
+            })
+            .map(|(rowid, _)| *rowid)
+            .collect();
+        let mut request_ids = BTreeSet::new();
+        for rowid in removed {
+            if let Some(message) = state.messages.remove(&rowid) {
+                state.message_rows.remove(&message.envelope.id());
+                if let Some(message_id) = &message.message_id {
+                    state.primary_keys.remove(message_id);
+                }
+                request_ids.insert(message.envelope.request_id());
+            }
+        }
+        let replies: Vec<(u64, Snowflake)> = state
+            .replies
+            .iter()
+            .filter(|(_, stored)| request_ids.contains(&stored.reply.request_id()))
+            .map(|(rowid, stored)| (*rowid, stored.reply.id()))
+            .collect();
+        for (rowid, id) in replies {
+            state.replies.remove(&rowid);
+            state.reply_rows.remove(&id);
+        }
+        ready(Ok(()))
+    }
+
+    fn begin_transaction(
+        &self,
+    ) -> BoxFuture<'_, Result<Box<dyn MessageTransaction>, StorageError>> {
+        let transaction =
+            MemoryTransaction { state: Arc::clone(&self.state), pending: Vec::new(), handle: () };
+        ready(Ok(Box::new(transaction) as Box<dyn MessageTransaction>))
+    }
+}
+
+/// A transaction of [`MemoryMessageStorage`]: replies are held and applied together at commit.
+struct MemoryTransaction {
+    state: Arc<Mutex<MessageState>>,
+    pending: Vec<Reply>,
+    handle: (),
+}
+
+impl MessageTransaction for MemoryTransaction {
+    fn save_reply<'a>(&'a mut self, reply: &'a Reply) -> BoxFuture<'a, Result<(), StorageError>> {
+        let checked = lock(&self.state).check_reply(reply);
+        if checked.is_ok() {
+            self.pending.push(reply.clone());
+        }
+        ready(checked)
+    }
+
+    fn backend(&mut self) -> &mut (dyn Any + Send) {
+        &mut self.handle
+    }
+
+    fn commit(self: Box<Self>) -> BoxFuture<'static, Result<(), StorageError>> {
+        let mut state = lock(&self.state);
+        for reply in &self.pending {
+            if let Err(error) = state.check_reply(reply) {
+                return ready(Err(error));
+            }
+        }
+        for reply in &self.pending {
+            state.apply_reply(reply);
+        }
+        ready(Ok(()))
+    }
+
+    fn rollback(self: Box<Self>) -> BoxFuture<'static, Result<(), StorageError>> {
+        ready(Ok(()))
+    }
+}
+
+#[derive(Debug)]
+struct RunnerRow {
+    runner: Runner,
+    healthy: bool,
+    heartbeat: Timestamp,
+    machine_id: MachineId,
+}
+
+#[derive(Debug)]
+struct RunnerState {
+    next_machine_id: i32,
+    runners: BTreeMap<RunnerAddress, RunnerRow>,
+    /// Shard → (holder, acquired at).
+    locks: BTreeMap<ShardId, (RunnerAddress, Timestamp)>,
+}
+
+/// The shared state behind [`MemoryRunnerStorage`] handles: a runner registry and lease
+/// table, as one database would hold them.
+#[derive(Debug)]
+pub struct MemoryRunnerDatabase {
+    state: Mutex<RunnerState>,
+    clock: Arc<dyn Clock>,
+}
+
+impl MemoryRunnerDatabase {
+    /// An empty database whose heartbeats and leases use `clock`.
+    pub fn new(clock: Arc<dyn Clock>) -> Arc<MemoryRunnerDatabase> {
+        Arc::new(MemoryRunnerDatabase {
+            state: Mutex::new(RunnerState {
+                next_machine_id: 1,
+                runners: BTreeMap::new(),
+                locks: BTreeMap::new(),
+            }),
+            clock,
+        })
+    }
+}
+
+/// An in-memory [`RunnerStorage`]: one runner's handle on a [`MemoryRunnerDatabase`]. Leases
+/// and heartbeats older than its expiration are expired.
+#[derive(Debug, Clone)]
+pub struct MemoryRunnerStorage {
+    database: Arc<MemoryRunnerDatabase>,
+    expiration: Duration,
+}
+
+impl MemoryRunnerStorage {
+    /// A handle on `database` whose leases and heartbeats last `expiration`.
+    pub fn new(database: Arc<MemoryRunnerDatabase>, expiration: Duration) -> MemoryRunnerStorage {
+        MemoryRunnerStorage { database, expiration }
+    }
+
+    fn with_state<T>(&self, f: impl FnOnce(&mut RunnerState, Timestamp, Timestamp) -> T) -> T {
+        let now = self.database.clock.now();
+        let expired_before = now.saturating_sub(self.expiration);
+        f(&mut lock(&self.database.state), now, expired_before)
+    }
+}
+
+impl RunnerStorage for MemoryRunnerStorage {
+    fn register<'a>(
+        &'a self,
+        runner: &'a Runner,
+        healthy: bool,
+    ) -> BoxFuture<'a, Result<MachineId, StorageError>> {
+        let machine_id = self.with_state(|state, now, _| {
+            let next = &mut state.next_machine_id;
+            let row = state.runners.entry(runner.address.clone()).or_insert_with(|| {
+                let machine_id = MachineId::new(*next);
+                *next += 1;
+                RunnerRow { runner: runner.clone(), healthy, heartbeat: now, machine_id }
+            });
+            row.runner = runner.clone();
+            row.healthy = healthy;
+            row.heartbeat = now;
+            row.machine_id
+        });
+        ready(Ok(machine_id))
+    }
+
+    fn unregister<'a>(
+        &'a self,
+        address: &'a RunnerAddress,
+    ) -> BoxFuture<'a, Result<(), StorageError>> {
+        self.with_state(|state, _, expired_before| {
+            state
+                .runners
+                .retain(|candidate, row| candidate != address && row.heartbeat >= expired_before);
+        });
+        ready(Ok(()))
+    }
+
+    fn get_runners(&self) -> BoxFuture<'_, Result<Vec<(Runner, bool)>, StorageError>> {
+        let runners = self.with_state(|state, _, expired_before| {
+            state
+                .runners
+                .values()
+                .filter(|row| row.heartbeat > expired_before)
+                .map(|row| (row.runner.clone(), row.healthy))
+                .collect()
+        });
+        ready(Ok(runners))
+    }
+
+    fn set_runner_health<'a>(
+        &'a self,
+        address: &'a RunnerAddress,
+        healthy: bool,
+    ) -> BoxFuture<'a, Result<(), StorageError>> {
+        self.with_state(|state, _, _| {
+            if let Some(row) = state.runners.get_mut(address) {
+                row.healthy = healthy;
+            }
+        });
+        ready(Ok(()))
+    }
+
+    fn acquire<'a>(
+        &'a self,
+        address: &'a RunnerAddress,
+        shard_ids: &'a [ShardId],
+    ) -> BoxFuture<'a, Result<Vec<ShardId>, StorageError>> {
+        let acquired = self.with_state(|state, now, expired_before| {
+            let mut acquired = Vec::new();
+            for shard in shard_ids {
+                let free = match state.locks.get(shard) {
+                    None => true,
+                    Some((holder, acquired_at)) => {
+                        holder == address || *acquired_at < expired_before
+                    }
+                };
+                if free {
+                    state.locks.insert(shard.clone(), (address.clone(), now));
+                    acquired.push(shard.clone());
+                }
+            }
+            acquired
+        });
+        ready(Ok(acquired))
+    }
+
+    fn refresh<'a>(
+        &'a self,
+        address: &'a RunnerAddress,
+        shard_ids: &'a [ShardId],
+    ) -> BoxFuture<'a, Result<Vec<ShardId>, StorageError>> {
+        let held = self.with_state(|state, now, _| {
+            if let Some(row) = state.runners.get_mut(address) {
+                row.heartbeat = now;
+            }
+            let mut held = Vec::new();
+            for shard in shard_ids {
+                if let Some((holder, acquired_at)) = state.locks.get_mut(shard)
+                    && holder == address
+                {
+                    *acquired_at = now;
+                    held.push(shard.clone());
+                }
+            }
+            held
+        });
+        ready(Ok(held))
+    }
+
+    fn release<'a>(
+        &'a self,
+        address: &'a RunnerAddress,
+        shard_id: &'a ShardId,
+    ) -> BoxFuture<'a, Result<(), StorageError>> {
+        self.with_state(|state, _, _| {
+            if state.locks.get(shard_id).is_some_and(|(holder, _)| holder == address) {
+                state.locks.remove(shard_id);
+            }
+        });
+        ready(Ok(()))
+    }
+
+    fn release_all<'a>(
+        &'a self,
+        address: &'a RunnerAddress,
+    ) -> BoxFuture<'a, Result<(), StorageError>> {
+        self.with_state(|state, _, _| state.locks.retain(|_, (holder, _)| holder != address));
+        ready(Ok(()))
+    }
+}
+
+/// The conformance-suite fixture of the memory storages.
+#[derive(Debug)]
+pub struct MemoryFixture {
+    messages: Arc<MemoryMessageStorage>,
+    runners: Arc<MemoryRunnerDatabase>,
+}
+
+impl MemoryFixture {
+    /// Fresh memory storages on `clock`.
+    pub fn new(clock: Arc<dyn Clock>) -> MemoryFixture {
+        MemoryFixture {
+            messages: Arc::new(MemoryMessageStorage::new(Arc::clone(&clock))),
+            runners: MemoryRunnerDatabase::new(clock),
+        }
+    }
+}
+
+impl StorageFixture for MemoryFixture {
+    fn name(&self) -> &str {
+        "memory"
+    }
+
+    fn message_storage(&self) -> Arc<dyn MessageStorage> {
+        Arc::clone(&self.messages) as Arc<dyn MessageStorage>
+    }
+
+    fn runner_storage(&self, expiration: Duration) -> BoxFuture<'_, Arc<dyn RunnerStorage>> {
+        let storage = MemoryRunnerStorage::new(Arc::clone(&self.runners), expiration);
+        ready(Arc::new(storage) as Arc<dyn RunnerStorage>)
+    }
+
+    fn corrupt(&self, corruption: Corruption) -> BoxFuture<'_, ()> {
+        match corruption {
+            Corruption::MessagePayload(id) => self.messages.corrupt_message(id),
+            Corruption::ReplyPayload(id) => self.messages.corrupt_reply(id),
+        }
+        ready(())
+    }
+
+    fn cleanup(self: Box<Self>) -> BoxFuture<'static, ()> {
+        ready(())
+    }
+}

@@ -1,0 +1,110 @@
+//! The storage conformance suite: one set of tests that every [`MessageStorage`] and
+//! [`RunnerStorage`] implementation passes (STYLE rule 20).
+//!
+//! A backend provides a function that makes a [`StorageFixture`] (fresh tables with their own
+//! prefix, or `None` when its database is not configured) and invokes [`storage_suite!`] in its
+//! integration tests, which expands into one `#[tokio::test]` per case:
+//!
+//! ```ignore
+//! async fn fixture() -> Option<Box<dyn StorageFixture>> { /* fresh tables */ }
+//! cluster_testkit::storage_suite!(fixture);
+//! ```
+//!
+//! The cases cover every method of the contracts in `cluster_core::storage` and the reference's
+//! storage tests (reference §12.2, §12.5, §12.8), including two runner storages racing for the
+//! same shards and lease expiry.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use cluster_core::Snowflake;
+use cluster_core::future::BoxFuture;
+use cluster_core::storage::{MessageStorage, RunnerStorage};
+
+pub mod cases;
+
+/// A way to damage a stored row, to test how storages read bad data.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Corruption {
+    /// The message row `id` gets a payload that is not JSON.
+    MessagePayload(Snowflake),
+    /// The reply row `id` gets a payload that is not JSON.
+    ReplyPayload(Snowflake),
+}
+
+/// Fresh, isolated tables of one backend, for one test case.
+pub trait StorageFixture: Send + Sync {
+    /// The backend's name, for messages.
+    fn name(&self) -> &str;
+
+    /// The message storage on these tables (the same instance on every call).
+    fn message_storage(&self) -> Arc<dyn MessageStorage>;
+
+    /// A new runner storage on these tables, as another process would open it: its own
+    /// connections and lock session. Leases and heartbeats expire after `expiration`.
+    fn runner_storage(&self, expiration: Duration) -> BoxFuture<'_, Arc<dyn RunnerStorage>>;
+
+    /// Damages a stored row.
+    fn corrupt(&self, corruption: Corruption) -> BoxFuture<'_, ()>;
+
+    /// Drops the tables.
+    fn cleanup(self: Box<Self>) -> BoxFuture<'static, ()>;
+}
+
+/// Expands into one `#[tokio::test]` per conformance case. `$fixture` is an async function
+/// returning `Option<Box<dyn StorageFixture>>`; `None` skips the case (the backend's database is
+/// not configured, which the function reports and refuses under `CI=true`).
+#[macro_export]
+macro_rules! storage_suite {
+    ($fixture:path) => {
+        $crate::storage_suite!(@cases $fixture;
+            save_request_then_read_it,
+            detects_duplicates_by_primary_key,
+            duplicate_reports_the_last_reply,
+            hashes_primary_keys_longer_than_the_column,
+            keeps_short_primary_keys_as_plaintext,
+            request_without_primary_key_is_never_deduplicated,
+            unprocessed_messages_excludes_complete_requests,
+            unprocessed_messages_honors_the_limit,
+            claimed_messages_are_not_read_twice,
+            unprocessed_messages_filters_by_address,
+            empty_address_filter_matches_nothing,
+            empty_lists_are_no_ops,
+            reset_addresses_releases_claims,
+            reset_shards_and_requests_release_claims,
+            deliver_at_holds_messages_until_due,
+            stream_replies_wait_for_acks,
+            second_final_reply_is_a_conflict,
+            replies_for_returns_exits_and_unacked_chunks,
+            replies_for_unfiltered_returns_everything,
+            malformed_reply_becomes_a_defect,
+            malformed_message_is_reported_and_does_not_block,
+            unprocessed_messages_by_id_does_not_claim,
+            interrupts_are_delivered_and_cleared,
+            clear_replies_resets_a_request,
+            clear_replies_with_expected_reply_id_is_conditional,
+            request_id_for_primary_key,
+            clear_address_removes_everything,
+            transaction_commits_and_rolls_back,
+            register_and_get_runners,
+            runner_health_flips,
+            unregister_removes_the_runner,
+            expired_heartbeat_hides_the_runner,
+            acquire_refresh_release,
+            racing_runners_get_disjoint_shards,
+            released_shard_can_be_taken,
+            expired_lease_is_taken_over,
+            release_all_drops_every_lock,
+        );
+    };
+    (@cases $fixture:path; $($case:ident),* $(,)?) => {
+        $(
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn $case() {
+                let Some(fixture) = $fixture().await else { return };
+                $crate::storage_suite::cases::$case(&*fixture).await;
+                fixture.cleanup().await;
+            }
+        )*
+    };
+}

@@ -1,0 +1,850 @@
+//! The conformance cases. Each takes a fixture with fresh tables and panics on a violation.
+//!
+//! Ids are small snowflakes in increasing order, so that insertion order and id order agree
+//! on every backend (SQLite orders by id, the others by an auto-increment row id).
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use tokio::time::Instant;
+
+use cluster_core::envelope::{
+    AckChunk, CauseReason, Chunk, Envelope, Exit, Interrupt, RawJson, Reply, Request, TraceContext,
+    WithExit, primary_key,
+};
+use cluster_core::error::StorageErrorKind;
+use cluster_core::ids::RunnerWeight;
+use cluster_core::storage::{
+    MessageStorage, SaveRequestOptions, SaveResult, UnprocessedBatch, UnprocessedOptions,
+};
+use cluster_core::{
+    Clock, EntityAddress, EntityId, EntityType, Runner, RunnerAddress, ShardGroup, ShardId,
+    Snowflake, SystemClock, Timestamp,
+};
+
+use super::{Corruption, StorageFixture};
+
+/// How long a case waits for an eventual condition (a lease expiring) before failing.
+const EVENTUAL: Duration = Duration::from_secs(30);
+/// The lease expiration of cases that are not about expiry.
+const LONG_EXPIRATION: Duration = Duration::from_secs(60);
+/// The lease expiration of cases that wait for expiry.
+const SHORT_EXPIRATION: Duration = Duration::from_secs(2);
+
+fn shard(id: u32) -> ShardId {
+    ShardId::new(ShardGroup::from("default"), id)
+}
+
+fn address(entity_id: &str, shard_id: u32) -> EntityAddress {
+    EntityAddress {
+        shard_id: shard(shard_id),
+        entity_type: EntityType::from("TestEntity"),
+        entity_id: EntityId::from(entity_id),
+    }
+}
+
+fn request_to(id: u64, address: EntityAddress) -> Request {
+    Request {
+        request_id: Snowflake::new(id),
+        address,
+        tag: "GetUser".into(),
+        payload: RawJson::from_json(format!(r#"{{"id":{id},"name":"user \"{id}\""}}"#)).unwrap(),
+        headers: RawJson::from_json(r#"{"x-test":"1"}"#.to_owned()).unwrap(),
+        trace: TraceContext::default(),
+    }
+}
+
+/// A request with id `id` to entity `e<entity>` on shard 1.
+fn request(id: u64, entity: u32) -> Request {
+    request_to(id, address(&format!("e{entity}"), 1))
+}
+
+fn key_of(request: &Request, key: &str) -> SaveRequestOptions {
+    SaveRequestOptions {
+        primary_key: Some(primary_key(&request.address, &request.tag, key)),
+        deliver_at: None,
+    }
+}
+
+async fn save(storage: &dyn MessageStorage, request: &Request) {
+    let result = storage.save_request(request, &SaveRequestOptions::default()).await.unwrap();
+    assert_eq!(result, SaveResult::Success, "saving {:?}", request.request_id);
+}
+
+async fn save_keyed(storage: &dyn MessageStorage, request: &Request, key: &str) -> SaveResult {
+    storage.save_request(request, &key_of(request, key)).await.unwrap()
+}
+
+fn final_reply(request_id: u64, id: u64) -> Reply {
+    Reply::WithExit(WithExit {
+        request_id: Snowflake::new(request_id),
+        id: Snowflake::new(id),
+        exit: Exit::Success(RawJson::from_json(format!(r#"{{"reply":{id}}}"#)).unwrap()),
+    })
+}
+
+fn chunk(request_id: u64, id: u64, sequence: u32) -> Reply {
+    let value = RawJson::from_json(sequence.to_string()).unwrap();
+    Reply::Chunk(
+        Chunk::new(Snowflake::new(request_id), Snowflake::new(id), sequence, vec![value]).unwrap(),
+    )
+}
+
+fn ack(id: u64, request: &Request, reply_id: u64) -> AckChunk {
+    AckChunk {
+        id: Snowflake::new(id),
+        address: request.address.clone(),
+        request_id: request.request_id,
+        reply_id: Snowflake::new(reply_id),
+    }
+}
+
+fn now() -> Timestamp {
+    SystemClock.now()
+}
+
+async fn read(storage: &dyn MessageStorage, shards: &[ShardId]) -> UnprocessedBatch {
+    storage.unprocessed_messages(shards, now(), UnprocessedOptions::default()).await.unwrap()
+}
+
+/// The envelope ids of an unprocessed read of shard 1, asserting nothing was malformed.
+async fn read_ids(storage: &dyn MessageStorage) -> Vec<u64> {
+    ids(&read(storage, &[shard(1)]).await)
+}
+
+fn ids(batch: &UnprocessedBatch) -> Vec<u64> {
+    assert!(batch.malformed.is_empty(), "malformed rows: {:?}", batch.malformed);
+    batch.messages.iter().map(|message| message.envelope.id().get()).collect()
+}
+
+fn reply_ids(replies: &[Reply]) -> Vec<u64> {
+    replies.iter().map(|reply| reply.id().get()).collect()
+}
+
+fn snowflakes(ids: &[u64]) -> Vec<Snowflake> {
+    ids.iter().copied().map(Snowflake::new).collect()
+}
+
+fn runner(host: &str) -> Runner {
+    Runner::new(
+        RunnerAddress::new(host, 34431),
+        vec![ShardGroup::from("default")],
+        RunnerWeight::ONE,
+    )
+}
+
+fn sorted(mut shards: Vec<ShardId>) -> Vec<ShardId> {
+    shards.sort();
+    shards
+}
+
+fn shards(ids: &[u32]) -> Vec<ShardId> {
+    ids.iter().copied().map(shard).collect()
+}
+
+// --- Messages -----------------------------------------------------------------------------------
+
+/// A saved request reads back exactly as it was saved.
+pub async fn save_request_then_read_it(fixture: &dyn StorageFixture) {
+    let storage = fixture.message_storage();
+    let mut traced = request(1, 1);
+    traced.trace = TraceContext {
+        trace_id: Some("trace".to_owned()),
+        span_id: Some("span".to_owned()),
+        sampled: Some(true),
+    };
+    save(&*storage, &traced).await;
+    let void = Request { payload: RawJson::undefined(), ..request(2, 2) };
+    save(&*storage, &void).await;
+    let batch = read(&*storage, &[shard(1)]).await;
+    assert_eq!(ids(&batch), [1, 2]);
+    assert_eq!(batch.messages[0].envelope, Envelope::Request(traced));
+    assert_eq!(batch.messages[0].last_sent_reply, None);
+    assert_eq!(batch.messages[1].envelope, Envelope::Request(void));
+    assert!(
+        read(&*storage, &[shard(2)]).await.is_empty(),
+        "{}: other shards are not read",
+        fixture.name()
+    );
+}
+
+/// A second request with the same primary key is a duplicate of the first (§12.2).
+pub async fn detects_duplicates_by_primary_key(fixture: &dyn StorageFixture) {
+    let storage = fixture.message_storage();
+    assert_eq!(save_keyed(&*storage, &request(1, 1), "k").await, SaveResult::Success);
+    let duplicate = save_keyed(&*storage, &request(2, 1), "k").await;
+    assert_eq!(
+        duplicate,
+        SaveResult::Duplicate { original_id: Snowflake::new(1), last_received_reply: None }
+    );
+    // The same key on another entity is another request.
+    assert_eq!(save_keyed(&*storage, &request(3, 2), "k").await, SaveResult::Success);
+    assert_eq!(read_ids(&*storage).await, [1, 3]);
+}
+
+/// A duplicate reports the stored request's latest reply: a chunk, then the final reply (§12.8).
+pub async fn duplicate_reports_the_last_reply(fixture: &dyn StorageFixture) {
+    let storage = fixture.message_storage();
+    let stream = request(1, 1);
+    assert_eq!(save_keyed(&*storage, &stream, "s").await, SaveResult::Success);
+    storage.save_reply(&chunk(1, 10, 0)).await.unwrap();
+    let duplicate = |id| {
+        let storage = Arc::clone(&storage);
+        async move { save_keyed(&*storage, &request(id, 1), "s").await }
+    };
+    assert_eq!(
+        duplicate(2).await,
+        SaveResult::Duplicate {
+            original_id: Snowflake::new(1),
+            last_received_reply: Some(chunk(1, 10, 0))
+        }
+    );
+    storage.save_ack_chunk(&ack(11, &stream, 10)).await.unwrap();
+    storage.save_reply(&chunk(1, 12, 1)).await.unwrap();
+    assert_eq!(
+        duplicate(3).await,
+        SaveResult::Duplicate {
+            original_id: Snowflake::new(1),
+            last_received_reply: Some(chunk(1, 12, 1))
+        }
+    );
+    assert_eq!(
+        reply_ids(&storage.replies_for(&snowflakes(&[1])).await.unwrap()),
+        [12],
+        "only the unacked chunk"
+    );
+    storage.save_reply(&final_reply(1, 13)).await.unwrap();
+    assert_eq!(
+        duplicate(4).await,
+        SaveResult::Duplicate {
+            original_id: Snowflake::new(1),
+            last_received_reply: Some(final_reply(1, 13))
+        }
+    );
+}
+
+/// Keys longer than the 255-character column are stored as digests and still deduplicate and
+/// resolve (§12.8).
+pub async fn hashes_primary_keys_longer_than_the_column(fixture: &dyn StorageFixture) {
+    let storage = fixture.message_storage();
+    let long_key = "k".repeat(400);
+    let first = request(1, 1);
+    assert_eq!(save_keyed(&*storage, &first, &long_key).await, SaveResult::Success);
+    assert!(
+        matches!(save_keyed(&*storage, &request(2, 1), &long_key).await, SaveResult::Duplicate { original_id, .. } if original_id == Snowflake::new(1))
+    );
+    let composed = primary_key(&first.address, &first.tag, &long_key);
+    assert_eq!(
+        storage.request_id_for_primary_key(&composed).await.unwrap(),
+        Some(Snowflake::new(1))
+    );
+    // A different long key is a different request.
+    let other_key = format!("{long_key}x");
+    assert_eq!(save_keyed(&*storage, &request(3, 1), &other_key).await, SaveResult::Success);
+}
+
+/// Keys at the column width and one past it both deduplicate and resolve (§12.8).
+pub async fn keeps_short_primary_keys_as_plaintext(fixture: &dyn StorageFixture) {
+    let storage = fixture.message_storage();
+    // `TestEntity/e1/GetUser/` is 22 characters: pad the composed key to exactly 255 and 256.
+    for (id, length) in [(1_u64, 255_usize), (3, 256)] {
+        let req = request(id, 1);
+        let key = "p".repeat(length - 22);
+        let composed = primary_key(&req.address, &req.tag, &key);
+        assert_eq!(composed.chars().count(), length);
+        assert_eq!(save_keyed(&*storage, &req, &key).await, SaveResult::Success);
+        let duplicate = save_keyed(&*storage, &request(id + 1, 1), &key).await;
+        assert!(
+            matches!(duplicate, SaveResult::Duplicate { original_id, .. } if original_id == Snowflake::new(id)),
+            "{length}"
+        );
+        assert_eq!(
+            storage.request_id_for_primary_key(&composed).await.unwrap(),
+            Some(Snowflake::new(id))
+        );
+    }
+}
+
+/// Requests without a primary key are never deduplicated by content (§1.4).
+pub async fn request_without_primary_key_is_never_deduplicated(fixture: &dyn StorageFixture) {
+    let storage = fixture.message_storage();
+    let first = request(1, 1);
+    save(&*storage, &first).await;
+    let same_content = Request { request_id: Snowflake::new(2), ..first };
+    save(&*storage, &same_content).await;
+    assert_eq!(read_ids(&*storage).await, [1, 2]);
+}
+
+/// A request with a final reply is not returned (§12.2).
+pub async fn unprocessed_messages_excludes_complete_requests(fixture: &dyn StorageFixture) {
+    let storage = fixture.message_storage();
+    save(&*storage, &request(1, 1)).await;
+    save(&*storage, &request(2, 2)).await;
+    storage.save_reply(&final_reply(1, 10)).await.unwrap();
+    assert_eq!(read_ids(&*storage).await, [2]);
+}
+
+/// A limit returns the first rows in insertion order and claims only those (§12.2, §12.8).
+pub async fn unprocessed_messages_honors_the_limit(fixture: &dyn StorageFixture) {
+    let storage = fixture.message_storage();
+    for id in 1..=5 {
+        save(&*storage, &request(id, 1)).await;
+    }
+    let options = UnprocessedOptions { limit: std::num::NonZeroU32::new(3), addresses: None };
+    let first = storage.unprocessed_messages(&[shard(1)], now(), options).await.unwrap();
+    assert_eq!(ids(&first), [1, 2, 3]);
+    let second = storage.unprocessed_messages(&[shard(1)], now(), options).await.unwrap();
+    assert_eq!(ids(&second), [4, 5]);
+}
+
+/// A claimed row is not returned again within the claim window; new rows are (§12.8).
+pub async fn claimed_messages_are_not_read_twice(fixture: &dyn StorageFixture) {
+    let storage = fixture.message_storage();
+    save(&*storage, &request(1, 1)).await;
+    assert_eq!(read_ids(&*storage).await, [1]);
+    assert_eq!(read_ids(&*storage).await, Vec::<u64>::new());
+    save(&*storage, &request(2, 1)).await;
+    assert_eq!(read_ids(&*storage).await, [2]);
+}
+
+/// The address filter returns only the given entities, on their own shard (§12.2, §12.8).
+pub async fn unprocessed_messages_filters_by_address(fixture: &dyn StorageFixture) {
+    let storage = fixture.message_storage();
+    for id in 1..=4_u32 {
+        save(&*storage, &request(u64::from(id), id)).await;
+    }
+    // Entity e4 also has a request on shard 2; the filter names (e4, shard 1) only.
+    save(&*storage, &request_to(5, address("e4", 2))).await;
+    let wanted = [address("e2", 1), address("e4", 1)];
+    let options = UnprocessedOptions { limit: None, addresses: Some(&wanted) };
+    let batch = storage.unprocessed_messages(&[shard(1), shard(2)], now(), options).await.unwrap();
+    assert_eq!(ids(&batch), [2, 4]);
+    // A filter on another entity type matches nothing.
+    let other_type = [EntityAddress { entity_type: EntityType::from("Other"), ..address("e1", 1) }];
+    let options = UnprocessedOptions { limit: None, addresses: Some(&other_type) };
+    assert!(storage.unprocessed_messages(&[shard(1)], now(), options).await.unwrap().is_empty());
+}
+
+/// An empty address filter fails closed: nothing is returned or claimed (§12.2).
+pub async fn empty_address_filter_matches_nothing(fixture: &dyn StorageFixture) {
+    let storage = fixture.message_storage();
+    save(&*storage, &request(1, 1)).await;
+    let options = UnprocessedOptions { limit: None, addresses: Some(&[]) };
+    assert!(storage.unprocessed_messages(&[shard(1)], now(), options).await.unwrap().is_empty());
+    assert_eq!(read_ids(&*storage).await, [1], "nothing was claimed");
+}
+
+/// Empty lists are no-ops; an empty reset releases nothing (§12.2).
+pub async fn empty_lists_are_no_ops(fixture: &dyn StorageFixture) {
+    let storage = fixture.message_storage();
+    save(&*storage, &request(1, 1)).await;
+    assert!(read(&*storage, &[]).await.is_empty());
+    assert_eq!(read_ids(&*storage).await, [1]);
+    storage.reset_addresses(&[]).await.unwrap();
+    storage.reset_requests(&[]).await.unwrap();
+    storage.reset_shards(&[]).await.unwrap();
+    assert_eq!(read_ids(&*storage).await, Vec::<u64>::new(), "an empty reset released a claim");
+    assert!(storage.replies_for(&[]).await.unwrap().is_empty());
+    assert!(storage.replies_for_unfiltered(&[]).await.unwrap().is_empty());
+    assert!(storage.unprocessed_messages_by_id(&[], now()).await.unwrap().is_empty());
+}
+
+/// Resetting addresses makes their claimed messages eligible again (§12.2).
+pub async fn reset_addresses_releases_claims(fixture: &dyn StorageFixture) {
+    let storage = fixture.message_storage();
+    for id in 1..=4_u32 {
+        save(&*storage, &request(u64::from(id), id)).await;
+    }
+    let options = UnprocessedOptions { limit: std::num::NonZeroU32::new(3), addresses: None };
+    let claimed = storage.unprocessed_messages(&[shard(1)], now(), options).await.unwrap();
+    assert_eq!(ids(&claimed), [1, 2, 3]);
+    storage.reset_addresses(&[address("e1", 1), address("e3", 1)]).await.unwrap();
+    assert_eq!(read_ids(&*storage).await, [1, 3, 4]);
+}
+
+/// Resetting shards and requests releases their claims and nothing else.
+pub async fn reset_shards_and_requests_release_claims(fixture: &dyn StorageFixture) {
+    let storage = fixture.message_storage();
+    save(&*storage, &request(1, 1)).await;
+    save(&*storage, &request_to(2, address("e2", 2))).await;
+    save(&*storage, &request(3, 3)).await;
+    assert_eq!(ids(&read(&*storage, &[shard(1), shard(2)]).await), [1, 2, 3]);
+    storage.reset_shards(&[shard(2)]).await.unwrap();
+    assert_eq!(ids(&read(&*storage, &[shard(1), shard(2)]).await), [2]);
+    storage.reset_requests(&snowflakes(&[3])).await.unwrap();
+    assert_eq!(ids(&read(&*storage, &[shard(1), shard(2)]).await), [3]);
+    // A reset never makes a completed request unprocessed.
+    storage.save_reply(&final_reply(1, 10)).await.unwrap();
+    storage.reset_requests(&snowflakes(&[1])).await.unwrap();
+    storage.reset_shards(&[shard(1)]).await.unwrap();
+    assert_eq!(ids(&read(&*storage, &[shard(1)]).await), [3]);
+}
+
+/// A message with `deliver_at` in the future is held until the runner clock passes it.
+pub async fn deliver_at_holds_messages_until_due(fixture: &dyn StorageFixture) {
+    let storage = fixture.message_storage();
+    let at = now().saturating_add(Duration::from_secs(60));
+    let options = SaveRequestOptions { primary_key: None, deliver_at: Some(at) };
+    assert_eq!(storage.save_request(&request(1, 1), &options).await.unwrap(), SaveResult::Success);
+    save(&*storage, &request(2, 1)).await;
+    assert_eq!(read_ids(&*storage).await, [2]);
+    let early = storage
+        .unprocessed_messages(
+            &[shard(1)],
+            at.saturating_sub(Duration::from_millis(1)),
+            UnprocessedOptions::default(),
+        )
+        .await
+        .unwrap();
+    assert!(early.is_empty());
+    let due =
+        storage.unprocessed_messages(&[shard(1)], at, UnprocessedOptions::default()).await.unwrap();
+    assert_eq!(ids(&due), [1]);
+    let by_id_early = storage.unprocessed_messages_by_id(&snowflakes(&[1]), now()).await.unwrap();
+    assert!(by_id_early.is_empty(), "by id also honours deliver_at");
+}
+
+/// A streaming request with an unacknowledged chunk is not re-delivered until the ack is saved;
+/// then it comes back with its last chunk, followed by the ack (§5.3).
+pub async fn stream_replies_wait_for_acks(fixture: &dyn StorageFixture) {
+    let storage = fixture.message_storage();
+    let stream = request(1, 1);
+    save(&*storage, &stream).await;
+    assert_eq!(read_ids(&*storage).await, [1]);
+    storage.save_reply(&chunk(1, 10, 0)).await.unwrap();
+    storage.reset_requests(&snowflakes(&[1])).await.unwrap();
+    assert_eq!(read_ids(&*storage).await, Vec::<u64>::new(), "an unacked chunk holds the request");
+    storage.save_ack_chunk(&ack(11, &stream, 10)).await.unwrap();
+    let batch = read(&*storage, &[shard(1)]).await;
+    assert_eq!(ids(&batch), [1, 11]);
+    assert_eq!(batch.messages[0].last_sent_reply, Some(chunk(1, 10, 0)));
+    assert_eq!(batch.messages[1].envelope, Envelope::AckChunk(ack(11, &stream, 10)));
+    // A newer ack supersedes the older one, which is then processed.
+    storage.save_reply(&chunk(1, 12, 1)).await.unwrap();
+    storage.save_ack_chunk(&ack(13, &stream, 12)).await.unwrap();
+    storage.reset_requests(&snowflakes(&[1])).await.unwrap();
+    let batch = read(&*storage, &[shard(1)]).await;
+    assert_eq!(ids(&batch), [1, 13]);
+    assert_eq!(batch.messages[0].last_sent_reply, Some(chunk(1, 12, 1)));
+}
+
+/// At most one final reply per request: a second is a conflict (§5.2).
+pub async fn second_final_reply_is_a_conflict(fixture: &dyn StorageFixture) {
+    let storage = fixture.message_storage();
+    save(&*storage, &request(1, 1)).await;
+    storage.save_reply(&final_reply(1, 10)).await.unwrap();
+    let error = storage.save_reply(&final_reply(1, 11)).await.unwrap_err();
+    assert_eq!(error.kind(), StorageErrorKind::Conflict, "{}: {error}", fixture.name());
+    assert_eq!(reply_ids(&storage.replies_for(&snowflakes(&[1])).await.unwrap()), [10]);
+}
+
+/// `replies_for` returns final replies and unacknowledged chunks, in insertion order (§12.2).
+pub async fn replies_for_returns_exits_and_unacked_chunks(fixture: &dyn StorageFixture) {
+    let storage = fixture.message_storage();
+    let stream = request(1, 1);
+    save(&*storage, &stream).await;
+    save(&*storage, &request(2, 2)).await;
+    assert!(storage.replies_for(&snowflakes(&[1, 2])).await.unwrap().is_empty());
+    storage.save_reply(&chunk(1, 10, 0)).await.unwrap();
+    storage.save_ack_chunk(&ack(11, &stream, 10)).await.unwrap();
+    storage.save_reply(&chunk(1, 12, 1)).await.unwrap();
+    storage.save_reply(&final_reply(2, 13)).await.unwrap();
+    let replies = storage.replies_for(&snowflakes(&[1, 2])).await.unwrap();
+    assert_eq!(replies, [chunk(1, 12, 1), final_reply(2, 13)]);
+    assert_eq!(reply_ids(&storage.replies_for(&snowflakes(&[2, 99])).await.unwrap()), [13]);
+}
+
+/// `replies_for_unfiltered` returns every reply, acknowledged or not.
+pub async fn replies_for_unfiltered_returns_everything(fixture: &dyn StorageFixture) {
+    let storage = fixture.message_storage();
+    let stream = request(1, 1);
+    save(&*storage, &stream).await;
+    save(&*storage, &request(2, 2)).await;
+    storage.save_reply(&chunk(1, 10, 0)).await.unwrap();
+    storage.save_ack_chunk(&ack(11, &stream, 10)).await.unwrap();
+    storage.save_reply(&chunk(1, 12, 1)).await.unwrap();
+    storage.save_reply(&final_reply(2, 13)).await.unwrap();
+    let replies = storage.replies_for_unfiltered(&snowflakes(&[1, 2])).await.unwrap();
+    assert_eq!(replies, [chunk(1, 10, 0), chunk(1, 12, 1), final_reply(2, 13)]);
+}
+
+/// A stored reply that cannot be decoded is answered as a defect for its request.
+pub async fn malformed_reply_becomes_a_defect(fixture: &dyn StorageFixture) {
+    let storage = fixture.message_storage();
+    save(&*storage, &request(1, 1)).await;
+    storage.save_reply(&final_reply(1, 10)).await.unwrap();
+    fixture.corrupt(Corruption::ReplyPayload(Snowflake::new(10))).await;
+    let replies = storage.replies_for(&snowflakes(&[1])).await.unwrap();
+    let [Reply::WithExit(WithExit { request_id, id, exit: Exit::Failure(cause) })] =
+        replies.as_slice()
+    else {
+        panic!("{}: expected one defect reply, got {replies:?}", fixture.name())
+    };
+    assert_eq!((*request_id, *id), (Snowflake::new(1), Snowflake::new(10)));
+    assert!(
+        matches!(&cause.0[0], CauseReason::Die(defect) if defect.json().unwrap_or("").contains("MalformedMessage"))
+    );
+}
+
+/// A stored message that cannot be decoded is reported for its request and does not stop the
+/// read or come back (§12.7 "defects a malformed persisted envelope without wedging").
+pub async fn malformed_message_is_reported_and_does_not_block(fixture: &dyn StorageFixture) {
+    let storage = fixture.message_storage();
+    for id in 1..=3 {
+        save(&*storage, &request(id, 1)).await;
+    }
+    fixture.corrupt(Corruption::MessagePayload(Snowflake::new(2))).await;
+    let batch = read(&*storage, &[shard(1)]).await;
+    let delivered: Vec<u64> =
+        batch.messages.iter().map(|message| message.envelope.id().get()).collect();
+    assert_eq!(delivered, [1, 3]);
+    assert_eq!(batch.malformed.len(), 1);
+    assert_eq!(
+        (batch.malformed[0].id, batch.malformed[0].request_id),
+        (Snowflake::new(2), Snowflake::new(2))
+    );
+    assert!(read(&*storage, &[shard(1)]).await.is_empty(), "the malformed row stays claimed");
+    let by_id = storage.unprocessed_messages_by_id(&snowflakes(&[2]), now()).await.unwrap();
+    assert_eq!((by_id.messages.len(), by_id.malformed.len()), (0, 1));
+    // Answering it (a defect reply) completes it.
+    storage
+        .save_reply(&Reply::WithExit(WithExit {
+            request_id: Snowflake::new(2),
+            id: Snowflake::new(20),
+            exit: Exit::die_with_message("MalformedMessage", "bad payload"),
+        }))
+        .await
+        .unwrap();
+    storage.reset_shards(&[shard(1)]).await.unwrap();
+    assert_eq!(ids(&read(&*storage, &[shard(1)]).await), [1, 3]);
+}
+
+/// Reading by id applies the filters but does not claim (§12.8).
+pub async fn unprocessed_messages_by_id_does_not_claim(fixture: &dyn StorageFixture) {
+    let storage = fixture.message_storage();
+    for id in 1..=3 {
+        save(&*storage, &request(id, 1)).await;
+    }
+    storage.save_reply(&final_reply(2, 10)).await.unwrap();
+    let batch =
+        storage.unprocessed_messages_by_id(&snowflakes(&[1, 2, 3, 99]), now()).await.unwrap();
+    assert_eq!(ids(&batch), [1, 3]);
+    assert_eq!(read_ids(&*storage).await, [1, 3], "reading by id claimed nothing");
+    let claimed = storage.unprocessed_messages_by_id(&snowflakes(&[1]), now()).await.unwrap();
+    assert_eq!(ids(&claimed), [1], "a claimed row is still returned by id");
+}
+
+/// Interrupts are stored and delivered; resetting the request deletes them (§5.1).
+pub async fn interrupts_are_delivered_and_cleared(fixture: &dyn StorageFixture) {
+    let storage = fixture.message_storage();
+    let target = request(1, 1);
+    save(&*storage, &target).await;
+    assert_eq!(read_ids(&*storage).await, [1]);
+    let interrupt = Interrupt {
+        id: Snowflake::new(2),
+        address: target.address.clone(),
+        request_id: Snowflake::new(1),
+    };
+    storage.save_interrupt(&interrupt).await.unwrap();
+    let batch = read(&*storage, &[shard(1)]).await;
+    assert_eq!(
+        batch.messages.iter().map(|message| message.envelope.clone()).collect::<Vec<_>>(),
+        [Envelope::Interrupt(interrupt)]
+    );
+    storage.clear_replies(Snowflake::new(1), None).await.unwrap();
+    assert_eq!(read_ids(&*storage).await, [1], "the interrupt is gone and the request unclaimed");
+}
+
+/// Clearing replies resets a request: its final reply is deleted, its chunks are kept, and it
+/// is unprocessed and unclaimed again (§5.1).
+pub async fn clear_replies_resets_a_request(fixture: &dyn StorageFixture) {
+    let storage = fixture.message_storage();
+    let stream = request(1, 1);
+    save(&*storage, &stream).await;
+    assert_eq!(read_ids(&*storage).await, [1]);
+    storage.save_reply(&chunk(1, 10, 0)).await.unwrap();
+    storage.save_ack_chunk(&ack(11, &stream, 10)).await.unwrap();
+    storage.save_reply(&final_reply(1, 12)).await.unwrap();
+    assert!(read(&*storage, &[shard(1)]).await.is_empty());
+    storage.clear_replies(Snowflake::new(1), None).await.unwrap();
+    assert!(storage.replies_for(&snowflakes(&[1])).await.unwrap().is_empty());
+    assert_eq!(reply_ids(&storage.replies_for_unfiltered(&snowflakes(&[1])).await.unwrap()), [10]);
+    let batch = read(&*storage, &[shard(1)]).await;
+    assert_eq!(ids(&batch), [1, 11]);
+    assert_eq!(batch.messages[0].last_sent_reply, None, "no last reply after a reset");
+    // The request can be answered again.
+    storage.save_reply(&final_reply(1, 13)).await.unwrap();
+}
+
+/// With an expected reply id, the reset only happens if that is still the latest reply.
+pub async fn clear_replies_with_expected_reply_id_is_conditional(fixture: &dyn StorageFixture) {
+    let storage = fixture.message_storage();
+    let target = request(1, 1);
+    save(&*storage, &target).await;
+    assert_eq!(read_ids(&*storage).await, [1]);
+    let interrupt = Interrupt {
+        id: Snowflake::new(2),
+        address: target.address.clone(),
+        request_id: Snowflake::new(1),
+    };
+    storage.save_interrupt(&interrupt).await.unwrap();
+    storage.save_reply(&final_reply(1, 10)).await.unwrap();
+    storage.clear_replies(Snowflake::new(1), Some(Snowflake::new(99))).await.unwrap();
+    assert_eq!(
+        reply_ids(&storage.replies_for(&snowflakes(&[1])).await.unwrap()),
+        [10],
+        "a stale reset did nothing"
+    );
+    assert!(read(&*storage, &[shard(1)]).await.is_empty());
+    storage.clear_replies(Snowflake::new(1), Some(Snowflake::new(10))).await.unwrap();
+    assert!(storage.replies_for(&snowflakes(&[1])).await.unwrap().is_empty());
+    // Unlike the unconditional reset, the conditional one keeps the interrupt the final reply
+    // completed, and makes it unprocessed again with the request (the reference's behaviour).
+    assert_eq!(read_ids(&*storage).await, [1, 2]);
+}
+
+/// The request id of a stored primary key, and none for an unknown key.
+pub async fn request_id_for_primary_key(fixture: &dyn StorageFixture) {
+    let storage = fixture.message_storage();
+    let first = request(7, 1);
+    assert_eq!(save_keyed(&*storage, &first, "k1").await, SaveResult::Success);
+    let key = primary_key(&first.address, &first.tag, "k1");
+    assert_eq!(key, "TestEntity/e1/GetUser/k1");
+    assert_eq!(storage.request_id_for_primary_key(&key).await.unwrap(), Some(Snowflake::new(7)));
+    assert_eq!(storage.request_id_for_primary_key("TestEntity/e1/GetUser/k2").await.unwrap(), None);
+}
+
+/// Clearing an address deletes its messages and replies, and frees its primary keys (§12.2).
+pub async fn clear_address_removes_everything(fixture: &dyn StorageFixture) {
+    let storage = fixture.message_storage();
+    let cleared = request(1, 1);
+    assert_eq!(save_keyed(&*storage, &cleared, "k").await, SaveResult::Success);
+    storage.save_reply(&final_reply(1, 10)).await.unwrap();
+    save(&*storage, &request(2, 1)).await;
+    save(&*storage, &request(3, 2)).await;
+    storage.clear_address(&address("e1", 1)).await.unwrap();
+    assert!(storage.replies_for_unfiltered(&snowflakes(&[1])).await.unwrap().is_empty());
+    assert_eq!(read_ids(&*storage).await, [3]);
+    assert_eq!(save_keyed(&*storage, &request(4, 1), "k").await, SaveResult::Success);
+}
+
+/// Replies saved in a transaction are invisible until commit, gone on rollback, and a
+/// transaction dropped without commit rolls back and releases what it locked.
+pub async fn transaction_commits_and_rolls_back(fixture: &dyn StorageFixture) {
+    let storage = fixture.message_storage();
+    for id in 1..=3 {
+        save(&*storage, &request(id, 1)).await;
+    }
+    let mut committed = storage.begin_transaction().await.unwrap();
+    committed.save_reply(&final_reply(1, 10)).await.unwrap();
+    assert!(
+        storage.replies_for(&snowflakes(&[1])).await.unwrap().is_empty(),
+        "visible before commit"
+    );
+    committed.commit().await.unwrap();
+    assert_eq!(reply_ids(&storage.replies_for(&snowflakes(&[1])).await.unwrap()), [10]);
+
+    let mut rolled_back = storage.begin_transaction().await.unwrap();
+    rolled_back.save_reply(&final_reply(2, 11)).await.unwrap();
+    rolled_back.rollback().await.unwrap();
+    assert!(storage.replies_for(&snowflakes(&[2])).await.unwrap().is_empty());
+
+    let mut dropped = storage.begin_transaction().await.unwrap();
+    dropped.save_reply(&final_reply(3, 12)).await.unwrap();
+    drop(dropped);
+    // The same final reply saved outside must not wait on the abandoned transaction's locks.
+    let saved = tokio::time::timeout(EVENTUAL, storage.save_reply(&final_reply(3, 13))).await;
+    assert!(matches!(saved, Ok(Ok(()))), "{}: {saved:?}", fixture.name());
+    assert_eq!(reply_ids(&storage.replies_for(&snowflakes(&[1, 2, 3])).await.unwrap()), [10, 13]);
+}
+
+// --- Runners and shard locks --------------------------------------------------------------------
+
+/// Registration upserts by address and keeps the machine id of a live address (§12.8).
+pub async fn register_and_get_runners(fixture: &dyn StorageFixture) {
+    let storage = fixture.runner_storage(LONG_EXPIRATION).await;
+    assert!(storage.get_runners().await.unwrap().is_empty());
+    let a = runner("a");
+    let first = storage.register(&a, true).await.unwrap();
+    assert_eq!(first.get(), 1, "{}: the first machine id", fixture.name());
+    assert_eq!(storage.get_runners().await.unwrap(), [(a.clone(), true)]);
+    assert_eq!(storage.register(&a, true).await.unwrap(), first, "re-registering keeps the id");
+    let b = runner("b");
+    let second = storage.register(&b, true).await.unwrap();
+    assert_ne!(second, first);
+    let mut runners = storage.get_runners().await.unwrap();
+    runners.sort_by(|x, y| x.0.cmp(&y.0));
+    assert_eq!(runners, [(a, true), (b, true)]);
+}
+
+/// The health flag is stored and read back (§12.5).
+pub async fn runner_health_flips(fixture: &dyn StorageFixture) {
+    let storage = fixture.runner_storage(LONG_EXPIRATION).await;
+    let a = runner("a");
+    storage.register(&a, false).await.unwrap();
+    assert_eq!(storage.get_runners().await.unwrap(), [(a.clone(), false)]);
+    storage.set_runner_health(&a.address, true).await.unwrap();
+    assert_eq!(storage.get_runners().await.unwrap(), [(a.clone(), true)]);
+    storage.set_runner_health(&a.address, false).await.unwrap();
+    assert_eq!(storage.get_runners().await.unwrap(), [(a, false)]);
+}
+
+/// Unregistering removes the runner; registering again gives a new, larger machine id.
+pub async fn unregister_removes_the_runner(fixture: &dyn StorageFixture) {
+    let storage = fixture.runner_storage(LONG_EXPIRATION).await;
+    let (a, b) = (runner("a"), runner("b"));
+    let first = storage.register(&a, true).await.unwrap();
+    storage.register(&b, true).await.unwrap();
+    storage.unregister(&a.address).await.unwrap();
+    assert_eq!(storage.get_runners().await.unwrap(), [(b, true)]);
+    let again = storage.register(&a, true).await.unwrap();
+    assert!(again > first, "{}: {again} after {first}", fixture.name());
+}
+
+/// A runner whose heartbeat is older than the expiration is not returned.
+pub async fn expired_heartbeat_hides_the_runner(fixture: &dyn StorageFixture) {
+    let storage = fixture.runner_storage(SHORT_EXPIRATION).await;
+    let a = runner("a");
+    storage.register(&a, true).await.unwrap();
+    assert_eq!(storage.get_runners().await.unwrap().len(), 1);
+    eventually(fixture, "the heartbeat expires", || {
+        let storage = Arc::clone(&storage);
+        async move { storage.get_runners().await.is_ok_and(|runners| runners.is_empty()) }
+    })
+    .await;
+    // A refresh is a heartbeat: the runner is back.
+    storage.register(&a, true).await.unwrap();
+    storage.refresh(&a.address, &[]).await.unwrap();
+    assert_eq!(storage.get_runners().await.unwrap().len(), 1);
+}
+
+/// Acquire is idempotent, refresh reports held shards, release drops one (§12.8).
+pub async fn acquire_refresh_release(fixture: &dyn StorageFixture) {
+    let storage = fixture.runner_storage(LONG_EXPIRATION).await;
+    let a = runner("a");
+    storage.register(&a, true).await.unwrap();
+    let wanted = shards(&[1, 2, 3]);
+    assert_eq!(sorted(storage.acquire(&a.address, &wanted).await.unwrap()), wanted);
+    assert_eq!(
+        sorted(storage.acquire(&a.address, &wanted).await.unwrap()),
+        wanted,
+        "acquire is idempotent"
+    );
+    assert_eq!(sorted(storage.refresh(&a.address, &wanted).await.unwrap()), wanted);
+    storage.release(&a.address, &shard(2)).await.unwrap();
+    assert_eq!(sorted(storage.refresh(&a.address, &wanted).await.unwrap()), shards(&[1, 3]));
+    assert!(storage.refresh(&a.address, &[]).await.unwrap().is_empty(), "a probe holds nothing");
+    assert!(storage.acquire(&a.address, &[]).await.unwrap().is_empty());
+    storage.release(&a.address, &shard(2)).await.unwrap();
+}
+
+/// Two runners racing for the same shards end up with disjoint sets that cover them all.
+pub async fn racing_runners_get_disjoint_shards(fixture: &dyn StorageFixture) {
+    let first = fixture.runner_storage(LONG_EXPIRATION).await;
+    let second = fixture.runner_storage(LONG_EXPIRATION).await;
+    let (a, b) = (runner("a"), runner("b"));
+    first.register(&a, true).await.unwrap();
+    second.register(&b, true).await.unwrap();
+    let wanted = shards(&(1..=20).collect::<Vec<u32>>());
+    let (got_a, got_b) =
+        tokio::join!(first.acquire(&a.address, &wanted), second.acquire(&b.address, &wanted));
+    let (got_a, got_b) = (sorted(got_a.unwrap()), sorted(got_b.unwrap()));
+    assert!(
+        got_a.iter().all(|shard| !got_b.contains(shard)),
+        "{}: both hold a shard: {got_a:?} {got_b:?}",
+        fixture.name()
+    );
+    assert_eq!(
+        sorted([got_a.clone(), got_b.clone()].concat()),
+        wanted,
+        "every shard has one owner"
+    );
+    // Trying again changes nothing; each refresh reports its own.
+    assert_eq!(sorted(second.acquire(&b.address, &wanted).await.unwrap()), got_b);
+    assert_eq!(sorted(first.refresh(&a.address, &wanted).await.unwrap()), got_a);
+    assert_eq!(sorted(second.refresh(&b.address, &wanted).await.unwrap()), got_b);
+}
+
+/// A held shard is refused to others until it is released.
+pub async fn released_shard_can_be_taken(fixture: &dyn StorageFixture) {
+    let first = fixture.runner_storage(LONG_EXPIRATION).await;
+    let second = fixture.runner_storage(LONG_EXPIRATION).await;
+    let (a, b) = (runner("a"), runner("b"));
+    first.register(&a, true).await.unwrap();
+    second.register(&b, true).await.unwrap();
+    assert_eq!(first.acquire(&a.address, &shards(&[1])).await.unwrap(), shards(&[1]));
+    assert!(second.acquire(&b.address, &shards(&[1])).await.unwrap().is_empty());
+    first.release(&a.address, &shard(1)).await.unwrap();
+    assert_eq!(second.acquire(&b.address, &shards(&[1])).await.unwrap(), shards(&[1]));
+    assert!(
+        first.refresh(&a.address, &shards(&[1])).await.unwrap().is_empty(),
+        "refresh never re-acquires"
+    );
+}
+
+/// A holder that stops refreshing loses its shard after the expiration, to another runner.
+pub async fn expired_lease_is_taken_over(fixture: &dyn StorageFixture) {
+    let frozen = fixture.runner_storage(SHORT_EXPIRATION).await;
+    let taker = fixture.runner_storage(SHORT_EXPIRATION).await;
+    let (a, b) = (runner("a"), runner("b"));
+    frozen.register(&a, true).await.unwrap();
+    taker.register(&b, true).await.unwrap();
+    assert_eq!(frozen.acquire(&a.address, &shards(&[1])).await.unwrap(), shards(&[1]));
+    assert!(taker.acquire(&b.address, &shards(&[1])).await.unwrap().is_empty());
+    let started = Instant::now();
+    eventually(fixture, "the lease expires", || {
+        let taker = Arc::clone(&taker);
+        let b = b.clone();
+        async move {
+            taker.acquire(&b.address, &shards(&[1])).await.is_ok_and(|got| got == shards(&[1]))
+        }
+    })
+    .await;
+    assert!(
+        started.elapsed() >= Duration::from_secs(1),
+        "{}: taken over too early",
+        fixture.name()
+    );
+    let refreshed = frozen.refresh(&a.address, &shards(&[1])).await;
+    assert!(
+        !refreshed.as_ref().is_ok_and(|held| held.contains(&shard(1))),
+        "{}: both hold shard 1",
+        fixture.name()
+    );
+}
+
+/// `release_all` drops every lock of the runner.
+pub async fn release_all_drops_every_lock(fixture: &dyn StorageFixture) {
+    let first = fixture.runner_storage(LONG_EXPIRATION).await;
+    let second = fixture.runner_storage(LONG_EXPIRATION).await;
+    let (a, b) = (runner("a"), runner("b"));
+    first.register(&a, true).await.unwrap();
+    second.register(&b, true).await.unwrap();
+    assert_eq!(sorted(first.acquire(&a.address, &shards(&[1, 2])).await.unwrap()), shards(&[1, 2]));
+    first.release_all(&a.address).await.unwrap();
+    assert_eq!(
+        sorted(second.acquire(&b.address, &shards(&[1, 2])).await.unwrap()),
+        shards(&[1, 2])
+    );
+    assert!(first.refresh(&a.address, &shards(&[1, 2])).await.unwrap().is_empty());
+    // The runner can take locks again after a release_all.
+    second.release_all(&b.address).await.unwrap();
+    assert_eq!(sorted(first.acquire(&a.address, &shards(&[1, 2])).await.unwrap()), shards(&[1, 2]));
+}
+
+/// Waits until `condition` holds, polling every 100 ms, for at most [`EVENTUAL`].
+async fn eventually<F, Fut>(fixture: &dyn StorageFixture, what: &str, mut condition: F)
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = bool>,
+{
+    let deadline = Instant::now() + EVENTUAL;
+    while !condition().await {
+        assert!(
+            Instant::now() < deadline,
+            "{}: {what} did not happen within {EVENTUAL:?}",
+            fixture.name()
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
