@@ -54,6 +54,16 @@ pub struct PgMessageStorage {
 struct Writers {
     requests: Batcher<(Request, SaveRequestOptions), SaveResult>,
     replies: Batcher<Reply, ()>,
+    claims: Batcher<Claim, UnprocessedBatch>,
+}
+
+/// One caller's claim (`unprocessed_messages`), owned so that it can wait in a batch.
+struct Claim {
+    shards: Vec<String>,
+    now: i64,
+    limit: Option<i64>,
+    /// The address filter as parallel columns, if any.
+    addresses: Option<(Vec<String>, Vec<String>, Vec<String>)>,
 }
 
 /// How many writes wait for a batch writer before callers wait for room.
@@ -74,7 +84,12 @@ impl Writers {
             let (pool, queries) = (reply_pool.clone(), Arc::clone(&reply_queries));
             async move { save_replies(&pool, &queries, inputs).await }
         });
-        Writers { requests, replies }
+        let (claim_pool, claim_queries) = (pool.clone(), Arc::clone(queries));
+        let claims = Batcher::spawn(WRITE_QUEUE_CAPACITY, WRITE_BATCH_SIZE_MAX, move |inputs| {
+            let (pool, queries) = (claim_pool.clone(), Arc::clone(&claim_queries));
+            async move { claim_batch(&pool, &queries, inputs).await }
+        });
+        Writers { requests, replies, claims }
     }
 }
 
@@ -192,24 +207,95 @@ impl PgMessageStorage {
         now: Timestamp,
         options: UnprocessedOptions<'_>,
     ) -> Result<UnprocessedBatch, StorageError> {
-        let shards: Vec<String> = shard_ids.iter().map(ShardId::to_string).collect();
-        let now = now.unix_millis();
-        let limit = options.limit.map(|limit| i64::from(limit.get()));
-        let rows = match options.addresses {
-            None => {
-                self.query("unprocessed_messages", &self.queries.claim, &[&shards, &now, &limit])
-                    .await?
-            }
-            Some(addresses) => {
-                let (address_shards, types, ids) = address_columns(addresses);
-                let params: [&(dyn ToSql + Sync); 6] =
-                    [&shards, &now, &limit, &address_shards, &types, &ids];
-                self.query("unprocessed_messages", &self.queries.claim_for_addresses, &params)
-                    .await?
-            }
+        let claim = Claim {
+            shards: shard_ids.iter().map(ShardId::to_string).collect(),
+            now: now.unix_millis(),
+            limit: options.limit.map(|limit| i64::from(limit.get())),
+            addresses: options.addresses.map(|addresses| {
+                let (shards, types, ids) = address_columns(addresses);
+                (
+                    shards,
+                    types.into_iter().map(str::to_owned).collect(),
+                    ids.into_iter().map(str::to_owned).collect(),
+                )
+            }),
         };
-        message_rows(&rows)
+        self.writers().claims.submit(claim).await
     }
+}
+
+/// Runs one claim on `client` (a pooled connection, or one inside the batch's transaction).
+async fn claim_on(
+    client: &impl deadpool_postgres::GenericClient,
+    queries: &MessageQueries,
+    claim: &Claim,
+) -> Result<UnprocessedBatch, StorageError> {
+    let what = "unprocessed_messages";
+    let fail = |error| driver_error(what, error);
+    let rows = match &claim.addresses {
+        None => {
+            let statement = client.prepare_cached(&queries.claim).await.map_err(fail)?;
+            client
+                .query(&statement, &[&claim.shards, &claim.now, &claim.limit])
+                .await
+                .map_err(fail)?
+        }
+        Some((shards, types, ids)) => {
+            let statement =
+                client.prepare_cached(&queries.claim_for_addresses).await.map_err(fail)?;
+            let params: [&(dyn ToSql + Sync); 6] =
+                [&claim.shards, &claim.now, &claim.limit, shards, types, ids];
+            client.query(&statement, &params).await.map_err(fail)?
+        }
+    };
+    message_rows(&rows)
+}
+
+/// Runs concurrent claims in one transaction (one commit). Each claim sees the rows the earlier
+/// ones claimed as claimed, exactly as if they had run one after the other. If one fails, the
+/// transaction rolls back and each claim runs on its own.
+async fn claim_batch(
+    pool: &Pool,
+    queries: &MessageQueries,
+    claims: Vec<Claim>,
+) -> Vec<Result<UnprocessedBatch, StorageError>> {
+    if claims.len() > 1
+        && let Ok(mut client) = pool.get().await
+    {
+        let batched = claim_together(&mut client, queries, &claims).await;
+        settle(client, batched.as_ref().err());
+        if let Ok(batches) = batched {
+            return batches.into_iter().map(Ok).collect();
+        }
+    }
+    let mut results = Vec::with_capacity(claims.len());
+    for claim in &claims {
+        results.push(match pool.get().await {
+            Ok(client) => {
+                let result = claim_on(&client, queries, claim).await;
+                settle(client, result.as_ref().err());
+                result
+            }
+            Err(error) => Err(pool_error("unprocessed_messages", error)),
+        });
+    }
+    results
+}
+
+async fn claim_together(
+    client: &mut Object,
+    queries: &MessageQueries,
+    claims: &[Claim],
+) -> Result<Vec<UnprocessedBatch>, StorageError> {
+    let fail = |error| driver_error("unprocessed_messages: batch", error);
+    // Dropped before commit (an error), the transaction sends ROLLBACK.
+    let transaction = client.transaction().await.map_err(fail)?;
+    let mut batches = Vec::with_capacity(claims.len());
+    for claim in claims {
+        batches.push(claim_on(&transaction, queries, claim).await?);
+    }
+    transaction.commit().await.map_err(fail)?;
+    Ok(batches)
 }
 
 /// Saves one request: insert, or report the stored request with the same primary key.
