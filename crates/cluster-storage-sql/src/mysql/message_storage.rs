@@ -103,6 +103,21 @@ impl fmt::Debug for MySqlMessageStorage {
 }
 
 impl MySqlMessageStorage {
+    /// Connects to the `mysql://` URL `url` with a pool of
+    /// [`POOL_SIZE_DEFAULT`](super::POOL_SIZE_DEFAULT) connections ([`pool`](super::pool)),
+    /// runs the migrations and returns the storage.
+    ///
+    /// # Cancel safety
+    ///
+    /// As [`migrate_messages`](super::migrate_messages).
+    pub async fn connect(
+        url: &str,
+        options: &crate::options::SqlStorageOptions,
+    ) -> Result<MySqlMessageStorage, StorageError> {
+        let pool = super::pool(url, super::POOL_SIZE_DEFAULT)?;
+        MySqlMessageStorage::new(pool, &options.prefix).await
+    }
+
     /// The storage on `pool` with tables named by `prefix`, after running the migrations
     /// ([`migrate_messages`](super::migrate_messages)).
     ///

@@ -40,6 +40,24 @@ pub struct MySqlRunnerStorage {
 }
 
 impl MySqlRunnerStorage {
+    /// Connects to the `mysql://` URL `url` (the registry on a pool of
+    /// [`POOL_SIZE_DEFAULT`](super::POOL_SIZE_DEFAULT) connections, locks on a session of
+    /// their own), runs the migrations and returns the storage.
+    ///
+    /// # Cancel safety
+    ///
+    /// As [`migrate_runners`](super::migrate_runners).
+    pub async fn connect(
+        url: &str,
+        options: SqlStorageOptions,
+    ) -> Result<MySqlRunnerStorage, StorageError> {
+        let opts = Opts::from_url(url).map_err(|error| {
+            StorageError::with_source(StorageErrorKind::InvalidInput, "invalid MySQL URL", error)
+        })?;
+        let pool = super::pool(url, super::POOL_SIZE_DEFAULT)?;
+        MySqlRunnerStorage::new(pool, opts, options).await
+    }
+
     /// The storage on `pool` after running the migrations
     /// ([`migrate_runners`](super::migrate_runners)); `opts` (normally the pool's) opens the
     /// reserved lock connection.
