@@ -6,75 +6,97 @@
 //!     <sqlite|sqlite-normal|postgres|mysql> <concurrency> [seconds] [url or file]
 //! ```
 //!
-//! PostgreSQL and MySQL default to the local services of the test suite; SQLite defaults to a
-//! file in the temporary directory. Tables get a fresh prefix and are left behind for
-//! inspection only under SQLite (the file is removed).
+//! PostgreSQL and MySQL default to the local services of the test suite, SQLite to a file in
+//! the temporary directory. The tables get a fresh prefix and are dropped afterwards.
 
 use std::sync::Arc;
 use std::time::Duration;
 
 use cluster_core::storage::MessageStorage;
 use cluster_storage_sql::{SqlStorageOptions, TablePrefix};
-use cluster_testkit::measure::storage_cycles;
+use cluster_testkit::measure::{CycleReport, storage_cycles};
+use mysql_async::prelude::Queryable;
+
+type Error = Box<dyn std::error::Error>;
 
 #[tokio::main]
-async fn main() -> Result<(), Box<dyn std::error::Error>> {
+async fn main() -> Result<(), Error> {
     let args: Vec<String> = std::env::args().skip(1).collect();
     let backend = args.first().map_or("sqlite", String::as_str).to_owned();
     let concurrency: u32 = args.get(1).map_or(Ok(1), |value| value.parse())?;
-    let seconds: u64 = args.get(2).map_or(Ok(5), |value| value.parse())?;
+    let duration = Duration::from_secs(args.get(2).map_or(Ok(5), |value| value.parse())?);
     let target = args.get(3).cloned();
     let prefix = TablePrefix::new(&format!("bench_{}", std::process::id()))?;
     let options = SqlStorageOptions { prefix, ..SqlStorageOptions::default() };
-    let mut cleanup: Option<std::path::PathBuf> = None;
-    let storage: Arc<dyn MessageStorage> = match backend.as_str() {
+    let pool_size = usize::try_from(concurrency).unwrap_or(usize::MAX).max(16);
+    let report = match backend.as_str() {
         "sqlite" | "sqlite-normal" => {
-            use cluster_storage_sql::sqlite::{SqliteMessageStorage, SqliteOptions, Synchronous};
-            let path = target.map_or_else(
-                || std::env::temp_dir().join(format!("storage-cycles-{}.db", std::process::id())),
-                std::path::PathBuf::from,
-            );
-            cleanup = Some(path.clone());
-            let synchronous =
-                if backend == "sqlite" { Synchronous::Full } else { Synchronous::Normal };
-            let sqlite = SqliteOptions { synchronous, ..SqliteOptions::new(options) };
-            Arc::new(SqliteMessageStorage::open(&path, sqlite).await?)
+            sqlite(&backend, target, options, concurrency, duration).await?
         }
         "postgres" => {
+            use cluster_storage_sql::postgres::{self, PgMessageStorage};
             let url =
                 target.unwrap_or_else(|| "postgres://postgres@127.0.0.1:5432/test".to_owned());
-            Arc::new(
-                cluster_storage_sql::postgres::PgMessageStorage::connect(&url, &options).await?,
-            )
+            let pool = postgres::pool(postgres::parse_config(&url)?, pool_size)?;
+            let storage = Arc::new(PgMessageStorage::new(pool.clone(), &options).await?);
+            let report = storage_cycles(storage, concurrency, duration).await?;
+            let client = pool.get().await?;
+            let (messages, replies, migrations) = tables(&options.prefix);
+            client
+                .batch_execute(&format!("DROP TABLE {messages}, {replies}, {migrations}"))
+                .await?;
+            report
         }
         "mysql" => {
             use cluster_storage_sql::mysql::{self, MySqlMessageStorage};
             let url = target.unwrap_or_else(|| "mysql://root@127.0.0.1:3306/test".to_owned());
-            let pool =
-                mysql::pool(&url, mysql::POOL_SIZE_DEFAULT.max(concurrency_pool(concurrency)))?;
-            Arc::new(MySqlMessageStorage::new(pool, &options.prefix).await?)
+            let pool = mysql::pool(&url, pool_size)?;
+            let storage = Arc::new(MySqlMessageStorage::new(pool.clone(), &options.prefix).await?);
+            let report = storage_cycles(storage, concurrency, duration).await?;
+            let mut conn = pool.get_conn().await?;
+            let (messages, replies, migrations) = tables(&options.prefix);
+            conn.query_drop(format!("DROP TABLE {messages}, {replies}, {migrations}")).await?;
+            report
         }
         other => return Err(format!("unknown backend {other:?}").into()),
     };
-    let report =
-        storage_cycles(Arc::clone(&storage), concurrency, Duration::from_secs(seconds)).await?;
     report_line(&format!(
         r#"{{"backend":"{backend}","concurrency":{concurrency},"cycles":{},"seconds":{:.2},"cycles_per_s":{:.0}}}"#,
         report.cycles,
         report.elapsed.as_secs_f64(),
         report.per_second()
     ));
-    if let Some(path) = cleanup {
-        for suffix in ["", "-wal", "-shm"] {
-            let _ = std::fs::remove_file(format!("{}{suffix}", path.display()));
-        }
-    }
     Ok(())
 }
 
-/// A pool as large as the number of workers, so that they do not queue for connections.
-fn concurrency_pool(concurrency: u32) -> usize {
-    usize::try_from(concurrency).unwrap_or(usize::MAX)
+async fn sqlite(
+    backend: &str,
+    target: Option<String>,
+    options: SqlStorageOptions,
+    concurrency: u32,
+    duration: Duration,
+) -> Result<CycleReport, Error> {
+    use cluster_storage_sql::sqlite::{SqliteMessageStorage, SqliteOptions, Synchronous};
+    let path = target.map_or_else(
+        || std::env::temp_dir().join(format!("storage-cycles-{}.db", std::process::id())),
+        std::path::PathBuf::from,
+    );
+    let synchronous = if backend == "sqlite" { Synchronous::Full } else { Synchronous::Normal };
+    let sqlite = SqliteOptions { synchronous, ..SqliteOptions::new(options) };
+    let storage = Arc::new(SqliteMessageStorage::open(&path, sqlite).await?);
+    let report =
+        storage_cycles(Arc::clone(&storage) as Arc<dyn MessageStorage>, concurrency, duration)
+            .await?;
+    storage.close().await;
+    for suffix in ["", "-wal", "-shm"] {
+        let _ = std::fs::remove_file(format!("{}{suffix}", path.display()));
+    }
+    Ok(report)
+}
+
+/// The message storage's tables of `prefix`.
+fn tables(prefix: &TablePrefix) -> (String, String, String) {
+    (prefix.table("messages"), prefix.table("replies"), prefix.table("migrations"))
 }
 
 #[expect(clippy::print_stdout, reason = "the example prints its measurement")]
