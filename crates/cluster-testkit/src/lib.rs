@@ -1,7 +1,7 @@
 //! Test support for the cluster crates; only ever a dev-dependency (tests that use it live in
 //! `tests/`, never in `src/`).
 //!
-//! - [`storage_suite`]: the storage conformance suite, run against every `MessageStorage` and
+//! - [`mod@storage_suite`]: the storage conformance suite, run against every `MessageStorage` and
 //!   `RunnerStorage` implementation (memory, SQLite, PostgreSQL, MySQL) with
 //!   [`storage_suite!`](crate::storage_suite!).
 //! - [`measure`]: throughput measurements of storages, for benchmarks and notes.

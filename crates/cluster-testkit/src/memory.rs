@@ -3,7 +3,7 @@
 //! They follow the SQL backends' semantics row for row (claims with the 10-minute window, the
 //! exit and unacked-chunk filter, at most one final reply per request, leases that expire), so
 //! that unit tests and simulations exercise the same rules as production; they pass the same
-//! conformance suite ([`crate::storage_suite`]). Unlike the reference's memory runner storage,
+//! conformance suite ([`mod@crate::storage_suite`]). Unlike the reference's memory runner storage,
 //! shard locks here are exclusive and expire, so several simulated runners can share one
 //! [`MemoryRunnerDatabase`].
 //!

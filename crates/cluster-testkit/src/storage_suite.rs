@@ -2,7 +2,7 @@
 //! [`RunnerStorage`] implementation passes (STYLE rule 20).
 //!
 //! A backend provides a function that makes a [`StorageFixture`] (fresh tables with their own
-//! prefix, or `None` when its database is not configured) and invokes [`storage_suite!`] in its
+//! prefix, or `None` when its database is not configured) and invokes [`storage_suite!`](crate::storage_suite!) in its
 //! integration tests, which expands into one `#[tokio::test]` per case:
 //!
 //! ```ignore

@@ -1,0 +1,329 @@
+//! The entity manager: one per registered entity type (reference §6).
+//!
+//! It keeps the resident instances of its type, one tokio task each, fed by a bounded mailbox.
+//! An instance is created on its first request, handles requests one at a time in delivery
+//! order, is reaped after `max_idle_time` without requests, and is restarted (with backoff)
+//! when a handler panics, replaying the request that was running: the reference's defect
+//! restart. Admission is decided under the manager's lock, so a request either reaches a live
+//! instance or fails at once with a typed error.
+
+use std::collections::BTreeMap;
+use std::panic::AssertUnwindSafe;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
+use std::time::Duration;
+
+use cluster_core::config::Capacity;
+use cluster_core::envelope::{Exit, Request};
+use cluster_core::future::BoxFuture;
+use cluster_core::{ClusterError, EntityAddress, EntityId, EntityType};
+use futures_util::FutureExt;
+use tokio::sync::{mpsc, oneshot};
+use tokio_util::sync::CancellationToken;
+use tokio_util::task::TaskTracker;
+use tracing::Instrument;
+
+use crate::entity::{Entity, Protocol, RequestContext, malformed};
+
+/// The largest mailbox channel; an unbounded mailbox capacity is capped here (everything has a
+/// limit).
+const MAILBOX_CHANNEL_MAX: usize = 1 << 16;
+
+/// The restart backoff after a handler panic: 500 ms growing by half each time, at most 10 s
+/// (the reference's default `defectRetryPolicy`).
+const RESTART_BACKOFF_FIRST: Duration = Duration::from_millis(500);
+const RESTART_BACKOFF_MAX: Duration = Duration::from_secs(10);
+
+/// A request handed to an instance, with where its exit goes.
+pub(crate) struct Delivery {
+    pub(crate) request: Request,
+    /// Cancelled when the request is interrupted.
+    pub(crate) cancellation: CancellationToken,
+    pub(crate) reply: oneshot::Sender<Exit>,
+}
+
+/// The runner-wide number of resident instances, bounded by `max_resident_entities`.
+#[derive(Debug)]
+pub(crate) struct Residency {
+    count: AtomicUsize,
+    cap: Capacity,
+}
+
+impl Residency {
+    pub(crate) fn new(cap: Capacity) -> Residency {
+        Residency { count: AtomicUsize::new(0), cap }
+    }
+
+    fn try_reserve(&self) -> bool {
+        self.count
+            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |count| {
+                (!self.cap.is_full(count)).then_some(count + 1)
+            })
+            .is_ok()
+    }
+
+    fn release(&self) {
+        self.count.fetch_sub(1, Ordering::AcqRel);
+    }
+}
+
+/// What the runtime needs from a manager, whatever its entity type.
+pub(crate) trait ErasedManager: Send + Sync {
+    /// Hands `delivery` to its instance, creating it if needed.
+    fn deliver(&self, delivery: Delivery) -> Result<(), ClusterError>;
+
+    /// The number of resident instances.
+    fn active_entities(&self) -> usize;
+
+    /// Stops every instance (running requests are interrupted, queued ones dropped) and waits
+    /// for them to end.
+    fn shutdown(&self) -> BoxFuture<'_, ()>;
+}
+
+/// The settings of one manager.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct ManagerOptions {
+    pub(crate) max_idle_time: Option<Duration>,
+    pub(crate) mailbox_capacity: Capacity,
+}
+
+/// The manager of entity type `E`.
+pub(crate) struct EntityManager<E: Entity> {
+    shared: Arc<Shared<E>>,
+}
+
+struct Shared<E: Entity> {
+    entity_type: EntityType,
+    protocol: Protocol<E>,
+    options: ManagerOptions,
+    residency: Arc<Residency>,
+    instances: Mutex<BTreeMap<EntityId, Instance>>,
+    /// Consecutive restarts of this type, for the backoff (as in the reference, the schedule
+    /// belongs to the type).
+    restarts: AtomicUsize,
+    closed: CancellationToken,
+    tasks: TaskTracker,
+}
+
+struct Instance {
+    mailbox: mpsc::Sender<Delivery>,
+    /// Requests admitted and not yet answered: the mailbox size of the reference.
+    active: Arc<AtomicUsize>,
+}
+
+impl<E: Entity> EntityManager<E> {
+    pub(crate) fn new(options: ManagerOptions, residency: Arc<Residency>) -> EntityManager<E> {
+        EntityManager {
+            shared: Arc::new(Shared {
+                entity_type: EntityType::from(E::TYPE),
+                protocol: Protocol::of(),
+                options,
+                residency,
+                instances: Mutex::new(BTreeMap::new()),
+                restarts: AtomicUsize::new(0),
+                closed: CancellationToken::new(),
+                tasks: TaskTracker::new(),
+            }),
+        }
+    }
+}
+
+fn lock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
+    // Every critical section here only inserts or removes map entries: a panic cannot leave
+    // the map half-changed.
+    mutex.lock().unwrap_or_else(PoisonError::into_inner)
+}
+
+impl<E: Entity> ErasedManager for EntityManager<E> {
+    fn deliver(&self, delivery: Delivery) -> Result<(), ClusterError> {
+        let shared = &self.shared;
+        let address = delivery.request.address.clone();
+        let mut instances = lock(&shared.instances);
+        if shared.closed.is_cancelled() {
+            return Err(ClusterError::EntityNotAssignedToRunner { address });
+        }
+        if !instances.contains_key(&address.entity_id) {
+            if !shared.residency.try_reserve() {
+                return Err(ClusterError::MailboxFull { address });
+            }
+            let instance = Shared::spawn(shared, address.clone());
+            instances.insert(address.entity_id.clone(), instance);
+        }
+        let Some(instance) = instances.get(&address.entity_id) else {
+            return Err(ClusterError::EntityNotAssignedToRunner { address });
+        };
+        if shared.options.mailbox_capacity.is_full(instance.active.load(Ordering::Acquire)) {
+            return Err(ClusterError::MailboxFull { address });
+        }
+        instance.active.fetch_add(1, Ordering::AcqRel);
+        if instance.mailbox.try_send(delivery).is_err() {
+            // Full (an unbounded capacity past the channel's cap) or closed (the instance is
+            // stopping): either way this request is not admitted.
+            instance.active.fetch_sub(1, Ordering::AcqRel);
+            return Err(ClusterError::MailboxFull { address });
+        }
+        tracing::trace!(entity_type = %shared.entity_type, entity_id = %address.entity_id, "delivered");
+        Ok(())
+    }
+
+    fn active_entities(&self) -> usize {
+        lock(&self.shared.instances).len()
+    }
+
+    fn shutdown(&self) -> BoxFuture<'_, ()> {
+        Box::pin(async move {
+            self.shared.closed.cancel();
+            // Dropping the mailboxes' senders ends each instance after its running request.
+            lock(&self.shared.instances).clear();
+            self.shared.tasks.close();
+            self.shared.tasks.wait().await;
+        })
+    }
+}
+
+impl<E: Entity> Shared<E> {
+    fn spawn(shared: &Arc<Shared<E>>, address: EntityAddress) -> Instance {
+        let capacity =
+            shared.options.mailbox_capacity.limit().map_or(MAILBOX_CHANNEL_MAX, |limit| {
+                usize::try_from(limit.get()).unwrap_or(MAILBOX_CHANNEL_MAX).min(MAILBOX_CHANNEL_MAX)
+            });
+        let (mailbox, receiver) = mpsc::channel(capacity);
+        let active = Arc::new(AtomicUsize::new(0));
+        let span = tracing::debug_span!(
+            "entity",
+            entity_type = %shared.entity_type,
+            entity_id = %address.entity_id,
+            shard = %address.shard_id,
+        );
+        let task = run_instance(Arc::clone(shared), address, receiver, Arc::clone(&active));
+        shared.tasks.spawn(task.instrument(span));
+        Instance { mailbox, active }
+    }
+
+    /// Removes the instance if it is idle: nothing running, nothing queued. Under the lock, so
+    /// no request can be admitted in between.
+    fn retire(&self, address: &EntityAddress, receiver: &mpsc::Receiver<Delivery>) -> bool {
+        let mut instances = lock(&self.instances);
+        let idle = instances
+            .get(&address.entity_id)
+            .is_some_and(|instance| instance.active.load(Ordering::Acquire) == 0)
+            && receiver.is_empty();
+        if idle {
+            instances.remove(&address.entity_id);
+        }
+        idle
+    }
+
+    async fn backoff(&self) {
+        let restarts = self.restarts.fetch_add(1, Ordering::AcqRel);
+        let mut delay = RESTART_BACKOFF_FIRST;
+        for _ in 0..restarts.min(16) {
+            delay = delay.mul_f64(1.5).min(RESTART_BACKOFF_MAX);
+        }
+        tokio::select! {
+            () = tokio::time::sleep(delay) => {}
+            () = self.closed.cancelled() => {}
+        }
+    }
+}
+
+/// What became of one handler run.
+enum Outcome {
+    Exited(Exit),
+    Panicked,
+}
+
+async fn run_instance<E: Entity>(
+    shared: Arc<Shared<E>>,
+    address: EntityAddress,
+    mut receiver: mpsc::Receiver<Delivery>,
+    active: Arc<AtomicUsize>,
+) {
+    let Some(mut entity) = create(&shared, &address).await else {
+        shared.residency.release();
+        return;
+    };
+    while let Some(delivery) = next_delivery(&shared, &address, &mut receiver).await {
+        let exit = loop {
+            match run_one(&shared, &mut entity, &address, &delivery).await {
+                Outcome::Exited(exit) => break exit,
+                Outcome::Panicked => {
+                    tracing::warn!(entity_type = %shared.entity_type, entity_id = %address.entity_id, "defect in entity, restarting");
+                    shared.backoff().await;
+                    match create(&shared, &address).await {
+                        Some(created) => entity = created,
+                        None => break Exit::interrupt(),
+                    }
+                }
+            }
+        };
+        // The caller may have gone away (an interrupted request).
+        let _ = delivery.reply.send(exit);
+        active.fetch_sub(1, Ordering::AcqRel);
+    }
+    shared.residency.release();
+}
+
+/// Creates the instance, retrying with backoff if `create` panics; `None` once the manager
+/// closed.
+async fn create<E: Entity>(shared: &Shared<E>, address: &EntityAddress) -> Option<E> {
+    loop {
+        if shared.closed.is_cancelled() {
+            return None;
+        }
+        match AssertUnwindSafe(E::create(address)).catch_unwind().await {
+            Ok(entity) => return Some(entity),
+            Err(_) => {
+                tracing::warn!(entity_type = %shared.entity_type, entity_id = %address.entity_id, "defect creating entity, retrying");
+                shared.backoff().await;
+            }
+        }
+    }
+}
+
+/// The next request, or `None` when the instance ends: reaped for idleness or stopped.
+async fn next_delivery<E: Entity>(
+    shared: &Shared<E>,
+    address: &EntityAddress,
+    receiver: &mut mpsc::Receiver<Delivery>,
+) -> Option<Delivery> {
+    loop {
+        let Some(idle) = shared.options.max_idle_time else {
+            return receiver.recv().await;
+        };
+        match tokio::time::timeout(idle, receiver.recv()).await {
+            Ok(delivery) => return delivery,
+            Err(_) if shared.retire(address, receiver) => return None,
+            Err(_) => {}
+        }
+    }
+}
+
+async fn run_one<E: Entity>(
+    shared: &Shared<E>,
+    entity: &mut E,
+    address: &EntityAddress,
+    delivery: &Delivery,
+) -> Outcome {
+    let request = &delivery.request;
+    let Some(entry) = shared.protocol.get(&request.tag) else {
+        let message =
+            format!("entity type {} has no request {:?}", shared.entity_type, request.tag);
+        return Outcome::Exited(malformed(&message));
+    };
+    if delivery.cancellation.is_cancelled() || shared.closed.is_cancelled() {
+        return Outcome::Exited(Exit::interrupt());
+    }
+    let context =
+        RequestContext::new(address.clone(), request.request_id, delivery.cancellation.clone());
+    let handled = AssertUnwindSafe((entry.call)(entity, &context, &request.payload)).catch_unwind();
+    tokio::select! {
+        biased;
+        () = delivery.cancellation.cancelled() => Outcome::Exited(Exit::interrupt()),
+        () = shared.closed.cancelled() => Outcome::Exited(Exit::interrupt()),
+        handled = handled => match handled {
+            Ok(exit) => Outcome::Exited(exit),
+            Err(_) => Outcome::Panicked,
+        },
+    }
+}

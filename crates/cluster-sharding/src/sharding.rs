@@ -1,0 +1,234 @@
+//! [`Sharding`]: the runtime of one process. It registers entity types, hands out typed
+//! clients and routes requests to the entity managers.
+//!
+//! This is the single-runner core: volatile requests are delivered in memory to the local
+//! managers. Persisted delivery through `MessageStorage`, shard locks and the multi-runner
+//! routing build on it (see `ARCHITECTURE.md`).
+
+use std::collections::BTreeMap;
+use std::sync::{Arc, Mutex, PoisonError, RwLock};
+
+use cluster_core::config::ShardingConfig;
+use cluster_core::envelope::{Exit, Request};
+use cluster_core::error::ConfigError;
+use cluster_core::snowflake::SnowflakeGenerator;
+use cluster_core::{
+    Clock, ClusterError, EntityAddress, EntityId, EntityType, MachineId, ShardGroup, ShardId,
+    Snowflake,
+};
+use tokio::sync::{Notify, oneshot};
+use tokio_util::sync::CancellationToken;
+
+use crate::client::EntityClient;
+use crate::entity::{Entity, EntityOptions};
+use crate::manager::{Delivery, EntityManager, ErasedManager, ManagerOptions, Residency};
+
+/// Why an entity type could not be registered.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum RegisterError {
+    /// A type of that name is registered already.
+    #[error("entity type {0} is already registered")]
+    AlreadyRegistered(EntityType),
+    /// The runner is shutting down.
+    #[error("the runner is shutting down")]
+    ShuttingDown,
+}
+
+/// The runtime of one process; cheap to clone (a handle).
+#[derive(Clone)]
+pub struct Sharding {
+    inner: Arc<Inner>,
+}
+
+struct Inner {
+    config: ShardingConfig,
+    clock: Arc<dyn Clock>,
+    snowflakes: Mutex<SnowflakeGenerator>,
+    managers: RwLock<BTreeMap<EntityType, Arc<dyn ErasedManager>>>,
+    /// Woken whenever an entity type is registered.
+    registered: Notify,
+    residency: Arc<Residency>,
+    shutdown: CancellationToken,
+}
+
+impl std::fmt::Debug for Sharding {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Sharding")
+            .field("runner", &self.inner.config.runner_address)
+            .finish_non_exhaustive()
+    }
+}
+
+impl Sharding {
+    /// A runtime configured with `config` (validated), reading time from `clock`.
+    pub fn new(config: ShardingConfig, clock: Arc<dyn Clock>) -> Result<Sharding, ConfigError> {
+        config.validate()?;
+        // The reference starts with a random machine id until the runner registers; the
+        // process id is as good a spread without a random source in the runtime.
+        let machine_id = MachineId::new(i32::try_from(std::process::id() % 1024).unwrap_or(0));
+        let snowflakes = SnowflakeGenerator::new(machine_id, clock.now());
+        let residency = Arc::new(Residency::new(config.max_resident_entities));
+        Ok(Sharding {
+            inner: Arc::new(Inner {
+                config,
+                clock,
+                snowflakes: Mutex::new(snowflakes),
+                managers: RwLock::new(BTreeMap::new()),
+                registered: Notify::new(),
+                residency,
+                shutdown: CancellationToken::new(),
+            }),
+        })
+    }
+
+    /// The configuration.
+    pub fn config(&self) -> &ShardingConfig {
+        &self.inner.config
+    }
+
+    /// Registers entity type `E`: its requests are handled on this runner from now on.
+    pub fn register<E: Entity>(&self, options: EntityOptions) -> Result<(), RegisterError> {
+        if self.is_shutdown() {
+            return Err(RegisterError::ShuttingDown);
+        }
+        let config = &self.inner.config;
+        let manager_options = ManagerOptions {
+            max_idle_time: options.max_idle_time.unwrap_or(config.entity_max_idle_time),
+            mailbox_capacity: options.mailbox_capacity.unwrap_or(config.entity_mailbox_capacity),
+        };
+        let entity_type = EntityType::from(E::TYPE);
+        {
+            let mut managers = self.inner.managers.write().unwrap_or_else(PoisonError::into_inner);
+            if managers.contains_key(&entity_type) {
+                return Err(RegisterError::AlreadyRegistered(entity_type));
+            }
+            let manager =
+                EntityManager::<E>::new(manager_options, Arc::clone(&self.inner.residency));
+            managers.insert(entity_type.clone(), Arc::new(manager));
+        }
+        tracing::debug!(%entity_type, "entity registered");
+        self.inner.registered.notify_waiters();
+        Ok(())
+    }
+
+    /// A typed client for the entity `entity_id` of type `E`.
+    pub fn client<E: Entity>(&self, entity_id: impl Into<EntityId>) -> EntityClient<E> {
+        let entity_id = entity_id.into();
+        let shard_id = self.shard_id(entity_id.as_str(), &E::shard_group(entity_id.as_str()));
+        let address = EntityAddress { shard_id, entity_type: EntityType::from(E::TYPE), entity_id };
+        EntityClient::new(self.clone(), address)
+    }
+
+    /// The shard of `entity_id` in `group`.
+    pub fn shard_id(&self, entity_id: &str, group: &ShardGroup) -> ShardId {
+        self.inner.config.shard_id(entity_id, group)
+    }
+
+    /// The number of resident entity instances on this runner.
+    pub fn active_entity_count(&self) -> usize {
+        self.managers().iter().map(|manager| manager.active_entities()).sum()
+    }
+
+    /// Whether [`shutdown`](Sharding::shutdown) was called.
+    pub fn is_shutdown(&self) -> bool {
+        self.inner.shutdown.is_cancelled()
+    }
+
+    /// Stops the runner: new requests fail with `EntityNotAssignedToRunner`, running ones are
+    /// interrupted, and every entity instance has ended when this returns. Idempotent.
+    pub async fn shutdown(&self) {
+        self.inner.shutdown.cancel();
+        for manager in self.managers() {
+            manager.shutdown().await;
+        }
+    }
+
+    /// A fresh id.
+    pub(crate) fn next_id(&self) -> Snowflake {
+        let now = self.inner.clock.now();
+        self.inner.snowflakes.lock().unwrap_or_else(PoisonError::into_inner).next(now)
+    }
+
+    fn managers(&self) -> Vec<Arc<dyn ErasedManager>> {
+        self.inner
+            .managers
+            .read()
+            .unwrap_or_else(PoisonError::into_inner)
+            .values()
+            .cloned()
+            .collect()
+    }
+
+    fn manager(&self, entity_type: &EntityType) -> Option<Arc<dyn ErasedManager>> {
+        self.inner.managers.read().unwrap_or_else(PoisonError::into_inner).get(entity_type).cloned()
+    }
+
+    /// The manager of `address`'s type, waiting up to the registration timeout for an entity
+    /// type that is not registered yet (its layer may still be starting); then a defect.
+    async fn manager_for(&self, address: &EntityAddress) -> Result<Arc<dyn ErasedManager>, Exit> {
+        let deadline = tokio::time::Instant::now() + self.inner.config.entity_registration_timeout;
+        loop {
+            let registered = self.inner.registered.notified();
+            if let Some(manager) = self.manager(&address.entity_type) {
+                return Ok(manager);
+            }
+            let timed_out = tokio::select! {
+                () = registered => false,
+                () = tokio::time::sleep_until(deadline) => true,
+                () = self.inner.shutdown.cancelled() => true,
+            };
+            if timed_out {
+                let message = format!("Entity type '{}' not registered", address.entity_type);
+                return Err(Exit::die_with_message("Error", &message));
+            }
+        }
+    }
+
+    /// Delivers a volatile request to the local entity and waits for its exit. Dropping the
+    /// returned future interrupts the request, unless `uninterruptible`.
+    pub(crate) async fn send_local(
+        &self,
+        request: Request,
+        uninterruptible: bool,
+    ) -> Result<Exit, ClusterError> {
+        let address = request.address.clone();
+        let (reply, exit) = oneshot::channel();
+        let cancellation = CancellationToken::new();
+        self.deliver(request, cancellation.clone(), reply).await?;
+        // Dropped before the exit arrives (the caller went away): interrupt the request.
+        let interrupt_on_drop = (!uninterruptible).then(|| cancellation.drop_guard());
+        let exit = exit.await.map_err(|_| ClusterError::EntityNotAssignedToRunner { address });
+        if let Some(guard) = interrupt_on_drop {
+            guard.disarm();
+        }
+        exit
+    }
+
+    /// Delivers a volatile request without waiting for its exit (a discarded call).
+    pub(crate) async fn notify_local(&self, request: Request) -> Result<(), ClusterError> {
+        let (reply, _ignored) = oneshot::channel();
+        self.deliver(request, CancellationToken::new(), reply).await
+    }
+
+    async fn deliver(
+        &self,
+        request: Request,
+        cancellation: CancellationToken,
+        reply: oneshot::Sender<Exit>,
+    ) -> Result<(), ClusterError> {
+        let address = request.address.clone();
+        if self.is_shutdown() {
+            return Err(ClusterError::EntityNotAssignedToRunner { address });
+        }
+        let manager = match self.manager_for(&address).await {
+            Ok(manager) => manager,
+            Err(defect) => {
+                // The caller gets the defect as the request's exit.
+                let _ = reply.send(defect);
+                return Ok(());
+            }
+        };
+        manager.deliver(Delivery { request, cancellation, reply })
+    }
+}

@@ -1,0 +1,172 @@
+//! The test entity and its requests (the volatile part of the reference's `TestEntity`).
+
+use std::collections::BTreeMap;
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex, OnceLock};
+use std::time::Duration;
+
+use cluster_core::EntityAddress;
+use cluster_sharding::{Entity, Handler, Protocol, RequestContext, Rpc};
+use serde::{Deserialize, Serialize};
+
+/// Counters the tests read to observe handlers, one set per entity id (tests run in parallel
+/// in one process and use distinct ids).
+#[derive(Default)]
+pub(crate) struct Probes {
+    pub(crate) created: AtomicUsize,
+    pub(crate) stuck: AtomicUsize,
+    pub(crate) probing: AtomicUsize,
+    pub(crate) interrupted: AtomicUsize,
+    pub(crate) panic_once: AtomicBool,
+}
+
+impl Probes {
+    pub(crate) fn of(entity_id: &str) -> Arc<Probes> {
+        static PROBES: OnceLock<Mutex<BTreeMap<String, Arc<Probes>>>> = OnceLock::new();
+        let probes = PROBES.get_or_init(Mutex::default);
+        let mut probes = probes.lock().unwrap();
+        Arc::clone(probes.entry(entity_id.to_owned()).or_default())
+    }
+}
+
+pub(crate) struct Counter {
+    value: u64,
+    probes: Arc<Probes>,
+}
+
+impl Entity for Counter {
+    const TYPE: &'static str = "Counter";
+
+    async fn create(address: &EntityAddress) -> Counter {
+        let probes = Probes::of(address.entity_id.as_str());
+        probes.created.fetch_add(1, Ordering::SeqCst);
+        Counter { value: 0, probes }
+    }
+
+    fn protocol(protocol: &mut Protocol<Counter>) {
+        protocol
+            .handle::<Increment>()
+            .handle::<Get>()
+            .handle::<Sleep>()
+            .handle::<Fail>()
+            .handle::<Stuck>()
+            .handle::<Probe>()
+            .handle::<Persist>();
+    }
+}
+
+/// The error of [`Fail`].
+#[derive(Debug, Serialize, Deserialize)]
+pub(crate) struct Failure {
+    pub(crate) reason: String,
+}
+
+macro_rules! rpc {
+    ($name:ident, $tag:literal, $success:ty, $error:ty $(, $persisted:literal)?) => {
+        impl Rpc for $name {
+            const TAG: &'static str = $tag;
+            $(const PERSISTED: bool = $persisted;)?
+            type Success = $success;
+            type Error = $error;
+        }
+    };
+}
+
+#[derive(Serialize, Deserialize)]
+pub(crate) struct Increment {
+    pub(crate) by: u64,
+}
+rpc!(Increment, "Increment", u64, Failure);
+
+#[derive(Serialize, Deserialize)]
+pub(crate) struct Get;
+rpc!(Get, "Get", u64, Failure);
+
+/// Sleeps, then adds `by`.
+#[derive(Serialize, Deserialize)]
+pub(crate) struct Sleep {
+    pub(crate) millis: u64,
+    pub(crate) by: u64,
+}
+rpc!(Sleep, "Sleep", u64, Failure);
+
+#[derive(Serialize, Deserialize)]
+pub(crate) struct Fail {
+    pub(crate) reason: String,
+}
+rpc!(Fail, "Fail", (), Failure);
+
+/// Never finishes.
+#[derive(Serialize, Deserialize)]
+pub(crate) struct Stuck;
+rpc!(Stuck, "Stuck", (), Failure);
+
+/// Never finishes, and counts its interruption.
+#[derive(Serialize, Deserialize)]
+pub(crate) struct Probe;
+rpc!(Probe, "Probe", (), Failure);
+
+/// A persisted request.
+#[derive(Serialize, Deserialize)]
+pub(crate) struct Persist;
+rpc!(Persist, "Persist", (), Failure, true);
+
+impl Handler<Increment> for Counter {
+    async fn handle(&mut self, _: &RequestContext, request: Increment) -> Result<u64, Failure> {
+        if self.probes.panic_once.swap(false, Ordering::SeqCst) {
+            panic!("a defect in the handler");
+        }
+        self.value += request.by;
+        Ok(self.value)
+    }
+}
+
+impl Handler<Get> for Counter {
+    async fn handle(&mut self, _: &RequestContext, _: Get) -> Result<u64, Failure> {
+        Ok(self.value)
+    }
+}
+
+impl Handler<Sleep> for Counter {
+    async fn handle(&mut self, _: &RequestContext, request: Sleep) -> Result<u64, Failure> {
+        tokio::time::sleep(Duration::from_millis(request.millis)).await;
+        self.value += request.by;
+        Ok(self.value)
+    }
+}
+
+impl Handler<Fail> for Counter {
+    async fn handle(&mut self, _: &RequestContext, request: Fail) -> Result<(), Failure> {
+        Err(Failure { reason: request.reason })
+    }
+}
+
+impl Handler<Stuck> for Counter {
+    async fn handle(&mut self, _: &RequestContext, _: Stuck) -> Result<(), Failure> {
+        self.probes.stuck.fetch_add(1, Ordering::SeqCst);
+        std::future::pending().await
+    }
+}
+
+/// Records the interruption when the handler's future is dropped.
+struct OnDrop(Arc<Probes>);
+
+impl Drop for OnDrop {
+    fn drop(&mut self) {
+        self.0.interrupted.fetch_add(1, Ordering::SeqCst);
+    }
+}
+
+impl Handler<Probe> for Counter {
+    async fn handle(&mut self, _: &RequestContext, _: Probe) -> Result<(), Failure> {
+        let _guard = OnDrop(Arc::clone(&self.probes));
+        self.probes.probing.fetch_add(1, Ordering::SeqCst);
+        std::future::pending().await
+    }
+}
+
+impl Handler<Persist> for Counter {
+    async fn handle(&mut self, _: &RequestContext, _: Persist) -> Result<(), Failure> {
+        Ok(())
+    }
+}

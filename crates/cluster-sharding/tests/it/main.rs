@@ -1,0 +1,246 @@
+//! Single-runner tests of the sharding runtime: typed volatile calls to local entities
+//! (the volatile cases of the reference's `Sharding.test.ts`, §12.1).
+
+mod entities;
+
+use std::sync::Arc;
+use std::sync::atomic::Ordering;
+use std::time::Duration;
+
+use cluster_core::config::Capacity;
+use cluster_core::{ClusterError, ShardingConfig, SystemClock};
+use cluster_sharding::{CallError, EntityOptions, RegisterError, Sharding};
+
+use entities::{Counter, Fail, Get, Increment, Persist, Probe, Probes, Sleep, Stuck};
+
+fn sharding(config: ShardingConfig) -> Sharding {
+    Sharding::new(config, Arc::new(SystemClock)).unwrap()
+}
+
+fn registered(config: ShardingConfig) -> Sharding {
+    let sharding = sharding(config);
+    sharding.register::<Counter>(EntityOptions::default()).unwrap();
+    sharding
+}
+
+/// Waits until `condition` holds (time is paused in these tests, so waiting is instant).
+async fn eventually(what: &str, mut condition: impl FnMut() -> bool) {
+    for _ in 0..10_000 {
+        if condition() {
+            return;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    panic!("{what} did not happen");
+}
+
+#[tokio::test(start_paused = true)]
+async fn delivers_volatile_requests_and_keeps_state_per_entity() {
+    let sharding = registered(ShardingConfig::default());
+    let a = sharding.client::<Counter>("a");
+    let b = sharding.client::<Counter>("b");
+    assert_eq!(a.send(Increment { by: 2 }).await.unwrap(), 2);
+    assert_eq!(a.send(Increment { by: 3 }).await.unwrap(), 5);
+    assert_eq!(b.send(Increment { by: 1 }).await.unwrap(), 1);
+    assert_eq!(a.send(Get).await.unwrap(), 5);
+    assert_eq!(sharding.active_entity_count(), 2);
+    assert_eq!(
+        a.address().shard_id,
+        sharding.shard_id("a", &cluster_core::ShardGroup::default_group())
+    );
+}
+
+#[tokio::test(start_paused = true)]
+async fn requests_to_one_entity_run_one_at_a_time_in_order() {
+    let sharding = registered(ShardingConfig::default());
+    let counter = sharding.client::<Counter>("ordered");
+    let mut calls = Vec::new();
+    for by in 1..=20 {
+        let counter = counter.clone();
+        calls.push(tokio::spawn(async move { counter.send(Sleep { millis: 21 - by, by }).await }));
+        tokio::task::yield_now().await;
+    }
+    let mut totals = Vec::new();
+    for call in calls {
+        totals.push(call.await.unwrap().unwrap());
+    }
+    // Each call sees the sum of the ones delivered before it, despite shorter sleeps later.
+    let expected: Vec<u64> = (1..=20)
+        .scan(0, |sum, by| {
+            *sum += by;
+            Some(*sum)
+        })
+        .collect();
+    assert_eq!(totals, expected);
+}
+
+#[tokio::test(start_paused = true)]
+async fn the_request_error_comes_back_typed() {
+    let sharding = registered(ShardingConfig::default());
+    let error =
+        sharding.client::<Counter>("x").send(Fail { reason: "nope".to_owned() }).await.unwrap_err();
+    let CallError::Failed(error) = error else { panic!("{error:?}") };
+    assert_eq!(error.reason, "nope");
+}
+
+#[tokio::test(start_paused = true)]
+async fn fails_volatile_requests_immediately_when_the_mailbox_is_full() {
+    let sharding = sharding(ShardingConfig::default());
+    let options =
+        EntityOptions { mailbox_capacity: Capacity::bounded(2), ..EntityOptions::default() };
+    sharding.register::<Counter>(options).unwrap();
+    let counter = sharding.client::<Counter>("busy");
+    let mut stuck = Vec::new();
+    for _ in 0..2 {
+        let counter = counter.clone();
+        stuck.push(tokio::spawn(async move { counter.send(Stuck).await }));
+    }
+    let probes = Probes::of("busy");
+    eventually("the first request runs", || probes.stuck.load(Ordering::SeqCst) >= 1).await;
+    tokio::task::yield_now().await;
+    let error = counter.send(Increment { by: 1 }).await.unwrap_err();
+    assert!(matches!(error, CallError::Cluster(ClusterError::MailboxFull { .. })), "{error:?}");
+    for call in stuck {
+        call.abort();
+    }
+}
+
+#[tokio::test(start_paused = true)]
+async fn bounds_resident_entities_and_reaps_idle_ones() {
+    let config = ShardingConfig {
+        max_resident_entities: Capacity::bounded(1).unwrap(),
+        entity_max_idle_time: Some(Duration::from_secs(1)),
+        ..ShardingConfig::default()
+    };
+    let sharding = registered(config);
+    assert_eq!(sharding.client::<Counter>("first").send(Increment { by: 7 }).await.unwrap(), 7);
+    let error = sharding.client::<Counter>("second").send(Increment { by: 1 }).await.unwrap_err();
+    assert!(matches!(error, CallError::Cluster(ClusterError::MailboxFull { .. })), "{error:?}");
+    // After a second without requests the first is reaped, freeing the slot.
+    eventually("the idle entity is reaped", || sharding.active_entity_count() == 0).await;
+    assert_eq!(sharding.client::<Counter>("second").send(Increment { by: 1 }).await.unwrap(), 1);
+    // A reaped entity starts again with fresh state.
+    eventually("the second is reaped", || sharding.active_entity_count() == 0).await;
+    assert_eq!(sharding.client::<Counter>("first").send(Get).await.unwrap(), 0);
+}
+
+#[tokio::test(start_paused = true)]
+async fn an_entity_without_max_idle_time_is_never_reaped() {
+    let sharding = sharding(ShardingConfig::default());
+    sharding
+        .register::<Counter>(EntityOptions {
+            max_idle_time: Some(None),
+            ..EntityOptions::default()
+        })
+        .unwrap();
+    let counter = sharding.client::<Counter>("kept");
+    counter.send(Increment { by: 4 }).await.unwrap();
+    tokio::time::sleep(Duration::from_secs(3600)).await;
+    assert_eq!(sharding.active_entity_count(), 1);
+    assert_eq!(counter.send(Get).await.unwrap(), 4);
+}
+
+#[tokio::test(start_paused = true)]
+async fn dropping_the_call_interrupts_the_handler() {
+    let sharding = registered(ShardingConfig::default());
+    let counter = sharding.client::<Counter>("interrupted");
+    let probes = Probes::of("interrupted");
+    let call = tokio::spawn({
+        let counter = counter.clone();
+        async move { counter.send(Probe).await }
+    });
+    eventually("the handler runs", || probes.probing.load(Ordering::SeqCst) > 0).await;
+    assert_eq!(probes.interrupted.load(Ordering::SeqCst), 0);
+    call.abort();
+    eventually("the handler is interrupted", || probes.interrupted.load(Ordering::SeqCst) == 1)
+        .await;
+    // The entity is free for the next request.
+    assert_eq!(counter.send(Increment { by: 1 }).await.unwrap(), 1);
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_panicking_handler_restarts_the_entity_and_replays_the_request() {
+    let sharding = registered(ShardingConfig::default());
+    let counter = sharding.client::<Counter>("panics");
+    counter.send(Increment { by: 10 }).await.unwrap();
+    let probes = Probes::of("panics");
+    assert_eq!(probes.created.load(Ordering::SeqCst), 1);
+    probes.panic_once.store(true, Ordering::SeqCst);
+    // The state was lost with the restart; the replayed request runs on a fresh instance.
+    assert_eq!(counter.send(Increment { by: 1 }).await.unwrap(), 1);
+    assert_eq!(probes.created.load(Ordering::SeqCst), 2);
+}
+
+#[tokio::test(start_paused = true)]
+async fn unknown_entity_types_fail_after_the_registration_timeout() {
+    let config = ShardingConfig {
+        entity_registration_timeout: Duration::from_secs(2),
+        ..ShardingConfig::default()
+    };
+    let sharding = sharding(config);
+    let started = tokio::time::Instant::now();
+    let error = sharding.client::<Counter>("nobody").send(Get).await.unwrap_err();
+    let CallError::Defect(defect) = error else { panic!("{error:?}") };
+    assert!(defect.contains("Entity type 'Counter' not registered"), "{defect}");
+    assert!(started.elapsed() >= Duration::from_secs(2));
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_request_waits_for_its_entity_type_to_register() {
+    let sharding = sharding(ShardingConfig::default());
+    let call = tokio::spawn({
+        let counter = sharding.client::<Counter>("late");
+        async move { counter.send(Increment { by: 3 }).await }
+    });
+    tokio::time::sleep(Duration::from_secs(5)).await;
+    sharding.register::<Counter>(EntityOptions::default()).unwrap();
+    assert_eq!(call.await.unwrap().unwrap(), 3);
+}
+
+#[tokio::test(start_paused = true)]
+async fn registering_a_type_twice_is_an_error() {
+    let sharding = registered(ShardingConfig::default());
+    let error = sharding.register::<Counter>(EntityOptions::default()).unwrap_err();
+    assert!(
+        matches!(error, RegisterError::AlreadyRegistered(ref entity_type) if entity_type.as_str() == "Counter")
+    );
+}
+
+#[tokio::test(start_paused = true)]
+async fn discard_returns_once_delivered_and_the_entity_still_handles_it() {
+    let sharding = registered(ShardingConfig::default());
+    let counter = sharding.client::<Counter>("discarded");
+    counter.discard(Increment { by: 5 }).await.unwrap();
+    assert_eq!(counter.send(Get).await.unwrap(), 5);
+}
+
+#[tokio::test(start_paused = true)]
+async fn shutdown_interrupts_running_requests_and_refuses_new_ones() {
+    let sharding = registered(ShardingConfig::default());
+    let counter = sharding.client::<Counter>("stopping");
+    let running = tokio::spawn({
+        let counter = counter.clone();
+        async move { counter.send(Stuck).await }
+    });
+    eventually("the request runs", || sharding.active_entity_count() == 1).await;
+    tokio::task::yield_now().await;
+    sharding.shutdown().await;
+    assert!(sharding.is_shutdown());
+    let interrupted = running.await.unwrap().unwrap_err();
+    assert!(matches!(interrupted, CallError::Interrupted), "{interrupted:?}");
+    let refused = counter.send(Get).await.unwrap_err();
+    assert!(
+        matches!(refused, CallError::Cluster(ClusterError::EntityNotAssignedToRunner { .. })),
+        "{refused:?}"
+    );
+    assert_eq!(sharding.active_entity_count(), 0);
+    sharding.shutdown().await;
+}
+
+#[tokio::test(start_paused = true)]
+async fn persisted_requests_need_message_storage() {
+    let sharding = registered(ShardingConfig::default());
+    let error = sharding.client::<Counter>("durable").send(Persist).await.unwrap_err();
+    let CallError::Defect(defect) = error else { panic!("{error:?}") };
+    assert!(defect.contains("MessageStorage"), "{defect}");
+}
