@@ -2,7 +2,8 @@
 
 use std::marker::PhantomData;
 
-use cluster_core::envelope::{CauseReason, Exit, RawJson, Request, TraceContext};
+use cluster_core::envelope::{CauseReason, Exit, RawJson, Request, TraceContext, primary_key};
+use cluster_core::storage::SaveRequestOptions;
 use cluster_core::{ClusterError, EntityAddress};
 
 use crate::entity::{Entity, Handler};
@@ -56,11 +57,17 @@ impl<E: Entity> EntityClient<E> {
     where
         E: Handler<R>,
     {
+        let options = self.save_options(&request);
         let request = self.request(&request).map_err(CallError::Cluster)?;
-        if R::PERSISTED {
-            return Err(CallError::Defect(PERSISTED_WITHOUT_STORAGE.to_owned()));
-        }
-        let exit = self.sharding.send_local(request, R::UNINTERRUPTIBLE.client()).await?;
+        let uninterruptible = R::UNINTERRUPTIBLE.client();
+        let exit = if R::PERSISTED {
+            if self.sharding.persisted().is_none() {
+                return Err(CallError::Defect(PERSISTED_WITHOUT_STORAGE.to_owned()));
+            }
+            self.sharding.send_persisted(request, options, uninterruptible).await?
+        } else {
+            self.sharding.send_local(request, uninterruptible).await?
+        };
         decode_exit::<R>(exit)
     }
 
@@ -70,11 +77,24 @@ impl<E: Entity> EntityClient<E> {
     where
         E: Handler<R>,
     {
+        let options = self.save_options(&request);
         let request = self.request(&request).map_err(CallError::Cluster)?;
         if R::PERSISTED {
-            return Err(CallError::Defect(PERSISTED_WITHOUT_STORAGE.to_owned()));
+            if self.sharding.persisted().is_none() {
+                return Err(CallError::Defect(PERSISTED_WITHOUT_STORAGE.to_owned()));
+            }
+            return Ok(self.sharding.notify_persisted(request, options).await?);
         }
         Ok(self.sharding.notify_local(request).await?)
+    }
+
+    /// The primary key (composed with the address and tag) and delivery time of a persisted
+    /// request.
+    fn save_options<R: Rpc>(&self, request: &R) -> SaveRequestOptions {
+        SaveRequestOptions {
+            primary_key: request.primary_key().map(|key| primary_key(&self.address, R::TAG, &key)),
+            deliver_at: request.deliver_at(),
+        }
     }
 
     fn request<R: Rpc>(&self, request: &R) -> Result<Request, ClusterError> {

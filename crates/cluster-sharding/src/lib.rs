@@ -10,14 +10,18 @@
 //! let value = counter.send(Increment { by: 1 }).await?;
 //! ```
 //!
-//! Status: the single-runner core is here (entity managers with mailboxes, idle reaping, the
-//! residency cap and panic restarts; typed volatile calls with interruption by drop). Persisted
-//! delivery through `MessageStorage`, the storage read loop, the SQLite `SingleRunner`, and the
-//! multi-runner half (membership, shard locks, handoff, singletons, cron) are still to come.
+//! Status: the single-runner core is here: entity managers (mailboxes, idle reaping, the
+//! residency cap, panic restarts), typed volatile calls interrupted by drop, and persisted
+//! delivery through a `MessageStorage` ([`Sharding::with_storage`]: save first with primary-key
+//! dedup, the storage read loop, stored final replies, durable interrupts, a restart picks up
+//! what was left). Still to come: streams, `deliver_at` latency below the poll interval,
+//! resumption after `MailboxFull`, transactions, the SQLite `SingleRunner` and quickstart,
+//! metrics, and the multi-runner half (membership, shard locks, handoff, singletons, cron).
 
 mod client;
 mod entity;
 mod manager;
+mod persisted;
 mod rpc;
 mod sharding;
 

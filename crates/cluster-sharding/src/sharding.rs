@@ -2,8 +2,8 @@
 //! clients and routes requests to the entity managers.
 //!
 //! This is the single-runner core: volatile requests are delivered in memory to the local
-//! managers. Persisted delivery through `MessageStorage`, shard locks and the multi-runner
-//! routing build on it (see `ARCHITECTURE.md`).
+//! managers, persisted ones through `MessageStorage` (see `persisted`). Shard locks and the
+//! multi-runner routing build on it (see `ARCHITECTURE.md`).
 
 use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex, PoisonError, RwLock};
@@ -12,16 +12,19 @@ use cluster_core::config::ShardingConfig;
 use cluster_core::envelope::{Exit, Request};
 use cluster_core::error::ConfigError;
 use cluster_core::snowflake::SnowflakeGenerator;
+use cluster_core::storage::MessageStorage;
 use cluster_core::{
     Clock, ClusterError, EntityAddress, EntityId, EntityType, MachineId, ShardGroup, ShardId,
     Snowflake,
 };
 use tokio::sync::{Notify, oneshot};
 use tokio_util::sync::CancellationToken;
+use tokio_util::task::TaskTracker;
 
 use crate::client::EntityClient;
 use crate::entity::{Entity, EntityOptions};
 use crate::manager::{Delivery, EntityManager, ErasedManager, ManagerOptions, Residency};
+use crate::persisted::{Persisted, all_shards};
 
 /// Why an entity type could not be registered.
 #[derive(Debug, thiserror::Error)]
@@ -50,6 +53,10 @@ struct Inner {
     registered: Notify,
     residency: Arc<Residency>,
     shutdown: CancellationToken,
+    /// Persisted delivery, when the runtime has a message storage.
+    persisted: Option<Arc<Persisted>>,
+    /// Every background task of the runtime; awaited at shutdown.
+    tasks: TaskTracker,
 }
 
 impl std::fmt::Debug for Sharding {
@@ -61,8 +68,35 @@ impl std::fmt::Debug for Sharding {
 }
 
 impl Sharding {
-    /// A runtime configured with `config` (validated), reading time from `clock`.
+    /// A runtime configured with `config` (validated), reading time from `clock`, with no
+    /// storage: only volatile requests can be sent.
     pub fn new(config: ShardingConfig, clock: Arc<dyn Clock>) -> Result<Sharding, ConfigError> {
+        Sharding::build(config, clock, None)
+    }
+
+    /// A single runner that owns every shard of its groups, with persisted delivery through
+    /// `storage`, and starts its storage read loop.
+    ///
+    /// Use it for one process on its own storage: shard locks and the runner registry, which
+    /// let several runners share a database, are not taken here.
+    pub async fn with_storage(
+        config: ShardingConfig,
+        clock: Arc<dyn Clock>,
+        storage: Arc<dyn MessageStorage>,
+    ) -> Result<Sharding, ConfigError> {
+        let groups = config.shard_groups().assigned;
+        let shards = all_shards(&groups, config.shards_per_group);
+        let persisted = Arc::new(Persisted::new(storage, shards));
+        let sharding = Sharding::build(config, clock, Some(Arc::clone(&persisted)))?;
+        sharding.spawn_owned(sharding.clone().read_storage(persisted));
+        Ok(sharding)
+    }
+
+    fn build(
+        config: ShardingConfig,
+        clock: Arc<dyn Clock>,
+        persisted: Option<Arc<Persisted>>,
+    ) -> Result<Sharding, ConfigError> {
         config.validate()?;
         // The reference starts with a random machine id until the runner registers; the
         // process id is as good a spread without a random source in the runtime.
@@ -78,6 +112,8 @@ impl Sharding {
                 registered: Notify::new(),
                 residency,
                 shutdown: CancellationToken::new(),
+                persisted,
+                tasks: TaskTracker::new(),
             }),
         })
     }
@@ -109,6 +145,8 @@ impl Sharding {
         }
         tracing::debug!(%entity_type, "entity registered");
         self.inner.registered.notify_waiters();
+        // Messages held while the type was unknown are read again.
+        self.poll_storage();
         Ok(())
     }
 
@@ -142,6 +180,40 @@ impl Sharding {
         for manager in self.managers() {
             manager.shutdown().await;
         }
+        self.inner.tasks.close();
+        self.inner.tasks.wait().await;
+    }
+
+    /// Wakes the storage read loop now, instead of at its next poll.
+    pub fn poll_storage(&self) {
+        if let Some(persisted) = &self.inner.persisted {
+            persisted.poll_storage();
+        }
+    }
+
+    pub(crate) fn persisted(&self) -> Option<&Arc<Persisted>> {
+        self.inner.persisted.as_ref()
+    }
+
+    pub(crate) fn clock(&self) -> &Arc<dyn Clock> {
+        &self.inner.clock
+    }
+
+    pub(crate) fn shutdown_token(&self) -> &CancellationToken {
+        &self.inner.shutdown
+    }
+
+    /// Runs `task` as a background task of the runtime, awaited at shutdown.
+    pub(crate) fn spawn_owned(&self, task: impl std::future::Future<Output = ()> + Send + 'static) {
+        self.inner.tasks.spawn(task);
+    }
+
+    /// The manager of a registered type, without waiting.
+    pub(crate) fn registered_manager(
+        &self,
+        entity_type: &EntityType,
+    ) -> Option<Arc<dyn ErasedManager>> {
+        self.manager(entity_type)
     }
 
     /// A fresh id.

@@ -18,6 +18,7 @@ pub(crate) struct Probes {
     pub(crate) probing: AtomicUsize,
     pub(crate) interrupted: AtomicUsize,
     pub(crate) panic_once: AtomicBool,
+    pub(crate) deposits: AtomicUsize,
 }
 
 impl Probes {
@@ -51,7 +52,9 @@ impl Entity for Counter {
             .handle::<Fail>()
             .handle::<Stuck>()
             .handle::<Probe>()
-            .handle::<Persist>();
+            .handle::<Persist>()
+            .handle::<Deposit>()
+            .handle::<Hang>();
     }
 }
 
@@ -168,5 +171,44 @@ impl Handler<Probe> for Counter {
 impl Handler<Persist> for Counter {
     async fn handle(&mut self, _: &RequestContext, _: Persist) -> Result<(), Failure> {
         Ok(())
+    }
+}
+
+/// A persisted request with a primary key: adds `amount` once per key.
+#[derive(Serialize, Deserialize)]
+pub(crate) struct Deposit {
+    pub(crate) key: String,
+    pub(crate) amount: u64,
+}
+
+impl Rpc for Deposit {
+    const TAG: &'static str = "Deposit";
+    const PERSISTED: bool = true;
+    type Success = u64;
+    type Error = Failure;
+
+    fn primary_key(&self) -> Option<String> {
+        Some(self.key.clone())
+    }
+}
+
+/// A persisted request that never finishes, and counts its runs and interruptions.
+#[derive(Serialize, Deserialize)]
+pub(crate) struct Hang;
+rpc!(Hang, "Hang", (), Failure, true);
+
+impl Handler<Deposit> for Counter {
+    async fn handle(&mut self, _: &RequestContext, request: Deposit) -> Result<u64, Failure> {
+        self.probes.deposits.fetch_add(1, Ordering::SeqCst);
+        self.value += request.amount;
+        Ok(self.value)
+    }
+}
+
+impl Handler<Hang> for Counter {
+    async fn handle(&mut self, _: &RequestContext, _: Hang) -> Result<(), Failure> {
+        let _guard = OnDrop(Arc::clone(&self.probes));
+        self.probes.probing.fetch_add(1, Ordering::SeqCst);
+        std::future::pending().await
     }
 }

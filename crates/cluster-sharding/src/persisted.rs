@@ -1,0 +1,395 @@
+//! Persisted delivery on one runner (reference §1.4, §5.6, §5.8).
+//!
+//! A persisted request is saved in [`MessageStorage`] first (deduplicated by its primary key),
+//! then the storage read loop claims it, hands it to its entity, and stores the entity's exit
+//! as the request's final reply. A caller in this process waits on an in-process reply waiter
+//! registered before the save, and polls storage every `entity_reply_poll_interval` as a
+//! fallback (a reply saved by another process, or after a restart).
+//!
+//! Storage is the source of truth: a request whose runner stops before answering stays stored
+//! and is answered by the next run.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
+use std::time::Duration;
+
+use cluster_core::envelope::{Envelope, Exit, Interrupt, Reply, Request, WithExit};
+use cluster_core::reply_handlers::{ReplyHandlers, ReplyWaiter, UnregisterMode};
+use cluster_core::storage::{
+    MessageStorage, SaveRequestOptions, SaveResult, UnprocessedMessage, UnprocessedOptions,
+};
+use cluster_core::{ClusterError, EntityAddress, ShardId, Snowflake};
+use tokio::sync::{Notify, oneshot};
+use tokio::time::Instant;
+use tokio_util::sync::CancellationToken;
+
+use crate::entity::malformed;
+use crate::manager::Delivery;
+use crate::sharding::Sharding;
+
+/// How often saving a final reply is tried before the request is left for a later read.
+const SAVE_REPLY_ATTEMPTS: u32 = 4;
+/// The pause between those attempts (the reference's 200 ms).
+const SAVE_REPLY_SPACING: Duration = Duration::from_millis(200);
+
+/// The persisted side of a [`Sharding`] runtime.
+pub(crate) struct Persisted {
+    pub(crate) storage: Arc<dyn MessageStorage>,
+    /// The shards this runner reads (every shard of its groups: one runner owns them all).
+    shards: Vec<ShardId>,
+    waiters: Mutex<ReplyHandlers<Waiter>>,
+    /// Wakes the storage read loop (a new request, an interrupt, a registration).
+    read_latch: Notify,
+    /// Requests handed to an entity and not answered yet, with their interruption.
+    in_flight: Mutex<BTreeMap<Snowflake, CancellationToken>>,
+}
+
+/// A local caller waiting for a final reply.
+struct Waiter(Option<oneshot::Sender<Reply>>);
+
+impl ReplyWaiter for Waiter {
+    fn respond(&mut self, reply: &Reply) {
+        if reply.is_final()
+            && let Some(sender) = self.0.take()
+        {
+            // The caller may have gone away.
+            let _ = sender.send(reply.clone());
+        }
+    }
+
+    fn complete(self) {}
+
+    fn unregistered(self, _mode: UnregisterMode) {}
+}
+
+fn lock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
+    mutex.lock().unwrap_or_else(PoisonError::into_inner)
+}
+
+impl Persisted {
+    pub(crate) fn new(storage: Arc<dyn MessageStorage>, shards: Vec<ShardId>) -> Persisted {
+        Persisted {
+            storage,
+            shards,
+            waiters: Mutex::new(ReplyHandlers::new()),
+            read_latch: Notify::new(),
+            in_flight: Mutex::new(BTreeMap::new()),
+        }
+    }
+
+    /// Wakes the storage read loop.
+    pub(crate) fn poll_storage(&self) {
+        self.read_latch.notify_one();
+    }
+}
+
+/// A waiter's registration; dropping it unregisters the waiter.
+struct Registration<'a> {
+    persisted: &'a Persisted,
+    request_id: Snowflake,
+    handler: Option<cluster_core::reply_handlers::HandlerId>,
+}
+
+impl Drop for Registration<'_> {
+    fn drop(&mut self) {
+        if let Some(handler) = self.handler.take() {
+            lock(&self.persisted.waiters).remove(self.request_id, handler);
+        }
+    }
+}
+
+/// Sends an interrupt for a persisted request whose caller went away, unless disarmed.
+struct InterruptOnDrop {
+    sharding: Option<Sharding>,
+    address: EntityAddress,
+    request_id: Snowflake,
+}
+
+impl Drop for InterruptOnDrop {
+    fn drop(&mut self) {
+        let Some(sharding) = self.sharding.take() else { return };
+        let interrupt = Interrupt {
+            id: sharding.next_id(),
+            address: self.address.clone(),
+            request_id: self.request_id,
+        };
+        let owner = sharding.clone();
+        owner.spawn_owned(async move {
+            let Some(persisted) = sharding.persisted() else { return };
+            match persisted.storage.save_interrupt(&interrupt).await {
+                Ok(()) => persisted.poll_storage(),
+                Err(error) => tracing::warn!(%error, request_id = %interrupt.request_id, "could not store an interrupt"),
+            }
+        });
+    }
+}
+
+impl Sharding {
+    /// Saves a persisted request and waits for its final reply's exit. Dropping the returned
+    /// future stores an interrupt for the request (unless `uninterruptible`); the request
+    /// itself stays stored.
+    pub(crate) async fn send_persisted(
+        &self,
+        request: Request,
+        options: SaveRequestOptions,
+        uninterruptible: bool,
+    ) -> Result<Exit, ClusterError> {
+        let persisted = self.persisted().ok_or_else(|| not_stored(&request.address))?;
+        let (reply, mut replied) = oneshot::channel();
+        // Registered before the save, so a reply saved right after it is not missed.
+        let mut registration =
+            persisted.register(request.request_id, &request.address.shard_id, reply);
+        let waited_id = match persisted.storage.save_request(&request, &options).await? {
+            SaveResult::Success => request.request_id,
+            SaveResult::Duplicate {
+                last_received_reply: Some(Reply::WithExit(with_exit)), ..
+            } => {
+                return Ok(with_exit.exit);
+            }
+            SaveResult::Duplicate { original_id, .. } => {
+                let (reply, duplicate_replied) = oneshot::channel();
+                registration = persisted.register(original_id, &request.address.shard_id, reply);
+                replied = duplicate_replied;
+                original_id
+            }
+        };
+        persisted.poll_storage();
+        let mut interrupt = InterruptOnDrop {
+            sharding: (!uninterruptible).then(|| self.clone()),
+            address: request.address.clone(),
+            request_id: waited_id,
+        };
+        let exit = self.await_reply(persisted, waited_id, &mut replied).await;
+        interrupt.sharding = None;
+        drop(registration);
+        exit
+    }
+
+    /// Saves a persisted request without waiting for its reply (a discarded call).
+    pub(crate) async fn notify_persisted(
+        &self,
+        request: Request,
+        options: SaveRequestOptions,
+    ) -> Result<(), ClusterError> {
+        let persisted = self.persisted().ok_or_else(|| not_stored(&request.address))?;
+        persisted.storage.save_request(&request, &options).await?;
+        persisted.poll_storage();
+        Ok(())
+    }
+
+    async fn await_reply(
+        &self,
+        persisted: &Persisted,
+        request_id: Snowflake,
+        replied: &mut oneshot::Receiver<Reply>,
+    ) -> Result<Exit, ClusterError> {
+        let interval = self.config().entity_reply_poll_interval;
+        loop {
+            tokio::select! {
+                reply = &mut *replied => {
+                    if let Ok(Reply::WithExit(with_exit)) = reply {
+                        return Ok(with_exit.exit);
+                    }
+                }
+                () = tokio::time::sleep(interval) => {}
+            }
+            let replies = persisted.storage.replies_for(&[request_id]).await?;
+            if let Some(Reply::WithExit(with_exit)) = replies.into_iter().find(Reply::is_final) {
+                return Ok(with_exit.exit);
+            }
+        }
+    }
+
+    /// The storage read loop; runs until shutdown.
+    pub(crate) async fn read_storage(self, persisted: Arc<Persisted>) {
+        let config = self.config().clone();
+        let batch_size = config.unprocessed_message_batch_size;
+        let mut unregistered_since: Option<Instant> = None;
+        loop {
+            tokio::select! {
+                () = persisted.read_latch.notified() => {}
+                () = tokio::time::sleep(config.entity_message_poll_interval) => {}
+                () = self.shutdown_token().cancelled() => return,
+            }
+            loop {
+                let now = self.clock().now();
+                let options = UnprocessedOptions { limit: Some(batch_size), addresses: None };
+                let batch = match persisted
+                    .storage
+                    .unprocessed_messages(&persisted.shards, now, options)
+                    .await
+                {
+                    Ok(batch) => batch,
+                    Err(error) => {
+                        tracing::warn!(%error, "could not read unprocessed messages");
+                        break;
+                    }
+                };
+                let full = batch.len() >= usize::try_from(batch_size.get()).unwrap_or(usize::MAX);
+                for malformed_row in &batch.malformed {
+                    let reply = self.final_reply(
+                        malformed_row.request_id,
+                        malformed(&malformed_row.error.to_string()),
+                    );
+                    self.save_final_reply(&persisted, reply).await;
+                }
+                let mut delivered = false;
+                let mut release = Vec::new();
+                for message in batch.messages {
+                    match self.dispatch(&persisted, message, &mut unregistered_since) {
+                        Dispatched::Delivered => delivered = true,
+                        Dispatched::Skipped => {}
+                        Dispatched::Release(id) => release.push(id),
+                        Dispatched::Answer(reply) => self.save_final_reply(&persisted, reply).await,
+                    }
+                }
+                if !release.is_empty()
+                    && let Err(error) = persisted.storage.reset_requests(&release).await
+                {
+                    tracing::debug!(%error, "could not release claims");
+                }
+                // Drain a backlog at once, but never spin on a full batch of skipped messages.
+                if !(full && delivered) {
+                    break;
+                }
+            }
+        }
+    }
+
+    fn dispatch(
+        &self,
+        persisted: &Arc<Persisted>,
+        message: UnprocessedMessage,
+        unregistered_since: &mut Option<Instant>,
+    ) -> Dispatched {
+        let request = match message.envelope {
+            Envelope::Request(request) => request,
+            Envelope::Interrupt(interrupt) => {
+                if let Some(cancellation) = lock(&persisted.in_flight).get(&interrupt.request_id) {
+                    cancellation.cancel();
+                }
+                return Dispatched::Skipped;
+            }
+            Envelope::AckChunk(_) => return Dispatched::Skipped,
+        };
+        let request_id = request.request_id;
+        if lock(&persisted.in_flight).contains_key(&request_id) {
+            // Already being processed (AlreadyProcessingMessage): its reply will complete it.
+            return Dispatched::Skipped;
+        }
+        let Some(manager) = self.registered_manager(&request.address.entity_type) else {
+            let timeout = self.config().entity_registration_timeout;
+            let since = *unregistered_since.get_or_insert_with(Instant::now);
+            if since.elapsed() < timeout.saturating_mul(2) {
+                tracing::warn!(entity_type = %request.address.entity_type, "Could not find entity manager for address, retrying");
+                return Dispatched::Release(request_id);
+            }
+            let message = format!("Entity type '{}' not registered", request.address.entity_type);
+            return Dispatched::Answer(
+                self.final_reply(request_id, Exit::die_with_message("Error", &message)),
+            );
+        };
+        let cancellation = CancellationToken::new();
+        let (reply, exit) = oneshot::channel();
+        lock(&persisted.in_flight).insert(request_id, cancellation.clone());
+        match manager.deliver(Delivery { request, cancellation, reply }) {
+            Ok(()) => {
+                let sharding = self.clone();
+                let persisted_handle = Arc::clone(persisted);
+                self.spawn_owned(async move {
+                    let exit = exit.await;
+                    lock(&persisted_handle.in_flight).remove(&request_id);
+                    match exit {
+                        // Interrupted by shutdown: left stored for the next run.
+                        Ok(Exit::Failure(cause))
+                            if cause.has_interrupts_only() && sharding.is_shutdown() =>
+                        {
+                            let _ = persisted_handle.storage.reset_requests(&[request_id]).await;
+                        }
+                        Ok(exit) => {
+                            let reply = sharding.final_reply(request_id, exit);
+                            sharding.save_final_reply(&persisted_handle, reply).await;
+                        }
+                        Err(_) => {
+                            let _ = persisted_handle.storage.reset_requests(&[request_id]).await;
+                        }
+                    }
+                });
+                Dispatched::Delivered
+            }
+            Err(error) => {
+                lock(&persisted.in_flight).remove(&request_id);
+                tracing::debug!(%error, %request_id, "not delivered; retried on a later read");
+                Dispatched::Release(request_id)
+            }
+        }
+    }
+
+    fn final_reply(&self, request_id: Snowflake, exit: Exit) -> Reply {
+        Reply::WithExit(WithExit { request_id, id: self.next_id(), exit })
+    }
+
+    /// Stores a final reply (retrying a few times) and wakes the local waiters.
+    async fn save_final_reply(&self, persisted: &Persisted, reply: Reply) {
+        for attempt in 1..=SAVE_REPLY_ATTEMPTS {
+            match persisted.storage.save_reply(&reply).await {
+                Ok(()) => {
+                    lock(&persisted.waiters).on_reply_saved(&reply);
+                    return;
+                }
+                Err(error) if error.kind() == cluster_core::error::StorageErrorKind::Conflict => {
+                    tracing::debug!(%error, request_id = %reply.request_id(), "request already answered");
+                    return;
+                }
+                Err(error) if attempt < SAVE_REPLY_ATTEMPTS => {
+                    tracing::debug!(%error, attempt, "could not save a reply, retrying");
+                    tokio::time::sleep(SAVE_REPLY_SPACING).await;
+                }
+                Err(error) => {
+                    tracing::warn!(%error, request_id = %reply.request_id(), "could not save a reply; the request runs again later");
+                    let _ = persisted.storage.reset_requests(&[reply.request_id()]).await;
+                }
+            }
+        }
+    }
+}
+
+impl Persisted {
+    fn register<'a>(
+        &'a self,
+        request_id: Snowflake,
+        shard_id: &ShardId,
+        reply: oneshot::Sender<Reply>,
+    ) -> Registration<'a> {
+        let handler =
+            lock(&self.waiters).register(request_id, shard_id.clone(), Waiter(Some(reply)));
+        Registration { persisted: self, request_id, handler: Some(handler) }
+    }
+}
+
+/// What the read loop did with one stored message.
+enum Dispatched {
+    /// Handed to its entity.
+    Delivered,
+    /// Nothing to do now.
+    Skipped,
+    /// Not deliverable now: release its claim so a later read retries it.
+    Release(Snowflake),
+    /// Answer it at once with this final reply.
+    Answer(Reply),
+}
+
+fn not_stored(address: &EntityAddress) -> ClusterError {
+    ClusterError::EntityNotAssignedToRunner { address: address.clone() }
+}
+
+/// Every shard of `groups`.
+pub(crate) fn all_shards(
+    groups: &BTreeSet<cluster_core::ShardGroup>,
+    shards_per_group: u32,
+) -> Vec<ShardId> {
+    groups
+        .iter()
+        .flat_map(|group| (1..=shards_per_group).map(move |id| ShardId::new(group.clone(), id)))
+        .collect()
+}

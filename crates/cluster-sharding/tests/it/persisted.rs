@@ -1,0 +1,205 @@
+//! Persisted delivery on one runner, on the memory storage and on SQLite (the persisted cases
+//! of the reference's `Sharding.test.ts`, §12.1): requests are stored first, delivered by the
+//! storage read loop, answered once, and survive a restart of the runner.
+
+use std::sync::Arc;
+use std::sync::atomic::Ordering;
+use std::time::Duration;
+
+use cluster_core::storage::{MessageStorage, UnprocessedOptions};
+use cluster_core::{Clock, ShardGroup, ShardingConfig, SystemClock};
+use cluster_sharding::{CallError, EntityOptions, Sharding};
+use cluster_storage_sql::sqlite::{SqliteMessageStorage, SqliteOptions};
+use cluster_storage_sql::{SqlStorageOptions, TablePrefix};
+use cluster_testkit::memory::MemoryMessageStorage;
+
+use crate::entities::{Counter, Deposit, Hang, Probes};
+
+/// A storage shared by the runners of one test, and what to remove at the end.
+struct Store {
+    storage: Arc<dyn MessageStorage>,
+    path: Option<std::path::PathBuf>,
+}
+
+impl Drop for Store {
+    fn drop(&mut self) {
+        if let Some(path) = &self.path {
+            for suffix in ["", "-wal", "-shm"] {
+                let _ = std::fs::remove_file(format!("{}{suffix}", path.display()));
+            }
+        }
+    }
+}
+
+async fn memory() -> Store {
+    Store { storage: Arc::new(MemoryMessageStorage::new(Arc::new(SystemClock))), path: None }
+}
+
+async fn sqlite() -> Store {
+    static COUNTER: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
+    let n = COUNTER.fetch_add(1, Ordering::SeqCst);
+    let path = std::env::temp_dir().join(format!("cluster-sharding-{}-{n}.db", std::process::id()));
+    let options = SqliteOptions::new(SqlStorageOptions {
+        prefix: TablePrefix::default(),
+        ..SqlStorageOptions::default()
+    });
+    let storage = SqliteMessageStorage::open(&path, options).await.unwrap();
+    Store { storage: Arc::new(storage), path: Some(path) }
+}
+
+fn config() -> ShardingConfig {
+    ShardingConfig {
+        entity_message_poll_interval: Duration::from_millis(100),
+        entity_reply_poll_interval: Duration::from_millis(50),
+        entity_registration_timeout: Duration::from_millis(500),
+        ..ShardingConfig::default()
+    }
+}
+
+async fn runner(store: &Store) -> Sharding {
+    let sharding =
+        Sharding::with_storage(config(), Arc::new(SystemClock), Arc::clone(&store.storage))
+            .await
+            .unwrap();
+    sharding.register::<Counter>(EntityOptions::default()).unwrap();
+    sharding
+}
+
+/// The number of unprocessed messages; the read claims them, so it releases them again.
+async fn unprocessed(store: &Store) -> usize {
+    let shards: Vec<_> =
+        (1..=300).map(|id| cluster_core::ShardId::new(ShardGroup::default_group(), id)).collect();
+    let read = store
+        .storage
+        .unprocessed_messages(&shards, SystemClock.now(), UnprocessedOptions::default())
+        .await
+        .unwrap();
+    store.storage.reset_shards(&shards).await.unwrap();
+    read.len()
+}
+
+/// Waits for `condition` with a deadline (real time: SQLite works on its own threads).
+async fn eventually(what: &str, mut condition: impl FnMut() -> bool) {
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(20);
+    while !condition() {
+        assert!(tokio::time::Instant::now() < deadline, "{what} did not happen");
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+}
+
+macro_rules! on_every_storage {
+    ($($case:ident),* $(,)?) => {
+        mod memory_storage {
+            $(
+                #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+                async fn $case() {
+                    super::$case(super::memory().await, concat!("memory-", stringify!($case))).await;
+                }
+            )*
+        }
+        mod sqlite_storage {
+            $(
+                #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+                async fn $case() {
+                    super::$case(super::sqlite().await, concat!("sqlite-", stringify!($case))).await;
+                }
+            )*
+        }
+    };
+}
+
+on_every_storage!(
+    persists_durable_requests_until_the_entity_replies,
+    a_primary_key_runs_the_request_once,
+    discard_stores_the_request_and_returns,
+    durable_interrupts_go_through_storage,
+    durable_requests_survive_a_restart,
+    unregistered_types_are_held_then_answered_with_a_defect,
+);
+
+async fn persists_durable_requests_until_the_entity_replies(store: Store, id: &str) {
+    let sharding = runner(&store).await;
+    let counter = sharding.client::<Counter>(id);
+    let key = "k1".to_owned();
+    assert_eq!(counter.send(Deposit { key, amount: 4 }).await.unwrap(), 4);
+    assert_eq!(unprocessed(&store).await, 0, "the request is processed");
+    sharding.shutdown().await;
+}
+
+async fn a_primary_key_runs_the_request_once(store: Store, id: &str) {
+    let sharding = runner(&store).await;
+    let counter = sharding.client::<Counter>(id);
+    assert_eq!(counter.send(Deposit { key: "once".to_owned(), amount: 5 }).await.unwrap(), 5);
+    // The same key again is answered from storage: the handler does not run again.
+    assert_eq!(counter.send(Deposit { key: "once".to_owned(), amount: 5 }).await.unwrap(), 5);
+    assert_eq!(counter.send(Deposit { key: "twice".to_owned(), amount: 1 }).await.unwrap(), 6);
+    assert_eq!(Probes::of(id).deposits.load(Ordering::SeqCst), 2);
+    sharding.shutdown().await;
+}
+
+async fn discard_stores_the_request_and_returns(store: Store, id: &str) {
+    let sharding = runner(&store).await;
+    let counter = sharding.client::<Counter>(id);
+    counter.discard(Deposit { key: "d".to_owned(), amount: 3 }).await.unwrap();
+    let probes = Probes::of(id);
+    eventually("the discarded request runs", || probes.deposits.load(Ordering::SeqCst) == 1).await;
+    // Its reply is stored: the same key is answered without running again.
+    assert_eq!(counter.send(Deposit { key: "d".to_owned(), amount: 3 }).await.unwrap(), 3);
+    assert_eq!(probes.deposits.load(Ordering::SeqCst), 1);
+    sharding.shutdown().await;
+}
+
+async fn durable_interrupts_go_through_storage(store: Store, id: &str) {
+    let sharding = runner(&store).await;
+    let counter = sharding.client::<Counter>(id);
+    let probes = Probes::of(id);
+    let call = tokio::spawn({
+        let counter = counter.clone();
+        async move { counter.send(Hang).await }
+    });
+    eventually("the request runs", || probes.probing.load(Ordering::SeqCst) == 1).await;
+    call.abort();
+    eventually("the handler is interrupted", || probes.interrupted.load(Ordering::SeqCst) == 1)
+        .await;
+    // The interrupt exit is the request's final reply: nothing is left to deliver.
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(20);
+    while unprocessed(&store).await != 0 {
+        assert!(tokio::time::Instant::now() < deadline, "the request was not answered");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    sharding.shutdown().await;
+}
+
+async fn durable_requests_survive_a_restart(store: Store, id: &str) {
+    // The first run stops while the request is in flight: it is left stored, unanswered.
+    let first = runner(&store).await;
+    let counter = first.client::<Counter>(id);
+    let probes = Probes::of(id);
+    counter.discard(Hang).await.unwrap();
+    eventually("the request runs", || probes.probing.load(Ordering::SeqCst) == 1).await;
+    first.shutdown().await;
+    assert_eq!(probes.interrupted.load(Ordering::SeqCst), 1);
+    assert_eq!(unprocessed(&store).await, 1, "left for the next run");
+    // The next run on the same storage delivers it again.
+    let second = runner(&store).await;
+    eventually("the request runs again", || probes.probing.load(Ordering::SeqCst) == 2).await;
+    second.shutdown().await;
+}
+
+async fn unregistered_types_are_held_then_answered_with_a_defect(store: Store, id: &str) {
+    let sharding =
+        Sharding::with_storage(config(), Arc::new(SystemClock), Arc::clone(&store.storage))
+            .await
+            .unwrap();
+    let started = tokio::time::Instant::now();
+    let error = sharding
+        .client::<Counter>(id)
+        .send(Deposit { key: "x".to_owned(), amount: 1 })
+        .await
+        .unwrap_err();
+    let CallError::Defect(defect) = error else { panic!("{error:?}") };
+    assert!(defect.contains("Entity type 'Counter' not registered"), "{defect}");
+    // Held for twice the registration timeout when no entity registered at all.
+    assert!(started.elapsed() >= Duration::from_millis(1000), "{:?}", started.elapsed());
+    sharding.shutdown().await;
+}
