@@ -1,7 +1,7 @@
 //! Automation for this workspace: `cargo xtask <command>`.
 //!
 //! - `ci`: everything CI checks, in order: formatting, clippy (all targets, then each storage
-//!   feature on its own), the database services, all tests, documentation.
+//!   feature on its own), the database services, all tests, the quickstart, documentation.
 //! - `tidy`: the repository rules that are not compiler lints (also run as tests by `ci`).
 //!
 //! Automation is written in Rust so that it runs wherever cargo does (STYLE rule 24).
@@ -117,6 +117,8 @@ fn ci() -> Result<()> {
     } else {
         step("tests", &["test", "--workspace", "--all-features", "--no-fail-fast"], &service_env)?;
     }
+    // The README's first command, in a debug build: it asserts its own outcome.
+    step("quickstart", &["run", "--example", "quickstart"], &[])?;
     step(
         "docs",
         &["doc", "--workspace", "--all-features", "--no-deps"],

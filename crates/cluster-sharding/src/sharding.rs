@@ -86,6 +86,11 @@ impl Sharding {
     ) -> Result<Sharding, ConfigError> {
         let groups = config.shard_groups().assigned;
         let shards = all_shards(&groups, config.shards_per_group);
+        // Taking the shards releases the claims a previous run left behind (it may have been
+        // killed while holding them), as the reference does when it acquires shards.
+        if let Err(error) = storage.reset_shards(&shards).await {
+            tracing::warn!(%error, "could not release the claims of a previous run");
+        }
         let persisted = Arc::new(Persisted::new(storage, shards));
         let sharding = Sharding::build(config, clock, Some(Arc::clone(&persisted)))?;
         sharding.spawn_owned(sharding.clone().read_storage(persisted));

@@ -114,6 +114,7 @@ on_every_storage!(
     discard_stores_the_request_and_returns,
     durable_interrupts_go_through_storage,
     durable_requests_survive_a_restart,
+    claims_of_a_killed_runner_are_released_on_start,
     unregistered_types_are_held_then_answered_with_a_defect,
 );
 
@@ -202,4 +203,29 @@ async fn unregistered_types_are_held_then_answered_with_a_defect(store: Store, i
     // Held for twice the registration timeout when no entity registered at all.
     assert!(started.elapsed() >= Duration::from_millis(1000), "{:?}", started.elapsed());
     sharding.shutdown().await;
+}
+
+async fn claims_of_a_killed_runner_are_released_on_start(store: Store, id: &str) {
+    // A runner that was killed left a claimed, unanswered request (claims hide a row for ten
+    // minutes). Simulate it: store a request and claim it without answering.
+    let stored =
+        Sharding::with_storage(config(), Arc::new(SystemClock), Arc::clone(&store.storage))
+            .await
+            .unwrap();
+    let client = stored.client::<Counter>(id);
+    client.discard(Deposit { key: "claimed".to_owned(), amount: 9 }).await.unwrap();
+    stored.shutdown().await;
+    let shards: Vec<_> =
+        (1..=300).map(|id| cluster_core::ShardId::new(ShardGroup::default_group(), id)).collect();
+    let claimed = store
+        .storage
+        .unprocessed_messages(&shards, SystemClock.now(), UnprocessedOptions::default())
+        .await
+        .unwrap();
+    assert_eq!(claimed.len(), 1);
+    // A new runner on the storage releases the claim and answers the request.
+    let second = runner(&store).await;
+    let probes = Probes::of(id);
+    eventually("the claimed request runs", || probes.deposits.load(Ordering::SeqCst) == 1).await;
+    second.shutdown().await;
 }
