@@ -75,9 +75,10 @@ pub(crate) trait ErasedManager: Send + Sync {
     /// The number of resident instances.
     fn active_entities(&self) -> usize;
 
-    /// Stops every instance (running requests are interrupted, queued ones dropped) and waits
-    /// for them to end.
-    fn shutdown(&self) -> BoxFuture<'_, ()>;
+    /// Stops every instance and waits for them to end: no new request is admitted, the ones
+    /// already delivered get `termination_timeout` to finish (the reference's graceful drain,
+    /// `entityTerminationTimeout`), then the rest are interrupted.
+    fn shutdown(&self, termination_timeout: Duration) -> BoxFuture<'_, ()>;
 }
 
 /// The settings of one manager.
@@ -101,6 +102,9 @@ struct Shared<E: Entity> {
     /// Consecutive restarts of this type, for the backoff (as in the reference, the schedule
     /// belongs to the type).
     restarts: AtomicUsize,
+    /// Set when the manager stops: no request is admitted any more.
+    stopping: CancellationToken,
+    /// Set when the graceful drain is over: running requests are interrupted.
     closed: CancellationToken,
     tasks: TaskTracker,
 }
@@ -121,6 +125,7 @@ impl<E: Entity> EntityManager<E> {
                 residency,
                 instances: Mutex::new(BTreeMap::new()),
                 restarts: AtomicUsize::new(0),
+                stopping: CancellationToken::new(),
                 closed: CancellationToken::new(),
                 tasks: TaskTracker::new(),
             }),
@@ -139,7 +144,7 @@ impl<E: Entity> ErasedManager for EntityManager<E> {
         let shared = &self.shared;
         let address = delivery.request.address.clone();
         let mut instances = lock(&shared.instances);
-        if shared.closed.is_cancelled() {
+        if shared.stopping.is_cancelled() {
             return Err(ClusterError::EntityNotAssignedToRunner { address });
         }
         if !instances.contains_key(&address.entity_id) {
@@ -170,13 +175,19 @@ impl<E: Entity> ErasedManager for EntityManager<E> {
         lock(&self.shared.instances).len()
     }
 
-    fn shutdown(&self) -> BoxFuture<'_, ()> {
+    fn shutdown(&self, termination_timeout: Duration) -> BoxFuture<'_, ()> {
         Box::pin(async move {
-            self.shared.closed.cancel();
-            // Dropping the mailboxes' senders ends each instance after its running request.
-            lock(&self.shared.instances).clear();
-            self.shared.tasks.close();
-            self.shared.tasks.wait().await;
+            let shared = &self.shared;
+            shared.stopping.cancel();
+            // Dropping the mailboxes' senders ends each instance once its queue is done.
+            lock(&shared.instances).clear();
+            shared.tasks.close();
+            if tokio::time::timeout(termination_timeout, shared.tasks.wait()).await.is_err() {
+                tracing::debug!(entity_type = %shared.entity_type, "termination timeout: interrupting");
+                shared.closed.cancel();
+                shared.tasks.wait().await;
+            }
+            shared.closed.cancel();
         })
     }
 }

@@ -178,13 +178,19 @@ impl Sharding {
         self.inner.shutdown.is_cancelled()
     }
 
-    /// Stops the runner: new requests fail with `EntityNotAssignedToRunner`, running ones are
-    /// interrupted, and every entity instance has ended when this returns. Idempotent.
+    /// Stops the runner: new requests fail with `EntityNotAssignedToRunner`, the ones already
+    /// delivered get `entity_termination_timeout` to finish, then they are interrupted; every
+    /// entity instance has ended when this returns. Interrupted persisted requests stay stored
+    /// for the next run. Idempotent.
     pub async fn shutdown(&self) {
         self.inner.shutdown.cancel();
-        for manager in self.managers() {
-            manager.shutdown().await;
-        }
+        let termination_timeout = self.inner.config.entity_termination_timeout;
+        let managers = self.managers();
+        // The types drain side by side: the whole shutdown takes one termination timeout.
+        futures_util::future::join_all(
+            managers.iter().map(|manager| manager.shutdown(termination_timeout)),
+        )
+        .await;
         self.inner.tasks.close();
         self.inner.tasks.wait().await;
     }

@@ -239,6 +239,26 @@ async fn shutdown_interrupts_running_requests_and_refuses_new_ones() {
 }
 
 #[tokio::test(start_paused = true)]
+async fn shutdown_lets_running_requests_finish_within_the_termination_timeout() {
+    let config = ShardingConfig {
+        entity_termination_timeout: Duration::from_secs(10),
+        ..ShardingConfig::default()
+    };
+    let sharding = registered(config);
+    let counter = sharding.client::<Counter>("draining");
+    let running = tokio::spawn({
+        let counter = counter.clone();
+        async move { counter.send(Sleep { millis: 3_000, by: 7 }).await }
+    });
+    eventually("the request runs", || sharding.active_entity_count() == 1).await;
+    let started = tokio::time::Instant::now();
+    sharding.shutdown().await;
+    assert_eq!(running.await.unwrap().unwrap(), 7, "the running request finished");
+    let took = started.elapsed();
+    assert!(took >= Duration::from_secs(2) && took < Duration::from_secs(10), "{took:?}");
+}
+
+#[tokio::test(start_paused = true)]
 async fn persisted_requests_need_message_storage() {
     let sharding = registered(ShardingConfig::default());
     let error = sharding.client::<Counter>("durable").send(Persist).await.unwrap_err();

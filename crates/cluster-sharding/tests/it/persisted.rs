@@ -52,6 +52,7 @@ fn config() -> ShardingConfig {
         entity_message_poll_interval: Duration::from_millis(100),
         entity_reply_poll_interval: Duration::from_millis(50),
         entity_registration_timeout: Duration::from_millis(500),
+        entity_termination_timeout: Duration::from_millis(200),
         ..ShardingConfig::default()
     }
 }
