@@ -21,6 +21,7 @@
 mod client;
 mod entity;
 mod manager;
+pub mod metrics;
 mod persisted;
 mod rpc;
 mod sharding;

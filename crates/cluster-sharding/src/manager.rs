@@ -24,6 +24,7 @@ use tokio_util::task::TaskTracker;
 use tracing::Instrument;
 
 use crate::entity::{Entity, Protocol, RequestContext, malformed};
+use crate::metrics;
 
 /// The largest mailbox channel; an unbounded mailbox capacity is capped here (everything has a
 /// limit).
@@ -153,6 +154,7 @@ impl<E: Entity> ErasedManager for EntityManager<E> {
             }
             let instance = Shared::spawn(shared, address.clone());
             instances.insert(address.entity_id.clone(), instance);
+            metrics::set_for_type(metrics::ENTITIES, shared.entity_type.as_str(), instances.len());
         }
         let Some(instance) = instances.get(&address.entity_id) else {
             return Err(ClusterError::EntityNotAssignedToRunner { address });
@@ -181,6 +183,7 @@ impl<E: Entity> ErasedManager for EntityManager<E> {
             shared.stopping.cancel();
             // Dropping the mailboxes' senders ends each instance once its queue is done.
             lock(&shared.instances).clear();
+            metrics::set_for_type(metrics::ENTITIES, shared.entity_type.as_str(), 0);
             shared.tasks.close();
             if tokio::time::timeout(termination_timeout, shared.tasks.wait()).await.is_err() {
                 tracing::debug!(entity_type = %shared.entity_type, "termination timeout: interrupting");
@@ -221,6 +224,7 @@ impl<E: Entity> Shared<E> {
             && receiver.is_empty();
         if idle {
             instances.remove(&address.entity_id);
+            metrics::set_for_type(metrics::ENTITIES, self.entity_type.as_str(), instances.len());
         }
         idle
     }
@@ -327,7 +331,17 @@ async fn run_one<E: Entity>(
     }
     let context =
         RequestContext::new(address.clone(), request.request_id, delivery.cancellation.clone());
-    let handled = AssertUnwindSafe((entry.call)(entity, &context, &request.payload)).catch_unwind();
+    let span = tracing::debug_span!(
+        "request",
+        entity_type = %address.entity_type,
+        entity_id = %address.entity_id,
+        shard = %address.shard_id,
+        request_id = %request.request_id,
+        tag = %request.tag,
+    );
+    let handled = AssertUnwindSafe((entry.call)(entity, &context, &request.payload))
+        .catch_unwind()
+        .instrument(span);
     tokio::select! {
         biased;
         () = delivery.cancellation.cancelled() => Outcome::Exited(Exit::interrupt()),

@@ -25,6 +25,7 @@ use tokio_util::sync::CancellationToken;
 
 use crate::entity::malformed;
 use crate::manager::Delivery;
+use crate::metrics;
 use crate::sharding::Sharding;
 
 /// How often saving a final reply is tried before the request is left for a later read.
@@ -291,14 +292,22 @@ impl Sharding {
         };
         let cancellation = CancellationToken::new();
         let (reply, exit) = oneshot::channel();
-        lock(&persisted.in_flight).insert(request_id, cancellation.clone());
+        {
+            let mut in_flight = lock(&persisted.in_flight);
+            in_flight.insert(request_id, cancellation.clone());
+            metrics::set(metrics::PERSISTED_IN_FLIGHT, in_flight.len());
+        }
         match manager.deliver(Delivery { request, cancellation, reply }) {
             Ok(()) => {
                 let sharding = self.clone();
                 let persisted_handle = Arc::clone(persisted);
                 self.spawn_owned(async move {
                     let exit = exit.await;
-                    lock(&persisted_handle.in_flight).remove(&request_id);
+                    {
+                        let mut in_flight = lock(&persisted_handle.in_flight);
+                        in_flight.remove(&request_id);
+                        metrics::set(metrics::PERSISTED_IN_FLIGHT, in_flight.len());
+                    }
                     match exit {
                         // Interrupted by shutdown: left stored for the next run.
                         Ok(Exit::Failure(cause))

@@ -24,6 +24,7 @@ use tokio_util::task::TaskTracker;
 use crate::client::EntityClient;
 use crate::entity::{Entity, EntityOptions};
 use crate::manager::{Delivery, EntityManager, ErasedManager, ManagerOptions, Residency};
+use crate::metrics;
 use crate::persisted::{Persisted, all_shards};
 
 /// Why an entity type could not be registered.
@@ -91,6 +92,7 @@ impl Sharding {
         if let Err(error) = storage.reset_shards(&shards).await {
             tracing::warn!(%error, "could not release the claims of a previous run");
         }
+        metrics::set(metrics::SHARDS, shards.len());
         let persisted = Arc::new(Persisted::new(storage, shards));
         let sharding = Sharding::build(config, clock, Some(Arc::clone(&persisted)))?;
         sharding.spawn_owned(sharding.clone().read_storage(persisted));
@@ -108,6 +110,9 @@ impl Sharding {
         let machine_id = MachineId::new(i32::try_from(std::process::id() % 1024).unwrap_or(0));
         let snowflakes = SnowflakeGenerator::new(machine_id, clock.now());
         let residency = Arc::new(Residency::new(config.max_resident_entities));
+        let runners = usize::from(config.runner_address.is_some());
+        metrics::set(metrics::RUNNERS, runners);
+        metrics::set(metrics::RUNNERS_HEALTHY, runners);
         Ok(Sharding {
             inner: Arc::new(Inner {
                 config,

@@ -2,6 +2,7 @@
 //! (the volatile cases of the reference's `Sharding.test.ts`, §12.1).
 
 mod entities;
+mod gauges;
 mod persisted;
 
 use std::sync::Arc;
