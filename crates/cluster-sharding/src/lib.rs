@@ -29,4 +29,4 @@ mod sharding;
 pub use client::EntityClient;
 pub use entity::{Entity, EntityOptions, Handler, Protocol, RequestContext};
 pub use rpc::{CallError, Rpc, Uninterruptible};
-pub use sharding::{RegisterError, Sharding};
+pub use sharding::{RegisterError, RegistrationEvent, Sharding};

@@ -17,7 +17,7 @@ use cluster_core::{
     Clock, ClusterError, EntityAddress, EntityId, EntityType, MachineId, ShardGroup, ShardId,
     Snowflake,
 };
-use tokio::sync::{Notify, oneshot};
+use tokio::sync::{Notify, broadcast, oneshot};
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
@@ -39,6 +39,17 @@ pub enum RegisterError {
     ShuttingDown,
 }
 
+/// What [`Sharding::registration_events`] reports.
+#[derive(Clone, Debug, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum RegistrationEvent {
+    /// An entity type was registered on this runner.
+    EntityRegistered(EntityType),
+}
+
+/// How many registration events a slow subscriber may lag behind before it misses some.
+const REGISTRATION_EVENTS_MAX: usize = 64;
+
 /// The runtime of one process; cheap to clone (a handle).
 #[derive(Clone)]
 pub struct Sharding {
@@ -52,6 +63,7 @@ struct Inner {
     managers: RwLock<BTreeMap<EntityType, Arc<dyn ErasedManager>>>,
     /// Woken whenever an entity type is registered.
     registered: Notify,
+    events: broadcast::Sender<RegistrationEvent>,
     residency: Arc<Residency>,
     shutdown: CancellationToken,
     /// Persisted delivery, when the runtime has a message storage.
@@ -120,6 +132,7 @@ impl Sharding {
                 snowflakes: Mutex::new(snowflakes),
                 managers: RwLock::new(BTreeMap::new()),
                 registered: Notify::new(),
+                events: broadcast::channel(REGISTRATION_EVENTS_MAX).0,
                 residency,
                 shutdown: CancellationToken::new(),
                 persisted,
@@ -155,6 +168,8 @@ impl Sharding {
         }
         tracing::debug!(%entity_type, "entity registered");
         self.inner.registered.notify_waiters();
+        // Nobody may be subscribed: that is not an error.
+        let _ = self.inner.events.send(RegistrationEvent::EntityRegistered(entity_type));
         // Messages held while the type was unknown are read again.
         self.poll_storage();
         Ok(())
@@ -198,6 +213,30 @@ impl Sharding {
         .await;
         self.inner.tasks.close();
         self.inner.tasks.wait().await;
+    }
+
+    /// The registrations made on this runner from now on. A subscriber that falls more than 64
+    /// events behind misses the oldest ones (`RecvError::Lagged`).
+    pub fn registration_events(&self) -> broadcast::Receiver<RegistrationEvent> {
+        self.inner.events.subscribe()
+    }
+
+    /// Resets a persisted request so that it runs again (the reference's `reset`): its final
+    /// reply is deleted and it is delivered anew. With `expected_reply_id`, only if that is
+    /// still the request's latest reply. Returns whether the reset happened without error; a
+    /// runtime without storage has nothing to reset.
+    pub async fn reset(&self, request_id: Snowflake, expected_reply_id: Option<Snowflake>) -> bool {
+        let Some(persisted) = self.persisted() else { return false };
+        match persisted.storage.clear_replies(request_id, expected_reply_id).await {
+            Ok(()) => {
+                persisted.poll_storage();
+                true
+            }
+            Err(error) => {
+                tracing::warn!(%error, %request_id, "could not reset a request");
+                false
+            }
+        }
     }
 
     /// Wakes the storage read loop now, instead of at its next poll.

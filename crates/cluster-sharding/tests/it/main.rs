@@ -200,6 +200,15 @@ async fn a_request_waits_for_its_entity_type_to_register() {
 }
 
 #[tokio::test(start_paused = true)]
+async fn registrations_are_announced() {
+    let sharding = sharding(ShardingConfig::default());
+    let mut events = sharding.registration_events();
+    sharding.register::<Counter>(EntityOptions::default()).unwrap();
+    let event = events.recv().await.unwrap();
+    assert_eq!(event, cluster_sharding::RegistrationEvent::EntityRegistered("Counter".into()));
+}
+
+#[tokio::test(start_paused = true)]
 async fn registering_a_type_twice_is_an_error() {
     let sharding = registered(ShardingConfig::default());
     let error = sharding.register::<Counter>(EntityOptions::default()).unwrap_err();

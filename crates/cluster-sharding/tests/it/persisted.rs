@@ -116,6 +116,7 @@ on_every_storage!(
     durable_interrupts_go_through_storage,
     durable_requests_survive_a_restart,
     claims_of_a_killed_runner_are_released_on_start,
+    reset_runs_a_request_again,
     unregistered_types_are_held_then_answered_with_a_defect,
 );
 
@@ -229,4 +230,19 @@ async fn claims_of_a_killed_runner_are_released_on_start(store: Store, id: &str)
     let probes = Probes::of(id);
     eventually("the claimed request runs", || probes.deposits.load(Ordering::SeqCst) == 1).await;
     second.shutdown().await;
+}
+
+async fn reset_runs_a_request_again(store: Store, id: &str) {
+    let sharding = runner(&store).await;
+    let counter = sharding.client::<Counter>(id);
+    assert_eq!(counter.send(Deposit { key: "r".to_owned(), amount: 2 }).await.unwrap(), 2);
+    let key = cluster_core::envelope::primary_key(counter.address(), "Deposit", "r");
+    let request_id = store.storage.request_id_for_primary_key(&key).await.unwrap().unwrap();
+    // A stale expected reply id changes nothing.
+    assert!(sharding.reset(request_id, Some(cluster_core::Snowflake::new(1))).await);
+    assert!(sharding.reset(request_id, None).await);
+    let probes = Probes::of(id);
+    eventually("the request runs again", || probes.deposits.load(Ordering::SeqCst) == 2).await;
+    sharding.shutdown().await;
+    assert!(!Sharding::new(config(), Arc::new(SystemClock)).unwrap().reset(request_id, None).await);
 }
