@@ -15,14 +15,15 @@
 //!    holds exactly one final reply per deposit.
 
 use std::process::{Command, ExitCode};
-use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 
 use cluster_core::envelope::primary_key;
 use cluster_core::storage::MessageStorage;
-use cluster_core::{EntityAddress, EntityId, EntityType, ShardGroup, ShardingConfig, SystemClock};
-use cluster_sharding::{Entity, EntityOptions, Handler, Protocol, RequestContext, Rpc, Sharding};
+use cluster_core::{EntityAddress, EntityId, EntityType, ShardGroup, ShardingConfig};
+use cluster_sharding::{
+    Entity, EntityOptions, Handler, Protocol, RequestContext, Rpc, Sharding, SingleRunner,
+};
 use cluster_storage_sql::sqlite::{SqliteMessageStorage, SqliteOptions};
 use serde::{Deserialize, Serialize};
 
@@ -92,10 +93,11 @@ fn config() -> ShardingConfig {
     }
 }
 
+/// One call starts a runner on the file: it registers, takes every shard's lock (the killed
+/// runner had the same address, so its locks are this runner's to take) and reads the file's
+/// stored messages.
 async fn start(path: &str) -> Result<Sharding, Error> {
-    let storage = SqliteMessageStorage::open(path, SqliteOptions::default()).await?;
-    let sharding =
-        Sharding::with_storage(config(), Arc::new(SystemClock), Arc::new(storage)).await?;
+    let sharding = SingleRunner::sqlite(path, config()).await?;
     sharding.register::<Account>(EntityOptions::default())?;
     Ok(sharding)
 }

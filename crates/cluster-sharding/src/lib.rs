@@ -25,8 +25,12 @@ pub mod metrics;
 mod persisted;
 mod rpc;
 mod sharding;
+mod single_runner;
 
 pub use client::EntityClient;
 pub use entity::{Entity, EntityOptions, Handler, Protocol, RequestContext};
 pub use rpc::{CallError, Rpc, Uninterruptible};
 pub use sharding::{RegisterError, RegistrationEvent, Sharding};
+#[cfg(feature = "sqlite")]
+pub use single_runner::SingleRunner;
+pub use single_runner::StartError;

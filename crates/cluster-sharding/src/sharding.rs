@@ -26,6 +26,7 @@ use crate::entity::{Entity, EntityOptions};
 use crate::manager::{Delivery, EntityManager, ErasedManager, ManagerOptions, Residency};
 use crate::metrics;
 use crate::persisted::{Persisted, all_shards};
+use crate::single_runner::HeldLocks;
 
 /// Why an entity type could not be registered.
 #[derive(Debug, thiserror::Error)]
@@ -70,6 +71,8 @@ struct Inner {
     persisted: Option<Arc<Persisted>>,
     /// Every background task of the runtime; awaited at shutdown.
     tasks: TaskTracker,
+    /// The shard locks and registration of a single runner, released at shutdown.
+    locks: Mutex<Option<Arc<HeldLocks>>>,
 }
 
 impl std::fmt::Debug for Sharding {
@@ -137,6 +140,7 @@ impl Sharding {
                 shutdown: CancellationToken::new(),
                 persisted,
                 tasks: TaskTracker::new(),
+                locks: Mutex::new(None),
             }),
         })
     }
@@ -213,6 +217,25 @@ impl Sharding {
         .await;
         self.inner.tasks.close();
         self.inner.tasks.wait().await;
+        // The entities have stopped: the shards can go to the next runner.
+        let locks = self.inner.locks.lock().unwrap_or_else(PoisonError::into_inner).take();
+        if let Some(locks) = locks {
+            locks.release().await;
+        }
+    }
+
+    /// Stamps new ids with the machine id the runner registry gave this runner.
+    pub(crate) fn set_machine_id(&self, machine_id: MachineId) {
+        self.inner
+            .snowflakes
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .set_machine_id(machine_id);
+    }
+
+    /// Keeps `locks` to release at shutdown.
+    pub(crate) fn hold_locks(&self, locks: Arc<HeldLocks>) {
+        *self.inner.locks.lock().unwrap_or_else(PoisonError::into_inner) = Some(locks);
     }
 
     /// The registrations made on this runner from now on. A subscriber that falls more than 64

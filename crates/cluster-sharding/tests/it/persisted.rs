@@ -246,3 +246,89 @@ async fn reset_runs_a_request_again(store: Store, id: &str) {
     sharding.shutdown().await;
     assert!(!Sharding::new(config(), Arc::new(SystemClock)).unwrap().reset(request_id, None).await);
 }
+
+mod single_runner {
+    use std::sync::Arc;
+    use std::time::Duration;
+
+    use cluster_core::{RunnerAddress, ShardingConfig, SystemClock};
+    use cluster_sharding::{EntityOptions, Sharding, SingleRunner, StartError};
+    use cluster_testkit::memory::{
+        MemoryMessageStorage, MemoryRunnerDatabase, MemoryRunnerStorage,
+    };
+
+    use crate::entities::{Counter, Deposit};
+
+    fn at(port: u16) -> ShardingConfig {
+        ShardingConfig {
+            runner_address: Some(RunnerAddress::new("localhost", port)),
+            ..super::config()
+        }
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_second_runner_on_the_same_database_is_refused_until_the_first_stops() {
+        let clock = Arc::new(SystemClock);
+        let messages = Arc::new(MemoryMessageStorage::new(clock.clone()));
+        let database = MemoryRunnerDatabase::new(clock.clone());
+        let runners =
+            |expiration| Arc::new(MemoryRunnerStorage::new(Arc::clone(&database), expiration));
+        let first = Sharding::with_storages(
+            at(1),
+            clock.clone(),
+            messages.clone(),
+            runners(Duration::from_secs(60)),
+        )
+        .await
+        .unwrap();
+        let refused = Sharding::with_storages(
+            at(2),
+            clock.clone(),
+            messages.clone(),
+            runners(Duration::from_secs(60)),
+        )
+        .await;
+        assert!(
+            matches!(refused, Err(StartError::ShardsHeld { held: 300, total: 300 })),
+            "{refused:?}"
+        );
+        first.shutdown().await;
+        let second = Sharding::with_storages(
+            at(2),
+            clock.clone(),
+            messages.clone(),
+            runners(Duration::from_secs(60)),
+        )
+        .await
+        .unwrap();
+        second.shutdown().await;
+        let client_only = ShardingConfig { runner_address: None, ..super::config() };
+        let refused =
+            Sharding::with_storages(client_only, clock, messages, runners(Duration::from_secs(60)))
+                .await;
+        assert!(matches!(refused, Err(StartError::NoRunnerAddress)), "{refused:?}");
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn sqlite_single_runner_restarts_on_its_file() {
+        let path =
+            std::env::temp_dir().join(format!("cluster-single-runner-{}.db", std::process::id()));
+        let first = SingleRunner::sqlite(&path, super::config()).await.unwrap();
+        first.register::<Counter>(EntityOptions::default()).unwrap();
+        let counter = first.client::<Counter>("single");
+        assert_eq!(counter.send(Deposit { key: "a".to_owned(), amount: 3 }).await.unwrap(), 3);
+        first.shutdown().await;
+        // The same runner (same address) starts again on the file at once.
+        let second = SingleRunner::sqlite(&path, super::config()).await.unwrap();
+        second.register::<Counter>(EntityOptions::default()).unwrap();
+        let again = second
+            .client::<Counter>("single")
+            .send(Deposit { key: "a".to_owned(), amount: 3 })
+            .await;
+        assert_eq!(again.unwrap(), 3, "answered from the file");
+        second.shutdown().await;
+        for suffix in ["", "-wal", "-shm"] {
+            let _ = std::fs::remove_file(format!("{}{suffix}", path.display()));
+        }
+    }
+}
