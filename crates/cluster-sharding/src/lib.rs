@@ -14,9 +14,10 @@
 //! residency cap, panic restarts), typed volatile calls interrupted by drop, and persisted
 //! delivery through a `MessageStorage` ([`Sharding::with_storage`]: save first with primary-key
 //! dedup, the storage read loop, stored final replies, durable interrupts, a restart picks up
-//! what was left). Still to come: streams, `deliver_at` latency below the poll interval,
-//! resumption after `MailboxFull`, transactions, the SQLite `SingleRunner` and quickstart,
-//! metrics, and the multi-runner half (membership, shard locks, handoff, singletons, cron).
+//! what was left), [`SingleRunner`]-style lock holding ([`Sharding::with_storages`]), and a
+//! client-only mode ([`Sharding::client_only`]). Still to come: streams, `deliver_at` latency below the poll interval,
+//! resumption after `MailboxFull`, transactions,
+//! and the multi-runner half (membership, shard locks, handoff, singletons, cron).
 
 mod client;
 mod entity;

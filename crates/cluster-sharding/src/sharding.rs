@@ -114,6 +114,32 @@ impl Sharding {
         Ok(sharding)
     }
 
+    /// A client-only process on `storage` (the reference's client-only mode; `runner_address`
+    /// must be `None`): it hosts no entity (registering is a no-op) and reads no mailbox. Its
+    /// persisted requests are saved for the runners that own their shards, and their replies
+    /// are read back from storage every `entity_reply_poll_interval`. Volatile requests need a
+    /// transport to reach their runner, which this process does not have: they fail with
+    /// `EntityNotAssignedToRunner`.
+    pub fn client_only(
+        config: ShardingConfig,
+        clock: Arc<dyn Clock>,
+        storage: Arc<dyn MessageStorage>,
+    ) -> Result<Sharding, ConfigError> {
+        if config.runner_address.is_some() {
+            return Err(ConfigError::new(
+                "runner_address",
+                config.runner_address.as_ref().map(ToString::to_string).unwrap_or_default(),
+                "a client-only process has no runner address",
+            ));
+        }
+        Sharding::build(config, clock, Some(Arc::new(Persisted::new(storage, Vec::new()))))
+    }
+
+    /// Whether this process hosts entities (it has a runner address).
+    pub fn is_runner(&self) -> bool {
+        self.inner.config.runner_address.is_some()
+    }
+
     fn build(
         config: ShardingConfig,
         clock: Arc<dyn Clock>,
@@ -151,9 +177,13 @@ impl Sharding {
     }
 
     /// Registers entity type `E`: its requests are handled on this runner from now on.
+    /// In a client-only process this is a no-op, as in the reference.
     pub fn register<E: Entity>(&self, options: EntityOptions) -> Result<(), RegisterError> {
         if self.is_shutdown() {
             return Err(RegisterError::ShuttingDown);
+        }
+        if !self.is_runner() {
+            return Ok(());
         }
         let config = &self.inner.config;
         let manager_options = ManagerOptions {
@@ -368,7 +398,7 @@ impl Sharding {
         reply: oneshot::Sender<Exit>,
     ) -> Result<(), ClusterError> {
         let address = request.address.clone();
-        if self.is_shutdown() {
+        if self.is_shutdown() || !self.is_runner() {
             return Err(ClusterError::EntityNotAssignedToRunner { address });
         }
         let manager = match self.manager_for(&address).await {

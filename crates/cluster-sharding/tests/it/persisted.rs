@@ -117,6 +117,7 @@ on_every_storage!(
     durable_requests_survive_a_restart,
     claims_of_a_killed_runner_are_released_on_start,
     reset_runs_a_request_again,
+    a_client_only_process_reaches_the_runner_through_storage,
     unregistered_types_are_held_then_answered_with_a_defect,
 );
 
@@ -331,4 +332,31 @@ mod single_runner {
             let _ = std::fs::remove_file(format!("{}{suffix}", path.display()));
         }
     }
+}
+
+async fn a_client_only_process_reaches_the_runner_through_storage(store: Store, id: &str) {
+    let runner = runner(&store).await;
+    let client_config = ShardingConfig { runner_address: None, ..config() };
+    let client =
+        Sharding::client_only(client_config, Arc::new(SystemClock), Arc::clone(&store.storage))
+            .unwrap();
+    assert!(!client.is_runner());
+    client.register::<Counter>(EntityOptions::default()).unwrap();
+    assert_eq!(client.active_entity_count(), 0, "a client hosts nothing");
+    let remote = client.client::<Counter>(id);
+    assert_eq!(remote.send(Deposit { key: "c".to_owned(), amount: 8 }).await.unwrap(), 8);
+    assert_eq!(Probes::of(id).deposits.load(Ordering::SeqCst), 1);
+    let volatile = remote.send(crate::entities::Get).await.unwrap_err();
+    assert!(
+        matches!(
+            volatile,
+            CallError::Cluster(cluster_core::ClusterError::EntityNotAssignedToRunner { .. })
+        ),
+        "{volatile:?}"
+    );
+    client.shutdown().await;
+    runner.shutdown().await;
+    assert!(
+        Sharding::client_only(config(), Arc::new(SystemClock), Arc::clone(&store.storage)).is_err()
+    );
 }
