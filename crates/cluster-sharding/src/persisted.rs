@@ -206,12 +206,21 @@ impl Sharding {
         let config = self.config().clone();
         let batch_size = config.unprocessed_message_batch_size;
         let mut unregistered_since: Option<Instant> = None;
+        // Set when a request found its entity's mailbox full: read again after
+        // `send_retry_interval`, not after a whole poll interval.
+        let mut retry_soon = false;
         loop {
+            let wait = if retry_soon {
+                config.send_retry_interval
+            } else {
+                config.entity_message_poll_interval
+            };
             tokio::select! {
                 () = persisted.read_latch.notified() => {}
-                () = tokio::time::sleep(config.entity_message_poll_interval) => {}
+                () = tokio::time::sleep(wait) => {}
                 () = self.shutdown_token().cancelled() => return,
             }
+            retry_soon = false;
             loop {
                 let now = self.clock().now();
                 let options = UnprocessedOptions { limit: Some(batch_size), addresses: None };
@@ -241,6 +250,10 @@ impl Sharding {
                         Dispatched::Delivered => delivered = true,
                         Dispatched::Skipped => {}
                         Dispatched::Release(id) => release.push(id),
+                        Dispatched::Retry(id) => {
+                            retry_soon = true;
+                            release.push(id);
+                        }
                         Dispatched::Answer(reply) => self.save_final_reply(&persisted, reply).await,
                     }
                 }
@@ -329,7 +342,10 @@ impl Sharding {
             Err(error) => {
                 lock(&persisted.in_flight).remove(&request_id);
                 tracing::debug!(%error, %request_id, "not delivered; retried on a later read");
-                Dispatched::Release(request_id)
+                match error {
+                    ClusterError::MailboxFull { .. } => Dispatched::Retry(request_id),
+                    _ => Dispatched::Release(request_id),
+                }
             }
         }
     }
@@ -384,6 +400,8 @@ enum Dispatched {
     Skipped,
     /// Not deliverable now: release its claim so a later read retries it.
     Release(Snowflake),
+    /// The entity's mailbox is full: release its claim and read again soon.
+    Retry(Snowflake),
     /// Answer it at once with this final reply.
     Answer(Reply),
 }

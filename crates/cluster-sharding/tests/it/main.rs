@@ -275,3 +275,36 @@ async fn persisted_requests_need_message_storage() {
     let CallError::Defect(defect) = error else { panic!("{error:?}") };
     assert!(defect.contains("MessageStorage"), "{defect}");
 }
+
+#[tokio::test(start_paused = true)]
+async fn persisted_requests_to_a_full_mailbox_are_retried_without_waiting_for_the_poll() {
+    use cluster_testkit::memory::MemoryMessageStorage;
+
+    let config = ShardingConfig {
+        entity_message_poll_interval: Duration::from_secs(60),
+        ..ShardingConfig::default()
+    };
+    let storage = Arc::new(MemoryMessageStorage::new(Arc::new(SystemClock)));
+    let sharding = Sharding::with_storage(config, Arc::new(SystemClock), storage).await.unwrap();
+    let options =
+        EntityOptions { mailbox_capacity: Capacity::bounded(1), ..EntityOptions::default() };
+    sharding.register::<Counter>(options).unwrap();
+    let counter = sharding.client::<Counter>("full-mailbox");
+    let started = tokio::time::Instant::now();
+    let mut calls = Vec::new();
+    for n in 0..5_u64 {
+        let counter = counter.clone();
+        calls.push(tokio::spawn(async move {
+            counter.send(entities::Deposit { key: format!("k{n}"), amount: 1 }).await
+        }));
+    }
+    let mut totals = Vec::new();
+    for call in calls {
+        totals.push(call.await.unwrap().unwrap());
+    }
+    totals.sort_unstable();
+    assert_eq!(totals, [1, 2, 3, 4, 5]);
+    // Each full mailbox was retried after `send_retry_interval`, not after the 60 s poll.
+    assert!(started.elapsed() < Duration::from_secs(60), "{:?}", started.elapsed());
+    sharding.shutdown().await;
+}
