@@ -105,6 +105,8 @@ pub(crate) type Call<E> =
 /// One request type of a protocol.
 pub(crate) struct HandlerEntry<E> {
     pub(crate) call: Call<E>,
+    /// Interrupted as soon as the entity starts stopping.
+    pub(crate) interrupt_on_termination: bool,
 }
 
 /// The requests an entity type handles, by tag.
@@ -124,7 +126,10 @@ impl<E: Entity> Protocol<E> {
     where
         E: Handler<R>,
     {
-        let entry = HandlerEntry { call: call::<E, R> };
+        let entry = HandlerEntry {
+            call: call::<E, R>,
+            interrupt_on_termination: R::INTERRUPT_ON_TERMINATION && !R::UNINTERRUPTIBLE.server(),
+        };
         self.handlers.insert(R::TAG, entry);
         self
     }

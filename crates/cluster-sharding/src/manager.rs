@@ -342,10 +342,19 @@ async fn run_one<E: Entity>(
     let handled = AssertUnwindSafe((entry.call)(entity, &context, &request.payload))
         .catch_unwind()
         .instrument(span);
+    // Requests that do not wait for the graceful drain are cut off when stopping begins.
+    let stopping = async {
+        if entry.interrupt_on_termination {
+            shared.stopping.cancelled().await;
+        } else {
+            std::future::pending::<()>().await;
+        }
+    };
     tokio::select! {
         biased;
         () = delivery.cancellation.cancelled() => Outcome::Exited(Exit::interrupt()),
         () = shared.closed.cancelled() => Outcome::Exited(Exit::interrupt()),
+        () = stopping => Outcome::Exited(Exit::interrupt()),
         handled = handled => match handled {
             Ok(exit) => Outcome::Exited(exit),
             Err(_) => Outcome::Panicked,

@@ -56,6 +56,11 @@ pub trait Rpc: Serialize + DeserializeOwned + Send + 'static {
     const PERSISTED: bool = false;
     /// Whether interrupts reach the request.
     const UNINTERRUPTIBLE: Uninterruptible = Uninterruptible::No;
+    /// Whether a running request is interrupted as soon as its entity starts stopping (runner
+    /// shutdown) instead of getting `entity_termination_timeout` to finish (the reference's
+    /// `InterruptOnTermination`). A persisted one is left stored for the next run; server-side
+    /// [`Uninterruptible`] wins.
+    const INTERRUPT_ON_TERMINATION: bool = false;
 
     /// The reply of a successful request.
     type Success: Serialize + DeserializeOwned + Send + 'static;

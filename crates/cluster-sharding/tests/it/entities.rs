@@ -54,7 +54,8 @@ impl Entity for Counter {
             .handle::<Probe>()
             .handle::<Persist>()
             .handle::<Deposit>()
-            .handle::<Hang>();
+            .handle::<Hang>()
+            .handle::<Impatient>();
     }
 }
 
@@ -208,6 +209,24 @@ impl Handler<Deposit> for Counter {
 impl Handler<Hang> for Counter {
     async fn handle(&mut self, _: &RequestContext, _: Hang) -> Result<(), Failure> {
         let _guard = OnDrop(Arc::clone(&self.probes));
+        self.probes.probing.fetch_add(1, Ordering::SeqCst);
+        std::future::pending().await
+    }
+}
+
+/// A volatile request that never finishes and is interrupted as soon as the runner stops.
+#[derive(Serialize, Deserialize)]
+pub(crate) struct Impatient;
+
+impl Rpc for Impatient {
+    const TAG: &'static str = "Impatient";
+    const INTERRUPT_ON_TERMINATION: bool = true;
+    type Success = ();
+    type Error = Failure;
+}
+
+impl Handler<Impatient> for Counter {
+    async fn handle(&mut self, _: &RequestContext, _: Impatient) -> Result<(), Failure> {
         self.probes.probing.fetch_add(1, Ordering::SeqCst);
         std::future::pending().await
     }

@@ -308,3 +308,23 @@ async fn persisted_requests_to_a_full_mailbox_are_retried_without_waiting_for_th
     assert!(started.elapsed() < Duration::from_secs(60), "{:?}", started.elapsed());
     sharding.shutdown().await;
 }
+
+#[tokio::test(start_paused = true)]
+async fn interrupt_on_termination_does_not_wait_for_the_drain() {
+    let config = ShardingConfig {
+        entity_termination_timeout: Duration::from_secs(60),
+        ..ShardingConfig::default()
+    };
+    let sharding = registered(config);
+    let counter = sharding.client::<Counter>("impatient");
+    let running = tokio::spawn({
+        let counter = counter.clone();
+        async move { counter.send(entities::Impatient).await }
+    });
+    let probes = Probes::of("impatient");
+    eventually("the request runs", || probes.probing.load(Ordering::SeqCst) == 1).await;
+    let started = tokio::time::Instant::now();
+    sharding.shutdown().await;
+    assert!(started.elapsed() < Duration::from_secs(60), "{:?}", started.elapsed());
+    assert!(matches!(running.await.unwrap(), Err(CallError::Interrupted)));
+}
