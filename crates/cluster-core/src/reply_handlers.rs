@@ -155,6 +155,11 @@ impl<W: ReplyWaiter> ReplyHandlers<W> {
         n_handlers
     }
 
+    /// The requests someone waits for, in id order.
+    pub fn waiting(&self) -> impl Iterator<Item = Snowflake> + '_ {
+        self.by_request.keys().copied()
+    }
+
     /// Whether anyone waits for `request_id`.
     pub fn is_waiting(&self, request_id: Snowflake) -> bool {
         self.by_request.contains_key(&request_id)

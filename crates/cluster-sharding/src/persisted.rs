@@ -43,6 +43,8 @@ pub(crate) struct Persisted {
     read_latch: Notify,
     /// Requests handed to an entity and not answered yet, with their interruption.
     in_flight: Mutex<BTreeMap<Snowflake, CancellationToken>>,
+    /// Wakes the reply poller when a caller starts waiting.
+    reply_waiters: Notify,
 }
 
 /// A local caller waiting for a final reply.
@@ -75,6 +77,7 @@ impl Persisted {
             waiters: Mutex::new(ReplyHandlers::new()),
             read_latch: Notify::new(),
             in_flight: Mutex::new(BTreeMap::new()),
+            reply_waiters: Notify::new(),
         }
     }
 
@@ -160,7 +163,7 @@ impl Sharding {
             address: request.address.clone(),
             request_id: waited_id,
         };
-        let exit = self.await_reply(persisted, waited_id, &mut replied).await;
+        let exit = self.await_reply(persisted, &request.address, &mut replied).await;
         interrupt.sharding = None;
         drop(registration);
         exit
@@ -181,22 +184,43 @@ impl Sharding {
     async fn await_reply(
         &self,
         persisted: &Persisted,
-        request_id: Snowflake,
+        address: &EntityAddress,
         replied: &mut oneshot::Receiver<Reply>,
     ) -> Result<Exit, ClusterError> {
+        // Woken by a reply saved in this process, or by the reply poller.
+        persisted.reply_waiters.notify_one();
+        match replied.await {
+            Ok(Reply::WithExit(with_exit)) => Ok(with_exit.exit),
+            // The waiter was unregistered without a reply.
+            _ => Err(ClusterError::EntityNotAssignedToRunner { address: address.clone() }),
+        }
+    }
+
+    /// Reads the final replies of the requests local callers wait for, all in one query,
+    /// every `entity_reply_poll_interval` while anyone waits (reference §5.7): the replies that
+    /// another process saved, or that this process saved before a restart.
+    pub(crate) async fn poll_replies(self, persisted: Arc<Persisted>) {
         let interval = self.config().entity_reply_poll_interval;
         loop {
+            let waiting: Vec<Snowflake> = lock(&persisted.waiters).waiting().collect();
+            if waiting.is_empty() {
+                tokio::select! {
+                    () = persisted.reply_waiters.notified() => continue,
+                    () = self.shutdown_token().cancelled() => return,
+                }
+            }
             tokio::select! {
-                reply = &mut *replied => {
-                    if let Ok(Reply::WithExit(with_exit)) = reply {
-                        return Ok(with_exit.exit);
+                () = tokio::time::sleep(interval) => {}
+                () = self.shutdown_token().cancelled() => return,
+            }
+            match persisted.storage.replies_for(&waiting).await {
+                Ok(replies) => {
+                    let mut waiters = lock(&persisted.waiters);
+                    for reply in replies.iter().filter(|reply| reply.is_final()) {
+                        waiters.on_reply_saved(reply);
                     }
                 }
-                () = tokio::time::sleep(interval) => {}
-            }
-            let replies = persisted.storage.replies_for(&[request_id]).await?;
-            if let Some(Reply::WithExit(with_exit)) = replies.into_iter().find(Reply::is_final) {
-                return Ok(with_exit.exit);
+                Err(error) => tracing::debug!(%error, "could not poll replies"),
             }
         }
     }

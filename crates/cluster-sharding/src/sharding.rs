@@ -110,6 +110,7 @@ impl Sharding {
         metrics::set(metrics::SHARDS, shards.len());
         let persisted = Arc::new(Persisted::new(storage, shards));
         let sharding = Sharding::build(config, clock, Some(Arc::clone(&persisted)))?;
+        sharding.spawn_owned(sharding.clone().poll_replies(Arc::clone(&persisted)));
         sharding.spawn_owned(sharding.clone().read_storage(persisted));
         Ok(sharding)
     }
@@ -120,7 +121,7 @@ impl Sharding {
     /// are read back from storage every `entity_reply_poll_interval`. Volatile requests need a
     /// transport to reach their runner, which this process does not have: they fail with
     /// `EntityNotAssignedToRunner`.
-    pub fn client_only(
+    pub async fn client_only(
         config: ShardingConfig,
         clock: Arc<dyn Clock>,
         storage: Arc<dyn MessageStorage>,
@@ -132,7 +133,10 @@ impl Sharding {
                 "a client-only process has no runner address",
             ));
         }
-        Sharding::build(config, clock, Some(Arc::new(Persisted::new(storage, Vec::new()))))
+        let persisted = Arc::new(Persisted::new(storage, Vec::new()));
+        let sharding = Sharding::build(config, clock, Some(Arc::clone(&persisted)))?;
+        sharding.spawn_owned(sharding.clone().poll_replies(persisted));
+        Ok(sharding)
     }
 
     /// Whether this process hosts entities (it has a runner address).

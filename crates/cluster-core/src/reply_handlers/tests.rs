@@ -67,6 +67,7 @@ fn chunks_reach_every_waiter_and_the_final_reply_completes_them() {
     handlers.register(Snowflake::new(2), shard(1), Recorder { name: 3, log: log.clone() });
     assert_eq!(handlers.on_reply_saved(&chunk(1, 10)), 2);
     assert_eq!(handlers.len(), 3);
+    assert_eq!(handlers.waiting().collect::<Vec<_>>(), [Snowflake::new(1), Snowflake::new(2)]);
     assert_eq!(handlers.on_reply_saved(&final_reply(1, 11)), 2);
     assert!(!handlers.is_waiting(Snowflake::new(1)));
     assert_eq!(handlers.len(), 1);

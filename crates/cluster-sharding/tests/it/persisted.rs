@@ -339,6 +339,7 @@ async fn a_client_only_process_reaches_the_runner_through_storage(store: Store, 
     let client_config = ShardingConfig { runner_address: None, ..config() };
     let client =
         Sharding::client_only(client_config, Arc::new(SystemClock), Arc::clone(&store.storage))
+            .await
             .unwrap();
     assert!(!client.is_runner());
     client.register::<Counter>(EntityOptions::default()).unwrap();
@@ -357,6 +358,8 @@ async fn a_client_only_process_reaches_the_runner_through_storage(store: Store, 
     client.shutdown().await;
     runner.shutdown().await;
     assert!(
-        Sharding::client_only(config(), Arc::new(SystemClock), Arc::clone(&store.storage)).is_err()
+        Sharding::client_only(config(), Arc::new(SystemClock), Arc::clone(&store.storage))
+            .await
+            .is_err()
     );
 }
