@@ -2,17 +2,83 @@
 
 use std::marker::PhantomData;
 
-use cluster_core::envelope::{CauseReason, Exit, RawJson, Request, TraceContext, primary_key};
-use cluster_core::storage::SaveRequestOptions;
-use cluster_core::{ClusterError, EntityAddress};
+use std::collections::VecDeque;
 
-use crate::entity::{Entity, Handler};
-use crate::rpc::{CallError, Rpc};
+use cluster_core::envelope::{
+    Cause, CauseReason, Exit, RawJson, Reply, Request, TraceContext, primary_key,
+};
+use cluster_core::storage::SaveRequestOptions;
+use cluster_core::{ClusterError, EntityAddress, Snowflake};
+use tokio::sync::mpsc;
+use tokio_util::sync::DropGuard;
+
+use crate::entity::{Entity, Handler, StreamHandler};
+use crate::rpc::{CallError, Rpc, StreamRpc};
 use crate::sharding::Sharding;
 
 /// The defect the reference raises for a persisted request on a runtime without storage.
 const PERSISTED_WITHOUT_STORAGE: &str =
     "Sharding.sendOutgoing: Persisted messages require MessageStorage";
+
+/// The defect for a persisted stream, which this runtime does not deliver yet.
+const PERSISTED_STREAMS: &str =
+    "persisted streams are not supported yet: declare the stream volatile";
+
+/// The items of a streamed response, in order.
+pub struct ChunkStream<R: StreamRpc> {
+    replies: mpsc::Receiver<Reply>,
+    acks: mpsc::Sender<Snowflake>,
+    buffered: VecDeque<RawJson>,
+    finished: bool,
+    /// Interrupts the request if the stream is dropped before its end.
+    interrupt: Option<DropGuard>,
+    request: PhantomData<fn() -> R>,
+}
+
+impl<R: StreamRpc> ChunkStream<R> {
+    /// The next item; `None` once the stream ended; an error ends it too.
+    ///
+    /// # Cancel safety
+    ///
+    /// Cancel safe: an item is only taken when this returns it.
+    pub async fn next(&mut self) -> Option<Result<R::Item, CallError<R::Error>>> {
+        loop {
+            if let Some(value) = self.buffered.pop_front() {
+                return Some(value.decode().map_err(|error| CallError::Cluster(error.into())));
+            }
+            if self.finished {
+                return None;
+            }
+            match self.replies.recv().await {
+                Some(Reply::Chunk(chunk)) => {
+                    // Acknowledge at once: the handler produces the next chunk meanwhile.
+                    let _ = self.acks.send(chunk.id()).await;
+                    self.buffered.extend(chunk.values().iter().cloned());
+                }
+                Some(Reply::WithExit(with_exit)) => {
+                    self.finished = true;
+                    if let Some(guard) = self.interrupt.take() {
+                        guard.disarm();
+                    }
+                    if let Exit::Failure(cause) = with_exit.exit {
+                        return Some(Err(failure::<R::Error>(cause)));
+                    }
+                }
+                // The entity went away without a final reply (the runner stopped).
+                None => {
+                    self.finished = true;
+                    return Some(Err(CallError::Interrupted));
+                }
+            }
+        }
+    }
+}
+
+impl<R: StreamRpc> std::fmt::Debug for ChunkStream<R> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ChunkStream").field("finished", &self.finished).finish_non_exhaustive()
+    }
+}
 
 /// A typed client for one entity; cheap to clone.
 pub struct EntityClient<E> {
@@ -97,11 +163,47 @@ impl<E: Entity> EntityClient<E> {
         }
     }
 
+    /// Sends the streaming `request` and returns its items as they come. Each chunk is
+    /// acknowledged when it is received, which lets the handler send the next.
+    ///
+    /// # Cancel safety
+    ///
+    /// Dropping the returned stream interrupts the request.
+    pub async fn stream<R: StreamRpc>(
+        &self,
+        request: R,
+    ) -> Result<ChunkStream<R>, CallError<R::Error>>
+    where
+        E: StreamHandler<R>,
+    {
+        if R::PERSISTED {
+            return Err(CallError::Defect(PERSISTED_STREAMS.to_owned()));
+        }
+        let request = self.build(R::TAG, &request).map_err(CallError::Cluster)?;
+        let (replies, acks, cancellation) = self.sharding.stream_local(request).await?;
+        Ok(ChunkStream {
+            replies,
+            acks,
+            buffered: VecDeque::new(),
+            finished: false,
+            interrupt: Some(cancellation.drop_guard()),
+            request: PhantomData,
+        })
+    }
+
     fn request<R: Rpc>(&self, request: &R) -> Result<Request, ClusterError> {
+        self.build(R::TAG, request)
+    }
+
+    fn build<T: serde::Serialize>(
+        &self,
+        tag: &'static str,
+        request: &T,
+    ) -> Result<Request, ClusterError> {
         Ok(Request {
             request_id: self.sharding.next_id(),
             address: self.address.clone(),
-            tag: R::TAG.into(),
+            tag: tag.into(),
             payload: RawJson::encode(request)?,
             headers: RawJson::empty_object(),
             trace: TraceContext::default(),
@@ -109,29 +211,32 @@ impl<E: Entity> EntityClient<E> {
     }
 }
 
-/// The typed outcome of an exit: the success value, the request's own error (if any reason is
-/// one), a defect (if any reason is one), else an interruption.
+/// The typed outcome of an exit: the success value, or the failure (see [`failure`]).
 fn decode_exit<R: Rpc>(exit: Exit) -> Result<R::Success, CallError<R::Error>> {
     match exit {
         Exit::Success(value) => value.decode().map_err(|error| CallError::Cluster(error.into())),
-        Exit::Failure(cause) => {
-            let reasons = &cause.0;
-            if let Some(error) = reasons.iter().find_map(|reason| match reason {
-                CauseReason::Fail(error) => Some(error),
-                _ => None,
-            }) {
-                return Err(match error.decode() {
-                    Ok(error) => CallError::Failed(error),
-                    Err(decode) => CallError::Cluster(decode.into()),
-                });
-            }
-            if let Some(defect) = reasons.iter().find_map(|reason| match reason {
-                CauseReason::Die(defect) => Some(defect),
-                _ => None,
-            }) {
-                return Err(CallError::Defect(defect.json_or_null().to_owned()));
-            }
-            Err(CallError::Interrupted)
-        }
+        Exit::Failure(cause) => Err(failure(cause)),
     }
+}
+
+/// The typed failure of a cause: the request's own error (if any reason is one), a defect (if
+/// any reason is one), else an interruption.
+fn failure<E: serde::de::DeserializeOwned>(cause: Cause) -> CallError<E> {
+    let reasons = &cause.0;
+    if let Some(error) = reasons.iter().find_map(|reason| match reason {
+        CauseReason::Fail(error) => Some(error),
+        _ => None,
+    }) {
+        return match error.decode() {
+            Ok(error) => CallError::Failed(error),
+            Err(decode) => CallError::Cluster(decode.into()),
+        };
+    }
+    if let Some(defect) = reasons.iter().find_map(|reason| match reason {
+        CauseReason::Die(defect) => Some(defect),
+        _ => None,
+    }) {
+        return CallError::Defect(defect.json_or_null().to_owned());
+    }
+    CallError::Interrupted
 }

@@ -25,15 +25,19 @@
 
 use std::collections::BTreeMap;
 use std::future::Future;
+use std::sync::Arc;
 use std::time::Duration;
 
 use cluster_core::config::Capacity;
-use cluster_core::envelope::{Exit, RawJson};
+use cluster_core::envelope::{Chunk, Exit, RawJson, Reply};
 use cluster_core::future::BoxFuture;
 use cluster_core::{EntityAddress, ShardGroup, Snowflake};
+use serde::Serialize;
+use serde::de::DeserializeOwned;
+use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
 
-use crate::rpc::Rpc;
+use crate::rpc::{Rpc, StreamRpc};
 
 /// An entity type.
 pub trait Entity: Sized + Send + 'static {
@@ -63,6 +67,123 @@ pub trait Handler<R: Rpc>: Entity {
         context: &RequestContext,
         request: R,
     ) -> impl Future<Output = Result<R::Success, R::Error>> + Send;
+}
+
+/// Handles one streaming request type `R`.
+pub trait StreamHandler<R: StreamRpc>: Entity {
+    /// Handles `request`, sending its items with [`Chunks::send`]. Returning ends the stream
+    /// (with the error, if any). Dropping the future interrupts the request.
+    fn handle(
+        &mut self,
+        context: &RequestContext,
+        request: R,
+        chunks: &mut Chunks<'_, R::Item>,
+    ) -> impl Future<Output = Result<(), R::Error>> + Send;
+}
+
+/// The sending side of a streamed response.
+pub struct Chunks<'c, T> {
+    channel: &'c mut ChunkChannel,
+    item: std::marker::PhantomData<fn(T)>,
+}
+
+/// Why a chunk was not sent.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum ChunkError {
+    /// The item cannot be encoded.
+    #[error("the item cannot be encoded: {0}")]
+    Malformed(#[from] cluster_core::DecodeError),
+    /// The caller is gone or the request was interrupted.
+    #[error("the stream was interrupted")]
+    Interrupted,
+}
+
+impl<T: Serialize + DeserializeOwned> Chunks<'_, T> {
+    /// Sends one item as a chunk and waits until the caller acknowledged it (backpressure).
+    ///
+    /// # Cancel safety
+    ///
+    /// Not cancel safe: a dropped send may have delivered the chunk.
+    pub async fn send(&mut self, item: T) -> Result<(), ChunkError> {
+        let value = RawJson::encode(&item)?;
+        self.channel.send(vec![value]).await
+    }
+
+    /// The sequence number the next chunk gets: 0 for a fresh stream, one past the last chunk
+    /// sent before a restart for a resumed one.
+    pub fn next_sequence(&self) -> u32 {
+        self.channel.next_sequence
+    }
+
+    /// The last item sent before a restart, when a persisted stream resumes.
+    pub fn last_sent(&self) -> Option<T> {
+        let chunk = self.channel.last_sent.as_ref()?;
+        chunk.values().last()?.decode().ok()
+    }
+}
+
+/// The untyped chunk channel of one streaming request: chunk replies go out, acknowledgements
+/// (the acknowledged chunk's id) come back.
+pub(crate) struct ChunkChannel {
+    pub(crate) request_id: Snowflake,
+    pub(crate) next_sequence: u32,
+    pub(crate) last_sent: Option<Chunk>,
+    pub(crate) replies: mpsc::Sender<Reply>,
+    pub(crate) acks: mpsc::Receiver<Snowflake>,
+    pub(crate) ids: Arc<Ids>,
+}
+
+impl ChunkChannel {
+    async fn send(&mut self, values: Vec<RawJson>) -> Result<(), ChunkError> {
+        let id = self.ids.next();
+        let chunk = Chunk::new(self.request_id, id, self.next_sequence, values)
+            .ok_or(ChunkError::Interrupted)?;
+        self.replies
+            .send(Reply::Chunk(chunk.clone()))
+            .await
+            .map_err(|_| ChunkError::Interrupted)?;
+        loop {
+            match self.acks.recv().await {
+                // An acknowledgement of another chunk is stale: ignored, as in the reference.
+                Some(acked) if acked == id => break,
+                Some(_) => {}
+                None => return Err(ChunkError::Interrupted),
+            }
+        }
+        self.next_sequence += 1;
+        self.last_sent = Some(chunk);
+        Ok(())
+    }
+}
+
+/// The source of ids shared by a runtime and its managers.
+pub(crate) struct Ids {
+    clock: Arc<dyn cluster_core::Clock>,
+    generator: std::sync::Mutex<cluster_core::SnowflakeGenerator>,
+}
+
+impl Ids {
+    pub(crate) fn new(
+        clock: Arc<dyn cluster_core::Clock>,
+        generator: cluster_core::SnowflakeGenerator,
+    ) -> Ids {
+        Ids { clock, generator: std::sync::Mutex::new(generator) }
+    }
+
+    /// A fresh id.
+    pub(crate) fn next(&self) -> Snowflake {
+        let now = self.clock.now();
+        self.generator.lock().unwrap_or_else(std::sync::PoisonError::into_inner).next(now)
+    }
+
+    /// Stamps new ids with `machine_id`.
+    pub(crate) fn set_machine_id(&self, machine_id: cluster_core::MachineId) {
+        self.generator
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .set_machine_id(machine_id);
+    }
 }
 
 /// What a handler knows about the request it handles.
@@ -102,9 +223,25 @@ impl RequestContext {
 pub(crate) type Call<E> =
     for<'a> fn(&'a mut E, &'a RequestContext, &'a RawJson) -> BoxFuture<'a, Exit>;
 
+/// A type-erased streaming handler call.
+pub(crate) type StreamCall<E> = for<'a> fn(
+    &'a mut E,
+    &'a RequestContext,
+    &'a RawJson,
+    &'a mut ChunkChannel,
+) -> BoxFuture<'a, Exit>;
+
+/// How a request type is handled.
+pub(crate) enum CallKind<E> {
+    /// One reply.
+    Unary(Call<E>),
+    /// Chunks, then the final reply.
+    Stream(StreamCall<E>),
+}
+
 /// One request type of a protocol.
 pub(crate) struct HandlerEntry<E> {
-    pub(crate) call: Call<E>,
+    pub(crate) call: CallKind<E>,
     /// Interrupted as soon as the entity starts stopping.
     pub(crate) interrupt_on_termination: bool,
 }
@@ -127,8 +264,21 @@ impl<E: Entity> Protocol<E> {
         E: Handler<R>,
     {
         let entry = HandlerEntry {
-            call: call::<E, R>,
+            call: CallKind::Unary(call::<E, R>),
             interrupt_on_termination: R::INTERRUPT_ON_TERMINATION && !R::UNINTERRUPTIBLE.server(),
+        };
+        self.handlers.insert(R::TAG, entry);
+        self
+    }
+
+    /// Declares that the entity handles the streaming request `R`.
+    pub fn stream<R: StreamRpc>(&mut self) -> &mut Protocol<E>
+    where
+        E: StreamHandler<R>,
+    {
+        let entry = HandlerEntry {
+            call: CallKind::Stream(stream_call::<E, R>),
+            interrupt_on_termination: false,
         };
         self.handlers.insert(R::TAG, entry);
         self
@@ -152,6 +302,26 @@ fn call<'a, E: Handler<R>, R: Rpc>(
         match entity.handle(context, request).await {
             Ok(success) => RawJson::encode(&success)
                 .map_or_else(|error| malformed(&error.to_string()), Exit::Success),
+            Err(error) => RawJson::encode(&error)
+                .map_or_else(|error| malformed(&error.to_string()), Exit::fail),
+        }
+    })
+}
+
+fn stream_call<'a, E: StreamHandler<R>, R: StreamRpc>(
+    entity: &'a mut E,
+    context: &'a RequestContext,
+    payload: &'a RawJson,
+    channel: &'a mut ChunkChannel,
+) -> BoxFuture<'a, Exit> {
+    Box::pin(async move {
+        let request: R = match payload.decode() {
+            Ok(request) => request,
+            Err(error) => return malformed(&error.to_string()),
+        };
+        let mut chunks = Chunks { channel, item: std::marker::PhantomData };
+        match entity.handle(context, request, &mut chunks).await {
+            Ok(()) => Exit::void(),
             Err(error) => RawJson::encode(&error)
                 .map_or_else(|error| malformed(&error.to_string()), Exit::fail),
         }

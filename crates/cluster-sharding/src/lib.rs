@@ -28,9 +28,11 @@ mod rpc;
 mod sharding;
 mod single_runner;
 
-pub use client::EntityClient;
-pub use entity::{Entity, EntityOptions, Handler, Protocol, RequestContext};
-pub use rpc::{CallError, Rpc, Uninterruptible};
+pub use client::{ChunkStream, EntityClient};
+pub use entity::{
+    ChunkError, Chunks, Entity, EntityOptions, Handler, Protocol, RequestContext, StreamHandler,
+};
+pub use rpc::{CallError, Rpc, StreamRpc, Uninterruptible};
 pub use sharding::{RegisterError, RegistrationEvent, Sharding};
 #[cfg(feature = "sqlite")]
 pub use single_runner::SingleRunner;

@@ -14,16 +14,16 @@ use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 use std::time::Duration;
 
 use cluster_core::config::Capacity;
-use cluster_core::envelope::{Exit, Request};
+use cluster_core::envelope::{Chunk, Exit, Reply, Request, WithExit};
 use cluster_core::future::BoxFuture;
-use cluster_core::{ClusterError, EntityAddress, EntityId, EntityType};
+use cluster_core::{ClusterError, EntityAddress, EntityId, EntityType, Snowflake};
 use futures_util::FutureExt;
 use tokio::sync::{mpsc, oneshot};
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 use tracing::Instrument;
 
-use crate::entity::{Entity, Protocol, RequestContext, malformed};
+use crate::entity::{CallKind, ChunkChannel, Entity, Ids, Protocol, RequestContext, malformed};
 use crate::metrics;
 
 /// The largest mailbox channel; an unbounded mailbox capacity is capped here (everything has a
@@ -40,7 +40,25 @@ pub(crate) struct Delivery {
     pub(crate) request: Request,
     /// Cancelled when the request is interrupted.
     pub(crate) cancellation: CancellationToken,
-    pub(crate) reply: oneshot::Sender<Exit>,
+    pub(crate) reply: ReplyTo,
+}
+
+/// Where the outcome of a request goes.
+pub(crate) enum ReplyTo {
+    /// The exit of a unary request.
+    Exit(oneshot::Sender<Exit>),
+    /// The chunks and then the final reply of a streaming request, and its acknowledgements.
+    Stream(StreamReplies),
+}
+
+/// The channels of a streaming request.
+pub(crate) struct StreamReplies {
+    /// Chunks, then the final reply.
+    pub(crate) replies: mpsc::Sender<Reply>,
+    /// The ids of acknowledged chunks.
+    pub(crate) acks: mpsc::Receiver<Snowflake>,
+    /// The last chunk sent before a restart, for a resumed stream.
+    pub(crate) last_sent: Option<Chunk>,
 }
 
 /// The runner-wide number of resident instances, bounded by `max_resident_entities`.
@@ -76,6 +94,9 @@ pub(crate) trait ErasedManager: Send + Sync {
     /// The number of resident instances.
     fn active_entities(&self) -> usize;
 
+    /// Whether requests tagged `tag` are streaming requests.
+    fn is_stream(&self, tag: &str) -> bool;
+
     /// Stops every instance and waits for them to end: no new request is admitted, the ones
     /// already delivered get `termination_timeout` to finish (the reference's graceful drain,
     /// `entityTerminationTimeout`), then the rest are interrupted.
@@ -99,6 +120,7 @@ struct Shared<E: Entity> {
     protocol: Protocol<E>,
     options: ManagerOptions,
     residency: Arc<Residency>,
+    ids: Arc<Ids>,
     instances: Mutex<BTreeMap<EntityId, Instance>>,
     /// Consecutive restarts of this type, for the backoff (as in the reference, the schedule
     /// belongs to the type).
@@ -117,13 +139,18 @@ struct Instance {
 }
 
 impl<E: Entity> EntityManager<E> {
-    pub(crate) fn new(options: ManagerOptions, residency: Arc<Residency>) -> EntityManager<E> {
+    pub(crate) fn new(
+        options: ManagerOptions,
+        residency: Arc<Residency>,
+        ids: Arc<Ids>,
+    ) -> EntityManager<E> {
         EntityManager {
             shared: Arc::new(Shared {
                 entity_type: EntityType::from(E::TYPE),
                 protocol: Protocol::of(),
                 options,
                 residency,
+                ids,
                 instances: Mutex::new(BTreeMap::new()),
                 restarts: AtomicUsize::new(0),
                 stopping: CancellationToken::new(),
@@ -175,6 +202,10 @@ impl<E: Entity> ErasedManager for EntityManager<E> {
 
     fn active_entities(&self) -> usize {
         lock(&self.shared.instances).len()
+    }
+
+    fn is_stream(&self, tag: &str) -> bool {
+        self.shared.protocol.get(tag).is_some_and(|entry| matches!(entry.call, CallKind::Stream(_)))
     }
 
     fn shutdown(&self, termination_timeout: Duration) -> BoxFuture<'_, ()> {
@@ -242,6 +273,25 @@ impl<E: Entity> Shared<E> {
     }
 }
 
+/// The chunk channel of a streaming delivery. The acknowledgement receiver moves into the
+/// channel for the run and back when the run ends (a restarted run gets it again).
+fn chunk_channel<E: Entity>(
+    shared: &Shared<E>,
+    request: &Request,
+    stream: &mut StreamReplies,
+) -> ChunkChannel {
+    let (_, empty) = mpsc::channel(1);
+    let next_sequence = stream.last_sent.as_ref().map_or(0, |chunk| chunk.sequence() + 1);
+    ChunkChannel {
+        request_id: request.request_id,
+        next_sequence,
+        last_sent: stream.last_sent.clone(),
+        replies: stream.replies.clone(),
+        acks: std::mem::replace(&mut stream.acks, empty),
+        ids: Arc::clone(&shared.ids),
+    }
+}
+
 /// What became of one handler run.
 enum Outcome {
     Exited(Exit),
@@ -258,9 +308,9 @@ async fn run_instance<E: Entity>(
         shared.residency.release();
         return;
     };
-    while let Some(delivery) = next_delivery(&shared, &address, &mut receiver).await {
+    while let Some(mut delivery) = next_delivery(&shared, &address, &mut receiver).await {
         let exit = loop {
-            match run_one(&shared, &mut entity, &address, &delivery).await {
+            match run_one(&shared, &mut entity, &address, &mut delivery).await {
                 Outcome::Exited(exit) => break exit,
                 Outcome::Panicked => {
                     tracing::warn!(entity_type = %shared.entity_type, entity_id = %address.entity_id, "defect in entity, restarting");
@@ -273,7 +323,19 @@ async fn run_instance<E: Entity>(
             }
         };
         // The caller may have gone away (an interrupted request).
-        let _ = delivery.reply.send(exit);
+        match delivery.reply {
+            ReplyTo::Exit(reply) => {
+                let _ = reply.send(exit);
+            }
+            ReplyTo::Stream(stream) => {
+                let with_exit = WithExit {
+                    request_id: delivery.request.request_id,
+                    id: shared.ids.next(),
+                    exit,
+                };
+                let _ = stream.replies.send(Reply::WithExit(with_exit)).await;
+            }
+        }
         active.fetch_sub(1, Ordering::AcqRel);
     }
     shared.residency.release();
@@ -318,7 +380,7 @@ async fn run_one<E: Entity>(
     shared: &Shared<E>,
     entity: &mut E,
     address: &EntityAddress,
-    delivery: &Delivery,
+    delivery: &mut Delivery,
 ) -> Outcome {
     let request = &delivery.request;
     let Some(entry) = shared.protocol.get(&request.tag) else {
@@ -339,9 +401,25 @@ async fn run_one<E: Entity>(
         request_id = %request.request_id,
         tag = %request.tag,
     );
-    let handled = AssertUnwindSafe((entry.call)(entity, &context, &request.payload))
-        .catch_unwind()
-        .instrument(span);
+    let mut channel = match (&entry.call, &mut delivery.reply) {
+        (CallKind::Stream(_), ReplyTo::Stream(stream)) => {
+            Some(chunk_channel(shared, request, stream))
+        }
+        (CallKind::Stream(_), ReplyTo::Exit(_)) => {
+            return Outcome::Exited(malformed(
+                "a streaming request was delivered without a stream",
+            ));
+        }
+        (CallKind::Unary(_), _) => None,
+    };
+    let call = match (&entry.call, channel.as_mut()) {
+        (CallKind::Stream(call), Some(channel)) => {
+            call(entity, &context, &request.payload, channel)
+        }
+        (CallKind::Unary(call), _) => call(entity, &context, &request.payload),
+        (CallKind::Stream(_), None) => return Outcome::Exited(malformed("no stream channel")),
+    };
+    let handled = AssertUnwindSafe(call).catch_unwind().instrument(span);
     // Requests that do not wait for the graceful drain are cut off when stopping begins.
     let stopping = async {
         if entry.interrupt_on_termination {
@@ -350,7 +428,7 @@ async fn run_one<E: Entity>(
             std::future::pending::<()>().await;
         }
     };
-    tokio::select! {
+    let outcome = tokio::select! {
         biased;
         () = delivery.cancellation.cancelled() => Outcome::Exited(Exit::interrupt()),
         () = shared.closed.cancelled() => Outcome::Exited(Exit::interrupt()),
@@ -359,5 +437,11 @@ async fn run_one<E: Entity>(
             Ok(exit) => Outcome::Exited(exit),
             Err(_) => Outcome::Panicked,
         },
+    };
+    // Give the stream's acknowledgements back, so that a restarted run continues the stream.
+    if let (Some(channel), ReplyTo::Stream(stream)) = (channel, &mut delivery.reply) {
+        stream.acks = channel.acks;
+        stream.last_sent = channel.last_sent;
     }
+    outcome
 }

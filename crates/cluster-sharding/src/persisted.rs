@@ -24,7 +24,7 @@ use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 
 use crate::entity::malformed;
-use crate::manager::Delivery;
+use crate::manager::{Delivery, ReplyTo};
 use crate::metrics;
 use crate::sharding::Sharding;
 
@@ -327,6 +327,11 @@ impl Sharding {
                 self.final_reply(request_id, Exit::die_with_message("Error", &message)),
             );
         };
+        if manager.is_stream(&request.tag) {
+            // Persisted streams (chunks and acknowledgements through storage) are not built yet.
+            let defect = Exit::die_with_message("Error", "persisted streams are not supported yet");
+            return Dispatched::Answer(self.final_reply(request_id, defect));
+        }
         let cancellation = CancellationToken::new();
         let (reply, exit) = oneshot::channel();
         {
@@ -334,7 +339,7 @@ impl Sharding {
             in_flight.insert(request_id, cancellation.clone());
             metrics::set(metrics::PERSISTED_IN_FLIGHT, in_flight.len());
         }
-        match manager.deliver(Delivery { request, cancellation, reply }) {
+        match manager.deliver(Delivery { request, cancellation, reply: ReplyTo::Exit(reply) }) {
             Ok(()) => {
                 let sharding = self.clone();
                 let persisted_handle = Arc::clone(persisted);

@@ -79,6 +79,26 @@ pub trait Rpc: Serialize + DeserializeOwned + Send + 'static {
     }
 }
 
+/// A request whose response is a stream of items (the reference's stream RPCs): the handler
+/// sends items one chunk at a time, each waiting for the caller's acknowledgement, and a
+/// persisted stream resumes after a restart from the last chunk it sent.
+pub trait StreamRpc: Serialize + DeserializeOwned + Send + 'static {
+    /// The request's name within its entity type.
+    const TAG: &'static str;
+    /// Whether requests (and their chunks) go through storage.
+    const PERSISTED: bool = false;
+
+    /// One item of the response stream.
+    type Item: Serialize + DeserializeOwned + Send + 'static;
+    /// The request's own error, which ends the stream.
+    type Error: Serialize + DeserializeOwned + Send + 'static;
+
+    /// The deduplication key of a persisted request, as [`Rpc::primary_key`].
+    fn primary_key(&self) -> Option<String> {
+        None
+    }
+}
+
 /// Why a call did not return the request's success value.
 #[derive(Debug, thiserror::Error)]
 pub enum CallError<E> {

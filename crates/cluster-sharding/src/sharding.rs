@@ -9,7 +9,7 @@ use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex, PoisonError, RwLock};
 
 use cluster_core::config::ShardingConfig;
-use cluster_core::envelope::{Exit, Request};
+use cluster_core::envelope::{Exit, Reply, Request, WithExit};
 use cluster_core::error::ConfigError;
 use cluster_core::snowflake::SnowflakeGenerator;
 use cluster_core::storage::MessageStorage;
@@ -17,13 +17,16 @@ use cluster_core::{
     Clock, ClusterError, EntityAddress, EntityId, EntityType, MachineId, ShardGroup, ShardId,
     Snowflake,
 };
-use tokio::sync::{Notify, broadcast, oneshot};
+use tokio::sync::{Notify, broadcast, mpsc, oneshot};
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
 use crate::client::EntityClient;
+use crate::entity::Ids;
 use crate::entity::{Entity, EntityOptions};
-use crate::manager::{Delivery, EntityManager, ErasedManager, ManagerOptions, Residency};
+use crate::manager::{
+    Delivery, EntityManager, ErasedManager, ManagerOptions, ReplyTo, Residency, StreamReplies,
+};
 use crate::metrics;
 use crate::persisted::{Persisted, all_shards};
 use crate::single_runner::HeldLocks;
@@ -48,6 +51,9 @@ pub enum RegistrationEvent {
     EntityRegistered(EntityType),
 }
 
+/// The buffer of a stream's reply and acknowledgement channels.
+const STREAM_BUFFER: usize = 4;
+
 /// How many registration events a slow subscriber may lag behind before it misses some.
 const REGISTRATION_EVENTS_MAX: usize = 64;
 
@@ -60,7 +66,7 @@ pub struct Sharding {
 struct Inner {
     config: ShardingConfig,
     clock: Arc<dyn Clock>,
-    snowflakes: Mutex<SnowflakeGenerator>,
+    ids: Arc<Ids>,
     managers: RwLock<BTreeMap<EntityType, Arc<dyn ErasedManager>>>,
     /// Woken whenever an entity type is registered.
     registered: Notify,
@@ -153,7 +159,10 @@ impl Sharding {
         // The reference starts with a random machine id until the runner registers; the
         // process id is as good a spread without a random source in the runtime.
         let machine_id = MachineId::new(i32::try_from(std::process::id() % 1024).unwrap_or(0));
-        let snowflakes = SnowflakeGenerator::new(machine_id, clock.now());
+        let ids = Arc::new(Ids::new(
+            Arc::clone(&clock),
+            SnowflakeGenerator::new(machine_id, clock.now()),
+        ));
         let residency = Arc::new(Residency::new(config.max_resident_entities));
         let runners = usize::from(config.runner_address.is_some());
         metrics::set(metrics::RUNNERS, runners);
@@ -162,7 +171,7 @@ impl Sharding {
             inner: Arc::new(Inner {
                 config,
                 clock,
-                snowflakes: Mutex::new(snowflakes),
+                ids,
                 managers: RwLock::new(BTreeMap::new()),
                 registered: Notify::new(),
                 events: broadcast::channel(REGISTRATION_EVENTS_MAX).0,
@@ -200,8 +209,11 @@ impl Sharding {
             if managers.contains_key(&entity_type) {
                 return Err(RegisterError::AlreadyRegistered(entity_type));
             }
-            let manager =
-                EntityManager::<E>::new(manager_options, Arc::clone(&self.inner.residency));
+            let manager = EntityManager::<E>::new(
+                manager_options,
+                Arc::clone(&self.inner.residency),
+                Arc::clone(&self.inner.ids),
+            );
             managers.insert(entity_type.clone(), Arc::new(manager));
         }
         tracing::debug!(%entity_type, "entity registered");
@@ -260,11 +272,7 @@ impl Sharding {
 
     /// Stamps new ids with the machine id the runner registry gave this runner.
     pub(crate) fn set_machine_id(&self, machine_id: MachineId) {
-        self.inner
-            .snowflakes
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner)
-            .set_machine_id(machine_id);
+        self.inner.ids.set_machine_id(machine_id);
     }
 
     /// Keeps `locks` to release at shutdown.
@@ -330,8 +338,7 @@ impl Sharding {
 
     /// A fresh id.
     pub(crate) fn next_id(&self) -> Snowflake {
-        let now = self.inner.clock.now();
-        self.inner.snowflakes.lock().unwrap_or_else(PoisonError::into_inner).next(now)
+        self.inner.ids.next()
     }
 
     fn managers(&self) -> Vec<Arc<dyn ErasedManager>> {
@@ -389,6 +396,40 @@ impl Sharding {
         exit
     }
 
+    /// Delivers a volatile streaming request to the local entity; returns its replies (chunks,
+    /// then the final reply) and where the caller's acknowledgements go.
+    pub(crate) async fn stream_local(
+        &self,
+        request: Request,
+    ) -> Result<(mpsc::Receiver<Reply>, mpsc::Sender<Snowflake>, CancellationToken), ClusterError>
+    {
+        let address = request.address.clone();
+        if self.is_shutdown() || !self.is_runner() {
+            return Err(ClusterError::EntityNotAssignedToRunner { address });
+        }
+        // One chunk in flight at a time (the handler waits for its acknowledgement), plus the
+        // final reply.
+        let (replies, replied) = mpsc::channel(STREAM_BUFFER);
+        let (acked, acks) = mpsc::channel(STREAM_BUFFER);
+        let cancellation = CancellationToken::new();
+        let manager = match self.manager_for(&address).await {
+            Ok(manager) => manager,
+            Err(defect) => {
+                let with_exit =
+                    WithExit { request_id: request.request_id, id: self.next_id(), exit: defect };
+                let _ = replies.send(Reply::WithExit(with_exit)).await;
+                return Ok((replied, acked, cancellation));
+            }
+        };
+        let stream = StreamReplies { replies, acks, last_sent: None };
+        manager.deliver(Delivery {
+            request,
+            cancellation: cancellation.clone(),
+            reply: ReplyTo::Stream(stream),
+        })?;
+        Ok((replied, acked, cancellation))
+    }
+
     /// Delivers a volatile request without waiting for its exit (a discarded call).
     pub(crate) async fn notify_local(&self, request: Request) -> Result<(), ClusterError> {
         let (reply, _ignored) = oneshot::channel();
@@ -413,6 +454,6 @@ impl Sharding {
                 return Ok(());
             }
         };
-        manager.deliver(Delivery { request, cancellation, reply })
+        manager.deliver(Delivery { request, cancellation, reply: ReplyTo::Exit(reply) })
     }
 }

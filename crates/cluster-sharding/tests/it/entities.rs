@@ -6,7 +6,9 @@ use std::sync::{Arc, Mutex, OnceLock};
 use std::time::Duration;
 
 use cluster_core::EntityAddress;
-use cluster_sharding::{Entity, Handler, Protocol, RequestContext, Rpc};
+use cluster_sharding::{
+    Chunks, Entity, Handler, Protocol, RequestContext, Rpc, StreamHandler, StreamRpc,
+};
 use serde::{Deserialize, Serialize};
 
 /// Counters the tests read to observe handlers, one set per entity id (tests run in parallel
@@ -55,7 +57,8 @@ impl Entity for Counter {
             .handle::<Persist>()
             .handle::<Deposit>()
             .handle::<Hang>()
-            .handle::<Impatient>();
+            .handle::<Impatient>()
+            .stream::<Count>();
     }
 }
 
@@ -229,5 +232,38 @@ impl Handler<Impatient> for Counter {
     async fn handle(&mut self, _: &RequestContext, _: Impatient) -> Result<(), Failure> {
         self.probes.probing.fetch_add(1, Ordering::SeqCst);
         std::future::pending().await
+    }
+}
+
+/// Streams `0..n`, failing after `fail_after` items if set.
+#[derive(Serialize, Deserialize)]
+pub(crate) struct Count {
+    pub(crate) n: u64,
+    pub(crate) fail_after: Option<u64>,
+}
+
+impl StreamRpc for Count {
+    const TAG: &'static str = "Count";
+    type Item = u64;
+    type Error = Failure;
+}
+
+impl StreamHandler<Count> for Counter {
+    async fn handle(
+        &mut self,
+        _: &RequestContext,
+        request: Count,
+        chunks: &mut Chunks<'_, u64>,
+    ) -> Result<(), Failure> {
+        let _guard = OnDrop(Arc::clone(&self.probes));
+        assert_eq!((chunks.next_sequence(), chunks.last_sent()), (0, None));
+        for item in 0..request.n {
+            if request.fail_after == Some(item) {
+                return Err(Failure { reason: format!("stopped at {item}") });
+            }
+            chunks.send(item).await.map_err(|error| Failure { reason: error.to_string() })?;
+            self.probes.probing.fetch_add(1, Ordering::SeqCst);
+        }
+        Ok(())
     }
 }

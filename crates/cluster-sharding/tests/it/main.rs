@@ -328,3 +328,67 @@ async fn interrupt_on_termination_does_not_wait_for_the_drain() {
     assert!(started.elapsed() < Duration::from_secs(60), "{:?}", started.elapsed());
     assert!(matches!(running.await.unwrap(), Err(CallError::Interrupted)));
 }
+
+#[tokio::test(start_paused = true)]
+async fn streams_items_in_order() {
+    let sharding = registered(ShardingConfig::default());
+    let mut stream = sharding
+        .client::<Counter>("streamer")
+        .stream(entities::Count { n: 5, fail_after: None })
+        .await
+        .unwrap();
+    let mut items = Vec::new();
+    while let Some(item) = stream.next().await {
+        items.push(item.unwrap());
+    }
+    assert_eq!(items, [0, 1, 2, 3, 4]);
+    assert!(stream.next().await.is_none());
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_stream_waits_for_each_acknowledgement() {
+    let sharding = registered(ShardingConfig::default());
+    let probes = Probes::of("slow-reader");
+    let mut stream = sharding
+        .client::<Counter>("slow-reader")
+        .stream(entities::Count { n: 100, fail_after: None })
+        .await
+        .unwrap();
+    assert_eq!(stream.next().await.unwrap().unwrap(), 0);
+    tokio::time::sleep(Duration::from_secs(10)).await;
+    // The first chunk was acknowledged; the second waits for its acknowledgement.
+    assert_eq!(probes.probing.load(Ordering::SeqCst), 1);
+    assert_eq!(stream.next().await.unwrap().unwrap(), 1);
+    tokio::time::sleep(Duration::from_secs(10)).await;
+    assert_eq!(probes.probing.load(Ordering::SeqCst), 2);
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_stream_error_ends_the_stream() {
+    let sharding = registered(ShardingConfig::default());
+    let mut stream = sharding
+        .client::<Counter>("failing-stream")
+        .stream(entities::Count { n: 5, fail_after: Some(2) })
+        .await
+        .unwrap();
+    assert_eq!(stream.next().await.unwrap().unwrap(), 0);
+    assert_eq!(stream.next().await.unwrap().unwrap(), 1);
+    let Some(Err(CallError::Failed(failure))) = stream.next().await else { panic!("a failure") };
+    assert_eq!(failure.reason, "stopped at 2");
+    assert!(stream.next().await.is_none());
+}
+
+#[tokio::test(start_paused = true)]
+async fn dropping_a_stream_interrupts_its_handler() {
+    let sharding = registered(ShardingConfig::default());
+    let probes = Probes::of("dropped-stream");
+    let mut stream = sharding
+        .client::<Counter>("dropped-stream")
+        .stream(entities::Count { n: 100, fail_after: None })
+        .await
+        .unwrap();
+    assert_eq!(stream.next().await.unwrap().unwrap(), 0);
+    drop(stream);
+    eventually("the handler is interrupted", || probes.interrupted.load(Ordering::SeqCst) == 1)
+        .await;
+}
