@@ -20,19 +20,47 @@ use crate::sharding::Sharding;
 const PERSISTED_WITHOUT_STORAGE: &str =
     "Sharding.sendOutgoing: Persisted messages require MessageStorage";
 
-/// The defect for a persisted stream, which this runtime does not deliver yet.
-const PERSISTED_STREAMS: &str =
-    "persisted streams are not supported yet: declare the stream volatile";
-
 /// The items of a streamed response, in order.
 pub struct ChunkStream<R: StreamRpc> {
     replies: mpsc::Receiver<Reply>,
-    acks: mpsc::Sender<Snowflake>,
+    acks: Acks,
     buffered: VecDeque<RawJson>,
+    /// Chunks below this sequence were read already (a persisted stream may see a chunk again
+    /// until its acknowledgement is stored).
+    next_sequence: u32,
     finished: bool,
-    /// Interrupts the request if the stream is dropped before its end.
-    interrupt: Option<DropGuard>,
     request: PhantomData<fn() -> R>,
+}
+
+/// Where a stream's acknowledgements go, and what interrupts it when dropped early.
+enum Acks {
+    /// To the local handler, interrupted by cancellation.
+    Local { acks: mpsc::Sender<Snowflake>, interrupt: Option<DropGuard> },
+    /// Through storage, interrupted by a stored interrupt.
+    Stored(crate::persisted::PersistedStream),
+}
+
+impl Acks {
+    async fn ack(&self, chunk_id: Snowflake) -> Result<(), ClusterError> {
+        match self {
+            Acks::Local { acks, .. } => {
+                let _ = acks.send(chunk_id).await;
+                Ok(())
+            }
+            Acks::Stored(stream) => stream.ack(chunk_id).await,
+        }
+    }
+
+    fn finish(&mut self) {
+        match self {
+            Acks::Local { interrupt, .. } => {
+                if let Some(guard) = interrupt.take() {
+                    guard.disarm();
+                }
+            }
+            Acks::Stored(stream) => stream.finish(),
+        }
+    }
 }
 
 impl<R: StreamRpc> ChunkStream<R> {
@@ -51,15 +79,20 @@ impl<R: StreamRpc> ChunkStream<R> {
             }
             match self.replies.recv().await {
                 Some(Reply::Chunk(chunk)) => {
+                    if chunk.sequence() < self.next_sequence {
+                        continue;
+                    }
                     // Acknowledge at once: the handler produces the next chunk meanwhile.
-                    let _ = self.acks.send(chunk.id()).await;
+                    if let Err(error) = self.acks.ack(chunk.id()).await {
+                        self.finished = true;
+                        return Some(Err(CallError::Cluster(error)));
+                    }
+                    self.next_sequence = chunk.sequence() + 1;
                     self.buffered.extend(chunk.values().iter().cloned());
                 }
                 Some(Reply::WithExit(with_exit)) => {
                     self.finished = true;
-                    if let Some(guard) = self.interrupt.take() {
-                        guard.disarm();
-                    }
+                    self.acks.finish();
                     if let Exit::Failure(cause) = with_exit.exit {
                         return Some(Err(failure::<R::Error>(cause)));
                     }
@@ -176,17 +209,28 @@ impl<E: Entity> EntityClient<E> {
     where
         E: StreamHandler<R>,
     {
-        if R::PERSISTED {
-            return Err(CallError::Defect(PERSISTED_STREAMS.to_owned()));
-        }
+        let options = SaveRequestOptions {
+            primary_key: request.primary_key().map(|key| primary_key(&self.address, R::TAG, &key)),
+            deliver_at: None,
+        };
         let request = self.build(R::TAG, &request).map_err(CallError::Cluster)?;
-        let (replies, acks, cancellation) = self.sharding.stream_local(request).await?;
+        let (replies, acks) = if R::PERSISTED {
+            if self.sharding.persisted().is_none() {
+                return Err(CallError::Defect(PERSISTED_WITHOUT_STORAGE.to_owned()));
+            }
+            let mut stream = self.sharding.stream_persisted(request, options).await?;
+            let replies = std::mem::replace(&mut stream.replies, mpsc::channel(1).1);
+            (replies, Acks::Stored(stream))
+        } else {
+            let (replies, acks, cancellation) = self.sharding.stream_local(request).await?;
+            (replies, Acks::Local { acks, interrupt: Some(cancellation.drop_guard()) })
+        };
         Ok(ChunkStream {
             replies,
             acks,
             buffered: VecDeque::new(),
+            next_sequence: 0,
             finished: false,
-            interrupt: Some(cancellation.drop_guard()),
             request: PhantomData,
         })
     }

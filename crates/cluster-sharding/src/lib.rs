@@ -11,13 +11,15 @@
 //! ```
 //!
 //! Status: the single-runner core is here: entity managers (mailboxes, idle reaping, the
-//! residency cap, panic restarts), typed volatile calls interrupted by drop, and persisted
-//! delivery through a `MessageStorage` ([`Sharding::with_storage`]: save first with primary-key
-//! dedup, the storage read loop, stored final replies, durable interrupts, a restart picks up
-//! what was left), [`SingleRunner`]-style lock holding ([`Sharding::with_storages`]), and a
-//! client-only mode ([`Sharding::client_only`]). Still to come: streams, `deliver_at` latency below the poll interval,
-//! resumption after `MailboxFull`, transactions,
-//! and the multi-runner half (membership, shard locks, handoff, singletons, cron).
+//! residency cap, panic restarts, a graceful drain at shutdown), typed calls and streams
+//! (acknowledgement backpressure) interrupted by drop, and persisted delivery through a
+//! `MessageStorage` ([`Sharding::with_storage`]: save first with primary-key dedup, the storage
+//! read loop, stored final replies and chunks, durable interrupts and acknowledgements, streams
+//! that resume after a restart, a restart picks up what was left), a runner holding every
+//! shard's lock ([`Sharding::with_storages`], `SingleRunner::sqlite`), and a client-only mode
+//! ([`Sharding::client_only`]). Still to come: keep-alive, concurrency above 1, resident-first
+//! reads at the residency cap, `WithTransaction`, and the multi-runner half (membership, shard
+//! locks, handoff, singletons, cron).
 
 mod client;
 mod entity;

@@ -19,12 +19,12 @@ use cluster_core::storage::{
     MessageStorage, SaveRequestOptions, SaveResult, UnprocessedMessage, UnprocessedOptions,
 };
 use cluster_core::{ClusterError, EntityAddress, ShardId, Snowflake};
-use tokio::sync::{Notify, oneshot};
+use tokio::sync::{Notify, mpsc, oneshot};
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 
 use crate::entity::malformed;
-use crate::manager::{Delivery, ReplyTo};
+use crate::manager::{Delivery, ReplyTo, StreamReplies};
 use crate::metrics;
 use crate::sharding::Sharding;
 
@@ -45,18 +45,34 @@ pub(crate) struct Persisted {
     in_flight: Mutex<BTreeMap<Snowflake, CancellationToken>>,
     /// Wakes the reply poller when a caller starts waiting.
     reply_waiters: Notify,
+    /// Where the acknowledgements of in-flight streaming requests go.
+    stream_acks: Mutex<BTreeMap<Snowflake, mpsc::Sender<Snowflake>>>,
 }
 
-/// A local caller waiting for a final reply.
-struct Waiter(Option<oneshot::Sender<Reply>>);
+/// A local caller waiting for replies.
+enum Waiter {
+    /// Waits for the final reply of a unary request.
+    Exit(Option<oneshot::Sender<Reply>>),
+    /// Reads the chunks and the final reply of a streaming request.
+    Stream(mpsc::Sender<Reply>),
+}
 
 impl ReplyWaiter for Waiter {
     fn respond(&mut self, reply: &Reply) {
-        if reply.is_final()
-            && let Some(sender) = self.0.take()
-        {
-            // The caller may have gone away.
-            let _ = sender.send(reply.clone());
+        match self {
+            Waiter::Exit(sender) => {
+                if reply.is_final()
+                    && let Some(sender) = sender.take()
+                {
+                    // The caller may have gone away.
+                    let _ = sender.send(reply.clone());
+                }
+            }
+            // Full means the caller is behind; the reply poller hands the chunk over again
+            // until it is acknowledged.
+            Waiter::Stream(sender) => {
+                let _ = sender.try_send(reply.clone());
+            }
         }
     }
 
@@ -78,12 +94,61 @@ impl Persisted {
             read_latch: Notify::new(),
             in_flight: Mutex::new(BTreeMap::new()),
             reply_waiters: Notify::new(),
+            stream_acks: Mutex::new(BTreeMap::new()),
         }
     }
 
     /// Wakes the storage read loop.
     pub(crate) fn poll_storage(&self) {
         self.read_latch.notify_one();
+    }
+}
+
+/// A persisted stream as its caller sees it: the replies channel, the registration that feeds
+/// it, and the acknowledgements that go to storage.
+pub(crate) struct PersistedStream {
+    sharding: Sharding,
+    address: EntityAddress,
+    request_id: Snowflake,
+    pub(crate) replies: mpsc::Receiver<Reply>,
+    /// Feeds `replies` while the stream lives.
+    _registration: OwnedRegistration,
+    interrupt: InterruptOnDrop,
+}
+
+impl PersistedStream {
+    /// Stores the acknowledgement of chunk `reply_id`, which lets the handler send the next.
+    pub(crate) async fn ack(&self, reply_id: Snowflake) -> Result<(), ClusterError> {
+        let Some(persisted) = self.sharding.persisted() else { return Ok(()) };
+        let ack = cluster_core::envelope::AckChunk {
+            id: self.sharding.next_id(),
+            address: self.address.clone(),
+            request_id: self.request_id,
+            reply_id,
+        };
+        persisted.storage.save_ack_chunk(&ack).await?;
+        persisted.poll_storage();
+        Ok(())
+    }
+
+    /// The stream ended: nothing to interrupt any more.
+    pub(crate) fn finish(&mut self) {
+        self.interrupt.sharding = None;
+    }
+}
+
+/// A registration owned by a long-lived reader; dropping it unregisters the waiter.
+struct OwnedRegistration {
+    persisted: Arc<Persisted>,
+    request_id: Snowflake,
+    handler: Option<cluster_core::reply_handlers::HandlerId>,
+}
+
+impl Drop for OwnedRegistration {
+    fn drop(&mut self) {
+        if let Some(handler) = self.handler.take() {
+            lock(&self.persisted.waiters).remove(self.request_id, handler);
+        }
     }
 }
 
@@ -169,6 +234,62 @@ impl Sharding {
         exit
     }
 
+    /// Saves a persisted streaming request; its chunks and final reply arrive on the returned
+    /// stream's channel.
+    pub(crate) async fn stream_persisted(
+        &self,
+        request: Request,
+        options: SaveRequestOptions,
+    ) -> Result<PersistedStream, ClusterError> {
+        let persisted = Arc::clone(self.persisted().ok_or_else(|| not_stored(&request.address))?);
+        let (sender, replies) = mpsc::channel(STREAM_BUFFER);
+        let handler = lock(&persisted.waiters).register(
+            request.request_id,
+            request.address.shard_id.clone(),
+            Waiter::Stream(sender.clone()),
+        );
+        let mut registration = OwnedRegistration {
+            persisted: Arc::clone(&persisted),
+            request_id: request.request_id,
+            handler: Some(handler),
+        };
+        let request_id = match persisted.storage.save_request(&request, &options).await? {
+            SaveResult::Success => request.request_id,
+            SaveResult::Duplicate { original_id, last_received_reply } => {
+                drop(registration);
+                let handler = lock(&persisted.waiters).register(
+                    original_id,
+                    request.address.shard_id.clone(),
+                    Waiter::Stream(sender.clone()),
+                );
+                registration = OwnedRegistration {
+                    persisted: Arc::clone(&persisted),
+                    request_id: original_id,
+                    handler: Some(handler),
+                };
+                if let Some(reply) = last_received_reply {
+                    let _ = sender.try_send(reply);
+                }
+                original_id
+            }
+        };
+        persisted.poll_storage();
+        persisted.reply_waiters.notify_one();
+        let interrupt = InterruptOnDrop {
+            sharding: Some(self.clone()),
+            address: request.address.clone(),
+            request_id,
+        };
+        Ok(PersistedStream {
+            sharding: self.clone(),
+            address: request.address,
+            request_id,
+            replies,
+            _registration: registration,
+            interrupt,
+        })
+    }
+
     /// Saves a persisted request without waiting for its reply (a discarded call).
     pub(crate) async fn notify_persisted(
         &self,
@@ -215,8 +336,10 @@ impl Sharding {
             }
             match persisted.storage.replies_for(&waiting).await {
                 Ok(replies) => {
+                    // Final replies and unacknowledged chunks: stream readers skip the chunks
+                    // they already have.
                     let mut waiters = lock(&persisted.waiters);
-                    for reply in replies.iter().filter(|reply| reply.is_final()) {
+                    for reply in &replies {
                         waiters.on_reply_saved(reply);
                     }
                 }
@@ -308,7 +431,14 @@ impl Sharding {
                 }
                 return Dispatched::Skipped;
             }
-            Envelope::AckChunk(_) => return Dispatched::Skipped,
+            Envelope::AckChunk(ack) => {
+                if let Some(acks) = lock(&persisted.stream_acks).get(&ack.request_id) {
+                    // Full only if the caller acknowledged faster than chunks went out; the
+                    // handler only waits for the latest chunk's acknowledgement.
+                    let _ = acks.try_send(ack.reply_id);
+                }
+                return Dispatched::Skipped;
+            }
         };
         let request_id = request.request_id;
         if lock(&persisted.in_flight).contains_key(&request_id) {
@@ -327,53 +457,109 @@ impl Sharding {
                 self.final_reply(request_id, Exit::die_with_message("Error", &message)),
             );
         };
-        if manager.is_stream(&request.tag) {
-            // Persisted streams (chunks and acknowledgements through storage) are not built yet.
-            let defect = Exit::die_with_message("Error", "persisted streams are not supported yet");
-            return Dispatched::Answer(self.final_reply(request_id, defect));
-        }
         let cancellation = CancellationToken::new();
-        let (reply, exit) = oneshot::channel();
         {
             let mut in_flight = lock(&persisted.in_flight);
             in_flight.insert(request_id, cancellation.clone());
             metrics::set(metrics::PERSISTED_IN_FLIGHT, in_flight.len());
         }
-        match manager.deliver(Delivery { request, cancellation, reply: ReplyTo::Exit(reply) }) {
+        let stream = manager.is_stream(&request.tag);
+        let (reply, outcome) = if stream {
+            let last_sent = match message.last_sent_reply {
+                Some(Reply::Chunk(chunk)) => Some(chunk),
+                _ => None,
+            };
+            let (replies, replied) = mpsc::channel(STREAM_BUFFER);
+            let (acked, acks) = mpsc::channel(STREAM_BUFFER);
+            lock(&persisted.stream_acks).insert(request_id, acked);
+            (ReplyTo::Stream(StreamReplies { replies, acks, last_sent }), Outcome::Stream(replied))
+        } else {
+            let (reply, exit) = oneshot::channel();
+            (ReplyTo::Exit(reply), Outcome::Exit(exit))
+        };
+        match manager.deliver(Delivery { request, cancellation, reply }) {
             Ok(()) => {
                 let sharding = self.clone();
-                let persisted_handle = Arc::clone(persisted);
+                let persisted = Arc::clone(persisted);
                 self.spawn_owned(async move {
-                    let exit = exit.await;
-                    {
-                        let mut in_flight = lock(&persisted_handle.in_flight);
-                        in_flight.remove(&request_id);
-                        metrics::set(metrics::PERSISTED_IN_FLIGHT, in_flight.len());
-                    }
-                    match exit {
-                        // Interrupted by shutdown: left stored for the next run.
-                        Ok(Exit::Failure(cause))
-                            if cause.has_interrupts_only() && sharding.is_shutdown() =>
-                        {
-                            let _ = persisted_handle.storage.reset_requests(&[request_id]).await;
-                        }
-                        Ok(exit) => {
-                            let reply = sharding.final_reply(request_id, exit);
-                            sharding.save_final_reply(&persisted_handle, reply).await;
-                        }
-                        Err(_) => {
-                            let _ = persisted_handle.storage.reset_requests(&[request_id]).await;
-                        }
-                    }
+                    sharding.store_outcome(persisted, request_id, outcome).await
                 });
                 Dispatched::Delivered
             }
             Err(error) => {
                 lock(&persisted.in_flight).remove(&request_id);
+                lock(&persisted.stream_acks).remove(&request_id);
                 tracing::debug!(%error, %request_id, "not delivered; retried on a later read");
                 match error {
                     ClusterError::MailboxFull { .. } => Dispatched::Retry(request_id),
                     _ => Dispatched::Release(request_id),
+                }
+            }
+        }
+    }
+
+    /// Stores what a delivered request produced: its chunks (a stream) and its final reply. A
+    /// request interrupted by shutdown, or whose entity went away, is left stored for the next
+    /// run.
+    async fn store_outcome(
+        self,
+        persisted: Arc<Persisted>,
+        request_id: Snowflake,
+        outcome: Outcome,
+    ) {
+        let exit = match outcome {
+            Outcome::Exit(exit) => exit.await.ok(),
+            Outcome::Stream(mut replies) => {
+                let mut exit = None;
+                while let Some(reply) = replies.recv().await {
+                    match reply {
+                        Reply::Chunk(_) => self.save_reply_retrying(&persisted, &reply).await,
+                        Reply::WithExit(with_exit) => {
+                            exit = Some(with_exit.exit);
+                            break;
+                        }
+                    }
+                }
+                exit
+            }
+        };
+        {
+            let mut in_flight = lock(&persisted.in_flight);
+            in_flight.remove(&request_id);
+            metrics::set(metrics::PERSISTED_IN_FLIGHT, in_flight.len());
+        }
+        lock(&persisted.stream_acks).remove(&request_id);
+        match exit {
+            // Interrupted by shutdown: left stored for the next run.
+            Some(Exit::Failure(cause)) if cause.has_interrupts_only() && self.is_shutdown() => {
+                let _ = persisted.storage.reset_requests(&[request_id]).await;
+            }
+            Some(exit) => {
+                let reply = self.final_reply(request_id, exit);
+                self.save_final_reply(&persisted, reply).await;
+            }
+            None => {
+                let _ = persisted.storage.reset_requests(&[request_id]).await;
+            }
+        }
+    }
+
+    /// Stores a chunk (retrying a few times) and hands it to local waiters.
+    async fn save_reply_retrying(&self, persisted: &Persisted, reply: &Reply) {
+        for attempt in 1..=SAVE_REPLY_ATTEMPTS {
+            match persisted.storage.save_reply(reply).await {
+                Ok(()) => {
+                    lock(&persisted.waiters).on_reply_saved(reply);
+                    return;
+                }
+                Err(error) if attempt < SAVE_REPLY_ATTEMPTS => {
+                    tracing::debug!(%error, attempt, "could not save a chunk, retrying");
+                    tokio::time::sleep(SAVE_REPLY_SPACING).await;
+                }
+                // The caller never sees this chunk and so never acknowledges it: the stream
+                // stalls until the request is interrupted or the runner restarts.
+                Err(error) => {
+                    tracing::warn!(%error, request_id = %reply.request_id(), "could not save a chunk")
                 }
             }
         }
@@ -416,10 +602,21 @@ impl Persisted {
         reply: oneshot::Sender<Reply>,
     ) -> Registration<'a> {
         let handler =
-            lock(&self.waiters).register(request_id, shard_id.clone(), Waiter(Some(reply)));
+            lock(&self.waiters).register(request_id, shard_id.clone(), Waiter::Exit(Some(reply)));
         Registration { persisted: self, request_id, handler: Some(handler) }
     }
 }
+
+/// What a delivered request will produce.
+enum Outcome {
+    /// The exit of a unary request.
+    Exit(oneshot::Receiver<Exit>),
+    /// The chunks and final reply of a streaming request.
+    Stream(mpsc::Receiver<Reply>),
+}
+
+/// The buffer of a persisted stream's reply and acknowledgement channels.
+const STREAM_BUFFER: usize = 4;
 
 /// What the read loop did with one stored message.
 enum Dispatched {

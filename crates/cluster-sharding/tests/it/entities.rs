@@ -13,7 +13,6 @@ use serde::{Deserialize, Serialize};
 
 /// Counters the tests read to observe handlers, one set per entity id (tests run in parallel
 /// in one process and use distinct ids).
-#[derive(Default)]
 pub(crate) struct Probes {
     pub(crate) created: AtomicUsize,
     pub(crate) stuck: AtomicUsize,
@@ -21,6 +20,22 @@ pub(crate) struct Probes {
     pub(crate) interrupted: AtomicUsize,
     pub(crate) panic_once: AtomicBool,
     pub(crate) deposits: AtomicUsize,
+    /// A resumable stream hangs before sending this item (`u64::MAX`: never).
+    pub(crate) hang_at: std::sync::atomic::AtomicU64,
+}
+
+impl Default for Probes {
+    fn default() -> Probes {
+        Probes {
+            created: AtomicUsize::new(0),
+            stuck: AtomicUsize::new(0),
+            probing: AtomicUsize::new(0),
+            interrupted: AtomicUsize::new(0),
+            panic_once: AtomicBool::new(false),
+            deposits: AtomicUsize::new(0),
+            hang_at: std::sync::atomic::AtomicU64::new(u64::MAX),
+        }
+    }
 }
 
 impl Probes {
@@ -58,7 +73,8 @@ impl Entity for Counter {
             .handle::<Deposit>()
             .handle::<Hang>()
             .handle::<Impatient>()
-            .stream::<Count>();
+            .stream::<Count>()
+            .stream::<Resume>();
     }
 }
 
@@ -263,6 +279,43 @@ impl StreamHandler<Count> for Counter {
             }
             chunks.send(item).await.map_err(|error| Failure { reason: error.to_string() })?;
             self.probes.probing.fetch_add(1, Ordering::SeqCst);
+        }
+        Ok(())
+    }
+}
+
+/// A persisted stream of `0..n` that resumes after its last sent item.
+#[derive(Serialize, Deserialize)]
+pub(crate) struct Resume {
+    pub(crate) key: String,
+    pub(crate) n: u64,
+}
+
+impl StreamRpc for Resume {
+    const TAG: &'static str = "Resume";
+    const PERSISTED: bool = true;
+    type Item = u64;
+    type Error = Failure;
+
+    fn primary_key(&self) -> Option<String> {
+        Some(self.key.clone())
+    }
+}
+
+impl StreamHandler<Resume> for Counter {
+    async fn handle(
+        &mut self,
+        _: &RequestContext,
+        request: Resume,
+        chunks: &mut Chunks<'_, u64>,
+    ) -> Result<(), Failure> {
+        let start = chunks.last_sent().map_or(0, |last: u64| last + 1);
+        assert_eq!(u64::from(chunks.next_sequence()), start, "sequence and last item agree");
+        for item in start..request.n {
+            if self.probes.hang_at.load(Ordering::SeqCst) == item {
+                std::future::pending::<()>().await;
+            }
+            chunks.send(item).await.map_err(|error| Failure { reason: error.to_string() })?;
         }
         Ok(())
     }

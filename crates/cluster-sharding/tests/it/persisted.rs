@@ -118,6 +118,8 @@ on_every_storage!(
     claims_of_a_killed_runner_are_released_on_start,
     reset_runs_a_request_again,
     a_client_only_process_reaches_the_runner_through_storage,
+    persisted_streams_deliver_every_item,
+    a_persisted_stream_resumes_on_the_next_runner,
     unregistered_types_are_held_then_answered_with_a_defect,
 );
 
@@ -362,4 +364,48 @@ async fn a_client_only_process_reaches_the_runner_through_storage(store: Store, 
             .await
             .is_err()
     );
+}
+
+async fn persisted_streams_deliver_every_item(store: Store, id: &str) {
+    let sharding = runner(&store).await;
+    let counter = sharding.client::<Counter>(id);
+    let mut stream =
+        counter.stream(crate::entities::Resume { key: "s".to_owned(), n: 5 }).await.unwrap();
+    let mut items = Vec::new();
+    while let Some(item) = stream.next().await {
+        items.push(item.unwrap());
+    }
+    assert_eq!(items, [0, 1, 2, 3, 4]);
+    assert_eq!(unprocessed(&store).await, 0, "the stream and its acknowledgements are processed");
+    sharding.shutdown().await;
+}
+
+async fn a_persisted_stream_resumes_on_the_next_runner(store: Store, id: &str) {
+    let probes = Probes::of(id);
+    probes.hang_at.store(2, Ordering::SeqCst);
+    let first = runner(&store).await;
+    // The caller lives in another process than both runners.
+    let caller_config = ShardingConfig { runner_address: None, ..config() };
+    let caller =
+        Sharding::client_only(caller_config, Arc::new(SystemClock), Arc::clone(&store.storage))
+            .await
+            .unwrap();
+    let mut stream = caller
+        .client::<Counter>(id)
+        .stream(crate::entities::Resume { key: "r".to_owned(), n: 5 })
+        .await
+        .unwrap();
+    assert_eq!(stream.next().await.unwrap().unwrap(), 0);
+    assert_eq!(stream.next().await.unwrap().unwrap(), 1);
+    // The first runner stops while its handler is stuck before item 2.
+    first.shutdown().await;
+    probes.hang_at.store(u64::MAX, Ordering::SeqCst);
+    let second = runner(&store).await;
+    let mut rest = Vec::new();
+    while let Some(item) = stream.next().await {
+        rest.push(item.unwrap());
+    }
+    assert_eq!(rest, [2, 3, 4], "resumed after the last sent chunk");
+    caller.shutdown().await;
+    second.shutdown().await;
 }
