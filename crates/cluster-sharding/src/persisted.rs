@@ -137,7 +137,7 @@ impl PersistedStream {
     }
 }
 
-/// A registration owned by a long-lived reader; dropping it unregisters the waiter.
+/// A waiter's registration; dropping it unregisters the waiter.
 struct OwnedRegistration {
     persisted: Arc<Persisted>,
     request_id: Snowflake,
@@ -145,21 +145,6 @@ struct OwnedRegistration {
 }
 
 impl Drop for OwnedRegistration {
-    fn drop(&mut self) {
-        if let Some(handler) = self.handler.take() {
-            lock(&self.persisted.waiters).remove(self.request_id, handler);
-        }
-    }
-}
-
-/// A waiter's registration; dropping it unregisters the waiter.
-struct Registration<'a> {
-    persisted: &'a Persisted,
-    request_id: Snowflake,
-    handler: Option<cluster_core::reply_handlers::HandlerId>,
-}
-
-impl Drop for Registration<'_> {
     fn drop(&mut self) {
         if let Some(handler) = self.handler.take() {
             lock(&self.persisted.waiters).remove(self.request_id, handler);
@@ -243,30 +228,17 @@ impl Sharding {
     ) -> Result<PersistedStream, ClusterError> {
         let persisted = Arc::clone(self.persisted().ok_or_else(|| not_stored(&request.address))?);
         let (sender, replies) = mpsc::channel(STREAM_BUFFER);
-        let handler = lock(&persisted.waiters).register(
-            request.request_id,
-            request.address.shard_id.clone(),
-            Waiter::Stream(sender.clone()),
-        );
-        let mut registration = OwnedRegistration {
-            persisted: Arc::clone(&persisted),
-            request_id: request.request_id,
-            handler: Some(handler),
-        };
+        let shard_id = &request.address.shard_id;
+        let mut registration =
+            persisted.register_waiter(request.request_id, shard_id, Waiter::Stream(sender.clone()));
         let request_id = match persisted.storage.save_request(&request, &options).await? {
             SaveResult::Success => request.request_id,
             SaveResult::Duplicate { original_id, last_received_reply } => {
-                drop(registration);
-                let handler = lock(&persisted.waiters).register(
+                registration = persisted.register_waiter(
                     original_id,
-                    request.address.shard_id.clone(),
+                    shard_id,
                     Waiter::Stream(sender.clone()),
                 );
-                registration = OwnedRegistration {
-                    persisted: Arc::clone(&persisted),
-                    request_id: original_id,
-                    handler: Some(handler),
-                };
                 if let Some(reply) = last_received_reply {
                     let _ = sender.try_send(reply);
                 }
@@ -595,15 +567,24 @@ impl Sharding {
 }
 
 impl Persisted {
-    fn register<'a>(
-        &'a self,
+    /// Registers a waiter for the final reply of `request_id`.
+    fn register(
+        self: &Arc<Persisted>,
         request_id: Snowflake,
         shard_id: &ShardId,
         reply: oneshot::Sender<Reply>,
-    ) -> Registration<'a> {
-        let handler =
-            lock(&self.waiters).register(request_id, shard_id.clone(), Waiter::Exit(Some(reply)));
-        Registration { persisted: self, request_id, handler: Some(handler) }
+    ) -> OwnedRegistration {
+        self.register_waiter(request_id, shard_id, Waiter::Exit(Some(reply)))
+    }
+
+    fn register_waiter(
+        self: &Arc<Persisted>,
+        request_id: Snowflake,
+        shard_id: &ShardId,
+        waiter: Waiter,
+    ) -> OwnedRegistration {
+        let handler = lock(&self.waiters).register(request_id, shard_id.clone(), waiter);
+        OwnedRegistration { persisted: Arc::clone(self), request_id, handler: Some(handler) }
     }
 }
 
