@@ -66,11 +66,23 @@ pub(crate) struct StreamReplies {
 pub(crate) struct Residency {
     count: AtomicUsize,
     cap: Capacity,
+    /// Woken when a slot frees up: the storage read loop retries the requests it held back.
+    freed: tokio::sync::Notify,
 }
 
 impl Residency {
     pub(crate) fn new(cap: Capacity) -> Residency {
-        Residency { count: AtomicUsize::new(0), cap }
+        Residency { count: AtomicUsize::new(0), cap, freed: tokio::sync::Notify::new() }
+    }
+
+    /// Whether no further instance can be created.
+    pub(crate) fn is_full(&self) -> bool {
+        self.cap.is_full(self.count.load(Ordering::Acquire))
+    }
+
+    /// Completes when a slot frees up after the call.
+    pub(crate) fn freed(&self) -> tokio::sync::futures::Notified<'_> {
+        self.freed.notified()
     }
 
     fn try_reserve(&self) -> bool {
@@ -83,13 +95,36 @@ impl Residency {
 
     fn release(&self) {
         self.count.fetch_sub(1, Ordering::AcqRel);
+        self.freed.notify_waiters();
+    }
+}
+
+/// Why a delivery was refused.
+#[derive(Debug)]
+pub(crate) enum Refused {
+    /// The runner holds as many instances as it may (`max_resident_entities`): retry once one
+    /// is reaped. Callers see `MailboxFull`.
+    ResidencyFull(EntityAddress),
+    /// Anything else (the instance's mailbox is full, the manager is stopping).
+    Cluster(ClusterError),
+}
+
+impl From<Refused> for ClusterError {
+    fn from(refused: Refused) -> ClusterError {
+        match refused {
+            Refused::ResidencyFull(address) => ClusterError::MailboxFull { address },
+            Refused::Cluster(error) => error,
+        }
     }
 }
 
 /// What the runtime needs from a manager, whatever its entity type.
 pub(crate) trait ErasedManager: Send + Sync {
     /// Hands `delivery` to its instance, creating it if needed.
-    fn deliver(&self, delivery: Delivery) -> Result<(), ClusterError>;
+    fn deliver(&self, delivery: Delivery) -> Result<(), Refused>;
+
+    /// The addresses of the resident instances.
+    fn resident_addresses(&self) -> Vec<EntityAddress>;
 
     /// The number of resident instances.
     fn active_entities(&self) -> usize;
@@ -133,6 +168,7 @@ struct Shared<E: Entity> {
 }
 
 struct Instance {
+    address: EntityAddress,
     mailbox: mpsc::Sender<Delivery>,
     /// Requests admitted and not yet answered: the mailbox size of the reference.
     active: Arc<AtomicUsize>,
@@ -168,33 +204,33 @@ fn lock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
 }
 
 impl<E: Entity> ErasedManager for EntityManager<E> {
-    fn deliver(&self, delivery: Delivery) -> Result<(), ClusterError> {
+    fn deliver(&self, delivery: Delivery) -> Result<(), Refused> {
         let shared = &self.shared;
         let address = delivery.request.address.clone();
         let mut instances = lock(&shared.instances);
         if shared.stopping.is_cancelled() {
-            return Err(ClusterError::EntityNotAssignedToRunner { address });
+            return Err(Refused::Cluster(ClusterError::EntityNotAssignedToRunner { address }));
         }
         if !instances.contains_key(&address.entity_id) {
             if !shared.residency.try_reserve() {
-                return Err(ClusterError::MailboxFull { address });
+                return Err(Refused::ResidencyFull(address));
             }
             let instance = Shared::spawn(shared, address.clone());
             instances.insert(address.entity_id.clone(), instance);
             metrics::set_for_type(metrics::ENTITIES, shared.entity_type.as_str(), instances.len());
         }
         let Some(instance) = instances.get(&address.entity_id) else {
-            return Err(ClusterError::EntityNotAssignedToRunner { address });
+            return Err(Refused::Cluster(ClusterError::EntityNotAssignedToRunner { address }));
         };
         if shared.options.mailbox_capacity.is_full(instance.active.load(Ordering::Acquire)) {
-            return Err(ClusterError::MailboxFull { address });
+            return Err(Refused::Cluster(ClusterError::MailboxFull { address }));
         }
         instance.active.fetch_add(1, Ordering::AcqRel);
         if instance.mailbox.try_send(delivery).is_err() {
             // Full (an unbounded capacity past the channel's cap) or closed (the instance is
             // stopping): either way this request is not admitted.
             instance.active.fetch_sub(1, Ordering::AcqRel);
-            return Err(ClusterError::MailboxFull { address });
+            return Err(Refused::Cluster(ClusterError::MailboxFull { address }));
         }
         tracing::trace!(entity_type = %shared.entity_type, entity_id = %address.entity_id, "delivered");
         Ok(())
@@ -202,6 +238,10 @@ impl<E: Entity> ErasedManager for EntityManager<E> {
 
     fn active_entities(&self) -> usize {
         lock(&self.shared.instances).len()
+    }
+
+    fn resident_addresses(&self) -> Vec<EntityAddress> {
+        lock(&self.shared.instances).values().map(|instance| instance.address.clone()).collect()
     }
 
     fn is_stream(&self, tag: &str) -> bool {
@@ -240,9 +280,10 @@ impl<E: Entity> Shared<E> {
             entity_id = %address.entity_id,
             shard = %address.shard_id,
         );
+        let address_for_instance = address.clone();
         let task = run_instance(Arc::clone(shared), address, receiver, Arc::clone(&active));
         shared.tasks.spawn(task.instrument(span));
-        Instance { mailbox, active }
+        Instance { address: address_for_instance, mailbox, active }
     }
 
     /// Removes the instance if it is idle: nothing running, nothing queued. Under the lock, so

@@ -24,7 +24,7 @@ use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 
 use crate::entity::malformed;
-use crate::manager::{Delivery, ReplyTo, StreamReplies};
+use crate::manager::{Delivery, Refused, ReplyTo, StreamReplies};
 use crate::metrics;
 use crate::sharding::Sharding;
 
@@ -323,70 +323,84 @@ impl Sharding {
     /// The storage read loop; runs until shutdown.
     pub(crate) async fn read_storage(self, persisted: Arc<Persisted>) {
         let config = self.config().clone();
-        let batch_size = config.unprocessed_message_batch_size;
-        let mut unregistered_since: Option<Instant> = None;
-        // Set when a request found its entity's mailbox full: read again after
-        // `send_retry_interval`, not after a whole poll interval.
-        let mut retry_soon = false;
+        let mut state = ReadState::default();
         loop {
-            let wait = if retry_soon {
+            // A full mailbox is read again after `send_retry_interval`; requests held back by
+            // the residency cap when an entity is reaped; everything else at the next poll.
+            let wait = if state.retry_soon {
                 config.send_retry_interval
             } else {
                 config.entity_message_poll_interval
             };
+            let residency = self.residency();
             tokio::select! {
                 () = persisted.read_latch.notified() => {}
                 () = tokio::time::sleep(wait) => {}
+                () = residency.freed(), if state.capped => {}
                 () = self.shutdown_token().cancelled() => return,
             }
-            retry_soon = false;
-            loop {
-                let now = self.clock().now();
-                let options = UnprocessedOptions { limit: Some(batch_size), addresses: None };
-                let batch = match persisted
-                    .storage
-                    .unprocessed_messages(&persisted.shards, now, options)
-                    .await
-                {
-                    Ok(batch) => batch,
-                    Err(error) => {
-                        tracing::warn!(%error, "could not read unprocessed messages");
-                        break;
-                    }
-                };
-                let full = batch.len() >= usize::try_from(batch_size.get()).unwrap_or(usize::MAX);
-                for malformed_row in &batch.malformed {
-                    let reply = self.final_reply(
-                        malformed_row.request_id,
-                        malformed(&malformed_row.error.to_string()),
-                    );
-                    self.save_final_reply(&persisted, reply).await;
+            state.retry_soon = false;
+            state.capped = false;
+            // Drain a backlog at once, but never spin on a full batch of skipped messages.
+            while let Some(Read { full: true, delivered: true }) =
+                self.read_once(&persisted, &mut state).await
+            {}
+        }
+    }
+
+    /// One read of the storage read loop (reference §5.8): at the residency cap, only the
+    /// resident entities' messages are read, so that they keep progressing; otherwise every
+    /// message of this runner's shards. `None` when the read failed.
+    async fn read_once(&self, persisted: &Arc<Persisted>, state: &mut ReadState) -> Option<Read> {
+        let batch_size = self.config().unprocessed_message_batch_size;
+        let residents;
+        let addresses = if self.residency().is_full() {
+            state.capped = true;
+            residents = self.resident_addresses();
+            Some(residents.as_slice())
+        } else {
+            None
+        };
+        let options = UnprocessedOptions { limit: Some(batch_size), addresses };
+        let now = self.clock().now();
+        let batch =
+            match persisted.storage.unprocessed_messages(&persisted.shards, now, options).await {
+                Ok(batch) => batch,
+                Err(error) => {
+                    tracing::warn!(%error, "could not read unprocessed messages");
+                    return None;
                 }
-                let mut delivered = false;
-                let mut release = Vec::new();
-                for message in batch.messages {
-                    match self.dispatch(&persisted, message, &mut unregistered_since) {
-                        Dispatched::Delivered => delivered = true,
-                        Dispatched::Skipped => {}
-                        Dispatched::Release(id) => release.push(id),
-                        Dispatched::Retry(id) => {
-                            retry_soon = true;
-                            release.push(id);
-                        }
-                        Dispatched::Answer(reply) => self.save_final_reply(&persisted, reply).await,
-                    }
+            };
+        let full = batch.len() >= usize::try_from(batch_size.get()).unwrap_or(usize::MAX);
+        for malformed_row in &batch.malformed {
+            let reply = self
+                .final_reply(malformed_row.request_id, malformed(&malformed_row.error.to_string()));
+            self.save_final_reply(persisted, reply).await;
+        }
+        let mut delivered = false;
+        let mut release = Vec::new();
+        for message in batch.messages {
+            match self.dispatch(persisted, message, &mut state.unregistered_since) {
+                Dispatched::Delivered => delivered = true,
+                Dispatched::Skipped => {}
+                Dispatched::Release(id) => release.push(id),
+                Dispatched::Retry(id) => {
+                    state.retry_soon = true;
+                    release.push(id);
                 }
-                if !release.is_empty()
-                    && let Err(error) = persisted.storage.reset_requests(&release).await
-                {
-                    tracing::debug!(%error, "could not release claims");
+                Dispatched::Capped(id) => {
+                    state.capped = true;
+                    release.push(id);
                 }
-                // Drain a backlog at once, but never spin on a full batch of skipped messages.
-                if !(full && delivered) {
-                    break;
-                }
+                Dispatched::Answer(reply) => self.save_final_reply(persisted, reply).await,
             }
         }
+        if !release.is_empty()
+            && let Err(error) = persisted.storage.reset_requests(&release).await
+        {
+            tracing::debug!(%error, "could not release claims");
+        }
+        Some(Read { full, delivered })
     }
 
     fn dispatch(
@@ -458,13 +472,16 @@ impl Sharding {
                 });
                 Dispatched::Delivered
             }
-            Err(error) => {
+            Err(refused) => {
                 lock(&persisted.in_flight).remove(&request_id);
                 lock(&persisted.stream_acks).remove(&request_id);
-                tracing::debug!(%error, %request_id, "not delivered; retried on a later read");
-                match error {
-                    ClusterError::MailboxFull { .. } => Dispatched::Retry(request_id),
-                    _ => Dispatched::Release(request_id),
+                tracing::debug!(?refused, %request_id, "not delivered; retried on a later read");
+                match refused {
+                    Refused::ResidencyFull(_) => Dispatched::Capped(request_id),
+                    Refused::Cluster(ClusterError::MailboxFull { .. }) => {
+                        Dispatched::Retry(request_id)
+                    }
+                    Refused::Cluster(_) => Dispatched::Release(request_id),
                 }
             }
         }
@@ -599,6 +616,25 @@ enum Outcome {
 /// The buffer of a persisted stream's reply and acknowledgement channels.
 const STREAM_BUFFER: usize = 4;
 
+/// What the storage read loop remembers between reads.
+#[derive(Default)]
+struct ReadState {
+    /// When a message for an unregistered entity type was first seen.
+    unregistered_since: Option<Instant>,
+    /// A request found its entity's mailbox full.
+    retry_soon: bool,
+    /// The residency cap held requests back (or was reached).
+    capped: bool,
+}
+
+/// What one read did.
+struct Read {
+    /// It returned a whole batch: there may be more.
+    full: bool,
+    /// It delivered something.
+    delivered: bool,
+}
+
 /// What the read loop did with one stored message.
 enum Dispatched {
     /// Handed to its entity.
@@ -609,6 +645,9 @@ enum Dispatched {
     Release(Snowflake),
     /// The entity's mailbox is full: release its claim and read again soon.
     Retry(Snowflake),
+    /// The runner holds as many entities as it may: release its claim and read again once an
+    /// entity is reaped.
+    Capped(Snowflake),
     /// Answer it at once with this final reply.
     Answer(Reply),
 }

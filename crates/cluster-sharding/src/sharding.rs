@@ -328,6 +328,16 @@ impl Sharding {
         self.inner.tasks.spawn(task);
     }
 
+    /// The runner-wide residency count.
+    pub(crate) fn residency(&self) -> &Arc<Residency> {
+        &self.inner.residency
+    }
+
+    /// The addresses of every resident entity instance.
+    pub(crate) fn resident_addresses(&self) -> Vec<EntityAddress> {
+        self.managers().iter().flat_map(|manager| manager.resident_addresses()).collect()
+    }
+
     /// The manager of a registered type, without waiting.
     pub(crate) fn registered_manager(
         &self,
@@ -454,6 +464,6 @@ impl Sharding {
                 return Ok(());
             }
         };
-        manager.deliver(Delivery { request, cancellation, reply: ReplyTo::Exit(reply) })
+        Ok(manager.deliver(Delivery { request, cancellation, reply: ReplyTo::Exit(reply) })?)
     }
 }

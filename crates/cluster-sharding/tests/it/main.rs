@@ -392,3 +392,34 @@ async fn dropping_a_stream_interrupts_its_handler() {
     eventually("the handler is interrupted", || probes.interrupted.load(Ordering::SeqCst) == 1)
         .await;
 }
+
+#[tokio::test(start_paused = true)]
+async fn keeps_delivering_to_resident_entities_at_the_residency_cap() {
+    use cluster_testkit::memory::MemoryMessageStorage;
+
+    let config = ShardingConfig {
+        max_resident_entities: Capacity::bounded(1).unwrap(),
+        entity_max_idle_time: None,
+        unprocessed_message_batch_size: std::num::NonZeroU32::new(2).unwrap(),
+        ..ShardingConfig::default()
+    };
+    let storage = Arc::new(MemoryMessageStorage::new(Arc::new(SystemClock)));
+    let sharding = Sharding::with_storage(config, Arc::new(SystemClock), storage).await.unwrap();
+    sharding.register::<Counter>(EntityOptions::default()).unwrap();
+    let resident = sharding.client::<Counter>("resident");
+    assert_eq!(
+        resident.send(entities::Deposit { key: "first".to_owned(), amount: 1 }).await.unwrap(),
+        1
+    );
+    // A backlog for entities that cannot become resident, saved before the resident's request.
+    for n in 1..=3 {
+        let newcomer = sharding.client::<Counter>(format!("newcomer-{n}"));
+        newcomer.discard(entities::Deposit { key: format!("n{n}"), amount: 1 }).await.unwrap();
+    }
+    // Read before the backlog: without resident-first reads it would wait forever behind it.
+    let second = resident.send(entities::Deposit { key: "second".to_owned(), amount: 1 });
+    let answered = tokio::time::timeout(Duration::from_secs(60), second).await;
+    assert_eq!(answered.expect("the resident's request starved").unwrap(), 2);
+    assert_eq!(sharding.active_entity_count(), 1, "no newcomer was admitted");
+    sharding.shutdown().await;
+}
