@@ -31,6 +31,7 @@ use std::time::Duration;
 use cluster_core::config::Capacity;
 use cluster_core::envelope::{Chunk, Exit, RawJson, Reply};
 use cluster_core::future::BoxFuture;
+use cluster_core::storage::MessageTransaction;
 use cluster_core::{EntityAddress, ShardGroup, Snowflake};
 use serde::Serialize;
 use serde::de::DeserializeOwned;
@@ -186,12 +187,26 @@ impl Ids {
     }
 }
 
+/// The storage transaction a `WITH_TRANSACTION` request's handler runs in.
+pub type TransactionSlot = Arc<tokio::sync::Mutex<Option<Box<dyn MessageTransaction>>>>;
+
 /// What a handler knows about the request it handles.
-#[derive(Clone, Debug)]
+#[derive(Clone)]
 pub struct RequestContext {
     address: EntityAddress,
     request_id: Snowflake,
     cancellation: CancellationToken,
+    transaction: Option<TransactionSlot>,
+}
+
+impl std::fmt::Debug for RequestContext {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("RequestContext")
+            .field("address", &self.address)
+            .field("request_id", &self.request_id)
+            .field("transaction", &self.transaction.is_some())
+            .finish_non_exhaustive()
+    }
 }
 
 impl RequestContext {
@@ -199,8 +214,16 @@ impl RequestContext {
         address: EntityAddress,
         request_id: Snowflake,
         cancellation: CancellationToken,
+        transaction: Option<TransactionSlot>,
     ) -> RequestContext {
-        RequestContext { address, request_id, cancellation }
+        RequestContext { address, request_id, cancellation, transaction }
+    }
+
+    /// The storage transaction of a persisted `WITH_TRANSACTION` request: lock it and run the
+    /// handler's own statements through `MessageTransaction::backend` (downcast to the
+    /// backend's handle). `None` for other requests.
+    pub fn transaction(&self) -> Option<&TransactionSlot> {
+        self.transaction.as_ref()
     }
 
     /// The entity's address.
@@ -244,6 +267,8 @@ pub(crate) struct HandlerEntry<E> {
     pub(crate) call: CallKind<E>,
     /// Interrupted as soon as the entity starts stopping.
     pub(crate) interrupt_on_termination: bool,
+    /// Runs inside a storage transaction (persisted requests).
+    pub(crate) with_transaction: bool,
 }
 
 /// The requests an entity type handles, by tag.
@@ -266,6 +291,7 @@ impl<E: Entity> Protocol<E> {
         let entry = HandlerEntry {
             call: CallKind::Unary(call::<E, R>),
             interrupt_on_termination: R::INTERRUPT_ON_TERMINATION && !R::UNINTERRUPTIBLE.server(),
+            with_transaction: R::WITH_TRANSACTION && R::PERSISTED,
         };
         self.handlers.insert(R::TAG, entry);
         self
@@ -279,6 +305,7 @@ impl<E: Entity> Protocol<E> {
         let entry = HandlerEntry {
             call: CallKind::Stream(stream_call::<E, R>),
             interrupt_on_termination: false,
+            with_transaction: false,
         };
         self.handlers.insert(R::TAG, entry);
         self

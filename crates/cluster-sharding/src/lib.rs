@@ -17,9 +17,10 @@
 //! read loop, stored final replies and chunks, durable interrupts and acknowledgements, streams
 //! that resume after a restart, a restart picks up what was left), a runner holding every
 //! shard's lock ([`Sharding::with_storages`], `SingleRunner::sqlite`), and a client-only mode
-//! ([`Sharding::client_only`]). Still to come: keep-alive, concurrency above 1, resident-first
-//! reads at the residency cap, `WithTransaction`, and the multi-runner half (membership, shard
-//! locks, handoff, singletons, cron).
+//! ([`Sharding::client_only`]), resident-first reads at the residency cap, and
+//! [`Rpc::WITH_TRANSACTION`] handlers whose writes commit with their final reply. Still to come:
+//! keep-alive, concurrency above 1, and the multi-runner half (membership, shard locks, handoff,
+//! singletons, cron).
 
 mod client;
 mod entity;
@@ -33,6 +34,7 @@ mod single_runner;
 pub use client::{ChunkStream, EntityClient};
 pub use entity::{
     ChunkError, Chunks, Entity, EntityOptions, Handler, Protocol, RequestContext, StreamHandler,
+    TransactionSlot,
 };
 pub use rpc::{CallError, Rpc, StreamRpc, Uninterruptible};
 pub use sharding::{RegisterError, RegistrationEvent, Sharding};

@@ -23,7 +23,9 @@ use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 use tracing::Instrument;
 
-use crate::entity::{CallKind, ChunkChannel, Entity, Ids, Protocol, RequestContext, malformed};
+use crate::entity::{
+    CallKind, ChunkChannel, Entity, Ids, Protocol, RequestContext, TransactionSlot, malformed,
+};
 use crate::metrics;
 
 /// The largest mailbox channel; an unbounded mailbox capacity is capped here (everything has a
@@ -41,6 +43,8 @@ pub(crate) struct Delivery {
     /// Cancelled when the request is interrupted.
     pub(crate) cancellation: CancellationToken,
     pub(crate) reply: ReplyTo,
+    /// The storage transaction the handler runs in (persisted `WITH_TRANSACTION` requests).
+    pub(crate) transaction: Option<TransactionSlot>,
 }
 
 /// Where the outcome of a request goes.
@@ -131,6 +135,9 @@ pub(crate) trait ErasedManager: Send + Sync {
 
     /// Whether requests tagged `tag` are streaming requests.
     fn is_stream(&self, tag: &str) -> bool;
+
+    /// Whether requests tagged `tag` run inside a storage transaction.
+    fn with_transaction(&self, tag: &str) -> bool;
 
     /// Stops every instance and waits for them to end: no new request is admitted, the ones
     /// already delivered get `termination_timeout` to finish (the reference's graceful drain,
@@ -246,6 +253,10 @@ impl<E: Entity> ErasedManager for EntityManager<E> {
 
     fn is_stream(&self, tag: &str) -> bool {
         self.shared.protocol.get(tag).is_some_and(|entry| matches!(entry.call, CallKind::Stream(_)))
+    }
+
+    fn with_transaction(&self, tag: &str) -> bool {
+        self.shared.protocol.get(tag).is_some_and(|entry| entry.with_transaction)
     }
 
     fn shutdown(&self, termination_timeout: Duration) -> BoxFuture<'_, ()> {
@@ -432,8 +443,12 @@ async fn run_one<E: Entity>(
     if delivery.cancellation.is_cancelled() || shared.closed.is_cancelled() {
         return Outcome::Exited(Exit::interrupt());
     }
-    let context =
-        RequestContext::new(address.clone(), request.request_id, delivery.cancellation.clone());
+    let context = RequestContext::new(
+        address.clone(),
+        request.request_id,
+        delivery.cancellation.clone(),
+        delivery.transaction.clone(),
+    );
     let span = tracing::debug_span!(
         "request",
         entity_type = %address.entity_type,

@@ -23,7 +23,7 @@ use tokio::sync::{Notify, mpsc, oneshot};
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 
-use crate::entity::malformed;
+use crate::entity::{TransactionSlot, malformed};
 use crate::manager::{Delivery, Refused, ReplyTo, StreamReplies};
 use crate::metrics;
 use crate::sharding::Sharding;
@@ -380,7 +380,7 @@ impl Sharding {
         let mut delivered = false;
         let mut release = Vec::new();
         for message in batch.messages {
-            match self.dispatch(persisted, message, &mut state.unregistered_since) {
+            match self.dispatch(persisted, message, &mut state.unregistered_since).await {
                 Dispatched::Delivered => delivered = true,
                 Dispatched::Skipped => {}
                 Dispatched::Release(id) => release.push(id),
@@ -403,7 +403,7 @@ impl Sharding {
         Some(Read { full, delivered })
     }
 
-    fn dispatch(
+    async fn dispatch(
         &self,
         persisted: &Arc<Persisted>,
         message: UnprocessedMessage,
@@ -443,6 +443,17 @@ impl Sharding {
                 self.final_reply(request_id, Exit::die_with_message("Error", &message)),
             );
         };
+        let transaction = if manager.with_transaction(&request.tag) {
+            match persisted.storage.begin_transaction().await {
+                Ok(transaction) => Some(Arc::new(tokio::sync::Mutex::new(Some(transaction)))),
+                Err(error) => {
+                    tracing::warn!(%error, %request_id, "could not begin a transaction; retried later");
+                    return Dispatched::Retry(request_id);
+                }
+            }
+        } else {
+            None
+        };
         let cancellation = CancellationToken::new();
         {
             let mut in_flight = lock(&persisted.in_flight);
@@ -463,12 +474,13 @@ impl Sharding {
             let (reply, exit) = oneshot::channel();
             (ReplyTo::Exit(reply), Outcome::Exit(exit))
         };
-        match manager.deliver(Delivery { request, cancellation, reply }) {
+        let delivery = Delivery { request, cancellation, reply, transaction: transaction.clone() };
+        match manager.deliver(delivery) {
             Ok(()) => {
                 let sharding = self.clone();
                 let persisted = Arc::clone(persisted);
                 self.spawn_owned(async move {
-                    sharding.store_outcome(persisted, request_id, outcome).await
+                    sharding.store_outcome(persisted, request_id, outcome, transaction).await;
                 });
                 Dispatched::Delivered
             }
@@ -495,6 +507,7 @@ impl Sharding {
         persisted: Arc<Persisted>,
         request_id: Snowflake,
         outcome: Outcome,
+        transaction: Option<TransactionSlot>,
     ) {
         let exit = match outcome {
             Outcome::Exit(exit) => exit.await.ok(),
@@ -518,6 +531,25 @@ impl Sharding {
             metrics::set(metrics::PERSISTED_IN_FLIGHT, in_flight.len());
         }
         lock(&persisted.stream_acks).remove(&request_id);
+        let transaction = match transaction {
+            Some(slot) => slot.lock().await.take(),
+            None => None,
+        };
+        if let Some(transaction) = transaction {
+            match exit {
+                Some(exit) if exit.is_success() => {
+                    let reply = self.final_reply(request_id, exit);
+                    self.commit_final_reply(&persisted, transaction, reply).await;
+                    return;
+                }
+                // A failure is saved after the rollback (reference §5.5).
+                _ => {
+                    if let Err(error) = transaction.rollback().await {
+                        tracing::debug!(%error, %request_id, "rollback failed");
+                    }
+                }
+            }
+        }
         match exit {
             // Interrupted by shutdown: left stored for the next run.
             Some(Exit::Failure(cause)) if cause.has_interrupts_only() && self.is_shutdown() => {
@@ -529,6 +561,44 @@ impl Sharding {
             }
             None => {
                 let _ = persisted.storage.reset_requests(&[request_id]).await;
+            }
+        }
+    }
+
+    /// Saves a successful request's final reply inside its transaction and commits; the local
+    /// waiters hear of it only after the commit (seed 002). If the commit's outcome is unknown,
+    /// storage decides: a stored final reply means it happened, otherwise the request runs
+    /// again.
+    async fn commit_final_reply(
+        &self,
+        persisted: &Persisted,
+        mut transaction: Box<dyn cluster_core::storage::MessageTransaction>,
+        reply: Reply,
+    ) {
+        let request_id = reply.request_id();
+        let committed = match transaction.save_reply(&reply).await {
+            Ok(()) => transaction.commit().await,
+            Err(error) => {
+                let _ = transaction.rollback().await;
+                Err(error)
+            }
+        };
+        match committed {
+            Ok(()) => {
+                lock(&persisted.waiters).on_reply_saved(&reply);
+            }
+            Err(error) => {
+                tracing::warn!(%error, %request_id, "could not commit a reply");
+                let stored = persisted.storage.replies_for(&[request_id]).await.unwrap_or_default();
+                match stored.into_iter().find(Reply::is_final) {
+                    Some(final_reply) => {
+                        lock(&persisted.waiters).on_reply_saved(&final_reply);
+                    }
+                    None => {
+                        let _ = persisted.storage.reset_requests(&[request_id]).await;
+                        persisted.poll_storage();
+                    }
+                }
             }
         }
     }

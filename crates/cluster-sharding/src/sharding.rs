@@ -436,6 +436,7 @@ impl Sharding {
             request,
             cancellation: cancellation.clone(),
             reply: ReplyTo::Stream(stream),
+            transaction: None,
         })?;
         Ok((replied, acked, cancellation))
     }
@@ -464,6 +465,11 @@ impl Sharding {
                 return Ok(());
             }
         };
-        Ok(manager.deliver(Delivery { request, cancellation, reply: ReplyTo::Exit(reply) })?)
+        Ok(manager.deliver(Delivery {
+            request,
+            cancellation,
+            reply: ReplyTo::Exit(reply),
+            transaction: None,
+        })?)
     }
 }

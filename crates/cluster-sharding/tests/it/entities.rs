@@ -74,7 +74,8 @@ impl Entity for Counter {
             .handle::<Hang>()
             .handle::<Impatient>()
             .stream::<Count>()
-            .stream::<Resume>();
+            .stream::<Resume>()
+            .handle::<Book>();
     }
 }
 
@@ -318,5 +319,54 @@ impl StreamHandler<Resume> for Counter {
             chunks.send(item).await.map_err(|error| Failure { reason: error.to_string() })?;
         }
         Ok(())
+    }
+}
+
+/// A persisted request whose handler writes a ledger row in the request's storage transaction,
+/// and fails afterwards when `fail` is set.
+#[derive(Serialize, Deserialize)]
+pub(crate) struct Book {
+    pub(crate) key: String,
+    pub(crate) fail: bool,
+}
+
+impl Rpc for Book {
+    const TAG: &'static str = "Book";
+    const PERSISTED: bool = true;
+    const WITH_TRANSACTION: bool = true;
+    type Success = u64;
+    type Error = Failure;
+
+    fn primary_key(&self) -> Option<String> {
+        Some(self.key.clone())
+    }
+}
+
+impl Handler<Book> for Counter {
+    async fn handle(&mut self, context: &RequestContext, request: Book) -> Result<u64, Failure> {
+        let failure = |reason: &str| Failure { reason: reason.to_owned() };
+        let slot = context.transaction().ok_or_else(|| failure("no transaction"))?;
+        let mut transaction = slot.lock().await;
+        let backend = transaction.as_mut().ok_or_else(|| failure("transaction gone"))?.backend();
+        if let Some(sqlite) =
+            backend.downcast_ref::<cluster_storage_sql::sqlite::SqliteTransactionHandle>()
+        {
+            let key = request.key.clone();
+            sqlite
+                .run(move |connection| {
+                    connection
+                        .execute("CREATE TABLE IF NOT EXISTS ledger (key TEXT NOT NULL)", [])?;
+                    connection.execute("INSERT INTO ledger (key) VALUES (?1)", [key])
+                })
+                .await
+                .map_err(|error| failure(&error.to_string()))?;
+        } else if backend.downcast_ref::<()>().is_none() {
+            return Err(failure("an unknown storage backend"));
+        }
+        if request.fail {
+            return Err(failure("failed after writing"));
+        }
+        self.value += 1;
+        Ok(self.value)
     }
 }

@@ -119,6 +119,7 @@ on_every_storage!(
     reset_runs_a_request_again,
     a_client_only_process_reaches_the_runner_through_storage,
     persisted_streams_deliver_every_item,
+    with_transaction_commits_the_handler_writes_with_the_reply,
     a_persisted_stream_resumes_on_the_next_runner,
     unregistered_types_are_held_then_answered_with_a_defect,
 );
@@ -408,4 +409,50 @@ async fn a_persisted_stream_resumes_on_the_next_runner(store: Store, id: &str) {
     assert_eq!(rest, [2, 3, 4], "resumed after the last sent chunk");
     caller.shutdown().await;
     second.shutdown().await;
+}
+
+/// The ledger rows with `key` (SQLite only; the memory storage has no tables of its own).
+async fn ledger_rows(store: &Store, key: &str) -> Option<i64> {
+    store.path.as_ref()?;
+    let mut transaction = store.storage.begin_transaction().await.unwrap();
+    let handle = transaction
+        .backend()
+        .downcast_ref::<cluster_storage_sql::sqlite::SqliteTransactionHandle>()?;
+    let key = key.to_owned();
+    let rows = handle
+        .run(move |connection| {
+            connection.execute("CREATE TABLE IF NOT EXISTS ledger (key TEXT NOT NULL)", [])?;
+            connection
+                .query_row("SELECT COUNT(*) FROM ledger WHERE key = ?1", [key], |row| row.get(0))
+        })
+        .await
+        .unwrap();
+    transaction.rollback().await.unwrap();
+    Some(rows)
+}
+
+async fn with_transaction_commits_the_handler_writes_with_the_reply(store: Store, id: &str) {
+    let sharding = runner(&store).await;
+    let counter = sharding.client::<Counter>(id);
+    let booked = counter.send(crate::entities::Book { key: "ok".to_owned(), fail: false }).await;
+    assert_eq!(booked.unwrap(), 1);
+    // The same key is answered from the committed reply, without running again.
+    assert_eq!(
+        counter.send(crate::entities::Book { key: "ok".to_owned(), fail: false }).await.unwrap(),
+        1
+    );
+    let failed = counter.send(crate::entities::Book { key: "bad".to_owned(), fail: true }).await;
+    assert!(
+        matches!(failed, Err(CallError::Failed(ref failure)) if failure.reason == "failed after writing"),
+        "{failed:?}"
+    );
+    if store.path.is_some() {
+        assert_eq!(ledger_rows(&store, "ok").await, Some(1), "the write committed with the reply");
+        assert_eq!(
+            ledger_rows(&store, "bad").await,
+            Some(0),
+            "a failed handler's write is rolled back"
+        );
+    }
+    sharding.shutdown().await;
 }
