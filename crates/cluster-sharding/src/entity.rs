@@ -269,6 +269,8 @@ pub(crate) struct HandlerEntry<E> {
     pub(crate) interrupt_on_termination: bool,
     /// Runs inside a storage transaction (persisted requests).
     pub(crate) with_transaction: bool,
+    /// Runs again when it ends by interrupt (persisted, server-side `Uninterruptible`).
+    pub(crate) rerun_on_interrupt: bool,
 }
 
 /// The requests an entity type handles, by tag.
@@ -292,6 +294,7 @@ impl<E: Entity> Protocol<E> {
             call: CallKind::Unary(call::<E, R>),
             interrupt_on_termination: R::INTERRUPT_ON_TERMINATION && !R::UNINTERRUPTIBLE.server(),
             with_transaction: R::WITH_TRANSACTION && R::PERSISTED,
+            rerun_on_interrupt: R::UNINTERRUPTIBLE.server() && R::PERSISTED,
         };
         self.handlers.insert(R::TAG, entry);
         self
@@ -306,6 +309,7 @@ impl<E: Entity> Protocol<E> {
             call: CallKind::Stream(stream_call::<E, R>),
             interrupt_on_termination: false,
             with_transaction: false,
+            rerun_on_interrupt: false,
         };
         self.handlers.insert(R::TAG, entry);
         self

@@ -18,7 +18,8 @@
 //! that resume after a restart, a restart picks up what was left), a runner holding every
 //! shard's lock ([`Sharding::with_storages`], `SingleRunner::sqlite`), and a client-only mode
 //! ([`Sharding::client_only`]), resident-first reads at the residency cap, and
-//! [`Rpc::WITH_TRANSACTION`] handlers whose writes commit with their final reply. Still to come:
+//! [`Rpc::WITH_TRANSACTION`] handlers whose writes commit with their final reply; a persisted
+//! request that is uninterruptible on the server runs again when interrupted. Still to come:
 //! keep-alive, concurrency above 1, and the multi-runner half (membership, shard locks, handoff,
 //! singletons, cron).
 

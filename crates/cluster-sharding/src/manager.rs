@@ -139,6 +139,9 @@ pub(crate) trait ErasedManager: Send + Sync {
     /// Whether requests tagged `tag` run inside a storage transaction.
     fn with_transaction(&self, tag: &str) -> bool;
 
+    /// Whether requests tagged `tag` run again when they end by interrupt.
+    fn rerun_on_interrupt(&self, tag: &str) -> bool;
+
     /// Stops every instance and waits for them to end: no new request is admitted, the ones
     /// already delivered get `termination_timeout` to finish (the reference's graceful drain,
     /// `entityTerminationTimeout`), then the rest are interrupted.
@@ -257,6 +260,10 @@ impl<E: Entity> ErasedManager for EntityManager<E> {
 
     fn with_transaction(&self, tag: &str) -> bool {
         self.shared.protocol.get(tag).is_some_and(|entry| entry.with_transaction)
+    }
+
+    fn rerun_on_interrupt(&self, tag: &str) -> bool {
+        self.shared.protocol.get(tag).is_some_and(|entry| entry.rerun_on_interrupt)
     }
 
     fn shutdown(&self, termination_timeout: Duration) -> BoxFuture<'_, ()> {

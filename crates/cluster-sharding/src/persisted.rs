@@ -14,6 +14,7 @@ use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 use std::time::Duration;
 
 use cluster_core::envelope::{Envelope, Exit, Interrupt, Reply, Request, WithExit};
+use cluster_core::future::BoxFuture;
 use cluster_core::reply_handlers::{ReplyHandlers, ReplyWaiter, UnregisterMode};
 use cluster_core::storage::{
     MessageStorage, SaveRequestOptions, SaveResult, UnprocessedMessage, UnprocessedOptions,
@@ -454,6 +455,7 @@ impl Sharding {
         } else {
             None
         };
+        let rerun = manager.rerun_on_interrupt(&request.tag).then(|| request.clone());
         let cancellation = CancellationToken::new();
         {
             let mut in_flight = lock(&persisted.in_flight);
@@ -480,7 +482,8 @@ impl Sharding {
                 let sharding = self.clone();
                 let persisted = Arc::clone(persisted);
                 self.spawn_owned(async move {
-                    sharding.store_outcome(persisted, request_id, outcome, transaction).await;
+                    let sent = Sent { request_id, outcome, transaction, rerun };
+                    sharding.store_outcome(persisted, sent).await;
                 });
                 Dispatched::Delivered
             }
@@ -502,65 +505,99 @@ impl Sharding {
     /// Stores what a delivered request produced: its chunks (a stream) and its final reply. A
     /// request interrupted by shutdown, or whose entity went away, is left stored for the next
     /// run.
-    async fn store_outcome(
-        self,
-        persisted: Arc<Persisted>,
-        request_id: Snowflake,
-        outcome: Outcome,
-        transaction: Option<TransactionSlot>,
-    ) {
-        let exit = match outcome {
-            Outcome::Exit(exit) => exit.await.ok(),
-            Outcome::Stream(mut replies) => {
-                let mut exit = None;
-                while let Some(reply) = replies.recv().await {
-                    match reply {
-                        Reply::Chunk(_) => self.save_reply_retrying(&persisted, &reply).await,
-                        Reply::WithExit(with_exit) => {
-                            exit = Some(with_exit.exit);
-                            break;
+    fn store_outcome(self, persisted: Arc<Persisted>, sent: Sent) -> BoxFuture<'static, ()> {
+        // Boxed: a re-run dispatches again, which spawns another `store_outcome`.
+        Box::pin(async move {
+            let Sent { request_id, outcome, transaction, rerun } = sent;
+            let exit = match outcome {
+                Outcome::Exit(exit) => exit.await.ok(),
+                Outcome::Stream(mut replies) => {
+                    let mut exit = None;
+                    while let Some(reply) = replies.recv().await {
+                        match reply {
+                            Reply::Chunk(_) => self.save_reply_retrying(&persisted, &reply).await,
+                            Reply::WithExit(with_exit) => {
+                                exit = Some(with_exit.exit);
+                                break;
+                            }
+                        }
+                    }
+                    exit
+                }
+            };
+            {
+                let mut in_flight = lock(&persisted.in_flight);
+                in_flight.remove(&request_id);
+                metrics::set(metrics::PERSISTED_IN_FLIGHT, in_flight.len());
+            }
+            lock(&persisted.stream_acks).remove(&request_id);
+            let transaction = match transaction {
+                Some(slot) => slot.lock().await.take(),
+                None => None,
+            };
+            if let Some(transaction) = transaction {
+                match exit {
+                    Some(exit) if exit.is_success() => {
+                        let reply = self.final_reply(request_id, exit);
+                        self.commit_final_reply(&persisted, transaction, reply).await;
+                        return;
+                    }
+                    // A failure is saved after the rollback (reference §5.5).
+                    _ => {
+                        if let Err(error) = transaction.rollback().await {
+                            tracing::debug!(%error, %request_id, "rollback failed");
                         }
                     }
                 }
-                exit
             }
-        };
-        {
-            let mut in_flight = lock(&persisted.in_flight);
-            in_flight.remove(&request_id);
-            metrics::set(metrics::PERSISTED_IN_FLIGHT, in_flight.len());
-        }
-        lock(&persisted.stream_acks).remove(&request_id);
-        let transaction = match transaction {
-            Some(slot) => slot.lock().await.take(),
-            None => None,
-        };
-        if let Some(transaction) = transaction {
             match exit {
-                Some(exit) if exit.is_success() => {
-                    let reply = self.final_reply(request_id, exit);
-                    self.commit_final_reply(&persisted, transaction, reply).await;
-                    return;
+                // Interrupted by shutdown: left stored for the next run.
+                Some(Exit::Failure(cause)) if cause.has_interrupts_only() && self.is_shutdown() => {
+                    let _ = persisted.storage.reset_requests(&[request_id]).await;
                 }
-                // A failure is saved after the rollback (reference §5.5).
-                _ => {
-                    if let Err(error) = transaction.rollback().await {
-                        tracing::debug!(%error, %request_id, "rollback failed");
+                // Server-side uninterruptible: an interrupt runs it again instead of answering it.
+                Some(Exit::Failure(cause)) if cause.has_interrupts_only() && rerun.is_some() => {
+                    if let Some(request) = rerun {
+                        self.rerun(&persisted, request).await;
                     }
                 }
+                Some(exit) => {
+                    let reply = self.final_reply(request_id, exit);
+                    self.save_final_reply(&persisted, reply).await;
+                }
+                None => {
+                    let _ = persisted.storage.reset_requests(&[request_id]).await;
+                }
             }
-        }
-        match exit {
-            // Interrupted by shutdown: left stored for the next run.
-            Some(Exit::Failure(cause)) if cause.has_interrupts_only() && self.is_shutdown() => {
+        })
+    }
+
+    /// Hands an interrupted server-side uninterruptible request to its entity again (reference
+    /// §6.3), waiting out a full mailbox or the residency cap; if the runner stops first, the
+    /// request stays stored for the next run.
+    async fn rerun(&self, persisted: &Arc<Persisted>, request: Request) {
+        let request_id = request.request_id;
+        tracing::debug!(%request_id, "interrupted uninterruptible request runs again");
+        loop {
+            if self.is_shutdown() {
                 let _ = persisted.storage.reset_requests(&[request_id]).await;
+                return;
             }
-            Some(exit) => {
-                let reply = self.final_reply(request_id, exit);
-                self.save_final_reply(&persisted, reply).await;
-            }
-            None => {
-                let _ = persisted.storage.reset_requests(&[request_id]).await;
+            let message = UnprocessedMessage {
+                envelope: Envelope::Request(request.clone()),
+                last_sent_reply: None,
+            };
+            match self.dispatch(persisted, message, &mut None).await {
+                Dispatched::Delivered | Dispatched::Skipped => return,
+                Dispatched::Answer(reply) => return self.save_final_reply(persisted, reply).await,
+                Dispatched::Release(_) => {
+                    let _ = persisted.storage.reset_requests(&[request_id]).await;
+                    persisted.poll_storage();
+                    return;
+                }
+                Dispatched::Retry(_) | Dispatched::Capped(_) => {
+                    tokio::time::sleep(self.config().send_retry_interval).await;
+                }
             }
         }
     }
@@ -706,6 +743,15 @@ struct Read {
 }
 
 /// What the read loop did with one stored message.
+/// A request handed to its entity, and what the runtime keeps to store its outcome.
+struct Sent {
+    request_id: Snowflake,
+    outcome: Outcome,
+    transaction: Option<TransactionSlot>,
+    /// The request itself, kept when an interrupt runs it again.
+    rerun: Option<Request>,
+}
+
 enum Dispatched {
     /// Handed to its entity.
     Delivered,

@@ -8,6 +8,7 @@ use std::time::Duration;
 use cluster_core::EntityAddress;
 use cluster_sharding::{
     Chunks, Entity, Handler, Protocol, RequestContext, Rpc, StreamHandler, StreamRpc,
+    Uninterruptible,
 };
 use serde::{Deserialize, Serialize};
 
@@ -75,7 +76,8 @@ impl Entity for Counter {
             .handle::<Impatient>()
             .stream::<Count>()
             .stream::<Resume>()
-            .handle::<Book>();
+            .handle::<Book>()
+            .handle::<Stubborn>();
     }
 }
 
@@ -368,5 +370,33 @@ impl Handler<Book> for Counter {
         }
         self.value += 1;
         Ok(self.value)
+    }
+}
+
+/// A persisted, server-side uninterruptible request (one per entity, by primary key): its
+/// first run hangs until interrupted, a later run answers with its run number.
+#[derive(Serialize, Deserialize)]
+pub(crate) struct Stubborn;
+
+impl Rpc for Stubborn {
+    const TAG: &'static str = "Stubborn";
+    const PERSISTED: bool = true;
+    const UNINTERRUPTIBLE: Uninterruptible = Uninterruptible::Server;
+    type Success = usize;
+    type Error = Failure;
+
+    fn primary_key(&self) -> Option<String> {
+        Some("stubborn".to_owned())
+    }
+}
+
+impl Handler<Stubborn> for Counter {
+    async fn handle(&mut self, _: &RequestContext, _: Stubborn) -> Result<usize, Failure> {
+        let run = self.probes.probing.fetch_add(1, Ordering::SeqCst) + 1;
+        if run == 1 {
+            let _guard = OnDrop(Arc::clone(&self.probes));
+            std::future::pending::<()>().await;
+        }
+        Ok(run)
     }
 }

@@ -13,7 +13,7 @@ use cluster_storage_sql::sqlite::{SqliteMessageStorage, SqliteOptions};
 use cluster_storage_sql::{SqlStorageOptions, TablePrefix};
 use cluster_testkit::memory::MemoryMessageStorage;
 
-use crate::entities::{Counter, Deposit, Hang, Probes};
+use crate::entities::{Counter, Deposit, Hang, Probes, Stubborn};
 
 /// A storage shared by the runners of one test, and what to remove at the end.
 struct Store {
@@ -114,6 +114,7 @@ on_every_storage!(
     a_primary_key_runs_the_request_once,
     discard_stores_the_request_and_returns,
     durable_interrupts_go_through_storage,
+    an_interrupted_server_uninterruptible_request_runs_again,
     durable_requests_survive_a_restart,
     claims_of_a_killed_runner_are_released_on_start,
     reset_runs_a_request_again,
@@ -174,6 +175,27 @@ async fn durable_interrupts_go_through_storage(store: Store, id: &str) {
         assert!(tokio::time::Instant::now() < deadline, "the request was not answered");
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
+    sharding.shutdown().await;
+}
+
+async fn an_interrupted_server_uninterruptible_request_runs_again(store: Store, id: &str) {
+    let sharding = runner(&store).await;
+    let counter = sharding.client::<Counter>(id);
+    let probes = Probes::of(id);
+    let call = tokio::spawn({
+        let counter = counter.clone();
+        async move { counter.send(Stubborn).await }
+    });
+    eventually("the request runs", || probes.probing.load(Ordering::SeqCst) == 1).await;
+    // Only the server side is uninterruptible: dropping the call sends a durable interrupt.
+    call.abort();
+    eventually("the handler is interrupted", || probes.interrupted.load(Ordering::SeqCst) == 1)
+        .await;
+    eventually("it runs again", || probes.probing.load(Ordering::SeqCst) == 2).await;
+    // The second run's reply is the stored final reply: the same key answers with it.
+    let reply = tokio::time::timeout(Duration::from_secs(20), counter.send(Stubborn)).await;
+    assert_eq!(reply.expect("answered in time").unwrap(), 2);
+    assert_eq!(probes.probing.load(Ordering::SeqCst), 2, "not run a third time");
     sharding.shutdown().await;
 }
 
