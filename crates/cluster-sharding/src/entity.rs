@@ -32,12 +32,13 @@ use cluster_core::config::Capacity;
 use cluster_core::envelope::{Chunk, Exit, RawJson, Reply};
 use cluster_core::future::BoxFuture;
 use cluster_core::storage::MessageTransaction;
-use cluster_core::{EntityAddress, ShardGroup, Snowflake};
+use cluster_core::{ClusterError, EntityAddress, ShardGroup, Snowflake};
 use serde::Serialize;
 use serde::de::DeserializeOwned;
 use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
 
+use crate::keep_alive::KeepAliveHandle;
 use crate::rpc::{Rpc, StreamRpc};
 
 /// An entity type.
@@ -197,6 +198,7 @@ pub struct RequestContext {
     request_id: Snowflake,
     cancellation: CancellationToken,
     transaction: Option<TransactionSlot>,
+    keep_alive: KeepAliveHandle,
 }
 
 impl std::fmt::Debug for RequestContext {
@@ -215,8 +217,18 @@ impl RequestContext {
         request_id: Snowflake,
         cancellation: CancellationToken,
         transaction: Option<TransactionSlot>,
+        keep_alive: KeepAliveHandle,
     ) -> RequestContext {
-        RequestContext { address, request_id, cancellation, transaction }
+        RequestContext { address, request_id, cancellation, transaction, keep_alive }
+    }
+
+    /// Keeps the entity resident, never reaped for idleness, until called with `false` (the
+    /// reference's `Entity.keepAlive`). With a message storage the keep-alive is a stored
+    /// request that stays unanswered while it lasts, so a restarted runner activates the
+    /// entity again without waiting for a request. Enabling fails only if that request cannot
+    /// be stored or delivered.
+    pub async fn keep_alive(&self, enabled: bool) -> Result<(), ClusterError> {
+        self.keep_alive.set(&self.address, enabled).await
     }
 
     /// The storage transaction of a persisted `WITH_TRANSACTION` request: lock it and run the

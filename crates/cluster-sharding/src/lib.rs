@@ -19,12 +19,13 @@
 //! shard's lock ([`Sharding::with_storages`], `SingleRunner::sqlite`), and a client-only mode
 //! ([`Sharding::client_only`]), resident-first reads at the residency cap, and
 //! [`Rpc::WITH_TRANSACTION`] handlers whose writes commit with their final reply; a persisted
-//! request that is uninterruptible on the server runs again when interrupted. Still to come:
-//! keep-alive, concurrency above 1, and the multi-runner half (membership, shard locks, handoff,
-//! singletons, cron).
+//! request that is uninterruptible on the server runs again when interrupted, and keep-alive
+//! ([`RequestContext::keep_alive`]). Still to come: concurrency above 1, and the multi-runner
+//! half (membership, shard locks, handoff, singletons, cron).
 
 mod client;
 mod entity;
+mod keep_alive;
 mod manager;
 pub mod metrics;
 mod persisted;

@@ -26,6 +26,7 @@ use tracing::Instrument;
 use crate::entity::{
     CallKind, ChunkChannel, Entity, Ids, Protocol, RequestContext, TransactionSlot, malformed,
 };
+use crate::keep_alive::{KEEP_ALIVE_TAG, KeepAlive, KeepAliveHandle, KeepAliveSender};
 use crate::metrics;
 
 /// The largest mailbox channel; an unbounded mailbox capacity is capped here (everything has a
@@ -175,6 +176,8 @@ struct Shared<E: Entity> {
     /// Set when the graceful drain is over: running requests are interrupted.
     closed: CancellationToken,
     tasks: TaskTracker,
+    /// Sends the keep-alive request (see [`crate::keep_alive`]).
+    keep_alive_sender: KeepAliveSender,
 }
 
 struct Instance {
@@ -182,6 +185,8 @@ struct Instance {
     mailbox: mpsc::Sender<Delivery>,
     /// Requests admitted and not yet answered: the mailbox size of the reference.
     active: Arc<AtomicUsize>,
+    /// Parked keep-alive requests keep the instance resident.
+    keep_alive: Arc<KeepAlive>,
 }
 
 impl<E: Entity> EntityManager<E> {
@@ -189,6 +194,7 @@ impl<E: Entity> EntityManager<E> {
         options: ManagerOptions,
         residency: Arc<Residency>,
         ids: Arc<Ids>,
+        keep_alive_sender: KeepAliveSender,
     ) -> EntityManager<E> {
         EntityManager {
             shared: Arc::new(Shared {
@@ -202,6 +208,7 @@ impl<E: Entity> EntityManager<E> {
                 stopping: CancellationToken::new(),
                 closed: CancellationToken::new(),
                 tasks: TaskTracker::new(),
+                keep_alive_sender,
             }),
         }
     }
@@ -232,6 +239,12 @@ impl<E: Entity> ErasedManager for EntityManager<E> {
         let Some(instance) = instances.get(&address.entity_id) else {
             return Err(Refused::Cluster(ClusterError::EntityNotAssignedToRunner { address }));
         };
+        if &*delivery.request.tag == KEEP_ALIVE_TAG {
+            // Not a mailbox request: it activates the entity and waits on its latch.
+            tracing::debug!(entity_type = %shared.entity_type, entity_id = %address.entity_id, "keep-alive");
+            instance.keep_alive.park(delivery);
+            return Ok(());
+        }
         if shared.options.mailbox_capacity.is_full(instance.active.load(Ordering::Acquire)) {
             return Err(Refused::Cluster(ClusterError::MailboxFull { address }));
         }
@@ -292,6 +305,7 @@ impl<E: Entity> Shared<E> {
             });
         let (mailbox, receiver) = mpsc::channel(capacity);
         let active = Arc::new(AtomicUsize::new(0));
+        let keep_alive = Arc::new(KeepAlive::default());
         let span = tracing::debug_span!(
             "entity",
             entity_type = %shared.entity_type,
@@ -299,19 +313,22 @@ impl<E: Entity> Shared<E> {
             shard = %address.shard_id,
         );
         let address_for_instance = address.clone();
-        let task = run_instance(Arc::clone(shared), address, receiver, Arc::clone(&active));
+        let handle = KeepAliveHandle {
+            latch: Arc::clone(&keep_alive),
+            send: Arc::clone(&shared.keep_alive_sender),
+        };
+        let task = run_instance(Arc::clone(shared), address, receiver, Arc::clone(&active), handle);
         shared.tasks.spawn(task.instrument(span));
-        Instance { address: address_for_instance, mailbox, active }
+        Instance { address: address_for_instance, mailbox, active, keep_alive }
     }
 
     /// Removes the instance if it is idle: nothing running, nothing queued. Under the lock, so
     /// no request can be admitted in between.
     fn retire(&self, address: &EntityAddress, receiver: &mpsc::Receiver<Delivery>) -> bool {
         let mut instances = lock(&self.instances);
-        let idle = instances
-            .get(&address.entity_id)
-            .is_some_and(|instance| instance.active.load(Ordering::Acquire) == 0)
-            && receiver.is_empty();
+        let idle = instances.get(&address.entity_id).is_some_and(|instance| {
+            instance.active.load(Ordering::Acquire) == 0 && !instance.keep_alive.is_enabled()
+        }) && receiver.is_empty();
         if idle {
             instances.remove(&address.entity_id);
             metrics::set_for_type(metrics::ENTITIES, self.entity_type.as_str(), instances.len());
@@ -362,14 +379,16 @@ async fn run_instance<E: Entity>(
     address: EntityAddress,
     mut receiver: mpsc::Receiver<Delivery>,
     active: Arc<AtomicUsize>,
+    keep_alive: KeepAliveHandle,
 ) {
     let Some(mut entity) = create(&shared, &address).await else {
+        keep_alive.latch.abandon();
         shared.residency.release();
         return;
     };
     while let Some(mut delivery) = next_delivery(&shared, &address, &mut receiver).await {
         let exit = loop {
-            match run_one(&shared, &mut entity, &address, &mut delivery).await {
+            match run_one(&shared, &mut entity, &address, &mut delivery, &keep_alive).await {
                 Outcome::Exited(exit) => break exit,
                 Outcome::Panicked => {
                     tracing::warn!(entity_type = %shared.entity_type, entity_id = %address.entity_id, "defect in entity, restarting");
@@ -397,6 +416,7 @@ async fn run_instance<E: Entity>(
         }
         active.fetch_sub(1, Ordering::AcqRel);
     }
+    keep_alive.latch.abandon();
     shared.residency.release();
 }
 
@@ -440,6 +460,7 @@ async fn run_one<E: Entity>(
     entity: &mut E,
     address: &EntityAddress,
     delivery: &mut Delivery,
+    keep_alive: &KeepAliveHandle,
 ) -> Outcome {
     let request = &delivery.request;
     let Some(entry) = shared.protocol.get(&request.tag) else {
@@ -455,6 +476,7 @@ async fn run_one<E: Entity>(
         request.request_id,
         delivery.cancellation.clone(),
         delivery.transaction.clone(),
+        keep_alive.clone(),
     );
     let span = tracing::debug_span!(
         "request",

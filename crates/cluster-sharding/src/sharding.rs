@@ -9,10 +9,10 @@ use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex, PoisonError, RwLock};
 
 use cluster_core::config::ShardingConfig;
-use cluster_core::envelope::{Exit, Reply, Request, WithExit};
+use cluster_core::envelope::{Exit, RawJson, Reply, Request, TraceContext, WithExit};
 use cluster_core::error::ConfigError;
 use cluster_core::snowflake::SnowflakeGenerator;
-use cluster_core::storage::MessageStorage;
+use cluster_core::storage::{MessageStorage, SaveRequestOptions};
 use cluster_core::{
     Clock, ClusterError, EntityAddress, EntityId, EntityType, MachineId, ShardGroup, ShardId,
     Snowflake,
@@ -24,6 +24,7 @@ use tokio_util::task::TaskTracker;
 use crate::client::EntityClient;
 use crate::entity::Ids;
 use crate::entity::{Entity, EntityOptions};
+use crate::keep_alive::{KEEP_ALIVE_TAG, KeepAliveSender};
 use crate::manager::{
     Delivery, EntityManager, ErasedManager, ManagerOptions, ReplyTo, Residency, StreamReplies,
 };
@@ -213,6 +214,7 @@ impl Sharding {
                 manager_options,
                 Arc::clone(&self.inner.residency),
                 Arc::clone(&self.inner.ids),
+                self.keep_alive_sender(),
             );
             managers.insert(entity_type.clone(), Arc::new(manager));
         }
@@ -439,6 +441,39 @@ impl Sharding {
             transaction: None,
         })?;
         Ok((replied, acked, cancellation))
+    }
+
+    /// What entity managers call to send the keep-alive request: a weak handle, so that the
+    /// managers do not keep the runtime alive.
+    fn keep_alive_sender(&self) -> KeepAliveSender {
+        let inner = Arc::downgrade(&self.inner);
+        Arc::new(move |address: EntityAddress| {
+            let inner = inner.clone();
+            Box::pin(async move {
+                let Some(inner) = inner.upgrade() else {
+                    return Err(ClusterError::EntityNotAssignedToRunner { address });
+                };
+                Sharding { inner }.send_keep_alive(address).await
+            })
+        })
+    }
+
+    /// Sends the keep-alive request to `address`: stored when there is a message storage (it
+    /// then survives a restart), delivered in memory otherwise.
+    async fn send_keep_alive(&self, address: EntityAddress) -> Result<(), ClusterError> {
+        let request = Request {
+            request_id: self.next_id(),
+            address,
+            tag: KEEP_ALIVE_TAG.into(),
+            payload: RawJson::null(),
+            headers: RawJson::empty_object(),
+            trace: TraceContext::default(),
+        };
+        if self.persisted().is_some() {
+            self.notify_persisted(request, SaveRequestOptions::default()).await
+        } else {
+            self.notify_local(request).await
+        }
     }
 
     /// Delivers a volatile request without waiting for its exit (a discarded call).

@@ -77,7 +77,8 @@ impl Entity for Counter {
             .stream::<Count>()
             .stream::<Resume>()
             .handle::<Book>()
-            .handle::<Stubborn>();
+            .handle::<Stubborn>()
+            .handle::<SetKeepAlive>();
     }
 }
 
@@ -398,5 +399,25 @@ impl Handler<Stubborn> for Counter {
             std::future::pending::<()>().await;
         }
         Ok(run)
+    }
+}
+
+/// Switches the entity's keep-alive.
+#[derive(Serialize, Deserialize)]
+pub(crate) struct SetKeepAlive {
+    pub(crate) enabled: bool,
+}
+rpc!(SetKeepAlive, "SetKeepAlive", (), Failure);
+
+impl Handler<SetKeepAlive> for Counter {
+    async fn handle(
+        &mut self,
+        context: &RequestContext,
+        request: SetKeepAlive,
+    ) -> Result<(), Failure> {
+        context
+            .keep_alive(request.enabled)
+            .await
+            .map_err(|error| Failure { reason: error.to_string() })
     }
 }

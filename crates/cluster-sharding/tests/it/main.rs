@@ -13,7 +13,7 @@ use cluster_core::config::Capacity;
 use cluster_core::{ClusterError, ShardingConfig, SystemClock};
 use cluster_sharding::{CallError, EntityOptions, RegisterError, Sharding};
 
-use entities::{Counter, Fail, Get, Increment, Persist, Probe, Probes, Sleep, Stuck};
+use entities::{Counter, Fail, Get, Increment, Persist, Probe, Probes, SetKeepAlive, Sleep, Stuck};
 
 fn sharding(config: ShardingConfig) -> Sharding {
     Sharding::new(config, Arc::new(SystemClock)).unwrap()
@@ -124,6 +124,29 @@ async fn bounds_resident_entities_and_reaps_idle_ones() {
     // A reaped entity starts again with fresh state.
     eventually("the second is reaped", || sharding.active_entity_count() == 0).await;
     assert_eq!(sharding.client::<Counter>("first").send(Get).await.unwrap(), 0);
+}
+
+#[tokio::test(start_paused = true)]
+async fn keep_alive_holds_an_entity_until_it_is_released() {
+    let config = ShardingConfig {
+        entity_max_idle_time: Some(Duration::from_secs(1)),
+        ..ShardingConfig::default()
+    };
+    let sharding = registered(config);
+    let kept = sharding.client::<Counter>("kept-alive");
+    kept.send(SetKeepAlive { enabled: true }).await.unwrap();
+    // Enabling twice parks nothing more: one release is enough.
+    kept.send(SetKeepAlive { enabled: true }).await.unwrap();
+    kept.send(Increment { by: 3 }).await.unwrap();
+    let other = sharding.client::<Counter>("not-kept");
+    other.send(Increment { by: 1 }).await.unwrap();
+    eventually("the other entity is reaped", || sharding.active_entity_count() == 1).await;
+    tokio::time::sleep(Duration::from_secs(3600)).await;
+    assert_eq!(sharding.active_entity_count(), 1);
+    assert_eq!(kept.send(Get).await.unwrap(), 3, "the same instance, state kept");
+    kept.send(SetKeepAlive { enabled: false }).await.unwrap();
+    eventually("released, it is reaped", || sharding.active_entity_count() == 0).await;
+    assert_eq!(kept.send(Get).await.unwrap(), 0, "a fresh instance");
 }
 
 #[tokio::test(start_paused = true)]

@@ -13,7 +13,7 @@ use cluster_storage_sql::sqlite::{SqliteMessageStorage, SqliteOptions};
 use cluster_storage_sql::{SqlStorageOptions, TablePrefix};
 use cluster_testkit::memory::MemoryMessageStorage;
 
-use crate::entities::{Counter, Deposit, Hang, Probes, Stubborn};
+use crate::entities::{Counter, Deposit, Hang, Probes, SetKeepAlive, Stubborn};
 
 /// A storage shared by the runners of one test, and what to remove at the end.
 struct Store {
@@ -115,6 +115,7 @@ on_every_storage!(
     discard_stores_the_request_and_returns,
     durable_interrupts_go_through_storage,
     an_interrupted_server_uninterruptible_request_runs_again,
+    a_kept_alive_entity_is_activated_again_after_a_restart,
     durable_requests_survive_a_restart,
     claims_of_a_killed_runner_are_released_on_start,
     reset_runs_a_request_again,
@@ -197,6 +198,27 @@ async fn an_interrupted_server_uninterruptible_request_runs_again(store: Store, 
     assert_eq!(reply.expect("answered in time").unwrap(), 2);
     assert_eq!(probes.probing.load(Ordering::SeqCst), 2, "not run a third time");
     sharding.shutdown().await;
+}
+
+async fn a_kept_alive_entity_is_activated_again_after_a_restart(store: Store, id: &str) {
+    let probes = Probes::of(id);
+    let first = runner(&store).await;
+    first.client::<Counter>(id).send(SetKeepAlive { enabled: true }).await.unwrap();
+    assert_eq!(probes.created.load(Ordering::SeqCst), 1);
+    first.shutdown().await;
+    assert_eq!(unprocessed(&store).await, 1, "the keep-alive request stays stored");
+    // The next run creates the entity from the stored keep-alive alone.
+    let second = runner(&store).await;
+    eventually("the entity is activated again", || probes.created.load(Ordering::SeqCst) == 2)
+        .await;
+    second.client::<Counter>(id).send(SetKeepAlive { enabled: false }).await.unwrap();
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(20);
+    while unprocessed(&store).await != 0 {
+        assert!(tokio::time::Instant::now() < deadline, "the keep-alive was not answered");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    second.shutdown().await;
+    assert_eq!(probes.created.load(Ordering::SeqCst), 2);
 }
 
 async fn durable_requests_survive_a_restart(store: Store, id: &str) {
