@@ -11,6 +11,7 @@
 
 use std::any::Any;
 use std::collections::{BTreeMap, BTreeSet};
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 use std::time::Duration;
 
@@ -204,12 +205,19 @@ fn matches_address(message: &StoredMessage, address: &EntityAddress) -> bool {
 pub struct MemoryMessageStorage {
     state: Arc<Mutex<MessageState>>,
     clock: Arc<dyn Clock>,
+    /// Calls of `unprocessed_messages`, for tests that check the read loop's pace.
+    reads: AtomicUsize,
 }
 
 impl MemoryMessageStorage {
     /// An empty storage whose claims use `clock`.
     pub fn new(clock: Arc<dyn Clock>) -> MemoryMessageStorage {
-        MemoryMessageStorage { state: Arc::default(), clock }
+        MemoryMessageStorage { state: Arc::default(), clock, reads: AtomicUsize::new(0) }
+    }
+
+    /// How many times [`MessageStorage::unprocessed_messages`] was called.
+    pub fn unprocessed_reads(&self) -> usize {
+        self.reads.load(Ordering::SeqCst)
     }
 
     /// Test hook: the message row `id` can no longer be decoded.
@@ -462,6 +470,7 @@ impl MessageStorage for MemoryMessageStorage {
         now: Timestamp,
         options: UnprocessedOptions<'a>,
     ) -> BoxFuture<'a, Result<UnprocessedBatch, StorageError>> {
+        self.reads.fetch_add(1, Ordering::SeqCst);
         ready(Ok(self.unprocessed_now(shard_ids, now, options)))
     }
 

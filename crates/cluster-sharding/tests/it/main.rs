@@ -446,3 +446,84 @@ async fn keeps_delivering_to_resident_entities_at_the_residency_cap() {
     assert_eq!(sharding.active_entity_count(), 1, "no newcomer was admitted");
     sharding.shutdown().await;
 }
+
+/// A runner on a fresh in-memory message storage, with `Counter` registered.
+async fn on_memory_storage(
+    config: ShardingConfig,
+) -> (Sharding, Arc<cluster_testkit::memory::MemoryMessageStorage>) {
+    let storage =
+        Arc::new(cluster_testkit::memory::MemoryMessageStorage::new(Arc::new(SystemClock)));
+    let sharding = Sharding::with_storage(config, Arc::new(SystemClock), Arc::clone(&storage) as _)
+        .await
+        .unwrap();
+    sharding.register::<Counter>(EntityOptions::default()).unwrap();
+    (sharding, storage)
+}
+
+#[tokio::test(start_paused = true)]
+async fn does_not_busy_poll_storage_at_the_residency_cap() {
+    let config = ShardingConfig {
+        max_resident_entities: Capacity::bounded(1).unwrap(),
+        entity_max_idle_time: Some(Duration::from_secs(5)),
+        ..ShardingConfig::default()
+    };
+    let (sharding, storage) = on_memory_storage(config).await;
+    // The one slot is held by an entity with a request in flight.
+    let resident = sharding.client::<Counter>("busy-resident");
+    let call = tokio::spawn({
+        let resident = resident.clone();
+        async move { resident.send(entities::Hang).await }
+    });
+    let probes = Probes::of("busy-resident");
+    eventually("the resident runs", || probes.probing.load(Ordering::SeqCst) == 1).await;
+    // A backlog for an entity that cannot become resident.
+    let newcomer = sharding.client::<Counter>("waiting-newcomer");
+    newcomer.discard(entities::Deposit { key: "w".to_owned(), amount: 1 }).await.unwrap();
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    let before = storage.unprocessed_reads();
+    // Well inside the 10 s poll interval: at most one more read.
+    tokio::time::sleep(Duration::from_secs(4)).await;
+    let extra = storage.unprocessed_reads() - before;
+    assert!(extra <= 1, "{extra} reads in 4 s at the cap");
+    // Once the resident is interrupted and reaped, the newcomer gets its slot.
+    call.abort();
+    let waiting = Probes::of("waiting-newcomer");
+    eventually("the newcomer is served", || waiting.deposits.load(Ordering::SeqCst) == 1).await;
+    sharding.shutdown().await;
+}
+
+#[tokio::test(start_paused = true)]
+async fn drains_a_full_batch_without_waiting_for_the_poll_interval() {
+    let config = ShardingConfig {
+        unprocessed_message_batch_size: std::num::NonZeroU32::new(2).unwrap(),
+        ..ShardingConfig::default()
+    };
+    let (runner, storage) = on_memory_storage(config.clone()).await;
+    // Saved by another process: nothing wakes the runner's read loop but its poll.
+    let client_config = ShardingConfig { runner_address: None, ..config.clone() };
+    let client =
+        Sharding::client_only(client_config, Arc::new(SystemClock), storage as _).await.unwrap();
+    let drained = client.client::<Counter>("drained");
+    for n in 0..5 {
+        drained.discard(entities::Deposit { key: format!("d{n}"), amount: 1 }).await.unwrap();
+    }
+    let started = tokio::time::Instant::now();
+    let probes = Probes::of("drained");
+    eventually("all five are delivered", || probes.deposits.load(Ordering::SeqCst) == 5).await;
+    // Three batches of at most two, one poll: without draining it would take three polls.
+    assert!(started.elapsed() < config.entity_message_poll_interval * 2, "{:?}", started.elapsed());
+    client.shutdown().await;
+    runner.shutdown().await;
+}
+
+#[tokio::test(start_paused = true)]
+async fn unbounded_max_resident_entities_does_not_limit_spawning() {
+    let config =
+        ShardingConfig { max_resident_entities: Capacity::Unbounded, ..ShardingConfig::default() };
+    let sharding = registered(config);
+    for n in 0..15 {
+        sharding.client::<Counter>(format!("many-{n}")).send(Increment { by: 1 }).await.unwrap();
+    }
+    assert_eq!(sharding.active_entity_count(), 15);
+    sharding.shutdown().await;
+}
