@@ -527,3 +527,65 @@ async fn unbounded_max_resident_entities_does_not_limit_spawning() {
     assert_eq!(sharding.active_entity_count(), 15);
     sharding.shutdown().await;
 }
+
+#[tokio::test(start_paused = true)]
+async fn persisted_calls_to_many_entities_stay_within_the_residency_cap() {
+    let config = ShardingConfig {
+        max_resident_entities: Capacity::bounded(2).unwrap(),
+        entity_max_idle_time: Some(Duration::from_secs(1)),
+        ..ShardingConfig::default()
+    };
+    let (sharding, _storage) = on_memory_storage(config).await;
+    let calls: Vec<_> = (0..6)
+        .map(|n| {
+            let client = sharding.client::<Counter>(format!("capped-{n}"));
+            tokio::spawn(async move {
+                client.send(entities::Deposit { key: format!("c{n}"), amount: n }).await
+            })
+        })
+        .collect();
+    // Sampled until every call is answered, and once more after (the last ones are still
+    // resident then).
+    let mut most = 0;
+    loop {
+        let done = calls.iter().all(tokio::task::JoinHandle::is_finished);
+        most = most.max(sharding.active_entity_count());
+        assert!(most <= 2, "{most} entities resident with a cap of 2");
+        if done {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    for (n, call) in calls.into_iter().enumerate() {
+        assert_eq!(call.await.unwrap().unwrap(), n as u64, "each entity got its deposit");
+    }
+    assert!(most >= 1);
+    sharding.shutdown().await;
+}
+
+#[tokio::test(start_paused = true)]
+async fn bounded_reads_advance_past_requests_in_flight() {
+    let config = ShardingConfig {
+        unprocessed_message_batch_size: std::num::NonZeroU32::new(2).unwrap(),
+        ..ShardingConfig::default()
+    };
+    let (sharding, _storage) = on_memory_storage(config).await;
+    let mut stuck = Vec::new();
+    for n in 0..2 {
+        let client = sharding.client::<Counter>(format!("in-flight-{n}"));
+        stuck.push(tokio::spawn(async move { client.send(entities::Hang).await }));
+    }
+    for n in 0..2 {
+        let probes = Probes::of(&format!("in-flight-{n}"));
+        eventually("both run", || probes.probing.load(Ordering::SeqCst) == 1).await;
+    }
+    // Two claimed rows fill a batch of two; the next request is still read and answered.
+    let behind = sharding.client::<Counter>("behind-them");
+    let answered = behind.send(entities::Deposit { key: "b".to_owned(), amount: 4 });
+    let answered = tokio::time::timeout(Duration::from_secs(60), answered).await;
+    assert_eq!(answered.expect("the request behind the in-flight ones starved").unwrap(), 4);
+    for call in stuck {
+        call.abort();
+    }
+    sharding.shutdown().await;
+}
