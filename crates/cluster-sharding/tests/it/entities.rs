@@ -23,6 +23,8 @@ pub(crate) struct Probes {
     pub(crate) deposits: AtomicUsize,
     /// A resumable stream hangs before sending this item (`u64::MAX`: never).
     pub(crate) hang_at: std::sync::atomic::AtomicU64,
+    /// The ids of the `Hang` requests this entity ran.
+    pub(crate) hung: Mutex<Vec<cluster_core::Snowflake>>,
 }
 
 impl Default for Probes {
@@ -35,6 +37,7 @@ impl Default for Probes {
             panic_once: AtomicBool::new(false),
             deposits: AtomicUsize::new(0),
             hang_at: std::sync::atomic::AtomicU64::new(u64::MAX),
+            hung: Mutex::default(),
         }
     }
 }
@@ -230,7 +233,8 @@ impl Handler<Deposit> for Counter {
 }
 
 impl Handler<Hang> for Counter {
-    async fn handle(&mut self, _: &RequestContext, _: Hang) -> Result<(), Failure> {
+    async fn handle(&mut self, context: &RequestContext, _: Hang) -> Result<(), Failure> {
+        self.probes.hung.lock().unwrap().push(context.request_id());
         let _guard = OnDrop(Arc::clone(&self.probes));
         self.probes.probing.fetch_add(1, Ordering::SeqCst);
         std::future::pending().await

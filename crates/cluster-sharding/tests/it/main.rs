@@ -589,3 +589,33 @@ async fn bounded_reads_advance_past_requests_in_flight() {
     }
     sharding.shutdown().await;
 }
+
+#[tokio::test(start_paused = true)]
+async fn a_malformed_interrupt_row_answers_its_request_with_a_defect() {
+    use cluster_core::storage::MessageStorage;
+
+    let (sharding, storage) = on_memory_storage(ShardingConfig::default()).await;
+    let client = sharding.client::<Counter>("malformed-interrupt");
+    let call = tokio::spawn({
+        let client = client.clone();
+        async move { client.send(entities::Hang).await }
+    });
+    let probes = Probes::of("malformed-interrupt");
+    eventually("the request runs", || probes.probing.load(Ordering::SeqCst) == 1).await;
+    let request_id = probes.hung.lock().unwrap()[0];
+    // An interrupt row for it that cannot be decoded.
+    let interrupt = cluster_core::envelope::Interrupt {
+        id: cluster_core::Snowflake::new(u64::MAX >> 2),
+        address: client.address().clone(),
+        request_id,
+    };
+    storage.save_interrupt(&interrupt).await.unwrap();
+    storage.corrupt_message(interrupt.id);
+    sharding.poll_storage();
+    let answered = tokio::time::timeout(Duration::from_secs(60), call).await;
+    match answered.expect("the caller was left waiting").unwrap() {
+        Err(CallError::Defect(defect)) => assert!(defect.contains("MalformedMessage"), "{defect}"),
+        other => panic!("expected a defect, got {other:?}"),
+    }
+    sharding.shutdown().await;
+}
