@@ -99,6 +99,17 @@ impl Persisted {
         }
     }
 
+    /// Ends every local wait for a reply: this process will not read replies any more (it is
+    /// shutting down). The callers fail with `EntityNotAssignedToRunner`; their requests stay
+    /// stored.
+    pub(crate) fn abandon_waiters(&self) {
+        let mut waiters = lock(&self.waiters);
+        let waiting: Vec<Snowflake> = waiters.waiting().collect();
+        for request_id in waiting {
+            waiters.unregister(request_id, UnregisterMode::Abandon);
+        }
+    }
+
     /// Wakes the storage read loop.
     pub(crate) fn poll_storage(&self) {
         self.read_latch.notify_one();
@@ -163,6 +174,11 @@ struct InterruptOnDrop {
 impl Drop for InterruptOnDrop {
     fn drop(&mut self) {
         let Some(sharding) = self.sharding.take() else { return };
+        if sharding.is_shutdown() {
+            // The request stays stored for the next run; an interrupt saved now would cut it
+            // off there (reference §12.1 #6: no interrupts for durable messages at shutdown).
+            return;
+        }
         let interrupt = Interrupt {
             id: sharding.next_id(),
             address: self.address.clone(),

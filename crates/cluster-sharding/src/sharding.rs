@@ -253,7 +253,8 @@ impl Sharding {
     /// Stops the runner: new requests fail with `EntityNotAssignedToRunner`, the ones already
     /// delivered get `entity_termination_timeout` to finish, then they are interrupted; every
     /// entity instance has ended when this returns. Interrupted persisted requests stay stored
-    /// for the next run. Idempotent.
+    /// for the next run, and no interrupt is stored for them; local callers still waiting for
+    /// a persisted reply fail with `EntityNotAssignedToRunner`. Idempotent.
     pub async fn shutdown(&self) {
         self.inner.shutdown.cancel();
         let termination_timeout = self.inner.config.entity_termination_timeout;
@@ -265,6 +266,10 @@ impl Sharding {
         .await;
         self.inner.tasks.close();
         self.inner.tasks.wait().await;
+        // No reply will be read from here on: local callers stop waiting.
+        if let Some(persisted) = &self.inner.persisted {
+            persisted.abandon_waiters();
+        }
         // The entities have stopped: the shards can go to the next runner.
         let locks = self.inner.locks.lock().unwrap_or_else(PoisonError::into_inner).take();
         if let Some(locks) = locks {

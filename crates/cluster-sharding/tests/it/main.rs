@@ -619,3 +619,69 @@ async fn a_malformed_interrupt_row_answers_its_request_with_a_defect() {
     }
     sharding.shutdown().await;
 }
+
+#[tokio::test(start_paused = true)]
+async fn no_interrupt_is_stored_for_persisted_requests_at_shutdown() {
+    use cluster_core::storage::{MessageStorage, UnprocessedOptions};
+    use cluster_core::{Clock, ShardGroup, ShardId};
+
+    let (sharding, storage) = on_memory_storage(ShardingConfig::default()).await;
+    let client = sharding.client::<Counter>("stopped-under");
+    let call = tokio::spawn({
+        let client = client.clone();
+        async move { client.send(entities::Hang).await }
+    });
+    let probes = Probes::of("stopped-under");
+    eventually("the request runs", || probes.probing.load(Ordering::SeqCst) == 1).await;
+    sharding.shutdown().await;
+    // The caller stops waiting with a typed error; no interrupt is stored for it.
+    let result = tokio::time::timeout(Duration::from_secs(60), call).await;
+    match result.expect("the caller was left waiting").unwrap() {
+        Err(CallError::Cluster(ClusterError::EntityNotAssignedToRunner { .. })) => {}
+        other => panic!("expected EntityNotAssignedToRunner, got {other:?}"),
+    }
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    let shards: Vec<_> =
+        (1..=300).map(|id| ShardId::new(ShardGroup::default_group(), id)).collect();
+    let left = storage
+        .unprocessed_messages(&shards, SystemClock.now(), UnprocessedOptions::default())
+        .await
+        .unwrap();
+    assert_eq!(left.len(), 1, "only the request is left for the next run: {left:?}");
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_caller_dropped_during_shutdown_stores_no_interrupt() {
+    use cluster_core::storage::{MessageStorage, UnprocessedOptions};
+    use cluster_core::{Clock, ShardGroup, ShardId};
+
+    let config = ShardingConfig {
+        entity_termination_timeout: Duration::from_secs(10),
+        ..ShardingConfig::default()
+    };
+    let (sharding, storage) = on_memory_storage(config).await;
+    let client = sharding.client::<Counter>("dropped-while-stopping");
+    let call = tokio::spawn({
+        let client = client.clone();
+        async move { client.send(entities::Hang).await }
+    });
+    let probes = Probes::of("dropped-while-stopping");
+    eventually("the request runs", || probes.probing.load(Ordering::SeqCst) == 1).await;
+    // The drain waits for the running request; the caller gives up meanwhile.
+    let stopping = tokio::spawn({
+        let sharding = sharding.clone();
+        async move { sharding.shutdown().await }
+    });
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    assert!(!stopping.is_finished(), "still draining");
+    call.abort();
+    let _ = call.await;
+    stopping.await.unwrap();
+    let shards: Vec<_> =
+        (1..=300).map(|id| ShardId::new(ShardGroup::default_group(), id)).collect();
+    let left = storage
+        .unprocessed_messages(&shards, SystemClock.now(), UnprocessedOptions::default())
+        .await
+        .unwrap();
+    assert_eq!(left.len(), 1, "only the request is left for the next run: {left:?}");
+}
