@@ -685,3 +685,53 @@ async fn a_caller_dropped_during_shutdown_stores_no_interrupt() {
         .unwrap();
     assert_eq!(left.len(), 1, "only the request is left for the next run: {left:?}");
 }
+
+#[tokio::test(start_paused = true)]
+async fn an_interrupt_for_a_request_held_back_by_a_full_mailbox_is_not_lost() {
+    use cluster_core::storage::{MessageStorage, UnprocessedOptions};
+    use cluster_core::{Clock, ShardGroup, ShardId};
+
+    let config = ShardingConfig {
+        entity_mailbox_capacity: Capacity::bounded(2).unwrap(),
+        ..ShardingConfig::default()
+    };
+    let (sharding, storage) = on_memory_storage(config).await;
+    let client = sharding.client::<Counter>("held-back");
+    let probes = Probes::of("held-back");
+    let hang = || {
+        let client = client.clone();
+        tokio::spawn(async move { client.send(entities::Hang).await })
+    };
+    // The first runs, the second waits in the mailbox, the third stays in storage.
+    let first = hang();
+    eventually("the first runs", || probes.probing.load(Ordering::SeqCst) == 1).await;
+    let second = hang();
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    let third = hang();
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    // Interrupt the third while it is held back, then free a slot.
+    third.abort();
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    first.abort();
+    eventually("the second runs", || probes.probing.load(Ordering::SeqCst) == 2).await;
+    second.abort();
+    eventually("two handlers interrupted", || probes.interrupted.load(Ordering::SeqCst) == 2).await;
+    // The third is answered with its interrupt without ever running.
+    let shards: Vec<_> =
+        (1..=300).map(|id| ShardId::new(ShardGroup::default_group(), id)).collect();
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(60);
+    loop {
+        let left = storage
+            .unprocessed_messages(&shards, SystemClock.now(), UnprocessedOptions::default())
+            .await
+            .unwrap();
+        storage.reset_shards(&shards).await.unwrap();
+        if left.is_empty() {
+            break;
+        }
+        assert!(tokio::time::Instant::now() < deadline, "left unanswered: {left:?}");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    assert_eq!(probes.probing.load(Ordering::SeqCst), 2, "the third never ran");
+    sharding.shutdown().await;
+}
