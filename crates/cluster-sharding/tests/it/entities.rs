@@ -81,7 +81,8 @@ impl Entity for Counter {
             .stream::<Resume>()
             .handle::<Book>()
             .handle::<Stubborn>()
-            .handle::<SetKeepAlive>();
+            .handle::<SetKeepAlive>()
+            .handle::<Later>();
     }
 }
 
@@ -423,5 +424,29 @@ impl Handler<SetKeepAlive> for Counter {
             .keep_alive(request.enabled)
             .await
             .map_err(|error| Failure { reason: error.to_string() })
+    }
+}
+
+/// A persisted request not to be delivered before `at` (Unix milliseconds).
+#[derive(Serialize, Deserialize)]
+pub(crate) struct Later {
+    pub(crate) at: i64,
+}
+
+impl Rpc for Later {
+    const TAG: &'static str = "Later";
+    const PERSISTED: bool = true;
+    type Success = ();
+    type Error = Failure;
+
+    fn deliver_at(&self) -> Option<cluster_core::Timestamp> {
+        Some(cluster_core::Timestamp::from_unix_millis(self.at))
+    }
+}
+
+impl Handler<Later> for Counter {
+    async fn handle(&mut self, _: &RequestContext, _: Later) -> Result<(), Failure> {
+        self.probes.probing.fetch_add(1, Ordering::SeqCst);
+        Ok(())
     }
 }

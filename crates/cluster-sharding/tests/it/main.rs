@@ -735,3 +735,42 @@ async fn an_interrupt_for_a_request_held_back_by_a_full_mailbox_is_not_lost() {
     assert_eq!(probes.probing.load(Ordering::SeqCst), 2, "the third never ran");
     sharding.shutdown().await;
 }
+
+/// Wall-clock time that follows tokio's paused clock, so that deliver-at times pass with it.
+#[derive(Debug)]
+struct TokioClock {
+    start: tokio::time::Instant,
+}
+
+impl cluster_core::Clock for TokioClock {
+    fn now(&self) -> cluster_core::Timestamp {
+        cluster_core::Timestamp::from_unix_millis(1_800_000_000_000)
+            .saturating_add(self.start.elapsed())
+    }
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_persisted_request_waits_for_its_deliver_at_time() {
+    use cluster_core::Clock;
+
+    let clock = Arc::new(TokioClock { start: tokio::time::Instant::now() });
+    let storage = Arc::new(cluster_testkit::memory::MemoryMessageStorage::new(clock.clone()));
+    let sharding =
+        Sharding::with_storage(ShardingConfig::default(), clock.clone(), storage).await.unwrap();
+    sharding.register::<Counter>(EntityOptions::default()).unwrap();
+    let client = sharding.client::<Counter>("later");
+    let probes = Probes::of("later");
+    let at = clock.now().saturating_add(Duration::from_secs(30));
+    let call = tokio::spawn({
+        let client = client.clone();
+        async move { client.send(entities::Later { at: at.unix_millis() }).await }
+    });
+    tokio::time::sleep(Duration::from_secs(20)).await;
+    assert_eq!(probes.probing.load(Ordering::SeqCst), 0, "delivered before its time");
+    assert!(!call.is_finished());
+    let answered = tokio::time::timeout(Duration::from_secs(60), call).await;
+    answered.expect("never delivered").unwrap().unwrap();
+    assert!(clock.now() >= at);
+    assert_eq!(probes.probing.load(Ordering::SeqCst), 1);
+    sharding.shutdown().await;
+}
