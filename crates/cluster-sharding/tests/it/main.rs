@@ -774,3 +774,62 @@ async fn a_persisted_request_waits_for_its_deliver_at_time() {
     assert_eq!(probes.probing.load(Ordering::SeqCst), 1);
     sharding.shutdown().await;
 }
+
+#[tokio::test(start_paused = true)]
+async fn a_persisted_stream_held_back_by_a_full_mailbox_completes() {
+    let config = ShardingConfig {
+        entity_mailbox_capacity: Capacity::bounded(1).unwrap(),
+        ..ShardingConfig::default()
+    };
+    let (sharding, _storage) = on_memory_storage(config).await;
+    let client = sharding.client::<Counter>("stream-behind");
+    let probes = Probes::of("stream-behind");
+    let first = tokio::spawn({
+        let client = client.clone();
+        async move { client.send(entities::Hang).await }
+    });
+    eventually("the first request runs", || probes.probing.load(Ordering::SeqCst) == 1).await;
+    let streamed = tokio::spawn({
+        let client = client.clone();
+        async move {
+            let resume = entities::Resume { key: "behind".to_owned(), n: 3 };
+            let mut stream = client.stream(resume).await.unwrap();
+            let mut items = Vec::new();
+            while let Some(item) = stream.next().await {
+                items.push(item.unwrap());
+            }
+            items
+        }
+    });
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    assert!(!streamed.is_finished(), "the mailbox is full");
+    first.abort();
+    let items = tokio::time::timeout(Duration::from_secs(60), streamed).await;
+    assert_eq!(items.expect("the stream never completed").unwrap(), [0, 1, 2]);
+    sharding.shutdown().await;
+}
+
+#[tokio::test(start_paused = true)]
+async fn persisted_requests_wait_for_an_entity_type_registered_late() {
+    let config = ShardingConfig {
+        entity_registration_timeout: Duration::from_secs(6),
+        entity_message_poll_interval: Duration::from_millis(500),
+        ..ShardingConfig::default()
+    };
+    let storage =
+        Arc::new(cluster_testkit::memory::MemoryMessageStorage::new(Arc::new(SystemClock)));
+    let sharding =
+        Sharding::with_storage(config, Arc::new(SystemClock), storage as _).await.unwrap();
+    let call = tokio::spawn({
+        let client = sharding.client::<Counter>("late-type");
+        async move { client.send(entities::Deposit { key: "late".to_owned(), amount: 9 }).await }
+    });
+    // Past the registration timeout, but inside the window of twice that: still held.
+    tokio::time::sleep(Duration::from_millis(7_500)).await;
+    assert!(!call.is_finished(), "answered before the type registered");
+    tokio::time::sleep(Duration::from_millis(2_500)).await;
+    sharding.register::<Counter>(EntityOptions::default()).unwrap();
+    let answered = tokio::time::timeout(Duration::from_secs(60), call).await;
+    assert_eq!(answered.expect("never answered").unwrap().unwrap(), 9);
+    sharding.shutdown().await;
+}
