@@ -196,16 +196,25 @@ proptest! {
                 floor
             })
             .collect();
+        // Every runner may take at least one shard (`max(floor, 1)`, as the reference), so with
+        // few shards the maxima can add up to more than `count`.
+        let maxima: Vec<u32> = floors.iter().map(|floor| (*floor).max(1)).collect();
+        let demand: u32 = maxima.iter().sum();
         let mut excess = 0u32;
-        for ((address, _), floor) in runners.iter().zip(&floors) {
+        for ((address, _), max) in runners.iter().zip(&maxima) {
             let owned = u32::try_from(shards.iter().filter(|owner| **owner == address).count()).unwrap();
-            // Each runner reaches its weighted share before any runner goes beyond it ...
-            prop_assert!(owned >= *floor, "{address} owns {owned} < {floor}");
-            excess += owned - floor;
+            if demand <= count {
+                // Each runner reaches its weighted share before any runner goes beyond it ...
+                prop_assert!(owned >= *max, "{address} owns {owned} < {max}");
+                excess += owned - max;
+            } else {
+                // ... and when there are too few shards for that, none goes beyond it.
+                prop_assert!(owned <= *max, "{address} owns {owned} > {max}");
+            }
         }
         // ... so only the remainder of the integer division is spread unevenly.
         let n_runners = u32::try_from(runners.len()).unwrap();
-        if floors.iter().all(|floor| *floor >= 1) {
+        if demand <= count {
             prop_assert!(excess < n_runners, "excess {excess} with {n_runners} runners");
         }
     }
