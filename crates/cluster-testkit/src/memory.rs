@@ -11,7 +11,7 @@
 
 use std::any::Any;
 use std::collections::{BTreeMap, BTreeSet};
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicU32, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 use std::time::Duration;
 
@@ -207,17 +207,31 @@ pub struct MemoryMessageStorage {
     clock: Arc<dyn Clock>,
     /// Calls of `unprocessed_messages`, for tests that check the read loop's pace.
     reads: AtomicUsize,
+    /// The smallest `limit` those calls asked for (`u32::MAX` while none did).
+    smallest_limit: AtomicU32,
 }
 
 impl MemoryMessageStorage {
     /// An empty storage whose claims use `clock`.
     pub fn new(clock: Arc<dyn Clock>) -> MemoryMessageStorage {
-        MemoryMessageStorage { state: Arc::default(), clock, reads: AtomicUsize::new(0) }
+        MemoryMessageStorage {
+            state: Arc::default(),
+            clock,
+            reads: AtomicUsize::new(0),
+            smallest_limit: AtomicU32::new(u32::MAX),
+        }
     }
 
     /// How many times [`MessageStorage::unprocessed_messages`] was called.
     pub fn unprocessed_reads(&self) -> usize {
         self.reads.load(Ordering::SeqCst)
+    }
+
+    /// The smallest `limit` a call of [`MessageStorage::unprocessed_messages`] asked for, if
+    /// any asked for one.
+    pub fn smallest_read_limit(&self) -> Option<u32> {
+        let smallest = self.smallest_limit.load(Ordering::SeqCst);
+        (smallest != u32::MAX).then_some(smallest)
     }
 
     /// Test hook: the message row `id` can no longer be decoded.
@@ -471,6 +485,9 @@ impl MessageStorage for MemoryMessageStorage {
         options: UnprocessedOptions<'a>,
     ) -> BoxFuture<'a, Result<UnprocessedBatch, StorageError>> {
         self.reads.fetch_add(1, Ordering::SeqCst);
+        if let Some(limit) = options.limit {
+            self.smallest_limit.fetch_min(limit.get(), Ordering::SeqCst);
+        }
         ready(Ok(self.unprocessed_now(shard_ids, now, options)))
     }
 

@@ -833,3 +833,26 @@ async fn persisted_requests_wait_for_an_entity_type_registered_late() {
     assert_eq!(answered.expect("never answered").unwrap().unwrap(), 9);
     sharding.shutdown().await;
 }
+
+#[tokio::test(start_paused = true)]
+async fn reads_stay_full_sized_when_approaching_the_residency_cap() {
+    let config = ShardingConfig {
+        max_resident_entities: Capacity::bounded(5).unwrap(),
+        unprocessed_message_batch_size: std::num::NonZeroU32::new(100).unwrap(),
+        entity_max_idle_time: None,
+        ..ShardingConfig::default()
+    };
+    let (sharding, storage) = on_memory_storage(config).await;
+    for n in 0..4 {
+        let client = sharding.client::<Counter>(format!("near-cap-{n}"));
+        client.send(entities::Deposit { key: format!("k{n}"), amount: 1 }).await.unwrap();
+    }
+    assert_eq!(sharding.active_entity_count(), 4);
+    let before = storage.unprocessed_reads();
+    let fifth = sharding.client::<Counter>("near-cap-4");
+    fifth.send(entities::Deposit { key: "k4".to_owned(), amount: 1 }).await.unwrap();
+    tokio::time::sleep(Duration::from_secs(30)).await;
+    assert!(storage.unprocessed_reads() > before + 1, "the loop kept reading");
+    assert_eq!(storage.smallest_read_limit(), Some(100), "every read asked for a full batch");
+    sharding.shutdown().await;
+}
