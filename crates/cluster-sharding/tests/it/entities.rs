@@ -7,8 +7,8 @@ use std::time::Duration;
 
 use cluster_core::EntityAddress;
 use cluster_sharding::{
-    Chunks, Entity, Handler, Protocol, RequestContext, Rpc, StreamHandler, StreamRpc,
-    Uninterruptible,
+    CallError, Chunks, Entity, EntityClient, Handler, Protocol, RequestContext, Rpc, StreamHandler,
+    StreamRpc, Uninterruptible,
 };
 use serde::{Deserialize, Serialize};
 
@@ -49,6 +49,19 @@ impl Probes {
         let mut probes = probes.lock().unwrap();
         Arc::clone(probes.entry(entity_id.to_owned()).or_default())
     }
+}
+
+/// Sends `request` on a task of its own, so that a test can abort the call (which interrupts
+/// the request) or watch it while it waits.
+pub(crate) fn spawn_send<R: Rpc>(
+    client: &EntityClient<Counter>,
+    request: R,
+) -> tokio::task::JoinHandle<Result<R::Success, CallError<R::Error>>>
+where
+    Counter: Handler<R>,
+{
+    let client = client.clone();
+    tokio::spawn(async move { client.send(request).await })
 }
 
 pub(crate) struct Counter {

@@ -13,7 +13,9 @@ use cluster_core::config::Capacity;
 use cluster_core::{ClusterError, ShardingConfig, SystemClock};
 use cluster_sharding::{CallError, EntityOptions, RegisterError, Sharding};
 
-use entities::{Counter, Fail, Get, Increment, Persist, Probe, Probes, SetKeepAlive, Sleep, Stuck};
+use entities::{
+    Counter, Fail, Get, Increment, Persist, Probe, Probes, SetKeepAlive, Sleep, Stuck, spawn_send,
+};
 
 fn sharding(config: ShardingConfig) -> Sharding {
     Sharding::new(config, Arc::new(SystemClock)).unwrap()
@@ -170,10 +172,7 @@ async fn dropping_the_call_interrupts_the_handler() {
     let sharding = registered(ShardingConfig::default());
     let counter = sharding.client::<Counter>("interrupted");
     let probes = Probes::of("interrupted");
-    let call = tokio::spawn({
-        let counter = counter.clone();
-        async move { counter.send(Probe).await }
-    });
+    let call = spawn_send(&counter, Probe);
     eventually("the handler runs", || probes.probing.load(Ordering::SeqCst) > 0).await;
     assert_eq!(probes.interrupted.load(Ordering::SeqCst), 0);
     call.abort();
@@ -252,10 +251,7 @@ async fn discard_returns_once_delivered_and_the_entity_still_handles_it() {
 async fn shutdown_interrupts_running_requests_and_refuses_new_ones() {
     let sharding = registered(ShardingConfig::default());
     let counter = sharding.client::<Counter>("stopping");
-    let running = tokio::spawn({
-        let counter = counter.clone();
-        async move { counter.send(Stuck).await }
-    });
+    let running = spawn_send(&counter, Stuck);
     eventually("the request runs", || sharding.active_entity_count() == 1).await;
     tokio::task::yield_now().await;
     sharding.shutdown().await;
@@ -279,10 +275,7 @@ async fn shutdown_lets_running_requests_finish_within_the_termination_timeout() 
     };
     let sharding = registered(config);
     let counter = sharding.client::<Counter>("draining");
-    let running = tokio::spawn({
-        let counter = counter.clone();
-        async move { counter.send(Sleep { millis: 3_000, by: 7 }).await }
-    });
+    let running = spawn_send(&counter, Sleep { millis: 3_000, by: 7 });
     eventually("the request runs", || sharding.active_entity_count() == 1).await;
     let started = tokio::time::Instant::now();
     sharding.shutdown().await;
@@ -340,10 +333,7 @@ async fn interrupt_on_termination_does_not_wait_for_the_drain() {
     };
     let sharding = registered(config);
     let counter = sharding.client::<Counter>("impatient");
-    let running = tokio::spawn({
-        let counter = counter.clone();
-        async move { counter.send(entities::Impatient).await }
-    });
+    let running = spawn_send(&counter, entities::Impatient);
     let probes = Probes::of("impatient");
     eventually("the request runs", || probes.probing.load(Ordering::SeqCst) == 1).await;
     let started = tokio::time::Instant::now();
@@ -447,6 +437,24 @@ async fn keeps_delivering_to_resident_entities_at_the_residency_cap() {
     sharding.shutdown().await;
 }
 
+/// The messages still to deliver in `storage`, on every shard. The read claims them, so it
+/// releases them again.
+async fn unprocessed(
+    storage: &dyn cluster_core::storage::MessageStorage,
+) -> Vec<cluster_core::storage::UnprocessedMessage> {
+    use cluster_core::storage::UnprocessedOptions;
+    use cluster_core::{Clock, ShardGroup, ShardId};
+
+    let shards: Vec<_> =
+        (1..=300).map(|id| ShardId::new(ShardGroup::default_group(), id)).collect();
+    let read = storage
+        .unprocessed_messages(&shards, SystemClock.now(), UnprocessedOptions::default())
+        .await
+        .unwrap();
+    storage.reset_shards(&shards).await.unwrap();
+    read.messages
+}
+
 /// A runner on a fresh in-memory message storage, with `Counter` registered.
 async fn on_memory_storage(
     config: ShardingConfig,
@@ -470,10 +478,7 @@ async fn does_not_busy_poll_storage_at_the_residency_cap() {
     let (sharding, storage) = on_memory_storage(config).await;
     // The one slot is held by an entity with a request in flight.
     let resident = sharding.client::<Counter>("busy-resident");
-    let call = tokio::spawn({
-        let resident = resident.clone();
-        async move { resident.send(entities::Hang).await }
-    });
+    let call = spawn_send(&resident, entities::Hang);
     let probes = Probes::of("busy-resident");
     eventually("the resident runs", || probes.probing.load(Ordering::SeqCst) == 1).await;
     // A backlog for an entity that cannot become resident.
@@ -596,10 +601,7 @@ async fn a_malformed_interrupt_row_answers_its_request_with_a_defect() {
 
     let (sharding, storage) = on_memory_storage(ShardingConfig::default()).await;
     let client = sharding.client::<Counter>("malformed-interrupt");
-    let call = tokio::spawn({
-        let client = client.clone();
-        async move { client.send(entities::Hang).await }
-    });
+    let call = spawn_send(&client, entities::Hang);
     let probes = Probes::of("malformed-interrupt");
     eventually("the request runs", || probes.probing.load(Ordering::SeqCst) == 1).await;
     let request_id = probes.hung.lock().unwrap()[0];
@@ -622,15 +624,9 @@ async fn a_malformed_interrupt_row_answers_its_request_with_a_defect() {
 
 #[tokio::test(start_paused = true)]
 async fn no_interrupt_is_stored_for_persisted_requests_at_shutdown() {
-    use cluster_core::storage::{MessageStorage, UnprocessedOptions};
-    use cluster_core::{Clock, ShardGroup, ShardId};
-
     let (sharding, storage) = on_memory_storage(ShardingConfig::default()).await;
     let client = sharding.client::<Counter>("stopped-under");
-    let call = tokio::spawn({
-        let client = client.clone();
-        async move { client.send(entities::Hang).await }
-    });
+    let call = spawn_send(&client, entities::Hang);
     let probes = Probes::of("stopped-under");
     eventually("the request runs", || probes.probing.load(Ordering::SeqCst) == 1).await;
     sharding.shutdown().await;
@@ -641,30 +637,19 @@ async fn no_interrupt_is_stored_for_persisted_requests_at_shutdown() {
         other => panic!("expected EntityNotAssignedToRunner, got {other:?}"),
     }
     tokio::time::sleep(Duration::from_secs(1)).await;
-    let shards: Vec<_> =
-        (1..=300).map(|id| ShardId::new(ShardGroup::default_group(), id)).collect();
-    let left = storage
-        .unprocessed_messages(&shards, SystemClock.now(), UnprocessedOptions::default())
-        .await
-        .unwrap();
+    let left = unprocessed(&*storage).await;
     assert_eq!(left.len(), 1, "only the request is left for the next run: {left:?}");
 }
 
 #[tokio::test(start_paused = true)]
 async fn a_caller_dropped_during_shutdown_stores_no_interrupt() {
-    use cluster_core::storage::{MessageStorage, UnprocessedOptions};
-    use cluster_core::{Clock, ShardGroup, ShardId};
-
     let config = ShardingConfig {
         entity_termination_timeout: Duration::from_secs(10),
         ..ShardingConfig::default()
     };
     let (sharding, storage) = on_memory_storage(config).await;
     let client = sharding.client::<Counter>("dropped-while-stopping");
-    let call = tokio::spawn({
-        let client = client.clone();
-        async move { client.send(entities::Hang).await }
-    });
+    let call = spawn_send(&client, entities::Hang);
     let probes = Probes::of("dropped-while-stopping");
     eventually("the request runs", || probes.probing.load(Ordering::SeqCst) == 1).await;
     // The drain waits for the running request; the caller gives up meanwhile.
@@ -677,20 +662,12 @@ async fn a_caller_dropped_during_shutdown_stores_no_interrupt() {
     call.abort();
     let _ = call.await;
     stopping.await.unwrap();
-    let shards: Vec<_> =
-        (1..=300).map(|id| ShardId::new(ShardGroup::default_group(), id)).collect();
-    let left = storage
-        .unprocessed_messages(&shards, SystemClock.now(), UnprocessedOptions::default())
-        .await
-        .unwrap();
+    let left = unprocessed(&*storage).await;
     assert_eq!(left.len(), 1, "only the request is left for the next run: {left:?}");
 }
 
 #[tokio::test(start_paused = true)]
 async fn an_interrupt_for_a_request_held_back_by_a_full_mailbox_is_not_lost() {
-    use cluster_core::storage::{MessageStorage, UnprocessedOptions};
-    use cluster_core::{Clock, ShardGroup, ShardId};
-
     let config = ShardingConfig {
         entity_mailbox_capacity: Capacity::bounded(2).unwrap(),
         ..ShardingConfig::default()
@@ -698,10 +675,7 @@ async fn an_interrupt_for_a_request_held_back_by_a_full_mailbox_is_not_lost() {
     let (sharding, storage) = on_memory_storage(config).await;
     let client = sharding.client::<Counter>("held-back");
     let probes = Probes::of("held-back");
-    let hang = || {
-        let client = client.clone();
-        tokio::spawn(async move { client.send(entities::Hang).await })
-    };
+    let hang = || spawn_send(&client, entities::Hang);
     // The first runs, the second waits in the mailbox, the third stays in storage.
     let first = hang();
     eventually("the first runs", || probes.probing.load(Ordering::SeqCst) == 1).await;
@@ -717,15 +691,9 @@ async fn an_interrupt_for_a_request_held_back_by_a_full_mailbox_is_not_lost() {
     second.abort();
     eventually("two handlers interrupted", || probes.interrupted.load(Ordering::SeqCst) == 2).await;
     // The third is answered with its interrupt without ever running.
-    let shards: Vec<_> =
-        (1..=300).map(|id| ShardId::new(ShardGroup::default_group(), id)).collect();
     let deadline = tokio::time::Instant::now() + Duration::from_secs(60);
     loop {
-        let left = storage
-            .unprocessed_messages(&shards, SystemClock.now(), UnprocessedOptions::default())
-            .await
-            .unwrap();
-        storage.reset_shards(&shards).await.unwrap();
+        let left = unprocessed(&*storage).await;
         if left.is_empty() {
             break;
         }
@@ -761,10 +729,7 @@ async fn a_persisted_request_waits_for_its_deliver_at_time() {
     let client = sharding.client::<Counter>("later");
     let probes = Probes::of("later");
     let at = clock.now().saturating_add(Duration::from_secs(30));
-    let call = tokio::spawn({
-        let client = client.clone();
-        async move { client.send(entities::Later { at: at.unix_millis() }).await }
-    });
+    let call = spawn_send(&client, entities::Later { at: at.unix_millis() });
     tokio::time::sleep(Duration::from_secs(20)).await;
     assert_eq!(probes.probing.load(Ordering::SeqCst), 0, "delivered before its time");
     assert!(!call.is_finished());
@@ -784,10 +749,7 @@ async fn a_persisted_stream_held_back_by_a_full_mailbox_completes() {
     let (sharding, _storage) = on_memory_storage(config).await;
     let client = sharding.client::<Counter>("stream-behind");
     let probes = Probes::of("stream-behind");
-    let first = tokio::spawn({
-        let client = client.clone();
-        async move { client.send(entities::Hang).await }
-    });
+    let first = spawn_send(&client, entities::Hang);
     eventually("the first request runs", || probes.probing.load(Ordering::SeqCst) == 1).await;
     let streamed = tokio::spawn({
         let client = client.clone();

@@ -13,7 +13,7 @@ use cluster_storage_sql::sqlite::{SqliteMessageStorage, SqliteOptions};
 use cluster_storage_sql::{SqlStorageOptions, TablePrefix};
 use cluster_testkit::memory::MemoryMessageStorage;
 
-use crate::entities::{Counter, Deposit, Hang, Probes, SetKeepAlive, Stubborn};
+use crate::entities::{Counter, Deposit, Hang, Probes, SetKeepAlive, Stubborn, spawn_send};
 
 /// A storage shared by the runners of one test, and what to remove at the end.
 struct Store {
@@ -66,17 +66,9 @@ async fn runner(store: &Store) -> Sharding {
     sharding
 }
 
-/// The number of unprocessed messages; the read claims them, so it releases them again.
+/// The number of unprocessed messages (see [`crate::unprocessed`]).
 async fn unprocessed(store: &Store) -> usize {
-    let shards: Vec<_> =
-        (1..=300).map(|id| cluster_core::ShardId::new(ShardGroup::default_group(), id)).collect();
-    let read = store
-        .storage
-        .unprocessed_messages(&shards, SystemClock.now(), UnprocessedOptions::default())
-        .await
-        .unwrap();
-    store.storage.reset_shards(&shards).await.unwrap();
-    read.len()
+    crate::unprocessed(&*store.storage).await.len()
 }
 
 /// Waits for `condition` with a deadline (real time: SQLite works on its own threads).
@@ -162,10 +154,7 @@ async fn durable_interrupts_go_through_storage(store: Store, id: &str) {
     let sharding = runner(&store).await;
     let counter = sharding.client::<Counter>(id);
     let probes = Probes::of(id);
-    let call = tokio::spawn({
-        let counter = counter.clone();
-        async move { counter.send(Hang).await }
-    });
+    let call = spawn_send(&counter, Hang);
     eventually("the request runs", || probes.probing.load(Ordering::SeqCst) == 1).await;
     call.abort();
     eventually("the handler is interrupted", || probes.interrupted.load(Ordering::SeqCst) == 1)
@@ -183,10 +172,7 @@ async fn an_interrupted_server_uninterruptible_request_runs_again(store: Store, 
     let sharding = runner(&store).await;
     let counter = sharding.client::<Counter>(id);
     let probes = Probes::of(id);
-    let call = tokio::spawn({
-        let counter = counter.clone();
-        async move { counter.send(Stubborn).await }
-    });
+    let call = spawn_send(&counter, Stubborn);
     eventually("the request runs", || probes.probing.load(Ordering::SeqCst) == 1).await;
     // Only the server side is uninterruptible: dropping the call sends a durable interrupt.
     call.abort();
