@@ -4,9 +4,7 @@ use std::marker::PhantomData;
 
 use std::collections::VecDeque;
 
-use cluster_core::envelope::{
-    Cause, CauseReason, Exit, RawJson, Reply, Request, TraceContext, primary_key,
-};
+use cluster_core::envelope::{Cause, CauseReason, Exit, RawJson, Reply, Request, primary_key};
 use cluster_core::storage::SaveRequestOptions;
 use cluster_core::{ClusterError, EntityAddress, Snowflake};
 use tokio::sync::mpsc;
@@ -244,14 +242,8 @@ impl<E: Entity> EntityClient<E> {
         tag: &'static str,
         request: &T,
     ) -> Result<Request, ClusterError> {
-        Ok(Request {
-            request_id: self.sharding.next_id(),
-            address: self.address.clone(),
-            tag: tag.into(),
-            payload: RawJson::encode(request)?,
-            headers: RawJson::empty_object(),
-            trace: TraceContext::default(),
-        })
+        let payload = RawJson::encode(request)?;
+        Ok(self.sharding.new_request(self.address.clone(), tag, payload))
     }
 }
 

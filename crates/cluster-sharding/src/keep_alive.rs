@@ -5,7 +5,7 @@
 //! entity itself: persisted when the runtime has a message storage, so that the request, left
 //! unanswered while the latch is closed, re-activates the entity after a restart. The manager
 //! parks that request instead of queueing it; a parked request marks the entity as kept alive.
-//! Disabling opens the latch: the parked requests are answered and the entity may be reaped
+//! Disabling opens the latch: the parked request is answered and the entity may be reaped
 //! again.
 
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
@@ -34,8 +34,9 @@ struct State {
     /// An open latch answers keep-alive requests at once. Closed when an instance starts, so
     /// that a stored keep-alive request re-delivered after a restart parks again.
     open: bool,
-    /// The keep-alive requests waiting for the latch to open.
-    parked: Vec<Delivery>,
+    /// The keep-alive request waiting for the latch to open: at most one, later ones are
+    /// answered at once while it waits.
+    parked: Option<Delivery>,
 }
 
 impl KeepAlive {
@@ -46,7 +47,7 @@ impl KeepAlive {
 
     /// Whether the instance must not be reaped for idleness.
     pub(crate) fn is_enabled(&self) -> bool {
-        !self.state().parked.is_empty()
+        self.state().parked.is_some()
     }
 
     /// Closes the latch: the next keep-alive request parks.
@@ -54,32 +55,34 @@ impl KeepAlive {
         self.state().open = false;
     }
 
-    /// Opens the latch and answers the parked requests.
+    /// Opens the latch and answers the parked request.
     pub(crate) fn open(&self) {
         let parked = {
             let mut state = self.state();
             state.open = true;
-            std::mem::take(&mut state.parked)
+            state.parked.take()
         };
-        parked.into_iter().for_each(answer);
+        if let Some(parked) = parked {
+            answer(parked);
+        }
     }
 
     /// Takes a delivered keep-alive request: answered at once if keep-alive is already on or
     /// the latch is open, else parked until the latch opens (as the reference's manager).
     pub(crate) fn park(&self, delivery: Delivery) {
         let mut state = self.state();
-        if state.open || !state.parked.is_empty() {
+        if state.open || state.parked.is_some() {
             drop(state);
             answer(delivery);
         } else {
-            state.parked.push(delivery);
+            state.parked = Some(delivery);
         }
     }
 
-    /// Drops the parked requests without answering them, when the instance ends (shutdown):
-    /// persisted ones stay stored and re-activate the entity on the next run.
+    /// Drops the parked request without answering it, when the instance ends (shutdown): a
+    /// persisted one stays stored and re-activates the entity on the next run.
     pub(crate) fn abandon(&self) {
-        let parked = std::mem::take(&mut self.state().parked);
+        let parked = self.state().parked.take();
         drop(parked);
     }
 }

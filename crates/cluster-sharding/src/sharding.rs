@@ -463,17 +463,27 @@ impl Sharding {
         })
     }
 
+    /// A new request envelope: a fresh id, no headers, no trace.
+    pub(crate) fn new_request(
+        &self,
+        address: EntityAddress,
+        tag: &str,
+        payload: RawJson,
+    ) -> Request {
+        Request {
+            request_id: self.next_id(),
+            address,
+            tag: tag.into(),
+            payload,
+            headers: RawJson::empty_object(),
+            trace: TraceContext::default(),
+        }
+    }
+
     /// Sends the keep-alive request to `address`: stored when there is a message storage (it
     /// then survives a restart), delivered in memory otherwise.
     async fn send_keep_alive(&self, address: EntityAddress) -> Result<(), ClusterError> {
-        let request = Request {
-            request_id: self.next_id(),
-            address,
-            tag: KEEP_ALIVE_TAG.into(),
-            payload: RawJson::null(),
-            headers: RawJson::empty_object(),
-            trace: TraceContext::default(),
-        };
+        let request = self.new_request(address, KEEP_ALIVE_TAG, RawJson::null());
         if self.persisted().is_some() {
             self.notify_persisted(request, SaveRequestOptions::default()).await
         } else {
