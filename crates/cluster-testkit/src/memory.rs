@@ -148,6 +148,21 @@ impl MessageState {
             .insert(rowid, StoredReply { reply: reply.clone(), acked: false, corrupted: false });
     }
 
+    /// The replies to `request_ids` that `keep` accepts, in the order they were saved, as a
+    /// reader sees them.
+    fn replies_of(
+        &self,
+        request_ids: &[Snowflake],
+        keep: impl Fn(&StoredReply) -> bool,
+    ) -> Vec<Reply> {
+        let wanted: BTreeSet<Snowflake> = request_ids.iter().copied().collect();
+        self.replies
+            .values()
+            .filter(|stored| wanted.contains(&stored.reply.request_id()) && keep(stored))
+            .map(MessageState::decoded_reply)
+            .collect()
+    }
+
     fn decoded_reply(stored: &StoredReply) -> Reply {
         if stored.corrupted {
             let error = DecodeError::new("reply", "corrupted by the test");
@@ -453,29 +468,15 @@ impl MessageStorage for MemoryMessageStorage {
         &'a self,
         request_ids: &'a [Snowflake],
     ) -> BoxFuture<'a, Result<Vec<Reply>, StorageError>> {
-        let state = lock(&self.state);
-        let replies = state
-            .replies
-            .values()
-            .filter(|stored| request_ids.contains(&stored.reply.request_id()))
-            .filter(|stored| stored.reply.is_final() || !stored.acked)
-            .map(MessageState::decoded_reply)
-            .collect();
-        ready(Ok(replies))
+        let unacked = |stored: &StoredReply| stored.reply.is_final() || !stored.acked;
+        ready(Ok(lock(&self.state).replies_of(request_ids, unacked)))
     }
 
     fn replies_for_unfiltered<'a>(
         &'a self,
         request_ids: &'a [Snowflake],
     ) -> BoxFuture<'a, Result<Vec<Reply>, StorageError>> {
-        let state = lock(&self.state);
-        let replies = state
-            .replies
-            .values()
-            .filter(|stored| request_ids.contains(&stored.reply.request_id()))
-            .map(MessageState::decoded_reply)
-            .collect();
-        ready(Ok(replies))
+        ready(Ok(lock(&self.state).replies_of(request_ids, |_| true)))
     }
 
     fn unprocessed_messages<'a>(
