@@ -164,6 +164,25 @@ impl PgMessageStorage {
         self.pool.get().await.map_err(|error| pool_error(what, error))
     }
 
+    /// The replies to `request_ids`: with `unacked_only`, the final ones and the chunks not
+    /// acknowledged yet (`replies_for`), else all of them.
+    async fn replies_inner(
+        &self,
+        request_ids: &[Snowflake],
+        unacked_only: bool,
+    ) -> Result<Vec<Reply>, StorageError> {
+        if request_ids.is_empty() {
+            return Ok(Vec::new());
+        }
+        let ids = ids_to_sql(request_ids)?;
+        let (name, sql) = if unacked_only {
+            ("replies_for", &self.queries.replies_for)
+        } else {
+            ("replies_for_unfiltered", &self.queries.replies_for_unfiltered)
+        };
+        reply_rows(&self.query(name, sql, &[&ids]).await?)
+    }
+
     async fn query(
         &self,
         what: &str,
@@ -725,33 +744,15 @@ impl MessageStorage for PgMessageStorage {
         &'a self,
         request_ids: &'a [Snowflake],
     ) -> BoxFuture<'a, Result<Vec<Reply>, StorageError>> {
-        Box::pin(
-            async move {
-                if request_ids.is_empty() {
-                    return Ok(Vec::new());
-                }
-                let ids = ids_to_sql(request_ids)?;
-                reply_rows(&self.query("replies_for", &self.queries.replies_for, &[&ids]).await?)
-            }
-            .instrument(span("replies_for")),
-        )
+        Box::pin(self.replies_inner(request_ids, true).instrument(span("replies_for")))
     }
 
     fn replies_for_unfiltered<'a>(
         &'a self,
         request_ids: &'a [Snowflake],
     ) -> BoxFuture<'a, Result<Vec<Reply>, StorageError>> {
-        Box::pin(
-            async move {
-                if request_ids.is_empty() {
-                    return Ok(Vec::new());
-                }
-                let ids = ids_to_sql(request_ids)?;
-                let sql = &self.queries.replies_for_unfiltered;
-                reply_rows(&self.query("replies_for_unfiltered", sql, &[&ids]).await?)
-            }
-            .instrument(span("replies_for_unfiltered")),
-        )
+        let operation = self.replies_inner(request_ids, false);
+        Box::pin(operation.instrument(span("replies_for_unfiltered")))
     }
 
     fn unprocessed_messages<'a>(
