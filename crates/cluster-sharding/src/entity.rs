@@ -3,8 +3,12 @@
 //! An entity is a Rust type that implements [`Entity`] (its type name, how an instance is
 //! created, which requests it handles) and one [`Handler`] per request type. The runtime keeps
 //! at most one instance per entity id on the runner that owns the id's shard, creates it on the
-//! first request, and hands it requests one at a time, in delivery order (the reference's
-//! default concurrency of 1), so handlers take `&mut self` and need no locks.
+//! first request, and hands it requests in delivery order. A [`Handler`] takes `&mut self`:
+//! it runs alone, one request at a time (the reference's default concurrency of 1), and needs
+//! no locks. A [`SharedHandler`] takes `&self`: requests of such types run alongside each
+//! other, up to the entity's [`EntityOptions::concurrency`] at once, and an exclusive request
+//! waits until they are done (a readers-writer discipline that Rust's borrow rules make
+//! explicit; the reference lets any handler run concurrently once `concurrency` is above 1).
 //!
 //! ```ignore
 //! struct Counter { value: u64 }
@@ -69,6 +73,32 @@ pub trait Handler<R: Rpc>: Entity {
         context: &RequestContext,
         request: R,
     ) -> impl Future<Output = Result<R::Success, R::Error>> + Send;
+}
+
+/// Handles one request type `R` through a shared reference, so that several such requests
+/// run at once (up to [`EntityOptions::concurrency`]); state they change needs interior
+/// mutability (atomics, a mutex). Register with [`Protocol::handle_shared`]. Every shared
+/// handler is also a [`Handler`] (a blanket implementation), so clients send `R` as any
+/// other request.
+pub trait SharedHandler<R: Rpc>: Entity + Sync {
+    /// Handles `request`, as [`Handler::handle`] but with `&self`.
+    fn handle(
+        &self,
+        context: &RequestContext,
+        request: R,
+    ) -> impl Future<Output = Result<R::Success, R::Error>> + Send;
+}
+
+/// A shared handler also handles its requests alone: that is how [`Protocol::handle`] runs it,
+/// and what lets clients send `R` (their `send` asks for a [`Handler`]).
+impl<E: SharedHandler<R>, R: Rpc> Handler<R> for E {
+    fn handle(
+        &mut self,
+        context: &RequestContext,
+        request: R,
+    ) -> impl Future<Output = Result<R::Success, R::Error>> + Send {
+        SharedHandler::handle(&*self, context, request)
+    }
 }
 
 /// Handles one streaming request type `R`.
@@ -258,6 +288,10 @@ impl RequestContext {
 pub(crate) type Call<E> =
     for<'a> fn(&'a mut E, &'a RequestContext, &'a RawJson) -> BoxFuture<'a, Exit>;
 
+/// A type-erased shared handler call.
+pub(crate) type SharedCall<E> =
+    for<'a> fn(&'a E, &'a RequestContext, &'a RawJson) -> BoxFuture<'a, Exit>;
+
 /// A type-erased streaming handler call.
 pub(crate) type StreamCall<E> = for<'a> fn(
     &'a mut E,
@@ -268,8 +302,10 @@ pub(crate) type StreamCall<E> = for<'a> fn(
 
 /// How a request type is handled.
 pub(crate) enum CallKind<E> {
-    /// One reply.
+    /// One reply, with the entity to itself.
     Unary(Call<E>),
+    /// One reply, alongside other shared requests.
+    Shared(SharedCall<E>),
     /// Chunks, then the final reply.
     Stream(StreamCall<E>),
 }
@@ -285,14 +321,27 @@ pub(crate) struct HandlerEntry<E> {
     pub(crate) rerun_on_interrupt: bool,
 }
 
+/// An entity value shared by the running `&self` requests of one instance. Type-erased so that
+/// only entity types with shared handlers need to be `Sync`.
+pub(crate) type SharedValue = Arc<dyn std::any::Any + Send + Sync>;
+
+/// How the value of an entity type with shared handlers is shared and taken back.
+pub(crate) struct Sharing<E> {
+    /// Shares the value.
+    pub(crate) share: fn(E) -> SharedValue,
+    /// Takes the value back; fails while other shares exist.
+    pub(crate) unshare: fn(SharedValue) -> Result<E, SharedValue>,
+}
+
 /// The requests an entity type handles, by tag.
 pub struct Protocol<E> {
     handlers: BTreeMap<&'static str, HandlerEntry<E>>,
+    sharing: Option<Sharing<E>>,
 }
 
 impl<E: Entity> Protocol<E> {
     pub(crate) fn of() -> Protocol<E> {
-        let mut protocol = Protocol { handlers: BTreeMap::new() };
+        let mut protocol = Protocol { handlers: BTreeMap::new(), sharing: None };
         E::protocol(&mut protocol);
         protocol
     }
@@ -309,6 +358,23 @@ impl<E: Entity> Protocol<E> {
             rerun_on_interrupt: R::UNINTERRUPTIBLE.server() && R::PERSISTED,
         };
         self.handlers.insert(R::TAG, entry);
+        self
+    }
+
+    /// Declares that the entity handles `R` through a shared reference: such requests run
+    /// alongside each other, up to [`EntityOptions::concurrency`] at once.
+    pub fn handle_shared<R: Rpc>(&mut self) -> &mut Protocol<E>
+    where
+        E: SharedHandler<R>,
+    {
+        let entry = HandlerEntry {
+            call: CallKind::Shared(shared_call::<E, R>),
+            interrupt_on_termination: R::INTERRUPT_ON_TERMINATION && !R::UNINTERRUPTIBLE.server(),
+            with_transaction: R::WITH_TRANSACTION && R::PERSISTED,
+            rerun_on_interrupt: R::UNINTERRUPTIBLE.server() && R::PERSISTED,
+        };
+        self.handlers.insert(R::TAG, entry);
+        self.sharing = Some(Sharing { share: share::<E>, unshare: unshare::<E> });
         self
     }
 
@@ -330,6 +396,20 @@ impl<E: Entity> Protocol<E> {
     pub(crate) fn get(&self, tag: &str) -> Option<&HandlerEntry<E>> {
         self.handlers.get(tag)
     }
+
+    /// How values are shared, if the type has shared handlers.
+    pub(crate) fn sharing(&self) -> Option<&Sharing<E>> {
+        self.sharing.as_ref()
+    }
+}
+
+fn share<E: Entity + Sync>(entity: E) -> SharedValue {
+    Arc::new(entity)
+}
+
+fn unshare<E: Entity + Sync>(value: SharedValue) -> Result<E, SharedValue> {
+    let entity: Arc<E> = value.downcast().map_err(|value| value as SharedValue)?;
+    Arc::try_unwrap(entity).map_err(|entity| entity as SharedValue)
 }
 
 fn call<'a, E: Handler<R>, R: Rpc>(
@@ -342,13 +422,33 @@ fn call<'a, E: Handler<R>, R: Rpc>(
             Ok(request) => request,
             Err(error) => return malformed(&error.to_string()),
         };
-        match entity.handle(context, request).await {
-            Ok(success) => RawJson::encode(&success)
-                .map_or_else(|error| malformed(&error.to_string()), Exit::Success),
-            Err(error) => RawJson::encode(&error)
-                .map_or_else(|error| malformed(&error.to_string()), Exit::fail),
-        }
+        exit_of::<R>(Handler::handle(entity, context, request).await)
     })
+}
+
+fn shared_call<'a, E: SharedHandler<R>, R: Rpc>(
+    entity: &'a E,
+    context: &'a RequestContext,
+    payload: &'a RawJson,
+) -> BoxFuture<'a, Exit> {
+    Box::pin(async move {
+        let request: R = match payload.decode() {
+            Ok(request) => request,
+            Err(error) => return malformed(&error.to_string()),
+        };
+        exit_of::<R>(SharedHandler::handle(entity, context, request).await)
+    })
+}
+
+/// The exit of a handler's result.
+fn exit_of<R: Rpc>(result: Result<R::Success, R::Error>) -> Exit {
+    match result {
+        Ok(success) => RawJson::encode(&success)
+            .map_or_else(|error| malformed(&error.to_string()), Exit::Success),
+        Err(error) => {
+            RawJson::encode(&error).map_or_else(|error| malformed(&error.to_string()), Exit::fail)
+        }
+    }
 }
 
 fn stream_call<'a, E: StreamHandler<R>, R: StreamRpc>(
@@ -387,4 +487,7 @@ pub struct EntityOptions {
     /// How many requests an instance holds, running and waiting, before further ones fail with
     /// `MailboxFull` (`entity_mailbox_capacity` by default).
     pub mailbox_capacity: Option<Capacity>,
+    /// How many [`SharedHandler`] requests of one instance run at once (1 by default, as in the
+    /// reference). Requests to `&mut self` [`Handler`]s always run alone.
+    pub concurrency: Option<Capacity>,
 }

@@ -20,8 +20,9 @@
 //! ([`Sharding::client_only`]), resident-first reads at the residency cap, and
 //! [`Rpc::WITH_TRANSACTION`] handlers whose writes commit with their final reply; a persisted
 //! request that is uninterruptible on the server runs again when interrupted, and keep-alive
-//! ([`RequestContext::keep_alive`]). Still to come: concurrency above 1, and the multi-runner
-//! half (membership, shard locks, handoff, singletons, cron).
+//! ([`RequestContext::keep_alive`]), and [`SharedHandler`]s that run concurrently up to
+//! [`EntityOptions::concurrency`]. Still to come: the multi-runner half (membership, shard
+//! locks, handoff, singletons, cron).
 
 mod client;
 mod entity;
@@ -35,8 +36,8 @@ mod single_runner;
 
 pub use client::{ChunkStream, EntityClient};
 pub use entity::{
-    ChunkError, Chunks, Entity, EntityOptions, Handler, Protocol, RequestContext, StreamHandler,
-    TransactionSlot,
+    ChunkError, Chunks, Entity, EntityOptions, Handler, Protocol, RequestContext, SharedHandler,
+    StreamHandler, TransactionSlot,
 };
 pub use rpc::{CallError, Rpc, StreamRpc, Uninterruptible};
 pub use sharding::{RegisterError, RegistrationEvent, Sharding};

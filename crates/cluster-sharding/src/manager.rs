@@ -1,13 +1,13 @@
 //! The entity manager: one per registered entity type (reference §6).
 //!
 //! It keeps the resident instances of its type, one tokio task each, fed by a bounded mailbox.
-//! An instance is created on its first request, handles requests one at a time in delivery
-//! order, is reaped after `max_idle_time` without requests, and is restarted (with backoff)
-//! when a handler panics, replaying the request that was running: the reference's defect
-//! restart. Admission is decided under the manager's lock, so a request either reaches a live
+//! An instance is created on its first request, starts requests in delivery order (exclusive
+//! ones alone, shared ones up to the type's concurrency at once, see [`InstanceLoop`]), is
+//! reaped after `max_idle_time` without requests, and is restarted (with backoff) when a
+//! handler panics, replaying the requests that were running: the reference's defect restart. Admission is decided under the manager's lock, so a request either reaches a live
 //! instance or fails at once with a typed error.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, VecDeque};
 use std::panic::AssertUnwindSafe;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
@@ -17,14 +17,16 @@ use cluster_core::config::Capacity;
 use cluster_core::envelope::{Chunk, Exit, Reply, Request, WithExit};
 use cluster_core::future::BoxFuture;
 use cluster_core::{ClusterError, EntityAddress, EntityId, EntityType, Snowflake};
-use futures_util::FutureExt;
+use futures_util::stream::FuturesUnordered;
+use futures_util::{FutureExt, StreamExt};
 use tokio::sync::{mpsc, oneshot};
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 use tracing::Instrument;
 
 use crate::entity::{
-    CallKind, ChunkChannel, Entity, Ids, Protocol, RequestContext, TransactionSlot, malformed,
+    CallKind, ChunkChannel, Entity, Ids, Protocol, RequestContext, SharedValue, Sharing,
+    TransactionSlot, malformed,
 };
 use crate::keep_alive::{KEEP_ALIVE_TAG, KeepAlive, KeepAliveHandle, KeepAliveSender};
 use crate::metrics;
@@ -154,6 +156,8 @@ pub(crate) trait ErasedManager: Send + Sync {
 pub(crate) struct ManagerOptions {
     pub(crate) max_idle_time: Option<Duration>,
     pub(crate) mailbox_capacity: Capacity,
+    /// How many shared requests of one instance run at once.
+    pub(crate) concurrency: Capacity,
 }
 
 /// The manager of entity type `E`.
@@ -324,6 +328,11 @@ impl<E: Entity> Shared<E> {
 
     /// Removes the instance if it is idle: nothing running, nothing queued. Under the lock, so
     /// no request can be admitted in between.
+    /// Whether requests tagged `tag` run on a shared reference.
+    fn is_shared(&self, tag: &str) -> bool {
+        self.protocol.get(tag).is_some_and(|entry| matches!(entry.call, CallKind::Shared(_)))
+    }
+
     fn retire(&self, address: &EntityAddress, receiver: &mpsc::Receiver<Delivery>) -> bool {
         let mut instances = lock(&self.instances);
         let idle = instances.get(&address.entity_id).is_some_and(|instance| {
@@ -372,35 +381,279 @@ fn chunk_channel<E: Entity>(
 enum Outcome {
     Exited(Exit),
     Panicked,
+    /// Stopped because another request of the instance panicked: replayed after the restart.
+    Restarted,
+}
+
+/// The entity value a run works on.
+enum Access<E> {
+    /// The value itself, for a `&mut self` handler.
+    Exclusive(E),
+    /// A share of it, for a `&self` handler.
+    Shared(SharedValue),
+}
+
+/// Where the instance's entity value is between runs.
+enum Slot<E> {
+    /// With the instance loop, free for any run.
+    Idle(E),
+    /// Moved into the running exclusive request.
+    Lent,
+    /// Shared by the running shared requests.
+    Shared(SharedValue),
+    /// None: the manager closed while the instance restarted.
+    Gone,
+}
+
+impl<E: Entity> Slot<E> {
+    /// The value for an exclusive run; `None` unless every share came back.
+    fn take_exclusive(&mut self, sharing: Option<&Sharing<E>>) -> Option<E> {
+        match std::mem::replace(self, Slot::Lent) {
+            Slot::Idle(entity) => Some(entity),
+            Slot::Shared(entity) => match sharing.map(|sharing| (sharing.unshare)(entity)) {
+                Some(Ok(entity)) => Some(entity),
+                Some(Err(entity)) => {
+                    *self = Slot::Shared(entity);
+                    None
+                }
+                None => None,
+            },
+            other => {
+                *self = other;
+                None
+            }
+        }
+    }
+
+    /// A share of the value for a shared run; `None` while an exclusive run has it.
+    fn take_shared(&mut self, sharing: &Sharing<E>) -> Option<SharedValue> {
+        match std::mem::replace(self, Slot::Gone) {
+            Slot::Idle(entity) => {
+                let entity = (sharing.share)(entity);
+                *self = Slot::Shared(Arc::clone(&entity));
+                Some(entity)
+            }
+            Slot::Shared(entity) => {
+                *self = Slot::Shared(Arc::clone(&entity));
+                Some(entity)
+            }
+            other => {
+                *self = other;
+                None
+            }
+        }
+    }
+
+    /// Takes back what a run worked on.
+    fn give_back(&mut self, access: Access<E>) {
+        match access {
+            Access::Exclusive(entity) => *self = Slot::Idle(entity),
+            // The slot keeps its own share.
+            Access::Shared(entity) => drop(entity),
+        }
+    }
+}
+
+/// One finished run.
+struct Finished<E> {
+    /// The delivery's position in the instance's delivery order.
+    seq: u64,
+    delivery: Delivery,
+    access: Access<E>,
+    outcome: Outcome,
+}
+
+/// A delivery waiting to start, with its position in delivery order.
+struct Queued {
+    seq: u64,
+    delivery: Delivery,
+}
+
+/// One resident instance: its entity value, its requests waiting to start (in delivery
+/// order) and its shared requests running.
+///
+/// Requests start in delivery order. An exclusive (`&mut self`) request starts when nothing
+/// else runs and runs alone, inline; a shared (`&self`) one starts when no exclusive request
+/// runs and fewer than `concurrency` shared ones do. A panic cancels the other running
+/// requests, recreates the entity after the type's backoff, and replays them all in delivery
+/// order (the reference's defect restart of a handler generation).
+struct InstanceLoop<E: Entity> {
+    shared: Arc<Shared<E>>,
+    address: EntityAddress,
+    receiver: mpsc::Receiver<Delivery>,
+    active: Arc<AtomicUsize>,
+    keep_alive: KeepAliveHandle,
+    slot: Slot<E>,
+    /// Cancelled when the entity restarts after a panic: the running requests stop.
+    generation: CancellationToken,
+    queue: VecDeque<Queued>,
+    running: FuturesUnordered<BoxFuture<'static, Finished<E>>>,
+    next_seq: u64,
+    mailbox_open: bool,
 }
 
 async fn run_instance<E: Entity>(
     shared: Arc<Shared<E>>,
     address: EntityAddress,
-    mut receiver: mpsc::Receiver<Delivery>,
+    receiver: mpsc::Receiver<Delivery>,
     active: Arc<AtomicUsize>,
     keep_alive: KeepAliveHandle,
 ) {
-    let Some(mut entity) = create(&shared, &address).await else {
+    let Some(entity) = create(&shared, &address).await else {
         keep_alive.latch.abandon();
         shared.residency.release();
         return;
     };
-    while let Some(mut delivery) = next_delivery(&shared, &address, &mut receiver).await {
-        let exit = loop {
-            match run_one(&shared, &mut entity, &address, &mut delivery, &keep_alive).await {
-                Outcome::Exited(exit) => break exit,
-                Outcome::Panicked => {
-                    tracing::warn!(entity_type = %shared.entity_type, entity_id = %address.entity_id, "defect in entity, restarting");
-                    shared.backoff().await;
-                    match create(&shared, &address).await {
-                        Some(created) => entity = created,
-                        None => break Exit::interrupt(),
+    let mut instance = InstanceLoop {
+        shared,
+        address,
+        receiver,
+        active,
+        keep_alive,
+        slot: Slot::Idle(entity),
+        generation: CancellationToken::new(),
+        queue: VecDeque::new(),
+        running: FuturesUnordered::new(),
+        next_seq: 0,
+        mailbox_open: true,
+    };
+    instance.run().await;
+    instance.keep_alive.latch.abandon();
+    instance.shared.residency.release();
+}
+
+impl<E: Entity> InstanceLoop<E> {
+    async fn run(&mut self) {
+        loop {
+            if let Some(head) = self.queue.front() {
+                let is_shared = self.shared.is_shared(&head.delivery.request.tag);
+                if matches!(self.slot, Slot::Gone) {
+                    // The manager closed during a restart: everything left is interrupted.
+                    if let Some(queued) = self.queue.pop_front() {
+                        self.respond(queued.delivery, Exit::interrupt()).await;
                     }
+                } else if is_shared && !self.shared.options.concurrency.is_full(self.running.len())
+                {
+                    self.start_shared().await;
+                } else if !is_shared && self.running.is_empty() {
+                    self.run_exclusive().await;
+                } else if let Some(finished) = self.running.next().await {
+                    // The head waits for a running request to finish.
+                    self.settle(finished).await;
+                }
+                continue;
+            }
+            if self.running.is_empty() {
+                if !self.mailbox_open {
+                    return;
+                }
+                match next_delivery(&self.shared, &self.address, &mut self.receiver).await {
+                    Some(delivery) => self.enqueue(delivery),
+                    None => return,
+                }
+                continue;
+            }
+            tokio::select! {
+                biased;
+                Some(finished) = self.running.next() => self.settle(finished).await,
+                delivery = self.receiver.recv(), if self.mailbox_open => match delivery {
+                    Some(delivery) => self.enqueue(delivery),
+                    None => self.mailbox_open = false,
+                },
+            }
+        }
+    }
+
+    fn enqueue(&mut self, delivery: Delivery) {
+        self.queue.push_back(Queued { seq: self.next_seq, delivery });
+        self.next_seq += 1;
+    }
+
+    /// Runs the head of the queue, an exclusive request, to its end.
+    async fn run_exclusive(&mut self) {
+        let Some(queued) = self.queue.pop_front() else { return };
+        let Some(entity) = self.slot.take_exclusive(self.shared.protocol.sharing()) else {
+            // Cannot happen: every share comes back with its run. Start afresh rather than
+            // wait forever.
+            tracing::error!(entity_type = %self.shared.entity_type, entity_id = %self.address.entity_id, "entity value still shared; restarting");
+            self.queue.push_front(queued);
+            self.restart(Vec::new()).await;
+            return;
+        };
+        let finished = run_one(
+            Arc::clone(&self.shared),
+            Access::Exclusive(entity),
+            queued,
+            self.keep_alive.clone(),
+            self.generation.clone(),
+        )
+        .await;
+        self.settle(finished).await;
+    }
+
+    /// Starts the head of the queue, a shared request, alongside the running ones.
+    async fn start_shared(&mut self) {
+        let Some(queued) = self.queue.pop_front() else { return };
+        let sharing = self.shared.protocol.sharing();
+        let Some(entity) = sharing.and_then(|sharing| self.slot.take_shared(sharing)) else {
+            // Cannot happen: a shared request type makes the protocol shareable, and the value
+            // is with the loop whenever a request starts.
+            self.respond(queued.delivery, malformed("the entity value cannot be shared")).await;
+            return;
+        };
+        let run = run_one(
+            Arc::clone(&self.shared),
+            Access::Shared(entity),
+            queued,
+            self.keep_alive.clone(),
+            self.generation.clone(),
+        );
+        self.running.push(Box::pin(run));
+    }
+
+    /// Answers a finished run, or restarts the entity after a panic.
+    async fn settle(&mut self, finished: Finished<E>) {
+        match finished.outcome {
+            Outcome::Exited(exit) => {
+                self.slot.give_back(finished.access);
+                self.respond(finished.delivery, exit).await;
+            }
+            Outcome::Panicked | Outcome::Restarted => {
+                tracing::warn!(entity_type = %self.shared.entity_type, entity_id = %self.address.entity_id, "defect in entity, restarting");
+                let replay = vec![Queued { seq: finished.seq, delivery: finished.delivery }];
+                self.restart(replay).await;
+            }
+        }
+    }
+
+    /// Stops the running requests, recreates the entity after the type's backoff and queues
+    /// `replay` and the stopped requests again, in delivery order, ahead of the rest.
+    async fn restart(&mut self, mut replay: Vec<Queued>) {
+        self.generation.cancel();
+        while let Some(finished) = self.running.next().await {
+            match finished.outcome {
+                // Finished just before the restart reached it.
+                Outcome::Exited(exit) => self.respond(finished.delivery, exit).await,
+                Outcome::Panicked | Outcome::Restarted => {
+                    replay.push(Queued { seq: finished.seq, delivery: finished.delivery });
                 }
             }
-        };
-        // The caller may have gone away (an interrupted request).
+        }
+        replay.sort_by_key(|queued| queued.seq);
+        for queued in replay.into_iter().rev() {
+            self.queue.push_front(queued);
+        }
+        self.slot = Slot::Gone;
+        self.shared.backoff().await;
+        if let Some(entity) = create(&self.shared, &self.address).await {
+            self.slot = Slot::Idle(entity);
+            self.generation = CancellationToken::new();
+        }
+    }
+
+    /// Sends a request's exit to where it goes; the caller may have gone away (an interrupted
+    /// request).
+    async fn respond(&mut self, delivery: Delivery, exit: Exit) {
         match delivery.reply {
             ReplyTo::Exit(reply) => {
                 let _ = reply.send(exit);
@@ -408,16 +661,14 @@ async fn run_instance<E: Entity>(
             ReplyTo::Stream(stream) => {
                 let with_exit = WithExit {
                     request_id: delivery.request.request_id,
-                    id: shared.ids.next(),
+                    id: self.shared.ids.next(),
                     exit,
                 };
                 let _ = stream.replies.send(Reply::WithExit(with_exit)).await;
             }
         }
-        active.fetch_sub(1, Ordering::AcqRel);
+        self.active.fetch_sub(1, Ordering::AcqRel);
     }
-    keep_alive.latch.abandon();
-    shared.residency.release();
 }
 
 /// Creates the instance, retrying with backoff if `create` panics; `None` once the manager
@@ -455,14 +706,28 @@ async fn next_delivery<E: Entity>(
     }
 }
 
+/// Runs one request on `access` and hands everything back with the outcome.
 async fn run_one<E: Entity>(
+    shared: Arc<Shared<E>>,
+    mut access: Access<E>,
+    queued: Queued,
+    keep_alive: KeepAliveHandle,
+    generation: CancellationToken,
+) -> Finished<E> {
+    let Queued { seq, mut delivery } = queued;
+    let outcome = handle(&shared, &mut access, &mut delivery, keep_alive, &generation).await;
+    Finished { seq, delivery, access, outcome }
+}
+
+async fn handle<E: Entity>(
     shared: &Shared<E>,
-    entity: &mut E,
-    address: &EntityAddress,
+    access: &mut Access<E>,
     delivery: &mut Delivery,
-    keep_alive: &KeepAliveHandle,
+    keep_alive: KeepAliveHandle,
+    generation: &CancellationToken,
 ) -> Outcome {
     let request = &delivery.request;
+    let address = &request.address;
     let Some(entry) = shared.protocol.get(&request.tag) else {
         let message =
             format!("entity type {} has no request {:?}", shared.entity_type, request.tag);
@@ -476,7 +741,7 @@ async fn run_one<E: Entity>(
         request.request_id,
         delivery.cancellation.clone(),
         delivery.transaction.clone(),
-        keep_alive.clone(),
+        keep_alive,
     );
     let span = tracing::debug_span!(
         "request",
@@ -495,14 +760,23 @@ async fn run_one<E: Entity>(
                 "a streaming request was delivered without a stream",
             ));
         }
-        (CallKind::Unary(_), _) => None,
+        (CallKind::Unary(_) | CallKind::Shared(_), _) => None,
     };
-    let call = match (&entry.call, channel.as_mut()) {
-        (CallKind::Stream(call), Some(channel)) => {
+    let call = match (&entry.call, access, channel.as_mut()) {
+        (CallKind::Stream(call), Access::Exclusive(entity), Some(channel)) => {
             call(entity, &context, &request.payload, channel)
         }
-        (CallKind::Unary(call), _) => call(entity, &context, &request.payload),
-        (CallKind::Stream(_), None) => return Outcome::Exited(malformed("no stream channel")),
+        (CallKind::Unary(call), Access::Exclusive(entity), _) => {
+            call(entity, &context, &request.payload)
+        }
+        (CallKind::Shared(call), Access::Exclusive(entity), _) => {
+            call(entity, &context, &request.payload)
+        }
+        (CallKind::Shared(call), Access::Shared(entity), _) => match entity.downcast_ref::<E>() {
+            Some(entity) => call(entity, &context, &request.payload),
+            None => return Outcome::Exited(malformed("a shared entity value of another type")),
+        },
+        _ => return Outcome::Exited(malformed("a request was dispatched in the wrong mode")),
     };
     let handled = AssertUnwindSafe(call).catch_unwind().instrument(span);
     // Requests that do not wait for the graceful drain are cut off when stopping begins.
@@ -517,6 +791,7 @@ async fn run_one<E: Entity>(
         biased;
         () = delivery.cancellation.cancelled() => Outcome::Exited(Exit::interrupt()),
         () = shared.closed.cancelled() => Outcome::Exited(Exit::interrupt()),
+        () = generation.cancelled() => Outcome::Restarted,
         () = stopping => Outcome::Exited(Exit::interrupt()),
         handled = handled => match handled {
             Ok(exit) => Outcome::Exited(exit),

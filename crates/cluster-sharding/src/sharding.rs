@@ -6,9 +6,10 @@
 //! multi-runner routing build on it (see `ARCHITECTURE.md`).
 
 use std::collections::BTreeMap;
+use std::num::NonZeroU32;
 use std::sync::{Arc, Mutex, PoisonError, RwLock};
 
-use cluster_core::config::ShardingConfig;
+use cluster_core::config::{Capacity, ShardingConfig};
 use cluster_core::envelope::{Exit, RawJson, Reply, Request, TraceContext, WithExit};
 use cluster_core::error::ConfigError;
 use cluster_core::snowflake::SnowflakeGenerator;
@@ -203,6 +204,7 @@ impl Sharding {
         let manager_options = ManagerOptions {
             max_idle_time: options.max_idle_time.unwrap_or(config.entity_max_idle_time),
             mailbox_capacity: options.mailbox_capacity.unwrap_or(config.entity_mailbox_capacity),
+            concurrency: options.concurrency.unwrap_or(Capacity::Bounded(NonZeroU32::MIN)),
         };
         let entity_type = EntityType::from(E::TYPE);
         {
