@@ -7,7 +7,7 @@
 //! handler panics, replaying the requests that were running: the reference's defect restart. Admission is decided under the manager's lock, so a request either reaches a live
 //! instance or fails at once with a typed error.
 
-use std::collections::{BTreeMap, VecDeque};
+use std::collections::{BTreeMap, BTreeSet, VecDeque};
 use std::panic::AssertUnwindSafe;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
@@ -151,6 +151,43 @@ pub(crate) trait ErasedManager: Send + Sync {
     fn shutdown(&self, termination_timeout: Duration) -> BoxFuture<'_, ()>;
 }
 
+/// The requests an instance admitted and has not answered yet, by id.
+#[derive(Default)]
+struct Active {
+    ids: Mutex<BTreeSet<Snowflake>>,
+}
+
+/// Whether a request was admitted into an instance's mailbox.
+enum Admission {
+    Admitted,
+    /// The mailbox holds `mailbox_capacity` requests.
+    Full,
+    /// A request with this id is already there (`AlreadyProcessingMessage`).
+    Duplicate,
+}
+
+impl Active {
+    fn admit(&self, request_id: Snowflake, capacity: Capacity) -> Admission {
+        let mut ids = lock(&self.ids);
+        if ids.contains(&request_id) {
+            Admission::Duplicate
+        } else if capacity.is_full(ids.len()) {
+            Admission::Full
+        } else {
+            ids.insert(request_id);
+            Admission::Admitted
+        }
+    }
+
+    fn finish(&self, request_id: Snowflake) {
+        lock(&self.ids).remove(&request_id);
+    }
+
+    fn is_empty(&self) -> bool {
+        lock(&self.ids).is_empty()
+    }
+}
+
 /// The settings of one manager.
 #[derive(Clone, Copy, Debug)]
 pub(crate) struct ManagerOptions {
@@ -187,8 +224,8 @@ struct Shared<E: Entity> {
 struct Instance {
     address: EntityAddress,
     mailbox: mpsc::Sender<Delivery>,
-    /// Requests admitted and not yet answered: the mailbox size of the reference.
-    active: Arc<AtomicUsize>,
+    /// Requests admitted and not yet answered: the mailbox of the reference.
+    active: Arc<Active>,
     /// Parked keep-alive requests keep the instance resident.
     keep_alive: Arc<KeepAlive>,
 }
@@ -249,14 +286,21 @@ impl<E: Entity> ErasedManager for EntityManager<E> {
             instance.keep_alive.park(delivery);
             return Ok(());
         }
-        if shared.options.mailbox_capacity.is_full(instance.active.load(Ordering::Acquire)) {
-            return Err(Refused::Cluster(ClusterError::MailboxFull { address }));
+        let request_id = delivery.request.request_id;
+        match instance.active.admit(request_id, shared.options.mailbox_capacity) {
+            Admission::Admitted => {}
+            Admission::Full => return Err(Refused::Cluster(ClusterError::MailboxFull { address })),
+            Admission::Duplicate => {
+                return Err(Refused::Cluster(ClusterError::AlreadyProcessingMessage {
+                    envelope_id: request_id,
+                    address,
+                }));
+            }
         }
-        instance.active.fetch_add(1, Ordering::AcqRel);
         if instance.mailbox.try_send(delivery).is_err() {
             // Full (an unbounded capacity past the channel's cap) or closed (the instance is
             // stopping): either way this request is not admitted.
-            instance.active.fetch_sub(1, Ordering::AcqRel);
+            instance.active.finish(request_id);
             return Err(Refused::Cluster(ClusterError::MailboxFull { address }));
         }
         tracing::trace!(entity_type = %shared.entity_type, entity_id = %address.entity_id, "delivered");
@@ -308,7 +352,7 @@ impl<E: Entity> Shared<E> {
                 usize::try_from(limit.get()).unwrap_or(MAILBOX_CHANNEL_MAX).min(MAILBOX_CHANNEL_MAX)
             });
         let (mailbox, receiver) = mpsc::channel(capacity);
-        let active = Arc::new(AtomicUsize::new(0));
+        let active = Arc::new(Active::default());
         let keep_alive = Arc::new(KeepAlive::default());
         let span = tracing::debug_span!(
             "entity",
@@ -336,7 +380,7 @@ impl<E: Entity> Shared<E> {
     fn retire(&self, address: &EntityAddress, receiver: &mpsc::Receiver<Delivery>) -> bool {
         let mut instances = lock(&self.instances);
         let idle = instances.get(&address.entity_id).is_some_and(|instance| {
-            instance.active.load(Ordering::Acquire) == 0 && !instance.keep_alive.is_enabled()
+            instance.active.is_empty() && !instance.keep_alive.is_enabled()
         }) && receiver.is_empty();
         if idle {
             instances.remove(&address.entity_id);
@@ -481,7 +525,7 @@ struct InstanceLoop<E: Entity> {
     shared: Arc<Shared<E>>,
     address: EntityAddress,
     receiver: mpsc::Receiver<Delivery>,
-    active: Arc<AtomicUsize>,
+    active: Arc<Active>,
     keep_alive: KeepAliveHandle,
     slot: Slot<E>,
     /// Cancelled when the entity restarts after a panic: the running requests stop.
@@ -496,7 +540,7 @@ async fn run_instance<E: Entity>(
     shared: Arc<Shared<E>>,
     address: EntityAddress,
     receiver: mpsc::Receiver<Delivery>,
-    active: Arc<AtomicUsize>,
+    active: Arc<Active>,
     keep_alive: KeepAliveHandle,
 ) {
     let Some(entity) = create(&shared, &address).await else {
@@ -654,6 +698,7 @@ impl<E: Entity> InstanceLoop<E> {
     /// Sends a request's exit to where it goes; the caller may have gone away (an interrupted
     /// request).
     async fn respond(&mut self, delivery: Delivery, exit: Exit) {
+        let request_id = delivery.request.request_id;
         match delivery.reply {
             ReplyTo::Exit(reply) => {
                 let _ = reply.send(exit);
@@ -667,7 +712,7 @@ impl<E: Entity> InstanceLoop<E> {
                 let _ = stream.replies.send(Reply::WithExit(with_exit)).await;
             }
         }
-        self.active.fetch_sub(1, Ordering::AcqRel);
+        self.active.finish(request_id);
     }
 }
 
@@ -805,3 +850,6 @@ async fn handle<E: Entity>(
     }
     outcome
 }
+
+#[cfg(test)]
+mod tests;

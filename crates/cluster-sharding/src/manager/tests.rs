@@ -1,0 +1,90 @@
+//! The manager's admission of requests by id (`AlreadyProcessingMessage`, reference §6.2).
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use cluster_core::envelope::{Exit, RawJson};
+use cluster_core::{ClusterError, EntityAddress, EntityType, ShardingConfig, SystemClock};
+use serde::{Deserialize, Serialize};
+
+use crate::{Entity, EntityOptions, Handler, Protocol, RequestContext, Rpc, Sharding};
+
+struct Gate {
+    open: Arc<tokio::sync::Notify>,
+}
+
+impl Entity for Gate {
+    const TYPE: &'static str = "Gate";
+
+    async fn create(_: &EntityAddress) -> Gate {
+        Gate { open: Arc::clone(opener()) }
+    }
+
+    fn protocol(protocol: &mut Protocol<Gate>) {
+        protocol.handle::<Pass>();
+    }
+}
+
+fn opener() -> &'static Arc<tokio::sync::Notify> {
+    static OPEN: std::sync::OnceLock<Arc<tokio::sync::Notify>> = std::sync::OnceLock::new();
+    OPEN.get_or_init(Arc::default)
+}
+
+/// Waits until the test opens the gate.
+#[derive(Serialize, Deserialize)]
+struct Pass;
+
+impl Rpc for Pass {
+    const TAG: &'static str = "Pass";
+    type Success = ();
+    type Error = ();
+}
+
+impl Handler<Pass> for Gate {
+    async fn handle(&mut self, _: &RequestContext, _: Pass) -> Result<(), ()> {
+        self.open.notified().await;
+        Ok(())
+    }
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_request_id_already_in_the_mailbox_is_refused_until_it_is_answered() {
+    let sharding = Sharding::new(ShardingConfig::default(), Arc::new(SystemClock)).unwrap();
+    sharding.register::<Gate>(EntityOptions::default()).unwrap();
+    let client = sharding.client::<Gate>("gate");
+    let address = client.address().clone();
+    assert_eq!(address.entity_type, EntityType::from("Gate"));
+    let request = sharding.new_request(address.clone(), Pass::TAG, RawJson::encode(&Pass).unwrap());
+    let first = tokio::spawn({
+        let sharding = sharding.clone();
+        let request = request.clone();
+        async move { sharding.send_local(request, false).await }
+    });
+    tokio::time::sleep(Duration::from_millis(10)).await;
+    // Running: the same id is refused, typed.
+    refused(&sharding, &request).await;
+    // Queued behind it: refused as well; another id is admitted.
+    let queued = sharding.new_request(address, Pass::TAG, RawJson::encode(&Pass).unwrap());
+    sharding.notify_local(queued.clone()).await.unwrap();
+    refused(&sharding, &queued).await;
+    opener().notify_one();
+    assert_eq!(first.await.unwrap().unwrap(), Exit::Success(RawJson::encode(&()).unwrap()));
+    opener().notify_one();
+    // Answered: the id is free again.
+    tokio::time::sleep(Duration::from_millis(10)).await;
+    let again = tokio::spawn({
+        let sharding = sharding.clone();
+        async move { sharding.send_local(request, false).await }
+    });
+    tokio::time::sleep(Duration::from_millis(10)).await;
+    opener().notify_one();
+    again.await.unwrap().unwrap();
+}
+
+async fn refused(sharding: &Sharding, request: &cluster_core::envelope::Request) {
+    let error = sharding.notify_local(request.clone()).await.unwrap_err();
+    let ClusterError::AlreadyProcessingMessage { envelope_id, address } = error else {
+        panic!("expected AlreadyProcessingMessage, got {error:?}");
+    };
+    assert_eq!((envelope_id, &address), (request.request_id, &request.address));
+}
