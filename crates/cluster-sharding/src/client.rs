@@ -2,7 +2,7 @@
 
 use std::marker::PhantomData;
 
-use std::collections::VecDeque;
+use std::collections::{BTreeMap, VecDeque};
 
 use cluster_core::envelope::{Cause, CauseReason, Exit, RawJson, Reply, Request, primary_key};
 use cluster_core::storage::SaveRequestOptions;
@@ -115,6 +115,8 @@ impl<R: StreamRpc> std::fmt::Debug for ChunkStream<R> {
 pub struct EntityClient<E> {
     sharding: Sharding,
     address: EntityAddress,
+    /// The encoded headers its requests carry, if any.
+    headers: Option<RawJson>,
     entity: PhantomData<fn() -> E>,
 }
 
@@ -123,6 +125,7 @@ impl<E> Clone for EntityClient<E> {
         EntityClient {
             sharding: self.sharding.clone(),
             address: self.address.clone(),
+            headers: self.headers.clone(),
             entity: PhantomData,
         }
     }
@@ -136,7 +139,22 @@ impl<E> std::fmt::Debug for EntityClient<E> {
 
 impl<E: Entity> EntityClient<E> {
     pub(crate) fn new(sharding: Sharding, address: EntityAddress) -> EntityClient<E> {
-        EntityClient { sharding, address, entity: PhantomData }
+        EntityClient { sharding, address, headers: None, entity: PhantomData }
+    }
+
+    /// This client, with requests that carry `headers` (names and values, such as a caller id
+    /// or a tenant), replacing any it had. A handler reads them with
+    /// [`RequestContext::headers`]; they belong to each request (an entity never keeps the
+    /// headers of the call that created it) and are stored with persisted requests.
+    pub fn with_headers<K: Into<String>, V: Into<String>>(
+        &self,
+        headers: impl IntoIterator<Item = (K, V)>,
+    ) -> EntityClient<E> {
+        let headers: BTreeMap<String, String> =
+            headers.into_iter().map(|(name, value)| (name.into(), value.into())).collect();
+        // A map of strings always encodes.
+        let headers = (!headers.is_empty()).then(|| RawJson::encode(&headers).ok()).flatten();
+        EntityClient { headers, ..self.clone() }
     }
 
     /// The entity's address.
@@ -243,7 +261,11 @@ impl<E: Entity> EntityClient<E> {
         request: &T,
     ) -> Result<Request, ClusterError> {
         let payload = RawJson::encode(request)?;
-        Ok(self.sharding.new_request(self.address.clone(), tag, payload))
+        let mut request = self.sharding.new_request(self.address.clone(), tag, payload);
+        if let Some(headers) = &self.headers {
+            request.headers = headers.clone();
+        }
+        Ok(request)
     }
 }
 

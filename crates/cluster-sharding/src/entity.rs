@@ -229,6 +229,8 @@ pub struct RequestContext {
     cancellation: CancellationToken,
     transaction: Option<TransactionSlot>,
     keep_alive: KeepAliveHandle,
+    /// The request's headers, unless it has none.
+    headers: Option<RawJson>,
 }
 
 impl std::fmt::Debug for RequestContext {
@@ -248,8 +250,19 @@ impl RequestContext {
         cancellation: CancellationToken,
         transaction: Option<TransactionSlot>,
         keep_alive: KeepAliveHandle,
+        headers: &RawJson,
     ) -> RequestContext {
-        RequestContext { address, request_id, cancellation, transaction, keep_alive }
+        let headers = match headers.json() {
+            None | Some("{}") => None,
+            Some(_) => Some(headers.clone()),
+        };
+        RequestContext { address, request_id, cancellation, transaction, keep_alive, headers }
+    }
+
+    /// The request's headers (see `EntityClient::with_headers`); empty when it has none.
+    /// Headers that are not an object of strings (a malformed peer) read as empty.
+    pub fn headers(&self) -> BTreeMap<String, String> {
+        self.headers.as_ref().and_then(|headers| headers.decode().ok()).unwrap_or_default()
     }
 
     /// Keeps the entity resident, never reaped for idleness, until called with `false` (the

@@ -787,6 +787,7 @@ async fn handle<E: Entity>(
         delivery.cancellation.clone(),
         delivery.transaction.clone(),
         keep_alive,
+        &request.headers,
     );
     let span = tracing::debug_span!(
         "request",

@@ -82,6 +82,8 @@ impl Entity for Counter {
         protocol
             .handle::<Increment>()
             .handle::<Get>()
+            .handle::<CallerId>()
+            .handle::<StoredCallerId>()
             .handle::<Sleep>()
             .handle::<Fail>()
             .handle::<Stuck>()
@@ -154,6 +156,36 @@ rpc!(Probe, "Probe", (), Failure);
 #[derive(Serialize, Deserialize)]
 pub(crate) struct Persist;
 rpc!(Persist, "Persist", (), Failure, true);
+
+/// Returns the request's `caller-id` header (volatile).
+#[derive(Serialize, Deserialize)]
+pub(crate) struct CallerId;
+rpc!(CallerId, "CallerId", Option<String>, Failure);
+
+/// Returns the request's `caller-id` header (persisted).
+#[derive(Serialize, Deserialize)]
+pub(crate) struct StoredCallerId;
+rpc!(StoredCallerId, "StoredCallerId", Option<String>, Failure, true);
+
+impl Handler<CallerId> for Counter {
+    async fn handle(
+        &mut self,
+        context: &RequestContext,
+        _: CallerId,
+    ) -> Result<Option<String>, Failure> {
+        Ok(context.headers().remove("caller-id"))
+    }
+}
+
+impl Handler<StoredCallerId> for Counter {
+    async fn handle(
+        &mut self,
+        context: &RequestContext,
+        _: StoredCallerId,
+    ) -> Result<Option<String>, Failure> {
+        Ok(context.headers().remove("caller-id"))
+    }
+}
 
 impl Handler<Increment> for Counter {
     async fn handle(&mut self, _: &RequestContext, request: Increment) -> Result<u64, Failure> {

@@ -13,7 +13,9 @@ use cluster_storage_sql::sqlite::{SqliteMessageStorage, SqliteOptions};
 use cluster_storage_sql::{SqlStorageOptions, TablePrefix};
 use cluster_testkit::memory::MemoryMessageStorage;
 
-use crate::entities::{Counter, Deposit, Hang, Probes, SetKeepAlive, Stubborn, spawn_send};
+use crate::entities::{
+    CallerId, Counter, Deposit, Hang, Probes, SetKeepAlive, StoredCallerId, Stubborn, spawn_send,
+};
 
 /// A storage shared by the runners of one test, and what to remove at the end.
 struct Store {
@@ -116,7 +118,25 @@ on_every_storage!(
     with_transaction_commits_the_handler_writes_with_the_reply,
     a_persisted_stream_resumes_on_the_next_runner,
     unregistered_types_are_held_then_answered_with_a_defect,
+    headers_belong_to_each_request,
 );
+
+/// §12.1 #2: the first caller's context is not frozen into the entity; headers travel with each
+/// request, through storage for persisted ones.
+async fn headers_belong_to_each_request(store: Store, id: &str) {
+    let sharding = runner(&store).await;
+    let counter = sharding.client::<Counter>(id);
+    let from_a = counter.with_headers([("caller-id", "A")]);
+    // The call that creates the entity carries the header.
+    assert_eq!(from_a.send(CallerId).await.unwrap().as_deref(), Some("A"));
+    assert_eq!(counter.send(CallerId).await.unwrap(), None);
+    assert_eq!(counter.send(StoredCallerId).await.unwrap(), None);
+    assert_eq!(from_a.send(StoredCallerId).await.unwrap().as_deref(), Some("A"));
+    let from_b = from_a.with_headers([("caller-id", "B")]);
+    assert_eq!(from_b.send(StoredCallerId).await.unwrap().as_deref(), Some("B"));
+    assert_eq!(counter.with_headers::<&str, &str>([]).send(CallerId).await.unwrap(), None);
+    sharding.shutdown().await;
+}
 
 async fn persists_durable_requests_until_the_entity_replies(store: Store, id: &str) {
     let sharding = runner(&store).await;
