@@ -45,6 +45,18 @@ pub enum ClusterError {
         /// The entity that is processing it.
         address: EntityAddress,
     },
+    /// The runner stopped before it answered this persisted request, so this caller will not
+    /// get its reply; the request itself stays stored and runs on the next owner of its shard
+    /// (the reference's interruption with the `ClusterAbandon` annotation, 4.1.0). Not a
+    /// failure of the request: sending it again with the same primary key returns its reply
+    /// once there is one.
+    #[error("request {request_id} to entity {address} was left stored for the next owner")]
+    Abandoned {
+        /// The entity the request was addressed to.
+        address: EntityAddress,
+        /// The request's id.
+        request_id: Snowflake,
+    },
     /// A storage operation failed.
     #[error("persistence error: {0}")]
     Persistence(#[from] StorageError),

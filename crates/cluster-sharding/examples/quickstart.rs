@@ -22,7 +22,8 @@ use cluster_core::envelope::primary_key;
 use cluster_core::storage::MessageStorage;
 use cluster_core::{EntityAddress, EntityId, EntityType, ShardGroup, ShardingConfig};
 use cluster_sharding::{
-    Entity, EntityOptions, Handler, Protocol, RequestContext, Rpc, Sharding, SingleRunner,
+    Entity, EntityContext, EntityOptions, Handler, Protocol, RequestContext, Rpc, Sharding,
+    SingleRunner,
 };
 use cluster_storage_sql::sqlite::{SqliteMessageStorage, SqliteOptions};
 use serde::{Deserialize, Serialize};
@@ -64,7 +65,7 @@ impl Rpc for Deposit {
 impl Entity for Account {
     const TYPE: &'static str = "Account";
 
-    async fn create(_address: &EntityAddress) -> Account {
+    async fn create(_context: &EntityContext) -> Account {
         Account { balance: 0 }
     }
 

@@ -27,6 +27,8 @@ pub struct ChunkStream<R: StreamRpc> {
     /// until its acknowledgement is stored).
     next_sequence: u32,
     finished: bool,
+    /// Why the stream ended early, returned after the items already received.
+    failed: Option<ClusterError>,
     request: PhantomData<fn() -> R>,
 }
 
@@ -46,6 +48,14 @@ impl Acks {
                 Ok(())
             }
             Acks::Stored(stream) => stream.ack(chunk_id).await,
+        }
+    }
+
+    /// Why the stream's replies stopped before its final reply.
+    fn ended_early<E>(&self) -> CallError<E> {
+        match self {
+            Acks::Stored(stream) => stream.ended_early().map_or(CallError::Interrupted, Into::into),
+            Acks::Local { .. } => CallError::Interrupted,
         }
     }
 
@@ -72,6 +82,9 @@ impl<R: StreamRpc> ChunkStream<R> {
             if let Some(value) = self.buffered.pop_front() {
                 return Some(value.decode().map_err(|error| CallError::Cluster(error.into())));
             }
+            if let Some(error) = self.failed.take() {
+                return Some(Err(CallError::Cluster(error)));
+            }
             if self.finished {
                 return None;
             }
@@ -80,10 +93,11 @@ impl<R: StreamRpc> ChunkStream<R> {
                     if chunk.sequence() < self.next_sequence {
                         continue;
                     }
-                    // Acknowledge at once: the handler produces the next chunk meanwhile.
+                    // Acknowledge at once: the handler produces the next chunk meanwhile. If that
+                    // fails the stream ends, after the items of this chunk.
                     if let Err(error) = self.acks.ack(chunk.id()).await {
                         self.finished = true;
-                        return Some(Err(CallError::Cluster(error)));
+                        self.failed = Some(error);
                     }
                     self.next_sequence = chunk.sequence() + 1;
                     self.buffered.extend(chunk.values().iter().cloned());
@@ -98,7 +112,7 @@ impl<R: StreamRpc> ChunkStream<R> {
                 // The entity went away without a final reply (the runner stopped).
                 None => {
                     self.finished = true;
-                    return Some(Err(CallError::Interrupted));
+                    return Some(Err(self.acks.ended_early()));
                 }
             }
         }
@@ -200,7 +214,17 @@ impl<E: Entity> EntityClient<E> {
             }
             return Ok(self.sharding.notify_persisted(request, options).await?);
         }
-        Ok(self.sharding.notify_local(request).await?)
+        match self.sharding.notify_local(request).await {
+            // The abandon path of the reference (§1.4): a volatile discard sent while this
+            // runner stops (from an entity's `on_stop`) is dropped, not failed.
+            Err(ClusterError::EntityNotAssignedToRunner { address })
+                if self.sharding.is_shutdown() =>
+            {
+                tracing::warn!(%address, tag = R::TAG, "volatile discard sent during shutdown: dropped");
+                Ok(())
+            }
+            sent => Ok(sent?),
+        }
     }
 
     /// The primary key (composed with the address and tag) and delivery time of a persisted
@@ -247,6 +271,7 @@ impl<E: Entity> EntityClient<E> {
             buffered: VecDeque::new(),
             next_sequence: 0,
             finished: false,
+            failed: None,
             request: PhantomData,
         })
     }

@@ -15,7 +15,7 @@
 //!
 //! impl Entity for Counter {
 //!     const TYPE: &'static str = "Counter";
-//!     async fn create(_address: &EntityAddress) -> Counter { Counter { value: 0 } }
+//!     async fn create(_context: &EntityContext) -> Counter { Counter { value: 0 } }
 //!     fn protocol(protocol: &mut Protocol<Counter>) { protocol.handle::<Increment>(); }
 //! }
 //!
@@ -44,6 +44,7 @@ use tokio_util::sync::CancellationToken;
 
 use crate::keep_alive::KeepAliveHandle;
 use crate::rpc::{Rpc, StreamRpc};
+use crate::sharding::Sharding;
 
 /// An entity type.
 pub trait Entity: Sized + Send + 'static {
@@ -55,12 +56,48 @@ pub trait Entity: Sized + Send + 'static {
         ShardGroup::default_group()
     }
 
-    /// A new instance for `address`, created on its first request (and again after it was
-    /// reaped for idleness, or restarted after a panic).
-    fn create(address: &EntityAddress) -> impl Future<Output = Self> + Send;
+    /// A new instance for `context.address()`, created on its first request (and again after
+    /// it was reaped for idleness, or restarted after a panic). `context.sharding()` is the
+    /// runtime, for instances that call other entities.
+    fn create(context: &EntityContext) -> impl Future<Output = Self> + Send;
 
     /// Declares the requests the entity handles: `protocol.handle::<R>()` for each.
     fn protocol(protocol: &mut Protocol<Self>);
+
+    /// Runs when the instance stops: reaped for idleness, or its runner shutting down (once its
+    /// requests finished or were interrupted). The reference's entity finalizers: it may send
+    /// requests of its own. During shutdown a discard returns `Ok` (a persisted one is stored
+    /// for the next owner), a volatile call fails with `EntityNotAssignedToRunner`, and a
+    /// persisted call is stored and fails with `Abandoned`, so it never waits for a runner
+    /// that is going away. Bounded by [`EntityOptions::on_stop_timeout`]; a panic in it is
+    /// logged. Not run when a handler panics (the instance is recreated; `Drop` still runs).
+    fn on_stop(&mut self) -> impl Future<Output = ()> + Send {
+        std::future::ready(())
+    }
+}
+
+/// What [`Entity::create`] gets.
+#[derive(Clone, Debug)]
+pub struct EntityContext {
+    address: EntityAddress,
+    sharding: Sharding,
+}
+
+impl EntityContext {
+    pub(crate) fn new(address: EntityAddress, sharding: Sharding) -> EntityContext {
+        EntityContext { address, sharding }
+    }
+
+    /// The new instance's address.
+    pub fn address(&self) -> &EntityAddress {
+        &self.address
+    }
+
+    /// The runtime the instance runs in: `context.sharding().client::<Other>(id)` calls
+    /// another entity. An instance that keeps it keeps the runtime alive until it stops.
+    pub fn sharding(&self) -> &Sharding {
+        &self.sharding
+    }
 }
 
 /// Handles one request type `R`.
@@ -503,4 +540,10 @@ pub struct EntityOptions {
     /// How many [`SharedHandler`] requests of one instance run at once (1 by default, as in the
     /// reference). Requests to `&mut self` [`Handler`]s always run alone.
     pub concurrency: Option<Capacity>,
+    /// How long [`Entity::on_stop`] may run before it is dropped ([`DEFAULT_ON_STOP_TIMEOUT`]
+    /// by default).
+    pub on_stop_timeout: Option<Duration>,
 }
+
+/// The default of [`EntityOptions::on_stop_timeout`]: 10 seconds.
+pub const DEFAULT_ON_STOP_TIMEOUT: Duration = Duration::from_secs(10);

@@ -36,8 +36,8 @@ mod single_runner;
 
 pub use client::{ChunkStream, EntityClient};
 pub use entity::{
-    ChunkError, Chunks, Entity, EntityOptions, Handler, Protocol, RequestContext, SharedHandler,
-    StreamHandler, TransactionSlot,
+    ChunkError, Chunks, DEFAULT_ON_STOP_TIMEOUT, Entity, EntityContext, EntityOptions, Handler,
+    Protocol, RequestContext, SharedHandler, StreamHandler, TransactionSlot,
 };
 pub use rpc::{CallError, Rpc, StreamRpc, Uninterruptible};
 pub use sharding::{RegisterError, RegistrationEvent, Sharding};

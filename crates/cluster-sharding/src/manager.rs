@@ -25,11 +25,12 @@ use tokio_util::task::TaskTracker;
 use tracing::Instrument;
 
 use crate::entity::{
-    CallKind, ChunkChannel, Entity, Ids, Protocol, RequestContext, SharedValue, Sharing,
-    TransactionSlot, malformed,
+    CallKind, ChunkChannel, Entity, EntityContext, Ids, Protocol, RequestContext, SharedValue,
+    Sharing, TransactionSlot, malformed,
 };
 use crate::keep_alive::{KEEP_ALIVE_TAG, KeepAlive, KeepAliveHandle, KeepAliveSender};
 use crate::metrics;
+use crate::sharding::WeakSharding;
 
 /// The largest mailbox channel; an unbounded mailbox capacity is capped here (everything has a
 /// limit).
@@ -195,6 +196,8 @@ pub(crate) struct ManagerOptions {
     pub(crate) mailbox_capacity: Capacity,
     /// How many shared requests of one instance run at once.
     pub(crate) concurrency: Capacity,
+    /// How long `Entity::on_stop` may take.
+    pub(crate) on_stop_timeout: Duration,
 }
 
 /// The manager of entity type `E`.
@@ -203,6 +206,8 @@ pub(crate) struct EntityManager<E: Entity> {
 }
 
 struct Shared<E: Entity> {
+    /// What new instances get to call other entities.
+    runtime: WeakSharding,
     entity_type: EntityType,
     protocol: Protocol<E>,
     options: ManagerOptions,
@@ -232,6 +237,7 @@ struct Instance {
 
 impl<E: Entity> EntityManager<E> {
     pub(crate) fn new(
+        runtime: WeakSharding,
         options: ManagerOptions,
         residency: Arc<Residency>,
         ids: Arc<Ids>,
@@ -239,6 +245,7 @@ impl<E: Entity> EntityManager<E> {
     ) -> EntityManager<E> {
         EntityManager {
             shared: Arc::new(Shared {
+                runtime,
                 entity_type: EntityType::from(E::TYPE),
                 protocol: Protocol::of(),
                 options,
@@ -370,18 +377,32 @@ impl<E: Entity> Shared<E> {
         Instance { address: address_for_instance, mailbox, active, keep_alive }
     }
 
-    /// Removes the instance if it is idle: nothing running, nothing queued. Under the lock, so
-    /// no request can be admitted in between.
     /// Whether requests tagged `tag` run on a shared reference.
     fn is_shared(&self, tag: &str) -> bool {
         self.protocol.get(tag).is_some_and(|entry| matches!(entry.call, CallKind::Shared(_)))
     }
 
+    /// Whether the instance is idle: nothing running, nothing queued, no keep-alive.
+    fn is_idle(&self, address: &EntityAddress, receiver: &mpsc::Receiver<Delivery>) -> bool {
+        Self::idle_in(&lock(&self.instances), address, receiver)
+    }
+
+    fn idle_in(
+        instances: &BTreeMap<EntityId, Instance>,
+        address: &EntityAddress,
+        receiver: &mpsc::Receiver<Delivery>,
+    ) -> bool {
+        instances
+            .get(&address.entity_id)
+            .is_some_and(|instance| instance.active.is_empty() && !instance.keep_alive.is_enabled())
+            && receiver.is_empty()
+    }
+
+    /// Removes the instance if it is idle. Under the lock, so no request can be admitted in
+    /// between.
     fn retire(&self, address: &EntityAddress, receiver: &mpsc::Receiver<Delivery>) -> bool {
         let mut instances = lock(&self.instances);
-        let idle = instances.get(&address.entity_id).is_some_and(|instance| {
-            instance.active.is_empty() && !instance.keep_alive.is_enabled()
-        }) && receiver.is_empty();
+        let idle = Self::idle_in(&instances, address, receiver);
         if idle {
             instances.remove(&address.entity_id);
             metrics::set_for_type(metrics::ENTITIES, self.entity_type.as_str(), instances.len());
@@ -561,7 +582,18 @@ async fn run_instance<E: Entity>(
         next_seq: 0,
         mailbox_open: true,
     };
-    instance.run().await;
+    loop {
+        instance.run().await;
+        instance.stop().await;
+        // Idle (not stopped by shutdown): leave, unless requests came in while `on_stop` ran;
+        // those get a new value, so that one id never has two live values.
+        if !instance.mailbox_open
+            || instance.shared.retire(&instance.address, &instance.receiver)
+            || !instance.recreate().await
+        {
+            break;
+        }
+    }
     instance.keep_alive.latch.abandon();
     instance.shared.residency.release();
 }
@@ -592,8 +624,12 @@ impl<E: Entity> InstanceLoop<E> {
                     return;
                 }
                 match next_delivery(&self.shared, &self.address, &mut self.receiver).await {
-                    Some(delivery) => self.enqueue(delivery),
-                    None => return,
+                    Next::Delivery(delivery) => self.enqueue(delivery),
+                    Next::Idle => return,
+                    Next::Closed => {
+                        self.mailbox_open = false;
+                        return;
+                    }
                 }
                 continue;
             }
@@ -605,6 +641,41 @@ impl<E: Entity> InstanceLoop<E> {
                     None => self.mailbox_open = false,
                 },
             }
+        }
+    }
+
+    /// Runs the entity's `on_stop` on its value, within the type's `on_stop_timeout`. Not
+    /// after a panic that left no value (the manager closed during the restart).
+    async fn stop(&mut self) {
+        let entity = match std::mem::replace(&mut self.slot, Slot::Gone) {
+            Slot::Idle(entity) => Some(entity),
+            Slot::Shared(entity) => {
+                self.shared.protocol.sharing().and_then(|sharing| (sharing.unshare)(entity).ok())
+            }
+            Slot::Lent | Slot::Gone => None,
+        };
+        let Some(mut entity) = entity else { return };
+        let stopping = AssertUnwindSafe(entity.on_stop()).catch_unwind();
+        match tokio::time::timeout(self.shared.options.on_stop_timeout, stopping).await {
+            Ok(Ok(())) => {}
+            Ok(Err(_)) => {
+                tracing::warn!(entity_type = %self.shared.entity_type, entity_id = %self.address.entity_id, "defect in on_stop");
+            }
+            Err(_) => {
+                tracing::warn!(entity_type = %self.shared.entity_type, entity_id = %self.address.entity_id, timeout = ?self.shared.options.on_stop_timeout, "on_stop timed out");
+            }
+        }
+    }
+
+    /// A new value after `on_stop`, for requests that arrived meanwhile; `false` once the
+    /// manager closed.
+    async fn recreate(&mut self) -> bool {
+        match create(&self.shared, &self.address).await {
+            Some(entity) => {
+                self.slot = Slot::Idle(entity);
+                true
+            }
+            None => false,
         }
     }
 
@@ -717,13 +788,14 @@ impl<E: Entity> InstanceLoop<E> {
 }
 
 /// Creates the instance, retrying with backoff if `create` panics; `None` once the manager
-/// closed.
+/// closed (or the runtime is gone).
 async fn create<E: Entity>(shared: &Shared<E>, address: &EntityAddress) -> Option<E> {
     loop {
         if shared.closed.is_cancelled() {
             return None;
         }
-        match AssertUnwindSafe(E::create(address)).catch_unwind().await {
+        let context = EntityContext::new(address.clone(), shared.runtime.upgrade()?);
+        match AssertUnwindSafe(E::create(&context)).catch_unwind().await {
             Ok(entity) => return Some(entity),
             Err(_) => {
                 tracing::warn!(entity_type = %shared.entity_type, entity_id = %address.entity_id, "defect creating entity, retrying");
@@ -733,19 +805,33 @@ async fn create<E: Entity>(shared: &Shared<E>, address: &EntityAddress) -> Optio
     }
 }
 
-/// The next request, or `None` when the instance ends: reaped for idleness or stopped.
+/// What the instance loop waits for when nothing runs.
+#[allow(
+    clippy::large_enum_variant,
+    reason = "moved once from the mailbox into the queue; boxing would allocate per request"
+)]
+enum Next {
+    Delivery(Delivery),
+    /// Nothing came for `max_idle_time` and the instance is idle: it may be reaped.
+    Idle,
+    /// The mailbox closed: the manager stops.
+    Closed,
+}
+
+/// The next request, or why there is none.
 async fn next_delivery<E: Entity>(
     shared: &Shared<E>,
     address: &EntityAddress,
     receiver: &mut mpsc::Receiver<Delivery>,
-) -> Option<Delivery> {
+) -> Next {
+    let received = |delivery: Option<Delivery>| delivery.map_or(Next::Closed, Next::Delivery);
     loop {
         let Some(idle) = shared.options.max_idle_time else {
-            return receiver.recv().await;
+            return received(receiver.recv().await);
         };
         match tokio::time::timeout(idle, receiver.recv()).await {
-            Ok(delivery) => return delivery,
-            Err(_) if shared.retire(address, receiver) => return None,
+            Ok(delivery) => return received(delivery),
+            Err(_) if shared.is_idle(address, receiver) => return Next::Idle,
             Err(_) => {}
         }
     }

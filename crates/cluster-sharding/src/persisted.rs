@@ -52,8 +52,9 @@ pub(crate) struct Persisted {
 
 /// A local caller waiting for replies.
 enum Waiter {
-    /// Waits for the final reply of a unary request.
-    Exit(Option<oneshot::Sender<Reply>>),
+    /// Waits for the final reply of a unary request, or for the news that it will not come
+    /// here (`Err`).
+    Exit(Option<oneshot::Sender<Answer>>),
     /// Reads the chunks and the final reply of a streaming request.
     Stream(mpsc::Sender<Reply>),
 }
@@ -66,7 +67,7 @@ impl ReplyWaiter for Waiter {
                     && let Some(sender) = sender.take()
                 {
                     // The caller may have gone away.
-                    let _ = sender.send(reply.clone());
+                    let _ = sender.send(Ok(reply.clone()));
                 }
             }
             // Full means the caller is behind; the reply poller hands the chunk over again
@@ -79,8 +80,17 @@ impl ReplyWaiter for Waiter {
 
     fn complete(self) {}
 
-    fn unregistered(self, _mode: UnregisterMode) {}
+    fn unregistered(self, mode: UnregisterMode) {
+        if let Waiter::Exit(Some(sender)) = self {
+            // The caller may have gone away.
+            let _ = sender.send(Err(mode));
+        }
+    }
 }
+
+/// What a local caller of a persisted request hears: the final reply, or why it will not come
+/// to this process.
+type Answer = Result<Reply, UnregisterMode>;
 
 fn lock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
     mutex.lock().unwrap_or_else(PoisonError::into_inner)
@@ -139,8 +149,23 @@ impl PersistedStream {
             reply_id,
         };
         persisted.storage.save_ack_chunk(&ack).await?;
+        if self.sharding.is_shutdown() {
+            // Stored for the next owner, which resumes the stream after this chunk; this
+            // consumer gets no further chunk here (the reference's abandoned AckChunk, §1.4).
+            return Err(ClusterError::EntityNotAssignedToRunner { address: self.address.clone() });
+        }
         persisted.poll_storage();
         Ok(())
+    }
+
+    /// Why the replies stopped before the final reply: this runner stopped and left the
+    /// request stored for the next owner ([`ClusterError::Abandoned`]), or `None` (an
+    /// interruption).
+    pub(crate) fn ended_early(&self) -> Option<ClusterError> {
+        self.sharding.is_shutdown().then(|| ClusterError::Abandoned {
+            address: self.address.clone(),
+            request_id: self.request_id,
+        })
     }
 
     /// The stream ended: nothing to interrupt any more.
@@ -225,12 +250,21 @@ impl Sharding {
             }
         };
         persisted.poll_storage();
+        if self.is_shutdown() {
+            // Sent while this runner stops (an entity's `on_stop`): no reply will be read here;
+            // the request is stored for the next owner (the reference's abandon path, §1.4).
+            tracing::debug!(request_id = %waited_id, "persisted request sent during shutdown: left stored");
+            return Err(ClusterError::Abandoned {
+                address: request.address,
+                request_id: waited_id,
+            });
+        }
         let mut interrupt = InterruptOnDrop {
             sharding: (!uninterruptible).then(|| self.clone()),
             address: request.address.clone(),
             request_id: waited_id,
         };
-        let exit = self.await_reply(persisted, &request.address, &mut replied).await;
+        let exit = self.await_reply(persisted, &request.address, waited_id, &mut replied).await;
         interrupt.sharding = None;
         drop(registration);
         exit
@@ -295,12 +329,17 @@ impl Sharding {
         &self,
         persisted: &Persisted,
         address: &EntityAddress,
-        replied: &mut oneshot::Receiver<Reply>,
+        request_id: Snowflake,
+        replied: &mut oneshot::Receiver<Answer>,
     ) -> Result<Exit, ClusterError> {
         // Woken by a reply saved in this process, or by the reply poller.
         persisted.reply_waiters.notify_one();
         match replied.await {
-            Ok(Reply::WithExit(with_exit)) => Ok(with_exit.exit),
+            Ok(Ok(Reply::WithExit(with_exit))) => Ok(with_exit.exit),
+            // This process stops: the request stays stored for the next owner.
+            Ok(Err(UnregisterMode::Abandon)) => {
+                Err(ClusterError::Abandoned { address: address.clone(), request_id })
+            }
             // The waiter was unregistered without a reply.
             _ => Err(ClusterError::EntityNotAssignedToRunner { address: address.clone() }),
         }
@@ -712,7 +751,7 @@ impl Persisted {
         self: &Arc<Persisted>,
         request_id: Snowflake,
         shard_id: &ShardId,
-        reply: oneshot::Sender<Reply>,
+        reply: oneshot::Sender<Answer>,
     ) -> OwnedRegistration {
         self.register_waiter(request_id, shard_id, Waiter::Exit(Some(reply)))
     }

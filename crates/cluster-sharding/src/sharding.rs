@@ -24,7 +24,7 @@ use tokio_util::task::TaskTracker;
 
 use crate::client::EntityClient;
 use crate::entity::Ids;
-use crate::entity::{Entity, EntityOptions};
+use crate::entity::{DEFAULT_ON_STOP_TIMEOUT, Entity, EntityOptions};
 use crate::keep_alive::{KEEP_ALIVE_TAG, KeepAliveSender};
 use crate::manager::{
     Delivery, EntityManager, ErasedManager, ManagerOptions, ReplyTo, Residency, StreamReplies,
@@ -81,6 +81,17 @@ struct Inner {
     tasks: TaskTracker,
     /// The shard locks and registration of a single runner, released at shutdown.
     locks: Mutex<Option<Arc<HeldLocks>>>,
+}
+
+/// A handle on the runtime that does not keep it alive (what its managers hold).
+#[derive(Clone)]
+pub(crate) struct WeakSharding(std::sync::Weak<Inner>);
+
+impl WeakSharding {
+    /// The runtime, unless it is gone.
+    pub(crate) fn upgrade(&self) -> Option<Sharding> {
+        self.0.upgrade().map(|inner| Sharding { inner })
+    }
 }
 
 impl std::fmt::Debug for Sharding {
@@ -205,6 +216,7 @@ impl Sharding {
             max_idle_time: options.max_idle_time.unwrap_or(config.entity_max_idle_time),
             mailbox_capacity: options.mailbox_capacity.unwrap_or(config.entity_mailbox_capacity),
             concurrency: options.concurrency.unwrap_or(Capacity::Bounded(NonZeroU32::MIN)),
+            on_stop_timeout: options.on_stop_timeout.unwrap_or(DEFAULT_ON_STOP_TIMEOUT),
         };
         let entity_type = EntityType::from(E::TYPE);
         {
@@ -213,6 +225,7 @@ impl Sharding {
                 return Err(RegisterError::AlreadyRegistered(entity_type));
             }
             let manager = EntityManager::<E>::new(
+                WeakSharding(Arc::downgrade(&self.inner)),
                 manager_options,
                 Arc::clone(&self.inner.residency),
                 Arc::clone(&self.inner.ids),
@@ -254,9 +267,10 @@ impl Sharding {
 
     /// Stops the runner: new requests fail with `EntityNotAssignedToRunner`, the ones already
     /// delivered get `entity_termination_timeout` to finish, then they are interrupted; every
-    /// entity instance has ended when this returns. Interrupted persisted requests stay stored
-    /// for the next run, and no interrupt is stored for them; local callers still waiting for
-    /// a persisted reply fail with `EntityNotAssignedToRunner`. Idempotent.
+    /// entity instance has ended (and run its `on_stop`) when this returns. Interrupted
+    /// persisted requests stay stored for the next run, and no interrupt is stored for them;
+    /// local callers still waiting for a persisted reply fail with
+    /// [`ClusterError::Abandoned`]. Idempotent.
     pub async fn shutdown(&self) {
         self.inner.shutdown.cancel();
         let termination_timeout = self.inner.config.entity_termination_timeout;

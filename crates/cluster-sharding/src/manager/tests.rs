@@ -4,10 +4,12 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use cluster_core::envelope::{Exit, RawJson};
-use cluster_core::{ClusterError, EntityAddress, EntityType, ShardingConfig, SystemClock};
+use cluster_core::{ClusterError, EntityType, ShardingConfig, SystemClock};
 use serde::{Deserialize, Serialize};
 
-use crate::{Entity, EntityOptions, Handler, Protocol, RequestContext, Rpc, Sharding};
+use crate::{
+    Entity, EntityContext, EntityOptions, Handler, Protocol, RequestContext, Rpc, Sharding,
+};
 
 struct Gate {
     open: Arc<tokio::sync::Notify>,
@@ -16,7 +18,7 @@ struct Gate {
 impl Entity for Gate {
     const TYPE: &'static str = "Gate";
 
-    async fn create(_: &EntityAddress) -> Gate {
+    async fn create(_: &EntityContext) -> Gate {
         Gate { open: Arc::clone(opener()) }
     }
 

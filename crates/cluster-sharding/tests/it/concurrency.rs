@@ -8,11 +8,11 @@ use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
 use std::time::Duration;
 
+use cluster_core::ShardingConfig;
 use cluster_core::config::Capacity;
-use cluster_core::{EntityAddress, ShardingConfig};
 use cluster_sharding::{
-    Entity, EntityClient, EntityOptions, Handler, Protocol, RequestContext, Rpc, Sharding,
-    SharedHandler,
+    Entity, EntityClient, EntityContext, EntityOptions, Handler, Protocol, RequestContext, Rpc,
+    Sharding, SharedHandler,
 };
 use serde::{Deserialize, Serialize};
 use tokio::sync::Semaphore;
@@ -82,8 +82,8 @@ struct Library {
 impl Entity for Library {
     const TYPE: &'static str = "Library";
 
-    async fn create(address: &EntityAddress) -> Library {
-        let log = Log::of(address.entity_id.as_str());
+    async fn create(context: &EntityContext) -> Library {
+        let log = Log::of(context.address().entity_id.as_str());
         log.created.fetch_add(1, Ordering::SeqCst);
         Library { log, version: 0 }
     }

@@ -5,10 +5,9 @@ use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
 use std::time::Duration;
 
-use cluster_core::EntityAddress;
 use cluster_sharding::{
-    CallError, Chunks, Entity, EntityClient, Handler, Protocol, RequestContext, Rpc, StreamHandler,
-    StreamRpc, Uninterruptible,
+    CallError, Chunks, Entity, EntityClient, EntityContext, Handler, Protocol, RequestContext, Rpc,
+    StreamHandler, StreamRpc, Uninterruptible,
 };
 use serde::{Deserialize, Serialize};
 
@@ -72,8 +71,8 @@ pub(crate) struct Counter {
 impl Entity for Counter {
     const TYPE: &'static str = "Counter";
 
-    async fn create(address: &EntityAddress) -> Counter {
-        let probes = Probes::of(address.entity_id.as_str());
+    async fn create(context: &EntityContext) -> Counter {
+        let probes = Probes::of(context.address().entity_id.as_str());
         probes.created.fetch_add(1, Ordering::SeqCst);
         Counter { value: 0, probes }
     }

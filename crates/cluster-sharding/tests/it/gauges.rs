@@ -6,8 +6,10 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
 use std::time::Duration;
 
-use cluster_core::{EntityAddress, ShardingConfig, SystemClock};
-use cluster_sharding::{Entity, EntityOptions, Handler, Protocol, RequestContext, Sharding};
+use cluster_core::{ShardingConfig, SystemClock};
+use cluster_sharding::{
+    Entity, EntityContext, EntityOptions, Handler, Protocol, RequestContext, Sharding,
+};
 use metrics::{
     Counter, Gauge, GaugeFn, Histogram, Key, KeyName, Metadata, Recorder, SharedString, Unit,
 };
@@ -84,7 +86,7 @@ struct Meter;
 impl Entity for Meter {
     const TYPE: &'static str = "Meter";
 
-    async fn create(_address: &EntityAddress) -> Meter {
+    async fn create(_context: &EntityContext) -> Meter {
         Meter
     }
 

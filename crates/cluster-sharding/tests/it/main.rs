@@ -5,6 +5,7 @@ mod concurrency;
 mod entities;
 mod gauges;
 mod persisted;
+mod shutdown;
 
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
@@ -631,11 +632,14 @@ async fn no_interrupt_is_stored_for_persisted_requests_at_shutdown() {
     let probes = Probes::of("stopped-under");
     eventually("the request runs", || probes.probing.load(Ordering::SeqCst) == 1).await;
     sharding.shutdown().await;
-    // The caller stops waiting with a typed error; no interrupt is stored for it.
+    // The caller stops waiting with a typed error (the request is left for the next owner);
+    // no interrupt is stored for it.
     let result = tokio::time::timeout(Duration::from_secs(60), call).await;
     match result.expect("the caller was left waiting").unwrap() {
-        Err(CallError::Cluster(ClusterError::EntityNotAssignedToRunner { .. })) => {}
-        other => panic!("expected EntityNotAssignedToRunner, got {other:?}"),
+        Err(CallError::Cluster(ClusterError::Abandoned { address, .. })) => {
+            assert_eq!(address.entity_id.as_str(), "stopped-under");
+        }
+        other => panic!("expected Abandoned, got {other:?}"),
     }
     tokio::time::sleep(Duration::from_secs(1)).await;
     let left = unprocessed(&*storage).await;
