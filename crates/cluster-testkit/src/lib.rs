@@ -4,6 +4,8 @@
 //! - [`mod@storage_suite`]: the storage conformance suite, run against every `MessageStorage` and
 //!   `RunnerStorage` implementation (memory, SQLite, PostgreSQL, MySQL) with
 //!   [`storage_suite!`](crate::storage_suite!).
+//! - [`faulty`]: a `MessageStorage` wrapper that fails on demand (transactions that cannot
+//!   begin, commits whose outcome is unknown).
 //! - [`measure`]: throughput measurements of storages, for benchmarks and notes.
 //! - [`memory`]: in-memory storages with the reference's semantics, whose shard locks are
 //!   exclusive and expire, for unit tests and simulation.
@@ -11,6 +13,7 @@
 //! Still to come (the simulation issue): the simulated transport and clock with fault injection,
 //! `SimCluster` and the invariant checkers.
 
+pub mod faulty;
 pub mod measure;
 pub mod memory;
 pub mod storage_suite;

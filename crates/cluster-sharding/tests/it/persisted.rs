@@ -13,6 +13,8 @@ use cluster_storage_sql::sqlite::{SqliteMessageStorage, SqliteOptions};
 use cluster_storage_sql::{SqlStorageOptions, TablePrefix};
 use cluster_testkit::memory::MemoryMessageStorage;
 
+use cluster_testkit::faulty::{Faults, FaultyMessageStorage};
+
 use crate::entities::{
     CallerId, Counter, Deposit, Hang, Probes, SetKeepAlive, StoredCallerId, Stubborn, spawn_send,
 };
@@ -119,7 +121,81 @@ on_every_storage!(
     a_persisted_stream_resumes_on_the_next_runner,
     unregistered_types_are_held_then_answered_with_a_defect,
     headers_belong_to_each_request,
+    a_transaction_that_cannot_begin_is_retried,
+    a_commit_whose_acknowledgement_is_lost_is_settled_from_storage,
+    a_commit_that_failed_runs_the_request_again,
 );
+
+/// A runner on `store` whose storage fails on demand. Its reply poller is too slow to help:
+/// callers get their replies from the runner's own settlement or not in time.
+async fn faulty_runner(store: &Store) -> (Sharding, Arc<Faults>) {
+    let (storage, faults) = FaultyMessageStorage::new(Arc::clone(&store.storage));
+    let config =
+        ShardingConfig { entity_reply_poll_interval: Duration::from_secs(3600), ..config() };
+    let sharding =
+        Sharding::with_storage(config, Arc::new(SystemClock), Arc::new(storage)).await.unwrap();
+    sharding.register::<Counter>(EntityOptions::default()).unwrap();
+    (sharding, faults)
+}
+
+/// On SQLite, checks the handler's committed ledger rows for `key` (memory storage has none).
+async fn assert_ledger(store: &Store, key: &str, rows: i64) {
+    if let Some(found) = ledger_rows(store, key).await {
+        assert_eq!(found, rows, "ledger rows of {key}");
+    }
+}
+
+fn book(key: &str) -> crate::entities::Book {
+    crate::entities::Book { key: key.to_owned(), fail: false }
+}
+
+/// Books `key`, failing the test instead of hanging.
+async fn booked(counter: &cluster_sharding::EntityClient<Counter>, key: &str) -> u64 {
+    let booking = tokio::time::timeout(Duration::from_secs(20), counter.send(book(key)));
+    booking.await.expect("answered in time").unwrap()
+}
+
+/// A `WITH_TRANSACTION` request whose transaction cannot begin is released and read again
+/// after `send_retry_interval`; it runs once the storage recovers.
+async fn a_transaction_that_cannot_begin_is_retried(store: Store, id: &str) {
+    let (sharding, faults) = faulty_runner(&store).await;
+    faults.fail_begin_transaction(2);
+    let counter = sharding.client::<Counter>(id);
+    assert_eq!(booked(&counter, "later").await, 1, "ran once, after the failures");
+    assert_eq!(faults.begin_transaction_calls(), 3);
+    assert_eq!(faults.commits(), 1);
+    assert_ledger(&store, "later", 1).await;
+    sharding.shutdown().await;
+}
+
+/// A commit that happened but reported an error: the stored final reply settles it, the
+/// caller gets it and the request does not run again.
+async fn a_commit_whose_acknowledgement_is_lost_is_settled_from_storage(store: Store, id: &str) {
+    let (sharding, faults) = faulty_runner(&store).await;
+    faults.lose_commit_acknowledgement(1);
+    let counter = sharding.client::<Counter>(id);
+    assert_eq!(booked(&counter, "lost-ack").await, 1);
+    // The next request to the instance shows that the first ran exactly once.
+    assert_eq!(booked(&counter, "after").await, 2);
+    assert_eq!(faults.commits(), 2);
+    assert_ledger(&store, "lost-ack", 1).await;
+    assert_eq!(unprocessed(&store).await, 0);
+    sharding.shutdown().await;
+}
+
+/// A commit that failed: no final reply is stored, so the request is released and runs again;
+/// the caller gets the second run's reply and only its writes are kept.
+async fn a_commit_that_failed_runs_the_request_again(store: Store, id: &str) {
+    let (sharding, faults) = faulty_runner(&store).await;
+    faults.fail_commit(1);
+    let counter = sharding.client::<Counter>(id);
+    // The instance's own state saw both runs; storage only the second.
+    assert_eq!(booked(&counter, "again").await, 2);
+    assert_eq!(faults.commits(), 2);
+    assert_ledger(&store, "again", 1).await;
+    assert_eq!(unprocessed(&store).await, 0);
+    sharding.shutdown().await;
+}
 
 /// §12.1 #2: the first caller's context is not frozen into the entity; headers travel with each
 /// request, through storage for persisted ones.

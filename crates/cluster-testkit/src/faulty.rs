@@ -1,0 +1,239 @@
+//! A [`MessageStorage`] that fails on demand: it forwards every call to another storage, except
+//! the ones a test asked to fail ([`Faults`]). For the paths that only a failing database
+//! reaches: a transaction that cannot begin, a commit whose outcome is unknown.
+
+use std::any::Any;
+use std::fmt;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU32, Ordering};
+
+use cluster_core::envelope::{AckChunk, Interrupt, Reply, Request};
+use cluster_core::error::{StorageError, StorageErrorKind};
+use cluster_core::future::BoxFuture;
+use cluster_core::storage::{
+    MessageStorage, MessageTransaction, SaveRequestOptions, SaveResult, UnprocessedBatch,
+    UnprocessedOptions,
+};
+use cluster_core::{EntityAddress, ShardId, Snowflake, Timestamp};
+
+/// What to fail next, and how often it was asked for; shared with the test.
+#[derive(Debug, Default)]
+pub struct Faults {
+    begin_transaction: Countdown,
+    commit_unacknowledged: Countdown,
+    commit_failed: Countdown,
+    begin_transaction_calls: AtomicU32,
+    commits: AtomicU32,
+}
+
+/// How many of the next calls fail.
+#[derive(Debug, Default)]
+struct Countdown(AtomicU32);
+
+impl Countdown {
+    /// Whether this call fails (and counts it).
+    fn fails(&self) -> bool {
+        self.0.fetch_update(Ordering::AcqRel, Ordering::Acquire, |left| left.checked_sub(1)).is_ok()
+    }
+}
+
+impl Faults {
+    /// The next `times` calls of `begin_transaction` fail (`Unavailable`).
+    pub fn fail_begin_transaction(&self, times: u32) {
+        self.begin_transaction.0.store(times, Ordering::Release);
+    }
+
+    /// The next `times` commits happen, but report an error: the caller cannot tell whether
+    /// they did (a connection lost after `COMMIT` was sent).
+    pub fn lose_commit_acknowledgement(&self, times: u32) {
+        self.commit_unacknowledged.0.store(times, Ordering::Release);
+    }
+
+    /// The next `times` commits roll back and report an error.
+    pub fn fail_commit(&self, times: u32) {
+        self.commit_failed.0.store(times, Ordering::Release);
+    }
+
+    /// How often `begin_transaction` was called, failed calls included.
+    pub fn begin_transaction_calls(&self) -> u32 {
+        self.begin_transaction_calls.load(Ordering::Acquire)
+    }
+
+    /// How often a transaction was committed (or tried to), failed commits included.
+    pub fn commits(&self) -> u32 {
+        self.commits.load(Ordering::Acquire)
+    }
+}
+
+fn injected(what: &str) -> StorageError {
+    StorageError::new(StorageErrorKind::Unavailable, format!("injected failure: {what}"))
+}
+
+/// A storage that fails on demand; see the [module docs](self).
+pub struct FaultyMessageStorage {
+    inner: Arc<dyn MessageStorage>,
+    faults: Arc<Faults>,
+}
+
+impl FaultyMessageStorage {
+    /// Wraps `inner`; the returned [`Faults`] decide what fails.
+    pub fn new(inner: Arc<dyn MessageStorage>) -> (FaultyMessageStorage, Arc<Faults>) {
+        let faults = Arc::new(Faults::default());
+        (FaultyMessageStorage { inner, faults: Arc::clone(&faults) }, faults)
+    }
+}
+
+impl fmt::Debug for FaultyMessageStorage {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("FaultyMessageStorage").field("inner", &self.inner).finish_non_exhaustive()
+    }
+}
+
+impl MessageStorage for FaultyMessageStorage {
+    fn save_request<'a>(
+        &'a self,
+        request: &'a Request,
+        options: &'a SaveRequestOptions,
+    ) -> BoxFuture<'a, Result<SaveResult, StorageError>> {
+        self.inner.save_request(request, options)
+    }
+
+    fn save_ack_chunk<'a>(&'a self, ack: &'a AckChunk) -> BoxFuture<'a, Result<(), StorageError>> {
+        self.inner.save_ack_chunk(ack)
+    }
+
+    fn save_interrupt<'a>(
+        &'a self,
+        interrupt: &'a Interrupt,
+    ) -> BoxFuture<'a, Result<(), StorageError>> {
+        self.inner.save_interrupt(interrupt)
+    }
+
+    fn save_reply<'a>(&'a self, reply: &'a Reply) -> BoxFuture<'a, Result<(), StorageError>> {
+        self.inner.save_reply(reply)
+    }
+
+    fn clear_replies(
+        &self,
+        request_id: Snowflake,
+        expected_reply_id: Option<Snowflake>,
+    ) -> BoxFuture<'_, Result<(), StorageError>> {
+        self.inner.clear_replies(request_id, expected_reply_id)
+    }
+
+    fn request_id_for_primary_key<'a>(
+        &'a self,
+        primary_key: &'a str,
+    ) -> BoxFuture<'a, Result<Option<Snowflake>, StorageError>> {
+        self.inner.request_id_for_primary_key(primary_key)
+    }
+
+    fn replies_for<'a>(
+        &'a self,
+        request_ids: &'a [Snowflake],
+    ) -> BoxFuture<'a, Result<Vec<Reply>, StorageError>> {
+        self.inner.replies_for(request_ids)
+    }
+
+    fn replies_for_unfiltered<'a>(
+        &'a self,
+        request_ids: &'a [Snowflake],
+    ) -> BoxFuture<'a, Result<Vec<Reply>, StorageError>> {
+        self.inner.replies_for_unfiltered(request_ids)
+    }
+
+    fn unprocessed_messages<'a>(
+        &'a self,
+        shard_ids: &'a [ShardId],
+        now: Timestamp,
+        options: UnprocessedOptions<'a>,
+    ) -> BoxFuture<'a, Result<UnprocessedBatch, StorageError>> {
+        self.inner.unprocessed_messages(shard_ids, now, options)
+    }
+
+    fn unprocessed_messages_by_id<'a>(
+        &'a self,
+        ids: &'a [Snowflake],
+        now: Timestamp,
+    ) -> BoxFuture<'a, Result<UnprocessedBatch, StorageError>> {
+        self.inner.unprocessed_messages_by_id(ids, now)
+    }
+
+    fn reset_requests<'a>(
+        &'a self,
+        request_ids: &'a [Snowflake],
+    ) -> BoxFuture<'a, Result<(), StorageError>> {
+        self.inner.reset_requests(request_ids)
+    }
+
+    fn reset_addresses<'a>(
+        &'a self,
+        addresses: &'a [EntityAddress],
+    ) -> BoxFuture<'a, Result<(), StorageError>> {
+        self.inner.reset_addresses(addresses)
+    }
+
+    fn reset_shards<'a>(
+        &'a self,
+        shard_ids: &'a [ShardId],
+    ) -> BoxFuture<'a, Result<(), StorageError>> {
+        self.inner.reset_shards(shard_ids)
+    }
+
+    fn clear_address<'a>(
+        &'a self,
+        address: &'a EntityAddress,
+    ) -> BoxFuture<'a, Result<(), StorageError>> {
+        self.inner.clear_address(address)
+    }
+
+    fn begin_transaction(
+        &self,
+    ) -> BoxFuture<'_, Result<Box<dyn MessageTransaction>, StorageError>> {
+        Box::pin(async move {
+            self.faults.begin_transaction_calls.fetch_add(1, Ordering::AcqRel);
+            if self.faults.begin_transaction.fails() {
+                return Err(injected("begin_transaction"));
+            }
+            let inner = self.inner.begin_transaction().await?;
+            let faults = Arc::clone(&self.faults);
+            Ok(Box::new(FaultyTransaction { inner, faults }) as Box<dyn MessageTransaction>)
+        })
+    }
+}
+
+/// A transaction whose commit fails on demand.
+struct FaultyTransaction {
+    inner: Box<dyn MessageTransaction>,
+    faults: Arc<Faults>,
+}
+
+impl MessageTransaction for FaultyTransaction {
+    fn save_reply<'a>(&'a mut self, reply: &'a Reply) -> BoxFuture<'a, Result<(), StorageError>> {
+        self.inner.save_reply(reply)
+    }
+
+    fn backend(&mut self) -> &mut (dyn Any + Send) {
+        self.inner.backend()
+    }
+
+    fn commit(self: Box<Self>) -> BoxFuture<'static, Result<(), StorageError>> {
+        let FaultyTransaction { inner, faults } = *self;
+        Box::pin(async move {
+            faults.commits.fetch_add(1, Ordering::AcqRel);
+            if faults.commit_failed.fails() {
+                inner.rollback().await?;
+                return Err(injected("commit (rolled back)"));
+            }
+            let committed = inner.commit().await;
+            if committed.is_ok() && faults.commit_unacknowledged.fails() {
+                return Err(injected("commit (committed, acknowledgement lost)"));
+            }
+            committed
+        })
+    }
+
+    fn rollback(self: Box<Self>) -> BoxFuture<'static, Result<(), StorageError>> {
+        self.inner.rollback()
+    }
+}
