@@ -302,7 +302,9 @@ pub struct ShardingConfig {
     /// Default 1 min. Environment: `RUNNER_HEALTH_CHECK_INTERVAL`.
     pub runner_health_check_interval: Duration,
     /// Encode and decode volatile messages to local entities as if they went to another runner,
-    /// so that serialization bugs show up on one machine.
+    /// so that serialization bugs show up on one machine. The Rust runtime always does (its
+    /// requests are type-erased to JSON at the client), so `false` has no effect there; it is
+    /// kept for configurations shared with the reference.
     ///
     /// Default `true`. Environment: `SIMULATE_REMOTE_SERIALIZATION`.
     pub simulate_remote_serialization: bool,

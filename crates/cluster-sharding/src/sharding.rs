@@ -169,6 +169,11 @@ impl Sharding {
         persisted: Option<Arc<Persisted>>,
     ) -> Result<Sharding, ConfigError> {
         config.validate()?;
+        if !config.simulate_remote_serialization {
+            tracing::info!(
+                "simulate_remote_serialization is off, which has no effect here: local requests are always encoded and decoded"
+            );
+        }
         // The reference starts with a random machine id until the runner registers; the
         // process id is as good a spread without a random source in the runtime.
         let machine_id = MachineId::new(i32::try_from(std::process::id() % 1024).unwrap_or(0));
