@@ -158,8 +158,9 @@ impl<E: Entity> EntityClient<E> {
 
     /// This client, with requests that carry `headers` (names and values, such as a caller id
     /// or a tenant), replacing any it had. A handler reads them with
-    /// [`RequestContext::headers`]; they belong to each request (an entity never keeps the
-    /// headers of the call that created it) and are stored with persisted requests.
+    /// [`RequestContext::headers`](crate::RequestContext::headers); they belong to each
+    /// request (an entity never keeps the headers of the call that created it) and are stored
+    /// with persisted requests.
     pub fn with_headers<K: Into<String>, V: Into<String>>(
         &self,
         headers: impl IntoIterator<Item = (K, V)>,
