@@ -25,6 +25,7 @@
 //! locks, handoff, singletons, cron).
 
 mod client;
+mod cluster;
 mod entity;
 mod keep_alive;
 mod manager;

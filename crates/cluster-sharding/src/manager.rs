@@ -16,7 +16,7 @@ use std::time::Duration;
 use cluster_core::config::Capacity;
 use cluster_core::envelope::{Chunk, Exit, Reply, Request, WithExit};
 use cluster_core::future::BoxFuture;
-use cluster_core::{ClusterError, EntityAddress, EntityId, EntityType, Snowflake};
+use cluster_core::{ClusterError, EntityAddress, EntityId, EntityType, ShardId, Snowflake};
 use futures_util::stream::FuturesUnordered;
 use futures_util::{FutureExt, StreamExt};
 use tokio::sync::{mpsc, oneshot};
@@ -150,6 +150,19 @@ pub(crate) trait ErasedManager: Send + Sync {
     /// already delivered get `termination_timeout` to finish (the reference's graceful drain,
     /// `entityTerminationTimeout`), then the rest are interrupted.
     fn shutdown(&self, termination_timeout: Duration) -> BoxFuture<'_, ()>;
+
+    /// Stops the instances of `shard` and waits for them to end (reference §6.5): the same
+    /// drain as [`shutdown`](ErasedManager::shutdown), or an immediate interruption when
+    /// `force`. Instances the shard gets meanwhile are stopped too.
+    fn stop_shard<'a>(
+        &'a self,
+        shard: &'a ShardId,
+        force: bool,
+        termination_timeout: Duration,
+    ) -> BoxFuture<'a, ()>;
+
+    /// Whether `shard` has instances of this type (what a stuck release waits for).
+    fn has_instances_in(&self, shard: &ShardId) -> bool;
 }
 
 /// The requests an instance admitted and has not answered yet, by id.
@@ -226,8 +239,21 @@ struct Shared<E: Entity> {
     keep_alive_sender: KeepAliveSender,
 }
 
+/// The stop signals of one instance.
+#[derive(Clone)]
+struct Signals {
+    /// Set when the instance starts stopping (its shard is released, the manager stops):
+    /// `InterruptOnTermination` requests are cut off.
+    stopping: CancellationToken,
+    /// Set when the graceful drain is over: running requests are interrupted.
+    interrupt: CancellationToken,
+    /// Set when the instance's task has ended.
+    ended: CancellationToken,
+}
+
 struct Instance {
     address: EntityAddress,
+    signals: Signals,
     mailbox: mpsc::Sender<Delivery>,
     /// Requests admitted and not yet answered: the mailbox of the reference.
     active: Arc<Active>,
@@ -334,6 +360,66 @@ impl<E: Entity> ErasedManager for EntityManager<E> {
         self.shared.protocol.get(tag).is_some_and(|entry| entry.rerun_on_interrupt)
     }
 
+    fn stop_shard<'a>(
+        &'a self,
+        shard: &'a ShardId,
+        force: bool,
+        termination_timeout: Duration,
+    ) -> BoxFuture<'a, ()> {
+        Box::pin(async move {
+            let shared = &self.shared;
+            loop {
+                let stopped: Vec<Signals> = {
+                    let mut instances = lock(&shared.instances);
+                    let ids: Vec<EntityId> = instances
+                        .iter()
+                        .filter(|(_, instance)| instance.address.shard_id == *shard)
+                        .map(|(id, _)| id.clone())
+                        .collect();
+                    // Removing an instance drops its mailbox: it ends once its queue is done.
+                    let stopped = ids
+                        .iter()
+                        .filter_map(|id| instances.remove(id))
+                        .map(|instance| instance.signals)
+                        .collect();
+                    metrics::set_for_type(
+                        metrics::ENTITIES,
+                        shared.entity_type.as_str(),
+                        instances.len(),
+                    );
+                    stopped
+                };
+                if stopped.is_empty() {
+                    return;
+                }
+                tracing::debug!(entity_type = %shared.entity_type, %shard, instances = stopped.len(), force, "stopping the shard's entities");
+                for signals in &stopped {
+                    signals.stopping.cancel();
+                    if force {
+                        signals.interrupt.cancel();
+                    }
+                }
+                let ended = futures_util::future::join_all(
+                    stopped.iter().map(|signals| signals.ended.cancelled()),
+                );
+                if tokio::time::timeout(termination_timeout, ended).await.is_err() {
+                    tracing::debug!(entity_type = %shared.entity_type, %shard, "termination timeout: interrupting");
+                    for signals in &stopped {
+                        signals.interrupt.cancel();
+                    }
+                    futures_util::future::join_all(
+                        stopped.iter().map(|signals| signals.ended.cancelled()),
+                    )
+                    .await;
+                }
+            }
+        })
+    }
+
+    fn has_instances_in(&self, shard: &ShardId) -> bool {
+        lock(&self.shared.instances).values().any(|instance| instance.address.shard_id == *shard)
+    }
+
     fn shutdown(&self, termination_timeout: Duration) -> BoxFuture<'_, ()> {
         Box::pin(async move {
             let shared = &self.shared;
@@ -368,13 +454,25 @@ impl<E: Entity> Shared<E> {
             shard = %address.shard_id,
         );
         let address_for_instance = address.clone();
+        let signals = Signals {
+            stopping: shared.stopping.child_token(),
+            interrupt: shared.closed.child_token(),
+            ended: CancellationToken::new(),
+        };
         let handle = KeepAliveHandle {
             latch: Arc::clone(&keep_alive),
             send: Arc::clone(&shared.keep_alive_sender),
         };
-        let task = run_instance(Arc::clone(shared), address, receiver, Arc::clone(&active), handle);
+        let task = run_instance(
+            Arc::clone(shared),
+            address,
+            receiver,
+            Arc::clone(&active),
+            handle,
+            signals.clone(),
+        );
         shared.tasks.spawn(task.instrument(span));
-        Instance { address: address_for_instance, mailbox, active, keep_alive }
+        Instance { address: address_for_instance, signals, mailbox, active, keep_alive }
     }
 
     /// Whether requests tagged `tag` run on a shared reference.
@@ -410,7 +508,7 @@ impl<E: Entity> Shared<E> {
         idle
     }
 
-    async fn backoff(&self) {
+    async fn backoff(&self, interrupt: &CancellationToken) {
         let restarts = self.restarts.fetch_add(1, Ordering::AcqRel);
         let mut delay = RESTART_BACKOFF_FIRST;
         for _ in 0..restarts.min(16) {
@@ -418,7 +516,7 @@ impl<E: Entity> Shared<E> {
         }
         tokio::select! {
             () = tokio::time::sleep(delay) => {}
-            () = self.closed.cancelled() => {}
+            () = interrupt.cancelled() => {}
         }
     }
 }
@@ -555,6 +653,7 @@ struct InstanceLoop<E: Entity> {
     running: FuturesUnordered<BoxFuture<'static, Finished<E>>>,
     next_seq: u64,
     mailbox_open: bool,
+    signals: Signals,
 }
 
 async fn run_instance<E: Entity>(
@@ -563,8 +662,11 @@ async fn run_instance<E: Entity>(
     receiver: mpsc::Receiver<Delivery>,
     active: Arc<Active>,
     keep_alive: KeepAliveHandle,
+    signals: Signals,
 ) {
-    let Some(entity) = create(&shared, &address).await else {
+    // Whatever way the task ends, waiters on the instance hear of it.
+    let _ended = signals.ended.clone().drop_guard();
+    let Some(entity) = create(&shared, &address, &signals.interrupt).await else {
         keep_alive.latch.abandon();
         shared.residency.release();
         return;
@@ -581,6 +683,7 @@ async fn run_instance<E: Entity>(
         running: FuturesUnordered::new(),
         next_seq: 0,
         mailbox_open: true,
+        signals,
     };
     loop {
         instance.run().await;
@@ -670,7 +773,7 @@ impl<E: Entity> InstanceLoop<E> {
     /// A new value after `on_stop`, for requests that arrived meanwhile; `false` once the
     /// manager closed.
     async fn recreate(&mut self) -> bool {
-        match create(&self.shared, &self.address).await {
+        match create(&self.shared, &self.address, &self.signals.interrupt).await {
             Some(entity) => {
                 self.slot = Slot::Idle(entity);
                 true
@@ -701,6 +804,7 @@ impl<E: Entity> InstanceLoop<E> {
             queued,
             self.keep_alive.clone(),
             self.generation.clone(),
+            self.signals.clone(),
         )
         .await;
         self.settle(finished).await;
@@ -722,6 +826,7 @@ impl<E: Entity> InstanceLoop<E> {
             queued,
             self.keep_alive.clone(),
             self.generation.clone(),
+            self.signals.clone(),
         );
         self.running.push(Box::pin(run));
     }
@@ -759,8 +864,8 @@ impl<E: Entity> InstanceLoop<E> {
             self.queue.push_front(queued);
         }
         self.slot = Slot::Gone;
-        self.shared.backoff().await;
-        if let Some(entity) = create(&self.shared, &self.address).await {
+        self.shared.backoff(&self.signals.interrupt).await;
+        if let Some(entity) = create(&self.shared, &self.address, &self.signals.interrupt).await {
             self.slot = Slot::Idle(entity);
             self.generation = CancellationToken::new();
         }
@@ -789,9 +894,13 @@ impl<E: Entity> InstanceLoop<E> {
 
 /// Creates the instance, retrying with backoff if `create` panics; `None` once the manager
 /// closed (or the runtime is gone).
-async fn create<E: Entity>(shared: &Shared<E>, address: &EntityAddress) -> Option<E> {
+async fn create<E: Entity>(
+    shared: &Shared<E>,
+    address: &EntityAddress,
+    interrupt: &CancellationToken,
+) -> Option<E> {
     loop {
-        if shared.closed.is_cancelled() {
+        if interrupt.is_cancelled() {
             return None;
         }
         let context = EntityContext::new(address.clone(), shared.runtime.upgrade()?);
@@ -799,7 +908,7 @@ async fn create<E: Entity>(shared: &Shared<E>, address: &EntityAddress) -> Optio
             Ok(entity) => return Some(entity),
             Err(_) => {
                 tracing::warn!(entity_type = %shared.entity_type, entity_id = %address.entity_id, "defect creating entity, retrying");
-                shared.backoff().await;
+                shared.backoff(interrupt).await;
             }
         }
     }
@@ -844,9 +953,11 @@ async fn run_one<E: Entity>(
     queued: Queued,
     keep_alive: KeepAliveHandle,
     generation: CancellationToken,
+    signals: Signals,
 ) -> Finished<E> {
     let Queued { seq, mut delivery } = queued;
-    let outcome = handle(&shared, &mut access, &mut delivery, keep_alive, &generation).await;
+    let outcome =
+        handle(&shared, &mut access, &mut delivery, keep_alive, &generation, &signals).await;
     Finished { seq, delivery, access, outcome }
 }
 
@@ -856,6 +967,7 @@ async fn handle<E: Entity>(
     delivery: &mut Delivery,
     keep_alive: KeepAliveHandle,
     generation: &CancellationToken,
+    signals: &Signals,
 ) -> Outcome {
     let request = &delivery.request;
     let address = &request.address;
@@ -864,7 +976,7 @@ async fn handle<E: Entity>(
             format!("entity type {} has no request {:?}", shared.entity_type, request.tag);
         return Outcome::Exited(malformed(&message));
     };
-    if delivery.cancellation.is_cancelled() || shared.closed.is_cancelled() {
+    if delivery.cancellation.is_cancelled() || signals.interrupt.is_cancelled() {
         return Outcome::Exited(Exit::interrupt());
     }
     let context = RequestContext::new(
@@ -914,7 +1026,7 @@ async fn handle<E: Entity>(
     // Requests that do not wait for the graceful drain are cut off when stopping begins.
     let stopping = async {
         if entry.interrupt_on_termination {
-            shared.stopping.cancelled().await;
+            signals.stopping.cancelled().await;
         } else {
             std::future::pending::<()>().await;
         }
@@ -922,7 +1034,7 @@ async fn handle<E: Entity>(
     let outcome = tokio::select! {
         biased;
         () = delivery.cancellation.cancelled() => Outcome::Exited(Exit::interrupt()),
-        () = shared.closed.cancelled() => Outcome::Exited(Exit::interrupt()),
+        () = signals.interrupt.cancelled() => Outcome::Exited(Exit::interrupt()),
         () = generation.cancelled() => Outcome::Restarted,
         () = stopping => Outcome::Exited(Exit::interrupt()),
         handled = handled => match handled {

@@ -8,6 +8,9 @@
 //! | `cluster_runners` | gauge | | runners this process runs (1 for a runner, 0 for a client) |
 //! | `cluster_runners_healthy` | gauge | | 1 while this runner counts itself healthy |
 //! | `cluster_persisted_in_flight` | gauge | | persisted requests delivered to entities and not yet answered |
+//! | `cluster_shards_releasing` | gauge | | shards whose entities are stopping before their lock is released |
+//! | `cluster_shard_locks_healthy` | gauge | | 1 while lock storage answers (0: every shard is being let go) |
+//! | `cluster_join_debounce_pending` | gauge | | 1 while runner joins are held back by the join debounce |
 
 /// Resident entity instances, by `type`.
 pub const ENTITIES: &str = "cluster_entities";
@@ -19,6 +22,13 @@ pub const RUNNERS: &str = "cluster_runners";
 pub const RUNNERS_HEALTHY: &str = "cluster_runners_healthy";
 /// Persisted requests delivered and not yet answered.
 pub const PERSISTED_IN_FLIGHT: &str = "cluster_persisted_in_flight";
+
+/// Shards being released.
+pub const SHARDS_RELEASING: &str = "cluster_shards_releasing";
+/// Whether lock storage is healthy.
+pub const SHARD_LOCKS_HEALTHY: &str = "cluster_shard_locks_healthy";
+/// Whether runner joins are pending.
+pub const JOINS_PENDING: &str = "cluster_join_debounce_pending";
 
 /// Sets a gauge from a count.
 pub(crate) fn set(name: &'static str, count: usize) {

@@ -88,6 +88,9 @@ impl ReplyWaiter for Waiter {
     }
 }
 
+/// A local wait for a reply ended without it: the request's shard left this runner.
+struct Rerouted;
+
 /// What a local caller of a persisted request hears: the final reply, or why it will not come
 /// to this process.
 type Answer = Result<Reply, UnregisterMode>;
@@ -118,6 +121,16 @@ impl Persisted {
         for request_id in waiting {
             waiters.unregister(request_id, UnregisterMode::Abandon);
         }
+    }
+
+    /// Ends the local waits for replies of `shard`'s requests (the shard was released).
+    pub(crate) fn unregister_shard(&self, shard: &ShardId, mode: UnregisterMode) {
+        lock(&self.waiters).unregister_shard(shard, mode);
+    }
+
+    /// Ends the local waits for the reply of `request_id` (its reply was fenced).
+    pub(crate) fn unregister_request(&self, request_id: Snowflake, mode: UnregisterMode) {
+        lock(&self.waiters).unregister(request_id, mode);
     }
 
     /// Wakes the storage read loop.
@@ -264,7 +277,23 @@ impl Sharding {
             address: request.address.clone(),
             request_id: waited_id,
         };
-        let exit = self.await_reply(persisted, &request.address, waited_id, &mut replied).await;
+        let exit = loop {
+            match self.await_reply(persisted, &request.address, waited_id, &mut replied).await {
+                // The shard moved to another runner (or this one could not confirm its lock):
+                // keep waiting; the reply poller reads the next owner's reply from storage.
+                Err(Rerouted) if self.cluster().is_some() && !self.is_shutdown() => {
+                    let (reply, rerouted) = oneshot::channel();
+                    registration = persisted.register(waited_id, &request.address.shard_id, reply);
+                    replied = rerouted;
+                }
+                Err(Rerouted) => {
+                    break Err(ClusterError::EntityNotAssignedToRunner {
+                        address: request.address.clone(),
+                    });
+                }
+                Ok(exit) => break exit,
+            }
+        };
         interrupt.sharding = None;
         drop(registration);
         exit
@@ -331,17 +360,17 @@ impl Sharding {
         address: &EntityAddress,
         request_id: Snowflake,
         replied: &mut oneshot::Receiver<Answer>,
-    ) -> Result<Exit, ClusterError> {
+    ) -> Result<Result<Exit, ClusterError>, Rerouted> {
         // Woken by a reply saved in this process, or by the reply poller.
         persisted.reply_waiters.notify_one();
         match replied.await {
-            Ok(Ok(Reply::WithExit(with_exit))) => Ok(with_exit.exit),
+            Ok(Ok(Reply::WithExit(with_exit))) => Ok(Ok(with_exit.exit)),
             // This process stops: the request stays stored for the next owner.
             Ok(Err(UnregisterMode::Abandon)) => {
-                Err(ClusterError::Abandoned { address: address.clone(), request_id })
+                Ok(Err(ClusterError::Abandoned { address: address.clone(), request_id }))
             }
-            // The waiter was unregistered without a reply.
-            _ => Err(ClusterError::EntityNotAssignedToRunner { address: address.clone() }),
+            // The waiter was unregistered without a reply: the shard moved.
+            _ => Err(Rerouted),
         }
     }
 
@@ -419,14 +448,24 @@ impl Sharding {
         };
         let options = UnprocessedOptions { limit: Some(batch_size), addresses };
         let now = self.clock().now();
-        let batch =
-            match persisted.storage.unprocessed_messages(&persisted.shards, now, options).await {
-                Ok(batch) => batch,
-                Err(error) => {
-                    tracing::warn!(%error, "could not read unprocessed messages");
-                    return None;
+        let acquired;
+        let shards = match self.cluster() {
+            Some(cluster) => {
+                acquired = cluster.acquired();
+                if acquired.is_empty() {
+                    return Some(Read { full: false, delivered: false });
                 }
-            };
+                &acquired
+            }
+            None => &persisted.shards,
+        };
+        let batch = match persisted.storage.unprocessed_messages(shards, now, options).await {
+            Ok(batch) => batch,
+            Err(error) => {
+                tracing::warn!(%error, "could not read unprocessed messages");
+                return None;
+            }
+        };
         let full = batch.len() >= usize::try_from(batch_size.get()).unwrap_or(usize::MAX);
         for malformed_row in &batch.malformed {
             let reply = self
@@ -487,6 +526,11 @@ impl Sharding {
             // Already being processed (AlreadyProcessingMessage): its reply will complete it.
             return Dispatched::Skipped;
         }
+        let shard = request.address.shard_id.clone();
+        if !self.serves(&shard) {
+            // The shard was let go since the read: its next owner runs the request.
+            return Dispatched::Release(request_id);
+        }
         let Some(manager) = self.registered_manager(&request.address.entity_type) else {
             let timeout = self.config().entity_registration_timeout;
             let since = *unregistered_since.get_or_insert_with(Instant::now);
@@ -537,7 +581,7 @@ impl Sharding {
                 let sharding = self.clone();
                 let persisted = Arc::clone(persisted);
                 self.spawn_owned(async move {
-                    let sent = Sent { request_id, outcome, transaction, rerun };
+                    let sent = Sent { request_id, shard, outcome, transaction, rerun };
                     sharding.store_outcome(persisted, sent).await;
                 });
                 Dispatched::Delivered
@@ -563,7 +607,7 @@ impl Sharding {
     fn store_outcome(self, persisted: Arc<Persisted>, sent: Sent) -> BoxFuture<'static, ()> {
         // Boxed: a re-run dispatches again, which spawns another `store_outcome`.
         Box::pin(async move {
-            let Sent { request_id, outcome, transaction, rerun } = sent;
+            let Sent { request_id, shard, outcome, transaction, rerun } = sent;
             let exit = match outcome {
                 Outcome::Exit(exit) => exit.await.ok(),
                 Outcome::Stream(mut replies) => {
@@ -593,6 +637,10 @@ impl Sharding {
             if let Some(transaction) = transaction {
                 match exit {
                     Some(exit) if exit.is_success() => {
+                        if !self.confirm_shard_lock(&shard).await {
+                            let _ = transaction.rollback().await;
+                            return self.fenced(&persisted, request_id).await;
+                        }
                         let reply = self.final_reply(request_id, exit);
                         self.commit_final_reply(&persisted, transaction, reply).await;
                         return;
@@ -606,8 +654,11 @@ impl Sharding {
                 }
             }
             match exit {
-                // Interrupted by shutdown: left stored for the next run.
-                Some(Exit::Failure(cause)) if cause.has_interrupts_only() && self.is_shutdown() => {
+                // Interrupted because this runner stops serving the shard (shutdown, a
+                // rebalance, lost locks): left stored for the next owner.
+                Some(Exit::Failure(cause))
+                    if cause.has_interrupts_only() && !self.serves(&shard) =>
+                {
                     let _ = persisted.storage.reset_requests(&[request_id]).await;
                 }
                 // Server-side uninterruptible: an interrupt runs it again instead of answering it.
@@ -615,6 +666,9 @@ impl Sharding {
                     if let Some(request) = rerun {
                         self.rerun(&persisted, request).await;
                     }
+                }
+                Some(_) if !self.confirm_shard_lock(&shard).await => {
+                    self.fenced(&persisted, request_id).await;
                 }
                 Some(exit) => {
                     let reply = self.final_reply(request_id, exit);
@@ -625,6 +679,16 @@ impl Sharding {
                 }
             }
         })
+    }
+
+    /// The shard lock was not confirmed (seed 000 fencing): the final reply is not stored, the
+    /// claim is released for the shard's next owner, and local callers read the reply from
+    /// storage once that owner stores it.
+    async fn fenced(&self, persisted: &Persisted, request_id: Snowflake) {
+        if let Err(error) = persisted.storage.reset_requests(&[request_id]).await {
+            tracing::debug!(%error, %request_id, "could not release a fenced request's claim");
+        }
+        persisted.unregister_request(request_id, UnregisterMode::Reroute);
     }
 
     /// Hands an interrupted server-side uninterruptible request to its entity again (reference
@@ -801,6 +865,8 @@ struct Read {
 /// A request handed to its entity, and what the runtime keeps to store its outcome.
 struct Sent {
     request_id: Snowflake,
+    /// The request's shard, whose lock must be confirmed before its final reply is stored.
+    shard: ShardId,
     outcome: Outcome,
     transaction: Option<TransactionSlot>,
     /// The request itself, kept when an interrupt runs it again.

@@ -23,6 +23,7 @@ use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
 use crate::client::EntityClient;
+use crate::cluster::Cluster;
 use crate::entity::Ids;
 use crate::entity::{DEFAULT_ON_STOP_TIMEOUT, Entity, EntityOptions};
 use crate::keep_alive::{KEEP_ALIVE_TAG, KeepAliveSender};
@@ -81,6 +82,8 @@ struct Inner {
     tasks: TaskTracker,
     /// The shard locks and registration of a single runner, released at shutdown.
     locks: Mutex<Option<Arc<HeldLocks>>>,
+    /// Membership, shard locks and handoff, when several runners share the storage.
+    cluster: Option<Arc<Cluster>>,
 }
 
 /// A handle on the runtime that does not keep it alive (what its managers hold).
@@ -106,7 +109,7 @@ impl Sharding {
     /// A runtime configured with `config` (validated), reading time from `clock`, with no
     /// storage: only volatile requests can be sent.
     pub fn new(config: ShardingConfig, clock: Arc<dyn Clock>) -> Result<Sharding, ConfigError> {
-        Sharding::build(config, clock, None)
+        Sharding::build(config, clock, None, None)
     }
 
     /// A single runner that owns every shard of its groups, with persisted delivery through
@@ -128,9 +131,27 @@ impl Sharding {
         }
         metrics::set(metrics::SHARDS, shards.len());
         let persisted = Arc::new(Persisted::new(storage, shards));
-        let sharding = Sharding::build(config, clock, Some(Arc::clone(&persisted)))?;
+        let sharding = Sharding::build(config, clock, Some(Arc::clone(&persisted)), None)?;
         sharding.spawn_owned(sharding.clone().poll_replies(Arc::clone(&persisted)));
         sharding.spawn_owned(sharding.clone().read_storage(persisted));
+        Ok(sharding)
+    }
+
+    /// The runtime of a cluster member (see [`Sharding::cluster`]): persisted delivery through
+    /// `storage` on the shards `cluster` holds; its loops are started by the caller.
+    pub(crate) fn with_cluster(
+        config: ShardingConfig,
+        clock: Arc<dyn Clock>,
+        storage: Arc<dyn MessageStorage>,
+        cluster: Arc<Cluster>,
+    ) -> Result<Sharding, ConfigError> {
+        let runner = config.runner_address.is_some();
+        let persisted = Arc::new(Persisted::new(storage, Vec::new()));
+        let sharding = Sharding::build(config, clock, Some(Arc::clone(&persisted)), Some(cluster))?;
+        sharding.spawn_owned(sharding.clone().poll_replies(Arc::clone(&persisted)));
+        if runner {
+            sharding.spawn_owned(sharding.clone().read_storage(persisted));
+        }
         Ok(sharding)
     }
 
@@ -153,7 +174,7 @@ impl Sharding {
             ));
         }
         let persisted = Arc::new(Persisted::new(storage, Vec::new()));
-        let sharding = Sharding::build(config, clock, Some(Arc::clone(&persisted)))?;
+        let sharding = Sharding::build(config, clock, Some(Arc::clone(&persisted)), None)?;
         sharding.spawn_owned(sharding.clone().poll_replies(persisted));
         Ok(sharding)
     }
@@ -167,6 +188,7 @@ impl Sharding {
         config: ShardingConfig,
         clock: Arc<dyn Clock>,
         persisted: Option<Arc<Persisted>>,
+        cluster: Option<Arc<Cluster>>,
     ) -> Result<Sharding, ConfigError> {
         config.validate()?;
         if !config.simulate_remote_serialization {
@@ -198,6 +220,7 @@ impl Sharding {
                 persisted,
                 tasks: TaskTracker::new(),
                 locks: Mutex::new(None),
+                cluster,
             }),
         })
     }
@@ -278,6 +301,10 @@ impl Sharding {
     /// [`ClusterError::Abandoned`]. Idempotent.
     pub async fn shutdown(&self) {
         self.inner.shutdown.cancel();
+        if let Some(cluster) = &self.inner.cluster {
+            // Requests waiting for a shard's lock stop waiting.
+            cluster.shutting_down();
+        }
         let termination_timeout = self.inner.config.entity_termination_timeout;
         let managers = self.managers();
         // The types drain side by side: the whole shutdown takes one termination timeout.
@@ -285,6 +312,8 @@ impl Sharding {
             managers.iter().map(|manager| manager.shutdown(termination_timeout)),
         )
         .await;
+        // The entities have stopped: the shards go to other runners at once.
+        self.hand_off().await;
         self.inner.tasks.close();
         self.inner.tasks.wait().await;
         // No reply will be read from here on: local callers stop waiting.
@@ -337,6 +366,35 @@ impl Sharding {
         if let Some(persisted) = &self.inner.persisted {
             persisted.poll_storage();
         }
+    }
+
+    /// The cluster side, when several runners share the storage.
+    pub(crate) fn cluster(&self) -> Option<&Arc<Cluster>> {
+        self.inner.cluster.as_ref()
+    }
+
+    /// Spawns a loop of the cluster side, awaited at shutdown like every task.
+    pub(crate) fn spawn_cluster(
+        &self,
+        task: impl std::future::Future<Output = ()> + Send + 'static,
+    ) {
+        self.spawn_owned(task);
+    }
+
+    /// Every registered entity manager.
+    pub(crate) fn all_managers(&self) -> Vec<Arc<dyn ErasedManager>> {
+        self.managers()
+    }
+
+    /// Every registered entity manager, with its type.
+    pub(crate) fn all_managers_by_type(&self) -> Vec<(EntityType, Arc<dyn ErasedManager>)> {
+        self.inner
+            .managers
+            .read()
+            .unwrap_or_else(PoisonError::into_inner)
+            .iter()
+            .map(|(entity_type, manager)| (entity_type.clone(), Arc::clone(manager)))
+            .collect()
     }
 
     pub(crate) fn persisted(&self) -> Option<&Arc<Persisted>> {
@@ -442,7 +500,7 @@ impl Sharding {
     ) -> Result<(mpsc::Receiver<Reply>, mpsc::Sender<Snowflake>, CancellationToken), ClusterError>
     {
         let address = request.address.clone();
-        if self.is_shutdown() || !self.is_runner() {
+        if !self.await_shard(&address.shard_id).await {
             return Err(ClusterError::EntityNotAssignedToRunner { address });
         }
         // One chunk in flight at a time (the handler waits for its acknowledgement), plus the
@@ -525,7 +583,7 @@ impl Sharding {
         reply: oneshot::Sender<Exit>,
     ) -> Result<(), ClusterError> {
         let address = request.address.clone();
-        if self.is_shutdown() || !self.is_runner() {
+        if !self.await_shard(&address.shard_id).await {
             return Err(ClusterError::EntityNotAssignedToRunner { address });
         }
         let manager = match self.manager_for(&address).await {

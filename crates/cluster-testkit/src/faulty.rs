@@ -1,6 +1,8 @@
-//! A [`MessageStorage`] that fails on demand: it forwards every call to another storage, except
-//! the ones a test asked to fail ([`Faults`]). For the paths that only a failing database
-//! reaches: a transaction that cannot begin, a commit whose outcome is unknown.
+//! Storages that fail on demand: they forward every call to another storage, except the ones a
+//! test asked to fail. For the paths that only a failing database reaches:
+//! [`FaultyMessageStorage`] (a transaction that cannot begin, a commit whose outcome is
+//! unknown) and [`FaultyRunnerStorage`] (a lock lost to another runner, lock storage that does
+//! not answer).
 
 use std::any::Any;
 use std::fmt;
@@ -11,10 +13,12 @@ use cluster_core::envelope::{AckChunk, Interrupt, Reply, Request};
 use cluster_core::error::{StorageError, StorageErrorKind};
 use cluster_core::future::BoxFuture;
 use cluster_core::storage::{
-    MessageStorage, MessageTransaction, SaveRequestOptions, SaveResult, UnprocessedBatch,
-    UnprocessedOptions,
+    MessageStorage, MessageTransaction, RunnerStorage, SaveRequestOptions, SaveResult,
+    UnprocessedBatch, UnprocessedOptions,
 };
-use cluster_core::{EntityAddress, ShardId, Snowflake, Timestamp};
+use cluster_core::{
+    EntityAddress, MachineId, Runner, RunnerAddress, ShardId, Snowflake, Timestamp,
+};
 
 /// What to fail next, and how often it was asked for; shared with the test.
 #[derive(Debug, Default)]
@@ -235,5 +239,133 @@ impl MessageTransaction for FaultyTransaction {
 
     fn rollback(self: Box<Self>) -> BoxFuture<'static, Result<(), StorageError>> {
         self.inner.rollback()
+    }
+}
+
+/// What a [`FaultyRunnerStorage`] fails; shared with the test.
+#[derive(Debug, Default)]
+pub struct LockFaults {
+    /// Shards whose lock this runner lost to another one: refreshes leave them out and
+    /// acquisitions do not get them.
+    lost: std::sync::Mutex<std::collections::BTreeSet<ShardId>>,
+    /// Every refresh fails (lock storage unreachable).
+    refresh_fails: std::sync::atomic::AtomicBool,
+}
+
+impl LockFaults {
+    fn lost(&self) -> std::sync::MutexGuard<'_, std::collections::BTreeSet<ShardId>> {
+        self.lost.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
+    /// The runner's lock on `shard` is gone (its lease expired and another runner took it)
+    /// until [`restore`](LockFaults::restore).
+    pub fn lose(&self, shard: ShardId) {
+        self.lost().insert(shard);
+    }
+
+    /// Every lost lock can be taken again.
+    pub fn restore(&self) {
+        self.lost().clear();
+    }
+
+    /// Makes every refresh fail (`Unavailable`) or work again.
+    pub fn fail_refresh(&self, failing: bool) {
+        self.refresh_fails.store(failing, Ordering::Release);
+    }
+}
+
+/// A [`RunnerStorage`] that loses locks and fails refreshes on demand, forwarding everything
+/// else to another storage.
+pub struct FaultyRunnerStorage {
+    inner: Arc<dyn RunnerStorage>,
+    faults: Arc<LockFaults>,
+}
+
+impl FaultyRunnerStorage {
+    /// Wraps `inner`; the returned [`LockFaults`] decide what fails.
+    pub fn new(inner: Arc<dyn RunnerStorage>) -> (FaultyRunnerStorage, Arc<LockFaults>) {
+        let faults = Arc::new(LockFaults::default());
+        (FaultyRunnerStorage { inner, faults: Arc::clone(&faults) }, faults)
+    }
+
+    fn without_lost(&self, shards: Vec<ShardId>) -> Vec<ShardId> {
+        let lost = self.faults.lost();
+        shards.into_iter().filter(|shard| !lost.contains(shard)).collect()
+    }
+}
+
+impl fmt::Debug for FaultyRunnerStorage {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("FaultyRunnerStorage").field("inner", &self.inner).finish_non_exhaustive()
+    }
+}
+
+impl RunnerStorage for FaultyRunnerStorage {
+    fn register<'a>(
+        &'a self,
+        runner: &'a Runner,
+        healthy: bool,
+    ) -> BoxFuture<'a, Result<MachineId, StorageError>> {
+        self.inner.register(runner, healthy)
+    }
+
+    fn unregister<'a>(
+        &'a self,
+        address: &'a RunnerAddress,
+    ) -> BoxFuture<'a, Result<(), StorageError>> {
+        self.inner.unregister(address)
+    }
+
+    fn get_runners(&self) -> BoxFuture<'_, Result<Vec<(Runner, bool)>, StorageError>> {
+        self.inner.get_runners()
+    }
+
+    fn set_runner_health<'a>(
+        &'a self,
+        address: &'a RunnerAddress,
+        healthy: bool,
+    ) -> BoxFuture<'a, Result<(), StorageError>> {
+        self.inner.set_runner_health(address, healthy)
+    }
+
+    fn acquire<'a>(
+        &'a self,
+        address: &'a RunnerAddress,
+        shard_ids: &'a [ShardId],
+    ) -> BoxFuture<'a, Result<Vec<ShardId>, StorageError>> {
+        Box::pin(async move {
+            let wanted = self.without_lost(shard_ids.to_vec());
+            let acquired = self.inner.acquire(address, &wanted).await?;
+            Ok(self.without_lost(acquired))
+        })
+    }
+
+    fn refresh<'a>(
+        &'a self,
+        address: &'a RunnerAddress,
+        shard_ids: &'a [ShardId],
+    ) -> BoxFuture<'a, Result<Vec<ShardId>, StorageError>> {
+        Box::pin(async move {
+            if self.faults.refresh_fails.load(Ordering::Acquire) {
+                return Err(injected("refresh"));
+            }
+            let refreshed = self.inner.refresh(address, shard_ids).await?;
+            Ok(self.without_lost(refreshed))
+        })
+    }
+
+    fn release<'a>(
+        &'a self,
+        address: &'a RunnerAddress,
+        shard_id: &'a ShardId,
+    ) -> BoxFuture<'a, Result<(), StorageError>> {
+        self.inner.release(address, shard_id)
+    }
+
+    fn release_all<'a>(
+        &'a self,
+        address: &'a RunnerAddress,
+    ) -> BoxFuture<'a, Result<(), StorageError>> {
+        self.inner.release_all(address)
     }
 }

@@ -24,6 +24,9 @@ pub(crate) struct Probes {
     pub(crate) hang_at: std::sync::atomic::AtomicU64,
     /// The ids of the `Hang` requests this entity ran.
     pub(crate) hung: Mutex<Vec<cluster_core::Snowflake>>,
+    /// `Gated` runs started, and the permits they wait for.
+    pub(crate) gated_runs: AtomicUsize,
+    pub(crate) gate: tokio::sync::Semaphore,
 }
 
 impl Default for Probes {
@@ -37,6 +40,8 @@ impl Default for Probes {
             deposits: AtomicUsize::new(0),
             hang_at: std::sync::atomic::AtomicU64::new(u64::MAX),
             hung: Mutex::default(),
+            gated_runs: AtomicUsize::new(0),
+            gate: tokio::sync::Semaphore::new(0),
         }
     }
 }
@@ -82,6 +87,7 @@ impl Entity for Counter {
             .handle::<Increment>()
             .handle::<Get>()
             .handle::<CallerId>()
+            .handle::<Gated>()
             .handle::<StoredCallerId>()
             .handle::<Sleep>()
             .handle::<Fail>()
@@ -283,6 +289,31 @@ impl Handler<Hang> for Counter {
         let _guard = OnDrop(Arc::clone(&self.probes));
         self.probes.probing.fetch_add(1, Ordering::SeqCst);
         std::future::pending().await
+    }
+}
+
+/// A persisted request (one per entity: its primary key is `gate`) that waits for a permit of
+/// its entity's gate, then answers with the number of runs so far.
+#[derive(Serialize, Deserialize)]
+pub(crate) struct Gated;
+
+impl Rpc for Gated {
+    const TAG: &'static str = "Gated";
+    const PERSISTED: bool = true;
+    type Success = usize;
+    type Error = Failure;
+
+    fn primary_key(&self) -> Option<String> {
+        Some("gate".to_owned())
+    }
+}
+
+impl Handler<Gated> for Counter {
+    async fn handle(&mut self, _: &RequestContext, _: Gated) -> Result<usize, Failure> {
+        let runs = self.probes.gated_runs.fetch_add(1, Ordering::SeqCst) + 1;
+        let permit = self.probes.gate.acquire().await;
+        permit.map_err(|_| Failure { reason: "gate closed".to_owned() })?.forget();
+        Ok(runs)
     }
 }
 

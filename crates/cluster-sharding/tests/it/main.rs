@@ -1,6 +1,7 @@
 //! Single-runner tests of the sharding runtime: typed volatile calls to local entities
 //! (the volatile cases of the reference's `Sharding.test.ts`, §12.1).
 
+mod cluster;
 mod concurrency;
 mod entities;
 mod gauges;

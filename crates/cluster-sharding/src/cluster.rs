@@ -1,0 +1,709 @@
+//! Several runners on one database (reference §3.3, §4.4, §8): membership, shard locks,
+//! ownership fencing and the shutdown handoff.
+//!
+//! Every runner (and client-only process) reads the runner registry every
+//! `refresh_assignments_interval` and computes the same shard assignment
+//! ([`cluster_core::membership`]). A runner takes the locks of the shards assigned to it, runs
+//! their entities and reads their messages only while it holds the lock
+//! ([`cluster_core::ownership`]), refreshes its locks every `shard_lock_interval`, and lets a
+//! shard go (entities drained, lock released) when the assignment moves it elsewhere. The
+//! state machines decide; this module does the I/O:
+//!
+//! - the **sync loop** registers the runner, fetches the registry, publishes assignments;
+//! - the **acquisition loop** releases the shards that moved away and locks the assigned ones;
+//! - the **refresh loop** confirms the locks (losing one starts its release) and, when lock
+//!   storage fails, interrupts every entity and drops every lock before taking any again;
+//! - **fencing**: the final reply of a persisted request is stored only after a lock refresh
+//!   confirms the shard, one shared in-flight refresh per shard;
+//! - **handoff**: at shutdown, once the entities drained, every shard is released through the
+//!   per-shard path (bounded by `shard_lock_interval`) so that other runners take them at once,
+//!   then `release_all` drops what is left.
+//!
+//! Persisted traffic needs nothing else: the request is stored and its shard's owner reads it.
+//! Volatile requests for another runner's shard need the runner-to-runner transport, which is
+//! not wired in yet: they fail with `EntityNotAssignedToRunner`.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
+use std::time::Duration;
+
+use cluster_core::future::BoxFuture;
+use cluster_core::membership::{Assignment, Membership, MembershipConfig};
+use cluster_core::ownership::{AcquisitionGates, ShardOwnership};
+use cluster_core::reply_handlers::UnregisterMode;
+use cluster_core::storage::{MessageStorage, RunnerStorage};
+use cluster_core::{Clock, Runner, RunnerAddress, ShardId, ShardingConfig};
+use futures_util::FutureExt;
+use futures_util::future::Shared;
+use tokio::sync::{Notify, watch};
+use tokio_util::sync::CancellationToken;
+
+use crate::metrics;
+use crate::sharding::Sharding;
+use crate::single_runner::StartError;
+
+/// How long a registry call may take (the reference's 5 s).
+const REGISTRY_TIMEOUT: Duration = Duration::from_secs(5);
+/// The pause after a failed sync iteration (the reference's 1 s).
+const SYNC_RETRY: Duration = Duration::from_secs(1);
+/// The acquisition loop retries partially acquired sets this often (the reference's 1 s).
+const ACQUISITION_PERIOD: Duration = Duration::from_secs(1);
+/// Lock refresh attempts within one refresh (the reference's 5 retries, 50 ms apart).
+const REFRESH_ATTEMPTS: u32 = 6;
+const REFRESH_SPACING: Duration = Duration::from_millis(50);
+/// The spacing of per-shard release retries (the reference's 50 ms).
+const RELEASE_RETRY: Duration = Duration::from_millis(50);
+/// A stuck release is reported at most this often.
+const RELEASE_WARNING_PERIOD: Duration = Duration::from_secs(30);
+
+/// The multi-runner side of a [`Sharding`] runtime.
+pub(crate) struct Cluster {
+    storage: Arc<dyn RunnerStorage>,
+    /// This runner; `None` in a client-only process.
+    runner: Option<Runner>,
+    state: Mutex<State>,
+    /// Wakes the acquisition loop.
+    acquisition: Notify,
+    /// Bumped on every lock change (a shard acquired, an assignment published, lock storage
+    /// unhealthy, shutdown): requests waiting for a shard's lock check again.
+    lock_events: watch::Sender<u64>,
+    /// The in-flight lock confirmation of each shard (fencing).
+    confirmations: Mutex<BTreeMap<ShardId, Shared<BoxFuture<'static, bool>>>>,
+    /// The shards whose per-shard release is running.
+    releases: Mutex<BTreeSet<ShardId>>,
+    /// Set when the shutdown handoff starts: every shard is released.
+    handoff: CancellationToken,
+    /// Woken when nothing is held any more during the handoff.
+    handed_off: Notify,
+    /// Stops the loops, after the handoff.
+    stopped: CancellationToken,
+    /// Held while registering, and while unregistering at shutdown, so that a registration in
+    /// flight cannot advertise a runner that is going away.
+    registration: tokio::sync::Mutex<()>,
+}
+
+/// What the loops share.
+struct State {
+    membership: Membership,
+    ownership: ShardOwnership,
+    assignment: Assignment,
+}
+
+impl std::fmt::Debug for Cluster {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Cluster").field("runner", &self.runner).finish_non_exhaustive()
+    }
+}
+
+fn lock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
+    // The critical sections only call the state machines, which check their invariants
+    // before returning: a panic there is a bug that leaves the previous state.
+    mutex.lock().unwrap_or_else(PoisonError::into_inner)
+}
+
+impl Cluster {
+    fn state(&self) -> MutexGuard<'_, State> {
+        lock(&self.state)
+    }
+
+    fn address(&self) -> Option<&RunnerAddress> {
+        self.runner.as_ref().map(|runner| &runner.address)
+    }
+
+    fn lock_changed(&self) {
+        self.lock_events.send_modify(|events| *events = events.wrapping_add(1));
+    }
+
+    /// Whether `shard` is active here: locked and running.
+    pub(crate) fn is_acquired(&self, shard: &ShardId) -> bool {
+        self.state().ownership.is_acquired(shard)
+    }
+
+    /// The shards whose messages this runner reads.
+    pub(crate) fn acquired(&self) -> Vec<ShardId> {
+        self.state().ownership.acquired().cloned().collect()
+    }
+
+    /// The runner started shutting down: requests waiting for a lock stop waiting.
+    pub(crate) fn shutting_down(&self) {
+        self.lock_changed();
+    }
+}
+
+impl Sharding {
+    /// A runner (or, with `runner_address` `None`, a client-only process) of a cluster whose
+    /// runners share `messages` and `runners`: shards are assigned by the hash ring over the
+    /// registry's healthy runners, locked in `runners` and handed over when runners join,
+    /// leave or crash (see the [module docs](crate::cluster)). Requests and replies of
+    /// persisted requests go through `messages`; volatile requests reach only entities of
+    /// this process for now.
+    pub async fn join(
+        config: ShardingConfig,
+        clock: Arc<dyn Clock>,
+        messages: Arc<dyn MessageStorage>,
+        runners: Arc<dyn RunnerStorage>,
+    ) -> Result<Sharding, StartError> {
+        config.validate()?;
+        let runner = config.runner_address.clone().map(|address| {
+            let groups = config.shard_groups().assigned.into_iter().collect();
+            Runner::new(address, groups, config.runner_shard_weight)
+        });
+        let membership = Membership::new(MembershipConfig {
+            shards_per_group: config.shards_per_group,
+            join_debounce: config.runner_join_debounce,
+        });
+        let cluster = Arc::new(Cluster {
+            storage: runners,
+            runner,
+            state: Mutex::new(State {
+                membership,
+                ownership: ShardOwnership::new(),
+                assignment: Assignment::default(),
+            }),
+            acquisition: Notify::new(),
+            lock_events: watch::Sender::new(0),
+            confirmations: Mutex::new(BTreeMap::new()),
+            releases: Mutex::new(BTreeSet::new()),
+            handoff: CancellationToken::new(),
+            handed_off: Notify::new(),
+            stopped: CancellationToken::new(),
+            registration: tokio::sync::Mutex::new(()),
+        });
+        let sharding = Sharding::with_cluster(config, clock, messages, Arc::clone(&cluster))?;
+        metrics::set(metrics::RUNNERS, usize::from(cluster.runner.is_some()));
+        metrics::set(metrics::SHARDS, 0);
+        sharding.spawn_cluster(sharding.clone().sync_loop(Arc::clone(&cluster)));
+        if cluster.runner.is_some() {
+            sharding.spawn_cluster(sharding.clone().acquisition_loop(Arc::clone(&cluster)));
+            sharding.spawn_cluster(sharding.clone().refresh_loop(Arc::clone(&cluster)));
+        }
+        Ok(sharding)
+    }
+
+    /// The shards this runner holds the lock of and runs (every shard of its groups for a
+    /// single runner; none for a client).
+    pub fn acquired_shards(&self) -> Vec<ShardId> {
+        match self.cluster() {
+            Some(cluster) => cluster.acquired(),
+            None if self.is_runner() && !self.is_shutdown() => {
+                let config = self.config();
+                crate::persisted::all_shards(
+                    &config.shard_groups().assigned,
+                    config.shards_per_group,
+                )
+            }
+            None => Vec::new(),
+        }
+    }
+
+    /// The registry sync loop (reference §3.3).
+    async fn sync_loop(self, cluster: Arc<Cluster>) {
+        let interval = self.config().refresh_assignments_interval;
+        loop {
+            let pause = match self.sync_once(&cluster).await {
+                Ok(true) => Duration::ZERO,
+                Ok(false) => interval,
+                Err(error) => {
+                    tracing::debug!(%error, "registry sync failed; retrying");
+                    SYNC_RETRY
+                }
+            };
+            tokio::select! {
+                () = tokio::time::sleep(pause) => {}
+                () = cluster.stopped.cancelled() => return,
+            }
+        }
+    }
+
+    /// One sync iteration; `Ok(true)` when the runner must register again at once.
+    async fn sync_once(&self, cluster: &Cluster) -> Result<bool, String> {
+        let live = cluster.runner.as_ref().filter(|_| !self.is_shutdown());
+        if let Some(runner) = live
+            && cluster.state().membership.needs_registration(runner)
+        {
+            let _registering = cluster.registration.lock().await;
+            if !self.is_shutdown() {
+                let machine_id =
+                    tokio::time::timeout(REGISTRY_TIMEOUT, cluster.storage.register(runner, true))
+                        .await
+                        .map_err(|_| "register timed out".to_owned())?
+                        .map_err(|error| error.to_string())?;
+                self.set_machine_id(machine_id);
+                tracing::debug!(runner = %runner.address, ?machine_id, "registered");
+            }
+        }
+        let runners = tokio::time::timeout(REGISTRY_TIMEOUT, cluster.storage.get_runners())
+            .await
+            .map_err(|_| "get_runners timed out".to_owned())?
+            .map_err(|error| error.to_string())?;
+        let live = cluster.runner.as_ref().filter(|_| !self.is_shutdown());
+        let now = self.clock().now();
+        let step = {
+            let mut state = cluster.state();
+            let step = state.membership.observe(now, &runners, live);
+            if let Some(assignment) = &step.assignment {
+                state.assignment = assignment.clone();
+                if let Some(address) = cluster.address() {
+                    let mine = assignment.shards_of(address);
+                    state.ownership.set_assignment(mine);
+                }
+            }
+            step
+        };
+        for address in &step.unavailable {
+            tracing::info!(runner = %address, "runner left or turned unhealthy");
+        }
+        if step.register_again {
+            return Ok(true);
+        }
+        if let Some(assignment) = &step.assignment {
+            tracing::info!(
+                runners = step.healthy_count,
+                shards = assignment.len(),
+                mine = cluster.address().map_or(0, |address| assignment.shards_of(address).len()),
+                "shard assignment published"
+            );
+            cluster.acquisition.notify_one();
+            cluster.lock_changed();
+        }
+        if step.reopen_acquisition {
+            cluster.acquisition.notify_one();
+        }
+        metrics::set(metrics::JOINS_PENDING, usize::from(step.joins_pending));
+        if let Some(runner) = live {
+            let healthy = cluster.state().membership.is_healthy(runner);
+            metrics::set(metrics::RUNNERS_HEALTHY, usize::from(healthy));
+            if step.healthy_count == 0 {
+                tracing::warn!(runner = %runner.address, "no healthy runner: marking this one healthy");
+                tokio::time::timeout(
+                    REGISTRY_TIMEOUT,
+                    cluster.storage.set_runner_health(&runner.address, true),
+                )
+                .await
+                .map_err(|_| "set_runner_health timed out".to_owned())?
+                .map_err(|error| error.to_string())?;
+            }
+        }
+        Ok(false)
+    }
+
+    /// The shard acquisition loop (reference §4.4).
+    async fn acquisition_loop(self, cluster: Arc<Cluster>) {
+        let Some(address) = cluster.address().cloned() else { return };
+        loop {
+            let period = ACQUISITION_PERIOD.min(self.config().entity_message_poll_interval);
+            tokio::select! {
+                () = cluster.acquisition.notified() => {}
+                () = tokio::time::sleep(period) => {}
+                () = cluster.handoff.cancelled(), if !cluster.handoff.is_cancelled() => {}
+                () = cluster.stopped.cancelled() => return,
+            }
+            self.acquisition_round(&cluster, &address).await;
+        }
+    }
+
+    async fn acquisition_round(&self, cluster: &Arc<Cluster>, address: &RunnerAddress) {
+        let handing_off = cluster.handoff.is_cancelled();
+        let (releasing, forced, to_acquire, joins_pending) = {
+            let mut state = cluster.state();
+            let moved = state.ownership.begin_round(handing_off);
+            if !moved.is_empty() {
+                tracing::info!(shards = moved.len(), "releasing shards that moved away");
+            }
+            let forced = state.ownership.start_forced_release();
+            let releasing: Vec<ShardId> = state
+                .ownership
+                .releasing()
+                .filter(|shard| !state.ownership.is_force_releasing(shard))
+                .cloned()
+                .collect();
+            let joins_pending = state.membership.has_pending_joins();
+            let gates = AcquisitionGates { shutting_down: self.is_shutdown(), joins_pending };
+            (releasing, forced, state.ownership.shards_to_acquire(gates), joins_pending)
+        };
+        self.update_shard_gauges(cluster);
+        if let Some(shards) = forced {
+            self.spawn_cluster(self.clone().forced_release(Arc::clone(cluster), shards));
+        }
+        for shard in releasing {
+            if lock(&cluster.releases).insert(shard.clone()) {
+                self.spawn_cluster(self.clone().release_shard(Arc::clone(cluster), shard));
+            }
+        }
+        if handing_off && cluster.state().ownership.is_handed_off() {
+            cluster.handed_off.notify_waiters();
+        }
+        if to_acquire.is_empty() {
+            return;
+        }
+        let interval = self.config().shard_lock_interval();
+        let acquired =
+            match tokio::time::timeout(interval, cluster.storage.acquire(address, &to_acquire))
+                .await
+            {
+                Ok(Ok(acquired)) => acquired,
+                Ok(Err(error)) => {
+                    tracing::warn!(%error, "could not acquire shard locks");
+                    return;
+                }
+                Err(_) => {
+                    tracing::warn!("acquiring shard locks timed out");
+                    cluster.acquisition.notify_one();
+                    return;
+                }
+            };
+        if acquired.is_empty() {
+            return;
+        }
+        // The previous owner's claims on these shards' messages are released.
+        if let Some(persisted) = self.persisted()
+            && let Ok(Err(error)) =
+                tokio::time::timeout(interval, persisted.storage.reset_shards(&acquired)).await
+        {
+            tracing::debug!(%error, "could not release the previous owner's claims");
+        }
+        let outcome = cluster.state().ownership.on_acquired(&acquired, joins_pending);
+        if !outcome.activated.is_empty() {
+            tracing::info!(shards = outcome.activated.len(), "shards acquired");
+            cluster.lock_changed();
+            self.poll_storage();
+        }
+        if !outcome.to_release.is_empty() {
+            cluster.acquisition.notify_one();
+        }
+        self.update_shard_gauges(cluster);
+    }
+
+    fn update_shard_gauges(&self, cluster: &Cluster) {
+        let state = cluster.state();
+        metrics::set(metrics::SHARDS, state.ownership.n_acquired());
+        metrics::set(metrics::SHARDS_RELEASING, state.ownership.n_releasing());
+        metrics::set(metrics::SHARD_LOCKS_HEALTHY, usize::from(state.ownership.locks_healthy()));
+    }
+
+    /// Releases one shard (reference §4.4 `releaseShard`): its entities stop, its lock is
+    /// released, and local callers waiting for its replies read them from storage (or, during
+    /// shutdown, are told their requests were abandoned here).
+    async fn release_shard(self, cluster: Arc<Cluster>, shard: ShardId) {
+        let Some(address) = cluster.address().cloned() else { return };
+        let termination_timeout = self.config().entity_termination_timeout;
+        let force = cluster.handoff.is_cancelled();
+        self.stop_shard_entities(&shard, force, termination_timeout).await;
+        let started = tokio::time::Instant::now();
+        let mut warned_at: Option<tokio::time::Instant> = None;
+        loop {
+            if cluster.state().ownership.is_force_releasing(&shard) {
+                // A forced release took over: it drops every lock at once.
+                break;
+            }
+            match cluster.storage.release(&address, &shard).await {
+                Ok(()) => {
+                    cluster.state().ownership.release_finished(&shard);
+                    break;
+                }
+                Err(error) => {
+                    if warned_at.is_none_or(|at| at.elapsed() >= RELEASE_WARNING_PERIOD) {
+                        tracing::warn!(%error, %shard, waited = ?started.elapsed(), "could not release a shard lock; retrying");
+                        warned_at = Some(tokio::time::Instant::now());
+                    }
+                    tokio::time::sleep(RELEASE_RETRY).await;
+                }
+            }
+        }
+        lock(&cluster.releases).remove(&shard);
+        self.unregister_shard_waiters(&shard);
+        tracing::debug!(%shard, took = ?started.elapsed(), "shard released");
+        self.update_shard_gauges(&cluster);
+        cluster.acquisition.notify_one();
+        if cluster.handoff.is_cancelled() && cluster.state().ownership.is_handed_off() {
+            cluster.handed_off.notify_waiters();
+        }
+    }
+
+    /// Lock storage failed: every shard is let go without waiting for entities, then every
+    /// lock is dropped with `release_all` (reference §4.4 "forced release").
+    async fn forced_release(self, cluster: Arc<Cluster>, shards: Vec<ShardId>) {
+        let Some(address) = cluster.address().cloned() else { return };
+        let termination_timeout = self.config().entity_termination_timeout;
+        futures_util::future::join_all(
+            shards.iter().map(|shard| self.stop_shard_entities(shard, true, termination_timeout)),
+        )
+        .await;
+        let expiration = self.config().shard_lock_expiration;
+        let started = tokio::time::Instant::now();
+        let mut warned_at: Option<tokio::time::Instant> = None;
+        loop {
+            let healthy = cluster.state().ownership.locks_healthy();
+            if healthy {
+                match cluster.storage.release_all(&address).await {
+                    Ok(()) => break,
+                    Err(error) => tracing::debug!(%error, "release_all failed; retrying"),
+                }
+            }
+            let overdue = started.elapsed() >= expiration;
+            if overdue
+                && warned_at.is_none_or(|at| at.elapsed() >= expiration.max(RELEASE_WARNING_PERIOD))
+            {
+                let blocking = self.entity_types_in(&shards);
+                tracing::warn!(waited = ?started.elapsed(), ?blocking, "forced release of the shard locks still pending");
+                warned_at = Some(tokio::time::Instant::now());
+            }
+            let mut events = cluster.lock_events.subscribe();
+            tokio::select! {
+                _ = events.changed() => {}
+                () = tokio::time::sleep(RELEASE_RETRY) => {}
+            }
+        }
+        cluster.state().ownership.finish_forced_release(&shards);
+        for shard in &shards {
+            self.unregister_shard_waiters(shard);
+        }
+        tracing::info!(shards = shards.len(), "forced release done");
+        self.update_shard_gauges(&cluster);
+        cluster.acquisition.notify_one();
+    }
+
+    /// The lock refresh loop (reference §4.4): confirms the held locks every
+    /// `shard_lock_interval`; probes lock storage while it is unhealthy.
+    async fn refresh_loop(self, cluster: Arc<Cluster>) {
+        let Some(address) = cluster.address().cloned() else { return };
+        let interval = self.config().shard_lock_interval();
+        let mut ticks = tokio::time::interval(interval);
+        ticks.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        loop {
+            tokio::select! {
+                _ = ticks.tick() => {}
+                () = cluster.stopped.cancelled() => return,
+            }
+            let healthy = cluster.state().ownership.locks_healthy();
+            if healthy {
+                let held = cluster.state().ownership.held();
+                match tokio::time::timeout(interval, refresh(&*cluster.storage, &address, &held))
+                    .await
+                {
+                    Ok(Ok(returned)) => {
+                        let releasing =
+                            cluster.state().ownership.release_lost_shards(&held, &returned);
+                        if returned.len() < held.len() {
+                            tracing::warn!(
+                                lost = held.len() - returned.len(),
+                                "shard locks lost; releasing them"
+                            );
+                        }
+                        if releasing {
+                            cluster.acquisition.notify_one();
+                        }
+                    }
+                    Ok(Err(error)) => self.locks_unhealthy(&cluster, &error.to_string()).await,
+                    Err(_) => self.locks_unhealthy(&cluster, "refresh timed out").await,
+                }
+            } else {
+                let probe = cluster.storage.refresh(&address, &[]);
+                if let Ok(Ok(_)) = tokio::time::timeout(interval, probe).await {
+                    let recovered = {
+                        let mut state = cluster.state();
+                        let mine = state.assignment.shards_of(&address);
+                        state.ownership.mark_healthy(mine)
+                    };
+                    if recovered {
+                        tracing::info!("shard lock storage is healthy again");
+                        cluster.lock_changed();
+                        cluster.acquisition.notify_one();
+                    }
+                }
+            }
+            self.update_shard_gauges(&cluster);
+        }
+    }
+
+    /// Lock storage failed: ownership is uncertain, so every entity of the held shards is
+    /// interrupted at once and the acquisition loop drops every lock before taking any again.
+    async fn locks_unhealthy(&self, cluster: &Arc<Cluster>, why: &str) {
+        let affected = cluster.state().ownership.mark_unhealthy();
+        let Some(affected) = affected else { return };
+        tracing::warn!(
+            why,
+            shards = affected.len(),
+            "shard lock storage is unhealthy: interrupting the shards' entities"
+        );
+        cluster.lock_changed();
+        cluster.acquisition.notify_one();
+        let termination_timeout = self.config().entity_termination_timeout;
+        for shard in affected {
+            let sharding = self.clone();
+            self.spawn_cluster(async move {
+                sharding.stop_shard_entities(&shard, true, termination_timeout).await;
+            });
+        }
+    }
+
+    /// Stops the entities of `shard` on every entity type.
+    async fn stop_shard_entities(&self, shard: &ShardId, force: bool, timeout: Duration) {
+        let managers = self.all_managers();
+        futures_util::future::join_all(
+            managers.iter().map(|manager| manager.stop_shard(shard, force, timeout)),
+        )
+        .await;
+    }
+
+    /// The entity types that still have instances in `shards` (named in stuck-release
+    /// warnings).
+    fn entity_types_in(&self, shards: &[ShardId]) -> Vec<String> {
+        self.all_managers_by_type()
+            .into_iter()
+            .filter(|(_, manager)| shards.iter().any(|shard| manager.has_instances_in(shard)))
+            .map(|(entity_type, _)| entity_type.to_string())
+            .collect()
+    }
+
+    /// Local callers waiting for replies of `shard`'s requests stop waiting here: on a
+    /// rebalance they read the reply from storage; during shutdown they are told their request
+    /// was abandoned to the next owner.
+    fn unregister_shard_waiters(&self, shard: &ShardId) {
+        if let Some(persisted) = self.persisted() {
+            let mode = UnregisterMode::from_interrupt(self.is_shutdown());
+            persisted.unregister_shard(shard, mode);
+        }
+    }
+
+    /// Whether this runner may store the final reply of a request of `shard` (reference §8.3,
+    /// seed 000): the shard must be acquired or releasing here, and a lock refresh must
+    /// confirm it. One refresh per shard is shared by every concurrent writer, and it outlives
+    /// a writer that is interrupted. A single runner (no cluster) holds every lock.
+    pub(crate) async fn confirm_shard_lock(&self, shard: &ShardId) -> bool {
+        let Some(cluster) = self.cluster() else { return true };
+        let Some(address) = cluster.address().cloned() else { return false };
+        if !cluster.state().ownership.is_owned_or_releasing(shard) {
+            return false;
+        }
+        let confirmation = {
+            let mut confirmations = lock(&cluster.confirmations);
+            confirmations
+                .entry(shard.clone())
+                .or_insert_with(|| {
+                    let cluster = Arc::clone(cluster);
+                    let shard = shard.clone();
+                    let interval = self.config().shard_lock_interval();
+                    let task = tokio::spawn(async move {
+                        let refresh =
+                            cluster.storage.refresh(&address, std::slice::from_ref(&shard));
+                        let confirmed = match tokio::time::timeout(interval, refresh).await {
+                            Ok(Ok(returned)) => {
+                                let refreshed = std::slice::from_ref(&shard);
+                                if cluster
+                                    .state()
+                                    .ownership
+                                    .release_lost_shards(refreshed, &returned)
+                                {
+                                    cluster.acquisition.notify_one();
+                                }
+                                returned.contains(&shard)
+                            }
+                            Ok(Err(error)) => {
+                                tracing::debug!(%error, %shard, "could not confirm a shard lock");
+                                false
+                            }
+                            Err(_) => false,
+                        };
+                        lock(&cluster.confirmations).remove(&shard);
+                        confirmed
+                    });
+                    let confirmed: BoxFuture<'static, bool> =
+                        Box::pin(task.map(|joined| joined.unwrap_or(false)));
+                    confirmed.shared()
+                })
+                .clone()
+        };
+        let confirmed = confirmation.await;
+        if !confirmed {
+            tracing::warn!(%shard, "shard lock not confirmed: the final reply is left for the next owner");
+        }
+        confirmed
+    }
+
+    /// Whether this runner serves requests of `shard` now: it holds the shard's lock (a single
+    /// runner holds every lock) and is not shutting down.
+    pub(crate) fn serves(&self, shard: &ShardId) -> bool {
+        if self.is_shutdown() || !self.is_runner() {
+            return false;
+        }
+        self.cluster().is_none_or(|cluster| cluster.is_acquired(shard))
+    }
+
+    /// Waits, at most `shard_lock_expiration`, while `shard` is assigned to this runner but
+    /// its lock is not taken yet (the previous owner is still draining; reference §8.4), then
+    /// tells whether this runner serves it.
+    pub(crate) async fn await_shard(&self, shard: &ShardId) -> bool {
+        let Some(cluster) = self.cluster() else { return self.serves(shard) };
+        let deadline = tokio::time::Instant::now() + self.config().shard_lock_expiration;
+        let mut events = cluster.lock_events.subscribe();
+        loop {
+            let awaiting = cluster.state().ownership.is_awaiting_lock(shard, self.is_shutdown());
+            if !awaiting {
+                return self.serves(shard);
+            }
+            tokio::select! {
+                changed = events.changed() => {
+                    if changed.is_err() {
+                        return self.serves(shard);
+                    }
+                }
+                () = tokio::time::sleep_until(deadline) => return self.serves(shard),
+            }
+        }
+    }
+
+    /// The shutdown handoff (reference §8.1, seed 002): once the entities drained, every shard
+    /// goes through the per-shard release, bounded by `shard_lock_interval`; then the loops
+    /// stop, `release_all` drops what is left and the runner leaves the registry.
+    pub(crate) async fn hand_off(&self) {
+        let Some(cluster) = self.cluster().cloned() else { return };
+        cluster.lock_changed();
+        if let Some(address) = cluster.address().cloned() {
+            let handed_off = cluster.handed_off.notified();
+            cluster.handoff.cancel();
+            cluster.acquisition.notify_one();
+            let bound = self.config().shard_lock_interval();
+            if !cluster.state().ownership.is_handed_off()
+                && tokio::time::timeout(bound, handed_off).await.is_err()
+            {
+                tracing::warn!(
+                    held = cluster.state().ownership.held().len(),
+                    "handoff incomplete; dropping the remaining locks"
+                );
+            }
+            {
+                let _registering = cluster.registration.lock().await;
+                if let Err(error) = cluster.storage.unregister(&address).await {
+                    tracing::warn!(%error, "could not unregister the runner");
+                }
+            }
+            cluster.stopped.cancel();
+            if let Err(error) = cluster.storage.release_all(&address).await {
+                tracing::warn!(%error, "could not release the shard locks; they expire");
+            }
+            tracing::info!(runner = %address, "shutdown complete");
+        }
+        cluster.stopped.cancel();
+        metrics::set(metrics::SHARDS, 0);
+    }
+}
+
+/// Refreshes `held`, retrying a few times (the reference's 5 retries 50 ms apart).
+async fn refresh(
+    storage: &dyn RunnerStorage,
+    address: &RunnerAddress,
+    held: &[ShardId],
+) -> Result<Vec<ShardId>, cluster_core::error::StorageError> {
+    let mut attempt = 1;
+    loop {
+        match storage.refresh(address, held).await {
+            Ok(returned) => return Ok(returned),
+            Err(error) if attempt >= REFRESH_ATTEMPTS => return Err(error),
+            Err(_) => {
+                attempt += 1;
+                tokio::time::sleep(REFRESH_SPACING).await;
+            }
+        }
+    }
+}

@@ -1,0 +1,238 @@
+//! Several runners on one storage (in one process): shard assignment, lock acquisition,
+//! rebalancing when a runner joins, the shutdown handoff, and ownership fencing.
+
+use std::sync::Arc;
+use std::sync::atomic::Ordering;
+use std::time::Duration;
+
+use cluster_core::envelope::{Reply, primary_key};
+use cluster_core::storage::{MessageStorage, RunnerStorage};
+use cluster_core::{RunnerAddress, ShardId, ShardingConfig, SystemClock};
+use cluster_sharding::{EntityClient, EntityOptions, Sharding};
+use cluster_testkit::faulty::FaultyRunnerStorage;
+use cluster_testkit::memory::{MemoryMessageStorage, MemoryRunnerDatabase, MemoryRunnerStorage};
+
+use crate::entities::{Counter, Deposit, Gated, Probes};
+
+/// How long a lock lives without a refresh: long, so that only the handoff and the release
+/// path can move shards in time.
+const EXPIRATION: Duration = Duration::from_secs(30);
+const SHARDS: u32 = 30;
+
+/// One database shared by the runners of a test.
+struct Net {
+    messages: Arc<MemoryMessageStorage>,
+    registry: Arc<MemoryRunnerDatabase>,
+}
+
+impl Net {
+    fn new() -> Net {
+        Net {
+            messages: Arc::new(MemoryMessageStorage::new(Arc::new(SystemClock))),
+            registry: MemoryRunnerDatabase::new(Arc::new(SystemClock)),
+        }
+    }
+
+    fn lock_storage(&self) -> Arc<dyn RunnerStorage> {
+        Arc::new(MemoryRunnerStorage::new(Arc::clone(&self.registry), EXPIRATION))
+    }
+
+    async fn runner(&self, port: u16) -> Sharding {
+        self.runner_on(port, self.lock_storage()).await
+    }
+
+    async fn runner_on(&self, port: u16, locks: Arc<dyn RunnerStorage>) -> Sharding {
+        let config = config(Some(RunnerAddress::new("127.0.0.1", port)));
+        let sharding =
+            Sharding::join(config, Arc::new(SystemClock), self.messages(), locks).await.unwrap();
+        sharding.register::<Counter>(EntityOptions::default()).unwrap();
+        sharding
+    }
+
+    async fn client(&self) -> Sharding {
+        Sharding::join(config(None), Arc::new(SystemClock), self.messages(), self.lock_storage())
+            .await
+            .unwrap()
+    }
+
+    fn messages(&self) -> Arc<dyn MessageStorage> {
+        Arc::clone(&self.messages) as _
+    }
+
+    /// The final replies stored for the request `tag` with primary key `key` of `client`'s
+    /// entity.
+    async fn final_replies(&self, client: &EntityClient<Counter>, tag: &str, key: &str) -> usize {
+        let key = primary_key(client.address(), tag, key);
+        let Some(request_id) = self.messages.request_id_for_primary_key(&key).await.unwrap() else {
+            return 0;
+        };
+        let replies = self.messages.replies_for_unfiltered(&[request_id]).await.unwrap();
+        replies.iter().filter(|reply| matches!(reply, Reply::WithExit(_))).count()
+    }
+}
+
+fn config(runner_address: Option<RunnerAddress>) -> ShardingConfig {
+    ShardingConfig {
+        runner_address,
+        shards_per_group: SHARDS,
+        refresh_assignments_interval: Duration::from_millis(50),
+        shard_lock_refresh_interval: Duration::from_millis(100),
+        shard_lock_expiration: EXPIRATION,
+        entity_message_poll_interval: Duration::from_millis(50),
+        entity_reply_poll_interval: Duration::from_millis(50),
+        entity_termination_timeout: Duration::from_secs(1),
+        ..ShardingConfig::default()
+    }
+}
+
+/// Waits for `condition`, failing after a deadline.
+async fn eventually(what: &str, mut condition: impl FnMut() -> bool) {
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(20);
+    while !condition() {
+        assert!(tokio::time::Instant::now() < deadline, "{what} did not happen");
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+}
+
+/// Whether the runners hold every shard between them, each at most once.
+fn split(runners: &[&Sharding]) -> bool {
+    let mut held: Vec<ShardId> =
+        runners.iter().flat_map(|runner| runner.acquired_shards()).collect();
+    let total = held.len();
+    held.sort();
+    held.dedup();
+    total == held.len() && held.len() == usize::try_from(SHARDS).unwrap()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn runners_split_the_shards_and_answer_every_persisted_request_once() {
+    let net = Net::new();
+    let a = net.runner(1001).await;
+    let b = net.runner(1002).await;
+    eventually("the shards are split", || {
+        split(&[&a, &b]) && !a.acquired_shards().is_empty() && !b.acquired_shards().is_empty()
+    })
+    .await;
+    let client = net.client().await;
+    assert!(client.acquired_shards().is_empty());
+    let mut calls = Vec::new();
+    for n in 0..40 {
+        let counter = client.client::<Counter>(format!("split-{n}"));
+        calls.push(tokio::spawn(async move {
+            let deposit = Deposit { key: "k".to_owned(), amount: n };
+            counter.send(deposit).await
+        }));
+    }
+    for (n, call) in calls.into_iter().enumerate() {
+        assert_eq!(call.await.unwrap().unwrap(), u64::try_from(n).unwrap());
+    }
+    for n in 0..40 {
+        let counter = client.client::<Counter>(format!("split-{n}"));
+        assert_eq!(net.final_replies(&counter, "Deposit", "k").await, 1);
+        assert_eq!(Probes::of(&format!("split-{n}")).deposits.load(Ordering::SeqCst), 1);
+    }
+    for sharding in [&client, &a, &b] {
+        sharding.shutdown().await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_shutdown_handoff_gives_every_shard_to_the_others_before_the_locks_expire() {
+    let net = Net::new();
+    let a = net.runner(2001).await;
+    let b = net.runner(2002).await;
+    eventually("the shards are split", || split(&[&a, &b]) && !a.acquired_shards().is_empty())
+        .await;
+    let started = tokio::time::Instant::now();
+    a.shutdown().await;
+    assert!(a.acquired_shards().is_empty());
+    eventually("the other runner holds every shard", || split(&[&b])).await;
+    let took = started.elapsed();
+    assert!(took < EXPIRATION / 3, "the handoff took {took:?}");
+    // And it serves them.
+    let client = net.client().await;
+    let counter = client.client::<Counter>("after-handoff");
+    assert_eq!(counter.send(Deposit { key: "k".to_owned(), amount: 7 }).await.unwrap(), 7);
+    client.shutdown().await;
+    b.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_joining_runner_takes_its_shards_while_requests_keep_being_answered_once() {
+    let net = Net::new();
+    let a = net.runner(3001).await;
+    eventually("the first runner holds every shard", || split(&[&a])).await;
+    let client = net.client().await;
+    let traffic = tokio::spawn({
+        let client = client.clone();
+        async move {
+            let mut answered = 0;
+            for n in 0..60u64 {
+                let counter = client.client::<Counter>(format!("join-{}", n % 20));
+                let deposit = Deposit { key: format!("k{n}"), amount: 1 };
+                counter.send(deposit).await.unwrap();
+                answered += 1;
+                tokio::time::sleep(Duration::from_millis(5)).await;
+            }
+            answered
+        }
+    });
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    let b = net.runner(3002).await;
+    eventually("the shards are split again", || {
+        split(&[&a, &b]) && !b.acquired_shards().is_empty()
+    })
+    .await;
+    assert_eq!(traffic.await.unwrap(), 60);
+    for n in 0..60u64 {
+        let counter = client.client::<Counter>(format!("join-{}", n % 20));
+        assert_eq!(
+            net.final_replies(&counter, "Deposit", &format!("k{n}")).await,
+            1,
+            "deposit k{n}"
+        );
+    }
+    for sharding in [&client, &a, &b] {
+        sharding.shutdown().await;
+    }
+}
+
+/// Seed 000 fencing: a runner that lost a shard's lock while a request ran stores no final
+/// reply for it; the request runs again once the runner holds the lock again, and is answered
+/// once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_runner_that_lost_the_lock_stores_no_final_reply() {
+    let net = Net::new();
+    let (locks, faults) = FaultyRunnerStorage::new(net.lock_storage());
+    let a = net.runner_on(4001, Arc::new(locks)).await;
+    eventually("the runner holds every shard", || split(&[&a])).await;
+    let client = a.client::<Counter>("fenced");
+    let shard = client.address().shard_id.clone();
+    let probes = Probes::of("fenced");
+    let call = tokio::spawn({
+        let client = client.clone();
+        async move { client.send(Gated).await }
+    });
+    eventually("the request runs", || probes.gated_runs.load(Ordering::SeqCst) == 1).await;
+    // Its lease expired and another runner took it: refreshes no longer return it.
+    faults.lose(shard.clone());
+    eventually("the shard is let go", || !a.acquired_shards().contains(&shard)).await;
+    // The handler finishes while its entity drains: its reply must not be stored.
+    probes.gate.add_permits(1);
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    assert_eq!(final_gated_replies(&net, &client).await, 0, "a fenced reply was stored");
+    assert!(!call.is_finished(), "the caller keeps waiting for the next owner's reply");
+    // The lock can be taken again: the request runs again and is answered once.
+    faults.restore();
+    eventually("the request runs again", || probes.gated_runs.load(Ordering::SeqCst) == 2).await;
+    probes.gate.add_permits(1);
+    let result = tokio::time::timeout(Duration::from_secs(20), call).await;
+    assert_eq!(result.expect("answered in time").unwrap().unwrap(), 2);
+    assert_eq!(final_gated_replies(&net, &client).await, 1);
+    a.shutdown().await;
+}
+
+/// The final replies stored for the `Gated` request of `client`'s entity.
+async fn final_gated_replies(net: &Net, client: &EntityClient<Counter>) -> usize {
+    net.final_replies(client, "Gated", "gate").await
+}
