@@ -7,8 +7,11 @@ use std::time::Duration;
 
 use cluster_core::envelope::{Reply, primary_key};
 use cluster_core::storage::{MessageStorage, RunnerStorage};
-use cluster_core::{RunnerAddress, ShardId, ShardingConfig, SystemClock};
+use cluster_core::{Clock, RunnerAddress, ShardId, ShardingConfig, SystemClock};
 use cluster_sharding::{EntityClient, EntityOptions, Sharding};
+use cluster_storage_sql::postgres::{PgMessageStorage, PgRunnerStorage};
+use cluster_storage_sql::sqlite::{SqliteMessageStorage, SqliteOptions, SqliteRunnerStorage};
+use cluster_storage_sql::{SqlStorageOptions, TablePrefix};
 use cluster_testkit::faulty::FaultyRunnerStorage;
 use cluster_testkit::memory::{MemoryMessageStorage, MemoryRunnerDatabase, MemoryRunnerStorage};
 
@@ -19,44 +22,106 @@ use crate::entities::{Counter, Deposit, Gated, Probes};
 const EXPIRATION: Duration = Duration::from_secs(30);
 const SHARDS: u32 = 30;
 
-/// One database shared by the runners of a test.
+/// Where the runners of a test keep their messages and locks.
+enum Backend {
+    /// One in-memory message storage and registry, shared.
+    Memory { messages: Arc<MemoryMessageStorage>, registry: Arc<MemoryRunnerDatabase> },
+    /// One SQLite file; every runner opens its own storages on it, as separate processes do.
+    Sqlite { path: std::path::PathBuf },
+    /// One PostgreSQL database, tables with the test's own prefix; every runner connects on
+    /// its own (its own advisory lock session).
+    Postgres { url: String, prefix: TablePrefix },
+}
+
+/// The storage shared by the runners of one test; its tables or file go away with it.
 struct Net {
-    messages: Arc<MemoryMessageStorage>,
-    registry: Arc<MemoryRunnerDatabase>,
+    backend: Backend,
+    /// The test's own handle, for checks.
+    messages: Arc<dyn MessageStorage>,
 }
 
 impl Net {
-    fn new() -> Net {
-        Net {
-            messages: Arc::new(MemoryMessageStorage::new(Arc::new(SystemClock))),
-            registry: MemoryRunnerDatabase::new(Arc::new(SystemClock)),
+    async fn memory() -> Option<Net> {
+        let messages = Arc::new(MemoryMessageStorage::new(Arc::new(SystemClock)));
+        let registry = MemoryRunnerDatabase::new(Arc::new(SystemClock));
+        let backend = Backend::Memory { messages: Arc::clone(&messages), registry };
+        Some(Net { backend, messages })
+    }
+
+    async fn sqlite() -> Option<Net> {
+        static COUNTER: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
+        let n = COUNTER.fetch_add(1, Ordering::SeqCst);
+        let name = format!("cluster-sharding-cluster-{}-{n}.db", std::process::id());
+        let path = std::env::temp_dir().join(name);
+        let backend = Backend::Sqlite { path: path.clone() };
+        let options = SqliteOptions::new(sql_options(TablePrefix::default()));
+        let messages = Arc::new(SqliteMessageStorage::open(&path, options).await.unwrap());
+        Some(Net { backend, messages })
+    }
+
+    async fn postgres() -> Option<Net> {
+        let url = match std::env::var("CLUSTER_TEST_POSTGRES_URL") {
+            Ok(url) if !url.is_empty() => url,
+            _ => {
+                assert!(
+                    std::env::var("CI").as_deref() != Ok("true"),
+                    "CLUSTER_TEST_POSTGRES_URL is not set and CI=true: these tests must run"
+                );
+                return None;
+            }
+        };
+        static COUNTER: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
+        let n = COUNTER.fetch_add(1, Ordering::SeqCst);
+        let nanos = SystemClock.now().unix_millis() % 100_000;
+        let prefix = TablePrefix::new(&format!("s{}_{n}_{nanos}", std::process::id())).unwrap();
+        let options = sql_options(prefix.clone());
+        let messages = Arc::new(PgMessageStorage::connect(&url, &options).await.unwrap());
+        Some(Net { backend: Backend::Postgres { url, prefix }, messages })
+    }
+
+    /// A runner's own handles on the shared storage.
+    async fn storages(&self) -> (Arc<dyn MessageStorage>, Arc<dyn RunnerStorage>) {
+        match &self.backend {
+            Backend::Memory { messages, registry } => (
+                Arc::clone(messages) as _,
+                Arc::new(MemoryRunnerStorage::new(Arc::clone(registry), EXPIRATION)),
+            ),
+            Backend::Sqlite { path } => {
+                let options = || SqliteOptions::new(sql_options(TablePrefix::default()));
+                let messages = SqliteMessageStorage::open(path, options()).await.unwrap();
+                let locks = SqliteRunnerStorage::open(path, options()).await.unwrap();
+                (Arc::new(messages), Arc::new(locks))
+            }
+            Backend::Postgres { url, prefix } => {
+                let options = sql_options(prefix.clone());
+                let messages = PgMessageStorage::connect(url, &options).await.unwrap();
+                let locks = PgRunnerStorage::connect(url, &options).await.unwrap();
+                (Arc::new(messages), Arc::new(locks))
+            }
         }
     }
 
-    fn lock_storage(&self) -> Arc<dyn RunnerStorage> {
-        Arc::new(MemoryRunnerStorage::new(Arc::clone(&self.registry), EXPIRATION))
-    }
-
     async fn runner(&self, port: u16) -> Sharding {
-        self.runner_on(port, self.lock_storage()).await
+        self.runner_with(port, |locks| locks).await
     }
 
-    async fn runner_on(&self, port: u16, locks: Arc<dyn RunnerStorage>) -> Sharding {
+    /// A runner whose lock storage goes through `wrap` (to inject faults).
+    async fn runner_with(
+        &self,
+        port: u16,
+        wrap: impl FnOnce(Arc<dyn RunnerStorage>) -> Arc<dyn RunnerStorage>,
+    ) -> Sharding {
+        let (messages, locks) = self.storages().await;
         let config = config(Some(RunnerAddress::new("127.0.0.1", port)));
         let sharding =
-            Sharding::join(config, Arc::new(SystemClock), self.messages(), locks).await.unwrap();
+            Sharding::join(config, Arc::new(SystemClock), messages, wrap(locks)).await.unwrap();
         sharding.register::<Counter>(EntityOptions::default()).unwrap();
         sharding
     }
 
     async fn client(&self) -> Sharding {
-        Sharding::join(config(None), Arc::new(SystemClock), self.messages(), self.lock_storage())
-            .await
-            .unwrap()
-    }
-
-    fn messages(&self) -> Arc<dyn MessageStorage> {
-        Arc::clone(&self.messages) as _
+        let (messages, locks) = self.storages().await;
+        Sharding::join(config(None), Arc::new(SystemClock), messages, locks).await.unwrap()
     }
 
     /// The final replies stored for the request `tag` with primary key `key` of `client`'s
@@ -70,6 +135,85 @@ impl Net {
         replies.iter().filter(|reply| matches!(reply, Reply::WithExit(_))).count()
     }
 }
+
+impl Drop for Net {
+    fn drop(&mut self) {
+        match &self.backend {
+            Backend::Memory { .. } => {}
+            Backend::Sqlite { path } => {
+                for suffix in ["", "-wal", "-shm"] {
+                    let _ = std::fs::remove_file(format!("{}{suffix}", path.display()));
+                }
+            }
+            Backend::Postgres { url, prefix } => {
+                let tables: Vec<String> =
+                    ["messages", "replies", "migrations", "runners", "locks", "runner_migrations"]
+                        .iter()
+                        .map(|table| format!("\"{}\"", prefix.table(table)))
+                        .collect();
+                let sql = format!("DROP TABLE IF EXISTS {}", tables.join(", "));
+                let url = url.clone();
+                // Also when the test panicked: on a thread of its own, with its own runtime.
+                let dropped = std::thread::spawn(move || {
+                    let runtime =
+                        tokio::runtime::Builder::new_current_thread().enable_all().build();
+                    runtime.map(|runtime| {
+                        runtime.block_on(async {
+                            let (client, connection) =
+                                tokio_postgres::connect(&url, tokio_postgres::NoTls).await?;
+                            let connection = tokio::spawn(connection);
+                            client.batch_execute(&sql).await?;
+                            connection.abort();
+                            Ok::<(), tokio_postgres::Error>(())
+                        })
+                    })
+                });
+                let _ = dropped.join();
+            }
+        }
+    }
+}
+
+fn sql_options(prefix: TablePrefix) -> SqlStorageOptions {
+    SqlStorageOptions::from_config(&config(None), prefix)
+}
+
+/// Runs each case on memory, SQLite and PostgreSQL storage.
+macro_rules! on_every_backend {
+    ($($case:ident),* $(,)?) => {
+        mod memory {
+            $(
+                #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+                async fn $case() {
+                    if let Some(net) = super::Net::memory().await { super::$case(net).await; }
+                }
+            )*
+        }
+        mod sqlite {
+            $(
+                #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+                async fn $case() {
+                    if let Some(net) = super::Net::sqlite().await { super::$case(net).await; }
+                }
+            )*
+        }
+        mod postgres {
+            $(
+                #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+                async fn $case() {
+                    if let Some(net) = super::Net::postgres().await { super::$case(net).await; }
+                }
+            )*
+        }
+    };
+}
+
+on_every_backend!(
+    runners_split_the_shards_and_answer_every_persisted_request_once,
+    the_shutdown_handoff_gives_every_shard_to_the_others_before_the_locks_expire,
+    a_joining_runner_takes_its_shards_while_requests_keep_being_answered_once,
+    a_runner_that_lost_the_lock_stores_no_final_reply,
+);
 
 fn config(runner_address: Option<RunnerAddress>) -> ShardingConfig {
     ShardingConfig {
@@ -104,9 +248,7 @@ fn split(runners: &[&Sharding]) -> bool {
     total == held.len() && held.len() == usize::try_from(SHARDS).unwrap()
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn runners_split_the_shards_and_answer_every_persisted_request_once() {
-    let net = Net::new();
+async fn runners_split_the_shards_and_answer_every_persisted_request_once(net: Net) {
     let a = net.runner(1001).await;
     let b = net.runner(1002).await;
     eventually("the shards are split", || {
@@ -136,9 +278,7 @@ async fn runners_split_the_shards_and_answer_every_persisted_request_once() {
     }
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn the_shutdown_handoff_gives_every_shard_to_the_others_before_the_locks_expire() {
-    let net = Net::new();
+async fn the_shutdown_handoff_gives_every_shard_to_the_others_before_the_locks_expire(net: Net) {
     let a = net.runner(2001).await;
     let b = net.runner(2002).await;
     eventually("the shards are split", || split(&[&a, &b]) && !a.acquired_shards().is_empty())
@@ -157,9 +297,7 @@ async fn the_shutdown_handoff_gives_every_shard_to_the_others_before_the_locks_e
     b.shutdown().await;
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_joining_runner_takes_its_shards_while_requests_keep_being_answered_once() {
-    let net = Net::new();
+async fn a_joining_runner_takes_its_shards_while_requests_keep_being_answered_once(net: Net) {
     let a = net.runner(3001).await;
     eventually("the first runner holds every shard", || split(&[&a])).await;
     let client = net.client().await;
@@ -200,11 +338,16 @@ async fn a_joining_runner_takes_its_shards_while_requests_keep_being_answered_on
 /// Seed 000 fencing: a runner that lost a shard's lock while a request ran stores no final
 /// reply for it; the request runs again once the runner holds the lock again, and is answered
 /// once.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_runner_that_lost_the_lock_stores_no_final_reply() {
-    let net = Net::new();
-    let (locks, faults) = FaultyRunnerStorage::new(net.lock_storage());
-    let a = net.runner_on(4001, Arc::new(locks)).await;
+async fn a_runner_that_lost_the_lock_stores_no_final_reply(net: Net) {
+    let mut faults = None;
+    let a = net
+        .runner_with(4001, |locks| {
+            let (locks, lock_faults) = FaultyRunnerStorage::new(locks);
+            faults = Some(lock_faults);
+            Arc::new(locks)
+        })
+        .await;
+    let faults = faults.unwrap();
     eventually("the runner holds every shard", || split(&[&a])).await;
     let client = a.client::<Counter>("fenced");
     let shard = client.address().shard_id.clone();
