@@ -250,6 +250,10 @@ pub struct LockFaults {
     lost: std::sync::Mutex<std::collections::BTreeSet<ShardId>>,
     /// Every refresh fails (lock storage unreachable).
     refresh_fails: std::sync::atomic::AtomicBool,
+    acquires: AtomicU32,
+    refreshes_with_shards: AtomicU32,
+    releases: std::sync::Mutex<Vec<ShardId>>,
+    releases_all: AtomicU32,
 }
 
 impl LockFaults {
@@ -271,6 +275,27 @@ impl LockFaults {
     /// Makes every refresh fail (`Unavailable`) or work again.
     pub fn fail_refresh(&self, failing: bool) {
         self.refresh_fails.store(failing, Ordering::Release);
+    }
+
+    /// How often `acquire` was called.
+    pub fn acquires(&self) -> u32 {
+        self.acquires.load(Ordering::Acquire)
+    }
+
+    /// How often `refresh` was called with shards (not a bare heartbeat), failed calls
+    /// included.
+    pub fn refreshes_with_shards(&self) -> u32 {
+        self.refreshes_with_shards.load(Ordering::Acquire)
+    }
+
+    /// The shards passed to `release`, in call order.
+    pub fn releases(&self) -> Vec<ShardId> {
+        self.releases.lock().unwrap_or_else(std::sync::PoisonError::into_inner).clone()
+    }
+
+    /// How often `release_all` was called.
+    pub fn releases_all(&self) -> u32 {
+        self.releases_all.load(Ordering::Acquire)
     }
 }
 
@@ -334,6 +359,7 @@ impl RunnerStorage for FaultyRunnerStorage {
         shard_ids: &'a [ShardId],
     ) -> BoxFuture<'a, Result<Vec<ShardId>, StorageError>> {
         Box::pin(async move {
+            self.faults.acquires.fetch_add(1, Ordering::AcqRel);
             let wanted = self.without_lost(shard_ids.to_vec());
             let acquired = self.inner.acquire(address, &wanted).await?;
             Ok(self.without_lost(acquired))
@@ -346,6 +372,9 @@ impl RunnerStorage for FaultyRunnerStorage {
         shard_ids: &'a [ShardId],
     ) -> BoxFuture<'a, Result<Vec<ShardId>, StorageError>> {
         Box::pin(async move {
+            if !shard_ids.is_empty() {
+                self.faults.refreshes_with_shards.fetch_add(1, Ordering::AcqRel);
+            }
             if self.faults.refresh_fails.load(Ordering::Acquire) {
                 return Err(injected("refresh"));
             }
@@ -359,6 +388,11 @@ impl RunnerStorage for FaultyRunnerStorage {
         address: &'a RunnerAddress,
         shard_id: &'a ShardId,
     ) -> BoxFuture<'a, Result<(), StorageError>> {
+        self.faults
+            .releases
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .push(shard_id.clone());
         self.inner.release(address, shard_id)
     }
 
@@ -366,6 +400,7 @@ impl RunnerStorage for FaultyRunnerStorage {
         &'a self,
         address: &'a RunnerAddress,
     ) -> BoxFuture<'a, Result<(), StorageError>> {
+        self.faults.releases_all.fetch_add(1, Ordering::AcqRel);
         self.inner.release_all(address)
     }
 }

@@ -8,14 +8,14 @@ use std::time::Duration;
 use cluster_core::envelope::{Reply, primary_key};
 use cluster_core::storage::{MessageStorage, RunnerStorage};
 use cluster_core::{Clock, RunnerAddress, ShardId, ShardingConfig, SystemClock};
-use cluster_sharding::{EntityClient, EntityOptions, Sharding};
+use cluster_sharding::{CallError, EntityClient, EntityOptions, Sharding};
 use cluster_storage_sql::postgres::{PgMessageStorage, PgRunnerStorage};
 use cluster_storage_sql::sqlite::{SqliteMessageStorage, SqliteOptions, SqliteRunnerStorage};
 use cluster_storage_sql::{SqlStorageOptions, TablePrefix};
-use cluster_testkit::faulty::FaultyRunnerStorage;
+use cluster_testkit::faulty::{FaultyRunnerStorage, LockFaults};
 use cluster_testkit::memory::{MemoryMessageStorage, MemoryRunnerDatabase, MemoryRunnerStorage};
 
-use crate::entities::{Counter, Deposit, Gated, Probes};
+use crate::entities::{Counter, Deposit, Gated, Increment, Probes};
 
 /// How long a lock lives without a refresh: long, so that only the handoff and the release
 /// path can move shards in time.
@@ -41,6 +41,17 @@ struct Net {
 }
 
 impl Net {
+    /// An entity id of this test's own: the probes of `Counter` are per entity id and
+    /// process-wide.
+    fn id(&self, name: &str) -> String {
+        let backend = match self.backend {
+            Backend::Memory { .. } => "memory",
+            Backend::Sqlite { .. } => "sqlite",
+            Backend::Postgres { .. } => "postgres",
+        };
+        format!("{backend}-{name}")
+    }
+
     async fn memory() -> Option<Net> {
         let messages = Arc::new(MemoryMessageStorage::new(Arc::new(SystemClock)));
         let registry = MemoryRunnerDatabase::new(Arc::new(SystemClock));
@@ -213,6 +224,10 @@ on_every_backend!(
     the_shutdown_handoff_gives_every_shard_to_the_others_before_the_locks_expire,
     a_joining_runner_takes_its_shards_while_requests_keep_being_answered_once,
     a_runner_that_lost_the_lock_stores_no_final_reply,
+    lock_storage_failure_interrupts_the_entities_and_the_shards_come_back_after_recovery,
+    a_burst_of_joins_moves_each_shard_once,
+    a_reassigned_shard_keeps_the_graceful_termination_timeout,
+    a_request_for_a_shard_still_draining_elsewhere_waits_for_its_lock,
 );
 
 fn config(runner_address: Option<RunnerAddress>) -> ShardingConfig {
@@ -259,7 +274,7 @@ async fn runners_split_the_shards_and_answer_every_persisted_request_once(net: N
     assert!(client.acquired_shards().is_empty());
     let mut calls = Vec::new();
     for n in 0..40 {
-        let counter = client.client::<Counter>(format!("split-{n}"));
+        let counter = client.client::<Counter>(net.id(&format!("split-{n}")));
         calls.push(tokio::spawn(async move {
             let deposit = Deposit { key: "k".to_owned(), amount: n };
             counter.send(deposit).await
@@ -269,9 +284,10 @@ async fn runners_split_the_shards_and_answer_every_persisted_request_once(net: N
         assert_eq!(call.await.unwrap().unwrap(), u64::try_from(n).unwrap());
     }
     for n in 0..40 {
-        let counter = client.client::<Counter>(format!("split-{n}"));
+        let id = net.id(&format!("split-{n}"));
+        let counter = client.client::<Counter>(id.as_str());
         assert_eq!(net.final_replies(&counter, "Deposit", "k").await, 1);
-        assert_eq!(Probes::of(&format!("split-{n}")).deposits.load(Ordering::SeqCst), 1);
+        assert_eq!(Probes::of(&id).deposits.load(Ordering::SeqCst), 1);
     }
     for sharding in [&client, &a, &b] {
         sharding.shutdown().await;
@@ -291,7 +307,7 @@ async fn the_shutdown_handoff_gives_every_shard_to_the_others_before_the_locks_e
     assert!(took < EXPIRATION / 3, "the handoff took {took:?}");
     // And it serves them.
     let client = net.client().await;
-    let counter = client.client::<Counter>("after-handoff");
+    let counter = client.client::<Counter>(net.id("after-handoff"));
     assert_eq!(counter.send(Deposit { key: "k".to_owned(), amount: 7 }).await.unwrap(), 7);
     client.shutdown().await;
     b.shutdown().await;
@@ -303,10 +319,11 @@ async fn a_joining_runner_takes_its_shards_while_requests_keep_being_answered_on
     let client = net.client().await;
     let traffic = tokio::spawn({
         let client = client.clone();
+        let id = net.id("join");
         async move {
             let mut answered = 0;
             for n in 0..60u64 {
-                let counter = client.client::<Counter>(format!("join-{}", n % 20));
+                let counter = client.client::<Counter>(format!("{id}-{}", n % 20));
                 let deposit = Deposit { key: format!("k{n}"), amount: 1 };
                 counter.send(deposit).await.unwrap();
                 answered += 1;
@@ -323,7 +340,7 @@ async fn a_joining_runner_takes_its_shards_while_requests_keep_being_answered_on
     .await;
     assert_eq!(traffic.await.unwrap(), 60);
     for n in 0..60u64 {
-        let counter = client.client::<Counter>(format!("join-{}", n % 20));
+        let counter = client.client::<Counter>(net.id(&format!("join-{}", n % 20)));
         assert_eq!(
             net.final_replies(&counter, "Deposit", &format!("k{n}")).await,
             1,
@@ -349,9 +366,10 @@ async fn a_runner_that_lost_the_lock_stores_no_final_reply(net: Net) {
         .await;
     let faults = faults.unwrap();
     eventually("the runner holds every shard", || split(&[&a])).await;
-    let client = a.client::<Counter>("fenced");
+    let id = net.id("fenced");
+    let client = a.client::<Counter>(id.as_str());
     let shard = client.address().shard_id.clone();
-    let probes = Probes::of("fenced");
+    let probes = Probes::of(&id);
     let call = tokio::spawn({
         let client = client.clone();
         async move { client.send(Gated).await }
@@ -378,4 +396,202 @@ async fn a_runner_that_lost_the_lock_stores_no_final_reply(net: Net) {
 /// The final replies stored for the `Gated` request of `client`'s entity.
 async fn final_gated_replies(net: &Net, client: &EntityClient<Counter>) -> usize {
     net.final_replies(client, "Gated", "gate").await
+}
+
+/// A runner whose lock storage can be made to fail, and those faults.
+async fn faulty_runner(net: &Net, port: u16) -> (Sharding, Arc<LockFaults>) {
+    let mut faults = None;
+    let runner = net
+        .runner_with(port, |locks| {
+            let (locks, lock_faults) = FaultyRunnerStorage::new(locks);
+            faults = Some(lock_faults);
+            Arc::new(locks)
+        })
+        .await;
+    (runner, faults.expect("the runner was built"))
+}
+
+/// §12.1 #42: lock storage stops answering. The runner drops its shards and interrupts their
+/// entities at once (it does not shut down), takes no shard while lock storage is unhealthy
+/// (only heartbeat probes), drops every lock once it answers again, and takes its shards back.
+async fn lock_storage_failure_interrupts_the_entities_and_the_shards_come_back_after_recovery(
+    net: Net,
+) {
+    let (a, faults) = faulty_runner(&net, 5001).await;
+    eventually("the runner holds every shard", || split(&[&a])).await;
+    let id = net.id("unhealthy");
+    let client = a.client::<Counter>(id.as_str());
+    let probes = Probes::of(&id);
+    let call = tokio::spawn({
+        let client = client.clone();
+        async move { client.send(crate::entities::Probe).await }
+    });
+    eventually("the request runs", || probes.probing.load(Ordering::SeqCst) == 1).await;
+    faults.fail_refresh(true);
+    eventually("the shards are dropped", || a.acquired_shards().is_empty()).await;
+    eventually("the entity is interrupted", || probes.interrupted.load(Ordering::SeqCst) == 1)
+        .await;
+    let interrupted = tokio::time::timeout(Duration::from_secs(20), call).await;
+    assert!(
+        matches!(interrupted.expect("the caller hears").unwrap(), Err(CallError::Interrupted)),
+        "the caller is told its request was interrupted"
+    );
+    assert!(!a.is_shutdown());
+    let acquires = faults.acquires();
+    let refreshes = faults.refreshes_with_shards();
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    assert_eq!(faults.acquires(), acquires, "no shard is taken while lock storage is unhealthy");
+    assert_eq!(faults.refreshes_with_shards(), refreshes, "only heartbeats while unhealthy");
+    assert_eq!(faults.releases_all(), 0, "locks are dropped once lock storage answers");
+    faults.fail_refresh(false);
+    eventually("the shards are taken back", || split(&[&a])).await;
+    assert_eq!(faults.releases_all(), 1, "every lock was dropped before any was taken again");
+    let deposit = Deposit { key: "after".to_owned(), amount: 3 };
+    assert_eq!(client.send(deposit).await.unwrap(), 3);
+    a.shutdown().await;
+}
+
+/// The join debounce (seed 000): runners that join within the debounce are published together,
+/// so every shard moves once, from the first runner to its final owner; nobody hands a shard
+/// on a second time.
+async fn a_burst_of_joins_moves_each_shard_once(net: Net) {
+    let debounce =
+        ShardingConfig { runner_join_debounce: Duration::from_millis(600), ..config(None) };
+    let joiner = |port| {
+        let net = &net;
+        let debounce = debounce.clone();
+        async move {
+            let mut faults = None;
+            let (messages, locks) = net.storages().await;
+            let (locks, lock_faults) = FaultyRunnerStorage::new(locks);
+            faults = faults.or(Some(lock_faults));
+            let config = ShardingConfig {
+                runner_address: Some(RunnerAddress::new("127.0.0.1", port)),
+                ..debounce
+            };
+            let runner = Sharding::join(config, Arc::new(SystemClock), messages, Arc::new(locks))
+                .await
+                .unwrap();
+            runner.register::<Counter>(EntityOptions::default()).unwrap();
+            (runner, faults.expect("built"))
+        }
+    };
+    let (a, a_faults) = joiner(6001).await;
+    eventually("the first runner holds every shard", || split(&[&a])).await;
+    // Joins further apart than a registry poll (so that each is seen on its own) but within
+    // the debounce's quiet period.
+    let (b, b_faults) = joiner(6002).await;
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    let (c, c_faults) = joiner(6003).await;
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    let (d, d_faults) = joiner(6004).await;
+    eventually("the four runners share the shards", || {
+        split(&[&a, &b, &c, &d])
+            && [&b, &c, &d].iter().all(|runner| !runner.acquired_shards().is_empty())
+    })
+    .await;
+    let moved = a_faults.releases();
+    let mut once = moved.clone();
+    once.sort();
+    once.dedup();
+    assert_eq!(once.len(), moved.len(), "the first runner released a shard twice: {moved:?}");
+    for faults in [&b_faults, &c_faults, &d_faults] {
+        assert_eq!(faults.releases(), Vec::<ShardId>::new(), "a joiner handed a shard on");
+    }
+    for runner in [&a, &b, &c, &d] {
+        runner.shutdown().await;
+    }
+}
+
+/// §12.1 #43: a shard reassigned by the registry is let go gracefully. Its entities leave the
+/// runner at once but their running requests get `entity_termination_timeout` before they are
+/// interrupted; the lock is released once, after that.
+async fn a_reassigned_shard_keeps_the_graceful_termination_timeout(net: Net) {
+    let (a, faults) = faulty_runner(&net, 7001).await;
+    eventually("the runner holds every shard", || split(&[&a])).await;
+    let mut running = Vec::new();
+    for n in 0..10 {
+        let id = net.id(&format!("graceful-{n}"));
+        let client = a.client::<Counter>(id.as_str());
+        running.push((id, tokio::spawn(async move { client.send(crate::entities::Probe).await })));
+    }
+    for (id, _) in &running {
+        eventually("the request runs", || Probes::of(id).probing.load(Ordering::SeqCst) == 1).await;
+    }
+    assert_eq!(a.active_entity_count(), 10);
+    let b = net.runner(7002).await;
+    let held = |id: &str| a.acquired_shards().contains(&a.client::<Counter>(id).address().shard_id);
+    eventually("some of the entities' shards are let go", || {
+        running.iter().any(|(id, _)| !held(id))
+    })
+    .await;
+    let moved: Vec<String> =
+        running.iter().map(|(id, _)| id.clone()).filter(|id| !held(id)).collect();
+    // Right away: out of the runner's count, still running.
+    assert!(a.active_entity_count() <= 10 - moved.len());
+    for id in &moved {
+        assert_eq!(
+            Probes::of(id).interrupted.load(Ordering::SeqCst),
+            0,
+            "{id} was cut off at once"
+        );
+    }
+    // After the termination timeout (1 s): interrupted, and each shard released once.
+    for id in &moved {
+        eventually("the moved entity is interrupted", || {
+            Probes::of(id).interrupted.load(Ordering::SeqCst) == 1
+        })
+        .await;
+    }
+    eventually("the others take the moved shards", || split(&[&a, &b])).await;
+    let released = faults.releases();
+    for id in &moved {
+        let shard = a.client::<Counter>(id.as_str()).address().shard_id.clone();
+        assert_eq!(released.iter().filter(|released| **released == shard).count(), 1);
+    }
+    for (id, call) in running {
+        if !moved.contains(&id) {
+            assert_eq!(Probes::of(&id).interrupted.load(Ordering::SeqCst), 0, "{id} stayed");
+        }
+        call.abort();
+    }
+    a.shutdown().await;
+    b.shutdown().await;
+}
+
+/// Seed 002 `awaitShardLock`: a request for a shard that the assignment gives to this runner
+/// while its previous owner still drains waits for the lock instead of failing.
+async fn a_request_for_a_shard_still_draining_elsewhere_waits_for_its_lock(net: Net) {
+    let a = net.runner(8001).await;
+    eventually("the first runner holds every shard", || split(&[&a])).await;
+    // Busy entities on every shard, so that whatever moves drains for the termination timeout.
+    let mut busy = Vec::new();
+    for n in 0..60 {
+        let client = a.client::<Counter>(net.id(&format!("await-busy-{n}")).as_str());
+        busy.push(tokio::spawn(async move { client.send(crate::entities::Probe).await }));
+    }
+    let b = net.runner(8002).await;
+    // A shard the first runner let go (it drains) and the new one has not locked yet.
+    let waiting = loop {
+        let candidate = (0..200).map(|n| net.id(&format!("await-{n}"))).find(|id| {
+            let shard = b.client::<Counter>(id.as_str()).address().shard_id.clone();
+            !a.acquired_shards().contains(&shard) && !b.acquired_shards().contains(&shard)
+        });
+        if let Some(id) = candidate {
+            break id;
+        }
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    };
+    let shard = b.client::<Counter>(waiting.as_str()).address().shard_id.clone();
+    // Sent to the runner it now belongs to: it waits for the lock, then runs.
+    let client = b.client::<Counter>(waiting.as_str());
+    let sent = client.send(Increment { by: 4 });
+    let answered = tokio::time::timeout(Duration::from_secs(20), sent).await;
+    assert_eq!(answered.expect("answered in time").unwrap(), 4);
+    assert!(b.acquired_shards().contains(&shard));
+    for call in busy {
+        call.abort();
+    }
+    a.shutdown().await;
+    b.shutdown().await;
 }
