@@ -367,6 +367,7 @@ impl Sharding {
             tracing::info!(shards = outcome.activated.len(), "shards acquired");
             cluster.lock_changed();
             self.poll_storage();
+            self.sync_singletons();
         }
         if !outcome.to_release.is_empty() {
             cluster.acquisition.notify_one();
@@ -388,7 +389,13 @@ impl Sharding {
         let Some(address) = cluster.address().cloned() else { return };
         let termination_timeout = self.config().entity_termination_timeout;
         let force = cluster.handoff.is_cancelled();
-        self.stop_shard_entities(&shard, force, termination_timeout).await;
+        // The shard's singletons stop too; the lock waits for both.
+        self.sync_singletons();
+        futures_util::future::join(
+            self.stop_shard_entities(&shard, force, termination_timeout),
+            self.stop_singletons_in(Some(&shard)),
+        )
+        .await;
         let started = tokio::time::Instant::now();
         let mut warned_at: Option<tokio::time::Instant> = None;
         loop {
@@ -425,9 +432,15 @@ impl Sharding {
     async fn forced_release(self, cluster: Arc<Cluster>, shards: Vec<ShardId>) {
         let Some(address) = cluster.address().cloned() else { return };
         let termination_timeout = self.config().entity_termination_timeout;
-        futures_util::future::join_all(
-            shards.iter().map(|shard| self.stop_shard_entities(shard, true, termination_timeout)),
-        )
+        self.sync_singletons();
+        let sharding = &self;
+        futures_util::future::join_all(shards.iter().map(|shard| async move {
+            futures_util::future::join(
+                sharding.stop_shard_entities(shard, true, termination_timeout),
+                sharding.stop_singletons_in(Some(shard)),
+            )
+            .await;
+        }))
         .await;
         let expiration = self.config().shard_lock_expiration;
         let started = tokio::time::Instant::now();
@@ -527,6 +540,7 @@ impl Sharding {
             "shard lock storage is unhealthy: interrupting the shards' entities"
         );
         cluster.lock_changed();
+        self.sync_singletons();
         cluster.acquisition.notify_one();
         let termination_timeout = self.config().entity_termination_timeout;
         for shard in affected {

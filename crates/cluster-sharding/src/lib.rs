@@ -34,6 +34,7 @@ mod persisted;
 mod rpc;
 mod sharding;
 mod single_runner;
+mod singleton;
 
 pub use client::{ChunkStream, EntityClient};
 pub use entity::{
@@ -45,3 +46,4 @@ pub use sharding::{RegisterError, RegistrationEvent, Sharding};
 #[cfg(feature = "sqlite")]
 pub use single_runner::SingleRunner;
 pub use single_runner::StartError;
+pub use singleton::{SingletonContext, SingletonOptions};

@@ -10,6 +10,7 @@
 //! | `cluster_persisted_in_flight` | gauge | | persisted requests delivered to entities and not yet answered |
 //! | `cluster_shards_releasing` | gauge | | shards whose entities are stopping before their lock is released |
 //! | `cluster_shard_locks_healthy` | gauge | | 1 while lock storage answers (0: every shard is being let go) |
+//! | `cluster_singletons` | gauge | | singletons running (or stopping) on this runner |
 //! | `cluster_join_debounce_pending` | gauge | | 1 while runner joins are held back by the join debounce |
 
 /// Resident entity instances, by `type`.
@@ -23,6 +24,8 @@ pub const RUNNERS_HEALTHY: &str = "cluster_runners_healthy";
 /// Persisted requests delivered and not yet answered.
 pub const PERSISTED_IN_FLIGHT: &str = "cluster_persisted_in_flight";
 
+/// Singletons running here.
+pub const SINGLETONS: &str = "cluster_singletons";
 /// Shards being released.
 pub const SHARDS_RELEASING: &str = "cluster_shards_releasing";
 /// Whether lock storage is healthy.

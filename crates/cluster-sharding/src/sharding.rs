@@ -33,6 +33,7 @@ use crate::manager::{
 use crate::metrics;
 use crate::persisted::{Persisted, all_shards};
 use crate::single_runner::HeldLocks;
+use crate::singleton::Singletons;
 
 /// Why an entity type could not be registered.
 #[derive(Debug, thiserror::Error)]
@@ -44,6 +45,9 @@ pub enum RegisterError {
     /// The runner is shutting down.
     #[error("the runner is shutting down")]
     ShuttingDown,
+    /// A singleton of that name is registered already.
+    #[error("singleton '{0}' is already registered")]
+    SingletonAlreadyRegistered(String),
 }
 
 /// What [`Sharding::registration_events`] reports.
@@ -52,6 +56,8 @@ pub enum RegisterError {
 pub enum RegistrationEvent {
     /// An entity type was registered on this runner.
     EntityRegistered(EntityType),
+    /// A singleton was registered on this runner.
+    SingletonRegistered(String),
 }
 
 /// The buffer of a stream's reply and acknowledgement channels.
@@ -84,6 +90,7 @@ struct Inner {
     locks: Mutex<Option<Arc<HeldLocks>>>,
     /// Membership, shard locks and handoff, when several runners share the storage.
     cluster: Option<Arc<Cluster>>,
+    singletons: Singletons,
 }
 
 /// A handle on the runtime that does not keep it alive (what its managers hold).
@@ -221,6 +228,7 @@ impl Sharding {
                 tasks: TaskTracker::new(),
                 locks: Mutex::new(None),
                 cluster,
+                singletons: Singletons::default(),
             }),
         })
     }
@@ -307,11 +315,12 @@ impl Sharding {
         }
         let termination_timeout = self.inner.config.entity_termination_timeout;
         let managers = self.managers();
-        // The types drain side by side: the whole shutdown takes one termination timeout.
-        futures_util::future::join_all(
+        // The types and the singletons drain side by side: the whole shutdown takes one
+        // termination timeout.
+        let entities = futures_util::future::join_all(
             managers.iter().map(|manager| manager.shutdown(termination_timeout)),
-        )
-        .await;
+        );
+        futures_util::future::join(entities, self.stop_singletons_in(None)).await;
         // The entities have stopped: the shards go to other runners at once.
         self.hand_off().await;
         self.inner.tasks.close();
@@ -366,6 +375,16 @@ impl Sharding {
         if let Some(persisted) = &self.inner.persisted {
             persisted.poll_storage();
         }
+    }
+
+    /// The registered singletons.
+    pub(crate) fn singletons(&self) -> &Singletons {
+        &self.inner.singletons
+    }
+
+    /// Publishes a registration event (nobody may be subscribed: that is not an error).
+    pub(crate) fn publish(&self, event: RegistrationEvent) {
+        let _ = self.inner.events.send(event);
     }
 
     /// The cluster side, when several runners share the storage.

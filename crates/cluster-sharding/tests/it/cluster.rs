@@ -16,6 +16,7 @@ use cluster_testkit::faulty::{FaultyRunnerStorage, LockFaults};
 use cluster_testkit::memory::{MemoryMessageStorage, MemoryRunnerDatabase, MemoryRunnerStorage};
 
 use crate::entities::{Counter, Deposit, Gated, Increment, Probes};
+use crate::singletons::{self, Tally};
 
 /// How long a lock lives without a refresh: long, so that only the handoff and the release
 /// path can move shards in time.
@@ -228,6 +229,7 @@ on_every_backend!(
     a_burst_of_joins_moves_each_shard_once,
     a_reassigned_shard_keeps_the_graceful_termination_timeout,
     a_request_for_a_shard_still_draining_elsewhere_waits_for_its_lock,
+    singletons_run_once_cluster_wide_across_rebalances,
 );
 
 fn config(runner_address: Option<RunnerAddress>) -> ShardingConfig {
@@ -235,7 +237,9 @@ fn config(runner_address: Option<RunnerAddress>) -> ShardingConfig {
         runner_address,
         shards_per_group: SHARDS,
         refresh_assignments_interval: Duration::from_millis(50),
-        shard_lock_refresh_interval: Duration::from_millis(100),
+        // Short enough for quick tests, long enough that a refresh under load does not time
+        // out (a timed-out refresh marks lock storage unhealthy and interrupts everything).
+        shard_lock_refresh_interval: Duration::from_millis(250),
         shard_lock_expiration: EXPIRATION,
         entity_message_poll_interval: Duration::from_millis(50),
         entity_reply_poll_interval: Duration::from_millis(50),
@@ -525,27 +529,28 @@ async fn a_reassigned_shard_keeps_the_graceful_termination_timeout(net: Net) {
         running.iter().any(|(id, _)| !held(id))
     })
     .await;
-    let moved: Vec<String> =
+    let first: Vec<String> =
         running.iter().map(|(id, _)| id.clone()).filter(|id| !held(id)).collect();
-    // Right away: out of the runner's count, still running.
-    assert!(a.active_entity_count() <= 10 - moved.len());
-    for id in &moved {
-        assert_eq!(
-            Probes::of(id).interrupted.load(Ordering::SeqCst),
-            0,
-            "{id} was cut off at once"
-        );
+    // At once (well within the termination timeout): out of the runner's count, still running.
+    eventually("the moved entities leave the count", || {
+        a.active_entity_count() <= 10 - first.len()
+    })
+    .await;
+    for id in &first {
+        let interrupted = Probes::of(id).interrupted.load(Ordering::SeqCst);
+        assert_eq!(interrupted, 0, "{id} was cut off at once");
     }
     // After the termination timeout (1 s): interrupted, and each shard released once.
+    eventually("the others take the moved shards", || split(&[&a, &b])).await;
+    let moved: Vec<String> =
+        running.iter().map(|(id, _)| id.clone()).filter(|id| !held(id)).collect();
+    assert!(first.iter().all(|id| moved.contains(id)));
+    let released = faults.releases();
     for id in &moved {
         eventually("the moved entity is interrupted", || {
             Probes::of(id).interrupted.load(Ordering::SeqCst) == 1
         })
         .await;
-    }
-    eventually("the others take the moved shards", || split(&[&a, &b])).await;
-    let released = faults.releases();
-    for id in &moved {
         let shard = a.client::<Counter>(id.as_str()).address().shard_id.clone();
         assert_eq!(released.iter().filter(|released| **released == shard).count(), 1);
     }
@@ -594,4 +599,36 @@ async fn a_request_for_a_shard_still_draining_elsewhere_waits_for_its_lock(net: 
     }
     a.shutdown().await;
     b.shutdown().await;
+}
+
+/// Singletons run exactly once cluster-wide: on the runner that holds their shard, moving with
+/// it when a runner joins or leaves, never two at once (the shard's lock is released only after
+/// its singleton stopped).
+async fn singletons_run_once_cluster_wide_across_rebalances(net: Net) {
+    let names: Vec<String> = (0..12).map(|n| net.id(&format!("singleton-{n}"))).collect();
+    let tallies: Vec<_> = names.iter().map(|name| Tally::of(name)).collect();
+    let each_runs_once = || tallies.iter().all(|tally| tally.running.load(Ordering::SeqCst) == 1);
+    let a = net.runner(9001).await;
+    for name in &names {
+        singletons::register(&a, name).unwrap();
+    }
+    eventually("every singleton runs", each_runs_once).await;
+    let b = net.runner(9002).await;
+    for name in &names {
+        singletons::register(&b, name).unwrap();
+    }
+    eventually("the shards are split", || {
+        split(&[&a, &b]) && !b.acquired_shards().is_empty() && each_runs_once()
+    })
+    .await;
+    let moved = tallies.iter().filter(|tally| tally.starts.load(Ordering::SeqCst) > 1).count();
+    assert!(moved > 0, "some singletons moved to the new runner");
+    a.shutdown().await;
+    eventually("every singleton runs on the remaining runner", || split(&[&b]) && each_runs_once())
+        .await;
+    b.shutdown().await;
+    for (name, tally) in names.iter().zip(&tallies) {
+        assert_eq!(tally.running.load(Ordering::SeqCst), 0, "{name} still runs");
+        assert_eq!(tally.max_running.load(Ordering::SeqCst), 1, "{name} ran twice at once");
+    }
 }

@@ -7,6 +7,7 @@ mod entities;
 mod gauges;
 mod persisted;
 mod shutdown;
+mod singletons;
 
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
