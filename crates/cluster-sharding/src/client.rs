@@ -196,7 +196,7 @@ impl<E: Entity> EntityClient<E> {
             }
             self.sharding.send_persisted(request, options, uninterruptible).await?
         } else {
-            self.sharding.send_local(request, uninterruptible).await?
+            self.sharding.send_volatile(request, uninterruptible).await?
         };
         decode_exit::<R>(exit)
     }
@@ -215,7 +215,7 @@ impl<E: Entity> EntityClient<E> {
             }
             return Ok(self.sharding.notify_persisted(request, options).await?);
         }
-        match self.sharding.notify_local(request).await {
+        match self.sharding.notify_volatile(request).await {
             // The abandon path of the reference (§1.4): a volatile discard sent while this
             // runner stops (from an entity's `on_stop`) is dropped, not failed.
             Err(ClusterError::EntityNotAssignedToRunner { address })
@@ -263,7 +263,7 @@ impl<E: Entity> EntityClient<E> {
             let replies = std::mem::replace(&mut stream.replies, mpsc::channel(1).1);
             (replies, Acks::Stored(stream))
         } else {
-            let (replies, acks, cancellation) = self.sharding.stream_local(request).await?;
+            let (replies, acks, cancellation) = self.sharding.stream_volatile(request).await?;
             (replies, Acks::Local { acks, interrupt: Some(cancellation.drop_guard()) })
         };
         Ok(ChunkStream {

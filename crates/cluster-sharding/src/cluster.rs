@@ -31,6 +31,7 @@ use cluster_core::future::BoxFuture;
 use cluster_core::membership::{Assignment, Membership, MembershipConfig};
 use cluster_core::ownership::{AcquisitionGates, ShardOwnership};
 use cluster_core::reply_handlers::UnregisterMode;
+use cluster_core::runners::Runners;
 use cluster_core::storage::{MessageStorage, RunnerStorage};
 use cluster_core::{Clock, Runner, RunnerAddress, ShardId, ShardingConfig};
 use futures_util::FutureExt;
@@ -114,6 +115,11 @@ impl Cluster {
         self.lock_events.send_modify(|events| *events = events.wrapping_add(1));
     }
 
+    /// The owner of `shard` in the current assignment.
+    pub(crate) fn owner(&self, shard: &ShardId) -> Option<RunnerAddress> {
+        self.state().assignment.owner(shard).cloned()
+    }
+
     /// Whether `shard` is active here: locked and running.
     pub(crate) fn is_acquired(&self, shard: &ShardId) -> bool {
         self.state().ownership.is_acquired(shard)
@@ -143,6 +149,19 @@ impl Sharding {
         messages: Arc<dyn MessageStorage>,
         runners: Arc<dyn RunnerStorage>,
     ) -> Result<Sharding, StartError> {
+        Sharding::join_with_transport(config, clock, messages, runners, None).await
+    }
+
+    /// As [`Sharding::join`], with a runner-to-runner `transport` for volatile requests to
+    /// entities of other runners. The transport delivers the other runners' requests to this
+    /// one through [`Sharding::runner_handler`].
+    pub async fn join_with_transport(
+        config: ShardingConfig,
+        clock: Arc<dyn Clock>,
+        messages: Arc<dyn MessageStorage>,
+        runners: Arc<dyn RunnerStorage>,
+        transport: Option<Arc<dyn Runners>>,
+    ) -> Result<Sharding, StartError> {
         config.validate()?;
         let runner = config.runner_address.clone().map(|address| {
             let groups = config.shard_groups().assigned.into_iter().collect();
@@ -169,7 +188,8 @@ impl Sharding {
             stopped: CancellationToken::new(),
             registration: tokio::sync::Mutex::new(()),
         });
-        let sharding = Sharding::with_cluster(config, clock, messages, Arc::clone(&cluster))?;
+        let sharding =
+            Sharding::with_cluster(config, clock, messages, Arc::clone(&cluster), transport)?;
         metrics::set(metrics::RUNNERS, usize::from(cluster.runner.is_some()));
         metrics::set(metrics::SHARDS, 0);
         sharding.spawn_cluster(sharding.clone().sync_loop(Arc::clone(&cluster)));

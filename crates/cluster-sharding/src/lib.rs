@@ -31,6 +31,7 @@ mod keep_alive;
 mod manager;
 pub mod metrics;
 mod persisted;
+mod remote;
 mod rpc;
 mod sharding;
 mod single_runner;

@@ -12,6 +12,7 @@ use std::sync::{Arc, Mutex, PoisonError, RwLock};
 use cluster_core::config::{Capacity, ShardingConfig};
 use cluster_core::envelope::{Exit, RawJson, Reply, Request, TraceContext, WithExit};
 use cluster_core::error::ConfigError;
+use cluster_core::runners::Runners;
 use cluster_core::snowflake::SnowflakeGenerator;
 use cluster_core::storage::{MessageStorage, SaveRequestOptions};
 use cluster_core::{
@@ -32,6 +33,7 @@ use crate::manager::{
 };
 use crate::metrics;
 use crate::persisted::{Persisted, all_shards};
+use crate::remote::RemoteCalls;
 use crate::single_runner::HeldLocks;
 use crate::singleton::Singletons;
 
@@ -61,7 +63,7 @@ pub enum RegistrationEvent {
 }
 
 /// The buffer of a stream's reply and acknowledgement channels.
-const STREAM_BUFFER: usize = 4;
+pub(crate) const STREAM_BUFFER: usize = 4;
 
 /// How many registration events a slow subscriber may lag behind before it misses some.
 const REGISTRATION_EVENTS_MAX: usize = 64;
@@ -91,6 +93,10 @@ struct Inner {
     /// Membership, shard locks and handoff, when several runners share the storage.
     cluster: Option<Arc<Cluster>>,
     singletons: Singletons,
+    /// The runner-to-runner transport, for volatile requests to other runners.
+    transport: Option<Arc<dyn Runners>>,
+    /// Volatile requests of remote callers running here.
+    remote_calls: RemoteCalls,
 }
 
 /// A handle on the runtime that does not keep it alive (what its managers hold).
@@ -116,7 +122,7 @@ impl Sharding {
     /// A runtime configured with `config` (validated), reading time from `clock`, with no
     /// storage: only volatile requests can be sent.
     pub fn new(config: ShardingConfig, clock: Arc<dyn Clock>) -> Result<Sharding, ConfigError> {
-        Sharding::build(config, clock, None, None)
+        Sharding::build(config, clock, None, None, None)
     }
 
     /// A single runner that owns every shard of its groups, with persisted delivery through
@@ -138,7 +144,7 @@ impl Sharding {
         }
         metrics::set(metrics::SHARDS, shards.len());
         let persisted = Arc::new(Persisted::new(storage, shards));
-        let sharding = Sharding::build(config, clock, Some(Arc::clone(&persisted)), None)?;
+        let sharding = Sharding::build(config, clock, Some(Arc::clone(&persisted)), None, None)?;
         sharding.spawn_owned(sharding.clone().poll_replies(Arc::clone(&persisted)));
         sharding.spawn_owned(sharding.clone().read_storage(persisted));
         Ok(sharding)
@@ -151,10 +157,12 @@ impl Sharding {
         clock: Arc<dyn Clock>,
         storage: Arc<dyn MessageStorage>,
         cluster: Arc<Cluster>,
+        transport: Option<Arc<dyn Runners>>,
     ) -> Result<Sharding, ConfigError> {
         let runner = config.runner_address.is_some();
         let persisted = Arc::new(Persisted::new(storage, Vec::new()));
-        let sharding = Sharding::build(config, clock, Some(Arc::clone(&persisted)), Some(cluster))?;
+        let sharding =
+            Sharding::build(config, clock, Some(Arc::clone(&persisted)), Some(cluster), transport)?;
         sharding.spawn_owned(sharding.clone().poll_replies(Arc::clone(&persisted)));
         if runner {
             sharding.spawn_owned(sharding.clone().read_storage(persisted));
@@ -181,7 +189,7 @@ impl Sharding {
             ));
         }
         let persisted = Arc::new(Persisted::new(storage, Vec::new()));
-        let sharding = Sharding::build(config, clock, Some(Arc::clone(&persisted)), None)?;
+        let sharding = Sharding::build(config, clock, Some(Arc::clone(&persisted)), None, None)?;
         sharding.spawn_owned(sharding.clone().poll_replies(persisted));
         Ok(sharding)
     }
@@ -196,6 +204,7 @@ impl Sharding {
         clock: Arc<dyn Clock>,
         persisted: Option<Arc<Persisted>>,
         cluster: Option<Arc<Cluster>>,
+        transport: Option<Arc<dyn Runners>>,
     ) -> Result<Sharding, ConfigError> {
         config.validate()?;
         if !config.simulate_remote_serialization {
@@ -229,6 +238,8 @@ impl Sharding {
                 locks: Mutex::new(None),
                 cluster,
                 singletons: Singletons::default(),
+                transport,
+                remote_calls: RemoteCalls::default(),
             }),
         })
     }
@@ -375,6 +386,21 @@ impl Sharding {
         if let Some(persisted) = &self.inner.persisted {
             persisted.poll_storage();
         }
+    }
+
+    /// The runner-to-runner transport, if any.
+    pub(crate) fn transport(&self) -> Option<&Arc<dyn Runners>> {
+        self.inner.transport.as_ref()
+    }
+
+    /// Volatile requests of remote callers running here.
+    pub(crate) fn remote_calls(&self) -> &RemoteCalls {
+        &self.inner.remote_calls
+    }
+
+    /// A handle that does not keep the runtime alive.
+    pub(crate) fn downgrade(&self) -> WeakSharding {
+        WeakSharding(Arc::downgrade(&self.inner))
     }
 
     /// The registered singletons.
@@ -595,7 +621,8 @@ impl Sharding {
         self.deliver(request, CancellationToken::new(), reply).await
     }
 
-    async fn deliver(
+    /// Delivers a volatile request to the local entity; its exit goes to `reply`.
+    pub(crate) async fn deliver(
         &self,
         request: Request,
         cancellation: CancellationToken,

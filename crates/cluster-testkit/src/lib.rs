@@ -10,10 +10,14 @@
 //! - [`memory`]: in-memory storages with the reference's semantics, whose shard locks are
 //!   exclusive and expire, for unit tests and simulation.
 //!
-//! Still to come (the simulation issue): the simulated transport and clock with fault injection,
-//! `SimCluster` and the invariant checkers.
+//! - [`transport`]: an in-memory runner-to-runner transport with faults (unreachable runners,
+//!   failing calls), for several runtimes in one process.
+//!
+//! Still to come (the simulation issue): the simulated clock, `SimCluster` and the invariant
+//! checkers.
 
 pub mod faulty;
 pub mod measure;
 pub mod memory;
 pub mod storage_suite;
+pub mod transport;

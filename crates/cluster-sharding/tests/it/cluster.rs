@@ -14,6 +14,7 @@ use cluster_storage_sql::sqlite::{SqliteMessageStorage, SqliteOptions, SqliteRun
 use cluster_storage_sql::{SqlStorageOptions, TablePrefix};
 use cluster_testkit::faulty::{FaultyRunnerStorage, LockFaults};
 use cluster_testkit::memory::{MemoryMessageStorage, MemoryRunnerDatabase, MemoryRunnerStorage};
+use cluster_testkit::transport::{Call, MemoryNetwork};
 
 use crate::entities::{Counter, Deposit, Gated, Increment, Probes};
 use crate::singletons::{self, Tally};
@@ -131,6 +132,26 @@ impl Net {
         sharding
     }
 
+    /// A runner that reaches the others (and is reached) through `network`.
+    async fn runner_on_network(&self, port: u16, network: &Arc<MemoryNetwork>) -> Sharding {
+        let (messages, locks) = self.storages().await;
+        let address = RunnerAddress::new("127.0.0.1", port);
+        let config = config(Some(address.clone()));
+        let transport = Some(network.runners());
+        let sharding = Sharding::join_with_transport(
+            config,
+            Arc::new(SystemClock),
+            messages,
+            locks,
+            transport,
+        )
+        .await
+        .unwrap();
+        network.attach(address, sharding.runner_handler());
+        sharding.register::<Counter>(EntityOptions::default()).unwrap();
+        sharding
+    }
+
     async fn client(&self) -> Sharding {
         let (messages, locks) = self.storages().await;
         Sharding::join(config(None), Arc::new(SystemClock), messages, locks).await.unwrap()
@@ -231,6 +252,36 @@ on_every_backend!(
     a_request_for_a_shard_still_draining_elsewhere_waits_for_its_lock,
     singletons_run_once_cluster_wide_across_rebalances,
 );
+
+/// Volatile traffic between runners goes through the transport; it does not depend on the
+/// storage, so these run on memory storage only.
+mod transport {
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn volatile_requests_reach_entities_on_other_runners() {
+        super::volatile_requests_reach_entities_on_other_runners(
+            super::Net::memory().await.unwrap(),
+        )
+        .await;
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_volatile_stream_from_another_runner_is_acknowledged_item_by_item() {
+        let net = super::Net::memory().await.unwrap();
+        super::a_volatile_stream_from_another_runner_is_acknowledged_item_by_item(net).await;
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn dropping_the_caller_interrupts_the_request_on_the_other_runner() {
+        let net = super::Net::memory().await.unwrap();
+        super::dropping_the_caller_interrupts_the_request_on_the_other_runner(net).await;
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_volatile_discard_is_retried_after_a_failed_delivery() {
+        let net = super::Net::memory().await.unwrap();
+        super::a_volatile_discard_is_retried_after_a_failed_delivery(net).await;
+    }
+}
 
 fn config(runner_address: Option<RunnerAddress>) -> ShardingConfig {
     ShardingConfig {
@@ -631,4 +682,95 @@ async fn singletons_run_once_cluster_wide_across_rebalances(net: Net) {
         assert_eq!(tally.running.load(Ordering::SeqCst), 0, "{name} still runs");
         assert_eq!(tally.max_running.load(Ordering::SeqCst), 1, "{name} ran twice at once");
     }
+}
+
+/// Two runners on one network, holding half of the shards each.
+async fn pair(net: &Net, network: &Arc<MemoryNetwork>, port: u16) -> (Sharding, Sharding) {
+    let a = net.runner_on_network(port, network).await;
+    let b = net.runner_on_network(port + 1, network).await;
+    eventually("the shards are split", || {
+        split(&[&a, &b]) && !a.acquired_shards().is_empty() && !b.acquired_shards().is_empty()
+    })
+    .await;
+    (a, b)
+}
+
+/// Entity ids whose shard `other` holds, seen from `from`.
+fn ids_on(net: &Net, from: &Sharding, other: &Sharding, name: &str, count: usize) -> Vec<String> {
+    let held = other.acquired_shards();
+    (0..1000)
+        .map(|n| net.id(&format!("{name}-{n}")))
+        .filter(|id| held.contains(&from.client::<Counter>(id.as_str()).address().shard_id))
+        .take(count)
+        .collect()
+}
+
+async fn volatile_requests_reach_entities_on_other_runners(net: Net) {
+    let network = MemoryNetwork::new();
+    let (a, b) = pair(&net, &network, 10_001).await;
+    let remote = ids_on(&net, &a, &b, "remote", 5);
+    assert_eq!(remote.len(), 5);
+    for id in &remote {
+        let counter = a.client::<Counter>(id.as_str());
+        assert_eq!(counter.send(Increment { by: 2 }).await.unwrap(), 2);
+        // The state lives on the owner: the second call sees the first.
+        assert_eq!(counter.send(Increment { by: 3 }).await.unwrap(), 5);
+    }
+    assert!(network.sends() >= 10, "the calls went through the transport");
+    assert_eq!(a.active_entity_count(), 0, "none of them ran on the caller's runner");
+    assert_eq!(b.active_entity_count(), 5);
+    a.shutdown().await;
+    b.shutdown().await;
+}
+
+async fn a_volatile_stream_from_another_runner_is_acknowledged_item_by_item(net: Net) {
+    let network = MemoryNetwork::new();
+    let (a, b) = pair(&net, &network, 10_011).await;
+    let id = ids_on(&net, &a, &b, "stream", 1).remove(0);
+    let counter = a.client::<Counter>(id.as_str());
+    let mut stream =
+        counter.stream(crate::entities::Count { n: 5, fail_after: None }).await.unwrap();
+    let mut items = Vec::new();
+    while let Some(item) = stream.next().await {
+        items.push(item.unwrap());
+    }
+    assert_eq!(items, [0, 1, 2, 3, 4]);
+    a.shutdown().await;
+    b.shutdown().await;
+}
+
+async fn dropping_the_caller_interrupts_the_request_on_the_other_runner(net: Net) {
+    let network = MemoryNetwork::new();
+    let (a, b) = pair(&net, &network, 10_021).await;
+    let id = ids_on(&net, &a, &b, "interrupted", 1).remove(0);
+    let probes = Probes::of(&id);
+    let counter = a.client::<Counter>(id.as_str());
+    let call = tokio::spawn(async move { counter.send(crate::entities::Probe).await });
+    eventually("the request runs on the other runner", || {
+        probes.probing.load(Ordering::SeqCst) == 1
+    })
+    .await;
+    call.abort();
+    eventually("the handler is interrupted", || probes.interrupted.load(Ordering::SeqCst) == 1)
+        .await;
+    a.shutdown().await;
+    b.shutdown().await;
+}
+
+/// §12.1 #28: a volatile discard whose delivery fails is tried again after
+/// `send_retry_interval`, and then delivered.
+async fn a_volatile_discard_is_retried_after_a_failed_delivery(net: Net) {
+    let network = MemoryNetwork::new();
+    let (a, b) = pair(&net, &network, 10_031).await;
+    let id = ids_on(&net, &a, &b, "discarded", 1).remove(0);
+    let owner = b.config().runner_address.clone().unwrap();
+    network.fail_next(owner, Call::Notify, 1);
+    let before = network.notifies();
+    let counter = a.client::<Counter>(id.as_str());
+    counter.discard(Increment { by: 6 }).await.unwrap();
+    assert_eq!(network.notifies() - before, 2, "one failed attempt, one delivery");
+    eventually("the owner got it", || b.active_entity_count() == 1).await;
+    assert_eq!(counter.send(crate::entities::Get).await.unwrap(), 6);
+    a.shutdown().await;
+    b.shutdown().await;
 }

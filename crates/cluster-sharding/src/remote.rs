@@ -1,0 +1,440 @@
+//! Volatile requests between runners (reference §1.4 `sendOutgoing`, §1.5): routing to the
+//! shard's owner through a [`Runners`](cluster_core::runners::Runners) transport, and the
+//! server side that a transport calls when a peer's request arrives
+//! ([`Sharding::runner_handler`]).
+//!
+//! A volatile request goes to the owner of its shard in the current assignment: this runner
+//! (the local path, which waits for a lock being taken over), another runner (through the
+//! transport), or nobody yet. A transport failure (`RunnerUnavailable`) or a bounce
+//! (`EntityNotAssignedToRunner`, the owner moved) is retried every `send_retry_interval` with
+//! the owner looked up again, for at most `shard_lock_expiration`, after which the caller gets
+//! the error; a runner that is shutting down does not retry. Dropping the caller's future drops
+//! the transport call, which interrupts the request on the owner. Persisted requests never
+//! need the transport: they are stored, and the owner reads them.
+
+use std::collections::BTreeMap;
+use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
+
+use cluster_core::envelope::{AckChunk, Envelope, Exit, Reply, Request, WithExit};
+use cluster_core::future::BoxFuture;
+use cluster_core::runners::{ReplyStream, RunnerHandler};
+use cluster_core::{ClusterError, RunnerAddress, ShardId, Snowflake};
+use tokio::sync::{mpsc, oneshot};
+use tokio_util::sync::CancellationToken;
+
+use crate::sharding::{STREAM_BUFFER, Sharding, WeakSharding};
+
+/// Where a volatile request goes.
+enum Route {
+    /// To an entity of this process.
+    Local,
+    /// To another runner.
+    Remote(RunnerAddress),
+    /// Nowhere yet: no owner is known, or it is remote and there is no transport.
+    Unknown,
+}
+
+/// Volatile requests of remote callers still running here, by request id: where their
+/// interrupts and acknowledgements go.
+#[derive(Default)]
+pub(crate) struct RemoteCalls {
+    calls: Mutex<BTreeMap<Snowflake, RemoteCall>>,
+}
+
+struct RemoteCall {
+    cancellation: CancellationToken,
+    acks: Option<mpsc::Sender<Snowflake>>,
+}
+
+fn lock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
+    // The critical sections only insert or remove map entries.
+    mutex.lock().unwrap_or_else(PoisonError::into_inner)
+}
+
+impl RemoteCalls {
+    fn insert(&self, request_id: Snowflake, call: RemoteCall) {
+        lock(&self.calls).insert(request_id, call);
+    }
+
+    fn remove(&self, request_id: Snowflake) {
+        lock(&self.calls).remove(&request_id);
+    }
+
+    fn interrupt(&self, request_id: Snowflake) {
+        if let Some(call) = lock(&self.calls).get(&request_id) {
+            call.cancellation.cancel();
+        }
+    }
+
+    fn ack(&self, request_id: Snowflake, reply_id: Snowflake) {
+        if let Some(acks) = lock(&self.calls).get(&request_id).and_then(|call| call.acks.clone()) {
+            // Full only if the caller acknowledged faster than chunks went out.
+            let _ = acks.try_send(reply_id);
+        }
+    }
+}
+
+/// The error of a request whose entity is not on this runner (yet).
+fn not_here<T>(request: &Request) -> Result<T, ClusterError> {
+    Err(ClusterError::EntityNotAssignedToRunner { address: request.address.clone() })
+}
+
+impl Sharding {
+    /// The owner of `shard` for volatile traffic.
+    fn route(&self, shard: &ShardId) -> Route {
+        let Some(cluster) = self.cluster() else {
+            return if self.is_runner() { Route::Local } else { Route::Unknown };
+        };
+        let me = self.config().runner_address.as_ref();
+        match cluster.owner(shard) {
+            Some(owner) if Some(&owner) == me => Route::Local,
+            Some(owner) if self.transport().is_some() => Route::Remote(owner),
+            _ => Route::Unknown,
+        }
+    }
+
+    /// Whether a failed volatile send may be tried again (the deadline of the whole call is
+    /// checked by the caller).
+    fn retriable(&self, error: &ClusterError) -> bool {
+        !self.is_shutdown()
+            && matches!(
+                error,
+                ClusterError::RunnerUnavailable { .. }
+                    | ClusterError::EntityNotAssignedToRunner { .. }
+            )
+    }
+
+    /// Sends a volatile request to its entity, wherever it lives, and waits for its exit.
+    pub(crate) async fn send_volatile(
+        &self,
+        request: Request,
+        uninterruptible: bool,
+    ) -> Result<Exit, ClusterError> {
+        let deadline = tokio::time::Instant::now() + self.config().shard_lock_expiration;
+        loop {
+            let attempt = match self.route(&request.address.shard_id) {
+                // A stale assignment may name this runner for a shard it does not hold (it
+                // has not seen a join yet): the owner is looked up again.
+                Route::Local if self.await_shard(&request.address.shard_id).await => {
+                    return self.send_local(request, uninterruptible).await;
+                }
+                Route::Local => not_here(&request),
+                Route::Remote(owner) => {
+                    self.send_remote(&owner, request.clone(), uninterruptible).await
+                }
+                Route::Unknown => Err(ClusterError::EntityNotAssignedToRunner {
+                    address: request.address.clone(),
+                }),
+            };
+            match attempt {
+                Err(error) if self.retriable(&error) && tokio::time::Instant::now() < deadline => {
+                    tracing::debug!(%error, request_id = %request.request_id, "volatile request not delivered; retrying");
+                    tokio::time::sleep(self.config().send_retry_interval).await;
+                }
+                attempt => return attempt,
+            }
+        }
+    }
+
+    async fn send_remote(
+        &self,
+        owner: &RunnerAddress,
+        request: Request,
+        uninterruptible: bool,
+    ) -> Result<Exit, ClusterError> {
+        let Some(transport) = self.transport().cloned() else {
+            return Err(ClusterError::EntityNotAssignedToRunner { address: request.address });
+        };
+        let owner = owner.clone();
+        let call = async move { transport.send(&owner, request, false).await };
+        let reply = if uninterruptible {
+            // Dropping the caller must not drop the call (which would interrupt it remotely).
+            let task = tokio::spawn(call);
+            task.await
+                .map_err(|_| ClusterError::RunnerUnavailable { address: self.own_address() })?
+        } else {
+            call.await
+        }?;
+        match reply {
+            Reply::WithExit(with_exit) => Ok(with_exit.exit),
+            Reply::Chunk(_) => Ok(crate::entity::malformed("a chunk answered a unary request")),
+        }
+    }
+
+    /// This runner's address, or an empty one for a client (only for errors).
+    fn own_address(&self) -> RunnerAddress {
+        self.config().runner_address.clone().unwrap_or_else(|| RunnerAddress::new("", 0))
+    }
+
+    /// Delivers a volatile request without waiting for its exit (a discarded call).
+    pub(crate) async fn notify_volatile(&self, request: Request) -> Result<(), ClusterError> {
+        let deadline = tokio::time::Instant::now() + self.config().shard_lock_expiration;
+        loop {
+            let attempt = match self.route(&request.address.shard_id) {
+                Route::Local if self.await_shard(&request.address.shard_id).await => {
+                    return self.notify_local(request).await;
+                }
+                Route::Local => not_here(&request),
+                Route::Remote(owner) => match self.transport() {
+                    Some(transport) => {
+                        transport.notify(&owner, Envelope::Request(request.clone()), false).await
+                    }
+                    None => Err(ClusterError::EntityNotAssignedToRunner {
+                        address: request.address.clone(),
+                    }),
+                },
+                Route::Unknown => Err(ClusterError::EntityNotAssignedToRunner {
+                    address: request.address.clone(),
+                }),
+            };
+            match attempt {
+                Err(error) if self.retriable(&error) && tokio::time::Instant::now() < deadline => {
+                    tracing::debug!(%error, request_id = %request.request_id, "volatile discard not delivered; retrying");
+                    tokio::time::sleep(self.config().send_retry_interval).await;
+                }
+                attempt => return attempt,
+            }
+        }
+    }
+
+    /// Sends a volatile streaming request to its entity, wherever it lives: its replies, where
+    /// the caller's acknowledgements go, and what interrupts it.
+    pub(crate) async fn stream_volatile(
+        &self,
+        request: Request,
+    ) -> Result<(mpsc::Receiver<Reply>, mpsc::Sender<Snowflake>, CancellationToken), ClusterError>
+    {
+        let deadline = tokio::time::Instant::now() + self.config().shard_lock_expiration;
+        loop {
+            let attempt = match self.route(&request.address.shard_id) {
+                Route::Local if self.await_shard(&request.address.shard_id).await => {
+                    return self.stream_local(request).await;
+                }
+                Route::Local => not_here(&request),
+                Route::Remote(owner) => self.stream_remote(owner, request.clone()).await,
+                Route::Unknown => Err(ClusterError::EntityNotAssignedToRunner {
+                    address: request.address.clone(),
+                }),
+            };
+            match attempt {
+                Err(error) if self.retriable(&error) && tokio::time::Instant::now() < deadline => {
+                    tokio::time::sleep(self.config().send_retry_interval).await;
+                }
+                attempt => return attempt,
+            }
+        }
+    }
+
+    async fn stream_remote(
+        &self,
+        owner: RunnerAddress,
+        request: Request,
+    ) -> Result<(mpsc::Receiver<Reply>, mpsc::Sender<Snowflake>, CancellationToken), ClusterError>
+    {
+        let Some(transport) = self.transport().cloned() else {
+            return Err(ClusterError::EntityNotAssignedToRunner { address: request.address });
+        };
+        let address = request.address.clone();
+        let request_id = request.request_id;
+        let mut stream = transport.stream(&owner, request, false).await?;
+        let (replies, replied) = mpsc::channel(STREAM_BUFFER);
+        let (acked, mut acks) = mpsc::channel::<Snowflake>(STREAM_BUFFER);
+        let cancellation = CancellationToken::new();
+        // The replies are pumped until the final one, the caller goes away or interrupts.
+        let stop = cancellation.clone();
+        tokio::spawn(async move {
+            loop {
+                let next = tokio::select! {
+                    next = stream.next_reply() => next,
+                    () = stop.cancelled() => return,
+                };
+                let Some(reply) = next else { return };
+                let reply = match reply {
+                    Ok(reply) => reply,
+                    // The call was cut: the caller hears the stream ended early.
+                    Err(error) => {
+                        tracing::debug!(%error, %request_id, "remote stream failed");
+                        return;
+                    }
+                };
+                let last = reply.is_final();
+                if replies.send(reply).await.is_err() || last {
+                    return;
+                }
+            }
+        });
+        // Acknowledgements go to the owner as `AckChunk` envelopes.
+        let sharding = self.clone();
+        tokio::spawn(async move {
+            while let Some(reply_id) = acks.recv().await {
+                let ack = AckChunk {
+                    id: sharding.next_id(),
+                    address: address.clone(),
+                    request_id,
+                    reply_id,
+                };
+                if let Err(error) =
+                    transport.send_envelope(&owner, Envelope::AckChunk(ack), false).await
+                {
+                    tracing::debug!(%error, %request_id, "could not send an acknowledgement");
+                }
+            }
+        });
+        Ok((replied, acked, cancellation))
+    }
+
+    /// What a transport calls when a peer's request arrives (the reference's `RunnerServer`).
+    /// It does not keep the runtime alive.
+    pub fn runner_handler(&self) -> Arc<dyn RunnerHandler> {
+        Arc::new(Server { sharding: self.downgrade() })
+    }
+}
+
+/// The server side of this runtime, for a transport.
+struct Server {
+    sharding: WeakSharding,
+}
+
+impl std::fmt::Debug for Server {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("RunnerServer").finish_non_exhaustive()
+    }
+}
+
+impl Server {
+    /// The runtime, unless it is gone (then the request's entity is not here).
+    fn sharding(&self, address: &cluster_core::EntityAddress) -> Result<Sharding, ClusterError> {
+        self.sharding
+            .upgrade()
+            .ok_or_else(|| ClusterError::EntityNotAssignedToRunner { address: address.clone() })
+    }
+}
+
+impl RunnerHandler for Server {
+    fn notify(
+        &self,
+        envelope: Envelope,
+        persisted: bool,
+    ) -> BoxFuture<'_, Result<(), ClusterError>> {
+        Box::pin(async move {
+            let sharding = self.sharding(envelope.address())?;
+            if persisted {
+                // Stored already: the read loop picks it up.
+                sharding.poll_storage();
+                return Ok(());
+            }
+            match envelope {
+                Envelope::Request(request) => sharding.notify_local(request).await,
+                Envelope::Interrupt(interrupt) => {
+                    sharding.remote_calls().interrupt(interrupt.request_id);
+                    Ok(())
+                }
+                Envelope::AckChunk(ack) => {
+                    sharding.remote_calls().ack(ack.request_id, ack.reply_id);
+                    Ok(())
+                }
+            }
+        })
+    }
+
+    fn request(
+        &self,
+        request: Request,
+        persisted: bool,
+    ) -> BoxFuture<'_, Result<Box<dyn ReplyStream>, ClusterError>> {
+        Box::pin(async move {
+            let sharding = self.sharding(&request.address)?;
+            if persisted {
+                // Persisted requests are stored by their caller and answered through storage.
+                sharding.poll_storage();
+                return Err(ClusterError::EntityNotAssignedToRunner { address: request.address });
+            }
+            let request_id = request.request_id;
+            let is_stream = sharding
+                .registered_manager(&request.address.entity_type)
+                .is_some_and(|manager| manager.is_stream(&request.tag));
+            if is_stream {
+                let (replies, acks, cancellation) = sharding.stream_local(request).await?;
+                let call = RemoteCall { cancellation: cancellation.clone(), acks: Some(acks) };
+                sharding.remote_calls().insert(request_id, call);
+                let guard = CallGuard { sharding: sharding.downgrade(), request_id, cancellation };
+                Ok(Box::new(ServerStream::Stream { replies, _guard: guard })
+                    as Box<dyn ReplyStream>)
+            } else {
+                let (reply, exit) = oneshot::channel();
+                let cancellation = CancellationToken::new();
+                let call = RemoteCall { cancellation: cancellation.clone(), acks: None };
+                sharding.remote_calls().insert(request_id, call);
+                let guard = CallGuard {
+                    sharding: sharding.downgrade(),
+                    request_id,
+                    cancellation: cancellation.clone(),
+                };
+                sharding.deliver(request, cancellation, reply).await?;
+                let id = sharding.next_id();
+                Ok(
+                    Box::new(ServerStream::Unary {
+                        exit: Some(exit),
+                        request_id,
+                        id,
+                        _guard: guard,
+                    }) as Box<dyn ReplyStream>,
+                )
+            }
+        })
+    }
+
+    fn envelope(
+        &self,
+        envelope: Envelope,
+        persisted: bool,
+    ) -> BoxFuture<'_, Result<(), ClusterError>> {
+        self.notify(envelope, persisted)
+    }
+}
+
+/// Interrupts a remote caller's request when its reply stream is dropped (the caller went
+/// away), and forgets it.
+struct CallGuard {
+    sharding: WeakSharding,
+    request_id: Snowflake,
+    cancellation: CancellationToken,
+}
+
+impl Drop for CallGuard {
+    fn drop(&mut self) {
+        self.cancellation.cancel();
+        if let Some(sharding) = self.sharding.upgrade() {
+            sharding.remote_calls().remove(self.request_id);
+        }
+    }
+}
+
+/// The replies of a remote caller's request.
+enum ServerStream {
+    Unary {
+        exit: Option<oneshot::Receiver<Exit>>,
+        request_id: Snowflake,
+        id: Snowflake,
+        _guard: CallGuard,
+    },
+    Stream {
+        replies: mpsc::Receiver<Reply>,
+        _guard: CallGuard,
+    },
+}
+
+impl ReplyStream for ServerStream {
+    fn next_reply(&mut self) -> BoxFuture<'_, Option<Result<Reply, ClusterError>>> {
+        Box::pin(async move {
+            match self {
+                ServerStream::Unary { exit, request_id, id, .. } => {
+                    let exit = exit.take()?;
+                    let exit = exit.await.unwrap_or_else(|_| Exit::interrupt());
+                    Some(Ok(Reply::WithExit(WithExit { request_id: *request_id, id: *id, exit })))
+                }
+                ServerStream::Stream { replies, .. } => replies.recv().await.map(Ok),
+            }
+        })
+    }
+}
