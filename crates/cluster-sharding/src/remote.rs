@@ -30,8 +30,10 @@ enum Route {
     Local,
     /// To another runner.
     Remote(RunnerAddress),
-    /// Nowhere yet: no owner is known, or it is remote and there is no transport.
+    /// Nowhere yet: no owner is known (no assignment was published).
     Unknown,
+    /// Nowhere it can reach: the owner is another runner and there is no transport.
+    Unreachable,
 }
 
 /// Volatile requests of remote callers still running here, by request id: where their
@@ -83,13 +85,14 @@ impl Sharding {
     /// The owner of `shard` for volatile traffic.
     fn route(&self, shard: &ShardId) -> Route {
         let Some(cluster) = self.cluster() else {
-            return if self.is_runner() { Route::Local } else { Route::Unknown };
+            return if self.is_runner() { Route::Local } else { Route::Unreachable };
         };
         let me = self.config().runner_address.as_ref();
         match cluster.owner(shard) {
             Some(owner) if Some(&owner) == me => Route::Local,
             Some(owner) if self.transport().is_some() => Route::Remote(owner),
-            _ => Route::Unknown,
+            Some(_) => Route::Unreachable,
+            None => Route::Unknown,
         }
     }
 
@@ -122,9 +125,8 @@ impl Sharding {
                 Route::Remote(owner) => {
                     self.send_remote(&owner, request.clone(), uninterruptible).await
                 }
-                Route::Unknown => Err(ClusterError::EntityNotAssignedToRunner {
-                    address: request.address.clone(),
-                }),
+                Route::Unknown => not_here(&request),
+                Route::Unreachable => return not_here(&request),
             };
             match attempt {
                 Err(error) if self.retriable(&error) && tokio::time::Instant::now() < deadline => {
@@ -183,9 +185,8 @@ impl Sharding {
                         address: request.address.clone(),
                     }),
                 },
-                Route::Unknown => Err(ClusterError::EntityNotAssignedToRunner {
-                    address: request.address.clone(),
-                }),
+                Route::Unknown => not_here(&request),
+                Route::Unreachable => return not_here(&request),
             };
             match attempt {
                 Err(error) if self.retriable(&error) && tokio::time::Instant::now() < deadline => {
@@ -212,9 +213,8 @@ impl Sharding {
                 }
                 Route::Local => not_here(&request),
                 Route::Remote(owner) => self.stream_remote(owner, request.clone()).await,
-                Route::Unknown => Err(ClusterError::EntityNotAssignedToRunner {
-                    address: request.address.clone(),
-                }),
+                Route::Unknown => not_here(&request),
+                Route::Unreachable => return not_here(&request),
             };
             match attempt {
                 Err(error) if self.retriable(&error) && tokio::time::Instant::now() < deadline => {
