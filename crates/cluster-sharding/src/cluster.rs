@@ -140,9 +140,9 @@ impl Sharding {
     /// A runner (or, with `runner_address` `None`, a client-only process) of a cluster whose
     /// runners share `messages` and `runners`: shards are assigned by the hash ring over the
     /// registry's healthy runners, locked in `runners` and handed over when runners join,
-    /// leave or crash (see the [module docs](crate::cluster)). Requests and replies of
+    /// leave or crash (docs/sharding.md, "Several runners"). Requests and replies of
     /// persisted requests go through `messages`; volatile requests reach only entities of
-    /// this process for now.
+    /// this process (see [`Sharding::join_with_transport`] for the others).
     pub async fn join(
         config: ShardingConfig,
         clock: Arc<dyn Clock>,

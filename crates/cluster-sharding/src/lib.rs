@@ -21,8 +21,11 @@
 //! [`Rpc::WITH_TRANSACTION`] handlers whose writes commit with their final reply; a persisted
 //! request that is uninterruptible on the server runs again when interrupted, and keep-alive
 //! ([`RequestContext::keep_alive`]), and [`SharedHandler`]s that run concurrently up to
-//! [`EntityOptions::concurrency`]. Still to come: the multi-runner half (membership, shard
-//! locks, handoff, singletons, cron).
+//! [`EntityOptions::concurrency`]. Several runners share a storage with [`Sharding::join`]:
+//! membership and the hash-ring assignment, shard locks with fencing of final replies, the
+//! shutdown handoff, singletons ([`Sharding::register_singleton`]) and volatile requests to
+//! other runners through a transport ([`Sharding::join_with_transport`]). Still to come:
+//! cron.
 
 mod client;
 mod cluster;

@@ -110,8 +110,9 @@ impl Singletons {
 impl Sharding {
     /// Registers the singleton `name`: `run` is called on the one runner that holds the lock
     /// of the name's shard, again whenever the shard comes back to this runner, and (after a
-    /// backoff) when it panics (see the [module docs](crate::singleton)). In a client-only
-    /// process this is a no-op, as in the reference.
+    /// backoff) when it panics. It stops (its [`SingletonContext::cancellation`] fires, then
+    /// it gets `entity_termination_timeout` before it is dropped) before the shard's lock is
+    /// released. In a client-only process this is a no-op, as in the reference.
     pub fn register_singleton<F, Fut>(
         &self,
         name: impl Into<String>,
