@@ -24,11 +24,12 @@
 //! [`EntityOptions::concurrency`]. Several runners share a storage with [`Sharding::join`]:
 //! membership and the hash-ring assignment, shard locks with fencing of final replies, the
 //! shutdown handoff, singletons ([`Sharding::register_singleton`]) and volatile requests to
-//! other runners through a transport ([`Sharding::join_with_transport`]). Still to come:
-//! cron.
+//! other runners through a transport ([`Sharding::join_with_transport`]), and cluster-wide
+//! cron jobs ([`Sharding::register_cron`]).
 
 mod client;
 mod cluster;
+mod cron;
 mod entity;
 mod keep_alive;
 mod manager;
@@ -41,6 +42,7 @@ mod single_runner;
 mod singleton;
 
 pub use client::{ChunkStream, EntityClient};
+pub use cron::{CronContext, CronError, CronOptions};
 pub use entity::{
     ChunkError, Chunks, DEFAULT_ON_STOP_TIMEOUT, Entity, EntityContext, EntityOptions, Handler,
     Protocol, RequestContext, SharedHandler, StreamHandler, TransactionSlot,

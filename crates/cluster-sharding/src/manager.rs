@@ -264,6 +264,7 @@ struct Instance {
 impl<E: Entity> EntityManager<E> {
     pub(crate) fn new(
         runtime: WeakSharding,
+        entity_type: EntityType,
         options: ManagerOptions,
         residency: Arc<Residency>,
         ids: Arc<Ids>,
@@ -272,7 +273,7 @@ impl<E: Entity> EntityManager<E> {
         EntityManager {
             shared: Arc::new(Shared {
                 runtime,
-                entity_type: EntityType::from(E::TYPE),
+                entity_type,
                 protocol: Protocol::of(),
                 options,
                 residency,

@@ -25,6 +25,7 @@ use tokio_util::task::TaskTracker;
 
 use crate::client::EntityClient;
 use crate::cluster::Cluster;
+use crate::cron::CronJobs;
 use crate::entity::Ids;
 use crate::entity::{DEFAULT_ON_STOP_TIMEOUT, Entity, EntityOptions};
 use crate::keep_alive::{KEEP_ALIVE_TAG, KeepAliveSender};
@@ -93,6 +94,7 @@ struct Inner {
     /// Membership, shard locks and handoff, when several runners share the storage.
     cluster: Option<Arc<Cluster>>,
     singletons: Singletons,
+    cron_jobs: CronJobs,
     /// The runner-to-runner transport, for volatile requests to other runners.
     transport: Option<Arc<dyn Runners>>,
     /// Volatile requests of remote callers running here.
@@ -238,6 +240,7 @@ impl Sharding {
                 locks: Mutex::new(None),
                 cluster,
                 singletons: Singletons::default(),
+                cron_jobs: CronJobs::default(),
                 transport,
                 remote_calls: RemoteCalls::default(),
             }),
@@ -252,6 +255,18 @@ impl Sharding {
     /// Registers entity type `E`: its requests are handled on this runner from now on.
     /// In a client-only process this is a no-op, as in the reference.
     pub fn register<E: Entity>(&self, options: EntityOptions) -> Result<(), RegisterError> {
+        self.register_as::<E>(EntityType::from(E::TYPE), options)
+    }
+
+    /// Registers entity type `E` under the name `entity_type` instead of `E::TYPE`: one Rust
+    /// type for several entity types, such as the reference's `ClusterCron/<name>` and
+    /// `Workflow/<name>`. Reach them with [`Sharding::client_as`]; an instance finds its type
+    /// in its address.
+    pub fn register_as<E: Entity>(
+        &self,
+        entity_type: EntityType,
+        options: EntityOptions,
+    ) -> Result<(), RegisterError> {
         if self.is_shutdown() {
             return Err(RegisterError::ShuttingDown);
         }
@@ -265,14 +280,14 @@ impl Sharding {
             concurrency: options.concurrency.unwrap_or(Capacity::Bounded(NonZeroU32::MIN)),
             on_stop_timeout: options.on_stop_timeout.unwrap_or(DEFAULT_ON_STOP_TIMEOUT),
         };
-        let entity_type = EntityType::from(E::TYPE);
         {
             let mut managers = self.inner.managers.write().unwrap_or_else(PoisonError::into_inner);
             if managers.contains_key(&entity_type) {
                 return Err(RegisterError::AlreadyRegistered(entity_type));
             }
             let manager = EntityManager::<E>::new(
-                WeakSharding(Arc::downgrade(&self.inner)),
+                self.downgrade(),
+                entity_type.clone(),
                 manager_options,
                 Arc::clone(&self.inner.residency),
                 Arc::clone(&self.inner.ids),
@@ -287,6 +302,31 @@ impl Sharding {
         // Messages held while the type was unknown are read again.
         self.poll_storage();
         Ok(())
+    }
+
+    /// A typed client for the entity `entity_id` of `E` registered as `entity_type` (see
+    /// [`Sharding::register_as`]), in the shard group `E::shard_group` gives.
+    pub fn client_as<E: Entity>(
+        &self,
+        entity_type: EntityType,
+        entity_id: impl Into<EntityId>,
+    ) -> EntityClient<E> {
+        let entity_id = entity_id.into();
+        let group = E::shard_group(entity_id.as_str());
+        self.client_in::<E>(entity_type, &group, entity_id)
+    }
+
+    /// A typed client for the entity `entity_id` of `E` registered as `entity_type`, in the
+    /// shard group `group`.
+    pub fn client_in<E: Entity>(
+        &self,
+        entity_type: EntityType,
+        group: &ShardGroup,
+        entity_id: impl Into<EntityId>,
+    ) -> EntityClient<E> {
+        let entity_id = entity_id.into();
+        let shard_id = self.shard_id(entity_id.as_str(), group);
+        EntityClient::new(self.clone(), EntityAddress { shard_id, entity_type, entity_id })
     }
 
     /// A typed client for the entity `entity_id` of type `E`.
@@ -401,6 +441,11 @@ impl Sharding {
     /// A handle that does not keep the runtime alive.
     pub(crate) fn downgrade(&self) -> WeakSharding {
         WeakSharding(Arc::downgrade(&self.inner))
+    }
+
+    /// The registered cron jobs.
+    pub(crate) fn cron_jobs_registry(&self) -> &CronJobs {
+        &self.inner.cron_jobs
     }
 
     /// The registered singletons.

@@ -8,7 +8,7 @@ use std::time::Duration;
 use cluster_core::envelope::{Reply, primary_key};
 use cluster_core::storage::{MessageStorage, RunnerStorage};
 use cluster_core::{Clock, RunnerAddress, ShardId, ShardingConfig, SystemClock};
-use cluster_sharding::{CallError, EntityClient, EntityOptions, Sharding};
+use cluster_sharding::{CallError, CronOptions, EntityClient, EntityOptions, Sharding};
 use cluster_storage_sql::postgres::{PgMessageStorage, PgRunnerStorage};
 use cluster_storage_sql::sqlite::{SqliteMessageStorage, SqliteOptions, SqliteRunnerStorage};
 use cluster_storage_sql::{SqlStorageOptions, TablePrefix};
@@ -251,6 +251,8 @@ on_every_backend!(
     a_reassigned_shard_keeps_the_graceful_termination_timeout,
     a_request_for_a_shard_still_draining_elsewhere_waits_for_its_lock,
     singletons_run_once_cluster_wide_across_rebalances,
+    a_cron_job_runs_once_per_instant_across_runners,
+    a_cron_job_chained_from_the_previous_run_runs_once_per_instant,
 );
 
 /// Volatile traffic between runners goes through the transport; it does not depend on the
@@ -773,4 +775,73 @@ async fn a_volatile_discard_is_retried_after_a_failed_delivery(net: Net) {
     assert_eq!(counter.send(crate::entities::Get).await.unwrap(), 6);
     a.shutdown().await;
     b.shutdown().await;
+}
+
+/// The instants (Unix milliseconds) a cron job ran for, with how often each ran.
+#[derive(Default)]
+struct CronLog {
+    runs: std::sync::Mutex<std::collections::BTreeMap<i64, usize>>,
+}
+
+impl CronLog {
+    fn record(&self, instant: cluster_core::Timestamp) {
+        *self.runs.lock().unwrap().entry(instant.unix_millis()).or_default() += 1;
+    }
+
+    fn runs(&self) -> std::collections::BTreeMap<i64, usize> {
+        self.runs.lock().unwrap().clone()
+    }
+}
+
+/// Registers the every-second job `name` on `runner`, logging its runs into `log`.
+fn every_second(runner: &Sharding, name: &str, options: CronOptions, log: &Arc<CronLog>) {
+    let log = Arc::clone(log);
+    runner
+        .register_cron(name, "* * * * * *", options, move |context| {
+            let log = Arc::clone(&log);
+            async move {
+                log.record(context.scheduled());
+                Ok::<(), std::convert::Infallible>(())
+            }
+        })
+        .unwrap();
+}
+
+/// `ClusterCron` (§7.2): two runners register the same job; each instant runs exactly once,
+/// and the job goes on when one of them stops.
+async fn a_cron_job_runs_once_per_instant_across_runners(net: Net) {
+    cron_runs_once(net, CronOptions::default()).await;
+}
+
+/// The same with `calculate_next_run_from_previous` (one executor entity, runs chained).
+async fn a_cron_job_chained_from_the_previous_run_runs_once_per_instant(net: Net) {
+    let options = CronOptions { calculate_next_run_from_previous: true, ..CronOptions::default() };
+    cron_runs_once(net, options).await;
+}
+
+async fn cron_runs_once(net: Net, options: CronOptions) {
+    let log = Arc::new(CronLog::default());
+    let name = net.id("tick");
+    let a = net.runner(11_001).await;
+    let b = net.runner(11_002).await;
+    every_second(&a, &name, options.clone(), &log);
+    every_second(&b, &name, options, &log);
+    eventually("the shards are split", || split(&[&a, &b])).await;
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(20);
+    while log.runs().len() < 2 {
+        assert!(tokio::time::Instant::now() < deadline, "the job did not run twice");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    // The runner that holds the job's singleton may be the one that stops: it goes on.
+    a.shutdown().await;
+    let ran = log.runs().len();
+    while log.runs().len() < ran + 2 {
+        assert!(tokio::time::Instant::now() < deadline, "the job stopped with a runner");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    b.shutdown().await;
+    let runs = log.runs();
+    assert!(runs.values().all(|&count| count == 1), "an instant ran twice: {runs:?}");
+    let instants: Vec<i64> = runs.keys().copied().collect();
+    assert!(instants.iter().all(|instant| instant % 1000 == 0), "{instants:?}");
 }

@@ -140,3 +140,26 @@ async fn a_client_only_process_runs_no_singleton() {
     tokio::time::sleep(Duration::from_secs(1)).await;
     assert_eq!(Tally::of("nowhere").starts.load(Ordering::SeqCst), 0);
 }
+
+#[tokio::test(start_paused = true)]
+async fn a_cron_job_with_a_bad_expression_or_a_taken_name_is_refused() {
+    use cluster_sharding::{CronError, CronOptions};
+
+    let never = |_| async { Ok::<(), std::convert::Infallible>(()) };
+    let volatile = sharding(ShardingConfig::default());
+    let stored = volatile.register_cron("stored", "0 3 * * *", CronOptions::default(), never);
+    assert!(matches!(stored, Err(CronError::NoMessageStorage)), "{stored:?}");
+    let (sharding, _storage) = crate::on_memory_storage(ShardingConfig::default()).await;
+    let bad = sharding.register_cron("bad", "every tuesday", CronOptions::default(), never);
+    assert!(
+        matches!(bad, Err(CronError::InvalidExpression { ref expression, .. }) if expression == "every tuesday"),
+        "{bad:?}"
+    );
+    sharding.register_cron("nightly", "0 3 * * *", CronOptions::default(), never).unwrap();
+    let again = sharding.register_cron("nightly", "0 4 * * *", CronOptions::default(), never);
+    assert!(
+        matches!(again, Err(CronError::Register(RegisterError::AlreadyRegistered(_)))),
+        "{again:?}"
+    );
+    sharding.shutdown().await;
+}
