@@ -130,6 +130,13 @@ impl Cluster {
         self.state().ownership.acquired().cloned().collect()
     }
 
+    /// The shards whose stored messages this runner reads: the acquired ones, and the
+    /// releasing ones, whose draining entities still take interrupts and acknowledgements
+    /// (seed 002; their requests are left to the next owner).
+    pub(crate) fn readable(&self) -> Vec<ShardId> {
+        self.state().ownership.held()
+    }
+
     /// The runner started shutting down: requests waiting for a lock stop waiting.
     pub(crate) fn shutting_down(&self) {
         self.lock_changed();

@@ -448,14 +448,14 @@ impl Sharding {
         };
         let options = UnprocessedOptions { limit: Some(batch_size), addresses };
         let now = self.clock().now();
-        let acquired;
+        let held;
         let shards = match self.cluster() {
             Some(cluster) => {
-                acquired = cluster.acquired();
-                if acquired.is_empty() {
+                held = cluster.readable();
+                if held.is_empty() {
                     return Some(Read { full: false, delivered: false });
                 }
-                &acquired
+                &held
             }
             None => &persisted.shards,
         };

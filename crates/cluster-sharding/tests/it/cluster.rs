@@ -124,8 +124,19 @@ impl Net {
         port: u16,
         wrap: impl FnOnce(Arc<dyn RunnerStorage>) -> Arc<dyn RunnerStorage>,
     ) -> Sharding {
+        self.runner_configured(port, wrap, |_| {}).await
+    }
+
+    /// A runner whose lock storage goes through `wrap` and whose configuration `tune` changes.
+    async fn runner_configured(
+        &self,
+        port: u16,
+        wrap: impl FnOnce(Arc<dyn RunnerStorage>) -> Arc<dyn RunnerStorage>,
+        tune: impl FnOnce(&mut ShardingConfig),
+    ) -> Sharding {
         let (messages, locks) = self.storages().await;
-        let config = config(Some(RunnerAddress::new("127.0.0.1", port)));
+        let mut config = config(Some(RunnerAddress::new("127.0.0.1", port)));
+        tune(&mut config);
         let sharding =
             Sharding::join(config, Arc::new(SystemClock), messages, wrap(locks)).await.unwrap();
         sharding.register::<Counter>(EntityOptions::default()).unwrap();
@@ -253,6 +264,7 @@ on_every_backend!(
     singletons_run_once_cluster_wide_across_rebalances,
     a_cron_job_runs_once_per_instant_across_runners,
     a_cron_job_chained_from_the_previous_run_runs_once_per_instant,
+    an_interrupt_reaches_an_entity_draining_on_a_released_shard,
 );
 
 /// Volatile traffic between runners goes through the transport; it does not depend on the
@@ -844,4 +856,74 @@ async fn cron_runs_once(net: Net, options: CronOptions) {
     assert!(runs.values().all(|&count| count == 1), "an instant ran twice: {runs:?}");
     let instants: Vec<i64> = runs.keys().copied().collect();
     assert!(instants.iter().all(|instant| instant % 1000 == 0), "{instants:?}");
+}
+
+/// The owner of `shard` once the runners at `ports` are all healthy (what every runner will
+/// compute).
+fn owner_among(ports: &[u16], shard: &ShardId) -> RunnerAddress {
+    use cluster_core::membership::{Membership, MembershipConfig};
+    let runners: Vec<(cluster_core::Runner, bool)> = ports
+        .iter()
+        .map(|port| {
+            let address = RunnerAddress::new("127.0.0.1", *port);
+            let config = config(Some(address.clone()));
+            let groups = config.shard_groups().assigned.into_iter().collect();
+            (cluster_core::Runner::new(address, groups, config.runner_shard_weight), true)
+        })
+        .collect();
+    let mut membership = Membership::new(MembershipConfig {
+        shards_per_group: SHARDS,
+        join_debounce: Duration::ZERO,
+    });
+    let step = membership.observe(SystemClock.now(), &runners, None);
+    step.assignment.expect("a first observation publishes").owner(shard).cloned().unwrap()
+}
+
+/// Seed 002: a releasing shard's entities still drain, and interrupts (and acknowledgements)
+/// stored for their requests still reach them; the request itself is left to the next owner.
+async fn an_interrupt_reaches_an_entity_draining_on_a_released_shard(net: Net) {
+    let long_drain = |config: &mut ShardingConfig| {
+        config.entity_termination_timeout = Duration::from_secs(15);
+    };
+    let a = net.runner_configured(12_001, |locks| locks, long_drain).await;
+    eventually("the runner holds every shard", || split(&[&a])).await;
+    let b_address = RunnerAddress::new("127.0.0.1", 12_002);
+    let id = (0..1000)
+        .map(|n| net.id(&format!("draining-{n}")))
+        .find(|id| {
+            let shard = a.client::<Counter>(id.as_str()).address().shard_id.clone();
+            owner_among(&[12_001, 12_002], &shard) == b_address
+        })
+        .expect("some shard moves to the new runner");
+    let client = a.client::<Counter>(id.as_str());
+    let shard = client.address().shard_id.clone();
+    let probes = Probes::of(&id);
+    let call = tokio::spawn(async move { client.send(crate::entities::Hang).await });
+    eventually("the request runs", || probes.probing.load(Ordering::SeqCst) == 1).await;
+    let b = net.runner(12_002).await;
+    eventually("the shard is let go", || !a.acquired_shards().contains(&shard)).await;
+    // The caller gives up while the entity drains: the stored interrupt must reach it long
+    // before the 15 s drain would end.
+    call.abort();
+    let interrupted = async {
+        while probes.interrupted.load(Ordering::SeqCst) == 0 {
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+    };
+    tokio::time::timeout(Duration::from_secs(5), interrupted)
+        .await
+        .expect("the interrupt reached the draining entity");
+    // The next owner answers the request (with its interruption).
+    let request_id = probes.hung.lock().unwrap()[0];
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(20);
+    loop {
+        let replies = net.messages.replies_for_unfiltered(&[request_id]).await.unwrap();
+        if replies.iter().any(|reply| matches!(reply, Reply::WithExit(_))) {
+            break;
+        }
+        assert!(tokio::time::Instant::now() < deadline, "the request was never answered");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    a.shutdown().await;
+    b.shutdown().await;
 }
