@@ -42,6 +42,7 @@ use tokio_util::sync::CancellationToken;
 use crate::metrics;
 use crate::sharding::Sharding;
 use crate::single_runner::StartError;
+use crate::singleton::SingletonOptions;
 
 /// How long a registry call may take (the reference's 5 s).
 const REGISTRY_TIMEOUT: Duration = Duration::from_secs(5);
@@ -195,16 +196,54 @@ impl Sharding {
             stopped: CancellationToken::new(),
             registration: tokio::sync::Mutex::new(()),
         });
-        let sharding =
-            Sharding::with_cluster(config, clock, messages, Arc::clone(&cluster), transport)?;
+        let sharding = Sharding::with_cluster(
+            config,
+            clock,
+            messages,
+            Arc::clone(&cluster),
+            transport.clone(),
+        )?;
         metrics::set(metrics::RUNNERS, usize::from(cluster.runner.is_some()));
         metrics::set(metrics::SHARDS, 0);
         sharding.spawn_cluster(sharding.clone().sync_loop(Arc::clone(&cluster)));
         if cluster.runner.is_some() {
             sharding.spawn_cluster(sharding.clone().acquisition_loop(Arc::clone(&cluster)));
             sharding.spawn_cluster(sharding.clone().refresh_loop(Arc::clone(&cluster)));
+            if let Some(transport) = transport {
+                sharding.register_runner_health(Arc::clone(&cluster), transport)?;
+            }
         }
         Ok(sharding)
+    }
+
+    /// The runner-health singleton (reference §3.4): every `runner_health_check_interval`,
+    /// when more than one runner is registered, it pings each through the transport (5
+    /// attempts 500 ms apart, 10 s each) and records who answers as healthy and who does not
+    /// as unhealthy, never marking the last healthy runner unhealthy. The sync loops then
+    /// treat an unhealthy runner as gone.
+    fn register_runner_health(
+        &self,
+        cluster: Arc<Cluster>,
+        transport: Arc<dyn Runners>,
+    ) -> Result<(), StartError> {
+        let interval = self.config().runner_health_check_interval;
+        let options = SingletonOptions::default();
+        self.register_singleton(RUNNER_HEALTH, options, move |context| {
+            let cluster = Arc::clone(&cluster);
+            let transport = Arc::clone(&transport);
+            async move {
+                loop {
+                    tokio::select! {
+                        () = tokio::time::sleep(interval) => {}
+                        () = context.cancellation().cancelled() => return,
+                    }
+                    if let Err(error) = check_runners(&cluster, &*transport).await {
+                        tracing::debug!(%error, "runner health check failed");
+                    }
+                }
+            }
+        })
+        .map_err(|error| StartError::Register(error.to_string()))
     }
 
     /// The shards this runner holds the lock of and runs (every shard of its groups for a
@@ -279,6 +318,9 @@ impl Sharding {
         };
         for address in &step.unavailable {
             tracing::info!(runner = %address, "runner left or turned unhealthy");
+            if let Some(transport) = self.transport() {
+                transport.on_runner_unavailable(address);
+            }
         }
         if step.register_again {
             return Ok(true);
@@ -728,6 +770,73 @@ impl Sharding {
         cluster.stopped.cancel();
         metrics::set(metrics::SHARDS, 0);
     }
+}
+
+/// The name of the runner-health singleton (the reference's).
+const RUNNER_HEALTH: &str = "effect/cluster/Sharding/RunnerHealth";
+/// A runner counts as alive if one of this many pings answers.
+const PING_ATTEMPTS: u32 = 5;
+const PING_SPACING: Duration = Duration::from_millis(500);
+const PING_TIMEOUT: Duration = Duration::from_secs(10);
+/// How many runners are pinged at once.
+const PING_CONCURRENCY: usize = 10;
+
+/// One round of the runner-health check.
+async fn check_runners(cluster: &Cluster, transport: &dyn Runners) -> Result<(), String> {
+    use futures_util::StreamExt;
+
+    let runners = tokio::time::timeout(REGISTRY_TIMEOUT, cluster.storage.get_runners())
+        .await
+        .map_err(|_| "get_runners timed out".to_owned())?
+        .map_err(|error| error.to_string())?;
+    if runners.len() <= 1 {
+        return Ok(());
+    }
+    let mut healthy = runners.iter().filter(|(_, healthy)| *healthy).count();
+    let checks =
+        futures_util::stream::iter(runners.into_iter().map(|(runner, was_healthy)| async move {
+            let alive = is_alive(transport, &runner.address).await;
+            (runner, was_healthy, alive)
+        }))
+        .buffer_unordered(PING_CONCURRENCY)
+        .collect::<Vec<_>>()
+        .await;
+    for (runner, was_healthy, alive) in checks {
+        if alive == was_healthy {
+            continue;
+        }
+        if !alive && healthy <= 1 {
+            tracing::warn!(runner = %runner.address, "the last healthy runner does not answer; left healthy");
+            continue;
+        }
+        tracing::warn!(runner = %runner.address, healthy = alive, "runner health changed");
+        tokio::time::timeout(
+            REGISTRY_TIMEOUT,
+            cluster.storage.set_runner_health(&runner.address, alive),
+        )
+        .await
+        .map_err(|_| "set_runner_health timed out".to_owned())?
+        .map_err(|error| error.to_string())?;
+        if alive {
+            healthy += 1;
+        } else {
+            healthy -= 1;
+        }
+    }
+    Ok(())
+}
+
+/// Whether `address` answers a ping (a few attempts).
+async fn is_alive(transport: &dyn Runners, address: &RunnerAddress) -> bool {
+    for attempt in 1..=PING_ATTEMPTS {
+        if let Ok(Ok(())) = tokio::time::timeout(PING_TIMEOUT, transport.ping(address)).await {
+            return true;
+        }
+        if attempt < PING_ATTEMPTS {
+            tokio::time::sleep(PING_SPACING).await;
+        }
+    }
+    false
 }
 
 /// Refreshes `held`, retrying a few times (the reference's 5 retries 50 ms apart).

@@ -30,6 +30,9 @@ pub enum StartError {
     /// A runner needs an address (`runner_address` is `None`: a client-only configuration).
     #[error("a runner needs a runner address")]
     NoRunnerAddress,
+    /// A built-in entity or singleton could not be registered.
+    #[error("could not register a built-in: {0}")]
+    Register(String),
     /// Another live runner holds some of the shards.
     #[error("{held} of {total} shards are locked by another runner")]
     ShardsHeld {

@@ -145,9 +145,22 @@ impl Net {
 
     /// A runner that reaches the others (and is reached) through `network`.
     async fn runner_on_network(&self, port: u16, network: &Arc<MemoryNetwork>) -> Sharding {
+        self.runner_on_network_with(port, network, Duration::from_secs(60)).await
+    }
+
+    /// The same, checking the other runners' health every `health_interval`.
+    async fn runner_on_network_with(
+        &self,
+        port: u16,
+        network: &Arc<MemoryNetwork>,
+        health_interval: Duration,
+    ) -> Sharding {
         let (messages, locks) = self.storages().await;
         let address = RunnerAddress::new("127.0.0.1", port);
-        let config = config(Some(address.clone()));
+        let config = ShardingConfig {
+            runner_health_check_interval: health_interval,
+            ..config(Some(address.clone()))
+        };
         let transport = Some(network.runners());
         let sharding = Sharding::join_with_transport(
             config,
@@ -288,6 +301,13 @@ mod transport {
     async fn dropping_the_caller_interrupts_the_request_on_the_other_runner() {
         let net = super::Net::memory().await.unwrap();
         super::dropping_the_caller_interrupts_the_request_on_the_other_runner(net).await;
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_runner_that_stops_answering_pings_loses_its_shards_until_it_answers_again() {
+        let net = super::Net::memory().await.unwrap();
+        super::a_runner_that_stops_answering_pings_loses_its_shards_until_it_answers_again(net)
+            .await;
     }
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -926,4 +946,31 @@ async fn an_interrupt_reaches_an_entity_draining_on_a_released_shard(net: Net) {
     }
     a.shutdown().await;
     b.shutdown().await;
+}
+
+/// The runner-health singleton (§3.4) pings the runners through the transport: one that stops
+/// answering is marked unhealthy and its shards go to the others; once it answers again it
+/// is healthy and gets shards back. The last healthy runner is never marked unhealthy.
+async fn a_runner_that_stops_answering_pings_loses_its_shards_until_it_answers_again(net: Net) {
+    let network = MemoryNetwork::new();
+    let every = Duration::from_millis(100);
+    let a = net.runner_on_network_with(13_001, &network, every).await;
+    let b = net.runner_on_network_with(13_002, &network, every).await;
+    let c = net.runner_on_network_with(13_003, &network, every).await;
+    let all = [&a, &b, &c];
+    eventually("the shards are split three ways", || {
+        split(&all) && all.iter().all(|runner| !runner.acquired_shards().is_empty())
+    })
+    .await;
+    let c_address = c.config().runner_address.clone().unwrap();
+    network.detach(&c_address);
+    eventually("the unreachable runner's shards go to the others", || {
+        split(&[&a, &b]) && c.acquired_shards().is_empty()
+    })
+    .await;
+    network.attach(c_address, c.runner_handler());
+    eventually("it gets shards again", || split(&all) && !c.acquired_shards().is_empty()).await;
+    for runner in all {
+        runner.shutdown().await;
+    }
 }
