@@ -250,6 +250,8 @@ pub struct LockFaults {
     lost: std::sync::Mutex<std::collections::BTreeSet<ShardId>>,
     /// Every refresh fails (lock storage unreachable).
     refresh_fails: std::sync::atomic::AtomicBool,
+    /// The runner is dead: nothing it does reaches the storage any more.
+    killed: std::sync::atomic::AtomicBool,
     acquires: AtomicU32,
     refreshes_with_shards: AtomicU32,
     releases: std::sync::Mutex<Vec<ShardId>>,
@@ -275,6 +277,18 @@ impl LockFaults {
     /// Makes every refresh fail (`Unavailable`) or work again.
     pub fn fail_refresh(&self, failing: bool) {
         self.refresh_fails.store(failing, Ordering::Release);
+    }
+
+    /// The runner dies without cleaning up: from now on its refreshes fail (no heartbeat, no
+    /// lock kept fresh) and its releases and unregistration do nothing, so the others wait
+    /// for its locks and registration to expire, as after a crash.
+    pub fn kill(&self) {
+        self.killed.store(true, Ordering::Release);
+        self.refresh_fails.store(true, Ordering::Release);
+    }
+
+    fn is_killed(&self) -> bool {
+        self.killed.load(Ordering::Acquire)
     }
 
     /// How often `acquire` was called.
@@ -331,6 +345,9 @@ impl RunnerStorage for FaultyRunnerStorage {
         runner: &'a Runner,
         healthy: bool,
     ) -> BoxFuture<'a, Result<MachineId, StorageError>> {
+        if self.faults.is_killed() {
+            return Box::pin(async { Err(injected("register (killed)")) });
+        }
         self.inner.register(runner, healthy)
     }
 
@@ -338,6 +355,9 @@ impl RunnerStorage for FaultyRunnerStorage {
         &'a self,
         address: &'a RunnerAddress,
     ) -> BoxFuture<'a, Result<(), StorageError>> {
+        if self.faults.is_killed() {
+            return Box::pin(async { Ok(()) });
+        }
         self.inner.unregister(address)
     }
 
@@ -360,6 +380,9 @@ impl RunnerStorage for FaultyRunnerStorage {
     ) -> BoxFuture<'a, Result<Vec<ShardId>, StorageError>> {
         Box::pin(async move {
             self.faults.acquires.fetch_add(1, Ordering::AcqRel);
+            if self.faults.is_killed() {
+                return Err(injected("acquire (killed)"));
+            }
             let wanted = self.without_lost(shard_ids.to_vec());
             let acquired = self.inner.acquire(address, &wanted).await?;
             Ok(self.without_lost(acquired))
@@ -393,6 +416,9 @@ impl RunnerStorage for FaultyRunnerStorage {
             .lock()
             .unwrap_or_else(std::sync::PoisonError::into_inner)
             .push(shard_id.clone());
+        if self.faults.is_killed() {
+            return Box::pin(async { Ok(()) });
+        }
         self.inner.release(address, shard_id)
     }
 
@@ -401,6 +427,9 @@ impl RunnerStorage for FaultyRunnerStorage {
         address: &'a RunnerAddress,
     ) -> BoxFuture<'a, Result<(), StorageError>> {
         self.faults.releases_all.fetch_add(1, Ordering::AcqRel);
+        if self.faults.is_killed() {
+            return Box::pin(async { Ok(()) });
+        }
         self.inner.release_all(address)
     }
 }

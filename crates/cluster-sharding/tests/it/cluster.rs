@@ -7,7 +7,7 @@ use std::time::Duration;
 
 use cluster_core::envelope::{Reply, primary_key};
 use cluster_core::storage::{MessageStorage, RunnerStorage};
-use cluster_core::{Clock, RunnerAddress, ShardId, ShardingConfig, SystemClock};
+use cluster_core::{Clock, RunnerAddress, ShardGroup, ShardId, ShardingConfig, SystemClock};
 use cluster_sharding::{CallError, CronOptions, EntityClient, EntityOptions, Sharding};
 use cluster_storage_sql::postgres::{PgMessageStorage, PgRunnerStorage};
 use cluster_storage_sql::sqlite::{SqliteMessageStorage, SqliteOptions, SqliteRunnerStorage};
@@ -38,6 +38,10 @@ enum Backend {
 /// The storage shared by the runners of one test; its tables or file go away with it.
 struct Net {
     backend: Backend,
+    /// How long a lock lives without a refresh (the storages' and the runners' setting).
+    expiration: Duration,
+    /// The cluster's shard groups (the SQL lock numbering depends on them).
+    groups: Vec<ShardGroup>,
     /// The test's own handle, for checks.
     messages: Arc<dyn MessageStorage>,
 }
@@ -58,7 +62,12 @@ impl Net {
         let messages = Arc::new(MemoryMessageStorage::new(Arc::new(SystemClock)));
         let registry = MemoryRunnerDatabase::new(Arc::new(SystemClock));
         let backend = Backend::Memory { messages: Arc::clone(&messages), registry };
-        Some(Net { backend, messages })
+        Some(Net {
+            backend,
+            messages,
+            expiration: EXPIRATION,
+            groups: vec![ShardGroup::default_group()],
+        })
     }
 
     async fn sqlite() -> Option<Net> {
@@ -67,9 +76,18 @@ impl Net {
         let name = format!("cluster-sharding-cluster-{}-{n}.db", std::process::id());
         let path = std::env::temp_dir().join(name);
         let backend = Backend::Sqlite { path: path.clone() };
-        let options = SqliteOptions::new(sql_options(TablePrefix::default()));
+        let options = SqliteOptions::new(sql_options(
+            TablePrefix::default(),
+            EXPIRATION,
+            &[ShardGroup::default_group()],
+        ));
         let messages = Arc::new(SqliteMessageStorage::open(&path, options).await.unwrap());
-        Some(Net { backend, messages })
+        Some(Net {
+            backend,
+            messages,
+            expiration: EXPIRATION,
+            groups: vec![ShardGroup::default_group()],
+        })
     }
 
     async fn postgres() -> Option<Net> {
@@ -87,9 +105,14 @@ impl Net {
         let n = COUNTER.fetch_add(1, Ordering::SeqCst);
         let nanos = SystemClock.now().unix_millis() % 100_000;
         let prefix = TablePrefix::new(&format!("s{}_{n}_{nanos}", std::process::id())).unwrap();
-        let options = sql_options(prefix.clone());
+        let options = sql_options(prefix.clone(), EXPIRATION, &[ShardGroup::default_group()]);
         let messages = Arc::new(PgMessageStorage::connect(&url, &options).await.unwrap());
-        Some(Net { backend: Backend::Postgres { url, prefix }, messages })
+        Some(Net {
+            backend: Backend::Postgres { url, prefix },
+            messages,
+            expiration: EXPIRATION,
+            groups: vec![ShardGroup::default_group()],
+        })
     }
 
     /// A runner's own handles on the shared storage.
@@ -97,16 +120,22 @@ impl Net {
         match &self.backend {
             Backend::Memory { messages, registry } => (
                 Arc::clone(messages) as _,
-                Arc::new(MemoryRunnerStorage::new(Arc::clone(registry), EXPIRATION)),
+                Arc::new(MemoryRunnerStorage::new(Arc::clone(registry), self.expiration)),
             ),
             Backend::Sqlite { path } => {
-                let options = || SqliteOptions::new(sql_options(TablePrefix::default()));
+                let options = || {
+                    SqliteOptions::new(sql_options(
+                        TablePrefix::default(),
+                        self.expiration,
+                        &self.groups,
+                    ))
+                };
                 let messages = SqliteMessageStorage::open(path, options()).await.unwrap();
                 let locks = SqliteRunnerStorage::open(path, options()).await.unwrap();
                 (Arc::new(messages), Arc::new(locks))
             }
             Backend::Postgres { url, prefix } => {
-                let options = sql_options(prefix.clone());
+                let options = sql_options(prefix.clone(), self.expiration, &self.groups);
                 let messages = PgMessageStorage::connect(url, &options).await.unwrap();
                 let locks = PgRunnerStorage::connect(url, &options).await.unwrap();
                 (Arc::new(messages), Arc::new(locks))
@@ -136,6 +165,7 @@ impl Net {
     ) -> Sharding {
         let (messages, locks) = self.storages().await;
         let mut config = config(Some(RunnerAddress::new("127.0.0.1", port)));
+        config.shard_lock_expiration = self.expiration;
         tune(&mut config);
         let sharding =
             Sharding::join(config, Arc::new(SystemClock), messages, wrap(locks)).await.unwrap();
@@ -231,8 +261,17 @@ impl Drop for Net {
     }
 }
 
-fn sql_options(prefix: TablePrefix) -> SqlStorageOptions {
-    SqlStorageOptions::from_config(&config(None), prefix)
+fn sql_options(
+    prefix: TablePrefix,
+    expiration: Duration,
+    groups: &[ShardGroup],
+) -> SqlStorageOptions {
+    let config = ShardingConfig {
+        shard_lock_expiration: expiration,
+        available_shard_groups: groups.to_vec(),
+        ..config(None)
+    };
+    SqlStorageOptions::from_config(&config, prefix)
 }
 
 /// Runs each case on memory, SQLite and PostgreSQL storage.
@@ -278,6 +317,9 @@ on_every_backend!(
     a_cron_job_runs_once_per_instant_across_runners,
     a_cron_job_chained_from_the_previous_run_runs_once_per_instant,
     an_interrupt_reaches_an_entity_draining_on_a_released_shard,
+    persisted_requests_survive_an_abrupt_runner_death,
+    a_request_stored_while_no_runner_is_up_is_answered_once_by_the_next,
+    entities_run_only_on_runners_of_their_shard_group,
 );
 
 /// Volatile traffic between runners goes through the transport; it does not depend on the
@@ -971,6 +1013,160 @@ async fn a_runner_that_stops_answering_pings_loses_its_shards_until_it_answers_a
     network.attach(c_address, c.runner_handler());
     eventually("it gets shards again", || split(&all) && !c.acquired_shards().is_empty()).await;
     for runner in all {
+        runner.shutdown().await;
+    }
+}
+
+/// §12.7 Smoke: a runner dies without cleaning up (no release, no unregistration, no more
+/// heartbeats); once its locks and registration expire the others take its shards and answer
+/// its entities' persisted requests.
+async fn persisted_requests_survive_an_abrupt_runner_death(mut net: Net) {
+    net.expiration = Duration::from_secs(2);
+    let mut killers = Vec::new();
+    let mut runners = Vec::new();
+    for port in [14_001, 14_002, 14_003] {
+        let mut faults = None;
+        let runner = net
+            .runner_with(port, |locks| {
+                let (locks, lock_faults) = FaultyRunnerStorage::new(locks);
+                faults = Some(lock_faults);
+                Arc::new(locks)
+            })
+            .await;
+        runners.push(runner);
+        killers.push(faults.unwrap());
+    }
+    let all: Vec<&Sharding> = runners.iter().collect();
+    eventually("the shards are split three ways", || {
+        split(&all) && all.iter().all(|runner| !runner.acquired_shards().is_empty())
+    })
+    .await;
+    let client = net.client().await;
+    let id = net.id("survivor");
+    let counter = client.client::<Counter>(id.as_str());
+    assert_eq!(counter.send(Deposit { key: "before".to_owned(), amount: 1 }).await.unwrap(), 1);
+    let shard = counter.address().shard_id.clone();
+    let owner =
+        runners.iter().position(|runner| runner.acquired_shards().contains(&shard)).unwrap();
+    killers[owner].kill();
+    let dead = runners.remove(owner);
+    dead.shutdown().await;
+    // Another runner serves the entity (with fresh state) once the dead one's lock expired.
+    let after = tokio::time::timeout(
+        Duration::from_secs(30),
+        counter.send(Deposit { key: "after".to_owned(), amount: 5 }),
+    )
+    .await
+    .expect("answered after the lock expired");
+    assert_eq!(after.unwrap(), 5);
+    let alive: Vec<&Sharding> = runners.iter().collect();
+    eventually("the survivors hold every shard", || split(&alive)).await;
+    assert_eq!(net.final_replies(&counter, "Deposit", "before").await, 1);
+    assert_eq!(net.final_replies(&counter, "Deposit", "after").await, 1);
+    client.shutdown().await;
+    for runner in runners {
+        runner.shutdown().await;
+    }
+}
+
+/// §12.7 Persistence: a persisted request saved while no runner is up waits in storage and is
+/// answered once by the first runner that takes its shard.
+async fn a_request_stored_while_no_runner_is_up_is_answered_once_by_the_next(net: Net) {
+    let client = net.client().await;
+    let id = net.id("patient");
+    let counter = client.client::<Counter>(id.as_str());
+    let call = tokio::spawn(async move {
+        counter.send(Deposit { key: "waiting".to_owned(), amount: 9 }).await
+    });
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert!(!call.is_finished());
+    let runner = net.runner(15_001).await;
+    let answered = tokio::time::timeout(Duration::from_secs(20), call).await;
+    assert_eq!(answered.expect("answered in time").unwrap().unwrap(), 9);
+    assert_eq!(Probes::of(&id).deposits.load(Ordering::SeqCst), 1);
+    client.shutdown().await;
+    runner.shutdown().await;
+}
+
+/// An entity of the `special` shard group that tells which runner it runs on.
+struct Special {
+    port: u16,
+}
+
+impl cluster_sharding::Entity for Special {
+    const TYPE: &'static str = "Special";
+
+    fn shard_group(_entity_id: &str) -> ShardGroup {
+        ShardGroup::from("special")
+    }
+
+    async fn create(context: &cluster_sharding::EntityContext) -> Special {
+        let port =
+            context.sharding().config().runner_address.as_ref().map_or(0, RunnerAddress::port);
+        Special { port }
+    }
+
+    fn protocol(protocol: &mut cluster_sharding::Protocol<Special>) {
+        protocol.handle::<WhereAmI>();
+    }
+}
+
+/// Answers the port of the runner the entity runs on (persisted: it travels through storage).
+#[derive(serde::Serialize, serde::Deserialize)]
+struct WhereAmI;
+
+impl cluster_sharding::Rpc for WhereAmI {
+    const TAG: &'static str = "WhereAmI";
+    const PERSISTED: bool = true;
+    type Success = u16;
+    type Error = ();
+}
+
+impl cluster_sharding::Handler<WhereAmI> for Special {
+    async fn handle(
+        &mut self,
+        _: &cluster_sharding::RequestContext,
+        _: WhereAmI,
+    ) -> Result<u16, ()> {
+        Ok(self.port)
+    }
+}
+
+/// §12.7 Entity: shard groups. A runner serves only the groups it is assigned; an entity of the
+/// `special` group runs on the runner of that group, a default one on the other.
+async fn entities_run_only_on_runners_of_their_shard_group(mut net: Net) {
+    let groups = vec![ShardGroup::default_group(), ShardGroup::from("special")];
+    net.groups = groups.clone();
+    let serving = |group: &str| {
+        let groups = groups.clone();
+        let group = ShardGroup::from(group);
+        move |config: &mut ShardingConfig| {
+            config.available_shard_groups = groups;
+            config.assigned_shard_groups = vec![group];
+        }
+    };
+    let default = net.runner_configured(16_001, |locks| locks, serving("default")).await;
+    let special = net.runner_configured(16_002, |locks| locks, serving("special")).await;
+    for runner in [&default, &special] {
+        runner.register::<Special>(EntityOptions::default()).unwrap();
+    }
+    let (messages, locks) = net.storages().await;
+    let client_config = ShardingConfig { available_shard_groups: groups.clone(), ..config(None) };
+    let client =
+        Sharding::join(client_config, Arc::new(SystemClock), messages, locks).await.unwrap();
+    for n in 0..5 {
+        let where_am_i = client.client::<Special>(net.id(&format!("special-{n}")));
+        assert_eq!(where_am_i.address().shard_id.group().to_string(), "special");
+        let port = tokio::time::timeout(Duration::from_secs(20), where_am_i.send(WhereAmI)).await;
+        assert_eq!(port.expect("answered in time").unwrap(), 16_002);
+        let counter = client.client::<Counter>(net.id(&format!("plain-{n}")));
+        counter.send(Deposit { key: "k".to_owned(), amount: 1 }).await.unwrap();
+    }
+    assert_eq!(default.active_entity_count(), 5, "the default entities");
+    assert_eq!(special.active_entity_count(), 5, "the special entities");
+    assert!(special.acquired_shards().iter().all(|shard| shard.group().to_string() == "special"));
+    assert!(default.acquired_shards().iter().all(|shard| shard.group().to_string() == "default"));
+    for runner in [&client, &default, &special] {
         runner.shutdown().await;
     }
 }
