@@ -107,30 +107,37 @@ impl Sharding {
             )
     }
 
-    /// Sends a volatile request to its entity, wherever it lives, and waits for its exit.
-    pub(crate) async fn send_volatile(
+    /// Runs a volatile request where its route leads: `local` on this runner, `remote` on
+    /// another. Bounces and transport failures are tried again every `send_retry_interval`
+    /// with the owner looked up again, for at most `shard_lock_expiration`.
+    async fn routed<T, Local, LocalFuture, Remote, RemoteFuture>(
         &self,
         request: Request,
-        uninterruptible: bool,
-    ) -> Result<Exit, ClusterError> {
+        what: &'static str,
+        local: Local,
+        remote: Remote,
+    ) -> Result<T, ClusterError>
+    where
+        Local: FnOnce(Request) -> LocalFuture,
+        LocalFuture: std::future::Future<Output = Result<T, ClusterError>>,
+        Remote: Fn(RunnerAddress, Request) -> RemoteFuture,
+        RemoteFuture: std::future::Future<Output = Result<T, ClusterError>>,
+    {
         let deadline = tokio::time::Instant::now() + self.config().shard_lock_expiration;
         loop {
             let attempt = match self.route(&request.address.shard_id) {
                 // A stale assignment may name this runner for a shard it does not hold (it
                 // has not seen a join yet): the owner is looked up again.
                 Route::Local if self.await_shard(&request.address.shard_id).await => {
-                    return self.send_local(request, uninterruptible).await;
+                    return local(request).await;
                 }
-                Route::Local => not_here(&request),
-                Route::Remote(owner) => {
-                    self.send_remote(&owner, request.clone(), uninterruptible).await
-                }
-                Route::Unknown => not_here(&request),
+                Route::Local | Route::Unknown => not_here(&request),
+                Route::Remote(owner) => remote(owner, request.clone()).await,
                 Route::Unreachable => return not_here(&request),
             };
             match attempt {
                 Err(error) if self.retriable(&error) && tokio::time::Instant::now() < deadline => {
-                    tracing::debug!(%error, request_id = %request.request_id, "volatile request not delivered; retrying");
+                    tracing::debug!(%error, request_id = %request.request_id, what, "volatile request not delivered; retrying");
                     tokio::time::sleep(self.config().send_retry_interval).await;
                 }
                 attempt => return attempt,
@@ -138,16 +145,30 @@ impl Sharding {
         }
     }
 
+    /// Sends a volatile request to its entity, wherever it lives, and waits for its exit.
+    pub(crate) async fn send_volatile(
+        &self,
+        request: Request,
+        uninterruptible: bool,
+    ) -> Result<Exit, ClusterError> {
+        self.routed(
+            request,
+            "request",
+            |request| self.send_local(request, uninterruptible),
+            |owner, request| self.send_remote(owner, request, uninterruptible),
+        )
+        .await
+    }
+
     async fn send_remote(
         &self,
-        owner: &RunnerAddress,
+        owner: RunnerAddress,
         request: Request,
         uninterruptible: bool,
     ) -> Result<Exit, ClusterError> {
         let Some(transport) = self.transport().cloned() else {
             return Err(ClusterError::EntityNotAssignedToRunner { address: request.address });
         };
-        let owner = owner.clone();
         let call = async move { transport.send(&owner, request, false).await };
         let reply = if uninterruptible {
             // Dropping the caller must not drop the call (which would interrupt it remotely).
@@ -170,32 +191,20 @@ impl Sharding {
 
     /// Delivers a volatile request without waiting for its exit (a discarded call).
     pub(crate) async fn notify_volatile(&self, request: Request) -> Result<(), ClusterError> {
-        let deadline = tokio::time::Instant::now() + self.config().shard_lock_expiration;
-        loop {
-            let attempt = match self.route(&request.address.shard_id) {
-                Route::Local if self.await_shard(&request.address.shard_id).await => {
-                    return self.notify_local(request).await;
-                }
-                Route::Local => not_here(&request),
-                Route::Remote(owner) => match self.transport() {
+        self.routed(
+            request,
+            "discard",
+            |request| self.notify_local(request),
+            |owner, request| async move {
+                match self.transport() {
                     Some(transport) => {
-                        transport.notify(&owner, Envelope::Request(request.clone()), false).await
+                        transport.notify(&owner, Envelope::Request(request), false).await
                     }
-                    None => Err(ClusterError::EntityNotAssignedToRunner {
-                        address: request.address.clone(),
-                    }),
-                },
-                Route::Unknown => not_here(&request),
-                Route::Unreachable => return not_here(&request),
-            };
-            match attempt {
-                Err(error) if self.retriable(&error) && tokio::time::Instant::now() < deadline => {
-                    tracing::debug!(%error, request_id = %request.request_id, "volatile discard not delivered; retrying");
-                    tokio::time::sleep(self.config().send_retry_interval).await;
+                    None => not_here(&request),
                 }
-                attempt => return attempt,
-            }
-        }
+            },
+        )
+        .await
     }
 
     /// Sends a volatile streaming request to its entity, wherever it lives: its replies, where
@@ -205,24 +214,13 @@ impl Sharding {
         request: Request,
     ) -> Result<(mpsc::Receiver<Reply>, mpsc::Sender<Snowflake>, CancellationToken), ClusterError>
     {
-        let deadline = tokio::time::Instant::now() + self.config().shard_lock_expiration;
-        loop {
-            let attempt = match self.route(&request.address.shard_id) {
-                Route::Local if self.await_shard(&request.address.shard_id).await => {
-                    return self.stream_local(request).await;
-                }
-                Route::Local => not_here(&request),
-                Route::Remote(owner) => self.stream_remote(owner, request.clone()).await,
-                Route::Unknown => not_here(&request),
-                Route::Unreachable => return not_here(&request),
-            };
-            match attempt {
-                Err(error) if self.retriable(&error) && tokio::time::Instant::now() < deadline => {
-                    tokio::time::sleep(self.config().send_retry_interval).await;
-                }
-                attempt => return attempt,
-            }
-        }
+        self.routed(
+            request,
+            "stream",
+            |request| self.stream_local(request),
+            |owner, request| self.stream_remote(owner, request),
+        )
+        .await
     }
 
     async fn stream_remote(

@@ -62,12 +62,12 @@ impl Net {
         let messages = Arc::new(MemoryMessageStorage::new(Arc::new(SystemClock)));
         let registry = MemoryRunnerDatabase::new(Arc::new(SystemClock));
         let backend = Backend::Memory { messages: Arc::clone(&messages), registry };
-        Some(Net {
-            backend,
-            messages,
-            expiration: EXPIRATION,
-            groups: vec![ShardGroup::default_group()],
-        })
+        Some(Net::new(backend, messages))
+    }
+
+    /// A net on `backend`, with the default expiration and shard groups.
+    fn new(backend: Backend, messages: Arc<dyn MessageStorage>) -> Net {
+        Net { backend, messages, expiration: EXPIRATION, groups: vec![ShardGroup::default_group()] }
     }
 
     async fn sqlite() -> Option<Net> {
@@ -82,12 +82,7 @@ impl Net {
             &[ShardGroup::default_group()],
         ));
         let messages = Arc::new(SqliteMessageStorage::open(&path, options).await.unwrap());
-        Some(Net {
-            backend,
-            messages,
-            expiration: EXPIRATION,
-            groups: vec![ShardGroup::default_group()],
-        })
+        Some(Net::new(backend, messages))
     }
 
     async fn postgres() -> Option<Net> {
@@ -107,12 +102,7 @@ impl Net {
         let prefix = TablePrefix::new(&format!("s{}_{n}_{nanos}", std::process::id())).unwrap();
         let options = sql_options(prefix.clone(), EXPIRATION, &[ShardGroup::default_group()]);
         let messages = Arc::new(PgMessageStorage::connect(&url, &options).await.unwrap());
-        Some(Net {
-            backend: Backend::Postgres { url, prefix },
-            messages,
-            expiration: EXPIRATION,
-            groups: vec![ShardGroup::default_group()],
-        })
+        Some(Net::new(Backend::Postgres { url, prefix }, messages))
     }
 
     /// A runner's own handles on the shared storage.
