@@ -49,6 +49,9 @@ pub(crate) struct Delivery {
     pub(crate) reply: ReplyTo,
     /// The storage transaction the handler runs in (persisted `WITH_TRANSACTION` requests).
     pub(crate) transaction: Option<TransactionSlot>,
+    /// Set when the handler starts running the request (persisted requests: shutdown abandons
+    /// the local callers of requests that never started, reference `abandonUndelivered`).
+    pub(crate) started: Option<Arc<std::sync::atomic::AtomicBool>>,
 }
 
 /// Where the outcome of a request goes.
@@ -979,6 +982,9 @@ async fn handle<E: Entity>(
     };
     if delivery.cancellation.is_cancelled() || signals.interrupt.is_cancelled() {
         return Outcome::Exited(Exit::interrupt());
+    }
+    if let Some(started) = &delivery.started {
+        started.store(true, Ordering::Release);
     }
     let context = RequestContext::new(
         address.clone(),

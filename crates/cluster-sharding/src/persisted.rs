@@ -43,7 +43,7 @@ pub(crate) struct Persisted {
     /// Wakes the storage read loop (a new request, an interrupt, a registration).
     read_latch: Notify,
     /// Requests handed to an entity and not answered yet, with their interruption.
-    in_flight: Mutex<BTreeMap<Snowflake, CancellationToken>>,
+    in_flight: Mutex<BTreeMap<Snowflake, InFlight>>,
     /// Wakes the reply poller when a caller starts waiting.
     reply_waiters: Notify,
     /// Where the acknowledgements of in-flight streaming requests go.
@@ -88,6 +88,14 @@ impl ReplyWaiter for Waiter {
     }
 }
 
+/// A request handed to its entity and not answered yet.
+struct InFlight {
+    /// Interrupts it.
+    cancellation: CancellationToken,
+    /// Set once its handler started.
+    started: Arc<std::sync::atomic::AtomicBool>,
+}
+
 /// A local wait for a reply ended without it: the request's shard left this runner.
 struct Rerouted;
 
@@ -119,6 +127,44 @@ impl Persisted {
         let mut waiters = lock(&self.waiters);
         let waiting: Vec<Snowflake> = waiters.waiting().collect();
         for request_id in waiting {
+            waiters.unregister(request_id, UnregisterMode::Abandon);
+        }
+    }
+
+    /// Hands an interrupt or acknowledgement to the request it belongs to, if that request
+    /// runs here.
+    fn forward(&self, envelope: &Envelope) {
+        match envelope {
+            Envelope::Interrupt(interrupt) => {
+                if let Some(in_flight) = lock(&self.in_flight).get(&interrupt.request_id) {
+                    in_flight.cancellation.cancel();
+                }
+            }
+            Envelope::AckChunk(ack) => {
+                if let Some(acks) = lock(&self.stream_acks).get(&ack.request_id) {
+                    // Full only if the caller acknowledged faster than chunks went out; the
+                    // handler only waits for the latest chunk's acknowledgement.
+                    let _ = acks.try_send(ack.reply_id);
+                }
+            }
+            Envelope::Request(_) => {}
+        }
+    }
+
+    /// Shutdown began: the local callers of requests that no handler started hear at once that
+    /// their requests are left stored for the next owner.
+    pub(crate) fn abandon_undelivered(&self) {
+        let in_flight = lock(&self.in_flight);
+        let mut waiters = lock(&self.waiters);
+        let undelivered: Vec<Snowflake> = waiters
+            .waiting()
+            .filter(|request_id| {
+                !in_flight.get(request_id).is_some_and(|in_flight| {
+                    in_flight.started.load(std::sync::atomic::Ordering::Acquire)
+                })
+            })
+            .collect();
+        for request_id in undelivered {
             waiters.unregister(request_id, UnregisterMode::Abandon);
         }
     }
@@ -506,18 +552,8 @@ impl Sharding {
     ) -> Dispatched {
         let request = match message.envelope {
             Envelope::Request(request) => request,
-            Envelope::Interrupt(interrupt) => {
-                if let Some(cancellation) = lock(&persisted.in_flight).get(&interrupt.request_id) {
-                    cancellation.cancel();
-                }
-                return Dispatched::Skipped;
-            }
-            Envelope::AckChunk(ack) => {
-                if let Some(acks) = lock(&persisted.stream_acks).get(&ack.request_id) {
-                    // Full only if the caller acknowledged faster than chunks went out; the
-                    // handler only waits for the latest chunk's acknowledgement.
-                    let _ = acks.try_send(ack.reply_id);
-                }
+            envelope => {
+                persisted.forward(&envelope);
                 return Dispatched::Skipped;
             }
         };
@@ -556,9 +592,11 @@ impl Sharding {
         };
         let rerun = manager.rerun_on_interrupt(&request.tag).then(|| request.clone());
         let cancellation = CancellationToken::new();
+        let started = Arc::new(std::sync::atomic::AtomicBool::new(false));
         {
             let mut in_flight = lock(&persisted.in_flight);
-            in_flight.insert(request_id, cancellation.clone());
+            let started = Arc::clone(&started);
+            in_flight.insert(request_id, InFlight { cancellation: cancellation.clone(), started });
             metrics::set(metrics::PERSISTED_IN_FLIGHT, in_flight.len());
         }
         let stream = manager.is_stream(&request.tag);
@@ -575,7 +613,13 @@ impl Sharding {
             let (reply, exit) = oneshot::channel();
             (ReplyTo::Exit(reply), Outcome::Exit(exit))
         };
-        let delivery = Delivery { request, cancellation, reply, transaction: transaction.clone() };
+        let delivery = Delivery {
+            request,
+            cancellation,
+            reply,
+            transaction: transaction.clone(),
+            started: Some(started),
+        };
         match manager.deliver(delivery) {
             Ok(()) => {
                 let sharding = self.clone();

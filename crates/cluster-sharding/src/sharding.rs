@@ -366,6 +366,12 @@ impl Sharding {
         }
         let termination_timeout = self.inner.config.entity_termination_timeout;
         let managers = self.managers();
+        // Local callers of persisted requests that no handler started will not get their
+        // reply here: they hear at once that it is left for the next owner, so that a handler
+        // the drain waits for is not stuck on one of them (reference `abandonUndelivered`).
+        if let Some(persisted) = &self.inner.persisted {
+            persisted.abandon_undelivered();
+        }
         // The types and the singletons drain side by side: the whole shutdown takes one
         // termination timeout.
         let entities = futures_util::future::join_all(
@@ -609,6 +615,7 @@ impl Sharding {
         };
         let stream = StreamReplies { replies, acks, last_sent: None };
         manager.deliver(Delivery {
+            started: None,
             request,
             cancellation: cancellation.clone(),
             reply: ReplyTo::Stream(stream),
@@ -686,6 +693,7 @@ impl Sharding {
             }
         };
         Ok(manager.deliver(Delivery {
+            started: None,
             request,
             cancellation,
             reply: ReplyTo::Exit(reply),

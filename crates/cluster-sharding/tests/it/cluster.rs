@@ -356,7 +356,7 @@ fn config(runner_address: Option<RunnerAddress>) -> ShardingConfig {
         refresh_assignments_interval: Duration::from_millis(50),
         // Short enough for quick tests, long enough that a refresh under load does not time
         // out (a timed-out refresh marks lock storage unhealthy and interrupts everything).
-        shard_lock_refresh_interval: Duration::from_millis(250),
+        shard_lock_refresh_interval: Duration::from_millis(500),
         shard_lock_expiration: EXPIRATION,
         entity_message_poll_interval: Duration::from_millis(50),
         entity_reply_poll_interval: Duration::from_millis(50),

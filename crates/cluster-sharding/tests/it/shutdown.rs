@@ -99,6 +99,8 @@ impl Script {
 struct Sender {
     script: Arc<Script>,
     receiver: EntityClient<Receiver>,
+    /// This entity itself.
+    me: EntityClient<Sender>,
     consumer: Option<tokio::task::JoinHandle<()>>,
 }
 
@@ -110,6 +112,7 @@ impl Entity for Sender {
         let script = Script::of(id);
         script.event("create");
         let receiver = context.sharding().client::<Receiver>(id);
+        let me = context.sharding().client::<Sender>(id);
         let finale = *script.finale.lock().unwrap();
         let consumer = matches!(finale, Some(Finale::FinishStream)).then(|| {
             let receiver = receiver.clone();
@@ -128,11 +131,11 @@ impl Entity for Sender {
                 script.record(Heard::Ok);
             })
         });
-        Sender { script, receiver, consumer }
+        Sender { script, receiver, me, consumer }
     }
 
     fn protocol(protocol: &mut Protocol<Sender>) {
-        protocol.handle::<Arm>();
+        protocol.handle::<Arm>().handle::<AskMyself>().handle::<Myself>();
     }
 
     async fn on_stop(&mut self) {
@@ -167,6 +170,43 @@ impl Entity for Sender {
         };
         self.script.event("stopped");
         self.script.record(heard);
+    }
+}
+
+/// Asks the entity itself a persisted question and waits for the answer, which can only come
+/// after this request: it waits until shutdown abandons it.
+#[derive(Serialize, Deserialize)]
+struct AskMyself;
+
+impl Rpc for AskMyself {
+    const TAG: &'static str = "AskMyself";
+    type Success = ();
+    type Error = ();
+}
+
+impl Handler<AskMyself> for Sender {
+    async fn handle(&mut self, _: &RequestContext, _: AskMyself) -> Result<(), ()> {
+        self.script.event("asking");
+        let heard = Heard::of(self.me.send(Myself).await);
+        self.script.record(heard);
+        Ok(())
+    }
+}
+
+/// The persisted question.
+#[derive(Serialize, Deserialize)]
+struct Myself;
+
+impl Rpc for Myself {
+    const TAG: &'static str = "Myself";
+    const PERSISTED: bool = true;
+    type Success = ();
+    type Error = ();
+}
+
+impl Handler<Myself> for Sender {
+    async fn handle(&mut self, _: &RequestContext, _: Myself) -> Result<(), ()> {
+        Ok(())
     }
 }
 
@@ -397,4 +437,33 @@ async fn a_request_during_on_stop_waits_for_it_and_gets_a_fresh_instance() {
     eventually("the fresh instance is reaped in turn", || script.events().len() == 6).await;
     assert_eq!(sharding.active_entity_count(), 0);
     sharding.shutdown().await;
+}
+
+/// Seed 000 `abandonUndelivered`: at shutdown the local callers of persisted requests that no
+/// handler started are told at once that their requests are left stored, so a handler the
+/// drain waits for is not stuck on one (here: on a request to its own entity, queued behind
+/// it) until the termination timeout.
+#[tokio::test(start_paused = true)]
+async fn shutdown_abandons_the_callers_of_requests_no_handler_started() {
+    let config = ShardingConfig {
+        entity_termination_timeout: Duration::from_secs(60),
+        ..ShardingConfig::default()
+    };
+    let (sharding, storage) = runner(config).await;
+    let script = Script::of("asks-itself");
+    let asking = tokio::spawn({
+        let client = sharding.client::<Sender>("asks-itself");
+        async move { client.send(AskMyself).await }
+    });
+    eventually("the handler waits for its own entity", || script.events().contains(&"asking"))
+        .await;
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    let started = tokio::time::Instant::now();
+    sharding.shutdown().await;
+    assert!(started.elapsed() < Duration::from_secs(60), "the drain waited for the timeout");
+    assert_eq!(script.heard(), Some(Heard::Abandoned));
+    asking.await.unwrap().unwrap();
+    // Its caller gone, the question still ran in the drain: nothing is lost.
+    let left = unprocessed(&*storage).await;
+    assert_eq!(requests(&left), 0, "{left:?}");
 }
