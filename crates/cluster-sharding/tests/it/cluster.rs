@@ -312,9 +312,9 @@ on_every_backend!(
     entities_run_only_on_runners_of_their_shard_group,
 );
 
-/// Volatile traffic between runners goes through the transport; it does not depend on the
-/// storage, so these run on memory storage only.
-mod transport {
+/// Cases that do not depend on the storage backend (volatile traffic through the transport,
+/// cron schedules) run on memory storage only.
+mod in_memory {
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn volatile_requests_reach_entities_on_other_runners() {
         super::volatile_requests_reach_entities_on_other_runners(
@@ -340,6 +340,18 @@ mod transport {
         let net = super::Net::memory().await.unwrap();
         super::a_runner_that_stops_answering_pings_loses_its_shards_until_it_answers_again(net)
             .await;
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_chained_cron_job_catches_up_the_runs_missed_while_no_runner_was_up() {
+        let net = super::Net::memory().await.unwrap();
+        super::a_chained_cron_job_catches_up_or_skips_missed_runs(net, false).await;
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_chained_cron_job_skips_runs_older_than_skip_if_older_than() {
+        let net = super::Net::memory().await.unwrap();
+        super::a_chained_cron_job_catches_up_or_skips_missed_runs(net, true).await;
     }
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -1158,5 +1170,42 @@ async fn entities_run_only_on_runners_of_their_shard_group(mut net: Net) {
     assert!(default.acquired_shards().iter().all(|shard| shard.group().to_string() == "default"));
     for runner in [&client, &default, &special] {
         runner.shutdown().await;
+    }
+}
+
+/// §12.7 ClusterCron: a job chained from the previous run (`calculate_next_run_from_previous`)
+/// keeps its schedule across a whole-cluster restart: the runs missed while no runner was up
+/// are caught up, or skipped when older than `skip_if_older_than`.
+async fn a_chained_cron_job_catches_up_or_skips_missed_runs(net: Net, skip: bool) {
+    let log = Arc::new(CronLog::default());
+    let name = net.id(if skip { "skipping" } else { "catching-up" });
+    let options = CronOptions {
+        calculate_next_run_from_previous: true,
+        skip_if_older_than: if skip {
+            Duration::from_millis(500)
+        } else {
+            Duration::from_secs(3600)
+        },
+        ..CronOptions::default()
+    };
+    let first = net.runner(17_001).await;
+    every_second(&first, &name, options.clone(), &log);
+    eventually("the job runs", || log.runs().len() >= 2).await;
+    first.shutdown().await;
+    let before = log.runs();
+    // Nobody runs the job for a while.
+    tokio::time::sleep(Duration::from_millis(3200)).await;
+    let second = net.runner(17_002).await;
+    every_second(&second, &name, options, &log);
+    eventually("the job runs again", || log.runs().len() >= before.len() + 2).await;
+    second.shutdown().await;
+    let runs = log.runs();
+    assert!(runs.values().all(|&count| count == 1), "an instant ran twice: {runs:?}");
+    let instants: Vec<i64> = runs.keys().copied().collect();
+    let widest = instants.windows(2).map(|pair| pair[1] - pair[0]).max().unwrap_or(0);
+    if skip {
+        assert!(widest >= 2000, "the stale runs were skipped: {instants:?}");
+    } else {
+        assert_eq!(widest, 1000, "every missed second was caught up: {instants:?}");
     }
 }
