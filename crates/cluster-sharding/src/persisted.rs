@@ -213,7 +213,7 @@ impl PersistedStream {
             // consumer gets no further chunk here (the reference's abandoned AckChunk, §1.4).
             return Err(ClusterError::EntityNotAssignedToRunner { address: self.address.clone() });
         }
-        persisted.poll_storage();
+        self.sharding.wake_reader(&self.address.shard_id, || Envelope::AckChunk(ack));
         Ok(())
     }
 
@@ -272,7 +272,10 @@ impl Drop for InterruptOnDrop {
         owner.spawn_owned(async move {
             let Some(persisted) = sharding.persisted() else { return };
             match persisted.storage.save_interrupt(&interrupt).await {
-                Ok(()) => persisted.poll_storage(),
+                Ok(()) => {
+                    let shard = interrupt.address.shard_id.clone();
+                    sharding.wake_reader(&shard, || Envelope::Interrupt(interrupt));
+                }
                 Err(error) => tracing::warn!(%error, request_id = %interrupt.request_id, "could not store an interrupt"),
             }
         });
@@ -308,7 +311,7 @@ impl Sharding {
                 original_id
             }
         };
-        persisted.poll_storage();
+        self.wake_reader(&request.address.shard_id, || Envelope::Request(request.clone()));
         if self.is_shutdown() {
             // Sent while this runner stops (an entity's `on_stop`): no reply will be read here;
             // the request is stored for the next owner (the reference's abandon path, §1.4).
@@ -371,7 +374,7 @@ impl Sharding {
                 original_id
             }
         };
-        persisted.poll_storage();
+        self.wake_reader(&request.address.shard_id, || Envelope::Request(request.clone()));
         persisted.reply_waiters.notify_one();
         let interrupt = InterruptOnDrop {
             sharding: Some(self.clone()),
@@ -396,7 +399,7 @@ impl Sharding {
     ) -> Result<(), ClusterError> {
         let persisted = self.persisted().ok_or_else(|| not_stored(&request.address))?;
         persisted.storage.save_request(&request, &options).await?;
-        persisted.poll_storage();
+        self.wake_reader(&request.address.shard_id, || Envelope::Request(request.clone()));
         Ok(())
     }
 

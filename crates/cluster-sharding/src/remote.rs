@@ -281,6 +281,24 @@ impl Sharding {
         Ok((replied, acked, cancellation))
     }
 
+    /// A message for `shard` was stored: whoever reads that shard looks at once. That is this
+    /// runner's read loop, or the owner's, told through the transport (the reference's
+    /// persisted `Notify`; a failure is only logged, the owner's poll finds the message
+    /// anyway).
+    pub(crate) fn wake_reader(&self, shard: &ShardId, envelope: impl FnOnce() -> Envelope) {
+        if let Some(persisted) = self.persisted() {
+            persisted.poll_storage();
+        }
+        let Route::Remote(owner) = self.route(shard) else { return };
+        let Some(transport) = self.transport().cloned() else { return };
+        let envelope = envelope();
+        self.spawn_owned(async move {
+            if let Err(error) = transport.notify(&owner, envelope, true).await {
+                tracing::debug!(%error, %owner, "could not tell the owner to read storage");
+            }
+        });
+    }
+
     /// What a transport calls when a peer's request arrives (the reference's `RunnerServer`).
     /// It does not keep the runtime alive.
     pub fn runner_handler(&self) -> Arc<dyn RunnerHandler> {

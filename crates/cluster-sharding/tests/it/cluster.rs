@@ -355,6 +355,12 @@ mod in_memory {
     }
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_stored_request_wakes_its_remote_owner_through_the_transport() {
+        let net = super::Net::memory().await.unwrap();
+        super::a_stored_request_wakes_its_remote_owner_through_the_transport(net).await;
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn a_volatile_discard_is_retried_after_a_failed_delivery() {
         let net = super::Net::memory().await.unwrap();
         super::a_volatile_discard_is_retried_after_a_failed_delivery(net).await;
@@ -1208,4 +1214,53 @@ async fn a_chained_cron_job_catches_up_or_skips_missed_runs(net: Net, skip: bool
     } else {
         assert_eq!(widest, 1000, "every missed second was caught up: {instants:?}");
     }
+}
+
+/// A persisted request saved by a process that does not own its shard tells the owner through
+/// the transport (the reference's persisted `Notify`): the owner reads it at once instead of at
+/// its next poll.
+async fn a_stored_request_wakes_its_remote_owner_through_the_transport(net: Net) {
+    let network = MemoryNetwork::new();
+    let slow_poll = |port: u16| {
+        let mut config = config(Some(RunnerAddress::new("127.0.0.1", port)));
+        config.entity_message_poll_interval = Duration::from_secs(60);
+        config
+    };
+    let (messages, locks) = net.storages().await;
+    let transport = Some(network.runners());
+    let owner = Sharding::join_with_transport(
+        slow_poll(18_001),
+        Arc::new(SystemClock),
+        messages,
+        locks,
+        transport,
+    )
+    .await
+    .unwrap();
+    network.attach(RunnerAddress::new("127.0.0.1", 18_001), owner.runner_handler());
+    owner.register::<Counter>(EntityOptions::default()).unwrap();
+    eventually("the owner holds every shard", || split(&[&owner])).await;
+    let (messages, locks) = net.storages().await;
+    let client = Sharding::join_with_transport(
+        config(None),
+        Arc::new(SystemClock),
+        messages,
+        locks,
+        Some(network.runners()),
+    )
+    .await
+    .unwrap();
+    let counter = client.client::<Counter>(net.id("woken"));
+    // The client's own first assignment comes from its registry poll.
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    let before = network.notifies();
+    let answered = tokio::time::timeout(
+        Duration::from_secs(10),
+        counter.send(Deposit { key: "now".to_owned(), amount: 2 }),
+    )
+    .await;
+    assert_eq!(answered.expect("answered long before the owner's next poll").unwrap(), 2);
+    assert!(network.notifies() > before, "the owner was told");
+    client.shutdown().await;
+    owner.shutdown().await;
 }
