@@ -252,6 +252,9 @@ pub struct LockFaults {
     refresh_fails: std::sync::atomic::AtomicBool,
     /// The runner is dead: nothing it does reaches the storage any more.
     killed: std::sync::atomic::AtomicBool,
+    /// Registrations take this long (milliseconds) before they reach the storage.
+    register_delay_ms: std::sync::atomic::AtomicU64,
+    registers: AtomicU32,
     acquires: AtomicU32,
     refreshes_with_shards: AtomicU32,
     releases: std::sync::Mutex<Vec<ShardId>>,
@@ -285,6 +288,17 @@ impl LockFaults {
     pub fn kill(&self) {
         self.killed.store(true, Ordering::Release);
         self.refresh_fails.store(true, Ordering::Release);
+    }
+
+    /// Registrations take `delay` before they reach the storage (a slow registry).
+    pub fn delay_register(&self, delay: std::time::Duration) {
+        let millis = u64::try_from(delay.as_millis()).unwrap_or(u64::MAX);
+        self.register_delay_ms.store(millis, Ordering::Release);
+    }
+
+    /// How often `register` was called.
+    pub fn registers(&self) -> u32 {
+        self.registers.load(Ordering::Acquire)
     }
 
     fn is_killed(&self) -> bool {
@@ -345,10 +359,17 @@ impl RunnerStorage for FaultyRunnerStorage {
         runner: &'a Runner,
         healthy: bool,
     ) -> BoxFuture<'a, Result<MachineId, StorageError>> {
-        if self.faults.is_killed() {
-            return Box::pin(async { Err(injected("register (killed)")) });
-        }
-        self.inner.register(runner, healthy)
+        Box::pin(async move {
+            self.faults.registers.fetch_add(1, Ordering::AcqRel);
+            let delay = self.faults.register_delay_ms.load(Ordering::Acquire);
+            if delay > 0 {
+                tokio::time::sleep(std::time::Duration::from_millis(delay)).await;
+            }
+            if self.faults.is_killed() {
+                return Err(injected("register (killed)"));
+            }
+            self.inner.register(runner, healthy).await
+        })
     }
 
     fn unregister<'a>(

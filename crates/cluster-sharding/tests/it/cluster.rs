@@ -310,6 +310,7 @@ on_every_backend!(
     persisted_requests_survive_an_abrupt_runner_death,
     a_request_stored_while_no_runner_is_up_is_answered_once_by_the_next,
     entities_run_only_on_runners_of_their_shard_group,
+    a_registration_in_flight_does_not_outlive_the_shutdown,
 );
 
 /// Cases that do not depend on the storage backend (volatile traffic through the transport,
@@ -1263,4 +1264,24 @@ async fn a_stored_request_wakes_its_remote_owner_through_the_transport(net: Net)
     assert!(network.notifies() > before, "the owner was told");
     client.shutdown().await;
     owner.shutdown().await;
+}
+
+/// Seed 002's registration lock: a registration still in flight when the runner shuts down
+/// finishes before the runner unregisters, so it cannot advertise the stopped runner again.
+async fn a_registration_in_flight_does_not_outlive_the_shutdown(net: Net) {
+    let (a, faults) = faulty_runner(&net, 19_001).await;
+    eventually("the runner holds every shard", || split(&[&a])).await;
+    let address = a.config().runner_address.clone().unwrap();
+    let (_, registry) = net.storages().await;
+    // The registry forgets the runner; its sync loop registers it again, slowly.
+    faults.delay_register(Duration::from_millis(800));
+    let registered = faults.registers();
+    registry.unregister(&address).await.unwrap();
+    eventually("the runner registers again", || faults.registers() > registered).await;
+    a.shutdown().await;
+    let runners = registry.get_runners().await.unwrap();
+    assert!(
+        runners.iter().all(|(runner, _)| runner.address != address),
+        "the stopped runner is still advertised: {runners:?}"
+    );
 }
