@@ -639,13 +639,16 @@ impl Sharding {
             .collect()
     }
 
-    /// Local callers waiting for replies of `shard`'s requests stop waiting here: on a
-    /// rebalance they read the reply from storage; during shutdown they are told their request
-    /// was abandoned to the next owner.
+    /// `shard` was let go. During shutdown the local callers waiting for replies of its
+    /// requests are told their requests were abandoned to the next owner. Otherwise (a
+    /// rebalance) they keep waiting: the reply poller reads the next owner's replies (final
+    /// replies and stream chunks) from storage, which is where the reference's rerouted
+    /// callers read them too.
     fn unregister_shard_waiters(&self, shard: &ShardId) {
-        if let Some(persisted) = self.persisted() {
-            let mode = UnregisterMode::from_interrupt(self.is_shutdown());
-            persisted.unregister_shard(shard, mode);
+        if let Some(persisted) = self.persisted()
+            && self.is_shutdown()
+        {
+            persisted.unregister_shard(shard, UnregisterMode::Abandon);
         }
     }
 

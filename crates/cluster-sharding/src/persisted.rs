@@ -174,11 +174,6 @@ impl Persisted {
         lock(&self.waiters).unregister_shard(shard, mode);
     }
 
-    /// Ends the local waits for the reply of `request_id` (its reply was fenced).
-    pub(crate) fn unregister_request(&self, request_id: Snowflake, mode: UnregisterMode) {
-        lock(&self.waiters).unregister(request_id, mode);
-    }
-
     /// Wakes the storage read loop.
     pub(crate) fn poll_storage(&self) {
         self.read_latch.notify_one();
@@ -728,14 +723,13 @@ impl Sharding {
         })
     }
 
-    /// The shard lock was not confirmed (seed 000 fencing): the final reply is not stored, the
-    /// claim is released for the shard's next owner, and local callers read the reply from
-    /// storage once that owner stores it.
+    /// The shard lock was not confirmed (seed 000 fencing): the final reply is not stored and
+    /// the claim is released for the shard's next owner; local callers keep waiting and read
+    /// the reply from storage once that owner stores it.
     async fn fenced(&self, persisted: &Persisted, request_id: Snowflake) {
         if let Err(error) = persisted.storage.reset_requests(&[request_id]).await {
             tracing::debug!(%error, %request_id, "could not release a fenced request's claim");
         }
-        persisted.unregister_request(request_id, UnregisterMode::Reroute);
     }
 
     /// Hands an interrupted server-side uninterruptible request to its entity again (reference

@@ -311,6 +311,7 @@ on_every_backend!(
     a_request_stored_while_no_runner_is_up_is_answered_once_by_the_next,
     entities_run_only_on_runners_of_their_shard_group,
     a_registration_in_flight_does_not_outlive_the_shutdown,
+    a_persisted_stream_follows_its_shard_to_the_next_owner,
 );
 
 /// Cases that do not depend on the storage backend (volatile traffic through the transport,
@@ -1284,4 +1285,43 @@ async fn a_registration_in_flight_does_not_outlive_the_shutdown(net: Net) {
         runners.iter().all(|(runner, _)| runner.address != address),
         "the stopped runner is still advertised: {runners:?}"
     );
+}
+
+/// A persisted stream consumed on the runner that lets its shard go keeps flowing: the next
+/// owner resumes it after the last acknowledged item, and the consumer reads the rest from
+/// storage.
+async fn a_persisted_stream_follows_its_shard_to_the_next_owner(net: Net) {
+    let a = net.runner(20_001).await;
+    eventually("the runner holds every shard", || split(&[&a])).await;
+    let b_address = RunnerAddress::new("127.0.0.1", 20_002);
+    let id = (0..1000)
+        .map(|n| net.id(&format!("moving-stream-{n}")))
+        .find(|id| {
+            let shard = a.client::<Counter>(id.as_str()).address().shard_id.clone();
+            owner_among(&[20_001, 20_002], &shard) == b_address
+        })
+        .expect("some shard moves to the new runner");
+    let probes = Probes::of(&id);
+    probes.hang_at.store(3, Ordering::SeqCst);
+    let client = a.client::<Counter>(id.as_str());
+    let mut stream =
+        client.stream(crate::entities::Resume { key: "moving".to_owned(), n: 6 }).await.unwrap();
+    let mut items = Vec::new();
+    for _ in 0..3 {
+        items.push(stream.next().await.unwrap().unwrap());
+    }
+    // The handler hangs before item 3; the shard moves; the next owner's run goes on.
+    let shard = client.address().shard_id.clone();
+    let b = net.runner(20_002).await;
+    eventually("the shard is let go", || !a.acquired_shards().contains(&shard)).await;
+    probes.hang_at.store(u64::MAX, Ordering::SeqCst);
+    let rest = async {
+        while let Some(item) = stream.next().await {
+            items.push(item.unwrap());
+        }
+    };
+    tokio::time::timeout(Duration::from_secs(20), rest).await.expect("the stream ends");
+    assert_eq!(items, [0, 1, 2, 3, 4, 5]);
+    a.shutdown().await;
+    b.shutdown().await;
 }
