@@ -472,6 +472,10 @@ impl Sharding {
                 // A forced release took over: it drops every lock at once.
                 break;
             }
+            if cluster.stopped.is_cancelled() {
+                // Shutdown is over: its `release_all` drops the lock, or it expires.
+                break;
+            }
             match cluster.storage.release(&address, &shard).await {
                 Ok(()) => {
                     cluster.state().ownership.release_finished(&shard);
@@ -482,9 +486,16 @@ impl Sharding {
                         tracing::warn!(%error, %shard, waited = ?started.elapsed(), "could not release a shard lock; retrying");
                         warned_at = Some(tokio::time::Instant::now());
                     }
-                    tokio::time::sleep(RELEASE_RETRY).await;
+                    tokio::select! {
+                        () = tokio::time::sleep(RELEASE_RETRY) => {}
+                        () = cluster.stopped.cancelled() => {}
+                    }
                 }
             }
+        }
+        if cluster.stopped.is_cancelled() {
+            lock(&cluster.releases).remove(&shard);
+            return;
         }
         lock(&cluster.releases).remove(&shard);
         self.unregister_shard_waiters(&shard);
@@ -515,6 +526,10 @@ impl Sharding {
         let started = tokio::time::Instant::now();
         let mut warned_at: Option<tokio::time::Instant> = None;
         loop {
+            if cluster.stopped.is_cancelled() {
+                // Shutdown is over: its own `release_all` was the last word.
+                return;
+            }
             let healthy = cluster.state().ownership.locks_healthy();
             if healthy {
                 match cluster.storage.release_all(&address).await {
@@ -534,6 +549,7 @@ impl Sharding {
             tokio::select! {
                 _ = events.changed() => {}
                 () = tokio::time::sleep(RELEASE_RETRY) => {}
+                () = cluster.stopped.cancelled() => {}
             }
         }
         cluster.state().ownership.finish_forced_release(&shards);

@@ -252,6 +252,8 @@ pub struct LockFaults {
     refresh_fails: std::sync::atomic::AtomicBool,
     /// The runner is dead: nothing it does reaches the storage any more.
     killed: std::sync::atomic::AtomicBool,
+    /// Every release fails (`Unavailable`).
+    release_fails: std::sync::atomic::AtomicBool,
     /// Registrations take this long (milliseconds) before they reach the storage.
     register_delay_ms: std::sync::atomic::AtomicU64,
     registers: AtomicU32,
@@ -288,6 +290,11 @@ impl LockFaults {
     pub fn kill(&self) {
         self.killed.store(true, Ordering::Release);
         self.refresh_fails.store(true, Ordering::Release);
+    }
+
+    /// Makes every `release` and `release_all` fail (`Unavailable`) or work again.
+    pub fn fail_release(&self, failing: bool) {
+        self.release_fails.store(failing, Ordering::Release);
     }
 
     /// Registrations take `delay` before they reach the storage (a slow registry).
@@ -440,6 +447,9 @@ impl RunnerStorage for FaultyRunnerStorage {
         if self.faults.is_killed() {
             return Box::pin(async { Ok(()) });
         }
+        if self.faults.release_fails.load(Ordering::Acquire) {
+            return Box::pin(async { Err(injected("release")) });
+        }
         self.inner.release(address, shard_id)
     }
 
@@ -450,6 +460,9 @@ impl RunnerStorage for FaultyRunnerStorage {
         self.faults.releases_all.fetch_add(1, Ordering::AcqRel);
         if self.faults.is_killed() {
             return Box::pin(async { Ok(()) });
+        }
+        if self.faults.release_fails.load(Ordering::Acquire) {
+            return Box::pin(async { Err(injected("release_all")) });
         }
         self.inner.release_all(address)
     }

@@ -312,6 +312,7 @@ on_every_backend!(
     entities_run_only_on_runners_of_their_shard_group,
     a_registration_in_flight_does_not_outlive_the_shutdown,
     a_persisted_stream_follows_its_shard_to_the_next_owner,
+    shutdown_completes_when_locks_cannot_be_released,
 );
 
 /// Cases that do not depend on the storage backend (volatile traffic through the transport,
@@ -1324,4 +1325,16 @@ async fn a_persisted_stream_follows_its_shard_to_the_next_owner(net: Net) {
     assert_eq!(items, [0, 1, 2, 3, 4, 5]);
     a.shutdown().await;
     b.shutdown().await;
+}
+
+/// Shutdown is bounded even when lock storage refuses every release: the handoff gives up
+/// after `shard_lock_interval`, and the locks are left to expire.
+async fn shutdown_completes_when_locks_cannot_be_released(net: Net) {
+    let (a, faults) = faulty_runner(&net, 21_001).await;
+    eventually("the runner holds every shard", || split(&[&a])).await;
+    faults.fail_release(true);
+    tokio::time::timeout(Duration::from_secs(15), a.shutdown())
+        .await
+        .expect("the shutdown completes");
+    assert!(!faults.releases().is_empty(), "the handoff tried");
 }
