@@ -1338,3 +1338,59 @@ async fn shutdown_completes_when_locks_cannot_be_released(net: Net) {
         .expect("the shutdown completes");
     assert!(!faults.releases().is_empty(), "the handoff tried");
 }
+
+/// PostgreSQL advisory locks live in the runner's lock session: when that session dies (here
+/// killed with `pg_terminate_backend`), the runner's next refresh finds its locks gone, it
+/// lets its shards go and takes them again on a new session; at no sampled instant do two
+/// runners hold one shard.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_killed_postgres_lock_session_loses_its_shards_and_takes_them_back() {
+    let Some(net) = Net::postgres().await else { return };
+    let Backend::Postgres { url, prefix } = &net.backend else { return };
+    let options = sql_options(prefix.clone(), EXPIRATION, &[ShardGroup::default_group()]);
+    let locks = Arc::new(PgRunnerStorage::connect(url, &options).await.unwrap());
+    let messages = Arc::new(PgMessageStorage::connect(url, &options).await.unwrap());
+    let config_a = config(Some(RunnerAddress::new("127.0.0.1", 22_001)));
+    let a = Sharding::join(config_a, Arc::new(SystemClock), messages, Arc::clone(&locks) as _)
+        .await
+        .unwrap();
+    let b = net.runner(22_002).await;
+    eventually("the shards are split", || {
+        split(&[&a, &b]) && !a.acquired_shards().is_empty() && !b.acquired_shards().is_empty()
+    })
+    .await;
+    let held_before = a.acquired_shards();
+    let overlaps = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let stop = tokio_util::sync::CancellationToken::new();
+    let sampler = tokio::spawn({
+        let (a, b, overlaps, stop) = (a.clone(), b.clone(), Arc::clone(&overlaps), stop.clone());
+        async move {
+            while !stop.is_cancelled() {
+                let on_a = a.acquired_shards();
+                if b.acquired_shards().iter().any(|shard| on_a.contains(shard)) {
+                    overlaps.fetch_add(1, Ordering::SeqCst);
+                }
+                tokio::time::sleep(Duration::from_millis(5)).await;
+            }
+        }
+    });
+    let pid = locks.lock_session_pid().expect("the lock session is open");
+    let (admin, connection) = tokio_postgres::connect(url, tokio_postgres::NoTls).await.unwrap();
+    let connection = tokio::spawn(connection);
+    let terminated: bool =
+        admin.query_one("SELECT pg_terminate_backend($1)", &[&pid]).await.unwrap().get(0);
+    assert!(terminated);
+    eventually("the runner lets its shards go", || a.acquired_shards().len() < held_before.len())
+        .await;
+    eventually("it takes them back on a new session", || {
+        split(&[&a, &b]) && a.acquired_shards() == held_before
+    })
+    .await;
+    assert_ne!(locks.lock_session_pid(), Some(pid), "a new lock session");
+    stop.cancel();
+    sampler.await.unwrap();
+    assert_eq!(overlaps.load(Ordering::SeqCst), 0, "a shard had two owners");
+    connection.abort();
+    a.shutdown().await;
+    b.shutdown().await;
+}
