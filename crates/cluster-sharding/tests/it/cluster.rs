@@ -364,6 +364,12 @@ mod in_memory {
     }
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_cron_job_runs_on_the_runners_of_its_shard_group() {
+        let net = super::Net::memory().await.unwrap();
+        super::a_cron_job_runs_on_the_runners_of_its_shard_group(net).await;
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn a_volatile_discard_is_retried_after_a_failed_delivery() {
         let net = super::Net::memory().await.unwrap();
         super::a_volatile_discard_is_retried_after_a_failed_delivery(net).await;
@@ -1393,4 +1399,53 @@ async fn a_killed_postgres_lock_session_loses_its_shards_and_takes_them_back() {
     connection.abort();
     a.shutdown().await;
     b.shutdown().await;
+}
+
+/// §12.7 ClusterCron: a job of the `special` shard group (its singleton and its runs) runs only
+/// on the runner that serves that group.
+async fn a_cron_job_runs_on_the_runners_of_its_shard_group(mut net: Net) {
+    let groups = vec![ShardGroup::default_group(), ShardGroup::from("special")];
+    net.groups = groups.clone();
+    let serving = |group: &str| {
+        let groups = groups.clone();
+        let group = ShardGroup::from(group);
+        move |config: &mut ShardingConfig| {
+            config.available_shard_groups = groups;
+            config.assigned_shard_groups = vec![group];
+        }
+    };
+    let default = net.runner_configured(23_001, |locks| locks, serving("default")).await;
+    let special = net.runner_configured(23_002, |locks| locks, serving("special")).await;
+    let ports = Arc::new(std::sync::Mutex::new(Vec::new()));
+    let name = net.id("grouped");
+    for runner in [&default, &special] {
+        let ports = Arc::clone(&ports);
+        let options = CronOptions {
+            shard_group: Some(ShardGroup::from("special")),
+            ..CronOptions::default()
+        };
+        runner
+            .register_cron(name.as_str(), "* * * * * *", options, move |context| {
+                let ports = Arc::clone(&ports);
+                async move {
+                    let port = context
+                        .sharding()
+                        .config()
+                        .runner_address
+                        .as_ref()
+                        .map(RunnerAddress::port);
+                    ports.lock().unwrap().push(port);
+                    Ok::<(), std::convert::Infallible>(())
+                }
+            })
+            .unwrap();
+    }
+    eventually("the job runs twice", || ports.lock().unwrap().len() >= 2).await;
+    assert!(
+        ports.lock().unwrap().iter().all(|port| *port == Some(23_002)),
+        "{:?}",
+        ports.lock().unwrap()
+    );
+    default.shutdown().await;
+    special.shutdown().await;
 }
