@@ -1449,3 +1449,29 @@ async fn a_cron_job_runs_on_the_runners_of_its_shard_group(mut net: Net) {
     default.shutdown().await;
     special.shutdown().await;
 }
+
+/// §12.7 Entity: two clusters on one PostgreSQL database with different table prefixes do not
+/// see each other: separate registries, and the same entity id is served by each cluster's
+/// own runner with its own state.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn clusters_with_different_table_prefixes_are_isolated() {
+    let (Some(first), Some(second)) = (Net::postgres().await, Net::postgres().await) else {
+        return;
+    };
+    let a = first.runner(24_001).await;
+    let b = second.runner(24_002).await;
+    eventually("each cluster holds every shard", || split(&[&a]) && split(&[&b])).await;
+    let (_, first_registry) = first.storages().await;
+    let registered = first_registry.get_runners().await.unwrap();
+    assert_eq!(registered.len(), 1, "{registered:?}");
+    assert_eq!(registered[0].0.address.port(), 24_001);
+    let id = first.id("isolated");
+    let on_first = a.client::<Counter>(id.as_str());
+    let on_second = b.client::<Counter>(id.as_str());
+    assert_eq!(on_first.send(Deposit { key: "k".to_owned(), amount: 3 }).await.unwrap(), 3);
+    assert_eq!(on_second.send(Deposit { key: "k".to_owned(), amount: 4 }).await.unwrap(), 4);
+    assert_eq!(first.final_replies(&on_first, "Deposit", "k").await, 1);
+    assert_eq!(second.final_replies(&on_second, "Deposit", "k").await, 1);
+    a.shutdown().await;
+    b.shutdown().await;
+}
