@@ -9,6 +9,7 @@ use cluster_core::envelope::{Reply, primary_key};
 use cluster_core::storage::{MessageStorage, RunnerStorage};
 use cluster_core::{Clock, RunnerAddress, ShardGroup, ShardId, ShardingConfig, SystemClock};
 use cluster_sharding::{CallError, CronOptions, EntityClient, EntityOptions, Sharding};
+use cluster_storage_sql::mysql::{MySqlMessageStorage, MySqlRunnerStorage};
 use cluster_storage_sql::postgres::{PgMessageStorage, PgRunnerStorage};
 use cluster_storage_sql::sqlite::{SqliteMessageStorage, SqliteOptions, SqliteRunnerStorage};
 use cluster_storage_sql::{SqlStorageOptions, TablePrefix};
@@ -33,6 +34,8 @@ enum Backend {
     /// One PostgreSQL database, tables with the test's own prefix; every runner connects on
     /// its own (its own advisory lock session).
     Postgres { url: String, prefix: TablePrefix },
+    /// The same on MySQL (MariaDB).
+    Mysql { url: String, prefix: TablePrefix },
 }
 
 /// The storage shared by the runners of one test; its tables or file go away with it.
@@ -54,6 +57,7 @@ impl Net {
             Backend::Memory { .. } => "memory",
             Backend::Sqlite { .. } => "sqlite",
             Backend::Postgres { .. } => "postgres",
+            Backend::Mysql { .. } => "mysql",
         };
         format!("{backend}-{name}")
     }
@@ -96,13 +100,27 @@ impl Net {
                 return None;
             }
         };
-        static COUNTER: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
-        let n = COUNTER.fetch_add(1, Ordering::SeqCst);
-        let nanos = SystemClock.now().unix_millis() % 100_000;
-        let prefix = TablePrefix::new(&format!("s{}_{n}_{nanos}", std::process::id())).unwrap();
+        let prefix = unique_prefix("s");
         let options = sql_options(prefix.clone(), EXPIRATION, &[ShardGroup::default_group()]);
         let messages = Arc::new(PgMessageStorage::connect(&url, &options).await.unwrap());
         Some(Net::new(Backend::Postgres { url, prefix }, messages))
+    }
+
+    async fn mysql() -> Option<Net> {
+        let url = match std::env::var("CLUSTER_TEST_MYSQL_URL") {
+            Ok(url) if !url.is_empty() => url,
+            _ => {
+                assert!(
+                    std::env::var("CI").as_deref() != Ok("true"),
+                    "CLUSTER_TEST_MYSQL_URL is not set and CI=true: these tests must run"
+                );
+                return None;
+            }
+        };
+        let prefix = unique_prefix("m");
+        let options = sql_options(prefix.clone(), EXPIRATION, &[ShardGroup::default_group()]);
+        let messages = Arc::new(MySqlMessageStorage::connect(&url, &options).await.unwrap());
+        Some(Net::new(Backend::Mysql { url, prefix }, messages))
     }
 
     /// A runner's own handles on the shared storage.
@@ -128,6 +146,12 @@ impl Net {
                 let options = sql_options(prefix.clone(), self.expiration, &self.groups);
                 let messages = PgMessageStorage::connect(url, &options).await.unwrap();
                 let locks = PgRunnerStorage::connect(url, &options).await.unwrap();
+                (Arc::new(messages), Arc::new(locks))
+            }
+            Backend::Mysql { url, prefix } => {
+                let options = sql_options(prefix.clone(), self.expiration, &self.groups);
+                let messages = MySqlMessageStorage::connect(url, &options).await.unwrap();
+                let locks = MySqlRunnerStorage::connect(url, options).await.unwrap();
                 (Arc::new(messages), Arc::new(locks))
             }
         }
@@ -224,10 +248,7 @@ impl Drop for Net {
             }
             Backend::Postgres { url, prefix } => {
                 let tables: Vec<String> =
-                    ["messages", "replies", "migrations", "runners", "locks", "runner_migrations"]
-                        .iter()
-                        .map(|table| format!("\"{}\"", prefix.table(table)))
-                        .collect();
+                    TABLES.iter().map(|table| format!("\"{}\"", prefix.table(table))).collect();
                 let sql = format!("DROP TABLE IF EXISTS {}", tables.join(", "));
                 let url = url.clone();
                 // Also when the test panicked: on a thread of its own, with its own runtime.
@@ -247,8 +268,45 @@ impl Drop for Net {
                 });
                 let _ = dropped.join();
             }
+            Backend::Mysql { url, prefix } => {
+                let statements: Vec<String> = TABLES
+                    .iter()
+                    .map(|table| format!("DROP TABLE IF EXISTS `{}`", prefix.table(table)))
+                    .collect();
+                let url = url.clone();
+                let dropped = std::thread::spawn(move || {
+                    let runtime =
+                        tokio::runtime::Builder::new_current_thread().enable_all().build();
+                    runtime.map(|runtime| {
+                        runtime.block_on(async {
+                            use mysql_async::prelude::Queryable;
+                            let pool = mysql_async::Pool::from_url(url.as_str())?;
+                            let mut connection = pool.get_conn().await?;
+                            for statement in statements {
+                                connection.query_drop(statement).await?;
+                            }
+                            drop(connection);
+                            pool.disconnect().await?;
+                            Ok::<(), mysql_async::Error>(())
+                        })
+                    })
+                });
+                let _ = dropped.join();
+            }
         }
     }
+}
+
+/// The tables of a prefix, histories included.
+const TABLES: [&str; 6] =
+    ["messages", "replies", "migrations", "runners", "locks", "runner_migrations"];
+
+/// A table prefix of this test's own: `<letter><pid>_<n>_<millis>`.
+fn unique_prefix(letter: &str) -> TablePrefix {
+    static COUNTER: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
+    let n = COUNTER.fetch_add(1, Ordering::SeqCst);
+    let millis = SystemClock.now().unix_millis() % 100_000;
+    TablePrefix::new(&format!("{letter}{}_{n}_{millis}", std::process::id())).unwrap()
 }
 
 fn sql_options(
@@ -288,6 +346,14 @@ macro_rules! on_every_backend {
                 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
                 async fn $case() {
                     if let Some(net) = super::Net::postgres().await { super::$case(net).await; }
+                }
+            )*
+        }
+        mod mysql {
+            $(
+                #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+                async fn $case() {
+                    if let Some(net) = super::Net::mysql().await { super::$case(net).await; }
                 }
             )*
         }
