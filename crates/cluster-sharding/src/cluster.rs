@@ -476,7 +476,8 @@ impl Sharding {
                 // Shutdown is over: its `release_all` drops the lock, or it expires.
                 break;
             }
-            match cluster.storage.release(&address, &shard).await {
+            let interval = self.config().shard_lock_interval();
+            match bounded(interval, cluster.storage.release(&address, &shard)).await {
                 Ok(()) => {
                     cluster.state().ownership.release_finished(&shard);
                     break;
@@ -532,7 +533,8 @@ impl Sharding {
             }
             let healthy = cluster.state().ownership.locks_healthy();
             if healthy {
-                match cluster.storage.release_all(&address).await {
+                let interval = self.config().shard_lock_interval();
+                match bounded(interval, cluster.storage.release_all(&address)).await {
                     Ok(()) => break,
                     Err(error) => tracing::debug!(%error, "release_all failed; retrying"),
                 }
@@ -776,12 +778,14 @@ impl Sharding {
             }
             {
                 let _registering = cluster.registration.lock().await;
-                if let Err(error) = cluster.storage.unregister(&address).await {
+                let unregistered = bounded(REGISTRY_TIMEOUT, cluster.storage.unregister(&address));
+                if let Err(error) = unregistered.await {
                     tracing::warn!(%error, "could not unregister the runner");
                 }
             }
             cluster.stopped.cancel();
-            if let Err(error) = cluster.storage.release_all(&address).await {
+            let released = bounded(bound, cluster.storage.release_all(&address));
+            if let Err(error) = released.await {
                 tracing::warn!(%error, "could not release the shard locks; they expire");
             }
             tracing::info!(runner = %address, "shutdown complete");
@@ -856,6 +860,20 @@ async fn is_alive(transport: &dyn Runners, address: &RunnerAddress) -> bool {
         }
     }
     false
+}
+
+/// `call`, failing with a timeout error after `limit` (a lock storage that hangs is a lock
+/// storage that fails).
+async fn bounded<T>(
+    limit: Duration,
+    call: impl std::future::Future<Output = Result<T, cluster_core::error::StorageError>>,
+) -> Result<T, cluster_core::error::StorageError> {
+    tokio::time::timeout(limit, call).await.unwrap_or_else(|_| {
+        Err(cluster_core::error::StorageError::new(
+            cluster_core::error::StorageErrorKind::Timeout,
+            format!("no answer within {limit:?}"),
+        ))
+    })
 }
 
 /// Refreshes `held`, retrying a few times (the reference's 5 retries 50 ms apart).

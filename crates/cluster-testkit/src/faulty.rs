@@ -254,6 +254,8 @@ pub struct LockFaults {
     killed: std::sync::atomic::AtomicBool,
     /// Every release fails (`Unavailable`).
     release_fails: std::sync::atomic::AtomicBool,
+    /// Lock operations hang while set (a black-holed lock connection).
+    blackholed: std::sync::atomic::AtomicBool,
     /// Registrations take this long (milliseconds) before they reach the storage.
     register_delay_ms: std::sync::atomic::AtomicU64,
     registers: AtomicU32,
@@ -290,6 +292,19 @@ impl LockFaults {
     pub fn kill(&self) {
         self.killed.store(true, Ordering::Release);
         self.refresh_fails.store(true, Ordering::Release);
+    }
+
+    /// Makes the lock operations (`acquire`, `refresh`, `release`, `release_all`) hang until
+    /// called with `false`, like a lock connection whose packets are dropped.
+    pub fn blackhole(&self, on: bool) {
+        self.blackholed.store(on, Ordering::Release);
+    }
+
+    /// Waits while the lock connection is black-holed.
+    async fn through_the_blackhole(&self) {
+        while self.blackholed.load(Ordering::Acquire) {
+            tokio::time::sleep(std::time::Duration::from_millis(10)).await;
+        }
     }
 
     /// Makes every `release` and `release_all` fail (`Unavailable`) or work again.
@@ -408,6 +423,7 @@ impl RunnerStorage for FaultyRunnerStorage {
     ) -> BoxFuture<'a, Result<Vec<ShardId>, StorageError>> {
         Box::pin(async move {
             self.faults.acquires.fetch_add(1, Ordering::AcqRel);
+            self.faults.through_the_blackhole().await;
             if self.faults.is_killed() {
                 return Err(injected("acquire (killed)"));
             }
@@ -426,6 +442,7 @@ impl RunnerStorage for FaultyRunnerStorage {
             if !shard_ids.is_empty() {
                 self.faults.refreshes_with_shards.fetch_add(1, Ordering::AcqRel);
             }
+            self.faults.through_the_blackhole().await;
             if self.faults.refresh_fails.load(Ordering::Acquire) {
                 return Err(injected("refresh"));
             }
@@ -450,7 +467,10 @@ impl RunnerStorage for FaultyRunnerStorage {
         if self.faults.release_fails.load(Ordering::Acquire) {
             return Box::pin(async { Err(injected("release")) });
         }
-        self.inner.release(address, shard_id)
+        Box::pin(async move {
+            self.faults.through_the_blackhole().await;
+            self.inner.release(address, shard_id).await
+        })
     }
 
     fn release_all<'a>(
@@ -464,6 +484,9 @@ impl RunnerStorage for FaultyRunnerStorage {
         if self.faults.release_fails.load(Ordering::Acquire) {
             return Box::pin(async { Err(injected("release_all")) });
         }
-        self.inner.release_all(address)
+        Box::pin(async move {
+            self.faults.through_the_blackhole().await;
+            self.inner.release_all(address).await
+        })
     }
 }

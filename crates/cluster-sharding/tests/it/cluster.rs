@@ -379,6 +379,7 @@ on_every_backend!(
     a_registration_in_flight_does_not_outlive_the_shutdown,
     a_persisted_stream_follows_its_shard_to_the_next_owner,
     shutdown_completes_when_locks_cannot_be_released,
+    a_black_holed_lock_connection_hands_the_shards_over_without_split_brain,
 );
 
 /// Cases that do not depend on the storage backend (volatile traffic through the transport,
@@ -1538,6 +1539,47 @@ async fn clusters_with_different_table_prefixes_are_isolated() {
     assert_eq!(on_second.send(Deposit { key: "k".to_owned(), amount: 4 }).await.unwrap(), 4);
     assert_eq!(first.final_replies(&on_first, "Deposit", "k").await, 1);
     assert_eq!(second.final_replies(&on_second, "Deposit", "k").await, 1);
+    a.shutdown().await;
+    b.shutdown().await;
+}
+
+/// §12.7 Locks: a runner whose lock connection is black-holed (every lock operation hangs)
+/// stops serving at once; its locks and heartbeat expire, the peer takes every shard, and no
+/// shard ever has two active owners; once the connection answers again the runner drops its
+/// stale locks, registers again and gets shards back.
+async fn a_black_holed_lock_connection_hands_the_shards_over_without_split_brain(mut net: Net) {
+    net.expiration = Duration::from_secs(2);
+    let (a, faults) = faulty_runner(&net, 25_001).await;
+    let b = net.runner(25_002).await;
+    eventually("the shards are split", || {
+        split(&[&a, &b]) && !a.acquired_shards().is_empty() && !b.acquired_shards().is_empty()
+    })
+    .await;
+    let overlaps = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let stop = tokio_util::sync::CancellationToken::new();
+    let sampler = tokio::spawn({
+        let (a, b, overlaps, stop) = (a.clone(), b.clone(), Arc::clone(&overlaps), stop.clone());
+        async move {
+            while !stop.is_cancelled() {
+                let on_a = a.acquired_shards();
+                if b.acquired_shards().iter().any(|shard| on_a.contains(shard)) {
+                    overlaps.fetch_add(1, Ordering::SeqCst);
+                }
+                tokio::time::sleep(Duration::from_millis(5)).await;
+            }
+        }
+    });
+    faults.blackhole(true);
+    eventually("the faulted runner stops serving", || a.acquired_shards().is_empty()).await;
+    eventually("the peer takes every shard", || split(&[&b])).await;
+    faults.blackhole(false);
+    eventually("the faulted runner rejoins", || {
+        split(&[&a, &b]) && !a.acquired_shards().is_empty()
+    })
+    .await;
+    stop.cancel();
+    sampler.await.unwrap();
+    assert_eq!(overlaps.load(Ordering::SeqCst), 0, "a shard had two owners");
     a.shutdown().await;
     b.shutdown().await;
 }
