@@ -371,6 +371,18 @@ pub(crate) struct HandlerEntry<E> {
     pub(crate) rerun_on_interrupt: bool,
 }
 
+impl<E> HandlerEntry<E> {
+    /// The entry of the unary request type `R`, with its flags.
+    fn unary<R: Rpc>(call: CallKind<E>) -> HandlerEntry<E> {
+        HandlerEntry {
+            call,
+            interrupt_on_termination: R::INTERRUPT_ON_TERMINATION && !R::UNINTERRUPTIBLE.server(),
+            with_transaction: R::WITH_TRANSACTION && R::PERSISTED,
+            rerun_on_interrupt: R::UNINTERRUPTIBLE.server() && R::PERSISTED,
+        }
+    }
+}
+
 /// An entity value shared by the running `&self` requests of one instance. Type-erased so that
 /// only entity types with shared handlers need to be `Sync`.
 pub(crate) type SharedValue = Arc<dyn std::any::Any + Send + Sync>;
@@ -401,13 +413,7 @@ impl<E: Entity> Protocol<E> {
     where
         E: Handler<R>,
     {
-        let entry = HandlerEntry {
-            call: CallKind::Unary(call::<E, R>),
-            interrupt_on_termination: R::INTERRUPT_ON_TERMINATION && !R::UNINTERRUPTIBLE.server(),
-            with_transaction: R::WITH_TRANSACTION && R::PERSISTED,
-            rerun_on_interrupt: R::UNINTERRUPTIBLE.server() && R::PERSISTED,
-        };
-        self.handlers.insert(R::TAG, entry);
+        self.handlers.insert(R::TAG, HandlerEntry::unary::<R>(CallKind::Unary(call::<E, R>)));
         self
     }
 
@@ -417,12 +423,7 @@ impl<E: Entity> Protocol<E> {
     where
         E: SharedHandler<R>,
     {
-        let entry = HandlerEntry {
-            call: CallKind::Shared(shared_call::<E, R>),
-            interrupt_on_termination: R::INTERRUPT_ON_TERMINATION && !R::UNINTERRUPTIBLE.server(),
-            with_transaction: R::WITH_TRANSACTION && R::PERSISTED,
-            rerun_on_interrupt: R::UNINTERRUPTIBLE.server() && R::PERSISTED,
-        };
+        let entry = HandlerEntry::unary::<R>(CallKind::Shared(shared_call::<E, R>));
         self.handlers.insert(R::TAG, entry);
         self.sharing = Some(Sharing { share: share::<E>, unshare: unshare::<E> });
         self

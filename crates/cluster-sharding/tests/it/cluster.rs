@@ -90,16 +90,7 @@ impl Net {
     }
 
     async fn postgres() -> Option<Net> {
-        let url = match std::env::var("CLUSTER_TEST_POSTGRES_URL") {
-            Ok(url) if !url.is_empty() => url,
-            _ => {
-                assert!(
-                    std::env::var("CI").as_deref() != Ok("true"),
-                    "CLUSTER_TEST_POSTGRES_URL is not set and CI=true: these tests must run"
-                );
-                return None;
-            }
-        };
+        let url = database_url("CLUSTER_TEST_POSTGRES_URL")?;
         let prefix = unique_prefix("s");
         let options = sql_options(prefix.clone(), EXPIRATION, &[ShardGroup::default_group()]);
         let messages = Arc::new(PgMessageStorage::connect(&url, &options).await.unwrap());
@@ -107,16 +98,7 @@ impl Net {
     }
 
     async fn mysql() -> Option<Net> {
-        let url = match std::env::var("CLUSTER_TEST_MYSQL_URL") {
-            Ok(url) if !url.is_empty() => url,
-            _ => {
-                assert!(
-                    std::env::var("CI").as_deref() != Ok("true"),
-                    "CLUSTER_TEST_MYSQL_URL is not set and CI=true: these tests must run"
-                );
-                return None;
-            }
-        };
+        let url = database_url("CLUSTER_TEST_MYSQL_URL")?;
         let prefix = unique_prefix("m");
         let options = sql_options(prefix.clone(), EXPIRATION, &[ShardGroup::default_group()]);
         let messages = Arc::new(MySqlMessageStorage::connect(&url, &options).await.unwrap());
@@ -293,6 +275,21 @@ impl Drop for Net {
                 });
                 let _ = dropped.join();
             }
+        }
+    }
+}
+
+/// The database URL in `variable`, or `None` when it is not set; under `CI=true` a missing
+/// URL fails the test (CI never passes by skipping a database).
+fn database_url(variable: &str) -> Option<String> {
+    match std::env::var(variable) {
+        Ok(url) if !url.is_empty() => Some(url),
+        _ => {
+            assert!(
+                std::env::var("CI").as_deref() != Ok("true"),
+                "{variable} is not set and CI=true: these tests must run"
+            );
+            None
         }
     }
 }
