@@ -19,9 +19,12 @@
 //!   per-shard path (bounded by `shard_lock_interval`) so that other runners take them at once,
 //!   then `release_all` drops what is left.
 //!
-//! Persisted traffic needs nothing else: the request is stored and its shard's owner reads it.
-//! Volatile requests for another runner's shard need the runner-to-runner transport, which is
-//! not wired in yet: they fail with `EntityNotAssignedToRunner`.
+//! Persisted traffic needs nothing else: the request is stored and its shard's owner reads it
+//! (a transport, when there is one, only tells the owner to read at once). Volatile requests
+//! for another runner's shard go through the transport given to
+//! [`Sharding::join_with_transport`] (see `remote`); without one they fail with
+//! `EntityNotAssignedToRunner`. With a transport, the runner-health singleton pings the
+//! runners and marks those that do not answer unhealthy.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
