@@ -96,9 +96,6 @@ struct InFlight {
     started: Arc<std::sync::atomic::AtomicBool>,
 }
 
-/// A local wait for a reply ended without it: the request's shard left this runner.
-struct Rerouted;
-
 /// What a local caller of a persisted request hears: the final reply, or why it will not come
 /// to this process.
 type Answer = Result<Reply, UnregisterMode>;
@@ -321,23 +318,9 @@ impl Sharding {
             address: request.address.clone(),
             request_id: waited_id,
         };
-        let exit = loop {
-            match self.await_reply(persisted, &request.address, waited_id, &mut replied).await {
-                // The shard moved to another runner (or this one could not confirm its lock):
-                // keep waiting; the reply poller reads the next owner's reply from storage.
-                Err(Rerouted) if self.cluster().is_some() && !self.is_shutdown() => {
-                    let (reply, rerouted) = oneshot::channel();
-                    registration = persisted.register(waited_id, &request.address.shard_id, reply);
-                    replied = rerouted;
-                }
-                Err(Rerouted) => {
-                    break Err(ClusterError::EntityNotAssignedToRunner {
-                        address: request.address.clone(),
-                    });
-                }
-                Ok(exit) => break exit,
-            }
-        };
+        // A shard that moves or a fenced reply keeps the wait going (the reply poller reads the
+        // next owner's reply); only shutdown ends it without a reply.
+        let exit = self.await_reply(persisted, &request.address, waited_id, &mut replied).await;
         interrupt.sharding = None;
         drop(registration);
         exit
@@ -404,17 +387,17 @@ impl Sharding {
         address: &EntityAddress,
         request_id: Snowflake,
         replied: &mut oneshot::Receiver<Answer>,
-    ) -> Result<Result<Exit, ClusterError>, Rerouted> {
+    ) -> Result<Exit, ClusterError> {
         // Woken by a reply saved in this process, or by the reply poller.
         persisted.reply_waiters.notify_one();
         match replied.await {
-            Ok(Ok(Reply::WithExit(with_exit))) => Ok(Ok(with_exit.exit)),
+            Ok(Ok(Reply::WithExit(with_exit))) => Ok(with_exit.exit),
             // This process stops: the request stays stored for the next owner.
             Ok(Err(UnregisterMode::Abandon)) => {
-                Ok(Err(ClusterError::Abandoned { address: address.clone(), request_id }))
+                Err(ClusterError::Abandoned { address: address.clone(), request_id })
             }
-            // The waiter was unregistered without a reply: the shard moved.
-            _ => Err(Rerouted),
+            // Unregistered without a reply otherwise: the reply will not be read here.
+            _ => Err(ClusterError::EntityNotAssignedToRunner { address: address.clone() }),
         }
     }
 
