@@ -118,7 +118,7 @@ impl Persisted {
     }
 
     /// Ends every local wait for a reply: this process will not read replies any more (it is
-    /// shutting down). The callers fail with `EntityNotAssignedToRunner`; their requests stay
+    /// shutting down). The callers fail with `ClusterError::Abandoned`; their requests stay
     /// stored.
     pub(crate) fn abandon_waiters(&self) {
         let mut waiters = lock(&self.waiters);
