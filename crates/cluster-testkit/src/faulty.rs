@@ -28,6 +28,7 @@ pub struct Faults {
     commit_failed: Countdown,
     begin_transaction_calls: AtomicU32,
     commits: AtomicU32,
+    resets: std::sync::Mutex<Vec<Snowflake>>,
 }
 
 /// How many of the next calls fail.
@@ -66,6 +67,12 @@ impl Faults {
     /// How often a transaction was committed (or tried to), failed commits included.
     pub fn commits(&self) -> u32 {
         self.commits.load(Ordering::Acquire)
+    }
+
+    /// The requests whose claim was released (`reset_requests`), in call order: a runner
+    /// that leaves a request for the next owner.
+    pub fn resets(&self) -> Vec<Snowflake> {
+        self.resets.lock().unwrap_or_else(std::sync::PoisonError::into_inner).clone()
     }
 }
 
@@ -167,6 +174,11 @@ impl MessageStorage for FaultyMessageStorage {
         &'a self,
         request_ids: &'a [Snowflake],
     ) -> BoxFuture<'a, Result<(), StorageError>> {
+        self.faults
+            .resets
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .extend_from_slice(request_ids);
         self.inner.reset_requests(request_ids)
     }
 

@@ -26,6 +26,7 @@ const EXPIRATION: Duration = Duration::from_secs(30);
 const SHARDS: u32 = 30;
 
 /// Where the runners of a test keep their messages and locks.
+#[derive(Clone)]
 enum Backend {
     /// One in-memory message storage and registry, shared.
     Memory { messages: Arc<MemoryMessageStorage>, registry: Arc<MemoryRunnerDatabase> },
@@ -107,36 +108,7 @@ impl Net {
 
     /// A runner's own handles on the shared storage.
     async fn storages(&self) -> (Arc<dyn MessageStorage>, Arc<dyn RunnerStorage>) {
-        match &self.backend {
-            Backend::Memory { messages, registry } => (
-                Arc::clone(messages) as _,
-                Arc::new(MemoryRunnerStorage::new(Arc::clone(registry), self.expiration)),
-            ),
-            Backend::Sqlite { path } => {
-                let options = || {
-                    SqliteOptions::new(sql_options(
-                        TablePrefix::default(),
-                        self.expiration,
-                        &self.groups,
-                    ))
-                };
-                let messages = SqliteMessageStorage::open(path, options()).await.unwrap();
-                let locks = SqliteRunnerStorage::open(path, options()).await.unwrap();
-                (Arc::new(messages), Arc::new(locks))
-            }
-            Backend::Postgres { url, prefix } => {
-                let options = sql_options(prefix.clone(), self.expiration, &self.groups);
-                let messages = PgMessageStorage::connect(url, &options).await.unwrap();
-                let locks = PgRunnerStorage::connect(url, &options).await.unwrap();
-                (Arc::new(messages), Arc::new(locks))
-            }
-            Backend::Mysql { url, prefix } => {
-                let options = sql_options(prefix.clone(), self.expiration, &self.groups);
-                let messages = MySqlMessageStorage::connect(url, &options).await.unwrap();
-                let locks = MySqlRunnerStorage::connect(url, options).await.unwrap();
-                (Arc::new(messages), Arc::new(locks))
-            }
-        }
+        self.backend.open(self.expiration, &self.groups).await
     }
 
     async fn runner(&self, port: u16) -> Sharding {
@@ -216,6 +188,41 @@ impl Net {
         };
         let replies = self.messages.replies_for_unfiltered(&[request_id]).await.unwrap();
         replies.iter().filter(|reply| matches!(reply, Reply::WithExit(_))).count()
+    }
+}
+
+impl Backend {
+    /// A runner's own handles on this storage, whose locks expire after `expiration`.
+    async fn open(
+        &self,
+        expiration: Duration,
+        groups: &[ShardGroup],
+    ) -> (Arc<dyn MessageStorage>, Arc<dyn RunnerStorage>) {
+        match self {
+            Backend::Memory { messages, registry } => (
+                Arc::clone(messages) as _,
+                Arc::new(MemoryRunnerStorage::new(Arc::clone(registry), expiration)),
+            ),
+            Backend::Sqlite { path } => {
+                let options =
+                    || SqliteOptions::new(sql_options(TablePrefix::default(), expiration, groups));
+                let messages = SqliteMessageStorage::open(path, options()).await.unwrap();
+                let locks = SqliteRunnerStorage::open(path, options()).await.unwrap();
+                (Arc::new(messages), Arc::new(locks))
+            }
+            Backend::Postgres { url, prefix } => {
+                let options = sql_options(prefix.clone(), expiration, groups);
+                let messages = PgMessageStorage::connect(url, &options).await.unwrap();
+                let locks = PgRunnerStorage::connect(url, &options).await.unwrap();
+                (Arc::new(messages), Arc::new(locks))
+            }
+            Backend::Mysql { url, prefix } => {
+                let options = sql_options(prefix.clone(), expiration, groups);
+                let messages = MySqlMessageStorage::connect(url, &options).await.unwrap();
+                let locks = MySqlRunnerStorage::connect(url, options).await.unwrap();
+                (Arc::new(messages), Arc::new(locks))
+            }
+        }
     }
 }
 
@@ -377,6 +384,7 @@ on_every_backend!(
     a_persisted_stream_follows_its_shard_to_the_next_owner,
     shutdown_completes_when_locks_cannot_be_released,
     a_black_holed_lock_connection_hands_the_shards_over_without_split_brain,
+    a_frozen_runner_stores_no_final_reply_and_the_new_owner_answers_once,
 );
 
 /// Cases that do not depend on the storage backend (volatile traffic through the transport,
@@ -1579,4 +1587,114 @@ async fn a_black_holed_lock_connection_hands_the_shards_over_without_split_brain
     assert_eq!(overlaps.load(Ordering::SeqCst), 0, "a shard had two owners");
     a.shutdown().await;
     b.shutdown().await;
+}
+
+/// A runner on a runtime and thread of its own, which the test can freeze as a whole, as a
+/// process stopped with SIGSTOP: every task of it stops (lock refreshes, heartbeats, handlers,
+/// its database connections' I/O) and nothing of it notices the time that passed.
+struct Freezable {
+    handle: tokio::runtime::Handle,
+    stop: Option<tokio::sync::oneshot::Sender<()>>,
+    thread: Option<std::thread::JoinHandle<()>>,
+}
+
+impl Freezable {
+    fn start() -> Freezable {
+        let (handle_sender, handle) = std::sync::mpsc::channel();
+        let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+        let thread = std::thread::spawn(move || {
+            let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build();
+            let runtime = runtime.expect("a runtime");
+            handle_sender.send(runtime.handle().clone()).expect("the test waits for it");
+            runtime.block_on(async {
+                let _ = stopped.await;
+            });
+        });
+        let handle = handle.recv().expect("the runtime started");
+        Freezable { handle, stop: Some(stop), thread: Some(thread) }
+    }
+
+    /// Freezes the runtime until the returned sender is used or dropped.
+    async fn freeze(&self) -> std::sync::mpsc::Sender<()> {
+        let (thaw, frozen) = std::sync::mpsc::channel::<()>();
+        let (is_frozen, wait) = tokio::sync::oneshot::channel();
+        self.handle.spawn(async move {
+            let _ = is_frozen.send(());
+            // Blocks the runtime's only thread: nothing else of the runner runs meanwhile.
+            let _ = frozen.recv();
+        });
+        wait.await.expect("the runtime froze");
+        thaw
+    }
+}
+
+impl Drop for Freezable {
+    fn drop(&mut self) {
+        if let Some(stop) = self.stop.take() {
+            let _ = stop.send(());
+        }
+        if let Some(thread) = self.thread.take() {
+            let _ = thread.join();
+        }
+    }
+}
+
+/// §12.7 Entity (frozen owner) and seed 000 fencing: a runner frozen in the middle of a
+/// persisted request stops refreshing its locks; once they expire another runner takes the
+/// shard and runs the request again. When the frozen runner continues and its handler
+/// finishes, it stores no final reply (its lock is gone) but leaves the request to the new
+/// owner, which answers it exactly once.
+async fn a_frozen_runner_stores_no_final_reply_and_the_new_owner_answers_once(mut net: Net) {
+    net.expiration = Duration::from_secs(2);
+    let frozen = Freezable::start();
+    let (backend, expiration, groups) = (net.backend.clone(), net.expiration, net.groups.clone());
+    let started = frozen.handle.spawn(async move {
+        let (messages, locks) = backend.open(expiration, &groups).await;
+        let (messages, faults) = cluster_testkit::faulty::FaultyMessageStorage::new(messages);
+        let config = ShardingConfig {
+            shard_lock_expiration: expiration,
+            ..config(Some(RunnerAddress::new("127.0.0.1", 26_001)))
+        };
+        let a = Sharding::join(config, Arc::new(SystemClock), Arc::new(messages), locks).await;
+        let a = a.unwrap();
+        a.register::<Counter>(EntityOptions::default()).unwrap();
+        (a, faults)
+    });
+    let (a, faults) = started.await.unwrap();
+    eventually("the runner holds every shard", || split(&[&a])).await;
+    let client = net.client().await;
+    let id = net.id("frozen");
+    let counter = client.client::<Counter>(id.as_str());
+    let probes = Probes::of(&id);
+    let call = tokio::spawn({
+        let counter = counter.clone();
+        async move { counter.send(Gated).await }
+    });
+    eventually("the request runs", || probes.gated_runs.load(Ordering::SeqCst) == 1).await;
+    let thaw = frozen.freeze().await;
+    let b = net.runner(26_002).await;
+    eventually("the other runner takes every shard", || split(&[&b])).await;
+    eventually("the request runs on the new owner", || {
+        probes.gated_runs.load(Ordering::SeqCst) == 2
+    })
+    .await;
+    // The gate is fair: this permit goes to the frozen runner's handler, which waited first.
+    probes.gate.add_permits(1);
+    thaw.send(()).unwrap();
+    let key = primary_key(counter.address(), "Gated", "gate");
+    let request_id = net.messages.request_id_for_primary_key(&key).await.unwrap().unwrap();
+    eventually("the thawed runner leaves the request to the new owner", || {
+        faults.resets().contains(&request_id)
+    })
+    .await;
+    assert_eq!(final_gated_replies(&net, &counter).await, 0, "the frozen runner stored a reply");
+    assert!(!call.is_finished(), "the caller waits for the new owner's reply");
+    probes.gate.add_permits(1);
+    let answer = tokio::time::timeout(Duration::from_secs(20), call).await;
+    assert_eq!(answer.expect("answered in time").unwrap().unwrap(), 2, "the new owner's run");
+    assert_eq!(final_gated_replies(&net, &counter).await, 1);
+    eventually("the thawed runner rejoins", || split(&[&a, &b])).await;
+    client.shutdown().await;
+    b.shutdown().await;
+    frozen.handle.spawn(async move { a.shutdown().await }).await.unwrap();
 }
