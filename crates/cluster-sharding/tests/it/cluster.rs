@@ -385,6 +385,7 @@ on_every_backend!(
     shutdown_completes_when_locks_cannot_be_released,
     a_black_holed_lock_connection_hands_the_shards_over_without_split_brain,
     a_frozen_runner_stores_no_final_reply_and_the_new_owner_answers_once,
+    the_backlog_beyond_the_residency_cap_drains_in_waves,
 );
 
 /// Cases that do not depend on the storage backend (volatile traffic through the transport,
@@ -1697,4 +1698,70 @@ async fn a_frozen_runner_stores_no_final_reply_and_the_new_owner_answers_once(mu
     client.shutdown().await;
     b.shutdown().await;
     frozen.handle.spawn(async move { a.shutdown().await }).await.unwrap();
+}
+
+/// §12.7 Residency: at the cap of resident entities, requests for new entities saved by another
+/// process stay stored (not failed, not dropped) while the residents run; once the residents
+/// finish and are reaped, the backlog drains in waves, never above the cap.
+async fn the_backlog_beyond_the_residency_cap_drains_in_waves(net: Net) {
+    let runner = net
+        .runner_configured(
+            27_001,
+            |locks| locks,
+            |config| {
+                config.max_resident_entities = cluster_core::config::Capacity::bounded(3).unwrap();
+                config.entity_max_idle_time = Some(Duration::from_millis(200));
+            },
+        )
+        .await;
+    eventually("the runner holds every shard", || split(&[&runner])).await;
+    let client = net.client().await;
+    let held: Vec<String> = (0..3).map(|n| net.id(&format!("held-{n}"))).collect();
+    let calls: Vec<_> = held
+        .iter()
+        .map(|id| {
+            let counter = client.client::<Counter>(id.as_str());
+            tokio::spawn(async move { counter.send(Gated).await })
+        })
+        .collect();
+    eventually("the three residents run", || {
+        held.iter().all(|id| Probes::of(id).gated_runs.load(Ordering::SeqCst) == 1)
+    })
+    .await;
+    let backlog: Vec<String> = (0..8).map(|n| net.id(&format!("backlog-{n}"))).collect();
+    for id in &backlog {
+        let counter = client.client::<Counter>(id.as_str());
+        counter.discard(Deposit { key: "late".to_owned(), amount: 1 }).await.unwrap();
+    }
+    let peak = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let stop = tokio_util::sync::CancellationToken::new();
+    let sampler = tokio::spawn({
+        let (runner, peak, stop) = (runner.clone(), Arc::clone(&peak), stop.clone());
+        async move {
+            while !stop.is_cancelled() {
+                peak.fetch_max(runner.active_entity_count(), Ordering::SeqCst);
+                tokio::time::sleep(Duration::from_millis(2)).await;
+            }
+        }
+    });
+    // Several storage polls while the residents run: nothing of the backlog is delivered.
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let delivered = backlog.iter().filter(|id| Probes::of(id).deposits.load(Ordering::SeqCst) > 0);
+    assert_eq!(delivered.count(), 0, "a newcomer was admitted at the cap");
+    assert_eq!(runner.active_entity_count(), 3);
+    for id in &held {
+        Probes::of(id).gate.add_permits(1);
+    }
+    for call in calls {
+        assert_eq!(call.await.unwrap().unwrap(), 1, "a resident answers once released");
+    }
+    eventually("the backlog drains", || {
+        backlog.iter().all(|id| Probes::of(id).deposits.load(Ordering::SeqCst) == 1)
+    })
+    .await;
+    stop.cancel();
+    sampler.await.unwrap();
+    assert_eq!(peak.load(Ordering::SeqCst), 3, "the cap was reached and never exceeded");
+    client.shutdown().await;
+    runner.shutdown().await;
 }
