@@ -1562,14 +1562,22 @@ async fn a_black_holed_lock_connection_hands_the_shards_over_without_split_brain
     })
     .await;
     let overlaps = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    // Set while the faulted runner must own nothing: from its first empty sample to the fix.
+    let out = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let owned_while_out = Arc::new(std::sync::atomic::AtomicUsize::new(0));
     let stop = tokio_util::sync::CancellationToken::new();
     let sampler = tokio::spawn({
-        let (a, b, overlaps, stop) = (a.clone(), b.clone(), Arc::clone(&overlaps), stop.clone());
+        let (a, b, stop) = (a.clone(), b.clone(), stop.clone());
+        let (overlaps, out, owned_while_out) =
+            (Arc::clone(&overlaps), Arc::clone(&out), Arc::clone(&owned_while_out));
         async move {
             while !stop.is_cancelled() {
                 let on_a = a.acquired_shards();
                 if b.acquired_shards().iter().any(|shard| on_a.contains(shard)) {
                     overlaps.fetch_add(1, Ordering::SeqCst);
+                }
+                if out.load(Ordering::SeqCst) && !on_a.is_empty() {
+                    owned_while_out.fetch_add(1, Ordering::SeqCst);
                 }
                 tokio::time::sleep(Duration::from_millis(5)).await;
             }
@@ -1577,7 +1585,11 @@ async fn a_black_holed_lock_connection_hands_the_shards_over_without_split_brain
     });
     faults.blackhole(true);
     eventually("the faulted runner stops serving", || a.acquired_shards().is_empty()).await;
+    out.store(true, Ordering::SeqCst);
     eventually("the peer takes every shard", || split(&[&b])).await;
+    // §12.7 Locks "stuck": the lock operations keep hanging; the runner keeps owning nothing.
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    out.store(false, Ordering::SeqCst);
     faults.blackhole(false);
     eventually("the faulted runner rejoins", || {
         split(&[&a, &b]) && !a.acquired_shards().is_empty()
@@ -1586,6 +1598,7 @@ async fn a_black_holed_lock_connection_hands_the_shards_over_without_split_brain
     stop.cancel();
     sampler.await.unwrap();
     assert_eq!(overlaps.load(Ordering::SeqCst), 0, "a shard had two owners");
+    assert_eq!(owned_while_out.load(Ordering::SeqCst), 0, "a shard was taken while stuck");
     a.shutdown().await;
     b.shutdown().await;
 }
