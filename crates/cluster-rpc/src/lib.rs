@@ -1,8 +1,61 @@
-//! Runner-to-runner transport over TCP.
+//! Runner-to-runner transport over TCP: the `cluster_core::runners` contract
+//! ([`Runners`](cluster_core::runners::Runners) on the client side,
+//! [`RunnerHandler`](cluster_core::runners::RunnerHandler) on the server side) implemented with
+//! tokio (DESIGN.md §3, decision 2; reference §1.5).
 //!
-//! This crate will implement the `cluster_core::runners::Runners` contract: length-delimited
-//! frames with a size limit, a compact codec, one multiplexed connection per peer with bounded
-//! queues, reconnect with capped backoff, optional TLS and a shared-secret handshake.
-//! Persisted traffic never depends on it: storage is the source of truth.
+//! - [`RpcServer::bind`] binds a listener (so the runtime learns its advertised address), then
+//!   [`RpcServer::serve`] starts calling a handler and returns a [`ServerHandle`] whose
+//!   [`shutdown`](ServerHandle::shutdown) stops it gracefully.
+//! - [`TcpRunners`] is the client: one multiplexed connection per peer, cached, closed after
+//!   `idle_expiry` without calls, dropped by `on_runner_unavailable`, reopened lazily with a
+//!   capped, jittered backoff after failed attempts.
+//! - [`RpcConfig`] holds the limits (frame size, calls in flight, queues, stream buffer,
+//!   connections), timeouts and the shared secret, loadable from `CLUSTER_RPC_*` variables.
 //!
-//! Status: not written yet (the transport issue).
+//! Protocol: after a mutual HMAC-SHA256 handshake over the shared secret (see `handshake`),
+//! each side sends length-delimited frames (4-byte big-endian length, at most
+//! `max_frame_bytes`) of postcard-encoded wire forms (`frame`; the codec was chosen by
+//! measurement, see `codec`). Calls are `Ping`, `Notify`, `Request` (the `Effect` and `Stream`
+//! RPCs), `Envelope` and `Cancel`; answers are `Done`, `Reply` and `Failed`. A garbage,
+//! truncated or oversize frame closes its connection only, and is logged.
+//!
+//! Error mapping (reference §1.5, §12.3), on the client:
+//!
+//! - a transport failure (connect refused or timed out, handshake refused, connection lost
+//!   before the final answer, server overloaded, backoff in force) is
+//!   `ClusterError::RunnerUnavailable`;
+//! - the server's typed errors (`EntityNotAssignedToRunner`, `MailboxFull`,
+//!   `AlreadyProcessingMessage`, `Abandoned`, `RunnerUnavailable`, `RunnerNotRegistered`) come
+//!   back as they are;
+//! - any other server error (storage, decoding) or a handler panic travels as a *defect*: for a
+//!   persisted request it is `RunnerUnavailable` (the caller recovers the reply from storage),
+//!   for a volatile request it is the request's final reply, a `Die` with the message; for the
+//!   void calls (`Notify`, `Envelope`) it is `RunnerUnavailable`;
+//! - a reply the server cannot encode or that exceeds the frame limit fails only its own
+//!   request, with a `Die(MalformedMessage)` final reply; a request the client cannot encode
+//!   fails only itself with `MalformedMessage`.
+//!
+//! A failed `notify` of a persisted envelope is reported like any other failure; the contract
+//! leaves ignoring it to the caller (storage is read anyway).
+//!
+//! Cancellation: dropping the future of `send` (or the stream of `stream`) before the final
+//! reply sends `Cancel`; the server then drops the handler's reply stream, which interrupts a
+//! volatile request. Closing a connection does the same to all of its calls.
+//!
+//! Not done yet: TLS (planned behind a `tls` feature, rustls with the `ring` provider); until
+//! then the handshake authenticates peers but traffic is not encrypted.
+//! Persisted traffic never depends on this crate: storage is the source of truth.
+
+mod client;
+mod codec;
+mod config;
+mod conn;
+mod error;
+mod frame;
+mod handshake;
+mod server;
+
+pub use client::TcpRunners;
+pub use config::{MAX_FRAME_BYTES_MAX, RpcConfig};
+pub use error::RpcError;
+pub use server::{RpcServer, ServerHandle};

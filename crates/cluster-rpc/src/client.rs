@@ -1,0 +1,579 @@
+//! The client side: [`TcpRunners`], the `Runners` contract over TCP.
+//!
+//! One multiplexed connection per peer, opened on first use and cached. Each call gets a fresh
+//! call id and a bounded channel; the connection's reader routes server frames to it. A call
+//! whose future or reply stream is dropped before its final answer queues a `Cancel` frame
+//! (written ahead of other frames), so the server drops the request's reply stream.
+//!
+//! Reconnection is lazy: a call that finds its peer's connection closed opens a new one. After
+//! a failed attempt the peer is in backoff, `min(backoff_cap, backoff_base × 2^(n−1))` with
+//! equal jitter (half fixed, half random) after the n-th consecutive failure; calls during
+//! backoff fail at once with `RunnerUnavailable` (routing retries them). A connection with no
+//! call in flight for `idle_expiry` closes itself; [`Runners::on_runner_unavailable`] and a
+//! failed ping drop the cached connection (its calls in flight fail with `RunnerUnavailable`).
+
+use std::collections::BTreeMap;
+use std::fmt;
+use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
+use std::time::Duration;
+
+use cluster_core::envelope::{Envelope, Exit, Reply, Request, WithExit};
+use cluster_core::error::{ClusterError, DecodeError};
+use cluster_core::future::BoxFuture;
+use cluster_core::ids::RunnerAddress;
+use cluster_core::runners::{ReplyStream, Runners};
+use cluster_core::snowflake::Snowflake;
+use tokio::net::TcpStream;
+use tokio::net::tcp::OwnedWriteHalf;
+use tokio::sync::{Notify, OwnedSemaphorePermit, Semaphore, mpsc};
+use tokio::task::JoinSet;
+use tokio::time::Instant;
+use tokio_util::sync::CancellationToken;
+use tracing::{Instrument, debug, info, info_span, warn};
+
+use crate::codec::{self, ServerError};
+use crate::config::RpcConfig;
+use crate::conn;
+use crate::frame::Frame;
+use crate::handshake;
+use crate::server::read_loop;
+
+/// The `Runners` contract over TCP: a cached, multiplexed connection per peer, reopened lazily
+/// with a capped, jittered backoff (see the [crate docs](crate)).
+pub struct TcpRunners {
+    config: Arc<RpcConfig>,
+    peers: Mutex<BTreeMap<RunnerAddress, Arc<tokio::sync::Mutex<Peer>>>>,
+}
+
+/// The cached state of one peer.
+#[derive(Default)]
+struct Peer {
+    connection: Option<Arc<Connection>>,
+    failures: u32,
+    retry_at: Option<Instant>,
+}
+
+fn lock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
+    // Critical sections only move map entries and flags; a panic cannot leave them half done.
+    mutex.lock().unwrap_or_else(PoisonError::into_inner)
+}
+
+fn unavailable(address: &RunnerAddress) -> ClusterError {
+    ClusterError::RunnerUnavailable { address: address.clone() }
+}
+
+impl fmt::Debug for TcpRunners {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let peers: Vec<RunnerAddress> = lock(&self.peers).keys().cloned().collect();
+        f.debug_struct("TcpRunners").field("config", &self.config).field("peers", &peers).finish()
+    }
+}
+
+impl TcpRunners {
+    /// A client with `config` (validated first).
+    pub fn new(config: RpcConfig) -> Result<Arc<TcpRunners>, crate::RpcError> {
+        config.validate()?;
+        Ok(Arc::new(TcpRunners { config: Arc::new(config), peers: Mutex::new(BTreeMap::new()) }))
+    }
+
+    /// Whether a connection to `address` is cached and open (also true while a connection
+    /// attempt to it is under way).
+    pub fn is_connected(&self, address: &RunnerAddress) -> bool {
+        let Some(peer) = lock(&self.peers).get(address).cloned() else { return false };
+        peer.try_lock().map_or(true, |peer| {
+            peer.connection.as_ref().is_some_and(|connection| !connection.shared.is_closed())
+        })
+    }
+
+    /// Drops the cached connection to `address`: calls in flight on it fail with
+    /// `RunnerUnavailable`, the next call connects afresh (with no backoff).
+    fn forget(&self, address: &RunnerAddress) {
+        let Some(peer) = lock(&self.peers).remove(address) else { return };
+        info!(%address, "rpc connection dropped");
+        // A peer locked by a connection attempt is left to it: the attempt's connection is
+        // dropped with the peer, which is no longer cached.
+        if let Ok(mut peer) = peer.try_lock()
+            && let Some(connection) = peer.connection.take()
+        {
+            connection.shared.close();
+        }
+    }
+
+    /// The open connection to `address`, opened if needed.
+    async fn connection(&self, address: &RunnerAddress) -> Result<Arc<Connection>, ClusterError> {
+        let peer = Arc::clone(lock(&self.peers).entry(address.clone()).or_default());
+        let mut peer = peer.lock().await;
+        if let Some(connection) = &peer.connection
+            && !connection.shared.is_closed()
+        {
+            return Ok(Arc::clone(connection));
+        }
+        peer.connection = None;
+        let now = Instant::now();
+        if peer.retry_at.is_some_and(|retry_at| now < retry_at) {
+            return Err(unavailable(address));
+        }
+        match connect(address, &self.config).await {
+            Ok(connection) => {
+                info!(%address, "rpc connection established");
+                peer.failures = 0;
+                peer.retry_at = None;
+                let connection = Arc::new(connection);
+                peer.connection = Some(Arc::clone(&connection));
+                Ok(connection)
+            }
+            Err(error) => {
+                peer.failures = peer.failures.saturating_add(1);
+                let delay = backoff(&self.config, peer.failures);
+                peer.retry_at = Some(Instant::now() + delay);
+                warn!(%address, %error, failures = peer.failures, ?delay, "rpc connect failed");
+                Err(unavailable(address))
+            }
+        }
+    }
+
+    /// Starts a request call: its frame is queued when this returns.
+    async fn start_request(
+        &self,
+        address: &RunnerAddress,
+        request: &Request,
+        persisted: bool,
+    ) -> Result<TcpReplyStream, ClusterError> {
+        let connection = self.connection(address).await?;
+        let call = connection.begin_call(self.config.stream_buffer(), address).await?;
+        let frame =
+            |id| Frame::Request { call: id, request: codec::request_out(request), persisted };
+        call.send(&connection, frame, address).await.map(|call| TcpReplyStream {
+            call,
+            address: address.clone(),
+            request_id: request.request_id,
+            persisted,
+            done: false,
+        })
+    }
+
+    /// A void call: queues the frame and waits for `Done` or `Failed`.
+    async fn void_call<'f>(
+        &self,
+        address: &RunnerAddress,
+        frame: impl FnOnce(u64) -> Frame<'f>,
+    ) -> Result<(), ClusterError> {
+        let connection = self.connection(address).await?;
+        let call = connection.begin_call(1, address).await?;
+        let mut call = call.send(&connection, frame, address).await?;
+        match call.receiver.recv().await {
+            Some(Incoming::Done) => Ok(()),
+            Some(Incoming::Failed(ServerError::Typed(error))) => Err(error),
+            Some(Incoming::Failed(ServerError::Defect(message))) => {
+                warn!(%address, %message, "a void call failed with a defect");
+                Err(unavailable(address))
+            }
+            Some(Incoming::Malformed(error)) => Err(ClusterError::MalformedMessage(error)),
+            Some(Incoming::Failed(ServerError::Overloaded) | Incoming::Reply(_)) | None => {
+                Err(unavailable(address))
+            }
+        }
+    }
+}
+
+/// The delay after the `failures`-th consecutive failed connection attempt.
+fn backoff(config: &RpcConfig, failures: u32) -> Duration {
+    let exponent = failures.saturating_sub(1).min(30);
+    let delay = config.backoff_base.saturating_mul(1 << exponent).min(config.backoff_cap);
+    let half = delay / 2;
+    let mut random = [0_u8; 8];
+    let random = match getrandom::fill(&mut random) {
+        Ok(()) => u64::from_le_bytes(random),
+        Err(_) => 0,
+    };
+    let half_nanos = u64::try_from(half.as_nanos()).unwrap_or(u64::MAX);
+    half + Duration::from_nanos(random.checked_rem(half_nanos.saturating_add(1)).unwrap_or(0))
+}
+
+async fn connect(address: &RunnerAddress, config: &Arc<RpcConfig>) -> Result<Connection, String> {
+    let attempt = async {
+        let mut stream = TcpStream::connect((address.host(), address.port()))
+            .await
+            .map_err(|error| error.to_string())?;
+        let _ = stream.set_nodelay(true);
+        handshake::client(&mut stream, config.secret_bytes())
+            .await
+            .map_err(|error| error.to_string())?;
+        Ok::<_, String>(stream)
+    };
+    let stream = tokio::time::timeout(config.connect_timeout, attempt)
+        .await
+        .map_err(|_| "timed out".to_owned())??;
+    let span = info_span!("rpc_client_connection", %address);
+    Ok(Connection::start(stream, Arc::clone(config), span))
+}
+
+/// What the reader delivers to a call.
+enum Incoming {
+    Done,
+    Reply(Reply),
+    Failed(ServerError),
+    Malformed(DecodeError),
+}
+
+/// The state a connection shares between its tasks and its calls.
+struct Shared {
+    state: Mutex<SharedState>,
+    /// Wakes the writer when a cancel is queued.
+    cancel_queued: Notify,
+    closed: CancellationToken,
+    permits: Arc<Semaphore>,
+    out: mpsc::Sender<Vec<u8>>,
+    max_frame_bytes: u32,
+}
+
+struct SharedState {
+    next_call: u64,
+    pending: BTreeMap<u64, mpsc::Sender<Incoming>>,
+    cancels: Vec<u64>,
+    last_active: Instant,
+}
+
+impl Shared {
+    fn is_closed(&self) -> bool {
+        self.closed.is_cancelled()
+    }
+
+    /// Closes the connection: its tasks stop and every call in flight sees its channel close.
+    fn close(&self) {
+        self.closed.cancel();
+        let pending = std::mem::take(&mut lock(&self.state).pending);
+        drop(pending);
+    }
+
+    /// Forgets `call` and, if it was still in flight, queues its cancellation.
+    fn abandon(&self, call: u64) {
+        let mut state = lock(&self.state);
+        state.last_active = Instant::now();
+        if state.pending.remove(&call).is_some() && !self.is_closed() {
+            state.cancels.push(call);
+            drop(state);
+            self.cancel_queued.notify_one();
+        }
+    }
+
+    /// Routes one server frame to its call; `Err` is a protocol violation.
+    fn route(&self, frame: Frame<'static>) -> Result<(), &'static str> {
+        let (call, incoming, is_final) = match frame {
+            Frame::Done { call } => (call, Incoming::Done, true),
+            Frame::Failed { call, error } => match codec::error_in(error) {
+                Ok(error) => (call, Incoming::Failed(error), true),
+                Err(error) => (call, Incoming::Malformed(error), true),
+            },
+            Frame::Reply { call, reply } => match codec::reply_in(reply) {
+                Ok(reply) => {
+                    let is_final = reply.is_final();
+                    (call, Incoming::Reply(reply), is_final)
+                }
+                Err(error) => (call, Incoming::Malformed(error), true),
+            },
+            Frame::Ping { .. }
+            | Frame::Notify { .. }
+            | Frame::Request { .. }
+            | Frame::Envelope { .. }
+            | Frame::Cancel { .. } => return Err("a client frame from the server"),
+        };
+        let mut state = lock(&self.state);
+        state.last_active = Instant::now();
+        let sender =
+            if is_final { state.pending.remove(&call) } else { state.pending.get(&call).cloned() };
+        // A frame for a call that was abandoned meanwhile is dropped.
+        let Some(sender) = sender else { return Ok(()) };
+        if sender.try_send(incoming).is_err() && !is_final {
+            // The caller let more replies pile up than the stream buffer holds: its stream is
+            // cut (it will see `RunnerUnavailable`) and the request cancelled.
+            warn!(call, "stream buffer overflow; cancelling the call");
+            state.pending.remove(&call);
+            state.cancels.push(call);
+            drop(state);
+            self.cancel_queued.notify_one();
+        }
+        Ok(())
+    }
+}
+
+/// One client connection. Dropping it closes the connection and aborts its tasks.
+struct Connection {
+    shared: Arc<Shared>,
+    _tasks: JoinSet<()>,
+}
+
+impl Drop for Connection {
+    fn drop(&mut self) {
+        self.shared.close();
+    }
+}
+
+impl Connection {
+    fn start(stream: TcpStream, config: Arc<RpcConfig>, span: tracing::Span) -> Connection {
+        let (read_half, write_half) = stream.into_split();
+        let (out_tx, out_rx) = mpsc::channel(config.queue_capacity());
+        let shared = Arc::new(Shared {
+            state: Mutex::new(SharedState {
+                next_call: 0,
+                pending: BTreeMap::new(),
+                cancels: Vec::new(),
+                last_active: Instant::now(),
+            }),
+            cancel_queued: Notify::new(),
+            closed: CancellationToken::new(),
+            permits: Arc::new(Semaphore::new(config.max_in_flight())),
+            out: out_tx,
+            max_frame_bytes: config.max_frame_bytes,
+        });
+        let mut tasks = JoinSet::new();
+        let reader = {
+            let shared = Arc::clone(&shared);
+            let max = config.max_frame_bytes;
+            async move {
+                let (frames_tx, mut frames_rx) = mpsc::channel(1);
+                let read = read_loop(read_half, max, frames_tx);
+                let route = async {
+                    while let Some(frame) = frames_rx.recv().await {
+                        if let Err(violation) = shared.route(frame) {
+                            warn!(violation, "protocol violation; closing the connection");
+                            return;
+                        }
+                    }
+                };
+                tokio::select! {
+                    () = shared.closed.cancelled() => {}
+                    ((), ()) = async { tokio::join!(read, route) } => {}
+                }
+                shared.close();
+                debug!("connection closed");
+            }
+        };
+        tasks.spawn(reader.instrument(span.clone()));
+        let writer = write_loop(write_half, out_rx, Arc::clone(&shared), config.idle_expiry);
+        tasks.spawn(writer.instrument(span));
+        Connection { shared, _tasks: tasks }
+    }
+
+    /// Registers a new call whose channel holds `buffer` answers.
+    async fn begin_call(
+        &self,
+        buffer: usize,
+        address: &RunnerAddress,
+    ) -> Result<PendingCall, ClusterError> {
+        let permit = Arc::clone(&self.shared.permits)
+            .acquire_owned()
+            .await
+            .map_err(|_| unavailable(address))?;
+        let (sender, receiver) = mpsc::channel(buffer);
+        let mut state = lock(&self.shared.state);
+        if self.shared.is_closed() {
+            return Err(unavailable(address));
+        }
+        let call = state.next_call;
+        state.next_call = state.next_call.wrapping_add(1);
+        state.pending.insert(call, sender);
+        state.last_active = Instant::now();
+        Ok(PendingCall { call, receiver, shared: Arc::clone(&self.shared), _permit: permit })
+    }
+}
+
+/// The writer: cancels first, then queued frames; closes the connection when it has been idle
+/// for `idle_expiry` with no call in flight.
+async fn write_loop(
+    mut writer: OwnedWriteHalf,
+    mut out: mpsc::Receiver<Vec<u8>>,
+    shared: Arc<Shared>,
+    idle_expiry: Duration,
+) {
+    loop {
+        let idle_at = lock(&shared.state).last_active + idle_expiry;
+        let body = tokio::select! {
+            biased;
+            () = shared.closed.cancelled() => break,
+            () = shared.cancel_queued.notified() => {
+                let cancels = std::mem::take(&mut lock(&shared.state).cancels);
+                let mut failed = false;
+                for call in cancels {
+                    if let Ok(body) = codec::encode(&Frame::Cancel { call }, shared.max_frame_bytes) {
+                        failed |= conn::write_frame(&mut writer, &body).await.is_err();
+                    }
+                }
+                if failed { break }
+                continue;
+            }
+            body = out.recv() => match body {
+                Some(body) => body,
+                None => break,
+            },
+            () = tokio::time::sleep_until(idle_at) => {
+                let state = lock(&shared.state);
+                if state.pending.is_empty() && Instant::now() >= state.last_active + idle_expiry {
+                    drop(state);
+                    info!("idle rpc connection expired");
+                    break;
+                }
+                continue;
+            }
+        };
+        if let Err(error) = conn::write_frame(&mut writer, &body).await {
+            debug!(%error, "write failed");
+            break;
+        }
+    }
+    shared.close();
+    let _ = tokio::io::AsyncWriteExt::shutdown(&mut writer).await;
+}
+
+/// A registered call. Dropping it before its final answer cancels it on the server.
+struct PendingCall {
+    call: u64,
+    receiver: mpsc::Receiver<Incoming>,
+    shared: Arc<Shared>,
+    _permit: OwnedSemaphorePermit,
+}
+
+impl Drop for PendingCall {
+    fn drop(&mut self) {
+        self.shared.abandon(self.call);
+    }
+}
+
+impl PendingCall {
+    /// Encodes and queues the call's frame. A frame that cannot be encoded or is too large
+    /// fails this call only, as `MalformedMessage`.
+    async fn send<'a>(
+        self,
+        connection: &Connection,
+        frame: impl FnOnce(u64) -> Frame<'a>,
+        address: &RunnerAddress,
+    ) -> Result<PendingCall, ClusterError> {
+        let bytes = codec::encode(&frame(self.call), connection.shared.max_frame_bytes)?;
+        connection.shared.out.send(bytes).await.map_err(|_| unavailable(address))?;
+        Ok(self)
+    }
+}
+
+/// The replies of a request over TCP.
+struct TcpReplyStream {
+    call: PendingCall,
+    address: RunnerAddress,
+    request_id: Snowflake,
+    persisted: bool,
+    done: bool,
+}
+
+impl TcpReplyStream {
+    async fn next(&mut self) -> Option<Result<Reply, ClusterError>> {
+        if self.done {
+            return None;
+        }
+        let incoming = self.call.receiver.recv().await;
+        let item = match incoming {
+            Some(Incoming::Reply(reply)) => {
+                self.done = reply.is_final();
+                return Some(Ok(reply));
+            }
+            Some(Incoming::Failed(ServerError::Typed(error))) => Err(error),
+            Some(Incoming::Failed(ServerError::Defect(message))) => self.defect(&message),
+            Some(Incoming::Malformed(error)) => Err(ClusterError::MalformedMessage(error)),
+            Some(Incoming::Failed(ServerError::Overloaded) | Incoming::Done) | None => {
+                Err(unavailable(&self.address))
+            }
+        };
+        self.done = true;
+        Some(item)
+    }
+
+    /// A defect delivered by the server: for a persisted request the caller recovers the reply
+    /// from storage, so it is `RunnerUnavailable`; for a volatile one it is the request's
+    /// final `Die` reply.
+    fn defect(&self, message: &str) -> Result<Reply, ClusterError> {
+        if self.persisted {
+            warn!(address = %self.address, %message, "defect for a persisted request");
+            return Err(unavailable(&self.address));
+        }
+        Ok(Reply::WithExit(WithExit {
+            request_id: self.request_id,
+            id: Snowflake::new(0),
+            exit: Exit::die_with_message("Error", message),
+        }))
+    }
+}
+
+impl ReplyStream for TcpReplyStream {
+    fn next_reply(&mut self) -> BoxFuture<'_, Option<Result<Reply, ClusterError>>> {
+        Box::pin(self.next())
+    }
+}
+
+impl Runners for TcpRunners {
+    fn ping<'a>(&'a self, address: &'a RunnerAddress) -> BoxFuture<'a, Result<(), ClusterError>> {
+        Box::pin(async move {
+            let result = self.void_call(address, |call| Frame::Ping { call }).await;
+            if result.is_err() {
+                self.forget(address);
+            }
+            result
+        })
+    }
+
+    fn notify<'a>(
+        &'a self,
+        address: &'a RunnerAddress,
+        envelope: Envelope,
+        persisted: bool,
+    ) -> BoxFuture<'a, Result<(), ClusterError>> {
+        Box::pin(async move {
+            let envelope = codec::envelope_out(&envelope);
+            self.void_call(address, |call| Frame::Notify { call, envelope, persisted }).await
+        })
+    }
+
+    fn send<'a>(
+        &'a self,
+        address: &'a RunnerAddress,
+        request: Request,
+        persisted: bool,
+    ) -> BoxFuture<'a, Result<Reply, ClusterError>> {
+        Box::pin(async move {
+            let mut replies = self.start_request(address, &request, persisted).await?;
+            loop {
+                match replies.next().await {
+                    Some(Ok(reply)) if reply.is_final() => return Ok(reply),
+                    Some(Ok(_chunk)) => {}
+                    Some(Err(error)) => return Err(error),
+                    None => return Err(unavailable(address)),
+                }
+            }
+        })
+    }
+
+    fn stream<'a>(
+        &'a self,
+        address: &'a RunnerAddress,
+        request: Request,
+        persisted: bool,
+    ) -> BoxFuture<'a, Result<Box<dyn ReplyStream>, ClusterError>> {
+        Box::pin(async move {
+            let replies = self.start_request(address, &request, persisted).await?;
+            Ok(Box::new(replies) as Box<dyn ReplyStream>)
+        })
+    }
+
+    fn send_envelope<'a>(
+        &'a self,
+        address: &'a RunnerAddress,
+        envelope: Envelope,
+        persisted: bool,
+    ) -> BoxFuture<'a, Result<(), ClusterError>> {
+        Box::pin(async move {
+            let envelope = codec::envelope_out(&envelope);
+            self.void_call(address, |call| Frame::Envelope { call, envelope, persisted }).await
+        })
+    }
+
+    fn on_runner_unavailable(&self, address: &RunnerAddress) {
+        self.forget(address);
+    }
+}

@@ -1,0 +1,211 @@
+//! [`RpcConfig`]: the limits, timeouts and secret of the transport, with environment loading.
+
+use std::fmt;
+use std::sync::Arc;
+use std::time::Duration;
+
+use cluster_core::config::parse_duration;
+use cluster_core::error::ConfigError;
+
+/// The largest accepted `max_frame_bytes`: 1 GiB.
+pub const MAX_FRAME_BYTES_MAX: u32 = 1 << 30;
+
+/// The transport's options, shared by [`crate::RpcServer`] and [`crate::TcpRunners`].
+///
+/// Loaded from the environment by [`RpcConfig::from_env`]:
+///
+/// | variable                        | field                | default      |
+/// | ------------------------------- | -------------------- | ------------ |
+/// | `CLUSTER_RPC_SECRET`            | `secret`             | none         |
+/// | `CLUSTER_RPC_MAX_FRAME_BYTES`   | `max_frame_bytes`    | 8 MiB        |
+/// | `CLUSTER_RPC_CONNECT_TIMEOUT`   | `connect_timeout`    | 5 seconds    |
+/// | `CLUSTER_RPC_MAX_IN_FLIGHT`     | `max_in_flight`      | 1024         |
+/// | `CLUSTER_RPC_QUEUE_CAPACITY`    | `queue_capacity`     | 256          |
+/// | `CLUSTER_RPC_STREAM_BUFFER`     | `stream_buffer`      | 16           |
+/// | `CLUSTER_RPC_MAX_CONNECTIONS`   | `max_connections`    | 1024         |
+/// | `CLUSTER_RPC_IDLE_EXPIRY`       | `idle_expiry`        | 3 minutes    |
+/// | `CLUSTER_RPC_BACKOFF_BASE`      | `backoff_base`       | 100 millis   |
+/// | `CLUSTER_RPC_BACKOFF_CAP`       | `backoff_cap`        | 10 seconds   |
+///
+/// Durations use the reference's syntax (`5 seconds`, `200 millis`, see
+/// [`cluster_core::config::parse_duration`]). Unset and empty variables keep their defaults.
+#[derive(Clone)]
+pub struct RpcConfig {
+    /// The shared secret of the handshake; `None` means the empty key (no authentication).
+    /// Both ends must agree.
+    pub secret: Option<Arc<[u8]>>,
+    /// The largest frame sent or accepted, in bytes.
+    pub max_frame_bytes: u32,
+    /// The longest a connection attempt, TCP and handshake together, may take.
+    pub connect_timeout: Duration,
+    /// The most calls in flight on one connection (client and server side).
+    pub max_in_flight: u32,
+    /// The most frames queued for a connection's writer.
+    pub queue_capacity: u32,
+    /// The most replies of one streamed request buffered on the client before it reads them.
+    pub stream_buffer: u32,
+    /// The most connections a server serves at once.
+    pub max_connections: u32,
+    /// How long a client connection stays open with no call in flight.
+    pub idle_expiry: Duration,
+    /// The first delay before reconnecting to a runner that refused a connection.
+    pub backoff_base: Duration,
+    /// The longest such delay.
+    pub backoff_cap: Duration,
+}
+
+impl Default for RpcConfig {
+    fn default() -> RpcConfig {
+        RpcConfig {
+            secret: None,
+            max_frame_bytes: 8 << 20,
+            connect_timeout: Duration::from_secs(5),
+            max_in_flight: 1024,
+            queue_capacity: 256,
+            stream_buffer: 16,
+            max_connections: 1024,
+            idle_expiry: Duration::from_secs(180),
+            backoff_base: Duration::from_millis(100),
+            backoff_cap: Duration::from_secs(10),
+        }
+    }
+}
+
+impl fmt::Debug for RpcConfig {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("RpcConfig")
+            .field("secret", &self.secret.as_ref().map(|_| "<redacted>"))
+            .field("max_frame_bytes", &self.max_frame_bytes)
+            .field("connect_timeout", &self.connect_timeout)
+            .field("max_in_flight", &self.max_in_flight)
+            .field("queue_capacity", &self.queue_capacity)
+            .field("stream_buffer", &self.stream_buffer)
+            .field("max_connections", &self.max_connections)
+            .field("idle_expiry", &self.idle_expiry)
+            .field("backoff_base", &self.backoff_base)
+            .field("backoff_cap", &self.backoff_cap)
+            .finish()
+    }
+}
+
+impl RpcConfig {
+    /// The default configuration with `secret` as the shared secret.
+    pub fn with_secret(secret: impl AsRef<[u8]>) -> RpcConfig {
+        RpcConfig { secret: Some(Arc::from(secret.as_ref())), ..RpcConfig::default() }
+    }
+
+    /// Loads the configuration from the process environment (see [`RpcConfig`] for the variables).
+    pub fn from_env() -> Result<RpcConfig, ConfigError> {
+        RpcConfig::from_env_with(|var| match std::env::var(var) {
+            Ok(value) => Ok(Some(value)),
+            Err(std::env::VarError::NotPresent) => Ok(None),
+            Err(std::env::VarError::NotUnicode(value)) => {
+                Err(ConfigError::new(var, value.to_string_lossy(), "is not valid UTF-8"))
+            }
+        })
+    }
+
+    /// Loads the configuration from `lookup`, which maps a variable name to its value, then
+    /// [validates](RpcConfig::validate) it. Every error names the variable.
+    pub fn from_env_with(
+        lookup: impl Fn(&str) -> Result<Option<String>, ConfigError>,
+    ) -> Result<RpcConfig, ConfigError> {
+        let get = |var: &str| -> Result<Option<String>, ConfigError> {
+            Ok(lookup(var)?.filter(|value| !value.is_empty()))
+        };
+        let mut config = RpcConfig::default();
+        if let Some(secret) = get("CLUSTER_RPC_SECRET")? {
+            config.secret = Some(Arc::from(secret.as_bytes()));
+        }
+        let numbers = [
+            ("CLUSTER_RPC_MAX_FRAME_BYTES", &mut config.max_frame_bytes),
+            ("CLUSTER_RPC_MAX_IN_FLIGHT", &mut config.max_in_flight),
+            ("CLUSTER_RPC_QUEUE_CAPACITY", &mut config.queue_capacity),
+            ("CLUSTER_RPC_STREAM_BUFFER", &mut config.stream_buffer),
+            ("CLUSTER_RPC_MAX_CONNECTIONS", &mut config.max_connections),
+        ];
+        for (var, field) in numbers {
+            if let Some(value) = get(var)? {
+                *field = value.trim().parse().map_err(|_| {
+                    ConfigError::new(var, &value, "must be an integer in 1..=4294967295")
+                })?;
+            }
+        }
+        let durations = [
+            ("CLUSTER_RPC_CONNECT_TIMEOUT", &mut config.connect_timeout),
+            ("CLUSTER_RPC_IDLE_EXPIRY", &mut config.idle_expiry),
+            ("CLUSTER_RPC_BACKOFF_BASE", &mut config.backoff_base),
+            ("CLUSTER_RPC_BACKOFF_CAP", &mut config.backoff_cap),
+        ];
+        for (var, field) in durations {
+            if let Some(value) = get(var)? {
+                *field = parse_duration(value.trim())
+                    .map_err(|error| ConfigError::new(var, &value, error.reason()))?;
+            }
+        }
+        config.validate().map_err(|error| {
+            let var = format!("CLUSTER_RPC_{}", error.key().to_ascii_uppercase());
+            ConfigError::new(var, error.value(), error.reason())
+        })?;
+        Ok(config)
+    }
+
+    /// Checks the ranges: every limit is at least 1, `max_frame_bytes` is at most
+    /// [`MAX_FRAME_BYTES_MAX`], timeouts and expiry are positive and `backoff_base <=
+    /// backoff_cap`. The error names the field.
+    pub fn validate(&self) -> Result<(), ConfigError> {
+        let limits = [
+            ("max_frame_bytes", self.max_frame_bytes),
+            ("max_in_flight", self.max_in_flight),
+            ("queue_capacity", self.queue_capacity),
+            ("stream_buffer", self.stream_buffer),
+            ("max_connections", self.max_connections),
+        ];
+        for (key, value) in limits {
+            if value == 0 {
+                return Err(ConfigError::new(key, "0", "must be at least 1"));
+            }
+        }
+        if self.max_frame_bytes > MAX_FRAME_BYTES_MAX {
+            return Err(ConfigError::new(
+                "max_frame_bytes",
+                self.max_frame_bytes.to_string(),
+                format!("must be at most {MAX_FRAME_BYTES_MAX}"),
+            ));
+        }
+        let durations = [
+            ("connect_timeout", self.connect_timeout),
+            ("idle_expiry", self.idle_expiry),
+            ("backoff_cap", self.backoff_cap),
+        ];
+        for (key, value) in durations {
+            if value.is_zero() {
+                return Err(ConfigError::new(key, "0", "must be positive"));
+            }
+        }
+        if self.backoff_base > self.backoff_cap {
+            return Err(ConfigError::new(
+                "backoff_base",
+                format!("{:?}", self.backoff_base),
+                "must not exceed backoff_cap",
+            ));
+        }
+        Ok(())
+    }
+
+    pub(crate) fn secret_bytes(&self) -> &[u8] {
+        self.secret.as_deref().unwrap_or_default()
+    }
+
+    pub(crate) fn queue_capacity(&self) -> usize {
+        usize::try_from(self.queue_capacity).unwrap_or(usize::MAX)
+    }
+
+    pub(crate) fn stream_buffer(&self) -> usize {
+        usize::try_from(self.stream_buffer).unwrap_or(usize::MAX)
+    }
+
+    pub(crate) fn max_in_flight(&self) -> usize {
+        usize::try_from(self.max_in_flight).unwrap_or(usize::MAX)
+    }
+}

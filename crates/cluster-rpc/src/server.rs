@@ -1,0 +1,469 @@
+//! The server side: [`RpcServer`] accepts connections and calls a [`RunnerHandler`].
+//!
+//! Task ownership: [`ServerHandle`] owns the accept loop, the accept loop owns one task per
+//! connection, and each connection owns a reader, a writer and one task per call in flight.
+//! Dropping an owner aborts what it owns, so nothing is detached: dropping the handle closes the
+//! listener and every connection; aborting a call's task drops the handler's
+//! [`ReplyStream`](cluster_core::runners::ReplyStream), which interrupts a volatile request.
+//!
+//! Per connection: the handshake runs first, within `connect_timeout`; then frames are read and
+//! dispatched. A `Cancel` frame, or the connection closing, aborts the call. At most
+//! `max_in_flight` calls run at once; a call beyond that is answered `Overloaded` (the client
+//! reports `RunnerUnavailable`), so reading never stalls and cancels are always seen.
+
+use std::collections::BTreeMap;
+use std::io;
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
+
+use cluster_core::envelope::Reply;
+use cluster_core::error::{ClusterError, DecodeError};
+use cluster_core::runners::RunnerHandler;
+use tokio::net::{TcpListener, TcpStream};
+use tokio::sync::mpsc;
+use tokio::task::{AbortHandle, JoinSet};
+use tokio_util::sync::CancellationToken;
+use tracing::{Instrument, debug, info_span, warn};
+
+use crate::codec;
+use crate::config::RpcConfig;
+use crate::conn::{self, FrameError};
+use crate::error::RpcError;
+use crate::frame::{Frame, WireError};
+use crate::handshake;
+
+/// The longest defect message sent back; longer ones are cut (on a character boundary).
+const DEFECT_MESSAGE_MAX: usize = 4096;
+
+/// A bound listener, not yet serving.
+///
+/// Binding comes first because the runtime needs the advertised address before it can build
+/// the handler; [`RpcServer::serve`] then starts accepting.
+#[derive(Debug)]
+pub struct RpcServer {
+    listener: TcpListener,
+    local_addr: SocketAddr,
+    config: RpcConfig,
+}
+
+/// A serving [`RpcServer`]. Dropping it stops the server abruptly; [`ServerHandle::shutdown`]
+/// stops it and waits for its tasks.
+#[derive(Debug)]
+pub struct ServerHandle {
+    local_addr: SocketAddr,
+    connections: Arc<AtomicUsize>,
+    shutdown: CancellationToken,
+    accept: JoinSet<()>,
+}
+
+impl RpcServer {
+    /// Binds `listen` (port 0 picks a free port) after validating `config`.
+    ///
+    /// # Cancel safety
+    ///
+    /// Cancel safe: dropping the future before it returns releases the socket.
+    pub async fn bind(listen: SocketAddr, config: RpcConfig) -> Result<RpcServer, RpcError> {
+        config.validate()?;
+        let listener = TcpListener::bind(listen).await.map_err(RpcError::Bind)?;
+        let local_addr = listener.local_addr().map_err(RpcError::Bind)?;
+        Ok(RpcServer { listener, local_addr, config })
+    }
+
+    /// The bound address (with the actual port when bound to port 0).
+    pub fn local_addr(&self) -> SocketAddr {
+        self.local_addr
+    }
+
+    /// Starts accepting connections, whose calls go to `handler`. Must be called within a
+    /// tokio runtime.
+    pub fn serve(self, handler: Arc<dyn RunnerHandler>) -> ServerHandle {
+        let shutdown = CancellationToken::new();
+        let mut accept = JoinSet::new();
+        let local_addr = self.local_addr;
+        let span = info_span!("rpc_server", %local_addr);
+        let connections = Arc::new(AtomicUsize::new(0));
+        let server = Server {
+            config: Arc::new(self.config),
+            handler,
+            connections: Arc::clone(&connections),
+        };
+        accept.spawn(accept_loop(self.listener, server, shutdown.clone()).instrument(span));
+        ServerHandle { local_addr, connections, shutdown, accept }
+    }
+}
+
+impl ServerHandle {
+    /// The address the server listens on.
+    pub fn local_addr(&self) -> SocketAddr {
+        self.local_addr
+    }
+
+    /// How many connections have passed the handshake and are open.
+    pub fn connection_count(&self) -> usize {
+        self.connections.load(Ordering::Acquire)
+    }
+
+    /// Stops accepting, closes every connection (calls still running are cancelled, so their
+    /// reply streams are dropped) and waits until all of the server's tasks have ended.
+    ///
+    /// # Cancel safety
+    ///
+    /// Cancel safe: dropping the future drops the handle, which aborts what is left.
+    pub async fn shutdown(mut self) {
+        self.shutdown.cancel();
+        while self.accept.join_next().await.is_some() {}
+    }
+}
+
+/// What every connection of a server shares.
+#[derive(Clone)]
+struct Server {
+    config: Arc<RpcConfig>,
+    handler: Arc<dyn RunnerHandler>,
+    connections: Arc<AtomicUsize>,
+}
+
+/// Counts an open connection while alive.
+struct Counted(Arc<AtomicUsize>);
+
+impl Drop for Counted {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::AcqRel);
+    }
+}
+
+async fn accept_loop(listener: TcpListener, server: Server, shutdown: CancellationToken) {
+    let max_connections = usize::try_from(server.config.max_connections).unwrap_or(usize::MAX);
+    let mut connections = JoinSet::new();
+    loop {
+        tokio::select! {
+            () = shutdown.cancelled() => break,
+            Some(_) = connections.join_next() => {}
+            accepted = listener.accept() => match accepted {
+                Ok((stream, peer)) => {
+                    if connections.len() >= max_connections {
+                        warn!(%peer, "connection refused: too many connections");
+                        continue;
+                    }
+                    let task = serve_connection(stream, server.clone(), shutdown.child_token());
+                    connections.spawn(task.instrument(info_span!("rpc_connection", %peer)));
+                }
+                Err(error) => {
+                    // Per-connection accept errors (the peer reset before accept, no file
+                    // descriptors left): log, breathe and go on.
+                    warn!(%error, "accept failed");
+                    tokio::time::sleep(std::time::Duration::from_millis(10)).await;
+                }
+            },
+        }
+    }
+    drop(listener);
+    while connections.join_next().await.is_some() {}
+}
+
+async fn serve_connection(mut stream: TcpStream, server: Server, shutdown: CancellationToken) {
+    let Server { config, handler, connections } = server;
+    let _ = stream.set_nodelay(true);
+    let handshake = handshake::server(&mut stream, config.secret_bytes());
+    match tokio::time::timeout(config.connect_timeout, handshake).await {
+        Ok(Ok(())) => debug!("connection accepted"),
+        Ok(Err(error)) => {
+            warn!(%error, "handshake failed; connection refused");
+            return;
+        }
+        Err(_) => {
+            warn!("handshake timed out; connection refused");
+            return;
+        }
+    }
+    connections.fetch_add(1, Ordering::AcqRel);
+    let _counted = Counted(connections);
+    let (read_half, write_half) = stream.into_split();
+    let (frames_tx, frames_rx) = mpsc::channel(config.queue_capacity());
+    let (out_tx, out_rx) = mpsc::channel(config.queue_capacity());
+    let mut io_tasks = JoinSet::new();
+    io_tasks.spawn(read_loop(read_half, config.max_frame_bytes, frames_tx).in_current_span());
+    io_tasks.spawn(write_loop(write_half, out_rx).in_current_span());
+    let connection = Connection {
+        config,
+        handler,
+        out: out_tx,
+        calls: JoinSet::new(),
+        ids: BTreeMap::new(),
+        by_call: BTreeMap::new(),
+    };
+    connection.dispatch(frames_rx, shutdown).await;
+    debug!("connection closed");
+}
+
+/// Reads and decodes frames until the peer closes or sends something wrong.
+pub(crate) async fn read_loop<R: tokio::io::AsyncRead + Unpin>(
+    mut reader: R,
+    max_frame_bytes: u32,
+    frames: mpsc::Sender<Frame<'static>>,
+) {
+    loop {
+        let result = match conn::read_frame(&mut reader, max_frame_bytes).await {
+            Ok(Some(body)) => {
+                codec::decode(&body).map_err(|error| FrameError::Malformed(error.to_string()))
+            }
+            Ok(None) => {
+                debug!("peer closed the connection");
+                return;
+            }
+            Err(error) => Err(error),
+        };
+        match result {
+            Ok(frame) => {
+                if frames.send(frame).await.is_err() {
+                    return;
+                }
+            }
+            Err(error) => {
+                warn!(%error, "bad frame; closing the connection");
+                return;
+            }
+        }
+    }
+}
+
+/// Writes queued frames until the queue closes or the socket fails.
+pub(crate) async fn write_loop<W: tokio::io::AsyncWrite + Unpin>(
+    mut writer: W,
+    mut out: mpsc::Receiver<Vec<u8>>,
+) {
+    while let Some(body) = out.recv().await {
+        if let Err(error) = conn::write_frame(&mut writer, &body).await {
+            debug!(%error, "write failed; closing the connection");
+            return;
+        }
+    }
+    let _ = tokio::io::AsyncWriteExt::shutdown(&mut writer).await;
+}
+
+/// One served connection's dispatcher state.
+struct Connection {
+    config: Arc<RpcConfig>,
+    handler: Arc<dyn RunnerHandler>,
+    out: mpsc::Sender<Vec<u8>>,
+    calls: JoinSet<()>,
+    /// The call of each running task, to answer a call whose task panicked.
+    ids: BTreeMap<tokio::task::Id, u64>,
+    /// The task of each running call, to cancel it.
+    by_call: BTreeMap<u64, AbortHandle>,
+}
+
+impl Connection {
+    async fn dispatch(
+        mut self,
+        mut frames: mpsc::Receiver<Frame<'static>>,
+        shutdown: CancellationToken,
+    ) {
+        loop {
+            tokio::select! {
+                () = shutdown.cancelled() => return,
+                Some(joined) = self.calls.join_next_with_id() => self.reap(joined).await,
+                frame = frames.recv() => match frame {
+                    Some(frame) => {
+                        if let Err(error) = self.on_frame(frame).await {
+                            warn!(%error, "protocol violation; closing the connection");
+                            return;
+                        }
+                    }
+                    None => return,
+                },
+            }
+        }
+    }
+
+    async fn reap(&mut self, joined: Result<(tokio::task::Id, ()), tokio::task::JoinError>) {
+        let id = match &joined {
+            Ok((id, ())) => *id,
+            Err(error) => error.id(),
+        };
+        let Some(call) = self.ids.remove(&id) else { return };
+        self.by_call.remove(&call);
+        if let Err(error) = joined
+            && error.is_panic()
+        {
+            warn!(call, "the handler panicked");
+            let frame =
+                Frame::Failed { call, error: WireError::Defect("the handler panicked".into()) };
+            send(&self.out, &frame, self.config.max_frame_bytes).await;
+        }
+    }
+
+    async fn on_frame(&mut self, frame: Frame<'static>) -> Result<(), io::Error> {
+        let max = self.config.max_frame_bytes;
+        let call = match &frame {
+            Frame::Ping { call } => {
+                send(&self.out, &Frame::Done { call: *call }, max).await;
+                return Ok(());
+            }
+            Frame::Cancel { call } => {
+                if let Some(task) = self.by_call.remove(call) {
+                    debug!(call, "call cancelled by the client");
+                    task.abort();
+                }
+                return Ok(());
+            }
+            Frame::Done { .. } | Frame::Reply { .. } | Frame::Failed { .. } => {
+                return Err(io::Error::new(
+                    io::ErrorKind::InvalidData,
+                    "a server frame from a client",
+                ));
+            }
+            Frame::Notify { call, .. }
+            | Frame::Request { call, .. }
+            | Frame::Envelope { call, .. } => *call,
+        };
+        if self.by_call.contains_key(&call) {
+            return Err(io::Error::new(
+                io::ErrorKind::InvalidData,
+                "a call id reused while in flight",
+            ));
+        }
+        if self.calls.len() >= self.config.max_in_flight() {
+            send(&self.out, &Frame::Failed { call, error: WireError::Overloaded }, max).await;
+            return Ok(());
+        }
+        let task = run_call(frame, Arc::clone(&self.handler), self.out.clone(), max);
+        let abort = self.calls.spawn(task.in_current_span());
+        self.ids.insert(abort.id(), call);
+        self.by_call.insert(call, abort);
+        Ok(())
+    }
+}
+
+/// Encodes and queues `frame`; a frame that cannot be encoded is logged and dropped (callers
+/// send only frames that fit, or have a fallback).
+async fn send(out: &mpsc::Sender<Vec<u8>>, frame: &Frame<'_>, max_frame_bytes: u32) -> bool {
+    match codec::encode(frame, max_frame_bytes) {
+        Ok(bytes) => out.send(bytes).await.is_ok(),
+        Err(error) => {
+            warn!(%error, "cannot encode a frame");
+            false
+        }
+    }
+}
+
+fn defect(message: &str) -> WireError<'static> {
+    let mut end = message.len().min(DEFECT_MESSAGE_MAX);
+    while !message.is_char_boundary(end) {
+        end -= 1;
+    }
+    WireError::Defect(message[..end].to_owned().into())
+}
+
+fn failed(call: u64, error: &ClusterError) -> Frame<'_> {
+    // Typed errors are small; a defect's message is cut to a bound.
+    let error = match codec::error_out(error) {
+        WireError::Defect(message) => defect(&message),
+        typed => typed,
+    };
+    Frame::Failed { call, error }
+}
+
+/// Answers a void call (`Notify`, `Envelope`) with its outcome.
+async fn answer_void(
+    call: u64,
+    outcome: Result<Result<(), ClusterError>, DecodeError>,
+    out: &mpsc::Sender<Vec<u8>>,
+    max: u32,
+) {
+    match outcome {
+        Ok(Ok(())) => send(out, &Frame::Done { call }, max).await,
+        Ok(Err(error)) => send(out, &failed(call, &error), max).await,
+        Err(error) => {
+            send(out, &Frame::Failed { call, error: defect(&error.to_string()) }, max).await
+        }
+    };
+}
+
+/// Runs one call to its end and queues its answer frames.
+async fn run_call(
+    frame: Frame<'static>,
+    handler: Arc<dyn RunnerHandler>,
+    out: mpsc::Sender<Vec<u8>>,
+    max: u32,
+) {
+    match frame {
+        Frame::Notify { call, envelope, persisted } => {
+            let outcome = match codec::envelope_in(envelope) {
+                Ok(envelope) => Ok(handler.notify(envelope, persisted).await),
+                Err(error) => Err(error),
+            };
+            answer_void(call, outcome, &out, max).await;
+        }
+        Frame::Envelope { call, envelope, persisted } => {
+            let outcome = match codec::envelope_in(envelope) {
+                Ok(envelope) => Ok(handler.envelope(envelope, persisted).await),
+                Err(error) => Err(error),
+            };
+            answer_void(call, outcome, &out, max).await;
+        }
+        Frame::Request { call, request, persisted } => {
+            run_request(call, request, persisted, &*handler, &out, max).await;
+        }
+        Frame::Ping { .. }
+        | Frame::Cancel { .. }
+        | Frame::Done { .. }
+        | Frame::Reply { .. }
+        | Frame::Failed { .. } => {}
+    }
+}
+
+async fn run_request(
+    call: u64,
+    request: crate::frame::WireRequest<'static>,
+    persisted: bool,
+    handler: &dyn RunnerHandler,
+    out: &mpsc::Sender<Vec<u8>>,
+    max: u32,
+) {
+    let request = match codec::request_in(request) {
+        Ok(request) => request,
+        Err(error) => {
+            send(out, &Frame::Failed { call, error: defect(&error.to_string()) }, max).await;
+            return;
+        }
+    };
+    let request_id = request.request_id;
+    let mut replies = match handler.request(request, persisted).await {
+        Ok(replies) => replies,
+        Err(error) => {
+            send(out, &failed(call, &error), max).await;
+            return;
+        }
+    };
+    loop {
+        let reply = match replies.next_reply().await {
+            Some(Ok(reply)) => reply,
+            Some(Err(error)) => {
+                send(out, &failed(call, &error), max).await;
+                return;
+            }
+            None => {
+                let error = defect("the reply stream ended without a final reply");
+                send(out, &Frame::Failed { call, error }, max).await;
+                return;
+            }
+        };
+        let is_final = reply.is_final();
+        let frame = Frame::Reply { call, reply: codec::reply_out(&reply) };
+        let bytes = match codec::encode(&frame, max) {
+            Ok(bytes) => bytes,
+            Err(error) => {
+                // Only this request fails: its final reply is a `MalformedMessage` defect.
+                warn!(call, %error, "a reply cannot be sent; failing its request");
+                let malformed = Reply::malformed(request_id, reply.id(), &error);
+                send(out, &Frame::Reply { call, reply: codec::reply_out(&malformed) }, max).await;
+                return;
+            }
+        };
+        if out.send(bytes).await.is_err() || is_final {
+            return;
+        }
+    }
+}
