@@ -23,8 +23,8 @@ use cluster_core::future::BoxFuture;
 use cluster_core::ids::RunnerAddress;
 use cluster_core::runners::{ReplyStream, Runners};
 use cluster_core::snowflake::Snowflake;
+use tokio::io::WriteHalf;
 use tokio::net::TcpStream;
-use tokio::net::tcp::OwnedWriteHalf;
 use tokio::sync::{Notify, OwnedSemaphorePermit, Semaphore, mpsc};
 use tokio::task::JoinSet;
 use tokio::time::Instant;
@@ -37,11 +37,13 @@ use crate::conn;
 use crate::frame::Frame;
 use crate::handshake;
 use crate::server::read_loop;
+use crate::tls::{BoxStream, ClientTls};
 
 /// The `Runners` contract over TCP: a cached, multiplexed connection per peer, reopened lazily
 /// with a capped, jittered backoff (see the [crate docs](crate)).
 pub struct TcpRunners {
     config: Arc<RpcConfig>,
+    tls: ClientTls,
     peers: Mutex<BTreeMap<RunnerAddress, Arc<tokio::sync::Mutex<Peer>>>>,
 }
 
@@ -70,10 +72,15 @@ impl fmt::Debug for TcpRunners {
 }
 
 impl TcpRunners {
-    /// A client with `config` (validated first).
+    /// A client with `config` (validated first; with TLS, `config.tls` needs a CA).
     pub fn new(config: RpcConfig) -> Result<Arc<TcpRunners>, crate::RpcError> {
         config.validate()?;
-        Ok(Arc::new(TcpRunners { config: Arc::new(config), peers: Mutex::new(BTreeMap::new()) }))
+        let tls = ClientTls::new(&config)?;
+        Ok(Arc::new(TcpRunners {
+            config: Arc::new(config),
+            tls,
+            peers: Mutex::new(BTreeMap::new()),
+        }))
     }
 
     /// Whether a connection to `address` is cached and open (also true while a connection
@@ -113,7 +120,7 @@ impl TcpRunners {
         if peer.retry_at.is_some_and(|retry_at| now < retry_at) {
             return Err(unavailable(address));
         }
-        match connect(address, &self.config).await {
+        match connect(address, &self.config, &self.tls).await {
             Ok(connection) => {
                 info!(%address, "rpc connection established");
                 peer.failures = 0;
@@ -190,12 +197,19 @@ fn backoff(config: &RpcConfig, failures: u32) -> Duration {
     half + Duration::from_nanos(random.checked_rem(half_nanos.saturating_add(1)).unwrap_or(0))
 }
 
-async fn connect(address: &RunnerAddress, config: &Arc<RpcConfig>) -> Result<Connection, String> {
+/// Opens a connection: TCP, then TLS when configured, then the handshake, all within the
+/// connect timeout.
+async fn connect(
+    address: &RunnerAddress,
+    config: &Arc<RpcConfig>,
+    tls: &ClientTls,
+) -> Result<Connection, String> {
     let attempt = async {
-        let mut stream = TcpStream::connect((address.host(), address.port()))
+        let tcp = TcpStream::connect((address.host(), address.port()))
             .await
             .map_err(|error| error.to_string())?;
-        let _ = stream.set_nodelay(true);
+        let _ = tcp.set_nodelay(true);
+        let mut stream = tls.connect(address, tcp).await.map_err(|error| error.to_string())?;
         handshake::client(&mut stream, config.secret_bytes())
             .await
             .map_err(|error| error.to_string())?;
@@ -310,8 +324,8 @@ impl Drop for Connection {
 }
 
 impl Connection {
-    fn start(stream: TcpStream, config: Arc<RpcConfig>, span: tracing::Span) -> Connection {
-        let (read_half, write_half) = stream.into_split();
+    fn start(stream: BoxStream, config: Arc<RpcConfig>, span: tracing::Span) -> Connection {
+        let (read_half, write_half) = tokio::io::split(stream);
         let (out_tx, out_rx) = mpsc::channel(config.queue_capacity());
         let shared = Arc::new(Shared {
             state: Mutex::new(SharedState {
@@ -381,7 +395,7 @@ impl Connection {
 /// The writer: cancels first, then queued frames; closes the connection when it has been idle
 /// for `idle_expiry` with no call in flight.
 async fn write_loop(
-    mut writer: OwnedWriteHalf,
+    mut writer: WriteHalf<BoxStream>,
     mut out: mpsc::Receiver<Vec<u8>>,
     shared: Arc<Shared>,
     idle_expiry: Duration,

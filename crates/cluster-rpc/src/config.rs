@@ -29,6 +29,21 @@ pub const MAX_FRAME_BYTES_MAX: u32 = 1 << 30;
 ///
 /// Durations use the reference's syntax (`5 seconds`, `200 millis`, see
 /// [`cluster_core::config::parse_duration`]). Unset and empty variables keep their defaults.
+///
+/// TLS (feature `tls`, field `tls`, off unless one of these is set):
+///
+/// | variable                              | meaning                                            |
+/// | ------------------------------------- | -------------------------------------------------- |
+/// | `CLUSTER_RPC_TLS_CERT`                | PEM file: certificate chain, leaf first (servers)  |
+/// | `CLUSTER_RPC_TLS_KEY`                 | PEM file: its private key (set with the chain)     |
+/// | `CLUSTER_RPC_TLS_CA`                  | PEM file: CA certificates that verify servers      |
+/// | `CLUSTER_RPC_TLS_SERVER_NAME`         | name expected in server certificates (default: the runner's host) |
+/// | `CLUSTER_RPC_TLS_REQUIRE_CLIENT_CERT` | `true`: servers require a client certificate signed by the CA, clients present theirs |
+///
+/// The files are read and parsed when the configuration is loaded; an unreadable file, bad PEM
+/// or a key that does not match the certificate is a [`ConfigError`] naming the variable.
+/// Built without the `tls` feature, any of these variables set is an error ("built without the
+/// tls feature"), never silently ignored.
 #[derive(Clone)]
 pub struct RpcConfig {
     /// The shared secret of the handshake; `None` means the empty key (no authentication).
@@ -52,6 +67,9 @@ pub struct RpcConfig {
     pub backoff_base: Duration,
     /// The longest such delay.
     pub backoff_cap: Duration,
+    /// TLS around every connection; `None` (the default) is plain TCP. Both ends must agree.
+    #[cfg(feature = "tls")]
+    pub tls: Option<crate::tls::TlsConfig>,
 }
 
 impl Default for RpcConfig {
@@ -67,13 +85,16 @@ impl Default for RpcConfig {
             idle_expiry: Duration::from_secs(180),
             backoff_base: Duration::from_millis(100),
             backoff_cap: Duration::from_secs(10),
+            #[cfg(feature = "tls")]
+            tls: None,
         }
     }
 }
 
 impl fmt::Debug for RpcConfig {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("RpcConfig")
+        let mut debug = f.debug_struct("RpcConfig");
+        debug
             .field("secret", &self.secret.as_ref().map(|_| "<redacted>"))
             .field("max_frame_bytes", &self.max_frame_bytes)
             .field("connect_timeout", &self.connect_timeout)
@@ -83,8 +104,10 @@ impl fmt::Debug for RpcConfig {
             .field("max_connections", &self.max_connections)
             .field("idle_expiry", &self.idle_expiry)
             .field("backoff_base", &self.backoff_base)
-            .field("backoff_cap", &self.backoff_cap)
-            .finish()
+            .field("backoff_cap", &self.backoff_cap);
+        #[cfg(feature = "tls")]
+        debug.field("tls", &self.tls);
+        debug.finish()
     }
 }
 
@@ -143,6 +166,7 @@ impl RpcConfig {
                     .map_err(|error| ConfigError::new(var, &value, error.reason()))?;
             }
         }
+        crate::tls::from_env(&get, &mut config)?;
         config.validate().map_err(|error| {
             let var = format!("CLUSTER_RPC_{}", error.key().to_ascii_uppercase());
             ConfigError::new(var, error.value(), error.reason())
@@ -152,8 +176,12 @@ impl RpcConfig {
 
     /// Checks the ranges: every limit is at least 1, `max_frame_bytes` is at most
     /// [`MAX_FRAME_BYTES_MAX`], timeouts and expiry are positive and `backoff_base <=
-    /// backoff_cap`. The error names the field.
+    /// backoff_cap`; TLS settings make a usable server or client. The error names the field.
     pub fn validate(&self) -> Result<(), ConfigError> {
+        #[cfg(feature = "tls")]
+        if let Some(tls) = &self.tls {
+            tls.validate()?;
+        }
         let limits = [
             ("max_frame_bytes", self.max_frame_bytes),
             ("max_in_flight", self.max_in_flight),

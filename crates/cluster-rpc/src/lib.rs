@@ -42,8 +42,21 @@
 //! reply sends `Cancel`; the server then drops the handler's reply stream, which interrupts a
 //! volatile request. Closing a connection does the same to all of its calls.
 //!
-//! Not done yet: TLS (planned behind a `tls` feature, rustls with the `ring` provider); until
-//! then the handshake authenticates peers but traffic is not encrypted.
+//! TLS (cargo feature `tls`, off by default): rustls with the `ring` provider, TLS 1.3 only.
+//! When `RpcConfig::tls` is set (programmatically with `TlsConfig`, or from the
+//! `CLUSTER_RPC_TLS_CERT`, `CLUSTER_RPC_TLS_KEY`, `CLUSTER_RPC_TLS_CA`,
+//! `CLUSTER_RPC_TLS_SERVER_NAME` and `CLUSTER_RPC_TLS_REQUIRE_CLIENT_CERT` variables, see
+//! [`RpcConfig`]), TLS wraps every TCP connection and the HMAC handshake runs inside it. A
+//! server presents its certificate chain; a client verifies it against the configured CA and
+//! the expected name (`CLUSTER_RPC_TLS_SERVER_NAME`, by default the runner's host, so
+//! certificates must name the advertised host or IP address); with client certificates
+//! required, the server verifies the client's chain against the same CA. A failed TLS
+//! handshake is a refused connection (`RunnerUnavailable`, backoff), like a failed HMAC
+//! handshake. Both ends must agree: a plaintext peer and a TLS peer refuse each other. Without
+//! the feature traffic is not encrypted (the handshake still authenticates peers), and setting
+//! any `CLUSTER_RPC_TLS_*` variable is a configuration error ("built without the tls
+//! feature").
+//!
 //! Persisted traffic never depends on this crate: storage is the source of truth.
 
 mod client;
@@ -54,8 +67,11 @@ mod error;
 mod frame;
 mod handshake;
 mod server;
+mod tls;
 
 pub use client::TcpRunners;
 pub use config::{MAX_FRAME_BYTES_MAX, RpcConfig};
 pub use error::RpcError;
 pub use server::{RpcServer, ServerHandle};
+#[cfg(feature = "tls")]
+pub use tls::TlsConfig;

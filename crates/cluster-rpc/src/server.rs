@@ -32,6 +32,7 @@ use crate::conn::{self, FrameError};
 use crate::error::RpcError;
 use crate::frame::{Frame, WireError};
 use crate::handshake;
+use crate::tls::ServerTls;
 
 /// The longest defect message sent back; longer ones are cut (on a character boundary).
 const DEFECT_MESSAGE_MAX: usize = 4096;
@@ -45,6 +46,7 @@ pub struct RpcServer {
     listener: TcpListener,
     local_addr: SocketAddr,
     config: RpcConfig,
+    tls: ServerTls,
 }
 
 /// A serving [`RpcServer`]. Dropping it stops the server abruptly; [`ServerHandle::shutdown`]
@@ -58,16 +60,18 @@ pub struct ServerHandle {
 }
 
 impl RpcServer {
-    /// Binds `listen` (port 0 picks a free port) after validating `config`.
+    /// Binds `listen` (port 0 picks a free port) after validating `config` (with TLS,
+    /// `config.tls` needs a certificate and key).
     ///
     /// # Cancel safety
     ///
     /// Cancel safe: dropping the future before it returns releases the socket.
     pub async fn bind(listen: SocketAddr, config: RpcConfig) -> Result<RpcServer, RpcError> {
         config.validate()?;
+        let tls = ServerTls::new(&config)?;
         let listener = TcpListener::bind(listen).await.map_err(RpcError::Bind)?;
         let local_addr = listener.local_addr().map_err(RpcError::Bind)?;
-        Ok(RpcServer { listener, local_addr, config })
+        Ok(RpcServer { listener, local_addr, config, tls })
     }
 
     /// The bound address (with the actual port when bound to port 0).
@@ -87,6 +91,7 @@ impl RpcServer {
             config: Arc::new(self.config),
             handler,
             connections: Arc::clone(&connections),
+            tls: self.tls,
         };
         accept.spawn(accept_loop(self.listener, server, shutdown.clone()).instrument(span));
         ServerHandle { local_addr, connections, shutdown, accept }
@@ -122,6 +127,7 @@ struct Server {
     config: Arc<RpcConfig>,
     handler: Arc<dyn RunnerHandler>,
     connections: Arc<AtomicUsize>,
+    tls: ServerTls,
 }
 
 /// Counts an open connection while alive.
@@ -162,12 +168,19 @@ async fn accept_loop(listener: TcpListener, server: Server, shutdown: Cancellati
     while connections.join_next().await.is_some() {}
 }
 
-async fn serve_connection(mut stream: TcpStream, server: Server, shutdown: CancellationToken) {
-    let Server { config, handler, connections } = server;
-    let _ = stream.set_nodelay(true);
-    let handshake = handshake::server(&mut stream, config.secret_bytes());
-    match tokio::time::timeout(config.connect_timeout, handshake).await {
-        Ok(Ok(())) => debug!("connection accepted"),
+async fn serve_connection(tcp: TcpStream, server: Server, shutdown: CancellationToken) {
+    let Server { config, handler, connections, tls } = server;
+    let _ = tcp.set_nodelay(true);
+    // TLS (when configured) first, then the handshake inside it, both within the timeout.
+    let handshake = async {
+        let mut stream = tls.accept(tcp).await.map_err(handshake::HandshakeError::Io)?;
+        handshake::server(&mut stream, config.secret_bytes()).await.map(|()| stream)
+    };
+    let stream = match tokio::time::timeout(config.connect_timeout, handshake).await {
+        Ok(Ok(stream)) => {
+            debug!("connection accepted");
+            stream
+        }
         Ok(Err(error)) => {
             warn!(%error, "handshake failed; connection refused");
             return;
@@ -176,10 +189,10 @@ async fn serve_connection(mut stream: TcpStream, server: Server, shutdown: Cance
             warn!("handshake timed out; connection refused");
             return;
         }
-    }
+    };
     connections.fetch_add(1, Ordering::AcqRel);
     let _counted = Counted(connections);
-    let (read_half, write_half) = stream.into_split();
+    let (read_half, write_half) = tokio::io::split(stream);
     let (frames_tx, frames_rx) = mpsc::channel(config.queue_capacity());
     let (out_tx, out_rx) = mpsc::channel(config.queue_capacity());
     let mut io_tasks = JoinSet::new();

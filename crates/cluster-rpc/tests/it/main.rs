@@ -3,5 +3,8 @@
 
 mod calls;
 mod faults;
+mod limits;
 mod security;
 mod support;
+#[cfg(feature = "tls")]
+mod tls;

@@ -95,3 +95,20 @@ async fn config_from_env_names_the_bad_variable() {
     assert_eq!(config.secret.as_deref(), Some(&b"k"[..]));
     assert_eq!(config.idle_expiry, std::time::Duration::from_secs(2));
 }
+
+#[cfg(not(feature = "tls"))]
+#[test]
+fn tls_variables_without_the_tls_feature_are_an_error() {
+    for var in [
+        "CLUSTER_RPC_TLS_CERT",
+        "CLUSTER_RPC_TLS_KEY",
+        "CLUSTER_RPC_TLS_CA",
+        "CLUSTER_RPC_TLS_SERVER_NAME",
+        "CLUSTER_RPC_TLS_REQUIRE_CLIENT_CERT",
+    ] {
+        let error = RpcConfig::from_env_with(|name| Ok((name == var).then(|| "x".to_owned())))
+            .expect_err("TLS requested without TLS support");
+        assert_eq!(error.key(), var);
+        assert!(error.reason().contains("built without the tls feature"), "{error}");
+    }
+}

@@ -29,7 +29,8 @@ pub(crate) const DEADLINE: Duration = Duration::from_secs(10);
 /// sent after the previous one is acked, then the final reply), `Hang` (never answers),
 /// `NotAssigned`, `MailboxFull`, `AlreadyProcessing` (typed errors), `Defect` (a storage
 /// error, which is not a protocol error), `Big` (a final reply of `big_reply_bytes`),
-/// `Panic` (the handler panics).
+/// `Flood` (chunks without end, as fast as the transport takes them), `Panic` (the handler
+/// panics).
 #[derive(Debug, Default)]
 pub(crate) struct FakeHandler {
     pub(crate) state: Arc<Mutex<Log>>,
@@ -138,7 +139,7 @@ impl FakeHandler {
                     (final_reply(request, Exit::void()), Some(second_id)),
                 ]
             }
-            "Hang" => vec![],
+            "Hang" | "Flood" => vec![],
             "NotAssigned" => return Err(ClusterError::EntityNotAssignedToRunner { address }),
             "MailboxFull" => return Err(ClusterError::MailboxFull { address }),
             "AlreadyProcessing" => {
@@ -184,6 +185,9 @@ impl RunnerHandler for FakeHandler {
                 dropped: Arc::clone(&self.dropped),
                 finished: false,
             };
+            if &*request.tag == "Flood" {
+                return Ok(Box::new(FloodStream { stream, sequence: 0 }) as Box<dyn ReplyStream>);
+            }
             if &*request.tag == "Hang" {
                 // A stream that never yields: pending until dropped.
                 return Ok(Box::new(HangStream(stream)) as Box<dyn ReplyStream>);
@@ -214,6 +218,24 @@ struct HangStream(
 impl ReplyStream for HangStream {
     fn next_reply(&mut self) -> BoxFuture<'_, Option<Result<Reply, ClusterError>>> {
         Box::pin(std::future::pending())
+    }
+}
+
+/// A reply stream of chunks without end; dropping it counts as an interruption.
+struct FloodStream {
+    stream: FakeStream,
+    sequence: u32,
+}
+
+impl ReplyStream for FloodStream {
+    fn next_reply(&mut self) -> BoxFuture<'_, Option<Result<Reply, ClusterError>>> {
+        let request_id = Snowflake::new(1);
+        let id = Snowflake::new(10_000 + u64::from(self.sequence));
+        let value = RawJson::from_json(self.sequence.to_string()).unwrap_or_default();
+        let chunk = Chunk::new(request_id, id, self.sequence, vec![value]).map(Reply::Chunk);
+        self.sequence = self.sequence.wrapping_add(1);
+        let _ = &self.stream;
+        Box::pin(async move { chunk.map(Ok) })
     }
 }
 

@@ -1,0 +1,200 @@
+//! The limits and the reconnection policy: calls beyond `max_in_flight`, connections beyond
+//! `max_connections`, the reconnection backoff and the stream-buffer overflow.
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::time::Duration;
+
+use cluster_core::error::ClusterError;
+use cluster_core::ids::RunnerAddress;
+use cluster_core::runners::Runners;
+use cluster_rpc::{RpcConfig, TcpRunners};
+use tokio::net::TcpListener;
+use tokio::time::Instant;
+
+use crate::support::{
+    DEADLINE, FakeHandler, config, request, runner_address, serve, wait_until, within,
+};
+
+#[tokio::test]
+async fn a_call_beyond_max_in_flight_is_overloaded_and_others_carry_on() {
+    let handler = FakeHandler::new();
+    let server = serve(RpcConfig { max_in_flight: 1, ..config() }, handler.clone()).await;
+    // The client's own limit is higher: the server is the one that refuses.
+    let runners = TcpRunners::new(config()).expect("config");
+    let address = runner_address(&server);
+    let hang = {
+        let (runners, address) = (runners.clone(), address.clone());
+        tokio::spawn(async move { runners.send(&address, request(1, "Hang"), false).await })
+    };
+    assert!(wait_until(|| handler.requests() == 1).await, "the first request never arrived");
+
+    let overloaded = within(runners.send(&address, request(2, "Echo"), false)).await;
+    assert!(
+        matches!(&overloaded, Err(ClusterError::RunnerUnavailable { address: at }) if *at == address),
+        "{overloaded:?}"
+    );
+    assert_eq!(handler.requests(), 1, "the overloaded call reached the handler");
+    // Pings are answered by the transport, not counted as calls in flight.
+    within(runners.ping(&address)).await.expect("ping while overloaded");
+    assert!(runners.is_connected(&address));
+    assert_eq!(server.connection_count(), 1);
+
+    // Once the running call is gone, the next one is served on the same connection.
+    hang.abort();
+    assert!(wait_until(|| handler.dropped.load(Ordering::Acquire) == 1).await);
+    let mut echo = Err(ClusterError::RunnerUnavailable { address: address.clone() });
+    let deadline = Instant::now() + DEADLINE;
+    // The server frees the slot when it reaps the aborted task: wait for that, with a deadline.
+    while echo.is_err() && Instant::now() < deadline {
+        echo = within(runners.send(&address, request(3, "Echo"), false)).await;
+        if echo.is_err() {
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+    }
+    assert!(echo.expect("served after the slot is freed").is_final());
+    assert_eq!(server.connection_count(), 1);
+}
+
+#[tokio::test]
+async fn a_connection_beyond_max_connections_is_refused() {
+    let handler = FakeHandler::new();
+    let server = serve(RpcConfig { max_connections: 1, ..config() }, handler.clone()).await;
+    let address = runner_address(&server);
+    let first = TcpRunners::new(config()).expect("config");
+    within(first.ping(&address)).await.expect("first connection");
+    assert_eq!(server.connection_count(), 1);
+
+    let second = TcpRunners::new(config()).expect("config");
+    let refused = within(second.send(&address, request(1, "Echo"), false)).await;
+    assert!(matches!(refused, Err(ClusterError::RunnerUnavailable { .. })), "{refused:?}");
+    assert!(!second.is_connected(&address));
+    assert_eq!(handler.calls(), 0);
+    // The first connection is untouched.
+    within(first.send(&address, request(2, "Echo"), false)).await.expect("first still served");
+    assert_eq!(server.connection_count(), 1);
+
+    // When the first connection closes, its slot is free again (past the second's backoff).
+    first.on_runner_unavailable(&address);
+    assert!(wait_until(|| server.connection_count() == 0).await);
+    let mut reply = Err(ClusterError::RunnerUnavailable { address: address.clone() });
+    let deadline = Instant::now() + DEADLINE;
+    while reply.is_err() && Instant::now() < deadline {
+        reply = within(second.send(&address, request(3, "Echo"), false)).await;
+        if reply.is_err() {
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+    }
+    assert!(reply.expect("the freed slot serves the second client").is_final());
+}
+
+/// A listener that accepts connections and drops them at once (every handshake fails),
+/// counting them; the count is raised before the drop, so a client that saw its attempt fail
+/// has been counted.
+async fn refusing_listener() -> (RunnerAddress, Arc<AtomicUsize>, tokio::task::JoinHandle<()>) {
+    let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
+    let port = listener.local_addr().expect("addr").port();
+    let accepted = Arc::new(AtomicUsize::new(0));
+    let task = {
+        let accepted = Arc::clone(&accepted);
+        tokio::spawn(async move {
+            while let Ok((stream, _)) = listener.accept().await {
+                accepted.fetch_add(1, Ordering::AcqRel);
+                drop(stream);
+            }
+        })
+    };
+    (RunnerAddress::new("127.0.0.1", port), accepted, task)
+}
+
+#[tokio::test]
+async fn after_a_failed_connect_calls_fail_at_once_until_the_backoff_passes() {
+    let (address, accepted, task) = refusing_listener().await;
+    // A backoff that cannot pass during the test: at least half an hour.
+    let long = RpcConfig {
+        backoff_base: Duration::from_secs(3600),
+        backoff_cap: Duration::from_secs(3600),
+        ..config()
+    };
+    let runners = TcpRunners::new(long).expect("config");
+    let error = within(runners.send(&address, request(1, "Echo"), false)).await;
+    assert!(matches!(error, Err(ClusterError::RunnerUnavailable { .. })), "{error:?}");
+    assert_eq!(accepted.load(Ordering::Acquire), 1);
+    // In backoff: every call fails without a connection attempt.
+    for id in 2..5 {
+        let error = within(runners.send(&address, request(id, "Echo"), false)).await;
+        assert!(matches!(error, Err(ClusterError::RunnerUnavailable { .. })), "{error:?}");
+        let error = within(runners.notify(
+            &address,
+            cluster_core::Envelope::Request(request(id, "Echo")),
+            false,
+        ))
+        .await;
+        assert!(matches!(error, Err(ClusterError::RunnerUnavailable { .. })), "{error:?}");
+    }
+    assert_eq!(accepted.load(Ordering::Acquire), 1, "a call during the backoff connected");
+    // Dropping the peer forgets its backoff: the next call tries again.
+    runners.on_runner_unavailable(&address);
+    let error = within(runners.ping(&address)).await;
+    assert!(error.is_err());
+    assert_eq!(accepted.load(Ordering::Acquire), 2);
+
+    // A short backoff passes, and then calls try again (and fail again, here).
+    let short = RpcConfig {
+        backoff_base: Duration::from_millis(20),
+        backoff_cap: Duration::from_millis(20),
+        ..config()
+    };
+    let runners = TcpRunners::new(short).expect("config");
+    let _ = within(runners.send(&address, request(10, "Echo"), false)).await;
+    assert_eq!(accepted.load(Ordering::Acquire), 3);
+    let retried = wait_until(|| accepted.load(Ordering::Acquire) >= 4);
+    let calls = async {
+        loop {
+            let _ = runners.send(&address, request(11, "Echo"), false).await;
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+    };
+    let retried = tokio::select! {
+        retried = retried => retried,
+        () = calls => false,
+    };
+    assert!(retried, "no connection attempt after the backoff");
+    task.abort();
+}
+
+#[tokio::test]
+async fn a_stream_that_overflows_its_buffer_is_cut_and_cancelled() {
+    let handler = FakeHandler::new();
+    let server = serve(config(), handler.clone()).await;
+    let runners = TcpRunners::new(RpcConfig { stream_buffer: 1, ..config() }).expect("config");
+    let address = runner_address(&server);
+    // The server floods chunks; the client reads none until the overflow has cancelled the
+    // request on the server (which drops the handler's reply stream).
+    let mut replies =
+        within(runners.stream(&address, request(1, "Flood"), false)).await.expect("stream");
+    assert!(
+        wait_until(|| handler.dropped.load(Ordering::Acquire) == 1).await,
+        "the overflowing request was not cancelled"
+    );
+    let mut chunks = 0;
+    let end = loop {
+        match within(replies.next_reply()).await {
+            Some(Ok(reply)) => {
+                assert!(!reply.is_final());
+                chunks += 1;
+            }
+            other => break other,
+        }
+    };
+    assert!(chunks <= 1, "more chunks than the buffer holds: {chunks}");
+    assert!(
+        matches!(&end, Some(Err(ClusterError::RunnerUnavailable { address: at })) if *at == address),
+        "{end:?}"
+    );
+    assert!(within(replies.next_reply()).await.is_none());
+    // Only that request was cut: the connection still serves.
+    let echo = within(runners.send(&address, request(2, "Echo"), false)).await;
+    assert!(echo.expect("the connection still serves").is_final());
+    assert_eq!(server.connection_count(), 1);
+}
