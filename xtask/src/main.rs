@@ -3,6 +3,8 @@
 //! - `ci`: everything CI checks, in order: formatting, clippy (all targets, then each storage
 //!   feature on its own), the database services, all tests, the quickstart, documentation.
 //! - `tidy`: the repository rules that are not compiler lints (also run as tests by `ci`).
+//! - `chaos`: the fault test across processes on PostgreSQL (`cluster-chaos`; also run by
+//!   `ci`): runners killed, frozen, joining and leaving under traffic.
 //!
 //! Automation is written in Rust so that it runs wherever cargo does (STYLE rule 24).
 
@@ -47,6 +49,7 @@ fn main() -> ExitCode {
     let result = match args.first().map(String::as_str) {
         Some("ci") => ci(),
         Some("tidy") => tidy::run(&workspace_root()),
+        Some("chaos") => chaos(),
         _ => {
             usage();
             return ExitCode::from(2);
@@ -62,7 +65,7 @@ fn main() -> ExitCode {
 }
 
 fn usage() {
-    report("usage: cargo xtask <ci | tidy>");
+    report("usage: cargo xtask <ci | tidy | chaos>");
 }
 
 #[expect(clippy::print_stderr, reason = "xtask reports to the terminal")]
@@ -119,6 +122,7 @@ fn ci() -> Result<()> {
     }
     // The README's first command, in a debug build: it asserts its own outcome.
     step("quickstart", &["run", "--example", "quickstart"], &[])?;
+    chaos_with(&service_env)?;
     step(
         "docs",
         &["doc", "--workspace", "--all-features", "--no-deps"],
@@ -126,6 +130,31 @@ fn ci() -> Result<()> {
     )?;
     report("xtask ci: all steps passed");
     Ok(())
+}
+
+/// `cargo xtask chaos`: the fault test across processes, on PostgreSQL.
+fn chaos() -> Result<()> {
+    let root = workspace_root();
+    env::set_current_dir(&root).with_context(|| format!("cannot enter {}", root.display()))?;
+    let service_env = services()?;
+    let service_env: Vec<(&str, &str)> =
+        service_env.iter().map(|(name, value)| (*name, value.as_str())).collect();
+    chaos_with(&service_env)
+}
+
+/// Runs the fault test on the PostgreSQL of `service_env`; skipped (with a message) when
+/// PostgreSQL is not reachable outside CI (`services` already failed the run under CI).
+fn chaos_with(service_env: &[(&str, &str)]) -> Result<()> {
+    let Some((_, url)) = service_env.iter().find(|(name, _)| *name == "CLUSTER_TEST_POSTGRES_URL")
+    else {
+        report("==> chaos: skipped, PostgreSQL is not reachable");
+        return Ok(());
+    };
+    step(
+        "chaos",
+        &["run", "--package", "cluster-chaos", "--bin", "chaos", "--", "run"],
+        &[("CLUSTER_CHAOS_POSTGRES_URL", url)],
+    )
 }
 
 /// Runs `cargo <args>` with extra environment variables; a non-zero exit fails the step.

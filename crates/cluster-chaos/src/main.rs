@@ -1,0 +1,91 @@
+//! `chaos runner` runs one runner from the environment (see `cluster_chaos::node`) with the
+//! test's ledger entity; `chaos client` runs the client-only workload; `chaos run` (the
+//! default) runs the whole fault test across processes and exits non-zero on any violation.
+
+use std::process::ExitCode;
+use std::time::Duration;
+
+use cluster_chaos::chaos::{self, ChaosOptions, say};
+use cluster_chaos::ledger::{self, Ledger};
+use cluster_chaos::node::{self, Node, NodeEnv};
+use cluster_chaos::workload::{self, WorkloadOptions};
+use cluster_sharding::EntityOptions;
+
+#[tokio::main]
+async fn main() -> ExitCode {
+    let mode = std::env::args().nth(1).unwrap_or_else(|| "run".to_owned());
+    let result = match mode.as_str() {
+        "runner" => runner().await,
+        "client" => client().await,
+        "run" => run().await,
+        other => Err(format!("unknown mode {other:?}: expected runner, client or run")),
+    };
+    match result {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(error) => {
+            report_error(&format!("chaos {mode}: {error}"));
+            ExitCode::FAILURE
+        }
+    }
+}
+
+#[expect(clippy::print_stderr, reason = "a failed process says why on standard error")]
+fn report_error(message: &str) {
+    eprintln!("{message}");
+}
+
+async fn runner() -> Result<(), String> {
+    let env = NodeEnv::from_env(true).map_err(|error| error.to_string())?;
+    if std::env::var("CHAOS_AUDIT").is_ok() {
+        ledger::set_audit_table(ledger::audit_table(&env.table_prefix));
+    }
+    let node = Node::serve(&env, |sharding| {
+        sharding.register::<Ledger>(EntityOptions::default()).map_err(|error| error.to_string())
+    })
+    .await
+    .map_err(|error| error.to_string())?;
+    node::terminated().await.map_err(|error| error.to_string())?;
+    node.shutdown().await;
+    Ok(())
+}
+
+async fn client() -> Result<(), String> {
+    let env = NodeEnv::from_env(false).map_err(|error| error.to_string())?;
+    let options = WorkloadOptions::from_env()?;
+    let sharding = env.join().await.map_err(|error| error.to_string())?;
+    let summary = workload::run(&sharding, &options).await;
+    sharding.shutdown().await;
+    let line = serde_json::to_string(&summary).map_err(|error| error.to_string())?;
+    say(&line);
+    Ok(())
+}
+
+async fn run() -> Result<(), String> {
+    let postgres_url = std::env::var("CLUSTER_CHAOS_POSTGRES_URL")
+        .unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/test".to_owned());
+    let options = ChaosOptions { postgres_url, send_for: Duration::from_secs(24) };
+    let report = chaos::run(&options).await?;
+    let client = &report.client;
+    say(&format!(
+        "chaos summary: deposits sent {}, answered {}, failed {}, unanswered {}; \
+         echoes ok {}, wrong {}; max deposit latency {} ms; audit rows {}; errors by kind {:?}",
+        client.sent,
+        client.answered,
+        client.failed,
+        client.unanswered,
+        client.echoes_ok,
+        client.echoes_wrong,
+        client.max_deposit_latency_ms,
+        report.audit_rows,
+        client.errors
+    ));
+    if report.violations.is_empty() {
+        say("chaos: passed");
+        Ok(())
+    } else {
+        for violation in &report.violations {
+            say(&format!("chaos violation: {violation}"));
+        }
+        Err(format!("{} violations", report.violations.len()))
+    }
+}

@@ -1,0 +1,100 @@
+//! Interoperability: persisted requests keep flowing through storage when the owner of their
+//! shard speaks another protocol (here: a runner whose transport refuses our handshake, as a
+//! TypeScript runner of the reference on the same tables would), while volatile requests to
+//! it fail with `RunnerUnavailable`.
+
+use std::time::Duration;
+
+use cluster_chaos::ledger::{Deposit, Echo, Ledger};
+use cluster_chaos::node::{Node, NodeEnv};
+use cluster_core::ClusterError;
+use cluster_sharding::{CallError, EntityOptions, Sharding};
+
+fn free_port() -> u16 {
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    listener.local_addr().unwrap().port()
+}
+
+fn env(database: &str, port: u16, secret: &str) -> NodeEnv {
+    let vars = [
+        ("CLUSTER_STORAGE_URL", format!("sqlite:{database}")),
+        ("CLUSTER_RPC_SECRET", secret.to_owned()),
+        ("HOST", "127.0.0.1".to_owned()),
+        ("PORT", port.to_string()),
+        ("SHARDS_PER_GROUP", "30".to_owned()),
+        ("SHARD_LOCK_EXPIRATION", "3 seconds".to_owned()),
+        ("SHARD_LOCK_REFRESH_INTERVAL", "500 millis".to_owned()),
+        ("REFRESH_ASSIGNMENTS_INTERVAL", "100 millis".to_owned()),
+        ("ENTITY_MESSAGE_POLL_INTERVAL", "200 millis".to_owned()),
+        ("ENTITY_REPLY_POLL_INTERVAL", "100 millis".to_owned()),
+        // Pings cross protocols too: a mixed cluster leaves health to the lock leases.
+        ("RUNNER_HEALTH_CHECK_INTERVAL", "1 hour".to_owned()),
+    ];
+    NodeEnv::from_lookup(true, |name| {
+        vars.iter().find(|(key, _)| *key == name).map(|(_, value)| value.clone())
+    })
+    .unwrap()
+}
+
+async fn start(env: &NodeEnv) -> Node {
+    Node::serve(env, |sharding| {
+        sharding.register::<Ledger>(EntityOptions::default()).map_err(|error| error.to_string())
+    })
+    .await
+    .unwrap()
+}
+
+/// Waits for `condition`, failing after a deadline.
+async fn eventually(what: &str, condition: impl Fn() -> bool) {
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(20);
+    while !condition() {
+        assert!(tokio::time::Instant::now() < deadline, "{what} did not happen");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+/// An entity id whose shard `owner` holds.
+fn id_on(owner: &Sharding) -> String {
+    let held = owner.acquired_shards();
+    (0..10_000)
+        .map(|n| format!("interop-{n}"))
+        .find(|id| {
+            let group = cluster_core::ShardGroup::default_group();
+            held.contains(&owner.config().shard_id(id, &group))
+        })
+        .unwrap()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn persisted_requests_reach_a_runner_that_refuses_our_transport() {
+    let path =
+        std::env::temp_dir().join(format!("cluster-chaos-interop-{}.db", std::process::id()));
+    let database = path.display().to_string();
+    let ours = start(&env(&database, free_port(), "ours")).await;
+    let theirs = start(&env(&database, free_port(), "another protocol")).await;
+    eventually("the runners split the shards", || {
+        let (a, b) = (ours.sharding.acquired_shards(), theirs.sharding.acquired_shards());
+        !a.is_empty() && !b.is_empty() && a.len() + b.len() == 30
+    })
+    .await;
+    let id = id_on(&theirs.sharding);
+    let ledger = ours.sharding.client::<Ledger>(id.as_str());
+    let deposit = ledger.send(Deposit { key: "through-storage".to_owned() });
+    let answer = tokio::time::timeout(Duration::from_secs(20), deposit).await;
+    assert_eq!(answer.expect("answered through storage").unwrap(), 1);
+    assert_eq!(theirs.sharding.active_entity_count(), 1, "handled by the shard's owner");
+    assert_eq!(ours.sharding.active_entity_count(), 0);
+    let echo = tokio::time::timeout(Duration::from_secs(20), ledger.send(Echo { n: 7 })).await;
+    assert!(
+        matches!(
+            echo.expect("the volatile call ends"),
+            Err(CallError::Cluster(ClusterError::RunnerUnavailable { .. }))
+        ),
+        "a volatile request cannot cross protocols"
+    );
+    ours.shutdown().await;
+    theirs.shutdown().await;
+    for suffix in ["", "-wal", "-shm"] {
+        let _ = std::fs::remove_file(format!("{database}{suffix}"));
+    }
+}
