@@ -27,6 +27,9 @@ use crate::ledger::{self, Deposit, Ledger};
 use crate::node::NodeEnv;
 use crate::workload::{self, Summary};
 
+/// The ledgers the client spreads its deposits over (passed to it as `CHAOS_ENTITIES`).
+const ENTITIES: u64 = 200;
+
 /// The lock expiration of the run's runners.
 const EXPIRATION: Duration = Duration::from_secs(4);
 
@@ -128,7 +131,7 @@ fn spawn_runner(name: &str, port: u16, env: &[(String, String)]) -> Result<Proce
 }
 
 /// A free TCP port on 127.0.0.1 (bound, then released for the runner to take).
-fn free_port() -> Result<u16, String> {
+pub fn free_port() -> Result<u16, String> {
     let listener = std::net::TcpListener::bind("127.0.0.1:0").map_err(|error| error.to_string())?;
     listener.local_addr().map(|address| address.port()).map_err(|error| error.to_string())
 }
@@ -196,6 +199,7 @@ async fn run_on(
     let workload = [
         ("CHAOS_KEY_PREFIX", "deposit".to_owned()),
         ("CHAOS_SEND_FOR_MS", options.send_for.as_millis().to_string()),
+        ("CHAOS_ENTITIES", ENTITIES.to_string()),
     ];
     let client = spawn("client", "client", &env, &workload, Stdio::piped())?;
     let output = tokio::spawn(client.child.wait_with_output());
@@ -293,7 +297,7 @@ async fn check_replies(
 ) -> Result<(), String> {
     let mut problems = Vec::new();
     for n in 0..report.client.sent {
-        let entity_id = workload::ledger_of(n, entities());
+        let entity_id = workload::ledger_of(n, ENTITIES);
         let address = EntityAddress {
             shard_id: node.sharding.shard_id(&entity_id, &ShardGroup::default_group()),
             entity_type: EntityType::from(Ledger::TYPE),
@@ -330,10 +334,6 @@ fn report_problems(report: &mut Report, what: &str, problems: Vec<String>) {
         let shown: Vec<&String> = problems.iter().take(10).collect();
         report.violations.push(format!("{what}: {} problems, first: {shown:?}", problems.len()));
     }
-}
-
-fn entities() -> u64 {
-    200
 }
 
 /// One audit row per deposit; on each shard, the epochs of different runners never overlap.

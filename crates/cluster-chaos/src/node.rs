@@ -175,7 +175,11 @@ impl Node {
             .await
             .map_err(|error| NodeError::Transport(error.to_string()))?;
         let sharding = env.join().await?;
-        register(&sharding).map_err(NodeError::Start)?;
+        if let Err(error) = register(&sharding) {
+            // Leave the cluster cleanly instead of holding shards it cannot serve.
+            sharding.shutdown().await;
+            return Err(NodeError::Start(error));
+        }
         let server = server.serve(sharding.runner_handler());
         Ok(Node { sharding, server })
     }

@@ -5,15 +5,11 @@
 
 use std::time::Duration;
 
+use cluster_chaos::chaos::free_port;
 use cluster_chaos::ledger::{Deposit, Echo, Ledger};
 use cluster_chaos::node::{Node, NodeEnv};
 use cluster_core::ClusterError;
 use cluster_sharding::{CallError, EntityOptions, Sharding};
-
-fn free_port() -> u16 {
-    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
-    listener.local_addr().unwrap().port()
-}
 
 fn env(database: &str, port: u16, secret: &str) -> NodeEnv {
     let vars = [
@@ -70,8 +66,8 @@ async fn persisted_requests_reach_a_runner_that_refuses_our_transport() {
     let path =
         std::env::temp_dir().join(format!("cluster-chaos-interop-{}.db", std::process::id()));
     let database = path.display().to_string();
-    let ours = start(&env(&database, free_port(), "ours")).await;
-    let theirs = start(&env(&database, free_port(), "another protocol")).await;
+    let ours = start(&env(&database, free_port().unwrap(), "ours")).await;
+    let theirs = start(&env(&database, free_port().unwrap(), "another protocol")).await;
     eventually("the runners split the shards", || {
         let (a, b) = (ours.sharding.acquired_shards(), theirs.sharding.acquired_shards());
         !a.is_empty() && !b.is_empty() && a.len() + b.len() == 30
@@ -94,6 +90,31 @@ async fn persisted_requests_reach_a_runner_that_refuses_our_transport() {
     );
     ours.shutdown().await;
     theirs.shutdown().await;
+    for suffix in ["", "-wal", "-shm"] {
+        let _ = std::fs::remove_file(format!("{database}{suffix}"));
+    }
+}
+
+/// A runner whose entities cannot be registered does not start, and leaves the cluster's
+/// registry instead of holding shards it cannot serve.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_runner_that_cannot_register_its_entities_leaves_the_registry() {
+    let path =
+        std::env::temp_dir().join(format!("cluster-chaos-refused-{}.db", std::process::id()));
+    let database = path.display().to_string();
+    let node = env(&database, free_port().unwrap(), "ours");
+    let started = Node::serve(&node, |_| Err("no entities".to_owned())).await;
+    assert!(
+        matches!(&started, Err(cluster_chaos::node::NodeError::Start(reason)) if reason == "no entities"),
+        "the registration error is the start error"
+    );
+    let (_, registry) = node.open_storages().await.unwrap();
+    let address = node.sharding.runner_address.clone().unwrap();
+    let runners = registry.get_runners().await.unwrap();
+    assert!(
+        runners.iter().all(|(runner, _)| runner.address != address),
+        "the runner stayed registered: {runners:?}"
+    );
     for suffix in ["", "-wal", "-shm"] {
         let _ = std::fs::remove_file(format!("{database}{suffix}"));
     }
