@@ -74,8 +74,6 @@ pub(crate) struct Cluster {
     lock_events: watch::Sender<u64>,
     /// The in-flight lock confirmation of each shard (fencing).
     confirmations: Mutex<BTreeMap<ShardId, Shared<BoxFuture<'static, bool>>>>,
-    /// The shards whose per-shard release is running.
-    releases: Mutex<BTreeSet<ShardId>>,
     /// Set when the shutdown handoff starts: every shard is released.
     handoff: CancellationToken,
     /// Woken when nothing is held any more during the handoff.
@@ -92,6 +90,10 @@ struct State {
     membership: Membership,
     ownership: ShardOwnership,
     assignment: Assignment,
+    /// The shards whose per-shard release task is running. Claimed in the same critical
+    /// section that reads the releasing shards, so a task that ends meanwhile cannot have its
+    /// shard released a second time by a round that read it as releasing.
+    release_tasks: BTreeSet<ShardId>,
 }
 
 impl std::fmt::Debug for Cluster {
@@ -189,11 +191,11 @@ impl Sharding {
                 membership,
                 ownership: ShardOwnership::new(),
                 assignment: Assignment::default(),
+                release_tasks: BTreeSet::new(),
             }),
             acquisition: Notify::new(),
             lock_events: watch::Sender::new(0),
             confirmations: Mutex::new(BTreeMap::new()),
-            releases: Mutex::new(BTreeSet::new()),
             handoff: CancellationToken::new(),
             handed_off: Notify::new(),
             stopped: CancellationToken::new(),
@@ -383,10 +385,11 @@ impl Sharding {
                 tracing::info!(shards = moved.len(), "releasing shards that moved away");
             }
             let forced = state.ownership.start_forced_release();
-            let releasing: Vec<ShardId> = state
-                .ownership
+            let State { ownership, release_tasks, .. } = &mut *state;
+            let releasing: Vec<ShardId> = ownership
                 .releasing()
-                .filter(|shard| !state.ownership.is_force_releasing(shard))
+                .filter(|shard| !ownership.is_force_releasing(shard))
+                .filter(|shard| release_tasks.insert((*shard).clone()))
                 .cloned()
                 .collect();
             let joins_pending = state.membership.has_pending_joins();
@@ -398,9 +401,7 @@ impl Sharding {
             self.spawn_cluster(self.clone().forced_release(Arc::clone(cluster), shards));
         }
         for shard in releasing {
-            if lock(&cluster.releases).insert(shard.clone()) {
-                self.spawn_cluster(self.clone().release_shard(Arc::clone(cluster), shard));
-            }
+            self.spawn_cluster(self.clone().release_shard(Arc::clone(cluster), shard));
         }
         if handing_off && cluster.state().ownership.is_handed_off() {
             cluster.handed_off.notify_waiters();
@@ -482,7 +483,10 @@ impl Sharding {
             let interval = self.config().shard_lock_interval();
             match bounded(interval, cluster.storage.release(&address, &shard)).await {
                 Ok(()) => {
-                    cluster.state().ownership.release_finished(&shard);
+                    // Together: a round never sees the shard releasing with no task for it.
+                    let mut state = cluster.state();
+                    state.ownership.release_finished(&shard);
+                    state.release_tasks.remove(&shard);
                     break;
                 }
                 Err(error) => {
@@ -497,11 +501,11 @@ impl Sharding {
                 }
             }
         }
+        // Also after a forced release took over or shutdown ended the loop (no-op otherwise).
+        cluster.state().release_tasks.remove(&shard);
         if cluster.stopped.is_cancelled() {
-            lock(&cluster.releases).remove(&shard);
             return;
         }
-        lock(&cluster.releases).remove(&shard);
         self.unregister_shard_waiters(&shard);
         tracing::debug!(%shard, took = ?started.elapsed(), "shard released");
         self.update_shard_gauges(&cluster);
