@@ -1,7 +1,68 @@
-//! Durable workflows on top of `cluster-sharding`.
+//! Durable workflows: async functions whose steps are memoized, so that an execution survives
+//! restarts, owner changes and long waits.
 //!
-//! This crate will hold the workflow API (activities, deferreds and tokens, durable clocks,
-//! compensation, interrupt signals, child workflows), an in-memory engine, and the cluster
-//! engine whose entity types, RPCs and stored encodings are the reference's.
+//! A workflow is a [`Workflow`] definition (name, payload, success and error types, an
+//! idempotency key) and a body registered on a [`WorkflowEngine`]. The body works through its
+//! [`WorkflowContext`]: [activities](WorkflowContext::activity) (run once, then replayed from
+//! their stored result), [durable deferreds](WorkflowContext::await_deferred) completed by
+//! anyone holding a [`Token`], [durable sleep](WorkflowContext::sleep),
+//! [races](WorkflowContext::race), [child workflows](WorkflowContext::child), and
+//! [compensations](WorkflowContext::with_compensation) that run exactly once if the execution
+//! fails.
 //!
-//! Status: not written yet (the workflow issue).
+//! ```
+//! use cluster_workflow::{Workflow, WorkflowContext, WorkflowEngine};
+//! use serde::{Deserialize, Serialize};
+//!
+//! #[derive(Serialize, Deserialize)]
+//! struct Double { key: String, value: u64 }
+//!
+//! struct Doubler;
+//! impl Workflow for Doubler {
+//!     const NAME: &'static str = "Doubler";
+//!     type Payload = Double;
+//!     type Success = u64;
+//!     type Error = String;
+//!     fn idempotency_key(payload: &Double) -> String { payload.key.clone() }
+//! }
+//!
+//! # #[tokio::main(flavor = "current_thread")]
+//! # async fn main() {
+//! let engine = WorkflowEngine::memory();
+//! engine
+//!     .register::<Doubler, _, _>(|ctx: WorkflowContext, payload: Double| async move {
+//!         let doubled: u64 = ctx
+//!             .activity("double", |_| async move { Ok::<_, String>(payload.value * 2) })
+//!             .await?;
+//!         Ok(doubled)
+//!     })
+//!     .unwrap();
+//! let value = engine.execute::<Doubler>(Double { key: "a".into(), value: 21 }).await.unwrap();
+//! assert_eq!(value, 42);
+//! # }
+//! ```
+//!
+//! How a run maps onto futures (DESIGN.md §7): the engine owns the body's future and drops it
+//! at a suspension or interrupt point; a replay runs the body again from the top. Code
+//! outside activities must be deterministic (the same steps with the same names in the same
+//! order on every replay). The semantics follow effect 4.1.0's workflow engine
+//! (reference/workflow.md), with the choices of its open questions written down in
+//! `docs/workflows.md`.
+
+mod context;
+mod definition;
+mod engine;
+mod id;
+mod memory;
+mod result;
+mod run;
+
+pub use context::{
+    ActivityCall, ActivityContext, ActivityError, DEFAULT_IN_MEMORY_SLEEP_THRESHOLD,
+    DurableDeferred, Never, WorkflowContext,
+};
+pub use definition::{RetrySchedule, Workflow, WorkflowOptions};
+pub use engine::{ExecuteError, WorkflowEngine, WorkflowError};
+pub use id::{ExecutionId, Token, TokenError, activity_idempotency_key, hash_digest};
+pub use result::{FailureCause, WorkflowResult};
+pub use run::RunExit;

@@ -1,0 +1,145 @@
+//! Defining a workflow: the [`Workflow`] trait (name, payload, success and error types,
+//! idempotency key) and its [`WorkflowOptions`].
+
+use std::time::Duration;
+
+use cluster_core::ShardGroup;
+use serde::Serialize;
+use serde::de::DeserializeOwned;
+
+use crate::id::ExecutionId;
+
+/// A workflow definition. The body is registered separately, on an engine
+/// ([`WorkflowEngine::register`](crate::WorkflowEngine::register)), so that it can capture the
+/// services it needs.
+///
+/// ```
+/// use cluster_workflow::Workflow;
+/// use serde::{Deserialize, Serialize};
+///
+/// #[derive(Clone, Serialize, Deserialize)]
+/// struct Order { id: String, amount: u64 }
+///
+/// struct Checkout;
+///
+/// impl Workflow for Checkout {
+///     const NAME: &'static str = "Checkout";
+///     type Payload = Order;
+///     type Success = String;
+///     type Error = String;
+///     fn idempotency_key(order: &Order) -> String { order.id.clone() }
+/// }
+/// ```
+pub trait Workflow: Send + Sync + 'static {
+    /// The workflow's name (the reference's tag): part of every execution id and of the
+    /// cluster entity type `Workflow/<NAME>`.
+    const NAME: &'static str;
+    /// The input of an execution. For the cluster engine it encodes as a JSON object.
+    type Payload: Serialize + DeserializeOwned + Send + Sync + 'static;
+    /// What a successful execution returns.
+    type Success: Serialize + DeserializeOwned + Send + 'static;
+    /// The execution's own error.
+    type Error: Serialize + DeserializeOwned + Send + 'static;
+
+    /// The idempotency key of a payload: executing a payload with the same key again attaches
+    /// to the same execution.
+    fn idempotency_key(payload: &Self::Payload) -> String;
+
+    /// How executions of this workflow behave.
+    fn options() -> WorkflowOptions {
+        WorkflowOptions::default()
+    }
+
+    /// The execution id of a payload.
+    fn execution_id(payload: &Self::Payload) -> ExecutionId {
+        ExecutionId::derive(Self::NAME, &Self::idempotency_key(payload))
+    }
+}
+
+/// How the executions of a workflow behave (the reference's annotations and options).
+#[derive(Clone, Debug)]
+pub struct WorkflowOptions {
+    /// A defect (a panic, a value that cannot be decoded) completes the execution with a `Die`
+    /// failure (`true`, the default); with `false` it leaves no result: the in-memory engine
+    /// reports the defect to callers and the cluster engine retries the run.
+    pub capture_defects: bool,
+    /// A failure of the body or of an activity suspends the execution (`failed: true`) instead
+    /// of completing it, until an explicit [`resume`](crate::WorkflowEngine::resume) or an
+    /// interrupt. `false` by default.
+    pub suspend_on_failure: bool,
+    /// How often an external caller of `execute` polls a suspended execution.
+    pub suspended_retry: RetrySchedule,
+    /// The shard group of an execution id (cluster engine); `default` when `None`.
+    pub shard_group: Option<fn(&str) -> ShardGroup>,
+}
+
+impl Default for WorkflowOptions {
+    fn default() -> WorkflowOptions {
+        WorkflowOptions {
+            capture_defects: true,
+            suspend_on_failure: false,
+            suspended_retry: RetrySchedule::default(),
+            shard_group: None,
+        }
+    }
+}
+
+/// A retry schedule: `min(initial × factor^n, max)` between attempts, for at most `attempts`
+/// attempts (`None`: without end).
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct RetrySchedule {
+    /// The first delay.
+    pub initial: Duration,
+    /// The growth of each next delay.
+    pub factor: f64,
+    /// The largest delay.
+    pub max: Duration,
+    /// How many delays the schedule gives before it ends.
+    pub attempts: Option<u32>,
+}
+
+impl Default for RetrySchedule {
+    /// The reference's `suspendedRetrySchedule`: `min(exponential(200 ms, 1.5), spaced(30 s))`,
+    /// without end.
+    fn default() -> RetrySchedule {
+        RetrySchedule {
+            initial: Duration::from_millis(200),
+            factor: 1.5,
+            max: Duration::from_secs(30),
+            attempts: None,
+        }
+    }
+}
+
+impl RetrySchedule {
+    /// The delay before retry `n` (0-based), or `None` once the schedule has ended.
+    pub fn delay(&self, n: u32) -> Option<Duration> {
+        if self.attempts.is_some_and(|attempts| n >= attempts) {
+            return None;
+        }
+        let exponent = i32::try_from(n.min(64)).unwrap_or(64);
+        let delay = self.initial.as_secs_f64() * self.factor.powi(exponent);
+        Some(if delay.is_finite() && delay < self.max.as_secs_f64() {
+            Duration::from_secs_f64(delay)
+        } else {
+            self.max
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_default_schedule_grows_to_its_cap_and_a_bounded_one_ends() {
+        let schedule = RetrySchedule::default();
+        assert_eq!(schedule.delay(0), Some(Duration::from_millis(200)));
+        assert_eq!(schedule.delay(1), Some(Duration::from_millis(300)));
+        assert_eq!(schedule.delay(20), Some(Duration::from_secs(30)));
+        assert_eq!(schedule.delay(u32::MAX), Some(Duration::from_secs(30)));
+        let bounded = RetrySchedule { attempts: Some(2), ..schedule };
+        assert!(bounded.delay(1).is_some());
+        assert_eq!(bounded.delay(2), None);
+    }
+}

@@ -1,0 +1,555 @@
+//! The engine contract ([`Backend`], implemented by the in-memory and the cluster engine) and
+//! the typed handle applications use ([`WorkflowEngine`]): register bodies, execute, poll,
+//! interrupt, resume, complete deferreds.
+//!
+//! The engines differ in where durable facts live and how a run is woken; what a run does with
+//! its body — drive it, decide its result, close its scopes — is shared here
+//! ([`into_result`], [`close_run_scope`], [`close_retained`]), so both engines follow reference/workflow.md §4 the same way.
+
+use std::future::Future;
+use std::sync::Arc;
+use std::time::Duration;
+
+use cluster_core::envelope::{Cause, CauseReason, Exit, RawJson};
+use cluster_core::future::BoxFuture;
+use serde::Serialize;
+use serde::de::DeserializeOwned;
+
+use crate::context::WorkflowContext;
+use crate::definition::{Workflow, WorkflowOptions};
+use crate::id::{ExecutionId, Token};
+use crate::result::{WorkflowResult, filter_interrupts, interrupt_reason, squash};
+use crate::run::{BodyEnd, Finalizer, Run, RunExit};
+
+/// Why the engine could not do what was asked.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum WorkflowError {
+    /// No body is registered for the workflow on this engine.
+    #[error("workflow {0} is not registered")]
+    NotRegistered(String),
+    /// The execution ended without a result (a defect with `capture_defects` off); its cause.
+    #[error("the execution ended without a result: {0:?}")]
+    NoResult(Cause),
+    /// The engine is shut down.
+    #[error("the workflow engine is shut down")]
+    ShutDown,
+    /// Storage or the cluster failed; the operation may be retried.
+    #[error("the cluster failed: {0}")]
+    Cluster(String),
+    /// A value could not be encoded or decoded.
+    #[error("malformed value: {0}")]
+    Malformed(String),
+    /// Used wrongly (for example `detached` without `discard`).
+    #[error("{0}")]
+    Invalid(String),
+}
+
+/// Why `execute` did not return the workflow's success value.
+#[derive(Debug, thiserror::Error)]
+pub enum ExecuteError<E> {
+    /// The workflow failed with its own error.
+    #[error("the workflow failed")]
+    Failed(E),
+    /// The workflow died: a panic, a value that could not be decoded; the defect's JSON.
+    #[error("the workflow died: {0}")]
+    Defect(String),
+    /// The workflow was interrupted.
+    #[error("the workflow was interrupted")]
+    Interrupted,
+    /// The caller's `suspended_retry` schedule ended while the execution was suspended.
+    #[error("{0}.execute: suspendedRetrySchedule exhausted")]
+    RetriesExhausted(&'static str),
+    /// The engine failed.
+    #[error(transparent)]
+    Engine(#[from] WorkflowError),
+}
+
+/// A body type-erased for an engine: decodes the payload, runs, encodes the outcome.
+pub(crate) type ErasedBody =
+    Arc<dyn Fn(WorkflowContext, RawJson) -> BoxFuture<'static, Exit> + Send + Sync>;
+
+/// A registered workflow.
+#[derive(Clone)]
+pub(crate) struct Registration {
+    pub(crate) name: &'static str,
+    pub(crate) options: WorkflowOptions,
+    pub(crate) body: ErasedBody,
+}
+
+/// The parent of a child execution.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub(crate) struct Parent {
+    pub(crate) workflow: &'static str,
+    pub(crate) execution_id: ExecutionId,
+    pub(crate) detached: bool,
+}
+
+/// How a resume wakes a suspended execution.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
+pub(crate) enum ResumeMode {
+    /// A deferred, clock or child completion: never resets a `failed` suspension.
+    Automatic,
+    /// An operator's resume or an interrupt.
+    Explicit,
+}
+
+/// What an engine provides. Methods taking a run are called from inside that run.
+pub(crate) trait Backend: Send + Sync + 'static {
+    /// Registers a body.
+    fn register(&self, registration: Registration) -> Result<(), WorkflowError>;
+
+    /// The stored result of activity `name`/`attempt` of the run's execution, or the result of
+    /// running it now with `execute` (which drives the activity body under the activity's own
+    /// run).
+    fn activity<'a>(
+        &'a self,
+        run: &'a Arc<Run>,
+        name: &'a str,
+        attempt: u32,
+        execute: Box<dyn FnOnce(Arc<Run>) -> BoxFuture<'a, WorkflowResult> + Send + 'a>,
+    ) -> BoxFuture<'a, Result<WorkflowResult, WorkflowError>>;
+
+    /// The completion of deferred `name` of the run's execution, if any.
+    fn deferred_result<'a>(
+        &'a self,
+        run: &'a Arc<Run>,
+        name: &'a str,
+    ) -> BoxFuture<'a, Result<Option<Exit>, WorkflowError>>;
+
+    /// Completes the deferred a token names (the first completion wins) and wakes its
+    /// execution. `from` is the calling run, when a run completes a deferred.
+    fn deferred_done<'a>(
+        &'a self,
+        from: Option<&'a Arc<Run>>,
+        token: Token,
+        exit: Exit,
+    ) -> BoxFuture<'a, Result<(), WorkflowError>>;
+
+    /// Arranges for `DurableClock/<clock>` of the run's execution to complete after `duration`.
+    fn schedule_clock<'a>(
+        &'a self,
+        run: &'a Arc<Run>,
+        clock: &'a str,
+        duration: Duration,
+    ) -> BoxFuture<'a, Result<(), WorkflowError>>;
+
+    /// Runs or attaches to an execution. With `discard`, returns `None` once it is started;
+    /// otherwise the result of its current run.
+    fn execute<'a>(
+        &'a self,
+        workflow: &'a str,
+        execution_id: &'a ExecutionId,
+        payload: RawJson,
+        parent: Option<Parent>,
+        discard: bool,
+    ) -> BoxFuture<'a, Result<Option<WorkflowResult>, WorkflowError>>;
+
+    /// The latest result of an execution; `None` while nothing is stored.
+    fn poll<'a>(
+        &'a self,
+        workflow: &'a str,
+        execution_id: &'a ExecutionId,
+    ) -> BoxFuture<'a, Result<Option<WorkflowResult>, WorkflowError>>;
+
+    /// Interrupts an execution (safe; `hard` also cuts off an active run).
+    fn interrupt<'a>(
+        &'a self,
+        workflow: &'a str,
+        execution_id: &'a ExecutionId,
+        hard: bool,
+    ) -> BoxFuture<'a, Result<(), WorkflowError>>;
+
+    /// Wakes a suspended execution explicitly.
+    fn resume<'a>(
+        &'a self,
+        workflow: &'a str,
+        execution_id: &'a ExecutionId,
+    ) -> BoxFuture<'a, Result<(), WorkflowError>>;
+
+    /// Resolves once the execution has a result other than `Suspended`; may never resolve.
+    fn await_complete<'a>(
+        &'a self,
+        workflow: &'a str,
+        execution_id: &'a ExecutionId,
+    ) -> BoxFuture<'a, ()>;
+
+    /// A handle on this engine.
+    fn handle(&self) -> WorkflowEngine;
+
+    /// Stops the engine: runs in progress are dropped, their callers see an interrupt.
+    fn shutdown(&self) -> BoxFuture<'_, ()>;
+}
+
+/// A workflow engine. The in-memory one is [`WorkflowEngine::memory`]; the durable cluster
+/// engine on `cluster-sharding` implements the same contract. Cheap to clone.
+#[derive(Clone)]
+pub struct WorkflowEngine {
+    pub(crate) backend: Arc<dyn Backend>,
+}
+
+impl std::fmt::Debug for WorkflowEngine {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("WorkflowEngine").finish_non_exhaustive()
+    }
+}
+
+impl WorkflowEngine {
+    /// Registers the body of workflow `W`: `handler(context, payload)` runs for every run of
+    /// every execution on this engine (a replay runs it again from the top with the stored
+    /// results of completed steps).
+    ///
+    /// # Errors
+    ///
+    /// [`WorkflowError::Invalid`] when `W` is already registered.
+    pub fn register<W, F, Fut>(&self, handler: F) -> Result<(), WorkflowError>
+    where
+        W: Workflow,
+        F: Fn(WorkflowContext, W::Payload) -> Fut + Send + Sync + 'static,
+        Fut: Future<Output = Result<W::Success, W::Error>> + Send + 'static,
+    {
+        let handler = Arc::new(handler);
+        let body: ErasedBody = Arc::new(move |context, payload| {
+            let handler = Arc::clone(&handler);
+            Box::pin(async move {
+                let payload: W::Payload = match payload.decode() {
+                    Ok(payload) => payload,
+                    Err(error) => {
+                        return Exit::die_with_message("MalformedPayload", &error.to_string());
+                    }
+                };
+                encode_result(handler(context, payload).await)
+            })
+        });
+        self.backend.register(Registration { name: W::NAME, options: W::options(), body })
+    }
+
+    /// Executes `payload` (or attaches to the execution with the same idempotency key) and
+    /// waits for its result, polling a suspended execution on `W::options().suspended_retry`
+    /// (and woken early when the engine can tell).
+    ///
+    /// # Errors
+    ///
+    /// The workflow's own failure, a defect, an interrupt, an exhausted retry schedule, or an
+    /// engine failure.
+    pub async fn execute<W: Workflow>(
+        &self,
+        payload: W::Payload,
+    ) -> Result<W::Success, ExecuteError<W::Error>> {
+        let execution_id = W::execution_id(&payload);
+        let payload = encode_payload(&payload)?;
+        let schedule = W::options().suspended_retry;
+        let span = tracing::debug_span!("workflow.execute", workflow = W::NAME, %execution_id);
+        let waiting = async {
+            let mut step = 0;
+            loop {
+                let result = self
+                    .backend
+                    .execute(W::NAME, &execution_id, payload.clone(), None, false)
+                    .await?;
+                if let Some(WorkflowResult::Complete(exit)) = result {
+                    return decode_outcome::<W::Success, W::Error>(exit);
+                }
+                let Some(delay) = schedule.delay(step) else {
+                    return Err(ExecuteError::RetriesExhausted(W::NAME));
+                };
+                step += 1;
+                tokio::select! {
+                    () = tokio::time::sleep(delay) => {}
+                    () = self.backend.await_complete(W::NAME, &execution_id) => {}
+                }
+            }
+        };
+        tracing::Instrument::instrument(waiting, span).await
+    }
+
+    /// Starts `payload` (or finds its execution) without waiting: returns the execution id once
+    /// the run is dispatched.
+    ///
+    /// # Errors
+    ///
+    /// An engine failure or an unregistered workflow.
+    pub async fn execute_discard<W: Workflow>(
+        &self,
+        payload: W::Payload,
+    ) -> Result<ExecutionId, WorkflowError> {
+        let execution_id = W::execution_id(&payload);
+        let payload = encode_payload(&payload)?;
+        self.backend.execute(W::NAME, &execution_id, payload, None, true).await?;
+        Ok(execution_id)
+    }
+
+    /// The latest result of an execution of `W`: `None` while nothing is stored (and, in the
+    /// cluster, while a replay runs).
+    ///
+    /// # Errors
+    ///
+    /// An engine failure; [`WorkflowError::NoResult`] for an execution that ended without one.
+    pub async fn poll<W: Workflow>(
+        &self,
+        execution_id: &ExecutionId,
+    ) -> Result<Option<WorkflowResult>, WorkflowError> {
+        self.backend.poll(W::NAME, execution_id).await
+    }
+
+    /// Interrupts an execution of `W` durably: it ends with an interrupt at its next activity
+    /// or suspension point (a run that finishes without one completes normally). Unknown and
+    /// completed executions are left alone.
+    ///
+    /// # Errors
+    ///
+    /// An engine failure.
+    pub async fn interrupt<W: Workflow>(
+        &self,
+        execution_id: &ExecutionId,
+    ) -> Result<(), WorkflowError> {
+        self.backend.interrupt(W::NAME, execution_id, false).await
+    }
+
+    /// Interrupts an execution of `W` and also cuts off a run in progress.
+    ///
+    /// # Errors
+    ///
+    /// An engine failure.
+    pub async fn interrupt_unsafe<W: Workflow>(
+        &self,
+        execution_id: &ExecutionId,
+    ) -> Result<(), WorkflowError> {
+        self.backend.interrupt(W::NAME, execution_id, true).await
+    }
+
+    /// Wakes a suspended execution of `W` explicitly, including one suspended by
+    /// `suspend_on_failure`.
+    ///
+    /// # Errors
+    ///
+    /// An engine failure.
+    pub async fn resume<W: Workflow>(
+        &self,
+        execution_id: &ExecutionId,
+    ) -> Result<(), WorkflowError> {
+        self.backend.resume(W::NAME, execution_id).await
+    }
+
+    /// Completes the deferred a token names with `result` (the first completion wins), from
+    /// any process running an engine.
+    ///
+    /// # Errors
+    ///
+    /// An engine failure, or a value that cannot be encoded.
+    pub async fn complete<T: Serialize, E: Serialize>(
+        &self,
+        token: &Token,
+        result: Result<T, E>,
+    ) -> Result<(), WorkflowError> {
+        let exit = encode_result(result);
+        self.complete_exit(token, exit).await
+    }
+
+    /// Completes the deferred a token names with an encoded exit.
+    ///
+    /// # Errors
+    ///
+    /// An engine failure.
+    pub async fn complete_exit(&self, token: &Token, exit: Exit) -> Result<(), WorkflowError> {
+        self.backend.deferred_done(None, token.clone(), exit).await
+    }
+}
+
+impl WorkflowEngine {
+    /// Stops the engine: runs in progress are dropped and their waiting callers see an
+    /// interrupt; nothing starts afterwards.
+    pub async fn shutdown(&self) {
+        self.backend.shutdown().await;
+    }
+}
+
+fn encode_payload<P: Serialize>(payload: &P) -> Result<RawJson, WorkflowError> {
+    RawJson::encode(payload).map_err(|error| WorkflowError::Malformed(error.to_string()))
+}
+
+/// The exit of a typed result.
+pub(crate) fn encode_result<T: Serialize, E: Serialize>(result: Result<T, E>) -> Exit {
+    let encoded = match result {
+        Ok(value) => RawJson::encode(&value).map(Exit::Success),
+        Err(error) => RawJson::encode(&error).map(Exit::fail),
+    };
+    encoded.unwrap_or_else(|error| Exit::die_with_message("MalformedValue", &error.to_string()))
+}
+
+/// A typed exit as a step sees it: a value, the step's own error, or a cause the run re-raises
+/// (a defect or an interrupt).
+pub(crate) enum Decoded<T, E> {
+    Ok(T),
+    Fail(E),
+    Raise(Cause),
+}
+
+/// Decodes an exit (an undefined success reads as `null`).
+pub(crate) fn decode_exit<T: DeserializeOwned, E: DeserializeOwned>(exit: Exit) -> Decoded<T, E> {
+    match exit {
+        Exit::Success(value) => {
+            let value = if value.is_undefined() { RawJson::null() } else { value };
+            match value.decode() {
+                Ok(value) => Decoded::Ok(value),
+                Err(error) => Decoded::Raise(malformed(&error.to_string())),
+            }
+        }
+        Exit::Failure(cause) => {
+            let error = cause.0.iter().find_map(|reason| match reason {
+                CauseReason::Fail(error) => Some(error.clone()),
+                _ => None,
+            });
+            match error {
+                Some(error) => match error.decode() {
+                    Ok(error) => Decoded::Fail(error),
+                    Err(decode) => Decoded::Raise(malformed(&decode.to_string())),
+                },
+                None => Decoded::Raise(cause),
+            }
+        }
+    }
+}
+
+fn malformed(message: &str) -> Cause {
+    match Exit::die_with_message("MalformedValue", message) {
+        Exit::Failure(cause) => cause,
+        Exit::Success(_) => Cause(Vec::new()),
+    }
+}
+
+/// What an external caller gets from a final exit.
+pub(crate) fn decode_outcome<T: DeserializeOwned, E: DeserializeOwned>(
+    exit: Exit,
+) -> Result<T, ExecuteError<E>> {
+    match decode_exit(exit) {
+        Decoded::Ok(value) => Ok(value),
+        Decoded::Fail(error) => Err(ExecuteError::Failed(error)),
+        Decoded::Raise(cause) => Err(cause_error(&cause)),
+    }
+}
+
+fn cause_error<E>(cause: &Cause) -> ExecuteError<E> {
+    let defect = cause.0.iter().find_map(|reason| match reason {
+        CauseReason::Die(defect) => Some(defect.json_or_null().to_owned()),
+        _ => None,
+    });
+    match defect {
+        Some(defect) => ExecuteError::Defect(defect),
+        None => ExecuteError::Interrupted,
+    }
+}
+
+/// How a run ended, after the engine's interrupt decision.
+#[derive(Debug)]
+pub(crate) enum RunOutcome {
+    /// A result to store.
+    Result(WorkflowResult),
+    /// No result: the run was cut off from outside, abandoned, broken by an engine failure, or
+    /// died with `capture_defects` off.
+    NoResult(Cause),
+}
+
+/// The run's result from how its body ended (the reference's `intoResult`, §3.3 step 3).
+pub(crate) fn into_result(run: &Run, end: &BodyEnd) -> RunOutcome {
+    let mut state = run.state();
+    let interrupt_only = Cause(vec![interrupt_reason()]);
+    if state.broken.is_some() {
+        return RunOutcome::NoResult(interrupt_only);
+    }
+    let body_exit = match end {
+        BodyEnd::Returned(exit) => Some(exit.clone()),
+        BodyEnd::Stopped => state.raised.clone().map(Exit::Failure),
+    };
+    if state.interrupted {
+        let cause = match body_exit {
+            Some(Exit::Failure(Cause(mut reasons))) => {
+                reasons.push(interrupt_reason());
+                filter_interrupts(Cause(reasons))
+            }
+            _ => interrupt_only,
+        };
+        return RunOutcome::Result(WorkflowResult::Complete(Exit::Failure(cause)));
+    }
+    match body_exit {
+        None => {
+            if state.abandoned {
+                RunOutcome::NoResult(interrupt_only)
+            } else {
+                RunOutcome::Result(WorkflowResult::Suspended {
+                    cause: state.cause.clone(),
+                    failed: state.failed,
+                })
+            }
+        }
+        Some(Exit::Success(value)) => {
+            RunOutcome::Result(WorkflowResult::Complete(Exit::Success(value)))
+        }
+        Some(Exit::Failure(cause)) => {
+            if state.abandoned {
+                return RunOutcome::NoResult(cause);
+            }
+            if run.options.suspend_on_failure && !cause.has_interrupts_only() {
+                state.failed = true;
+                state.suspended = true;
+                let cause = Cause(vec![CauseReason::Die(squash(&cause))]);
+                return RunOutcome::Result(WorkflowResult::Suspended {
+                    cause: Some(cause),
+                    failed: true,
+                });
+            }
+            let has_defect = cause.0.iter().any(|reason| matches!(reason, CauseReason::Die(_)));
+            if !run.options.capture_defects && has_defect {
+                return RunOutcome::NoResult(cause);
+            }
+            RunOutcome::Result(WorkflowResult::Complete(Exit::Failure(filter_interrupts(cause))))
+        }
+    }
+}
+
+/// Closes one run's workflow scope: its finalizers (compensations among them) in reverse
+/// registration order, unless the run was abandoned.
+pub(crate) async fn close_scope(finalizers: Vec<Finalizer>, exit: RunExit, abandoned: bool) {
+    if abandoned {
+        return;
+    }
+    for finalizer in finalizers.into_iter().rev() {
+        let outcome = futures_util::FutureExt::catch_unwind(std::panic::AssertUnwindSafe(
+            finalizer(exit.clone()),
+        ))
+        .await;
+        if outcome.is_err() {
+            tracing::warn!("a workflow finalizer panicked");
+        }
+    }
+}
+
+/// Closes the run's own workflow scope with the outcome's exit, unless the run suspended: a
+/// suspended run's scope is returned for the engine to retain until the execution ends.
+pub(crate) async fn close_run_scope(
+    run: &Run,
+    outcome: &RunOutcome,
+) -> Option<(Vec<Finalizer>, bool)> {
+    let (finalizers, interrupted, abandoned) = {
+        let mut state = run.state();
+        (std::mem::take(&mut state.finalizers), state.interrupted, state.abandoned)
+    };
+    let exit = match outcome {
+        RunOutcome::Result(WorkflowResult::Suspended { .. }) => {
+            return Some((finalizers, abandoned));
+        }
+        RunOutcome::Result(WorkflowResult::Complete(exit)) => exit.clone(),
+        RunOutcome::NoResult(cause) => Exit::Failure(cause.clone()),
+    };
+    close_scope(finalizers, RunExit { exit, interrupted }, abandoned).await;
+    None
+}
+
+/// Closes retained scopes of superseded runs with success, newest first; all are skipped when
+/// `abandoned`.
+pub(crate) async fn close_retained(retained: Vec<(Vec<Finalizer>, bool)>, abandoned: bool) {
+    for (finalizers, run_abandoned) in retained.into_iter().rev() {
+        let exit = RunExit { exit: Exit::void(), interrupted: false };
+        close_scope(finalizers, exit, abandoned || run_abandoned).await;
+    }
+}

@@ -1,0 +1,1508 @@
+//! The engine-independent test suite. Each function takes a [`Harness`] that makes a fresh
+//! engine; durations are virtual under the in-memory harness (tokio's paused clock).
+
+use std::sync::atomic::{AtomicU32, Ordering};
+use std::sync::{Arc, Mutex, PoisonError};
+use std::time::Duration;
+
+use cluster_core::envelope::{CauseReason, Exit, RawJson};
+use cluster_workflow::{
+    ActivityError, DurableDeferred, ExecuteError, ExecutionId, FailureCause, Never, RunExit,
+    Workflow, WorkflowContext, WorkflowEngine, WorkflowError, WorkflowOptions, WorkflowResult,
+};
+use futures_util::future::BoxFuture;
+use serde::{Deserialize, Serialize};
+use tokio::sync::Semaphore;
+
+/// Makes the engine a test runs on.
+pub(crate) trait Harness {
+    /// A fresh engine with nothing registered.
+    fn engine(&self) -> WorkflowEngine;
+}
+
+/// The payload of every test workflow.
+#[derive(Clone, Debug, Default, Serialize, Deserialize)]
+pub(crate) struct Input {
+    pub(crate) key: String,
+    pub(crate) value: u64,
+    pub(crate) to: String,
+}
+
+fn input(key: &str) -> Input {
+    Input { key: key.to_owned(), ..Input::default() }
+}
+
+fn input_to(key: &str, to: &str) -> Input {
+    Input { key: key.to_owned(), to: to.to_owned(), ..Input::default() }
+}
+
+macro_rules! workflow {
+    ($name:ident, $success:ty, $error:ty) => {
+        workflow!($name, $success, $error, WorkflowOptions::default());
+    };
+    ($name:ident, $success:ty, $error:ty, $options:expr) => {
+        struct $name;
+        impl Workflow for $name {
+            const NAME: &'static str = stringify!($name);
+            type Payload = Input;
+            type Success = $success;
+            type Error = $error;
+            fn idempotency_key(payload: &Input) -> String {
+                payload.key.clone()
+            }
+            fn options() -> WorkflowOptions {
+                $options
+            }
+        }
+    };
+}
+
+/// An ordered record of what happened.
+#[derive(Clone, Default)]
+struct Log(Arc<Mutex<Vec<String>>>);
+
+impl Log {
+    fn push(&self, entry: impl Into<String>) {
+        self.0.lock().unwrap_or_else(PoisonError::into_inner).push(entry.into());
+    }
+
+    fn entries(&self) -> Vec<String> {
+        self.0.lock().unwrap_or_else(PoisonError::into_inner).clone()
+    }
+
+    fn count(&self, entry: &str) -> usize {
+        self.entries().iter().filter(|e| e.as_str() == entry).count()
+    }
+
+    fn contains(&self, entry: &str) -> bool {
+        self.count(entry) > 0
+    }
+}
+
+/// Logs `entry` when dropped: a body finalizer.
+struct OnDrop(Log, String);
+
+impl Drop for OnDrop {
+    fn drop(&mut self) {
+        self.0.push(self.1.clone());
+    }
+}
+
+/// Waits until `check` holds (with a deadline of five minutes of the test clock).
+async fn until(what: &str, mut check: impl FnMut() -> bool) {
+    for _ in 0..30_000 {
+        if check() {
+            return;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    panic!("timed out waiting until {what}");
+}
+
+/// Polls until the execution's latest result satisfies `accept`.
+async fn poll_until<W: Workflow>(
+    engine: &WorkflowEngine,
+    id: &ExecutionId,
+    what: &str,
+    accept: impl Fn(&WorkflowResult) -> bool,
+) -> WorkflowResult {
+    for _ in 0..30_000 {
+        if let Some(result) = engine.poll::<W>(id).await.expect("poll")
+            && accept(&result)
+        {
+            return result;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    panic!("timed out waiting until {what}");
+}
+
+async fn complete_exit<W: Workflow>(engine: &WorkflowEngine, id: &ExecutionId) -> Exit {
+    match poll_until::<W>(engine, id, "the execution completes", |r| !r.is_suspended()).await {
+        WorkflowResult::Complete(exit) => exit,
+        WorkflowResult::Suspended { .. } => unreachable!(),
+    }
+}
+
+async fn suspended<W: Workflow>(engine: &WorkflowEngine, id: &ExecutionId) -> WorkflowResult {
+    poll_until::<W>(engine, id, "the execution suspends", WorkflowResult::is_suspended).await
+}
+
+fn success<T: Serialize>(value: T) -> Exit {
+    Exit::Success(RawJson::encode(&value).unwrap())
+}
+
+/// `success`, `fail`, `die` or `interrupt`: the kind of an exit.
+fn kind(exit: &Exit) -> &'static str {
+    match exit {
+        Exit::Success(_) => "success",
+        Exit::Failure(cause) if cause.0.iter().any(|r| matches!(r, CauseReason::Fail(_))) => "fail",
+        Exit::Failure(cause) if cause.0.iter().any(|r| matches!(r, CauseReason::Die(_))) => "die",
+        Exit::Failure(_) => "interrupt",
+    }
+}
+
+fn cause_kind(cause: &FailureCause) -> &'static str {
+    kind(&Exit::Failure(cause.0.clone()))
+}
+
+fn gate() -> DurableDeferred<String> {
+    DurableDeferred::new("Gate")
+}
+
+async fn open<W: Workflow>(
+    engine: &WorkflowEngine,
+    id: &ExecutionId,
+    deferred: &DurableDeferred<String>,
+    value: &str,
+) {
+    let token = deferred.token_for::<W>(id);
+    engine.complete(&token, Ok::<String, Never>(value.to_owned())).await.expect("complete");
+}
+
+// ---------------------------------------------------------------------------------------
+// Executing, polling, attaching (reference §5.2 #1–#3, invariants 2, 3)
+
+workflow!(Doubler, u64, String);
+
+fn register_doubler(engine: &WorkflowEngine, runs: &Log) {
+    let runs = runs.clone();
+    engine
+        .register::<Doubler, _, _>(move |ctx: WorkflowContext, payload: Input| {
+            let runs = runs.clone();
+            async move {
+                let activity_runs = runs.clone();
+                let doubled: u64 = ctx
+                    .activity("double", move |_| {
+                        let runs = activity_runs.clone();
+                        async move {
+                            runs.push("double");
+                            Ok::<_, String>(payload.value * 2)
+                        }
+                    })
+                    .await?;
+                Ok(doubled)
+            }
+        })
+        .unwrap();
+}
+
+pub(crate) async fn executes_and_polls(h: &impl Harness) {
+    let engine = h.engine();
+    register_doubler(&engine, &Log::default());
+    let discarded =
+        engine.execute_discard::<Doubler>(Input { value: 5, ..input("d") }).await.unwrap();
+    assert_eq!(complete_exit::<Doubler>(&engine, &discarded).await, success(10));
+    let payload = Input { value: 1, ..input("e") };
+    let id = Doubler::execution_id(&payload);
+    assert_eq!(engine.execute::<Doubler>(payload).await.unwrap(), 2);
+    assert_eq!(
+        engine.poll::<Doubler>(&id).await.unwrap(),
+        Some(WorkflowResult::Complete(success(2)))
+    );
+    assert_eq!(
+        engine.poll::<Doubler>(&ExecutionId::derive("Doubler", "unknown")).await.unwrap(),
+        None
+    );
+}
+
+pub(crate) async fn discard_returns_the_deterministic_execution_id(h: &impl Harness) {
+    let engine = h.engine();
+    register_doubler(&engine, &Log::default());
+    let payload = input("deterministic");
+    let id = engine.execute_discard::<Doubler>(payload.clone()).await.unwrap();
+    assert_eq!(id, Doubler::execution_id(&payload));
+    assert_eq!(id, ExecutionId::derive("Doubler", "deterministic"));
+}
+
+pub(crate) async fn executing_again_attaches_to_the_execution(h: &impl Harness) {
+    workflow!(Gated, u64, Never);
+    let engine = h.engine();
+    let log = Log::default();
+    let permits = Arc::new(Semaphore::new(0));
+    {
+        let (log, permits) = (log.clone(), Arc::clone(&permits));
+        engine
+            .register::<Gated, _, _>(move |ctx: WorkflowContext, _: Input| {
+                let (log, permits) = (log.clone(), Arc::clone(&permits));
+                async move {
+                    ctx.activity("gated", move |_| {
+                        let (log, permits) = (log.clone(), Arc::clone(&permits));
+                        async move {
+                            log.push("gated");
+                            permits.acquire().await.unwrap().forget();
+                            Ok::<u64, Never>(42)
+                        }
+                    })
+                    .await
+                }
+            })
+            .unwrap();
+    }
+    let (first, second) = (engine.clone(), engine.clone());
+    let first = tokio::spawn(async move { first.execute::<Gated>(input("same")).await.unwrap() });
+    let second = tokio::spawn(async move { second.execute::<Gated>(input("same")).await.unwrap() });
+    until("the activity runs", || log.contains("gated")).await;
+    permits.add_permits(1);
+    assert_eq!(first.await.unwrap(), 42);
+    assert_eq!(second.await.unwrap(), 42);
+    assert_eq!(engine.execute::<Gated>(input("same")).await.unwrap(), 42);
+    assert_eq!(log.count("gated"), 1, "the activity body ran once");
+}
+
+// ---------------------------------------------------------------------------------------
+// The in-memory engine's own tests (reference §5.2 #4–#9)
+
+pub(crate) async fn a_completed_deferred_wakes_an_active_run(h: &impl Harness) {
+    workflow!(Waker, String, Never);
+    let engine = h.engine();
+    let log = Log::default();
+    {
+        let log = log.clone();
+        engine
+            .register::<Waker, _, _>(move |ctx: WorkflowContext, _: Input| {
+                let log = log.clone();
+                async move {
+                    log.push("run");
+                    let signal: BoxFuture<'_, Result<String, Never>> = Box::pin(async {
+                        ctx.await_deferred(&gate()).await.map(|_| "signal".to_owned())
+                    });
+                    let timeout: BoxFuture<'_, Result<String, Never>> = Box::pin(async {
+                        tokio::time::sleep(Duration::from_secs(10)).await;
+                        Ok("timeout".to_owned())
+                    });
+                    ctx.race("race", vec![signal, timeout]).await
+                }
+            })
+            .unwrap();
+    }
+    let id = engine.execute_discard::<Waker>(input("w")).await.unwrap();
+    until("the run started", || log.contains("run")).await;
+    open::<Waker>(&engine, &id, &gate(), "go").await;
+    assert_eq!(complete_exit::<Waker>(&engine, &id).await, success("signal"));
+    assert_eq!(engine.execute::<Waker>(input("w")).await.unwrap(), "signal");
+    let runs = log.count("run");
+    assert!((1..=2).contains(&runs), "{runs} runs");
+}
+
+pub(crate) async fn shutdown_interrupts_waiting_callers(h: &impl Harness) {
+    workflow!(Forever, (), Never);
+    let engine = h.engine();
+    let log = Log::default();
+    {
+        let log = log.clone();
+        engine
+            .register::<Forever, _, _>(move |_: WorkflowContext, _: Input| {
+                let log = log.clone();
+                async move {
+                    log.push("run");
+                    std::future::pending::<()>().await;
+                    Ok(())
+                }
+            })
+            .unwrap();
+    }
+    let caller = engine.clone();
+    let caller = tokio::spawn(async move { caller.execute::<Forever>(input("f")).await });
+    until("the run started", || log.contains("run")).await;
+    engine.shutdown().await;
+    assert!(matches!(caller.await.unwrap(), Err(ExecuteError::Interrupted)));
+    assert!(matches!(
+        engine.execute_discard::<Forever>(input("g")).await,
+        Err(WorkflowError::ShutDown)
+    ));
+}
+
+// A workflow that records, per run, its workflow finalizer and its body finalizer around an
+// await of the gate.
+workflow!(Recorder, String, Never);
+
+fn register_recorder(engine: &WorkflowEngine, log: &Log, runs: &Arc<AtomicU32>) {
+    let (log, runs) = (log.clone(), Arc::clone(runs));
+    engine
+        .register::<Recorder, _, _>(move |ctx: WorkflowContext, _: Input| {
+            let (log, runs) = (log.clone(), Arc::clone(&runs));
+            async move {
+                let run = runs.fetch_add(1, Ordering::SeqCst) + 1;
+                let finalizer_log = log.clone();
+                ctx.add_finalizer(move |exit: RunExit| async move {
+                    finalizer_log.push(format!(
+                        "wf:{run}:{}:{}",
+                        kind(&exit.exit),
+                        exit.interrupted
+                    ));
+                });
+                let body = BodyFinalizer { ctx: ctx.clone(), log: log.clone() };
+                let value = ctx.await_deferred(&gate()).await?;
+                drop(body);
+                Ok(value)
+            }
+        })
+        .unwrap();
+}
+
+/// Records whether the run is interrupted when the body is dropped or finishes.
+struct BodyFinalizer {
+    ctx: WorkflowContext,
+    log: Log,
+}
+
+impl Drop for BodyFinalizer {
+    fn drop(&mut self) {
+        self.log.push(format!("body:{}:{}", self.ctx.is_suspended(), self.ctx.is_interrupted()));
+    }
+}
+
+pub(crate) async fn superseded_runs_finalize_after_the_final_run(h: &impl Harness) {
+    let engine = h.engine();
+    let (log, runs) = (Log::default(), Arc::new(AtomicU32::new(0)));
+    register_recorder(&engine, &log, &runs);
+    let id = engine.execute_discard::<Recorder>(input("r")).await.unwrap();
+    suspended::<Recorder>(&engine, &id).await;
+    open::<Recorder>(&engine, &id, &gate(), "go").await;
+    assert_eq!(complete_exit::<Recorder>(&engine, &id).await, success("go"));
+    let finalizers: Vec<String> =
+        log.entries().into_iter().filter(|e| e.starts_with("wf:")).collect();
+    assert_eq!(finalizers, ["wf:2:success:false", "wf:1:success:false"]);
+}
+
+pub(crate) async fn body_finalizers_do_not_see_a_deposited_interrupt(h: &impl Harness) {
+    let engine = h.engine();
+    let (log, runs) = (Log::default(), Arc::new(AtomicU32::new(0)));
+    register_recorder(&engine, &log, &runs);
+    let id = engine.execute_discard::<Recorder>(input("b")).await.unwrap();
+    suspended::<Recorder>(&engine, &id).await;
+    engine.interrupt::<Recorder>(&id).await.unwrap();
+    let exit = complete_exit::<Recorder>(&engine, &id).await;
+    assert_eq!(kind(&exit), "interrupt");
+    let bodies: Vec<String> =
+        log.entries().into_iter().filter(|e| e.starts_with("body:")).collect();
+    // Both runs' bodies were dropped at a suspension, before the interrupt was applied.
+    assert_eq!(bodies, ["body:true:false", "body:true:false"]);
+}
+
+pub(crate) async fn workflow_finalizers_see_a_deposited_interrupt(h: &impl Harness) {
+    let engine = h.engine();
+    let (log, runs) = (Log::default(), Arc::new(AtomicU32::new(0)));
+    register_recorder(&engine, &log, &runs);
+    let id = engine.execute_discard::<Recorder>(input("i")).await.unwrap();
+    suspended::<Recorder>(&engine, &id).await;
+    engine.interrupt::<Recorder>(&id).await.unwrap();
+    complete_exit::<Recorder>(&engine, &id).await;
+    let finalizers: Vec<String> =
+        log.entries().into_iter().filter(|e| e.starts_with("wf:")).collect();
+    assert_eq!(finalizers, ["wf:2:interrupt:true", "wf:1:success:false"]);
+    let caller = engine.execute::<Recorder>(input("i")).await;
+    assert!(matches!(caller, Err(ExecuteError::Interrupted)), "{caller:?}");
+}
+
+pub(crate) async fn interrupt_unsafe_applies_across_a_suspended_replay(h: &impl Harness) {
+    let engine = h.engine();
+    let (log, runs) = (Log::default(), Arc::new(AtomicU32::new(0)));
+    register_recorder(&engine, &log, &runs);
+    let id = engine.execute_discard::<Recorder>(input("u")).await.unwrap();
+    suspended::<Recorder>(&engine, &id).await;
+    engine.interrupt_unsafe::<Recorder>(&id).await.unwrap();
+    open::<Recorder>(&engine, &id, &gate(), "go").await;
+    let exit = complete_exit::<Recorder>(&engine, &id).await;
+    assert_eq!(kind(&exit), "interrupt", "{exit:?}");
+}
+
+// ---------------------------------------------------------------------------------------
+// The email workflow (reference §3.11 and the cluster tests #1–#3)
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub(crate) struct SendEmailError {
+    attempt: u32,
+}
+
+workflow!(EmailWorkflow, (), SendEmailError);
+
+fn email_trigger() -> DurableDeferred<()> {
+    DurableDeferred::new("EmailTrigger")
+}
+
+fn register_email(engine: &WorkflowEngine, log: &Log) {
+    let log = log.clone();
+    engine
+        .register::<EmailWorkflow, _, _>(move |ctx: WorkflowContext, payload: Input| {
+            let log = log.clone();
+            async move {
+                log.push("run");
+                let _finalizer = OnDrop(log.clone(), "finalizer".into());
+                let (send_log, compensation_log) = (log.clone(), log.clone());
+                ctx.activity("SendEmail", move |activity| {
+                    let log = send_log.clone();
+                    async move {
+                        let attempt = activity.attempt();
+                        log.push(format!("send:{attempt}"));
+                        if attempt == 5 { Ok(()) } else { Err(SendEmailError { attempt }) }
+                    }
+                })
+                .retry(5)
+                .compensate(move |(), cause| async move {
+                    compensation_log.push(format!("compensation:{}", cause_kind(&cause)));
+                })
+                .await?;
+                if payload.to == "compensation" {
+                    return Err(SendEmailError { attempt: 0 });
+                }
+                ctx.activity("Sleep", |activity| async move {
+                    activity
+                        .context()
+                        .sleep_with_threshold("Some sleep", Duration::from_secs(10), Duration::ZERO)
+                        .await;
+                    Ok::<(), Never>(())
+                })
+                .await
+                .unwrap_or_else(|never| match never {});
+                let _ensuring = OnDrop(log.clone(), "ensuring".into());
+                ctx.await_deferred(&email_trigger()).await.unwrap_or_else(|never| match never {});
+                log.push("triggered");
+                Ok(())
+            }
+        })
+        .unwrap();
+}
+
+pub(crate) async fn email_workflow_suspends_resumes_and_deduplicates(h: &impl Harness) {
+    let engine = h.engine();
+    let log = Log::default();
+    register_email(&engine, &log);
+    let payload = input_to("test-email-1", "someone");
+    let id = EmailWorkflow::execution_id(&payload);
+    assert_eq!(id.as_str(), "8f86cb6dac9f9bc041a2165d105c1362");
+    let caller = engine.clone();
+    let caller = tokio::spawn(async move { caller.execute::<EmailWorkflow>(payload).await });
+    // The clock fires after 10 s; the replay then suspends on the trigger.
+    until("the run waits for the trigger", || log.contains("ensuring")).await;
+    suspended::<EmailWorkflow>(&engine, &id).await;
+    assert!(log.contains("finalizer"), "body finalizer ran at the suspension");
+    assert!(!log.entries().iter().any(|e| e.starts_with("compensation")));
+    for attempt in 1..=5 {
+        assert_eq!(log.count(&format!("send:{attempt}")), 1, "attempt {attempt} ran once");
+    }
+    let token = email_trigger().token_for::<EmailWorkflow>(&id);
+    assert_eq!(
+        token.encode(),
+        "WyJFbWFpbFdvcmtmbG93IiwiOGY4NmNiNmRhYzlmOWJjMDQxYTIxNjVkMTA1YzEzNjIiLCJFbWFpbFRyaWdnZXIiXQ"
+    );
+    engine.complete(&token, Ok::<(), Never>(())).await.unwrap();
+    caller.await.unwrap().unwrap();
+    assert_eq!(log.count("triggered"), 1);
+    // A second execute attaches to the completed execution.
+    let runs = log.count("run");
+    engine.execute::<EmailWorkflow>(input_to("test-email-1", "someone")).await.unwrap();
+    assert_eq!(log.count("run"), runs);
+    assert_eq!(
+        engine.poll::<EmailWorkflow>(&id).await.unwrap(),
+        Some(WorkflowResult::Complete(Exit::void()))
+    );
+    assert!(!log.entries().iter().any(|e| e.starts_with("compensation")));
+}
+
+pub(crate) async fn interrupting_a_suspended_execution_runs_its_compensation_once(
+    h: &impl Harness,
+) {
+    let engine = h.engine();
+    let log = Log::default();
+    register_email(&engine, &log);
+    let id = engine.execute_discard::<EmailWorkflow>(input_to("interrupted", "x")).await.unwrap();
+    until("the run waits for the trigger", || log.contains("ensuring")).await;
+    suspended::<EmailWorkflow>(&engine, &id).await;
+    engine.interrupt::<EmailWorkflow>(&id).await.unwrap();
+    let exit = complete_exit::<EmailWorkflow>(&engine, &id).await;
+    assert_eq!(kind(&exit), "interrupt");
+    assert_eq!(log.count("compensation:interrupt"), 1, "{:?}", log.entries());
+    let caller = engine.execute::<EmailWorkflow>(input_to("interrupted", "x")).await;
+    assert!(matches!(caller, Err(ExecuteError::Interrupted)), "{caller:?}");
+}
+
+pub(crate) async fn compensation_runs_once_when_the_execution_fails(h: &impl Harness) {
+    let engine = h.engine();
+    let log = Log::default();
+    register_email(&engine, &log);
+    let result = engine.execute::<EmailWorkflow>(input_to("fails", "compensation")).await;
+    assert!(
+        matches!(result, Err(ExecuteError::Failed(SendEmailError { attempt: 0 }))),
+        "{result:?}"
+    );
+    assert_eq!(log.count("compensation:fail"), 1, "{:?}", log.entries());
+}
+
+// ---------------------------------------------------------------------------------------
+// Compensation-aware replay: the scenario matrix of reference §4.2
+
+workflow!(Saga, String, String);
+
+fn register_saga(engine: &WorkflowEngine, log: &Log, long: &Arc<Semaphore>) {
+    let (log, long) = (log.clone(), Arc::clone(long));
+    let runs = Arc::new(AtomicU32::new(0));
+    engine
+        .register::<Saga, _, _>(move |ctx: WorkflowContext, payload: Input| {
+            let (log, long, runs) = (log.clone(), Arc::clone(&long), Arc::clone(&runs));
+            async move {
+                let run = runs.fetch_add(1, Ordering::SeqCst) + 1;
+                log.push(format!("run:{run}"));
+                let finalizer_log = log.clone();
+                ctx.add_finalizer(move |exit: RunExit| async move {
+                    let interrupted = if exit.interrupted { ":interrupted" } else { "" };
+                    finalizer_log.push(format!("wf:{run}:{}{interrupted}", kind(&exit.exit)));
+                });
+                let compensation_log = log.clone();
+                ctx.activity("step", |_| async { Ok::<_, String>("held".to_owned()) })
+                    .compensate(move |value, cause| async move {
+                        compensation_log.push(format!("comp:{run}:{value}:{}", cause_kind(&cause)));
+                    })
+                    .await?;
+                match payload.to.as_str() {
+                    "fail" => Err("boom".to_owned()),
+                    "suspend" => {
+                        let value = ctx
+                            .await_deferred(&gate())
+                            .await
+                            .unwrap_or_else(|never| match never {});
+                        if value == "fail" { Err("late boom".to_owned()) } else { Ok(value) }
+                    }
+                    "active" | "active-then-activity" => {
+                        let long_log = log.clone();
+                        ctx.activity("long", move |_| {
+                            let (long, log) = (Arc::clone(&long), long_log.clone());
+                            async move {
+                                log.push("long:start");
+                                long.acquire().await.unwrap().forget();
+                                Ok::<_, String>(())
+                            }
+                        })
+                        .await?;
+                        if payload.to == "active-then-activity" {
+                            let after_log = log.clone();
+                            ctx.activity("after", move |_| {
+                                let log = after_log.clone();
+                                async move {
+                                    log.push("after");
+                                    Ok::<_, String>(())
+                                }
+                            })
+                            .await?;
+                        }
+                        Ok("done".to_owned())
+                    }
+                    _ => Ok("done".to_owned()),
+                }
+            }
+        })
+        .unwrap();
+}
+
+/// One row of the matrix: how the execution is driven, and what observers must see.
+struct Row {
+    name: &'static str,
+    to: &'static str,
+    drive: Drive,
+    result: &'static str,
+    log: &'static [&'static str],
+}
+
+#[derive(Clone, Copy)]
+enum Drive {
+    /// Nothing: the execution runs to its end.
+    Nothing,
+    /// Wait for the suspension, then complete the gate with this value.
+    Open(&'static str),
+    /// Wait for the suspension, then interrupt.
+    InterruptSuspended,
+    /// Wait for the long activity, interrupt (hard or not), then let the activity finish.
+    InterruptActive { hard: bool },
+}
+
+const MATRIX: &[Row] = &[
+    Row {
+        name: "success, no suspension",
+        to: "done",
+        drive: Drive::Nothing,
+        result: "success",
+        log: &["run:1", "wf:1:success"],
+    },
+    Row {
+        name: "typed failure after a step",
+        to: "fail",
+        drive: Drive::Nothing,
+        result: "fail",
+        log: &["run:1", "comp:1:held:fail", "wf:1:fail"],
+    },
+    Row {
+        name: "suspend, then success",
+        to: "suspend",
+        drive: Drive::Open("ok"),
+        result: "success",
+        log: &["run:1", "run:2", "wf:2:success", "wf:1:success"],
+    },
+    Row {
+        name: "suspend, then failure",
+        to: "suspend",
+        drive: Drive::Open("fail"),
+        result: "fail",
+        log: &["run:1", "run:2", "comp:2:held:fail", "wf:2:fail", "wf:1:success"],
+    },
+    Row {
+        name: "safe interrupt while suspended",
+        to: "suspend",
+        drive: Drive::InterruptSuspended,
+        result: "interrupt",
+        log: &[
+            "run:1",
+            "run:2",
+            "comp:2:held:interrupt",
+            "wf:2:interrupt:interrupted",
+            "wf:1:success",
+        ],
+    },
+    Row {
+        name: "safe interrupt while active, a later activity",
+        to: "active-then-activity",
+        drive: Drive::InterruptActive { hard: false },
+        result: "interrupt",
+        log: &["run:1", "long:start", "comp:1:held:interrupt", "wf:1:interrupt:interrupted"],
+    },
+    Row {
+        name: "safe interrupt while active, nothing after",
+        to: "active",
+        drive: Drive::InterruptActive { hard: false },
+        result: "success",
+        log: &["run:1", "long:start", "wf:1:success"],
+    },
+    Row {
+        name: "unsafe interrupt while active",
+        to: "active-then-activity",
+        drive: Drive::InterruptActive { hard: true },
+        result: "interrupt",
+        log: &["run:1", "long:start", "comp:1:held:interrupt", "wf:1:interrupt:interrupted"],
+    },
+];
+
+pub(crate) async fn compensation_scenario_matrix(h: &impl Harness) {
+    for row in MATRIX {
+        let engine = h.engine();
+        let (log, long) = (Log::default(), Arc::new(Semaphore::new(0)));
+        register_saga(&engine, &log, &long);
+        let id = engine.execute_discard::<Saga>(input_to(row.name, row.to)).await.unwrap();
+        match row.drive {
+            Drive::Nothing => {}
+            Drive::Open(value) => {
+                suspended::<Saga>(&engine, &id).await;
+                open::<Saga>(&engine, &id, &gate(), value).await;
+            }
+            Drive::InterruptSuspended => {
+                suspended::<Saga>(&engine, &id).await;
+                engine.interrupt::<Saga>(&id).await.unwrap();
+            }
+            Drive::InterruptActive { hard } => {
+                until("the long activity runs", || log.contains("long:start")).await;
+                if hard {
+                    engine.interrupt_unsafe::<Saga>(&id).await.unwrap();
+                } else {
+                    engine.interrupt::<Saga>(&id).await.unwrap();
+                }
+                long.add_permits(1);
+            }
+        }
+        let exit = complete_exit::<Saga>(&engine, &id).await;
+        assert_eq!(kind(&exit), row.result, "{}: {exit:?}", row.name);
+        assert_eq!(log.entries(), row.log, "{}", row.name);
+        engine.shutdown().await;
+    }
+}
+
+pub(crate) async fn compensations_run_in_reverse_order_with_the_cause(h: &impl Harness) {
+    workflow!(Ordered, (), String);
+    let engine = h.engine();
+    let log = Log::default();
+    {
+        let log = log.clone();
+        engine
+            .register::<Ordered, _, _>(move |ctx: WorkflowContext, _: Input| {
+                let log = log.clone();
+                async move {
+                    for step in ["reserve", "charge", "ship"] {
+                        let log = log.clone();
+                        ctx.activity(
+                            step,
+                            move |_| async move { Ok::<_, String>(step.to_owned()) },
+                        )
+                        .compensate(move |value, cause| async move {
+                            let error: Option<String> = cause.error();
+                            log.push(format!("undo:{value}:{}", error.unwrap_or_default()));
+                        })
+                        .await?;
+                    }
+                    Err("no courier".to_owned())
+                }
+            })
+            .unwrap();
+    }
+    let result = engine.execute::<Ordered>(input("saga")).await;
+    assert!(
+        matches!(&result, Err(ExecuteError::Failed(error)) if error == "no courier"),
+        "{result:?}"
+    );
+    assert_eq!(
+        log.entries(),
+        ["undo:ship:no courier", "undo:charge:no courier", "undo:reserve:no courier"]
+    );
+}
+
+// ---------------------------------------------------------------------------------------
+// Races (reference cluster tests #4–#18, invariants 13, 17, 18)
+
+type Branch<'a> = BoxFuture<'a, Result<String, String>>;
+
+/// An activity branch that sleeps `seconds` and returns `name`, logging when it starts and
+/// when it is dropped before finishing.
+fn sleeper<'a>(ctx: &'a WorkflowContext, log: &Log, name: &'static str, millis: u64) -> Branch<'a> {
+    let log = log.clone();
+    Box::pin(
+        ctx.activity(name, move |_| {
+            let log = log.clone();
+            async move {
+                log.push(format!("{name}:start"));
+                let interrupted = OnDrop(log.clone(), format!("{name}:interrupted"));
+                tokio::time::sleep(Duration::from_millis(millis)).await;
+                std::mem::forget(interrupted);
+                Ok(name.to_owned())
+            }
+        })
+        .into_future(),
+    )
+}
+
+fn await_branch<'a>(
+    ctx: &'a WorkflowContext,
+    deferred: DurableDeferred<String>,
+    suffix: &'static str,
+) -> Branch<'a> {
+    Box::pin(async move {
+        let value = ctx.await_deferred(&deferred).await.unwrap_or_else(|never| match never {});
+        Ok(format!("{value}{suffix}"))
+    })
+}
+
+pub(crate) async fn activity_race_returns_the_first_success_and_drops_the_losers(h: &impl Harness) {
+    workflow!(Racer, String, String);
+    let engine = h.engine();
+    let log = Log::default();
+    {
+        let log = log.clone();
+        engine
+            .register::<Racer, _, _>(move |ctx: WorkflowContext, _: Input| {
+                let log = log.clone();
+                async move {
+                    let branches = vec![
+                        sleeper(&ctx, &log, "Activity1", 1_000),
+                        sleeper(&ctx, &log, "Activity2", 500),
+                        sleeper(&ctx, &log, "Activity3", 100),
+                    ];
+                    ctx.race("race", branches).await
+                }
+            })
+            .unwrap();
+    }
+    assert_eq!(engine.execute::<Racer>(input("r")).await.unwrap(), "Activity3");
+    assert!(log.contains("Activity1:interrupted"), "{:?}", log.entries());
+    assert!(log.contains("Activity2:interrupted"), "{:?}", log.entries());
+    assert!(!log.contains("Activity3:interrupted"));
+}
+
+pub(crate) async fn activity_race_ignores_a_failure_when_another_branch_succeeds(h: &impl Harness) {
+    workflow!(Resilient, String, String);
+    let engine = h.engine();
+    let log = Log::default();
+    {
+        let log = log.clone();
+        engine
+            .register::<Resilient, _, _>(move |ctx: WorkflowContext, _: Input| {
+                let log = log.clone();
+                async move {
+                    let failing: Branch<'_> = Box::pin(
+                        ctx.activity("fails", |_| async { Err::<String, _>("boom".to_owned()) })
+                            .into_future(),
+                    );
+                    ctx.race("race", vec![failing, sleeper(&ctx, &log, "slow", 1_000)]).await
+                }
+            })
+            .unwrap();
+    }
+    assert_eq!(engine.execute::<Resilient>(input("r")).await.unwrap(), "slow");
+}
+
+pub(crate) async fn activity_race_fails_when_every_branch_fails(h: &impl Harness) {
+    workflow!(Doomed, String, String);
+    let engine = h.engine();
+    engine
+        .register::<Doomed, _, _>(|ctx: WorkflowContext, _: Input| async move {
+            let first: Branch<'_> = Box::pin(
+                ctx.activity("a", |_| async { Err::<String, _>("a".to_owned()) }).into_future(),
+            );
+            let second: Branch<'_> = Box::pin(async {
+                tokio::time::sleep(Duration::from_secs(1)).await;
+                Err("b".to_owned())
+            });
+            ctx.race("race", vec![first, second]).await
+        })
+        .unwrap();
+    let result = engine.execute::<Doomed>(input("d")).await;
+    assert!(matches!(&result, Err(ExecuteError::Failed(error)) if error == "b"), "{result:?}");
+}
+
+workflow!(DeferredRacer, String, String);
+
+fn register_deferred_racer(engine: &WorkflowEngine, log: &Log, millis: u64) {
+    let log = log.clone();
+    engine
+        .register::<DeferredRacer, _, _>(move |ctx: WorkflowContext, _: Input| {
+            let log = log.clone();
+            async move {
+                log.push("run");
+                let winner = ctx
+                    .race(
+                        "race",
+                        vec![
+                            await_branch(&ctx, gate(), ""),
+                            sleeper(&ctx, &log, "activity", millis),
+                        ],
+                    )
+                    .await?;
+                let tail_log = log.clone();
+                let tail: String = ctx
+                    .activity("tail", move |_| {
+                        let log = tail_log.clone();
+                        async move {
+                            log.push("tail:start");
+                            tokio::time::sleep(Duration::from_secs(10)).await;
+                            Ok::<_, String>("tail".to_owned())
+                        }
+                    })
+                    .await?;
+                Ok(format!("{winner}:{tail}"))
+            }
+        })
+        .unwrap();
+}
+
+pub(crate) async fn deferred_race_lets_a_deferred_win_while_a_branch_is_active(h: &impl Harness) {
+    let engine = h.engine();
+    let log = Log::default();
+    register_deferred_racer(&engine, &log, 5_000);
+    let id = engine.execute_discard::<DeferredRacer>(input("d")).await.unwrap();
+    until("the activity branch runs", || log.contains("activity:start")).await;
+    open::<DeferredRacer>(&engine, &id, &gate(), "signal").await;
+    assert_eq!(complete_exit::<DeferredRacer>(&engine, &id).await, success("signal:tail"));
+    let runs = log.count("run");
+    assert!((1..=2).contains(&runs), "{runs} runs");
+}
+
+pub(crate) async fn deferred_race_lets_an_active_branch_win(h: &impl Harness) {
+    let engine = h.engine();
+    let log = Log::default();
+    register_deferred_racer(&engine, &log, 1_000);
+    assert_eq!(engine.execute::<DeferredRacer>(input("a")).await.unwrap(), "activity:tail");
+}
+
+pub(crate) async fn a_late_completion_of_a_losing_deferred_does_not_preempt(h: &impl Harness) {
+    let engine = h.engine();
+    let log = Log::default();
+    register_deferred_racer(&engine, &log, 1_000);
+    let id = engine.execute_discard::<DeferredRacer>(input("late")).await.unwrap();
+    until("the tail runs", || log.contains("tail:start")).await;
+    open::<DeferredRacer>(&engine, &id, &gate(), "signal").await;
+    assert_eq!(complete_exit::<DeferredRacer>(&engine, &id).await, success("activity:tail"));
+    // 4.1.0: the settled race released its wait, so the late completion preempts nothing.
+    assert_eq!(log.count("tail:start"), 1, "{:?}", log.entries());
+    assert_eq!(log.count("run"), 1);
+}
+
+pub(crate) async fn a_race_replays_its_recorded_winner(h: &impl Harness) {
+    workflow!(Recorded, String, String);
+    let engine = h.engine();
+    let log = Log::default();
+    {
+        let log = log.clone();
+        engine
+            .register::<Recorded, _, _>(move |ctx: WorkflowContext, _: Input| {
+                let log = log.clone();
+                async move {
+                    log.push("run");
+                    let winner = ctx
+                        .race(
+                            "race",
+                            vec![
+                                sleeper(&ctx, &log, "slow", 50_000),
+                                sleeper(&ctx, &log, "fast", 1_000),
+                            ],
+                        )
+                        .await?;
+                    let tail: DurableDeferred<String> = DurableDeferred::new("Tail");
+                    let tail =
+                        ctx.await_deferred(&tail).await.unwrap_or_else(|never| match never {});
+                    Ok(format!("{winner}:{tail}"))
+                }
+            })
+            .unwrap();
+    }
+    let id = engine.execute_discard::<Recorded>(input("r")).await.unwrap();
+    suspended::<Recorded>(&engine, &id).await;
+    let starts = (log.count("slow:start"), log.count("fast:start"));
+    open::<Recorded>(&engine, &id, &DurableDeferred::new("Tail"), "after").await;
+    assert_eq!(complete_exit::<Recorded>(&engine, &id).await, success("fast:after"));
+    assert_eq!(log.count("run"), 2);
+    // The replay took the recorded winner without entering any branch.
+    assert_eq!((log.count("slow:start"), log.count("fast:start")), starts);
+}
+
+pub(crate) async fn a_race_suspends_when_every_branch_waits(h: &impl Harness) {
+    workflow!(Waiting, String, String);
+    let engine = h.engine();
+    engine
+        .register::<Waiting, _, _>(|ctx: WorkflowContext, _: Input| async move {
+            let a = await_branch(&ctx, DurableDeferred::new("A"), "-a");
+            let b = await_branch(&ctx, DurableDeferred::new("B"), "-b");
+            ctx.race("race", vec![a, b]).await
+        })
+        .unwrap();
+    let id = engine.execute_discard::<Waiting>(input("w")).await.unwrap();
+    suspended::<Waiting>(&engine, &id).await;
+    open::<Waiting>(&engine, &id, &DurableDeferred::new("B"), "signal").await;
+    assert_eq!(complete_exit::<Waiting>(&engine, &id).await, success("signal-b"));
+}
+
+pub(crate) async fn awaits_inside_an_activity_do_not_preempt_the_run(h: &impl Harness) {
+    workflow!(Inner, String, String);
+    let engine = h.engine();
+    let log = Log::default();
+    {
+        let log = log.clone();
+        engine
+            .register::<Inner, _, _>(move |ctx: WorkflowContext, _: Input| {
+                let log = log.clone();
+                async move {
+                    log.push("run");
+                    let clocked: Branch<'_> = Box::pin(
+                        ctx.activity("clocked", |activity| async move {
+                            activity
+                                .context()
+                                .sleep_with_threshold(
+                                    "inner",
+                                    Duration::from_secs(5),
+                                    Duration::ZERO,
+                                )
+                                .await;
+                            Ok::<_, String>("clock".to_owned())
+                        })
+                        .into_future(),
+                    );
+                    ctx.race("race", vec![clocked, sleeper(&ctx, &log, "slow", 30_000)]).await
+                }
+            })
+            .unwrap();
+    }
+    assert_eq!(engine.execute::<Inner>(input("i")).await.unwrap(), "slow");
+    assert_eq!(log.count("run"), 1, "the clock inside the activity did not preempt the run");
+}
+
+// ---------------------------------------------------------------------------------------
+// Children (reference cluster test #19, invariants 45–49, Appendix C #1 and #2)
+
+workflow!(Child, String, String);
+workflow!(Parent, String, String);
+
+fn child_deferred() -> DurableDeferred<String> {
+    DurableDeferred::new("ChildDeferred")
+}
+
+fn register_family(engine: &WorkflowEngine, log: &Log) {
+    let child_log = log.clone();
+    engine
+        .register::<Child, _, _>(move |ctx: WorkflowContext, _: Input| {
+            let log = child_log.clone();
+            async move {
+                log.push("child:run");
+                let value = ctx
+                    .await_deferred(&child_deferred())
+                    .await
+                    .unwrap_or_else(|never| match never {});
+                Ok(format!("child:{value}"))
+            }
+        })
+        .unwrap();
+    let parent_log = log.clone();
+    engine
+        .register::<Parent, _, _>(move |ctx: WorkflowContext, payload: Input| {
+            let log = parent_log.clone();
+            async move {
+                log.push("parent:run");
+                let _body = BodyFinalizer { ctx: ctx.clone(), log: log.clone() };
+                let value = ctx.child::<Child>(input(&format!("{}-child", payload.key))).await?;
+                Ok(format!("parent:{value}"))
+            }
+        })
+        .unwrap();
+}
+
+pub(crate) async fn a_child_completion_wakes_its_parent(h: &impl Harness) {
+    let engine = h.engine();
+    let log = Log::default();
+    register_family(&engine, &log);
+    let id = engine.execute_discard::<Parent>(input("p")).await.unwrap();
+    let child = Child::execution_id(&input("p-child"));
+    suspended::<Child>(&engine, &child).await;
+    suspended::<Parent>(&engine, &id).await;
+    assert!(
+        log.contains("body:true:false"),
+        "the parent's body saw its suspension: {:?}",
+        log.entries()
+    );
+    open::<Child>(&engine, &child, &child_deferred(), "value").await;
+    assert_eq!(complete_exit::<Child>(&engine, &child).await, success("child:value"));
+    assert_eq!(complete_exit::<Parent>(&engine, &id).await, success("parent:child:value"));
+    assert_eq!(log.count("child:run"), 2);
+}
+
+pub(crate) async fn an_interrupted_parent_interrupts_its_child(h: &impl Harness) {
+    let engine = h.engine();
+    let log = Log::default();
+    register_family(&engine, &log);
+    let id = engine.execute_discard::<Parent>(input("q")).await.unwrap();
+    let child = Child::execution_id(&input("q-child"));
+    suspended::<Child>(&engine, &child).await;
+    suspended::<Parent>(&engine, &id).await;
+    engine.interrupt::<Parent>(&id).await.unwrap();
+    assert_eq!(kind(&complete_exit::<Parent>(&engine, &id).await), "interrupt");
+    assert_eq!(kind(&complete_exit::<Child>(&engine, &child).await), "interrupt");
+}
+
+pub(crate) async fn an_interrupted_child_wakes_its_parent_with_a_result(h: &impl Harness) {
+    let engine = h.engine();
+    let log = Log::default();
+    register_family(&engine, &log);
+    let id = engine.execute_discard::<Parent>(input("c")).await.unwrap();
+    let child = Child::execution_id(&input("c-child"));
+    suspended::<Child>(&engine, &child).await;
+    suspended::<Parent>(&engine, &id).await;
+    engine.interrupt::<Child>(&child).await.unwrap();
+    assert_eq!(kind(&complete_exit::<Child>(&engine, &child).await), "interrupt");
+    // The parent is woken (Appendix C #1) and the child's interrupt, re-raised in the parent,
+    // completes it instead of leaving it without a result (Appendix C #2).
+    assert_eq!(kind(&complete_exit::<Parent>(&engine, &id).await), "interrupt");
+    assert_eq!(log.count("parent:run"), 2);
+}
+
+// ---------------------------------------------------------------------------------------
+// SuspendOnFailure (reference cluster test #24, invariants 25–27, 43)
+
+fn suspend_on_failure() -> WorkflowOptions {
+    WorkflowOptions { suspend_on_failure: true, ..WorkflowOptions::default() }
+}
+
+workflow!(Flaky, String, String, suspend_on_failure());
+
+fn register_flaky(engine: &WorkflowEngine, log: &Log, in_activity: bool) {
+    let log = log.clone();
+    let failures = Arc::new(AtomicU32::new(1));
+    engine
+        .register::<Flaky, _, _>(move |ctx: WorkflowContext, _: Input| {
+            let (log, failures) = (log.clone(), Arc::clone(&failures));
+            async move {
+                log.push("run");
+                if in_activity {
+                    let failures = Arc::clone(&failures);
+                    ctx.activity("flaky", move |_| {
+                        let failures = Arc::clone(&failures);
+                        async move {
+                            if failures.fetch_sub(1, Ordering::SeqCst) > 0 {
+                                return Err("boom".to_owned());
+                            }
+                            Ok::<_, String>("recovered".to_owned())
+                        }
+                    })
+                    .await
+                } else {
+                    let _ = ctx
+                        .await_deferred(&DurableDeferred::<String>::new("Never"))
+                        .await
+                        .ok()
+                        .filter(|_| false);
+                    Err("boom".to_owned())
+                }
+            }
+        })
+        .unwrap();
+}
+
+fn failed_suspension(result: &WorkflowResult) -> bool {
+    match result {
+        WorkflowResult::Suspended { failed: true, cause: Some(cause) } => {
+            FailureCause(cause.clone()).defect() == Some("\"boom\"")
+        }
+        _ => false,
+    }
+}
+
+pub(crate) async fn suspend_on_failure_suspends_and_an_explicit_resume_replays(h: &impl Harness) {
+    let engine = h.engine();
+    let log = Log::default();
+    register_flaky(&engine, &log, true);
+    let id = engine.execute_discard::<Flaky>(input("f")).await.unwrap();
+    let result = suspended::<Flaky>(&engine, &id).await;
+    assert!(failed_suspension(&result), "{result:?}");
+    engine.resume::<Flaky>(&id).await.unwrap();
+    assert_eq!(complete_exit::<Flaky>(&engine, &id).await, success("recovered"));
+    assert_eq!(log.count("run"), 2);
+}
+
+workflow!(AlwaysFails, String, String, suspend_on_failure());
+
+pub(crate) async fn interrupting_a_failed_suspension_keeps_the_original_failure(h: &impl Harness) {
+    let engine = h.engine();
+    engine
+        .register::<AlwaysFails, _, _>(|_: WorkflowContext, _: Input| async {
+            Err::<String, _>("boom".to_owned())
+        })
+        .unwrap();
+    let id = engine.execute_discard::<AlwaysFails>(input("a")).await.unwrap();
+    let result = suspended::<AlwaysFails>(&engine, &id).await;
+    assert!(failed_suspension(&result), "{result:?}");
+    engine.interrupt::<AlwaysFails>(&id).await.unwrap();
+    let exit = complete_exit::<AlwaysFails>(&engine, &id).await;
+    assert_eq!(exit, Exit::fail(RawJson::encode("boom").unwrap()), "the interrupt is filtered out");
+}
+
+pub(crate) async fn automatic_wakes_do_not_resume_a_failed_suspension(h: &impl Harness) {
+    let engine = h.engine();
+    let log = Log::default();
+    register_flaky(&engine, &log, true);
+    let id = engine.execute_discard::<Flaky>(input("auto")).await.unwrap();
+    suspended::<Flaky>(&engine, &id).await;
+    // A completion is an automatic wake: it must not replay a failed suspension.
+    open::<Flaky>(&engine, &id, &gate(), "ignored").await;
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    assert_eq!(log.count("run"), 1);
+    assert!(failed_suspension(&engine.poll::<Flaky>(&id).await.unwrap().unwrap()));
+    engine.resume::<Flaky>(&id).await.unwrap();
+    assert_eq!(complete_exit::<Flaky>(&engine, &id).await, success("recovered"));
+}
+
+// ---------------------------------------------------------------------------------------
+// Defects (reference cluster tests #25, #26, invariant 31)
+
+pub(crate) async fn a_caught_activity_defect_lets_the_workflow_go_on(h: &impl Harness) {
+    workflow!(Catcher, String, String);
+    let engine = h.engine();
+    let log = Log::default();
+    {
+        let log = log.clone();
+        engine
+            .register::<Catcher, _, _>(move |ctx: WorkflowContext, _: Input| {
+                let log = log.clone();
+                async move {
+                    let died = ctx
+                        .activity("dies", |_| async {
+                            if true {
+                                panic!("Batch request error: Request timed out");
+                            }
+                            Ok::<String, String>(String::new())
+                        })
+                        .catch_defects()
+                        .await;
+                    let Err(ActivityError::Defect(defect)) = died else {
+                        return Err("no defect".to_owned());
+                    };
+                    log.push("catch");
+                    ctx.activity("log", move |_| {
+                        let defect = defect.clone();
+                        async move { Ok::<_, String>(defect) }
+                    })
+                    .await
+                }
+            })
+            .unwrap();
+    }
+    let defect = engine.execute::<Catcher>(input("c")).await.unwrap();
+    assert!(defect.contains("Batch request error: Request timed out"), "{defect}");
+    assert!(log.contains("catch"));
+}
+
+pub(crate) async fn an_uncaught_activity_defect_completes_with_a_die(h: &impl Harness) {
+    workflow!(Dies, String, String);
+    let engine = h.engine();
+    engine
+        .register::<Dies, _, _>(|ctx: WorkflowContext, _: Input| async move {
+            ctx.activity("dies", |_| async {
+                if true {
+                    panic!("Batch request error: Request timed out");
+                }
+                Ok::<String, String>(String::new())
+            })
+            .await
+        })
+        .unwrap();
+    let result = engine.execute::<Dies>(input("d")).await;
+    match result {
+        Err(ExecuteError::Defect(defect)) => {
+            assert!(defect.contains("Batch request error: Request timed out"), "{defect}");
+        }
+        other => panic!("{other:?}"),
+    }
+}
+
+pub(crate) async fn without_capture_defects_a_defect_leaves_no_result(h: &impl Harness) {
+    workflow!(
+        Uncaptured,
+        String,
+        String,
+        WorkflowOptions { capture_defects: false, ..WorkflowOptions::default() }
+    );
+    let engine = h.engine();
+    engine
+        .register::<Uncaptured, _, _>(|_: WorkflowContext, _: Input| async {
+            if true {
+                panic!("lost");
+            }
+            Ok(String::new())
+        })
+        .unwrap();
+    let id = engine.execute_discard::<Uncaptured>(input("u")).await.unwrap();
+    let mut polled = engine.poll::<Uncaptured>(&id).await;
+    for _ in 0..100 {
+        if polled.is_err() {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+        polled = engine.poll::<Uncaptured>(&id).await;
+    }
+    assert!(matches!(polled, Err(WorkflowError::NoResult(_))), "{polled:?}");
+    let result = engine.execute::<Uncaptured>(input("u")).await;
+    assert!(matches!(result, Err(ExecuteError::Engine(WorkflowError::NoResult(_)))), "{result:?}");
+}
+
+pub(crate) async fn a_body_panic_is_a_defect(h: &impl Harness) {
+    workflow!(Panics, String, String);
+    let engine = h.engine();
+    engine
+        .register::<Panics, _, _>(|_: WorkflowContext, _: Input| async {
+            if true {
+                panic!("body panic");
+            }
+            Ok(String::new())
+        })
+        .unwrap();
+    let result = engine.execute::<Panics>(input("p")).await;
+    assert!(
+        matches!(&result, Err(ExecuteError::Defect(defect)) if defect.contains("body panic")),
+        "{result:?}"
+    );
+}
+
+// ---------------------------------------------------------------------------------------
+// Activities, deferreds and clocks (invariants 8–12, 14, 16, 21, 24, 39)
+
+pub(crate) async fn retries_number_attempts_and_keep_the_last_error(h: &impl Harness) {
+    #[derive(Debug, Serialize, Deserialize)]
+    pub(crate) struct RetryError {
+        attempt: u32,
+    }
+    workflow!(Retried, u32, RetryError);
+    let engine = h.engine();
+    let log = Log::default();
+    {
+        let log = log.clone();
+        engine
+            .register::<Retried, _, _>(move |ctx: WorkflowContext, payload: Input| {
+                let log = log.clone();
+                async move {
+                    ctx.activity("retried", move |activity| {
+                        let (log, succeed) = (log.clone(), payload.to == "succeed");
+                        async move {
+                            let attempt = activity.attempt();
+                            log.push(format!("attempt:{attempt}"));
+                            if succeed && attempt == 3 {
+                                Ok(attempt)
+                            } else {
+                                Err(RetryError { attempt })
+                            }
+                        }
+                    })
+                    .retry(2)
+                    .await
+                }
+            })
+            .unwrap();
+    }
+    assert_eq!(engine.execute::<Retried>(input_to("s", "succeed")).await.unwrap(), 3);
+    assert_eq!(log.entries(), ["attempt:1", "attempt:2", "attempt:3"]);
+    let failed = engine.execute::<Retried>(input_to("f", "fail")).await;
+    assert!(matches!(failed, Err(ExecuteError::Failed(RetryError { attempt: 3 }))), "{failed:?}");
+    assert_eq!(log.entries().len(), 6);
+}
+
+pub(crate) async fn concurrent_activities_with_one_name_run_once(h: &impl Harness) {
+    workflow!(Twice, (u64, u64), String);
+    let engine = h.engine();
+    let log = Log::default();
+    {
+        let log = log.clone();
+        engine
+            .register::<Twice, _, _>(move |ctx: WorkflowContext, _: Input| {
+                let log = log.clone();
+                async move {
+                    let body = |_| {
+                        let log = log.clone();
+                        async move {
+                            log.push("body");
+                            tokio::time::sleep(Duration::from_millis(100)).await;
+                            Ok::<u64, String>(7)
+                        }
+                    };
+                    let (a, b) = tokio::join!(
+                        ctx.activity("same", body).into_future(),
+                        ctx.activity("same", body).into_future()
+                    );
+                    Ok((a?, b?))
+                }
+            })
+            .unwrap();
+    }
+    assert_eq!(engine.execute::<Twice>(input("t")).await.unwrap(), (7, 7));
+    assert_eq!(log.count("body"), 1);
+}
+
+pub(crate) async fn concurrent_activities_finish_before_the_run_suspends(h: &impl Harness) {
+    workflow!(Concurrent, String, String);
+    let engine = h.engine();
+    let log = Log::default();
+    {
+        let log = log.clone();
+        engine
+            .register::<Concurrent, _, _>(move |ctx: WorkflowContext, _: Input| {
+                let log = log.clone();
+                async move {
+                    let slow_log = log.clone();
+                    let slow = ctx.activity("slow", move |_| {
+                        let log = slow_log.clone();
+                        async move {
+                            log.push("slow:start");
+                            tokio::time::sleep(Duration::from_secs(5)).await;
+                            log.push("slow:done");
+                            Ok::<_, String>("slow".to_owned())
+                        }
+                    });
+                    let gate = gate();
+                    let (slow, signal) =
+                        tokio::join!(slow.into_future(), ctx.await_deferred(&gate));
+                    let signal = signal.unwrap_or_else(|never| match never {});
+                    Ok(format!("{}:{signal}", slow?))
+                }
+            })
+            .unwrap();
+    }
+    let id = engine.execute_discard::<Concurrent>(input("c")).await.unwrap();
+    suspended::<Concurrent>(&engine, &id).await;
+    assert!(log.contains("slow:done"), "the activity finished before the suspension");
+    open::<Concurrent>(&engine, &id, &gate(), "go").await;
+    assert_eq!(complete_exit::<Concurrent>(&engine, &id).await, success("slow:go"));
+    assert_eq!(log.count("slow:start"), 1, "the completed activity did not run again");
+}
+
+pub(crate) async fn durable_sleep_wakes_the_run(h: &impl Harness) {
+    workflow!(Sleeper, (), Never);
+    let engine = h.engine();
+    let log = Log::default();
+    {
+        let log = log.clone();
+        engine
+            .register::<Sleeper, _, _>(move |ctx: WorkflowContext, _: Input| {
+                let log = log.clone();
+                async move {
+                    log.push("run");
+                    ctx.sleep("nap", Duration::from_secs(120)).await;
+                    ctx.sleep("zero", Duration::ZERO).await;
+                    Ok(())
+                }
+            })
+            .unwrap();
+    }
+    let start = tokio::time::Instant::now();
+    let id = engine.execute_discard::<Sleeper>(input("s")).await.unwrap();
+    suspended::<Sleeper>(&engine, &id).await;
+    assert_eq!(complete_exit::<Sleeper>(&engine, &id).await, Exit::void());
+    assert!(start.elapsed() >= Duration::from_secs(120), "{:?}", start.elapsed());
+    assert_eq!(log.count("run"), 2);
+}
+
+pub(crate) async fn short_sleeps_are_activities(h: &impl Harness) {
+    workflow!(Napper, (), Never);
+    let engine = h.engine();
+    let log = Log::default();
+    {
+        let log = log.clone();
+        engine
+            .register::<Napper, _, _>(move |ctx: WorkflowContext, _: Input| {
+                let log = log.clone();
+                async move {
+                    log.push("run");
+                    ctx.sleep("short", Duration::from_secs(10)).await;
+                    Ok(())
+                }
+            })
+            .unwrap();
+    }
+    let start = tokio::time::Instant::now();
+    engine.execute::<Napper>(input("n")).await.unwrap();
+    assert!(start.elapsed() >= Duration::from_secs(10));
+    assert_eq!(log.count("run"), 1, "an in-memory sleep does not suspend");
+}
+
+pub(crate) async fn first_completion_wins(h: &impl Harness) {
+    workflow!(Firsts, String, Never);
+    let engine = h.engine();
+    engine
+        .register::<Firsts, _, _>(|ctx: WorkflowContext, _: Input| async move {
+            ctx.await_deferred(&gate()).await
+        })
+        .unwrap();
+    let id = engine.execute_discard::<Firsts>(input("f")).await.unwrap();
+    suspended::<Firsts>(&engine, &id).await;
+    open::<Firsts>(&engine, &id, &gate(), "first").await;
+    open::<Firsts>(&engine, &id, &gate(), "second").await;
+    assert_eq!(complete_exit::<Firsts>(&engine, &id).await, success("first"));
+}
+
+pub(crate) async fn interrupting_unknown_or_completed_executions_is_a_no_op(h: &impl Harness) {
+    let engine = h.engine();
+    register_doubler(&engine, &Log::default());
+    engine.interrupt::<Doubler>(&ExecutionId::derive("Doubler", "nobody")).await.unwrap();
+    assert_eq!(
+        engine.poll::<Doubler>(&ExecutionId::derive("Doubler", "nobody")).await.unwrap(),
+        None
+    );
+    let payload = Input { value: 4, ..input("done") };
+    let id = Doubler::execution_id(&payload);
+    assert_eq!(engine.execute::<Doubler>(payload).await.unwrap(), 8);
+    engine.interrupt::<Doubler>(&id).await.unwrap();
+    engine.interrupt_unsafe::<Doubler>(&id).await.unwrap();
+    engine.resume::<Doubler>(&id).await.unwrap();
+    assert_eq!(
+        engine.poll::<Doubler>(&id).await.unwrap(),
+        Some(WorkflowResult::Complete(success(8)))
+    );
+}
+
+pub(crate) async fn unregistered_workflows_are_an_error(h: &impl Harness) {
+    let engine = h.engine();
+    let result = engine.execute::<Doubler>(input("x")).await;
+    assert!(
+        matches!(result, Err(ExecuteError::Engine(WorkflowError::NotRegistered(name))) if name == "Doubler")
+    );
+    register_doubler(&engine, &Log::default());
+    let twice = engine.register::<Doubler, _, _>(|_: WorkflowContext, _: Input| async { Ok(0) });
+    assert!(matches!(twice, Err(WorkflowError::Invalid(_))));
+}
