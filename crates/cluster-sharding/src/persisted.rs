@@ -262,15 +262,37 @@ impl Drop for InterruptOnDrop {
         };
         let owner = sharding.clone();
         owner.spawn_owned(async move {
-            let Some(persisted) = sharding.persisted() else { return };
-            match persisted.storage.save_interrupt(&interrupt).await {
-                Ok(()) => {
-                    let shard = interrupt.address.shard_id.clone();
-                    sharding.wake_reader(&shard, || Envelope::Interrupt(interrupt));
-                }
-                Err(error) => tracing::warn!(%error, request_id = %interrupt.request_id, "could not store an interrupt"),
+            let request_id = interrupt.request_id;
+            if let Err(error) = sharding.store_interrupt(interrupt).await {
+                tracing::warn!(%error, %request_id, "could not store an interrupt");
             }
         });
+    }
+}
+
+impl Sharding {
+    /// Interrupts the persisted request `request_id` of the entity at `address`, wherever it
+    /// runs: the interrupt is stored and the owner's storage reader woken (the reference's
+    /// `Envelope.Interrupt`). A request that is not running is not affected.
+    ///
+    /// # Errors
+    ///
+    /// The interrupt could not be stored, or the runtime has no storage.
+    pub async fn interrupt_request(
+        &self,
+        address: &EntityAddress,
+        request_id: Snowflake,
+    ) -> Result<(), ClusterError> {
+        let interrupt = Interrupt { id: self.next_id(), address: address.clone(), request_id };
+        self.store_interrupt(interrupt).await
+    }
+
+    async fn store_interrupt(&self, interrupt: Interrupt) -> Result<(), ClusterError> {
+        let persisted = self.persisted().ok_or_else(|| not_stored(&interrupt.address))?;
+        persisted.storage.save_interrupt(&interrupt).await?;
+        let shard = interrupt.address.shard_id.clone();
+        self.wake_reader(&shard, || Envelope::Interrupt(interrupt));
+        Ok(())
     }
 }
 

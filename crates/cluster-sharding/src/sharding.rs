@@ -99,6 +99,9 @@ struct Inner {
     transport: Option<Arc<dyn Runners>>,
     /// Volatile requests of remote callers running here.
     remote_calls: RemoteCalls,
+    /// Services attached to the runtime by the layers built on it (see
+    /// [`Sharding::insert_extension`]).
+    extensions: Mutex<BTreeMap<std::any::TypeId, Arc<dyn std::any::Any + Send + Sync>>>,
 }
 
 /// A handle on the runtime that does not keep it alive (what its managers hold).
@@ -243,6 +246,7 @@ impl Sharding {
                 cron_jobs: CronJobs::default(),
                 transport,
                 remote_calls: RemoteCalls::default(),
+                extensions: Mutex::new(BTreeMap::new()),
             }),
         })
     }
@@ -497,8 +501,34 @@ impl Sharding {
         self.inner.persisted.as_ref()
     }
 
-    pub(crate) fn clock(&self) -> &Arc<dyn Clock> {
+    /// The clock the runtime reads (the wall clock, or a simulation's).
+    pub fn clock(&self) -> &Arc<dyn Clock> {
         &self.inner.clock
+    }
+
+    /// The message storage of persisted requests, if the runtime has one: for layers built on
+    /// the runtime (the workflow engine reads stored replies and deferred completions).
+    pub fn message_storage(&self) -> Option<&Arc<dyn MessageStorage>> {
+        self.persisted().map(|persisted| &persisted.storage)
+    }
+
+    /// Attaches a service to the runtime, one per type (replacing and returning an earlier
+    /// one): how a layer built on the runtime, such as the workflow engine, reaches its state
+    /// from the entities it registers.
+    pub fn insert_extension<T: Send + Sync + 'static>(&self, value: Arc<T>) -> Option<Arc<T>> {
+        let mut extensions = self.inner.extensions.lock().unwrap_or_else(PoisonError::into_inner);
+        extensions
+            .insert(std::any::TypeId::of::<T>(), value)
+            .and_then(|previous| previous.downcast::<T>().ok())
+    }
+
+    /// The service of type `T` attached with [`insert_extension`](Sharding::insert_extension).
+    pub fn extension<T: Send + Sync + 'static>(&self) -> Option<Arc<T>> {
+        let extensions = self.inner.extensions.lock().unwrap_or_else(PoisonError::into_inner);
+        extensions
+            .get(&std::any::TypeId::of::<T>())
+            .cloned()
+            .and_then(|value| value.downcast::<T>().ok())
     }
 
     pub(crate) fn shutdown_token(&self) -> &CancellationToken {

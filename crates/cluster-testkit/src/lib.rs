@@ -4,6 +4,8 @@
 //! - [`mod@storage_suite`]: the storage conformance suite, run against every `MessageStorage` and
 //!   `RunnerStorage` implementation (memory, SQLite, PostgreSQL, MySQL) with
 //!   [`storage_suite!`](crate::storage_suite!).
+//! - `databases` (feature `sql`): real SQLite, PostgreSQL and MySQL storages for tests, on
+//!   a file or tables of the test's own, removed afterwards.
 //! - [`faulty`]: a `MessageStorage` wrapper that fails on demand (transactions that cannot
 //!   begin, commits whose outcome is unknown).
 //! - [`measure`]: throughput measurements of storages, for benchmarks and notes.
@@ -16,6 +18,8 @@
 //! Still to come (the simulation issue): the simulated clock, `SimCluster` and the invariant
 //! checkers.
 
+#[cfg(feature = "sql")]
+pub mod databases;
 pub mod faulty;
 pub mod measure;
 pub mod memory;

@@ -141,7 +141,7 @@ impl WorkflowContext {
 
     /// The engine running this workflow, to execute or complete other workflows.
     pub fn engine(&self) -> WorkflowEngine {
-        self.run.engine.handle()
+        WorkflowEngine { backend: Arc::clone(&self.run.engine) }
     }
 
     /// Whether this run is suspending (readable from a body finalizer: a `Drop` runs when the
@@ -402,6 +402,7 @@ impl WorkflowContext {
     /// execution, and an interrupt applied to this execution interrupts the child.
     pub async fn child<W: Workflow>(&self, payload: W::Payload) -> Result<W::Success, W::Error> {
         let execution_id = W::execution_id(&payload);
+        self.run.engine.define(W::NAME, &W::options());
         let result = self.start(W::NAME, &execution_id, &payload, false, false).await;
         match result {
             Some(WorkflowResult::Complete(exit)) => {
@@ -435,6 +436,7 @@ impl WorkflowContext {
         detached: bool,
     ) -> ExecutionId {
         let execution_id = W::execution_id(&payload);
+        self.run.engine.define(W::NAME, &W::options());
         self.start(W::NAME, &execution_id, &payload, true, detached).await;
         execution_id
     }

@@ -174,8 +174,9 @@ pub(crate) trait Backend: Send + Sync + 'static {
         execution_id: &'a ExecutionId,
     ) -> BoxFuture<'a, ()>;
 
-    /// A handle on this engine.
-    fn handle(&self) -> WorkflowEngine;
+    /// Makes a workflow's definition known (for routing by shard group), registered here or
+    /// not.
+    fn define(&self, workflow: &'static str, options: &WorkflowOptions);
 
     /// Stops the engine: runs in progress are dropped, their callers see an interrupt.
     fn shutdown(&self) -> BoxFuture<'_, ()>;
@@ -238,7 +239,9 @@ impl WorkflowEngine {
     ) -> Result<W::Success, ExecuteError<W::Error>> {
         let execution_id = W::execution_id(&payload);
         let payload = encode_payload(&payload)?;
-        let schedule = W::options().suspended_retry;
+        let options = W::options();
+        self.backend.define(W::NAME, &options);
+        let schedule = options.suspended_retry;
         let span = tracing::debug_span!("workflow.execute", workflow = W::NAME, %execution_id);
         let waiting = async {
             let mut step = 0;
@@ -275,6 +278,7 @@ impl WorkflowEngine {
     ) -> Result<ExecutionId, WorkflowError> {
         let execution_id = W::execution_id(&payload);
         let payload = encode_payload(&payload)?;
+        self.backend.define(W::NAME, &W::options());
         self.backend.execute(W::NAME, &execution_id, payload, None, true).await?;
         Ok(execution_id)
     }
@@ -289,6 +293,7 @@ impl WorkflowEngine {
         &self,
         execution_id: &ExecutionId,
     ) -> Result<Option<WorkflowResult>, WorkflowError> {
+        self.backend.define(W::NAME, &W::options());
         self.backend.poll(W::NAME, execution_id).await
     }
 
@@ -303,6 +308,7 @@ impl WorkflowEngine {
         &self,
         execution_id: &ExecutionId,
     ) -> Result<(), WorkflowError> {
+        self.backend.define(W::NAME, &W::options());
         self.backend.interrupt(W::NAME, execution_id, false).await
     }
 
@@ -315,6 +321,7 @@ impl WorkflowEngine {
         &self,
         execution_id: &ExecutionId,
     ) -> Result<(), WorkflowError> {
+        self.backend.define(W::NAME, &W::options());
         self.backend.interrupt(W::NAME, execution_id, true).await
     }
 
@@ -328,6 +335,7 @@ impl WorkflowEngine {
         &self,
         execution_id: &ExecutionId,
     ) -> Result<(), WorkflowError> {
+        self.backend.define(W::NAME, &W::options());
         self.backend.resume(W::NAME, execution_id).await
     }
 

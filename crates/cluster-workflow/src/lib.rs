@@ -49,6 +49,7 @@
 //! (reference/workflow.md), with the choices of its open questions written down in
 //! `docs/workflows.md`.
 
+mod cluster;
 mod context;
 mod definition;
 mod engine;
@@ -57,6 +58,7 @@ mod memory;
 mod result;
 mod run;
 
+pub use cluster::{CLOCK_ENTITY, INTERRUPT_SIGNAL, PARENT_KEY};
 pub use context::{
     ActivityCall, ActivityContext, ActivityError, DEFAULT_IN_MEMORY_SLEEP_THRESHOLD,
     DurableDeferred, Never, WorkflowContext,

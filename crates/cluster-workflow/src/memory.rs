@@ -528,12 +528,7 @@ impl Backend for MemoryEngine {
         })
     }
 
-    fn handle(&self) -> WorkflowEngine {
-        match self.arc() {
-            Some(engine) => WorkflowEngine { backend: engine },
-            None => WorkflowEngine::memory(),
-        }
-    }
+    fn define(&self, _workflow: &'static str, _options: &crate::definition::WorkflowOptions) {}
 
     fn shutdown(&self) -> BoxFuture<'_, ()> {
         Box::pin(async move {

@@ -1,5 +1,7 @@
 //! The workflow engine's behaviour (reference/workflow.md §4–§6), written once against a
 //! [`suite::Harness`] and run on the in-memory engine.
 
+mod cluster;
 mod memory;
+mod sql;
 mod suite;

@@ -8,7 +8,7 @@ use crate::suite::{self, Harness};
 struct Memory;
 
 impl Harness for Memory {
-    fn engine(&self) -> WorkflowEngine {
+    async fn engine(&self) -> WorkflowEngine {
         WorkflowEngine::memory()
     }
 }

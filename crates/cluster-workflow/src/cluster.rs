@@ -1,0 +1,1325 @@
+//! The cluster engine (the reference's `ClusterWorkflowEngine`, reference/workflow.md §3):
+//! every durable fact is a persisted request of the execution's entity and its reply, so an
+//! execution survives restarts and moves with its shard.
+//!
+//! Entity `Workflow/<name>` (id: the execution id, shard group from the workflow's options)
+//! with the requests `run` (primary key `""`: one per execution; its reply is the current
+//! [`WorkflowResult`], and a replay is a conditional reset of it), `activity` (key
+//! `<name>/<attempt>`), `deferred` (key: the deferred's name; the first completion wins) and
+//! `resume` (key: the waking child's execution id, or `""`); entity `Workflow/-/DurableClock`
+//! with `run` (key: the clock's name, delivered at its wake-up time). Names, keys and JSON
+//! encodings are the reference's, so the two implementations read each other's executions.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::num::NonZeroU32;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard, PoisonError, Weak};
+use std::time::Duration;
+
+use cluster_core::config::Capacity;
+use cluster_core::envelope::{Envelope, Exit, RawJson, Reply, primary_key};
+use cluster_core::future::BoxFuture;
+use cluster_core::storage::MessageStorage;
+use cluster_core::{EntityAddress, EntityType, ShardGroup, Snowflake, Timestamp};
+use cluster_sharding::{
+    CallError, Entity, EntityClient, EntityContext, EntityOptions, Protocol, RequestContext, Rpc,
+    Sharding, SharedHandler, Uninterruptible,
+};
+use serde::de::Error as _;
+use serde::{Deserialize, Deserializer, Serialize, Serializer};
+use serde_json::value::RawValue;
+use tokio::sync::{oneshot, watch};
+
+use crate::context::{Never, WorkflowContext};
+use crate::definition::WorkflowOptions;
+use crate::engine::{
+    Backend, Parent, Registration, ResumeMode, RunOutcome, WorkflowEngine, WorkflowError,
+    close_retained, close_run_scope, into_result,
+};
+use crate::id::{ExecutionId, Token};
+use crate::result::WorkflowResult;
+use crate::run::{BodyEnd, Finalizer, Run, RunKind, RunOptions, drive};
+
+/// The deferred a durable interrupt is stored under.
+pub const INTERRUPT_SIGNAL: &str = "Workflow/InterruptSignal";
+/// The payload key of a child's parent in its `run` request.
+pub const PARENT_KEY: &str = "~effect/cluster/ClusterWorkflowEngine/payloadParentKey";
+/// The entity type of durable clocks.
+pub const CLOCK_ENTITY: &str = "Workflow/-/DurableClock";
+/// How long a workflow or clock entity stays resident without requests.
+const MAX_IDLE: Duration = Duration::from_secs(10);
+/// How many requests of one execution run at once: its run, its activities and the
+/// deferred, resume and interrupt traffic that wakes it.
+const CONCURRENCY: u32 = 256;
+
+fn lock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
+    mutex.lock().unwrap_or_else(PoisonError::into_inner)
+}
+
+// ----------------------------------------------------------------------------------------
+// The requests, in the reference's JSON forms.
+
+/// A [`WorkflowResult`] as a reply value.
+#[derive(Clone, Debug)]
+pub(crate) struct ResultJson(WorkflowResult);
+
+impl Serialize for ResultJson {
+    fn serialize<S: Serializer>(&self, serializer: S) -> Result<S::Ok, S::Error> {
+        let raw = RawValue::from_string(self.0.to_json()).map_err(serde::ser::Error::custom)?;
+        raw.serialize(serializer)
+    }
+}
+
+impl<'de> Deserialize<'de> for ResultJson {
+    fn deserialize<D: Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
+        let raw = Box::<RawValue>::deserialize(deserializer)?;
+        WorkflowResult::from_json(raw.get()).map(ResultJson).map_err(D::Error::custom)
+    }
+}
+
+/// An [`Exit`] as a value.
+#[derive(Clone, Debug)]
+pub(crate) struct ExitJson(Exit);
+
+impl Serialize for ExitJson {
+    fn serialize<S: Serializer>(&self, serializer: S) -> Result<S::Ok, S::Error> {
+        use cluster_core::encoded::JsonForm;
+        let raw = RawValue::from_string(self.0.to_json()).map_err(serde::ser::Error::custom)?;
+        raw.serialize(serializer)
+    }
+}
+
+impl<'de> Deserialize<'de> for ExitJson {
+    fn deserialize<D: Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
+        use cluster_core::encoded::JsonForm;
+        let raw = Box::<RawValue>::deserialize(deserializer)?;
+        Exit::from_json(raw.get()).map(ExitJson).map_err(D::Error::custom)
+    }
+}
+
+/// The parent of a child, as stored in the child's `run` payload.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+struct ParentJson {
+    workflow_name: String,
+    execution_id: String,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    detached: Option<bool>,
+}
+
+/// `run`: the workflow's payload fields, and the parent under [`PARENT_KEY`].
+#[derive(Clone, Debug, Serialize, Deserialize)]
+#[serde(transparent)]
+pub(crate) struct RunRpc(serde_json::Map<String, serde_json::Value>);
+
+impl RunRpc {
+    fn new(payload: &RawJson, parent: Option<&Parent>) -> Result<RunRpc, WorkflowError> {
+        let fields: serde_json::Map<String, serde_json::Value> =
+            payload.decode().map_err(|_| {
+                WorkflowError::Malformed(
+                    "a workflow payload must encode as a JSON object for the cluster engine".into(),
+                )
+            })?;
+        let mut fields = fields;
+        if let Some(parent) = parent {
+            let parent = ParentJson {
+                workflow_name: parent.workflow.to_owned(),
+                execution_id: parent.execution_id.as_str().to_owned(),
+                detached: parent.detached.then_some(true),
+            };
+            let parent = serde_json::to_value(parent)
+                .map_err(|error| WorkflowError::Malformed(error.to_string()))?;
+            fields.insert(PARENT_KEY.to_owned(), parent);
+        }
+        Ok(RunRpc(fields))
+    }
+
+    /// The workflow's payload and the parent.
+    fn split(mut self) -> (RawJson, Option<ParentJson>) {
+        let parent =
+            self.0.remove(PARENT_KEY).and_then(|parent| serde_json::from_value(parent).ok());
+        let payload = RawJson::encode(&self.0).unwrap_or_else(|_| RawJson::empty_object());
+        (payload, parent)
+    }
+}
+
+impl Rpc for RunRpc {
+    const TAG: &'static str = "run";
+    const PERSISTED: bool = true;
+    const UNINTERRUPTIBLE: Uninterruptible = Uninterruptible::Both;
+    type Success = ResultJson;
+    type Error = Never;
+
+    fn primary_key(&self) -> Option<String> {
+        Some(String::new())
+    }
+}
+
+/// `activity`: one attempt of an activity.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub(crate) struct ActivityRpc {
+    name: String,
+    attempt: u32,
+    #[serde(default)]
+    with_transaction: bool,
+}
+
+impl Rpc for ActivityRpc {
+    const TAG: &'static str = "activity";
+    const PERSISTED: bool = true;
+    // A caller that goes away (a race's loser, a run cut off) is seen by the handler as a
+    // closed channel, which stores `Suspended` so that the activity runs again when called.
+    const UNINTERRUPTIBLE: Uninterruptible = Uninterruptible::Client;
+    type Success = ResultJson;
+    type Error = Never;
+
+    fn primary_key(&self) -> Option<String> {
+        Some(format!("{}/{}", self.name, self.attempt))
+    }
+}
+
+/// `deferred`: a completion of a deferred.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub(crate) struct DeferredRpc {
+    name: String,
+    exit: ExitJson,
+}
+
+impl Rpc for DeferredRpc {
+    const TAG: &'static str = "deferred";
+    const PERSISTED: bool = true;
+    const UNINTERRUPTIBLE: Uninterruptible = Uninterruptible::Both;
+    type Success = ExitJson;
+    type Error = Never;
+
+    fn primary_key(&self) -> Option<String> {
+        Some(self.name.clone())
+    }
+}
+
+/// `resume`: a wake, from a child (keyed by its execution id) or without one.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub(crate) struct ResumeRpc {
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    child_execution_id: Option<String>,
+}
+
+impl Rpc for ResumeRpc {
+    const TAG: &'static str = "resume";
+    const PERSISTED: bool = true;
+    const UNINTERRUPTIBLE: Uninterruptible = Uninterruptible::Server;
+    type Success = ();
+    type Error = Never;
+
+    fn primary_key(&self) -> Option<String> {
+        Some(self.child_execution_id.clone().unwrap_or_default())
+    }
+}
+
+/// The clock entity's `run`: wake deferred `DurableClock/<name>` at `wake_up` (epoch ms).
+#[derive(Clone, Debug, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub(crate) struct ClockRpc {
+    name: String,
+    workflow_name: String,
+    wake_up: i64,
+}
+
+impl Rpc for ClockRpc {
+    const TAG: &'static str = "run";
+    const PERSISTED: bool = true;
+    const UNINTERRUPTIBLE: Uninterruptible = Uninterruptible::Both;
+    type Success = ();
+    type Error = Never;
+
+    fn primary_key(&self) -> Option<String> {
+        Some(self.name.clone())
+    }
+
+    fn deliver_at(&self) -> Option<Timestamp> {
+        Some(Timestamp::from_unix_millis(self.wake_up))
+    }
+}
+
+// ----------------------------------------------------------------------------------------
+// The engine.
+
+/// The cluster engine's shared state, attached to its runtime as an extension.
+pub(crate) struct ClusterEngine {
+    me: Weak<ClusterEngine>,
+    sharding: Sharding,
+    storage: Arc<dyn MessageStorage>,
+    /// Bodies registered on this runner.
+    registrations: Mutex<BTreeMap<&'static str, Registration>>,
+    /// Definitions seen on this runner (for routing by shard group), registered or not.
+    definitions: Mutex<BTreeMap<String, WorkflowOptions>>,
+    /// The activations resident here, by execution.
+    activations: Mutex<BTreeMap<ExecutionId, Weak<Activation>>>,
+}
+
+impl WorkflowEngine {
+    /// The durable engine on a sharding runtime with a message storage: executions live in
+    /// that storage and run on the runner that owns their shard. Every runner (and every
+    /// client-only process that executes or completes workflows) makes one; runners register
+    /// the bodies they run.
+    ///
+    /// # Errors
+    ///
+    /// [`WorkflowError::Invalid`] when the runtime has no message storage or already has an
+    /// engine.
+    pub fn cluster(sharding: &Sharding) -> Result<WorkflowEngine, WorkflowError> {
+        let Some(storage) = sharding.message_storage().cloned() else {
+            return Err(WorkflowError::Invalid(
+                "the cluster workflow engine needs a runtime with a message storage".into(),
+            ));
+        };
+        if sharding.extension::<ClusterEngine>().is_some() {
+            return Err(WorkflowError::Invalid("the runtime already has a workflow engine".into()));
+        }
+        let engine = Arc::new_cyclic(|me| ClusterEngine {
+            me: me.clone(),
+            sharding: sharding.clone(),
+            storage,
+            registrations: Mutex::new(BTreeMap::new()),
+            definitions: Mutex::new(BTreeMap::new()),
+            activations: Mutex::new(BTreeMap::new()),
+        });
+        sharding.insert_extension(Arc::clone(&engine));
+        sharding
+            .register_as::<ClockEntity>(EntityType::from(CLOCK_ENTITY), entity_options())
+            .map_err(|error| WorkflowError::Invalid(error.to_string()))?;
+        Ok(WorkflowEngine { backend: engine })
+    }
+}
+
+fn entity_options() -> EntityOptions {
+    EntityOptions {
+        max_idle_time: Some(Some(MAX_IDLE)),
+        concurrency: Some(Capacity::Bounded(
+            NonZeroU32::new(CONCURRENCY).unwrap_or(NonZeroU32::MIN),
+        )),
+        ..EntityOptions::default()
+    }
+}
+
+fn cluster_error<E: std::fmt::Debug>(error: CallError<E>) -> WorkflowError {
+    match error {
+        CallError::Cluster(error) => WorkflowError::Cluster(error.to_string()),
+        other => WorkflowError::Cluster(format!("{other:?}")),
+    }
+}
+
+fn storage_error(error: cluster_core::StorageError) -> WorkflowError {
+    WorkflowError::Cluster(error.to_string())
+}
+
+/// The reference's storage-read retry: 3 retries, 250 ms growing ×2.
+async fn with_retries<T, F, Fut>(mut attempt: F) -> Result<T, WorkflowError>
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = Result<T, WorkflowError>>,
+{
+    let mut delay = Duration::from_millis(250);
+    for _ in 0..3 {
+        match attempt().await {
+            Ok(value) => return Ok(value),
+            Err(error) => {
+                tracing::debug!(%error, "workflow storage read failed, retrying");
+                tokio::time::sleep(delay).await;
+                delay *= 2;
+            }
+        }
+    }
+    attempt().await
+}
+
+/// The reference's `ensureSuccess`: retried without end, `min(200 ms × 1.5ⁿ, 1 min)`.
+async fn ensure_success<F, Fut>(what: &str, mut attempt: F)
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = Result<(), WorkflowError>>,
+{
+    let schedule = crate::definition::RetrySchedule {
+        initial: Duration::from_millis(200),
+        factor: 1.5,
+        max: Duration::from_secs(60),
+        attempts: None,
+    };
+    let mut step = 0;
+    loop {
+        match attempt().await {
+            Ok(()) => return,
+            Err(error) => {
+                tracing::warn!(%error, what, "workflow wake failed, retrying");
+                tokio::time::sleep(schedule.delay(step).unwrap_or(schedule.max)).await;
+                step += 1;
+            }
+        }
+    }
+}
+
+impl ClusterEngine {
+    fn arc(&self) -> Option<Arc<ClusterEngine>> {
+        self.me.upgrade()
+    }
+
+    fn group(&self, workflow: &str, execution_id: &ExecutionId) -> ShardGroup {
+        let shard_group =
+            lock(&self.definitions).get(workflow).and_then(|options| options.shard_group);
+        shard_group.map_or_else(ShardGroup::default_group, |group| group(execution_id.as_str()))
+    }
+
+    fn entity_type(workflow: &str) -> EntityType {
+        EntityType::from(format!("Workflow/{workflow}"))
+    }
+
+    fn address(&self, workflow: &str, execution_id: &ExecutionId) -> EntityAddress {
+        self.client(workflow, execution_id).address().clone()
+    }
+
+    fn client(&self, workflow: &str, execution_id: &ExecutionId) -> EntityClient<WorkflowEntity> {
+        let group = self.group(workflow, execution_id);
+        self.sharding.client_in::<WorkflowEntity>(
+            Self::entity_type(workflow),
+            &group,
+            execution_id.as_str(),
+        )
+    }
+
+    fn clock_client(
+        &self,
+        workflow: &str,
+        execution_id: &ExecutionId,
+    ) -> EntityClient<ClockEntity> {
+        let group = self.group(workflow, execution_id);
+        self.sharding.client_in::<ClockEntity>(
+            EntityType::from(CLOCK_ENTITY),
+            &group,
+            execution_id.as_str(),
+        )
+    }
+
+    fn activation(&self, execution_id: &ExecutionId) -> Option<Arc<Activation>> {
+        lock(&self.activations).get(execution_id).and_then(Weak::upgrade)
+    }
+
+    /// The stored request id of `tag` with `key` for the execution.
+    async fn request_id(
+        &self,
+        workflow: &str,
+        execution_id: &ExecutionId,
+        tag: &str,
+        key: &str,
+    ) -> Result<Option<Snowflake>, WorkflowError> {
+        let key = primary_key(&self.address(workflow, execution_id), tag, key);
+        with_retries(|| async {
+            self.storage.request_id_for_primary_key(&key).await.map_err(storage_error)
+        })
+        .await
+    }
+
+    /// The latest final reply of a request: its id and exit.
+    async fn final_reply(
+        &self,
+        request_id: Snowflake,
+    ) -> Result<Option<(Snowflake, Exit)>, WorkflowError> {
+        let replies = with_retries(|| async {
+            self.storage.replies_for(&[request_id]).await.map_err(storage_error)
+        })
+        .await?;
+        Ok(replies.into_iter().rev().find_map(|reply| match reply {
+            Reply::WithExit(with_exit) => Some((with_exit.id, with_exit.exit)),
+            Reply::Chunk(_) => None,
+        }))
+    }
+
+    /// The `run` request of an execution and its latest result.
+    async fn run_result(
+        &self,
+        workflow: &str,
+        execution_id: &ExecutionId,
+    ) -> Result<Option<(Snowflake, Option<(Snowflake, WorkflowResult)>)>, WorkflowError> {
+        let Some(request_id) = self.request_id(workflow, execution_id, RunRpc::TAG, "").await?
+        else {
+            return Ok(None);
+        };
+        let result = match self.final_reply(request_id).await? {
+            Some((reply_id, Exit::Success(value))) => {
+                let result: ResultJson =
+                    value.decode().map_err(|error| WorkflowError::Malformed(error.to_string()))?;
+                Some((reply_id, result.0))
+            }
+            Some((_, Exit::Failure(cause))) => {
+                return Err(WorkflowError::NoResult(cause));
+            }
+            None => None,
+        };
+        Ok(Some((request_id, result)))
+    }
+
+    /// A completion of deferred `name`: the stored reply, or (seed 000) the payload of a saved
+    /// request not yet processed, since the first completion saved is final.
+    async fn stored_deferred(
+        &self,
+        workflow: &str,
+        execution_id: &ExecutionId,
+        name: &str,
+    ) -> Result<Option<Exit>, WorkflowError> {
+        let Some(request_id) =
+            self.request_id(workflow, execution_id, DeferredRpc::TAG, name).await?
+        else {
+            return Ok(None);
+        };
+        if let Some(exit) = self.deferred_reply(request_id).await? {
+            return Ok(Some(exit));
+        }
+        let now = self.sharding.clock().now();
+        let unprocessed = with_retries(|| async {
+            self.storage.unprocessed_messages_by_id(&[request_id], now).await.map_err(storage_error)
+        })
+        .await?;
+        for message in unprocessed.messages {
+            if let Envelope::Request(request) = message.envelope
+                && let Ok(deferred) = request.payload.decode::<DeferredRpc>()
+            {
+                return Ok(Some(deferred.exit.0));
+            }
+        }
+        // Processed in between: read the reply again.
+        self.deferred_reply(request_id).await
+    }
+
+    async fn deferred_reply(&self, request_id: Snowflake) -> Result<Option<Exit>, WorkflowError> {
+        match self.final_reply(request_id).await? {
+            Some((_, Exit::Success(value))) => value
+                .decode::<ExitJson>()
+                .map(|exit| Some(exit.0))
+                .map_err(|error| WorkflowError::Malformed(error.to_string())),
+            _ => Ok(None),
+        }
+    }
+
+    /// Resets a suspended execution's `run` so that it replays (not a `failed` one on an
+    /// automatic wake). `settle` waits a moment for a reply a run just produced.
+    async fn resume_execution(
+        &self,
+        workflow: &str,
+        execution_id: &ExecutionId,
+        mode: ResumeMode,
+        settle: bool,
+    ) -> Result<(), WorkflowError> {
+        let mut wait = Duration::from_millis(10);
+        for _ in 0..if settle { 30 } else { 1 } {
+            let Some((request_id, result)) = self.run_result(workflow, execution_id).await? else {
+                return Ok(());
+            };
+            match result {
+                Some((reply_id, WorkflowResult::Suspended { failed, .. })) => {
+                    if failed && mode == ResumeMode::Automatic {
+                        return Ok(());
+                    }
+                    tracing::debug!(workflow, %execution_id, ?mode, "workflow resumed");
+                    if self.sharding.reset(request_id, Some(reply_id)).await {
+                        return Ok(());
+                    }
+                    return Err(WorkflowError::Cluster("failed to reset the workflow run".into()));
+                }
+                Some((_, WorkflowResult::Complete(_))) => return Ok(()),
+                None => {
+                    tokio::time::sleep(wait).await;
+                    wait = (wait * 2).min(Duration::from_millis(200));
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Wakes a child's parent (the reference's `sendResumeParent`).
+    async fn resume_parent(
+        &self,
+        parent: &ParentJson,
+        child: &ExecutionId,
+    ) -> Result<(), WorkflowError> {
+        let parent_id = ExecutionId::from_raw(parent.execution_id.as_str());
+        let existing = self
+            .request_id(&parent.workflow_name, &parent_id, ResumeRpc::TAG, child.as_str())
+            .await?;
+        match existing {
+            None => self
+                .client(&parent.workflow_name, &parent_id)
+                .discard(ResumeRpc { child_execution_id: Some(child.as_str().to_owned()) })
+                .await
+                .map_err(cluster_error),
+            Some(request_id) => {
+                if self.final_reply(request_id).await?.is_some()
+                    && !self.sharding.reset(request_id, None).await
+                {
+                    return Err(WorkflowError::Cluster(
+                        "failed to reset the parent's resume".into(),
+                    ));
+                }
+                Ok(())
+            }
+        }
+    }
+
+    /// Removes every scheduled clock of an execution.
+    async fn clear_clocks(&self, workflow: &str, execution_id: &ExecutionId) {
+        let address = self.clock_client(workflow, execution_id).address().clone();
+        if let Err(error) = self.storage.clear_address(&address).await {
+            tracing::warn!(%error, %execution_id, "could not clear the workflow's clocks");
+        }
+    }
+}
+
+// ----------------------------------------------------------------------------------------
+// Activations: one lifetime of an execution's entity on this runner.
+
+/// The channel a caller hands to the `activity` handler: the handler sends back where the
+/// activity's result goes once the caller has run it.
+type ActivityGo = oneshot::Sender<oneshot::Sender<WorkflowResult>>;
+
+#[derive(Default)]
+struct ActivationState {
+    /// Deferred completions seen by this activation.
+    results: BTreeMap<String, Exit>,
+    /// The run in progress.
+    current: Option<Arc<Run>>,
+    /// The activity runs of the current run (their waits wake the run after it replied).
+    activity_runs: Vec<Weak<Run>>,
+    /// Scopes of runs that suspended (or were cut off), closed when the execution ends.
+    retained: Vec<(Vec<Finalizer>, bool)>,
+    /// Activities whose callers wait for the handler's go.
+    activities: BTreeMap<(String, u32), ActivityGo>,
+    /// Activities whose caller went away while they ran.
+    aborted: BTreeSet<(String, u32)>,
+    /// The stored interrupt signal was loaded.
+    loaded: bool,
+    /// Deferreds that runs of this activation completed themselves: their completions wake
+    /// nothing.
+    completed_here: BTreeSet<String>,
+}
+
+struct Activation {
+    engine: Arc<ClusterEngine>,
+    registration: Option<Registration>,
+    workflow: String,
+    execution_id: ExecutionId,
+    state: Mutex<ActivationState>,
+    /// Counts finished runs.
+    runs: watch::Sender<u64>,
+    /// The automatic-wake gate: concurrent automatic wakes merge into one.
+    waking: AtomicBool,
+}
+
+impl Activation {
+    fn state(&self) -> MutexGuard<'_, ActivationState> {
+        lock(&self.state)
+    }
+
+    /// Loads a stored interrupt signal, so a new owner sees an interrupt stored before it
+    /// took over (invariant 51). Retried until storage answers.
+    async fn load(&self) {
+        if self.state().loaded {
+            return;
+        }
+        let mut delay = Duration::from_millis(100);
+        loop {
+            match self
+                .engine
+                .stored_deferred(&self.workflow, &self.execution_id, INTERRUPT_SIGNAL)
+                .await
+            {
+                Ok(signal) => {
+                    let mut state = self.state();
+                    if let Some(exit) = signal {
+                        state.results.entry(INTERRUPT_SIGNAL.to_owned()).or_insert(exit);
+                    }
+                    state.loaded = true;
+                    return;
+                }
+                Err(error) => {
+                    tracing::warn!(%error, execution_id = %self.execution_id, "could not load the interrupt signal, retrying");
+                    tokio::time::sleep(delay).await;
+                    delay = (delay * 2).min(Duration::from_secs(10));
+                }
+            }
+        }
+    }
+
+    fn interrupt_cached(&self) -> bool {
+        self.state().results.contains_key(INTERRUPT_SIGNAL)
+    }
+
+    async fn deferred(&self, name: &str) -> Result<Option<Exit>, WorkflowError> {
+        if let Some(exit) = self.state().results.get(name).cloned() {
+            return Ok(Some(exit));
+        }
+        self.engine.stored_deferred(&self.workflow, &self.execution_id, name).await
+    }
+
+    /// One run of the body (the `run` handler).
+    async fn run(self: &Arc<Self>, request: RunRpc) -> WorkflowResult {
+        self.load().await;
+        let Some(registration) = self.registration.clone() else {
+            return WorkflowResult::suspended();
+        };
+        let (payload, parent) = request.split();
+        let Some(engine) = self.engine.arc() else { return WorkflowResult::suspended() };
+        let options = RunOptions {
+            capture_defects: registration.options.capture_defects,
+            suspend_on_failure: registration.options.suspend_on_failure,
+        };
+        let backend: Arc<dyn Backend> = engine;
+        let run =
+            Run::new(registration.name, self.execution_id.clone(), RunKind::Body, options, backend);
+        let mut guard =
+            CurrentRun { activation: Arc::clone(self), run: Arc::clone(&run), done: false };
+        {
+            let mut state = self.state();
+            state.current = Some(Arc::clone(&run));
+            state.activity_runs.clear();
+        }
+        tracing::debug!(workflow = registration.name, execution_id = %self.execution_id, "workflow run started");
+        let context = WorkflowContext::new(Arc::clone(&run));
+        let end = drive(&run, (registration.body)(context, payload)).await;
+        self.apply_interrupt(&run, &end).await;
+        let outcome = into_result(&run, &end);
+        let own_scope = close_run_scope(&run, &outcome).await;
+        let (interrupted, children) = {
+            let state = run.state();
+            (state.interrupted, state.children.clone())
+        };
+        if interrupted {
+            for child in children.iter().filter(|child| !child.complete) {
+                let engine = &self.engine;
+                ensure_success("interrupt a child", || {
+                    engine.interrupt_execution(child.workflow, &child.execution_id, false)
+                })
+                .await;
+            }
+        }
+        let retained = {
+            let mut state = self.state();
+            match (&outcome, own_scope) {
+                (RunOutcome::Result(WorkflowResult::Suspended { .. }), Some(scope)) => {
+                    state.retained.push(scope);
+                    Vec::new()
+                }
+                _ => std::mem::take(&mut state.retained),
+            }
+        };
+        close_retained(retained, false).await;
+        guard.done = true;
+        drop(guard);
+        tracing::debug!(workflow = registration.name, execution_id = %self.execution_id, ?outcome, "workflow run ended");
+        match outcome {
+            RunOutcome::Result(result) => {
+                if let (WorkflowResult::Complete(_), Some(parent)) = (&result, parent)
+                    && parent.detached != Some(true)
+                {
+                    let engine = &self.engine;
+                    let child = &self.execution_id;
+                    ensure_success("wake the parent", || engine.resume_parent(&parent, child))
+                        .await;
+                }
+                result
+            }
+            // No result to store: the runtime restarts the entity and runs the request again
+            // (the reference's defect restart).
+            RunOutcome::NoResult(cause) => {
+                std::panic::panic_any(format!("workflow run ended without a result: {cause:?}"))
+            }
+        }
+    }
+
+    /// Branch B of the reference's `onExit`: a run that suspended (or failed under
+    /// `suspend_on_failure`) while an interrupt signal is stored applies the interrupt.
+    async fn apply_interrupt(&self, run: &Run, end: &BodyEnd) {
+        let suspended = matches!(end, BodyEnd::Stopped) && {
+            let state = run.state();
+            state.suspended && state.raised.is_none() && state.broken.is_none()
+        };
+        let failed_under_sof = run.options.suspend_on_failure
+            && match end {
+                BodyEnd::Returned(Exit::Failure(cause)) => !cause.has_interrupts_only(),
+                BodyEnd::Returned(Exit::Success(_)) => false,
+                BodyEnd::Stopped => {
+                    run.state().raised.as_ref().is_some_and(|cause| !cause.has_interrupts_only())
+                }
+            };
+        if !(suspended || failed_under_sof) {
+            return;
+        }
+        let signal = match self.deferred(INTERRUPT_SIGNAL).await {
+            Ok(signal) => signal,
+            Err(error) => {
+                tracing::warn!(%error, "could not read the interrupt signal");
+                None
+            }
+        };
+        if signal.is_some() {
+            run.update(|state| {
+                state.interrupted = true;
+                state.suspended = false;
+            });
+            self.engine.clear_clocks(&self.workflow, &self.execution_id).await;
+        }
+    }
+
+    /// The `deferred` handler: records the completion and wakes the execution.
+    async fn deferred_completed(self: &Arc<Self>, name: String, exit: Exit) -> Exit {
+        self.state().results.insert(name.clone(), exit.clone());
+        let explicit = name == INTERRUPT_SIGNAL;
+        let (current, activity_awaits, completed_here) = {
+            let state = self.state();
+            let activity_awaits = state
+                .activity_runs
+                .iter()
+                .filter_map(Weak::upgrade)
+                .any(|activity| activity.awaits(&name));
+            (state.current.clone(), activity_awaits, state.completed_here.contains(&name))
+        };
+        if completed_here && !explicit {
+            // A run of this activation completed it and never waits for it.
+            return exit;
+        }
+        let mode = if explicit { ResumeMode::Explicit } else { ResumeMode::Automatic };
+        match current {
+            Some(run) if !explicit && !run.awaits(&name) => {
+                if activity_awaits {
+                    self.resume_current_run(mode).await;
+                } else if !run.state().completed.contains(&name) {
+                    let engine = &self.engine;
+                    let (workflow, execution_id) = (&self.workflow, &self.execution_id);
+                    ensure_success("resume", || {
+                        engine.resume_execution(workflow, execution_id, mode, false)
+                    })
+                    .await;
+                }
+            }
+            current => {
+                if let Some(run) = current
+                    && run.awaits(&name)
+                {
+                    run.preempt();
+                }
+                self.resume_current_run(mode).await;
+            }
+        }
+        exit
+    }
+
+    /// Waits for the current run's reply, then resets it if it is a suspension. Concurrent
+    /// automatic wakes merge; an explicit one is never dropped.
+    async fn resume_current_run(self: &Arc<Self>, mode: ResumeMode) {
+        if mode == ResumeMode::Automatic && self.waking.swap(true, Ordering::AcqRel) {
+            return;
+        }
+        let mut runs = self.runs.subscribe();
+        let mut was_running = false;
+        while self.state().current.is_some() {
+            was_running = true;
+            if runs.changed().await.is_err() {
+                break;
+            }
+        }
+        if mode == ResumeMode::Automatic {
+            self.waking.store(false, Ordering::Release);
+        }
+        let engine = &self.engine;
+        let (workflow, execution_id) = (&self.workflow, &self.execution_id);
+        ensure_success("resume", || {
+            engine.resume_execution(workflow, execution_id, mode, was_running)
+        })
+        .await;
+    }
+}
+
+/// Marks the activation's current run; a run cut off before it finished (its handler dropped)
+/// is treated as superseded: its scope is retained and later closed with success.
+struct CurrentRun {
+    activation: Arc<Activation>,
+    run: Arc<Run>,
+    done: bool,
+}
+
+impl Drop for CurrentRun {
+    fn drop(&mut self) {
+        {
+            let mut state = self.activation.state();
+            let completed = self.run.state().completed.clone();
+            state.completed_here.extend(completed);
+            if !self.done {
+                let (finalizers, abandoned) = {
+                    let mut run = self.run.state();
+                    (std::mem::take(&mut run.finalizers), run.abandoned)
+                };
+                state.retained.push((finalizers, abandoned));
+            }
+            if state.current.as_ref().is_some_and(|current| Arc::ptr_eq(current, &self.run)) {
+                state.current = None;
+            }
+        }
+        self.activation.runs.send_modify(|runs| *runs += 1);
+    }
+}
+
+/// The entity of one execution (`Workflow/<name>`).
+pub(crate) struct WorkflowEntity {
+    activation: Arc<Activation>,
+}
+
+impl Drop for WorkflowEntity {
+    fn drop(&mut self) {
+        // The activation ends: retained scopes are dropped unrun (abandoned, invariant 36).
+        let mut activations = lock(&self.activation.engine.activations);
+        if activations
+            .get(&self.activation.execution_id)
+            .is_some_and(|existing| std::ptr::eq(existing.as_ptr(), Arc::as_ptr(&self.activation)))
+        {
+            activations.remove(&self.activation.execution_id);
+        }
+    }
+}
+
+fn engine_of(context: &EntityContext) -> Arc<ClusterEngine> {
+    match context.sharding().extension::<ClusterEngine>() {
+        Some(engine) => engine,
+        // Registered only by the engine, after it attached itself.
+        None => panic!("a workflow entity without a workflow engine on its runtime"),
+    }
+}
+
+impl Entity for WorkflowEntity {
+    const TYPE: &'static str = "Workflow";
+
+    async fn create(context: &EntityContext) -> WorkflowEntity {
+        let engine = engine_of(context);
+        let address = context.address();
+        let workflow =
+            address.entity_type.as_str().strip_prefix("Workflow/").unwrap_or_default().to_owned();
+        let registration = lock(&engine.registrations).get(workflow.as_str()).cloned();
+        let execution_id = ExecutionId::from_raw(address.entity_id.as_str());
+        let activation = Arc::new(Activation {
+            engine: Arc::clone(&engine),
+            registration,
+            workflow,
+            execution_id: execution_id.clone(),
+            state: Mutex::new(ActivationState::default()),
+            runs: watch::Sender::new(0),
+            waking: AtomicBool::new(false),
+        });
+        lock(&engine.activations).insert(execution_id, Arc::downgrade(&activation));
+        WorkflowEntity { activation }
+    }
+
+    fn protocol(protocol: &mut Protocol<WorkflowEntity>) {
+        protocol
+            .handle_shared::<RunRpc>()
+            .handle_shared::<ActivityRpc>()
+            .handle_shared::<DeferredRpc>()
+            .handle_shared::<ResumeRpc>();
+    }
+}
+
+impl SharedHandler<RunRpc> for WorkflowEntity {
+    async fn handle(&self, _: &RequestContext, request: RunRpc) -> Result<ResultJson, Never> {
+        Ok(ResultJson(self.activation.run(request).await))
+    }
+}
+
+impl SharedHandler<ActivityRpc> for WorkflowEntity {
+    async fn handle(&self, _: &RequestContext, request: ActivityRpc) -> Result<ResultJson, Never> {
+        let key = (request.name, request.attempt);
+        let go = {
+            let mut state = self.activation.state();
+            state.aborted.remove(&key);
+            state.activities.remove(&key)
+        };
+        // No caller waits for it (a race's loser not called again, a redelivery after a
+        // restart): answered as suspended, which a later call resets.
+        let Some(go) = go else { return Ok(ResultJson(WorkflowResult::suspended())) };
+        let (done, result) = oneshot::channel();
+        if go.send(done).is_ok()
+            && let Ok(result) = result.await
+        {
+            return Ok(ResultJson(result));
+        }
+        self.activation.state().aborted.insert(key);
+        Ok(ResultJson(WorkflowResult::suspended()))
+    }
+}
+
+impl SharedHandler<DeferredRpc> for WorkflowEntity {
+    async fn handle(&self, _: &RequestContext, request: DeferredRpc) -> Result<ExitJson, Never> {
+        Ok(ExitJson(self.activation.deferred_completed(request.name, request.exit.0).await))
+    }
+}
+
+impl SharedHandler<ResumeRpc> for WorkflowEntity {
+    async fn handle(&self, _: &RequestContext, _: ResumeRpc) -> Result<(), Never> {
+        self.activation.resume_current_run(ResumeMode::Automatic).await;
+        Ok(())
+    }
+}
+
+/// The clock entity (`Workflow/-/DurableClock`): completes a clock's deferred when its
+/// request is delivered, at the wake-up time.
+pub(crate) struct ClockEntity {
+    engine: Arc<ClusterEngine>,
+    execution_id: ExecutionId,
+}
+
+impl Entity for ClockEntity {
+    const TYPE: &'static str = CLOCK_ENTITY;
+
+    async fn create(context: &EntityContext) -> ClockEntity {
+        ClockEntity {
+            engine: engine_of(context),
+            execution_id: ExecutionId::from_raw(context.address().entity_id.as_str()),
+        }
+    }
+
+    fn protocol(protocol: &mut Protocol<ClockEntity>) {
+        protocol.handle_shared::<ClockRpc>();
+    }
+}
+
+impl SharedHandler<ClockRpc> for ClockEntity {
+    async fn handle(&self, _: &RequestContext, request: ClockRpc) -> Result<(), Never> {
+        let token = Token {
+            workflow: request.workflow_name,
+            execution_id: self.execution_id.clone(),
+            deferred: format!("DurableClock/{}", request.name),
+        };
+        let engine = &self.engine;
+        ensure_success("wake a clock", || engine.complete(None, token.clone(), Exit::void())).await;
+        Ok(())
+    }
+}
+
+// ----------------------------------------------------------------------------------------
+// The engine contract.
+
+impl ClusterEngine {
+    async fn complete(
+        &self,
+        from: Option<&Arc<Run>>,
+        token: Token,
+        exit: Exit,
+    ) -> Result<(), WorkflowError> {
+        if let Some(from) = from
+            && from.execution_id == token.execution_id
+            && token.deferred != INTERRUPT_SIGNAL
+        {
+            // A run does not wake itself for a completion it made.
+            from.update(|state| state.completed.insert(token.deferred.clone()));
+        }
+        tracing::debug!(workflow = %token.workflow, execution_id = %token.execution_id, deferred = %token.deferred, "deferred completed");
+        self.client(&token.workflow, &token.execution_id)
+            .discard(DeferredRpc { name: token.deferred, exit: ExitJson(exit) })
+            .await
+            .map_err(cluster_error)
+    }
+
+    async fn interrupt_execution(
+        &self,
+        workflow: &str,
+        execution_id: &ExecutionId,
+        hard: bool,
+    ) -> Result<(), WorkflowError> {
+        let Some((request_id, result)) = self.run_result(workflow, execution_id).await? else {
+            return Ok(());
+        };
+        if matches!(result, Some((_, WorkflowResult::Complete(_)))) {
+            return Ok(());
+        }
+        let token = Token {
+            workflow: workflow.to_owned(),
+            execution_id: execution_id.clone(),
+            deferred: INTERRUPT_SIGNAL.to_owned(),
+        };
+        self.complete(None, token, Exit::void()).await?;
+        if hard {
+            let address = self.address(workflow, execution_id);
+            self.sharding
+                .interrupt_request(&address, request_id)
+                .await
+                .map_err(|error| WorkflowError::Cluster(error.to_string()))?;
+        }
+        Ok(())
+    }
+
+    /// Runs activity `name`/`attempt` through its request: the handler gives the go, the
+    /// body runs here (inside the run), and the handler stores its result as the reply.
+    async fn run_activity<'a>(
+        &'a self,
+        run: &'a Arc<Run>,
+        name: &'a str,
+        attempt: u32,
+        execute: Box<dyn FnOnce(Arc<Run>) -> BoxFuture<'a, WorkflowResult> + Send + 'a>,
+    ) -> Result<WorkflowResult, WorkflowError> {
+        let activation = self.activation(&run.execution_id).ok_or_else(|| {
+            WorkflowError::Cluster("the execution is not active on this runner".into())
+        })?;
+        let key = (name.to_owned(), attempt);
+        let mut execute = Some(execute);
+        loop {
+            if !run.state().interrupted && activation.interrupt_cached() {
+                // A pending interrupt starts no new activity (invariant 41).
+                let stored = match self
+                    .request_id(
+                        run.workflow,
+                        &run.execution_id,
+                        ActivityRpc::TAG,
+                        &format!("{name}/{attempt}"),
+                    )
+                    .await?
+                {
+                    Some(request_id) => self.final_reply(request_id).await?,
+                    None => None,
+                };
+                if let Some((_, Exit::Success(value))) = stored
+                    && let Ok(ResultJson(result @ WorkflowResult::Complete(_))) = value.decode()
+                {
+                    return Ok(result);
+                }
+                return Ok(WorkflowResult::suspended());
+            }
+            let (go, gone) = oneshot::channel();
+            activation.state().activities.insert(key.clone(), go);
+            let client = self.client(run.workflow, &run.execution_id);
+            let request = ActivityRpc { name: name.to_owned(), attempt, with_transaction: false };
+            let reply = client.send(request);
+            tokio::pin!(reply);
+            let activity_run = Run::new(
+                run.workflow,
+                run.execution_id.clone(),
+                RunKind::Activity(attempt),
+                run.options,
+                Arc::clone(&run.engine),
+            );
+            let interrupted = run.state().interrupted;
+            activity_run.update(|state| state.interrupted = interrupted);
+            activation.state().activity_runs.push(Arc::downgrade(&activity_run));
+            let body = async {
+                match (gone.await, execute.take()) {
+                    (Ok(done), Some(execute)) => {
+                        let result = execute(activity_run).await;
+                        let _ = done.send(result);
+                    }
+                    _ => std::future::pending::<()>().await,
+                }
+            };
+            let reply = tokio::select! {
+                reply = &mut reply => reply,
+                () = body => reply.await,
+            };
+            let reply = reply.map_err(cluster_error)?;
+            let not_run = {
+                let mut state = activation.state();
+                let waiting = state.activities.remove(&key).is_some();
+                waiting || state.aborted.remove(&key)
+            };
+            match reply.0 {
+                WorkflowResult::Suspended { .. } if not_run && execute.is_some() => {
+                    // A stored suspension of an attempt that did not run here: reset it and
+                    // call again.
+                    let Some(request_id) = self
+                        .request_id(
+                            run.workflow,
+                            &run.execution_id,
+                            ActivityRpc::TAG,
+                            &format!("{name}/{attempt}"),
+                        )
+                        .await?
+                    else {
+                        continue;
+                    };
+                    let sharding = &self.sharding;
+                    with_retries(|| async {
+                        if sharding.reset(request_id, None).await {
+                            Ok(())
+                        } else {
+                            Err(WorkflowError::Cluster("failed to reset an activity".into()))
+                        }
+                    })
+                    .await?;
+                }
+                result => return Ok(result),
+            }
+        }
+    }
+}
+
+impl Backend for ClusterEngine {
+    fn register(&self, registration: Registration) -> Result<(), WorkflowError> {
+        {
+            let mut registrations = lock(&self.registrations);
+            if registrations.contains_key(registration.name) {
+                tracing::warn!(
+                    workflow = registration.name,
+                    "workflow already registered: ignoring the duplicate definition"
+                );
+                return Err(WorkflowError::Invalid(format!(
+                    "workflow {} is already registered",
+                    registration.name
+                )));
+            }
+            registrations.insert(registration.name, registration.clone());
+        }
+        self.define(registration.name, &registration.options);
+        self.sharding
+            .register_as::<WorkflowEntity>(Self::entity_type(registration.name), entity_options())
+            .map_err(|error| WorkflowError::Invalid(error.to_string()))
+    }
+
+    fn define(&self, workflow: &'static str, options: &WorkflowOptions) {
+        lock(&self.definitions).entry(workflow.to_owned()).or_insert_with(|| options.clone());
+    }
+
+    fn activity<'a>(
+        &'a self,
+        run: &'a Arc<Run>,
+        name: &'a str,
+        attempt: u32,
+        execute: Box<dyn FnOnce(Arc<Run>) -> BoxFuture<'a, WorkflowResult> + Send + 'a>,
+    ) -> BoxFuture<'a, Result<WorkflowResult, WorkflowError>> {
+        Box::pin(self.run_activity(run, name, attempt, execute))
+    }
+
+    fn deferred_result<'a>(
+        &'a self,
+        run: &'a Arc<Run>,
+        name: &'a str,
+    ) -> BoxFuture<'a, Result<Option<Exit>, WorkflowError>> {
+        Box::pin(async move {
+            match self.activation(&run.execution_id) {
+                Some(activation) => activation.deferred(name).await,
+                None => self.stored_deferred(run.workflow, &run.execution_id, name).await,
+            }
+        })
+    }
+
+    fn deferred_done<'a>(
+        &'a self,
+        from: Option<&'a Arc<Run>>,
+        token: Token,
+        exit: Exit,
+    ) -> BoxFuture<'a, Result<(), WorkflowError>> {
+        Box::pin(self.complete(from, token, exit))
+    }
+
+    fn schedule_clock<'a>(
+        &'a self,
+        run: &'a Arc<Run>,
+        clock: &'a str,
+        duration: Duration,
+    ) -> BoxFuture<'a, Result<(), WorkflowError>> {
+        Box::pin(async move {
+            let now = self.sharding.clock().now().unix_millis();
+            #[expect(
+                clippy::cast_possible_truncation,
+                reason = "a wake-up time in milliseconds fits an i64"
+            )]
+            let wake_up = now.saturating_add((duration.as_secs_f64() * 1000.0).ceil() as i64);
+            let request = ClockRpc {
+                name: clock.to_owned(),
+                workflow_name: run.workflow.to_owned(),
+                wake_up,
+            };
+            self.clock_client(run.workflow, &run.execution_id)
+                .discard(request)
+                .await
+                .map_err(cluster_error)
+        })
+    }
+
+    fn execute<'a>(
+        &'a self,
+        workflow: &'a str,
+        execution_id: &'a ExecutionId,
+        payload: RawJson,
+        parent: Option<Parent>,
+        discard: bool,
+    ) -> BoxFuture<'a, Result<Option<WorkflowResult>, WorkflowError>> {
+        Box::pin(async move {
+            let request = RunRpc::new(&payload, parent.as_ref())?;
+            let client = self.client(workflow, execution_id);
+            if discard {
+                client.discard(request).await.map_err(cluster_error)?;
+                return Ok(None);
+            }
+            let result = client.send(request).await.map_err(cluster_error)?;
+            Ok(Some(result.0))
+        })
+    }
+
+    fn poll<'a>(
+        &'a self,
+        workflow: &'a str,
+        execution_id: &'a ExecutionId,
+    ) -> BoxFuture<'a, Result<Option<WorkflowResult>, WorkflowError>> {
+        Box::pin(async move {
+            let result = self.run_result(workflow, execution_id).await?;
+            Ok(result.and_then(|(_, result)| result).map(|(_, result)| result))
+        })
+    }
+
+    fn interrupt<'a>(
+        &'a self,
+        workflow: &'a str,
+        execution_id: &'a ExecutionId,
+        hard: bool,
+    ) -> BoxFuture<'a, Result<(), WorkflowError>> {
+        Box::pin(self.interrupt_execution(workflow, execution_id, hard))
+    }
+
+    fn resume<'a>(
+        &'a self,
+        workflow: &'a str,
+        execution_id: &'a ExecutionId,
+    ) -> BoxFuture<'a, Result<(), WorkflowError>> {
+        Box::pin(self.resume_execution(workflow, execution_id, ResumeMode::Explicit, false))
+    }
+
+    fn await_complete<'a>(
+        &'a self,
+        workflow: &'a str,
+        execution_id: &'a ExecutionId,
+    ) -> BoxFuture<'a, ()> {
+        Box::pin(async move {
+            // Only an execution active on this runner can be watched; elsewhere the caller
+            // polls on its schedule.
+            let Some(activation) = self.activation(execution_id) else {
+                return std::future::pending().await;
+            };
+            let mut runs = activation.runs.subscribe();
+            drop(activation);
+            loop {
+                if runs.changed().await.is_err() {
+                    return std::future::pending().await;
+                }
+                // The reply is stored just after the run's handler returns.
+                let mut wait = Duration::from_millis(10);
+                for _ in 0..8 {
+                    match self.poll(workflow, execution_id).await {
+                        Ok(Some(WorkflowResult::Complete(_))) => return,
+                        Ok(Some(WorkflowResult::Suspended { .. })) => break,
+                        _ => {}
+                    }
+                    tokio::time::sleep(wait).await;
+                    wait *= 2;
+                }
+            }
+        })
+    }
+
+    fn shutdown(&self) -> BoxFuture<'_, ()> {
+        // The runtime owns the runs: `Sharding::shutdown` hands them off.
+        Box::pin(std::future::ready(()))
+    }
+}

@@ -1,0 +1,107 @@
+//! Part of the suite on the cluster engine with real storage: one runner holding every shard
+//! lock, on SQLite, PostgreSQL and MySQL, on a real clock (the suite's durations divided by
+//! [`DIVISOR`]).
+
+use std::sync::{Arc, Mutex};
+
+use cluster_core::SystemClock;
+use cluster_core::ids::RunnerAddress;
+use cluster_sharding::Sharding;
+use cluster_testkit::databases::TestDatabase;
+use cluster_workflow::WorkflowEngine;
+
+use crate::suite::{self, Harness};
+
+/// Real time runs the suite 20 times faster than its paused-clock durations.
+const DIVISOR: u32 = 20;
+
+/// One runner per engine on the test's database (kept until the harness is dropped).
+struct OnDatabase {
+    database: TestDatabase,
+    runners: Mutex<Vec<Sharding>>,
+}
+
+impl OnDatabase {
+    fn new(database: TestDatabase) -> OnDatabase {
+        suite::set_time_divisor(DIVISOR);
+        OnDatabase { database, runners: Mutex::new(Vec::new()) }
+    }
+}
+
+impl Harness for OnDatabase {
+    async fn engine(&self) -> WorkflowEngine {
+        // A new engine replaces the previous one (its runner gives the shard locks back).
+        let previous: Vec<Sharding> = std::mem::take(&mut *self.runners.lock().unwrap());
+        for runner in previous {
+            runner.shutdown().await;
+        }
+        let config = cluster_core::ShardingConfig {
+            runner_address: Some(RunnerAddress::new("127.0.0.1", 1)),
+            ..crate::cluster::config()
+        };
+        let (messages, locks) = self.database.open(&config).await.unwrap();
+        let sharding =
+            Sharding::with_storages(config, Arc::new(SystemClock), messages, locks).await.unwrap();
+        self.runners.lock().unwrap().push(sharding.clone());
+        WorkflowEngine::cluster(&sharding).unwrap()
+    }
+
+    fn is_cluster(&self) -> bool {
+        true
+    }
+}
+
+impl Drop for OnDatabase {
+    fn drop(&mut self) {
+        // The runtimes' tasks end with the test's runtime; nothing to hand off.
+        self.runners.lock().unwrap().clear();
+    }
+}
+
+macro_rules! on_databases {
+    ($($name:ident),* $(,)?) => {
+        mod sqlite {
+            $(
+                #[tokio::test]
+                async fn $name() {
+                    let harness = super::OnDatabase::new(cluster_testkit::databases::TestDatabase::sqlite("workflow"));
+                    crate::suite::$name(&harness).await;
+                }
+            )*
+        }
+        mod postgres {
+            $(
+                #[tokio::test]
+                async fn $name() {
+                    let Some(database) = cluster_testkit::databases::TestDatabase::postgres() else { return };
+                    crate::suite::$name(&super::OnDatabase::new(database)).await;
+                }
+            )*
+        }
+        mod mysql {
+            $(
+                #[tokio::test]
+                async fn $name() {
+                    let Some(database) = cluster_testkit::databases::TestDatabase::mysql() else { return };
+                    crate::suite::$name(&super::OnDatabase::new(database)).await;
+                }
+            )*
+        }
+    };
+}
+
+on_databases!(
+    executes_and_polls,
+    executing_again_attaches_to_the_execution,
+    email_workflow_suspends_resumes_and_deduplicates,
+    interrupting_a_suspended_execution_runs_its_compensation_once,
+    compensation_scenario_matrix,
+    a_race_replays_its_recorded_winner,
+    deferred_race_lets_a_deferred_win_while_a_branch_is_active,
+    a_child_completion_wakes_its_parent,
+    suspend_on_failure_suspends_and_an_explicit_resume_replays,
+    durable_sleep_wakes_the_run,
+    concurrent_activities_finish_before_the_run_suspends,
+    retries_number_attempts_and_keep_the_last_error,
+    first_completion_wins,
+);
