@@ -2,6 +2,10 @@
 //! under a prefix of the test's own, removed when the [`TestDatabase`] is dropped (also when
 //! the test panicked).
 //!
+//! Shut the runners that use a database down before dropping it: the clean-up waits for
+//! their open transactions (each clean-up session gives up after [`CLEANUP_LOCK_TIMEOUT`]
+//! instead of waiting forever).
+//!
 //! The PostgreSQL and MySQL URLs come from `CLUSTER_TEST_POSTGRES_URL` and
 //! `CLUSTER_TEST_MYSQL_URL`. Without them the database is skipped (`None`), except under
 //! `CI=true`, where a missing URL fails the test: CI never passes by skipping a database.
@@ -22,6 +26,9 @@ use cluster_storage_sql::{
 pub const POSTGRES_URL: &str = "CLUSTER_TEST_POSTGRES_URL";
 /// The URL variable of MySQL tests.
 pub const MYSQL_URL: &str = "CLUSTER_TEST_MYSQL_URL";
+
+/// How long a clean-up waits for the locks of tables still in use.
+pub const CLEANUP_LOCK_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(10);
 
 /// The tables of a prefix, histories included.
 const TABLES: [&str; 6] =
@@ -136,7 +143,8 @@ impl Drop for TestDatabase {
                     let (client, connection) =
                         tokio_postgres::connect(&url, tokio_postgres::NoTls).await?;
                     let connection = tokio::spawn(connection);
-                    client.batch_execute(&sql).await?;
+                    let timeout = CLEANUP_LOCK_TIMEOUT.as_millis();
+                    client.batch_execute(&format!("SET lock_timeout = {timeout}; {sql}")).await?;
                     connection.abort();
                     Ok::<(), tokio_postgres::Error>(())
                 });
@@ -151,6 +159,10 @@ impl Drop for TestDatabase {
                     use mysql_async::prelude::Queryable;
                     let pool = mysql_async::Pool::from_url(url.as_str())?;
                     let mut connection = pool.get_conn().await?;
+                    let timeout = CLEANUP_LOCK_TIMEOUT.as_secs();
+                    connection
+                        .query_drop(format!("SET SESSION lock_wait_timeout = {timeout}"))
+                        .await?;
                     for statement in statements {
                         connection.query_drop(statement).await?;
                     }

@@ -26,6 +26,7 @@ pub struct Faults {
     begin_transaction: Countdown,
     commit_unacknowledged: Countdown,
     commit_failed: Countdown,
+    clear_replies: Countdown,
     begin_transaction_calls: AtomicU32,
     commits: AtomicU32,
     resets: std::sync::Mutex<Vec<Snowflake>>,
@@ -57,6 +58,11 @@ impl Faults {
     /// The next `times` commits roll back and report an error.
     pub fn fail_commit(&self, times: u32) {
         self.commit_failed.0.store(times, Ordering::Release);
+    }
+
+    /// The next `times` calls of `clear_replies` (resets of a request) fail (`Unavailable`).
+    pub fn fail_clear_replies(&self, times: u32) {
+        self.clear_replies.0.store(times, Ordering::Release);
     }
 
     /// How often `begin_transaction` was called, failed calls included.
@@ -129,6 +135,9 @@ impl MessageStorage for FaultyMessageStorage {
         request_id: Snowflake,
         expected_reply_id: Option<Snowflake>,
     ) -> BoxFuture<'_, Result<(), StorageError>> {
+        if self.faults.clear_replies.fails() {
+            return Box::pin(std::future::ready(Err(injected("clear_replies"))));
+        }
         self.inner.clear_replies(request_id, expected_reply_id)
     }
 

@@ -335,26 +335,57 @@ where
     attempt().await
 }
 
-/// The reference's `ensureSuccess`: retried without end, `min(200 ms × 1.5ⁿ, 1 min)`.
-async fn ensure_success<F, Fut>(what: &str, mut attempt: F)
-where
-    F: FnMut() -> Fut,
-    Fut: std::future::Future<Output = Result<(), WorkflowError>>,
-{
-    let schedule = crate::definition::RetrySchedule {
-        initial: Duration::from_millis(200),
-        factor: 1.5,
-        max: Duration::from_secs(60),
-        attempts: None,
-    };
-    let mut step = 0;
-    loop {
-        match attempt().await {
-            Ok(()) => return,
-            Err(error) => {
-                tracing::warn!(%error, what, "workflow wake failed, retrying");
-                tokio::time::sleep(schedule.delay(step).unwrap_or(schedule.max)).await;
-                step += 1;
+/// This runner stops serving the execution (it shuts down): the request is left stored for
+/// the next owner instead of being answered (the reference's `ClusterAbandon`).
+#[derive(Debug)]
+pub(crate) struct Abandoned;
+
+/// Ends the handler of `context` without a reply: its request stays stored for the next owner
+/// (the runtime sees an interrupt while it no longer serves the shard).
+async fn abandon(context: &RequestContext) -> Never {
+    tracing::debug!(request_id = %context.request_id(), "workflow request left for the next owner");
+    context.cancellation().cancel();
+    std::future::pending().await
+}
+
+impl ClusterEngine {
+    /// The reference's `ensureSuccess` (4.1.0): retried without end on
+    /// `min(200 ms × 1.5ⁿ, 1 min)`, except that a runner that stops gives up at once
+    /// ([`Abandoned`]) instead of holding its shutdown until the termination timeout
+    /// (seed 000, change 3).
+    async fn ensure<F, Fut>(&self, what: &str, mut attempt: F) -> Result<(), Abandoned>
+    where
+        F: FnMut() -> Fut,
+        Fut: std::future::Future<Output = Result<(), WorkflowError>>,
+    {
+        let schedule = crate::definition::RetrySchedule {
+            initial: Duration::from_millis(200),
+            factor: 1.5,
+            max: Duration::from_secs(60),
+            attempts: None,
+        };
+        let mut step = 0;
+        loop {
+            if self.sharding.is_shutdown() {
+                return Err(Abandoned);
+            }
+            match attempt().await {
+                Ok(()) => return Ok(()),
+                Err(error) => tracing::warn!(%error, what, "workflow wake failed, retrying"),
+            }
+            let delay = schedule.delay(step).unwrap_or(schedule.max);
+            step += 1;
+            let deadline = tokio::time::Instant::now() + delay;
+            // Sleep in slices, to notice a shutdown.
+            loop {
+                let now = tokio::time::Instant::now();
+                if now >= deadline {
+                    break;
+                }
+                if self.sharding.is_shutdown() {
+                    return Err(Abandoned);
+                }
+                tokio::time::sleep((deadline - now).min(Duration::from_millis(100))).await;
             }
         }
     }
@@ -661,13 +692,13 @@ impl Activation {
     }
 
     /// One run of the body (the `run` handler).
-    async fn run(self: &Arc<Self>, request: RunRpc) -> WorkflowResult {
+    async fn run(self: &Arc<Self>, request: RunRpc) -> Result<WorkflowResult, Abandoned> {
         self.load().await;
         let Some(registration) = self.registration.clone() else {
-            return WorkflowResult::suspended();
+            return Ok(WorkflowResult::suspended());
         };
         let (payload, parent) = request.split();
-        let Some(engine) = self.engine.arc() else { return WorkflowResult::suspended() };
+        let Some(engine) = self.engine.arc() else { return Err(Abandoned) };
         let options = RunOptions {
             capture_defects: registration.options.capture_defects,
             suspend_on_failure: registration.options.suspend_on_failure,
@@ -695,10 +726,11 @@ impl Activation {
         if interrupted {
             for child in children.iter().filter(|child| !child.complete) {
                 let engine = &self.engine;
-                ensure_success("interrupt a child", || {
-                    engine.interrupt_execution(child.workflow, &child.execution_id, false)
-                })
-                .await;
+                engine
+                    .ensure("interrupt a child", || {
+                        engine.interrupt_execution(child.workflow, &child.execution_id, false)
+                    })
+                    .await?;
             }
         }
         let retained = {
@@ -722,10 +754,11 @@ impl Activation {
                 {
                     let engine = &self.engine;
                     let child = &self.execution_id;
-                    ensure_success("wake the parent", || engine.resume_parent(&parent, child))
-                        .await;
+                    engine
+                        .ensure("wake the parent", || engine.resume_parent(&parent, child))
+                        .await?;
                 }
-                result
+                Ok(result)
             }
             // No result to store: the runtime restarts the entity and runs the request again
             // (the reference's defect restart).
@@ -770,7 +803,11 @@ impl Activation {
     }
 
     /// The `deferred` handler: records the completion and wakes the execution.
-    async fn deferred_completed(self: &Arc<Self>, name: String, exit: Exit) -> Exit {
+    async fn deferred_completed(
+        self: &Arc<Self>,
+        name: String,
+        exit: Exit,
+    ) -> Result<Exit, Abandoned> {
         self.state().results.insert(name.clone(), exit.clone());
         let explicit = name == INTERRUPT_SIGNAL;
         let (current, activity_awaits, completed_here) = {
@@ -784,20 +821,21 @@ impl Activation {
         };
         if completed_here && !explicit {
             // A run of this activation completed it and never waits for it.
-            return exit;
+            return Ok(exit);
         }
         let mode = if explicit { ResumeMode::Explicit } else { ResumeMode::Automatic };
         match current {
             Some(run) if !explicit && !run.awaits(&name) => {
                 if activity_awaits {
-                    self.resume_current_run(mode).await;
+                    self.resume_current_run(mode).await?;
                 } else if !run.state().completed.contains(&name) {
                     let engine = &self.engine;
                     let (workflow, execution_id) = (&self.workflow, &self.execution_id);
-                    ensure_success("resume", || {
-                        engine.resume_execution(workflow, execution_id, mode, false)
-                    })
-                    .await;
+                    engine
+                        .ensure("resume", || {
+                            engine.resume_execution(workflow, execution_id, mode, false)
+                        })
+                        .await?;
                 }
             }
             current => {
@@ -806,17 +844,17 @@ impl Activation {
                 {
                     run.preempt();
                 }
-                self.resume_current_run(mode).await;
+                self.resume_current_run(mode).await?;
             }
         }
-        exit
+        Ok(exit)
     }
 
     /// Waits for the current run's reply, then resets it if it is a suspension. Concurrent
     /// automatic wakes merge; an explicit one is never dropped.
-    async fn resume_current_run(self: &Arc<Self>, mode: ResumeMode) {
+    async fn resume_current_run(self: &Arc<Self>, mode: ResumeMode) -> Result<(), Abandoned> {
         if mode == ResumeMode::Automatic && self.waking.swap(true, Ordering::AcqRel) {
-            return;
+            return Ok(());
         }
         let mut runs = self.runs.subscribe();
         let mut was_running = false;
@@ -831,10 +869,9 @@ impl Activation {
         }
         let engine = &self.engine;
         let (workflow, execution_id) = (&self.workflow, &self.execution_id);
-        ensure_success("resume", || {
-            engine.resume_execution(workflow, execution_id, mode, was_running)
-        })
-        .await;
+        engine
+            .ensure("resume", || engine.resume_execution(workflow, execution_id, mode, was_running))
+            .await
     }
 }
 
@@ -926,8 +963,11 @@ impl Entity for WorkflowEntity {
 }
 
 impl SharedHandler<RunRpc> for WorkflowEntity {
-    async fn handle(&self, _: &RequestContext, request: RunRpc) -> Result<ResultJson, Never> {
-        Ok(ResultJson(self.activation.run(request).await))
+    async fn handle(&self, context: &RequestContext, request: RunRpc) -> Result<ResultJson, Never> {
+        match self.activation.run(request).await {
+            Ok(result) => Ok(ResultJson(result)),
+            Err(Abandoned) => Err(abandon(context).await),
+        }
     }
 }
 
@@ -954,15 +994,24 @@ impl SharedHandler<ActivityRpc> for WorkflowEntity {
 }
 
 impl SharedHandler<DeferredRpc> for WorkflowEntity {
-    async fn handle(&self, _: &RequestContext, request: DeferredRpc) -> Result<ExitJson, Never> {
-        Ok(ExitJson(self.activation.deferred_completed(request.name, request.exit.0).await))
+    async fn handle(
+        &self,
+        context: &RequestContext,
+        request: DeferredRpc,
+    ) -> Result<ExitJson, Never> {
+        match self.activation.deferred_completed(request.name, request.exit.0).await {
+            Ok(exit) => Ok(ExitJson(exit)),
+            Err(Abandoned) => Err(abandon(context).await),
+        }
     }
 }
 
 impl SharedHandler<ResumeRpc> for WorkflowEntity {
-    async fn handle(&self, _: &RequestContext, _: ResumeRpc) -> Result<(), Never> {
-        self.activation.resume_current_run(ResumeMode::Automatic).await;
-        Ok(())
+    async fn handle(&self, context: &RequestContext, _: ResumeRpc) -> Result<(), Never> {
+        match self.activation.resume_current_run(ResumeMode::Automatic).await {
+            Ok(()) => Ok(()),
+            Err(Abandoned) => Err(abandon(context).await),
+        }
     }
 }
 
@@ -989,15 +1038,20 @@ impl Entity for ClockEntity {
 }
 
 impl SharedHandler<ClockRpc> for ClockEntity {
-    async fn handle(&self, _: &RequestContext, request: ClockRpc) -> Result<(), Never> {
+    async fn handle(&self, context: &RequestContext, request: ClockRpc) -> Result<(), Never> {
         let token = Token {
             workflow: request.workflow_name,
             execution_id: self.execution_id.clone(),
             deferred: format!("DurableClock/{}", request.name),
         };
         let engine = &self.engine;
-        ensure_success("wake a clock", || engine.complete(None, token.clone(), Exit::void())).await;
-        Ok(())
+        match engine
+            .ensure("wake a clock", || engine.complete(None, token.clone(), Exit::void()))
+            .await
+        {
+            Ok(()) => Ok(()),
+            Err(Abandoned) => Err(abandon(context).await),
+        }
     }
 }
 
@@ -1043,6 +1097,16 @@ impl ClusterEngine {
             deferred: INTERRUPT_SIGNAL.to_owned(),
         };
         self.complete(None, token, Exit::void()).await?;
+        // Stored: an activation of the execution on this runner sees it at its next step
+        // without waiting for the signal's delivery (its value is always `void`, so the cache
+        // cannot disagree with the first completion stored).
+        if let Some(activation) = self.activation(execution_id) {
+            activation
+                .state()
+                .results
+                .entry(INTERRUPT_SIGNAL.to_owned())
+                .or_insert_with(Exit::void);
+        }
         if hard {
             let address = self.address(workflow, execution_id);
             self.sharding
@@ -1321,5 +1385,85 @@ impl Backend for ClusterEngine {
     fn shutdown(&self) -> BoxFuture<'_, ()> {
         // The runtime owns the runs: `Sharding::shutdown` hands them off.
         Box::pin(std::future::ready(()))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use cluster_core::{ShardingConfig, SystemClock};
+    use cluster_testkit::memory::MemoryMessageStorage;
+
+    use super::*;
+
+    /// Seed 000, change 2 (the reference's timeline B): a completion saved and not yet
+    /// processed is already the deferred's result, and the first one saved wins. On 4.0.6 the
+    /// reader found nothing until the owner processed it.
+    #[tokio::test]
+    async fn a_saved_but_unprocessed_completion_is_the_deferreds_result() {
+        let clock: Arc<dyn cluster_core::Clock> = Arc::new(SystemClock);
+        let storage = Arc::new(MemoryMessageStorage::new(Arc::clone(&clock)));
+        // A client-only process: nobody processes the completions it saves.
+        let config = ShardingConfig { runner_address: None, ..ShardingConfig::default() };
+        let sharding = Sharding::client_only(config, clock, storage).await.unwrap();
+        let engine = WorkflowEngine::cluster(&sharding).unwrap();
+        let execution_id = ExecutionId::derive("Gated", "pending");
+        let token = |_: ()| Token {
+            workflow: "Gated".into(),
+            execution_id: execution_id.clone(),
+            deferred: "Gate".into(),
+        };
+        engine.complete(&token(()), Ok::<&str, Never>("first")).await.unwrap();
+        engine.complete(&token(()), Ok::<&str, Never>("second")).await.unwrap();
+        let Some(cluster) = sharding.extension::<ClusterEngine>() else { panic!("no engine") };
+        let stored = cluster.stored_deferred("Gated", &execution_id, "Gate").await.unwrap();
+        assert_eq!(stored, Some(Exit::Success(RawJson::encode("first").unwrap())));
+        assert_eq!(cluster.stored_deferred("Gated", &execution_id, "Other").await.unwrap(), None);
+    }
+
+    #[test]
+    fn requests_use_the_reference_json() {
+        let payload = RawJson::encode(&serde_json::json!({ "to": "a" })).unwrap();
+        let parent = Parent {
+            workflow: "Parent",
+            execution_id: ExecutionId::from_raw("p1"),
+            detached: false,
+        };
+        let run = RunRpc::new(&payload, Some(&parent)).unwrap();
+        let expected = serde_json::json!({
+            "to": "a",
+            "~effect/cluster/ClusterWorkflowEngine/payloadParentKey": {
+                "workflowName": "Parent",
+                "executionId": "p1",
+            },
+        });
+        assert_eq!(serde_json::to_value(&run).unwrap(), expected);
+        let (payload, parent) = run.split();
+        assert_eq!(payload.json(), Some(r#"{"to":"a"}"#));
+        assert_eq!(parent.map(|parent| parent.execution_id), Some("p1".to_owned()));
+        assert!(RunRpc::new(&RawJson::encode(&5).unwrap(), None).is_err(), "not an object");
+        let activity =
+            ActivityRpc { name: "SendEmail".into(), attempt: 3, with_transaction: false };
+        assert_eq!(
+            serde_json::to_string(&activity).unwrap(),
+            r#"{"name":"SendEmail","attempt":3,"withTransaction":false}"#
+        );
+        assert_eq!(activity.primary_key().as_deref(), Some("SendEmail/3"));
+        let old: ActivityRpc = serde_json::from_str(r#"{"name":"a","attempt":1}"#).unwrap();
+        assert!(!old.with_transaction, "withTransaction decodes to false by default");
+        let deferred = DeferredRpc { name: "Gate".into(), exit: ExitJson(Exit::void()) };
+        assert_eq!(
+            serde_json::to_string(&deferred).unwrap(),
+            r#"{"name":"Gate","exit":{"_tag":"Success","value":null}}"#
+        );
+        let resume: ResumeRpc = serde_json::from_str("{}").unwrap();
+        assert_eq!(resume.primary_key().as_deref(), Some(""), "older envelopes are empty");
+        let clock = ClockRpc { name: "nap".into(), workflow_name: "W".into(), wake_up: 10_001 };
+        assert_eq!(
+            serde_json::to_string(&clock).unwrap(),
+            r#"{"name":"nap","workflowName":"W","wakeUp":10001}"#
+        );
+        assert_eq!(clock.deliver_at(), Some(Timestamp::from_unix_millis(10_001)));
+        let result = ResultJson(WorkflowResult::suspended());
+        assert_eq!(serde_json::to_string(&result).unwrap(), r#"{"_tag":"Suspended"}"#);
     }
 }

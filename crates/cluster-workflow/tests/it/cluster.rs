@@ -109,3 +109,88 @@ cluster_tests!(
     interrupting_unknown_or_completed_executions_is_a_no_op,
     unregistered_workflows_are_an_error,
 );
+
+/// Seed 000, change 3: a wake that keeps failing (here: the run's reset) is given up when the
+/// runner shuts down, and its request is left stored for the next owner, which wakes the
+/// execution. On 4.0.6 the wake retried without end and held the shutdown until the
+/// termination timeout.
+#[tokio::test(start_paused = true)]
+async fn a_failing_wake_is_left_for_the_next_owner_at_shutdown() {
+    use cluster_core::envelope::{Reply, primary_key};
+    use cluster_core::storage::MessageStorage;
+    use cluster_testkit::faulty::FaultyMessageStorage;
+    use cluster_workflow::{DurableDeferred, Never, Workflow, WorkflowContext, WorkflowResult};
+
+    struct Gated;
+    impl Workflow for Gated {
+        const NAME: &'static str = "Gated";
+        type Payload = suite::Input;
+        type Success = String;
+        type Error = Never;
+        fn idempotency_key(payload: &suite::Input) -> String {
+            payload.key.clone()
+        }
+    }
+    fn register(engine: &WorkflowEngine) {
+        engine
+            .register::<Gated, _, _>(|ctx: WorkflowContext, _: suite::Input| async move {
+                ctx.await_deferred(&DurableDeferred::<String>::new("Gate")).await
+            })
+            .unwrap();
+    }
+
+    let clock: Arc<dyn Clock> = Arc::new(TokioClock::new());
+    let memory: Arc<dyn MessageStorage> = Arc::new(MemoryMessageStorage::new(Arc::clone(&clock)));
+    let (faulty, faults) = FaultyMessageStorage::new(Arc::clone(&memory));
+    let patient =
+        ShardingConfig { entity_termination_timeout: Duration::from_secs(60), ..config() };
+    let first =
+        Sharding::with_storage(patient, Arc::clone(&clock), Arc::new(faulty)).await.unwrap();
+    let engine = WorkflowEngine::cluster(&first).unwrap();
+    register(&engine);
+    let payload = suite::Input { key: "held".into(), ..suite::Input::default() };
+    let id = engine.execute_discard::<Gated>(payload).await.unwrap();
+    for _ in 0..1_000 {
+        if matches!(
+            engine.poll::<Gated>(&id).await.unwrap(),
+            Some(WorkflowResult::Suspended { .. })
+        ) {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    faults.fail_clear_replies(u32::MAX);
+    let token = DurableDeferred::<String>::new("Gate").token_for::<Gated>(&id);
+    engine.complete(&token, Ok::<String, Never>("opened".into())).await.unwrap();
+    // The deferred's handler now retries the run's reset.
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    let started = tokio::time::Instant::now();
+    tokio::time::timeout(Duration::from_secs(30), first.shutdown())
+        .await
+        .expect("the shutdown was held by a wake that retries without end");
+    assert!(started.elapsed() < Duration::from_secs(5), "{:?}", started.elapsed());
+    // The completion is stored and unanswered: the next owner handles it.
+    let address = cluster_core::EntityAddress {
+        shard_id: first.shard_id(id.as_str(), &cluster_core::ShardGroup::default_group()),
+        entity_type: "Workflow/Gated".into(),
+        entity_id: id.as_str().into(),
+    };
+    let key = primary_key(&address, "deferred", "Gate");
+    let request = memory.request_id_for_primary_key(&key).await.unwrap().expect("stored");
+    let replies = memory.replies_for(&[request]).await.unwrap();
+    assert!(!replies.iter().any(|reply| matches!(reply, Reply::WithExit(_))), "{replies:?}");
+    let second = Sharding::with_storage(config(), clock, memory).await.unwrap();
+    let engine = WorkflowEngine::cluster(&second).unwrap();
+    register(&engine);
+    for _ in 0..3_000 {
+        if let Some(WorkflowResult::Complete(exit)) = engine.poll::<Gated>(&id).await.unwrap() {
+            assert_eq!(
+                exit,
+                cluster_core::Exit::Success(cluster_core::RawJson::encode("opened").unwrap())
+            );
+            return;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    panic!("the next owner did not wake the execution");
+}

@@ -26,6 +26,15 @@ impl OnDatabase {
         suite::set_time_divisor(DIVISOR);
         OnDatabase { database, runners: Mutex::new(Vec::new()) }
     }
+
+    /// Shuts the runners down, so that no transaction of theirs is open when the database's
+    /// tables are dropped.
+    async fn finish(self) {
+        let runners: Vec<Sharding> = std::mem::take(&mut *self.runners.lock().unwrap());
+        for runner in runners {
+            runner.shutdown().await;
+        }
+    }
 }
 
 impl Harness for OnDatabase {
@@ -51,13 +60,6 @@ impl Harness for OnDatabase {
     }
 }
 
-impl Drop for OnDatabase {
-    fn drop(&mut self) {
-        // The runtimes' tasks end with the test's runtime; nothing to hand off.
-        self.runners.lock().unwrap().clear();
-    }
-}
-
 macro_rules! on_databases {
     ($($name:ident),* $(,)?) => {
         mod sqlite {
@@ -66,6 +68,7 @@ macro_rules! on_databases {
                 async fn $name() {
                     let harness = super::OnDatabase::new(cluster_testkit::databases::TestDatabase::sqlite("workflow"));
                     crate::suite::$name(&harness).await;
+                    harness.finish().await;
                 }
             )*
         }
@@ -74,7 +77,9 @@ macro_rules! on_databases {
                 #[tokio::test]
                 async fn $name() {
                     let Some(database) = cluster_testkit::databases::TestDatabase::postgres() else { return };
-                    crate::suite::$name(&super::OnDatabase::new(database)).await;
+                    let harness = super::OnDatabase::new(database);
+                    crate::suite::$name(&harness).await;
+                    harness.finish().await;
                 }
             )*
         }
@@ -83,7 +88,9 @@ macro_rules! on_databases {
                 #[tokio::test]
                 async fn $name() {
                     let Some(database) = cluster_testkit::databases::TestDatabase::mysql() else { return };
-                    crate::suite::$name(&super::OnDatabase::new(database)).await;
+                    let harness = super::OnDatabase::new(database);
+                    crate::suite::$name(&harness).await;
+                    harness.finish().await;
                 }
             )*
         }
