@@ -2,6 +2,7 @@
 //! [`suite::Harness`] and run on the in-memory engine.
 
 mod cluster;
+mod integration;
 mod memory;
 mod sql;
 mod suite;

@@ -1,0 +1,564 @@
+//! The reference's cluster integration tests (reference/workflow.md §5.4) on PostgreSQL and
+//! MySQL: three runners in this process, each on a tokio runtime of its own with its own
+//! database connections, so that one can be killed (its runtime dropped at once: no handoff,
+//! its lock sessions end) or the whole cluster restarted.
+
+use std::collections::BTreeMap;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use cluster_core::ids::RunnerAddress;
+use cluster_core::{ShardingConfig, SystemClock};
+use cluster_sharding::Sharding;
+use cluster_testkit::databases::TestDatabase;
+use cluster_workflow::{
+    DurableDeferred, ExecuteError, ExecutionId, Never, Workflow, WorkflowContext, WorkflowEngine,
+    WorkflowResult,
+};
+use serde::{Deserialize, Serialize};
+
+/// How long a killed runner keeps its shards (lock expiration) in these tests.
+const EXPIRATION: Duration = Duration::from_millis(1_750);
+
+fn config(port: u16) -> ShardingConfig {
+    ShardingConfig {
+        runner_address: Some(RunnerAddress::new("127.0.0.1", port)),
+        shards_per_group: 30,
+        refresh_assignments_interval: Duration::from_millis(100),
+        shard_lock_refresh_interval: Duration::from_millis(500),
+        shard_lock_expiration: EXPIRATION,
+        entity_message_poll_interval: Duration::from_millis(100),
+        entity_reply_poll_interval: Duration::from_millis(100),
+        entity_termination_timeout: Duration::from_millis(500),
+        ..ShardingConfig::default()
+    }
+}
+
+/// What every runner's bodies record, shared across the process.
+#[derive(Clone, Default)]
+struct Probe {
+    counts: Arc<Mutex<BTreeMap<String, u32>>>,
+    /// The runner that ran an activity last, by activity name.
+    ran_on: Arc<Mutex<BTreeMap<String, u16>>>,
+}
+
+impl Probe {
+    fn hit(&self, what: &str) {
+        *self.counts.lock().unwrap().entry(what.to_owned()).or_default() += 1;
+    }
+
+    fn count(&self, what: &str) -> u32 {
+        self.counts.lock().unwrap().get(what).copied().unwrap_or(0)
+    }
+
+    fn ran(&self, activity: &str, port: u16) {
+        self.ran_on.lock().unwrap().insert(activity.to_owned(), port);
+    }
+
+    fn owner(&self, activity: &str) -> Option<u16> {
+        self.ran_on.lock().unwrap().get(activity).copied()
+    }
+}
+
+/// One runner on a runtime of its own.
+struct Node {
+    port: u16,
+    runtime: Option<tokio::runtime::Runtime>,
+    sharding: Sharding,
+    engine: WorkflowEngine,
+}
+
+impl Node {
+    async fn start(database: &Arc<TestDatabase>, port: u16, probe: &Probe) -> Node {
+        let runtime = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(1)
+            .enable_all()
+            .build()
+            .unwrap();
+        let (database, probe) = (Arc::clone(database), probe.clone());
+        let started = runtime.spawn(async move {
+            let config = config(port);
+            let (messages, locks) = database.open(&config).await.unwrap();
+            let sharding =
+                Sharding::join(config, Arc::new(SystemClock), messages, locks).await.unwrap();
+            let engine = WorkflowEngine::cluster(&sharding).unwrap();
+            register(&engine, &probe, port);
+            (sharding, engine)
+        });
+        let (sharding, engine) = started.await.unwrap();
+        Node { port, runtime: Some(runtime), sharding, engine }
+    }
+
+    /// The runner dies: its tasks are dropped where they are, nothing is handed off.
+    fn kill(mut self) {
+        if let Some(runtime) = self.runtime.take() {
+            runtime.shutdown_background();
+        }
+    }
+
+    /// A graceful stop (the shards are handed off).
+    async fn stop(mut self) {
+        let sharding = self.sharding.clone();
+        if let Some(runtime) = self.runtime.take() {
+            let _ = runtime.spawn(async move { sharding.shutdown().await }).await;
+            runtime.shutdown_background();
+        }
+    }
+}
+
+impl Drop for Node {
+    fn drop(&mut self) {
+        if let Some(runtime) = self.runtime.take() {
+            runtime.shutdown_background();
+        }
+    }
+}
+
+/// Three runners on one database.
+struct Cluster {
+    database: Arc<TestDatabase>,
+    probe: Probe,
+    nodes: Vec<Node>,
+    next_port: u16,
+}
+
+impl Cluster {
+    async fn start(database: TestDatabase) -> Cluster {
+        let mut cluster = Cluster {
+            database: Arc::new(database),
+            probe: Probe::default(),
+            nodes: Vec::new(),
+            next_port: 1,
+        };
+        cluster.add(3).await;
+        cluster
+    }
+
+    async fn add(&mut self, count: u16) {
+        for _ in 0..count {
+            let node = Node::start(&self.database, self.next_port, &self.probe).await;
+            self.next_port += 1;
+            self.nodes.push(node);
+        }
+    }
+
+    fn engine(&self, index: usize) -> WorkflowEngine {
+        self.nodes[index].engine.clone()
+    }
+
+    /// Kills the runner that ran `activity`; returns its port.
+    fn kill_owner_of(&mut self, activity: &str) -> u16 {
+        let port = self.probe.owner(activity).expect("the activity ran");
+        let index = self.nodes.iter().position(|node| node.port == port).expect("the owner runs");
+        self.nodes.remove(index).kill();
+        port
+    }
+
+    /// Kills every runner and starts three new ones.
+    async fn restart(&mut self) {
+        for node in self.nodes.drain(..) {
+            node.kill();
+        }
+        self.add(3).await;
+    }
+
+    async fn finish(mut self) {
+        for node in self.nodes.drain(..) {
+            node.stop().await;
+        }
+    }
+}
+
+#[derive(Clone, Debug, Default, Serialize, Deserialize)]
+struct Input {
+    key: String,
+    #[serde(default)]
+    to: String,
+}
+
+fn input(key: &str, to: &str) -> Input {
+    Input { key: key.to_owned(), to: to.to_owned() }
+}
+
+#[derive(Debug, Serialize, Deserialize)]
+struct RetryError {
+    attempt: u32,
+}
+
+macro_rules! workflow {
+    ($name:ident, $success:ty, $error:ty) => {
+        struct $name;
+        impl Workflow for $name {
+            const NAME: &'static str = concat!("It", stringify!($name));
+            type Payload = Input;
+            type Success = $success;
+            type Error = $error;
+            fn idempotency_key(payload: &Input) -> String {
+                payload.key.clone()
+            }
+        }
+    };
+}
+
+workflow!(EndToEnd, u32, Never);
+workflow!(Resumable, String, Never);
+workflow!(Compensated, String, String);
+workflow!(Retried, u32, RetryError);
+workflow!(Clocked, u64, Never);
+workflow!(Interruptible, String, Never);
+workflow!(Raced, String, String);
+
+fn gate(name: &str) -> DurableDeferred<String> {
+    DurableDeferred::new(name)
+}
+
+/// Registers every workflow of these tests on a runner.
+fn register(engine: &WorkflowEngine, probe: &Probe, port: u16) {
+    let p = probe.clone();
+    engine
+        .register::<EndToEnd, _, _>(move |ctx: WorkflowContext, _: Input| {
+            let p = p.clone();
+            async move {
+                ctx.activity("gated", move |_| {
+                    let p = p.clone();
+                    async move {
+                        p.hit("gated");
+                        // Both callers are attached before the activity ends.
+                        tokio::time::sleep(Duration::from_millis(500)).await;
+                        Ok::<u32, Never>(42)
+                    }
+                })
+                .await
+            }
+        })
+        .unwrap();
+    let p = probe.clone();
+    engine
+        .register::<Resumable, _, _>(move |ctx: WorkflowContext, _: Input| {
+            let p = p.clone();
+            async move {
+                p.ran("run", port);
+                ctx.activity("BeforeSuspension", move |_| {
+                    let p = p.clone();
+                    async move {
+                        p.hit("BeforeSuspension");
+                        p.ran("BeforeSuspension", port);
+                        Ok::<(), Never>(())
+                    }
+                })
+                .await?;
+                ctx.await_deferred(&gate("Gate")).await
+            }
+        })
+        .unwrap();
+    register_waiting(engine, probe, port);
+}
+
+/// The workflows of these tests that wait for a deferred or a race.
+fn register_waiting(engine: &WorkflowEngine, probe: &Probe, port: u16) {
+    let p = probe.clone();
+    engine
+        .register::<Compensated, _, _>(move |ctx: WorkflowContext, _: Input| {
+            let p = p.clone();
+            async move {
+                p.ran("run", port);
+                let (step, undo) = (p.clone(), p.clone());
+                ctx.activity("reserve", move |_| {
+                    let p = step.clone();
+                    async move {
+                        p.ran("reserve", port);
+                        Ok::<_, String>("held".to_owned())
+                    }
+                })
+                .compensate(move |_, _| async move { undo.hit("compensation") })
+                .await?;
+                let value =
+                    ctx.await_deferred(&gate("Gate")).await.unwrap_or_else(|never| match never {});
+                if value == "fail" { Err("compensated".to_owned()) } else { Ok(value) }
+            }
+        })
+        .unwrap();
+    let p = probe.clone();
+    engine
+        .register::<Retried, _, _>(move |ctx: WorkflowContext, payload: Input| {
+            let p = p.clone();
+            async move {
+                ctx.activity("retried", move |activity| {
+                    let (p, succeed) = (p.clone(), payload.to == "succeed");
+                    async move {
+                        let attempt = activity.attempt();
+                        p.hit(&format!("{}:attempt:{attempt}", if succeed { "s" } else { "f" }));
+                        if succeed && attempt == 3 {
+                            Ok(attempt)
+                        } else {
+                            Err(RetryError { attempt })
+                        }
+                    }
+                })
+                .retry(2)
+                .await
+            }
+        })
+        .unwrap();
+    engine
+        .register::<Clocked, _, _>(move |ctx: WorkflowContext, _: Input| async move {
+            ctx.sleep_with_threshold("nap", Duration::from_secs(1), Duration::ZERO).await;
+            Ok(0)
+        })
+        .unwrap();
+    let p = probe.clone();
+    engine
+        .register::<Interruptible, _, _>(move |ctx: WorkflowContext, _: Input| {
+            let p = p.clone();
+            async move {
+                p.hit("interruptible:run");
+                ctx.await_deferred(&gate("Gate")).await
+            }
+        })
+        .unwrap();
+    register_race(engine, probe, port);
+}
+
+/// The race of integration test 4.
+fn register_race(engine: &WorkflowEngine, probe: &Probe, port: u16) {
+    let p = probe.clone();
+    engine
+        .register::<Raced, _, _>(move |ctx: WorkflowContext, _: Input| {
+            let p = p.clone();
+            async move {
+                p.ran("run", port);
+                let (a, b) = (p.clone(), p.clone());
+                let winner = ctx
+                    .race(
+                        "race",
+                        vec![
+                            Box::pin(
+                                ctx.activity("winner", move |_| {
+                                    let p = a.clone();
+                                    async move {
+                                        p.hit("branch:winner");
+                                        p.ran("winner", port);
+                                        Ok::<_, String>("winner".to_owned())
+                                    }
+                                })
+                                .into_future(),
+                            ),
+                            Box::pin(
+                                ctx.activity("loser", move |_| {
+                                    let p = b.clone();
+                                    async move {
+                                        p.hit("branch:loser");
+                                        tokio::time::sleep(Duration::from_secs(30)).await;
+                                        Ok::<_, String>("loser".to_owned())
+                                    }
+                                })
+                                .into_future(),
+                            ),
+                        ],
+                    )
+                    .await?;
+                let tail =
+                    ctx.await_deferred(&gate("Tail")).await.unwrap_or_else(|never| match never {});
+                Ok(format!("{winner}:{tail}"))
+            }
+        })
+        .unwrap();
+}
+
+use std::future::IntoFuture;
+
+/// Polls (from `engine`) until the execution completes.
+async fn complete<W: Workflow>(engine: &WorkflowEngine, id: &ExecutionId) -> cluster_core::Exit {
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(60);
+    loop {
+        if let Ok(Some(WorkflowResult::Complete(exit))) = engine.poll::<W>(id).await {
+            return exit;
+        }
+        assert!(tokio::time::Instant::now() < deadline, "{} did not complete", W::NAME);
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+async fn suspended<W: Workflow>(engine: &WorkflowEngine, id: &ExecutionId) {
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(60);
+    loop {
+        if let Ok(Some(WorkflowResult::Suspended { .. })) = engine.poll::<W>(id).await {
+            return;
+        }
+        assert!(tokio::time::Instant::now() < deadline, "{} did not suspend", W::NAME);
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+fn success<T: Serialize>(value: T) -> cluster_core::Exit {
+    cluster_core::Exit::Success(cluster_core::RawJson::encode(&value).unwrap())
+}
+
+async fn open<W: Workflow>(engine: &WorkflowEngine, id: &ExecutionId, name: &str, value: &str) {
+    let token = gate(name).token_for::<W>(id);
+    engine.complete(&token, Ok::<String, Never>(value.to_owned())).await.unwrap();
+}
+
+/// #1: two callers on two runners share one execution; the activity runs once.
+async fn executes_end_to_end_and_deduplicates_concurrent_callers(database: TestDatabase) {
+    let cluster = Cluster::start(database).await;
+    let (first, second) = (cluster.engine(0), cluster.engine(1));
+    let a = tokio::spawn(async move { first.execute::<EndToEnd>(input("e2e", "")).await.unwrap() });
+    let b =
+        tokio::spawn(async move { second.execute::<EndToEnd>(input("e2e", "")).await.unwrap() });
+    assert_eq!(a.await.unwrap(), 42);
+    assert_eq!(b.await.unwrap(), 42);
+    assert_eq!(cluster.probe.count("gated"), 1);
+    cluster.finish().await;
+}
+
+/// #2: the owner dies while the execution waits; a completion from a surviving runner
+/// resumes it elsewhere and the completed activity does not run again.
+async fn replays_completed_activities_after_the_owner_dies(database: TestDatabase) {
+    let mut cluster = Cluster::start(database).await;
+    let id = cluster.engine(0).execute_discard::<Resumable>(input("owner-dies", "")).await.unwrap();
+    suspended::<Resumable>(&cluster.engine(0), &id).await;
+    let dead = cluster.kill_owner_of("BeforeSuspension");
+    let engine = cluster.engine(0);
+    open::<Resumable>(&engine, &id, "Gate", "resumed").await;
+    assert_eq!(complete::<Resumable>(&engine, &id).await, success("resumed"));
+    assert_eq!(cluster.probe.count("BeforeSuspension"), 1, "the completed activity ran once");
+    assert_ne!(cluster.probe.owner("run"), Some(dead), "the replay ran on another runner");
+    cluster.finish().await;
+}
+
+/// #3: the whole cluster restarts while the execution waits; a runner of the new cluster
+/// completes the deferred.
+async fn resumes_a_deferred_across_a_whole_cluster_restart(database: TestDatabase) {
+    let mut cluster = Cluster::start(database).await;
+    let id = cluster.engine(1).execute_discard::<Resumable>(input("restart", "")).await.unwrap();
+    suspended::<Resumable>(&cluster.engine(1), &id).await;
+    cluster.restart().await;
+    let engine = cluster.engine(2);
+    open::<Resumable>(&engine, &id, "Gate", "after-restart").await;
+    assert_eq!(complete::<Resumable>(&engine, &id).await, success("after-restart"));
+    assert_eq!(cluster.probe.count("BeforeSuspension"), 1);
+    cluster.finish().await;
+}
+
+/// #5: the owner is lost while the execution waits; the replay on the new owner fails, and the
+/// compensation runs exactly once.
+async fn compensates_once_after_the_owner_is_lost(database: TestDatabase) {
+    let mut cluster = Cluster::start(database).await;
+    let id =
+        cluster.engine(0).execute_discard::<Compensated>(input("compensate", "")).await.unwrap();
+    suspended::<Compensated>(&cluster.engine(0), &id).await;
+    let dead = cluster.kill_owner_of("reserve");
+    let engine = cluster.engine(0);
+    open::<Compensated>(&engine, &id, "Gate", "fail").await;
+    let exit = complete::<Compensated>(&engine, &id).await;
+    assert_eq!(
+        exit,
+        cluster_core::Exit::fail(cluster_core::RawJson::encode("compensated").unwrap())
+    );
+    // The compensation runs in the run that produced the failure, before its reply is stored.
+    assert_eq!(cluster.probe.count("compensation"), 1);
+    assert_ne!(cluster.probe.owner("run"), Some(dead), "the replay ran on another runner");
+    cluster.finish().await;
+}
+
+/// #7: attempts 1, 2, 3; the exhausted error is the last attempt's.
+async fn applies_the_activity_retry_policy(database: TestDatabase) {
+    let cluster = Cluster::start(database).await;
+    let engine = cluster.engine(1);
+    assert_eq!(engine.execute::<Retried>(input("retry-s", "succeed")).await.unwrap(), 3);
+    let failed = engine.execute::<Retried>(input("retry-f", "fail")).await;
+    assert!(matches!(failed, Err(ExecuteError::Failed(RetryError { attempt: 3 }))), "{failed:?}");
+    for attempt in 1..=3 {
+        assert_eq!(cluster.probe.count(&format!("s:attempt:{attempt}")), 1);
+        assert_eq!(cluster.probe.count(&format!("f:attempt:{attempt}")), 1);
+    }
+    cluster.finish().await;
+}
+
+/// #8: a durable clock scheduled before a whole-cluster restart wakes the execution after it.
+async fn wakes_a_durable_clock_after_a_whole_cluster_restart(database: TestDatabase) {
+    let mut cluster = Cluster::start(database).await;
+    let started = tokio::time::Instant::now();
+    let id = cluster.engine(0).execute_discard::<Clocked>(input("clock", "")).await.unwrap();
+    suspended::<Clocked>(&cluster.engine(0), &id).await;
+    cluster.restart().await;
+    let engine = cluster.engine(0);
+    assert_eq!(complete::<Clocked>(&engine, &id).await, success(0));
+    assert!(started.elapsed() >= Duration::from_millis(900), "{:?}", started.elapsed());
+    cluster.finish().await;
+}
+
+/// #10: an interrupt stored while suspended is applied after a whole-cluster restart.
+async fn persists_an_interrupt_across_a_whole_cluster_restart(database: TestDatabase) {
+    let mut cluster = Cluster::start(database).await;
+    let id =
+        cluster.engine(0).execute_discard::<Interruptible>(input("interrupt", "")).await.unwrap();
+    suspended::<Interruptible>(&cluster.engine(0), &id).await;
+    cluster.restart().await;
+    let engine = cluster.engine(1);
+    engine.interrupt::<Interruptible>(&id).await.unwrap();
+    cluster.restart().await;
+    let engine = cluster.engine(2);
+    let exit = complete::<Interruptible>(&engine, &id).await;
+    assert!(
+        matches!(&exit, cluster_core::Exit::Failure(cause) if cause.has_interrupts()),
+        "{exit:?}"
+    );
+    let caller = engine.execute::<Interruptible>(input("interrupt", "")).await;
+    assert!(matches!(caller, Err(ExecuteError::Interrupted)), "{caller:?}");
+    cluster.finish().await;
+}
+
+/// #4: the race's winner is recorded; after the owner's death the replay returns it without
+/// entering a branch.
+async fn replays_a_race_winner_after_owner_death(database: TestDatabase) {
+    let mut cluster = Cluster::start(database).await;
+    let id = cluster.engine(0).execute_discard::<Raced>(input("race", "")).await.unwrap();
+    suspended::<Raced>(&cluster.engine(0), &id).await;
+    let branches = (cluster.probe.count("branch:winner"), cluster.probe.count("branch:loser"));
+    let dead = cluster.kill_owner_of("winner");
+    let engine = cluster.engine(0);
+    open::<Raced>(&engine, &id, "Tail", "after-owner-death").await;
+    assert_eq!(complete::<Raced>(&engine, &id).await, success("winner:after-owner-death"));
+    assert_eq!(
+        (cluster.probe.count("branch:winner"), cluster.probe.count("branch:loser")),
+        branches
+    );
+    assert_ne!(cluster.probe.owner("run"), Some(dead), "the replay ran on another runner");
+    cluster.finish().await;
+}
+
+macro_rules! integration {
+    ($($name:ident),* $(,)?) => {
+        mod postgres {
+            $(
+                #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+                async fn $name() {
+                    let Some(database) = cluster_testkit::databases::TestDatabase::postgres() else { return };
+                    super::$name(database).await;
+                }
+            )*
+        }
+        mod mysql {
+            $(
+                #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+                async fn $name() {
+                    let Some(database) = cluster_testkit::databases::TestDatabase::mysql() else { return };
+                    super::$name(database).await;
+                }
+            )*
+        }
+    };
+}
+
+integration!(
+    executes_end_to_end_and_deduplicates_concurrent_callers,
+    replays_completed_activities_after_the_owner_dies,
+    resumes_a_deferred_across_a_whole_cluster_restart,
+    compensates_once_after_the_owner_is_lost,
+    applies_the_activity_retry_policy,
+    wakes_a_durable_clock_after_a_whole_cluster_restart,
+    persists_an_interrupt_across_a_whole_cluster_restart,
+    replays_a_race_winner_after_owner_death,
+);
