@@ -243,6 +243,27 @@ impl Rpc for ClockRpc {
     }
 }
 
+/// `offer`: an item of a durable queue (entity `DurableQueue/<name>`, one per item).
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub(crate) struct OfferRpc {
+    id: String,
+    token: String,
+    payload: Box<RawValue>,
+}
+
+impl Rpc for OfferRpc {
+    const TAG: &'static str = "offer";
+    const PERSISTED: bool = true;
+    // A worker interrupted by a restart of its runner runs the item again.
+    const UNINTERRUPTIBLE: Uninterruptible = Uninterruptible::Server;
+    type Success = ();
+    type Error = Never;
+
+    fn primary_key(&self) -> Option<String> {
+        Some(self.id.clone())
+    }
+}
+
 // ----------------------------------------------------------------------------------------
 // The engine.
 
@@ -257,6 +278,8 @@ pub(crate) struct ClusterEngine {
     definitions: Mutex<BTreeMap<String, WorkflowOptions>>,
     /// The activations resident here, by execution.
     activations: Mutex<BTreeMap<ExecutionId, Weak<Activation>>>,
+    /// The durable-queue workers of this runner, by queue.
+    queue_workers: Mutex<BTreeMap<String, crate::queue::ErasedWorker>>,
 }
 
 impl WorkflowEngine {
@@ -285,6 +308,7 @@ impl WorkflowEngine {
             registrations: Mutex::new(BTreeMap::new()),
             definitions: Mutex::new(BTreeMap::new()),
             activations: Mutex::new(BTreeMap::new()),
+            queue_workers: Mutex::new(BTreeMap::new()),
         });
         sharding.insert_extension(Arc::clone(&engine));
         sharding
@@ -1385,6 +1409,101 @@ impl Backend for ClusterEngine {
     fn shutdown(&self) -> BoxFuture<'_, ()> {
         // The runtime owns the runs: `Sharding::shutdown` hands them off.
         Box::pin(std::future::ready(()))
+    }
+
+    fn offer<'a>(
+        &'a self,
+        queue: &'a str,
+        item_id: &'a str,
+        token: Token,
+        payload: RawJson,
+    ) -> BoxFuture<'a, Result<(), WorkflowError>> {
+        Box::pin(async move {
+            let payload = RawValue::from_string(payload.json_or_null().to_owned())
+                .map_err(|error| WorkflowError::Malformed(error.to_string()))?;
+            let request = OfferRpc { id: item_id.to_owned(), token: token.encode(), payload };
+            let client = self.sharding.client_in::<QueueEntity>(
+                queue_entity_type(queue),
+                &ShardGroup::default_group(),
+                item_id,
+            );
+            client.discard(request).await.map_err(cluster_error)
+        })
+    }
+
+    fn register_queue_worker(
+        &self,
+        queue: &'static str,
+        worker: crate::queue::ErasedWorker,
+    ) -> Result<(), WorkflowError> {
+        {
+            let mut workers = lock(&self.queue_workers);
+            if workers.contains_key(queue) {
+                return Err(WorkflowError::Invalid(format!("queue {queue} already has a worker")));
+            }
+            workers.insert(queue.to_owned(), worker);
+        }
+        self.sharding
+            .register_as::<QueueEntity>(queue_entity_type(queue), entity_options())
+            .map_err(|error| WorkflowError::Invalid(error.to_string()))
+    }
+}
+
+fn queue_entity_type(queue: &str) -> EntityType {
+    EntityType::from(format!("DurableQueue/{queue}"))
+}
+
+/// One item of a durable queue (`DurableQueue/<name>`): its `offer` runs the queue's worker
+/// and completes the item's deferred with the result.
+pub(crate) struct QueueEntity {
+    engine: Arc<ClusterEngine>,
+    worker: Option<crate::queue::ErasedWorker>,
+}
+
+impl Entity for QueueEntity {
+    const TYPE: &'static str = "DurableQueue";
+
+    async fn create(context: &EntityContext) -> QueueEntity {
+        let engine = engine_of(context);
+        let queue = context
+            .address()
+            .entity_type
+            .as_str()
+            .strip_prefix("DurableQueue/")
+            .unwrap_or_default();
+        let worker = lock(&engine.queue_workers).get(queue).cloned();
+        QueueEntity { engine, worker }
+    }
+
+    fn protocol(protocol: &mut Protocol<QueueEntity>) {
+        protocol.handle_shared::<OfferRpc>();
+    }
+}
+
+impl SharedHandler<OfferRpc> for QueueEntity {
+    async fn handle(&self, context: &RequestContext, request: OfferRpc) -> Result<(), Never> {
+        let Some(worker) = &self.worker else {
+            // Registered only with a worker.
+            return Err(abandon(context).await);
+        };
+        let token = match Token::parse(&request.token) {
+            Ok(token) => token,
+            Err(error) => {
+                tracing::warn!(%error, "a queue item with a malformed token: dropped");
+                return Ok(());
+            }
+        };
+        let payload = RawJson::from_json(request.payload.get().to_owned())
+            .unwrap_or_else(|_| RawJson::null());
+        let exit = worker(payload).await;
+        let engine = &self.engine;
+        match engine
+            .ensure("complete a queue item", || engine.complete(None, token.clone(), exit.clone()))
+            .await
+        {
+            Ok(()) => Ok(()),
+            Err(Abandoned) => Err(abandon(context).await),
+        }
     }
 }
 

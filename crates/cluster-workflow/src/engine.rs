@@ -180,6 +180,22 @@ pub(crate) trait Backend: Send + Sync + 'static {
 
     /// Stops the engine: runs in progress are dropped, their callers see an interrupt.
     fn shutdown(&self) -> BoxFuture<'_, ()>;
+
+    /// Offers an item to a durable queue, once per `item_id`.
+    fn offer<'a>(
+        &'a self,
+        queue: &'a str,
+        item_id: &'a str,
+        token: Token,
+        payload: RawJson,
+    ) -> BoxFuture<'a, Result<(), WorkflowError>>;
+
+    /// Runs a queue's items here with `worker`.
+    fn register_queue_worker(
+        &self,
+        queue: &'static str,
+        worker: crate::queue::ErasedWorker,
+    ) -> Result<(), WorkflowError>;
 }
 
 /// A workflow engine. The in-memory one is [`WorkflowEngine::memory`]; the durable cluster

@@ -55,6 +55,7 @@ mod definition;
 mod engine;
 mod id;
 mod memory;
+mod queue;
 mod result;
 mod run;
 
@@ -66,5 +67,6 @@ pub use context::{
 pub use definition::{RetrySchedule, Workflow, WorkflowOptions};
 pub use engine::{ExecuteError, WorkflowEngine, WorkflowError};
 pub use id::{ExecutionId, Token, TokenError, activity_idempotency_key, hash_digest};
+pub use queue::DurableQueue;
 pub use result::{FailureCause, WorkflowResult};
 pub use run::RunExit;

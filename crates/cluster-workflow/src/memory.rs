@@ -47,8 +47,18 @@ struct Execution {
     retained: Vec<(Vec<Finalizer>, bool)>,
 }
 
+/// A durable queue of the in-memory engine.
+#[derive(Default)]
+struct Queue {
+    items: std::collections::VecDeque<(Token, RawJson)>,
+    offered: BTreeSet<String>,
+    has_worker: bool,
+    ready: Arc<Notify>,
+}
+
 #[derive(Default)]
 struct Shared {
+    queues: BTreeMap<String, Queue>,
     workflows: BTreeMap<&'static str, Registration>,
     executions: BTreeMap<ExecutionId, Execution>,
     activities: BTreeMap<(ExecutionId, String, u32), ActivitySlot>,
@@ -529,6 +539,59 @@ impl Backend for MemoryEngine {
     }
 
     fn define(&self, _workflow: &'static str, _options: &crate::definition::WorkflowOptions) {}
+
+    fn offer<'a>(
+        &'a self,
+        queue: &'a str,
+        item_id: &'a str,
+        token: Token,
+        payload: RawJson,
+    ) -> BoxFuture<'a, Result<(), WorkflowError>> {
+        let mut shared = self.shared();
+        let queue = shared.queues.entry(queue.to_owned()).or_default();
+        if queue.offered.insert(item_id.to_owned()) {
+            queue.items.push_back((token, payload));
+            queue.ready.notify_one();
+        }
+        Box::pin(std::future::ready(Ok(())))
+    }
+
+    fn register_queue_worker(
+        &self,
+        queue: &'static str,
+        worker: crate::queue::ErasedWorker,
+    ) -> Result<(), WorkflowError> {
+        let ready = {
+            let mut shared = self.shared();
+            let state = shared.queues.entry(queue.to_owned()).or_default();
+            if state.has_worker {
+                return Err(WorkflowError::Invalid(format!("queue {queue} already has a worker")));
+            }
+            state.has_worker = true;
+            Arc::clone(&state.ready)
+        };
+        let Some(engine) = self.arc() else { return Err(WorkflowError::ShutDown) };
+        // The dispatcher: each item runs in a task of its own (the worker limits how many
+        // run at once) and completes its deferred.
+        self.spawn(async move {
+            loop {
+                let item =
+                    engine.shared().queues.get_mut(queue).and_then(|state| state.items.pop_front());
+                let Some((token, payload)) = item else {
+                    ready.notified().await;
+                    continue;
+                };
+                let (engine_for_item, worker) = (Arc::clone(&engine), Arc::clone(&worker));
+                engine.spawn(async move {
+                    let exit = worker(payload).await;
+                    if let Err(error) = engine_for_item.deferred_done(None, token, exit).await {
+                        tracing::warn!(%error, "could not complete a queue item");
+                    }
+                });
+            }
+        });
+        Ok(())
+    }
 
     fn shutdown(&self) -> BoxFuture<'_, ()> {
         Box::pin(async move {

@@ -108,6 +108,9 @@ cluster_tests!(
     first_completion_wins,
     interrupting_unknown_or_completed_executions_is_a_no_op,
     unregistered_workflows_are_an_error,
+    a_queue_worker_result_resumes_the_workflow,
+    a_queue_worker_failure_fails_the_workflow,
+    a_queue_item_is_offered_once_across_replays,
 );
 
 /// Seed 000, change 3: a wake that keeps failing (here: the run's reset) is given up when the

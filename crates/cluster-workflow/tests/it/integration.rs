@@ -69,7 +69,7 @@ struct Node {
 }
 
 impl Node {
-    async fn start(database: &Arc<TestDatabase>, port: u16, probe: &Probe) -> Node {
+    async fn start(database: &Arc<TestDatabase>, port: u16, probe: &Probe, workers: bool) -> Node {
         let runtime = tokio::runtime::Builder::new_multi_thread()
             .worker_threads(1)
             .enable_all()
@@ -83,6 +83,9 @@ impl Node {
                 Sharding::join(config, Arc::new(SystemClock), messages, locks).await.unwrap();
             let engine = WorkflowEngine::cluster(&sharding).unwrap();
             register(&engine, &probe, port);
+            if workers {
+                register_worker(&engine, &probe);
+            }
             (sharding, engine)
         });
         let (sharding, engine) = started.await.unwrap();
@@ -124,19 +127,29 @@ struct Cluster {
 
 impl Cluster {
     async fn start(database: TestDatabase) -> Cluster {
+        Cluster::start_with(database, true).await
+    }
+
+    /// Three runners, with or without the queue's worker.
+    async fn start_with(database: TestDatabase, workers: bool) -> Cluster {
         let mut cluster = Cluster {
             database: Arc::new(database),
             probe: Probe::default(),
             nodes: Vec::new(),
             next_port: 1,
         };
-        cluster.add(3).await;
+        cluster.add_nodes(3, workers).await;
         cluster
     }
 
     async fn add(&mut self, count: u16) {
+        self.add_nodes(count, true).await;
+    }
+
+    /// Adds runners, with or without the queue's worker.
+    async fn add_nodes(&mut self, count: u16, workers: bool) {
         for _ in 0..count {
-            let node = Node::start(&self.database, self.next_port, &self.probe).await;
+            let node = Node::start(&self.database, self.next_port, &self.probe, workers).await;
             self.next_port += 1;
             self.nodes.push(node);
         }
@@ -207,6 +220,33 @@ workflow!(Retried, u32, RetryError);
 workflow!(Clocked, u64, Never);
 workflow!(Interruptible, String, Never);
 workflow!(Raced, String, String);
+workflow!(QueueUser, String, Never);
+
+#[derive(Clone, Debug, Serialize, Deserialize)]
+struct Job {
+    id: String,
+}
+
+const JOBS: cluster_workflow::DurableQueue<Job, String, Never> =
+    cluster_workflow::DurableQueue::new("ItJobs", |job: &Job| job.id.clone());
+
+/// The queue's worker: records each item it finishes.
+fn register_worker(engine: &WorkflowEngine, probe: &Probe) {
+    let p = probe.clone();
+    engine
+        .register_queue_worker(
+            JOBS,
+            move |job: Job| {
+                let p = p.clone();
+                async move {
+                    p.hit("job");
+                    Ok(format!("processed:{}", job.id))
+                }
+            },
+            4,
+        )
+        .unwrap();
+}
 
 fn gate(name: &str) -> DurableDeferred<String> {
     DurableDeferred::new(name)
@@ -317,6 +357,11 @@ fn register_waiting(engine: &WorkflowEngine, probe: &Probe, port: u16) {
         })
         .unwrap();
     register_race(engine, probe, port);
+    engine
+        .register::<QueueUser, _, _>(|ctx: WorkflowContext, payload: Input| async move {
+            JOBS.process(&ctx, Job { id: payload.key }).await
+        })
+        .unwrap();
 }
 
 /// The race of integration test 4.
@@ -529,6 +574,20 @@ async fn replays_a_race_winner_after_owner_death(database: TestDatabase) {
     cluster.finish().await;
 }
 
+/// #9: an item offered while no runner has the queue's worker waits across a whole-cluster
+/// restart and is consumed once by the new runners' workers.
+async fn persists_queued_work_across_a_restart_and_consumes_it_once(database: TestDatabase) {
+    let mut cluster = Cluster::start_with(database, false).await;
+    let id = cluster.engine(0).execute_discard::<QueueUser>(input("job-1", "")).await.unwrap();
+    suspended::<QueueUser>(&cluster.engine(0), &id).await;
+    assert_eq!(cluster.probe.count("job"), 0);
+    cluster.restart().await;
+    let engine = cluster.engine(1);
+    assert_eq!(complete::<QueueUser>(&engine, &id).await, success("processed:job-1"));
+    assert_eq!(cluster.probe.count("job"), 1);
+    cluster.finish().await;
+}
+
 macro_rules! integration {
     ($($name:ident),* $(,)?) => {
         mod postgres {
@@ -561,4 +620,5 @@ integration!(
     wakes_a_durable_clock_after_a_whole_cluster_restart,
     persists_an_interrupt_across_a_whole_cluster_restart,
     replays_a_race_winner_after_owner_death,
+    persists_queued_work_across_a_restart_and_consumes_it_once,
 );

@@ -66,4 +66,7 @@ memory_tests!(
     interrupting_unknown_or_completed_executions_is_a_no_op,
     a_body_panic_is_a_defect,
     unregistered_workflows_are_an_error,
+    a_queue_worker_result_resumes_the_workflow,
+    a_queue_worker_failure_fails_the_workflow,
+    a_queue_item_is_offered_once_across_replays,
 );

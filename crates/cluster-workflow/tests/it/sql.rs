@@ -111,4 +111,5 @@ on_databases!(
     concurrent_activities_finish_before_the_run_suspends,
     retries_number_attempts_and_keep_the_last_error,
     first_completion_wins,
+    a_queue_item_is_offered_once_across_replays,
 );

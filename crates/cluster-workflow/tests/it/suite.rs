@@ -1558,3 +1558,83 @@ pub(crate) async fn unregistered_workflows_are_an_error(h: &impl Harness) {
     let twice = engine.register::<Doubler, _, _>(|_: WorkflowContext, _: Input| async { Ok(0) });
     assert!(matches!(twice, Err(WorkflowError::Invalid(_))));
 }
+
+// ---------------------------------------------------------------------------------------
+// Durable queues (reference §5.3, invariant 23)
+
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub(crate) struct Item {
+    id: String,
+    value: u64,
+}
+
+const API_QUEUE: cluster_workflow::DurableQueue<Item, u64, String> =
+    cluster_workflow::DurableQueue::new("ApiQueue", |item: &Item| item.id.clone());
+
+workflow!(Queued, u64, String);
+
+fn register_queued(engine: &WorkflowEngine, log: &Log) {
+    let run_log = log.clone();
+    engine
+        .register::<Queued, _, _>(move |ctx: WorkflowContext, payload: Input| {
+            let log = run_log.clone();
+            async move {
+                log.push("run");
+                let item = Item { id: "api-call-1".into(), value: payload.value };
+                let result = API_QUEUE.process(&ctx, item).await?;
+                if payload.to == "gate" {
+                    let _ = ctx.await_deferred(&gate()).await;
+                }
+                Ok(result)
+            }
+        })
+        .unwrap();
+    let log = log.clone();
+    engine
+        .register_queue_worker(
+            API_QUEUE,
+            move |item: Item| {
+                let log = log.clone();
+                async move {
+                    log.push("worker");
+                    if item.value == 0 { Err("boom".to_owned()) } else { Ok(item.value + 1) }
+                }
+            },
+            2,
+        )
+        .unwrap();
+}
+
+pub(crate) async fn a_queue_worker_result_resumes_the_workflow(h: &impl Harness) {
+    let engine = h.engine().await;
+    let log = Log::default();
+    register_queued(&engine, &log);
+    let id = engine.execute_discard::<Queued>(Input { value: 41, ..input("q") }).await.unwrap();
+    assert_eq!(complete_exit::<Queued>(&engine, &id).await, success(42));
+    assert_eq!(log.count("worker"), 1);
+}
+
+pub(crate) async fn a_queue_worker_failure_fails_the_workflow(h: &impl Harness) {
+    let engine = h.engine().await;
+    let log = Log::default();
+    register_queued(&engine, &log);
+    let id = engine.execute_discard::<Queued>(Input { value: 0, ..input("f") }).await.unwrap();
+    let exit = complete_exit::<Queued>(&engine, &id).await;
+    assert_eq!(exit, Exit::fail(RawJson::encode("boom").unwrap()));
+}
+
+pub(crate) async fn a_queue_item_is_offered_once_across_replays(h: &impl Harness) {
+    let engine = h.engine().await;
+    let log = Log::default();
+    register_queued(&engine, &log);
+    let id = engine
+        .execute_discard::<Queued>(Input { value: 9, key: "once".into(), to: "gate".into() })
+        .await
+        .unwrap();
+    until("the item was processed", || log.contains("worker")).await;
+    suspended::<Queued>(&engine, &id).await;
+    open::<Queued>(&engine, &id, &gate(), "go").await;
+    assert_eq!(complete_exit::<Queued>(&engine, &id).await, success(10));
+    assert!(log.count("run") >= 2, "{:?}", log.entries());
+    assert_eq!(log.count("worker"), 1, "the replay offered the same item");
+}
