@@ -111,6 +111,9 @@ cluster_tests!(
     a_queue_worker_result_resumes_the_workflow,
     a_queue_worker_failure_fails_the_workflow,
     a_queue_item_is_offered_once_across_replays,
+    a_bare_durable_clock_branch_wins,
+    a_waking_branch_runs_its_own_steps_again,
+    a_multi_await_branch_replays_per_completion,
 );
 
 /// Seed 000, change 3: a wake that keeps failing (here: the run's reset) is given up when the
@@ -196,4 +199,85 @@ async fn a_failing_wake_is_left_for_the_next_owner_at_shutdown() {
         tokio::time::sleep(Duration::from_millis(10)).await;
     }
     panic!("the next owner did not wake the execution");
+}
+
+/// Reference cluster test #20: a durable clock of a workflow in the `workflow` shard group is
+/// a request of `Workflow/-/DurableClock` in that group, delivered at the wake-up rounded up to
+/// the next millisecond (10 000.5 ms → start + 10 001), and it wakes the workflow.
+#[tokio::test(start_paused = true)]
+async fn durable_clocks_go_to_the_workflow_shard_group_at_the_rounded_up_millisecond() {
+    use cluster_core::ShardGroup;
+    use cluster_core::storage::MessageStorage;
+    use cluster_workflow::{Never, Workflow, WorkflowContext, WorkflowOptions, WorkflowResult};
+
+    struct Grouped;
+    impl Workflow for Grouped {
+        const NAME: &'static str = "Grouped";
+        type Payload = suite::Input;
+        type Success = ();
+        type Error = Never;
+        fn idempotency_key(payload: &suite::Input) -> String {
+            payload.key.clone()
+        }
+        fn options() -> WorkflowOptions {
+            WorkflowOptions {
+                shard_group: Some(|_| ShardGroup::from("workflow")),
+                ..WorkflowOptions::default()
+            }
+        }
+    }
+
+    let clock: Arc<dyn Clock> = Arc::new(TokioClock::new());
+    let storage: Arc<dyn MessageStorage> = Arc::new(MemoryMessageStorage::new(Arc::clone(&clock)));
+    let groups = vec![ShardGroup::default_group(), ShardGroup::from("workflow")];
+    let config = ShardingConfig {
+        available_shard_groups: groups.clone(),
+        assigned_shard_groups: groups,
+        ..config()
+    };
+    let sharding =
+        Sharding::with_storage(config, Arc::clone(&clock), Arc::clone(&storage)).await.unwrap();
+    let engine = WorkflowEngine::cluster(&sharding).unwrap();
+    engine
+        .register::<Grouped, _, _>(|ctx: WorkflowContext, _: suite::Input| async move {
+            ctx.sleep_with_threshold("nap", Duration::from_micros(10_000_500), Duration::ZERO)
+                .await;
+            Ok(())
+        })
+        .unwrap();
+    let start = clock.now();
+    let id = engine
+        .execute_discard::<Grouped>(suite::Input { key: "g".into(), ..suite::Input::default() })
+        .await
+        .unwrap();
+    let address = cluster_core::EntityAddress {
+        shard_id: sharding.shard_id(id.as_str(), &ShardGroup::from("workflow")),
+        entity_type: cluster_workflow::CLOCK_ENTITY.into(),
+        entity_id: id.as_str().into(),
+    };
+    let key = cluster_core::envelope::primary_key(&address, "run", "nap");
+    let mut request = None;
+    for _ in 0..100 {
+        request = storage.request_id_for_primary_key(&key).await.unwrap();
+        if request.is_some() {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    let request = request.expect("the clock request is stored");
+    let at = |millis: u64| start.saturating_add(Duration::from_millis(millis));
+    let early = storage.unprocessed_messages_by_id(&[request], at(10_000)).await.unwrap();
+    assert!(early.messages.is_empty(), "not due at start + 10 000 ms");
+    let due = storage.unprocessed_messages_by_id(&[request], at(10_001)).await.unwrap();
+    let [message] = due.messages.as_slice() else { panic!("due at start + 10 001 ms: {due:?}") };
+    assert_eq!(message.envelope.address(), &address, "in the workflow's shard group");
+    for _ in 0..3_000 {
+        if let Some(WorkflowResult::Complete(exit)) = engine.poll::<Grouped>(&id).await.unwrap() {
+            assert_eq!(exit, cluster_core::Exit::void());
+            assert!(clock.now() >= at(10_001));
+            return;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    panic!("the clock did not wake the workflow");
 }

@@ -69,4 +69,7 @@ memory_tests!(
     a_queue_worker_result_resumes_the_workflow,
     a_queue_worker_failure_fails_the_workflow,
     a_queue_item_is_offered_once_across_replays,
+    a_bare_durable_clock_branch_wins,
+    a_waking_branch_runs_its_own_steps_again,
+    a_multi_await_branch_replays_per_completion,
 );

@@ -1638,3 +1638,97 @@ pub(crate) async fn a_queue_item_is_offered_once_across_replays(h: &impl Harness
     assert!(log.count("run") >= 2, "{:?}", log.entries());
     assert_eq!(log.count("worker"), 1, "the replay offered the same item");
 }
+
+// ---------------------------------------------------------------------------------------
+// More races (reference cluster tests #13–#16)
+
+/// #13: a durable clock in the workflow (not in an activity) wins against a long activity:
+/// its completion preempts and replays the run.
+pub(crate) async fn a_bare_durable_clock_branch_wins(h: &impl Harness) {
+    workflow!(ClockRace, String, String);
+    let engine = h.engine().await;
+    let log = Log::default();
+    {
+        let log = log.clone();
+        engine
+            .register::<ClockRace, _, _>(move |ctx: WorkflowContext, _: Input| {
+                let log = log.clone();
+                async move {
+                    let clock: Branch<'_> = Box::pin(async {
+                        ctx.sleep_with_threshold("short", ms(5_000), Duration::ZERO).await;
+                        Ok("clock".to_owned())
+                    });
+                    ctx.race("race", vec![clock, sleeper(&ctx, &log, "slow", 30_000)]).await
+                }
+            })
+            .unwrap();
+    }
+    assert_eq!(engine.execute::<ClockRace>(input("c")).await.unwrap(), "clock");
+}
+
+/// #14 and #15: a branch's own steps (an activity before its await, a mapping after it) run
+/// again on the replay that the completion causes.
+pub(crate) async fn a_waking_branch_runs_its_own_steps_again(h: &impl Harness) {
+    workflow!(Steps, String, String);
+    let engine = h.engine().await;
+    let log = Log::default();
+    {
+        let log = log.clone();
+        engine
+            .register::<Steps, _, _>(move |ctx: WorkflowContext, _: Input| {
+                let log = log.clone();
+                async move {
+                    let branch: Branch<'_> = Box::pin(async {
+                        let act: String = ctx
+                            .activity("act", |_| async { Ok::<_, String>("act".to_owned()) })
+                            .await?;
+                        let value = ctx
+                            .await_deferred(&gate())
+                            .await
+                            .unwrap_or_else(|never| match never {});
+                        Ok(format!("{act}:{value}!"))
+                    });
+                    ctx.race("race", vec![branch, sleeper(&ctx, &log, "slow", 30_000)]).await
+                }
+            })
+            .unwrap();
+    }
+    let id = engine.execute_discard::<Steps>(input("s")).await.unwrap();
+    until("the slow branch runs", || log.contains("slow:start")).await;
+    open::<Steps>(&engine, &id, &gate(), "signal").await;
+    assert_eq!(complete_exit::<Steps>(&engine, &id).await, success("act:signal!"));
+}
+
+/// #16: a branch that awaits A then B replays once per completion.
+pub(crate) async fn a_multi_await_branch_replays_per_completion(h: &impl Harness) {
+    workflow!(TwoAwaits, String, String);
+    let engine = h.engine().await;
+    let log = Log::default();
+    {
+        let log = log.clone();
+        engine
+            .register::<TwoAwaits, _, _>(move |ctx: WorkflowContext, _: Input| {
+                let log = log.clone();
+                async move {
+                    log.push("run");
+                    let branch: Branch<'_> = Box::pin(async {
+                        let a = ctx.await_deferred(&DurableDeferred::<String>::new("A")).await;
+                        let b = ctx.await_deferred(&DurableDeferred::<String>::new("B")).await;
+                        let (Ok(a), Ok(b)) = (a, b);
+                        Ok(format!("{a}:{b}"))
+                    });
+                    let never: Branch<'_> = Box::pin(std::future::pending());
+                    ctx.race("race", vec![branch, never]).await
+                }
+            })
+            .unwrap();
+    }
+    let id = engine.execute_discard::<TwoAwaits>(input("m")).await.unwrap();
+    until("the first run", || log.contains("run")).await;
+    open::<TwoAwaits>(&engine, &id, &DurableDeferred::new("A"), "a").await;
+    until("the replay after A", || log.count("run") >= 2).await;
+    open::<TwoAwaits>(&engine, &id, &DurableDeferred::new("B"), "b").await;
+    assert_eq!(complete_exit::<TwoAwaits>(&engine, &id).await, success("a:b"));
+    let runs = log.count("run");
+    assert!((2..=3).contains(&runs), "{runs} runs");
+}
