@@ -1,7 +1,8 @@
 //! Automation for this workspace: `cargo xtask <command>`.
 //!
 //! - `ci`: everything CI checks, in order: formatting, clippy (all targets, then each storage
-//!   feature on its own), the database services, all tests, the quickstart, documentation.
+//!   feature on its own), the database services, all tests, the quickstart, the saga example,
+//!   the fault test, documentation.
 //! - `tidy`: the repository rules that are not compiler lints (also run as tests by `ci`).
 //! - `chaos`: the fault test across processes on PostgreSQL (`cluster-chaos`; also run by
 //!   `ci`): runners killed, frozen, joining and leaving under traffic.
@@ -122,6 +123,8 @@ fn ci() -> Result<()> {
     }
     // The README's first command, in a debug build: it asserts its own outcome.
     step("quickstart", &["run", "--example", "quickstart"], &[])?;
+    // The workflow issue's example: it asserts the compensations ran in reverse order, once.
+    step("saga", &["run", "-p", "cluster-workflow", "--example", "saga"], &[])?;
     chaos_with(&service_env)?;
     step(
         "docs",

@@ -1510,7 +1510,9 @@ impl SharedHandler<OfferRpc> for QueueEntity {
 #[cfg(test)]
 mod tests {
     use cluster_core::{ShardingConfig, SystemClock};
-    use cluster_testkit::memory::MemoryMessageStorage;
+    use cluster_storage_sql::{
+        SqlStorageOptions, SqliteMessageStorage, SqliteOptions, TablePrefix,
+    };
 
     use super::*;
 
@@ -1520,9 +1522,13 @@ mod tests {
     #[tokio::test]
     async fn a_saved_but_unprocessed_completion_is_the_deferreds_result() {
         let clock: Arc<dyn cluster_core::Clock> = Arc::new(SystemClock);
-        let storage = Arc::new(MemoryMessageStorage::new(Arc::clone(&clock)));
-        // A client-only process: nobody processes the completions it saves.
         let config = ShardingConfig { runner_address: None, ..ShardingConfig::default() };
+        let path =
+            std::env::temp_dir().join(format!("workflow-unprocessed-{}.db", std::process::id()));
+        let options =
+            SqliteOptions::new(SqlStorageOptions::from_config(&config, TablePrefix::default()));
+        let storage = Arc::new(SqliteMessageStorage::open(&path, options).await.unwrap());
+        // A client-only process: nobody processes the completions it saves.
         let sharding = Sharding::client_only(config, clock, storage).await.unwrap();
         let engine = WorkflowEngine::cluster(&sharding).unwrap();
         let execution_id = ExecutionId::derive("Gated", "pending");
@@ -1537,6 +1543,11 @@ mod tests {
         let stored = cluster.stored_deferred("Gated", &execution_id, "Gate").await.unwrap();
         assert_eq!(stored, Some(Exit::Success(RawJson::encode("first").unwrap())));
         assert_eq!(cluster.stored_deferred("Gated", &execution_id, "Other").await.unwrap(), None);
+        drop((cluster, engine));
+        sharding.shutdown().await;
+        for suffix in ["", "-wal", "-shm"] {
+            let _ = std::fs::remove_file(format!("{}{suffix}", path.display()));
+        }
     }
 
     #[test]

@@ -1,0 +1,192 @@
+//! A saga: reserve the stock, charge the card, ship the parcel, each step with a
+//! compensation. Shipping fails, so the completed steps are undone in reverse order, once.
+//!
+//! ```text
+//! cargo run -p cluster-workflow --example saga
+//! ```
+//!
+//! It runs the durable (cluster) engine on one runner with a SQLite file, executes the
+//! workflow, prints what happened and checks it: the execution fails with the shipping error,
+//! the charge is refunded and then the reservation released (each exactly once), and executing
+//! the same order again returns the stored failure without running any step again.
+
+use std::process::ExitCode;
+use std::sync::{Arc, Mutex};
+
+use cluster_core::ShardingConfig;
+use cluster_core::ids::RunnerAddress;
+use cluster_sharding::SingleRunner;
+use cluster_workflow::{ExecuteError, Workflow, WorkflowContext, WorkflowEngine};
+use serde::{Deserialize, Serialize};
+
+/// An order to check out.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+struct Order {
+    id: String,
+    item: String,
+    amount_cents: u64,
+}
+
+/// Why a checkout failed.
+#[derive(Debug, Serialize, Deserialize)]
+enum CheckoutError {
+    OutOfStock,
+    CardDeclined,
+    NoCourier(String),
+}
+
+/// The checkout saga.
+struct Checkout;
+
+impl Workflow for Checkout {
+    const NAME: &'static str = "Checkout";
+    type Payload = Order;
+    type Success = String;
+    type Error = CheckoutError;
+
+    fn idempotency_key(order: &Order) -> String {
+        order.id.clone()
+    }
+}
+
+/// What the saga did, in order (the example's stand-in for real services).
+#[derive(Clone, Default)]
+struct Journal(Arc<Mutex<Vec<String>>>);
+
+impl Journal {
+    fn note(&self, entry: String) {
+        #[expect(clippy::print_stdout, reason = "the example narrates what happens")]
+        {
+            println!("  {entry}");
+        }
+        self.0.lock().unwrap_or_else(std::sync::PoisonError::into_inner).push(entry);
+    }
+
+    fn entries(&self) -> Vec<String> {
+        self.0.lock().unwrap_or_else(std::sync::PoisonError::into_inner).clone()
+    }
+}
+
+/// The saga's body: three activities, each compensated once it succeeded.
+async fn checkout(
+    ctx: WorkflowContext,
+    order: Order,
+    journal: Journal,
+) -> Result<String, CheckoutError> {
+    let (j, undo) = (journal.clone(), journal.clone());
+    let item = order.item.clone();
+    let hold: String = ctx
+        .activity("reserve", move |_| {
+            let (j, item) = (j.clone(), item.clone());
+            async move {
+                j.note(format!("reserve {item}: hold-1"));
+                Ok::<_, CheckoutError>("hold-1".to_owned())
+            }
+        })
+        .compensate(
+            move |hold, _cause| async move { undo.note(format!("release reservation {hold}")) },
+        )
+        .await?;
+    let (j, undo) = (journal.clone(), journal.clone());
+    let amount = order.amount_cents;
+    let payment: String = ctx
+        .activity("charge", move |_| {
+            let j = j.clone();
+            async move {
+                j.note(format!("charge {amount} cents: payment-7"));
+                Ok::<_, CheckoutError>("payment-7".to_owned())
+            }
+        })
+        .compensate(move |payment, cause| async move {
+            let why = match cause.error::<CheckoutError>() {
+                Some(error) => format!("{error:?}"),
+                None => "a defect or an interrupt".to_owned(),
+            };
+            undo.note(format!("refund {payment} (because {why})"));
+        })
+        .await?;
+    let j = journal.clone();
+    let parcel: String = ctx
+        .activity("ship", move |_| {
+            let j = j.clone();
+            async move {
+                j.note("ship: no courier available".to_owned());
+                Err::<String, _>(CheckoutError::NoCourier("no courier available".to_owned()))
+            }
+        })
+        .await?;
+    Ok(format!("{hold}/{payment}/{parcel}"))
+}
+
+async fn run() -> Result<(), String> {
+    let path = std::env::temp_dir().join(format!("saga-example-{}.db", std::process::id()));
+    let config = ShardingConfig {
+        runner_address: Some(RunnerAddress::new("127.0.0.1", 34_100)),
+        ..ShardingConfig::default()
+    };
+    let sharding = SingleRunner::sqlite(&path, config).await.map_err(|error| error.to_string())?;
+    let engine = WorkflowEngine::cluster(&sharding).map_err(|error| error.to_string())?;
+    let journal = Journal::default();
+    let body_journal = journal.clone();
+    engine
+        .register::<Checkout, _, _>(move |ctx, order| checkout(ctx, order, body_journal.clone()))
+        .map_err(|error| error.to_string())?;
+
+    let order = Order { id: "order-42".into(), item: "teapot".into(), amount_cents: 2_500 };
+    say("executing the saga:");
+    let first = engine.execute::<Checkout>(order.clone()).await;
+    say(&format!("outcome: {first:?}"));
+    let expected = [
+        "reserve teapot: hold-1",
+        "charge 2500 cents: payment-7",
+        "ship: no courier available",
+        "refund payment-7 (because NoCourier(\"no courier available\"))",
+        "release reservation hold-1",
+    ];
+    let checked = match first {
+        Err(ExecuteError::Failed(CheckoutError::NoCourier(_))) if journal.entries() == expected => {
+            say("executing the same order again (it is stored):");
+            let again = engine.execute::<Checkout>(order).await;
+            say(&format!("outcome: {again:?}"));
+            match again {
+                Err(ExecuteError::Failed(CheckoutError::NoCourier(_)))
+                    if journal.entries() == expected =>
+                {
+                    Ok(())
+                }
+                other => Err(format!(
+                    "the second execution ran steps or differed: {other:?}, {:?}",
+                    journal.entries()
+                )),
+            }
+        }
+        other => Err(format!("unexpected outcome {other:?} with journal {:?}", journal.entries())),
+    };
+    sharding.shutdown().await;
+    for suffix in ["", "-wal", "-shm"] {
+        let _ = std::fs::remove_file(format!("{}{suffix}", path.display()));
+    }
+    checked
+}
+
+#[expect(clippy::print_stdout, reason = "the example narrates what happens")]
+fn say(line: &str) {
+    println!("{line}");
+}
+
+#[tokio::main]
+async fn main() -> ExitCode {
+    match run().await {
+        Ok(()) => {
+            say("saga: the compensations ran in reverse order, once");
+            ExitCode::SUCCESS
+        }
+        Err(error) => {
+            #[expect(clippy::print_stderr, reason = "the example reports its failure")]
+            {
+                eprintln!("saga: {error}");
+            }
+            ExitCode::FAILURE
+        }
+    }
+}
