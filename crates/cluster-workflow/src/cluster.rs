@@ -1192,7 +1192,12 @@ impl ClusterEngine {
             );
             let interrupted = run.state().interrupted;
             activity_run.update(|state| state.interrupted = interrupted);
-            activation.state().activity_runs.push(Arc::downgrade(&activity_run));
+            {
+                let mut state = activation.state();
+                // Finished activities' runs are gone: keep the list to the live ones.
+                state.activity_runs.retain(|activity| activity.strong_count() > 0);
+                state.activity_runs.push(Arc::downgrade(&activity_run));
+            }
             let body = async {
                 match (gone.await, execute.take()) {
                     (Ok(done), Some(execute)) => {
