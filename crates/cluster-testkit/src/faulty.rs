@@ -27,6 +27,8 @@ pub struct Faults {
     commit_unacknowledged: Countdown,
     commit_failed: Countdown,
     clear_replies: Countdown,
+    /// Milliseconds every `save_reply` waits before it writes.
+    reply_delay_millis: std::sync::atomic::AtomicU64,
     begin_transaction_calls: AtomicU32,
     commits: AtomicU32,
     resets: std::sync::Mutex<Vec<Snowflake>>,
@@ -63,6 +65,14 @@ impl Faults {
     /// The next `times` calls of `clear_replies` (resets of a request) fail (`Unavailable`).
     pub fn fail_clear_replies(&self, times: u32) {
         self.clear_replies.0.store(times, Ordering::Release);
+    }
+
+    /// Every `save_reply` from now on waits `delay` before it writes (a slow database, or a
+    /// fenced write waiting for its lock refresh): widens the window between a handler's end
+    /// and its stored reply.
+    pub fn delay_replies(&self, delay: std::time::Duration) {
+        let millis = u64::try_from(delay.as_millis()).unwrap_or(u64::MAX);
+        self.reply_delay_millis.store(millis, Ordering::Release);
     }
 
     /// How often `begin_transaction` was called, failed calls included.
@@ -127,7 +137,14 @@ impl MessageStorage for FaultyMessageStorage {
     }
 
     fn save_reply<'a>(&'a self, reply: &'a Reply) -> BoxFuture<'a, Result<(), StorageError>> {
-        self.inner.save_reply(reply)
+        let delay = self.faults.reply_delay_millis.load(Ordering::Acquire);
+        if delay == 0 {
+            return self.inner.save_reply(reply);
+        }
+        Box::pin(async move {
+            tokio::time::sleep(std::time::Duration::from_millis(delay)).await;
+            self.inner.save_reply(reply).await
+        })
     }
 
     fn clear_replies(

@@ -655,6 +655,9 @@ struct ActivationState {
     /// Deferreds that runs of this activation completed themselves: their completions wake
     /// nothing.
     completed_here: BTreeSet<String>,
+    /// A run ended and its reply may not be stored yet (the runtime writes it after the
+    /// handler returns, once a lock refresh confirmed the shard): a wake waits for it.
+    reply_pending: bool,
 }
 
 struct Activation {
@@ -881,20 +884,21 @@ impl Activation {
             return Ok(());
         }
         let mut runs = self.runs.subscribe();
-        let mut was_running = false;
         while self.state().current.is_some() {
-            was_running = true;
             if runs.changed().await.is_err() {
                 break;
             }
         }
+        // A run that just ended may not have its reply stored yet: the reset waits for it
+        // (invariant 20: a completion during the suspension's commit still wakes the run).
+        let settle = std::mem::take(&mut self.state().reply_pending);
         if mode == ResumeMode::Automatic {
             self.waking.store(false, Ordering::Release);
         }
         let engine = &self.engine;
         let (workflow, execution_id) = (&self.workflow, &self.execution_id);
         engine
-            .ensure("resume", || engine.resume_execution(workflow, execution_id, mode, was_running))
+            .ensure("resume", || engine.resume_execution(workflow, execution_id, mode, settle))
             .await
     }
 }
@@ -913,6 +917,7 @@ impl Drop for CurrentRun {
             let mut state = self.activation.state();
             let completed = self.run.state().completed.clone();
             state.completed_here.extend(completed);
+            state.reply_pending = true;
             if !self.done {
                 let (finalizers, abandoned) = {
                     let mut run = self.run.state();

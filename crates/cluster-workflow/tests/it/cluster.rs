@@ -281,3 +281,65 @@ async fn durable_clocks_go_to_the_workflow_shard_group_at_the_rounded_up_millise
     }
     panic!("the clock did not wake the workflow");
 }
+
+/// Invariant 20 (reference cluster test #17): a completion that arrives after the run's body
+/// stopped but before its `Suspended` reply is stored (here every reply write takes a
+/// second) still wakes the execution.
+#[tokio::test(start_paused = true)]
+async fn a_completion_during_the_suspension_commit_wakes_the_run() {
+    use cluster_core::storage::MessageStorage;
+    use cluster_testkit::faulty::FaultyMessageStorage;
+    use cluster_workflow::{DurableDeferred, Never, Workflow, WorkflowContext, WorkflowResult};
+
+    struct Committing;
+    impl Workflow for Committing {
+        const NAME: &'static str = "Committing";
+        type Payload = suite::Input;
+        type Success = String;
+        type Error = Never;
+        fn idempotency_key(payload: &suite::Input) -> String {
+            payload.key.clone()
+        }
+    }
+
+    let clock: Arc<dyn Clock> = Arc::new(TokioClock::new());
+    let memory: Arc<dyn MessageStorage> = Arc::new(MemoryMessageStorage::new(Arc::clone(&clock)));
+    let (faulty, faults) = FaultyMessageStorage::new(memory);
+    faults.delay_replies(Duration::from_secs(1));
+    let sharding = Sharding::with_storage(config(), clock, Arc::new(faulty)).await.unwrap();
+    let engine = WorkflowEngine::cluster(&sharding).unwrap();
+    let started = Arc::new(std::sync::atomic::AtomicU32::new(0));
+    let runs = Arc::clone(&started);
+    engine
+        .register::<Committing, _, _>(move |ctx: WorkflowContext, _: suite::Input| {
+            runs.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+            async move { ctx.await_deferred(&DurableDeferred::<String>::new("Gate")).await }
+        })
+        .unwrap();
+    let payload = suite::Input { key: "commit".into(), ..suite::Input::default() };
+    let id = engine.execute_discard::<Committing>(payload).await.unwrap();
+    // The run starts and suspends at once; its reply is written a second later.
+    for _ in 0..100 {
+        if started.load(std::sync::atomic::Ordering::SeqCst) > 0 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert_eq!(engine.poll::<Committing>(&id).await.unwrap(), None, "the reply is not stored yet");
+    let token = DurableDeferred::<String>::new("Gate").token_for::<Committing>(&id);
+    engine.complete(&token, Ok::<String, Never>("late".into())).await.unwrap();
+    for _ in 0..3_000 {
+        if let Some(WorkflowResult::Complete(exit)) = engine.poll::<Committing>(&id).await.unwrap()
+        {
+            assert_eq!(
+                exit,
+                cluster_core::Exit::Success(cluster_core::RawJson::encode("late").unwrap())
+            );
+            assert_eq!(started.load(std::sync::atomic::Ordering::SeqCst), 2);
+            return;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    panic!("the completion did not wake the execution");
+}
