@@ -115,6 +115,27 @@ impl WeakSharding {
     }
 }
 
+/// The machine id of a runtime until the registry gives it one: a random base drawn once per
+/// process, plus a counter, so that runtimes of one process never share one and processes
+/// (including containers whose processes all have the same pid) rarely do. Ids of two
+/// runtimes with one machine id collide within a millisecond.
+fn provisional_machine_id() -> MachineId {
+    use std::sync::OnceLock;
+    use std::sync::atomic::{AtomicU32, Ordering};
+    static BASE: OnceLock<u32> = OnceLock::new();
+    static NEXT: AtomicU32 = AtomicU32::new(0);
+    let base = *BASE.get_or_init(|| {
+        let mut bytes = [0u8; 4];
+        match getrandom::fill(&mut bytes) {
+            Ok(()) => u32::from_le_bytes(bytes),
+            // No OS randomness: the process id still spreads processes on one host.
+            Err(_) => std::process::id(),
+        }
+    });
+    let n = NEXT.fetch_add(1, Ordering::Relaxed);
+    MachineId::new(i32::try_from(base.wrapping_add(n) % 1024).unwrap_or(0))
+}
+
 impl std::fmt::Debug for Sharding {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Sharding")
@@ -217,9 +238,9 @@ impl Sharding {
                 "simulate_remote_serialization is off, which has no effect here: local requests are always encoded and decoded"
             );
         }
-        // The reference starts with a random machine id until the runner registers; the
-        // process id is as good a spread without a random source in the runtime.
-        let machine_id = MachineId::new(i32::try_from(std::process::id() % 1024).unwrap_or(0));
+        // The reference starts with a random machine id until the runner registers (a
+        // client-only process keeps it).
+        let machine_id = provisional_machine_id();
         let ids = Arc::new(Ids::new(
             Arc::clone(&clock),
             SnowflakeGenerator::new(machine_id, clock.now()),
@@ -729,5 +750,18 @@ impl Sharding {
             reply: ReplyTo::Exit(reply),
             transaction: None,
         })?)
+    }
+}
+
+#[cfg(test)]
+mod machine_id_tests {
+    use super::*;
+
+    #[test]
+    fn runtimes_of_one_process_get_distinct_provisional_machine_ids() {
+        let ids: std::collections::BTreeSet<i32> =
+            (0..64).map(|_| provisional_machine_id().snowflake_bits().into()).collect();
+        assert_eq!(ids.len(), 64);
+        assert!(ids.iter().all(|id| (0..1024).contains(id)));
     }
 }
