@@ -343,3 +343,83 @@ async fn a_completion_during_the_suspension_commit_wakes_the_run() {
     }
     panic!("the completion did not wake the execution");
 }
+
+/// Reference cluster tests #21 and #23: a workflow in the `workflow` shard group, on a runner
+/// that serves only that group: its run, activities and deferred completions (here from a
+/// client-only process that knows the definition from a typed call) all land there.
+#[tokio::test(start_paused = true)]
+async fn traffic_of_a_workflow_goes_to_its_shard_group_from_every_process() {
+    use cluster_core::ShardGroup;
+    use cluster_core::storage::MessageStorage;
+    use cluster_workflow::{
+        DurableDeferred, Never, Workflow, WorkflowContext, WorkflowOptions, WorkflowResult,
+    };
+
+    struct Sharded;
+    impl Workflow for Sharded {
+        const NAME: &'static str = "Sharded";
+        type Payload = suite::Input;
+        type Success = String;
+        type Error = Never;
+        fn idempotency_key(payload: &suite::Input) -> String {
+            payload.key.clone()
+        }
+        fn options() -> WorkflowOptions {
+            WorkflowOptions {
+                shard_group: Some(|_| ShardGroup::from("workflow")),
+                ..WorkflowOptions::default()
+            }
+        }
+    }
+
+    let clock: Arc<dyn Clock> = Arc::new(TokioClock::new());
+    let storage: Arc<dyn MessageStorage> = Arc::new(MemoryMessageStorage::new(Arc::clone(&clock)));
+    let available = vec![ShardGroup::default_group(), ShardGroup::from("workflow")];
+    let runner_config = ShardingConfig {
+        available_shard_groups: available.clone(),
+        assigned_shard_groups: vec![ShardGroup::from("workflow")],
+        ..config()
+    };
+    let runner = Sharding::with_storage(runner_config, Arc::clone(&clock), Arc::clone(&storage))
+        .await
+        .unwrap();
+    let engine = WorkflowEngine::cluster(&runner).unwrap();
+    engine
+        .register::<Sharded, _, _>(|ctx: WorkflowContext, _: suite::Input| async move {
+            let act: String =
+                ctx.activity("act", |_| async { Ok::<_, Never>("act".to_owned()) }).await?;
+            let gate = ctx.await_deferred(&DurableDeferred::<String>::new("Gate")).await?;
+            Ok(format!("{act}:{gate}"))
+        })
+        .unwrap();
+    let client_config =
+        ShardingConfig { runner_address: None, available_shard_groups: available, ..config() };
+    let client = Sharding::client_only(client_config, clock, storage).await.unwrap();
+    let remote = WorkflowEngine::cluster(&client).unwrap();
+    let id = remote
+        .execute_discard::<Sharded>(suite::Input { key: "s".into(), ..suite::Input::default() })
+        .await
+        .unwrap();
+    let mut suspended = false;
+    for _ in 0..1_000 {
+        if let Some(WorkflowResult::Suspended { .. }) = remote.poll::<Sharded>(&id).await.unwrap() {
+            suspended = true;
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    assert!(suspended, "the run and its activity ran in the workflow group");
+    let token = DurableDeferred::<String>::new("Gate").token_for::<Sharded>(&id);
+    remote.complete(&token, Ok::<String, Never>("gate".into())).await.unwrap();
+    for _ in 0..3_000 {
+        if let Some(WorkflowResult::Complete(exit)) = remote.poll::<Sharded>(&id).await.unwrap() {
+            assert_eq!(
+                exit,
+                cluster_core::Exit::Success(cluster_core::RawJson::encode("act:gate").unwrap())
+            );
+            return;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    panic!("the completion did not reach the workflow's shard group");
+}
