@@ -114,6 +114,7 @@ cluster_tests!(
     a_bare_durable_clock_branch_wins,
     a_waking_branch_runs_its_own_steps_again,
     a_multi_await_branch_replays_per_completion,
+    a_race_of_waiting_activities_suspends,
 );
 
 /// Seed 000, change 3: a wake that keeps failing (here: the run's reset) is given up when the

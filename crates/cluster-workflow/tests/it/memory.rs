@@ -72,4 +72,5 @@ memory_tests!(
     a_bare_durable_clock_branch_wins,
     a_waking_branch_runs_its_own_steps_again,
     a_multi_await_branch_replays_per_completion,
+    a_race_of_waiting_activities_suspends,
 );

@@ -1732,3 +1732,31 @@ pub(crate) async fn a_multi_await_branch_replays_per_completion(h: &impl Harness
     let runs = log.count("run");
     assert!((2..=3).contains(&runs), "{runs} runs");
 }
+
+/// A race whose branches all wait durably, one of them inside an activity, suspends the run;
+/// the activity's completion then wins on the replay.
+pub(crate) async fn a_race_of_waiting_activities_suspends(h: &impl Harness) {
+    workflow!(WaitingActivity, String, String);
+    let engine = h.engine().await;
+    engine
+        .register::<WaitingActivity, _, _>(|ctx: WorkflowContext, _: Input| async move {
+            let inside: Branch<'_> = Box::pin(
+                ctx.activity("inside", |activity| async move {
+                    let value = activity
+                        .context()
+                        .await_deferred(&DurableDeferred::<String>::new("X"))
+                        .await
+                        .unwrap_or_else(|never| match never {});
+                    Ok::<_, String>(format!("activity:{value}"))
+                })
+                .into_future(),
+            );
+            let outside = await_branch(&ctx, DurableDeferred::new("Y"), ":outside");
+            ctx.race("race", vec![inside, outside]).await
+        })
+        .unwrap();
+    let id = engine.execute_discard::<WaitingActivity>(input("w")).await.unwrap();
+    suspended::<WaitingActivity>(&engine, &id).await;
+    open::<WaitingActivity>(&engine, &id, &DurableDeferred::new("X"), "x").await;
+    assert_eq!(complete_exit::<WaitingActivity>(&engine, &id).await, success("activity:x"));
+}
