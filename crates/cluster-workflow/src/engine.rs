@@ -381,8 +381,9 @@ impl WorkflowEngine {
 }
 
 impl WorkflowEngine {
-    /// Stops the engine: runs in progress are dropped and their waiting callers see an
-    /// interrupt; nothing starts afterwards.
+    /// Stops the in-memory engine: runs in progress are dropped and their waiting callers see
+    /// an interrupt; nothing starts afterwards. On the cluster engine the runs belong to the
+    /// runtime, which hands them to other runners in `Sharding::shutdown`: this does nothing.
     pub async fn shutdown(&self) {
         self.backend.shutdown().await;
     }
