@@ -6,6 +6,9 @@
 //! - `tidy`: the repository rules that are not compiler lints (also run as tests by `ci`).
 //! - `chaos`: the fault test across processes on PostgreSQL (`cluster-chaos`; also run by
 //!   `ci`): runners killed, frozen, joining and leaving under traffic.
+//! - `sim`: the simulated cluster over seeds (`--seeds N`, `--from S`) or one seed with its
+//!   trace (`--seed S`); each seed runs twice and must give the same history (also run by
+//!   `ci`, 200 seeds).
 //!
 //! Automation is written in Rust so that it runs wherever cargo does (STYLE rule 24).
 
@@ -51,6 +54,7 @@ fn main() -> ExitCode {
         Some("ci") => ci(),
         Some("tidy") => tidy::run(&workspace_root()),
         Some("chaos") => chaos(),
+        Some("sim") => sim(&args[1..]),
         _ => {
             usage();
             return ExitCode::from(2);
@@ -66,7 +70,7 @@ fn main() -> ExitCode {
 }
 
 fn usage() {
-    report("usage: cargo xtask <ci | tidy | chaos>");
+    report("usage: cargo xtask <ci | tidy | chaos | sim [--seeds N] [--from S] | sim --seed S>");
 }
 
 #[expect(clippy::print_stderr, reason = "xtask reports to the terminal")]
@@ -125,6 +129,7 @@ fn ci() -> Result<()> {
     step("quickstart", &["run", "--example", "quickstart"], &[])?;
     // The workflow issue's example: it asserts the compensations ran in reverse order, once.
     step("saga", &["run", "-p", "cluster-workflow", "--example", "saga"], &[])?;
+    sim(&["--seeds".to_owned(), "200".to_owned()])?;
     chaos_with(&service_env)?;
     step(
         "docs",
@@ -133,6 +138,27 @@ fn ci() -> Result<()> {
     )?;
     report("xtask ci: all steps passed");
     Ok(())
+}
+
+/// `cargo xtask sim [--seeds N] [--from S] | [--seed S]`: the simulated cluster
+/// (`cluster_testkit::sim`), built with `--cfg tokio_unstable` so that tokio's own random
+/// choices follow the seed too, in a target directory of its own (the flag changes every
+/// crate's build). Each seed runs twice and the histories must match.
+fn sim(args: &[String]) -> Result<()> {
+    let root = workspace_root();
+    env::set_current_dir(&root).with_context(|| format!("cannot enter {}", root.display()))?;
+    let target = match env::var_os("CARGO_TARGET_DIR") {
+        Some(dir) => PathBuf::from(format!("{}-sim", PathBuf::from(dir).display())),
+        None => root.join("target").join("sim"),
+    };
+    let target = target.display().to_string();
+    let mut cargo_args = vec!["run", "--package", "cluster-testkit", "--example", "sim", "--"];
+    cargo_args.extend(args.iter().map(String::as_str));
+    step(
+        "sim",
+        &cargo_args,
+        &[("RUSTFLAGS", "--cfg tokio_unstable"), ("CARGO_TARGET_DIR", target.as_str())],
+    )
 }
 
 /// `cargo xtask chaos`: the fault test across processes, on PostgreSQL.

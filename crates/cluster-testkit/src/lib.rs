@@ -15,13 +15,15 @@
 //! - [`transport`]: an in-memory runner-to-runner transport with faults (unreachable runners,
 //!   failing calls), for several runtimes in one process.
 //!
-//! Still to come (the simulation issue): the simulated clock, `SimCluster` and the invariant
-//! checkers.
+//! - [`sim`]: the simulated cluster: runners and a client of the real runtime on one paused
+//!   single-threaded runtime, faults and workload from one seed, invariants checked as it goes
+//!   (`cargo xtask sim`).
 
 #[cfg(feature = "sql")]
 pub mod databases;
 pub mod faulty;
 pub mod measure;
 pub mod memory;
+pub mod sim;
 pub mod storage_suite;
 pub mod transport;

@@ -1,0 +1,570 @@
+//! The simulated cluster: several runners and a client-only process of the real runtime in
+//! one single-threaded tokio runtime with paused time, on the in-memory storages, with faults
+//! and the workload drawn from one `u64` seed, and invariants checked as the run goes.
+//!
+//! ```text
+//! cargo xtask sim --seeds 200     # seeds 0..200, each run twice to compare histories
+//! cargo xtask sim --seed 17       # one seed, with its history printed
+//! ```
+//!
+//! Determinism needs tokio's own random choices (`select!` branch order) seeded too, which
+//! tokio offers only when built with `--cfg tokio_unstable` (`Builder::rng_seed`); `cargo
+//! xtask sim` builds so, in a target directory of its own. Without it a run still checks every
+//! invariant, but two runs of one seed may take different paths.
+//!
+//! Status (first slice of the simulation issue): runners freeze (lock storage black-holed for
+//! a while), crash (their lock storage dies: no refresh, no release) and are replaced, restart
+//! gracefully; reply writes get latency spikes; the workload is persisted requests with
+//! primary keys from a client-only process. Checked: no shard is acquired by two live
+//! runners at one sampled instant, every request is answered to its caller, exactly one final
+//! reply is stored per request, and the handler's effect is applied once per request.
+
+use std::collections::BTreeMap;
+use std::sync::{Arc, Mutex, PoisonError};
+use std::time::Duration;
+
+use cluster_core::ids::RunnerAddress;
+use cluster_core::storage::{MessageStorage, RunnerStorage};
+use cluster_core::{Clock, ShardingConfig, Timestamp};
+use cluster_sharding::{
+    Entity, EntityContext, EntityOptions, Handler, Protocol, RequestContext, Rpc, Sharding,
+};
+use serde::{Deserialize, Serialize};
+
+use crate::faulty::{Faults, FaultyMessageStorage, FaultyRunnerStorage, LockFaults};
+use crate::memory::{MemoryMessageStorage, MemoryRunnerDatabase, MemoryRunnerStorage};
+
+/// A small, fast, seedable random source (splitmix64): every choice of a simulation.
+#[derive(Clone, Debug)]
+pub struct SimRng(u64);
+
+impl SimRng {
+    /// The source of `seed`.
+    pub fn new(seed: u64) -> SimRng {
+        SimRng(seed)
+    }
+
+    /// The next 64 random bits.
+    pub fn next_u64(&mut self) -> u64 {
+        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
+        let mut z = self.0;
+        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+        z ^ (z >> 31)
+    }
+
+    /// A number in `0..n` (`0` when `n` is 0).
+    pub fn below(&mut self, n: u64) -> u64 {
+        if n == 0 { 0 } else { self.next_u64() % n }
+    }
+
+    /// A duration in `min..=max`, in whole milliseconds.
+    pub fn duration(&mut self, min: Duration, max: Duration) -> Duration {
+        let (min, max) = (millis(min), millis(max).max(millis(min)));
+        Duration::from_millis(min + self.below(max - min + 1))
+    }
+}
+
+fn millis(duration: Duration) -> u64 {
+    u64::try_from(duration.as_millis()).unwrap_or(u64::MAX)
+}
+
+/// The simulation's wall clock: tokio's (paused) clock from a fixed origin, plus a skew of
+/// its own per runner.
+#[derive(Debug)]
+pub struct SimClock {
+    origin: Timestamp,
+    start: tokio::time::Instant,
+    skew: Duration,
+    ahead: bool,
+}
+
+impl SimClock {
+    /// A clock `skew` ahead of (or, with `ahead` false, behind) the simulation's time.
+    pub fn new(start: tokio::time::Instant, skew: Duration, ahead: bool) -> SimClock {
+        SimClock { origin: Timestamp::from_unix_millis(1_700_000_000_000), start, skew, ahead }
+    }
+}
+
+impl Clock for SimClock {
+    fn now(&self) -> Timestamp {
+        let now = self.origin.saturating_add(self.start.elapsed());
+        if self.ahead { now.saturating_add(self.skew) } else { now.saturating_sub(self.skew) }
+    }
+}
+
+/// What one simulation runs.
+#[derive(Clone, Debug)]
+pub struct SimConfig {
+    /// Every choice comes from this seed.
+    pub seed: u64,
+    /// Runners at any time.
+    pub runners: usize,
+    /// Persisted requests the client sends.
+    pub requests: usize,
+    /// Whether faults are injected.
+    pub faults: bool,
+}
+
+impl SimConfig {
+    /// The default scenario of `seed`: 3 runners, 60 requests, faults on.
+    pub fn seed(seed: u64) -> SimConfig {
+        SimConfig { seed, runners: 3, requests: 60, faults: true }
+    }
+}
+
+/// What a simulation saw.
+#[derive(Clone, Debug)]
+pub struct SimReport {
+    /// The seed.
+    pub seed: u64,
+    /// A hash of the event log: equal for two runs that took the same path.
+    pub history: u64,
+    /// The event log (virtual milliseconds and what happened).
+    pub events: Vec<(u64, String)>,
+    /// The invariants that did not hold.
+    pub violations: Vec<String>,
+}
+
+impl SimReport {
+    /// Whether every invariant held.
+    pub fn passed(&self) -> bool {
+        self.violations.is_empty()
+    }
+}
+
+/// The event log of a run.
+#[derive(Clone)]
+struct History {
+    start: tokio::time::Instant,
+    events: Arc<Mutex<Vec<(u64, String)>>>,
+}
+
+impl History {
+    fn record(&self, event: String) {
+        let at = millis(self.start.elapsed());
+        self.events.lock().unwrap_or_else(PoisonError::into_inner).push((at, event));
+    }
+
+    fn take(&self) -> Vec<(u64, String)> {
+        std::mem::take(&mut *self.events.lock().unwrap_or_else(PoisonError::into_inner))
+    }
+}
+
+/// FNV-1a over the event log.
+fn hash(events: &[(u64, String)]) -> u64 {
+    let mut hash = 0xcbf2_9ce4_8422_2325_u64;
+    for (at, event) in events {
+        for byte in at.to_le_bytes().iter().chain(event.as_bytes()).chain(b"\n") {
+            hash ^= u64::from(*byte);
+            hash = hash.wrapping_mul(0x0100_0000_01b3);
+        }
+    }
+    hash
+}
+
+/// Runs one simulation on a fresh single-threaded runtime with paused time.
+///
+/// # Panics
+///
+/// If the runtime cannot be built.
+pub fn run(config: &SimConfig) -> SimReport {
+    let mut builder = tokio::runtime::Builder::new_current_thread();
+    builder.enable_time().start_paused(true);
+    #[cfg(tokio_unstable)]
+    builder.rng_seed(tokio::runtime::RngSeed::from_bytes(&config.seed.to_le_bytes()));
+    let runtime = match builder.build() {
+        Ok(runtime) => runtime,
+        Err(error) => panic!("cannot build the simulation's runtime: {error}"),
+    };
+    let report = runtime.block_on(simulate(config.clone()));
+    runtime.shutdown_background();
+    report
+}
+
+/// How long a lock lives without a refresh in the simulation.
+const EXPIRATION: Duration = Duration::from_secs(2);
+/// When the last request is sent at the latest.
+const WORKLOAD: Duration = Duration::from_secs(20);
+/// When faults stop.
+const FAULTS_END: Duration = Duration::from_secs(25);
+/// How long after the faults stop every caller must have its reply.
+const HEAL_BOUND: Duration = Duration::from_secs(60);
+
+fn runner_config(runner_address: Option<RunnerAddress>) -> ShardingConfig {
+    ShardingConfig {
+        runner_address,
+        shards_per_group: 12,
+        refresh_assignments_interval: Duration::from_millis(100),
+        shard_lock_refresh_interval: Duration::from_millis(500),
+        shard_lock_expiration: EXPIRATION,
+        entity_message_poll_interval: Duration::from_millis(100),
+        entity_reply_poll_interval: Duration::from_millis(100),
+        entity_termination_timeout: Duration::from_millis(500),
+        ..ShardingConfig::default()
+    }
+}
+
+/// A persisted request with a primary key: add one to a counter.
+#[derive(Serialize, Deserialize)]
+struct Add {
+    key: String,
+}
+
+impl Rpc for Add {
+    const TAG: &'static str = "Add";
+    const PERSISTED: bool = true;
+    type Success = u64;
+    type Error = String;
+
+    fn primary_key(&self) -> Option<String> {
+        Some(self.key.clone())
+    }
+}
+
+/// The simulated entity: a counter.
+struct SimCounter {
+    value: u64,
+}
+
+impl Entity for SimCounter {
+    const TYPE: &'static str = "SimCounter";
+
+    async fn create(_: &EntityContext) -> SimCounter {
+        SimCounter { value: 0 }
+    }
+
+    fn protocol(protocol: &mut Protocol<SimCounter>) {
+        protocol.handle::<Add>();
+    }
+}
+
+impl Handler<Add> for SimCounter {
+    async fn handle(&mut self, _: &RequestContext, _: Add) -> Result<u64, String> {
+        self.value += 1;
+        Ok(self.value)
+    }
+}
+
+/// One runner of the simulation.
+struct SimRunner {
+    name: String,
+    sharding: Sharding,
+    locks: Arc<LockFaults>,
+    /// Crashed or stopped: no longer part of the ownership check.
+    gone: bool,
+}
+
+/// The shared pieces every runner of a run opens.
+struct World {
+    start: tokio::time::Instant,
+    messages: Arc<dyn MessageStorage>,
+    message_faults: Arc<Faults>,
+    registry: Arc<MemoryRunnerDatabase>,
+    history: History,
+    violations: Arc<Mutex<Vec<String>>>,
+    runners: Arc<Mutex<Vec<SimRunner>>>,
+    next_port: u16,
+}
+
+impl World {
+    fn violation(&self, what: String) {
+        self.history.record(format!("VIOLATION {what}"));
+        self.violations.lock().unwrap_or_else(PoisonError::into_inner).push(what);
+    }
+
+    /// Starts a runner whose clock is skewed by up to 200 ms.
+    async fn start_runner(&mut self, rng: &mut SimRng) {
+        let port = self.next_port;
+        self.next_port += 1;
+        let skew = rng.duration(Duration::ZERO, Duration::from_millis(200));
+        let clock: Arc<dyn Clock> = Arc::new(SimClock::new(self.start, skew, rng.below(2) == 0));
+        let locks: Arc<dyn RunnerStorage> =
+            Arc::new(MemoryRunnerStorage::new(Arc::clone(&self.registry), EXPIRATION));
+        let (locks, faults) = FaultyRunnerStorage::new(locks);
+        let config = runner_config(Some(RunnerAddress::new("sim", port)));
+        match Sharding::join(config, clock, Arc::clone(&self.messages), Arc::new(locks)).await {
+            Ok(sharding) => {
+                if let Err(error) = sharding.register::<SimCounter>(EntityOptions::default()) {
+                    self.violation(format!("runner {port} could not register: {error}"));
+                }
+                let name = format!("runner-{port}");
+                self.history.record(format!("start {name} skew {}ms", millis(skew)));
+                let runner = SimRunner { name, sharding, locks: faults, gone: false };
+                self.runners.lock().unwrap_or_else(PoisonError::into_inner).push(runner);
+            }
+            Err(error) => self.violation(format!("runner {port} did not start: {error}")),
+        }
+    }
+
+    /// The index of a live runner, if there are at least `at_least` live ones.
+    fn pick_live(&self, rng: &mut SimRng, at_least: usize) -> Option<usize> {
+        let runners = self.runners.lock().unwrap_or_else(PoisonError::into_inner);
+        let live: Vec<usize> = (0..runners.len()).filter(|&i| !runners[i].gone).collect();
+        if live.len() < at_least {
+            return None;
+        }
+        let choice = usize::try_from(rng.below(live.len() as u64)).unwrap_or(0);
+        live.get(choice).copied()
+    }
+}
+
+/// One fault of the schedule.
+enum Fault {
+    /// The runner's lock storage hangs for a while (a frozen process).
+    Freeze(Duration),
+    /// The runner dies: no more refreshes or releases; a new runner replaces it.
+    Crash,
+    /// The runner shuts down gracefully; a new runner replaces it.
+    Restart,
+    /// Reply writes take this long for a while.
+    SlowReplies(Duration, Duration),
+}
+
+async fn simulate(config: SimConfig) -> SimReport {
+    let start = tokio::time::Instant::now();
+    let mut rng = SimRng::new(config.seed);
+    let database_clock: Arc<dyn Clock> = Arc::new(SimClock::new(start, Duration::ZERO, true));
+    let memory: Arc<dyn MessageStorage> =
+        Arc::new(MemoryMessageStorage::new(Arc::clone(&database_clock)));
+    let (messages, message_faults) = FaultyMessageStorage::new(memory);
+    let history = History { start, events: Arc::default() };
+    let mut world = World {
+        start,
+        messages: Arc::new(messages),
+        message_faults,
+        registry: MemoryRunnerDatabase::new(database_clock),
+        history: history.clone(),
+        violations: Arc::default(),
+        runners: Arc::default(),
+        next_port: 1,
+    };
+    for _ in 0..config.runners {
+        world.start_runner(&mut rng).await;
+    }
+    let sampler = tokio::spawn(check_ownership(
+        Arc::clone(&world.runners),
+        world.history.clone(),
+        Arc::clone(&world.violations),
+    ));
+    let (client, calls) = start_workload(&world, &config, &mut rng).await;
+    if config.faults {
+        inject_faults(&mut world, &mut rng).await;
+    }
+    // Every caller gets its reply within a bound once the faults are over.
+    let deadline = start + FAULTS_END + HEAL_BOUND;
+    for (key, call) in calls {
+        match tokio::time::timeout_at(deadline, call).await {
+            Ok(Ok(())) => {}
+            Ok(Err(_)) => world.violation(format!("the caller of {key} panicked")),
+            Err(_) => world.violation(format!("{key} was not answered within the bound")),
+        }
+    }
+    sampler.abort();
+    check_final_replies(&world, &client, config.requests).await;
+    stop(&world, &client).await;
+    let events = history.take();
+    let violations = world.violations.lock().unwrap_or_else(PoisonError::into_inner).clone();
+    SimReport { seed: config.seed, history: hash(&events), events, violations }
+}
+
+/// The entity of request `index` (requests spread over seven counters).
+fn counter_of(client: &Sharding, index: usize) -> cluster_sharding::EntityClient<SimCounter> {
+    client.client::<SimCounter>(format!("counter-{}", index % 7))
+}
+
+/// A client-only process sends every request at a time drawn from the seed and retries it
+/// (with its key) until it is answered.
+async fn start_workload(
+    world: &World,
+    config: &SimConfig,
+    rng: &mut SimRng,
+) -> (Sharding, Vec<(String, tokio::task::JoinHandle<()>)>) {
+    let clock: Arc<dyn Clock> = Arc::new(SimClock::new(world.start, Duration::ZERO, true));
+    let client = match Sharding::client_only(
+        runner_config(None),
+        clock,
+        Arc::clone(&world.messages),
+    )
+    .await
+    {
+        Ok(client) => client,
+        Err(error) => panic!("the simulation's client does not start: {error}"),
+    };
+    let mut calls = Vec::with_capacity(config.requests);
+    for index in 0..config.requests {
+        let key = format!("k{index}");
+        let at = rng.duration(Duration::ZERO, WORKLOAD);
+        let (counter, history) = (counter_of(&client, index), world.history.clone());
+        let call_key = key.clone();
+        let call = tokio::spawn(async move {
+            tokio::time::sleep(at).await;
+            loop {
+                match counter.send(Add { key: call_key.clone() }).await {
+                    Ok(value) => {
+                        history.record(format!("answered {call_key} = {value}"));
+                        return;
+                    }
+                    Err(error) => {
+                        history.record(format!("retry {call_key}: {error}"));
+                        tokio::time::sleep(Duration::from_millis(500)).await;
+                    }
+                }
+            }
+        });
+        calls.push((key, call));
+    }
+    (client, calls)
+}
+
+/// Draws and applies the fault schedule until [`FAULTS_END`].
+async fn inject_faults(world: &mut World, rng: &mut SimRng) {
+    loop {
+        tokio::time::sleep(rng.duration(Duration::from_millis(500), Duration::from_secs(3))).await;
+        if world.start.elapsed() >= FAULTS_END {
+            return;
+        }
+        let fault = match rng.below(4) {
+            0 => Fault::Freeze(rng.duration(Duration::from_millis(500), Duration::from_secs(4))),
+            1 => Fault::Crash,
+            2 => Fault::Restart,
+            _ => Fault::SlowReplies(
+                rng.duration(Duration::from_millis(50), Duration::from_millis(800)),
+                rng.duration(Duration::from_millis(500), Duration::from_secs(3)),
+            ),
+        };
+        apply(world, rng, fault).await;
+    }
+}
+
+async fn apply(world: &mut World, rng: &mut SimRng, fault: Fault) {
+    match fault {
+        Fault::Freeze(duration) => {
+            let Some(index) = world.pick_live(rng, 1) else { return };
+            let (name, locks) = {
+                let runners = world.runners.lock().unwrap_or_else(PoisonError::into_inner);
+                (runners[index].name.clone(), Arc::clone(&runners[index].locks))
+            };
+            world.history.record(format!("freeze {name} for {}ms", millis(duration)));
+            locks.blackhole(true);
+            let history = world.history.clone();
+            tokio::spawn(async move {
+                tokio::time::sleep(duration).await;
+                locks.blackhole(false);
+                history.record(format!("thaw {name}"));
+            });
+        }
+        Fault::Crash => {
+            let Some(index) = world.pick_live(rng, 2) else { return };
+            let name = {
+                let mut runners = world.runners.lock().unwrap_or_else(PoisonError::into_inner);
+                runners[index].locks.kill();
+                runners[index].gone = true;
+                runners[index].name.clone()
+            };
+            world.history.record(format!("crash {name}"));
+            world.start_runner(rng).await;
+        }
+        Fault::Restart => {
+            let Some(index) = world.pick_live(rng, 1) else { return };
+            let (name, sharding) = {
+                let runners = world.runners.lock().unwrap_or_else(PoisonError::into_inner);
+                (runners[index].name.clone(), runners[index].sharding.clone())
+            };
+            world.history.record(format!("restart {name}"));
+            let (runners, history) = (Arc::clone(&world.runners), world.history.clone());
+            tokio::spawn(async move {
+                sharding.shutdown().await;
+                history.record(format!("stopped {name}"));
+                let mut runners = runners.lock().unwrap_or_else(PoisonError::into_inner);
+                if let Some(runner) = runners.iter_mut().find(|runner| runner.name == name) {
+                    runner.gone = true;
+                }
+            });
+            world.start_runner(rng).await;
+        }
+        Fault::SlowReplies(delay, duration) => {
+            world.history.record(format!(
+                "slow replies {}ms for {}ms",
+                millis(delay),
+                millis(duration)
+            ));
+            world.message_faults.delay_replies(delay);
+            let (faults, history) = (Arc::clone(&world.message_faults), world.history.clone());
+            tokio::spawn(async move {
+                tokio::time::sleep(duration).await;
+                faults.delay_replies(Duration::ZERO);
+                history.record("replies fast again".to_owned());
+            });
+        }
+    }
+}
+
+/// Every 25 ms: no shard is acquired by two live runners.
+async fn check_ownership(
+    runners: Arc<Mutex<Vec<SimRunner>>>,
+    history: History,
+    violations: Arc<Mutex<Vec<String>>>,
+) {
+    // Each overlap is reported once, however many samples see it.
+    let mut reported = std::collections::BTreeSet::new();
+    loop {
+        tokio::time::sleep(Duration::from_millis(25)).await;
+        let mut owners: BTreeMap<String, String> = BTreeMap::new();
+        let runners = runners.lock().unwrap_or_else(PoisonError::into_inner);
+        for runner in runners.iter().filter(|runner| !runner.gone) {
+            for shard in runner.sharding.acquired_shards() {
+                if let Some(other) = owners.insert(shard.to_string(), runner.name.clone()) {
+                    let what =
+                        format!("shard {shard} acquired by {other} and {} at once", runner.name);
+                    if !reported.insert(what.clone()) {
+                        continue;
+                    }
+                    history.record(format!("VIOLATION {what}"));
+                    violations.lock().unwrap_or_else(PoisonError::into_inner).push(what);
+                }
+            }
+        }
+    }
+}
+
+/// Exactly one final reply is stored per request.
+async fn check_final_replies(world: &World, client: &Sharding, requests: usize) {
+    for index in 0..requests {
+        let key = format!("k{index}");
+        let address = counter_of(client, index).address().clone();
+        let primary_key = cluster_core::envelope::primary_key(&address, Add::TAG, &key);
+        let request = match world.messages.request_id_for_primary_key(&primary_key).await {
+            Ok(Some(request)) => request,
+            Ok(None) => {
+                world.violation(format!("{key} is not stored"));
+                continue;
+            }
+            Err(error) => {
+                world.violation(format!("{key} cannot be read: {error}"));
+                continue;
+            }
+        };
+        match world.messages.replies_for_unfiltered(&[request]).await {
+            Ok(replies) => {
+                let finals = replies.iter().filter(|reply| reply.is_final()).count();
+                if finals != 1 {
+                    world.violation(format!("{key} has {finals} final replies"));
+                }
+            }
+            Err(error) => world.violation(format!("{key}'s replies cannot be read: {error}")),
+        }
+    }
+}
+
+/// Stops the client and every runner that is still up (crashed ones just stay).
+async fn stop(world: &World, client: &Sharding) {
+    client.shutdown().await;
+    let live: Vec<Sharding> = {
+        let runners = world.runners.lock().unwrap_or_else(PoisonError::into_inner);
+        runners.iter().filter(|runner| !runner.gone).map(|runner| runner.sharding.clone()).collect()
+    };
+    for sharding in live {
+        let _ = tokio::time::timeout(Duration::from_secs(30), sharding.shutdown()).await;
+    }
+}

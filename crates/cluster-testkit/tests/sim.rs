@@ -1,0 +1,45 @@
+//! The simulated cluster in the ordinary test run: a few seeds with every invariant checked
+//! (the determinism check needs `--cfg tokio_unstable`: `cargo xtask sim`, also run by CI).
+
+use cluster_testkit::sim::{SimConfig, SimRng, run};
+
+#[test]
+fn seeds_pass_every_invariant() {
+    for seed in 0..8 {
+        let report = run(&SimConfig::seed(seed));
+        assert!(report.passed(), "seed {seed}: {:?}", report.violations);
+        let answered =
+            report.events.iter().filter(|(_, event)| event.starts_with("answered ")).count();
+        assert_eq!(answered, 60, "seed {seed}: every request answered once");
+        assert!(
+            report.events.iter().any(|(_, event)| event.starts_with("crash ")
+                || event.starts_with("freeze ")
+                || event.starts_with("restart ")
+                || event.starts_with("slow replies")),
+            "seed {seed}: faults were injected"
+        );
+    }
+}
+
+#[test]
+fn a_run_without_faults_answers_everything() {
+    let report = run(&SimConfig { faults: false, ..SimConfig::seed(3) });
+    assert!(report.passed(), "{:?}", report.violations);
+    assert!(!report.events.iter().any(|(_, event)| event.starts_with("crash ")));
+}
+
+#[test]
+fn the_random_source_is_a_function_of_its_seed() {
+    let draw = |seed| {
+        let mut rng = SimRng::new(seed);
+        (0..16).map(|_| rng.below(1_000)).collect::<Vec<u64>>()
+    };
+    assert_eq!(draw(7), draw(7));
+    assert_ne!(draw(7), draw(8));
+    let mut rng = SimRng::new(1);
+    for _ in 0..1_000 {
+        let duration =
+            rng.duration(std::time::Duration::from_millis(5), std::time::Duration::from_millis(9));
+        assert!((5..=9).contains(&duration.as_millis()));
+    }
+}
