@@ -20,9 +20,23 @@ use cluster_core::{
     EntityAddress, MachineId, Runner, RunnerAddress, ShardId, Snowflake, Timestamp,
 };
 
+/// What a [`FaultyMessageStorage`] reports to its observer (see [`Faults::observe`]).
+#[derive(Debug)]
+pub enum StorageEvent<'a> {
+    /// A request was stored (not a duplicate).
+    RequestSaved(&'a Request),
+    /// A final reply is about to be written (before any injected delay).
+    FinalReply(&'a Reply),
+}
+
+/// A function told about the storage's writes.
+pub type Observer = Arc<dyn Fn(StorageEvent<'_>) + Send + Sync>;
+
 /// What to fail next, and how often it was asked for; shared with the test.
-#[derive(Debug, Default)]
+#[derive(Default)]
 pub struct Faults {
+    /// Told about stored requests and final replies.
+    observer: std::sync::Mutex<Option<Observer>>,
     begin_transaction: Countdown,
     commit_unacknowledged: Countdown,
     commit_failed: Countdown,
@@ -62,6 +76,20 @@ impl Faults {
         self.commit_failed.0.store(times, Ordering::Release);
     }
 
+    /// Reports this storage's stored requests and final replies to `observer` (an invariant
+    /// checker of a simulation).
+    pub fn observe(&self, observer: Observer) {
+        *self.observer.lock().unwrap_or_else(std::sync::PoisonError::into_inner) = Some(observer);
+    }
+
+    fn notify(&self, event: StorageEvent<'_>) {
+        let observer =
+            self.observer.lock().unwrap_or_else(std::sync::PoisonError::into_inner).clone();
+        if let Some(observer) = observer {
+            observer(event);
+        }
+    }
+
     /// The next `times` calls of `clear_replies` (resets of a request) fail (`Unavailable`).
     pub fn fail_clear_replies(&self, times: u32) {
         self.clear_replies.0.store(times, Ordering::Release);
@@ -89,6 +117,12 @@ impl Faults {
     /// that leaves a request for the next owner.
     pub fn resets(&self) -> Vec<Snowflake> {
         self.resets.lock().unwrap_or_else(std::sync::PoisonError::into_inner).clone()
+    }
+}
+
+impl fmt::Debug for Faults {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Faults").field("commits", &self.commits).finish_non_exhaustive()
     }
 }
 
@@ -122,7 +156,13 @@ impl MessageStorage for FaultyMessageStorage {
         request: &'a Request,
         options: &'a SaveRequestOptions,
     ) -> BoxFuture<'a, Result<SaveResult, StorageError>> {
-        self.inner.save_request(request, options)
+        Box::pin(async move {
+            let saved = self.inner.save_request(request, options).await;
+            if let Ok(SaveResult::Success) = &saved {
+                self.faults.notify(StorageEvent::RequestSaved(request));
+            }
+            saved
+        })
     }
 
     fn save_ack_chunk<'a>(&'a self, ack: &'a AckChunk) -> BoxFuture<'a, Result<(), StorageError>> {
@@ -137,6 +177,9 @@ impl MessageStorage for FaultyMessageStorage {
     }
 
     fn save_reply<'a>(&'a self, reply: &'a Reply) -> BoxFuture<'a, Result<(), StorageError>> {
+        if reply.is_final() {
+            self.faults.notify(StorageEvent::FinalReply(reply));
+        }
         let delay = self.faults.reply_delay_millis.load(Ordering::Acquire);
         if delay == 0 {
             return self.inner.save_reply(reply);

@@ -653,6 +653,20 @@ impl MemoryRunnerDatabase {
     }
 }
 
+impl MemoryRunnerDatabase {
+    /// The runner whose lease on `shard` is live now (leases last `expiration` from their
+    /// last refresh), as the database sees it.
+    pub fn lock_holder(&self, shard: &ShardId, expiration: Duration) -> Option<RunnerAddress> {
+        let expired_before = self.clock.now().saturating_sub(expiration);
+        let state = self.state.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        state
+            .locks
+            .get(shard)
+            .filter(|(_, refreshed)| *refreshed > expired_before)
+            .map(|(holder, _)| holder.clone())
+    }
+}
+
 /// An in-memory [`RunnerStorage`]: one runner's handle on a [`MemoryRunnerDatabase`]. Leases
 /// and heartbeats older than its expiration are expired.
 #[derive(Debug, Clone)]

@@ -16,8 +16,9 @@
 //! a while), crash (their lock storage dies: no refresh, no release) and are replaced, restart
 //! gracefully; reply writes get latency spikes; the workload is persisted requests with
 //! primary keys from a client-only process. Checked: no shard is acquired by two live
-//! runners at one sampled instant, every request is answered to its caller, exactly one final
-//! reply is stored per request, and the handler's effect is applied once per request.
+//! runners at one sampled instant, no runner writes a final reply while the database does not
+//! hold the shard's lease for it (fencing), every request is answered to its caller, and
+//! exactly one final reply is stored per request.
 
 use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex, PoisonError};
@@ -25,13 +26,13 @@ use std::time::Duration;
 
 use cluster_core::ids::RunnerAddress;
 use cluster_core::storage::{MessageStorage, RunnerStorage};
-use cluster_core::{Clock, ShardingConfig, Timestamp};
+use cluster_core::{Clock, ShardId, ShardingConfig, Snowflake, Timestamp};
 use cluster_sharding::{
     Entity, EntityContext, EntityOptions, Handler, Protocol, RequestContext, Rpc, Sharding,
 };
 use serde::{Deserialize, Serialize};
 
-use crate::faulty::{Faults, FaultyMessageStorage, FaultyRunnerStorage, LockFaults};
+use crate::faulty::{Faults, FaultyMessageStorage, FaultyRunnerStorage, LockFaults, StorageEvent};
 use crate::memory::{MemoryMessageStorage, MemoryRunnerDatabase, MemoryRunnerStorage};
 
 /// A small, fast, seedable random source (splitmix64): every choice of a simulation.
@@ -258,8 +259,12 @@ struct SimRunner {
 /// The shared pieces every runner of a run opens.
 struct World {
     start: tokio::time::Instant,
+    /// The message database (each process has its own faulty handle on it).
     messages: Arc<dyn MessageStorage>,
-    message_faults: Arc<Faults>,
+    /// Every process's storage faults (slow replies apply to all).
+    storage_faults: Arc<Mutex<Vec<Arc<Faults>>>>,
+    /// The shard of every stored request (for the fencing check).
+    requests: Arc<Mutex<BTreeMap<Snowflake, ShardId>>>,
     registry: Arc<MemoryRunnerDatabase>,
     history: History,
     violations: Arc<Mutex<Vec<String>>>,
@@ -273,6 +278,36 @@ impl World {
         self.violations.lock().unwrap_or_else(PoisonError::into_inner).push(what);
     }
 
+    /// A process's own handle on the message database. For a runner it checks fencing: a
+    /// final reply is written only while the database holds the shard's lease for it.
+    fn storage_for(&self, runner: Option<RunnerAddress>) -> Arc<dyn MessageStorage> {
+        let (storage, faults) = FaultyMessageStorage::new(Arc::clone(&self.messages));
+        let (requests, registry) = (Arc::clone(&self.requests), Arc::clone(&self.registry));
+        let (history, violations) = (self.history.clone(), Arc::clone(&self.violations));
+        faults.observe(Arc::new(move |event| match event {
+            StorageEvent::RequestSaved(request) => {
+                let shard = request.address.shard_id.clone();
+                requests.lock().unwrap_or_else(PoisonError::into_inner).insert(request.request_id, shard);
+            }
+            StorageEvent::FinalReply(reply) => {
+                let Some(runner) = &runner else { return };
+                let shard = requests.lock().unwrap_or_else(PoisonError::into_inner).get(&reply.request_id()).cloned();
+                let Some(shard) = shard else { return };
+                let holder = registry.lock_holder(&shard, EXPIRATION);
+                if holder.as_ref() != Some(runner) {
+                    let what = format!(
+                        "runner {runner} stored the final reply of {} while {holder:?} held {shard}",
+                        reply.request_id()
+                    );
+                    history.record(format!("VIOLATION {what}"));
+                    violations.lock().unwrap_or_else(PoisonError::into_inner).push(what);
+                }
+            }
+        }));
+        self.storage_faults.lock().unwrap_or_else(PoisonError::into_inner).push(faults);
+        Arc::new(storage)
+    }
+
     /// Starts a runner whose clock is skewed by up to 200 ms.
     async fn start_runner(&mut self, rng: &mut SimRng) {
         let port = self.next_port;
@@ -282,8 +317,10 @@ impl World {
         let locks: Arc<dyn RunnerStorage> =
             Arc::new(MemoryRunnerStorage::new(Arc::clone(&self.registry), EXPIRATION));
         let (locks, faults) = FaultyRunnerStorage::new(locks);
-        let config = runner_config(Some(RunnerAddress::new("sim", port)));
-        match Sharding::join(config, clock, Arc::clone(&self.messages), Arc::new(locks)).await {
+        let address = RunnerAddress::new("sim", port);
+        let config = runner_config(Some(address.clone()));
+        let messages = self.storage_for(Some(address));
+        match Sharding::join(config, clock, messages, Arc::new(locks)).await {
             Ok(sharding) => {
                 if let Err(error) = sharding.register::<SimCounter>(EntityOptions::default()) {
                     self.violation(format!("runner {port} could not register: {error}"));
@@ -327,12 +364,12 @@ async fn simulate(config: SimConfig) -> SimReport {
     let database_clock: Arc<dyn Clock> = Arc::new(SimClock::new(start, Duration::ZERO, true));
     let memory: Arc<dyn MessageStorage> =
         Arc::new(MemoryMessageStorage::new(Arc::clone(&database_clock)));
-    let (messages, message_faults) = FaultyMessageStorage::new(memory);
     let history = History { start, events: Arc::default() };
     let mut world = World {
         start,
-        messages: Arc::new(messages),
-        message_faults,
+        messages: memory,
+        storage_faults: Arc::default(),
+        requests: Arc::default(),
         registry: MemoryRunnerDatabase::new(database_clock),
         history: history.clone(),
         violations: Arc::default(),
@@ -381,16 +418,11 @@ async fn start_workload(
     rng: &mut SimRng,
 ) -> (Sharding, Vec<(String, tokio::task::JoinHandle<()>)>) {
     let clock: Arc<dyn Clock> = Arc::new(SimClock::new(world.start, Duration::ZERO, true));
-    let client = match Sharding::client_only(
-        runner_config(None),
-        clock,
-        Arc::clone(&world.messages),
-    )
-    .await
-    {
-        Ok(client) => client,
-        Err(error) => panic!("the simulation's client does not start: {error}"),
-    };
+    let client =
+        match Sharding::client_only(runner_config(None), clock, world.storage_for(None)).await {
+            Ok(client) => client,
+            Err(error) => panic!("the simulation's client does not start: {error}"),
+        };
     let mut calls = Vec::with_capacity(config.requests);
     for index in 0..config.requests {
         let key = format!("k{index}");
@@ -489,11 +521,17 @@ async fn apply(world: &mut World, rng: &mut SimRng, fault: Fault) {
                 millis(delay),
                 millis(duration)
             ));
-            world.message_faults.delay_replies(delay);
-            let (faults, history) = (Arc::clone(&world.message_faults), world.history.clone());
+            let faults: Vec<Arc<Faults>> =
+                world.storage_faults.lock().unwrap_or_else(PoisonError::into_inner).clone();
+            for process in &faults {
+                process.delay_replies(delay);
+            }
+            let history = world.history.clone();
             tokio::spawn(async move {
                 tokio::time::sleep(duration).await;
-                faults.delay_replies(Duration::ZERO);
+                for process in &faults {
+                    process.delay_replies(Duration::ZERO);
+                }
                 history.record("replies fast again".to_owned());
             });
         }
