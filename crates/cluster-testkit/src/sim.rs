@@ -12,13 +12,15 @@
 //! xtask sim` builds so, in a target directory of its own. Without it a run still checks every
 //! invariant, but two runs of one seed may take different paths.
 //!
-//! Status (first slice of the simulation issue): runners freeze (lock storage black-holed for
-//! a while), crash (their lock storage dies: no refresh, no release) and are replaced, restart
-//! gracefully; reply writes get latency spikes; the workload is persisted requests with
-//! primary keys from a client-only process. Checked: no shard is acquired by two live
+//! Status (first slices of the simulation issue): runners freeze (lock storage black-holed
+//! for a while), crash (their lock storage dies: no refresh, no release; cut off the network)
+//! and are replaced, restart gracefully, are partitioned off the network for a while; reply
+//! writes get latency spikes; the workload is persisted requests with primary keys and
+//! volatile requests from a client-only member of the cluster. Checked: no shard is acquired by two live
 //! runners at one sampled instant, no runner writes a final reply while the database does not
 //! hold the shard's lease for it (fencing), every request is answered to its caller, and
-//! exactly one final reply is stored per request.
+//! exactly one final reply is stored per request; every volatile request ends with its reply
+//! or a typed error within a bound.
 
 use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex, PoisonError};
@@ -34,6 +36,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::faulty::{Faults, FaultyMessageStorage, FaultyRunnerStorage, LockFaults, StorageEvent};
 use crate::memory::{MemoryMessageStorage, MemoryRunnerDatabase, MemoryRunnerStorage};
+use crate::transport::MemoryNetwork;
 
 /// A small, fast, seedable random source (splitmix64): every choice of a simulation.
 #[derive(Clone, Debug)]
@@ -191,6 +194,8 @@ const WORKLOAD: Duration = Duration::from_secs(20);
 const FAULTS_END: Duration = Duration::from_secs(25);
 /// How long after the faults stop every caller must have its reply.
 const HEAL_BOUND: Duration = Duration::from_secs(60);
+/// How long a volatile call may take, faults or not, before it counts as a hang.
+const VOLATILE_BOUND: Duration = Duration::from_secs(30);
 
 fn runner_config(runner_address: Option<RunnerAddress>) -> ShardingConfig {
     ShardingConfig {
@@ -202,6 +207,7 @@ fn runner_config(runner_address: Option<RunnerAddress>) -> ShardingConfig {
         entity_message_poll_interval: Duration::from_millis(100),
         entity_reply_poll_interval: Duration::from_millis(100),
         entity_termination_timeout: Duration::from_millis(500),
+        runner_health_check_interval: Duration::from_secs(1),
         ..ShardingConfig::default()
     }
 }
@@ -223,6 +229,18 @@ impl Rpc for Add {
     }
 }
 
+/// A volatile request: sent runner to runner through the simulated network.
+#[derive(Serialize, Deserialize)]
+struct Echo {
+    n: u64,
+}
+
+impl Rpc for Echo {
+    const TAG: &'static str = "Echo";
+    type Success = u64;
+    type Error = String;
+}
+
 /// The simulated entity: a counter.
 struct SimCounter {
     value: u64,
@@ -236,7 +254,13 @@ impl Entity for SimCounter {
     }
 
     fn protocol(protocol: &mut Protocol<SimCounter>) {
-        protocol.handle::<Add>();
+        protocol.handle::<Add>().handle::<Echo>();
+    }
+}
+
+impl Handler<Echo> for SimCounter {
+    async fn handle(&mut self, _: &RequestContext, request: Echo) -> Result<u64, String> {
+        Ok(request.n)
     }
 }
 
@@ -250,6 +274,7 @@ impl Handler<Add> for SimCounter {
 /// One runner of the simulation.
 struct SimRunner {
     name: String,
+    address: RunnerAddress,
     sharding: Sharding,
     locks: Arc<LockFaults>,
     /// Crashed or stopped: no longer part of the ownership check.
@@ -266,6 +291,8 @@ struct World {
     /// The shard of every stored request (for the fencing check).
     requests: Arc<Mutex<BTreeMap<Snowflake, ShardId>>>,
     registry: Arc<MemoryRunnerDatabase>,
+    /// The runners' network (volatile requests, health checks).
+    network: Arc<MemoryNetwork>,
     history: History,
     violations: Arc<Mutex<Vec<String>>>,
     runners: Arc<Mutex<Vec<SimRunner>>>,
@@ -319,15 +346,19 @@ impl World {
         let (locks, faults) = FaultyRunnerStorage::new(locks);
         let address = RunnerAddress::new("sim", port);
         let config = runner_config(Some(address.clone()));
-        let messages = self.storage_for(Some(address));
-        match Sharding::join(config, clock, messages, Arc::new(locks)).await {
+        let messages = self.storage_for(Some(address.clone()));
+        let transport = Some(self.network.runners());
+        match Sharding::join_with_transport(config, clock, messages, Arc::new(locks), transport)
+            .await
+        {
             Ok(sharding) => {
+                self.network.attach(address.clone(), sharding.runner_handler());
                 if let Err(error) = sharding.register::<SimCounter>(EntityOptions::default()) {
                     self.violation(format!("runner {port} could not register: {error}"));
                 }
                 let name = format!("runner-{port}");
                 self.history.record(format!("start {name} skew {}ms", millis(skew)));
-                let runner = SimRunner { name, sharding, locks: faults, gone: false };
+                let runner = SimRunner { name, address, sharding, locks: faults, gone: false };
                 self.runners.lock().unwrap_or_else(PoisonError::into_inner).push(runner);
             }
             Err(error) => self.violation(format!("runner {port} did not start: {error}")),
@@ -356,6 +387,8 @@ enum Fault {
     Restart,
     /// Reply writes take this long for a while.
     SlowReplies(Duration, Duration),
+    /// The runner is cut off the network (calls to it fail) for a while.
+    Partition(Duration),
 }
 
 async fn simulate(config: SimConfig) -> SimReport {
@@ -371,6 +404,7 @@ async fn simulate(config: SimConfig) -> SimReport {
         storage_faults: Arc::default(),
         requests: Arc::default(),
         registry: MemoryRunnerDatabase::new(database_clock),
+        network: MemoryNetwork::new(),
         history: history.clone(),
         violations: Arc::default(),
         runners: Arc::default(),
@@ -418,11 +452,24 @@ async fn start_workload(
     rng: &mut SimRng,
 ) -> (Sharding, Vec<(String, tokio::task::JoinHandle<()>)>) {
     let clock: Arc<dyn Clock> = Arc::new(SimClock::new(world.start, Duration::ZERO, true));
-    let client =
-        match Sharding::client_only(runner_config(None), clock, world.storage_for(None)).await {
-            Ok(client) => client,
-            Err(error) => panic!("the simulation's client does not start: {error}"),
-        };
+    // A client-only member of the cluster: it computes the assignment and reaches the runners
+    // through the network for volatile requests.
+    let registry: Arc<dyn RunnerStorage> =
+        Arc::new(MemoryRunnerStorage::new(Arc::clone(&world.registry), EXPIRATION));
+    let transport = Some(world.network.runners());
+    let storage = world.storage_for(None);
+    let client = match Sharding::join_with_transport(
+        runner_config(None),
+        clock,
+        storage,
+        registry,
+        transport,
+    )
+    .await
+    {
+        Ok(client) => client,
+        Err(error) => panic!("the simulation's client does not start: {error}"),
+    };
     let mut calls = Vec::with_capacity(config.requests);
     for index in 0..config.requests {
         let key = format!("k{index}");
@@ -446,6 +493,31 @@ async fn start_workload(
         });
         calls.push((key, call));
     }
+    // Volatile requests: each ends with its echo or a typed error within the bound, never a
+    // hang.
+    for index in 0..config.requests {
+        let at = rng.duration(Duration::ZERO, WORKLOAD);
+        let (counter, history, violations) =
+            (counter_of(&client, index), world.history.clone(), Arc::clone(&world.violations));
+        let n = u64::try_from(index).unwrap_or(u64::MAX);
+        let call = tokio::spawn(async move {
+            tokio::time::sleep(at).await;
+            let what = match tokio::time::timeout(VOLATILE_BOUND, counter.send(Echo { n })).await {
+                Ok(Ok(echo)) if echo == n => format!("echo {n}"),
+                Ok(Ok(echo)) => format!("VIOLATION echo {n} answered {echo}"),
+                Ok(Err(error)) => format!("echo {n} failed: {error}"),
+                Err(_) => format!("VIOLATION echo {n} hung for {}ms", millis(VOLATILE_BOUND)),
+            };
+            if let Some(violation) = what.strip_prefix("VIOLATION ") {
+                violations
+                    .lock()
+                    .unwrap_or_else(PoisonError::into_inner)
+                    .push(violation.to_owned());
+            }
+            history.record(what);
+        });
+        calls.push((format!("e{index}"), call));
+    }
     (client, calls)
 }
 
@@ -456,10 +528,11 @@ async fn inject_faults(world: &mut World, rng: &mut SimRng) {
         if world.start.elapsed() >= FAULTS_END {
             return;
         }
-        let fault = match rng.below(4) {
+        let fault = match rng.below(5) {
             0 => Fault::Freeze(rng.duration(Duration::from_millis(500), Duration::from_secs(4))),
             1 => Fault::Crash,
             2 => Fault::Restart,
+            3 => Fault::Partition(rng.duration(Duration::from_millis(500), Duration::from_secs(5))),
             _ => Fault::SlowReplies(
                 rng.duration(Duration::from_millis(50), Duration::from_millis(800)),
                 rng.duration(Duration::from_millis(500), Duration::from_secs(3)),
@@ -492,6 +565,7 @@ async fn apply(world: &mut World, rng: &mut SimRng, fault: Fault) {
                 let mut runners = world.runners.lock().unwrap_or_else(PoisonError::into_inner);
                 runners[index].locks.kill();
                 runners[index].gone = true;
+                world.network.detach(&runners[index].address);
                 runners[index].name.clone()
             };
             world.history.record(format!("crash {name}"));
@@ -514,6 +588,30 @@ async fn apply(world: &mut World, rng: &mut SimRng, fault: Fault) {
                 }
             });
             world.start_runner(rng).await;
+        }
+        Fault::Partition(duration) => {
+            let Some(index) = world.pick_live(rng, 1) else { return };
+            let (name, address, sharding) = {
+                let runners = world.runners.lock().unwrap_or_else(PoisonError::into_inner);
+                let runner = &runners[index];
+                (runner.name.clone(), runner.address.clone(), runner.sharding.clone())
+            };
+            world.history.record(format!("partition {name} for {}ms", millis(duration)));
+            world.network.detach(&address);
+            let (network, history, runners) =
+                (Arc::clone(&world.network), world.history.clone(), Arc::clone(&world.runners));
+            tokio::spawn(async move {
+                tokio::time::sleep(duration).await;
+                let gone = runners
+                    .lock()
+                    .unwrap_or_else(PoisonError::into_inner)
+                    .iter()
+                    .any(|runner| runner.name == name && runner.gone);
+                if !gone {
+                    network.attach(address, sharding.runner_handler());
+                    history.record(format!("heal {name}"));
+                }
+            });
         }
         Fault::SlowReplies(delay, duration) => {
             world.history.record(format!(
