@@ -469,6 +469,10 @@ impl Sharding {
             self.stop_singletons_in(Some(&shard)),
         )
         .await;
+        // A final reply confirmed before the release is written before the lock goes.
+        if let Some(persisted) = self.persisted() {
+            persisted.writes_finished(Some(&shard), self.config().shard_lock_interval()).await;
+        }
         let started = tokio::time::Instant::now();
         let mut warned_at: Option<tokio::time::Instant> = None;
         loop {
@@ -541,6 +545,9 @@ impl Sharding {
             let healthy = cluster.state().ownership.locks_healthy();
             if healthy {
                 let interval = self.config().shard_lock_interval();
+                if let Some(persisted) = self.persisted() {
+                    persisted.writes_finished(None, interval).await;
+                }
                 match bounded(interval, cluster.storage.release_all(&address)).await {
                     Ok(()) => break,
                     Err(error) => tracing::debug!(%error, "release_all failed; retrying"),
@@ -791,6 +798,9 @@ impl Sharding {
                 }
             }
             cluster.stopped.cancel();
+            if let Some(persisted) = self.persisted() {
+                persisted.writes_finished(None, self.config().shard_lock_interval()).await;
+            }
             let released = bounded(bound, cluster.storage.release_all(&address));
             if let Err(error) = released.await {
                 tracing::warn!(%error, "could not release the shard locks; they expire");

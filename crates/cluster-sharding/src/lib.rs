@@ -48,7 +48,7 @@ pub use entity::{
     Protocol, RequestContext, SharedHandler, StreamHandler, TransactionSlot,
 };
 pub use rpc::{CallError, Rpc, StreamRpc, Uninterruptible};
-pub use sharding::{RegisterError, RegistrationEvent, Sharding};
+pub use sharding::{RegisterError, RegistrationEvent, Sharding, seed_provisional_machine_ids};
 #[cfg(feature = "sqlite")]
 pub use single_runner::SingleRunner;
 pub use single_runner::StartError;

@@ -48,6 +48,32 @@ pub(crate) struct Persisted {
     reply_waiters: Notify,
     /// Where the acknowledgements of in-flight streaming requests go.
     stream_acks: Mutex<BTreeMap<Snowflake, mpsc::Sender<Snowflake>>>,
+    /// Final replies being confirmed and written, per shard: the shard's lock is released
+    /// only after them, so that no final reply is written once this runner let the lock go.
+    writes: Mutex<BTreeMap<ShardId, usize>>,
+    /// Woken when a write ends.
+    write_ended: Notify,
+}
+
+/// A final reply's confirmation and write in progress on a shard.
+pub(crate) struct WriteGuard {
+    persisted: Arc<Persisted>,
+    shard: ShardId,
+}
+
+impl Drop for WriteGuard {
+    fn drop(&mut self) {
+        {
+            let mut writes = lock(&self.persisted.writes);
+            if let Some(count) = writes.get_mut(&self.shard) {
+                *count -= 1;
+                if *count == 0 {
+                    writes.remove(&self.shard);
+                }
+            }
+        }
+        self.persisted.write_ended.notify_waiters();
+    }
 }
 
 /// A local caller waiting for replies.
@@ -114,6 +140,38 @@ impl Persisted {
             in_flight: Mutex::new(BTreeMap::new()),
             reply_waiters: Notify::new(),
             stream_acks: Mutex::new(BTreeMap::new()),
+            writes: Mutex::new(BTreeMap::new()),
+            write_ended: Notify::new(),
+        }
+    }
+
+    /// Marks a final reply of `shard` as being confirmed and written until the guard drops.
+    pub(crate) fn begin_write(self: &Arc<Persisted>, shard: &ShardId) -> WriteGuard {
+        *lock(&self.writes).entry(shard.clone()).or_default() += 1;
+        WriteGuard { persisted: Arc::clone(self), shard: shard.clone() }
+    }
+
+    /// Waits (at most `bound`) until no final reply of `shard` (of any shard with `None`) is
+    /// being confirmed or written: called before the shard's lock is let go.
+    pub(crate) async fn writes_finished(&self, shard: Option<&ShardId>, bound: Duration) {
+        let waiting = async {
+            loop {
+                let ended = self.write_ended.notified();
+                let busy = {
+                    let writes = lock(&self.writes);
+                    match shard {
+                        Some(shard) => writes.contains_key(shard),
+                        None => !writes.is_empty(),
+                    }
+                };
+                if !busy {
+                    return;
+                }
+                ended.await;
+            }
+        };
+        if tokio::time::timeout(bound, waiting).await.is_err() {
+            tracing::warn!(?shard, "final replies still being written when the lock is let go");
         }
     }
 
@@ -677,6 +735,8 @@ impl Sharding {
                 metrics::set(metrics::PERSISTED_IN_FLIGHT, in_flight.len());
             }
             lock(&persisted.stream_acks).remove(&request_id);
+            // From the lock's confirmation to the write: the shard's release waits for it.
+            let _write = persisted.begin_write(&shard);
             let transaction = match transaction {
                 Some(slot) => slot.lock().await.take(),
                 None => None,

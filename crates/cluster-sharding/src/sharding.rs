@@ -115,25 +115,47 @@ impl WeakSharding {
     }
 }
 
+/// The base of provisional machine ids: unset (`u64::MAX`) until drawn or seeded.
+static PROVISIONAL_BASE: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(u64::MAX);
+/// How many provisional machine ids were handed out since the base was set.
+static PROVISIONAL_NEXT: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
+
 /// The machine id of a runtime until the registry gives it one: a random base drawn once per
 /// process, plus a counter, so that runtimes of one process never share one and processes
 /// (including containers whose processes all have the same pid) rarely do. Ids of two
 /// runtimes with one machine id collide within a millisecond.
 fn provisional_machine_id() -> MachineId {
-    use std::sync::OnceLock;
-    use std::sync::atomic::{AtomicU32, Ordering};
-    static BASE: OnceLock<u32> = OnceLock::new();
-    static NEXT: AtomicU32 = AtomicU32::new(0);
-    let base = *BASE.get_or_init(|| {
+    use std::sync::atomic::Ordering;
+    let mut base = PROVISIONAL_BASE.load(Ordering::Acquire);
+    if base == u64::MAX {
         let mut bytes = [0u8; 4];
-        match getrandom::fill(&mut bytes) {
+        let drawn = match getrandom::fill(&mut bytes) {
             Ok(()) => u32::from_le_bytes(bytes),
             // No OS randomness: the process id still spreads processes on one host.
             Err(_) => std::process::id(),
-        }
-    });
-    let n = NEXT.fetch_add(1, Ordering::Relaxed);
+        };
+        base = match PROVISIONAL_BASE.compare_exchange(
+            u64::MAX,
+            u64::from(drawn),
+            Ordering::AcqRel,
+            Ordering::Acquire,
+        ) {
+            Ok(_) => u64::from(drawn),
+            Err(current) => current,
+        };
+    }
+    let n = u64::from(PROVISIONAL_NEXT.fetch_add(1, Ordering::AcqRel));
     MachineId::new(i32::try_from(base.wrapping_add(n) % 1024).unwrap_or(0))
+}
+
+/// Makes the provisional machine ids of the runtimes created from now on a function of
+/// `seed` (and of their creation order), instead of random: for deterministic simulations,
+/// which run several runtimes in one process and replay a seed. Production code leaves them
+/// random.
+pub fn seed_provisional_machine_ids(seed: u32) {
+    use std::sync::atomic::Ordering;
+    PROVISIONAL_BASE.store(u64::from(seed), Ordering::Release);
+    PROVISIONAL_NEXT.store(0, Ordering::Release);
 }
 
 impl std::fmt::Debug for Sharding {
