@@ -392,6 +392,8 @@ enum Fault {
 }
 
 async fn simulate(config: SimConfig) -> SimReport {
+    // Snowflake ids (which order stored messages) follow the seed too.
+    cluster_sharding::seed_provisional_machine_ids(u32::try_from(config.seed % 1024).unwrap_or(0));
     let start = tokio::time::Instant::now();
     let mut rng = SimRng::new(config.seed);
     let database_clock: Arc<dyn Clock> = Arc::new(SimClock::new(start, Duration::ZERO, true));

@@ -21,6 +21,22 @@ fn seeds_pass_every_invariant() {
     }
 }
 
+/// Seeds that found bugs, kept as regression tests (their exact path needs
+/// `--cfg tokio_unstable`, which `cargo xtask sim` uses; here they still check every
+/// invariant).
+/// - 153: a runner frozen and then shut down confirmed a final reply's lock, let the lock go
+///   in its handoff, and only then wrote the reply (fixed: a shard's release waits for the
+///   final replies being written on it).
+const REGRESSIONS: [u64; 1] = [153];
+
+#[test]
+fn regression_seeds_pass() {
+    for seed in REGRESSIONS {
+        let report = run(&SimConfig::seed(seed));
+        assert!(report.passed(), "seed {seed}: {:?}", report.violations);
+    }
+}
+
 #[test]
 fn a_run_without_faults_answers_everything() {
     let report = run(&SimConfig { faults: false, ..SimConfig::seed(3) });
