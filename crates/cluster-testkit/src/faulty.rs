@@ -27,6 +27,8 @@ pub enum StorageEvent<'a> {
     RequestSaved(&'a Request),
     /// A final reply is about to be written (before any injected delay).
     FinalReply(&'a Reply),
+    /// The storage read loop read the unprocessed messages of these shards.
+    Read(&'a [ShardId]),
 }
 
 /// A function told about the storage's writes.
@@ -228,6 +230,7 @@ impl MessageStorage for FaultyMessageStorage {
         now: Timestamp,
         options: UnprocessedOptions<'a>,
     ) -> BoxFuture<'a, Result<UnprocessedBatch, StorageError>> {
+        self.faults.notify(StorageEvent::Read(shard_ids));
         self.inner.unprocessed_messages(shard_ids, now, options)
     }
 

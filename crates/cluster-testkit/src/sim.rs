@@ -18,7 +18,8 @@
 //! writes get latency spikes; the workload is persisted requests with primary keys and
 //! volatile requests from a client-only member of the cluster. Checked: no shard is acquired by two live
 //! runners at one sampled instant, no runner writes a final reply while the database does not
-//! hold the shard's lease for it (fencing), every request is answered to its caller, and
+//! hold the shard's lease for it (fencing), a runner holding shards with healthy lock storage
+//! keeps reading its mailboxes (liveness), every request is answered to its caller, and
 //! exactly one final reply is stored per request; every volatile request ends with its reply
 //! or a typed error within a bound.
 
@@ -194,6 +195,10 @@ const WORKLOAD: Duration = Duration::from_secs(20);
 const FAULTS_END: Duration = Duration::from_secs(25);
 /// How long after the faults stop every caller must have its reply.
 const HEAL_BOUND: Duration = Duration::from_secs(60);
+/// The longest pause of a healthy runner's storage read loop (20 poll intervals).
+const READ_STALL: Duration = Duration::from_secs(2);
+/// How long after a freeze a runner's lock storage counts as recovering.
+const LOCK_RECOVERY: Duration = Duration::from_secs(3);
 /// How long a volatile call may take, faults or not, before it counts as a hang.
 const VOLATILE_BOUND: Duration = Duration::from_secs(30);
 
@@ -277,6 +282,10 @@ struct SimRunner {
     address: RunnerAddress,
     sharding: Sharding,
     locks: Arc<LockFaults>,
+    /// When its storage read loop last read (simulated milliseconds).
+    last_read: Arc<std::sync::atomic::AtomicU64>,
+    /// Frozen (its lock storage hangs) until this simulated millisecond.
+    frozen_until: Arc<std::sync::atomic::AtomicU64>,
     /// Crashed or stopped: no longer part of the ownership check.
     gone: bool,
 }
@@ -307,14 +316,22 @@ impl World {
 
     /// A process's own handle on the message database. For a runner it checks fencing: a
     /// final reply is written only while the database holds the shard's lease for it.
-    fn storage_for(&self, runner: Option<RunnerAddress>) -> Arc<dyn MessageStorage> {
+    fn storage_for(
+        &self,
+        runner: Option<RunnerAddress>,
+        last_read: Arc<std::sync::atomic::AtomicU64>,
+    ) -> Arc<dyn MessageStorage> {
         let (storage, faults) = FaultyMessageStorage::new(Arc::clone(&self.messages));
+        let start = self.start;
         let (requests, registry) = (Arc::clone(&self.requests), Arc::clone(&self.registry));
         let (history, violations) = (self.history.clone(), Arc::clone(&self.violations));
         faults.observe(Arc::new(move |event| match event {
             StorageEvent::RequestSaved(request) => {
                 let shard = request.address.shard_id.clone();
                 requests.lock().unwrap_or_else(PoisonError::into_inner).insert(request.request_id, shard);
+            }
+            StorageEvent::Read(_) => {
+                last_read.store(millis(start.elapsed()), std::sync::atomic::Ordering::Relaxed);
             }
             StorageEvent::FinalReply(reply) => {
                 let Some(runner) = &runner else { return };
@@ -346,7 +363,8 @@ impl World {
         let (locks, faults) = FaultyRunnerStorage::new(locks);
         let address = RunnerAddress::new("sim", port);
         let config = runner_config(Some(address.clone()));
-        let messages = self.storage_for(Some(address.clone()));
+        let last_read = Arc::new(std::sync::atomic::AtomicU64::new(millis(self.start.elapsed())));
+        let messages = self.storage_for(Some(address.clone()), Arc::clone(&last_read));
         let transport = Some(self.network.runners());
         match Sharding::join_with_transport(config, clock, messages, Arc::new(locks), transport)
             .await
@@ -358,7 +376,15 @@ impl World {
                 }
                 let name = format!("runner-{port}");
                 self.history.record(format!("start {name} skew {}ms", millis(skew)));
-                let runner = SimRunner { name, address, sharding, locks: faults, gone: false };
+                let runner = SimRunner {
+                    name,
+                    address,
+                    sharding,
+                    locks: faults,
+                    last_read,
+                    frozen_until: Arc::default(),
+                    gone: false,
+                };
                 self.runners.lock().unwrap_or_else(PoisonError::into_inner).push(runner);
             }
             Err(error) => self.violation(format!("runner {port} did not start: {error}")),
@@ -459,7 +485,7 @@ async fn start_workload(
     let registry: Arc<dyn RunnerStorage> =
         Arc::new(MemoryRunnerStorage::new(Arc::clone(&world.registry), EXPIRATION));
     let transport = Some(world.network.runners());
-    let storage = world.storage_for(None);
+    let storage = world.storage_for(None, Arc::default());
     let client = match Sharding::join_with_transport(
         runner_config(None),
         clock,
@@ -550,6 +576,8 @@ async fn apply(world: &mut World, rng: &mut SimRng, fault: Fault) {
             let Some(index) = world.pick_live(rng, 1) else { return };
             let (name, locks) = {
                 let runners = world.runners.lock().unwrap_or_else(PoisonError::into_inner);
+                let until = millis(world.start.elapsed() + duration);
+                runners[index].frozen_until.fetch_max(until, std::sync::atomic::Ordering::Relaxed);
                 (runners[index].name.clone(), Arc::clone(&runners[index].locks))
             };
             world.history.record(format!("freeze {name} for {}ms", millis(duration)));
@@ -577,6 +605,8 @@ async fn apply(world: &mut World, rng: &mut SimRng, fault: Fault) {
             let Some(index) = world.pick_live(rng, 1) else { return };
             let (name, sharding) = {
                 let runners = world.runners.lock().unwrap_or_else(PoisonError::into_inner);
+                // A stopping runner stops reading: out of the liveness check from now on.
+                runners[index].frozen_until.store(u64::MAX, std::sync::atomic::Ordering::Relaxed);
                 (runners[index].name.clone(), runners[index].sharding.clone())
             };
             world.history.record(format!("restart {name}"));
@@ -646,12 +676,36 @@ async fn check_ownership(
 ) {
     // Each overlap is reported once, however many samples see it.
     let mut reported = std::collections::BTreeSet::new();
+    // When each runner was last seen holding no shard (nothing to read then).
+    let mut idle_at: BTreeMap<String, u64> = BTreeMap::new();
     loop {
         tokio::time::sleep(Duration::from_millis(25)).await;
         let mut owners: BTreeMap<String, String> = BTreeMap::new();
         let runners = runners.lock().unwrap_or_else(PoisonError::into_inner);
+        let now = millis(history.start.elapsed());
         for runner in runners.iter().filter(|runner| !runner.gone) {
-            for shard in runner.sharding.acquired_shards() {
+            let acquired = runner.sharding.acquired_shards();
+            // Liveness: a runner that holds shards with healthy lock storage keeps reading
+            // its mailboxes (the reference's "healthy but not consuming" reports).
+            let frozen_until = runner.frozen_until.load(std::sync::atomic::Ordering::Relaxed);
+            let last_read = runner.last_read.load(std::sync::atomic::Ordering::Relaxed);
+            let healthy = now > frozen_until.saturating_add(millis(LOCK_RECOVERY));
+            if acquired.is_empty() {
+                idle_at.insert(runner.name.clone(), now);
+            }
+            let since = last_read.max(idle_at.get(&runner.name).copied().unwrap_or(0));
+            if !acquired.is_empty() && healthy && now.saturating_sub(since) > millis(READ_STALL) {
+                let what = format!(
+                    "{} holds {} shards but its storage read loop has not read since {since} ms",
+                    runner.name,
+                    acquired.len()
+                );
+                if reported.insert(format!("{}@{since}", runner.name)) {
+                    history.record(format!("VIOLATION {what}"));
+                    violations.lock().unwrap_or_else(PoisonError::into_inner).push(what);
+                }
+            }
+            for shard in acquired {
                 if let Some(other) = owners.insert(shard.to_string(), runner.name.clone()) {
                     let what =
                         format!("shard {shard} acquired by {other} and {} at once", runner.name);
