@@ -14,7 +14,8 @@
 //!
 //! Status (first slices of the simulation issue): runners freeze (lock storage black-holed
 //! for a while), crash (their lock storage dies: no refresh, no release; cut off the network)
-//! and are replaced, restart gracefully, are partitioned off the network for a while; reply
+//! and are replaced, restart gracefully, are partitioned off the network for a while, join in
+//! bursts, are replaced one by one in rolling updates; reply
 //! writes get latency spikes; the workload is persisted requests with primary keys and
 //! volatile requests from a client-only member of the cluster. Checked: no shard is acquired by two live
 //! runners at one sampled instant, no runner writes a final reply while the database does not
@@ -290,6 +291,13 @@ struct SimRunner {
     gone: bool,
 }
 
+impl SimRunner {
+    /// Up, and not stopping.
+    fn is_live(&self) -> bool {
+        !self.gone && self.frozen_until.load(std::sync::atomic::Ordering::Relaxed) != u64::MAX
+    }
+}
+
 /// The shared pieces every runner of a run opens.
 struct World {
     start: tokio::time::Instant,
@@ -391,10 +399,17 @@ impl World {
         }
     }
 
+    /// The oldest live runner, if at least `at_least` are live.
+    fn pick_oldest_live(&self, at_least: usize) -> Option<usize> {
+        let runners = self.runners.lock().unwrap_or_else(PoisonError::into_inner);
+        let live: Vec<usize> = (0..runners.len()).filter(|&i| runners[i].is_live()).collect();
+        (live.len() >= at_least).then(|| live[0])
+    }
+
     /// The index of a live runner, if there are at least `at_least` live ones.
     fn pick_live(&self, rng: &mut SimRng, at_least: usize) -> Option<usize> {
         let runners = self.runners.lock().unwrap_or_else(PoisonError::into_inner);
-        let live: Vec<usize> = (0..runners.len()).filter(|&i| !runners[i].gone).collect();
+        let live: Vec<usize> = (0..runners.len()).filter(|&i| runners[i].is_live()).collect();
         if live.len() < at_least {
             return None;
         }
@@ -415,6 +430,10 @@ enum Fault {
     SlowReplies(Duration, Duration),
     /// The runner is cut off the network (calls to it fail) for a while.
     Partition(Duration),
+    /// Several runners join at once; as many of the oldest leave gracefully a while later.
+    JoinBurst(usize, Duration),
+    /// Every live runner is replaced, one after the other, this far apart.
+    RollingUpdate(Duration),
 }
 
 async fn simulate(config: SimConfig) -> SimReport {
@@ -556,11 +575,18 @@ async fn inject_faults(world: &mut World, rng: &mut SimRng) {
         if world.start.elapsed() >= FAULTS_END {
             return;
         }
-        let fault = match rng.below(5) {
+        let fault = match rng.below(7) {
             0 => Fault::Freeze(rng.duration(Duration::from_millis(500), Duration::from_secs(4))),
             1 => Fault::Crash,
             2 => Fault::Restart,
             3 => Fault::Partition(rng.duration(Duration::from_millis(500), Duration::from_secs(5))),
+            4 => Fault::JoinBurst(
+                usize::try_from(2 + rng.below(2)).unwrap_or(2),
+                rng.duration(Duration::from_secs(1), Duration::from_secs(4)),
+            ),
+            5 => Fault::RollingUpdate(
+                rng.duration(Duration::from_millis(200), Duration::from_secs(1)),
+            ),
             _ => Fault::SlowReplies(
                 rng.duration(Duration::from_millis(50), Duration::from_millis(800)),
                 rng.duration(Duration::from_millis(500), Duration::from_secs(3)),
@@ -621,6 +647,8 @@ async fn apply(world: &mut World, rng: &mut SimRng, fault: Fault) {
             });
             world.start_runner(rng).await;
         }
+        Fault::JoinBurst(count, stay) => join_burst(world, rng, count, stay).await,
+        Fault::RollingUpdate(gap) => rolling_update(world, rng, gap).await,
         Fault::Partition(duration) => {
             let Some(index) = world.pick_live(rng, 1) else { return };
             let (name, address, sharding) = {
@@ -666,6 +694,63 @@ async fn apply(world: &mut World, rng: &mut SimRng, fault: Fault) {
             });
         }
     }
+}
+
+/// Several runners join at once; as many of the oldest leave a while later.
+async fn join_burst(world: &mut World, rng: &mut SimRng, count: usize, stay: Duration) {
+    world.history.record(format!("join burst of {count}, staying {}ms", millis(stay)));
+    for _ in 0..count {
+        world.start_runner(rng).await;
+    }
+    tokio::time::sleep(stay).await;
+    for _ in 0..count {
+        let Some(index) = world.pick_oldest_live(2) else { break };
+        stop_runner(world, index);
+    }
+}
+
+/// Every live runner is replaced, one after the other.
+async fn rolling_update(world: &mut World, rng: &mut SimRng, gap: Duration) {
+    let live: Vec<String> = {
+        let runners = world.runners.lock().unwrap_or_else(PoisonError::into_inner);
+        runners.iter().filter(|runner| !runner.gone).map(|runner| runner.name.clone()).collect()
+    };
+    world.history.record(format!(
+        "rolling update of {} runners, {}ms apart",
+        live.len(),
+        millis(gap)
+    ));
+    for name in live {
+        world.start_runner(rng).await;
+        let index = {
+            let runners = world.runners.lock().unwrap_or_else(PoisonError::into_inner);
+            runners.iter().position(|runner| runner.name == name && runner.is_live())
+        };
+        if let Some(index) = index {
+            stop_runner(world, index);
+        }
+        tokio::time::sleep(gap).await;
+    }
+}
+
+/// Shuts a runner down gracefully (in the background; it leaves the checks once stopped,
+/// and stops counting as live for the liveness check at once).
+fn stop_runner(world: &World, index: usize) {
+    let (name, sharding) = {
+        let runners = world.runners.lock().unwrap_or_else(PoisonError::into_inner);
+        runners[index].frozen_until.store(u64::MAX, std::sync::atomic::Ordering::Relaxed);
+        (runners[index].name.clone(), runners[index].sharding.clone())
+    };
+    world.history.record(format!("leave {name}"));
+    let (runners, history) = (Arc::clone(&world.runners), world.history.clone());
+    tokio::spawn(async move {
+        sharding.shutdown().await;
+        history.record(format!("stopped {name}"));
+        let mut runners = runners.lock().unwrap_or_else(PoisonError::into_inner);
+        if let Some(runner) = runners.iter_mut().find(|runner| runner.name == name) {
+            runner.gone = true;
+        }
+    });
 }
 
 /// Every 25 ms: no shard is acquired by two live runners.
