@@ -577,7 +577,7 @@ impl Sharding {
         for malformed_row in &batch.malformed {
             let reply = self
                 .final_reply(malformed_row.request_id, malformed(&malformed_row.error.to_string()));
-            self.save_final_reply(persisted, reply).await;
+            self.save_final_reply(persisted, reply, None).await;
         }
         let mut delivered = false;
         let mut release = Vec::new();
@@ -594,7 +594,7 @@ impl Sharding {
                     state.capped = true;
                     release.push(id);
                 }
-                Dispatched::Answer(reply) => self.save_final_reply(persisted, reply).await,
+                Dispatched::Answer(reply) => self.save_final_reply(persisted, reply, None).await,
             }
         }
         if !release.is_empty()
@@ -779,7 +779,7 @@ impl Sharding {
                 }
                 Some(exit) => {
                     let reply = self.final_reply(request_id, exit);
-                    self.save_final_reply(&persisted, reply).await;
+                    self.save_final_reply(&persisted, reply, Some(&shard)).await;
                 }
                 None => {
                     let _ = persisted.storage.reset_requests(&[request_id]).await;
@@ -814,7 +814,9 @@ impl Sharding {
             };
             match self.dispatch(persisted, message, &mut None).await {
                 Dispatched::Delivered | Dispatched::Skipped => return,
-                Dispatched::Answer(reply) => return self.save_final_reply(persisted, reply).await,
+                Dispatched::Answer(reply) => {
+                    return self.save_final_reply(persisted, reply, None).await;
+                }
                 Dispatched::Release(_) => {
                     let _ = persisted.storage.reset_requests(&[request_id]).await;
                     persisted.poll_storage();
@@ -890,9 +892,18 @@ impl Sharding {
         Reply::WithExit(WithExit { request_id, id: self.next_id(), exit })
     }
 
-    /// Stores a final reply (retrying a few times) and wakes the local waiters.
-    async fn save_final_reply(&self, persisted: &Persisted, reply: Reply) {
+    /// Stores a final reply (retrying a few times) and wakes the local waiters. With
+    /// `fence`, the shard whose lock was just confirmed for it: a failed write is retried only
+    /// after the lock is confirmed again, so a retry never lands after this runner lost or let
+    /// go of the shard (the request is then left for the next owner).
+    async fn save_final_reply(&self, persisted: &Persisted, reply: Reply, fence: Option<&ShardId>) {
         for attempt in 1..=SAVE_REPLY_ATTEMPTS {
+            if let Some(shard) = fence
+                && attempt > 1
+                && !self.confirm_shard_lock(shard).await
+            {
+                return self.fenced(persisted, reply.request_id()).await;
+            }
             match persisted.storage.save_reply(&reply).await {
                 Ok(()) => {
                     lock(&persisted.waiters).on_reply_saved(&reply);
