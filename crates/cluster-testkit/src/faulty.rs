@@ -43,6 +43,9 @@ pub struct Faults {
     commit_unacknowledged: Countdown,
     commit_failed: Countdown,
     clear_replies: Countdown,
+    reads: Countdown,
+    request_saves: Countdown,
+    reply_saves: Countdown,
     /// Milliseconds every `save_reply` waits before it writes.
     reply_delay_millis: std::sync::atomic::AtomicU64,
     begin_transaction_calls: AtomicU32,
@@ -95,6 +98,21 @@ impl Faults {
     /// The next `times` calls of `clear_replies` (resets of a request) fail (`Unavailable`).
     pub fn fail_clear_replies(&self, times: u32) {
         self.clear_replies.0.store(times, Ordering::Release);
+    }
+
+    /// The next `times` reads of unprocessed messages fail (`Unavailable`).
+    pub fn fail_reads(&self, times: u32) {
+        self.reads.0.store(times, Ordering::Release);
+    }
+
+    /// The next `times` request saves fail (`Unavailable`) without storing anything.
+    pub fn fail_request_saves(&self, times: u32) {
+        self.request_saves.0.store(times, Ordering::Release);
+    }
+
+    /// The next `times` reply writes fail (`Unavailable`) without writing.
+    pub fn fail_reply_saves(&self, times: u32) {
+        self.reply_saves.0.store(times, Ordering::Release);
     }
 
     /// Every `save_reply` from now on waits `delay` before it writes (a slow database, or a
@@ -159,6 +177,9 @@ impl MessageStorage for FaultyMessageStorage {
         options: &'a SaveRequestOptions,
     ) -> BoxFuture<'a, Result<SaveResult, StorageError>> {
         Box::pin(async move {
+            if self.faults.request_saves.fails() {
+                return Err(injected("save_request"));
+            }
             let saved = self.inner.save_request(request, options).await;
             if let Ok(SaveResult::Success) = &saved {
                 self.faults.notify(StorageEvent::RequestSaved(request));
@@ -179,6 +200,9 @@ impl MessageStorage for FaultyMessageStorage {
     }
 
     fn save_reply<'a>(&'a self, reply: &'a Reply) -> BoxFuture<'a, Result<(), StorageError>> {
+        if self.faults.reply_saves.fails() {
+            return Box::pin(std::future::ready(Err(injected("save_reply"))));
+        }
         if reply.is_final() {
             self.faults.notify(StorageEvent::FinalReply(reply));
         }
@@ -231,6 +255,9 @@ impl MessageStorage for FaultyMessageStorage {
         options: UnprocessedOptions<'a>,
     ) -> BoxFuture<'a, Result<UnprocessedBatch, StorageError>> {
         self.faults.notify(StorageEvent::Read(shard_ids));
+        if self.faults.reads.fails() {
+            return Box::pin(std::future::ready(Err(injected("unprocessed_messages"))));
+        }
         self.inner.unprocessed_messages(shard_ids, now, options)
     }
 

@@ -434,6 +434,9 @@ enum Fault {
     JoinBurst(usize, Duration),
     /// Every live runner is replaced, one after the other, this far apart.
     RollingUpdate(Duration),
+    /// The next reads, request saves and reply writes of every process fail (a database that
+    /// drops connections for a moment).
+    StorageErrors(u32),
 }
 
 async fn simulate(config: SimConfig) -> SimReport {
@@ -575,7 +578,7 @@ async fn inject_faults(world: &mut World, rng: &mut SimRng) {
         if world.start.elapsed() >= FAULTS_END {
             return;
         }
-        let fault = match rng.below(7) {
+        let fault = match rng.below(8) {
             0 => Fault::Freeze(rng.duration(Duration::from_millis(500), Duration::from_secs(4))),
             1 => Fault::Crash,
             2 => Fault::Restart,
@@ -587,6 +590,7 @@ async fn inject_faults(world: &mut World, rng: &mut SimRng) {
             5 => Fault::RollingUpdate(
                 rng.duration(Duration::from_millis(200), Duration::from_secs(1)),
             ),
+            6 => Fault::StorageErrors(u32::try_from(1 + rng.below(5)).unwrap_or(1)),
             _ => Fault::SlowReplies(
                 rng.duration(Duration::from_millis(50), Duration::from_millis(800)),
                 rng.duration(Duration::from_millis(500), Duration::from_secs(3)),
@@ -648,6 +652,7 @@ async fn apply(world: &mut World, rng: &mut SimRng, fault: Fault) {
             world.start_runner(rng).await;
         }
         Fault::JoinBurst(count, stay) => join_burst(world, rng, count, stay).await,
+        Fault::StorageErrors(times) => storage_errors(world, times),
         Fault::RollingUpdate(gap) => rolling_update(world, rng, gap).await,
         Fault::Partition(duration) => {
             let Some(index) = world.pick_live(rng, 1) else { return };
@@ -693,6 +698,18 @@ async fn apply(world: &mut World, rng: &mut SimRng, fault: Fault) {
                 history.record("replies fast again".to_owned());
             });
         }
+    }
+}
+
+/// The next `times` reads, request saves and reply writes of every process fail.
+fn storage_errors(world: &World, times: u32) {
+    world.history.record(format!("storage errors x{times}"));
+    let faults: Vec<Arc<Faults>> =
+        world.storage_faults.lock().unwrap_or_else(PoisonError::into_inner).clone();
+    for process in &faults {
+        process.fail_reads(times);
+        process.fail_request_saves(times);
+        process.fail_reply_saves(times);
     }
 }
 
