@@ -33,12 +33,12 @@ use tokio::sync::{oneshot, watch};
 use crate::context::{Never, WorkflowContext};
 use crate::definition::WorkflowOptions;
 use crate::engine::{
-    Backend, Parent, Registration, ResumeMode, RunOutcome, WorkflowEngine, WorkflowError,
-    close_retained, close_run_scope, into_result,
+    Backend, Ending, Parent, Registration, ResumeMode, RunOutcome, Scope, WorkflowEngine,
+    WorkflowError, ending, finish_run, retain_scope,
 };
 use crate::id::{ExecutionId, Token};
 use crate::result::WorkflowResult;
-use crate::run::{BodyEnd, Finalizer, Run, RunKind, RunOptions, drive};
+use crate::run::{BodyEnd, Run, RunKind, RunOptions, drive};
 
 /// The deferred a durable interrupt is stored under.
 pub const INTERRUPT_SIGNAL: &str = "Workflow/InterruptSignal";
@@ -63,39 +63,35 @@ fn lock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
 #[derive(Clone, Debug)]
 pub(crate) struct ResultJson(WorkflowResult);
 
-impl Serialize for ResultJson {
-    fn serialize<S: Serializer>(&self, serializer: S) -> Result<S::Ok, S::Error> {
-        let raw = RawValue::from_string(self.0.to_json()).map_err(serde::ser::Error::custom)?;
-        raw.serialize(serializer)
-    }
-}
-
-impl<'de> Deserialize<'de> for ResultJson {
-    fn deserialize<D: Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
-        let raw = Box::<RawValue>::deserialize(deserializer)?;
-        WorkflowResult::from_json(raw.get()).map(ResultJson).map_err(D::Error::custom)
-    }
-}
-
 /// An [`Exit`] as a value.
 #[derive(Clone, Debug)]
 pub(crate) struct ExitJson(Exit);
 
-impl Serialize for ExitJson {
-    fn serialize<S: Serializer>(&self, serializer: S) -> Result<S::Ok, S::Error> {
-        use cluster_core::encoded::JsonForm;
-        let raw = RawValue::from_string(self.0.to_json()).map_err(serde::ser::Error::custom)?;
-        raw.serialize(serializer)
-    }
+/// Serde through a type's own JSON text (embedded as is, not quoted).
+macro_rules! json_text_serde {
+    ($wrapper:ident, $to:expr, $from:expr) => {
+        impl Serialize for $wrapper {
+            fn serialize<S: Serializer>(&self, serializer: S) -> Result<S::Ok, S::Error> {
+                let raw = RawValue::from_string($to(&self.0)).map_err(serde::ser::Error::custom)?;
+                raw.serialize(serializer)
+            }
+        }
+
+        impl<'de> Deserialize<'de> for $wrapper {
+            fn deserialize<D: Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
+                let raw = Box::<RawValue>::deserialize(deserializer)?;
+                $from(raw.get()).map($wrapper).map_err(D::Error::custom)
+            }
+        }
+    };
 }
 
-impl<'de> Deserialize<'de> for ExitJson {
-    fn deserialize<D: Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
-        use cluster_core::encoded::JsonForm;
-        let raw = Box::<RawValue>::deserialize(deserializer)?;
-        Exit::from_json(raw.get()).map(ExitJson).map_err(D::Error::custom)
-    }
-}
+json_text_serde!(ResultJson, WorkflowResult::to_json, WorkflowResult::from_json);
+json_text_serde!(
+    ExitJson,
+    <Exit as cluster_core::encoded::JsonForm>::to_json,
+    <Exit as cluster_core::encoded::JsonForm>::from_json
+);
 
 /// The parent of a child, as stored in the child's `run` payload.
 #[derive(Clone, Debug, Serialize, Deserialize)]
@@ -645,7 +641,7 @@ struct ActivationState {
     /// The activity runs of the current run (their waits wake the run after it replied).
     activity_runs: Vec<Weak<Run>>,
     /// Scopes of runs that suspended (or were cut off), closed when the execution ends.
-    retained: Vec<(Vec<Finalizer>, bool)>,
+    retained: Vec<Scope>,
     /// Activities whose callers wait for the handler's go.
     activities: BTreeMap<(String, u32), ActivityGo>,
     /// Activities whose caller went away while they ran.
@@ -744,33 +740,16 @@ impl Activation {
         let context = WorkflowContext::new(Arc::clone(&run));
         let end = drive(&run, (registration.body)(context, payload)).await;
         self.apply_interrupt(&run, &end).await;
-        let outcome = into_result(&run, &end);
-        let own_scope = close_run_scope(&run, &outcome).await;
-        let (interrupted, children) = {
-            let state = run.state();
-            (state.interrupted, state.children.clone())
-        };
-        if interrupted {
-            for child in children.iter().filter(|child| !child.complete) {
-                let engine = &self.engine;
-                engine
-                    .ensure("interrupt a child", || {
-                        engine.interrupt_execution(child.workflow, &child.execution_id, false)
-                    })
-                    .await?;
-            }
+        let (outcome, children) =
+            finish_run(&run, &end, |own| retain_scope(&mut self.state().retained, own)).await;
+        for child in &children {
+            let engine = &self.engine;
+            engine
+                .ensure("interrupt a child", || {
+                    engine.interrupt_execution(child.workflow, &child.execution_id, false)
+                })
+                .await?;
         }
-        let retained = {
-            let mut state = self.state();
-            match (&outcome, own_scope) {
-                (RunOutcome::Result(WorkflowResult::Suspended { .. }), Some(scope)) => {
-                    state.retained.push(scope);
-                    Vec::new()
-                }
-                _ => std::mem::take(&mut state.retained),
-            }
-        };
-        close_retained(retained, false).await;
         guard.done = true;
         drop(guard);
         tracing::debug!(workflow = registration.name, execution_id = %self.execution_id, ?outcome, "workflow run ended");
@@ -798,18 +777,7 @@ impl Activation {
     /// Branch B of the reference's `onExit`: a run that suspended (or failed under
     /// `suspend_on_failure`) while an interrupt signal is stored applies the interrupt.
     async fn apply_interrupt(&self, run: &Run, end: &BodyEnd) {
-        let suspended = matches!(end, BodyEnd::Stopped) && {
-            let state = run.state();
-            state.suspended && state.raised.is_none() && state.broken.is_none()
-        };
-        let failed_under_sof = run.options.suspend_on_failure
-            && match end {
-                BodyEnd::Returned(Exit::Failure(cause)) => !cause.has_interrupts_only(),
-                BodyEnd::Returned(Exit::Success(_)) => false,
-                BodyEnd::Stopped => {
-                    run.state().raised.as_ref().is_some_and(|cause| !cause.has_interrupts_only())
-                }
-            };
+        let Ending { suspended, failed_under_sof } = ending(run, end);
         if !(suspended || failed_under_sof) {
             return;
         }

@@ -4,7 +4,7 @@
 //!
 //! The engines differ in where durable facts live and how a run is woken; what a run does with
 //! its body — drive it, decide its result, close its scopes — is shared here
-//! ([`into_result`], [`close_run_scope`], [`close_retained`]), so both engines follow reference/workflow.md §4 the same way.
+//! ([`ending`] for the engines' interrupt decisions, then [`finish_run`]), so both engines follow reference/workflow.md §4 the same way.
 
 use std::future::Future;
 use std::sync::Arc;
@@ -19,7 +19,7 @@ use crate::context::WorkflowContext;
 use crate::definition::{Workflow, WorkflowOptions};
 use crate::id::{ExecutionId, Token};
 use crate::result::{WorkflowResult, filter_interrupts, interrupt_reason, squash};
-use crate::run::{BodyEnd, Finalizer, Run, RunExit};
+use crate::run::{BodyEnd, ChildLink, Finalizer, Run, RunExit};
 
 /// Why the engine could not do what was asked.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -476,7 +476,7 @@ pub(crate) enum RunOutcome {
 }
 
 /// The run's result from how its body ended (the reference's `intoResult`, §3.3 step 3).
-pub(crate) fn into_result(run: &Run, end: &BodyEnd) -> RunOutcome {
+fn into_result(run: &Run, end: &BodyEnd) -> RunOutcome {
     let mut state = run.state();
     let interrupt_only = Cause(vec![interrupt_reason()]);
     if state.broken.is_some() {
@@ -534,7 +534,7 @@ pub(crate) fn into_result(run: &Run, end: &BodyEnd) -> RunOutcome {
 
 /// Closes one run's workflow scope: its finalizers (compensations among them) in reverse
 /// registration order, unless the run was abandoned.
-pub(crate) async fn close_scope(finalizers: Vec<Finalizer>, exit: RunExit, abandoned: bool) {
+async fn close_scope(finalizers: Vec<Finalizer>, exit: RunExit, abandoned: bool) {
     if abandoned {
         return;
     }
@@ -549,12 +549,72 @@ pub(crate) async fn close_scope(finalizers: Vec<Finalizer>, exit: RunExit, aband
     }
 }
 
+/// A run's workflow scope: its finalizers, and whether the run was abandoned.
+pub(crate) type Scope = (Vec<Finalizer>, bool);
+
+/// How a body ended, as the engines' interrupt decisions read it.
+pub(crate) struct Ending {
+    /// It was stopped at a suspension (not by a raised failure or an engine failure).
+    pub(crate) suspended: bool,
+    /// It failed (not only by interrupts) in a `suspend_on_failure` workflow.
+    pub(crate) failed_under_sof: bool,
+}
+
+/// How `run`'s body ended.
+pub(crate) fn ending(run: &Run, end: &BodyEnd) -> Ending {
+    let state = run.state();
+    let suspended = matches!(end, BodyEnd::Stopped)
+        && state.suspended
+        && state.raised.is_none()
+        && state.broken.is_none();
+    let failed_under_sof = run.options.suspend_on_failure
+        && match end {
+            BodyEnd::Returned(Exit::Failure(cause)) => !cause.has_interrupts_only(),
+            BodyEnd::Returned(Exit::Success(_)) => false,
+            BodyEnd::Stopped => {
+                state.raised.as_ref().is_some_and(|cause| !cause.has_interrupts_only())
+            }
+        };
+    Ending { suspended, failed_under_sof }
+}
+
+/// Finishes a run after the engine's interrupt decision: its result ([`into_result`]), its
+/// own scope closed with the final exit (or, for a suspension, handed to `retain` to keep),
+/// and, when the execution ended, the retained scopes of the runs it superseded (which
+/// `retain` hands back) closed with success, newest first. Returns the outcome and the
+/// children an applied interrupt must interrupt too (the interrupt link).
+pub(crate) async fn finish_run(
+    run: &Run,
+    end: &BodyEnd,
+    retain: impl FnOnce(Option<Scope>) -> Vec<Scope>,
+) -> (RunOutcome, Vec<ChildLink>) {
+    let outcome = into_result(run, end);
+    let own_scope = close_run_scope(run, &outcome).await;
+    close_retained(retain(own_scope), false).await;
+    let state = run.state();
+    let children = if state.interrupted {
+        state.children.iter().filter(|child| !child.complete).cloned().collect()
+    } else {
+        Vec::new()
+    };
+    (outcome, children)
+}
+
+/// What an execution's `retain` does with a finished run's scope: keeps a suspended run's
+/// (`Some`), or hands back every retained scope once the execution ended (`None`).
+pub(crate) fn retain_scope(retained: &mut Vec<Scope>, own: Option<Scope>) -> Vec<Scope> {
+    match own {
+        Some(scope) => {
+            retained.push(scope);
+            Vec::new()
+        }
+        None => std::mem::take(retained),
+    }
+}
+
 /// Closes the run's own workflow scope with the outcome's exit, unless the run suspended: a
 /// suspended run's scope is returned for the engine to retain until the execution ends.
-pub(crate) async fn close_run_scope(
-    run: &Run,
-    outcome: &RunOutcome,
-) -> Option<(Vec<Finalizer>, bool)> {
+async fn close_run_scope(run: &Run, outcome: &RunOutcome) -> Option<Scope> {
     let (finalizers, interrupted, abandoned) = {
         let mut state = run.state();
         (std::mem::take(&mut state.finalizers), state.interrupted, state.abandoned)
@@ -572,7 +632,7 @@ pub(crate) async fn close_run_scope(
 
 /// Closes retained scopes of superseded runs with success, newest first; all are skipped when
 /// `abandoned`.
-pub(crate) async fn close_retained(retained: Vec<(Vec<Finalizer>, bool)>, abandoned: bool) {
+async fn close_retained(retained: Vec<Scope>, abandoned: bool) {
     for (finalizers, run_abandoned) in retained.into_iter().rev() {
         let exit = RunExit { exit: Exit::void(), interrupted: false };
         close_scope(finalizers, exit, abandoned || run_abandoned).await;

@@ -13,12 +13,12 @@ use tokio::task::JoinSet;
 
 use crate::context::WorkflowContext;
 use crate::engine::{
-    Backend, Parent, Registration, ResumeMode, RunOutcome, WorkflowEngine, WorkflowError,
-    close_retained, close_run_scope, into_result,
+    Backend, Ending, Parent, Registration, ResumeMode, RunOutcome, Scope, WorkflowEngine,
+    WorkflowError, ending, finish_run, retain_scope,
 };
 use crate::id::{ExecutionId, Token};
 use crate::result::{WorkflowResult, interrupt_reason};
-use crate::run::{BodyEnd, Finalizer, Run, RunKind, RunOptions, drive};
+use crate::run::{BodyEnd, Run, RunKind, RunOptions, drive};
 
 /// What the latest run of an execution left.
 #[derive(Clone, Debug)]
@@ -44,7 +44,7 @@ struct Execution {
     resume_requested: Option<ResumeMode>,
     latest: Option<Latest>,
     finished_runs: watch::Sender<u64>,
-    retained: Vec<(Vec<Finalizer>, bool)>,
+    retained: Vec<Scope>,
 }
 
 /// A durable queue of the in-memory engine.
@@ -128,31 +128,19 @@ impl MemoryEngine {
         let context = WorkflowContext::new(Arc::clone(&run));
         let end = drive(&run, (registration.body)(context, payload)).await;
         self.apply_interrupt(&run, &end);
-        let outcome = into_result(&run, &end);
-        let own_scope = close_run_scope(&run, &outcome).await;
-        let (interrupted, children) = {
-            let state = run.state();
-            (state.interrupted, state.children.clone())
-        };
-        if interrupted {
-            // The interrupt link: children not complete are interrupted with their parent.
-            for child in children.iter().filter(|child| !child.complete) {
-                let _ = self.interrupt(child.workflow, &child.execution_id, false).await;
-            }
-        }
         let execution_id = run.execution_id.clone();
-        let retained = {
+        let (outcome, children) = finish_run(&run, &end, |own| {
             let mut shared = self.shared();
-            let Some(execution) = shared.executions.get_mut(&execution_id) else { return };
-            match (&outcome, own_scope) {
-                (RunOutcome::Result(WorkflowResult::Suspended { .. }), Some(scope)) => {
-                    execution.retained.push(scope);
-                    Vec::new()
-                }
-                _ => std::mem::take(&mut execution.retained),
-            }
-        };
-        close_retained(retained, false).await;
+            shared
+                .executions
+                .get_mut(&execution_id)
+                .map_or_else(Vec::new, |execution| retain_scope(&mut execution.retained, own))
+        })
+        .await;
+        // The interrupt link: children not complete are interrupted with their parent.
+        for child in &children {
+            let _ = self.interrupt(child.workflow, &child.execution_id, false).await;
+        }
         let mut shared = self.shared();
         let Some(execution) = shared.executions.get_mut(&execution_id) else { return };
         execution.running = None;
@@ -188,15 +176,7 @@ impl MemoryEngine {
         if !interrupted {
             return;
         }
-        let failed_under_sof = run.options.suspend_on_failure
-            && match end {
-                BodyEnd::Returned(Exit::Failure(cause)) => !cause.has_interrupts_only(),
-                BodyEnd::Returned(Exit::Success(_)) => false,
-                BodyEnd::Stopped => {
-                    run.state().raised.as_ref().is_some_and(|cause| !cause.has_interrupts_only())
-                }
-            };
-        let suspended = matches!(end, BodyEnd::Stopped) && run.state().suspended;
+        let Ending { suspended, failed_under_sof } = ending(run, end);
         if hard || suspended || failed_under_sof {
             run.update(|state| {
                 state.interrupted = true;
