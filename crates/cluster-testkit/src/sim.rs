@@ -633,22 +633,10 @@ async fn apply(world: &mut World, rng: &mut SimRng, fault: Fault) {
         }
         Fault::Restart => {
             let Some(index) = world.pick_live(rng, 1) else { return };
-            let (name, sharding) = {
-                let runners = world.runners.lock().unwrap_or_else(PoisonError::into_inner);
-                // A stopping runner stops reading: out of the liveness check from now on.
-                runners[index].frozen_until.store(u64::MAX, std::sync::atomic::Ordering::Relaxed);
-                (runners[index].name.clone(), runners[index].sharding.clone())
-            };
+            let name =
+                world.runners.lock().unwrap_or_else(PoisonError::into_inner)[index].name.clone();
             world.history.record(format!("restart {name}"));
-            let (runners, history) = (Arc::clone(&world.runners), world.history.clone());
-            tokio::spawn(async move {
-                sharding.shutdown().await;
-                history.record(format!("stopped {name}"));
-                let mut runners = runners.lock().unwrap_or_else(PoisonError::into_inner);
-                if let Some(runner) = runners.iter_mut().find(|runner| runner.name == name) {
-                    runner.gone = true;
-                }
-            });
+            stop_runner(world, index);
             world.start_runner(rng).await;
         }
         Fault::JoinBurst(count, stay) => join_burst(world, rng, count, stay).await,
