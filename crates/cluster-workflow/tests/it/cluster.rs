@@ -126,7 +126,7 @@ async fn a_failing_wake_is_left_for_the_next_owner_at_shutdown() {
     use cluster_core::envelope::{Reply, primary_key};
     use cluster_core::storage::MessageStorage;
     use cluster_testkit::faulty::FaultyMessageStorage;
-    use cluster_workflow::{DurableDeferred, Never, Workflow, WorkflowContext, WorkflowResult};
+    use cluster_workflow::{DurableDeferred, Never, Workflow, WorkflowContext};
 
     struct Gated;
     impl Workflow for Gated {
@@ -157,15 +157,7 @@ async fn a_failing_wake_is_left_for_the_next_owner_at_shutdown() {
     register(&engine);
     let payload = suite::Input { key: "held".into(), ..suite::Input::default() };
     let id = engine.execute_discard::<Gated>(payload).await.unwrap();
-    for _ in 0..1_000 {
-        if matches!(
-            engine.poll::<Gated>(&id).await.unwrap(),
-            Some(WorkflowResult::Suspended { .. })
-        ) {
-            break;
-        }
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    }
+    suite::suspended::<Gated>(&engine, &id).await;
     faults.fail_clear_replies(u32::MAX);
     let token = DurableDeferred::<String>::new("Gate").token_for::<Gated>(&id);
     engine.complete(&token, Ok::<String, Never>("opened".into())).await.unwrap();
@@ -189,17 +181,9 @@ async fn a_failing_wake_is_left_for_the_next_owner_at_shutdown() {
     let second = Sharding::with_storage(config(), clock, memory).await.unwrap();
     let engine = WorkflowEngine::cluster(&second).unwrap();
     register(&engine);
-    for _ in 0..3_000 {
-        if let Some(WorkflowResult::Complete(exit)) = engine.poll::<Gated>(&id).await.unwrap() {
-            assert_eq!(
-                exit,
-                cluster_core::Exit::Success(cluster_core::RawJson::encode("opened").unwrap())
-            );
-            return;
-        }
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    }
-    panic!("the next owner did not wake the execution");
+    // The next owner wakes the execution.
+    let exit = suite::complete_exit::<Gated>(&engine, &id).await;
+    assert_eq!(exit, cluster_core::Exit::Success(cluster_core::RawJson::encode("opened").unwrap()));
 }
 
 /// Reference cluster test #20: a durable clock of a workflow in the `workflow` shard group is
@@ -209,7 +193,7 @@ async fn a_failing_wake_is_left_for_the_next_owner_at_shutdown() {
 async fn durable_clocks_go_to_the_workflow_shard_group_at_the_rounded_up_millisecond() {
     use cluster_core::ShardGroup;
     use cluster_core::storage::MessageStorage;
-    use cluster_workflow::{Never, Workflow, WorkflowContext, WorkflowOptions, WorkflowResult};
+    use cluster_workflow::{Never, Workflow, WorkflowContext, WorkflowOptions};
 
     struct Grouped;
     impl Workflow for Grouped {
@@ -272,15 +256,9 @@ async fn durable_clocks_go_to_the_workflow_shard_group_at_the_rounded_up_millise
     let due = storage.unprocessed_messages_by_id(&[request], at(10_001)).await.unwrap();
     let [message] = due.messages.as_slice() else { panic!("due at start + 10 001 ms: {due:?}") };
     assert_eq!(message.envelope.address(), &address, "in the workflow's shard group");
-    for _ in 0..3_000 {
-        if let Some(WorkflowResult::Complete(exit)) = engine.poll::<Grouped>(&id).await.unwrap() {
-            assert_eq!(exit, cluster_core::Exit::void());
-            assert!(clock.now() >= at(10_001));
-            return;
-        }
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    }
-    panic!("the clock did not wake the workflow");
+    // The clock wakes the workflow.
+    assert_eq!(suite::complete_exit::<Grouped>(&engine, &id).await, cluster_core::Exit::void());
+    assert!(clock.now() >= at(10_001));
 }
 
 /// Invariant 20 (reference cluster test #17): a completion that arrives after the run's body
@@ -290,7 +268,7 @@ async fn durable_clocks_go_to_the_workflow_shard_group_at_the_rounded_up_millise
 async fn a_completion_during_the_suspension_commit_wakes_the_run() {
     use cluster_core::storage::MessageStorage;
     use cluster_testkit::faulty::FaultyMessageStorage;
-    use cluster_workflow::{DurableDeferred, Never, Workflow, WorkflowContext, WorkflowResult};
+    use cluster_workflow::{DurableDeferred, Never, Workflow, WorkflowContext};
 
     struct Committing;
     impl Workflow for Committing {
@@ -330,19 +308,10 @@ async fn a_completion_during_the_suspension_commit_wakes_the_run() {
     assert_eq!(engine.poll::<Committing>(&id).await.unwrap(), None, "the reply is not stored yet");
     let token = DurableDeferred::<String>::new("Gate").token_for::<Committing>(&id);
     engine.complete(&token, Ok::<String, Never>("late".into())).await.unwrap();
-    for _ in 0..3_000 {
-        if let Some(WorkflowResult::Complete(exit)) = engine.poll::<Committing>(&id).await.unwrap()
-        {
-            assert_eq!(
-                exit,
-                cluster_core::Exit::Success(cluster_core::RawJson::encode("late").unwrap())
-            );
-            assert_eq!(started.load(std::sync::atomic::Ordering::SeqCst), 2);
-            return;
-        }
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    }
-    panic!("the completion did not wake the execution");
+    // The completion wakes the execution.
+    let exit = suite::complete_exit::<Committing>(&engine, &id).await;
+    assert_eq!(exit, cluster_core::Exit::Success(cluster_core::RawJson::encode("late").unwrap()));
+    assert_eq!(started.load(std::sync::atomic::Ordering::SeqCst), 2);
 }
 
 /// Reference cluster tests #21 and #23: a workflow in the `workflow` shard group, on a runner
@@ -352,9 +321,7 @@ async fn a_completion_during_the_suspension_commit_wakes_the_run() {
 async fn traffic_of_a_workflow_goes_to_its_shard_group_from_every_process() {
     use cluster_core::ShardGroup;
     use cluster_core::storage::MessageStorage;
-    use cluster_workflow::{
-        DurableDeferred, Never, Workflow, WorkflowContext, WorkflowOptions, WorkflowResult,
-    };
+    use cluster_workflow::{DurableDeferred, Never, Workflow, WorkflowContext, WorkflowOptions};
 
     struct Sharded;
     impl Workflow for Sharded {
@@ -401,26 +368,14 @@ async fn traffic_of_a_workflow_goes_to_its_shard_group_from_every_process() {
         .execute_discard::<Sharded>(suite::Input { key: "s".into(), ..suite::Input::default() })
         .await
         .unwrap();
-    let mut suspended = false;
-    for _ in 0..1_000 {
-        if let Some(WorkflowResult::Suspended { .. }) = remote.poll::<Sharded>(&id).await.unwrap() {
-            suspended = true;
-            break;
-        }
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    }
-    assert!(suspended, "the run and its activity ran in the workflow group");
+    // The run and its activity ran in the workflow group.
+    suite::suspended::<Sharded>(&remote, &id).await;
     let token = DurableDeferred::<String>::new("Gate").token_for::<Sharded>(&id);
     remote.complete(&token, Ok::<String, Never>("gate".into())).await.unwrap();
-    for _ in 0..3_000 {
-        if let Some(WorkflowResult::Complete(exit)) = remote.poll::<Sharded>(&id).await.unwrap() {
-            assert_eq!(
-                exit,
-                cluster_core::Exit::Success(cluster_core::RawJson::encode("act:gate").unwrap())
-            );
-            return;
-        }
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    }
-    panic!("the completion did not reach the workflow's shard group");
+    // The completion reached the workflow's shard group.
+    let exit = suite::complete_exit::<Sharded>(&remote, &id).await;
+    assert_eq!(
+        exit,
+        cluster_core::Exit::Success(cluster_core::RawJson::encode("act:gate").unwrap())
+    );
 }

@@ -137,14 +137,17 @@ async fn poll_until<W: Workflow>(
     panic!("timed out waiting until {what}");
 }
 
-async fn complete_exit<W: Workflow>(engine: &WorkflowEngine, id: &ExecutionId) -> Exit {
+pub(crate) async fn complete_exit<W: Workflow>(engine: &WorkflowEngine, id: &ExecutionId) -> Exit {
     match poll_until::<W>(engine, id, "the execution completes", |r| !r.is_suspended()).await {
         WorkflowResult::Complete(exit) => exit,
         WorkflowResult::Suspended { .. } => unreachable!(),
     }
 }
 
-async fn suspended<W: Workflow>(engine: &WorkflowEngine, id: &ExecutionId) -> WorkflowResult {
+pub(crate) async fn suspended<W: Workflow>(
+    engine: &WorkflowEngine,
+    id: &ExecutionId,
+) -> WorkflowResult {
     poll_until::<W>(engine, id, "the execution suspends", WorkflowResult::is_suspended).await
 }
 
