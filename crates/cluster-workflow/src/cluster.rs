@@ -1114,6 +1114,36 @@ impl ClusterEngine {
         Ok(())
     }
 
+    /// The request of activity `name`/`attempt` of `run`'s execution, if it was stored.
+    async fn activity_request_id(
+        &self,
+        run: &Run,
+        name: &str,
+        attempt: u32,
+    ) -> Result<Option<Snowflake>, WorkflowError> {
+        let key = format!("{name}/{attempt}");
+        self.request_id(run.workflow, &run.execution_id, ActivityRpc::TAG, &key).await
+    }
+
+    /// The stored result of activity `name`/`attempt`, or a suspension when it has none.
+    async fn stored_activity_result(
+        &self,
+        run: &Run,
+        name: &str,
+        attempt: u32,
+    ) -> Result<WorkflowResult, WorkflowError> {
+        let stored = match self.activity_request_id(run, name, attempt).await? {
+            Some(request_id) => self.final_reply(request_id).await?,
+            None => None,
+        };
+        if let Some((_, Exit::Success(value))) = stored
+            && let Ok(ResultJson(result @ WorkflowResult::Complete(_))) = value.decode()
+        {
+            return Ok(result);
+        }
+        Ok(WorkflowResult::suspended())
+    }
+
     /// Runs activity `name`/`attempt` through its request: the handler gives the go, the
     /// body runs here (inside the run), and the handler stores its result as the reply.
     async fn run_activity<'a>(
@@ -1131,24 +1161,7 @@ impl ClusterEngine {
         loop {
             if !run.state().interrupted && activation.interrupt_cached() {
                 // A pending interrupt starts no new activity (invariant 41).
-                let stored = match self
-                    .request_id(
-                        run.workflow,
-                        &run.execution_id,
-                        ActivityRpc::TAG,
-                        &format!("{name}/{attempt}"),
-                    )
-                    .await?
-                {
-                    Some(request_id) => self.final_reply(request_id).await?,
-                    None => None,
-                };
-                if let Some((_, Exit::Success(value))) = stored
-                    && let Ok(ResultJson(result @ WorkflowResult::Complete(_))) = value.decode()
-                {
-                    return Ok(result);
-                }
-                return Ok(WorkflowResult::suspended());
+                return self.stored_activity_result(run, name, attempt).await;
             }
             let (go, gone) = oneshot::channel();
             activation.state().activities.insert(key.clone(), go);
@@ -1171,11 +1184,16 @@ impl ClusterEngine {
                 state.activity_runs.retain(|activity| activity.strong_count() > 0);
                 state.activity_runs.push(Arc::downgrade(&activity_run));
             }
+            // Whether this call's body handed a result (not a suspension) to the handler.
+            let handed = AtomicBool::new(false);
             let body = async {
                 match (gone.await, execute.take()) {
                     (Ok(done), Some(execute)) => {
                         let result = execute(activity_run).await;
-                        let _ = done.send(result);
+                        let complete = !result.is_suspended();
+                        if done.send(result).is_ok() {
+                            handed.store(complete, Ordering::Release);
+                        }
                     }
                     _ => std::future::pending::<()>().await,
                 }
@@ -1191,17 +1209,19 @@ impl ClusterEngine {
                 waiting || state.aborted.remove(&key)
             };
             match reply.0 {
+                WorkflowResult::Suspended { .. } if handed.load(Ordering::Acquire) => {
+                    // The body's result was handed over but not stored (its writes failed), and
+                    // a redelivery of the request, finding no caller, answered `Suspended`.
+                    // Nothing would wake this run: it breaks off, and the replay runs the
+                    // activity again (it has no stored result).
+                    return Err(WorkflowError::Cluster(format!(
+                        "the result of activity {name}/{attempt} was not stored"
+                    )));
+                }
                 WorkflowResult::Suspended { .. } if not_run && execute.is_some() => {
                     // A stored suspension of an attempt that did not run here: reset it and
                     // call again.
-                    let Some(request_id) = self
-                        .request_id(
-                            run.workflow,
-                            &run.execution_id,
-                            ActivityRpc::TAG,
-                            &format!("{name}/{attempt}"),
-                        )
-                        .await?
+                    let Some(request_id) = self.activity_request_id(run, name, attempt).await?
                     else {
                         continue;
                     };

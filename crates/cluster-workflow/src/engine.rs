@@ -581,7 +581,8 @@ pub(crate) fn ending(run: &Run, end: &BodyEnd) -> Ending {
 /// Finishes a run after the engine's interrupt decision: its result ([`into_result`]), its
 /// own scope closed with the final exit (or, for a suspension, handed to `retain` to keep),
 /// and, when the execution ended, the retained scopes of the runs it superseded (which
-/// `retain` hands back) closed with success, newest first. Returns the outcome and the
+/// `retain` hands back) closed with success, newest first. A run with no result leaves the
+/// retained scopes alone (`retain` is not called). Returns the outcome and the
 /// children an applied interrupt must interrupt too (the interrupt link).
 pub(crate) async fn finish_run(
     run: &Run,
@@ -590,7 +591,10 @@ pub(crate) async fn finish_run(
 ) -> (RunOutcome, Vec<ChildLink>) {
     let outcome = into_result(run, end);
     let own_scope = close_run_scope(run, &outcome).await;
-    close_retained(retain(own_scope), false).await;
+    // A run with no result did not end the execution: the scopes it superseded stay.
+    if !matches!(outcome, RunOutcome::NoResult(_)) {
+        close_retained(retain(own_scope), false).await;
+    }
     let state = run.state();
     let children = if state.interrupted {
         state.children.iter().filter(|child| !child.complete).cloned().collect()
@@ -613,11 +617,14 @@ pub(crate) fn retain_scope(retained: &mut Vec<Scope>, own: Option<Scope>) -> Vec
 }
 
 /// Closes the run's own workflow scope with the outcome's exit, unless the run suspended: a
-/// suspended run's scope is returned for the engine to retain until the execution ends.
+/// suspended run's scope is returned for the engine to retain until the execution ends. A run
+/// the engine broke off (a storage failure under it) is skipped like an abandoned one: the
+/// execution did not fail, and its replay registers the compensations again.
 async fn close_run_scope(run: &Run, outcome: &RunOutcome) -> Option<Scope> {
     let (finalizers, interrupted, abandoned) = {
         let mut state = run.state();
-        (std::mem::take(&mut state.finalizers), state.interrupted, state.abandoned)
+        let abandoned = state.abandoned || state.broken.is_some();
+        (std::mem::take(&mut state.finalizers), state.interrupted, abandoned)
     };
     let exit = match outcome {
         RunOutcome::Result(WorkflowResult::Suspended { .. }) => {

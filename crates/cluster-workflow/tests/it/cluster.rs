@@ -379,3 +379,116 @@ async fn traffic_of_a_workflow_goes_to_its_shard_group_from_every_process() {
         cluster_core::Exit::Success(cluster_core::RawJson::encode("act:gate").unwrap())
     );
 }
+
+/// Found by the simulation (seed 1 with workflows): a run that the engine breaks off (here
+/// the next activity's request cannot be stored) ends with no result and is replayed; it
+/// must not run the compensations of the steps it completed, since the execution has not
+/// failed (the replay below succeeds).
+#[tokio::test(start_paused = true)]
+async fn a_run_broken_by_an_engine_failure_runs_no_compensation() {
+    use std::sync::atomic::{AtomicU32, Ordering};
+
+    use cluster_core::storage::MessageStorage;
+    use cluster_testkit::faulty::FaultyMessageStorage;
+    use cluster_workflow::{Never, Workflow, WorkflowContext};
+
+    struct Broken;
+    impl Workflow for Broken {
+        const NAME: &'static str = "Broken";
+        type Payload = suite::Input;
+        type Success = String;
+        type Error = Never;
+        fn idempotency_key(payload: &suite::Input) -> String {
+            payload.key.clone()
+        }
+    }
+
+    let clock: Arc<dyn Clock> = Arc::new(TokioClock::new());
+    let memory: Arc<dyn MessageStorage> = Arc::new(MemoryMessageStorage::new(Arc::clone(&clock)));
+    let (faulty, faults) = FaultyMessageStorage::new(memory);
+    let sharding = Sharding::with_storage(config(), clock, Arc::new(faulty)).await.unwrap();
+    let engine = WorkflowEngine::cluster(&sharding).unwrap();
+    let (compensations, runs) = (Arc::new(AtomicU32::new(0)), Arc::new(AtomicU32::new(0)));
+    let (undone, started) = (Arc::clone(&compensations), Arc::clone(&runs));
+    engine
+        .register::<Broken, _, _>(move |ctx: WorkflowContext, _: suite::Input| {
+            started.fetch_add(1, Ordering::SeqCst);
+            let (undone, faults) = (Arc::clone(&undone), Arc::clone(&faults));
+            async move {
+                let hold: String = ctx
+                    .activity("reserve", move |_| {
+                        // The next request saves fail: the run cannot store its next step.
+                        faults.fail_request_saves(1);
+                        async { Ok::<_, Never>("hold".to_owned()) }
+                    })
+                    .compensate(move |_, _| async move {
+                        undone.fetch_add(1, Ordering::SeqCst);
+                    })
+                    .await?;
+                let charge: String =
+                    ctx.activity("charge", |_| async { Ok::<_, Never>("paid".to_owned()) }).await?;
+                Ok(format!("{hold}/{charge}"))
+            }
+        })
+        .unwrap();
+    let payload = suite::Input { key: "broken".into(), ..suite::Input::default() };
+    let outcome = engine.execute::<Broken>(payload).await;
+    assert_eq!(outcome.unwrap(), "hold/paid");
+    assert!(runs.load(Ordering::SeqCst) >= 2, "the broken run was replayed");
+    assert_eq!(compensations.load(Ordering::SeqCst), 0, "nothing was undone");
+}
+
+/// Found by the simulation (seed 30 with workflows): an activity ran, but its result could not
+/// be stored (every write attempt failed), so the runtime delivered the activity's request
+/// again, found no caller waiting and answered it `Suspended`. The run waiting for the first
+/// delivery's reply got that `Suspended` and suspended with nothing left to wake it. The run
+/// now breaks off instead and is replayed, which runs the activity again.
+#[tokio::test(start_paused = true)]
+async fn an_activity_whose_result_was_not_stored_runs_again() {
+    use std::sync::atomic::{AtomicU32, Ordering};
+
+    use cluster_core::storage::MessageStorage;
+    use cluster_testkit::faulty::FaultyMessageStorage;
+    use cluster_workflow::{Never, Workflow, WorkflowContext};
+
+    struct Unstored;
+    impl Workflow for Unstored {
+        const NAME: &'static str = "Unstored";
+        type Payload = suite::Input;
+        type Success = u32;
+        type Error = Never;
+        fn idempotency_key(payload: &suite::Input) -> String {
+            payload.key.clone()
+        }
+    }
+
+    let clock: Arc<dyn Clock> = Arc::new(TokioClock::new());
+    let memory: Arc<dyn MessageStorage> = Arc::new(MemoryMessageStorage::new(Arc::clone(&clock)));
+    let (faulty, faults) = FaultyMessageStorage::new(memory);
+    let sharding = Sharding::with_storage(config(), clock, Arc::new(faulty)).await.unwrap();
+    let engine = WorkflowEngine::cluster(&sharding).unwrap();
+    let runs = Arc::new(AtomicU32::new(0));
+    let counted = Arc::clone(&runs);
+    engine
+        .register::<Unstored, _, _>(move |ctx: WorkflowContext, _: suite::Input| {
+            let (counted, faults) = (Arc::clone(&counted), Arc::clone(&faults));
+            async move {
+                ctx.activity("reserve", move |_| {
+                    let run = counted.fetch_add(1, Ordering::SeqCst) + 1;
+                    if run == 1 {
+                        // Every write of the first run's result fails.
+                        faults.fail_reply_saves(4);
+                    }
+                    async move { Ok::<_, Never>(run) }
+                })
+                .await
+            }
+        })
+        .unwrap();
+    let payload = suite::Input { key: "unstored".into(), ..suite::Input::default() };
+    let outcome =
+        tokio::time::timeout(Duration::from_secs(120), engine.execute::<Unstored>(payload)).await;
+    let Ok(outcome) = outcome else { panic!("the execution stayed suspended") };
+    assert_eq!(outcome.unwrap(), 2, "the second run's result is the stored one");
+    assert_eq!(runs.load(Ordering::SeqCst), 2);
+}
