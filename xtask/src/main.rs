@@ -70,7 +70,9 @@ fn main() -> ExitCode {
 }
 
 fn usage() {
-    report("usage: cargo xtask <ci | tidy | chaos | sim [--seeds N] [--from S] | sim --seed S>");
+    report(
+        "usage: cargo xtask <ci | tidy | chaos | sim [--seeds N] [--from S] [--classic] | sim --seed S [--trace] [--classic]>",
+    );
 }
 
 #[expect(clippy::print_stderr, reason = "xtask reports to the terminal")]
@@ -140,7 +142,7 @@ fn ci() -> Result<()> {
     Ok(())
 }
 
-/// `cargo xtask sim [--seeds N] [--from S] | [--seed S]`: the simulated cluster
+/// `cargo xtask sim [--seeds N] [--from S] | [--seed S [--trace]] [--classic]`: the simulated cluster
 /// (`cluster_testkit::sim`), built with `--cfg tokio_unstable` so that tokio's own random
 /// choices follow the seed too, in a target directory of its own (the flag changes every
 /// crate's build). Each seed runs twice and the histories must match.
@@ -152,7 +154,16 @@ fn sim(args: &[String]) -> Result<()> {
         None => root.join("target").join("sim"),
     };
     let target = target.display().to_string();
-    let mut cargo_args = vec!["run", "--package", "cluster-testkit", "--example", "sim", "--"];
+    let mut cargo_args = vec![
+        "run",
+        "--package",
+        "cluster-testkit",
+        "--features",
+        "workflow",
+        "--example",
+        "sim",
+        "--",
+    ];
     cargo_args.extend(args.iter().map(String::as_str));
     step(
         "sim",

@@ -3,7 +3,12 @@
 //! ```text
 //! cargo run -p cluster-testkit --example sim -- --seeds 200 [--from 0]
 //! cargo run -p cluster-testkit --example sim -- --seed 17      # replay one seed, with its trace
+//! cargo run -p cluster-testkit --example sim -- --seed 17 --trace   # and the runtime's events
+//! cargo run -p cluster-testkit --example sim -- --seed 153 --classic  # an older scenario
 //! ```
+//!
+//! `--classic` runs the scenario as it was before transport faults, latency spikes and
+//! workflows came (`SimConfig::classic`), in which the oldest regression seeds were found.
 //!
 //! Each seed runs twice and the two histories must be equal (built with
 //! `--cfg tokio_unstable`, as `cargo xtask sim` does; otherwise only the invariants are
@@ -22,9 +27,18 @@ fn main() -> ExitCode {
             .and_then(|i| args.get(i + 1))
             .and_then(|v| v.parse::<u64>().ok())
     };
+    quiet_deliberate_panics();
     let deterministic = cfg!(tokio_unstable);
+    let config: fn(u64) -> SimConfig = if args.iter().any(|arg| arg == "--classic") {
+        SimConfig::classic
+    } else {
+        SimConfig::seed
+    };
     if let Some(seed) = value("--seed") {
-        let report = run(&SimConfig::seed(seed));
+        if args.iter().any(|arg| arg == "--trace") {
+            let _ = tracing::subscriber::set_global_default(Trace::default());
+        }
+        let report = run(&config(seed));
         for (at, event) in &report.events {
             println!("{at:>7} ms  {event}");
         }
@@ -43,10 +57,10 @@ fn main() -> ExitCode {
     let started = std::time::Instant::now();
     let mut failed = 0;
     for seed in from..from + seeds {
-        let first = run(&SimConfig::seed(seed));
+        let first = run(&config(seed));
         let mut problems = first.violations.clone();
         if deterministic {
-            let second = run(&SimConfig::seed(seed));
+            let second = run(&config(seed));
             if second.history != first.history {
                 let diverged = first.events.iter().zip(&second.events).position(|(a, b)| a != b);
                 problems.push(format!(
@@ -74,4 +88,72 @@ fn main() -> ExitCode {
         started.elapsed().as_secs_f64()
     );
     if failed == 0 { ExitCode::SUCCESS } else { ExitCode::FAILURE }
+}
+
+/// The workflow engine ends a run that has no result (a storage failure broke it off) with a
+/// panic, which the runtime turns into an entity restart and a redelivery; those are part of
+/// the scenario, not failures, and would bury the report under their messages. Every other
+/// panic is reported as usual.
+fn quiet_deliberate_panics() {
+    let report = std::panic::take_hook();
+    std::panic::set_hook(Box::new(move |info| {
+        let message = info
+            .payload()
+            .downcast_ref::<String>()
+            .map(String::as_str)
+            .or_else(|| info.payload().downcast_ref::<&str>().copied())
+            .unwrap_or("");
+        if !message.starts_with("workflow run ended without a result") {
+            report(info);
+        }
+    }));
+}
+
+/// The runtime's debug events (targets `cluster_*`) on standard error, each with the
+/// simulation's time since the first event: `--trace`.
+#[derive(Default)]
+struct Trace {
+    start: std::sync::OnceLock<tokio::time::Instant>,
+}
+
+/// Writes an event's fields as `message name=value …`.
+struct Fields(String);
+
+impl tracing::field::Visit for Fields {
+    fn record_debug(&mut self, field: &tracing::field::Field, value: &dyn std::fmt::Debug) {
+        use std::fmt::Write;
+        if field.name() == "message" {
+            let _ = write!(self.0, "{value:?}");
+        } else {
+            let _ = write!(self.0, " {}={value:?}", field.name());
+        }
+    }
+}
+
+impl tracing::Subscriber for Trace {
+    fn enabled(&self, metadata: &tracing::Metadata<'_>) -> bool {
+        *metadata.level() <= tracing::Level::DEBUG && metadata.target().starts_with("cluster")
+    }
+
+    fn new_span(&self, _: &tracing::span::Attributes<'_>) -> tracing::span::Id {
+        tracing::span::Id::from_u64(1)
+    }
+
+    fn record(&self, _: &tracing::span::Id, _: &tracing::span::Record<'_>) {}
+
+    fn record_follows_from(&self, _: &tracing::span::Id, _: &tracing::span::Id) {}
+
+    #[expect(clippy::print_stderr, reason = "the trace goes to standard error")]
+    fn event(&self, event: &tracing::Event<'_>) {
+        let mut fields = Fields(String::new());
+        event.record(&mut fields);
+        let now = tokio::time::Instant::now();
+        let at = now.duration_since(*self.start.get_or_init(|| now)).as_millis();
+        let metadata = event.metadata();
+        eprintln!("{at:>7} ms  {} {}: {}", metadata.level(), metadata.target(), fields.0);
+    }
+
+    fn enter(&self, _: &tracing::span::Id) {}
+
+    fn exit(&self, _: &tracing::span::Id) {}
 }

@@ -27,6 +27,8 @@ pub enum StorageEvent<'a> {
     RequestSaved(&'a Request),
     /// A final reply is about to be written (before any injected delay).
     FinalReply(&'a Reply),
+    /// A final reply was written.
+    FinalReplyStored(&'a Reply),
     /// The storage read loop read the unprocessed messages of these shards.
     Read(&'a [ShardId]),
 }
@@ -48,6 +50,8 @@ pub struct Faults {
     reply_saves: Countdown,
     /// Milliseconds every `save_reply` waits before it writes.
     reply_delay_millis: std::sync::atomic::AtomicU64,
+    /// Milliseconds every request save, read and reply lookup waits first.
+    storage_delay_millis: std::sync::atomic::AtomicU64,
     begin_transaction_calls: AtomicU32,
     commits: AtomicU32,
     resets: std::sync::Mutex<Vec<Snowflake>>,
@@ -123,6 +127,21 @@ impl Faults {
         self.reply_delay_millis.store(millis, Ordering::Release);
     }
 
+    /// Every request save, read of unprocessed messages and reply lookup from now on waits
+    /// `delay` first (a latency spike of the database).
+    pub fn delay_storage(&self, delay: std::time::Duration) {
+        let millis = u64::try_from(delay.as_millis()).unwrap_or(u64::MAX);
+        self.storage_delay_millis.store(millis, Ordering::Release);
+    }
+
+    /// Waits out the latency of [`delay_storage`](Faults::delay_storage).
+    async fn latency(&self) {
+        let delay = self.storage_delay_millis.load(Ordering::Acquire);
+        if delay > 0 {
+            tokio::time::sleep(std::time::Duration::from_millis(delay)).await;
+        }
+    }
+
     /// How often `begin_transaction` was called, failed calls included.
     pub fn begin_transaction_calls(&self) -> u32 {
         self.begin_transaction_calls.load(Ordering::Acquire)
@@ -177,6 +196,7 @@ impl MessageStorage for FaultyMessageStorage {
         options: &'a SaveRequestOptions,
     ) -> BoxFuture<'a, Result<SaveResult, StorageError>> {
         Box::pin(async move {
+            self.faults.latency().await;
             if self.faults.request_saves.fails() {
                 return Err(injected("save_request"));
             }
@@ -207,12 +227,15 @@ impl MessageStorage for FaultyMessageStorage {
             self.faults.notify(StorageEvent::FinalReply(reply));
         }
         let delay = self.faults.reply_delay_millis.load(Ordering::Acquire);
-        if delay == 0 {
-            return self.inner.save_reply(reply);
-        }
         Box::pin(async move {
-            tokio::time::sleep(std::time::Duration::from_millis(delay)).await;
-            self.inner.save_reply(reply).await
+            if delay > 0 {
+                tokio::time::sleep(std::time::Duration::from_millis(delay)).await;
+            }
+            let saved = self.inner.save_reply(reply).await;
+            if saved.is_ok() && reply.is_final() {
+                self.faults.notify(StorageEvent::FinalReplyStored(reply));
+            }
+            saved
         })
     }
 
@@ -238,7 +261,10 @@ impl MessageStorage for FaultyMessageStorage {
         &'a self,
         request_ids: &'a [Snowflake],
     ) -> BoxFuture<'a, Result<Vec<Reply>, StorageError>> {
-        self.inner.replies_for(request_ids)
+        Box::pin(async move {
+            self.faults.latency().await;
+            self.inner.replies_for(request_ids).await
+        })
     }
 
     fn replies_for_unfiltered<'a>(
@@ -258,7 +284,10 @@ impl MessageStorage for FaultyMessageStorage {
         if self.faults.reads.fails() {
             return Box::pin(std::future::ready(Err(injected("unprocessed_messages"))));
         }
-        self.inner.unprocessed_messages(shard_ids, now, options)
+        Box::pin(async move {
+            self.faults.latency().await;
+            self.inner.unprocessed_messages(shard_ids, now, options).await
+        })
     }
 
     fn unprocessed_messages_by_id<'a>(
@@ -369,6 +398,8 @@ pub struct LockFaults {
     blackholed: std::sync::atomic::AtomicBool,
     /// Registrations take this long (milliseconds) before they reach the storage.
     register_delay_ms: std::sync::atomic::AtomicU64,
+    /// Lock operations take this long (milliseconds) before they reach the storage.
+    lock_delay_ms: std::sync::atomic::AtomicU64,
     registers: AtomicU32,
     acquires: AtomicU32,
     refreshes_with_shards: AtomicU32,
@@ -411,11 +442,22 @@ impl LockFaults {
         self.blackholed.store(on, Ordering::Release);
     }
 
-    /// Waits while the lock connection is black-holed.
+    /// Waits while the lock connection is black-holed, then the lock latency.
     async fn through_the_blackhole(&self) {
         while self.blackholed.load(Ordering::Acquire) {
             tokio::time::sleep(std::time::Duration::from_millis(10)).await;
         }
+        let delay = self.lock_delay_ms.load(Ordering::Acquire);
+        if delay > 0 {
+            tokio::time::sleep(std::time::Duration::from_millis(delay)).await;
+        }
+    }
+
+    /// The lock operations (`acquire`, `refresh`, `release`, `release_all`) take `delay`
+    /// before they reach the storage (a latency spike of the lock connection).
+    pub fn delay_locks(&self, delay: std::time::Duration) {
+        let millis = u64::try_from(delay.as_millis()).unwrap_or(u64::MAX);
+        self.lock_delay_ms.store(millis, Ordering::Release);
     }
 
     /// Makes every `release` and `release_all` fail (`Unavailable`) or work again.

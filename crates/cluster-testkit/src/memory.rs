@@ -249,6 +249,42 @@ impl MemoryMessageStorage {
         (smallest != u32::MAX).then_some(smallest)
     }
 
+    /// What the storage holds for the entities whose id contains `entity_id` (messages in
+    /// insertion order, each with its state and replies): a failing simulation's trace.
+    pub fn describe(&self, entity_id: &str) -> Vec<String> {
+        let state = lock(&self.state);
+        let mut lines = Vec::new();
+        for message in state.messages.values() {
+            let address = message.envelope.address();
+            if !address.entity_id.to_string().contains(entity_id) {
+                continue;
+            }
+            let what = match &message.envelope {
+                Envelope::Request(request) => {
+                    format!("request {} {:?}", request.tag, request.payload)
+                }
+                Envelope::AckChunk(_) => "ack".to_owned(),
+                Envelope::Interrupt(_) => "interrupt".to_owned(),
+            };
+            let request_id = message.envelope.request_id();
+            let replies: Vec<String> = state
+                .replies
+                .values()
+                .filter(|stored| stored.reply.request_id() == request_id)
+                .map(|stored| format!("{:?}", stored.reply))
+                .collect();
+            lines.push(format!(
+                "{} {address} key {:?}: {what}, processed {}, last read {:?}, deliver at {:?}, replies {replies:?}",
+                message.envelope.id(),
+                message.message_id,
+                message.processed,
+                message.last_read,
+                message.deliver_at,
+            ));
+        }
+        lines
+    }
+
     /// Test hook: the message row `id` can no longer be decoded.
     pub fn corrupt_message(&self, id: Snowflake) {
         let mut state = lock(&self.state);

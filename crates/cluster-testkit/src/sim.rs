@@ -12,17 +12,22 @@
 //! xtask sim` builds so, in a target directory of its own. Without it a run still checks every
 //! invariant, but two runs of one seed may take different paths.
 //!
-//! Status (first slices of the simulation issue): runners freeze (lock storage black-holed
-//! for a while), crash (their lock storage dies: no refresh, no release; cut off the network)
-//! and are replaced, restart gracefully, are partitioned off the network for a while, join in
-//! bursts, are replaced one by one in rolling updates; reply
-//! writes get latency spikes; the workload is persisted requests with primary keys and
-//! volatile requests from a client-only member of the cluster. Checked: no shard is acquired by two live
-//! runners at one sampled instant, no runner writes a final reply while the database does not
-//! hold the shard's lease for it (fencing), a runner holding shards with healthy lock storage
-//! keeps reading its mailboxes (liveness), every request is answered to its caller, and
-//! exactly one final reply is stored per request; every volatile request ends with its reply
-//! or a typed error within a bound.
+//! Faults (two schedules, each from a random stream of its own): runners freeze (lock
+//! storage black-holed for a while), crash (their lock storage dies: no refresh, no release;
+//! cut off the network) and are replaced, restart gracefully, are partitioned off the
+//! network, join in bursts, are replaced one by one in rolling updates; reply writes get
+//! slow, storage calls fail; the transport delays, loses and duplicates calls; storage and
+//! one runner's lock storage get latency spikes; clocks are skewed. The workload is persisted
+//! requests with primary keys and volatile requests from a client-only member of the
+//! cluster, and (feature `workflow`) workflow executions of a compensated saga (`workflow`).
+//!
+//! Checked: no shard is acquired by two live runners at one sampled instant, no runner
+//! writes a final reply while the database does not hold the shard's lease for it (fencing),
+//! a runner holding shards with healthy lock storage keeps reading its mailboxes (liveness),
+//! every request is answered to its caller within a bound once faults end, exactly one final
+//! reply is stored per request, every volatile request ends with its reply or a typed error;
+//! for workflows, a stored activity result is never run again and compensations run once per
+//! failed outcome, never for a success. `docs/testing.md` has the details.
 
 use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex, PoisonError};
@@ -38,7 +43,10 @@ use serde::{Deserialize, Serialize};
 
 use crate::faulty::{Faults, FaultyMessageStorage, FaultyRunnerStorage, LockFaults, StorageEvent};
 use crate::memory::{MemoryMessageStorage, MemoryRunnerDatabase, MemoryRunnerStorage};
-use crate::transport::MemoryNetwork;
+use crate::transport::{MemoryNetwork, NetworkFaults};
+
+#[cfg(feature = "workflow")]
+mod workflow;
 
 /// A small, fast, seedable random source (splitmix64): every choice of a simulation.
 #[derive(Clone, Debug)]
@@ -110,12 +118,31 @@ pub struct SimConfig {
     pub requests: usize,
     /// Whether faults are injected.
     pub faults: bool,
+    /// Whether the transport delays, loses and duplicates calls, and storage latency
+    /// spikes come, from a second schedule (with `faults`).
+    pub network_faults: bool,
+    /// Workflow executions the client runs (needs the `workflow` feature).
+    pub workflows: usize,
 }
 
 impl SimConfig {
-    /// The default scenario of `seed`: 3 runners, 60 requests, faults on.
+    /// The default scenario of `seed`: 3 runners, 60 persisted and 60 volatile requests, 20
+    /// workflow executions, every fault.
     pub fn seed(seed: u64) -> SimConfig {
-        SimConfig { seed, runners: 3, requests: 60, faults: true }
+        SimConfig {
+            seed,
+            runners: 3,
+            requests: 60,
+            faults: true,
+            network_faults: true,
+            workflows: 20,
+        }
+    }
+
+    /// The scenario of `seed` as it was before transport faults, latency spikes and workflows
+    /// came (the regression seeds found then replay it exactly).
+    pub fn classic(seed: u64) -> SimConfig {
+        SimConfig { network_faults: false, workflows: 0, ..SimConfig::seed(seed) }
     }
 }
 
@@ -314,6 +341,9 @@ struct World {
     violations: Arc<Mutex<Vec<String>>>,
     runners: Arc<Mutex<Vec<SimRunner>>>,
     next_port: u16,
+    /// The workflow scenario's ledger, when it runs.
+    #[cfg(feature = "workflow")]
+    workflows: Option<Arc<workflow::Ledger>>,
 }
 
 impl World {
@@ -333,7 +363,14 @@ impl World {
         let start = self.start;
         let (requests, registry) = (Arc::clone(&self.requests), Arc::clone(&self.registry));
         let (history, violations) = (self.history.clone(), Arc::clone(&self.violations));
-        faults.observe(Arc::new(move |event| match event {
+        #[cfg(feature = "workflow")]
+        let workflows = self.workflows.clone();
+        faults.observe(Arc::new(move |event| {
+            #[cfg(feature = "workflow")]
+            if let Some(ledger) = &workflows {
+                ledger.observe(&event);
+            }
+            match event {
             StorageEvent::RequestSaved(request) => {
                 let shard = request.address.shard_id.clone();
                 requests.lock().unwrap_or_else(PoisonError::into_inner).insert(request.request_id, shard);
@@ -354,6 +391,8 @@ impl World {
                     history.record(format!("VIOLATION {what}"));
                     violations.lock().unwrap_or_else(PoisonError::into_inner).push(what);
                 }
+            }
+            StorageEvent::FinalReplyStored(_) => {}
             }
         }));
         self.storage_faults.lock().unwrap_or_else(PoisonError::into_inner).push(faults);
@@ -381,6 +420,12 @@ impl World {
                 self.network.attach(address.clone(), sharding.runner_handler());
                 if let Err(error) = sharding.register::<SimCounter>(EntityOptions::default()) {
                     self.violation(format!("runner {port} could not register: {error}"));
+                }
+                #[cfg(feature = "workflow")]
+                if let Some(ledger) = &self.workflows
+                    && let Err(error) = ledger.register(&sharding, &format!("runner-{port}"))
+                {
+                    self.violation(format!("runner {port} has no workflow engine: {error}"));
                 }
                 let name = format!("runner-{port}");
                 self.history.record(format!("start {name} skew {}ms", millis(skew)));
@@ -445,9 +490,10 @@ async fn simulate(config: SimConfig) -> SimReport {
     let start = tokio::time::Instant::now();
     let mut rng = SimRng::new(config.seed);
     let database_clock: Arc<dyn Clock> = Arc::new(SimClock::new(start, Duration::ZERO, true));
-    let memory: Arc<dyn MessageStorage> =
-        Arc::new(MemoryMessageStorage::new(Arc::clone(&database_clock)));
+    let database = Arc::new(MemoryMessageStorage::new(Arc::clone(&database_clock)));
+    let memory: Arc<dyn MessageStorage> = Arc::clone(&database) as Arc<dyn MessageStorage>;
     let history = History { start, events: Arc::default() };
+    let violations: Arc<Mutex<Vec<String>>> = Arc::default();
     let mut world = World {
         start,
         messages: memory,
@@ -456,10 +502,17 @@ async fn simulate(config: SimConfig) -> SimReport {
         registry: MemoryRunnerDatabase::new(database_clock),
         network: MemoryNetwork::new(),
         history: history.clone(),
-        violations: Arc::default(),
+        violations: Arc::clone(&violations),
         runners: Arc::default(),
         next_port: 1,
+        #[cfg(feature = "workflow")]
+        workflows: (config.workflows > 0)
+            .then(|| workflow::Ledger::new(history.clone(), Arc::clone(&violations))),
     };
+    #[cfg(not(feature = "workflow"))]
+    if config.workflows > 0 {
+        world.violation("workflows need the `workflow` feature of cluster-testkit".to_owned());
+    }
     for _ in 0..config.runners {
         world.start_runner(&mut rng).await;
     }
@@ -469,8 +522,25 @@ async fn simulate(config: SimConfig) -> SimReport {
         Arc::clone(&world.violations),
     ));
     let (client, calls) = start_workload(&world, &config, &mut rng).await;
+    #[cfg(feature = "workflow")]
+    let calls = {
+        let mut calls = calls;
+        if let Some(ledger) = &world.workflows {
+            // A stream of choices of its own: the older scenarios' draws stay as they were.
+            let mut rng = SimRng::new(config.seed ^ 0x776f_726b_666c_6f77);
+            calls.extend(ledger.start(&client, config.workflows, &mut rng));
+        }
+        calls
+    };
+    let more_faults = (config.faults && config.network_faults).then(|| {
+        let rng = SimRng::new(config.seed ^ 0x6e65_7477_6f72_6b73);
+        tokio::spawn(inject_more_faults(MoreFaults::of(&world), rng))
+    });
     if config.faults {
         inject_faults(&mut world, &mut rng).await;
+    }
+    if let Some(more_faults) = more_faults {
+        let _ = more_faults.await;
     }
     // Every caller gets its reply within a bound once the faults are over.
     let deadline = start + FAULTS_END + HEAL_BOUND;
@@ -478,11 +548,23 @@ async fn simulate(config: SimConfig) -> SimReport {
         match tokio::time::timeout_at(deadline, call).await {
             Ok(Ok(())) => {}
             Ok(Err(_)) => world.violation(format!("the caller of {key} panicked")),
-            Err(_) => world.violation(format!("{key} was not answered within the bound")),
+            Err(_) => {
+                world.violation(format!("{key} was not answered within the bound"));
+                #[cfg(feature = "workflow")]
+                if let Some(id) = key.strip_prefix("order ").and_then(|id| id.parse().ok()) {
+                    for line in workflow::describe(&database, id) {
+                        world.history.record(format!("  stored: {line}"));
+                    }
+                }
+            }
         }
     }
     sampler.abort();
     check_final_replies(&world, &client, config.requests).await;
+    #[cfg(feature = "workflow")]
+    if let Some(ledger) = &world.workflows {
+        ledger.check_end();
+    }
     stop(&world, &client).await;
     let events = history.take();
     let violations = world.violations.lock().unwrap_or_else(PoisonError::into_inner).clone();
@@ -699,6 +781,122 @@ fn storage_errors(world: &World, times: u32) {
         process.fail_request_saves(times);
         process.fail_reply_saves(times);
     }
+}
+
+/// What the second fault schedule reaches: the transport, every process's storage and the
+/// runners' lock storages.
+struct MoreFaults {
+    start: tokio::time::Instant,
+    network: Arc<MemoryNetwork>,
+    storage_faults: Arc<Mutex<Vec<Arc<Faults>>>>,
+    runners: Arc<Mutex<Vec<SimRunner>>>,
+    history: History,
+}
+
+impl MoreFaults {
+    fn of(world: &World) -> MoreFaults {
+        MoreFaults {
+            start: world.start,
+            network: Arc::clone(&world.network),
+            storage_faults: Arc::clone(&world.storage_faults),
+            runners: Arc::clone(&world.runners),
+            history: world.history.clone(),
+        }
+    }
+}
+
+/// Transport calls always take 0–2 ms outside the fault periods.
+const BASE_NETWORK: NetworkFaults = NetworkFaults {
+    delay_min: Duration::ZERO,
+    delay_max: Duration::from_millis(2),
+    loss_per_mille: 0,
+    duplicate_per_mille: 0,
+};
+
+/// The second fault schedule, from a random stream of its own (so that the first one's draws
+/// stay as they were): periods of a lossy network (delays, lost and duplicated calls),
+/// latency spikes of the message storage, and slow lock storage on one runner.
+async fn inject_more_faults(faults: MoreFaults, mut rng: SimRng) {
+    faults.network.set_faults(BASE_NETWORK, rng.next_u64());
+    loop {
+        tokio::time::sleep(rng.duration(Duration::from_secs(1), Duration::from_secs(4))).await;
+        if faults.start.elapsed() >= FAULTS_END {
+            break;
+        }
+        let duration = rng.duration(Duration::from_millis(500), Duration::from_secs(4));
+        match rng.below(3) {
+            0 => {
+                let network = NetworkFaults {
+                    delay_min: Duration::ZERO,
+                    delay_max: rng.duration(Duration::from_millis(5), Duration::from_millis(200)),
+                    loss_per_mille: 10 + rng.below(190),
+                    duplicate_per_mille: 10 + rng.below(190),
+                };
+                faults.history.record(format!(
+                    "lossy network for {}ms: delays up to {}ms, {}‰ lost, {}‰ duplicated",
+                    millis(duration),
+                    millis(network.delay_max),
+                    network.loss_per_mille,
+                    network.duplicate_per_mille
+                ));
+                faults.network.set_faults(network, rng.next_u64());
+                tokio::time::sleep(duration).await;
+                faults.network.set_faults(BASE_NETWORK, rng.next_u64());
+                faults.history.record(format!(
+                    "network calm again ({} lost, {} duplicated so far)",
+                    faults.network.lost(),
+                    faults.network.duplicated()
+                ));
+            }
+            1 => {
+                let delay = rng.duration(Duration::from_millis(20), Duration::from_millis(500));
+                faults.history.record(format!(
+                    "storage latency {}ms for {}ms",
+                    millis(delay),
+                    millis(duration)
+                ));
+                let processes: Vec<Arc<Faults>> =
+                    faults.storage_faults.lock().unwrap_or_else(PoisonError::into_inner).clone();
+                for process in &processes {
+                    process.delay_storage(delay);
+                }
+                tokio::time::sleep(duration).await;
+                for process in &processes {
+                    process.delay_storage(Duration::ZERO);
+                }
+                faults.history.record("storage fast again".to_owned());
+            }
+            _ => slow_locks(&faults, &mut rng, duration).await,
+        }
+    }
+    faults.network.clear_faults();
+}
+
+/// One runner's lock storage answers slowly for a while (it counts as recovering, like a
+/// freeze, for the liveness check).
+async fn slow_locks(faults: &MoreFaults, rng: &mut SimRng, duration: Duration) {
+    let delay = rng.duration(Duration::from_millis(100), Duration::from_millis(1_500));
+    let picked = {
+        let runners = faults.runners.lock().unwrap_or_else(PoisonError::into_inner);
+        let live: Vec<usize> = (0..runners.len()).filter(|&i| runners[i].is_live()).collect();
+        let choice = usize::try_from(rng.below(live.len() as u64)).unwrap_or(0);
+        live.get(choice).map(|&index| {
+            let runner = &runners[index];
+            let until = millis(faults.start.elapsed() + duration);
+            runner.frozen_until.fetch_max(until, std::sync::atomic::Ordering::Relaxed);
+            (runner.name.clone(), Arc::clone(&runner.locks))
+        })
+    };
+    let Some((name, locks)) = picked else { return };
+    faults.history.record(format!(
+        "slow lock storage on {name}: {}ms for {}ms",
+        millis(delay),
+        millis(duration)
+    ));
+    locks.delay_locks(delay);
+    tokio::time::sleep(duration).await;
+    locks.delay_locks(Duration::ZERO);
+    faults.history.record(format!("lock storage fast again on {name}"));
 }
 
 /// Several runners join at once; as many of the oldest leave a while later.

@@ -4,12 +4,17 @@
 //! peer's reply stream, which interrupts a volatile request there, as a real connection does.
 //!
 //! Faults: a runner can be cut off (every call to it fails with `RunnerUnavailable`, like a
-//! dead peer), and the next calls of a kind to a runner can be made to fail once.
+//! dead peer), the next calls of a kind to a runner can be made to fail once, and
+//! [`NetworkFaults`] delay, lose and duplicate calls at random (from a seed, so a simulation
+//! stays deterministic): a lost call is a connection that broke before or after the peer got
+//! it (the caller sees `RunnerUnavailable`, as over TCP), a duplicated call reaches the peer
+//! twice (the second copy's replies go nowhere).
 
 use std::collections::BTreeMap;
 use std::fmt;
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
+use std::time::Duration;
 
 use cluster_core::RunnerAddress;
 use cluster_core::envelope::{Envelope, Reply, Request};
@@ -17,12 +22,41 @@ use cluster_core::error::ClusterError;
 use cluster_core::future::BoxFuture;
 use cluster_core::runners::{ReplyStream, RunnerHandler, Runners};
 
+use crate::sim::SimRng;
+
 /// The runners of one process, by address.
 #[derive(Default)]
 pub struct MemoryNetwork {
     state: Mutex<State>,
     notifies: AtomicU32,
     sends: AtomicU32,
+    lost: AtomicU32,
+    duplicated: AtomicU32,
+}
+
+/// Random transport faults, applied to every call while set (see
+/// [`MemoryNetwork::set_faults`]).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct NetworkFaults {
+    /// The shortest delay before a call reaches its peer.
+    pub delay_min: Duration,
+    /// The longest delay before a call reaches its peer.
+    pub delay_max: Duration,
+    /// How many calls in a thousand break (half before the peer gets them, half after).
+    pub loss_per_mille: u64,
+    /// How many calls in a thousand reach the peer twice.
+    pub duplicate_per_mille: u64,
+}
+
+/// What happens to one call.
+#[derive(Clone, Copy, Debug, Default)]
+struct Fate {
+    delay: Duration,
+    /// The call breaks before the peer gets it.
+    lost_before: bool,
+    /// The call breaks after the peer got it (its reply is lost).
+    lost_after: bool,
+    duplicated: bool,
 }
 
 #[derive(Default)]
@@ -30,6 +64,8 @@ struct State {
     handlers: BTreeMap<RunnerAddress, Arc<dyn RunnerHandler>>,
     /// Calls of these kinds to these runners fail this many more times.
     failing: BTreeMap<(RunnerAddress, Call), u32>,
+    /// Random faults and their source.
+    faults: Option<(NetworkFaults, SimRng)>,
 }
 
 /// A kind of call, for fault injection.
@@ -76,6 +112,61 @@ impl MemoryNetwork {
         lock(&self.state).failing.insert((address, call), times);
     }
 
+    /// Delays, loses and duplicates calls at random from now on, every choice drawn from
+    /// `seed`.
+    pub fn set_faults(&self, faults: NetworkFaults, seed: u64) {
+        lock(&self.state).faults = Some((faults, SimRng::new(seed)));
+    }
+
+    /// Stops the random faults of [`set_faults`](MemoryNetwork::set_faults).
+    pub fn clear_faults(&self) {
+        lock(&self.state).faults = None;
+    }
+
+    /// How many calls the random faults broke.
+    pub fn lost(&self) -> u32 {
+        self.lost.load(Ordering::Acquire)
+    }
+
+    /// How many calls the random faults delivered twice.
+    pub fn duplicated(&self) -> u32 {
+        self.duplicated.load(Ordering::Acquire)
+    }
+
+    /// Draws what happens to the next call.
+    fn fate(&self) -> Fate {
+        let mut state = lock(&self.state);
+        let Some((faults, rng)) = &mut state.faults else { return Fate::default() };
+        let delay = rng.duration(faults.delay_min, faults.delay_max);
+        let lost = rng.below(1_000) < faults.loss_per_mille;
+        let before = rng.below(2) == 0;
+        let duplicated = !lost && rng.below(1_000) < faults.duplicate_per_mille;
+        if lost {
+            self.lost.fetch_add(1, Ordering::AcqRel);
+        }
+        if duplicated {
+            self.duplicated.fetch_add(1, Ordering::AcqRel);
+        }
+        Fate { delay, lost_before: lost && before, lost_after: lost && !before, duplicated }
+    }
+
+    /// Waits out `fate`'s delay, then finds the peer, unless the call breaks before reaching
+    /// it.
+    async fn reach(
+        &self,
+        address: &RunnerAddress,
+        call: Call,
+        fate: Fate,
+    ) -> Result<Arc<dyn RunnerHandler>, ClusterError> {
+        if !fate.delay.is_zero() {
+            tokio::time::sleep(fate.delay).await;
+        }
+        if fate.lost_before {
+            return Err(ClusterError::RunnerUnavailable { address: address.clone() });
+        }
+        self.peer(address, call)
+    }
+
     /// How many `notify` calls were made, failed ones included.
     pub fn notifies(&self) -> u32 {
         self.notifies.load(Ordering::Acquire)
@@ -119,9 +210,71 @@ struct MemoryRunners {
     network: Arc<MemoryNetwork>,
 }
 
+impl MemoryRunners {
+    /// Delivers an envelope (a `notify` or `send_envelope` call) under the random faults.
+    async fn deliver(
+        &self,
+        address: &RunnerAddress,
+        call: Call,
+        envelope: Envelope,
+        persisted: bool,
+    ) -> Result<(), ClusterError> {
+        let fate = self.network.fate();
+        let peer = self.network.reach(address, call, fate).await?;
+        let send = |envelope| match call {
+            Call::Envelope => peer.envelope(envelope, persisted),
+            Call::Notify | Call::Request => peer.notify(envelope, persisted),
+        };
+        if fate.duplicated {
+            // The first copy's outcome is not what the caller hears.
+            let _ = send(envelope.clone()).await;
+        }
+        let delivered = send(envelope).await;
+        if fate.lost_after {
+            return Err(ClusterError::RunnerUnavailable { address: address.clone() });
+        }
+        delivered
+    }
+
+    /// Starts a request (a `send` or `stream` call) under the random faults.
+    async fn start(
+        &self,
+        address: &RunnerAddress,
+        request: Request,
+        persisted: bool,
+    ) -> Result<Box<dyn ReplyStream>, ClusterError> {
+        self.network.sends.fetch_add(1, Ordering::AcqRel);
+        let fate = self.network.fate();
+        let peer = self.network.reach(address, Call::Request, fate).await?;
+        if fate.duplicated {
+            // A second copy runs on the peer; its replies go nowhere.
+            let (peer, copy) = (Arc::clone(&peer), request.clone());
+            tokio::spawn(async move {
+                if let Ok(mut replies) = peer.request(copy, persisted).await {
+                    while let Some(Ok(_)) = replies.next_reply().await {}
+                }
+            });
+        }
+        let replies = peer.request(request, persisted).await?;
+        if fate.lost_after {
+            // The connection broke: dropping the stream tells the peer the caller is gone.
+            drop(replies);
+            return Err(ClusterError::RunnerUnavailable { address: address.clone() });
+        }
+        Ok(replies)
+    }
+}
+
 impl Runners for MemoryRunners {
     fn ping<'a>(&'a self, address: &'a RunnerAddress) -> BoxFuture<'a, Result<(), ClusterError>> {
-        Box::pin(async move { self.network.peer(address, Call::Request).map(|_| ()) })
+        Box::pin(async move {
+            let fate = self.network.fate();
+            self.network.reach(address, Call::Request, fate).await?;
+            if fate.lost_after {
+                return Err(ClusterError::RunnerUnavailable { address: address.clone() });
+            }
+            Ok(())
+        })
     }
 
     fn notify<'a>(
@@ -132,8 +285,7 @@ impl Runners for MemoryRunners {
     ) -> BoxFuture<'a, Result<(), ClusterError>> {
         Box::pin(async move {
             self.network.notifies.fetch_add(1, Ordering::AcqRel);
-            let peer = self.network.peer(address, Call::Notify)?;
-            peer.notify(envelope, persisted).await
+            self.deliver(address, Call::Notify, envelope, persisted).await
         })
     }
 
@@ -144,9 +296,7 @@ impl Runners for MemoryRunners {
         persisted: bool,
     ) -> BoxFuture<'a, Result<Reply, ClusterError>> {
         Box::pin(async move {
-            self.network.sends.fetch_add(1, Ordering::AcqRel);
-            let peer = self.network.peer(address, Call::Request)?;
-            let mut replies = peer.request(request, persisted).await?;
+            let mut replies = self.start(address, request, persisted).await?;
             loop {
                 match replies.next_reply().await {
                     Some(Ok(reply)) if reply.is_final() => return Ok(reply),
@@ -166,11 +316,7 @@ impl Runners for MemoryRunners {
         request: Request,
         persisted: bool,
     ) -> BoxFuture<'a, Result<Box<dyn ReplyStream>, ClusterError>> {
-        Box::pin(async move {
-            self.network.sends.fetch_add(1, Ordering::AcqRel);
-            let peer = self.network.peer(address, Call::Request)?;
-            peer.request(request, persisted).await
-        })
+        Box::pin(async move { self.start(address, request, persisted).await })
     }
 
     fn send_envelope<'a>(
@@ -179,10 +325,7 @@ impl Runners for MemoryRunners {
         envelope: Envelope,
         persisted: bool,
     ) -> BoxFuture<'a, Result<(), ClusterError>> {
-        Box::pin(async move {
-            let peer = self.network.peer(address, Call::Envelope)?;
-            peer.envelope(envelope, persisted).await
-        })
+        Box::pin(async move { self.deliver(address, Call::Envelope, envelope, persisted).await })
     }
 
     fn on_runner_unavailable(&self, _address: &RunnerAddress) {}

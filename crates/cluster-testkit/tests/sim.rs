@@ -4,7 +4,7 @@
 use cluster_testkit::sim::{SimConfig, SimRng, run};
 
 /// How the simulation's faults appear in its event log.
-const FAULTS: [&str; 8] = [
+const FAULTS: [&str; 11] = [
     "crash ",
     "freeze ",
     "restart ",
@@ -13,6 +13,9 @@ const FAULTS: [&str; 8] = [
     "join burst",
     "rolling update",
     "storage errors",
+    "lossy network",
+    "storage latency",
+    "slow lock storage",
 ];
 
 #[test]
@@ -31,22 +34,44 @@ fn seeds_pass_every_invariant() {
         assert!(faults > 0, "seed {seed}: faults were injected");
         let echoes = report.events.iter().filter(|(_, event)| event.starts_with("echo ")).count();
         assert_eq!(echoes, 60, "seed {seed}: every volatile call ended");
+        let orders = report
+            .events
+            .iter()
+            .filter(|(_, event)| {
+                event.starts_with("order ")
+                    && (event.contains(" done by run ") || event.contains(" failed in run "))
+            })
+            .count();
+        assert_eq!(orders, 20, "seed {seed}: every workflow execution ended");
     }
 }
 
 /// Seeds that found bugs, kept as regression tests (their exact path needs
 /// `--cfg tokio_unstable`, which `cargo xtask sim` uses; here they still check every
-/// invariant).
+/// invariant). Found in the classic scenario ([`SimConfig::classic`]):
 /// - 153: a runner frozen and then shut down confirmed a final reply's lock, let the lock go
 ///   in its handoff, and only then wrote the reply (fixed: a shard's release waits for the
 ///   final replies being written on it).
 /// - 180: a final reply whose write failed (storage errors) was retried after the runner let
 ///   the shard go in a rebalance, and landed without the lock (fixed: a retry re-confirms the
 ///   lock first).
-const REGRESSIONS: [u64; 2] = [153, 180];
+const CLASSIC_REGRESSIONS: [u64; 2] = [153, 180];
+
+/// Found in the full scenario ([`SimConfig::seed`], with workflows):
+/// - 1: a workflow run broken off by a storage failure ran the compensations of its
+///   completed steps, and the replay then succeeded (fixed: a broken run is abandoned, its
+///   compensations are not run).
+/// - 30: an activity's result could not be stored, its redelivery answered `Suspended`, and
+///   the run waiting for it suspended with nothing to wake it (fixed: the run breaks off and
+///   its replay runs the activity again).
+const REGRESSIONS: [u64; 2] = [1, 30];
 
 #[test]
 fn regression_seeds_pass() {
+    for seed in CLASSIC_REGRESSIONS {
+        let report = run(&SimConfig::classic(seed));
+        assert!(report.passed(), "classic seed {seed}: {:?}", report.violations);
+    }
     for seed in REGRESSIONS {
         let report = run(&SimConfig::seed(seed));
         assert!(report.passed(), "seed {seed}: {:?}", report.violations);

@@ -1,0 +1,325 @@
+//! The simulation's workflow scenario (feature `workflow`): every runner runs the cluster
+//! workflow engine, and the client-only process executes orders, each a saga of two
+//! compensated activities, a durable sleep on the cluster's clock and a last activity that
+//! fails for some orders.
+//!
+//! Checked as the run goes: an activity attempt whose result was stored never runs again (its
+//! stored result is what a replay gets). Checked at the end: every order ends within the
+//! bound with the outcome its payload asks for; an order that succeeded never compensated; in
+//! a failed order, the run whose outcome was stored (its number travels in the error) undid
+//! both steps exactly once, in reverse order. An earlier run can only have compensated too if
+//! its own outcome was never stored (its runner lost the shard between compensating and
+//! storing): such repeats are counted in the history, not hidden.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
+use std::time::Duration;
+
+use cluster_core::Snowflake;
+use cluster_core::envelope::{Exit, Reply};
+use cluster_sharding::Sharding;
+use cluster_workflow::{
+    ActivityContext, ExecuteError, RetrySchedule, Workflow, WorkflowContext, WorkflowEngine,
+    WorkflowOptions, WorkflowResult,
+};
+use serde::{Deserialize, Serialize};
+
+use super::{History, SimRng, StorageEvent, WORKLOAD, millis};
+
+/// One order of the scenario.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+struct Order {
+    id: u64,
+    /// Whether its last step fails (then the first two are undone).
+    fails: bool,
+}
+
+/// Why an order failed, and which run decided it.
+#[derive(Debug, Serialize, Deserialize)]
+struct OrderFailed {
+    reason: String,
+    run: u64,
+}
+
+/// The simulated saga.
+struct SimOrder;
+
+impl Workflow for SimOrder {
+    const NAME: &'static str = "SimOrder";
+    type Payload = Order;
+    /// The run that completed the order.
+    type Success = u64;
+    type Error = OrderFailed;
+
+    fn idempotency_key(order: &Order) -> String {
+        format!("order-{}", order.id)
+    }
+
+    fn options() -> WorkflowOptions {
+        WorkflowOptions {
+            suspended_retry: RetrySchedule {
+                initial: Duration::from_millis(200),
+                factor: 1.5,
+                max: Duration::from_secs(2),
+                attempts: None,
+            },
+            ..WorkflowOptions::default()
+        }
+    }
+}
+
+/// What the activity requests of the scenario look like (the engine's `activity` payload).
+#[derive(Deserialize)]
+struct ActivityPayload {
+    name: String,
+    attempt: u32,
+}
+
+/// What the scenario saw, shared by every process of the simulation.
+pub(super) struct Ledger {
+    history: History,
+    violations: Arc<Mutex<Vec<String>>>,
+    state: Mutex<LedgerState>,
+}
+
+#[derive(Default)]
+struct LedgerState {
+    /// Numbers the runs of every order.
+    next_run: u64,
+    /// The stored activity requests: request id → (execution id, `name/attempt`).
+    activity_requests: BTreeMap<Snowflake, (String, String)>,
+    /// The activity attempts whose result was stored.
+    completed: BTreeSet<(String, String)>,
+    /// How often each activity attempt's body ran.
+    activity_runs: BTreeMap<(String, String), u32>,
+    /// Each order's compensations: (run, step).
+    compensations: BTreeMap<u64, Vec<(u64, &'static str)>>,
+}
+
+impl Ledger {
+    pub(super) fn new(history: History, violations: Arc<Mutex<Vec<String>>>) -> Arc<Ledger> {
+        Arc::new(Ledger { history, violations, state: Mutex::default() })
+    }
+
+    fn state(&self) -> MutexGuard<'_, LedgerState> {
+        self.state.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    fn violation(&self, what: String) {
+        self.history.record(format!("VIOLATION {what}"));
+        self.violations.lock().unwrap_or_else(PoisonError::into_inner).push(what);
+    }
+
+    /// Follows a process's storage: which activity attempts have a stored result.
+    pub(super) fn observe(&self, event: &StorageEvent<'_>) {
+        match event {
+            StorageEvent::RequestSaved(request)
+                if request.tag.as_ref() == "activity"
+                    && request.address.entity_type.as_str() == "Workflow/SimOrder" =>
+            {
+                let Ok(payload) = request.payload.decode::<ActivityPayload>() else { return };
+                let key = format!("{}/{}", payload.name, payload.attempt);
+                let execution = request.address.entity_id.to_string();
+                self.state().activity_requests.insert(request.request_id, (execution, key));
+            }
+            StorageEvent::FinalReplyStored(Reply::WithExit(with_exit)) => {
+                let mut state = self.state();
+                let Some(attempt) = state.activity_requests.get(&with_exit.request_id).cloned()
+                else {
+                    return;
+                };
+                // An activity whose caller went away stores `Suspended`: it runs again.
+                let completed = match &with_exit.exit {
+                    Exit::Success(json) => WorkflowResult::from_json(json.json_or_null())
+                        .is_ok_and(|result| !result.is_suspended()),
+                    Exit::Failure(_) => true,
+                };
+                if completed {
+                    state.completed.insert(attempt);
+                }
+            }
+            _ => {}
+        }
+    }
+
+    /// An activity attempt's body starts: it must not have a stored result.
+    fn activity_started(&self, order: u64, context: &ActivityContext, name: &str) {
+        let attempt = (context.execution_id().to_string(), format!("{name}/{}", context.attempt()));
+        self.history.record(format!("order {order} activity {} runs", attempt.1));
+        let again = {
+            let mut state = self.state();
+            *state.activity_runs.entry(attempt.clone()).or_default() += 1;
+            state.completed.contains(&attempt)
+        };
+        if again {
+            self.violation(format!(
+                "activity {} of execution {} ran again after its result was stored",
+                attempt.1, attempt.0
+            ));
+        }
+    }
+
+    fn compensated(&self, order: u64, run: u64, step: &'static str) {
+        self.history.record(format!("order {order} run {run} undoes {step}"));
+        self.state().compensations.entry(order).or_default().push((run, step));
+    }
+
+    fn next_run(&self) -> u64 {
+        let mut state = self.state();
+        state.next_run += 1;
+        state.next_run
+    }
+
+    /// Registers the scenario's workflow on a runner.
+    pub(super) fn register(
+        self: &Arc<Ledger>,
+        sharding: &Sharding,
+        runner: &str,
+    ) -> Result<(), String> {
+        let engine = WorkflowEngine::cluster(sharding).map_err(|error| error.to_string())?;
+        let (ledger, runner) = (Arc::clone(self), Arc::<str>::from(runner));
+        engine
+            .register::<SimOrder, _, _>(move |ctx, order| {
+                saga(ctx, order, Arc::clone(&ledger), Arc::clone(&runner))
+            })
+            .map_err(|error| error.to_string())
+    }
+
+    /// Executes `count` orders from the client at times drawn from `rng` (every fourth one
+    /// fails); each caller retries an engine failure until its order ends.
+    pub(super) fn start(
+        self: &Arc<Ledger>,
+        client: &Sharding,
+        count: usize,
+        rng: &mut SimRng,
+    ) -> Vec<(String, tokio::task::JoinHandle<()>)> {
+        let engine = match WorkflowEngine::cluster(client) {
+            Ok(engine) => engine,
+            Err(error) => {
+                self.violation(format!("the client has no workflow engine: {error}"));
+                return Vec::new();
+            }
+        };
+        let mut calls = Vec::with_capacity(count);
+        for index in 0..count {
+            let id = u64::try_from(index).unwrap_or(u64::MAX);
+            let order = Order { id, fails: index % 4 == 3 };
+            let at = rng.duration(Duration::ZERO, WORKLOAD);
+            let (engine, ledger) = (engine.clone(), Arc::clone(self));
+            let call = tokio::spawn(async move {
+                tokio::time::sleep(at).await;
+                loop {
+                    match engine.execute::<SimOrder>(order.clone()).await {
+                        Err(ExecuteError::Engine(error)) => {
+                            ledger.history.record(format!("retry order {id}: {error}"));
+                            tokio::time::sleep(Duration::from_millis(500)).await;
+                        }
+                        outcome => return ledger.check_outcome(&order, outcome),
+                    }
+                }
+            });
+            calls.push((format!("order {id}"), call));
+        }
+        calls
+    }
+
+    /// An order ended: its outcome and its compensations.
+    fn check_outcome(&self, order: &Order, outcome: Result<u64, ExecuteError<OrderFailed>>) {
+        let id = order.id;
+        let compensations = self.state().compensations.get(&id).cloned().unwrap_or_default();
+        match (order.fails, outcome) {
+            (false, Ok(run)) => {
+                self.history.record(format!("order {id} done by run {run}"));
+                if !compensations.is_empty() {
+                    self.violation(format!(
+                        "order {id} succeeded but compensated {compensations:?}"
+                    ));
+                }
+            }
+            (true, Err(ExecuteError::Failed(failed))) if failed.reason == "no courier" => {
+                let run = failed.run;
+                let (decisive, earlier): (Vec<_>, Vec<_>) =
+                    compensations.iter().partition(|(by, _)| *by == run);
+                let steps: Vec<&str> = decisive.iter().map(|(_, step)| *step).collect();
+                self.history.record(format!(
+                    "order {id} failed in run {run}, undone {steps:?}, {} repeated by earlier runs",
+                    earlier.len()
+                ));
+                if steps != ["charge", "reserve"] {
+                    self.violation(format!(
+                        "order {id}: the run that failed it undid {steps:?}, not charge then reserve once"
+                    ));
+                }
+            }
+            (_, outcome) => {
+                self.violation(format!(
+                    "order {id} (fails: {}) ended with {outcome:?}",
+                    order.fails
+                ));
+            }
+        }
+    }
+
+    /// At the end: every activity attempt with a stored result ran at least once.
+    pub(super) fn check_end(&self) {
+        let state = self.state();
+        for attempt in &state.completed {
+            if !state.activity_runs.contains_key(attempt) {
+                let what = format!(
+                    "activity {} of execution {} stored but never ran",
+                    attempt.1, attempt.0
+                );
+                drop(state);
+                self.violation(what);
+                return;
+            }
+        }
+        let runs: u32 = state.activity_runs.values().sum();
+        let attempts = state.activity_runs.len();
+        drop(state);
+        self.history.record(format!(
+            "workflows: {attempts} activity attempts, {runs} activity runs, {}ms",
+            millis(self.history.start.elapsed())
+        ));
+    }
+}
+
+/// What the storage holds for order `id`'s execution (for the trace of a failed run).
+pub(super) fn describe(storage: &crate::memory::MemoryMessageStorage, id: u64) -> Vec<String> {
+    let execution = SimOrder::execution_id(&Order { id, fails: false });
+    storage.describe(execution.as_str())
+}
+
+/// The saga: reserve and charge (each undone on failure), a durable sleep, then ship.
+async fn saga(
+    ctx: WorkflowContext,
+    order: Order,
+    ledger: Arc<Ledger>,
+    runner: Arc<str>,
+) -> Result<u64, OrderFailed> {
+    let run = ledger.next_run();
+    let id = order.id;
+    ledger.history.record(format!("order {id} run {run} on {runner}"));
+    for step in ["reserve", "charge"] {
+        let (body, undo) = (Arc::clone(&ledger), Arc::clone(&ledger));
+        ctx.activity(step, move |context| {
+            body.activity_started(id, &context, step);
+            async move { Ok::<u64, String>(id) }
+        })
+        .compensate(move |_, _| async move { undo.compensated(id, run, step) })
+        .await
+        .map_err(|reason| OrderFailed { reason, run })?;
+    }
+    // The cluster's durable clock, not an in-memory sleep.
+    ledger.history.record(format!("order {id} run {run} sleeps"));
+    ctx.sleep_with_threshold("pause", Duration::from_millis(300), Duration::ZERO).await;
+    ledger.history.record(format!("order {id} run {run} woke"));
+    let (body, fails) = (Arc::clone(&ledger), order.fails);
+    ctx.activity("ship", move |context| {
+        body.activity_started(id, &context, "ship");
+        async move { if fails { Err("no courier".to_owned()) } else { Ok(()) } }
+    })
+    .await
+    .map_err(|reason| OrderFailed { reason, run })?;
+    Ok(run)
+}
