@@ -52,6 +52,8 @@ pub struct Faults {
     reply_delay_millis: std::sync::atomic::AtomicU64,
     /// Milliseconds every request save, read and reply lookup waits first.
     storage_delay_millis: std::sync::atomic::AtomicU64,
+    /// The process died: no call reaches the storage any more.
+    dead: std::sync::atomic::AtomicBool,
     begin_transaction_calls: AtomicU32,
     commits: AtomicU32,
     resets: std::sync::Mutex<Vec<Snowflake>>,
@@ -142,6 +144,16 @@ impl Faults {
         }
     }
 
+    /// The process dies: from now on every call of its storage hangs without reaching the
+    /// database (a crashed process's tasks have no effect any more, and report nothing).
+    pub fn kill(&self) {
+        self.dead.store(true, Ordering::Release);
+    }
+
+    fn is_dead(&self) -> bool {
+        self.dead.load(Ordering::Acquire)
+    }
+
     /// How often `begin_transaction` was called, failed calls included.
     pub fn begin_transaction_calls(&self) -> u32 {
         self.begin_transaction_calls.load(Ordering::Acquire)
@@ -163,6 +175,11 @@ impl fmt::Debug for Faults {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("Faults").field("commits", &self.commits).finish_non_exhaustive()
     }
+}
+
+/// The call of a dead process: it never returns.
+fn dead<'a, T: Send + 'a>() -> BoxFuture<'a, T> {
+    Box::pin(std::future::pending())
 }
 
 fn injected(what: &str) -> StorageError {
@@ -195,6 +212,9 @@ impl MessageStorage for FaultyMessageStorage {
         request: &'a Request,
         options: &'a SaveRequestOptions,
     ) -> BoxFuture<'a, Result<SaveResult, StorageError>> {
+        if self.faults.is_dead() {
+            return dead();
+        }
         Box::pin(async move {
             self.faults.latency().await;
             if self.faults.request_saves.fails() {
@@ -209,6 +229,9 @@ impl MessageStorage for FaultyMessageStorage {
     }
 
     fn save_ack_chunk<'a>(&'a self, ack: &'a AckChunk) -> BoxFuture<'a, Result<(), StorageError>> {
+        if self.faults.is_dead() {
+            return dead();
+        }
         self.inner.save_ack_chunk(ack)
     }
 
@@ -216,10 +239,16 @@ impl MessageStorage for FaultyMessageStorage {
         &'a self,
         interrupt: &'a Interrupt,
     ) -> BoxFuture<'a, Result<(), StorageError>> {
+        if self.faults.is_dead() {
+            return dead();
+        }
         self.inner.save_interrupt(interrupt)
     }
 
     fn save_reply<'a>(&'a self, reply: &'a Reply) -> BoxFuture<'a, Result<(), StorageError>> {
+        if self.faults.is_dead() {
+            return dead();
+        }
         if self.faults.reply_saves.fails() {
             return Box::pin(std::future::ready(Err(injected("save_reply"))));
         }
@@ -230,6 +259,10 @@ impl MessageStorage for FaultyMessageStorage {
         Box::pin(async move {
             if delay > 0 {
                 tokio::time::sleep(std::time::Duration::from_millis(delay)).await;
+                if self.faults.is_dead() {
+                    // The process died while its write waited.
+                    std::future::pending::<()>().await;
+                }
             }
             let saved = self.inner.save_reply(reply).await;
             if saved.is_ok() && reply.is_final() {
@@ -244,6 +277,9 @@ impl MessageStorage for FaultyMessageStorage {
         request_id: Snowflake,
         expected_reply_id: Option<Snowflake>,
     ) -> BoxFuture<'_, Result<(), StorageError>> {
+        if self.faults.is_dead() {
+            return dead();
+        }
         if self.faults.clear_replies.fails() {
             return Box::pin(std::future::ready(Err(injected("clear_replies"))));
         }
@@ -254,6 +290,9 @@ impl MessageStorage for FaultyMessageStorage {
         &'a self,
         primary_key: &'a str,
     ) -> BoxFuture<'a, Result<Option<Snowflake>, StorageError>> {
+        if self.faults.is_dead() {
+            return dead();
+        }
         self.inner.request_id_for_primary_key(primary_key)
     }
 
@@ -261,6 +300,9 @@ impl MessageStorage for FaultyMessageStorage {
         &'a self,
         request_ids: &'a [Snowflake],
     ) -> BoxFuture<'a, Result<Vec<Reply>, StorageError>> {
+        if self.faults.is_dead() {
+            return dead();
+        }
         Box::pin(async move {
             self.faults.latency().await;
             self.inner.replies_for(request_ids).await
@@ -271,6 +313,9 @@ impl MessageStorage for FaultyMessageStorage {
         &'a self,
         request_ids: &'a [Snowflake],
     ) -> BoxFuture<'a, Result<Vec<Reply>, StorageError>> {
+        if self.faults.is_dead() {
+            return dead();
+        }
         self.inner.replies_for_unfiltered(request_ids)
     }
 
@@ -280,6 +325,9 @@ impl MessageStorage for FaultyMessageStorage {
         now: Timestamp,
         options: UnprocessedOptions<'a>,
     ) -> BoxFuture<'a, Result<UnprocessedBatch, StorageError>> {
+        if self.faults.is_dead() {
+            return dead();
+        }
         self.faults.notify(StorageEvent::Read(shard_ids));
         if self.faults.reads.fails() {
             return Box::pin(std::future::ready(Err(injected("unprocessed_messages"))));
@@ -295,6 +343,9 @@ impl MessageStorage for FaultyMessageStorage {
         ids: &'a [Snowflake],
         now: Timestamp,
     ) -> BoxFuture<'a, Result<UnprocessedBatch, StorageError>> {
+        if self.faults.is_dead() {
+            return dead();
+        }
         self.inner.unprocessed_messages_by_id(ids, now)
     }
 
@@ -302,6 +353,9 @@ impl MessageStorage for FaultyMessageStorage {
         &'a self,
         request_ids: &'a [Snowflake],
     ) -> BoxFuture<'a, Result<(), StorageError>> {
+        if self.faults.is_dead() {
+            return dead();
+        }
         self.faults
             .resets
             .lock()
@@ -314,6 +368,9 @@ impl MessageStorage for FaultyMessageStorage {
         &'a self,
         addresses: &'a [EntityAddress],
     ) -> BoxFuture<'a, Result<(), StorageError>> {
+        if self.faults.is_dead() {
+            return dead();
+        }
         self.inner.reset_addresses(addresses)
     }
 
@@ -321,6 +378,9 @@ impl MessageStorage for FaultyMessageStorage {
         &'a self,
         shard_ids: &'a [ShardId],
     ) -> BoxFuture<'a, Result<(), StorageError>> {
+        if self.faults.is_dead() {
+            return dead();
+        }
         self.inner.reset_shards(shard_ids)
     }
 
@@ -328,12 +388,18 @@ impl MessageStorage for FaultyMessageStorage {
         &'a self,
         address: &'a EntityAddress,
     ) -> BoxFuture<'a, Result<(), StorageError>> {
+        if self.faults.is_dead() {
+            return dead();
+        }
         self.inner.clear_address(address)
     }
 
     fn begin_transaction(
         &self,
     ) -> BoxFuture<'_, Result<Box<dyn MessageTransaction>, StorageError>> {
+        if self.faults.is_dead() {
+            return dead();
+        }
         Box::pin(async move {
             self.faults.begin_transaction_calls.fetch_add(1, Ordering::AcqRel);
             if self.faults.begin_transaction.fails() {
@@ -364,6 +430,9 @@ impl MessageTransaction for FaultyTransaction {
     fn commit(self: Box<Self>) -> BoxFuture<'static, Result<(), StorageError>> {
         let FaultyTransaction { inner, faults } = *self;
         Box::pin(async move {
+            if faults.is_dead() {
+                std::future::pending::<()>().await;
+            }
             faults.commits.fetch_add(1, Ordering::AcqRel);
             if faults.commit_failed.fails() {
                 inner.rollback().await?;

@@ -118,9 +118,11 @@ pub struct SimConfig {
     pub requests: usize,
     /// Whether faults are injected.
     pub faults: bool,
-    /// Whether the transport delays, loses and duplicates calls, and storage latency
-    /// spikes come, from a second schedule (with `faults`).
-    pub network_faults: bool,
+    /// The faults added after the first regression seeds (with `faults`): a second schedule
+    /// (the transport delays, loses and duplicates calls; latency spikes of storage and of
+    /// lock storage), and a crashed runner's message storage dying with it (its tasks no
+    /// longer reach the database, as after a real crash).
+    pub extended_faults: bool,
     /// Workflow executions the client runs (needs the `workflow` feature).
     pub workflows: usize,
 }
@@ -134,15 +136,16 @@ impl SimConfig {
             runners: 3,
             requests: 60,
             faults: true,
-            network_faults: true,
+            extended_faults: true,
             workflows: 20,
         }
     }
 
-    /// The scenario of `seed` as it was before transport faults, latency spikes and workflows
-    /// came (the regression seeds found then replay it exactly).
+    /// The scenario of `seed` as it was before transport faults, latency spikes, dying
+    /// message storage and workflows came (the regression seeds found then replay it
+    /// exactly).
     pub fn classic(seed: u64) -> SimConfig {
-        SimConfig { network_faults: false, workflows: 0, ..SimConfig::seed(seed) }
+        SimConfig { extended_faults: false, workflows: 0, ..SimConfig::seed(seed) }
     }
 }
 
@@ -310,6 +313,8 @@ struct SimRunner {
     address: RunnerAddress,
     sharding: Sharding,
     locks: Arc<LockFaults>,
+    /// Its message storage handle's faults.
+    storage: Arc<Faults>,
     /// When its storage read loop last read (simulated milliseconds).
     last_read: Arc<std::sync::atomic::AtomicU64>,
     /// Frozen (its lock storage hangs) until this simulated millisecond.
@@ -328,6 +333,8 @@ impl SimRunner {
 /// The shared pieces every runner of a run opens.
 struct World {
     start: tokio::time::Instant,
+    /// A crash also kills the runner's message storage handle (`extended_faults`).
+    crash_kills_storage: bool,
     /// The message database (each process has its own faulty handle on it).
     messages: Arc<dyn MessageStorage>,
     /// Every process's storage faults (slow replies apply to all).
@@ -358,7 +365,7 @@ impl World {
         &self,
         runner: Option<RunnerAddress>,
         last_read: Arc<std::sync::atomic::AtomicU64>,
-    ) -> Arc<dyn MessageStorage> {
+    ) -> (Arc<dyn MessageStorage>, Arc<Faults>) {
         let (storage, faults) = FaultyMessageStorage::new(Arc::clone(&self.messages));
         let start = self.start;
         let (requests, registry) = (Arc::clone(&self.requests), Arc::clone(&self.registry));
@@ -395,8 +402,11 @@ impl World {
             StorageEvent::FinalReplyStored(_) => {}
             }
         }));
-        self.storage_faults.lock().unwrap_or_else(PoisonError::into_inner).push(faults);
-        Arc::new(storage)
+        self.storage_faults
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .push(Arc::clone(&faults));
+        (Arc::new(storage), faults)
     }
 
     /// Starts a runner whose clock is skewed by up to 200 ms.
@@ -411,7 +421,7 @@ impl World {
         let address = RunnerAddress::new("sim", port);
         let config = runner_config(Some(address.clone()));
         let last_read = Arc::new(std::sync::atomic::AtomicU64::new(millis(self.start.elapsed())));
-        let messages = self.storage_for(Some(address.clone()), Arc::clone(&last_read));
+        let (messages, storage) = self.storage_for(Some(address.clone()), Arc::clone(&last_read));
         let transport = Some(self.network.runners());
         match Sharding::join_with_transport(config, clock, messages, Arc::new(locks), transport)
             .await
@@ -434,6 +444,7 @@ impl World {
                     address,
                     sharding,
                     locks: faults,
+                    storage,
                     last_read,
                     frozen_until: Arc::default(),
                     gone: false,
@@ -467,7 +478,9 @@ impl World {
 enum Fault {
     /// The runner's lock storage hangs for a while (a frozen process).
     Freeze(Duration),
-    /// The runner dies: no more refreshes or releases; a new runner replaces it.
+    /// The runner dies: no more refreshes or releases, off the network, and (with
+    /// `extended_faults`) its message storage calls no longer reach the database; a new
+    /// runner replaces it.
     Crash,
     /// The runner shuts down gracefully; a new runner replaces it.
     Restart,
@@ -496,6 +509,7 @@ async fn simulate(config: SimConfig) -> SimReport {
     let violations: Arc<Mutex<Vec<String>>> = Arc::default();
     let mut world = World {
         start,
+        crash_kills_storage: config.faults && config.extended_faults,
         messages: memory,
         storage_faults: Arc::default(),
         requests: Arc::default(),
@@ -532,7 +546,7 @@ async fn simulate(config: SimConfig) -> SimReport {
         }
         calls
     };
-    let more_faults = (config.faults && config.network_faults).then(|| {
+    let more_faults = (config.faults && config.extended_faults).then(|| {
         let rng = SimRng::new(config.seed ^ 0x6e65_7477_6f72_6b73);
         tokio::spawn(inject_more_faults(MoreFaults::of(&world), rng))
     });
@@ -589,7 +603,7 @@ async fn start_workload(
     let registry: Arc<dyn RunnerStorage> =
         Arc::new(MemoryRunnerStorage::new(Arc::clone(&world.registry), EXPIRATION));
     let transport = Some(world.network.runners());
-    let storage = world.storage_for(None, Arc::default());
+    let (storage, _) = world.storage_for(None, Arc::default());
     let client = match Sharding::join_with_transport(
         runner_config(None),
         clock,
@@ -706,6 +720,9 @@ async fn apply(world: &mut World, rng: &mut SimRng, fault: Fault) {
             let name = {
                 let mut runners = world.runners.lock().unwrap_or_else(PoisonError::into_inner);
                 runners[index].locks.kill();
+                if world.crash_kills_storage {
+                    runners[index].storage.kill();
+                }
                 runners[index].gone = true;
                 world.network.detach(&runners[index].address);
                 runners[index].name.clone()
