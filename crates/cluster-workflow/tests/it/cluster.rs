@@ -33,6 +33,16 @@ impl Clock for TokioClock {
     }
 }
 
+/// One runner with every shard on in-memory storage whose faults the test controls, and its
+/// workflow engine.
+async fn engine_on_faulty_storage() -> (WorkflowEngine, Arc<cluster_testkit::faulty::Faults>) {
+    let clock: Arc<dyn Clock> = Arc::new(TokioClock::new());
+    let memory = Arc::new(MemoryMessageStorage::new(Arc::clone(&clock)));
+    let (faulty, faults) = cluster_testkit::faulty::FaultyMessageStorage::new(memory);
+    let sharding = Sharding::with_storage(config(), clock, Arc::new(faulty)).await.unwrap();
+    (WorkflowEngine::cluster(&sharding).unwrap(), faults)
+}
+
 /// The runner configuration of the suite: quick polls.
 pub(crate) fn config() -> ShardingConfig {
     ShardingConfig {
@@ -266,8 +276,6 @@ async fn durable_clocks_go_to_the_workflow_shard_group_at_the_rounded_up_millise
 /// second) still wakes the execution.
 #[tokio::test(start_paused = true)]
 async fn a_completion_during_the_suspension_commit_wakes_the_run() {
-    use cluster_core::storage::MessageStorage;
-    use cluster_testkit::faulty::FaultyMessageStorage;
     use cluster_workflow::{DurableDeferred, Never, Workflow, WorkflowContext};
 
     struct Committing;
@@ -281,12 +289,8 @@ async fn a_completion_during_the_suspension_commit_wakes_the_run() {
         }
     }
 
-    let clock: Arc<dyn Clock> = Arc::new(TokioClock::new());
-    let memory: Arc<dyn MessageStorage> = Arc::new(MemoryMessageStorage::new(Arc::clone(&clock)));
-    let (faulty, faults) = FaultyMessageStorage::new(memory);
+    let (engine, faults) = engine_on_faulty_storage().await;
     faults.delay_replies(Duration::from_secs(1));
-    let sharding = Sharding::with_storage(config(), clock, Arc::new(faulty)).await.unwrap();
-    let engine = WorkflowEngine::cluster(&sharding).unwrap();
     let started = Arc::new(std::sync::atomic::AtomicU32::new(0));
     let runs = Arc::clone(&started);
     engine
@@ -388,8 +392,6 @@ async fn traffic_of_a_workflow_goes_to_its_shard_group_from_every_process() {
 async fn a_run_broken_by_an_engine_failure_runs_no_compensation() {
     use std::sync::atomic::{AtomicU32, Ordering};
 
-    use cluster_core::storage::MessageStorage;
-    use cluster_testkit::faulty::FaultyMessageStorage;
     use cluster_workflow::{Never, Workflow, WorkflowContext};
 
     struct Broken;
@@ -403,11 +405,7 @@ async fn a_run_broken_by_an_engine_failure_runs_no_compensation() {
         }
     }
 
-    let clock: Arc<dyn Clock> = Arc::new(TokioClock::new());
-    let memory: Arc<dyn MessageStorage> = Arc::new(MemoryMessageStorage::new(Arc::clone(&clock)));
-    let (faulty, faults) = FaultyMessageStorage::new(memory);
-    let sharding = Sharding::with_storage(config(), clock, Arc::new(faulty)).await.unwrap();
-    let engine = WorkflowEngine::cluster(&sharding).unwrap();
+    let (engine, faults) = engine_on_faulty_storage().await;
     let (compensations, runs) = (Arc::new(AtomicU32::new(0)), Arc::new(AtomicU32::new(0)));
     let (undone, started) = (Arc::clone(&compensations), Arc::clone(&runs));
     engine
@@ -447,8 +445,6 @@ async fn a_run_broken_by_an_engine_failure_runs_no_compensation() {
 async fn an_activity_whose_result_was_not_stored_runs_again() {
     use std::sync::atomic::{AtomicU32, Ordering};
 
-    use cluster_core::storage::MessageStorage;
-    use cluster_testkit::faulty::FaultyMessageStorage;
     use cluster_workflow::{Never, Workflow, WorkflowContext};
 
     struct Unstored;
@@ -462,11 +458,7 @@ async fn an_activity_whose_result_was_not_stored_runs_again() {
         }
     }
 
-    let clock: Arc<dyn Clock> = Arc::new(TokioClock::new());
-    let memory: Arc<dyn MessageStorage> = Arc::new(MemoryMessageStorage::new(Arc::clone(&clock)));
-    let (faulty, faults) = FaultyMessageStorage::new(memory);
-    let sharding = Sharding::with_storage(config(), clock, Arc::new(faulty)).await.unwrap();
-    let engine = WorkflowEngine::cluster(&sharding).unwrap();
+    let (engine, faults) = engine_on_faulty_storage().await;
     let runs = Arc::new(AtomicU32::new(0));
     let counted = Arc::clone(&runs);
     engine
