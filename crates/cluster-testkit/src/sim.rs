@@ -464,14 +464,18 @@ impl World {
 
     /// The index of a live runner, if there are at least `at_least` live ones.
     fn pick_live(&self, rng: &mut SimRng, at_least: usize) -> Option<usize> {
-        let runners = self.runners.lock().unwrap_or_else(PoisonError::into_inner);
-        let live: Vec<usize> = (0..runners.len()).filter(|&i| runners[i].is_live()).collect();
-        if live.len() < at_least {
-            return None;
-        }
-        let choice = usize::try_from(rng.below(live.len() as u64)).unwrap_or(0);
-        live.get(choice).copied()
+        pick_live(&self.runners.lock().unwrap_or_else(PoisonError::into_inner), rng, at_least)
     }
+}
+
+/// The index of a live runner among `runners`, if at least `at_least` are live.
+fn pick_live(runners: &[SimRunner], rng: &mut SimRng, at_least: usize) -> Option<usize> {
+    let live: Vec<usize> = (0..runners.len()).filter(|&i| runners[i].is_live()).collect();
+    if live.len() < at_least {
+        return None;
+    }
+    let choice = usize::try_from(rng.below(live.len() as u64)).unwrap_or(0);
+    live.get(choice).copied()
 }
 
 /// One fault of the schedule.
@@ -895,9 +899,7 @@ async fn slow_locks(faults: &MoreFaults, rng: &mut SimRng, duration: Duration) {
     let delay = rng.duration(Duration::from_millis(100), Duration::from_millis(1_500));
     let picked = {
         let runners = faults.runners.lock().unwrap_or_else(PoisonError::into_inner);
-        let live: Vec<usize> = (0..runners.len()).filter(|&i| runners[i].is_live()).collect();
-        let choice = usize::try_from(rng.below(live.len() as u64)).unwrap_or(0);
-        live.get(choice).map(|&index| {
+        pick_live(&runners, rng, 1).map(|index| {
             let runner = &runners[index];
             let until = millis(faults.start.elapsed() + duration);
             runner.frozen_until.fetch_max(until, std::sync::atomic::Ordering::Relaxed);
