@@ -1,0 +1,231 @@
+//! The benchmark workloads of DESIGN.md §5, one per process (so the peak resident set is the
+//! workload's own), each printing one JSON line.
+//!
+//! ```text
+//! cargo run --release -p cluster-bench -- W1 [--ops N] [--in-flight N] [--entities N]
+//! ```
+//!
+//! - `W1`: volatile echo requests to local entities (no storage).
+//! - `W2`, `W3`: the same request persisted with a primary key, on SQLite and on PostgreSQL.
+//! - `W4`, `W5`: a workflow of three small activities on the cluster workflow engine, on
+//!   SQLite and on PostgreSQL.
+//!
+//! `cargo xtask bench` runs them in release mode with the local services (see
+//! docs/performance.md). PostgreSQL comes from `CLUSTER_BENCH_POSTGRES_URL`, else
+//! `CLUSTER_TEST_POSTGRES_URL`, else the local server; the benchmark's tables have a prefix of
+//! their own and are dropped afterwards.
+
+mod database;
+mod drive;
+mod workloads;
+
+use std::process::ExitCode;
+
+use crate::drive::Measured;
+
+/// One workload run: which, where and how much.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub(crate) struct Plan {
+    /// `W1` … `W5`.
+    pub(crate) workload: Workload,
+    /// Measured operations (requests or workflow executions).
+    pub(crate) ops: usize,
+    /// Operations in flight at once (the number of callers).
+    pub(crate) in_flight: usize,
+    /// Distinct entities the requests go to (W1–W3).
+    pub(crate) entities: usize,
+}
+
+/// The workloads.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Workload {
+    /// Volatile echo.
+    W1,
+    /// Persisted echo on SQLite.
+    W2,
+    /// Persisted echo on PostgreSQL.
+    W3,
+    /// Three-activity workflow on SQLite.
+    W4,
+    /// Three-activity workflow on PostgreSQL.
+    W5,
+}
+
+impl Workload {
+    fn parse(name: &str) -> Option<Workload> {
+        match name.to_ascii_uppercase().as_str() {
+            "W1" => Some(Workload::W1),
+            "W2" => Some(Workload::W2),
+            "W3" => Some(Workload::W3),
+            "W4" => Some(Workload::W4),
+            "W5" => Some(Workload::W5),
+            _ => None,
+        }
+    }
+
+    /// The storage it runs on.
+    pub(crate) fn storage(self) -> &'static str {
+        match self {
+            Workload::W1 => "memory",
+            Workload::W2 | Workload::W4 => "sqlite",
+            Workload::W3 | Workload::W5 => "postgres",
+        }
+    }
+
+    /// The reference workload's size: `(ops, in_flight, entities)`.
+    fn defaults(self) -> (usize, usize, usize) {
+        match self {
+            Workload::W1 => (100_000, 256, 1_000),
+            Workload::W2 | Workload::W3 => (20_000, 64, 1_000),
+            Workload::W4 | Workload::W5 => (2_000, 64, 0),
+        }
+    }
+}
+
+const USAGE: &str =
+    "usage: cluster-bench <W1|W2|W3|W4|W5> [--ops N] [--in-flight N] [--entities N]";
+
+/// Reads the command line.
+pub(crate) fn parse_args(args: &[String]) -> Result<Plan, String> {
+    let (name, options) = args.split_first().ok_or_else(|| USAGE.to_owned())?;
+    let workload =
+        Workload::parse(name).ok_or_else(|| format!("unknown workload `{name}`; {USAGE}"))?;
+    let (mut ops, mut in_flight, mut entities) = workload.defaults();
+    let mut options = options.iter();
+    while let Some(option) = options.next() {
+        let target = match option.as_str() {
+            "--ops" => &mut ops,
+            "--in-flight" => &mut in_flight,
+            "--entities" => &mut entities,
+            other => return Err(format!("unknown option `{other}`; {USAGE}")),
+        };
+        let value = options.next().ok_or_else(|| format!("`{option}` needs a number"))?;
+        *target = value
+            .replace('_', "")
+            .parse()
+            .map_err(|_| format!("`{option}` needs a number, not `{value}`"))?;
+        if *target == 0 {
+            return Err(format!("`{option}` must be at least 1"));
+        }
+    }
+    Ok(Plan { workload, ops, in_flight, entities })
+}
+
+/// The JSON line of a finished run.
+pub(crate) fn report(plan: &Plan, measured: &Measured, peak_rss_mb: f64) -> String {
+    let seconds = measured.elapsed.as_secs_f64();
+    let ops_per_s = if seconds > 0.0 { usize_f64(plan.ops) / seconds } else { 0.0 };
+    let round = |value: f64, digits: i32| {
+        let scale = 10f64.powi(digits);
+        (value * scale).round() / scale
+    };
+    let line = serde_json::json!({
+        "workload": format!("{:?}", plan.workload),
+        "storage": plan.workload.storage(),
+        "ops": plan.ops,
+        "in_flight": plan.in_flight,
+        "entities": plan.entities,
+        "seconds": round(seconds, 3),
+        "ops_per_s": round(ops_per_s, 0),
+        "p50_ms": round(measured.percentile_ms(500), 3),
+        "p99_ms": round(measured.percentile_ms(990), 3),
+        "peak_rss_mb": round(peak_rss_mb, 1),
+    });
+    line.to_string()
+}
+
+/// `value` as a float (exact below 2^53, which every count here is).
+#[expect(clippy::cast_precision_loss, reason = "counts far below 2^53")]
+pub(crate) fn usize_f64(value: usize) -> f64 {
+    value as f64
+}
+
+/// The process's peak resident set (`VmHWM`) in MiB, or 0 where `/proc` has none.
+fn peak_rss_mb() -> f64 {
+    let status = std::fs::read_to_string("/proc/self/status").unwrap_or_default();
+    status
+        .lines()
+        .find_map(|line| line.strip_prefix("VmHWM:"))
+        .and_then(|rest| rest.trim().trim_end_matches("kB").trim().parse::<u32>().ok())
+        .map_or(0.0, |kib| f64::from(kib) / 1024.0)
+}
+
+fn main() -> ExitCode {
+    let args: Vec<String> = std::env::args().skip(1).collect();
+    let plan = match parse_args(&args) {
+        Ok(plan) => plan,
+        Err(error) => return fail(&error),
+    };
+    let runtime = match tokio::runtime::Builder::new_multi_thread().enable_all().build() {
+        Ok(runtime) => runtime,
+        Err(error) => return fail(&format!("cannot start the runtime: {error}")),
+    };
+    match runtime.block_on(workloads::run(&plan)) {
+        Ok(measured) => {
+            let line = report(&plan, &measured, peak_rss_mb());
+            #[expect(clippy::print_stdout, reason = "the benchmark's result line")]
+            {
+                println!("{line}");
+            }
+            ExitCode::SUCCESS
+        }
+        Err(error) => fail(&format!("{:?}: {error}", plan.workload)),
+    }
+}
+
+#[expect(clippy::print_stderr, reason = "the benchmark reports why it could not run")]
+fn fail(error: &str) -> ExitCode {
+    eprintln!("cluster-bench: {error}");
+    ExitCode::FAILURE
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn args(line: &str) -> Vec<String> {
+        line.split_whitespace().map(str::to_owned).collect()
+    }
+
+    #[test]
+    fn a_workload_takes_the_reference_sizes_unless_told_otherwise() {
+        assert_eq!(
+            parse_args(&args("w1")),
+            Ok(Plan { workload: Workload::W1, ops: 100_000, in_flight: 256, entities: 1_000 })
+        );
+        assert_eq!(
+            parse_args(&args("W3 --in-flight 16 --ops 1_000")),
+            Ok(Plan { workload: Workload::W3, ops: 1_000, in_flight: 16, entities: 1_000 })
+        );
+        assert_eq!(parse_args(&args("W5")).map(|plan| plan.ops), Ok(2_000));
+    }
+
+    #[test]
+    fn bad_arguments_are_refused_with_a_reason() {
+        assert!(parse_args(&[]).unwrap_err().starts_with("usage"));
+        assert!(parse_args(&args("W9")).unwrap_err().contains("unknown workload `W9`"));
+        assert!(parse_args(&args("W1 --ops")).unwrap_err().contains("needs a number"));
+        assert!(parse_args(&args("W1 --ops many")).unwrap_err().contains("not `many`"));
+        assert!(parse_args(&args("W1 --ops 0")).unwrap_err().contains("at least 1"));
+        assert!(parse_args(&args("W1 --fast")).unwrap_err().contains("unknown option"));
+    }
+
+    #[test]
+    fn the_report_is_one_json_line_with_every_field() {
+        let plan = parse_args(&args("W2 --ops 4")).unwrap();
+        let measured = Measured {
+            elapsed: std::time::Duration::from_secs(2),
+            latencies_ns: vec![1_000_000, 2_000_000, 3_000_000, 40_000_000],
+        };
+        let line = report(&plan, &measured, 12.34);
+        let value: serde_json::Value = serde_json::from_str(&line).unwrap();
+        assert_eq!(value["workload"], "W2");
+        assert_eq!(value["storage"], "sqlite");
+        assert_eq!(value["ops"], 4);
+        assert_eq!(value["ops_per_s"], 2.0);
+        assert_eq!(value["p50_ms"], 2.0);
+        assert_eq!(value["p99_ms"], 40.0);
+        assert_eq!(value["peak_rss_mb"], 12.3);
+        assert!(!line.contains('\n'));
+    }
+}

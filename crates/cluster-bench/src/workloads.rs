@@ -1,0 +1,219 @@
+//! The workloads: an echo entity called volatile (W1) or persisted (W2, W3), and a workflow of
+//! three activities (W4, W5). Each warms up with a tenth of its operations on keys of their
+//! own, then measures.
+
+use std::sync::Arc;
+
+use cluster_core::{ShardingConfig, SystemClock};
+use cluster_sharding::{
+    Entity, EntityContext, EntityOptions, Handler, Protocol, RequestContext, Rpc, Sharding,
+};
+use cluster_workflow::{Workflow, WorkflowContext, WorkflowEngine};
+use serde::{Deserialize, Serialize};
+
+use crate::database::BenchDatabase;
+use crate::drive::{Measured, drive};
+use crate::{Plan, Workload};
+
+/// The echo entity: answers every request with its number.
+struct Echo;
+
+/// A volatile request (W1).
+#[derive(Serialize, Deserialize)]
+struct Ping(u64);
+
+/// A persisted request with a primary key (W2, W3).
+#[derive(Serialize, Deserialize)]
+struct StoredPing {
+    key: String,
+    n: u64,
+}
+
+/// Echo requests never fail.
+#[derive(Debug, Serialize, Deserialize)]
+enum Never {}
+
+impl Rpc for Ping {
+    const TAG: &'static str = "Ping";
+    type Success = u64;
+    type Error = Never;
+}
+
+impl Rpc for StoredPing {
+    const TAG: &'static str = "StoredPing";
+    const PERSISTED: bool = true;
+    type Success = u64;
+    type Error = Never;
+
+    fn primary_key(&self) -> Option<String> {
+        Some(self.key.clone())
+    }
+}
+
+impl Entity for Echo {
+    const TYPE: &'static str = "Echo";
+
+    async fn create(_context: &EntityContext) -> Echo {
+        Echo
+    }
+
+    fn protocol(protocol: &mut Protocol<Echo>) {
+        protocol.handle::<Ping>();
+        protocol.handle::<StoredPing>();
+    }
+}
+
+impl Handler<Ping> for Echo {
+    async fn handle(&mut self, _: &RequestContext, ping: Ping) -> Result<u64, Never> {
+        Ok(ping.0)
+    }
+}
+
+impl Handler<StoredPing> for Echo {
+    async fn handle(&mut self, _: &RequestContext, ping: StoredPing) -> Result<u64, Never> {
+        Ok(ping.n)
+    }
+}
+
+/// The workflow of W4 and W5: three small activities, each adding one.
+struct ThreeSteps;
+
+/// Which execution.
+#[derive(Clone, Serialize, Deserialize)]
+struct Job {
+    id: u64,
+}
+
+/// The workflow never fails.
+#[derive(Debug, Serialize, Deserialize)]
+enum JobError {}
+
+impl Workflow for ThreeSteps {
+    const NAME: &'static str = "ThreeSteps";
+    type Payload = Job;
+    type Success = u64;
+    type Error = JobError;
+
+    fn idempotency_key(job: &Job) -> String {
+        job.id.to_string()
+    }
+}
+
+async fn three_steps(ctx: WorkflowContext, job: Job) -> Result<u64, JobError> {
+    let mut value = job.id;
+    for step in ["one", "two", "three"] {
+        value = ctx.activity(step, move |_| async move { Ok::<u64, JobError>(value + 1) }).await?;
+    }
+    Ok(value)
+}
+
+/// Runs `plan`'s workload: warm-up, then the measured operations.
+///
+/// # Errors
+///
+/// The runtime or its storage could not start, or an operation failed.
+pub(crate) async fn run(plan: &Plan) -> Result<Measured, String> {
+    let database = match plan.workload {
+        Workload::W1 => None,
+        Workload::W2 | Workload::W4 => Some(BenchDatabase::sqlite()),
+        Workload::W3 | Workload::W5 => Some(BenchDatabase::postgres()?),
+    };
+    let result = match &database {
+        None => volatile_echo(plan).await,
+        Some(database) => on_database(plan, database).await,
+    };
+    if let Some(database) = database {
+        database.remove().await?;
+    }
+    result
+}
+
+/// The measured operations start here; the warm-up uses the numbers below.
+fn warm_up_size(plan: &Plan) -> usize {
+    (plan.ops / 10).max(1)
+}
+
+fn entity_id(plan: &Plan, n: usize) -> String {
+    format!("echo-{}", n % plan.entities.max(1))
+}
+
+/// W1.
+async fn volatile_echo(plan: &Plan) -> Result<Measured, String> {
+    let sharding = Sharding::new(ShardingConfig::default(), Arc::new(SystemClock))
+        .map_err(|error| error.to_string())?;
+    sharding.register::<Echo>(EntityOptions::default()).map_err(|error| error.to_string())?;
+    let measured = measure(plan, {
+        let (sharding, plan) = (sharding.clone(), plan.clone());
+        move |n| {
+            let client = sharding.client::<Echo>(entity_id(&plan, n));
+            async move {
+                let echoed = client.send(Ping(n as u64)).await.map_err(|e| e.to_string())?;
+                check(echoed, n)
+            }
+        }
+    })
+    .await;
+    sharding.shutdown().await;
+    measured
+}
+
+/// W2 to W5: one runner holding every shard's lock on `database`.
+async fn on_database(plan: &Plan, database: &BenchDatabase) -> Result<Measured, String> {
+    let config = ShardingConfig::default();
+    let (messages, runners) = database.open(&config).await?;
+    let sharding = Sharding::with_storages(config, Arc::new(SystemClock), messages, runners)
+        .await
+        .map_err(|error| error.to_string())?;
+    let measured = match plan.workload {
+        Workload::W2 | Workload::W3 => persisted_echo(plan, &sharding).await,
+        _ => workflows(plan, &sharding).await,
+    };
+    sharding.shutdown().await;
+    measured
+}
+
+/// W2, W3.
+async fn persisted_echo(plan: &Plan, sharding: &Sharding) -> Result<Measured, String> {
+    sharding.register::<Echo>(EntityOptions::default()).map_err(|error| error.to_string())?;
+    measure(plan, {
+        let (sharding, plan) = (sharding.clone(), plan.clone());
+        move |n| {
+            let client = sharding.client::<Echo>(entity_id(&plan, n));
+            async move {
+                let ping = StoredPing { key: format!("ping-{n}"), n: n as u64 };
+                let echoed = client.send(ping).await.map_err(|e| e.to_string())?;
+                check(echoed, n)
+            }
+        }
+    })
+    .await
+}
+
+/// W4, W5.
+async fn workflows(plan: &Plan, sharding: &Sharding) -> Result<Measured, String> {
+    let engine = WorkflowEngine::cluster(sharding).map_err(|error| error.to_string())?;
+    engine.register::<ThreeSteps, _, _>(three_steps).map_err(|error| error.to_string())?;
+    measure(plan, move |n| {
+        let engine = engine.clone();
+        async move {
+            let id = n as u64;
+            let result = engine.execute::<ThreeSteps>(Job { id }).await;
+            check(result.map_err(|error| format!("{error:?}"))?, n + 3)
+        }
+    })
+    .await
+}
+
+/// The warm-up on numbers after the measured ones, then the measurement.
+async fn measure<F, Fut>(plan: &Plan, op: F) -> Result<Measured, String>
+where
+    F: Fn(usize) -> Fut + Clone + Send + Sync + 'static,
+    Fut: std::future::Future<Output = Result<(), String>> + Send + 'static,
+{
+    drive(plan.ops, warm_up_size(plan), plan.in_flight, op.clone()).await?;
+    drive(0, plan.ops, plan.in_flight, op).await
+}
+
+fn check(echoed: u64, n: usize) -> Result<(), String> {
+    if echoed == n as u64 { Ok(()) } else { Err(format!("expected {n}, got {echoed}")) }
+}
