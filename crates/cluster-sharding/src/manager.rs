@@ -9,6 +9,7 @@
 
 use std::collections::{BTreeMap, BTreeSet, VecDeque};
 use std::panic::AssertUnwindSafe;
+use std::pin::Pin;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 use std::time::Duration;
@@ -658,6 +659,9 @@ struct InstanceLoop<E: Entity> {
     next_seq: u64,
     mailbox_open: bool,
     signals: Signals,
+    /// The idle timer, registered once and moved forward only when it fires (a timer per
+    /// request would cost a timer-wheel insertion and removal on every delivery).
+    idle_timer: Option<Pin<Box<tokio::time::Sleep>>>,
 }
 
 async fn run_instance<E: Entity>(
@@ -688,6 +692,7 @@ async fn run_instance<E: Entity>(
         next_seq: 0,
         mailbox_open: true,
         signals,
+        idle_timer: None,
     };
     loop {
         instance.run().await;
@@ -730,7 +735,13 @@ impl<E: Entity> InstanceLoop<E> {
                 if !self.mailbox_open {
                     return;
                 }
-                match next_delivery(&self.shared, &self.address, &mut self.receiver).await {
+                let next = next_delivery(
+                    &self.shared,
+                    &self.address,
+                    &mut self.receiver,
+                    &mut self.idle_timer,
+                );
+                match next.await {
                     Next::Delivery(delivery) => self.enqueue(delivery),
                     Next::Idle => return,
                     Next::Closed => {
@@ -931,21 +942,39 @@ enum Next {
     Closed,
 }
 
-/// The next request, or why there is none.
+/// The next request, or why there is none: [`Next::Idle`] once nothing came for
+/// `max_idle_time` from this call on and the instance is idle.
+///
+/// `timer` is the instance's idle timer. It fires at the latest when this wait is due, and
+/// is moved forward to the due time when it fires earlier (it was set by an earlier wait).
 async fn next_delivery<E: Entity>(
     shared: &Shared<E>,
     address: &EntityAddress,
     receiver: &mut mpsc::Receiver<Delivery>,
+    timer: &mut Option<Pin<Box<tokio::time::Sleep>>>,
 ) -> Next {
     let received = |delivery: Option<Delivery>| delivery.map_or(Next::Closed, Next::Delivery);
+    let Some(idle) = shared.options.max_idle_time else {
+        return received(receiver.recv().await);
+    };
+    let mut due = tokio::time::Instant::now() + idle;
+    let timer = timer.get_or_insert_with(|| Box::pin(tokio::time::sleep_until(due)));
     loop {
-        let Some(idle) = shared.options.max_idle_time else {
-            return received(receiver.recv().await);
-        };
-        match tokio::time::timeout(idle, receiver.recv()).await {
-            Ok(delivery) => return received(delivery),
-            Err(_) if shared.is_idle(address, receiver) => return Next::Idle,
-            Err(_) => {}
+        tokio::select! {
+            biased;
+            delivery = receiver.recv() => return received(delivery),
+            () = timer.as_mut() => {
+                let now = tokio::time::Instant::now();
+                if now < due {
+                    timer.as_mut().reset(due);
+                } else if shared.is_idle(address, receiver) {
+                    return Next::Idle;
+                } else {
+                    // Something holds the instance (a keep-alive): wait another period.
+                    due = now + idle;
+                    timer.as_mut().reset(due);
+                }
+            }
         }
     }
 }
@@ -980,8 +1009,14 @@ async fn handle<E: Entity>(
             format!("entity type {} has no request {:?}", shared.entity_type, request.tag);
         return Outcome::Exited(malformed(&message));
     };
-    if delivery.cancellation.is_cancelled() || signals.interrupt.is_cancelled() {
+    if delivery.cancellation.is_cancelled()
+        || signals.interrupt.is_cancelled()
+        || (entry.interrupt_on_termination && signals.stopping.is_cancelled())
+    {
         return Outcome::Exited(Exit::interrupt());
+    }
+    if generation.is_cancelled() {
+        return Outcome::Restarted;
     }
     if let Some(started) = &delivery.started {
         started.store(true, Ordering::Release);
@@ -1038,16 +1073,19 @@ async fn handle<E: Entity>(
             std::future::pending::<()>().await;
         }
     };
+    // The handler is polled first: one that finishes on its first poll (most do) never
+    // registers with the four interrupt sources, which costs a lock on each. The
+    // interruptions were checked just before it started.
     let outcome = tokio::select! {
         biased;
-        () = delivery.cancellation.cancelled() => Outcome::Exited(Exit::interrupt()),
-        () = signals.interrupt.cancelled() => Outcome::Exited(Exit::interrupt()),
-        () = generation.cancelled() => Outcome::Restarted,
-        () = stopping => Outcome::Exited(Exit::interrupt()),
         handled = handled => match handled {
             Ok(exit) => Outcome::Exited(exit),
             Err(_) => Outcome::Panicked,
         },
+        () = delivery.cancellation.cancelled() => Outcome::Exited(Exit::interrupt()),
+        () = signals.interrupt.cancelled() => Outcome::Exited(Exit::interrupt()),
+        () = generation.cancelled() => Outcome::Restarted,
+        () = stopping => Outcome::Exited(Exit::interrupt()),
     };
     // Give the stream's acknowledgements back, so that a restarted run continues the stream.
     if let (Some(channel), ReplyTo::Stream(stream)) = (channel, &mut delivery.reply) {
