@@ -10,8 +10,12 @@
 //!   trace (`--seed S`); each seed runs twice and must give the same history (also run by
 //!   `ci`, 200 seeds).
 //!
+//! - `bench [W1|…|W5|all|scaling|plot]`: the benchmark workloads in release mode against the
+//!   local services (see `bench`, docs/performance.md); not part of `ci`.
+//!
 //! Automation is written in Rust so that it runs wherever cargo does (STYLE rule 24).
 
+mod bench;
 mod tidy;
 
 use std::env;
@@ -55,6 +59,7 @@ fn main() -> ExitCode {
         Some("tidy") => tidy::run(&workspace_root()),
         Some("chaos") => chaos(),
         Some("sim") => sim(&args[1..]),
+        Some("bench") => bench(&args[1..]),
         _ => {
             usage();
             return ExitCode::from(2);
@@ -71,12 +76,12 @@ fn main() -> ExitCode {
 
 fn usage() {
     report(
-        "usage: cargo xtask <ci | tidy | chaos | sim [--seeds N] [--from S] [--classic] | sim --seed S [--trace] [--classic]>",
+        "usage: cargo xtask <ci | tidy | chaos | sim [--seeds N] [--from S] [--classic] | sim --seed S [--trace] [--classic] | bench [W1|W2|W3|W4|W5|all|scaling|plot]>",
     );
 }
 
 #[expect(clippy::print_stderr, reason = "xtask reports to the terminal")]
-fn report(message: &str) {
+pub(crate) fn report(message: &str) {
     eprintln!("{message}");
 }
 
@@ -173,6 +178,14 @@ fn sim(args: &[String]) -> Result<()> {
 }
 
 /// `cargo xtask chaos`: the fault test across processes, on PostgreSQL.
+/// `cargo xtask bench …` with the services' URLs (see the `bench` module).
+fn bench(args: &[String]) -> Result<()> {
+    let service_env = services()?;
+    let service_env: Vec<(&str, &str)> =
+        service_env.iter().map(|(name, value)| (*name, value.as_str())).collect();
+    bench::run(&workspace_root(), args, &service_env)
+}
+
 fn chaos() -> Result<()> {
     let root = workspace_root();
     env::set_current_dir(&root).with_context(|| format!("cannot enter {}", root.display()))?;
@@ -198,7 +211,7 @@ fn chaos_with(service_env: &[(&str, &str)]) -> Result<()> {
 }
 
 /// Runs `cargo <args>` with extra environment variables; a non-zero exit fails the step.
-fn step(name: &str, args: &[&str], envs: &[(&str, &str)]) -> Result<()> {
+pub(crate) fn step(name: &str, args: &[&str], envs: &[(&str, &str)]) -> Result<()> {
     report(&format!("==> {name}: cargo {}", args.join(" ")));
     let cargo = env::var("CARGO").unwrap_or_else(|_| "cargo".to_owned());
     let status = Command::new(cargo)

@@ -1,0 +1,289 @@
+//! `cargo xtask bench`: the benchmark workloads of DESIGN.md §5 (`cluster-bench`), in release
+//! mode against the local services.
+//!
+//! - `bench [W1|W2|W3|W4|W5|all]` (default `all`): each workload in its own process, one JSON
+//!   line each on standard output.
+//! - `bench scaling`: W2 and W3 at 1, 16, 64 and 256 requests in flight, W1 with 1,000,
+//!   100,000 and 1,000,000 entities; the lines go to `docs/performance/scaling.jsonl` and the
+//!   plots to `docs/performance/*.svg`.
+//! - `bench plot`: the plots again from `docs/performance/scaling.jsonl`, without running.
+
+use std::env;
+use std::fs;
+use std::path::Path;
+use std::process::Command;
+
+use anyhow::{Context, Result, anyhow, bail};
+use plotters::prelude::*;
+use serde_json::Value;
+
+/// The workloads `all` runs, in order.
+const WORKLOADS: [&str; 5] = ["W1", "W2", "W3", "W4", "W5"];
+
+/// Where `bench scaling` writes its results and plots, under the workspace root.
+const OUTPUT: &str = "docs/performance";
+
+/// The scaling runs: `(workload, extra arguments)`.
+fn scaling_runs() -> Vec<(&'static str, Vec<String>)> {
+    let mut runs = Vec::new();
+    for workload in ["W2", "W3"] {
+        for in_flight in [1, 16, 64, 256] {
+            // One request in flight waits for every commit: fewer requests keep it short.
+            let ops = if in_flight == 1 { 2_000 } else { 20_000 };
+            let args =
+                vec!["--in-flight".into(), in_flight.to_string(), "--ops".into(), ops.to_string()];
+            runs.push((workload, args));
+        }
+    }
+    for entities in [1_000, 100_000, 1_000_000] {
+        // Every entity gets requests (and stays resident): at least one request each.
+        let ops: u32 = entities.max(100_000);
+        let args = vec!["--entities".into(), entities.to_string(), "--ops".into(), ops.to_string()];
+        runs.push(("W1", args));
+    }
+    runs
+}
+
+/// Runs `cargo xtask bench <args>` from the workspace root.
+pub(crate) fn run(root: &Path, args: &[String], service_env: &[(&str, &str)]) -> Result<()> {
+    env::set_current_dir(root).with_context(|| format!("cannot enter {}", root.display()))?;
+    match args.first().map(String::as_str) {
+        None | Some("all") => {
+            build()?;
+            for workload in WORKLOADS {
+                say(&workload_line(workload, &[], service_env)?);
+            }
+            Ok(())
+        }
+        Some("scaling") => {
+            build()?;
+            let mut lines = Vec::new();
+            for (workload, extra) in scaling_runs() {
+                let line = workload_line(workload, &extra, service_env)?;
+                say(&line);
+                lines.push(line);
+            }
+            let output = root.join(OUTPUT);
+            fs::create_dir_all(&output)?;
+            fs::write(output.join("scaling.jsonl"), lines.join("\n") + "\n")?;
+            plot_all(&output)
+        }
+        Some("plot") => plot_all(&root.join(OUTPUT)),
+        Some(name) if WORKLOADS.iter().any(|w| w.eq_ignore_ascii_case(name)) => {
+            build()?;
+            say(&workload_line(&name.to_ascii_uppercase(), &args[1..], service_env)?);
+            Ok(())
+        }
+        Some(other) => bail!("unknown benchmark `{other}`: W1 … W5, all, scaling or plot"),
+    }
+}
+
+fn cargo() -> String {
+    env::var("CARGO").unwrap_or_else(|_| "cargo".to_owned())
+}
+
+fn build() -> Result<()> {
+    crate::step("build cluster-bench", &["build", "--release", "--package", "cluster-bench"], &[])
+}
+
+/// Runs one workload in its own process and returns its JSON line.
+fn workload_line(workload: &str, extra: &[String], service_env: &[(&str, &str)]) -> Result<String> {
+    crate::report(&format!("==> bench {workload} {}", extra.join(" ")));
+    let output = Command::new(cargo())
+        .args(["run", "--quiet", "--release", "--package", "cluster-bench", "--", workload])
+        .args(extra)
+        .envs(service_env.iter().copied())
+        .output()
+        .with_context(|| format!("cannot run cluster-bench {workload}"))?;
+    let stdout = String::from_utf8_lossy(&output.stdout);
+    if !output.status.success() {
+        bail!("{workload} failed: {}{stdout}", String::from_utf8_lossy(&output.stderr));
+    }
+    let line = stdout.lines().last().unwrap_or_default().to_owned();
+    serde_json::from_str::<Value>(&line)
+        .with_context(|| format!("{workload} printed no JSON line: {stdout}"))?;
+    Ok(line)
+}
+
+#[expect(clippy::print_stdout, reason = "the benchmark lines are xtask's output")]
+fn say(line: &str) {
+    println!("{line}");
+}
+
+/// Reads `scaling.jsonl` in `dir` and draws its plots there.
+fn plot_all(dir: &Path) -> Result<()> {
+    let path = dir.join("scaling.jsonl");
+    let text = fs::read_to_string(&path).with_context(|| {
+        format!("cannot read {} (run `cargo xtask bench scaling`)", path.display())
+    })?;
+    let rows = parse_rows(&text)?;
+    plot(dir, &rows)?;
+    crate::report(&format!("==> plots written to {}", dir.display()));
+    Ok(())
+}
+
+/// One result line, the fields the plots use.
+#[derive(Clone, Debug, PartialEq)]
+pub(crate) struct Row {
+    pub(crate) workload: String,
+    pub(crate) in_flight: f64,
+    pub(crate) entities: f64,
+    pub(crate) ops_per_s: f64,
+    pub(crate) p99_ms: f64,
+    pub(crate) peak_rss_mb: f64,
+}
+
+pub(crate) fn parse_rows(text: &str) -> Result<Vec<Row>> {
+    let mut rows = Vec::new();
+    for (number, line) in text.lines().enumerate().filter(|(_, line)| !line.trim().is_empty()) {
+        let value: Value = serde_json::from_str(line)
+            .with_context(|| format!("line {} is not JSON", number + 1))?;
+        let field = |name: &str| {
+            value[name].as_f64().ok_or_else(|| anyhow!("line {}: no number `{name}`", number + 1))
+        };
+        rows.push(Row {
+            workload: value["workload"]
+                .as_str()
+                .ok_or_else(|| anyhow!("line {}: no `workload`", number + 1))?
+                .to_owned(),
+            in_flight: field("in_flight")?,
+            entities: field("entities")?,
+            ops_per_s: field("ops_per_s")?,
+            p99_ms: field("p99_ms")?,
+            peak_rss_mb: field("peak_rss_mb")?,
+        });
+    }
+    Ok(rows)
+}
+
+/// A line of a plot: its label, colour and points.
+struct Series {
+    label: &'static str,
+    colour: RGBColor,
+    points: Vec<(f64, f64)>,
+}
+
+/// Draws `inflight-throughput.svg`, `inflight-p99.svg` and `entities-memory.svg` into `dir`.
+pub(crate) fn plot(dir: &Path, rows: &[Row]) -> Result<()> {
+    let by = |workload: &str, x: fn(&Row) -> f64, y: fn(&Row) -> f64| -> Vec<(f64, f64)> {
+        let mut points: Vec<(f64, f64)> = rows
+            .iter()
+            .filter(|row| row.workload == workload)
+            .map(|row| (x(row), y(row)))
+            .collect();
+        points.sort_by(|a, b| a.0.total_cmp(&b.0));
+        points
+    };
+    let persisted = |y: fn(&Row) -> f64| {
+        vec![
+            Series { label: "W2 SQLite", colour: BLUE, points: by("W2", |r| r.in_flight, y) },
+            Series { label: "W3 PostgreSQL", colour: RED, points: by("W3", |r| r.in_flight, y) },
+        ]
+    };
+    draw(
+        &dir.join("inflight-throughput.svg"),
+        "Persisted requests: throughput",
+        ("requests in flight", "requests/s"),
+        &persisted(|r| r.ops_per_s),
+    )?;
+    draw(
+        &dir.join("inflight-p99.svg"),
+        "Persisted requests: p99 latency",
+        ("requests in flight", "p99 (ms)"),
+        &persisted(|r| r.p99_ms),
+    )?;
+    draw(
+        &dir.join("entities-memory.svg"),
+        "W1: peak resident memory",
+        ("resident entities", "peak RSS (MiB)"),
+        &[Series {
+            label: "W1",
+            colour: BLUE,
+            points: by("W1", |r| r.entities, |r| r.peak_rss_mb),
+        }],
+    )
+}
+
+/// One chart with a logarithmic x axis.
+fn draw(path: &Path, title: &str, axes: (&str, &str), series: &[Series]) -> Result<()> {
+    let points = || series.iter().flat_map(|series| series.points.iter());
+    let x_max = points().map(|p| p.0).fold(1.0, f64::max);
+    let y_max = points().map(|p| p.1).fold(0.0, f64::max) * 1.1;
+    if points().next().is_none() {
+        bail!("no data for {}", path.display());
+    }
+    let fail = |error: &dyn std::fmt::Display| anyhow!("cannot draw {}: {error}", path.display());
+    let area = SVGBackend::new(path, (720, 420)).into_drawing_area();
+    area.fill(&WHITE).map_err(|e| fail(&e))?;
+    let mut chart = ChartBuilder::on(&area)
+        .caption(title, ("sans-serif", 20))
+        .margin(12)
+        .x_label_area_size(40)
+        .y_label_area_size(70)
+        .build_cartesian_2d((1f64..x_max * 1.2).log_scale(), 0f64..y_max.max(1.0))
+        .map_err(|e| fail(&e))?;
+    chart.configure_mesh().x_desc(axes.0).y_desc(axes.1).draw().map_err(|e| fail(&e))?;
+    for line in series {
+        let colour = line.colour;
+        chart
+            .draw_series(LineSeries::new(line.points.clone(), colour.stroke_width(2)))
+            .map_err(|e| fail(&e))?
+            .label(line.label)
+            .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 20, y)], colour));
+    }
+    chart
+        .configure_series_labels()
+        .position(SeriesLabelPosition::UpperLeft)
+        .border_style(BLACK)
+        .background_style(WHITE)
+        .draw()
+        .map_err(|e| fail(&e))?;
+    area.present().map_err(|e| fail(&e))?;
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const LINES: &str = r#"{"entities":1000,"in_flight":1,"ops":2000,"ops_per_s":900.0,"p50_ms":1.0,"p99_ms":2.5,"peak_rss_mb":20.0,"seconds":2.2,"storage":"sqlite","workload":"W2"}
+{"entities":1000,"in_flight":64,"ops":20000,"ops_per_s":7000.0,"p50_ms":8.0,"p99_ms":20.0,"peak_rss_mb":26.0,"seconds":2.8,"storage":"sqlite","workload":"W2"}
+{"entities":1000,"in_flight":64,"ops":20000,"ops_per_s":3000.0,"p50_ms":17.0,"p99_ms":50.0,"peak_rss_mb":23.0,"seconds":6.6,"storage":"postgres","workload":"W3"}
+
+{"entities":1000000,"in_flight":256,"ops":1000000,"ops_per_s":250000.0,"p50_ms":0.2,"p99_ms":3.0,"peak_rss_mb":900.0,"seconds":4.0,"storage":"memory","workload":"W1"}
+"#;
+
+    #[test]
+    fn result_lines_are_read_and_bad_ones_named() {
+        let rows = parse_rows(LINES).unwrap();
+        assert_eq!(rows.len(), 4);
+        assert_eq!(rows[3].workload, "W1");
+        assert!((rows[3].peak_rss_mb - 900.0).abs() < 1e-9);
+        let error = parse_rows("{\"workload\":\"W1\"}").unwrap_err().to_string();
+        assert!(error.contains("line 1: no number `in_flight`"), "{error}");
+        assert!(parse_rows("not json").unwrap_err().to_string().contains("line 1 is not JSON"));
+    }
+
+    #[test]
+    fn the_plots_are_svg_files_with_their_series() {
+        let dir = env::temp_dir().join(format!("xtask-bench-plot-{}", std::process::id()));
+        fs::create_dir_all(&dir).unwrap();
+        plot(&dir, &parse_rows(LINES).unwrap()).unwrap();
+        let throughput = fs::read_to_string(dir.join("inflight-throughput.svg")).unwrap();
+        assert!(throughput.starts_with("<svg"));
+        assert!(throughput.contains("W2 SQLite") && throughput.contains("W3 PostgreSQL"));
+        let memory = fs::read_to_string(dir.join("entities-memory.svg")).unwrap();
+        assert!(memory.contains("peak RSS (MiB)"));
+        fs::remove_dir_all(&dir).unwrap();
+    }
+
+    #[test]
+    fn every_scaling_run_names_a_workload_the_binary_knows() {
+        let runs = scaling_runs();
+        assert_eq!(runs.len(), 11);
+        assert!(runs.iter().all(|(workload, _)| WORKLOADS.contains(workload)));
+        // The million-entity run sends at least a request to each entity.
+        let (_, last) = runs.last().unwrap();
+        assert_eq!(last, &["--entities", "1000000", "--ops", "1000000"]);
+    }
+}
