@@ -258,7 +258,9 @@ struct Signals {
 struct Instance {
     address: EntityAddress,
     signals: Signals,
-    mailbox: mpsc::Sender<Delivery>,
+    /// Boxed: the channel allocates its slots 32 at a time, so an unboxed `Delivery`
+    /// would cost every resident instance 32 of them (about 9 KiB) before its first request.
+    mailbox: mpsc::Sender<Box<Delivery>>,
     /// Requests admitted and not yet answered: the mailbox of the reference.
     active: Arc<Active>,
     /// Parked keep-alive requests keep the instance resident.
@@ -335,7 +337,7 @@ impl<E: Entity> ErasedManager for EntityManager<E> {
                 }));
             }
         }
-        if instance.mailbox.try_send(delivery).is_err() {
+        if instance.mailbox.try_send(Box::new(delivery)).is_err() {
             // Full (an unbounded capacity past the channel's cap) or closed (the instance is
             // stopping): either way this request is not admitted.
             instance.active.finish(request_id);
@@ -486,14 +488,14 @@ impl<E: Entity> Shared<E> {
     }
 
     /// Whether the instance is idle: nothing running, nothing queued, no keep-alive.
-    fn is_idle(&self, address: &EntityAddress, receiver: &mpsc::Receiver<Delivery>) -> bool {
+    fn is_idle(&self, address: &EntityAddress, receiver: &mpsc::Receiver<Box<Delivery>>) -> bool {
         Self::idle_in(&lock(&self.instances), address, receiver)
     }
 
     fn idle_in(
         instances: &BTreeMap<EntityId, Instance>,
         address: &EntityAddress,
-        receiver: &mpsc::Receiver<Delivery>,
+        receiver: &mpsc::Receiver<Box<Delivery>>,
     ) -> bool {
         instances
             .get(&address.entity_id)
@@ -503,7 +505,7 @@ impl<E: Entity> Shared<E> {
 
     /// Removes the instance if it is idle. Under the lock, so no request can be admitted in
     /// between.
-    fn retire(&self, address: &EntityAddress, receiver: &mpsc::Receiver<Delivery>) -> bool {
+    fn retire(&self, address: &EntityAddress, receiver: &mpsc::Receiver<Box<Delivery>>) -> bool {
         let mut instances = lock(&self.instances);
         let idle = Self::idle_in(&instances, address, receiver);
         if idle {
@@ -648,7 +650,7 @@ struct Queued {
 struct InstanceLoop<E: Entity> {
     shared: Arc<Shared<E>>,
     address: EntityAddress,
-    receiver: mpsc::Receiver<Delivery>,
+    receiver: mpsc::Receiver<Box<Delivery>>,
     active: Arc<Active>,
     keep_alive: KeepAliveHandle,
     slot: Slot<E>,
@@ -667,14 +669,16 @@ struct InstanceLoop<E: Entity> {
 async fn run_instance<E: Entity>(
     shared: Arc<Shared<E>>,
     address: EntityAddress,
-    receiver: mpsc::Receiver<Delivery>,
+    receiver: mpsc::Receiver<Box<Delivery>>,
     active: Arc<Active>,
     keep_alive: KeepAliveHandle,
     signals: Signals,
 ) {
     // Whatever way the task ends, waiters on the instance hear of it.
     let _ended = signals.ended.clone().drop_guard();
-    let Some(entity) = create(&shared, &address, &signals.interrupt).await else {
+    // The rare steps (creating, stopping, restarting) are boxed: inline, the largest of them
+    // (the entity's own `create` among them) would size every resident instance's task.
+    let Some(entity) = Box::pin(create(&shared, &address, &signals.interrupt)).await else {
         keep_alive.latch.abandon();
         shared.residency.release();
         return;
@@ -696,7 +700,7 @@ async fn run_instance<E: Entity>(
     };
     loop {
         instance.run().await;
-        instance.stop().await;
+        Box::pin(instance.stop()).await;
         // Idle (not stopped by shutdown): leave, unless requests came in while `on_stop` ran;
         // those get a new value, so that one id never has two live values.
         if !instance.mailbox_open
@@ -742,7 +746,7 @@ impl<E: Entity> InstanceLoop<E> {
                     &mut self.idle_timer,
                 );
                 match next.await {
-                    Next::Delivery(delivery) => self.enqueue(delivery),
+                    Next::Delivery(delivery) => self.enqueue(*delivery),
                     Next::Idle => return,
                     Next::Closed => {
                         self.mailbox_open = false;
@@ -755,7 +759,7 @@ impl<E: Entity> InstanceLoop<E> {
                 biased;
                 Some(finished) = self.running.next() => self.settle(finished).await,
                 delivery = self.receiver.recv(), if self.mailbox_open => match delivery {
-                    Some(delivery) => self.enqueue(delivery),
+                    Some(delivery) => self.enqueue(*delivery),
                     None => self.mailbox_open = false,
                 },
             }
@@ -788,7 +792,7 @@ impl<E: Entity> InstanceLoop<E> {
     /// A new value after `on_stop`, for requests that arrived meanwhile; `false` once the
     /// manager closed.
     async fn recreate(&mut self) -> bool {
-        match create(&self.shared, &self.address, &self.signals.interrupt).await {
+        match Box::pin(create(&self.shared, &self.address, &self.signals.interrupt)).await {
             Some(entity) => {
                 self.slot = Slot::Idle(entity);
                 true
@@ -810,7 +814,7 @@ impl<E: Entity> InstanceLoop<E> {
             // wait forever.
             tracing::error!(entity_type = %self.shared.entity_type, entity_id = %self.address.entity_id, "entity value still shared; restarting");
             self.queue.push_front(queued);
-            self.restart(Vec::new()).await;
+            Box::pin(self.restart(Vec::new())).await;
             return;
         };
         let finished = run_one(
@@ -856,7 +860,7 @@ impl<E: Entity> InstanceLoop<E> {
             Outcome::Panicked | Outcome::Restarted => {
                 tracing::warn!(entity_type = %self.shared.entity_type, entity_id = %self.address.entity_id, "defect in entity, restarting");
                 let replay = vec![Queued { seq: finished.seq, delivery: finished.delivery }];
-                self.restart(replay).await;
+                Box::pin(self.restart(replay)).await;
             }
         }
     }
@@ -930,12 +934,8 @@ async fn create<E: Entity>(
 }
 
 /// What the instance loop waits for when nothing runs.
-#[allow(
-    clippy::large_enum_variant,
-    reason = "moved once from the mailbox into the queue; boxing would allocate per request"
-)]
 enum Next {
-    Delivery(Delivery),
+    Delivery(Box<Delivery>),
     /// Nothing came for `max_idle_time` and the instance is idle: it may be reaped.
     Idle,
     /// The mailbox closed: the manager stops.
@@ -950,10 +950,10 @@ enum Next {
 async fn next_delivery<E: Entity>(
     shared: &Shared<E>,
     address: &EntityAddress,
-    receiver: &mut mpsc::Receiver<Delivery>,
+    receiver: &mut mpsc::Receiver<Box<Delivery>>,
     timer: &mut Option<Pin<Box<tokio::time::Sleep>>>,
 ) -> Next {
-    let received = |delivery: Option<Delivery>| delivery.map_or(Next::Closed, Next::Delivery);
+    let received = |delivery: Option<Box<Delivery>>| delivery.map_or(Next::Closed, Next::Delivery);
     let Some(idle) = shared.options.max_idle_time else {
         return received(receiver.recv().await);
     };
