@@ -88,6 +88,26 @@ impl BenchDatabase {
         }
     }
 
+    /// Refreshes the planner's statistics of the message tables (PostgreSQL), as autovacuum
+    /// does on a table in use: a fresh table has none, and its plans are those of an empty
+    /// table. A no-op on SQLite.
+    pub(crate) async fn analyze(&self) -> Result<(), String> {
+        let BenchDatabase::Postgres { url, prefix } = self else { return Ok(()) };
+        let analyzed = async {
+            let (client, connection) = tokio_postgres::connect(url, tokio_postgres::NoTls).await?;
+            let connection = tokio::spawn(connection);
+            let sql = format!(
+                "ANALYZE \"{}\", \"{}\"",
+                prefix.table("messages"),
+                prefix.table("replies")
+            );
+            client.batch_execute(&sql).await?;
+            connection.abort();
+            Ok::<(), tokio_postgres::Error>(())
+        };
+        analyzed.await.map_err(|error| format!("cannot analyze the tables of {prefix}: {error}"))
+    }
+
     /// Removes the file or drops the tables (after the runner shut down).
     pub(crate) async fn remove(&self) -> Result<(), String> {
         match self {

@@ -147,7 +147,7 @@ async fn volatile_echo(plan: &Plan) -> Result<Measured, String> {
     let sharding =
         Sharding::new(config, Arc::new(SystemClock)).map_err(|error| error.to_string())?;
     sharding.register::<Echo>(EntityOptions::default()).map_err(|error| error.to_string())?;
-    let measured = measure(plan, {
+    let measured = measure(plan, None, {
         let (sharding, plan) = (sharding.clone(), plan.clone());
         move |n| {
             let client = sharding.client::<Echo>(entity_id(&plan, n));
@@ -170,17 +170,21 @@ async fn on_database(plan: &Plan, database: &BenchDatabase) -> Result<Measured, 
         .await
         .map_err(|error| error.to_string())?;
     let measured = match plan.workload {
-        Workload::W2 | Workload::W3 => persisted_echo(plan, &sharding).await,
-        _ => workflows(plan, &sharding).await,
+        Workload::W2 | Workload::W3 => persisted_echo(plan, database, &sharding).await,
+        _ => workflows(plan, database, &sharding).await,
     };
     sharding.shutdown().await;
     measured
 }
 
 /// W2, W3.
-async fn persisted_echo(plan: &Plan, sharding: &Sharding) -> Result<Measured, String> {
+async fn persisted_echo(
+    plan: &Plan,
+    database: &BenchDatabase,
+    sharding: &Sharding,
+) -> Result<Measured, String> {
     sharding.register::<Echo>(EntityOptions::default()).map_err(|error| error.to_string())?;
-    measure(plan, {
+    measure(plan, Some(database), {
         let (sharding, plan) = (sharding.clone(), plan.clone());
         move |n| {
             let client = sharding.client::<Echo>(entity_id(&plan, n));
@@ -195,10 +199,14 @@ async fn persisted_echo(plan: &Plan, sharding: &Sharding) -> Result<Measured, St
 }
 
 /// W4, W5.
-async fn workflows(plan: &Plan, sharding: &Sharding) -> Result<Measured, String> {
+async fn workflows(
+    plan: &Plan,
+    database: &BenchDatabase,
+    sharding: &Sharding,
+) -> Result<Measured, String> {
     let engine = WorkflowEngine::cluster(sharding).map_err(|error| error.to_string())?;
     engine.register::<ThreeSteps, _, _>(three_steps).map_err(|error| error.to_string())?;
-    measure(plan, move |n| {
+    measure(plan, Some(database), move |n| {
         let engine = engine.clone();
         async move {
             let id = n as u64;
@@ -209,13 +217,21 @@ async fn workflows(plan: &Plan, sharding: &Sharding) -> Result<Measured, String>
     .await
 }
 
-/// The warm-up on numbers after the measured ones, then the measurement.
-async fn measure<F, Fut>(plan: &Plan, op: F) -> Result<Measured, String>
+/// The warm-up on numbers after the measured ones, the tables' statistics, then the
+/// measurement.
+async fn measure<F, Fut>(
+    plan: &Plan,
+    database: Option<&BenchDatabase>,
+    op: F,
+) -> Result<Measured, String>
 where
     F: Fn(usize) -> Fut + Clone + Send + Sync + 'static,
     Fut: std::future::Future<Output = Result<(), String>> + Send + 'static,
 {
     drive(plan.ops, warm_up_size(plan), plan.in_flight, op.clone()).await?;
+    if let Some(database) = database {
+        database.analyze().await?;
+    }
     drive(0, plan.ops, plan.in_flight, op).await
 }
 

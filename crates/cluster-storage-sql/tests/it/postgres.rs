@@ -381,6 +381,8 @@ async fn schema_matches_the_reference() {
             "T_request_id_idx: CREATE INDEX T_request_id_idx ON public.T USING btree (request_id)",
             "T_rowid_idx: CREATE INDEX T_rowid_idx ON public.T USING btree (rowid)",
             "T_shard_idx: CREATE INDEX T_shard_idx ON public.T USING btree (shard_id, processed, last_read, deliver_at)",
+            // Ours, beyond the reference (migration 4): the claim's index.
+            "T_unprocessed_idx: CREATE INDEX T_unprocessed_idx ON public.T USING btree (rowid) WHERE (processed = false)",
         ]
     );
     assert_eq!(
@@ -425,7 +427,7 @@ async fn migrations_are_idempotent_and_shared() {
     );
     let mut ran = [first.unwrap(), second.unwrap()];
     ran.sort();
-    assert_eq!(ran, [vec![], vec![1, 2, 3]]);
+    assert_eq!(ran, [vec![], vec![1, 2, 3, 4]]);
     let (first, second) = tokio::join!(
         PgRunnerStorage::migrate(&pool, &scratch.prefix),
         PgRunnerStorage::migrate(&pool, &scratch.prefix),
@@ -439,6 +441,7 @@ async fn migrations_are_idempotent_and_shared() {
         (1, "create_tables".to_owned()),
         (2, "entity_type_size".to_owned()),
         (3, "pg_messages_rowid_index".to_owned()),
+        (4, "pg_messages_unprocessed_index".to_owned()),
     ];
     assert_eq!(history(&scratch.admin, &scratch.table("migrations")).await, expected_messages);
     assert_eq!(
@@ -460,7 +463,27 @@ async fn migrations_are_idempotent_and_shared() {
         .batch_execute(&format!("DELETE FROM \"{}\"", scratch.table("migrations")))
         .await
         .unwrap();
-    assert_eq!(PgMessageStorage::migrate(&pool, &scratch.prefix).await.unwrap(), [1, 2, 3]);
+    assert_eq!(PgMessageStorage::migrate(&pool, &scratch.prefix).await.unwrap(), [1, 2, 3, 4]);
+    // Tables migrated by the reference (history 1 to 3, no claim index) get the index.
+    let index = scratch.table("messages_unprocessed_idx");
+    scratch
+        .admin
+        .client
+        .batch_execute(&format!(
+            "DELETE FROM \"{}\" WHERE migration_id = 4; DROP INDEX \"{index}\"",
+            scratch.table("migrations")
+        ))
+        .await
+        .unwrap();
+    assert_eq!(PgMessageStorage::migrate(&pool, &scratch.prefix).await.unwrap(), [4]);
+    let indexes = scratch
+        .admin
+        .client
+        .query("SELECT indexdef FROM pg_indexes WHERE indexname = $1", &[&index])
+        .await
+        .unwrap();
+    let definition: String = indexes[0].get(0);
+    assert!(definition.ends_with("(rowid) WHERE (processed = false)"), "{definition}");
     assert_eq!(
         message_ids(
             &second
