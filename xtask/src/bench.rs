@@ -222,7 +222,14 @@ fn draw(path: &Path, title: &str, axes: (&str, &str), series: &[Series]) -> Resu
         .y_label_area_size(70)
         .build_cartesian_2d((1f64..x_max * 1.2).log_scale(), 0f64..y_max.max(1.0))
         .map_err(|e| fail(&e))?;
-    chart.configure_mesh().x_desc(axes.0).y_desc(axes.1).draw().map_err(|e| fail(&e))?;
+    chart
+        .configure_mesh()
+        .x_desc(axes.0)
+        .y_desc(axes.1)
+        .x_label_formatter(&|x| format!("{x:.0}"))
+        .y_label_formatter(&|y| format!("{y:.0}"))
+        .draw()
+        .map_err(|e| fail(&e))?;
     for line in series {
         let colour = line.colour;
         chart
@@ -230,6 +237,8 @@ fn draw(path: &Path, title: &str, axes: (&str, &str), series: &[Series]) -> Resu
             .map_err(|e| fail(&e))?
             .label(line.label)
             .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 20, y)], colour));
+        let marks = line.points.iter().map(|point| Circle::new(*point, 3, colour.filled()));
+        chart.draw_series(marks).map_err(|e| fail(&e))?;
     }
     chart
         .configure_series_labels()

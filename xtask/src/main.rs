@@ -2,7 +2,7 @@
 //!
 //! - `ci`: everything CI checks, in order: formatting, clippy (all targets, then each storage
 //!   feature on its own), the database services, all tests, the quickstart, the saga example,
-//!   the fault test, documentation.
+//!   a smoke run of the benchmark workloads, the simulation, the fault test, documentation.
 //! - `tidy`: the repository rules that are not compiler lints (also run as tests by `ci`).
 //! - `chaos`: the fault test across processes on PostgreSQL (`cluster-chaos`; also run by
 //!   `ci`): runners killed, frozen, joining and leaving under traffic.
@@ -136,6 +136,7 @@ fn ci() -> Result<()> {
     step("quickstart", &["run", "--example", "quickstart"], &[])?;
     // The workflow issue's example: it asserts the compensations ran in reverse order, once.
     step("saga", &["run", "-p", "cluster-workflow", "--example", "saga"], &[])?;
+    bench_smoke(&service_env)?;
     sim(&["--seeds".to_owned(), "200".to_owned()])?;
     chaos_with(&service_env)?;
     step(
@@ -178,6 +179,24 @@ fn sim(args: &[String]) -> Result<()> {
 }
 
 /// `cargo xtask chaos`: the fault test across processes, on PostgreSQL.
+/// The benchmark workloads, tiny and in a debug build, so that they keep running end to end
+/// (the measurements are `cargo xtask bench`'s). The PostgreSQL ones need PostgreSQL.
+fn bench_smoke(service_env: &[(&str, &str)]) -> Result<()> {
+    let postgres = service_env.iter().any(|(name, _)| *name == "CLUSTER_TEST_POSTGRES_URL");
+    for workload in ["W1", "W2", "W3", "W4", "W5"] {
+        if !postgres && matches!(workload, "W3" | "W5") {
+            report(&format!("==> bench {workload} (smoke): skipped, PostgreSQL is not reachable"));
+            continue;
+        }
+        step(
+            &format!("bench {workload} (smoke)"),
+            &["run", "--quiet", "--package", "cluster-bench", "--", workload, "--ops", "200"],
+            service_env,
+        )?;
+    }
+    Ok(())
+}
+
 /// `cargo xtask bench …` with the services' URLs (see the `bench` module).
 fn bench(args: &[String]) -> Result<()> {
     let service_env = services()?;
