@@ -10,12 +10,15 @@
 //!   trace (`--seed S`); each seed runs twice and must give the same history (also run by
 //!   `ci`, 200 seeds).
 //!
+//! - `config-doc`: writes `docs/configuration.md`, the configuration reference, from the
+//!   documentation of `ShardingConfig` (a test fails when it is stale).
 //! - `bench [W1|…|W5|all|scaling|plot]`: the benchmark workloads in release mode against the
 //!   local services (see `bench`, docs/performance.md); not part of `ci`.
 //!
 //! Automation is written in Rust so that it runs wherever cargo does (STYLE rule 24).
 
 mod bench;
+mod config_doc;
 mod tidy;
 
 use std::env;
@@ -60,6 +63,7 @@ fn main() -> ExitCode {
         Some("chaos") => chaos(),
         Some("sim") => sim(&args[1..]),
         Some("bench") => bench(&args[1..]),
+        Some("config-doc") => config_doc::run(&workspace_root()),
         _ => {
             usage();
             return ExitCode::from(2);
@@ -76,7 +80,7 @@ fn main() -> ExitCode {
 
 fn usage() {
     report(
-        "usage: cargo xtask <ci | tidy | chaos | sim [--seeds N] [--from S] [--classic] | sim --seed S [--trace] [--classic] | bench [W1|W2|W3|W4|W5|all|scaling|plot]>",
+        "usage: cargo xtask <ci | tidy | chaos | sim [--seeds N] [--from S] [--classic] | sim --seed S [--trace] [--classic] | bench [W1|W2|W3|W4|W5|all|scaling|plot] | config-doc>",
     );
 }
 
