@@ -1,8 +1,8 @@
 //! Automation for this workspace: `cargo xtask <command>`.
 //!
 //! - `ci`: everything CI checks, in order: formatting, clippy (all targets, then each storage
-//!   feature on its own), the database services, all tests, the quickstart, the saga example,
-//!   a smoke run of the benchmark workloads, the simulation, the fault test, documentation.
+//!   feature on its own), the database services, all tests, the quickstart, the saga, streaming
+//!   and cron examples, a smoke run of the benchmark workloads, the simulation, the fault test, documentation.
 //! - `tidy`: the repository rules that are not compiler lints (also run as tests by `ci`).
 //! - `chaos`: the fault test across processes on PostgreSQL (`cluster-chaos`; also run by
 //!   `ci`): runners killed, frozen, joining and leaving under traffic.
@@ -140,6 +140,9 @@ fn ci() -> Result<()> {
     step("quickstart", &["run", "--example", "quickstart"], &[])?;
     // The workflow issue's example: it asserts the compensations ran in reverse order, once.
     step("saga", &["run", "-p", "cluster-workflow", "--example", "saga"], &[])?;
+    // The streaming and cron examples check their own outcome too.
+    step("streaming", &["run", "-p", "cluster-sharding", "--example", "streaming"], &[])?;
+    step("cron", &["run", "-p", "cluster-sharding", "--example", "cron_singleton"], &[])?;
     bench_smoke(&service_env)?;
     sim(&["--seeds".to_owned(), "200".to_owned()])?;
     chaos_with(&service_env)?;

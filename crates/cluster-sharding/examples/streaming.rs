@@ -1,0 +1,194 @@
+//! A streaming entity: one runner on a SQLite file, a volatile stream and a persisted one.
+//!
+//! ```text
+//! cargo run -p cluster-sharding --example streaming
+//! ```
+//!
+//! The `Sensor` entity answers `Readings` with a stream of items, sent one at a time: each is
+//! acknowledged by the caller before the handler sends the next (backpressure). `Readings` is
+//! volatile (nothing is stored); `Export` is persisted with a primary key, so every chunk is
+//! stored as a reply (a re-delivered export resumes after its last stored chunk), and sending
+//! the same export again finds it complete: as in the reference, the new stream ends at once,
+//! with the stored outcome and no item, and the handler does not run again. The example checks
+//! both and exits non-zero if anything differs.
+
+use std::process::ExitCode;
+use std::sync::atomic::{AtomicUsize, Ordering};
+
+use cluster_core::ShardingConfig;
+use cluster_sharding::{
+    CallError, Chunks, Entity, EntityContext, EntityOptions, Protocol, RequestContext,
+    SingleRunner, StreamHandler, StreamRpc,
+};
+use serde::{Deserialize, Serialize};
+
+/// A sensor's readings (the stand-in for a real source).
+struct Sensor {
+    base: u64,
+}
+
+/// The next `count` readings, as they come (volatile).
+#[derive(Serialize, Deserialize)]
+struct Readings {
+    count: u64,
+}
+
+/// An export of `count` readings, stored chunk by chunk under `key` (persisted).
+#[derive(Serialize, Deserialize)]
+struct Export {
+    key: String,
+    count: u64,
+}
+
+/// Streams never fail here.
+#[derive(Debug, Serialize, Deserialize)]
+enum Never {}
+
+impl std::fmt::Display for Never {
+    fn fmt(&self, _: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match *self {}
+    }
+}
+
+impl StreamRpc for Readings {
+    const TAG: &'static str = "Readings";
+    type Item = u64;
+    type Error = Never;
+}
+
+impl StreamRpc for Export {
+    const TAG: &'static str = "Export";
+    const PERSISTED: bool = true;
+    type Item = u64;
+    type Error = Never;
+
+    fn primary_key(&self) -> Option<String> {
+        Some(self.key.clone())
+    }
+}
+
+/// How many times the export handler ran (in this process).
+static EXPORTS_RUN: AtomicUsize = AtomicUsize::new(0);
+
+impl Entity for Sensor {
+    const TYPE: &'static str = "Sensor";
+
+    async fn create(context: &EntityContext) -> Sensor {
+        // Each sensor starts from a base derived from its id, to tell them apart.
+        let base = context.address().entity_id.to_string().len() as u64 * 100;
+        Sensor { base }
+    }
+
+    fn protocol(protocol: &mut Protocol<Sensor>) {
+        protocol.stream::<Readings>();
+        protocol.stream::<Export>();
+    }
+}
+
+impl StreamHandler<Readings> for Sensor {
+    async fn handle(
+        &mut self,
+        _: &RequestContext,
+        request: Readings,
+        chunks: &mut Chunks<'_, u64>,
+    ) -> Result<(), Never> {
+        for n in 0..request.count {
+            // `send` waits until the caller acknowledged the previous item; it fails only when
+            // the caller went away, and then the stream ends.
+            if chunks.send(self.base + n).await.is_err() {
+                break;
+            }
+        }
+        Ok(())
+    }
+}
+
+impl StreamHandler<Export> for Sensor {
+    async fn handle(
+        &mut self,
+        _: &RequestContext,
+        request: Export,
+        chunks: &mut Chunks<'_, u64>,
+    ) -> Result<(), Never> {
+        EXPORTS_RUN.fetch_add(1, Ordering::SeqCst);
+        // A re-delivered export (after a restart) resumes after its last stored item.
+        let start = chunks.last_sent().map_or(0, |last: u64| last.saturating_sub(self.base) + 1);
+        for n in start..request.count {
+            if chunks.send(self.base + n).await.is_err() {
+                break;
+            }
+        }
+        Ok(())
+    }
+}
+
+/// Collects a stream's items.
+async fn collect<R: StreamRpc>(
+    mut stream: cluster_sharding::ChunkStream<R>,
+) -> Result<Vec<R::Item>, CallError<R::Error>> {
+    let mut items = Vec::new();
+    while let Some(item) = stream.next().await {
+        items.push(item?);
+    }
+    Ok(items)
+}
+
+async fn run(path: &std::path::Path) -> Result<(), String> {
+    let sharding = SingleRunner::sqlite(path, ShardingConfig::default())
+        .await
+        .map_err(|error| error.to_string())?;
+    sharding.register::<Sensor>(EntityOptions::default()).map_err(|error| error.to_string())?;
+    let sensor = sharding.client::<Sensor>("kitchen");
+    let failed = |error: CallError<Never>| error.to_string();
+
+    let readings = collect(sensor.stream(Readings { count: 5 }).await.map_err(failed)?)
+        .await
+        .map_err(failed)?;
+    say(&format!("volatile readings: {readings:?}"));
+    let expected: Vec<u64> = (700..705).collect();
+    if readings != expected {
+        return Err(format!("readings {readings:?}, expected {expected:?}"));
+    }
+
+    let export = || Export { key: "2026-11-30".into(), count: 4 };
+    let first = collect(sensor.stream(export()).await.map_err(failed)?).await.map_err(failed)?;
+    say(&format!("persisted export: {first:?}"));
+    let again = collect(sensor.stream(export()).await.map_err(failed)?).await.map_err(failed)?;
+    say(&format!("the same export again (already complete): {again:?}"));
+    let runs = EXPORTS_RUN.load(Ordering::SeqCst);
+    sharding.shutdown().await;
+    let expected: Vec<u64> = (700..704).collect();
+    if first != expected || !again.is_empty() || runs != 1 {
+        return Err(format!(
+            "export {first:?} then {again:?} with {runs} handler runs; expected {expected:?}, then nothing, with one run"
+        ));
+    }
+    Ok(())
+}
+
+#[expect(clippy::print_stdout, reason = "the example narrates what happens")]
+fn say(line: &str) {
+    println!("{line}");
+}
+
+#[tokio::main]
+async fn main() -> ExitCode {
+    let path = std::env::temp_dir().join(format!("streaming-example-{}.db", std::process::id()));
+    let result = run(&path).await;
+    for suffix in ["", "-wal", "-shm"] {
+        let _ = std::fs::remove_file(format!("{}{suffix}", path.display()));
+    }
+    match result {
+        Ok(()) => {
+            say("streaming: both streams arrived in order; the export ran once");
+            ExitCode::SUCCESS
+        }
+        Err(error) => {
+            #[expect(clippy::print_stderr, reason = "the example reports its failure")]
+            {
+                eprintln!("streaming: {error}");
+            }
+            ExitCode::FAILURE
+        }
+    }
+}
