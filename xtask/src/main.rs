@@ -2,7 +2,8 @@
 //!
 //! - `ci`: everything CI checks, in order: formatting, clippy (all targets, then each storage
 //!   feature on its own), the database services, all tests, the quickstart, the saga, streaming
-//!   and cron examples, a smoke run of the benchmark workloads, the simulation, the fault test, documentation.
+//!   and cron examples, a smoke run of the benchmark workloads, the simulation, the fault test,
+//!   the three-runner example, documentation.
 //! - `tidy`: the repository rules that are not compiler lints (also run as tests by `ci`).
 //! - `chaos`: the fault test across processes on PostgreSQL (`cluster-chaos`; also run by
 //!   `ci`): runners killed, frozen, joining and leaving under traffic.
@@ -146,6 +147,7 @@ fn ci() -> Result<()> {
     bench_smoke(&service_env)?;
     sim(&["--seeds".to_owned(), "200".to_owned()])?;
     chaos_with(&service_env)?;
+    three_runners(&service_env)?;
     step(
         "docs",
         &["doc", "--workspace", "--all-features", "--no-deps"],
@@ -202,6 +204,21 @@ fn bench_smoke(service_env: &[(&str, &str)]) -> Result<()> {
         )?;
     }
     Ok(())
+}
+
+/// The three-process cluster example on the PostgreSQL of `service_env` (it checks its own
+/// outcome); skipped when PostgreSQL is not reachable outside CI.
+fn three_runners(service_env: &[(&str, &str)]) -> Result<()> {
+    let Some((_, url)) = service_env.iter().find(|(name, _)| *name == "CLUSTER_TEST_POSTGRES_URL")
+    else {
+        report("==> three runners: skipped, PostgreSQL is not reachable");
+        return Ok(());
+    };
+    step(
+        "three runners",
+        &["run", "-p", "cluster-chaos", "--example", "three_runners"],
+        &[("CLUSTER_EXAMPLE_POSTGRES_URL", url)],
+    )
 }
 
 /// `cargo xtask bench …` with the services' URLs (see the `bench` module).
