@@ -221,8 +221,11 @@ pub struct ShardingConfig {
     ///
     /// Default `false`. Environment: `SHARD_LOCK_DISABLE_ADVISORY`.
     pub shard_lock_disable_advisory: bool,
-    /// Start shutting the runner down (unregister, stop taking work) as soon as the first entity
-    /// starts shutting down.
+    /// In the reference, start shutting the runner down (unregister, stop taking work) as soon
+    /// as the first entity layer starts tearing down. Entities here are not layers: a runner
+    /// shuts down when `Sharding::shutdown` is called, always in the same
+    /// order, so this option has no effect; it is read and validated for configurations shared
+    /// with the reference.
     ///
     /// Default `true`. Environment: `PREEMPTIVE_SHUTDOWN`.
     pub preemptive_shutdown: bool,
@@ -232,8 +235,10 @@ pub struct ShardingConfig {
     /// Default 4096. Environment: `ENTITY_MAILBOX_CAPACITY` (a positive integer; `Unbounded` is
     /// programmatic only).
     pub entity_mailbox_capacity: Capacity,
-    /// Report each resident entity's mailbox size as a gauge, unless its entity type says
-    /// otherwise.
+    /// In the reference, report each resident entity's mailbox size as a gauge. Not
+    /// implemented here: no mailbox gauge is reported whatever the value (see
+    /// docs/operations.md for the gauges there are); it is read and validated for
+    /// configurations shared with the reference.
     ///
     /// Default `false`. Environment: `ENTITY_MAILBOX_METRICS`.
     pub entity_mailbox_metrics: bool,
