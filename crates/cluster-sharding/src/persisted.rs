@@ -896,7 +896,13 @@ impl Sharding {
     /// `fence`, the shard whose lock was just confirmed for it: a failed write is retried only
     /// after the lock is confirmed again, so a retry never lands after this runner lost or let
     /// go of the shard (the request is then left for the next owner).
-    async fn save_final_reply(&self, persisted: &Persisted, reply: Reply, fence: Option<&ShardId>) {
+    async fn save_final_reply(
+        &self,
+        persisted: &Persisted,
+        mut reply: Reply,
+        fence: Option<&ShardId>,
+    ) {
+        let mut replaced = false;
         for attempt in 1..=SAVE_REPLY_ATTEMPTS {
             if let Some(shard) = fence
                 && attempt > 1
@@ -912,6 +918,21 @@ impl Sharding {
                 Err(error) if error.kind() == cluster_core::error::StorageErrorKind::Conflict => {
                     tracing::debug!(%error, request_id = %reply.request_id(), "request already answered");
                     return;
+                }
+                // The storage cannot hold this reply (a value beyond a column, such as a reply
+                // over 64 KiB in MySQL's TEXT): no retry or rerun would store it, so the request
+                // is answered with a defect that says why instead of running again forever.
+                Err(error)
+                    if error.kind() == cluster_core::error::StorageErrorKind::InvalidInput
+                        && !replaced =>
+                {
+                    tracing::warn!(%error, request_id = %reply.request_id(), "the reply cannot be stored; answering with a defect");
+                    let message = format!("the reply could not be stored: {error}");
+                    reply = self.final_reply(
+                        reply.request_id(),
+                        Exit::die_with_message("ReplyNotStored", &message),
+                    );
+                    replaced = true;
                 }
                 Err(error) if attempt < SAVE_REPLY_ATTEMPTS => {
                     tracing::debug!(%error, attempt, "could not save a reply, retrying");

@@ -17,7 +17,7 @@ use cluster_testkit::faulty::{FaultyRunnerStorage, LockFaults};
 use cluster_testkit::memory::{MemoryMessageStorage, MemoryRunnerDatabase, MemoryRunnerStorage};
 use cluster_testkit::transport::{Call, MemoryNetwork};
 
-use crate::entities::{Counter, Deposit, Gated, Increment, Probes};
+use crate::entities::{Counter, Deposit, Gated, Increment, OVERSIZE_RUNS, Oversize, Probes};
 use crate::singletons::{self, Tally};
 
 /// How long a lock lives without a refresh: long, so that only the handoff and the release
@@ -387,6 +387,32 @@ on_every_backend!(
     a_frozen_runner_stores_no_final_reply_and_the_new_owner_answers_once,
     the_backlog_beyond_the_residency_cap_drains_in_waves,
 );
+
+/// A final reply MySQL cannot hold (its `payload` column is a TEXT of 64 KiB) answers the
+/// request with a defect that says why, once: the request neither runs again nor stays
+/// unprocessed. (The other backends store replies of this size.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn mysql_a_final_reply_too_large_to_store_is_answered_with_a_defect_once() {
+    let Some(net) = Net::mysql().await else { return };
+    let runner = net.runner(41_901).await;
+    let client = runner.client::<Counter>("big");
+    let sent = client.send(Oversize { key: "o-1".into(), bytes: 100_000 }).await;
+    match sent {
+        Err(CallError::Defect(defect)) => {
+            assert!(defect.contains("the reply could not be stored"), "{defect}");
+        }
+        other => panic!("expected a defect, got {other:?}"),
+    }
+    assert_eq!(net.final_replies(&client, "Oversize", "o-1").await, 1);
+    // Sent again with its key: the stored defect, without running the handler again.
+    let again = client.send(Oversize { key: "o-1".into(), bytes: 100_000 }).await;
+    assert!(matches!(again, Err(CallError::Defect(_))), "{again:?}");
+    // A reply that fits is stored as it is.
+    let small = client.send(Oversize { key: "o-2".into(), bytes: 1_000 }).await.unwrap();
+    assert_eq!(small.len(), 1_000);
+    assert_eq!(OVERSIZE_RUNS.load(Ordering::SeqCst), 2);
+    runner.shutdown().await;
+}
 
 /// Cases that do not depend on the storage backend (volatile traffic through the transport,
 /// cron schedules) run on memory storage only.

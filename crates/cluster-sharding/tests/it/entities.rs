@@ -102,7 +102,8 @@ impl Entity for Counter {
             .handle::<Book>()
             .handle::<Stubborn>()
             .handle::<SetKeepAlive>()
-            .handle::<Later>();
+            .handle::<Later>()
+            .handle::<Oversize>();
     }
 }
 
@@ -249,6 +250,35 @@ impl Handler<Probe> for Counter {
 impl Handler<Persist> for Counter {
     async fn handle(&mut self, _: &RequestContext, _: Persist) -> Result<(), Failure> {
         Ok(())
+    }
+}
+
+/// A persisted request with a primary key whose reply is `bytes` long; counts its runs.
+#[derive(Serialize, Deserialize)]
+pub(crate) struct Oversize {
+    pub(crate) key: String,
+    pub(crate) bytes: usize,
+}
+
+impl Rpc for Oversize {
+    const TAG: &'static str = "Oversize";
+    const PERSISTED: bool = true;
+    type Success = String;
+    type Error = Failure;
+
+    fn primary_key(&self) -> Option<String> {
+        Some(self.key.clone())
+    }
+}
+
+/// How often [`Oversize`] ran, in this test process.
+pub(crate) static OVERSIZE_RUNS: std::sync::atomic::AtomicUsize =
+    std::sync::atomic::AtomicUsize::new(0);
+
+impl Handler<Oversize> for Counter {
+    async fn handle(&mut self, _: &RequestContext, request: Oversize) -> Result<String, Failure> {
+        OVERSIZE_RUNS.fetch_add(1, Ordering::SeqCst);
+        Ok("x".repeat(request.bytes))
     }
 }
 
