@@ -41,6 +41,33 @@ const MAILBOX_CHANNEL_MAX: usize = 1 << 16;
 /// (the reference's default `defectRetryPolicy`).
 const RESTART_BACKOFF_FIRST: Duration = Duration::from_millis(500);
 const RESTART_BACKOFF_MAX: Duration = Duration::from_secs(10);
+/// A type that went this long without a restart starts its backoff afresh. The reference
+/// never resets it, so that one bad hour leaves every later restart of the type at 10 s.
+const RESTART_BACKOFF_RESET: Duration = Duration::from_secs(60);
+
+/// The restart backoff of an entity type: 500 ms, growing by half per restart, at most 10 s,
+/// and back to 500 ms after [`RESTART_BACKOFF_RESET`] without a restart.
+#[derive(Debug, Default)]
+pub(crate) struct RestartBackoff {
+    restarts: u32,
+    last: Option<tokio::time::Instant>,
+}
+
+impl RestartBackoff {
+    /// The delay before a restart that begins at `now`.
+    pub(crate) fn next(&mut self, now: tokio::time::Instant) -> Duration {
+        if self.last.is_some_and(|last| now.duration_since(last) >= RESTART_BACKOFF_RESET) {
+            self.restarts = 0;
+        }
+        self.last = Some(now);
+        let mut delay = RESTART_BACKOFF_FIRST;
+        for _ in 0..self.restarts.min(16) {
+            delay = delay.mul_f64(1.5).min(RESTART_BACKOFF_MAX);
+        }
+        self.restarts = self.restarts.saturating_add(1);
+        delay
+    }
+}
 
 /// A request handed to an instance, with where its exit goes.
 pub(crate) struct Delivery {
@@ -231,9 +258,8 @@ struct Shared<E: Entity> {
     residency: Arc<Residency>,
     ids: Arc<Ids>,
     instances: Mutex<BTreeMap<EntityId, Instance>>,
-    /// Consecutive restarts of this type, for the backoff (as in the reference, the schedule
-    /// belongs to the type).
-    restarts: AtomicUsize,
+    /// The restart backoff; as in the reference, it belongs to the type, not to an instance.
+    restarts: Mutex<RestartBackoff>,
     /// Set when the manager stops: no request is admitted any more.
     stopping: CancellationToken,
     /// Set when the graceful drain is over: running requests are interrupted.
@@ -285,7 +311,7 @@ impl<E: Entity> EntityManager<E> {
                 residency,
                 ids,
                 instances: Mutex::new(BTreeMap::new()),
-                restarts: AtomicUsize::new(0),
+                restarts: Mutex::new(RestartBackoff::default()),
                 stopping: CancellationToken::new(),
                 closed: CancellationToken::new(),
                 tasks: TaskTracker::new(),
@@ -516,11 +542,7 @@ impl<E: Entity> Shared<E> {
     }
 
     async fn backoff(&self, interrupt: &CancellationToken) {
-        let restarts = self.restarts.fetch_add(1, Ordering::AcqRel);
-        let mut delay = RESTART_BACKOFF_FIRST;
-        for _ in 0..restarts.min(16) {
-            delay = delay.mul_f64(1.5).min(RESTART_BACKOFF_MAX);
-        }
+        let delay = lock(&self.restarts).next(tokio::time::Instant::now());
         tokio::select! {
             () = tokio::time::sleep(delay) => {}
             () = interrupt.cancelled() => {}

@@ -1,4 +1,5 @@
-//! The manager's admission of requests by id (`AlreadyProcessingMessage`, reference §6.2).
+//! The manager's admission of requests by id (`AlreadyProcessingMessage`, reference §6.2),
+//! and its restart backoff.
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -89,4 +90,21 @@ async fn refused(sharding: &Sharding, request: &cluster_core::envelope::Request)
         panic!("expected AlreadyProcessingMessage, got {error:?}");
     };
     assert_eq!((envelope_id, &address), (request.request_id, &request.address));
+}
+
+#[test]
+fn the_restart_backoff_grows_to_its_cap_and_starts_afresh_after_a_quiet_minute() {
+    let mut backoff = super::RestartBackoff::default();
+    let start = tokio::time::Instant::now();
+    let at = |secs: u64| start + Duration::from_secs(secs);
+    let delays: Vec<Duration> = (0..12).map(|n| backoff.next(at(n))).collect();
+    assert_eq!(delays[0], Duration::from_millis(500));
+    assert_eq!(delays[1], Duration::from_millis(750));
+    assert!(delays.windows(2).all(|pair| pair[0] <= pair[1]), "{delays:?}");
+    assert_eq!(delays[11], Duration::from_secs(10));
+    // Restarts less than a minute apart keep the cap.
+    assert_eq!(backoff.next(at(11 + 59)), Duration::from_secs(10));
+    // A minute without a restart: afresh.
+    assert_eq!(backoff.next(at(11 + 59 + 60)), Duration::from_millis(500));
+    assert_eq!(backoff.next(at(11 + 59 + 61)), Duration::from_millis(750));
 }
