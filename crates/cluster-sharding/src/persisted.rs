@@ -19,7 +19,7 @@ use cluster_core::reply_handlers::{ReplyHandlers, ReplyWaiter, UnregisterMode};
 use cluster_core::storage::{
     MessageStorage, SaveRequestOptions, SaveResult, UnprocessedMessage, UnprocessedOptions,
 };
-use cluster_core::{ClusterError, EntityAddress, ShardId, Snowflake};
+use cluster_core::{ClusterError, EntityAddress, EntityType, ShardId, Snowflake};
 use tokio::sync::{Notify, mpsc, oneshot};
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
@@ -581,8 +581,10 @@ impl Sharding {
         }
         let mut delivered = false;
         let mut release = Vec::new();
+        let mut held = BTreeMap::new();
         for message in batch.messages {
-            match self.dispatch(persisted, message, &mut state.unregistered_since).await {
+            let unregistered = (&mut state.unregistered_since, &mut held);
+            match self.dispatch(persisted, message, unregistered).await {
                 Dispatched::Delivered => delivered = true,
                 Dispatched::Skipped => {}
                 Dispatched::Release(id) => release.push(id),
@@ -597,6 +599,10 @@ impl Sharding {
                 Dispatched::Answer(reply) => self.save_final_reply(persisted, reply, None).await,
             }
         }
+        // Once per type and read, not once per message (reference §5.8 step 6).
+        for (entity_type, messages) in held {
+            tracing::warn!(%entity_type, messages, "Could not find entity manager for address, retrying");
+        }
         if !release.is_empty()
             && let Err(error) = persisted.storage.reset_requests(&release).await
         {
@@ -609,7 +615,7 @@ impl Sharding {
         &self,
         persisted: &Arc<Persisted>,
         message: UnprocessedMessage,
-        unregistered_since: &mut Option<Instant>,
+        (unregistered_since, held): (&mut Option<Instant>, &mut BTreeMap<EntityType, usize>),
     ) -> Dispatched {
         let request = match message.envelope {
             Envelope::Request(request) => request,
@@ -632,7 +638,7 @@ impl Sharding {
             let timeout = self.config().entity_registration_timeout;
             let since = *unregistered_since.get_or_insert_with(Instant::now);
             if since.elapsed() < timeout.saturating_mul(2) {
-                tracing::warn!(entity_type = %request.address.entity_type, "Could not find entity manager for address, retrying");
+                *held.entry(request.address.entity_type.clone()).or_default() += 1;
                 return Dispatched::Release(request_id);
             }
             let message = format!("Entity type '{}' not registered", request.address.entity_type);
@@ -812,7 +818,7 @@ impl Sharding {
                 envelope: Envelope::Request(request.clone()),
                 last_sent_reply: None,
             };
-            match self.dispatch(persisted, message, &mut None).await {
+            match self.dispatch(persisted, message, (&mut None, &mut BTreeMap::new())).await {
                 Dispatched::Delivered | Dispatched::Skipped => return,
                 Dispatched::Answer(reply) => {
                     return self.save_final_reply(persisted, reply, None).await;
