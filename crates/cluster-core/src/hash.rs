@@ -10,11 +10,14 @@ use crate::ids::{ShardGroup, ShardId};
 /// `h = 5381; for each code unit from the end: h = (h * 33) ^ unit` in wrapping 32-bit signed
 /// arithmetic, then bit 30 is replaced by bit 31 (the reference's `optimize`).
 pub fn hash_string(input: &str) -> i32 {
-    // UTF-16 cannot be iterated backwards without decoding forwards first; entity ids are short.
-    let units: Vec<u16> = input.encode_utf16().collect();
+    // The code units last to first, without collecting them: the characters last to first,
+    // each one's units (one, or a surrogate pair) last to first.
     let mut h: i32 = 5381;
-    for unit in units.iter().rev() {
-        h = h.wrapping_mul(33) ^ i32::from(*unit);
+    for c in input.chars().rev() {
+        let mut buffer = [0u16; 2];
+        for unit in c.encode_utf16(&mut buffer).iter().rev() {
+            h = h.wrapping_mul(33) ^ i32::from(*unit);
+        }
     }
     optimize(h)
 }
