@@ -25,9 +25,8 @@
 use std::process::{ExitCode, Stdio};
 use std::time::Duration;
 
-use cluster_chaos::chaos::free_port;
+use cluster_chaos::chaos::{free_port, wait_for_runners};
 use cluster_chaos::node::{self, Node, NodeEnv};
-use cluster_core::storage::RunnerStorage;
 use cluster_sharding::{
     Entity, EntityContext, EntityOptions, Handler, Protocol, RequestContext, Rpc, Sharding,
 };
@@ -267,20 +266,6 @@ async fn terminate(child: &mut Child) {
         if tokio::time::timeout(Duration::from_secs(30), child.wait()).await.is_err() {
             let _ = child.kill().await;
         }
-    }
-}
-
-async fn wait_for_runners(registry: &PgRunnerStorage, count: usize) -> Result<(), String> {
-    let deadline = tokio::time::Instant::now() + Duration::from_secs(60);
-    loop {
-        let runners = registry.get_runners().await.map_err(|error| error.to_string())?;
-        if runners.iter().filter(|(_, healthy)| *healthy).count() >= count {
-            return Ok(());
-        }
-        if tokio::time::Instant::now() > deadline {
-            return Err(format!("only {} runners registered after 60 s", runners.len()));
-        }
-        tokio::time::sleep(Duration::from_millis(100)).await;
     }
 }
 

@@ -256,7 +256,12 @@ async fn run_on(
     Ok(report)
 }
 
-async fn wait_for_runners(registry: &PgRunnerStorage, count: usize) -> Result<(), String> {
+/// Waits (at most 60 s) until the registry lists `count` healthy runners.
+///
+/// # Cancel safety
+///
+/// Cancel safe.
+pub async fn wait_for_runners(registry: &PgRunnerStorage, count: usize) -> Result<(), String> {
     let deadline = Instant::now() + Duration::from_secs(60);
     loop {
         let runners = registry.get_runners().await.map_err(|error| error.to_string())?;
