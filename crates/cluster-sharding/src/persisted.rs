@@ -909,7 +909,9 @@ impl Sharding {
         fence: Option<&ShardId>,
     ) {
         let mut replaced = false;
-        for attempt in 1..=SAVE_REPLY_ATTEMPTS {
+        let mut attempt = 0;
+        while attempt < SAVE_REPLY_ATTEMPTS {
+            attempt += 1;
             if let Some(shard) = fence
                 && attempt > 1
                 && !self.confirm_shard_lock(shard).await
@@ -939,6 +941,8 @@ impl Sharding {
                         Exit::die_with_message("ReplyNotStored", &message),
                     );
                     replaced = true;
+                    // The defect's first write is not a retry of the refused one.
+                    attempt -= 1;
                 }
                 Err(error) if attempt < SAVE_REPLY_ATTEMPTS => {
                     tracing::debug!(%error, attempt, "could not save a reply, retrying");
