@@ -208,12 +208,14 @@ pub struct ShardingConfig {
     /// at [`shard_lock_interval`](ShardingConfig::shard_lock_interval), which is at most a third of
     /// `shard_lock_expiration`, so that it has time to stop its entities if lock storage becomes
     /// unavailable. Greater than 0.
+    /// At most one hour (`INTERVAL_MAX`).
     ///
     /// Default 10 s. Environment: `SHARD_LOCK_REFRESH_INTERVAL`.
     pub shard_lock_refresh_interval: Duration,
     /// How long a shard lock (and a runner's heartbeat) stays valid without a refresh. With
     /// PostgreSQL or MySQL advisory locks the database also ends an idle lock session after
     /// this long, so a frozen runner loses its shards. At least [`SHARD_LOCK_EXPIRATION_MIN`].
+    /// At most one hour (`INTERVAL_MAX`).
     ///
     /// Default 35 s. Environment: `SHARD_LOCK_EXPIRATION`.
     pub shard_lock_expiration: Duration,
@@ -262,24 +264,29 @@ pub struct ShardingConfig {
     pub entity_max_idle_time: Option<Duration>,
     /// How long messages for an entity type that no runner has registered are kept before they
     /// fail.
+    /// At most one hour (`INTERVAL_MAX`).
     ///
     /// Default 1 min. Environment: `ENTITY_REGISTRATION_TIMEOUT`.
     pub entity_registration_timeout: Duration,
     /// How long an entity may take to finish its requests when it is stopped before they are
     /// interrupted (15 s stays within Kubernetes' default grace period).
+    /// At most one hour (`INTERVAL_MAX`).
     ///
     /// Default 15 s. Environment: `ENTITY_TERMINATION_TIMEOUT`.
     pub entity_termination_timeout: Duration,
     /// How often storage is polled for unprocessed messages (and the acquisition of unlocked
     /// shards retried). Greater than 0.
+    /// At most one hour (`INTERVAL_MAX`).
     ///
     /// Default 10 s. Environment: `ENTITY_MESSAGE_POLL_INTERVAL`.
     pub entity_message_poll_interval: Duration,
     /// How often storage is polled for replies to requests that wait on storage. Greater than 0.
+    /// At most one hour (`INTERVAL_MAX`).
     ///
     /// Default 200 ms. Environment: `ENTITY_REPLY_POLL_INTERVAL`.
     pub entity_reply_poll_interval: Duration,
     /// How often the runner registry is read and shard assignments recomputed. Greater than 0.
+    /// At most one hour (`INTERVAL_MAX`).
     ///
     /// Default 3 s. Environment: `REFRESH_ASSIGNMENTS_INTERVAL`.
     pub refresh_assignments_interval: Duration,
@@ -293,16 +300,19 @@ pub struct ShardingConfig {
     /// Pending joins are published at most four times this duration after the first one; since
     /// the quiet period is checked once per `refresh_assignments_interval`, the worst-case delay
     /// is four times this duration plus one interval.
+    /// At most one hour (`INTERVAL_MAX`).
     ///
     /// Default 0: every change is published at once, which suits load-driven scale-ups where idle
     /// new runners are costly. Environment: `RUNNER_JOIN_DEBOUNCE`.
     pub runner_join_debounce: Duration,
     /// The delay before a send is retried after `EntityNotAssignedToRunner` or
     /// `RunnerUnavailable`. Greater than 0.
+    /// At most one hour (`INTERVAL_MAX`).
     ///
     /// Default 100 ms. Environment: `SEND_RETRY_INTERVAL`.
     pub send_retry_interval: Duration,
     /// How often the runner-health singleton checks the other runners. Greater than 0.
+    /// At most one hour (`INTERVAL_MAX`).
     ///
     /// Default 1 min. Environment: `RUNNER_HEALTH_CHECK_INTERVAL`.
     pub runner_health_check_interval: Duration,
