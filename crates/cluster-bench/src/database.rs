@@ -93,19 +93,11 @@ impl BenchDatabase {
     /// table. A no-op on SQLite.
     pub(crate) async fn analyze(&self) -> Result<(), String> {
         let BenchDatabase::Postgres { url, prefix } = self else { return Ok(()) };
-        let analyzed = async {
-            let (client, connection) = tokio_postgres::connect(url, tokio_postgres::NoTls).await?;
-            let connection = tokio::spawn(connection);
-            let sql = format!(
-                "ANALYZE \"{}\", \"{}\"",
-                prefix.table("messages"),
-                prefix.table("replies")
-            );
-            client.batch_execute(&sql).await?;
-            connection.abort();
-            Ok::<(), tokio_postgres::Error>(())
-        };
-        analyzed.await.map_err(|error| format!("cannot analyze the tables of {prefix}: {error}"))
+        let sql =
+            format!("ANALYZE \"{}\", \"{}\"", prefix.table("messages"), prefix.table("replies"));
+        execute(url, &sql)
+            .await
+            .map_err(|error| format!("cannot analyze the tables of {prefix}: {error}"))
     }
 
     /// Removes the file or drops the tables (after the runner shut down).
@@ -120,19 +112,20 @@ impl BenchDatabase {
             BenchDatabase::Postgres { url, prefix } => {
                 let tables: Vec<String> =
                     TABLES.iter().map(|table| format!("\"{}\"", prefix.table(table))).collect();
-                let dropped = async {
-                    let (client, connection) =
-                        tokio_postgres::connect(url, tokio_postgres::NoTls).await?;
-                    let connection = tokio::spawn(connection);
-                    let sql = format!("DROP TABLE IF EXISTS {}", tables.join(", "));
-                    client.batch_execute(&sql).await?;
-                    connection.abort();
-                    Ok::<(), tokio_postgres::Error>(())
-                };
-                dropped
+                let sql = format!("DROP TABLE IF EXISTS {}", tables.join(", "));
+                execute(url, &sql)
                     .await
                     .map_err(|error| format!("cannot drop the tables of {prefix}: {error}"))
             }
         }
     }
+}
+
+/// Runs `sql` on a connection of its own.
+async fn execute(url: &str, sql: &str) -> Result<(), tokio_postgres::Error> {
+    let (client, connection) = tokio_postgres::connect(url, tokio_postgres::NoTls).await?;
+    let connection = tokio::spawn(connection);
+    let result = client.batch_execute(sql).await;
+    connection.abort();
+    result
 }

@@ -8,6 +8,9 @@ use std::time::Duration;
 
 use tokio::time::Instant;
 
+/// The longest one operation may take: a stuck runtime fails the run instead of hanging it.
+pub(crate) const OPERATION_DEADLINE: Duration = Duration::from_secs(60);
+
 /// What a measured run took.
 #[derive(Clone, Debug)]
 pub(crate) struct Measured {
@@ -62,7 +65,17 @@ where
                     return Ok(latencies);
                 }
                 let sent = Instant::now();
-                op(first + n).await.map_err(|error| format!("operation {}: {error}", first + n))?;
+                match tokio::time::timeout(OPERATION_DEADLINE, op(first + n)).await {
+                    Ok(done) => {
+                        done.map_err(|error| format!("operation {}: {error}", first + n))?
+                    }
+                    Err(_) => {
+                        return Err(format!(
+                            "operation {} took longer than {OPERATION_DEADLINE:?}",
+                            first + n
+                        ));
+                    }
+                }
                 let nanos = u64::try_from(sent.elapsed().as_nanos()).unwrap_or(u64::MAX);
                 latencies.push(nanos);
             }
@@ -111,6 +124,18 @@ mod tests {
             drive(0, 50, 4, |n| async move { if n == 13 { Err("no".to_owned()) } else { Ok(()) } })
                 .await;
         assert_eq!(result.unwrap_err(), "operation 13: no");
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn an_operation_past_its_deadline_ends_the_run() {
+        let result = drive(0, 3, 1, |n| async move {
+            if n == 1 {
+                std::future::pending::<()>().await;
+            }
+            Ok(())
+        })
+        .await;
+        assert_eq!(result.unwrap_err(), "operation 1 took longer than 60s");
     }
 
     #[test]
