@@ -599,10 +599,7 @@ impl Sharding {
                 Dispatched::Answer(reply) => self.save_final_reply(persisted, reply, None).await,
             }
         }
-        // Once per type and read, not once per message (reference §5.8 step 6).
-        for (entity_type, messages) in held {
-            tracing::warn!(%entity_type, messages, "Could not find entity manager for address, retrying");
-        }
+        warn_unregistered(held);
         if !release.is_empty()
             && let Err(error) = persisted.storage.reset_requests(&release).await
         {
@@ -818,7 +815,10 @@ impl Sharding {
                 envelope: Envelope::Request(request.clone()),
                 last_sent_reply: None,
             };
-            match self.dispatch(persisted, message, (&mut None, &mut BTreeMap::new())).await {
+            let mut held = BTreeMap::new();
+            let dispatched = self.dispatch(persisted, message, (&mut None, &mut held)).await;
+            warn_unregistered(held);
+            match dispatched {
                 Dispatched::Delivered | Dispatched::Skipped => return,
                 Dispatched::Answer(reply) => {
                     return self.save_final_reply(persisted, reply, None).await;
@@ -991,6 +991,14 @@ enum Outcome {
 const STREAM_BUFFER: usize = 4;
 
 /// What the storage read loop remembers between reads.
+/// Warns about the messages held for unregistered entity types: once per type and read, not
+/// once per message (reference §5.8 step 6).
+fn warn_unregistered(held: BTreeMap<EntityType, usize>) {
+    for (entity_type, messages) in held {
+        tracing::warn!(%entity_type, messages, "Could not find entity manager for address, retrying");
+    }
+}
+
 #[derive(Default)]
 struct ReadState {
     /// When a message for an unregistered entity type was first seen.
