@@ -241,11 +241,13 @@ async fn locate(client: &Sharding) -> Result<Vec<String>, String> {
 
 /// A persisted visit with its own key: stored, then answered by the owner from the database.
 async fn visit(client: &Sharding, n: u64, round: &str) -> Result<String, String> {
-    client
-        .client::<Greeter>(format!("greeter-{n}"))
-        .send(Visit { key: format!("{round}-{n}") })
-        .await
-        .map_err(|error| format!("greeter-{n}: {error}"))
+    // A persisted caller waits for its reply as long as it takes; the example does not.
+    let greeter = client.client::<Greeter>(format!("greeter-{n}"));
+    let sent = greeter.send(Visit { key: format!("{round}-{n}") });
+    match tokio::time::timeout(Duration::from_secs(60), sent).await {
+        Ok(reply) => reply.map_err(|error| format!("greeter-{n}: {error}")),
+        Err(_) => Err(format!("greeter-{n}: no reply to the visit within 60 s")),
+    }
 }
 
 fn spawn_runner(env: &[(&'static str, String)], port: u16) -> Result<Child, String> {
