@@ -10,6 +10,35 @@
 //! A runner binds its transport's listener (the listen address, or else its advertised one),
 //! joins the cluster, serves peers, and on SIGTERM or SIGINT shuts down gracefully: it hands
 //! its shards to the other runners, then stops the listener.
+//!
+//! A runner binary (docs/deployment.md, "A runner binary"):
+//!
+//! ```no_run
+//! use cluster_chaos::node::{self, Node, NodeEnv};
+//! use cluster_sharding::EntityOptions;
+//! # use cluster_sharding::{Entity, EntityContext, Protocol};
+//! # struct Account;
+//! # impl Entity for Account {
+//! #     const TYPE: &'static str = "Account";
+//! #     async fn create(_context: &EntityContext) -> Account { Account }
+//! #     fn protocol(_protocol: &mut Protocol<Account>) {}
+//! # }
+//!
+//! #[tokio::main]
+//! async fn main() -> Result<(), Box<dyn std::error::Error>> {
+//!     // CLUSTER_STORAGE_URL, CLUSTER_TABLE_PREFIX, every ShardingConfig variable, CLUSTER_RPC_*.
+//!     let env = NodeEnv::from_env(true)?;
+//!     // Binds the listener, opens the storages (running the migrations), joins, registers,
+//!     // serves.
+//!     let node = Node::serve(&env, |sharding| {
+//!         sharding.register::<Account>(EntityOptions::default()).map_err(|error| error.to_string())
+//!     })
+//!     .await?;
+//!     node::terminated().await?; // SIGTERM or SIGINT
+//!     node.shutdown().await; // hands the shards to the other runners, then stops the listener
+//!     Ok(())
+//! }
+//! ```
 
 use std::net::SocketAddr;
 use std::sync::Arc;

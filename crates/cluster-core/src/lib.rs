@@ -40,7 +40,7 @@ pub use envelope::{Envelope, Exit, RawJson, Reply};
 pub use error::{ClusterError, ConfigError, DecodeError, ParseError, StorageError};
 pub use hash_ring::HashRing;
 pub use ids::{
-    EntityAddress, EntityId, EntityType, MachineId, Runner, RunnerAddress, ShardGroup, ShardId,
-    SingletonAddress,
+    EntityAddress, EntityId, EntityType, MachineId, Runner, RunnerAddress, RunnerWeight,
+    ShardGroup, ShardId, SingletonAddress,
 };
 pub use snowflake::{Snowflake, SnowflakeGenerator};

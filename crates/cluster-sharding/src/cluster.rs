@@ -156,6 +156,34 @@ impl Sharding {
     /// leave or crash (docs/sharding.md, "Several runners"). Requests and replies of
     /// persisted requests go through `messages`; volatile requests reach only entities of
     /// this process (see [`Sharding::join_with_transport`] for the others).
+    ///
+    /// Every runner of a cluster runs the same code with its own `runner_address`
+    /// (docs/deployment.md shows a complete runner process, with the transport):
+    ///
+    /// ```no_run
+    /// use std::sync::Arc;
+    ///
+    /// use cluster_core::{RunnerAddress, ShardingConfig, SystemClock};
+    /// use cluster_sharding::Sharding;
+    /// use cluster_storage_sql::{PgMessageStorage, PgRunnerStorage, SqlStorageOptions, TablePrefix};
+    ///
+    /// # async fn run() -> Result<(), Box<dyn std::error::Error>> {
+    /// let config = ShardingConfig {
+    ///     runner_address: Some(RunnerAddress::new("10.0.0.5", 34431)),
+    ///     ..ShardingConfig::from_env()?
+    /// };
+    /// let url = "postgres://cluster@db.internal:5432/app";
+    /// let options = SqlStorageOptions::from_config(&config, TablePrefix::default());
+    /// let messages = PgMessageStorage::connect(url, &options).await?;
+    /// let runners = PgRunnerStorage::connect(url, &options).await?;
+    /// let sharding =
+    ///     Sharding::join(config, Arc::new(SystemClock), Arc::new(messages), Arc::new(runners))
+    ///         .await?;
+    /// // Register the entity types, singletons and cron jobs; serve until told to stop.
+    /// sharding.shutdown().await;
+    /// # Ok(())
+    /// # }
+    /// ```
     pub async fn join(
         config: ShardingConfig,
         clock: Arc<dyn Clock>,

@@ -285,6 +285,41 @@ impl Sharding {
     /// fields, or six with seconds first; UTC) across the cluster, on whichever runner stores
     /// and reads its runs (docs/sharding.md, "Cron jobs"). Register it on every runner. On a
     /// client-only process nothing runs.
+    ///
+    /// ```
+    /// use std::time::Duration;
+    ///
+    /// use cluster_core::ShardingConfig;
+    /// use cluster_sharding::{CronOptions, SingleRunner};
+    /// use tokio::sync::mpsc;
+    ///
+    /// # #[tokio::main(flavor = "current_thread")]
+    /// # async fn main() -> Result<(), Box<dyn std::error::Error>> {
+    /// # let path = std::env::temp_dir().join(format!("doc-cron-{}.db", std::process::id()));
+    /// // Runs are stored messages: a short poll interval finds the first one sooner.
+    /// let config = ShardingConfig {
+    ///     entity_message_poll_interval: Duration::from_millis(100),
+    ///     ..ShardingConfig::default()
+    /// };
+    /// let sharding = SingleRunner::sqlite(&path, config).await?;
+    /// let (runs, mut ran) = mpsc::channel(16);
+    /// // Every second (six fields: seconds first).
+    /// sharding.register_cron("heartbeat", "* * * * * *", CronOptions::default(), move |context| {
+    ///     let runs = runs.clone();
+    ///     async move {
+    ///         let _ = runs.send(context.scheduled()).await;
+    ///         Ok::<(), String>(())
+    ///     }
+    /// })?;
+    /// let first = tokio::time::timeout(Duration::from_secs(30), ran.recv()).await?;
+    /// assert!(first.is_some());
+    /// sharding.shutdown().await;
+    /// # for suffix in ["", "-wal", "-shm"] {
+    /// #     let _ = std::fs::remove_file(format!("{}{suffix}", path.display()));
+    /// # }
+    /// # Ok(())
+    /// # }
+    /// ```
     pub fn register_cron<F, Fut, E>(
         &self,
         name: impl Into<String>,

@@ -10,7 +10,18 @@
 //! waits until they are done (a readers-writer discipline that Rust's borrow rules make
 //! explicit; the reference lets any handler run concurrently once `concurrency` is above 1).
 //!
-//! ```ignore
+//! ```
+//! # use cluster_sharding::{Entity, EntityContext, Handler, Protocol, RequestContext, Rpc};
+//! # use serde::{Deserialize, Serialize};
+//! # #[derive(Serialize, Deserialize)]
+//! # struct Increment { by: u64 }
+//! # #[derive(Serialize, Deserialize)]
+//! # enum Never {}
+//! # impl Rpc for Increment {
+//! #     const TAG: &'static str = "Increment";
+//! #     type Success = u64;
+//! #     type Error = Never;
+//! # }
 //! struct Counter { value: u64 }
 //!
 //! impl Entity for Counter {

@@ -3,12 +3,75 @@
 //! Application code defines entities ([`Entity`], one [`Handler`] per [`Rpc`] request type),
 //! registers them on a [`Sharding`] runtime and calls them through typed [`EntityClient`]s:
 //!
-//! ```ignore
+//! ```
+//! use std::sync::Arc;
+//!
+//! use cluster_core::{ShardingConfig, SystemClock};
+//! use cluster_sharding::{
+//!     Entity, EntityContext, EntityOptions, Handler, Protocol, RequestContext, Rpc, Sharding,
+//! };
+//! use serde::{Deserialize, Serialize};
+//!
+//! /// The entity: one counter per entity id, created on its first request.
+//! struct Counter {
+//!     value: u64,
+//! }
+//!
+//! /// A request of the counter's protocol.
+//! #[derive(Serialize, Deserialize)]
+//! struct Increment {
+//!     by: u64,
+//! }
+//!
+//! /// Increments never fail.
+//! #[derive(Debug, Serialize, Deserialize)]
+//! enum Never {}
+//!
+//! impl Rpc for Increment {
+//!     const TAG: &'static str = "Increment";
+//!     type Success = u64;
+//!     type Error = Never;
+//! }
+//!
+//! impl Entity for Counter {
+//!     const TYPE: &'static str = "Counter";
+//!
+//!     async fn create(_context: &EntityContext) -> Counter {
+//!         Counter { value: 0 }
+//!     }
+//!
+//!     fn protocol(protocol: &mut Protocol<Counter>) {
+//!         protocol.handle::<Increment>();
+//!     }
+//! }
+//!
+//! impl Handler<Increment> for Counter {
+//!     async fn handle(&mut self, _: &RequestContext, request: Increment) -> Result<u64, Never> {
+//!         self.value += request.by;
+//!         Ok(self.value)
+//!     }
+//! }
+//!
+//! # #[tokio::main(flavor = "current_thread")]
+//! # async fn main() -> Result<(), Box<dyn std::error::Error>> {
 //! let sharding = Sharding::new(ShardingConfig::default(), Arc::new(SystemClock))?;
 //! sharding.register::<Counter>(EntityOptions::default())?;
+//!
 //! let counter = sharding.client::<Counter>("user-42");
-//! let value = counter.send(Increment { by: 1 }).await?;
+//! assert_eq!(counter.send(Increment { by: 1 }).await?, 1);
+//! assert_eq!(counter.send(Increment { by: 2 }).await?, 3);
+//! // Another id is another instance.
+//! assert_eq!(sharding.client::<Counter>("user-7").send(Increment { by: 5 }).await?, 5);
+//!
+//! sharding.shutdown().await;
+//! # Ok(())
+//! # }
 //! ```
+//!
+//! The requests above are volatile: they live in memory only. A request type with
+//! [`Rpc::PERSISTED`] is saved to a message storage first and delivered at least once, answered
+//! exactly once per [`Rpc::primary_key`]; see [`SingleRunner::sqlite`] for one process on a
+//! SQLite file and [`Sharding::join`] for several runners on one database.
 //!
 //! Status: the single-runner core is here: entity managers (mailboxes, idle reaping, the
 //! residency cap, panic restarts, a graceful drain at shutdown), typed calls and streams

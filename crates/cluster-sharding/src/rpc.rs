@@ -37,7 +37,11 @@ impl Uninterruptible {
 
 /// One request type of an entity's protocol.
 ///
-/// ```ignore
+/// ```
+/// # use cluster_sharding::Rpc;
+/// # use serde::{Deserialize, Serialize};
+/// # #[derive(Serialize, Deserialize)]
+/// # enum CounterError { Overflow }
 /// #[derive(Serialize, Deserialize)]
 /// struct Increment { by: u64 }
 ///

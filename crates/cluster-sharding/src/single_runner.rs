@@ -140,6 +140,85 @@ mod sqlite {
         /// A runner on the SQLite file at `path` (created if needed), with the reference's
         /// table prefix, the system clock and no transport: one process is a complete
         /// deployment. The file's messages survive restarts; see [`Sharding::with_storages`].
+        ///
+        /// A persisted request is saved to the file before it is delivered; sent again with
+        /// the same primary key (after a crash, say), it is answered from the file without
+        /// running again:
+        ///
+        /// ```
+        /// use std::sync::atomic::{AtomicU64, Ordering};
+        ///
+        /// use cluster_core::ShardingConfig;
+        /// use cluster_sharding::{
+        ///     Entity, EntityContext, EntityOptions, Handler, Protocol, RequestContext, Rpc,
+        ///     SingleRunner,
+        /// };
+        /// use serde::{Deserialize, Serialize};
+        ///
+        /// static RUNS: AtomicU64 = AtomicU64::new(0);
+        ///
+        /// struct Account {
+        ///     balance: u64,
+        /// }
+        ///
+        /// #[derive(Serialize, Deserialize)]
+        /// struct Deposit {
+        ///     key: String,
+        ///     amount: u64,
+        /// }
+        ///
+        /// impl Rpc for Deposit {
+        ///     const TAG: &'static str = "Deposit";
+        ///     const PERSISTED: bool = true;
+        ///     type Success = u64;
+        ///     type Error = String;
+        ///
+        ///     fn primary_key(&self) -> Option<String> {
+        ///         Some(self.key.clone())
+        ///     }
+        /// }
+        ///
+        /// impl Entity for Account {
+        ///     const TYPE: &'static str = "Account";
+        ///
+        ///     async fn create(_context: &EntityContext) -> Account {
+        ///         Account { balance: 0 }
+        ///     }
+        ///
+        ///     fn protocol(protocol: &mut Protocol<Account>) {
+        ///         protocol.handle::<Deposit>();
+        ///     }
+        /// }
+        ///
+        /// impl Handler<Deposit> for Account {
+        ///     async fn handle(&mut self, _: &RequestContext, deposit: Deposit)
+        ///     -> Result<u64, String> {
+        ///         RUNS.fetch_add(1, Ordering::SeqCst);
+        ///         self.balance += deposit.amount;
+        ///         Ok(self.balance)
+        ///     }
+        /// }
+        ///
+        /// # #[tokio::main(flavor = "current_thread")]
+        /// # async fn main() -> Result<(), Box<dyn std::error::Error>> {
+        /// let path = std::env::temp_dir().join(format!("doc-runner-{}.db", std::process::id()));
+        /// let sharding = SingleRunner::sqlite(&path, ShardingConfig::default()).await?;
+        /// sharding.register::<Account>(EntityOptions::default())?;
+        ///
+        /// let account = sharding.client::<Account>("alice");
+        /// let deposit = || Deposit { key: "deposit-1".into(), amount: 10 };
+        /// assert_eq!(account.send(deposit()).await?, 10);
+        /// // The same key again: the stored reply, and the handler does not run again.
+        /// assert_eq!(account.send(deposit()).await?, 10);
+        /// assert_eq!(RUNS.load(Ordering::SeqCst), 1);
+        ///
+        /// sharding.shutdown().await;
+        /// # for suffix in ["", "-wal", "-shm"] {
+        /// #     let _ = std::fs::remove_file(format!("{}{suffix}", path.display()));
+        /// # }
+        /// # Ok(())
+        /// # }
+        /// ```
         pub async fn sqlite(
             path: impl AsRef<Path>,
             config: ShardingConfig,

@@ -113,6 +113,33 @@ impl Sharding {
     /// backoff) when it panics. It stops (its [`SingletonContext::cancellation`] fires, then
     /// it gets `entity_termination_timeout` before it is dropped) before the shard's lock is
     /// released. In a client-only process this is a no-op, as in the reference.
+    ///
+    /// ```
+    /// use std::sync::Arc;
+    ///
+    /// use cluster_core::{ShardingConfig, SystemClock};
+    /// use cluster_sharding::{Sharding, SingletonOptions};
+    /// use tokio::sync::mpsc;
+    ///
+    /// # #[tokio::main(flavor = "current_thread")]
+    /// # async fn main() -> Result<(), Box<dyn std::error::Error>> {
+    /// let sharding = Sharding::new(ShardingConfig::default(), Arc::new(SystemClock))?;
+    /// let (events, mut received) = mpsc::channel(4);
+    /// sharding.register_singleton("reaper", SingletonOptions::default(), move |context| {
+    ///     let events = events.clone();
+    ///     async move {
+    ///         let _ = events.send("started").await;
+    ///         // Work until the runner stops or hands the singleton's shard over.
+    ///         context.cancellation().cancelled().await;
+    ///         let _ = events.send("stopped").await;
+    ///     }
+    /// })?;
+    /// assert_eq!(received.recv().await, Some("started"));
+    /// sharding.shutdown().await;
+    /// assert_eq!(received.recv().await, Some("stopped"));
+    /// # Ok(())
+    /// # }
+    /// ```
     pub fn register_singleton<F, Fut>(
         &self,
         name: impl Into<String>,

@@ -288,6 +288,57 @@ impl WorkflowEngine {
     ///
     /// [`WorkflowError::Invalid`] when the runtime has no message storage or already has an
     /// engine.
+    ///
+    /// # Example
+    ///
+    /// One runner on a SQLite file; with several runners on PostgreSQL or MySQL
+    /// ([`Sharding::join`]) the same code runs each execution on the owner of its shard:
+    ///
+    /// ```
+    /// use cluster_core::ShardingConfig;
+    /// use cluster_sharding::SingleRunner;
+    /// use cluster_workflow::{Workflow, WorkflowContext, WorkflowEngine};
+    /// use serde::{Deserialize, Serialize};
+    ///
+    /// #[derive(Serialize, Deserialize)]
+    /// struct Order { id: String, amount: u64 }
+    ///
+    /// struct PlaceOrder;
+    /// impl Workflow for PlaceOrder {
+    ///     const NAME: &'static str = "PlaceOrder";
+    ///     type Payload = Order;
+    ///     type Success = String;
+    ///     type Error = String;
+    ///     fn idempotency_key(order: &Order) -> String { order.id.clone() }
+    /// }
+    ///
+    /// # #[tokio::main(flavor = "current_thread")]
+    /// # async fn main() -> Result<(), Box<dyn std::error::Error>> {
+    /// # let path = std::env::temp_dir().join(format!("doc-workflow-{}.db", std::process::id()));
+    /// let sharding = SingleRunner::sqlite(&path, ShardingConfig::default()).await?;
+    /// let engine = WorkflowEngine::cluster(&sharding)?;
+    /// engine.register::<PlaceOrder, _, _>(|ctx: WorkflowContext, order: Order| async move {
+    ///     // Runs once; a replay of the execution reads its stored result.
+    ///     let amount = order.amount;
+    ///     let charge: String = ctx
+    ///         .activity("charge", |_| async move { Ok::<_, String>(format!("charged {amount}")) })
+    ///         .await?;
+    ///     Ok(charge)
+    /// })?;
+    ///
+    /// let order = || Order { id: "order-1".into(), amount: 30 };
+    /// assert_eq!(engine.execute::<PlaceOrder>(order()).await?, "charged 30");
+    /// // The same idempotency key: the stored result of the first execution.
+    /// assert_eq!(engine.execute::<PlaceOrder>(order()).await?, "charged 30");
+    ///
+    /// engine.shutdown().await;
+    /// sharding.shutdown().await;
+    /// # for suffix in ["", "-wal", "-shm"] {
+    /// #     let _ = std::fs::remove_file(format!("{}{suffix}", path.display()));
+    /// # }
+    /// # Ok(())
+    /// # }
+    /// ```
     pub fn cluster(sharding: &Sharding) -> Result<WorkflowEngine, WorkflowError> {
         let Some(storage) = sharding.message_storage().cloned() else {
             return Err(WorkflowError::Invalid(

@@ -47,6 +47,23 @@ impl MySqlRunnerStorage {
     /// # Cancel safety
     ///
     /// As [`migrate_runners`](super::migrate_runners).
+    ///
+    /// # Example
+    ///
+    /// ```no_run
+    /// use cluster_core::ShardingConfig;
+    /// use cluster_storage_sql::mysql::{MySqlMessageStorage, MySqlRunnerStorage};
+    /// use cluster_storage_sql::{SqlStorageOptions, TablePrefix};
+    ///
+    /// # async fn open() -> Result<(), Box<dyn std::error::Error>> {
+    /// let config = ShardingConfig::from_env()?;
+    /// let options = SqlStorageOptions::from_config(&config, TablePrefix::default());
+    /// let url = "mysql://cluster@db.internal:3306/app";
+    /// let messages = MySqlMessageStorage::connect(url, &options).await?;
+    /// let runners = MySqlRunnerStorage::connect(url, options).await?;
+    /// # Ok(())
+    /// # }
+    /// ```
     pub async fn connect(
         url: &str,
         options: SqlStorageOptions,

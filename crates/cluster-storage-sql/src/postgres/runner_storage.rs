@@ -57,6 +57,25 @@ impl PgRunnerStorage {
     /// # Cancel safety
     ///
     /// Cancel safe: the migrations run in one transaction, which a dropped future rolls back.
+    ///
+    /// # Example
+    ///
+    /// Both storages of a runner, on tables prefixed `orders` (`orders_messages`,
+    /// `orders_runners`, ...), with the shard-lock settings of its `ShardingConfig`:
+    ///
+    /// ```no_run
+    /// use cluster_core::ShardingConfig;
+    /// use cluster_storage_sql::{PgMessageStorage, PgRunnerStorage, SqlStorageOptions, TablePrefix};
+    ///
+    /// # async fn open() -> Result<(), Box<dyn std::error::Error>> {
+    /// let config = ShardingConfig::from_env()?;
+    /// let options = SqlStorageOptions::from_config(&config, TablePrefix::new("orders")?);
+    /// let url = "postgres://cluster@db.internal:5432/app";
+    /// let messages = PgMessageStorage::connect(url, &options).await?;
+    /// let runners = PgRunnerStorage::connect(url, &options).await?;
+    /// # Ok(())
+    /// # }
+    /// ```
     pub async fn connect(
         url: &str,
         options: &SqlStorageOptions,

@@ -47,6 +47,37 @@ impl SqliteRunnerStorage {
     /// # Cancel safety
     ///
     /// Cancel safe: a dropped open stops its worker; migrations are transactional.
+    ///
+    /// # Example
+    ///
+    /// The message and runner storages of one process usually share a file:
+    ///
+    /// ```
+    /// use cluster_core::storage::RunnerStorage;
+    /// use cluster_core::{Runner, RunnerAddress, RunnerWeight, ShardGroup, ShardId};
+    /// use cluster_storage_sql::sqlite::{SqliteMessageStorage, SqliteOptions, SqliteRunnerStorage};
+    ///
+    /// # #[tokio::main(flavor = "current_thread")]
+    /// # async fn main() -> Result<(), Box<dyn std::error::Error>> {
+    /// let path = std::env::temp_dir().join(format!("doc-sqlite-{}.db", std::process::id()));
+    /// let messages = SqliteMessageStorage::open(&path, SqliteOptions::default()).await?;
+    /// let runners = SqliteRunnerStorage::open(&path, SqliteOptions::default()).await?;
+    ///
+    /// let address = RunnerAddress::new("127.0.0.1", 34431);
+    /// let groups = vec![ShardGroup::default_group()];
+    /// let runner = Runner::new(address.clone(), groups, RunnerWeight::ONE);
+    /// runners.register(&runner, true).await?;
+    /// let shard = ShardId::new(ShardGroup::default_group(), 1);
+    /// assert_eq!(runners.acquire(&address, &[shard.clone()]).await?, vec![shard]);
+    ///
+    /// runners.close().await;
+    /// messages.close().await;
+    /// # for suffix in ["", "-wal", "-shm"] {
+    /// #     let _ = std::fs::remove_file(format!("{}{suffix}", path.display()));
+    /// # }
+    /// # Ok(())
+    /// # }
+    /// ```
     pub async fn open(
         path: impl AsRef<Path>,
         options: SqliteOptions,
