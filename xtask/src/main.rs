@@ -127,6 +127,7 @@ fn ci() -> Result<()> {
     let service_env = services()?;
     let service_env: Vec<(&str, &str)> =
         service_env.iter().map(|(name, value)| (*name, value.as_str())).collect();
+    typescript_packages()?;
     if has_nextest() {
         step(
             "tests",
@@ -266,6 +267,29 @@ pub(crate) fn step(name: &str, args: &[&str], envs: &[(&str, &str)]) -> Result<(
         bail!("step `{name}` failed ({status})");
     }
     Ok(())
+}
+
+/// Installs the TypeScript reference's packages (`interop/typescript`, exact versions from its
+/// lock file) for the interop test against a real TypeScript runner. Without `npm` the step
+/// is skipped with a message, except under `CI=true`, where it fails: the interop test must
+/// not pass by skipping.
+fn typescript_packages() -> Result<()> {
+    let folder = "interop/typescript";
+    report(&format!("==> typescript packages: npm ci --prefix {folder}"));
+    let status = Command::new("npm")
+        .args(["ci", "--prefix", folder, "--no-audit", "--no-fund", "--loglevel=error"])
+        .status();
+    match status {
+        Ok(status) if status.success() => Ok(()),
+        Ok(status) => bail!("step `typescript packages` failed ({status})"),
+        Err(error) if env::var("CI").as_deref() == Ok("true") => {
+            bail!("CI=true and npm cannot run ({error}): the interop test needs Node.js and npm")
+        }
+        Err(error) => {
+            report(&format!("npm cannot run ({error}); the TypeScript interop test will skip"));
+            Ok(())
+        }
+    }
 }
 
 fn has_nextest() -> bool {
