@@ -14,8 +14,9 @@
 //! 2. This process joins as a client (no runner address): it computes the same shard
 //!    assignment and sends each volatile request straight to its entity's runner over TCP,
 //!    and each persisted request through the database.
-//! 3. One runner gets SIGTERM: it hands its shards to the other two and exits. The same
-//!    entities are asked again and answer from the remaining runners. An entity's in-memory
+//! 3. The runner hosting the most entities gets SIGTERM: it hands its shards to the other two
+//!    and exits. The same entities are asked again and answer from the remaining runners (the
+//!    example checks that every entity of the stopped runner moved). An entity's in-memory
 //!    state starts afresh on its new runner (keep what must survive in your own storage, or
 //!    in the persisted requests' replies).
 //!
@@ -193,7 +194,8 @@ async fn orchestrate(url: Option<&str>) -> Result<(), String> {
     outcome
 }
 
-/// Asks every entity where it lives and counts a visit; stops the first runner; asks again.
+/// Asks every entity where it lives and counts a visit; stops the runner hosting the most
+/// entities; asks again.
 async fn run_scenario(client: &Sharding, runners: &mut [(String, Child)]) -> Result<(), String> {
     let before = locate(client).await?;
     let hosts: std::collections::BTreeSet<&String> = before.iter().collect();
@@ -206,13 +208,27 @@ async fn run_scenario(client: &Sharding, runners: &mut [(String, Child)]) -> Res
         say(&format!("greeter-{n}: {reply}"));
     }
 
-    let (stopped, child) = &mut runners[0];
-    say(&format!("SIGTERM to the runner at {stopped}: it hands its shards over and exits"));
+    // The runner hosting the most entities, so that the hand-over visibly moves some.
+    let busiest = runners
+        .iter()
+        .enumerate()
+        .max_by_key(|(_, (address, _))| before.iter().filter(|host| *host == address).count())
+        .map_or(0, |(index, _)| index);
+    let (stopped, child) = &mut runners[busiest];
+    let hosted = before.iter().filter(|host| *host == stopped).count();
+    say(&format!(
+        "SIGTERM to the runner at {stopped} ({hosted} entities): it hands its shards over and exits"
+    ));
     terminate(child).await;
     let after = locate(client).await?;
     say(&format!("after the hand-over: {after:?}"));
     if after.iter().any(|host| host == stopped) {
         return Err(format!("an entity still answered from the stopped runner {stopped}"));
+    }
+    let moved = before.iter().zip(&after).filter(|(was, now)| was != now).count();
+    say(&format!("{moved} entities moved to another runner"));
+    if moved < hosted {
+        return Err(format!("{hosted} entities lived on {stopped} but only {moved} moved"));
     }
     for n in 0..ENTITIES {
         let reply = visit(client, n, "second").await?;

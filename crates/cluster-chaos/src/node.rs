@@ -110,7 +110,14 @@ impl NodeEnv {
             ))
         })?;
         let table_prefix = match lookup("CLUSTER_TABLE_PREFIX") {
-            Some(prefix) => TablePrefix::new(&prefix).map_err(NodeError::Config)?,
+            // Named by its variable, as every other setting's error is.
+            Some(prefix) => TablePrefix::new(&prefix).map_err(|error| {
+                NodeError::Config(ConfigError::new(
+                    "CLUSTER_TABLE_PREFIX",
+                    &prefix,
+                    error.reason().to_owned(),
+                ))
+            })?,
             None => TablePrefix::default(),
         };
         let mut sharding =
@@ -247,4 +254,23 @@ pub async fn terminated() -> Result<(), NodeError> {
         _ = int.recv() => {}
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::{NodeEnv, NodeError};
+
+    #[test]
+    fn a_bad_table_prefix_is_reported_by_its_variable() {
+        let env = NodeEnv::from_lookup(true, |name| match name {
+            "CLUSTER_STORAGE_URL" => Some("sqlite:/tmp/unused.db".to_owned()),
+            "CLUSTER_TABLE_PREFIX" => Some("bad-prefix".to_owned()),
+            _ => None,
+        });
+        let Err(NodeError::Config(error)) = env else {
+            panic!("a prefix with a dash is a configuration error");
+        };
+        assert_eq!((error.key(), error.value()), ("CLUSTER_TABLE_PREFIX", "bad-prefix"));
+        assert!(error.to_string().contains("CLUSTER_TABLE_PREFIX"), "{error}");
+    }
 }
