@@ -2,7 +2,8 @@
 //!
 //! A persisted request is saved in [`MessageStorage`] first (deduplicated by its primary key),
 //! then the storage read loop claims it, hands it to its entity, and stores the entity's exit
-//! as the request's final reply. A caller in this process waits on an in-process reply waiter
+//! as the request's final reply; a request saved by the runner that serves its shard goes to
+//! its entity directly instead (`direct`). A caller in this process waits on an in-process reply waiter
 //! registered before the save, and polls storage every `entity_reply_poll_interval` as a
 //! fallback (a reply saved by another process, or after a restart).
 //!
@@ -29,6 +30,8 @@ use crate::manager::{Delivery, Refused, ReplyTo, StreamReplies};
 use crate::metrics;
 use crate::sharding::Sharding;
 
+mod direct;
+
 /// How often saving a final reply is tried before the request is left for a later read.
 const SAVE_REPLY_ATTEMPTS: u32 = 4;
 /// The pause between those attempts (the reference's 200 ms).
@@ -53,6 +56,11 @@ pub(crate) struct Persisted {
     writes: Mutex<BTreeMap<ShardId, usize>>,
     /// Woken when a write ends.
     write_ended: Notify,
+    /// Direct delivery's state (`direct`).
+    direct: Mutex<direct::Direct>,
+    /// Requests whose outcome is being stored, or was since the current read began: the read
+    /// loop leaves their rows alone (`direct`).
+    settling: Mutex<direct::Settling>,
 }
 
 /// A final reply's confirmation and write in progress on a shard.
@@ -142,6 +150,8 @@ impl Persisted {
             stream_acks: Mutex::new(BTreeMap::new()),
             writes: Mutex::new(BTreeMap::new()),
             write_ended: Notify::new(),
+            direct: Mutex::new(direct::Direct::default()),
+            settling: Mutex::new(direct::Settling::default()),
         }
     }
 
@@ -369,7 +379,12 @@ impl Sharding {
         // Registered before the save, so a reply saved right after it is not missed.
         let mut registration =
             persisted.register(request.request_id, &request.address.shard_id, reply);
-        let waited_id = match persisted.storage.save_request(&request, &options).await? {
+        let direct = self.plan_direct(persisted, &request, &options);
+        let saved = persisted.storage.save_request(&request, &options).await;
+        if !matches!(saved, Ok(SaveResult::Success)) {
+            persisted.unhold(&request.address, request.request_id);
+        }
+        let waited_id = match saved? {
             SaveResult::Success => request.request_id,
             SaveResult::Duplicate {
                 last_received_reply: Some(Reply::WithExit(with_exit)), ..
@@ -383,7 +398,11 @@ impl Sharding {
                 original_id
             }
         };
-        self.wake_reader(&request.address.shard_id, || Envelope::Request(request.clone()));
+        if direct && waited_id == request.request_id {
+            self.deliver_directly(persisted, request.clone()).await;
+        } else {
+            self.wake_reader(&request.address.shard_id, || Envelope::Request(request.clone()));
+        }
         if self.is_shutdown() {
             // Sent while this runner stops (an entity's `on_stop`): no reply will be read here;
             // the request is stored for the next owner (the reference's abandon path, §1.4).
@@ -456,8 +475,18 @@ impl Sharding {
         options: SaveRequestOptions,
     ) -> Result<(), ClusterError> {
         let persisted = self.persisted().ok_or_else(|| not_stored(&request.address))?;
-        persisted.storage.save_request(&request, &options).await?;
-        self.wake_reader(&request.address.shard_id, || Envelope::Request(request.clone()));
+        let direct = self.plan_direct(persisted, &request, &options);
+        let saved = persisted.storage.save_request(&request, &options).await;
+        if !matches!(saved, Ok(SaveResult::Success)) {
+            persisted.unhold(&request.address, request.request_id);
+        }
+        // The save's error first: a request that was not stored must not look sent.
+        let saved = saved?;
+        if direct && matches!(saved, SaveResult::Success) {
+            self.deliver_directly(persisted, request).await;
+        } else {
+            self.wake_reader(&request.address.shard_id, || Envelope::Request(request.clone()));
+        }
         Ok(())
     }
 
@@ -553,6 +582,7 @@ impl Sharding {
         } else {
             None
         };
+        let whole_shards = addresses.is_none();
         let options = UnprocessedOptions { limit: Some(batch_size), addresses };
         let now = self.clock().now();
         let held;
@@ -566,9 +596,11 @@ impl Sharding {
             }
             None => &persisted.shards,
         };
+        persisted.begin_read();
         let batch = match persisted.storage.unprocessed_messages(shards, now, options).await {
             Ok(batch) => batch,
             Err(error) => {
+                persisted.end_read();
                 tracing::warn!(%error, "could not read unprocessed messages");
                 return None;
             }
@@ -582,9 +614,41 @@ impl Sharding {
         let mut delivered = false;
         let mut release = Vec::new();
         let mut held = BTreeMap::new();
+        let mut refused = BTreeSet::new();
         for message in batch.messages {
+            let request = match &message.envelope {
+                Envelope::Request(request) => Some((request.address.clone(), request.request_id)),
+                _ => None,
+            };
+            if let Some((address, request_id)) = &request {
+                if persisted.is_settling(*request_id) {
+                    // Answered (or being answered) since the select: this read's claim goes,
+                    // in case its outcome was to run again.
+                    release.push(*request_id);
+                    continue;
+                }
+                if refused.contains(address) {
+                    // An earlier request to this entity was not delivered: this one waits
+                    // behind it, so that the entity sees them in order.
+                    persisted.hold(address, *request_id);
+                    release.push(*request_id);
+                    continue;
+                }
+            }
             let unregistered = (&mut state.unregistered_since, &mut held);
-            match self.dispatch(persisted, message, unregistered).await {
+            let dispatched = self.dispatch(persisted, message, unregistered).await;
+            if let Some((address, request_id)) = &request {
+                match dispatched {
+                    Dispatched::Delivered | Dispatched::Skipped | Dispatched::Answer(_) => {
+                        persisted.unhold(address, *request_id);
+                    }
+                    _ => {
+                        persisted.hold(address, *request_id);
+                        refused.insert(address.clone());
+                    }
+                }
+            }
+            match dispatched {
                 Dispatched::Delivered => delivered = true,
                 Dispatched::Skipped => {}
                 Dispatched::Release(id) => release.push(id),
@@ -599,6 +663,8 @@ impl Sharding {
                 Dispatched::Answer(reply) => self.save_final_reply(persisted, reply, None).await,
             }
         }
+        persisted.end_read();
+        persisted.caught_up(shards, whole_shards && !full);
         warn_unregistered(held);
         if !release.is_empty()
             && let Err(error) = persisted.storage.reset_requests(&release).await
@@ -732,6 +798,9 @@ impl Sharding {
                     exit
                 }
             };
+            // Before it leaves `in_flight`: the read loop must not take it up again while its
+            // outcome is stored.
+            let _settle = persisted.begin_settle(request_id);
             {
                 let mut in_flight = lock(&persisted.in_flight);
                 in_flight.remove(&request_id);

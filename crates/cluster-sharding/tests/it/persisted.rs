@@ -124,7 +124,87 @@ on_every_storage!(
     a_transaction_that_cannot_begin_is_retried,
     a_commit_whose_acknowledgement_is_lost_is_settled_from_storage,
     a_commit_that_failed_runs_the_request_again,
+    a_local_request_goes_to_its_entity_without_a_storage_read,
+    requests_left_to_the_read_loop_keep_their_entitys_order,
 );
+
+/// A runner on `store` that counts its storage reads and whose read loop polls only hourly,
+/// with `options` for its counters.
+async fn counted_runner(
+    store: &Store,
+    options: EntityOptions,
+) -> (Sharding, Arc<std::sync::atomic::AtomicUsize>) {
+    let (storage, faults) = FaultyMessageStorage::new(Arc::clone(&store.storage));
+    let reads = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let counted = Arc::clone(&reads);
+    faults.observe(Arc::new(move |event| {
+        if let cluster_testkit::faulty::StorageEvent::Read(_) = event {
+            counted.fetch_add(1, Ordering::SeqCst);
+        }
+    }));
+    let config =
+        ShardingConfig { entity_message_poll_interval: Duration::from_secs(3600), ..config() };
+    let sharding =
+        Sharding::with_storage(config, Arc::new(SystemClock), Arc::new(storage)).await.unwrap();
+    sharding.register::<Counter>(options).unwrap();
+    (sharding, reads)
+}
+
+/// Once the read loop has caught up with its shards, a persisted request saved by the runner
+/// that serves its shard goes straight to its entity: no storage read per request (the
+/// reference reads storage for each), and each is answered once.
+async fn a_local_request_goes_to_its_entity_without_a_storage_read(store: Store, id: &str) {
+    let (sharding, reads) = counted_runner(&store, EntityOptions::default()).await;
+    let counter = sharding.client::<Counter>(id);
+    let deposit = |n: u64| Deposit { key: format!("{id}-{n}"), amount: n };
+    // The first one may wake the read loop, which then catches up.
+    assert_eq!(counter.send(deposit(1)).await.unwrap(), 1);
+    eventually("the read loop read its shards", || reads.load(Ordering::SeqCst) > 0).await;
+    let before = reads.load(Ordering::SeqCst);
+    let mut balance = 1;
+    for n in 2..=21 {
+        balance += n;
+        assert_eq!(counter.send(deposit(n)).await.unwrap(), balance);
+    }
+    // At most one read that was already due (a wake-up left from the first request).
+    let during = reads.load(Ordering::SeqCst) - before;
+    assert!(during <= 1, "{during} storage reads for 20 requests");
+    assert_eq!(crate::entities::Probes::of(id).deposits.load(Ordering::SeqCst), 21);
+    sharding.shutdown().await;
+    assert_eq!(unprocessed(&store).await, 0);
+}
+
+/// Requests to an entity whose mailbox is full are left to the read loop, and the requests to
+/// that entity after them follow them there: each deposit's stored reply is the balance after
+/// the deposits before it, in the order they were sent.
+async fn requests_left_to_the_read_loop_keep_their_entitys_order(store: Store, id: &str) {
+    let capacity = cluster_core::config::Capacity::Bounded(std::num::NonZeroU32::MIN);
+    let options = EntityOptions { mailbox_capacity: Some(capacity), ..EntityOptions::default() };
+    let (sharding, _reads) = counted_runner(&store, options).await;
+    let counter = sharding.client::<Counter>(id);
+    let probes = crate::entities::Probes::of(id);
+    // Occupy the entity: its handler waits for a permit.
+    let gated = {
+        let counter = counter.clone();
+        tokio::spawn(async move { counter.send(crate::entities::Gated).await })
+    };
+    eventually("the gated request runs", || probes.gated_runs.load(Ordering::SeqCst) == 1).await;
+    let deposit = |n: u32| Deposit { key: format!("{id}-{n}"), amount: 1 << n };
+    // One fits the mailbox; the next ones find it full or follow one that did.
+    for n in 0..8 {
+        counter.discard(deposit(n)).await.unwrap();
+    }
+    probes.gate.add_permits(1);
+    assert_eq!(gated.await.unwrap().unwrap(), 1);
+    for n in 0..8 {
+        // Sent again: the stored reply of the first run.
+        let reply = tokio::time::timeout(Duration::from_secs(20), counter.send(deposit(n)));
+        let balance = reply.await.expect("answered in time").unwrap();
+        assert_eq!(balance, (1 << (n + 1)) - 1, "deposit {n} ran out of order");
+    }
+    assert_eq!(probes.deposits.load(Ordering::SeqCst), 8);
+    sharding.shutdown().await;
+}
 
 /// A runner on `store` whose storage fails on demand. Its reply poller is too slow to help:
 /// callers get their replies from the runner's own settlement or not in time.
