@@ -852,7 +852,10 @@ fn execute_write(
     }
 }
 
-/// The reference's SQLite dedup: in one transaction, look the key up, then `INSERT OR IGNORE`.
+/// The reference's SQLite dedup, in one transaction: `INSERT OR IGNORE`, and only when the
+/// insert was ignored, look the key up (the reference looks first; inserting first saves a
+/// statement for every request that is not a duplicate, with the same outcome, since the key
+/// is unique). A key that was stored in its legacy plaintext form is looked up first.
 fn save_request(
     connection: &Connection,
     sql: &MessageSql,
@@ -863,15 +866,19 @@ fn save_request(
         insert_message(connection, &sql.insert_message, values)?;
         return Ok(WriteOutcome::Stored);
     };
-    for key in legacy_message_id.into_iter().chain([message_id]) {
-        if let Some(duplicate) =
-            select_duplicate(connection, &sql.select_duplicate_by_message_id, &key)?
-        {
-            return Ok(duplicate);
-        }
+    if let Some(legacy) = legacy_message_id
+        && let Some(duplicate) =
+            select_duplicate(connection, &sql.select_duplicate_by_message_id, &legacy)?
+    {
+        return Ok(duplicate);
     }
     if insert_message(connection, &sql.insert_message_or_ignore, values)? > 0 {
         return Ok(WriteOutcome::Stored);
+    }
+    if let Some(duplicate) =
+        select_duplicate(connection, &sql.select_duplicate_by_message_id, &message_id)?
+    {
+        return Ok(duplicate);
     }
     // Ignored although the key is free: the request id is taken (the same request saved under
     // another key or none). It is the same request, so report the stored one.
