@@ -194,9 +194,9 @@ impl<E: Entity> EntityClient<E> {
             if self.sharding.persisted().is_none() {
                 return Err(CallError::Defect(PERSISTED_WITHOUT_STORAGE.to_owned()));
             }
-            self.sharding.send_persisted(request, options, uninterruptible).await?
+            Box::pin(self.sharding.send_persisted(request, options, uninterruptible)).await?
         } else {
-            self.sharding.send_volatile(request, uninterruptible).await?
+            Box::pin(self.sharding.send_volatile(request, uninterruptible)).await?
         };
         decode_exit::<R>(exit)
     }

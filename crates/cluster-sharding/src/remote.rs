@@ -123,16 +123,25 @@ impl Sharding {
         Remote: Fn(RunnerAddress, Request) -> RemoteFuture,
         RemoteFuture: std::future::Future<Output = Result<T, ClusterError>>,
     {
-        let deadline = tokio::time::Instant::now() + self.config().shard_lock_expiration;
+        let mut deadline = None;
         loop {
-            let attempt = match self.route(&request.address.shard_id) {
+            let route = self.route(&request.address.shard_id);
+            // The common case first, with no clock read and no waiting: a shard held here.
+            if matches!(route, Route::Local) && self.serves(&request.address.shard_id) {
+                return local(request).await;
+            }
+            let deadline = *deadline.get_or_insert_with(|| {
+                tokio::time::Instant::now() + self.config().shard_lock_expiration
+            });
+            // The rarer steps are boxed, so that the common case's future stays small.
+            let attempt = match route {
                 // A stale assignment may name this runner for a shard it does not hold (it
                 // has not seen a join yet): the owner is looked up again.
-                Route::Local if self.await_shard(&request.address.shard_id).await => {
+                Route::Local if Box::pin(self.await_shard(&request.address.shard_id)).await => {
                     return local(request).await;
                 }
                 Route::Local | Route::Unknown => not_here(&request),
-                Route::Remote(owner) => remote(owner, request.clone()).await,
+                Route::Remote(owner) => Box::pin(remote(owner, request.clone())).await,
                 Route::Unreachable => return not_here(&request),
             };
             match attempt {

@@ -753,17 +753,23 @@ impl Sharding {
         cancellation: CancellationToken,
         reply: oneshot::Sender<Exit>,
     ) -> Result<(), ClusterError> {
-        let address = request.address.clone();
-        if !self.await_shard(&address.shard_id).await {
-            return Err(ClusterError::EntityNotAssignedToRunner { address });
+        // The common case (a held shard, a registered type) reads no clock and waits for
+        // nothing; the waits are boxed so that they do not grow every call's future.
+        let address = &request.address;
+        if !self.serves(&address.shard_id) && !Box::pin(self.await_shard(&address.shard_id)).await {
+            return Err(ClusterError::EntityNotAssignedToRunner { address: address.clone() });
         }
-        let manager = match self.manager_for(&address).await {
-            Ok(manager) => manager,
-            Err(defect) => {
-                // The caller gets the defect as the request's exit.
-                let _ = reply.send(defect);
-                return Ok(());
-            }
+        let registered = self.manager(&address.entity_type);
+        let manager = match registered {
+            Some(manager) => manager,
+            None => match Box::pin(self.manager_for(address)).await {
+                Ok(manager) => manager,
+                Err(defect) => {
+                    // The caller gets the defect as the request's exit.
+                    let _ = reply.send(defect);
+                    return Ok(());
+                }
+            },
         };
         Ok(manager.deliver(Delivery {
             started: None,
