@@ -129,14 +129,16 @@ impl Persisted {
         }
     }
 
-    /// A read that began with `shards` held returned less than a batch: their backlog is
-    /// read. Holds on shards no longer read are dropped (their next owner orders them).
-    pub(super) fn caught_up(&self, shards: &[ShardId], exhaustive: bool) {
+    /// A read that began with `read` held ended, and `held` are held now. If it was
+    /// exhaustive (less than a batch, every address), the backlog of the shards in both is
+    /// read. Holds on shards no longer held are dropped (their next owner orders them); holds
+    /// on a shard taken during the read stay, so that the next read delivers them first.
+    pub(super) fn caught_up(&self, read: &[ShardId], held: &[ShardId], exhaustive: bool) {
         let mut direct = lock(&self.direct);
-        let held: BTreeSet<ShardId> = shards.iter().cloned().collect();
+        let held: BTreeSet<&ShardId> = held.iter().collect();
         direct.pending.retain(|address, _| held.contains(&address.shard_id));
         if exhaustive {
-            direct.caught_up = held;
+            direct.caught_up = read.iter().filter(|shard| held.contains(shard)).cloned().collect();
         } else {
             direct.caught_up.retain(|shard| held.contains(shard));
         }
