@@ -330,46 +330,54 @@ fn lock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
 impl<E: Entity> ErasedManager for EntityManager<E> {
     fn deliver(&self, delivery: Delivery) -> Result<(), Refused> {
         let shared = &self.shared;
-        let address = delivery.request.address.clone();
+        // The address is cloned only where it is kept (a new instance) or reported (a refusal).
+        let address = || delivery.request.address.clone();
         let mut instances = lock(&shared.instances);
         if shared.stopping.is_cancelled() {
-            return Err(Refused::Cluster(ClusterError::EntityNotAssignedToRunner { address }));
+            return Err(Refused::Cluster(ClusterError::EntityNotAssignedToRunner {
+                address: address(),
+            }));
         }
-        if !instances.contains_key(&address.entity_id) {
-            if !shared.residency.try_reserve() {
-                return Err(Refused::ResidencyFull(address));
+        // One lookup: the map is keyed by entity id strings, compared byte by byte.
+        let resident = instances.len();
+        let instance = match instances.entry(delivery.request.address.entity_id.clone()) {
+            std::collections::btree_map::Entry::Occupied(entry) => entry.into_mut(),
+            std::collections::btree_map::Entry::Vacant(entry) => {
+                if !shared.residency.try_reserve() {
+                    return Err(Refused::ResidencyFull(address()));
+                }
+                metrics::set_for_type(metrics::ENTITIES, shared.entity_type.as_str(), resident + 1);
+                entry.insert(Shared::spawn(shared, address()))
             }
-            let instance = Shared::spawn(shared, address.clone());
-            instances.insert(address.entity_id.clone(), instance);
-            metrics::set_for_type(metrics::ENTITIES, shared.entity_type.as_str(), instances.len());
-        }
-        let Some(instance) = instances.get(&address.entity_id) else {
-            return Err(Refused::Cluster(ClusterError::EntityNotAssignedToRunner { address }));
         };
+        let instance: &Instance = instance;
         if &*delivery.request.tag == KEEP_ALIVE_TAG {
             // Not a mailbox request: it activates the entity and waits on its latch.
-            tracing::debug!(entity_type = %shared.entity_type, entity_id = %address.entity_id, "keep-alive");
+            tracing::debug!(entity_type = %shared.entity_type, entity_id = %delivery.request.address.entity_id, "keep-alive");
             instance.keep_alive.park(delivery);
             return Ok(());
         }
         let request_id = delivery.request.request_id;
         match instance.active.admit(request_id, shared.options.mailbox_capacity) {
             Admission::Admitted => {}
-            Admission::Full => return Err(Refused::Cluster(ClusterError::MailboxFull { address })),
+            Admission::Full => {
+                return Err(Refused::Cluster(ClusterError::MailboxFull { address: address() }));
+            }
             Admission::Duplicate => {
                 return Err(Refused::Cluster(ClusterError::AlreadyProcessingMessage {
                     envelope_id: request_id,
-                    address,
+                    address: address(),
                 }));
             }
         }
-        if instance.mailbox.try_send(Box::new(delivery)).is_err() {
+        if let Err(refused) = instance.mailbox.try_send(Box::new(delivery)) {
             // Full (an unbounded capacity past the channel's cap) or closed (the instance is
             // stopping): either way this request is not admitted.
             instance.active.finish(request_id);
+            let address = refused.into_inner().request.address;
             return Err(Refused::Cluster(ClusterError::MailboxFull { address }));
         }
-        tracing::trace!(entity_type = %shared.entity_type, entity_id = %address.entity_id, "delivered");
+        tracing::trace!(entity_type = %shared.entity_type, %request_id, "delivered");
         Ok(())
     }
 
