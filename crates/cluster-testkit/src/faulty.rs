@@ -52,6 +52,8 @@ pub struct Faults {
     reply_delay_millis: std::sync::atomic::AtomicU64,
     /// Milliseconds every request save, read and reply lookup waits first.
     storage_delay_millis: std::sync::atomic::AtomicU64,
+    /// Milliseconds every `begin_transaction` waits first.
+    begin_delay_millis: std::sync::atomic::AtomicU64,
     /// The process died: no call reaches the storage any more.
     dead: std::sync::atomic::AtomicBool,
     begin_transaction_calls: AtomicU32,
@@ -134,6 +136,13 @@ impl Faults {
     pub fn delay_storage(&self, delay: std::time::Duration) {
         let millis = u64::try_from(delay.as_millis()).unwrap_or(u64::MAX);
         self.storage_delay_millis.store(millis, Ordering::Release);
+    }
+
+    /// Every `begin_transaction` from now on waits `delay` first (zero: no wait), so that a
+    /// test can drop a caller while its transaction begins.
+    pub fn delay_begin_transaction(&self, delay: std::time::Duration) {
+        let millis = u64::try_from(delay.as_millis()).unwrap_or(u64::MAX);
+        self.begin_delay_millis.store(millis, Ordering::Release);
     }
 
     /// Waits out the latency of [`delay_storage`](Faults::delay_storage).
@@ -402,6 +411,10 @@ impl MessageStorage for FaultyMessageStorage {
         }
         Box::pin(async move {
             self.faults.begin_transaction_calls.fetch_add(1, Ordering::AcqRel);
+            let delay = self.faults.begin_delay_millis.load(Ordering::Acquire);
+            if delay > 0 {
+                tokio::time::sleep(std::time::Duration::from_millis(delay)).await;
+            }
             if self.faults.begin_transaction.fails() {
                 return Err(injected("begin_transaction"));
             }

@@ -182,10 +182,15 @@ impl Sharding {
         let message =
             UnprocessedMessage { envelope: Envelope::Request(request), last_sent_reply: None };
         let mut held = BTreeMap::new();
+        // The caller may go away while the dispatch waits (for a transaction to begin): the
+        // stored request is then the read loop's, which is woken at once rather than at its
+        // next poll.
+        let mut wake = WakeOnDrop(Some(persisted));
         let dispatched = self
             .dispatch(persisted, message, (&mut None, &mut held))
             .instrument(tracing::debug_span!("deliver_directly", %request_id))
             .await;
+        wake.0 = None;
         warn_unregistered(held);
         match dispatched {
             Dispatched::Delivered | Dispatched::Skipped => {}
@@ -195,6 +200,17 @@ impl Sharding {
                 persisted.hold(&address, request_id);
                 persisted.poll_storage();
             }
+        }
+    }
+}
+
+/// Wakes the storage read loop when dropped armed.
+struct WakeOnDrop<'a>(Option<&'a Persisted>);
+
+impl Drop for WakeOnDrop<'_> {
+    fn drop(&mut self) {
+        if let Some(persisted) = self.0 {
+            persisted.poll_storage();
         }
     }
 }

@@ -125,15 +125,16 @@ on_every_storage!(
     a_commit_whose_acknowledgement_is_lost_is_settled_from_storage,
     a_commit_that_failed_runs_the_request_again,
     a_local_request_goes_to_its_entity_without_a_storage_read,
+    a_request_whose_caller_left_during_direct_delivery_is_read_at_once,
     requests_left_to_the_read_loop_keep_their_entitys_order,
 );
 
 /// A runner on `store` that counts its storage reads and whose read loop polls only hourly,
-/// with `options` for its counters.
+/// with `options` for its counters, and the faults of its storage.
 async fn counted_runner(
     store: &Store,
     options: EntityOptions,
-) -> (Sharding, Arc<std::sync::atomic::AtomicUsize>) {
+) -> (Sharding, Arc<std::sync::atomic::AtomicUsize>, Arc<Faults>) {
     let (storage, faults) = FaultyMessageStorage::new(Arc::clone(&store.storage));
     let reads = Arc::new(std::sync::atomic::AtomicUsize::new(0));
     let counted = Arc::clone(&reads);
@@ -147,14 +148,14 @@ async fn counted_runner(
     let sharding =
         Sharding::with_storage(config, Arc::new(SystemClock), Arc::new(storage)).await.unwrap();
     sharding.register::<Counter>(options).unwrap();
-    (sharding, reads)
+    (sharding, reads, faults)
 }
 
 /// Once the read loop has caught up with its shards, a persisted request saved by the runner
 /// that serves its shard goes straight to its entity: no storage read per request (the
 /// reference reads storage for each), and each is answered once.
 async fn a_local_request_goes_to_its_entity_without_a_storage_read(store: Store, id: &str) {
-    let (sharding, reads) = counted_runner(&store, EntityOptions::default()).await;
+    let (sharding, reads, _faults) = counted_runner(&store, EntityOptions::default()).await;
     let counter = sharding.client::<Counter>(id);
     let deposit = |n: u64| Deposit { key: format!("{id}-{n}"), amount: n };
     // The first one may wake the read loop, which then catches up.
@@ -174,13 +175,36 @@ async fn a_local_request_goes_to_its_entity_without_a_storage_read(store: Store,
     assert_eq!(unprocessed(&store).await, 0);
 }
 
+/// A caller that goes away while its request goes directly to its entity (here: while the
+/// request's transaction begins) leaves the stored request to the read loop, which is woken at
+/// once: the request runs although the loop polls only hourly.
+async fn a_request_whose_caller_left_during_direct_delivery_is_read_at_once(
+    store: Store,
+    id: &str,
+) {
+    let (sharding, reads, faults) = counted_runner(&store, EntityOptions::default()).await;
+    let counter = sharding.client::<Counter>(id);
+    // The first request may wake the read loop, which then catches up.
+    assert_eq!(counter.send(Deposit { key: format!("{id}-first"), amount: 1 }).await.unwrap(), 1);
+    eventually("the read loop read its shards", || reads.load(Ordering::SeqCst) > 0).await;
+    faults.delay_begin_transaction(Duration::from_millis(300));
+    let left = tokio::time::timeout(Duration::from_millis(50), counter.send(book("left"))).await;
+    assert!(left.is_err(), "the caller left before the transaction began");
+    faults.delay_begin_transaction(Duration::ZERO);
+    // Its final reply commits with its transaction.
+    eventually("the request left by its caller is answered", || faults.commits() > 0).await;
+    assert_eq!(faults.commits(), 1, "it ran once, in its transaction");
+    sharding.shutdown().await;
+    assert_eq!(unprocessed(&store).await, 0);
+}
+
 /// Requests to an entity whose mailbox is full are left to the read loop, and the requests to
 /// that entity after them follow them there: each deposit's stored reply is the balance after
 /// the deposits before it, in the order they were sent.
 async fn requests_left_to_the_read_loop_keep_their_entitys_order(store: Store, id: &str) {
     let capacity = cluster_core::config::Capacity::Bounded(std::num::NonZeroU32::MIN);
     let options = EntityOptions { mailbox_capacity: Some(capacity), ..EntityOptions::default() };
-    let (sharding, _reads) = counted_runner(&store, options).await;
+    let (sharding, _reads, _faults) = counted_runner(&store, options).await;
     let counter = sharding.client::<Counter>(id);
     let probes = crate::entities::Probes::of(id);
     // Occupy the entity: its handler waits for a permit.
