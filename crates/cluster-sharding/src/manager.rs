@@ -350,7 +350,6 @@ impl<E: Entity> ErasedManager for EntityManager<E> {
                 entry.insert(Shared::spawn(shared, address()))
             }
         };
-        let instance: &Instance = instance;
         if &*delivery.request.tag == KEEP_ALIVE_TAG {
             // Not a mailbox request: it activates the entity and waits on its latch.
             tracing::debug!(entity_type = %shared.entity_type, entity_id = %delivery.request.address.entity_id, "keep-alive");

@@ -664,7 +664,9 @@ impl Sharding {
             }
         }
         persisted.end_read();
-        persisted.caught_up(shards, &self.readable_shards(persisted), whole_shards && !full);
+        // Held now: a cluster's shards may have moved during the read; a single runner's not.
+        let held_now = self.cluster().map(|cluster| cluster.readable());
+        persisted.caught_up(shards, held_now.as_deref().unwrap_or(shards), whole_shards && !full);
         warn_unregistered(held);
         if !release.is_empty()
             && let Err(error) = persisted.storage.reset_requests(&release).await
@@ -672,14 +674,6 @@ impl Sharding {
             tracing::debug!(%error, "could not release claims");
         }
         Some(Read { full, delivered })
-    }
-
-    /// The shards whose messages this runner reads now.
-    fn readable_shards(&self, persisted: &Persisted) -> Vec<ShardId> {
-        match self.cluster() {
-            Some(cluster) => cluster.readable(),
-            None => persisted.shards.clone(),
-        }
     }
 
     async fn dispatch(
