@@ -270,26 +270,26 @@ pub(crate) fn step(name: &str, args: &[&str], envs: &[(&str, &str)]) -> Result<(
 }
 
 /// Installs the TypeScript reference's packages (`interop/typescript`, exact versions from its
-/// lock file) for the interop test against a real TypeScript runner. Without `npm` the step
-/// is skipped with a message, except under `CI=true`, where it fails: the interop test must
-/// not pass by skipping.
+/// lock file) for the interop test against a real TypeScript runner. When `npm` is missing or
+/// fails (no registry, say) the step is reported and the interop test skips, as a missing
+/// database's tests do, except under `CI=true`, where it fails: the interop test must not pass
+/// by skipping.
 fn typescript_packages() -> Result<()> {
     let folder = "interop/typescript";
     report(&format!("==> typescript packages: npm ci --prefix {folder}"));
     let status = Command::new("npm")
         .args(["ci", "--prefix", folder, "--no-audit", "--no-fund", "--loglevel=error"])
         .status();
-    match status {
-        Ok(status) if status.success() => Ok(()),
-        Ok(status) => bail!("step `typescript packages` failed ({status})"),
-        Err(error) if env::var("CI").as_deref() == Ok("true") => {
-            bail!("CI=true and npm cannot run ({error}): the interop test needs Node.js and npm")
-        }
-        Err(error) => {
-            report(&format!("npm cannot run ({error}); the TypeScript interop test will skip"));
-            Ok(())
-        }
+    let failure = match status {
+        Ok(status) if status.success() => return Ok(()),
+        Ok(status) => format!("npm ci failed ({status})"),
+        Err(error) => format!("npm cannot run ({error})"),
+    };
+    if env::var("CI").as_deref() == Ok("true") {
+        bail!("CI=true and {failure}: the TypeScript interop test needs Node.js and its packages");
     }
+    report(&format!("{failure}; the TypeScript interop test will skip"));
+    Ok(())
 }
 
 fn has_nextest() -> bool {
