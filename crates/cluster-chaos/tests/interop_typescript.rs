@@ -433,6 +433,27 @@ fn request(entity_id: &str, key: &str, text: &str, n: i64) -> Value {
     json!({ "entityId": entity_id, "key": key, "text": text, "n": n })
 }
 
+/// Runs a client-only TypeScript process that reports the shards of `ids` and sends
+/// `requests`; checks its shards against `sharding`'s and returns the ended process, its
+/// replies by key and how long it took, Node's start included.
+async fn run_client(
+    interop: &Interop,
+    sharding: &Sharding,
+    ids: &[String],
+    requests: &[Value],
+) -> (TypeScript, BTreeMap<String, Vec<Value>>, Duration) {
+    let started = Instant::now();
+    let mut client = interop.spawn("client", 0, ids, requests);
+    client
+        .wait_for("the TypeScript client's replies", |e| e.iter().any(|e| e["event"] == "done"))
+        .await;
+    let elapsed = started.elapsed();
+    client.finish().await;
+    check_shards(&client, sharding, ids);
+    let replies = replies_by_key(&client);
+    (client, replies, elapsed)
+}
+
 /// The TypeScript client's outcomes, by key.
 fn replies_by_key(client: &TypeScript) -> BTreeMap<String, Vec<Value>> {
     let mut replies: BTreeMap<String, Vec<Value>> = BTreeMap::new();
@@ -489,16 +510,8 @@ async fn a_typescript_client_gets_every_reply_from_a_rust_runner() {
     shard_ids
         .extend(["ü", "日本語", "👋🏽", "a/b/c", "group:7", "🦀 ferris", " "].map(str::to_owned));
     shard_ids.push("long".repeat(100));
-    let started = Instant::now();
-    let mut client = interop.spawn("client", 0, &shard_ids, &requests);
-    client
-        .wait_for("the TypeScript client's replies", |e| e.iter().any(|e| e["event"] == "done"))
-        .await;
-    let elapsed = started.elapsed();
-    client.finish().await;
-
-    check_shards(&client, &rust.sharding, &shard_ids);
-    let replies = replies_by_key(&client);
+    let (client, replies, elapsed) =
+        run_client(&interop, &rust.sharding, &shard_ids, &requests).await;
     assert_eq!(replies.len(), 51, "one key per request: {replies:?}");
     for request in &requests[..50] {
         let key = request["key"].as_str().unwrap();
@@ -629,15 +642,7 @@ async fn a_rust_runner_and_a_typescript_runner_share_the_shards() {
     requests.push(request(&to_ts[0], "rust-0", "ünïcødé ✓ 0", 0));
     let mut ids = to_rust.clone();
     ids.extend(to_ts.iter().cloned());
-    let started = Instant::now();
-    let mut client = interop.spawn("client", 0, &ids, &requests);
-    client
-        .wait_for("the TypeScript client's replies", |e| e.iter().any(|e| e["event"] == "done"))
-        .await;
-    let elapsed = started.elapsed();
-    client.finish().await;
-    check_shards(&client, &rust.sharding, &ids);
-    let replies = replies_by_key(&client);
+    let (_client, replies, elapsed) = run_client(&interop, &rust.sharding, &ids, &requests).await;
     assert_eq!(replies.len(), 11, "{replies:?}");
     for request in &requests[..10] {
         let key = request["key"].as_str().unwrap();
