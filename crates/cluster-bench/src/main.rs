@@ -5,6 +5,8 @@
 //! cargo run --release -p cluster-bench -- W1 [--ops N] [--in-flight N] [--entities N]
 //! ```
 //!
+//! - `W0`: W1's baseline, the same echo through bare tokio mailboxes and oneshots (no
+//!   runtime), to compare W1 with on the same machine and day.
 //! - `W1`: volatile echo requests to local entities (no storage).
 //! - `W2`, `W3`: the same request persisted with a primary key, on SQLite and on PostgreSQL.
 //! - `W4`, `W5`: a workflow of three small activities on the cluster workflow engine, on
@@ -26,7 +28,7 @@ use crate::drive::Measured;
 /// One workload run: which, where and how much.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub(crate) struct Plan {
-    /// `W1` … `W5`.
+    /// `W0` … `W5`.
     pub(crate) workload: Workload,
     /// Measured operations (requests or workflow executions).
     pub(crate) ops: usize,
@@ -39,6 +41,10 @@ pub(crate) struct Plan {
 /// The workloads.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) enum Workload {
+    /// The baseline of W1 without the runtime: the same echo through a bare tokio mailbox and
+    /// a oneshot per request, with the same JSON encoding, on the same driver (the issue's
+    /// "bare echo" that W1 is measured against).
+    W0,
     /// Volatile echo.
     W1,
     /// Persisted echo on SQLite.
@@ -54,6 +60,7 @@ pub(crate) enum Workload {
 impl Workload {
     fn parse(name: &str) -> Option<Workload> {
         match name.to_ascii_uppercase().as_str() {
+            "W0" => Some(Workload::W0),
             "W1" => Some(Workload::W1),
             "W2" => Some(Workload::W2),
             "W3" => Some(Workload::W3),
@@ -66,7 +73,7 @@ impl Workload {
     /// The storage it runs on.
     pub(crate) fn storage(self) -> &'static str {
         match self {
-            Workload::W1 => "memory",
+            Workload::W0 | Workload::W1 => "memory",
             Workload::W2 | Workload::W4 => "sqlite",
             Workload::W3 | Workload::W5 => "postgres",
         }
@@ -75,7 +82,7 @@ impl Workload {
     /// The reference workload's size: `(ops, in_flight, entities)`.
     fn defaults(self) -> (usize, usize, usize) {
         match self {
-            Workload::W1 => (100_000, 256, 1_000),
+            Workload::W0 | Workload::W1 => (100_000, 256, 1_000),
             Workload::W2 | Workload::W3 => (20_000, 64, 1_000),
             Workload::W4 | Workload::W5 => (2_000, 64, 0),
         }
@@ -83,7 +90,7 @@ impl Workload {
 }
 
 const USAGE: &str =
-    "usage: cluster-bench <W1|W2|W3|W4|W5> [--ops N] [--in-flight N] [--entities N]";
+    "usage: cluster-bench <W0|W1|W2|W3|W4|W5> [--ops N] [--in-flight N] [--entities N]";
 
 /// Reads the command line.
 pub(crate) fn parse_args(args: &[String]) -> Result<Plan, String> {

@@ -115,6 +115,7 @@ async fn three_steps(ctx: WorkflowContext, job: Job) -> Result<u64, JobError> {
 /// The runtime or its storage could not start, or an operation failed.
 pub(crate) async fn run(plan: &Plan) -> Result<Measured, String> {
     let database = match plan.workload {
+        Workload::W0 => return bare_echo(plan).await,
         Workload::W1 => None,
         Workload::W2 | Workload::W4 => Some(BenchDatabase::sqlite()),
         Workload::W3 | Workload::W5 => Some(BenchDatabase::postgres()?),
@@ -160,6 +161,43 @@ async fn volatile_echo(plan: &Plan) -> Result<Measured, String> {
     .await;
     sharding.shutdown().await;
     measured
+}
+
+/// W0: what W1 does without the runtime. One task per entity reads a bounded mailbox of
+/// (JSON payload, oneshot) pairs, decodes the request, encodes the answer and sends it back;
+/// the caller encodes its request and decodes the answer, as an entity client does.
+async fn bare_echo(plan: &Plan) -> Result<Measured, String> {
+    type Mail = (String, tokio::sync::oneshot::Sender<String>);
+    let mailboxes: Arc<Vec<tokio::sync::mpsc::Sender<Mail>>> = Arc::new(
+        (0..plan.entities.max(1))
+            .map(|_| {
+                let (sender, mut receiver) = tokio::sync::mpsc::channel::<Mail>(64);
+                tokio::spawn(async move {
+                    while let Some((payload, reply)) = receiver.recv().await {
+                        let answer = serde_json::from_str::<Ping>(&payload)
+                            .map_err(|error| error.to_string())
+                            .and_then(|ping| {
+                                serde_json::to_string(&ping.0).map_err(|error| error.to_string())
+                            });
+                        let _ = reply.send(answer.unwrap_or_default());
+                    }
+                });
+                sender
+            })
+            .collect(),
+    );
+    measure(plan, None, move |n| {
+        let mailboxes = Arc::clone(&mailboxes);
+        async move {
+            let payload = serde_json::to_string(&Ping(n as u64)).map_err(|e| e.to_string())?;
+            let (reply, answer) = tokio::sync::oneshot::channel();
+            let mailbox = &mailboxes[n % mailboxes.len()];
+            mailbox.send((payload, reply)).await.map_err(|_| "mailbox closed".to_owned())?;
+            let answer = answer.await.map_err(|_| "no answer".to_owned())?;
+            check(serde_json::from_str(&answer).map_err(|e| e.to_string())?, n)
+        }
+    })
+    .await
 }
 
 /// W2 to W5: one runner holding every shard's lock on `database`.

@@ -15,9 +15,10 @@
 //!   a read followed by a write never fails on a lock upgrade, and the busy timeout absorbs short
 //!   contention.
 //! - The message worker groups queued writes (saved requests, acknowledgements, interrupts,
-//!   replies, and claims of unprocessed messages) into one transaction, each under its own
-//!   savepoint, so under `synchronous=FULL` a burst of concurrent writes costs one fsync, and one
-//!   failing write fails only its own caller (group commit, DESIGN.md §3 decision 5).
+//!   replies, and claims of unprocessed messages) into one transaction, so under
+//!   `synchronous=FULL` a burst of concurrent writes costs one fsync (group commit, DESIGN.md §3
+//!   decision 5). When a write of the batch fails, the batch runs again with each write under
+//!   its own savepoint, so one failing write fails only its own caller.
 //! - A user transaction ([`MessageStorage::begin_transaction`]) spans await points, so it gets a
 //!   connection of its own from a small pool of transaction workers; it never captures the shared
 //!   worker.
@@ -38,6 +39,7 @@ use std::time::Duration;
 
 use crate::options::SqlStorageOptions;
 
+mod checkpointer;
 mod message_storage;
 mod queries;
 mod runner_storage;
@@ -50,6 +52,7 @@ pub use runner_storage::SqliteRunnerStorage;
 const COMMAND_QUEUE_LEN_MAX_DEFAULT: NonZeroUsize = NonZeroUsize::new(1024).unwrap();
 const GROUP_COMMIT_LEN_MAX_DEFAULT: NonZeroUsize = NonZeroUsize::new(256).unwrap();
 const TRANSACTIONS_OPEN_MAX_DEFAULT: NonZeroUsize = NonZeroUsize::new(16).unwrap();
+const CHECKPOINT_INTERVAL_DEFAULT: Duration = Duration::from_millis(25);
 
 /// How hard SQLite works to make a commit durable (`PRAGMA synchronous`), in WAL mode.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -91,6 +94,12 @@ pub struct SqliteOptions {
     /// The most user transactions open at once, each on its own connection; further
     /// `begin_transaction` calls wait for one to end.
     pub transactions_open_max: NonZeroUsize,
+    /// How often, at most, a background connection checkpoints the write-ahead log of the
+    /// message storage while it is written (25 ms by default): the message worker then spends
+    /// its time committing, not copying pages into the database file, and its own automatic
+    /// checkpoint only starts past 10,000 pages. `None` leaves checkpoints to the message
+    /// worker at SQLite's default of 1,000 pages.
+    pub checkpoint_interval: Option<Duration>,
 }
 
 impl SqliteOptions {
@@ -109,6 +118,7 @@ impl Default for SqliteOptions {
             command_queue_len_max: COMMAND_QUEUE_LEN_MAX_DEFAULT,
             group_commit_len_max: GROUP_COMMIT_LEN_MAX_DEFAULT,
             transactions_open_max: TRANSACTIONS_OPEN_MAX_DEFAULT,
+            checkpoint_interval: Some(CHECKPOINT_INTERVAL_DEFAULT),
         }
     }
 }

@@ -83,7 +83,7 @@ impl SqliteMessageStorage {
         options: SqliteOptions,
     ) -> Result<SqliteMessageStorage, StorageError> {
         let path = path.as_ref().to_path_buf();
-        let worker = Worker::spawn(&path, &options, "messages").await?;
+        let worker = Worker::spawn_writer(&path, &options).await?;
         let permits = Arc::new(Semaphore::new(options.transactions_open_max.get()));
         let transactions =
             Arc::new(TransactionPool { path, options, idle: Mutex::new(Vec::new()), permits });
@@ -782,31 +782,57 @@ fn respond<T>(reply: Responder<T>, operation: &str, result: rusqlite::Result<T>)
     let _ = reply.send(result.map_err(|error| classify(operation, error)));
 }
 
-/// Runs a batch of writes: together in one transaction, each under a savepoint, so one failing
-/// write fails only its own caller and the batch costs one commit (one fsync under
-/// `synchronous=FULL`); one by one if the shared transaction itself fails. Callers hear back
-/// only after their write is committed. Each write sees the ones before it, so two claims in a
-/// batch never return the same row.
+/// Runs a batch of writes: together in one transaction, so the batch costs one commit (one
+/// fsync under `synchronous=FULL`). Callers hear back only after their write is committed. Each
+/// write sees the ones before it, so two claims in a batch never return the same row.
+///
+/// The batch first runs without savepoints (a savepoint per write costs two statements and a
+/// sub-journal page for every page it touches). If a write fails, that transaction is rolled
+/// back and the batch runs again with each write under its own savepoint, so one failing write
+/// fails only its own caller; if the shared transaction itself fails (its begin or commit), the
+/// writes run one by one.
 pub(super) fn run_writes(state: &WorkerState, batch: Vec<Write>) {
     let connection = &state.connection;
     let sql = &state.statements.message;
     if batch.len() > 1 {
-        let grouped = queries::immediate(connection, |connection| {
+        // Whether a write failed (rather than the transaction's begin or commit).
+        let mut write_failed = false;
+        let optimistic = queries::immediate(connection, |connection| {
             batch
                 .iter()
-                .map(|save| queries::savepoint(connection, |c| execute_write(c, sql, &save.op)))
+                .map(|save| execute_write(connection, sql, &save.op))
                 .collect::<rusqlite::Result<Vec<_>>>()
+                .inspect_err(|_| write_failed = true)
         });
-        match grouped {
+        match optimistic {
             Ok(results) => {
                 tracing::debug!(n_writes = batch.len(), "sqlite group commit");
                 for (save, result) in batch.into_iter().zip(results) {
-                    respond(save.reply, save.op.name(), result);
+                    respond(save.reply, save.op.name(), Ok(result));
                 }
                 return;
             }
             Err(error) => {
-                tracing::debug!(%error, n_writes = batch.len(), "sqlite group commit failed, writing one by one");
+                tracing::debug!(%error, n_writes = batch.len(), write_failed, "sqlite group commit failed");
+            }
+        }
+        if write_failed {
+            let isolated = queries::immediate(connection, |connection| {
+                batch
+                    .iter()
+                    .map(|save| queries::savepoint(connection, |c| execute_write(c, sql, &save.op)))
+                    .collect::<rusqlite::Result<Vec<_>>>()
+            });
+            match isolated {
+                Ok(results) => {
+                    for (save, result) in batch.into_iter().zip(results) {
+                        respond(save.reply, save.op.name(), result);
+                    }
+                    return;
+                }
+                Err(error) => {
+                    tracing::debug!(%error, n_writes = batch.len(), "sqlite group commit failed, writing one by one");
+                }
             }
         }
     }

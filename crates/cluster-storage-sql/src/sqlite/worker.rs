@@ -20,6 +20,7 @@ use rusqlite::{Connection, ErrorCode};
 use tokio::sync::{mpsc, oneshot};
 
 use super::SqliteOptions;
+use super::checkpointer::{self, Checkpointer};
 use super::message_storage::{self, MessageOp, TransactionOp, Write};
 use super::queries::{self, MigrationSet, Statements};
 use super::runner_storage::{self, RunnerOp};
@@ -70,6 +71,8 @@ pub(super) struct WorkerState {
     pub(super) expiration_modifier: String,
     pub(super) group_commit_len_max: usize,
     pub(super) transaction: TransactionState,
+    /// The background checkpointer of the message worker (see [`checkpointer`]).
+    pub(super) checkpointer: Option<Checkpointer>,
 }
 
 /// A handle on a worker thread: cheap to clone; the thread stops when the last handle is
@@ -101,6 +104,24 @@ impl Worker {
         options: &SqliteOptions,
         role: &str,
     ) -> Result<Worker, StorageError> {
+        Worker::spawn_with(path, options, role, false).await
+    }
+
+    /// [`Worker::spawn`] for the message worker, whose database gets a background checkpointer
+    /// unless [`SqliteOptions::checkpoint_interval`] is `None`.
+    pub(super) async fn spawn_writer(
+        path: &Path,
+        options: &SqliteOptions,
+    ) -> Result<Worker, StorageError> {
+        Worker::spawn_with(path, options, "messages", true).await
+    }
+
+    async fn spawn_with(
+        path: &Path,
+        options: &SqliteOptions,
+        role: &str,
+        writer: bool,
+    ) -> Result<Worker, StorageError> {
         let name: Arc<str> = Arc::from(format!("cluster-sqlite-{role}"));
         let (sender, receiver) = mpsc::channel(options.command_queue_len_max.get());
         let (ready_sender, ready) = oneshot::channel();
@@ -109,7 +130,7 @@ impl Worker {
         let thread_options = options.clone();
         std::thread::Builder::new()
             .name(name.to_string())
-            .spawn(move || match open(&path, &thread_options) {
+            .spawn(move || match open(&path, &thread_options, writer) {
                 Ok(state) => {
                     if ready_sender.send(Ok(())).is_ok() {
                         run(state, receiver);
@@ -166,8 +187,8 @@ impl Worker {
     }
 }
 
-/// Opens and configures a connection.
-fn open(path: &Path, options: &SqliteOptions) -> rusqlite::Result<WorkerState> {
+/// Opens and configures a connection; the message `writer`'s with its checkpointer.
+fn open(path: &Path, options: &SqliteOptions, writer: bool) -> rusqlite::Result<WorkerState> {
     let connection = Connection::open(path)?;
     connection.busy_timeout(options.busy_timeout)?;
     let journal_mode: String =
@@ -178,6 +199,18 @@ fn open(path: &Path, options: &SqliteOptions) -> rusqlite::Result<WorkerState> {
     }
     connection.pragma_update(None, "synchronous", options.synchronous.pragma_value())?;
     connection.set_prepared_statement_cache_capacity(64);
+    let checkpointer = match options.checkpoint_interval {
+        Some(interval) if writer => {
+            let checkpointer = Checkpointer::spawn(path, options, interval)?;
+            connection.pragma_update(
+                None,
+                "wal_autocheckpoint",
+                checkpointer::WRITER_AUTOCHECKPOINT_PAGES,
+            )?;
+            Some(checkpointer)
+        }
+        _ => None,
+    };
     let expiration_seconds =
         i64::try_from(options.storage.expiration_seconds()).unwrap_or(i64::MAX);
     Ok(WorkerState {
@@ -187,6 +220,7 @@ fn open(path: &Path, options: &SqliteOptions) -> rusqlite::Result<WorkerState> {
         expiration_modifier: format!("-{expiration_seconds} seconds"),
         group_commit_len_max: options.group_commit_len_max.get(),
         transaction: TransactionState::Idle,
+        checkpointer,
     })
 }
 
@@ -216,6 +250,9 @@ fn run(mut state: WorkerState, mut receiver: mpsc::Receiver<Command>) {
                     }
                 }
                 message_storage::run_writes(&state, batch);
+                if let Some(checkpointer) = &state.checkpointer {
+                    checkpointer.nudge();
+                }
             }
             Command::Message(operation) => message_storage::run_operation(&state, operation),
             Command::Runner(operation) => runner_storage::run_operation(&state, operation),
@@ -230,6 +267,9 @@ fn run(mut state: WorkerState, mut receiver: mpsc::Receiver<Command>) {
                 let _ = reply.send(result);
             }
             Command::Shutdown { reply } => {
+                // Its connection closes first, so the writer's is the last one (which
+                // checkpoints what is left and removes the log).
+                drop(state.checkpointer.take());
                 queries::rollback(&state.connection);
                 if let Err((_, error)) = state.connection.close() {
                     tracing::warn!(%error, "closing a sqlite connection failed");

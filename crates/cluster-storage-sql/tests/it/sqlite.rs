@@ -639,6 +639,36 @@ async fn a_dead_worker_is_unavailable_not_a_hang() {
     database.remove();
 }
 
+/// The message storage's write-ahead log is copied into the database file by a background
+/// connection: the file receives the saved requests although the log stays far below the
+/// writer's own checkpoint threshold (10,000 pages while the checkpointer runs).
+#[tokio::test]
+async fn a_background_connection_checkpoints_the_log() {
+    let database = TempDatabase::new();
+    let storage =
+        Arc::new(SqliteMessageStorage::open(&database.path, database.options()).await.unwrap());
+    let length = |path: &Path| std::fs::metadata(path).map_or(0, |metadata| metadata.len());
+    let log = database.path.with_extension("db-wal");
+    // 1,000 requests of 4 KiB: a little over 1,000 pages of table, index and log.
+    let mut saves = tokio::task::JoinSet::new();
+    for id in 1..=1_000_u64 {
+        let storage = Arc::clone(&storage);
+        saves.spawn(async move {
+            let mut request = request(id);
+            request.payload = RawJson::encode(&"x".repeat(4_096)).expect("json");
+            storage.save_request(&request, &SaveRequestOptions::default()).await
+        });
+    }
+    while let Some(saved) = saves.join_next().await {
+        assert_eq!(saved.unwrap().unwrap(), SaveResult::Success);
+    }
+    eventually("the database file holds the saved requests", || length(&database.path) > 4_000_000)
+        .await;
+    assert!(length(&log) < 10_000 * 4_096, "the log grew to {} bytes", length(&log));
+    storage.close().await;
+    database.remove();
+}
+
 /// Saves queued together share one transaction, and each caller still gets its own result:
 /// a conflicting save fails alone.
 ///
