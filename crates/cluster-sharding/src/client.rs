@@ -8,9 +8,9 @@ use cluster_core::envelope::{Cause, CauseReason, Exit, RawJson, Reply, Request, 
 use cluster_core::storage::SaveRequestOptions;
 use cluster_core::{ClusterError, EntityAddress, Snowflake};
 use tokio::sync::mpsc;
-use tokio_util::sync::DropGuard;
 
 use crate::entity::{Entity, Handler, StreamHandler};
+use crate::interrupt::InterruptGuard;
 use crate::rpc::{CallError, Rpc, StreamRpc};
 use crate::sharding::Sharding;
 
@@ -35,7 +35,7 @@ pub struct ChunkStream<R: StreamRpc> {
 /// Where a stream's acknowledgements go, and what interrupts it when dropped early.
 enum Acks {
     /// To the local handler, interrupted by cancellation.
-    Local { acks: mpsc::Sender<Snowflake>, interrupt: Option<DropGuard> },
+    Local { acks: mpsc::Sender<Snowflake>, interrupt: Option<InterruptGuard> },
     /// Through storage, interrupted by a stored interrupt.
     Stored(crate::persisted::PersistedStream),
 }

@@ -53,6 +53,7 @@ use serde::de::DeserializeOwned;
 use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
 
+use crate::interrupt::InterruptSignal;
 use crate::keep_alive::KeepAliveHandle;
 use crate::rpc::{Rpc, StreamRpc};
 use crate::sharding::Sharding;
@@ -274,7 +275,7 @@ pub type TransactionSlot = Arc<tokio::sync::Mutex<Option<Box<dyn MessageTransact
 pub struct RequestContext {
     address: EntityAddress,
     request_id: Snowflake,
-    cancellation: CancellationToken,
+    cancellation: InterruptSignal,
     transaction: Option<TransactionSlot>,
     keep_alive: KeepAliveHandle,
     /// The request's headers, unless it has none.
@@ -295,7 +296,7 @@ impl RequestContext {
     pub(crate) fn new(
         address: EntityAddress,
         request_id: Snowflake,
-        cancellation: CancellationToken,
+        cancellation: InterruptSignal,
         transaction: Option<TransactionSlot>,
         keep_alive: KeepAliveHandle,
         headers: &RawJson,
@@ -339,9 +340,9 @@ impl RequestContext {
         self.request_id
     }
 
-    /// Cancelled when the request is interrupted.
+    /// Cancelled when the request is interrupted; cancelling it interrupts the request.
     pub fn cancellation(&self) -> &CancellationToken {
-        &self.cancellation
+        self.cancellation.token()
     }
 }
 

@@ -94,6 +94,7 @@ mod client;
 mod cluster;
 mod cron;
 mod entity;
+mod interrupt;
 mod keep_alive;
 mod manager;
 pub mod metrics;

@@ -29,6 +29,7 @@ use crate::entity::{
     CallKind, ChunkChannel, Entity, EntityContext, Ids, Protocol, RequestContext, SharedValue,
     Sharing, TransactionSlot, malformed,
 };
+use crate::interrupt::InterruptSignal;
 use crate::keep_alive::{KEEP_ALIVE_TAG, KeepAlive, KeepAliveHandle, KeepAliveSender};
 use crate::metrics;
 use crate::sharding::WeakSharding;
@@ -72,8 +73,8 @@ impl RestartBackoff {
 /// A request handed to an instance, with where its exit goes.
 pub(crate) struct Delivery {
     pub(crate) request: Request,
-    /// Cancelled when the request is interrupted.
-    pub(crate) cancellation: CancellationToken,
+    /// Fired when the request is interrupted.
+    pub(crate) cancellation: InterruptSignal,
     pub(crate) reply: ReplyTo,
     /// The storage transaction the handler runs in (persisted `WITH_TRANSACTION` requests).
     pub(crate) transaction: Option<TransactionSlot>,
@@ -657,7 +658,7 @@ impl<E: Entity> Slot<E> {
 struct Finished<E> {
     /// The delivery's position in the instance's delivery order.
     seq: u64,
-    delivery: Delivery,
+    delivery: Box<Delivery>,
     access: Access<E>,
     outcome: Outcome,
 }
@@ -665,7 +666,9 @@ struct Finished<E> {
 /// A delivery waiting to start, with its position in delivery order.
 struct Queued {
     seq: u64,
-    delivery: Delivery,
+    /// Boxed as it came through the mailbox: it moves from the queue into the run and back
+    /// into [`Finished`] as a pointer.
+    delivery: Box<Delivery>,
 }
 
 /// One resident instance: its entity value, its requests waiting to start (in delivery
@@ -775,7 +778,7 @@ impl<E: Entity> InstanceLoop<E> {
                     &mut self.idle_timer,
                 );
                 match next.await {
-                    Next::Delivery(delivery) => self.enqueue(*delivery),
+                    Next::Delivery(delivery) => self.enqueue(delivery),
                     Next::Idle => return,
                     Next::Closed => {
                         self.mailbox_open = false;
@@ -788,7 +791,7 @@ impl<E: Entity> InstanceLoop<E> {
                 biased;
                 Some(finished) = self.running.next() => self.settle(finished).await,
                 delivery = self.receiver.recv(), if self.mailbox_open => match delivery {
-                    Some(delivery) => self.enqueue(*delivery),
+                    Some(delivery) => self.enqueue(delivery),
                     None => self.mailbox_open = false,
                 },
             }
@@ -830,7 +833,7 @@ impl<E: Entity> InstanceLoop<E> {
         }
     }
 
-    fn enqueue(&mut self, delivery: Delivery) {
+    fn enqueue(&mut self, delivery: Box<Delivery>) {
         self.queue.push_back(Queued { seq: self.next_seq, delivery });
         self.next_seq += 1;
     }
@@ -921,7 +924,7 @@ impl<E: Entity> InstanceLoop<E> {
 
     /// Sends a request's exit to where it goes; the caller may have gone away (an interrupted
     /// request).
-    async fn respond(&mut self, delivery: Delivery, exit: Exit) {
+    async fn respond(&mut self, delivery: Box<Delivery>, exit: Exit) {
         let request_id = delivery.request.request_id;
         match delivery.reply {
             ReplyTo::Exit(reply) => {
@@ -1093,28 +1096,27 @@ async fn handle<E: Entity>(
         },
         _ => return Outcome::Exited(malformed("a request was dispatched in the wrong mode")),
     };
-    let handled = AssertUnwindSafe(call).catch_unwind().instrument(span);
-    // Requests that do not wait for the graceful drain are cut off when stopping begins.
-    let stopping = async {
-        if entry.interrupt_on_termination {
-            signals.stopping.cancelled().await;
-        } else {
-            std::future::pending::<()>().await;
+    // The handler is polled once on its own: one that finishes on its first poll (most do)
+    // never builds the wait on the four interrupt sources, nor registers with them (which
+    // costs a lock on each). The interruptions were checked just before it started.
+    let outcome = {
+        let mut handled = std::pin::pin!(AssertUnwindSafe(call).catch_unwind().instrument(span));
+        match futures_util::poll!(handled.as_mut()) {
+            std::task::Poll::Ready(Ok(exit)) => Outcome::Exited(exit),
+            std::task::Poll::Ready(Err(_)) => Outcome::Panicked,
+            std::task::Poll::Pending => {
+                let interrupt_on_termination = entry.interrupt_on_termination;
+                let interrupted = &delivery.cancellation;
+                Box::pin(until_interrupted(
+                    handled,
+                    interrupted,
+                    signals,
+                    generation,
+                    interrupt_on_termination,
+                ))
+                .await
+            }
         }
-    };
-    // The handler is polled first: one that finishes on its first poll (most do) never
-    // registers with the four interrupt sources, which costs a lock on each. The
-    // interruptions were checked just before it started.
-    let outcome = tokio::select! {
-        biased;
-        handled = handled => match handled {
-            Ok(exit) => Outcome::Exited(exit),
-            Err(_) => Outcome::Panicked,
-        },
-        () = delivery.cancellation.cancelled() => Outcome::Exited(Exit::interrupt()),
-        () = signals.interrupt.cancelled() => Outcome::Exited(Exit::interrupt()),
-        () = generation.cancelled() => Outcome::Restarted,
-        () = stopping => Outcome::Exited(Exit::interrupt()),
     };
     // Give the stream's acknowledgements back, so that a restarted run continues the stream.
     if let (Some(channel), ReplyTo::Stream(stream)) = (channel, &mut delivery.reply) {
@@ -1122,6 +1124,39 @@ async fn handle<E: Entity>(
         stream.last_sent = channel.last_sent;
     }
     outcome
+}
+
+/// Runs a handler that did not finish on its first poll to its end, or until one of its
+/// interrupt sources fires: the request's own, the instance's interruption, its restart, or
+/// (for requests that do not wait for the graceful drain) the start of its stopping.
+async fn until_interrupted<F>(
+    handled: std::pin::Pin<&mut F>,
+    interrupted: &InterruptSignal,
+    signals: &Signals,
+    generation: &CancellationToken,
+    interrupt_on_termination: bool,
+) -> Outcome
+where
+    F: std::future::Future<Output = std::thread::Result<Exit>>,
+{
+    let stopping = async {
+        if interrupt_on_termination {
+            signals.stopping.cancelled().await;
+        } else {
+            std::future::pending::<()>().await;
+        }
+    };
+    tokio::select! {
+        biased;
+        handled = handled => match handled {
+            Ok(exit) => Outcome::Exited(exit),
+            Err(_) => Outcome::Panicked,
+        },
+        () = interrupted.cancelled() => Outcome::Exited(Exit::interrupt()),
+        () = signals.interrupt.cancelled() => Outcome::Exited(Exit::interrupt()),
+        () = generation.cancelled() => Outcome::Restarted,
+        () = stopping => Outcome::Exited(Exit::interrupt()),
+    }
 }
 
 #[cfg(test)]

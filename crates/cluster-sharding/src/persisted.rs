@@ -23,9 +23,9 @@ use cluster_core::storage::{
 use cluster_core::{ClusterError, EntityAddress, EntityType, ShardId, Snowflake};
 use tokio::sync::{Notify, mpsc, oneshot};
 use tokio::time::Instant;
-use tokio_util::sync::CancellationToken;
 
 use crate::entity::{TransactionSlot, malformed};
+use crate::interrupt::InterruptSignal;
 use crate::manager::{Delivery, Refused, ReplyTo, StreamReplies};
 use crate::metrics;
 use crate::sharding::Sharding;
@@ -125,7 +125,7 @@ impl ReplyWaiter for Waiter {
 /// A request handed to its entity and not answered yet.
 struct InFlight {
     /// Interrupts it.
-    cancellation: CancellationToken,
+    cancellation: InterruptSignal,
     /// Set once its handler started.
     started: Arc<std::sync::atomic::AtomicBool>,
 }
@@ -723,7 +723,7 @@ impl Sharding {
             None
         };
         let rerun = manager.rerun_on_interrupt(&request.tag).then(|| request.clone());
-        let cancellation = CancellationToken::new();
+        let cancellation = InterruptSignal::new();
         let started = Arc::new(std::sync::atomic::AtomicBool::new(false));
         {
             let mut in_flight = lock(&persisted.in_flight);

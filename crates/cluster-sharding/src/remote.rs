@@ -20,7 +20,8 @@ use cluster_core::future::BoxFuture;
 use cluster_core::runners::{ReplyStream, RunnerHandler};
 use cluster_core::{ClusterError, RunnerAddress, ShardId, Snowflake};
 use tokio::sync::{mpsc, oneshot};
-use tokio_util::sync::CancellationToken;
+
+use crate::interrupt::InterruptSignal;
 
 use crate::sharding::{STREAM_BUFFER, Sharding, WeakSharding};
 
@@ -44,7 +45,7 @@ pub(crate) struct RemoteCalls {
 }
 
 struct RemoteCall {
-    cancellation: CancellationToken,
+    cancellation: InterruptSignal,
     acks: Option<mpsc::Sender<Snowflake>>,
 }
 
@@ -221,7 +222,7 @@ impl Sharding {
     pub(crate) async fn stream_volatile(
         &self,
         request: Request,
-    ) -> Result<(mpsc::Receiver<Reply>, mpsc::Sender<Snowflake>, CancellationToken), ClusterError>
+    ) -> Result<(mpsc::Receiver<Reply>, mpsc::Sender<Snowflake>, InterruptSignal), ClusterError>
     {
         self.routed(
             request,
@@ -236,7 +237,7 @@ impl Sharding {
         &self,
         owner: RunnerAddress,
         request: Request,
-    ) -> Result<(mpsc::Receiver<Reply>, mpsc::Sender<Snowflake>, CancellationToken), ClusterError>
+    ) -> Result<(mpsc::Receiver<Reply>, mpsc::Sender<Snowflake>, InterruptSignal), ClusterError>
     {
         let Some(transport) = self.transport().cloned() else {
             return Err(ClusterError::EntityNotAssignedToRunner { address: request.address });
@@ -246,7 +247,7 @@ impl Sharding {
         let mut stream = transport.stream(&owner, request, false).await?;
         let (replies, replied) = mpsc::channel(STREAM_BUFFER);
         let (acked, mut acks) = mpsc::channel::<Snowflake>(STREAM_BUFFER);
-        let cancellation = CancellationToken::new();
+        let cancellation = InterruptSignal::new();
         // The replies are pumped until the final one, the caller goes away or interrupts.
         let stop = cancellation.clone();
         tokio::spawn(async move {
@@ -387,7 +388,7 @@ impl RunnerHandler for Server {
                     as Box<dyn ReplyStream>)
             } else {
                 let (reply, exit) = oneshot::channel();
-                let cancellation = CancellationToken::new();
+                let cancellation = InterruptSignal::new();
                 let call = RemoteCall { cancellation: cancellation.clone(), acks: None };
                 sharding.remote_calls().insert(request_id, call);
                 let guard = CallGuard {
@@ -423,7 +424,7 @@ impl RunnerHandler for Server {
 struct CallGuard {
     sharding: WeakSharding,
     request_id: Snowflake,
-    cancellation: CancellationToken,
+    cancellation: InterruptSignal,
 }
 
 impl Drop for CallGuard {

@@ -21,6 +21,8 @@ use cluster_core::{
 };
 use tokio::sync::{Notify, broadcast, mpsc, oneshot};
 use tokio_util::sync::CancellationToken;
+
+use crate::interrupt::InterruptSignal;
 use tokio_util::task::TaskTracker;
 
 use crate::client::EntityClient;
@@ -650,10 +652,10 @@ impl Sharding {
     ) -> Result<Exit, ClusterError> {
         let address = request.address.clone();
         let (reply, exit) = oneshot::channel();
-        let cancellation = CancellationToken::new();
-        self.deliver(request, cancellation.clone(), reply).await?;
+        let interrupt = InterruptSignal::new();
+        self.deliver(request, interrupt.clone(), reply).await?;
         // Dropped before the exit arrives (the caller went away): interrupt the request.
-        let interrupt_on_drop = (!uninterruptible).then(|| cancellation.drop_guard());
+        let interrupt_on_drop = (!uninterruptible).then(|| interrupt.drop_guard());
         let exit = exit.await.map_err(|_| ClusterError::EntityNotAssignedToRunner { address });
         if let Some(guard) = interrupt_on_drop {
             guard.disarm();
@@ -666,7 +668,7 @@ impl Sharding {
     pub(crate) async fn stream_local(
         &self,
         request: Request,
-    ) -> Result<(mpsc::Receiver<Reply>, mpsc::Sender<Snowflake>, CancellationToken), ClusterError>
+    ) -> Result<(mpsc::Receiver<Reply>, mpsc::Sender<Snowflake>, InterruptSignal), ClusterError>
     {
         let address = request.address.clone();
         if !self.await_shard(&address.shard_id).await {
@@ -676,7 +678,7 @@ impl Sharding {
         // final reply.
         let (replies, replied) = mpsc::channel(STREAM_BUFFER);
         let (acked, acks) = mpsc::channel(STREAM_BUFFER);
-        let cancellation = CancellationToken::new();
+        let cancellation = InterruptSignal::new();
         let manager = match self.manager_for(&address).await {
             Ok(manager) => manager,
             Err(defect) => {
@@ -743,14 +745,14 @@ impl Sharding {
     /// Delivers a volatile request without waiting for its exit (a discarded call).
     pub(crate) async fn notify_local(&self, request: Request) -> Result<(), ClusterError> {
         let (reply, _ignored) = oneshot::channel();
-        self.deliver(request, CancellationToken::new(), reply).await
+        self.deliver(request, InterruptSignal::new(), reply).await
     }
 
     /// Delivers a volatile request to the local entity; its exit goes to `reply`.
     pub(crate) async fn deliver(
         &self,
         request: Request,
-        cancellation: CancellationToken,
+        cancellation: InterruptSignal,
         reply: oneshot::Sender<Exit>,
     ) -> Result<(), ClusterError> {
         // The common case (a held shard, a registered type) reads no clock and waits for
