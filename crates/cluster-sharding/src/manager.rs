@@ -686,13 +686,14 @@ struct InstanceLoop<E: Entity> {
     active: Arc<Active>,
     keep_alive: KeepAliveHandle,
     slot: Slot<E>,
-    /// Cancelled when the entity restarts after a panic: the running requests stop.
-    generation: CancellationToken,
+    /// Fired when the entity restarts after a panic: the running requests stop.
+    generation: InterruptSignal,
     queue: VecDeque<Queued>,
     running: FuturesUnordered<BoxFuture<'static, Finished<E>>>,
     next_seq: u64,
     mailbox_open: bool,
-    signals: Signals,
+    /// Shared with the shared requests' runs (one reference count, not a clone of each token).
+    signals: Arc<Signals>,
     /// The idle timer, registered once and moved forward only when it fires (a timer per
     /// request would cost a timer-wheel insertion and removal on every delivery).
     idle_timer: Option<Pin<Box<tokio::time::Sleep>>>,
@@ -722,12 +723,12 @@ async fn run_instance<E: Entity>(
         active,
         keep_alive,
         slot: Slot::Idle(entity),
-        generation: CancellationToken::new(),
+        generation: InterruptSignal::new(),
         queue: VecDeque::new(),
         running: FuturesUnordered::new(),
         next_seq: 0,
         mailbox_open: true,
-        signals,
+        signals: Arc::new(signals),
         idle_timer: None,
     };
     loop {
@@ -849,16 +850,21 @@ impl<E: Entity> InstanceLoop<E> {
             Box::pin(self.restart(Vec::new())).await;
             return;
         };
-        let finished = run_one(
-            Arc::clone(&self.shared),
-            Access::Exclusive(entity),
-            queued,
-            self.keep_alive.clone(),
-            self.generation.clone(),
-            self.signals.clone(),
+        // Inline, on borrowed signals: nothing is cloned for the run (a clone of a token takes
+        // its lock, and so does the drop).
+        let Queued { seq, mut delivery } = queued;
+        let mut access = Access::Exclusive(entity);
+        let keep_alive = self.keep_alive.clone();
+        let outcome = handle(
+            &self.shared,
+            &mut access,
+            &mut delivery,
+            keep_alive,
+            &self.generation,
+            &self.signals,
         )
         .await;
-        self.settle(finished).await;
+        self.settle(Finished { seq, delivery, access, outcome }).await;
     }
 
     /// Starts the head of the queue, a shared request, alongside the running ones.
@@ -877,7 +883,7 @@ impl<E: Entity> InstanceLoop<E> {
             queued,
             self.keep_alive.clone(),
             self.generation.clone(),
-            self.signals.clone(),
+            Arc::clone(&self.signals),
         );
         self.running.push(Box::pin(run));
     }
@@ -918,7 +924,7 @@ impl<E: Entity> InstanceLoop<E> {
         self.shared.backoff(&self.signals.interrupt).await;
         if let Some(entity) = create(&self.shared, &self.address, &self.signals.interrupt).await {
             self.slot = Slot::Idle(entity);
-            self.generation = CancellationToken::new();
+            self.generation = InterruptSignal::new();
         }
     }
 
@@ -1017,8 +1023,8 @@ async fn run_one<E: Entity>(
     mut access: Access<E>,
     queued: Queued,
     keep_alive: KeepAliveHandle,
-    generation: CancellationToken,
-    signals: Signals,
+    generation: InterruptSignal,
+    signals: Arc<Signals>,
 ) -> Finished<E> {
     let Queued { seq, mut delivery } = queued;
     let outcome =
@@ -1031,7 +1037,7 @@ async fn handle<E: Entity>(
     access: &mut Access<E>,
     delivery: &mut Delivery,
     keep_alive: KeepAliveHandle,
-    generation: &CancellationToken,
+    generation: &InterruptSignal,
     signals: &Signals,
 ) -> Outcome {
     let request = &delivery.request;
@@ -1133,7 +1139,7 @@ async fn until_interrupted<F>(
     handled: std::pin::Pin<&mut F>,
     interrupted: &InterruptSignal,
     signals: &Signals,
-    generation: &CancellationToken,
+    generation: &InterruptSignal,
     interrupt_on_termination: bool,
 ) -> Outcome
 where
