@@ -7,17 +7,17 @@
 //! handler panics, replaying the requests that were running: the reference's defect restart. Admission is decided under the manager's lock, so a request either reaches a live
 //! instance or fails at once with a typed error.
 
-use std::collections::{BTreeMap, BTreeSet, VecDeque};
+use std::collections::{BTreeSet, VecDeque};
 use std::panic::AssertUnwindSafe;
 use std::pin::Pin;
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 use std::time::Duration;
 
 use cluster_core::config::Capacity;
 use cluster_core::envelope::{Chunk, Exit, Reply, Request, WithExit};
 use cluster_core::future::BoxFuture;
-use cluster_core::{ClusterError, EntityAddress, EntityId, EntityType, ShardId, Snowflake};
+use cluster_core::{ClusterError, EntityAddress, EntityType, ShardId, Snowflake};
 use futures_util::stream::FuturesUnordered;
 use futures_util::{FutureExt, StreamExt};
 use tokio::sync::{mpsc, oneshot};
@@ -33,6 +33,7 @@ use crate::interrupt::InterruptSignal;
 use crate::keep_alive::{KEEP_ALIVE_TAG, KeepAlive, KeepAliveHandle, KeepAliveSender};
 use crate::metrics;
 use crate::sharding::WeakSharding;
+use instances::{Instances, Partition};
 
 /// The largest mailbox channel; an unbounded mailbox capacity is capped here (everything has a
 /// limit).
@@ -258,7 +259,10 @@ struct Shared<E: Entity> {
     options: ManagerOptions,
     residency: Arc<Residency>,
     ids: Arc<Ids>,
-    instances: Mutex<BTreeMap<EntityId, Instance>>,
+    instances: Instances<Instance>,
+    /// Set (before `stopping` is cancelled) when the manager stops: read by every delivery
+    /// without taking the token's lock.
+    stopping_flag: AtomicBool,
     /// The restart backoff; as in the reference, it belongs to the type, not to an instance.
     restarts: Mutex<RestartBackoff>,
     /// Set when the manager stops: no request is admitted any more.
@@ -311,7 +315,8 @@ impl<E: Entity> EntityManager<E> {
                 options,
                 residency,
                 ids,
-                instances: Mutex::new(BTreeMap::new()),
+                instances: Instances::new(),
+                stopping_flag: AtomicBool::new(false),
                 restarts: Mutex::new(RestartBackoff::default()),
                 stopping: CancellationToken::new(),
                 closed: CancellationToken::new(),
@@ -333,24 +338,21 @@ impl<E: Entity> ErasedManager for EntityManager<E> {
         let shared = &self.shared;
         // The address is cloned only where it is kept (a new instance) or reported (a refusal).
         let address = || delivery.request.address.clone();
-        let mut instances = lock(&shared.instances);
-        if shared.stopping.is_cancelled() {
+        let mut instances = shared.instances.partition(&delivery.request.address.shard_id);
+        // Under the partition's lock: `shutdown` sets the flag before it clears the partitions.
+        if shared.stopping_flag.load(Ordering::Acquire) {
             return Err(Refused::Cluster(ClusterError::EntityNotAssignedToRunner {
                 address: address(),
             }));
         }
-        // One lookup: the map is keyed by entity id strings, compared byte by byte.
-        let resident = instances.len();
-        let instance = match instances.entry(delivery.request.address.entity_id.clone()) {
-            std::collections::btree_map::Entry::Occupied(entry) => entry.into_mut(),
-            std::collections::btree_map::Entry::Vacant(entry) => {
+        let instance =
+            instances.get_or_try_insert(&delivery.request.address.entity_id, |resident| {
                 if !shared.residency.try_reserve() {
                     return Err(Refused::ResidencyFull(address()));
                 }
-                metrics::set_for_type(metrics::ENTITIES, shared.entity_type.as_str(), resident + 1);
-                entry.insert(Shared::spawn(shared, address()))
-            }
-        };
+                metrics::set_for_type(metrics::ENTITIES, shared.entity_type.as_str(), resident);
+                Ok(Shared::spawn(shared, address()))
+            })?;
         if &*delivery.request.tag == KEEP_ALIVE_TAG {
             // Not a mailbox request: it activates the entity and waits on its latch.
             tracing::debug!(entity_type = %shared.entity_type, entity_id = %delivery.request.address.entity_id, "keep-alive");
@@ -382,11 +384,11 @@ impl<E: Entity> ErasedManager for EntityManager<E> {
     }
 
     fn active_entities(&self) -> usize {
-        lock(&self.shared.instances).len()
+        self.shared.instances.len()
     }
 
     fn resident_addresses(&self) -> Vec<EntityAddress> {
-        lock(&self.shared.instances).values().map(|instance| instance.address.clone()).collect()
+        self.shared.instances.collect(|instance| instance.address.clone())
     }
 
     fn is_stream(&self, tag: &str) -> bool {
@@ -411,22 +413,17 @@ impl<E: Entity> ErasedManager for EntityManager<E> {
             let shared = &self.shared;
             loop {
                 let stopped: Vec<Signals> = {
-                    let mut instances = lock(&shared.instances);
-                    let ids: Vec<EntityId> = instances
-                        .iter()
-                        .filter(|(_, instance)| instance.address.shard_id == *shard)
-                        .map(|(id, _)| id.clone())
-                        .collect();
+                    let mut instances = shared.instances.partition(shard);
                     // Removing an instance drops its mailbox: it ends once its queue is done.
-                    let stopped = ids
-                        .iter()
-                        .filter_map(|id| instances.remove(id))
+                    let stopped = instances
+                        .remove_where(|instance| instance.address.shard_id == *shard)
+                        .into_iter()
                         .map(|instance| instance.signals)
                         .collect();
                     metrics::set_for_type(
                         metrics::ENTITIES,
                         shared.entity_type.as_str(),
-                        instances.len(),
+                        shared.instances.len(),
                     );
                     stopped
                 };
@@ -458,15 +455,16 @@ impl<E: Entity> ErasedManager for EntityManager<E> {
     }
 
     fn has_instances_in(&self, shard: &ShardId) -> bool {
-        lock(&self.shared.instances).values().any(|instance| instance.address.shard_id == *shard)
+        self.shared.instances.partition(shard).any(|instance| instance.address.shard_id == *shard)
     }
 
     fn shutdown(&self, termination_timeout: Duration) -> BoxFuture<'_, ()> {
         Box::pin(async move {
             let shared = &self.shared;
+            shared.stopping_flag.store(true, Ordering::Release);
             shared.stopping.cancel();
             // Dropping the mailboxes' senders ends each instance once its queue is done.
-            lock(&shared.instances).clear();
+            shared.instances.clear();
             metrics::set_for_type(metrics::ENTITIES, shared.entity_type.as_str(), 0);
             shared.tasks.close();
             if tokio::time::timeout(termination_timeout, shared.tasks.wait()).await.is_err() {
@@ -523,11 +521,11 @@ impl<E: Entity> Shared<E> {
 
     /// Whether the instance is idle: nothing running, nothing queued, no keep-alive.
     fn is_idle(&self, address: &EntityAddress, receiver: &mpsc::Receiver<Box<Delivery>>) -> bool {
-        Self::idle_in(&lock(&self.instances), address, receiver)
+        Self::idle_in(&self.instances.partition(&address.shard_id), address, receiver)
     }
 
     fn idle_in(
-        instances: &BTreeMap<EntityId, Instance>,
+        instances: &Partition<'_, Instance>,
         address: &EntityAddress,
         receiver: &mpsc::Receiver<Box<Delivery>>,
     ) -> bool {
@@ -540,11 +538,15 @@ impl<E: Entity> Shared<E> {
     /// Removes the instance if it is idle. Under the lock, so no request can be admitted in
     /// between.
     fn retire(&self, address: &EntityAddress, receiver: &mpsc::Receiver<Box<Delivery>>) -> bool {
-        let mut instances = lock(&self.instances);
+        let mut instances = self.instances.partition(&address.shard_id);
         let idle = Self::idle_in(&instances, address, receiver);
         if idle {
             instances.remove(&address.entity_id);
-            metrics::set_for_type(metrics::ENTITIES, self.entity_type.as_str(), instances.len());
+            metrics::set_for_type(
+                metrics::ENTITIES,
+                self.entity_type.as_str(),
+                self.instances.len(),
+            );
         }
         idle
     }
@@ -1164,6 +1166,8 @@ where
         () = stopping => Outcome::Exited(Exit::interrupt()),
     }
 }
+
+mod instances;
 
 #[cfg(test)]
 mod tests;
