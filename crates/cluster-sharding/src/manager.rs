@@ -7,7 +7,7 @@
 //! handler panics, replaying the requests that were running: the reference's defect restart. Admission is decided under the manager's lock, so a request either reaches a live
 //! instance or fails at once with a typed error.
 
-use std::collections::{BTreeSet, VecDeque};
+use std::collections::VecDeque;
 use std::panic::AssertUnwindSafe;
 use std::pin::Pin;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
@@ -199,9 +199,14 @@ pub(crate) trait ErasedManager: Send + Sync {
 }
 
 /// The requests an instance admitted and has not answered yet, by id.
+///
+/// A sorted `VecDeque` rather than a `BTreeSet`: a set that goes from empty to one id and back
+/// with every request allocated and freed a tree node each time, while the deque keeps its
+/// room. Ids mostly arrive in increasing order (snowflakes) and leave from the front, so the
+/// insertion and removal move few or no elements.
 #[derive(Default)]
 struct Active {
-    ids: Mutex<BTreeSet<Snowflake>>,
+    ids: Mutex<VecDeque<Snowflake>>,
 }
 
 /// Whether a request was admitted into an instance's mailbox.
@@ -213,21 +218,30 @@ enum Admission {
     Duplicate,
 }
 
+/// The room an emptied [`Active`] keeps; past it, the room of a burst is given back.
+const ACTIVE_ROOM_KEPT: usize = 64;
+
 impl Active {
     fn admit(&self, request_id: Snowflake, capacity: Capacity) -> Admission {
         let mut ids = lock(&self.ids);
-        if ids.contains(&request_id) {
-            Admission::Duplicate
-        } else if capacity.is_full(ids.len()) {
-            Admission::Full
-        } else {
-            ids.insert(request_id);
-            Admission::Admitted
+        match ids.binary_search(&request_id) {
+            Ok(_) => Admission::Duplicate,
+            Err(_) if capacity.is_full(ids.len()) => Admission::Full,
+            Err(position) => {
+                ids.insert(position, request_id);
+                Admission::Admitted
+            }
         }
     }
 
     fn finish(&self, request_id: Snowflake) {
-        lock(&self.ids).remove(&request_id);
+        let mut ids = lock(&self.ids);
+        if let Ok(position) = ids.binary_search(&request_id) {
+            ids.remove(position);
+        }
+        if ids.is_empty() && ids.capacity() > ACTIVE_ROOM_KEPT {
+            ids.shrink_to(ACTIVE_ROOM_KEPT);
+        }
     }
 
     fn is_empty(&self) -> bool {

@@ -87,6 +87,9 @@ struct Inner {
     events: broadcast::Sender<RegistrationEvent>,
     residency: Arc<Residency>,
     shutdown: CancellationToken,
+    /// Set (before `shutdown` is cancelled) when the runner stops: what every request reads,
+    /// without the token's lock.
+    shut_down: std::sync::atomic::AtomicBool,
     /// Persisted delivery, when the runtime has a message storage.
     persisted: Option<Arc<Persisted>>,
     /// Every background task of the runtime; awaited at shutdown.
@@ -283,6 +286,7 @@ impl Sharding {
                 events: broadcast::channel(REGISTRATION_EVENTS_MAX).0,
                 residency,
                 shutdown: CancellationToken::new(),
+                shut_down: std::sync::atomic::AtomicBool::new(false),
                 persisted,
                 tasks: TaskTracker::new(),
                 locks: Mutex::new(None),
@@ -398,7 +402,7 @@ impl Sharding {
 
     /// Whether [`shutdown`](Sharding::shutdown) was called.
     pub fn is_shutdown(&self) -> bool {
-        self.inner.shutdown.is_cancelled()
+        self.inner.shut_down.load(std::sync::atomic::Ordering::Acquire)
     }
 
     /// Stops the runner: new requests fail with `EntityNotAssignedToRunner`, the ones already
@@ -408,6 +412,7 @@ impl Sharding {
     /// local callers still waiting for a persisted reply fail with
     /// [`ClusterError::Abandoned`]. Idempotent.
     pub async fn shutdown(&self) {
+        self.inner.shut_down.store(true, std::sync::atomic::Ordering::Release);
         self.inner.shutdown.cancel();
         if let Some(cluster) = &self.inner.cluster {
             // Requests waiting for a shard's lock stop waiting.
@@ -761,17 +766,27 @@ impl Sharding {
         if !self.serves(&address.shard_id) && !Box::pin(self.await_shard(&address.shard_id)).await {
             return Err(ClusterError::EntityNotAssignedToRunner { address: address.clone() });
         }
-        let registered = self.manager(&address.entity_type);
-        let manager = match registered {
-            Some(manager) => manager,
-            None => match Box::pin(self.manager_for(address)).await {
-                Ok(manager) => manager,
-                Err(defect) => {
-                    // The caller gets the defect as the request's exit.
-                    let _ = reply.send(defect);
-                    return Ok(());
-                }
-            },
+        // A registered type's manager is used under the read lock, without cloning its `Arc`
+        // (a reference count every request of every worker would bump).
+        {
+            let managers = self.inner.managers.read().unwrap_or_else(PoisonError::into_inner);
+            if let Some(manager) = managers.get(&address.entity_type) {
+                return Ok(manager.deliver(Delivery {
+                    started: None,
+                    request,
+                    cancellation,
+                    reply: ReplyTo::Exit(reply),
+                    transaction: None,
+                })?);
+            }
+        }
+        let manager = match Box::pin(self.manager_for(&request.address)).await {
+            Ok(manager) => manager,
+            Err(defect) => {
+                // The caller gets the defect as the request's exit.
+                let _ = reply.send(defect);
+                return Ok(());
+            }
         };
         Ok(manager.deliver(Delivery {
             started: None,

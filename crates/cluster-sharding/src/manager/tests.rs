@@ -108,3 +108,40 @@ fn the_restart_backoff_grows_to_its_cap_and_starts_afresh_after_a_quiet_minute()
     assert_eq!(backoff.next(at(11 + 59 + 60)), Duration::from_millis(500));
     assert_eq!(backoff.next(at(11 + 59 + 61)), Duration::from_millis(750));
 }
+
+#[test]
+fn the_active_ids_admit_out_of_order_refuse_duplicates_and_keep_their_bound() {
+    use cluster_core::Snowflake;
+    use cluster_core::config::Capacity;
+
+    use super::{Active, Admission};
+
+    let active = Active::default();
+    let capacity = Capacity::bounded(3).unwrap();
+    for id in [20, 10, 30] {
+        assert!(matches!(active.admit(Snowflake::new(id), capacity), Admission::Admitted));
+    }
+    assert!(matches!(active.admit(Snowflake::new(10), capacity), Admission::Duplicate));
+    assert!(matches!(active.admit(Snowflake::new(40), capacity), Admission::Full));
+    active.finish(Snowflake::new(20));
+    // Finishing an id that is not there changes nothing.
+    active.finish(Snowflake::new(99));
+    assert!(matches!(active.admit(Snowflake::new(15), capacity), Admission::Admitted));
+    assert!(matches!(active.admit(Snowflake::new(15), capacity), Admission::Duplicate));
+    for id in [10, 15, 30] {
+        assert!(!active.is_empty());
+        active.finish(Snowflake::new(id));
+    }
+    assert!(active.is_empty());
+    // A burst past the kept room gives it back once answered.
+    for id in 0..1_000 {
+        assert!(matches!(
+            active.admit(Snowflake::new(id), Capacity::Unbounded),
+            Admission::Admitted
+        ));
+    }
+    for id in 0..1_000 {
+        active.finish(Snowflake::new(id));
+    }
+    assert!(super::lock(&active.ids).capacity() <= super::ACTIVE_ROOM_KEPT);
+}
