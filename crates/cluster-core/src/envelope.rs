@@ -28,35 +28,55 @@ use crate::snowflake::Snowflake;
 /// undefined field is left out of the encoded object (and becomes `null` inside an array), as
 /// `JSON.stringify` does, so that TypeScript peers decode it as they expect.
 #[derive(Clone, Default)]
-pub struct RawJson(Option<Box<RawValue>>);
+pub struct RawJson(Repr);
+
+/// Where the JSON text of a [`RawJson`] lives.
+#[derive(Clone, Default)]
+enum Repr {
+    #[default]
+    Undefined,
+    /// A constant (`{}`, `null`): cloned and dropped without an allocation; every request
+    /// without headers carries one.
+    Static(&'static RawValue),
+    Owned(Box<RawValue>),
+}
+
+/// `json`, a constant JSON text, as a value: borrowed when it parses (it always does), else
+/// copied.
+fn constant(json: &'static str) -> RawJson {
+    match serde_json::from_str::<&'static RawValue>(json) {
+        Ok(raw) => RawJson(Repr::Static(raw)),
+        Err(_) => RawJson::from_json(json.to_owned()).unwrap_or_default(),
+    }
+}
 
 impl RawJson {
     /// The undefined value.
     pub const fn undefined() -> RawJson {
-        RawJson(None)
+        RawJson(Repr::Undefined)
     }
 
     /// JSON `null`.
     pub fn null() -> RawJson {
-        RawJson::from_json("null".to_owned()).unwrap_or_default()
+        constant("null")
     }
 
     /// An empty JSON object, `{}`: the headers of a request that has none.
     pub fn empty_object() -> RawJson {
-        RawJson::from_json("{}".to_owned()).unwrap_or_default()
+        constant("{}")
     }
 
     /// `json` after checking that it is one well-formed JSON value.
     pub fn from_json(json: String) -> Result<RawJson, DecodeError> {
         RawValue::from_string(json)
-            .map(|raw| RawJson(Some(raw)))
+            .map(|raw| RawJson(Repr::Owned(raw)))
             .map_err(|error| DecodeError::new("JSON value", error.to_string()))
     }
 
     /// `value` encoded as JSON.
     pub fn encode<T: Serialize + ?Sized>(value: &T) -> Result<RawJson, DecodeError> {
         serde_json::value::to_raw_value(value)
-            .map(|raw| RawJson(Some(raw)))
+            .map(|raw| RawJson(Repr::Owned(raw)))
             .map_err(|error| DecodeError::new("JSON value", error.to_string()))
     }
 
@@ -68,12 +88,12 @@ impl RawJson {
 
     /// Whether this is the undefined value.
     pub fn is_undefined(&self) -> bool {
-        self.0.is_none()
+        matches!(self.0, Repr::Undefined)
     }
 
     /// The JSON text, or `None` for undefined.
     pub fn json(&self) -> Option<&str> {
-        self.0.as_deref().map(RawValue::get)
+        self.raw().map(RawValue::get)
     }
 
     /// The JSON text, with undefined written as `null`.
@@ -82,11 +102,15 @@ impl RawJson {
     }
 
     pub(crate) fn from_raw(raw: Box<RawValue>) -> RawJson {
-        RawJson(Some(raw))
+        RawJson(Repr::Owned(raw))
     }
 
     pub(crate) fn raw(&self) -> Option<&RawValue> {
-        self.0.as_deref()
+        match &self.0 {
+            Repr::Undefined => None,
+            Repr::Static(raw) => Some(raw),
+            Repr::Owned(raw) => Some(raw),
+        }
     }
 }
 

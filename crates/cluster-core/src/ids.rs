@@ -1,7 +1,9 @@
 //! Identifiers and addresses (reference §1.2).
 //!
 //! Strings that are cloned along every message path (`ShardGroup`, `EntityType`, `EntityId`,
-//! hosts) are shared `Arc<str>`, so cloning an address never allocates.
+//! hosts) are shared `Arc<str>`, so cloning an address never allocates; names written in code
+//! (an entity type's `TYPE`, the default group) are `'static` strings, which clone without
+//! touching a reference count.
 
 use std::cmp::Ordering;
 use std::fmt;
@@ -11,46 +13,96 @@ use std::sync::Arc;
 
 use crate::error::ParseError;
 
+/// The text of a name: a `'static` string (a type name from code, the default group), which
+/// clones and drops without touching a reference count, or a shared one.
+#[derive(Clone)]
+enum SharedStr {
+    Static(&'static str),
+    Shared(Arc<str>),
+}
+
+impl SharedStr {
+    fn as_str(&self) -> &str {
+        match self {
+            SharedStr::Static(name) => name,
+            SharedStr::Shared(name) => name,
+        }
+    }
+}
+
+// Compared, ordered and hashed by their text, whichever form they are in.
+impl PartialEq for SharedStr {
+    fn eq(&self, other: &SharedStr) -> bool {
+        self.as_str() == other.as_str()
+    }
+}
+
+impl Eq for SharedStr {}
+
+impl PartialOrd for SharedStr {
+    fn partial_cmp(&self, other: &SharedStr) -> Option<Ordering> {
+        Some(self.cmp(other))
+    }
+}
+
+impl Ord for SharedStr {
+    fn cmp(&self, other: &SharedStr) -> Ordering {
+        self.as_str().cmp(other.as_str())
+    }
+}
+
+impl Hash for SharedStr {
+    fn hash<H: Hasher>(&self, state: &mut H) {
+        self.as_str().hash(state);
+    }
+}
+
 macro_rules! shared_str_newtype {
     ($(#[$meta:meta])* $name:ident) => {
         $(#[$meta])*
         #[derive(Clone, PartialEq, Eq, PartialOrd, Ord, Hash)]
-        pub struct $name(Arc<str>);
+        pub struct $name(SharedStr);
 
         impl $name {
             /// The name as a string slice.
             pub fn as_str(&self) -> &str {
-                &self.0
+                self.0.as_str()
+            }
+
+            /// The name `name`, which clones without a reference count (names written in
+            /// code: an entity type's `TYPE`, a group's name).
+            pub const fn from_static(name: &'static str) -> $name {
+                $name(SharedStr::Static(name))
             }
         }
 
         impl fmt::Display for $name {
             fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-                f.write_str(&self.0)
+                f.write_str(self.as_str())
             }
         }
 
         impl fmt::Debug for $name {
             fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-                fmt::Debug::fmt(&*self.0, f)
+                fmt::Debug::fmt(self.as_str(), f)
             }
         }
 
         impl From<&str> for $name {
             fn from(value: &str) -> $name {
-                $name(Arc::from(value))
+                $name(SharedStr::Shared(Arc::from(value)))
             }
         }
 
         impl From<String> for $name {
             fn from(value: String) -> $name {
-                $name(Arc::from(value))
+                $name(SharedStr::Shared(Arc::from(value)))
             }
         }
 
         impl AsRef<str> for $name {
             fn as_ref(&self) -> &str {
-                &self.0
+                self.as_str()
             }
         }
     };
@@ -76,7 +128,7 @@ shared_str_newtype!(
 impl ShardGroup {
     /// The group every entity, singleton and runner uses unless told otherwise.
     pub fn default_group() -> ShardGroup {
-        ShardGroup::from("default")
+        ShardGroup::from_static("default")
     }
 }
 

@@ -37,7 +37,7 @@ enum Acks {
     /// To the local handler, interrupted by cancellation.
     Local { acks: mpsc::Sender<Snowflake>, interrupt: Option<InterruptGuard> },
     /// Through storage, interrupted by a stored interrupt.
-    Stored(crate::persisted::PersistedStream),
+    Stored(Box<crate::persisted::PersistedStream>),
 }
 
 impl Acks {
@@ -261,7 +261,7 @@ impl<E: Entity> EntityClient<E> {
             }
             let mut stream = self.sharding.stream_persisted(request, options).await?;
             let replies = std::mem::replace(&mut stream.replies, mpsc::channel(1).1);
-            (replies, Acks::Stored(stream))
+            (replies, Acks::Stored(Box::new(stream)))
         } else {
             let (replies, acks, cancellation) = self.sharding.stream_volatile(request).await?;
             (replies, Acks::Local { acks, interrupt: Some(cancellation.drop_guard()) })

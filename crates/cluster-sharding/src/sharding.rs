@@ -308,7 +308,7 @@ impl Sharding {
     /// Registers entity type `E`: its requests are handled on this runner from now on.
     /// In a client-only process this is a no-op, as in the reference.
     pub fn register<E: Entity>(&self, options: EntityOptions) -> Result<(), RegisterError> {
-        self.register_as::<E>(EntityType::from(E::TYPE), options)
+        self.register_as::<E>(EntityType::from_static(E::TYPE), options)
     }
 
     /// Registers entity type `E` under the name `entity_type` instead of `E::TYPE`: one Rust
@@ -386,7 +386,8 @@ impl Sharding {
     pub fn client<E: Entity>(&self, entity_id: impl Into<EntityId>) -> EntityClient<E> {
         let entity_id = entity_id.into();
         let shard_id = self.shard_id(entity_id.as_str(), &E::shard_group(entity_id.as_str()));
-        let address = EntityAddress { shard_id, entity_type: EntityType::from(E::TYPE), entity_id };
+        let address =
+            EntityAddress { shard_id, entity_type: EntityType::from_static(E::TYPE), entity_id };
         EntityClient::new(self.clone(), address)
     }
 

@@ -123,3 +123,18 @@ fn primary_keys_compose_and_hash_when_long() {
     let emoji = "😀".repeat(128);
     assert_eq!(message_id(&emoji).len(), 64);
 }
+
+#[test]
+fn constant_values_read_and_compare_as_parsed_ones() {
+    let empty = RawJson::empty_object();
+    assert_eq!(empty.json(), Some("{}"));
+    assert_eq!(empty, RawJson::from_json("{}".to_owned()).unwrap());
+    assert_eq!(empty.clone(), empty);
+    assert!(!empty.is_undefined());
+    let null = RawJson::null();
+    assert_eq!(null.json(), Some("null"));
+    assert_eq!(null.decode::<Option<u32>>().unwrap(), None);
+    assert_eq!(null, RawJson::encode(&()).unwrap());
+    assert_ne!(null, RawJson::undefined());
+    assert_eq!(RawJson::undefined().json_or_null(), "null");
+}

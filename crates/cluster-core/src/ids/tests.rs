@@ -77,3 +77,27 @@ fn machine_id_bits_wrap_at_1024() {
     assert_eq!(MachineId::new(1025).snowflake_bits(), 1);
     assert_eq!(MachineId::new(-1).snowflake_bits(), 1023);
 }
+
+#[test]
+fn a_static_name_equals_orders_and_hashes_as_the_same_shared_name() {
+    use std::collections::hash_map::DefaultHasher;
+
+    let hash = |value: &EntityType| {
+        let mut hasher = DefaultHasher::new();
+        value.hash(&mut hasher);
+        hasher.finish()
+    };
+    let from_code = EntityType::from_static("Counter");
+    let from_wire = EntityType::from(String::from("Counter"));
+    assert_eq!(from_code, from_wire);
+    assert_eq!(from_code.cmp(&from_wire), std::cmp::Ordering::Equal);
+    assert_eq!(hash(&from_code), hash(&from_wire));
+    assert!(EntityType::from_static("A") < EntityType::from("B"));
+    assert!(EntityType::from("A") < EntityType::from_static("B"));
+    assert_eq!(from_code.to_string(), "Counter");
+    assert_eq!(format!("{from_code:?}"), "\"Counter\"");
+    assert_eq!(ShardGroup::default_group(), ShardGroup::from("default"));
+    // A map keyed by one form finds the other.
+    let map = std::collections::BTreeMap::from([(from_wire, 1)]);
+    assert_eq!(map.get(&from_code), Some(&1));
+}
