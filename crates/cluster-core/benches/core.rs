@@ -8,7 +8,6 @@
 //! The results of a run are in docs/performance.md.
 
 use std::hint::black_box;
-use std::sync::Arc;
 
 use cluster_core::encoded::JsonForm;
 use cluster_core::envelope::{Envelope, RawJson, Request, TraceContext};
@@ -63,7 +62,7 @@ fn request() -> Envelope {
             entity_type: EntityType::from("Account"),
             entity_id: EntityId::from("user-42"),
         },
-        tag: Arc::from("Deposit"),
+        tag: "Deposit".into(),
         payload: RawJson::encode(&("deposit-1234", 2_500_u64)).expect("encodable"),
         headers: RawJson::empty_object(),
         trace: TraceContext::default(),

@@ -11,7 +11,6 @@
 
 use std::borrow::Cow;
 use std::fmt;
-use std::sync::Arc;
 
 use serde::Serialize;
 use serde::de::DeserializeOwned;
@@ -19,7 +18,7 @@ use serde_json::value::RawValue;
 use sha2::{Digest, Sha256};
 
 use crate::error::DecodeError;
-use crate::ids::EntityAddress;
+use crate::ids::{EntityAddress, Tag};
 use crate::snowflake::Snowflake;
 
 /// An already-encoded JSON value, passed through untouched (the reference's `OpaqueHole`).
@@ -150,7 +149,7 @@ pub struct Request {
     /// The entity it is addressed to.
     pub address: EntityAddress,
     /// The RPC's tag, such as `Increment`.
-    pub tag: Arc<str>,
+    pub tag: Tag,
     /// The encoded request payload.
     pub payload: RawJson,
     /// The encoded headers, a JSON object of strings (`{}` when there are none).

@@ -125,6 +125,19 @@ shared_str_newtype!(
     EntityId
 );
 
+shared_str_newtype!(
+    /// The tag of an RPC, such as `Increment`: which request of its entity type a message is.
+    Tag
+);
+
+impl std::ops::Deref for Tag {
+    type Target = str;
+
+    fn deref(&self) -> &str {
+        self.as_str()
+    }
+}
+
 impl ShardGroup {
     /// The group every entity, singleton and runner uses unless told otherwise.
     pub fn default_group() -> ShardGroup {

@@ -41,6 +41,6 @@ pub use error::{ClusterError, ConfigError, DecodeError, ParseError, StorageError
 pub use hash_ring::HashRing;
 pub use ids::{
     EntityAddress, EntityId, EntityType, MachineId, Runner, RunnerAddress, RunnerWeight,
-    ShardGroup, ShardId, SingletonAddress,
+    ShardGroup, ShardId, SingletonAddress, Tag,
 };
 pub use snowflake::{Snowflake, SnowflakeGenerator};

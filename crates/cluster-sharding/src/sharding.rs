@@ -17,7 +17,7 @@ use cluster_core::snowflake::SnowflakeGenerator;
 use cluster_core::storage::{MessageStorage, SaveRequestOptions};
 use cluster_core::{
     Clock, ClusterError, EntityAddress, EntityId, EntityType, MachineId, ShardGroup, ShardId,
-    Snowflake,
+    Snowflake, Tag,
 };
 use tokio::sync::{Notify, broadcast, mpsc, oneshot};
 use tokio_util::sync::CancellationToken;
@@ -720,17 +720,18 @@ impl Sharding {
         })
     }
 
-    /// A new request envelope: a fresh id, no headers, no trace.
+    /// A new request envelope: a fresh id, no headers, no trace. The tag is an RPC's `TAG`,
+    /// which the envelope borrows.
     pub(crate) fn new_request(
         &self,
         address: EntityAddress,
-        tag: &str,
+        tag: &'static str,
         payload: RawJson,
     ) -> Request {
         Request {
             request_id: self.next_id(),
             address,
-            tag: tag.into(),
+            tag: Tag::from_static(tag),
             payload,
             headers: RawJson::empty_object(),
             trace: TraceContext::default(),
