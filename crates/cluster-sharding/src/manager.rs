@@ -162,7 +162,7 @@ impl From<Refused> for ClusterError {
 /// What the runtime needs from a manager, whatever its entity type.
 pub(crate) trait ErasedManager: Send + Sync {
     /// Hands `delivery` to its instance, creating it if needed.
-    fn deliver(&self, delivery: Delivery) -> Result<(), Refused>;
+    fn deliver(&self, delivery: Box<Delivery>) -> Result<(), Refused>;
 
     /// The addresses of the resident instances.
     fn resident_addresses(&self) -> Vec<EntityAddress>;
@@ -348,7 +348,7 @@ fn lock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
 }
 
 impl<E: Entity> ErasedManager for EntityManager<E> {
-    fn deliver(&self, delivery: Delivery) -> Result<(), Refused> {
+    fn deliver(&self, delivery: Box<Delivery>) -> Result<(), Refused> {
         let shared = &self.shared;
         // The address is cloned only where it is kept (a new instance) or reported (a refusal).
         let address = || delivery.request.address.clone();
@@ -370,7 +370,7 @@ impl<E: Entity> ErasedManager for EntityManager<E> {
         if &*delivery.request.tag == KEEP_ALIVE_TAG {
             // Not a mailbox request: it activates the entity and waits on its latch.
             tracing::debug!(entity_type = %shared.entity_type, entity_id = %delivery.request.address.entity_id, "keep-alive");
-            instance.keep_alive.park(delivery);
+            instance.keep_alive.park(*delivery);
             return Ok(());
         }
         let request_id = delivery.request.request_id;
@@ -386,7 +386,7 @@ impl<E: Entity> ErasedManager for EntityManager<E> {
                 }));
             }
         }
-        if let Err(refused) = instance.mailbox.try_send(Box::new(delivery)) {
+        if let Err(refused) = instance.mailbox.try_send(delivery) {
             // Full (an unbounded capacity past the channel's cap) or closed (the instance is
             // stopping): either way this request is not admitted.
             instance.active.finish(request_id);

@@ -752,7 +752,7 @@ impl Sharding {
             transaction: transaction.clone(),
             started: Some(started),
         };
-        match manager.deliver(delivery) {
+        match manager.deliver(Box::new(delivery)) {
             Ok(()) => {
                 let sharding = self.clone();
                 let persisted = Arc::clone(persisted);

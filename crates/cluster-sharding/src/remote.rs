@@ -22,6 +22,7 @@ use cluster_core::{ClusterError, RunnerAddress, ShardId, Snowflake};
 use tokio::sync::{mpsc, oneshot};
 
 use crate::interrupt::InterruptSignal;
+use crate::manager::{Delivery, ReplyTo};
 
 use crate::sharding::{STREAM_BUFFER, Sharding, WeakSharding};
 
@@ -156,17 +157,45 @@ impl Sharding {
     }
 
     /// Sends a volatile request to its entity, wherever it lives, and waits for its exit.
+    ///
+    /// The common case, a registered entity in a shard held here, is handed over without a
+    /// future of its own (the routing loop's is about 2 KiB, and a future is copied into its
+    /// parent when it is made); anything else goes through [`routed`](Sharding::routed),
+    /// boxed. Either way a local delivery's error is the call's, as in `routed`.
     pub(crate) async fn send_volatile(
         &self,
         request: Request,
         uninterruptible: bool,
     ) -> Result<Exit, ClusterError> {
-        self.routed(
+        let shard = &request.address.shard_id;
+        let request = if matches!(self.route(shard), Route::Local) && self.serves(shard) {
+            let (reply, exit) = oneshot::channel();
+            let interrupt = InterruptSignal::new();
+            let address = request.address.clone();
+            let delivery = Box::new(Delivery {
+                started: None,
+                request,
+                cancellation: interrupt.clone(),
+                reply: ReplyTo::Exit(reply),
+                transaction: None,
+            });
+            match self.deliver_registered(delivery) {
+                Ok(Ok(())) => {
+                    return Sharding::local_exit(exit, interrupt, uninterruptible, address).await;
+                }
+                Ok(Err(refused)) => return Err(refused),
+                // Not registered yet: the routing loop waits for the registration.
+                Err(unregistered) => unregistered.request,
+            }
+        } else {
+            request
+        };
+        Box::pin(self.routed(
             request,
             "request",
             |request| self.send_local(request, uninterruptible),
             |owner, request| self.send_remote(owner, request, uninterruptible),
-        )
+        ))
         .await
     }
 

@@ -660,6 +660,18 @@ impl Sharding {
         let (reply, exit) = oneshot::channel();
         let interrupt = InterruptSignal::new();
         self.deliver(request, interrupt.clone(), reply).await?;
+        Sharding::local_exit(exit, interrupt, uninterruptible, address).await
+    }
+
+    /// Waits for the exit of a volatile request delivered here. Dropping the future interrupts
+    /// the request, unless `uninterruptible`; an instance that went away without answering
+    /// (the runner stopped) is `EntityNotAssignedToRunner` for `address`.
+    pub(crate) async fn local_exit(
+        exit: oneshot::Receiver<Exit>,
+        interrupt: InterruptSignal,
+        uninterruptible: bool,
+        address: EntityAddress,
+    ) -> Result<Exit, ClusterError> {
         // Dropped before the exit arrives (the caller went away): interrupt the request.
         let interrupt_on_drop = (!uninterruptible).then(|| interrupt.drop_guard());
         let exit = exit.await.map_err(|_| ClusterError::EntityNotAssignedToRunner { address });
@@ -695,13 +707,13 @@ impl Sharding {
             }
         };
         let stream = StreamReplies { replies, acks, last_sent: None };
-        manager.deliver(Delivery {
+        manager.deliver(Box::new(Delivery {
             started: None,
             request,
             cancellation: cancellation.clone(),
             reply: ReplyTo::Stream(stream),
             transaction: None,
-        })?;
+        }))?;
         Ok((replied, acked, cancellation))
     }
 
@@ -768,35 +780,41 @@ impl Sharding {
         if !self.serves(&address.shard_id) && !Box::pin(self.await_shard(&address.shard_id)).await {
             return Err(ClusterError::EntityNotAssignedToRunner { address: address.clone() });
         }
-        // A registered type's manager is used under the read lock, without cloning its `Arc`
-        // (a reference count every request of every worker would bump).
-        {
-            let managers = self.inner.managers.read().unwrap_or_else(PoisonError::into_inner);
-            if let Some(manager) = managers.get(&address.entity_type) {
-                return Ok(manager.deliver(Delivery {
-                    started: None,
-                    request,
-                    cancellation,
-                    reply: ReplyTo::Exit(reply),
-                    transaction: None,
-                })?);
-            }
-        }
-        let manager = match Box::pin(self.manager_for(&request.address)).await {
-            Ok(manager) => manager,
-            Err(defect) => {
-                // The caller gets the defect as the request's exit.
-                let _ = reply.send(defect);
-                return Ok(());
-            }
-        };
-        Ok(manager.deliver(Delivery {
+        let delivery = Box::new(Delivery {
             started: None,
             request,
             cancellation,
             reply: ReplyTo::Exit(reply),
             transaction: None,
-        })?)
+        });
+        let delivery = match self.deliver_registered(delivery) {
+            Ok(delivered) => return delivered,
+            Err(unregistered) => unregistered,
+        };
+        match Box::pin(self.manager_for(&delivery.request.address)).await {
+            Ok(manager) => Ok(manager.deliver(delivery)?),
+            Err(defect) => {
+                // The caller gets the defect as the request's exit.
+                if let ReplyTo::Exit(reply) = delivery.reply {
+                    let _ = reply.send(defect);
+                }
+                Ok(())
+            }
+        }
+    }
+
+    /// Hands `delivery` to the manager of its entity type, without waiting: `Err` gives it
+    /// back when the type is not registered (yet). The manager is used under the read lock,
+    /// without cloning its `Arc` (a reference count every request of every worker would bump).
+    pub(crate) fn deliver_registered(
+        &self,
+        delivery: Box<Delivery>,
+    ) -> Result<Result<(), ClusterError>, Box<Delivery>> {
+        let managers = self.inner.managers.read().unwrap_or_else(PoisonError::into_inner);
+        match managers.get(&delivery.request.address.entity_type) {
+            Some(manager) => Ok(manager.deliver(delivery).map_err(ClusterError::from)),
+            None => Err(delivery),
+        }
     }
 }
 
