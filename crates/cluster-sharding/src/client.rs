@@ -196,7 +196,8 @@ impl<E: Entity> EntityClient<E> {
             }
             Box::pin(self.sharding.send_persisted(request, options, uninterruptible)).await?
         } else {
-            Box::pin(self.sharding.send_volatile(request, uninterruptible)).await?
+            // Not boxed: the volatile call's future is small (its rare steps are boxed inside).
+            self.sharding.send_volatile(request, uninterruptible).await?
         };
         decode_exit::<R>(exit)
     }
