@@ -43,4 +43,4 @@ pub use ids::{
     EntityAddress, EntityId, EntityType, MachineId, Runner, RunnerAddress, RunnerWeight,
     ShardGroup, ShardId, SingletonAddress, Tag,
 };
-pub use snowflake::{Snowflake, SnowflakeGenerator};
+pub use snowflake::{SharedSnowflakeGenerator, Snowflake, SnowflakeGenerator};

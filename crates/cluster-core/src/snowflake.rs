@@ -12,6 +12,7 @@
 
 use std::fmt;
 use std::str::FromStr;
+use std::sync::atomic::{AtomicI32, AtomicU64, Ordering};
 
 use crate::clock::Timestamp;
 use crate::error::ParseError;
@@ -176,6 +177,88 @@ impl SnowflakeGenerator {
             sequence,
         })
     }
+}
+
+/// A [`SnowflakeGenerator`] that threads share without a lock: the millisecond and the next
+/// sequence number are one atomic word, advanced by compare-and-swap, and the machine id is
+/// another. It makes the same ids a `SnowflakeGenerator` would, in the order the calls take
+/// effect.
+///
+/// Every request of a runtime takes an id; behind a mutex the generator was the one lock all
+/// worker threads took on every call.
+#[derive(Debug)]
+pub struct SharedSnowflakeGenerator {
+    /// `sequence_at << SEQUENCE_BITS | sequence`, with `sequence` in `0..=SEQUENCE_COUNT`.
+    state: AtomicU64,
+    machine_id: AtomicI32,
+}
+
+/// The bits of [`SharedSnowflakeGenerator::state`] that hold the sequence (up to
+/// `SEQUENCE_COUNT` itself, the used-up mark).
+const SEQUENCE_BITS: u32 = 13;
+
+impl SharedSnowflakeGenerator {
+    /// A generator for `machine_id` whose clock currently reads `now`.
+    pub fn new(machine_id: MachineId, now: Timestamp) -> SharedSnowflakeGenerator {
+        SharedSnowflakeGenerator {
+            state: AtomicU64::new(pack(clamp_to_epoch(now), 0)),
+            machine_id: AtomicI32::new(machine_id.get()),
+        }
+    }
+
+    /// The machine id stamped into new ids.
+    pub fn machine_id(&self) -> MachineId {
+        MachineId::new(self.machine_id.load(Ordering::Acquire))
+    }
+
+    /// Stamps new ids with `machine_id` (after the runner registered).
+    pub fn set_machine_id(&self, machine_id: MachineId) {
+        self.machine_id.store(machine_id.get(), Ordering::Release);
+    }
+
+    /// The next id, given that the clock reads `now`: the rules of
+    /// [`SnowflakeGenerator::next`].
+    pub fn next(&self, now: Timestamp) -> Snowflake {
+        let now = clamp_to_epoch(now);
+        let mut current = self.state.load(Ordering::Acquire);
+        loop {
+            let (sequence_at, sequence) = unpack(current);
+            let (sequence_at, sequence) = if now > sequence_at {
+                (now, 0)
+            } else if sequence >= SEQUENCE_COUNT {
+                (sequence_at + 1, 0)
+            } else {
+                (sequence_at, sequence)
+            };
+            let next = pack(sequence_at, sequence + 1);
+            match self.state.compare_exchange_weak(
+                current,
+                next,
+                Ordering::AcqRel,
+                Ordering::Acquire,
+            ) {
+                Ok(_) => {
+                    return Snowflake::from_parts(SnowflakeParts {
+                        timestamp: Timestamp::from_unix_millis(sequence_at),
+                        machine_id: self.machine_id(),
+                        sequence: u16::try_from(sequence).unwrap_or(0),
+                    });
+                }
+                Err(actual) => current = actual,
+            }
+        }
+    }
+}
+
+/// The state word of a millisecond (at or after the epoch, so never negative) and a sequence.
+fn pack(sequence_at: i64, sequence: u32) -> u64 {
+    (sequence_at.unsigned_abs() << SEQUENCE_BITS) | u64::from(sequence)
+}
+
+fn unpack(state: u64) -> (i64, u32) {
+    let sequence_at = i64::try_from(state >> SEQUENCE_BITS).unwrap_or(i64::MAX);
+    let sequence = u32::try_from(state & ((1 << SEQUENCE_BITS) - 1)).unwrap_or(SEQUENCE_COUNT);
+    (sequence_at, sequence)
 }
 
 fn clamp_to_epoch(now: Timestamp) -> i64 {

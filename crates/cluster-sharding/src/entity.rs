@@ -241,29 +241,26 @@ impl ChunkChannel {
 /// The source of ids shared by a runtime and its managers.
 pub(crate) struct Ids {
     clock: Arc<dyn cluster_core::Clock>,
-    generator: std::sync::Mutex<cluster_core::SnowflakeGenerator>,
+    /// Lock-free: every request of every worker takes an id.
+    generator: cluster_core::SharedSnowflakeGenerator,
 }
 
 impl Ids {
     pub(crate) fn new(
         clock: Arc<dyn cluster_core::Clock>,
-        generator: cluster_core::SnowflakeGenerator,
+        generator: cluster_core::SharedSnowflakeGenerator,
     ) -> Ids {
-        Ids { clock, generator: std::sync::Mutex::new(generator) }
+        Ids { clock, generator }
     }
 
     /// A fresh id.
     pub(crate) fn next(&self) -> Snowflake {
-        let now = self.clock.now();
-        self.generator.lock().unwrap_or_else(std::sync::PoisonError::into_inner).next(now)
+        self.generator.next(self.clock.now())
     }
 
     /// Stamps new ids with `machine_id`.
     pub(crate) fn set_machine_id(&self, machine_id: cluster_core::MachineId) {
-        self.generator
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner)
-            .set_machine_id(machine_id);
+        self.generator.set_machine_id(machine_id);
     }
 }
 

@@ -13,7 +13,7 @@ use cluster_core::config::{Capacity, ShardingConfig};
 use cluster_core::envelope::{Exit, RawJson, Reply, Request, TraceContext, WithExit};
 use cluster_core::error::ConfigError;
 use cluster_core::runners::Runners;
-use cluster_core::snowflake::SnowflakeGenerator;
+use cluster_core::snowflake::SharedSnowflakeGenerator;
 use cluster_core::storage::{MessageStorage, SaveRequestOptions};
 use cluster_core::{
     Clock, ClusterError, EntityAddress, EntityId, EntityType, MachineId, ShardGroup, ShardId,
@@ -270,7 +270,7 @@ impl Sharding {
         let machine_id = provisional_machine_id();
         let ids = Arc::new(Ids::new(
             Arc::clone(&clock),
-            SnowflakeGenerator::new(machine_id, clock.now()),
+            SharedSnowflakeGenerator::new(machine_id, clock.now()),
         ));
         let residency = Arc::new(Residency::new(config.max_resident_entities));
         let runners = usize::from(config.runner_address.is_some());

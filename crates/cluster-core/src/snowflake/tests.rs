@@ -148,6 +148,7 @@ proptest! {
     ) {
         let mut clock = start;
         let mut generator = SnowflakeGenerator::new(MachineId::new(machine), at(clock));
+        let shared = SharedSnowflakeGenerator::new(MachineId::new(machine), at(clock));
         let mut previous: Option<Snowflake> = None;
         for tick in ticks {
             let n_ids = match tick {
@@ -157,6 +158,8 @@ proptest! {
             };
             for _ in 0..n_ids {
                 let id = generator.next(at(clock));
+                // The lock-free generator makes the same id from the same calls.
+                prop_assert_eq!(shared.next(at(clock)), id);
                 if let Some(previous) = previous {
                     prop_assert!(id > previous, "{id:?} after {previous:?}");
                 }
@@ -165,4 +168,27 @@ proptest! {
             }
         }
     }
+}
+
+#[test]
+fn a_shared_generator_gives_threads_distinct_increasing_ids() {
+    let generator = std::sync::Arc::new(SharedSnowflakeGenerator::new(MachineId::new(3), at(0)));
+    let threads: Vec<_> = (0..4)
+        .map(|_| {
+            let generator = std::sync::Arc::clone(&generator);
+            std::thread::spawn(move || {
+                // A clock that stands still: the sequence is used up and borrowed ahead.
+                (0..10_000).map(|_| generator.next(at(5))).collect::<Vec<_>>()
+            })
+        })
+        .collect();
+    let mut all = std::collections::BTreeSet::new();
+    for thread in threads {
+        let ids = thread.join().unwrap();
+        assert!(ids.windows(2).all(|pair| pair[0] < pair[1]), "each thread sees increasing ids");
+        all.extend(ids);
+    }
+    assert_eq!(all.len(), 40_000, "no id was made twice");
+    generator.set_machine_id(MachineId::new(7));
+    assert_eq!(generator.next(at(5)).machine_id(), MachineId::new(7));
 }
