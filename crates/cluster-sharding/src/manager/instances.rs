@@ -115,9 +115,16 @@ impl<I> Partition<'_, I> {
         match self.map.entry(Key::of(id)) {
             Entry::Occupied(entry) => Ok(entry.into_mut()),
             Entry::Vacant(entry) => {
-                let instance = make(self.count.load(Ordering::Acquire) + 1)?;
-                self.count.fetch_add(1, Ordering::AcqRel);
-                Ok(entry.insert(instance))
+                // Counted first, so that concurrent insertions into other partitions each see
+                // their own count.
+                let count = self.count.fetch_add(1, Ordering::AcqRel) + 1;
+                match make(count) {
+                    Ok(instance) => Ok(entry.insert(instance)),
+                    Err(refused) => {
+                        self.count.fetch_sub(1, Ordering::AcqRel);
+                        Err(refused)
+                    }
+                }
             }
         }
     }
