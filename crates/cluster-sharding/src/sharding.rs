@@ -7,7 +7,7 @@
 
 use std::collections::BTreeMap;
 use std::num::NonZeroU32;
-use std::sync::{Arc, Mutex, PoisonError, RwLock};
+use std::sync::{Arc, Mutex, OnceLock, PoisonError, RwLock};
 
 use cluster_core::config::{Capacity, ShardingConfig};
 use cluster_core::envelope::{Exit, RawJson, Reply, Request, TraceContext, WithExit};
@@ -77,11 +77,19 @@ pub struct Sharding {
     inner: Arc<Inner>,
 }
 
+/// How many entity types a delivery finds without a lock (see `Inner::fast_managers`); the
+/// others are found under the registry's read lock.
+const FAST_TYPES: usize = 16;
+
 struct Inner {
     config: ShardingConfig,
     clock: Arc<dyn Clock>,
     ids: Arc<Ids>,
     managers: RwLock<BTreeMap<EntityType, Arc<dyn ErasedManager>>>,
+    /// The first [`FAST_TYPES`] registered types again, in registration order, each slot set
+    /// once: what every delivery reads, without the lock (both workers taking the read lock
+    /// on every request made its state bounce between them). Types are never unregistered.
+    fast_managers: [OnceLock<(EntityType, Arc<dyn ErasedManager>)>; FAST_TYPES],
     /// Woken whenever an entity type is registered.
     registered: Notify,
     events: broadcast::Sender<RegistrationEvent>,
@@ -282,6 +290,7 @@ impl Sharding {
                 clock,
                 ids,
                 managers: RwLock::new(BTreeMap::new()),
+                fast_managers: std::array::from_fn(|_| OnceLock::new()),
                 registered: Notify::new(),
                 events: broadcast::channel(REGISTRATION_EVENTS_MAX).0,
                 residency,
@@ -346,7 +355,12 @@ impl Sharding {
                 Arc::clone(&self.inner.ids),
                 self.keep_alive_sender(),
             );
-            managers.insert(entity_type.clone(), Arc::new(manager));
+            let manager: Arc<dyn ErasedManager> = Arc::new(manager);
+            // Under the write lock, so the slots fill in registration order.
+            if let Some(slot) = self.inner.fast_managers.get(managers.len()) {
+                let _ = slot.set((entity_type.clone(), Arc::clone(&manager)));
+            }
+            managers.insert(entity_type.clone(), manager);
         }
         tracing::debug!(%entity_type, "entity registered");
         self.inner.registered.notify_waiters();
@@ -810,8 +824,19 @@ impl Sharding {
         &self,
         delivery: Box<Delivery>,
     ) -> Result<Result<(), ClusterError>, Box<Delivery>> {
+        let entity_type = &delivery.request.address.entity_type;
+        for slot in &self.inner.fast_managers {
+            match slot.get() {
+                Some((registered, manager)) if registered == entity_type => {
+                    return Ok(manager.deliver(delivery).map_err(ClusterError::from));
+                }
+                Some(_) => {}
+                // The slots fill in order: the type is past them, or not registered yet.
+                None => break,
+            }
+        }
         let managers = self.inner.managers.read().unwrap_or_else(PoisonError::into_inner);
-        match managers.get(&delivery.request.address.entity_type) {
+        match managers.get(entity_type) {
             Some(manager) => Ok(manager.deliver(delivery).map_err(ClusterError::from)),
             None => Err(delivery),
         }

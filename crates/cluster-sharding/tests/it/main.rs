@@ -58,6 +58,29 @@ async fn delivers_volatile_requests_and_keeps_state_per_entity() {
     );
 }
 
+/// Types registered past the ones a delivery finds without a lock (the first 16) are found
+/// under the registry's lock, and each keeps its own entities.
+#[tokio::test(start_paused = true)]
+async fn every_one_of_many_registered_types_gets_its_requests() {
+    let sharding = sharding(ShardingConfig::default());
+    let types: Vec<cluster_core::EntityType> =
+        (0..40).map(|n| cluster_core::EntityType::from(format!("Counter{n}"))).collect();
+    for entity_type in &types {
+        sharding.register_as::<Counter>(entity_type.clone(), EntityOptions::default()).unwrap();
+    }
+    for (n, entity_type) in types.iter().enumerate() {
+        let n = u64::try_from(n).unwrap();
+        let client = sharding.client_as::<Counter>(entity_type.clone(), format!("many-{n}"));
+        assert_eq!(client.send(Increment { by: n + 1 }).await.unwrap(), n + 1, "{entity_type}");
+    }
+    // The same entity id under two types is two entities.
+    let first = sharding.client_as::<Counter>(types[0].clone(), "shared-id");
+    let last = sharding.client_as::<Counter>(types[39].clone(), "shared-id");
+    assert_eq!(first.send(Increment { by: 5 }).await.unwrap(), 5);
+    assert_eq!(last.send(Increment { by: 7 }).await.unwrap(), 7);
+    assert_eq!(sharding.active_entity_count(), 42);
+}
+
 #[tokio::test(start_paused = true)]
 async fn requests_to_one_entity_run_one_at_a_time_in_order() {
     let sharding = registered(ShardingConfig::default());
