@@ -160,23 +160,35 @@ impl SnowflakeGenerator {
 
     /// The next id, given that the clock reads `now`.
     pub fn next(&mut self, now: Timestamp) -> Snowflake {
-        let now = clamp_to_epoch(now);
-        if now > self.sequence_at {
-            self.sequence = 0;
-            self.sequence_at = now;
-        } else if self.sequence >= SEQUENCE_COUNT {
-            // The sequence is used up and the clock has not advanced: borrow the next millisecond.
-            self.sequence_at += 1;
-            self.sequence = 0;
-        }
-        let sequence = u16::try_from(self.sequence).unwrap_or(0);
-        self.sequence += 1;
-        Snowflake::from_parts(SnowflakeParts {
-            timestamp: Timestamp::from_unix_millis(self.sequence_at),
-            machine_id: self.machine_id,
-            sequence,
-        })
+        let (sequence_at, sequence) = advance(self.sequence_at, self.sequence, now);
+        self.sequence_at = sequence_at;
+        self.sequence = sequence + 1;
+        make(sequence_at, self.machine_id, sequence)
     }
+}
+
+/// The millisecond and sequence number of the next id, for a generator at `sequence_at` whose
+/// next number is `sequence`, when the clock reads `now`: a new millisecond starts the sequence
+/// afresh; a used-up sequence borrows the next millisecond; a clock that went back changes
+/// nothing (ids never go backwards).
+fn advance(sequence_at: i64, sequence: u32, now: Timestamp) -> (i64, u32) {
+    let now = clamp_to_epoch(now);
+    if now > sequence_at {
+        (now, 0)
+    } else if sequence >= SEQUENCE_COUNT {
+        (sequence_at + 1, 0)
+    } else {
+        (sequence_at, sequence)
+    }
+}
+
+/// The id of `sequence` in millisecond `sequence_at` for `machine_id`.
+fn make(sequence_at: i64, machine_id: MachineId, sequence: u32) -> Snowflake {
+    Snowflake::from_parts(SnowflakeParts {
+        timestamp: Timestamp::from_unix_millis(sequence_at),
+        machine_id,
+        sequence: u16::try_from(sequence).unwrap_or(0),
+    })
 }
 
 /// A [`SnowflakeGenerator`] that threads share without a lock: the millisecond and the next
@@ -219,17 +231,10 @@ impl SharedSnowflakeGenerator {
     /// The next id, given that the clock reads `now`: the rules of
     /// [`SnowflakeGenerator::next`].
     pub fn next(&self, now: Timestamp) -> Snowflake {
-        let now = clamp_to_epoch(now);
         let mut current = self.state.load(Ordering::Acquire);
         loop {
             let (sequence_at, sequence) = unpack(current);
-            let (sequence_at, sequence) = if now > sequence_at {
-                (now, 0)
-            } else if sequence >= SEQUENCE_COUNT {
-                (sequence_at + 1, 0)
-            } else {
-                (sequence_at, sequence)
-            };
+            let (sequence_at, sequence) = advance(sequence_at, sequence, now);
             let next = pack(sequence_at, sequence + 1);
             match self.state.compare_exchange_weak(
                 current,
@@ -237,13 +242,7 @@ impl SharedSnowflakeGenerator {
                 Ordering::AcqRel,
                 Ordering::Acquire,
             ) {
-                Ok(_) => {
-                    return Snowflake::from_parts(SnowflakeParts {
-                        timestamp: Timestamp::from_unix_millis(sequence_at),
-                        machine_id: self.machine_id(),
-                        sequence: u16::try_from(sequence).unwrap_or(0),
-                    });
-                }
+                Ok(_) => return make(sequence_at, self.machine_id(), sequence),
                 Err(actual) => current = actual,
             }
         }
