@@ -11,6 +11,7 @@
 
 use std::borrow::Cow;
 use std::fmt;
+use std::sync::OnceLock;
 
 use serde::Serialize;
 use serde::de::DeserializeOwned;
@@ -40,13 +41,14 @@ enum Repr {
     Owned(Box<RawValue>),
 }
 
-/// `json`, a constant JSON text, as a value: borrowed when it parses (it always does), else
-/// copied.
-fn constant(json: &'static str) -> RawJson {
-    match serde_json::from_str::<&'static RawValue>(json) {
+/// `json`, a constant JSON text, as a value: parsed once into `cell` (borrowed when it parses,
+/// which it always does, else copied), then cloned, which copies a reference.
+fn constant(cell: &'static OnceLock<RawJson>, json: &'static str) -> RawJson {
+    cell.get_or_init(|| match serde_json::from_str::<&'static RawValue>(json) {
         Ok(raw) => RawJson(Repr::Static(raw)),
         Err(_) => RawJson::from_json(json.to_owned()).unwrap_or_default(),
-    }
+    })
+    .clone()
 }
 
 impl RawJson {
@@ -57,12 +59,14 @@ impl RawJson {
 
     /// JSON `null`.
     pub fn null() -> RawJson {
-        constant("null")
+        static NULL: OnceLock<RawJson> = OnceLock::new();
+        constant(&NULL, "null")
     }
 
     /// An empty JSON object, `{}`: the headers of a request that has none.
     pub fn empty_object() -> RawJson {
-        constant("{}")
+        static EMPTY_OBJECT: OnceLock<RawJson> = OnceLock::new();
+        constant(&EMPTY_OBJECT, "{}")
     }
 
     /// `json` after checking that it is one well-formed JSON value.
