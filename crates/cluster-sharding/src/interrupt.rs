@@ -126,6 +126,33 @@ impl Drop for InterruptGuard {
     }
 }
 
+/// A `CancellationToken` whose state is also an atomic flag, set before the token is
+/// cancelled: what every request checks (the runtime's shutdown, a manager's stop) is read
+/// without the token's lock, while the token still gives child tokens and waits.
+#[derive(Default)]
+pub(crate) struct FlaggedToken {
+    flag: AtomicBool,
+    token: CancellationToken,
+}
+
+impl FlaggedToken {
+    /// Sets the flag, then cancels the token (and its children).
+    pub(crate) fn cancel(&self) {
+        self.flag.store(true, Ordering::SeqCst);
+        self.token.cancel();
+    }
+
+    /// Whether [`cancel`](FlaggedToken::cancel) was called; no lock.
+    pub(crate) fn is_cancelled(&self) -> bool {
+        self.flag.load(Ordering::SeqCst)
+    }
+
+    /// The token, for child tokens and waits.
+    pub(crate) fn token(&self) -> &CancellationToken {
+        &self.token
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use std::time::Duration;
@@ -171,6 +198,17 @@ mod tests {
         interrupt.token().cancel();
         tokio::time::timeout(Duration::from_secs(10), waiter).await.unwrap().unwrap();
         assert!(interrupt.is_cancelled());
+    }
+
+    #[test]
+    fn a_flagged_token_reads_cancelled_once_its_token_is() {
+        let stop = FlaggedToken::default();
+        let child = stop.token().child_token();
+        assert!(!stop.is_cancelled());
+        stop.cancel();
+        assert!(stop.is_cancelled());
+        assert!(stop.token().is_cancelled());
+        assert!(child.is_cancelled());
     }
 
     #[tokio::test]

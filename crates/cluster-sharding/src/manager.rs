@@ -10,7 +10,7 @@
 use std::collections::VecDeque;
 use std::panic::AssertUnwindSafe;
 use std::pin::Pin;
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 use std::time::Duration;
 
@@ -29,7 +29,7 @@ use crate::entity::{
     CallKind, ChunkChannel, Entity, EntityContext, Ids, Protocol, RequestContext, SharedValue,
     Sharing, TransactionSlot, malformed,
 };
-use crate::interrupt::InterruptSignal;
+use crate::interrupt::{FlaggedToken, InterruptSignal};
 use crate::keep_alive::{KEEP_ALIVE_TAG, KeepAlive, KeepAliveHandle, KeepAliveSender};
 use crate::metrics;
 use crate::sharding::WeakSharding;
@@ -82,6 +82,17 @@ pub(crate) struct Delivery {
     /// Set when the handler starts running the request (persisted requests: shutdown abandons
     /// the local callers of requests that never started, reference `abandonUndelivered`).
     pub(crate) started: Option<Arc<std::sync::atomic::AtomicBool>>,
+}
+
+impl Delivery {
+    /// The delivery of a volatile request: no storage transaction, no start flag.
+    pub(crate) fn volatile(
+        request: Request,
+        cancellation: InterruptSignal,
+        reply: ReplyTo,
+    ) -> Box<Delivery> {
+        Box::new(Delivery { request, cancellation, reply, transaction: None, started: None })
+    }
 }
 
 /// Where the outcome of a request goes.
@@ -274,13 +285,11 @@ struct Shared<E: Entity> {
     residency: Arc<Residency>,
     ids: Arc<Ids>,
     instances: Instances<Instance>,
-    /// Set (before `stopping` is cancelled) when the manager stops: read by every delivery
-    /// without taking the token's lock.
-    stopping_flag: AtomicBool,
     /// The restart backoff; as in the reference, it belongs to the type, not to an instance.
     restarts: Mutex<RestartBackoff>,
-    /// Set when the manager stops: no request is admitted any more.
-    stopping: CancellationToken,
+    /// Set when the manager stops: no request is admitted any more (every delivery reads its
+    /// flag).
+    stopping: FlaggedToken,
     /// Set when the graceful drain is over: running requests are interrupted.
     closed: CancellationToken,
     tasks: TaskTracker,
@@ -330,9 +339,8 @@ impl<E: Entity> EntityManager<E> {
                 residency,
                 ids,
                 instances: Instances::new(),
-                stopping_flag: AtomicBool::new(false),
                 restarts: Mutex::new(RestartBackoff::default()),
-                stopping: CancellationToken::new(),
+                stopping: FlaggedToken::default(),
                 closed: CancellationToken::new(),
                 tasks: TaskTracker::new(),
                 keep_alive_sender,
@@ -353,8 +361,8 @@ impl<E: Entity> ErasedManager for EntityManager<E> {
         // The address is cloned only where it is kept (a new instance) or reported (a refusal).
         let address = || delivery.request.address.clone();
         let mut instances = shared.instances.partition(&delivery.request.address.shard_id);
-        // Under the partition's lock: `shutdown` sets the flag before it clears the partitions.
-        if shared.stopping_flag.load(Ordering::Acquire) {
+        // Under the partition's lock: `shutdown` cancels it before it clears the partitions.
+        if shared.stopping.is_cancelled() {
             return Err(Refused::Cluster(ClusterError::EntityNotAssignedToRunner {
                 address: address(),
             }));
@@ -475,7 +483,6 @@ impl<E: Entity> ErasedManager for EntityManager<E> {
     fn shutdown(&self, termination_timeout: Duration) -> BoxFuture<'_, ()> {
         Box::pin(async move {
             let shared = &self.shared;
-            shared.stopping_flag.store(true, Ordering::Release);
             shared.stopping.cancel();
             // Dropping the mailboxes' senders ends each instance once its queue is done.
             shared.instances.clear();
@@ -508,7 +515,7 @@ impl<E: Entity> Shared<E> {
         );
         let address_for_instance = address.clone();
         let signals = Signals {
-            stopping: shared.stopping.child_token(),
+            stopping: shared.stopping.token().child_token(),
             interrupt: shared.closed.child_token(),
             ended: CancellationToken::new(),
         };

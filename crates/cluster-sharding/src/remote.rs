@@ -24,7 +24,7 @@ use tokio::sync::{mpsc, oneshot};
 use crate::interrupt::InterruptSignal;
 use crate::manager::{Delivery, ReplyTo};
 
-use crate::sharding::{STREAM_BUFFER, Sharding, WeakSharding};
+use crate::sharding::{LocalCall, STREAM_BUFFER, Sharding, WeakSharding};
 
 /// Where a volatile request goes.
 enum Route {
@@ -169,20 +169,9 @@ impl Sharding {
     ) -> Result<Exit, ClusterError> {
         let shard = &request.address.shard_id;
         let request = if matches!(self.route(shard), Route::Local) && self.serves(shard) {
-            let (reply, exit) = oneshot::channel();
-            let interrupt = InterruptSignal::new();
-            let address = request.address.clone();
-            let delivery = Box::new(Delivery {
-                started: None,
-                request,
-                cancellation: interrupt.clone(),
-                reply: ReplyTo::Exit(reply),
-                transaction: None,
-            });
+            let (delivery, call) = LocalCall::new(request);
             match self.deliver_registered(delivery) {
-                Ok(Ok(())) => {
-                    return Sharding::local_exit(exit, interrupt, uninterruptible, address).await;
-                }
+                Ok(Ok(())) => return call.exit(uninterruptible).await,
                 Ok(Err(refused)) => return Err(refused),
                 // Not registered yet: the routing loop waits for the registration.
                 Err(unregistered) => unregistered.request,
@@ -425,7 +414,9 @@ impl RunnerHandler for Server {
                     request_id,
                     cancellation: cancellation.clone(),
                 };
-                sharding.deliver(request, cancellation, reply).await?;
+                sharding
+                    .deliver(Delivery::volatile(request, cancellation, ReplyTo::Exit(reply)))
+                    .await?;
                 let id = sharding.next_id();
                 Ok(
                     Box::new(ServerStream::Unary {

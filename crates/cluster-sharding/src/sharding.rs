@@ -22,7 +22,7 @@ use cluster_core::{
 use tokio::sync::{Notify, broadcast, mpsc, oneshot};
 use tokio_util::sync::CancellationToken;
 
-use crate::interrupt::InterruptSignal;
+use crate::interrupt::{FlaggedToken, InterruptSignal};
 use tokio_util::task::TaskTracker;
 
 use crate::client::EntityClient;
@@ -94,10 +94,8 @@ struct Inner {
     registered: Notify,
     events: broadcast::Sender<RegistrationEvent>,
     residency: Arc<Residency>,
-    shutdown: CancellationToken,
-    /// Set (before `shutdown` is cancelled) when the runner stops: what every request reads,
-    /// without the token's lock.
-    shut_down: std::sync::atomic::AtomicBool,
+    /// Cancelled when the runner stops; every request reads its flag.
+    shutdown: FlaggedToken,
     /// Persisted delivery, when the runtime has a message storage.
     persisted: Option<Arc<Persisted>>,
     /// Every background task of the runtime; awaited at shutdown.
@@ -294,8 +292,7 @@ impl Sharding {
                 registered: Notify::new(),
                 events: broadcast::channel(REGISTRATION_EVENTS_MAX).0,
                 residency,
-                shutdown: CancellationToken::new(),
-                shut_down: std::sync::atomic::AtomicBool::new(false),
+                shutdown: FlaggedToken::default(),
                 persisted,
                 tasks: TaskTracker::new(),
                 locks: Mutex::new(None),
@@ -417,7 +414,7 @@ impl Sharding {
 
     /// Whether [`shutdown`](Sharding::shutdown) was called.
     pub fn is_shutdown(&self) -> bool {
-        self.inner.shut_down.load(std::sync::atomic::Ordering::Acquire)
+        self.inner.shutdown.is_cancelled()
     }
 
     /// Stops the runner: new requests fail with `EntityNotAssignedToRunner`, the ones already
@@ -427,7 +424,6 @@ impl Sharding {
     /// local callers still waiting for a persisted reply fail with
     /// [`ClusterError::Abandoned`]. Idempotent.
     pub async fn shutdown(&self) {
-        self.inner.shut_down.store(true, std::sync::atomic::Ordering::Release);
         self.inner.shutdown.cancel();
         if let Some(cluster) = &self.inner.cluster {
             // Requests waiting for a shard's lock stop waiting.
@@ -597,7 +593,7 @@ impl Sharding {
     }
 
     pub(crate) fn shutdown_token(&self) -> &CancellationToken {
-        &self.inner.shutdown
+        self.inner.shutdown.token()
     }
 
     /// Runs `task` as a background task of the runtime, awaited at shutdown.
@@ -654,7 +650,7 @@ impl Sharding {
             let timed_out = tokio::select! {
                 () = registered => false,
                 () = tokio::time::sleep_until(deadline) => true,
-                () = self.inner.shutdown.cancelled() => true,
+                () = self.inner.shutdown.token().cancelled() => true,
             };
             if timed_out {
                 let message = format!("Entity type '{}' not registered", address.entity_type);
@@ -670,29 +666,9 @@ impl Sharding {
         request: Request,
         uninterruptible: bool,
     ) -> Result<Exit, ClusterError> {
-        let address = request.address.clone();
-        let (reply, exit) = oneshot::channel();
-        let interrupt = InterruptSignal::new();
-        self.deliver(request, interrupt.clone(), reply).await?;
-        Sharding::local_exit(exit, interrupt, uninterruptible, address).await
-    }
-
-    /// Waits for the exit of a volatile request delivered here. Dropping the future interrupts
-    /// the request, unless `uninterruptible`; an instance that went away without answering
-    /// (the runner stopped) is `EntityNotAssignedToRunner` for `address`.
-    pub(crate) async fn local_exit(
-        exit: oneshot::Receiver<Exit>,
-        interrupt: InterruptSignal,
-        uninterruptible: bool,
-        address: EntityAddress,
-    ) -> Result<Exit, ClusterError> {
-        // Dropped before the exit arrives (the caller went away): interrupt the request.
-        let interrupt_on_drop = (!uninterruptible).then(|| interrupt.drop_guard());
-        let exit = exit.await.map_err(|_| ClusterError::EntityNotAssignedToRunner { address });
-        if let Some(guard) = interrupt_on_drop {
-            guard.disarm();
-        }
-        exit
+        let (delivery, call) = LocalCall::new(request);
+        self.deliver(delivery).await?;
+        call.exit(uninterruptible).await
     }
 
     /// Delivers a volatile streaming request to the local entity; returns its replies (chunks,
@@ -721,13 +697,11 @@ impl Sharding {
             }
         };
         let stream = StreamReplies { replies, acks, last_sent: None };
-        manager.deliver(Box::new(Delivery {
-            started: None,
+        manager.deliver(Delivery::volatile(
             request,
-            cancellation: cancellation.clone(),
-            reply: ReplyTo::Stream(stream),
-            transaction: None,
-        }))?;
+            cancellation.clone(),
+            ReplyTo::Stream(stream),
+        ))?;
         Ok((replied, acked, cancellation))
     }
 
@@ -778,29 +752,20 @@ impl Sharding {
     /// Delivers a volatile request without waiting for its exit (a discarded call).
     pub(crate) async fn notify_local(&self, request: Request) -> Result<(), ClusterError> {
         let (reply, _ignored) = oneshot::channel();
-        self.deliver(request, InterruptSignal::new(), reply).await
+        self.deliver(Delivery::volatile(request, InterruptSignal::new(), ReplyTo::Exit(reply)))
+            .await
     }
 
-    /// Delivers a volatile request to the local entity; its exit goes to `reply`.
-    pub(crate) async fn deliver(
-        &self,
-        request: Request,
-        cancellation: InterruptSignal,
-        reply: oneshot::Sender<Exit>,
-    ) -> Result<(), ClusterError> {
+    /// Delivers a volatile request to the local entity, waiting (boxed, rare) for its shard's
+    /// lock or its type's registration.
+    pub(crate) async fn deliver(&self, delivery: Box<Delivery>) -> Result<(), ClusterError> {
         // The common case (a held shard, a registered type) reads no clock and waits for
         // nothing; the waits are boxed so that they do not grow every call's future.
-        let address = &request.address;
-        if !self.serves(&address.shard_id) && !Box::pin(self.await_shard(&address.shard_id)).await {
-            return Err(ClusterError::EntityNotAssignedToRunner { address: address.clone() });
+        let shard = &delivery.request.address.shard_id;
+        if !self.serves(shard) && !Box::pin(self.await_shard(shard)).await {
+            let address = delivery.request.address.clone();
+            return Err(ClusterError::EntityNotAssignedToRunner { address });
         }
-        let delivery = Box::new(Delivery {
-            started: None,
-            request,
-            cancellation,
-            reply: ReplyTo::Exit(reply),
-            transaction: None,
-        });
         let delivery = match self.deliver_registered(delivery) {
             Ok(delivered) => return delivered,
             Err(unregistered) => unregistered,
@@ -840,6 +805,39 @@ impl Sharding {
             Some(manager) => Ok(manager.deliver(delivery).map_err(ClusterError::from)),
             None => Err(delivery),
         }
+    }
+}
+
+/// A volatile unary request about to be handed to a local entity, and how its exit comes back.
+pub(crate) struct LocalCall {
+    exit: oneshot::Receiver<Exit>,
+    interrupt: InterruptSignal,
+    /// For the error of an instance that went away without answering.
+    address: EntityAddress,
+}
+
+impl LocalCall {
+    /// The delivery of `request` and the call that waits for its exit.
+    pub(crate) fn new(request: Request) -> (Box<Delivery>, LocalCall) {
+        let (reply, exit) = oneshot::channel();
+        let interrupt = InterruptSignal::new();
+        let address = request.address.clone();
+        let delivery = Delivery::volatile(request, interrupt.clone(), ReplyTo::Exit(reply));
+        (delivery, LocalCall { exit, interrupt, address })
+    }
+
+    /// Waits for the exit of the delivered request. Dropping the future interrupts the
+    /// request, unless `uninterruptible`; an instance that went away without answering (the
+    /// runner stopped) is `EntityNotAssignedToRunner`.
+    pub(crate) async fn exit(self, uninterruptible: bool) -> Result<Exit, ClusterError> {
+        let LocalCall { exit, interrupt, address } = self;
+        // Dropped before the exit arrives (the caller went away): interrupt the request.
+        let interrupt_on_drop = (!uninterruptible).then(|| interrupt.drop_guard());
+        let exit = exit.await.map_err(|_| ClusterError::EntityNotAssignedToRunner { address });
+        if let Some(guard) = interrupt_on_drop {
+            guard.disarm();
+        }
+        exit
     }
 }
 
