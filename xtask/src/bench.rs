@@ -19,7 +19,7 @@ use plotters::prelude::*;
 use serde_json::Value;
 
 /// The workloads `all` runs, in order.
-const WORKLOADS: [&str; 6] = ["W0", "W1", "W2", "W3", "W4", "W5"];
+pub(crate) const WORKLOADS: [&str; 6] = ["W0", "W1", "W2", "W3", "W4", "W5"];
 
 /// Where `bench scaling` writes its results and plots, under the workspace root.
 const OUTPUT: &str = "docs/performance";

@@ -193,7 +193,7 @@ fn sim(args: &[String]) -> Result<()> {
 /// (the measurements are `cargo xtask bench`'s). The PostgreSQL ones need PostgreSQL.
 fn bench_smoke(service_env: &[(&str, &str)]) -> Result<()> {
     let postgres = service_env.iter().any(|(name, _)| *name == "CLUSTER_TEST_POSTGRES_URL");
-    for workload in ["W0", "W1", "W2", "W3", "W4", "W5"] {
+    for workload in bench::WORKLOADS {
         if !postgres && matches!(workload, "W3" | "W5") {
             report(&format!("==> bench {workload} (smoke): skipped, PostgreSQL is not reachable"));
             continue;

@@ -12,7 +12,7 @@
 //! where it only bounds the log if this thread falls behind.
 
 use std::path::Path;
-use std::sync::mpsc::{Receiver, RecvTimeoutError, SyncSender, TryRecvError, sync_channel};
+use std::sync::mpsc::{Receiver, RecvTimeoutError, SyncSender, sync_channel};
 use std::thread::JoinHandle;
 use std::time::Duration;
 
@@ -86,7 +86,8 @@ fn run(connection: &Connection, nudges: &Receiver<()>, interval: Duration) {
         }
         pending = false;
         checkpoint(connection);
-        // Rest, remembering a nudge that comes meanwhile; leave at once when the writer goes.
+        // Rest, remembering a nudge that comes meanwhile (one at the very end stays in the
+        // channel for the next `recv`); leave at once when the writer goes.
         let rest_until = tokio::time::Instant::now() + interval;
         loop {
             let left = rest_until.saturating_duration_since(tokio::time::Instant::now());
@@ -97,13 +98,6 @@ fn run(connection: &Connection, nudges: &Receiver<()>, interval: Duration) {
                 Ok(()) => pending = true,
                 Err(RecvTimeoutError::Timeout) => break,
                 Err(RecvTimeoutError::Disconnected) => return,
-            }
-        }
-        if !pending {
-            match nudges.try_recv() {
-                Ok(()) => pending = true,
-                Err(TryRecvError::Empty) => {}
-                Err(TryRecvError::Disconnected) => return,
             }
         }
     }

@@ -645,11 +645,44 @@ async fn a_dead_worker_is_unavailable_not_a_hang() {
 #[tokio::test]
 async fn a_background_connection_checkpoints_the_log() {
     let database = TempDatabase::new();
-    let storage =
-        Arc::new(SqliteMessageStorage::open(&database.path, database.options()).await.unwrap());
-    let length = |path: &Path| std::fs::metadata(path).map_or(0, |metadata| metadata.len());
-    let log = database.path.with_extension("db-wal");
-    // 1,000 requests of 4 KiB: a little over 1,000 pages of table, index and log.
+    let storage = save_large_requests(&database, database.options()).await;
+    eventually("the database file holds the saved requests", || {
+        file_length(&database.path) > 4_000_000
+    })
+    .await;
+    let log = file_length(&database.path.with_extension("db-wal"));
+    assert!(log < 10_000 * 4_096, "the log grew to {log} bytes");
+    storage.close().await;
+    database.remove();
+}
+
+/// Without the background connection (`checkpoint_interval: None`) the writer checkpoints at
+/// SQLite's 1,000 pages: the log stays near that size, and the database file receives what it
+/// copied.
+#[tokio::test]
+async fn the_writer_checkpoints_when_there_is_no_background_connection() {
+    let database = TempDatabase::new();
+    let options = SqliteOptions { checkpoint_interval: None, ..database.options() };
+    let storage = save_large_requests(&database, options).await;
+    let log = file_length(&database.path.with_extension("db-wal"));
+    assert!(log < 2_000 * 4_096, "the log grew to {log} bytes");
+    assert!(file_length(&database.path) > 2_000_000, "the writer checkpointed");
+    assert_eq!(read_ids(&*storage).await.len(), 1_000);
+    storage.close().await;
+    database.remove();
+}
+
+fn file_length(path: &Path) -> u64 {
+    std::fs::metadata(path).map_or(0, |metadata| metadata.len())
+}
+
+/// Opens the message storage with `options` and saves 1,000 requests of 4 KiB (a little over
+/// 1,000 pages of table, index and log), concurrently.
+async fn save_large_requests(
+    database: &TempDatabase,
+    options: SqliteOptions,
+) -> Arc<SqliteMessageStorage> {
+    let storage = Arc::new(SqliteMessageStorage::open(&database.path, options).await.unwrap());
     let mut saves = tokio::task::JoinSet::new();
     for id in 1..=1_000_u64 {
         let storage = Arc::clone(&storage);
@@ -662,11 +695,7 @@ async fn a_background_connection_checkpoints_the_log() {
     while let Some(saved) = saves.join_next().await {
         assert_eq!(saved.unwrap().unwrap(), SaveResult::Success);
     }
-    eventually("the database file holds the saved requests", || length(&database.path) > 4_000_000)
-        .await;
-    assert!(length(&log) < 10_000 * 4_096, "the log grew to {} bytes", length(&log));
-    storage.close().await;
-    database.remove();
+    storage
 }
 
 /// Saves queued together share one transaction, and each caller still gets its own result:
