@@ -763,6 +763,20 @@ pub(super) enum MessageOp {
     },
 }
 
+impl MessageOp {
+    /// Whether the operation only reads. A read queued among saves may run before them
+    /// ([`worker`](super::worker)'s group commit): it was issued while they were in flight,
+    /// so either order is one its caller could have seen.
+    pub(super) fn is_read(&self) -> bool {
+        matches!(
+            self,
+            MessageOp::RequestIdFor { .. }
+                | MessageOp::Replies { .. }
+                | MessageOp::UnprocessedById { .. }
+        )
+    }
+}
+
 /// A user statement: given the connection, or why the transaction cannot run statements.
 pub(super) type UserStatement = Box<dyn FnOnce(rusqlite::Result<&Connection>) + Send>;
 

@@ -238,16 +238,9 @@ fn run(mut state: WorkerState, mut receiver: mpsc::Receiver<Command>) {
         };
         match command {
             Command::Write(save) => {
-                let mut batch = vec![*save];
-                while batch.len() < state.group_commit_len_max {
-                    match receiver.try_recv() {
-                        Ok(Command::Write(save)) => batch.push(*save),
-                        Ok(other) => {
-                            pending = Some(other);
-                            break;
-                        }
-                        Err(_) => break,
-                    }
+                let (batch, reads) = drain_batch(&state, *save, &mut receiver, &mut pending);
+                for read in reads {
+                    message_storage::run_operation(&state, read);
                 }
                 message_storage::run_writes(&state, batch);
                 if let Some(checkpointer) = &state.checkpointer {
@@ -281,6 +274,40 @@ fn run(mut state: WorkerState, mut receiver: mpsc::Receiver<Command>) {
         }
     }
     queries::rollback(&state.connection);
+}
+
+/// Takes the saves queued behind `first` into one group commit, up to the group's limit.
+///
+/// Reads queued among them are taken too and returned apart, to run before the batch: a read
+/// that ended the batch would cut the queue into groups of a few saves, each paying its own
+/// commit (a workflow's lookup of its `run` request among its activities' saves kept W4's
+/// groups at about ten saves with 128 executions in flight). The reads and the saves were all
+/// in flight together, so either order is one their callers could have seen. Any other command
+/// ends the batch and waits in `pending`, in its place.
+fn drain_batch(
+    state: &WorkerState,
+    first: Write,
+    receiver: &mut mpsc::Receiver<Command>,
+    pending: &mut Option<Command>,
+) -> (Vec<Write>, Vec<MessageOp>) {
+    let mut batch = vec![first];
+    let mut reads = Vec::new();
+    while batch.len() < state.group_commit_len_max {
+        match receiver.try_recv() {
+            Ok(Command::Write(save)) => batch.push(*save),
+            Ok(Command::Message(op))
+                if op.is_read() && reads.len() < state.group_commit_len_max =>
+            {
+                reads.push(op);
+            }
+            Ok(other) => {
+                *pending = Some(other);
+                break;
+            }
+            Err(_) => break,
+        }
+    }
+    (batch, reads)
 }
 
 /// The error of a caller whose worker is gone.

@@ -751,6 +751,77 @@ async fn group_commit_isolates_failures() {
     database.remove();
 }
 
+/// Reads queued among saves do not cut them into separate commits: the saves still share one
+/// transaction and each read gets its answer.
+///
+/// As in the test above, the write lock holds the worker on the first save while saves and
+/// reads alternate in its queue; once freed, the worker commits the first save, then the rest
+/// at once. The commits are counted in the write-ahead log (checkpoints are off, so it keeps
+/// every frame): a read that ended a batch would make one commit per save.
+#[tokio::test(flavor = "current_thread")]
+async fn reads_among_saves_share_their_group_commit() {
+    let database = TempDatabase::new();
+    let options = SqliteOptions { checkpoint_interval: None, ..database.options() };
+    let storage = Arc::new(SqliteMessageStorage::open(&database.path, options).await.unwrap());
+    let key = "TestEntity/e1/GetUser/k".to_owned();
+    let keyed = SaveRequestOptions { primary_key: Some(key.clone()), deliver_at: None };
+    storage.save_request(&request(1), &keyed).await.unwrap();
+    storage.save_reply(&final_reply(1, 1000)).await.unwrap();
+    let wal = database.path.with_extension("db-wal");
+    let commits_before = wal_commits(&wal);
+    let release = hold_write_lock(&database.path);
+    let mut calls = tokio::task::JoinSet::new();
+    for id in 2..=33_u64 {
+        let saver = Arc::clone(&storage);
+        let key = key.clone();
+        calls.spawn(async move {
+            saver.save_request(&request(id), &SaveRequestOptions::default()).await.unwrap();
+            assert_eq!(
+                saver.request_id_for_primary_key(&key).await.unwrap(),
+                Some(Snowflake::new(1))
+            );
+        });
+        let reader = Arc::clone(&storage);
+        calls.spawn(async move {
+            assert_eq!(
+                reader.replies_for(&[Snowflake::new(1)]).await.unwrap(),
+                [final_reply(1, 1000)]
+            );
+        });
+    }
+    for _ in 0..8 {
+        tokio::task::yield_now().await;
+    }
+    drop(release);
+    while let Some(joined) = calls.join_next().await {
+        joined.unwrap();
+    }
+    let commits = wal_commits(&wal) - commits_before;
+    assert!(commits <= 2, "32 saves among 32 reads took {commits} commits");
+    // Request 1 has its final reply: only the new ones are unprocessed.
+    assert_eq!(read_ids(&*storage).await, (2..=33).collect::<Vec<u64>>());
+    storage.close().await;
+    database.remove();
+}
+
+/// How many commits the write-ahead log at `path` holds: the frames of its current generation
+/// (their salts match the header's) that end a transaction (a non-zero database size).
+fn wal_commits(path: &Path) -> usize {
+    let log = std::fs::read(path).expect("read the write-ahead log");
+    let word = |at: usize| u32::from_be_bytes(log[at..at + 4].try_into().expect("4 bytes"));
+    let page_size = word(8) as usize;
+    let salts = (word(16), word(20));
+    let mut commits = 0;
+    let mut at = 32;
+    while at + 24 + page_size <= log.len() {
+        if (word(at + 8), word(at + 12)) == salts && word(at + 4) != 0 {
+            commits += 1;
+        }
+        at += 24 + page_size;
+    }
+    commits
+}
+
 /// Every lock operation is bounded by the shard lock interval: while another connection holds
 /// the write lock, lease operations fail with `Timeout` instead of waiting out the busy timeout.
 #[tokio::test]
