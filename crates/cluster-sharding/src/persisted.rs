@@ -399,7 +399,9 @@ impl Sharding {
             }
         };
         if direct && waited_id == request.request_id {
-            self.deliver_directly(persisted, request.clone()).await;
+            // Boxed: its future (about 1.6 KiB) would otherwise be inside this one, which the
+            // caller moves at each await.
+            Box::pin(self.deliver_directly(persisted, request.clone())).await;
         } else {
             self.wake_reader(&request.address.shard_id, || Envelope::Request(request.clone()));
         }
@@ -483,7 +485,7 @@ impl Sharding {
         // The save's error first: a request that was not stored must not look sent.
         let saved = saved?;
         if direct && matches!(saved, SaveResult::Success) {
-            self.deliver_directly(persisted, request).await;
+            Box::pin(self.deliver_directly(persisted, request)).await;
         } else {
             self.wake_reader(&request.address.shard_id, || Envelope::Request(request.clone()));
         }
