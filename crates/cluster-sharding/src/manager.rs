@@ -873,21 +873,17 @@ impl<E: Entity> InstanceLoop<E> {
             Box::pin(self.restart(Vec::new())).await;
             return;
         };
-        // Inline, on borrowed signals: nothing is cloned for the run (a clone of a token takes
-        // its lock, and so does the drop).
-        let Queued { seq, mut delivery } = queued;
-        let mut access = Access::Exclusive(entity);
-        let keep_alive = self.keep_alive.clone();
-        let outcome = handle(
+        // On borrowed signals: nothing is cloned for an exclusive run.
+        let finished = run_one(
             &self.shared,
-            &mut access,
-            &mut delivery,
-            keep_alive,
+            Access::Exclusive(entity),
+            queued,
+            self.keep_alive.clone(),
             &self.generation,
             &self.signals,
         )
         .await;
-        self.settle(Finished { seq, delivery, access, outcome }).await;
+        self.settle(finished).await;
     }
 
     /// Starts the head of the queue, a shared request, alongside the running ones.
@@ -900,15 +896,14 @@ impl<E: Entity> InstanceLoop<E> {
             self.respond(queued.delivery, malformed("the entity value cannot be shared")).await;
             return;
         };
-        let run = run_one(
-            Arc::clone(&self.shared),
-            Access::Shared(entity),
-            queued,
-            self.keep_alive.clone(),
-            self.generation.clone(),
-            Arc::clone(&self.signals),
-        );
-        self.running.push(Box::pin(run));
+        // Runs beside the loop: it owns what it borrows.
+        let (shared, generation, signals) =
+            (Arc::clone(&self.shared), self.generation.clone(), Arc::clone(&self.signals));
+        let keep_alive = self.keep_alive.clone();
+        self.running.push(Box::pin(async move {
+            run_one(&shared, Access::Shared(entity), queued, keep_alive, &generation, &signals)
+                .await
+        }));
     }
 
     /// Answers a finished run, or restarts the entity after a panic.
@@ -1042,16 +1037,15 @@ async fn next_delivery<E: Entity>(
 
 /// Runs one request on `access` and hands everything back with the outcome.
 async fn run_one<E: Entity>(
-    shared: Arc<Shared<E>>,
+    shared: &Shared<E>,
     mut access: Access<E>,
     queued: Queued,
     keep_alive: KeepAliveHandle,
-    generation: InterruptSignal,
-    signals: Arc<Signals>,
+    generation: &InterruptSignal,
+    signals: &Signals,
 ) -> Finished<E> {
     let Queued { seq, mut delivery } = queued;
-    let outcome =
-        handle(&shared, &mut access, &mut delivery, keep_alive, &generation, &signals).await;
+    let outcome = handle(shared, &mut access, &mut delivery, keep_alive, generation, signals).await;
     Finished { seq, delivery, access, outcome }
 }
 
