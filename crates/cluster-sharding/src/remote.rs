@@ -23,7 +23,6 @@ use tokio::sync::{mpsc, oneshot};
 
 use crate::interrupt::InterruptSignal;
 use crate::manager::{Delivery, ReplyTo};
-
 use crate::sharding::{LocalCall, STREAM_BUFFER, Sharding, WeakSharding};
 
 /// Where a volatile request goes.

@@ -21,8 +21,6 @@ use cluster_core::{
 };
 use tokio::sync::{Notify, broadcast, mpsc, oneshot};
 use tokio_util::sync::CancellationToken;
-
-use crate::interrupt::{FlaggedToken, InterruptSignal};
 use tokio_util::task::TaskTracker;
 
 use crate::client::EntityClient;
@@ -30,6 +28,7 @@ use crate::cluster::Cluster;
 use crate::cron::CronJobs;
 use crate::entity::Ids;
 use crate::entity::{DEFAULT_ON_STOP_TIMEOUT, Entity, EntityOptions};
+use crate::interrupt::{FlaggedToken, InterruptSignal};
 use crate::keep_alive::{KEEP_ALIVE_TAG, KeepAliveSender};
 use crate::manager::{
     Delivery, EntityManager, ErasedManager, ManagerOptions, ReplyTo, Residency, StreamReplies,

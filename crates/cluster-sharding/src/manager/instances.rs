@@ -34,8 +34,9 @@ impl Key {
     }
 }
 
-/// A 64-bit hash of `id` (FNV-1a over 8-byte words, then a final mix): fixed, so the
-/// map's order does not depend on the process.
+/// A 64-bit hash of `id` (FNV-1a over 8-byte words, each step followed by a shift-xor mix):
+/// fixed, so the map's order does not depend on the process (the simulation's histories
+/// replay).
 fn hash(id: &str) -> u64 {
     let mut hash: u64 = 0xcbf2_9ce4_8422_2325 ^ (id.len() as u64);
     for chunk in id.as_bytes().chunks(8) {
@@ -204,8 +205,11 @@ mod tests {
 
     #[test]
     fn the_id_hash_is_fixed_and_tells_similar_ids_apart() {
-        // Fixed across processes and runs (the order of a partition does not depend on them).
+        // Fixed across processes and runs (the order of a partition does not depend on them):
+        // golden values.
         assert_eq!(hash("echo-1"), hash("echo-1"));
+        assert_eq!(hash("echo-1"), 0xd79d_941c_73c7_9624);
+        assert_eq!(hash(""), 0xcbf2_9ce4_8422_2325);
         let hashes: std::collections::BTreeSet<u64> =
             (0..10_000).map(|n| hash(&format!("echo-{n}"))).collect();
         assert_eq!(hashes.len(), 10_000);

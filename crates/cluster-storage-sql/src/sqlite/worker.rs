@@ -281,9 +281,9 @@ fn run(mut state: WorkerState, mut receiver: mpsc::Receiver<Command>) {
 /// Reads queued among them are taken too and returned apart, to run before the batch: a read
 /// that ended the batch would cut the queue into groups of a few saves, each paying its own
 /// commit (a workflow activation's lookup of a stored interrupt, one per execution among its
-/// eight saves, kept W4's groups at about ten saves with 128 executions in flight). The reads and the saves were all
-/// in flight together, so either order is one their callers could have seen. Any other command
-/// ends the batch and waits in `pending`, in its place.
+/// eight saves, kept W4's groups at about ten saves with 128 executions in flight). The reads
+/// and the saves were all in flight together, so either order is one their callers could have
+/// seen. Any other command ends the batch and waits in `pending`, in its place.
 fn drain_batch(
     state: &WorkerState,
     first: Write,
