@@ -249,6 +249,22 @@ pub trait MessageStorage: Send + Sync + fmt::Debug {
         now: Timestamp,
     ) -> BoxFuture<'a, Result<UnprocessedBatch, StorageError>>;
 
+    /// The ids of the requests of `address` stored before the stored request `request_id`, in
+    /// the order [`unprocessed_messages`](MessageStorage::unprocessed_messages) returns rows,
+    /// at most `limit`: those not processed and due (`deliver_at <= now`), claimed or not.
+    /// They must reach the entity before `request_id` does (per-entity storage order).
+    ///
+    /// # Cancel safety
+    ///
+    /// Cancel safe: it only reads.
+    fn unprocessed_before<'a>(
+        &'a self,
+        address: &'a EntityAddress,
+        request_id: Snowflake,
+        now: Timestamp,
+        limit: NonZeroU32,
+    ) -> BoxFuture<'a, Result<Vec<Snowflake>, StorageError>>;
+
     /// Releases the claims of these requests' unprocessed rows.
     ///
     /// # Cancel safety

@@ -41,6 +41,21 @@ pub(crate) fn id_from_sql(id: i64) -> Result<Snowflake, DecodeError> {
     Snowflake::from_i64(id).ok_or_else(|| DecodeError::new("row", format!("negative id {id}")))
 }
 
+/// `BIGINT` ids read back as snowflakes; a negative one is a malformed row.
+pub(crate) fn ids_from_sql(ids: Vec<i64>) -> Result<Vec<Snowflake>, StorageError> {
+    ids.into_iter()
+        .map(|id| {
+            id_from_sql(id).map_err(|error| {
+                StorageError::with_source(
+                    StorageErrorKind::Malformed,
+                    "unreadable message id",
+                    error,
+                )
+            })
+        })
+        .collect()
+}
+
 /// The column values of a message row to insert.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub(crate) struct MessageInsert<'a> {

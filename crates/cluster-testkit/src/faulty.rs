@@ -54,6 +54,8 @@ pub struct Faults {
     storage_delay_millis: std::sync::atomic::AtomicU64,
     /// Milliseconds every `begin_transaction` waits first.
     begin_delay_millis: std::sync::atomic::AtomicU64,
+    /// Milliseconds every `save_ack_chunk` waits first.
+    ack_delay_millis: std::sync::atomic::AtomicU64,
     /// The process died: no call reaches the storage any more.
     dead: std::sync::atomic::AtomicBool,
     begin_transaction_calls: AtomicU32,
@@ -143,6 +145,13 @@ impl Faults {
     pub fn delay_begin_transaction(&self, delay: std::time::Duration) {
         let millis = u64::try_from(delay.as_millis()).unwrap_or(u64::MAX);
         self.begin_delay_millis.store(millis, Ordering::Release);
+    }
+
+    /// Every `save_ack_chunk` from now on waits `delay` first (zero: no wait): a stream's
+    /// consumer that is slow to acknowledge, while the reply poller hands the chunk over again.
+    pub fn delay_acks(&self, delay: std::time::Duration) {
+        let millis = u64::try_from(delay.as_millis()).unwrap_or(u64::MAX);
+        self.ack_delay_millis.store(millis, Ordering::Release);
     }
 
     /// Waits out the latency of [`delay_storage`](Faults::delay_storage).
@@ -241,7 +250,13 @@ impl MessageStorage for FaultyMessageStorage {
         if self.faults.is_dead() {
             return dead();
         }
-        self.inner.save_ack_chunk(ack)
+        let delay = self.faults.ack_delay_millis.load(Ordering::Acquire);
+        Box::pin(async move {
+            if delay > 0 {
+                tokio::time::sleep(std::time::Duration::from_millis(delay)).await;
+            }
+            self.inner.save_ack_chunk(ack).await
+        })
     }
 
     fn save_interrupt<'a>(
@@ -356,6 +371,22 @@ impl MessageStorage for FaultyMessageStorage {
             return dead();
         }
         self.inner.unprocessed_messages_by_id(ids, now)
+    }
+
+    fn unprocessed_before<'a>(
+        &'a self,
+        address: &'a EntityAddress,
+        request_id: Snowflake,
+        now: Timestamp,
+        limit: std::num::NonZeroU32,
+    ) -> BoxFuture<'a, Result<Vec<Snowflake>, StorageError>> {
+        if self.faults.is_dead() {
+            return dead();
+        }
+        Box::pin(async move {
+            self.faults.latency().await;
+            self.inner.unprocessed_before(address, request_id, now, limit).await
+        })
     }
 
     fn reset_requests<'a>(

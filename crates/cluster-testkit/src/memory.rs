@@ -11,6 +11,7 @@
 
 use std::any::Any;
 use std::collections::{BTreeMap, BTreeSet};
+use std::num::NonZeroU32;
 use std::sync::atomic::{AtomicU32, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 use std::time::Duration;
@@ -539,6 +540,34 @@ impl MessageStorage for MemoryMessageStorage {
             wanted.contains(&message.envelope.id()) && state.deliverable(message, now)
         });
         ready(Ok(state.to_batch(rows)))
+    }
+
+    fn unprocessed_before<'a>(
+        &'a self,
+        address: &'a EntityAddress,
+        request_id: Snowflake,
+        now: Timestamp,
+        limit: NonZeroU32,
+    ) -> BoxFuture<'a, Result<Vec<Snowflake>, StorageError>> {
+        let state = lock(&self.state);
+        let Some(&row) = state.message_rows.get(&request_id) else {
+            return ready(Ok(Vec::new()));
+        };
+        let limit = usize::try_from(limit.get()).unwrap_or(usize::MAX);
+        let earlier = state
+            .messages
+            .range(..row)
+            .map(|(_, message)| message)
+            .filter(|message| {
+                matches!(message.envelope, Envelope::Request(_))
+                    && matches_address(message, address)
+                    && !message.processed
+                    && message.deliver_at.is_none_or(|at| at <= now)
+            })
+            .map(|message| message.envelope.id())
+            .take(limit)
+            .collect();
+        ready(Ok(earlier))
     }
 
     fn reset_requests<'a>(

@@ -219,6 +219,33 @@ impl MySqlMessageStorage {
         row::id_from_sql(id).map(Some).map_err(malformed_row)
     }
 
+    async fn unprocessed_before_inner(
+        &self,
+        address: &EntityAddress,
+        request_id: Snowflake,
+        now: Timestamp,
+        limit: std::num::NonZeroU32,
+    ) -> Result<Vec<Snowflake>, StorageError> {
+        let params: Vec<Value> = vec![
+            Value::from(address.shard_id.to_string()),
+            Value::from(address.entity_type.as_str()),
+            Value::from(address.entity_id.as_str()),
+            Value::from(row::id_to_sql(request_id)?),
+            Value::from(now.unix_millis()),
+            Value::from(limit.get()),
+        ];
+        let mut conn = self.conn().await?;
+        let rows: Vec<Row> = conn
+            .exec(self.queries.unprocessed_before.as_str(), params)
+            .await
+            .map_err(|error| storage_error("unprocessed_before", error))?;
+        let ids = rows
+            .into_iter()
+            .map(|id| required(Columns::new(id).int(), "id"))
+            .collect::<Result<Vec<i64>, StorageError>>()?;
+        row::ids_from_sql(ids)
+    }
+
     async fn replies_inner(
         &self,
         request_ids: &[Snowflake],
@@ -455,6 +482,17 @@ impl MessageStorage for MySqlMessageStorage {
     ) -> BoxFuture<'a, Result<UnprocessedBatch, StorageError>> {
         let operation = self.unprocessed_messages_by_id_inner(ids, now);
         Box::pin(operation.instrument(span("unprocessed_messages_by_id")))
+    }
+
+    fn unprocessed_before<'a>(
+        &'a self,
+        address: &'a EntityAddress,
+        request_id: Snowflake,
+        now: Timestamp,
+        limit: std::num::NonZeroU32,
+    ) -> BoxFuture<'a, Result<Vec<Snowflake>, StorageError>> {
+        let operation = self.unprocessed_before_inner(address, request_id, now, limit);
+        Box::pin(operation.instrument(span("unprocessed_before")))
     }
 
     fn reset_requests<'a>(

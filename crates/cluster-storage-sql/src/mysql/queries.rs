@@ -235,6 +235,7 @@ pub(crate) struct MessageQueries {
     pub(crate) clear_exit_if_latest: String,
     pub(crate) clear_reset_if_latest: String,
     pub(crate) request_id_for_message_id: String,
+    pub(crate) unprocessed_before: String,
     pub(crate) clear_address_replies: String,
     pub(crate) clear_address_messages: String,
 }
@@ -292,6 +293,14 @@ impl MessageQueries {
                  WHERE request_id = ? AND last_reply_id = ?"
             ),
             request_id_for_message_id: format!("SELECT id FROM {messages} WHERE message_id = ?"),
+            unprocessed_before: format!(
+                "SELECT m.id FROM {messages} m \
+                 WHERE m.shard_id = ? AND m.processed = FALSE AND m.kind = 0 \
+                 AND m.entity_type = ? AND m.entity_id = ? \
+                 AND m.rowid < (SELECT rowid FROM {messages} WHERE id = ?) \
+                 AND (m.deliver_at IS NULL OR m.deliver_at <= ?) \
+                 ORDER BY m.rowid ASC LIMIT ?"
+            ),
             clear_address_replies: format!(
                 "DELETE FROM {replies} WHERE request_id IN \
                  (SELECT id FROM {messages} WHERE entity_type = ? AND entity_id = ?)"

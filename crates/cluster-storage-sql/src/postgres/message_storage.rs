@@ -791,6 +791,39 @@ impl MessageStorage for PgMessageStorage {
         )
     }
 
+    fn unprocessed_before<'a>(
+        &'a self,
+        address: &'a EntityAddress,
+        request_id: Snowflake,
+        now: Timestamp,
+        limit: std::num::NonZeroU32,
+    ) -> BoxFuture<'a, Result<Vec<Snowflake>, StorageError>> {
+        Box::pin(
+            async move {
+                let shard_id = address.shard_id.to_string();
+                let request_id = id_to_sql(request_id)?;
+                let now = now.unix_millis();
+                let limit = i64::from(limit.get());
+                let sql = &self.queries.unprocessed_before;
+                let params: [&(dyn ToSql + Sync); 6] = [
+                    &shard_id,
+                    &address.entity_type.as_str(),
+                    &address.entity_id.as_str(),
+                    &request_id,
+                    &now,
+                    &limit,
+                ];
+                let rows = self.query("unprocessed_before", sql, &params).await?;
+                let ids = rows
+                    .iter()
+                    .map(|row| row.try_get::<_, i64>(0).map_err(column_error))
+                    .collect::<Result<Vec<i64>, StorageError>>()?;
+                crate::row::ids_from_sql(ids)
+            }
+            .instrument(span("unprocessed_before")),
+        )
+    }
+
     fn reset_requests<'a>(
         &'a self,
         request_ids: &'a [Snowflake],

@@ -85,6 +85,7 @@ pub(crate) struct MessageQueries {
     pub(crate) claim_for_addresses: String,
     /// Unprocessed messages with ids `$1`, due at `$2`, not claimed.
     pub(crate) unprocessed_by_id: String,
+    pub(crate) unprocessed_before: String,
     /// Releases the claims of the requests `$1`.
     pub(crate) reset_requests: String,
     /// Releases the claims of the addresses `($1, $2, $3)`.
@@ -195,6 +196,14 @@ impl MessageQueries {
                  AND {} \
                  ORDER BY m.rowid ASC",
                 no_pending_reply(&replies)
+            ),
+            unprocessed_before: format!(
+                "SELECT m.id FROM {messages} m \
+                 WHERE m.shard_id = $1 AND m.processed = FALSE AND m.kind = 0 \
+                 AND m.entity_type = $2 AND m.entity_id = $3 \
+                 AND m.rowid < (SELECT rowid FROM {messages} WHERE id = $4) \
+                 AND (m.deliver_at IS NULL OR m.deliver_at <= $5) \
+                 ORDER BY m.rowid ASC LIMIT $6"
             ),
             reset_requests: reset(&messages, "request_id = ANY($1)"),
             reset_addresses: reset(

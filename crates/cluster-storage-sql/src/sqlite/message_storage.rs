@@ -27,6 +27,7 @@ use super::queries::{self, MessageSql, MigrationSet, json_integers, json_strings
 use super::worker::{Command, Responder, TransactionState, Worker, WorkerState, classify};
 use crate::row::{
     self, LastReplyRow, MessageInsert, MessageRow, ReplyInsert, ReplyRow, id_from_sql, id_to_sql,
+    ids_from_sql,
 };
 
 /// [`MessageStorage`] on a SQLite file.
@@ -316,6 +317,30 @@ impl MessageStorage for SqliteMessageStorage {
                 })
                 .await?;
             Ok(row::into_batch(rows))
+        })
+    }
+
+    fn unprocessed_before<'a>(
+        &'a self,
+        address: &'a EntityAddress,
+        request_id: Snowflake,
+        now: Timestamp,
+        limit: std::num::NonZeroU32,
+    ) -> BoxFuture<'a, Result<Vec<Snowflake>, StorageError>> {
+        Box::pin(async move {
+            let request_id = id_to_sql(request_id)?;
+            let ids = self
+                .message_op("unprocessed_before", |reply| MessageOp::UnprocessedBefore {
+                    shard_id: address.shard_id.to_string(),
+                    entity_type: address.entity_type.to_string(),
+                    entity_id: address.entity_id.to_string(),
+                    request_id,
+                    now: now.unix_millis(),
+                    limit: limit.get(),
+                    reply,
+                })
+                .await?;
+            ids_from_sql(ids)
         })
     }
 
@@ -744,6 +769,15 @@ pub(super) enum MessageOp {
         now: i64,
         reply: Responder<Vec<MessageRow>>,
     },
+    UnprocessedBefore {
+        shard_id: String,
+        entity_type: String,
+        entity_id: String,
+        request_id: i64,
+        now: i64,
+        limit: u32,
+        reply: Responder<Vec<i64>>,
+    },
     ResetRequests {
         request_ids: String,
         reply: Responder<()>,
@@ -773,6 +807,7 @@ impl MessageOp {
             MessageOp::RequestIdFor { .. }
                 | MessageOp::Replies { .. }
                 | MessageOp::UnprocessedById { .. }
+                | MessageOp::UnprocessedBefore { .. }
         )
     }
 }
@@ -1002,6 +1037,22 @@ pub(super) fn run_operation(state: &WorkerState, op: MessageOp) {
             let result =
                 query_rows(connection, &sql.unprocessed_by_id, &[&ids, &now], read_message_row);
             respond(reply, "unprocessed_messages_by_id", result);
+        }
+        MessageOp::UnprocessedBefore {
+            shard_id,
+            entity_type,
+            entity_id,
+            request_id,
+            now,
+            limit,
+            reply,
+        } => {
+            let parameters: [&dyn ToSql; 6] =
+                [&shard_id, &entity_type, &entity_id, &request_id, &now, &limit];
+            let result = query_rows(connection, &sql.unprocessed_before, &parameters, |row| {
+                row.get::<_, i64>(0)
+            });
+            respond(reply, "unprocessed_before", result);
         }
         MessageOp::ResetRequests { request_ids, reply } => {
             let result = execute(connection, &sql.reset_requests, &[&request_ids]);

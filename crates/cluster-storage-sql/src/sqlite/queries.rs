@@ -47,6 +47,7 @@ pub(super) struct MessageSql {
     pub(super) replies_for_unfiltered: String,
     pub(super) claim: String,
     pub(super) unprocessed_by_id: String,
+    pub(super) unprocessed_before: String,
     pub(super) reset_requests: String,
     pub(super) reset_shards: String,
     pub(super) clear_address_replies: String,
@@ -110,6 +111,13 @@ impl MessageSql {
             claim: format!(
                 "UPDATE {m} SET last_read = CURRENT_TIMESTAMP \
                  WHERE id IN (SELECT value FROM json_each(?1))"
+            ),
+            // The id is the rowid here (`INTEGER PRIMARY KEY`): the claim's order.
+            unprocessed_before: format!(
+                "SELECT id FROM {m} WHERE shard_id = ?1 AND processed = 0 AND kind = 0 \
+                 AND entity_type = ?2 AND entity_id = ?3 AND id < ?4 \
+                 AND (deliver_at IS NULL OR deliver_at <= ?5) \
+                 ORDER BY id ASC LIMIT ?6"
             ),
             unprocessed_by_id: format!(
                 "SELECT {MESSAGE_COLUMNS} FROM {m} m LEFT JOIN {r} r ON r.id = m.last_reply_id \

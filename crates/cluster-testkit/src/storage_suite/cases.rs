@@ -534,6 +534,42 @@ pub async fn unprocessed_messages_by_id_does_not_claim(fixture: &dyn StorageFixt
     assert_eq!(ids(&claimed), [1], "a claimed row is still returned by id");
 }
 
+/// `unprocessed_before` lists the entity's unprocessed, due requests stored before a given one,
+/// in the read's order, claimed or not; not other entities', not acknowledgements, not
+/// answered ones, not delayed ones, not later ones; at most `limit`.
+pub async fn unprocessed_before_lists_the_entitys_earlier_requests(fixture: &dyn StorageFixture) {
+    let storage = fixture.message_storage();
+    let entity = address("e1", 1);
+    let limit = |n: u32| std::num::NonZeroU32::new(n).unwrap();
+    let before = |id: u64, n: u32| {
+        let storage = Arc::clone(&storage);
+        let entity = entity.clone();
+        async move {
+            let earlier = storage.unprocessed_before(&entity, Snowflake::new(id), now(), limit(n));
+            earlier.await.unwrap().into_iter().map(Snowflake::get).collect::<Vec<u64>>()
+        }
+    };
+    save(&*storage, &request(1, 1)).await;
+    save(&*storage, &request(2, 2)).await;
+    save(&*storage, &request(3, 1)).await;
+    let later = SaveRequestOptions {
+        primary_key: None,
+        deliver_at: Some(now().saturating_add(Duration::from_secs(60))),
+    };
+    assert_eq!(storage.save_request(&request(4, 1), &later).await.unwrap(), SaveResult::Success);
+    save(&*storage, &request(5, 1)).await;
+    save(&*storage, &request(6, 1)).await;
+    assert_eq!(before(6, 10).await, [1, 3, 5], "the entity's earlier, due requests");
+    assert_eq!(before(6, 2).await, [1, 3], "at most the limit, oldest first");
+    assert_eq!(before(1, 10).await, Vec::<u64>::new(), "nothing before the first");
+    // Claimed rows still count; answered ones and acknowledgements do not.
+    assert_eq!(read_ids(&*storage).await, [1, 2, 3, 5, 6]);
+    storage.save_reply(&final_reply(3, 100)).await.unwrap();
+    storage.save_ack_chunk(&ack(7, &request(1, 1), 99)).await.unwrap();
+    save(&*storage, &request(8, 1)).await;
+    assert_eq!(before(8, 10).await, [1, 5, 6]);
+}
+
 /// Interrupts are stored and delivered; resetting the request deletes them (§5.1).
 pub async fn interrupts_are_delivered_and_cleared(fixture: &dyn StorageFixture) {
     let storage = fixture.message_storage();
