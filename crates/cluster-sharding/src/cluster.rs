@@ -781,7 +781,7 @@ impl Sharding {
     /// tells whether this runner serves it.
     pub(crate) async fn await_shard(&self, shard: &ShardId) -> bool {
         let Some(cluster) = self.cluster() else { return self.serves(shard) };
-        let deadline = tokio::time::Instant::now() + self.config().shard_lock_expiration;
+        let deadline = crate::time::deadline(self.config().shard_lock_expiration);
         let mut events = cluster.lock_events.subscribe();
         loop {
             let awaiting = cluster.state().ownership.is_awaiting_lock(shard, self.is_shutdown());

@@ -551,8 +551,41 @@ pub struct EntityOptions {
     /// reference). Requests to `&mut self` [`Handler`]s always run alone.
     pub concurrency: Option<Capacity>,
     /// How long [`Entity::on_stop`] may run before it is dropped ([`DEFAULT_ON_STOP_TIMEOUT`]
-    /// by default).
+    /// by default), at most [`INTERVAL_MAX`](cluster_core::config::INTERVAL_MAX).
     pub on_stop_timeout: Option<Duration>,
+}
+
+impl EntityOptions {
+    /// Checks the options against the bounds of the runner's configuration: an idle time of at
+    /// most [`ENTITY_MAX_IDLE_TIME_MAX`](cluster_core::config::ENTITY_MAX_IDLE_TIME_MAX) (use
+    /// `Some(None)` to never reap), an `on_stop` timeout of at most an hour.
+    ///
+    /// # Errors
+    ///
+    /// The first option out of its bounds, named as `EntityOptions::<field>`.
+    pub fn validate(&self) -> Result<(), cluster_core::error::ConfigError> {
+        use cluster_core::config::{ENTITY_MAX_IDLE_TIME_MAX, INTERVAL_MAX, format_duration};
+        let out_of_bounds = |field: &str, value: Duration, max: Duration, hint: &str| {
+            cluster_core::error::ConfigError::new(
+                format!("EntityOptions::{field}"),
+                format_duration(value),
+                format!("must be at most {}; {hint}", format_duration(max)),
+            )
+        };
+        if let Some(Some(idle)) = self.max_idle_time
+            && idle > ENTITY_MAX_IDLE_TIME_MAX
+        {
+            let hint = "use Some(None) to never stop idle entities";
+            return Err(out_of_bounds("max_idle_time", idle, ENTITY_MAX_IDLE_TIME_MAX, hint));
+        }
+        if let Some(timeout) = self.on_stop_timeout
+            && timeout > INTERVAL_MAX
+        {
+            let hint = "a longer one is surely a mistake";
+            return Err(out_of_bounds("on_stop_timeout", timeout, INTERVAL_MAX, hint));
+        }
+        Ok(())
+    }
 }
 
 /// The default of [`EntityOptions::on_stop_timeout`]: 10 seconds.

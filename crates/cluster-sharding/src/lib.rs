@@ -104,6 +104,7 @@ mod rpc;
 mod sharding;
 mod single_runner;
 mod singleton;
+mod time;
 
 pub use client::{ChunkStream, EntityClient};
 pub use cron::{CronContext, CronError, CronOptions};

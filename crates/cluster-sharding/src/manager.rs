@@ -17,6 +17,7 @@ use std::time::Duration;
 use cluster_core::config::Capacity;
 use cluster_core::envelope::{Chunk, Exit, Reply, Request, WithExit};
 use cluster_core::future::BoxFuture;
+use cluster_core::storage::{MessageStorage, MessageTransaction};
 use cluster_core::{ClusterError, EntityAddress, EntityType, ShardId, Snowflake};
 use futures_util::stream::FuturesUnordered;
 use futures_util::{FutureExt, StreamExt};
@@ -32,7 +33,7 @@ use crate::entity::{
 use crate::interrupt::{FlaggedToken, InterruptSignal};
 use crate::keep_alive::{KEEP_ALIVE_TAG, KeepAlive, KeepAliveHandle, KeepAliveSender};
 use crate::metrics;
-use crate::sharding::WeakSharding;
+use crate::sharding::{Sharding, WeakSharding};
 use instances::{Instances, Partition};
 
 /// The largest mailbox channel; an unbounded mailbox capacity is capped here (everything has a
@@ -77,8 +78,9 @@ pub(crate) struct Delivery {
     /// Fired when the request is interrupted.
     pub(crate) cancellation: InterruptSignal,
     pub(crate) reply: ReplyTo,
-    /// The storage transaction the handler runs in (persisted `WITH_TRANSACTION` requests).
-    pub(crate) transaction: Option<TransactionSlot>,
+    /// The storage transaction the handler runs in (persisted `WITH_TRANSACTION` requests),
+    /// begun by the instance when the request starts.
+    pub(crate) transaction: Option<PendingTransaction>,
     /// Set when the handler starts running the request (persisted requests: shutdown abandons
     /// the local callers of requests that never started, reference `abandonUndelivered`).
     pub(crate) started: Option<Arc<std::sync::atomic::AtomicBool>>,
@@ -92,6 +94,35 @@ impl Delivery {
         reply: ReplyTo,
     ) -> Box<Delivery> {
         Box::new(Delivery { request, cancellation, reply, transaction: None, started: None })
+    }
+}
+
+/// The storage transaction of a `WITH_TRANSACTION` request. The instance begins it when the
+/// request starts, as the reference's handler runs inside `withTransaction`
+/// (`effect/src/cluster/internal/entityManager.ts`, `requestWriteOptions`), so that handing a
+/// request to its entity never waits: nothing can change between the checks that admit it and
+/// its arrival in the mailbox. The runtime takes it back to commit or roll back.
+#[derive(Clone)]
+pub(crate) struct PendingTransaction {
+    storage: Arc<dyn MessageStorage>,
+    slot: TransactionSlot,
+}
+
+impl PendingTransaction {
+    /// A transaction to begin on `storage`.
+    pub(crate) fn new(storage: Arc<dyn MessageStorage>) -> PendingTransaction {
+        PendingTransaction { storage, slot: TransactionSlot::default() }
+    }
+
+    /// The transaction, if it was begun and not taken yet.
+    pub(crate) async fn take(&self) -> Option<Box<dyn MessageTransaction>> {
+        self.slot.lock().await.take()
+    }
+
+    async fn begin(&self) -> Result<(), cluster_core::error::StorageError> {
+        let transaction = self.storage.begin_transaction().await?;
+        *self.slot.lock().await = Some(transaction);
+        Ok(())
     }
 }
 
@@ -172,8 +203,10 @@ impl From<Refused> for ClusterError {
 
 /// What the runtime needs from a manager, whatever its entity type.
 pub(crate) trait ErasedManager: Send + Sync {
-    /// Hands `delivery` to its instance, creating it if needed.
-    fn deliver(&self, delivery: Box<Delivery>) -> Result<(), Refused>;
+    /// Hands `delivery` to its instance, creating it if needed, if `runtime` serves its shard.
+    /// The shard is checked under the lock that a shard's stop takes to remove its instances:
+    /// a delivery either reaches an instance that the stop will see, or is refused.
+    fn deliver(&self, delivery: Box<Delivery>, runtime: &Sharding) -> Result<(), Refused>;
 
     /// The addresses of the resident instances.
     fn resident_addresses(&self) -> Vec<EntityAddress>;
@@ -269,6 +302,9 @@ pub(crate) struct ManagerOptions {
     pub(crate) concurrency: Capacity,
     /// How long `Entity::on_stop` may take.
     pub(crate) on_stop_timeout: Duration,
+    /// The pause before a `WITH_TRANSACTION` request's transaction is begun again after a
+    /// failure (`send_retry_interval`).
+    pub(crate) transaction_retry: Duration,
 }
 
 /// The manager of entity type `E`.
@@ -356,13 +392,16 @@ fn lock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
 }
 
 impl<E: Entity> ErasedManager for EntityManager<E> {
-    fn deliver(&self, delivery: Box<Delivery>) -> Result<(), Refused> {
+    fn deliver(&self, delivery: Box<Delivery>, runtime: &Sharding) -> Result<(), Refused> {
         let shared = &self.shared;
         // The address is cloned only where it is kept (a new instance) or reported (a refusal).
         let address = || delivery.request.address.clone();
-        let mut instances = shared.instances.partition(&delivery.request.address.shard_id);
-        // Under the partition's lock: `shutdown` cancels it before it clears the partitions.
-        if shared.stopping.is_cancelled() {
+        let shard = &delivery.request.address.shard_id;
+        let mut instances = shared.instances.partition(shard);
+        // Under the partition's lock: `shutdown` cancels it before it clears the partitions, and
+        // a shard's release stops serving it before it removes the shard's instances (the
+        // reference's `hasShardId` check in `EntityManager.send`).
+        if shared.stopping.is_cancelled() || !runtime.serves(shard) {
             return Err(Refused::Cluster(ClusterError::EntityNotAssignedToRunner {
                 address: address(),
             }));
@@ -1013,7 +1052,7 @@ async fn next_delivery<E: Entity>(
     let Some(idle) = shared.options.max_idle_time else {
         return received(receiver.recv().await);
     };
-    let mut due = tokio::time::Instant::now() + idle;
+    let mut due = crate::time::deadline(idle);
     let timer = timer.get_or_insert_with(|| Box::pin(tokio::time::sleep_until(due)));
     loop {
         tokio::select! {
@@ -1027,7 +1066,7 @@ async fn next_delivery<E: Entity>(
                     return Next::Idle;
                 } else {
                     // Something holds the instance (a keep-alive): wait another period.
-                    due = now + idle;
+                    due = crate::time::after(now, idle);
                     timer.as_mut().reset(due);
                 }
             }
@@ -1073,6 +1112,13 @@ async fn handle<E: Entity>(
     if generation.is_cancelled() {
         return Outcome::Restarted;
     }
+    if let Some(transaction) = &delivery.transaction {
+        let begun =
+            begin_transaction(shared, transaction, &delivery.cancellation, signals, generation);
+        if let Some(stopped) = Box::pin(begun).await {
+            return stopped;
+        }
+    }
     if let Some(started) = &delivery.started {
         started.store(true, Ordering::Release);
     }
@@ -1080,7 +1126,7 @@ async fn handle<E: Entity>(
         address.clone(),
         request.request_id,
         delivery.cancellation.clone(),
-        delivery.transaction.clone(),
+        delivery.transaction.as_ref().map(|transaction| Arc::clone(&transaction.slot)),
         keep_alive,
         &request.headers,
     );
@@ -1147,6 +1193,44 @@ async fn handle<E: Entity>(
         stream.last_sent = channel.last_sent;
     }
     outcome
+}
+
+/// Begins the request's transaction, retrying after `transaction_retry` while the storage
+/// fails, until it is begun (`None`) or the request is interrupted (its own interrupt, the
+/// instance's interruption at the end of a drain, or a restart after a panic). Meanwhile the
+/// request holds its place in the instance's order, as it would while its handler ran.
+async fn begin_transaction<E: Entity>(
+    shared: &Shared<E>,
+    transaction: &PendingTransaction,
+    interrupted: &InterruptSignal,
+    signals: &Signals,
+    generation: &InterruptSignal,
+) -> Option<Outcome> {
+    let interruption = async {
+        tokio::select! {
+            () = interrupted.cancelled() => Outcome::Exited(Exit::interrupt()),
+            () = signals.interrupt.cancelled() => Outcome::Exited(Exit::interrupt()),
+            () = generation.cancelled() => Outcome::Restarted,
+        }
+    };
+    let mut interruption = std::pin::pin!(interruption);
+    let mut attempt: u32 = 0;
+    loop {
+        attempt = attempt.saturating_add(1);
+        let begun = tokio::select! {
+            biased;
+            outcome = interruption.as_mut() => return Some(outcome),
+            begun = transaction.begin() => begun,
+        };
+        let Err(error) = begun else { return None };
+        let retry = shared.options.transaction_retry;
+        tracing::warn!(%error, attempt, ?retry, entity_type = %shared.entity_type, "could not begin a transaction; retrying");
+        tokio::select! {
+            biased;
+            outcome = interruption.as_mut() => return Some(outcome),
+            () = tokio::time::sleep(retry) => {}
+        }
+    }
 }
 
 /// Runs a handler that did not finish on its first poll to its end, or until one of its

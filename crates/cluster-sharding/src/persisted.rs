@@ -24,13 +24,15 @@ use cluster_core::{ClusterError, EntityAddress, EntityType, ShardId, Snowflake};
 use tokio::sync::{Notify, mpsc, oneshot};
 use tokio::time::Instant;
 
-use crate::entity::{TransactionSlot, malformed};
+use crate::entity::malformed;
 use crate::interrupt::InterruptSignal;
-use crate::manager::{Delivery, Refused, ReplyTo, StreamReplies};
-use crate::metrics;
+use crate::manager::{Delivery, PendingTransaction, Refused, ReplyTo, StreamReplies};
 use crate::sharding::Sharding;
 
 mod direct;
+mod tracked;
+
+use tracked::{Busy, InFlight};
 
 /// How often saving a final reply is tried before the request is left for a later read.
 const SAVE_REPLY_ATTEMPTS: u32 = 4;
@@ -45,25 +47,22 @@ pub(crate) struct Persisted {
     waiters: Mutex<ReplyHandlers<Waiter>>,
     /// Wakes the storage read loop (a new request, an interrupt, a registration).
     read_latch: Notify,
-    /// Requests handed to an entity and not answered yet, with their interruption.
-    in_flight: Mutex<BTreeMap<Snowflake, InFlight>>,
+    /// The requests taken up here, from their claim to their stored outcome (`tracked`).
+    tracked: Mutex<tracked::Tracked>,
     /// Wakes the reply poller when a caller starts waiting.
     reply_waiters: Notify,
-    /// Where the acknowledgements of in-flight streaming requests go.
-    stream_acks: Mutex<BTreeMap<Snowflake, mpsc::Sender<Snowflake>>>,
-    /// Final replies being confirmed and written, per shard: the shard's lock is released
-    /// only after them, so that no final reply is written once this runner let the lock go.
+    /// Requests taken up and not settled, per shard, from their claim until their outcome is
+    /// stored: the shard's lock is released only after them, so that a request that finishes
+    /// while its shard drains is answered here, and no final reply is written once this runner
+    /// let the lock go.
     writes: Mutex<BTreeMap<ShardId, usize>>,
     /// Woken when a write ends.
     write_ended: Notify,
     /// Direct delivery's state (`direct`).
     direct: Mutex<direct::Direct>,
-    /// Requests whose outcome is being stored, or was since the current read began: the read
-    /// loop leaves their rows alone (`direct`).
-    settling: Mutex<direct::Settling>,
 }
 
-/// A final reply's confirmation and write in progress on a shard.
+/// A request of a shard taken up and not settled yet (see [`Persisted::begin_write`]).
 pub(crate) struct WriteGuard {
     persisted: Arc<Persisted>,
     shard: ShardId,
@@ -90,7 +89,22 @@ enum Waiter {
     /// here (`Err`).
     Exit(Option<oneshot::Sender<Answer>>),
     /// Reads the chunks and the final reply of a streaming request.
-    Stream(mpsc::Sender<Reply>),
+    Stream(StreamWaiter),
+}
+
+/// The reader of a persisted stream's replies.
+struct StreamWaiter {
+    sender: mpsc::Sender<Reply>,
+    /// The chunks below this sequence were handed over already: the reply poller reads an
+    /// unacknowledged chunk again at every poll, and a copy would only take a slot.
+    next_sequence: u32,
+}
+
+impl Waiter {
+    /// The waiter of a stream's reader.
+    fn stream(sender: mpsc::Sender<Reply>) -> Waiter {
+        Waiter::Stream(StreamWaiter { sender, next_sequence: 0 })
+    }
 }
 
 impl ReplyWaiter for Waiter {
@@ -104,11 +118,23 @@ impl ReplyWaiter for Waiter {
                     let _ = sender.send(Ok(reply.clone()));
                 }
             }
-            // Full means the caller is behind; the reply poller hands the chunk over again
-            // until it is acknowledged.
-            Waiter::Stream(sender) => {
-                let _ = sender.try_send(reply.clone());
-            }
+            Waiter::Stream(stream) => match reply {
+                // The last slot is the final reply's: the waiter ends with it, so it must never
+                // find the channel full. A chunk that does not fit is handed over again by the
+                // reply poller until it is acknowledged (the caller is behind).
+                Reply::Chunk(chunk) => {
+                    if chunk.sequence() >= stream.next_sequence
+                        && stream.sender.capacity() > 1
+                        && stream.sender.try_send(reply.clone()).is_ok()
+                    {
+                        stream.next_sequence = chunk.sequence() + 1;
+                    }
+                }
+                Reply::WithExit(_) => {
+                    // The caller may have gone away.
+                    let _ = stream.sender.try_send(reply.clone());
+                }
+            },
         }
     }
 
@@ -120,14 +146,6 @@ impl ReplyWaiter for Waiter {
             let _ = sender.send(Err(mode));
         }
     }
-}
-
-/// A request handed to its entity and not answered yet.
-struct InFlight {
-    /// Interrupts it.
-    cancellation: InterruptSignal,
-    /// Set once its handler started.
-    started: Arc<std::sync::atomic::AtomicBool>,
 }
 
 /// What a local caller of a persisted request hears: the final reply, or why it will not come
@@ -145,24 +163,24 @@ impl Persisted {
             shards,
             waiters: Mutex::new(ReplyHandlers::new()),
             read_latch: Notify::new(),
-            in_flight: Mutex::new(BTreeMap::new()),
+            tracked: Mutex::new(tracked::Tracked::default()),
             reply_waiters: Notify::new(),
-            stream_acks: Mutex::new(BTreeMap::new()),
             writes: Mutex::new(BTreeMap::new()),
             write_ended: Notify::new(),
             direct: Mutex::new(direct::Direct::default()),
-            settling: Mutex::new(direct::Settling::default()),
         }
     }
 
-    /// Marks a final reply of `shard` as being confirmed and written until the guard drops.
+    /// Marks a request of `shard` as taken up and not settled until the guard drops. Taken
+    /// when the request is claimed, before the check that the shard is served: a release that
+    /// stops serving the shard after that check waits for the request's outcome.
     pub(crate) fn begin_write(self: &Arc<Persisted>, shard: &ShardId) -> WriteGuard {
         *lock(&self.writes).entry(shard.clone()).or_default() += 1;
         WriteGuard { persisted: Arc::clone(self), shard: shard.clone() }
     }
 
-    /// Waits (at most `bound`) until no final reply of `shard` (of any shard with `None`) is
-    /// being confirmed or written: called before the shard's lock is let go.
+    /// Waits (at most `bound`) until no request of `shard` (of any shard with `None`) is taken
+    /// up and unsettled: called once the shard's entities ended, before its lock is let go.
     pub(crate) async fn writes_finished(&self, shard: Option<&ShardId>, bound: Duration) {
         let waiting = async {
             loop {
@@ -200,18 +218,8 @@ impl Persisted {
     /// runs here.
     fn forward(&self, envelope: &Envelope) {
         match envelope {
-            Envelope::Interrupt(interrupt) => {
-                if let Some(in_flight) = lock(&self.in_flight).get(&interrupt.request_id) {
-                    in_flight.cancellation.cancel();
-                }
-            }
-            Envelope::AckChunk(ack) => {
-                if let Some(acks) = lock(&self.stream_acks).get(&ack.request_id) {
-                    // Full only if the caller acknowledged faster than chunks went out; the
-                    // handler only waits for the latest chunk's acknowledgement.
-                    let _ = acks.try_send(ack.reply_id);
-                }
-            }
+            Envelope::Interrupt(interrupt) => self.interrupt(interrupt.request_id),
+            Envelope::AckChunk(ack) => self.acknowledge(ack.request_id, ack.reply_id),
             Envelope::Request(_) => {}
         }
     }
@@ -219,16 +227,9 @@ impl Persisted {
     /// Shutdown began: the local callers of requests that no handler started hear at once that
     /// their requests are left stored for the next owner.
     pub(crate) fn abandon_undelivered(&self) {
-        let in_flight = lock(&self.in_flight);
         let mut waiters = lock(&self.waiters);
-        let undelivered: Vec<Snowflake> = waiters
-            .waiting()
-            .filter(|request_id| {
-                !in_flight.get(request_id).is_some_and(|in_flight| {
-                    in_flight.started.load(std::sync::atomic::Ordering::Acquire)
-                })
-            })
-            .collect();
+        let undelivered: Vec<Snowflake> =
+            waiters.waiting().filter(|request_id| !self.has_started(*request_id)).collect();
         for request_id in undelivered {
             waiters.unregister(request_id, UnregisterMode::Abandon);
         }
@@ -399,8 +400,8 @@ impl Sharding {
             }
         };
         if direct && waited_id == request.request_id {
-            // Boxed: its future (about 1.6 KiB) would otherwise be inside this one, which the
-            // caller moves at each await.
+            // Boxed: its future would otherwise be inside this one, which the caller moves at
+            // each await.
             Box::pin(self.deliver_directly(persisted, request.clone())).await;
         } else {
             self.wake_reader(&request.address.shard_id, || Envelope::Request(request.clone()));
@@ -438,14 +439,14 @@ impl Sharding {
         let (sender, replies) = mpsc::channel(STREAM_BUFFER);
         let shard_id = &request.address.shard_id;
         let mut registration =
-            persisted.register_waiter(request.request_id, shard_id, Waiter::Stream(sender.clone()));
+            persisted.register_waiter(request.request_id, shard_id, Waiter::stream(sender.clone()));
         let request_id = match persisted.storage.save_request(&request, &options).await? {
             SaveResult::Success => request.request_id,
             SaveResult::Duplicate { original_id, last_received_reply } => {
                 registration = persisted.register_waiter(
                     original_id,
                     shard_id,
-                    Waiter::Stream(sender.clone()),
+                    Waiter::stream(sender.clone()),
                 );
                 if let Some(reply) = last_received_reply {
                     let _ = sender.try_send(reply);
@@ -615,33 +616,28 @@ impl Sharding {
         }
         let mut delivered = false;
         let mut release = Vec::new();
-        let mut held = BTreeMap::new();
         let mut refused = BTreeSet::new();
         for message in batch.messages {
             let request = match &message.envelope {
                 Envelope::Request(request) => Some((request.address.clone(), request.request_id)),
                 _ => None,
             };
-            if let Some((address, request_id)) = &request {
-                if persisted.is_settling(*request_id) {
-                    // Answered (or being answered) since the select: this read's claim goes,
-                    // in case its outcome was to run again.
-                    release.push(*request_id);
-                    continue;
-                }
-                if refused.contains(address) {
-                    // An earlier request to this entity was not delivered: this one waits
-                    // behind it, so that the entity sees them in order.
-                    persisted.hold(address, *request_id);
-                    release.push(*request_id);
-                    continue;
-                }
+            if let Some((address, request_id)) = &request
+                && refused.contains(address)
+            {
+                // An earlier request to this entity was not delivered: this one waits behind
+                // it, so that the entity sees them in order.
+                persisted.hold(address, *request_id);
+                release.push(*request_id);
+                continue;
             }
-            let unregistered = (&mut state.unregistered_since, &mut held);
-            let dispatched = self.dispatch(persisted, message, unregistered).await;
+            let dispatched = self.dispatch(persisted, message, &mut state.unregistered, false);
             if let Some((address, request_id)) = &request {
                 match dispatched {
-                    Dispatched::Delivered | Dispatched::Skipped | Dispatched::Answer(_) => {
+                    Dispatched::Delivered
+                    | Dispatched::Skipped
+                    | Dispatched::Settled(_)
+                    | Dispatched::Answer(_) => {
                         persisted.unhold(address, *request_id);
                     }
                     _ => {
@@ -653,7 +649,9 @@ impl Sharding {
             match dispatched {
                 Dispatched::Delivered => delivered = true,
                 Dispatched::Skipped => {}
-                Dispatched::Release(id) => release.push(id),
+                // Answered (or being answered) since the select: this read's claim goes, in
+                // case its outcome was to run again.
+                Dispatched::Settled(id) | Dispatched::Release(id) => release.push(id),
                 Dispatched::Retry(id) => {
                     state.retry_soon = true;
                     release.push(id);
@@ -669,7 +667,7 @@ impl Sharding {
         // Held now: a cluster's shards may have moved during the read; a single runner's not.
         let held_now = self.cluster().map(|cluster| cluster.readable());
         persisted.caught_up(shards, held_now.as_deref().unwrap_or(shards), whole_shards && !full);
-        warn_unregistered(held);
+        state.unregistered.warn();
         if !release.is_empty()
             && let Err(error) = persisted.storage.reset_requests(&release).await
         {
@@ -678,11 +676,18 @@ impl Sharding {
         Some(Read { full, delivered })
     }
 
-    async fn dispatch(
+    /// Takes up one stored message: hands a request to its entity (claimed first, so that it
+    /// runs once however many paths find it), or forwards an interrupt or acknowledgement to
+    /// the request it belongs to. Nothing here waits: between the checks that admit a request
+    /// and its arrival in the mailbox nothing can change (a `WITH_TRANSACTION` request's
+    /// transaction is begun by its instance). `rerun` claims a request whose interrupted
+    /// outcome is being settled, to run it again.
+    fn dispatch(
         &self,
         persisted: &Arc<Persisted>,
         message: UnprocessedMessage,
-        (unregistered_since, held): (&mut Option<Instant>, &mut BTreeMap<EntityType, usize>),
+        unregistered: &mut Unregistered,
+        rerun: bool,
     ) -> Dispatched {
         let request = match message.envelope {
             Envelope::Request(request) => request,
@@ -692,61 +697,56 @@ impl Sharding {
             }
         };
         let request_id = request.request_id;
-        if lock(&persisted.in_flight).contains_key(&request_id) {
-            // Already being processed (AlreadyProcessingMessage): its reply will complete it.
-            return Dispatched::Skipped;
-        }
         let shard = request.address.shard_id.clone();
-        if !self.serves(&shard) {
-            // The shard was let go since the read: its next owner runs the request.
-            return Dispatched::Release(request_id);
-        }
         let Some(manager) = self.registered_manager(&request.address.entity_type) else {
-            let timeout = self.config().entity_registration_timeout;
-            let since = *unregistered_since.get_or_insert_with(Instant::now);
-            if since.elapsed() < timeout.saturating_mul(2) {
-                *held.entry(request.address.entity_type.clone()).or_default() += 1;
+            if !self.serves(&shard) {
                 return Dispatched::Release(request_id);
             }
-            let message = format!("Entity type '{}' not registered", request.address.entity_type);
-            return Dispatched::Answer(
-                self.final_reply(request_id, Exit::die_with_message("Error", &message)),
-            );
-        };
-        let transaction = if manager.with_transaction(&request.tag) {
-            match persisted.storage.begin_transaction().await {
-                Ok(transaction) => Some(Arc::new(tokio::sync::Mutex::new(Some(transaction)))),
-                Err(error) => {
-                    tracing::warn!(%error, %request_id, "could not begin a transaction; retried later");
-                    return Dispatched::Retry(request_id);
+            let timeout = self.config().entity_registration_timeout;
+            return match unregistered.hold(&request.address.entity_type, timeout) {
+                true => Dispatched::Release(request_id),
+                false => {
+                    let message =
+                        format!("Entity type '{}' not registered", request.address.entity_type);
+                    let defect = Exit::die_with_message("Error", &message);
+                    Dispatched::Answer(self.final_reply(request_id, defect))
                 }
-            }
-        } else {
-            None
+            };
         };
-        let rerun = manager.rerun_on_interrupt(&request.tag).then(|| request.clone());
+        unregistered.registered(&request.address.entity_type);
         let cancellation = InterruptSignal::new();
         let started = Arc::new(std::sync::atomic::AtomicBool::new(false));
-        {
-            let mut in_flight = lock(&persisted.in_flight);
-            let started = Arc::clone(&started);
-            in_flight.insert(request_id, InFlight { cancellation: cancellation.clone(), started });
-            metrics::set(metrics::PERSISTED_IN_FLIGHT, in_flight.len());
-        }
-        let stream = manager.is_stream(&request.tag);
-        let (reply, outcome) = if stream {
+        let (acks, reply, outcome) = if manager.is_stream(&request.tag) {
             let last_sent = match message.last_sent_reply {
                 Some(Reply::Chunk(chunk)) => Some(chunk),
                 _ => None,
             };
             let (replies, replied) = mpsc::channel(STREAM_BUFFER);
             let (acked, acks) = mpsc::channel(STREAM_BUFFER);
-            lock(&persisted.stream_acks).insert(request_id, acked);
-            (ReplyTo::Stream(StreamReplies { replies, acks, last_sent }), Outcome::Stream(replied))
+            let reply = ReplyTo::Stream(StreamReplies { replies, acks, last_sent });
+            (Some(acked), reply, Outcome::Stream(replied))
         } else {
             let (reply, exit) = oneshot::channel();
-            (ReplyTo::Exit(reply), Outcome::Exit(exit))
+            (None, ReplyTo::Exit(reply), Outcome::Exit(exit))
         };
+        let in_flight = InFlight::new(cancellation.clone(), Arc::clone(&started), acks);
+        let claim = match persisted.claim(request_id, in_flight, rerun) {
+            Ok(claim) => claim,
+            // Already being processed (AlreadyProcessingMessage): its reply will complete it.
+            Err(Busy::Running) => return Dispatched::Skipped,
+            Err(Busy::Settled) => return Dispatched::Settled(request_id),
+        };
+        // Before the shard's check: a release that stops serving the shard after it waits for
+        // this request's outcome before it lets the lock go.
+        let write = persisted.begin_write(&shard);
+        if !self.serves(&shard) {
+            // The shard was let go since the read: its next owner runs the request.
+            return Dispatched::Release(request_id);
+        }
+        let transaction = manager
+            .with_transaction(&request.tag)
+            .then(|| PendingTransaction::new(Arc::clone(&persisted.storage)));
+        let rerun = manager.rerun_on_interrupt(&request.tag).then(|| request.clone());
         let delivery = Delivery {
             request,
             cancellation,
@@ -754,19 +754,16 @@ impl Sharding {
             transaction: transaction.clone(),
             started: Some(started),
         };
-        match manager.deliver(Box::new(delivery)) {
+        match manager.deliver(Box::new(delivery), self) {
             Ok(()) => {
+                claim.keep();
                 let sharding = self.clone();
                 let persisted = Arc::clone(persisted);
-                self.spawn_owned(async move {
-                    let sent = Sent { request_id, shard, outcome, transaction, rerun };
-                    sharding.store_outcome(persisted, sent).await;
-                });
+                let sent = Sent { request_id, shard, outcome, transaction, rerun, write };
+                self.spawn_owned(sharding.store_outcome(persisted, sent));
                 Dispatched::Delivered
             }
             Err(refused) => {
-                lock(&persisted.in_flight).remove(&request_id);
-                lock(&persisted.stream_acks).remove(&request_id);
                 tracing::debug!(?refused, %request_id, "not delivered; retried on a later read");
                 match refused {
                     Refused::ResidencyFull(_) => Dispatched::Capped(request_id),
@@ -785,7 +782,7 @@ impl Sharding {
     fn store_outcome(self, persisted: Arc<Persisted>, sent: Sent) -> BoxFuture<'static, ()> {
         // Boxed: a re-run dispatches again, which spawns another `store_outcome`.
         Box::pin(async move {
-            let Sent { request_id, shard, outcome, transaction, rerun } = sent;
+            let Sent { request_id, shard, outcome, transaction, rerun, write } = sent;
             let exit = match outcome {
                 Outcome::Exit(exit) => exit.await.ok(),
                 Outcome::Stream(mut replies) => {
@@ -802,19 +799,12 @@ impl Sharding {
                     exit
                 }
             };
-            // Before it leaves `in_flight`: the read loop must not take it up again while its
-            // outcome is stored.
-            let _settle = persisted.begin_settle(request_id);
-            {
-                let mut in_flight = lock(&persisted.in_flight);
-                in_flight.remove(&request_id);
-                metrics::set(metrics::PERSISTED_IN_FLIGHT, in_flight.len());
-            }
-            lock(&persisted.stream_acks).remove(&request_id);
-            // From the lock's confirmation to the write: the shard's release waits for it.
-            let _write = persisted.begin_write(&shard);
+            // The read loop must not take it up again while its outcome is stored.
+            let _settle = persisted.settle(request_id);
+            // Held from the claim to here: the shard's release waits for the outcome.
+            let _write = write;
             let transaction = match transaction {
-                Some(slot) => slot.lock().await.take(),
+                Some(transaction) => transaction.take().await,
                 None => None,
             };
             if let Some(transaction) = transaction {
@@ -888,11 +878,11 @@ impl Sharding {
                 envelope: Envelope::Request(request.clone()),
                 last_sent_reply: None,
             };
-            let mut held = BTreeMap::new();
-            let dispatched = self.dispatch(persisted, message, (&mut None, &mut held)).await;
-            warn_unregistered(held);
+            let mut unregistered = Unregistered::default();
+            let dispatched = self.dispatch(persisted, message, &mut unregistered, true);
+            unregistered.warn();
             match dispatched {
-                Dispatched::Delivered | Dispatched::Skipped => return,
+                Dispatched::Delivered | Dispatched::Skipped | Dispatched::Settled(_) => return,
                 Dispatched::Answer(reply) => {
                     return self.save_final_reply(persisted, reply, None).await;
                 }
@@ -1063,19 +1053,49 @@ enum Outcome {
 /// The buffer of a persisted stream's reply and acknowledgement channels.
 const STREAM_BUFFER: usize = 4;
 
-/// What the storage read loop remembers between reads.
-/// Warns about the messages held for unregistered entity types: once per type and read, not
-/// once per message (reference §5.8 step 6).
-fn warn_unregistered(held: BTreeMap<EntityType, usize>) {
-    for (entity_type, messages) in held {
-        tracing::warn!(%entity_type, messages, "Could not find entity manager for address, retrying");
+/// The messages of entity types not registered here (yet): each type's are held for twice
+/// the registration timeout from the first one seen (a layer may still be registering it,
+/// reference `Sharding.ts`, the storage read loop), then answered with a defect. The deadline
+/// belongs to each type and is forgotten when the type registers, so a type added later (a
+/// rolling update) gets its own.
+#[derive(Default)]
+struct Unregistered {
+    /// When a message for each type was first seen.
+    since: BTreeMap<EntityType, Instant>,
+    /// The messages held since the last warning, per type.
+    held: BTreeMap<EntityType, usize>,
+}
+
+impl Unregistered {
+    /// Whether a message of `entity_type` is held for now (`false`: its deadline passed).
+    fn hold(&mut self, entity_type: &EntityType, timeout: Duration) -> bool {
+        let since = *self.since.entry(entity_type.clone()).or_insert_with(Instant::now);
+        if since.elapsed() >= timeout.saturating_mul(2) {
+            return false;
+        }
+        *self.held.entry(entity_type.clone()).or_default() += 1;
+        true
+    }
+
+    /// `entity_type` is registered: its deadline is forgotten.
+    fn registered(&mut self, entity_type: &EntityType) {
+        if !self.since.is_empty() {
+            self.since.remove(entity_type);
+        }
+    }
+
+    /// Warns about the messages held: once per type and read, not once per message.
+    fn warn(&mut self) {
+        for (entity_type, messages) in std::mem::take(&mut self.held) {
+            tracing::warn!(%entity_type, messages, "Could not find entity manager for address, retrying");
+        }
     }
 }
 
+/// What the storage read loop remembers between reads.
 #[derive(Default)]
 struct ReadState {
-    /// When a message for an unregistered entity type was first seen.
-    unregistered_since: Option<Instant>,
+    unregistered: Unregistered,
     /// A request found its entity's mailbox full.
     retry_soon: bool,
     /// The residency cap held requests back (or was reached).
@@ -1090,23 +1110,28 @@ struct Read {
     delivered: bool,
 }
 
-/// What the read loop did with one stored message.
 /// A request handed to its entity, and what the runtime keeps to store its outcome.
 struct Sent {
     request_id: Snowflake,
     /// The request's shard, whose lock must be confirmed before its final reply is stored.
     shard: ShardId,
     outcome: Outcome,
-    transaction: Option<TransactionSlot>,
+    transaction: Option<PendingTransaction>,
     /// The request itself, kept when an interrupt runs it again.
     rerun: Option<Request>,
+    /// Holds the shard's release until the outcome is stored.
+    write: WriteGuard,
 }
 
+/// What a dispatch did with one stored message.
 enum Dispatched {
     /// Handed to its entity.
     Delivered,
     /// Nothing to do now.
     Skipped,
+    /// Its outcome is being stored, or was during the current read: release the claim a read
+    /// took, in case the outcome was to run again.
+    Settled(Snowflake),
     /// Not deliverable now: release its claim so a later read retries it.
     Release(Snowflake),
     /// The entity's mailbox is full: release its claim and read again soon.

@@ -131,9 +131,8 @@ impl Sharding {
             if matches!(route, Route::Local) && self.serves(&request.address.shard_id) {
                 return local(request).await;
             }
-            let deadline = *deadline.get_or_insert_with(|| {
-                tokio::time::Instant::now() + self.config().shard_lock_expiration
-            });
+            let deadline = *deadline
+                .get_or_insert_with(|| crate::time::deadline(self.config().shard_lock_expiration));
             // The rarer steps are boxed, so that the common case's future stays small.
             let attempt = match route {
                 // A stale assignment may name this runner for a shard it does not hold (it

@@ -52,6 +52,15 @@ pub enum RegisterError {
     /// A singleton of that name is registered already.
     #[error("singleton '{0}' is already registered")]
     SingletonAlreadyRegistered(String),
+    /// The entity type's options are out of bounds.
+    #[error("invalid options for entity type {entity_type}: {error}")]
+    InvalidOptions {
+        /// The type being registered.
+        entity_type: EntityType,
+        /// The option at fault.
+        #[source]
+        error: ConfigError,
+    },
 }
 
 /// What [`Sharding::registration_events`] reports.
@@ -328,6 +337,9 @@ impl Sharding {
         if self.is_shutdown() {
             return Err(RegisterError::ShuttingDown);
         }
+        if let Err(error) = options.validate() {
+            return Err(RegisterError::InvalidOptions { entity_type, error });
+        }
         if !self.is_runner() {
             return Ok(());
         }
@@ -337,6 +349,7 @@ impl Sharding {
             mailbox_capacity: options.mailbox_capacity.unwrap_or(config.entity_mailbox_capacity),
             concurrency: options.concurrency.unwrap_or(Capacity::Bounded(NonZeroU32::MIN)),
             on_stop_timeout: options.on_stop_timeout.unwrap_or(DEFAULT_ON_STOP_TIMEOUT),
+            transaction_retry: config.send_retry_interval,
         };
         {
             let mut managers = self.inner.managers.write().unwrap_or_else(PoisonError::into_inner);
@@ -640,7 +653,7 @@ impl Sharding {
     /// The manager of `address`'s type, waiting up to the registration timeout for an entity
     /// type that is not registered yet (its layer may still be starting); then a defect.
     async fn manager_for(&self, address: &EntityAddress) -> Result<Arc<dyn ErasedManager>, Exit> {
-        let deadline = tokio::time::Instant::now() + self.inner.config.entity_registration_timeout;
+        let deadline = crate::time::deadline(self.inner.config.entity_registration_timeout);
         loop {
             let registered = self.inner.registered.notified();
             if let Some(manager) = self.manager(&address.entity_type) {
@@ -696,11 +709,8 @@ impl Sharding {
             }
         };
         let stream = StreamReplies { replies, acks, last_sent: None };
-        manager.deliver(Delivery::volatile(
-            request,
-            cancellation.clone(),
-            ReplyTo::Stream(stream),
-        ))?;
+        let delivery = Delivery::volatile(request, cancellation.clone(), ReplyTo::Stream(stream));
+        manager.deliver(delivery, self)?;
         Ok((replied, acked, cancellation))
     }
 
@@ -770,7 +780,7 @@ impl Sharding {
             Err(unregistered) => unregistered,
         };
         match Box::pin(self.manager_for(&delivery.request.address)).await {
-            Ok(manager) => Ok(manager.deliver(delivery)?),
+            Ok(manager) => Ok(manager.deliver(delivery, self)?),
             Err(defect) => {
                 // The caller gets the defect as the request's exit.
                 if let ReplyTo::Exit(reply) = delivery.reply {
@@ -792,7 +802,7 @@ impl Sharding {
         for slot in &self.inner.fast_managers {
             match slot.get() {
                 Some((registered, manager)) if registered == entity_type => {
-                    return Ok(manager.deliver(delivery).map_err(ClusterError::from));
+                    return Ok(manager.deliver(delivery, self).map_err(ClusterError::from));
                 }
                 Some(_) => {}
                 // The slots fill in order: the type is past them, or not registered yet.
@@ -801,7 +811,7 @@ impl Sharding {
         }
         let managers = self.inner.managers.read().unwrap_or_else(PoisonError::into_inner);
         match managers.get(entity_type) {
-            Some(manager) => Ok(manager.deliver(delivery).map_err(ClusterError::from)),
+            Some(manager) => Ok(manager.deliver(delivery, self).map_err(ClusterError::from)),
             None => Err(delivery),
         }
     }

@@ -6,23 +6,25 @@
 //! it runs and its reply settles), and the read loop is not woken. Storage stays the source of
 //! truth: a crash before the final reply leaves the row for the next owner, as before.
 //!
-//! Order per entity is kept: a request goes directly only when
+//! Order per entity is storage order. A request goes directly only when
 //! - the read loop has caught up with the shard's stored backlog (its last exhaustive read
-//!   covered the shard, so nothing older from before this runner took the shard is unread), and
+//!   covered the shard, so nothing older from before this runner took the shard is unread),
 //! - no earlier local request to the same entity was left to the read loop (saved while direct
 //!   delivery was off for it, or released by the read loop for a full mailbox, the residency
 //!   cap or an unregistered type); those are tracked by id per address until the read loop
-//!   delivers or answers them.
+//!   delivers or answers them, and
+//! - once it is saved, every unprocessed request stored before it for the same entity was
+//!   taken up here already ([`MessageStorage::unprocessed_before`]): another process (a client,
+//!   a TypeScript runner) may have stored one since the last read.
 //!
-//! Exactly once: a request is in `in_flight` while it runs and in `settling` from its exit
-//! until its outcome is stored (the reference's per-round `processedRequestIds`): the read loop
-//! skips both, so a row it read just before the final reply was saved does not run twice.
-//! An id settled while a read runs is kept until that read ends (a later read selects after
-//! the reply was stored, so it no longer returns the row), otherwise it is forgotten at once;
-//! a skipped settled row's claim is released after the read, in case its outcome was to run
-//! again.
+//! Otherwise the request is left to the read loop, which is woken, and delivers in storage
+//! order. Exactly once: the read loop leaves the rows of requests taken up here alone (see
+//! `tracked`).
+//!
+//! [`MessageStorage::unprocessed_before`]: cluster_core::storage::MessageStorage::unprocessed_before
 
 use std::collections::{BTreeMap, BTreeSet};
+use std::num::NonZeroU32;
 use std::sync::Arc;
 
 use cluster_core::envelope::{Envelope, Request};
@@ -30,7 +32,7 @@ use cluster_core::storage::{SaveRequestOptions, UnprocessedMessage};
 use cluster_core::{EntityAddress, ShardId, Snowflake};
 use tracing::Instrument;
 
-use super::{Dispatched, Persisted, lock, warn_unregistered};
+use super::{Dispatched, Persisted, Unregistered, lock};
 use crate::sharding::Sharding;
 
 /// What direct delivery remembers (in [`Persisted`]).
@@ -42,71 +44,7 @@ pub(super) struct Direct {
     pending: BTreeMap<EntityAddress, BTreeSet<Snowflake>>,
 }
 
-/// The requests whose outcome is being stored, or was during the current read.
-#[derive(Default)]
-pub(super) struct Settling {
-    /// A read is between its select and the end of its dispatching.
-    reading: bool,
-    requests: BTreeMap<Snowflake, Settle>,
-}
-
-/// Where a request's outcome is.
-#[derive(Clone, Copy, PartialEq, Eq)]
-enum Settle {
-    /// Its exit is in; its reply (or its release) is being stored.
-    Settling,
-    /// Stored during the current read; forgotten when it ends.
-    Settled,
-}
-
-/// Marks a request as settled when its outcome is stored (or the storing task ends).
-pub(super) struct SettleGuard {
-    persisted: Arc<Persisted>,
-    request_id: Snowflake,
-}
-
-impl Drop for SettleGuard {
-    fn drop(&mut self) {
-        let mut settling = lock(&self.persisted.settling);
-        if settling.reading {
-            // The current read may have selected the row before its reply was stored.
-            if let Some(state) = settling.requests.get_mut(&self.request_id) {
-                *state = Settle::Settled;
-            }
-        } else {
-            // The next read selects after the reply was stored: it will not return the row.
-            settling.requests.remove(&self.request_id);
-        }
-    }
-}
-
 impl Persisted {
-    /// The request's exit is in: until the guard drops, and then until the next read begins,
-    /// the read loop leaves its row alone. Called before it leaves `in_flight`.
-    pub(super) fn begin_settle(self: &Arc<Persisted>, request_id: Snowflake) -> SettleGuard {
-        lock(&self.settling).requests.insert(request_id, Settle::Settling);
-        SettleGuard { persisted: Arc::clone(self), request_id }
-    }
-
-    /// A read is about to select.
-    pub(super) fn begin_read(&self) {
-        lock(&self.settling).reading = true;
-    }
-
-    /// The read dispatched what it selected (or failed): the requests settled meanwhile are
-    /// forgotten, as the next read selects after their replies were stored.
-    pub(super) fn end_read(&self) {
-        let mut settling = lock(&self.settling);
-        settling.reading = false;
-        settling.requests.retain(|_, state| *state == Settle::Settling);
-    }
-
-    /// Whether the read loop must leave this request's row alone (its outcome is being stored,
-    /// or was during this read).
-    pub(super) fn is_settling(&self, request_id: Snowflake) -> bool {
-        lock(&self.settling).requests.contains_key(&request_id)
-    }
-
     /// Whether a request to `address` may go directly to its entity now.
     fn may_deliver_directly(&self, address: &EntityAddress) -> bool {
         let direct = lock(&self.direct);
@@ -173,27 +111,34 @@ impl Sharding {
         direct
     }
 
-    /// Hands a request this runner just saved to its entity. When it cannot go now (a full
-    /// mailbox, the residency cap, the shard let go meanwhile), it is held for the read loop,
-    /// which is woken.
+    /// Hands a request this runner just saved to its entity, once storage shows that every
+    /// request stored before it for the entity reached it already. When it cannot go now (an
+    /// earlier request unread here, a full mailbox, the residency cap, the shard let go
+    /// meanwhile), it is held for the read loop, which is woken.
     pub(super) async fn deliver_directly(&self, persisted: &Arc<Persisted>, request: Request) {
         let address = request.address.clone();
         let request_id = request.request_id;
-        let message =
-            UnprocessedMessage { envelope: Envelope::Request(request), last_sent_reply: None };
-        let mut held = BTreeMap::new();
-        // The caller may go away while the dispatch waits (for a transaction to begin): the
-        // stored request is then the read loop's, which is woken at once rather than at its
-        // next poll.
-        let mut wake = WakeOnDrop(Some(persisted));
-        let dispatched = self
-            .dispatch(persisted, message, (&mut None, &mut held))
+        // The caller may go away while storage is asked: the stored request is then the read
+        // loop's, which is woken at once rather than at its next poll.
+        let mut left = LeftOnDrop { persisted, address: &address, request_id, armed: true };
+        let in_order = self
+            .nothing_undelivered_before(persisted, &request)
             .instrument(tracing::debug_span!("deliver_directly", %request_id))
             .await;
-        wake.0 = None;
-        warn_unregistered(held);
+        left.armed = false;
+        if !in_order {
+            tracing::debug!(%request_id, "an earlier request is unread: left to the read loop");
+            persisted.hold(&address, request_id);
+            persisted.poll_storage();
+            return;
+        }
+        let message =
+            UnprocessedMessage { envelope: Envelope::Request(request), last_sent_reply: None };
+        let mut unregistered = Unregistered::default();
+        let dispatched = self.dispatch(persisted, message, &mut unregistered, false);
+        unregistered.warn();
         match dispatched {
-            Dispatched::Delivered | Dispatched::Skipped => {}
+            Dispatched::Delivered | Dispatched::Skipped | Dispatched::Settled(_) => {}
             Dispatched::Answer(reply) => self.save_final_reply(persisted, reply, None).await,
             Dispatched::Release(_) | Dispatched::Retry(_) | Dispatched::Capped(_) => {
                 tracing::debug!(%request_id, "not delivered directly; left to the read loop");
@@ -202,15 +147,42 @@ impl Sharding {
             }
         }
     }
+
+    /// Whether every unprocessed request stored before `request` for its entity reached the
+    /// entity here already (a failed lookup counts as no: the read loop then decides).
+    async fn nothing_undelivered_before(&self, persisted: &Persisted, request: &Request) -> bool {
+        let now = self.clock().now();
+        let earlier = persisted
+            .storage
+            .unprocessed_before(&request.address, request.request_id, now, EARLIER_LIMIT)
+            .await;
+        match earlier {
+            Ok(earlier) => earlier.iter().all(|id| persisted.was_delivered(*id)),
+            Err(error) => {
+                tracing::debug!(%error, request_id = %request.request_id, "could not look up earlier requests");
+                false
+            }
+        }
+    }
 }
 
-/// Wakes the storage read loop when dropped armed.
-struct WakeOnDrop<'a>(Option<&'a Persisted>);
+/// How many earlier unprocessed requests of an entity the order check reads: more than this
+/// many of them running here at once leaves the request to the read loop.
+const EARLIER_LIMIT: NonZeroU32 = NonZeroU32::new(16).expect("16 is not zero");
 
-impl Drop for WakeOnDrop<'_> {
+/// Leaves a saved request to the read loop when dropped armed, and wakes the loop.
+struct LeftOnDrop<'a> {
+    persisted: &'a Persisted,
+    address: &'a EntityAddress,
+    request_id: Snowflake,
+    armed: bool,
+}
+
+impl Drop for LeftOnDrop<'_> {
     fn drop(&mut self) {
-        if let Some(persisted) = self.0 {
-            persisted.poll_storage();
+        if self.armed {
+            self.persisted.hold(self.address, self.request_id);
+            self.persisted.poll_storage();
         }
     }
 }

@@ -17,7 +17,9 @@ use cluster_testkit::faulty::{FaultyRunnerStorage, LockFaults};
 use cluster_testkit::memory::{MemoryMessageStorage, MemoryRunnerDatabase, MemoryRunnerStorage};
 use cluster_testkit::transport::{Call, MemoryNetwork};
 
-use crate::entities::{Counter, Deposit, Gated, Increment, OVERSIZE_RUNS, Oversize, Probes};
+use crate::entities::{
+    Book, Counter, Deposit, Gated, Increment, OVERSIZE_RUNS, Oversize, Probes, spawn_send,
+};
 use crate::singletons::{self, Tally};
 
 /// How long a lock lives without a refresh: long, so that only the handoff and the release
@@ -386,7 +388,28 @@ on_every_backend!(
     a_black_holed_lock_connection_hands_the_shards_over_without_split_brain,
     a_frozen_runner_stores_no_final_reply_and_the_new_owner_answers_once,
     the_backlog_beyond_the_residency_cap_drains_in_waves,
+    requests_that_finish_while_their_shard_drains_do_not_run_again,
 );
+
+mod transaction_begin {
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn memory() {
+        let net = super::Net::memory().await.unwrap();
+        super::a_request_beginning_its_transaction_does_not_run_on_a_shard_let_go(net).await;
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn postgres() {
+        let Some(net) = super::Net::postgres().await else { return };
+        super::a_request_beginning_its_transaction_does_not_run_on_a_shard_let_go(net).await;
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn mysql() {
+        let Some(net) = super::Net::mysql().await else { return };
+        super::a_request_beginning_its_transaction_does_not_run_on_a_shard_let_go(net).await;
+    }
+}
 
 /// A final reply MySQL cannot hold (its `payload` column is a TEXT of 64 KiB) answers the
 /// request with a defect that says why, once: the request neither runs again nor stays
@@ -1818,4 +1841,89 @@ async fn the_backlog_beyond_the_residency_cap_drains_in_waves(net: Net) {
     assert_eq!(peak.load(Ordering::SeqCst), 3, "the cap was reached and never exceeded");
     client.shutdown().await;
     runner.shutdown().await;
+}
+
+/// Requests that finish while their shard drains (a runner joined and the shard moves to it)
+/// are answered by the run that finished: the final reply is stored before the lock is let go,
+/// and the next owner does not run the request again.
+async fn requests_that_finish_while_their_shard_drains_do_not_run_again(net: Net) {
+    let long_drain = |config: &mut ShardingConfig| {
+        config.entity_termination_timeout = Duration::from_secs(15);
+    };
+    let a = net.runner_configured(5101, |locks| locks, long_drain).await;
+    eventually("the first runner holds every shard", || split(&[&a])).await;
+    let ids: Vec<String> = (0..20).map(|n| net.id(&format!("drain-{n}"))).collect();
+    let calls: Vec<_> =
+        ids.iter().map(|id| spawn_send(&a.client::<Counter>(id.as_str()), Gated)).collect();
+    eventually("every request runs", || {
+        ids.iter().all(|id| Probes::of(id).gated_runs.load(Ordering::SeqCst) == 1)
+    })
+    .await;
+    let moving: Vec<&String> = ids
+        .iter()
+        .filter(|id| {
+            let shard = a.client::<Counter>(id.as_str()).address().shard_id.clone();
+            owner_among(&[5101, 5102], &shard) == RunnerAddress::new("127.0.0.1", 5102)
+        })
+        .collect();
+    assert!(!moving.is_empty(), "some entity moves");
+    let b = net.runner_configured(5102, |locks| locks, long_drain).await;
+    eventually("the first runner drains shards", || {
+        a.acquired_shards().len() < usize::try_from(SHARDS).unwrap()
+    })
+    .await;
+    // They finish during the drain; a second permit lets a second run (a bug) finish too.
+    for id in &ids {
+        Probes::of(id).gate.add_permits(2);
+    }
+    for (id, call) in ids.iter().zip(calls) {
+        let answered = tokio::time::timeout(Duration::from_secs(30), call).await;
+        assert_eq!(answered.expect("answered in time").unwrap().unwrap(), 1, "{id}: first run");
+    }
+    eventually("the shards are split", || split(&[&a, &b])).await;
+    for id in moving {
+        assert_eq!(Probes::of(id).gated_runs.load(Ordering::SeqCst), 1, "{id} ran again");
+    }
+    for id in &ids {
+        let counter = a.client::<Counter>(id.as_str());
+        assert_eq!(final_gated_replies(&net, &counter).await, 1, "{id}");
+    }
+    for sharding in [&a, &b] {
+        sharding.shutdown().await;
+    }
+}
+
+/// A `WITH_TRANSACTION` request whose transaction is slow to begin does not run on a shard
+/// that was let go meanwhile (its lock lost): no instance is made for it there, and it runs
+/// once the shard is held again. Not on SQLite: a handler's transaction there holds the file's
+/// write lock, which the lock confirmation before its commit waits for (see docs/storage.md).
+async fn a_request_beginning_its_transaction_does_not_run_on_a_shard_let_go(net: Net) {
+    let (messages, locks) = net.storages().await;
+    let (messages, faults) = cluster_testkit::faulty::FaultyMessageStorage::new(messages);
+    let (locks, lock_faults) = FaultyRunnerStorage::new(locks);
+    let config = config(Some(RunnerAddress::new("127.0.0.1", 5201)));
+    let a = Sharding::join(config, Arc::new(SystemClock), Arc::new(messages), Arc::new(locks))
+        .await
+        .unwrap();
+    a.register::<Counter>(EntityOptions::default()).unwrap();
+    eventually("the runner holds every shard", || split(&[&a])).await;
+    let id = net.id("let-go");
+    let counter = a.client::<Counter>(id.as_str());
+    let shard = counter.address().shard_id.clone();
+    let probes = Probes::of(&id);
+    faults.delay_begin_transaction(Duration::from_millis(1500));
+    let booking = spawn_send(&counter, Book { key: "let-go".to_owned(), fail: false });
+    eventually("its transaction begins", || faults.begin_transaction_calls() == 1).await;
+    lock_faults.lose(shard.clone());
+    eventually("the shard is let go", || !a.acquired_shards().contains(&shard)).await;
+    // The request is left for the shard's next owner, without running here.
+    eventually("the request is left", || !faults.resets().is_empty()).await;
+    assert_eq!(probes.booked.load(Ordering::SeqCst), 0, "ran on a shard let go");
+    eventually("no instance stays", || a.active_entity_count() == 0).await;
+    faults.delay_begin_transaction(Duration::ZERO);
+    lock_faults.restore();
+    let booked = tokio::time::timeout(Duration::from_secs(20), booking).await;
+    assert_eq!(booked.expect("answered in time").unwrap().unwrap(), 1);
+    assert_eq!(probes.booked.load(Ordering::SeqCst), 1);
+    a.shutdown().await;
 }

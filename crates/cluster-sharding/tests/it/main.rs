@@ -848,3 +848,26 @@ async fn reads_stay_full_sized_when_approaching_the_residency_cap() {
     assert_eq!(storage.smallest_read_limit(), Some(100), "every read asked for a full batch");
     sharding.shutdown().await;
 }
+
+/// Entity options out of bounds are refused at registration with a typed error: an idle time
+/// past what an instant can hold once killed the instance's task on its first request and left
+/// the entity unreachable for good. The longest idle time allowed works.
+#[tokio::test(start_paused = true)]
+async fn entity_options_out_of_bounds_are_refused_at_registration() {
+    let sharding = sharding(ShardingConfig::default());
+    let forever = EntityOptions { max_idle_time: Some(Some(Duration::MAX)), ..Default::default() };
+    let error = sharding.register::<Counter>(forever).unwrap_err();
+    assert!(matches!(error, RegisterError::InvalidOptions { .. }), "{error}");
+    assert!(error.to_string().contains("EntityOptions::max_idle_time"), "{error}");
+    let slow_stop =
+        EntityOptions { on_stop_timeout: Some(Duration::MAX), ..EntityOptions::default() };
+    let error = sharding.register::<Counter>(slow_stop).unwrap_err();
+    assert!(error.to_string().contains("EntityOptions::on_stop_timeout"), "{error}");
+    let longest = cluster_core::config::ENTITY_MAX_IDLE_TIME_MAX;
+    let options = EntityOptions { max_idle_time: Some(Some(longest)), ..EntityOptions::default() };
+    sharding.register::<Counter>(options).unwrap();
+    let counter = sharding.client::<Counter>("idle-longest");
+    assert_eq!(counter.send(Increment { by: 1 }).await.unwrap(), 1);
+    assert_eq!(counter.send(Increment { by: 2 }).await.unwrap(), 3);
+    sharding.shutdown().await;
+}

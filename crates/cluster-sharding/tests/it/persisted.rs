@@ -125,8 +125,12 @@ on_every_storage!(
     a_commit_whose_acknowledgement_is_lost_is_settled_from_storage,
     a_commit_that_failed_runs_the_request_again,
     a_local_request_goes_to_its_entity_without_a_storage_read,
-    a_request_whose_caller_left_during_direct_delivery_is_read_at_once,
+    a_caller_that_leaves_while_its_transaction_begins_interrupts_the_request,
     requests_left_to_the_read_loop_keep_their_entitys_order,
+    a_transaction_request_runs_once_while_its_transaction_begins,
+    a_request_another_process_stored_comes_before_a_later_local_one,
+    a_persisted_streams_final_reply_is_never_dropped,
+    a_type_registered_late_is_not_refused_for_an_earlier_types_timeout,
 );
 
 /// A runner on `store` that counts its storage reads and whose read loop polls only hourly,
@@ -134,6 +138,19 @@ on_every_storage!(
 async fn counted_runner(
     store: &Store,
     options: EntityOptions,
+) -> (Sharding, Arc<std::sync::atomic::AtomicUsize>, Arc<Faults>) {
+    let config =
+        ShardingConfig { entity_message_poll_interval: Duration::from_secs(3600), ..config() };
+    let (sharding, reads, faults) = observed_runner(store, config).await;
+    sharding.register::<Counter>(options).unwrap();
+    (sharding, reads, faults)
+}
+
+/// A runner on `store` configured with `config`, with no entity type registered, that counts
+/// its storage reads, and the faults of its storage.
+async fn observed_runner(
+    store: &Store,
+    config: ShardingConfig,
 ) -> (Sharding, Arc<std::sync::atomic::AtomicUsize>, Arc<Faults>) {
     let (storage, faults) = FaultyMessageStorage::new(Arc::clone(&store.storage));
     let reads = Arc::new(std::sync::atomic::AtomicUsize::new(0));
@@ -143,11 +160,8 @@ async fn counted_runner(
             counted.fetch_add(1, Ordering::SeqCst);
         }
     }));
-    let config =
-        ShardingConfig { entity_message_poll_interval: Duration::from_secs(3600), ..config() };
     let sharding =
         Sharding::with_storage(config, Arc::new(SystemClock), Arc::new(storage)).await.unwrap();
-    sharding.register::<Counter>(options).unwrap();
     (sharding, reads, faults)
 }
 
@@ -175,10 +189,11 @@ async fn a_local_request_goes_to_its_entity_without_a_storage_read(store: Store,
     assert_eq!(unprocessed(&store).await, 0);
 }
 
-/// A caller that goes away while its request goes directly to its entity (here: while the
-/// request's transaction begins) leaves the stored request to the read loop, which is woken at
-/// once: the request runs although the loop polls only hourly.
-async fn a_request_whose_caller_left_during_direct_delivery_is_read_at_once(
+/// A caller that goes away while its request's transaction begins interrupts the request
+/// (dropping a persisted call stores an interrupt, which reaches the request although the read
+/// loop polls only hourly): its handler never runs, nothing is committed, and the request is
+/// answered with the interruption.
+async fn a_caller_that_leaves_while_its_transaction_begins_interrupts_the_request(
     store: Store,
     id: &str,
 ) {
@@ -190,12 +205,15 @@ async fn a_request_whose_caller_left_during_direct_delivery_is_read_at_once(
     faults.delay_begin_transaction(Duration::from_millis(300));
     let left = tokio::time::timeout(Duration::from_millis(50), counter.send(book("left"))).await;
     assert!(left.is_err(), "the caller left before the transaction began");
-    faults.delay_begin_transaction(Duration::ZERO);
-    // Its final reply commits with its transaction.
-    eventually("the request left by its caller is answered", || faults.commits() > 0).await;
-    assert_eq!(faults.commits(), 1, "it ran once, in its transaction");
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(20);
+    while unprocessed(&store).await > 0 {
+        assert!(tokio::time::Instant::now() < deadline, "the interrupted request is not answered");
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    assert_eq!(Probes::of(id).booked.load(Ordering::SeqCst), 0, "the handler ran");
+    assert_eq!(faults.commits(), 0, "nothing was committed");
+    assert_ledger(&store, "left", 0).await;
     sharding.shutdown().await;
-    assert_eq!(unprocessed(&store).await, 0);
 }
 
 /// Requests to an entity whose mailbox is full are left to the read loop, and the requests to
@@ -684,5 +702,111 @@ async fn with_transaction_commits_the_handler_writes_with_the_reply(store: Store
             "a failed handler's write is rolled back"
         );
     }
+    sharding.shutdown().await;
+}
+
+/// A `WITH_TRANSACTION` request that goes directly to its entity runs once, although the read
+/// loop reads its row while its transaction begins: one transaction, one run, one step of the
+/// entity's state.
+async fn a_transaction_request_runs_once_while_its_transaction_begins(store: Store, id: &str) {
+    let (sharding, reads, faults) = counted_runner(&store, EntityOptions::default()).await;
+    let counter = sharding.client::<Counter>(id);
+    assert_eq!(counter.send(Deposit { key: format!("{id}-first"), amount: 1 }).await.unwrap(), 1);
+    eventually("the read loop read its shards", || reads.load(Ordering::SeqCst) > 0).await;
+    faults.delay_begin_transaction(Duration::from_millis(300));
+    let booking = spawn_send(&counter, book("once"));
+    eventually("its transaction begins", || faults.begin_transaction_calls() == 1).await;
+    let before = reads.load(Ordering::SeqCst);
+    sharding.poll_storage();
+    eventually("the read loop reads meanwhile", || reads.load(Ordering::SeqCst) > before).await;
+    let booked = tokio::time::timeout(Duration::from_secs(20), booking).await;
+    assert_eq!(booked.expect("answered in time").unwrap().unwrap(), 2);
+    faults.delay_begin_transaction(Duration::ZERO);
+    // The next request shows that the entity's state advanced once.
+    assert_eq!(self::booked(&counter, "after").await, 3);
+    assert_eq!(faults.begin_transaction_calls(), 2, "one transaction per request");
+    assert_eq!(Probes::of(id).booked.load(Ordering::SeqCst), 2, "one run per request");
+    assert_ledger(&store, "once", 1).await;
+    sharding.shutdown().await;
+}
+
+/// A request another process stored for an entity comes before a later request that the
+/// entity's own runner sends: the entity sees them in storage order, although the runner's
+/// read loop (polling hourly) has not read the other process's row yet.
+async fn a_request_another_process_stored_comes_before_a_later_local_one(store: Store, id: &str) {
+    let (sharding, reads, _faults) = counted_runner(&store, EntityOptions::default()).await;
+    let counter = sharding.client::<Counter>(id);
+    assert_eq!(counter.send(Deposit { key: format!("{id}-1"), amount: 1 }).await.unwrap(), 1);
+    eventually("the read loop read its shards", || reads.load(Ordering::SeqCst) > 0).await;
+    let other_config = ShardingConfig { runner_address: None, ..config() };
+    let other =
+        Sharding::client_only(other_config, Arc::new(SystemClock), Arc::clone(&store.storage))
+            .await
+            .unwrap();
+    other
+        .client::<Counter>(id)
+        .discard(Deposit { key: format!("{id}-100"), amount: 100 })
+        .await
+        .unwrap();
+    let stored_at = SystemClock.now();
+    // SQLite orders rows by id, whose first bits are the millisecond it was made in: the next
+    // request is made in a later one.
+    eventually("a millisecond passes", || SystemClock.now() > stored_at).await;
+    let sent = counter.send(Deposit { key: format!("{id}-10"), amount: 10 });
+    let balance = tokio::time::timeout(Duration::from_secs(20), sent).await;
+    assert_eq!(balance.expect("answered in time").unwrap(), 111, "delivered in storage order");
+    other.shutdown().await;
+    sharding.shutdown().await;
+}
+
+/// Every chunk and the final reply of a persisted stream reach its consumer although, while the
+/// consumer's acknowledgement was being stored, the reply poller handed the unacknowledged chunk
+/// over again and again, and the consumer asks for the end only once it is stored: the stream
+/// ends with its final reply, not as interrupted.
+async fn a_persisted_streams_final_reply_is_never_dropped(store: Store, id: &str) {
+    let (sharding, _reads, faults) = observed_runner(&store, config()).await;
+    sharding.register::<Counter>(EntityOptions::default()).unwrap();
+    // Eight reply polls (every 50 ms) while the acknowledgement is stored.
+    faults.delay_acks(Duration::from_millis(400));
+    let counter = sharding.client::<Counter>(id);
+    let resume = crate::entities::Resume { key: format!("{id}-final"), n: 2 };
+    let mut stream = counter.stream(resume).await.unwrap();
+    for expected in 0..2 {
+        let item = tokio::time::timeout(Duration::from_secs(20), stream.next()).await;
+        assert_eq!(item.expect("in time").expect("an item").unwrap(), expected);
+    }
+    // A consumer slow to read on: the final reply is stored before it asks for it.
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(20);
+    while unprocessed(&store).await > 0 {
+        assert!(tokio::time::Instant::now() < deadline, "the final reply is not stored");
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    let end = tokio::time::timeout(Duration::from_secs(20), stream.next()).await;
+    assert!(end.expect("in time").is_none(), "the stream ends with its final reply");
+    sharding.shutdown().await;
+}
+
+/// The registration deadline belongs to each entity type: a type registered a little after its
+/// first request was read gets that request, although another type's requests timed out long
+/// before.
+async fn a_type_registered_late_is_not_refused_for_an_earlier_types_timeout(
+    store: Store,
+    id: &str,
+) {
+    let (sharding, reads, _faults) = observed_runner(&store, config()).await;
+    let ghost = sharding.client_as::<Counter>(cluster_core::EntityType::from("Ghost"), id);
+    let error = ghost.send(Deposit { key: format!("{id}-ghost"), amount: 1 }).await.unwrap_err();
+    let CallError::Defect(defect) = error else { panic!("{error:?}") };
+    assert!(defect.contains("Entity type 'Ghost' not registered"), "{defect}");
+    let late_type = cluster_core::EntityType::from("Late");
+    let late = sharding.client_as::<Counter>(late_type.clone(), id);
+    let sending =
+        tokio::spawn(async move { late.send(Deposit { key: "late".to_owned(), amount: 5 }).await });
+    // Read twice while its type is unknown: held, not answered.
+    let before = reads.load(Ordering::SeqCst);
+    eventually("two reads", || reads.load(Ordering::SeqCst) >= before + 2).await;
+    sharding.register_as::<Counter>(late_type, EntityOptions::default()).unwrap();
+    let sent = tokio::time::timeout(Duration::from_secs(20), sending).await;
+    assert_eq!(sent.expect("answered in time").unwrap().unwrap(), 5);
     sharding.shutdown().await;
 }

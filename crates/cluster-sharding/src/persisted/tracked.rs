@@ -1,0 +1,228 @@
+//! The persisted requests this runner has taken up, from their claim to their stored outcome.
+//!
+//! A request enters the map when a dispatch claims it, before it reaches its entity, and
+//! leaves once its outcome is stored:
+//! - `Running`: claimed and handed to its entity; interrupts and acknowledgements go to it,
+//!   and the read loop leaves its row alone (`AlreadyProcessingMessage`).
+//! - `Settling`: its exit is in, and its reply (or its release) is being stored; the read loop
+//!   releases the claim its read took, in case the outcome was to run again (the reference's
+//!   per-round `processedRequestIds`).
+//! - `Settled`: stored while a read was under way, which may have selected the row before the
+//!   reply was stored; forgotten when that read ends (a later read selects after the reply, so
+//!   it no longer returns the row).
+//!
+//! One map under one lock: the check and the claim of a dispatch are one step, and so is the
+//! move from `Running` to `Settling`, so no read sees a request in neither state.
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+
+use cluster_core::Snowflake;
+use tokio::sync::mpsc;
+
+use super::{Persisted, lock};
+use crate::interrupt::InterruptSignal;
+use crate::metrics;
+
+/// The map (in [`Persisted`]).
+#[derive(Default)]
+pub(super) struct Tracked {
+    /// A read is between its select and the end of its dispatching.
+    reading: bool,
+    requests: BTreeMap<Snowflake, Track>,
+    /// How many requests are `Running`.
+    running: usize,
+}
+
+/// Where a taken-up request is.
+enum Track {
+    Running(InFlight),
+    Settling,
+    Settled,
+}
+
+/// A request handed to its entity and not answered yet.
+pub(super) struct InFlight {
+    /// Interrupts it.
+    pub(super) cancellation: InterruptSignal,
+    /// Set once its handler started.
+    pub(super) started: Arc<AtomicBool>,
+    /// Where a streaming request's acknowledgements go.
+    pub(super) acks: Option<mpsc::Sender<Snowflake>>,
+    /// Set once it is in its entity's mailbox (the claim comes just before).
+    delivered: bool,
+}
+
+impl InFlight {
+    /// A request about to be handed to its entity.
+    pub(super) fn new(
+        cancellation: InterruptSignal,
+        started: Arc<AtomicBool>,
+        acks: Option<mpsc::Sender<Snowflake>>,
+    ) -> InFlight {
+        InFlight { cancellation, started, acks, delivered: false }
+    }
+}
+
+/// Why a request could not be claimed.
+pub(super) enum Busy {
+    /// It runs here already.
+    Running,
+    /// Its outcome is being stored, or was during the current read.
+    Settled,
+}
+
+/// A claimed request. Dropped before [`keep`](Claim::keep), the claim is undone: the request
+/// leaves the map, or (a re-run) goes back to settling.
+pub(super) struct Claim {
+    persisted: Arc<Persisted>,
+    request_id: Snowflake,
+    /// A re-run's claim: undone, the request goes back to settling.
+    rerun: bool,
+    kept: bool,
+}
+
+impl Claim {
+    /// The request reached its entity: it stays `Running` until its exit is in.
+    pub(super) fn keep(mut self) {
+        self.kept = true;
+        let mut tracked = lock(&self.persisted.tracked);
+        if let Some(Track::Running(in_flight)) = tracked.requests.get_mut(&self.request_id) {
+            in_flight.delivered = true;
+        }
+    }
+}
+
+impl Drop for Claim {
+    fn drop(&mut self) {
+        if self.kept {
+            return;
+        }
+        let mut tracked = lock(&self.persisted.tracked);
+        if matches!(tracked.requests.get(&self.request_id), Some(Track::Running(_))) {
+            if self.rerun {
+                tracked.requests.insert(self.request_id, Track::Settling);
+            } else {
+                tracked.requests.remove(&self.request_id);
+            }
+            tracked.stopped_running();
+        }
+    }
+}
+
+/// Marks a request as settled when its outcome is stored (or the storing task ends).
+pub(super) struct SettleGuard {
+    persisted: Arc<Persisted>,
+    request_id: Snowflake,
+}
+
+impl Drop for SettleGuard {
+    fn drop(&mut self) {
+        let mut tracked = lock(&self.persisted.tracked);
+        if !matches!(tracked.requests.get(&self.request_id), Some(Track::Settling)) {
+            // Running again (a re-run claimed it): the re-run's own guard settles it.
+            return;
+        }
+        if tracked.reading {
+            // The current read may have selected the row before its reply was stored.
+            tracked.requests.insert(self.request_id, Track::Settled);
+        } else {
+            // The next read selects after the reply was stored: it will not return the row.
+            tracked.requests.remove(&self.request_id);
+        }
+    }
+}
+
+impl Tracked {
+    fn stopped_running(&mut self) {
+        self.running = self.running.saturating_sub(1);
+        metrics::set(metrics::PERSISTED_IN_FLIGHT, self.running);
+    }
+}
+
+impl Persisted {
+    /// Claims `request_id` for a dispatch, in one step with the check that nobody else has:
+    /// `Busy` if it runs here already or is settling. A re-run (`rerun`) claims the request
+    /// whose interrupted outcome is being settled.
+    pub(super) fn claim(
+        self: &Arc<Persisted>,
+        request_id: Snowflake,
+        in_flight: InFlight,
+        rerun: bool,
+    ) -> Result<Claim, Busy> {
+        let mut tracked = lock(&self.tracked);
+        match tracked.requests.get(&request_id) {
+            None => {}
+            Some(Track::Settling) if rerun => {}
+            Some(Track::Running(_)) => return Err(Busy::Running),
+            Some(Track::Settling | Track::Settled) => return Err(Busy::Settled),
+        }
+        tracked.requests.insert(request_id, Track::Running(in_flight));
+        tracked.running += 1;
+        metrics::set(metrics::PERSISTED_IN_FLIGHT, tracked.running);
+        Ok(Claim { persisted: Arc::clone(self), request_id, rerun, kept: false })
+    }
+
+    /// The request's exit is in: from `Running` to `Settling` in one step, so that the read
+    /// loop never sees it in neither. Until the guard drops, and then until the current read
+    /// ends, the read loop leaves its row alone.
+    pub(super) fn settle(self: &Arc<Persisted>, request_id: Snowflake) -> SettleGuard {
+        let mut tracked = lock(&self.tracked);
+        if let Some(Track::Running(_)) = tracked.requests.insert(request_id, Track::Settling) {
+            tracked.stopped_running();
+        }
+        SettleGuard { persisted: Arc::clone(self), request_id }
+    }
+
+    /// A read is about to select.
+    pub(super) fn begin_read(&self) {
+        lock(&self.tracked).reading = true;
+    }
+
+    /// The read dispatched what it selected (or failed): the requests settled meanwhile are
+    /// forgotten, as the next read selects after their replies were stored.
+    pub(super) fn end_read(&self) {
+        let mut tracked = lock(&self.tracked);
+        tracked.reading = false;
+        tracked.requests.retain(|_, track| !matches!(track, Track::Settled));
+    }
+
+    /// Whether `request_id` reached its entity here and was not forgotten yet (it runs, or its
+    /// outcome is being stored): a later request to the entity may follow it directly.
+    pub(super) fn was_delivered(&self, request_id: Snowflake) -> bool {
+        match lock(&self.tracked).requests.get(&request_id) {
+            Some(Track::Running(in_flight)) => in_flight.delivered,
+            Some(Track::Settling | Track::Settled) => true,
+            None => false,
+        }
+    }
+
+    /// Interrupts `request_id` if it runs here.
+    pub(super) fn interrupt(&self, request_id: Snowflake) {
+        if let Some(Track::Running(in_flight)) = lock(&self.tracked).requests.get(&request_id) {
+            in_flight.cancellation.cancel();
+        }
+    }
+
+    /// Hands the acknowledgement of chunk `reply_id` to the streaming request `request_id`, if
+    /// it runs here.
+    pub(super) fn acknowledge(&self, request_id: Snowflake, reply_id: Snowflake) {
+        let tracked = lock(&self.tracked);
+        if let Some(Track::Running(InFlight { acks: Some(acks), .. })) =
+            tracked.requests.get(&request_id)
+        {
+            // Full only if the caller acknowledged faster than chunks went out; the handler
+            // only waits for the latest chunk's acknowledgement.
+            let _ = acks.try_send(reply_id);
+        }
+    }
+
+    /// Whether the handler of `request_id` started here.
+    pub(super) fn has_started(&self, request_id: Snowflake) -> bool {
+        matches!(
+            lock(&self.tracked).requests.get(&request_id),
+            Some(Track::Running(in_flight)) if in_flight.started.load(Ordering::Acquire)
+        )
+    }
+}
