@@ -3,7 +3,8 @@
 //!
 //! Identifiers come only from the validated [`TablePrefix`] (and are quoted with backticks);
 //! every value is a `?` parameter. The only literals spliced in are our own numbers (kinds,
-//! the claim window, the lease expiration in seconds), never input.
+//! the claim window, the lease expiration in seconds) and collation names from
+//! [`KEY_COLLATIONS`], never input.
 
 use cluster_core::storage::CLAIM_WINDOW;
 
@@ -207,6 +208,85 @@ pub(crate) fn runner_migrations(prefix: &TablePrefix) -> Vec<Migration> {
             )),
         ],
     }]
+}
+
+/// Byte-wise collations for the columns compared for identity, best first.
+///
+/// The reference's columns take the database's default collation, which ignores case and
+/// accents (`utf8mb4_general_ci` on MariaDB, `utf8mb4_0900_ai_ci` on MySQL 8), so entity ids
+/// `Alice` and `alice` would share primary keys and rows. The first two are `NO PAD`
+/// (trailing spaces count, MySQL 8 and MariaDB respectively); `utf8mb4_bin` ignores trailing
+/// spaces and is only the fallback of a server that has neither.
+pub(crate) const KEY_COLLATIONS: [&str; 3] =
+    ["utf8mb4_0900_bin", "utf8mb4_nopad_bin", "utf8mb4_bin"];
+
+/// A column compared for identity, as the reference declares it (a `VARCHAR`).
+#[derive(Clone, Debug)]
+pub(crate) struct KeyColumn {
+    /// The table, unquoted.
+    pub(crate) table: String,
+    pub(crate) column: &'static str,
+    width: usize,
+    nullable: bool,
+}
+
+impl KeyColumn {
+    fn new(table: &str, column: &'static str, width: usize, nullable: bool) -> KeyColumn {
+        KeyColumn { table: table.to_owned(), column, width, nullable }
+    }
+}
+
+/// The key columns of the message tables: the primary key and the address.
+pub(crate) fn message_key_columns(prefix: &TablePrefix) -> Vec<KeyColumn> {
+    let messages = prefix.table("messages");
+    vec![
+        KeyColumn::new(&messages, "message_id", MESSAGE_ID_LEN_MAX, true),
+        KeyColumn::new(&messages, "shard_id", SHARD_ID_LEN_MAX, false),
+        KeyColumn::new(&messages, "entity_type", ENTITY_TYPE_LEN_MAX, false),
+        KeyColumn::new(&messages, "entity_id", ENTITY_ID_LEN_MAX, false),
+    ]
+}
+
+/// The key columns of the runner tables: runner addresses and lease rows.
+pub(crate) fn runner_key_columns(prefix: &TablePrefix) -> Vec<KeyColumn> {
+    let runners = prefix.table("runners");
+    let locks = prefix.table("locks");
+    vec![
+        KeyColumn::new(&runners, "address", ADDRESS_LEN_MAX, false),
+        KeyColumn::new(&locks, "shard_id", SHARD_ID_LEN_MAX, false),
+        KeyColumn::new(&locks, "address", ADDRESS_LEN_MAX, false),
+    ]
+}
+
+/// Which of [`KEY_COLLATIONS`] the server has (parameters: the collation names).
+pub(crate) fn available_collations() -> String {
+    // language=SQL
+    format!(
+        "SELECT COLLATION_NAME FROM information_schema.COLLATIONS WHERE COLLATION_NAME IN ({})",
+        placeholders(KEY_COLLATIONS.len())
+    )
+}
+
+/// The name and collation of every column of the table named by the parameter.
+pub(crate) const COLUMN_COLLATIONS: &str = "SELECT COLUMN_NAME, COLLATION_NAME \
+     FROM information_schema.COLUMNS WHERE TABLE_SCHEMA = DATABASE() AND TABLE_NAME = ?";
+
+/// Declares `columns` of `table` again with `collation` (one of [`KEY_COLLATIONS`]), keeping
+/// the reference's type and nullability: one rebuild of the table, rows converted.
+pub(crate) fn alter_key_collation(table: &str, columns: &[&KeyColumn], collation: &str) -> String {
+    let clauses: Vec<String> = columns
+        .iter()
+        .map(|key| {
+            let null = if key.nullable { "NULL" } else { "NOT NULL" };
+            format!(
+                "MODIFY {} VARCHAR({}) CHARACTER SET utf8mb4 COLLATE {collation} {null}",
+                quote(key.column),
+                key.width
+            )
+        })
+        .collect();
+    // language=SQL
+    format!("ALTER TABLE {} {}", quote(table), clauses.join(", "))
 }
 
 /// The columns of a message read: the row, then its last reply, then `rowid` (for ordering

@@ -10,7 +10,7 @@
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use cluster_core::envelope::{Exit, RawJson, Reply, Request, TraceContext, WithExit};
+use cluster_core::envelope::{Exit, RawJson, Reply, Request, TraceContext, WithExit, primary_key};
 use cluster_core::error::{StorageError, StorageErrorKind};
 use cluster_core::future::BoxFuture;
 use cluster_core::ids::RunnerWeight;
@@ -522,6 +522,93 @@ async fn migrations_are_recorded_and_idempotent() {
         .await
         .expect("read after re-migrating");
     assert_eq!(batch.messages.len(), 1, "the data survived");
+    drop(storage);
+    database.drop_tables().await;
+}
+
+/// The columns compared for identity: `(table, column)`.
+const KEY_COLUMNS: [(&str, &str); 7] = [
+    ("messages", "message_id"),
+    ("messages", "shard_id"),
+    ("messages", "entity_type"),
+    ("messages", "entity_id"),
+    ("runners", "address"),
+    ("locks", "shard_id"),
+    ("locks", "address"),
+];
+
+/// The collation of every column in [`KEY_COLUMNS`], in that order.
+async fn key_collations(database: &Database) -> Vec<String> {
+    let mut collations = Vec::new();
+    for (table, column) in KEY_COLUMNS {
+        let rows = database
+            .rows(&format!(
+                "SELECT COLLATION_NAME FROM information_schema.columns \
+                 WHERE TABLE_SCHEMA = DATABASE() AND TABLE_NAME = '{}' AND COLUMN_NAME = '{column}'",
+                database.table(table)
+            ))
+            .await;
+        let collation: Vec<String> = rows.into_iter().map(mysql_async::from_row).collect();
+        collations.extend(collation);
+    }
+    collations
+}
+
+/// Whether `collation` compares bytes, trailing spaces included (MySQL's `utf8mb4_0900_bin`,
+/// MariaDB's `utf8mb4_nopad_bin`).
+fn compares_bytes(collation: &str) -> bool {
+    collation == "utf8mb4_0900_bin" || collation == "utf8mb4_nopad_bin"
+}
+
+/// Every key column compares bytes after a migration, also on tables created with the
+/// database's default collation (by the reference, or by an earlier version of this crate):
+/// those are converted with their rows, and the reference's history is left as it was.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn key_columns_compare_bytes_after_migration() {
+    let Some(database) = Database::new() else { return };
+    database.migrate().await;
+    let collations = key_collations(&database).await;
+    assert_eq!(collations.len(), KEY_COLUMNS.len(), "{collations:?}");
+    assert!(collations.iter().all(|collation| compares_bytes(collation)), "{collations:?}");
+    // The reference's tables: every text column in the database's default collation.
+    for table in ["messages", "runners", "locks"] {
+        database
+            .exec(&format!(
+                "ALTER TABLE `{}` CONVERT TO CHARACTER SET utf8mb4 COLLATE utf8mb4_general_ci",
+                database.table(table)
+            ))
+            .await;
+    }
+    let collations = key_collations(&database).await;
+    assert!(collations.iter().all(|collation| collation == "utf8mb4_general_ci"), "{collations:?}");
+    let storage = database.message_storage(database.pool(2)).await;
+    let keyed = |request: &Request| SaveRequestOptions {
+        primary_key: Some(primary_key(&request.address, &request.tag, "k")),
+        deliver_at: None,
+    };
+    let alice = request(1, "Alice");
+    assert_eq!(
+        storage.save_request(&alice, &keyed(&alice)).await.expect("save"),
+        SaveResult::Success
+    );
+    drop(storage);
+    database.migrate().await;
+    let collations = key_collations(&database).await;
+    assert!(collations.iter().all(|collation| compares_bytes(collation)), "{collations:?}");
+    let messages_history =
+        vec![(1, "create_tables".to_owned()), (2, "entity_type_size".to_owned())];
+    assert_eq!(history(&database, "migrations").await, messages_history);
+    assert_eq!(history(&database, "runner_migrations").await, [(1, "create_tables".to_owned())]);
+    let storage = database.message_storage(database.pool(2)).await;
+    let lower = request(2, "alice");
+    let saved = storage.save_request(&lower, &keyed(&lower)).await.expect("save");
+    assert_eq!(saved, SaveResult::Success, "alice's request is not Alice's");
+    let again = request(3, "Alice");
+    let duplicate = storage.save_request(&again, &keyed(&again)).await.expect("save");
+    assert!(
+        matches!(duplicate, SaveResult::Duplicate { original_id, .. } if original_id == Snowflake::new(1)),
+        "the converted row is still found: {duplicate:?}"
+    );
     drop(storage);
     database.drop_tables().await;
 }
