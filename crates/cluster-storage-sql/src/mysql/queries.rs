@@ -5,6 +5,10 @@
 //! every value is a `?` parameter. The only literals spliced in are our own numbers (kinds,
 //! the claim window, the lease expiration in seconds) and collation names from
 //! [`KEY_COLLATIONS`], never input.
+//!
+//! Claims, heartbeats and leases are written and compared in `UTC_TIMESTAMP()`, never `NOW()`:
+//! `DATETIME` columns keep no time zone, and `NOW()` is the session's local time, which jumps
+//! at daylight saving changes and differs between sessions in different zones.
 
 use cluster_core::storage::CLAIM_WINDOW;
 
@@ -438,7 +442,7 @@ impl MessageQueries {
             sql.push(')');
         }
         sql.push_str(&format!(
-            " AND (m.last_read IS NULL OR m.last_read < NOW() - INTERVAL {} SECOND)",
+            " AND (m.last_read IS NULL OR m.last_read < UTC_TIMESTAMP() - INTERVAL {} SECOND)",
             CLAIM_WINDOW.as_secs()
         ));
         sql.push_str(&self.unprocessed_tail());
@@ -454,7 +458,7 @@ impl MessageQueries {
     pub(crate) fn claim_update(&self, n_ids: usize) -> String {
         // language=SQL
         format!(
-            "UPDATE {} SET last_read = NOW() WHERE id IN ({})",
+            "UPDATE {} SET last_read = UTC_TIMESTAMP() WHERE id IN ({})",
             self.messages,
             placeholders(n_ids)
         )
@@ -548,7 +552,8 @@ fn address_filter(alias: &str, address_groups: &[usize]) -> String {
 #[derive(Debug)]
 pub(crate) struct RunnerQueries {
     locks: String,
-    /// `DATE_SUB(NOW(), INTERVAL <expiration> SECOND)`: the oldest live heartbeat or lease.
+    /// `DATE_SUB(UTC_TIMESTAMP(), INTERVAL <expiration> SECOND)`: the oldest live heartbeat or
+    /// lease.
     expired_before: String,
     pub(crate) register: String,
     pub(crate) select_machine_id: String,
@@ -564,12 +569,13 @@ impl RunnerQueries {
     pub(crate) fn new(prefix: &TablePrefix, expiration_seconds: u64) -> RunnerQueries {
         let runners = quote(&prefix.table("runners"));
         let locks = quote(&prefix.table("locks"));
-        let expired_before = format!("DATE_SUB(NOW(), INTERVAL {expiration_seconds} SECOND)");
+        let expired_before =
+            format!("DATE_SUB(UTC_TIMESTAMP(), INTERVAL {expiration_seconds} SECOND)");
         // language=SQL
         RunnerQueries {
             register: format!(
                 "INSERT INTO {runners} (address, runner, last_heartbeat, healthy) \
-                 VALUES (?, ?, NOW(), ?) ON DUPLICATE KEY UPDATE runner = VALUES(runner), \
+                 VALUES (?, ?, UTC_TIMESTAMP(), ?) ON DUPLICATE KEY UPDATE runner = VALUES(runner), \
                  last_heartbeat = VALUES(last_heartbeat), healthy = VALUES(healthy)"
             ),
             select_machine_id: format!("SELECT machine_id FROM {runners} WHERE address = ?"),
@@ -581,7 +587,9 @@ impl RunnerQueries {
                  ORDER BY machine_id"
             ),
             set_health: format!("UPDATE {runners} SET healthy = ? WHERE address = ?"),
-            heartbeat: format!("UPDATE {runners} SET last_heartbeat = NOW() WHERE address = ?"),
+            heartbeat: format!(
+                "UPDATE {runners} SET last_heartbeat = UTC_TIMESTAMP() WHERE address = ?"
+            ),
             lease_release: format!("DELETE FROM {locks} WHERE address = ? AND shard_id = ?"),
             lease_release_all: format!("DELETE FROM {locks} WHERE address = ?"),
             locks,
@@ -595,7 +603,7 @@ impl RunnerQueries {
     /// `address`: it is true exactly when the first one took or kept the row.
     pub(crate) fn lease_acquire(&self, n_shards: usize) -> String {
         let (locks, expired_before) = (&self.locks, &self.expired_before);
-        let values = vec!["(?, ?, NOW())"; n_shards].join(", ");
+        let values = vec!["(?, ?, UTC_TIMESTAMP())"; n_shards].join(", ");
         // language=SQL
         format!(
             "INSERT INTO {locks} (shard_id, address, acquired_at) VALUES {values} \
@@ -624,7 +632,7 @@ impl RunnerQueries {
     pub(crate) fn lease_refresh(&self, n_shards: usize) -> String {
         // language=SQL
         format!(
-            "UPDATE {} SET acquired_at = NOW() WHERE address = ? AND shard_id IN ({})",
+            "UPDATE {} SET acquired_at = UTC_TIMESTAMP() WHERE address = ? AND shard_id IN ({})",
             self.locks,
             placeholders(n_shards)
         )

@@ -8,6 +8,10 @@
 //! The DDL is the reference's (effect 4.1.0 `SqlMessageStorage.migrations` and
 //! `SqlRunnerStorage.migrations`, PostgreSQL dialect), and the histories are recorded as its
 //! `Migrator` records them, so a database migrated by either side is recognised by the other.
+//!
+//! Claims, heartbeats and leases are written and compared as [`UTC_NOW`]: their columns are
+//! `TIMESTAMP` without time zone, where `NOW()` would store the session's local time, which
+//! jumps at daylight saving changes and differs between sessions in different zones.
 
 use cluster_core::error::StorageError;
 use cluster_core::storage::CLAIM_WINDOW;
@@ -22,6 +26,9 @@ const _: () = assert!(CLAIM_WINDOW.subsec_nanos() == 0 && CLAIM_WINDOW.as_secs()
 // The kinds are spliced into statements as literals; they are small constants.
 const _: () = assert!(MESSAGE_KIND_ACK_CHUNK == 1 && MESSAGE_KIND_INTERRUPT == 2);
 const _: () = assert!(REPLY_KIND_WITH_EXIT == 0);
+
+/// The current time as a `TIMESTAMP` in UTC, whatever the session's `TimeZone`.
+pub(crate) const UTC_NOW: &str = "(NOW() AT TIME ZONE 'UTC')";
 
 /// `<prefix>_<name>` as a quoted identifier. The prefix holds only ASCII letters, digits and
 /// `_` (checked by [`TablePrefix::new`]), so quoting cannot be escaped.
@@ -229,13 +236,13 @@ fn claim(messages: &str, replies: &str, address_filter: &str) -> String {
     let no_pending_reply = no_pending_reply(replies);
     format!(
         "WITH claimed AS ( \
-           UPDATE {messages} c SET last_read = NOW() \
+           UPDATE {messages} c SET last_read = {UTC_NOW} \
            FROM ( \
              SELECT m.id FROM {messages} m \
              WHERE m.shard_id = ANY($1) {address_filter} \
              AND m.processed = FALSE \
              AND (m.last_read IS NULL \
-                  OR m.last_read < NOW() - INTERVAL '{claim_window_secs} seconds') \
+                  OR m.last_read < {UTC_NOW} - INTERVAL '{claim_window_secs} seconds') \
              AND (m.deliver_at IS NULL OR m.deliver_at <= $2) \
              AND {no_pending_reply} \
              ORDER BY m.rowid ASC \
@@ -291,11 +298,11 @@ impl RunnerQueries {
     pub(crate) fn new(prefix: &TablePrefix, expiration_secs: u64) -> RunnerQueries {
         let runners = quoted(prefix, "runners");
         let locks = quoted(prefix, "locks");
-        let expired_before = format!("NOW() - INTERVAL '{expiration_secs} seconds'");
+        let expired_before = format!("{UTC_NOW} - INTERVAL '{expiration_secs} seconds'");
         RunnerQueries {
             register: format!(
                 "INSERT INTO {runners} (address, runner, last_heartbeat, healthy) \
-                 VALUES ($1, $2, NOW(), $3) \
+                 VALUES ($1, $2, {UTC_NOW}, $3) \
                  ON CONFLICT (address) DO UPDATE SET runner = EXCLUDED.runner, \
                    last_heartbeat = EXCLUDED.last_heartbeat, healthy = EXCLUDED.healthy \
                  RETURNING machine_id"
@@ -308,16 +315,19 @@ impl RunnerQueries {
                  ORDER BY machine_id"
             ),
             set_runner_health: format!("UPDATE {runners} SET healthy = $2 WHERE address = $1"),
-            heartbeat: format!("UPDATE {runners} SET last_heartbeat = NOW() WHERE address = $1"),
+            heartbeat: format!(
+                "UPDATE {runners} SET last_heartbeat = {UTC_NOW} WHERE address = $1"
+            ),
             // Rows are written in one order (shard id, byte-wise) by every statement that
             // locks several lease rows, so that two runners cannot deadlock. The upsert
             // touches (and so returns) exactly the rows that are now this runner's.
             lease_acquire: format!(
                 "INSERT INTO {locks} AS l (shard_id, address, acquired_at) \
-                 SELECT requested.shard_id, $1, NOW() \
+                 SELECT requested.shard_id, $1, {UTC_NOW} \
                  FROM unnest($2::text[]) AS requested (shard_id) \
                  ORDER BY requested.shard_id COLLATE \"C\" \
-                 ON CONFLICT (shard_id) DO UPDATE SET address = EXCLUDED.address, acquired_at = NOW() \
+                 ON CONFLICT (shard_id) DO UPDATE SET address = EXCLUDED.address, \
+                   acquired_at = {UTC_NOW} \
                  WHERE l.address = EXCLUDED.address OR l.acquired_at < {expired_before} \
                  RETURNING l.shard_id"
             ),
@@ -326,7 +336,7 @@ impl RunnerQueries {
                    SELECT shard_id FROM {locks} WHERE address = $1 AND shard_id = ANY($2) \
                    ORDER BY shard_id COLLATE \"C\" FOR UPDATE \
                  ) \
-                 UPDATE {locks} SET acquired_at = NOW() \
+                 UPDATE {locks} SET acquired_at = {UTC_NOW} \
                  WHERE address = $1 AND shard_id IN (SELECT shard_id FROM locked) \
                  RETURNING shard_id"
             ),

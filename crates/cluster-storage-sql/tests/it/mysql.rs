@@ -61,6 +61,13 @@ impl Database {
         Pool::new(pool_opts(self.opts.clone(), max))
     }
 
+    /// Connection options (a pool of at most 4) whose sessions run at the UTC offset `offset`,
+    /// such as `-05:00`; the server's global time zone is left alone.
+    fn opts_in_zone(&self, offset: &str) -> Opts {
+        let set_zone = format!("SET time_zone = '{offset}'");
+        Opts::from(pool_opts(self.opts.clone(), 4).init(vec![set_zone]))
+    }
+
     fn options(&self, lock_mode: LockMode, expiration: Duration) -> SqlStorageOptions {
         SqlStorageOptions {
             prefix: self.prefix.clone(),
@@ -258,6 +265,15 @@ fn runner(host: &str) -> Runner {
 async fn save(storage: &dyn MessageStorage, request: &Request) {
     let saved = storage.save_request(request, &SaveRequestOptions::default()).await;
     assert_eq!(saved.expect("save_request"), SaveResult::Success);
+}
+
+/// The ids of the messages an unprocessed read of shard 1 claims.
+async fn claim_ids(storage: &dyn MessageStorage) -> Vec<u64> {
+    let batch = storage
+        .unprocessed_messages(&[shard(1)], now(), UnprocessedOptions::default())
+        .await
+        .expect("claim");
+    batch.messages.iter().map(|message| message.envelope.id().get()).collect()
 }
 
 /// Waits until `condition` holds, polling every 100 ms, for at most [`EVENTUAL`].
@@ -610,6 +626,70 @@ async fn key_columns_compare_bytes_after_migration() {
         "the converted row is still found: {duplicate:?}"
     );
     drop(storage);
+    database.drop_tables().await;
+}
+
+// --- Time ---------------------------------------------------------------------------------------
+
+/// Claims, heartbeats and leases are judged in UTC whatever the session's time zone. With
+/// local times, the rows of a runner whose sessions are at -05:00 look ten hours old to one at
+/// +05:00 (the same happens to one runner when daylight saving time starts): its claims are
+/// taken again, its heartbeat looks expired and its leases are taken over. In the other
+/// direction an abandoned lease would not expire for ten hours.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn times_do_not_depend_on_the_session_time_zone() {
+    let Some(database) = Database::new() else { return };
+    database.migrate().await;
+    let (west, east) = (database.opts_in_zone("-05:00"), database.opts_in_zone("+05:00"));
+    for (opts, offset) in [(&west, "-05:00"), (&east, "+05:00")] {
+        let mut conn = mysql_async::Conn::new(opts.clone()).await.expect("a connection");
+        let zone: Option<String> =
+            conn.query_first("SELECT @@session.time_zone").await.expect("the session's zone");
+        assert_eq!(zone.as_deref(), Some(offset));
+        conn.disconnect().await.expect("disconnect");
+    }
+    let west_messages = database.message_storage(Pool::new(west.clone())).await;
+    let east_messages = database.message_storage(Pool::new(east.clone())).await;
+    save(&west_messages, &request(1, "e1")).await;
+    assert_eq!(claim_ids(&west_messages).await, [1]);
+    assert!(claim_ids(&east_messages).await.is_empty(), "a fresh claim was taken again");
+
+    let runner_storage = |opts: &Opts, expiration: Duration| {
+        let (opts, options) = (opts.clone(), database.options(LockMode::Lease, expiration));
+        async move {
+            MySqlRunnerStorage::new(Pool::new(opts.clone()), opts, options)
+                .await
+                .expect("open a runner storage")
+        }
+    };
+    let west_runners = runner_storage(&west, LONG_EXPIRATION).await;
+    let east_runners = runner_storage(&east, LONG_EXPIRATION).await;
+    let (a, b) = (runner("a"), runner("b"));
+    west_runners.register(&a, true).await.expect("register a");
+    east_runners.register(&b, true).await.expect("register b");
+    for storage in [&west_runners, &east_runners] {
+        let mut runners = storage.get_runners().await.expect("get_runners");
+        runners.sort_by(|x, y| x.0.cmp(&y.0));
+        assert_eq!(runners, [(a.clone(), true), (b.clone(), true)], "a live heartbeat was hidden");
+    }
+    assert_eq!(west_runners.acquire(&a.address, &[shard(1)]).await.expect("acquire"), [shard(1)]);
+    let taken = east_runners.acquire(&b.address, &[shard(1)]).await.expect("acquire");
+    assert!(taken.is_empty(), "a live lease was taken over");
+    // Unregistering also removes expired runners; a live one stays.
+    east_runners.unregister(&b.address).await.expect("unregister b");
+    assert_eq!(west_runners.get_runners().await.expect("get_runners"), [(a.clone(), true)]);
+
+    // A lease written at +05:00 and abandoned expires for a runner at -05:00.
+    let expiration = Duration::from_secs(2);
+    let abandoned = runner_storage(&east, expiration).await;
+    let taker = Arc::new(runner_storage(&west, expiration).await);
+    assert_eq!(abandoned.acquire(&b.address, &[shard(2)]).await.expect("acquire"), [shard(2)]);
+    eventually("the abandoned lease expires", || {
+        let (taker, a) = (Arc::clone(&taker), a.clone());
+        async move { taker.acquire(&a.address, &[shard(2)]).await.is_ok_and(|got| !got.is_empty()) }
+    })
+    .await;
+    drop((west_messages, east_messages, west_runners, east_runners, abandoned, taker));
     database.drop_tables().await;
 }
 

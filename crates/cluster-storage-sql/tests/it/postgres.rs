@@ -11,13 +11,14 @@ use std::time::Duration;
 use cluster_core::envelope::{RawJson, Request, TraceContext};
 use cluster_core::error::{StorageError, StorageErrorKind};
 use cluster_core::future::BoxFuture;
+use cluster_core::ids::RunnerWeight;
 use cluster_core::storage::{
     MessageStorage, RunnerStorage, SaveRequestOptions, SaveResult, UnprocessedBatch,
     UnprocessedOptions,
 };
 use cluster_core::{
-    Clock, EntityAddress, EntityId, EntityType, RunnerAddress, ShardGroup, ShardId, ShardingConfig,
-    Snowflake, SystemClock,
+    Clock, EntityAddress, EntityId, EntityType, Runner, RunnerAddress, ShardGroup, ShardId,
+    ShardingConfig, Snowflake, SystemClock,
 };
 use cluster_storage_sql::postgres::{self, PgMessageStorage, PgRunnerStorage};
 use cluster_storage_sql::{LockMode, SqlStorageOptions, TablePrefix};
@@ -514,6 +515,90 @@ async fn mixed_case_prefix_is_quoted() {
         .unwrap();
     assert_eq!(rows.len(), 1, "the table keeps the prefix's case");
     admin.drop_tables(&prefix).await;
+}
+
+// --- Time -------------------------------------------------------------------------------------
+
+/// Storages whose sessions run in the time zone `zone` (e.g. `Etc/GMT+5`, that is UTC-05:00),
+/// set per connection; the server's setting is left alone.
+struct Zoned {
+    config: tokio_postgres::Config,
+}
+
+impl Zoned {
+    fn new(url: &str, zone: &str) -> Zoned {
+        let mut config = postgres::parse_config(url).unwrap();
+        config.options(format!("-c TimeZone={zone}"));
+        Zoned { config }
+    }
+
+    fn pool(&self) -> deadpool_postgres::Pool {
+        postgres::pool(self.config.clone(), 4).unwrap()
+    }
+
+    async fn message_storage(&self, options: &SqlStorageOptions) -> PgMessageStorage {
+        PgMessageStorage::new(self.pool(), options).await.unwrap()
+    }
+
+    async fn runner_storage(&self, options: &SqlStorageOptions) -> PgRunnerStorage {
+        PgRunnerStorage::new(self.pool(), self.config.clone(), options).await.unwrap()
+    }
+}
+
+fn runner(host: &str) -> Runner {
+    Runner::new(RunnerAddress::new(host, 1), vec![ShardGroup::from("default")], RunnerWeight::ONE)
+}
+
+/// Claims, heartbeats and leases are judged in UTC whatever the session's `TimeZone`. The
+/// columns are `TIMESTAMP` without time zone, so `NOW()` stores the session's local time: the
+/// rows of a runner whose sessions are at UTC-05:00 look ten hours old to one at UTC+05:00 (and
+/// to itself an hour old when daylight saving time starts), and in the other direction an
+/// abandoned lease would not expire for ten hours.
+#[tokio::test]
+async fn times_do_not_depend_on_the_session_time_zone() {
+    let Some(scratch) = Scratch::new().await else { return };
+    let (west, east) =
+        (Zoned::new(&scratch.url, "Etc/GMT+5"), Zoned::new(&scratch.url, "Etc/GMT-5"));
+    for (zoned, zone) in [(&west, "Etc/GMT+5"), (&east, "Etc/GMT-5")] {
+        let client = zoned.pool().get().await.unwrap();
+        let row = client.query_one("SELECT current_setting('TimeZone')", &[]).await.unwrap();
+        assert_eq!(row.get::<_, String>(0), zone);
+    }
+    let options = scratch.options(LockMode::Lease, Duration::from_secs(60));
+    let west_messages = west.message_storage(&options).await;
+    let east_messages = east.message_storage(&options).await;
+    let saved = west_messages.save_request(&request(1, "e1"), &SaveRequestOptions::default()).await;
+    assert_eq!(saved.unwrap(), SaveResult::Success);
+    assert_eq!(message_ids(&read(&west_messages).await.unwrap()), [1]);
+    assert!(read(&east_messages).await.unwrap().is_empty(), "a fresh claim was taken again");
+
+    let west_runners = west.runner_storage(&options).await;
+    let east_runners = east.runner_storage(&options).await;
+    let (a, b) = (runner("a"), runner("b"));
+    west_runners.register(&a, true).await.unwrap();
+    east_runners.register(&b, true).await.unwrap();
+    for storage in [&west_runners, &east_runners] {
+        let mut runners = storage.get_runners().await.unwrap();
+        runners.sort_by(|x, y| x.0.cmp(&y.0));
+        assert_eq!(runners, [(a.clone(), true), (b.clone(), true)], "a live heartbeat was hidden");
+    }
+    assert_eq!(west_runners.acquire(&a.address, &shards(&[1])).await.unwrap(), shards(&[1]));
+    let taken = east_runners.acquire(&b.address, &shards(&[1])).await.unwrap();
+    assert!(taken.is_empty(), "a live lease was taken over");
+    // Unregistering also removes expired runners; a live one stays.
+    east_runners.unregister(&b.address).await.unwrap();
+    assert_eq!(west_runners.get_runners().await.unwrap(), [(a.clone(), true)]);
+
+    // A lease written at UTC+05:00 and abandoned expires for a runner at UTC-05:00.
+    let short = scratch.options(LockMode::Lease, Duration::from_secs(2));
+    let abandoned = east.runner_storage(&short).await;
+    let taker = west.runner_storage(&short).await;
+    assert_eq!(abandoned.acquire(&b.address, &shards(&[2])).await.unwrap(), shards(&[2]));
+    eventually("the abandoned lease expires", || async {
+        taker.acquire(&a.address, &shards(&[2])).await.is_ok_and(|got| !got.is_empty())
+    })
+    .await;
+    scratch.cleanup().await;
 }
 
 // --- Advisory locks ---------------------------------------------------------------------------
