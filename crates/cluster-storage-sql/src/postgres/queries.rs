@@ -462,21 +462,36 @@ pub(crate) fn message_migrations(prefix: &TablePrefix) -> Vec<Migration> {
                 index("messages_rowid_idx")
             )],
         },
-        // Not in the reference: the claim walks this index in its order and stops at its
-        // limit, instead of reading every version of every row of the runner's shards
-        // (processed rows and dead versions pile up in `messages_shard_idx` until vacuum).
-        // W3 at 16 in flight: 2,300 → 3,500 requests/s (docs/performance.md). A TypeScript
-        // runner on the same tables sees a newer history and runs nothing.
-        Migration {
-            id: 4,
-            name: "pg_messages_unprocessed_index",
-            statements: vec![format!(
-                "CREATE INDEX IF NOT EXISTS {} ON {messages} (rowid) WHERE processed = FALSE",
-                index("messages_unprocessed_idx")
-            )],
-        },
     ]
 }
+
+/// An index of ours, beyond the reference's schema: created when missing (if the options allow
+/// it), after the reference's migrations and without a history row.
+#[derive(Debug)]
+pub(crate) struct ExtraIndex {
+    /// The index's name, quoted.
+    pub(crate) name: String,
+    pub(crate) create: String,
+}
+
+/// The indexes of ours on the message tables.
+pub(crate) fn message_extra_indexes(prefix: &TablePrefix) -> Vec<ExtraIndex> {
+    let messages = quoted(prefix, "messages");
+    let name = quoted(prefix, "messages_unprocessed_idx");
+    // The claim walks this index in its order and stops at its limit, instead of reading every
+    // version of every row of the runner's shards (processed rows and dead versions pile up in
+    // `messages_shard_idx` until vacuum). W3 at 16 in flight: 2,300 → 3,500 requests/s
+    // (docs/performance.md).
+    let create =
+        format!("CREATE INDEX IF NOT EXISTS {name} ON {messages} (rowid) WHERE processed = FALSE");
+    vec![ExtraIndex { name, create }]
+}
+
+/// History rows that earlier versions of this crate recorded in the reference's message history
+/// for objects of their own: a migrator removes them, so that the reference's history holds
+/// only the reference's migrations and a later effect release's migration of the same id runs.
+pub(crate) const RETIRED_MESSAGE_MIGRATIONS: [(i32, &str); 1] =
+    [(4, "pg_messages_unprocessed_index")];
 
 /// The migrations of the runner tables, recorded in `<prefix>_runner_migrations` (the ids
 /// overlap the message migrations', so the histories are separate).
@@ -523,12 +538,18 @@ pub(crate) struct MigrationTarget<'a> {
     /// The advisory transaction lock `(namespace, key)` held while migrating.
     pub(crate) lock: (i32, i32),
     pub(crate) migrations: &'a [Migration],
+    /// History rows of ours to remove (`RETIRED_MESSAGE_MIGRATIONS`).
+    pub(crate) retired: &'a [(i32, &'static str)],
+    /// Indexes of ours to create when missing (empty when the options forbid them).
+    pub(crate) extra_indexes: &'a [ExtraIndex],
 }
 
 /// Runs the pending `migrations` in one transaction, as the reference's `Migrator` does:
 /// ensure the history table, lock it, read the latest id, record the pending migrations, run
 /// them. An advisory transaction lock taken first makes a concurrent migration of the same
-/// prefix wait and then find nothing to do. Returns the ids that were run.
+/// prefix wait and then find nothing to do. Our own rows are removed from the history before
+/// it is read, and our own indexes are created last, without a history row. Returns the ids
+/// that were run.
 pub(crate) async fn migrate(
     client: &mut tokio_postgres::Client,
     target: &MigrationTarget<'_>,
@@ -551,6 +572,16 @@ pub(crate) async fn migrate(
     // apart.
     let lock = format!("LOCK TABLE {history} IN ACCESS EXCLUSIVE MODE");
     transaction.batch_execute(&lock).await.map_err(|e| driver_error("migrate: lock", e))?;
+    let retire = format!("DELETE FROM {history} WHERE migration_id = $1 AND name = $2");
+    for (id, name) in target.retired {
+        let removed = transaction
+            .execute(&retire, &[id, name])
+            .await
+            .map_err(|e| driver_error("migrate: retire", e))?;
+        if removed > 0 {
+            tracing::info!(history, id, name, "removed a history row of an earlier version");
+        }
+    }
     let latest_sql =
         format!("SELECT migration_id FROM {history} ORDER BY migration_id DESC LIMIT 1");
     let latest = transaction
@@ -576,6 +607,23 @@ pub(crate) async fn migrate(
             transaction.batch_execute(statement).await.map_err(|e| {
                 driver_error(&format!("migration {:04}_{}", migration.id, migration.name), e)
             })?;
+        }
+    }
+    for index in target.extra_indexes {
+        // Looked up first: `CREATE INDEX IF NOT EXISTS` locks the table against writes even
+        // when the index exists.
+        let exists: bool = transaction
+            .query_one("SELECT to_regclass($1) IS NOT NULL", &[&index.name])
+            .await
+            .map_err(|e| driver_error("migrate: look up an index", e))?
+            .try_get(0)
+            .map_err(column_error)?;
+        if !exists {
+            tracing::debug!(index = index.name, "creating an index of ours");
+            transaction
+                .batch_execute(&index.create)
+                .await
+                .map_err(|e| driver_error(&format!("migrate: index {}", index.name), e))?;
         }
     }
     transaction.commit().await.map_err(|e| driver_error("migrate: COMMIT", e))?;

@@ -129,6 +129,8 @@ impl PgRunnerStorage {
             history: queries::quoted(prefix, "runner_migrations"),
             lock: (advisory_namespace(prefix), queries::RUNNER_MIGRATION_LOCK),
             migrations: &migrations,
+            retired: &[],
+            extra_indexes: &[],
         };
         migrate_on_pool(pool, &target).await
     }

@@ -76,6 +76,7 @@ impl Database {
             // The reference's rule, expiration / 3, with room for a loaded test machine.
             shard_lock_interval: (expiration / 3).max(Duration::from_secs(1)),
             available_groups: vec![ShardGroup::from("default")],
+            extra_indexes: true,
         }
     }
 
