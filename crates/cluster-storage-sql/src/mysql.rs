@@ -17,7 +17,7 @@
 //!
 //! The reference's text columns take the database's default collation, which ignores case and
 //! accents; the migrations here also declare the columns compared for identity with a
-//! byte-wise collation ([`queries::KEY_COLLATIONS`]), outside the reference's history.
+//! byte-wise collation (`queries::KEY_COLLATIONS`), outside the reference's history.
 
 mod message_storage;
 mod queries;
