@@ -8,9 +8,11 @@
 //! `Sqlite*`.
 //!
 //! The tables, columns, migration-history tables and lock keys are the reference's (effect
-//! 4.1.0, reference §4.2 and §5.2), so a database can be shared with TypeScript runners; the
-//! only additions are indexes. All backends store and read rows through the same mapping
-//! (`row`), so they agree on every column.
+//! 4.1.0, `SqlMessageStorage.ts` and `SqlRunnerStorage.ts`), so a database can be shared with
+//! TypeScript runners. The only additions, kept out of the reference's histories, are the
+//! claim's index on PostgreSQL (see [`SqlStorageOptions::extra_indexes`]) and byte-wise
+//! collations of MySQL's key columns. All backends store and read rows through the same
+//! mapping (`row`), so they agree on every column.
 
 pub mod options;
 

@@ -13,8 +13,11 @@
 //! SQL migrator (`Migrator.ts`, MySQL dialect) guarded by `GET_LOCK`.
 //!
 //! MariaDB notes: `RELEASE_ALL_LOCKS()` exists from MariaDB 10.5 (MySQL 5.7), and
-//! `IS_USED_LOCK` reports the holder's connection id. Text columns compare with the database's
-//! default collation (case-insensitive by default), as the reference's tables do.
+//! `IS_USED_LOCK` reports the holder's connection id.
+//!
+//! The reference's text columns take the database's default collation, which ignores case and
+//! accents; the migrations here also declare the columns compared for identity with a
+//! byte-wise collation (`queries::KEY_COLLATIONS`), outside the reference's history.
 
 mod message_storage;
 mod queries;
@@ -63,6 +66,11 @@ const MIGRATION_LOCK_WAIT: Duration = Duration::from_secs(60);
 /// recording the migrations in `<prefix>_migrations` as effect's SQL migrator does. Idempotent;
 /// concurrent callers are serialised by a `GET_LOCK` on the history table's name.
 ///
+/// Then, on every call and without a history row, the columns compared for identity
+/// (`message_id`, `shard_id`, `entity_type`, `entity_id`) get a byte-wise collation if they do
+/// not have it: the reference's tables ignore case and accents. Converting existing tables
+/// rebuilds them once.
+///
 /// # Cancel safety
 ///
 /// Not cancel safe, but idempotent: every statement is `IF NOT EXISTS` or has its errors
@@ -70,20 +78,23 @@ const MIGRATION_LOCK_WAIT: Duration = Duration::from_secs(60);
 /// dropped call closes its connection, which releases the migration lock.
 pub async fn migrate_messages(pool: &Pool, prefix: &TablePrefix) -> Result<(), StorageError> {
     let history = prefix.table("migrations");
-    run_migrations(pool, &history, queries::message_migrations(prefix)).await
+    let migrations = queries::message_migrations(prefix);
+    run_migrations(pool, &history, migrations, queries::message_key_columns(prefix)).await
 }
 
 /// Creates or upgrades the runner storage tables (`<prefix>_runners`, `<prefix>_locks`),
 /// recording the migrations in `<prefix>_runner_migrations` (a separate history, because the
 /// ids overlap with the message storage's). Idempotent and serialised like
-/// [`migrate_messages`].
+/// [`migrate_messages`], and gives runner addresses and lease rows a byte-wise collation as
+/// [`migrate_messages`] does for messages.
 ///
 /// # Cancel safety
 ///
 /// As [`migrate_messages`].
 pub async fn migrate_runners(pool: &Pool, prefix: &TablePrefix) -> Result<(), StorageError> {
     let history = prefix.table("runner_migrations");
-    run_migrations(pool, &history, queries::runner_migrations(prefix)).await
+    let migrations = queries::runner_migrations(prefix);
+    run_migrations(pool, &history, migrations, queries::runner_key_columns(prefix)).await
 }
 
 /// Effect's migrator, MySQL dialect: ensure the history table, then run every migration newer
@@ -93,19 +104,22 @@ pub async fn migrate_runners(pool: &Pool, prefix: &TablePrefix) -> Result<(), St
 /// "another process is migrating". MySQL commits implicitly at every DDL statement, so that
 /// transaction protects nothing there; we hold a `GET_LOCK` instead and record each migration
 /// after it ran. The history rows are the same, so either migrator can run after the other.
+/// The key columns' collation is ours and is not recorded there.
 async fn run_migrations(
     pool: &Pool,
     history: &str,
     migrations: Vec<queries::Migration>,
+    key_columns: Vec<queries::KeyColumn>,
 ) -> Result<(), StorageError> {
     let span = tracing::debug_span!("mysql.migrate", history);
-    migrate_under_lock(pool, history, migrations).instrument(span).await
+    migrate_under_lock(pool, history, migrations, key_columns).instrument(span).await
 }
 
 async fn migrate_under_lock(
     pool: &Pool,
     history: &str,
     migrations: Vec<queries::Migration>,
+    key_columns: Vec<queries::KeyColumn>,
 ) -> Result<(), StorageError> {
     let conn = pool.get_conn().await.map_err(|error| storage_error("migrate: connect", error))?;
     // Dropped on any error or cancellation: the connection is closed rather than returned to
@@ -136,6 +150,9 @@ async fn migrate_under_lock(
     for migration in migrations.into_iter().filter(|m| i64::from(m.id) > latest) {
         run_migration(conn.get(), history, &migration).await?;
     }
+    // After the reference's migrations, whose `0002` declares `entity_type` again without a
+    // collation.
+    ensure_key_collations(conn.get(), &key_columns).await?;
     conn.get()
         .exec_drop("SELECT RELEASE_LOCK(?)", (lock_name.as_str(),))
         .await
@@ -173,6 +190,74 @@ async fn run_migration(
         Err(mysql_async::Error::Server(error)) if error.code == ER_DUP_ENTRY => Ok(()),
         Err(error) => Err(storage_error("migrate: record the migration", error)),
     }
+}
+
+/// Declares every key column that lacks it with the best byte-wise collation the server has,
+/// one `ALTER TABLE` per table. Columns that have it are left alone, so this is a catalog read
+/// on every call but the first.
+async fn ensure_key_collations(
+    conn: &mut Conn,
+    key_columns: &[queries::KeyColumn],
+) -> Result<(), StorageError> {
+    let names: Vec<Value> = queries::KEY_COLLATIONS.iter().map(|name| Value::from(*name)).collect();
+    let rows: Vec<Row> = conn
+        .exec(queries::available_collations(), names)
+        .await
+        .map_err(|error| storage_error("migrate: read the collations", error))?;
+    let mut available = Vec::with_capacity(rows.len());
+    for row in rows {
+        available.extend(Columns::new(row).text().map_err(malformed_catalog)?);
+    }
+    let Some(collation) =
+        queries::KEY_COLLATIONS.into_iter().find(|name| available.iter().any(|a| a == name))
+    else {
+        return Err(StorageError::new(
+            StorageErrorKind::Other,
+            "migrate: the server has no byte-wise utf8mb4 collation",
+        ));
+    };
+    let mut tables: Vec<&str> = key_columns.iter().map(|key| key.table.as_str()).collect();
+    tables.dedup();
+    for table in tables {
+        let rows: Vec<Row> = conn
+            .exec(queries::COLUMN_COLLATIONS, (table,))
+            .await
+            .map_err(|error| storage_error("migrate: read the column collations", error))?;
+        let mut current = Vec::with_capacity(rows.len());
+        for row in rows {
+            let mut columns = Columns::new(row);
+            let name = columns.text().map_err(malformed_catalog)?;
+            current.push((name, columns.text().map_err(malformed_catalog)?));
+        }
+        let stale: Vec<&queries::KeyColumn> = key_columns
+            .iter()
+            .filter(|key| key.table == table)
+            .filter(|key| {
+                !current.iter().any(|(name, current)| {
+                    name.as_deref() == Some(key.column) && current.as_deref() == Some(collation)
+                })
+            })
+            .collect();
+        if stale.is_empty() {
+            continue;
+        }
+        let columns: Vec<&str> = stale.iter().map(|key| key.column).collect();
+        tracing::info!(
+            table,
+            ?columns,
+            collation,
+            "declaring key columns with a byte-wise collation"
+        );
+        conn.query_drop(queries::alter_key_collation(table, &stale, collation))
+            .await
+            .map_err(|error| storage_error(&format!("migrate: collation of {table}"), error))?;
+    }
+    Ok(())
+}
+
+/// A catalog row that cannot be read.
+fn malformed_catalog(error: DecodeError) -> StorageError {
+    StorageError::with_source(StorageErrorKind::Malformed, "migrate: unreadable catalog row", error)
 }
 
 /// MySQL's duplicate key error.

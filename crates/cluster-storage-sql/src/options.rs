@@ -1,4 +1,5 @@
-//! What every SQL backend is configured with: the table prefix and the shard lock settings.
+//! What every SQL backend is configured with: the table prefix, the shard lock settings and
+//! whether the migrations may add to the reference's schema.
 
 use std::fmt;
 use std::time::Duration;
@@ -87,6 +88,14 @@ pub struct SqlStorageOptions {
     pub shard_lock_interval: Duration,
     /// All shard groups of the cluster, sorted: a group's index gives its advisory lock numbers.
     pub available_groups: Vec<ShardGroup>,
+    /// Whether the migrations create the indexes this crate adds to the reference's schema
+    /// (`true` by default). They are created when missing and never recorded in the reference's
+    /// migration history. There is one, on PostgreSQL: `<prefix>_messages_unprocessed_idx`,
+    /// which the claim walks; without it the claim goes through `<prefix>_messages_shard_idx`,
+    /// where processed rows and dead versions pile up until vacuum, and is slower
+    /// (`docs/storage.md`). MySQL and SQLite have none. With `false` nothing is created, and an
+    /// index created earlier is kept.
+    pub extra_indexes: bool,
 }
 
 impl SqlStorageOptions {
@@ -105,6 +114,7 @@ impl SqlStorageOptions {
             shard_lock_expiration: config.shard_lock_expiration,
             shard_lock_interval: config.shard_lock_interval(),
             available_groups,
+            extra_indexes: true,
         }
     }
 

@@ -86,6 +86,7 @@ macro_rules! storage_suite {
             clear_replies_with_expected_reply_id_is_conditional,
             request_id_for_primary_key,
             clear_address_removes_everything,
+            keys_are_compared_exactly,
             transaction_commits_and_rolls_back,
             register_and_get_runners,
             runner_health_flips,
@@ -96,6 +97,7 @@ macro_rules! storage_suite {
             released_shard_can_be_taken,
             expired_lease_is_taken_over,
             release_all_drops_every_lock,
+            runner_addresses_are_compared_exactly,
         );
     };
     (@cases $fixture:path; $($case:ident),* $(,)?) => {

@@ -3,7 +3,12 @@
 //!
 //! Identifiers come only from the validated [`TablePrefix`] (and are quoted with backticks);
 //! every value is a `?` parameter. The only literals spliced in are our own numbers (kinds,
-//! the claim window, the lease expiration in seconds), never input.
+//! the claim window, the lease expiration in seconds) and collation names from
+//! [`KEY_COLLATIONS`], never input.
+//!
+//! Claims, heartbeats and leases are written and compared in `UTC_TIMESTAMP()`, never `NOW()`:
+//! `DATETIME` columns keep no time zone, and `NOW()` is the session's local time, which jumps
+//! at daylight saving changes and differs between sessions in different zones.
 
 use cluster_core::storage::CLAIM_WINDOW;
 
@@ -209,6 +214,85 @@ pub(crate) fn runner_migrations(prefix: &TablePrefix) -> Vec<Migration> {
     }]
 }
 
+/// Byte-wise collations for the columns compared for identity, best first.
+///
+/// The reference's columns take the database's default collation, which ignores case and
+/// accents (`utf8mb4_general_ci` on MariaDB, `utf8mb4_0900_ai_ci` on MySQL 8), so entity ids
+/// `Alice` and `alice` would share primary keys and rows. The first two are `NO PAD`
+/// (trailing spaces count, MySQL 8 and MariaDB respectively); `utf8mb4_bin` ignores trailing
+/// spaces and is only the fallback of a server that has neither.
+pub(crate) const KEY_COLLATIONS: [&str; 3] =
+    ["utf8mb4_0900_bin", "utf8mb4_nopad_bin", "utf8mb4_bin"];
+
+/// A column compared for identity, as the reference declares it (a `VARCHAR`).
+#[derive(Clone, Debug)]
+pub(crate) struct KeyColumn {
+    /// The table, unquoted.
+    pub(crate) table: String,
+    pub(crate) column: &'static str,
+    width: usize,
+    nullable: bool,
+}
+
+impl KeyColumn {
+    fn new(table: &str, column: &'static str, width: usize, nullable: bool) -> KeyColumn {
+        KeyColumn { table: table.to_owned(), column, width, nullable }
+    }
+}
+
+/// The key columns of the message tables: the primary key and the address.
+pub(crate) fn message_key_columns(prefix: &TablePrefix) -> Vec<KeyColumn> {
+    let messages = prefix.table("messages");
+    vec![
+        KeyColumn::new(&messages, "message_id", MESSAGE_ID_LEN_MAX, true),
+        KeyColumn::new(&messages, "shard_id", SHARD_ID_LEN_MAX, false),
+        KeyColumn::new(&messages, "entity_type", ENTITY_TYPE_LEN_MAX, false),
+        KeyColumn::new(&messages, "entity_id", ENTITY_ID_LEN_MAX, false),
+    ]
+}
+
+/// The key columns of the runner tables: runner addresses and lease rows.
+pub(crate) fn runner_key_columns(prefix: &TablePrefix) -> Vec<KeyColumn> {
+    let runners = prefix.table("runners");
+    let locks = prefix.table("locks");
+    vec![
+        KeyColumn::new(&runners, "address", ADDRESS_LEN_MAX, false),
+        KeyColumn::new(&locks, "shard_id", SHARD_ID_LEN_MAX, false),
+        KeyColumn::new(&locks, "address", ADDRESS_LEN_MAX, false),
+    ]
+}
+
+/// Which of [`KEY_COLLATIONS`] the server has (parameters: the collation names).
+pub(crate) fn available_collations() -> String {
+    // language=SQL
+    format!(
+        "SELECT COLLATION_NAME FROM information_schema.COLLATIONS WHERE COLLATION_NAME IN ({})",
+        placeholders(KEY_COLLATIONS.len())
+    )
+}
+
+/// The name and collation of every column of the table named by the parameter.
+pub(crate) const COLUMN_COLLATIONS: &str = "SELECT COLUMN_NAME, COLLATION_NAME \
+     FROM information_schema.COLUMNS WHERE TABLE_SCHEMA = DATABASE() AND TABLE_NAME = ?";
+
+/// Declares `columns` of `table` again with `collation` (one of [`KEY_COLLATIONS`]), keeping
+/// the reference's type and nullability: one rebuild of the table, rows converted.
+pub(crate) fn alter_key_collation(table: &str, columns: &[&KeyColumn], collation: &str) -> String {
+    let clauses: Vec<String> = columns
+        .iter()
+        .map(|key| {
+            let null = if key.nullable { "NULL" } else { "NOT NULL" };
+            format!(
+                "MODIFY {} VARCHAR({}) CHARACTER SET utf8mb4 COLLATE {collation} {null}",
+                quote(key.column),
+                key.width
+            )
+        })
+        .collect();
+    // language=SQL
+    format!("ALTER TABLE {} {}", quote(table), clauses.join(", "))
+}
+
 /// The columns of a message read: the row, then its last reply, then `rowid` (for ordering
 /// across statements). [`super::message_storage`] reads them in this order.
 const MESSAGE_COLUMNS: &str = "m.id, m.shard_id, m.entity_type, m.entity_id, m.kind, m.tag, \
@@ -367,7 +451,7 @@ impl MessageQueries {
             sql.push(')');
         }
         sql.push_str(&format!(
-            " AND (m.last_read IS NULL OR m.last_read < NOW() - INTERVAL {} SECOND)",
+            " AND (m.last_read IS NULL OR m.last_read < UTC_TIMESTAMP() - INTERVAL {} SECOND)",
             CLAIM_WINDOW.as_secs()
         ));
         sql.push_str(&self.unprocessed_tail());
@@ -383,7 +467,7 @@ impl MessageQueries {
     pub(crate) fn claim_update(&self, n_ids: usize) -> String {
         // language=SQL
         format!(
-            "UPDATE {} SET last_read = NOW() WHERE id IN ({})",
+            "UPDATE {} SET last_read = UTC_TIMESTAMP() WHERE id IN ({})",
             self.messages,
             placeholders(n_ids)
         )
@@ -477,7 +561,8 @@ fn address_filter(alias: &str, address_groups: &[usize]) -> String {
 #[derive(Debug)]
 pub(crate) struct RunnerQueries {
     locks: String,
-    /// `DATE_SUB(NOW(), INTERVAL <expiration> SECOND)`: the oldest live heartbeat or lease.
+    /// `DATE_SUB(UTC_TIMESTAMP(), INTERVAL <expiration> SECOND)`: the oldest live heartbeat or
+    /// lease.
     expired_before: String,
     pub(crate) register: String,
     pub(crate) select_machine_id: String,
@@ -493,12 +578,13 @@ impl RunnerQueries {
     pub(crate) fn new(prefix: &TablePrefix, expiration_seconds: u64) -> RunnerQueries {
         let runners = quote(&prefix.table("runners"));
         let locks = quote(&prefix.table("locks"));
-        let expired_before = format!("DATE_SUB(NOW(), INTERVAL {expiration_seconds} SECOND)");
+        let expired_before =
+            format!("DATE_SUB(UTC_TIMESTAMP(), INTERVAL {expiration_seconds} SECOND)");
         // language=SQL
         RunnerQueries {
             register: format!(
                 "INSERT INTO {runners} (address, runner, last_heartbeat, healthy) \
-                 VALUES (?, ?, NOW(), ?) ON DUPLICATE KEY UPDATE runner = VALUES(runner), \
+                 VALUES (?, ?, UTC_TIMESTAMP(), ?) ON DUPLICATE KEY UPDATE runner = VALUES(runner), \
                  last_heartbeat = VALUES(last_heartbeat), healthy = VALUES(healthy)"
             ),
             select_machine_id: format!("SELECT machine_id FROM {runners} WHERE address = ?"),
@@ -510,7 +596,9 @@ impl RunnerQueries {
                  ORDER BY machine_id"
             ),
             set_health: format!("UPDATE {runners} SET healthy = ? WHERE address = ?"),
-            heartbeat: format!("UPDATE {runners} SET last_heartbeat = NOW() WHERE address = ?"),
+            heartbeat: format!(
+                "UPDATE {runners} SET last_heartbeat = UTC_TIMESTAMP() WHERE address = ?"
+            ),
             lease_release: format!("DELETE FROM {locks} WHERE address = ? AND shard_id = ?"),
             lease_release_all: format!("DELETE FROM {locks} WHERE address = ?"),
             locks,
@@ -524,7 +612,7 @@ impl RunnerQueries {
     /// `address`: it is true exactly when the first one took or kept the row.
     pub(crate) fn lease_acquire(&self, n_shards: usize) -> String {
         let (locks, expired_before) = (&self.locks, &self.expired_before);
-        let values = vec!["(?, ?, NOW())"; n_shards].join(", ");
+        let values = vec!["(?, ?, UTC_TIMESTAMP())"; n_shards].join(", ");
         // language=SQL
         format!(
             "INSERT INTO {locks} (shard_id, address, acquired_at) VALUES {values} \
@@ -553,7 +641,7 @@ impl RunnerQueries {
     pub(crate) fn lease_refresh(&self, n_shards: usize) -> String {
         // language=SQL
         format!(
-            "UPDATE {} SET acquired_at = NOW() WHERE address = ? AND shard_id IN ({})",
+            "UPDATE {} SET acquired_at = UTC_TIMESTAMP() WHERE address = ? AND shard_id IN ({})",
             self.locks,
             placeholders(n_shards)
         )

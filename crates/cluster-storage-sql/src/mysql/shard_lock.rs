@@ -245,7 +245,7 @@ impl ShardLocks {
         match command {
             LockCommand::Acquire { address, shard_ids } => {
                 let mut ordered: Vec<&String> = names.iter().collect();
-                ordered.sort_by_cached_key(|name| lease_order_key(name));
+                ordered.sort_by_key(|name| lease_order_key(name));
                 for chunk in ordered.chunks(IN_LIST_LEN_MAX) {
                     let mut params = Vec::with_capacity(chunk.len() * 2);
                     for name in chunk {
@@ -306,12 +306,11 @@ fn select(shard_ids: &[ShardId], keep: impl Fn(usize) -> bool) -> Vec<ShardId> {
         .collect()
 }
 
-/// The order lease rows are written in. The locks table's primary key uses the database's
-/// collation; for the ASCII shard ids of a cluster, the case-insensitive default collations
-/// order like the uppercased bytes, which is what the index scans of `refresh` and
-/// `release_all` follow too.
-fn lease_order_key(name: &str) -> (String, String) {
-    (name.to_ascii_uppercase(), name.to_owned())
+/// The order lease rows are written in: the locks table's primary key, whose byte-wise
+/// collation (see `migrate_runners`) orders like the UTF-8 bytes, which is what the index scans
+/// of `refresh` and `release_all` follow too.
+fn lease_order_key(name: &str) -> &[u8] {
+    name.as_bytes()
 }
 
 /// Takes the pin lock (`name`, or a fresh random one) and reads the holder id the server

@@ -29,4 +29,5 @@ fn options_follow_the_config() {
     assert_eq!(options.group_index(&ShardGroup::from("q")), None);
     assert_eq!(options.expiration_seconds(), 3);
     assert_eq!(options.shard_lock_interval, Duration::from_nanos(833_333_333));
+    assert!(options.extra_indexes, "the default keeps the claim's index");
 }

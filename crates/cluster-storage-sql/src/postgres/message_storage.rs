@@ -123,7 +123,7 @@ impl PgMessageStorage {
         pool: Pool,
         options: &SqlStorageOptions,
     ) -> Result<PgMessageStorage, StorageError> {
-        PgMessageStorage::migrate(&pool, &options.prefix).await?;
+        PgMessageStorage::migrate_with(&pool, options).await?;
         Ok(PgMessageStorage::without_migrations(pool, options))
     }
 
@@ -139,18 +139,42 @@ impl PgMessageStorage {
     }
 
     /// Creates or upgrades `<prefix>_messages` and `<prefix>_replies` (history in
-    /// `<prefix>_migrations`); returns the ids of the migrations that ran. Idempotent, and safe
-    /// to run from several processes at once: they take turns on an advisory transaction lock.
+    /// `<prefix>_migrations`) with the reference's migrations, and creates the claim's index
+    /// `<prefix>_messages_unprocessed_idx` if it is missing; returns the ids of the reference's
+    /// migrations that ran. Idempotent, and safe to run from several processes at once: they
+    /// take turns on an advisory transaction lock.
+    ///
+    /// The history holds only the reference's migrations: the index is not recorded, and a
+    /// row `4 pg_messages_unprocessed_index` that earlier versions recorded is removed.
     ///
     /// # Cancel safety
     ///
     /// Cancel safe: the migrations run in one transaction, which a dropped future rolls back.
     pub async fn migrate(pool: &Pool, prefix: &TablePrefix) -> Result<Vec<i32>, StorageError> {
+        let options = SqlStorageOptions { prefix: prefix.clone(), ..SqlStorageOptions::default() };
+        PgMessageStorage::migrate_with(pool, &options).await
+    }
+
+    /// [`migrate`](PgMessageStorage::migrate) with `options.prefix`, creating the claim's index
+    /// only if `options.extra_indexes` is set.
+    ///
+    /// # Cancel safety
+    ///
+    /// Cancel safe: the migrations run in one transaction, which a dropped future rolls back.
+    pub async fn migrate_with(
+        pool: &Pool,
+        options: &SqlStorageOptions,
+    ) -> Result<Vec<i32>, StorageError> {
+        let prefix = &options.prefix;
         let migrations = queries::message_migrations(prefix);
+        let extra_indexes =
+            if options.extra_indexes { queries::message_extra_indexes(prefix) } else { Vec::new() };
         let target = MigrationTarget {
             history: queries::quoted(prefix, "migrations"),
             lock: (advisory_namespace(prefix), queries::MESSAGE_MIGRATION_LOCK),
             migrations: &migrations,
+            retired: &queries::RETIRED_MESSAGE_MIGRATIONS,
+            extra_indexes: &extra_indexes,
         };
         migrate_on_pool(pool, &target).await
     }

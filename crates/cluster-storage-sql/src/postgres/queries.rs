@@ -8,6 +8,10 @@
 //! The DDL is the reference's (effect 4.1.0 `SqlMessageStorage.migrations` and
 //! `SqlRunnerStorage.migrations`, PostgreSQL dialect), and the histories are recorded as its
 //! `Migrator` records them, so a database migrated by either side is recognised by the other.
+//!
+//! Claims, heartbeats and leases are written and compared as [`UTC_NOW`]: their columns are
+//! `TIMESTAMP` without time zone, where `NOW()` would store the session's local time, which
+//! jumps at daylight saving changes and differs between sessions in different zones.
 
 use cluster_core::error::StorageError;
 use cluster_core::storage::CLAIM_WINDOW;
@@ -22,6 +26,9 @@ const _: () = assert!(CLAIM_WINDOW.subsec_nanos() == 0 && CLAIM_WINDOW.as_secs()
 // The kinds are spliced into statements as literals; they are small constants.
 const _: () = assert!(MESSAGE_KIND_ACK_CHUNK == 1 && MESSAGE_KIND_INTERRUPT == 2);
 const _: () = assert!(REPLY_KIND_WITH_EXIT == 0);
+
+/// The current time as a `TIMESTAMP` in UTC, whatever the session's `TimeZone`.
+pub(crate) const UTC_NOW: &str = "(NOW() AT TIME ZONE 'UTC')";
 
 /// `<prefix>_<name>` as a quoted identifier. The prefix holds only ASCII letters, digits and
 /// `_` (checked by [`TablePrefix::new`]), so quoting cannot be escaped.
@@ -238,13 +245,13 @@ fn claim(messages: &str, replies: &str, address_filter: &str) -> String {
     let no_pending_reply = no_pending_reply(replies);
     format!(
         "WITH claimed AS ( \
-           UPDATE {messages} c SET last_read = NOW() \
+           UPDATE {messages} c SET last_read = {UTC_NOW} \
            FROM ( \
              SELECT m.id FROM {messages} m \
              WHERE m.shard_id = ANY($1) {address_filter} \
              AND m.processed = FALSE \
              AND (m.last_read IS NULL \
-                  OR m.last_read < NOW() - INTERVAL '{claim_window_secs} seconds') \
+                  OR m.last_read < {UTC_NOW} - INTERVAL '{claim_window_secs} seconds') \
              AND (m.deliver_at IS NULL OR m.deliver_at <= $2) \
              AND {no_pending_reply} \
              ORDER BY m.rowid ASC \
@@ -300,11 +307,11 @@ impl RunnerQueries {
     pub(crate) fn new(prefix: &TablePrefix, expiration_secs: u64) -> RunnerQueries {
         let runners = quoted(prefix, "runners");
         let locks = quoted(prefix, "locks");
-        let expired_before = format!("NOW() - INTERVAL '{expiration_secs} seconds'");
+        let expired_before = format!("{UTC_NOW} - INTERVAL '{expiration_secs} seconds'");
         RunnerQueries {
             register: format!(
                 "INSERT INTO {runners} (address, runner, last_heartbeat, healthy) \
-                 VALUES ($1, $2, NOW(), $3) \
+                 VALUES ($1, $2, {UTC_NOW}, $3) \
                  ON CONFLICT (address) DO UPDATE SET runner = EXCLUDED.runner, \
                    last_heartbeat = EXCLUDED.last_heartbeat, healthy = EXCLUDED.healthy \
                  RETURNING machine_id"
@@ -317,16 +324,19 @@ impl RunnerQueries {
                  ORDER BY machine_id"
             ),
             set_runner_health: format!("UPDATE {runners} SET healthy = $2 WHERE address = $1"),
-            heartbeat: format!("UPDATE {runners} SET last_heartbeat = NOW() WHERE address = $1"),
+            heartbeat: format!(
+                "UPDATE {runners} SET last_heartbeat = {UTC_NOW} WHERE address = $1"
+            ),
             // Rows are written in one order (shard id, byte-wise) by every statement that
             // locks several lease rows, so that two runners cannot deadlock. The upsert
             // touches (and so returns) exactly the rows that are now this runner's.
             lease_acquire: format!(
                 "INSERT INTO {locks} AS l (shard_id, address, acquired_at) \
-                 SELECT requested.shard_id, $1, NOW() \
+                 SELECT requested.shard_id, $1, {UTC_NOW} \
                  FROM unnest($2::text[]) AS requested (shard_id) \
                  ORDER BY requested.shard_id COLLATE \"C\" \
-                 ON CONFLICT (shard_id) DO UPDATE SET address = EXCLUDED.address, acquired_at = NOW() \
+                 ON CONFLICT (shard_id) DO UPDATE SET address = EXCLUDED.address, \
+                   acquired_at = {UTC_NOW} \
                  WHERE l.address = EXCLUDED.address OR l.acquired_at < {expired_before} \
                  RETURNING l.shard_id"
             ),
@@ -335,7 +345,7 @@ impl RunnerQueries {
                    SELECT shard_id FROM {locks} WHERE address = $1 AND shard_id = ANY($2) \
                    ORDER BY shard_id COLLATE \"C\" FOR UPDATE \
                  ) \
-                 UPDATE {locks} SET acquired_at = NOW() \
+                 UPDATE {locks} SET acquired_at = {UTC_NOW} \
                  WHERE address = $1 AND shard_id IN (SELECT shard_id FROM locked) \
                  RETURNING shard_id"
             ),
@@ -461,21 +471,36 @@ pub(crate) fn message_migrations(prefix: &TablePrefix) -> Vec<Migration> {
                 index("messages_rowid_idx")
             )],
         },
-        // Not in the reference: the claim walks this index in its order and stops at its
-        // limit, instead of reading every version of every row of the runner's shards
-        // (processed rows and dead versions pile up in `messages_shard_idx` until vacuum).
-        // W3 at 16 in flight: 2,300 → 3,500 requests/s (docs/performance.md). A TypeScript
-        // runner on the same tables sees a newer history and runs nothing.
-        Migration {
-            id: 4,
-            name: "pg_messages_unprocessed_index",
-            statements: vec![format!(
-                "CREATE INDEX IF NOT EXISTS {} ON {messages} (rowid) WHERE processed = FALSE",
-                index("messages_unprocessed_idx")
-            )],
-        },
     ]
 }
+
+/// An index of ours, beyond the reference's schema: created when missing (if the options allow
+/// it), after the reference's migrations and without a history row.
+#[derive(Debug)]
+pub(crate) struct ExtraIndex {
+    /// The index's name, quoted.
+    pub(crate) name: String,
+    pub(crate) create: String,
+}
+
+/// The indexes of ours on the message tables.
+pub(crate) fn message_extra_indexes(prefix: &TablePrefix) -> Vec<ExtraIndex> {
+    let messages = quoted(prefix, "messages");
+    let name = quoted(prefix, "messages_unprocessed_idx");
+    // The claim walks this index in its order and stops at its limit, instead of reading every
+    // version of every row of the runner's shards (processed rows and dead versions pile up in
+    // `messages_shard_idx` until vacuum). W3 at 16 in flight: 2,300 → 3,500 requests/s
+    // (docs/performance.md).
+    let create =
+        format!("CREATE INDEX IF NOT EXISTS {name} ON {messages} (rowid) WHERE processed = FALSE");
+    vec![ExtraIndex { name, create }]
+}
+
+/// History rows that earlier versions of this crate recorded in the reference's message history
+/// for objects of their own: a migrator removes them, so that the reference's history holds
+/// only the reference's migrations and a later effect release's migration of the same id runs.
+pub(crate) const RETIRED_MESSAGE_MIGRATIONS: [(i32, &str); 1] =
+    [(4, "pg_messages_unprocessed_index")];
 
 /// The migrations of the runner tables, recorded in `<prefix>_runner_migrations` (the ids
 /// overlap the message migrations', so the histories are separate).
@@ -522,12 +547,18 @@ pub(crate) struct MigrationTarget<'a> {
     /// The advisory transaction lock `(namespace, key)` held while migrating.
     pub(crate) lock: (i32, i32),
     pub(crate) migrations: &'a [Migration],
+    /// History rows of ours to remove (`RETIRED_MESSAGE_MIGRATIONS`).
+    pub(crate) retired: &'a [(i32, &'static str)],
+    /// Indexes of ours to create when missing (empty when the options forbid them).
+    pub(crate) extra_indexes: &'a [ExtraIndex],
 }
 
 /// Runs the pending `migrations` in one transaction, as the reference's `Migrator` does:
 /// ensure the history table, lock it, read the latest id, record the pending migrations, run
 /// them. An advisory transaction lock taken first makes a concurrent migration of the same
-/// prefix wait and then find nothing to do. Returns the ids that were run.
+/// prefix wait and then find nothing to do. Our own rows are removed from the history before
+/// it is read, and our own indexes are created last, without a history row. Returns the ids
+/// that were run.
 pub(crate) async fn migrate(
     client: &mut tokio_postgres::Client,
     target: &MigrationTarget<'_>,
@@ -550,6 +581,16 @@ pub(crate) async fn migrate(
     // apart.
     let lock = format!("LOCK TABLE {history} IN ACCESS EXCLUSIVE MODE");
     transaction.batch_execute(&lock).await.map_err(|e| driver_error("migrate: lock", e))?;
+    let retire = format!("DELETE FROM {history} WHERE migration_id = $1 AND name = $2");
+    for (id, name) in target.retired {
+        let removed = transaction
+            .execute(&retire, &[id, name])
+            .await
+            .map_err(|e| driver_error("migrate: retire", e))?;
+        if removed > 0 {
+            tracing::info!(history, id, name, "removed a history row of an earlier version");
+        }
+    }
     let latest_sql =
         format!("SELECT migration_id FROM {history} ORDER BY migration_id DESC LIMIT 1");
     let latest = transaction
@@ -575,6 +616,23 @@ pub(crate) async fn migrate(
             transaction.batch_execute(statement).await.map_err(|e| {
                 driver_error(&format!("migration {:04}_{}", migration.id, migration.name), e)
             })?;
+        }
+    }
+    for index in target.extra_indexes {
+        // Looked up first: `CREATE INDEX IF NOT EXISTS` locks the table against writes even
+        // when the index exists.
+        let exists: bool = transaction
+            .query_one("SELECT to_regclass($1) IS NOT NULL", &[&index.name])
+            .await
+            .map_err(|e| driver_error("migrate: look up an index", e))?
+            .try_get(0)
+            .map_err(column_error)?;
+        if !exists {
+            tracing::debug!(index = index.name, "creating an index of ours");
+            transaction
+                .batch_execute(&index.create)
+                .await
+                .map_err(|e| driver_error(&format!("migrate: index {}", index.name), e))?;
         }
     }
     transaction.commit().await.map_err(|e| driver_error("migrate: COMMIT", e))?;

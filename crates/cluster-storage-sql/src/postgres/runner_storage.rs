@@ -1,11 +1,11 @@
 //! [`PgRunnerStorage`]: the runner registry in `<prefix>_runners` on the pool, and the shard
 //! locks on a reserved lock session (reference §4.2).
 //!
-//! Times are the database's clock (`NOW()`); a heartbeat older than the shard lock expiration
-//! (in whole seconds, rounded up) is dead. Every `refresh` with shards also refreshes the
-//! heartbeat, on the lock session; an empty `refresh` (the probe used while lock storage is
-//! unhealthy) refreshes only the heartbeat, on the pool, so that a wedged lock session cannot
-//! block recovery.
+//! Times are the database's clock in UTC (`NOW() AT TIME ZONE 'UTC'`, whatever the session's
+//! `TimeZone`); a heartbeat older than the shard lock expiration (in whole seconds, rounded up)
+//! is dead. Every `refresh` with shards also refreshes the heartbeat, on the lock session; an
+//! empty `refresh` (the probe used while lock storage is unhealthy) refreshes only the
+//! heartbeat, on the pool, so that a wedged lock session cannot block recovery.
 
 use std::fmt;
 use std::sync::Arc;
@@ -129,6 +129,8 @@ impl PgRunnerStorage {
             history: queries::quoted(prefix, "runner_migrations"),
             lock: (advisory_namespace(prefix), queries::RUNNER_MIGRATION_LOCK),
             migrations: &migrations,
+            retired: &[],
+            extra_indexes: &[],
         };
         migrate_on_pool(pool, &target).await
     }

@@ -10,7 +10,7 @@
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use cluster_core::envelope::{Exit, RawJson, Reply, Request, TraceContext, WithExit};
+use cluster_core::envelope::{Exit, RawJson, Reply, Request, TraceContext, WithExit, primary_key};
 use cluster_core::error::{StorageError, StorageErrorKind};
 use cluster_core::future::BoxFuture;
 use cluster_core::ids::RunnerWeight;
@@ -61,6 +61,13 @@ impl Database {
         Pool::new(pool_opts(self.opts.clone(), max))
     }
 
+    /// Connection options (a pool of at most 4) whose sessions run at the UTC offset `offset`,
+    /// such as `-05:00`; the server's global time zone is left alone.
+    fn opts_in_zone(&self, offset: &str) -> Opts {
+        let set_zone = format!("SET time_zone = '{offset}'");
+        Opts::from(pool_opts(self.opts.clone(), 4).init(vec![set_zone]))
+    }
+
     fn options(&self, lock_mode: LockMode, expiration: Duration) -> SqlStorageOptions {
         SqlStorageOptions {
             prefix: self.prefix.clone(),
@@ -69,6 +76,7 @@ impl Database {
             // The reference's rule, expiration / 3, with room for a loaded test machine.
             shard_lock_interval: (expiration / 3).max(Duration::from_secs(1)),
             available_groups: vec![ShardGroup::from("default")],
+            extra_indexes: true,
         }
     }
 
@@ -258,6 +266,15 @@ fn runner(host: &str) -> Runner {
 async fn save(storage: &dyn MessageStorage, request: &Request) {
     let saved = storage.save_request(request, &SaveRequestOptions::default()).await;
     assert_eq!(saved.expect("save_request"), SaveResult::Success);
+}
+
+/// The ids of the messages an unprocessed read of shard 1 claims.
+async fn claim_ids(storage: &dyn MessageStorage) -> Vec<u64> {
+    let batch = storage
+        .unprocessed_messages(&[shard(1)], now(), UnprocessedOptions::default())
+        .await
+        .expect("claim");
+    batch.messages.iter().map(|message| message.envelope.id().get()).collect()
 }
 
 /// Waits until `condition` holds, polling every 100 ms, for at most [`EVENTUAL`].
@@ -523,6 +540,157 @@ async fn migrations_are_recorded_and_idempotent() {
         .expect("read after re-migrating");
     assert_eq!(batch.messages.len(), 1, "the data survived");
     drop(storage);
+    database.drop_tables().await;
+}
+
+/// The columns compared for identity: `(table, column)`.
+const KEY_COLUMNS: [(&str, &str); 7] = [
+    ("messages", "message_id"),
+    ("messages", "shard_id"),
+    ("messages", "entity_type"),
+    ("messages", "entity_id"),
+    ("runners", "address"),
+    ("locks", "shard_id"),
+    ("locks", "address"),
+];
+
+/// The collation of every column in [`KEY_COLUMNS`], in that order.
+async fn key_collations(database: &Database) -> Vec<String> {
+    let mut collations = Vec::new();
+    for (table, column) in KEY_COLUMNS {
+        let rows = database
+            .rows(&format!(
+                "SELECT COLLATION_NAME FROM information_schema.columns \
+                 WHERE TABLE_SCHEMA = DATABASE() AND TABLE_NAME = '{}' AND COLUMN_NAME = '{column}'",
+                database.table(table)
+            ))
+            .await;
+        let collation: Vec<String> = rows.into_iter().map(mysql_async::from_row).collect();
+        collations.extend(collation);
+    }
+    collations
+}
+
+/// Whether `collation` compares bytes, trailing spaces included (MySQL's `utf8mb4_0900_bin`,
+/// MariaDB's `utf8mb4_nopad_bin`).
+fn compares_bytes(collation: &str) -> bool {
+    collation == "utf8mb4_0900_bin" || collation == "utf8mb4_nopad_bin"
+}
+
+/// Every key column compares bytes after a migration, also on tables created with the
+/// database's default collation (by the reference, or by an earlier version of this crate):
+/// those are converted with their rows, and the reference's history is left as it was.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn key_columns_compare_bytes_after_migration() {
+    let Some(database) = Database::new() else { return };
+    database.migrate().await;
+    let collations = key_collations(&database).await;
+    assert_eq!(collations.len(), KEY_COLUMNS.len(), "{collations:?}");
+    assert!(collations.iter().all(|collation| compares_bytes(collation)), "{collations:?}");
+    // The reference's tables: every text column in the database's default collation.
+    for table in ["messages", "runners", "locks"] {
+        database
+            .exec(&format!(
+                "ALTER TABLE `{}` CONVERT TO CHARACTER SET utf8mb4 COLLATE utf8mb4_general_ci",
+                database.table(table)
+            ))
+            .await;
+    }
+    let collations = key_collations(&database).await;
+    assert!(collations.iter().all(|collation| collation == "utf8mb4_general_ci"), "{collations:?}");
+    let storage = database.message_storage(database.pool(2)).await;
+    let keyed = |request: &Request| SaveRequestOptions {
+        primary_key: Some(primary_key(&request.address, &request.tag, "k")),
+        deliver_at: None,
+    };
+    let alice = request(1, "Alice");
+    assert_eq!(
+        storage.save_request(&alice, &keyed(&alice)).await.expect("save"),
+        SaveResult::Success
+    );
+    drop(storage);
+    database.migrate().await;
+    let collations = key_collations(&database).await;
+    assert!(collations.iter().all(|collation| compares_bytes(collation)), "{collations:?}");
+    let messages_history =
+        vec![(1, "create_tables".to_owned()), (2, "entity_type_size".to_owned())];
+    assert_eq!(history(&database, "migrations").await, messages_history);
+    assert_eq!(history(&database, "runner_migrations").await, [(1, "create_tables".to_owned())]);
+    let storage = database.message_storage(database.pool(2)).await;
+    let lower = request(2, "alice");
+    let saved = storage.save_request(&lower, &keyed(&lower)).await.expect("save");
+    assert_eq!(saved, SaveResult::Success, "alice's request is not Alice's");
+    let again = request(3, "Alice");
+    let duplicate = storage.save_request(&again, &keyed(&again)).await.expect("save");
+    assert!(
+        matches!(duplicate, SaveResult::Duplicate { original_id, .. } if original_id == Snowflake::new(1)),
+        "the converted row is still found: {duplicate:?}"
+    );
+    drop(storage);
+    database.drop_tables().await;
+}
+
+// --- Time ---------------------------------------------------------------------------------------
+
+/// Claims, heartbeats and leases are judged in UTC whatever the session's time zone. With
+/// local times, the rows of a runner whose sessions are at -05:00 look ten hours old to one at
+/// +05:00 (the same happens to one runner when daylight saving time starts): its claims are
+/// taken again, its heartbeat looks expired and its leases are taken over. In the other
+/// direction an abandoned lease would not expire for ten hours.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn times_do_not_depend_on_the_session_time_zone() {
+    let Some(database) = Database::new() else { return };
+    database.migrate().await;
+    let (west, east) = (database.opts_in_zone("-05:00"), database.opts_in_zone("+05:00"));
+    for (opts, offset) in [(&west, "-05:00"), (&east, "+05:00")] {
+        let mut conn = mysql_async::Conn::new(opts.clone()).await.expect("a connection");
+        let zone: Option<String> =
+            conn.query_first("SELECT @@session.time_zone").await.expect("the session's zone");
+        assert_eq!(zone.as_deref(), Some(offset));
+        conn.disconnect().await.expect("disconnect");
+    }
+    let west_messages = database.message_storage(Pool::new(west.clone())).await;
+    let east_messages = database.message_storage(Pool::new(east.clone())).await;
+    save(&west_messages, &request(1, "e1")).await;
+    assert_eq!(claim_ids(&west_messages).await, [1]);
+    assert!(claim_ids(&east_messages).await.is_empty(), "a fresh claim was taken again");
+
+    let runner_storage = |opts: &Opts, expiration: Duration| {
+        let (opts, options) = (opts.clone(), database.options(LockMode::Lease, expiration));
+        async move {
+            MySqlRunnerStorage::new(Pool::new(opts.clone()), opts, options)
+                .await
+                .expect("open a runner storage")
+        }
+    };
+    let west_runners = runner_storage(&west, LONG_EXPIRATION).await;
+    let east_runners = runner_storage(&east, LONG_EXPIRATION).await;
+    let (a, b) = (runner("a"), runner("b"));
+    west_runners.register(&a, true).await.expect("register a");
+    east_runners.register(&b, true).await.expect("register b");
+    for storage in [&west_runners, &east_runners] {
+        let mut runners = storage.get_runners().await.expect("get_runners");
+        runners.sort_by(|x, y| x.0.cmp(&y.0));
+        assert_eq!(runners, [(a.clone(), true), (b.clone(), true)], "a live heartbeat was hidden");
+    }
+    assert_eq!(west_runners.acquire(&a.address, &[shard(1)]).await.expect("acquire"), [shard(1)]);
+    let taken = east_runners.acquire(&b.address, &[shard(1)]).await.expect("acquire");
+    assert!(taken.is_empty(), "a live lease was taken over");
+    // Unregistering also removes expired runners; a live one stays.
+    east_runners.unregister(&b.address).await.expect("unregister b");
+    assert_eq!(west_runners.get_runners().await.expect("get_runners"), [(a.clone(), true)]);
+
+    // A lease written at +05:00 and abandoned expires for a runner at -05:00.
+    let expiration = Duration::from_secs(2);
+    let abandoned = runner_storage(&east, expiration).await;
+    let taker = Arc::new(runner_storage(&west, expiration).await);
+    assert_eq!(abandoned.acquire(&b.address, &[shard(2)]).await.expect("acquire"), [shard(2)]);
+    eventually("the abandoned lease expires", || {
+        let (taker, a) = (Arc::clone(&taker), a.clone());
+        async move { taker.acquire(&a.address, &[shard(2)]).await.is_ok_and(|got| !got.is_empty()) }
+    })
+    .await;
+    drop((west_messages, east_messages, west_runners, east_runners, abandoned, taker));
     database.drop_tables().await;
 }
 

@@ -11,13 +11,14 @@ use std::time::Duration;
 use cluster_core::envelope::{RawJson, Request, TraceContext};
 use cluster_core::error::{StorageError, StorageErrorKind};
 use cluster_core::future::BoxFuture;
+use cluster_core::ids::RunnerWeight;
 use cluster_core::storage::{
     MessageStorage, RunnerStorage, SaveRequestOptions, SaveResult, UnprocessedBatch,
     UnprocessedOptions,
 };
 use cluster_core::{
-    Clock, EntityAddress, EntityId, EntityType, RunnerAddress, ShardGroup, ShardId, ShardingConfig,
-    Snowflake, SystemClock,
+    Clock, EntityAddress, EntityId, EntityType, Runner, RunnerAddress, ShardGroup, ShardId,
+    ShardingConfig, Snowflake, SystemClock,
 };
 use cluster_storage_sql::postgres::{self, PgMessageStorage, PgRunnerStorage};
 use cluster_storage_sql::{LockMode, SqlStorageOptions, TablePrefix};
@@ -381,7 +382,7 @@ async fn schema_matches_the_reference() {
             "T_request_id_idx: CREATE INDEX T_request_id_idx ON public.T USING btree (request_id)",
             "T_rowid_idx: CREATE INDEX T_rowid_idx ON public.T USING btree (rowid)",
             "T_shard_idx: CREATE INDEX T_shard_idx ON public.T USING btree (shard_id, processed, last_read, deliver_at)",
-            // Ours, beyond the reference (migration 4): the claim's index.
+            // Ours, beyond the reference and not in its history: the claim's index.
             "T_unprocessed_idx: CREATE INDEX T_unprocessed_idx ON public.T USING btree (rowid) WHERE (processed = false)",
         ]
     );
@@ -414,8 +415,25 @@ async fn history(admin: &Admin, table: &str) -> Vec<(i32, String)> {
     rows.iter().map(|row| (row.get(0), row.get(1))).collect()
 }
 
+/// The reference's message history, exactly as its migrator writes it: nothing of ours.
+fn reference_message_history() -> Vec<(i32, String)> {
+    vec![
+        (1, "create_tables".to_owned()),
+        (2, "entity_type_size".to_owned()),
+        (3, "pg_messages_rowid_index".to_owned()),
+    ]
+}
+
+/// The definition of the index `name`, if it exists.
+async fn index_definition(admin: &Admin, name: &str) -> Option<String> {
+    let rows =
+        admin.client.query("SELECT indexdef FROM pg_indexes WHERE indexname = $1", &[&name]).await;
+    rows.unwrap().first().map(|row| row.get(0))
+}
+
 /// Migrations are recorded as the reference's migrator records them, run once, are safe to run
-/// concurrently, and a second storage on the prefix shares the tables.
+/// concurrently, and a second storage on the prefix shares the tables. The claim's index, which
+/// the reference does not have, is created without a history row.
 #[tokio::test]
 async fn migrations_are_idempotent_and_shared() {
     let Some(scratch) = Scratch::new().await else { return };
@@ -427,7 +445,7 @@ async fn migrations_are_idempotent_and_shared() {
     );
     let mut ran = [first.unwrap(), second.unwrap()];
     ran.sort();
-    assert_eq!(ran, [vec![], vec![1, 2, 3, 4]]);
+    assert_eq!(ran, [vec![], vec![1, 2, 3]]);
     let (first, second) = tokio::join!(
         PgRunnerStorage::migrate(&pool, &scratch.prefix),
         PgRunnerStorage::migrate(&pool, &scratch.prefix),
@@ -437,17 +455,15 @@ async fn migrations_are_idempotent_and_shared() {
     assert_eq!(ran, [vec![], vec![1]]);
     assert!(PgMessageStorage::migrate(&pool, &scratch.prefix).await.unwrap().is_empty());
     assert!(PgRunnerStorage::migrate(&pool, &scratch.prefix).await.unwrap().is_empty());
-    let expected_messages = [
-        (1, "create_tables".to_owned()),
-        (2, "entity_type_size".to_owned()),
-        (3, "pg_messages_rowid_index".to_owned()),
-        (4, "pg_messages_unprocessed_index".to_owned()),
-    ];
-    assert_eq!(history(&scratch.admin, &scratch.table("migrations")).await, expected_messages);
+    let messages_history = history(&scratch.admin, &scratch.table("migrations")).await;
+    assert_eq!(messages_history, reference_message_history());
     assert_eq!(
         history(&scratch.admin, &scratch.table("runner_migrations")).await,
         [(1, "create_tables".to_owned())]
     );
+    let index = scratch.table("messages_unprocessed_idx");
+    let definition = index_definition(&scratch.admin, &index).await.expect("the claim's index");
+    assert!(definition.ends_with("(rowid) WHERE (processed = false)"), "{definition}");
 
     // A second storage (another process) on the prefix sees the first one's rows.
     let first = scratch.message_storage().await;
@@ -463,27 +479,13 @@ async fn migrations_are_idempotent_and_shared() {
         .batch_execute(&format!("DELETE FROM \"{}\"", scratch.table("migrations")))
         .await
         .unwrap();
-    assert_eq!(PgMessageStorage::migrate(&pool, &scratch.prefix).await.unwrap(), [1, 2, 3, 4]);
-    // Tables migrated by the reference (history 1 to 3, no claim index) get the index.
-    let index = scratch.table("messages_unprocessed_idx");
-    scratch
-        .admin
-        .client
-        .batch_execute(&format!(
-            "DELETE FROM \"{}\" WHERE migration_id = 4; DROP INDEX \"{index}\"",
-            scratch.table("migrations")
-        ))
-        .await
-        .unwrap();
-    assert_eq!(PgMessageStorage::migrate(&pool, &scratch.prefix).await.unwrap(), [4]);
-    let indexes = scratch
-        .admin
-        .client
-        .query("SELECT indexdef FROM pg_indexes WHERE indexname = $1", &[&index])
-        .await
-        .unwrap();
-    let definition: String = indexes[0].get(0);
-    assert!(definition.ends_with("(rowid) WHERE (processed = false)"), "{definition}");
+    assert_eq!(PgMessageStorage::migrate(&pool, &scratch.prefix).await.unwrap(), [1, 2, 3]);
+    // Tables migrated by the reference (no claim index) get the index, and no history row.
+    scratch.admin.client.batch_execute(&format!("DROP INDEX \"{index}\"")).await.unwrap();
+    assert!(PgMessageStorage::migrate(&pool, &scratch.prefix).await.unwrap().is_empty());
+    assert!(index_definition(&scratch.admin, &index).await.is_some(), "the index is back");
+    let messages_history = history(&scratch.admin, &scratch.table("migrations")).await;
+    assert_eq!(messages_history, reference_message_history());
     assert_eq!(
         message_ids(
             &second
@@ -493,6 +495,65 @@ async fn migrations_are_idempotent_and_shared() {
         ),
         [1]
     );
+    scratch.cleanup().await;
+}
+
+/// Earlier versions recorded the claim's index as migration `4 pg_messages_unprocessed_index`
+/// in the reference's history, where a later effect release's own migration 4 would then be
+/// skipped. A migration removes that row (and only that row): the history becomes the
+/// reference's again, and the index stays.
+#[tokio::test]
+async fn history_row_4_of_an_earlier_version_is_removed() {
+    let Some(scratch) = Scratch::new().await else { return };
+    let pool = postgres::pool(postgres::parse_config(&scratch.url).unwrap(), 2).unwrap();
+    PgMessageStorage::migrate(&pool, &scratch.prefix).await.unwrap();
+    let migrations = scratch.table("migrations");
+    let record = |id: i32, name: &str| {
+        format!(
+            "INSERT INTO \"{migrations}\" (migration_id, name) VALUES ({id}, '{name}') \
+             ON CONFLICT (migration_id) DO NOTHING"
+        )
+    };
+    scratch.admin.client.batch_execute(&record(4, "pg_messages_unprocessed_index")).await.unwrap();
+    assert!(PgMessageStorage::migrate(&pool, &scratch.prefix).await.unwrap().is_empty());
+    assert_eq!(history(&scratch.admin, &migrations).await, reference_message_history());
+    let index = scratch.table("messages_unprocessed_idx");
+    assert!(index_definition(&scratch.admin, &index).await.is_some(), "the index stays");
+    // A row 4 of another name is someone else's (a later reference release): it stays.
+    scratch.admin.client.batch_execute(&record(4, "a_later_migration")).await.unwrap();
+    assert!(PgMessageStorage::migrate(&pool, &scratch.prefix).await.unwrap().is_empty());
+    let mut expected = reference_message_history();
+    expected.push((4, "a_later_migration".to_owned()));
+    assert_eq!(history(&scratch.admin, &migrations).await, expected);
+    scratch.cleanup().await;
+}
+
+/// With `extra_indexes` off, the migrations create exactly the reference's schema: no claim
+/// index, the reference's history; the storage still works (its claim reads the shard index).
+#[tokio::test]
+async fn extra_indexes_off_adds_nothing_to_the_reference_schema() {
+    let Some(scratch) = Scratch::new().await else { return };
+    let options = SqlStorageOptions {
+        extra_indexes: false,
+        ..scratch.options(LockMode::Advisory, Duration::from_secs(60))
+    };
+    let storage = PgMessageStorage::connect(&scratch.url, &options).await.unwrap();
+    let index = scratch.table("messages_unprocessed_idx");
+    assert_eq!(index_definition(&scratch.admin, &index).await, None);
+    let names: Vec<String> = indexes(&scratch.admin, &scratch.table("messages"))
+        .await
+        .into_iter()
+        .map(|index| index.split(':').next().unwrap_or_default().to_owned())
+        .collect();
+    assert_eq!(
+        names,
+        ["T_message_id_key", "T_pkey", "T_request_id_idx", "T_rowid_idx", "T_shard_idx"]
+    );
+    let migrations = scratch.table("migrations");
+    assert_eq!(history(&scratch.admin, &migrations).await, reference_message_history());
+    let saved = storage.save_request(&request(1, "e1"), &SaveRequestOptions::default()).await;
+    assert_eq!(saved.unwrap(), SaveResult::Success);
+    assert_eq!(message_ids(&read(&storage).await.unwrap()), [1]);
     scratch.cleanup().await;
 }
 
@@ -514,6 +575,90 @@ async fn mixed_case_prefix_is_quoted() {
         .unwrap();
     assert_eq!(rows.len(), 1, "the table keeps the prefix's case");
     admin.drop_tables(&prefix).await;
+}
+
+// --- Time -------------------------------------------------------------------------------------
+
+/// Storages whose sessions run in the time zone `zone` (e.g. `Etc/GMT+5`, that is UTC-05:00),
+/// set per connection; the server's setting is left alone.
+struct Zoned {
+    config: tokio_postgres::Config,
+}
+
+impl Zoned {
+    fn new(url: &str, zone: &str) -> Zoned {
+        let mut config = postgres::parse_config(url).unwrap();
+        config.options(format!("-c TimeZone={zone}"));
+        Zoned { config }
+    }
+
+    fn pool(&self) -> deadpool_postgres::Pool {
+        postgres::pool(self.config.clone(), 4).unwrap()
+    }
+
+    async fn message_storage(&self, options: &SqlStorageOptions) -> PgMessageStorage {
+        PgMessageStorage::new(self.pool(), options).await.unwrap()
+    }
+
+    async fn runner_storage(&self, options: &SqlStorageOptions) -> PgRunnerStorage {
+        PgRunnerStorage::new(self.pool(), self.config.clone(), options).await.unwrap()
+    }
+}
+
+fn runner(host: &str) -> Runner {
+    Runner::new(RunnerAddress::new(host, 1), vec![ShardGroup::from("default")], RunnerWeight::ONE)
+}
+
+/// Claims, heartbeats and leases are judged in UTC whatever the session's `TimeZone`. The
+/// columns are `TIMESTAMP` without time zone, so `NOW()` stores the session's local time: the
+/// rows of a runner whose sessions are at UTC-05:00 look ten hours old to one at UTC+05:00 (and
+/// to itself an hour old when daylight saving time starts), and in the other direction an
+/// abandoned lease would not expire for ten hours.
+#[tokio::test]
+async fn times_do_not_depend_on_the_session_time_zone() {
+    let Some(scratch) = Scratch::new().await else { return };
+    let (west, east) =
+        (Zoned::new(&scratch.url, "Etc/GMT+5"), Zoned::new(&scratch.url, "Etc/GMT-5"));
+    for (zoned, zone) in [(&west, "Etc/GMT+5"), (&east, "Etc/GMT-5")] {
+        let client = zoned.pool().get().await.unwrap();
+        let row = client.query_one("SELECT current_setting('TimeZone')", &[]).await.unwrap();
+        assert_eq!(row.get::<_, String>(0), zone);
+    }
+    let options = scratch.options(LockMode::Lease, Duration::from_secs(60));
+    let west_messages = west.message_storage(&options).await;
+    let east_messages = east.message_storage(&options).await;
+    let saved = west_messages.save_request(&request(1, "e1"), &SaveRequestOptions::default()).await;
+    assert_eq!(saved.unwrap(), SaveResult::Success);
+    assert_eq!(message_ids(&read(&west_messages).await.unwrap()), [1]);
+    assert!(read(&east_messages).await.unwrap().is_empty(), "a fresh claim was taken again");
+
+    let west_runners = west.runner_storage(&options).await;
+    let east_runners = east.runner_storage(&options).await;
+    let (a, b) = (runner("a"), runner("b"));
+    west_runners.register(&a, true).await.unwrap();
+    east_runners.register(&b, true).await.unwrap();
+    for storage in [&west_runners, &east_runners] {
+        let mut runners = storage.get_runners().await.unwrap();
+        runners.sort_by(|x, y| x.0.cmp(&y.0));
+        assert_eq!(runners, [(a.clone(), true), (b.clone(), true)], "a live heartbeat was hidden");
+    }
+    assert_eq!(west_runners.acquire(&a.address, &shards(&[1])).await.unwrap(), shards(&[1]));
+    let taken = east_runners.acquire(&b.address, &shards(&[1])).await.unwrap();
+    assert!(taken.is_empty(), "a live lease was taken over");
+    // Unregistering also removes expired runners; a live one stays.
+    east_runners.unregister(&b.address).await.unwrap();
+    assert_eq!(west_runners.get_runners().await.unwrap(), [(a.clone(), true)]);
+
+    // A lease written at UTC+05:00 and abandoned expires for a runner at UTC-05:00.
+    let short = scratch.options(LockMode::Lease, Duration::from_secs(2));
+    let abandoned = east.runner_storage(&short).await;
+    let taker = west.runner_storage(&short).await;
+    assert_eq!(abandoned.acquire(&b.address, &shards(&[2])).await.unwrap(), shards(&[2]));
+    eventually("the abandoned lease expires", || async {
+        taker.acquire(&a.address, &shards(&[2])).await.is_ok_and(|got| !got.is_empty())
+    })
+    .await;
+    scratch.cleanup().await;
 }
 
 // --- Advisory locks ---------------------------------------------------------------------------

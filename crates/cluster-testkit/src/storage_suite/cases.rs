@@ -664,6 +664,40 @@ pub async fn clear_address_removes_everything(fixture: &dyn StorageFixture) {
     assert_eq!(save_keyed(&*storage, &request(4, 1), "k").await, SaveResult::Success);
 }
 
+/// Entity ids and primary keys are compared exactly: ids that differ only in case, accents or
+/// trailing spaces are different entities, and keys that differ only in case (deferred names
+/// `Approve` and `approve`) are different requests. A collation that confuses them would make
+/// one entity's request a duplicate of another's, or clear the other's rows.
+pub async fn keys_are_compared_exactly(fixture: &dyn StorageFixture) {
+    let storage = fixture.message_storage();
+    let entities = ["Alice", "alice", "José", "Jose", "Bob", "Bob "];
+    for (id, entity) in (1_u64..).zip(entities) {
+        let saved = save_keyed(&*storage, &request_to(id, address(entity, 1)), "k").await;
+        assert_eq!(saved, SaveResult::Success, "{}: entity {entity:?}", fixture.name());
+    }
+    for (id, key) in [(7_u64, "Approve"), (8, "approve")] {
+        let saved = save_keyed(&*storage, &request(id, 1), key).await;
+        assert_eq!(saved, SaveResult::Success, "{}: key {key:?}", fixture.name());
+    }
+    // The address filter of one entity claims only its own request.
+    let alice = [address("Alice", 1)];
+    let options = UnprocessedOptions { limit: None, addresses: Some(&alice) };
+    let batch = storage.unprocessed_messages(&[shard(1)], now(), options).await.unwrap();
+    assert_eq!(ids(&batch), [1], "{}", fixture.name());
+    assert_eq!(read_ids(&*storage).await, [2, 3, 4, 5, 6, 7, 8], "{}", fixture.name());
+    // Clearing one entity leaves the others' rows and keys.
+    storage.clear_address(&address("alice", 1)).await.unwrap();
+    let key_of_entity = |entity: &str| primary_key(&address(entity, 1), "GetUser", "k");
+    let stored = |entity: &'static str| {
+        let (storage, key) = (Arc::clone(&storage), key_of_entity(entity));
+        async move { storage.request_id_for_primary_key(&key).await.unwrap() }
+    };
+    assert_eq!(stored("Alice").await, Some(Snowflake::new(1)), "{}", fixture.name());
+    assert_eq!(stored("alice").await, None, "{}", fixture.name());
+    assert_eq!(stored("Bob").await, Some(Snowflake::new(5)), "{}", fixture.name());
+    assert_eq!(stored("Bob ").await, Some(Snowflake::new(6)), "{}", fixture.name());
+}
+
 /// Replies saved in a transaction are invisible until commit, gone on rollback, and a
 /// transaction dropped without commit rolls back and releases what it locked.
 pub async fn transaction_commits_and_rolls_back(fixture: &dyn StorageFixture) {
@@ -847,6 +881,37 @@ pub async fn expired_lease_is_taken_over(fixture: &dyn StorageFixture) {
         "{}: both hold shard 1",
         fixture.name()
     );
+}
+
+/// Runner addresses are compared exactly: two runners whose hosts differ only in case are two
+/// registrations, and one never takes, refreshes or releases the other's locks.
+pub async fn runner_addresses_are_compared_exactly(fixture: &dyn StorageFixture) {
+    let first = fixture.runner_storage(LONG_EXPIRATION).await;
+    let second = fixture.runner_storage(LONG_EXPIRATION).await;
+    let (upper, lower) = (runner("Host"), runner("host"));
+    first.register(&upper, true).await.unwrap();
+    second.register(&lower, true).await.unwrap();
+    let mut runners = first.get_runners().await.unwrap();
+    runners.sort_by(|x, y| x.0.cmp(&y.0));
+    let mut expected = vec![(upper.clone(), true), (lower.clone(), true)];
+    expected.sort_by(|x, y| x.0.cmp(&y.0));
+    assert_eq!(runners, expected, "{}: two registrations", fixture.name());
+    assert_eq!(first.acquire(&upper.address, &shards(&[1])).await.unwrap(), shards(&[1]));
+    assert!(
+        second.acquire(&lower.address, &shards(&[1])).await.unwrap().is_empty(),
+        "{}: the other runner's lock was taken",
+        fixture.name()
+    );
+    assert!(second.refresh(&lower.address, &shards(&[1])).await.unwrap().is_empty());
+    second.release_all(&lower.address).await.unwrap();
+    assert_eq!(
+        first.refresh(&upper.address, &shards(&[1])).await.unwrap(),
+        shards(&[1]),
+        "{}: released by the other runner",
+        fixture.name()
+    );
+    second.unregister(&lower.address).await.unwrap();
+    assert_eq!(first.get_runners().await.unwrap(), [(upper, true)], "{}", fixture.name());
 }
 
 /// `release_all` drops every lock of the runner.
