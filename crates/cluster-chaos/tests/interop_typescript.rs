@@ -254,6 +254,18 @@ impl Interop {
         rows.iter().map(|row| row.get(0)).collect()
     }
 
+    /// The names of the indexes on the messages table.
+    async fn message_indexes(&self) -> Vec<String> {
+        let (client, connection) =
+            tokio_postgres::connect(&self.url, tokio_postgres::NoTls).await.unwrap();
+        let connection = tokio::spawn(connection);
+        let table = self.prefix.table("messages");
+        let sql = "SELECT indexname::TEXT FROM pg_indexes WHERE tablename = $1 ORDER BY 1";
+        let rows = client.query(sql, &[&table]).await.unwrap();
+        connection.abort();
+        rows.iter().map(|row| row.get(0)).collect()
+    }
+
     /// Starts `node runner.mjs` in `mode`; `ids` and `requests` are its `INTEROP_IDS` and
     /// `INTEROP_REQUESTS`.
     fn spawn(&self, mode: &str, port: u16, ids: &[String], requests: &[Value]) -> TypeScript {
@@ -553,7 +565,8 @@ async fn a_rust_runner_and_a_typescript_runner_share_the_shards() {
     let all: BTreeSet<u32> = (1..=SHARDS).collect();
 
     // The TypeScript runner starts first: it creates the tables (migrations 1 to 3) and takes
-    // every shard; the Rust runner then adds its migration 4 and takes its share.
+    // every shard; the Rust runner then adds the claim's index, outside the reference's
+    // migration history, and takes its share.
     let mut typescript = interop.spawn("runner", ts_port, &[], &[]);
     typescript
         .wait_for("the TypeScript runner holds every shard", |e| {
@@ -563,7 +576,13 @@ async fn a_rust_runner_and_a_typescript_runner_share_the_shards() {
     assert_eq!(interop.migrations().await, [1, 2, 3], "the reference's migrations");
     let started = Instant::now();
     let rust = interop.start_rust(rust_port).await;
-    assert_eq!(interop.migrations().await, [1, 2, 3, 4], "the Rust runner adds migration 4");
+    assert_eq!(interop.migrations().await, [1, 2, 3], "the history stays the reference's");
+    let unprocessed_index = interop.prefix.table("messages_unprocessed_idx");
+    assert!(
+        interop.message_indexes().await.contains(&unprocessed_index),
+        "the Rust runner adds the claim's index: {:?}",
+        interop.message_indexes().await
+    );
 
     // Both sides compute the assignment from the registry: the hash ring of both runners.
     let mut ring = HashRing::new();

@@ -285,6 +285,9 @@ impl Sharding {
         match self.cluster() {
             Some(cluster) => cluster.acquired(),
             None if self.is_runner() && !self.is_shutdown() => {
+                if let Some(served) = self.held_locks().and_then(|locks| locks.served()) {
+                    return served;
+                }
                 let config = self.config();
                 crate::persisted::all_shards(
                     &config.shard_groups().assigned,
@@ -681,7 +684,12 @@ impl Sharding {
     }
 
     /// Stops the entities of `shard` on every entity type.
-    async fn stop_shard_entities(&self, shard: &ShardId, force: bool, timeout: Duration) {
+    pub(crate) async fn stop_shard_entities(
+        &self,
+        shard: &ShardId,
+        force: bool,
+        timeout: Duration,
+    ) {
         let managers = self.all_managers();
         futures_util::future::join_all(
             managers.iter().map(|manager| manager.stop_shard(shard, force, timeout)),
@@ -717,7 +725,14 @@ impl Sharding {
     /// confirm it. One refresh per shard is shared by every concurrent writer, and it outlives
     /// a writer that is interrupted. A single runner (no cluster) holds every lock.
     pub(crate) async fn confirm_shard_lock(&self, shard: &ShardId) -> bool {
-        let Some(cluster) = self.cluster() else { return true };
+        let Some(cluster) = self.cluster() else {
+            // A single runner confirms from its leases' last refresh (`single_runner`).
+            let confirmed = self.held_locks().is_none_or(|locks| locks.confirms(shard));
+            if !confirmed {
+                tracing::warn!(%shard, "shard lock not confirmed: the final reply is left for the next owner");
+            }
+            return confirmed;
+        };
         let Some(address) = cluster.address().cloned() else { return false };
         if !cluster.state().ownership.is_owned_or_releasing(shard) {
             return false;
@@ -773,7 +788,10 @@ impl Sharding {
         if self.is_shutdown() || !self.is_runner() {
             return false;
         }
-        self.cluster().is_none_or(|cluster| cluster.is_acquired(shard))
+        match self.cluster() {
+            Some(cluster) => cluster.is_acquired(shard),
+            None => self.held_locks().is_none_or(|locks| locks.serves(shard)),
+        }
     }
 
     /// Waits, at most `shard_lock_expiration`, while `shard` is assigned to this runner but

@@ -12,6 +12,7 @@
 //! | `cluster_shard_locks_healthy` | gauge | | 1 while lock storage answers (0: every shard is being let go) |
 //! | `cluster_singletons` | gauge | | singletons running (or stopping) on this runner |
 //! | `cluster_join_debounce_pending` | gauge | | 1 while runner joins are held back by the join debounce |
+//! | `cluster_shard_locks_lost_total` | counter | | shard locks a single runner found taken by another runner |
 
 /// Resident entity instances, by `type`.
 pub const ENTITIES: &str = "cluster_entities";
@@ -32,6 +33,8 @@ pub const SHARDS_RELEASING: &str = "cluster_shards_releasing";
 pub const SHARD_LOCKS_HEALTHY: &str = "cluster_shard_locks_healthy";
 /// Whether runner joins are pending.
 pub const JOINS_PENDING: &str = "cluster_join_debounce_pending";
+/// Shard locks a single runner lost to another runner.
+pub const SHARD_LOCKS_LOST: &str = "cluster_shard_locks_lost_total";
 
 /// Sets a gauge from a count.
 pub(crate) fn set(name: &'static str, count: usize) {

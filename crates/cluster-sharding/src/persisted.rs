@@ -588,15 +588,14 @@ impl Sharding {
         let whole_shards = addresses.is_none();
         let options = UnprocessedOptions { limit: Some(batch_size), addresses };
         let now = self.clock().now();
-        let held;
-        let shards = match self.cluster() {
-            Some(cluster) => {
-                held = cluster.readable();
-                if held.is_empty() {
-                    return Some(Read { full: false, delivered: false });
-                }
-                &held
-            }
+        // A single runner reads every shard of its groups, unless it lost some of their locks.
+        let held = match self.cluster() {
+            Some(cluster) => Some(cluster.readable()),
+            None => self.held_locks().and_then(|locks| locks.served()),
+        };
+        let shards = match &held {
+            Some(held) if held.is_empty() => return Some(Read { full: false, delivered: false }),
+            Some(held) => held.as_slice(),
             None => &persisted.shards,
         };
         persisted.begin_read();

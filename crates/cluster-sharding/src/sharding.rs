@@ -109,7 +109,7 @@ struct Inner {
     /// Every background task of the runtime; awaited at shutdown.
     tasks: TaskTracker,
     /// The shard locks and registration of a single runner, released at shutdown.
-    locks: Mutex<Option<Arc<HeldLocks>>>,
+    locks: OnceLock<Arc<HeldLocks>>,
     /// Membership, shard locks and handoff, when several runners share the storage.
     cluster: Option<Arc<Cluster>>,
     singletons: Singletons,
@@ -303,7 +303,7 @@ impl Sharding {
                 shutdown: FlaggedToken::default(),
                 persisted,
                 tasks: TaskTracker::new(),
-                locks: Mutex::new(None),
+                locks: OnceLock::new(),
                 cluster,
                 singletons: Singletons::default(),
                 cron_jobs: CronJobs::default(),
@@ -464,8 +464,7 @@ impl Sharding {
             persisted.abandon_waiters();
         }
         // The entities have stopped: the shards can go to the next runner.
-        let locks = self.inner.locks.lock().unwrap_or_else(PoisonError::into_inner).take();
-        if let Some(locks) = locks {
+        if let Some(locks) = self.inner.locks.get() {
             locks.release().await;
         }
     }
@@ -475,9 +474,17 @@ impl Sharding {
         self.inner.ids.set_machine_id(machine_id);
     }
 
-    /// Keeps `locks` to release at shutdown.
+    /// Keeps `locks`: the shards are served while they confirm them, and released at
+    /// shutdown. Set once, by [`Sharding::with_storages`].
     pub(crate) fn hold_locks(&self, locks: Arc<HeldLocks>) {
-        *self.inner.locks.lock().unwrap_or_else(PoisonError::into_inner) = Some(locks);
+        if self.inner.locks.set(locks).is_err() {
+            tracing::error!("a single runner's locks were set twice; the first are kept");
+        }
+    }
+
+    /// The shard locks of a single runner, if it holds them in a runner storage.
+    pub(crate) fn held_locks(&self) -> Option<&Arc<HeldLocks>> {
+        self.inner.locks.get()
     }
 
     /// The registrations made on this runner from now on. A subscriber that falls more than 64

@@ -7,7 +7,9 @@
 //! entities have stopped, releases them and unregisters. Several runners sharing the shards
 //! (membership, rebalancing, handoff) are the multi-runner runtime's job.
 
-use std::sync::Arc;
+use std::collections::BTreeSet;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 use std::time::Duration;
 
 use cluster_core::error::{ConfigError, StorageError};
@@ -44,41 +46,218 @@ pub enum StartError {
 }
 
 /// Shards and registration a single runner holds, released at shutdown.
+///
+/// The runner serves a shard only while its lease is confirmed: a refresh that returned it was
+/// sent less than `shard_lock_expiration` minus a margin ago, so no other runner can have taken
+/// it (a lease is taken over only once it expired). That is also the fencing of its final
+/// replies, without a storage call of its own: on SQLite a handler's transaction holds the
+/// file's write lock, which a refresh would wait for.
 pub(crate) struct HeldLocks {
     runners: Arc<dyn RunnerStorage>,
     address: RunnerAddress,
     shards: Vec<ShardId>,
+    /// How long a lease holds after the refresh that confirmed it was sent, margin taken off.
+    lease: Duration,
+    state: Mutex<LockState>,
+    /// Every shard is held and its lease confirmed: what each delivery reads first.
+    serving_all: AtomicBool,
+    released: AtomicBool,
 }
 
+/// What the refreshes found.
+#[derive(Default)]
+struct LockState {
+    /// When the last refresh that answered was sent.
+    confirmed_at: Option<tokio::time::Instant>,
+    /// The shards that refresh did not return: another runner took them.
+    lost: BTreeSet<ShardId>,
+}
+
+/// The time a lease must have left, at least, for a shard to be served: a final reply confirmed
+/// now is written within it, and SQLite's lease times are whole seconds (a lease may start up
+/// to a second before the refresh was sent, as the database sees it).
+const LEASE_MARGIN_MIN: Duration = Duration::from_secs(2);
+
 impl HeldLocks {
-    /// Refreshes the locks every `interval` until `sharding` shuts down; a lost lock is
-    /// reported (only a misconfigured second runner on the same database can take it).
+    fn new(
+        runners: Arc<dyn RunnerStorage>,
+        address: RunnerAddress,
+        shards: Vec<ShardId>,
+        config: &cluster_core::ShardingConfig,
+        acquired_at: tokio::time::Instant,
+    ) -> HeldLocks {
+        // At most half the expiration, so that a lease outlives the refresh interval.
+        let expiration = config.shard_lock_expiration;
+        let margin = config.shard_lock_interval().max(LEASE_MARGIN_MIN.min(expiration / 2));
+        HeldLocks {
+            runners,
+            address,
+            shards,
+            lease: expiration.saturating_sub(margin),
+            state: Mutex::new(LockState { confirmed_at: Some(acquired_at), lost: BTreeSet::new() }),
+            serving_all: AtomicBool::new(true),
+            released: AtomicBool::new(false),
+        }
+    }
+
+    fn state(&self) -> MutexGuard<'_, LockState> {
+        self.state.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// Whether the runner serves `shard`: its lock was not lost and, as of the last refresh,
+    /// its lease is confirmed (read on every delivery: the common case is one atomic load).
+    pub(crate) fn serves(&self, shard: &ShardId) -> bool {
+        self.serving_all.load(Ordering::Acquire) || self.confirms(shard)
+    }
+
+    /// Whether `shard`'s lease is confirmed now, so that a final reply may be stored: its lock
+    /// was not lost, and the last refresh that answered was sent less than the lease ago.
+    pub(crate) fn confirms(&self, shard: &ShardId) -> bool {
+        let state = self.state();
+        state.is_confirmed(self.lease) && !state.lost.contains(shard)
+    }
+
+    /// The shards served now, or `None` when that is all of them.
+    pub(crate) fn served(&self) -> Option<Vec<ShardId>> {
+        if self.serving_all.load(Ordering::Acquire) {
+            return None;
+        }
+        let state = self.state();
+        if !state.is_confirmed(self.lease) {
+            return Some(Vec::new());
+        }
+        Some(self.shards.iter().filter(|shard| !state.lost.contains(*shard)).cloned().collect())
+    }
+
+    /// Refreshes the locks every `interval` until `sharding` shuts down. A lock the refresh
+    /// does not return was taken by another runner (a misconfigured second runner on the same
+    /// database, or one that found this runner's leases expired): the runner stops serving its
+    /// shard (an error event, `cluster_shard_locks_lost_total`), interrupts its entities, and
+    /// takes it back once it is free. While refreshes fail, the shards are served until their
+    /// leases could have expired, then not until a refresh answers again.
     pub(crate) async fn refresh(self: Arc<HeldLocks>, sharding: Sharding, interval: Duration) {
         loop {
             tokio::select! {
                 () = tokio::time::sleep(interval) => {}
                 () = sharding.shutdown_token().cancelled() => return,
             }
-            match self.runners.refresh(&self.address, &self.shards).await {
-                Ok(held) if held.len() == self.shards.len() => {}
-                Ok(held) => tracing::error!(
-                    held = held.len(),
-                    total = self.shards.len(),
-                    "shard locks were lost to another runner"
-                ),
-                Err(error) => tracing::warn!(%error, "could not refresh the shard locks"),
+            let sent_at = tokio::time::Instant::now();
+            let refresh = self.runners.refresh(&self.address, &self.shards);
+            let stopped = match tokio::time::timeout(interval, refresh).await {
+                Ok(Ok(held)) => self.refreshed(sent_at, &held, &sharding),
+                Ok(Err(error)) => self.unconfirmed(&error.to_string()),
+                Err(_) => self.unconfirmed("the refresh timed out"),
+            };
+            for shard in &stopped {
+                sharding.stop_shard_entities(shard, true, Duration::ZERO).await;
             }
+            self.take_back(&sharding).await;
         }
     }
 
-    /// Releases every lock and unregisters the runner (errors are logged: locks expire).
+    /// A refresh sent at `sent_at` returned `held`: the shards it left out are lost, and
+    /// returned so that their entities stop.
+    fn refreshed(
+        &self,
+        sent_at: tokio::time::Instant,
+        held: &[ShardId],
+        sharding: &Sharding,
+    ) -> Vec<ShardId> {
+        let mut state = self.state();
+        let resumed = !state.is_confirmed(self.lease);
+        state.confirmed_at = Some(sent_at);
+        let lost: Vec<ShardId> = self
+            .shards
+            .iter()
+            .filter(|shard| !held.contains(shard) && !state.lost.contains(*shard))
+            .cloned()
+            .collect();
+        if !lost.is_empty() {
+            tracing::error!(
+                lost = lost.len(),
+                total = self.shards.len(),
+                "shard locks were lost to another runner; their shards are no longer served here"
+            );
+            let n_lost = u64::try_from(lost.len()).unwrap_or(u64::MAX);
+            metrics::counter!(crate::metrics::SHARD_LOCKS_LOST).increment(n_lost);
+            state.lost.extend(lost.iter().cloned());
+        }
+        self.publish(&state);
+        if resumed {
+            tracing::info!("the shard locks are confirmed again");
+            sharding.poll_storage();
+        }
+        lost
+    }
+
+    /// A refresh failed: once the leases could have expired, no shard is served (reported
+    /// once), and the served ones are returned so that their entities stop.
+    fn unconfirmed(&self, why: &str) -> Vec<ShardId> {
+        tracing::warn!(why, "could not refresh the shard locks");
+        let mut state = self.state();
+        if state.confirmed_at.is_none() || state.is_confirmed(self.lease) {
+            return Vec::new();
+        }
+        tracing::error!(
+            why,
+            "the shard locks cannot be confirmed; no shard is served until they are"
+        );
+        state.confirmed_at = None;
+        self.publish(&state);
+        self.shards.iter().filter(|shard| !state.lost.contains(*shard)).cloned().collect()
+    }
+
+    /// Takes back the lost locks that are free again.
+    async fn take_back(&self, sharding: &Sharding) {
+        let lost: Vec<ShardId> = self.state().lost.iter().cloned().collect();
+        if lost.is_empty() {
+            return;
+        }
+        let Ok(acquired) = self.runners.acquire(&self.address, &lost).await else { return };
+        if acquired.is_empty() {
+            return;
+        }
+        // The other runner's claims on these shards' messages are released, as on start.
+        if let Some(messages) = sharding.message_storage()
+            && let Err(error) = messages.reset_shards(&acquired).await
+        {
+            tracing::warn!(%error, "could not release the claims of the shards taken back");
+        }
+        let mut state = self.state();
+        for shard in &acquired {
+            state.lost.remove(shard);
+        }
+        tracing::info!(shards = acquired.len(), "shard locks taken back");
+        self.publish(&state);
+        drop(state);
+        sharding.poll_storage();
+    }
+
+    /// Publishes what the refreshes found to the deliveries and the `cluster_shards` gauge.
+    fn publish(&self, state: &LockState) {
+        let confirmed = state.is_confirmed(self.lease);
+        self.serving_all.store(confirmed && state.lost.is_empty(), Ordering::Release);
+        let served = if confirmed { self.shards.len() - state.lost.len() } else { 0 };
+        crate::metrics::set(crate::metrics::SHARDS, served);
+    }
+
+    /// Releases every lock and unregisters the runner, once (errors are logged: locks expire).
     pub(crate) async fn release(&self) {
+        if self.released.swap(true, Ordering::AcqRel) {
+            return;
+        }
         if let Err(error) = self.runners.release_all(&self.address).await {
             tracing::warn!(%error, "could not release the shard locks; they expire");
         }
         if let Err(error) = self.runners.unregister(&self.address).await {
             tracing::warn!(%error, "could not unregister the runner");
         }
+    }
+}
+
+impl LockState {
+    fn is_confirmed(&self, lease: Duration) -> bool {
+        self.confirmed_at.is_some_and(|at| at.elapsed() < lease)
     }
 }
 
@@ -101,6 +280,7 @@ impl Sharding {
         );
         let machine_id = runners.register(&runner, true).await?;
         let shards = all_shards(&groups, config.shards_per_group);
+        let acquired_at = tokio::time::Instant::now();
         let acquired = runners.acquire(&address, &shards).await?;
         if acquired.len() < shards.len() {
             // Give back what was taken: the other runner keeps the rest.
@@ -111,7 +291,7 @@ impl Sharding {
             });
         }
         let interval = config.shard_lock_interval();
-        let locks = Arc::new(HeldLocks { runners, address, shards });
+        let locks = Arc::new(HeldLocks::new(runners, address, shards, &config, acquired_at));
         let sharding = Sharding::with_storage(config, clock, messages).await?;
         sharding.set_machine_id(machine_id);
         sharding.hold_locks(Arc::clone(&locks));

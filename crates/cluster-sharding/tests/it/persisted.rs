@@ -133,6 +133,23 @@ on_every_storage!(
     a_type_registered_late_is_not_refused_for_an_earlier_types_timeout,
 );
 
+/// Waits until the request `tag` with primary key `key` of `address` has a final reply (with
+/// lookups that claim nothing, unlike [`unprocessed`], so a running runner is not disturbed).
+async fn answered(store: &Store, address: &cluster_core::EntityAddress, tag: &str, key: &str) {
+    let key = cluster_core::envelope::primary_key(address, tag, key);
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(20);
+    loop {
+        if let Some(request_id) = store.storage.request_id_for_primary_key(&key).await.unwrap() {
+            let replies = store.storage.replies_for_unfiltered(&[request_id]).await.unwrap();
+            if replies.iter().any(cluster_core::envelope::Reply::is_final) {
+                return;
+            }
+        }
+        assert!(tokio::time::Instant::now() < deadline, "{tag} {key} is not answered");
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+}
+
 /// A runner on `store` that counts its storage reads and whose read loop polls only hourly,
 /// with `options` for its counters, and the faults of its storage.
 async fn counted_runner(
@@ -205,11 +222,7 @@ async fn a_caller_that_leaves_while_its_transaction_begins_interrupts_the_reques
     faults.delay_begin_transaction(Duration::from_millis(300));
     let left = tokio::time::timeout(Duration::from_millis(50), counter.send(book("left"))).await;
     assert!(left.is_err(), "the caller left before the transaction began");
-    let deadline = tokio::time::Instant::now() + Duration::from_secs(20);
-    while unprocessed(&store).await > 0 {
-        assert!(tokio::time::Instant::now() < deadline, "the interrupted request is not answered");
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    }
+    answered(&store, counter.address(), "Book", "left").await;
     assert_eq!(Probes::of(id).booked.load(Ordering::SeqCst), 0, "the handler ran");
     assert_eq!(faults.commits(), 0, "nothing was committed");
     assert_ledger(&store, "left", 0).await;
@@ -509,7 +522,7 @@ mod single_runner {
         MemoryMessageStorage, MemoryRunnerDatabase, MemoryRunnerStorage,
     };
 
-    use crate::entities::{Counter, Deposit};
+    use crate::entities::{Counter, Deposit, Gated};
 
     fn at(port: u16) -> ShardingConfig {
         ShardingConfig {
@@ -559,6 +572,93 @@ mod single_runner {
             Sharding::with_storages(client_only, clock, messages, runners(Duration::from_secs(60)))
                 .await;
         assert!(matches!(refused, Err(StartError::NoRunnerAddress)), "{refused:?}");
+    }
+
+    /// Two single runners on one SQLite file never both answer a request. The first one's
+    /// lock refreshes stop (a frozen process) while a request runs: once its leases could have
+    /// expired it serves no shard and interrupts the request, which it leaves stored. A second
+    /// runner then takes every shard and answers the request. When the first one's refreshes
+    /// come back, it finds its locks lost and keeps away.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn two_single_runners_on_one_sqlite_file_never_both_answer() {
+        use cluster_core::storage::{MessageStorage, RunnerStorage};
+        use cluster_storage_sql::sqlite::{
+            SqliteMessageStorage, SqliteOptions, SqliteRunnerStorage,
+        };
+        use cluster_storage_sql::{SqlStorageOptions, TablePrefix};
+        use cluster_testkit::faulty::FaultyRunnerStorage;
+
+        let path =
+            std::env::temp_dir().join(format!("cluster-two-runners-{}.db", std::process::id()));
+        let config = |port| ShardingConfig {
+            shard_lock_refresh_interval: Duration::from_millis(500),
+            shard_lock_expiration: Duration::from_secs(3),
+            ..at(port)
+        };
+        let options =
+            SqliteOptions::new(SqlStorageOptions::from_config(&config(1), TablePrefix::default()));
+        let messages: Arc<dyn MessageStorage> =
+            Arc::new(SqliteMessageStorage::open(&path, options.clone()).await.unwrap());
+        let runners = SqliteRunnerStorage::open(&path, options.clone()).await.unwrap();
+        let (runners, faults) = FaultyRunnerStorage::new(Arc::new(runners));
+        let clock = Arc::new(SystemClock);
+        let first =
+            Sharding::with_storages(config(1), clock.clone(), messages.clone(), Arc::new(runners))
+                .await
+                .unwrap();
+        first.register::<Counter>(EntityOptions::default()).unwrap();
+        let id = "two-runners";
+        let probes = crate::entities::Probes::of(id);
+        let runs = || probes.gated_runs.load(std::sync::atomic::Ordering::SeqCst);
+        let call = crate::entities::spawn_send(&first.client::<Counter>(id), Gated);
+        super::eventually("the first run starts", || runs() == 1).await;
+        faults.fail_refresh(true);
+        super::eventually("the first runner stops serving", || first.acquired_shards().is_empty())
+            .await;
+        // Once the leases expired, a second runner takes every shard and runs the request.
+        let runners: Arc<dyn RunnerStorage> =
+            Arc::new(SqliteRunnerStorage::open(&path, options).await.unwrap());
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(20);
+        let second = loop {
+            let start = Sharding::with_storages(
+                config(2),
+                clock.clone(),
+                messages.clone(),
+                runners.clone(),
+            );
+            match start.await {
+                Ok(second) => break second,
+                Err(StartError::ShardsHeld { .. }) => {
+                    assert!(tokio::time::Instant::now() < deadline, "the leases never expired");
+                    tokio::time::sleep(Duration::from_millis(100)).await;
+                }
+                Err(error) => panic!("{error}"),
+            }
+        };
+        second.register::<Counter>(EntityOptions::default()).unwrap();
+        super::eventually("the second run starts", || runs() == 2).await;
+        // Enough for both runs: only the second one may answer.
+        probes.gate.add_permits(2);
+        let caller = ShardingConfig { runner_address: None, ..super::config() };
+        let caller = Sharding::client_only(caller, clock, messages).await.unwrap();
+        let counter = caller.client::<Counter>(id);
+        let answer = tokio::time::timeout(Duration::from_secs(20), counter.send(Gated)).await;
+        assert_eq!(answer.expect("answered in time").unwrap(), 2, "the second runner answered");
+        faults.fail_refresh(false);
+        // Its refreshes answer again, without its locks: it still serves nothing.
+        let refreshed = faults.refreshes_with_shards();
+        super::eventually("the first runner refreshes again", || {
+            faults.refreshes_with_shards() > refreshed + 1
+        })
+        .await;
+        assert!(first.acquired_shards().is_empty(), "the first runner serves shards it lost");
+        call.abort();
+        for sharding in [&caller, &second, &first] {
+            sharding.shutdown().await;
+        }
+        for suffix in ["", "-wal", "-shm"] {
+            let _ = std::fs::remove_file(format!("{}{suffix}", path.display()));
+        }
     }
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -776,11 +876,7 @@ async fn a_persisted_streams_final_reply_is_never_dropped(store: Store, id: &str
         assert_eq!(item.expect("in time").expect("an item").unwrap(), expected);
     }
     // A consumer slow to read on: the final reply is stored before it asks for it.
-    let deadline = tokio::time::Instant::now() + Duration::from_secs(20);
-    while unprocessed(&store).await > 0 {
-        assert!(tokio::time::Instant::now() < deadline, "the final reply is not stored");
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    }
+    answered(&store, counter.address(), "Resume", &format!("{id}-final")).await;
     let end = tokio::time::timeout(Duration::from_secs(20), stream.next()).await;
     assert!(end.expect("in time").is_none(), "the stream ends with its final reply");
     sharding.shutdown().await;
