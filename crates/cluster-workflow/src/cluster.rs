@@ -446,18 +446,22 @@ impl ClusterEngine {
             }
             let delay = schedule.delay(step).unwrap_or(schedule.max);
             step += 1;
-            let deadline = tokio::time::Instant::now() + delay;
-            // Sleep in slices, to notice a shutdown.
-            loop {
-                let now = tokio::time::Instant::now();
-                if now >= deadline {
-                    break;
-                }
-                if self.sharding.is_shutdown() {
-                    return Err(Abandoned);
-                }
-                tokio::time::sleep((deadline - now).min(Duration::from_millis(100))).await;
+            self.pause(delay).await?;
+        }
+    }
+
+    /// Sleeps `delay` in slices, to notice a shutdown ([`Abandoned`]).
+    async fn pause(&self, delay: Duration) -> Result<(), Abandoned> {
+        let deadline = tokio::time::Instant::now() + delay;
+        loop {
+            let now = tokio::time::Instant::now();
+            if now >= deadline {
+                return Ok(());
             }
+            if self.sharding.is_shutdown() {
+                return Err(Abandoned);
+            }
+            tokio::time::sleep((deadline - now).min(Duration::from_millis(100))).await;
         }
     }
 }
@@ -604,38 +608,30 @@ impl ClusterEngine {
     }
 
     /// Resets a suspended execution's `run` so that it replays (not a `failed` one on an
-    /// automatic wake). `settle` waits a moment for a reply a run just produced.
+    /// automatic wake). A run without a reply is left alone: it is in progress, and reads the
+    /// completion that woke it.
     async fn resume_execution(
         &self,
         workflow: &str,
         execution_id: &ExecutionId,
         mode: ResumeMode,
-        settle: bool,
     ) -> Result<(), WorkflowError> {
-        let mut wait = Duration::from_millis(10);
-        for _ in 0..if settle { 30 } else { 1 } {
-            let Some((request_id, result)) = self.run_result(workflow, execution_id).await? else {
-                return Ok(());
-            };
-            match result {
-                Some((reply_id, WorkflowResult::Suspended { failed, .. })) => {
-                    if failed && mode == ResumeMode::Automatic {
-                        return Ok(());
-                    }
-                    tracing::debug!(workflow, %execution_id, ?mode, "workflow resumed");
-                    if self.sharding.reset(request_id, Some(reply_id)).await {
-                        return Ok(());
-                    }
-                    return Err(WorkflowError::Cluster("failed to reset the workflow run".into()));
+        let Some((request_id, result)) = self.run_result(workflow, execution_id).await? else {
+            return Ok(());
+        };
+        match result {
+            Some((reply_id, WorkflowResult::Suspended { failed, .. })) => {
+                if failed && mode == ResumeMode::Automatic {
+                    return Ok(());
                 }
-                Some((_, WorkflowResult::Complete(_))) => return Ok(()),
-                None => {
-                    tokio::time::sleep(wait).await;
-                    wait = (wait * 2).min(Duration::from_millis(200));
+                tracing::debug!(workflow, %execution_id, ?mode, "workflow resumed");
+                if self.sharding.reset(request_id, Some(reply_id)).await {
+                    return Ok(());
                 }
+                Err(WorkflowError::Cluster("failed to reset the workflow run".into()))
             }
+            Some((_, WorkflowResult::Complete(_))) | None => Ok(()),
         }
-        Ok(())
     }
 
     /// Wakes a child's parent (the reference's `sendResumeParent`).
@@ -878,9 +874,7 @@ impl Activation {
                     let engine = &self.engine;
                     let (workflow, execution_id) = (&self.workflow, &self.execution_id);
                     engine
-                        .ensure("resume", || {
-                            engine.resume_execution(workflow, execution_id, mode, false)
-                        })
+                        .ensure("resume", || engine.resume_execution(workflow, execution_id, mode))
                         .await?;
                 }
             }
@@ -908,17 +902,39 @@ impl Activation {
                 break;
             }
         }
-        // A run that just ended may not have its reply stored yet: the reset waits for it
-        // (invariant 20: a completion during the suspension's commit still wakes the run).
+        // A run that just ended may not have its reply stored yet: the reset waits for it,
+        // so that a completion during the suspension's commit still wakes the run.
         let settle = std::mem::take(&mut self.state().reply_pending);
+        let settled = if settle { self.await_run_reply().await } else { Ok(()) };
+        // Released before the reset can start a replay, so that later wakes reach it.
         if mode == ResumeMode::Automatic {
             self.waking.store(false, Ordering::Release);
         }
+        settled?;
         let engine = &self.engine;
         let (workflow, execution_id) = (&self.workflow, &self.execution_id);
-        engine
-            .ensure("resume", || engine.resume_execution(workflow, execution_id, mode, settle))
-            .await
+        engine.ensure("resume", || engine.resume_execution(workflow, execution_id, mode)).await
+    }
+
+    /// Waits until the `run` request has a reply, for as long as it takes: the runtime writes
+    /// it after the handler returned, and a write can wait for a lock confirmation, retries,
+    /// a connection or a group commit (the reference's `waitForRunReply` has no bound either).
+    /// Gives up only when the runner shuts down ([`Abandoned`]): the wake's request then
+    /// stays stored for the next owner.
+    async fn await_run_reply(&self) -> Result<(), Abandoned> {
+        let engine = &self.engine;
+        let mut wait = Duration::from_millis(10);
+        loop {
+            match engine.run_result(&self.workflow, &self.execution_id).await {
+                Ok(None | Some((_, Some(_)))) | Err(WorkflowError::NoResult(_)) => return Ok(()),
+                Ok(Some((_, None))) => {}
+                Err(error) => {
+                    tracing::warn!(%error, execution_id = %self.execution_id, "could not read the workflow's reply, retrying");
+                }
+            }
+            engine.pause(wait).await?;
+            wait = (wait * 2).min(Duration::from_secs(1));
+        }
     }
 }
 
@@ -1420,7 +1436,7 @@ impl Backend for ClusterEngine {
         workflow: &'a str,
         execution_id: &'a ExecutionId,
     ) -> BoxFuture<'a, Result<(), WorkflowError>> {
-        Box::pin(self.resume_execution(workflow, execution_id, ResumeMode::Explicit, false))
+        Box::pin(self.resume_execution(workflow, execution_id, ResumeMode::Explicit))
     }
 
     fn await_complete<'a>(
