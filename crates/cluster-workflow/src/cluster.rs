@@ -38,7 +38,7 @@ use crate::engine::{
 };
 use crate::id::{ExecutionId, Token};
 use crate::result::WorkflowResult;
-use crate::run::{BodyEnd, Run, RunKind, RunOptions, drive};
+use crate::run::{Awaits, BodyEnd, Run, RunKind, RunOptions, drive};
 
 /// The deferred a durable interrupt is stored under.
 pub const INTERRUPT_SIGNAL: &str = "Workflow/InterruptSignal";
@@ -685,8 +685,9 @@ struct ActivationState {
     results: BTreeMap<String, Exit>,
     /// The run in progress.
     current: Option<Arc<Run>>,
-    /// The activity runs of the current run (their waits wake the run after it replied).
-    activity_runs: Vec<Weak<Run>>,
+    /// The waits of the current run's activities, kept until the run ends, after the
+    /// activities' own runs are gone: a completion they awaited wakes the run once it replied.
+    activity_awaits: Awaits,
     /// Scopes of runs that suspended (or were cut off), closed when the execution ends.
     retained: Vec<Scope>,
     /// Activities whose callers wait for the handler's go.
@@ -781,7 +782,7 @@ impl Activation {
         {
             let mut state = self.state();
             state.current = Some(Arc::clone(&run));
-            state.activity_runs.clear();
+            state.activity_awaits = Awaits::default();
         }
         tracing::debug!(workflow = registration.name, execution_id = %self.execution_id, "workflow run started");
         let context = WorkflowContext::new(Arc::clone(&run));
@@ -854,11 +855,7 @@ impl Activation {
         let explicit = name == INTERRUPT_SIGNAL;
         let (current, activity_awaits, completed_here) = {
             let state = self.state();
-            let activity_awaits = state
-                .activity_runs
-                .iter()
-                .filter_map(Weak::upgrade)
-                .any(|activity| activity.awaits(&name));
+            let activity_awaits = state.activity_awaits.contains(&name);
             (state.current.clone(), activity_awaits, state.completed_here.contains(&name))
         };
         if completed_here && !explicit {
@@ -1236,21 +1233,17 @@ impl ClusterEngine {
             let request = ActivityRpc { name: name.to_owned(), attempt, with_transaction: false };
             let reply = client.send(request);
             tokio::pin!(reply);
-            let activity_run = Run::new(
+            let awaits = activation.state().activity_awaits.clone();
+            let activity_run = Run::with_awaits(
                 run.workflow,
                 run.execution_id.clone(),
                 RunKind::Activity(attempt),
                 run.options,
                 Arc::clone(&run.engine),
+                awaits,
             );
             let interrupted = run.state().interrupted;
             activity_run.update(|state| state.interrupted = interrupted);
-            {
-                let mut state = activation.state();
-                // Finished activities' runs are gone: keep the list to the live ones.
-                state.activity_runs.retain(|activity| activity.strong_count() > 0);
-                state.activity_runs.push(Arc::downgrade(&activity_run));
-            }
             // Whether this call's body handed a result (not a suspension) to the handler.
             let handed = AtomicBool::new(false);
             let body = async {

@@ -404,6 +404,66 @@ async fn a_wake_waiting_for_a_slow_suspension_commit_is_left_for_the_next_owner_
     second.shutdown().await;
 }
 
+/// A completion that an activity awaited, arriving after the activity suspended and before
+/// its run ended (here the activity's `Suspended` reply takes a second to write), wakes the
+/// execution: the run keeps its activities' waits until it ends, after the activity's own run
+/// is gone.
+#[tokio::test(start_paused = true)]
+async fn a_completion_awaited_inside_an_activity_wakes_the_suspending_run() {
+    use std::sync::atomic::{AtomicU32, Ordering};
+
+    use cluster_workflow::{DurableDeferred, Never, Workflow, WorkflowContext};
+
+    struct Inner;
+    impl Workflow for Inner {
+        const NAME: &'static str = "InnerGate";
+        type Payload = suite::Input;
+        type Success = String;
+        type Error = Never;
+        fn idempotency_key(payload: &suite::Input) -> String {
+            payload.key.clone()
+        }
+    }
+
+    let (engine, faults) = engine_on_faulty_storage().await;
+    faults.delay_replies(Duration::from_secs(1));
+    let attempts = Arc::new(AtomicU32::new(0));
+    let counted = Arc::clone(&attempts);
+    engine
+        .register::<Inner, _, _>(move |ctx: WorkflowContext, _: suite::Input| {
+            let counted = Arc::clone(&counted);
+            async move {
+                ctx.activity("waits", move |activity| {
+                    counted.fetch_add(1, Ordering::SeqCst);
+                    async move {
+                        let gate = DurableDeferred::<String>::new("Gate");
+                        activity.context().await_deferred(&gate).await
+                    }
+                })
+                .await
+            }
+        })
+        .unwrap();
+    let payload = suite::Input { key: "inner".into(), ..suite::Input::default() };
+    let id = engine.execute_discard::<Inner>(payload).await.unwrap();
+    // The activity starts and suspends at once; its reply is written a second later.
+    for _ in 0..100 {
+        if attempts.load(Ordering::SeqCst) > 0 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    assert_eq!(attempts.load(Ordering::SeqCst), 1, "the activity started");
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    assert_eq!(engine.poll::<Inner>(&id).await.unwrap(), None, "the run has not ended yet");
+    let token = DurableDeferred::<String>::new("Gate").token_for::<Inner>(&id);
+    engine.complete(&token, Ok::<String, Never>("opened".into())).await.unwrap();
+    // The completion wakes the execution, whose replay runs the activity again.
+    let exit = suite::complete_exit::<Inner>(&engine, &id).await;
+    assert_eq!(exit, cluster_core::Exit::Success(cluster_core::RawJson::encode("opened").unwrap()));
+    assert_eq!(attempts.load(Ordering::SeqCst), 2);
+}
+
 /// Reference cluster tests #21 and #23: a workflow in the `workflow` shard group, on a runner
 /// that serves only that group: its run, activities and deferred completions (here from a
 /// client-only process that knows the definition from a typed call) all land there.
