@@ -34,11 +34,11 @@ use crate::context::{Never, WorkflowContext};
 use crate::definition::WorkflowOptions;
 use crate::engine::{
     Backend, Ending, Parent, Registration, ResumeMode, RunOutcome, Scope, WorkflowEngine,
-    WorkflowError, ending, finish_run, retain_scope,
+    WorkflowError, close_run, ending, retain_scope, run_outcome,
 };
 use crate::id::{ExecutionId, Token};
 use crate::result::WorkflowResult;
-use crate::run::{Awaits, BodyEnd, Run, RunKind, RunOptions, drive};
+use crate::run::{Awaits, BodyEnd, ChildLink, Run, RunKind, RunOptions, drive};
 
 /// The deferred a durable interrupt is stored under.
 pub const INTERRUPT_SIGNAL: &str = "Workflow/InterruptSignal";
@@ -788,38 +788,52 @@ impl Activation {
         let context = WorkflowContext::new(Arc::clone(&run));
         let end = drive(&run, (registration.body)(context, payload)).await;
         self.apply_interrupt(&run, &end).await;
-        let (outcome, children) =
-            finish_run(&run, &end, |own| retain_scope(&mut self.state().retained, own)).await;
-        for child in &children {
-            let engine = &self.engine;
-            engine
-                .ensure("interrupt a child", || {
-                    engine.interrupt_execution(child.workflow, &child.execution_id, false)
-                })
-                .await?;
+        let (outcome, children) = run_outcome(&run, &end);
+        // The wakes go out before the scope closes, as in the reference's `onExit`: a runner
+        // that gives them up stores no result, so the scope is left to the next owner's replay
+        // and the compensations run there only.
+        if let Err(Abandoned) = self.wake_linked(&outcome, &children, parent.as_ref()).await {
+            tracing::debug!(workflow = registration.name, execution_id = %self.execution_id, "workflow run abandoned before its wakes: its scope is left for the next owner");
+            run.update(|state| state.abandoned = true);
+            return Err(Abandoned);
         }
+        close_run(&run, &outcome, |own| retain_scope(&mut self.state().retained, own)).await;
         guard.done = true;
         drop(guard);
         tracing::debug!(workflow = registration.name, execution_id = %self.execution_id, ?outcome, "workflow run ended");
         match outcome {
-            RunOutcome::Result(result) => {
-                if let (WorkflowResult::Complete(_), Some(parent)) = (&result, parent)
-                    && parent.detached != Some(true)
-                {
-                    let engine = &self.engine;
-                    let child = &self.execution_id;
-                    engine
-                        .ensure("wake the parent", || engine.resume_parent(&parent, child))
-                        .await?;
-                }
-                Ok(result)
-            }
+            RunOutcome::Result(result) => Ok(result),
             // No result to store: the runtime restarts the entity and runs the request again
             // (the reference's defect restart).
             RunOutcome::NoResult(cause) => {
                 std::panic::panic_any(format!("workflow run ended without a result: {cause:?}"))
             }
         }
+    }
+
+    /// Interrupts the children an applied interrupt reaches (the interrupt link) and wakes the
+    /// parent of a completed child (the reference's `sendResumeParent`).
+    async fn wake_linked(
+        &self,
+        outcome: &RunOutcome,
+        children: &[ChildLink],
+        parent: Option<&ParentJson>,
+    ) -> Result<(), Abandoned> {
+        let engine = &self.engine;
+        for child in children {
+            engine
+                .ensure("interrupt a child", || {
+                    engine.interrupt_execution(child.workflow, &child.execution_id, false)
+                })
+                .await?;
+        }
+        if let (RunOutcome::Result(WorkflowResult::Complete(_)), Some(parent)) = (outcome, parent)
+            && parent.detached != Some(true)
+        {
+            let child = &self.execution_id;
+            engine.ensure("wake the parent", || engine.resume_parent(parent, child)).await?;
+        }
+        Ok(())
     }
 
     /// Branch B of the reference's `onExit`: a run that suspended (or failed under

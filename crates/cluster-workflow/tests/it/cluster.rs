@@ -630,3 +630,152 @@ async fn an_activity_whose_result_was_not_stored_runs_again() {
     assert_eq!(outcome.unwrap(), 2, "the second run's result is the stored one");
     assert_eq!(runs.load(Ordering::SeqCst), 2);
 }
+
+/// The workflows of `a_child_failing_during_its_runners_drain_compensates_once`.
+mod drained {
+    use std::sync::Arc;
+    use std::sync::atomic::{AtomicU32, Ordering};
+
+    use cluster_workflow::{DurableDeferred, Workflow, WorkflowContext, WorkflowEngine};
+    use tokio::sync::Semaphore;
+
+    use crate::suite;
+
+    pub(super) struct Child;
+    impl Workflow for Child {
+        const NAME: &'static str = "DrainedChild";
+        type Payload = suite::Input;
+        type Success = String;
+        type Error = String;
+        fn idempotency_key(payload: &suite::Input) -> String {
+            payload.key.clone()
+        }
+    }
+
+    pub(super) struct Parent;
+    impl Workflow for Parent {
+        const NAME: &'static str = "DrainedParent";
+        type Payload = suite::Input;
+        type Success = String;
+        type Error = String;
+        fn idempotency_key(payload: &suite::Input) -> String {
+            payload.key.clone()
+        }
+    }
+
+    /// What both runners' bodies share: compensation runs, starts of the failing activity,
+    /// and the permits it waits for.
+    #[derive(Clone)]
+    pub(super) struct Probe {
+        pub(super) compensations: Arc<AtomicU32>,
+        pub(super) failing: Arc<AtomicU32>,
+        pub(super) release: Arc<Semaphore>,
+    }
+
+    /// The child reserves (with a compensation), waits for `Go`, then fails in an activity
+    /// that waits for a permit; the parent runs the child.
+    pub(super) fn register(engine: &WorkflowEngine, probe: &Probe) {
+        let p = probe.clone();
+        engine
+            .register::<Child, _, _>(move |ctx: WorkflowContext, _: suite::Input| {
+                let p = p.clone();
+                async move {
+                    let undo = Arc::clone(&p.compensations);
+                    ctx.activity("reserve", |_| async { Ok::<_, String>("held".to_owned()) })
+                        .compensate(move |_, _| async move {
+                            undo.fetch_add(1, Ordering::SeqCst);
+                        })
+                        .await?;
+                    ctx.await_deferred(&DurableDeferred::<()>::new("Go"))
+                        .await
+                        .unwrap_or_else(|never| match never {});
+                    ctx.activity("charge", move |_| {
+                        let p = p.clone();
+                        async move {
+                            p.failing.fetch_add(1, Ordering::SeqCst);
+                            let _permit = p.release.acquire().await;
+                            Err::<String, _>("declined".to_owned())
+                        }
+                    })
+                    .await
+                }
+            })
+            .unwrap();
+        engine
+            .register::<Parent, _, _>(|ctx: WorkflowContext, payload: suite::Input| async move {
+                let child = suite::Input { key: format!("{}-child", payload.key), ..payload };
+                ctx.child::<Child>(child).await
+            })
+            .unwrap();
+    }
+}
+
+/// A child that fails while its runner drains cannot wake its parent there (the runner gives
+/// the wake up at once), so it stores no result and the next owner replays it: the child's
+/// compensation must run on one of the two runners only. It used to run on both, since the
+/// scope was closed before the wake was tried.
+#[tokio::test(start_paused = true)]
+async fn a_child_failing_during_its_runners_drain_compensates_once() {
+    use std::sync::atomic::Ordering;
+
+    use cluster_core::storage::MessageStorage;
+    use cluster_workflow::{DurableDeferred, Never, Workflow};
+
+    use self::drained::{Child, Parent, Probe};
+
+    let clock: Arc<dyn Clock> = Arc::new(TokioClock::new());
+    let memory: Arc<dyn MessageStorage> = Arc::new(MemoryMessageStorage::new(Arc::clone(&clock)));
+    let probe = Probe {
+        compensations: Arc::default(),
+        failing: Arc::default(),
+        release: Arc::new(tokio::sync::Semaphore::new(0)),
+    };
+    // The drain waits for the child's run to finish.
+    let patient =
+        ShardingConfig { entity_termination_timeout: Duration::from_secs(60), ..config() };
+    let first =
+        Sharding::with_storage(patient, Arc::clone(&clock), Arc::clone(&memory)).await.unwrap();
+    let engine = WorkflowEngine::cluster(&first).unwrap();
+    drained::register(&engine, &probe);
+    let payload = suite::Input { key: "drained".into(), ..suite::Input::default() };
+    let id = engine.execute_discard::<Parent>(payload).await.unwrap();
+    let child = Child::execution_id(&suite::Input {
+        key: "drained-child".into(),
+        ..suite::Input::default()
+    });
+    suite::suspended::<Child>(&engine, &child).await;
+    suite::suspended::<Parent>(&engine, &id).await;
+    let go = DurableDeferred::<()>::new("Go").token_for::<Child>(&child);
+    engine.complete(&go, Ok::<(), Never>(())).await.unwrap();
+    // The child's replay is in its failing activity when the runner starts to drain.
+    for _ in 0..1_000 {
+        if probe.failing.load(Ordering::SeqCst) > 0 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    assert_eq!(probe.failing.load(Ordering::SeqCst), 1, "the failing activity started");
+    let stopping = first.clone();
+    let shutdown = tokio::spawn(async move { stopping.shutdown().await });
+    for _ in 0..1_000 {
+        if first.is_shutdown() {
+            break;
+        }
+        tokio::task::yield_now().await;
+    }
+    assert!(first.is_shutdown(), "the runner drains");
+    probe.release.add_permits(1);
+    tokio::time::timeout(Duration::from_secs(120), shutdown)
+        .await
+        .expect("the first runner shut down")
+        .unwrap();
+    // The next owner finishes the child and wakes the parent.
+    let second = Sharding::with_storage(config(), clock, memory).await.unwrap();
+    let engine = WorkflowEngine::cluster(&second).unwrap();
+    drained::register(&engine, &probe);
+    let declined = cluster_core::Exit::fail(cluster_core::RawJson::encode("declined").unwrap());
+    assert_eq!(suite::complete_exit::<Child>(&engine, &child).await, declined);
+    assert_eq!(suite::complete_exit::<Parent>(&engine, &id).await, declined);
+    assert_eq!(probe.compensations.load(Ordering::SeqCst), 1, "the compensation ran once");
+    second.shutdown().await;
+}
