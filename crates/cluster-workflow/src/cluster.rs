@@ -685,8 +685,9 @@ struct ActivationState {
     results: BTreeMap<String, Exit>,
     /// The run in progress.
     current: Option<Arc<Run>>,
-    /// The waits of the current run's activities, kept until the run ends, after the
-    /// activities' own runs are gone: a completion they awaited wakes the run once it replied.
+    /// The waits of the current run's activities, kept for the whole run (until the next one
+    /// starts), after the activities' own runs are gone: a completion they awaited wakes the
+    /// run once it replied.
     activity_awaits: Awaits,
     /// Scopes of runs that suspended (or were cut off), closed when the execution ends.
     retained: Vec<Scope>,
