@@ -34,11 +34,11 @@ use crate::context::{Never, WorkflowContext};
 use crate::definition::WorkflowOptions;
 use crate::engine::{
     Backend, Ending, Parent, Registration, ResumeMode, RunOutcome, Scope, WorkflowEngine,
-    WorkflowError, ending, finish_run, retain_scope,
+    WorkflowError, close_run, ending, retain_scope, run_outcome,
 };
 use crate::id::{ExecutionId, Token};
 use crate::result::WorkflowResult;
-use crate::run::{BodyEnd, Run, RunKind, RunOptions, drive};
+use crate::run::{Awaits, BodyEnd, ChildLink, Run, RunKind, RunOptions, drive};
 
 /// The deferred a durable interrupt is stored under.
 pub const INTERRUPT_SIGNAL: &str = "Workflow/InterruptSignal";
@@ -446,18 +446,22 @@ impl ClusterEngine {
             }
             let delay = schedule.delay(step).unwrap_or(schedule.max);
             step += 1;
-            let deadline = tokio::time::Instant::now() + delay;
-            // Sleep in slices, to notice a shutdown.
-            loop {
-                let now = tokio::time::Instant::now();
-                if now >= deadline {
-                    break;
-                }
-                if self.sharding.is_shutdown() {
-                    return Err(Abandoned);
-                }
-                tokio::time::sleep((deadline - now).min(Duration::from_millis(100))).await;
+            self.pause(delay).await?;
+        }
+    }
+
+    /// Sleeps `delay` in slices, to notice a shutdown ([`Abandoned`]).
+    async fn pause(&self, delay: Duration) -> Result<(), Abandoned> {
+        let deadline = tokio::time::Instant::now() + delay;
+        loop {
+            let now = tokio::time::Instant::now();
+            if now >= deadline {
+                return Ok(());
             }
+            if self.sharding.is_shutdown() {
+                return Err(Abandoned);
+            }
+            tokio::time::sleep((deadline - now).min(Duration::from_millis(100))).await;
         }
     }
 }
@@ -604,38 +608,30 @@ impl ClusterEngine {
     }
 
     /// Resets a suspended execution's `run` so that it replays (not a `failed` one on an
-    /// automatic wake). `settle` waits a moment for a reply a run just produced.
+    /// automatic wake). A run without a reply is left alone: it is in progress, and reads the
+    /// completion that woke it.
     async fn resume_execution(
         &self,
         workflow: &str,
         execution_id: &ExecutionId,
         mode: ResumeMode,
-        settle: bool,
     ) -> Result<(), WorkflowError> {
-        let mut wait = Duration::from_millis(10);
-        for _ in 0..if settle { 30 } else { 1 } {
-            let Some((request_id, result)) = self.run_result(workflow, execution_id).await? else {
-                return Ok(());
-            };
-            match result {
-                Some((reply_id, WorkflowResult::Suspended { failed, .. })) => {
-                    if failed && mode == ResumeMode::Automatic {
-                        return Ok(());
-                    }
-                    tracing::debug!(workflow, %execution_id, ?mode, "workflow resumed");
-                    if self.sharding.reset(request_id, Some(reply_id)).await {
-                        return Ok(());
-                    }
-                    return Err(WorkflowError::Cluster("failed to reset the workflow run".into()));
+        let Some((request_id, result)) = self.run_result(workflow, execution_id).await? else {
+            return Ok(());
+        };
+        match result {
+            Some((reply_id, WorkflowResult::Suspended { failed, .. })) => {
+                if failed && mode == ResumeMode::Automatic {
+                    return Ok(());
                 }
-                Some((_, WorkflowResult::Complete(_))) => return Ok(()),
-                None => {
-                    tokio::time::sleep(wait).await;
-                    wait = (wait * 2).min(Duration::from_millis(200));
+                tracing::debug!(workflow, %execution_id, ?mode, "workflow resumed");
+                if self.sharding.reset(request_id, Some(reply_id)).await {
+                    return Ok(());
                 }
+                Err(WorkflowError::Cluster("failed to reset the workflow run".into()))
             }
+            Some((_, WorkflowResult::Complete(_))) | None => Ok(()),
         }
-        Ok(())
     }
 
     /// Wakes a child's parent (the reference's `sendResumeParent`).
@@ -689,8 +685,10 @@ struct ActivationState {
     results: BTreeMap<String, Exit>,
     /// The run in progress.
     current: Option<Arc<Run>>,
-    /// The activity runs of the current run (their waits wake the run after it replied).
-    activity_runs: Vec<Weak<Run>>,
+    /// The waits of the current run's activities, kept for the whole run (until the next one
+    /// starts), after the activities' own runs are gone: a completion they awaited wakes the
+    /// run once it replied.
+    activity_awaits: Awaits,
     /// Scopes of runs that suspended (or were cut off), closed when the execution ends.
     retained: Vec<Scope>,
     /// Activities whose callers wait for the handler's go.
@@ -785,44 +783,58 @@ impl Activation {
         {
             let mut state = self.state();
             state.current = Some(Arc::clone(&run));
-            state.activity_runs.clear();
+            state.activity_awaits = Awaits::default();
         }
         tracing::debug!(workflow = registration.name, execution_id = %self.execution_id, "workflow run started");
         let context = WorkflowContext::new(Arc::clone(&run));
         let end = drive(&run, (registration.body)(context, payload)).await;
         self.apply_interrupt(&run, &end).await;
-        let (outcome, children) =
-            finish_run(&run, &end, |own| retain_scope(&mut self.state().retained, own)).await;
-        for child in &children {
-            let engine = &self.engine;
-            engine
-                .ensure("interrupt a child", || {
-                    engine.interrupt_execution(child.workflow, &child.execution_id, false)
-                })
-                .await?;
+        let (outcome, children) = run_outcome(&run, &end);
+        // The wakes go out before the scope closes, as in the reference's `onExit`: a runner
+        // that gives them up stores no result, so the scope is left to the next owner's replay
+        // and the compensations run there only.
+        if let Err(Abandoned) = self.wake_linked(&outcome, &children, parent.as_ref()).await {
+            tracing::debug!(workflow = registration.name, execution_id = %self.execution_id, "workflow run abandoned before its wakes: its scope is left for the next owner");
+            run.update(|state| state.abandoned = true);
+            return Err(Abandoned);
         }
+        close_run(&run, &outcome, |own| retain_scope(&mut self.state().retained, own)).await;
         guard.done = true;
         drop(guard);
         tracing::debug!(workflow = registration.name, execution_id = %self.execution_id, ?outcome, "workflow run ended");
         match outcome {
-            RunOutcome::Result(result) => {
-                if let (WorkflowResult::Complete(_), Some(parent)) = (&result, parent)
-                    && parent.detached != Some(true)
-                {
-                    let engine = &self.engine;
-                    let child = &self.execution_id;
-                    engine
-                        .ensure("wake the parent", || engine.resume_parent(&parent, child))
-                        .await?;
-                }
-                Ok(result)
-            }
+            RunOutcome::Result(result) => Ok(result),
             // No result to store: the runtime restarts the entity and runs the request again
             // (the reference's defect restart).
             RunOutcome::NoResult(cause) => {
                 std::panic::panic_any(format!("workflow run ended without a result: {cause:?}"))
             }
         }
+    }
+
+    /// Interrupts the children an applied interrupt reaches (the interrupt link) and wakes the
+    /// parent of a completed child (the reference's `sendResumeParent`).
+    async fn wake_linked(
+        &self,
+        outcome: &RunOutcome,
+        children: &[ChildLink],
+        parent: Option<&ParentJson>,
+    ) -> Result<(), Abandoned> {
+        let engine = &self.engine;
+        for child in children {
+            engine
+                .ensure("interrupt a child", || {
+                    engine.interrupt_execution(child.workflow, &child.execution_id, false)
+                })
+                .await?;
+        }
+        if let (RunOutcome::Result(WorkflowResult::Complete(_)), Some(parent)) = (outcome, parent)
+            && parent.detached != Some(true)
+        {
+            let child = &self.execution_id;
+            engine.ensure("wake the parent", || engine.resume_parent(parent, child)).await?;
+        }
+        Ok(())
     }
 
     /// Branch B of the reference's `onExit`: a run that suspended (or failed under
@@ -858,11 +870,7 @@ impl Activation {
         let explicit = name == INTERRUPT_SIGNAL;
         let (current, activity_awaits, completed_here) = {
             let state = self.state();
-            let activity_awaits = state
-                .activity_runs
-                .iter()
-                .filter_map(Weak::upgrade)
-                .any(|activity| activity.awaits(&name));
+            let activity_awaits = state.activity_awaits.contains(&name);
             (state.current.clone(), activity_awaits, state.completed_here.contains(&name))
         };
         if completed_here && !explicit {
@@ -878,9 +886,7 @@ impl Activation {
                     let engine = &self.engine;
                     let (workflow, execution_id) = (&self.workflow, &self.execution_id);
                     engine
-                        .ensure("resume", || {
-                            engine.resume_execution(workflow, execution_id, mode, false)
-                        })
+                        .ensure("resume", || engine.resume_execution(workflow, execution_id, mode))
                         .await?;
                 }
             }
@@ -908,17 +914,39 @@ impl Activation {
                 break;
             }
         }
-        // A run that just ended may not have its reply stored yet: the reset waits for it
-        // (invariant 20: a completion during the suspension's commit still wakes the run).
+        // A run that just ended may not have its reply stored yet: the reset waits for it,
+        // so that a completion during the suspension's commit still wakes the run.
         let settle = std::mem::take(&mut self.state().reply_pending);
+        let settled = if settle { self.await_run_reply().await } else { Ok(()) };
+        // Released before the reset can start a replay, so that later wakes reach it.
         if mode == ResumeMode::Automatic {
             self.waking.store(false, Ordering::Release);
         }
+        settled?;
         let engine = &self.engine;
         let (workflow, execution_id) = (&self.workflow, &self.execution_id);
-        engine
-            .ensure("resume", || engine.resume_execution(workflow, execution_id, mode, settle))
-            .await
+        engine.ensure("resume", || engine.resume_execution(workflow, execution_id, mode)).await
+    }
+
+    /// Waits until the `run` request has a reply, for as long as it takes: the runtime writes
+    /// it after the handler returned, and a write can wait for a lock confirmation, retries,
+    /// a connection or a group commit (the reference's `waitForRunReply` has no bound either).
+    /// Gives up only when the runner shuts down ([`Abandoned`]): the wake's request then
+    /// stays stored for the next owner.
+    async fn await_run_reply(&self) -> Result<(), Abandoned> {
+        let engine = &self.engine;
+        let mut wait = Duration::from_millis(10);
+        loop {
+            match engine.run_result(&self.workflow, &self.execution_id).await {
+                Ok(None | Some((_, Some(_)))) | Err(WorkflowError::NoResult(_)) => return Ok(()),
+                Ok(Some((_, None))) => {}
+                Err(error) => {
+                    tracing::warn!(%error, execution_id = %self.execution_id, "could not read the workflow's reply, retrying");
+                }
+            }
+            engine.pause(wait).await?;
+            wait = (wait * 2).min(Duration::from_secs(1));
+        }
     }
 }
 
@@ -1220,21 +1248,17 @@ impl ClusterEngine {
             let request = ActivityRpc { name: name.to_owned(), attempt, with_transaction: false };
             let reply = client.send(request);
             tokio::pin!(reply);
-            let activity_run = Run::new(
+            let awaits = activation.state().activity_awaits.clone();
+            let activity_run = Run::with_awaits(
                 run.workflow,
                 run.execution_id.clone(),
                 RunKind::Activity(attempt),
                 run.options,
                 Arc::clone(&run.engine),
+                awaits,
             );
             let interrupted = run.state().interrupted;
             activity_run.update(|state| state.interrupted = interrupted);
-            {
-                let mut state = activation.state();
-                // Finished activities' runs are gone: keep the list to the live ones.
-                state.activity_runs.retain(|activity| activity.strong_count() > 0);
-                state.activity_runs.push(Arc::downgrade(&activity_run));
-            }
             // Whether this call's body handed a result (not a suspension) to the handler.
             let handed = AtomicBool::new(false);
             let body = async {
@@ -1420,7 +1444,7 @@ impl Backend for ClusterEngine {
         workflow: &'a str,
         execution_id: &'a ExecutionId,
     ) -> BoxFuture<'a, Result<(), WorkflowError>> {
-        Box::pin(self.resume_execution(workflow, execution_id, ResumeMode::Explicit, false))
+        Box::pin(self.resume_execution(workflow, execution_id, ResumeMode::Explicit))
     }
 
     fn await_complete<'a>(

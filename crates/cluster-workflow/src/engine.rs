@@ -578,23 +578,22 @@ pub(crate) fn ending(run: &Run, end: &BodyEnd) -> Ending {
     Ending { suspended, failed_under_sof }
 }
 
-/// Finishes a run after the engine's interrupt decision: its result ([`into_result`]), its
-/// own scope closed with the final exit (or, for a suspension, handed to `retain` to keep),
-/// and, when the execution ended, the retained scopes of the runs it superseded (which
-/// `retain` hands back) closed with success, newest first. A run with no result leaves the
-/// retained scopes alone (`retain` is not called). Returns the outcome and the
-/// children an applied interrupt must interrupt too (the interrupt link).
+/// Finishes a run after the engine's interrupt decision: its outcome and the children to
+/// interrupt ([`run_outcome`]), then its scopes closed ([`close_run`]).
 pub(crate) async fn finish_run(
     run: &Run,
     end: &BodyEnd,
     retain: impl FnOnce(Option<Scope>) -> Vec<Scope>,
 ) -> (RunOutcome, Vec<ChildLink>) {
+    let (outcome, children) = run_outcome(run, end);
+    close_run(run, &outcome, retain).await;
+    (outcome, children)
+}
+
+/// A finished run's result ([`into_result`]) and the children an applied interrupt must
+/// interrupt too (the interrupt link).
+pub(crate) fn run_outcome(run: &Run, end: &BodyEnd) -> (RunOutcome, Vec<ChildLink>) {
     let outcome = into_result(run, end);
-    let own_scope = close_run_scope(run, &outcome).await;
-    // A run with no result did not end the execution: the scopes it superseded stay.
-    if !matches!(outcome, RunOutcome::NoResult(_)) {
-        close_retained(retain(own_scope), false).await;
-    }
     let state = run.state();
     let children = if state.interrupted {
         state.children.iter().filter(|child| !child.complete).cloned().collect()
@@ -602,6 +601,22 @@ pub(crate) async fn finish_run(
         Vec::new()
     };
     (outcome, children)
+}
+
+/// Closes a finished run's scopes: its own with the outcome's exit (or, for a suspension,
+/// handed to `retain` to keep), and, when the execution ended, the retained scopes of the runs
+/// it superseded (which `retain` hands back) with success, newest first. A run with no result
+/// leaves the retained scopes alone (`retain` is not called).
+pub(crate) async fn close_run(
+    run: &Run,
+    outcome: &RunOutcome,
+    retain: impl FnOnce(Option<Scope>) -> Vec<Scope>,
+) {
+    let own_scope = close_run_scope(run, outcome).await;
+    // A run with no result did not end the execution: the scopes it superseded stay.
+    if !matches!(outcome, RunOutcome::NoResult(_)) {
+        close_retained(retain(own_scope), false).await;
+    }
 }
 
 /// What an execution's `retain` does with a finished run's scope: keeps a suspended run's

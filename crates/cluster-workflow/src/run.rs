@@ -81,8 +81,6 @@ pub(crate) struct RunState {
     /// A failure raised out of band (a defect or an interrupt re-raised from a step's exit):
     /// the run stops at once and ends with it.
     pub(crate) raised: Option<Cause>,
-    /// Live waits per deferred name.
-    pub(crate) awaited: BTreeMap<String, u32>,
     /// Deferreds this run completed itself.
     pub(crate) completed: BTreeSet<String>,
     /// Activities, child calls and deferred reads in flight.
@@ -105,6 +103,24 @@ pub(crate) struct RunOptions {
     pub(crate) suspend_on_failure: bool,
 }
 
+/// Live waits per deferred name (the reference's `awaitedDeferreds`). The cluster engine's
+/// activity runs share one with the other activities of their workflow run, which keeps it
+/// after they end (the reference's `activityAwaits` in
+/// `effect/src/cluster/ClusterWorkflowEngine.ts`).
+#[derive(Clone, Default)]
+pub(crate) struct Awaits(Arc<Mutex<BTreeMap<String, u32>>>);
+
+impl Awaits {
+    fn lock(&self) -> MutexGuard<'_, BTreeMap<String, u32>> {
+        self.0.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// Whether a live wait for `name` exists.
+    pub(crate) fn contains(&self, name: &str) -> bool {
+        self.lock().get(name).is_some_and(|count| *count > 0)
+    }
+}
+
 /// One run: the reference's `WorkflowInstance`.
 pub(crate) struct Run {
     pub(crate) workflow: &'static str,
@@ -113,6 +129,7 @@ pub(crate) struct Run {
     pub(crate) options: RunOptions,
     pub(crate) engine: Arc<dyn Backend>,
     state: Mutex<RunState>,
+    awaited: Awaits,
     changed: Notify,
 }
 
@@ -134,6 +151,18 @@ impl Run {
         options: RunOptions,
         engine: Arc<dyn Backend>,
     ) -> Arc<Run> {
+        Run::with_awaits(workflow, execution_id, kind, options, engine, Awaits::default())
+    }
+
+    /// A run whose waits are recorded in `awaited`, which may outlive it.
+    pub(crate) fn with_awaits(
+        workflow: &'static str,
+        execution_id: ExecutionId,
+        kind: RunKind,
+        options: RunOptions,
+        engine: Arc<dyn Backend>,
+        awaited: Awaits,
+    ) -> Arc<Run> {
         Arc::new(Run {
             workflow,
             execution_id,
@@ -141,6 +170,7 @@ impl Run {
             options,
             engine,
             state: Mutex::new(RunState::default()),
+            awaited,
             changed: Notify::new(),
         })
     }
@@ -208,22 +238,22 @@ impl Run {
 
     /// Whether a live wait for `name` exists.
     pub(crate) fn awaits(&self, name: &str) -> bool {
-        self.state().awaited.get(name).is_some_and(|count| *count > 0)
+        self.awaited.contains(name)
     }
 
     /// Registers a live wait for `name` (released when an enclosing race settles).
     pub(crate) fn register_await(&self, name: &str) {
-        *self.state().awaited.entry(name.to_owned()).or_default() += 1;
+        *self.awaited.lock().entry(name.to_owned()).or_default() += 1;
         note_branch_await(name);
     }
 
     pub(crate) fn release_awaits(&self, names: &[String]) {
-        let mut state = self.state();
+        let mut awaited = self.awaited.lock();
         for name in names {
-            if let Some(count) = state.awaited.get_mut(name) {
+            if let Some(count) = awaited.get_mut(name) {
                 *count = count.saturating_sub(1);
                 if *count == 0 {
-                    state.awaited.remove(name);
+                    awaited.remove(name);
                 }
             }
         }

@@ -133,7 +133,6 @@ cluster_tests!(
 /// termination timeout.
 #[tokio::test(start_paused = true)]
 async fn a_failing_wake_is_left_for_the_next_owner_at_shutdown() {
-    use cluster_core::envelope::{Reply, primary_key};
     use cluster_core::storage::MessageStorage;
     use cluster_testkit::faulty::FaultyMessageStorage;
     use cluster_workflow::{DurableDeferred, Never, Workflow, WorkflowContext};
@@ -179,21 +178,34 @@ async fn a_failing_wake_is_left_for_the_next_owner_at_shutdown() {
         .expect("the shutdown was held by a wake that retries without end");
     assert!(started.elapsed() < Duration::from_secs(5), "{:?}", started.elapsed());
     // The completion is stored and unanswered: the next owner handles it.
-    let address = cluster_core::EntityAddress {
-        shard_id: first.shard_id(id.as_str(), &cluster_core::ShardGroup::default_group()),
-        entity_type: "Workflow/Gated".into(),
-        entity_id: id.as_str().into(),
-    };
-    let key = primary_key(&address, "deferred", "Gate");
-    let request = memory.request_id_for_primary_key(&key).await.unwrap().expect("stored");
-    let replies = memory.replies_for(&[request]).await.unwrap();
-    assert!(!replies.iter().any(|reply| matches!(reply, Reply::WithExit(_))), "{replies:?}");
+    assert_unanswered::<Gated>(&*memory, &first, &id, "Gate").await;
     let second = Sharding::with_storage(config(), clock, memory).await.unwrap();
     let engine = WorkflowEngine::cluster(&second).unwrap();
     register(&engine);
     // The next owner wakes the execution.
     let exit = suite::complete_exit::<Gated>(&engine, &id).await;
     assert_eq!(exit, cluster_core::Exit::Success(cluster_core::RawJson::encode("opened").unwrap()));
+}
+
+/// Asserts that deferred `name` of execution `id` of `W` has a stored completion without a
+/// final reply (left for the next owner).
+async fn assert_unanswered<W: cluster_workflow::Workflow>(
+    storage: &dyn cluster_core::storage::MessageStorage,
+    sharding: &Sharding,
+    id: &cluster_workflow::ExecutionId,
+    name: &str,
+) {
+    use cluster_core::envelope::{Reply, primary_key};
+
+    let address = cluster_core::EntityAddress {
+        shard_id: sharding.shard_id(id.as_str(), &cluster_core::ShardGroup::default_group()),
+        entity_type: format!("Workflow/{}", W::NAME).into(),
+        entity_id: id.as_str().into(),
+    };
+    let key = primary_key(&address, "deferred", name);
+    let request = storage.request_id_for_primary_key(&key).await.unwrap().expect("stored");
+    let replies = storage.replies_for(&[request]).await.unwrap();
+    assert!(!replies.iter().any(|reply| matches!(reply, Reply::WithExit(_))), "{replies:?}");
 }
 
 /// Reference cluster test #20: a durable clock of a workflow in the `workflow` shard group is
@@ -276,6 +288,21 @@ async fn durable_clocks_go_to_the_workflow_shard_group_at_the_rounded_up_millise
 /// second) still wakes the execution.
 #[tokio::test(start_paused = true)]
 async fn a_completion_during_the_suspension_commit_wakes_the_run() {
+    a_completion_during_a_slow_suspension_commit_wakes_the_run(Duration::from_secs(1)).await;
+}
+
+/// A reply write can take longer than any fixed wait (lock confirmation, write retries, a pool
+/// wait, a backed-up group commit): a wake that arrives meanwhile waits for the reply instead
+/// of giving up on it. Here every reply write takes seven seconds; the wake used to give up
+/// after about five and the execution stayed suspended.
+#[tokio::test(start_paused = true)]
+async fn a_completion_during_a_very_slow_suspension_commit_wakes_the_run() {
+    a_completion_during_a_slow_suspension_commit_wakes_the_run(Duration::from_secs(7)).await;
+}
+
+/// Every reply write takes `delay`; the run suspends at once and its deferred is completed
+/// while its `Suspended` reply is being written.
+async fn a_completion_during_a_slow_suspension_commit_wakes_the_run(delay: Duration) {
     use cluster_workflow::{DurableDeferred, Never, Workflow, WorkflowContext};
 
     struct Committing;
@@ -290,7 +317,7 @@ async fn a_completion_during_the_suspension_commit_wakes_the_run() {
     }
 
     let (engine, faults) = engine_on_faulty_storage().await;
-    faults.delay_replies(Duration::from_secs(1));
+    faults.delay_replies(delay);
     let started = Arc::new(std::sync::atomic::AtomicU32::new(0));
     let runs = Arc::clone(&started);
     engine
@@ -301,7 +328,7 @@ async fn a_completion_during_the_suspension_commit_wakes_the_run() {
         .unwrap();
     let payload = suite::Input { key: "commit".into(), ..suite::Input::default() };
     let id = engine.execute_discard::<Committing>(payload).await.unwrap();
-    // The run starts and suspends at once; its reply is written a second later.
+    // The run starts and suspends at once; its reply is written `delay` later.
     for _ in 0..100 {
         if started.load(std::sync::atomic::Ordering::SeqCst) > 0 {
             break;
@@ -316,6 +343,125 @@ async fn a_completion_during_the_suspension_commit_wakes_the_run() {
     let exit = suite::complete_exit::<Committing>(&engine, &id).await;
     assert_eq!(exit, cluster_core::Exit::Success(cluster_core::RawJson::encode("late").unwrap()));
     assert_eq!(started.load(std::sync::atomic::Ordering::SeqCst), 2);
+}
+
+/// A wake waiting for a slow `Suspended` reply ends when its runner shuts down, and leaves its
+/// completion stored for the next owner, which wakes the execution.
+#[tokio::test(start_paused = true)]
+async fn a_wake_waiting_for_a_slow_suspension_commit_is_left_for_the_next_owner_at_shutdown() {
+    use cluster_core::storage::MessageStorage;
+    use cluster_testkit::faulty::FaultyMessageStorage;
+    use cluster_workflow::{DurableDeferred, Never, Workflow, WorkflowContext};
+
+    struct Slow;
+    impl Workflow for Slow {
+        const NAME: &'static str = "SlowCommit";
+        type Payload = suite::Input;
+        type Success = String;
+        type Error = Never;
+        fn idempotency_key(payload: &suite::Input) -> String {
+            payload.key.clone()
+        }
+    }
+    fn register(engine: &WorkflowEngine) {
+        engine
+            .register::<Slow, _, _>(|ctx: WorkflowContext, _: suite::Input| async move {
+                ctx.await_deferred(&DurableDeferred::<String>::new("Gate")).await
+            })
+            .unwrap();
+    }
+
+    let clock: Arc<dyn Clock> = Arc::new(TokioClock::new());
+    let memory: Arc<dyn MessageStorage> = Arc::new(MemoryMessageStorage::new(Arc::clone(&clock)));
+    let (faulty, faults) = FaultyMessageStorage::new(Arc::clone(&memory));
+    // A drain that would wait a minute for the wake.
+    let patient =
+        ShardingConfig { entity_termination_timeout: Duration::from_secs(60), ..config() };
+    let first =
+        Sharding::with_storage(patient, Arc::clone(&clock), Arc::new(faulty)).await.unwrap();
+    let engine = WorkflowEngine::cluster(&first).unwrap();
+    register(&engine);
+    faults.delay_replies(Duration::from_secs(30));
+    let payload = suite::Input { key: "slow".into(), ..suite::Input::default() };
+    let id = engine.execute_discard::<Slow>(payload).await.unwrap();
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert_eq!(engine.poll::<Slow>(&id).await.unwrap(), None, "the reply is not stored yet");
+    let token = DurableDeferred::<String>::new("Gate").token_for::<Slow>(&id);
+    engine.complete(&token, Ok::<String, Never>("later".into())).await.unwrap();
+    // The deferred's handler now waits for the run's reply.
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    tokio::time::timeout(Duration::from_secs(120), first.shutdown())
+        .await
+        .expect("the shutdown was held by a wake waiting for a reply");
+    // The wake stopped waiting at the shutdown: its completion is left unanswered, although
+    // the run's reply was stored before the drain ended.
+    assert_unanswered::<Slow>(&*memory, &first, &id, "Gate").await;
+    let second = Sharding::with_storage(config(), clock, memory).await.unwrap();
+    let engine = WorkflowEngine::cluster(&second).unwrap();
+    register(&engine);
+    let exit = suite::complete_exit::<Slow>(&engine, &id).await;
+    assert_eq!(exit, cluster_core::Exit::Success(cluster_core::RawJson::encode("later").unwrap()));
+    second.shutdown().await;
+}
+
+/// A completion that an activity awaited, arriving after the activity suspended and before
+/// its run ended (here the activity's `Suspended` reply takes a second to write), wakes the
+/// execution: the run keeps its activities' waits until it ends, after the activity's own run
+/// is gone.
+#[tokio::test(start_paused = true)]
+async fn a_completion_awaited_inside_an_activity_wakes_the_suspending_run() {
+    use std::sync::atomic::{AtomicU32, Ordering};
+
+    use cluster_workflow::{DurableDeferred, Never, Workflow, WorkflowContext};
+
+    struct Inner;
+    impl Workflow for Inner {
+        const NAME: &'static str = "InnerGate";
+        type Payload = suite::Input;
+        type Success = String;
+        type Error = Never;
+        fn idempotency_key(payload: &suite::Input) -> String {
+            payload.key.clone()
+        }
+    }
+
+    let (engine, faults) = engine_on_faulty_storage().await;
+    faults.delay_replies(Duration::from_secs(1));
+    let attempts = Arc::new(AtomicU32::new(0));
+    let counted = Arc::clone(&attempts);
+    engine
+        .register::<Inner, _, _>(move |ctx: WorkflowContext, _: suite::Input| {
+            let counted = Arc::clone(&counted);
+            async move {
+                ctx.activity("waits", move |activity| {
+                    counted.fetch_add(1, Ordering::SeqCst);
+                    async move {
+                        let gate = DurableDeferred::<String>::new("Gate");
+                        activity.context().await_deferred(&gate).await
+                    }
+                })
+                .await
+            }
+        })
+        .unwrap();
+    let payload = suite::Input { key: "inner".into(), ..suite::Input::default() };
+    let id = engine.execute_discard::<Inner>(payload).await.unwrap();
+    // The activity starts and suspends at once; its reply is written a second later.
+    for _ in 0..100 {
+        if attempts.load(Ordering::SeqCst) > 0 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    assert_eq!(attempts.load(Ordering::SeqCst), 1, "the activity started");
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    assert_eq!(engine.poll::<Inner>(&id).await.unwrap(), None, "the run has not ended yet");
+    let token = DurableDeferred::<String>::new("Gate").token_for::<Inner>(&id);
+    engine.complete(&token, Ok::<String, Never>("opened".into())).await.unwrap();
+    // The completion wakes the execution, whose replay runs the activity again.
+    let exit = suite::complete_exit::<Inner>(&engine, &id).await;
+    assert_eq!(exit, cluster_core::Exit::Success(cluster_core::RawJson::encode("opened").unwrap()));
+    assert_eq!(attempts.load(Ordering::SeqCst), 2);
 }
 
 /// Reference cluster tests #21 and #23: a workflow in the `workflow` shard group, on a runner
@@ -483,4 +629,153 @@ async fn an_activity_whose_result_was_not_stored_runs_again() {
     let Ok(outcome) = outcome else { panic!("the execution stayed suspended") };
     assert_eq!(outcome.unwrap(), 2, "the second run's result is the stored one");
     assert_eq!(runs.load(Ordering::SeqCst), 2);
+}
+
+/// The workflows of `a_child_failing_during_its_runners_drain_compensates_once`.
+mod drained {
+    use std::sync::Arc;
+    use std::sync::atomic::{AtomicU32, Ordering};
+
+    use cluster_workflow::{DurableDeferred, Workflow, WorkflowContext, WorkflowEngine};
+    use tokio::sync::Semaphore;
+
+    use crate::suite;
+
+    pub(super) struct Child;
+    impl Workflow for Child {
+        const NAME: &'static str = "DrainedChild";
+        type Payload = suite::Input;
+        type Success = String;
+        type Error = String;
+        fn idempotency_key(payload: &suite::Input) -> String {
+            payload.key.clone()
+        }
+    }
+
+    pub(super) struct Parent;
+    impl Workflow for Parent {
+        const NAME: &'static str = "DrainedParent";
+        type Payload = suite::Input;
+        type Success = String;
+        type Error = String;
+        fn idempotency_key(payload: &suite::Input) -> String {
+            payload.key.clone()
+        }
+    }
+
+    /// What both runners' bodies share: compensation runs, starts of the failing activity,
+    /// and the permits it waits for.
+    #[derive(Clone)]
+    pub(super) struct Probe {
+        pub(super) compensations: Arc<AtomicU32>,
+        pub(super) failing: Arc<AtomicU32>,
+        pub(super) release: Arc<Semaphore>,
+    }
+
+    /// The child reserves (with a compensation), waits for `Go`, then fails in an activity
+    /// that waits for a permit; the parent runs the child.
+    pub(super) fn register(engine: &WorkflowEngine, probe: &Probe) {
+        let p = probe.clone();
+        engine
+            .register::<Child, _, _>(move |ctx: WorkflowContext, _: suite::Input| {
+                let p = p.clone();
+                async move {
+                    let undo = Arc::clone(&p.compensations);
+                    ctx.activity("reserve", |_| async { Ok::<_, String>("held".to_owned()) })
+                        .compensate(move |_, _| async move {
+                            undo.fetch_add(1, Ordering::SeqCst);
+                        })
+                        .await?;
+                    ctx.await_deferred(&DurableDeferred::<()>::new("Go"))
+                        .await
+                        .unwrap_or_else(|never| match never {});
+                    ctx.activity("charge", move |_| {
+                        let p = p.clone();
+                        async move {
+                            p.failing.fetch_add(1, Ordering::SeqCst);
+                            let _permit = p.release.acquire().await;
+                            Err::<String, _>("declined".to_owned())
+                        }
+                    })
+                    .await
+                }
+            })
+            .unwrap();
+        engine
+            .register::<Parent, _, _>(|ctx: WorkflowContext, payload: suite::Input| async move {
+                let child = suite::Input { key: format!("{}-child", payload.key), ..payload };
+                ctx.child::<Child>(child).await
+            })
+            .unwrap();
+    }
+}
+
+/// A child that fails while its runner drains cannot wake its parent there (the runner gives
+/// the wake up at once), so it stores no result and the next owner replays it: the child's
+/// compensation must run on one of the two runners only. It used to run on both, since the
+/// scope was closed before the wake was tried.
+#[tokio::test(start_paused = true)]
+async fn a_child_failing_during_its_runners_drain_compensates_once() {
+    use std::sync::atomic::Ordering;
+
+    use cluster_core::storage::MessageStorage;
+    use cluster_workflow::{DurableDeferred, Never, Workflow};
+
+    use self::drained::{Child, Parent, Probe};
+
+    let clock: Arc<dyn Clock> = Arc::new(TokioClock::new());
+    let memory: Arc<dyn MessageStorage> = Arc::new(MemoryMessageStorage::new(Arc::clone(&clock)));
+    let probe = Probe {
+        compensations: Arc::default(),
+        failing: Arc::default(),
+        release: Arc::new(tokio::sync::Semaphore::new(0)),
+    };
+    // The drain waits for the child's run to finish.
+    let patient =
+        ShardingConfig { entity_termination_timeout: Duration::from_secs(60), ..config() };
+    let first =
+        Sharding::with_storage(patient, Arc::clone(&clock), Arc::clone(&memory)).await.unwrap();
+    let engine = WorkflowEngine::cluster(&first).unwrap();
+    drained::register(&engine, &probe);
+    let payload = suite::Input { key: "drained".into(), ..suite::Input::default() };
+    let id = engine.execute_discard::<Parent>(payload).await.unwrap();
+    let child = Child::execution_id(&suite::Input {
+        key: "drained-child".into(),
+        ..suite::Input::default()
+    });
+    suite::suspended::<Child>(&engine, &child).await;
+    suite::suspended::<Parent>(&engine, &id).await;
+    let go = DurableDeferred::<()>::new("Go").token_for::<Child>(&child);
+    engine.complete(&go, Ok::<(), Never>(())).await.unwrap();
+    // The child's replay is in its failing activity when the runner starts to drain.
+    for _ in 0..1_000 {
+        if probe.failing.load(Ordering::SeqCst) > 0 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    assert_eq!(probe.failing.load(Ordering::SeqCst), 1, "the failing activity started");
+    let stopping = first.clone();
+    let shutdown = tokio::spawn(async move { stopping.shutdown().await });
+    for _ in 0..1_000 {
+        if first.is_shutdown() {
+            break;
+        }
+        tokio::task::yield_now().await;
+    }
+    assert!(first.is_shutdown(), "the runner drains");
+    probe.release.add_permits(1);
+    tokio::time::timeout(Duration::from_secs(120), shutdown)
+        .await
+        .expect("the first runner shut down")
+        .unwrap();
+    // The next owner finishes the child and wakes the parent.
+    let second = Sharding::with_storage(config(), clock, memory).await.unwrap();
+    let engine = WorkflowEngine::cluster(&second).unwrap();
+    drained::register(&engine, &probe);
+    let declined = cluster_core::Exit::fail(cluster_core::RawJson::encode("declined").unwrap());
+    assert_eq!(suite::complete_exit::<Child>(&engine, &child).await, declined);
+    assert_eq!(suite::complete_exit::<Parent>(&engine, &id).await, declined);
+    assert_eq!(probe.compensations.load(Ordering::SeqCst), 1, "the compensation ran once");
+    second.shutdown().await;
 }
