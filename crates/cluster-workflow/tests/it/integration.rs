@@ -1,7 +1,8 @@
 //! The reference's cluster integration tests (reference/workflow.md §5.4) on PostgreSQL and
 //! MySQL: three runners in this process, each on a tokio runtime of its own with its own
 //! database connections, so that one can be killed (its runtime dropped at once: no handoff,
-//! its lock sessions end) or the whole cluster restarted.
+//! its lock sessions end) or the whole cluster restarted. The durable queue cases also run on
+//! an SQLite file.
 
 use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex};
@@ -711,6 +712,28 @@ async fn a_queue_item_is_dead_lettered_after_its_last_attempt(database: TestData
     assert_eq!((item.state, item.attempts), (QueueItemState::Failed, 2));
     assert_eq!(cluster.probe.count("job-start:doomed"), 2);
     cluster.finish().await;
+}
+
+/// The durable queue cases on one SQLite file too: several runners in one process share it as
+/// processes would.
+mod sqlite {
+    macro_rules! on_sqlite {
+        ($($name:ident),* $(,)?) => {
+            $(
+                #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+                async fn $name() {
+                    let database = cluster_testkit::databases::TestDatabase::sqlite("queue");
+                    super::$name(database).await;
+                }
+            )*
+        };
+    }
+
+    on_sqlite!(
+        queue_items_go_only_to_runners_with_the_worker,
+        a_queue_item_whose_worker_dies_is_processed_again,
+        a_queue_item_is_dead_lettered_after_its_last_attempt,
+    );
 }
 
 macro_rules! integration {
