@@ -162,8 +162,8 @@ impl QueueOptions {
     /// `retry_delay × 2^(attempts - 1)`, at most `retry_delay_max` (the reference's
     /// exponential schedule replayed up to the persisted attempt count).
     pub fn retry_delay_after(&self, attempts: u32) -> Duration {
-        let doublings = attempts.saturating_sub(1).min(32);
-        self.retry_delay.saturating_mul(1 << doublings).min(self.retry_delay_max)
+        let factor = 1u32.checked_shl(attempts.saturating_sub(1)).unwrap_or(u32::MAX);
+        self.retry_delay.saturating_mul(factor).min(self.retry_delay_max)
     }
 }
 
@@ -270,5 +270,49 @@ impl WorkflowContext {
         if let Err(error) = offered {
             run.break_with(&error).await;
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::id::ExecutionId;
+
+    #[test]
+    fn elements_use_the_reference_json() {
+        let token = Token {
+            workflow: "W".into(),
+            execution_id: ExecutionId::from_raw("e1"),
+            deferred: "DurableQueue/Q/i1".into(),
+        };
+        let payload = RawJson::encode(&serde_json::json!({ "id": "a" })).unwrap();
+        let element =
+            serde_json::to_string(&Element::new("i1", &token, &payload).unwrap()).unwrap();
+        let trace_id = hash_digest("trace:i1");
+        let span_id = &hash_digest("span:i1")[..16];
+        let expected = format!(
+            r#"{{"token":"{}","traceId":"{trace_id}","spanId":"{span_id}","sampled":false,"payload":{{"id":"a"}}}}"#,
+            token.encode()
+        );
+        assert_eq!(element, expected);
+        // A TypeScript worker's element, with its own trace fields, reads the same.
+        let typescript = format!(
+            r#"{{"token":"{}","traceId":"0af7651916cd43dd8448eb211c80319c","spanId":"b7ad6b7169203331","sampled":true,"payload":{{"id":"a"}}}}"#,
+            token.encode()
+        );
+        let read: Element = serde_json::from_str(&typescript).unwrap();
+        assert_eq!(Token::parse(&read.token).unwrap(), token);
+        assert_eq!(read.payload.get(), r#"{"id":"a"}"#);
+        assert!(serde_json::from_str::<Element>(r#"{"token":"t"}"#).is_err(), "no payload");
+    }
+
+    #[test]
+    fn retry_delays_double_up_to_the_maximum() {
+        let options = QueueOptions::default();
+        let delays: Vec<u64> =
+            (1..=11).map(|attempts| options.retry_delay_after(attempts).as_secs()).collect();
+        assert_eq!(delays, [1, 2, 4, 8, 16, 32, 64, 128, 256, 300, 300]);
+        assert_eq!(options.retry_delay_after(0), Duration::from_secs(1));
+        assert_eq!(options.retry_delay_after(u32::MAX), Duration::from_secs(300));
     }
 }
