@@ -13,8 +13,8 @@
 //!   and exits.
 //! - [`ShardingConfig`]: every option of the reference with its default, environment loading and
 //!   validation.
-//! - Contracts: [`storage::MessageStorage`], [`storage::RunnerStorage`], [`runners::Runners`],
-//!   [`clock::Clock`].
+//! - Contracts: [`storage::MessageStorage`], [`storage::RunnerStorage`],
+//!   [`queue_storage::QueueStorage`], [`runners::Runners`], [`clock::Clock`].
 //! - Pure state machines: [`membership`] (registry observations to published assignments, with
 //!   the join debounce) and [`ownership`] (assigned, acquired and releasing shards).
 
@@ -29,6 +29,7 @@ pub mod hash_ring;
 pub mod ids;
 pub mod membership;
 pub mod ownership;
+pub mod queue_storage;
 pub mod reply_handlers;
 pub mod runners;
 pub mod snowflake;

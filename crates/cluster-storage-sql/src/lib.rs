@@ -1,11 +1,16 @@
 //! SQL implementations of the storage contracts of `cluster-core`:
-//! [`MessageStorage`](cluster_core::storage::MessageStorage) and
-//! [`RunnerStorage`](cluster_core::storage::RunnerStorage) for PostgreSQL, MySQL and SQLite.
+//! [`MessageStorage`](cluster_core::storage::MessageStorage),
+//! [`RunnerStorage`](cluster_core::storage::RunnerStorage) and
+//! [`QueueStorage`](cluster_core::queue_storage::QueueStorage) for PostgreSQL, MySQL and SQLite.
 //!
 //! Each database is a module behind the cargo feature of the same name (`sqlite` is the
-//! default), with the same file set: `message_storage.rs`, `runner_storage.rs`, `shard_lock.rs`
-//! and `queries.rs` (STYLE rule 5). Their public types are prefixed `Pg*`, `MySql*` and
-//! `Sqlite*`.
+//! default), with the same file set: `message_storage.rs`, `runner_storage.rs`, `shard_lock.rs`,
+//! `queue_storage.rs` and `queries.rs` (STYLE rule 5). Their public types are prefixed `Pg*`,
+//! `MySql*` and `Sqlite*`.
+//!
+//! The queue stores keep durable queue items in the reference's persisted-queue table
+//! (`effect_queue` by default, [`QueueTable`]), with its columns and migration history, so that
+//! TypeScript and Rust workers share one queue.
 //!
 //! The tables, columns, migration-history tables and lock keys are the reference's (effect
 //! 4.1.0, `SqlMessageStorage.ts` and `SqlRunnerStorage.ts`), so a database can be shared with
@@ -19,6 +24,7 @@ pub mod options;
 #[cfg(any(feature = "postgres", feature = "mysql"))]
 pub(crate) mod batch;
 pub(crate) mod lock;
+pub mod queue;
 pub(crate) mod row;
 
 #[cfg(feature = "mysql")]
@@ -30,6 +36,9 @@ pub mod sqlite;
 
 pub use options::{LockMode, SqlStorageOptions, TablePrefix};
 #[cfg(feature = "postgres")]
-pub use postgres::{PgMessageStorage, PgRunnerStorage};
+pub use postgres::{PgMessageStorage, PgQueueStorage, PgRunnerStorage};
+pub use queue::QueueTable;
 #[cfg(feature = "sqlite")]
-pub use sqlite::{SqliteMessageStorage, SqliteOptions, SqliteRunnerStorage, Synchronous};
+pub use sqlite::{
+    SqliteMessageStorage, SqliteOptions, SqliteQueueStorage, SqliteRunnerStorage, Synchronous,
+};

@@ -7,6 +7,7 @@
 //! - `runner_storage`: the runner registry on the pool, and the deadlines of lock operations.
 //! - `shard_lock`: the reserved lock session (advisory `GET_LOCK` or lease rows), rebuilt after
 //!   failures.
+//! - `queue_storage`: the persisted queue on the pool, in the reference's `effect_queue` table.
 //!
 //! This module holds what they share: driver error classification, reading columns without
 //! panicking, closing a connection without waiting for an unresponsive server, and effect's
@@ -21,6 +22,7 @@
 
 mod message_storage;
 mod queries;
+mod queue_storage;
 mod runner_storage;
 mod shard_lock;
 
@@ -36,6 +38,7 @@ use tracing::Instrument;
 use crate::options::TablePrefix;
 
 pub use message_storage::MySqlMessageStorage;
+pub use queue_storage::MySqlQueueStorage;
 pub use runner_storage::MySqlRunnerStorage;
 
 /// The default number of pooled connections of [`pool`].
@@ -105,7 +108,7 @@ pub async fn migrate_runners(pool: &Pool, prefix: &TablePrefix) -> Result<(), St
 /// transaction protects nothing there; we hold a `GET_LOCK` instead and record each migration
 /// after it ran. The history rows are the same, so either migrator can run after the other.
 /// The key columns' collation is ours and is not recorded there.
-async fn run_migrations(
+pub(crate) async fn run_migrations(
     pool: &Pool,
     history: &str,
     migrations: Vec<queries::Migration>,

@@ -20,21 +20,7 @@ pub struct TablePrefix(String);
 impl TablePrefix {
     /// `prefix`, if it is a safe identifier.
     pub fn new(prefix: &str) -> Result<TablePrefix, ConfigError> {
-        let reject = |reason: &str| Err(ConfigError::new("table_prefix", prefix, reason));
-        let mut chars = prefix.chars();
-        match chars.next() {
-            None => return reject("the prefix is empty"),
-            Some(first) if !(first.is_ascii_alphabetic() || first == '_') => {
-                return reject("the prefix must start with an ASCII letter or `_`");
-            }
-            Some(_) => {}
-        }
-        if !chars.all(|c| c.is_ascii_alphanumeric() || c == '_') {
-            return reject("the prefix may only hold ASCII letters, digits and `_`");
-        }
-        if prefix.len() > TABLE_PREFIX_LEN_MAX {
-            return reject("the prefix is longer than 32 characters");
-        }
+        check_identifier("table_prefix", "prefix", prefix, TABLE_PREFIX_LEN_MAX)?;
         Ok(TablePrefix(prefix.to_owned()))
     }
 
@@ -47,6 +33,32 @@ impl TablePrefix {
     pub fn table(&self, name: &str) -> String {
         format!("{}_{name}", self.0)
     }
+}
+
+/// Checks that `name` (the `noun` of configuration `key`) is a safe identifier of at most
+/// `len_max` characters: an ASCII letter or `_`, then letters, digits or `_`.
+pub(crate) fn check_identifier(
+    key: &str,
+    noun: &str,
+    name: &str,
+    len_max: usize,
+) -> Result<(), ConfigError> {
+    let reject = |reason: String| Err(ConfigError::new(key, name, reason));
+    let mut chars = name.chars();
+    match chars.next() {
+        None => return reject(format!("the {noun} is empty")),
+        Some(first) if !(first.is_ascii_alphabetic() || first == '_') => {
+            return reject(format!("the {noun} must start with an ASCII letter or `_`"));
+        }
+        Some(_) => {}
+    }
+    if !chars.all(|c| c.is_ascii_alphanumeric() || c == '_') {
+        return reject(format!("the {noun} may only hold ASCII letters, digits and `_`"));
+    }
+    if name.len() > len_max {
+        return reject(format!("the {noun} is longer than {len_max} characters"));
+    }
+    Ok(())
 }
 
 impl Default for TablePrefix {

@@ -7,6 +7,7 @@
 //! - `runner_storage`: the runner registry on the pool, shard locks delegated to `shard_lock`.
 //! - `shard_lock`: the reserved lock session (advisory locks or lease rows), rebuilt after a
 //!   failure or a deadline.
+//! - `queue_storage`: the persisted queue on the pool, in the reference's `effect_queue` table.
 //! - `queries`: every SQL text and the migrations, built once per storage from the validated
 //!   [`TablePrefix`](crate::TablePrefix); user values are always bound as parameters.
 //!
@@ -14,6 +15,7 @@
 
 mod message_storage;
 mod queries;
+mod queue_storage;
 mod runner_storage;
 mod shard_lock;
 
@@ -30,6 +32,7 @@ use tokio_postgres::{NoTls, Row};
 use queries::MigrationTarget;
 
 pub use message_storage::{PgMessageStorage, PgTransaction};
+pub use queue_storage::PgQueueStorage;
 pub use runner_storage::PgRunnerStorage;
 
 /// How long a caller waits for a pooled connection before the operation fails with

@@ -42,11 +42,13 @@ use crate::options::SqlStorageOptions;
 mod checkpointer;
 mod message_storage;
 mod queries;
+mod queue_storage;
 mod runner_storage;
 mod shard_lock;
 mod worker;
 
 pub use message_storage::{SqliteMessageStorage, SqliteTransactionHandle};
+pub use queue_storage::SqliteQueueStorage;
 pub use runner_storage::SqliteRunnerStorage;
 
 const COMMAND_QUEUE_LEN_MAX_DEFAULT: NonZeroUsize = NonZeroUsize::new(1024).unwrap();

@@ -14,12 +14,13 @@ use std::path::PathBuf;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU32, Ordering};
 
+use cluster_core::queue_storage::QueueStorage;
 use cluster_core::storage::{MessageStorage, RunnerStorage};
 use cluster_core::{Clock, ShardingConfig, StorageError, SystemClock};
-use cluster_storage_sql::mysql::{MySqlMessageStorage, MySqlRunnerStorage};
+use cluster_storage_sql::mysql::{MySqlMessageStorage, MySqlQueueStorage, MySqlRunnerStorage};
 use cluster_storage_sql::{
-    PgMessageStorage, PgRunnerStorage, SqlStorageOptions, SqliteMessageStorage, SqliteOptions,
-    SqliteRunnerStorage, TablePrefix,
+    PgMessageStorage, PgQueueStorage, PgRunnerStorage, QueueTable, SqlStorageOptions,
+    SqliteMessageStorage, SqliteOptions, SqliteQueueStorage, SqliteRunnerStorage, TablePrefix,
 };
 
 /// The URL variable of PostgreSQL tests.
@@ -30,9 +31,17 @@ pub const MYSQL_URL: &str = "CLUSTER_TEST_MYSQL_URL";
 /// How long a clean-up waits for the locks of tables still in use.
 pub const CLEANUP_LOCK_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(10);
 
-/// The tables of a prefix, histories included.
-const TABLES: [&str; 6] =
-    ["messages", "replies", "migrations", "runners", "locks", "runner_migrations"];
+/// The tables of a prefix, histories included (`queue` is the queue store's).
+const TABLES: [&str; 8] = [
+    "messages",
+    "replies",
+    "migrations",
+    "runners",
+    "locks",
+    "runner_migrations",
+    "queue",
+    "queue_migrations",
+];
 
 /// A database of one test.
 #[derive(Debug)]
@@ -124,6 +133,40 @@ impl TestDatabase {
             }
         }
     }
+}
+
+impl TestDatabase {
+    /// A process's own queue store on the database (its own connections, as a separate process
+    /// would have): the reference's `effect_queue` table in an SQLite file, the table
+    /// `<prefix>_queue` on PostgreSQL and MySQL.
+    ///
+    /// # Errors
+    ///
+    /// The database could not be opened or migrated.
+    pub async fn queue_storage(&self) -> Result<Arc<dyn QueueStorage>, StorageError> {
+        match self {
+            TestDatabase::Sqlite { path } => {
+                let options = SqliteOptions::default();
+                let storage = SqliteQueueStorage::open(path, &options, QueueTable::default());
+                Ok(Arc::new(storage.await?))
+            }
+            TestDatabase::Postgres { url, prefix } => {
+                let storage = PgQueueStorage::connect(url, queue_table(prefix)?).await?;
+                Ok(Arc::new(storage))
+            }
+            TestDatabase::Mysql { url, prefix } => {
+                let storage = MySqlQueueStorage::connect(url, queue_table(prefix)?).await?;
+                Ok(Arc::new(storage))
+            }
+        }
+    }
+}
+
+/// The queue table of a test prefix, `<prefix>_queue`.
+fn queue_table(prefix: &TablePrefix) -> Result<QueueTable, StorageError> {
+    QueueTable::new(&prefix.table("queue")).map_err(|error| {
+        StorageError::new(cluster_core::error::StorageErrorKind::InvalidInput, error.to_string())
+    })
 }
 
 impl Drop for TestDatabase {

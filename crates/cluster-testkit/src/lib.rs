@@ -11,6 +11,8 @@
 //! - [`measure`]: throughput measurements of storages, for benchmarks and notes.
 //! - [`memory`]: in-memory storages with the reference's semantics, whose shard locks are
 //!   exclusive and expire, for unit tests and simulation.
+//! - [`mod@queue_suite`]: the conformance suite of `QueueStorage` implementations, with
+//!   [`queue_suite!`](crate::queue_suite!).
 //!
 //! - [`transport`]: an in-memory runner-to-runner transport with faults (unreachable runners,
 //!   failing calls), for several runtimes in one process.
@@ -24,6 +26,7 @@ pub mod databases;
 pub mod faulty;
 pub mod measure;
 pub mod memory;
+pub mod queue_suite;
 pub mod sim;
 pub mod storage_suite;
 pub mod transport;

@@ -1,4 +1,5 @@
-//! In-memory storages: [`MemoryMessageStorage`] and [`MemoryRunnerStorage`].
+//! In-memory storages: [`MemoryMessageStorage`], [`MemoryRunnerStorage`] and
+//! [`MemoryQueueStorage`] (in `queue`).
 //!
 //! They follow the SQL backends' semantics row for row (claims with the 10-minute window, the
 //! exit and unacked-chunk filter, at most one final reply per request, leases that expire), so
@@ -28,6 +29,10 @@ use cluster_core::{
 };
 
 use crate::storage_suite::{Corruption, StorageFixture};
+
+mod queue;
+
+pub use queue::{MemoryQueueFixture, MemoryQueueStorage};
 
 fn lock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
     // A panic while holding the lock cannot leave a half-applied change: every mutation is

@@ -19,6 +19,7 @@ use std::time::Duration;
 use cluster_core::config::Capacity;
 use cluster_core::envelope::{Envelope, Exit, RawJson, Reply, primary_key};
 use cluster_core::future::BoxFuture;
+use cluster_core::queue_storage::QueueStorage;
 use cluster_core::storage::MessageStorage;
 use cluster_core::{EntityAddress, EntityType, ShardGroup, Snowflake, Timestamp};
 use cluster_sharding::{
@@ -37,6 +38,7 @@ use crate::engine::{
     WorkflowError, close_run, ending, retain_scope, run_outcome,
 };
 use crate::id::{ExecutionId, Token};
+use crate::queue::{QueueOptions, QueueWorker, QueueWorkers};
 use crate::result::WorkflowResult;
 use crate::run::{Awaits, BodyEnd, ChildLink, Run, RunKind, RunOptions, drive};
 
@@ -239,27 +241,6 @@ impl Rpc for ClockRpc {
     }
 }
 
-/// `offer`: an item of a durable queue (entity `DurableQueue/<name>`, one per item).
-#[derive(Clone, Debug, Serialize, Deserialize)]
-pub(crate) struct OfferRpc {
-    id: String,
-    token: String,
-    payload: Box<RawValue>,
-}
-
-impl Rpc for OfferRpc {
-    const TAG: &'static str = "offer";
-    const PERSISTED: bool = true;
-    // A worker interrupted by a restart of its runner runs the item again.
-    const UNINTERRUPTIBLE: Uninterruptible = Uninterruptible::Server;
-    type Success = ();
-    type Error = Never;
-
-    fn primary_key(&self) -> Option<String> {
-        Some(self.id.clone())
-    }
-}
-
 // ----------------------------------------------------------------------------------------
 // The engine.
 
@@ -274,8 +255,19 @@ pub(crate) struct ClusterEngine {
     definitions: Mutex<BTreeMap<String, WorkflowOptions>>,
     /// The activations resident here, by execution.
     activations: Mutex<BTreeMap<ExecutionId, Weak<Activation>>>,
-    /// The durable-queue workers of this runner, by queue.
-    queue_workers: Mutex<BTreeMap<String, crate::queue::ErasedWorker>>,
+    /// The durable queues: their store and this engine's workers.
+    queues: QueueWorkers,
+}
+
+/// What [`WorkflowEngine::cluster_with`] adds to the runtime's storages.
+#[derive(Clone, Debug, Default)]
+pub struct ClusterOptions {
+    /// The persisted queue of durable queue items (the reference's `PersistedQueue` store), for
+    /// example a SQL queue store on the cluster's database. Every process that offers items or
+    /// runs a queue's worker needs one on the same table; without it, durable queues fail.
+    pub queue_storage: Option<Arc<dyn QueueStorage>>,
+    /// How this engine's queue workers take and settle items.
+    pub queue: QueueOptions,
 }
 
 impl WorkflowEngine {
@@ -340,6 +332,19 @@ impl WorkflowEngine {
     /// # }
     /// ```
     pub fn cluster(sharding: &Sharding) -> Result<WorkflowEngine, WorkflowError> {
+        WorkflowEngine::cluster_with(sharding, ClusterOptions::default())
+    }
+
+    /// [`WorkflowEngine::cluster`] with `options`: the queue storage that durable queues need,
+    /// and how the queue workers registered here work.
+    ///
+    /// # Errors
+    ///
+    /// As [`WorkflowEngine::cluster`].
+    pub fn cluster_with(
+        sharding: &Sharding,
+        options: ClusterOptions,
+    ) -> Result<WorkflowEngine, WorkflowError> {
         let Some(storage) = sharding.message_storage().cloned() else {
             return Err(WorkflowError::Invalid(
                 "the cluster workflow engine needs a runtime with a message storage".into(),
@@ -355,7 +360,7 @@ impl WorkflowEngine {
             registrations: Mutex::new(BTreeMap::new()),
             definitions: Mutex::new(BTreeMap::new()),
             activations: Mutex::new(BTreeMap::new()),
-            queue_workers: Mutex::new(BTreeMap::new()),
+            queues: QueueWorkers::new(options.queue_storage, options.queue),
         });
         sharding.insert_extension(Arc::clone(&engine));
         sharding
@@ -1480,8 +1485,9 @@ impl Backend for ClusterEngine {
     }
 
     fn shutdown(&self) -> BoxFuture<'_, ()> {
-        // The runtime owns the runs: `Sharding::shutdown` hands them off.
-        Box::pin(std::future::ready(()))
+        // The runtime owns the runs (`Sharding::shutdown` hands them off); the queue workers
+        // are this engine's.
+        Box::pin(self.queues.shutdown())
     }
 
     fn offer<'a>(
@@ -1491,92 +1497,19 @@ impl Backend for ClusterEngine {
         token: Token,
         payload: RawJson,
     ) -> BoxFuture<'a, Result<(), WorkflowError>> {
-        Box::pin(async move {
-            let payload = RawValue::from_string(payload.json_or_null().to_owned())
-                .map_err(|error| WorkflowError::Malformed(error.to_string()))?;
-            let request = OfferRpc { id: item_id.to_owned(), token: token.encode(), payload };
-            let client = self.sharding.client_in::<QueueEntity>(
-                queue_entity_type(queue),
-                &ShardGroup::default_group(),
-                item_id,
-            );
-            client.discard(request).await.map_err(cluster_error)
-        })
+        Box::pin(async move { self.queues.offer(queue, item_id, &token, &payload).await })
     }
 
     fn register_queue_worker(
         &self,
         queue: &'static str,
-        worker: crate::queue::ErasedWorker,
+        worker: QueueWorker,
     ) -> Result<(), WorkflowError> {
-        {
-            let mut workers = lock(&self.queue_workers);
-            if workers.contains_key(queue) {
-                return Err(WorkflowError::Invalid(format!("queue {queue} already has a worker")));
-            }
-            workers.insert(queue.to_owned(), worker);
-        }
-        self.sharding
-            .register_as::<QueueEntity>(queue_entity_type(queue), entity_options())
-            .map_err(|error| WorkflowError::Invalid(error.to_string()))
-    }
-}
-
-fn queue_entity_type(queue: &str) -> EntityType {
-    EntityType::from(format!("DurableQueue/{queue}"))
-}
-
-/// One item of a durable queue (`DurableQueue/<name>`): its `offer` runs the queue's worker
-/// and completes the item's deferred with the result.
-pub(crate) struct QueueEntity {
-    engine: Arc<ClusterEngine>,
-    worker: Option<crate::queue::ErasedWorker>,
-}
-
-impl Entity for QueueEntity {
-    const TYPE: &'static str = "DurableQueue";
-
-    async fn create(context: &EntityContext) -> QueueEntity {
-        let engine = engine_of(context);
-        let queue = context
-            .address()
-            .entity_type
-            .as_str()
-            .strip_prefix("DurableQueue/")
-            .unwrap_or_default();
-        let worker = lock(&engine.queue_workers).get(queue).cloned();
-        QueueEntity { engine, worker }
-    }
-
-    fn protocol(protocol: &mut Protocol<QueueEntity>) {
-        protocol.handle_shared::<OfferRpc>();
-    }
-}
-
-impl SharedHandler<OfferRpc> for QueueEntity {
-    async fn handle(&self, context: &RequestContext, request: OfferRpc) -> Result<(), Never> {
-        let Some(worker) = &self.worker else {
-            // Registered only with a worker.
-            return Err(abandon(context).await);
-        };
-        let token = match Token::parse(&request.token) {
-            Ok(token) => token,
-            Err(error) => {
-                tracing::warn!(%error, "a queue item with a malformed token: dropped");
-                return Ok(());
-            }
-        };
-        let payload = RawJson::from_json(request.payload.get().to_owned())
-            .unwrap_or_else(|_| RawJson::null());
-        let exit = worker(payload).await;
-        let engine = &self.engine;
-        match engine
-            .ensure("complete a queue item", || engine.complete(None, token.clone(), exit.clone()))
-            .await
-        {
-            Ok(()) => Ok(()),
-            Err(Abandoned) => Err(abandon(context).await),
-        }
+        let me = self.me.clone();
+        let stopped =
+            Arc::new(move || me.upgrade().is_none_or(|engine| engine.sharding.is_shutdown()));
+        let backend: Weak<dyn Backend> = self.me.clone();
+        self.queues.register(queue, worker, backend, stopped)
     }
 }
 

@@ -194,7 +194,7 @@ pub(crate) trait Backend: Send + Sync + 'static {
     fn register_queue_worker(
         &self,
         queue: &'static str,
-        worker: crate::queue::ErasedWorker,
+        worker: crate::queue::QueueWorker,
     ) -> Result<(), WorkflowError>;
 }
 
@@ -383,7 +383,9 @@ impl WorkflowEngine {
 impl WorkflowEngine {
     /// Stops the in-memory engine: runs in progress are dropped and their waiting callers see
     /// an interrupt; nothing starts afterwards. On the cluster engine the runs belong to the
-    /// runtime, which hands them to other runners in `Sharding::shutdown`: this does nothing.
+    /// runtime, which hands them to other runners in `Sharding::shutdown`; this stops the
+    /// engine's durable queue workers, whose items in flight are interrupted and released to
+    /// other workers.
     pub async fn shutdown(&self) {
         self.backend.shutdown().await;
     }

@@ -59,7 +59,7 @@ mod queue;
 mod result;
 mod run;
 
-pub use cluster::{CLOCK_ENTITY, INTERRUPT_SIGNAL, PARENT_KEY};
+pub use cluster::{CLOCK_ENTITY, ClusterOptions, INTERRUPT_SIGNAL, PARENT_KEY};
 pub use context::{
     ActivityCall, ActivityContext, ActivityError, DEFAULT_IN_MEMORY_SLEEP_THRESHOLD,
     DurableDeferred, Never, WorkflowContext,
@@ -67,6 +67,6 @@ pub use context::{
 pub use definition::{RetrySchedule, Workflow, WorkflowOptions};
 pub use engine::{ExecuteError, WorkflowEngine, WorkflowError};
 pub use id::{ExecutionId, Token, TokenError, activity_idempotency_key, hash_digest};
-pub use queue::DurableQueue;
+pub use queue::{DurableQueue, QueueOptions};
 pub use result::{FailureCause, WorkflowResult};
 pub use run::RunExit;

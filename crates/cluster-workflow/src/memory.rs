@@ -539,7 +539,7 @@ impl Backend for MemoryEngine {
     fn register_queue_worker(
         &self,
         queue: &'static str,
-        worker: crate::queue::ErasedWorker,
+        worker: crate::queue::QueueWorker,
     ) -> Result<(), WorkflowError> {
         let ready = {
             let mut shared = self.shared();
@@ -551,19 +551,26 @@ impl Backend for MemoryEngine {
             Arc::clone(&state.ready)
         };
         let Some(engine) = self.arc() else { return Err(WorkflowError::ShutDown) };
-        // The dispatcher: each item runs in a task of its own (the worker limits how many
-        // run at once) and completes its deferred.
+        let concurrency = usize::try_from(worker.concurrency.get()).unwrap_or(usize::MAX);
+        let permits = Arc::new(tokio::sync::Semaphore::new(concurrency));
+        // The dispatcher: each item runs in a task of its own, at most `concurrency` at once,
+        // and completes its deferred.
         self.spawn(async move {
             loop {
+                let Ok(permit) = Arc::clone(&permits).acquire_owned().await else { return };
                 let item =
                     engine.shared().queues.get_mut(queue).and_then(|state| state.items.pop_front());
                 let Some((token, payload)) = item else {
+                    drop(permit);
                     ready.notified().await;
                     continue;
                 };
-                let (engine_for_item, worker) = (Arc::clone(&engine), Arc::clone(&worker));
+                let (engine_for_item, run) = (Arc::clone(&engine), Arc::clone(&worker.run));
                 engine.spawn(async move {
-                    let exit = worker(payload).await;
+                    let _permit = permit;
+                    let exit = run(payload)
+                        .await
+                        .unwrap_or_else(|error| Exit::die_with_message("MalformedPayload", &error));
                     if let Err(error) = engine_for_item.deferred_done(None, token, exit).await {
                         tracing::warn!(%error, "could not complete a queue item");
                     }

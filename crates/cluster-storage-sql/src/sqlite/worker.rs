@@ -23,6 +23,7 @@ use super::SqliteOptions;
 use super::checkpointer::{self, Checkpointer};
 use super::message_storage::{self, MessageOp, TransactionOp, Write};
 use super::queries::{self, MigrationSet, Statements};
+use super::queue_storage::{self, QueueOp};
 use super::runner_storage::{self, RunnerOp};
 use super::shard_lock::{self, LockOp};
 
@@ -40,6 +41,8 @@ pub(super) enum Command {
     Runner(RunnerOp),
     /// A shard lock lease operation.
     Lock(LockOp),
+    /// A persisted queue operation.
+    Queue(QueueOp),
     /// A step of a user transaction (transaction workers only).
     Transaction(TransactionOp),
     /// Bring a migration history up to date; replies with the ids that ran.
@@ -250,6 +253,7 @@ fn run(mut state: WorkerState, mut receiver: mpsc::Receiver<Command>) {
             Command::Message(operation) => message_storage::run_operation(&state, operation),
             Command::Runner(operation) => runner_storage::run_operation(&state, operation),
             Command::Lock(operation) => shard_lock::run_operation(&state, operation),
+            Command::Queue(operation) => queue_storage::run_operation(&state, operation),
             Command::Transaction(operation) => {
                 message_storage::run_transaction_operation(&mut state, operation);
             }

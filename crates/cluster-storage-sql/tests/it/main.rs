@@ -11,6 +11,7 @@
 mod mysql;
 #[cfg(feature = "postgres")]
 mod postgres;
+mod queue;
 #[cfg(feature = "sqlite")]
 mod sqlite;
 

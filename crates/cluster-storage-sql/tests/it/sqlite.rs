@@ -38,14 +38,14 @@ const EVENTUAL: Duration = Duration::from_secs(30);
 // --- Fixture ------------------------------------------------------------------------------------
 
 /// A database file in its own temporary directory, with a unique table prefix.
-struct TempDatabase {
+pub(crate) struct TempDatabase {
     directory: PathBuf,
-    path: PathBuf,
-    prefix: TablePrefix,
+    pub(crate) path: PathBuf,
+    pub(crate) prefix: TablePrefix,
 }
 
 impl TempDatabase {
-    fn new() -> TempDatabase {
+    pub(crate) fn new() -> TempDatabase {
         let prefix = unique_prefix();
         let directory = std::env::temp_dir().join(format!("cluster-sqlite-{prefix}"));
         std::fs::create_dir_all(&directory).expect("create the test directory");
@@ -53,7 +53,7 @@ impl TempDatabase {
         TempDatabase { directory, path, prefix }
     }
 
-    fn options(&self) -> SqliteOptions {
+    pub(crate) fn options(&self) -> SqliteOptions {
         self.options_with(Duration::from_secs(60))
     }
 
@@ -73,7 +73,7 @@ impl TempDatabase {
     }
 
     /// A plain connection to the file, for direct SQL.
-    fn connect(&self) -> rusqlite::Connection {
+    pub(crate) fn connect(&self) -> rusqlite::Connection {
         let connection = rusqlite::Connection::open(&self.path).expect("open the test database");
         connection.busy_timeout(Duration::from_secs(10)).expect("set the busy timeout");
         connection

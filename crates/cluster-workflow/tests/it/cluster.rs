@@ -6,8 +6,8 @@ use std::time::Duration;
 
 use cluster_core::{Clock, ShardingConfig, Timestamp};
 use cluster_sharding::Sharding;
-use cluster_testkit::memory::MemoryMessageStorage;
-use cluster_workflow::WorkflowEngine;
+use cluster_testkit::memory::{MemoryMessageStorage, MemoryQueueStorage};
+use cluster_workflow::{ClusterOptions, WorkflowEngine};
 
 use crate::suite::{self, Harness};
 
@@ -39,8 +39,15 @@ async fn engine_on_faulty_storage() -> (WorkflowEngine, Arc<cluster_testkit::fau
     let clock: Arc<dyn Clock> = Arc::new(TokioClock::new());
     let memory = Arc::new(MemoryMessageStorage::new(Arc::clone(&clock)));
     let (faulty, faults) = cluster_testkit::faulty::FaultyMessageStorage::new(memory);
-    let sharding = Sharding::with_storage(config(), clock, Arc::new(faulty)).await.unwrap();
-    (WorkflowEngine::cluster(&sharding).unwrap(), faults)
+    let sharding =
+        Sharding::with_storage(config(), Arc::clone(&clock), Arc::new(faulty)).await.unwrap();
+    (WorkflowEngine::cluster_with(&sharding, memory_queue(clock)).unwrap(), faults)
+}
+
+/// The engine options of the suite: durable queues on an in-memory queue store.
+pub(crate) fn memory_queue(clock: Arc<dyn Clock>) -> ClusterOptions {
+    let storage = Arc::new(MemoryQueueStorage::new(clock));
+    ClusterOptions { queue_storage: Some(storage), ..ClusterOptions::default() }
 }
 
 /// The runner configuration of the suite: quick polls.
@@ -59,8 +66,8 @@ impl Harness for ClusterOnMemory {
     async fn engine(&self) -> WorkflowEngine {
         let clock: Arc<dyn Clock> = Arc::new(TokioClock::new());
         let storage = Arc::new(MemoryMessageStorage::new(Arc::clone(&clock)));
-        let sharding = Sharding::with_storage(config(), clock, storage).await.unwrap();
-        WorkflowEngine::cluster(&sharding).unwrap()
+        let sharding = Sharding::with_storage(config(), Arc::clone(&clock), storage).await.unwrap();
+        WorkflowEngine::cluster_with(&sharding, memory_queue(clock)).unwrap()
     }
 
     fn is_cluster(&self) -> bool {

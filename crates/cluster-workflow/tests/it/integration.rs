@@ -1,19 +1,21 @@
 //! The reference's cluster integration tests (reference/workflow.md §5.4) on PostgreSQL and
 //! MySQL: three runners in this process, each on a tokio runtime of its own with its own
 //! database connections, so that one can be killed (its runtime dropped at once: no handoff,
-//! its lock sessions end) or the whole cluster restarted.
+//! its lock sessions end) or the whole cluster restarted. The durable queue cases also run on
+//! an SQLite file.
 
 use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use cluster_core::ids::RunnerAddress;
+use cluster_core::queue_storage::{LOCK_EXPIRED_FAILURE, QueueItem, QueueItemState};
 use cluster_core::{ShardingConfig, SystemClock};
 use cluster_sharding::Sharding;
 use cluster_testkit::databases::TestDatabase;
 use cluster_workflow::{
-    DurableDeferred, ExecuteError, ExecutionId, Never, Workflow, WorkflowContext, WorkflowEngine,
-    WorkflowResult,
+    ClusterOptions, DurableDeferred, ExecuteError, ExecutionId, Never, QueueOptions, Workflow,
+    WorkflowContext, WorkflowEngine, WorkflowResult, activity_idempotency_key,
 };
 use serde::{Deserialize, Serialize};
 
@@ -79,12 +81,14 @@ impl Node {
         let started = runtime.spawn(async move {
             let config = config(port);
             let (messages, locks) = database.open(&config).await.unwrap();
+            let queue_storage = Some(database.queue_storage().await.unwrap());
             let sharding =
                 Sharding::join(config, Arc::new(SystemClock), messages, locks).await.unwrap();
-            let engine = WorkflowEngine::cluster(&sharding).unwrap();
+            let options = ClusterOptions { queue_storage, queue: queue_options() };
+            let engine = WorkflowEngine::cluster_with(&sharding, options).unwrap();
             register(&engine, &probe, port);
             if workers {
-                register_worker(&engine, &probe);
+                register_worker(&engine, &probe, port);
             }
             (sharding, engine)
         });
@@ -99,11 +103,15 @@ impl Node {
         }
     }
 
-    /// A graceful stop (the shards are handed off).
+    /// A graceful stop (the shards are handed off, the queue items released).
     async fn stop(mut self) {
-        let sharding = self.sharding.clone();
+        let (sharding, engine) = (self.sharding.clone(), self.engine.clone());
         if let Some(runtime) = self.runtime.take() {
-            let _ = runtime.spawn(async move { sharding.shutdown().await }).await;
+            let stopped = runtime.spawn(async move {
+                engine.shutdown().await;
+                sharding.shutdown().await;
+            });
+            let _ = stopped.await;
             runtime.shutdown_background();
         }
     }
@@ -132,14 +140,19 @@ impl Cluster {
 
     /// Three runners, with or without the queue's worker.
     async fn start_with(database: TestDatabase, workers: bool) -> Cluster {
-        let mut cluster = Cluster {
+        let mut cluster = Cluster::empty(database);
+        cluster.add_nodes(3, workers).await;
+        cluster
+    }
+
+    /// No runner yet.
+    fn empty(database: TestDatabase) -> Cluster {
+        Cluster {
             database: Arc::new(database),
             probe: Probe::default(),
             nodes: Vec::new(),
             next_port: 1,
-        };
-        cluster.add_nodes(3, workers).await;
-        cluster
+        }
     }
 
     async fn add(&mut self, count: u16) {
@@ -230,8 +243,22 @@ struct Job {
 const JOBS: cluster_workflow::DurableQueue<Job, String, Never> =
     cluster_workflow::DurableQueue::new("ItJobs", |job: &Job| job.id.clone());
 
-/// The queue's worker: records each item it finishes.
-fn register_worker(engine: &WorkflowEngine, probe: &Probe) {
+/// How the runners' queue workers work in these tests: claims lapse within seconds, and an
+/// item gets two attempts.
+fn queue_options() -> QueueOptions {
+    QueueOptions {
+        poll_interval: Duration::from_millis(200),
+        lock_refresh_interval: Duration::from_millis(500),
+        lock_expiration: Duration::from_secs(2),
+        max_attempts: std::num::NonZeroU32::new(2).unwrap(),
+        ..QueueOptions::default()
+    }
+}
+
+/// The queue's worker: records each item it starts (`job-start:<id>`, and where, as
+/// `job:<id>`) and finishes (`job`). Items `hang-once` (on its first attempt) and `doomed`
+/// (always) never finish, until their runner dies.
+fn register_worker(engine: &WorkflowEngine, probe: &Probe, port: u16) {
     let p = probe.clone();
     engine
         .register_queue_worker(
@@ -239,6 +266,12 @@ fn register_worker(engine: &WorkflowEngine, probe: &Probe) {
             move |job: Job| {
                 let p = p.clone();
                 async move {
+                    p.hit(&format!("job-start:{}", job.id));
+                    p.ran(&format!("job:{}", job.id), port);
+                    let first = p.count(&format!("job-start:{}", job.id)) == 1;
+                    if job.id == "doomed" || (job.id == "hang-once" && first) {
+                        std::future::pending::<()>().await;
+                    }
                     p.hit("job");
                     Ok(format!("processed:{}", job.id))
                 }
@@ -357,9 +390,14 @@ fn register_waiting(engine: &WorkflowEngine, probe: &Probe, port: u16) {
         })
         .unwrap();
     register_race(engine, probe, port);
+    let p = probe.clone();
     engine
-        .register::<QueueUser, _, _>(|ctx: WorkflowContext, payload: Input| async move {
-            JOBS.process(&ctx, Job { id: payload.key }).await
+        .register::<QueueUser, _, _>(move |ctx: WorkflowContext, payload: Input| {
+            let p = p.clone();
+            async move {
+                p.hit(&format!("queue-user:{}", payload.key));
+                JOBS.process(&ctx, Job { id: payload.key }).await
+            }
         })
         .unwrap();
 }
@@ -588,6 +626,116 @@ async fn persists_queued_work_across_a_restart_and_consumes_it_once(database: Te
     cluster.finish().await;
 }
 
+/// Issue 21, item 12: of two runners only the first runs the queue's worker. Every item is
+/// processed by it, whichever runner owns the shard its id hashes to; none is left to the
+/// other runner (which stored a "not registered" defect for the items routed to it, so their
+/// workflows waited forever).
+async fn queue_items_go_only_to_runners_with_the_worker(database: TestDatabase) {
+    let mut cluster = Cluster::empty(database);
+    cluster.add_nodes(1, true).await;
+    cluster.add_nodes(1, false).await;
+    let engine = cluster.engine(1);
+    let mut ids = Vec::new();
+    for n in 0..8 {
+        let key = format!("only-{n}");
+        ids.push((engine.execute_discard::<QueueUser>(input(&key, "")).await.unwrap(), key));
+    }
+    for (id, key) in &ids {
+        assert_eq!(complete::<QueueUser>(&engine, id).await, success(format!("processed:{key}")));
+    }
+    assert_eq!(cluster.probe.count("job"), 8, "each item ran once, on the worker's runner");
+    cluster.finish().await;
+}
+
+/// The stored queue item of `QueueUser` execution `id` (key `key`).
+async fn queue_item(database: &TestDatabase, id: &ExecutionId, key: &str) -> QueueItem {
+    let item_id = activity_idempotency_key(id, &format!("DurableQueue/ItJobs/{key}"), None);
+    let storage = database.queue_storage().await.unwrap();
+    storage.item("DurableQueue/ItJobs", &item_id).await.unwrap().expect("the item is stored")
+}
+
+/// Waits until `probe` counted `what` `count` times.
+async fn counted(probe: &Probe, what: &str, count: u32) {
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(60);
+    while probe.count(what) < count {
+        assert!(tokio::time::Instant::now() < deadline, "{what} did not reach {count}");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+/// Issue 21, item 12: the runner whose worker runs an item dies; the item's claim lapses and
+/// the other runner's worker runs it again, as its second attempt, and completes the workflow.
+async fn a_queue_item_whose_worker_dies_is_processed_again(database: TestDatabase) {
+    let mut cluster = Cluster::empty(database);
+    cluster.add_nodes(2, true).await;
+    let id = cluster.engine(0).execute_discard::<QueueUser>(input("hang-once", "")).await.unwrap();
+    counted(&cluster.probe, "job-start:hang-once", 1).await;
+    cluster.kill_owner_of("job:hang-once");
+    let engine = cluster.engine(0);
+    assert_eq!(complete::<QueueUser>(&engine, &id).await, success("processed:hang-once"));
+    assert_eq!(cluster.probe.count("job-start:hang-once"), 2, "run again once");
+    let item = queue_item(&cluster.database, &id, "hang-once").await;
+    assert_eq!((item.state, item.attempts, item.claimed), (QueueItemState::Completed, 2, false));
+    cluster.finish().await;
+}
+
+/// Issue 21, item 12: an item whose worker dies on every attempt is dead-lettered after the
+/// last one (the reference's `PersistedQueue`: failed with "Lock expired after final
+/// attempt"); its workflow stays suspended, and a replay's offer does not revive it.
+async fn a_queue_item_is_dead_lettered_after_its_last_attempt(database: TestDatabase) {
+    let mut cluster = Cluster::empty(database);
+    cluster.add_nodes(3, true).await;
+    let id = cluster.engine(0).execute_discard::<QueueUser>(input("doomed", "")).await.unwrap();
+    for attempt in 1..=2 {
+        counted(&cluster.probe, "job-start:doomed", attempt).await;
+        cluster.kill_owner_of("job:doomed");
+    }
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(60);
+    let item = loop {
+        let item = queue_item(&cluster.database, &id, "doomed").await;
+        if item.state == QueueItemState::Failed {
+            break item;
+        }
+        assert!(tokio::time::Instant::now() < deadline, "the item was not failed: {item:?}");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    };
+    assert_eq!((item.attempts, item.claimed), (2, false));
+    assert_eq!(item.last_failure.as_deref(), Some(LOCK_EXPIRED_FAILURE));
+    let engine = cluster.engine(0);
+    suspended::<QueueUser>(&engine, &id).await;
+    // A replay offers the item again: it stays a dead letter, and no worker runs it.
+    let runs = cluster.probe.count("queue-user:doomed");
+    engine.resume::<QueueUser>(&id).await.unwrap();
+    counted(&cluster.probe, "queue-user:doomed", runs + 1).await;
+    suspended::<QueueUser>(&engine, &id).await;
+    let item = queue_item(&cluster.database, &id, "doomed").await;
+    assert_eq!((item.state, item.attempts), (QueueItemState::Failed, 2));
+    assert_eq!(cluster.probe.count("job-start:doomed"), 2);
+    cluster.finish().await;
+}
+
+/// The durable queue cases on one SQLite file too: several runners in one process share it as
+/// processes would.
+mod sqlite {
+    macro_rules! on_sqlite {
+        ($($name:ident),* $(,)?) => {
+            $(
+                #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+                async fn $name() {
+                    let database = cluster_testkit::databases::TestDatabase::sqlite("queue");
+                    super::$name(database).await;
+                }
+            )*
+        };
+    }
+
+    on_sqlite!(
+        queue_items_go_only_to_runners_with_the_worker,
+        a_queue_item_whose_worker_dies_is_processed_again,
+        a_queue_item_is_dead_lettered_after_its_last_attempt,
+    );
+}
+
 macro_rules! integration {
     ($($name:ident),* $(,)?) => {
         mod postgres {
@@ -621,4 +769,7 @@ integration!(
     persists_an_interrupt_across_a_whole_cluster_restart,
     replays_a_race_winner_after_owner_death,
     persists_queued_work_across_a_restart_and_consumes_it_once,
+    queue_items_go_only_to_runners_with_the_worker,
+    a_queue_item_whose_worker_dies_is_processed_again,
+    a_queue_item_is_dead_lettered_after_its_last_attempt,
 );

@@ -4,5 +4,6 @@
 mod cluster;
 mod integration;
 mod memory;
+mod queue;
 mod sql;
 mod suite;

@@ -8,7 +8,7 @@ use cluster_core::SystemClock;
 use cluster_core::ids::RunnerAddress;
 use cluster_sharding::Sharding;
 use cluster_testkit::databases::TestDatabase;
-use cluster_workflow::WorkflowEngine;
+use cluster_workflow::{ClusterOptions, WorkflowEngine};
 
 use crate::suite::{self, Harness};
 
@@ -18,7 +18,7 @@ const DIVISOR: u32 = 20;
 /// One runner per engine on the test's database (kept until the harness is dropped).
 struct OnDatabase {
     database: TestDatabase,
-    runners: Mutex<Vec<Sharding>>,
+    runners: Mutex<Vec<(Sharding, WorkflowEngine)>>,
 }
 
 impl OnDatabase {
@@ -30,8 +30,9 @@ impl OnDatabase {
     /// Shuts the runners down, so that no transaction of theirs is open when the database's
     /// tables are dropped.
     async fn finish(self) {
-        let runners: Vec<Sharding> = std::mem::take(&mut *self.runners.lock().unwrap());
-        for runner in runners {
+        let runners = std::mem::take(&mut *self.runners.lock().unwrap());
+        for (runner, engine) in runners {
+            engine.shutdown().await;
             runner.shutdown().await;
         }
     }
@@ -40,8 +41,9 @@ impl OnDatabase {
 impl Harness for OnDatabase {
     async fn engine(&self) -> WorkflowEngine {
         // A new engine replaces the previous one (its runner gives the shard locks back).
-        let previous: Vec<Sharding> = std::mem::take(&mut *self.runners.lock().unwrap());
-        for runner in previous {
+        let previous = std::mem::take(&mut *self.runners.lock().unwrap());
+        for (runner, engine) in previous {
+            engine.shutdown().await;
             runner.shutdown().await;
         }
         let config = cluster_core::ShardingConfig {
@@ -51,8 +53,11 @@ impl Harness for OnDatabase {
         let (messages, locks) = self.database.open(&config).await.unwrap();
         let sharding =
             Sharding::with_storages(config, Arc::new(SystemClock), messages, locks).await.unwrap();
-        self.runners.lock().unwrap().push(sharding.clone());
-        WorkflowEngine::cluster(&sharding).unwrap()
+        let queue_storage = Some(self.database.queue_storage().await.unwrap());
+        let options = ClusterOptions { queue_storage, ..ClusterOptions::default() };
+        let engine = WorkflowEngine::cluster_with(&sharding, options).unwrap();
+        self.runners.lock().unwrap().push((sharding, engine.clone()));
+        engine
     }
 
     fn is_cluster(&self) -> bool {
