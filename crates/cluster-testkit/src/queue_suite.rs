@@ -46,6 +46,7 @@ macro_rules! queue_suite {
             offer_then_take_in_order,
             offers_are_deduplicated_by_id_in_every_state,
             queues_are_separate,
+            ids_and_queue_names_are_compared_exactly,
             take_honors_the_limit,
             racing_takers_get_disjoint_items,
             complete_settles_once,

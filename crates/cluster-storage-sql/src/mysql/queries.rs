@@ -262,6 +262,17 @@ pub(crate) fn runner_key_columns(prefix: &TablePrefix) -> Vec<KeyColumn> {
     ]
 }
 
+/// The key columns of a persisted-queue table, as the reference's migrations leave them (its
+/// `0002_upgrade_schema` widens the first two): the item id, the queue name and the claim's
+/// lock.
+pub(crate) fn queue_key_columns(table: &str) -> Vec<KeyColumn> {
+    vec![
+        KeyColumn::new(table, "id", 255, false),
+        KeyColumn::new(table, "queue_name", 255, false),
+        KeyColumn::new(table, "acquired_by", 36, true),
+    ]
+}
+
 /// Which of [`KEY_COLLATIONS`] the server has (parameters: the collation names).
 pub(crate) fn available_collations() -> String {
     // language=SQL

@@ -6,8 +6,10 @@
 //! A claim is a transaction: `SELECT … FOR UPDATE SKIP LOCKED` picks the rows (concurrent takers
 //! skip each other's), an `UPDATE` claims them. It runs in `READ COMMITTED`, as the message
 //! storage's transactions do, and again when InnoDB picks it as a deadlock victim. Times are the
-//! database clock (`NOW()`, whole seconds). Values are checked against their columns before an
-//! `INSERT IGNORE`, which would otherwise truncate them with a mere warning.
+//! database clock in UTC (`UTC_TIMESTAMP()`, whole seconds: `DATETIME` keeps no time zone, and
+//! the session's `NOW()` would move at a daylight saving change). Values are checked against
+//! their columns before an `INSERT IGNORE`, which would otherwise truncate them with a mere
+//! warning.
 
 use std::fmt;
 use std::num::NonZeroU32;
@@ -22,7 +24,7 @@ use cluster_core::queue_storage::{
 use mysql_async::prelude::Queryable;
 use mysql_async::{Conn, IsolationLevel, Pool, Row, TxOpts, Value};
 
-use super::queries::{DdlStatement, IN_LIST_LEN_MAX, Migration, placeholders};
+use super::queries::{self, DdlStatement, IN_LIST_LEN_MAX, Migration, placeholders};
 use super::{Columns, is_deadlock, run_migrations, storage_error};
 use crate::queue::{CLEANUP_BATCH_LEN, QueueTable, attempts, check_name, new_lock, whole_seconds};
 
@@ -83,7 +85,8 @@ impl MySqlQueueStorage {
     /// only after it ran. A dropped call closes its connection, which releases the migration
     /// lock.
     pub async fn migrate(pool: &Pool, table: &QueueTable) -> Result<(), StorageError> {
-        run_migrations(pool, &table.history(), migrations(table)).await
+        let key_columns = queries::queue_key_columns(table.as_str());
+        run_migrations(pool, &table.history(), migrations(table), key_columns).await
     }
 
     /// The pool the store runs on.
@@ -386,13 +389,13 @@ struct QueueSql {
 impl QueueSql {
     fn new(table: QueueTable) -> QueueSql {
         let t = quote(table.as_str());
-        let settled = "acquired_at = NULL, acquired_by = NULL, updated_at = NOW()";
+        let settled = "acquired_at = NULL, acquired_by = NULL, updated_at = UTC_TIMESTAMP()";
         let held = "WHERE sequence = ? AND acquired_by = ?";
         QueueSql {
             offer: format!(
                 "INSERT IGNORE INTO {t} \
                  (id, queue_name, element, state, attempts, visible_at, created_at, updated_at) \
-                 VALUES (?, ?, ?, 'pending', 0, NOW(), NOW(), NOW())"
+                 VALUES (?, ?, ?, 'pending', 0, UTC_TIMESTAMP(), UTC_TIMESTAMP(), UTC_TIMESTAMP())"
             ),
             // queue, max attempts, lock expiration (seconds), limit.
             select_claimable: format!(
@@ -400,8 +403,9 @@ impl QueueSql {
                  WHERE queue_name = ? \
                  AND state = 'pending' \
                  AND attempts < ? \
-                 AND visible_at <= NOW() \
-                 AND (acquired_at IS NULL OR acquired_at < DATE_SUB(NOW(), INTERVAL ? SECOND)) \
+                 AND visible_at <= UTC_TIMESTAMP() \
+                 AND (acquired_at IS NULL \
+                      OR acquired_at < DATE_SUB(UTC_TIMESTAMP(), INTERVAL ? SECOND)) \
                  ORDER BY visible_at ASC, sequence ASC \
                  LIMIT ? \
                  FOR UPDATE SKIP LOCKED"
@@ -409,7 +413,8 @@ impl QueueSql {
             complete: format!("UPDATE {t} SET {settled}, state = 'completed' {held}"),
             // delay (seconds), failure, then the claim.
             retry: format!(
-                "UPDATE {t} SET {settled}, visible_at = DATE_ADD(NOW(), INTERVAL ? SECOND), \
+                "UPDATE {t} SET {settled}, \
+                 visible_at = DATE_ADD(UTC_TIMESTAMP(), INTERVAL ? SECOND), \
                  last_failure = ? {held}"
             ),
             fail: format!("UPDATE {t} SET {settled}, state = 'failed', last_failure = ? {held}"),
@@ -424,12 +429,13 @@ impl QueueSql {
                  WHERE queue_name = ? \
                  AND state = 'pending' \
                  AND attempts >= ? \
-                 AND (acquired_at IS NULL OR acquired_at < DATE_SUB(NOW(), INTERVAL ? SECOND))"
+                 AND (acquired_at IS NULL \
+                      OR acquired_at < DATE_SUB(UTC_TIMESTAMP(), INTERVAL ? SECOND))"
             ),
             // state, time to live (seconds), batch size.
             cleanup: format!(
                 "DELETE FROM {t} \
-                 WHERE state = ? AND updated_at <= DATE_SUB(NOW(), INTERVAL ? SECOND) \
+                 WHERE state = ? AND updated_at <= DATE_SUB(UTC_TIMESTAMP(), INTERVAL ? SECOND) \
                  LIMIT ?"
             ),
             item: format!(
@@ -443,8 +449,8 @@ impl QueueSql {
     /// Claims `n` selected rows: the lock, then their sequences.
     fn claim(&self, n: usize) -> String {
         format!(
-            "UPDATE {} SET acquired_at = NOW(), acquired_by = ?, attempts = attempts + 1 \
-             WHERE sequence IN ({})",
+            "UPDATE {} SET acquired_at = UTC_TIMESTAMP(), acquired_by = ?, \
+             attempts = attempts + 1 WHERE sequence IN ({})",
             quote(self.table.as_str()),
             placeholders(n)
         )
@@ -455,7 +461,8 @@ impl QueueSql {
     /// exactly these claims.
     fn refresh(&self, n: usize) -> String {
         format!(
-            "UPDATE {} SET acquired_at = NOW() WHERE sequence IN ({}) AND acquired_by IN ({})",
+            "UPDATE {} SET acquired_at = UTC_TIMESTAMP() \
+             WHERE sequence IN ({}) AND acquired_by IN ({})",
             quote(self.table.as_str()),
             placeholders(n),
             placeholders(n)

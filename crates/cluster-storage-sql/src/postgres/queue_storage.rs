@@ -5,7 +5,9 @@
 //!
 //! A claim is one statement, an `UPDATE` of the rows a `SELECT … FOR UPDATE SKIP LOCKED` picked,
 //! so concurrent takers skip each other's rows instead of waiting. Times are the database clock
-//! (`NOW()`); lock expirations and retry delays are whole seconds, as the reference counts them.
+//! in UTC (`NOW() AT TIME ZONE 'UTC'`: the columns keep no time zone, and the session's local
+//! time would move them at a daylight saving change); lock expirations and retry delays are
+//! whole seconds, as the reference counts them.
 //! Claim locks are bound as text and cast to the `UUID` column.
 
 use std::fmt;
@@ -89,6 +91,8 @@ impl PgQueueStorage {
             history: quote(&table.history()),
             lock: (fnv1a_32(&format!("effect-queue:{table}")), QUEUE_MIGRATION_LOCK),
             migrations: &migrations,
+            retired: &[],
+            extra_indexes: &[],
         };
         migrate_on_pool(pool, &target).await
     }
@@ -344,27 +348,31 @@ struct QueueSql {
 impl QueueSql {
     fn new(table: QueueTable) -> QueueSql {
         let t = quote(table.as_str());
-        let settled = "acquired_at = NULL, acquired_by = NULL, updated_at = NOW()";
+        // The columns keep no time zone: every time is UTC, whatever the session's zone.
+        let now = "(NOW() AT TIME ZONE 'UTC')";
+        let settled = format!("acquired_at = NULL, acquired_by = NULL, updated_at = {now}");
         let held = "WHERE sequence = $1 AND acquired_by = $2::text::uuid";
         QueueSql {
             offer: format!(
                 "INSERT INTO {t} \
                  (id, queue_name, element, state, attempts, visible_at, created_at, updated_at) \
-                 VALUES ($1, $2, $3, 'pending', 0, NOW(), NOW(), NOW()) \
+                 VALUES ($1, $2, $3, 'pending', 0, {now}, {now}, {now}) \
                  ON CONFLICT (id, queue_name) DO NOTHING"
             ),
             // $1: lock, $2: queue, $3: max attempts, $4: lock expiration, $5: limit.
             take: format!(
                 "WITH claimed AS ( \
                    UPDATE {t} \
-                   SET acquired_at = NOW(), acquired_by = $1::text::uuid, attempts = attempts + 1 \
+                   SET acquired_at = {now}, acquired_by = $1::text::uuid, \
+                   attempts = attempts + 1 \
                    WHERE sequence IN ( \
                      SELECT sequence FROM {t} \
                      WHERE queue_name = $2 \
                      AND state = 'pending' \
                      AND attempts < $3 \
-                     AND visible_at <= NOW() \
-                     AND (acquired_at IS NULL OR acquired_at < NOW() - make_interval(secs => $4)) \
+                     AND visible_at <= {now} \
+                     AND (acquired_at IS NULL \
+                          OR acquired_at < {now} - make_interval(secs => $4)) \
                      ORDER BY visible_at ASC, sequence ASC \
                      LIMIT $5 \
                      FOR UPDATE SKIP LOCKED \
@@ -377,13 +385,14 @@ impl QueueSql {
             // A row only ever carries the lock of the poll that claimed it, so matching every
             // sequence against every lock renews exactly these claims.
             refresh: format!(
-                "UPDATE {t} SET acquired_at = NOW() \
+                "UPDATE {t} SET acquired_at = {now} \
                  WHERE sequence = ANY($1) AND acquired_by = ANY($2::text[]::uuid[])"
             ),
             complete: format!("UPDATE {t} SET {settled}, state = 'completed' {held}"),
             // $3: delay, $4: failure.
             retry: format!(
-                "UPDATE {t} SET {settled}, visible_at = NOW() + make_interval(secs => $3), \
+                "UPDATE {t} SET {settled}, \
+                 visible_at = {now} + make_interval(secs => $3), \
                  last_failure = $4 {held}"
             ),
             fail: format!("UPDATE {t} SET {settled}, state = 'failed', last_failure = $3 {held}"),
@@ -399,13 +408,15 @@ impl QueueSql {
                  WHERE queue_name = $1 \
                  AND state = 'pending' \
                  AND attempts >= $2 \
-                 AND (acquired_at IS NULL OR acquired_at < NOW() - make_interval(secs => $3))"
+                 AND (acquired_at IS NULL \
+                      OR acquired_at < {now} - make_interval(secs => $3))"
             ),
             // $1: state, $2: time to live, $3: batch size.
             cleanup: format!(
                 "DELETE FROM {t} WHERE sequence IN ( \
                    SELECT sequence FROM {t} \
-                   WHERE state = $1 AND updated_at <= NOW() - make_interval(secs => $2) \
+                   WHERE state = $1 \
+                   AND updated_at <= {now} - make_interval(secs => $2) \
                    LIMIT $3 \
                  )"
             ),

@@ -136,6 +136,21 @@ pub async fn queues_are_separate(fixture: &dyn QueueFixture) {
     assert_eq!(ids(&take(&*storage, &options(10)).await), ["a"]);
 }
 
+/// Ids and queue names that differ only in case, accents or trailing spaces are different (a
+/// database's default collation would make them one row, as for the message keys).
+pub async fn ids_and_queue_names_are_compared_exactly(fixture: &dyn QueueFixture) {
+    let storage = fixture.storage();
+    for id in ["Alice", "alice", "José", "Jose", "Bob", "Bob "] {
+        assert!(storage.offer(QUEUE, id, "{}").await.unwrap(), "{}: {id:?}", fixture.name());
+    }
+    let upper = format!("{QUEUE}X");
+    let lower = format!("{QUEUE}x");
+    assert!(storage.offer(&upper, "a", "{}").await.unwrap(), "{}", fixture.name());
+    assert!(storage.offer(&lower, "a", "{}").await.unwrap(), "{}: queue names", fixture.name());
+    assert_eq!(ids(&storage.take(&lower, &options(10)).await.unwrap()), ["a"]);
+    assert_eq!(take(&*storage, &options(10)).await.items.len(), 6, "{}", fixture.name());
+}
+
 /// At most `limit` items are claimed; the rest wait for the next take, from any store.
 pub async fn take_honors_the_limit(fixture: &dyn QueueFixture) {
     let storage = fixture.storage();
