@@ -500,9 +500,11 @@ impl Sharding {
             self.stop_singletons_in(Some(&shard)),
         )
         .await;
-        // A final reply confirmed before the release is written before the lock goes.
+        // The requests that finished while the shard drained are answered before the lock
+        // goes, however slow storage is, up to the lock's expiration: past it another runner
+        // may hold the shard anyway, and its next owner runs what is left.
         if let Some(persisted) = self.persisted() {
-            persisted.writes_finished(Some(&shard), self.config().shard_lock_interval()).await;
+            persisted.writes_finished(Some(&shard), self.config().shard_lock_expiration).await;
         }
         let started = tokio::time::Instant::now();
         let mut warned_at: Option<tokio::time::Instant> = None;
@@ -845,7 +847,7 @@ impl Sharding {
             }
             cluster.stopped.cancel();
             if let Some(persisted) = self.persisted() {
-                persisted.writes_finished(None, self.config().shard_lock_interval()).await;
+                persisted.writes_finished(None, self.config().shard_lock_expiration).await;
             }
             let released = bounded(bound, cluster.storage.release_all(&address));
             if let Err(error) = released.await {

@@ -32,7 +32,7 @@ use crate::sharding::Sharding;
 mod direct;
 mod tracked;
 
-use tracked::{Busy, InFlight};
+use tracked::{Busy, Claiming, InFlight};
 
 /// How often saving a final reply is tried before the request is left for a later read.
 const SAVE_REPLY_ATTEMPTS: u32 = 4;
@@ -399,10 +399,10 @@ impl Sharding {
                 original_id
             }
         };
-        if direct && waited_id == request.request_id {
+        if let Some(reservation) = direct.filter(|_| waited_id == request.request_id) {
             // Boxed: its future would otherwise be inside this one, which the caller moves at
             // each await.
-            Box::pin(self.deliver_directly(persisted, request.clone())).await;
+            Box::pin(self.deliver_directly(persisted, request.clone(), reservation)).await;
         } else {
             self.wake_reader(&request.address.shard_id, || Envelope::Request(request.clone()));
         }
@@ -485,8 +485,8 @@ impl Sharding {
         }
         // The save's error first: a request that was not stored must not look sent.
         let saved = saved?;
-        if direct && matches!(saved, SaveResult::Success) {
-            Box::pin(self.deliver_directly(persisted, request)).await;
+        if let Some(reservation) = direct.filter(|_| matches!(saved, SaveResult::Success)) {
+            Box::pin(self.deliver_directly(persisted, request, reservation)).await;
         } else {
             self.wake_reader(&request.address.shard_id, || Envelope::Request(request.clone()));
         }
@@ -630,7 +630,8 @@ impl Sharding {
                 release.push(*request_id);
                 continue;
             }
-            let dispatched = self.dispatch(persisted, message, &mut state.unregistered, false);
+            let dispatched =
+                self.dispatch(persisted, message, &mut state.unregistered, Claiming::Read);
             if let Some((address, request_id)) = &request {
                 match dispatched {
                     Dispatched::Delivered
@@ -679,14 +680,14 @@ impl Sharding {
     /// runs once however many paths find it), or forwards an interrupt or acknowledgement to
     /// the request it belongs to. Nothing here waits: between the checks that admit a request
     /// and its arrival in the mailbox nothing can change (a `WITH_TRANSACTION` request's
-    /// transaction is begun by its instance). `rerun` claims a request whose interrupted
-    /// outcome is being settled, to run it again.
+    /// transaction is begun by its instance). `claiming` says who dispatches (see
+    /// [`Claiming`]).
     fn dispatch(
         &self,
         persisted: &Arc<Persisted>,
         message: UnprocessedMessage,
         unregistered: &mut Unregistered,
-        rerun: bool,
+        claiming: Claiming,
     ) -> Dispatched {
         let request = match message.envelope {
             Envelope::Request(request) => request,
@@ -729,7 +730,7 @@ impl Sharding {
             (None, ReplyTo::Exit(reply), Outcome::Exit(exit))
         };
         let in_flight = InFlight::new(cancellation.clone(), Arc::clone(&started), acks);
-        let claim = match persisted.claim(request_id, in_flight, rerun) {
+        let claim = match persisted.claim(request_id, in_flight, claiming) {
             Ok(claim) => claim,
             // Already being processed (AlreadyProcessingMessage): its reply will complete it.
             Err(Busy::Running) => return Dispatched::Skipped,
@@ -878,7 +879,7 @@ impl Sharding {
                 last_sent_reply: None,
             };
             let mut unregistered = Unregistered::default();
-            let dispatched = self.dispatch(persisted, message, &mut unregistered, true);
+            let dispatched = self.dispatch(persisted, message, &mut unregistered, Claiming::Rerun);
             unregistered.warn();
             match dispatched {
                 Dispatched::Delivered | Dispatched::Skipped | Dispatched::Settled(_) => return,

@@ -29,6 +29,8 @@ pub enum StorageEvent<'a> {
     FinalReply(&'a Reply),
     /// A final reply was written.
     FinalReplyStored(&'a Reply),
+    /// A reply write failed by injection ([`Faults::fail_reply_saves`]).
+    ReplyWriteFailed(&'a Reply),
     /// The storage read loop read the unprocessed messages of these shards.
     Read(&'a [ShardId]),
 }
@@ -56,10 +58,13 @@ pub struct Faults {
     begin_delay_millis: std::sync::atomic::AtomicU64,
     /// Milliseconds every `save_ack_chunk` waits first.
     ack_delay_millis: std::sync::atomic::AtomicU64,
+    /// Milliseconds every `unprocessed_before` waits first.
+    order_check_delay_millis: std::sync::atomic::AtomicU64,
     /// The process died: no call reaches the storage any more.
     dead: std::sync::atomic::AtomicBool,
     begin_transaction_calls: AtomicU32,
     commits: AtomicU32,
+    saved_requests: AtomicU32,
     resets: std::sync::Mutex<Vec<Snowflake>>,
 }
 
@@ -154,6 +159,13 @@ impl Faults {
         self.ack_delay_millis.store(millis, Ordering::Release);
     }
 
+    /// Every `unprocessed_before` (direct delivery's look at the entity's earlier requests)
+    /// from now on waits `delay` first (zero: no wait).
+    pub fn delay_order_checks(&self, delay: std::time::Duration) {
+        let millis = u64::try_from(delay.as_millis()).unwrap_or(u64::MAX);
+        self.order_check_delay_millis.store(millis, Ordering::Release);
+    }
+
     /// Waits out the latency of [`delay_storage`](Faults::delay_storage).
     async fn latency(&self) {
         let delay = self.storage_delay_millis.load(Ordering::Acquire);
@@ -175,6 +187,11 @@ impl Faults {
     /// How often `begin_transaction` was called, failed calls included.
     pub fn begin_transaction_calls(&self) -> u32 {
         self.begin_transaction_calls.load(Ordering::Acquire)
+    }
+
+    /// How many requests were stored (duplicates not counted).
+    pub fn saved_requests(&self) -> u32 {
+        self.saved_requests.load(Ordering::Acquire)
     }
 
     /// How often a transaction was committed (or tried to), failed commits included.
@@ -240,6 +257,7 @@ impl MessageStorage for FaultyMessageStorage {
             }
             let saved = self.inner.save_request(request, options).await;
             if let Ok(SaveResult::Success) = &saved {
+                self.faults.saved_requests.fetch_add(1, Ordering::AcqRel);
                 self.faults.notify(StorageEvent::RequestSaved(request));
             }
             saved
@@ -274,6 +292,7 @@ impl MessageStorage for FaultyMessageStorage {
             return dead();
         }
         if self.faults.reply_saves.fails() {
+            self.faults.notify(StorageEvent::ReplyWriteFailed(reply));
             return Box::pin(std::future::ready(Err(injected("save_reply"))));
         }
         if reply.is_final() {
@@ -383,8 +402,12 @@ impl MessageStorage for FaultyMessageStorage {
         if self.faults.is_dead() {
             return dead();
         }
+        let delay = self.faults.order_check_delay_millis.load(Ordering::Acquire);
         Box::pin(async move {
             self.faults.latency().await;
+            if delay > 0 {
+                tokio::time::sleep(std::time::Duration::from_millis(delay)).await;
+            }
             self.inner.unprocessed_before(address, request_id, now, limit).await
         })
     }

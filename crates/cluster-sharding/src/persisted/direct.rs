@@ -32,6 +32,7 @@ use cluster_core::storage::{SaveRequestOptions, UnprocessedMessage};
 use cluster_core::{EntityAddress, ShardId, Snowflake};
 use tracing::Instrument;
 
+use super::tracked::{Claiming, Reservation};
 use super::{Dispatched, Persisted, Unregistered, lock};
 use crate::sharding::Sharding;
 
@@ -86,36 +87,44 @@ impl Persisted {
 impl Sharding {
     /// Whether a request about to be saved may go directly to its entity once saved: it is not
     /// delayed, its shard is served and caught up, nothing earlier to its entity waits in
-    /// storage, and its entity type is registered for a unary request. Otherwise an undelayed
-    /// request to a served shard is held for the read loop (call [`Persisted::unhold`] if the
-    /// save fails or finds a duplicate).
+    /// storage, and its entity type is registered for a unary request. If so it is reserved
+    /// (before the save, so that the read loop, which may read it as soon as it is stored,
+    /// and direct delivery never both run it). Otherwise an undelayed request to a served
+    /// shard is held for the read loop (call [`Persisted::unhold`] if the save fails or finds
+    /// a duplicate).
     pub(super) fn plan_direct(
         &self,
-        persisted: &Persisted,
+        persisted: &Arc<Persisted>,
         request: &Request,
         options: &SaveRequestOptions,
-    ) -> bool {
+    ) -> Option<Reservation> {
         let address = &request.address;
         // A delayed request is meant to come after later ones: it neither goes directly nor
         // holds the requests after it back.
         if options.deliver_at.is_some() || !self.serves(&address.shard_id) {
-            return false;
+            return None;
         }
         let direct = persisted.may_deliver_directly(address)
             && self
                 .registered_manager(&address.entity_type)
                 .is_some_and(|manager| !manager.is_stream(&request.tag));
-        if !direct {
+        let reservation = direct.then(|| persisted.reserve(request.request_id)).flatten();
+        if reservation.is_none() {
             persisted.hold(address, request.request_id);
         }
-        direct
+        reservation
     }
 
     /// Hands a request this runner just saved to its entity, once storage shows that every
     /// request stored before it for the entity reached it already. When it cannot go now (an
     /// earlier request unread here, a full mailbox, the residency cap, the shard let go
     /// meanwhile), it is held for the read loop, which is woken.
-    pub(super) async fn deliver_directly(&self, persisted: &Arc<Persisted>, request: Request) {
+    pub(super) async fn deliver_directly(
+        &self,
+        persisted: &Arc<Persisted>,
+        request: Request,
+        reservation: Reservation,
+    ) {
         let address = request.address.clone();
         let request_id = request.request_id;
         // The caller may go away while storage is asked: the stored request is then the read
@@ -135,7 +144,9 @@ impl Sharding {
         let message =
             UnprocessedMessage { envelope: Envelope::Request(request), last_sent_reply: None };
         let mut unregistered = Unregistered::default();
-        let dispatched = self.dispatch(persisted, message, &mut unregistered, false);
+        let dispatched = self.dispatch(persisted, message, &mut unregistered, Claiming::Reserved);
+        // Claimed (kept by the claim), taken over by the read loop, or left to it.
+        drop(reservation);
         unregistered.warn();
         match dispatched {
             Dispatched::Delivered | Dispatched::Skipped | Dispatched::Settled(_) => {}

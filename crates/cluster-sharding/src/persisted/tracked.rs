@@ -2,6 +2,9 @@
 //!
 //! A request enters the map when a dispatch claims it, before it reaches its entity, and
 //! leaves once its outcome is stored:
+//! - `Reserved`: saved by this runner for direct delivery, which has not claimed it yet (it
+//!   first checks storage order). The read loop may take it over; direct delivery then finds it
+//!   taken and leaves it, so the two never both run it.
 //! - `Running`: claimed and handed to its entity; interrupts and acknowledgements go to it,
 //!   and the read loop leaves its row alone (`AlreadyProcessingMessage`).
 //! - `Settling`: its exit is in, and its reply (or its release) is being stored; the read loop
@@ -37,9 +40,21 @@ pub(super) struct Tracked {
 
 /// Where a taken-up request is.
 enum Track {
+    Reserved,
     Running(InFlight),
     Settling,
     Settled,
+}
+
+/// Who claims a request, and so which states it may be claimed from.
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+pub(super) enum Claiming {
+    /// The read loop: a request nobody here runs (or only reserved for direct delivery).
+    Read,
+    /// Direct delivery: the request it reserved before saving it, if nobody took it over.
+    Reserved,
+    /// A re-run: the request whose interrupted outcome is being settled.
+    Rerun,
 }
 
 /// A request handed to its entity and not answered yet.
@@ -74,13 +89,37 @@ pub(super) enum Busy {
 }
 
 /// A claimed request. Dropped before [`keep`](Claim::keep), the claim is undone: the request
-/// leaves the map, or (a re-run) goes back to settling.
+/// goes back to where it was (out of the map, reserved, or settling for a re-run).
 pub(super) struct Claim {
     persisted: Arc<Persisted>,
     request_id: Snowflake,
-    /// A re-run's claim: undone, the request goes back to settling.
-    rerun: bool,
+    /// Where the request was before the claim.
+    previous: Previous,
     kept: bool,
+}
+
+/// Where a claimed request was.
+#[derive(Clone, Copy)]
+enum Previous {
+    Absent,
+    Reserved,
+    Settling,
+}
+
+/// A request reserved for direct delivery; dropped, the reservation goes unless it was
+/// claimed (by direct delivery or by the read loop).
+pub(super) struct Reservation {
+    persisted: Arc<Persisted>,
+    request_id: Snowflake,
+}
+
+impl Drop for Reservation {
+    fn drop(&mut self) {
+        let mut tracked = lock(&self.persisted.tracked);
+        if matches!(tracked.requests.get(&self.request_id), Some(Track::Reserved)) {
+            tracked.requests.remove(&self.request_id);
+        }
+    }
 }
 
 impl Claim {
@@ -101,11 +140,11 @@ impl Drop for Claim {
         }
         let mut tracked = lock(&self.persisted.tracked);
         if matches!(tracked.requests.get(&self.request_id), Some(Track::Running(_))) {
-            if self.rerun {
-                tracked.requests.insert(self.request_id, Track::Settling);
-            } else {
-                tracked.requests.remove(&self.request_id);
-            }
+            match self.previous {
+                Previous::Absent => tracked.requests.remove(&self.request_id),
+                Previous::Reserved => tracked.requests.insert(self.request_id, Track::Reserved),
+                Previous::Settling => tracked.requests.insert(self.request_id, Track::Settling),
+            };
             tracked.stopped_running();
         }
     }
@@ -142,26 +181,43 @@ impl Tracked {
 }
 
 impl Persisted {
+    /// Reserves `request_id`, about to be saved, for direct delivery: `None` if it is taken up
+    /// here already (an id seen before).
+    pub(super) fn reserve(self: &Arc<Persisted>, request_id: Snowflake) -> Option<Reservation> {
+        let mut tracked = lock(&self.tracked);
+        if tracked.requests.contains_key(&request_id) {
+            return None;
+        }
+        tracked.requests.insert(request_id, Track::Reserved);
+        Some(Reservation { persisted: Arc::clone(self), request_id })
+    }
+
     /// Claims `request_id` for a dispatch, in one step with the check that nobody else has:
-    /// `Busy` if it runs here already or is settling. A re-run (`rerun`) claims the request
-    /// whose interrupted outcome is being settled.
+    /// `Busy` if it runs here already or is settling, or (direct delivery) if its reservation
+    /// is gone (the read loop took it over, and may have answered it already).
     pub(super) fn claim(
         self: &Arc<Persisted>,
         request_id: Snowflake,
         in_flight: InFlight,
-        rerun: bool,
+        claiming: Claiming,
     ) -> Result<Claim, Busy> {
         let mut tracked = lock(&self.tracked);
-        match tracked.requests.get(&request_id) {
-            None => {}
-            Some(Track::Settling) if rerun => {}
-            Some(Track::Running(_)) => return Err(Busy::Running),
-            Some(Track::Settling | Track::Settled) => return Err(Busy::Settled),
-        }
+        let previous = match (tracked.requests.get(&request_id), claiming) {
+            (None, Claiming::Read | Claiming::Rerun) => Previous::Absent,
+            // Taken over: undone, the read loop leaves it to its next read, not to direct
+            // delivery (whose reservation may be gone already).
+            (Some(Track::Reserved), Claiming::Read) => Previous::Absent,
+            (Some(Track::Reserved), Claiming::Reserved) => Previous::Reserved,
+            (Some(Track::Settling), Claiming::Rerun) => Previous::Settling,
+            (Some(Track::Running(_)), _) => return Err(Busy::Running),
+            (None | Some(Track::Reserved | Track::Settling | Track::Settled), _) => {
+                return Err(Busy::Settled);
+            }
+        };
         tracked.requests.insert(request_id, Track::Running(in_flight));
         tracked.running += 1;
         metrics::set(metrics::PERSISTED_IN_FLIGHT, tracked.running);
-        Ok(Claim { persisted: Arc::clone(self), request_id, rerun, kept: false })
+        Ok(Claim { persisted: Arc::clone(self), request_id, previous, kept: false })
     }
 
     /// The request's exit is in: from `Running` to `Settling` in one step, so that the read
@@ -194,7 +250,7 @@ impl Persisted {
         match lock(&self.tracked).requests.get(&request_id) {
             Some(Track::Running(in_flight)) => in_flight.delivered,
             Some(Track::Settling | Track::Settled) => true,
-            None => false,
+            Some(Track::Reserved) | None => false,
         }
     }
 

@@ -389,6 +389,7 @@ on_every_backend!(
     a_frozen_runner_stores_no_final_reply_and_the_new_owner_answers_once,
     the_backlog_beyond_the_residency_cap_drains_in_waves,
     requests_that_finish_while_their_shard_drains_do_not_run_again,
+    a_reply_slow_to_store_while_its_shard_drains_keeps_the_lock,
 );
 
 mod transaction_begin {
@@ -1926,4 +1927,55 @@ async fn a_request_beginning_its_transaction_does_not_run_on_a_shard_let_go(net:
     assert_eq!(booked.expect("answered in time").unwrap().unwrap(), 1);
     assert_eq!(probes.booked.load(Ordering::SeqCst), 1);
     a.shutdown().await;
+}
+
+/// A request that finishes while its shard drains, whose reply is slow to store (longer than
+/// the lock interval), is still answered by the run that finished: the lock goes only after
+/// the reply is stored, and the next owner does not run the request again.
+async fn a_reply_slow_to_store_while_its_shard_drains_keeps_the_lock(net: Net) {
+    let (messages, locks) = net.storages().await;
+    let (messages, faults) = cluster_testkit::faulty::FaultyMessageStorage::new(messages);
+    let config = ShardingConfig {
+        entity_termination_timeout: Duration::from_secs(15),
+        ..config(Some(RunnerAddress::new("127.0.0.1", 5301)))
+    };
+    let a = Sharding::join(config, Arc::new(SystemClock), Arc::new(messages), locks).await.unwrap();
+    a.register::<Counter>(EntityOptions::default()).unwrap();
+    eventually("the first runner holds every shard", || split(&[&a])).await;
+    let moving: Vec<String> = (0..200)
+        .map(|n| net.id(&format!("slow-drain-{n}")))
+        .filter(|id| {
+            let shard = a.client::<Counter>(id.as_str()).address().shard_id.clone();
+            owner_among(&[5301, 5302], &shard) == RunnerAddress::new("127.0.0.1", 5302)
+        })
+        .take(5)
+        .collect();
+    let calls: Vec<_> =
+        moving.iter().map(|id| spawn_send(&a.client::<Counter>(id.as_str()), Gated)).collect();
+    eventually("every request runs", || {
+        moving.iter().all(|id| Probes::of(id).gated_runs.load(Ordering::SeqCst) == 1)
+    })
+    .await;
+    // Twice the lock interval (500 ms) per reply write.
+    faults.delay_replies(Duration::from_millis(1000));
+    let b = net.runner(5302).await;
+    eventually("the first runner drains shards", || {
+        a.acquired_shards().len() < usize::try_from(SHARDS).unwrap()
+    })
+    .await;
+    for id in &moving {
+        Probes::of(id).gate.add_permits(2);
+    }
+    for (id, call) in moving.iter().zip(calls) {
+        let answered = tokio::time::timeout(Duration::from_secs(30), call).await;
+        assert_eq!(answered.expect("answered in time").unwrap().unwrap(), 1, "{id}: first run");
+    }
+    eventually("the shards are split", || split(&[&a, &b])).await;
+    for id in &moving {
+        assert_eq!(Probes::of(id).gated_runs.load(Ordering::SeqCst), 1, "{id} ran again");
+    }
+    faults.delay_replies(Duration::ZERO);
+    for sharding in [&a, &b] {
+        sharding.shutdown().await;
+    }
 }

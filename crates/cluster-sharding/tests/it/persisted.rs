@@ -131,6 +131,7 @@ on_every_storage!(
     a_request_another_process_stored_comes_before_a_later_local_one,
     a_persisted_streams_final_reply_is_never_dropped,
     a_type_registered_late_is_not_refused_for_an_earlier_types_timeout,
+    a_request_the_read_loop_answers_while_direct_delivery_checks_order_runs_once,
 );
 
 /// Waits until the request `tag` with primary key `key` of `address` has a final reply (with
@@ -904,5 +905,32 @@ async fn a_type_registered_late_is_not_refused_for_an_earlier_types_timeout(
     sharding.register_as::<Counter>(late_type, EntityOptions::default()).unwrap();
     let sent = tokio::time::timeout(Duration::from_secs(20), sending).await;
     assert_eq!(sent.expect("answered in time").unwrap().unwrap(), 5);
+    sharding.shutdown().await;
+}
+
+/// A request that direct delivery holds while it looks at the entity's earlier requests, and
+/// that the read loop meanwhile reads, delivers and answers, runs once: direct delivery finds
+/// it taken over and leaves it.
+async fn a_request_the_read_loop_answers_while_direct_delivery_checks_order_runs_once(
+    store: Store,
+    id: &str,
+) {
+    let (sharding, reads, faults) = counted_runner(&store, EntityOptions::default()).await;
+    let counter = sharding.client::<Counter>(id);
+    assert_eq!(counter.send(Deposit { key: format!("{id}-first"), amount: 1 }).await.unwrap(), 1);
+    eventually("the read loop read its shards", || reads.load(Ordering::SeqCst) > 0).await;
+    let probes = Probes::of(id);
+    faults.delay_order_checks(Duration::from_millis(500));
+    let saved = faults.saved_requests();
+    let sending = spawn_send(&counter, Deposit { key: format!("{id}-second"), amount: 2 });
+    eventually("the request is saved", || faults.saved_requests() > saved).await;
+    sharding.poll_storage();
+    eventually("the read loop runs it", || probes.deposits.load(Ordering::SeqCst) == 2).await;
+    let sent = tokio::time::timeout(Duration::from_secs(20), sending).await;
+    assert_eq!(sent.expect("answered in time").unwrap().unwrap(), 3);
+    faults.delay_order_checks(Duration::ZERO);
+    // The next request shows the entity's state.
+    assert_eq!(counter.send(Deposit { key: format!("{id}-third"), amount: 4 }).await.unwrap(), 7);
+    assert_eq!(probes.deposits.load(Ordering::SeqCst), 3, "the second request ran twice");
     sharding.shutdown().await;
 }
