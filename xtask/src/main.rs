@@ -81,7 +81,7 @@ fn main() -> ExitCode {
 
 fn usage() {
     report(
-        "usage: cargo xtask <ci | tidy | chaos | sim [--seeds N] [--from S] [--classic] | sim --seed S [--trace] [--classic] | bench [W0|W1|W2|W3|W4|W5|all|scaling|plot] | config-doc>",
+        "usage: cargo xtask <ci | tidy | chaos | sim [--seeds N] [--from S] [--classic|--extended|--graceful] | sim --seed S [--trace] [--classic|--extended|--graceful] | bench [W0|W1|W2|W3|W4|W5|all|scaling|plot] | config-doc>",
     );
 }
 
@@ -147,6 +147,8 @@ fn ci() -> Result<()> {
     step("cron", &["run", "-p", "cluster-sharding", "--example", "cron_singleton"], &[])?;
     bench_smoke(&service_env)?;
     sim(&["--seeds".to_owned(), "200".to_owned()])?;
+    // Graceful faults only: every handler runs exactly once, in storage order.
+    sim(&["--seeds".to_owned(), "100".to_owned(), "--graceful".to_owned()])?;
     chaos_with(&service_env)?;
     three_runners(&service_env)?;
     step(
@@ -158,7 +160,8 @@ fn ci() -> Result<()> {
     Ok(())
 }
 
-/// `cargo xtask sim [--seeds N] [--from S] | [--seed S [--trace]] [--classic]`: the simulated cluster
+/// `cargo xtask sim [--seeds N] [--from S] | [--seed S [--trace]] [--classic | --extended |
+/// --graceful]`: the simulated cluster
 /// (`cluster_testkit::sim`), built with `--cfg tokio_unstable` so that tokio's own random
 /// choices follow the seed too, in a target directory of its own (the flag changes every
 /// crate's build). Each seed runs twice and the histories must match.

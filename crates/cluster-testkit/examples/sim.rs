@@ -8,7 +8,10 @@
 //! ```
 //!
 //! `--classic` runs the scenario as it was before transport faults, latency spikes and
-//! workflows came (`SimConfig::classic`), in which the oldest regression seeds were found.
+//! workflows came (`SimConfig::classic`), in which the oldest regression seeds were found;
+//! `--extended` the one before the checks of handler runs came (`SimConfig::extended`);
+//! `--graceful` the scenario with graceful faults only (`SimConfig::graceful`), in which every
+//! handler must run exactly once and in storage order.
 //!
 //! Each seed runs twice and the two histories must be equal (built with
 //! `--cfg tokio_unstable`, as `cargo xtask sim` does; otherwise only the invariants are
@@ -29,8 +32,13 @@ fn main() -> ExitCode {
     };
     quiet_deliberate_panics();
     let deterministic = cfg!(tokio_unstable);
-    let config: fn(u64) -> SimConfig = if args.iter().any(|arg| arg == "--classic") {
+    let flag = |name: &str| args.iter().any(|arg| arg == name);
+    let config: fn(u64) -> SimConfig = if flag("--classic") {
         SimConfig::classic
+    } else if flag("--extended") {
+        SimConfig::extended
+    } else if flag("--graceful") {
+        SimConfig::graceful
     } else {
         SimConfig::seed
     };

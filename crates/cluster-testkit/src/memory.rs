@@ -255,6 +255,19 @@ impl MemoryMessageStorage {
         (smallest != u32::MAX).then_some(smallest)
     }
 
+    /// The ids of the requests stored for `address`, in storage order (the order the storage
+    /// read loop delivers them in): what a simulation compares the order of handler runs with.
+    pub fn request_order(&self, address: &EntityAddress) -> Vec<Snowflake> {
+        let state = lock(&self.state);
+        state
+            .messages
+            .values()
+            .filter(|message| matches!(message.envelope, Envelope::Request(_)))
+            .filter(|message| matches_address(message, address))
+            .map(|message| message.envelope.request_id())
+            .collect()
+    }
+
     /// What the storage holds for the entities whose id contains `entity_id` (messages in
     /// insertion order, each with its state and replies): a failing simulation's trace.
     pub fn describe(&self, entity_id: &str) -> Vec<String> {

@@ -17,17 +17,24 @@
 //! cut off the network) and are replaced, restart gracefully, are partitioned off the
 //! network, join in bursts, are replaced one by one in rolling updates; reply writes get
 //! slow, storage calls fail; the transport delays, loses and duplicates calls; storage and
-//! one runner's lock storage get latency spikes; clocks are skewed. The workload is persisted
-//! requests with primary keys and volatile requests from a client-only member of the
-//! cluster, and (feature `workflow`) workflow executions of a compensated saga (`workflow`).
+//! one runner's lock storage get latency spikes; storage transactions are slow to begin;
+//! clocks are skewed. [`SimConfig::graceful`] draws only the graceful faults. The workload is
+//! persisted requests with primary keys and volatile requests from a client-only member of
+//! the cluster, transactional requests that the runners send (which go directly to the
+//! entities they hold), and (feature `workflow`) workflow executions of a compensated saga
+//! that ships through a compensated child workflow (`workflow`).
 //!
 //! Checked: no shard is acquired by two live runners at one sampled instant, no runner
 //! writes a final reply while the database does not hold the shard's lease for it (fencing),
 //! a runner holding shards with healthy lock storage keeps reading its mailboxes (liveness),
 //! every request is answered to its caller within a bound once faults end, exactly one final
 //! reply is stored per request, every volatile request ends with its reply or a typed error;
-//! for workflows, a stored activity result is never run again and compensations run once per
-//! failed outcome, never for a success. `docs/testing.md` has the details.
+//! a handler runs again only after a run on a runner that crashed or froze, or after a write
+//! of its reply failed (`runs`), and without such faults each entity runs its requests in
+//! storage order; for workflows, a stored activity result is never run again, and
+//! compensations run once per stored failed outcome (an earlier run compensates too only if
+//! its runner crashed or froze, or its outcome's write failed), never for a success.
+//! `docs/testing.md` has the details.
 
 use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex, PoisonError};
@@ -35,7 +42,7 @@ use std::time::Duration;
 
 use cluster_core::ids::RunnerAddress;
 use cluster_core::storage::{MessageStorage, RunnerStorage};
-use cluster_core::{Clock, ShardId, ShardingConfig, Snowflake, Timestamp};
+use cluster_core::{Clock, EntityAddress, ShardingConfig, Snowflake, Timestamp};
 use cluster_sharding::{
     Entity, EntityContext, EntityOptions, Handler, Protocol, RequestContext, Rpc, Sharding,
 };
@@ -45,6 +52,7 @@ use crate::faulty::{Faults, FaultyMessageStorage, FaultyRunnerStorage, LockFault
 use crate::memory::{MemoryMessageStorage, MemoryRunnerDatabase, MemoryRunnerStorage};
 use crate::transport::{MemoryNetwork, NetworkFaults};
 
+mod runs;
 #[cfg(feature = "workflow")]
 mod workflow;
 
@@ -125,11 +133,20 @@ pub struct SimConfig {
     pub extended_faults: bool,
     /// Workflow executions the client runs (needs the `workflow` feature).
     pub workflows: usize,
+    /// The scenario added with the checks of handler runs: handlers that take a moment,
+    /// transactional requests that runners send (so that they go directly to local entities),
+    /// periods of slow transaction begins, and orders that ship through a child workflow.
+    pub exactly_once: bool,
+    /// Graceful faults only (restarts, joins, rolling updates, partitions, slow and lossy
+    /// networks and storage; no crash, freeze, slow lock storage or storage error): every
+    /// handler must run exactly once, and each entity in storage order.
+    pub graceful: bool,
 }
 
 impl SimConfig {
-    /// The default scenario of `seed`: 3 runners, 60 persisted and 60 volatile requests, 20
-    /// workflow executions, every fault.
+    /// The default scenario of `seed`: 3 runners, 60 persisted and 60 volatile requests from
+    /// the client, 20 transactional requests from the runners, 20 workflow executions, every
+    /// fault.
     pub fn seed(seed: u64) -> SimConfig {
         SimConfig {
             seed,
@@ -138,14 +155,27 @@ impl SimConfig {
             faults: true,
             extended_faults: true,
             workflows: 20,
+            exactly_once: true,
+            graceful: false,
         }
+    }
+
+    /// The scenario of `seed` with graceful faults only, where every handler runs once.
+    pub fn graceful(seed: u64) -> SimConfig {
+        SimConfig { graceful: true, ..SimConfig::seed(seed) }
+    }
+
+    /// The scenario of `seed` as it was before the checks of handler runs came (the
+    /// regression seeds found then replay it exactly; the runs are checked all the same).
+    pub fn extended(seed: u64) -> SimConfig {
+        SimConfig { exactly_once: false, ..SimConfig::seed(seed) }
     }
 
     /// The scenario of `seed` as it was before transport faults, latency spikes, dying
     /// message storage and workflows came (the regression seeds found then replay it
     /// exactly).
     pub fn classic(seed: u64) -> SimConfig {
-        SimConfig { extended_faults: false, workflows: 0, ..SimConfig::seed(seed) }
+        SimConfig { extended_faults: false, workflows: 0, ..SimConfig::extended(seed) }
     }
 }
 
@@ -232,6 +262,8 @@ const READ_STALL: Duration = Duration::from_secs(2);
 const LOCK_RECOVERY: Duration = Duration::from_secs(3);
 /// How long a volatile call may take, faults or not, before it counts as a hang.
 const VOLATILE_BOUND: Duration = Duration::from_secs(30);
+/// How long a runner's own call waits before it is made again from another runner.
+const LOCAL_CALL_BOUND: Duration = Duration::from_secs(10);
 
 fn runner_config(runner_address: Option<RunnerAddress>) -> ShardingConfig {
     ShardingConfig {
@@ -265,6 +297,25 @@ impl Rpc for Add {
     }
 }
 
+/// A persisted request with a primary key that runs in a storage transaction: add one to a
+/// counter (the runners send these, so that they go directly to the entities they hold).
+#[derive(Serialize, Deserialize)]
+struct AddTx {
+    key: String,
+}
+
+impl Rpc for AddTx {
+    const TAG: &'static str = "AddTx";
+    const PERSISTED: bool = true;
+    const WITH_TRANSACTION: bool = true;
+    type Success = u64;
+    type Error = String;
+
+    fn primary_key(&self) -> Option<String> {
+        Some(self.key.clone())
+    }
+}
+
 /// A volatile request: sent runner to runner through the simulated network.
 #[derive(Serialize, Deserialize)]
 struct Echo {
@@ -277,20 +328,35 @@ impl Rpc for Echo {
     type Error = String;
 }
 
-/// The simulated entity: a counter.
+/// The simulated entity: a counter, which records its handler runs.
 struct SimCounter {
     value: u64,
+    recorder: Option<Arc<runs::Recorder>>,
 }
 
 impl Entity for SimCounter {
     const TYPE: &'static str = "SimCounter";
 
-    async fn create(_: &EntityContext) -> SimCounter {
-        SimCounter { value: 0 }
+    async fn create(context: &EntityContext) -> SimCounter {
+        SimCounter { value: 0, recorder: context.sharding().extension::<runs::Recorder>() }
     }
 
     fn protocol(protocol: &mut Protocol<SimCounter>) {
-        protocol.handle::<Add>().handle::<Echo>();
+        protocol.handle::<Add>().handle::<AddTx>().handle::<Echo>();
+    }
+}
+
+impl SimCounter {
+    /// Records a run of a keyed request and takes the run's time.
+    async fn add(&mut self, context: &RequestContext, key: &str) -> u64 {
+        if let Some(recorder) = &self.recorder {
+            let takes = recorder.ran(key, context.request_id(), context.address());
+            if !takes.is_zero() {
+                tokio::time::sleep(takes).await;
+            }
+        }
+        self.value += 1;
+        self.value
     }
 }
 
@@ -301,9 +367,17 @@ impl Handler<Echo> for SimCounter {
 }
 
 impl Handler<Add> for SimCounter {
-    async fn handle(&mut self, _: &RequestContext, _: Add) -> Result<u64, String> {
-        self.value += 1;
-        Ok(self.value)
+    async fn handle(&mut self, context: &RequestContext, add: Add) -> Result<u64, String> {
+        Ok(self.add(context, &add.key).await)
+    }
+}
+
+impl Handler<AddTx> for SimCounter {
+    async fn handle(&mut self, context: &RequestContext, add: AddTx) -> Result<u64, String> {
+        if context.transaction().is_none() {
+            return Err("AddTx ran outside a transaction".to_owned());
+        }
+        Ok(self.add(context, &add.key).await)
     }
 }
 
@@ -339,8 +413,8 @@ struct World {
     messages: Arc<dyn MessageStorage>,
     /// Every process's storage faults (slow replies apply to all).
     storage_faults: Arc<Mutex<Vec<Arc<Faults>>>>,
-    /// The shard of every stored request (for the fencing check).
-    requests: Arc<Mutex<BTreeMap<Snowflake, ShardId>>>,
+    /// The address of every stored request (for the fencing check).
+    requests: Arc<Mutex<BTreeMap<Snowflake, EntityAddress>>>,
     registry: Arc<MemoryRunnerDatabase>,
     /// The runners' network (volatile requests, health checks).
     network: Arc<MemoryNetwork>,
@@ -351,6 +425,10 @@ struct World {
     /// The workflow scenario's ledger, when it runs.
     #[cfg(feature = "workflow")]
     workflows: Option<Arc<workflow::Ledger>>,
+    /// Every handler run, and the faults that explain a run again.
+    runs: Arc<runs::Runs>,
+    /// Handlers take a moment (`exactly_once`).
+    slow_handlers: bool,
 }
 
 impl World {
@@ -370,6 +448,7 @@ impl World {
         let start = self.start;
         let (requests, registry) = (Arc::clone(&self.requests), Arc::clone(&self.registry));
         let (history, violations) = (self.history.clone(), Arc::clone(&self.violations));
+        let runs = Arc::clone(&self.runs);
         #[cfg(feature = "workflow")]
         let workflows = self.workflows.clone();
         faults.observe(Arc::new(move |event| {
@@ -379,16 +458,16 @@ impl World {
             }
             match event {
             StorageEvent::RequestSaved(request) => {
-                let shard = request.address.shard_id.clone();
-                requests.lock().unwrap_or_else(PoisonError::into_inner).insert(request.request_id, shard);
+                let address = request.address.clone();
+                requests.lock().unwrap_or_else(PoisonError::into_inner).insert(request.request_id, address);
             }
             StorageEvent::Read(_) => {
                 last_read.store(millis(start.elapsed()), std::sync::atomic::Ordering::Relaxed);
             }
             StorageEvent::FinalReply(reply) => {
                 let Some(runner) = &runner else { return };
-                let shard = requests.lock().unwrap_or_else(PoisonError::into_inner).get(&reply.request_id()).cloned();
-                let Some(shard) = shard else { return };
+                let address = requests.lock().unwrap_or_else(PoisonError::into_inner).get(&reply.request_id()).cloned();
+                let Some(shard) = address.map(|address| address.shard_id) else { return };
                 let holder = registry.lock_holder(&shard, EXPIRATION);
                 if holder.as_ref() != Some(runner) {
                     let what = format!(
@@ -400,6 +479,10 @@ impl World {
                 }
             }
             StorageEvent::FinalReplyStored(_) => {}
+            StorageEvent::ReplyWriteFailed(reply) => {
+                let address = requests.lock().unwrap_or_else(PoisonError::into_inner).get(&reply.request_id()).cloned();
+                runs.reply_write_failed(reply.request_id(), address);
+            }
             }
         }));
         self.storage_faults
@@ -428,6 +511,11 @@ impl World {
         {
             Ok(sharding) => {
                 self.network.attach(address.clone(), sharding.runner_handler());
+                sharding.insert_extension(Arc::new(runs::Recorder {
+                    runs: Arc::clone(&self.runs),
+                    runner: format!("runner-{port}"),
+                    slow_handlers: self.slow_handlers,
+                }));
                 if let Err(error) = sharding.register::<SimCounter>(EntityOptions::default()) {
                     self.violation(format!("runner {port} could not register: {error}"));
                 }
@@ -524,8 +612,11 @@ async fn simulate(config: SimConfig) -> SimReport {
         runners: Arc::default(),
         next_port: 1,
         #[cfg(feature = "workflow")]
-        workflows: (config.workflows > 0)
-            .then(|| workflow::Ledger::new(history.clone(), Arc::clone(&violations))),
+        workflows: (config.workflows > 0).then(|| {
+            workflow::Ledger::new(history.clone(), Arc::clone(&violations), config.exactly_once)
+        }),
+        runs: runs::Runs::new(history.clone()),
+        slow_handlers: config.exactly_once,
     };
     #[cfg(not(feature = "workflow"))]
     if config.workflows > 0 {
@@ -539,7 +630,13 @@ async fn simulate(config: SimConfig) -> SimReport {
         world.history.clone(),
         Arc::clone(&world.violations),
     ));
-    let (client, calls) = start_workload(&world, &config, &mut rng).await;
+    let (client, mut calls) = start_workload(&world, &config, &mut rng).await;
+    let local_requests = if config.exactly_once { config.requests / 3 } else { 0 };
+    if local_requests > 0 {
+        // A stream of choices of its own: the older scenarios' draws stay as they were.
+        let mut rng = SimRng::new(config.seed ^ 0x6c6f_6361_6c73_656e);
+        calls.extend(start_local_senders(&world, local_requests, &mut rng));
+    }
     #[cfg(feature = "workflow")]
     let calls = {
         let mut calls = calls;
@@ -550,16 +647,7 @@ async fn simulate(config: SimConfig) -> SimReport {
         }
         calls
     };
-    let more_faults = (config.faults && config.extended_faults).then(|| {
-        let rng = SimRng::new(config.seed ^ 0x6e65_7477_6f72_6b73);
-        tokio::spawn(inject_more_faults(MoreFaults::of(&world), rng))
-    });
-    if config.faults {
-        inject_faults(&mut world, &mut rng).await;
-    }
-    if let Some(more_faults) = more_faults {
-        let _ = more_faults.await;
-    }
+    run_fault_schedules(&mut world, &config, &mut rng).await;
     // Every caller gets its reply within a bound once the faults are over.
     let deadline = start + FAULTS_END + HEAL_BOUND;
     for (key, call) in calls {
@@ -578,15 +666,36 @@ async fn simulate(config: SimConfig) -> SimReport {
         }
     }
     sampler.abort();
-    check_final_replies(&world, &client, config.requests).await;
+    check_final_replies(&world, &client, Add::TAG, "k", config.requests).await;
+    check_final_replies(&world, &client, AddTx::TAG, "t", local_requests).await;
+    check_runs(&world, &database);
     #[cfg(feature = "workflow")]
     if let Some(ledger) = &world.workflows {
-        ledger.check_end();
+        ledger.check_end(&world.runs.ungraceful_runners(), &world.runs.failed_entities());
     }
     stop(&world, &client).await;
     let events = history.take();
     let violations = world.violations.lock().unwrap_or_else(PoisonError::into_inner).clone();
     SimReport { seed: config.seed, history: hash(&events), events, violations }
+}
+
+/// Runs the fault schedules (each from a random stream of its own, so that the older
+/// scenarios' draws stay as they were) until they end.
+async fn run_fault_schedules(world: &mut World, config: &SimConfig, rng: &mut SimRng) {
+    let more_faults = (config.faults && config.extended_faults).then(|| {
+        let rng = SimRng::new(config.seed ^ 0x6e65_7477_6f72_6b73);
+        tokio::spawn(inject_more_faults(MoreFaults::of(world, config.graceful), rng))
+    });
+    let slow_transactions = (config.faults && config.exactly_once).then(|| {
+        let rng = SimRng::new(config.seed ^ 0x7472_616e_7361_6374);
+        tokio::spawn(slow_transactions(MoreFaults::of(world, config.graceful), rng))
+    });
+    if config.faults {
+        inject_faults(world, rng, config.graceful).await;
+    }
+    for schedule in [more_faults, slow_transactions].into_iter().flatten() {
+        let _ = schedule.await;
+    }
 }
 
 /// The entity of request `index` (requests spread over seven counters).
@@ -671,14 +780,72 @@ async fn start_workload(
     (client, calls)
 }
 
+/// The runners send transactional requests too (`exactly_once`): each from a live runner at
+/// its time drawn from the seed, again from one until it is answered. A runner that holds the
+/// entity's shard hands its own request to the entity directly.
+fn start_local_senders(
+    world: &World,
+    count: usize,
+    rng: &mut SimRng,
+) -> Vec<(String, tokio::task::JoinHandle<()>)> {
+    let mut calls = Vec::with_capacity(count);
+    for index in 0..count {
+        let key = format!("t{index}");
+        let at = rng.duration(Duration::ZERO, WORKLOAD);
+        let mut pick = SimRng::new(rng.next_u64());
+        let (runners, history) = (Arc::clone(&world.runners), world.history.clone());
+        let call_key = key.clone();
+        let call = tokio::spawn(async move {
+            tokio::time::sleep(at).await;
+            loop {
+                let sender = {
+                    let runners = runners.lock().unwrap_or_else(PoisonError::into_inner);
+                    pick_live(&runners, &mut pick, 1)
+                        .map(|index| (runners[index].name.clone(), runners[index].sharding.clone()))
+                };
+                let Some((name, sharding)) = sender else {
+                    tokio::time::sleep(Duration::from_millis(500)).await;
+                    continue;
+                };
+                let add = AddTx { key: call_key.clone() };
+                // A runner that crashes takes its callers with it: a call cut off that way is
+                // made again from another runner, as the caller's own retry would be.
+                let counter = counter_of(&sharding, index);
+                match tokio::time::timeout(LOCAL_CALL_BOUND, counter.send(add)).await {
+                    Ok(Ok(value)) => {
+                        history.record(format!("answered {call_key} = {value} (from {name})"));
+                        return;
+                    }
+                    Ok(Err(error)) => {
+                        history.record(format!("retry {call_key} from {name}: {error}"));
+                        tokio::time::sleep(Duration::from_millis(500)).await;
+                    }
+                    Err(_) => history.record(format!("retry {call_key}: {name} did not answer")),
+                }
+            }
+        });
+        calls.push((key, call));
+    }
+    calls
+}
+
+/// The faults of the graceful scenario (`SimConfig::graceful`), by their number below.
+const GRACEFUL_FAULTS: [u64; 5] = [2, 3, 4, 5, 7];
+
 /// Draws and applies the fault schedule until [`FAULTS_END`].
-async fn inject_faults(world: &mut World, rng: &mut SimRng) {
+async fn inject_faults(world: &mut World, rng: &mut SimRng, graceful: bool) {
     loop {
         tokio::time::sleep(rng.duration(Duration::from_millis(500), Duration::from_secs(3))).await;
         if world.start.elapsed() >= FAULTS_END {
             return;
         }
-        let fault = match rng.below(8) {
+        let drawn = if graceful {
+            let index = usize::try_from(rng.below(GRACEFUL_FAULTS.len() as u64)).unwrap_or(0);
+            GRACEFUL_FAULTS[index]
+        } else {
+            rng.below(8)
+        };
+        let fault = match drawn {
             0 => Fault::Freeze(rng.duration(Duration::from_millis(500), Duration::from_secs(4))),
             1 => Fault::Crash,
             2 => Fault::Restart,
@@ -711,6 +878,7 @@ async fn apply(world: &mut World, rng: &mut SimRng, fault: Fault) {
                 (runners[index].name.clone(), Arc::clone(&runners[index].locks))
             };
             world.history.record(format!("freeze {name} for {}ms", millis(duration)));
+            world.runs.ungraceful(&name, "freeze");
             locks.blackhole(true);
             let history = world.history.clone();
             tokio::spawn(async move {
@@ -732,6 +900,7 @@ async fn apply(world: &mut World, rng: &mut SimRng, fault: Fault) {
                 runners[index].name.clone()
             };
             world.history.record(format!("crash {name}"));
+            world.runs.ungraceful(&name, "crash");
             world.start_runner(rng).await;
         }
         Fault::Restart => {
@@ -812,16 +981,21 @@ struct MoreFaults {
     storage_faults: Arc<Mutex<Vec<Arc<Faults>>>>,
     runners: Arc<Mutex<Vec<SimRunner>>>,
     history: History,
+    runs: Arc<runs::Runs>,
+    /// Graceful faults only: no slow lock storage.
+    graceful: bool,
 }
 
 impl MoreFaults {
-    fn of(world: &World) -> MoreFaults {
+    fn of(world: &World, graceful: bool) -> MoreFaults {
         MoreFaults {
             start: world.start,
             network: Arc::clone(&world.network),
             storage_faults: Arc::clone(&world.storage_faults),
             runners: Arc::clone(&world.runners),
             history: world.history.clone(),
+            runs: Arc::clone(&world.runs),
+            graceful,
         }
     }
 }
@@ -845,7 +1019,7 @@ async fn inject_more_faults(faults: MoreFaults, mut rng: SimRng) {
             break;
         }
         let duration = rng.duration(Duration::from_millis(500), Duration::from_secs(4));
-        match rng.below(3) {
+        match rng.below(if faults.graceful { 2 } else { 3 }) {
             0 => {
                 let network = NetworkFaults {
                     delay_min: Duration::ZERO,
@@ -907,6 +1081,7 @@ async fn slow_locks(faults: &MoreFaults, rng: &mut SimRng, duration: Duration) {
         })
     };
     let Some((name, locks)) = picked else { return };
+    faults.runs.ungraceful(&name, "slow lock storage");
     faults.history.record(format!(
         "slow lock storage on {name}: {}ms for {}ms",
         millis(delay),
@@ -916,6 +1091,34 @@ async fn slow_locks(faults: &MoreFaults, rng: &mut SimRng, duration: Duration) {
     tokio::time::sleep(duration).await;
     locks.delay_locks(Duration::ZERO);
     faults.history.record(format!("lock storage fast again on {name}"));
+}
+
+/// The third fault schedule (`exactly_once`), from a random stream of its own: periods in which
+/// every process's storage transactions are slow to begin (a pool waiting for a connection).
+async fn slow_transactions(faults: MoreFaults, mut rng: SimRng) {
+    loop {
+        tokio::time::sleep(rng.duration(Duration::from_secs(1), Duration::from_secs(5))).await;
+        if faults.start.elapsed() >= FAULTS_END {
+            return;
+        }
+        let delay = rng.duration(Duration::from_millis(50), Duration::from_millis(400));
+        let duration = rng.duration(Duration::from_millis(500), Duration::from_secs(3));
+        faults.history.record(format!(
+            "slow transactions {}ms for {}ms",
+            millis(delay),
+            millis(duration)
+        ));
+        let processes: Vec<Arc<Faults>> =
+            faults.storage_faults.lock().unwrap_or_else(PoisonError::into_inner).clone();
+        for process in &processes {
+            process.delay_begin_transaction(delay);
+        }
+        tokio::time::sleep(duration).await;
+        for process in &processes {
+            process.delay_begin_transaction(Duration::ZERO);
+        }
+        faults.history.record("transactions fast again".to_owned());
+    }
 }
 
 /// Several runners join at once; as many of the oldest leave a while later.
@@ -1027,12 +1230,18 @@ async fn check_ownership(
     }
 }
 
-/// Exactly one final reply is stored per request.
-async fn check_final_replies(world: &World, client: &Sharding, requests: usize) {
+/// Exactly one final reply is stored per request (`<prefix><index>`, with tag `tag`).
+async fn check_final_replies(
+    world: &World,
+    client: &Sharding,
+    tag: &str,
+    prefix: &str,
+    requests: usize,
+) {
     for index in 0..requests {
-        let key = format!("k{index}");
+        let key = format!("{prefix}{index}");
         let address = counter_of(client, index).address().clone();
-        let primary_key = cluster_core::envelope::primary_key(&address, Add::TAG, &key);
+        let primary_key = cluster_core::envelope::primary_key(&address, tag, &key);
         let request = match world.messages.request_id_for_primary_key(&primary_key).await {
             Ok(Some(request)) => request,
             Ok(None) => {
@@ -1054,6 +1263,24 @@ async fn check_final_replies(world: &World, client: &Sharding, requests: usize) 
             Err(error) => world.violation(format!("{key}'s replies cannot be read: {error}")),
         }
     }
+}
+
+/// Every handler run again was after a run that a crash, a freeze or a failed reply write
+/// explains; without any of those, each entity ran its requests in storage order.
+fn check_runs(world: &World, database: &MemoryMessageStorage) {
+    for rerun in world.runs.unexplained_reruns() {
+        world.violation(rerun);
+    }
+    let ungraceful = world.runs.ungraceful_runners();
+    if ungraceful.is_empty() && world.runs.failed_entities().is_empty() {
+        for entity in world.runs.out_of_order(|address| database.request_order(address)) {
+            world.violation(format!("out of storage order: {entity}"));
+        }
+    }
+    let (runs, repeated) = world.runs.counts();
+    world.history.record(format!(
+        "handlers: {runs} runs, {repeated} repeated, ungraceful runners {ungraceful:?}"
+    ));
 }
 
 /// Stops the client and every runner that is still up (crashed ones just stay).

@@ -3,13 +3,18 @@
 //! compensated activities, a durable sleep on the cluster's clock and a last activity that
 //! fails for some orders.
 //!
+//! With `exactly_once`, an order ships through a child workflow, `SimShipment`, which packs
+//! (undone on failure) and then dispatches, failing for the orders that fail: the child's
+//! failure fails the parent.
+//!
 //! Checked as the run goes: an activity attempt whose result was stored never runs again (its
 //! stored result is what a replay gets). Checked at the end: every order ends within the
 //! bound with the outcome its payload asks for; an order that succeeded never compensated; in
 //! a failed order, the run whose outcome was stored (its number travels in the error) undid
-//! both steps exactly once, in reverse order. An earlier run can only have compensated too if
-//! its own outcome was never stored (its runner lost the shard between compensating and
-//! storing): such repeats are counted in the history, not hidden.
+//! both steps exactly once, in reverse order, and so did the child's (pack). Compensations run
+//! once per stored outcome: an earlier run may have compensated too only if its outcome was
+//! never stored because its runner crashed, froze or lost track of its locks; a runner that
+//! stopped gracefully stores its runs' outcomes (or runs no compensation) first.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
@@ -34,11 +39,14 @@ struct Order {
     fails: bool,
 }
 
-/// Why an order failed, and which run decided it.
+/// Why an order failed, and which run decided it (and which run of its shipment, when it
+/// shipped through the child workflow).
 #[derive(Debug, Serialize, Deserialize)]
 struct OrderFailed {
     reason: String,
     run: u64,
+    #[serde(default)]
+    child_run: Option<u64>,
 }
 
 /// The simulated saga.
@@ -68,6 +76,25 @@ impl Workflow for SimOrder {
     }
 }
 
+/// The shipment of an order, a child workflow (`exactly_once`).
+struct SimShipment;
+
+impl Workflow for SimShipment {
+    const NAME: &'static str = "SimShipment";
+    type Payload = Order;
+    /// The run that shipped.
+    type Success = u64;
+    type Error = OrderFailed;
+
+    fn idempotency_key(order: &Order) -> String {
+        format!("shipment-{}", order.id)
+    }
+
+    fn options() -> WorkflowOptions {
+        SimOrder::options()
+    }
+}
+
 /// What the activity requests of the scenario look like (the engine's `activity` payload).
 #[derive(Deserialize)]
 struct ActivityPayload {
@@ -79,6 +106,8 @@ struct ActivityPayload {
 pub(super) struct Ledger {
     history: History,
     violations: Arc<Mutex<Vec<String>>>,
+    /// Orders ship through the child workflow.
+    children: bool,
     state: Mutex<LedgerState>,
 }
 
@@ -94,11 +123,19 @@ struct LedgerState {
     activity_runs: BTreeMap<(String, String), u32>,
     /// Each order's compensations: (run, step).
     compensations: BTreeMap<u64, Vec<(u64, &'static str)>>,
+    /// The runner of each run.
+    runners: BTreeMap<u64, Arc<str>>,
+    /// The failed orders: the runs whose outcomes were stored (the order's, its shipment's).
+    failed: BTreeMap<u64, (u64, Option<u64>)>,
 }
 
 impl Ledger {
-    pub(super) fn new(history: History, violations: Arc<Mutex<Vec<String>>>) -> Arc<Ledger> {
-        Arc::new(Ledger { history, violations, state: Mutex::default() })
+    pub(super) fn new(
+        history: History,
+        violations: Arc<Mutex<Vec<String>>>,
+        children: bool,
+    ) -> Arc<Ledger> {
+        Arc::new(Ledger { history, violations, children, state: Mutex::default() })
     }
 
     fn state(&self) -> MutexGuard<'_, LedgerState> {
@@ -115,7 +152,10 @@ impl Ledger {
         match event {
             StorageEvent::RequestSaved(request)
                 if request.tag.as_ref() == "activity"
-                    && request.address.entity_type.as_str() == "Workflow/SimOrder" =>
+                    && matches!(
+                        request.address.entity_type.as_str(),
+                        "Workflow/SimOrder" | "Workflow/SimShipment"
+                    ) =>
             {
                 let Ok(payload) = request.payload.decode::<ActivityPayload>() else { return };
                 let key = format!("{}/{}", payload.name, payload.attempt);
@@ -164,10 +204,12 @@ impl Ledger {
         self.state().compensations.entry(order).or_default().push((run, step));
     }
 
-    fn next_run(&self) -> u64 {
+    fn next_run(&self, runner: &Arc<str>) -> u64 {
         let mut state = self.state();
         state.next_run += 1;
-        state.next_run
+        let run = state.next_run;
+        state.runners.insert(run, Arc::clone(runner));
+        run
     }
 
     /// Registers the scenario's workflow on a runner.
@@ -178,6 +220,14 @@ impl Ledger {
     ) -> Result<(), String> {
         let engine = WorkflowEngine::cluster(sharding).map_err(|error| error.to_string())?;
         let (ledger, runner) = (Arc::clone(self), Arc::<str>::from(runner));
+        if self.children {
+            let (ledger, runner) = (Arc::clone(&ledger), Arc::clone(&runner));
+            engine
+                .register::<SimShipment, _, _>(move |ctx, order| {
+                    shipment(ctx, order, Arc::clone(&ledger), Arc::clone(&runner))
+                })
+                .map_err(|error| error.to_string())?;
+        }
         engine
             .register::<SimOrder, _, _>(move |ctx, order| {
                 saga(ctx, order, Arc::clone(&ledger), Arc::clone(&runner))
@@ -237,19 +287,37 @@ impl Ledger {
                 }
             }
             (true, Err(ExecuteError::Failed(failed))) if failed.reason == "no courier" => {
-                let run = failed.run;
-                let (decisive, earlier): (Vec<_>, Vec<_>) =
-                    compensations.iter().partition(|(by, _)| *by == run);
-                let steps: Vec<&str> = decisive.iter().map(|(_, step)| *step).collect();
+                let (run, child_run) = (failed.run, failed.child_run);
+                let steps = |of: u64| -> Vec<&str> {
+                    compensations
+                        .iter()
+                        .filter(|(by, _)| *by == of)
+                        .map(|(_, step)| *step)
+                        .collect()
+                };
+                let others = compensations
+                    .iter()
+                    .filter(|(by, _)| *by != run && Some(*by) != child_run)
+                    .count();
                 self.history.record(format!(
-                    "order {id} failed in run {run}, undone {steps:?}, {} repeated by earlier runs",
-                    earlier.len()
+                    "order {id} failed in run {run} (shipment run {child_run:?}), undone {:?}, {others} by earlier runs",
+                    steps(run)
                 ));
-                if steps != ["charge", "reserve"] {
+                if steps(run) != ["charge", "reserve"] {
                     self.violation(format!(
-                        "order {id}: the run that failed it undid {steps:?}, not charge then reserve once"
+                        "order {id}: the run that failed it undid {:?}, not charge then reserve once",
+                        steps(run)
                     ));
                 }
+                if let Some(child_run) = child_run
+                    && steps(child_run) != ["pack"]
+                {
+                    self.violation(format!(
+                        "order {id}: the shipment run that failed it undid {:?}, not pack once",
+                        steps(child_run)
+                    ));
+                }
+                self.state().failed.insert(id, (run, child_run));
             }
             (_, outcome) => {
                 self.violation(format!(
@@ -260,8 +328,46 @@ impl Ledger {
         }
     }
 
-    /// At the end: every activity attempt with a stored result ran at least once.
-    pub(super) fn check_end(&self) {
+    /// At the end: every activity attempt with a stored result ran at least once, and in each
+    /// failed order a run whose outcome was not stored compensated only if its runner crashed,
+    /// froze or lost track of its locks (`ungraceful`).
+    pub(super) fn check_end(
+        &self,
+        ungraceful: &BTreeMap<String, &'static str>,
+        failed_entities: &BTreeSet<String>,
+    ) {
+        let repeated: Vec<String> = {
+            let state = self.state();
+            state
+                .failed
+                .iter()
+                .flat_map(|(order, (run, child_run))| {
+                    let compensations = state.compensations.get(order).cloned().unwrap_or_default();
+                    let state = &state;
+                    compensations.into_iter().filter_map(move |(by, step)| {
+                        let runner = state.runners.get(&by).map_or("?", |runner| &**runner);
+                        let decisive = by == *run || Some(by) == *child_run;
+                        // A run whose outcome's write failed (storage errors) is not stored.
+                        let order = Order { id: *order, fails: true };
+                        let failed_write = [
+                            SimOrder::execution_id(&order).to_string(),
+                            SimShipment::execution_id(&order).to_string(),
+                        ]
+                        .iter()
+                        .any(|execution| failed_entities.contains(execution));
+                        let excused = ungraceful.contains_key(runner) || failed_write;
+                        (!decisive && !excused).then(|| {
+                            format!(
+                                "order {}: run {by} on {runner} undid {step}, but its outcome was not stored and {runner} neither crashed nor froze", order.id
+                            )
+                        })
+                    })
+                })
+                .collect()
+        };
+        for what in repeated {
+            self.violation(what);
+        }
         let state = self.state();
         for attempt in &state.completed {
             if !state.activity_runs.contains_key(attempt) {
@@ -297,7 +403,7 @@ async fn saga(
     ledger: Arc<Ledger>,
     runner: Arc<str>,
 ) -> Result<u64, OrderFailed> {
-    let run = ledger.next_run();
+    let run = ledger.next_run(&runner);
     let id = order.id;
     ledger.history.record(format!("order {id} run {run} on {runner}"));
     for step in ["reserve", "charge"] {
@@ -308,18 +414,54 @@ async fn saga(
         })
         .compensate(move |_, _| async move { undo.compensated(id, run, step) })
         .await
-        .map_err(|reason| OrderFailed { reason, run })?;
+        .map_err(|reason| OrderFailed { reason, run, child_run: None })?;
     }
     // The cluster's durable clock, not an in-memory sleep.
     ledger.history.record(format!("order {id} run {run} sleeps"));
     ctx.sleep_with_threshold("pause", Duration::from_millis(300), Duration::ZERO).await;
     ledger.history.record(format!("order {id} run {run} woke"));
+    if ledger.children {
+        ctx.child::<SimShipment>(order).await.map_err(|failed| OrderFailed {
+            reason: failed.reason,
+            run,
+            child_run: Some(failed.run),
+        })?;
+        return Ok(run);
+    }
     let (body, fails) = (Arc::clone(&ledger), order.fails);
     ctx.activity("ship", move |context| {
         body.activity_started(id, &context, "ship");
         async move { if fails { Err("no courier".to_owned()) } else { Ok(()) } }
     })
     .await
-    .map_err(|reason| OrderFailed { reason, run })?;
+    .map_err(|reason| OrderFailed { reason, run, child_run: None })?;
+    Ok(run)
+}
+
+/// The shipment, a child of the order: pack (undone on failure), then dispatch.
+async fn shipment(
+    ctx: WorkflowContext,
+    order: Order,
+    ledger: Arc<Ledger>,
+    runner: Arc<str>,
+) -> Result<u64, OrderFailed> {
+    let run = ledger.next_run(&runner);
+    let id = order.id;
+    ledger.history.record(format!("order {id} shipment run {run} on {runner}"));
+    let (body, undo) = (Arc::clone(&ledger), Arc::clone(&ledger));
+    ctx.activity("pack", move |context| {
+        body.activity_started(id, &context, "pack");
+        async move { Ok::<u64, String>(id) }
+    })
+    .compensate(move |_, _| async move { undo.compensated(id, run, "pack") })
+    .await
+    .map_err(|reason| OrderFailed { reason, run, child_run: None })?;
+    let (body, fails) = (Arc::clone(&ledger), order.fails);
+    ctx.activity("dispatch", move |context| {
+        body.activity_started(id, &context, "dispatch");
+        async move { if fails { Err("no courier".to_owned()) } else { Ok(()) } }
+    })
+    .await
+    .map_err(|reason| OrderFailed { reason, run, child_run: None })?;
     Ok(run)
 }
