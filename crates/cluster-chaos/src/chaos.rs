@@ -2,7 +2,8 @@
 //!
 //! Three runner processes on 127.0.0.1 share PostgreSQL tables of the run's own prefix and
 //! reach each other over the TCP transport (with a shared secret); a client-only process
-//! sends persisted deposits (with primary keys) and volatile echoes. While it does, one runner
+//! sends persisted deposits (with primary keys, in bursts per ledger, see [`crate::workload`])
+//! and volatile echoes. While it does, one runner
 //! is killed with SIGKILL, one is frozen with SIGSTOP past the lock expiration and then
 //! continued, a fourth runner joins, and one shuts down gracefully (SIGTERM).
 //!
@@ -29,6 +30,9 @@ use crate::workload::{self, Summary};
 
 /// The ledgers the client spreads its deposits over (passed to it as `CHAOS_ENTITIES`).
 const ENTITIES: u64 = 200;
+
+/// Consecutive deposits to one ledger (`CHAOS_BURST`), so that several wait on one ledger.
+const BURST: u64 = 4;
 
 /// The lock expiration of the run's runners.
 const EXPIRATION: Duration = Duration::from_secs(4);
@@ -200,6 +204,7 @@ async fn run_on(
         ("CHAOS_KEY_PREFIX", "deposit".to_owned()),
         ("CHAOS_SEND_FOR_MS", options.send_for.as_millis().to_string()),
         ("CHAOS_ENTITIES", ENTITIES.to_string()),
+        ("CHAOS_BURST", BURST.to_string()),
     ];
     let client = spawn("client", "client", &env, &workload, Stdio::piped())?;
     let output = tokio::spawn(client.child.wait_with_output());
@@ -302,7 +307,7 @@ async fn check_replies(
 ) -> Result<(), String> {
     let mut problems = Vec::new();
     for n in 0..report.client.sent {
-        let entity_id = workload::ledger_of(n, ENTITIES);
+        let entity_id = workload::ledger_of(n, ENTITIES, BURST);
         let address = EntityAddress {
             shard_id: node.sharding.shard_id(&entity_id, &ShardGroup::default_group()),
             entity_type: EntityType::from(Ledger::TYPE),
