@@ -8,8 +8,8 @@
 //! deposit was, and only then awaited (`send` with the same key finds the stored request and
 //! waits for its reply). So each ledger's storage order is the order of its deposits and is
 //! well defined across processes (no two saves to one ledger race for their rowids), while
-//! several of its deposits wait for their answers at once: storage order per ledger is the
-//! order of its deposits. The summary counts the deposits stored while an
+//! several of its deposits wait for their answers at once: the order check of
+//! [`crate::runs::check_order`] is exact. The summary counts the deposits stored while an
 //! earlier one to the same ledger was still unanswered (`queued_behind`).
 //!
 //! Options come from the environment: `CHAOS_KEY_PREFIX`, `CHAOS_ENTITIES`, `CHAOS_BURST`,
