@@ -334,3 +334,41 @@ async fn echo_until(client: &Sharding, entities: u64, until: Instant, tally: &Mu
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use std::collections::BTreeMap;
+
+    use super::{ledger_of, position};
+
+    #[test]
+    fn bursts_go_to_the_ledgers_in_turn_and_number_each_ledgers_deposits_without_gaps() {
+        let positions: Vec<(u64, u64)> = (0..12).map(|n| position(n, 3, 2)).collect();
+        let expected = [
+            (0, 0),
+            (0, 1),
+            (1, 0),
+            (1, 1),
+            (2, 0),
+            (2, 1),
+            (0, 2),
+            (0, 3),
+            (1, 2),
+            (1, 3),
+            (2, 2),
+            (2, 3),
+        ];
+        assert_eq!(positions, expected);
+        // Each ledger's deposits are numbered 0, 1, 2, … in the order of `n`: a deposit waits
+        // for the one numbered just before it, which always exists and comes earlier.
+        let mut next: BTreeMap<u64, u64> = BTreeMap::new();
+        for n in 0..1000 {
+            let (entity, index) = position(n, 7, 4);
+            let expected = next.entry(entity).or_default();
+            assert_eq!(index, *expected, "deposit {n}");
+            *expected += 1;
+        }
+        assert_eq!(ledger_of(9, 3, 2), "ledger-1");
+        assert_eq!(ledger_of(9, 200, 1), "ledger-9");
+    }
+}
