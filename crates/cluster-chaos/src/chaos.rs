@@ -2,15 +2,32 @@
 //!
 //! Three runner processes on 127.0.0.1 share PostgreSQL tables of the run's own prefix and
 //! reach each other over the TCP transport (with a shared secret); a client-only process
-//! sends persisted deposits (with primary keys) and volatile echoes. While it does, one runner
-//! is killed with SIGKILL, one is frozen with SIGSTOP past the lock expiration and then
-//! continued, a fourth runner joins, and one shuts down gracefully (SIGTERM).
+//! sends persisted deposits (with primary keys, in bursts per ledger, see [`crate::workload`])
+//! and volatile echoes. While it does, the schedule has two phases:
 //!
-//! At the end it checks that every deposit was answered to its caller and has exactly one
-//! stored final reply and one audit row, and that the audit shows no shard served by two
-//! runners at once (see [`crate::ledger`]). A summary is printed; any violation fails the run.
+//! 1. crashes: `runner-1` is killed with SIGKILL, `runner-2` is frozen with SIGSTOP past the
+//!    lock expiration and then continued;
+//! 2. graceful changes only, once the frozen runner had a lock expiration to notice what it
+//!    lost: `runner-4` joins, `runner-3` leaves with SIGTERM, `runner-1` comes back (its second
+//!    process) and joins, and `runner-2` leaves with SIGTERM.
+//!
+//! Each fault is logged with marks of the runs' sequence taken before and after it
+//! ([`crate::runs::Fault`]). At the end it checks that
+//!
+//! - every deposit was answered to its caller and has exactly one stored final reply and one
+//!   audit row, and the audit shows no shard served by two runners at once (see
+//!   [`crate::ledger`]);
+//! - every run of a deposit's handler other than its committed one (the one its audit row
+//!   names) was cut off by a SIGKILL or SIGSTOP of its own process
+//!   ([`crate::runs::check_reruns`]): a re-run after a graceful stop, a join or a rebalance is a
+//!   violation;
+//! - on every ledger, the deposits' first runs come in their storage order
+//!   ([`crate::runs::check_order`]).
+//!
+//! A summary is printed (runs, re-runs, the re-runs each fault explains); any violation fails
+//! the run.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 use std::process::Stdio;
 use std::time::Duration;
 
@@ -25,13 +42,31 @@ use tokio::time::Instant;
 
 use crate::ledger::{self, Deposit, Ledger};
 use crate::node::NodeEnv;
+use crate::runs::{self, Fault, FaultKind, Order, ProcessId, Reruns, Run, StoredRequest};
 use crate::workload::{self, Summary};
 
 /// The ledgers the client spreads its deposits over (passed to it as `CHAOS_ENTITIES`).
 const ENTITIES: u64 = 200;
 
+/// Consecutive deposits to one ledger (`CHAOS_BURST`), so that several wait on one ledger.
+const BURST: u64 = 4;
+
+/// How long each deposit works inside its transaction (`CHAOS_DEPOSIT_WORK_MS`), so that the
+/// faults find runs in flight.
+const DEPOSIT_WORK: Duration = Duration::from_millis(50);
+
 /// The lock expiration of the run's runners.
 const EXPIRATION: Duration = Duration::from_secs(4);
+
+/// How long the frozen runner stays stopped: past its locks' expiration.
+const FREEZE: Duration = Duration::from_secs(7);
+
+/// How long after SIGCONT a run of the frozen runner still counts as the freeze's: a resumed
+/// runner may start a handler of a shard it lost until its next lock refresh tells it so.
+const FREEZE_AFTERMATH: Duration = EXPIRATION;
+
+/// How long a runner has to leave after SIGTERM, or to register after it started.
+const PROCESS_DEADLINE: Duration = Duration::from_secs(30);
 
 /// Reports a step of the run on standard output.
 #[expect(clippy::print_stdout, reason = "the fault test reports its steps to the terminal")]
@@ -44,8 +79,10 @@ pub fn say(message: &str) {
 pub struct ChaosOptions {
     /// The PostgreSQL database.
     pub postgres_url: String,
-    /// How long the client starts new deposits.
+    /// How long the client starts new deposits (the schedule's faults need 28 s).
     pub send_for: Duration,
+    /// Leaves the tables in place for inspection instead of dropping them.
+    pub keep_tables: bool,
 }
 
 /// What the run found.
@@ -53,10 +90,17 @@ pub struct ChaosOptions {
 pub struct Report {
     /// The client's view.
     pub client: Summary,
-    /// Violations: lost, duplicated or unanswered requests, overlapping ownership.
+    /// Violations: lost, duplicated or unanswered requests, overlapping ownership, runs not
+    /// explained by a fault, deliveries out of storage order.
     pub violations: Vec<String>,
     /// Audit rows read.
     pub audit_rows: usize,
+    /// The faults injected, in order.
+    pub faults: Vec<Fault>,
+    /// The runs and their attribution.
+    pub reruns: Reruns,
+    /// The order check.
+    pub order: Order,
 }
 
 /// The runtime settings every process of the run shares, as environment variables.
@@ -82,21 +126,24 @@ fn shared_env(options: &ChaosOptions, prefix: &TablePrefix, secret: &str) -> Vec
 
 /// One process of the run.
 struct Process {
-    name: String,
+    id: ProcessId,
+    port: u16,
     child: Child,
+    /// Waited for: it was killed, or it left.
+    exited: bool,
 }
 
 impl Process {
-    fn pid(&self) -> Result<u32, String> {
-        self.child.id().ok_or_else(|| format!("{} has exited", self.name))
+    fn name(&self) -> &str {
+        &self.id.runner
     }
 
     async fn signal(&self, signal: &str) -> Result<(), String> {
-        let pid = self.pid()?.to_string();
+        let pid = self.id.pid.to_string();
         let status = Command::new("kill").args([signal, &pid]).status().await;
         match status {
             Ok(status) if status.success() => Ok(()),
-            other => Err(format!("kill {signal} {}: {other:?}", self.name)),
+            other => Err(format!("kill {signal} {}: {other:?}", self.id)),
         }
     }
 }
@@ -107,7 +154,7 @@ fn spawn(
     env: &[(String, String)],
     extra: &[(&str, String)],
     stdout: Stdio,
-) -> Result<Process, String> {
+) -> Result<(Child, u32), String> {
     let exe = std::env::current_exe().map_err(|error| format!("current exe: {error}"))?;
     let mut command = Command::new(exe);
     command.arg(mode).stdout(stdout).stderr(Stdio::inherit()).kill_on_drop(true);
@@ -118,16 +165,28 @@ fn spawn(
         command.env(name, value);
     }
     let child = command.spawn().map_err(|error| format!("spawn {name}: {error}"))?;
-    Ok(Process { name: name.to_owned(), child })
+    let pid = child.id().ok_or_else(|| format!("{name} exited at once"))?;
+    Ok((child, pid))
 }
 
-fn spawn_runner(name: &str, port: u16, env: &[(String, String)]) -> Result<Process, String> {
+/// Starts process `process` (1 for the first) of runner `name` on a free port.
+fn spawn_runner(name: &str, process: u32, env: &[(String, String)]) -> Result<Process, String> {
+    let port = free_port()?;
     let extra = [
         ("HOST", "127.0.0.1".to_owned()),
         ("PORT", port.to_string()),
         ("CHAOS_AUDIT", "1".to_owned()),
+        ("CHAOS_RUNNER_NAME", name.to_owned()),
+        ("CHAOS_RUNNER_PROCESS", process.to_string()),
+        ("CHAOS_DEPOSIT_WORK_MS", DEPOSIT_WORK.as_millis().to_string()),
     ];
-    spawn(name, "runner", env, &extra, Stdio::null())
+    let (child, pid) = spawn(name, "runner", env, &extra, Stdio::null())?;
+    Ok(Process {
+        id: ProcessId { runner: name.to_owned(), process, pid },
+        port,
+        child,
+        exited: false,
+    })
 }
 
 /// A free TCP port on 127.0.0.1 (bound, then released for the runner to take).
@@ -136,7 +195,8 @@ pub fn free_port() -> Result<u16, String> {
     listener.local_addr().map(|address| address.port()).map_err(|error| error.to_string())
 }
 
-/// Runs the whole test; tables are dropped at the end whatever happened.
+/// Runs the whole test; tables are dropped at the end whatever happened, unless
+/// `options.keep_tables`.
 ///
 /// # Cancel safety
 ///
@@ -152,7 +212,11 @@ pub async fn run(options: &ChaosOptions) -> Result<Report, String> {
             .map_err(|error| format!("PostgreSQL at {}: {error}", options.postgres_url))?;
     let connection = tokio::spawn(connection);
     let result = run_on(options, &prefix, &client).await;
-    drop_tables(&client, &prefix).await;
+    if options.keep_tables {
+        say(&format!("chaos: tables kept under the prefix {}", prefix.as_str()));
+    } else {
+        drop_tables(&client, &prefix).await;
+    }
     connection.abort();
     result
 }
@@ -164,7 +228,86 @@ async fn drop_tables(client: &tokio_postgres::Client, prefix: &TablePrefix) {
             .map(|table| format!("\"{}\"", prefix.table(table)))
             .collect();
     tables.push(format!("\"{}\"", ledger::audit_table(prefix)));
+    tables.push(format!("\"{}\"", runs::runs_table(prefix)));
     let _ = client.batch_execute(&format!("DROP TABLE IF EXISTS {}", tables.join(", "))).await;
+}
+
+/// The faults injected so far, each between two marks of the runs' sequence.
+struct Faults<'a> {
+    db: &'a tokio_postgres::Client,
+    registry: &'a PgRunnerStorage,
+    env: &'a [(String, String)],
+    mark_sql: String,
+    log: Vec<Fault>,
+}
+
+impl Faults<'_> {
+    /// A mark of the runs' sequence: runs recorded before it have a smaller `seq`, runs
+    /// recorded after it a larger one.
+    async fn mark(&self) -> Result<i64, String> {
+        let row = self.db.query_one(&self.mark_sql, &[]).await;
+        row.and_then(|row| row.try_get(0)).map_err(|error| format!("mark: {error}"))
+    }
+
+    fn log(&mut self, kind: FaultKind, process: &Process, began: i64, ended: i64) {
+        self.log.push(Fault { kind, process: process.id.clone(), began, ended });
+    }
+
+    async fn kill(&mut self, runner: &mut Process) -> Result<(), String> {
+        say(&format!("chaos: SIGKILL {}", runner.id));
+        let began = self.mark().await?;
+        runner.signal("-KILL").await?;
+        match tokio::time::timeout(PROCESS_DEADLINE, runner.child.wait()).await {
+            Ok(Ok(_)) => runner.exited = true,
+            other => return Err(format!("{} did not die after SIGKILL: {other:?}", runner.id)),
+        }
+        let ended = self.mark().await?;
+        self.log(FaultKind::Kill, runner, began, ended);
+        Ok(())
+    }
+
+    /// SIGSTOP for [`FREEZE`], SIGCONT, then [`FREEZE_AFTERMATH`] before the next fault.
+    async fn freeze(&mut self, runner: &Process) -> Result<(), String> {
+        say(&format!("chaos: SIGSTOP {} for {FREEZE:?}", runner.id));
+        let began = self.mark().await?;
+        runner.signal("-STOP").await?;
+        tokio::time::sleep(FREEZE).await;
+        say(&format!("chaos: SIGCONT {}", runner.id));
+        runner.signal("-CONT").await?;
+        let ended = self.mark().await?;
+        tokio::time::sleep(FREEZE_AFTERMATH).await;
+        let runs_until = self.mark().await?;
+        self.log(FaultKind::Freeze { runs_until }, runner, began, ended);
+        Ok(())
+    }
+
+    /// Starts process `process` of runner `name` and waits until it is registered.
+    async fn join(&mut self, name: &str, process: u32) -> Result<Process, String> {
+        let began = self.mark().await?;
+        let runner = spawn_runner(name, process, self.env)?;
+        say(&format!("chaos: {} joins", runner.id));
+        wait_for_runner(self.registry, runner.port).await?;
+        let ended = self.mark().await?;
+        self.log(FaultKind::Join, &runner, began, ended);
+        Ok(runner)
+    }
+
+    /// SIGTERM, and waits until the runner has left cleanly.
+    async fn terminate(&mut self, runner: &mut Process) -> Result<(), String> {
+        say(&format!("chaos: SIGTERM {} (graceful)", runner.id));
+        let began = self.mark().await?;
+        runner.signal("-TERM").await?;
+        match tokio::time::timeout(PROCESS_DEADLINE, runner.child.wait()).await {
+            Ok(Ok(status)) if status.success() => {
+                runner.exited = true;
+                say(&format!("chaos: {} left cleanly", runner.id));
+            }
+            other => return Err(format!("{} did not shut down cleanly: {other:?}", runner.id)),
+        }
+        let ended = self.mark().await?;
+        self.log(FaultKind::Terminate, runner, began, ended);
+        Ok(())
+    }
 }
 
 async fn run_on(
@@ -189,10 +332,14 @@ async fn run_on(
     db.batch_execute(&ledger::create_audit_table_sql(&ledger::audit_table(prefix)))
         .await
         .map_err(|error| format!("audit table: {error}"))?;
+    let runs_table = runs::runs_table(prefix);
+    db.batch_execute(&runs::create_runs_table_sql(&runs_table))
+        .await
+        .map_err(|error| format!("runs table: {error}"))?;
 
     let mut runners = Vec::new();
     for n in 1..=3 {
-        runners.push(spawn_runner(&format!("runner-{n}"), free_port()?, &env)?);
+        runners.push(spawn_runner(&format!("runner-{n}"), 1, &env)?);
     }
     wait_for_runners(&registry, 3).await?;
     say("chaos: 3 runners registered; starting the client");
@@ -200,37 +347,21 @@ async fn run_on(
         ("CHAOS_KEY_PREFIX", "deposit".to_owned()),
         ("CHAOS_SEND_FOR_MS", options.send_for.as_millis().to_string()),
         ("CHAOS_ENTITIES", ENTITIES.to_string()),
+        ("CHAOS_BURST", BURST.to_string()),
     ];
-    let client = spawn("client", "client", &env, &workload, Stdio::piped())?;
-    let output = tokio::spawn(client.child.wait_with_output());
+    let (client, _) = spawn("client", "client", &env, &workload, Stdio::piped())?;
+    let output = tokio::spawn(client.wait_with_output());
 
-    let started = Instant::now();
-    let at = |seconds: u64| tokio::time::sleep_until(started + Duration::from_secs(seconds));
-    at(3).await;
-    say(&format!("chaos: SIGKILL {}", runners[0].name));
-    runners[0].signal("-KILL").await?;
-    at(6).await;
-    say(&format!(
-        "chaos: SIGSTOP {} for {:?}",
-        runners[1].name,
-        EXPIRATION + Duration::from_secs(3)
-    ));
-    runners[1].signal("-STOP").await?;
-    tokio::time::sleep(EXPIRATION + Duration::from_secs(3)).await;
-    say(&format!("chaos: SIGCONT {}", runners[1].name));
-    runners[1].signal("-CONT").await?;
-    at(15).await;
-    say("chaos: runner-4 joins");
-    runners.push(spawn_runner("runner-4", free_port()?, &env)?);
-    at(18).await;
-    say(&format!("chaos: SIGTERM {} (graceful)", runners[2].name));
-    runners[2].signal("-TERM").await?;
-    let graceful = tokio::time::timeout(Duration::from_secs(30), runners[2].child.wait()).await;
-    match graceful {
-        Ok(Ok(status)) if status.success() => {
-            say(&format!("chaos: {} left cleanly", runners[2].name))
-        }
-        other => return Err(format!("{} did not shut down cleanly: {other:?}", runners[2].name)),
+    let mut faults = Faults {
+        db,
+        registry: &registry,
+        env: &env,
+        mark_sql: runs::mark_sql(&runs_table),
+        log: Vec::new(),
+    };
+    let schedule = inject_faults(&mut faults, &mut runners).await;
+    if let Err(error) = schedule {
+        return Err(format!("the fault schedule failed: {error}"));
     }
 
     let output = tokio::time::timeout(options.send_for + Duration::from_secs(120), output)
@@ -243,17 +374,44 @@ async fn run_on(
     let summary: Summary = serde_json::from_str(line)
         .map_err(|error| format!("client summary {line:?}: {error}; status {}", output.status))?;
 
-    for runner in [&runners[1], &runners[3]] {
-        runner.signal("-TERM").await?;
+    // The runners still up leave gracefully; no run may happen after the checks' reads.
+    for runner in runners.iter_mut().filter(|runner| !runner.exited) {
+        faults.terminate(runner).await?;
     }
-    for runner in &mut runners {
-        let _ = tokio::time::timeout(Duration::from_secs(30), runner.child.wait()).await;
-    }
-    let mut report = Report { client: summary, ..Report::default() };
+    let mut report = Report { client: summary, faults: faults.log, ..Report::default() };
     check_client(&mut report);
     check_replies(&mut report, &messages, &node).await?;
-    check_audit(&mut report, db, prefix).await?;
+    let committed = check_audit(&mut report, db, prefix).await?;
+    check_runs(&mut report, db, prefix, &committed).await?;
     Ok(report)
+}
+
+/// The schedule: crashes first, then (once the frozen runner had [`FREEZE_AFTERMATH`] to
+/// notice what it lost) graceful changes only, each at a fixed time after the client started.
+async fn inject_faults(faults: &mut Faults<'_>, runners: &mut Vec<Process>) -> Result<(), String> {
+    let started = Instant::now();
+    let at = |seconds: u64| tokio::time::sleep_until(started + Duration::from_secs(seconds));
+    let runner = |name: &str| -> Result<usize, String> {
+        runners
+            .iter()
+            .position(|runner| runner.name() == name && !runner.exited)
+            .ok_or_else(|| format!("{name} is not running"))
+    };
+    let (one, two, three) = (runner("runner-1")?, runner("runner-2")?, runner("runner-3")?);
+    at(3).await;
+    faults.kill(&mut runners[one]).await?;
+    at(6).await;
+    // Back at 13 s, its aftermath over at 17 s.
+    faults.freeze(&runners[two]).await?;
+    at(18).await;
+    runners.push(faults.join("runner-4", 1).await?);
+    at(21).await;
+    faults.terminate(&mut runners[three]).await?;
+    at(24).await;
+    runners.push(faults.join("runner-1", 2).await?);
+    at(27).await;
+    faults.terminate(&mut runners[two]).await?;
+    Ok(())
 }
 
 /// Waits (at most 60 s) until the registry lists `count` healthy runners.
@@ -270,6 +428,25 @@ pub async fn wait_for_runners(registry: &PgRunnerStorage, count: usize) -> Resul
         }
         if Instant::now() > deadline {
             return Err(format!("only {} runners registered after 60 s", runners.len()));
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+/// Waits (at most [`PROCESS_DEADLINE`]) until the runner on 127.0.0.1:`port` is registered
+/// and healthy.
+async fn wait_for_runner(registry: &PgRunnerStorage, port: u16) -> Result<(), String> {
+    let deadline = Instant::now() + PROCESS_DEADLINE;
+    loop {
+        let runners = registry.get_runners().await.map_err(|error| error.to_string())?;
+        let registered = runners.iter().any(|(runner, healthy)| {
+            *healthy && runner.address.port() == port && runner.address.host() == "127.0.0.1"
+        });
+        if registered {
+            return Ok(());
+        }
+        if Instant::now() > deadline {
+            return Err(format!("the runner on port {port} did not register in time"));
         }
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
@@ -302,7 +479,7 @@ async fn check_replies(
 ) -> Result<(), String> {
     let mut problems = Vec::new();
     for n in 0..report.client.sent {
-        let entity_id = workload::ledger_of(n, ENTITIES);
+        let entity_id = workload::ledger_of(n, ENTITIES, BURST);
         let address = EntityAddress {
             shard_id: node.sharding.shard_id(&entity_id, &ShardGroup::default_group()),
             entity_type: EntityType::from(Ledger::TYPE),
@@ -341,33 +518,42 @@ fn report_problems(report: &mut Report, what: &str, problems: Vec<String>) {
     }
 }
 
-/// One audit row per deposit; on each shard, the epochs of different runners never overlap.
+/// One audit row per deposit, naming a run; on each shard, the epochs of different runners
+/// never overlap. Returns the committed runs (their `seq`) per deposit key.
 async fn check_audit(
     report: &mut Report,
     db: &tokio_postgres::Client,
     prefix: &TablePrefix,
-) -> Result<(), String> {
+) -> Result<BTreeMap<String, BTreeSet<i64>>, String> {
     let sql = format!(
-        "SELECT key, shard, runner, epoch, \
+        "SELECT key, shard, runner, epoch, run, \
          (EXTRACT(EPOCH FROM at) * 1000000)::BIGINT FROM \"{}\"",
         ledger::audit_table(prefix)
     );
     let rows = db.query(&sql, &[]).await.map_err(|error| format!("audit: {error}"))?;
     report.audit_rows = rows.len();
     let mut per_key: BTreeMap<String, usize> = BTreeMap::new();
+    let mut committed: BTreeMap<String, BTreeSet<i64>> = BTreeMap::new();
+    let mut problems = Vec::new();
     let mut spans = Spans::new();
     for row in &rows {
         let key: String = row.get(0);
         let shard: String = row.get(1);
         let runner: String = row.get(2);
         let epoch: String = row.get(3);
-        let at: i64 = row.get(4);
+        let run: Option<i64> = row.get(4);
+        let at: i64 = row.get(5);
+        match run {
+            Some(run) => {
+                committed.entry(key.clone()).or_default().insert(run);
+            }
+            None => problems.push(format!("{key}: an audit row without its run")),
+        }
         *per_key.entry(key).or_default() += 1;
         let span = spans.entry(shard).or_default().entry((runner, epoch)).or_insert((at, at));
         span.0 = span.0.min(at);
         span.1 = span.1.max(at);
     }
-    let mut problems = Vec::new();
     for n in 0..report.client.sent {
         let key = format!("deposit-{n}");
         let count = per_key.get(&key).copied().unwrap_or(0);
@@ -378,6 +564,62 @@ async fn check_audit(
     report_problems(report, "audit rows per deposit", problems);
     let overlaps = overlapping_epochs(&spans);
     report_problems(report, "shards served by two runners at once", overlaps);
+    Ok(committed)
+}
+
+/// Every run not committed is explained by a kill or freeze of its process, and each ledger's
+/// first runs follow its storage order (see [`crate::runs`]).
+async fn check_runs(
+    report: &mut Report,
+    db: &tokio_postgres::Client,
+    prefix: &TablePrefix,
+    committed: &BTreeMap<String, BTreeSet<i64>>,
+) -> Result<(), String> {
+    let sql = format!(
+        "SELECT seq, key, entity, request_id, runner, process, pid FROM \"{}\"",
+        runs::runs_table(prefix)
+    );
+    let rows = db.query(&sql, &[]).await.map_err(|error| format!("runs: {error}"))?;
+    let mut all = Vec::with_capacity(rows.len());
+    for row in &rows {
+        let process: i32 = row.get(5);
+        let pid: i64 = row.get(6);
+        all.push(Run {
+            seq: row.get(0),
+            key: row.get(1),
+            entity: row.get(2),
+            request_id: row.get(3),
+            runner: row.get(4),
+            process: u32::try_from(process).map_err(|_| format!("run process {process}"))?,
+            pid: u32::try_from(pid).map_err(|_| format!("run pid {pid}"))?,
+        });
+    }
+    report.reruns = runs::check_reruns(&all, committed, &report.faults);
+    if report.reruns.unexcused > 0 {
+        report.violations.push(format!(
+            "runs that were not committed and no kill or freeze explains: {}, first: {:?}",
+            report.reruns.unexcused, report.reruns.violations
+        ));
+    }
+    let sql = format!(
+        "SELECT rowid, id, entity_id FROM \"{}\" WHERE entity_type = $1 AND tag = $2 AND kind = 0",
+        prefix.table("messages")
+    );
+    let rows = db
+        .query(&sql, &[&Ledger::TYPE, &Deposit::TAG])
+        .await
+        .map_err(|error| format!("stored requests: {error}"))?;
+    let requests: Vec<StoredRequest> = rows
+        .iter()
+        .map(|row| StoredRequest { rowid: row.get(0), id: row.get(1), entity: row.get(2) })
+        .collect();
+    report.order = runs::check_order(&requests, &all);
+    if report.order.violation_count > 0 {
+        report.violations.push(format!(
+            "first runs out of storage order: {}, first: {:?}",
+            report.order.violation_count, report.order.violations
+        ));
+    }
     Ok(())
 }
 

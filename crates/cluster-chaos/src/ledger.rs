@@ -1,16 +1,22 @@
 //! The entity of the fault test: a ledger per entity id.
 //!
 //! A [`Deposit`] is persisted, deduplicated by its key, and runs in a storage transaction
-//! (`WITH_TRANSACTION`): on PostgreSQL its handler writes an audit row — key, entity, shard,
-//! runner, lock epoch and the database's clock — in the transaction that stores its reply, so
-//! the audit holds exactly the handlings whose reply was stored (a fenced run rolls back).
+//! (`WITH_TRANSACTION`). Its handler first records the run outside that transaction
+//! ([`crate::runs`]: every run, committed or not), then, on PostgreSQL, writes an audit row —
+//! key, entity, shard, runner, lock epoch, the run's `seq` and the database's clock — in the
+//! transaction that stores its reply, so the audit holds exactly the runs whose reply was
+//! stored (a fenced run rolls back). A deposit can be made to take a while in between
+//! ([`set_deposit_work`]), so that faults find runs in flight.
+//!
 //! The lock epoch is the entity instance: an instance lives within one tenure of its shard's
 //! lock on its runner (it stops before the lock is released), so two epochs of different
 //! runners whose audit rows interleave on one shard mean that shard was served twice at once.
+//!
 //! An [`Echo`] is volatile and answers its number.
 
 use std::sync::OnceLock;
 use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Duration;
 
 use cluster_sharding::{Entity, EntityContext, Handler, Protocol, RequestContext, Rpc};
 use serde::{Deserialize, Serialize};
@@ -25,6 +31,10 @@ pub struct Ledger {
 /// The audit table the ledgers write to, set once per process by [`set_audit_table`].
 static AUDIT_TABLE: OnceLock<String> = OnceLock::new();
 
+/// How long each deposit works between recording its run and writing its audit row, set once
+/// per process by [`set_deposit_work`] (none by default).
+static DEPOSIT_WORK: OnceLock<Duration> = OnceLock::new();
+
 /// Instances created in this process, for their epochs.
 static INSTANCES: AtomicU64 = AtomicU64::new(0);
 
@@ -38,11 +48,17 @@ pub fn set_audit_table(table: String) {
     let _ = AUDIT_TABLE.set(table);
 }
 
+/// Makes every deposit of this process take `work` inside its transaction (after its run is
+/// recorded, before its audit row), so that the fault test's faults find runs in flight.
+pub fn set_deposit_work(work: Duration) {
+    let _ = DEPOSIT_WORK.set(work);
+}
+
 /// The statement that creates the audit table (PostgreSQL).
 pub fn create_audit_table_sql(table: &str) -> String {
     format!(
         "CREATE TABLE IF NOT EXISTS \"{table}\" (key TEXT NOT NULL, entity TEXT NOT NULL, \
-         shard TEXT NOT NULL, runner TEXT NOT NULL, epoch TEXT NOT NULL, \
+         shard TEXT NOT NULL, runner TEXT NOT NULL, epoch TEXT NOT NULL, run BIGINT, \
          at TIMESTAMPTZ NOT NULL)"
     )
 }
@@ -114,6 +130,19 @@ impl Handler<Deposit> for Ledger {
         deposit: Deposit,
     ) -> Result<u64, LedgerError> {
         let failure = |reason: String| LedgerError { reason };
+        // First, before any effect: the run is recorded even if its reply never is.
+        let run = match crate::runs::recorder() {
+            Some(recorder) => Some(
+                recorder
+                    .record(&deposit.key, context.address(), context.request_id(), &self.runner)
+                    .await
+                    .map_err(|error| failure(format!("run not recorded: {error}")))?,
+            ),
+            None => None,
+        };
+        if let Some(work) = DEPOSIT_WORK.get().filter(|work| !work.is_zero()) {
+            tokio::time::sleep(*work).await;
+        }
         if let Some(table) = AUDIT_TABLE.get() {
             let slot = context.transaction().ok_or_else(|| failure("no transaction".into()))?;
             let mut transaction = slot.lock().await;
@@ -123,8 +152,8 @@ impl Handler<Deposit> for Ledger {
             {
                 let address = context.address();
                 let sql = format!(
-                    "INSERT INTO \"{table}\" (key, entity, shard, runner, epoch, at) \
-                     VALUES ($1, $2, $3, $4, $5, clock_timestamp())"
+                    "INSERT INTO \"{table}\" (key, entity, shard, runner, epoch, run, at) \
+                     VALUES ($1, $2, $3, $4, $5, $6, clock_timestamp())"
                 );
                 client
                     .execute(
@@ -135,6 +164,7 @@ impl Handler<Deposit> for Ledger {
                             &address.shard_id.to_string(),
                             &self.runner,
                             &self.epoch,
+                            &run,
                         ],
                     )
                     .await

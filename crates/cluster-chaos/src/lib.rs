@@ -4,13 +4,19 @@
 //! - [`node`]: one process of a cluster from `CLUSTER_*` and the runtime's variables: storage
 //!   from a URL, the TCP transport of `cluster-rpc`, graceful shutdown on SIGTERM and SIGINT.
 //! - [`ledger`]: the entity the fault test drives; every deposit it handles writes an audit
-//!   row (runner, lock epoch, time) in the same transaction as its reply.
-//! - [`workload`]: the client-only process: persisted deposits (with primary keys) and
-//!   volatile echoes, retried until answered, with a summary.
+//!   row (runner, lock epoch, run, time) in the same transaction as its reply.
+//! - [`runs`]: every run of a deposit's handler, recorded outside the request's transaction
+//!   before the handler does anything else, and the checks on them: a run that was not
+//!   committed must be explained by a kill or freeze of its own process, and each ledger's
+//!   first runs follow its storage order.
+//! - [`workload`]: the client-only process: persisted deposits (with primary keys), stored
+//!   one after the other per ledger and answered concurrently, and volatile echoes, retried
+//!   until answered, with a summary.
 //! - [`chaos`]: the orchestration: runner processes on 127.0.0.1, faults (SIGKILL, SIGSTOP past
-//!   the lock expiration, a join, a graceful leave) and the checks at the end.
+//!   the lock expiration, then joins and graceful leaves only) and the checks at the end.
 
 pub mod chaos;
 pub mod ledger;
 pub mod node;
+pub mod runs;
 pub mod workload;

@@ -8,6 +8,7 @@ use std::time::Duration;
 use cluster_chaos::chaos::{self, ChaosOptions, say};
 use cluster_chaos::ledger::{self, Ledger};
 use cluster_chaos::node::{self, Node, NodeEnv};
+use cluster_chaos::runs::{self, RunRecorder};
 use cluster_chaos::workload::{self, WorkloadOptions};
 use cluster_sharding::EntityOptions;
 
@@ -38,6 +39,23 @@ async fn runner() -> Result<(), String> {
     let env = NodeEnv::from_env(true).map_err(|error| error.to_string())?;
     if std::env::var("CHAOS_AUDIT").is_ok() {
         ledger::set_audit_table(ledger::audit_table(&env.table_prefix));
+        let name = std::env::var("CHAOS_RUNNER_NAME").unwrap_or_else(|_| "runner".to_owned());
+        let process = match std::env::var("CHAOS_RUNNER_PROCESS") {
+            Ok(value) => value
+                .parse()
+                .map_err(|_| format!("CHAOS_RUNNER_PROCESS={value:?} is not a number"))?,
+            Err(_) => 1,
+        };
+        let table = runs::runs_table(&env.table_prefix);
+        let recorder = RunRecorder::new(&env.storage_url, &table, name, process)
+            .map_err(|error| error.to_string())?;
+        runs::set_recorder(recorder);
+        if let Ok(value) = std::env::var("CHAOS_DEPOSIT_WORK_MS") {
+            let millis: u64 = value
+                .parse()
+                .map_err(|_| format!("CHAOS_DEPOSIT_WORK_MS={value:?} is not a number"))?;
+            ledger::set_deposit_work(Duration::from_millis(millis));
+        }
     }
     let node = Node::serve(&env, |sharding| {
         sharding.register::<Ledger>(EntityOptions::default()).map_err(|error| error.to_string())
@@ -63,7 +81,8 @@ async fn client() -> Result<(), String> {
 async fn run() -> Result<(), String> {
     let postgres_url = std::env::var("CLUSTER_CHAOS_POSTGRES_URL")
         .unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/test".to_owned());
-    let options = ChaosOptions { postgres_url, send_for: Duration::from_secs(24) };
+    let keep_tables = std::env::var_os("CHAOS_KEEP_TABLES").is_some();
+    let options = ChaosOptions { postgres_url, send_for: Duration::from_secs(30), keep_tables };
     let report = chaos::run(&options).await?;
     let client = &report.client;
     say(&format!(
@@ -78,6 +97,25 @@ async fn run() -> Result<(), String> {
         client.max_deposit_latency_ms,
         report.audit_rows,
         client.errors
+    ));
+    let reruns = &report.reruns;
+    say(&format!(
+        "chaos runs: {} runs of {} deposits, {} re-runs: {} explained by a fault {:?}, {} not \
+         explained",
+        reruns.runs,
+        reruns.deposits,
+        reruns.reruns,
+        reruns.excused.values().sum::<usize>(),
+        reruns.excused,
+        reruns.unexcused
+    ));
+    say(&format!(
+        "chaos order: {} ledgers, {} deposits compared with the one stored before them, {} \
+         stored while an earlier one to their ledger was unanswered, {} out of order",
+        report.order.entities,
+        report.order.pairs,
+        client.queued_behind,
+        report.order.violation_count
     ));
     if report.violations.is_empty() {
         say("chaos: passed");

@@ -2,17 +2,28 @@
 //! volatile echoes, sent through the cluster while runners fail, each deposit retried with its
 //! key until it is answered.
 //!
-//! Options come from the environment: `CHAOS_KEY_PREFIX`, `CHAOS_ENTITIES`,
+//! Deposits go to their ledgers in bursts (`CHAOS_BURST` consecutive deposits to one ledger),
+//! and the deposits of one ledger are *stored* one after the other: deposit `n` is saved
+//! (`discard`, which returns once the request is stored) only after the ledger's previous
+//! deposit was, and only then awaited (`send` with the same key finds the stored request and
+//! waits for its reply). So each ledger's storage order is the order of its deposits and is
+//! well defined across processes (no two saves to one ledger race for their rowids), while
+//! several of its deposits wait for their answers at once: the order check of
+//! [`crate::runs::check_order`] is exact. The summary counts the deposits stored while an
+//! earlier one to the same ledger was still unanswered (`queued_behind`).
+//!
+//! Options come from the environment: `CHAOS_KEY_PREFIX`, `CHAOS_ENTITIES`, `CHAOS_BURST`,
 //! `CHAOS_CONCURRENCY`, `CHAOS_SEND_FOR_MS`, `CHAOS_SETTLE_MS`. The summary is one JSON line
 //! on standard output.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
 
 use cluster_sharding::{CallError, Sharding};
 use serde::{Deserialize, Serialize};
+use tokio::sync::watch;
 use tokio::time::Instant;
 
 use crate::ledger::{Deposit, Echo, Ledger, LedgerError};
@@ -22,8 +33,10 @@ use crate::ledger::{Deposit, Echo, Ledger, LedgerError};
 pub struct WorkloadOptions {
     /// Deposit keys are `<key_prefix>-<n>`.
     pub key_prefix: String,
-    /// Deposit `n` goes to ledger `ledger-<n mod entities>`.
+    /// Deposit `n` goes to ledger `ledger-<(n / burst) mod entities>` (see [`ledger_of`]).
     pub entities: u64,
+    /// Consecutive deposits to one ledger.
+    pub burst: u64,
     /// Deposits in flight.
     pub concurrency: usize,
     /// How long new deposits are started.
@@ -43,7 +56,13 @@ impl WorkloadOptions {
         };
         Ok(WorkloadOptions {
             key_prefix: std::env::var("CHAOS_KEY_PREFIX").unwrap_or_else(|_| "deposit".to_owned()),
-            entities: number("CHAOS_ENTITIES", 200)?.max(1),
+            entities: match number("CHAOS_ENTITIES", 200)? {
+                entities @ 1..=ENTITIES_MAX => entities,
+                other => {
+                    return Err(format!("CHAOS_ENTITIES={other} is not in 1..={ENTITIES_MAX}"));
+                }
+            },
+            burst: number("CHAOS_BURST", 1)?.max(1),
             concurrency: usize::try_from(number("CHAOS_CONCURRENCY", 32)?.max(1))
                 .map_err(|_| "CHAOS_CONCURRENCY is too large".to_owned())?,
             send_for: Duration::from_millis(number("CHAOS_SEND_FOR_MS", 20_000)?),
@@ -52,9 +71,20 @@ impl WorkloadOptions {
     }
 }
 
-/// The ledger entity id of deposit `n`.
-pub fn ledger_of(n: u64, entities: u64) -> String {
-    format!("ledger-{}", n % entities.max(1))
+/// The most ledgers a workload spreads its deposits over.
+pub const ENTITIES_MAX: u64 = 100_000;
+
+/// The ledger entity id of deposit `n`: bursts of `burst` consecutive deposits go to one ledger,
+/// the bursts to the `entities` ledgers in turn.
+pub fn ledger_of(n: u64, entities: u64, burst: u64) -> String {
+    format!("ledger-{}", position(n, entities, burst).0)
+}
+
+/// Deposit `n`'s ledger (its index) and how many deposits to that ledger come before it.
+fn position(n: u64, entities: u64, burst: u64) -> (u64, u64) {
+    let (entities, burst) = (entities.max(1), burst.max(1));
+    let block = n / burst;
+    (block % entities, block / entities * burst + n % burst)
 }
 
 /// What the client saw.
@@ -76,6 +106,8 @@ pub struct Summary {
     pub errors: BTreeMap<String, u64>,
     /// The longest a deposit took from its first send to its answer, retries included.
     pub max_deposit_latency_ms: u64,
+    /// Deposits stored while an earlier deposit to the same ledger was not answered yet.
+    pub queued_behind: u64,
 }
 
 /// The kind of a call error, for the summary.
@@ -96,6 +128,47 @@ struct Tally {
     summary: Summary,
 }
 
+/// Per ledger: how many of its deposits are stored (its next deposit waits for that count),
+/// and which of them are not answered yet.
+struct Ledgers {
+    stored: Vec<watch::Sender<u64>>,
+    unanswered: Mutex<Vec<BTreeSet<u64>>>,
+}
+
+impl Ledgers {
+    fn new(entities: u64) -> Ledgers {
+        let count = usize::try_from(entities).unwrap_or(0);
+        Ledgers {
+            stored: (0..count).map(|_| watch::Sender::new(0)).collect(),
+            unanswered: Mutex::new(vec![BTreeSet::new(); count]),
+        }
+    }
+
+    /// The `index`-th deposit of ledger `entity` is stored; whether an earlier one of that ledger
+    /// is still unanswered.
+    fn stored(&self, entity: usize, index: u64) -> bool {
+        let behind = {
+            let mut unanswered = self.unanswered.lock().unwrap_or_else(PoisonError::into_inner);
+            let Some(waiting) = unanswered.get_mut(entity) else { return false };
+            let behind = !waiting.is_empty();
+            waiting.insert(index);
+            behind
+        };
+        if let Some(stored) = self.stored.get(entity) {
+            stored.send_modify(|count| *count = (*count).max(index + 1));
+        }
+        behind
+    }
+
+    /// The `index`-th deposit of ledger `entity` is answered (or given up).
+    fn settled(&self, entity: usize, index: u64) {
+        let mut unanswered = self.unanswered.lock().unwrap_or_else(PoisonError::into_inner);
+        if let Some(waiting) = unanswered.get_mut(entity) {
+            waiting.remove(&index);
+        }
+    }
+}
+
 fn record(tally: &Mutex<Tally>, change: impl FnOnce(&mut Summary)) {
     change(&mut tally.lock().unwrap_or_else(PoisonError::into_inner).summary);
 }
@@ -107,6 +180,7 @@ fn record(tally: &Mutex<Tally>, change: impl FnOnce(&mut Summary)) {
 /// Not cancel safe: dropped, the deposits in flight stay stored for the runners.
 pub async fn run(client: &Sharding, options: &WorkloadOptions) -> Summary {
     let tally = Arc::new(Mutex::new(Tally::default()));
+    let ledgers = Arc::new(Ledgers::new(options.entities));
     let next = Arc::new(AtomicU64::new(0));
     let started = Instant::now();
     let stop_sending = started + options.send_for;
@@ -115,10 +189,12 @@ pub async fn run(client: &Sharding, options: &WorkloadOptions) -> Summary {
     for _ in 0..options.concurrency {
         let (client, tally, next, options) =
             (client.clone(), Arc::clone(&tally), Arc::clone(&next), options.clone());
+        let ledgers = Arc::clone(&ledgers);
         workers.spawn(async move {
             while Instant::now() < stop_sending {
                 let n = next.fetch_add(1, Ordering::SeqCst);
-                deposit(&client, &options, n, give_up, &tally).await;
+                let deposit = Deposited { n, give_up, tally: &tally, ledgers: &ledgers };
+                deposit.run(&client, &options).await;
             }
         });
     }
@@ -134,46 +210,103 @@ pub async fn run(client: &Sharding, options: &WorkloadOptions) -> Summary {
     summary
 }
 
-async fn deposit(
-    client: &Sharding,
-    options: &WorkloadOptions,
+/// One deposit on its way: stored after its ledger's previous one, then awaited.
+struct Deposited<'a> {
     n: u64,
     give_up: Instant,
-    tally: &Mutex<Tally>,
-) {
-    let ledger = client.client::<Ledger>(ledger_of(n, options.entities));
-    let key = format!("{}-{n}", options.key_prefix);
-    let first = Instant::now();
-    loop {
-        let left = give_up.saturating_duration_since(Instant::now());
-        if left.is_zero() {
-            record(tally, |summary| summary.unanswered += 1);
+    tally: &'a Mutex<Tally>,
+    ledgers: &'a Ledgers,
+}
+
+impl Deposited<'_> {
+    async fn run(&self, client: &Sharding, options: &WorkloadOptions) {
+        let (entity, index) = position(self.n, options.entities, options.burst);
+        let entity = usize::try_from(entity).unwrap_or(usize::MAX);
+        let ledger = client.client::<Ledger>(ledger_of(self.n, options.entities, options.burst));
+        let key = format!("{}-{}", options.key_prefix, self.n);
+        let first = Instant::now();
+        if !self.store(&ledger, &key, entity, index).await {
+            record(self.tally, |summary| summary.unanswered += 1);
             return;
         }
-        match tokio::time::timeout(left, ledger.send(Deposit { key: key.clone() })).await {
-            Ok(Ok(_)) => {
-                let latency = u64::try_from(first.elapsed().as_millis()).unwrap_or(u64::MAX);
-                record(tally, |summary| {
-                    summary.answered += 1;
-                    summary.max_deposit_latency_ms = summary.max_deposit_latency_ms.max(latency);
-                });
+        self.answer(&ledger, &key, first).await;
+        self.ledgers.settled(entity, index);
+    }
+
+    /// Waits until the ledger's earlier deposits are stored, then stores this one; false if
+    /// that did not happen before the deadline.
+    async fn store(
+        &self,
+        ledger: &cluster_sharding::EntityClient<Ledger>,
+        key: &str,
+        entity: usize,
+        index: u64,
+    ) -> bool {
+        let Some(stored) = self.ledgers.stored.get(entity) else { return false };
+        let mut stored = stored.subscribe();
+        match tokio::time::timeout_at(self.give_up, stored.wait_for(|count| *count >= index)).await
+        {
+            Ok(Ok(_)) => {}
+            Ok(Err(_)) | Err(_) => return false,
+        }
+        loop {
+            let save = ledger.discard(Deposit { key: key.to_owned() });
+            match tokio::time::timeout_at(self.give_up, save).await {
+                Ok(Ok(())) => break,
+                Ok(Err(error)) => {
+                    let kind = format!("store: {}", error_kind(&error));
+                    record(self.tally, |summary| *summary.errors.entry(kind).or_default() += 1);
+                    tokio::time::sleep(Duration::from_millis(100)).await;
+                }
+                Err(_) => return false,
+            }
+        }
+        if self.ledgers.stored(entity, index) {
+            record(self.tally, |summary| summary.queued_behind += 1);
+        }
+        true
+    }
+
+    /// Waits for the stored deposit's answer (sent again with its key until it comes).
+    async fn answer(
+        &self,
+        ledger: &cluster_sharding::EntityClient<Ledger>,
+        key: &str,
+        first: Instant,
+    ) {
+        loop {
+            let left = self.give_up.saturating_duration_since(Instant::now());
+            if left.is_zero() {
+                record(self.tally, |summary| summary.unanswered += 1);
                 return;
             }
-            Ok(Err(CallError::Failed(error))) => {
-                record(tally, |summary| {
-                    summary.failed += 1;
-                    *summary.errors.entry(format!("failed: {}", error.reason)).or_default() += 1;
-                });
-                return;
-            }
-            Ok(Err(error)) => {
-                let kind = error_kind(&error);
-                record(tally, |summary| *summary.errors.entry(kind).or_default() += 1);
-                tokio::time::sleep(Duration::from_millis(100)).await;
-            }
-            Err(_) => {
-                record(tally, |summary| summary.unanswered += 1);
-                return;
+            match tokio::time::timeout(left, ledger.send(Deposit { key: key.to_owned() })).await {
+                Ok(Ok(_)) => {
+                    let latency = u64::try_from(first.elapsed().as_millis()).unwrap_or(u64::MAX);
+                    record(self.tally, |summary| {
+                        summary.answered += 1;
+                        summary.max_deposit_latency_ms =
+                            summary.max_deposit_latency_ms.max(latency);
+                    });
+                    return;
+                }
+                Ok(Err(CallError::Failed(error))) => {
+                    record(self.tally, |summary| {
+                        summary.failed += 1;
+                        *summary.errors.entry(format!("failed: {}", error.reason)).or_default() +=
+                            1;
+                    });
+                    return;
+                }
+                Ok(Err(error)) => {
+                    let kind = error_kind(&error);
+                    record(self.tally, |summary| *summary.errors.entry(kind).or_default() += 1);
+                    tokio::time::sleep(Duration::from_millis(100)).await;
+                }
+                Err(_) => {
+                    record(self.tally, |summary| summary.unanswered += 1);
+                    return;
+                }
             }
         }
     }
@@ -183,7 +316,7 @@ async fn echo_until(client: &Sharding, entities: u64, until: Instant, tally: &Mu
     let mut n = 0_u64;
     while Instant::now() < until {
         n += 1;
-        let ledger = client.client::<Ledger>(ledger_of(n.wrapping_mul(7919), entities));
+        let ledger = client.client::<Ledger>(ledger_of(n.wrapping_mul(7919), entities, 1));
         let call = ledger.send(Echo { n });
         match tokio::time::timeout(Duration::from_secs(30), call).await {
             Ok(Ok(answer)) if answer == n => record(tally, |summary| summary.echoes_ok += 1),
@@ -199,5 +332,43 @@ async fn echo_until(client: &Sharding, entities: u64, until: Instant, tally: &Mu
                 });
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::collections::BTreeMap;
+
+    use super::{ledger_of, position};
+
+    #[test]
+    fn bursts_go_to_the_ledgers_in_turn_and_number_each_ledgers_deposits_without_gaps() {
+        let positions: Vec<(u64, u64)> = (0..12).map(|n| position(n, 3, 2)).collect();
+        let expected = [
+            (0, 0),
+            (0, 1),
+            (1, 0),
+            (1, 1),
+            (2, 0),
+            (2, 1),
+            (0, 2),
+            (0, 3),
+            (1, 2),
+            (1, 3),
+            (2, 2),
+            (2, 3),
+        ];
+        assert_eq!(positions, expected);
+        // Each ledger's deposits are numbered 0, 1, 2, … in the order of `n`: a deposit waits
+        // for the one numbered just before it, which always exists and comes earlier.
+        let mut next: BTreeMap<u64, u64> = BTreeMap::new();
+        for n in 0..1000 {
+            let (entity, index) = position(n, 7, 4);
+            let expected = next.entry(entity).or_default();
+            assert_eq!(index, *expected, "deposit {n}");
+            *expected += 1;
+        }
+        assert_eq!(ledger_of(9, 3, 2), "ledger-1");
+        assert_eq!(ledger_of(9, 200, 1), "ledger-9");
     }
 }
