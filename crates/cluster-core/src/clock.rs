@@ -8,6 +8,11 @@
 use std::fmt;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
+/// About 30 years: the deadline of a wait whose configured duration is past what an `Instant`
+/// holds (`Instant + Duration` panics there). Such a deadline is never reached, so waits cap
+/// their duration at `now + FAR_FUTURE` instead (`checked_add`, then this).
+pub const FAR_FUTURE: Duration = Duration::from_secs(30 * 365 * 24 * 60 * 60);
+
 /// A point in wall-clock time, in whole milliseconds since the Unix epoch.
 ///
 /// Milliseconds are the resolution of the reference (`Date.now()`), of snowflakes and of the

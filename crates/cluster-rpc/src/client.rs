@@ -132,7 +132,11 @@ impl TcpRunners {
             Err(error) => {
                 peer.failures = peer.failures.saturating_add(1);
                 let delay = backoff(&self.config, peer.failures);
-                peer.retry_at = Some(Instant::now() + delay);
+                let now = Instant::now();
+                // A configured backoff may be past what an instant holds: capped, it is never.
+                peer.retry_at = Some(
+                    now.checked_add(delay).unwrap_or_else(|| now + cluster_core::clock::FAR_FUTURE),
+                );
                 warn!(%address, %error, failures = peer.failures, ?delay, "rpc connect failed");
                 Err(unavailable(address))
             }

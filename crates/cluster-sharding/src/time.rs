@@ -6,10 +6,8 @@
 
 use std::time::Duration;
 
+use cluster_core::clock::FAR_FUTURE;
 use tokio::time::Instant;
-
-/// About 30 years: far enough to be never, near enough for every platform's `Instant`.
-const FAR_FUTURE: Duration = Duration::from_secs(30 * 365 * 24 * 60 * 60);
 
 /// `start + duration`, capped at [`FAR_FUTURE`] from `start`.
 pub(crate) fn after(start: Instant, duration: Duration) -> Instant {

@@ -457,7 +457,10 @@ impl ClusterEngine {
 
     /// Sleeps `delay` in slices, to notice a shutdown ([`Abandoned`]).
     async fn pause(&self, delay: Duration) -> Result<(), Abandoned> {
-        let deadline = tokio::time::Instant::now() + delay;
+        // A retry schedule's delay may be past what an instant holds: capped, it is never.
+        let now = tokio::time::Instant::now();
+        let deadline =
+            now.checked_add(delay).unwrap_or_else(|| now + cluster_core::clock::FAR_FUTURE);
         loop {
             let now = tokio::time::Instant::now();
             if now >= deadline {

@@ -88,7 +88,10 @@ fn run(connection: &Connection, nudges: &Receiver<()>, interval: Duration) {
         checkpoint(connection);
         // Rest, remembering a nudge that comes meanwhile (one at the very end stays in the
         // channel for the next `recv`); leave at once when the writer goes.
-        let rest_until = tokio::time::Instant::now() + interval;
+        // A configured interval may be past what an instant holds: capped, it is never.
+        let now = tokio::time::Instant::now();
+        let rest_until =
+            now.checked_add(interval).unwrap_or_else(|| now + cluster_core::clock::FAR_FUTURE);
         loop {
             let left = rest_until.saturating_duration_since(tokio::time::Instant::now());
             if left.is_zero() {
