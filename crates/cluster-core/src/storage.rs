@@ -54,6 +54,16 @@ pub enum SaveResult {
     },
 }
 
+/// What [`MessageStorage::save_request_ordered`] did.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct OrderedSave {
+    /// The save's outcome.
+    pub saved: SaveResult,
+    /// The entity's unprocessed requests stored before this one, when it was stored and they
+    /// could be read.
+    pub earlier: Option<Vec<Snowflake>>,
+}
+
 /// Where and when a request is delivered, besides its envelope.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct SaveRequestOptions {
@@ -264,6 +274,36 @@ pub trait MessageStorage: Send + Sync + fmt::Debug {
         now: Timestamp,
         limit: NonZeroU32,
     ) -> BoxFuture<'a, Result<Vec<Snowflake>, StorageError>>;
+
+    /// Saves `request` as [`save_request`](MessageStorage::save_request) does and, when it was
+    /// stored, reads [`unprocessed_before`](MessageStorage::unprocessed_before) it (at `now`,
+    /// at most `limit`): what a runner needs to hand its own request to the entity directly,
+    /// in storage order. `earlier` is `None` when the request was not stored or the read
+    /// failed (a failed read does not make the save fail). The default makes the two calls;
+    /// a backend may answer both in one round trip.
+    ///
+    /// # Cancel safety
+    ///
+    /// As [`save_request`](MessageStorage::save_request).
+    fn save_request_ordered<'a>(
+        &'a self,
+        request: &'a Request,
+        options: &'a SaveRequestOptions,
+        now: Timestamp,
+        limit: NonZeroU32,
+    ) -> BoxFuture<'a, Result<OrderedSave, StorageError>> {
+        Box::pin(async move {
+            let saved = self.save_request(request, options).await?;
+            let earlier = match saved {
+                SaveResult::Success => self
+                    .unprocessed_before(&request.address, request.request_id, now, limit)
+                    .await
+                    .ok(),
+                SaveResult::Duplicate { .. } => None,
+            };
+            Ok(OrderedSave { saved, earlier })
+        })
+    }
 
     /// Releases the claims of these requests' unprocessed rows.
     ///

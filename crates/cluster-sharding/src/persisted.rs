@@ -49,6 +49,9 @@ pub(crate) struct Persisted {
     read_latch: Notify,
     /// The requests taken up here, from their claim to their stored outcome (`tracked`).
     tracked: Mutex<tracked::Tracked>,
+    /// Woken when a request reaches its entity or a reservation ends: a later request to the
+    /// entity that waits for it to go first checks again.
+    reservation_ended: Notify,
     /// Wakes the reply poller when a caller starts waiting.
     reply_waiters: Notify,
     /// Requests taken up and not settled, per shard, from their claim until their outcome is
@@ -164,6 +167,7 @@ impl Persisted {
             waiters: Mutex::new(ReplyHandlers::new()),
             read_latch: Notify::new(),
             tracked: Mutex::new(tracked::Tracked::default()),
+            reservation_ended: Notify::new(),
             reply_waiters: Notify::new(),
             writes: Mutex::new(BTreeMap::new()),
             write_ended: Notify::new(),
@@ -381,7 +385,7 @@ impl Sharding {
         let mut registration =
             persisted.register(request.request_id, &request.address.shard_id, reply);
         let direct = self.plan_direct(persisted, &request, &options);
-        let saved = persisted.storage.save_request(&request, &options).await;
+        let (saved, earlier) = self.save(persisted, &request, &options, direct.is_some()).await;
         if !matches!(saved, Ok(SaveResult::Success)) {
             persisted.unhold(&request.address, request.request_id);
         }
@@ -402,7 +406,7 @@ impl Sharding {
         if let Some(reservation) = direct.filter(|_| waited_id == request.request_id) {
             // Boxed: its future would otherwise be inside this one, which the caller moves at
             // each await.
-            Box::pin(self.deliver_directly(persisted, request.clone(), reservation)).await;
+            Box::pin(self.deliver_directly(persisted, request.clone(), reservation, earlier)).await;
         } else {
             self.wake_reader(&request.address.shard_id, || Envelope::Request(request.clone()));
         }
@@ -479,14 +483,14 @@ impl Sharding {
     ) -> Result<(), ClusterError> {
         let persisted = self.persisted().ok_or_else(|| not_stored(&request.address))?;
         let direct = self.plan_direct(persisted, &request, &options);
-        let saved = persisted.storage.save_request(&request, &options).await;
+        let (saved, earlier) = self.save(persisted, &request, &options, direct.is_some()).await;
         if !matches!(saved, Ok(SaveResult::Success)) {
             persisted.unhold(&request.address, request.request_id);
         }
         // The save's error first: a request that was not stored must not look sent.
         let saved = saved?;
         if let Some(reservation) = direct.filter(|_| matches!(saved, SaveResult::Success)) {
-            Box::pin(self.deliver_directly(persisted, request, reservation)).await;
+            Box::pin(self.deliver_directly(persisted, request, reservation, earlier)).await;
         } else {
             self.wake_reader(&request.address.shard_id, || Envelope::Request(request.clone()));
         }

@@ -13,7 +13,7 @@ use cluster_core::envelope::{AckChunk, Interrupt, Reply, Request};
 use cluster_core::error::{StorageError, StorageErrorKind};
 use cluster_core::future::BoxFuture;
 use cluster_core::storage::{
-    MessageStorage, MessageTransaction, RunnerStorage, SaveRequestOptions, SaveResult,
+    MessageStorage, MessageTransaction, OrderedSave, RunnerStorage, SaveRequestOptions, SaveResult,
     UnprocessedBatch, UnprocessedOptions,
 };
 use cluster_core::{
@@ -160,7 +160,8 @@ impl Faults {
     }
 
     /// Every `unprocessed_before` (direct delivery's look at the entity's earlier requests)
-    /// from now on waits `delay` first (zero: no wait).
+    /// from now on waits `delay` first, and every `save_request_ordered` waits it after the
+    /// save (zero: no wait).
     pub fn delay_order_checks(&self, delay: std::time::Duration) {
         let millis = u64::try_from(delay.as_millis()).unwrap_or(u64::MAX);
         self.order_check_delay_millis.store(millis, Ordering::Release);
@@ -261,6 +262,34 @@ impl MessageStorage for FaultyMessageStorage {
                 self.faults.notify(StorageEvent::RequestSaved(request));
             }
             saved
+        })
+    }
+
+    fn save_request_ordered<'a>(
+        &'a self,
+        request: &'a Request,
+        options: &'a SaveRequestOptions,
+        now: Timestamp,
+        limit: std::num::NonZeroU32,
+    ) -> BoxFuture<'a, Result<OrderedSave, StorageError>> {
+        if self.faults.is_dead() {
+            return dead();
+        }
+        let delay = self.faults.order_check_delay_millis.load(Ordering::Acquire);
+        Box::pin(async move {
+            self.faults.latency().await;
+            if self.faults.request_saves.fails() {
+                return Err(injected("save_request"));
+            }
+            let ordered = self.inner.save_request_ordered(request, options, now, limit).await?;
+            if let SaveResult::Success = &ordered.saved {
+                self.faults.saved_requests.fetch_add(1, Ordering::AcqRel);
+                self.faults.notify(StorageEvent::RequestSaved(request));
+            }
+            if delay > 0 {
+                tokio::time::sleep(std::time::Duration::from_millis(delay)).await;
+            }
+            Ok(ordered)
         })
     }
 

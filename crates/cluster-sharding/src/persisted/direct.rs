@@ -14,8 +14,8 @@
 //!   cap or an unregistered type); those are tracked by id per address until the read loop
 //!   delivers or answers them, and
 //! - once it is saved, every unprocessed request stored before it for the same entity was
-//!   taken up here already ([`MessageStorage::unprocessed_before`]): another process (a client,
-//!   a TypeScript runner) may have stored one since the last read.
+//!   taken up here already ([`MessageStorage::unprocessed_before`], read with the save):
+//!   another process (a client, a TypeScript runner) may have stored one since the last read.
 //!
 //! Otherwise the request is left to the read loop, which is woken, and delivers in storage
 //! order. Exactly once: the read loop leaves the rows of requests taken up here alone (see
@@ -28,11 +28,10 @@ use std::num::NonZeroU32;
 use std::sync::Arc;
 
 use cluster_core::envelope::{Envelope, Request};
-use cluster_core::storage::{SaveRequestOptions, UnprocessedMessage};
-use cluster_core::{EntityAddress, ShardId, Snowflake};
-use tracing::Instrument;
+use cluster_core::storage::{SaveRequestOptions, SaveResult, UnprocessedMessage};
+use cluster_core::{ClusterError, EntityAddress, ShardId, Snowflake};
 
-use super::tracked::{Claiming, Reservation};
+use super::tracked::{Claiming, Earlier, Reservation};
 use super::{Dispatched, Persisted, Unregistered, lock};
 use crate::sharding::Sharding;
 
@@ -46,6 +45,32 @@ pub(super) struct Direct {
 }
 
 impl Persisted {
+    /// Whether every one of `earlier` (an entity's requests stored before a new one) reached
+    /// the entity here. Those reserved here for direct delivery (saved together with the new
+    /// one, say) are waited for, at most [`EARLIER_WAIT`]: each is about to be delivered or
+    /// left to the read loop.
+    async fn earlier_delivered(&self, earlier: &[Snowflake]) -> bool {
+        let deadline = crate::time::deadline(EARLIER_WAIT);
+        loop {
+            let changed = self.reservation_ended.notified();
+            let mut reserved = false;
+            for id in earlier {
+                match self.earlier(*id) {
+                    Earlier::Delivered => {}
+                    Earlier::Reserved => reserved = true,
+                    Earlier::Elsewhere => return false,
+                }
+            }
+            if !reserved {
+                return true;
+            }
+            tokio::select! {
+                () = changed => {}
+                () = tokio::time::sleep_until(deadline) => return false,
+            }
+        }
+    }
+
     /// Whether a request to `address` may go directly to its entity now.
     fn may_deliver_directly(&self, address: &EntityAddress) -> bool {
         let direct = lock(&self.direct);
@@ -115,28 +140,55 @@ impl Sharding {
         reservation
     }
 
-    /// Hands a request this runner just saved to its entity, once storage shows that every
-    /// request stored before it for the entity reached it already. When it cannot go now (an
-    /// earlier request unread here, a full mailbox, the residency cap, the shard let go
-    /// meanwhile), it is held for the read loop, which is woken.
+    /// Saves a request. With `direct`, in one call with the read of its entity's earlier
+    /// unprocessed requests ([`MessageStorage::save_request_ordered`]), which direct delivery
+    /// then checks; a caller that goes away meanwhile leaves the stored request to the read
+    /// loop, which is woken at once rather than at its next poll.
+    ///
+    /// [`MessageStorage::save_request_ordered`]: cluster_core::storage::MessageStorage::save_request_ordered
+    pub(super) async fn save(
+        &self,
+        persisted: &Persisted,
+        request: &Request,
+        options: &SaveRequestOptions,
+        direct: bool,
+    ) -> (Result<SaveResult, ClusterError>, Option<Vec<Snowflake>>) {
+        if !direct {
+            return (
+                persisted.storage.save_request(request, options).await.map_err(Into::into),
+                None,
+            );
+        }
+        let mut wake = WakeOnDrop(Some(persisted));
+        let now = self.clock().now();
+        let ordered =
+            persisted.storage.save_request_ordered(request, options, now, EARLIER_LIMIT).await;
+        wake.0 = None;
+        match ordered {
+            Ok(ordered) => (Ok(ordered.saved), ordered.earlier),
+            Err(error) => (Err(error.into()), None),
+        }
+    }
+
+    /// Hands a request this runner just saved to its entity if every unprocessed request stored
+    /// before it for the entity (`earlier`, `None` when unknown) reached it here already. When
+    /// it cannot go now (an earlier request unread here, a full mailbox, the residency cap,
+    /// the shard let go meanwhile), it is held for the read loop, which is woken.
     pub(super) async fn deliver_directly(
         &self,
         persisted: &Arc<Persisted>,
         request: Request,
         reservation: Reservation,
+        earlier: Option<Vec<Snowflake>>,
     ) {
         let address = request.address.clone();
         let request_id = request.request_id;
-        // The caller may go away while storage is asked: the stored request is then the read
-        // loop's, which is woken at once rather than at its next poll.
-        let mut left = LeftOnDrop { persisted, address: &address, request_id, armed: true };
-        let in_order = self
-            .nothing_undelivered_before(persisted, &request)
-            .instrument(tracing::debug_span!("deliver_directly", %request_id))
-            .await;
-        left.armed = false;
+        let in_order = match earlier {
+            Some(earlier) => Box::pin(persisted.earlier_delivered(&earlier)).await,
+            None => false,
+        };
         if !in_order {
-            tracing::debug!(%request_id, "an earlier request is unread: left to the read loop");
+            tracing::debug!(%request_id, "an earlier request is unread here: left to the read loop");
             persisted.hold(&address, request_id);
             persisted.poll_storage();
             return;
@@ -144,7 +196,9 @@ impl Sharding {
         let message =
             UnprocessedMessage { envelope: Envelope::Request(request), last_sent_reply: None };
         let mut unregistered = Unregistered::default();
-        let dispatched = self.dispatch(persisted, message, &mut unregistered, Claiming::Reserved);
+        let span = tracing::debug_span!("deliver_directly", %request_id);
+        let dispatched = span
+            .in_scope(|| self.dispatch(persisted, message, &mut unregistered, Claiming::Reserved));
         // Claimed (kept by the claim), taken over by the read loop, or left to it.
         drop(reservation);
         unregistered.warn();
@@ -158,42 +212,24 @@ impl Sharding {
             }
         }
     }
-
-    /// Whether every unprocessed request stored before `request` for its entity reached the
-    /// entity here already (a failed lookup counts as no: the read loop then decides).
-    async fn nothing_undelivered_before(&self, persisted: &Persisted, request: &Request) -> bool {
-        let now = self.clock().now();
-        let earlier = persisted
-            .storage
-            .unprocessed_before(&request.address, request.request_id, now, EARLIER_LIMIT)
-            .await;
-        match earlier {
-            Ok(earlier) => earlier.iter().all(|id| persisted.was_delivered(*id)),
-            Err(error) => {
-                tracing::debug!(%error, request_id = %request.request_id, "could not look up earlier requests");
-                false
-            }
-        }
-    }
 }
+
+/// How long a request waits for an earlier request of its entity, reserved here for direct
+/// delivery, to reach the entity (or be left to the read loop) before it is left to the read
+/// loop too.
+const EARLIER_WAIT: std::time::Duration = std::time::Duration::from_millis(100);
 
 /// How many earlier unprocessed requests of an entity the order check reads: more than this
 /// many of them running here at once leaves the request to the read loop.
 const EARLIER_LIMIT: NonZeroU32 = NonZeroU32::new(16).expect("16 is not zero");
 
-/// Leaves a saved request to the read loop when dropped armed, and wakes the loop.
-struct LeftOnDrop<'a> {
-    persisted: &'a Persisted,
-    address: &'a EntityAddress,
-    request_id: Snowflake,
-    armed: bool,
-}
+/// Wakes the storage read loop when dropped armed.
+struct WakeOnDrop<'a>(Option<&'a Persisted>);
 
-impl Drop for LeftOnDrop<'_> {
+impl Drop for WakeOnDrop<'_> {
     fn drop(&mut self) {
-        if self.armed {
-            self.persisted.hold(self.address, self.request_id);
-            self.persisted.poll_storage();
+        if let Some(persisted) = self.0 {
+            persisted.poll_storage();
         }
     }
 }

@@ -115,21 +115,39 @@ pub(super) struct Reservation {
 
 impl Drop for Reservation {
     fn drop(&mut self) {
-        let mut tracked = lock(&self.persisted.tracked);
-        if matches!(tracked.requests.get(&self.request_id), Some(Track::Reserved)) {
-            tracked.requests.remove(&self.request_id);
+        {
+            let mut tracked = lock(&self.persisted.tracked);
+            if matches!(tracked.requests.get(&self.request_id), Some(Track::Reserved)) {
+                tracked.requests.remove(&self.request_id);
+            }
         }
+        self.persisted.reservation_ended.notify_waiters();
     }
+}
+
+/// Where an earlier request of an entity is, for a later one that would go directly.
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+pub(super) enum Earlier {
+    /// It reached the entity here.
+    Delivered,
+    /// Reserved here for direct delivery, not claimed yet: it is about to be delivered or left
+    /// to the read loop.
+    Reserved,
+    /// Not taken up here: the read loop delivers it.
+    Elsewhere,
 }
 
 impl Claim {
     /// The request reached its entity: it stays `Running` until its exit is in.
     pub(super) fn keep(mut self) {
         self.kept = true;
-        let mut tracked = lock(&self.persisted.tracked);
-        if let Some(Track::Running(in_flight)) = tracked.requests.get_mut(&self.request_id) {
-            in_flight.delivered = true;
+        {
+            let mut tracked = lock(&self.persisted.tracked);
+            if let Some(Track::Running(in_flight)) = tracked.requests.get_mut(&self.request_id) {
+                in_flight.delivered = true;
+            }
         }
+        self.persisted.reservation_ended.notify_waiters();
     }
 }
 
@@ -138,15 +156,18 @@ impl Drop for Claim {
         if self.kept {
             return;
         }
-        let mut tracked = lock(&self.persisted.tracked);
-        if matches!(tracked.requests.get(&self.request_id), Some(Track::Running(_))) {
-            match self.previous {
-                Previous::Absent => tracked.requests.remove(&self.request_id),
-                Previous::Reserved => tracked.requests.insert(self.request_id, Track::Reserved),
-                Previous::Settling => tracked.requests.insert(self.request_id, Track::Settling),
-            };
-            tracked.stopped_running();
+        {
+            let mut tracked = lock(&self.persisted.tracked);
+            if matches!(tracked.requests.get(&self.request_id), Some(Track::Running(_))) {
+                match self.previous {
+                    Previous::Absent => tracked.requests.remove(&self.request_id),
+                    Previous::Reserved => tracked.requests.insert(self.request_id, Track::Reserved),
+                    Previous::Settling => tracked.requests.insert(self.request_id, Track::Settling),
+                };
+                tracked.stopped_running();
+            }
         }
+        self.persisted.reservation_ended.notify_waiters();
     }
 }
 
@@ -244,13 +265,14 @@ impl Persisted {
         tracked.requests.retain(|_, track| !matches!(track, Track::Settled));
     }
 
-    /// Whether `request_id` reached its entity here and was not forgotten yet (it runs, or its
-    /// outcome is being stored): a later request to the entity may follow it directly.
-    pub(super) fn was_delivered(&self, request_id: Snowflake) -> bool {
+    /// Where the earlier request `request_id` is (a later request to the entity may follow it
+    /// directly once it reached the entity here).
+    pub(super) fn earlier(&self, request_id: Snowflake) -> Earlier {
         match lock(&self.tracked).requests.get(&request_id) {
-            Some(Track::Running(in_flight)) => in_flight.delivered,
-            Some(Track::Settling | Track::Settled) => true,
-            Some(Track::Reserved) | None => false,
+            Some(Track::Running(in_flight)) if in_flight.delivered => Earlier::Delivered,
+            Some(Track::Settling | Track::Settled) => Earlier::Delivered,
+            Some(Track::Running(_) | Track::Reserved) => Earlier::Reserved,
+            None => Earlier::Elsewhere,
         }
     }
 

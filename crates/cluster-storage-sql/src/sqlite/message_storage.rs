@@ -14,8 +14,8 @@ use cluster_core::envelope::{AckChunk, Interrupt, MESSAGE_ID_LENGTH_MAX, Reply, 
 use cluster_core::error::{StorageError, StorageErrorKind};
 use cluster_core::future::BoxFuture;
 use cluster_core::storage::{
-    MessageStorage, MessageTransaction, SaveRequestOptions, SaveResult, UnprocessedBatch,
-    UnprocessedOptions,
+    MessageStorage, MessageTransaction, OrderedSave, SaveRequestOptions, SaveResult,
+    UnprocessedBatch, UnprocessedOptions,
 };
 use cluster_core::{EntityAddress, ShardId, Snowflake, Timestamp};
 use rusqlite::types::ToSql;
@@ -128,6 +128,52 @@ impl SqliteMessageStorage {
         self.worker.call(operation, |reply| Command::Write(Box::new(Write { op, reply }))).await
     }
 
+    /// Saves a request; with `earlier`, also reads its entity's earlier unprocessed requests in
+    /// the same transaction once it is stored.
+    async fn save(
+        &self,
+        request: &Request,
+        options: &SaveRequestOptions,
+        earlier: Option<EarlierCheck>,
+    ) -> Result<OrderedSave, StorageError> {
+        let insert = MessageInsert::request(request, options)?;
+        // Before keys were hashed, SQLite's unbounded TEXT column stored long keys as they
+        // are (reference §5.4): such a row must still be found.
+        let legacy_message_id = options
+            .primary_key
+            .as_ref()
+            .filter(|key| key.encode_utf16().count() > MESSAGE_ID_LENGTH_MAX)
+            .cloned();
+        tracing::debug!(
+            operation = "save_request",
+            request_id = %request.request_id,
+            deduplicated = insert.message_id.is_some(),
+            "sqlite"
+        );
+        let values = MessageValues::from(insert);
+        let op = WriteOp::Request { values, legacy_message_id, earlier };
+        match self.write(op).await? {
+            WriteOutcome::Stored => Ok(OrderedSave { saved: SaveResult::Success, earlier: None }),
+            WriteOutcome::StoredAfter(ids) => {
+                let earlier = ids.and_then(|ids| ids_from_sql(ids).ok());
+                Ok(OrderedSave { saved: SaveResult::Success, earlier })
+            }
+            WriteOutcome::Claimed(_) => Err(mismatched_outcome("save_request")),
+            WriteOutcome::Duplicate { id, last_reply } => {
+                let original_id = id_from_sql(id).map_err(|error| {
+                    StorageError::with_source(
+                        StorageErrorKind::Malformed,
+                        "unreadable duplicate row",
+                        error,
+                    )
+                })?;
+                let last_received_reply = last_reply.map(ReplyRow::decode).transpose()?;
+                let saved = SaveResult::Duplicate { original_id, last_received_reply };
+                Ok(OrderedSave { saved, earlier: None })
+            }
+        }
+    }
+
     async fn message_op<T>(
         &self,
         operation: &'static str,
@@ -144,36 +190,20 @@ impl MessageStorage for SqliteMessageStorage {
         options: &'a SaveRequestOptions,
     ) -> BoxFuture<'a, Result<SaveResult, StorageError>> {
         Box::pin(async move {
-            let insert = MessageInsert::request(request, options)?;
-            // Before keys were hashed, SQLite's unbounded TEXT column stored long keys as they
-            // are (reference §5.4): such a row must still be found.
-            let legacy_message_id = options
-                .primary_key
-                .as_ref()
-                .filter(|key| key.encode_utf16().count() > MESSAGE_ID_LENGTH_MAX)
-                .cloned();
-            tracing::debug!(
-                operation = "save_request",
-                request_id = %request.request_id,
-                deduplicated = insert.message_id.is_some(),
-                "sqlite"
-            );
-            let values = MessageValues::from(insert);
-            match self.write(WriteOp::Request { values, legacy_message_id }).await? {
-                WriteOutcome::Stored => Ok(SaveResult::Success),
-                WriteOutcome::Claimed(_) => Err(mismatched_outcome("save_request")),
-                WriteOutcome::Duplicate { id, last_reply } => Ok(SaveResult::Duplicate {
-                    original_id: id_from_sql(id).map_err(|error| {
-                        StorageError::with_source(
-                            StorageErrorKind::Malformed,
-                            "unreadable duplicate row",
-                            error,
-                        )
-                    })?,
-                    last_received_reply: last_reply.map(ReplyRow::decode).transpose()?,
-                }),
-            }
+            let ordered = self.save(request, options, None).await?;
+            Ok(ordered.saved)
         })
+    }
+
+    fn save_request_ordered<'a>(
+        &'a self,
+        request: &'a Request,
+        options: &'a SaveRequestOptions,
+        now: Timestamp,
+        limit: std::num::NonZeroU32,
+    ) -> BoxFuture<'a, Result<OrderedSave, StorageError>> {
+        let earlier = EarlierCheck { now: now.unix_millis(), limit: limit.get() };
+        Box::pin(self.save(request, options, Some(earlier)))
     }
 
     fn save_ack_chunk<'a>(&'a self, ack: &'a AckChunk) -> BoxFuture<'a, Result<(), StorageError>> {
@@ -282,7 +312,9 @@ impl MessageStorage for SqliteMessageStorage {
             });
             let rows = match self.write(claim).await? {
                 WriteOutcome::Claimed(rows) => rows,
-                WriteOutcome::Stored | WriteOutcome::Duplicate { .. } => {
+                WriteOutcome::Stored
+                | WriteOutcome::StoredAfter(_)
+                | WriteOutcome::Duplicate { .. } => {
                     return Err(mismatched_outcome("unprocessed_messages"));
                 }
             };
@@ -684,7 +716,13 @@ impl From<MessageInsert<'_>> for MessageValues {
 pub(super) enum WriteOp {
     /// A request; with a `message_id` it is deduplicated. `legacy_message_id` is the plaintext
     /// key of an over-long primary key, looked up first.
-    Request { values: MessageValues, legacy_message_id: Option<String> },
+    Request {
+        values: MessageValues,
+        legacy_message_id: Option<String>,
+        /// Once stored, read the entity's unprocessed requests stored before it (in the same
+        /// transaction: no second trip through the worker).
+        earlier: Option<EarlierCheck>,
+    },
     /// A chunk acknowledgement.
     AckChunk(MessageValues),
     /// An interrupt.
@@ -693,6 +731,13 @@ pub(super) enum WriteOp {
     Reply(ReplyInsert),
     /// Select and claim unprocessed messages.
     Claim(Claim),
+}
+
+/// The arguments of `unprocessed_before` after a save: the runner's clock and the limit.
+#[derive(Debug)]
+pub(super) struct EarlierCheck {
+    now: i64,
+    limit: u32,
 }
 
 /// The arguments of a claim (reference §5.3).
@@ -730,6 +775,9 @@ pub(super) struct Write {
 #[derive(Debug)]
 pub(super) enum WriteOutcome {
     Stored,
+    /// A request stored, with the ids of its entity's earlier unprocessed requests (`None`:
+    /// the read failed).
+    StoredAfter(Option<Vec<i64>>),
     /// The rows a claim selected (and claimed).
     Claimed(Vec<MessageRow>),
     /// The request's key (or id) is taken by the stored request `id`.
@@ -897,8 +945,24 @@ fn execute_write(
     op: &WriteOp,
 ) -> rusqlite::Result<WriteOutcome> {
     match op {
-        WriteOp::Request { values, legacy_message_id } => {
-            save_request(connection, sql, values, legacy_message_id.as_deref())
+        WriteOp::Request { values, legacy_message_id, earlier } => {
+            let outcome = save_request(connection, sql, values, legacy_message_id.as_deref())?;
+            match (outcome, earlier) {
+                (WriteOutcome::Stored, Some(check)) => {
+                    // A failed read leaves the save alone: the caller then asks no further.
+                    let address = [&values.shard_id, &values.entity_type, &values.entity_id];
+                    let ids = unprocessed_before(
+                        connection,
+                        sql,
+                        address,
+                        values.id,
+                        check.now,
+                        check.limit,
+                    );
+                    Ok(WriteOutcome::StoredAfter(ids.ok()))
+                }
+                (outcome, _) => Ok(outcome),
+            }
         }
         WriteOp::AckChunk(values) => {
             connection.prepare_cached(&sql.ack_reply)?.execute([values.reply_id])?;
@@ -1047,11 +1111,8 @@ pub(super) fn run_operation(state: &WorkerState, op: MessageOp) {
             limit,
             reply,
         } => {
-            let parameters: [&dyn ToSql; 6] =
-                [&shard_id, &entity_type, &entity_id, &request_id, &now, &limit];
-            let result = query_rows(connection, &sql.unprocessed_before, &parameters, |row| {
-                row.get::<_, i64>(0)
-            });
+            let address = [&shard_id, &entity_type, &entity_id];
+            let result = unprocessed_before(connection, sql, address, request_id, now, limit);
             respond(reply, "unprocessed_before", result);
         }
         MessageOp::ResetRequests { request_ids, reply } => {
@@ -1084,6 +1145,23 @@ fn execute(
 ) -> rusqlite::Result<()> {
     connection.prepare_cached(query)?.execute(parameters)?;
     Ok(())
+}
+
+/// The ids of the unprocessed, due requests of the entity at `address` (shard, type, id)
+/// stored before `request_id`, oldest first, at most `limit`.
+fn unprocessed_before(
+    connection: &Connection,
+    sql: &MessageSql,
+    address: [&String; 3],
+    request_id: i64,
+    now: i64,
+    limit: u32,
+) -> rusqlite::Result<Vec<i64>> {
+    let [shard_id, entity_type, entity_id] = address;
+    let parameters: [&dyn ToSql; 5] = [shard_id, entity_type, entity_id, &request_id, &now];
+    let mut statement = connection.prepare_cached(&sql.unprocessed_before)?;
+    let rows = statement.query_map(parameters.as_slice(), |row| row.get::<_, i64>(0))?;
+    rows.take(usize::try_from(limit).unwrap_or(usize::MAX)).collect()
 }
 
 fn query_rows<T>(

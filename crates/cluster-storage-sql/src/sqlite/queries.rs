@@ -113,11 +113,15 @@ impl MessageSql {
                  WHERE id IN (SELECT value FROM json_each(?1))"
             ),
             // The id is the rowid here (`INTEGER PRIMARY KEY`): the claim's order.
+            // Through the shard index (the rowid range `id < ?4` would walk the whole table),
+            // and without a bound `LIMIT`: SQLite plans with a bound limit's value, so every new
+            // binding would prepare the statement again. The caller stops at its limit.
             unprocessed_before: format!(
-                "SELECT id FROM {m} WHERE shard_id = ?1 AND processed = 0 AND kind = 0 \
-                 AND entity_type = ?2 AND entity_id = ?3 AND id < ?4 \
+                "SELECT id FROM {m} INDEXED BY {m}_shard_idx \
+                 WHERE shard_id = ?1 AND processed = 0 AND kind = 0 \
+                 AND entity_type = ?2 AND entity_id = ?3 AND +id < ?4 \
                  AND (deliver_at IS NULL OR deliver_at <= ?5) \
-                 ORDER BY id ASC LIMIT ?6"
+                 ORDER BY id ASC"
             ),
             unprocessed_by_id: format!(
                 "SELECT {MESSAGE_COLUMNS} FROM {m} m LEFT JOIN {r} r ON r.id = m.last_reply_id \

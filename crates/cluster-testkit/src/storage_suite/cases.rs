@@ -570,6 +570,32 @@ pub async fn unprocessed_before_lists_the_entitys_earlier_requests(fixture: &dyn
     assert_eq!(before(8, 10).await, [1, 5, 6]);
 }
 
+/// `save_request_ordered` stores a request as `save_request` does and, when it stored it,
+/// answers what `unprocessed_before` would; a duplicate has no earlier list.
+pub async fn save_request_ordered_reads_the_earlier_requests_with_the_save(
+    fixture: &dyn StorageFixture,
+) {
+    let storage = fixture.message_storage();
+    let limit = std::num::NonZeroU32::new(10).unwrap();
+    save(&*storage, &request(1, 1)).await;
+    save(&*storage, &request(2, 2)).await;
+    let ordered = storage
+        .save_request_ordered(&request(3, 1), &key_of(&request(3, 1), "k3"), now(), limit)
+        .await
+        .unwrap();
+    assert_eq!(ordered.saved, SaveResult::Success, "{}", fixture.name());
+    let earlier: Option<Vec<u64>> =
+        ordered.earlier.map(|ids| ids.into_iter().map(Snowflake::get).collect());
+    assert_eq!(earlier, Some(vec![1]), "{}: the entity's earlier request", fixture.name());
+    assert_eq!(read_ids(&*storage).await, [1, 2, 3], "stored as by save_request");
+    let again = storage
+        .save_request_ordered(&request(4, 1), &key_of(&request(4, 1), "k3"), now(), limit)
+        .await
+        .unwrap();
+    assert!(matches!(again.saved, SaveResult::Duplicate { .. }), "{:?}", again.saved);
+    assert_eq!(again.earlier, None, "a duplicate has no earlier list");
+}
+
 /// Interrupts are stored and delivered; resetting the request deletes them (§5.1).
 pub async fn interrupts_are_delivered_and_cleared(fixture: &dyn StorageFixture) {
     let storage = fixture.message_storage();
