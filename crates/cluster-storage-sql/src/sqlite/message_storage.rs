@@ -138,7 +138,7 @@ impl SqliteMessageStorage {
     ) -> Result<OrderedSave, StorageError> {
         let insert = MessageInsert::request(request, options)?;
         // Before keys were hashed, SQLite's unbounded TEXT column stored long keys as they
-        // are (reference §5.4): such a row must still be found.
+        // are: such a row must still be found.
         let legacy_message_id = options
             .primary_key
             .as_ref()
