@@ -7,6 +7,7 @@
 //! one round-trip. Every statement is prepared once per pooled connection.
 
 use std::any::Any;
+use std::collections::BTreeMap;
 use std::fmt;
 use std::sync::{Arc, OnceLock};
 
@@ -14,8 +15,8 @@ use cluster_core::envelope::{AckChunk, Interrupt, Reply, Request};
 use cluster_core::error::{StorageError, StorageErrorKind};
 use cluster_core::future::BoxFuture;
 use cluster_core::storage::{
-    MessageStorage, MessageTransaction, SaveRequestOptions, SaveResult, UnprocessedBatch,
-    UnprocessedOptions,
+    MessageStorage, MessageTransaction, OrderedSave, SaveRequestOptions, SaveResult,
+    UnprocessedBatch, UnprocessedOptions,
 };
 use cluster_core::{EntityAddress, ShardId, Snowflake, Timestamp};
 use deadpool_postgres::{ClientWrapper, Object, Pool};
@@ -52,9 +53,18 @@ pub struct PgMessageStorage {
 /// Group commit (DESIGN.md §3, decision 5): requests and replies saved concurrently are
 /// written together, with one multi-row statement and one commit per batch.
 struct Writers {
-    requests: Batcher<(Request, SaveRequestOptions), SaveResult>,
+    requests: Batcher<SaveJob, OrderedSave>,
     replies: Batcher<Reply, ()>,
     claims: Batcher<Claim, UnprocessedBatch>,
+}
+
+/// One caller's save, owned so that it can wait in a batch.
+struct SaveJob {
+    request: Request,
+    options: SaveRequestOptions,
+    /// For `save_request_ordered`: read the entity's earlier unprocessed requests due at
+    /// `now` (epoch millis), at most `limit`, once the request is stored.
+    order: Option<(i64, i64)>,
 }
 
 /// One caller's claim (`unprocessed_messages`), owned so that it can wait in a batch.
@@ -385,41 +395,117 @@ async fn save_request_one(
 
 /// Saves a batch of requests with one multi-row insert (one commit). Requests whose primary
 /// key was taken are then resolved one by one as duplicates; if the batch statement fails (a
-/// reused request id), every request is saved on its own, so only the faulty one fails.
+/// reused request id), every request is saved on its own, so only the faulty one fails. The
+/// stored requests that asked for their entity's earlier requests get them from one query for
+/// the whole batch ([`earlier_requests`]).
 async fn save_requests(
     pool: &Pool,
     queries: &MessageQueries,
-    inputs: Vec<(Request, SaveRequestOptions)>,
-) -> Vec<Result<SaveResult, StorageError>> {
-    if inputs.len() > 1
-        && let Ok(inserted) = insert_requests(pool, queries, &inputs).await
-    {
-        let mut results = Vec::with_capacity(inputs.len());
-        for (request, options) in &inputs {
-            let id = id_to_sql(request.request_id);
-            results.push(match id {
-                Ok(id) if inserted.contains(&id) => Ok(SaveResult::Success),
-                _ => save_request_one(pool, queries, request, options).await,
-            });
+    jobs: Vec<SaveJob>,
+) -> Vec<Result<OrderedSave, StorageError>> {
+    let mut saved = Vec::with_capacity(jobs.len());
+    let batched =
+        if jobs.len() > 1 { insert_requests(pool, queries, &jobs).await.ok() } else { None };
+    for job in &jobs {
+        let inserted = match (&batched, id_to_sql(job.request.request_id)) {
+            (Some(inserted), Ok(id)) => inserted.contains(&id),
+            _ => false,
+        };
+        saved.push(if inserted {
+            Ok(SaveResult::Success)
+        } else {
+            save_request_one(pool, queries, &job.request, &job.options).await
+        });
+    }
+    let ordered: Vec<&SaveJob> = jobs
+        .iter()
+        .zip(&saved)
+        .filter(|(job, saved)| job.order.is_some() && matches!(saved, Ok(SaveResult::Success)))
+        .map(|(job, _)| job)
+        .collect();
+    let mut earlier = if ordered.is_empty() {
+        BTreeMap::new()
+    } else {
+        // A failed read does not fail the saves: their callers leave them to the read loop.
+        earlier_requests(pool, queries, &ordered).await.unwrap_or_else(|error| {
+            tracing::debug!(%error, "the earlier requests of saved requests could not be read");
+            BTreeMap::new()
+        })
+    };
+    jobs.iter()
+        .zip(saved)
+        .map(|(job, saved)| {
+            let saved = saved?;
+            let earlier = match (&saved, job.order) {
+                (SaveResult::Success, Some(_)) => earlier.remove(&job.request.request_id),
+                _ => None,
+            };
+            Ok(OrderedSave { saved, earlier })
+        })
+        .collect()
+}
+
+/// The unprocessed requests stored before each of `jobs` (all stored, all asking for it) for
+/// its entity, in storage order: what `unprocessed_before` answers for one, in one statement.
+/// Every job has an entry, empty when nothing came before it.
+async fn earlier_requests(
+    pool: &Pool,
+    queries: &MessageQueries,
+    jobs: &[&SaveJob],
+) -> Result<BTreeMap<Snowflake, Vec<Snowflake>>, StorageError> {
+    let mut columns = EarlierColumns::default();
+    for job in jobs {
+        let address = &job.request.address;
+        let (now, limit) = job.order.unwrap_or((0, 0));
+        columns.shard_ids.push(address.shard_id.to_string());
+        columns.entity_types.push(address.entity_type.as_str());
+        columns.entity_ids.push(address.entity_id.as_str());
+        columns.request_ids.push(id_to_sql(job.request.request_id)?);
+        columns.nows.push(now);
+        columns.limits.push(limit);
+    }
+    let params: [&(dyn ToSql + Sync); 6] = [
+        &columns.shard_ids,
+        &columns.entity_types,
+        &columns.entity_ids,
+        &columns.request_ids,
+        &columns.nows,
+        &columns.limits,
+    ];
+    let sql = &queries.unprocessed_before_many;
+    let rows = pooled_query(pool, "save_request_ordered: earlier", sql, &params).await?;
+    let mut earlier: BTreeMap<Snowflake, Vec<Snowflake>> =
+        jobs.iter().map(|job| (job.request.request_id, Vec::new())).collect();
+    for row in &rows {
+        let pair = [row.try_get::<_, i64>(0), row.try_get::<_, i64>(1)];
+        let pair = pair.into_iter().collect::<Result<Vec<i64>, _>>().map_err(column_error)?;
+        if let [request_id, id] = row::ids_from_sql(pair)?[..] {
+            earlier.entry(request_id).or_default().push(id);
         }
-        return results;
     }
-    let mut results = Vec::with_capacity(inputs.len());
-    for (request, options) in &inputs {
-        results.push(save_request_one(pool, queries, request, options).await);
-    }
-    results
+    Ok(earlier)
+}
+
+/// The parallel columns of [`earlier_requests`].
+#[derive(Default)]
+struct EarlierColumns<'a> {
+    shard_ids: Vec<String>,
+    entity_types: Vec<&'a str>,
+    entity_ids: Vec<&'a str>,
+    request_ids: Vec<i64>,
+    nows: Vec<i64>,
+    limits: Vec<i64>,
 }
 
 /// The multi-row insert of [`save_requests`]; returns the ids that were inserted.
 async fn insert_requests(
     pool: &Pool,
     queries: &MessageQueries,
-    inputs: &[(Request, SaveRequestOptions)],
+    jobs: &[SaveJob],
 ) -> Result<Vec<i64>, StorageError> {
-    let inserts = inputs
+    let inserts = jobs
         .iter()
-        .map(|(request, options)| MessageInsert::request(request, options))
+        .map(|job| MessageInsert::request(&job.request, &job.options))
         .collect::<Result<Vec<_>, _>>()?;
     let column = |f: &dyn Fn(&MessageInsert<'_>) -> Option<String>| -> Vec<Option<String>> {
         inserts.iter().map(f).collect()
@@ -691,8 +777,23 @@ impl MessageStorage for PgMessageStorage {
         request: &'a Request,
         options: &'a SaveRequestOptions,
     ) -> BoxFuture<'a, Result<SaveResult, StorageError>> {
-        let input = (request.clone(), options.clone());
-        Box::pin(self.writers().requests.submit(input).instrument(span("save_request")))
+        let job = SaveJob { request: request.clone(), options: options.clone(), order: None };
+        let saved = self.writers().requests.submit(job);
+        Box::pin(async move { Ok(saved.await?.saved) }.instrument(span("save_request")))
+    }
+
+    /// Saves the request in its group-commit batch and reads the earlier requests of the
+    /// batch's stored requests with one more statement, instead of one per request.
+    fn save_request_ordered<'a>(
+        &'a self,
+        request: &'a Request,
+        options: &'a SaveRequestOptions,
+        now: Timestamp,
+        limit: std::num::NonZeroU32,
+    ) -> BoxFuture<'a, Result<OrderedSave, StorageError>> {
+        let order = Some((now.unix_millis(), i64::from(limit.get())));
+        let job = SaveJob { request: request.clone(), options: options.clone(), order };
+        Box::pin(self.writers().requests.submit(job).instrument(span("save_request_ordered")))
     }
 
     fn save_ack_chunk<'a>(&'a self, ack: &'a AckChunk) -> BoxFuture<'a, Result<(), StorageError>> {

@@ -93,6 +93,10 @@ pub(crate) struct MessageQueries {
     /// Unprocessed messages with ids `$1`, due at `$2`, not claimed.
     pub(crate) unprocessed_by_id: String,
     pub(crate) unprocessed_before: String,
+    /// `unprocessed_before` for several requests at once: for each row of the parallel arrays
+    /// (shard `$1`, entity type `$2`, entity id `$3`, request `$4`, now `$5`, limit `$6`), the
+    /// pairs (request, earlier id) in storage order.
+    pub(crate) unprocessed_before_many: String,
     /// Releases the claims of the requests `$1`.
     pub(crate) reset_requests: String,
     /// Releases the claims of the addresses `($1, $2, $3)`.
@@ -211,6 +215,20 @@ impl MessageQueries {
                  AND m.rowid < (SELECT rowid FROM {messages} WHERE id = $4) \
                  AND (m.deliver_at IS NULL OR m.deliver_at <= $5) \
                  ORDER BY m.rowid ASC LIMIT $6"
+            ),
+            unprocessed_before_many: format!(
+                "SELECT q.request_id, e.id FROM unnest( \
+                   $1::text[], $2::text[], $3::text[], $4::bigint[], $5::bigint[], $6::bigint[] \
+                 ) AS q(shard_id, entity_type, entity_id, request_id, now, lim) \
+                 CROSS JOIN LATERAL ( \
+                   SELECT m.id, m.rowid FROM {messages} m \
+                   WHERE m.shard_id = q.shard_id AND m.processed = FALSE AND m.kind = 0 \
+                   AND m.entity_type = q.entity_type AND m.entity_id = q.entity_id \
+                   AND m.rowid < (SELECT rowid FROM {messages} WHERE id = q.request_id) \
+                   AND (m.deliver_at IS NULL OR m.deliver_at <= q.now) \
+                   ORDER BY m.rowid ASC LIMIT q.lim \
+                 ) e \
+                 ORDER BY q.request_id, e.rowid"
             ),
             reset_requests: reset(&messages, "request_id = ANY($1)"),
             reset_addresses: reset(

@@ -596,6 +596,42 @@ pub async fn save_request_ordered_reads_the_earlier_requests_with_the_save(
     assert_eq!(again.earlier, None, "a duplicate has no earlier list");
 }
 
+/// Concurrent `save_request_ordered` calls (a backend may answer them in one batch) each get
+/// what `unprocessed_before` answers for their request once all are stored: the entity's
+/// earlier requests, those saved alongside included, and no other entity's.
+pub async fn concurrent_ordered_saves_each_get_their_earlier_requests(
+    fixture: &dyn StorageFixture,
+) {
+    let storage = fixture.message_storage();
+    let limit = std::num::NonZeroU32::new(64).unwrap();
+    save(&*storage, &request(1, 1)).await;
+    let saves = (2..=40u64).map(|id| {
+        let storage = Arc::clone(&storage);
+        // Three entities of one shard, their requests interleaved.
+        let target = request(id, u32::try_from(id % 3).unwrap());
+        async move {
+            let options = key_of(&target, &format!("k{id}"));
+            let ordered = storage.save_request_ordered(&target, &options, now(), limit).await;
+            (target, ordered.unwrap())
+        }
+    });
+    let saved = futures_util::future::join_all(saves).await;
+    for (target, ordered) in saved {
+        assert_eq!(ordered.saved, SaveResult::Success, "{}", fixture.name());
+        let expected = storage
+            .unprocessed_before(&target.address, target.request_id, now(), limit)
+            .await
+            .unwrap();
+        assert_eq!(
+            ordered.earlier,
+            Some(expected),
+            "{}: the earlier requests of {}",
+            fixture.name(),
+            target.request_id
+        );
+    }
+}
+
 /// Interrupts are stored and delivered; resetting the request deletes them (§5.1).
 pub async fn interrupts_are_delivered_and_cleared(fixture: &dyn StorageFixture) {
     let storage = fixture.message_storage();
