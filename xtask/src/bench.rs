@@ -1,5 +1,5 @@
-//! `cargo xtask bench`: the benchmark workloads of DESIGN.md §5 (`cluster-bench`), in release
-//! mode against the local services.
+//! `cargo xtask bench`: the benchmark workloads of docs/performance.md (`cluster-bench`), in
+//! release mode against the local services.
 //!
 //! - `bench [W0|W1|W2|W3|W4|W5|all]` (default `all`): each workload in its own process, one
 //!   JSON line each on standard output. W0 is W1's baseline without the runtime (a bare tokio

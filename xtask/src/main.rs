@@ -16,7 +16,7 @@
 //! - `bench [W1|…|W5|all|scaling|plot]`: the benchmark workloads in release mode against the
 //!   local services (see `bench`, docs/performance.md); not part of `ci`.
 //!
-//! Automation is written in Rust so that it runs wherever cargo does (STYLE rule 24).
+//! Automation is written in Rust so that it runs wherever cargo does.
 
 mod bench;
 mod config_doc;

@@ -1,13 +1,16 @@
 //! Repository rules that are not compiler lints, checked as tests (`cargo test -p xtask`) and by
 //! `cargo xtask tidy`.
 //!
-//! - The architecture invariants of DESIGN.md §2 on the dependency graph: `cluster-core` has no
+//! - The architecture invariants of ARCHITECTURE.md on the dependency graph: `cluster-core` has no
 //!   runtime, database driver or network crate among its normal dependencies (transitively);
 //!   `cluster-storage-sql` and `cluster-rpc` never depend on each other, on `cluster-sharding` or
 //!   on `cluster-workflow`; nothing depends on `cluster-testkit` except as a dev-dependency.
 //! - Every Rust file starts with a `//!` doc.
 //! - No ignored tests, no tests that expect a panic, and no `todo` or `unimplemented` stubs.
 //! - Only `cluster-core`'s `SystemClock` reads the wall clock.
+//! - Comments and docs cite only what a clone can follow: the reference's own sources
+//!   (`effect/src/...`) or paths that exist in this repository, never the design notes the
+//!   project started from.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::fs;
@@ -58,6 +61,7 @@ const FORBIDDEN_EDGES: [(&str, &[&str]); 2] = [
 pub(crate) fn run(root: &Path) -> Result<()> {
     let mut violations = dependency_violations(&Graph::load(root)?);
     violations.extend(source_violations(root)?);
+    violations.extend(citation_violations_in(root)?);
     if violations.is_empty() {
         return Ok(());
     }
@@ -195,6 +199,140 @@ pub(crate) fn file_violations(path: &str, text: &str) -> Vec<String> {
         violations.push(format!("{path}: reads the wall clock; inject cluster_core::Clock"));
     }
     violations
+}
+
+/// Documents that are not part of a clone: citing them leaves the reader stranded. The
+/// patterns are split so that this file does not match itself.
+const OUTSIDE_DOCUMENTS: [&str; 7] = [
+    concat!("DESIGN", ".md"),
+    concat!("STYLE", ".md"),
+    concat!("docs/", "style.md"),
+    concat!("STYLE", " rule"),
+    concat!("../", "shared"),
+    concat!("reference/", "cluster.md"),
+    concat!("reference/", "workflow.md"),
+];
+
+/// Words that, followed by a number, cite a numbered part of those documents (lower case).
+const NUMBERED_CITATIONS: [&str; 5] = ["§", "seed 00", "seed-00", "seeds 00", "invariant "];
+
+/// Extensions of the files a comment or doc may name by path.
+const CITED_EXTENSIONS: [&str; 12] =
+    ["md", "rs", "toml", "ts", "sh", "json", "yml", "yaml", "sql", "svg", "txt", "js"];
+
+/// The citation rule over the repository's Rust, Markdown and TOML files.
+fn citation_violations_in(root: &Path) -> Result<Vec<String>> {
+    let mut files = Vec::new();
+    collect_files(root, &["rs", "md", "toml"], &mut files)?;
+    let mut bases = vec![PathBuf::new(), PathBuf::from("xtask"), PathBuf::from("xtask/src")];
+    for entry in fs::read_dir(root.join("crates")).context("cannot list crates")? {
+        let name = entry?.file_name();
+        bases.push(Path::new("crates").join(&name));
+        bases.push(Path::new("crates").join(&name).join("src"));
+    }
+    let mut violations = Vec::new();
+    for file in files {
+        let text =
+            fs::read_to_string(&file).with_context(|| format!("cannot read {}", file.display()))?;
+        let relative = file.strip_prefix(root).unwrap_or(&file).to_path_buf();
+        let directory = relative.parent().map(Path::to_path_buf).unwrap_or_default();
+        let exists = |cited: &str| {
+            let cited = cited.strip_prefix("./").unwrap_or(cited);
+            std::iter::once(&directory)
+                .chain(&bases)
+                .any(|base| root.join(base).join(cited).exists())
+        };
+        violations.extend(citation_violations(&relative.display().to_string(), &text, &exists));
+    }
+    Ok(violations)
+}
+
+/// The citation rule on one file: in its comments (Rust and TOML) or its whole text
+/// (Markdown), no citation of an outside document, and every cited path exists (`exists`).
+/// The reference's sources (`effect/src/...`), URLs and absolute paths are not checked.
+pub(crate) fn citation_violations(
+    path: &str,
+    text: &str,
+    exists: &dyn Fn(&str) -> bool,
+) -> Vec<String> {
+    let markdown = path.ends_with(".md");
+    let comment = if path.ends_with(".toml") { "#" } else { "//" };
+    let mut violations = Vec::new();
+    for (index, line) in text.lines().enumerate() {
+        if !markdown && !line.trim_start().starts_with(comment) {
+            continue;
+        }
+        let at = format!("{path}:{}", index + 1);
+        for document in OUTSIDE_DOCUMENTS {
+            if line.contains(document) {
+                violations
+                    .push(format!("{at}: cites `{document}`, which is not in the repository"));
+            }
+        }
+        let lower = line.to_lowercase();
+        for words in NUMBERED_CITATIONS {
+            let numbered = lower.match_indices(words).any(|(start, _)| {
+                lower[start + words.len()..].chars().next().is_some_and(|c| c.is_ascii_digit())
+            });
+            if numbered {
+                violations.push(format!(
+                    "{at}: cites `{}<number>` of a document outside the repository; cite the \
+                     reference's source file and function, or a document in the repository",
+                    words.trim_end()
+                ));
+            }
+        }
+        for cited in cited_paths(line) {
+            if !exists(cited) {
+                violations.push(format!("{at}: cites `{cited}`, which does not exist"));
+            }
+        }
+    }
+    violations
+}
+
+/// The relative file paths a line names: words with a `/` and a known extension, without the
+/// reference's sources, URLs, absolute paths and patterns.
+fn cited_paths(line: &str) -> Vec<&str> {
+    let separators = |c: char| c.is_whitespace() || "()[]<>\"'`,;|".contains(c);
+    line.split(separators)
+        .map(|word| word.trim_end_matches(['.', ':']))
+        .map(|word| word.split('#').next().unwrap_or(word))
+        .filter(|word| word.contains('/'))
+        .filter(|word| {
+            word.rsplit_once('.')
+                .is_some_and(|(_, extension)| CITED_EXTENSIONS.contains(&extension))
+        })
+        .filter(|word| {
+            !["http", "effect/", "packages/", "@", "/", "~", "$"]
+                .iter()
+                .any(|prefix| word.starts_with(prefix))
+        })
+        .filter(|word| !word.contains(['*', '{', '}']) && !word.contains("..."))
+        .collect()
+}
+
+/// Files under `dir` with one of `extensions`, skipping build output, dependencies and
+/// hidden folders.
+fn collect_files(dir: &Path, extensions: &[&str], files: &mut Vec<PathBuf>) -> Result<()> {
+    for entry in fs::read_dir(dir).with_context(|| format!("cannot list {}", dir.display()))? {
+        let path = entry?.path();
+        let name = path.file_name().and_then(|name| name.to_str()).unwrap_or_default();
+        if path.is_dir() {
+            if name == "target" || name == "node_modules" || name.starts_with('.') {
+                continue;
+            }
+            collect_files(&path, extensions, files)?;
+        } else if path
+            .extension()
+            .and_then(|extension| extension.to_str())
+            .is_some_and(|extension| extensions.contains(&extension))
+        {
+            files.push(path);
+        }
+    }
+    files.sort();
+    Ok(())
 }
 
 fn collect_rust_files(dir: &Path, files: &mut Vec<PathBuf>) -> Result<()> {

@@ -1,4 +1,4 @@
-//! The benchmark workloads of DESIGN.md §5, one per process (so the peak resident set is the
+//! The benchmark workloads of docs/performance.md, one per process (so the peak resident set is the
 //! workload's own), each printing one JSON line.
 //!
 //! ```text

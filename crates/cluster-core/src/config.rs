@@ -1,4 +1,5 @@
-//! The runner's sharding configuration: the reference's `ShardingConfig` (reference §2).
+//! The runner's sharding configuration: the reference's `ShardingConfig`
+//! (`effect/src/cluster/ShardingConfig.ts`).
 //!
 //! [`ShardingConfig`] holds every option of the reference, with the reference's defaults
 //! ([`ShardingConfig::default`]) and environment variables ([`ShardingConfig::from_env`]). It lives

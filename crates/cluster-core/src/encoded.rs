@@ -1,6 +1,7 @@
-//! The reference's JSON form of envelopes, replies, exits and runner records (reference §1.2).
+//! The reference's JSON form of envelopes, replies, exits and runner records
+//! (`effect/src/cluster/Envelope.ts`).
 //!
-//! These are the only serde-encoded forms of the domain types (STYLE rule 9): [`JsonForm`]
+//! These are the only serde-encoded forms of the domain types: [`JsonForm`]
 //! writes and reads them byte-compatibly with effect 4.1.0, so a row or frame written by a
 //! TypeScript runner is read here and the other way round. Field order is the reference's;
 //! snowflakes are decimal strings; payloads and values are passed through as raw JSON text and

@@ -1,4 +1,4 @@
-//! Envelopes, replies and exits in domain form (reference §1.2).
+//! Envelopes, replies and exits in domain form (`effect/src/cluster/Envelope.ts`).
 //!
 //! An [`Envelope`] is what travels to an entity: a [`Request`], an [`AckChunk`] (stream
 //! backpressure) or an [`Interrupt`]. A [`Reply`] is what comes back: a [`Chunk`] of a streamed
@@ -411,7 +411,8 @@ impl Reply {
     }
 }
 
-/// The longest primary key stored as is; longer keys are stored as their SHA-256 (§1.4).
+/// The longest primary key stored as is; longer keys are stored as their SHA-256
+/// (`effect/src/cluster/Sharding.ts`).
 pub const MESSAGE_ID_LENGTH_MAX: usize = 255;
 
 /// The storage key of a request with a primary key: `<entity type>/<entity id>/<tag>/<key>`.

@@ -1,9 +1,9 @@
 //! Errors of the core vocabulary and of the contracts.
 //!
-//! [`ClusterError`] is what callers of the cluster see (the reference's `ClusterError`, §10).
-//! [`StorageError`] is what storage backends return, classified by [`StorageErrorKind`].
-//! [`ParseError`], [`DecodeError`] and [`ConfigError`] report bad input: they name what was
-//! wrong and never panic.
+//! [`ClusterError`] is what callers of the cluster see (the reference's `ClusterError`,
+//! `effect/src/cluster/ClusterError.ts`). [`StorageError`] is what storage backends return,
+//! classified by [`StorageErrorKind`]. [`ParseError`], [`DecodeError`] and [`ConfigError`] report
+//! bad input: they name what was wrong and never panic.
 
 use std::error::Error as StdError;
 use std::fmt;
@@ -12,7 +12,8 @@ use std::sync::Arc;
 use crate::ids::{EntityAddress, RunnerAddress};
 use crate::snowflake::Snowflake;
 
-/// An error a caller of the cluster can receive and match on (reference §10).
+/// An error a caller of the cluster can receive and match on
+/// (`effect/src/cluster/ClusterError.ts`).
 #[derive(Clone, Debug, thiserror::Error)]
 #[non_exhaustive]
 pub enum ClusterError {

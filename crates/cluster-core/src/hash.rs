@@ -1,4 +1,4 @@
-//! The reference's string hash and the entity-to-shard function (reference §3.1).
+//! The reference's string hash and the entity-to-shard function (`effect/src/cluster/ShardId.ts`).
 //!
 //! Changing anything here changes which shard every entity lives on, and breaks a database shared
 //! with TypeScript runners. The golden vectors in the tests are the reference's own outputs.
@@ -48,7 +48,7 @@ pub fn shard_id(entity_id: &str, group: &ShardGroup, shards_per_group: u32) -> S
 /// 32-bit FNV-1a over the UTF-8 bytes of `input`, as a signed integer.
 ///
 /// The PostgreSQL advisory lock namespace is `fnv1a_32("effect-cluster:<prefix>")`, a permanent
-/// wire format shared with the reference (reference §4.2).
+/// wire format shared with the reference (`effect/src/cluster/SqlRunnerStorage.ts`).
 pub fn fnv1a_32(input: &str) -> i32 {
     let mut hash: u32 = 0x811c_9dc5;
     for byte in input.bytes() {

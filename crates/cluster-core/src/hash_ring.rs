@@ -1,4 +1,4 @@
-//! The weighted consistent hash ring that assigns shards to runners (reference §3.2).
+//! The weighted consistent hash ring that assigns shards to runners (`effect/src/HashRing.ts`).
 //!
 //! Every runner and client computes the shard-to-runner assignment on its own from the runner
 //! registry, so this must be bit-identical across processes and with the TypeScript reference:

@@ -1,4 +1,4 @@
-//! Identifiers and addresses (reference §1.2).
+//! Identifiers and addresses (`effect/src/cluster/Envelope.ts`).
 //!
 //! Strings that are cloned along every message path (`ShardGroup`, `EntityType`, `EntityId`,
 //! hosts) are shared `Arc<str>`, so cloning an address never allocates; names written in code

@@ -1,5 +1,5 @@
-//! The decisions of the runner registry sync loop (reference §3.3): from what the registry says
-//! to a published shard assignment.
+//! The decisions of the runner registry sync loop (`effect/src/cluster/Sharding.ts`): from what the
+//! registry says to a published shard assignment.
 //!
 //! Every runner and client polls the registry every `refreshAssignmentsInterval` and computes the
 //! shard-to-runner assignment on its own, from one weighted [`HashRing`] per shard group. This

@@ -1,4 +1,4 @@
-//! A runner's shard ownership sets (reference §1.3, §4.3, §4.4, §8.1, §8.3): which shards are
+//! A runner's shard ownership sets (`effect/src/cluster/Sharding.ts`): which shards are
 //! assigned to it, which it holds the lock of and runs, and which it is letting go of.
 //!
 //! The shard acquisition loop, the lock refresh loop, the registry sync loop, the per-shard
@@ -157,7 +157,7 @@ impl ShardOwnership {
         outcome
     }
 
-    /// Applies the result of a lock refresh (`releaseLostShards`, seed 000).
+    /// Applies the result of a lock refresh (`releaseLostShards`, effect 4.1.0).
     ///
     /// `refreshed` is what was sent (acquired and releasing shards when the call started) and
     /// `returned` what lock storage confirmed. Every refreshed shard still acquired that was not
@@ -269,26 +269,28 @@ impl ShardOwnership {
     }
 
     /// Whether this runner may still hold `shard`'s lock (acquired or releasing): the
-    /// precondition for confirming the lock before storing a final reply (§8.3). Otherwise the
-    /// reply is fenced without asking lock storage.
+    /// precondition for confirming the lock before storing a final reply
+    /// (`effect/src/cluster/Sharding.ts`). Otherwise the reply is fenced without asking lock
+    /// storage.
     pub fn is_owned_or_releasing(&self, shard: &ShardId) -> bool {
         self.acquired.contains(shard) || self.releasing.contains(shard)
     }
 
-    /// Whether a request for `shard` should wait for its lock rather than bounce (§8.4): the
-    /// shard is assigned to this runner, not yet acquired, and the runner is not shutting down.
+    /// Whether a request for `shard` should wait for its lock rather than bounce
+    /// (`effect/src/cluster/Sharding.ts`): the shard is assigned to this runner, not yet acquired,
+    /// and the runner is not shutting down.
     pub fn is_awaiting_lock(&self, shard: &ShardId, shutting_down: bool) -> bool {
         !shutting_down && self.self_shards.contains(shard) && !self.acquired.contains(shard)
     }
 
-    /// Whether acks and interrupts for `shard` are accepted (§8.5): it is acquired, or
-    /// releasing with entities still draining.
+    /// Whether acks and interrupts for `shard` are accepted (`effect/src/cluster/Sharding.ts`): it
+    /// is acquired, or releasing with entities still draining.
     pub fn accepts_envelope(&self, shard: &ShardId) -> bool {
         self.is_owned_or_releasing(shard)
     }
 
-    /// Whether the shutdown handoff is complete (§8.1): nothing acquired, nothing releasing and
-    /// no forced release pending.
+    /// Whether the shutdown handoff is complete (`effect/src/cluster/Sharding.ts`): nothing
+    /// acquired, nothing releasing and no forced release pending.
     pub fn is_handed_off(&self) -> bool {
         self.acquired.is_empty() && self.releasing.is_empty() && !self.forced_release_pending()
     }

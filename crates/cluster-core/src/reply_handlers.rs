@@ -1,4 +1,5 @@
-//! Who waits for which reply, and when they are told (reference §5.5, §5.6, seeds 000 and 002).
+//! Who waits for which reply, and when they are told (`effect/src/cluster/SqlMessageStorage.ts`,
+//! `effect/src/cluster/MessageStorage.ts`, effect 4.0.3 and 4.1.0).
 //!
 //! [`ReplyHandlers`] is the in-process registry of waiters for the replies of requests: a local
 //! caller of a persisted request, or the server side of a remote caller's `Effect` call. Only
@@ -6,7 +7,7 @@
 //! a parameter ([`ReplyWaiter`]), so this module stays free of any runtime: the sharding crate
 //! plugs in a channel.
 //!
-//! [`TransactionNotifications`] is the seed-002 rule for replies saved inside a storage
+//! [`TransactionNotifications`] is the rule (since effect 4.0.3) for replies saved inside a storage
 //! transaction: final replies notify their waiters only after the outermost commit, chunks at
 //! once, and a rolled-back transaction's notifications are dropped.
 
@@ -16,7 +17,7 @@ use crate::envelope::Reply;
 use crate::ids::ShardId;
 use crate::snowflake::Snowflake;
 
-/// How waiters are told that their registration ended without a final reply (seed 000).
+/// How waiters are told that their registration ended without a final reply (effect 4.1.0).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum UnregisterMode {
     /// The shard moved: resume the waiter with `EntityNotAssignedToRunner`, after which it
@@ -213,7 +214,7 @@ pub enum Notify {
 }
 
 /// The replies saved inside (possibly nested) storage transactions whose waiters must wait for
-/// the outermost commit (seed 002).
+/// the outermost commit (effect 4.0.3).
 #[derive(Debug, Default)]
 pub struct TransactionNotifications {
     /// One list per open transaction, innermost last.

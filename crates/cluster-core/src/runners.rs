@@ -1,4 +1,4 @@
-//! The runner-to-runner transport contract (reference §1.5).
+//! The runner-to-runner transport contract (`effect/src/cluster/Runners.ts`).
 //!
 //! [`Runners`] is the client side, used by the runtime to reach other runners: `Ping`,
 //! `Notify`, `Effect` ([`Runners::send`]), `Stream` ([`Runners::stream`]) and `Envelope`
@@ -6,13 +6,13 @@
 //! when a peer's call arrives. `cluster-rpc` implements both ends over TCP; the testkit has a
 //! simulated transport with faults.
 //!
-//! Error mapping (reference §1.5, §12.3), which every implementation keeps: a transport failure
-//! is [`ClusterError::RunnerUnavailable`] (routing retries it); the server's typed errors
-//! (`EntityNotAssignedToRunner`, `MailboxFull`, `AlreadyProcessingMessage`) come back as they
-//! are; a defect the server delivers for a *persisted* request is `RunnerUnavailable` too, so the
-//! caller recovers the reply from storage, while for a volatile request it becomes the
-//! request's `Die` reply; a reply that cannot be encoded fails only its own request, with a
-//! `Die(MalformedMessage)` final reply.
+//! Error mapping (`effect/src/cluster/Runners.ts`, effect's `Runners.test.ts`), which every
+//! implementation keeps: a transport failure is [`ClusterError::RunnerUnavailable`] (routing
+//! retries it); the server's typed errors (`EntityNotAssignedToRunner`, `MailboxFull`,
+//! `AlreadyProcessingMessage`) come back as they are; a defect the server delivers for a
+//! *persisted* request is `RunnerUnavailable` too, so the caller recovers the reply from storage,
+//! while for a volatile request it becomes the request's `Die` reply; a reply that cannot be
+//! encoded fails only its own request, with a `Die(MalformedMessage)` final reply.
 //!
 //! Persisted traffic never depends on the transport: storage is the source of truth and
 //! polling the fallback.

@@ -1,4 +1,4 @@
-//! 64-bit unique ids (reference §9).
+//! 64-bit unique ids (`effect/src/cluster/Snowflake.ts`).
 //!
 //! Layout, from the most significant bit: 42 bits of milliseconds since [`EPOCH`]
 //! (2025-01-01T00:00:00Z), 10 bits of machine id (the registry's [`MachineId`] modulo 1024) and

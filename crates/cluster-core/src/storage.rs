@@ -1,10 +1,11 @@
-//! The storage contracts: [`MessageStorage`] (mailboxes and replies, reference §5) and
-//! [`RunnerStorage`] (runner registry and shard locks, reference §4).
+//! The storage contracts: [`MessageStorage`] (mailboxes and replies,
+//! `effect/src/cluster/MessageStorage.ts`) and [`RunnerStorage`] (runner registry and shard locks,
+//! `effect/src/cluster/RunnerStorage.ts`).
 //!
 //! Backends work at the *encoded* level: payloads, headers and reply values are
 //! [`RawJson`](crate::envelope::RawJson)
 //! holes that are stored and returned untouched; decoding with a request's own types happens
-//! above. Backends store and fetch rows; delivery policy lives once above them (STYLE rule 4):
+//! above. Backends store and fetch rows; delivery policy lives once above them:
 //! the reply-handler registry and the transaction notification rule are in
 //! [`crate::reply_handlers`], dedup rewriting and polling in the runtime.
 //!
@@ -37,7 +38,8 @@ use crate::future::BoxFuture;
 use crate::ids::{EntityAddress, MachineId, Runner, RunnerAddress, ShardId};
 use crate::snowflake::Snowflake;
 
-/// How long a claim on an unprocessed message keeps other readers away (reference §5.3).
+/// How long a claim on an unprocessed message keeps other readers away
+/// (`effect/src/cluster/SqlMessageStorage.ts`).
 pub const CLAIM_WINDOW: Duration = Duration::from_secs(10 * 60);
 
 /// The outcome of saving a request.
@@ -232,10 +234,10 @@ pub trait MessageStorage: Send + Sync + fmt::Debug {
         request_ids: &'a [Snowflake],
     ) -> BoxFuture<'a, Result<Vec<Reply>, StorageError>>;
 
-    /// Claims and returns unprocessed messages of `shard_ids` (reference §5.3): not processed,
-    /// no final reply and no unacknowledged chunk for the request, not claimed within
-    /// [`CLAIM_WINDOW`], due (`deliver_at <= now`), in insertion order, at most `limit`. Only
-    /// the returned rows are claimed.
+    /// Claims and returns unprocessed messages of `shard_ids`
+    /// (`effect/src/cluster/SqlMessageStorage.ts`): not processed, no final reply and no
+    /// unacknowledged chunk for the request, not claimed within [`CLAIM_WINDOW`], due (`deliver_at
+    /// <= now`), in insertion order, at most `limit`. Only the returned rows are claimed.
     ///
     /// # Cancel safety
     ///
@@ -346,7 +348,8 @@ pub trait MessageStorage: Send + Sync + fmt::Debug {
     ) -> BoxFuture<'a, Result<(), StorageError>>;
 
     /// Starts a transaction in which replies are saved atomically with the handler's own writes
-    /// (the reference's `withTransaction`, §5.5). Nested use shares the outer transaction;
+    /// (the reference's `withTransaction`, `effect/src/cluster/SqlMessageStorage.ts`). Nested use
+    /// shares the outer transaction;
     /// [`TransactionNotifications`](crate::reply_handlers::TransactionNotifications) defers
     /// final-reply notifications to the outermost commit.
     ///
@@ -377,7 +380,7 @@ pub trait MessageTransaction: Send {
     /// # Cancel safety
     ///
     /// Not cancel safe: if the future is dropped the outcome is unknown; callers check storage
-    /// (a stored final reply means the commit happened, reference §5.5).
+    /// (a stored final reply means the commit happened, `effect/src/cluster/SqlMessageStorage.ts`).
     fn commit(self: Box<Self>) -> BoxFuture<'static, Result<(), StorageError>>;
 
     /// Rolls back.
@@ -388,7 +391,7 @@ pub trait MessageTransaction: Send {
     fn rollback(self: Box<Self>) -> BoxFuture<'static, Result<(), StorageError>>;
 }
 
-/// The runner registry and the shard locks (reference §4.1).
+/// The runner registry and the shard locks (`effect/src/cluster/RunnerStorage.ts`).
 ///
 /// Implemented by `cluster-storage-sql` (advisory locks on Postgres and MySQL, lease rows
 /// everywhere) and by `cluster-testkit`. The registry's heartbeat is refreshed by every

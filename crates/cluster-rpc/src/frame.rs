@@ -1,6 +1,6 @@
 //! The wire form of the protocol: one [`Frame`] per length-delimited message.
 //!
-//! These are the only serde types of the crate (STYLE rule 9): explicit wire forms, converted
+//! These are the only serde types of the crate: explicit wire forms, converted
 //! to and from the domain types of `cluster-core` in [`crate::codec`]. Strings are `Cow` so that
 //! encoding borrows from the domain value; decoding always owns. Payloads, headers and reply
 //! values are the caller's JSON text, shipped as is (`None` is the undefined value).

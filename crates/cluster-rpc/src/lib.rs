@@ -1,7 +1,7 @@
 //! Runner-to-runner transport over TCP: the `cluster_core::runners` contract
 //! ([`Runners`](cluster_core::runners::Runners) on the client side,
 //! [`RunnerHandler`](cluster_core::runners::RunnerHandler) on the server side) implemented with
-//! tokio (DESIGN.md §3, decision 2; reference §1.5).
+//! tokio (`effect/src/cluster/Runners.ts`).
 //!
 //! - [`RpcServer::bind`] binds a listener (so the runtime learns its advertised address), then
 //!   [`RpcServer::serve`] starts calling a handler and returns a [`ServerHandle`] whose
@@ -19,7 +19,7 @@
 //! RPCs), `Envelope` and `Cancel`; answers are `Done`, `Reply` and `Failed`. A garbage,
 //! truncated or oversize frame closes its connection only, and is logged.
 //!
-//! Error mapping (reference §1.5, §12.3), on the client:
+//! Error mapping (`effect/src/cluster/Runners.ts`, effect's `Runners.test.ts`), on the client:
 //!
 //! - a transport failure (connect refused or timed out, handshake refused, connection lost
 //!   before the final answer, server overloaded, backoff in force) is

@@ -203,7 +203,7 @@ impl<E: Entity> EntityClient<E> {
     }
 
     /// Sends `request` without waiting for its reply: returns once the request is delivered
-    /// (seed 000: a discarded call is acknowledged once its message is sent).
+    /// (effect 4.1.0: a discarded call is acknowledged once its message is sent).
     pub async fn discard<R: Rpc>(&self, request: R) -> Result<(), CallError<R::Error>>
     where
         E: Handler<R>,
@@ -217,8 +217,9 @@ impl<E: Entity> EntityClient<E> {
             return Ok(self.sharding.notify_persisted(request, options).await?);
         }
         match self.sharding.notify_volatile(request).await {
-            // The abandon path of the reference (§1.4): a volatile discard sent while this
-            // runner stops (from an entity's `on_stop`) is dropped, not failed.
+            // The abandon path of the reference (`effect/src/cluster/Sharding.ts`): a volatile
+            // discard sent while this runner stops (from an entity's `on_stop`) is dropped, not
+            // failed.
             Err(ClusterError::EntityNotAssignedToRunner { address })
                 if self.sharding.is_shutdown() =>
             {

@@ -1,4 +1,4 @@
-//! Several runners on one database (reference §3.3, §4.4, §8): membership, shard locks,
+//! Several runners on one database (`effect/src/cluster/Sharding.ts`): membership, shard locks,
 //! ownership fencing and the shutdown handoff.
 //!
 //! Every runner (and client-only process) reads the runner registry every
@@ -138,7 +138,7 @@ impl Cluster {
 
     /// The shards whose stored messages this runner reads: the acquired ones, and the
     /// releasing ones, whose draining entities still take interrupts and acknowledgements
-    /// (seed 002; their requests are left to the next owner).
+    /// (effect 4.0.3; their requests are left to the next owner).
     pub(crate) fn readable(&self) -> Vec<ShardId> {
         self.state().ownership.held()
     }
@@ -249,11 +249,11 @@ impl Sharding {
         Ok(sharding)
     }
 
-    /// The runner-health singleton (reference §3.4): every `runner_health_check_interval`,
-    /// when more than one runner is registered, it pings each through the transport (5
-    /// attempts 500 ms apart, 10 s each) and records who answers as healthy and who does not
-    /// as unhealthy, never marking the last healthy runner unhealthy. The sync loops then
-    /// treat an unhealthy runner as gone.
+    /// The runner-health singleton (`effect/src/cluster/RunnerHealth.ts`): every
+    /// `runner_health_check_interval`, when more than one runner is registered, it pings each
+    /// through the transport (5 attempts 500 ms apart, 10 s each) and records who answers as
+    /// healthy and who does not as unhealthy, never marking the last healthy runner unhealthy. The
+    /// sync loops then treat an unhealthy runner as gone.
     fn register_runner_health(
         &self,
         cluster: Arc<Cluster>,
@@ -298,7 +298,7 @@ impl Sharding {
         }
     }
 
-    /// The registry sync loop (reference §3.3).
+    /// The registry sync loop (`effect/src/cluster/Sharding.ts`).
     async fn sync_loop(self, cluster: Arc<Cluster>) {
         let interval = self.config().refresh_assignments_interval;
         loop {
@@ -392,7 +392,7 @@ impl Sharding {
         Ok(false)
     }
 
-    /// The shard acquisition loop (reference §4.4).
+    /// The shard acquisition loop (`effect/src/cluster/Sharding.ts`).
     async fn acquisition_loop(self, cluster: Arc<Cluster>) {
         let Some(address) = cluster.address().cloned() else { return };
         loop {
@@ -486,9 +486,9 @@ impl Sharding {
         metrics::set(metrics::SHARD_LOCKS_HEALTHY, usize::from(state.ownership.locks_healthy()));
     }
 
-    /// Releases one shard (reference §4.4 `releaseShard`): its entities stop, its lock is
-    /// released, and local callers waiting for its replies read them from storage (or, during
-    /// shutdown, are told their requests were abandoned here).
+    /// Releases one shard (`effect/src/cluster/Sharding.ts` `releaseShard`): its entities stop, its
+    /// lock is released, and local callers waiting for its replies read them from storage (or,
+    /// during shutdown, are told their requests were abandoned here).
     async fn release_shard(self, cluster: Arc<Cluster>, shard: ShardId) {
         let Some(address) = cluster.address().cloned() else { return };
         let termination_timeout = self.config().entity_termination_timeout;
@@ -553,7 +553,7 @@ impl Sharding {
     }
 
     /// Lock storage failed: every shard is let go without waiting for entities, then every
-    /// lock is dropped with `release_all` (reference §4.4 "forced release").
+    /// lock is dropped with `release_all` (`effect/src/cluster/Sharding.ts` "forced release").
     async fn forced_release(self, cluster: Arc<Cluster>, shards: Vec<ShardId>) {
         let Some(address) = cluster.address().cloned() else { return };
         let termination_timeout = self.config().entity_termination_timeout;
@@ -610,7 +610,7 @@ impl Sharding {
         cluster.acquisition.notify_one();
     }
 
-    /// The lock refresh loop (reference §4.4): confirms the held locks every
+    /// The lock refresh loop (`effect/src/cluster/Sharding.ts`): confirms the held locks every
     /// `shard_lock_interval`; probes lock storage while it is unhealthy.
     async fn refresh_loop(self, cluster: Arc<Cluster>) {
         let Some(address) = cluster.address().cloned() else { return };
@@ -722,10 +722,11 @@ impl Sharding {
         }
     }
 
-    /// Whether this runner may store the final reply of a request of `shard` (reference §8.3,
-    /// seed 000): the shard must be acquired or releasing here, and a lock refresh must
-    /// confirm it. One refresh per shard is shared by every concurrent writer, and it outlives
-    /// a writer that is interrupted. A single runner (no cluster) holds every lock.
+    /// Whether this runner may store the final reply of a request of `shard`
+    /// (`effect/src/cluster/Sharding.ts`, effect 4.1.0): the shard must be acquired or releasing
+    /// here, and a lock refresh must confirm it. One refresh per shard is shared by every
+    /// concurrent writer, and it outlives a writer that is interrupted. A single runner (no
+    /// cluster) holds every lock.
     pub(crate) async fn confirm_shard_lock(&self, shard: &ShardId) -> bool {
         let Some(cluster) = self.cluster() else {
             // A single runner confirms from its leases' last refresh (`single_runner`).
@@ -797,8 +798,8 @@ impl Sharding {
     }
 
     /// Waits, at most `shard_lock_expiration`, while `shard` is assigned to this runner but
-    /// its lock is not taken yet (the previous owner is still draining; reference §8.4), then
-    /// tells whether this runner serves it.
+    /// its lock is not taken yet (the previous owner is still draining;
+    /// `effect/src/cluster/Sharding.ts`), then tells whether this runner serves it.
     pub(crate) async fn await_shard(&self, shard: &ShardId) -> bool {
         let Some(cluster) = self.cluster() else { return self.serves(shard) };
         let deadline = crate::time::deadline(self.config().shard_lock_expiration);
@@ -819,9 +820,9 @@ impl Sharding {
         }
     }
 
-    /// The shutdown handoff (reference §8.1, seed 002): once the entities drained, every shard
-    /// goes through the per-shard release, bounded by `shard_lock_interval`; then the loops
-    /// stop, `release_all` drops what is left and the runner leaves the registry.
+    /// The shutdown handoff (`effect/src/cluster/Sharding.ts`, effect 4.0.3): once the entities
+    /// drained, every shard goes through the per-shard release, bounded by `shard_lock_interval`;
+    /// then the loops stop, `release_all` drops what is left and the runner leaves the registry.
     pub(crate) async fn hand_off(&self) {
         let Some(cluster) = self.cluster().cloned() else { return };
         cluster.lock_changed();

@@ -1,5 +1,5 @@
-//! Cluster-wide cron jobs (the reference's `ClusterCron`, §7.2): a job runs once per scheduled
-//! instant across the whole cluster, even while runners come and go.
+//! Cluster-wide cron jobs (the reference's `ClusterCron`, `effect/src/cluster/ClusterCron.ts`): a
+//! job runs once per scheduled instant across the whole cluster, even while runners come and go.
 //!
 //! A job is a persisted entity type `ClusterCron/<name>` (in the job's shard group) with two
 //! requests, and a singleton of the same name:

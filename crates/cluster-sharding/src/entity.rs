@@ -531,7 +531,8 @@ fn stream_call<'a, E: StreamHandler<R>, R: StreamRpc>(
     })
 }
 
-/// The defect of a payload or reply that cannot be encoded or decoded (reference §6.2).
+/// The defect of a payload or reply that cannot be encoded or decoded
+/// (`effect/src/cluster/internal/entityManager.ts`).
 pub(crate) fn malformed(message: &str) -> Exit {
     Exit::die_with_message("MalformedMessage", message)
 }

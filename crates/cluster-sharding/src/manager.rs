@@ -1,11 +1,13 @@
-//! The entity manager: one per registered entity type (reference §6).
+//! The entity manager: one per registered entity type
+//! (`effect/src/cluster/internal/entityManager.ts`).
 //!
 //! It keeps the resident instances of its type, one tokio task each, fed by a bounded mailbox.
 //! An instance is created on its first request, starts requests in delivery order (exclusive
 //! ones alone, shared ones up to the type's concurrency at once, see [`InstanceLoop`]), is
 //! reaped after `max_idle_time` without requests, and is restarted (with backoff) when a
-//! handler panics, replaying the requests that were running: the reference's defect restart. Admission is decided under the manager's lock, so a request either reaches a live
-//! instance or fails at once with a typed error.
+//! handler panics, replaying the requests that were running: the reference's defect restart.
+//! Admission is decided under the manager's lock, so a request either reaches a live instance or
+//! fails at once with a typed error.
 
 use std::collections::VecDeque;
 use std::panic::AssertUnwindSafe;
@@ -228,9 +230,10 @@ pub(crate) trait ErasedManager: Send + Sync {
     /// `entityTerminationTimeout`), then the rest are interrupted.
     fn shutdown(&self, termination_timeout: Duration) -> BoxFuture<'_, ()>;
 
-    /// Stops the instances of `shard` and waits for them to end (reference §6.5): the same
-    /// drain as [`shutdown`](ErasedManager::shutdown), or an immediate interruption when
-    /// `force`. Instances the shard gets meanwhile are stopped too.
+    /// Stops the instances of `shard` and waits for them to end
+    /// (`effect/src/cluster/internal/entityManager.ts`): the same drain as
+    /// [`shutdown`](ErasedManager::shutdown), or an immediate interruption when `force`. Instances
+    /// the shard gets meanwhile are stopped too.
     fn stop_shard<'a>(
         &'a self,
         shard: &'a ShardId,

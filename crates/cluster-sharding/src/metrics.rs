@@ -1,5 +1,6 @@
-//! The gauges users watch (reference §11), reported through the `metrics` facade under
-//! `cluster_*` names; install any `metrics` recorder (Prometheus, StatsD, ...) to export them.
+//! The gauges users watch (`effect/src/cluster/ClusterMetrics.ts`), reported through the `metrics`
+//! facade under `cluster_*` names; install any `metrics` recorder (Prometheus, StatsD, ...) to
+//! export them.
 //!
 //! | name | kind | labels | meaning |
 //! | --- | --- | --- | --- |

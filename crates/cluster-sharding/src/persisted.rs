@@ -1,10 +1,11 @@
-//! Persisted delivery on one runner (reference §1.4, §5.6, §5.8).
+//! Persisted delivery on one runner (`effect/src/cluster/Sharding.ts`,
+//! `effect/src/cluster/MessageStorage.ts`).
 //!
 //! A persisted request is saved in [`MessageStorage`] first (deduplicated by its primary key),
 //! then the storage read loop claims it, hands it to its entity, and stores the entity's exit
 //! as the request's final reply; a request saved by the runner that serves its shard goes to
-//! its entity directly instead (`direct`). A caller in this process waits on an in-process reply waiter
-//! registered before the save, and polls storage every `entity_reply_poll_interval` as a
+//! its entity directly instead (`direct`). A caller in this process waits on an in-process reply
+//! waiter registered before the save, and polls storage every `entity_reply_poll_interval` as a
 //! fallback (a reply saved by another process, or after a restart).
 //!
 //! Storage is the source of truth: a request whose runner stops before answering stays stored
@@ -275,7 +276,8 @@ impl PersistedStream {
         persisted.storage.save_ack_chunk(&ack).await?;
         if self.sharding.is_shutdown() {
             // Stored for the next owner, which resumes the stream after this chunk; this
-            // consumer gets no further chunk here (the reference's abandoned AckChunk, §1.4).
+            // consumer gets no further chunk here (the reference's abandoned AckChunk,
+            // `effect/src/cluster/Sharding.ts`).
             return Err(ClusterError::EntityNotAssignedToRunner { address: self.address.clone() });
         }
         self.sharding.wake_reader(&self.address.shard_id, || Envelope::AckChunk(ack));
@@ -325,7 +327,8 @@ impl Drop for InterruptOnDrop {
         let Some(sharding) = self.sharding.take() else { return };
         if sharding.is_shutdown() {
             // The request stays stored for the next run; an interrupt saved now would cut it
-            // off there (reference §12.1 #6: no interrupts for durable messages at shutdown).
+            // off there (effect's `Sharding.test.ts`: no interrupts for durable messages at
+            // shutdown).
             return;
         }
         let interrupt = Interrupt {
@@ -412,7 +415,8 @@ impl Sharding {
         }
         if self.is_shutdown() {
             // Sent while this runner stops (an entity's `on_stop`): no reply will be read here;
-            // the request is stored for the next owner (the reference's abandon path, §1.4).
+            // the request is stored for the next owner (the reference's abandon path,
+            // `effect/src/cluster/Sharding.ts`).
             tracing::debug!(request_id = %waited_id, "persisted request sent during shutdown: left stored");
             return Err(ClusterError::Abandoned {
                 address: request.address,
@@ -518,8 +522,8 @@ impl Sharding {
     }
 
     /// Reads the final replies of the requests local callers wait for, all in one query,
-    /// every `entity_reply_poll_interval` while anyone waits (reference §5.7): the replies that
-    /// another process saved, or that this process saved before a restart.
+    /// every `entity_reply_poll_interval` while anyone waits (`effect/src/cluster/Runners.ts`): the
+    /// replies that another process saved, or that this process saved before a restart.
     pub(crate) async fn poll_replies(self, persisted: Arc<Persisted>) {
         let interval = self.config().entity_reply_poll_interval;
         loop {
@@ -576,9 +580,9 @@ impl Sharding {
         }
     }
 
-    /// One read of the storage read loop (reference §5.8): at the residency cap, only the
-    /// resident entities' messages are read, so that they keep progressing; otherwise every
-    /// message of this runner's shards. `None` when the read failed.
+    /// One read of the storage read loop (`effect/src/cluster/Sharding.ts`): at the residency cap,
+    /// only the resident entities' messages are read, so that they keep progressing; otherwise
+    /// every message of this runner's shards. `None` when the read failed.
     async fn read_once(&self, persisted: &Arc<Persisted>, state: &mut ReadState) -> Option<Read> {
         let batch_size = self.config().unprocessed_message_batch_size;
         let residents;
@@ -822,7 +826,8 @@ impl Sharding {
                         self.commit_final_reply(&persisted, transaction, reply).await;
                         return;
                     }
-                    // A failure is saved after the rollback (reference §5.5).
+                    // A failure is saved after the rollback
+                    // (`effect/src/cluster/SqlMessageStorage.ts`).
                     _ => {
                         if let Err(error) = transaction.rollback().await {
                             tracing::debug!(%error, %request_id, "rollback failed");
@@ -858,7 +863,7 @@ impl Sharding {
         })
     }
 
-    /// The shard lock was not confirmed (seed 000 fencing): the final reply is not stored and
+    /// The shard lock was not confirmed (effect 4.1.0 fencing): the final reply is not stored and
     /// the claim is released for the shard's next owner; local callers keep waiting and read
     /// the reply from storage once that owner stores it.
     async fn fenced(&self, persisted: &Persisted, request_id: Snowflake) {
@@ -868,8 +873,8 @@ impl Sharding {
     }
 
     /// Hands an interrupted server-side uninterruptible request to its entity again (reference
-    /// §6.3), waiting out a full mailbox or the residency cap; if the runner stops first, the
-    /// request stays stored for the next run.
+    /// `effect/src/cluster/internal/entityManager.ts`), waiting out a full mailbox or the residency
+    /// cap; if the runner stops first, the request stays stored for the next run.
     async fn rerun(&self, persisted: &Arc<Persisted>, request: Request) {
         let request_id = request.request_id;
         tracing::debug!(%request_id, "interrupted uninterruptible request runs again");
@@ -903,7 +908,7 @@ impl Sharding {
     }
 
     /// Saves a successful request's final reply inside its transaction and commits; the local
-    /// waiters hear of it only after the commit (seed 002). If the commit's outcome is unknown,
+    /// waiters hear of it only after the commit (effect 4.0.3). If the commit's outcome is unknown,
     /// storage decides: a stored final reply means it happened, otherwise the request runs
     /// again.
     async fn commit_final_reply(

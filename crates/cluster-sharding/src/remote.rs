@@ -1,7 +1,7 @@
-//! Volatile requests between runners (reference §1.4 `sendOutgoing`, §1.5): routing to the
-//! shard's owner through a [`Runners`](cluster_core::runners::Runners) transport, and the
-//! server side that a transport calls when a peer's request arrives
-//! ([`Sharding::runner_handler`]).
+//! Volatile requests between runners (`effect/src/cluster/Sharding.ts` `sendOutgoing`,
+//! `effect/src/cluster/Runners.ts`): routing to the shard's owner through a
+//! [`Runners`](cluster_core::runners::Runners) transport, and the server side that a transport
+//! calls when a peer's request arrives ([`Sharding::runner_handler`]).
 //!
 //! A volatile request goes to the owner of its shard in the current assignment: this runner
 //! (the local path, which waits for a lock being taken over), another runner (through the

@@ -66,9 +66,10 @@ pub trait Rpc: Serialize + DeserializeOwned + Send + 'static {
     /// [`Uninterruptible`] wins.
     const INTERRUPT_ON_TERMINATION: bool = false;
     /// Whether a persisted request's handler runs inside a storage transaction in which its
-    /// final reply is saved (the reference's `WithTransaction`, §5.5): the handler's own writes
-    /// through [`RequestContext::transaction`](crate::RequestContext::transaction) and the
-    /// reply commit together, or neither does (the request then runs again).
+    /// final reply is saved (the reference's `WithTransaction`,
+    /// `effect/src/cluster/SqlMessageStorage.ts`): the handler's own writes through
+    /// [`RequestContext::transaction`](crate::RequestContext::transaction) and the reply commit
+    /// together, or neither does (the request then runs again).
     const WITH_TRANSACTION: bool = false;
 
     /// The reply of a successful request.

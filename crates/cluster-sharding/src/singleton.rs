@@ -1,5 +1,5 @@
 //! Singletons: a task that runs on exactly one runner of the cluster, the one that holds the
-//! lock of its shard (reference §7.1, seed 002).
+//! lock of its shard (`effect/src/cluster/Singleton.ts`, effect 4.0.3).
 //!
 //! A singleton's shard is the shard of its name in its shard group. It starts when its runner
 //! acquires that shard and stops when the runner lets the shard go: its cancellation token

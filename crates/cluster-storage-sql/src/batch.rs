@@ -1,5 +1,5 @@
 //! Group commit: concurrent writes that arrive while a batch is being written go together into
-//! the next one (DESIGN.md §3, decision 5).
+//! the next one.
 //!
 //! One commit per message caps throughput at the database's commit rate (a few thousand per
 //! second on this machine's PostgreSQL and SQLite with `synchronous=FULL`); a batch of many rows

@@ -5,7 +5,7 @@
 //!
 //! Each database is a module behind the cargo feature of the same name (`sqlite` is the
 //! default), with the same file set: `message_storage.rs`, `runner_storage.rs`, `shard_lock.rs`,
-//! `queue_storage.rs` and `queries.rs` (STYLE rule 5). Their public types are prefixed `Pg*`,
+//! `queue_storage.rs` and `queries.rs`. Their public types are prefixed `Pg*`,
 //! `MySql*` and `Sqlite*`.
 //!
 //! The queue stores keep durable queue items in the reference's persisted-queue table

@@ -1,5 +1,5 @@
-//! Shard lock keys shared with the reference (reference §4.2) and the deadline every lock
-//! operation runs under.
+//! Shard lock keys shared with the reference (`effect/src/cluster/SqlRunnerStorage.ts`) and the
+//! deadline every lock operation runs under.
 
 use std::future::Future;
 use std::time::Duration;

@@ -1,6 +1,7 @@
 //! The MySQL (and MariaDB) backend: [`MySqlMessageStorage`] and [`MySqlRunnerStorage`] on a
 //! `mysql_async` pool, with the reference's tables, migrations and lock names, so a database
-//! can be shared with TypeScript runners (reference §4.2, §5).
+//! can be shared with TypeScript runners (`effect/src/cluster/SqlRunnerStorage.ts`,
+//! `effect/src/cluster/MessageStorage.ts`).
 //!
 //! - `queries`: every SQL text (DDL and statements), built once per table prefix.
 //! - `message_storage`: mailboxes and replies on the pool.

@@ -1,6 +1,7 @@
 //! The PostgreSQL backend: [`PgMessageStorage`] and [`PgRunnerStorage`] on a `deadpool-postgres`
 //! pool, with the reference's tables, migration histories and advisory lock keys, so that Rust
-//! and TypeScript runners can share one database (reference §4.2, §5.2).
+//! and TypeScript runners can share one database (`effect/src/cluster/SqlRunnerStorage.ts`,
+//! `effect/src/cluster/SqlMessageStorage.ts`).
 //!
 //! - `message_storage`: mailboxes and replies on the pool; claims with one `UPDATE … FROM
 //!   (SELECT … FOR UPDATE)` statement, dedup with `INSERT … ON CONFLICT (message_id) DO NOTHING`.

@@ -1,5 +1,5 @@
 //! The mapping between domain values and table rows, shared by every backend so that all of
-//! them store and read the same columns the same way (reference §5.2).
+//! them store and read the same columns the same way (`effect/src/cluster/SqlMessageStorage.ts`).
 //!
 //! Message rows: `kind` 0 = request, 1 = chunk acknowledgement, 2 = interrupt. Reply rows:
 //! `kind` 0 = final reply, `NULL` = chunk. Payloads, headers, exits and chunk values are stored
@@ -192,7 +192,7 @@ pub(crate) struct ReplyRow {
 
 impl ReplyRow {
     /// The reply; a row that cannot be decoded becomes a defect reply for its request (reference
-    /// §5.1), so its caller is answered instead of left waiting.
+    /// `effect/src/cluster/MessageStorage.ts`), so its caller is answered instead of left waiting.
     pub(crate) fn decode(self) -> Result<Reply, StorageError> {
         let request_id = id_from_sql(self.request_id).map_err(malformed_row)?;
         let id = id_from_sql(self.id).map_err(malformed_row)?;

@@ -1,10 +1,10 @@
 //! The SQLite backend: [`SqliteMessageStorage`] and [`SqliteRunnerStorage`] on one database
-//! file, the embedded default (DESIGN.md §3, decision 6).
+//! file, the embedded default.
 //!
 //! # Why it is shaped like this
 //!
 //! `rusqlite` blocks, so every connection lives on its own OS thread (`worker`) fed by a bounded
-//! channel of a closed `Command` enum, as sqlx-sqlite's worker is (STYLE rules 14, 16, 17). The
+//! channel of a closed `Command` enum, as sqlx-sqlite's worker is. The
 //! async methods only send a command and await its oneshot reply: nothing blocks the tokio
 //! executor, and a worker that dies turns into [`StorageErrorKind::Unavailable`] errors, never a
 //! hang.
@@ -16,8 +16,8 @@
 //!   contention.
 //! - The message worker groups queued writes (saved requests, acknowledgements, interrupts,
 //!   replies, and claims of unprocessed messages) into one transaction, so under
-//!   `synchronous=FULL` a burst of concurrent writes costs one fsync (group commit, DESIGN.md §3
-//!   decision 5). When a write of the batch fails, the batch runs again with each write under
+//!   `synchronous=FULL` a burst of concurrent writes costs one fsync (group commit).
+//!   When a write of the batch fails, the batch runs again with each write under
 //!   its own savepoint, so one failing write fails only its own caller.
 //! - A user transaction ([`MessageStorage::begin_transaction`]) spans await points, so it gets a
 //!   connection of its own from a small pool of transaction workers; it never captures the shared
@@ -25,11 +25,12 @@
 //! - Shard locks are lease rows (`<prefix>_locks`); SQLite has no advisory locks, so
 //!   [`SqlStorageOptions::lock_mode`] is ignored.
 //!
-//! The tables, columns, migration ids and SQL are the reference's SQLite ones (reference §4.2,
-//! §5.2 to §5.5), so a file can be shared with a TypeScript runner. Two differences, both
-//! invisible in the schema: lists of ids and shards are passed as one JSON array parameter
-//! (`json_each`) instead of literals spliced into the SQL, and ids are read as integers (the
-//! reference's `CAST(id AS TEXT)` only works around JavaScript number rounding).
+//! The tables, columns, migration ids and SQL are the reference's SQLite ones
+//! (`effect/src/cluster/SqlRunnerStorage.ts`, `effect/src/cluster/SqlMessageStorage.ts`), so a file
+//! can be shared with a TypeScript runner. Two differences, both invisible in the schema: lists of
+//! ids and shards are passed as one JSON array parameter (`json_each`) instead of literals spliced
+//! into the SQL, and ids are read as integers (the reference's `CAST(id AS TEXT)` only works around
+//! JavaScript number rounding).
 //!
 //! [`MessageStorage::begin_transaction`]: cluster_core::storage::MessageStorage::begin_transaction
 //! [`StorageErrorKind::Unavailable`]: cluster_core::error::StorageErrorKind::Unavailable

@@ -108,7 +108,8 @@ impl MessageState {
         self.reply_rows.get(&id).and_then(|rowid| self.replies.get(rowid))
     }
 
-    /// Whether the request has a final reply or an unacknowledged chunk (§5.3).
+    /// Whether the request has a final reply or an unacknowledged chunk
+    /// (`effect/src/cluster/SqlMessageStorage.ts`).
     fn blocks_delivery(&self, request_id: Snowflake) -> bool {
         self.replies.values().any(|stored| {
             stored.reply.request_id() == request_id && (stored.reply.is_final() || !stored.acked)

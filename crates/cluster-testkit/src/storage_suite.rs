@@ -1,9 +1,10 @@
 //! The storage conformance suite: one set of tests that every [`MessageStorage`] and
-//! [`RunnerStorage`] implementation passes (STYLE rule 20).
+//! [`RunnerStorage`] implementation passes.
 //!
 //! A backend provides a function that makes a [`StorageFixture`] (fresh tables with their own
-//! prefix, or `None` when its database is not configured) and invokes [`storage_suite!`](crate::storage_suite!) in its
-//! integration tests, which expands into one `#[tokio::test]` per case:
+//! prefix, or `None` when its database is not configured) and invokes
+//! [`storage_suite!`](crate::storage_suite!) in its integration tests, which expands into one
+//! `#[tokio::test]` per case:
 //!
 //! ```ignore
 //! async fn fixture() -> Option<Box<dyn StorageFixture>> { /* fresh tables */ }
@@ -11,8 +12,8 @@
 //! ```
 //!
 //! The cases cover every method of the contracts in `cluster_core::storage` and the reference's
-//! storage tests (reference §12.2, §12.5, §12.8), including two runner storages racing for the
-//! same shards and lease expiry.
+//! storage tests (effect's `MessageStorage.test.ts`, effect's `RunnerStorage.test.ts`, effect's SQL
+//! storage tests), including two runner storages racing for the same shards and lease expiry.
 
 use std::sync::Arc;
 use std::time::Duration;

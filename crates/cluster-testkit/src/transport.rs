@@ -1,7 +1,8 @@
 //! An in-memory runner-to-runner transport: several runtimes in one process reach each other
-//! through a [`MemoryNetwork`], which implements the `Runners` contract (reference §1.5)
-//! without sockets. Calls go straight to the peer's `RunnerHandler`; dropping a call drops the
-//! peer's reply stream, which interrupts a volatile request there, as a real connection does.
+//! through a [`MemoryNetwork`], which implements the `Runners` contract
+//! (`effect/src/cluster/Runners.ts`) without sockets. Calls go straight to the peer's
+//! `RunnerHandler`; dropping a call drops the peer's reply stream, which interrupts a volatile
+//! request there, as a real connection does.
 //!
 //! Faults: a runner can be cut off (every call to it fails with `RunnerUnavailable`, like a
 //! dead peer), the next calls of a kind to a runner can be made to fail once, and

@@ -1,6 +1,6 @@
-//! The cluster engine (the reference's `ClusterWorkflowEngine`, reference/workflow.md §3):
-//! every durable fact is a persisted request of the execution's entity and its reply, so an
-//! execution survives restarts and moves with its shard.
+//! The cluster engine (the reference's `ClusterWorkflowEngine`,
+//! `effect/src/cluster/ClusterWorkflowEngine.ts`): every durable fact is a persisted request of the
+//! execution's entity and its reply, so an execution survives restarts and moves with its shard.
 //!
 //! Entity `Workflow/<name>` (id: the execution id, shard group from the workflow's options)
 //! with the requests `run` (primary key `""`: one per execution; its reply is the current
@@ -428,7 +428,7 @@ impl ClusterEngine {
     /// The reference's `ensureSuccess` (4.1.0): retried without end on
     /// `min(200 ms × 1.5ⁿ, 1 min)`, except that a runner that stops gives up at once
     /// ([`Abandoned`]) instead of holding its shutdown until the termination timeout
-    /// (seed 000, change 3).
+    /// (new in effect 4.1.0).
     async fn ensure<F, Fut>(&self, what: &str, mut attempt: F) -> Result<(), Abandoned>
     where
         F: FnMut() -> Fut,
@@ -573,7 +573,7 @@ impl ClusterEngine {
         Ok(Some((request_id, result)))
     }
 
-    /// A completion of deferred `name`: the stored reply, or (seed 000) the payload of a saved
+    /// A completion of deferred `name`: the stored reply, or (effect 4.1.0) the payload of a saved
     /// request not yet processed, since the first completion saved is final.
     async fn stored_deferred(
         &self,
@@ -731,7 +731,7 @@ impl Activation {
     }
 
     /// Loads a stored interrupt signal, so a new owner sees an interrupt stored before it
-    /// took over (invariant 51). Retried until storage answers.
+    /// took over. Retried until storage answers.
     async fn load(&self) {
         if self.state().loaded {
             return;
@@ -995,7 +995,7 @@ pub(crate) struct WorkflowEntity {
 
 impl Drop for WorkflowEntity {
     fn drop(&mut self) {
-        // The activation ends: retained scopes are dropped unrun (abandoned, invariant 36).
+        // The activation ends: retained scopes are dropped unrun (abandoned).
         let mut activations = lock(&self.activation.engine.activations);
         if activations
             .get(&self.activation.execution_id)
@@ -1247,7 +1247,7 @@ impl ClusterEngine {
         let mut execute = Some(execute);
         loop {
             if !run.state().interrupted && activation.interrupt_cached() {
-                // A pending interrupt starts no new activity (invariant 41).
+                // A pending interrupt starts no new activity.
                 return self.stored_activity_result(run, name, attempt).await;
             }
             let (go, gone) = oneshot::channel();
@@ -1525,9 +1525,9 @@ mod tests {
 
     use super::*;
 
-    /// Seed 000, change 2 (the reference's timeline B): a completion saved and not yet
-    /// processed is already the deferred's result, and the first one saved wins. On 4.0.6 the
-    /// reader found nothing until the owner processed it.
+    /// New in effect 4.1.0 (`deferredResult` reads an unprocessed completion): a completion saved
+    /// and not yet processed is already the deferred's result, and the first one saved wins. On
+    /// 4.0.6 the reader found nothing until the owner processed it.
     #[tokio::test]
     async fn a_saved_but_unprocessed_completion_is_the_deferreds_result() {
         let clock: Arc<dyn cluster_core::Clock> = Arc::new(SystemClock);

@@ -416,7 +416,7 @@ impl WorkflowContext {
                 self.settle(decode_exit(exit)).await
             }
             Some(WorkflowResult::Suspended { cause, .. }) => {
-                // A child's `failed` is not inherited (invariant 25).
+                // A child's `failed` is not inherited.
                 self.run.suspend(cause).await;
                 unreachable_step()
             }

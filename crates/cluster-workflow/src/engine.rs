@@ -4,7 +4,8 @@
 //!
 //! The engines differ in where durable facts live and how a run is woken; what a run does with
 //! its body — drive it, decide its result, close its scopes — is shared here
-//! ([`ending`] for the engines' interrupt decisions, then [`finish_run`]), so both engines follow reference/workflow.md §4 the same way.
+//! ([`ending`] for the engines' interrupt decisions, then [`finish_run`]), so both engines follow
+//! `effect/src/workflow/Workflow.ts` the same way.
 
 use std::future::Future;
 use std::sync::Arc;
@@ -477,7 +478,8 @@ pub(crate) enum RunOutcome {
     NoResult(Cause),
 }
 
-/// The run's result from how its body ended (the reference's `intoResult`, §3.3 step 3).
+/// The run's result from how its body ended (the reference's `intoResult`,
+/// `effect/src/cluster/ClusterWorkflowEngine.ts`).
 fn into_result(run: &Run, end: &BodyEnd) -> RunOutcome {
     let mut state = run.state();
     let interrupt_only = Cause(vec![interrupt_reason()]);

@@ -1,6 +1,7 @@
 //! Identity: execution ids, activity idempotency keys and deferred tokens, computed exactly
-//! as the reference does (reference/workflow.md §1.3, §1.4, §1.5), so that an execution started
-//! by one implementation is found by the other.
+//! as the reference does (`effect/src/workflow/Workflow.ts`, `effect/src/workflow/Activity.ts`,
+//! `effect/src/workflow/DurableDeferred.ts`), so that an execution started by one implementation is
+//! found by the other.
 
 use std::fmt;
 use std::sync::Arc;

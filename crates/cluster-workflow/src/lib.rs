@@ -42,11 +42,11 @@
 //! # }
 //! ```
 //!
-//! How a run maps onto futures (DESIGN.md §7): the engine owns the body's future and drops it
+//! How a run maps onto futures: the engine owns the body's future and drops it
 //! at a suspension or interrupt point; a replay runs the body again from the top. Code
 //! outside activities must be deterministic (the same steps with the same names in the same
 //! order on every replay). The semantics follow effect 4.1.0's workflow engine
-//! (reference/workflow.md), with the choices of its open questions written down in
+//! (`effect/src/workflow/`), with the choices of its open questions written down in
 //! `docs/workflows.md`.
 
 mod cluster;

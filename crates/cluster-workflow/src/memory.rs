@@ -1,6 +1,7 @@
-//! The in-memory engine (the reference's `WorkflowEngine.layerMemory`, §2.4): executions,
-//! activity results and deferred completions live in this process only. For tests, examples
-//! and single-process tools; the cluster engine is the durable one.
+//! The in-memory engine (the reference's `WorkflowEngine.layerMemory`,
+//! `effect/src/workflow/WorkflowEngine.ts`): executions, activity results and deferred completions
+//! live in this process only. For tests, examples and single-process tools; the cluster engine is
+//! the durable one.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError, Weak};
@@ -264,7 +265,7 @@ impl Backend for MemoryEngine {
                                 .get(&run.execution_id)
                                 .is_some_and(|execution| execution.interrupted);
                             if pending_interrupt && !run.state().interrupted {
-                                // A pending interrupt starts no new activity (invariant 41).
+                                // A pending interrupt starts no new activity.
                                 return Ok(WorkflowResult::suspended());
                             }
                             let notify = Arc::new(Notify::new());

@@ -1,6 +1,6 @@
 //! What a run leaves: a [`WorkflowResult`] (`Complete` with the execution's exit, or
 //! `Suspended`), stored as the reply of the execution's `run` request in the reference's JSON
-//! form (reference/workflow.md §1.12), and the typed view of a failure cause
+//! form (`effect/src/workflow/Workflow.ts`), and the typed view of a failure cause
 //! ([`FailureCause`]) that compensations and finalizers receive.
 
 use cluster_core::DecodeError;

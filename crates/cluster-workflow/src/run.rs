@@ -1,12 +1,12 @@
 //! One run of a workflow body (or of an activity body): its state — the reference's
 //! `WorkflowInstance` — and the driver that polls the body until it finishes or must stop.
 //!
-//! The engine owns the body's future and drops it at a suspension or an interrupt point
-//! (DESIGN.md §7): a context call that cannot go on (a deferred without a completion, a
+//! The engine owns the body's future and drops it at a suspension or an interrupt point:
+//! a context call that cannot go on (a deferred without a completion, a
 //! suspended activity or child, a defect) records why in the run and stays pending; the driver
 //! sees the stop condition and drops the body, whose locals' `Drop` then run (the body
 //! finalizers). A suspension waits until no activity is in flight, so that concurrent
-//! activities finish and record their results first (invariant 24).
+//! activities finish and record their results first.
 
 use std::cell::RefCell;
 use std::collections::{BTreeMap, BTreeSet};
@@ -55,7 +55,7 @@ pub(crate) enum RunKind {
     Activity(u32),
 }
 
-/// A child execution started by a run, for the interrupt link (reference §1.2 step 4).
+/// A child execution started by a run, for the interrupt link (`effect/src/workflow/Workflow.ts`).
 #[derive(Clone, Debug)]
 pub(crate) struct ChildLink {
     pub(crate) workflow: &'static str,

@@ -98,3 +98,29 @@ fn source_rules() {
     assert_eq!(file_violations("crates/x/src/a.rs", &clock).len(), 1);
     assert!(file_violations("crates/cluster-core/src/clock.rs", &clock).is_empty());
 }
+
+#[test]
+fn citations_name_only_what_a_clone_can_follow() {
+    let exists = |cited: &str| cited == "docs/concepts.md";
+    let check = |path: &str, text: &str| citation_violations(path, text, &exists);
+    // The reference's own sources, repository paths that exist, and code are fine.
+    assert!(check("a.rs", "//! As `effect/src/cluster/Sharding.ts` does.\n").is_empty());
+    assert!(check("a.rs", "//! See docs/concepts.md.\n").is_empty());
+    assert!(check("a.rs", "let s = \"docs/gone.md\"; // a string, not a comment\n").is_empty());
+    assert!(check("a.md", "Served at https://example.com/a/b.md.\n").is_empty());
+    // Outside documents and their numbered parts.
+    let design = format!("//! As {} says.\n", concat!("DESIGN", ".md"));
+    assert_eq!(check("a.rs", &design).len(), 1);
+    let section = format!("/// The claim (reference {}5.3).\n", "§");
+    assert_eq!(check("a.rs", &section).len(), 1);
+    let seed = format!("Since {} 000.\n", "Seed");
+    assert_eq!(check("a.md", &seed).len(), 1);
+    let invariant = format!("// Kept ({} 41).\n", "invariant");
+    assert_eq!(check("a.rs", &invariant).len(), 1);
+    let style = format!("# See {}.\n", concat!("docs/", "style.md"));
+    assert_eq!(check("clippy.toml", &style).len(), 2);
+    // A path that does not exist, in a comment or in Markdown.
+    let gone = check("a.rs", "/// Read `docs/gone.md`.\n");
+    assert_eq!(gone, ["a.rs:1: cites `docs/gone.md`, which does not exist"]);
+    assert_eq!(check("a.md", "See [the guide](docs/gone.md#top).\n").len(), 1);
+}

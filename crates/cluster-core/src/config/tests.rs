@@ -470,7 +470,7 @@ fn shard_groups_are_sorted_and_intersected() {
 fn shard_id_and_batch_size() {
     let config = ShardingConfig::default();
     let group = ShardGroup::default_group();
-    // Reference vector (§3.6): "entity-1" is shard 231 of 300.
+    // Reference vector (effect 4.1.0): "entity-1" is shard 231 of 300.
     assert_eq!(config.shard_id("entity-1", &group), ShardId::new(group.clone(), 231));
     let small = ShardingConfig { shards_per_group: 1, ..ShardingConfig::default() };
     assert_eq!(small.shard_id("entity-1", &group).id(), 1);

@@ -1,4 +1,5 @@
-//! Golden vectors of the reference (reference §3.6 and §4.2) and range properties.
+//! Golden vectors of the reference (effect 4.1.0 and `effect/src/cluster/SqlRunnerStorage.ts`) and
+//! range properties.
 
 use proptest::prelude::*;
 

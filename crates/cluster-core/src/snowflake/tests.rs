@@ -1,4 +1,4 @@
-//! Golden vectors of reference §9 and the generator's monotonicity.
+//! Golden vectors of `effect/src/cluster/Snowflake.ts` and the generator's monotonicity.
 
 use proptest::prelude::*;
 

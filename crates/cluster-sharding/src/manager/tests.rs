@@ -1,5 +1,5 @@
-//! The manager's admission of requests by id (`AlreadyProcessingMessage`, reference §6.2),
-//! and its restart backoff.
+//! The manager's admission of requests by id (`AlreadyProcessingMessage`,
+//! `effect/src/cluster/internal/entityManager.ts`), and its restart backoff.
 
 use std::sync::Arc;
 use std::time::Duration;

@@ -628,9 +628,9 @@ async fn a_joining_runner_takes_its_shards_while_requests_keep_being_answered_on
     }
 }
 
-/// Seed 000 fencing: a runner that lost a shard's lock while a request ran stores no final
-/// reply for it; the request runs again once the runner holds the lock again, and is answered
-/// once.
+/// Effect 4.1.0's fencing (`confirmShardLock`): a runner that lost a shard's lock while a request
+/// ran stores no final reply for it; the request runs again once the runner holds the lock again,
+/// and is answered once.
 async fn a_runner_that_lost_the_lock_stores_no_final_reply(net: Net) {
     let mut faults = None;
     let a = net
@@ -687,9 +687,10 @@ async fn faulty_runner(net: &Net, port: u16) -> (Sharding, Arc<LockFaults>) {
     (runner, faults.expect("the runner was built"))
 }
 
-/// §12.1 #42: lock storage stops answering. The runner drops its shards and interrupts their
-/// entities at once (it does not shut down), takes no shard while lock storage is unhealthy
-/// (only heartbeat probes), drops every lock once it answers again, and takes its shards back.
+/// Effect's `Sharding.test.ts`: lock storage stops answering. The runner drops its shards and
+/// interrupts their entities at once (it does not shut down), takes no shard while lock storage is
+/// unhealthy (only heartbeat probes), drops every lock once it answers again, and takes its shards
+/// back.
 async fn lock_storage_failure_interrupts_the_entities_and_the_shards_come_back_after_recovery(
     net: Net,
 ) {
@@ -727,7 +728,7 @@ async fn lock_storage_failure_interrupts_the_entities_and_the_shards_come_back_a
     a.shutdown().await;
 }
 
-/// The join debounce (seed 000): runners that join within the debounce are published together,
+/// The join debounce (effect 4.1.0): runners that join within the debounce are published together,
 /// so every shard moves once, from the first runner to its final owner; nobody hands a shard
 /// on a second time.
 async fn a_burst_of_joins_moves_each_shard_once(net: Net) {
@@ -779,9 +780,9 @@ async fn a_burst_of_joins_moves_each_shard_once(net: Net) {
     }
 }
 
-/// §12.1 #43: a shard reassigned by the registry is let go gracefully. Its entities leave the
-/// runner at once but their running requests get `entity_termination_timeout` before they are
-/// interrupted; the lock is released once, after that.
+/// Effect's `Sharding.test.ts`: a shard reassigned by the registry is let go gracefully. Its
+/// entities leave the runner at once but their running requests get `entity_termination_timeout`
+/// before they are interrupted; the lock is released once, after that.
 async fn a_reassigned_shard_keeps_the_graceful_termination_timeout(net: Net) {
     let (a, faults) = faulty_runner(&net, 7001).await;
     eventually("the runner holds every shard", || split(&[&a])).await;
@@ -836,7 +837,7 @@ async fn a_reassigned_shard_keeps_the_graceful_termination_timeout(net: Net) {
     b.shutdown().await;
 }
 
-/// Seed 002 `awaitShardLock`: a request for a shard that the assignment gives to this runner
+/// Effect 4.0.3's `awaitShardLock`: a request for a shard that the assignment gives to this runner
 /// while its previous owner still drains waits for the lock instead of failing.
 async fn a_request_for_a_shard_still_draining_elsewhere_waits_for_its_lock(net: Net) {
     let a = net.runner(8001).await;
@@ -978,7 +979,7 @@ async fn dropping_the_caller_interrupts_the_request_on_the_other_runner(net: Net
     b.shutdown().await;
 }
 
-/// §12.1 #28: a volatile discard whose delivery fails is tried again after
+/// Effect's `Sharding.test.ts`: a volatile discard whose delivery fails is tried again after
 /// `send_retry_interval`, and then delivered.
 async fn a_volatile_discard_is_retried_after_a_failed_delivery(net: Net) {
     let network = MemoryNetwork::new();
@@ -1026,8 +1027,8 @@ fn every_second(runner: &Sharding, name: &str, options: CronOptions, log: &Arc<C
         .unwrap();
 }
 
-/// `ClusterCron` (§7.2): two runners register the same job; each instant runs exactly once,
-/// and the job goes on when one of them stops.
+/// `ClusterCron` (`effect/src/cluster/ClusterCron.ts`): two runners register the same job; each
+/// instant runs exactly once, and the job goes on when one of them stops.
 async fn a_cron_job_runs_once_per_instant_across_runners(net: Net) {
     cron_runs_once(net, CronOptions::default()).await;
 }
@@ -1086,7 +1087,7 @@ fn owner_among(ports: &[u16], shard: &ShardId) -> RunnerAddress {
     step.assignment.expect("a first observation publishes").owner(shard).cloned().unwrap()
 }
 
-/// Seed 002: a releasing shard's entities still drain, and interrupts (and acknowledgements)
+/// Effect 4.0.3: a releasing shard's entities still drain, and interrupts (and acknowledgements)
 /// stored for their requests still reach them; the request itself is left to the next owner.
 async fn an_interrupt_reaches_an_entity_draining_on_a_released_shard(net: Net) {
     let long_drain = |config: &mut ShardingConfig| {
@@ -1135,9 +1136,10 @@ async fn an_interrupt_reaches_an_entity_draining_on_a_released_shard(net: Net) {
     b.shutdown().await;
 }
 
-/// The runner-health singleton (§3.4) pings the runners through the transport: one that stops
-/// answering is marked unhealthy and its shards go to the others; once it answers again it
-/// is healthy and gets shards back. The last healthy runner is never marked unhealthy.
+/// The runner-health singleton (`effect/src/cluster/RunnerHealth.ts`) pings the runners through the
+/// transport: one that stops answering is marked unhealthy and its shards go to the others; once it
+/// answers again it is healthy and gets shards back. The last healthy runner is never marked
+/// unhealthy.
 async fn a_runner_that_stops_answering_pings_loses_its_shards_until_it_answers_again(net: Net) {
     let network = MemoryNetwork::new();
     let every = Duration::from_millis(100);
@@ -1162,9 +1164,9 @@ async fn a_runner_that_stops_answering_pings_loses_its_shards_until_it_answers_a
     }
 }
 
-/// §12.7 Smoke: a runner dies without cleaning up (no release, no unregistration, no more
-/// heartbeats); once its locks and registration expire the others take its shards and answer
-/// its entities' persisted requests.
+/// Effect's Smoke integration test: a runner dies without cleaning up (no release, no
+/// unregistration, no more heartbeats); once its locks and registration expire the others take its
+/// shards and answer its entities' persisted requests.
 async fn persisted_requests_survive_an_abrupt_runner_death(mut net: Net) {
     net.expiration = Duration::from_secs(2);
     let mut killers = Vec::new();
@@ -1214,8 +1216,8 @@ async fn persisted_requests_survive_an_abrupt_runner_death(mut net: Net) {
     }
 }
 
-/// §12.7 Persistence: a persisted request saved while no runner is up waits in storage and is
-/// answered once by the first runner that takes its shard.
+/// Effect's Persistence integration test: a persisted request saved while no runner is up waits in
+/// storage and is answered once by the first runner that takes its shard.
 async fn a_request_stored_while_no_runner_is_up_is_answered_once_by_the_next(net: Net) {
     let client = net.client().await;
     let id = net.id("patient");
@@ -1277,8 +1279,8 @@ impl cluster_sharding::Handler<WhereAmI> for Special {
     }
 }
 
-/// §12.7 Entity: shard groups. A runner serves only the groups it is assigned; an entity of the
-/// `special` group runs on the runner of that group, a default one on the other.
+/// Effect's Entity integration test: shard groups. A runner serves only the groups it is assigned;
+/// an entity of the `special` group runs on the runner of that group, a default one on the other.
 async fn entities_run_only_on_runners_of_their_shard_group(mut net: Net) {
     let groups = vec![ShardGroup::default_group(), ShardGroup::from("special")];
     net.groups = groups.clone();
@@ -1316,9 +1318,9 @@ async fn entities_run_only_on_runners_of_their_shard_group(mut net: Net) {
     }
 }
 
-/// §12.7 ClusterCron: a job chained from the previous run (`calculate_next_run_from_previous`)
-/// keeps its schedule across a whole-cluster restart: the runs missed while no runner was up
-/// are caught up, or skipped when older than `skip_if_older_than`.
+/// Effect's ClusterCron integration test: a job chained from the previous run
+/// (`calculate_next_run_from_previous`) keeps its schedule across a whole-cluster restart: the runs
+/// missed while no runner was up are caught up, or skipped when older than `skip_if_older_than`.
 async fn a_chained_cron_job_catches_up_or_skips_missed_runs(net: Net, skip: bool) {
     let log = Arc::new(CronLog::default());
     let name = net.id(if skip { "skipping" } else { "catching-up" });
@@ -1402,7 +1404,7 @@ async fn a_stored_request_wakes_its_remote_owner_through_the_transport(net: Net)
     owner.shutdown().await;
 }
 
-/// Seed 002's registration lock: a registration still in flight when the runner shuts down
+/// Effect 4.0.3's registration lock: a registration still in flight when the runner shuts down
 /// finishes before the runner unregisters, so it cannot advertise the stopped runner again.
 async fn a_registration_in_flight_does_not_outlive_the_shutdown(net: Net) {
     let (a, faults) = faulty_runner(&net, 19_001).await;
@@ -1534,8 +1536,8 @@ async fn a_killed_postgres_lock_session_loses_its_shards_and_takes_them_back() {
     b.shutdown().await;
 }
 
-/// §12.7 ClusterCron: a job of the `special` shard group (its singleton and its runs) runs only
-/// on the runner that serves that group.
+/// Effect's ClusterCron integration test: a job of the `special` shard group (its singleton and its
+/// runs) runs only on the runner that serves that group.
 async fn a_cron_job_runs_on_the_runners_of_its_shard_group(mut net: Net) {
     let groups = vec![ShardGroup::default_group(), ShardGroup::from("special")];
     net.groups = groups.clone();
@@ -1583,9 +1585,9 @@ async fn a_cron_job_runs_on_the_runners_of_its_shard_group(mut net: Net) {
     special.shutdown().await;
 }
 
-/// §12.7 Entity: two clusters on one PostgreSQL database with different table prefixes do not
-/// see each other: separate registries, and the same entity id is served by each cluster's
-/// own runner with its own state.
+/// Effect's Entity integration test: two clusters on one PostgreSQL database with different table
+/// prefixes do not see each other: separate registries, and the same entity id is served by each
+/// cluster's own runner with its own state.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn clusters_with_different_table_prefixes_are_isolated() {
     let (Some(first), Some(second)) = (Net::postgres().await, Net::postgres().await) else {
@@ -1609,10 +1611,10 @@ async fn clusters_with_different_table_prefixes_are_isolated() {
     b.shutdown().await;
 }
 
-/// §12.7 Locks: a runner whose lock connection is black-holed (every lock operation hangs)
-/// stops serving at once; its locks and heartbeat expire, the peer takes every shard, and no
-/// shard ever has two active owners; once the connection answers again the runner drops its
-/// stale locks, registers again and gets shards back.
+/// Effect's Locks integration test: a runner whose lock connection is black-holed (every lock
+/// operation hangs) stops serving at once; its locks and heartbeat expire, the peer takes every
+/// shard, and no shard ever has two active owners; once the connection answers again the runner
+/// drops its stale locks, registers again and gets shards back.
 async fn a_black_holed_lock_connection_hands_the_shards_over_without_split_brain(mut net: Net) {
     net.expiration = Duration::from_secs(2);
     let (a, faults) = faulty_runner(&net, 25_001).await;
@@ -1652,7 +1654,8 @@ async fn a_black_holed_lock_connection_hands_the_shards_over_without_split_brain
     // machine (two modes, not yet explained); under the full suite's load this step once took
     // more than 20 s, so it has a deadline of its own.
     eventually_within("the peer takes every shard", Duration::from_secs(60), || split(&[&b])).await;
-    // §12.7 Locks "stuck": the lock operations keep hanging; the runner keeps owning nothing.
+    // Effect's Locks integration test "stuck": the lock operations keep hanging; the runner keeps
+    // owning nothing.
     tokio::time::sleep(Duration::from_secs(1)).await;
     out.store(false, Ordering::SeqCst);
     faults.blackhole(false);
@@ -1718,11 +1721,11 @@ impl Drop for Freezable {
     }
 }
 
-/// §12.7 Entity (frozen owner) and seed 000 fencing: a runner frozen in the middle of a
-/// persisted request stops refreshing its locks; once they expire another runner takes the
-/// shard and runs the request again. When the frozen runner continues and its handler
-/// finishes, it stores no final reply (its lock is gone) but leaves the request to the new
-/// owner, which answers it exactly once.
+/// Effect's Entity integration test (frozen owner) and effect 4.1.0 fencing: a runner frozen in the
+/// middle of a persisted request stops refreshing its locks; once they expire another runner takes
+/// the shard and runs the request again. When the frozen runner continues and its handler finishes,
+/// it stores no final reply (its lock is gone) but leaves the request to the new owner, which
+/// answers it exactly once.
 async fn a_frozen_runner_stores_no_final_reply_and_the_new_owner_answers_once(mut net: Net) {
     net.expiration = Duration::from_secs(2);
     let frozen = Freezable::start();
@@ -1778,9 +1781,9 @@ async fn a_frozen_runner_stores_no_final_reply_and_the_new_owner_answers_once(mu
     frozen.handle.spawn(async move { a.shutdown().await }).await.unwrap();
 }
 
-/// §12.7 Residency: at the cap of resident entities, requests for new entities saved by another
-/// process stay stored (not failed, not dropped) while the residents run; once the residents
-/// finish and are reaped, the backlog drains in waves, never above the cap.
+/// Effect's Residency integration test: at the cap of resident entities, requests for new entities
+/// saved by another process stay stored (not failed, not dropped) while the residents run; once the
+/// residents finish and are reaped, the backlog drains in waves, never above the cap.
 async fn the_backlog_beyond_the_residency_cap_drains_in_waves(net: Net) {
     let runner = net
         .runner_configured(

@@ -1,7 +1,7 @@
 //! Entity concurrency: `&self` handlers run alongside each other up to the entity's
 //! `concurrency`, `&mut self` handlers run alone, and requests start in delivery order (the
-//! reference's `concurrency` option, §6.2, and the restart of §12.1 #31 with several requests
-//! in flight).
+//! reference's `concurrency` option, `effect/src/cluster/internal/entityManager.ts`, and the
+//! restart of effect's `Sharding.test.ts` with several requests in flight).
 
 use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};

@@ -1,5 +1,6 @@
-//! The `cluster_entities` gauge follows resident instances (reference §11), read through a
-//! minimal `metrics` recorder installed for this test binary.
+//! The `cluster_entities` gauge follows resident instances
+//! (`effect/src/cluster/ClusterMetrics.ts`), read through a minimal `metrics` recorder installed
+//! for this test binary.
 
 use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicU64, Ordering};

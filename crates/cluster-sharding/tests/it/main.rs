@@ -1,5 +1,5 @@
 //! Single-runner tests of the sharding runtime: typed volatile calls to local entities
-//! (the volatile cases of the reference's `Sharding.test.ts`, §12.1).
+//! (the volatile cases of effect's `Sharding.test.ts`).
 
 mod cluster;
 mod concurrency;

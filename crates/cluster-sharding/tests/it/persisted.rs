@@ -1,5 +1,5 @@
 //! Persisted delivery on one runner, on the memory storage and on SQLite (the persisted cases
-//! of the reference's `Sharding.test.ts`, §12.1): requests are stored first, delivered by the
+//! of effect's `Sharding.test.ts`): requests are stored first, delivered by the
 //! storage read loop, answered once, and survive a restart of the runner.
 
 use std::sync::Arc;
@@ -333,8 +333,8 @@ async fn a_commit_that_failed_runs_the_request_again(store: Store, id: &str) {
     sharding.shutdown().await;
 }
 
-/// §12.1 #2: the first caller's context is not frozen into the entity; headers travel with each
-/// request, through storage for persisted ones.
+/// Effect's `Sharding.test.ts`: the first caller's context is not frozen into the entity; headers
+/// travel with each request, through storage for persisted ones.
 async fn headers_belong_to_each_request(store: Store, id: &str) {
     let sharding = runner(&store).await;
     let counter = sharding.client::<Counter>(id);

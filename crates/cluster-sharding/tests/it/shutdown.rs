@@ -1,4 +1,4 @@
-//! `Entity::on_stop` and what it can send while its runner stops (reference §12.1 #7–13, in
+//! `Entity::on_stop` and what it can send while its runner stops (effect's `Sharding.test.ts`, in
 //! their 4.1.0 form): the shutdown never waits for a runner that is going away, discards are
 //! acknowledged (stored for the next owner when persisted), calls fail typed, and an abandoned
 //! chunk acknowledgement is stored and ends the stream.
@@ -439,7 +439,7 @@ async fn a_request_during_on_stop_waits_for_it_and_gets_a_fresh_instance() {
     sharding.shutdown().await;
 }
 
-/// Seed 000 `abandonUndelivered`: at shutdown the local callers of persisted requests that no
+/// Effect 4.1.0's `abandonUndelivered`: at shutdown the local callers of persisted requests that no
 /// handler started are told at once that their requests are left stored, so a handler the
 /// drain waits for is not stuck on one (here: on a request to its own entity, queued behind
 /// it) until the termination timeout.

@@ -1,6 +1,6 @@
 //! Singletons on one runner: started at registration, stopped at shutdown, restarted after a
-//! panic (a gap of the reference, §7.1), unique by name. The cluster-wide cases are in
-//! `cluster.rs`.
+//! panic (a gap of the reference, `effect/src/cluster/Singleton.ts`), unique by name. The
+//! cluster-wide cases are in `cluster.rs`.
 
 use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicUsize, Ordering};

@@ -1,7 +1,8 @@
 //! [`MySqlMessageStorage`]: mailboxes and replies in `<prefix>_messages` and `<prefix>_replies`
-//! on a `mysql_async` pool, with the reference's MySQL semantics (reference §5.2–§5.5): dedup
-//! with `INSERT IGNORE` and the affected-row count, claims with `SELECT … FOR UPDATE` and an
-//! `UPDATE` in one transaction, replies written in a transaction with their message rows.
+//! on a `mysql_async` pool, with the reference's MySQL semantics
+//! (`effect/src/cluster/SqlMessageStorage.ts`): dedup with `INSERT IGNORE` and the affected-row
+//! count, claims with `SELECT … FOR UPDATE` and an `UPDATE` in one transaction, replies written in
+//! a transaction with their message rows.
 //!
 //! Rows are mapped by the shared `row` module; this file only moves values between it and the
 //! driver, and checks column widths before writing (`INSERT IGNORE` would otherwise truncate an
@@ -44,8 +45,8 @@ const PARAMS_MAX: usize = 65_535;
 /// How often a transaction runs when InnoDB keeps choosing it as a deadlock victim.
 const DEADLOCK_ATTEMPTS_MAX: u32 = 3;
 
-/// [`MessageStorage`] on MySQL or MariaDB (reference §5), sharing its tables with TypeScript
-/// runners that use the same prefix.
+/// [`MessageStorage`] on MySQL or MariaDB (`effect/src/cluster/MessageStorage.ts`), sharing its
+/// tables with TypeScript runners that use the same prefix.
 ///
 /// Every operation takes a connection from the pool for its duration; the transactions the
 /// storage runs itself (claims, replies, acknowledgements, resets) use `READ COMMITTED` and are
@@ -66,7 +67,7 @@ pub struct MySqlMessageStorage {
     writers: OnceLock<Writers>,
 }
 
-/// Group commit (DESIGN.md §3, decision 5): requests saved concurrently go into one multi-row
+/// Group commit: requests saved concurrently go into one multi-row
 /// insert, replies saved concurrently into one transaction: one commit per batch.
 struct Writers {
     requests: Batcher<(Request, SaveRequestOptions), SaveResult>,
@@ -870,8 +871,8 @@ async fn run_body(
     Ok(TxOutput::Done)
 }
 
-/// Resets a request (reference §5.1); with `expected_reply_id`, only if that is still its
-/// latest reply, checked here, in storage, not at the caller's earlier read.
+/// Resets a request (`effect/src/cluster/MessageStorage.ts`); with `expected_reply_id`, only if
+/// that is still its latest reply, checked here, in storage, not at the caller's earlier read.
 async fn clear_replies(
     tx: &mut Transaction<'static>,
     queries: &MessageQueries,
@@ -903,9 +904,10 @@ enum ReplyWrite {
     AlreadyStored,
 }
 
-/// Inserts a reply and updates its message rows (reference §5.5): a chunk becomes the
-/// request's latest reply; a final reply also marks the request and its acknowledgements and
-/// interrupts processed. The insert goes first, so a rejected duplicate changes nothing.
+/// Inserts a reply and updates its message rows (`effect/src/cluster/SqlMessageStorage.ts`): a
+/// chunk becomes the request's latest reply; a final reply also marks the request and its
+/// acknowledgements and interrupts processed. The insert goes first, so a rejected duplicate
+/// changes nothing.
 async fn write_reply<Q: Queryable>(
     conn: &mut Q,
     queries: &MessageQueries,

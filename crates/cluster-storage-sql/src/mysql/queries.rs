@@ -15,8 +15,9 @@ use cluster_core::storage::CLAIM_WINDOW;
 use crate::options::TablePrefix;
 use crate::row::{MESSAGE_KIND_ACK_CHUNK, MESSAGE_KIND_INTERRUPT, REPLY_KIND_WITH_EXIT};
 
-/// Widths of the reference's columns (reference §4.2, §5.2), checked before writing so that a
-/// value never reaches `INSERT IGNORE`, which would truncate it with a mere warning.
+/// Widths of the reference's columns (`effect/src/cluster/SqlRunnerStorage.ts`,
+/// `effect/src/cluster/SqlMessageStorage.ts`), checked before writing so that a value never reaches
+/// `INSERT IGNORE`, which would truncate it with a mere warning.
 pub(crate) const SHARD_ID_LEN_MAX: usize = 50;
 /// `entity_type VARCHAR(150)` (after migration `0002_entity_type_size`).
 pub(crate) const ENTITY_TYPE_LEN_MAX: usize = 150;
@@ -426,8 +427,9 @@ impl MessageQueries {
         )
     }
 
-    /// The filters every unprocessed read shares (reference §5.3): no final reply and no
-    /// unacknowledged chunk for the request, not processed, due at the `?` runner time.
+    /// The filters every unprocessed read shares (`effect/src/cluster/SqlMessageStorage.ts`): no
+    /// final reply and no unacknowledged chunk for the request, not processed, due at the `?`
+    /// runner time.
     fn unprocessed_tail(&self) -> String {
         let replies = &self.replies;
         let exit = REPLY_KIND_WITH_EXIT;

@@ -1,5 +1,5 @@
 //! [`MySqlRunnerStorage`]: the runner registry (`<prefix>_runners`) on the pool, and the shard
-//! locks on the reserved lock session of `shard_lock` (reference §4.2).
+//! locks on the reserved lock session of `shard_lock` (`effect/src/cluster/SqlRunnerStorage.ts`).
 //!
 //! Every lock operation runs under the deadline `shard_lock_interval`; a failure or a deadline
 //! drops the lock session, which the next operation rebuilds. `acquire` retries once after a
@@ -25,7 +25,8 @@ use super::{Columns, check_bytes, check_chars, migrate_runners, storage_error};
 use crate::lock::with_deadline;
 use crate::options::SqlStorageOptions;
 
-/// [`RunnerStorage`] on MySQL or MariaDB (reference §4), in either [`LockMode`].
+/// [`RunnerStorage`] on MySQL or MariaDB (`effect/src/cluster/RunnerStorage.ts`), in either
+/// [`LockMode`].
 ///
 /// The registry uses the pool; shard locks use one connection of their own, opened with the
 /// same [`Opts`], in both lock modes (as the reference does). Dropping the storage closes that

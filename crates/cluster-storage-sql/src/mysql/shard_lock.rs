@@ -1,5 +1,5 @@
-//! Shard locks on MySQL (reference §4.2): every lock operation runs on ONE reserved
-//! connection, not on the pool, held in a slot that is rebuilt after a failure.
+//! Shard locks on MySQL (`effect/src/cluster/SqlRunnerStorage.ts`): every lock operation runs on
+//! ONE reserved connection, not on the pool, held in a slot that is rebuilt after a failure.
 //!
 //! - [`LockMode::Advisory`]: `GET_LOCK` named locks, which belong to the session. On connect
 //!   the session's `wait_timeout` becomes the lock expiration, so the server ends the session of
@@ -377,7 +377,7 @@ async fn advisory_holders(
 }
 
 /// One `IS_USED_LOCK` pass over all requested shards finds those this session holds, then
-/// `GET_LOCK(name, 0)` tries the rest without waiting (reference §4.2).
+/// `GET_LOCK(name, 0)` tries the rest without waiting (`effect/src/cluster/SqlRunnerStorage.ts`).
 async fn advisory_acquire(
     conn: &mut Conn,
     session_id: u64,

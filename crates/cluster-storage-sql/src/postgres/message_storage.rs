@@ -1,5 +1,5 @@
 //! [`PgMessageStorage`]: mailboxes and replies in `<prefix>_messages` and `<prefix>_replies`, on
-//! a connection pool (reference §5.2 to §5.5).
+//! a connection pool (`effect/src/cluster/SqlMessageStorage.ts`).
 //!
 //! Multi-step writes are single statements with data-modifying CTEs where the reference uses a
 //! transaction of several statements (saving a reply, saving an acknowledgement, clearing an
@@ -50,7 +50,7 @@ pub struct PgMessageStorage {
     writers: Arc<OnceLock<Writers>>,
 }
 
-/// Group commit (DESIGN.md §3, decision 5): requests and replies saved concurrently are
+/// Group commit: requests and replies saved concurrently are
 /// written together, with one multi-row statement and one commit per batch.
 struct Writers {
     requests: Batcher<SaveJob, OrderedSave>,

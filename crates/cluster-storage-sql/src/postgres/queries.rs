@@ -256,8 +256,8 @@ fn no_pending_reply(replies: &str) -> String {
     )
 }
 
-/// The claim (reference §5.3): lock the due, unclaimed, unprocessed rows in rowid order, stamp
-/// `last_read`, return them with the reply at their `last_reply_id`.
+/// The claim (`effect/src/cluster/SqlMessageStorage.ts`): lock the due, unclaimed, unprocessed rows
+/// in rowid order, stamp `last_read`, return them with the reply at their `last_reply_id`.
 fn claim(messages: &str, replies: &str, address_filter: &str) -> String {
     let claim_window_secs = CLAIM_WINDOW.as_secs();
     let no_pending_reply = no_pending_reply(replies);

@@ -1,5 +1,5 @@
 //! [`PgRunnerStorage`]: the runner registry in `<prefix>_runners` on the pool, and the shard
-//! locks on a reserved lock session (reference §4.2).
+//! locks on a reserved lock session (`effect/src/cluster/SqlRunnerStorage.ts`).
 //!
 //! Times are the database's clock in UTC (`NOW() AT TIME ZONE 'UTC'`, whatever the session's
 //! `TimeZone`); a heartbeat older than the shard lock expiration (in whole seconds, rounded up)

@@ -1,5 +1,6 @@
 //! The shard locks of [`PgRunnerStorage`](super::PgRunnerStorage), held on one reserved lock
-//! session (reference §4.2, "PostgreSQL, advisory mode" and "Row-lease mode").
+//! session (`effect/src/cluster/SqlRunnerStorage.ts`, "PostgreSQL, advisory mode" and "Row-lease
+//! mode").
 //!
 //! The session is a connection of its own, not from the pool, kept in a slot and rebuilt after a
 //! failure: advisory locks belong to a session, so the session *is* the lock holder. On connect

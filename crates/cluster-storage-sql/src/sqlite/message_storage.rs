@@ -1,5 +1,5 @@
 //! [`SqliteMessageStorage`]: the mailboxes and replies of `cluster_core::storage::MessageStorage`
-//! on a SQLite file (reference §5), and its user transactions.
+//! on a SQLite file (`effect/src/cluster/MessageStorage.ts`), and its user transactions.
 //!
 //! The async side validates input, maps it to rows (`crate::row`) and decodes the rows that come
 //! back; the blocking side (`run_*`, called by the worker thread) runs the SQL. Saves go through
@@ -740,7 +740,7 @@ pub(super) struct EarlierCheck {
     limit: u32,
 }
 
-/// The arguments of a claim (reference §5.3).
+/// The arguments of a claim (`effect/src/cluster/SqlMessageStorage.ts`).
 #[derive(Debug)]
 pub(super) struct Claim {
     /// The shards, as a JSON array.
@@ -1222,8 +1222,8 @@ fn request_id_for(
     Ok(None)
 }
 
-/// Selects and claims (reference §5.3): the rows are read and their `last_read` set in one
-/// transaction, so two readers never claim the same row.
+/// Selects and claims (`effect/src/cluster/SqlMessageStorage.ts`): the rows are read and their
+/// `last_read` set in one transaction, so two readers never claim the same row.
 fn claim_rows(
     connection: &Connection,
     sql: &MessageSql,

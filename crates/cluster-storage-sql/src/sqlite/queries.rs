@@ -1,5 +1,6 @@
 //! Every SQL text of the SQLite backend, built once per connection from the validated table
-//! prefix, plus the migrations (the reference's SQLite DDL, reference §4.2 and §5.2) and the
+//! prefix, plus the migrations (the reference's SQLite DDL,
+//! `effect/src/cluster/SqlRunnerStorage.ts` and `effect/src/cluster/SqlMessageStorage.ts`) and the
 //! small helpers that bind lists and read columns leniently.
 //!
 //! Identifiers come only from [`TablePrefix`]; every value is a bound parameter. A list (ids,
@@ -152,9 +153,9 @@ impl MessageSql {
         }
     }
 
-    /// The claim query (reference §5.3) over the shards in `?1`, due at `?2`, at most `?3` rows
-    /// (`-1`: no limit), with `n_address_groups` address clauses whose parameters start at `?4`
-    /// (three per clause: shard, entity type, entity ids as JSON).
+    /// The claim query (`effect/src/cluster/SqlMessageStorage.ts`) over the shards in `?1`, due at
+    /// `?2`, at most `?3` rows (`-1`: no limit), with `n_address_groups` address clauses whose
+    /// parameters start at `?4` (three per clause: shard, entity type, entity ids as JSON).
     pub(super) fn unprocessed(&self, n_address_groups: usize) -> String {
         let MessageSql { messages: m, replies: r, .. } = self;
         let address_filter = address_filter("m.", n_address_groups, 4);
@@ -420,11 +421,11 @@ fn runner_migrations(prefix: &TablePrefix) -> Vec<Migration> {
     vec![Migration { id: 1, name: "create_tables", statements: create_tables }]
 }
 
-/// Brings `set` up to date the way effect's SQL migrator does (reference
-/// `sql/Migrator.ts`), so either side recognises the other's history: the history table has
-/// `migration_id`, `created_at`, `name`; in one transaction, the migrations above the latest
-/// recorded id are recorded first and then run; a concurrent migrator that recorded them first
-/// makes this one a no-op. Returns the ids that ran.
+/// Brings `set` up to date the way effect's SQL migrator does (`effect/src/sql/Migrator.ts`), so
+/// either side recognises the other's history: the history table has `migration_id`, `created_at`,
+/// `name`; in one transaction, the migrations above the latest recorded id are recorded first and
+/// then run; a concurrent migrator that recorded them first makes this one a no-op. Returns the ids
+/// that ran.
 pub(super) fn migrate(
     connection: &Connection,
     prefix: &TablePrefix,

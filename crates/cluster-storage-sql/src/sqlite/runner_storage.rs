@@ -1,5 +1,6 @@
 //! [`SqliteRunnerStorage`]: the runner registry of `cluster_core::storage::RunnerStorage` on a
-//! SQLite file (reference §4.1, §4.2); its shard locks are lease rows, in `shard_lock.rs`.
+//! SQLite file (`effect/src/cluster/RunnerStorage.ts`, `effect/src/cluster/SqlRunnerStorage.ts`);
+//! its shard locks are lease rows, in `shard_lock.rs`.
 //!
 //! Heartbeats, expiry and lease ages use the database clock (`CURRENT_TIMESTAMP`), never a
 //! runner's, so runners with skewed clocks agree on who is alive.

@@ -1,6 +1,6 @@
-//! Shard locks as lease rows in `<prefix>_locks` (reference §4.2, "row-lease mode"): SQLite has
-//! no advisory locks, so a shard belongs to the runner whose row names it, until the row is
-//! older than the lock expiration and another runner takes it over.
+//! Shard locks as lease rows in `<prefix>_locks` (`effect/src/cluster/SqlRunnerStorage.ts`,
+//! "row-lease mode"): SQLite has no advisory locks, so a shard belongs to the runner whose row
+//! names it, until the row is older than the lock expiration and another runner takes it over.
 //!
 //! - `acquire` inserts a row per free shard, and takes over a shard that is already its own or
 //!   whose lease expired, in one statement (`INSERT … SELECT … WHERE NOT EXISTS (a live lease of

@@ -1,5 +1,5 @@
 //! The connection worker: one OS thread per SQLite connection, fed by a bounded channel of a
-//! closed [`Command`] enum, each command carrying a oneshot reply (STYLE rules 14, 16, 17; the
+//! closed [`Command`] enum, each command carrying a oneshot reply (the
 //! shape of sqlx-sqlite's `worker.rs`).
 //!
 //! `rusqlite` blocks, and a blocking call on the tokio executor stalls every task of that
@@ -322,7 +322,7 @@ pub(super) fn worker_gone(operation: &str) -> StorageError {
     )
 }
 
-/// Classifies a driver error (STYLE rule 10): a uniqueness violation is a conflict, a lock
+/// Classifies a driver error: a uniqueness violation is a conflict, a lock
 /// still held by another connection after the busy timeout is a timeout, a file that cannot be
 /// read or written makes the database unavailable, a column of the wrong type is a malformed
 /// row.

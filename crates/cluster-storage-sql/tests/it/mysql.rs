@@ -296,7 +296,8 @@ where
 /// nullable, default (normalised), auto-increment.
 type ColumnSpec = (&'static str, &'static str, Option<u64>, bool, Option<&'static str>, bool);
 
-/// The reference's MySQL DDL (reference §4.2, §5.2; effect's `Migrator.ts` for the histories).
+/// The reference's MySQL DDL (`effect/src/cluster/SqlRunnerStorage.ts`,
+/// `effect/src/cluster/SqlMessageStorage.ts`; effect's `Migrator.ts` for the histories).
 fn reference_schema() -> Vec<(&'static str, Vec<ColumnSpec>)> {
     let (n, y) = (false, true);
     vec![

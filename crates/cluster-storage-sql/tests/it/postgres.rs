@@ -303,7 +303,8 @@ async fn indexes(admin: &Admin, table: &str) -> Vec<String> {
 }
 
 /// The created tables have the reference's columns, types, nullability, defaults, unique
-/// constraints and indexes (reference §4.2, §5.2; PostgreSQL DDL of effect 4.1.0).
+/// constraints and indexes (`effect/src/cluster/SqlRunnerStorage.ts`,
+/// `effect/src/cluster/SqlMessageStorage.ts`; PostgreSQL DDL of effect 4.1.0).
 #[tokio::test]
 async fn schema_matches_the_reference() {
     let Some(scratch) = Scratch::new().await else { return };

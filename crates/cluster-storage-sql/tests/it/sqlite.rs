@@ -306,7 +306,7 @@ async fn eventually(what: &str, mut condition: impl FnMut() -> bool) {
 // --- Schema and migrations ----------------------------------------------------------------------
 
 /// The message tables have exactly the reference's SQLite columns, constraints and indexes
-/// (reference §5.2).
+/// (`effect/src/cluster/SqlMessageStorage.ts`).
 #[tokio::test]
 async fn message_schema_matches_the_reference_ddl() {
     let database = TempDatabase::new();
@@ -374,7 +374,7 @@ async fn message_schema_matches_the_reference_ddl() {
 }
 
 /// The runner tables and both migration histories have exactly the reference's SQLite columns
-/// (reference §4.2; effect's SQL migrator).
+/// (`effect/src/cluster/SqlRunnerStorage.ts`; effect's SQL migrator).
 #[tokio::test]
 async fn runner_schema_matches_the_reference_ddl() {
     let database = TempDatabase::new();
@@ -901,7 +901,8 @@ async fn damaged_rows_are_malformed_messages_not_failed_reads() {
 }
 
 /// A row written before long keys were hashed, with the over-long key as plaintext, is still
-/// found: saving the same key is a duplicate of it and the key resolves to it (reference §5.4).
+/// found: saving the same key is a duplicate of it and the key resolves to it
+/// (`effect/src/cluster/SqlMessageStorage.ts`).
 #[tokio::test]
 async fn legacy_plaintext_long_keys_are_found() {
     let database = TempDatabase::new();

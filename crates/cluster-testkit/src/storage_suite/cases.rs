@@ -168,7 +168,8 @@ pub async fn save_request_then_read_it(fixture: &dyn StorageFixture) {
     );
 }
 
-/// A second request with the same primary key is a duplicate of the first (§12.2).
+/// A second request with the same primary key is a duplicate of the first (effect's
+/// `MessageStorage.test.ts`).
 pub async fn detects_duplicates_by_primary_key(fixture: &dyn StorageFixture) {
     let storage = fixture.message_storage();
     assert_eq!(save_keyed(&*storage, &request(1, 1), "k").await, SaveResult::Success);
@@ -182,7 +183,8 @@ pub async fn detects_duplicates_by_primary_key(fixture: &dyn StorageFixture) {
     assert_eq!(read_ids(&*storage).await, [1, 3]);
 }
 
-/// A duplicate reports the stored request's latest reply: a chunk, then the final reply (§12.8).
+/// A duplicate reports the stored request's latest reply: a chunk, then the final reply (effect's
+/// SQL storage tests).
 pub async fn duplicate_reports_the_last_reply(fixture: &dyn StorageFixture) {
     let storage = fixture.message_storage();
     let stream = request(1, 1);
@@ -224,7 +226,7 @@ pub async fn duplicate_reports_the_last_reply(fixture: &dyn StorageFixture) {
 }
 
 /// Keys longer than the 255-character column are stored as digests and still deduplicate and
-/// resolve (§12.8).
+/// resolve (effect's SQL storage tests).
 pub async fn hashes_primary_keys_longer_than_the_column(fixture: &dyn StorageFixture) {
     let storage = fixture.message_storage();
     let long_key = "k".repeat(400);
@@ -243,7 +245,8 @@ pub async fn hashes_primary_keys_longer_than_the_column(fixture: &dyn StorageFix
     assert_eq!(save_keyed(&*storage, &request(3, 1), &other_key).await, SaveResult::Success);
 }
 
-/// Keys at the column width and one past it both deduplicate and resolve (§12.8).
+/// Keys at the column width and one past it both deduplicate and resolve (effect's SQL storage
+/// tests).
 pub async fn keeps_short_primary_keys_as_plaintext(fixture: &dyn StorageFixture) {
     let storage = fixture.message_storage();
     // `TestEntity/e1/GetUser/` is 22 characters: pad the composed key to exactly 255 and 256.
@@ -265,7 +268,8 @@ pub async fn keeps_short_primary_keys_as_plaintext(fixture: &dyn StorageFixture)
     }
 }
 
-/// Requests without a primary key are never deduplicated by content (§1.4).
+/// Requests without a primary key are never deduplicated by content
+/// (`effect/src/cluster/Sharding.ts`).
 pub async fn request_without_primary_key_is_never_deduplicated(fixture: &dyn StorageFixture) {
     let storage = fixture.message_storage();
     let first = request(1, 1);
@@ -275,7 +279,7 @@ pub async fn request_without_primary_key_is_never_deduplicated(fixture: &dyn Sto
     assert_eq!(read_ids(&*storage).await, [1, 2]);
 }
 
-/// A request with a final reply is not returned (§12.2).
+/// A request with a final reply is not returned (effect's `MessageStorage.test.ts`).
 pub async fn unprocessed_messages_excludes_complete_requests(fixture: &dyn StorageFixture) {
     let storage = fixture.message_storage();
     save(&*storage, &request(1, 1)).await;
@@ -284,7 +288,8 @@ pub async fn unprocessed_messages_excludes_complete_requests(fixture: &dyn Stora
     assert_eq!(read_ids(&*storage).await, [2]);
 }
 
-/// A limit returns the first rows in insertion order and claims only those (§12.2, §12.8).
+/// A limit returns the first rows in insertion order and claims only those (effect's
+/// `MessageStorage.test.ts`, effect's SQL storage tests).
 pub async fn unprocessed_messages_honors_the_limit(fixture: &dyn StorageFixture) {
     let storage = fixture.message_storage();
     for id in 1..=5 {
@@ -297,7 +302,8 @@ pub async fn unprocessed_messages_honors_the_limit(fixture: &dyn StorageFixture)
     assert_eq!(ids(&second), [4, 5]);
 }
 
-/// A claimed row is not returned again within the claim window; new rows are (§12.8).
+/// A claimed row is not returned again within the claim window; new rows are (effect's SQL storage
+/// tests).
 pub async fn claimed_messages_are_not_read_twice(fixture: &dyn StorageFixture) {
     let storage = fixture.message_storage();
     save(&*storage, &request(1, 1)).await;
@@ -307,7 +313,8 @@ pub async fn claimed_messages_are_not_read_twice(fixture: &dyn StorageFixture) {
     assert_eq!(read_ids(&*storage).await, [2]);
 }
 
-/// The address filter returns only the given entities, on their own shard (§12.2, §12.8).
+/// The address filter returns only the given entities, on their own shard (effect's
+/// `MessageStorage.test.ts`, effect's SQL storage tests).
 pub async fn unprocessed_messages_filters_by_address(fixture: &dyn StorageFixture) {
     let storage = fixture.message_storage();
     for id in 1..=4_u32 {
@@ -325,7 +332,8 @@ pub async fn unprocessed_messages_filters_by_address(fixture: &dyn StorageFixtur
     assert!(storage.unprocessed_messages(&[shard(1)], now(), options).await.unwrap().is_empty());
 }
 
-/// An empty address filter fails closed: nothing is returned or claimed (§12.2).
+/// An empty address filter fails closed: nothing is returned or claimed (effect's
+/// `MessageStorage.test.ts`).
 pub async fn empty_address_filter_matches_nothing(fixture: &dyn StorageFixture) {
     let storage = fixture.message_storage();
     save(&*storage, &request(1, 1)).await;
@@ -334,7 +342,7 @@ pub async fn empty_address_filter_matches_nothing(fixture: &dyn StorageFixture) 
     assert_eq!(read_ids(&*storage).await, [1], "nothing was claimed");
 }
 
-/// Empty lists are no-ops; an empty reset releases nothing (§12.2).
+/// Empty lists are no-ops; an empty reset releases nothing (effect's `MessageStorage.test.ts`).
 pub async fn empty_lists_are_no_ops(fixture: &dyn StorageFixture) {
     let storage = fixture.message_storage();
     save(&*storage, &request(1, 1)).await;
@@ -349,7 +357,8 @@ pub async fn empty_lists_are_no_ops(fixture: &dyn StorageFixture) {
     assert!(storage.unprocessed_messages_by_id(&[], now()).await.unwrap().is_empty());
 }
 
-/// Resetting addresses makes their claimed messages eligible again (§12.2).
+/// Resetting addresses makes their claimed messages eligible again (effect's
+/// `MessageStorage.test.ts`).
 pub async fn reset_addresses_releases_claims(fixture: &dyn StorageFixture) {
     let storage = fixture.message_storage();
     for id in 1..=4_u32 {
@@ -405,7 +414,8 @@ pub async fn deliver_at_holds_messages_until_due(fixture: &dyn StorageFixture) {
 }
 
 /// A streaming request with an unacknowledged chunk is not re-delivered until the ack is saved;
-/// then it comes back with its last chunk, followed by the ack (§5.3).
+/// then it comes back with its last chunk, followed by the ack
+/// (`effect/src/cluster/SqlMessageStorage.ts`).
 pub async fn stream_replies_wait_for_acks(fixture: &dyn StorageFixture) {
     let storage = fixture.message_storage();
     let stream = request(1, 1);
@@ -428,7 +438,8 @@ pub async fn stream_replies_wait_for_acks(fixture: &dyn StorageFixture) {
     assert_eq!(batch.messages[0].last_sent_reply, Some(chunk(1, 12, 1)));
 }
 
-/// At most one final reply per request: a second is a conflict (§5.2).
+/// At most one final reply per request: a second is a conflict
+/// (`effect/src/cluster/SqlMessageStorage.ts`).
 pub async fn second_final_reply_is_a_conflict(fixture: &dyn StorageFixture) {
     let storage = fixture.message_storage();
     save(&*storage, &request(1, 1)).await;
@@ -438,7 +449,8 @@ pub async fn second_final_reply_is_a_conflict(fixture: &dyn StorageFixture) {
     assert_eq!(reply_ids(&storage.replies_for(&snowflakes(&[1])).await.unwrap()), [10]);
 }
 
-/// `replies_for` returns final replies and unacknowledged chunks, in insertion order (§12.2).
+/// `replies_for` returns final replies and unacknowledged chunks, in insertion order (effect's
+/// `MessageStorage.test.ts`).
 pub async fn replies_for_returns_exits_and_unacked_chunks(fixture: &dyn StorageFixture) {
     let storage = fixture.message_storage();
     let stream = request(1, 1);
@@ -487,7 +499,8 @@ pub async fn malformed_reply_becomes_a_defect(fixture: &dyn StorageFixture) {
 }
 
 /// A stored message that cannot be decoded is reported for its request and does not stop the
-/// read or come back (§12.7 "defects a malformed persisted envelope without wedging").
+/// read or come back (effect's cluster integration test, "defects a malformed persisted envelope
+/// without wedging").
 pub async fn malformed_message_is_reported_and_does_not_block(fixture: &dyn StorageFixture) {
     let storage = fixture.message_storage();
     for id in 1..=3 {
@@ -519,7 +532,7 @@ pub async fn malformed_message_is_reported_and_does_not_block(fixture: &dyn Stor
     assert_eq!(ids(&read(&*storage, &[shard(1)]).await), [1, 3]);
 }
 
-/// Reading by id applies the filters but does not claim (§12.8).
+/// Reading by id applies the filters but does not claim (effect's SQL storage tests).
 pub async fn unprocessed_messages_by_id_does_not_claim(fixture: &dyn StorageFixture) {
     let storage = fixture.message_storage();
     for id in 1..=3 {
@@ -632,7 +645,8 @@ pub async fn concurrent_ordered_saves_each_get_their_earlier_requests(
     }
 }
 
-/// Interrupts are stored and delivered; resetting the request deletes them (§5.1).
+/// Interrupts are stored and delivered; resetting the request deletes them
+/// (`effect/src/cluster/MessageStorage.ts`).
 pub async fn interrupts_are_delivered_and_cleared(fixture: &dyn StorageFixture) {
     let storage = fixture.message_storage();
     let target = request(1, 1);
@@ -654,7 +668,7 @@ pub async fn interrupts_are_delivered_and_cleared(fixture: &dyn StorageFixture) 
 }
 
 /// Clearing replies resets a request: its final reply is deleted, its chunks are kept, and it
-/// is unprocessed and unclaimed again (§5.1).
+/// is unprocessed and unclaimed again (`effect/src/cluster/MessageStorage.ts`).
 pub async fn clear_replies_resets_a_request(fixture: &dyn StorageFixture) {
     let storage = fixture.message_storage();
     let stream = request(1, 1);
@@ -712,7 +726,8 @@ pub async fn request_id_for_primary_key(fixture: &dyn StorageFixture) {
     assert_eq!(storage.request_id_for_primary_key("TestEntity/e1/GetUser/k2").await.unwrap(), None);
 }
 
-/// Clearing an address deletes its messages and replies, and frees its primary keys (§12.2).
+/// Clearing an address deletes its messages and replies, and frees its primary keys (effect's
+/// `MessageStorage.test.ts`).
 pub async fn clear_address_removes_everything(fixture: &dyn StorageFixture) {
     let storage = fixture.message_storage();
     let cleared = request(1, 1);
@@ -792,7 +807,8 @@ pub async fn transaction_commits_and_rolls_back(fixture: &dyn StorageFixture) {
 
 // --- Runners and shard locks --------------------------------------------------------------------
 
-/// Registration upserts by address and keeps the machine id of a live address (§12.8).
+/// Registration upserts by address and keeps the machine id of a live address (effect's SQL storage
+/// tests).
 pub async fn register_and_get_runners(fixture: &dyn StorageFixture) {
     let storage = fixture.runner_storage(LONG_EXPIRATION).await;
     assert!(storage.get_runners().await.unwrap().is_empty());
@@ -809,7 +825,7 @@ pub async fn register_and_get_runners(fixture: &dyn StorageFixture) {
     assert_eq!(runners, [(a, true), (b, true)]);
 }
 
-/// The health flag is stored and read back (§12.5).
+/// The health flag is stored and read back (effect's `RunnerStorage.test.ts`).
 pub async fn runner_health_flips(fixture: &dyn StorageFixture) {
     let storage = fixture.runner_storage(LONG_EXPIRATION).await;
     let a = runner("a");
@@ -850,7 +866,8 @@ pub async fn expired_heartbeat_hides_the_runner(fixture: &dyn StorageFixture) {
     assert_eq!(storage.get_runners().await.unwrap().len(), 1);
 }
 
-/// Acquire is idempotent, refresh reports held shards, release drops one (§12.8).
+/// Acquire is idempotent, refresh reports held shards, release drops one (effect's SQL storage
+/// tests).
 pub async fn acquire_refresh_release(fixture: &dyn StorageFixture) {
     let storage = fixture.runner_storage(LONG_EXPIRATION).await;
     let a = runner("a");

@@ -134,9 +134,9 @@ cluster_tests!(
     a_race_of_waiting_activities_suspends,
 );
 
-/// Seed 000, change 3: a wake that keeps failing (here: the run's reset) is given up when the
-/// runner shuts down, and its request is left stored for the next owner, which wakes the
-/// execution. On 4.0.6 the wake retried without end and held the shutdown until the
+/// New in effect 4.1.0 (`ensureSuccess`): a wake that keeps failing (here: the run's reset) is
+/// given up when the runner shuts down, and its request is left stored for the next owner, which
+/// wakes the execution. On 4.0.6 the wake retried without end and held the shutdown until the
 /// termination timeout.
 #[tokio::test(start_paused = true)]
 async fn a_failing_wake_is_left_for_the_next_owner_at_shutdown() {
@@ -290,7 +290,7 @@ async fn durable_clocks_go_to_the_workflow_shard_group_at_the_rounded_up_millise
     assert!(clock.now() >= at(10_001));
 }
 
-/// Invariant 20 (reference cluster test #17): a completion that arrives after the run's body
+/// A completion that arrives after the run's body
 /// stopped but before its `Suspended` reply is stored (here every reply write takes a
 /// second) still wakes the execution.
 #[tokio::test(start_paused = true)]

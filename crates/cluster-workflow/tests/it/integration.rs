@@ -1,8 +1,8 @@
-//! The reference's cluster integration tests (reference/workflow.md §5.4) on PostgreSQL and
-//! MySQL: three runners in this process, each on a tokio runtime of its own with its own
-//! database connections, so that one can be killed (its runtime dropped at once: no handoff,
-//! its lock sessions end) or the whole cluster restarted. The durable queue cases also run on
-//! an SQLite file.
+//! The reference's cluster integration tests (effect's workflow integration tests) on PostgreSQL
+//! and MySQL: three runners in this process, each on a tokio runtime of its own with its own
+//! database connections, so that one can be killed (its runtime dropped at once: no handoff, its
+//! lock sessions end) or the whole cluster restarted. The durable queue cases also run on an SQLite
+//! file.
 
 use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex};

@@ -1,4 +1,4 @@
-//! The workflow engine's behaviour (reference/workflow.md §4–§6), written once against a
+//! The workflow engine's behaviour (`effect/src/workflow/Workflow.ts`), written once against a
 //! [`suite::Harness`] and run on the in-memory engine.
 
 mod cluster;

@@ -184,7 +184,7 @@ async fn open<W: Workflow>(
 }
 
 // ---------------------------------------------------------------------------------------
-// Executing, polling, attaching (reference §5.2 #1–#3, invariants 2, 3)
+// Executing, polling, attaching (effect's `WorkflowEngine.test.ts`)
 
 workflow!(Doubler, u64, String);
 
@@ -274,7 +274,7 @@ pub(crate) async fn executing_again_attaches_to_the_execution(h: &impl Harness) 
 }
 
 // ---------------------------------------------------------------------------------------
-// The in-memory engine's own tests (reference §5.2 #4–#9)
+// The in-memory engine's own tests (effect's `WorkflowEngine.test.ts`)
 
 pub(crate) async fn a_completed_deferred_wakes_an_active_run(h: &impl Harness) {
     workflow!(Waker, String, Never);
@@ -432,7 +432,8 @@ pub(crate) async fn interrupt_unsafe_applies_across_a_suspended_replay(h: &impl 
 }
 
 // ---------------------------------------------------------------------------------------
-// The email workflow (reference §3.11 and the cluster tests #1–#3)
+// The email workflow (`effect/src/cluster/ClusterWorkflowEngine.ts` and effect's
+// `ClusterWorkflowEngine.test.ts`)
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub(crate) struct SendEmailError {
@@ -554,7 +555,7 @@ pub(crate) async fn compensation_runs_once_when_the_execution_fails(h: &impl Har
 }
 
 // ---------------------------------------------------------------------------------------
-// Compensation-aware replay: the scenario matrix of reference §4.2
+// Compensation-aware replay: the scenario matrix of `effect/src/workflow/Workflow.ts`
 
 workflow!(Saga, String, String);
 
@@ -625,7 +626,8 @@ struct Row {
     drive: Drive,
     result: &'static str,
     log: &'static [&'static str],
-    /// Where the cluster engine differs (reference §4.2: `interruptUnsafe` while active).
+    /// Where the cluster engine differs (`effect/src/workflow/Workflow.ts`: `interruptUnsafe` while
+    /// active).
     cluster_log: Option<&'static [&'static str]>,
 }
 
@@ -712,7 +714,7 @@ const MATRIX: &[Row] = &[
         log: &["run:1", "long:start", "comp:1:held:interrupt", "wf:1:interrupt:interrupted"],
         // 4.1.0 cluster: the cut-off run is superseded (its workflow finalizer sees
         // success, its compensation is skipped) and the automatic re-run applies the
-        // interrupt, compensating once (seed 000, change 1).
+        // interrupt, compensating once (new in effect 4.1.0).
         cluster_log: Some(&[
             "run:1",
             "long:start",
@@ -805,7 +807,7 @@ pub(crate) async fn compensations_run_in_reverse_order_with_the_cause(h: &impl H
 }
 
 // ---------------------------------------------------------------------------------------
-// Races (reference cluster tests #4–#18, invariants 13, 17, 18)
+// Races (effect's `ClusterWorkflowEngine.test.ts`)
 
 type Branch<'a> = BoxFuture<'a, Result<String, String>>;
 
@@ -1058,7 +1060,7 @@ pub(crate) async fn awaits_inside_an_activity_do_not_preempt_the_run(h: &impl Ha
 }
 
 // ---------------------------------------------------------------------------------------
-// Children (reference cluster test #19, invariants 45–49, Appendix C #1 and #2)
+// Children (effect's `ClusterWorkflowEngine.test.ts`)
 
 workflow!(Child, String, String);
 workflow!(Parent, String, String);
@@ -1145,7 +1147,7 @@ pub(crate) async fn an_interrupted_child_wakes_its_parent_with_a_result(h: &impl
 }
 
 // ---------------------------------------------------------------------------------------
-// SuspendOnFailure (reference cluster test #24, invariants 25–27, 43)
+// SuspendOnFailure (effect's `ClusterWorkflowEngine.test.ts`)
 
 fn suspend_on_failure() -> WorkflowOptions {
     WorkflowOptions { suspend_on_failure: true, ..WorkflowOptions::default() }
@@ -1240,7 +1242,7 @@ pub(crate) async fn automatic_wakes_do_not_resume_a_failed_suspension(h: &impl H
 }
 
 // ---------------------------------------------------------------------------------------
-// Defects (reference cluster tests #25, #26, invariant 31)
+// Defects (effect's `ClusterWorkflowEngine.test.ts`)
 
 pub(crate) async fn a_caught_activity_defect_lets_the_workflow_go_on(h: &impl Harness) {
     workflow!(Catcher, String, String);
@@ -1351,7 +1353,7 @@ pub(crate) async fn a_body_panic_is_a_defect(h: &impl Harness) {
 }
 
 // ---------------------------------------------------------------------------------------
-// Activities, deferreds and clocks (invariants 8–12, 14, 16, 21, 24, 39)
+// Activities, deferreds and clocks
 
 pub(crate) async fn retries_number_attempts_and_keep_the_last_error(h: &impl Harness) {
     #[derive(Debug, Serialize, Deserialize)]
@@ -1568,7 +1570,7 @@ pub(crate) async fn unregistered_workflows_are_an_error(h: &impl Harness) {
 }
 
 // ---------------------------------------------------------------------------------------
-// Durable queues (reference §5.3, invariant 23)
+// Durable queues (effect's `DurableQueue.test.ts`)
 
 #[derive(Clone, Debug, Serialize, Deserialize)]
 pub(crate) struct Item {
@@ -1648,7 +1650,7 @@ pub(crate) async fn a_queue_item_is_offered_once_across_replays(h: &impl Harness
 }
 
 // ---------------------------------------------------------------------------------------
-// More races (reference cluster tests #13–#16)
+// More races (effect's `ClusterWorkflowEngine.test.ts`)
 
 /// #13: a durable clock in the workflow (not in an activity) wins against a long activity:
 /// its completion preempts and replays the run.
