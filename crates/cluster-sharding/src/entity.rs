@@ -374,8 +374,8 @@ pub(crate) struct HandlerEntry<E> {
     pub(crate) call: CallKind<E>,
     /// Interrupted as soon as the entity starts stopping.
     pub(crate) interrupt_on_termination: bool,
-    /// Runs inside a storage transaction (persisted requests).
-    pub(crate) with_transaction: bool,
+    /// Whether it runs inside a storage transaction (persisted requests).
+    pub(crate) with_transaction: Transactional,
     /// Runs again when it ends by interrupt (persisted, server-side `Uninterruptible`).
     pub(crate) rerun_on_interrupt: bool,
 }
@@ -386,10 +386,43 @@ impl<E> HandlerEntry<E> {
         HandlerEntry {
             call,
             interrupt_on_termination: R::INTERRUPT_ON_TERMINATION && !R::UNINTERRUPTIBLE.server(),
-            with_transaction: R::WITH_TRANSACTION && R::PERSISTED,
+            with_transaction: match (R::PERSISTED, R::WITH_TRANSACTION_PER_REQUEST) {
+                (false, _) => Transactional::Never,
+                (true, true) => Transactional::PerRequest(transaction_of::<R>),
+                (true, false) if R::WITH_TRANSACTION => Transactional::Always,
+                (true, false) => Transactional::Never,
+            },
             rerun_on_interrupt: R::UNINTERRUPTIBLE.server() && R::PERSISTED,
         }
     }
+}
+
+/// Whether the requests of one type run inside a storage transaction.
+#[derive(Clone, Copy)]
+pub(crate) enum Transactional {
+    /// Never.
+    Never,
+    /// Always (`Rpc::WITH_TRANSACTION`).
+    Always,
+    /// As the decoded request says (`Rpc::with_transaction`).
+    PerRequest(fn(&RawJson) -> bool),
+}
+
+impl Transactional {
+    /// Whether the request with this payload runs inside a transaction. A payload that does
+    /// not decode runs without one (its handler answers it as malformed).
+    pub(crate) fn of(self, payload: &RawJson) -> bool {
+        match self {
+            Transactional::Never => false,
+            Transactional::Always => true,
+            Transactional::PerRequest(decide) => decide(payload),
+        }
+    }
+}
+
+/// Decodes a payload of `R` and asks it whether it runs inside a transaction.
+fn transaction_of<R: Rpc>(payload: &RawJson) -> bool {
+    payload.decode::<R>().is_ok_and(|request| request.with_transaction())
 }
 
 /// An entity value shared by the running `&self` requests of one instance. Type-erased so that
@@ -446,7 +479,7 @@ impl<E: Entity> Protocol<E> {
         let entry = HandlerEntry {
             call: CallKind::Stream(stream_call::<E, R>),
             interrupt_on_termination: false,
-            with_transaction: false,
+            with_transaction: Transactional::Never,
             rerun_on_interrupt: false,
         };
         self.handlers.insert(R::TAG, entry);

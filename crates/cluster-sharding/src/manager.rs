@@ -17,7 +17,7 @@ use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 use std::time::Duration;
 
 use cluster_core::config::Capacity;
-use cluster_core::envelope::{Chunk, Exit, Reply, Request, WithExit};
+use cluster_core::envelope::{Chunk, Exit, RawJson, Reply, Request, WithExit};
 use cluster_core::future::BoxFuture;
 use cluster_core::storage::{MessageStorage, MessageTransaction};
 use cluster_core::{ClusterError, EntityAddress, EntityType, ShardId, Snowflake};
@@ -219,8 +219,8 @@ pub(crate) trait ErasedManager: Send + Sync {
     /// Whether requests tagged `tag` are streaming requests.
     fn is_stream(&self, tag: &str) -> bool;
 
-    /// Whether requests tagged `tag` run inside a storage transaction.
-    fn with_transaction(&self, tag: &str) -> bool;
+    /// Whether the request tagged `tag` with `payload` runs inside a storage transaction.
+    fn with_transaction(&self, tag: &str, payload: &RawJson) -> bool;
 
     /// Whether requests tagged `tag` run again when they end by interrupt.
     fn rerun_on_interrupt(&self, tag: &str) -> bool;
@@ -459,8 +459,8 @@ impl<E: Entity> ErasedManager for EntityManager<E> {
         self.shared.protocol.get(tag).is_some_and(|entry| matches!(entry.call, CallKind::Stream(_)))
     }
 
-    fn with_transaction(&self, tag: &str) -> bool {
-        self.shared.protocol.get(tag).is_some_and(|entry| entry.with_transaction)
+    fn with_transaction(&self, tag: &str, payload: &RawJson) -> bool {
+        self.shared.protocol.get(tag).is_some_and(|entry| entry.with_transaction.of(payload))
     }
 
     fn rerun_on_interrupt(&self, tag: &str) -> bool {

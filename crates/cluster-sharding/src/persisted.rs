@@ -752,7 +752,7 @@ impl Sharding {
             return Dispatched::Release(request_id);
         }
         let transaction = manager
-            .with_transaction(&request.tag)
+            .with_transaction(&request.tag, &request.payload)
             .then(|| PendingTransaction::new(Arc::clone(&persisted.storage)));
         let rerun = manager.rerun_on_interrupt(&request.tag).then(|| request.clone());
         let delivery = Delivery {

@@ -71,6 +71,13 @@ pub trait Rpc: Serialize + DeserializeOwned + Send + 'static {
     /// [`RequestContext::transaction`](crate::RequestContext::transaction) and the reply commit
     /// together, or neither does (the request then runs again).
     const WITH_TRANSACTION: bool = false;
+    /// Whether [`with_transaction`](Rpc::with_transaction) decides, request by request, whether
+    /// a persisted request runs inside a storage transaction (the reference's
+    /// `ClusterSchema.Dynamic` annotation adding `WithTransaction`, as the workflow engine's
+    /// `activity` request does in `effect/src/cluster/ClusterWorkflowEngine.ts`). Off by
+    /// default: [`WITH_TRANSACTION`](Rpc::WITH_TRANSACTION) decides for every request, and the
+    /// runtime never decodes a payload to ask.
+    const WITH_TRANSACTION_PER_REQUEST: bool = false;
 
     /// The reply of a successful request.
     type Success: Serialize + DeserializeOwned + Send + 'static;
@@ -86,6 +93,13 @@ pub trait Rpc: Serialize + DeserializeOwned + Send + 'static {
     /// Not delivered before this time (persisted requests only).
     fn deliver_at(&self) -> Option<Timestamp> {
         None
+    }
+
+    /// Whether this request runs inside a storage transaction. Asked only when
+    /// [`WITH_TRANSACTION_PER_REQUEST`](Rpc::WITH_TRANSACTION_PER_REQUEST) is set, and only for
+    /// persisted requests; [`WITH_TRANSACTION`](Rpc::WITH_TRANSACTION) by default.
+    fn with_transaction(&self) -> bool {
+        Self::WITH_TRANSACTION
     }
 }
 
