@@ -24,7 +24,7 @@ use cluster_core::storage::MessageStorage;
 use cluster_core::{EntityAddress, EntityType, ShardGroup, Snowflake, Timestamp};
 use cluster_sharding::{
     CallError, Entity, EntityClient, EntityContext, EntityOptions, Protocol, RequestContext, Rpc,
-    Sharding, SharedHandler, Uninterruptible,
+    Sharding, SharedHandler, TransactionSlot, Uninterruptible,
 };
 use serde::de::Error as _;
 use serde::{Deserialize, Deserializer, Serialize, Serializer};
@@ -34,8 +34,8 @@ use tokio::sync::{oneshot, watch};
 use crate::context::{Never, WorkflowContext};
 use crate::definition::WorkflowOptions;
 use crate::engine::{
-    Backend, Ending, Parent, Registration, ResumeMode, RunOutcome, Scope, WorkflowEngine,
-    WorkflowError, close_run, ending, retain_scope, run_outcome,
+    ActivityBody, ActivityStep, Backend, Ending, Parent, Registration, ResumeMode, RunOutcome,
+    Scope, WorkflowEngine, WorkflowError, close_run, ending, retain_scope, run_outcome,
 };
 use crate::id::{ExecutionId, Token};
 use crate::queue::{QueueOptions, QueueWorker, QueueWorkers};
@@ -169,11 +169,19 @@ impl Rpc for ActivityRpc {
     // A caller that goes away (a race's loser, a run cut off) is seen by the handler as a
     // closed channel, which stores `Suspended` so that the activity runs again when called.
     const UNINTERRUPTIBLE: Uninterruptible = Uninterruptible::Client;
+    // `withTransaction` in the payload puts the handler (which hands the body the
+    // transaction) and the saved result in one storage transaction, as the reference's
+    // `ClusterSchema.Dynamic` annotation of its `activity` request does.
+    const WITH_TRANSACTION_PER_REQUEST: bool = true;
     type Success = ResultJson;
     type Error = Never;
 
     fn primary_key(&self) -> Option<String> {
         Some(format!("{}/{}", self.name, self.attempt))
+    }
+
+    fn with_transaction(&self) -> bool {
+        self.with_transaction
     }
 }
 
@@ -684,8 +692,16 @@ impl ClusterEngine {
 // Activations: one lifetime of an execution's entity on this runner.
 
 /// The channel a caller hands to the `activity` handler: the handler sends back where the
-/// activity's result goes once the caller has run it.
-type ActivityGo = oneshot::Sender<oneshot::Sender<WorkflowResult>>;
+/// activity's result goes once the caller has run it, and the request's storage transaction.
+type ActivityGo = oneshot::Sender<ActivityStart>;
+
+/// The `activity` handler's go to the caller that runs the body.
+struct ActivityStart {
+    /// Where the body's result goes.
+    done: oneshot::Sender<WorkflowResult>,
+    /// The storage transaction the result is saved in, for a transactional activity.
+    transaction: Option<TransactionSlot>,
+}
 
 #[derive(Default)]
 struct ActivationState {
@@ -1056,7 +1072,11 @@ impl SharedHandler<RunRpc> for WorkflowEntity {
 }
 
 impl SharedHandler<ActivityRpc> for WorkflowEntity {
-    async fn handle(&self, _: &RequestContext, request: ActivityRpc) -> Result<ResultJson, Never> {
+    async fn handle(
+        &self,
+        context: &RequestContext,
+        request: ActivityRpc,
+    ) -> Result<ResultJson, Never> {
         let key = (request.name, request.attempt);
         let go = {
             let mut state = self.activation.state();
@@ -1065,16 +1085,40 @@ impl SharedHandler<ActivityRpc> for WorkflowEntity {
         };
         // No caller waits for it (a race's loser not called again, a redelivery after a
         // restart): answered as suspended, which a later call resets.
-        let Some(go) = go else { return Ok(ResultJson(WorkflowResult::suspended())) };
+        let Some(go) = go else {
+            return Ok(ResultJson(settle_transaction(context, WorkflowResult::suspended()).await));
+        };
         let (done, result) = oneshot::channel();
-        if go.send(done).is_ok()
+        let start = ActivityStart { done, transaction: context.transaction().cloned() };
+        if go.send(start).is_ok()
             && let Ok(result) = result.await
         {
-            return Ok(ResultJson(result));
+            return Ok(ResultJson(settle_transaction(context, result).await));
         }
         self.activation.state().aborted.insert(key);
-        Ok(ResultJson(WorkflowResult::suspended()))
+        Ok(ResultJson(settle_transaction(context, WorkflowResult::suspended()).await))
     }
+}
+
+/// Rolls a transactional activity's writes back unless it succeeded: only a success commits
+/// with its stored result. A failure or a suspension is saved after the rollback, outside the
+/// transaction, so that a failed attempt leaves no writes behind (its retry starts clean) and a
+/// suspended body that runs again from its start does not write twice.
+async fn settle_transaction(context: &RequestContext, result: WorkflowResult) -> WorkflowResult {
+    let committed = matches!(result, WorkflowResult::Complete(Exit::Success(_)));
+    if committed {
+        return result;
+    }
+    let Some(slot) = context.transaction() else { return result };
+    let transaction = slot.lock().await.take();
+    if let Some(transaction) = transaction {
+        tracing::debug!(request_id = %context.request_id(), "activity did not succeed: rolling its transaction back");
+        if let Err(error) = transaction.rollback().await {
+            // Dropped without a commit, the transaction is rolled back anyway.
+            tracing::debug!(%error, request_id = %context.request_id(), "activity rollback failed");
+        }
+    }
+    result
 }
 
 impl SharedHandler<DeferredRpc> for WorkflowEntity {
@@ -1231,15 +1275,16 @@ impl ClusterEngine {
         Ok(WorkflowResult::suspended())
     }
 
-    /// Runs activity `name`/`attempt` through its request: the handler gives the go, the
-    /// body runs here (inside the run), and the handler stores its result as the reply.
+    /// Runs activity `name`/`attempt` through its request: the handler gives the go (with the
+    /// request's storage transaction for a transactional activity), the body runs here (inside
+    /// the run), and the handler stores its result as the reply.
     async fn run_activity<'a>(
         &'a self,
         run: &'a Arc<Run>,
-        name: &'a str,
-        attempt: u32,
-        execute: Box<dyn FnOnce(Arc<Run>) -> BoxFuture<'a, WorkflowResult> + Send + 'a>,
+        step: ActivityStep<'a>,
+        execute: ActivityBody<'a>,
     ) -> Result<WorkflowResult, WorkflowError> {
+        let ActivityStep { name, attempt, transactional } = step;
         let activation = self.activation(&run.execution_id).ok_or_else(|| {
             WorkflowError::Cluster("the execution is not active on this runner".into())
         })?;
@@ -1253,7 +1298,8 @@ impl ClusterEngine {
             let (go, gone) = oneshot::channel();
             activation.state().activities.insert(key.clone(), go);
             let client = self.client(run.workflow, &run.execution_id);
-            let request = ActivityRpc { name: name.to_owned(), attempt, with_transaction: false };
+            let request =
+                ActivityRpc { name: name.to_owned(), attempt, with_transaction: transactional };
             let reply = client.send(request);
             tokio::pin!(reply);
             let awaits = activation.state().activity_awaits.clone();
@@ -1271,8 +1317,8 @@ impl ClusterEngine {
             let handed = AtomicBool::new(false);
             let body = async {
                 match (gone.await, execute.take()) {
-                    (Ok(done), Some(execute)) => {
-                        let result = execute(activity_run).await;
+                    (Ok(ActivityStart { done, transaction }), Some(execute)) => {
+                        let result = execute(activity_run, transaction).await;
                         let complete = !result.is_suspended();
                         if done.send(result).is_ok() {
                             handed.store(complete, Ordering::Release);
@@ -1353,11 +1399,10 @@ impl Backend for ClusterEngine {
     fn activity<'a>(
         &'a self,
         run: &'a Arc<Run>,
-        name: &'a str,
-        attempt: u32,
-        execute: Box<dyn FnOnce(Arc<Run>) -> BoxFuture<'a, WorkflowResult> + Send + 'a>,
+        step: ActivityStep<'a>,
+        execute: ActivityBody<'a>,
     ) -> BoxFuture<'a, Result<WorkflowResult, WorkflowError>> {
-        Box::pin(self.run_activity(run, name, attempt, execute))
+        Box::pin(self.run_activity(run, step, execute))
     }
 
     fn deferred_result<'a>(

@@ -15,13 +15,16 @@ use std::sync::{Arc, Mutex, PoisonError};
 use std::task::{Context, Poll};
 use std::time::Duration;
 
-use cluster_core::envelope::{Cause, Exit, RawJson};
+use cluster_core::envelope::{Cause, CauseReason, Exit, RawJson};
 use cluster_core::future::BoxFuture;
+use cluster_sharding::TransactionSlot;
 use serde::de::DeserializeOwned;
 use serde::{Deserialize, Serialize};
 
 use crate::definition::Workflow;
-use crate::engine::{Decoded, Parent, WorkflowEngine, decode_exit, encode_result};
+use crate::engine::{
+    ActivityBody, ActivityStep, Decoded, Parent, WorkflowEngine, decode_exit, encode_result,
+};
 use crate::id::{ExecutionId, Token};
 use crate::result::{FailureCause, WorkflowResult};
 use crate::run::{
@@ -96,12 +99,22 @@ pub struct WorkflowContext {
     pub(crate) run: Arc<Run>,
 }
 
-/// What an activity body gets: its attempt, and the steps an activity may take itself (a
-/// durable sleep or deferred inside an activity suspends the activity, which runs again from
-/// its start on the next replay).
-#[derive(Clone, Debug)]
+/// What an activity body gets: its attempt, the storage transaction of a transactional
+/// activity, and the steps an activity may take itself (a durable sleep or deferred inside an
+/// activity suspends the activity, which runs again from its start on the next replay).
+#[derive(Clone)]
 pub struct ActivityContext {
     context: WorkflowContext,
+    transaction: Option<TransactionSlot>,
+}
+
+impl std::fmt::Debug for ActivityContext {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ActivityContext")
+            .field("context", &self.context)
+            .field("transaction", &self.transaction.is_some())
+            .finish()
+    }
 }
 
 impl ActivityContext {
@@ -121,6 +134,78 @@ impl ActivityContext {
     /// The activity's own workflow context (deferreds and sleeps suspend the activity).
     pub fn context(&self) -> &WorkflowContext {
         &self.context
+    }
+
+    /// The storage transaction in which this activity's result is saved, for an activity
+    /// called with [`ActivityCall::with_transaction`] on the cluster engine (`None` otherwise,
+    /// and always on the in-memory engine). Lock it and run your own statements through
+    /// `MessageTransaction::backend`, downcast to the backend's handle (see `docs/workflows.md`):
+    /// they commit together with the activity's success, or not at all.
+    pub fn transaction(&self) -> Option<&TransactionSlot> {
+        self.transaction.as_ref()
+    }
+
+    /// Ends this run of the activity body with an interrupt, for example after a call it made
+    /// was interrupted because the callee's shard moved ([`CallError::Interrupted`]). The
+    /// activity's interrupt retry policy ([`ActivityCall::interrupt_retry`]) runs the body again;
+    /// once it is exhausted the activity dies.
+    ///
+    /// [`CallError::Interrupted`]: cluster_sharding::CallError::Interrupted
+    pub async fn interrupt<T>(&self) -> T {
+        self.context.run.raise(Cause(vec![CauseReason::Interrupt { fiber_id: None }])).await;
+        unreachable_step()
+    }
+}
+
+/// How an activity body cut off by an interrupt is run again (the reference's
+/// `interruptRetryPolicy` of `effect/src/workflow/Activity.ts`, `retryOnInterrupt`): a body
+/// whose run ends with a cause that contains an interrupt (an interrupt re-raised from a step
+/// it awaited, [`ActivityContext::interrupt`], or an engine failure under it) runs again after
+/// a delay, unless it suspended on purpose. A body that fails on its own (an `Err`, a panic)
+/// is not retried here. When the retries are used up and the cause still holds an interrupt,
+/// the activity dies with `Activity "<name>" interrupted and retry attempts exhausted`.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct InterruptRetry {
+    /// How many times the body runs again at most (10).
+    pub max_retries: u32,
+    /// The delay before the first retry (400 ms).
+    pub first_delay: Duration,
+    /// The factor each later delay grows by (1.5).
+    pub factor: f64,
+    /// The longest delay (10 s).
+    pub max_delay: Duration,
+}
+
+impl Default for InterruptRetry {
+    /// The reference's policy: `min(exponential(400 ms, 1.5), spaced(10 s))` while the retry
+    /// is at most the tenth.
+    fn default() -> InterruptRetry {
+        InterruptRetry {
+            max_retries: 10,
+            first_delay: Duration::from_millis(400),
+            factor: 1.5,
+            max_delay: Duration::from_secs(10),
+        }
+    }
+}
+
+impl InterruptRetry {
+    /// No retry: an interrupted body dies at once.
+    pub fn none() -> InterruptRetry {
+        InterruptRetry { max_retries: 0, ..InterruptRetry::default() }
+    }
+
+    /// The delay before retry `retry` (1, 2, …): `first_delay × factor^(retry − 1)`, at most
+    /// `max_delay`.
+    pub fn delay(&self, retry: u32) -> Duration {
+        let exponent = i32::try_from(retry.saturating_sub(1)).unwrap_or(i32::MAX);
+        let millis = self.first_delay.as_secs_f64() * 1000.0 * self.factor.powi(exponent);
+        let max = self.max_delay.as_secs_f64() * 1000.0;
+        if millis.is_finite() && millis >= 0.0 && millis < max {
+            Duration::from_secs_f64(millis / 1000.0)
+        } else {
+            self.max_delay
+        }
     }
 }
 
@@ -183,14 +268,22 @@ impl WorkflowContext {
         F: Fn(ActivityContext) -> Fut + Send + Sync,
         Fut: Future<Output = Result<A, E>> + Send,
     {
-        ActivityCall { context: self, name: name.into(), body, retries: 0, types: PhantomData }
+        ActivityCall {
+            context: self,
+            name: name.into(),
+            body,
+            retries: 0,
+            transactional: false,
+            interrupt_retry: InterruptRetry::default(),
+            types: PhantomData,
+        }
     }
 
     /// Runs one attempt of an activity and decodes its exit; suspends the run if it suspended.
     async fn activity_attempt<'b, A, E, F, Fut>(
         &'b self,
-        name: &'b str,
-        attempt: u32,
+        step: ActivityStep<'b>,
+        interrupt_retry: InterruptRetry,
         body: &'b F,
     ) -> Decoded<A, E>
     where
@@ -201,19 +294,46 @@ impl WorkflowContext {
     {
         let run = &self.run;
         let options = run.options;
-        let execute: Box<dyn FnOnce(Arc<Run>) -> BoxFuture<'b, WorkflowResult> + Send + 'b> =
-            Box::new(move |activity_run: Arc<Run>| {
-                Box::pin(async move {
+        let name = step.name;
+        let execute: ActivityBody<'b> = Box::new(move |activity_run: Arc<Run>, transaction| {
+            Box::pin(async move {
+                let mut retry = 0;
+                loop {
                     let context = ActivityContext {
                         context: WorkflowContext::new(Arc::clone(&activity_run)),
+                        transaction: transaction.clone(),
                     };
                     let end =
                         drive(&activity_run, async { encode_result(body(context).await) }).await;
-                    activity_result(&activity_run, end, options)
-                })
-            });
+                    let Some(exit) = activity_exit(&activity_run, end) else {
+                        let state = activity_run.state();
+                        return WorkflowResult::Suspended {
+                            cause: state.cause.clone(),
+                            failed: state.failed,
+                        };
+                    };
+                    let interrupted = matches!(&exit, Exit::Failure(cause) if cause.has_interrupts())
+                        && !activity_run.state().suspended;
+                    if !interrupted {
+                        return activity_result(exit, options);
+                    }
+                    if retry >= interrupt_retry.max_retries {
+                        tracing::warn!(activity = name, execution_id = %activity_run.execution_id, retries = retry, "activity interrupted and retry attempts exhausted");
+                        let message =
+                            format!("Activity \"{name}\" interrupted and retry attempts exhausted");
+                        let defect = RawJson::encode(&message).unwrap_or_else(|_| RawJson::null());
+                        return activity_result(Exit::die(defect), options);
+                    }
+                    retry += 1;
+                    let delay = interrupt_retry.delay(retry);
+                    tracing::info!(activity = name, execution_id = %activity_run.execution_id, retry, ?delay, "activity interrupted: running it again");
+                    activity_run.reset_for_retry();
+                    tokio::time::sleep(delay).await;
+                }
+            })
+        });
         let hold = run.hold();
-        let result = run.engine.activity(run, name, attempt, execute).await;
+        let result = run.engine.activity(run, step, execute).await;
         hold.release();
         match result {
             Err(error) => {
@@ -525,22 +645,22 @@ impl WorkflowContext {
     }
 }
 
-/// The result of an activity body's run.
-fn activity_result(run: &Run, end: BodyEnd, options: RunOptions) -> WorkflowResult {
+/// The exit of one run of an activity body: what it returned, the failure raised in it (an
+/// engine failure under it is an interrupt), or `None` when it suspended.
+fn activity_exit(run: &Run, end: BodyEnd) -> Option<Exit> {
     let state = run.state();
-    let exit = match end {
-        BodyEnd::Returned(exit) => exit,
+    match end {
+        BodyEnd::Returned(exit) => Some(exit),
         BodyEnd::Stopped => match (&state.raised, &state.broken) {
-            (Some(cause), _) => Exit::Failure(cause.clone()),
-            (None, Some(_)) => Exit::interrupt(),
-            (None, None) => {
-                return WorkflowResult::Suspended {
-                    cause: state.cause.clone(),
-                    failed: state.failed,
-                };
-            }
+            (Some(cause), _) => Some(Exit::Failure(cause.clone())),
+            (None, Some(_)) => Some(Exit::interrupt()),
+            (None, None) => None,
         },
-    };
+    }
+}
+
+/// The result of an activity whose body ended with `exit`.
+fn activity_result(exit: Exit, options: RunOptions) -> WorkflowResult {
     // An activity of a `suspend_on_failure` workflow suspends the execution on failure.
     if let Exit::Failure(cause) = &exit
         && options.suspend_on_failure
@@ -564,6 +684,8 @@ pub struct ActivityCall<'c, A, E, F> {
     name: String,
     body: F,
     retries: u32,
+    transactional: bool,
+    interrupt_retry: InterruptRetry,
     types: PhantomData<fn() -> (A, E)>,
 }
 
@@ -580,6 +702,26 @@ where
     #[must_use]
     pub fn retry(mut self, times: u32) -> Self {
         self.retries = times;
+        self
+    }
+
+    /// Runs the body inside the storage transaction in which its result is saved (the
+    /// reference's `ClusterSchema.WithTransaction` annotation on an activity): the body's own
+    /// statements through [`ActivityContext::transaction`] commit together with a successful
+    /// result, and roll back if the result is not saved (the owner dies or loses the shard, the
+    /// commit fails), if the body fails (its failure is then saved on its own), or if it
+    /// suspends. On the in-memory engine there is no transaction and this does nothing.
+    #[must_use]
+    pub fn with_transaction(mut self) -> Self {
+        self.transactional = true;
+        self
+    }
+
+    /// How a body cut off by an interrupt runs again ([`InterruptRetry::default`], the
+    /// reference's policy, unless set).
+    #[must_use]
+    pub fn interrupt_retry(mut self, policy: InterruptRetry) -> Self {
+        self.interrupt_retry = policy;
         self
     }
 
@@ -618,7 +760,10 @@ where
     async fn attempts(&self) -> Decoded<A, E> {
         let mut attempt = 1;
         loop {
-            let decoded = self.context.activity_attempt(&self.name, attempt, &self.body).await;
+            let step =
+                ActivityStep { name: &self.name, attempt, transactional: self.transactional };
+            let decoded =
+                self.context.activity_attempt(step, self.interrupt_retry, &self.body).await;
             match decoded {
                 Decoded::Fail(error) if attempt <= self.retries => {
                     drop(error);

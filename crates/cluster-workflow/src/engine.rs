@@ -66,6 +66,25 @@ pub enum ExecuteError<E> {
     Engine(#[from] WorkflowError),
 }
 
+/// What runs an activity's body for an engine: given the activity's own run and, for an
+/// activity run in a storage transaction, that transaction, it returns the activity's result.
+pub(crate) type ActivityBody<'a> = Box<
+    dyn FnOnce(Arc<Run>, Option<cluster_sharding::TransactionSlot>) -> BoxFuture<'a, WorkflowResult>
+        + Send
+        + 'a,
+>;
+
+/// One attempt of an activity, as the body asks an engine for it.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct ActivityStep<'a> {
+    /// The activity's name.
+    pub(crate) name: &'a str,
+    /// The attempt (1, 2, …).
+    pub(crate) attempt: u32,
+    /// Whether its body runs in the storage transaction its result is saved in.
+    pub(crate) transactional: bool,
+}
+
 /// A body type-erased for an engine: decodes the payload, runs, encodes the outcome.
 pub(crate) type ErasedBody =
     Arc<dyn Fn(WorkflowContext, RawJson) -> BoxFuture<'static, Exit> + Send + Sync>;
@@ -100,15 +119,15 @@ pub(crate) trait Backend: Send + Sync + 'static {
     /// Registers a body.
     fn register(&self, registration: Registration) -> Result<(), WorkflowError>;
 
-    /// The stored result of activity `name`/`attempt` of the run's execution, or the result of
-    /// running it now with `execute` (which drives the activity body under the activity's own
-    /// run).
+    /// The stored result of the activity `step` names in the run's execution, or the result
+    /// of running it now with `execute` (which drives the activity body under the activity's
+    /// own run, in the storage transaction of its result when the step asks for one and the
+    /// engine has one).
     fn activity<'a>(
         &'a self,
         run: &'a Arc<Run>,
-        name: &'a str,
-        attempt: u32,
-        execute: Box<dyn FnOnce(Arc<Run>) -> BoxFuture<'a, WorkflowResult> + Send + 'a>,
+        step: ActivityStep<'a>,
+        execute: ActivityBody<'a>,
     ) -> BoxFuture<'a, Result<WorkflowResult, WorkflowError>>;
 
     /// The completion of deferred `name` of the run's execution, if any.

@@ -62,7 +62,7 @@ mod run;
 pub use cluster::{CLOCK_ENTITY, ClusterOptions, INTERRUPT_SIGNAL, PARENT_KEY};
 pub use context::{
     ActivityCall, ActivityContext, ActivityError, DEFAULT_IN_MEMORY_SLEEP_THRESHOLD,
-    DurableDeferred, Never, WorkflowContext,
+    DurableDeferred, InterruptRetry, Never, WorkflowContext,
 };
 pub use definition::{RetrySchedule, Workflow, WorkflowOptions};
 pub use engine::{ExecuteError, WorkflowEngine, WorkflowError};

@@ -14,8 +14,8 @@ use tokio::task::JoinSet;
 
 use crate::context::WorkflowContext;
 use crate::engine::{
-    Backend, Ending, Parent, Registration, ResumeMode, RunOutcome, Scope, WorkflowEngine,
-    WorkflowError, ending, finish_run, retain_scope,
+    ActivityBody, ActivityStep, Backend, Ending, Parent, Registration, ResumeMode, RunOutcome,
+    Scope, WorkflowEngine, WorkflowError, ending, finish_run, retain_scope,
 };
 use crate::id::{ExecutionId, Token};
 use crate::result::{WorkflowResult, interrupt_reason};
@@ -244,10 +244,11 @@ impl Backend for MemoryEngine {
     fn activity<'a>(
         &'a self,
         run: &'a Arc<Run>,
-        name: &'a str,
-        attempt: u32,
-        execute: Box<dyn FnOnce(Arc<Run>) -> BoxFuture<'a, WorkflowResult> + Send + 'a>,
+        step: ActivityStep<'a>,
+        execute: ActivityBody<'a>,
     ) -> BoxFuture<'a, Result<WorkflowResult, WorkflowError>> {
+        // No storage, so no transaction: a transactional activity runs as any other.
+        let ActivityStep { name, attempt, transactional: _ } = step;
         Box::pin(async move {
             let key = (run.execution_id.clone(), name.to_owned(), attempt);
             let notify = loop {
@@ -287,7 +288,7 @@ impl Backend for MemoryEngine {
             );
             let interrupted = run.state().interrupted;
             activity_run.update(|state| state.interrupted = interrupted);
-            let result = execute(activity_run).await;
+            let result = execute(activity_run, None).await;
             if let WorkflowResult::Complete(exit) = &result {
                 let interrupt_only =
                     matches!(exit, Exit::Failure(cause) if cause.has_interrupts_only());

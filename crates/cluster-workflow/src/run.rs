@@ -228,6 +228,16 @@ impl Run {
         std::future::pending()
     }
 
+    /// Clears what stopped an activity's run (a raised cause, an engine failure), so that its
+    /// body can run again under the interrupt retry policy.
+    pub(crate) fn reset_for_retry(&self) {
+        self.update(|state| {
+            state.raised = None;
+            state.broken = None;
+            state.finished = false;
+        });
+    }
+
     /// A completion the run awaits arrived: stop at once, report `Suspended`, replay.
     pub(crate) fn preempt(&self) {
         self.update(|state| {

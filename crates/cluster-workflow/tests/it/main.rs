@@ -7,3 +7,4 @@ mod memory;
 mod queue;
 mod sql;
 mod suite;
+mod transaction;

@@ -115,6 +115,8 @@ on_databases!(
     durable_sleep_wakes_the_run,
     concurrent_activities_finish_before_the_run_suspends,
     retries_number_attempts_and_keep_the_last_error,
+    an_activity_failing_on_its_own_is_not_retried_on_interrupt,
+    an_activity_interrupted_past_its_retries_dies,
     first_completion_wins,
     a_queue_item_is_offered_once_across_replays,
 );

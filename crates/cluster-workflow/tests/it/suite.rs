@@ -7,8 +7,9 @@ use std::time::Duration;
 
 use cluster_core::envelope::{CauseReason, Exit, RawJson};
 use cluster_workflow::{
-    ActivityError, DurableDeferred, ExecuteError, ExecutionId, FailureCause, Never, RunExit,
-    Workflow, WorkflowContext, WorkflowEngine, WorkflowError, WorkflowOptions, WorkflowResult,
+    ActivityError, DurableDeferred, ExecuteError, ExecutionId, FailureCause, InterruptRetry, Never,
+    RunExit, Workflow, WorkflowContext, WorkflowEngine, WorkflowError, WorkflowOptions,
+    WorkflowResult,
 };
 use futures_util::future::BoxFuture;
 use serde::{Deserialize, Serialize};
@@ -1392,6 +1393,133 @@ pub(crate) async fn retries_number_attempts_and_keep_the_last_error(h: &impl Har
     let failed = engine.execute::<Retried>(input_to("f", "fail")).await;
     assert!(matches!(failed, Err(ExecuteError::Failed(RetryError { attempt: 3 }))), "{failed:?}");
     assert_eq!(log.entries().len(), 6);
+}
+
+/// The reference's interrupt retry policy (`effect/src/workflow/Activity.ts`,
+/// `retryOnInterrupt`): a body whose run ends by an interrupt runs again after
+/// `min(400 ms × 1.5ⁿ, 10 s)`, and the activity completes with the result of the run that
+/// finished.
+pub(crate) async fn an_interrupted_activity_runs_again_and_completes(h: &impl Harness) {
+    workflow!(Interrupted, u32, String);
+    let engine = h.engine().await;
+    let runs = Arc::new(AtomicU32::new(0));
+    {
+        let runs = Arc::clone(&runs);
+        engine
+            .register::<Interrupted, _, _>(move |ctx: WorkflowContext, _: Input| {
+                let runs = Arc::clone(&runs);
+                async move {
+                    ctx.activity("cut", move |activity| {
+                        let runs = Arc::clone(&runs);
+                        async move {
+                            let run = runs.fetch_add(1, Ordering::SeqCst) + 1;
+                            if run < 3 {
+                                // As after a call the callee's lost shard interrupted.
+                                return activity.interrupt().await;
+                            }
+                            Ok::<_, String>(run)
+                        }
+                    })
+                    .await
+                }
+            })
+            .unwrap();
+    }
+    let started = tokio::time::Instant::now();
+    assert_eq!(engine.execute::<Interrupted>(input("i")).await.unwrap(), 3);
+    assert_eq!(runs.load(Ordering::SeqCst), 3, "two interrupted runs, then the one that finished");
+    // The default policy waits 400 ms, then 600 ms (a paused clock: exact and instant).
+    assert!(started.elapsed() >= Duration::from_millis(1000), "{:?}", started.elapsed());
+    // The result is the activity's: executing again does not run it.
+    assert_eq!(engine.execute::<Interrupted>(input("i")).await.unwrap(), 3);
+    assert_eq!(runs.load(Ordering::SeqCst), 3);
+}
+
+/// The interrupt retry layer leaves failures of the body's own alone: an error and a panic
+/// are the activity's result after one run.
+pub(crate) async fn an_activity_failing_on_its_own_is_not_retried_on_interrupt(h: &impl Harness) {
+    workflow!(FailsAlone, String, String);
+    let engine = h.engine().await;
+    let runs = Arc::new(AtomicU32::new(0));
+    {
+        let runs = Arc::clone(&runs);
+        engine
+            .register::<FailsAlone, _, _>(move |ctx: WorkflowContext, payload: Input| {
+                let runs = Arc::clone(&runs);
+                async move {
+                    let panics = payload.to == "panic";
+                    let outcome = ctx
+                        .activity("fails", move |_| {
+                            let runs = Arc::clone(&runs);
+                            async move {
+                                runs.fetch_add(1, Ordering::SeqCst);
+                                if panics {
+                                    panic!("the body broke");
+                                }
+                                Err::<String, String>("declined".to_owned())
+                            }
+                        })
+                        .catch_defects()
+                        .await;
+                    match outcome {
+                        Ok(value) => Ok(value),
+                        Err(ActivityError::Failed(error)) => Err(error),
+                        Err(ActivityError::Defect(defect)) => Ok(format!("defect:{defect}")),
+                    }
+                }
+            })
+            .unwrap();
+    }
+    let failed = engine.execute::<FailsAlone>(input_to("f", "fail")).await;
+    assert!(
+        matches!(&failed, Err(ExecuteError::Failed(error)) if error == "declined"),
+        "{failed:?}"
+    );
+    assert_eq!(runs.load(Ordering::SeqCst), 1, "an error is not retried");
+    let died = engine.execute::<FailsAlone>(input_to("p", "panic")).await.unwrap();
+    assert!(died.contains("the body broke"), "{died}");
+    assert_eq!(runs.load(Ordering::SeqCst), 2, "a panic is not retried");
+}
+
+/// A body interrupted on every run dies once the policy's retries are used up, with the
+/// reference's defect.
+pub(crate) async fn an_activity_interrupted_past_its_retries_dies(h: &impl Harness) {
+    workflow!(AlwaysCut, String, String);
+    let engine = h.engine().await;
+    let runs = Arc::new(AtomicU32::new(0));
+    {
+        let runs = Arc::clone(&runs);
+        engine
+            .register::<AlwaysCut, _, _>(move |ctx: WorkflowContext, _: Input| {
+                let runs = Arc::clone(&runs);
+                async move {
+                    let policy = InterruptRetry {
+                        max_retries: 2,
+                        first_delay: ms(100),
+                        ..InterruptRetry::default()
+                    };
+                    let outcome = ctx
+                        .activity("always", move |activity| {
+                            let runs = Arc::clone(&runs);
+                            async move {
+                                runs.fetch_add(1, Ordering::SeqCst);
+                                activity.interrupt::<Result<String, String>>().await
+                            }
+                        })
+                        .interrupt_retry(policy)
+                        .catch_defects()
+                        .await;
+                    match outcome {
+                        Err(ActivityError::Defect(defect)) => Ok(defect),
+                        other => Err(format!("{other:?}")),
+                    }
+                }
+            })
+            .unwrap();
+    }
+    let defect = engine.execute::<AlwaysCut>(input("a")).await.unwrap();
+    assert_eq!(defect, r#""Activity \"always\" interrupted and retry attempts exhausted""#);
+    assert_eq!(runs.load(Ordering::SeqCst), 3, "the first run and two retries");
 }
 
 pub(crate) async fn concurrent_activities_with_one_name_run_once(h: &impl Harness) {

@@ -1,0 +1,340 @@
+//! Transactional activities (`ActivityCall::with_transaction`, the reference's
+//! `ClusterSchema.WithTransaction` on an activity) on SQLite on disk, PostgreSQL and MySQL: the
+//! body writes a row of an application table through the storage transaction its result is
+//! saved in, and the row exists exactly when the activity's success was saved.
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU32, Ordering};
+use std::time::Duration;
+
+use cluster_core::SystemClock;
+use cluster_core::ids::RunnerAddress;
+use cluster_sharding::{Sharding, TransactionSlot};
+use cluster_storage_sql::sqlite::SqliteTransactionHandle;
+use cluster_testkit::databases::TestDatabase;
+use cluster_testkit::faulty::{Faults, FaultyMessageStorage};
+use cluster_workflow::{
+    ActivityContext, DurableDeferred, ExecuteError, Workflow, WorkflowContext, WorkflowEngine,
+};
+use serde::{Deserialize, Serialize};
+
+/// What the test workflow's activity does after writing its row.
+#[derive(Clone, Debug, Default, Serialize, Deserialize)]
+struct Order {
+    key: String,
+    /// `ok`: succeed; `fail`: fail with its own error; `hang`: never finish on the first run;
+    /// `wait`: succeed, then the workflow waits for the deferred `Go`.
+    mode: String,
+}
+
+/// Writes a row in its activity's transaction.
+struct Transactional;
+
+impl Workflow for Transactional {
+    const NAME: &'static str = "Transactional";
+    type Payload = Order;
+    type Success = u32;
+    type Error = String;
+
+    fn idempotency_key(order: &Order) -> String {
+        order.key.clone()
+    }
+}
+
+/// The test's database, its application table and the activity's run count.
+struct Fixture {
+    database: TestDatabase,
+    table: String,
+    runs: Arc<AtomicU32>,
+}
+
+impl Fixture {
+    async fn new(database: TestDatabase) -> Fixture {
+        let table = match &database {
+            TestDatabase::Sqlite { .. } => "app_rows".to_owned(),
+            TestDatabase::Postgres { prefix, .. } | TestDatabase::Mysql { prefix, .. } => {
+                prefix.table("app_rows")
+            }
+        };
+        let fixture = Fixture { database, table, runs: Arc::default() };
+        fixture
+            .statement(&format!("CREATE TABLE {} (k VARCHAR(100) NOT NULL)", fixture.quoted()))
+            .await;
+        fixture
+    }
+
+    fn quoted(&self) -> String {
+        match &self.database {
+            TestDatabase::Mysql { .. } => format!("`{}`", self.table),
+            _ => format!("\"{}\"", self.table),
+        }
+    }
+
+    /// Runs `sql` on a connection of its own.
+    async fn statement(&self, sql: &str) {
+        match &self.database {
+            TestDatabase::Sqlite { path } => {
+                let connection = rusqlite::Connection::open(path).unwrap();
+                connection.busy_timeout(Duration::from_secs(10)).unwrap();
+                connection.execute_batch(sql).unwrap();
+            }
+            TestDatabase::Postgres { url, .. } => {
+                let (client, connection) =
+                    tokio_postgres::connect(url, tokio_postgres::NoTls).await.unwrap();
+                let connection = tokio::spawn(connection);
+                client.batch_execute(sql).await.unwrap();
+                drop(client);
+                let _ = connection.await;
+            }
+            TestDatabase::Mysql { url, .. } => {
+                use mysql_async::prelude::Queryable;
+                let pool = mysql_async::Pool::from_url(url.as_str()).unwrap();
+                let mut connection = pool.get_conn().await.unwrap();
+                connection.query_drop(sql).await.unwrap();
+                drop(connection);
+                pool.disconnect().await.unwrap();
+            }
+        }
+    }
+
+    /// The committed rows of key `key`.
+    async fn rows(&self, key: &str) -> i64 {
+        let sql = format!("SELECT COUNT(*) FROM {} WHERE k = '{key}'", self.quoted());
+        match &self.database {
+            TestDatabase::Sqlite { path } => {
+                let connection = rusqlite::Connection::open(path).unwrap();
+                connection.busy_timeout(Duration::from_secs(10)).unwrap();
+                connection.query_row(&sql, [], |row| row.get(0)).unwrap()
+            }
+            TestDatabase::Postgres { url, .. } => {
+                let (client, connection) =
+                    tokio_postgres::connect(url, tokio_postgres::NoTls).await.unwrap();
+                let connection = tokio::spawn(connection);
+                let count: i64 = client.query_one(&sql, &[]).await.unwrap().get(0);
+                drop(client);
+                let _ = connection.await;
+                count
+            }
+            TestDatabase::Mysql { url, .. } => {
+                use mysql_async::prelude::Queryable;
+                let pool = mysql_async::Pool::from_url(url.as_str()).unwrap();
+                let mut connection = pool.get_conn().await.unwrap();
+                let count: Option<i64> = connection.query_first(sql).await.unwrap();
+                drop(connection);
+                pool.disconnect().await.unwrap();
+                count.unwrap_or_default()
+            }
+        }
+    }
+
+    fn runs(&self) -> u32 {
+        self.runs.load(Ordering::SeqCst)
+    }
+
+    /// A runner holding every shard, its storage failing on demand, with the workflow
+    /// registered.
+    async fn runner(&self) -> (Sharding, WorkflowEngine, Arc<Faults>) {
+        let config = cluster_core::ShardingConfig {
+            runner_address: Some(RunnerAddress::new("127.0.0.1", 1)),
+            ..crate::cluster::config()
+        };
+        let (messages, locks) = self.database.open(&config).await.unwrap();
+        let (faulty, faults) = FaultyMessageStorage::new(messages);
+        let sharding =
+            Sharding::with_storages(config, Arc::new(SystemClock), Arc::new(faulty), locks)
+                .await
+                .unwrap();
+        let engine = WorkflowEngine::cluster(&sharding).unwrap();
+        let (table, runs) = (self.quoted(), Arc::clone(&self.runs));
+        engine
+            .register::<Transactional, _, _>(move |ctx: WorkflowContext, order: Order| {
+                let (table, runs) = (table.clone(), Arc::clone(&runs));
+                async move {
+                    let mode = order.mode.clone();
+                    let value = ctx
+                        .activity("write", move |activity: ActivityContext| {
+                            let (table, runs, key, mode) =
+                                (table.clone(), Arc::clone(&runs), order.key.clone(), mode.clone());
+                            async move {
+                                let run = runs.fetch_add(1, Ordering::SeqCst) + 1;
+                                let slot = activity.transaction().ok_or("no transaction")?;
+                                insert(slot, &table, &key).await?;
+                                match mode.as_str() {
+                                    "fail" => Err("refused".to_owned()),
+                                    "hang" if run == 1 => std::future::pending().await,
+                                    _ => Ok(run),
+                                }
+                            }
+                        })
+                        .with_transaction()
+                        .await?;
+                    if order.mode == "wait" {
+                        ctx.await_deferred(&DurableDeferred::<(), String>::new("Go")).await?;
+                    }
+                    Ok(value)
+                }
+            })
+            .unwrap();
+        (sharding, engine, faults)
+    }
+
+    /// Drops the application table (the database's own tables go with the fixture).
+    async fn finish(self) {
+        if !matches!(self.database, TestDatabase::Sqlite { .. }) {
+            self.statement(&format!("DROP TABLE {}", self.quoted())).await;
+        }
+    }
+}
+
+/// Inserts row `key` through the activity's transaction, whichever backend it is on.
+async fn insert(slot: &TransactionSlot, table: &str, key: &str) -> Result<(), String> {
+    let mut transaction = slot.lock().await;
+    let transaction = transaction.as_mut().ok_or("the transaction is gone")?;
+    let backend = transaction.backend();
+    if backend.is::<SqliteTransactionHandle>() {
+        let handle = backend.downcast_mut::<SqliteTransactionHandle>().ok_or("sqlite")?;
+        let (sql, key) = (format!("INSERT INTO {table} (k) VALUES (?1)"), key.to_owned());
+        handle
+            .run(move |connection| connection.execute(&sql, [key]).map(|_| ()))
+            .await
+            .map_err(|error| error.to_string())
+    } else if backend.is::<deadpool_postgres::Object>() {
+        let client = backend.downcast_mut::<deadpool_postgres::Object>().ok_or("postgres")?;
+        let sql = format!("INSERT INTO {table} (k) VALUES ($1)");
+        client.execute(&sql, &[&key]).await.map(|_| ()).map_err(|error| error.to_string())
+    } else if backend.is::<mysql_async::Transaction<'static>>() {
+        use mysql_async::prelude::Queryable;
+        let transaction =
+            backend.downcast_mut::<mysql_async::Transaction<'static>>().ok_or("mysql")?;
+        let sql = format!("INSERT INTO {table} (k) VALUES (?)");
+        transaction.exec_drop(sql, (key,)).await.map_err(|error| error.to_string())
+    } else {
+        Err("an unknown storage backend".to_owned())
+    }
+}
+
+fn order(key: &str, mode: &str) -> Order {
+    Order { key: key.to_owned(), mode: mode.to_owned() }
+}
+
+/// Waits until `check` holds, for at most 30 s.
+async fn until(what: &str, mut check: impl FnMut() -> bool) {
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
+    while !check() {
+        assert!(tokio::time::Instant::now() < deadline, "timed out waiting until {what}");
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+}
+
+async fn stop(sharding: Sharding, engine: WorkflowEngine) {
+    engine.shutdown().await;
+    sharding.shutdown().await;
+}
+
+/// A success commits the row with the stored result; executing again and a replay read the
+/// result without running the body again.
+async fn commits_the_writes_with_the_result(fixture: Fixture) {
+    let (sharding, engine, faults) = fixture.runner().await;
+    let id = Transactional::execution_id(&order("ok", "wait"));
+    engine.execute_discard::<Transactional>(order("ok", "wait")).await.unwrap();
+    until("the activity ran", || fixture.runs() == 1).await;
+    // Suspended on the deferred once the activity's result (and its row) committed.
+    crate::suite::suspended::<Transactional>(&engine, &id).await;
+    assert_eq!(fixture.rows("ok").await, 1, "the row committed with the activity's result");
+    assert!(faults.commits() >= 1, "the result was saved in a transaction");
+    let token = DurableDeferred::<(), String>::new("Go").token_for::<Transactional>(&id);
+    engine.complete(&token, Ok::<(), String>(())).await.unwrap();
+    // The replay reads the stored result: the body does not run again.
+    assert_eq!(engine.execute::<Transactional>(order("ok", "wait")).await.unwrap(), 1);
+    assert_eq!(fixture.runs(), 1);
+    assert_eq!(fixture.rows("ok").await, 1);
+    stop(sharding, engine).await;
+    fixture.finish().await;
+}
+
+/// The commit of the result fails: the row rolls back with it, and the activity runs again
+/// (the result was not saved), so the row is written once in the end.
+async fn a_failed_commit_rolls_the_writes_back(fixture: Fixture) {
+    let (sharding, engine, faults) = fixture.runner().await;
+    faults.fail_commit(1);
+    assert_eq!(engine.execute::<Transactional>(order("commit", "ok")).await.unwrap(), 2);
+    assert_eq!(fixture.runs(), 2, "the activity ran again after its commit failed");
+    assert_eq!(fixture.rows("commit").await, 1, "the first run's row was rolled back");
+    stop(sharding, engine).await;
+    fixture.finish().await;
+}
+
+/// The activity fails on its own: its row rolls back, its failure is stored (a second execute
+/// returns it without running the body).
+async fn a_failure_rolls_the_writes_back(fixture: Fixture) {
+    let (sharding, engine, _) = fixture.runner().await;
+    let failed = engine.execute::<Transactional>(order("fail", "fail")).await;
+    assert!(
+        matches!(&failed, Err(ExecuteError::Failed(error)) if error == "refused"),
+        "{failed:?}"
+    );
+    assert_eq!(fixture.rows("fail").await, 0, "a failed activity's writes roll back");
+    let again = engine.execute::<Transactional>(order("fail", "fail")).await;
+    assert!(matches!(&again, Err(ExecuteError::Failed(error)) if error == "refused"), "{again:?}");
+    assert_eq!(fixture.runs(), 1, "the stored failure is not run again");
+    stop(sharding, engine).await;
+    fixture.finish().await;
+}
+
+/// The runner stops while the activity runs (its shards go): the row, written but not
+/// committed, rolls back; the next runner runs the activity again and the workflow completes
+/// with its result.
+async fn a_cut_off_activity_leaves_no_writes_and_runs_again(fixture: Fixture) {
+    let (sharding, engine, _) = fixture.runner().await;
+    engine.execute_discard::<Transactional>(order("cut", "hang")).await.unwrap();
+    until("the activity ran", || fixture.runs() == 1).await;
+    stop(sharding, engine).await;
+    assert_eq!(fixture.rows("cut").await, 0, "the cut-off run's row was rolled back");
+    let (sharding, engine, _) = fixture.runner().await;
+    assert_eq!(engine.execute::<Transactional>(order("cut", "hang")).await.unwrap(), 2);
+    assert_eq!(fixture.rows("cut").await, 1);
+    stop(sharding, engine).await;
+    fixture.finish().await;
+}
+
+macro_rules! on_databases {
+    ($($name:ident),* $(,)?) => {
+        mod sqlite {
+            $(
+                #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+                async fn $name() {
+                    let database = TestDatabase::sqlite("workflow-transaction");
+                    super::$name(super::Fixture::new(database).await).await;
+                }
+            )*
+            use cluster_testkit::databases::TestDatabase;
+        }
+        mod postgres {
+            $(
+                #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+                async fn $name() {
+                    let Some(database) = TestDatabase::postgres() else { return };
+                    super::$name(super::Fixture::new(database).await).await;
+                }
+            )*
+            use cluster_testkit::databases::TestDatabase;
+        }
+        mod mysql {
+            $(
+                #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+                async fn $name() {
+                    let Some(database) = TestDatabase::mysql() else { return };
+                    super::$name(super::Fixture::new(database).await).await;
+                }
+            )*
+            use cluster_testkit::databases::TestDatabase;
+        }
+    };
+}
+
+on_databases!(
+    commits_the_writes_with_the_result,
+    a_failed_commit_rolls_the_writes_back,
+    a_failure_rolls_the_writes_back,
+    a_cut_off_activity_leaves_no_writes_and_runs_again,
+);
