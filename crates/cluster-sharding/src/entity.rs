@@ -162,9 +162,23 @@ pub trait StreamHandler<R: StreamRpc>: Entity {
     ) -> impl Future<Output = Result<(), R::Error>> + Send;
 }
 
+/// The most items the runtime coalesces into one chunk (see [`Chunks::send`]).
+pub const CHUNK_ITEMS_MAX: usize = 256;
+
+/// The most encoded bytes (the items' JSON, summed) the runtime coalesces into one chunk; an
+/// item larger than this goes alone.
+pub const CHUNK_BYTES_MAX: usize = 32 * 1024;
+
 /// The sending side of a streamed response.
+///
+/// Items are queued and sent by a pump that runs beside the handler: it keeps at most one
+/// chunk unacknowledged by the caller, and the items queued meanwhile go together into the next
+/// chunk, at most [`CHUNK_ITEMS_MAX`] items and [`CHUNK_BYTES_MAX`] encoded bytes. A chunk is a
+/// JSON array of items, as in the reference, so a caller on another implementation reads it.
+/// When the handler returns, everything queued is sent and acknowledged before the stream's
+/// final reply.
 pub struct Chunks<'c, T> {
-    channel: &'c mut ChunkChannel,
+    pump: &'c ChunkPump,
     item: std::marker::PhantomData<fn(T)>,
 }
 
@@ -181,25 +195,58 @@ pub enum ChunkError {
 }
 
 impl<T: Serialize + DeserializeOwned> Chunks<'_, T> {
-    /// Sends one item as a chunk and waits until the caller acknowledged it (backpressure).
+    /// Queues one item. It returns at once while the chunk being filled has room, and waits
+    /// (backpressure) while a full chunk waits for the caller to acknowledge the previous one.
     ///
     /// # Cancel safety
     ///
-    /// Not cancel safe: a dropped send may have delivered the chunk.
+    /// Cancel safe: a dropped send has queued nothing.
     pub async fn send(&mut self, item: T) -> Result<(), ChunkError> {
         let value = RawJson::encode(&item)?;
-        self.channel.send(vec![value]).await
+        self.pump.queue(vec![value]).await
+    }
+
+    /// Queues `items` to go out together in one chunk, whatever the coalescing bounds (items
+    /// queued before may share it when everything fits within them). An empty batch sends
+    /// nothing.
+    ///
+    /// # Cancel safety
+    ///
+    /// Cancel safe: a dropped send has queued nothing.
+    pub async fn send_batch(
+        &mut self,
+        items: impl IntoIterator<Item = T>,
+    ) -> Result<(), ChunkError> {
+        let values =
+            items.into_iter().map(|item| RawJson::encode(&item)).collect::<Result<Vec<_>, _>>()?;
+        if values.is_empty() {
+            return Ok(());
+        }
+        self.pump.queue(values).await
+    }
+
+    /// Waits until every queued item was sent and its chunk acknowledged by the caller (for a
+    /// persisted stream: stored, then acknowledged through storage).
+    ///
+    /// # Cancel safety
+    ///
+    /// Cancel safe: the items stay queued.
+    pub async fn flush(&mut self) -> Result<(), ChunkError> {
+        self.pump.flush().await
     }
 
     /// The sequence number the next chunk gets: 0 for a fresh stream, one past the last chunk
-    /// sent before a restart for a resumed one.
+    /// sent before a restart for a resumed one. With coalescing, a chunk holds one item or
+    /// more, so this counts chunks, not items.
     pub fn next_sequence(&self) -> u32 {
-        self.channel.next_sequence
+        self.pump.lock().next_sequence
     }
 
-    /// The last item sent before a restart, when a persisted stream resumes.
+    /// The last item of the last chunk sent, such as the item sent before a restart when a
+    /// persisted stream resumes.
     pub fn last_sent(&self) -> Option<T> {
-        let chunk = self.channel.last_sent.as_ref()?;
+        let outbox = self.pump.lock();
+        let chunk = outbox.last_sent.as_ref()?;
         chunk.values().last()?.decode().ok()
     }
 }
@@ -215,26 +262,175 @@ pub(crate) struct ChunkChannel {
     pub(crate) ids: Arc<Ids>,
 }
 
-impl ChunkChannel {
-    async fn send(&mut self, values: Vec<RawJson>) -> Result<(), ChunkError> {
-        let id = self.ids.next();
-        let chunk = Chunk::new(self.request_id, id, self.next_sequence, values)
-            .ok_or(ChunkError::Interrupted)?;
-        self.replies
-            .send(Reply::Chunk(chunk.clone()))
-            .await
-            .map_err(|_| ChunkError::Interrupted)?;
-        loop {
-            match self.acks.recv().await {
-                // An acknowledgement of another chunk is stale: ignored, as in the reference.
-                Some(acked) if acked == id => break,
-                Some(_) => {}
-                None => return Err(ChunkError::Interrupted),
-            }
+/// What the handler queued and what the pump sent.
+struct Outbox {
+    /// The items of the next chunk.
+    pending: Vec<RawJson>,
+    /// Their encoded size.
+    pending_bytes: usize,
+    /// A chunk was sent and not acknowledged yet.
+    in_flight: bool,
+    /// The handler is done: the pump ends once everything went out.
+    closed: bool,
+    /// The caller is gone: nothing more goes out.
+    failed: bool,
+    next_sequence: u32,
+    last_sent: Option<Chunk>,
+}
+
+impl Outbox {
+    /// Whether `values` may join the pending chunk.
+    fn fits(&self, values: &[RawJson], bytes: usize) -> bool {
+        self.pending.is_empty()
+            || (self.pending.len().saturating_add(values.len()) <= CHUNK_ITEMS_MAX
+                && self.pending_bytes.saturating_add(bytes) <= CHUNK_BYTES_MAX)
+    }
+}
+
+/// The queue between a streaming handler ([`Chunks`]) and its pump ([`ChunkPump::run`]).
+pub(crate) struct ChunkPump {
+    outbox: std::sync::Mutex<Outbox>,
+    /// Wakes the pump: items were queued, or the handler is done.
+    queued: tokio::sync::Notify,
+    /// Wakes the handler's waits: room was made, a chunk was acknowledged, the caller left.
+    changed: tokio::sync::Notify,
+}
+
+/// The encoded size of a value.
+fn encoded_len(value: &RawJson) -> usize {
+    value.json().map_or(0, str::len)
+}
+
+impl ChunkPump {
+    fn new(channel: &ChunkChannel) -> ChunkPump {
+        ChunkPump {
+            outbox: std::sync::Mutex::new(Outbox {
+                pending: Vec::new(),
+                pending_bytes: 0,
+                in_flight: false,
+                closed: false,
+                failed: false,
+                next_sequence: channel.next_sequence,
+                last_sent: channel.last_sent.clone(),
+            }),
+            queued: tokio::sync::Notify::new(),
+            changed: tokio::sync::Notify::new(),
         }
-        self.next_sequence += 1;
-        self.last_sent = Some(chunk);
-        Ok(())
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, Outbox> {
+        // Every critical section leaves the outbox whole: a panic cannot break it.
+        self.outbox.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
+    /// Queues `values` for one chunk, waiting while the pending chunk has no room for them.
+    async fn queue(&self, values: Vec<RawJson>) -> Result<(), ChunkError> {
+        let bytes = values.iter().map(encoded_len).fold(0, usize::saturating_add);
+        loop {
+            let changed = self.changed.notified();
+            let mut changed = std::pin::pin!(changed);
+            changed.as_mut().enable();
+            {
+                let mut outbox = self.lock();
+                if outbox.failed {
+                    return Err(ChunkError::Interrupted);
+                }
+                if outbox.fits(&values, bytes) {
+                    outbox.pending.extend(values);
+                    outbox.pending_bytes = outbox.pending_bytes.saturating_add(bytes);
+                    drop(outbox);
+                    self.queued.notify_one();
+                    return Ok(());
+                }
+            }
+            changed.await;
+        }
+    }
+
+    /// Waits until nothing is pending or unacknowledged.
+    async fn flush(&self) -> Result<(), ChunkError> {
+        loop {
+            let changed = self.changed.notified();
+            let mut changed = std::pin::pin!(changed);
+            changed.as_mut().enable();
+            {
+                let outbox = self.lock();
+                if outbox.failed {
+                    return Err(ChunkError::Interrupted);
+                }
+                if outbox.pending.is_empty() && !outbox.in_flight {
+                    return Ok(());
+                }
+            }
+            changed.await;
+        }
+    }
+
+    /// The handler is done: the pump ends once everything queued went out.
+    fn close(&self) {
+        self.lock().closed = true;
+        self.queued.notify_one();
+    }
+
+    /// The caller is gone: every wait of the handler fails.
+    fn fail(&self) {
+        self.lock().failed = true;
+        self.changed.notify_waiters();
+    }
+
+    /// Sends the queued items, one chunk at a time, each once the previous one was
+    /// acknowledged; ends when the handler is done and everything went out, or the caller is
+    /// gone. Leaves the channel's sequence and last chunk where a restarted run continues.
+    async fn run(&self, channel: &mut ChunkChannel) {
+        loop {
+            let chunk = {
+                let mut outbox = self.lock();
+                if outbox.pending.is_empty() {
+                    if outbox.closed {
+                        return;
+                    }
+                    None
+                } else {
+                    let values = std::mem::take(&mut outbox.pending);
+                    outbox.pending_bytes = 0;
+                    let id = channel.ids.next();
+                    let chunk = Chunk::new(channel.request_id, id, outbox.next_sequence, values);
+                    if let Some(chunk) = &chunk {
+                        outbox.next_sequence = outbox.next_sequence.saturating_add(1);
+                        outbox.last_sent = Some(chunk.clone());
+                        outbox.in_flight = true;
+                        // Sequence and last chunk move on when the chunk is sent, as in the
+                        // reference's entity manager: a restarted run never reuses a sequence
+                        // that the caller may have seen.
+                        channel.next_sequence = outbox.next_sequence;
+                        channel.last_sent = Some(chunk.clone());
+                    }
+                    chunk
+                }
+            };
+            let Some(chunk) = chunk else {
+                self.queued.notified().await;
+                continue;
+            };
+            // The pending chunk was emptied: waiting senders may fill the next one.
+            self.changed.notify_waiters();
+            let id = chunk.id();
+            let items = chunk.values().len();
+            tracing::trace!(request_id = %channel.request_id, sequence = chunk.sequence(), items, "chunk");
+            if channel.replies.send(Reply::Chunk(chunk)).await.is_err() {
+                return self.fail();
+            }
+            loop {
+                match channel.acks.recv().await {
+                    // An acknowledgement of another chunk is stale: ignored, as in the reference.
+                    Some(acked) if acked == id => break,
+                    Some(_) => {}
+                    None => return self.fail(),
+                }
+            }
+            self.lock().in_flight = false;
+            self.changed.notify_waiters();
+        }
     }
 }
 
@@ -522,8 +718,17 @@ fn stream_call<'a, E: StreamHandler<R>, R: StreamRpc>(
             Ok(request) => request,
             Err(error) => return malformed(&error.to_string()),
         };
-        let mut chunks = Chunks { channel, item: std::marker::PhantomData };
-        match entity.handle(context, request, &mut chunks).await {
+        let pump = ChunkPump::new(channel);
+        let handled = async {
+            let mut chunks = Chunks { pump: &pump, item: std::marker::PhantomData };
+            let result = entity.handle(context, request, &mut chunks).await;
+            // Everything queued goes out before the final reply.
+            pump.close();
+            result
+        };
+        let (result, ()) = tokio::join!(handled, pump.run(channel));
+        match result {
+            Ok(()) if pump.lock().failed => Exit::interrupt(),
             Ok(()) => Exit::void(),
             Err(error) => RawJson::encode(&error)
                 .map_or_else(|error| malformed(&error.to_string()), Exit::fail),
