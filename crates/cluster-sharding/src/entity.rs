@@ -9,6 +9,8 @@
 //! other, up to the entity's [`EntityOptions::concurrency`] at once, and an exclusive request
 //! waits until they are done (a readers-writer discipline that Rust's borrow rules make
 //! explicit; the reference lets any handler run concurrently once `concurrency` is above 1).
+//! A [`ForkedHandler`] (the reference's `Rpc.fork`) runs beside all of them, without the cap,
+//! on a state taken from the entity when the instance is created.
 //!
 //! ```
 //! # use cluster_sharding::{Entity, EntityContext, Handler, Protocol, RequestContext, Rpc};
@@ -147,6 +149,78 @@ impl<E: SharedHandler<R>, R: Rpc> Handler<R> for E {
         request: R,
     ) -> impl Future<Output = Result<R::Success, R::Error>> + Send {
         SharedHandler::handle(&*self, context, request)
+    }
+}
+
+/// Handles one request type `R` in a forked run (the reference's `Rpc.fork`): such requests
+/// start as soon as they arrive and run beside everything else on the instance, `&mut self`
+/// and [`SharedHandler`] requests alike, without the [`EntityOptions::concurrency`] cap.
+/// Register with [`Protocol::handle_forked`].
+///
+/// A forked request cannot borrow the entity (a `&mut self` request may hold it), so it works
+/// on a state of its own: [`state`](ForkedHandler::state) is taken from the entity each time
+/// an instance is created (for instance a clone of an `Arc` the entity keeps), and every
+/// forked request of the instance gets it. Every forked handler is also a [`SharedHandler`]
+/// (a blanket implementation), so clients send `R` as any other request.
+pub trait ForkedHandler<R: Rpc>: Entity + Sync {
+    /// What forked requests of `R` work on.
+    type State: Send + Sync + 'static;
+
+    /// The state forked requests of `R` get, taken when an instance is created.
+    fn state(&self) -> Arc<Self::State>;
+
+    /// Handles `request`. Dropping the returned future interrupts the request.
+    fn handle_forked(
+        state: &Self::State,
+        context: &RequestContext,
+        request: R,
+    ) -> impl Future<Output = Result<R::Success, R::Error>> + Send;
+}
+
+/// A forked handler also handles its requests through a shared reference, with the state it
+/// takes from the entity: that is how [`Protocol::handle_shared`] or [`Protocol::handle`]
+/// would run it, and what lets clients send `R`.
+impl<E: ForkedHandler<R>, R: Rpc> SharedHandler<R> for E {
+    fn handle(
+        &self,
+        context: &RequestContext,
+        request: R,
+    ) -> impl Future<Output = Result<R::Success, R::Error>> + Send {
+        let state = ForkedHandler::state(self);
+        async move { E::handle_forked(&state, context, request).await }
+    }
+}
+
+/// Handles one streaming request type `R` in a forked run, as [`ForkedHandler`] does for
+/// unary requests. Register with [`Protocol::stream_forked`]. Every forked stream handler is
+/// also a [`StreamHandler`] (a blanket implementation), so clients stream `R` as any other.
+pub trait ForkedStreamHandler<R: StreamRpc>: Entity {
+    /// What forked requests of `R` work on.
+    type State: Send + Sync + 'static;
+
+    /// The state forked requests of `R` get, taken when an instance is created.
+    fn state(&self) -> Arc<Self::State>;
+
+    /// Handles `request`, sending its items with [`Chunks::send`].
+    fn handle_forked(
+        state: &Self::State,
+        context: &RequestContext,
+        request: R,
+        chunks: &mut Chunks<'_, R::Item>,
+    ) -> impl Future<Output = Result<(), R::Error>> + Send;
+}
+
+/// A forked stream handler also handles its requests alone, with the state it takes from the
+/// entity: that is how [`Protocol::stream`] would run it, and what lets clients stream `R`.
+impl<E: ForkedStreamHandler<R>, R: StreamRpc> StreamHandler<R> for E {
+    fn handle(
+        &mut self,
+        context: &RequestContext,
+        request: R,
+        chunks: &mut Chunks<'_, R::Item>,
+    ) -> impl Future<Output = Result<(), R::Error>> + Send {
+        let state = ForkedStreamHandler::state(&*self);
+        async move { E::handle_forked(&state, context, request, chunks).await }
     }
 }
 
@@ -555,6 +629,18 @@ pub(crate) type StreamCall<E> = for<'a> fn(
     &'a mut ChunkChannel,
 ) -> BoxFuture<'a, Exit>;
 
+/// A type-erased forked handler call, on the state of its request type.
+pub(crate) type ForkedCall =
+    for<'a> fn(&'a SharedValue, &'a RequestContext, &'a RawJson) -> BoxFuture<'a, Exit>;
+
+/// A type-erased forked streaming handler call.
+pub(crate) type ForkedStreamCall = for<'a> fn(
+    &'a SharedValue,
+    &'a RequestContext,
+    &'a RawJson,
+    &'a mut ChunkChannel,
+) -> BoxFuture<'a, Exit>;
+
 /// How a request type is handled.
 pub(crate) enum CallKind<E> {
     /// One reply, with the entity to itself.
@@ -563,6 +649,22 @@ pub(crate) enum CallKind<E> {
     Shared(SharedCall<E>),
     /// Chunks, then the final reply.
     Stream(StreamCall<E>),
+    /// One reply, beside everything else, on the request type's forked state.
+    Forked(ForkedCall),
+    /// Chunks, then the final reply, beside everything else.
+    ForkedStream(ForkedStreamCall),
+}
+
+impl<E> CallKind<E> {
+    /// Whether the request type runs forked.
+    pub(crate) fn is_forked(&self) -> bool {
+        matches!(self, CallKind::Forked(_) | CallKind::ForkedStream(_))
+    }
+
+    /// Whether the request type is answered with a stream.
+    pub(crate) fn is_stream(&self) -> bool {
+        matches!(self, CallKind::Stream(_) | CallKind::ForkedStream(_))
+    }
 }
 
 /// One request type of a protocol.
@@ -574,6 +676,8 @@ pub(crate) struct HandlerEntry<E> {
     pub(crate) with_transaction: bool,
     /// Runs again when it ends by interrupt (persisted, server-side `Uninterruptible`).
     pub(crate) rerun_on_interrupt: bool,
+    /// Takes the forked state from a new entity value (forked request types only).
+    pub(crate) fork_state: Option<fn(&E) -> SharedValue>,
 }
 
 impl<E> HandlerEntry<E> {
@@ -584,6 +688,7 @@ impl<E> HandlerEntry<E> {
             interrupt_on_termination: R::INTERRUPT_ON_TERMINATION && !R::UNINTERRUPTIBLE.server(),
             with_transaction: R::WITH_TRANSACTION && R::PERSISTED,
             rerun_on_interrupt: R::UNINTERRUPTIBLE.server() && R::PERSISTED,
+            fork_state: None,
         }
     }
 }
@@ -644,9 +749,55 @@ impl<E: Entity> Protocol<E> {
             interrupt_on_termination: false,
             with_transaction: false,
             rerun_on_interrupt: false,
+            fork_state: None,
         };
         self.handlers.insert(R::TAG, entry);
         self
+    }
+
+    /// Declares that the entity handles `R` in forked runs: each such request starts when it
+    /// arrives and runs beside every other request of the instance, without the
+    /// [`EntityOptions::concurrency`] cap (the reference's `Rpc.fork`).
+    pub fn handle_forked<R: Rpc>(&mut self) -> &mut Protocol<E>
+    where
+        E: ForkedHandler<R>,
+    {
+        let mut entry = HandlerEntry::unary::<R>(CallKind::Forked(forked_call::<E, R>));
+        entry.fork_state = Some(|entity: &E| -> SharedValue { ForkedHandler::<R>::state(entity) });
+        self.handlers.insert(R::TAG, entry);
+        self
+    }
+
+    /// Declares that the entity handles the streaming request `R` in forked runs, as
+    /// [`handle_forked`](Protocol::handle_forked) does for unary requests.
+    pub fn stream_forked<R: StreamRpc>(&mut self) -> &mut Protocol<E>
+    where
+        E: ForkedStreamHandler<R>,
+    {
+        let entry = HandlerEntry {
+            call: CallKind::ForkedStream(forked_stream_call::<E, R>),
+            interrupt_on_termination: false,
+            with_transaction: false,
+            rerun_on_interrupt: false,
+            fork_state: Some(|entity: &E| -> SharedValue {
+                ForkedStreamHandler::<R>::state(entity)
+            }),
+        };
+        self.handlers.insert(R::TAG, entry);
+        self
+    }
+
+    /// The forked states of a new entity value, by request tag.
+    pub(crate) fn fork_states(&self, entity: &E) -> BTreeMap<&'static str, SharedValue> {
+        self.handlers
+            .iter()
+            .filter_map(|(tag, entry)| entry.fork_state.map(|state| (*tag, state(entity))))
+            .collect()
+    }
+
+    /// Whether some request type runs forked.
+    pub(crate) fn has_forked(&self) -> bool {
+        self.handlers.values().any(|entry| entry.call.is_forked())
     }
 
     pub(crate) fn get(&self, tag: &str) -> Option<&HandlerEntry<E>> {
@@ -696,6 +847,62 @@ fn shared_call<'a, E: SharedHandler<R>, R: Rpc>(
     })
 }
 
+fn forked_call<'a, E: ForkedHandler<R>, R: Rpc>(
+    state: &'a SharedValue,
+    context: &'a RequestContext,
+    payload: &'a RawJson,
+) -> BoxFuture<'a, Exit> {
+    Box::pin(async move {
+        let Some(state) = state.downcast_ref::<<E as ForkedHandler<R>>::State>() else {
+            return malformed("a forked state of another type");
+        };
+        let request: R = match payload.decode() {
+            Ok(request) => request,
+            Err(error) => return malformed(&error.to_string()),
+        };
+        exit_of::<R>(E::handle_forked(state, context, request).await)
+    })
+}
+
+fn forked_stream_call<'a, E: ForkedStreamHandler<R>, R: StreamRpc>(
+    state: &'a SharedValue,
+    context: &'a RequestContext,
+    payload: &'a RawJson,
+    channel: &'a mut ChunkChannel,
+) -> BoxFuture<'a, Exit> {
+    Box::pin(async move {
+        let Some(state) = state.downcast_ref::<<E as ForkedStreamHandler<R>>::State>() else {
+            return malformed("a forked state of another type");
+        };
+        let request: R = match payload.decode() {
+            Ok(request) => request,
+            Err(error) => return malformed(&error.to_string()),
+        };
+        let pump = ChunkPump::new(channel);
+        let handled = async {
+            let mut chunks = Chunks { pump: &pump, item: std::marker::PhantomData };
+            let result = E::handle_forked(state, context, request, &mut chunks).await;
+            // Everything queued goes out before the final reply.
+            pump.close();
+            result
+        };
+        let (result, ()) = tokio::join!(handled, pump.run(channel));
+        stream_exit(&pump, result)
+    })
+}
+
+/// The exit of a streaming handler's result, once its pump ended: an interrupt if the caller
+/// went away before everything went out.
+fn stream_exit<Err: Serialize>(pump: &ChunkPump, result: Result<(), Err>) -> Exit {
+    match result {
+        Ok(()) if pump.lock().failed => Exit::interrupt(),
+        Ok(()) => Exit::void(),
+        Err(error) => {
+            RawJson::encode(&error).map_or_else(|error| malformed(&error.to_string()), Exit::fail)
+        }
+    }
+}
+
 /// The exit of a handler's result.
 fn exit_of<R: Rpc>(result: Result<R::Success, R::Error>) -> Exit {
     match result {
@@ -727,12 +934,7 @@ fn stream_call<'a, E: StreamHandler<R>, R: StreamRpc>(
             result
         };
         let (result, ()) = tokio::join!(handled, pump.run(channel));
-        match result {
-            Ok(()) if pump.lock().failed => Exit::interrupt(),
-            Ok(()) => Exit::void(),
-            Err(error) => RawJson::encode(&error)
-                .map_or_else(|error| malformed(&error.to_string()), Exit::fail),
-        }
+        stream_exit(&pump, result)
     })
 }
 

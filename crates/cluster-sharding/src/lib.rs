@@ -110,8 +110,8 @@ pub use client::{ChunkStream, EntityClient};
 pub use cron::{CronContext, CronError, CronOptions};
 pub use entity::{
     CHUNK_BYTES_MAX, CHUNK_ITEMS_MAX, ChunkError, Chunks, DEFAULT_ON_STOP_TIMEOUT, Entity,
-    EntityContext, EntityOptions, Handler, Protocol, RequestContext, SharedHandler, StreamHandler,
-    TransactionSlot,
+    EntityContext, EntityOptions, ForkedHandler, ForkedStreamHandler, Handler, Protocol,
+    RequestContext, SharedHandler, StreamHandler, TransactionSlot,
 };
 pub use rpc::{CallError, Rpc, StreamRpc, Uninterruptible};
 pub use sharding::{RegisterError, RegistrationEvent, Sharding, seed_provisional_machine_ids};

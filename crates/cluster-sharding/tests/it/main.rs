@@ -4,6 +4,7 @@
 mod cluster;
 mod concurrency;
 mod entities;
+mod forked;
 mod gauges;
 mod persisted;
 mod shutdown;
