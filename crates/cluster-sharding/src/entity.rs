@@ -398,7 +398,7 @@ impl ChunkPump {
     }
 
     /// Queues `values` for one chunk, waiting while the pending chunk has no room for them.
-    async fn queue(&self, values: Vec<RawJson>) -> Result<(), ChunkError> {
+    pub(crate) async fn queue(&self, values: Vec<RawJson>) -> Result<(), ChunkError> {
         let bytes = values.iter().map(encoded_len).fold(0, usize::saturating_add);
         loop {
             let changed = self.changed.notified();
@@ -682,7 +682,7 @@ pub(crate) struct HandlerEntry<E> {
 
 impl<E> HandlerEntry<E> {
     /// The entry of the unary request type `R`, with its flags.
-    fn unary<R: Rpc>(call: CallKind<E>) -> HandlerEntry<E> {
+    pub(crate) fn unary<R: Rpc>(call: CallKind<E>) -> HandlerEntry<E> {
         HandlerEntry {
             call,
             interrupt_on_termination: R::INTERRUPT_ON_TERMINATION && !R::UNINTERRUPTIBLE.server(),
@@ -800,6 +800,11 @@ impl<E: Entity> Protocol<E> {
         self.handlers.values().any(|entry| entry.call.is_forked())
     }
 
+    /// Declares the request type `tag` with its entry.
+    pub(crate) fn insert(&mut self, tag: &'static str, entry: HandlerEntry<E>) {
+        self.handlers.insert(tag, entry);
+    }
+
     pub(crate) fn get(&self, tag: &str) -> Option<&HandlerEntry<E>> {
         self.handlers.get(tag)
     }
@@ -889,6 +894,22 @@ fn forked_stream_call<'a, E: ForkedStreamHandler<R>, R: StreamRpc>(
         let (result, ()) = tokio::join!(handled, pump.run(channel));
         stream_exit(&pump, result)
     })
+}
+
+/// Runs an untyped streaming handler beside its chunk pump; its exit, once everything it
+/// queued went out (an interrupt if the caller went away first).
+pub(crate) async fn stream_with(
+    channel: &mut ChunkChannel,
+    handler: impl for<'p> FnOnce(&'p ChunkPump) -> BoxFuture<'p, Exit>,
+) -> Exit {
+    let pump = ChunkPump::new(channel);
+    let handled = async {
+        let exit = handler(&pump).await;
+        pump.close();
+        exit
+    };
+    let (exit, ()) = tokio::join!(handled, pump.run(channel));
+    if exit.is_success() && pump.lock().failed { Exit::interrupt() } else { exit }
 }
 
 /// The exit of a streaming handler's result, once its pump ended: an interrupt if the caller

@@ -7,6 +7,7 @@ mod entities;
 mod forked;
 mod gauges;
 mod persisted;
+mod queue;
 mod shutdown;
 mod singletons;
 mod streams;
