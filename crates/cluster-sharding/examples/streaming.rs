@@ -4,8 +4,9 @@
 //! cargo run -p cluster-sharding --example streaming
 //! ```
 //!
-//! The `Sensor` entity answers `Readings` with a stream of items, sent one at a time: each is
-//! acknowledged by the caller before the handler sends the next (backpressure). `Readings` is
+//! The `Sensor` entity answers `Readings` with a stream of items. The handler queues them; the
+//! runtime keeps one chunk unacknowledged by the caller at a time and puts the items queued
+//! meanwhile into the next (backpressure without a round trip per item). `Readings` is
 //! volatile (nothing is stored); `Export` is persisted with a primary key, so every chunk is
 //! stored as a reply (a re-delivered export resumes after its last stored chunk), and sending
 //! the same export again finds it complete: as in the reference, the new stream ends at once,
@@ -93,8 +94,9 @@ impl StreamHandler<Readings> for Sensor {
         chunks: &mut Chunks<'_, u64>,
     ) -> Result<(), Never> {
         for n in 0..request.count {
-            // `send` waits until the caller acknowledged the previous item; it fails only when
-            // the caller went away, and then the stream ends.
+            // `send` queues the item: items queued while the caller has not acknowledged the
+            // previous chunk go out together in the next one. It fails only when the caller
+            // went away, and then the stream ends.
             if chunks.send(self.base + n).await.is_err() {
                 break;
             }

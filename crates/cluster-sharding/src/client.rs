@@ -78,9 +78,46 @@ impl<R: StreamRpc> ChunkStream<R> {
     ///
     /// Cancel safe: an item is only taken when this returns it.
     pub async fn next(&mut self) -> Option<Result<R::Item, CallError<R::Error>>> {
+        if let Some(value) = self.buffered.pop_front() {
+            return Some(value.decode().map_err(|error| CallError::Cluster(error.into())));
+        }
+        match self.receive().await? {
+            Ok(()) => {
+                let value = self.buffered.pop_front()?;
+                Some(value.decode().map_err(|error| CallError::Cluster(error.into())))
+            }
+            Err(error) => Some(Err(error)),
+        }
+    }
+
+    /// The items of the next chunk, as the handler's runtime grouped them (see
+    /// [`Chunks`](crate::Chunks)); the items left of a chunk that [`next`](ChunkStream::next)
+    /// began; `None` once the stream ended; an error ends it too.
+    ///
+    /// # Cancel safety
+    ///
+    /// Cancel safe: a chunk is only taken when this returns it.
+    pub async fn next_chunk(&mut self) -> Option<Result<Vec<R::Item>, CallError<R::Error>>> {
+        if self.buffered.is_empty()
+            && let Err(error) = self.receive().await?
+        {
+            return Some(Err(error));
+        }
+        let decoded = self
+            .buffered
+            .drain(..)
+            .map(|value| value.decode())
+            .collect::<Result<Vec<_>, _>>()
+            .map_err(|error| CallError::Cluster(error.into()));
+        Some(decoded)
+    }
+
+    /// Waits for the next chunk and buffers its items: `Some(Ok(()))` once at least one item
+    /// is buffered, `Some(Err(_))` when the stream failed, `None` once it ended.
+    async fn receive(&mut self) -> Option<Result<(), CallError<R::Error>>> {
         loop {
-            if let Some(value) = self.buffered.pop_front() {
-                return Some(value.decode().map_err(|error| CallError::Cluster(error.into())));
+            if !self.buffered.is_empty() {
+                return Some(Ok(()));
             }
             if let Some(error) = self.failed.take() {
                 return Some(Err(CallError::Cluster(error)));

@@ -9,6 +9,8 @@
 //! other, up to the entity's [`EntityOptions::concurrency`] at once, and an exclusive request
 //! waits until they are done (a readers-writer discipline that Rust's borrow rules make
 //! explicit; the reference lets any handler run concurrently once `concurrency` is above 1).
+//! A [`ForkedHandler`] (the reference's `Rpc.fork`) runs beside all of them, without the cap,
+//! on a state taken from the entity when the instance is created.
 //!
 //! ```
 //! # use cluster_sharding::{Entity, EntityContext, Handler, Protocol, RequestContext, Rpc};
@@ -150,6 +152,78 @@ impl<E: SharedHandler<R>, R: Rpc> Handler<R> for E {
     }
 }
 
+/// Handles one request type `R` in a forked run (the reference's `Rpc.fork`): such requests
+/// start as soon as they arrive and run beside everything else on the instance, `&mut self`
+/// and [`SharedHandler`] requests alike, without the [`EntityOptions::concurrency`] cap.
+/// Register with [`Protocol::handle_forked`].
+///
+/// A forked request cannot borrow the entity (a `&mut self` request may hold it), so it works
+/// on a state of its own: [`state`](ForkedHandler::state) is taken from the entity each time
+/// an instance is created (for instance a clone of an `Arc` the entity keeps), and every
+/// forked request of the instance gets it. Every forked handler is also a [`SharedHandler`]
+/// (a blanket implementation), so clients send `R` as any other request.
+pub trait ForkedHandler<R: Rpc>: Entity + Sync {
+    /// What forked requests of `R` work on.
+    type State: Send + Sync + 'static;
+
+    /// The state forked requests of `R` get, taken when an instance is created.
+    fn state(&self) -> Arc<Self::State>;
+
+    /// Handles `request`. Dropping the returned future interrupts the request.
+    fn handle_forked(
+        state: &Self::State,
+        context: &RequestContext,
+        request: R,
+    ) -> impl Future<Output = Result<R::Success, R::Error>> + Send;
+}
+
+/// A forked handler also handles its requests through a shared reference, with the state it
+/// takes from the entity: that is how [`Protocol::handle_shared`] or [`Protocol::handle`]
+/// would run it, and what lets clients send `R`.
+impl<E: ForkedHandler<R>, R: Rpc> SharedHandler<R> for E {
+    fn handle(
+        &self,
+        context: &RequestContext,
+        request: R,
+    ) -> impl Future<Output = Result<R::Success, R::Error>> + Send {
+        let state = ForkedHandler::state(self);
+        async move { E::handle_forked(&state, context, request).await }
+    }
+}
+
+/// Handles one streaming request type `R` in a forked run, as [`ForkedHandler`] does for
+/// unary requests. Register with [`Protocol::stream_forked`]. Every forked stream handler is
+/// also a [`StreamHandler`] (a blanket implementation), so clients stream `R` as any other.
+pub trait ForkedStreamHandler<R: StreamRpc>: Entity {
+    /// What forked requests of `R` work on.
+    type State: Send + Sync + 'static;
+
+    /// The state forked requests of `R` get, taken when an instance is created.
+    fn state(&self) -> Arc<Self::State>;
+
+    /// Handles `request`, sending its items with [`Chunks::send`].
+    fn handle_forked(
+        state: &Self::State,
+        context: &RequestContext,
+        request: R,
+        chunks: &mut Chunks<'_, R::Item>,
+    ) -> impl Future<Output = Result<(), R::Error>> + Send;
+}
+
+/// A forked stream handler also handles its requests alone, with the state it takes from the
+/// entity: that is how [`Protocol::stream`] would run it, and what lets clients stream `R`.
+impl<E: ForkedStreamHandler<R>, R: StreamRpc> StreamHandler<R> for E {
+    fn handle(
+        &mut self,
+        context: &RequestContext,
+        request: R,
+        chunks: &mut Chunks<'_, R::Item>,
+    ) -> impl Future<Output = Result<(), R::Error>> + Send {
+        let state = ForkedStreamHandler::state(&*self);
+        async move { E::handle_forked(&state, context, request, chunks).await }
+    }
+}
+
 /// Handles one streaming request type `R`.
 pub trait StreamHandler<R: StreamRpc>: Entity {
     /// Handles `request`, sending its items with [`Chunks::send`]. Returning ends the stream
@@ -162,9 +236,23 @@ pub trait StreamHandler<R: StreamRpc>: Entity {
     ) -> impl Future<Output = Result<(), R::Error>> + Send;
 }
 
+/// The most items the runtime coalesces into one chunk (see [`Chunks::send`]).
+pub const CHUNK_ITEMS_MAX: usize = 256;
+
+/// The most encoded bytes (the items' JSON, summed) the runtime coalesces into one chunk; an
+/// item larger than this goes alone.
+pub const CHUNK_BYTES_MAX: usize = 32 * 1024;
+
 /// The sending side of a streamed response.
+///
+/// Items are queued and sent by a pump that runs beside the handler: it keeps at most one
+/// chunk unacknowledged by the caller, and the items queued meanwhile go together into the next
+/// chunk, at most [`CHUNK_ITEMS_MAX`] items and [`CHUNK_BYTES_MAX`] encoded bytes. A chunk is a
+/// JSON array of items, as in the reference, so a caller on another implementation reads it.
+/// When the handler returns, everything queued is sent and acknowledged before the stream's
+/// final reply.
 pub struct Chunks<'c, T> {
-    channel: &'c mut ChunkChannel,
+    pump: &'c ChunkPump,
     item: std::marker::PhantomData<fn(T)>,
 }
 
@@ -181,25 +269,58 @@ pub enum ChunkError {
 }
 
 impl<T: Serialize + DeserializeOwned> Chunks<'_, T> {
-    /// Sends one item as a chunk and waits until the caller acknowledged it (backpressure).
+    /// Queues one item. It returns at once while the chunk being filled has room, and waits
+    /// (backpressure) while a full chunk waits for the caller to acknowledge the previous one.
     ///
     /// # Cancel safety
     ///
-    /// Not cancel safe: a dropped send may have delivered the chunk.
+    /// Cancel safe: a dropped send has queued nothing.
     pub async fn send(&mut self, item: T) -> Result<(), ChunkError> {
         let value = RawJson::encode(&item)?;
-        self.channel.send(vec![value]).await
+        self.pump.queue(vec![value]).await
+    }
+
+    /// Queues `items` to go out together in one chunk, whatever the coalescing bounds (items
+    /// queued before may share it when everything fits within them). An empty batch sends
+    /// nothing.
+    ///
+    /// # Cancel safety
+    ///
+    /// Cancel safe: a dropped send has queued nothing.
+    pub async fn send_batch(
+        &mut self,
+        items: impl IntoIterator<Item = T>,
+    ) -> Result<(), ChunkError> {
+        let values =
+            items.into_iter().map(|item| RawJson::encode(&item)).collect::<Result<Vec<_>, _>>()?;
+        if values.is_empty() {
+            return Ok(());
+        }
+        self.pump.queue(values).await
+    }
+
+    /// Waits until every queued item was sent and its chunk acknowledged by the caller (for a
+    /// persisted stream: stored, then acknowledged through storage).
+    ///
+    /// # Cancel safety
+    ///
+    /// Cancel safe: the items stay queued.
+    pub async fn flush(&mut self) -> Result<(), ChunkError> {
+        self.pump.flush().await
     }
 
     /// The sequence number the next chunk gets: 0 for a fresh stream, one past the last chunk
-    /// sent before a restart for a resumed one.
+    /// sent before a restart for a resumed one. With coalescing, a chunk holds one item or
+    /// more, so this counts chunks, not items.
     pub fn next_sequence(&self) -> u32 {
-        self.channel.next_sequence
+        self.pump.lock().next_sequence
     }
 
-    /// The last item sent before a restart, when a persisted stream resumes.
+    /// The last item of the last chunk sent, such as the item sent before a restart when a
+    /// persisted stream resumes.
     pub fn last_sent(&self) -> Option<T> {
-        let chunk = self.channel.last_sent.as_ref()?;
+        let outbox = self.pump.lock();
+        let chunk = outbox.last_sent.as_ref()?;
         chunk.values().last()?.decode().ok()
     }
 }
@@ -215,26 +336,175 @@ pub(crate) struct ChunkChannel {
     pub(crate) ids: Arc<Ids>,
 }
 
-impl ChunkChannel {
-    async fn send(&mut self, values: Vec<RawJson>) -> Result<(), ChunkError> {
-        let id = self.ids.next();
-        let chunk = Chunk::new(self.request_id, id, self.next_sequence, values)
-            .ok_or(ChunkError::Interrupted)?;
-        self.replies
-            .send(Reply::Chunk(chunk.clone()))
-            .await
-            .map_err(|_| ChunkError::Interrupted)?;
-        loop {
-            match self.acks.recv().await {
-                // An acknowledgement of another chunk is stale: ignored, as in the reference.
-                Some(acked) if acked == id => break,
-                Some(_) => {}
-                None => return Err(ChunkError::Interrupted),
-            }
+/// What the handler queued and what the pump sent.
+struct Outbox {
+    /// The items of the next chunk.
+    pending: Vec<RawJson>,
+    /// Their encoded size.
+    pending_bytes: usize,
+    /// A chunk was sent and not acknowledged yet.
+    in_flight: bool,
+    /// The handler is done: the pump ends once everything went out.
+    closed: bool,
+    /// The caller is gone: nothing more goes out.
+    failed: bool,
+    next_sequence: u32,
+    last_sent: Option<Chunk>,
+}
+
+impl Outbox {
+    /// Whether `values` may join the pending chunk.
+    fn fits(&self, values: &[RawJson], bytes: usize) -> bool {
+        self.pending.is_empty()
+            || (self.pending.len().saturating_add(values.len()) <= CHUNK_ITEMS_MAX
+                && self.pending_bytes.saturating_add(bytes) <= CHUNK_BYTES_MAX)
+    }
+}
+
+/// The queue between a streaming handler ([`Chunks`]) and its pump ([`ChunkPump::run`]).
+pub(crate) struct ChunkPump {
+    outbox: std::sync::Mutex<Outbox>,
+    /// Wakes the pump: items were queued, or the handler is done.
+    queued: tokio::sync::Notify,
+    /// Wakes the handler's waits: room was made, a chunk was acknowledged, the caller left.
+    changed: tokio::sync::Notify,
+}
+
+/// The encoded size of a value.
+fn encoded_len(value: &RawJson) -> usize {
+    value.json().map_or(0, str::len)
+}
+
+impl ChunkPump {
+    fn new(channel: &ChunkChannel) -> ChunkPump {
+        ChunkPump {
+            outbox: std::sync::Mutex::new(Outbox {
+                pending: Vec::new(),
+                pending_bytes: 0,
+                in_flight: false,
+                closed: false,
+                failed: false,
+                next_sequence: channel.next_sequence,
+                last_sent: channel.last_sent.clone(),
+            }),
+            queued: tokio::sync::Notify::new(),
+            changed: tokio::sync::Notify::new(),
         }
-        self.next_sequence += 1;
-        self.last_sent = Some(chunk);
-        Ok(())
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, Outbox> {
+        // Every critical section leaves the outbox whole: a panic cannot break it.
+        self.outbox.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
+    /// Queues `values` for one chunk, waiting while the pending chunk has no room for them.
+    pub(crate) async fn queue(&self, values: Vec<RawJson>) -> Result<(), ChunkError> {
+        let bytes = values.iter().map(encoded_len).fold(0, usize::saturating_add);
+        loop {
+            let changed = self.changed.notified();
+            let mut changed = std::pin::pin!(changed);
+            changed.as_mut().enable();
+            {
+                let mut outbox = self.lock();
+                if outbox.failed {
+                    return Err(ChunkError::Interrupted);
+                }
+                if outbox.fits(&values, bytes) {
+                    outbox.pending.extend(values);
+                    outbox.pending_bytes = outbox.pending_bytes.saturating_add(bytes);
+                    drop(outbox);
+                    self.queued.notify_one();
+                    return Ok(());
+                }
+            }
+            changed.await;
+        }
+    }
+
+    /// Waits until nothing is pending or unacknowledged.
+    async fn flush(&self) -> Result<(), ChunkError> {
+        loop {
+            let changed = self.changed.notified();
+            let mut changed = std::pin::pin!(changed);
+            changed.as_mut().enable();
+            {
+                let outbox = self.lock();
+                if outbox.failed {
+                    return Err(ChunkError::Interrupted);
+                }
+                if outbox.pending.is_empty() && !outbox.in_flight {
+                    return Ok(());
+                }
+            }
+            changed.await;
+        }
+    }
+
+    /// The handler is done: the pump ends once everything queued went out.
+    fn close(&self) {
+        self.lock().closed = true;
+        self.queued.notify_one();
+    }
+
+    /// The caller is gone: every wait of the handler fails.
+    fn fail(&self) {
+        self.lock().failed = true;
+        self.changed.notify_waiters();
+    }
+
+    /// Sends the queued items, one chunk at a time, each once the previous one was
+    /// acknowledged; ends when the handler is done and everything went out, or the caller is
+    /// gone. Leaves the channel's sequence and last chunk where a restarted run continues.
+    async fn run(&self, channel: &mut ChunkChannel) {
+        loop {
+            let chunk = {
+                let mut outbox = self.lock();
+                if outbox.pending.is_empty() {
+                    if outbox.closed {
+                        return;
+                    }
+                    None
+                } else {
+                    let values = std::mem::take(&mut outbox.pending);
+                    outbox.pending_bytes = 0;
+                    let id = channel.ids.next();
+                    let chunk = Chunk::new(channel.request_id, id, outbox.next_sequence, values);
+                    if let Some(chunk) = &chunk {
+                        outbox.next_sequence = outbox.next_sequence.saturating_add(1);
+                        outbox.last_sent = Some(chunk.clone());
+                        outbox.in_flight = true;
+                        // Sequence and last chunk move on when the chunk is sent, as in the
+                        // reference's entity manager: a restarted run never reuses a sequence
+                        // that the caller may have seen.
+                        channel.next_sequence = outbox.next_sequence;
+                        channel.last_sent = Some(chunk.clone());
+                    }
+                    chunk
+                }
+            };
+            let Some(chunk) = chunk else {
+                self.queued.notified().await;
+                continue;
+            };
+            // The pending chunk was emptied: waiting senders may fill the next one.
+            self.changed.notify_waiters();
+            let id = chunk.id();
+            let items = chunk.values().len();
+            tracing::trace!(request_id = %channel.request_id, sequence = chunk.sequence(), items, "chunk");
+            if channel.replies.send(Reply::Chunk(chunk)).await.is_err() {
+                return self.fail();
+            }
+            loop {
+                match channel.acks.recv().await {
+                    // An acknowledgement of another chunk is stale: ignored, as in the reference.
+                    Some(acked) if acked == id => break,
+                    Some(_) => {}
+                    None => return self.fail(),
+                }
+            }
+            self.lock().in_flight = false;
+            self.changed.notify_waiters();
+        }
     }
 }
 
@@ -359,6 +629,18 @@ pub(crate) type StreamCall<E> = for<'a> fn(
     &'a mut ChunkChannel,
 ) -> BoxFuture<'a, Exit>;
 
+/// A type-erased forked handler call, on the state of its request type.
+pub(crate) type ForkedCall =
+    for<'a> fn(&'a SharedValue, &'a RequestContext, &'a RawJson) -> BoxFuture<'a, Exit>;
+
+/// A type-erased forked streaming handler call.
+pub(crate) type ForkedStreamCall = for<'a> fn(
+    &'a SharedValue,
+    &'a RequestContext,
+    &'a RawJson,
+    &'a mut ChunkChannel,
+) -> BoxFuture<'a, Exit>;
+
 /// How a request type is handled.
 pub(crate) enum CallKind<E> {
     /// One reply, with the entity to itself.
@@ -367,6 +649,22 @@ pub(crate) enum CallKind<E> {
     Shared(SharedCall<E>),
     /// Chunks, then the final reply.
     Stream(StreamCall<E>),
+    /// One reply, beside everything else, on the request type's forked state.
+    Forked(ForkedCall),
+    /// Chunks, then the final reply, beside everything else.
+    ForkedStream(ForkedStreamCall),
+}
+
+impl<E> CallKind<E> {
+    /// Whether the request type runs forked.
+    pub(crate) fn is_forked(&self) -> bool {
+        matches!(self, CallKind::Forked(_) | CallKind::ForkedStream(_))
+    }
+
+    /// Whether the request type is answered with a stream.
+    pub(crate) fn is_stream(&self) -> bool {
+        matches!(self, CallKind::Stream(_) | CallKind::ForkedStream(_))
+    }
 }
 
 /// One request type of a protocol.
@@ -378,11 +676,13 @@ pub(crate) struct HandlerEntry<E> {
     pub(crate) with_transaction: Transactional,
     /// Runs again when it ends by interrupt (persisted, server-side `Uninterruptible`).
     pub(crate) rerun_on_interrupt: bool,
+    /// Takes the forked state from a new entity value (forked request types only).
+    pub(crate) fork_state: Option<fn(&E) -> SharedValue>,
 }
 
 impl<E> HandlerEntry<E> {
     /// The entry of the unary request type `R`, with its flags.
-    fn unary<R: Rpc>(call: CallKind<E>) -> HandlerEntry<E> {
+    pub(crate) fn unary<R: Rpc>(call: CallKind<E>) -> HandlerEntry<E> {
         HandlerEntry {
             call,
             interrupt_on_termination: R::INTERRUPT_ON_TERMINATION && !R::UNINTERRUPTIBLE.server(),
@@ -393,6 +693,7 @@ impl<E> HandlerEntry<E> {
                 (true, false) => Transactional::Never,
             },
             rerun_on_interrupt: R::UNINTERRUPTIBLE.server() && R::PERSISTED,
+            fork_state: None,
         }
     }
 }
@@ -481,9 +782,60 @@ impl<E: Entity> Protocol<E> {
             interrupt_on_termination: false,
             with_transaction: Transactional::Never,
             rerun_on_interrupt: false,
+            fork_state: None,
         };
         self.handlers.insert(R::TAG, entry);
         self
+    }
+
+    /// Declares that the entity handles `R` in forked runs: each such request starts when it
+    /// arrives and runs beside every other request of the instance, without the
+    /// [`EntityOptions::concurrency`] cap (the reference's `Rpc.fork`).
+    pub fn handle_forked<R: Rpc>(&mut self) -> &mut Protocol<E>
+    where
+        E: ForkedHandler<R>,
+    {
+        let mut entry = HandlerEntry::unary::<R>(CallKind::Forked(forked_call::<E, R>));
+        entry.fork_state = Some(|entity: &E| -> SharedValue { ForkedHandler::<R>::state(entity) });
+        self.handlers.insert(R::TAG, entry);
+        self
+    }
+
+    /// Declares that the entity handles the streaming request `R` in forked runs, as
+    /// [`handle_forked`](Protocol::handle_forked) does for unary requests.
+    pub fn stream_forked<R: StreamRpc>(&mut self) -> &mut Protocol<E>
+    where
+        E: ForkedStreamHandler<R>,
+    {
+        let entry = HandlerEntry {
+            call: CallKind::ForkedStream(forked_stream_call::<E, R>),
+            interrupt_on_termination: false,
+            with_transaction: false,
+            rerun_on_interrupt: false,
+            fork_state: Some(|entity: &E| -> SharedValue {
+                ForkedStreamHandler::<R>::state(entity)
+            }),
+        };
+        self.handlers.insert(R::TAG, entry);
+        self
+    }
+
+    /// The forked states of a new entity value, by request tag.
+    pub(crate) fn fork_states(&self, entity: &E) -> BTreeMap<&'static str, SharedValue> {
+        self.handlers
+            .iter()
+            .filter_map(|(tag, entry)| entry.fork_state.map(|state| (*tag, state(entity))))
+            .collect()
+    }
+
+    /// Whether some request type runs forked.
+    pub(crate) fn has_forked(&self) -> bool {
+        self.handlers.values().any(|entry| entry.call.is_forked())
+    }
+
+    /// Declares the request type `tag` with its entry.
+    pub(crate) fn insert(&mut self, tag: &'static str, entry: HandlerEntry<E>) {
+        self.handlers.insert(tag, entry);
     }
 
     pub(crate) fn get(&self, tag: &str) -> Option<&HandlerEntry<E>> {
@@ -533,6 +885,78 @@ fn shared_call<'a, E: SharedHandler<R>, R: Rpc>(
     })
 }
 
+fn forked_call<'a, E: ForkedHandler<R>, R: Rpc>(
+    state: &'a SharedValue,
+    context: &'a RequestContext,
+    payload: &'a RawJson,
+) -> BoxFuture<'a, Exit> {
+    Box::pin(async move {
+        let Some(state) = state.downcast_ref::<<E as ForkedHandler<R>>::State>() else {
+            return malformed("a forked state of another type");
+        };
+        let request: R = match payload.decode() {
+            Ok(request) => request,
+            Err(error) => return malformed(&error.to_string()),
+        };
+        exit_of::<R>(E::handle_forked(state, context, request).await)
+    })
+}
+
+fn forked_stream_call<'a, E: ForkedStreamHandler<R>, R: StreamRpc>(
+    state: &'a SharedValue,
+    context: &'a RequestContext,
+    payload: &'a RawJson,
+    channel: &'a mut ChunkChannel,
+) -> BoxFuture<'a, Exit> {
+    Box::pin(async move {
+        let Some(state) = state.downcast_ref::<<E as ForkedStreamHandler<R>>::State>() else {
+            return malformed("a forked state of another type");
+        };
+        let request: R = match payload.decode() {
+            Ok(request) => request,
+            Err(error) => return malformed(&error.to_string()),
+        };
+        let pump = ChunkPump::new(channel);
+        let handled = async {
+            let mut chunks = Chunks { pump: &pump, item: std::marker::PhantomData };
+            let result = E::handle_forked(state, context, request, &mut chunks).await;
+            // Everything queued goes out before the final reply.
+            pump.close();
+            result
+        };
+        let (result, ()) = tokio::join!(handled, pump.run(channel));
+        stream_exit(&pump, result)
+    })
+}
+
+/// Runs an untyped streaming handler beside its chunk pump; its exit, once everything it
+/// queued went out (an interrupt if the caller went away first).
+pub(crate) async fn stream_with(
+    channel: &mut ChunkChannel,
+    handler: impl for<'p> FnOnce(&'p ChunkPump) -> BoxFuture<'p, Exit>,
+) -> Exit {
+    let pump = ChunkPump::new(channel);
+    let handled = async {
+        let exit = handler(&pump).await;
+        pump.close();
+        exit
+    };
+    let (exit, ()) = tokio::join!(handled, pump.run(channel));
+    if exit.is_success() && pump.lock().failed { Exit::interrupt() } else { exit }
+}
+
+/// The exit of a streaming handler's result, once its pump ended: an interrupt if the caller
+/// went away before everything went out.
+fn stream_exit<Err: Serialize>(pump: &ChunkPump, result: Result<(), Err>) -> Exit {
+    match result {
+        Ok(()) if pump.lock().failed => Exit::interrupt(),
+        Ok(()) => Exit::void(),
+        Err(error) => {
+            RawJson::encode(&error).map_or_else(|error| malformed(&error.to_string()), Exit::fail)
+        }
+    }
+}
+
 /// The exit of a handler's result.
 fn exit_of<R: Rpc>(result: Result<R::Success, R::Error>) -> Exit {
     match result {
@@ -555,12 +979,16 @@ fn stream_call<'a, E: StreamHandler<R>, R: StreamRpc>(
             Ok(request) => request,
             Err(error) => return malformed(&error.to_string()),
         };
-        let mut chunks = Chunks { channel, item: std::marker::PhantomData };
-        match entity.handle(context, request, &mut chunks).await {
-            Ok(()) => Exit::void(),
-            Err(error) => RawJson::encode(&error)
-                .map_or_else(|error| malformed(&error.to_string()), Exit::fail),
-        }
+        let pump = ChunkPump::new(channel);
+        let handled = async {
+            let mut chunks = Chunks { pump: &pump, item: std::marker::PhantomData };
+            let result = entity.handle(context, request, &mut chunks).await;
+            // Everything queued goes out before the final reply.
+            pump.close();
+            result
+        };
+        let (result, ()) = tokio::join!(handled, pump.run(channel));
+        stream_exit(&pump, result)
     })
 }
 

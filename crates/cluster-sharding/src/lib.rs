@@ -99,6 +99,7 @@ mod keep_alive;
 mod manager;
 pub mod metrics;
 mod persisted;
+mod queue_entity;
 mod remote;
 mod rpc;
 mod sharding;
@@ -109,8 +110,13 @@ mod time;
 pub use client::{ChunkStream, EntityClient};
 pub use cron::{CronContext, CronError, CronOptions};
 pub use entity::{
-    ChunkError, Chunks, DEFAULT_ON_STOP_TIMEOUT, Entity, EntityContext, EntityOptions, Handler,
-    Protocol, RequestContext, SharedHandler, StreamHandler, TransactionSlot,
+    CHUNK_BYTES_MAX, CHUNK_ITEMS_MAX, ChunkError, Chunks, DEFAULT_ON_STOP_TIMEOUT, Entity,
+    EntityContext, EntityOptions, ForkedHandler, ForkedStreamHandler, Handler, Protocol,
+    RequestContext, SharedHandler, StreamHandler, TransactionSlot,
+};
+pub use queue_entity::{
+    Accepts, AcceptsStream, BehaviourError, QueueEntity, QueueProtocol, QueueShared, Queued,
+    QueuedRequest, Replier, RequestQueue,
 };
 pub use rpc::{CallError, Rpc, StreamRpc, Uninterruptible};
 pub use sharding::{RegisterError, RegistrationEvent, Sharding, seed_provisional_machine_ids};

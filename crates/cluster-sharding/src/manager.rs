@@ -9,7 +9,7 @@
 //! Admission is decided under the manager's lock, so a request either reaches a live instance or
 //! fails at once with a typed error.
 
-use std::collections::VecDeque;
+use std::collections::{BTreeMap, VecDeque};
 use std::panic::AssertUnwindSafe;
 use std::pin::Pin;
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -456,7 +456,7 @@ impl<E: Entity> ErasedManager for EntityManager<E> {
     }
 
     fn is_stream(&self, tag: &str) -> bool {
-        self.shared.protocol.get(tag).is_some_and(|entry| matches!(entry.call, CallKind::Stream(_)))
+        self.shared.protocol.get(tag).is_some_and(|entry| entry.call.is_stream())
     }
 
     fn with_transaction(&self, tag: &str, payload: &RawJson) -> bool {
@@ -582,6 +582,11 @@ impl<E: Entity> Shared<E> {
         self.protocol.get(tag).is_some_and(|entry| matches!(entry.call, CallKind::Shared(_)))
     }
 
+    /// Whether requests tagged `tag` run forked.
+    fn is_forked(&self, tag: &str) -> bool {
+        self.protocol.get(tag).is_some_and(|entry| entry.call.is_forked())
+    }
+
     /// Whether the instance is idle: nothing running, nothing queued, no keep-alive.
     fn is_idle(&self, address: &EntityAddress, receiver: &mpsc::Receiver<Box<Delivery>>) -> bool {
         Self::idle_in(&self.instances.partition(&address.shard_id), address, receiver)
@@ -656,6 +661,8 @@ enum Access<E> {
     Exclusive(E),
     /// A share of it, for a `&self` handler.
     Shared(SharedValue),
+    /// The forked state of the request's type, for a forked handler.
+    Forked(SharedValue),
 }
 
 /// Where the instance's entity value is between runs.
@@ -713,8 +720,8 @@ impl<E: Entity> Slot<E> {
     fn give_back(&mut self, access: Access<E>) {
         match access {
             Access::Exclusive(entity) => *self = Slot::Idle(entity),
-            // The slot keeps its own share.
-            Access::Shared(entity) => drop(entity),
+            // The slot keeps its own share; the instance keeps the forked states.
+            Access::Shared(entity) | Access::Forked(entity) => drop(entity),
         }
     }
 }
@@ -741,7 +748,8 @@ struct Queued {
 ///
 /// Requests start in delivery order. An exclusive (`&mut self`) request starts when nothing
 /// else runs and runs alone, inline; a shared (`&self`) one starts when no exclusive request
-/// runs and fewer than `concurrency` shared ones do. A panic cancels the other running
+/// runs and fewer than `concurrency` shared ones do. A forked request starts when it arrives
+/// and runs beside all of them, outside the queue and the cap. A panic cancels the other running
 /// requests, recreates the entity after the type's backoff, and replays them all in delivery
 /// order (the reference's defect restart of a handler generation).
 struct InstanceLoop<E: Entity> {
@@ -755,6 +763,11 @@ struct InstanceLoop<E: Entity> {
     generation: InterruptSignal,
     queue: VecDeque<Queued>,
     running: FuturesUnordered<BoxFuture<'static, Finished<E>>>,
+    /// The forked requests running: beside everything else, not counted against the
+    /// concurrency cap.
+    forked: FuturesUnordered<BoxFuture<'static, Finished<E>>>,
+    /// The forked states of the entity value, by request tag, taken when it was created.
+    forks: BTreeMap<&'static str, SharedValue>,
     next_seq: u64,
     mailbox_open: bool,
     /// Shared with the shared requests' runs (one reference count, not a clone of each token).
@@ -781,6 +794,7 @@ async fn run_instance<E: Entity>(
         shared.residency.release();
         return;
     };
+    let forks = shared.protocol.fork_states(&entity);
     let mut instance = InstanceLoop {
         shared,
         address,
@@ -791,6 +805,8 @@ async fn run_instance<E: Entity>(
         generation: InterruptSignal::new(),
         queue: VecDeque::new(),
         running: FuturesUnordered::new(),
+        forked: FuturesUnordered::new(),
+        forks,
         next_seq: 0,
         mailbox_open: true,
         signals: Arc::new(signals),
@@ -816,24 +832,40 @@ impl<E: Entity> InstanceLoop<E> {
     async fn run(&mut self) {
         loop {
             if let Some(head) = self.queue.front() {
-                let is_shared = self.shared.is_shared(&head.delivery.request.tag);
+                let tag = &head.delivery.request.tag;
+                let (is_shared, is_forked) =
+                    (self.shared.is_shared(tag), self.shared.is_forked(tag));
                 if matches!(self.slot, Slot::Gone) {
                     // The manager closed during a restart: everything left is interrupted.
                     if let Some(queued) = self.queue.pop_front() {
                         self.respond(queued.delivery, Exit::interrupt()).await;
+                    }
+                } else if is_forked {
+                    // Replayed after a restart.
+                    if let Some(queued) = self.queue.pop_front() {
+                        self.start_forked(queued).await;
                     }
                 } else if is_shared && !self.shared.options.concurrency.is_full(self.running.len())
                 {
                     self.start_shared().await;
                 } else if !is_shared && self.running.is_empty() {
                     self.run_exclusive().await;
-                } else if let Some(finished) = self.running.next().await {
-                    // The head waits for a running request to finish.
-                    self.settle(finished).await;
+                } else if self.forked.is_empty() {
+                    if let Some(finished) = self.running.next().await {
+                        // The head waits for a running request to finish.
+                        self.settle(finished).await;
+                    }
+                } else {
+                    // The head waits for a running request; forked ones finish meanwhile.
+                    tokio::select! {
+                        biased;
+                        Some(finished) = self.running.next() => self.settle(finished).await,
+                        Some(finished) = self.forked.next() => self.settle(finished).await,
+                    }
                 }
                 continue;
             }
-            if self.running.is_empty() {
+            if self.running.is_empty() && self.forked.is_empty() {
                 if !self.mailbox_open {
                     return;
                 }
@@ -844,7 +876,7 @@ impl<E: Entity> InstanceLoop<E> {
                     &mut self.idle_timer,
                 );
                 match next.await {
-                    Next::Delivery(delivery) => self.enqueue(delivery),
+                    Next::Delivery(delivery) => self.enqueue(delivery).await,
                     Next::Idle => return,
                     Next::Closed => {
                         self.mailbox_open = false;
@@ -856,8 +888,9 @@ impl<E: Entity> InstanceLoop<E> {
             tokio::select! {
                 biased;
                 Some(finished) = self.running.next() => self.settle(finished).await,
+                Some(finished) = self.forked.next() => self.settle(finished).await,
                 delivery = self.receiver.recv(), if self.mailbox_open => match delivery {
-                    Some(delivery) => self.enqueue(delivery),
+                    Some(delivery) => self.enqueue(delivery).await,
                     None => self.mailbox_open = false,
                 },
             }
@@ -892,16 +925,44 @@ impl<E: Entity> InstanceLoop<E> {
     async fn recreate(&mut self) -> bool {
         match Box::pin(create(&self.shared, &self.address, &self.signals.interrupt)).await {
             Some(entity) => {
-                self.slot = Slot::Idle(entity);
+                self.install(entity);
                 true
             }
             None => false,
         }
     }
 
-    fn enqueue(&mut self, delivery: Box<Delivery>) {
-        self.queue.push_back(Queued { seq: self.next_seq, delivery });
+    /// Queues a delivery; a forked one starts at once instead.
+    async fn enqueue(&mut self, delivery: Box<Delivery>) {
+        let queued = Queued { seq: self.next_seq, delivery };
         self.next_seq += 1;
+        if self.shared.is_forked(&queued.delivery.request.tag) && !matches!(self.slot, Slot::Gone) {
+            self.start_forked(queued).await;
+        } else {
+            self.queue.push_back(queued);
+        }
+    }
+
+    /// Puts a new entity value in the slot and takes its forked states.
+    fn install(&mut self, entity: E) {
+        self.forks = self.shared.protocol.fork_states(&entity);
+        self.slot = Slot::Idle(entity);
+    }
+
+    /// Starts a forked request beside everything else.
+    async fn start_forked(&mut self, queued: Queued) {
+        let started = spawn_forked(
+            &self.shared,
+            &self.forks,
+            &self.generation,
+            &self.signals,
+            &self.keep_alive,
+            &mut self.forked,
+            queued,
+        );
+        if let Err(queued) = started {
+            self.respond(queued.delivery, malformed("no forked state for this request")).await;
+        }
     }
 
     /// Runs the head of the queue, an exclusive request, to its end.
@@ -916,16 +977,65 @@ impl<E: Entity> InstanceLoop<E> {
             return;
         };
         // On borrowed signals: nothing is cloned for an exclusive run.
-        let finished = run_one(
+        let run = run_one(
             &self.shared,
             Access::Exclusive(entity),
             queued,
             self.keep_alive.clone(),
             &self.generation,
             &self.signals,
-        )
-        .await;
+        );
+        if !self.shared.protocol.has_forked() {
+            let finished = run.await;
+            return self.settle(finished).await;
+        }
+        // Forked requests run beside it: the ones running go on, new ones start as they
+        // arrive, and the others wait in the queue. A forked run that panicked is settled (the
+        // restart) once the exclusive run is over.
+        let mut panicked = Vec::new();
+        let mut run = Box::pin(run);
+        let finished = loop {
+            tokio::select! {
+                biased;
+                finished = &mut run => break finished,
+                Some(done) = self.forked.next() => match done.outcome {
+                    Outcome::Exited(exit) => {
+                        respond_to(&self.shared, &self.active, done.delivery, exit).await;
+                    }
+                    Outcome::Panicked | Outcome::Restarted => panicked.push(done),
+                },
+                delivery = self.receiver.recv(), if self.mailbox_open => {
+                    let Some(delivery) = delivery else {
+                        self.mailbox_open = false;
+                        continue;
+                    };
+                    let queued = Queued { seq: self.next_seq, delivery };
+                    self.next_seq += 1;
+                    if !self.shared.is_forked(&queued.delivery.request.tag) {
+                        self.queue.push_back(queued);
+                        continue;
+                    }
+                    let started = spawn_forked(
+                        &self.shared,
+                        &self.forks,
+                        &self.generation,
+                        &self.signals,
+                        &self.keep_alive,
+                        &mut self.forked,
+                        queued,
+                    );
+                    if let Err(queued) = started {
+                        let exit = malformed("no forked state for this request");
+                        respond_to(&self.shared, &self.active, queued.delivery, exit).await;
+                    }
+                }
+            }
+        };
+        drop(run);
         self.settle(finished).await;
+        for done in panicked {
+            self.settle(done).await;
+        }
     }
 
     /// Starts the head of the queue, a shared request, alongside the running ones.
@@ -967,7 +1077,9 @@ impl<E: Entity> InstanceLoop<E> {
     /// `replay` and the stopped requests again, in delivery order, ahead of the rest.
     async fn restart(&mut self, mut replay: Vec<Queued>) {
         self.generation.cancel();
-        while let Some(finished) = self.running.next().await {
+        let mut stopped = std::mem::take(&mut self.running);
+        stopped.extend(std::mem::take(&mut self.forked));
+        while let Some(finished) = stopped.next().await {
             match finished.outcome {
                 // Finished just before the restart reached it.
                 Outcome::Exited(exit) => self.respond(finished.delivery, exit).await,
@@ -983,7 +1095,7 @@ impl<E: Entity> InstanceLoop<E> {
         self.slot = Slot::Gone;
         self.shared.backoff(&self.signals.interrupt).await;
         if let Some(entity) = create(&self.shared, &self.address, &self.signals.interrupt).await {
-            self.slot = Slot::Idle(entity);
+            self.install(entity);
             self.generation = InterruptSignal::new();
         }
     }
@@ -991,22 +1103,53 @@ impl<E: Entity> InstanceLoop<E> {
     /// Sends a request's exit to where it goes; the caller may have gone away (an interrupted
     /// request).
     async fn respond(&mut self, delivery: Box<Delivery>, exit: Exit) {
-        let request_id = delivery.request.request_id;
-        match delivery.reply {
-            ReplyTo::Exit(reply) => {
-                let _ = reply.send(exit);
-            }
-            ReplyTo::Stream(stream) => {
-                let with_exit = WithExit {
-                    request_id: delivery.request.request_id,
-                    id: self.shared.ids.next(),
-                    exit,
-                };
-                let _ = stream.replies.send(Reply::WithExit(with_exit)).await;
-            }
-        }
-        self.active.finish(request_id);
+        respond_to(&self.shared, &self.active, delivery, exit).await;
     }
+}
+
+/// Sends a request's exit to where it goes and lets the request leave the instance's mailbox;
+/// the caller may have gone away (an interrupted request).
+async fn respond_to<E: Entity>(
+    shared: &Shared<E>,
+    active: &Active,
+    delivery: Box<Delivery>,
+    exit: Exit,
+) {
+    let request_id = delivery.request.request_id;
+    match delivery.reply {
+        ReplyTo::Exit(reply) => {
+            let _ = reply.send(exit);
+        }
+        ReplyTo::Stream(stream) => {
+            let with_exit =
+                WithExit { request_id: delivery.request.request_id, id: shared.ids.next(), exit };
+            let _ = stream.replies.send(Reply::WithExit(with_exit)).await;
+        }
+    }
+    active.finish(request_id);
+}
+
+/// Starts a forked request in `forked`, on the forked state of its type; gives it back when
+/// the instance has no such state (cannot happen: a forked request type has one).
+fn spawn_forked<E: Entity>(
+    shared: &Arc<Shared<E>>,
+    forks: &BTreeMap<&'static str, SharedValue>,
+    generation: &InterruptSignal,
+    signals: &Arc<Signals>,
+    keep_alive: &KeepAliveHandle,
+    forked: &mut FuturesUnordered<BoxFuture<'static, Finished<E>>>,
+    queued: Queued,
+) -> Result<(), Queued> {
+    let Some(state) = forks.get(&*queued.delivery.request.tag) else { return Err(queued) };
+    let access = Access::Forked(Arc::clone(state));
+    let (shared, generation, signals) =
+        (Arc::clone(shared), generation.clone(), Arc::clone(signals));
+    let keep_alive = keep_alive.clone();
+    tracing::trace!(entity_type = %shared.entity_type, request_id = %queued.delivery.request.request_id, "forked");
+    forked.push(Box::pin(async move {
+        run_one(&shared, access, queued, keep_alive, &generation, &signals).await
+    }));
+    Ok(())
 }
 
 /// Creates the instance, retrying with backoff if `create` panics; `None` once the manager
@@ -1141,16 +1284,14 @@ async fn handle<E: Entity>(
         request_id = %request.request_id,
         tag = %request.tag,
     );
-    let mut channel = match (&entry.call, &mut delivery.reply) {
-        (CallKind::Stream(_), ReplyTo::Stream(stream)) => {
-            Some(chunk_channel(shared, request, stream))
-        }
-        (CallKind::Stream(_), ReplyTo::Exit(_)) => {
+    let mut channel = match (entry.call.is_stream(), &mut delivery.reply) {
+        (true, ReplyTo::Stream(stream)) => Some(chunk_channel(shared, request, stream)),
+        (true, ReplyTo::Exit(_)) => {
             return Outcome::Exited(malformed(
                 "a streaming request was delivered without a stream",
             ));
         }
-        (CallKind::Unary(_) | CallKind::Shared(_), _) => None,
+        (false, _) => None,
     };
     let call = match (&entry.call, access, channel.as_mut()) {
         (CallKind::Stream(call), Access::Exclusive(entity), Some(channel)) => {
@@ -1166,6 +1307,12 @@ async fn handle<E: Entity>(
             Some(entity) => call(entity, &context, &request.payload),
             None => return Outcome::Exited(malformed("a shared entity value of another type")),
         },
+        (CallKind::Forked(call), Access::Forked(state), _) => {
+            call(state, &context, &request.payload)
+        }
+        (CallKind::ForkedStream(call), Access::Forked(state), Some(channel)) => {
+            call(state, &context, &request.payload, channel)
+        }
         _ => return Outcome::Exited(malformed("a request was dispatched in the wrong mode")),
     };
     // The handler is polled once on its own: one that finishes on its first poll (most do)

@@ -953,6 +953,13 @@ impl Sharding {
                     lock(&persisted.waiters).on_reply_saved(reply);
                     return;
                 }
+                // A conflict is not a passing failure: no retry stores the chunk. Either an
+                // earlier attempt stored it (its acknowledgement was lost, and a storage that
+                // rejects the same chunk twice says so), or a chunk of another run holds its
+                // sequence.
+                Err(error) if error.kind() == cluster_core::error::StorageErrorKind::Conflict => {
+                    return self.chunk_conflict(persisted, reply, &error).await;
+                }
                 Err(error) if attempt < SAVE_REPLY_ATTEMPTS => {
                     tracing::debug!(%error, attempt, "could not save a chunk, retrying");
                     tokio::time::sleep(SAVE_REPLY_SPACING).await;
@@ -962,6 +969,30 @@ impl Sharding {
                 Err(error) => {
                     tracing::warn!(%error, request_id = %reply.request_id(), "could not save a chunk")
                 }
+            }
+        }
+    }
+
+    /// A chunk's save hit a stored reply: if it is this chunk, stored by an attempt whose
+    /// acknowledgement was lost, the local waiters get it as if this save had succeeded (else
+    /// only the reply poller would hand it over); otherwise the conflict is logged.
+    async fn chunk_conflict(
+        &self,
+        persisted: &Persisted,
+        reply: &Reply,
+        error: &cluster_core::StorageError,
+    ) {
+        let request_id = reply.request_id();
+        match persisted.storage.replies_for_unfiltered(&[request_id]).await {
+            Ok(stored) if stored.iter().any(|stored| stored.id() == reply.id()) => {
+                tracing::debug!(%request_id, reply_id = %reply.id(), "chunk already stored");
+                lock(&persisted.waiters).on_reply_saved(reply);
+            }
+            Ok(_) => {
+                tracing::warn!(%error, %request_id, "a chunk conflicts with one of another run");
+            }
+            Err(read) => {
+                tracing::warn!(%error, %read, %request_id, "a chunk conflicts; storage unreadable");
             }
         }
     }

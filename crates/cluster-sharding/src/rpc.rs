@@ -104,8 +104,9 @@ pub trait Rpc: Serialize + DeserializeOwned + Send + 'static {
 }
 
 /// A request whose response is a stream of items (the reference's stream RPCs): the handler
-/// sends items one chunk at a time, each waiting for the caller's acknowledgement, and a
-/// persisted stream resumes after a restart from the last chunk it sent.
+/// queues items, the runtime sends them in chunks with at most one unacknowledged by the caller
+/// (see [`Chunks`](crate::Chunks)), and a persisted stream resumes after a restart from the last
+/// chunk it sent.
 pub trait StreamRpc: Serialize + DeserializeOwned + Send + 'static {
     /// The request's name within its entity type.
     const TAG: &'static str;

@@ -50,6 +50,7 @@ pub struct Faults {
     reads: Countdown,
     request_saves: Countdown,
     reply_saves: Countdown,
+    reply_saves_unacknowledged: Countdown,
     /// Milliseconds every `save_reply` waits before it writes.
     reply_delay_millis: std::sync::atomic::AtomicU64,
     /// Milliseconds every request save, read and reply lookup waits first.
@@ -128,6 +129,12 @@ impl Faults {
     /// The next `times` reply writes fail (`Unavailable`) without writing.
     pub fn fail_reply_saves(&self, times: u32) {
         self.reply_saves.0.store(times, Ordering::Release);
+    }
+
+    /// The next `times` reply writes happen, but report an error (`Unavailable`): the caller
+    /// cannot tell whether they did (a connection lost after the write).
+    pub fn lose_reply_acknowledgement(&self, times: u32) {
+        self.reply_saves_unacknowledged.0.store(times, Ordering::Release);
     }
 
     /// Every `save_reply` from now on waits `delay` before it writes (a slow database, or a
@@ -339,6 +346,9 @@ impl MessageStorage for FaultyMessageStorage {
             let saved = self.inner.save_reply(reply).await;
             if saved.is_ok() && reply.is_final() {
                 self.faults.notify(StorageEvent::FinalReplyStored(reply));
+            }
+            if saved.is_ok() && self.faults.reply_saves_unacknowledged.fails() {
+                return Err(injected("save_reply (written)"));
             }
             saved
         })

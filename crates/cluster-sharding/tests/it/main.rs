@@ -4,10 +4,13 @@
 mod cluster;
 mod concurrency;
 mod entities;
+mod forked;
 mod gauges;
 mod persisted;
+mod queue;
 mod shutdown;
 mod singletons;
+mod streams;
 
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
@@ -385,22 +388,28 @@ async fn streams_items_in_order() {
     assert!(stream.next().await.is_none());
 }
 
+/// Backpressure: the handler gets at most one chunk unacknowledged and one more filled ahead
+/// of its reader, and a chunk is acknowledged when the reader takes it up.
 #[tokio::test(start_paused = true)]
-async fn a_stream_waits_for_each_acknowledgement() {
+async fn a_stream_is_held_back_by_its_reader() {
     let sharding = registered(ShardingConfig::default());
     let probes = Probes::of("slow-reader");
     let mut stream = sharding
         .client::<Counter>("slow-reader")
-        .stream(entities::Count { n: 100, fail_after: None })
+        .stream(entities::Count { n: 2000, fail_after: None })
         .await
         .unwrap();
+    let chunk = cluster_sharding::CHUNK_ITEMS_MAX;
     assert_eq!(stream.next().await.unwrap().unwrap(), 0);
     tokio::time::sleep(Duration::from_secs(10)).await;
-    // The first chunk was acknowledged; the second waits for its acknowledgement.
-    assert_eq!(probes.probing.load(Ordering::SeqCst), 1);
-    assert_eq!(stream.next().await.unwrap().unwrap(), 1);
+    // The first chunk was acknowledged, the second waits for its acknowledgement, and the
+    // third is full.
+    assert_eq!(probes.probing.load(Ordering::SeqCst), 3 * chunk);
+    for item in 1..=chunk {
+        assert_eq!(stream.next().await.unwrap().unwrap(), u64::try_from(item).unwrap());
+    }
     tokio::time::sleep(Duration::from_secs(10)).await;
-    assert_eq!(probes.probing.load(Ordering::SeqCst), 2);
+    assert_eq!(probes.probing.load(Ordering::SeqCst), 4 * chunk);
 }
 
 #[tokio::test(start_paused = true)]
