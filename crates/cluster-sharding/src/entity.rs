@@ -810,7 +810,7 @@ impl<E: Entity> Protocol<E> {
         let entry = HandlerEntry {
             call: CallKind::ForkedStream(forked_stream_call::<E, R>),
             interrupt_on_termination: false,
-            with_transaction: false,
+            with_transaction: Transactional::Never,
             rerun_on_interrupt: false,
             fork_state: Some(|entity: &E| -> SharedValue {
                 ForkedStreamHandler::<R>::state(entity)

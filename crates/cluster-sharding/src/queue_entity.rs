@@ -55,8 +55,8 @@ use tokio::sync::{mpsc, oneshot};
 
 use crate::entity::{
     CallKind, ChunkChannel, ChunkError, Chunks, Entity, EntityContext, ForkedHandler,
-    ForkedStreamHandler, HandlerEntry, Protocol, RequestContext, SharedValue, malformed,
-    stream_with,
+    ForkedStreamHandler, HandlerEntry, Protocol, RequestContext, SharedValue, Transactional,
+    malformed, stream_with,
 };
 use crate::rpc::{Rpc, StreamRpc};
 
@@ -128,7 +128,7 @@ impl<Q: QueueEntity> QueueProtocol<'_, Q> {
         let entry = HandlerEntry {
             call: CallKind::ForkedStream(queued_stream_call::<R>),
             interrupt_on_termination: false,
-            with_transaction: false,
+            with_transaction: Transactional::Never,
             rerun_on_interrupt: false,
             fork_state: Some(fork_state::<Q>),
         };
