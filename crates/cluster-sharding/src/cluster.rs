@@ -498,6 +498,7 @@ impl Sharding {
     /// during shutdown, are told their requests were abandoned here).
     async fn release_shard(self, cluster: Arc<Cluster>, shard: ShardId) {
         let Some(address) = cluster.address().cloned() else { return };
+        let release_started = tokio::time::Instant::now();
         let termination_timeout = self.config().entity_termination_timeout;
         let force = cluster.handoff.is_cancelled();
         // The shard's singletons stop too; the lock waits for both.
@@ -531,6 +532,9 @@ impl Sharding {
                     let mut state = cluster.state();
                     state.ownership.release_finished(&shard);
                     state.release_tasks.remove(&shard);
+                    drop(state);
+                    // Completed releases only, as the reference's timer.
+                    metrics::record_shard_release(release_started.elapsed());
                     break;
                 }
                 Err(error) => {
