@@ -12,6 +12,10 @@
 //!   runner split the shards as the hash ring says; persisted requests cross both ways and
 //!   are deduplicated across sides; a volatile request to the TypeScript runner fails with
 //!   `RunnerUnavailable`; when the TypeScript runner leaves, the Rust runner takes its shards.
+//! - `a_typescript_runner_keeps_its_shards_while_a_rust_runner_checks_health`: a Rust runner
+//!   that holds the runner-health singleton and checks every half second never marks the
+//!   TypeScript runner, which its transport cannot reach, unhealthy (the default
+//!   `runner_health_check`, `ping-known`).
 //!
 //! What the tests need: `CLUSTER_TEST_POSTGRES_URL`, `node` on the `PATH` and the packages of
 //! `interop/typescript` (`npm ci --prefix interop/typescript`). Without them a test says why
@@ -218,15 +222,14 @@ impl Interop {
             ("REFRESH_ASSIGNMENTS_INTERVAL", "200 millis".to_owned()),
             ("ENTITY_MESSAGE_POLL_INTERVAL", "200 millis".to_owned()),
             ("ENTITY_REPLY_POLL_INTERVAL", "100 millis".to_owned()),
-            // Pings cross protocols too: a mixed cluster leaves health to the lock leases.
-            ("RUNNER_HEALTH_CHECK_INTERVAL", "1 hour".to_owned()),
         ]
     }
 
-    /// The Rust runner's settings.
-    fn rust_env(&self, port: u16) -> NodeEnv {
+    /// The Rust runner's settings, with `extra` added.
+    fn rust_env(&self, port: u16, extra: &[(&'static str, &str)]) -> NodeEnv {
         let mut vars = self.shared_env(port);
         vars.push(("CLUSTER_RPC_SECRET", "interop".to_owned()));
+        vars.extend(extra.iter().map(|(name, value)| (*name, (*value).to_owned())));
         NodeEnv::from_lookup(true, |name| {
             vars.iter().find(|(key, _)| *key == name).map(|(_, value)| value.clone())
         })
@@ -235,7 +238,12 @@ impl Interop {
 
     /// Starts the Rust runner, serving `InteropEcho`.
     async fn start_rust(&self, port: u16) -> Node {
-        Node::serve(&self.rust_env(port), |sharding| {
+        self.start_rust_with(port, &[]).await
+    }
+
+    /// Starts the Rust runner with `extra` settings, serving `InteropEcho`.
+    async fn start_rust_with(&self, port: u16, extra: &[(&'static str, &str)]) -> Node {
+        Node::serve(&self.rust_env(port, extra), |sharding| {
             sharding.register::<InteropEcho>(EntityOptions::default()).map_err(|e| e.to_string())
         })
         .await
@@ -252,6 +260,19 @@ impl Interop {
         let rows = client.query(&sql, &[]).await.unwrap();
         connection.abort();
         rows.iter().map(|row| row.get(0)).collect()
+    }
+
+    /// The health flag the registry holds for the runner at `port`.
+    async fn registry_health(&self, port: u16) -> Option<bool> {
+        let (client, connection) =
+            tokio_postgres::connect(&self.url, tokio_postgres::NoTls).await.unwrap();
+        let connection = tokio::spawn(connection);
+        let table = self.prefix.table("runners");
+        let sql = format!("SELECT healthy FROM \"{table}\" WHERE address = $1");
+        let address = format!("127.0.0.1:{port}");
+        let rows = client.query(&sql, &[&address]).await.unwrap();
+        connection.abort();
+        rows.first().map(|row| row.get(0))
     }
 
     /// The names of the indexes on the messages table.
@@ -711,5 +732,148 @@ async fn a_rust_runner_and_a_typescript_runner_share_the_shards() {
     let client = rust.sharding.client::<InteropEcho>(to_ts[2].as_str());
     let echoed = tokio::time::timeout(DEADLINE, client.send(echo)).await.expect("a reply");
     assert_eq!(echoed.unwrap().handled_by, "rust");
+    rust.shutdown().await;
+}
+
+// ------------------------------------------------------------------------------------------
+// The runner-health check in a mixed cluster
+// ------------------------------------------------------------------------------------------
+
+/// The name of the runner-health singleton (the reference's, in
+/// `effect/src/cluster/Sharding.ts`); its entity id gives its shard.
+const RUNNER_HEALTH: &str = "effect/cluster/Sharding/RunnerHealth";
+
+/// Counts the health-check rounds of this process that judged two runners, from the runtime's
+/// `runner health check finished` debug event.
+#[derive(Default)]
+struct HealthRounds {
+    rounds: std::sync::atomic::AtomicU32,
+}
+
+/// The fields of one event that the count needs.
+#[derive(Default)]
+struct RoundFields {
+    finished: bool,
+    checked: u64,
+}
+
+impl tracing::field::Visit for RoundFields {
+    fn record_u64(&mut self, field: &tracing::field::Field, value: u64) {
+        if field.name() == "checked" {
+            self.checked = value;
+        }
+    }
+
+    fn record_debug(&mut self, field: &tracing::field::Field, value: &dyn std::fmt::Debug) {
+        if field.name() == "message" {
+            self.finished = format!("{value:?}") == "runner health check finished";
+        }
+    }
+}
+
+impl tracing::Subscriber for HealthRounds {
+    fn enabled(&self, metadata: &tracing::Metadata<'_>) -> bool {
+        metadata.target().starts_with("cluster_sharding")
+    }
+
+    fn new_span(&self, _: &tracing::span::Attributes<'_>) -> tracing::span::Id {
+        tracing::span::Id::from_u64(1)
+    }
+
+    fn record(&self, _: &tracing::span::Id, _: &tracing::span::Record<'_>) {}
+
+    fn record_follows_from(&self, _: &tracing::span::Id, _: &tracing::span::Id) {}
+
+    fn event(&self, event: &tracing::Event<'_>) {
+        let mut fields = RoundFields::default();
+        event.record(&mut fields);
+        if fields.finished && fields.checked == 2 {
+            self.rounds.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+        }
+    }
+
+    fn enter(&self, _: &tracing::span::Id) {}
+
+    fn exit(&self, _: &tracing::span::Id) {}
+}
+
+/// The rounds counted so far, the counting subscriber installed on first use.
+fn health_rounds() -> u32 {
+    static ROUNDS: std::sync::OnceLock<Arc<HealthRounds>> = std::sync::OnceLock::new();
+    let rounds = ROUNDS.get_or_init(|| {
+        let rounds = Arc::new(HealthRounds::default());
+        tracing::subscriber::set_global_default(Arc::clone(&rounds)).expect("the only subscriber");
+        rounds
+    });
+    rounds.rounds.load(std::sync::atomic::Ordering::SeqCst)
+}
+
+/// A Rust runner that holds the runner-health singleton and checks every half second must not
+/// take a TypeScript runner's shards because its transport cannot reach it: the TypeScript
+/// runner never answered a handshake, so it is judged by its registry heartbeat, which is live.
+/// With the reference's check its first round marks the TypeScript runner unhealthy: set
+/// `INTEROP_RUNNER_HEALTH_CHECK=ping` to see this test fail so.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_typescript_runner_keeps_its_shards_while_a_rust_runner_checks_health() {
+    health_rounds();
+    let Some(interop) = Interop::new("h") else { return };
+    let ts_port = free_port().unwrap();
+    // The Rust runner's port is chosen so that the ring gives it the singleton's shard.
+    let group = ShardGroup::default_group();
+    let singleton_shard = cluster_core::hash::shard_id(RUNNER_HEALTH, &group, SHARDS).id();
+    let owners_with = |rust_port: u16| {
+        let mut ring = HashRing::new();
+        ring.add(RunnerAddress::new("127.0.0.1", ts_port), 1.0);
+        ring.add(RunnerAddress::new("127.0.0.1", rust_port), 1.0);
+        let owners: Vec<u16> =
+            ring.get_shards(SHARDS).unwrap().iter().map(|owner| owner.port()).collect();
+        owners
+    };
+    let rust_port = (0..100)
+        .filter_map(|_| free_port().ok())
+        .find(|port| *port != ts_port && owners_with(*port)[singleton_shard as usize - 1] == *port)
+        .expect("a port whose runner owns the health singleton's shard");
+    let owners = owners_with(rust_port);
+    let share = |port: u16| -> BTreeSet<u32> {
+        (1..=SHARDS).filter(|shard| owners[*shard as usize - 1] == port).collect()
+    };
+    let (rust_share, ts_share) = (share(rust_port), share(ts_port));
+    assert!(rust_share.contains(&singleton_shard));
+
+    let all: BTreeSet<u32> = (1..=SHARDS).collect();
+    let mut typescript = interop.spawn("runner", ts_port, &[], &[]);
+    typescript
+        .wait_for("the TypeScript runner holds every shard", |e| {
+            last_shards(e).as_ref() == Some(&all)
+        })
+        .await;
+    let mode = std::env::var("INTEROP_RUNNER_HEALTH_CHECK").unwrap_or_default();
+    let rust = interop
+        .start_rust_with(
+            rust_port,
+            &[("RUNNER_HEALTH_CHECK_INTERVAL", "500 millis"), ("RUNNER_HEALTH_CHECK", &mode)],
+        )
+        .await;
+    eventually("the runners split the shards as the ring says", || {
+        held(&rust.sharding) == rust_share && typescript.shards().as_ref() == Some(&ts_share)
+    })
+    .await;
+
+    // Three rounds that judged both runners, the last one begun after the split (or, with
+    // the reference's check, until the TypeScript runner's shards move).
+    let started = Instant::now();
+    let enough = health_rounds() + 3;
+    eventually("three health-check rounds", || {
+        health_rounds() >= enough || typescript.shards().as_ref() != Some(&ts_share)
+    })
+    .await;
+    note(&format!("watched the health check for {:?}", started.elapsed()));
+    assert_eq!(interop.registry_health(ts_port).await, Some(true), "the TypeScript runner");
+    assert_eq!(interop.registry_health(rust_port).await, Some(true), "the Rust runner");
+    assert_eq!(typescript.shards(), Some(ts_share), "the TypeScript runner keeps its shards");
+    assert_eq!(held(&rust.sharding), rust_share);
+
+    typescript.finish().await;
+    eventually("the Rust runner takes every shard", || held(&rust.sharding) == all).await;
     rust.shutdown().await;
 }

@@ -42,6 +42,7 @@
 //! | `RUNNER_JOIN_DEBOUNCE` | [`runner_join_debounce`](ShardingConfig::runner_join_debounce) | `0 seconds` |
 //! | `SEND_RETRY_INTERVAL` | [`send_retry_interval`](ShardingConfig::send_retry_interval) | `100 millis` |
 //! | `RUNNER_HEALTH_CHECK_INTERVAL` | [`runner_health_check_interval`](ShardingConfig::runner_health_check_interval) | `1 minute` |
+//! | `RUNNER_HEALTH_CHECK` | [`runner_health_check`](ShardingConfig::runner_health_check) | `ping-known` |
 //! | `SIMULATE_REMOTE_SERIALIZATION` | [`simulate_remote_serialization`](ShardingConfig::simulate_remote_serialization) | `true` |
 //!
 //! `HOST` and `PORT` are generic names that platforms and other tools also set; a runner reads
@@ -53,6 +54,7 @@
 //! - Booleans: `true`, `yes`, `on`, `1`, `y` or `false`, `no`, `off`, `0`, `n` (lower case).
 //! - Lists: comma-separated, not trimmed (`a,b`).
 //! - Durations: see [`parse_duration`]; `Infinity` only for `ENTITY_MAX_IDLE_TIME`.
+//! - Health check modes: `ping-known`, `ping` or `heartbeat` (see [`RunnerHealthCheck`]).
 
 use std::collections::BTreeSet;
 use std::fmt;
@@ -137,7 +139,7 @@ const _: () =
     assert!(SHARD_GROUPS_MAX as i64 * 1_000_000 + SHARDS_PER_GROUP_MAX as i64 <= i32::MAX as i64);
 
 /// Every environment variable [`ShardingConfig::from_env`] reads.
-pub const ENV_VARS: [&str; 26] = [
+pub const ENV_VARS: [&str; 27] = [
     var::HOST,
     var::PORT,
     var::LISTEN_HOST,
@@ -163,6 +165,7 @@ pub const ENV_VARS: [&str; 26] = [
     var::RUNNER_JOIN_DEBOUNCE,
     var::SEND_RETRY_INTERVAL,
     var::RUNNER_HEALTH_CHECK_INTERVAL,
+    var::RUNNER_HEALTH_CHECK,
     var::SIMULATE_REMOTE_SERIALIZATION,
 ];
 
@@ -224,11 +227,11 @@ pub struct ShardingConfig {
     ///
     /// Default `false`. Environment: `SHARD_LOCK_DISABLE_ADVISORY`.
     pub shard_lock_disable_advisory: bool,
-    /// In the reference, start shutting the runner down (unregister, stop taking work) as soon
-    /// as the first entity layer starts tearing down. Entities here are not layers: a runner
-    /// shuts down when `Sharding::shutdown` is called, always in the same
-    /// order, so this option has no effect; it is read and validated for configurations shared
-    /// with the reference.
+    /// Start shutting the runner down (unregister, stop taking work, hand the shards over) as
+    /// soon as shutdown begins, before any entity is stopped. This is what a runner does: it
+    /// shuts down when `Sharding::shutdown` is called, and that call starts with the handoff.
+    /// The reference's `false` stops entities first and hands the shards over afterwards; the
+    /// runtime has no such order, so [`validate`](ShardingConfig::validate) refuses `false`.
     ///
     /// Default `true`. Environment: `PREEMPTIVE_SHUTDOWN`.
     pub preemptive_shutdown: bool,
@@ -238,10 +241,11 @@ pub struct ShardingConfig {
     /// Default 4096. Environment: `ENTITY_MAILBOX_CAPACITY` (a positive integer; `Unbounded` is
     /// programmatic only).
     pub entity_mailbox_capacity: Capacity,
-    /// In the reference, report each resident entity's mailbox size as a gauge. Not
-    /// implemented here: no mailbox gauge is reported whatever the value (see
-    /// docs/operations.md for the gauges there are); it is read and validated for
-    /// configurations shared with the reference.
+    /// Report each resident entity's mailbox size as the gauge
+    /// `effect_cluster_entity_mailbox_size`, labelled `type`, `id` and `shard`: the requests
+    /// admitted to the entity, queued or in flight. One series per resident entity can mean
+    /// many series on a busy runner; each is set to 0 when its entity stops. See
+    /// docs/operations.md for every metric.
     ///
     /// Default `false`. Environment: `ENTITY_MAILBOX_METRICS`.
     pub entity_mailbox_metrics: bool,
@@ -317,6 +321,15 @@ pub struct ShardingConfig {
     ///
     /// Default 1 min. Environment: `RUNNER_HEALTH_CHECK_INTERVAL`.
     pub runner_health_check_interval: Duration,
+    /// How the runner-health singleton judges the other runners (see [`RunnerHealthCheck`]).
+    /// The default pings only the runners that answered this transport's handshake once, and
+    /// judges the others by their registry heartbeat alone, so that a runner of the reference,
+    /// which does not speak this transport, keeps its shards in a mixed cluster. It only
+    /// matters on runners started with a transport; without one there is no health check.
+    ///
+    /// Default `ping-known`. Environment: `RUNNER_HEALTH_CHECK` (`ping-known`, `ping` or
+    /// `heartbeat`; not read by the reference).
+    pub runner_health_check: RunnerHealthCheck,
     /// Encode and decode volatile messages to local entities as if they went to another runner,
     /// so that serialization bugs show up on one machine. The Rust runtime always does (its
     /// requests are type-erased to JSON at the client), so `false` has no effect there; it is
@@ -324,6 +337,59 @@ pub struct ShardingConfig {
     ///
     /// Default `true`. Environment: `SIMULATE_REMOTE_SERIALIZATION`.
     pub simulate_remote_serialization: bool,
+}
+
+/// How the runner-health singleton judges the other runners
+/// ([`runner_health_check`](ShardingConfig::runner_health_check)).
+///
+/// A runner whose registry heartbeat is older than `shard_lock_expiration` is gone in every
+/// mode: the registry no longer lists it. The modes differ for the runners it lists.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub enum RunnerHealthCheck {
+    /// Ping the runners that answered a ping through this runner's transport once; a listed
+    /// runner that never answered (a runner of the reference, whose transport is not this one)
+    /// is healthy as long as its heartbeat is live. Unknown runners are pinged once per round
+    /// to learn whether they speak the transport. `ping-known` in the environment.
+    #[default]
+    PingKnown,
+    /// Ping every listed runner and mark those that do not answer unhealthy, as the
+    /// reference's `RunnerHealth.layerPing` does. In a cluster with runners of the reference
+    /// those lose their shards. `ping` in the environment.
+    Ping,
+    /// Ping nobody: every listed runner is healthy, so only an expired heartbeat takes a
+    /// runner's shards away. `heartbeat` in the environment.
+    Heartbeat,
+}
+
+impl RunnerHealthCheck {
+    /// The mode's name in the environment.
+    pub const fn as_str(self) -> &'static str {
+        match self {
+            RunnerHealthCheck::PingKnown => "ping-known",
+            RunnerHealthCheck::Ping => "ping",
+            RunnerHealthCheck::Heartbeat => "heartbeat",
+        }
+    }
+
+    /// The mode named `input` (`ping-known`, `ping` or `heartbeat`).
+    pub fn parse(input: &str) -> Result<RunnerHealthCheck, ParseError> {
+        [RunnerHealthCheck::PingKnown, RunnerHealthCheck::Ping, RunnerHealthCheck::Heartbeat]
+            .into_iter()
+            .find(|mode| mode.as_str() == input)
+            .ok_or_else(|| {
+                ParseError::new(
+                    "runner health check",
+                    input,
+                    "expected `ping-known`, `ping` or `heartbeat`",
+                )
+            })
+    }
+}
+
+impl fmt::Display for RunnerHealthCheck {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
+    }
 }
 
 /// A limit that can be switched off: the reference's `number | "unbounded"`.
@@ -416,6 +482,7 @@ impl Default for ShardingConfig {
             runner_join_debounce: Duration::ZERO,
             send_retry_interval: Duration::from_millis(100),
             runner_health_check_interval: Duration::from_secs(60),
+            runner_health_check: RunnerHealthCheck::PingKnown,
             simulate_remote_serialization: true,
         }
     }
@@ -472,6 +539,7 @@ impl ShardingConfig {
         env.read_limits(&mut config)?;
         env.read_durations(&mut config)?;
         env.read_flags(&mut config)?;
+        env.read_modes(&mut config)?;
         config.check().map_err(|violation| violation.into_env_error(&env))?;
         Ok(config)
     }
@@ -528,7 +596,22 @@ impl ShardingConfig {
         self.check_runner()?;
         self.check_groups()?;
         self.check_limits()?;
-        self.check_durations()
+        self.check_durations()?;
+        self.check_flags()
+    }
+
+    fn check_flags(&self) -> Result<(), Violation> {
+        if !self.preemptive_shutdown {
+            return Err(Violation::new(
+                "preemptive_shutdown",
+                var::PREEMPTIVE_SHUTDOWN,
+                "false".to_owned(),
+                "is not supported: a runner always hands its shards over as soon as shutdown \
+                 begins, before stopping entities; remove the setting or set it to true"
+                    .to_owned(),
+            ));
+        }
+        Ok(())
     }
 
     fn check_runner(&self) -> Result<(), Violation> {
@@ -814,6 +897,7 @@ mod var {
     pub(super) const RUNNER_JOIN_DEBOUNCE: &str = "RUNNER_JOIN_DEBOUNCE";
     pub(super) const SEND_RETRY_INTERVAL: &str = "SEND_RETRY_INTERVAL";
     pub(super) const RUNNER_HEALTH_CHECK_INTERVAL: &str = "RUNNER_HEALTH_CHECK_INTERVAL";
+    pub(super) const RUNNER_HEALTH_CHECK: &str = "RUNNER_HEALTH_CHECK";
     pub(super) const SIMULATE_REMOTE_SERIALIZATION: &str = "SIMULATE_REMOTE_SERIALIZATION";
 }
 
@@ -1201,6 +1285,15 @@ impl<F: Fn(&str) -> Option<String>> Env<F> {
             if let Some(value) = self.boolean(var)? {
                 *field = value;
             }
+        }
+        Ok(())
+    }
+
+    fn read_modes(&self, config: &mut ShardingConfig) -> Result<(), ConfigError> {
+        if let Some(raw) = self.get(var::RUNNER_HEALTH_CHECK) {
+            config.runner_health_check = RunnerHealthCheck::parse(&raw).map_err(|error| {
+                ConfigError::new(var::RUNNER_HEALTH_CHECK, &raw, error.reason())
+            })?;
         }
         Ok(())
     }

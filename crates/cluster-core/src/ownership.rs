@@ -332,12 +332,12 @@ impl ShardOwnership {
         self.self_shards.len()
     }
 
-    /// The number of active shards (the `cluster_shards` gauge).
+    /// The number of active shards (the `effect_cluster_shards` gauge).
     pub fn n_acquired(&self) -> usize {
         self.acquired.len()
     }
 
-    /// The number of releasing shards (the `cluster_shards_releasing` gauge).
+    /// The number of releasing shards (the `effect_cluster_shards_releasing` gauge).
     pub fn n_releasing(&self) -> usize {
         self.releasing.len()
     }

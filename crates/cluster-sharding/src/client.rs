@@ -1,4 +1,9 @@
 //! [`EntityClient`]: typed calls to one entity, wherever it lives.
+//!
+//! Each call runs in an `entity_client` span (the reference's client spans, named
+//! `<type>.client.<tag>` there and in the span's `otel.name`), with the fields `entity_type`,
+//! `entity_id`, `tag` and `request_id`, unless the entity type sets
+//! [`Entity::CLIENT_TRACING`] to `false`.
 
 use std::marker::PhantomData;
 
@@ -8,6 +13,7 @@ use cluster_core::envelope::{Cause, CauseReason, Exit, RawJson, Reply, Request, 
 use cluster_core::storage::SaveRequestOptions;
 use cluster_core::{ClusterError, EntityAddress, Snowflake};
 use tokio::sync::mpsc;
+use tracing::Instrument;
 
 use crate::entity::{Entity, Handler, StreamHandler};
 use crate::interrupt::InterruptGuard;
@@ -226,17 +232,34 @@ impl<E: Entity> EntityClient<E> {
     {
         let options = self.save_options(&request);
         let request = self.request(&request).map_err(CallError::Cluster)?;
+        let span = self.span(R::TAG, &request);
         let uninterruptible = R::UNINTERRUPTIBLE.client();
         let exit = if R::PERSISTED {
             if self.sharding.persisted().is_none() {
                 return Err(CallError::Defect(PERSISTED_WITHOUT_STORAGE.to_owned()));
             }
-            Box::pin(self.sharding.send_persisted(request, options, uninterruptible)).await?
+            let call = self.sharding.send_persisted(request, options, uninterruptible);
+            Box::pin(call.instrument(span)).await?
         } else {
             // Not boxed: the volatile call's future is small (its rare steps are boxed inside).
-            self.sharding.send_volatile(request, uninterruptible).await?
+            self.sharding.send_volatile(request, uninterruptible).instrument(span).await?
         };
         decode_exit::<R>(exit)
+    }
+
+    /// The span of one call, or a disabled one when the type turned client spans off.
+    fn span(&self, tag: &'static str, request: &Request) -> tracing::Span {
+        if !E::CLIENT_TRACING {
+            return tracing::Span::none();
+        }
+        tracing::info_span!(
+            "entity_client",
+            otel.name = %format_args!("{}.client.{tag}", E::TYPE),
+            entity_type = E::TYPE,
+            entity_id = %self.address.entity_id,
+            tag,
+            request_id = %request.request_id,
+        )
     }
 
     /// Sends `request` without waiting for its reply: returns once the request is delivered
@@ -247,19 +270,21 @@ impl<E: Entity> EntityClient<E> {
     {
         let options = self.save_options(&request);
         let request = self.request(&request).map_err(CallError::Cluster)?;
+        let span = self.span(R::TAG, &request);
         if R::PERSISTED {
             if self.sharding.persisted().is_none() {
                 return Err(CallError::Defect(PERSISTED_WITHOUT_STORAGE.to_owned()));
             }
-            return Ok(self.sharding.notify_persisted(request, options).await?);
+            return Ok(self.sharding.notify_persisted(request, options).instrument(span).await?);
         }
-        match self.sharding.notify_volatile(request).await {
+        match self.sharding.notify_volatile(request).instrument(span.clone()).await {
             // The abandon path of the reference (`effect/src/cluster/Sharding.ts`): a volatile
             // discard sent while this runner stops (from an entity's `on_stop`) is dropped, not
             // failed.
             Err(ClusterError::EntityNotAssignedToRunner { address })
                 if self.sharding.is_shutdown() =>
             {
+                let _entered = span.enter();
                 tracing::warn!(%address, tag = R::TAG, "volatile discard sent during shutdown: dropped");
                 Ok(())
             }
@@ -294,15 +319,19 @@ impl<E: Entity> EntityClient<E> {
             deliver_at: None,
         };
         let request = self.build(R::TAG, &request).map_err(CallError::Cluster)?;
+        // The span covers the start of the stream; its items are read later.
+        let span = self.span(R::TAG, &request);
         let (replies, acks) = if R::PERSISTED {
             if self.sharding.persisted().is_none() {
                 return Err(CallError::Defect(PERSISTED_WITHOUT_STORAGE.to_owned()));
             }
-            let mut stream = self.sharding.stream_persisted(request, options).await?;
+            let mut stream =
+                self.sharding.stream_persisted(request, options).instrument(span).await?;
             let replies = std::mem::replace(&mut stream.replies, mpsc::channel(1).1);
             (replies, Acks::Stored(Box::new(stream)))
         } else {
-            let (replies, acks, cancellation) = self.sharding.stream_volatile(request).await?;
+            let (replies, acks, cancellation) =
+                self.sharding.stream_volatile(request).instrument(span).await?;
             (replies, Acks::Local { acks, interrupt: Some(cancellation.drop_guard()) })
         };
         Ok(ChunkStream {

@@ -23,13 +23,16 @@
 //! (a transport, when there is one, only tells the owner to read at once). Volatile requests
 //! for another runner's shard go through the transport given to
 //! [`Sharding::join_with_transport`] (see `remote`); without one they fail with
-//! `EntityNotAssignedToRunner`. With a transport, the runner-health singleton pings the
-//! runners and marks those that do not answer unhealthy.
+//! `EntityNotAssignedToRunner`. With a transport, the runner-health singleton judges the
+//! runners as `runner_health_check` says: by default it pings those that answered a ping once
+//! and marks them unhealthy when they stop answering, and leaves the others (runners of the
+//! reference, which do not speak this transport) to their registry heartbeat.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 use std::time::Duration;
 
+use cluster_core::config::RunnerHealthCheck;
 use cluster_core::future::BoxFuture;
 use cluster_core::membership::{Assignment, Membership, MembershipConfig};
 use cluster_core::ownership::{AcquisitionGates, ShardOwnership};
@@ -249,28 +252,32 @@ impl Sharding {
         Ok(sharding)
     }
 
-    /// The runner-health singleton (`effect/src/cluster/RunnerHealth.ts`): every
-    /// `runner_health_check_interval`, when more than one runner is registered, it pings each
-    /// through the transport (5 attempts 500 ms apart, 10 s each) and records who answers as
-    /// healthy and who does not as unhealthy, never marking the last healthy runner unhealthy. The
-    /// sync loops then treat an unhealthy runner as gone.
+    /// The runner-health singleton (`effect/src/cluster/Sharding.ts`, with the checks of
+    /// `effect/src/cluster/RunnerHealth.ts`): every `runner_health_check_interval`, when more
+    /// than one runner is registered, it judges each as `runner_health_check` says (see
+    /// [`judge`]) and records the verdicts that changed, never marking the last healthy runner
+    /// unhealthy. The sync loops then treat an unhealthy runner as gone.
     fn register_runner_health(
         &self,
         cluster: Arc<Cluster>,
         transport: Arc<dyn Runners>,
     ) -> Result<(), StartError> {
         let interval = self.config().runner_health_check_interval;
+        let mode = self.config().runner_health_check;
         let options = SingletonOptions::default();
         self.register_singleton(RUNNER_HEALTH, options, move |context| {
             let cluster = Arc::clone(&cluster);
             let transport = Arc::clone(&transport);
             async move {
+                // The runners that answered a ping of this singleton's, while it runs here.
+                let mut known = BTreeSet::new();
                 loop {
                     tokio::select! {
                         () = tokio::time::sleep(interval) => {}
                         () = context.cancellation().cancelled() => return,
                     }
-                    if let Err(error) = check_runners(&cluster, &*transport).await {
+                    let checked = check_runners(&cluster, &*transport, mode, &mut known).await;
+                    if let Err(error) = checked {
                         tracing::debug!(%error, "runner health check failed");
                     }
                 }
@@ -491,6 +498,7 @@ impl Sharding {
     /// during shutdown, are told their requests were abandoned here).
     async fn release_shard(self, cluster: Arc<Cluster>, shard: ShardId) {
         let Some(address) = cluster.address().cloned() else { return };
+        let release_started = tokio::time::Instant::now();
         let termination_timeout = self.config().entity_termination_timeout;
         let force = cluster.handoff.is_cancelled();
         // The shard's singletons stop too; the lock waits for both.
@@ -524,6 +532,9 @@ impl Sharding {
                     let mut state = cluster.state();
                     state.ownership.release_finished(&shard);
                     state.release_tasks.remove(&shard);
+                    drop(state);
+                    // Completed releases only, as the reference's timer.
+                    metrics::record_shard_release(release_started.elapsed());
                     break;
                 }
                 Err(error) => {
@@ -870,27 +881,87 @@ const PING_TIMEOUT: Duration = Duration::from_secs(10);
 /// How many runners are pinged at once.
 const PING_CONCURRENCY: usize = 10;
 
-/// One round of the runner-health check.
-async fn check_runners(cluster: &Cluster, transport: &dyn Runners) -> Result<(), String> {
+/// What one round found out about one runner.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+struct Verdict {
+    /// Whether the runner counts as healthy.
+    alive: bool,
+    /// Whether it answered a ping in this round.
+    answered: bool,
+}
+
+/// Judges the runner at `address`, which the registry lists (so its heartbeat is live), as
+/// `mode` says; `known` tells whether it answered a ping of this singleton's before.
+///
+/// - `Ping`: alive when one of [`PING_ATTEMPTS`] pings answers (the reference's
+///   `RunnerHealth.layerPing`).
+/// - `Heartbeat`: alive; no ping.
+/// - `PingKnown`: a known runner is judged as with `Ping`. An unknown one gets one ping, to learn
+///   whether it speaks the transport, and is alive whatever the answer: a runner of the
+///   reference never answers, and only its heartbeat says whether it lives.
+async fn judge(
+    transport: &dyn Runners,
+    mode: RunnerHealthCheck,
+    known: bool,
+    address: &RunnerAddress,
+) -> Verdict {
+    match mode {
+        RunnerHealthCheck::Heartbeat => Verdict { alive: true, answered: false },
+        RunnerHealthCheck::Ping => {
+            let answered = answers(transport, address, PING_ATTEMPTS).await;
+            Verdict { alive: answered, answered }
+        }
+        RunnerHealthCheck::PingKnown if known => {
+            let answered = answers(transport, address, PING_ATTEMPTS).await;
+            Verdict { alive: answered, answered }
+        }
+        RunnerHealthCheck::PingKnown => {
+            let answered = answers(transport, address, 1).await;
+            Verdict { alive: true, answered }
+        }
+    }
+}
+
+/// One round of the runner-health check; `known` holds the runners that answered a ping in an
+/// earlier round, and is updated.
+async fn check_runners(
+    cluster: &Cluster,
+    transport: &dyn Runners,
+    mode: RunnerHealthCheck,
+    known: &mut BTreeSet<RunnerAddress>,
+) -> Result<(), String> {
     use futures_util::StreamExt;
 
     let runners = tokio::time::timeout(REGISTRY_TIMEOUT, cluster.storage.get_runners())
         .await
         .map_err(|_| "get_runners timed out".to_owned())?
         .map_err(|error| error.to_string())?;
+    // A runner that left the registry is forgotten: another process may take its address.
+    known.retain(|address| runners.iter().any(|(runner, _)| runner.address == *address));
     if runners.len() <= 1 {
         return Ok(());
     }
     let mut healthy = runners.iter().filter(|(_, healthy)| *healthy).count();
+    let checked = runners.len();
+    let before = &*known;
     let checks =
         futures_util::stream::iter(runners.into_iter().map(|(runner, was_healthy)| async move {
-            let alive = is_alive(transport, &runner.address).await;
-            (runner, was_healthy, alive)
+            let known = before.contains(&runner.address);
+            let verdict = judge(transport, mode, known, &runner.address).await;
+            (runner, was_healthy, verdict)
         }))
         .buffer_unordered(PING_CONCURRENCY)
         .collect::<Vec<_>>()
         .await;
-    for (runner, was_healthy, alive) in checks {
+    let mut unhealthy = 0_usize;
+    for (runner, was_healthy, verdict) in checks {
+        if verdict.answered && known.insert(runner.address.clone()) {
+            tracing::debug!(runner = %runner.address, "runner answered a ping: judged by pings from now on");
+        }
+        let alive = verdict.alive;
+        if !alive {
+            unhealthy += 1;
+        }
         if alive == was_healthy {
             continue;
         }
@@ -912,16 +983,17 @@ async fn check_runners(cluster: &Cluster, transport: &dyn Runners) -> Result<(),
             healthy -= 1;
         }
     }
+    tracing::debug!(%mode, checked, unhealthy, known = known.len(), "runner health check finished");
     Ok(())
 }
 
-/// Whether `address` answers a ping (a few attempts).
-async fn is_alive(transport: &dyn Runners, address: &RunnerAddress) -> bool {
-    for attempt in 1..=PING_ATTEMPTS {
+/// Whether `address` answers one of `attempts` pings.
+async fn answers(transport: &dyn Runners, address: &RunnerAddress, attempts: u32) -> bool {
+    for attempt in 1..=attempts {
         if let Ok(Ok(())) = tokio::time::timeout(PING_TIMEOUT, transport.ping(address)).await {
             return true;
         }
-        if attempt < PING_ATTEMPTS {
+        if attempt < attempts {
             tokio::time::sleep(PING_SPACING).await;
         }
     }

@@ -193,6 +193,9 @@ struct CronEntity {
 }
 
 impl Entity for CronEntity {
+    // The reference's cron entity turns client spans off (`effect/src/cluster/ClusterCron.ts`).
+    const CLIENT_TRACING: bool = false;
+
     const TYPE: &'static str = "ClusterCron";
 
     async fn create(context: &EntityContext) -> CronEntity {

@@ -65,6 +65,12 @@ pub trait Entity: Sized + Send + 'static {
     /// The entity type's name, such as `Counter`; part of every stored message.
     const TYPE: &'static str;
 
+    /// Whether each call of an [`EntityClient`](crate::EntityClient) of this type runs in an
+    /// `entity_client` span with the entity type, id, tag and request id (the reference's
+    /// `ClusterSchema.ClientTracingEnabled`, on by default). Set it to `false` for types
+    /// called so often that the spans cost more than they tell.
+    const CLIENT_TRACING: bool = true;
+
     /// The shard group of an entity id (`default` unless overridden).
     fn shard_group(_entity_id: &str) -> ShardGroup {
         ShardGroup::default_group()

@@ -254,6 +254,17 @@ pub(crate) trait ErasedManager: Send + Sync {
 #[derive(Default)]
 struct Active {
     ids: Mutex<VecDeque<Snowflake>>,
+    /// The entity's `effect_cluster_entity_mailbox_size` series, with `entity_mailbox_metrics`.
+    gauge: Option<::metrics::Gauge>,
+}
+
+impl Drop for Active {
+    fn drop(&mut self) {
+        // The instance and its requests are gone; the facade cannot remove the series.
+        if let Some(gauge) = &self.gauge {
+            crate::metrics::set_mailbox(gauge, 0);
+        }
+    }
 }
 
 /// Whether a request was admitted into an instance's mailbox.
@@ -269,6 +280,14 @@ enum Admission {
 const ACTIVE_ROOM_KEPT: usize = 64;
 
 impl Active {
+    /// An empty mailbox that reports its size to `gauge`, if any.
+    fn reporting(gauge: Option<::metrics::Gauge>) -> Active {
+        if let Some(gauge) = &gauge {
+            crate::metrics::set_mailbox(gauge, 0);
+        }
+        Active { ids: Mutex::default(), gauge }
+    }
+
     fn admit(&self, request_id: Snowflake, capacity: Capacity) -> Admission {
         let mut ids = lock(&self.ids);
         match ids.binary_search(&request_id) {
@@ -276,6 +295,9 @@ impl Active {
             Err(_) if capacity.is_full(ids.len()) => Admission::Full,
             Err(position) => {
                 ids.insert(position, request_id);
+                if let Some(gauge) = &self.gauge {
+                    crate::metrics::set_mailbox(gauge, ids.len());
+                }
                 Admission::Admitted
             }
         }
@@ -285,6 +307,9 @@ impl Active {
         let mut ids = lock(&self.ids);
         if let Ok(position) = ids.binary_search(&request_id) {
             ids.remove(position);
+            if let Some(gauge) = &self.gauge {
+                crate::metrics::set_mailbox(gauge, ids.len());
+            }
         }
         if ids.is_empty() && ids.capacity() > ACTIVE_ROOM_KEPT {
             ids.shrink_to(ACTIVE_ROOM_KEPT);
@@ -308,6 +333,8 @@ pub(crate) struct ManagerOptions {
     /// The pause before a `WITH_TRANSACTION` request's transaction is begun again after a
     /// failure (`send_retry_interval`).
     pub(crate) transaction_retry: Duration,
+    /// Report each instance's mailbox size (`entity_mailbox_metrics`).
+    pub(crate) mailbox_metrics: bool,
 }
 
 /// The manager of entity type `E`.
@@ -547,7 +574,15 @@ impl<E: Entity> Shared<E> {
                 usize::try_from(limit.get()).unwrap_or(MAILBOX_CHANNEL_MAX).min(MAILBOX_CHANNEL_MAX)
             });
         let (mailbox, receiver) = mpsc::channel(capacity);
-        let active = Arc::new(Active::default());
+        let gauge = shared.options.mailbox_metrics.then(|| {
+            let shard = address.shard_id.to_string();
+            crate::metrics::mailbox_gauge(
+                shared.entity_type.as_str(),
+                address.entity_id.as_str(),
+                &shard,
+            )
+        });
+        let active = Arc::new(Active::reporting(gauge));
         let keep_alive = Arc::new(KeepAlive::default());
         let span = tracing::debug_span!(
             "entity",

@@ -1,41 +1,59 @@
-//! The gauges users watch (`effect/src/cluster/ClusterMetrics.ts`), reported through the `metrics`
-//! facade under `cluster_*` names; install any `metrics` recorder (Prometheus, StatsD, ...) to
-//! export them.
+//! The metrics of the runtime (`effect/src/cluster/ClusterMetrics.ts`), reported through the
+//! `metrics` facade under the reference's `effect_cluster_*` names and labels; install any
+//! `metrics` recorder (Prometheus, StatsD, ...) to export them.
+//!
+//! The reference's set:
 //!
 //! | name | kind | labels | meaning |
 //! | --- | --- | --- | --- |
-//! | `cluster_entities` | gauge | `type` | resident entity instances of the type on this runner |
-//! | `cluster_shards` | gauge | | shards this runner holds |
-//! | `cluster_runners` | gauge | | runners this process runs (1 for a runner, 0 for a client) |
-//! | `cluster_runners_healthy` | gauge | | 1 while this runner counts itself healthy |
-//! | `cluster_persisted_in_flight` | gauge | | persisted requests delivered to entities and not yet answered |
-//! | `cluster_shards_releasing` | gauge | | shards whose entities are stopping before their lock is released |
-//! | `cluster_shard_locks_healthy` | gauge | | 1 while lock storage answers (0: every shard is being let go) |
-//! | `cluster_singletons` | gauge | | singletons running (or stopping) on this runner |
-//! | `cluster_join_debounce_pending` | gauge | | 1 while runner joins are held back by the join debounce |
-//! | `cluster_shard_locks_lost_total` | counter | | shard locks a single runner found taken by another runner |
+//! | `effect_cluster_entities` | gauge | `type` | resident entity instances of the type on this runner |
+//! | `effect_cluster_entity_mailbox_size` | gauge | `type`, `id`, `shard` | requests admitted to one resident entity, queued or in flight; only with `entity_mailbox_metrics` |
+//! | `effect_cluster_singletons` | gauge | | singletons running (or stopping) on this runner |
+//! | `effect_cluster_runners` | gauge | | runners this process runs (1 for a runner, 0 for a client) |
+//! | `effect_cluster_runners_healthy` | gauge | | 1 while this runner counts itself healthy |
+//! | `effect_cluster_shards` | gauge | | shards this runner holds |
+//! | `effect_cluster_shards_releasing` | gauge | | shards whose entities are stopping before their lock is released |
+//! | `effect_cluster_shard_release` | histogram (ms) | | how long each completed release of one shard took |
+//!
+//! Reported by this runtime only, under the same prefix:
+//!
+//! | name | kind | labels | meaning |
+//! | --- | --- | --- | --- |
+//! | `effect_cluster_persisted_in_flight` | gauge | | persisted requests delivered to entities and not yet answered |
+//! | `effect_cluster_shard_locks_healthy` | gauge | | 1 while lock storage answers (0: every shard is being let go) |
+//! | `effect_cluster_join_debounce_pending` | gauge | | 1 while runner joins are held back by the join debounce |
+//! | `effect_cluster_shard_locks_lost_total` | counter | | shard locks a single runner found taken by another runner |
+//!
+//! The reference's `effect_cluster_entity_mailbox_size_max` is not reported. The `metrics`
+//! facade cannot remove a series: the mailbox gauge of an entity that stopped is set to 0.
+
+use std::time::Duration;
 
 /// Resident entity instances, by `type`.
-pub const ENTITIES: &str = "cluster_entities";
+pub const ENTITIES: &str = "effect_cluster_entities";
+/// Requests admitted to one resident entity, by `type`, `id` and `shard`.
+pub const ENTITY_MAILBOX_SIZE: &str = "effect_cluster_entity_mailbox_size";
 /// Shards held by this runner.
-pub const SHARDS: &str = "cluster_shards";
+pub const SHARDS: &str = "effect_cluster_shards";
 /// Runners in this process.
-pub const RUNNERS: &str = "cluster_runners";
+pub const RUNNERS: &str = "effect_cluster_runners";
 /// Whether this runner counts itself healthy.
-pub const RUNNERS_HEALTHY: &str = "cluster_runners_healthy";
-/// Persisted requests delivered and not yet answered.
-pub const PERSISTED_IN_FLIGHT: &str = "cluster_persisted_in_flight";
-
+pub const RUNNERS_HEALTHY: &str = "effect_cluster_runners_healthy";
 /// Singletons running here.
-pub const SINGLETONS: &str = "cluster_singletons";
+pub const SINGLETONS: &str = "effect_cluster_singletons";
 /// Shards being released.
-pub const SHARDS_RELEASING: &str = "cluster_shards_releasing";
+pub const SHARDS_RELEASING: &str = "effect_cluster_shards_releasing";
+/// How long each completed release of one shard took, in milliseconds.
+pub const SHARD_RELEASE: &str = "effect_cluster_shard_release";
+
+/// Persisted requests delivered and not yet answered.
+pub const PERSISTED_IN_FLIGHT: &str = "effect_cluster_persisted_in_flight";
 /// Whether lock storage is healthy.
-pub const SHARD_LOCKS_HEALTHY: &str = "cluster_shard_locks_healthy";
+pub const SHARD_LOCKS_HEALTHY: &str = "effect_cluster_shard_locks_healthy";
 /// Whether runner joins are pending.
-pub const JOINS_PENDING: &str = "cluster_join_debounce_pending";
+pub const JOINS_PENDING: &str = "effect_cluster_join_debounce_pending";
 /// Shard locks a single runner lost to another runner.
-pub const SHARD_LOCKS_LOST: &str = "cluster_shard_locks_lost_total";
+pub const SHARD_LOCKS_LOST: &str = "effect_cluster_shard_locks_lost_total";
 
 /// Sets a gauge from a count.
 pub(crate) fn set(name: &'static str, count: usize) {
@@ -45,6 +63,31 @@ pub(crate) fn set(name: &'static str, count: usize) {
 /// Sets a gauge labelled with an entity type.
 pub(crate) fn set_for_type(name: &'static str, entity_type: &str, count: usize) {
     metrics::gauge!(name, "type" => entity_type.to_owned()).set(as_gauge(count));
+}
+
+/// The mailbox gauge of one entity.
+pub(crate) fn mailbox_gauge(entity_type: &str, entity_id: &str, shard: &str) -> metrics::Gauge {
+    metrics::gauge!(
+        ENTITY_MAILBOX_SIZE,
+        "type" => entity_type.to_owned(),
+        "id" => entity_id.to_owned(),
+        "shard" => shard.to_owned(),
+    )
+}
+
+/// Sets a mailbox gauge.
+pub(crate) fn set_mailbox(gauge: &metrics::Gauge, size: usize) {
+    gauge.set(as_gauge(size));
+}
+
+/// Records how long the release of one shard took.
+pub(crate) fn record_shard_release(took: Duration) {
+    metrics::describe_histogram!(
+        SHARD_RELEASE,
+        metrics::Unit::Milliseconds,
+        "Time taken to release a shard, including entity teardown, retries and lock storage recovery"
+    );
+    metrics::histogram!(SHARD_RELEASE).record(took.as_secs_f64() * 1000.0);
 }
 
 fn as_gauge(count: usize) -> f64 {

@@ -350,6 +350,7 @@ impl Sharding {
             concurrency: options.concurrency.unwrap_or(Capacity::Bounded(NonZeroU32::MIN)),
             on_stop_timeout: options.on_stop_timeout.unwrap_or(DEFAULT_ON_STOP_TIMEOUT),
             transaction_retry: config.send_retry_interval,
+            mailbox_metrics: config.entity_mailbox_metrics,
         };
         {
             let mut managers = self.inner.managers.write().unwrap_or_else(PoisonError::into_inner);

@@ -132,7 +132,7 @@ impl HeldLocks {
     /// Refreshes the locks every `interval` until `sharding` shuts down. A lock the refresh
     /// does not return was taken by another runner (a misconfigured second runner on the same
     /// database, or one that found this runner's leases expired): the runner stops serving its
-    /// shard (an error event, `cluster_shard_locks_lost_total`), interrupts its entities, and
+    /// shard (an error event, `effect_cluster_shard_locks_lost_total`), interrupts its entities, and
     /// takes it back once it is free. While refreshes fail, the shards are served until their
     /// leases could have expired, then not until a refresh answers again.
     pub(crate) async fn refresh(self: Arc<HeldLocks>, sharding: Sharding, interval: Duration) {
@@ -233,7 +233,7 @@ impl HeldLocks {
         sharding.poll_storage();
     }
 
-    /// Publishes what the refreshes found to the deliveries and the `cluster_shards` gauge.
+    /// Publishes what the refreshes found to the deliveries and the `effect_cluster_shards` gauge.
     fn publish(&self, state: &LockState) {
         let confirmed = state.is_confirmed(self.lease);
         self.serving_all.store(confirmed && state.lost.is_empty(), Ordering::Release);

@@ -14,6 +14,9 @@
 //! - [`mod@queue_suite`]: the conformance suite of `QueueStorage` implementations, with
 //!   [`queue_suite!`](crate::queue_suite!).
 //!
+//! - [`test_client`]: [`TestClient`], an in-memory client of one entity type for application unit
+//!   tests (the reference's `Entity.makeTestClient`).
+//!
 //! - [`transport`]: an in-memory runner-to-runner transport with faults (unreachable runners,
 //!   failing calls), for several runtimes in one process.
 //!
@@ -29,4 +32,7 @@ pub mod memory;
 pub mod queue_suite;
 pub mod sim;
 pub mod storage_suite;
+pub mod test_client;
 pub mod transport;
+
+pub use test_client::TestClient;

@@ -67,6 +67,8 @@ struct State {
     failing: BTreeMap<(RunnerAddress, Call), u32>,
     /// Random faults and their source.
     faults: Option<(NetworkFaults, SimRng)>,
+    /// How many pings each address was sent, failed ones included.
+    pings: BTreeMap<RunnerAddress, u32>,
 }
 
 /// A kind of call, for fault injection.
@@ -173,6 +175,11 @@ impl MemoryNetwork {
         self.notifies.load(Ordering::Acquire)
     }
 
+    /// How many pings were sent to `address`, failed ones included.
+    pub fn pings_to(&self, address: &RunnerAddress) -> u32 {
+        lock(&self.state).pings.get(address).copied().unwrap_or(0)
+    }
+
     /// How many `send` and `stream` calls were made, failed ones included.
     pub fn sends(&self) -> u32 {
         self.sends.load(Ordering::Acquire)
@@ -269,6 +276,11 @@ impl MemoryRunners {
 impl Runners for MemoryRunners {
     fn ping<'a>(&'a self, address: &'a RunnerAddress) -> BoxFuture<'a, Result<(), ClusterError>> {
         Box::pin(async move {
+            {
+                let mut state = lock(&self.network.state);
+                let count = state.pings.entry(address.clone()).or_default();
+                *count = count.saturating_add(1);
+            }
             let fate = self.network.fate();
             self.network.reach(address, Call::Request, fate).await?;
             if fate.lost_after {

@@ -67,6 +67,7 @@ fn defaults_are_the_reference_defaults() {
     assert_eq!(config.refresh_assignments_interval, secs(3));
     assert_eq!(config.runner_join_debounce, Duration::ZERO);
     assert_eq!(config.runner_health_check_interval, secs(60));
+    assert_eq!(config.runner_health_check, RunnerHealthCheck::PingKnown);
     assert!(config.simulate_remote_serialization);
     assert_eq!(config.validate(), Ok(()));
 }
@@ -112,7 +113,6 @@ const ENV_CASES: &[EnvCase] = &[
     ("SHARD_LOCK_REFRESH_INTERVAL", "5 seconds", |c| c.shard_lock_refresh_interval = secs(5)),
     ("SHARD_LOCK_EXPIRATION", "1 minute", |c| c.shard_lock_expiration = secs(60)),
     ("SHARD_LOCK_DISABLE_ADVISORY", "true", |c| c.shard_lock_disable_advisory = true),
-    ("PREEMPTIVE_SHUTDOWN", "false", |c| c.preemptive_shutdown = false),
     ("ENTITY_MAILBOX_CAPACITY", "16", |c| c.entity_mailbox_capacity = capacity(16)),
     ("ENTITY_MAILBOX_METRICS", "yes", |c| c.entity_mailbox_metrics = true),
     ("MAX_RESIDENT_ENTITIES", "500", |c| c.max_resident_entities = capacity(500)),
@@ -130,6 +130,7 @@ const ENV_CASES: &[EnvCase] = &[
     ("RUNNER_HEALTH_CHECK_INTERVAL", "2 minutes", |c| {
         c.runner_health_check_interval = secs(120);
     }),
+    ("RUNNER_HEALTH_CHECK", "heartbeat", |c| c.runner_health_check = RunnerHealthCheck::Heartbeat),
     ("SIMULATE_REMOTE_SERIALIZATION", "off", |c| c.simulate_remote_serialization = false),
 ];
 
@@ -148,10 +149,39 @@ fn every_variable_is_tested_and_listed() {
     let tested: BTreeSet<&str> = ENV_CASES.iter().map(|(var, _, _)| *var).collect();
     let listed: BTreeSet<&str> = ENV_VARS.iter().copied().collect();
     // LISTEN_PORT alone is an error; it is covered by the listen address tests.
+    // PREEMPTIVE_SHUTDOWN only accepts its default; it has a test of its own.
     let untested: Vec<&&str> = listed.difference(&tested).collect();
-    assert_eq!(untested, [&"LISTEN_PORT"]);
+    assert_eq!(untested, [&"LISTEN_PORT", &"PREEMPTIVE_SHUTDOWN"]);
     assert!(tested.is_subset(&listed));
     assert_eq!(listed.len(), ENV_VARS.len());
+}
+
+#[test]
+fn preemptive_shutdown_false_is_refused_at_load() {
+    // `true` is what a runner does, so it loads; `false` would be parsed and ignored.
+    assert_eq!(load(&[("PREEMPTIVE_SHUTDOWN", "true")]), Ok(ShardingConfig::default()));
+    let error = load_error(&[("PREEMPTIVE_SHUTDOWN", "false")]);
+    assert_eq!((error.key(), error.value()), ("PREEMPTIVE_SHUTDOWN", "false"));
+    assert!(error.reason().contains("not supported"), "{error}");
+    let config = ShardingConfig { preemptive_shutdown: false, ..ShardingConfig::default() };
+    let error = config.validate().unwrap_err();
+    assert_eq!((error.key(), error.value()), ("preemptive_shutdown", "false"));
+}
+
+#[test]
+fn runner_health_check_modes_parse() {
+    for mode in
+        [RunnerHealthCheck::PingKnown, RunnerHealthCheck::Ping, RunnerHealthCheck::Heartbeat]
+    {
+        let config = load(&[("RUNNER_HEALTH_CHECK", mode.as_str())]).unwrap();
+        assert_eq!(config.runner_health_check, mode);
+        assert_eq!(RunnerHealthCheck::parse(&mode.to_string()), Ok(mode));
+    }
+    for value in ["Ping", "ping_known", "none", " ping"] {
+        let error = load_error(&[("RUNNER_HEALTH_CHECK", value)]);
+        assert_eq!((error.key(), error.value()), ("RUNNER_HEALTH_CHECK", value));
+        assert!(error.reason().contains("ping-known"), "{error}");
+    }
 }
 
 #[test]

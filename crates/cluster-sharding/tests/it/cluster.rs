@@ -5,6 +5,7 @@ use std::sync::Arc;
 use std::sync::atomic::Ordering;
 use std::time::Duration;
 
+use cluster_core::config::RunnerHealthCheck;
 use cluster_core::envelope::{Reply, primary_key};
 use cluster_core::storage::{MessageStorage, RunnerStorage};
 use cluster_core::{Clock, RunnerAddress, ShardGroup, ShardId, ShardingConfig, SystemClock};
@@ -148,17 +149,60 @@ impl Net {
         self.runner_on_network_with(port, network, Duration::from_secs(60)).await
     }
 
-    /// The same, checking the other runners' health every `health_interval`.
+    /// The same, checking the other runners' health every `health_interval` by pinging them
+    /// all (the reference's check).
     async fn runner_on_network_with(
         &self,
         port: u16,
         network: &Arc<MemoryNetwork>,
         health_interval: Duration,
     ) -> Sharding {
+        self.runner_judging(port, network, health_interval, RunnerHealthCheck::Ping).await
+    }
+
+    /// A runner with a transport on `network`, judging the other runners' health every
+    /// `health_interval` as `mode` says; it is reachable only once the test attaches it.
+    async fn runner_judging_unattached(
+        &self,
+        port: u16,
+        network: &Arc<MemoryNetwork>,
+        health_interval: Duration,
+        mode: RunnerHealthCheck,
+    ) -> Sharding {
         let (messages, locks) = self.storages().await;
         let address = RunnerAddress::new("127.0.0.1", port);
         let config = ShardingConfig {
             runner_health_check_interval: health_interval,
+            runner_health_check: mode,
+            ..config(Some(address))
+        };
+        let transport = Some(network.runners());
+        let sharding = Sharding::join_with_transport(
+            config,
+            Arc::new(SystemClock),
+            messages,
+            locks,
+            transport,
+        )
+        .await
+        .unwrap();
+        sharding.register::<Counter>(EntityOptions::default()).unwrap();
+        sharding
+    }
+
+    /// The same, attached to `network`.
+    async fn runner_judging(
+        &self,
+        port: u16,
+        network: &Arc<MemoryNetwork>,
+        health_interval: Duration,
+        mode: RunnerHealthCheck,
+    ) -> Sharding {
+        let (messages, locks) = self.storages().await;
+        let address = RunnerAddress::new("127.0.0.1", port);
+        let config = ShardingConfig {
+            runner_health_check_interval: health_interval,
+            runner_health_check: mode,
             ..config(Some(address.clone()))
         };
         let transport = Some(network.runners());
@@ -390,6 +434,9 @@ on_every_backend!(
     the_backlog_beyond_the_residency_cap_drains_in_waves,
     requests_that_finish_while_their_shard_drains_do_not_run_again,
     a_reply_slow_to_store_while_its_shard_drains_keeps_the_lock,
+    a_runner_the_transport_cannot_reach_keeps_its_shards_while_its_heartbeat_lives,
+    a_known_runner_that_stops_answering_pings_loses_its_shards,
+    the_heartbeat_check_marks_a_runner_with_a_live_heartbeat_healthy_again,
 );
 
 mod transaction_begin {
@@ -1159,6 +1206,103 @@ async fn a_runner_that_stops_answering_pings_loses_its_shards_until_it_answers_a
     .await;
     network.attach(c_address, c.runner_handler());
     eventually("it gets shards again", || split(&all) && !c.acquired_shards().is_empty()).await;
+    for runner in all {
+        runner.shutdown().await;
+    }
+}
+
+/// Whether the registry lists the runner at `port`, and as healthy.
+async fn registry_health(net: &Net, port: u16) -> Option<bool> {
+    let (_, locks) = net.storages().await;
+    let runners = locks.get_runners().await.unwrap();
+    let address = RunnerAddress::new("127.0.0.1", port);
+    runners.into_iter().find(|(runner, _)| runner.address == address).map(|(_, healthy)| healthy)
+}
+
+/// A runner that never answers this transport (a runner of the reference, which speaks its own)
+/// keeps its shards under the default `ping-known` check: it is pinged once a round, to learn
+/// whether it speaks the transport, and judged by its registry heartbeat alone. The reference's
+/// check (`ping`) marks it unhealthy after its first round and takes its shards.
+async fn a_runner_the_transport_cannot_reach_keeps_its_shards_while_its_heartbeat_lives(net: Net) {
+    let network = MemoryNetwork::new();
+    let every = Duration::from_millis(100);
+    let mode = RunnerHealthCheck::default();
+    let a = net.runner_judging(16_001, &network, every, mode).await;
+    let b = net.runner_judging(16_002, &network, every, mode).await;
+    let c = net.runner_judging_unattached(16_003, &network, every, mode).await;
+    let all = [&a, &b, &c];
+    eventually("the shards are split three ways", || {
+        split(&all) && all.iter().all(|runner| !runner.acquired_shards().is_empty())
+    })
+    .await;
+    let c_address = RunnerAddress::new("127.0.0.1", 16_003);
+    // Eleven more pings: at least two whole rounds of the reference's five pings each.
+    let pinged = network.pings_to(&c_address) + 11;
+    eventually("the health check ran a few rounds", || network.pings_to(&c_address) >= pinged)
+        .await;
+    assert_eq!(registry_health(&net, 16_003).await, Some(true), "still healthy");
+    assert!(split(&all) && !c.acquired_shards().is_empty(), "it keeps its shards");
+    for runner in all {
+        runner.shutdown().await;
+    }
+}
+
+/// Under `ping-known` a runner that answered a ping once is judged by pings from then on: when it
+/// stops answering it is marked unhealthy and loses its shards, and it gets them back once it
+/// answers again.
+async fn a_known_runner_that_stops_answering_pings_loses_its_shards(net: Net) {
+    let network = MemoryNetwork::new();
+    let every = Duration::from_millis(100);
+    let mode = RunnerHealthCheck::PingKnown;
+    let a = net.runner_judging(17_001, &network, every, mode).await;
+    let b = net.runner_judging(17_002, &network, every, mode).await;
+    let c = net.runner_judging(17_003, &network, every, mode).await;
+    let all = [&a, &b, &c];
+    eventually("the shards are split three ways", || {
+        split(&all) && all.iter().all(|runner| !runner.acquired_shards().is_empty())
+    })
+    .await;
+    // Two more pings answered: the round of the first one is over, so the runner is known.
+    let c_address = c.config().runner_address.clone().unwrap();
+    let pinged = network.pings_to(&c_address) + 2;
+    eventually("the runner answered pings", || network.pings_to(&c_address) >= pinged).await;
+    network.detach(&c_address);
+    eventually("the unreachable runner's shards go to the others", || {
+        split(&[&a, &b]) && c.acquired_shards().is_empty()
+    })
+    .await;
+    assert_eq!(registry_health(&net, 17_003).await, Some(false));
+    network.attach(c_address, c.runner_handler());
+    eventually("it gets shards again", || split(&all) && !c.acquired_shards().is_empty()).await;
+    for runner in all {
+        runner.shutdown().await;
+    }
+}
+
+/// Under `heartbeat` nobody is pinged: a runner the registry lists (its heartbeat is live) is
+/// healthy, so one marked unhealthy is marked healthy again, even though the transport cannot
+/// reach it.
+async fn the_heartbeat_check_marks_a_runner_with_a_live_heartbeat_healthy_again(net: Net) {
+    let network = MemoryNetwork::new();
+    let every = Duration::from_millis(100);
+    let mode = RunnerHealthCheck::Heartbeat;
+    let a = net.runner_judging(18_001, &network, every, mode).await;
+    let b = net.runner_judging_unattached(18_002, &network, every, mode).await;
+    let all = [&a, &b];
+    eventually("the shards are split two ways", || {
+        split(&all) && all.iter().all(|runner| !runner.acquired_shards().is_empty())
+    })
+    .await;
+    let b_address = RunnerAddress::new("127.0.0.1", 18_002);
+    let (_, locks) = net.storages().await;
+    locks.set_runner_health(&b_address, false).await.unwrap();
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(20);
+    while registry_health(&net, 18_002).await != Some(true) {
+        assert!(tokio::time::Instant::now() < deadline, "never marked healthy again");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    eventually("it holds shards", || split(&all) && !b.acquired_shards().is_empty()).await;
+    assert_eq!(network.pings_to(&b_address), 0, "nobody is pinged");
     for runner in all {
         runner.shutdown().await;
     }

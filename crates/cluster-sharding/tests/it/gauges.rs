@@ -1,8 +1,10 @@
-//! The `cluster_entities` gauge follows resident instances
-//! (`effect/src/cluster/ClusterMetrics.ts`), read through a minimal `metrics` recorder installed
-//! for this test binary.
+//! The runtime's metrics carry the reference's names and labels
+//! (`effect/src/cluster/ClusterMetrics.ts`): the `effect_cluster_entities` gauge follows resident
+//! instances, `effect_cluster_entity_mailbox_size` follows each entity's mailbox when
+//! `entity_mailbox_metrics` is on, and `effect_cluster_shard_release` times shard releases. They
+//! are read through a minimal `metrics` recorder installed for this test binary.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
 use std::time::Duration;
@@ -12,15 +14,29 @@ use cluster_sharding::{
     Entity, EntityContext, EntityOptions, Handler, Protocol, RequestContext, Sharding,
 };
 use metrics::{
-    Counter, Gauge, GaugeFn, Histogram, Key, KeyName, Metadata, Recorder, SharedString, Unit,
+    Counter, Gauge, GaugeFn, Histogram, HistogramFn, Key, KeyName, Metadata, Recorder,
+    SharedString, Unit,
 };
 
 use crate::entities::{Failure, Get};
 
-/// Gauge values by name and labels.
+/// Gauge values and histogram samples by name and labels.
 #[derive(Default)]
 struct Gauges {
     values: Mutex<BTreeMap<String, Arc<Value>>>,
+    samples: Mutex<BTreeMap<String, Arc<Samples>>>,
+    /// Every name registered, whatever its kind.
+    names: Mutex<BTreeSet<String>>,
+}
+
+/// The samples of one histogram.
+#[derive(Default)]
+struct Samples(Mutex<Vec<f64>>);
+
+impl HistogramFn for Samples {
+    fn record(&self, value: f64) {
+        self.0.lock().unwrap().push(value);
+    }
 }
 
 #[derive(Default)]
@@ -53,17 +69,21 @@ impl Recorder for Capture {
     fn describe_gauge(&self, _: KeyName, _: Option<Unit>, _: SharedString) {}
     fn describe_histogram(&self, _: KeyName, _: Option<Unit>, _: SharedString) {}
 
-    fn register_counter(&self, _: &Key, _: &Metadata<'_>) -> Counter {
+    fn register_counter(&self, key: &Key, _: &Metadata<'_>) -> Counter {
+        self.0.names.lock().unwrap().insert(key.name().to_owned());
         Counter::noop()
     }
 
     fn register_gauge(&self, key: &Key, _: &Metadata<'_>) -> Gauge {
+        self.0.names.lock().unwrap().insert(key.name().to_owned());
         let mut values = self.0.values.lock().unwrap();
         Gauge::from_arc(Arc::clone(values.entry(name(key)).or_default()))
     }
 
-    fn register_histogram(&self, _: &Key, _: &Metadata<'_>) -> Histogram {
-        Histogram::noop()
+    fn register_histogram(&self, key: &Key, _: &Metadata<'_>) -> Histogram {
+        self.0.names.lock().unwrap().insert(key.name().to_owned());
+        let mut samples = self.0.samples.lock().unwrap();
+        Histogram::from_arc(Arc::clone(samples.entry(name(key)).or_default()))
     }
 }
 
@@ -114,9 +134,124 @@ async fn the_entities_gauge_follows_resident_instances() {
     for id in ["m1", "m2", "m3"] {
         sharding.client::<Meter>(id).send(Get).await.unwrap();
     }
-    assert_eq!(gauge("cluster_entities{type=Meter}"), Some(3.0));
-    assert_eq!(gauge("cluster_runners{}"), Some(1.0));
+    assert_eq!(gauge("effect_cluster_entities{type=Meter}"), Some(3.0));
+    assert_eq!(gauge("effect_cluster_runners{}"), Some(1.0));
     tokio::time::sleep(Duration::from_secs(5)).await;
     assert_eq!(sharding.active_entity_count(), 0);
-    assert_eq!(gauge("cluster_entities{type=Meter}"), Some(0.0));
+    assert_eq!(gauge("effect_cluster_entities{type=Meter}"), Some(0.0));
+    assert_one_naming_scheme();
+}
+
+/// Every name reported is the reference's scheme, `effect_cluster_*`: no old `cluster_*` name
+/// reports the same value a second time.
+fn assert_one_naming_scheme() {
+    let names = gauges().names.lock().unwrap().clone();
+    assert!(!names.is_empty());
+    let other: Vec<&String> =
+        names.iter().filter(|name| !name.starts_with("effect_cluster_")).collect();
+    assert!(other.is_empty(), "names outside the scheme: {other:?}");
+}
+
+/// Requests to `Queued` wait here until the test lets them go.
+static GATE: tokio::sync::Semaphore = tokio::sync::Semaphore::const_new(0);
+
+/// An entity whose requests wait at [`GATE`], so that its mailbox fills.
+struct Queued;
+
+impl Entity for Queued {
+    const TYPE: &'static str = "Queued";
+
+    async fn create(_context: &EntityContext) -> Queued {
+        Queued
+    }
+
+    fn protocol(protocol: &mut Protocol<Queued>) {
+        protocol.handle::<Get>();
+    }
+}
+
+impl Handler<Get> for Queued {
+    async fn handle(&mut self, _: &RequestContext, _: Get) -> Result<u64, Failure> {
+        GATE.acquire().await.expect("never closed").forget();
+        Ok(0)
+    }
+}
+
+/// Waits until `key`'s gauge reads `value`, failing after a deadline.
+async fn gauge_reaches(key: &str, value: f64) {
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+    while gauge(key) != Some(value) {
+        assert!(tokio::time::Instant::now() < deadline, "{key} = {:?}, not {value}", gauge(key));
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_mailbox_gauge_follows_each_entity_when_entity_mailbox_metrics_is_on() {
+    gauges();
+    let config = ShardingConfig { entity_mailbox_metrics: true, ..ShardingConfig::default() };
+    let sharding = Sharding::new(config, Arc::new(SystemClock)).unwrap();
+    sharding.register::<Queued>(EntityOptions::default()).unwrap();
+    let client = sharding.client::<Queued>("q1");
+    let shard = client.address().shard_id.to_string();
+    let key = format!("effect_cluster_entity_mailbox_size{{type=Queued,id=q1,shard={shard}}}");
+    let calls: Vec<_> = (0..2)
+        .map(|_| {
+            let client = client.clone();
+            tokio::spawn(async move { client.send(Get).await })
+        })
+        .collect();
+    // One running, one waiting: both count, as the mailbox capacity check counts them.
+    gauge_reaches(&key, 2.0).await;
+    GATE.add_permits(2);
+    for call in calls {
+        call.await.unwrap().unwrap();
+    }
+    gauge_reaches(&key, 0.0).await;
+
+    // Off (the default): no series for the entities of a runtime without it.
+    let quiet = Sharding::new(ShardingConfig::default(), Arc::new(SystemClock)).unwrap();
+    quiet.register::<Queued>(EntityOptions::default()).unwrap();
+    let client = quiet.client::<Queued>("q2");
+    GATE.add_permits(1);
+    client.send(Get).await.unwrap();
+    let keys: Vec<String> = gauges().values.lock().unwrap().keys().cloned().collect();
+    assert!(!keys.iter().any(|key| key.contains("id=q2")), "{keys:?}");
+    assert_one_naming_scheme();
+    sharding.shutdown().await;
+    quiet.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_shard_release_timer_records_each_release_of_the_shutdown_handoff() {
+    use cluster_testkit::memory::{
+        MemoryMessageStorage, MemoryRunnerDatabase, MemoryRunnerStorage,
+    };
+
+    gauges();
+    let clock = Arc::new(SystemClock);
+    let messages = Arc::new(MemoryMessageStorage::new(clock.clone()));
+    let registry = MemoryRunnerDatabase::new(clock.clone());
+    let expiration = Duration::from_secs(30);
+    let locks = Arc::new(MemoryRunnerStorage::new(registry, expiration));
+    let config = ShardingConfig {
+        shards_per_group: 4,
+        refresh_assignments_interval: Duration::from_millis(50),
+        entity_message_poll_interval: Duration::from_millis(50),
+        ..ShardingConfig::default()
+    };
+    let sharding = Sharding::join(config, clock, messages, locks).await.unwrap();
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+    while sharding.acquired_shards().len() < 4 {
+        assert!(tokio::time::Instant::now() < deadline, "the runner never held its shards");
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    assert_eq!(gauge("effect_cluster_shards{}"), Some(4.0));
+    sharding.shutdown().await;
+    let samples = gauges().samples.lock().unwrap().get("effect_cluster_shard_release{}").cloned();
+    let samples = samples.expect("the timer was registered").0.lock().unwrap().clone();
+    assert_eq!(samples.len(), 4, "one sample per shard released: {samples:?}");
+    assert!(samples.iter().all(|ms| ms.is_finite() && *ms >= 0.0), "{samples:?}");
+    assert_eq!(gauge("effect_cluster_shards{}"), Some(0.0));
+    assert_one_naming_scheme();
 }

@@ -1,6 +1,7 @@
 //! Single-runner tests of the sharding runtime: typed volatile calls to local entities
 //! (the volatile cases of effect's `Sharding.test.ts`).
 
+mod client_spans;
 mod cluster;
 mod concurrency;
 mod entities;
