@@ -8,6 +8,8 @@
 //! - Every Rust file starts with a `//!` doc.
 //! - No ignored tests, no tests that expect a panic, and no `todo` or `unimplemented` stubs.
 //! - Only `cluster-core`'s `SystemClock` reads the wall clock.
+//! - Locks are taken through `cluster_core::sync` and `Never` is `cluster_core::Never`, each
+//!   defined once.
 //! - Comments and docs cite only what a clone can follow: the reference's own sources
 //!   (`effect/src/...`) or paths that exist in this repository, never the design notes the
 //!   project started from.
@@ -192,6 +194,20 @@ pub(crate) fn file_violations(path: &str, text: &str) -> Vec<String> {
     for (pattern, why) in banned {
         if text.contains(pattern) {
             violations.push(format!("{path}: contains `{pattern}` ({why})"));
+        }
+    }
+    // One home each for the poison-ignoring lock helpers and the error type that has no value.
+    let single_homes = [
+        (
+            concat!("PoisonError", "::into_inner"),
+            "crates/cluster-core/src/sync.rs",
+            "cluster_core::sync::lock",
+        ),
+        (concat!("enum ", "Never"), "crates/cluster-core/src/never.rs", "cluster_core::Never"),
+    ];
+    for (pattern, home, instead) in single_homes {
+        if text.contains(pattern) && path != home {
+            violations.push(format!("{path}: contains `{pattern}`; use `{instead}`"));
         }
     }
     let wall_clock = concat!("SystemTime", "::now");

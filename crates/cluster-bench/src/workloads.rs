@@ -7,7 +7,7 @@ use std::sync::Arc;
 use cluster_core::config::Capacity;
 use cluster_core::{ShardingConfig, SystemClock};
 use cluster_sharding::{
-    Entity, EntityContext, EntityOptions, Handler, Protocol, RequestContext, Rpc, Sharding,
+    Entity, EntityContext, EntityOptions, Handler, Never, Protocol, RequestContext, Rpc, Sharding,
 };
 use cluster_workflow::{Workflow, WorkflowContext, WorkflowEngine};
 use serde::{Deserialize, Serialize};
@@ -29,10 +29,6 @@ struct StoredPing {
     key: String,
     n: u64,
 }
-
-/// Echo requests never fail.
-#[derive(Debug, Serialize, Deserialize)]
-enum Never {}
 
 impl Rpc for Ping {
     const TAG: &'static str = "Ping";

@@ -29,7 +29,7 @@ use std::time::Duration;
 use cluster_chaos::chaos::{free_port, wait_for_runners};
 use cluster_chaos::node::{self, Node, NodeEnv};
 use cluster_sharding::{
-    Entity, EntityContext, EntityOptions, Handler, Protocol, RequestContext, Rpc, Sharding,
+    Entity, EntityContext, EntityOptions, Handler, Never, Protocol, RequestContext, Rpc, Sharding,
 };
 use cluster_storage_sql::PgRunnerStorage;
 use serde::{Deserialize, Serialize};
@@ -53,10 +53,6 @@ struct Where;
 struct Visit {
     key: String,
 }
-
-/// Nothing fails here.
-#[derive(Debug, Serialize, Deserialize)]
-enum Never {}
 
 impl Rpc for Where {
     const TAG: &'static str = "Where";

@@ -18,8 +18,10 @@
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex, PoisonError};
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
+
+use cluster_core::sync::lock;
 
 use cluster_sharding::{CallError, Sharding};
 use serde::{Deserialize, Serialize};
@@ -148,7 +150,7 @@ impl Ledgers {
     /// is still unanswered.
     fn stored(&self, entity: usize, index: u64) -> bool {
         let behind = {
-            let mut unanswered = self.unanswered.lock().unwrap_or_else(PoisonError::into_inner);
+            let mut unanswered = lock(&self.unanswered);
             let Some(waiting) = unanswered.get_mut(entity) else { return false };
             let behind = !waiting.is_empty();
             waiting.insert(index);
@@ -162,7 +164,7 @@ impl Ledgers {
 
     /// The `index`-th deposit of ledger `entity` is answered (or given up).
     fn settled(&self, entity: usize, index: u64) {
-        let mut unanswered = self.unanswered.lock().unwrap_or_else(PoisonError::into_inner);
+        let mut unanswered = lock(&self.unanswered);
         if let Some(waiting) = unanswered.get_mut(entity) {
             waiting.remove(&index);
         }
@@ -170,7 +172,7 @@ impl Ledgers {
 }
 
 fn record(tally: &Mutex<Tally>, change: impl FnOnce(&mut Summary)) {
-    change(&mut tally.lock().unwrap_or_else(PoisonError::into_inner).summary);
+    change(&mut lock(tally).summary);
 }
 
 /// Runs the workload on `client` (a client-only runtime) and returns what it saw.
@@ -204,7 +206,7 @@ pub async fn run(client: &Sharding, options: &WorkloadOptions) -> Summary {
     };
     while workers.join_next().await.is_some() {}
     let _ = echoes.await;
-    let mut summary = tally.lock().unwrap_or_else(PoisonError::into_inner).summary.clone();
+    let mut summary = lock(&tally).summary.clone();
     // Every started deposit ends answered, failed or unanswered.
     summary.sent = next.load(Ordering::SeqCst);
     summary

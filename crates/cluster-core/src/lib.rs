@@ -15,6 +15,8 @@
 //!   validation.
 //! - Contracts: [`storage::MessageStorage`], [`storage::RunnerStorage`],
 //!   [`queue_storage::QueueStorage`], [`runners::Runners`], [`clock::Clock`].
+//! - [`Never`], the error type of what cannot fail, and [`sync::lock`], the one way to take a
+//!   mutex.
 //! - Pure state machines: [`membership`] (registry observations to published assignments, with
 //!   the join debounce) and [`ownership`] (assigned, acquired and releasing shards).
 
@@ -28,12 +30,14 @@ pub mod hash;
 pub mod hash_ring;
 pub mod ids;
 pub mod membership;
+pub mod never;
 pub mod ownership;
 pub mod queue_storage;
 pub mod reply_handlers;
 pub mod runners;
 pub mod snowflake;
 pub mod storage;
+pub mod sync;
 
 pub use clock::{Clock, SystemClock, Timestamp};
 pub use config::ShardingConfig;
@@ -44,4 +48,5 @@ pub use ids::{
     EntityAddress, EntityId, EntityType, MachineId, Runner, RunnerAddress, RunnerWeight,
     ShardGroup, ShardId, SingletonAddress, Tag,
 };
+pub use never::Never;
 pub use snowflake::{SharedSnowflakeGenerator, Snowflake, SnowflakeGenerator};

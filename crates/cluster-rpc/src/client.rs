@@ -14,7 +14,7 @@
 
 use std::collections::BTreeMap;
 use std::fmt;
-use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use cluster_core::envelope::{Envelope, Exit, Reply, Request, WithExit};
@@ -23,6 +23,7 @@ use cluster_core::future::BoxFuture;
 use cluster_core::ids::RunnerAddress;
 use cluster_core::runners::{ReplyStream, Runners};
 use cluster_core::snowflake::Snowflake;
+use cluster_core::sync::lock;
 use tokio::io::WriteHalf;
 use tokio::net::TcpStream;
 use tokio::sync::{Notify, OwnedSemaphorePermit, Semaphore, mpsc};
@@ -53,11 +54,6 @@ struct Peer {
     connection: Option<Arc<Connection>>,
     failures: u32,
     retry_at: Option<Instant>,
-}
-
-fn lock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
-    // Critical sections only move map entries and flags; a panic cannot leave them half done.
-    mutex.lock().unwrap_or_else(PoisonError::into_inner)
 }
 
 fn unavailable(address: &RunnerAddress) -> ClusterError {

@@ -16,10 +16,11 @@
 
 use std::process::ExitCode;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
-use std::sync::{Arc, Mutex, PoisonError};
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use cluster_core::ShardingConfig;
+use cluster_core::sync::lock;
 use cluster_sharding::{CronOptions, SingleRunner, SingletonOptions};
 
 /// What the singleton and the job did.
@@ -32,7 +33,7 @@ struct Seen {
 
 impl Seen {
     fn runs(&self) -> Vec<i64> {
-        self.runs.lock().unwrap_or_else(PoisonError::into_inner).clone()
+        lock(&self.runs).clone()
     }
 }
 
@@ -72,7 +73,7 @@ async fn run(path: &std::path::Path) -> Result<(), String> {
             async move {
                 let instant = context.scheduled().unix_millis();
                 say(&format!("cron run for {instant} (unix ms)"));
-                seen.runs.lock().unwrap_or_else(PoisonError::into_inner).push(instant);
+                lock(&seen.runs).push(instant);
                 Ok::<(), String>(())
             }
         })

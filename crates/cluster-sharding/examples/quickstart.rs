@@ -22,7 +22,7 @@ use cluster_core::envelope::primary_key;
 use cluster_core::storage::MessageStorage;
 use cluster_core::{EntityAddress, EntityId, EntityType, ShardGroup, ShardingConfig};
 use cluster_sharding::{
-    Entity, EntityContext, EntityOptions, Handler, Protocol, RequestContext, Rpc, Sharding,
+    Entity, EntityContext, EntityOptions, Handler, Never, Protocol, RequestContext, Rpc, Sharding,
     SingleRunner,
 };
 use cluster_storage_sql::sqlite::{SqliteMessageStorage, SqliteOptions};
@@ -46,10 +46,6 @@ struct Deposit {
     key: String,
     amount: u64,
 }
-
-/// Deposits never fail.
-#[derive(Debug, Serialize, Deserialize)]
-enum Never {}
 
 impl Rpc for Deposit {
     const TAG: &'static str = "Deposit";

@@ -18,7 +18,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 
 use cluster_core::ShardingConfig;
 use cluster_sharding::{
-    CallError, Chunks, Entity, EntityContext, EntityOptions, Protocol, RequestContext,
+    CallError, Chunks, Entity, EntityContext, EntityOptions, Never, Protocol, RequestContext,
     SingleRunner, StreamHandler, StreamRpc,
 };
 use serde::{Deserialize, Serialize};
@@ -39,16 +39,6 @@ struct Readings {
 struct Export {
     key: String,
     count: u64,
-}
-
-/// Streams never fail here.
-#[derive(Debug, Serialize, Deserialize)]
-enum Never {}
-
-impl std::fmt::Display for Never {
-    fn fmt(&self, _: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        match *self {}
-    }
 }
 
 impl StreamRpc for Readings {

@@ -29,7 +29,7 @@
 //! reference, which do not speak this transport) to their registry heartbeat.
 
 use std::collections::{BTreeMap, BTreeSet};
-use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
+use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
 
 use cluster_core::config::RunnerHealthCheck;
@@ -39,6 +39,7 @@ use cluster_core::ownership::{AcquisitionGates, ShardOwnership};
 use cluster_core::reply_handlers::UnregisterMode;
 use cluster_core::runners::Runners;
 use cluster_core::storage::{MessageStorage, RunnerStorage};
+use cluster_core::sync::lock;
 use cluster_core::{Clock, Runner, RunnerAddress, ShardId, ShardingConfig};
 use futures_util::FutureExt;
 use futures_util::future::Shared;
@@ -103,12 +104,6 @@ impl std::fmt::Debug for Cluster {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Cluster").field("runner", &self.runner).finish_non_exhaustive()
     }
-}
-
-fn lock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
-    // The critical sections only call the state machines, which check their invariants
-    // before returning: a panic there is a bug that leaves the previous state.
-    mutex.lock().unwrap_or_else(PoisonError::into_inner)
 }
 
 impl Cluster {

@@ -25,10 +25,11 @@
 
 use std::collections::BTreeMap;
 use std::future::Future;
-use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use cluster_core::future::BoxFuture;
+use cluster_core::sync::lock;
 use cluster_core::{EntityType, ShardGroup, Timestamp};
 use serde::{Deserialize, Serialize};
 
@@ -128,11 +129,6 @@ impl Job {
 #[derive(Default)]
 pub(crate) struct CronJobs {
     jobs: Mutex<BTreeMap<EntityType, Arc<Job>>>,
-}
-
-fn lock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
-    // The critical sections only insert or read map entries.
-    mutex.lock().unwrap_or_else(PoisonError::into_inner)
 }
 
 /// An instant as the reference writes it: `2024-01-01T00:00:00.000Z`.

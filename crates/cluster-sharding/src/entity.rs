@@ -13,12 +13,10 @@
 //! on a state taken from the entity when the instance is created.
 //!
 //! ```
-//! # use cluster_sharding::{Entity, EntityContext, Handler, Protocol, RequestContext, Rpc};
+//! # use cluster_sharding::{Entity, EntityContext, Handler, Never, Protocol, RequestContext, Rpc};
 //! # use serde::{Deserialize, Serialize};
 //! # #[derive(Serialize, Deserialize)]
 //! # struct Increment { by: u64 }
-//! # #[derive(Serialize, Deserialize)]
-//! # enum Never {}
 //! # impl Rpc for Increment {
 //! #     const TAG: &'static str = "Increment";
 //! #     type Success = u64;
@@ -49,6 +47,7 @@ use cluster_core::config::Capacity;
 use cluster_core::envelope::{Chunk, Exit, RawJson, Reply};
 use cluster_core::future::BoxFuture;
 use cluster_core::storage::MessageTransaction;
+use cluster_core::sync::lock;
 use cluster_core::{ClusterError, EntityAddress, ShardGroup, Snowflake};
 use serde::Serialize;
 use serde::de::DeserializeOwned;
@@ -400,7 +399,7 @@ impl ChunkPump {
 
     fn lock(&self) -> std::sync::MutexGuard<'_, Outbox> {
         // Every critical section leaves the outbox whole: a panic cannot break it.
-        self.outbox.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+        lock(&self.outbox)
     }
 
     /// Queues `values` for one chunk, waiting while the pending chunk has no room for them.

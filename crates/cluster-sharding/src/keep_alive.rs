@@ -8,10 +8,11 @@
 //! Disabling opens the latch: the parked request is answered and the entity may be reaped
 //! again.
 
-use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
+use std::sync::{Arc, Mutex, MutexGuard};
 
 use cluster_core::envelope::Exit;
 use cluster_core::future::BoxFuture;
+use cluster_core::sync::lock;
 use cluster_core::{ClusterError, EntityAddress};
 
 use crate::manager::{Delivery, ReplyTo};
@@ -42,7 +43,7 @@ struct State {
 impl KeepAlive {
     fn state(&self) -> MutexGuard<'_, State> {
         // The critical sections only push, take or set a flag.
-        self.state.lock().unwrap_or_else(PoisonError::into_inner)
+        lock(&self.state)
     }
 
     /// Whether the instance must not be reaped for idleness.

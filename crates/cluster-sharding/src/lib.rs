@@ -8,7 +8,8 @@
 //!
 //! use cluster_core::{ShardingConfig, SystemClock};
 //! use cluster_sharding::{
-//!     Entity, EntityContext, EntityOptions, Handler, Protocol, RequestContext, Rpc, Sharding,
+//!     Entity, EntityContext, EntityOptions, Handler, Never, Protocol, RequestContext, Rpc,
+//!     Sharding,
 //! };
 //! use serde::{Deserialize, Serialize};
 //!
@@ -23,9 +24,6 @@
 //!     by: u64,
 //! }
 //!
-//! /// Increments never fail.
-//! #[derive(Debug, Serialize, Deserialize)]
-//! enum Never {}
 //!
 //! impl Rpc for Increment {
 //!     const TAG: &'static str = "Increment";
@@ -108,6 +106,7 @@ mod singleton;
 mod time;
 
 pub use client::{ChunkStream, EntityClient};
+pub use cluster_core::Never;
 pub use cron::{CronContext, CronError, CronOptions};
 pub use entity::{
     CHUNK_BYTES_MAX, CHUNK_ITEMS_MAX, ChunkError, Chunks, DEFAULT_ON_STOP_TIMEOUT, Entity,

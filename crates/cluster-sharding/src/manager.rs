@@ -13,13 +13,14 @@ use std::collections::{BTreeMap, VecDeque};
 use std::panic::AssertUnwindSafe;
 use std::pin::Pin;
 use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use cluster_core::config::Capacity;
 use cluster_core::envelope::{Chunk, Exit, RawJson, Reply, Request, WithExit};
 use cluster_core::future::BoxFuture;
 use cluster_core::storage::{MessageStorage, MessageTransaction};
+use cluster_core::sync::lock;
 use cluster_core::{ClusterError, EntityAddress, EntityType, ShardId, Snowflake};
 use futures_util::stream::FuturesUnordered;
 use futures_util::{FutureExt, StreamExt};
@@ -413,12 +414,6 @@ impl<E: Entity> EntityManager<E> {
             }),
         }
     }
-}
-
-fn lock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
-    // Every critical section here only inserts or removes map entries: a panic cannot leave
-    // the map half-changed.
-    mutex.lock().unwrap_or_else(PoisonError::into_inner)
 }
 
 impl<E: Entity> ErasedManager for EntityManager<E> {

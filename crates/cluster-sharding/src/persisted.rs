@@ -12,7 +12,7 @@
 //! and is answered by the next run.
 
 use std::collections::{BTreeMap, BTreeSet};
-use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use cluster_core::envelope::{Envelope, Exit, Interrupt, Reply, Request, WithExit};
@@ -21,6 +21,7 @@ use cluster_core::reply_handlers::{ReplyHandlers, ReplyWaiter, UnregisterMode};
 use cluster_core::storage::{
     MessageStorage, SaveRequestOptions, SaveResult, UnprocessedMessage, UnprocessedOptions,
 };
+use cluster_core::sync::lock;
 use cluster_core::{ClusterError, EntityAddress, EntityType, ShardId, Snowflake};
 use tokio::sync::{Notify, mpsc, oneshot};
 use tokio::time::Instant;
@@ -155,10 +156,6 @@ impl ReplyWaiter for Waiter {
 /// What a local caller of a persisted request hears: the final reply, or why it will not come
 /// to this process.
 type Answer = Result<Reply, UnregisterMode>;
-
-fn lock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
-    mutex.lock().unwrap_or_else(PoisonError::into_inner)
-}
 
 impl Persisted {
     pub(crate) fn new(storage: Arc<dyn MessageStorage>, shards: Vec<ShardId>) -> Persisted {

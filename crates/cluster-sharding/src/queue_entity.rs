@@ -45,10 +45,11 @@
 use std::collections::BTreeMap;
 use std::future::Future;
 use std::marker::PhantomData;
-use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
+use std::sync::{Arc, Mutex, MutexGuard};
 
 use cluster_core::envelope::{Exit, RawJson};
 use cluster_core::future::BoxFuture;
+use cluster_core::sync::lock;
 use cluster_core::{DecodeError, ShardGroup, Snowflake};
 use futures_util::FutureExt;
 use tokio::sync::{mpsc, oneshot};
@@ -260,7 +261,7 @@ enum StreamEvent {
 impl QueueShared {
     fn lock(&self) -> MutexGuard<'_, QueueState> {
         // Every critical section only inserts or removes map entries.
-        self.state.lock().unwrap_or_else(PoisonError::into_inner)
+        lock(&self.state)
     }
 
     /// Ends the queue with `exit`: every pending request gets it (a stream as its end), and so

@@ -13,11 +13,12 @@
 //! need the transport: they are stored, and the owner reads them.
 
 use std::collections::BTreeMap;
-use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
+use std::sync::{Arc, Mutex};
 
 use cluster_core::envelope::{AckChunk, Envelope, Exit, Reply, Request, WithExit};
 use cluster_core::future::BoxFuture;
 use cluster_core::runners::{ReplyStream, RunnerHandler};
+use cluster_core::sync::lock;
 use cluster_core::{ClusterError, RunnerAddress, ShardId, Snowflake};
 use tokio::sync::{mpsc, oneshot};
 
@@ -47,11 +48,6 @@ pub(crate) struct RemoteCalls {
 struct RemoteCall {
     cancellation: InterruptSignal,
     acks: Option<mpsc::Sender<Snowflake>>,
-}
-
-fn lock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
-    // The critical sections only insert or remove map entries.
-    mutex.lock().unwrap_or_else(PoisonError::into_inner)
 }
 
 impl RemoteCalls {

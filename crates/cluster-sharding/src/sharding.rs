@@ -7,7 +7,7 @@
 
 use std::collections::BTreeMap;
 use std::num::NonZeroU32;
-use std::sync::{Arc, Mutex, OnceLock, PoisonError, RwLock};
+use std::sync::{Arc, Mutex, OnceLock, RwLock};
 
 use cluster_core::config::{Capacity, ShardingConfig};
 use cluster_core::envelope::{Exit, RawJson, Reply, Request, TraceContext, WithExit};
@@ -15,6 +15,7 @@ use cluster_core::error::ConfigError;
 use cluster_core::runners::Runners;
 use cluster_core::snowflake::SharedSnowflakeGenerator;
 use cluster_core::storage::{MessageStorage, SaveRequestOptions};
+use cluster_core::sync::{self, lock};
 use cluster_core::{
     Clock, ClusterError, EntityAddress, EntityId, EntityType, MachineId, ShardGroup, ShardId,
     Snowflake, Tag,
@@ -353,7 +354,7 @@ impl Sharding {
             mailbox_metrics: config.entity_mailbox_metrics,
         };
         {
-            let mut managers = self.inner.managers.write().unwrap_or_else(PoisonError::into_inner);
+            let mut managers = sync::write(&self.inner.managers);
             if managers.contains_key(&entity_type) {
                 return Err(RegisterError::AlreadyRegistered(entity_type));
             }
@@ -569,10 +570,7 @@ impl Sharding {
 
     /// Every registered entity manager, with its type.
     pub(crate) fn all_managers_by_type(&self) -> Vec<(EntityType, Arc<dyn ErasedManager>)> {
-        self.inner
-            .managers
-            .read()
-            .unwrap_or_else(PoisonError::into_inner)
+        sync::read(&self.inner.managers)
             .iter()
             .map(|(entity_type, manager)| (entity_type.clone(), Arc::clone(manager)))
             .collect()
@@ -597,7 +595,7 @@ impl Sharding {
     /// one): how a layer built on the runtime, such as the workflow engine, reaches its state
     /// from the entities it registers.
     pub fn insert_extension<T: Send + Sync + 'static>(&self, value: Arc<T>) -> Option<Arc<T>> {
-        let mut extensions = self.inner.extensions.lock().unwrap_or_else(PoisonError::into_inner);
+        let mut extensions = lock(&self.inner.extensions);
         extensions
             .insert(std::any::TypeId::of::<T>(), value)
             .and_then(|previous| previous.downcast::<T>().ok())
@@ -605,7 +603,7 @@ impl Sharding {
 
     /// The service of type `T` attached with [`insert_extension`](Sharding::insert_extension).
     pub fn extension<T: Send + Sync + 'static>(&self) -> Option<Arc<T>> {
-        let extensions = self.inner.extensions.lock().unwrap_or_else(PoisonError::into_inner);
+        let extensions = lock(&self.inner.extensions);
         extensions
             .get(&std::any::TypeId::of::<T>())
             .cloned()
@@ -645,17 +643,11 @@ impl Sharding {
     }
 
     fn managers(&self) -> Vec<Arc<dyn ErasedManager>> {
-        self.inner
-            .managers
-            .read()
-            .unwrap_or_else(PoisonError::into_inner)
-            .values()
-            .cloned()
-            .collect()
+        sync::read(&self.inner.managers).values().cloned().collect()
     }
 
     fn manager(&self, entity_type: &EntityType) -> Option<Arc<dyn ErasedManager>> {
-        self.inner.managers.read().unwrap_or_else(PoisonError::into_inner).get(entity_type).cloned()
+        sync::read(&self.inner.managers).get(entity_type).cloned()
     }
 
     /// The manager of `address`'s type, waiting up to the registration timeout for an entity
@@ -817,7 +809,7 @@ impl Sharding {
                 None => break,
             }
         }
-        let managers = self.inner.managers.read().unwrap_or_else(PoisonError::into_inner);
+        let managers = sync::read(&self.inner.managers);
         match managers.get(entity_type) {
             Some(manager) => Ok(manager.deliver(delivery, self).map_err(ClusterError::from)),
             None => Err(delivery),

@@ -9,11 +9,12 @@
 
 use std::collections::BTreeSet;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
+use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
 
 use cluster_core::error::{ConfigError, StorageError};
 use cluster_core::storage::{MessageStorage, RunnerStorage};
+use cluster_core::sync::lock;
 use cluster_core::{Clock, Runner, RunnerAddress, ShardId};
 
 use crate::persisted::all_shards;
@@ -101,7 +102,7 @@ impl HeldLocks {
     }
 
     fn state(&self) -> MutexGuard<'_, LockState> {
-        self.state.lock().unwrap_or_else(PoisonError::into_inner)
+        lock(&self.state)
     }
 
     /// Whether the runner serves `shard`: its lock was not lost and, as of the last refresh,

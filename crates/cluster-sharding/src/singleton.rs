@@ -16,10 +16,11 @@
 use std::collections::BTreeMap;
 use std::future::Future;
 use std::panic::AssertUnwindSafe;
-use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use cluster_core::future::BoxFuture;
+use cluster_core::sync::lock;
 use cluster_core::{ShardGroup, ShardId};
 use futures_util::FutureExt;
 use tokio_util::sync::CancellationToken;
@@ -93,11 +94,6 @@ struct Running {
     stop: CancellationToken,
     /// Set when its task ended.
     ended: CancellationToken,
-}
-
-fn lock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
-    // The critical sections only insert, take or replace map entries.
-    mutex.lock().unwrap_or_else(PoisonError::into_inner)
 }
 
 impl Singletons {

@@ -16,6 +16,7 @@ use cluster_core::storage::{
     MessageStorage, MessageTransaction, OrderedSave, RunnerStorage, SaveRequestOptions, SaveResult,
     UnprocessedBatch, UnprocessedOptions,
 };
+use cluster_core::sync::lock;
 use cluster_core::{
     EntityAddress, MachineId, Runner, RunnerAddress, ShardId, Snowflake, Timestamp,
 };
@@ -100,12 +101,11 @@ impl Faults {
     /// Reports this storage's stored requests and final replies to `observer` (an invariant
     /// checker of a simulation).
     pub fn observe(&self, observer: Observer) {
-        *self.observer.lock().unwrap_or_else(std::sync::PoisonError::into_inner) = Some(observer);
+        *lock(&self.observer) = Some(observer);
     }
 
     fn notify(&self, event: StorageEvent<'_>) {
-        let observer =
-            self.observer.lock().unwrap_or_else(std::sync::PoisonError::into_inner).clone();
+        let observer = lock(&self.observer).clone();
         if let Some(observer) = observer {
             observer(event);
         }
@@ -210,7 +210,7 @@ impl Faults {
     /// The requests whose claim was released (`reset_requests`), in call order: a runner
     /// that leaves a request for the next owner.
     pub fn resets(&self) -> Vec<Snowflake> {
-        self.resets.lock().unwrap_or_else(std::sync::PoisonError::into_inner).clone()
+        lock(&self.resets).clone()
     }
 }
 
@@ -458,11 +458,7 @@ impl MessageStorage for FaultyMessageStorage {
         if self.faults.is_dead() {
             return dead();
         }
-        self.faults
-            .resets
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner)
-            .extend_from_slice(request_ids);
+        lock(&self.faults.resets).extend_from_slice(request_ids);
         self.inner.reset_requests(request_ids)
     }
 
@@ -584,7 +580,7 @@ pub struct LockFaults {
 
 impl LockFaults {
     fn lost(&self) -> std::sync::MutexGuard<'_, std::collections::BTreeSet<ShardId>> {
-        self.lost.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+        lock(&self.lost)
     }
 
     /// The runner's lock on `shard` is gone (its lease expired and another runner took it)
@@ -668,7 +664,7 @@ impl LockFaults {
 
     /// The shards passed to `release`, in call order.
     pub fn releases(&self) -> Vec<ShardId> {
-        self.releases.lock().unwrap_or_else(std::sync::PoisonError::into_inner).clone()
+        lock(&self.releases).clone()
     }
 
     /// How often `release_all` was called.
@@ -784,11 +780,7 @@ impl RunnerStorage for FaultyRunnerStorage {
         address: &'a RunnerAddress,
         shard_id: &'a ShardId,
     ) -> BoxFuture<'a, Result<(), StorageError>> {
-        self.faults
-            .releases
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner)
-            .push(shard_id.clone());
+        lock(&self.faults.releases).push(shard_id.clone());
         if self.faults.is_killed() {
             return Box::pin(async { Ok(()) });
         }

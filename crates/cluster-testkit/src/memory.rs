@@ -14,7 +14,7 @@ use std::any::Any;
 use std::collections::{BTreeMap, BTreeSet};
 use std::num::NonZeroU32;
 use std::sync::atomic::{AtomicU32, AtomicUsize, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use cluster_core::envelope::{self, AckChunk, Envelope, Interrupt, Reply, Request};
@@ -24,6 +24,7 @@ use cluster_core::storage::{
     CLAIM_WINDOW, MalformedMessage, MessageStorage, MessageTransaction, RunnerStorage,
     SaveRequestOptions, SaveResult, UnprocessedBatch, UnprocessedMessage, UnprocessedOptions,
 };
+use cluster_core::sync::lock;
 use cluster_core::{
     Clock, EntityAddress, MachineId, Runner, RunnerAddress, ShardId, Snowflake, Timestamp,
 };
@@ -33,12 +34,6 @@ use crate::storage_suite::{Corruption, StorageFixture};
 mod queue;
 
 pub use queue::{MemoryQueueFixture, MemoryQueueStorage};
-
-fn lock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
-    // A panic while holding the lock cannot leave a half-applied change: every mutation is
-    // checked before it is applied.
-    mutex.lock().unwrap_or_else(PoisonError::into_inner)
-}
 
 fn ready<'a, T: Send + 'a>(value: T) -> BoxFuture<'a, T> {
     Box::pin(std::future::ready(value))
@@ -742,7 +737,7 @@ impl MemoryRunnerDatabase {
     /// last refresh), as the database sees it.
     pub fn lock_holder(&self, shard: &ShardId, expiration: Duration) -> Option<RunnerAddress> {
         let expired_before = self.clock.now().saturating_sub(expiration);
-        let state = self.state.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        let state = lock(&self.state);
         state
             .locks
             .get(shard)

@@ -37,11 +37,12 @@
 //! `docs/testing.md` has the details.
 
 use std::collections::BTreeMap;
-use std::sync::{Arc, Mutex, PoisonError};
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use cluster_core::ids::RunnerAddress;
 use cluster_core::storage::{MessageStorage, RunnerStorage};
+use cluster_core::sync::lock;
 use cluster_core::{Clock, EntityAddress, ShardingConfig, Snowflake, Timestamp};
 use cluster_sharding::{
     Entity, EntityContext, EntityOptions, Handler, Protocol, RequestContext, Rpc, Sharding,
@@ -209,11 +210,11 @@ struct History {
 impl History {
     fn record(&self, event: String) {
         let at = millis(self.start.elapsed());
-        self.events.lock().unwrap_or_else(PoisonError::into_inner).push((at, event));
+        lock(&self.events).push((at, event));
     }
 
     fn take(&self) -> Vec<(u64, String)> {
-        std::mem::take(&mut *self.events.lock().unwrap_or_else(PoisonError::into_inner))
+        std::mem::take(&mut *lock(&self.events))
     }
 }
 
@@ -434,7 +435,7 @@ struct World {
 impl World {
     fn violation(&self, what: String) {
         self.history.record(format!("VIOLATION {what}"));
-        self.violations.lock().unwrap_or_else(PoisonError::into_inner).push(what);
+        lock(&self.violations).push(what);
     }
 
     /// A process's own handle on the message database. For a runner it checks fencing: a
@@ -459,14 +460,14 @@ impl World {
             match event {
             StorageEvent::RequestSaved(request) => {
                 let address = request.address.clone();
-                requests.lock().unwrap_or_else(PoisonError::into_inner).insert(request.request_id, address);
+                lock(&requests).insert(request.request_id, address);
             }
             StorageEvent::Read(_) => {
                 last_read.store(millis(start.elapsed()), std::sync::atomic::Ordering::Relaxed);
             }
             StorageEvent::FinalReply(reply) => {
                 let Some(runner) = &runner else { return };
-                let address = requests.lock().unwrap_or_else(PoisonError::into_inner).get(&reply.request_id()).cloned();
+                let address = lock(&requests).get(&reply.request_id()).cloned();
                 let Some(shard) = address.map(|address| address.shard_id) else { return };
                 let holder = registry.lock_holder(&shard, EXPIRATION);
                 if holder.as_ref() != Some(runner) {
@@ -475,20 +476,17 @@ impl World {
                         reply.request_id()
                     );
                     history.record(format!("VIOLATION {what}"));
-                    violations.lock().unwrap_or_else(PoisonError::into_inner).push(what);
+                    lock(&violations).push(what);
                 }
             }
             StorageEvent::FinalReplyStored(_) => {}
             StorageEvent::ReplyWriteFailed(reply) => {
-                let address = requests.lock().unwrap_or_else(PoisonError::into_inner).get(&reply.request_id()).cloned();
+                let address = lock(&requests).get(&reply.request_id()).cloned();
                 runs.reply_write_failed(reply.request_id(), address);
             }
             }
         }));
-        self.storage_faults
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner)
-            .push(Arc::clone(&faults));
+        lock(&self.storage_faults).push(Arc::clone(&faults));
         (Arc::new(storage), faults)
     }
 
@@ -537,7 +535,7 @@ impl World {
                     frozen_until: Arc::default(),
                     gone: false,
                 };
-                self.runners.lock().unwrap_or_else(PoisonError::into_inner).push(runner);
+                lock(&self.runners).push(runner);
             }
             Err(error) => self.violation(format!("runner {port} did not start: {error}")),
         }
@@ -545,14 +543,14 @@ impl World {
 
     /// The oldest live runner, if at least `at_least` are live.
     fn pick_oldest_live(&self, at_least: usize) -> Option<usize> {
-        let runners = self.runners.lock().unwrap_or_else(PoisonError::into_inner);
+        let runners = lock(&self.runners);
         let live: Vec<usize> = (0..runners.len()).filter(|&i| runners[i].is_live()).collect();
         (live.len() >= at_least).then(|| live[0])
     }
 
     /// The index of a live runner, if there are at least `at_least` live ones.
     fn pick_live(&self, rng: &mut SimRng, at_least: usize) -> Option<usize> {
-        pick_live(&self.runners.lock().unwrap_or_else(PoisonError::into_inner), rng, at_least)
+        pick_live(&lock(&self.runners), rng, at_least)
     }
 }
 
@@ -675,7 +673,7 @@ async fn simulate(config: SimConfig) -> SimReport {
     }
     stop(&world, &client).await;
     let events = history.take();
-    let violations = world.violations.lock().unwrap_or_else(PoisonError::into_inner).clone();
+    let violations = lock(&world.violations).clone();
     SimReport { seed: config.seed, history: hash(&events), events, violations }
 }
 
@@ -768,10 +766,7 @@ async fn start_workload(
                 Err(_) => format!("VIOLATION echo {n} hung for {}ms", millis(VOLATILE_BOUND)),
             };
             if let Some(violation) = what.strip_prefix("VIOLATION ") {
-                violations
-                    .lock()
-                    .unwrap_or_else(PoisonError::into_inner)
-                    .push(violation.to_owned());
+                lock(&violations).push(violation.to_owned());
             }
             history.record(what);
         });
@@ -799,7 +794,7 @@ fn start_local_senders(
             tokio::time::sleep(at).await;
             loop {
                 let sender = {
-                    let runners = runners.lock().unwrap_or_else(PoisonError::into_inner);
+                    let runners = lock(&runners);
                     pick_live(&runners, &mut pick, 1)
                         .map(|index| (runners[index].name.clone(), runners[index].sharding.clone()))
                 };
@@ -872,7 +867,7 @@ async fn apply(world: &mut World, rng: &mut SimRng, fault: Fault) {
         Fault::Freeze(duration) => {
             let Some(index) = world.pick_live(rng, 1) else { return };
             let (name, locks) = {
-                let runners = world.runners.lock().unwrap_or_else(PoisonError::into_inner);
+                let runners = lock(&world.runners);
                 let until = millis(world.start.elapsed() + duration);
                 runners[index].frozen_until.fetch_max(until, std::sync::atomic::Ordering::Relaxed);
                 (runners[index].name.clone(), Arc::clone(&runners[index].locks))
@@ -890,7 +885,7 @@ async fn apply(world: &mut World, rng: &mut SimRng, fault: Fault) {
         Fault::Crash => {
             let Some(index) = world.pick_live(rng, 2) else { return };
             let name = {
-                let mut runners = world.runners.lock().unwrap_or_else(PoisonError::into_inner);
+                let mut runners = lock(&world.runners);
                 runners[index].locks.kill();
                 if world.crash_kills_storage {
                     runners[index].storage.kill();
@@ -905,8 +900,7 @@ async fn apply(world: &mut World, rng: &mut SimRng, fault: Fault) {
         }
         Fault::Restart => {
             let Some(index) = world.pick_live(rng, 1) else { return };
-            let name =
-                world.runners.lock().unwrap_or_else(PoisonError::into_inner)[index].name.clone();
+            let name = lock(&world.runners)[index].name.clone();
             world.history.record(format!("restart {name}"));
             stop_runner(world, index);
             world.start_runner(rng).await;
@@ -917,7 +911,7 @@ async fn apply(world: &mut World, rng: &mut SimRng, fault: Fault) {
         Fault::Partition(duration) => {
             let Some(index) = world.pick_live(rng, 1) else { return };
             let (name, address, sharding) = {
-                let runners = world.runners.lock().unwrap_or_else(PoisonError::into_inner);
+                let runners = lock(&world.runners);
                 let runner = &runners[index];
                 (runner.name.clone(), runner.address.clone(), runner.sharding.clone())
             };
@@ -927,11 +921,7 @@ async fn apply(world: &mut World, rng: &mut SimRng, fault: Fault) {
                 (Arc::clone(&world.network), world.history.clone(), Arc::clone(&world.runners));
             tokio::spawn(async move {
                 tokio::time::sleep(duration).await;
-                let gone = runners
-                    .lock()
-                    .unwrap_or_else(PoisonError::into_inner)
-                    .iter()
-                    .any(|runner| runner.name == name && runner.gone);
+                let gone = lock(&runners).iter().any(|runner| runner.name == name && runner.gone);
                 if !gone {
                     network.attach(address, sharding.runner_handler());
                     history.record(format!("heal {name}"));
@@ -944,8 +934,7 @@ async fn apply(world: &mut World, rng: &mut SimRng, fault: Fault) {
                 millis(delay),
                 millis(duration)
             ));
-            let faults: Vec<Arc<Faults>> =
-                world.storage_faults.lock().unwrap_or_else(PoisonError::into_inner).clone();
+            let faults: Vec<Arc<Faults>> = lock(&world.storage_faults).clone();
             for process in &faults {
                 process.delay_replies(delay);
             }
@@ -964,8 +953,7 @@ async fn apply(world: &mut World, rng: &mut SimRng, fault: Fault) {
 /// The next `times` reads, request saves and reply writes of every process fail.
 fn storage_errors(world: &World, times: u32) {
     world.history.record(format!("storage errors x{times}"));
-    let faults: Vec<Arc<Faults>> =
-        world.storage_faults.lock().unwrap_or_else(PoisonError::into_inner).clone();
+    let faults: Vec<Arc<Faults>> = lock(&world.storage_faults).clone();
     for process in &faults {
         process.fail_reads(times);
         process.fail_request_saves(times);
@@ -1050,8 +1038,7 @@ async fn inject_more_faults(faults: MoreFaults, mut rng: SimRng) {
                     millis(delay),
                     millis(duration)
                 ));
-                let processes: Vec<Arc<Faults>> =
-                    faults.storage_faults.lock().unwrap_or_else(PoisonError::into_inner).clone();
+                let processes: Vec<Arc<Faults>> = lock(&faults.storage_faults).clone();
                 for process in &processes {
                     process.delay_storage(delay);
                 }
@@ -1072,7 +1059,7 @@ async fn inject_more_faults(faults: MoreFaults, mut rng: SimRng) {
 async fn slow_locks(faults: &MoreFaults, rng: &mut SimRng, duration: Duration) {
     let delay = rng.duration(Duration::from_millis(100), Duration::from_millis(1_500));
     let picked = {
-        let runners = faults.runners.lock().unwrap_or_else(PoisonError::into_inner);
+        let runners = lock(&faults.runners);
         pick_live(&runners, rng, 1).map(|index| {
             let runner = &runners[index];
             let until = millis(faults.start.elapsed() + duration);
@@ -1108,8 +1095,7 @@ async fn slow_transactions(faults: MoreFaults, mut rng: SimRng) {
             millis(delay),
             millis(duration)
         ));
-        let processes: Vec<Arc<Faults>> =
-            faults.storage_faults.lock().unwrap_or_else(PoisonError::into_inner).clone();
+        let processes: Vec<Arc<Faults>> = lock(&faults.storage_faults).clone();
         for process in &processes {
             process.delay_begin_transaction(delay);
         }
@@ -1137,7 +1123,7 @@ async fn join_burst(world: &mut World, rng: &mut SimRng, count: usize, stay: Dur
 /// Every live runner is replaced, one after the other.
 async fn rolling_update(world: &mut World, rng: &mut SimRng, gap: Duration) {
     let live: Vec<String> = {
-        let runners = world.runners.lock().unwrap_or_else(PoisonError::into_inner);
+        let runners = lock(&world.runners);
         runners.iter().filter(|runner| !runner.gone).map(|runner| runner.name.clone()).collect()
     };
     world.history.record(format!(
@@ -1148,7 +1134,7 @@ async fn rolling_update(world: &mut World, rng: &mut SimRng, gap: Duration) {
     for name in live {
         world.start_runner(rng).await;
         let index = {
-            let runners = world.runners.lock().unwrap_or_else(PoisonError::into_inner);
+            let runners = lock(&world.runners);
             runners.iter().position(|runner| runner.name == name && runner.is_live())
         };
         if let Some(index) = index {
@@ -1162,7 +1148,7 @@ async fn rolling_update(world: &mut World, rng: &mut SimRng, gap: Duration) {
 /// and stops counting as live for the liveness check at once).
 fn stop_runner(world: &World, index: usize) {
     let (name, sharding) = {
-        let runners = world.runners.lock().unwrap_or_else(PoisonError::into_inner);
+        let runners = lock(&world.runners);
         runners[index].frozen_until.store(u64::MAX, std::sync::atomic::Ordering::Relaxed);
         (runners[index].name.clone(), runners[index].sharding.clone())
     };
@@ -1171,7 +1157,7 @@ fn stop_runner(world: &World, index: usize) {
     tokio::spawn(async move {
         sharding.shutdown().await;
         history.record(format!("stopped {name}"));
-        let mut runners = runners.lock().unwrap_or_else(PoisonError::into_inner);
+        let mut runners = lock(&runners);
         if let Some(runner) = runners.iter_mut().find(|runner| runner.name == name) {
             runner.gone = true;
         }
@@ -1191,7 +1177,7 @@ async fn check_ownership(
     loop {
         tokio::time::sleep(Duration::from_millis(25)).await;
         let mut owners: BTreeMap<String, String> = BTreeMap::new();
-        let runners = runners.lock().unwrap_or_else(PoisonError::into_inner);
+        let runners = lock(&runners);
         let now = millis(history.start.elapsed());
         for runner in runners.iter().filter(|runner| !runner.gone) {
             let acquired = runner.sharding.acquired_shards();
@@ -1212,7 +1198,7 @@ async fn check_ownership(
                 );
                 if reported.insert(format!("{}@{since}", runner.name)) {
                     history.record(format!("VIOLATION {what}"));
-                    violations.lock().unwrap_or_else(PoisonError::into_inner).push(what);
+                    lock(&violations).push(what);
                 }
             }
             for shard in acquired {
@@ -1223,7 +1209,7 @@ async fn check_ownership(
                         continue;
                     }
                     history.record(format!("VIOLATION {what}"));
-                    violations.lock().unwrap_or_else(PoisonError::into_inner).push(what);
+                    lock(&violations).push(what);
                 }
             }
         }
@@ -1287,7 +1273,7 @@ fn check_runs(world: &World, database: &MemoryMessageStorage) {
 async fn stop(world: &World, client: &Sharding) {
     client.shutdown().await;
     let live: Vec<Sharding> = {
-        let runners = world.runners.lock().unwrap_or_else(PoisonError::into_inner);
+        let runners = lock(&world.runners);
         runners.iter().filter(|runner| !runner.gone).map(|runner| runner.sharding.clone()).collect()
     };
     for sharding in live {

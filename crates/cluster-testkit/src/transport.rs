@@ -14,7 +14,7 @@
 use std::collections::BTreeMap;
 use std::fmt;
 use std::sync::atomic::{AtomicU32, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use cluster_core::RunnerAddress;
@@ -22,6 +22,7 @@ use cluster_core::envelope::{Envelope, Reply, Request};
 use cluster_core::error::ClusterError;
 use cluster_core::future::BoxFuture;
 use cluster_core::runners::{ReplyStream, RunnerHandler, Runners};
+use cluster_core::sync::lock;
 
 use crate::sim::SimRng;
 
@@ -80,11 +81,6 @@ pub enum Call {
     Request,
     /// `send_envelope`.
     Envelope,
-}
-
-fn lock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
-    // The critical sections only insert, read or remove map entries.
-    mutex.lock().unwrap_or_else(PoisonError::into_inner)
 }
 
 impl fmt::Debug for MemoryNetwork {

@@ -15,6 +15,7 @@ use std::sync::{Arc, Mutex};
 
 use cluster_core::ShardingConfig;
 use cluster_core::ids::RunnerAddress;
+use cluster_core::sync::lock;
 use cluster_sharding::SingleRunner;
 use cluster_workflow::{ExecuteError, Workflow, WorkflowContext, WorkflowEngine};
 use serde::{Deserialize, Serialize};
@@ -59,11 +60,11 @@ impl Journal {
         {
             println!("  {entry}");
         }
-        self.0.lock().unwrap_or_else(std::sync::PoisonError::into_inner).push(entry);
+        lock(&self.0).push(entry);
     }
 
     fn entries(&self) -> Vec<String> {
-        self.0.lock().unwrap_or_else(std::sync::PoisonError::into_inner).clone()
+        lock(&self.0).clone()
     }
 }
 

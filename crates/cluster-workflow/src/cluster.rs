@@ -13,7 +13,7 @@
 use std::collections::{BTreeMap, BTreeSet};
 use std::num::NonZeroU32;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard, PoisonError, Weak};
+use std::sync::{Arc, Mutex, MutexGuard, Weak};
 use std::time::Duration;
 
 use cluster_core::config::Capacity;
@@ -21,6 +21,7 @@ use cluster_core::envelope::{Envelope, Exit, RawJson, Reply, primary_key};
 use cluster_core::future::BoxFuture;
 use cluster_core::queue_storage::QueueStorage;
 use cluster_core::storage::MessageStorage;
+use cluster_core::sync::lock;
 use cluster_core::{EntityAddress, EntityType, ShardGroup, Snowflake, Timestamp};
 use cluster_sharding::{
     CallError, Entity, EntityClient, EntityContext, EntityOptions, Protocol, RequestContext, Rpc,
@@ -53,10 +54,6 @@ const MAX_IDLE: Duration = Duration::from_secs(10);
 /// How many requests of one execution run at once: its run, its activities and the
 /// deferred, resume and interrupt traffic that wakes it.
 const CONCURRENCY: u32 = 256;
-
-fn lock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
-    mutex.lock().unwrap_or_else(PoisonError::into_inner)
-}
 
 // ----------------------------------------------------------------------------------------
 // The requests, in the reference's JSON forms.

@@ -11,15 +11,16 @@
 use std::future::{Future, IntoFuture};
 use std::marker::PhantomData;
 use std::pin::Pin;
-use std::sync::{Arc, Mutex, PoisonError};
+use std::sync::{Arc, Mutex};
 use std::task::{Context, Poll};
 use std::time::Duration;
 
 use cluster_core::envelope::{Cause, CauseReason, Exit, RawJson};
 use cluster_core::future::BoxFuture;
+use cluster_core::sync::lock;
 use cluster_sharding::TransactionSlot;
+use serde::Serialize;
 use serde::de::DeserializeOwned;
-use serde::{Deserialize, Serialize};
 
 use crate::definition::Workflow;
 use crate::engine::{
@@ -31,17 +32,7 @@ use crate::run::{
     BodyEnd, Branch, Run, RunExit, RunKind, RunOptions, drive, in_branch, note_branch_await,
 };
 
-/// An error type with no values, for steps that cannot fail.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
-pub enum Never {}
-
-impl std::fmt::Display for Never {
-    fn fmt(&self, _: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        match *self {}
-    }
-}
-
-impl std::error::Error for Never {}
+pub use cluster_core::Never;
 
 /// The default threshold of [`WorkflowContext::sleep`]: up to one minute a sleep is an
 /// activity, above it a durable wake.
@@ -830,12 +821,7 @@ impl<T, E> Unpin for Race<'_, T, E> {}
 
 impl<T, E> Race<'_, T, E> {
     fn awaits(&self) -> Vec<String> {
-        self.branches
-            .iter()
-            .flat_map(|branch| {
-                branch.record.lock().unwrap_or_else(PoisonError::into_inner).awaits.clone()
-            })
-            .collect()
+        self.branches.iter().flat_map(|branch| lock(&branch.record).awaits.clone()).collect()
     }
 }
 
@@ -847,7 +833,7 @@ impl<T, E> Future for Race<'_, T, E> {
         for index in 0..this.branches.len() {
             let branch = &mut this.branches[index];
             let Some(future) = branch.future.as_mut() else { continue };
-            if branch.record.lock().unwrap_or_else(PoisonError::into_inner).parked {
+            if lock(&branch.record).parked {
                 continue;
             }
             match in_branch(&branch.record, || future.as_mut().poll(cx)) {
@@ -880,9 +866,8 @@ impl<T, E> Future for Race<'_, T, E> {
                 None => Poll::Ready(RaceEnd { outcome: RaceOutcome::Parked, awaits }),
             };
         }
-        let parked = this.branches.iter().all(|branch| {
-            branch.failed || branch.record.lock().unwrap_or_else(PoisonError::into_inner).parked
-        });
+        let parked =
+            this.branches.iter().all(|branch| branch.failed || lock(&branch.record).parked);
         if parked {
             return Poll::Ready(RaceEnd { outcome: RaceOutcome::Parked, awaits: this.awaits() });
         }

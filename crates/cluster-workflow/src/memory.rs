@@ -4,11 +4,12 @@
 //! the durable one.
 
 use std::collections::{BTreeMap, BTreeSet};
-use std::sync::{Arc, Mutex, MutexGuard, PoisonError, Weak};
+use std::sync::{Arc, Mutex, MutexGuard, Weak};
 use std::time::Duration;
 
 use cluster_core::envelope::{Cause, Exit, RawJson};
 use cluster_core::future::BoxFuture;
+use cluster_core::sync::lock;
 use tokio::sync::{Notify, watch};
 use tokio::task::JoinSet;
 
@@ -89,7 +90,7 @@ impl WorkflowEngine {
 
 impl MemoryEngine {
     fn shared(&self) -> MutexGuard<'_, Shared> {
-        self.shared.lock().unwrap_or_else(PoisonError::into_inner)
+        lock(&self.shared)
     }
 
     fn arc(&self) -> Option<Arc<MemoryEngine>> {
@@ -97,7 +98,7 @@ impl MemoryEngine {
     }
 
     fn spawn(&self, task: impl std::future::Future<Output = ()> + Send + 'static) {
-        let mut tasks = self.tasks.lock().unwrap_or_else(PoisonError::into_inner);
+        let mut tasks = lock(&self.tasks);
         while tasks.try_join_next().is_some() {}
         tasks.spawn(task);
     }
@@ -588,8 +589,7 @@ impl Backend for MemoryEngine {
                 let mut shared = self.shared();
                 shared.shut_down = true;
             }
-            let mut tasks =
-                std::mem::take(&mut *self.tasks.lock().unwrap_or_else(PoisonError::into_inner));
+            let mut tasks = std::mem::take(&mut *lock(&self.tasks));
             tasks.shutdown().await;
             let mut shared = self.shared();
             for execution in shared.executions.values_mut() {

@@ -12,10 +12,11 @@ use std::cell::RefCell;
 use std::collections::{BTreeMap, BTreeSet};
 use std::future::Future;
 use std::panic::AssertUnwindSafe;
-use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
+use std::sync::{Arc, Mutex, MutexGuard};
 
 use cluster_core::envelope::{Cause, CauseReason, Exit, RawJson};
 use cluster_core::future::BoxFuture;
+use cluster_core::sync::lock;
 use futures_util::FutureExt;
 use tokio::sync::Notify;
 
@@ -112,7 +113,7 @@ pub(crate) struct Awaits(Arc<Mutex<BTreeMap<String, u32>>>);
 
 impl Awaits {
     fn lock(&self) -> MutexGuard<'_, BTreeMap<String, u32>> {
-        self.0.lock().unwrap_or_else(PoisonError::into_inner)
+        lock(&self.0)
     }
 
     /// Whether a live wait for `name` exists.
@@ -176,7 +177,7 @@ impl Run {
     }
 
     pub(crate) fn state(&self) -> MutexGuard<'_, RunState> {
-        self.state.lock().unwrap_or_else(PoisonError::into_inner)
+        lock(&self.state)
     }
 
     /// Changes the state and wakes the driver.
@@ -386,7 +387,7 @@ pub(crate) fn in_branch<T>(branch: &Arc<Mutex<Branch>>, poll: impl FnOnce() -> T
 fn park_current_branch() -> bool {
     BRANCH.with(|current| match &*current.borrow() {
         Some(branch) => {
-            branch.lock().unwrap_or_else(PoisonError::into_inner).parked = true;
+            lock(branch).parked = true;
             true
         }
         None => false,
@@ -396,7 +397,7 @@ fn park_current_branch() -> bool {
 pub(crate) fn note_branch_await(name: &str) {
     BRANCH.with(|current| {
         if let Some(branch) = &*current.borrow() {
-            branch.lock().unwrap_or_else(PoisonError::into_inner).awaits.push(name.to_owned());
+            lock(branch).awaits.push(name.to_owned());
         }
     });
 }

@@ -97,6 +97,14 @@ fn source_rules() {
     let clock = format!("//! Doc.\nlet now = std::time::{}();\n", concat!("SystemTime", "::now"));
     assert_eq!(file_violations("crates/x/src/a.rs", &clock).len(), 1);
     assert!(file_violations("crates/cluster-core/src/clock.rs", &clock).is_empty());
+    let copy = format!(
+        "//! Doc.\nfn l() {{ m.lock().unwrap_or_else({}); }}\n",
+        concat!("PoisonError", "::into_inner")
+    );
+    assert_eq!(file_violations("crates/x/src/a.rs", &copy).len(), 1);
+    assert!(file_violations("crates/cluster-core/src/sync.rs", &copy).is_empty());
+    let never = format!("//! Doc.\n{} {{}}\n", concat!("enum ", "Never"));
+    assert_eq!(file_violations("crates/x/examples/a.rs", &never).len(), 1);
 }
 
 #[test]

@@ -6,7 +6,7 @@ use std::collections::BTreeSet;
 use std::future::Future;
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicU32, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use cluster_core::envelope::{Chunk, Envelope, Exit, RawJson, Reply, Request, WithExit};
@@ -15,6 +15,7 @@ use cluster_core::future::BoxFuture;
 use cluster_core::ids::{EntityAddress, EntityId, EntityType, RunnerAddress, ShardGroup, ShardId};
 use cluster_core::runners::{ReplyStream, RunnerHandler};
 use cluster_core::snowflake::Snowflake;
+pub(crate) use cluster_core::sync::lock;
 use cluster_rpc::{RpcConfig, RpcServer, ServerHandle};
 use hmac::{Hmac, Mac};
 use sha2::Sha256;
@@ -46,10 +47,6 @@ pub(crate) struct Log {
     pub(crate) envelopes: Vec<(Envelope, bool)>,
     pub(crate) requests: Vec<(Request, bool)>,
     pub(crate) acked: BTreeSet<Snowflake>,
-}
-
-pub(crate) fn lock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
-    mutex.lock().unwrap_or_else(PoisonError::into_inner)
 }
 
 impl FakeHandler {

@@ -18,10 +18,11 @@
 use std::collections::BTreeSet;
 use std::fmt;
 use std::future::Future;
-use std::sync::{Arc, Mutex, PoisonError};
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use cluster_core::error::StorageError;
+use cluster_core::sync::lock;
 use cluster_core::{RunnerAddress, ShardId};
 use tokio::task::JoinHandle;
 use tokio_postgres::NoTls;
@@ -385,7 +386,7 @@ impl ShardLocks {
     }
 
     fn current(&self) -> Option<Arc<LockSession>> {
-        let slot = self.slot.lock().unwrap_or_else(PoisonError::into_inner);
+        let slot = lock(&self.slot);
         slot.as_ref().filter(|session| !session.client.is_closed()).cloned()
     }
 
@@ -400,14 +401,14 @@ impl ShardLocks {
                     Some(session) => session,
                     None => {
                         let session = Arc::new(self.connect().await?);
-                        let mut slot = self.slot.lock().unwrap_or_else(PoisonError::into_inner);
+                        let mut slot = lock(&self.slot);
                         *slot = Some(Arc::clone(&session));
                         session
                     }
                 }
             }
         };
-        *used.lock().unwrap_or_else(PoisonError::into_inner) = Some(Arc::clone(&session));
+        *lock(used) = Some(Arc::clone(&session));
         Ok(session)
     }
 
@@ -446,10 +447,10 @@ impl ShardLocks {
     /// Drops the session recorded in `used` from the slot (if it is still the current one) and
     /// closes its connection.
     fn discard(&self, used: &Used) {
-        let Some(session) = used.lock().unwrap_or_else(PoisonError::into_inner).take() else {
+        let Some(session) = lock(used).take() else {
             return;
         };
-        let mut slot = self.slot.lock().unwrap_or_else(PoisonError::into_inner);
+        let mut slot = lock(&self.slot);
         if slot.as_ref().is_some_and(|current| Arc::ptr_eq(current, &session)) {
             *slot = None;
         }

@@ -8,7 +8,7 @@
 use std::any::Any;
 use std::fmt;
 use std::path::{Path, PathBuf};
-use std::sync::{Arc, Mutex, PoisonError};
+use std::sync::{Arc, Mutex};
 
 use cluster_core::envelope::{AckChunk, Interrupt, MESSAGE_ID_LENGTH_MAX, Reply, Request};
 use cluster_core::error::{StorageError, StorageErrorKind};
@@ -17,6 +17,7 @@ use cluster_core::storage::{
     MessageStorage, MessageTransaction, OrderedSave, SaveRequestOptions, SaveResult,
     UnprocessedBatch, UnprocessedOptions,
 };
+use cluster_core::sync::lock;
 use cluster_core::{EntityAddress, ShardId, Snowflake, Timestamp};
 use rusqlite::types::ToSql;
 use rusqlite::{Connection, OptionalExtension, Row, params};
@@ -566,7 +567,7 @@ impl TransactionPool {
         let permit = Arc::clone(&self.permits).acquire_owned().await.map_err(|_| {
             StorageError::new(StorageErrorKind::Unavailable, "sqlite message storage is closed")
         })?;
-        let idle = self.idle.lock().unwrap_or_else(PoisonError::into_inner).pop();
+        let idle = lock(&self.idle).pop();
         let worker = match idle {
             Some(worker) => worker,
             None => Worker::spawn(&self.path, &self.options, "transaction").await?,
@@ -581,13 +582,13 @@ impl TransactionPool {
 
     fn put_back(&self, worker: Worker) {
         if !self.permits.is_closed() {
-            self.idle.lock().unwrap_or_else(PoisonError::into_inner).push(worker);
+            lock(&self.idle).push(worker);
         }
     }
 
     async fn close(&self) {
         self.permits.close();
-        let idle = std::mem::take(&mut *self.idle.lock().unwrap_or_else(PoisonError::into_inner));
+        let idle = std::mem::take(&mut *lock(&self.idle));
         for worker in idle {
             worker.shutdown().await;
         }

@@ -11,9 +11,10 @@
 //!   exactly once, and each entity ran its requests in storage order.
 
 use std::collections::{BTreeMap, BTreeSet};
-use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
+use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
 
+use cluster_core::sync::lock;
 use cluster_core::{EntityAddress, Snowflake};
 
 use super::{History, millis};
@@ -72,7 +73,7 @@ impl Runs {
     }
 
     fn state(&self) -> MutexGuard<'_, RunsState> {
-        self.state.lock().unwrap_or_else(PoisonError::into_inner)
+        lock(&self.state)
     }
 
     fn ran(&self, key: &str, request_id: Snowflake, address: &EntityAddress, runner: &str) {

@@ -17,11 +17,12 @@
 //! stopped gracefully stores its runs' outcomes (or runs no compensation) first.
 
 use std::collections::{BTreeMap, BTreeSet};
-use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
+use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
 
 use cluster_core::Snowflake;
 use cluster_core::envelope::{Exit, Reply};
+use cluster_core::sync::lock;
 use cluster_sharding::Sharding;
 use cluster_workflow::{
     ActivityContext, ExecuteError, RetrySchedule, Workflow, WorkflowContext, WorkflowEngine,
@@ -139,12 +140,12 @@ impl Ledger {
     }
 
     fn state(&self) -> MutexGuard<'_, LedgerState> {
-        self.state.lock().unwrap_or_else(PoisonError::into_inner)
+        lock(&self.state)
     }
 
     fn violation(&self, what: String) {
         self.history.record(format!("VIOLATION {what}"));
-        self.violations.lock().unwrap_or_else(PoisonError::into_inner).push(what);
+        lock(&self.violations).push(what);
     }
 
     /// Follows a process's storage: which activity attempts have a stored result.

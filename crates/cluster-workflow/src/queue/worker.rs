@@ -18,11 +18,12 @@
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::num::NonZeroU32;
-use std::sync::{Arc, Mutex, MutexGuard, PoisonError, Weak};
+use std::sync::{Arc, Mutex, Weak};
 use std::time::Duration;
 
 use cluster_core::envelope::RawJson;
 use cluster_core::queue_storage::{ClaimBatch, ClaimedItem, QueueClaim, QueueStorage, TakeOptions};
+use cluster_core::sync::lock;
 use tokio::sync::{Notify, watch};
 use tokio::task::JoinSet;
 use tokio::time::{Instant, timeout};
@@ -55,10 +56,6 @@ const INTERVAL_MIN: Duration = Duration::from_millis(1);
 
 /// Whether the runtime the workers serve has shut down.
 pub(crate) type Stopped = Arc<dyn Fn() -> bool + Send + Sync>;
-
-fn lock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
-    mutex.lock().unwrap_or_else(PoisonError::into_inner)
-}
 
 /// The durable queues of one cluster engine: its store, and the workers registered on it.
 pub(crate) struct QueueWorkers {

@@ -2,10 +2,11 @@
 //! engine; durations are virtual under the in-memory harness (tokio's paused clock).
 
 use std::sync::atomic::{AtomicU32, Ordering};
-use std::sync::{Arc, Mutex, PoisonError};
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use cluster_core::envelope::{CauseReason, Exit, RawJson};
+use cluster_core::sync::lock;
 use cluster_workflow::{
     ActivityError, DurableDeferred, ExecuteError, ExecutionId, FailureCause, InterruptRetry, Never,
     RunExit, Workflow, WorkflowContext, WorkflowEngine, WorkflowError, WorkflowOptions,
@@ -84,11 +85,11 @@ struct Log(Arc<Mutex<Vec<String>>>);
 
 impl Log {
     fn push(&self, entry: impl Into<String>) {
-        self.0.lock().unwrap_or_else(PoisonError::into_inner).push(entry.into());
+        lock(&self.0).push(entry.into());
     }
 
     fn entries(&self) -> Vec<String> {
-        self.0.lock().unwrap_or_else(PoisonError::into_inner).clone()
+        lock(&self.0).clone()
     }
 
     fn count(&self, entry: &str) -> usize {
