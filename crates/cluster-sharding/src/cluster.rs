@@ -278,7 +278,7 @@ impl Sharding {
                 }
             }
         })
-        .map_err(|error| StartError::Register(error.to_string()))
+        .map_err(StartError::Register)
     }
 
     /// The shards this runner holds the lock of and runs (every shard of its groups for a

@@ -18,7 +18,7 @@ use cluster_core::sync::lock;
 use cluster_core::{Clock, Runner, RunnerAddress, ShardId};
 
 use crate::persisted::all_shards;
-use crate::sharding::Sharding;
+use crate::sharding::{RegisterError, Sharding};
 
 /// Why a single runner did not start.
 #[derive(Debug, thiserror::Error)]
@@ -34,8 +34,8 @@ pub enum StartError {
     #[error("a runner needs a runner address")]
     NoRunnerAddress,
     /// A built-in entity or singleton could not be registered.
-    #[error("could not register a built-in: {0}")]
-    Register(String),
+    #[error("could not register a built-in")]
+    Register(#[source] RegisterError),
     /// Another live runner holds some of the shards.
     #[error("{held} of {total} shards are locked by another runner")]
     ShardsHeld {

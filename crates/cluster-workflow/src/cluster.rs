@@ -387,13 +387,15 @@ fn entity_options() -> EntityOptions {
 
 fn cluster_error<E: std::fmt::Debug>(error: CallError<E>) -> WorkflowError {
     match error {
-        CallError::Cluster(error) => WorkflowError::Cluster(error.to_string()),
-        other => WorkflowError::Cluster(format!("{other:?}")),
+        CallError::Cluster(error) => {
+            WorkflowError::cluster_from("a call to a workflow entity failed", error)
+        }
+        other => WorkflowError::cluster(format!("a call to a workflow entity failed: {other:?}")),
     }
 }
 
 fn storage_error(error: cluster_core::StorageError) -> WorkflowError {
-    WorkflowError::Cluster(error.to_string())
+    WorkflowError::cluster_from("a storage operation failed", error)
 }
 
 /// The reference's storage-read retry: 3 retries, 250 ms growing ×2.
@@ -641,7 +643,7 @@ impl ClusterEngine {
                 if self.sharding.reset(request_id, Some(reply_id)).await {
                     return Ok(());
                 }
-                Err(WorkflowError::Cluster("failed to reset the workflow run".into()))
+                Err(WorkflowError::cluster("failed to reset the workflow run"))
             }
             Some((_, WorkflowResult::Complete(_))) | None => Ok(()),
         }
@@ -667,9 +669,7 @@ impl ClusterEngine {
                 if self.final_reply(request_id).await?.is_some()
                     && !self.sharding.reset(request_id, None).await
                 {
-                    return Err(WorkflowError::Cluster(
-                        "failed to reset the parent's resume".into(),
-                    ));
+                    return Err(WorkflowError::cluster("failed to reset the parent's resume"));
                 }
                 Ok(())
             }
@@ -1234,10 +1234,9 @@ impl ClusterEngine {
         }
         if hard {
             let address = self.address(workflow, execution_id);
-            self.sharding
-                .interrupt_request(&address, request_id)
-                .await
-                .map_err(|error| WorkflowError::Cluster(error.to_string()))?;
+            self.sharding.interrupt_request(&address, request_id).await.map_err(|error| {
+                WorkflowError::cluster_from("interrupting a request failed", error)
+            })?;
         }
         Ok(())
     }
@@ -1282,9 +1281,9 @@ impl ClusterEngine {
         execute: ActivityBody<'a>,
     ) -> Result<WorkflowResult, WorkflowError> {
         let ActivityStep { name, attempt, transactional } = step;
-        let activation = self.activation(&run.execution_id).ok_or_else(|| {
-            WorkflowError::Cluster("the execution is not active on this runner".into())
-        })?;
+        let activation = self
+            .activation(&run.execution_id)
+            .ok_or_else(|| WorkflowError::cluster("the execution is not active on this runner"))?;
         let key = (name.to_owned(), attempt);
         let mut execute = Some(execute);
         loop {
@@ -1340,7 +1339,7 @@ impl ClusterEngine {
                     // a redelivery of the request, finding no caller, answered `Suspended`.
                     // Nothing would wake this run: it breaks off, and the replay runs the
                     // activity again (it has no stored result).
-                    return Err(WorkflowError::Cluster(format!(
+                    return Err(WorkflowError::cluster(format!(
                         "the result of activity {name}/{attempt} was not stored"
                     )));
                 }
@@ -1356,7 +1355,7 @@ impl ClusterEngine {
                         if sharding.reset(request_id, None).await {
                             Ok(())
                         } else {
-                            Err(WorkflowError::Cluster("failed to reset an activity".into()))
+                            Err(WorkflowError::cluster("failed to reset an activity"))
                         }
                     })
                     .await?;

@@ -23,7 +23,7 @@ use crate::result::{WorkflowResult, filter_interrupts, interrupt_reason, squash}
 use crate::run::{BodyEnd, ChildLink, Finalizer, Run, RunExit};
 
 /// Why the engine could not do what was asked.
-#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[derive(Debug, Clone, thiserror::Error)]
 #[non_exhaustive]
 pub enum WorkflowError {
     /// No body is registered for the workflow on this engine.
@@ -36,14 +36,43 @@ pub enum WorkflowError {
     #[error("the workflow engine is shut down")]
     ShutDown,
     /// Storage or the cluster failed; the operation may be retried.
-    #[error("the cluster failed: {0}")]
-    Cluster(String),
+    #[error("the cluster failed: {what}")]
+    Cluster {
+        /// What failed.
+        what: String,
+        /// The typed error underneath, when there is one.
+        #[source]
+        source: Option<ClusterFailure>,
+    },
     /// A value could not be encoded or decoded.
     #[error("malformed value: {0}")]
     Malformed(String),
     /// Used wrongly (for example `detached` without `discard`).
     #[error("{0}")]
     Invalid(String),
+}
+
+/// The typed error under a [`WorkflowError::Cluster`].
+#[derive(Debug, Clone, thiserror::Error)]
+pub enum ClusterFailure {
+    /// The runtime refused or lost a call.
+    #[error(transparent)]
+    Cluster(#[from] cluster_core::ClusterError),
+    /// Storage failed.
+    #[error(transparent)]
+    Storage(#[from] cluster_core::StorageError),
+}
+
+impl WorkflowError {
+    /// A cluster failure described in words, without a typed error underneath.
+    pub(crate) fn cluster(what: impl Into<String>) -> WorkflowError {
+        WorkflowError::Cluster { what: what.into(), source: None }
+    }
+
+    /// A cluster failure with its typed error underneath.
+    pub(crate) fn cluster_from(what: &str, source: impl Into<ClusterFailure>) -> WorkflowError {
+        WorkflowError::Cluster { what: what.to_owned(), source: Some(source.into()) }
+    }
 }
 
 /// Why `execute` did not return the workflow's success value.
@@ -681,5 +710,28 @@ async fn close_retained(retained: Vec<Scope>, abandoned: bool) {
     for (finalizers, run_abandoned) in retained.into_iter().rev() {
         let exit = RunExit { exit: Exit::void(), interrupted: false };
         close_scope(finalizers, exit, abandoned || run_abandoned).await;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use cluster_core::error::{StorageError, StorageErrorKind};
+
+    use super::*;
+
+    #[test]
+    fn a_cluster_failure_keeps_its_typed_source() {
+        let storage = StorageError::new(StorageErrorKind::Unavailable, "connection refused");
+        let error = WorkflowError::cluster_from("a storage operation failed", storage);
+        assert_eq!(error.to_string(), "the cluster failed: a storage operation failed");
+        let source = std::error::Error::source(&error).map(ToString::to_string);
+        assert_eq!(source.as_deref(), Some("connection refused (unavailable)"));
+        let WorkflowError::Cluster { source: Some(ClusterFailure::Storage(kept)), .. } = error
+        else {
+            panic!("the storage error is not kept: {error:?}");
+        };
+        assert_eq!(kept.kind(), StorageErrorKind::Unavailable);
+        let words = WorkflowError::cluster("failed to reset an activity");
+        assert!(std::error::Error::source(&words).is_none());
     }
 }

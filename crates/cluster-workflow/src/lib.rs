@@ -65,7 +65,7 @@ pub use context::{
     DurableDeferred, InterruptRetry, Never, WorkflowContext,
 };
 pub use definition::{RetrySchedule, Workflow, WorkflowOptions};
-pub use engine::{ExecuteError, WorkflowEngine, WorkflowError};
+pub use engine::{ClusterFailure, ExecuteError, WorkflowEngine, WorkflowError};
 pub use id::{ExecutionId, Token, TokenError, activity_idempotency_key, hash_digest};
 pub use queue::{DurableQueue, QueueOptions};
 pub use result::{FailureCause, WorkflowResult};

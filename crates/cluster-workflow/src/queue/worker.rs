@@ -117,7 +117,7 @@ impl QueueWorkers {
                 Err(_) => format!("no answer within {CALL_DEADLINE:?}"),
             };
             if attempt == OFFER_ATTEMPTS_MAX {
-                return Err(WorkflowError::Cluster(format!("offering to {name} failed: {error}")));
+                return Err(WorkflowError::cluster(format!("offering to {name} failed: {error}")));
             }
             tracing::warn!(queue = %name, item_id, %error, retry_in = ?backoff, "offering a queue item failed");
             tokio::time::sleep(backoff).await;

@@ -1682,8 +1682,8 @@ pub(crate) async fn unregistered_workflows_are_an_error(h: &impl Harness) {
         // type it never registers with a defect once the registration timeout passed.
         let result = engine.execute::<Doubler>(input("x")).await;
         assert!(
-            matches!(&result, Err(ExecuteError::Engine(WorkflowError::Cluster(message)))
-                if message.contains("Entity type 'Workflow/Doubler' not registered")),
+            matches!(&result, Err(ExecuteError::Engine(WorkflowError::Cluster { what, .. }))
+                if what.contains("Entity type 'Workflow/Doubler' not registered")),
             "{result:?}"
         );
         register_doubler(&engine, &Log::default());
