@@ -1,5 +1,5 @@
-//! The one way this workspace takes a `std` lock: [`lock`] for a mutex, [`read`] and [`write`]
-//! for a read-write lock, all ignoring poisoning.
+//! The one way this workspace takes a `std` lock: [`lock`] for a mutex, [`read`] and
+//! [`write`](fn@write) for a read-write lock, all ignoring poisoning.
 
 use std::sync::{Mutex, MutexGuard, PoisonError, RwLock, RwLockReadGuard, RwLockWriteGuard};
 
