@@ -701,6 +701,18 @@ impl<E> HandlerEntry<E> {
             fork_state: None,
         }
     }
+
+    /// The entry of a streaming request type: never in a transaction, never re-run on an
+    /// interrupt, forked when it has a `fork_state`.
+    pub(crate) fn stream(call: CallKind<E>, fork_state: Option<fn(&E) -> SharedValue>) -> Self {
+        HandlerEntry {
+            call,
+            interrupt_on_termination: false,
+            with_transaction: Transactional::Never,
+            rerun_on_interrupt: false,
+            fork_state,
+        }
+    }
 }
 
 /// Whether the requests of one type run inside a storage transaction.
@@ -782,13 +794,7 @@ impl<E: Entity> Protocol<E> {
     where
         E: StreamHandler<R>,
     {
-        let entry = HandlerEntry {
-            call: CallKind::Stream(stream_call::<E, R>),
-            interrupt_on_termination: false,
-            with_transaction: Transactional::Never,
-            rerun_on_interrupt: false,
-            fork_state: None,
-        };
+        let entry = HandlerEntry::stream(CallKind::Stream(stream_call::<E, R>), None);
         self.handlers.insert(R::TAG, entry);
         self
     }
@@ -812,15 +818,9 @@ impl<E: Entity> Protocol<E> {
     where
         E: ForkedStreamHandler<R>,
     {
-        let entry = HandlerEntry {
-            call: CallKind::ForkedStream(forked_stream_call::<E, R>),
-            interrupt_on_termination: false,
-            with_transaction: Transactional::Never,
-            rerun_on_interrupt: false,
-            fork_state: Some(|entity: &E| -> SharedValue {
-                ForkedStreamHandler::<R>::state(entity)
-            }),
-        };
+        let fork_state = |entity: &E| -> SharedValue { ForkedStreamHandler::<R>::state(entity) };
+        let call = CallKind::ForkedStream(forked_stream_call::<E, R>);
+        let entry = HandlerEntry::stream(call, Some(fork_state));
         self.handlers.insert(R::TAG, entry);
         self
     }

@@ -56,8 +56,8 @@ use tokio::sync::{mpsc, oneshot};
 
 use crate::entity::{
     CallKind, ChunkChannel, ChunkError, Chunks, Entity, EntityContext, ForkedHandler,
-    ForkedStreamHandler, HandlerEntry, Protocol, RequestContext, SharedValue, Transactional,
-    malformed, stream_with,
+    ForkedStreamHandler, HandlerEntry, Protocol, RequestContext, SharedValue, malformed,
+    stream_with,
 };
 use crate::rpc::{Rpc, StreamRpc};
 
@@ -126,13 +126,8 @@ impl<Q: QueueEntity> QueueProtocol<'_, Q> {
     where
         Q: AcceptsStream<R>,
     {
-        let entry = HandlerEntry {
-            call: CallKind::ForkedStream(queued_stream_call::<R>),
-            interrupt_on_termination: false,
-            with_transaction: Transactional::Never,
-            rerun_on_interrupt: false,
-            fork_state: Some(fork_state::<Q>),
-        };
+        let call = CallKind::ForkedStream(queued_stream_call::<R>);
+        let entry = HandlerEntry::stream(call, Some(fork_state::<Q>));
         self.inner.insert(R::TAG, entry);
         self
     }
