@@ -141,10 +141,14 @@ fn ci() -> Result<()> {
     // The README's first command, in a debug build: it asserts its own outcome.
     step("quickstart", &["run", "--example", "quickstart"], &[])?;
     // The workflow issue's example: it asserts the compensations ran in reverse order, once.
-    step("saga", &["run", "-p", "cluster-workflow", "--example", "saga"], &[])?;
+    step(
+        "saga",
+        &["run", "-p", "durable-cluster", "--features", "workflow", "--example", "saga"],
+        &[],
+    )?;
     // The streaming and cron examples check their own outcome too.
-    step("streaming", &["run", "-p", "cluster-sharding", "--example", "streaming"], &[])?;
-    step("cron", &["run", "-p", "cluster-sharding", "--example", "cron_singleton"], &[])?;
+    step("streaming", &["run", "-p", "durable-cluster", "--example", "streaming"], &[])?;
+    step("cron", &["run", "-p", "durable-cluster", "--example", "cron_singleton"], &[])?;
     bench_smoke(&service_env)?;
     sim(&["--seeds".to_owned(), "200".to_owned()])?;
     // Graceful faults only: every handler runs exactly once, in storage order.

@@ -4,8 +4,8 @@
 
 use std::sync::Arc;
 
+use cluster_core::ShardingConfig;
 use cluster_core::config::Capacity;
-use cluster_core::{ShardingConfig, SystemClock};
 use cluster_sharding::{
     Entity, EntityContext, EntityOptions, Handler, Never, Protocol, RequestContext, Rpc, Sharding,
 };
@@ -141,8 +141,7 @@ async fn volatile_echo(plan: &Plan) -> Result<Measured, String> {
     // memory of a million.
     let config =
         ShardingConfig { max_resident_entities: Capacity::Unbounded, ..ShardingConfig::default() };
-    let sharding =
-        Sharding::new(config, Arc::new(SystemClock)).map_err(|error| error.to_string())?;
+    let sharding = Sharding::builder(config).start().await.map_err(|error| error.to_string())?;
     sharding.register::<Echo>(EntityOptions::default()).map_err(|error| error.to_string())?;
     let measured = measure(plan, None, {
         let (sharding, plan) = (sharding.clone(), plan.clone());
@@ -200,7 +199,11 @@ async fn bare_echo(plan: &Plan) -> Result<Measured, String> {
 async fn on_database(plan: &Plan, database: &BenchDatabase) -> Result<Measured, String> {
     let config = ShardingConfig::default();
     let (messages, runners) = database.open(&config).await?;
-    let sharding = Sharding::with_storages(config, Arc::new(SystemClock), messages, runners)
+    let sharding = Sharding::builder(config)
+        .messages(messages)
+        .runners(runners)
+        .single_runner()
+        .start()
         .await
         .map_err(|error| error.to_string())?;
     let measured = match plan.workload {

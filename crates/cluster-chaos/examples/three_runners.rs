@@ -27,11 +27,11 @@ use std::process::{ExitCode, Stdio};
 use std::time::Duration;
 
 use cluster_chaos::chaos::{free_port, wait_for_runners};
-use cluster_chaos::node::{self, Node, NodeEnv};
 use cluster_sharding::{
     Entity, EntityContext, EntityOptions, Handler, Never, Protocol, RequestContext, Rpc, Sharding,
 };
 use cluster_storage_sql::PgRunnerStorage;
+use durable_cluster::{Role, Runner, RunnerEnv};
 use serde::{Deserialize, Serialize};
 use tokio::process::{Child, Command};
 
@@ -129,13 +129,14 @@ fn say(line: &str) {
 
 /// One runner process: configured from the environment, until SIGTERM or SIGINT.
 async fn runner() -> Result<(), String> {
-    let env = NodeEnv::from_env(true).map_err(|error| error.to_string())?;
-    let node = Node::serve(&env, |sharding| {
-        sharding.register::<Greeter>(EntityOptions::default()).map_err(|error| error.to_string())
+    let env = RunnerEnv::from_env(Role::Runner).map_err(|error| error.to_string())?;
+    let node = Runner::start(&env, |sharding| {
+        sharding.register::<Greeter>(EntityOptions::default())?;
+        Ok(())
     })
     .await
     .map_err(|error| error.to_string())?;
-    node::terminated().await.map_err(|error| error.to_string())?;
+    durable_cluster::terminated().await.map_err(|error| error.to_string())?;
     // Graceful: the shards go to the other runners first.
     node.shutdown().await;
     Ok(())
@@ -163,7 +164,8 @@ async fn orchestrate(url: Option<&str>) -> Result<(), String> {
     let prefix = format!("example{}", std::process::id());
     let env = cluster_env(&url, &prefix);
     let lookup = |name: &str| env.iter().find(|(key, _)| *key == name).map(|(_, v)| v.clone());
-    let client_env = NodeEnv::from_lookup(false, lookup).map_err(|error| error.to_string())?;
+    let client_env =
+        RunnerEnv::from_lookup(Role::Client, lookup).map_err(|error| error.to_string())?;
     // The client opens the storages first, which creates the tables before any runner starts.
     let client = client_env.join().await.map_err(|error| error.to_string())?;
     let registry = PgRunnerStorage::connect(&url, &client_env.storage_options())

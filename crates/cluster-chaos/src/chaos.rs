@@ -41,9 +41,9 @@ use tokio::process::{Child, Command};
 use tokio::time::Instant;
 
 use crate::ledger::{self, Deposit, Ledger};
-use crate::node::NodeEnv;
 use crate::runs::{self, Fault, FaultKind, Order, ProcessId, Reruns, Run, StoredRequest};
 use crate::workload::{self, Summary};
+use durable_cluster::{Role, RunnerEnv};
 
 /// The ledgers the client spreads its deposits over (passed to it as `CHAOS_ENTITIES`).
 const ENTITIES: u64 = 200;
@@ -318,7 +318,7 @@ async fn run_on(
     let secret = format!("chaos-{}-{}", std::process::id(), free_port()?);
     let env = shared_env(options, prefix, &secret);
     // The tables exist before any process starts (one migration, no race).
-    let node = NodeEnv::from_lookup(false, |name| {
+    let node = RunnerEnv::from_lookup(Role::Client, |name| {
         env.iter().find(|(key, _)| key == name).map(|(_, value)| value.clone())
     })
     .map_err(|error| error.to_string())?;
@@ -475,7 +475,7 @@ fn check_client(report: &mut Report) {
 async fn check_replies(
     report: &mut Report,
     messages: &PgMessageStorage,
-    node: &NodeEnv,
+    node: &RunnerEnv,
 ) -> Result<(), String> {
     let mut problems = Vec::new();
     for n in 0..report.client.sent {

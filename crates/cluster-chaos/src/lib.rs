@@ -1,8 +1,6 @@
-//! A runner process configured from the environment, and the fault test that runs several of
-//! them (`cargo xtask chaos`).
+//! The fault test across processes (`cargo xtask chaos`): runner processes built on
+//! `durable_cluster::Runner`, a client-only workload, faults, and the checks at the end.
 //!
-//! - [`node`]: one process of a cluster from `CLUSTER_*` and the runtime's variables: storage
-//!   from a URL, the TCP transport of `cluster-rpc`, graceful shutdown on SIGTERM and SIGINT.
 //! - [`ledger`]: the entity the fault test drives; every deposit it handles writes an audit
 //!   row (runner, lock epoch, run, time) in the same transaction as its reply.
 //! - [`runs`]: every run of a deposit's handler, recorded outside the request's transaction
@@ -17,6 +15,5 @@
 
 pub mod chaos;
 pub mod ledger;
-pub mod node;
 pub mod runs;
 pub mod workload;

@@ -7,10 +7,10 @@ use std::time::Duration;
 
 use cluster_chaos::chaos::{self, ChaosOptions, say};
 use cluster_chaos::ledger::{self, Ledger};
-use cluster_chaos::node::{self, Node, NodeEnv};
 use cluster_chaos::runs::{self, RunRecorder};
 use cluster_chaos::workload::{self, WorkloadOptions};
 use cluster_sharding::EntityOptions;
+use durable_cluster::{Role, Runner, RunnerEnv};
 
 #[tokio::main]
 async fn main() -> ExitCode {
@@ -36,7 +36,7 @@ fn report_error(message: &str) {
 }
 
 async fn runner() -> Result<(), String> {
-    let env = NodeEnv::from_env(true).map_err(|error| error.to_string())?;
+    let env = RunnerEnv::from_env(Role::Runner).map_err(|error| error.to_string())?;
     if std::env::var("CHAOS_AUDIT").is_ok() {
         ledger::set_audit_table(ledger::audit_table(&env.table_prefix));
         let name = std::env::var("CHAOS_RUNNER_NAME").unwrap_or_else(|_| "runner".to_owned());
@@ -57,18 +57,19 @@ async fn runner() -> Result<(), String> {
             ledger::set_deposit_work(Duration::from_millis(millis));
         }
     }
-    let node = Node::serve(&env, |sharding| {
-        sharding.register::<Ledger>(EntityOptions::default()).map_err(|error| error.to_string())
+    let node = Runner::start(&env, |sharding| {
+        sharding.register::<Ledger>(EntityOptions::default())?;
+        Ok(())
     })
     .await
     .map_err(|error| error.to_string())?;
-    node::terminated().await.map_err(|error| error.to_string())?;
+    durable_cluster::terminated().await.map_err(|error| error.to_string())?;
     node.shutdown().await;
     Ok(())
 }
 
 async fn client() -> Result<(), String> {
-    let env = NodeEnv::from_env(false).map_err(|error| error.to_string())?;
+    let env = RunnerEnv::from_env(Role::Client).map_err(|error| error.to_string())?;
     let options = WorkloadOptions::from_env()?;
     let sharding = env.join().await.map_err(|error| error.to_string())?;
     let summary = workload::run(&sharding, &options).await;

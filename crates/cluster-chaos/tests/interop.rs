@@ -9,11 +9,11 @@ use std::time::Duration;
 
 use cluster_chaos::chaos::free_port;
 use cluster_chaos::ledger::{Deposit, Echo, Ledger};
-use cluster_chaos::node::{Node, NodeEnv};
 use cluster_core::ClusterError;
 use cluster_sharding::{CallError, EntityOptions, Sharding};
+use durable_cluster::{Role, Runner, RunnerEnv};
 
-fn env(database: &str, port: u16, secret: &str) -> NodeEnv {
+fn env(database: &str, port: u16, secret: &str) -> RunnerEnv {
     // `INTEROP_RUNNER_HEALTH_CHECK=ping` runs the reference's check, under which the test fails.
     let mode = std::env::var("INTEROP_RUNNER_HEALTH_CHECK").unwrap_or_default();
     let vars = [
@@ -31,15 +31,16 @@ fn env(database: &str, port: u16, secret: &str) -> NodeEnv {
         ("RUNNER_HEALTH_CHECK_INTERVAL", "200 millis".to_owned()),
         ("RUNNER_HEALTH_CHECK", mode),
     ];
-    NodeEnv::from_lookup(true, |name| {
+    RunnerEnv::from_lookup(Role::Runner, |name| {
         vars.iter().find(|(key, _)| *key == name).map(|(_, value)| value.clone())
     })
     .unwrap()
 }
 
-async fn start(env: &NodeEnv) -> Node {
-    Node::serve(env, |sharding| {
-        sharding.register::<Ledger>(EntityOptions::default()).map_err(|error| error.to_string())
+async fn start(env: &RunnerEnv) -> Runner {
+    Runner::start(env, |sharding| {
+        sharding.register::<Ledger>(EntityOptions::default())?;
+        Ok(())
     })
     .await
     .unwrap()
@@ -116,9 +117,9 @@ async fn a_runner_that_cannot_register_its_entities_leaves_the_registry() {
         std::env::temp_dir().join(format!("cluster-chaos-refused-{}.db", std::process::id()));
     let database = path.display().to_string();
     let node = env(&database, free_port().unwrap(), "ours");
-    let started = Node::serve(&node, |_| Err("no entities".to_owned())).await;
+    let started = Runner::start(&node, |_| Err("no entities".into())).await;
     assert!(
-        matches!(&started, Err(cluster_chaos::node::NodeError::Start(reason)) if reason == "no entities"),
+        matches!(&started, Err(durable_cluster::RunnerError::Register(reason)) if reason.to_string() == "no entities"),
         "the registration error is the start error"
     );
     let (_, registry) = node.open_storages().await.unwrap();

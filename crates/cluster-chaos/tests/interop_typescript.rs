@@ -28,13 +28,13 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use cluster_chaos::chaos::free_port;
-use cluster_chaos::node::{Node, NodeEnv};
 use cluster_core::{Clock, ClusterError, HashRing, RunnerAddress, ShardGroup, SystemClock};
 use cluster_sharding::{
     CallError, Entity, EntityContext, EntityOptions, Handler, Protocol, RequestContext, Rpc,
     Sharding,
 };
 use cluster_storage_sql::TablePrefix;
+use durable_cluster::{Role, Runner, RunnerEnv};
 use serde::{Deserialize, Serialize};
 use serde_json::{Value, json};
 use tokio::io::{AsyncBufReadExt, BufReader};
@@ -226,25 +226,26 @@ impl Interop {
     }
 
     /// The Rust runner's settings, with `extra` added.
-    fn rust_env(&self, port: u16, extra: &[(&'static str, &str)]) -> NodeEnv {
+    fn rust_env(&self, port: u16, extra: &[(&'static str, &str)]) -> RunnerEnv {
         let mut vars = self.shared_env(port);
         vars.push(("CLUSTER_RPC_SECRET", "interop".to_owned()));
         vars.extend(extra.iter().map(|(name, value)| (*name, (*value).to_owned())));
-        NodeEnv::from_lookup(true, |name| {
+        RunnerEnv::from_lookup(Role::Runner, |name| {
             vars.iter().find(|(key, _)| *key == name).map(|(_, value)| value.clone())
         })
         .unwrap()
     }
 
     /// Starts the Rust runner, serving `InteropEcho`.
-    async fn start_rust(&self, port: u16) -> Node {
+    async fn start_rust(&self, port: u16) -> Runner {
         self.start_rust_with(port, &[]).await
     }
 
     /// Starts the Rust runner with `extra` settings, serving `InteropEcho`.
-    async fn start_rust_with(&self, port: u16, extra: &[(&'static str, &str)]) -> Node {
-        Node::serve(&self.rust_env(port, extra), |sharding| {
-            sharding.register::<InteropEcho>(EntityOptions::default()).map_err(|e| e.to_string())
+    async fn start_rust_with(&self, port: u16, extra: &[(&'static str, &str)]) -> Runner {
+        Runner::start(&self.rust_env(port, extra), |sharding| {
+            sharding.register::<InteropEcho>(EntityOptions::default())?;
+            Ok(())
         })
         .await
         .unwrap()

@@ -22,7 +22,8 @@
 //! Persisted traffic needs nothing else: the request is stored and its shard's owner reads it
 //! (a transport, when there is one, only tells the owner to read at once). Volatile requests
 //! for another runner's shard go through the transport given to
-//! [`Sharding::join_with_transport`] (see `remote`); without one they fail with
+//! [`ShardingBuilder::transport`](crate::ShardingBuilder::transport) (see `remote`); without
+//! one they fail with
 //! `EntityNotAssignedToRunner`. With a transport, the runner-health singleton judges the
 //! runners as `runner_health_check` says: by default it pings those that answered a ping once
 //! and marks them unhealthy when they stop answering, and leaves the others (runners of the
@@ -46,9 +47,9 @@ use futures_util::future::Shared;
 use tokio::sync::{Notify, watch};
 use tokio_util::sync::CancellationToken;
 
+use crate::builder::StartError;
 use crate::metrics;
 use crate::sharding::Sharding;
-use crate::single_runner::StartError;
 use crate::singleton::SingletonOptions;
 
 /// How long a registry call may take (the reference's 5 s).
@@ -148,53 +149,15 @@ impl Cluster {
 }
 
 impl Sharding {
-    /// A runner (or, with `runner_address` `None`, a client-only process) of a cluster whose
-    /// runners share `messages` and `runners`: shards are assigned by the hash ring over the
-    /// registry's healthy runners, locked in `runners` and handed over when runners join,
-    /// leave or crash (docs/sharding.md, "Several runners"). Requests and replies of
-    /// persisted requests go through `messages`; volatile requests reach only entities of
-    /// this process (see [`Sharding::join_with_transport`] for the others).
+    /// A member of the cluster whose runners share `messages` and `runners` (see
+    /// [`Sharding::builder`]): a runner, or a client with `runner_address` `None`.
     ///
-    /// Every runner of a cluster runs the same code with its own `runner_address`
-    /// (docs/deployment.md shows a complete runner process, with the transport):
-    ///
-    /// ```no_run
-    /// use std::sync::Arc;
-    ///
-    /// use cluster_core::{RunnerAddress, ShardingConfig, SystemClock};
-    /// use cluster_sharding::Sharding;
-    /// use cluster_storage_sql::{PgMessageStorage, PgRunnerStorage, SqlStorageOptions, TablePrefix};
-    ///
-    /// # async fn run() -> Result<(), Box<dyn std::error::Error>> {
-    /// let config = ShardingConfig {
-    ///     runner_address: Some(RunnerAddress::new("10.0.0.5", 34431)),
-    ///     ..ShardingConfig::from_env()?
-    /// };
-    /// let url = "postgres://cluster@db.internal:5432/app";
-    /// let options = SqlStorageOptions::from_config(&config, TablePrefix::default());
-    /// let messages = PgMessageStorage::connect(url, &options).await?;
-    /// let runners = PgRunnerStorage::connect(url, &options).await?;
-    /// let sharding =
-    ///     Sharding::join(config, Arc::new(SystemClock), Arc::new(messages), Arc::new(runners))
-    ///         .await?;
-    /// // Register the entity types, singletons and cron jobs; serve until told to stop.
-    /// sharding.shutdown().await;
-    /// # Ok(())
-    /// # }
-    /// ```
-    pub async fn join(
-        config: ShardingConfig,
-        clock: Arc<dyn Clock>,
-        messages: Arc<dyn MessageStorage>,
-        runners: Arc<dyn RunnerStorage>,
-    ) -> Result<Sharding, StartError> {
-        Sharding::join_with_transport(config, clock, messages, runners, None).await
-    }
-
-    /// As [`Sharding::join`], with a runner-to-runner `transport` for volatile requests to
-    /// entities of other runners. The transport delivers the other runners' requests to this
-    /// one through [`Sharding::runner_handler`].
-    pub async fn join_with_transport(
+    /// - Shards are assigned by the hash ring over the registry's healthy runners, locked in
+    ///   `runners`, and handed over when runners join, leave or crash (docs/sharding.md,
+    ///   "Several runners").
+    /// - Persisted requests and their replies go through `messages`.
+    /// - Volatile requests reach other runners through `transport`, if there is one.
+    pub(crate) fn start_cluster(
         config: ShardingConfig,
         clock: Arc<dyn Clock>,
         messages: Arc<dyn MessageStorage>,

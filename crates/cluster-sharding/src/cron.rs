@@ -286,10 +286,12 @@ impl Sharding {
     /// client-only process nothing runs.
     ///
     /// ```
+    /// use std::sync::Arc;
     /// use std::time::Duration;
     ///
     /// use cluster_core::ShardingConfig;
-    /// use cluster_sharding::{CronOptions, SingleRunner};
+    /// use cluster_sharding::{CronOptions, Sharding};
+    /// use cluster_storage_sql::sqlite::{SqliteMessageStorage, SqliteOptions};
     /// use tokio::sync::mpsc;
     ///
     /// # #[tokio::main(flavor = "current_thread")]
@@ -300,7 +302,8 @@ impl Sharding {
     ///     entity_message_poll_interval: Duration::from_millis(100),
     ///     ..ShardingConfig::default()
     /// };
-    /// let sharding = SingleRunner::sqlite(&path, config).await?;
+    /// let messages = SqliteMessageStorage::open(&path, SqliteOptions::default()).await?;
+    /// let sharding = Sharding::builder(config).messages(Arc::new(messages)).start().await?;
     /// let (runs, mut ran) = mpsc::channel(16);
     /// // Every second (six fields: seconds first).
     /// sharding.register_cron("heartbeat", "* * * * * *", CronOptions::default(), move |context| {

@@ -4,9 +4,7 @@
 //! registers them on a [`Sharding`] runtime and calls them through typed [`EntityClient`]s:
 //!
 //! ```
-//! use std::sync::Arc;
-//!
-//! use cluster_core::{ShardingConfig, SystemClock};
+//! use cluster_core::ShardingConfig;
 //! use cluster_sharding::{
 //!     Entity, EntityContext, EntityOptions, Handler, Never, Protocol, RequestContext, Rpc,
 //!     Sharding,
@@ -52,7 +50,7 @@
 //!
 //! # #[tokio::main(flavor = "current_thread")]
 //! # async fn main() -> Result<(), Box<dyn std::error::Error>> {
-//! let sharding = Sharding::new(ShardingConfig::default(), Arc::new(SystemClock))?;
+//! let sharding = Sharding::builder(ShardingConfig::default()).start().await?;
 //! sharding.register::<Counter>(EntityOptions::default())?;
 //!
 //! let counter = sharding.client::<Counter>("user-42");
@@ -68,26 +66,25 @@
 //!
 //! The requests above are volatile: they live in memory only. A request type with
 //! [`Rpc::PERSISTED`] is saved to a message storage first and delivered at least once, answered
-//! exactly once per [`Rpc::primary_key`]; see [`SingleRunner::sqlite`] for one process on a
-//! SQLite file and [`Sharding::join`] for several runners on one database.
+//! exactly once per [`Rpc::primary_key`].
 //!
-//! Status: the single-runner core is here: entity managers (mailboxes, idle reaping, the
-//! residency cap, panic restarts, a graceful drain at shutdown), typed calls and streams
-//! (acknowledgement backpressure) interrupted by drop, and persisted delivery through a
-//! `MessageStorage` ([`Sharding::with_storage`]: save first with primary-key dedup, the storage
-//! read loop, stored final replies and chunks, durable interrupts and acknowledgements, streams
-//! that resume after a restart, a restart picks up what was left), a runner holding every
-//! shard's lock ([`Sharding::with_storages`], `SingleRunner::sqlite`), and a client-only mode
-//! ([`Sharding::client_only`]), resident-first reads at the residency cap, and
-//! [`Rpc::WITH_TRANSACTION`] handlers whose writes commit with their final reply; a persisted
-//! request that is uninterruptible on the server runs again when interrupted, and keep-alive
-//! ([`RequestContext::keep_alive`]), and [`SharedHandler`]s that run concurrently up to
-//! [`EntityOptions::concurrency`]. Several runners share a storage with [`Sharding::join`]:
-//! membership and the hash-ring assignment, shard locks with fencing of final replies, the
-//! shutdown handoff, singletons ([`Sharding::register_singleton`]) and volatile requests to
-//! other runners through a transport ([`Sharding::join_with_transport`]), and cluster-wide
-//! cron jobs ([`Sharding::register_cron`]).
+//! [`Sharding::builder`] puts a process together from its parts; what it is given decides what
+//! the process is (see [`ShardingBuilder`]):
+//!
+//! - nothing: volatile requests to the entities of this process;
+//! - a message storage: persisted delivery, one runner owning every shard;
+//! - a message storage and a runner storage: a member of a cluster (membership and the
+//!   hash-ring assignment, shard locks with fencing of final replies, the shutdown handoff,
+//!   singletons and cron jobs), or with [`ShardingBuilder::single_runner`] the only runner;
+//! - a transport besides: volatile requests to the entities of other runners;
+//! - [`ShardingBuilder::client_only`]: a process that hosts no entity.
+//!
+//! This crate depends on no storage backend and no transport. Applications depend on the
+//! `durable-cluster` crate, which re-exports it with the SQL storages, the transport,
+//! `SingleRunner::sqlite` (one process on a SQLite file) and `Runner` (a runner process from
+//! the environment).
 
+mod builder;
 mod client;
 mod cluster;
 mod cron;
@@ -105,6 +102,7 @@ mod single_runner;
 mod singleton;
 mod time;
 
+pub use builder::{ShardingBuilder, StartError};
 pub use client::{ChunkStream, EntityClient};
 pub use cluster_core::Never;
 pub use cron::{CronContext, CronError, CronOptions};
@@ -119,7 +117,4 @@ pub use queue_entity::{
 };
 pub use rpc::{CallError, Rpc, StreamRpc, Uninterruptible};
 pub use sharding::{RegisterError, RegistrationEvent, Sharding, seed_provisional_machine_ids};
-#[cfg(feature = "sqlite")]
-pub use single_runner::SingleRunner;
-pub use single_runner::StartError;
 pub use singleton::{SingletonContext, SingletonOptions};

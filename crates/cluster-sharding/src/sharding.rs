@@ -187,9 +187,12 @@ impl std::fmt::Debug for Sharding {
 }
 
 impl Sharding {
-    /// A runtime configured with `config` (validated), reading time from `clock`, with no
-    /// storage: only volatile requests can be sent.
-    pub fn new(config: ShardingConfig, clock: Arc<dyn Clock>) -> Result<Sharding, ConfigError> {
+    /// A runtime with no storage (see [`Sharding::builder`]): only volatile requests can be
+    /// sent.
+    pub(crate) fn start_volatile(
+        config: ShardingConfig,
+        clock: Arc<dyn Clock>,
+    ) -> Result<Sharding, ConfigError> {
         Sharding::build(config, clock, None, None, None)
     }
 
@@ -198,7 +201,7 @@ impl Sharding {
     ///
     /// Use it for one process on its own storage: shard locks and the runner registry, which
     /// let several runners share a database, are not taken here.
-    pub async fn with_storage(
+    pub(crate) async fn start_own_storage(
         config: ShardingConfig,
         clock: Arc<dyn Clock>,
         storage: Arc<dyn MessageStorage>,
@@ -244,7 +247,7 @@ impl Sharding {
     /// are read back from storage every `entity_reply_poll_interval`. Volatile requests need a
     /// transport to reach their runner, which this process does not have: they fail with
     /// `EntityNotAssignedToRunner`.
-    pub async fn client_only(
+    pub(crate) fn start_client_only(
         config: ShardingConfig,
         clock: Arc<dyn Clock>,
         storage: Arc<dyn MessageStorage>,
@@ -477,7 +480,7 @@ impl Sharding {
     }
 
     /// Keeps `locks`: the shards are served while they confirm them, and released at
-    /// shutdown. Set once, by [`Sharding::with_storages`].
+    /// shutdown. Set once, by a single runner's start (`ShardingBuilder::single_runner`).
     pub(crate) fn hold_locks(&self, locks: Arc<HeldLocks>) {
         if self.inner.locks.set(locks).is_err() {
             tracing::error!("a single runner's locks were set twice; the first are kept");

@@ -111,15 +111,13 @@ impl Sharding {
     /// released. In a client-only process this is a no-op, as in the reference.
     ///
     /// ```
-    /// use std::sync::Arc;
-    ///
-    /// use cluster_core::{ShardingConfig, SystemClock};
+    /// use cluster_core::ShardingConfig;
     /// use cluster_sharding::{Sharding, SingletonOptions};
     /// use tokio::sync::mpsc;
     ///
     /// # #[tokio::main(flavor = "current_thread")]
     /// # async fn main() -> Result<(), Box<dyn std::error::Error>> {
-    /// let sharding = Sharding::new(ShardingConfig::default(), Arc::new(SystemClock))?;
+    /// let sharding = Sharding::builder(ShardingConfig::default()).start().await?;
     /// let (events, mut received) = mpsc::channel(4);
     /// sharding.register_singleton("reaper", SingletonOptions::default(), move |context| {
     ///     let events = events.clone();

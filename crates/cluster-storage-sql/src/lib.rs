@@ -19,6 +19,12 @@
 //! collations of MySQL's key columns. All backends store and read rows through the same
 //! mapping (`row`), so they agree on every column.
 
+// The helpers the backends share are unused when no backend is compiled in.
+#![cfg_attr(
+    not(any(feature = "sqlite", feature = "postgres", feature = "mysql")),
+    allow(dead_code, unused_imports)
+)]
+
 pub mod options;
 
 #[cfg(any(feature = "postgres", feature = "mysql"))]

@@ -503,8 +503,13 @@ impl World {
         let config = runner_config(Some(address.clone()));
         let last_read = Arc::new(std::sync::atomic::AtomicU64::new(millis(self.start.elapsed())));
         let (messages, storage) = self.storage_for(Some(address.clone()), Arc::clone(&last_read));
-        let transport = Some(self.network.runners());
-        match Sharding::join_with_transport(config, clock, messages, Arc::new(locks), transport)
+        let transport = self.network.runners();
+        match Sharding::builder(config)
+            .clock(clock)
+            .messages(messages)
+            .runners(Arc::new(locks))
+            .transport(transport)
+            .start()
             .await
         {
             Ok(sharding) => {
@@ -713,16 +718,15 @@ async fn start_workload(
     // through the network for volatile requests.
     let registry: Arc<dyn RunnerStorage> =
         Arc::new(MemoryRunnerStorage::new(Arc::clone(&world.registry), EXPIRATION));
-    let transport = Some(world.network.runners());
+    let transport = world.network.runners();
     let (storage, _) = world.storage_for(None, Arc::default());
-    let client = match Sharding::join_with_transport(
-        runner_config(None),
-        clock,
-        storage,
-        registry,
-        transport,
-    )
-    .await
+    let client = match Sharding::builder(runner_config(None))
+        .clock(clock)
+        .messages(storage)
+        .runners(registry)
+        .transport(transport)
+        .start()
+        .await
     {
         Ok(client) => client,
         Err(error) => panic!("the simulation's client does not start: {error}"),

@@ -14,17 +14,17 @@ use std::marker::PhantomData;
 use std::sync::Arc;
 use std::time::Duration;
 
-use cluster_core::{ConfigError, ShardingConfig, SystemClock};
-use cluster_sharding::{Entity, EntityClient, EntityOptions, RegisterError, Sharding};
+use cluster_core::{ShardingConfig, SystemClock};
+use cluster_sharding::{Entity, EntityClient, EntityOptions, RegisterError, Sharding, StartError};
 
 use crate::memory::MemoryMessageStorage;
 
 /// Why a [`TestClient`] could not start.
 #[derive(Debug, thiserror::Error)]
 pub enum TestClientError {
-    /// The configuration is not valid.
+    /// The runtime did not start (an invalid configuration).
     #[error(transparent)]
-    Config(#[from] ConfigError),
+    Start(#[from] StartError),
     /// The entity type could not be registered (its options are out of bounds).
     #[error(transparent)]
     Register(#[from] RegisterError),
@@ -70,7 +70,7 @@ impl<E: Entity> TestClient<E> {
     ) -> Result<TestClient<E>, TestClientError> {
         let clock = Arc::new(SystemClock);
         let storage = Arc::new(MemoryMessageStorage::new(clock.clone()));
-        let sharding = Sharding::with_storage(config, clock, storage).await?;
+        let sharding = Sharding::builder(config).clock(clock).messages(storage).start().await?;
         sharding.register::<E>(options)?;
         Ok(TestClient { sharding, entity: PhantomData })
     }

@@ -289,11 +289,14 @@ impl WorkflowEngine {
     /// # Example
     ///
     /// One runner on a SQLite file; with several runners on PostgreSQL or MySQL
-    /// ([`Sharding::join`]) the same code runs each execution on the owner of its shard:
+    /// (`ShardingBuilder::runners`) the same code runs each execution on the owner of its shard:
     ///
     /// ```
+    /// use std::sync::Arc;
+    ///
     /// use cluster_core::ShardingConfig;
-    /// use cluster_sharding::SingleRunner;
+    /// use cluster_sharding::Sharding;
+    /// use cluster_storage_sql::sqlite::{SqliteMessageStorage, SqliteOptions};
     /// use cluster_workflow::{Workflow, WorkflowContext, WorkflowEngine};
     /// use serde::{Deserialize, Serialize};
     ///
@@ -312,7 +315,9 @@ impl WorkflowEngine {
     /// # #[tokio::main(flavor = "current_thread")]
     /// # async fn main() -> Result<(), Box<dyn std::error::Error>> {
     /// # let path = std::env::temp_dir().join(format!("doc-workflow-{}.db", std::process::id()));
-    /// let sharding = SingleRunner::sqlite(&path, ShardingConfig::default()).await?;
+    /// let messages = SqliteMessageStorage::open(&path, SqliteOptions::default()).await?;
+    /// let sharding =
+    ///     Sharding::builder(ShardingConfig::default()).messages(Arc::new(messages)).start().await?;
     /// let engine = WorkflowEngine::cluster(&sharding)?;
     /// engine.register::<PlaceOrder, _, _>(|ctx: WorkflowContext, order: Order| async move {
     ///     // Runs once; a replay of the execution reads its stored result.
@@ -1579,7 +1584,13 @@ mod tests {
             SqliteOptions::new(SqlStorageOptions::from_config(&config, TablePrefix::default()));
         let storage = Arc::new(SqliteMessageStorage::open(&path, options).await.unwrap());
         // A client-only process: nobody processes the completions it saves.
-        let sharding = Sharding::client_only(config, clock, storage).await.unwrap();
+        let sharding = Sharding::builder(config)
+            .clock(clock)
+            .messages(storage)
+            .client_only()
+            .start()
+            .await
+            .unwrap();
         let engine = WorkflowEngine::cluster(&sharding).unwrap();
         let execution_id = ExecutionId::derive("Gated", "pending");
         let token = |_: ()| Token {

@@ -5,7 +5,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use cluster_core::envelope::{Exit, RawJson};
-use cluster_core::{ClusterError, EntityType, ShardingConfig, SystemClock};
+use cluster_core::{ClusterError, EntityType, ShardingConfig};
 use serde::{Deserialize, Serialize};
 
 use crate::{
@@ -52,7 +52,7 @@ impl Handler<Pass> for Gate {
 
 #[tokio::test(start_paused = true)]
 async fn a_request_id_already_in_the_mailbox_is_refused_until_it_is_answered() {
-    let sharding = Sharding::new(ShardingConfig::default(), Arc::new(SystemClock)).unwrap();
+    let sharding = Sharding::builder(ShardingConfig::default()).start().await.unwrap();
     sharding.register::<Gate>(EntityOptions::default()).unwrap();
     let client = sharding.client::<Gate>("gate");
     let address = client.address().clone();

@@ -7,7 +7,7 @@ use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
 
-use cluster_core::{ShardingConfig, SystemClock};
+use cluster_core::ShardingConfig;
 use cluster_sharding::{
     Entity, EntityContext, EntityOptions, Handler, Protocol, RequestContext, Sharding,
 };
@@ -130,7 +130,7 @@ impl Handler<Get> for Untraced {
 #[tokio::test]
 async fn each_client_call_runs_in_a_span_with_the_type_tag_and_request_id() {
     spans();
-    let sharding = Sharding::new(ShardingConfig::default(), Arc::new(SystemClock)).unwrap();
+    let sharding = Sharding::builder(ShardingConfig::default()).start().await.unwrap();
     sharding.register::<Traced>(EntityOptions::default()).unwrap();
     sharding.register::<Untraced>(EntityOptions::default()).unwrap();
     assert_eq!(sharding.client::<Traced>("t1").send(Get).await.unwrap(), 7);

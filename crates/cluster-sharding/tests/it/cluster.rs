@@ -138,8 +138,12 @@ impl Net {
         let mut config = config(Some(RunnerAddress::new("127.0.0.1", port)));
         config.shard_lock_expiration = self.expiration;
         tune(&mut config);
-        let sharding =
-            Sharding::join(config, Arc::new(SystemClock), messages, wrap(locks)).await.unwrap();
+        let sharding = Sharding::builder(config)
+            .messages(messages)
+            .runners(wrap(locks))
+            .start()
+            .await
+            .unwrap();
         sharding.register::<Counter>(EntityOptions::default()).unwrap();
         sharding
     }
@@ -176,16 +180,14 @@ impl Net {
             runner_health_check: mode,
             ..config(Some(address))
         };
-        let transport = Some(network.runners());
-        let sharding = Sharding::join_with_transport(
-            config,
-            Arc::new(SystemClock),
-            messages,
-            locks,
-            transport,
-        )
-        .await
-        .unwrap();
+        let transport = network.runners();
+        let sharding = Sharding::builder(config)
+            .messages(messages)
+            .runners(locks)
+            .transport(transport)
+            .start()
+            .await
+            .unwrap();
         sharding.register::<Counter>(EntityOptions::default()).unwrap();
         sharding
     }
@@ -205,16 +207,14 @@ impl Net {
             runner_health_check: mode,
             ..config(Some(address.clone()))
         };
-        let transport = Some(network.runners());
-        let sharding = Sharding::join_with_transport(
-            config,
-            Arc::new(SystemClock),
-            messages,
-            locks,
-            transport,
-        )
-        .await
-        .unwrap();
+        let transport = network.runners();
+        let sharding = Sharding::builder(config)
+            .messages(messages)
+            .runners(locks)
+            .transport(transport)
+            .start()
+            .await
+            .unwrap();
         network.attach(address, sharding.runner_handler());
         sharding.register::<Counter>(EntityOptions::default()).unwrap();
         sharding
@@ -222,7 +222,7 @@ impl Net {
 
     async fn client(&self) -> Sharding {
         let (messages, locks) = self.storages().await;
-        Sharding::join(config(None), Arc::new(SystemClock), messages, locks).await.unwrap()
+        Sharding::builder(config(None)).messages(messages).runners(locks).start().await.unwrap()
     }
 
     /// The final replies stored for the request `tag` with primary key `key` of `client`'s
@@ -793,7 +793,10 @@ async fn a_burst_of_joins_moves_each_shard_once(net: Net) {
                 runner_address: Some(RunnerAddress::new("127.0.0.1", port)),
                 ..debounce
             };
-            let runner = Sharding::join(config, Arc::new(SystemClock), messages, Arc::new(locks))
+            let runner = Sharding::builder(config)
+                .messages(messages)
+                .runners(Arc::new(locks))
+                .start()
                 .await
                 .unwrap();
             runner.register::<Counter>(EntityOptions::default()).unwrap();
@@ -1444,7 +1447,7 @@ async fn entities_run_only_on_runners_of_their_shard_group(mut net: Net) {
     let (messages, locks) = net.storages().await;
     let client_config = ShardingConfig { available_shard_groups: groups.clone(), ..config(None) };
     let client =
-        Sharding::join(client_config, Arc::new(SystemClock), messages, locks).await.unwrap();
+        Sharding::builder(client_config).messages(messages).runners(locks).start().await.unwrap();
     for n in 0..5 {
         let where_am_i = client.client::<Special>(net.id(&format!("special-{n}")));
         assert_eq!(where_am_i.address().shard_id.group().to_string(), "special");
@@ -1510,29 +1513,25 @@ async fn a_stored_request_wakes_its_remote_owner_through_the_transport(net: Net)
         config
     };
     let (messages, locks) = net.storages().await;
-    let transport = Some(network.runners());
-    let owner = Sharding::join_with_transport(
-        slow_poll(18_001),
-        Arc::new(SystemClock),
-        messages,
-        locks,
-        transport,
-    )
-    .await
-    .unwrap();
+    let transport = network.runners();
+    let owner = Sharding::builder(slow_poll(18_001))
+        .messages(messages)
+        .runners(locks)
+        .transport(transport)
+        .start()
+        .await
+        .unwrap();
     network.attach(RunnerAddress::new("127.0.0.1", 18_001), owner.runner_handler());
     owner.register::<Counter>(EntityOptions::default()).unwrap();
     eventually("the owner holds every shard", || split(&[&owner])).await;
     let (messages, locks) = net.storages().await;
-    let client = Sharding::join_with_transport(
-        config(None),
-        Arc::new(SystemClock),
-        messages,
-        locks,
-        Some(network.runners()),
-    )
-    .await
-    .unwrap();
+    let client = Sharding::builder(config(None))
+        .messages(messages)
+        .runners(locks)
+        .transport(network.runners())
+        .start()
+        .await
+        .unwrap();
     let counter = client.client::<Counter>(net.id("woken"));
     // The client's own first assignment comes from its registry poll.
     tokio::time::sleep(Duration::from_millis(200)).await;
@@ -1631,7 +1630,10 @@ async fn a_killed_postgres_lock_session_loses_its_shards_and_takes_them_back() {
     let locks = Arc::new(PgRunnerStorage::connect(url, &options).await.unwrap());
     let messages = Arc::new(PgMessageStorage::connect(url, &options).await.unwrap());
     let config_a = config(Some(RunnerAddress::new("127.0.0.1", 22_001)));
-    let a = Sharding::join(config_a, Arc::new(SystemClock), messages, Arc::clone(&locks) as _)
+    let a = Sharding::builder(config_a)
+        .messages(messages)
+        .runners(Arc::clone(&locks) as _)
+        .start()
         .await
         .unwrap();
     let b = net.runner(22_002).await;
@@ -1881,7 +1883,7 @@ async fn a_frozen_runner_stores_no_final_reply_and_the_new_owner_answers_once(mu
             shard_lock_expiration: expiration,
             ..config(Some(RunnerAddress::new("127.0.0.1", 26_001)))
         };
-        let a = Sharding::join(config, Arc::new(SystemClock), Arc::new(messages), locks).await;
+        let a = Sharding::builder(config).messages(Arc::new(messages)).runners(locks).start().await;
         let a = a.unwrap();
         a.register::<Counter>(EntityOptions::default()).unwrap();
         (a, faults)
@@ -2050,7 +2052,10 @@ async fn a_request_beginning_its_transaction_does_not_run_on_a_shard_let_go(net:
     let (messages, faults) = cluster_testkit::faulty::FaultyMessageStorage::new(messages);
     let (locks, lock_faults) = FaultyRunnerStorage::new(locks);
     let config = config(Some(RunnerAddress::new("127.0.0.1", 5201)));
-    let a = Sharding::join(config, Arc::new(SystemClock), Arc::new(messages), Arc::new(locks))
+    let a = Sharding::builder(config)
+        .messages(Arc::new(messages))
+        .runners(Arc::new(locks))
+        .start()
         .await
         .unwrap();
     a.register::<Counter>(EntityOptions::default()).unwrap();
@@ -2086,7 +2091,12 @@ async fn a_reply_slow_to_store_while_its_shard_drains_keeps_the_lock(net: Net) {
         entity_termination_timeout: Duration::from_secs(15),
         ..config(Some(RunnerAddress::new("127.0.0.1", 5301)))
     };
-    let a = Sharding::join(config, Arc::new(SystemClock), Arc::new(messages), locks).await.unwrap();
+    let a = Sharding::builder(config)
+        .messages(Arc::new(messages))
+        .runners(locks)
+        .start()
+        .await
+        .unwrap();
     a.register::<Counter>(EntityOptions::default()).unwrap();
     eventually("the first runner holds every shard", || split(&[&a])).await;
     let moving: Vec<String> = (0..200)

@@ -159,8 +159,8 @@ impl Handler<Write> for Library {
     }
 }
 
-fn library(concurrency: Option<Capacity>) -> Sharding {
-    let sharding = sharding(ShardingConfig::default());
+async fn library(concurrency: Option<Capacity>) -> Sharding {
+    let sharding = sharding(ShardingConfig::default()).await;
     sharding
         .register::<Library>(EntityOptions { concurrency, ..EntityOptions::default() })
         .unwrap();
@@ -194,7 +194,7 @@ async fn settles_at(log: &Log, running: usize) {
 
 #[tokio::test(start_paused = true)]
 async fn shared_requests_run_together_up_to_the_concurrency_limit() {
-    let sharding = library(Capacity::bounded(3));
+    let sharding = library(Capacity::bounded(3)).await;
     let client = sharding.client::<Library>("three");
     let log = Log::of("three");
     let mut calls = Vec::new();
@@ -215,7 +215,7 @@ async fn shared_requests_run_together_up_to_the_concurrency_limit() {
 
 #[tokio::test(start_paused = true)]
 async fn shared_requests_run_one_at_a_time_by_default() {
-    let sharding = library(None);
+    let sharding = library(None).await;
     let client = sharding.client::<Library>("one");
     let log = Log::of("one");
     let mut calls = Vec::new();
@@ -233,7 +233,7 @@ async fn shared_requests_run_one_at_a_time_by_default() {
 
 #[tokio::test(start_paused = true)]
 async fn unbounded_concurrency_runs_every_shared_request_at_once() {
-    let sharding = library(Some(Capacity::Unbounded));
+    let sharding = library(Some(Capacity::Unbounded)).await;
     let client = sharding.client::<Library>("unbounded");
     let log = Log::of("unbounded");
     let mut calls = Vec::new();
@@ -249,7 +249,7 @@ async fn unbounded_concurrency_runs_every_shared_request_at_once() {
 
 #[tokio::test(start_paused = true)]
 async fn an_exclusive_request_runs_alone_and_requests_start_in_delivery_order() {
-    let sharding = library(Some(Capacity::Unbounded));
+    let sharding = library(Some(Capacity::Unbounded)).await;
     let client = sharding.client::<Library>("ordered");
     let log = Log::of("ordered");
     let a = spawn(&client, read("a", true)).await;
@@ -274,7 +274,7 @@ async fn an_exclusive_request_runs_alone_and_requests_start_in_delivery_order() 
 
 #[tokio::test(start_paused = true)]
 async fn a_panic_restarts_the_entity_and_replays_every_request_in_flight() {
-    let sharding = library(Capacity::bounded(2));
+    let sharding = library(Capacity::bounded(2)).await;
     let client = sharding.client::<Library>("restarts");
     let log = Log::of("restarts");
     let waiting = spawn(&client, read("waiting", true)).await;

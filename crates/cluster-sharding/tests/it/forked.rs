@@ -125,7 +125,7 @@ where
 /// run one at a time.
 #[tokio::test(start_paused = true)]
 async fn forked_requests_run_together_beside_exclusive_ones() {
-    let sharding = sharding(ShardingConfig::default());
+    let sharding = sharding(ShardingConfig::default()).await;
     sharding.register::<Room>(EntityOptions::default()).unwrap();
     let room = sharding.client::<Room>("forked");
     let meeting = Meeting::of("forked");

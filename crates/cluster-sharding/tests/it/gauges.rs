@@ -129,7 +129,7 @@ async fn the_entities_gauge_follows_resident_instances() {
         entity_max_idle_time: Some(Duration::from_secs(1)),
         ..ShardingConfig::default()
     };
-    let sharding = Sharding::new(config, Arc::new(SystemClock)).unwrap();
+    let sharding = Sharding::builder(config).start().await.unwrap();
     sharding.register::<Meter>(EntityOptions::default()).unwrap();
     for id in ["m1", "m2", "m3"] {
         sharding.client::<Meter>(id).send(Get).await.unwrap();
@@ -190,7 +190,7 @@ async fn gauge_reaches(key: &str, value: f64) {
 async fn the_mailbox_gauge_follows_each_entity_when_entity_mailbox_metrics_is_on() {
     gauges();
     let config = ShardingConfig { entity_mailbox_metrics: true, ..ShardingConfig::default() };
-    let sharding = Sharding::new(config, Arc::new(SystemClock)).unwrap();
+    let sharding = Sharding::builder(config).start().await.unwrap();
     sharding.register::<Queued>(EntityOptions::default()).unwrap();
     let client = sharding.client::<Queued>("q1");
     let shard = client.address().shard_id.to_string();
@@ -210,7 +210,7 @@ async fn the_mailbox_gauge_follows_each_entity_when_entity_mailbox_metrics_is_on
     gauge_reaches(&key, 0.0).await;
 
     // Off (the default): no series for the entities of a runtime without it.
-    let quiet = Sharding::new(ShardingConfig::default(), Arc::new(SystemClock)).unwrap();
+    let quiet = Sharding::builder(ShardingConfig::default()).start().await.unwrap();
     quiet.register::<Queued>(EntityOptions::default()).unwrap();
     let client = quiet.client::<Queued>("q2");
     GATE.add_permits(1);
@@ -240,7 +240,13 @@ async fn the_shard_release_timer_records_each_release_of_the_shutdown_handoff() 
         entity_message_poll_interval: Duration::from_millis(50),
         ..ShardingConfig::default()
     };
-    let sharding = Sharding::join(config, clock, messages, locks).await.unwrap();
+    let sharding = Sharding::builder(config)
+        .clock(clock)
+        .messages(messages)
+        .runners(locks)
+        .start()
+        .await
+        .unwrap();
     let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
     while sharding.acquired_shards().len() < 4 {
         assert!(tokio::time::Instant::now() < deadline, "the runner never held its shards");

@@ -25,12 +25,12 @@ use entities::{
     Counter, Fail, Get, Increment, Persist, Probe, Probes, SetKeepAlive, Sleep, Stuck, spawn_send,
 };
 
-fn sharding(config: ShardingConfig) -> Sharding {
-    Sharding::new(config, Arc::new(SystemClock)).unwrap()
+async fn sharding(config: ShardingConfig) -> Sharding {
+    Sharding::builder(config).start().await.unwrap()
 }
 
-fn registered(config: ShardingConfig) -> Sharding {
-    let sharding = sharding(config);
+async fn registered(config: ShardingConfig) -> Sharding {
+    let sharding = sharding(config).await;
     sharding.register::<Counter>(EntityOptions::default()).unwrap();
     sharding
 }
@@ -48,7 +48,7 @@ async fn eventually(what: &str, mut condition: impl FnMut() -> bool) {
 
 #[tokio::test(start_paused = true)]
 async fn delivers_volatile_requests_and_keeps_state_per_entity() {
-    let sharding = registered(ShardingConfig::default());
+    let sharding = registered(ShardingConfig::default()).await;
     let a = sharding.client::<Counter>("a");
     let b = sharding.client::<Counter>("b");
     assert_eq!(a.send(Increment { by: 2 }).await.unwrap(), 2);
@@ -66,7 +66,7 @@ async fn delivers_volatile_requests_and_keeps_state_per_entity() {
 /// under the registry's lock, and each keeps its own entities.
 #[tokio::test(start_paused = true)]
 async fn every_one_of_many_registered_types_gets_its_requests() {
-    let sharding = sharding(ShardingConfig::default());
+    let sharding = sharding(ShardingConfig::default()).await;
     let types: Vec<cluster_core::EntityType> =
         (0..40).map(|n| cluster_core::EntityType::from(format!("Counter{n}"))).collect();
     for entity_type in &types {
@@ -87,7 +87,7 @@ async fn every_one_of_many_registered_types_gets_its_requests() {
 
 #[tokio::test(start_paused = true)]
 async fn requests_to_one_entity_run_one_at_a_time_in_order() {
-    let sharding = registered(ShardingConfig::default());
+    let sharding = registered(ShardingConfig::default()).await;
     let counter = sharding.client::<Counter>("ordered");
     let mut calls = Vec::new();
     for by in 1..=20 {
@@ -111,7 +111,7 @@ async fn requests_to_one_entity_run_one_at_a_time_in_order() {
 
 #[tokio::test(start_paused = true)]
 async fn the_request_error_comes_back_typed() {
-    let sharding = registered(ShardingConfig::default());
+    let sharding = registered(ShardingConfig::default()).await;
     let error =
         sharding.client::<Counter>("x").send(Fail { reason: "nope".to_owned() }).await.unwrap_err();
     let CallError::Failed(error) = error else { panic!("{error:?}") };
@@ -120,7 +120,7 @@ async fn the_request_error_comes_back_typed() {
 
 #[tokio::test(start_paused = true)]
 async fn fails_volatile_requests_immediately_when_the_mailbox_is_full() {
-    let sharding = sharding(ShardingConfig::default());
+    let sharding = sharding(ShardingConfig::default()).await;
     let options =
         EntityOptions { mailbox_capacity: Capacity::bounded(2), ..EntityOptions::default() };
     sharding.register::<Counter>(options).unwrap();
@@ -147,7 +147,7 @@ async fn bounds_resident_entities_and_reaps_idle_ones() {
         entity_max_idle_time: Some(Duration::from_secs(1)),
         ..ShardingConfig::default()
     };
-    let sharding = registered(config);
+    let sharding = registered(config).await;
     assert_eq!(sharding.client::<Counter>("first").send(Increment { by: 7 }).await.unwrap(), 7);
     let error = sharding.client::<Counter>("second").send(Increment { by: 1 }).await.unwrap_err();
     assert!(matches!(error, CallError::Cluster(ClusterError::MailboxFull { .. })), "{error:?}");
@@ -165,7 +165,7 @@ async fn keep_alive_holds_an_entity_until_it_is_released() {
         entity_max_idle_time: Some(Duration::from_secs(1)),
         ..ShardingConfig::default()
     };
-    let sharding = registered(config);
+    let sharding = registered(config).await;
     let kept = sharding.client::<Counter>("kept-alive");
     kept.send(SetKeepAlive { enabled: true }).await.unwrap();
     // Enabling twice parks nothing more: one release is enough.
@@ -184,7 +184,7 @@ async fn keep_alive_holds_an_entity_until_it_is_released() {
 
 #[tokio::test(start_paused = true)]
 async fn an_entity_without_max_idle_time_is_never_reaped() {
-    let sharding = sharding(ShardingConfig::default());
+    let sharding = sharding(ShardingConfig::default()).await;
     sharding
         .register::<Counter>(EntityOptions {
             max_idle_time: Some(None),
@@ -200,7 +200,7 @@ async fn an_entity_without_max_idle_time_is_never_reaped() {
 
 #[tokio::test(start_paused = true)]
 async fn dropping_the_call_interrupts_the_handler() {
-    let sharding = registered(ShardingConfig::default());
+    let sharding = registered(ShardingConfig::default()).await;
     let counter = sharding.client::<Counter>("interrupted");
     let probes = Probes::of("interrupted");
     let call = spawn_send(&counter, Probe);
@@ -215,7 +215,7 @@ async fn dropping_the_call_interrupts_the_handler() {
 
 #[tokio::test(start_paused = true)]
 async fn a_panicking_handler_restarts_the_entity_and_replays_the_request() {
-    let sharding = registered(ShardingConfig::default());
+    let sharding = registered(ShardingConfig::default()).await;
     let counter = sharding.client::<Counter>("panics");
     counter.send(Increment { by: 10 }).await.unwrap();
     let probes = Probes::of("panics");
@@ -232,7 +232,7 @@ async fn unknown_entity_types_fail_after_the_registration_timeout() {
         entity_registration_timeout: Duration::from_secs(2),
         ..ShardingConfig::default()
     };
-    let sharding = sharding(config);
+    let sharding = sharding(config).await;
     let started = tokio::time::Instant::now();
     let error = sharding.client::<Counter>("nobody").send(Get).await.unwrap_err();
     let CallError::Defect(defect) = error else { panic!("{error:?}") };
@@ -242,7 +242,7 @@ async fn unknown_entity_types_fail_after_the_registration_timeout() {
 
 #[tokio::test(start_paused = true)]
 async fn a_request_waits_for_its_entity_type_to_register() {
-    let sharding = sharding(ShardingConfig::default());
+    let sharding = sharding(ShardingConfig::default()).await;
     let call = tokio::spawn({
         let counter = sharding.client::<Counter>("late");
         async move { counter.send(Increment { by: 3 }).await }
@@ -254,7 +254,7 @@ async fn a_request_waits_for_its_entity_type_to_register() {
 
 #[tokio::test(start_paused = true)]
 async fn registrations_are_announced() {
-    let sharding = sharding(ShardingConfig::default());
+    let sharding = sharding(ShardingConfig::default()).await;
     let mut events = sharding.registration_events();
     sharding.register::<Counter>(EntityOptions::default()).unwrap();
     let event = events.recv().await.unwrap();
@@ -263,7 +263,7 @@ async fn registrations_are_announced() {
 
 #[tokio::test(start_paused = true)]
 async fn registering_a_type_twice_is_an_error() {
-    let sharding = registered(ShardingConfig::default());
+    let sharding = registered(ShardingConfig::default()).await;
     let error = sharding.register::<Counter>(EntityOptions::default()).unwrap_err();
     assert!(
         matches!(error, RegisterError::AlreadyRegistered(ref entity_type) if entity_type.as_str() == "Counter")
@@ -272,7 +272,7 @@ async fn registering_a_type_twice_is_an_error() {
 
 #[tokio::test(start_paused = true)]
 async fn discard_returns_once_delivered_and_the_entity_still_handles_it() {
-    let sharding = registered(ShardingConfig::default());
+    let sharding = registered(ShardingConfig::default()).await;
     let counter = sharding.client::<Counter>("discarded");
     counter.discard(Increment { by: 5 }).await.unwrap();
     assert_eq!(counter.send(Get).await.unwrap(), 5);
@@ -280,7 +280,7 @@ async fn discard_returns_once_delivered_and_the_entity_still_handles_it() {
 
 #[tokio::test(start_paused = true)]
 async fn shutdown_interrupts_running_requests_and_refuses_new_ones() {
-    let sharding = registered(ShardingConfig::default());
+    let sharding = registered(ShardingConfig::default()).await;
     let counter = sharding.client::<Counter>("stopping");
     let running = spawn_send(&counter, Stuck);
     eventually("the request runs", || sharding.active_entity_count() == 1).await;
@@ -304,7 +304,7 @@ async fn shutdown_lets_running_requests_finish_within_the_termination_timeout() 
         entity_termination_timeout: Duration::from_secs(10),
         ..ShardingConfig::default()
     };
-    let sharding = registered(config);
+    let sharding = registered(config).await;
     let counter = sharding.client::<Counter>("draining");
     let running = spawn_send(&counter, Sleep { millis: 3_000, by: 7 });
     eventually("the request runs", || sharding.active_entity_count() == 1).await;
@@ -317,7 +317,7 @@ async fn shutdown_lets_running_requests_finish_within_the_termination_timeout() 
 
 #[tokio::test(start_paused = true)]
 async fn persisted_requests_need_message_storage() {
-    let sharding = registered(ShardingConfig::default());
+    let sharding = registered(ShardingConfig::default()).await;
     let error = sharding.client::<Counter>("durable").send(Persist).await.unwrap_err();
     let CallError::Defect(defect) = error else { panic!("{error:?}") };
     assert!(defect.contains("MessageStorage"), "{defect}");
@@ -332,7 +332,7 @@ async fn persisted_requests_to_a_full_mailbox_are_retried_without_waiting_for_th
         ..ShardingConfig::default()
     };
     let storage = Arc::new(MemoryMessageStorage::new(Arc::new(SystemClock)));
-    let sharding = Sharding::with_storage(config, Arc::new(SystemClock), storage).await.unwrap();
+    let sharding = Sharding::builder(config).messages(storage).start().await.unwrap();
     let options =
         EntityOptions { mailbox_capacity: Capacity::bounded(1), ..EntityOptions::default() };
     sharding.register::<Counter>(options).unwrap();
@@ -362,7 +362,7 @@ async fn interrupt_on_termination_does_not_wait_for_the_drain() {
         entity_termination_timeout: Duration::from_secs(60),
         ..ShardingConfig::default()
     };
-    let sharding = registered(config);
+    let sharding = registered(config).await;
     let counter = sharding.client::<Counter>("impatient");
     let running = spawn_send(&counter, entities::Impatient);
     let probes = Probes::of("impatient");
@@ -375,7 +375,7 @@ async fn interrupt_on_termination_does_not_wait_for_the_drain() {
 
 #[tokio::test(start_paused = true)]
 async fn streams_items_in_order() {
-    let sharding = registered(ShardingConfig::default());
+    let sharding = registered(ShardingConfig::default()).await;
     let mut stream = sharding
         .client::<Counter>("streamer")
         .stream(entities::Count { n: 5, fail_after: None })
@@ -393,7 +393,7 @@ async fn streams_items_in_order() {
 /// of its reader, and a chunk is acknowledged when the reader takes it up.
 #[tokio::test(start_paused = true)]
 async fn a_stream_is_held_back_by_its_reader() {
-    let sharding = registered(ShardingConfig::default());
+    let sharding = registered(ShardingConfig::default()).await;
     let probes = Probes::of("slow-reader");
     let mut stream = sharding
         .client::<Counter>("slow-reader")
@@ -415,7 +415,7 @@ async fn a_stream_is_held_back_by_its_reader() {
 
 #[tokio::test(start_paused = true)]
 async fn a_stream_error_ends_the_stream() {
-    let sharding = registered(ShardingConfig::default());
+    let sharding = registered(ShardingConfig::default()).await;
     let mut stream = sharding
         .client::<Counter>("failing-stream")
         .stream(entities::Count { n: 5, fail_after: Some(2) })
@@ -430,7 +430,7 @@ async fn a_stream_error_ends_the_stream() {
 
 #[tokio::test(start_paused = true)]
 async fn dropping_a_stream_interrupts_its_handler() {
-    let sharding = registered(ShardingConfig::default());
+    let sharding = registered(ShardingConfig::default()).await;
     let probes = Probes::of("dropped-stream");
     let mut stream = sharding
         .client::<Counter>("dropped-stream")
@@ -454,7 +454,7 @@ async fn keeps_delivering_to_resident_entities_at_the_residency_cap() {
         ..ShardingConfig::default()
     };
     let storage = Arc::new(MemoryMessageStorage::new(Arc::new(SystemClock)));
-    let sharding = Sharding::with_storage(config, Arc::new(SystemClock), storage).await.unwrap();
+    let sharding = Sharding::builder(config).messages(storage).start().await.unwrap();
     sharding.register::<Counter>(EntityOptions::default()).unwrap();
     let resident = sharding.client::<Counter>("resident");
     assert_eq!(
@@ -498,9 +498,8 @@ async fn on_memory_storage(
 ) -> (Sharding, Arc<cluster_testkit::memory::MemoryMessageStorage>) {
     let storage =
         Arc::new(cluster_testkit::memory::MemoryMessageStorage::new(Arc::new(SystemClock)));
-    let sharding = Sharding::with_storage(config, Arc::new(SystemClock), Arc::clone(&storage) as _)
-        .await
-        .unwrap();
+    let sharding =
+        Sharding::builder(config).messages(Arc::clone(&storage) as _).start().await.unwrap();
     sharding.register::<Counter>(EntityOptions::default()).unwrap();
     (sharding, storage)
 }
@@ -543,8 +542,12 @@ async fn drains_a_full_batch_without_waiting_for_the_poll_interval() {
     let (runner, storage) = on_memory_storage(config.clone()).await;
     // Saved by another process: nothing wakes the runner's read loop but its poll.
     let client_config = ShardingConfig { runner_address: None, ..config.clone() };
-    let client =
-        Sharding::client_only(client_config, Arc::new(SystemClock), storage as _).await.unwrap();
+    let client = Sharding::builder(client_config)
+        .messages(storage as _)
+        .client_only()
+        .start()
+        .await
+        .unwrap();
     let drained = client.client::<Counter>("drained");
     for n in 0..5 {
         drained.discard(entities::Deposit { key: format!("d{n}"), amount: 1 }).await.unwrap();
@@ -562,7 +565,7 @@ async fn drains_a_full_batch_without_waiting_for_the_poll_interval() {
 async fn unbounded_max_resident_entities_does_not_limit_spawning() {
     let config =
         ShardingConfig { max_resident_entities: Capacity::Unbounded, ..ShardingConfig::default() };
-    let sharding = registered(config);
+    let sharding = registered(config).await;
     for n in 0..15 {
         sharding.client::<Counter>(format!("many-{n}")).send(Increment { by: 1 }).await.unwrap();
     }
@@ -763,8 +766,12 @@ async fn a_persisted_request_waits_for_its_deliver_at_time() {
 
     let clock = Arc::new(TokioClock { start: tokio::time::Instant::now() });
     let storage = Arc::new(cluster_testkit::memory::MemoryMessageStorage::new(clock.clone()));
-    let sharding =
-        Sharding::with_storage(ShardingConfig::default(), clock.clone(), storage).await.unwrap();
+    let sharding = Sharding::builder(ShardingConfig::default())
+        .clock(clock.clone())
+        .messages(storage)
+        .start()
+        .await
+        .unwrap();
     sharding.register::<Counter>(EntityOptions::default()).unwrap();
     let client = sharding.client::<Counter>("later");
     let probes = Probes::of("later");
@@ -820,8 +827,7 @@ async fn persisted_requests_wait_for_an_entity_type_registered_late() {
     };
     let storage =
         Arc::new(cluster_testkit::memory::MemoryMessageStorage::new(Arc::new(SystemClock)));
-    let sharding =
-        Sharding::with_storage(config, Arc::new(SystemClock), storage as _).await.unwrap();
+    let sharding = Sharding::builder(config).messages(storage as _).start().await.unwrap();
     let call = tokio::spawn({
         let client = sharding.client::<Counter>("late-type");
         async move { client.send(entities::Deposit { key: "late".to_owned(), amount: 9 }).await }
@@ -864,7 +870,7 @@ async fn reads_stay_full_sized_when_approaching_the_residency_cap() {
 /// the entity unreachable for good. The longest idle time allowed works.
 #[tokio::test(start_paused = true)]
 async fn entity_options_out_of_bounds_are_refused_at_registration() {
-    let sharding = sharding(ShardingConfig::default());
+    let sharding = sharding(ShardingConfig::default()).await;
     let forever = EntityOptions { max_idle_time: Some(Some(Duration::MAX)), ..Default::default() };
     let error = sharding.register::<Counter>(forever).unwrap_err();
     assert!(matches!(error, RegisterError::InvalidOptions { .. }), "{error}");
@@ -880,4 +886,78 @@ async fn entity_options_out_of_bounds_are_refused_at_registration() {
     assert_eq!(counter.send(Increment { by: 1 }).await.unwrap(), 1);
     assert_eq!(counter.send(Increment { by: 2 }).await.unwrap(), 3);
     sharding.shutdown().await;
+}
+
+/// The builder refuses parts that do not make a process, with a typed error naming the part.
+mod builder {
+    use std::sync::Arc;
+
+    use cluster_core::{RunnerAddress, ShardingConfig, SystemClock};
+    use cluster_sharding::{Sharding, StartError};
+    use std::time::Duration;
+
+    use cluster_testkit::memory::{
+        MemoryMessageStorage, MemoryRunnerDatabase, MemoryRunnerStorage,
+    };
+    use cluster_testkit::transport::MemoryNetwork;
+
+    fn messages() -> Arc<MemoryMessageStorage> {
+        Arc::new(MemoryMessageStorage::new(Arc::new(SystemClock)))
+    }
+
+    #[tokio::test]
+    async fn a_transport_without_runner_storage_is_missing_its_part() {
+        let network = MemoryNetwork::new();
+        let started = Sharding::builder(ShardingConfig::default())
+            .messages(messages())
+            .transport(network.runners())
+            .start()
+            .await;
+        let Err(StartError::Missing { part, .. }) = started else {
+            panic!("started without runner storage: {started:?}");
+        };
+        assert_eq!(part, "runners");
+    }
+
+    #[tokio::test]
+    async fn a_client_without_message_storage_is_missing_its_part() {
+        let started = Sharding::builder(ShardingConfig::default()).client_only().start().await;
+        let Err(StartError::Missing { part, .. }) = started else {
+            panic!("a client started without storage: {started:?}");
+        };
+        assert_eq!(part, "messages");
+    }
+
+    #[tokio::test]
+    async fn a_client_only_single_runner_is_a_conflict() {
+        let database = MemoryRunnerDatabase::new(Arc::new(SystemClock));
+        let started = Sharding::builder(ShardingConfig::default())
+            .messages(messages())
+            .runners(Arc::new(MemoryRunnerStorage::new(database, Duration::from_secs(30))))
+            .single_runner()
+            .client_only()
+            .start()
+            .await;
+        assert!(matches!(started, Err(StartError::Conflict(_))), "started: {started:?}");
+    }
+
+    #[tokio::test]
+    async fn client_only_drops_the_runner_address() {
+        let config = ShardingConfig {
+            runner_address: Some(RunnerAddress::new("localhost", 34_431)),
+            ..ShardingConfig::default()
+        };
+        let client =
+            Sharding::builder(config).messages(messages()).client_only().start().await.unwrap();
+        assert!(!client.is_runner(), "a client-only process hosts no entity");
+        assert_eq!(client.config().runner_address, None);
+        client.shutdown().await;
+    }
+
+    #[tokio::test]
+    async fn an_invalid_configuration_is_a_config_error() {
+        let config = ShardingConfig { shards_per_group: 0, ..ShardingConfig::default() };
+        let started = Sharding::builder(config).start().await;
+        assert!(matches!(started, Err(StartError::Config(_))), "started: {started:?}");
+    }
 }

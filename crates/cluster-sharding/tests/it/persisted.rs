@@ -63,9 +63,7 @@ fn config() -> ShardingConfig {
 
 async fn runner(store: &Store) -> Sharding {
     let sharding =
-        Sharding::with_storage(config(), Arc::new(SystemClock), Arc::clone(&store.storage))
-            .await
-            .unwrap();
+        Sharding::builder(config()).messages(Arc::clone(&store.storage)).start().await.unwrap();
     sharding.register::<Counter>(EntityOptions::default()).unwrap();
     sharding
 }
@@ -178,8 +176,7 @@ async fn observed_runner(
             counted.fetch_add(1, Ordering::SeqCst);
         }
     }));
-    let sharding =
-        Sharding::with_storage(config, Arc::new(SystemClock), Arc::new(storage)).await.unwrap();
+    let sharding = Sharding::builder(config).messages(Arc::new(storage)).start().await.unwrap();
     (sharding, reads, faults)
 }
 
@@ -268,8 +265,7 @@ async fn faulty_runner(store: &Store) -> (Sharding, Arc<Faults>) {
     let (storage, faults) = FaultyMessageStorage::new(Arc::clone(&store.storage));
     let config =
         ShardingConfig { entity_reply_poll_interval: Duration::from_secs(3600), ..config() };
-    let sharding =
-        Sharding::with_storage(config, Arc::new(SystemClock), Arc::new(storage)).await.unwrap();
+    let sharding = Sharding::builder(config).messages(Arc::new(storage)).start().await.unwrap();
     sharding.register::<Counter>(EntityOptions::default()).unwrap();
     (sharding, faults)
 }
@@ -457,9 +453,7 @@ async fn durable_requests_survive_a_restart(store: Store, id: &str) {
 
 async fn unregistered_types_are_held_then_answered_with_a_defect(store: Store, id: &str) {
     let sharding =
-        Sharding::with_storage(config(), Arc::new(SystemClock), Arc::clone(&store.storage))
-            .await
-            .unwrap();
+        Sharding::builder(config()).messages(Arc::clone(&store.storage)).start().await.unwrap();
     let started = tokio::time::Instant::now();
     let error = sharding
         .client::<Counter>(id)
@@ -477,9 +471,7 @@ async fn claims_of_a_killed_runner_are_released_on_start(store: Store, id: &str)
     // A runner that was killed left a claimed, unanswered request (claims hide a row for ten
     // minutes). Simulate it: store a request and claim it without answering.
     let stored =
-        Sharding::with_storage(config(), Arc::new(SystemClock), Arc::clone(&store.storage))
-            .await
-            .unwrap();
+        Sharding::builder(config()).messages(Arc::clone(&store.storage)).start().await.unwrap();
     let client = stored.client::<Counter>(id);
     client.discard(Deposit { key: "claimed".to_owned(), amount: 9 }).await.unwrap();
     stored.shutdown().await;
@@ -510,7 +502,7 @@ async fn reset_runs_a_request_again(store: Store, id: &str) {
     let probes = Probes::of(id);
     eventually("the request runs again", || probes.deposits.load(Ordering::SeqCst) == 2).await;
     sharding.shutdown().await;
-    assert!(!Sharding::new(config(), Arc::new(SystemClock)).unwrap().reset(request_id, None).await);
+    assert!(!Sharding::builder(config()).start().await.unwrap().reset(request_id, None).await);
 }
 
 mod single_runner {
@@ -518,12 +510,12 @@ mod single_runner {
     use std::time::Duration;
 
     use cluster_core::{RunnerAddress, ShardingConfig, SystemClock};
-    use cluster_sharding::{EntityOptions, Sharding, SingleRunner, StartError};
+    use cluster_sharding::{EntityOptions, Sharding, StartError};
     use cluster_testkit::memory::{
         MemoryMessageStorage, MemoryRunnerDatabase, MemoryRunnerStorage,
     };
 
-    use crate::entities::{Counter, Deposit, Gated};
+    use crate::entities::{Counter, Gated};
 
     fn at(port: u16) -> ShardingConfig {
         ShardingConfig {
@@ -539,39 +531,43 @@ mod single_runner {
         let database = MemoryRunnerDatabase::new(clock.clone());
         let runners =
             |expiration| Arc::new(MemoryRunnerStorage::new(Arc::clone(&database), expiration));
-        let first = Sharding::with_storages(
-            at(1),
-            clock.clone(),
-            messages.clone(),
-            runners(Duration::from_secs(60)),
-        )
-        .await
-        .unwrap();
-        let refused = Sharding::with_storages(
-            at(2),
-            clock.clone(),
-            messages.clone(),
-            runners(Duration::from_secs(60)),
-        )
-        .await;
+        let first = Sharding::builder(at(1))
+            .clock(clock.clone())
+            .messages(messages.clone())
+            .runners(runners(Duration::from_secs(60)))
+            .single_runner()
+            .start()
+            .await
+            .unwrap();
+        let refused = Sharding::builder(at(2))
+            .clock(clock.clone())
+            .messages(messages.clone())
+            .runners(runners(Duration::from_secs(60)))
+            .single_runner()
+            .start()
+            .await;
         assert!(
             matches!(refused, Err(StartError::ShardsHeld { held: 300, total: 300 })),
             "{refused:?}"
         );
         first.shutdown().await;
-        let second = Sharding::with_storages(
-            at(2),
-            clock.clone(),
-            messages.clone(),
-            runners(Duration::from_secs(60)),
-        )
-        .await
-        .unwrap();
+        let second = Sharding::builder(at(2))
+            .clock(clock.clone())
+            .messages(messages.clone())
+            .runners(runners(Duration::from_secs(60)))
+            .single_runner()
+            .start()
+            .await
+            .unwrap();
         second.shutdown().await;
         let client_only = ShardingConfig { runner_address: None, ..super::config() };
-        let refused =
-            Sharding::with_storages(client_only, clock, messages, runners(Duration::from_secs(60)))
-                .await;
+        let refused = Sharding::builder(client_only)
+            .clock(clock)
+            .messages(messages)
+            .runners(runners(Duration::from_secs(60)))
+            .single_runner()
+            .start()
+            .await;
         assert!(matches!(refused, Err(StartError::NoRunnerAddress)), "{refused:?}");
     }
 
@@ -603,10 +599,14 @@ mod single_runner {
         let runners = SqliteRunnerStorage::open(&path, options.clone()).await.unwrap();
         let (runners, faults) = FaultyRunnerStorage::new(Arc::new(runners));
         let clock = Arc::new(SystemClock);
-        let first =
-            Sharding::with_storages(config(1), clock.clone(), messages.clone(), Arc::new(runners))
-                .await
-                .unwrap();
+        let first = Sharding::builder(config(1))
+            .clock(clock.clone())
+            .messages(messages.clone())
+            .runners(Arc::new(runners))
+            .single_runner()
+            .start()
+            .await
+            .unwrap();
         first.register::<Counter>(EntityOptions::default()).unwrap();
         let id = "two-runners";
         let probes = crate::entities::Probes::of(id);
@@ -621,12 +621,12 @@ mod single_runner {
             Arc::new(SqliteRunnerStorage::open(&path, options).await.unwrap());
         let deadline = tokio::time::Instant::now() + Duration::from_secs(20);
         let second = loop {
-            let start = Sharding::with_storages(
-                config(2),
-                clock.clone(),
-                messages.clone(),
-                runners.clone(),
-            );
+            let start = Sharding::builder(config(2))
+                .clock(clock.clone())
+                .messages(messages.clone())
+                .runners(runners.clone())
+                .single_runner()
+                .start();
             match start.await {
                 Ok(second) => break second,
                 Err(StartError::ShardsHeld { .. }) => {
@@ -641,7 +641,13 @@ mod single_runner {
         // Enough for both runs: only the second one may answer.
         probes.gate.add_permits(2);
         let caller = ShardingConfig { runner_address: None, ..super::config() };
-        let caller = Sharding::client_only(caller, clock, messages).await.unwrap();
+        let caller = Sharding::builder(caller)
+            .clock(clock)
+            .messages(messages)
+            .client_only()
+            .start()
+            .await
+            .unwrap();
         let counter = caller.client::<Counter>(id);
         let answer = tokio::time::timeout(Duration::from_secs(20), counter.send(Gated)).await;
         assert_eq!(answer.expect("answered in time").unwrap(), 2, "the second runner answered");
@@ -661,38 +667,17 @@ mod single_runner {
             let _ = std::fs::remove_file(format!("{}{suffix}", path.display()));
         }
     }
-
-    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-    async fn sqlite_single_runner_restarts_on_its_file() {
-        let path =
-            std::env::temp_dir().join(format!("cluster-single-runner-{}.db", std::process::id()));
-        let first = SingleRunner::sqlite(&path, super::config()).await.unwrap();
-        first.register::<Counter>(EntityOptions::default()).unwrap();
-        let counter = first.client::<Counter>("single");
-        assert_eq!(counter.send(Deposit { key: "a".to_owned(), amount: 3 }).await.unwrap(), 3);
-        first.shutdown().await;
-        // The same runner (same address) starts again on the file at once.
-        let second = SingleRunner::sqlite(&path, super::config()).await.unwrap();
-        second.register::<Counter>(EntityOptions::default()).unwrap();
-        let again = second
-            .client::<Counter>("single")
-            .send(Deposit { key: "a".to_owned(), amount: 3 })
-            .await;
-        assert_eq!(again.unwrap(), 3, "answered from the file");
-        second.shutdown().await;
-        for suffix in ["", "-wal", "-shm"] {
-            let _ = std::fs::remove_file(format!("{}{suffix}", path.display()));
-        }
-    }
 }
 
 async fn a_client_only_process_reaches_the_runner_through_storage(store: Store, id: &str) {
     let runner = runner(&store).await;
     let client_config = ShardingConfig { runner_address: None, ..config() };
-    let client =
-        Sharding::client_only(client_config, Arc::new(SystemClock), Arc::clone(&store.storage))
-            .await
-            .unwrap();
+    let client = Sharding::builder(client_config)
+        .messages(Arc::clone(&store.storage))
+        .client_only()
+        .start()
+        .await
+        .unwrap();
     assert!(!client.is_runner());
     client.register::<Counter>(EntityOptions::default()).unwrap();
     assert_eq!(client.active_entity_count(), 0, "a client hosts nothing");
@@ -709,11 +694,6 @@ async fn a_client_only_process_reaches_the_runner_through_storage(store: Store, 
     );
     client.shutdown().await;
     runner.shutdown().await;
-    assert!(
-        Sharding::client_only(config(), Arc::new(SystemClock), Arc::clone(&store.storage))
-            .await
-            .is_err()
-    );
 }
 
 async fn persisted_streams_deliver_every_item(store: Store, id: &str) {
@@ -736,10 +716,12 @@ async fn a_persisted_stream_resumes_on_the_next_runner(store: Store, id: &str) {
     let first = runner(&store).await;
     // The caller lives in another process than both runners.
     let caller_config = ShardingConfig { runner_address: None, ..config() };
-    let caller =
-        Sharding::client_only(caller_config, Arc::new(SystemClock), Arc::clone(&store.storage))
-            .await
-            .unwrap();
+    let caller = Sharding::builder(caller_config)
+        .messages(Arc::clone(&store.storage))
+        .client_only()
+        .start()
+        .await
+        .unwrap();
     let mut stream = caller
         .client::<Counter>(id)
         .stream(crate::entities::Resume { key: "r".to_owned(), n: 5 })
@@ -840,10 +822,12 @@ async fn a_request_another_process_stored_comes_before_a_later_local_one(store: 
     assert_eq!(counter.send(Deposit { key: format!("{id}-1"), amount: 1 }).await.unwrap(), 1);
     eventually("the read loop read its shards", || reads.load(Ordering::SeqCst) > 0).await;
     let other_config = ShardingConfig { runner_address: None, ..config() };
-    let other =
-        Sharding::client_only(other_config, Arc::new(SystemClock), Arc::clone(&store.storage))
-            .await
-            .unwrap();
+    let other = Sharding::builder(other_config)
+        .messages(Arc::clone(&store.storage))
+        .client_only()
+        .start()
+        .await
+        .unwrap();
     other
         .client::<Counter>(id)
         .discard(Deposit { key: format!("{id}-100"), amount: 100 })

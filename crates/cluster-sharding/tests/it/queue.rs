@@ -152,7 +152,7 @@ async fn runner(database: Option<TestDatabase>) -> (Sharding, Option<TestDatabas
         None => Arc::new(MemoryMessageStorage::new(Arc::new(SystemClock))),
         Some(database) => database.open(&config()).await.unwrap().0,
     };
-    let sharding = Sharding::with_storage(config(), Arc::new(SystemClock), storage).await.unwrap();
+    let sharding = Sharding::builder(config()).messages(storage).start().await.unwrap();
     sharding.register::<Queued<Desk>>(EntityOptions::default()).unwrap();
     (sharding, database)
 }

@@ -303,9 +303,8 @@ impl StreamHandler<Values> for Receiver {
 
 async fn runner(config: ShardingConfig) -> (Sharding, Arc<MemoryMessageStorage>) {
     let storage = Arc::new(MemoryMessageStorage::new(Arc::new(SystemClock)));
-    let sharding = Sharding::with_storage(config, Arc::new(SystemClock), Arc::clone(&storage) as _)
-        .await
-        .unwrap();
+    let sharding =
+        Sharding::builder(config).messages(Arc::clone(&storage) as _).start().await.unwrap();
     sharding.register::<Sender>(EntityOptions::default()).unwrap();
     sharding.register::<Receiver>(EntityOptions::default()).unwrap();
     (sharding, storage)
@@ -403,8 +402,7 @@ async fn on_stop_is_bounded_by_its_timeout() {
     let script = Script::of("slow-stop");
     *script.finale.lock().unwrap() = Some(Finale::Sleep(Duration::from_secs(3600)));
     let storage = Arc::new(MemoryMessageStorage::new(Arc::new(SystemClock)));
-    let sharding =
-        Sharding::with_storage(stopping(), Arc::new(SystemClock), storage as _).await.unwrap();
+    let sharding = Sharding::builder(stopping()).messages(storage as _).start().await.unwrap();
     let options =
         EntityOptions { on_stop_timeout: Some(Duration::from_secs(2)), ..EntityOptions::default() };
     sharding.register::<Sender>(options).unwrap();
@@ -422,7 +420,7 @@ async fn on_stop_is_bounded_by_its_timeout() {
 async fn a_request_during_on_stop_waits_for_it_and_gets_a_fresh_instance() {
     let script = Script::of("reaped");
     *script.finale.lock().unwrap() = Some(Finale::Sleep(Duration::from_secs(5)));
-    let sharding = Sharding::new(ShardingConfig::default(), Arc::new(SystemClock)).unwrap();
+    let sharding = Sharding::builder(ShardingConfig::default()).start().await.unwrap();
     let options = EntityOptions {
         max_idle_time: Some(Some(Duration::from_secs(1))),
         ..EntityOptions::default()

@@ -67,7 +67,7 @@ pub(crate) fn register(sharding: &Sharding, name: &str) -> Result<(), RegisterEr
 
 #[tokio::test(start_paused = true)]
 async fn a_singleton_runs_from_registration_to_shutdown() {
-    let sharding = sharding(ShardingConfig::default());
+    let sharding = sharding(ShardingConfig::default()).await;
     let mut events = sharding.registration_events();
     register(&sharding, "lonely").unwrap();
     let tally = Tally::of("lonely");
@@ -88,7 +88,7 @@ async fn a_singleton_runs_from_registration_to_shutdown() {
 
 #[tokio::test(start_paused = true)]
 async fn a_panicking_singleton_is_started_again() {
-    let sharding = sharding(ShardingConfig::default());
+    let sharding = sharding(ShardingConfig::default()).await;
     let tally = Tally::of("fragile");
     tally.panics.store(2, Ordering::SeqCst);
     register(&sharding, "fragile").unwrap();
@@ -106,7 +106,7 @@ async fn a_singleton_that_ignores_its_cancellation_is_dropped_after_the_grace_pe
         entity_termination_timeout: Duration::from_secs(3),
         ..ShardingConfig::default()
     };
-    let sharding = sharding(config);
+    let sharding = sharding(config).await;
     let dropped = Arc::new(AtomicUsize::new(0));
     let tally = Arc::clone(&dropped);
     sharding
@@ -135,7 +135,8 @@ impl Drop for Dropped {
 
 #[tokio::test(start_paused = true)]
 async fn a_client_only_process_runs_no_singleton() {
-    let sharding = sharding(ShardingConfig { runner_address: None, ..ShardingConfig::default() });
+    let sharding =
+        sharding(ShardingConfig { runner_address: None, ..ShardingConfig::default() }).await;
     register(&sharding, "nowhere").unwrap();
     tokio::time::sleep(Duration::from_secs(1)).await;
     assert_eq!(Tally::of("nowhere").starts.load(Ordering::SeqCst), 0);
@@ -146,7 +147,7 @@ async fn a_cron_job_with_a_bad_expression_or_a_taken_name_is_refused() {
     use cluster_sharding::{CronError, CronOptions};
 
     let never = |_| async { Ok::<(), std::convert::Infallible>(()) };
-    let volatile = sharding(ShardingConfig::default());
+    let volatile = sharding(ShardingConfig::default()).await;
     let stored = volatile.register_cron("stored", "0 3 * * *", CronOptions::default(), never);
     assert!(matches!(stored, Err(CronError::NoMessageStorage)), "{stored:?}");
     let (sharding, _storage) = crate::on_memory_storage(ShardingConfig::default()).await;

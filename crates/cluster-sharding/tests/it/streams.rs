@@ -154,13 +154,17 @@ impl Pair {
                     database.open(&config()).await.unwrap().0,
                 ),
             };
-        let runner =
-            Sharding::with_storage(config(), Arc::new(SystemClock), Arc::clone(&runner_storage))
-                .await
-                .unwrap();
+        let runner = Sharding::builder(config())
+            .messages(Arc::clone(&runner_storage))
+            .start()
+            .await
+            .unwrap();
         runner.register::<Streamer>(EntityOptions::default()).unwrap();
         let caller_config = ShardingConfig { runner_address: None, ..config() };
-        let caller = Sharding::client_only(caller_config, Arc::new(SystemClock), caller_storage)
+        let caller = Sharding::builder(caller_config)
+            .messages(caller_storage)
+            .client_only()
+            .start()
             .await
             .unwrap();
         Pair { runner, caller, storage: runner_storage, _database: database }
@@ -281,7 +285,7 @@ async fn a_batch_arrives_as_one_chunk(pair: Pair) {
 /// encoded bytes a chunk, and a chunk is filled up to them when the items are there.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn coalescing_respects_the_chunk_bounds() {
-    let sharding = Sharding::new(ShardingConfig::default(), Arc::new(SystemClock)).unwrap();
+    let sharding = Sharding::builder(ShardingConfig::default()).start().await.unwrap();
     sharding.register::<Streamer>(EntityOptions::default()).unwrap();
     let client = sharding.client::<Streamer>("wide");
     for (n, width) in [(3 * CHUNK_ITEMS_MAX + 10, 1), (200, 1000)] {
@@ -327,8 +331,7 @@ async fn a_chunk_whose_save_acknowledgement_was_lost_reaches_the_local_caller() 
     let (storage, faults) = cluster_testkit::faulty::FaultyMessageStorage::new(memory);
     let config =
         ShardingConfig { entity_reply_poll_interval: Duration::from_secs(3600), ..config() };
-    let sharding =
-        Sharding::with_storage(config, Arc::new(SystemClock), Arc::new(storage)).await.unwrap();
+    let sharding = Sharding::builder(config).messages(Arc::new(storage)).start().await.unwrap();
     sharding.register::<Streamer>(EntityOptions::default()).unwrap();
     faults.lose_reply_acknowledgement(1);
     let client = sharding.client::<Streamer>("lost-ack");

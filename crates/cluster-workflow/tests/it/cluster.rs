@@ -39,8 +39,12 @@ async fn engine_on_faulty_storage() -> (WorkflowEngine, Arc<cluster_testkit::fau
     let clock: Arc<dyn Clock> = Arc::new(TokioClock::new());
     let memory = Arc::new(MemoryMessageStorage::new(Arc::clone(&clock)));
     let (faulty, faults) = cluster_testkit::faulty::FaultyMessageStorage::new(memory);
-    let sharding =
-        Sharding::with_storage(config(), Arc::clone(&clock), Arc::new(faulty)).await.unwrap();
+    let sharding = Sharding::builder(config())
+        .clock(Arc::clone(&clock))
+        .messages(Arc::new(faulty))
+        .start()
+        .await
+        .unwrap();
     (WorkflowEngine::cluster_with(&sharding, memory_queue(clock)).unwrap(), faults)
 }
 
@@ -66,7 +70,12 @@ impl Harness for ClusterOnMemory {
     async fn engine(&self) -> WorkflowEngine {
         let clock: Arc<dyn Clock> = Arc::new(TokioClock::new());
         let storage = Arc::new(MemoryMessageStorage::new(Arc::clone(&clock)));
-        let sharding = Sharding::with_storage(config(), Arc::clone(&clock), storage).await.unwrap();
+        let sharding = Sharding::builder(config())
+            .clock(Arc::clone(&clock))
+            .messages(storage)
+            .start()
+            .await
+            .unwrap();
         WorkflowEngine::cluster_with(&sharding, memory_queue(clock)).unwrap()
     }
 
@@ -170,8 +179,12 @@ async fn a_failing_wake_is_left_for_the_next_owner_at_shutdown() {
     let (faulty, faults) = FaultyMessageStorage::new(Arc::clone(&memory));
     let patient =
         ShardingConfig { entity_termination_timeout: Duration::from_secs(60), ..config() };
-    let first =
-        Sharding::with_storage(patient, Arc::clone(&clock), Arc::new(faulty)).await.unwrap();
+    let first = Sharding::builder(patient)
+        .clock(Arc::clone(&clock))
+        .messages(Arc::new(faulty))
+        .start()
+        .await
+        .unwrap();
     let engine = WorkflowEngine::cluster(&first).unwrap();
     register(&engine);
     let payload = suite::Input { key: "held".into(), ..suite::Input::default() };
@@ -189,7 +202,7 @@ async fn a_failing_wake_is_left_for_the_next_owner_at_shutdown() {
     assert!(started.elapsed() < Duration::from_secs(5), "{:?}", started.elapsed());
     // The completion is stored and unanswered: the next owner handles it.
     assert_unanswered::<Gated>(&*memory, &first, &id, "Gate").await;
-    let second = Sharding::with_storage(config(), clock, memory).await.unwrap();
+    let second = Sharding::builder(config()).clock(clock).messages(memory).start().await.unwrap();
     let engine = WorkflowEngine::cluster(&second).unwrap();
     register(&engine);
     // The next owner wakes the execution.
@@ -252,8 +265,12 @@ async fn durable_clocks_go_to_the_workflow_shard_group_at_the_rounded_up_millise
         assigned_shard_groups: groups,
         ..config()
     };
-    let sharding =
-        Sharding::with_storage(config, Arc::clone(&clock), Arc::clone(&storage)).await.unwrap();
+    let sharding = Sharding::builder(config)
+        .clock(Arc::clone(&clock))
+        .messages(Arc::clone(&storage))
+        .start()
+        .await
+        .unwrap();
     let engine = WorkflowEngine::cluster(&sharding).unwrap();
     engine
         .register::<Grouped, _, _>(|ctx: WorkflowContext, _: suite::Input| async move {
@@ -387,8 +404,12 @@ async fn a_wake_waiting_for_a_slow_suspension_commit_is_left_for_the_next_owner_
     // A drain that would wait a minute for the wake.
     let patient =
         ShardingConfig { entity_termination_timeout: Duration::from_secs(60), ..config() };
-    let first =
-        Sharding::with_storage(patient, Arc::clone(&clock), Arc::new(faulty)).await.unwrap();
+    let first = Sharding::builder(patient)
+        .clock(Arc::clone(&clock))
+        .messages(Arc::new(faulty))
+        .start()
+        .await
+        .unwrap();
     let engine = WorkflowEngine::cluster(&first).unwrap();
     register(&engine);
     faults.delay_replies(Duration::from_secs(30));
@@ -406,7 +427,7 @@ async fn a_wake_waiting_for_a_slow_suspension_commit_is_left_for_the_next_owner_
     // The wake stopped waiting at the shutdown: its completion is left unanswered, although
     // the run's reply was stored before the drain ended.
     assert_unanswered::<Slow>(&*memory, &first, &id, "Gate").await;
-    let second = Sharding::with_storage(config(), clock, memory).await.unwrap();
+    let second = Sharding::builder(config()).clock(clock).messages(memory).start().await.unwrap();
     let engine = WorkflowEngine::cluster(&second).unwrap();
     register(&engine);
     let exit = suite::complete_exit::<Slow>(&engine, &id).await;
@@ -508,7 +529,10 @@ async fn traffic_of_a_workflow_goes_to_its_shard_group_from_every_process() {
         assigned_shard_groups: vec![ShardGroup::from("workflow")],
         ..config()
     };
-    let runner = Sharding::with_storage(runner_config, Arc::clone(&clock), Arc::clone(&storage))
+    let runner = Sharding::builder(runner_config)
+        .clock(Arc::clone(&clock))
+        .messages(Arc::clone(&storage))
+        .start()
         .await
         .unwrap();
     let engine = WorkflowEngine::cluster(&runner).unwrap();
@@ -522,7 +546,13 @@ async fn traffic_of_a_workflow_goes_to_its_shard_group_from_every_process() {
         .unwrap();
     let client_config =
         ShardingConfig { runner_address: None, available_shard_groups: available, ..config() };
-    let client = Sharding::client_only(client_config, clock, storage).await.unwrap();
+    let client = Sharding::builder(client_config)
+        .clock(clock)
+        .messages(storage)
+        .client_only()
+        .start()
+        .await
+        .unwrap();
     let remote = WorkflowEngine::cluster(&client).unwrap();
     let id = remote
         .execute_discard::<Sharded>(suite::Input { key: "s".into(), ..suite::Input::default() })
@@ -743,8 +773,12 @@ async fn a_child_failing_during_its_runners_drain_compensates_once() {
     // The drain waits for the child's run to finish.
     let patient =
         ShardingConfig { entity_termination_timeout: Duration::from_secs(60), ..config() };
-    let first =
-        Sharding::with_storage(patient, Arc::clone(&clock), Arc::clone(&memory)).await.unwrap();
+    let first = Sharding::builder(patient)
+        .clock(Arc::clone(&clock))
+        .messages(Arc::clone(&memory))
+        .start()
+        .await
+        .unwrap();
     let engine = WorkflowEngine::cluster(&first).unwrap();
     drained::register(&engine, &probe);
     let payload = suite::Input { key: "drained".into(), ..suite::Input::default() };
@@ -780,7 +814,7 @@ async fn a_child_failing_during_its_runners_drain_compensates_once() {
         .expect("the first runner shut down")
         .unwrap();
     // The next owner finishes the child and wakes the parent.
-    let second = Sharding::with_storage(config(), clock, memory).await.unwrap();
+    let second = Sharding::builder(config()).clock(clock).messages(memory).start().await.unwrap();
     let engine = WorkflowEngine::cluster(&second).unwrap();
     drained::register(&engine, &probe);
     let declined = cluster_core::Exit::fail(cluster_core::RawJson::encode("declined").unwrap());

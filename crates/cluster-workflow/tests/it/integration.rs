@@ -8,9 +8,9 @@ use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
+use cluster_core::ShardingConfig;
 use cluster_core::ids::RunnerAddress;
 use cluster_core::queue_storage::{LOCK_EXPIRED_FAILURE, QueueItem, QueueItemState};
-use cluster_core::{ShardingConfig, SystemClock};
 use cluster_sharding::Sharding;
 use cluster_testkit::databases::TestDatabase;
 use cluster_workflow::{
@@ -83,7 +83,7 @@ impl Node {
             let (messages, locks) = database.open(&config).await.unwrap();
             let queue_storage = Some(database.queue_storage().await.unwrap());
             let sharding =
-                Sharding::join(config, Arc::new(SystemClock), messages, locks).await.unwrap();
+                Sharding::builder(config).messages(messages).runners(locks).start().await.unwrap();
             let options = ClusterOptions { queue_storage, queue: queue_options() };
             let engine = WorkflowEngine::cluster_with(&sharding, options).unwrap();
             register(&engine, &probe, port);

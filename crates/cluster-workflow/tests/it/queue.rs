@@ -60,8 +60,12 @@ impl Runner {
             Arc::new(MemoryMessageStorage::new(Arc::clone(&clock)));
         let (faulty, faults) = FaultyMessageStorage::new(Arc::clone(&messages));
         let queue = Arc::new(MemoryQueueStorage::new(Arc::clone(&clock)));
-        let sharding =
-            Sharding::with_storage(config(), Arc::clone(&clock), Arc::new(faulty)).await.unwrap();
+        let sharding = Sharding::builder(config())
+            .clock(Arc::clone(&clock))
+            .messages(Arc::new(faulty))
+            .start()
+            .await
+            .unwrap();
         let engine = WorkflowEngine::cluster_with(&sharding, options(&queue)).unwrap();
         engine
             .register::<Jobber, _, _>(|ctx: WorkflowContext, payload: Input| async move {
@@ -74,13 +78,13 @@ impl Runner {
     /// Another process on the same storages, serving no shard.
     async fn client(&self) -> (Sharding, WorkflowEngine) {
         let client_config = cluster_core::ShardingConfig { runner_address: None, ..config() };
-        let sharding = Sharding::client_only(
-            client_config,
-            Arc::clone(&self.clock),
-            Arc::clone(&self.messages),
-        )
-        .await
-        .unwrap();
+        let sharding = Sharding::builder(client_config)
+            .clock(Arc::clone(&self.clock))
+            .messages(Arc::clone(&self.messages))
+            .client_only()
+            .start()
+            .await
+            .unwrap();
         let engine = WorkflowEngine::cluster_with(&sharding, options(&self.queue)).unwrap();
         (sharding, engine)
     }
@@ -282,7 +286,8 @@ async fn a_panicking_worker_fails_its_item_with_a_defect() {
 async fn queue_workers_need_a_queue_storage() {
     let clock: Arc<dyn Clock> = Arc::new(TokioClock::new());
     let messages = Arc::new(MemoryMessageStorage::new(Arc::clone(&clock)));
-    let sharding = Sharding::with_storage(config(), clock, messages).await.unwrap();
+    let sharding =
+        Sharding::builder(config()).clock(clock).messages(messages).start().await.unwrap();
     let engine = WorkflowEngine::cluster(&sharding).unwrap();
     let registered = engine.register_queue_worker(JOBS, |job: Job| async move { Ok(job.id) }, 1);
     assert!(matches!(registered, Err(WorkflowError::Invalid(_))), "{registered:?}");

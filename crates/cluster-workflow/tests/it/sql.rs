@@ -2,9 +2,8 @@
 //! lock, on SQLite, PostgreSQL and MySQL, on a real clock (the suite's durations divided by
 //! [`DIVISOR`]).
 
-use std::sync::{Arc, Mutex};
+use std::sync::Mutex;
 
-use cluster_core::SystemClock;
 use cluster_core::ids::RunnerAddress;
 use cluster_sharding::Sharding;
 use cluster_testkit::databases::TestDatabase;
@@ -51,8 +50,13 @@ impl Harness for OnDatabase {
             ..crate::cluster::config()
         };
         let (messages, locks) = self.database.open(&config).await.unwrap();
-        let sharding =
-            Sharding::with_storages(config, Arc::new(SystemClock), messages, locks).await.unwrap();
+        let sharding = Sharding::builder(config)
+            .messages(messages)
+            .runners(locks)
+            .single_runner()
+            .start()
+            .await
+            .unwrap();
         let queue_storage = Some(self.database.queue_storage().await.unwrap());
         let options = ClusterOptions { queue_storage, ..ClusterOptions::default() };
         let engine = WorkflowEngine::cluster_with(&sharding, options).unwrap();

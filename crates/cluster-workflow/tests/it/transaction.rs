@@ -7,7 +7,6 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::time::Duration;
 
-use cluster_core::SystemClock;
 use cluster_core::ids::RunnerAddress;
 use cluster_sharding::{Sharding, TransactionSlot};
 use cluster_storage_sql::sqlite::SqliteTransactionHandle;
@@ -140,10 +139,13 @@ impl Fixture {
         };
         let (messages, locks) = self.database.open(&config).await.unwrap();
         let (faulty, faults) = FaultyMessageStorage::new(messages);
-        let sharding =
-            Sharding::with_storages(config, Arc::new(SystemClock), Arc::new(faulty), locks)
-                .await
-                .unwrap();
+        let sharding = Sharding::builder(config)
+            .messages(Arc::new(faulty))
+            .runners(locks)
+            .single_runner()
+            .start()
+            .await
+            .unwrap();
         let engine = WorkflowEngine::cluster(&sharding).unwrap();
         let (table, runs) = (self.quoted(), Arc::clone(&self.runs));
         engine

@@ -2,7 +2,7 @@
 //! compensation. Shipping fails, so the completed steps are undone in reverse order, once.
 //!
 //! ```text
-//! cargo run -p cluster-workflow --example saga
+//! cargo run -p durable-cluster --features workflow --example saga
 //! ```
 //!
 //! It runs the durable (cluster) engine on one runner with a SQLite file, executes the
@@ -13,11 +13,11 @@
 use std::process::ExitCode;
 use std::sync::{Arc, Mutex};
 
-use cluster_core::ShardingConfig;
-use cluster_core::ids::RunnerAddress;
-use cluster_core::sync::lock;
-use cluster_sharding::SingleRunner;
-use cluster_workflow::{ExecuteError, Workflow, WorkflowContext, WorkflowEngine};
+use durable_cluster::RunnerAddress;
+use durable_cluster::ShardingConfig;
+use durable_cluster::SingleRunner;
+use durable_cluster::cluster_core::sync::lock;
+use durable_cluster::workflow::{ExecuteError, Workflow, WorkflowContext, WorkflowEngine};
 use serde::{Deserialize, Serialize};
 
 /// An order to check out.

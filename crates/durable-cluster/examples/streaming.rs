@@ -1,7 +1,7 @@
 //! A streaming entity: one runner on a SQLite file, a volatile stream and a persisted one.
 //!
 //! ```text
-//! cargo run -p cluster-sharding --example streaming
+//! cargo run -p durable-cluster --example streaming
 //! ```
 //!
 //! The `Sensor` entity answers `Readings` with a stream of items. The handler queues them; the
@@ -16,8 +16,8 @@
 use std::process::ExitCode;
 use std::sync::atomic::{AtomicUsize, Ordering};
 
-use cluster_core::ShardingConfig;
-use cluster_sharding::{
+use durable_cluster::ShardingConfig;
+use durable_cluster::{
     CallError, Chunks, Entity, EntityContext, EntityOptions, Never, Protocol, RequestContext,
     SingleRunner, StreamHandler, StreamRpc,
 };
@@ -116,7 +116,7 @@ impl StreamHandler<Export> for Sensor {
 
 /// Collects a stream's items.
 async fn collect<R: StreamRpc>(
-    mut stream: cluster_sharding::ChunkStream<R>,
+    mut stream: durable_cluster::ChunkStream<R>,
 ) -> Result<Vec<R::Item>, CallError<R::Error>> {
     let mut items = Vec::new();
     while let Some(item) = stream.next().await {

@@ -1,7 +1,7 @@
 //! A cron job and a singleton on one runner with a SQLite file.
 //!
 //! ```text
-//! cargo run -p cluster-sharding --example cron_singleton
+//! cargo run -p durable-cluster --example cron_singleton
 //! ```
 //!
 //! - The singleton `heartbeat` runs on the one runner that holds its shard (here the only
@@ -19,9 +19,9 @@ use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use cluster_core::ShardingConfig;
-use cluster_core::sync::lock;
-use cluster_sharding::{CronOptions, SingleRunner, SingletonOptions};
+use durable_cluster::ShardingConfig;
+use durable_cluster::cluster_core::sync::lock;
+use durable_cluster::{CronOptions, SingleRunner, SingletonOptions};
 
 /// What the singleton and the job did.
 #[derive(Default)]

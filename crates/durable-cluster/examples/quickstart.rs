@@ -18,14 +18,14 @@ use std::process::{Command, ExitCode};
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 
-use cluster_core::envelope::primary_key;
-use cluster_core::storage::MessageStorage;
-use cluster_core::{EntityAddress, EntityId, EntityType, ShardGroup, ShardingConfig};
-use cluster_sharding::{
+use durable_cluster::cluster_core::envelope::primary_key;
+use durable_cluster::storage::MessageStorage;
+use durable_cluster::storage::sqlite::{SqliteMessageStorage, SqliteOptions};
+use durable_cluster::{
     Entity, EntityContext, EntityOptions, Handler, Never, Protocol, RequestContext, Rpc, Sharding,
     SingleRunner,
 };
-use cluster_storage_sql::sqlite::{SqliteMessageStorage, SqliteOptions};
+use durable_cluster::{EntityAddress, EntityId, EntityType, ShardGroup, ShardingConfig};
 use serde::{Deserialize, Serialize};
 
 type Error = Box<dyn std::error::Error>;

@@ -1,0 +1,248 @@
+//! [`ShardingBuilder`]: the one way to start a [`Sharding`] runtime, and [`StartError`], the one
+//! way it fails to start.
+//!
+//! What the builder is given decides what the process is:
+//!
+//! | given | the process |
+//! | --- | --- |
+//! | nothing | volatile requests to entities of this process only |
+//! | `messages` | one runner owning every shard, no locks (a storage of its own) |
+//! | `messages`, `runners`, `single_runner()` | one runner holding every shard's lock |
+//! | `messages`, `runners` | a member of a cluster: membership, locks, handoff |
+//! | `messages`, `runners`, `transport` | the same, with volatile requests to other runners |
+//! | `client_only()` and `messages` (and `runners`, `transport`) | a client: it hosts no entity |
+
+use std::sync::Arc;
+
+use cluster_core::error::{ConfigError, StorageError};
+use cluster_core::runners::Runners;
+use cluster_core::storage::{MessageStorage, RunnerStorage};
+use cluster_core::{Clock, ShardingConfig, SystemClock};
+
+use crate::sharding::{RegisterError, Sharding};
+
+/// Why a runtime did not start.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum StartError {
+    /// The configuration is invalid.
+    #[error(transparent)]
+    Config(#[from] ConfigError),
+    /// A storage operation failed.
+    #[error("storage error while starting")]
+    Storage(#[from] StorageError),
+    /// The builder lacks a part that another part, or the process's role, needs.
+    #[error("{part} is required: {reason}")]
+    Missing {
+        /// The missing part, as the builder method that sets it (`"messages"`).
+        part: &'static str,
+        /// What needs it.
+        reason: &'static str,
+    },
+    /// Two parts that do not go together were both given.
+    #[error("{0}")]
+    Conflict(&'static str),
+    /// A runner needs an address (`runner_address` is `None`), or the process is a client.
+    #[error("a runner needs a runner address")]
+    NoRunnerAddress,
+    /// A built-in entity or singleton could not be registered.
+    #[error("could not register a built-in")]
+    Register(#[source] RegisterError),
+    /// Another live runner holds some of the shards.
+    #[error("{held} of {total} shards are locked by another runner")]
+    ShardsHeld {
+        /// How many shards could not be locked.
+        held: usize,
+        /// How many shards the runner needs.
+        total: usize,
+    },
+}
+
+/// Puts a [`Sharding`] runtime together: [`Sharding::builder`], the parts, then
+/// [`start`](ShardingBuilder::start).
+///
+/// ```
+/// use cluster_core::ShardingConfig;
+/// use cluster_sharding::Sharding;
+///
+/// # #[tokio::main(flavor = "current_thread")]
+/// # async fn main() -> Result<(), cluster_sharding::StartError> {
+/// // No storage: volatile requests to the entities of this process.
+/// let sharding = Sharding::builder(ShardingConfig::default()).start().await?;
+/// sharding.shutdown().await;
+/// # Ok(())
+/// # }
+/// ```
+///
+/// The module table of `cluster_sharding::builder` says which parts make which process.
+#[must_use = "a builder does nothing until it is started"]
+pub struct ShardingBuilder {
+    config: ShardingConfig,
+    clock: Arc<dyn Clock>,
+    messages: Option<Arc<dyn MessageStorage>>,
+    runners: Option<Arc<dyn RunnerStorage>>,
+    transport: Option<Arc<dyn Runners>>,
+    client_only: bool,
+    single_runner: bool,
+}
+
+impl std::fmt::Debug for ShardingBuilder {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ShardingBuilder")
+            .field("runner", &self.config.runner_address)
+            .field("messages", &self.messages.is_some())
+            .field("runners", &self.runners.is_some())
+            .field("transport", &self.transport.is_some())
+            .field("client_only", &self.client_only)
+            .field("single_runner", &self.single_runner)
+            .finish_non_exhaustive()
+    }
+}
+
+impl Sharding {
+    /// A builder of a runtime configured with `config`, on the system clock, with no storage
+    /// and no transport.
+    pub fn builder(config: ShardingConfig) -> ShardingBuilder {
+        ShardingBuilder {
+            config,
+            clock: Arc::new(SystemClock),
+            messages: None,
+            runners: None,
+            transport: None,
+            client_only: false,
+            single_runner: false,
+        }
+    }
+}
+
+impl ShardingBuilder {
+    /// Persisted requests, their replies and their chunks go through `storage`.
+    ///
+    /// - A runner saves what it is sent there and reads its shards' mailboxes from it.
+    /// - A client saves its requests there and reads their replies back.
+    pub fn messages(mut self, storage: Arc<dyn MessageStorage>) -> ShardingBuilder {
+        self.messages = Some(storage);
+        self
+    }
+
+    /// The runner registry and the shard locks live in `storage`.
+    ///
+    /// - Without [`single_runner`](ShardingBuilder::single_runner), the process joins the
+    ///   cluster of every runner on `storage`: shards are assigned by the hash ring over the
+    ///   healthy runners, locked, and handed over when runners join, leave or crash.
+    /// - It needs [`messages`](ShardingBuilder::messages).
+    pub fn runners(mut self, storage: Arc<dyn RunnerStorage>) -> ShardingBuilder {
+        self.runners = Some(storage);
+        self
+    }
+
+    /// Volatile requests reach entities of other runners through `transport`.
+    ///
+    /// - The transport delivers the other runners' requests to this one through
+    ///   [`Sharding::runner_handler`].
+    /// - With a transport, the runners check each other's health by pinging (see
+    ///   `RUNNER_HEALTH_CHECK` in docs/configuration.md).
+    /// - It needs [`runners`](ShardingBuilder::runners): routing follows the membership.
+    pub fn transport(mut self, transport: Arc<dyn Runners>) -> ShardingBuilder {
+        self.transport = Some(transport);
+        self
+    }
+
+    /// Time is read from `clock` instead of the system clock.
+    pub fn clock(mut self, clock: Arc<dyn Clock>) -> ShardingBuilder {
+        self.clock = clock;
+        self
+    }
+
+    /// The process is a client: it hosts no entity and reads no mailbox (the reference's
+    /// client-only mode).
+    ///
+    /// - The configuration's runner address and listen address are dropped.
+    /// - Registering an entity type is a no-op.
+    /// - Persisted requests are saved for the runners that own their shards; their replies are
+    ///   read back every `entity_reply_poll_interval`.
+    /// - Volatile requests need a transport (and `runners`, to know the owners); without one
+    ///   they fail with `EntityNotAssignedToRunner`.
+    pub fn client_only(mut self) -> ShardingBuilder {
+        self.client_only = true;
+        self
+    }
+
+    /// The process is the only runner on its storages (the reference's `SingleRunner`).
+    ///
+    /// - At start it registers, takes every shard's lock in [`runners`](ShardingBuilder::runners),
+    ///   and fails with [`StartError::ShardsHeld`] if another live runner holds any.
+    /// - It refreshes its locks, and serves a shard only while its lease is confirmed.
+    /// - At shutdown, once its entities have stopped, it releases the locks and unregisters.
+    pub fn single_runner(mut self) -> ShardingBuilder {
+        self.single_runner = true;
+        self
+    }
+
+    /// Starts the runtime and its loops.
+    ///
+    /// # Errors
+    ///
+    /// - [`StartError::Config`]: the configuration is invalid.
+    /// - [`StartError::Missing`] or [`StartError::Conflict`]: the parts do not make a process
+    ///   (see the module table).
+    /// - [`StartError::Storage`], [`StartError::ShardsHeld`]: a single runner could not take its
+    ///   shards.
+    ///
+    /// # Cancel safety
+    ///
+    /// Not cancel safe: a single runner dropped half-way may hold locks (they expire).
+    pub async fn start(self) -> Result<Sharding, StartError> {
+        let ShardingBuilder {
+            mut config,
+            clock,
+            messages,
+            runners,
+            transport,
+            client_only,
+            single_runner,
+        } = self;
+        if client_only {
+            config.runner_address = None;
+            config.runner_listen_address = None;
+            if single_runner {
+                return Err(StartError::Conflict("a client-only process is not a single runner"));
+            }
+        }
+        if transport.is_some() && runners.is_none() {
+            return Err(StartError::Missing {
+                part: "runners",
+                reason: "a transport routes by the membership kept in the runner storage",
+            });
+        }
+        if single_runner && transport.is_some() {
+            return Err(StartError::Conflict("a single runner has no other runner to reach"));
+        }
+        match (messages, runners) {
+            (None, None) if client_only => Err(StartError::Missing {
+                part: "messages",
+                reason: "a client-only process sends persisted requests only",
+            }),
+            (None, None) => Ok(Sharding::start_volatile(config, clock)?),
+            (None, Some(_)) => Err(StartError::Missing {
+                part: "messages",
+                reason: "a runner storage needs a message storage",
+            }),
+            (Some(_), None) if single_runner => {
+                Err(StartError::Missing { part: "runners", reason: "a single runner's locks" })
+            }
+            (Some(messages), None) if client_only => {
+                Ok(Sharding::start_client_only(config, clock, messages)?)
+            }
+            (Some(messages), None) => {
+                Ok(Sharding::start_own_storage(config, clock, messages).await?)
+            }
+            (Some(messages), Some(runners)) if single_runner => {
+                Sharding::start_single_runner(config, clock, messages, runners).await
+            }
+            (Some(messages), Some(runners)) => {
+                Sharding::start_cluster(config, clock, messages, runners, transport)
+            }
+        }
+    }
+}

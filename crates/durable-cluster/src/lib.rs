@@ -1,0 +1,126 @@
+//! Durable, sharded entities and workflows on a SQL database: the one crate an application
+//! depends on.
+//!
+//! It re-exports the runtime (`cluster-sharding`), the types it is configured with
+//! (`cluster-core`), the SQL storages (`cluster-storage-sql`), and behind features the transport
+//! between runners (`cluster-rpc`) and durable workflows (`cluster-workflow`).
+//!
+//! | feature | what it adds |
+//! | --- | --- |
+//! | `sqlite` (default) | [`storage::sqlite`] and [`SingleRunner::sqlite`] |
+//! | `postgres` | [`storage::postgres`] |
+//! | `mysql` | [`storage::mysql`] (MySQL or MariaDB) |
+//! | `rpc` | the TCP transport ([`rpc`]) and the runner process ([`Runner`]) |
+//! | `tls` | TLS on the transport |
+//! | `workflow` | durable workflows ([`workflow`]) |
+//!
+//! An entity, a runner on a SQLite file, and a persisted request answered exactly once:
+//!
+//! ```
+//! use std::sync::atomic::{AtomicU64, Ordering};
+//!
+//! use durable_cluster::{
+//!     Entity, EntityContext, EntityOptions, Handler, Never, Protocol, RequestContext, Rpc,
+//!     ShardingConfig, SingleRunner,
+//! };
+//! use serde::{Deserialize, Serialize};
+//!
+//! static RUNS: AtomicU64 = AtomicU64::new(0);
+//!
+//! struct Account {
+//!     balance: u64,
+//! }
+//!
+//! #[derive(Serialize, Deserialize)]
+//! struct Deposit {
+//!     key: String,
+//!     amount: u64,
+//! }
+//!
+//! impl Rpc for Deposit {
+//!     const TAG: &'static str = "Deposit";
+//!     const PERSISTED: bool = true;
+//!     type Success = u64;
+//!     type Error = Never;
+//!
+//!     fn primary_key(&self) -> Option<String> {
+//!         Some(self.key.clone())
+//!     }
+//! }
+//!
+//! impl Entity for Account {
+//!     const TYPE: &'static str = "Account";
+//!
+//!     async fn create(_context: &EntityContext) -> Account {
+//!         Account { balance: 0 }
+//!     }
+//!
+//!     fn protocol(protocol: &mut Protocol<Account>) {
+//!         protocol.handle::<Deposit>();
+//!     }
+//! }
+//!
+//! impl Handler<Deposit> for Account {
+//!     async fn handle(&mut self, _: &RequestContext, deposit: Deposit) -> Result<u64, Never> {
+//!         RUNS.fetch_add(1, Ordering::SeqCst);
+//!         self.balance += deposit.amount;
+//!         Ok(self.balance)
+//!     }
+//! }
+//!
+//! # #[tokio::main(flavor = "current_thread")]
+//! # async fn main() -> Result<(), Box<dyn std::error::Error>> {
+//! let path = std::env::temp_dir().join(format!("doc-facade-{}.db", std::process::id()));
+//! let sharding = SingleRunner::sqlite(&path, ShardingConfig::default()).await?;
+//! sharding.register::<Account>(EntityOptions::default())?;
+//!
+//! let account = sharding.client::<Account>("alice");
+//! let deposit = || Deposit { key: "deposit-1".into(), amount: 10 };
+//! assert_eq!(account.send(deposit()).await?, 10);
+//! // The same key again: the stored reply; the handler does not run again.
+//! assert_eq!(account.send(deposit()).await?, 10);
+//! assert_eq!(RUNS.load(Ordering::SeqCst), 1);
+//!
+//! sharding.shutdown().await;
+//! # for suffix in ["", "-wal", "-shm"] {
+//! #     let _ = std::fs::remove_file(format!("{}{suffix}", path.display()));
+//! # }
+//! # Ok(())
+//! # }
+//! ```
+//!
+//! Several runners on one database: [`Runner`] (feature `rpc`) reads its storage, address and
+//! transport settings from the environment; docs/deployment.md shows a complete runner.
+
+#[cfg(feature = "rpc")]
+mod runner;
+#[cfg(feature = "sqlite")]
+mod single_runner;
+
+pub use cluster_core::{
+    Clock, ClusterError, ConfigError, EntityAddress, EntityId, EntityType, Never, RunnerAddress,
+    ShardGroup, ShardId, ShardingConfig, Snowflake, StorageError, SystemClock, Timestamp,
+};
+pub use cluster_sharding::*;
+#[cfg(feature = "rpc")]
+pub use runner::{BoxError, Role, Runner, RunnerEnv, RunnerError, terminated};
+#[cfg(feature = "sqlite")]
+pub use single_runner::SingleRunner;
+
+/// The crates underneath, for what the top level does not re-export.
+pub use {cluster_core, cluster_sharding, cluster_storage_sql};
+
+/// Storage: the contracts ([`MessageStorage`](storage::MessageStorage),
+/// [`RunnerStorage`](storage::RunnerStorage)) and the SQL backends compiled in by the features.
+pub mod storage {
+    pub use cluster_core::storage::*;
+    pub use cluster_storage_sql::*;
+}
+
+/// The TCP transport between runners (feature `rpc`).
+#[cfg(feature = "rpc")]
+pub use cluster_rpc as rpc;
+
+/// Durable workflows (feature `workflow`).
+#[cfg(feature = "workflow")]
+pub use cluster_workflow as workflow;

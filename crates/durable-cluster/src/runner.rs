@@ -1,0 +1,403 @@
+//! [`Runner`]: one process of a cluster, configured from the environment.
+//!
+//! | variable | meaning |
+//! | --- | --- |
+//! | `CLUSTER_STORAGE_URL` | `postgres://…`, `mysql://…` or `sqlite:<path>` (required) |
+//! | `CLUSTER_TABLE_PREFIX` | the tables' prefix (default `cluster`) |
+//! | `HOST`, `PORT`, `LISTEN_HOST`, `LISTEN_PORT`, … | the runtime's settings (`ShardingConfig::from_env`) |
+//! | `CLUSTER_RPC_SECRET`, `CLUSTER_RPC_*` | the transport's settings (`RpcConfig::from_env`) |
+//!
+//! A runner binds its transport's listener (the listen address, or else its advertised one),
+//! joins the cluster, and serves peers.
+//! On SIGTERM or SIGINT it shuts down gracefully: it hands its shards to the other runners, then
+//! stops the listener.
+//!
+//! A runner binary (docs/deployment.md, "A runner binary"):
+//!
+//! ```no_run
+//! use durable_cluster::{EntityOptions, Runner};
+//! # use durable_cluster::{Entity, EntityContext, Protocol};
+//! # struct Account;
+//! # impl Entity for Account {
+//! #     const TYPE: &'static str = "Account";
+//! #     async fn create(_context: &EntityContext) -> Account { Account }
+//! #     fn protocol(_protocol: &mut Protocol<Account>) {}
+//! # }
+//!
+//! #[tokio::main]
+//! async fn main() -> Result<(), Box<dyn std::error::Error>> {
+//!     // CLUSTER_STORAGE_URL, CLUSTER_TABLE_PREFIX, every ShardingConfig variable, CLUSTER_RPC_*.
+//!     // Binds the listener, opens the storages (running the migrations), joins, registers,
+//!     // serves.
+//!     let runner = Runner::from_env(|sharding| {
+//!         sharding.register::<Account>(EntityOptions::default())?;
+//!         Ok(())
+//!     })
+//!     .await?;
+//!     durable_cluster::terminated().await?; // SIGTERM or SIGINT
+//!     runner.shutdown().await; // hands the shards to the other runners, stops the listener
+//!     Ok(())
+//! }
+//! ```
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+
+use cluster_core::storage::{MessageStorage, RunnerStorage};
+use cluster_core::{ConfigError, RunnerAddress, ShardingConfig, StorageError};
+use cluster_rpc::{RpcConfig, RpcError, RpcServer, ServerHandle, TcpRunners};
+use cluster_sharding::{Sharding, StartError};
+use cluster_storage_sql::{SqlStorageOptions, TablePrefix};
+
+/// What an application's registration step may fail with.
+pub type BoxError = Box<dyn std::error::Error + Send + Sync>;
+
+/// Why a process could not start or run.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum RunnerError {
+    /// A variable is missing or wrong.
+    #[error("configuration: {0}")]
+    Config(#[from] ConfigError),
+    /// The storage could not be opened.
+    #[error("storage")]
+    Storage(#[from] StorageError),
+    /// The transport could not start.
+    #[error("transport")]
+    Transport(#[from] RpcError),
+    /// The listen address could not be resolved.
+    #[error("cannot resolve {address}")]
+    Resolve {
+        /// The address.
+        address: RunnerAddress,
+        /// Why, or `None` when it resolved to nothing.
+        #[source]
+        source: Option<std::io::Error>,
+    },
+    /// The runtime could not start.
+    #[error("start")]
+    Start(#[from] StartError),
+    /// The application's registration step failed; the runner left the cluster.
+    #[error("registration")]
+    Register(#[source] BoxError),
+    /// The signal handlers could not be installed.
+    #[error("signals")]
+    Signals(#[source] std::io::Error),
+}
+
+/// Whether a process hosts entities.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Role {
+    /// A runner: it hosts entities and has an address.
+    Runner,
+    /// A client: it hosts no entity; its runner address is dropped.
+    Client,
+}
+
+/// A process's settings.
+#[derive(Clone, Debug)]
+pub struct RunnerEnv {
+    /// Where messages and locks live.
+    pub storage_url: String,
+    /// The tables' prefix.
+    pub table_prefix: TablePrefix,
+    /// The runtime's settings; `runner_address: None` for a client.
+    pub sharding: ShardingConfig,
+    /// The transport's settings.
+    pub rpc: RpcConfig,
+}
+
+impl RunnerEnv {
+    /// The settings of a process with `role`, from the process environment.
+    ///
+    /// # Errors
+    ///
+    /// A variable is missing or wrong; the error names it.
+    pub fn from_env(role: Role) -> Result<RunnerEnv, RunnerError> {
+        RunnerEnv::from_lookup(role, |name| std::env::var(name).ok())
+    }
+
+    /// The settings from `lookup` (a variable's value, or `None` when it is unset).
+    ///
+    /// # Errors
+    ///
+    /// A variable is missing or wrong; the error names it.
+    pub fn from_lookup(
+        role: Role,
+        lookup: impl Fn(&str) -> Option<String> + Clone,
+    ) -> Result<RunnerEnv, RunnerError> {
+        let storage_url = lookup("CLUSTER_STORAGE_URL").ok_or_else(|| {
+            ConfigError::new(
+                "CLUSTER_STORAGE_URL",
+                "",
+                "is required (postgres://…, mysql://… or sqlite:<path>)",
+            )
+        })?;
+        let table_prefix = match lookup("CLUSTER_TABLE_PREFIX") {
+            // Named by its variable, as every other setting's error is.
+            Some(prefix) => TablePrefix::new(&prefix).map_err(|error| {
+                ConfigError::new("CLUSTER_TABLE_PREFIX", &prefix, error.reason().to_owned())
+            })?,
+            None => TablePrefix::default(),
+        };
+        let mut sharding = ShardingConfig::from_env_with(lookup.clone())?;
+        if role == Role::Client {
+            sharding.runner_address = None;
+            sharding.runner_listen_address = None;
+        }
+        let rpc = RpcConfig::from_env_with(|name| Ok(lookup(name)))?;
+        Ok(RunnerEnv { storage_url, table_prefix, sharding, rpc })
+    }
+
+    /// The storage options of these settings.
+    pub fn storage_options(&self) -> SqlStorageOptions {
+        SqlStorageOptions::from_config(&self.sharding, self.table_prefix.clone())
+    }
+
+    /// Opens this process's message and lock storage, running the migrations.
+    ///
+    /// # Errors
+    ///
+    /// The URL names a backend this build lacks, or the storage cannot be opened.
+    pub async fn open_storages(
+        &self,
+    ) -> Result<(Arc<dyn MessageStorage>, Arc<dyn RunnerStorage>), RunnerError> {
+        let options = self.storage_options();
+        let url = self.storage_url.as_str();
+        let missing = |feature: &str| {
+            ConfigError::new(
+                "CLUSTER_STORAGE_URL",
+                url,
+                format!("needs durable-cluster's feature `{feature}`, which this build lacks"),
+            )
+        };
+        if url.starts_with("postgres://") || url.starts_with("postgresql://") {
+            #[cfg(feature = "postgres")]
+            {
+                use cluster_storage_sql::postgres::{PgMessageStorage, PgRunnerStorage};
+                let messages = PgMessageStorage::connect(url, &options).await?;
+                let locks = PgRunnerStorage::connect(url, &options).await?;
+                return Ok((Arc::new(messages), Arc::new(locks)));
+            }
+            #[cfg(not(feature = "postgres"))]
+            return Err(missing("postgres").into());
+        }
+        if url.starts_with("mysql://") {
+            #[cfg(feature = "mysql")]
+            {
+                use cluster_storage_sql::mysql::{MySqlMessageStorage, MySqlRunnerStorage};
+                let messages = MySqlMessageStorage::connect(url, &options).await?;
+                let locks = MySqlRunnerStorage::connect(url, options).await?;
+                return Ok((Arc::new(messages), Arc::new(locks)));
+            }
+            #[cfg(not(feature = "mysql"))]
+            return Err(missing("mysql").into());
+        }
+        if let Some(path) = url.strip_prefix("sqlite:") {
+            #[cfg(feature = "sqlite")]
+            {
+                use cluster_storage_sql::sqlite::{
+                    SqliteMessageStorage, SqliteOptions, SqliteRunnerStorage,
+                };
+                let messages =
+                    SqliteMessageStorage::open(path, SqliteOptions::new(options.clone())).await?;
+                let locks = SqliteRunnerStorage::open(path, SqliteOptions::new(options)).await?;
+                return Ok((Arc::new(messages), Arc::new(locks)));
+            }
+            #[cfg(not(feature = "sqlite"))]
+            {
+                let _ = path;
+                return Err(missing("sqlite").into());
+            }
+        }
+        let _ = (options, missing);
+        Err(ConfigError::new(
+            "CLUSTER_STORAGE_URL",
+            url,
+            "is not postgres://…, mysql://… or sqlite:<path>",
+        )
+        .into())
+    }
+
+    /// Joins the cluster with the TCP transport: a client, or a runner that does not serve
+    /// (a runner also needs [`Runner::start`]).
+    ///
+    /// # Errors
+    ///
+    /// The transport, the storage or the runtime could not start.
+    pub async fn join(&self) -> Result<Sharding, RunnerError> {
+        let transport = TcpRunners::new(self.rpc.clone())?;
+        let (messages, locks) = self.open_storages().await?;
+        let sharding = Sharding::builder(self.sharding.clone())
+            .messages(messages)
+            .runners(locks)
+            .transport(transport)
+            .start()
+            .await?;
+        Ok(sharding)
+    }
+}
+
+/// A running runner: the runtime and its transport's server.
+pub struct Runner {
+    /// The runtime.
+    pub sharding: Sharding,
+    server: ServerHandle,
+}
+
+impl std::fmt::Debug for Runner {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Runner").field("sharding", &self.sharding).finish_non_exhaustive()
+    }
+}
+
+impl Runner {
+    /// A runner from the process environment (see the module docs), started with
+    /// [`Runner::start`].
+    ///
+    /// # Errors
+    ///
+    /// As [`RunnerEnv::from_env`] and [`Runner::start`].
+    ///
+    /// # Cancel safety
+    ///
+    /// Not cancel safe, as [`Runner::start`].
+    pub async fn from_env(
+        register: impl FnOnce(&Sharding) -> Result<(), BoxError>,
+    ) -> Result<Runner, RunnerError> {
+        Runner::start(&RunnerEnv::from_env(Role::Runner)?, register).await
+    }
+
+    /// Binds the listener, joins the cluster, registers the application's entities with
+    /// `register`, and starts serving peers.
+    ///
+    /// # Errors
+    ///
+    /// - [`RunnerError::Config`]: the settings have no runner address.
+    /// - [`RunnerError::Transport`], [`RunnerError::Resolve`]: the listener did not start.
+    /// - [`RunnerError::Storage`], [`RunnerError::Start`]: the runtime did not start.
+    /// - [`RunnerError::Register`]: `register` failed; the runner left the cluster cleanly.
+    ///
+    /// # Cancel safety
+    ///
+    /// Not cancel safe: a runner dropped half-way may have registered itself (its registration
+    /// expires).
+    pub async fn start(
+        env: &RunnerEnv,
+        register: impl FnOnce(&Sharding) -> Result<(), BoxError>,
+    ) -> Result<Runner, RunnerError> {
+        let address = env
+            .sharding
+            .runner_address
+            .clone()
+            .ok_or_else(|| ConfigError::new("HOST", "", "a runner needs an address"))?;
+        let listen = env.sharding.runner_listen_address.clone().unwrap_or(address);
+        let listen = resolve(&listen).await?;
+        let server = RpcServer::bind(listen, env.rpc.clone()).await?;
+        let sharding = env.join().await?;
+        if let Err(error) = register(&sharding) {
+            // Leave the cluster cleanly instead of holding shards it cannot serve.
+            sharding.shutdown().await;
+            return Err(RunnerError::Register(error));
+        }
+        let server = server.serve(sharding.runner_handler());
+        Ok(Runner { sharding, server })
+    }
+
+    /// Shuts down gracefully: the shards go to the other runners, then the listener stops.
+    ///
+    /// # Cancel safety
+    ///
+    /// Not cancel safe: a shutdown dropped half-way leaves shards to expire.
+    pub async fn shutdown(self) {
+        self.sharding.shutdown().await;
+        self.server.shutdown().await;
+    }
+}
+
+async fn resolve(address: &RunnerAddress) -> Result<SocketAddr, RunnerError> {
+    let target = (address.host(), address.port());
+    let unresolved = |source| RunnerError::Resolve { address: address.clone(), source };
+    let mut found =
+        tokio::net::lookup_host(target).await.map_err(|error| unresolved(Some(error)))?;
+    found.next().ok_or_else(|| unresolved(None))
+}
+
+/// Waits for SIGTERM or SIGINT (Ctrl-C).
+///
+/// It installs its signal handlers when it is first polled.
+///
+/// # Errors
+///
+/// The signal handlers could not be installed.
+///
+/// # Cancel safety
+///
+/// Cancel safe.
+pub async fn terminated() -> Result<(), RunnerError> {
+    use tokio::signal::unix::{SignalKind, signal};
+    let mut term = signal(SignalKind::terminate()).map_err(RunnerError::Signals)?;
+    let mut int = signal(SignalKind::interrupt()).map_err(RunnerError::Signals)?;
+    tokio::select! {
+        _ = term.recv() => {}
+        _ = int.recv() => {}
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::{Role, RunnerEnv, RunnerError};
+
+    fn env(variables: &[(&str, &str)]) -> Result<RunnerEnv, RunnerError> {
+        let variables: Vec<(String, String)> = variables
+            .iter()
+            .map(|(name, value)| ((*name).to_owned(), (*value).to_owned()))
+            .collect();
+        RunnerEnv::from_lookup(Role::Runner, move |name| {
+            variables.iter().find(|(key, _)| key == name).map(|(_, value)| value.clone())
+        })
+    }
+
+    #[test]
+    fn a_bad_table_prefix_is_reported_by_its_variable() {
+        let found = env(&[
+            ("CLUSTER_STORAGE_URL", "sqlite:/tmp/unused.db"),
+            ("CLUSTER_TABLE_PREFIX", "bad-prefix"),
+        ]);
+        let Err(RunnerError::Config(error)) = found else {
+            panic!("a prefix with a dash is a configuration error");
+        };
+        assert_eq!((error.key(), error.value()), ("CLUSTER_TABLE_PREFIX", "bad-prefix"));
+        assert!(error.to_string().contains("CLUSTER_TABLE_PREFIX"), "{error}");
+    }
+
+    #[test]
+    fn a_missing_storage_url_is_reported_by_its_variable() {
+        let Err(RunnerError::Config(error)) = env(&[]) else {
+            panic!("the storage URL is required");
+        };
+        assert_eq!(error.key(), "CLUSTER_STORAGE_URL");
+    }
+
+    #[test]
+    fn a_client_has_no_runner_address() {
+        let found = RunnerEnv::from_lookup(Role::Client, |name| {
+            (name == "CLUSTER_STORAGE_URL").then(|| "sqlite:/tmp/unused.db".to_owned())
+        });
+        let Ok(found) = found else { panic!("a client's settings load") };
+        assert_eq!(found.sharding.runner_address, None);
+        assert_eq!(found.sharding.runner_listen_address, None);
+    }
+
+    #[tokio::test]
+    async fn an_unknown_storage_scheme_is_a_configuration_error() {
+        let Ok(found) = env(&[("CLUSTER_STORAGE_URL", "redis://localhost")]) else {
+            panic!("the settings load; the scheme is checked when the storage opens");
+        };
+        let Err(RunnerError::Config(error)) = found.open_storages().await else {
+            panic!("an unknown scheme is a configuration error");
+        };
+        assert_eq!((error.key(), error.value()), ("CLUSTER_STORAGE_URL", "redis://localhost"));
+    }
+}
