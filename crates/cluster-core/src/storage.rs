@@ -1,27 +1,39 @@
-//! The storage contracts: [`MessageStorage`] (mailboxes and replies,
-//! `effect/src/cluster/MessageStorage.ts`) and [`RunnerStorage`] (runner registry and shard locks,
-//! `effect/src/cluster/RunnerStorage.ts`).
+//! The storage contracts.
 //!
-//! Backends work at the *encoded* level: payloads, headers and reply values are
-//! [`RawJson`](crate::envelope::RawJson)
-//! holes that are stored and returned untouched; decoding with a request's own types happens
-//! above. Backends store and fetch rows; delivery policy lives once above them:
-//! the reply-handler registry and the transaction notification rule are in
-//! [`crate::reply_handlers`], dedup rewriting and polling in the runtime.
+//! - [`MessageStorage`] holds the mailboxes and the replies
+//!   (`effect/src/cluster/MessageStorage.ts`).
+//! - [`RunnerStorage`] holds the runner registry and the shard locks
+//!   (`effect/src/cluster/RunnerStorage.ts`).
 //!
-//! The reference's decoded-level `MessageStorage` methods map here as follows: `saveRequest` →
-//! [`MessageStorage::save_request`]; `saveEnvelope` → [`MessageStorage::save_ack_chunk`] and
-//! [`MessageStorage::save_interrupt`]; `saveReply`, `clearReplies`, `repliesFor`,
-//! `repliesForUnfiltered`, `requestIdForPrimaryKey`, `unprocessedMessages`,
-//! `unprocessedMessagesById`, `resetShards`, `resetRequests`, `resetAddresses` (and
-//! `resetAddress`, a one-element list) and `clearAddress` keep their names; `withTransaction` →
-//! [`MessageStorage::begin_transaction`] plus [`TransactionNotifications`]; and
-//! `registerReplyHandler`, `unregisterReplyHandler(.., interrupt)` and
-//! `unregisterShardReplyHandlers` → [`ReplyHandlers`].
+//! Backends work at the *encoded* level.
+//! Payloads, headers and reply values are [`RawJson`](crate::envelope::RawJson) holes.
+//! A backend stores and returns them untouched.
+//! Decoding with a request's own types happens above the backend.
 //!
-//! Every method is a boxed future so that the traits are object safe (`Arc<dyn
-//! MessageStorage>`). Each documents its cancel safety: durable writes are keyed (snowflake or
-//! primary key), so a dropped future that may or may not have written is safe to retry.
+//! Backends store and fetch rows; delivery policy lives once, above them:
+//!
+//! - the reply-handler registry and the transaction notification rule are in
+//!   [`crate::reply_handlers`];
+//! - dedup rewriting and polling are in the runtime.
+//!
+//! The reference's decoded-level `MessageStorage` methods map here as follows:
+//!
+//! - `saveRequest` is [`MessageStorage::save_request`].
+//! - `saveEnvelope` is [`MessageStorage::save_ack_chunk`] and [`MessageStorage::save_interrupt`].
+//! - `withTransaction` is [`MessageStorage::begin_transaction`] plus
+//!   [`TransactionNotifications`].
+//! - `registerReplyHandler`, `unregisterReplyHandler(.., interrupt)` and
+//!   `unregisterShardReplyHandlers` are [`ReplyHandlers`].
+//! - These keep their names: `saveReply`, `clearReplies`, `repliesFor`, `repliesForUnfiltered`,
+//!   `requestIdForPrimaryKey`, `unprocessedMessages`, `unprocessedMessagesById`, `resetShards`,
+//!   `resetRequests`, `resetAddresses` (`resetAddress` is a one-element list) and
+//!   `clearAddress`.
+//!
+//! Every method returns a boxed future, so that the traits are object safe
+//! (`Arc<dyn MessageStorage>`).
+//! Every method documents its cancel safety.
+//! Durable writes are keyed by a snowflake or a primary key.
+//! So a dropped future that may or may not have written is safe to retry.
 //!
 //! [`TransactionNotifications`]: crate::reply_handlers::TransactionNotifications
 //! [`ReplyHandlers`]: crate::reply_handlers::ReplyHandlers
@@ -61,16 +73,16 @@ pub enum SaveResult {
 pub struct OrderedSave {
     /// The save's outcome.
     pub saved: SaveResult,
-    /// The entity's unprocessed requests stored before this one, when it was stored and they
-    /// could be read.
+    /// The entity's unprocessed requests stored before this one.
+    /// `None` when this one was not stored, or when the read failed.
     pub earlier: Option<Vec<Snowflake>>,
 }
 
 /// Where and when a request is delivered, besides its envelope.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct SaveRequestOptions {
-    /// The composed primary key ([`primary_key`](crate::envelope::primary_key)); requests
-    /// without one are never deduplicated by content.
+    /// The composed primary key ([`primary_key`](crate::envelope::primary_key)).
+    /// Requests without one are never deduplicated by content.
     pub primary_key: Option<String>,
     /// Not delivered before this time (compared with the runner's clock by
     /// [`MessageStorage::unprocessed_messages`]).
@@ -86,8 +98,10 @@ pub struct UnprocessedMessage {
     pub last_sent_reply: Option<Reply>,
 }
 
-/// A stored message that cannot be decoded. The caller answers its request with a defect, so
-/// its caller is not left waiting, and moves on.
+/// A stored message that cannot be decoded.
+///
+/// The caller answers its request with a defect and moves on.
+/// So the request's own caller is not left waiting.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct MalformedMessage {
     /// The row's id.
@@ -131,68 +145,101 @@ pub struct UnprocessedOptions<'a> {
 /// Durable mailboxes: requests, acknowledgements, interrupts and replies, partitioned by shard.
 ///
 /// Implemented by `cluster-storage-sql` (Postgres, MySQL, SQLite) and by `cluster-testkit` (in
-/// memory); both run the testkit's conformance suite. Rules shared by all methods:
+/// memory).
+/// Both run the testkit's conformance suite.
 ///
-/// - A message row is *unprocessed* until its request has a final reply (or the row is an
-///   acknowledgement superseded by a newer one).
-/// - A *claim* (`last_read`) keeps a row from being read again for [`CLAIM_WINDOW`]; the
-///   `reset_*` methods release claims without touching replies or processed flags.
-/// - Empty id, shard or address lists are no-ops that return nothing, without a round-trip.
-/// - Storage failures are [`StorageError`]s; a second final reply for one request is a
+/// Rules shared by all methods:
+///
+/// - **Unprocessed rows.** A message row is *unprocessed* until its request has a final reply.
+///   An acknowledgement row also stops being unprocessed when a newer one supersedes it.
+/// - **Claims.** A *claim* (`last_read`) keeps a row from being read again for
+///   [`CLAIM_WINDOW`].
+///   The `reset_*` methods release claims.
+///   They touch neither replies nor processed flags.
+/// - **Empty lists.** Empty id, shard or address lists are no-ops.
+///   They return nothing, without a round trip.
+/// - **Errors.** Storage failures are [`StorageError`]s.
+///   A second final reply for one request is a
 ///   [`StorageErrorKind::Conflict`](crate::error::StorageErrorKind::Conflict).
 pub trait MessageStorage: Send + Sync + fmt::Debug {
-    /// Stores `request` unless one with the same primary key exists (then nothing is written
-    /// and the stored request's id and latest reply come back as [`SaveResult::Duplicate`]).
-    /// Primary keys longer than the column are stored as their digest
-    /// ([`message_id`](crate::envelope::message_id)).
+    /// Stores `request` unless a request with the same primary key is stored.
+    ///
+    /// - **Dedup.** When the primary key is taken, nothing is written.
+    ///   The stored request's id and latest reply come back as [`SaveResult::Duplicate`].
+    /// - **Long keys.** A primary key longer than the column is stored as its digest
+    ///   ([`message_id`](crate::envelope::message_id)).
     ///
     /// # Cancel safety
     ///
-    /// Not cancel safe, but idempotent for requests with a primary key: if the future is
-    /// dropped the request may or may not be stored, and saving it again is correct (the
-    /// second save reports the first as a duplicate).
+    /// Not cancel safe, but idempotent for requests with a primary key.
+    /// If the future is dropped, the request may or may not be stored.
+    /// Saving it again is correct: the second save reports the first as a duplicate.
     fn save_request<'a>(
         &'a self,
         request: &'a Request,
         options: &'a SaveRequestOptions,
     ) -> BoxFuture<'a, Result<SaveResult, StorageError>>;
 
-    /// Stores a stream acknowledgement, in one transaction: marks the acknowledged chunk
-    /// `acked`, marks the request's older acknowledgements processed, inserts `ack`.
+    /// Stores a stream acknowledgement.
+    ///
+    /// In one transaction, it:
+    ///
+    /// - marks the acknowledged chunk `acked`;
+    /// - marks the request's older acknowledgements processed;
+    /// - inserts `ack`.
     ///
     /// # Cancel safety
     ///
-    /// Not cancel safe, but idempotent: the row is keyed by `ack.id`.
+    /// Not cancel safe, but idempotent: the row is keyed by `ack.id`, so it is never stored
+    /// twice.
+    /// Depending on the backend, a retry returns `Ok` or a `Conflict`.
     fn save_ack_chunk<'a>(&'a self, ack: &'a AckChunk) -> BoxFuture<'a, Result<(), StorageError>>;
 
     /// Stores an interrupt of a request.
     ///
     /// # Cancel safety
     ///
-    /// Not cancel safe, but idempotent: the row is keyed by `interrupt.id`.
+    /// Not cancel safe, but idempotent: the row is keyed by `interrupt.id`, so it is never
+    /// stored twice.
+    /// Depending on the backend, a retry returns `Ok` or a `Conflict`.
     fn save_interrupt<'a>(
         &'a self,
         interrupt: &'a Interrupt,
     ) -> BoxFuture<'a, Result<(), StorageError>>;
 
-    /// Stores a reply. A chunk becomes the request's latest reply; a final reply also marks the
-    /// request and its acknowledgements and interrupts processed. Notifying waiters is the
-    /// caller's job ([`ReplyHandlers`](crate::reply_handlers::ReplyHandlers)).
+    /// Stores a reply.
+    ///
+    /// - A chunk becomes the request's latest reply.
+    /// - A final reply also marks the request, its acknowledgements and its interrupts
+    ///   processed.
+    /// - Notifying waiters is the caller's job
+    ///   ([`ReplyHandlers`](crate::reply_handlers::ReplyHandlers)).
     ///
     /// # Cancel safety
     ///
-    /// Not cancel safe, but idempotent: the row is keyed by the reply id, and a final reply
-    /// saved twice is rejected as a conflict, never stored twice.
+    /// Not cancel safe, but idempotent: the row is keyed by the reply id, so it is never stored
+    /// twice.
+    /// A final reply saved twice is rejected as a conflict.
+    /// A chunk saved twice is accepted or rejected as a conflict, depending on the backend.
     fn save_reply<'a>(&'a self, reply: &'a Reply) -> BoxFuture<'a, Result<(), StorageError>>;
 
-    /// Resets a request so it runs again: deletes its final reply and its interrupts, and marks
-    /// all its rows unprocessed and unclaimed with no latest reply. Chunks are kept.
+    /// Resets a request so that it runs again.
     ///
-    /// With `expected_reply_id` it is the reference's conditional reset, which protects workflow
-    /// resumes: only if that is still the request's latest reply (checked atomically in
-    /// storage), its final reply is deleted and the rows whose latest reply it is (the request
-    /// and the acknowledgements and interrupts it completed) become unprocessed and unclaimed;
-    /// interrupts are kept.
+    /// Without `expected_reply_id`:
+    ///
+    /// - the request's final reply and its interrupts are deleted;
+    /// - all its rows become unprocessed and unclaimed, with no latest reply;
+    /// - its chunks are kept.
+    ///
+    /// With `expected_reply_id`, it is the reference's conditional reset, which protects workflow
+    /// resumes:
+    ///
+    /// - nothing happens unless `expected_reply_id` is still the request's latest reply;
+    /// - storage checks that atomically with the reset;
+    /// - the final reply is deleted;
+    /// - the rows whose latest reply it is become unprocessed and unclaimed: the request, and
+    ///   the acknowledgements and interrupts it completed;
+    /// - interrupts are kept.
     ///
     /// # Cancel safety
     ///
@@ -213,8 +260,9 @@ pub trait MessageStorage: Send + Sync + fmt::Debug {
         primary_key: &'a str,
     ) -> BoxFuture<'a, Result<Option<Snowflake>, StorageError>>;
 
-    /// The final replies and unacknowledged chunks of these requests, in insertion order. A
-    /// reply row that cannot be decoded is returned as [`Reply::malformed`].
+    /// The final replies and unacknowledged chunks of these requests, in insertion order.
+    ///
+    /// A reply row that cannot be decoded is returned as [`Reply::malformed`].
     ///
     /// # Cancel safety
     ///
@@ -235,9 +283,18 @@ pub trait MessageStorage: Send + Sync + fmt::Debug {
     ) -> BoxFuture<'a, Result<Vec<Reply>, StorageError>>;
 
     /// Claims and returns unprocessed messages of `shard_ids`
-    /// (`effect/src/cluster/SqlMessageStorage.ts`): not processed, no final reply and no
-    /// unacknowledged chunk for the request, not claimed within [`CLAIM_WINDOW`], due (`deliver_at
-    /// <= now`), in insertion order, at most `limit`. Only the returned rows are claimed.
+    /// (`effect/src/cluster/SqlMessageStorage.ts`).
+    ///
+    /// A row is returned when:
+    ///
+    /// - it is not processed;
+    /// - its request has no final reply and no unacknowledged chunk;
+    /// - it was not claimed within [`CLAIM_WINDOW`];
+    /// - it is due (`deliver_at <= now`);
+    /// - it belongs to one of `options.addresses`, when that is given.
+    ///
+    /// Rows come in insertion order, at most `options.limit` of them.
+    /// Only the returned rows are claimed.
     ///
     /// # Cancel safety
     ///
@@ -250,7 +307,10 @@ pub trait MessageStorage: Send + Sync + fmt::Debug {
         options: UnprocessedOptions<'a>,
     ) -> BoxFuture<'a, Result<UnprocessedBatch, StorageError>>;
 
-    /// Unprocessed messages with these ids, with the same filters but without claiming them.
+    /// The unprocessed messages with these ids, in insertion order, without claiming them.
+    ///
+    /// The filters are those of [`unprocessed_messages`](MessageStorage::unprocessed_messages)
+    /// except the claim: a claimed row is returned too.
     ///
     /// # Cancel safety
     ///
@@ -261,10 +321,13 @@ pub trait MessageStorage: Send + Sync + fmt::Debug {
         now: Timestamp,
     ) -> BoxFuture<'a, Result<UnprocessedBatch, StorageError>>;
 
-    /// The ids of the requests of `address` stored before the stored request `request_id`, in
-    /// the order [`unprocessed_messages`](MessageStorage::unprocessed_messages) returns rows,
-    /// at most `limit`: those not processed and due (`deliver_at <= now`), claimed or not.
-    /// They must reach the entity before `request_id` does (per-entity storage order).
+    /// The ids of the requests of `address` stored before the stored request `request_id`.
+    ///
+    /// - Only requests that are not processed and are due (`deliver_at <= now`) are listed,
+    ///   claimed or not.
+    /// - They come in the order [`unprocessed_messages`](MessageStorage::unprocessed_messages)
+    ///   returns rows, at most `limit` of them.
+    /// - They must reach the entity before `request_id` does (per-entity storage order).
     ///
     /// # Cancel safety
     ///
@@ -277,12 +340,15 @@ pub trait MessageStorage: Send + Sync + fmt::Debug {
         limit: NonZeroU32,
     ) -> BoxFuture<'a, Result<Vec<Snowflake>, StorageError>>;
 
-    /// Saves `request` as [`save_request`](MessageStorage::save_request) does and, when it was
-    /// stored, reads [`unprocessed_before`](MessageStorage::unprocessed_before) it (at `now`,
-    /// at most `limit`): what a runner needs to hand its own request to the entity directly,
-    /// in storage order. `earlier` is `None` when the request was not stored or the read
-    /// failed (a failed read does not make the save fail). The default makes the two calls;
-    /// a backend may answer both in one round trip.
+    /// Saves `request` as [`save_request`](MessageStorage::save_request) does.
+    /// When it was stored, also reads [`unprocessed_before`](MessageStorage::unprocessed_before)
+    /// it (at `now`, at most `limit`).
+    ///
+    /// A runner needs both to hand its own request to the entity directly, in storage order.
+    ///
+    /// - `earlier` is `None` when the request was not stored or the read failed.
+    /// - A failed read does not make the save fail.
+    /// - The default makes the two calls; a backend may answer both in one round trip.
     ///
     /// # Cancel safety
     ///
@@ -327,7 +393,9 @@ pub trait MessageStorage: Send + Sync + fmt::Debug {
         addresses: &'a [EntityAddress],
     ) -> BoxFuture<'a, Result<(), StorageError>>;
 
-    /// Releases the claims of these shards' unprocessed rows (a new owner took the shards).
+    /// Releases the claims of these shards' unprocessed rows.
+    ///
+    /// A new owner of the shards calls it.
     ///
     /// # Cancel safety
     ///
@@ -347,11 +415,13 @@ pub trait MessageStorage: Send + Sync + fmt::Debug {
         address: &'a EntityAddress,
     ) -> BoxFuture<'a, Result<(), StorageError>>;
 
-    /// Starts a transaction in which replies are saved atomically with the handler's own writes
-    /// (the reference's `withTransaction`, `effect/src/cluster/SqlMessageStorage.ts`). Nested use
-    /// shares the outer transaction;
-    /// [`TransactionNotifications`](crate::reply_handlers::TransactionNotifications) defers
-    /// final-reply notifications to the outermost commit.
+    /// Starts a transaction in which replies are saved atomically with the handler's own writes.
+    ///
+    /// This is the reference's `withTransaction` (`effect/src/cluster/SqlMessageStorage.ts`).
+    ///
+    /// - Nested use shares the outer transaction.
+    /// - [`TransactionNotifications`](crate::reply_handlers::TransactionNotifications) defers
+    ///   final-reply notifications to the outermost commit.
     ///
     /// # Cancel safety
     ///
@@ -371,16 +441,18 @@ pub trait MessageTransaction: Send {
     /// Cancel safe: nothing is visible before commit.
     fn save_reply<'a>(&'a mut self, reply: &'a Reply) -> BoxFuture<'a, Result<(), StorageError>>;
 
-    /// The backend's own transaction handle, for the handler's own statements (downcast to the
-    /// backend's type, for example a Postgres transaction).
+    /// The backend's own transaction handle, for the handler's own statements.
+    ///
+    /// The handler downcasts it to the backend's type, for example a Postgres transaction.
     fn backend(&mut self) -> &mut (dyn Any + Send);
 
     /// Commits.
     ///
     /// # Cancel safety
     ///
-    /// Not cancel safe: if the future is dropped the outcome is unknown; callers check storage
-    /// (a stored final reply means the commit happened, `effect/src/cluster/SqlMessageStorage.ts`).
+    /// Not cancel safe: if the future is dropped, the outcome is unknown.
+    /// Callers then check storage: a stored final reply means that the commit happened
+    /// (`effect/src/cluster/SqlMessageStorage.ts`).
     fn commit(self: Box<Self>) -> BoxFuture<'static, Result<(), StorageError>>;
 
     /// Rolls back.
@@ -393,13 +465,23 @@ pub trait MessageTransaction: Send {
 
 /// The runner registry and the shard locks (`effect/src/cluster/RunnerStorage.ts`).
 ///
-/// Implemented by `cluster-storage-sql` (advisory locks on Postgres and MySQL, lease rows
-/// everywhere) and by `cluster-testkit`. The registry's heartbeat is refreshed by every
-/// [`refresh`](RunnerStorage::refresh); runners whose heartbeat is older than the lock
-/// expiration are not returned by [`get_runners`](RunnerStorage::get_runners).
+/// Implemented by `cluster-storage-sql` and by `cluster-testkit`.
+/// The SQL backends hold a lock as an advisory lock (Postgres and MySQL) or as a lease row
+/// (every database).
+///
+/// - **Heartbeat.** Every [`refresh`](RunnerStorage::refresh) refreshes the runner's heartbeat
+///   in the registry.
+/// - **Liveness.** [`get_runners`](RunnerStorage::get_runners) leaves out the runners whose
+///   heartbeat is older than the lock expiration.
+/// - **Exclusive locks.** At most one runner holds a shard's lock at a time.
+///   [`acquire`](RunnerStorage::acquire) never returns a shard that another runner holds.
+/// - **Expiry.** A lock is held until its holder releases it, or stops refreshing it for the
+///   lock expiration.
+///   Then a lease row may be taken over, and the server ends an advisory lock's session.
 pub trait RunnerStorage: Send + Sync + fmt::Debug {
-    /// Registers (upserts) `runner` with `healthy` and a fresh heartbeat; returns its machine
-    /// id, which stays the same for a live address.
+    /// Registers (upserts) `runner` with `healthy` and a fresh heartbeat.
+    ///
+    /// Returns the runner's machine id, which stays the same for a live address.
     ///
     /// # Cancel safety
     ///
@@ -420,8 +502,9 @@ pub trait RunnerStorage: Send + Sync + fmt::Debug {
         address: &'a RunnerAddress,
     ) -> BoxFuture<'a, Result<(), StorageError>>;
 
-    /// The runners with a live heartbeat and their health. Rows that cannot be decoded are
-    /// skipped.
+    /// The runners with a live heartbeat, and their health.
+    ///
+    /// Rows that cannot be decoded are skipped.
     ///
     /// # Cancel safety
     ///
@@ -439,23 +522,28 @@ pub trait RunnerStorage: Send + Sync + fmt::Debug {
         healthy: bool,
     ) -> BoxFuture<'a, Result<(), StorageError>>;
 
-    /// Tries to lock `shard_ids` for `address`; returns the subset now held by it, including
-    /// shards it already held.
+    /// Tries to lock `shard_ids` for `address`.
+    ///
+    /// Returns the subset now held by `address`, including shards it already held.
     ///
     /// # Cancel safety
     ///
     /// Not cancel safe: if the future is dropped, some locks may be held that the caller does
-    /// not know of. They are released by [`release_all`](RunnerStorage::release_all), expire,
-    /// or are reported by the next `acquire`.
+    /// not know of.
+    /// They are released by [`release_all`](RunnerStorage::release_all), or expire, or are
+    /// reported by the next `acquire`.
     fn acquire<'a>(
         &'a self,
         address: &'a RunnerAddress,
         shard_ids: &'a [ShardId],
     ) -> BoxFuture<'a, Result<Vec<ShardId>, StorageError>>;
 
-    /// Refreshes the heartbeat and confirms (and for leases, extends) the locks on
-    /// `shard_ids`; returns the subset still held. It never re-acquires a lost lock. An empty
-    /// list is a pure heartbeat (the probe used while lock storage is unhealthy).
+    /// Refreshes the heartbeat and confirms the locks on `shard_ids`.
+    ///
+    /// - It returns the subset still held.
+    /// - It extends the leases of lease rows.
+    /// - It never re-acquires a lost lock.
+    /// - An empty list is a pure heartbeat: the probe used while lock storage is unhealthy.
     ///
     /// # Cancel safety
     ///
@@ -466,7 +554,7 @@ pub trait RunnerStorage: Send + Sync + fmt::Debug {
         shard_ids: &'a [ShardId],
     ) -> BoxFuture<'a, Result<Vec<ShardId>, StorageError>>;
 
-    /// Releases one lock, verified (it is not held by `address` afterwards).
+    /// Releases one lock, verified: `address` does not hold it afterwards.
     ///
     /// # Cancel safety
     ///

@@ -2,32 +2,44 @@
 //! ownership fencing and the shutdown handoff.
 //!
 //! Every runner (and client-only process) reads the runner registry every
-//! `refresh_assignments_interval` and computes the same shard assignment
-//! ([`cluster_core::membership`]). A runner takes the locks of the shards assigned to it, runs
-//! their entities and reads their messages only while it holds the lock
-//! ([`cluster_core::ownership`]), refreshes its locks every `shard_lock_interval`, and lets a
-//! shard go (entities drained, lock released) when the assignment moves it elsewhere. The
-//! state machines decide; this module does the I/O:
+//! `refresh_assignments_interval`.
+//! From it, each computes the same shard assignment ([`cluster_core::membership`]).
+//! A runner then:
 //!
-//! - the **sync loop** registers the runner, fetches the registry, publishes assignments;
-//! - the **acquisition loop** releases the shards that moved away and locks the assigned ones;
-//! - the **refresh loop** confirms the locks (losing one starts its release) and, when lock
-//!   storage fails, interrupts every entity and drops every lock before taking any again;
-//! - **fencing**: the final reply of a persisted request is stored only after a lock refresh
-//!   confirms the shard, one shared in-flight refresh per shard;
-//! - **handoff**: at shutdown, once the entities drained, every shard is released through the
-//!   per-shard path (bounded by `shard_lock_interval`) so that other runners take them at once,
-//!   then `release_all` drops what is left.
+//! - takes the locks of the shards assigned to it;
+//! - runs their entities and reads their messages only while it holds the lock
+//!   ([`cluster_core::ownership`]);
+//! - refreshes its locks every `shard_lock_interval`;
+//! - lets a shard go (entities drained, lock released) when the assignment moves it elsewhere.
 //!
-//! Persisted traffic needs nothing else: the request is stored and its shard's owner reads it
-//! (a transport, when there is one, only tells the owner to read at once). Volatile requests
-//! for another runner's shard go through the transport given to
-//! [`ShardingBuilder::transport`](crate::ShardingBuilder::transport) (see `remote`); without
-//! one they fail with
-//! `EntityNotAssignedToRunner`. With a transport, the runner-health singleton judges the
-//! runners as `runner_health_check` says: by default it pings those that answered a ping once
-//! and marks them unhealthy when they stop answering, and leaves the others (runners of the
-//! reference, which do not speak this transport) to their registry heartbeat.
+//! The state machines decide; this module does the I/O:
+//!
+//! - The **sync loop** registers the runner, fetches the registry and publishes assignments.
+//! - The **acquisition loop** releases the shards that moved away and locks the assigned ones.
+//! - The **refresh loop** confirms the locks; losing one starts its release.
+//!   When lock storage fails, it interrupts every entity and drops every lock before taking any
+//!   again.
+//! - **Fencing**: the final reply of a persisted request is stored only after a lock refresh
+//!   confirms the shard.
+//!   Concurrent writers share one in-flight refresh per shard.
+//! - **Handoff**: at shutdown, once the entities drained, every shard is released through the
+//!   per-shard path, bounded by `shard_lock_interval`.
+//!   So other runners take the shards at once.
+//!   Then `release_all` drops what is left.
+//!
+//! Persisted traffic needs nothing else: the request is stored, and its shard's owner reads it.
+//! A transport, when there is one, only tells the owner to read at once.
+//!
+//! Volatile requests for another runner's shard go through the transport given to
+//! [`ShardingBuilder::transport`](crate::ShardingBuilder::transport) (see `remote`).
+//! Without one, they fail with `EntityNotAssignedToRunner`.
+//!
+//! With a transport, the runner-health singleton judges the runners as `runner_health_check`
+//! says.
+//! By default it pings the runners that answered a ping once, and marks them unhealthy when
+//! they stop answering.
+//! It leaves the others to their registry heartbeat: those are runners of the reference, which
+//! do not speak this transport.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::sync::{Arc, Mutex, MutexGuard};
@@ -74,8 +86,9 @@ pub(crate) struct Cluster {
     state: Mutex<State>,
     /// Wakes the acquisition loop.
     acquisition: Notify,
-    /// Bumped on every lock change (a shard acquired, an assignment published, lock storage
-    /// unhealthy, shutdown): requests waiting for a shard's lock check again.
+    /// Bumped on every lock change: a shard acquired, an assignment published, lock storage
+    /// unhealthy, shutdown.
+    /// Requests waiting for a shard's lock then check again.
     lock_events: watch::Sender<u64>,
     /// The in-flight lock confirmation of each shard (fencing).
     confirmations: Mutex<BTreeMap<ShardId, Shared<BoxFuture<'static, bool>>>>,
@@ -85,8 +98,8 @@ pub(crate) struct Cluster {
     handed_off: Notify,
     /// Stops the loops, after the handoff.
     stopped: CancellationToken,
-    /// Held while registering, and while unregistering at shutdown, so that a registration in
-    /// flight cannot advertise a runner that is going away.
+    /// Held while registering, and while unregistering at shutdown.
+    /// So a registration in flight cannot advertise a runner that is going away.
     registration: tokio::sync::Mutex<()>,
 }
 
@@ -95,9 +108,11 @@ struct State {
     membership: Membership,
     ownership: ShardOwnership,
     assignment: Assignment,
-    /// The shards whose per-shard release task is running. Claimed in the same critical
-    /// section that reads the releasing shards, so a task that ends meanwhile cannot have its
-    /// shard released a second time by a round that read it as releasing.
+    /// The shards whose per-shard release task is running.
+    ///
+    /// A shard is claimed here in the same critical section that reads the releasing shards.
+    /// So a task that ends meanwhile cannot have its shard released a second time, by a round
+    /// that read the shard as releasing.
     release_tasks: BTreeSet<ShardId>,
 }
 
@@ -135,9 +150,12 @@ impl Cluster {
         self.state().ownership.acquired().cloned().collect()
     }
 
-    /// The shards whose stored messages this runner reads: the acquired ones, and the
-    /// releasing ones, whose draining entities still take interrupts and acknowledgements
-    /// (effect 4.0.3; their requests are left to the next owner).
+    /// The shards whose stored messages this runner reads.
+    ///
+    /// - The acquired shards.
+    /// - The releasing shards: their draining entities still take interrupts and
+    ///   acknowledgements (effect 4.0.3).
+    ///   Their requests are left to the next owner.
     pub(crate) fn readable(&self) -> Vec<ShardId> {
         self.state().ownership.held()
     }
@@ -211,10 +229,14 @@ impl Sharding {
     }
 
     /// The runner-health singleton (`effect/src/cluster/Sharding.ts`, with the checks of
-    /// `effect/src/cluster/RunnerHealth.ts`): every `runner_health_check_interval`, when more
-    /// than one runner is registered, it judges each as `runner_health_check` says (see
-    /// [`judge`]) and records the verdicts that changed, never marking the last healthy runner
-    /// unhealthy. The sync loops then treat an unhealthy runner as gone.
+    /// `effect/src/cluster/RunnerHealth.ts`).
+    ///
+    /// - It runs every `runner_health_check_interval`, when more than one runner is registered.
+    /// - It judges each runner as `runner_health_check` says (see [`judge`]).
+    /// - It records the verdicts that changed.
+    /// - It never marks the last healthy runner unhealthy.
+    ///
+    /// The sync loops then treat an unhealthy runner as gone.
     fn register_runner_health(
         &self,
         cluster: Arc<Cluster>,
@@ -451,9 +473,13 @@ impl Sharding {
         metrics::set(metrics::SHARD_LOCKS_HEALTHY, usize::from(state.ownership.locks_healthy()));
     }
 
-    /// Releases one shard (`effect/src/cluster/Sharding.ts` `releaseShard`): its entities stop, its
-    /// lock is released, and local callers waiting for its replies read them from storage (or,
-    /// during shutdown, are told their requests were abandoned here).
+    /// Releases one shard (`effect/src/cluster/Sharding.ts` `releaseShard`).
+    ///
+    /// 1. Its entities and singletons stop.
+    /// 2. The requests that finished meanwhile are answered, for a bounded time.
+    /// 3. Its lock is released.
+    /// 4. Local callers waiting for its replies read them from storage.
+    ///    During shutdown, they are told instead that their requests were abandoned here.
     async fn release_shard(self, cluster: Arc<Cluster>, shard: ShardId) {
         let Some(address) = cluster.address().cloned() else { return };
         let release_started = tokio::time::Instant::now();
@@ -467,8 +493,8 @@ impl Sharding {
         )
         .await;
         // The requests that finished while the shard drained are answered before the lock
-        // goes, however slow storage is, up to the lock's expiration: past it another runner
-        // may hold the shard anyway, and its next owner runs what is left.
+        // goes, however slow storage is, up to the lock's expiration.
+        // Past it, another runner may hold the shard anyway, and that owner runs what is left.
         if let Some(persisted) = self.persisted() {
             persisted.writes_finished(Some(&shard), self.config().shard_lock_expiration).await;
         }
@@ -521,8 +547,10 @@ impl Sharding {
         }
     }
 
-    /// Lock storage failed: every shard is let go without waiting for entities, then every
-    /// lock is dropped with `release_all` (`effect/src/cluster/Sharding.ts` "forced release").
+    /// Lock storage failed (`effect/src/cluster/Sharding.ts` "forced release").
+    ///
+    /// Every shard is let go without waiting for entities.
+    /// Then every lock is dropped with `release_all`.
     async fn forced_release(self, cluster: Arc<Cluster>, shards: Vec<ShardId>) {
         let Some(address) = cluster.address().cloned() else { return };
         let termination_timeout = self.config().entity_termination_timeout;
@@ -579,8 +607,10 @@ impl Sharding {
         cluster.acquisition.notify_one();
     }
 
-    /// The lock refresh loop (`effect/src/cluster/Sharding.ts`): confirms the held locks every
-    /// `shard_lock_interval`; probes lock storage while it is unhealthy.
+    /// The lock refresh loop (`effect/src/cluster/Sharding.ts`).
+    ///
+    /// It confirms the held locks every `shard_lock_interval`.
+    /// While lock storage is unhealthy, it probes it instead.
     async fn refresh_loop(self, cluster: Arc<Cluster>) {
         let Some(address) = cluster.address().cloned() else { return };
         let interval = self.config().shard_lock_interval();
@@ -632,8 +662,10 @@ impl Sharding {
         }
     }
 
-    /// Lock storage failed: ownership is uncertain, so every entity of the held shards is
-    /// interrupted at once and the acquisition loop drops every lock before taking any again.
+    /// Lock storage failed, so ownership is uncertain.
+    ///
+    /// - Every entity of the held shards is interrupted at once.
+    /// - The acquisition loop drops every lock before taking any again.
     async fn locks_unhealthy(&self, cluster: &Arc<Cluster>, why: &str) {
         let affected = cluster.state().ownership.mark_unhealthy();
         let Some(affected) = affected else { return };
@@ -678,11 +710,13 @@ impl Sharding {
             .collect()
     }
 
-    /// `shard` was let go. During shutdown the local callers waiting for replies of its
-    /// requests are told their requests were abandoned to the next owner. Otherwise (a
-    /// rebalance) they keep waiting: the reply poller reads the next owner's replies (final
-    /// replies and stream chunks) from storage, which is where the reference's rerouted
-    /// callers read them too.
+    /// `shard` was let go.
+    ///
+    /// - During shutdown, the local callers waiting for replies of its requests are told that
+    ///   their requests were abandoned to the next owner.
+    /// - Otherwise (a rebalance) they keep waiting.
+    ///   The reply poller reads the next owner's final replies and stream chunks from storage.
+    ///   The reference's rerouted callers read them from storage too.
     fn unregister_shard_waiters(&self, shard: &ShardId) {
         if let Some(persisted) = self.persisted()
             && self.is_shutdown()
@@ -692,10 +726,14 @@ impl Sharding {
     }
 
     /// Whether this runner may store the final reply of a request of `shard`
-    /// (`effect/src/cluster/Sharding.ts`, effect 4.1.0): the shard must be acquired or releasing
-    /// here, and a lock refresh must confirm it. One refresh per shard is shared by every
-    /// concurrent writer, and it outlives a writer that is interrupted. A single runner (no
-    /// cluster) holds every lock.
+    /// (`effect/src/cluster/Sharding.ts`, effect 4.1.0).
+    ///
+    /// - The shard must be acquired or releasing here.
+    /// - A lock refresh must confirm it.
+    /// - Every concurrent writer shares one refresh per shard.
+    ///   The refresh outlives a writer that is interrupted.
+    /// - Without a cluster, a single runner confirms from its leases' last refresh.
+    ///   A runtime without shard locks may always store.
     pub(crate) async fn confirm_shard_lock(&self, shard: &ShardId) -> bool {
         let Some(cluster) = self.cluster() else {
             // A single runner confirms from its leases' last refresh (`single_runner`).
@@ -754,8 +792,10 @@ impl Sharding {
         confirmed
     }
 
-    /// Whether this runner serves requests of `shard` now: it holds the shard's lock (a single
-    /// runner holds every lock) and is not shutting down.
+    /// Whether this runner serves requests of `shard` now.
+    ///
+    /// It does when it holds the shard's lock and is not shutting down.
+    /// A single runner holds every lock.
     pub(crate) fn serves(&self, shard: &ShardId) -> bool {
         if self.is_shutdown() || !self.is_runner() {
             return false;
@@ -766,9 +806,11 @@ impl Sharding {
         }
     }
 
-    /// Waits, at most `shard_lock_expiration`, while `shard` is assigned to this runner but
-    /// its lock is not taken yet (the previous owner is still draining;
-    /// `effect/src/cluster/Sharding.ts`), then tells whether this runner serves it.
+    /// Waits while `shard` is assigned to this runner but its lock is not taken yet, then
+    /// tells whether this runner serves it.
+    ///
+    /// The previous owner is still draining the shard (`effect/src/cluster/Sharding.ts`).
+    /// The wait lasts at most `shard_lock_expiration`.
     pub(crate) async fn await_shard(&self, shard: &ShardId) -> bool {
         let Some(cluster) = self.cluster() else { return self.serves(shard) };
         let deadline = crate::time::deadline(self.config().shard_lock_expiration);
@@ -789,9 +831,14 @@ impl Sharding {
         }
     }
 
-    /// The shutdown handoff (`effect/src/cluster/Sharding.ts`, effect 4.0.3): once the entities
-    /// drained, every shard goes through the per-shard release, bounded by `shard_lock_interval`;
-    /// then the loops stop, `release_all` drops what is left and the runner leaves the registry.
+    /// The shutdown handoff (`effect/src/cluster/Sharding.ts`, effect 4.0.3).
+    ///
+    /// It runs once the entities drained:
+    ///
+    /// 1. Every shard goes through the per-shard release, bounded by `shard_lock_interval`.
+    /// 2. The runner leaves the registry, and the loops stop.
+    /// 3. The final replies still being written are awaited, at most `shard_lock_expiration`.
+    /// 4. `release_all` drops what is left.
     pub(crate) async fn hand_off(&self) {
         let Some(cluster) = self.cluster().cloned() else { return };
         cluster.lock_changed();
@@ -854,9 +901,10 @@ struct Verdict {
 /// - `Ping`: alive when one of [`PING_ATTEMPTS`] pings answers (the reference's
 ///   `RunnerHealth.layerPing`).
 /// - `Heartbeat`: alive; no ping.
-/// - `PingKnown`: a known runner is judged as with `Ping`. An unknown one gets one ping, to learn
-///   whether it speaks the transport, and is alive whatever the answer: a runner of the
-///   reference never answers, and only its heartbeat says whether it lives.
+/// - `PingKnown`: a known runner is judged as with `Ping`.
+///   An unknown one gets one ping, to learn whether it speaks the transport.
+///   It is alive whatever the answer: a runner of the reference never answers, and only its
+///   heartbeat says whether it lives.
 async fn judge(
     transport: &dyn Runners,
     mode: RunnerHealthCheck,

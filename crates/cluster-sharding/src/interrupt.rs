@@ -2,14 +2,25 @@
 //! takes.
 //!
 //! A request used to carry a `CancellationToken`, and every step of its way touched the
-//! token's mutex: the clone into the delivery, the check before the handler starts, the clone
-//! into the request context, the drop guard of the caller and the drops of all of them (about
-//! 8 % of a volatile request's time in the W1 profile). An [`InterruptSignal`] is one atomic flag
-//! behind an `Arc`: cloning, checking and dropping it take no lock. Waiting for it (the rare
-//! case, a handler that does not finish on its first poll) goes through a [`Notify`], and the
-//! `CancellationToken` a handler may ask for ([`RequestContext::cancellation`]) is made only
-//! when asked: it is cancelled when the request is interrupted, and cancelling it interrupts
-//! the request, as when the token itself was the signal.
+//! token's mutex:
+//!
+//! - the clone into the delivery;
+//! - the check before the handler starts;
+//! - the clone into the request context;
+//! - the drop guard of the caller;
+//! - the drops of all of them.
+//!
+//! That was about 8 % of a volatile request's time in the W1 profile.
+//!
+//! An [`InterruptSignal`] is one atomic flag behind an `Arc`.
+//! Cloning, checking and dropping it take no lock.
+//!
+//! - **Waiting.** Waiting for the signal goes through a [`Notify`].
+//!   That is the rare case: a handler that does not finish on its first poll.
+//! - **The handler's token.** The `CancellationToken` a handler may ask for
+//!   ([`RequestContext::cancellation`]) is made only when asked.
+//!   It is cancelled when the request is interrupted.
+//!   Cancelling it interrupts the request, as when the token itself was the signal.
 //!
 //! [`RequestContext::cancellation`]: crate::RequestContext::cancellation
 
@@ -93,8 +104,9 @@ impl InterruptSignal {
         }
         let token = self.0.token.get_or_init(CancellationToken::new);
         // Waiters start watching the token; a signal that fired before it existed cancels it.
-        // (`cancel` stores the flag before it looks for the token, and the token is stored
-        // before the flag is read here: one of the two sees the other.)
+        // `cancel` stores the flag before it looks for the token.
+        // Here the token is stored before the flag is read.
+        // So one of the two sees the other.
         self.0.waiters.notify_waiters();
         if self.0.fired.load(Ordering::SeqCst) {
             token.cancel();
@@ -127,8 +139,11 @@ impl Drop for InterruptGuard {
 }
 
 /// A `CancellationToken` whose state is also an atomic flag, set before the token is
-/// cancelled: what every request checks (the runtime's shutdown, a manager's stop) is read
-/// without the token's lock, while the token still gives child tokens and waits.
+/// cancelled.
+///
+/// Every request checks it (the runtime's shutdown, a manager's stop).
+/// The flag is read without the token's lock.
+/// The token still gives child tokens and waits.
 #[derive(Default)]
 pub(crate) struct FlaggedToken {
     flag: AtomicBool,

@@ -1,12 +1,14 @@
 //! Keep-alive: an entity asks to stay resident (never reaped for idleness) until it says
 //! otherwise (the reference's `Entity.keepAlive` and `KeepAliveLatch`).
 //!
-//! Enabling closes the instance's latch and sends the internal keep-alive request to the
-//! entity itself: persisted when the runtime has a message storage, so that the request, left
-//! unanswered while the latch is closed, re-activates the entity after a restart. The manager
-//! parks that request instead of queueing it; a parked request marks the entity as kept alive.
-//! Disabling opens the latch: the parked request is answered and the entity may be reaped
-//! again.
+//! - **Enabling** closes the instance's latch and sends the internal keep-alive request to the
+//!   entity itself.
+//!   The request is persisted when the runtime has a message storage.
+//!   Left unanswered while the latch is closed, it re-activates the entity after a restart.
+//! - **Parking.** The manager parks that request instead of queueing it.
+//!   A parked request marks the entity as kept alive.
+//! - **Disabling** opens the latch: the parked request is answered, and the entity may be
+//!   reaped again.
 
 use std::sync::{Arc, Mutex, MutexGuard};
 
@@ -32,11 +34,12 @@ pub(crate) struct KeepAlive {
 
 #[derive(Default)]
 struct State {
-    /// An open latch answers keep-alive requests at once. Closed when an instance starts, so
-    /// that a stored keep-alive request re-delivered after a restart parks again.
+    /// An open latch answers keep-alive requests at once.
+    /// It is closed when an instance starts.
+    /// So a stored keep-alive request re-delivered after a restart parks again.
     open: bool,
-    /// The keep-alive request waiting for the latch to open: at most one, later ones are
-    /// answered at once while it waits.
+    /// The keep-alive request waiting for the latch to open.
+    /// There is at most one: later ones are answered at once while it waits.
     parked: Option<Delivery>,
 }
 
@@ -68,8 +71,10 @@ impl KeepAlive {
         }
     }
 
-    /// Takes a delivered keep-alive request: answered at once if keep-alive is already on or
-    /// the latch is open, else parked until the latch opens (as the reference's manager).
+    /// Takes a delivered keep-alive request, as the reference's manager does.
+    ///
+    /// - It is answered at once if keep-alive is already on or the latch is open.
+    /// - Otherwise it is parked until the latch opens.
     pub(crate) fn park(&self, delivery: Delivery) {
         let mut state = self.state();
         if state.open || state.parked.is_some() {
@@ -80,8 +85,9 @@ impl KeepAlive {
         }
     }
 
-    /// Drops the parked request without answering it, when the instance ends (shutdown): a
-    /// persisted one stays stored and re-activates the entity on the next run.
+    /// Drops the parked request without answering it, when the instance ends (shutdown).
+    ///
+    /// A persisted one stays stored, and re-activates the entity on the next run.
     pub(crate) fn abandon(&self) {
         let parked = self.state().parked.take();
         drop(parked);

@@ -1,15 +1,43 @@
 //! Persisted delivery on one runner (`effect/src/cluster/Sharding.ts`,
 //! `effect/src/cluster/MessageStorage.ts`).
 //!
-//! A persisted request is saved in [`MessageStorage`] first (deduplicated by its primary key),
-//! then the storage read loop claims it, hands it to its entity, and stores the entity's exit
-//! as the request's final reply; a request saved by the runner that serves its shard goes to
-//! its entity directly instead (`direct`). A caller in this process waits on an in-process reply
-//! waiter registered before the save, and polls storage every `entity_reply_poll_interval` as a
-//! fallback (a reply saved by another process, or after a restart).
+//! A persisted request takes these steps:
 //!
-//! Storage is the source of truth: a request whose runner stops before answering stays stored
-//! and is answered by the next run.
+//! 1. It is saved in [`MessageStorage`] first, deduplicated by its primary key.
+//! 2. The storage read loop claims it and hands it to its entity.
+//!    A request saved by the runner that serves its shard goes to its entity directly instead
+//!    (`direct`).
+//! 3. The entity's exit is stored as the request's final reply.
+//!
+//! A caller in this process waits for the reply in two ways:
+//!
+//! - on an in-process reply waiter, registered before the save;
+//! - by polling storage every `entity_reply_poll_interval`, the fallback for a reply saved by
+//!   another process or before a restart.
+//!
+//! Storage is the source of truth.
+//! A request whose runner stops before answering stays stored, and the next run answers it.
+//!
+//! # Answered once
+//!
+//! A request is delivered at least once and answered exactly once:
+//!
+//! - **One final reply.** Storage accepts one final reply per request; a second is a conflict.
+//! - **One run per delivery.** A request is claimed here before it reaches its entity
+//!   (`tracked`).
+//!   The read loop, direct delivery and a re-run each skip a request claimed here.
+//! - **Fencing.** A handler's final reply is stored only once the shard's lock is confirmed
+//!   (`Sharding::confirm_shard_lock`).
+//!   Otherwise the reply is not stored, the claim is released, and the shard's next owner runs
+//!   the request.
+//! - **Drained releases.** A shard's release waits until the requests taken up in it are
+//!   settled ([`WriteGuard`]), for a bounded time.
+//!   So a request that finishes while its shard drains is answered here.
+//! - **Fenced retries.** A handler's final reply whose write failed is retried only after the
+//!   lock is confirmed again.
+//!
+//! A handler can still run more than once for one request.
+//! That happens when its runner dies before the reply is stored, or when its reply is fenced.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::sync::{Arc, Mutex};
@@ -51,15 +79,19 @@ pub(crate) struct Persisted {
     read_latch: Notify,
     /// The requests taken up here, from their claim to their stored outcome (`tracked`).
     tracked: Mutex<tracked::Tracked>,
-    /// Woken when a request reaches its entity or a reservation ends: a later request to the
-    /// entity that waits for it to go first checks again.
+    /// Woken when a request reaches its entity or a reservation ends.
+    /// A later request to the entity, waiting for that one to go first, then checks again.
     reservation_ended: Notify,
     /// Wakes the reply poller when a caller starts waiting.
     reply_waiters: Notify,
-    /// Requests taken up and not settled, per shard, from their claim until their outcome is
-    /// stored: the shard's lock is released only after them, so that a request that finishes
-    /// while its shard drains is answered here, and no final reply is written once this runner
-    /// let the lock go.
+    /// The requests taken up and not settled, counted per shard, from their claim until their
+    /// outcome is stored.
+    ///
+    /// The shard's lock is released only after them, or once the wait's bound passed
+    /// ([`Persisted::writes_finished`]):
+    ///
+    /// - a request that finishes while its shard drains is answered here;
+    /// - no final reply is written once this runner let the lock go.
     writes: Mutex<BTreeMap<ShardId, usize>>,
     /// Woken when a write ends.
     write_ended: Notify,
@@ -100,8 +132,9 @@ enum Waiter {
 /// The reader of a persisted stream's replies.
 struct StreamWaiter {
     sender: mpsc::Sender<Reply>,
-    /// The chunks below this sequence were handed over already: the reply poller reads an
-    /// unacknowledged chunk again at every poll, and a copy would only take a slot.
+    /// The chunks below this sequence were handed over already.
+    /// The reply poller reads an unacknowledged chunk again at every poll, and a copy would
+    /// only take a slot.
     next_sequence: u32,
 }
 
@@ -124,9 +157,10 @@ impl ReplyWaiter for Waiter {
                 }
             }
             Waiter::Stream(stream) => match reply {
-                // The last slot is the final reply's: the waiter ends with it, so it must never
-                // find the channel full. A chunk that does not fit is handed over again by the
-                // reply poller until it is acknowledged (the caller is behind).
+                // The last slot is kept for the final reply.
+                // The waiter ends with it, so it must never find the channel full.
+                // A chunk that does not fit is handed over again by the reply poller until it
+                // is acknowledged (the caller is behind).
                 Reply::Chunk(chunk) => {
                     if chunk.sequence() >= stream.next_sequence
                         && stream.sender.capacity() > 1
@@ -173,16 +207,20 @@ impl Persisted {
         }
     }
 
-    /// Marks a request of `shard` as taken up and not settled until the guard drops. Taken
-    /// when the request is claimed, before the check that the shard is served: a release that
-    /// stops serving the shard after that check waits for the request's outcome.
+    /// Marks a request of `shard` as taken up and not settled until the guard drops.
+    ///
+    /// It is taken when the request is claimed, before the check that the shard is served.
+    /// So a release that stops serving the shard after that check waits for the request's
+    /// outcome.
     pub(crate) fn begin_write(self: &Arc<Persisted>, shard: &ShardId) -> WriteGuard {
         *lock(&self.writes).entry(shard.clone()).or_default() += 1;
         WriteGuard { persisted: Arc::clone(self), shard: shard.clone() }
     }
 
-    /// Waits (at most `bound`) until no request of `shard` (of any shard with `None`) is taken
-    /// up and unsettled: called once the shard's entities ended, before its lock is let go.
+    /// Waits, at most `bound`, until no request of `shard` is taken up and unsettled.
+    ///
+    /// With `None`, it waits for the requests of every shard.
+    /// It is called once the shard's entities ended, before its lock is let go.
     pub(crate) async fn writes_finished(&self, shard: Option<&ShardId>, bound: Duration) {
         let waiting = async {
             loop {
@@ -205,9 +243,10 @@ impl Persisted {
         }
     }
 
-    /// Ends every local wait for a reply: this process will not read replies any more (it is
-    /// shutting down). The callers fail with `ClusterError::Abandoned`; their requests stay
-    /// stored.
+    /// Ends every local wait for a reply.
+    ///
+    /// This process shuts down and will not read replies any more.
+    /// The callers fail with `ClusterError::Abandoned`; their requests stay stored.
     pub(crate) fn abandon_waiters(&self) {
         let mut waiters = lock(&self.waiters);
         let waiting: Vec<Snowflake> = waiters.waiting().collect();
@@ -226,8 +265,9 @@ impl Persisted {
         }
     }
 
-    /// Shutdown began: the local callers of requests that no handler started hear at once that
-    /// their requests are left stored for the next owner.
+    /// Shutdown began.
+    /// The local callers of requests that no handler started hear at once that their requests
+    /// are left stored for the next owner.
     pub(crate) fn abandon_undelivered(&self) {
         let mut waiters = lock(&self.waiters);
         let undelivered: Vec<Snowflake> =
@@ -272,18 +312,20 @@ impl PersistedStream {
         };
         persisted.storage.save_ack_chunk(&ack).await?;
         if self.sharding.is_shutdown() {
-            // Stored for the next owner, which resumes the stream after this chunk; this
-            // consumer gets no further chunk here (the reference's abandoned AckChunk,
-            // `effect/src/cluster/Sharding.ts`).
+            // Stored for the next owner, which resumes the stream after this chunk.
+            // This consumer gets no further chunk here.
+            // This is the reference's abandoned AckChunk (`effect/src/cluster/Sharding.ts`).
             return Err(ClusterError::EntityNotAssignedToRunner { address: self.address.clone() });
         }
         self.sharding.wake_reader(&self.address.shard_id, || Envelope::AckChunk(ack));
         Ok(())
     }
 
-    /// Why the replies stopped before the final reply: this runner stopped and left the
-    /// request stored for the next owner ([`ClusterError::Abandoned`]), or `None` (an
-    /// interruption).
+    /// Why the replies stopped before the final reply.
+    ///
+    /// - [`ClusterError::Abandoned`]: this runner stopped and left the request stored for the
+    ///   next owner.
+    /// - `None`: an interruption.
     pub(crate) fn ended_early(&self) -> Option<ClusterError> {
         self.sharding.is_shutdown().then(|| ClusterError::Abandoned {
             address: self.address.clone(),
@@ -323,9 +365,9 @@ impl Drop for InterruptOnDrop {
     fn drop(&mut self) {
         let Some(sharding) = self.sharding.take() else { return };
         if sharding.is_shutdown() {
-            // The request stays stored for the next run; an interrupt saved now would cut it
-            // off there (effect's `Sharding.test.ts`: no interrupts for durable messages at
-            // shutdown).
+            // The request stays stored for the next run.
+            // An interrupt saved now would cut it off there.
+            // (effect's `Sharding.test.ts`: no interrupts for durable messages at shutdown.)
             return;
         }
         let interrupt = Interrupt {
@@ -345,8 +387,11 @@ impl Drop for InterruptOnDrop {
 
 impl Sharding {
     /// Interrupts the persisted request `request_id` of the entity at `address`, wherever it
-    /// runs: the interrupt is stored and the owner's storage reader woken (the reference's
-    /// `Envelope.Interrupt`). A request that is not running is not affected.
+    /// runs.
+    ///
+    /// The interrupt is stored, and the owner's storage reader is woken (the reference's
+    /// `Envelope.Interrupt`).
+    /// A request that is not running is not affected.
     ///
     /// # Errors
     ///
@@ -370,9 +415,11 @@ impl Sharding {
 }
 
 impl Sharding {
-    /// Saves a persisted request and waits for its final reply's exit. Dropping the returned
-    /// future stores an interrupt for the request (unless `uninterruptible`); the request
-    /// itself stays stored.
+    /// Saves a persisted request and waits for its final reply's exit.
+    ///
+    /// Dropping the returned future stores an interrupt for the request, unless
+    /// `uninterruptible`.
+    /// The request itself stays stored.
     pub(crate) async fn send_persisted(
         &self,
         request: Request,
@@ -411,9 +458,9 @@ impl Sharding {
             self.wake_reader(&request.address.shard_id, || Envelope::Request(request.clone()));
         }
         if self.is_shutdown() {
-            // Sent while this runner stops (an entity's `on_stop`): no reply will be read here;
-            // the request is stored for the next owner (the reference's abandon path,
-            // `effect/src/cluster/Sharding.ts`).
+            // Sent while this runner stops (an entity's `on_stop`): no reply will be read here.
+            // The request is stored for the next owner.
+            // This is the reference's abandon path (`effect/src/cluster/Sharding.ts`).
             tracing::debug!(request_id = %waited_id, "persisted request sent during shutdown: left stored");
             return Err(ClusterError::Abandoned {
                 address: request.address,
@@ -425,8 +472,9 @@ impl Sharding {
             address: request.address.clone(),
             request_id: waited_id,
         };
-        // A shard that moves or a fenced reply keeps the wait going (the reply poller reads the
-        // next owner's reply); only shutdown ends it without a reply.
+        // A shard that moves or a fenced reply keeps the wait going.
+        // The reply poller reads the next owner's reply.
+        // Only shutdown ends the wait without a reply.
         let exit = self.await_reply(persisted, &request.address, waited_id, &mut replied).await;
         interrupt.sharding = None;
         drop(registration);
@@ -518,9 +566,12 @@ impl Sharding {
         }
     }
 
-    /// Reads the final replies of the requests local callers wait for, all in one query,
-    /// every `entity_reply_poll_interval` while anyone waits (`effect/src/cluster/Runners.ts`): the
-    /// replies that another process saved, or that this process saved before a restart.
+    /// Reads the final replies of the requests that local callers wait for
+    /// (`effect/src/cluster/Runners.ts`).
+    ///
+    /// It reads them all in one query, every `entity_reply_poll_interval` while anyone waits.
+    /// It finds the replies that another process saved, or that this process saved before a
+    /// restart.
     pub(crate) async fn poll_replies(self, persisted: Arc<Persisted>) {
         let interval = self.config().entity_reply_poll_interval;
         loop {
@@ -554,8 +605,10 @@ impl Sharding {
         let config = self.config().clone();
         let mut state = ReadState::default();
         loop {
-            // A full mailbox is read again after `send_retry_interval`; requests held back by
-            // the residency cap when an entity is reaped; everything else at the next poll.
+            // When the next read comes:
+            // - after `send_retry_interval`, for a full mailbox;
+            // - when an entity is reaped, for requests held back by the residency cap;
+            // - at the next poll, for everything else.
             let wait = if state.retry_soon {
                 config.send_retry_interval
             } else {
@@ -577,9 +630,12 @@ impl Sharding {
         }
     }
 
-    /// One read of the storage read loop (`effect/src/cluster/Sharding.ts`): at the residency cap,
-    /// only the resident entities' messages are read, so that they keep progressing; otherwise
-    /// every message of this runner's shards. `None` when the read failed.
+    /// One read of the storage read loop (`effect/src/cluster/Sharding.ts`).
+    ///
+    /// - At the residency cap, only the resident entities' messages are read, so that they keep
+    ///   progressing.
+    /// - Otherwise, every message of this runner's shards is read.
+    /// - `None` means that the read failed.
     async fn read_once(&self, persisted: &Arc<Persisted>, state: &mut ReadState) -> Option<Read> {
         let batch_size = self.config().unprocessed_message_batch_size;
         let residents;
@@ -681,12 +737,16 @@ impl Sharding {
         Some(Read { full, delivered })
     }
 
-    /// Takes up one stored message: hands a request to its entity (claimed first, so that it
-    /// runs once however many paths find it), or forwards an interrupt or acknowledgement to
-    /// the request it belongs to. Nothing here waits: between the checks that admit a request
-    /// and its arrival in the mailbox nothing can change (a `WITH_TRANSACTION` request's
-    /// transaction is begun by its instance). `claiming` says who dispatches (see
-    /// [`Claiming`]).
+    /// Takes up one stored message.
+    ///
+    /// - A request goes to its entity.
+    ///   It is claimed first, so that it runs once however many paths find it.
+    /// - An interrupt or an acknowledgement goes to the request it belongs to.
+    ///
+    /// Nothing here waits, so nothing can change between the checks that admit a request and
+    /// its arrival in the mailbox.
+    /// (A `WITH_TRANSACTION` request's transaction is begun by its instance, not here.)
+    /// `claiming` says who dispatches (see [`Claiming`]).
     fn dispatch(
         &self,
         persisted: &Arc<Persisted>,
@@ -741,8 +801,9 @@ impl Sharding {
             Err(Busy::Running) => return Dispatched::Skipped,
             Err(Busy::Settled) => return Dispatched::Settled(request_id),
         };
-        // Before the shard's check: a release that stops serving the shard after it waits for
-        // this request's outcome before it lets the lock go.
+        // Before the shard's check.
+        // So a release that stops serving the shard after the check waits for this request's
+        // outcome before it lets the lock go.
         let write = persisted.begin_write(&shard);
         if !self.serves(&shard) {
             // The shard was let go since the read: its next owner runs the request.
@@ -781,9 +842,10 @@ impl Sharding {
         }
     }
 
-    /// Stores what a delivered request produced: its chunks (a stream) and its final reply. A
-    /// request interrupted by shutdown, or whose entity went away, is left stored for the next
-    /// run.
+    /// Stores what a delivered request produced: its chunks (a stream) and its final reply.
+    ///
+    /// A request interrupted by shutdown, or whose entity went away, is left stored for the
+    /// next run.
     fn store_outcome(self, persisted: Arc<Persisted>, sent: Sent) -> BoxFuture<'static, ()> {
         // Boxed: a re-run dispatches again, which spawns another `store_outcome`.
         Box::pin(async move {
@@ -834,7 +896,8 @@ impl Sharding {
             }
             match exit {
                 // Interrupted because this runner stops serving the shard (shutdown, a
-                // rebalance, lost locks): left stored for the next owner.
+                // rebalance, lost locks).
+                // It is left stored for the next owner.
                 Some(Exit::Failure(cause))
                     if cause.has_interrupts_only() && !self.serves(&shard) =>
                 {
@@ -860,18 +923,22 @@ impl Sharding {
         })
     }
 
-    /// The shard lock was not confirmed (effect 4.1.0 fencing): the final reply is not stored and
-    /// the claim is released for the shard's next owner; local callers keep waiting and read
-    /// the reply from storage once that owner stores it.
+    /// The shard lock was not confirmed (effect 4.1.0 fencing).
+    ///
+    /// - The final reply is not stored.
+    /// - The claim is released for the shard's next owner.
+    /// - Local callers keep waiting; they read the reply from storage once that owner stores it.
     async fn fenced(&self, persisted: &Persisted, request_id: Snowflake) {
         if let Err(error) = persisted.storage.reset_requests(&[request_id]).await {
             tracing::debug!(%error, %request_id, "could not release a fenced request's claim");
         }
     }
 
-    /// Hands an interrupted server-side uninterruptible request to its entity again (reference
-    /// `effect/src/cluster/internal/entityManager.ts`), waiting out a full mailbox or the residency
-    /// cap; if the runner stops first, the request stays stored for the next run.
+    /// Hands an interrupted server-side uninterruptible request to its entity again
+    /// (`effect/src/cluster/internal/entityManager.ts`).
+    ///
+    /// It waits out a full mailbox or the residency cap.
+    /// If the runner stops first, the request stays stored for the next run.
     async fn rerun(&self, persisted: &Arc<Persisted>, request: Request) {
         let request_id = request.request_id;
         tracing::debug!(%request_id, "interrupted uninterruptible request runs again");
@@ -904,10 +971,11 @@ impl Sharding {
         }
     }
 
-    /// Saves a successful request's final reply inside its transaction and commits; the local
-    /// waiters hear of it only after the commit (effect 4.0.3). If the commit's outcome is unknown,
-    /// storage decides: a stored final reply means it happened, otherwise the request runs
-    /// again.
+    /// Saves a successful request's final reply inside its transaction, and commits.
+    ///
+    /// - The local waiters hear of the reply only after the commit (effect 4.0.3).
+    /// - If the commit's outcome is unknown, storage decides.
+    ///   A stored final reply means that the commit happened; otherwise the request runs again.
     async fn commit_final_reply(
         &self,
         persisted: &Persisted,
@@ -950,10 +1018,10 @@ impl Sharding {
                     lock(&persisted.waiters).on_reply_saved(reply);
                     return;
                 }
-                // A conflict is not a passing failure: no retry stores the chunk. Either an
-                // earlier attempt stored it (its acknowledgement was lost, and a storage that
-                // rejects the same chunk twice says so), or a chunk of another run holds its
-                // sequence.
+                // A conflict is not a passing failure: no retry stores the chunk.
+                // Either an earlier attempt stored it and its acknowledgement was lost (a
+                // storage that rejects the same chunk twice says so).
+                // Or a chunk of another run holds its sequence.
                 Err(error) if error.kind() == cluster_core::error::StorageErrorKind::Conflict => {
                     return self.chunk_conflict(persisted, reply, &error).await;
                 }
@@ -970,9 +1038,12 @@ impl Sharding {
         }
     }
 
-    /// A chunk's save hit a stored reply: if it is this chunk, stored by an attempt whose
-    /// acknowledgement was lost, the local waiters get it as if this save had succeeded (else
-    /// only the reply poller would hand it over); otherwise the conflict is logged.
+    /// A chunk's save hit a stored reply.
+    ///
+    /// - If it is this chunk, an attempt whose acknowledgement was lost stored it.
+    ///   The local waiters get it as if this save had succeeded.
+    ///   (Otherwise only the reply poller would hand it over.)
+    /// - Otherwise the conflict is logged.
     async fn chunk_conflict(
         &self,
         persisted: &Persisted,
@@ -998,10 +1069,12 @@ impl Sharding {
         Reply::WithExit(WithExit { request_id, id: self.next_id(), exit })
     }
 
-    /// Stores a final reply (retrying a few times) and wakes the local waiters. With
-    /// `fence`, the shard whose lock was just confirmed for it: a failed write is retried only
-    /// after the lock is confirmed again, so a retry never lands after this runner lost or let
-    /// go of the shard (the request is then left for the next owner).
+    /// Stores a final reply, retrying a few times, and wakes the local waiters.
+    ///
+    /// `fence` is the shard whose lock was just confirmed for this reply, if any.
+    /// With it, a failed write is retried only after the lock is confirmed again.
+    /// So a retry never lands after this runner lost or let go of the shard.
+    /// When the lock is not confirmed, the request is left for the next owner.
     async fn save_final_reply(
         &self,
         persisted: &Persisted,
@@ -1027,9 +1100,11 @@ impl Sharding {
                     tracing::debug!(%error, request_id = %reply.request_id(), "request already answered");
                     return;
                 }
-                // The storage cannot hold this reply (a value beyond a column, such as a reply
-                // over 64 KiB in MySQL's TEXT): no retry or rerun would store it, so the request
-                // is answered with a defect that says why instead of running again forever.
+                // The storage cannot hold this reply: a value beyond a column, such as a reply
+                // over 64 KiB in MySQL's TEXT.
+                // No retry or rerun would store it.
+                // So the request is answered with a defect that says why, instead of running
+                // again forever.
                 Err(error)
                     if error.kind() == cluster_core::error::StorageErrorKind::InvalidInput
                         && !replaced =>
@@ -1090,11 +1165,14 @@ enum Outcome {
 /// The buffer of a persisted stream's reply and acknowledgement channels.
 const STREAM_BUFFER: usize = 4;
 
-/// The messages of entity types not registered here (yet): each type's are held for twice
-/// the registration timeout from the first one seen (a layer may still be registering it,
-/// reference `Sharding.ts`, the storage read loop), then answered with a defect. The deadline
-/// belongs to each type and is forgotten when the type registers, so a type added later (a
-/// rolling update) gets its own.
+/// The messages of entity types not registered here (yet).
+///
+/// - Each type's messages are held for twice the registration timeout from the first one seen.
+///   A layer may still be registering the type (the storage read loop of
+///   `effect/src/cluster/Sharding.ts`).
+/// - Then they are answered with a defect.
+/// - The deadline belongs to each type and is forgotten when the type registers.
+///   So a type added later (a rolling update) gets its own.
 #[derive(Default)]
 struct Unregistered {
     /// When a message for each type was first seen.
@@ -1166,15 +1244,15 @@ enum Dispatched {
     Delivered,
     /// Nothing to do now.
     Skipped,
-    /// Its outcome is being stored, or was during the current read: release the claim a read
-    /// took, in case the outcome was to run again.
+    /// Its outcome is being stored, or was during the current read.
+    /// Release the claim a read took, in case the outcome was to run again.
     Settled(Snowflake),
     /// Not deliverable now: release its claim so a later read retries it.
     Release(Snowflake),
     /// The entity's mailbox is full: release its claim and read again soon.
     Retry(Snowflake),
-    /// The runner holds as many entities as it may: release its claim and read again once an
-    /// entity is reaped.
+    /// The runner holds as many entities as it may.
+    /// Release its claim, and read again once an entity is reaped.
     Capped(Snowflake),
     /// Answer it at once with this final reply.
     Answer(Reply),

@@ -2,11 +2,17 @@
 //! (reference `SingleRunner`): a complete deployment for one process, started by
 //! [`ShardingBuilder::single_runner`](crate::ShardingBuilder::single_runner).
 //!
-//! At start it registers itself in the runner registry, takes the lock of every shard of its
-//! groups and fails if another live runner holds any (two processes on one database must not
-//! both deliver); it refreshes the locks every shard lock interval, and at shutdown, once its
-//! entities have stopped, releases them and unregisters. Several runners sharing the shards
-//! (membership, rebalancing, handoff) are the multi-runner runtime's job.
+//! Its life:
+//!
+//! - **Start.** It registers itself in the runner registry and takes the lock of every shard
+//!   of its groups.
+//!   It fails if another live runner holds any: two processes on one database must not both
+//!   deliver.
+//! - **Run.** It refreshes the locks every shard lock interval.
+//! - **Shutdown.** Once its entities have stopped, it releases the locks and unregisters.
+//!
+//! Several runners sharing the shards (membership, rebalancing, handoff) are the multi-runner
+//! runtime's job.
 
 use std::collections::BTreeSet;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -23,11 +29,16 @@ use crate::sharding::Sharding;
 
 /// Shards and registration a single runner holds, released at shutdown.
 ///
-/// The runner serves a shard only while its lease is confirmed: a refresh that returned it was
-/// sent less than `shard_lock_expiration` minus a margin ago, so no other runner can have taken
-/// it (a lease is taken over only once it expired). That is also the fencing of its final
-/// replies, without a storage call of its own: on SQLite a handler's transaction holds the
-/// file's write lock, which a refresh would wait for.
+/// The runner serves a shard only while its lease is confirmed.
+///
+/// - **Confirmed.** A refresh that returned the shard was sent less than
+///   `shard_lock_expiration` minus a margin ago.
+/// - **Why it is safe.** A lease is taken over only once it expired.
+///   So no other runner can have taken a confirmed shard.
+/// - **Fencing.** The same check fences the runner's final replies, without a storage call of
+///   its own.
+///   On SQLite a handler's transaction holds the file's write lock, which a refresh would wait
+///   for.
 pub(crate) struct HeldLocks {
     runners: Arc<dyn RunnerStorage>,
     address: RunnerAddress,
@@ -35,7 +46,8 @@ pub(crate) struct HeldLocks {
     /// How long a lease holds after the refresh that confirmed it was sent, margin taken off.
     lease: Duration,
     state: Mutex<LockState>,
-    /// Every shard is held and its lease confirmed: what each delivery reads first.
+    /// Every shard is held and its lease is confirmed.
+    /// Each delivery reads this first.
     serving_all: AtomicBool,
     released: AtomicBool,
 }
@@ -49,9 +61,11 @@ struct LockState {
     lost: BTreeSet<ShardId>,
 }
 
-/// The time a lease must have left, at least, for a shard to be served: a final reply confirmed
-/// now is written within it, and SQLite's lease times are whole seconds (a lease may start up
-/// to a second before the refresh was sent, as the database sees it).
+/// The time a lease must have left, at least, for a shard to be served.
+///
+/// - A final reply confirmed now is written within it.
+/// - SQLite's lease times are whole seconds.
+///   As the database sees it, a lease may start up to a second before the refresh was sent.
 const LEASE_MARGIN_MIN: Duration = Duration::from_secs(2);
 
 impl HeldLocks {
@@ -80,14 +94,19 @@ impl HeldLocks {
         lock(&self.state)
     }
 
-    /// Whether the runner serves `shard`: its lock was not lost and, as of the last refresh,
-    /// its lease is confirmed (read on every delivery: the common case is one atomic load).
+    /// Whether the runner serves `shard`.
+    ///
+    /// It does when the shard's lock was not lost and, as of the last refresh, its lease is
+    /// confirmed.
+    /// Every delivery reads this, so the common case is one atomic load.
     pub(crate) fn serves(&self, shard: &ShardId) -> bool {
         self.serving_all.load(Ordering::Acquire) || self.confirms(shard)
     }
 
-    /// Whether `shard`'s lease is confirmed now, so that a final reply may be stored: its lock
-    /// was not lost, and the last refresh that answered was sent less than the lease ago.
+    /// Whether `shard`'s lease is confirmed now, so that a final reply may be stored.
+    ///
+    /// It is when the shard's lock was not lost, and the last refresh that answered was sent
+    /// less than the lease ago.
     pub(crate) fn confirms(&self, shard: &ShardId) -> bool {
         let state = self.state();
         state.is_confirmed(self.lease) && !state.lost.contains(shard)
@@ -105,12 +124,17 @@ impl HeldLocks {
         Some(self.shards.iter().filter(|shard| !state.lost.contains(*shard)).cloned().collect())
     }
 
-    /// Refreshes the locks every `interval` until `sharding` shuts down. A lock the refresh
-    /// does not return was taken by another runner (a misconfigured second runner on the same
-    /// database, or one that found this runner's leases expired): the runner stops serving its
-    /// shard (an error event, `effect_cluster_shard_locks_lost_total`), interrupts its entities, and
-    /// takes it back once it is free. While refreshes fail, the shards are served until their
-    /// leases could have expired, then not until a refresh answers again.
+    /// Refreshes the locks every `interval` until `sharding` shuts down.
+    ///
+    /// - **Lost locks.** A lock the refresh does not return was taken by another runner.
+    ///   That runner is a misconfigured second runner on the same database, or one that found
+    ///   this runner's leases expired.
+    ///   The runner stops serving the shard, with an error event and
+    ///   `effect_cluster_shard_locks_lost_total`.
+    ///   It interrupts the shard's entities, and takes the lock back once it is free.
+    /// - **Failed refreshes.** While refreshes fail, the shards are served until their leases
+    ///   could have expired.
+    ///   Then they are not served until a refresh answers again.
     pub(crate) async fn refresh(self: Arc<HeldLocks>, sharding: Sharding, interval: Duration) {
         loop {
             tokio::select! {
@@ -131,8 +155,10 @@ impl HeldLocks {
         }
     }
 
-    /// A refresh sent at `sent_at` returned `held`: the shards it left out are lost, and
-    /// returned so that their entities stop.
+    /// A refresh sent at `sent_at` returned `held`.
+    ///
+    /// The shards it left out are lost.
+    /// They are returned, so that their entities stop.
     fn refreshed(
         &self,
         sent_at: tokio::time::Instant,
@@ -166,8 +192,10 @@ impl HeldLocks {
         lost
     }
 
-    /// A refresh failed: once the leases could have expired, no shard is served (reported
-    /// once), and the served ones are returned so that their entities stop.
+    /// A refresh failed.
+    ///
+    /// Once the leases could have expired, no shard is served (reported once).
+    /// The shards served until then are returned, so that their entities stop.
     fn unconfirmed(&self, why: &str) -> Vec<ShardId> {
         tracing::warn!(why, "could not refresh the shard locks");
         let mut state = self.state();
@@ -217,7 +245,9 @@ impl HeldLocks {
         crate::metrics::set(crate::metrics::SHARDS, served);
     }
 
-    /// Releases every lock and unregisters the runner, once (errors are logged: locks expire).
+    /// Releases every lock and unregisters the runner, once.
+    ///
+    /// Errors are logged: the locks expire.
     pub(crate) async fn release(&self) {
         if self.released.swap(true, Ordering::AcqRel) {
             return;

@@ -1,25 +1,38 @@
 //! Direct delivery of persisted requests saved by the runner that serves their shard.
 //!
-//! The reference saves such a request and opens the storage read latch: the read loop then
-//! claims it and hands it to its entity, one storage round trip later. Here the saving runner
-//! hands it to its entity at once (the stored row stays unclaimed; the read loop skips it while
-//! it runs and its reply settles), and the read loop is not woken. Storage stays the source of
-//! truth: a crash before the final reply leaves the row for the next owner, as before.
+//! The reference saves such a request and opens the storage read latch.
+//! The read loop then claims it and hands it to its entity, one storage round trip later.
+//! Here the saving runner hands it to its entity at once, and the read loop is not woken:
 //!
-//! Order per entity is storage order. A request goes directly only when
-//! - the read loop has caught up with the shard's stored backlog (its last exhaustive read
-//!   covered the shard, so nothing older from before this runner took the shard is unread),
-//! - no earlier local request to the same entity was left to the read loop (saved while direct
-//!   delivery was off for it, or released by the read loop for a full mailbox, the residency
-//!   cap or an unregistered type); those are tracked by id per address until the read loop
-//!   delivers or answers them, and
-//! - once it is saved, every unprocessed request stored before it for the same entity was
-//!   taken up here already ([`MessageStorage::unprocessed_before`], read with the save):
-//!   another process (a client, a TypeScript runner) may have stored one since the last read.
+//! - the stored row stays unclaimed;
+//! - the read loop skips the row while the request runs and while its reply settles.
 //!
-//! Otherwise the request is left to the read loop, which is woken, and delivers in storage
-//! order. Exactly once: the read loop leaves the rows of requests taken up here alone (see
-//! `tracked`).
+//! Storage stays the source of truth.
+//! A crash before the final reply leaves the row for the next owner, as before.
+//!
+//! # Order
+//!
+//! Order per entity is storage order.
+//! A request goes directly only when all of these hold:
+//!
+//! - **Caught up.** The read loop has caught up with the shard's stored backlog.
+//!   Its last exhaustive read covered the shard, so nothing older from before this runner took
+//!   the shard is unread.
+//! - **Nothing held back.** No earlier local request to the same entity was left to the read
+//!   loop.
+//!   Such a request was saved while direct delivery was off for it, or released by the read
+//!   loop (a full mailbox, the residency cap, an unregistered type).
+//!   Those requests are tracked by id per address until the read loop delivers or answers them.
+//! - **Nothing earlier in storage.** Once the request is saved, every unprocessed request stored
+//!   before it for the same entity was taken up here already.
+//!   This is read with the save ([`MessageStorage::unprocessed_before`]).
+//!   Another process (a client, a TypeScript runner) may have stored one since the last read.
+//!
+//! Otherwise the request is left to the read loop, which is woken and delivers in storage order.
+//!
+//! # Exactly once
+//!
+//! The read loop leaves the rows of requests taken up here alone (see `tracked`).
 //!
 //! [`MessageStorage::unprocessed_before`]: cluster_core::storage::MessageStorage::unprocessed_before
 
@@ -46,9 +59,11 @@ pub(super) struct Direct {
 
 impl Persisted {
     /// Whether every one of `earlier` (an entity's requests stored before a new one) reached
-    /// the entity here. Those reserved here for direct delivery (saved together with the new
-    /// one, say) are waited for, at most [`EARLIER_WAIT`]: each is about to be delivered or
-    /// left to the read loop.
+    /// the entity here.
+    ///
+    /// Those reserved here for direct delivery (saved together with the new one, say) are
+    /// waited for, at most [`EARLIER_WAIT`].
+    /// Each of them is about to be delivered or left to the read loop.
     async fn earlier_delivered(&self, earlier: &[Snowflake]) -> bool {
         let deadline = crate::time::deadline(EARLIER_WAIT);
         loop {
@@ -93,10 +108,13 @@ impl Persisted {
         }
     }
 
-    /// A read that began with `read` held ended, and `held` are held now. If it was
-    /// exhaustive (less than a batch, every address), the backlog of the shards in both is
-    /// read. Holds on shards no longer held are dropped (their next owner orders them); holds
-    /// on a shard taken during the read stay, so that the next read delivers them first.
+    /// A read that began with `read` held ended, and `held` are held now.
+    ///
+    /// - If the read was exhaustive (less than a batch, every address), the backlog of the
+    ///   shards in both `read` and `held` is read.
+    /// - Holds on shards no longer held are dropped: their next owner orders them.
+    /// - Holds on a shard taken during the read stay, so that the next read delivers them
+    ///   first.
     pub(super) fn caught_up(&self, read: &[ShardId], held: &[ShardId], exhaustive: bool) {
         let mut direct = lock(&self.direct);
         let held: BTreeSet<&ShardId> = held.iter().collect();
@@ -110,13 +128,20 @@ impl Persisted {
 }
 
 impl Sharding {
-    /// Whether a request about to be saved may go directly to its entity once saved: it is not
-    /// delayed, its shard is served and caught up, nothing earlier to its entity waits in
-    /// storage, and its entity type is registered for a unary request. If so it is reserved
-    /// (before the save, so that the read loop, which may read it as soon as it is stored,
-    /// and direct delivery never both run it). Otherwise an undelayed request to a served
-    /// shard is held for the read loop (call [`Persisted::unhold`] if the save fails or finds
-    /// a duplicate).
+    /// Whether a request about to be saved may go directly to its entity once saved.
+    ///
+    /// It may when all of these hold:
+    ///
+    /// - it is not delayed;
+    /// - its shard is served and caught up;
+    /// - nothing earlier to its entity waits in storage;
+    /// - it is a unary request, of an entity type registered here.
+    ///
+    /// If so, it is reserved before the save.
+    /// The read loop may read it as soon as it is stored, and the reservation keeps the read loop
+    /// and direct delivery from both running it.
+    /// Otherwise an undelayed request to a served shard is held for the read loop.
+    /// Call [`Persisted::unhold`] if the save fails or finds a duplicate.
     pub(super) fn plan_direct(
         &self,
         persisted: &Arc<Persisted>,
@@ -124,8 +149,8 @@ impl Sharding {
         options: &SaveRequestOptions,
     ) -> Option<Reservation> {
         let address = &request.address;
-        // A delayed request is meant to come after later ones: it neither goes directly nor
-        // holds the requests after it back.
+        // A delayed request is meant to come after later ones.
+        // So it neither goes directly nor holds the requests after it back.
         if options.deliver_at.is_some() || !self.serves(&address.shard_id) {
             return None;
         }
@@ -140,10 +165,13 @@ impl Sharding {
         reservation
     }
 
-    /// Saves a request. With `direct`, in one call with the read of its entity's earlier
-    /// unprocessed requests ([`MessageStorage::save_request_ordered`]), which direct delivery
-    /// then checks; a caller that goes away meanwhile leaves the stored request to the read
-    /// loop, which is woken at once rather than at its next poll.
+    /// Saves a request.
+    ///
+    /// - With `direct`, the save also reads the entity's earlier unprocessed requests, in one
+    ///   call ([`MessageStorage::save_request_ordered`]).
+    ///   Direct delivery then checks them.
+    /// - A caller that goes away meanwhile leaves the stored request to the read loop.
+    ///   The read loop is woken at once rather than at its next poll.
     ///
     /// [`MessageStorage::save_request_ordered`]: cluster_core::storage::MessageStorage::save_request_ordered
     pub(super) async fn save(
@@ -170,10 +198,14 @@ impl Sharding {
         }
     }
 
-    /// Hands a request this runner just saved to its entity if every unprocessed request stored
-    /// before it for the entity (`earlier`, `None` when unknown) reached it here already. When
-    /// it cannot go now (an earlier request unread here, a full mailbox, the residency cap,
-    /// the shard let go meanwhile), it is held for the read loop, which is woken.
+    /// Hands a request that this runner just saved to its entity.
+    ///
+    /// It goes only if every unprocessed request stored before it for the entity already
+    /// reached the entity here.
+    /// Those are `earlier`, `None` when unknown.
+    /// When the request cannot go now, it is held for the read loop, which is woken.
+    /// That happens for an earlier request unread here, a full mailbox, the residency cap, or
+    /// the shard let go meanwhile.
     pub(super) async fn deliver_directly(
         &self,
         persisted: &Arc<Persisted>,
@@ -215,12 +247,15 @@ impl Sharding {
 }
 
 /// How long a request waits for an earlier request of its entity, reserved here for direct
-/// delivery, to reach the entity (or be left to the read loop) before it is left to the read
-/// loop too.
+/// delivery.
+///
+/// It waits for the earlier request to reach the entity, or to be left to the read loop.
+/// Past this wait, the later request is left to the read loop too.
 const EARLIER_WAIT: std::time::Duration = std::time::Duration::from_millis(100);
 
-/// How many earlier unprocessed requests of an entity the order check reads: more than this
-/// many of them running here at once leaves the request to the read loop.
+/// How many earlier unprocessed requests of an entity the order check reads.
+///
+/// When more than this many of them run here at once, the request is left to the read loop.
 const EARLIER_LIMIT: NonZeroU32 = NonZeroU32::new(16).expect("16 is not zero");
 
 /// Wakes the storage read loop when dropped armed.

@@ -1,21 +1,28 @@
 //! The persisted requests this runner has taken up, from their claim to their stored outcome.
 //!
-//! A request enters the map when a dispatch claims it, before it reaches its entity, and
-//! leaves once its outcome is stored:
-//! - `Reserved`: saved by this runner for direct delivery, which has not claimed it yet (it
-//!   first checks storage order). The read loop may take it over; direct delivery then finds it
-//!   taken and leaves it, so the two never both run it.
-//! - `Running`: claimed and handed to its entity; interrupts and acknowledgements go to it,
-//!   and the read loop leaves its row alone (`AlreadyProcessingMessage`).
-//! - `Settling`: its exit is in, and its reply (or its release) is being stored; the read loop
-//!   releases the claim its read took, in case the outcome was to run again (the reference's
-//!   per-round `processedRequestIds`).
-//! - `Settled`: stored while a read was under way, which may have selected the row before the
-//!   reply was stored; forgotten when that read ends (a later read selects after the reply, so
-//!   it no longer returns the row).
+//! A request enters the map when a dispatch claims it, before it reaches its entity.
+//! It leaves once its outcome is stored.
+//! Its states:
 //!
-//! One map under one lock: the check and the claim of a dispatch are one step, and so is the
-//! move from `Running` to `Settling`, so no read sees a request in neither state.
+//! - `Reserved`: saved by this runner for direct delivery, which has not claimed it yet.
+//!   Direct delivery first checks storage order.
+//!   The read loop may take the request over.
+//!   Direct delivery then finds it taken and leaves it, so the two never both run it.
+//! - `Running`: claimed and handed to its entity.
+//!   Interrupts and acknowledgements go to it.
+//!   The read loop leaves its row alone (`AlreadyProcessingMessage`).
+//! - `Settling`: its exit is in, and its reply (or its release) is being stored.
+//!   The read loop releases the claim its read took, in case the outcome was to run again.
+//!   This is the reference's per-round `processedRequestIds`.
+//! - `Settled`: stored while a read was under way, which may have selected the row before the
+//!   reply was stored.
+//!   It is forgotten when that read ends.
+//!   A later read selects after the reply, so it no longer returns the row.
+//!
+//! One map under one lock makes two steps atomic:
+//!
+//! - the check and the claim of a dispatch;
+//! - the move from `Running` to `Settling`, so that no read sees a request in neither state.
 
 use std::collections::BTreeMap;
 use std::sync::Arc;
@@ -88,8 +95,10 @@ pub(super) enum Busy {
     Settled,
 }
 
-/// A claimed request. Dropped before [`keep`](Claim::keep), the claim is undone: the request
-/// goes back to where it was (out of the map, reserved, or settling for a re-run).
+/// A claimed request.
+///
+/// Dropped before [`keep`](Claim::keep), the claim is undone.
+/// The request goes back to where it was: out of the map, reserved, or settling for a re-run.
 pub(super) struct Claim {
     persisted: Arc<Persisted>,
     request_id: Snowflake,
@@ -106,8 +115,9 @@ enum Previous {
     Settling,
 }
 
-/// A request reserved for direct delivery; dropped, the reservation goes unless it was
-/// claimed (by direct delivery or by the read loop).
+/// A request reserved for direct delivery.
+///
+/// Dropped, the reservation goes, unless direct delivery or the read loop claimed the request.
 pub(super) struct Reservation {
     persisted: Arc<Persisted>,
     request_id: Snowflake,
@@ -130,8 +140,8 @@ impl Drop for Reservation {
 pub(super) enum Earlier {
     /// It reached the entity here.
     Delivered,
-    /// Reserved here for direct delivery, not claimed yet: it is about to be delivered or left
-    /// to the read loop.
+    /// Reserved here for direct delivery, not claimed yet.
+    /// It is about to be delivered or left to the read loop.
     Reserved,
     /// Not taken up here: the read loop delivers it.
     Elsewhere,
@@ -202,8 +212,9 @@ impl Tracked {
 }
 
 impl Persisted {
-    /// Reserves `request_id`, about to be saved, for direct delivery: `None` if it is taken up
-    /// here already (an id seen before).
+    /// Reserves `request_id`, about to be saved, for direct delivery.
+    ///
+    /// `None` if it is taken up here already (an id seen before).
     pub(super) fn reserve(self: &Arc<Persisted>, request_id: Snowflake) -> Option<Reservation> {
         let mut tracked = lock(&self.tracked);
         if tracked.requests.contains_key(&request_id) {
@@ -213,9 +224,13 @@ impl Persisted {
         Some(Reservation { persisted: Arc::clone(self), request_id })
     }
 
-    /// Claims `request_id` for a dispatch, in one step with the check that nobody else has:
-    /// `Busy` if it runs here already or is settling, or (direct delivery) if its reservation
-    /// is gone (the read loop took it over, and may have answered it already).
+    /// Claims `request_id` for a dispatch, in one step with the check that nobody else has.
+    ///
+    /// It is `Busy` when:
+    ///
+    /// - the request runs here already, or is settling;
+    /// - for direct delivery, its reservation is gone: the read loop took it over, and may have
+    ///   answered it already.
     pub(super) fn claim(
         self: &Arc<Persisted>,
         request_id: Snowflake,
@@ -225,8 +240,9 @@ impl Persisted {
         let mut tracked = lock(&self.tracked);
         let previous = match (tracked.requests.get(&request_id), claiming) {
             (None, Claiming::Read | Claiming::Rerun) => Previous::Absent,
-            // Taken over: undone, the read loop leaves it to its next read, not to direct
-            // delivery (whose reservation may be gone already).
+            // Taken over by the read loop.
+            // Undone, the claim leaves the request to the next read, not to direct delivery,
+            // whose reservation may be gone already.
             (Some(Track::Reserved), Claiming::Read) => Previous::Absent,
             (Some(Track::Reserved), Claiming::Reserved) => Previous::Reserved,
             (Some(Track::Settling), Claiming::Rerun) => Previous::Settling,
@@ -241,9 +257,11 @@ impl Persisted {
         Ok(Claim { persisted: Arc::clone(self), request_id, previous, kept: false })
     }
 
-    /// The request's exit is in: from `Running` to `Settling` in one step, so that the read
-    /// loop never sees it in neither. Until the guard drops, and then until the current read
-    /// ends, the read loop leaves its row alone.
+    /// The request's exit is in: it moves from `Running` to `Settling`.
+    ///
+    /// The move is one step, so that the read loop never sees the request in neither state.
+    /// The read loop leaves its row alone until the guard drops, and then until the current
+    /// read ends.
     pub(super) fn settle(self: &Arc<Persisted>, request_id: Snowflake) -> SettleGuard {
         let mut tracked = lock(&self.tracked);
         if let Some(Track::Running(_)) = tracked.requests.insert(request_id, Track::Settling) {
@@ -257,16 +275,19 @@ impl Persisted {
         lock(&self.tracked).reading = true;
     }
 
-    /// The read dispatched what it selected (or failed): the requests settled meanwhile are
-    /// forgotten, as the next read selects after their replies were stored.
+    /// The read dispatched what it selected, or failed.
+    ///
+    /// The requests settled meanwhile are forgotten.
+    /// The next read selects after their replies were stored.
     pub(super) fn end_read(&self) {
         let mut tracked = lock(&self.tracked);
         tracked.reading = false;
         tracked.requests.retain(|_, track| !matches!(track, Track::Settled));
     }
 
-    /// Where the earlier request `request_id` is (a later request to the entity may follow it
-    /// directly once it reached the entity here).
+    /// Where the earlier request `request_id` is.
+    ///
+    /// A later request to the entity may follow it directly once it reached the entity here.
     pub(super) fn earlier(&self, request_id: Snowflake) -> Earlier {
         match lock(&self.tracked).requests.get(&request_id) {
             Some(Track::Running(in_flight)) if in_flight.delivered => Earlier::Delivered,
@@ -290,8 +311,8 @@ impl Persisted {
         if let Some(Track::Running(InFlight { acks: Some(acks), .. })) =
             tracked.requests.get(&request_id)
         {
-            // Full only if the caller acknowledged faster than chunks went out; the handler
-            // only waits for the latest chunk's acknowledgement.
+            // Full only if the caller acknowledged faster than chunks went out.
+            // The handler only waits for the latest chunk's acknowledgement.
             let _ = acks.try_send(reply_id);
         }
     }
