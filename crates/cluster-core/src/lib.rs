@@ -14,7 +14,7 @@
 //! - [`ShardingConfig`]: every option of the reference with its default, environment loading and
 //!   validation.
 //! - Contracts: [`storage::MessageStorage`], [`storage::RunnerStorage`],
-//!   [`queue_storage::QueueStorage`], [`runners::Runners`], [`clock::Clock`].
+//!   [`queue_storage::QueueStorage`], [`transport::Transport`], [`clock::Clock`].
 //! - [`Never`], the error type of what cannot fail, and [`sync::lock`], the one way to take a
 //!   mutex.
 //! - Pure state machines: [`membership`] (registry observations to published assignments, with
@@ -34,10 +34,10 @@ pub mod never;
 pub mod ownership;
 pub mod queue_storage;
 pub mod reply_handlers;
-pub mod runners;
 pub mod snowflake;
 pub mod storage;
 pub mod sync;
+pub mod transport;
 
 pub use clock::{Clock, SystemClock, Timestamp};
 pub use config::ShardingConfig;

@@ -5,7 +5,7 @@
 //! shard-to-runner assignment on its own, from one weighted [`HashRing`] per shard group. This
 //! module is that loop without its I/O: the caller fetches `(runner, healthy)` pairs from
 //! `RunnerStorage::get_runners`, hands them to [`Membership::observe`] with the current time, and
-//! carries out the returned [`MembershipStep`] (notify `Runners::on_runner_unavailable`, register
+//! carries out the returned [`MembershipStep`] (notify `Transport::on_runner_unavailable`, register
 //! again, replace its routing table, wake the acquisition loop).
 //!
 //! # Why a state machine
@@ -82,7 +82,7 @@ pub struct Membership {
 /// What the caller must do after one observation.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct MembershipStep {
-    /// Runners that left or turned unhealthy: call `Runners::on_runner_unavailable` for each.
+    /// Runners that left or turned unhealthy: call `Transport::on_runner_unavailable` for each.
     pub unavailable: Vec<RunnerAddress>,
     /// The last pending join left without being published: wake the acquisition loop, which
     /// was holding off while joins were pending.

@@ -1,4 +1,4 @@
-//! The client side: [`TcpRunners`], the `Runners` contract over TCP.
+//! The client side: [`TcpTransport`], the `Transport` contract over TCP.
 //!
 //! One multiplexed connection per peer, opened on first use and cached. Each call gets a fresh
 //! call id and a bounded channel; the connection's reader routes server frames to it. A call
@@ -9,7 +9,7 @@
 //! a failed attempt the peer is in backoff, `min(backoff_cap, backoff_base × 2^(n−1))` with
 //! equal jitter (half fixed, half random) after the n-th consecutive failure; calls during
 //! backoff fail at once with `RunnerUnavailable` (routing retries them). A connection with no
-//! call in flight for `idle_expiry` closes itself; [`Runners::on_runner_unavailable`] and a
+//! call in flight for `idle_expiry` closes itself; [`Transport::on_runner_unavailable`] and a
 //! failed ping drop the cached connection (its calls in flight fail with `RunnerUnavailable`).
 
 use std::collections::BTreeMap;
@@ -21,9 +21,9 @@ use cluster_core::envelope::{Envelope, Exit, Reply, Request, WithExit};
 use cluster_core::error::{ClusterError, DecodeError};
 use cluster_core::future::BoxFuture;
 use cluster_core::ids::RunnerAddress;
-use cluster_core::runners::{ReplyStream, Runners};
 use cluster_core::snowflake::Snowflake;
 use cluster_core::sync::lock;
+use cluster_core::transport::{ReplyStream, Transport};
 use tokio::io::WriteHalf;
 use tokio::net::TcpStream;
 use tokio::sync::{Notify, OwnedSemaphorePermit, Semaphore, mpsc};
@@ -40,9 +40,9 @@ use crate::handshake;
 use crate::server::read_loop;
 use crate::tls::{BoxStream, ClientTls};
 
-/// The `Runners` contract over TCP: a cached, multiplexed connection per peer, reopened lazily
+/// The `Transport` contract over TCP: a cached, multiplexed connection per peer, reopened lazily
 /// with a capped, jittered backoff (see the [crate docs](crate)).
-pub struct TcpRunners {
+pub struct TcpTransport {
     config: Arc<RpcConfig>,
     tls: ClientTls,
     peers: Mutex<BTreeMap<RunnerAddress, Arc<tokio::sync::Mutex<Peer>>>>,
@@ -60,19 +60,19 @@ fn unavailable(address: &RunnerAddress) -> ClusterError {
     ClusterError::RunnerUnavailable { address: address.clone() }
 }
 
-impl fmt::Debug for TcpRunners {
+impl fmt::Debug for TcpTransport {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         let peers: Vec<RunnerAddress> = lock(&self.peers).keys().cloned().collect();
-        f.debug_struct("TcpRunners").field("config", &self.config).field("peers", &peers).finish()
+        f.debug_struct("TcpTransport").field("config", &self.config).field("peers", &peers).finish()
     }
 }
 
-impl TcpRunners {
+impl TcpTransport {
     /// A client with `config` (validated first; with TLS, `config.tls` needs a CA).
-    pub fn new(config: RpcConfig) -> Result<Arc<TcpRunners>, crate::RpcError> {
+    pub fn new(config: RpcConfig) -> Result<Arc<TcpTransport>, crate::RpcError> {
         config.validate()?;
         let tls = ClientTls::new(&config)?;
-        Ok(Arc::new(TcpRunners {
+        Ok(Arc::new(TcpTransport {
             config: Arc::new(config),
             tls,
             peers: Mutex::new(BTreeMap::new()),
@@ -521,7 +521,7 @@ impl ReplyStream for TcpReplyStream {
     }
 }
 
-impl Runners for TcpRunners {
+impl Transport for TcpTransport {
     fn ping<'a>(&'a self, address: &'a RunnerAddress) -> BoxFuture<'a, Result<(), ClusterError>> {
         Box::pin(async move {
             let result = self.void_call(address, |call| Frame::Ping { call }).await;

@@ -10,7 +10,7 @@ use cluster_core::error::ConfigError;
 /// The largest accepted `max_frame_bytes`: 1 GiB.
 pub const MAX_FRAME_BYTES_MAX: u32 = 1 << 30;
 
-/// The transport's options, shared by [`crate::RpcServer`] and [`crate::TcpRunners`].
+/// The transport's options, shared by [`crate::RpcServer`] and [`crate::TcpTransport`].
 ///
 /// Loaded from the environment by [`RpcConfig::from_env`]:
 ///

@@ -1,7 +1,7 @@
 //! [`RpcError`]: what setting up the transport can fail with.
 //!
 //! Calls between runners never return it: they report [`cluster_core::ClusterError`] as the
-//! `Runners` contract requires (see the crate docs for the mapping).
+//! `Transport` contract requires (see the crate docs for the mapping).
 
 use std::io;
 

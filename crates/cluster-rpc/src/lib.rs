@@ -1,12 +1,12 @@
 //! Runner-to-runner transport over TCP: the `cluster_core::runners` contract
-//! ([`Runners`](cluster_core::runners::Runners) on the client side,
-//! [`RunnerHandler`](cluster_core::runners::RunnerHandler) on the server side) implemented with
+//! ([`Transport`](cluster_core::transport::Transport) on the client side,
+//! [`RunnerHandler`](cluster_core::transport::RunnerHandler) on the server side) implemented with
 //! tokio (`effect/src/cluster/Runners.ts`).
 //!
 //! - [`RpcServer::bind`] binds a listener (so the runtime learns its advertised address), then
 //!   [`RpcServer::serve`] starts calling a handler and returns a [`ServerHandle`] whose
 //!   [`shutdown`](ServerHandle::shutdown) stops it gracefully.
-//! - [`TcpRunners`] is the client: one multiplexed connection per peer, cached, closed after
+//! - [`TcpTransport`] is the client: one multiplexed connection per peer, cached, closed after
 //!   `idle_expiry` without calls, dropped by `on_runner_unavailable`, reopened lazily with a
 //!   capped, jittered backoff after failed attempts.
 //! - [`RpcConfig`] holds the limits (frame size, calls in flight, queues, stream buffer,
@@ -69,7 +69,7 @@ mod handshake;
 mod server;
 mod tls;
 
-pub use client::TcpRunners;
+pub use client::TcpTransport;
 pub use config::{MAX_FRAME_BYTES_MAX, RpcConfig};
 pub use error::RpcError;
 pub use server::{RpcServer, ServerHandle};

@@ -4,7 +4,7 @@
 //! connection, and each connection owns a reader, a writer and one task per call in flight.
 //! Dropping an owner aborts what it owns, so nothing is detached: dropping the handle closes the
 //! listener and every connection; aborting a call's task drops the handler's
-//! [`ReplyStream`](cluster_core::runners::ReplyStream), which interrupts a volatile request.
+//! [`ReplyStream`](cluster_core::transport::ReplyStream), which interrupts a volatile request.
 //!
 //! Per connection: the handshake runs first, within `connect_timeout`; then frames are read and
 //! dispatched. A `Cancel` frame, or the connection closing, aborts the call. At most
@@ -19,7 +19,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 
 use cluster_core::envelope::Reply;
 use cluster_core::error::{ClusterError, DecodeError};
-use cluster_core::runners::RunnerHandler;
+use cluster_core::transport::RunnerHandler;
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::mpsc;
 use tokio::task::{AbortHandle, JoinSet};

@@ -15,8 +15,8 @@
 use std::sync::Arc;
 
 use cluster_core::error::{ConfigError, StorageError};
-use cluster_core::runners::Runners;
 use cluster_core::storage::{MessageStorage, RunnerStorage};
+use cluster_core::transport::Transport;
 use cluster_core::{Clock, ShardingConfig, SystemClock};
 
 use crate::sharding::{RegisterError, Sharding};
@@ -81,7 +81,7 @@ pub struct ShardingBuilder {
     clock: Arc<dyn Clock>,
     messages: Option<Arc<dyn MessageStorage>>,
     runners: Option<Arc<dyn RunnerStorage>>,
-    transport: Option<Arc<dyn Runners>>,
+    transport: Option<Arc<dyn Transport>>,
     client_only: bool,
     single_runner: bool,
 }
@@ -143,7 +143,7 @@ impl ShardingBuilder {
     /// - With a transport, the runners check each other's health by pinging (see
     ///   `RUNNER_HEALTH_CHECK` in docs/configuration.md).
     /// - It needs [`runners`](ShardingBuilder::runners): routing follows the membership.
-    pub fn transport(mut self, transport: Arc<dyn Runners>) -> ShardingBuilder {
+    pub fn transport(mut self, transport: Arc<dyn Transport>) -> ShardingBuilder {
         self.transport = Some(transport);
         self
     }

@@ -86,12 +86,12 @@
 
 mod builder;
 mod client;
-mod cluster;
 mod cron;
 mod entity;
 mod interrupt;
 mod keep_alive;
 mod manager;
+mod member;
 pub mod metrics;
 mod persisted;
 mod queue_entity;

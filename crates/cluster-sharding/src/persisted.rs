@@ -70,7 +70,7 @@ const SAVE_REPLY_ATTEMPTS: u32 = 4;
 const SAVE_REPLY_SPACING: Duration = Duration::from_millis(200);
 
 /// The persisted side of a [`Sharding`] runtime.
-pub(crate) struct Persisted {
+pub(crate) struct PersistedDelivery {
     pub(crate) storage: Arc<dyn MessageStorage>,
     /// The shards this runner reads (every shard of its groups: one runner owns them all).
     shards: Vec<ShardId>,
@@ -88,7 +88,7 @@ pub(crate) struct Persisted {
     /// outcome is stored.
     ///
     /// The shard's lock is released only after them, or once the wait's bound passed
-    /// ([`Persisted::writes_finished`]):
+    /// ([`PersistedDelivery::writes_finished`]):
     ///
     /// - a request that finishes while its shard drains is answered here;
     /// - no final reply is written once this runner let the lock go.
@@ -99,9 +99,9 @@ pub(crate) struct Persisted {
     direct: Mutex<direct::Direct>,
 }
 
-/// A request of a shard taken up and not settled yet (see [`Persisted::begin_write`]).
+/// A request of a shard taken up and not settled yet (see [`PersistedDelivery::begin_write`]).
 pub(crate) struct WriteGuard {
-    persisted: Arc<Persisted>,
+    persisted: Arc<PersistedDelivery>,
     shard: ShardId,
 }
 
@@ -191,9 +191,9 @@ impl ReplyWaiter for Waiter {
 /// to this process.
 type Answer = Result<Reply, UnregisterMode>;
 
-impl Persisted {
-    pub(crate) fn new(storage: Arc<dyn MessageStorage>, shards: Vec<ShardId>) -> Persisted {
-        Persisted {
+impl PersistedDelivery {
+    pub(crate) fn new(storage: Arc<dyn MessageStorage>, shards: Vec<ShardId>) -> PersistedDelivery {
+        PersistedDelivery {
             storage,
             shards,
             waiters: Mutex::new(ReplyHandlers::new()),
@@ -212,7 +212,7 @@ impl Persisted {
     /// It is taken when the request is claimed, before the check that the shard is served.
     /// So a release that stops serving the shard after that check waits for the request's
     /// outcome.
-    pub(crate) fn begin_write(self: &Arc<Persisted>, shard: &ShardId) -> WriteGuard {
+    pub(crate) fn begin_write(self: &Arc<PersistedDelivery>, shard: &ShardId) -> WriteGuard {
         *lock(&self.writes).entry(shard.clone()).or_default() += 1;
         WriteGuard { persisted: Arc::clone(self), shard: shard.clone() }
     }
@@ -341,7 +341,7 @@ impl PersistedStream {
 
 /// A waiter's registration; dropping it unregisters the waiter.
 struct OwnedRegistration {
-    persisted: Arc<Persisted>,
+    persisted: Arc<PersistedDelivery>,
     request_id: Snowflake,
     handler: Option<cluster_core::reply_handlers::HandlerId>,
 }
@@ -548,7 +548,7 @@ impl Sharding {
 
     async fn await_reply(
         &self,
-        persisted: &Persisted,
+        persisted: &PersistedDelivery,
         address: &EntityAddress,
         request_id: Snowflake,
         replied: &mut oneshot::Receiver<Answer>,
@@ -572,7 +572,7 @@ impl Sharding {
     /// It reads them all in one query, every `entity_reply_poll_interval` while anyone waits.
     /// It finds the replies that another process saved, or that this process saved before a
     /// restart.
-    pub(crate) async fn poll_replies(self, persisted: Arc<Persisted>) {
+    pub(crate) async fn poll_replies(self, persisted: Arc<PersistedDelivery>) {
         let interval = self.config().entity_reply_poll_interval;
         loop {
             let waiting: Vec<Snowflake> = lock(&persisted.waiters).waiting().collect();
@@ -601,7 +601,7 @@ impl Sharding {
     }
 
     /// The storage read loop; runs until shutdown.
-    pub(crate) async fn read_storage(self, persisted: Arc<Persisted>) {
+    pub(crate) async fn read_storage(self, persisted: Arc<PersistedDelivery>) {
         let config = self.config().clone();
         let mut state = ReadState::default();
         loop {
@@ -636,7 +636,11 @@ impl Sharding {
     ///   progressing.
     /// - Otherwise, every message of this runner's shards is read.
     /// - `None` means that the read failed.
-    async fn read_once(&self, persisted: &Arc<Persisted>, state: &mut ReadState) -> Option<Read> {
+    async fn read_once(
+        &self,
+        persisted: &Arc<PersistedDelivery>,
+        state: &mut ReadState,
+    ) -> Option<Read> {
         let batch_size = self.config().unprocessed_message_batch_size;
         let residents;
         let addresses = if self.residency().is_full() {
@@ -749,7 +753,7 @@ impl Sharding {
     /// `claiming` says who dispatches (see [`Claiming`]).
     fn dispatch(
         &self,
-        persisted: &Arc<Persisted>,
+        persisted: &Arc<PersistedDelivery>,
         message: UnprocessedMessage,
         unregistered: &mut Unregistered,
         claiming: Claiming,
@@ -846,7 +850,11 @@ impl Sharding {
     ///
     /// A request interrupted by shutdown, or whose entity went away, is left stored for the
     /// next run.
-    fn store_outcome(self, persisted: Arc<Persisted>, sent: Sent) -> BoxFuture<'static, ()> {
+    fn store_outcome(
+        self,
+        persisted: Arc<PersistedDelivery>,
+        sent: Sent,
+    ) -> BoxFuture<'static, ()> {
         // Boxed: a re-run dispatches again, which spawns another `store_outcome`.
         Box::pin(async move {
             let Sent { request_id, shard, outcome, transaction, rerun, write } = sent;
@@ -928,7 +936,7 @@ impl Sharding {
     /// - The final reply is not stored.
     /// - The claim is released for the shard's next owner.
     /// - Local callers keep waiting; they read the reply from storage once that owner stores it.
-    async fn fenced(&self, persisted: &Persisted, request_id: Snowflake) {
+    async fn fenced(&self, persisted: &PersistedDelivery, request_id: Snowflake) {
         if let Err(error) = persisted.storage.reset_requests(&[request_id]).await {
             tracing::debug!(%error, %request_id, "could not release a fenced request's claim");
         }
@@ -939,7 +947,7 @@ impl Sharding {
     ///
     /// It waits out a full mailbox or the residency cap.
     /// If the runner stops first, the request stays stored for the next run.
-    async fn rerun(&self, persisted: &Arc<Persisted>, request: Request) {
+    async fn rerun(&self, persisted: &Arc<PersistedDelivery>, request: Request) {
         let request_id = request.request_id;
         tracing::debug!(%request_id, "interrupted uninterruptible request runs again");
         loop {
@@ -978,7 +986,7 @@ impl Sharding {
     ///   A stored final reply means that the commit happened; otherwise the request runs again.
     async fn commit_final_reply(
         &self,
-        persisted: &Persisted,
+        persisted: &PersistedDelivery,
         mut transaction: Box<dyn cluster_core::storage::MessageTransaction>,
         reply: Reply,
     ) {
@@ -1011,7 +1019,7 @@ impl Sharding {
     }
 
     /// Stores a chunk (retrying a few times) and hands it to local waiters.
-    async fn save_reply_retrying(&self, persisted: &Persisted, reply: &Reply) {
+    async fn save_reply_retrying(&self, persisted: &PersistedDelivery, reply: &Reply) {
         for attempt in 1..=SAVE_REPLY_ATTEMPTS {
             match persisted.storage.save_reply(reply).await {
                 Ok(()) => {
@@ -1046,7 +1054,7 @@ impl Sharding {
     /// - Otherwise the conflict is logged.
     async fn chunk_conflict(
         &self,
-        persisted: &Persisted,
+        persisted: &PersistedDelivery,
         reply: &Reply,
         error: &cluster_core::StorageError,
     ) {
@@ -1077,7 +1085,7 @@ impl Sharding {
     /// When the lock is not confirmed, the request is left for the next owner.
     async fn save_final_reply(
         &self,
-        persisted: &Persisted,
+        persisted: &PersistedDelivery,
         mut reply: Reply,
         fence: Option<&ShardId>,
     ) {
@@ -1132,10 +1140,10 @@ impl Sharding {
     }
 }
 
-impl Persisted {
+impl PersistedDelivery {
     /// Registers a waiter for the final reply of `request_id`.
     fn register(
-        self: &Arc<Persisted>,
+        self: &Arc<PersistedDelivery>,
         request_id: Snowflake,
         shard_id: &ShardId,
         reply: oneshot::Sender<Answer>,
@@ -1144,7 +1152,7 @@ impl Persisted {
     }
 
     fn register_waiter(
-        self: &Arc<Persisted>,
+        self: &Arc<PersistedDelivery>,
         request_id: Snowflake,
         shard_id: &ShardId,
         waiter: Waiter,

@@ -1,6 +1,6 @@
 //! Volatile requests between runners (`effect/src/cluster/Sharding.ts` `sendOutgoing`,
 //! `effect/src/cluster/Runners.ts`): routing to the shard's owner through a
-//! [`Runners`](cluster_core::runners::Runners) transport, and the server side that a transport
+//! [`Transport`](cluster_core::transport::Transport), and the server side that a transport
 //! calls when a peer's request arrives ([`Sharding::runner_handler`]).
 //!
 //! A volatile request goes to the owner of its shard in the current assignment: this runner
@@ -17,8 +17,8 @@ use std::sync::{Arc, Mutex};
 
 use cluster_core::envelope::{AckChunk, Envelope, Exit, Reply, Request, WithExit};
 use cluster_core::future::BoxFuture;
-use cluster_core::runners::{ReplyStream, RunnerHandler};
 use cluster_core::sync::lock;
+use cluster_core::transport::{ReplyStream, RunnerHandler};
 use cluster_core::{ClusterError, RunnerAddress, ShardId, Snowflake};
 use tokio::sync::{mpsc, oneshot};
 

@@ -12,10 +12,10 @@ use std::sync::{Arc, Mutex, OnceLock, RwLock};
 use cluster_core::config::{Capacity, ShardingConfig};
 use cluster_core::envelope::{Exit, RawJson, Reply, Request, TraceContext, WithExit};
 use cluster_core::error::ConfigError;
-use cluster_core::runners::Runners;
 use cluster_core::snowflake::SharedSnowflakeGenerator;
 use cluster_core::storage::{MessageStorage, SaveRequestOptions};
 use cluster_core::sync::{self, lock};
+use cluster_core::transport::Transport;
 use cluster_core::{
     Clock, ClusterError, EntityAddress, EntityId, EntityType, MachineId, ShardGroup, ShardId,
     Snowflake, Tag,
@@ -25,7 +25,6 @@ use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
 use crate::client::EntityClient;
-use crate::cluster::Cluster;
 use crate::cron::CronJobs;
 use crate::entity::Ids;
 use crate::entity::{DEFAULT_ON_STOP_TIMEOUT, Entity, EntityOptions};
@@ -34,8 +33,9 @@ use crate::keep_alive::{KEEP_ALIVE_TAG, KeepAliveSender};
 use crate::manager::{
     Delivery, EntityManager, ErasedManager, ManagerOptions, ReplyTo, Residency, StreamReplies,
 };
+use crate::member::Member;
 use crate::metrics;
-use crate::persisted::{Persisted, all_shards};
+use crate::persisted::{PersistedDelivery, all_shards};
 use crate::remote::RemoteCalls;
 use crate::single_runner::HeldLocks;
 use crate::singleton::Singletons;
@@ -106,17 +106,17 @@ struct Inner {
     /// Cancelled when the runner stops; every request reads its flag.
     shutdown: FlaggedToken,
     /// Persisted delivery, when the runtime has a message storage.
-    persisted: Option<Arc<Persisted>>,
+    persisted: Option<Arc<PersistedDelivery>>,
     /// Every background task of the runtime; awaited at shutdown.
     tasks: TaskTracker,
     /// The shard locks and registration of a single runner, released at shutdown.
     locks: OnceLock<Arc<HeldLocks>>,
     /// Membership, shard locks and handoff, when several runners share the storage.
-    cluster: Option<Arc<Cluster>>,
+    cluster: Option<Arc<Member>>,
     singletons: Singletons,
     cron_jobs: CronJobs,
     /// The runner-to-runner transport, for volatile requests to other runners.
-    transport: Option<Arc<dyn Runners>>,
+    transport: Option<Arc<dyn Transport>>,
     /// Volatile requests of remote callers running here.
     remote_calls: RemoteCalls,
     /// Services attached to the runtime by the layers built on it (see
@@ -214,7 +214,7 @@ impl Sharding {
             tracing::warn!(%error, "could not release the claims of a previous run");
         }
         metrics::set(metrics::SHARDS, shards.len());
-        let persisted = Arc::new(Persisted::new(storage, shards));
+        let persisted = Arc::new(PersistedDelivery::new(storage, shards));
         let sharding = Sharding::build(config, clock, Some(Arc::clone(&persisted)), None, None)?;
         sharding.spawn_owned(sharding.clone().poll_replies(Arc::clone(&persisted)));
         sharding.spawn_owned(sharding.clone().read_storage(persisted));
@@ -227,11 +227,11 @@ impl Sharding {
         config: ShardingConfig,
         clock: Arc<dyn Clock>,
         storage: Arc<dyn MessageStorage>,
-        cluster: Arc<Cluster>,
-        transport: Option<Arc<dyn Runners>>,
+        cluster: Arc<Member>,
+        transport: Option<Arc<dyn Transport>>,
     ) -> Result<Sharding, ConfigError> {
         let runner = config.runner_address.is_some();
-        let persisted = Arc::new(Persisted::new(storage, Vec::new()));
+        let persisted = Arc::new(PersistedDelivery::new(storage, Vec::new()));
         let sharding =
             Sharding::build(config, clock, Some(Arc::clone(&persisted)), Some(cluster), transport)?;
         sharding.spawn_owned(sharding.clone().poll_replies(Arc::clone(&persisted)));
@@ -259,7 +259,7 @@ impl Sharding {
                 "a client-only process has no runner address",
             ));
         }
-        let persisted = Arc::new(Persisted::new(storage, Vec::new()));
+        let persisted = Arc::new(PersistedDelivery::new(storage, Vec::new()));
         let sharding = Sharding::build(config, clock, Some(Arc::clone(&persisted)), None, None)?;
         sharding.spawn_owned(sharding.clone().poll_replies(persisted));
         Ok(sharding)
@@ -273,9 +273,9 @@ impl Sharding {
     fn build(
         config: ShardingConfig,
         clock: Arc<dyn Clock>,
-        persisted: Option<Arc<Persisted>>,
-        cluster: Option<Arc<Cluster>>,
-        transport: Option<Arc<dyn Runners>>,
+        persisted: Option<Arc<PersistedDelivery>>,
+        cluster: Option<Arc<Member>>,
+        transport: Option<Arc<dyn Transport>>,
     ) -> Result<Sharding, ConfigError> {
         config.validate()?;
         if !config.simulate_remote_serialization {
@@ -524,7 +524,7 @@ impl Sharding {
     }
 
     /// The runner-to-runner transport, if any.
-    pub(crate) fn transport(&self) -> Option<&Arc<dyn Runners>> {
+    pub(crate) fn transport(&self) -> Option<&Arc<dyn Transport>> {
         self.inner.transport.as_ref()
     }
 
@@ -554,7 +554,7 @@ impl Sharding {
     }
 
     /// The cluster side, when several runners share the storage.
-    pub(crate) fn cluster(&self) -> Option<&Arc<Cluster>> {
+    pub(crate) fn cluster(&self) -> Option<&Arc<Member>> {
         self.inner.cluster.as_ref()
     }
 
@@ -579,7 +579,7 @@ impl Sharding {
             .collect()
     }
 
-    pub(crate) fn persisted(&self) -> Option<&Arc<Persisted>> {
+    pub(crate) fn persisted(&self) -> Option<&Arc<PersistedDelivery>> {
         self.inner.persisted.as_ref()
     }
 

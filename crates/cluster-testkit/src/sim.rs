@@ -503,7 +503,7 @@ impl World {
         let config = runner_config(Some(address.clone()));
         let last_read = Arc::new(std::sync::atomic::AtomicU64::new(millis(self.start.elapsed())));
         let (messages, storage) = self.storage_for(Some(address.clone()), Arc::clone(&last_read));
-        let transport = self.network.runners();
+        let transport = self.network.transport();
         match Sharding::builder(config)
             .clock(clock)
             .messages(messages)
@@ -718,7 +718,7 @@ async fn start_workload(
     // through the network for volatile requests.
     let registry: Arc<dyn RunnerStorage> =
         Arc::new(MemoryRunnerStorage::new(Arc::clone(&world.registry), EXPIRATION));
-    let transport = world.network.runners();
+    let transport = world.network.transport();
     let (storage, _) = world.storage_for(None, Arc::default());
     let client = match Sharding::builder(runner_config(None))
         .clock(clock)

@@ -1,5 +1,5 @@
 //! An in-memory runner-to-runner transport: several runtimes in one process reach each other
-//! through a [`MemoryNetwork`], which implements the `Runners` contract
+//! through a [`MemoryNetwork`], which implements the `Transport` contract
 //! (`effect/src/cluster/Runners.ts`) without sockets. Calls go straight to the peer's
 //! `RunnerHandler`; dropping a call drops the peer's reply stream, which interrupts a volatile
 //! request there, as a real connection does.
@@ -21,8 +21,8 @@ use cluster_core::RunnerAddress;
 use cluster_core::envelope::{Envelope, Reply, Request};
 use cluster_core::error::ClusterError;
 use cluster_core::future::BoxFuture;
-use cluster_core::runners::{ReplyStream, RunnerHandler, Runners};
 use cluster_core::sync::lock;
+use cluster_core::transport::{ReplyStream, RunnerHandler, Transport};
 
 use crate::sim::SimRng;
 
@@ -202,19 +202,19 @@ impl MemoryNetwork {
             .ok_or_else(|| ClusterError::RunnerUnavailable { address: address.clone() })
     }
 
-    /// A `Runners` client on this network.
-    pub fn runners(self: &Arc<MemoryNetwork>) -> Arc<dyn Runners> {
-        Arc::new(MemoryRunners { network: Arc::clone(self) })
+    /// A `Transport` client on this network.
+    pub fn transport(self: &Arc<MemoryNetwork>) -> Arc<dyn Transport> {
+        Arc::new(MemoryTransport { network: Arc::clone(self) })
     }
 }
 
 /// The client side of a [`MemoryNetwork`].
 #[derive(Debug)]
-struct MemoryRunners {
+struct MemoryTransport {
     network: Arc<MemoryNetwork>,
 }
 
-impl MemoryRunners {
+impl MemoryTransport {
     /// Delivers an envelope (a `notify` or `send_envelope` call) under the random faults.
     async fn deliver(
         &self,
@@ -269,7 +269,7 @@ impl MemoryRunners {
     }
 }
 
-impl Runners for MemoryRunners {
+impl Transport for MemoryTransport {
     fn ping<'a>(&'a self, address: &'a RunnerAddress) -> BoxFuture<'a, Result<(), ClusterError>> {
         Box::pin(async move {
             {

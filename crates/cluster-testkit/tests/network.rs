@@ -9,7 +9,7 @@ use cluster_core::envelope::{Envelope, RawJson, Request, TraceContext};
 use cluster_core::error::ClusterError;
 use cluster_core::future::BoxFuture;
 use cluster_core::ids::{EntityAddress, EntityId, EntityType, RunnerAddress, ShardGroup, ShardId};
-use cluster_core::runners::{ReplyStream, RunnerHandler};
+use cluster_core::transport::{ReplyStream, RunnerHandler};
 use cluster_testkit::transport::{MemoryNetwork, NetworkFaults};
 
 /// Counts what reaches it; requests are refused (only their arrival matters here).
@@ -72,7 +72,7 @@ async fn every_call_is_lost_before_or_after_the_peer_gets_it() {
     let (network, handler, address) = attached();
     let faults = NetworkFaults { loss_per_mille: 1_000, ..NetworkFaults::default() };
     network.set_faults(faults, 7);
-    let runners = network.runners();
+    let runners = network.transport();
     for id in 0..200 {
         let sent = runners.notify(&address, Envelope::Request(request(id)), false).await;
         assert!(matches!(sent, Err(ClusterError::RunnerUnavailable { .. })), "{sent:?}");
@@ -90,7 +90,7 @@ async fn a_duplicated_call_reaches_the_peer_twice() {
     let (network, handler, address) = attached();
     let faults = NetworkFaults { duplicate_per_mille: 1_000, ..NetworkFaults::default() };
     network.set_faults(faults, 7);
-    let runners = network.runners();
+    let runners = network.transport();
     runners.notify(&address, Envelope::Request(request(1)), true).await.unwrap();
     assert_eq!(handler.notified.load(Ordering::SeqCst), 2);
     let sent = runners.send(&address, request(2), false).await;
@@ -116,7 +116,7 @@ async fn calls_are_delayed_within_the_bounds_and_the_seed_decides() {
             ..NetworkFaults::default()
         };
         network.set_faults(faults, seed);
-        let runners = network.runners();
+        let runners = network.transport();
         let mut delays = Vec::new();
         for id in 0..20 {
             let start = tokio::time::Instant::now();

@@ -45,7 +45,7 @@ use std::sync::Arc;
 
 use cluster_core::storage::{MessageStorage, RunnerStorage};
 use cluster_core::{ConfigError, RunnerAddress, ShardingConfig, StorageError};
-use cluster_rpc::{RpcConfig, RpcError, RpcServer, ServerHandle, TcpRunners};
+use cluster_rpc::{RpcConfig, RpcError, RpcServer, ServerHandle, TcpTransport};
 use cluster_sharding::{Sharding, StartError};
 use cluster_storage_sql::{SqlStorageOptions, TablePrefix};
 
@@ -226,7 +226,7 @@ impl RunnerEnv {
     ///
     /// The transport, the storage or the runtime could not start.
     pub async fn join(&self) -> Result<Sharding, RunnerError> {
-        let transport = TcpRunners::new(self.rpc.clone())?;
+        let transport = TcpTransport::new(self.rpc.clone())?;
         let (messages, locks) = self.open_storages().await?;
         let sharding = Sharding::builder(self.sharding.clone())
             .messages(messages)

@@ -5,9 +5,9 @@ use std::time::Duration;
 
 use cluster_core::envelope::{AckChunk, CauseReason, Envelope, Exit, Interrupt, Reply};
 use cluster_core::error::ClusterError;
-use cluster_core::runners::Runners;
 use cluster_core::snowflake::Snowflake;
-use cluster_rpc::{RpcConfig, TcpRunners};
+use cluster_core::transport::Transport;
+use cluster_rpc::{RpcConfig, TcpTransport};
 
 use crate::support::{
     FakeHandler, config, entity, lock, request, runner_address, serve, wait_until, within,
@@ -34,7 +34,7 @@ fn die_message(reply: &Reply) -> String {
 async fn ping_answers_without_reaching_the_handler() {
     let handler = FakeHandler::new();
     let server = serve(config(), handler.clone()).await;
-    let runners = TcpRunners::new(config()).expect("config");
+    let runners = TcpTransport::new(config()).expect("config");
     within(runners.ping(&runner_address(&server))).await.expect("ping");
     assert_eq!(handler.calls(), 0);
 }
@@ -43,7 +43,7 @@ async fn ping_answers_without_reaching_the_handler() {
 async fn send_round_trips_the_request_and_its_reply() {
     let handler = FakeHandler::new();
     let server = serve(config(), handler.clone()).await;
-    let runners = TcpRunners::new(config()).expect("config");
+    let runners = TcpTransport::new(config()).expect("config");
     let sent = request(41, "Echo");
     let reply = within(runners.send(&runner_address(&server), sent.clone(), true)).await;
     let reply = reply.expect("reply");
@@ -57,7 +57,7 @@ async fn send_round_trips_the_request_and_its_reply() {
 async fn stream_yields_chunks_after_acks_then_the_final_reply() {
     let handler = FakeHandler::new();
     let server = serve(config(), handler.clone()).await;
-    let runners = TcpRunners::new(config()).expect("config");
+    let runners = TcpTransport::new(config()).expect("config");
     let address = runner_address(&server);
     let mut replies = within(runners.stream(&address, request(50, "Stream"), false)).await;
     let replies = replies.as_mut().expect("stream");
@@ -84,7 +84,7 @@ async fn stream_yields_chunks_after_acks_then_the_final_reply() {
 async fn notify_delivers_volatile_and_persisted_envelopes() {
     let handler = FakeHandler::new();
     let server = serve(config(), handler.clone()).await;
-    let runners = TcpRunners::new(config()).expect("config");
+    let runners = TcpTransport::new(config()).expect("config");
     let address = runner_address(&server);
     let volatile = Envelope::Request(request(60, "Echo"));
     let persisted = Envelope::Interrupt(Interrupt {
@@ -101,7 +101,7 @@ async fn notify_delivers_volatile_and_persisted_envelopes() {
 async fn dropping_the_send_future_cancels_the_server_request() {
     let handler = FakeHandler::new();
     let server = serve(config(), handler.clone()).await;
-    let runners = TcpRunners::new(config()).expect("config");
+    let runners = TcpTransport::new(config()).expect("config");
     let address = runner_address(&server);
     let call = {
         let (runners, address) = (runners.clone(), address.clone());
@@ -123,7 +123,7 @@ async fn dropping_the_send_future_cancels_the_server_request() {
 async fn dropping_a_reply_stream_cancels_the_server_request() {
     let handler = FakeHandler::new();
     let server = serve(config(), handler.clone()).await;
-    let runners = TcpRunners::new(config()).expect("config");
+    let runners = TcpTransport::new(config()).expect("config");
     let address = runner_address(&server);
     let mut replies =
         within(runners.stream(&address, request(80, "Stream"), false)).await.expect("stream");
@@ -140,7 +140,7 @@ async fn dropping_a_reply_stream_cancels_the_server_request() {
 async fn typed_errors_come_back_as_they_are() {
     let handler = FakeHandler::new();
     let server = serve(config(), handler.clone()).await;
-    let runners = TcpRunners::new(config()).expect("config");
+    let runners = TcpTransport::new(config()).expect("config");
     let address = runner_address(&server);
     for persisted in [false, true] {
         let error = within(runners.send(&address, request(90, "NotAssigned"), persisted)).await;
@@ -166,7 +166,7 @@ async fn typed_errors_come_back_as_they_are() {
 async fn a_defect_is_runner_unavailable_when_persisted_and_a_die_reply_when_volatile() {
     let handler = FakeHandler::new();
     let server = serve(config(), handler.clone()).await;
-    let runners = TcpRunners::new(config()).expect("config");
+    let runners = TcpTransport::new(config()).expect("config");
     let address = runner_address(&server);
     let persisted = within(runners.send(&address, request(100, "Defect"), true)).await;
     assert!(
@@ -185,7 +185,7 @@ async fn an_oversize_reply_fails_only_its_own_request() {
     let config = RpcConfig { max_frame_bytes: limit, ..config() };
     let handler = FakeHandler::with_big_reply(100 * 1024);
     let server = serve(config.clone(), handler.clone()).await;
-    let runners = TcpRunners::new(config).expect("config");
+    let runners = TcpTransport::new(config).expect("config");
     let address = runner_address(&server);
     // A sibling in flight on the same connection while the big reply fails.
     let mut sibling =
@@ -204,7 +204,7 @@ async fn an_oversize_reply_fails_only_its_own_request() {
 async fn on_runner_unavailable_drops_the_cached_connection() {
     let handler = FakeHandler::new();
     let server = serve(config(), handler.clone()).await;
-    let runners = TcpRunners::new(config()).expect("config");
+    let runners = TcpTransport::new(config()).expect("config");
     let address = runner_address(&server);
     within(runners.ping(&address)).await.expect("ping");
     assert!(runners.is_connected(&address));
@@ -221,7 +221,7 @@ async fn an_idle_connection_expires() {
     let config = RpcConfig { idle_expiry: Duration::from_millis(100), ..config() };
     let handler = FakeHandler::new();
     let server = serve(config.clone(), handler.clone()).await;
-    let runners = TcpRunners::new(config).expect("config");
+    let runners = TcpTransport::new(config).expect("config");
     let address = runner_address(&server);
     within(runners.ping(&address)).await.expect("ping");
     assert!(wait_until(|| server.connection_count() == 0).await, "the idle connection stayed");
@@ -233,7 +233,7 @@ async fn an_idle_connection_expires() {
 async fn a_handler_panic_is_a_defect_of_that_request_only() {
     let handler = FakeHandler::new();
     let server = serve(config(), handler.clone()).await;
-    let runners = TcpRunners::new(config()).expect("config");
+    let runners = TcpTransport::new(config()).expect("config");
     let address = runner_address(&server);
     // The fake handler panics on a tag it does not know.
     let volatile = within(runners.send(&address, request(120, "Panic"), false)).await;

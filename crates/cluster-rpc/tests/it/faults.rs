@@ -4,8 +4,8 @@ use std::time::Duration;
 
 use cluster_core::error::ClusterError;
 use cluster_core::ids::RunnerAddress;
-use cluster_core::runners::Runners;
-use cluster_rpc::{RpcServer, TcpRunners};
+use cluster_core::transport::Transport;
+use cluster_rpc::{RpcServer, TcpTransport};
 use tokio::io::AsyncWriteExt;
 use tokio::net::TcpStream;
 use tokio::time::Instant;
@@ -22,7 +22,7 @@ async fn a_server_that_is_not_listening_is_unavailable_quickly() {
     let port = listener.local_addr().expect("addr").port();
     drop(listener);
     let address = RunnerAddress::new("127.0.0.1", port);
-    let runners = TcpRunners::new(config()).expect("config");
+    let runners = TcpTransport::new(config()).expect("config");
     let started = Instant::now();
     let error = within(runners.send(&address, request(1, "Echo"), false)).await;
     assert!(
@@ -38,7 +38,7 @@ async fn the_client_reconnects_after_a_server_restart() {
     let server = serve(config(), handler.clone()).await;
     let address = runner_address(&server);
     let listen = server.local_addr();
-    let runners = TcpRunners::new(config()).expect("config");
+    let runners = TcpTransport::new(config()).expect("config");
     within(runners.send(&address, request(1, "Echo"), false)).await.expect("before");
     within(server.shutdown()).await;
     let error = within(runners.send(&address, request(2, "Echo"), false)).await;
@@ -63,7 +63,7 @@ async fn the_client_reconnects_after_a_server_restart() {
 async fn closes_only_that_connection(bytes: &[u8], close_after: bool) {
     let handler = FakeHandler::new();
     let server = serve(config(), handler.clone()).await;
-    let runners = TcpRunners::new(config()).expect("config");
+    let runners = TcpTransport::new(config()).expect("config");
     let address = runner_address(&server);
     within(runners.ping(&address)).await.expect("good client");
 

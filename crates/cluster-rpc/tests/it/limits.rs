@@ -7,8 +7,8 @@ use std::time::Duration;
 
 use cluster_core::error::ClusterError;
 use cluster_core::ids::RunnerAddress;
-use cluster_core::runners::Runners;
-use cluster_rpc::{RpcConfig, TcpRunners};
+use cluster_core::transport::Transport;
+use cluster_rpc::{RpcConfig, TcpTransport};
 use tokio::net::TcpListener;
 use tokio::time::Instant;
 
@@ -21,7 +21,7 @@ async fn a_call_beyond_max_in_flight_is_overloaded_and_others_carry_on() {
     let handler = FakeHandler::new();
     let server = serve(RpcConfig { max_in_flight: 1, ..config() }, handler.clone()).await;
     // The client's own limit is higher: the server is the one that refuses.
-    let runners = TcpRunners::new(config()).expect("config");
+    let runners = TcpTransport::new(config()).expect("config");
     let address = runner_address(&server);
     let hang = {
         let (runners, address) = (runners.clone(), address.clone());
@@ -61,11 +61,11 @@ async fn a_connection_beyond_max_connections_is_refused() {
     let handler = FakeHandler::new();
     let server = serve(RpcConfig { max_connections: 1, ..config() }, handler.clone()).await;
     let address = runner_address(&server);
-    let first = TcpRunners::new(config()).expect("config");
+    let first = TcpTransport::new(config()).expect("config");
     within(first.ping(&address)).await.expect("first connection");
     assert_eq!(server.connection_count(), 1);
 
-    let second = TcpRunners::new(config()).expect("config");
+    let second = TcpTransport::new(config()).expect("config");
     let refused = within(second.send(&address, request(1, "Echo"), false)).await;
     assert!(matches!(refused, Err(ClusterError::RunnerUnavailable { .. })), "{refused:?}");
     assert!(!second.is_connected(&address));
@@ -116,7 +116,7 @@ async fn after_a_failed_connect_calls_fail_at_once_until_the_backoff_passes() {
         backoff_cap: Duration::from_secs(3600),
         ..config()
     };
-    let runners = TcpRunners::new(long).expect("config");
+    let runners = TcpTransport::new(long).expect("config");
     let error = within(runners.send(&address, request(1, "Echo"), false)).await;
     assert!(matches!(error, Err(ClusterError::RunnerUnavailable { .. })), "{error:?}");
     assert_eq!(accepted.load(Ordering::Acquire), 1);
@@ -145,7 +145,7 @@ async fn after_a_failed_connect_calls_fail_at_once_until_the_backoff_passes() {
         backoff_cap: Duration::from_millis(20),
         ..config()
     };
-    let runners = TcpRunners::new(short).expect("config");
+    let runners = TcpTransport::new(short).expect("config");
     let _ = within(runners.send(&address, request(10, "Echo"), false)).await;
     assert_eq!(accepted.load(Ordering::Acquire), 3);
     let retried = wait_until(|| accepted.load(Ordering::Acquire) >= 4);
@@ -167,7 +167,7 @@ async fn after_a_failed_connect_calls_fail_at_once_until_the_backoff_passes() {
 async fn a_stream_that_overflows_its_buffer_is_cut_and_cancelled() {
     let handler = FakeHandler::new();
     let server = serve(config(), handler.clone()).await;
-    let runners = TcpRunners::new(RpcConfig { stream_buffer: 1, ..config() }).expect("config");
+    let runners = TcpTransport::new(RpcConfig { stream_buffer: 1, ..config() }).expect("config");
     let address = runner_address(&server);
     // The server floods chunks; the client reads none until the overflow has cancelled the
     // request on the server (which drops the handler's reply stream).

@@ -1,8 +1,8 @@
 //! The shared-secret handshake.
 
 use cluster_core::error::ClusterError;
-use cluster_core::runners::Runners;
-use cluster_rpc::{RpcConfig, TcpRunners};
+use cluster_core::transport::Transport;
+use cluster_rpc::{RpcConfig, TcpTransport};
 use tokio::io::AsyncWriteExt;
 
 use crate::support::{
@@ -17,7 +17,7 @@ fn with_secret(secret: &str) -> RpcConfig {
 async fn the_right_secret_is_accepted() {
     let handler = FakeHandler::new();
     let server = serve(with_secret("s3cret"), handler.clone()).await;
-    let runners = TcpRunners::new(with_secret("s3cret")).expect("config");
+    let runners = TcpTransport::new(with_secret("s3cret")).expect("config");
     let reply = within(runners.send(&runner_address(&server), request(1, "Echo"), false)).await;
     assert!(reply.expect("reply").is_final());
 }
@@ -28,7 +28,7 @@ async fn a_wrong_or_missing_secret_is_refused_before_any_call() {
     let server = serve(with_secret("s3cret"), handler.clone()).await;
     let address = runner_address(&server);
     for client in [with_secret("guess"), config()] {
-        let runners = TcpRunners::new(client).expect("config");
+        let runners = TcpTransport::new(client).expect("config");
         let error = within(runners.send(&address, request(1, "Echo"), false)).await;
         assert!(matches!(error, Err(ClusterError::RunnerUnavailable { .. })), "{error:?}");
         let error = within(runners.notify(
@@ -48,7 +48,7 @@ async fn a_wrong_or_missing_secret_is_refused_before_any_call() {
 async fn a_client_with_a_secret_refuses_a_server_without_one() {
     let handler = FakeHandler::new();
     let server = serve(config(), handler.clone()).await;
-    let runners = TcpRunners::new(with_secret("s3cret")).expect("config");
+    let runners = TcpTransport::new(with_secret("s3cret")).expect("config");
     let error = within(runners.send(&runner_address(&server), request(1, "Echo"), false)).await;
     assert!(matches!(error, Err(ClusterError::RunnerUnavailable { .. })), "{error:?}");
     assert_eq!(handler.calls(), 0);

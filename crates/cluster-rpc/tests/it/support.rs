@@ -13,9 +13,9 @@ use cluster_core::envelope::{Chunk, Envelope, Exit, RawJson, Reply, Request, Wit
 use cluster_core::error::{ClusterError, StorageError, StorageErrorKind};
 use cluster_core::future::BoxFuture;
 use cluster_core::ids::{EntityAddress, EntityId, EntityType, RunnerAddress, ShardGroup, ShardId};
-use cluster_core::runners::{ReplyStream, RunnerHandler};
 use cluster_core::snowflake::Snowflake;
 pub(crate) use cluster_core::sync::lock;
+use cluster_core::transport::{ReplyStream, RunnerHandler};
 use cluster_rpc::{RpcConfig, RpcServer, ServerHandle};
 use hmac::{Hmac, Mac};
 use sha2::Sha256;

@@ -6,8 +6,8 @@ use std::process::Command;
 use std::sync::atomic::{AtomicU32, Ordering};
 
 use cluster_core::error::{ClusterError, ConfigError};
-use cluster_core::runners::Runners;
-use cluster_rpc::{RpcConfig, RpcError, RpcServer, TcpRunners, TlsConfig};
+use cluster_core::transport::Transport;
+use cluster_rpc::{RpcConfig, RpcError, RpcServer, TcpTransport, TlsConfig};
 
 use crate::support::{FakeHandler, config, request, runner_address, serve, within};
 
@@ -141,14 +141,14 @@ async fn a_round_trip_over_tls_configured_from_the_environment() {
     let server = serve(server_config, handler.clone()).await;
     let address = runner_address(&server);
     // The secret is checked inside TLS: both are configured on both ends.
-    let runners = TcpRunners::new(client_config).expect("client");
+    let runners = TcpTransport::new(client_config).expect("client");
     let reply = within(runners.send(&address, request(1, "Echo"), false)).await;
     assert!(reply.expect("reply over TLS").is_final());
     within(runners.ping(&address)).await.expect("ping over TLS");
     assert_eq!(handler.calls(), 1);
     assert_eq!(server.connection_count(), 1);
     // TLS alone is not enough: the handshake inside it still wants the secret.
-    let runners = TcpRunners::new(RpcConfig {
+    let runners = TcpTransport::new(RpcConfig {
         secret: Some(b"guess"[..].into()),
         tls: Some(pki.client("ca.pem")),
         ..config()
@@ -166,12 +166,12 @@ async fn the_server_name_defaults_to_the_runner_host() {
     let server = serve(with_tls(pki.runner()), handler.clone()).await;
     let address = runner_address(&server);
     // `127.0.0.1` is in the certificate.
-    let runners = TcpRunners::new(with_tls(pki.client("ca.pem"))).expect("client");
+    let runners = TcpTransport::new(with_tls(pki.client("ca.pem"))).expect("client");
     let reply = within(runners.send(&address, request(1, "Echo"), false)).await;
     assert!(reply.expect("reply").is_final());
     // A name the certificate does not hold is refused.
     let wrong = pki.client("ca.pem").with_server_name("elsewhere.example").expect("name");
-    let runners = TcpRunners::new(with_tls(wrong)).expect("client");
+    let runners = TcpTransport::new(with_tls(wrong)).expect("client");
     let error = within(runners.send(&address, request(2, "Echo"), false)).await;
     assert!(matches!(error, Err(ClusterError::RunnerUnavailable { .. })), "{error:?}");
     assert_eq!(handler.calls(), 1);
@@ -183,7 +183,7 @@ async fn a_client_that_does_not_trust_the_ca_is_refused() {
     let handler = FakeHandler::new();
     let server = serve(with_tls(pki.runner()), handler.clone()).await;
     let address = runner_address(&server);
-    let runners = TcpRunners::new(with_tls(pki.client("other-ca.pem"))).expect("client");
+    let runners = TcpTransport::new(with_tls(pki.client("other-ca.pem"))).expect("client");
     let error = within(runners.send(&address, request(1, "Echo"), false)).await;
     assert!(
         matches!(&error, Err(ClusterError::RunnerUnavailable { address: at }) if *at == address),
@@ -200,13 +200,13 @@ async fn plaintext_and_tls_do_not_mix() {
     let pki = Pki::new();
     let handler = FakeHandler::new();
     let tls_server = serve(with_tls(pki.runner()), handler.clone()).await;
-    let plain = TcpRunners::new(config()).expect("client");
+    let plain = TcpTransport::new(config()).expect("client");
     let error = within(plain.send(&runner_address(&tls_server), request(1, "Echo"), false)).await;
     assert!(matches!(error, Err(ClusterError::RunnerUnavailable { .. })), "{error:?}");
     assert_eq!(tls_server.connection_count(), 0);
 
     let plain_server = serve(config(), handler.clone()).await;
-    let tls = TcpRunners::new(with_tls(pki.client("ca.pem"))).expect("client");
+    let tls = TcpTransport::new(with_tls(pki.client("ca.pem"))).expect("client");
     let error = within(tls.send(&runner_address(&plain_server), request(2, "Echo"), false)).await;
     assert!(matches!(error, Err(ClusterError::RunnerUnavailable { .. })), "{error:?}");
     assert_eq!(plain_server.connection_count(), 0);
@@ -220,12 +220,12 @@ async fn a_server_that_requires_client_certificates_refuses_clients_without_one(
     let server =
         serve(with_tls(pki.runner().with_client_cert_required(true)), handler.clone()).await;
     let address = runner_address(&server);
-    let anonymous = TcpRunners::new(with_tls(pki.client("ca.pem"))).expect("client");
+    let anonymous = TcpTransport::new(with_tls(pki.client("ca.pem"))).expect("client");
     let error = within(anonymous.send(&address, request(1, "Echo"), false)).await;
     assert!(matches!(error, Err(ClusterError::RunnerUnavailable { .. })), "{error:?}");
     assert_eq!(handler.calls(), 0);
     // A runner presents its certificate.
-    let runner = TcpRunners::new(with_tls(pki.runner())).expect("client");
+    let runner = TcpTransport::new(with_tls(pki.runner())).expect("client");
     let reply = within(runner.send(&address, request(2, "Echo"), false)).await;
     assert!(reply.expect("reply with a client certificate").is_final());
 }
@@ -290,6 +290,6 @@ async fn tls_config_errors_name_the_variable() {
     let identity_only = TlsConfig::new()
         .with_identity_pem(&pki.read("server.pem"), &pki.read("server.key"))
         .expect("identity");
-    let error = TcpRunners::new(with_tls(identity_only)).expect_err("client");
+    let error = TcpTransport::new(with_tls(identity_only)).expect_err("client");
     assert!(matches!(&error, RpcError::Config(error) if error.key() == "tls_ca"), "{error:?}");
 }

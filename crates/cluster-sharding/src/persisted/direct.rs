@@ -45,10 +45,10 @@ use cluster_core::storage::{SaveRequestOptions, SaveResult, UnprocessedMessage};
 use cluster_core::{ClusterError, EntityAddress, ShardId, Snowflake};
 
 use super::tracked::{Claiming, Earlier, Reservation};
-use super::{Dispatched, Persisted, Unregistered, lock};
+use super::{Dispatched, PersistedDelivery, Unregistered, lock};
 use crate::sharding::Sharding;
 
-/// What direct delivery remembers (in [`Persisted`]).
+/// What direct delivery remembers (in [`PersistedDelivery`]).
 #[derive(Default)]
 pub(super) struct Direct {
     /// The shards the read loop's last exhaustive read covered.
@@ -57,7 +57,7 @@ pub(super) struct Direct {
     pending: BTreeMap<EntityAddress, BTreeSet<Snowflake>>,
 }
 
-impl Persisted {
+impl PersistedDelivery {
     /// Whether every one of `earlier` (an entity's requests stored before a new one) reached
     /// the entity here.
     ///
@@ -141,10 +141,10 @@ impl Sharding {
     /// The read loop may read it as soon as it is stored, and the reservation keeps the read loop
     /// and direct delivery from both running it.
     /// Otherwise an undelayed request to a served shard is held for the read loop.
-    /// Call [`Persisted::unhold`] if the save fails or finds a duplicate.
+    /// Call [`PersistedDelivery::unhold`] if the save fails or finds a duplicate.
     pub(super) fn plan_direct(
         &self,
-        persisted: &Arc<Persisted>,
+        persisted: &Arc<PersistedDelivery>,
         request: &Request,
         options: &SaveRequestOptions,
     ) -> Option<Reservation> {
@@ -176,7 +176,7 @@ impl Sharding {
     /// [`MessageStorage::save_request_ordered`]: cluster_core::storage::MessageStorage::save_request_ordered
     pub(super) async fn save(
         &self,
-        persisted: &Persisted,
+        persisted: &PersistedDelivery,
         request: &Request,
         options: &SaveRequestOptions,
         direct: bool,
@@ -208,7 +208,7 @@ impl Sharding {
     /// the shard let go meanwhile.
     pub(super) async fn deliver_directly(
         &self,
-        persisted: &Arc<Persisted>,
+        persisted: &Arc<PersistedDelivery>,
         request: Request,
         reservation: Reservation,
         earlier: Option<Vec<Snowflake>>,
@@ -259,7 +259,7 @@ const EARLIER_WAIT: std::time::Duration = std::time::Duration::from_millis(100);
 const EARLIER_LIMIT: NonZeroU32 = NonZeroU32::new(16).expect("16 is not zero");
 
 /// Wakes the storage read loop when dropped armed.
-struct WakeOnDrop<'a>(Option<&'a Persisted>);
+struct WakeOnDrop<'a>(Option<&'a PersistedDelivery>);
 
 impl Drop for WakeOnDrop<'_> {
     fn drop(&mut self) {

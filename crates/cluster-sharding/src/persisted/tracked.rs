@@ -31,11 +31,11 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use cluster_core::Snowflake;
 use tokio::sync::mpsc;
 
-use super::{Persisted, lock};
+use super::{PersistedDelivery, lock};
 use crate::interrupt::InterruptSignal;
 use crate::metrics;
 
-/// The map (in [`Persisted`]).
+/// The map (in [`PersistedDelivery`]).
 #[derive(Default)]
 pub(super) struct Tracked {
     /// A read is between its select and the end of its dispatching.
@@ -100,7 +100,7 @@ pub(super) enum Busy {
 /// Dropped before [`keep`](Claim::keep), the claim is undone.
 /// The request goes back to where it was: out of the map, reserved, or settling for a re-run.
 pub(super) struct Claim {
-    persisted: Arc<Persisted>,
+    persisted: Arc<PersistedDelivery>,
     request_id: Snowflake,
     /// Where the request was before the claim.
     previous: Previous,
@@ -119,7 +119,7 @@ enum Previous {
 ///
 /// Dropped, the reservation goes, unless direct delivery or the read loop claimed the request.
 pub(super) struct Reservation {
-    persisted: Arc<Persisted>,
+    persisted: Arc<PersistedDelivery>,
     request_id: Snowflake,
 }
 
@@ -183,7 +183,7 @@ impl Drop for Claim {
 
 /// Marks a request as settled when its outcome is stored (or the storing task ends).
 pub(super) struct SettleGuard {
-    persisted: Arc<Persisted>,
+    persisted: Arc<PersistedDelivery>,
     request_id: Snowflake,
 }
 
@@ -211,11 +211,14 @@ impl Tracked {
     }
 }
 
-impl Persisted {
+impl PersistedDelivery {
     /// Reserves `request_id`, about to be saved, for direct delivery.
     ///
     /// `None` if it is taken up here already (an id seen before).
-    pub(super) fn reserve(self: &Arc<Persisted>, request_id: Snowflake) -> Option<Reservation> {
+    pub(super) fn reserve(
+        self: &Arc<PersistedDelivery>,
+        request_id: Snowflake,
+    ) -> Option<Reservation> {
         let mut tracked = lock(&self.tracked);
         if tracked.requests.contains_key(&request_id) {
             return None;
@@ -232,7 +235,7 @@ impl Persisted {
     /// - for direct delivery, its reservation is gone: the read loop took it over, and may have
     ///   answered it already.
     pub(super) fn claim(
-        self: &Arc<Persisted>,
+        self: &Arc<PersistedDelivery>,
         request_id: Snowflake,
         in_flight: InFlight,
         claiming: Claiming,
@@ -262,7 +265,7 @@ impl Persisted {
     /// The move is one step, so that the read loop never sees the request in neither state.
     /// The read loop leaves its row alone until the guard drops, and then until the current
     /// read ends.
-    pub(super) fn settle(self: &Arc<Persisted>, request_id: Snowflake) -> SettleGuard {
+    pub(super) fn settle(self: &Arc<PersistedDelivery>, request_id: Snowflake) -> SettleGuard {
         let mut tracked = lock(&self.tracked);
         if let Some(Track::Running(_)) = tracked.requests.insert(request_id, Track::Settling) {
             tracked.stopped_running();

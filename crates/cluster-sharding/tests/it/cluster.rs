@@ -180,7 +180,7 @@ impl Net {
             runner_health_check: mode,
             ..config(Some(address))
         };
-        let transport = network.runners();
+        let transport = network.transport();
         let sharding = Sharding::builder(config)
             .messages(messages)
             .runners(locks)
@@ -207,7 +207,7 @@ impl Net {
             runner_health_check: mode,
             ..config(Some(address.clone()))
         };
-        let transport = network.runners();
+        let transport = network.transport();
         let sharding = Sharding::builder(config)
             .messages(messages)
             .runners(locks)
@@ -1513,7 +1513,7 @@ async fn a_stored_request_wakes_its_remote_owner_through_the_transport(net: Net)
         config
     };
     let (messages, locks) = net.storages().await;
-    let transport = network.runners();
+    let transport = network.transport();
     let owner = Sharding::builder(slow_poll(18_001))
         .messages(messages)
         .runners(locks)
@@ -1528,7 +1528,7 @@ async fn a_stored_request_wakes_its_remote_owner_through_the_transport(net: Net)
     let client = Sharding::builder(config(None))
         .messages(messages)
         .runners(locks)
-        .transport(network.runners())
+        .transport(network.transport())
         .start()
         .await
         .unwrap();

@@ -910,7 +910,7 @@ mod builder {
         let network = MemoryNetwork::new();
         let started = Sharding::builder(ShardingConfig::default())
             .messages(messages())
-            .transport(network.runners())
+            .transport(network.transport())
             .start()
             .await;
         let Err(StartError::Missing { part, .. }) = started else {

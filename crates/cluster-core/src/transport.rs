@@ -1,8 +1,8 @@
 //! The runner-to-runner transport contract (`effect/src/cluster/Runners.ts`).
 //!
-//! [`Runners`] is the client side, used by the runtime to reach other runners: `Ping`,
-//! `Notify`, `Effect` ([`Runners::send`]), `Stream` ([`Runners::stream`]) and `Envelope`
-//! ([`Runners::send_envelope`]). [`RunnerHandler`] is the server side the transport calls into
+//! [`Transport`] is the client side, used by the runtime to reach other runners: `Ping`,
+//! `Notify`, `Effect` ([`Transport::send`]), `Stream` ([`Transport::stream`]) and `Envelope`
+//! ([`Transport::send_envelope`]). [`RunnerHandler`] is the server side the transport calls into
 //! when a peer's call arrives. `cluster-rpc` implements both ends over TCP; the testkit has a
 //! simulated transport with faults.
 //!
@@ -39,7 +39,7 @@ pub trait ReplyStream: Send {
 }
 
 /// Reaching other runners.
-pub trait Runners: Send + Sync + fmt::Debug {
+pub trait Transport: Send + Sync + fmt::Debug {
     /// Whether the runner answers (the runner-health check).
     ///
     /// # Cancel safety
@@ -81,7 +81,7 @@ pub trait Runners: Send + Sync + fmt::Debug {
     ///
     /// # Cancel safety
     ///
-    /// As [`Runners::send`]; dropping the returned stream also abandons the call.
+    /// As [`Transport::send`]; dropping the returned stream also abandons the call.
     fn stream<'a>(
         &'a self,
         address: &'a RunnerAddress,

@@ -1,5 +1,6 @@
-//! Several runners on one database (`effect/src/cluster/Sharding.ts`): membership, shard locks,
-//! ownership fencing and the shutdown handoff.
+//! This process as a member of a cluster of runners on one database
+//! (`effect/src/cluster/Sharding.ts`): membership, shard locks, ownership fencing and the
+//! shutdown handoff.
 //!
 //! Every runner (and client-only process) reads the runner registry every
 //! `refresh_assignments_interval`.
@@ -50,9 +51,9 @@ use cluster_core::future::BoxFuture;
 use cluster_core::membership::{Assignment, Membership, MembershipConfig};
 use cluster_core::ownership::{AcquisitionGates, ShardOwnership};
 use cluster_core::reply_handlers::UnregisterMode;
-use cluster_core::runners::Runners;
 use cluster_core::storage::{MessageStorage, RunnerStorage};
 use cluster_core::sync::lock;
+use cluster_core::transport::Transport;
 use cluster_core::{Clock, Runner, RunnerAddress, ShardId, ShardingConfig};
 use futures_util::FutureExt;
 use futures_util::future::Shared;
@@ -79,7 +80,7 @@ const RELEASE_RETRY: Duration = Duration::from_millis(50);
 const RELEASE_WARNING_PERIOD: Duration = Duration::from_secs(30);
 
 /// The multi-runner side of a [`Sharding`] runtime.
-pub(crate) struct Cluster {
+pub(crate) struct Member {
     storage: Arc<dyn RunnerStorage>,
     /// This runner; `None` in a client-only process.
     runner: Option<Runner>,
@@ -116,13 +117,13 @@ struct State {
     release_tasks: BTreeSet<ShardId>,
 }
 
-impl std::fmt::Debug for Cluster {
+impl std::fmt::Debug for Member {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Cluster").field("runner", &self.runner).finish_non_exhaustive()
+        f.debug_struct("Member").field("runner", &self.runner).finish_non_exhaustive()
     }
 }
 
-impl Cluster {
+impl Member {
     fn state(&self) -> MutexGuard<'_, State> {
         lock(&self.state)
     }
@@ -180,7 +181,7 @@ impl Sharding {
         clock: Arc<dyn Clock>,
         messages: Arc<dyn MessageStorage>,
         runners: Arc<dyn RunnerStorage>,
-        transport: Option<Arc<dyn Runners>>,
+        transport: Option<Arc<dyn Transport>>,
     ) -> Result<Sharding, StartError> {
         config.validate()?;
         let runner = config.runner_address.clone().map(|address| {
@@ -191,7 +192,7 @@ impl Sharding {
             shards_per_group: config.shards_per_group,
             join_debounce: config.runner_join_debounce,
         });
-        let cluster = Arc::new(Cluster {
+        let cluster = Arc::new(Member {
             storage: runners,
             runner,
             state: Mutex::new(State {
@@ -239,8 +240,8 @@ impl Sharding {
     /// The sync loops then treat an unhealthy runner as gone.
     fn register_runner_health(
         &self,
-        cluster: Arc<Cluster>,
-        transport: Arc<dyn Runners>,
+        cluster: Arc<Member>,
+        transport: Arc<dyn Transport>,
     ) -> Result<(), StartError> {
         let interval = self.config().runner_health_check_interval;
         let mode = self.config().runner_health_check;
@@ -286,7 +287,7 @@ impl Sharding {
     }
 
     /// The registry sync loop (`effect/src/cluster/Sharding.ts`).
-    async fn sync_loop(self, cluster: Arc<Cluster>) {
+    async fn sync_loop(self, cluster: Arc<Member>) {
         let interval = self.config().refresh_assignments_interval;
         loop {
             let pause = match self.sync_once(&cluster).await {
@@ -305,7 +306,7 @@ impl Sharding {
     }
 
     /// One sync iteration; `Ok(true)` when the runner must register again at once.
-    async fn sync_once(&self, cluster: &Cluster) -> Result<bool, String> {
+    async fn sync_once(&self, cluster: &Member) -> Result<bool, String> {
         let live = cluster.runner.as_ref().filter(|_| !self.is_shutdown());
         if let Some(runner) = live
             && cluster.state().membership.needs_registration(runner)
@@ -380,7 +381,7 @@ impl Sharding {
     }
 
     /// The shard acquisition loop (`effect/src/cluster/Sharding.ts`).
-    async fn acquisition_loop(self, cluster: Arc<Cluster>) {
+    async fn acquisition_loop(self, cluster: Arc<Member>) {
         let Some(address) = cluster.address().cloned() else { return };
         loop {
             let period = ACQUISITION_PERIOD.min(self.config().entity_message_poll_interval);
@@ -394,7 +395,7 @@ impl Sharding {
         }
     }
 
-    async fn acquisition_round(&self, cluster: &Arc<Cluster>, address: &RunnerAddress) {
+    async fn acquisition_round(&self, cluster: &Arc<Member>, address: &RunnerAddress) {
         let handing_off = cluster.handoff.is_cancelled();
         let (releasing, forced, to_acquire, joins_pending) = {
             let mut state = cluster.state();
@@ -466,7 +467,7 @@ impl Sharding {
         self.update_shard_gauges(cluster);
     }
 
-    fn update_shard_gauges(&self, cluster: &Cluster) {
+    fn update_shard_gauges(&self, cluster: &Member) {
         let state = cluster.state();
         metrics::set(metrics::SHARDS, state.ownership.n_acquired());
         metrics::set(metrics::SHARDS_RELEASING, state.ownership.n_releasing());
@@ -480,7 +481,7 @@ impl Sharding {
     /// 3. Its lock is released.
     /// 4. Local callers waiting for its replies read them from storage.
     ///    During shutdown, they are told instead that their requests were abandoned here.
-    async fn release_shard(self, cluster: Arc<Cluster>, shard: ShardId) {
+    async fn release_shard(self, cluster: Arc<Member>, shard: ShardId) {
         let Some(address) = cluster.address().cloned() else { return };
         let release_started = tokio::time::Instant::now();
         let termination_timeout = self.config().entity_termination_timeout;
@@ -551,7 +552,7 @@ impl Sharding {
     ///
     /// Every shard is let go without waiting for entities.
     /// Then every lock is dropped with `release_all`.
-    async fn forced_release(self, cluster: Arc<Cluster>, shards: Vec<ShardId>) {
+    async fn forced_release(self, cluster: Arc<Member>, shards: Vec<ShardId>) {
         let Some(address) = cluster.address().cloned() else { return };
         let termination_timeout = self.config().entity_termination_timeout;
         self.sync_singletons();
@@ -611,7 +612,7 @@ impl Sharding {
     ///
     /// It confirms the held locks every `shard_lock_interval`.
     /// While lock storage is unhealthy, it probes it instead.
-    async fn refresh_loop(self, cluster: Arc<Cluster>) {
+    async fn refresh_loop(self, cluster: Arc<Member>) {
         let Some(address) = cluster.address().cloned() else { return };
         let interval = self.config().shard_lock_interval();
         let mut ticks = tokio::time::interval(interval);
@@ -666,7 +667,7 @@ impl Sharding {
     ///
     /// - Every entity of the held shards is interrupted at once.
     /// - The acquisition loop drops every lock before taking any again.
-    async fn locks_unhealthy(&self, cluster: &Arc<Cluster>, why: &str) {
+    async fn locks_unhealthy(&self, cluster: &Arc<Member>, why: &str) {
         let affected = cluster.state().ownership.mark_unhealthy();
         let Some(affected) = affected else { return };
         tracing::warn!(
@@ -906,7 +907,7 @@ struct Verdict {
 ///   It is alive whatever the answer: a runner of the reference never answers, and only its
 ///   heartbeat says whether it lives.
 async fn judge(
-    transport: &dyn Runners,
+    transport: &dyn Transport,
     mode: RunnerHealthCheck,
     known: bool,
     address: &RunnerAddress,
@@ -931,8 +932,8 @@ async fn judge(
 /// One round of the runner-health check; `known` holds the runners that answered a ping in an
 /// earlier round, and is updated.
 async fn check_runners(
-    cluster: &Cluster,
-    transport: &dyn Runners,
+    cluster: &Member,
+    transport: &dyn Transport,
     mode: RunnerHealthCheck,
     known: &mut BTreeSet<RunnerAddress>,
 ) -> Result<(), String> {
@@ -994,7 +995,7 @@ async fn check_runners(
 }
 
 /// Whether `address` answers one of `attempts` pings.
-async fn answers(transport: &dyn Runners, address: &RunnerAddress, attempts: u32) -> bool {
+async fn answers(transport: &dyn Transport, address: &RunnerAddress, attempts: u32) -> bool {
     for attempt in 1..=attempts {
         if let Ok(Ok(())) = tokio::time::timeout(PING_TIMEOUT, transport.ping(address)).await {
             return true;
