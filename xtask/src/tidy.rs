@@ -10,6 +10,7 @@
 //! - Only `cluster-core`'s `SystemClock` reads the wall clock.
 //! - Locks are taken through `cluster_core::sync` and `Never` is `cluster_core::Never`, each
 //!   defined once.
+//! - No import circle inside a crate is larger than three files (`circles`).
 //! - Comments and docs cite only what a clone can follow: the reference's own sources
 //!   (`effect/src/...`) or paths that exist in this repository, never the design notes the
 //!   project started from.
@@ -64,6 +65,7 @@ pub(crate) fn run(root: &Path) -> Result<()> {
     let mut violations = dependency_violations(&Graph::load(root)?);
     violations.extend(source_violations(root)?);
     violations.extend(citation_violations_in(root)?);
+    violations.extend(circles::circle_violations(root)?);
     if violations.is_empty() {
         return Ok(());
     }
@@ -370,5 +372,6 @@ fn collect_rust_files(dir: &Path, files: &mut Vec<PathBuf>) -> Result<()> {
     Ok(())
 }
 
+mod circles;
 #[cfg(test)]
 mod tests;

@@ -14,49 +14,12 @@
 
 use std::sync::Arc;
 
-use cluster_core::error::{ConfigError, StorageError};
 use cluster_core::storage::{MessageStorage, RunnerStorage};
 use cluster_core::transport::Transport;
 use cluster_core::{Clock, ShardingConfig, SystemClock};
 
-use crate::sharding::{RegisterError, Sharding};
-
-/// Why a runtime did not start.
-#[derive(Debug, thiserror::Error)]
-#[non_exhaustive]
-pub enum StartError {
-    /// The configuration is invalid.
-    #[error(transparent)]
-    Config(#[from] ConfigError),
-    /// A storage operation failed.
-    #[error("storage error while starting")]
-    Storage(#[from] StorageError),
-    /// The builder lacks a part that another part, or the process's role, needs.
-    #[error("{part} is required: {reason}")]
-    Missing {
-        /// The missing part, as the builder method that sets it (`"messages"`).
-        part: &'static str,
-        /// What needs it.
-        reason: &'static str,
-    },
-    /// Two parts that do not go together were both given.
-    #[error("{0}")]
-    Conflict(&'static str),
-    /// A runner needs an address (`runner_address` is `None`), or the process is a client.
-    #[error("a runner needs a runner address")]
-    NoRunnerAddress,
-    /// A built-in entity or singleton could not be registered.
-    #[error("could not register a built-in")]
-    Register(#[source] RegisterError),
-    /// Another live runner holds some of the shards.
-    #[error("{held} of {total} shards are locked by another runner")]
-    ShardsHeld {
-        /// How many shards could not be locked.
-        held: usize,
-        /// How many shards the runner needs.
-        total: usize,
-    },
-}
+use crate::error::StartError;
+use crate::sharding::Sharding;
 
 /// Puts a [`Sharding`] runtime together: [`Sharding::builder`], the parts, then
 /// [`start`](ShardingBuilder::start).

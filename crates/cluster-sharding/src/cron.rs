@@ -34,8 +34,9 @@ use cluster_core::{EntityType, ShardGroup, Timestamp};
 use serde::{Deserialize, Serialize};
 
 use crate::entity::{Entity, EntityContext, EntityOptions, Handler, Protocol, RequestContext};
+use crate::error::RegisterError;
 use crate::rpc::{Rpc, Uninterruptible};
-use crate::sharding::{RegisterError, Sharding};
+use crate::sharding::Sharding;
 use crate::singleton::SingletonOptions;
 
 /// The first pause between scheduling attempts, and the longest.

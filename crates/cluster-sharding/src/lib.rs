@@ -88,6 +88,7 @@ mod builder;
 mod client;
 mod cron;
 mod entity;
+mod error;
 mod interrupt;
 mod keep_alive;
 mod manager;
@@ -102,7 +103,7 @@ mod single_runner;
 mod singleton;
 mod time;
 
-pub use builder::{ShardingBuilder, StartError};
+pub use builder::ShardingBuilder;
 pub use client::{ChunkStream, EntityClient};
 pub use cluster_core::Never;
 pub use cron::{CronContext, CronError, CronOptions};
@@ -111,10 +112,11 @@ pub use entity::{
     EntityContext, EntityOptions, ForkedHandler, ForkedStreamHandler, Handler, Protocol,
     RequestContext, SharedHandler, StreamHandler, TransactionSlot,
 };
+pub use error::{RegisterError, StartError};
 pub use queue_entity::{
     Accepts, AcceptsStream, BehaviourError, QueueEntity, QueueProtocol, QueueShared, Queued,
     QueuedRequest, Replier, RequestQueue,
 };
 pub use rpc::{CallError, Rpc, StreamRpc, Uninterruptible};
-pub use sharding::{RegisterError, RegistrationEvent, Sharding, seed_provisional_machine_ids};
+pub use sharding::{RegistrationEvent, Sharding, seed_provisional_machine_ids};
 pub use singleton::{SingletonContext, SingletonOptions};

@@ -60,7 +60,7 @@ use futures_util::future::Shared;
 use tokio::sync::{Notify, watch};
 use tokio_util::sync::CancellationToken;
 
-use crate::builder::StartError;
+use crate::error::StartError;
 use crate::metrics;
 use crate::sharding::Sharding;
 use crate::singleton::SingletonOptions;

@@ -28,6 +28,7 @@ use crate::client::EntityClient;
 use crate::cron::CronJobs;
 use crate::entity::Ids;
 use crate::entity::{DEFAULT_ON_STOP_TIMEOUT, Entity, EntityOptions};
+use crate::error::RegisterError;
 use crate::interrupt::{FlaggedToken, InterruptSignal};
 use crate::keep_alive::{KEEP_ALIVE_TAG, KeepAliveSender};
 use crate::manager::{
@@ -39,30 +40,6 @@ use crate::persisted::{PersistedDelivery, all_shards};
 use crate::remote::RemoteCalls;
 use crate::single_runner::HeldLocks;
 use crate::singleton::Singletons;
-
-/// Why an entity type could not be registered.
-#[derive(Debug, thiserror::Error)]
-#[non_exhaustive]
-pub enum RegisterError {
-    /// A type of that name is registered already.
-    #[error("entity type {0} is already registered")]
-    AlreadyRegistered(EntityType),
-    /// The runner is shutting down.
-    #[error("the runner is shutting down")]
-    ShuttingDown,
-    /// A singleton of that name is registered already.
-    #[error("singleton '{0}' is already registered")]
-    SingletonAlreadyRegistered(String),
-    /// The entity type's options are out of bounds.
-    #[error("invalid options for entity type {entity_type}: {error}")]
-    InvalidOptions {
-        /// The type being registered.
-        entity_type: EntityType,
-        /// The option at fault.
-        #[source]
-        error: ConfigError,
-    },
-}
 
 /// What [`Sharding::registration_events`] reports.
 #[derive(Clone, Debug, PartialEq, Eq)]

@@ -23,7 +23,7 @@ use cluster_core::storage::{MessageStorage, RunnerStorage};
 use cluster_core::sync::lock;
 use cluster_core::{Clock, Runner, RunnerAddress, ShardId};
 
-use crate::builder::StartError;
+use crate::error::StartError;
 use crate::persisted::all_shards;
 use crate::sharding::Sharding;
 

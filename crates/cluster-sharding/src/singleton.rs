@@ -26,8 +26,9 @@ use futures_util::FutureExt;
 use tokio_util::sync::CancellationToken;
 use tracing::Instrument;
 
+use crate::error::RegisterError;
 use crate::metrics;
-use crate::sharding::{RegisterError, Sharding};
+use crate::sharding::Sharding;
 
 /// The restart backoff after a panic.
 const RESTART_FIRST: Duration = Duration::from_millis(500);

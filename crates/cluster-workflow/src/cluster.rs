@@ -34,12 +34,13 @@ use tokio::sync::{oneshot, watch};
 
 use crate::context::{Never, WorkflowContext};
 use crate::definition::WorkflowOptions;
+use crate::engine::QueueWorker;
 use crate::engine::{
     ActivityBody, ActivityStep, Backend, Ending, Parent, Registration, ResumeMode, RunOutcome,
     Scope, WorkflowEngine, WorkflowError, close_run, ending, retain_scope, run_outcome,
 };
 use crate::id::{ExecutionId, Token};
-use crate::queue::{QueueOptions, QueueWorker, QueueWorkers};
+use crate::queue::{QueueOptions, QueueWorkers};
 use crate::result::WorkflowResult;
 use crate::run::{Awaits, BodyEnd, ChildLink, Run, RunKind, RunOptions, drive};
 

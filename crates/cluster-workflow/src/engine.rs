@@ -243,8 +243,20 @@ pub(crate) trait Backend: Send + Sync + 'static {
     fn register_queue_worker(
         &self,
         queue: &'static str,
-        worker: crate::queue::QueueWorker,
+        worker: QueueWorker,
     ) -> Result<(), WorkflowError>;
+}
+
+/// A worker type-erased for an engine: decodes the item's payload, runs, encodes the result;
+/// `Err` says why the payload cannot be decoded.
+pub(crate) type ErasedWorker =
+    Arc<dyn Fn(RawJson) -> BoxFuture<'static, Result<Exit, String>> + Send + Sync>;
+
+/// A worker and how many items it runs at once on this engine.
+#[derive(Clone)]
+pub(crate) struct QueueWorker {
+    pub(crate) run: ErasedWorker,
+    pub(crate) concurrency: std::num::NonZeroU32,
 }
 
 /// A workflow engine. The in-memory one is [`WorkflowEngine::memory`]; the durable cluster

@@ -542,7 +542,7 @@ impl Backend for MemoryEngine {
     fn register_queue_worker(
         &self,
         queue: &'static str,
-        worker: crate::queue::QueueWorker,
+        worker: crate::engine::QueueWorker,
     ) -> Result<(), WorkflowError> {
         let ready = {
             let mut shared = self.shared();

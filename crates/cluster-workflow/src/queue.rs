@@ -34,31 +34,18 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use cluster_core::envelope::{Exit, RawJson};
-use cluster_core::future::BoxFuture;
 use futures_util::FutureExt as _;
 use serde::de::DeserializeOwned;
 use serde::{Deserialize, Serialize};
 use serde_json::value::RawValue;
 
 use crate::context::{DurableDeferred, WorkflowContext};
-use crate::engine::{WorkflowEngine, WorkflowError, encode_result};
+use crate::engine::{ErasedWorker, QueueWorker, WorkflowEngine, WorkflowError, encode_result};
 use crate::id::{Token, activity_idempotency_key, hash_digest};
 
 mod worker;
 
 pub(crate) use worker::QueueWorkers;
-
-/// A worker type-erased for an engine: decodes the item's payload, runs, encodes the result;
-/// `Err` says why the payload cannot be decoded.
-pub(crate) type ErasedWorker =
-    Arc<dyn Fn(RawJson) -> BoxFuture<'static, Result<Exit, String>> + Send + Sync>;
-
-/// A worker and how many items it runs at once on this engine.
-#[derive(Clone)]
-pub(crate) struct QueueWorker {
-    pub(crate) run: ErasedWorker,
-    pub(crate) concurrency: NonZeroU32,
-}
 
 /// A queue definition: its name, payload, result and error types, and the idempotency key of
 /// a payload (one item per execution and key).

@@ -132,3 +132,45 @@ fn citations_name_only_what_a_clone_can_follow() {
     assert_eq!(gone, ["a.rs:1: cites `docs/gone.md`, which does not exist"]);
     assert_eq!(check("a.md", "See [the guide](docs/gone.md#top).\n").len(), 1);
 }
+
+/// The modules `(path, text)` as a crate's module set.
+fn modules(files: &[(&str, &str)]) -> circles::Modules {
+    files.iter().map(|(path, text)| ((*path).to_owned(), (*text).to_owned())).collect()
+}
+
+#[test]
+fn a_circle_through_use_items_and_inline_paths_is_found() {
+    let crate_modules = modules(&[
+        ("", "mod a;\nmod b;\nmod c;\nmod d;\npub use d::Face;\n"),
+        ("a", "use crate::b::{Bee, inner::{X as Y}};\n"),
+        ("b", "fn f() { crate::c::call(); }\n"),
+        ("c", "use crate::Face; // crate::a::Ignored in a comment\n"),
+        ("d", "use super::a;\n"),
+    ]);
+    let edges = circles::edges(&crate_modules);
+    assert_eq!(edges["a"], BTreeSet::from(["b".to_owned()]));
+    assert_eq!(edges["c"], BTreeSet::from(["d".to_owned()]), "a root re-export names its module");
+    assert_eq!(
+        circles::circles(&edges),
+        [vec!["a".to_owned(), "b".to_owned(), "c".to_owned(), "d".to_owned()]]
+    );
+}
+
+#[test]
+fn tests_and_other_crates_do_not_make_circles() {
+    let crate_modules = modules(&[
+        ("a", "use other_crate::b::Thing;\nuse child::Item;\n"),
+        ("a::child", "use super::Parent;\n"),
+        (
+            "b",
+            "use crate::a::Thing;\n#[cfg(test)]\nmod tests { use crate::b::Own; use crate::a::X; }\n",
+        ),
+    ]);
+    let edges = circles::edges(&crate_modules);
+    assert_eq!(edges["b"], BTreeSet::from(["a".to_owned()]));
+    assert_eq!(
+        circles::circles(&edges),
+        [vec!["a".to_owned(), "a::child".to_owned()]],
+        "a parent and its child import each other; nothing else does"
+    );
+}

@@ -29,8 +29,8 @@ use tokio::task::JoinSet;
 use tokio::time::{Instant, timeout};
 use tracing::Instrument;
 
-use super::{Element, QueueOptions, QueueWorker, persisted_name};
-use crate::engine::{Backend, WorkflowError};
+use super::{Element, QueueOptions, persisted_name};
+use crate::engine::{Backend, QueueWorker, WorkflowError};
 use crate::id::Token;
 
 /// The deadline of one storage call or deferred completion.
