@@ -78,6 +78,12 @@ pub trait Entity: Sized + Send + 'static {
     /// A new instance for `context.address()`, created on its first request (and again after
     /// it was reaped for idleness, or restarted after a panic). `context.sharding()` is the
     /// runtime, for instances that call other entities.
+    ///
+    /// [`Sharding::register`](crate::Sharding::register) makes instances with it; an entity
+    /// type registered with [`Sharding::register_with`](crate::Sharding::register_with) gets
+    /// them from its factory instead, and this is never called. (The
+    /// [`entity`](crate::entity) macro writes a `create` that fails the build when it is used,
+    /// for entity types meant for a factory only.)
     fn create(context: &EntityContext) -> impl Future<Output = Self> + Send;
 
     /// Declares the requests the entity handles: `protocol.handle::<R>()` for each.
@@ -95,7 +101,8 @@ pub trait Entity: Sized + Send + 'static {
     }
 }
 
-/// What [`Entity::create`] gets.
+/// What [`Entity::create`] and the factories of
+/// [`Sharding::register_with`](crate::Sharding::register_with) get.
 #[derive(Clone, Debug)]
 pub struct EntityContext {
     address: EntityAddress,

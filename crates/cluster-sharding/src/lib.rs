@@ -107,6 +107,10 @@ mod time;
 
 pub use client::{ChunkStream, EntityClient};
 pub use cluster_core::Never;
+/// Writes an entity from one impl block: its requests' `Rpc` implementations, its handlers, its
+/// protocol and a typed client (see the `cluster-macros` crate).
+#[cfg(feature = "macros")]
+pub use cluster_macros::entity;
 pub use cron::{CronContext, CronError, CronOptions};
 pub use entity::{
     CHUNK_BYTES_MAX, CHUNK_ITEMS_MAX, ChunkError, Chunks, DEFAULT_ON_STOP_TIMEOUT, Entity,
@@ -123,3 +127,30 @@ pub use sharding::{RegisterError, RegistrationEvent, Sharding, seed_provisional_
 pub use single_runner::SingleRunner;
 pub use single_runner::StartError;
 pub use singleton::{SingletonContext, SingletonOptions};
+
+/// What the code that [`entity`] generates refers to; not part of the API. A crate that
+/// re-exports this one whole (`pub use cluster_sharding::*`) re-exports it too, so that
+/// `#[entity(crate = that_crate)]` finds it.
+#[doc(hidden)]
+pub mod __private {
+    pub use cluster_core::{EntityId, ShardGroup, Timestamp};
+
+    /// Fails the build of whatever uses [`MISSING`](NoCreate::MISSING) for an entity type `E`.
+    pub struct NoCreate<E>(std::marker::PhantomData<E>);
+
+    impl<E> NoCreate<E> {
+        /// Evaluated only when [`no_create::<E>`] is compiled for a concrete `E`.
+        pub const MISSING: () = panic!(
+            "this entity type has no `create`: register it with `Sharding::register_with` and a \
+             factory, or give its #[entity] impl block an `async fn create`"
+        );
+    }
+
+    /// The `create` of an `#[entity]` type without one. It never runs: the runtime calls
+    /// `Entity::create` only for types registered with `Sharding::register`, and compiling
+    /// that call for such a type evaluates [`NoCreate::MISSING`], which fails the build.
+    pub fn no_create<E>() -> impl Future<Output = E> + Send {
+        let () = NoCreate::<E>::MISSING;
+        std::future::pending()
+    }
+}

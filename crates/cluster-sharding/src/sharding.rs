@@ -28,11 +28,12 @@ use crate::client::EntityClient;
 use crate::cluster::Cluster;
 use crate::cron::CronJobs;
 use crate::entity::Ids;
-use crate::entity::{DEFAULT_ON_STOP_TIMEOUT, Entity, EntityOptions};
+use crate::entity::{DEFAULT_ON_STOP_TIMEOUT, Entity, EntityContext, EntityOptions};
 use crate::interrupt::{FlaggedToken, InterruptSignal};
 use crate::keep_alive::{KEEP_ALIVE_TAG, KeepAliveSender};
 use crate::manager::{
-    Delivery, EntityManager, ErasedManager, ManagerOptions, ReplyTo, Residency, StreamReplies,
+    Delivery, EntityManager, ErasedManager, Factory, ManagerOptions, ReplyTo, Residency,
+    StreamReplies,
 };
 use crate::metrics;
 use crate::persisted::{Persisted, all_shards};
@@ -320,8 +321,9 @@ impl Sharding {
         &self.inner.config
     }
 
-    /// Registers entity type `E`: its requests are handled on this runner from now on.
-    /// In a client-only process this is a no-op, as in the reference.
+    /// Registers entity type `E`: its requests are handled on this runner from now on, by
+    /// instances that [`Entity::create`] makes (see [`Sharding::register_with`] for a factory
+    /// instead). In a client-only process this is a no-op, as in the reference.
     pub fn register<E: Entity>(&self, options: EntityOptions) -> Result<(), RegisterError> {
         self.register_as::<E>(EntityType::from_static(E::TYPE), options)
     }
@@ -334,6 +336,74 @@ impl Sharding {
         &self,
         entity_type: EntityType,
         options: EntityOptions,
+    ) -> Result<(), RegisterError> {
+        self.register_factory(entity_type, options, Factory::<E>::create())
+    }
+
+    /// Registers entity type `E` with `factory` making its instances instead of
+    /// [`Entity::create`]: the way to hand instances their dependencies (a pool, a client, a
+    /// counter) without globals. The factory runs wherever `create` would: on an instance's
+    /// first request, after it was reaped for idleness, and after a panic (a panicking factory
+    /// is retried with the same backoff).
+    ///
+    /// ```
+    /// # use std::sync::Arc;
+    /// # use std::sync::atomic::{AtomicU64, Ordering};
+    /// # use cluster_core::{ShardingConfig, SystemClock};
+    /// # use cluster_sharding::{EntityContext, EntityOptions, Never, Sharding, entity};
+    /// # use serde::{Deserialize, Serialize};
+    /// #[derive(Serialize, Deserialize)]
+    /// struct Visit;
+    ///
+    /// /// Counts the visits of every page in one shared counter.
+    /// struct Page {
+    ///     visits: Arc<AtomicU64>,
+    /// }
+    ///
+    /// // No `create`: instances come from the factory only.
+    /// #[entity]
+    /// impl Page {
+    ///     #[rpc]
+    ///     async fn visit(&mut self, _: Visit) -> Result<u64, Never> {
+    ///         Ok(self.visits.fetch_add(1, Ordering::Relaxed) + 1)
+    ///     }
+    /// }
+    ///
+    /// # #[tokio::main(flavor = "current_thread")]
+    /// # async fn main() -> Result<(), Box<dyn std::error::Error>> {
+    /// let sharding = Sharding::new(ShardingConfig::default(), Arc::new(SystemClock))?;
+    /// let visits = Arc::new(AtomicU64::new(0));
+    /// let shared = Arc::clone(&visits);
+    /// sharding.register_with(EntityOptions::default(), move |_: &EntityContext| Page {
+    ///     visits: Arc::clone(&shared),
+    /// })?;
+    /// let pages = Page::client(&sharding);
+    /// pages.visit("home", Visit).await?;
+    /// pages.visit("about", Visit).await?;
+    /// assert_eq!(visits.load(Ordering::Relaxed), 2);
+    /// # sharding.shutdown().await;
+    /// # Ok(())
+    /// # }
+    /// ```
+    ///
+    /// An entity type written with [`entity`](crate::entity) and no `create` can only be
+    /// registered this way: [`register`](Sharding::register) of it fails to build (the
+    /// compiler names `NoCreate::<E>`).
+    pub fn register_with<E: Entity>(
+        &self,
+        options: EntityOptions,
+        factory: impl Fn(&EntityContext) -> E + Send + Sync + 'static,
+    ) -> Result<(), RegisterError> {
+        let entity_type = EntityType::from_static(E::TYPE);
+        self.register_factory(entity_type, options, Factory::With(Arc::new(factory)))
+    }
+
+    /// Registers entity type `E` as `entity_type`, its instances made by `factory`.
+    fn register_factory<E: Entity>(
+        &self,
+        entity_type: EntityType,
+        options: EntityOptions,
+        factory: Factory<E>,
     ) -> Result<(), RegisterError> {
         if self.is_shutdown() {
             return Err(RegisterError::ShuttingDown);
@@ -361,6 +431,7 @@ impl Sharding {
             let manager = EntityManager::<E>::new(
                 self.downgrade(),
                 entity_type.clone(),
+                factory,
                 manager_options,
                 Arc::clone(&self.inner.residency),
                 Arc::clone(&self.inner.ids),
