@@ -8,7 +8,7 @@
 use std::time::Duration;
 
 use cluster_chaos::chaos::free_port;
-use cluster_chaos::ledger::{Deposit, Echo, Ledger};
+use cluster_chaos::ledger::{Deposit, Echo, Ledger, LedgerDependencies};
 use cluster_chaos::node::{Node, NodeEnv};
 use cluster_core::ClusterError;
 use cluster_sharding::{CallError, EntityOptions, Sharding};
@@ -39,7 +39,8 @@ fn env(database: &str, port: u16, secret: &str) -> NodeEnv {
 
 async fn start(env: &NodeEnv) -> Node {
     Node::serve(env, |sharding| {
-        sharding.register::<Ledger>(EntityOptions::default()).map_err(|error| error.to_string())
+        let factory = Ledger::factory(LedgerDependencies::default());
+        sharding.register_with(EntityOptions::default(), factory).map_err(|error| error.to_string())
     })
     .await
     .unwrap()

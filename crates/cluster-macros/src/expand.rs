@@ -181,7 +181,7 @@ fn handler_impl(krate: &Path, self_ty: &Type, rpc: &RpcMethod) -> TokenStream {
     }
 }
 
-/// `impl Entity`: the name, `create` (the hook's, or one that fails the build when used),
+/// `impl Entity`: the name, `create` (the hook's, or `FACTORY_ONLY` and one that never runs),
 /// the protocol listing every `#[rpc]`, and the other hooks.
 fn entity_impl(krate: &Path, def: &EntityDef) -> TokenStream {
     let self_ty = &*def.item.self_ty;
@@ -209,11 +209,13 @@ fn entity_impl(krate: &Path, def: &EntityDef) -> TokenStream {
                 }
             }
         }
+        // Never called: `FACTORY_ONLY` makes `Sharding::register` of the type fail to build.
         None => quote! {
+            const FACTORY_ONLY: bool = true;
             fn create(
                 _context: &#krate::EntityContext,
             ) -> impl ::core::future::Future<Output = Self> + ::core::marker::Send {
-                #krate::__private::no_create::<Self>()
+                ::core::future::pending()
             }
         },
     };

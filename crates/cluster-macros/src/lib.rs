@@ -74,8 +74,8 @@ mod tests;
 /// - For each `#[rpc]` method, the handler: `Handler<Request>` for `&mut self` (requests run
 ///   one at a time), `SharedHandler<Request>` for `&self` (they run side by side, up to
 ///   `EntityOptions::concurrency`), `StreamHandler<Request>` for a stream. It calls the method.
-/// - `impl Entity`: `TYPE`, `create`, and a `protocol` that declares every `#[rpc]` method,
-///   so no handler is left undeclared.
+/// - `impl Entity`: `TYPE`, `create` (or `FACTORY_ONLY` without one), and a `protocol` that
+///   declares every `#[rpc]` method, so no handler is left undeclared.
 /// - The typed client `<Type>Client`, made by `<Type>::client(&sharding)`: one `async` method
 ///   per `#[rpc]`, named after it, taking the entity id and the request, returning
 ///   `Result<Success, CallError<Error>>` (a `ChunkStream` for a stream). It also has
@@ -118,7 +118,7 @@ mod tests;
 ///
 /// | Method | Meaning |
 /// |---|---|
-/// | `[async] fn create([context: &EntityContext]) -> Self` | `Entity::create`. Optional: without it, the entity type can only be registered with a factory (`Sharding::register_with`), and `Sharding::register` of it fails to build (the compiler names `NoCreate::<Type>`). |
+/// | `[async] fn create([context: &EntityContext]) -> Self` | `Entity::create`. Optional: without it, the entity type can only be registered with a factory (`Sharding::register_with`), and `Sharding::register` of it fails to build (`Entity::FACTORY_ONLY`). |
 /// | `[async] fn on_stop(&mut self)` | `Entity::on_stop`. |
 /// | `fn shard_group(entity_id: &str) -> ShardGroup` | `Entity::shard_group`. |
 /// | `fn protocol(protocol: &mut Protocol<Self>)` | Declarations of its own, after the `#[rpc]` ones: forked handlers, or handlers written by hand. |
@@ -186,7 +186,9 @@ fn entity_tokens(
 /// }
 /// ```
 ///
-/// The same entity type registered with a factory builds:
+/// The same entity type registered with a factory builds (in a library crate too, which
+/// compiles every non-generic function, `create` among them: `cluster-chaos`'s `Ledger` is
+/// such an entity):
 ///
 /// ```
 /// use cluster_sharding::{EntityContext, EntityOptions, Never, Sharding, entity};

@@ -168,7 +168,7 @@ fn arguments_name_the_type_the_crate_and_the_client() {
 }
 
 #[test]
-fn without_create_the_entity_gets_one_that_fails_the_build_when_used() {
+fn without_create_the_entity_is_for_a_factory_only() {
     let items = expand(
         quote!(),
         quote! {
@@ -179,7 +179,12 @@ fn without_create_the_entity_gets_one_that_fails_the_build_when_used() {
         },
     );
     let entity = entity_impl(&items).to_token_stream().to_string().replace(' ', "");
-    assert!(entity.contains("::cluster_sharding::__private::no_create::<Self>()"), "{entity}");
+    assert!(entity.contains("constFACTORY_ONLY:bool=true;"), "{entity}");
+    assert!(entity.contains("::core::future::pending()"), "{entity}");
+    // With `create`, it is not.
+    let items = expand(quote!(), account());
+    let entity = entity_impl(&items).to_token_stream().to_string();
+    assert!(!entity.contains("FACTORY_ONLY"), "{entity}");
 }
 
 #[test]

@@ -1,22 +1,15 @@
 //! The sharding runtime.
 //!
 //! Application code defines entities ([`Entity`], one [`Handler`] per [`Rpc`] request type),
-//! registers them on a [`Sharding`] runtime and calls them through typed [`EntityClient`]s:
+//! registers them on a [`Sharding`] runtime and calls them through typed clients. The
+//! [`entity`] macro writes all of that from one impl block:
 //!
 //! ```
 //! use std::sync::Arc;
 //!
 //! use cluster_core::{ShardingConfig, SystemClock};
-//! use cluster_sharding::{
-//!     Entity, EntityContext, EntityOptions, Handler, Never, Protocol, RequestContext, Rpc,
-//!     Sharding,
-//! };
+//! use cluster_sharding::{EntityOptions, Never, Sharding, entity};
 //! use serde::{Deserialize, Serialize};
-//!
-//! /// The entity: one counter per entity id, created on its first request.
-//! struct Counter {
-//!     value: u64,
-//! }
 //!
 //! /// A request of the counter's protocol.
 //! #[derive(Serialize, Deserialize)]
@@ -24,27 +17,19 @@
 //!     by: u64,
 //! }
 //!
-//!
-//! impl Rpc for Increment {
-//!     const TAG: &'static str = "Increment";
-//!     type Success = u64;
-//!     type Error = Never;
+//! /// The entity: one counter per entity id, created on its first request.
+//! struct Counter {
+//!     value: u64,
 //! }
 //!
-//! impl Entity for Counter {
-//!     const TYPE: &'static str = "Counter";
-//!
-//!     async fn create(_context: &EntityContext) -> Counter {
+//! #[entity]
+//! impl Counter {
+//!     async fn create() -> Self {
 //!         Counter { value: 0 }
 //!     }
 //!
-//!     fn protocol(protocol: &mut Protocol<Counter>) {
-//!         protocol.handle::<Increment>();
-//!     }
-//! }
-//!
-//! impl Handler<Increment> for Counter {
-//!     async fn handle(&mut self, _: &RequestContext, request: Increment) -> Result<u64, Never> {
+//!     #[rpc]
+//!     async fn increment(&mut self, request: Increment) -> Result<u64, Never> {
 //!         self.value += request.by;
 //!         Ok(self.value)
 //!     }
@@ -55,16 +40,23 @@
 //! let sharding = Sharding::new(ShardingConfig::default(), Arc::new(SystemClock))?;
 //! sharding.register::<Counter>(EntityOptions::default())?;
 //!
-//! let counter = sharding.client::<Counter>("user-42");
-//! assert_eq!(counter.send(Increment { by: 1 }).await?, 1);
-//! assert_eq!(counter.send(Increment { by: 2 }).await?, 3);
+//! let counters = Counter::client(&sharding);
+//! assert_eq!(counters.increment("user-42", Increment { by: 1 }).await?, 1);
+//! assert_eq!(counters.increment("user-42", Increment { by: 2 }).await?, 3);
 //! // Another id is another instance.
-//! assert_eq!(sharding.client::<Counter>("user-7").send(Increment { by: 5 }).await?, 5);
+//! assert_eq!(counters.increment("user-7", Increment { by: 5 }).await?, 5);
 //!
 //! sharding.shutdown().await;
 //! # Ok(())
 //! # }
 //! ```
+//!
+//! The macro is a shorthand, not a second model: it writes `impl Rpc for Increment`,
+//! `impl Handler<Increment> for Counter`, `impl Entity for Counter` (whose `protocol` declares
+//! `Increment`) and the typed client `CounterClient`. Those can be written by hand, as the
+//! [`Entity`] documentation shows. Either way, [`Sharding::client`] gives the client of one
+//! entity ([`EntityClient`], whose `send` takes any request the entity handles).
+//! [`Sharding::register_with`] makes instances with a factory, to hand them dependencies.
 //!
 //! The requests above are volatile: they live in memory only. A request type with
 //! [`Rpc::PERSISTED`] is saved to a message storage first and delivered at least once, answered
@@ -134,23 +126,4 @@ pub use singleton::{SingletonContext, SingletonOptions};
 #[doc(hidden)]
 pub mod __private {
     pub use cluster_core::{EntityId, ShardGroup, Timestamp};
-
-    /// Fails the build of whatever uses [`MISSING`](NoCreate::MISSING) for an entity type `E`.
-    pub struct NoCreate<E>(std::marker::PhantomData<E>);
-
-    impl<E> NoCreate<E> {
-        /// Evaluated only when [`no_create::<E>`] is compiled for a concrete `E`.
-        pub const MISSING: () = panic!(
-            "this entity type has no `create`: register it with `Sharding::register_with` and a \
-             factory, or give its #[entity] impl block an `async fn create`"
-        );
-    }
-
-    /// The `create` of an `#[entity]` type without one. It never runs: the runtime calls
-    /// `Entity::create` only for types registered with `Sharding::register`, and compiling
-    /// that call for such a type evaluates [`NoCreate::MISSING`], which fails the build.
-    pub fn no_create<E>() -> impl Future<Output = E> + Send {
-        let () = NoCreate::<E>::MISSING;
-        std::future::pending()
-    }
 }

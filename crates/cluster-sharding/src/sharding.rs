@@ -81,6 +81,20 @@ pub(crate) const STREAM_BUFFER: usize = 4;
 /// How many registration events a slow subscriber may lag behind before it misses some.
 const REGISTRATION_EVENTS_MAX: usize = 64;
 
+/// Fails the build of a registration by [`Entity::create`] of an entity type with
+/// [`Entity::FACTORY_ONLY`] (evaluated when the registration is compiled for that type).
+macro_rules! assert_has_create {
+    ($entity:ty) => {
+        const {
+            assert!(
+                !<$entity as Entity>::FACTORY_ONLY,
+                "this entity type has no `create` (Entity::FACTORY_ONLY): register it with \
+                 `Sharding::register_with` and a factory, or give it an `async fn create`"
+            );
+        }
+    };
+}
+
 /// The runtime of one process; cheap to clone (a handle).
 #[derive(Clone)]
 pub struct Sharding {
@@ -323,9 +337,13 @@ impl Sharding {
 
     /// Registers entity type `E`: its requests are handled on this runner from now on, by
     /// instances that [`Entity::create`] makes (see [`Sharding::register_with`] for a factory
-    /// instead). In a client-only process this is a no-op, as in the reference.
+    /// instead; a type with [`Entity::FACTORY_ONLY`] fails to build here). In a client-only
+    /// process this is a no-op, as in the reference.
     pub fn register<E: Entity>(&self, options: EntityOptions) -> Result<(), RegisterError> {
-        self.register_as::<E>(EntityType::from_static(E::TYPE), options)
+        // Here as well as in `register_as`: the compiler's note then points at the caller.
+        assert_has_create!(E);
+        let entity_type = EntityType::from_static(E::TYPE);
+        self.register_factory(entity_type, options, Factory::<E>::create())
     }
 
     /// Registers entity type `E` under the name `entity_type` instead of `E::TYPE`: one Rust
@@ -337,6 +355,7 @@ impl Sharding {
         entity_type: EntityType,
         options: EntityOptions,
     ) -> Result<(), RegisterError> {
+        assert_has_create!(E);
         self.register_factory(entity_type, options, Factory::<E>::create())
     }
 
@@ -387,8 +406,8 @@ impl Sharding {
     /// ```
     ///
     /// An entity type written with [`entity`](crate::entity) and no `create` can only be
-    /// registered this way: [`register`](Sharding::register) of it fails to build (the
-    /// compiler names `NoCreate::<E>`).
+    /// registered this way ([`Entity::FACTORY_ONLY`]): [`register`](Sharding::register) of it
+    /// fails to build.
     pub fn register_with<E: Entity>(
         &self,
         options: EntityOptions,
