@@ -118,7 +118,7 @@ mod tests;
 ///
 /// | Method | Meaning |
 /// |---|---|
-/// | `[async] fn create([context: &EntityContext]) -> Self` | `Entity::create`. Optional: without it, the entity type can only be registered with a factory (`Sharding::register_with`), and `Sharding::register` of it fails to build (`Entity::FACTORY_ONLY`). |
+/// | `[async] fn create([context: &EntityContext]) -> Self` | `Entity::create`. Optional: without it, the entity type can only be registered with a factory (`Sharding::register_with` or `register_with_async`), and `Sharding::register` of it fails to build (`Entity::FACTORY_ONLY`). |
 /// | `[async] fn on_stop(&mut self)` | `Entity::on_stop`. |
 /// | `fn shard_group(entity_id: &str) -> ShardGroup` | `Entity::shard_group`. |
 /// | `fn protocol(protocol: &mut Protocol<Self>)` | Declarations of its own, after the `#[rpc]` ones: forked handlers, or handlers written by hand. |

@@ -102,7 +102,8 @@ pub trait Entity: Sized + Send + 'static {
     /// called so often that the spans cost more than they tell.
     const CLIENT_TRACING: bool = true;
 
-    /// Whether instances come only from a factory ([`Sharding::register_with`]): then
+    /// Whether instances come only from a factory ([`Sharding::register_with`] or
+    /// `register_with_async`): then
     /// [`Sharding::register`] of the type fails to build, and [`create`](Entity::create) never
     /// runs. The [`entity`](crate::entity) macro sets it for an impl block without `create`.
     ///

@@ -346,6 +346,8 @@ pub(crate) enum Factory<E> {
     Create(for<'a> fn(&'a EntityContext) -> BoxFuture<'a, E>),
     /// The factory of `Sharding::register_with`.
     With(Arc<dyn Fn(&EntityContext) -> E + Send + Sync>),
+    /// The factory of `Sharding::register_with_async`.
+    WithAsync(Arc<dyn Fn(EntityContext) -> BoxFuture<'static, E> + Send + Sync>),
 }
 
 impl<E: Entity> Factory<E> {
@@ -359,6 +361,7 @@ impl<E: Entity> Factory<E> {
         match self {
             Factory::Create(create) => create(context).await,
             Factory::With(factory) => factory(context),
+            Factory::WithAsync(factory) => factory(context.clone()).await,
         }
     }
 }

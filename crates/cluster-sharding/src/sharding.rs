@@ -12,6 +12,7 @@ use std::sync::{Arc, Mutex, OnceLock, RwLock};
 use cluster_core::config::{Capacity, ShardingConfig};
 use cluster_core::envelope::{Exit, RawJson, Reply, Request, TraceContext, WithExit};
 use cluster_core::error::ConfigError;
+use cluster_core::future::BoxFuture;
 use cluster_core::runners::Runners;
 use cluster_core::snowflake::SharedSnowflakeGenerator;
 use cluster_core::storage::{MessageStorage, SaveRequestOptions};
@@ -406,8 +407,9 @@ impl Sharding {
     /// ```
     ///
     /// An entity type written with [`entity`](crate::entity) and no `create` can only be
-    /// registered this way ([`Entity::FACTORY_ONLY`]): [`register`](Sharding::register) of it
-    /// fails to build.
+    /// registered with a factory, this way or with
+    /// [`register_with_async`](Sharding::register_with_async) ([`Entity::FACTORY_ONLY`]):
+    /// [`register`](Sharding::register) of it fails to build.
     pub fn register_with<E: Entity>(
         &self,
         options: EntityOptions,
@@ -415,6 +417,24 @@ impl Sharding {
     ) -> Result<(), RegisterError> {
         let entity_type = EntityType::from_static(E::TYPE);
         self.register_factory(entity_type, options, Factory::With(Arc::new(factory)))
+    }
+
+    /// Registers entity type `E` with an asynchronous `factory` making its instances, as
+    /// [`register_with`](Sharding::register_with) does with a synchronous one: for instances
+    /// that load something before their first request (a snapshot of their state, say). The
+    /// factory gets its own handle on the context; an instance's requests wait until it is
+    /// made.
+    pub fn register_with_async<E: Entity, F>(
+        &self,
+        options: EntityOptions,
+        factory: impl Fn(EntityContext) -> F + Send + Sync + 'static,
+    ) -> Result<(), RegisterError>
+    where
+        F: Future<Output = E> + Send + 'static,
+    {
+        let entity_type = EntityType::from_static(E::TYPE);
+        let factory = move |context| -> BoxFuture<'static, E> { Box::pin(factory(context)) };
+        self.register_factory(entity_type, options, Factory::WithAsync(Arc::new(factory)))
     }
 
     /// Registers entity type `E` as `entity_type`, its instances made by `factory`.

@@ -2,6 +2,7 @@
 //! primary key, volatile and shared requests, a stream, the typed client, and dependencies
 //! handed to instances through `Sharding::register_with`.
 
+use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
@@ -145,6 +146,26 @@ impl Counter {
         Ok(self.value)
     }
 }
+
+/// Reads a note.
+#[derive(Serialize, Deserialize)]
+struct Read;
+
+/// A note whose text an asynchronous factory loads from a store before its first request.
+struct Note {
+    text: String,
+}
+
+#[entity]
+impl Note {
+    #[rpc]
+    async fn read(&mut self, _: Read) -> Result<String, Never> {
+        Ok(self.text.clone())
+    }
+}
+
+/// The store the notes load from: their texts by entity id, behind an asynchronous lock.
+type Store = Arc<tokio::sync::Mutex<BTreeMap<String, String>>>;
 
 /// A request with every flag, to check what the macro writes.
 #[derive(Serialize, Deserialize)]
@@ -305,6 +326,34 @@ async fn streams_send_their_items() {
         items.push(item.unwrap());
     }
     assert_eq!(items, [3, 1, 4]);
+    sharding.shutdown().await;
+}
+
+#[tokio::test]
+async fn an_asynchronous_factory_loads_each_instance_before_its_first_request() {
+    let sharding = Sharding::new(config(), Arc::new(cluster_core::SystemClock)).unwrap();
+    let store: Store = Arc::default();
+    store.lock().await.insert("greeting".to_owned(), "hello".to_owned());
+    let loads = Arc::new(AtomicU64::new(0));
+    let (factory_store, factory_loads) = (Arc::clone(&store), Arc::clone(&loads));
+    sharding
+        .register_with_async(EntityOptions::default(), move |context: EntityContext| {
+            let (store, loads) = (Arc::clone(&factory_store), Arc::clone(&factory_loads));
+            async move {
+                let id = context.address().entity_id.as_str().to_owned();
+                let text = store.lock().await.get(&id).cloned().unwrap_or_default();
+                loads.fetch_add(1, Ordering::SeqCst);
+                Note { text }
+            }
+        })
+        .unwrap();
+    let notes = Note::client(&sharding);
+    assert_eq!(within("a read", notes.read("greeting", Read)).await.unwrap(), "hello");
+    // The instance keeps what it loaded: a change in the store is not read again.
+    store.lock().await.insert("greeting".to_owned(), "changed".to_owned());
+    assert_eq!(within("a read", notes.read("greeting", Read)).await.unwrap(), "hello");
+    assert_eq!(within("a read", notes.read("empty", Read)).await.unwrap(), "");
+    assert_eq!(loads.load(Ordering::SeqCst), 2);
     sharding.shutdown().await;
 }
 
