@@ -8,7 +8,7 @@
 //! (`postgres://postgres@127.0.0.1:5432/test`). The example creates tables under a prefix of
 //! its own and drops them at the end.
 //!
-//! 1. Three runner processes start from the environment (`cluster_chaos::node`: storage URL,
+//! 1. Three runner processes start from the environment (`durable_cluster::Runner`: storage URL,
 //!    table prefix, `HOST`/`PORT`, the cluster's shared secret, any `ShardingConfig`
 //!    variable), register the `Greeter` entity, join the cluster and split its 300 shards.
 //! 2. This process joins as a client (no runner address): it computes the same shard

@@ -6,7 +6,11 @@
 //! key, entity, shard, runner, lock epoch, the run's `seq` and the database's clock — in the
 //! transaction that stores its reply, so the audit holds exactly the runs whose reply was
 //! stored (a fenced run rolls back). A deposit can be made to take a while in between
-//! ([`set_deposit_work`]), so that faults find runs in flight.
+//! ([`LedgerDependencies::deposit_work`]), so that faults find runs in flight.
+//!
+//! What a ledger writes to and how it works come from [`LedgerDependencies`], handed to every
+//! instance by the factory it is registered with ([`Ledger::factory`] and
+//! `Sharding::register_with`), not from process globals.
 //!
 //! The lock epoch is the entity instance: an instance lives within one tenure of its shard's
 //! lock on its runner (it stops before the lock is released), so two epochs of different
@@ -14,44 +18,64 @@
 //!
 //! An [`Echo`] is volatile and answers its number.
 
-use std::sync::OnceLock;
+use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
-use cluster_sharding::{Entity, EntityContext, Handler, Protocol, RequestContext, Rpc};
+use cluster_sharding::{EntityContext, RequestContext, entity};
 use serde::{Deserialize, Serialize};
+
+use crate::runs::RunRecorder;
+
+/// What the ledgers of one runner share. The default audits nothing, records no run and
+/// does not wait: a plain ledger.
+#[derive(Debug, Default)]
+pub struct LedgerDependencies {
+    /// The audit table (PostgreSQL) each deposit writes its row to, if the test audits.
+    pub audit_table: Option<String>,
+    /// How long each deposit works inside its transaction, after its run is recorded and
+    /// before its audit row, so that the fault test's faults find runs in flight.
+    pub deposit_work: Duration,
+    /// Records every run of a deposit, if the test checks them ([`crate::runs`]).
+    pub recorder: Option<RunRecorder>,
+    /// Instances created so far, for their epochs.
+    instances: AtomicU64,
+}
 
 /// The ledger entity.
 pub struct Ledger {
     runner: String,
     epoch: String,
     deposits: u64,
+    dependencies: Arc<LedgerDependencies>,
 }
 
-/// The audit table the ledgers write to, set once per process by [`set_audit_table`].
-static AUDIT_TABLE: OnceLock<String> = OnceLock::new();
+impl Ledger {
+    /// The factory to register ledgers with (`Sharding::register_with`): every instance
+    /// shares `dependencies`.
+    pub fn factory(
+        dependencies: LedgerDependencies,
+    ) -> impl Fn(&EntityContext) -> Ledger + Send + Sync + 'static {
+        let dependencies = Arc::new(dependencies);
+        move |context| Ledger::new(context, Arc::clone(&dependencies))
+    }
 
-/// How long each deposit works between recording its run and writing its audit row, set once
-/// per process by [`set_deposit_work`] (none by default).
-static DEPOSIT_WORK: OnceLock<Duration> = OnceLock::new();
-
-/// Instances created in this process, for their epochs.
-static INSTANCES: AtomicU64 = AtomicU64::new(0);
+    fn new(context: &EntityContext, dependencies: Arc<LedgerDependencies>) -> Ledger {
+        let runner = context
+            .sharding()
+            .config()
+            .runner_address
+            .as_ref()
+            .map_or_else(|| "client".to_owned(), ToString::to_string);
+        let instance = dependencies.instances.fetch_add(1, Ordering::Relaxed);
+        let epoch = format!("{runner}/{}/{instance}", std::process::id());
+        Ledger { runner, epoch, deposits: 0, dependencies }
+    }
+}
 
 /// The audit table's name (`<prefix>_chaos_audit`).
 pub fn audit_table(prefix: &cluster_storage_sql::TablePrefix) -> String {
     prefix.table("chaos_audit")
-}
-
-/// Makes the ledgers of this process write their audit rows to `table`.
-pub fn set_audit_table(table: String) {
-    let _ = AUDIT_TABLE.set(table);
-}
-
-/// Makes every deposit of this process take `work` inside its transaction (after its run is
-/// recorded, before its audit row), so that the fault test's faults find runs in flight.
-pub fn set_deposit_work(work: Duration) {
-    let _ = DEPOSIT_WORK.set(work);
 }
 
 /// The statement that creates the audit table (PostgreSQL).
@@ -77,18 +101,6 @@ pub struct LedgerError {
     pub reason: String,
 }
 
-impl Rpc for Deposit {
-    const TAG: &'static str = "Deposit";
-    const PERSISTED: bool = true;
-    const WITH_TRANSACTION: bool = true;
-    type Success = u64;
-    type Error = LedgerError;
-
-    fn primary_key(&self) -> Option<String> {
-        Some(self.key.clone())
-    }
-}
-
 /// A volatile request answered with its number.
 #[derive(Serialize, Deserialize)]
 pub struct Echo {
@@ -96,42 +108,19 @@ pub struct Echo {
     pub n: u64,
 }
 
-impl Rpc for Echo {
-    const TAG: &'static str = "Echo";
-    type Success = u64;
-    type Error = LedgerError;
-}
-
-impl Entity for Ledger {
-    const TYPE: &'static str = "ChaosLedger";
-
-    async fn create(context: &EntityContext) -> Ledger {
-        let runner = context
-            .sharding()
-            .config()
-            .runner_address
-            .as_ref()
-            .map_or_else(|| "client".to_owned(), ToString::to_string);
-        let instance = INSTANCES.fetch_add(1, Ordering::Relaxed);
-        let epoch = format!("{runner}/{}/{instance}", std::process::id());
-        Ledger { runner, epoch, deposits: 0 }
-    }
-
-    fn protocol(protocol: &mut Protocol<Ledger>) {
-        protocol.handle::<Deposit>();
-        protocol.handle::<Echo>();
-    }
-}
-
-impl Handler<Deposit> for Ledger {
-    async fn handle(
+#[entity(name = "ChaosLedger")]
+impl Ledger {
+    /// Adds one to the ledger, once per key, in the transaction that stores its reply.
+    #[rpc(persisted, primary_key = key, with_transaction)]
+    async fn deposit(
         &mut self,
         context: &RequestContext,
         deposit: Deposit,
     ) -> Result<u64, LedgerError> {
         let failure = |reason: String| LedgerError { reason };
+        let dependencies = &self.dependencies;
         // First, before any effect: the run is recorded even if its reply never is.
-        let run = match crate::runs::recorder() {
+        let run = match &dependencies.recorder {
             Some(recorder) => Some(
                 recorder
                     .record(&deposit.key, context.address(), context.request_id(), &self.runner)
@@ -140,10 +129,10 @@ impl Handler<Deposit> for Ledger {
             ),
             None => None,
         };
-        if let Some(work) = DEPOSIT_WORK.get().filter(|work| !work.is_zero()) {
-            tokio::time::sleep(*work).await;
+        if !dependencies.deposit_work.is_zero() {
+            tokio::time::sleep(dependencies.deposit_work).await;
         }
-        if let Some(table) = AUDIT_TABLE.get() {
+        if let Some(table) = &dependencies.audit_table {
             let slot = context.transaction().ok_or_else(|| failure("no transaction".into()))?;
             let mut transaction = slot.lock().await;
             let transaction =
@@ -174,10 +163,10 @@ impl Handler<Deposit> for Ledger {
         self.deposits += 1;
         Ok(self.deposits)
     }
-}
 
-impl Handler<Echo> for Ledger {
-    async fn handle(&mut self, _: &RequestContext, echo: Echo) -> Result<u64, LedgerError> {
+    /// Answers the echo's number.
+    #[rpc]
+    async fn echo(&mut self, echo: Echo) -> Result<u64, LedgerError> {
         Ok(echo.n)
     }
 }

@@ -1,4 +1,4 @@
-//! `chaos runner` runs one runner from the environment (see `cluster_chaos::node`) with the
+//! `chaos runner` runs one runner from the environment (see `durable_cluster::Runner`) with the
 //! test's ledger entity; `chaos client` runs the client-only workload; `chaos run` (the
 //! default) runs the whole fault test across processes and exits non-zero on any violation.
 
@@ -6,7 +6,7 @@ use std::process::ExitCode;
 use std::time::Duration;
 
 use cluster_chaos::chaos::{self, ChaosOptions, say};
-use cluster_chaos::ledger::{self, Ledger};
+use cluster_chaos::ledger::{self, Ledger, LedgerDependencies};
 use cluster_chaos::runs::{self, RunRecorder};
 use cluster_chaos::workload::{self, WorkloadOptions};
 use cluster_sharding::EntityOptions;
@@ -37,8 +37,9 @@ fn report_error(message: &str) {
 
 async fn runner() -> Result<(), String> {
     let env = RunnerEnv::from_env(Role::Runner).map_err(|error| error.to_string())?;
+    let mut dependencies = LedgerDependencies::default();
     if std::env::var("CHAOS_AUDIT").is_ok() {
-        ledger::set_audit_table(ledger::audit_table(&env.table_prefix));
+        dependencies.audit_table = Some(ledger::audit_table(&env.table_prefix));
         let name = std::env::var("CHAOS_RUNNER_NAME").unwrap_or_else(|_| "runner".to_owned());
         let process = match std::env::var("CHAOS_RUNNER_PROCESS") {
             Ok(value) => value
@@ -49,16 +50,16 @@ async fn runner() -> Result<(), String> {
         let table = runs::runs_table(&env.table_prefix);
         let recorder = RunRecorder::new(&env.storage_url, &table, name, process)
             .map_err(|error| error.to_string())?;
-        runs::set_recorder(recorder);
+        dependencies.recorder = Some(recorder);
         if let Ok(value) = std::env::var("CHAOS_DEPOSIT_WORK_MS") {
             let millis: u64 = value
                 .parse()
                 .map_err(|_| format!("CHAOS_DEPOSIT_WORK_MS={value:?} is not a number"))?;
-            ledger::set_deposit_work(Duration::from_millis(millis));
+            dependencies.deposit_work = Duration::from_millis(millis);
         }
     }
     let node = Runner::start(&env, |sharding| {
-        sharding.register::<Ledger>(EntityOptions::default())?;
+        sharding.register_with(EntityOptions::default(), Ledger::factory(dependencies))?;
         Ok(())
     })
     .await

@@ -20,7 +20,6 @@
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::fmt;
-use std::sync::OnceLock;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
@@ -113,19 +112,6 @@ impl fmt::Debug for RunRecorder {
             .field("pid", &self.pid)
             .finish_non_exhaustive()
     }
-}
-
-/// The recorder of this process, set once by [`set_recorder`].
-static RECORDER: OnceLock<RunRecorder> = OnceLock::new();
-
-/// Makes the ledgers of this process record their runs with `recorder`.
-pub fn set_recorder(recorder: RunRecorder) {
-    let _ = RECORDER.set(recorder);
-}
-
-/// The recorder of this process, if the fault test set one.
-pub fn recorder() -> Option<&'static RunRecorder> {
-    RECORDER.get()
 }
 
 impl RunRecorder {

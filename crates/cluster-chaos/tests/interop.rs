@@ -8,7 +8,7 @@
 use std::time::Duration;
 
 use cluster_chaos::chaos::free_port;
-use cluster_chaos::ledger::{Deposit, Echo, Ledger};
+use cluster_chaos::ledger::{Deposit, Echo, Ledger, LedgerDependencies};
 use cluster_core::ClusterError;
 use cluster_sharding::{CallError, EntityOptions, Sharding};
 use durable_cluster::{Role, Runner, RunnerEnv};
@@ -39,7 +39,8 @@ fn env(database: &str, port: u16, secret: &str) -> RunnerEnv {
 
 async fn start(env: &RunnerEnv) -> Runner {
     Runner::start(env, |sharding| {
-        sharding.register::<Ledger>(EntityOptions::default())?;
+        let factory = Ledger::factory(LedgerDependencies::default());
+        sharding.register_with(EntityOptions::default(), factory)?;
         Ok(())
     })
     .await

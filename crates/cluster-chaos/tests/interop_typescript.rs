@@ -1,6 +1,6 @@
 //! Interoperability with a real TypeScript runner of the reference: effect 4.1.0 on Node.js
 //! (`interop/typescript/runner.mjs`), on one PostgreSQL database with a Rust runner
-//! ([`cluster_chaos::node::Node`]).
+//! (`durable_cluster::Runner`).
 //!
 //! Both sides declare the entity type `InteropEcho` with the same names and JSON forms: the
 //! persisted request `Echo` (deduplicated by its `key`) and the volatile request `Ping`.

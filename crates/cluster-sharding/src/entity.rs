@@ -60,6 +60,38 @@ use crate::rpc::{Rpc, StreamRpc};
 use crate::sharding::Sharding;
 
 /// An entity type.
+///
+/// The [`entity`](crate::entity) macro implements it, with the request types and handlers,
+/// from one impl block. By hand, an entity implements it and one [`Handler`] per request type,
+/// and its `protocol` declares each of them:
+///
+/// ```
+/// # use cluster_sharding::{Entity, EntityContext, Handler, Never, Protocol, RequestContext, Rpc};
+/// # use serde::{Deserialize, Serialize};
+/// #[derive(Serialize, Deserialize)]
+/// struct Increment { by: u64 }
+///
+/// impl Rpc for Increment {
+///     const TAG: &'static str = "Increment";
+///     type Success = u64;
+///     type Error = Never;
+/// }
+///
+/// struct Counter { value: u64 }
+///
+/// impl Entity for Counter {
+///     const TYPE: &'static str = "Counter";
+///     async fn create(_context: &EntityContext) -> Counter { Counter { value: 0 } }
+///     fn protocol(protocol: &mut Protocol<Counter>) { protocol.handle::<Increment>(); }
+/// }
+///
+/// impl Handler<Increment> for Counter {
+///     async fn handle(&mut self, _: &RequestContext, request: Increment) -> Result<u64, Never> {
+///         self.value += request.by;
+///         Ok(self.value)
+///     }
+/// }
+/// ```
 pub trait Entity: Sized + Send + 'static {
     /// The entity type's name, such as `Counter`; part of every stored message.
     const TYPE: &'static str;
@@ -70,6 +102,15 @@ pub trait Entity: Sized + Send + 'static {
     /// called so often that the spans cost more than they tell.
     const CLIENT_TRACING: bool = true;
 
+    /// Whether instances come only from a factory ([`Sharding::register_with`] or
+    /// `register_with_async`): then
+    /// [`Sharding::register`] of the type fails to build, and [`create`](Entity::create) never
+    /// runs. The [`entity`](crate::entity) macro sets it for an impl block without `create`.
+    ///
+    /// [`Sharding::register_with`]: crate::Sharding::register_with
+    /// [`Sharding::register`]: crate::Sharding::register
+    const FACTORY_ONLY: bool = false;
+
     /// The shard group of an entity id (`default` unless overridden).
     fn shard_group(_entity_id: &str) -> ShardGroup {
         ShardGroup::default_group()
@@ -78,6 +119,11 @@ pub trait Entity: Sized + Send + 'static {
     /// A new instance for `context.address()`, created on its first request (and again after
     /// it was reaped for idleness, or restarted after a panic). `context.sharding()` is the
     /// runtime, for instances that call other entities.
+    ///
+    /// [`Sharding::register`](crate::Sharding::register) makes instances with it; an entity
+    /// type registered with [`Sharding::register_with`](crate::Sharding::register_with) gets
+    /// them from its factory instead, and this is never called (see
+    /// [`FACTORY_ONLY`](Entity::FACTORY_ONLY)).
     fn create(context: &EntityContext) -> impl Future<Output = Self> + Send;
 
     /// Declares the requests the entity handles: `protocol.handle::<R>()` for each.
@@ -95,7 +141,8 @@ pub trait Entity: Sized + Send + 'static {
     }
 }
 
-/// What [`Entity::create`] gets.
+/// What [`Entity::create`] and the factories of
+/// [`Sharding::register_with`](crate::Sharding::register_with) get.
 #[derive(Clone, Debug)]
 pub struct EntityContext {
     address: EntityAddress,

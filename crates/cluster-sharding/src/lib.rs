@@ -1,20 +1,13 @@
 //! The sharding runtime.
 //!
 //! Application code defines entities ([`Entity`], one [`Handler`] per [`Rpc`] request type),
-//! registers them on a [`Sharding`] runtime and calls them through typed [`EntityClient`]s:
+//! registers them on a [`Sharding`] runtime and calls them through typed clients. The
+//! [`entity`] macro writes all of that from one impl block:
 //!
 //! ```
 //! use cluster_core::ShardingConfig;
-//! use cluster_sharding::{
-//!     Entity, EntityContext, EntityOptions, Handler, Never, Protocol, RequestContext, Rpc,
-//!     Sharding,
-//! };
+//! use cluster_sharding::{EntityOptions, Never, Sharding, entity};
 //! use serde::{Deserialize, Serialize};
-//!
-//! /// The entity: one counter per entity id, created on its first request.
-//! struct Counter {
-//!     value: u64,
-//! }
 //!
 //! /// A request of the counter's protocol.
 //! #[derive(Serialize, Deserialize)]
@@ -22,27 +15,19 @@
 //!     by: u64,
 //! }
 //!
-//!
-//! impl Rpc for Increment {
-//!     const TAG: &'static str = "Increment";
-//!     type Success = u64;
-//!     type Error = Never;
+//! /// The entity: one counter per entity id, created on its first request.
+//! struct Counter {
+//!     value: u64,
 //! }
 //!
-//! impl Entity for Counter {
-//!     const TYPE: &'static str = "Counter";
-//!
-//!     async fn create(_context: &EntityContext) -> Counter {
+//! #[entity]
+//! impl Counter {
+//!     async fn create() -> Self {
 //!         Counter { value: 0 }
 //!     }
 //!
-//!     fn protocol(protocol: &mut Protocol<Counter>) {
-//!         protocol.handle::<Increment>();
-//!     }
-//! }
-//!
-//! impl Handler<Increment> for Counter {
-//!     async fn handle(&mut self, _: &RequestContext, request: Increment) -> Result<u64, Never> {
+//!     #[rpc]
+//!     async fn increment(&mut self, request: Increment) -> Result<u64, Never> {
 //!         self.value += request.by;
 //!         Ok(self.value)
 //!     }
@@ -53,16 +38,23 @@
 //! let sharding = Sharding::builder(ShardingConfig::default()).start().await?;
 //! sharding.register::<Counter>(EntityOptions::default())?;
 //!
-//! let counter = sharding.client::<Counter>("user-42");
-//! assert_eq!(counter.send(Increment { by: 1 }).await?, 1);
-//! assert_eq!(counter.send(Increment { by: 2 }).await?, 3);
+//! let counters = Counter::client(&sharding);
+//! assert_eq!(counters.increment("user-42", Increment { by: 1 }).await?, 1);
+//! assert_eq!(counters.increment("user-42", Increment { by: 2 }).await?, 3);
 //! // Another id is another instance.
-//! assert_eq!(sharding.client::<Counter>("user-7").send(Increment { by: 5 }).await?, 5);
+//! assert_eq!(counters.increment("user-7", Increment { by: 5 }).await?, 5);
 //!
 //! sharding.shutdown().await;
 //! # Ok(())
 //! # }
 //! ```
+//!
+//! The macro is a shorthand, not a second model: it writes `impl Rpc for Increment`,
+//! `impl Handler<Increment> for Counter`, `impl Entity for Counter` (whose `protocol` declares
+//! `Increment`) and the typed client `CounterClient`. Those can be written by hand, as the
+//! [`Entity`] documentation shows. Either way, [`Sharding::client`] gives the client of one
+//! entity ([`EntityClient`], whose `send` takes any request the entity handles).
+//! [`Sharding::register_with`] makes instances with a factory, to hand them dependencies.
 //!
 //! The requests above are volatile: they live in memory only. A request type with
 //! [`Rpc::PERSISTED`] is saved to a message storage first and delivered at least once, answered
@@ -106,6 +98,10 @@ mod time;
 pub use builder::ShardingBuilder;
 pub use client::{ChunkStream, EntityClient};
 pub use cluster_core::Never;
+/// Writes an entity from one impl block: its requests' `Rpc` implementations, its handlers, its
+/// protocol and a typed client (see the `cluster-macros` crate).
+#[cfg(feature = "macros")]
+pub use cluster_macros::entity;
 pub use cron::{CronContext, CronError, CronOptions};
 pub use entity::{
     CHUNK_BYTES_MAX, CHUNK_ITEMS_MAX, ChunkError, Chunks, DEFAULT_ON_STOP_TIMEOUT, Entity,
@@ -120,3 +116,11 @@ pub use queue_entity::{
 pub use rpc::{CallError, Rpc, StreamRpc, Uninterruptible};
 pub use sharding::{RegistrationEvent, Sharding, seed_provisional_machine_ids};
 pub use singleton::{SingletonContext, SingletonOptions};
+
+/// What the code that [`entity`] generates refers to; not part of the API. A crate that
+/// re-exports this one whole (`pub use cluster_sharding::*`) re-exports it too, so that
+/// `#[entity(crate = that_crate)]` finds it.
+#[doc(hidden)]
+pub mod __private {
+    pub use cluster_core::{EntityId, ShardGroup, Timestamp};
+}

@@ -338,6 +338,34 @@ pub(crate) struct ManagerOptions {
     pub(crate) mailbox_metrics: bool,
 }
 
+/// What makes the instances of an entity type.
+pub(crate) enum Factory<E> {
+    /// [`Entity::create`], boxed. A function pointer that `Sharding::register` takes: the
+    /// manager itself never names `E::create`, so an entity type registered only with a
+    /// factory needs none (see `Sharding::register_with`).
+    Create(for<'a> fn(&'a EntityContext) -> BoxFuture<'a, E>),
+    /// The factory of `Sharding::register_with`.
+    With(Arc<dyn Fn(&EntityContext) -> E + Send + Sync>),
+    /// The factory of `Sharding::register_with_async`.
+    WithAsync(Arc<dyn Fn(EntityContext) -> BoxFuture<'static, E> + Send + Sync>),
+}
+
+impl<E: Entity> Factory<E> {
+    /// The factory that calls [`Entity::create`].
+    pub(crate) fn create() -> Factory<E> {
+        Factory::Create(|context| Box::pin(E::create(context)))
+    }
+
+    /// A new instance for `context`.
+    async fn make(&self, context: &EntityContext) -> E {
+        match self {
+            Factory::Create(create) => create(context).await,
+            Factory::With(factory) => factory(context),
+            Factory::WithAsync(factory) => factory(context.clone()).await,
+        }
+    }
+}
+
 /// The manager of entity type `E`.
 pub(crate) struct EntityManager<E: Entity> {
     shared: Arc<Shared<E>>,
@@ -348,6 +376,8 @@ struct Shared<E: Entity> {
     runtime: WeakSharding,
     entity_type: EntityType,
     protocol: Protocol<E>,
+    /// Makes the instances.
+    factory: Factory<E>,
     options: ManagerOptions,
     residency: Arc<Residency>,
     ids: Arc<Ids>,
@@ -392,6 +422,7 @@ impl<E: Entity> EntityManager<E> {
     pub(crate) fn new(
         runtime: WeakSharding,
         entity_type: EntityType,
+        factory: Factory<E>,
         options: ManagerOptions,
         residency: Arc<Residency>,
         ids: Arc<Ids>,
@@ -402,6 +433,7 @@ impl<E: Entity> EntityManager<E> {
                 runtime,
                 entity_type,
                 protocol: Protocol::of(),
+                factory,
                 options,
                 residency,
                 ids,
@@ -1182,8 +1214,8 @@ fn spawn_forked<E: Entity>(
     Ok(())
 }
 
-/// Creates the instance, retrying with backoff if `create` panics; `None` once the manager
-/// closed (or the runtime is gone).
+/// Creates the instance with the type's factory, retrying with backoff if it panics; `None`
+/// once the manager closed (or the runtime is gone).
 async fn create<E: Entity>(
     shared: &Shared<E>,
     address: &EntityAddress,
@@ -1194,7 +1226,7 @@ async fn create<E: Entity>(
             return None;
         }
         let context = EntityContext::new(address.clone(), shared.runtime.upgrade()?);
-        match AssertUnwindSafe(E::create(&context)).catch_unwind().await {
+        match AssertUnwindSafe(shared.factory.make(&context)).catch_unwind().await {
             Ok(entity) => return Some(entity),
             Err(_) => {
                 tracing::warn!(entity_type = %shared.entity_type, entity_id = %address.entity_id, "defect creating entity, retrying");

@@ -12,6 +12,7 @@ use std::sync::{Arc, Mutex, OnceLock, RwLock};
 use cluster_core::config::{Capacity, ShardingConfig};
 use cluster_core::envelope::{Exit, RawJson, Reply, Request, TraceContext, WithExit};
 use cluster_core::error::ConfigError;
+use cluster_core::future::BoxFuture;
 use cluster_core::snowflake::SharedSnowflakeGenerator;
 use cluster_core::storage::{MessageStorage, SaveRequestOptions};
 use cluster_core::sync::{self, lock};
@@ -27,12 +28,13 @@ use tokio_util::task::TaskTracker;
 use crate::client::EntityClient;
 use crate::cron::CronJobs;
 use crate::entity::Ids;
-use crate::entity::{DEFAULT_ON_STOP_TIMEOUT, Entity, EntityOptions};
+use crate::entity::{DEFAULT_ON_STOP_TIMEOUT, Entity, EntityContext, EntityOptions};
 use crate::error::RegisterError;
 use crate::interrupt::{FlaggedToken, InterruptSignal};
 use crate::keep_alive::{KEEP_ALIVE_TAG, KeepAliveSender};
 use crate::manager::{
-    Delivery, EntityManager, ErasedManager, ManagerOptions, ReplyTo, Residency, StreamReplies,
+    Delivery, EntityManager, ErasedManager, Factory, ManagerOptions, ReplyTo, Residency,
+    StreamReplies,
 };
 use crate::member::Member;
 use crate::metrics;
@@ -56,6 +58,20 @@ pub(crate) const STREAM_BUFFER: usize = 4;
 
 /// How many registration events a slow subscriber may lag behind before it misses some.
 const REGISTRATION_EVENTS_MAX: usize = 64;
+
+/// Fails the build of a registration by [`Entity::create`] of an entity type with
+/// [`Entity::FACTORY_ONLY`] (evaluated when the registration is compiled for that type).
+macro_rules! assert_has_create {
+    ($entity:ty) => {
+        const {
+            assert!(
+                !<$entity as Entity>::FACTORY_ONLY,
+                "this entity type has no `create` (Entity::FACTORY_ONLY): register it with \
+                 `Sharding::register_with` and a factory, or give it an `async fn create`"
+            );
+        }
+    };
+}
 
 /// The runtime of one process; cheap to clone (a handle).
 #[derive(Clone)]
@@ -300,10 +316,15 @@ impl Sharding {
         &self.inner.config
     }
 
-    /// Registers entity type `E`: its requests are handled on this runner from now on.
-    /// In a client-only process this is a no-op, as in the reference.
+    /// Registers entity type `E`: its requests are handled on this runner from now on, by
+    /// instances that [`Entity::create`] makes (see [`Sharding::register_with`] for a factory
+    /// instead; a type with [`Entity::FACTORY_ONLY`] fails to build here). In a client-only
+    /// process this is a no-op, as in the reference.
     pub fn register<E: Entity>(&self, options: EntityOptions) -> Result<(), RegisterError> {
-        self.register_as::<E>(EntityType::from_static(E::TYPE), options)
+        // Here as well as in `register_as`: the compiler's note then points at the caller.
+        assert_has_create!(E);
+        let entity_type = EntityType::from_static(E::TYPE);
+        self.register_factory(entity_type, options, Factory::<E>::create())
     }
 
     /// Registers entity type `E` under the name `entity_type` instead of `E::TYPE`: one Rust
@@ -314,6 +335,94 @@ impl Sharding {
         &self,
         entity_type: EntityType,
         options: EntityOptions,
+    ) -> Result<(), RegisterError> {
+        assert_has_create!(E);
+        self.register_factory(entity_type, options, Factory::<E>::create())
+    }
+
+    /// Registers entity type `E` with `factory` making its instances instead of
+    /// [`Entity::create`]: the way to hand instances their dependencies (a pool, a client, a
+    /// counter) without globals. The factory runs wherever `create` would: on an instance's
+    /// first request, after it was reaped for idleness, and after a panic (a panicking factory
+    /// is retried with the same backoff).
+    ///
+    /// ```
+    /// # use std::sync::Arc;
+    /// # use std::sync::atomic::{AtomicU64, Ordering};
+    /// # use cluster_core::ShardingConfig;
+    /// # use cluster_sharding::{EntityContext, EntityOptions, Never, Sharding, entity};
+    /// # use serde::{Deserialize, Serialize};
+    /// #[derive(Serialize, Deserialize)]
+    /// struct Visit;
+    ///
+    /// /// Counts the visits of every page in one shared counter.
+    /// struct Page {
+    ///     visits: Arc<AtomicU64>,
+    /// }
+    ///
+    /// // No `create`: instances come from the factory only.
+    /// #[entity]
+    /// impl Page {
+    ///     #[rpc]
+    ///     async fn visit(&mut self, _: Visit) -> Result<u64, Never> {
+    ///         Ok(self.visits.fetch_add(1, Ordering::Relaxed) + 1)
+    ///     }
+    /// }
+    ///
+    /// # #[tokio::main(flavor = "current_thread")]
+    /// # async fn main() -> Result<(), Box<dyn std::error::Error>> {
+    /// let sharding = Sharding::builder(ShardingConfig::default()).start().await?;
+    /// let visits = Arc::new(AtomicU64::new(0));
+    /// let shared = Arc::clone(&visits);
+    /// sharding.register_with(EntityOptions::default(), move |_: &EntityContext| Page {
+    ///     visits: Arc::clone(&shared),
+    /// })?;
+    /// let pages = Page::client(&sharding);
+    /// pages.visit("home", Visit).await?;
+    /// pages.visit("about", Visit).await?;
+    /// assert_eq!(visits.load(Ordering::Relaxed), 2);
+    /// # sharding.shutdown().await;
+    /// # Ok(())
+    /// # }
+    /// ```
+    ///
+    /// An entity type written with [`entity`](crate::entity) and no `create` can only be
+    /// registered with a factory, this way or with
+    /// [`register_with_async`](Sharding::register_with_async) ([`Entity::FACTORY_ONLY`]):
+    /// [`register`](Sharding::register) of it fails to build.
+    pub fn register_with<E: Entity>(
+        &self,
+        options: EntityOptions,
+        factory: impl Fn(&EntityContext) -> E + Send + Sync + 'static,
+    ) -> Result<(), RegisterError> {
+        let entity_type = EntityType::from_static(E::TYPE);
+        self.register_factory(entity_type, options, Factory::With(Arc::new(factory)))
+    }
+
+    /// Registers entity type `E` with an asynchronous `factory` making its instances, as
+    /// [`register_with`](Sharding::register_with) does with a synchronous one: for instances
+    /// that load something before their first request (a snapshot of their state, say). The
+    /// factory gets its own handle on the context; an instance's requests wait until it is
+    /// made.
+    pub fn register_with_async<E: Entity, F>(
+        &self,
+        options: EntityOptions,
+        factory: impl Fn(EntityContext) -> F + Send + Sync + 'static,
+    ) -> Result<(), RegisterError>
+    where
+        F: Future<Output = E> + Send + 'static,
+    {
+        let entity_type = EntityType::from_static(E::TYPE);
+        let factory = move |context| -> BoxFuture<'static, E> { Box::pin(factory(context)) };
+        self.register_factory(entity_type, options, Factory::WithAsync(Arc::new(factory)))
+    }
+
+    /// Registers entity type `E` as `entity_type`, its instances made by `factory`.
+    fn register_factory<E: Entity>(
+        &self,
+        entity_type: EntityType,
+        options: EntityOptions,
+        factory: Factory<E>,
     ) -> Result<(), RegisterError> {
         if self.is_shutdown() {
             return Err(RegisterError::ShuttingDown);
@@ -341,6 +450,7 @@ impl Sharding {
             let manager = EntityManager::<E>::new(
                 self.downgrade(),
                 entity_type.clone(),
+                factory,
                 manager_options,
                 Arc::clone(&self.inner.residency),
                 Arc::clone(&self.inner.ids),

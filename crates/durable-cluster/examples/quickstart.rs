@@ -21,10 +21,7 @@ use std::time::Duration;
 use durable_cluster::cluster_core::envelope::primary_key;
 use durable_cluster::storage::MessageStorage;
 use durable_cluster::storage::sqlite::{SqliteMessageStorage, SqliteOptions};
-use durable_cluster::{
-    Entity, EntityContext, EntityOptions, Handler, Never, Protocol, RequestContext, Rpc, Sharding,
-    SingleRunner,
-};
+use durable_cluster::{Entity, EntityOptions, Never, Rpc, Sharding, SingleRunner, entity};
 use durable_cluster::{EntityAddress, EntityId, EntityType, ShardGroup, ShardingConfig};
 use serde::{Deserialize, Serialize};
 
@@ -35,11 +32,6 @@ const DEPOSITS: u64 = 40;
 /// How many deposits the first runner answers before it is killed (at least).
 const ANSWERED_BEFORE_KILL: usize = 12;
 
-/// An account's balance.
-struct Account {
-    balance: u64,
-}
-
 /// Adds `amount` to the balance; `key` makes it one request however often it is sent.
 #[derive(Serialize, Deserialize)]
 struct Deposit {
@@ -47,34 +39,22 @@ struct Deposit {
     amount: u64,
 }
 
-impl Rpc for Deposit {
-    const TAG: &'static str = "Deposit";
-    const PERSISTED: bool = true;
-    type Success = u64;
-    type Error = Never;
-
-    fn primary_key(&self) -> Option<String> {
-        Some(self.key.clone())
-    }
-}
-
-impl Entity for Account {
-    const TYPE: &'static str = "Account";
-
-    async fn create(_context: &EntityContext) -> Account {
-        Account { balance: 0 }
-    }
-
-    fn protocol(protocol: &mut Protocol<Account>) {
-        protocol.handle::<Deposit>();
-    }
-}
-
 /// Handler runs in this process.
 static RUNS: AtomicUsize = AtomicUsize::new(0);
 
-impl Handler<Deposit> for Account {
-    async fn handle(&mut self, _: &RequestContext, deposit: Deposit) -> Result<u64, Never> {
+/// An account's balance.
+struct Account {
+    balance: u64,
+}
+
+#[entity]
+impl Account {
+    async fn create() -> Self {
+        Account { balance: 0 }
+    }
+
+    #[rpc(persisted, primary_key = key)]
+    async fn deposit(&mut self, deposit: Deposit) -> Result<u64, Never> {
         // Slow enough that the first runner is killed with deposits still waiting.
         tokio::time::sleep(Duration::from_millis(25)).await;
         self.balance += deposit.amount;
@@ -139,8 +119,9 @@ async fn final_replies(storage: &dyn MessageStorage) -> Result<Vec<usize>, Error
 /// The first runner (the child process): send every deposit, then work until killed.
 async fn first_runner(path: &str) -> Result<(), Error> {
     let sharding = start(path).await?;
+    let accounts = Account::client(&sharding);
     for n in 0..DEPOSITS {
-        sharding.client::<Account>(account(n)).discard(deposit(n)).await?;
+        accounts.discard(account(n), deposit(n)).await?;
     }
     std::future::pending::<()>().await;
     Ok(())
@@ -175,8 +156,9 @@ async fn quickstart() -> Result<(), Error> {
 
     say("runner 2 on the same file");
     let second = start(&path).await?;
+    let accounts = Account::client(&second);
     for n in 0..DEPOSITS {
-        second.client::<Account>(account(n)).send(deposit(n)).await?;
+        accounts.deposit(account(n), deposit(n)).await?;
     }
     second.shutdown().await;
     let replies = final_replies(&observer).await?;

@@ -101,6 +101,10 @@ pub use cluster_core::{
     Clock, ClusterError, ConfigError, EntityAddress, EntityId, EntityType, Never, RunnerAddress,
     ShardGroup, ShardId, ShardingConfig, Snowflake, StorageError, SystemClock, Timestamp,
 };
+/// Writes an entity from one impl block: its requests' `Rpc` implementations, its handlers, its
+/// protocol and a typed client (the `cluster-macros` crate's `entity`, with this crate as the
+/// runtime's path).
+pub use cluster_macros::durable_entity as entity;
 pub use cluster_sharding::*;
 #[cfg(feature = "rpc")]
 pub use runner::{BoxError, Role, Runner, RunnerEnv, RunnerError, terminated};

@@ -7,6 +7,7 @@ mod concurrency;
 mod entities;
 mod forked;
 mod gauges;
+mod macros;
 mod persisted;
 mod queue;
 mod shutdown;
