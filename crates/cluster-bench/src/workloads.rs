@@ -239,7 +239,7 @@ async fn workflows(
     sharding: &Sharding,
 ) -> Result<Measured, String> {
     let engine = WorkflowEngine::cluster(sharding).map_err(|error| error.to_string())?;
-    engine.register::<ThreeSteps, _, _>(three_steps).map_err(|error| error.to_string())?;
+    ThreeSteps::register(&engine, three_steps).map_err(|error| error.to_string())?;
     measure(plan, Some(database), move |n| {
         let engine = engine.clone();
         async move {

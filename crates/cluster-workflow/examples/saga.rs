@@ -129,8 +129,7 @@ async fn run() -> Result<(), String> {
     let engine = WorkflowEngine::cluster(&sharding).map_err(|error| error.to_string())?;
     let journal = Journal::default();
     let body_journal = journal.clone();
-    engine
-        .register::<Checkout, _, _>(move |ctx, order| checkout(ctx, order, body_journal.clone()))
+    Checkout::register(&engine, move |ctx, order| checkout(ctx, order, body_journal.clone()))
         .map_err(|error| error.to_string())?;
 
     let order = Order { id: "order-42".into(), item: "teapot".into(), amount_cents: 2_500 };

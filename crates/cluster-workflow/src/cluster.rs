@@ -294,7 +294,7 @@ impl WorkflowEngine {
     /// ```
     /// use cluster_core::ShardingConfig;
     /// use cluster_sharding::SingleRunner;
-    /// use cluster_workflow::{Workflow, WorkflowContext, WorkflowEngine};
+    /// use cluster_workflow::{Workflow, WorkflowEngine};
     /// use serde::{Deserialize, Serialize};
     ///
     /// #[derive(Serialize, Deserialize)]
@@ -314,7 +314,7 @@ impl WorkflowEngine {
     /// # let path = std::env::temp_dir().join(format!("doc-workflow-{}.db", std::process::id()));
     /// let sharding = SingleRunner::sqlite(&path, ShardingConfig::default()).await?;
     /// let engine = WorkflowEngine::cluster(&sharding)?;
-    /// engine.register::<PlaceOrder, _, _>(|ctx: WorkflowContext, order: Order| async move {
+    /// PlaceOrder::register(&engine, |ctx, order| async move {
     ///     // Runs once; a replay of the execution reads its stored result.
     ///     let amount = order.amount;
     ///     let charge: String = ctx

@@ -223,17 +223,15 @@ impl Ledger {
         let (ledger, runner) = (Arc::clone(self), Arc::<str>::from(runner));
         if self.children {
             let (ledger, runner) = (Arc::clone(&ledger), Arc::clone(&runner));
-            engine
-                .register::<SimShipment, _, _>(move |ctx, order| {
-                    shipment(ctx, order, Arc::clone(&ledger), Arc::clone(&runner))
-                })
-                .map_err(|error| error.to_string())?;
-        }
-        engine
-            .register::<SimOrder, _, _>(move |ctx, order| {
-                saga(ctx, order, Arc::clone(&ledger), Arc::clone(&runner))
+            SimShipment::register(&engine, move |ctx, order| {
+                shipment(ctx, order, Arc::clone(&ledger), Arc::clone(&runner))
             })
-            .map_err(|error| error.to_string())
+            .map_err(|error| error.to_string())?;
+        }
+        SimOrder::register(&engine, move |ctx, order| {
+            saga(ctx, order, Arc::clone(&ledger), Arc::clone(&runner))
+        })
+        .map_err(|error| error.to_string())
     }
 
     /// Executes `count` orders from the client at times drawn from `rng` (every fourth one

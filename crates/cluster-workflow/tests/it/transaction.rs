@@ -146,35 +146,34 @@ impl Fixture {
                 .unwrap();
         let engine = WorkflowEngine::cluster(&sharding).unwrap();
         let (table, runs) = (self.quoted(), Arc::clone(&self.runs));
-        engine
-            .register::<Transactional, _, _>(move |ctx: WorkflowContext, order: Order| {
-                let (table, runs) = (table.clone(), Arc::clone(&runs));
-                async move {
-                    let mode = order.mode.clone();
-                    let value = ctx
-                        .activity("write", move |activity: ActivityContext| {
-                            let (table, runs, key, mode) =
-                                (table.clone(), Arc::clone(&runs), order.key.clone(), mode.clone());
-                            async move {
-                                let run = runs.fetch_add(1, Ordering::SeqCst) + 1;
-                                let slot = activity.transaction().ok_or("no transaction")?;
-                                insert(slot, &table, &key).await?;
-                                match mode.as_str() {
-                                    "fail" => Err("refused".to_owned()),
-                                    "hang" if run == 1 => std::future::pending().await,
-                                    _ => Ok(run),
-                                }
+        Transactional::register(&engine, move |ctx: WorkflowContext, order: Order| {
+            let (table, runs) = (table.clone(), Arc::clone(&runs));
+            async move {
+                let mode = order.mode.clone();
+                let value = ctx
+                    .activity("write", move |activity: ActivityContext| {
+                        let (table, runs, key, mode) =
+                            (table.clone(), Arc::clone(&runs), order.key.clone(), mode.clone());
+                        async move {
+                            let run = runs.fetch_add(1, Ordering::SeqCst) + 1;
+                            let slot = activity.transaction().ok_or("no transaction")?;
+                            insert(slot, &table, &key).await?;
+                            match mode.as_str() {
+                                "fail" => Err("refused".to_owned()),
+                                "hang" if run == 1 => std::future::pending().await,
+                                _ => Ok(run),
                             }
-                        })
-                        .with_transaction()
-                        .await?;
-                    if order.mode == "wait" {
-                        ctx.await_deferred(&DurableDeferred::<(), String>::new("Go")).await?;
-                    }
-                    Ok(value)
+                        }
+                    })
+                    .with_transaction()
+                    .await?;
+                if order.mode == "wait" {
+                    ctx.await_deferred(&DurableDeferred::<(), String>::new("Go")).await?;
                 }
-            })
-            .unwrap();
+                Ok(value)
+            }
+        })
+        .unwrap();
         (sharding, engine, faults)
     }
 
