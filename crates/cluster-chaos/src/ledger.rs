@@ -18,7 +18,9 @@ use std::sync::OnceLock;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
+use cluster_core::transaction::TransactionError;
 use cluster_sharding::{Entity, EntityContext, Handler, Protocol, RequestContext, Rpc};
+use cluster_storage_sql::PgTransactionGuard;
 use serde::{Deserialize, Serialize};
 
 /// The ledger entity.
@@ -144,12 +146,13 @@ impl Handler<Deposit> for Ledger {
             tokio::time::sleep(*work).await;
         }
         if let Some(table) = AUDIT_TABLE.get() {
-            let slot = context.transaction().ok_or_else(|| failure("no transaction".into()))?;
-            let mut transaction = slot.lock().await;
-            let transaction =
-                transaction.as_mut().ok_or_else(|| failure("transaction gone".into()))?;
-            if let Some(client) = transaction.backend().downcast_mut::<deadpool_postgres::Object>()
-            {
+            let client = match PgTransactionGuard::of(context).await {
+                Ok(client) => Some(client),
+                // The audit is PostgreSQL's only.
+                Err(TransactionError::WrongBackend { .. }) => None,
+                Err(error) => return Err(failure(format!("audit: {error}"))),
+            };
+            if let Some(client) = client {
                 let address = context.address();
                 let sql = format!(
                     "INSERT INTO \"{table}\" (key, entity, shard, runner, epoch, run, at) \

@@ -371,8 +371,11 @@ pub trait MessageTransaction: Send {
     /// Cancel safe: nothing is visible before commit.
     fn save_reply<'a>(&'a mut self, reply: &'a Reply) -> BoxFuture<'a, Result<(), StorageError>>;
 
-    /// The backend's own transaction handle, for the handler's own statements (downcast to the
-    /// backend's type, for example a Postgres transaction).
+    /// The backend's own transaction handle, for the handler's own statements. Its type is the
+    /// backend's (for example a pooled Postgres client) and stays the same for the
+    /// transaction's whole life; a handler reaches it typed through
+    /// [`TransactionGuard`](crate::transaction::TransactionGuard), code that holds the
+    /// transaction through `backend_as`.
     fn backend(&mut self) -> &mut (dyn Any + Send);
 
     /// Commits.

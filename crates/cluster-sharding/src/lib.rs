@@ -111,7 +111,7 @@ pub use cron::{CronContext, CronError, CronOptions};
 pub use entity::{
     CHUNK_BYTES_MAX, CHUNK_ITEMS_MAX, ChunkError, Chunks, DEFAULT_ON_STOP_TIMEOUT, Entity,
     EntityContext, EntityOptions, ForkedHandler, ForkedStreamHandler, Handler, Protocol,
-    RequestContext, SharedHandler, StreamHandler, TransactionSlot,
+    RequestContext, SharedHandler, StreamHandler, TransactionSlot, lock_backend,
 };
 pub use queue_entity::{
     Accepts, AcceptsStream, BehaviourError, QueueEntity, QueueProtocol, QueueShared, Queued,

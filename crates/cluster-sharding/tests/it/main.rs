@@ -12,6 +12,7 @@ mod queue;
 mod shutdown;
 mod singletons;
 mod streams;
+mod transaction;
 
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
