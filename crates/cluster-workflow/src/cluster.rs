@@ -316,9 +316,8 @@ impl WorkflowEngine {
     /// let engine = WorkflowEngine::cluster(&sharding)?;
     /// PlaceOrder::register(&engine, |ctx, order| async move {
     ///     // Runs once; a replay of the execution reads its stored result.
-    ///     let amount = order.amount;
     ///     let charge: String = ctx
-    ///         .activity("charge", |_| async move { Ok::<_, String>(format!("charged {amount}")) })
+    ///         .activity("charge", async |_| Ok::<_, String>(format!("charged {}", order.amount)))
     ///         .await?;
     ///     Ok(charge)
     /// })?;

@@ -31,7 +31,7 @@
 //! let engine = WorkflowEngine::memory();
 //! Doubler::register(&engine, |ctx, payload| async move {
 //!     let doubled: u64 = ctx
-//!         .activity("double", |_| async move { Ok::<_, String>(payload.value * 2) })
+//!         .activity("double", async |_| Ok::<_, String>(payload.value * 2))
 //!         .await?;
 //!     Ok(doubled)
 //! })
