@@ -99,7 +99,7 @@ impl Workflow for ThreeSteps {
 async fn three_steps(ctx: WorkflowContext, job: Job) -> Result<u64, JobError> {
     let mut value = job.id;
     for step in ["one", "two", "three"] {
-        value = ctx.activity(step, move |_| async move { Ok::<u64, JobError>(value + 1) }).await?;
+        value = ctx.activity(step, async |_| Ok::<u64, JobError>(value + 1)).await?;
     }
     Ok(value)
 }
@@ -242,7 +242,7 @@ async fn workflows(
     sharding: &Sharding,
 ) -> Result<Measured, String> {
     let engine = WorkflowEngine::cluster(sharding).map_err(|error| error.to_string())?;
-    engine.register::<ThreeSteps, _, _>(three_steps).map_err(|error| error.to_string())?;
+    ThreeSteps::register(&engine, three_steps).map_err(|error| error.to_string())?;
     measure(plan, Some(database), move |n| {
         let engine = engine.clone();
         async move {

@@ -22,7 +22,9 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
+use cluster_core::transaction::TransactionError;
 use cluster_sharding::{EntityContext, RequestContext, entity};
+use cluster_storage_sql::PgTransactionGuard;
 use serde::{Deserialize, Serialize};
 
 use crate::runs::RunRecorder;
@@ -133,12 +135,13 @@ impl Ledger {
             tokio::time::sleep(dependencies.deposit_work).await;
         }
         if let Some(table) = &dependencies.audit_table {
-            let slot = context.transaction().ok_or_else(|| failure("no transaction".into()))?;
-            let mut transaction = slot.lock().await;
-            let transaction =
-                transaction.as_mut().ok_or_else(|| failure("transaction gone".into()))?;
-            if let Some(client) = transaction.backend().downcast_mut::<deadpool_postgres::Object>()
-            {
+            let client = match PgTransactionGuard::of(context).await {
+                Ok(client) => Some(client),
+                // The audit is PostgreSQL's only.
+                Err(TransactionError::WrongBackend { .. }) => None,
+                Err(error) => return Err(failure(format!("audit: {error}"))),
+            };
+            if let Some(client) = client {
                 let address = context.address();
                 let sql = format!(
                     "INSERT INTO \"{table}\" (key, entity, shard, runner, epoch, run, at) \

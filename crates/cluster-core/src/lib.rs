@@ -15,6 +15,8 @@
 //!   validation.
 //! - Contracts: [`storage::MessageStorage`], [`storage::RunnerStorage`],
 //!   [`queue_storage::QueueStorage`], [`transport::Transport`], [`clock::Clock`].
+//! - [`transaction`]: a handler's typed access to the storage transaction it runs in
+//!   ([`transaction::TransactionGuard`]).
 //! - [`Never`], the error type of what cannot fail, and [`sync::lock`], the one way to take a
 //!   mutex.
 //! - Pure state machines: [`membership`] (registry observations to published assignments, with
@@ -37,6 +39,7 @@ pub mod reply_handlers;
 pub mod snowflake;
 pub mod storage;
 pub mod sync;
+pub mod transaction;
 pub mod transport;
 
 pub use clock::{Clock, SystemClock, Timestamp};

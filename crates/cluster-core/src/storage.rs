@@ -443,7 +443,11 @@ pub trait MessageTransaction: Send {
 
     /// The backend's own transaction handle, for the handler's own statements.
     ///
-    /// The handler downcasts it to the backend's type, for example a Postgres transaction.
+    /// - Its type is the backend's (for example a pooled Postgres client).
+    /// - It stays the same for the transaction's whole life.
+    /// - A handler reaches it typed through
+    ///   [`TransactionGuard`](crate::transaction::TransactionGuard); code that holds the
+    ///   transaction reaches it through `backend_as`.
     fn backend(&mut self) -> &mut (dyn Any + Send);
 
     /// Commits.

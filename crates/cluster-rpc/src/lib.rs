@@ -1,4 +1,4 @@
-//! Runner-to-runner transport over TCP: the `cluster_core::runners` contract
+//! Runner-to-runner transport over TCP: the `cluster_core::transport` contract
 //! ([`Transport`](cluster_core::transport::Transport) on the client side,
 //! [`RunnerHandler`](cluster_core::transport::RunnerHandler) on the server side) implemented with
 //! tokio (`effect/src/cluster/Runners.ts`).

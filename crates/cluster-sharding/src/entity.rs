@@ -48,6 +48,7 @@ use cluster_core::envelope::{Chunk, Exit, RawJson, Reply};
 use cluster_core::future::BoxFuture;
 use cluster_core::storage::MessageTransaction;
 use cluster_core::sync::lock;
+use cluster_core::transaction::{BackendLock, TransactionError, TransactionSource};
 use cluster_core::{ClusterError, EntityAddress, ShardGroup, Snowflake};
 use serde::Serialize;
 use serde::de::DeserializeOwned;
@@ -589,6 +590,32 @@ impl Ids {
 /// The storage transaction a `WITH_TRANSACTION` request's handler runs in.
 pub type TransactionSlot = Arc<tokio::sync::Mutex<Option<Box<dyn MessageTransaction>>>>;
 
+/// Locks the transaction in `slot` and lends its backend handle: the
+/// [`TransactionSource::lock_backend`] of a context that holds a slot ([`RequestContext`], and
+/// the activity context of `cluster-workflow`).
+///
+/// # Errors
+///
+/// [`TransactionError::Missing`] without a slot, [`TransactionError::Finished`] when the
+/// transaction was already taken out of it.
+///
+/// # Cancel safety
+///
+/// Cancel safe: a dropped future holds no lock.
+pub fn lock_backend(
+    slot: Option<&TransactionSlot>,
+) -> BoxFuture<'_, Result<BackendLock<'_>, TransactionError>> {
+    Box::pin(async move {
+        let slot = slot.ok_or(TransactionError::Missing)?;
+        let transaction = slot.lock().await;
+        let backend = tokio::sync::MutexGuard::try_map(transaction, |transaction| {
+            transaction.as_mut().map(|transaction| transaction.backend())
+        })
+        .map_err(|_| TransactionError::Finished)?;
+        Ok(Box::new(backend) as BackendLock<'_>)
+    })
+}
+
 /// What a handler knows about the request it handles.
 #[derive(Clone)]
 pub struct RequestContext {
@@ -608,6 +635,15 @@ impl std::fmt::Debug for RequestContext {
             .field("request_id", &self.request_id)
             .field("transaction", &self.transaction.is_some())
             .finish_non_exhaustive()
+    }
+}
+
+/// The handler's storage transaction, for a typed guard such as
+/// `cluster_storage_sql::PgTransactionGuard::of(context)`: a `WITH_TRANSACTION` request's
+/// handler runs its own statements in the transaction its reply is saved in.
+impl TransactionSource for RequestContext {
+    fn lock_backend(&self) -> BoxFuture<'_, Result<BackendLock<'_>, TransactionError>> {
+        lock_backend(self.transaction.as_ref())
     }
 }
 
@@ -642,9 +678,11 @@ impl RequestContext {
         self.keep_alive.set(&self.address, enabled).await
     }
 
-    /// The storage transaction of a persisted `WITH_TRANSACTION` request: lock it and run the
-    /// handler's own statements through `MessageTransaction::backend` (downcast to the
-    /// backend's handle). `None` for other requests.
+    /// The storage transaction of a persisted `WITH_TRANSACTION` request, `None` for other
+    /// requests: the slot the runtime saves the reply in, for engines built on the runtime.
+    /// A handler runs its own statements through a typed guard instead
+    /// ([`TransactionSource`], which this context implements; for example
+    /// `cluster_storage_sql::PgTransactionGuard::of(context)`).
     pub fn transaction(&self) -> Option<&TransactionSlot> {
         self.transaction.as_ref()
     }

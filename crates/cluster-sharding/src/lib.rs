@@ -106,7 +106,7 @@ pub use cron::{CronContext, CronError, CronOptions};
 pub use entity::{
     CHUNK_BYTES_MAX, CHUNK_ITEMS_MAX, ChunkError, Chunks, DEFAULT_ON_STOP_TIMEOUT, Entity,
     EntityContext, EntityOptions, ForkedHandler, ForkedStreamHandler, Handler, Protocol,
-    RequestContext, SharedHandler, StreamHandler, TransactionSlot,
+    RequestContext, SharedHandler, StreamHandler, TransactionSlot, lock_backend,
 };
 pub use error::{RegisterError, StartError};
 pub use queue_entity::{

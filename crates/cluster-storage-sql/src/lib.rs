@@ -8,6 +8,11 @@
 //! `queue_storage.rs` and `queries.rs`. Their public types are prefixed `Pg*`,
 //! `MySql*` and `Sqlite*`.
 //!
+//! A handler that runs in a storage transaction (a `WITH_TRANSACTION` request, a transactional
+//! workflow activity) reaches it, typed, in one call: `PgTransactionGuard::of(context)`,
+//! `MySqlTransactionGuard::of(context)` or `SqliteTransactionGuard::of(context)`
+//! (see [`cluster_core::transaction`]).
+//!
 //! The queue stores keep durable queue items in the reference's persisted-queue table
 //! (`effect_queue` by default, [`QueueTable`]), with its columns and migration history, so that
 //! TypeScript and Rust workers share one queue.
@@ -42,9 +47,10 @@ pub mod sqlite;
 
 pub use options::{LockMode, SqlStorageOptions, TablePrefix};
 #[cfg(feature = "postgres")]
-pub use postgres::{PgMessageStorage, PgQueueStorage, PgRunnerStorage};
+pub use postgres::{PgMessageStorage, PgQueueStorage, PgRunnerStorage, PgTransactionGuard};
 pub use queue::QueueTable;
 #[cfg(feature = "sqlite")]
 pub use sqlite::{
-    SqliteMessageStorage, SqliteOptions, SqliteQueueStorage, SqliteRunnerStorage, Synchronous,
+    SqliteMessageStorage, SqliteOptions, SqliteQueueStorage, SqliteRunnerStorage,
+    SqliteTransactionGuard, Synchronous,
 };

@@ -38,7 +38,7 @@ use tracing::Instrument;
 
 use crate::options::TablePrefix;
 
-pub use message_storage::MySqlMessageStorage;
+pub use message_storage::{MySqlMessageStorage, MySqlTransactionGuard};
 pub use queue_storage::MySqlQueueStorage;
 pub use runner_storage::MySqlRunnerStorage;
 

@@ -32,7 +32,7 @@ use tokio_postgres::{NoTls, Row};
 
 use queries::MigrationTarget;
 
-pub use message_storage::{PgMessageStorage, PgTransaction};
+pub use message_storage::{PgMessageStorage, PgTransaction, PgTransactionGuard};
 pub use queue_storage::PgQueueStorage;
 pub use runner_storage::PgRunnerStorage;
 

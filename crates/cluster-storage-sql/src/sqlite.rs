@@ -48,7 +48,7 @@ mod runner_storage;
 mod shard_lock;
 mod worker;
 
-pub use message_storage::{SqliteMessageStorage, SqliteTransactionHandle};
+pub use message_storage::{SqliteMessageStorage, SqliteTransactionGuard, SqliteTransactionHandle};
 pub use queue_storage::SqliteQueueStorage;
 pub use runner_storage::SqliteRunnerStorage;
 

@@ -298,7 +298,7 @@ impl WorkflowEngine {
     /// use cluster_core::ShardingConfig;
     /// use cluster_sharding::Sharding;
     /// use cluster_storage_sql::sqlite::{SqliteMessageStorage, SqliteOptions};
-    /// use cluster_workflow::{Workflow, WorkflowContext, WorkflowEngine};
+    /// use cluster_workflow::{Workflow, WorkflowEngine};
     /// use serde::{Deserialize, Serialize};
     ///
     /// #[derive(Serialize, Deserialize)]
@@ -320,11 +320,10 @@ impl WorkflowEngine {
     /// let sharding =
     ///     Sharding::builder(ShardingConfig::default()).messages(Arc::new(messages)).start().await?;
     /// let engine = WorkflowEngine::cluster(&sharding)?;
-    /// engine.register::<PlaceOrder, _, _>(|ctx: WorkflowContext, order: Order| async move {
+    /// PlaceOrder::register(&engine, |ctx, order| async move {
     ///     // Runs once; a replay of the execution reads its stored result.
-    ///     let amount = order.amount;
     ///     let charge: String = ctx
-    ///         .activity("charge", |_| async move { Ok::<_, String>(format!("charged {amount}")) })
+    ///         .activity("charge", async |_| Ok::<_, String>(format!("charged {}", order.amount)))
     ///         .await?;
     ///     Ok(charge)
     /// })?;

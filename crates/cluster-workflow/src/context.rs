@@ -18,6 +18,7 @@ use std::time::Duration;
 use cluster_core::envelope::{Cause, CauseReason, Exit, RawJson};
 use cluster_core::future::BoxFuture;
 use cluster_core::sync::lock;
+use cluster_core::transaction::{BackendLock, TransactionError, TransactionSource};
 use cluster_sharding::TransactionSlot;
 use serde::Serialize;
 use serde::de::DeserializeOwned;
@@ -91,8 +92,9 @@ pub struct WorkflowContext {
 }
 
 /// What an activity body gets: its attempt, the storage transaction of a transactional
-/// activity, and the steps an activity may take itself (a durable sleep or deferred inside an
-/// activity suspends the activity, which runs again from its start on the next replay).
+/// activity (as a [`TransactionSource`]), and the steps an activity may take itself (a durable
+/// sleep or deferred inside an activity suspends the activity, which runs again from its start
+/// on the next replay).
 #[derive(Clone)]
 pub struct ActivityContext {
     context: WorkflowContext,
@@ -105,6 +107,18 @@ impl std::fmt::Debug for ActivityContext {
             .field("context", &self.context)
             .field("transaction", &self.transaction.is_some())
             .finish()
+    }
+}
+
+/// The storage transaction in which this activity's result is saved, for an activity called
+/// with [`ActivityCall::with_transaction`] on the cluster engine. The typed guard of the
+/// storage's backend locks it, for example `PgTransactionGuard::of(&activity)` of
+/// `cluster-storage-sql` (see `docs/workflows.md`). The body's own statements commit together
+/// with the activity's success, or not at all. Other activities, and every activity on the
+/// in-memory engine, have none ([`TransactionError::Missing`]).
+impl TransactionSource for ActivityContext {
+    fn lock_backend(&self) -> BoxFuture<'_, Result<BackendLock<'_>, TransactionError>> {
+        cluster_sharding::lock_backend(self.transaction.as_ref())
     }
 }
 
@@ -125,15 +139,6 @@ impl ActivityContext {
     /// The activity's own workflow context (deferreds and sleeps suspend the activity).
     pub fn context(&self) -> &WorkflowContext {
         &self.context
-    }
-
-    /// The storage transaction in which this activity's result is saved, for an activity
-    /// called with [`ActivityCall::with_transaction`] on the cluster engine (`None` otherwise,
-    /// and always on the in-memory engine). Lock it and run your own statements through
-    /// `MessageTransaction::backend`, downcast to the backend's handle (see `docs/workflows.md`):
-    /// they commit together with the activity's success, or not at all.
-    pub fn transaction(&self) -> Option<&TransactionSlot> {
-        self.transaction.as_ref()
     }
 
     /// Ends this run of the activity body with an interrupt, for example after a call it made
@@ -698,7 +703,8 @@ where
 
     /// Runs the body inside the storage transaction in which its result is saved (the
     /// reference's `ClusterSchema.WithTransaction` annotation on an activity): the body's own
-    /// statements through [`ActivityContext::transaction`] commit together with a successful
+    /// statements, run through the typed guard of the storage's backend on its
+    /// [`ActivityContext`] (a [`TransactionSource`]), commit together with a successful
     /// result, and roll back if the result is not saved (the owner dies or loses the shard, the
     /// commit fails), if the body fails (its failure is then saved on its own), or if it
     /// suspends. On the in-memory engine there is no transaction and this does nothing.

@@ -1,20 +1,22 @@
 //! Defining a workflow: the [`Workflow`] trait (name, payload, success and error types,
 //! idempotency key) and its [`WorkflowOptions`].
 
+use std::future::Future;
 use std::time::Duration;
 
 use cluster_core::ShardGroup;
 use serde::Serialize;
 use serde::de::DeserializeOwned;
 
+use crate::context::WorkflowContext;
+use crate::engine::{WorkflowEngine, WorkflowError};
 use crate::id::ExecutionId;
 
-/// A workflow definition. The body is registered separately, on an engine
-/// ([`WorkflowEngine::register`](crate::WorkflowEngine::register)), so that it can capture the
-/// services it needs.
+/// A workflow definition. The body is registered separately, on each engine that runs it
+/// ([`Workflow::register`]), so that it can capture the services it needs.
 ///
 /// ```
-/// use cluster_workflow::Workflow;
+/// use cluster_workflow::{Workflow, WorkflowEngine};
 /// use serde::{Deserialize, Serialize};
 ///
 /// #[derive(Clone, Serialize, Deserialize)]
@@ -29,6 +31,12 @@ use crate::id::ExecutionId;
 ///     type Error = String;
 ///     fn idempotency_key(order: &Order) -> String { order.id.clone() }
 /// }
+///
+/// let engine = WorkflowEngine::memory();
+/// Checkout::register(&engine, |_ctx, order| async move {
+///     Ok(format!("charged {}", order.amount))
+/// })
+/// .unwrap();
 /// ```
 pub trait Workflow: Send + Sync + 'static {
     /// The workflow's name (the reference's tag): part of every execution id and of the
@@ -53,6 +61,22 @@ pub trait Workflow: Send + Sync + 'static {
     /// The execution id of a payload.
     fn execution_id(payload: &Self::Payload) -> ExecutionId {
         ExecutionId::derive(Self::NAME, &Self::idempotency_key(payload))
+    }
+
+    /// Registers this workflow's body on `engine`: `body(context, payload)` runs for every run
+    /// of every execution on this engine (a replay runs it again from the top with the stored
+    /// results of completed steps). Not meant to be overridden.
+    ///
+    /// # Errors
+    ///
+    /// [`WorkflowError::Invalid`] when the workflow is already registered on `engine`.
+    fn register<F, Fut>(engine: &WorkflowEngine, body: F) -> Result<(), WorkflowError>
+    where
+        Self: Sized,
+        F: Fn(WorkflowContext, Self::Payload) -> Fut + Send + Sync + 'static,
+        Fut: Future<Output = Result<Self::Success, Self::Error>> + Send + 'static,
+    {
+        engine.register::<Self, F, Fut>(body)
     }
 }
 

@@ -1,6 +1,6 @@
 //! The engine contract ([`Backend`], implemented by the in-memory and the cluster engine) and
-//! the typed handle applications use ([`WorkflowEngine`]): register bodies, execute, poll,
-//! interrupt, resume, complete deferreds.
+//! the typed handle applications use ([`WorkflowEngine`]): execute, poll, interrupt, resume,
+//! complete deferreds (bodies are registered with [`Workflow::register`]).
 //!
 //! The engines differ in where durable facts live and how a run is woken; what a run does with
 //! its body — drive it, decide its result, close its scopes — is shared here
@@ -273,14 +273,8 @@ impl std::fmt::Debug for WorkflowEngine {
 }
 
 impl WorkflowEngine {
-    /// Registers the body of workflow `W`: `handler(context, payload)` runs for every run of
-    /// every execution on this engine (a replay runs it again from the top with the stored
-    /// results of completed steps).
-    ///
-    /// # Errors
-    ///
-    /// [`WorkflowError::Invalid`] when `W` is already registered.
-    pub fn register<W, F, Fut>(&self, handler: F) -> Result<(), WorkflowError>
+    /// Registers the body of workflow `W` ([`Workflow::register`]).
+    pub(crate) fn register<W, F, Fut>(&self, handler: F) -> Result<(), WorkflowError>
     where
         W: Workflow,
         F: Fn(WorkflowContext, W::Payload) -> Fut + Send + Sync + 'static,

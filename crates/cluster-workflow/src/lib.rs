@@ -11,7 +11,7 @@
 //! fails.
 //!
 //! ```
-//! use cluster_workflow::{Workflow, WorkflowContext, WorkflowEngine};
+//! use cluster_workflow::{Workflow, WorkflowEngine};
 //! use serde::{Deserialize, Serialize};
 //!
 //! #[derive(Serialize, Deserialize)]
@@ -29,14 +29,13 @@
 //! # #[tokio::main(flavor = "current_thread")]
 //! # async fn main() {
 //! let engine = WorkflowEngine::memory();
-//! engine
-//!     .register::<Doubler, _, _>(|ctx: WorkflowContext, payload: Double| async move {
-//!         let doubled: u64 = ctx
-//!             .activity("double", |_| async move { Ok::<_, String>(payload.value * 2) })
-//!             .await?;
-//!         Ok(doubled)
-//!     })
-//!     .unwrap();
+//! Doubler::register(&engine, |ctx, payload| async move {
+//!     let doubled: u64 = ctx
+//!         .activity("double", async |_| Ok::<_, String>(payload.value * 2))
+//!         .await?;
+//!     Ok(doubled)
+//! })
+//! .unwrap();
 //! let value = engine.execute::<Doubler>(Double { key: "a".into(), value: 21 }).await.unwrap();
 //! assert_eq!(value, 42);
 //! # }

@@ -68,35 +68,26 @@ impl Journal {
     }
 }
 
-/// The saga's body: three activities, each compensated once it succeeded.
+/// The saga's body: three activities, each compensated once it succeeded. Activity bodies
+/// borrow what they use; a compensation, which runs after the body ends, owns its copy.
 async fn checkout(
     ctx: WorkflowContext,
     order: Order,
     journal: Journal,
 ) -> Result<String, CheckoutError> {
-    let (j, undo) = (journal.clone(), journal.clone());
-    let item = order.item.clone();
+    let undo = journal.clone();
     let hold: String = ctx
-        .activity("reserve", move |_| {
-            let (j, item) = (j.clone(), item.clone());
-            async move {
-                j.note(format!("reserve {item}: hold-1"));
-                Ok::<_, CheckoutError>("hold-1".to_owned())
-            }
+        .activity("reserve", async |_| {
+            journal.note(format!("reserve {}: hold-1", order.item));
+            Ok::<_, CheckoutError>("hold-1".to_owned())
         })
-        .compensate(
-            move |hold, _cause| async move { undo.note(format!("release reservation {hold}")) },
-        )
+        .compensate(move |hold, _| async move { undo.note(format!("release reservation {hold}")) })
         .await?;
-    let (j, undo) = (journal.clone(), journal.clone());
-    let amount = order.amount_cents;
+    let undo = journal.clone();
     let payment: String = ctx
-        .activity("charge", move |_| {
-            let j = j.clone();
-            async move {
-                j.note(format!("charge {amount} cents: payment-7"));
-                Ok::<_, CheckoutError>("payment-7".to_owned())
-            }
+        .activity("charge", async |_| {
+            journal.note(format!("charge {} cents: payment-7", order.amount_cents));
+            Ok::<_, CheckoutError>("payment-7".to_owned())
         })
         .compensate(move |payment, cause| async move {
             let why = match cause.error::<CheckoutError>() {
@@ -106,14 +97,10 @@ async fn checkout(
             undo.note(format!("refund {payment} (because {why})"));
         })
         .await?;
-    let j = journal.clone();
     let parcel: String = ctx
-        .activity("ship", move |_| {
-            let j = j.clone();
-            async move {
-                j.note("ship: no courier available".to_owned());
-                Err::<String, _>(CheckoutError::NoCourier("no courier available".to_owned()))
-            }
+        .activity("ship", async |_| {
+            journal.note("ship: no courier available".to_owned());
+            Err(CheckoutError::NoCourier("no courier available".to_owned()))
         })
         .await?;
     Ok(format!("{hold}/{payment}/{parcel}"))
@@ -129,8 +116,7 @@ async fn run() -> Result<(), String> {
     let engine = WorkflowEngine::cluster(&sharding).map_err(|error| error.to_string())?;
     let journal = Journal::default();
     let body_journal = journal.clone();
-    engine
-        .register::<Checkout, _, _>(move |ctx, order| checkout(ctx, order, body_journal.clone()))
+    Checkout::register(&engine, move |ctx, order| checkout(ctx, order, body_journal.clone()))
         .map_err(|error| error.to_string())?;
 
     let order = Order { id: "order-42".into(), item: "teapot".into(), amount_cents: 2_500 };

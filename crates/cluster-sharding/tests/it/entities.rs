@@ -5,10 +5,12 @@ use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
 use std::time::Duration;
 
+use cluster_core::transaction::TransactionError;
 use cluster_sharding::{
     CallError, Chunks, Entity, EntityClient, EntityContext, Handler, Protocol, RequestContext, Rpc,
     StreamHandler, StreamRpc, Uninterruptible,
 };
+use cluster_storage_sql::sqlite::SqliteTransactionGuard;
 use serde::{Deserialize, Serialize};
 
 /// Counters the tests read to observe handlers, one set per entity id (tests run in parallel
@@ -464,23 +466,22 @@ impl Handler<Book> for Counter {
     async fn handle(&mut self, context: &RequestContext, request: Book) -> Result<u64, Failure> {
         self.probes.booked.fetch_add(1, Ordering::SeqCst);
         let failure = |reason: &str| Failure { reason: reason.to_owned() };
-        let slot = context.transaction().ok_or_else(|| failure("no transaction"))?;
-        let mut transaction = slot.lock().await;
-        let backend = transaction.as_mut().ok_or_else(|| failure("transaction gone"))?.backend();
-        if let Some(sqlite) =
-            backend.downcast_ref::<cluster_storage_sql::sqlite::SqliteTransactionHandle>()
-        {
-            let key = request.key.clone();
-            sqlite
-                .run(move |connection| {
-                    connection
-                        .execute("CREATE TABLE IF NOT EXISTS ledger (key TEXT NOT NULL)", [])?;
-                    connection.execute("INSERT INTO ledger (key) VALUES (?1)", [key])
-                })
-                .await
-                .map_err(|error| failure(&error.to_string()))?;
+        match SqliteTransactionGuard::of(context).await {
+            Ok(sqlite) => {
+                let key = request.key.clone();
+                sqlite
+                    .run(move |connection| {
+                        connection
+                            .execute("CREATE TABLE IF NOT EXISTS ledger (key TEXT NOT NULL)", [])?;
+                        connection.execute("INSERT INTO ledger (key) VALUES (?1)", [key])
+                    })
+                    .await
+                    .map_err(|error| failure(&error.to_string()))?;
+            }
+            // Other backends (memory, PostgreSQL, MySQL): the ledger is SQLite's only.
+            Err(TransactionError::WrongBackend { .. }) => {}
+            Err(error) => return Err(failure(&error.to_string())),
         }
-        // Other backends' handles (memory, PostgreSQL, MySQL): the ledger is SQLite's only.
         if request.fail {
             return Err(failure("failed after writing"));
         }

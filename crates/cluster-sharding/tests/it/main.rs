@@ -13,6 +13,7 @@ mod queue;
 mod shutdown;
 mod singletons;
 mod streams;
+mod transaction;
 
 use std::sync::Arc;
 use std::sync::atomic::Ordering;

@@ -747,8 +747,8 @@ async fn ledger_rows(store: &Store, key: &str) -> Option<i64> {
     store.path.as_ref()?;
     let mut transaction = store.storage.begin_transaction().await.unwrap();
     let handle = transaction
-        .backend()
-        .downcast_ref::<cluster_storage_sql::sqlite::SqliteTransactionHandle>()?;
+        .backend_as::<cluster_storage_sql::sqlite::SqliteTransactionHandle>()
+        .expect("an SQLite store's transaction");
     let key = key.to_owned();
     let rows = handle
         .run(move |connection| {

@@ -27,6 +27,7 @@ use cluster_core::storage::{
     MalformedMessage, MessageStorage, MessageTransaction, SaveRequestOptions, SaveResult,
     UnprocessedBatch, UnprocessedOptions,
 };
+use cluster_core::transaction::TransactionGuard;
 use cluster_core::{EntityAddress, ShardId, Snowflake};
 use mysql_async::prelude::Queryable;
 use mysql_async::{Conn, IsolationLevel, Pool, Row, Transaction, TxOpts, Value};
@@ -557,8 +558,32 @@ impl MessageStorage for MySqlMessageStorage {
     }
 }
 
+/// The MySQL storage transaction a handler runs in, locked: it derefs to the
+/// [`mysql_async::Transaction`] in which the handler's result is saved.
+///
+/// The handler's own statements run on it (through [`Queryable`], which needs the guard to be
+/// mutable) and commit or roll back with its saved result.
+/// The handler must not commit or roll back itself.
+/// Hold the guard only while running statements (see [`TransactionGuard`]).
+///
+/// ```
+/// use cluster_core::transaction::TransactionSource;
+/// use cluster_storage_sql::mysql::MySqlTransactionGuard;
+/// use mysql_async::prelude::Queryable;
+///
+/// /// Debits an account in the transaction of `context` (a `WITH_TRANSACTION` handler's
+/// /// `RequestContext`, or a transactional activity's `ActivityContext`).
+/// async fn debit(context: &impl TransactionSource, amount: i64) -> Result<(), String> {
+///     let mut tx = MySqlTransactionGuard::of(context).await.map_err(|error| error.to_string())?;
+///     let sql = "UPDATE accounts SET balance = balance - ? WHERE id = 1";
+///     tx.exec_drop(sql, (amount,)).await.map_err(|error| error.to_string())
+/// }
+/// ```
+pub type MySqlTransactionGuard<'a> = TransactionGuard<'a, Transaction<'static>>;
+
 /// A storage transaction on one pooled connection. [`backend`](MessageTransaction::backend)
-/// downcasts to `mysql_async::Transaction<'static>` for the handler's own statements.
+/// is the `mysql_async::Transaction<'static>`, which a handler reaches through
+/// [`MySqlTransactionGuard`].
 ///
 /// Dropped without commit, `mysql_async` marks the transaction for rollback and the pool rolls
 /// it back before the connection is reused.

@@ -18,6 +18,7 @@ use cluster_core::storage::{
     MessageStorage, MessageTransaction, OrderedSave, SaveRequestOptions, SaveResult,
     UnprocessedBatch, UnprocessedOptions,
 };
+use cluster_core::transaction::TransactionGuard;
 use cluster_core::{EntityAddress, ShardId, Snowflake, Timestamp};
 use deadpool_postgres::{ClientWrapper, Object, Pool};
 use postgres_types::ToSql;
@@ -1037,12 +1038,32 @@ impl MessageStorage for PgMessageStorage {
     }
 }
 
+/// The PostgreSQL storage transaction a handler runs in, locked: it derefs to the pooled
+/// [`deadpool_postgres::Object`] (a `tokio_postgres::Client` through `Deref`) on which the
+/// transaction is open.
+///
+/// The handler's own statements run on it and commit or roll back with its saved result.
+/// The handler must not send `COMMIT` or `ROLLBACK` itself.
+/// Hold the guard only while running statements (see [`TransactionGuard`]).
+///
+/// ```
+/// use cluster_core::transaction::{TransactionError, TransactionSource};
+/// use cluster_storage_sql::postgres::PgTransactionGuard;
+///
+/// /// Debits an account in the transaction of `context` (a `WITH_TRANSACTION` handler's
+/// /// `RequestContext`, or a transactional activity's `ActivityContext`).
+/// async fn debit(context: &impl TransactionSource, amount: i64) -> Result<u64, String> {
+///     let client = PgTransactionGuard::of(context).await.map_err(|error| error.to_string())?;
+///     let sql = "UPDATE accounts SET balance = balance - $1 WHERE id = 1";
+///     client.execute(sql, &[&amount]).await.map_err(|error| error.to_string())
+/// }
+/// ```
+pub type PgTransactionGuard<'a> = TransactionGuard<'a, Object>;
+
 /// An open transaction on one pooled connection (`BEGIN` was sent).
 ///
-/// [`backend`](MessageTransaction::backend) is the [`deadpool_postgres::Object`] (a
-/// `tokio_postgres::Client` through `Deref`): the handler runs its own statements on it and
-/// they commit or roll back with the saved replies. The handler must not send `COMMIT` or
-/// `ROLLBACK` itself.
+/// [`backend`](MessageTransaction::backend) is the [`deadpool_postgres::Object`], which a
+/// handler reaches through [`PgTransactionGuard`].
 ///
 /// Dropped without [`commit`](MessageTransaction::commit) or
 /// [`rollback`](MessageTransaction::rollback), the connection is closed rather than given back

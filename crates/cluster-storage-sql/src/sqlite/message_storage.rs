@@ -18,6 +18,7 @@ use cluster_core::storage::{
     UnprocessedBatch, UnprocessedOptions,
 };
 use cluster_core::sync::lock;
+use cluster_core::transaction::TransactionGuard;
 use cluster_core::{EntityAddress, ShardId, Snowflake, Timestamp};
 use rusqlite::types::ToSql;
 use rusqlite::{Connection, OptionalExtension, Row, params};
@@ -509,8 +510,31 @@ fn address_groups(addresses: &[EntityAddress]) -> Vec<AddressGroup> {
 // User transactions
 // ---------------------------------------------------------------------------------------------
 
+/// The SQLite storage transaction a handler runs in, locked: it derefs to the
+/// [`SqliteTransactionHandle`], which runs the handler's own statements inside the transaction.
+///
+/// They commit or roll back with the handler's saved result.
+/// Hold the guard only while running statements (see [`TransactionGuard`]).
+///
+/// ```
+/// use cluster_core::transaction::TransactionSource;
+/// use cluster_storage_sql::sqlite::SqliteTransactionGuard;
+///
+/// /// Debits an account in the transaction of `context` (a `WITH_TRANSACTION` handler's
+/// /// `RequestContext`, or a transactional activity's `ActivityContext`).
+/// async fn debit(context: &impl TransactionSource, amount: i64) -> Result<usize, String> {
+///     let tx = SqliteTransactionGuard::of(context).await.map_err(|error| error.to_string())?;
+///     let sql = "UPDATE accounts SET balance = balance - ?1 WHERE id = 1";
+///     tx.run(move |connection| connection.execute(sql, [amount]))
+///         .await
+///         .map_err(|error| error.to_string())
+/// }
+/// ```
+pub type SqliteTransactionGuard<'a> = TransactionGuard<'a, SqliteTransactionHandle>;
+
 /// What [`MessageTransaction::backend`] returns for SQLite: runs the handler's own statements
-/// on the transaction's connection, inside the transaction.
+/// on the transaction's connection, inside the transaction. A handler reaches it through
+/// [`SqliteTransactionGuard`].
 ///
 /// The transaction begins (`BEGIN IMMEDIATE`, taking the database's write lock) at its first
 /// statement or saved reply, and holds the lock until commit or rollback: keep it short, other

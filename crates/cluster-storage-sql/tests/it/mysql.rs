@@ -814,8 +814,7 @@ async fn killed_pool_connection_is_replaced() {
     // and the pool replaces the connection.
     let mut transaction = storage.begin_transaction().await.expect("begin");
     let in_use = transaction
-        .backend()
-        .downcast_mut::<mysql_async::Transaction<'static>>()
+        .backend_as::<mysql_async::Transaction<'static>>()
         .expect("a mysql_async transaction")
         .query_first::<u64, _>("SELECT CONNECTION_ID()")
         .await
@@ -945,8 +944,7 @@ async fn transaction_backend_runs_the_handlers_statements() {
     for (request_id, commit) in [(1_u64, true), (2, false)] {
         let mut transaction = storage.begin_transaction().await.expect("begin");
         let handle = transaction
-            .backend()
-            .downcast_mut::<mysql_async::Transaction<'static>>()
+            .backend_as::<mysql_async::Transaction<'static>>()
             .expect("a mysql_async transaction");
         handle
             .exec_drop(format!("INSERT INTO `{side}` (v) VALUES (?)"), (request_id,))

@@ -968,7 +968,7 @@ async fn failed_transaction_does_not_commit() {
         exit: cluster_core::Exit::void(),
     });
     transaction.save_reply(&reply).await.unwrap();
-    let client = transaction.backend().downcast_mut::<deadpool_postgres::Object>().unwrap();
+    let client = transaction.backend_as::<deadpool_postgres::Object>().unwrap();
     assert!(client.batch_execute("SELECT 1/0").await.is_err());
     assert!(transaction.commit().await.is_err());
     assert!(storage.replies_for(&[Snowflake::new(1)]).await.unwrap().is_empty());

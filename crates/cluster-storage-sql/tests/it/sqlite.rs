@@ -167,10 +167,7 @@ async fn in_transaction<T: Send + 'static>(
     body: impl FnOnce(&rusqlite::Connection) -> rusqlite::Result<T> + Send + 'static,
 ) -> T {
     let mut transaction = storage.begin_transaction().await.expect("begin");
-    let handle = transaction
-        .backend()
-        .downcast_mut::<SqliteTransactionHandle>()
-        .expect("the SQLite backend handle");
+    let handle = transaction.backend_as::<SqliteTransactionHandle>().expect("SQLite's handle");
     let value = handle.run(body).await.expect("run the statement");
     transaction.commit().await.expect("commit");
     value
@@ -611,7 +608,7 @@ async fn a_dead_worker_is_unavailable_not_a_hang() {
     let database = TempDatabase::new();
     let storage = SqliteMessageStorage::open(&database.path, database.options()).await.unwrap();
     let mut transaction = storage.begin_transaction().await.unwrap();
-    let handle = transaction.backend().downcast_mut::<SqliteTransactionHandle>().unwrap();
+    let handle = transaction.backend_as::<SqliteTransactionHandle>().unwrap();
     let died = tokio::time::timeout(
         EVENTUAL,
         handle.run(|_connection| -> rusqlite::Result<()> { panic!("a bug in a user statement") }),
@@ -999,7 +996,7 @@ async fn dropped_transaction_rolls_back_and_frees_the_lock() {
     storage.save_request(&request(1), &SaveRequestOptions::default()).await.unwrap();
     let mut transaction = storage.begin_transaction().await.unwrap();
     transaction.save_reply(&final_reply(1, 10)).await.unwrap();
-    let handle = transaction.backend().downcast_mut::<SqliteTransactionHandle>().unwrap();
+    let handle = transaction.backend_as::<SqliteTransactionHandle>().unwrap();
     let messages = database.table("messages");
     handle
         .run(move |connection| {

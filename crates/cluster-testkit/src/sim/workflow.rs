@@ -223,17 +223,15 @@ impl Ledger {
         let (ledger, runner) = (Arc::clone(self), Arc::<str>::from(runner));
         if self.children {
             let (ledger, runner) = (Arc::clone(&ledger), Arc::clone(&runner));
-            engine
-                .register::<SimShipment, _, _>(move |ctx, order| {
-                    shipment(ctx, order, Arc::clone(&ledger), Arc::clone(&runner))
-                })
-                .map_err(|error| error.to_string())?;
-        }
-        engine
-            .register::<SimOrder, _, _>(move |ctx, order| {
-                saga(ctx, order, Arc::clone(&ledger), Arc::clone(&runner))
+            SimShipment::register(&engine, move |ctx, order| {
+                shipment(ctx, order, Arc::clone(&ledger), Arc::clone(&runner))
             })
-            .map_err(|error| error.to_string())
+            .map_err(|error| error.to_string())?;
+        }
+        SimOrder::register(&engine, move |ctx, order| {
+            saga(ctx, order, Arc::clone(&ledger), Arc::clone(&runner))
+        })
+        .map_err(|error| error.to_string())
     }
 
     /// Executes `count` orders from the client at times drawn from `rng` (every fourth one
@@ -408,10 +406,10 @@ async fn saga(
     let id = order.id;
     ledger.history.record(format!("order {id} run {run} on {runner}"));
     for step in ["reserve", "charge"] {
-        let (body, undo) = (Arc::clone(&ledger), Arc::clone(&ledger));
-        ctx.activity(step, move |context| {
-            body.activity_started(id, &context, step);
-            async move { Ok::<u64, String>(id) }
+        let undo = Arc::clone(&ledger);
+        ctx.activity(step, async |context| {
+            ledger.activity_started(id, &context, step);
+            Ok::<u64, String>(id)
         })
         .compensate(move |_, _| async move { undo.compensated(id, run, step) })
         .await
@@ -429,10 +427,9 @@ async fn saga(
         })?;
         return Ok(run);
     }
-    let (body, fails) = (Arc::clone(&ledger), order.fails);
-    ctx.activity("ship", move |context| {
-        body.activity_started(id, &context, "ship");
-        async move { if fails { Err("no courier".to_owned()) } else { Ok(()) } }
+    ctx.activity("ship", async |context| {
+        ledger.activity_started(id, &context, "ship");
+        if order.fails { Err("no courier".to_owned()) } else { Ok(()) }
     })
     .await
     .map_err(|reason| OrderFailed { reason, run, child_run: None })?;
@@ -449,18 +446,17 @@ async fn shipment(
     let run = ledger.next_run(&runner);
     let id = order.id;
     ledger.history.record(format!("order {id} shipment run {run} on {runner}"));
-    let (body, undo) = (Arc::clone(&ledger), Arc::clone(&ledger));
-    ctx.activity("pack", move |context| {
-        body.activity_started(id, &context, "pack");
-        async move { Ok::<u64, String>(id) }
+    let undo = Arc::clone(&ledger);
+    ctx.activity("pack", async |context| {
+        ledger.activity_started(id, &context, "pack");
+        Ok::<u64, String>(id)
     })
     .compensate(move |_, _| async move { undo.compensated(id, run, "pack") })
     .await
     .map_err(|reason| OrderFailed { reason, run, child_run: None })?;
-    let (body, fails) = (Arc::clone(&ledger), order.fails);
-    ctx.activity("dispatch", move |context| {
-        body.activity_started(id, &context, "dispatch");
-        async move { if fails { Err("no courier".to_owned()) } else { Ok(()) } }
+    ctx.activity("dispatch", async |context| {
+        ledger.activity_started(id, &context, "dispatch");
+        if order.fails { Err("no courier".to_owned()) } else { Ok(()) }
     })
     .await
     .map_err(|reason| OrderFailed { reason, run, child_run: None })?;

@@ -167,11 +167,10 @@ async fn a_failing_wake_is_left_for_the_next_owner_at_shutdown() {
         }
     }
     fn register(engine: &WorkflowEngine) {
-        engine
-            .register::<Gated, _, _>(|ctx: WorkflowContext, _: suite::Input| async move {
-                ctx.await_deferred(&DurableDeferred::<String>::new("Gate")).await
-            })
-            .unwrap();
+        Gated::register(engine, |ctx: WorkflowContext, _: suite::Input| async move {
+            ctx.await_deferred(&DurableDeferred::<String>::new("Gate")).await
+        })
+        .unwrap();
     }
 
     let clock: Arc<dyn Clock> = Arc::new(TokioClock::new());
@@ -272,13 +271,11 @@ async fn durable_clocks_go_to_the_workflow_shard_group_at_the_rounded_up_millise
         .await
         .unwrap();
     let engine = WorkflowEngine::cluster(&sharding).unwrap();
-    engine
-        .register::<Grouped, _, _>(|ctx: WorkflowContext, _: suite::Input| async move {
-            ctx.sleep_with_threshold("nap", Duration::from_micros(10_000_500), Duration::ZERO)
-                .await;
-            Ok(())
-        })
-        .unwrap();
+    Grouped::register(&engine, |ctx: WorkflowContext, _: suite::Input| async move {
+        ctx.sleep_with_threshold("nap", Duration::from_micros(10_000_500), Duration::ZERO).await;
+        Ok(())
+    })
+    .unwrap();
     let start = clock.now();
     let id = engine
         .execute_discard::<Grouped>(suite::Input { key: "g".into(), ..suite::Input::default() })
@@ -347,12 +344,11 @@ async fn a_completion_during_a_slow_suspension_commit_wakes_the_run(delay: Durat
     faults.delay_replies(delay);
     let started = Arc::new(std::sync::atomic::AtomicU32::new(0));
     let runs = Arc::clone(&started);
-    engine
-        .register::<Committing, _, _>(move |ctx: WorkflowContext, _: suite::Input| {
-            runs.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
-            async move { ctx.await_deferred(&DurableDeferred::<String>::new("Gate")).await }
-        })
-        .unwrap();
+    Committing::register(&engine, move |ctx: WorkflowContext, _: suite::Input| {
+        runs.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+        async move { ctx.await_deferred(&DurableDeferred::<String>::new("Gate")).await }
+    })
+    .unwrap();
     let payload = suite::Input { key: "commit".into(), ..suite::Input::default() };
     let id = engine.execute_discard::<Committing>(payload).await.unwrap();
     // The run starts and suspends at once; its reply is written `delay` later.
@@ -391,11 +387,10 @@ async fn a_wake_waiting_for_a_slow_suspension_commit_is_left_for_the_next_owner_
         }
     }
     fn register(engine: &WorkflowEngine) {
-        engine
-            .register::<Slow, _, _>(|ctx: WorkflowContext, _: suite::Input| async move {
-                ctx.await_deferred(&DurableDeferred::<String>::new("Gate")).await
-            })
-            .unwrap();
+        Slow::register(engine, |ctx: WorkflowContext, _: suite::Input| async move {
+            ctx.await_deferred(&DurableDeferred::<String>::new("Gate")).await
+        })
+        .unwrap();
     }
 
     let clock: Arc<dyn Clock> = Arc::new(TokioClock::new());
@@ -460,21 +455,20 @@ async fn a_completion_awaited_inside_an_activity_wakes_the_suspending_run() {
     faults.delay_replies(Duration::from_secs(1));
     let attempts = Arc::new(AtomicU32::new(0));
     let counted = Arc::clone(&attempts);
-    engine
-        .register::<Inner, _, _>(move |ctx: WorkflowContext, _: suite::Input| {
-            let counted = Arc::clone(&counted);
-            async move {
-                ctx.activity("waits", move |activity| {
-                    counted.fetch_add(1, Ordering::SeqCst);
-                    async move {
-                        let gate = DurableDeferred::<String>::new("Gate");
-                        activity.context().await_deferred(&gate).await
-                    }
-                })
-                .await
-            }
-        })
-        .unwrap();
+    Inner::register(&engine, move |ctx: WorkflowContext, _: suite::Input| {
+        let counted = Arc::clone(&counted);
+        async move {
+            ctx.activity("waits", move |activity| {
+                counted.fetch_add(1, Ordering::SeqCst);
+                async move {
+                    let gate = DurableDeferred::<String>::new("Gate");
+                    activity.context().await_deferred(&gate).await
+                }
+            })
+            .await
+        }
+    })
+    .unwrap();
     let payload = suite::Input { key: "inner".into(), ..suite::Input::default() };
     let id = engine.execute_discard::<Inner>(payload).await.unwrap();
     // The activity starts and suspends at once; its reply is written a second later.
@@ -536,14 +530,13 @@ async fn traffic_of_a_workflow_goes_to_its_shard_group_from_every_process() {
         .await
         .unwrap();
     let engine = WorkflowEngine::cluster(&runner).unwrap();
-    engine
-        .register::<Sharded, _, _>(|ctx: WorkflowContext, _: suite::Input| async move {
-            let act: String =
-                ctx.activity("act", |_| async { Ok::<_, Never>("act".to_owned()) }).await?;
-            let gate = ctx.await_deferred(&DurableDeferred::<String>::new("Gate")).await?;
-            Ok(format!("{act}:{gate}"))
-        })
-        .unwrap();
+    Sharded::register(&engine, |ctx: WorkflowContext, _: suite::Input| async move {
+        let act: String =
+            ctx.activity("act", |_| async { Ok::<_, Never>("act".to_owned()) }).await?;
+        let gate = ctx.await_deferred(&DurableDeferred::<String>::new("Gate")).await?;
+        Ok(format!("{act}:{gate}"))
+    })
+    .unwrap();
     let client_config =
         ShardingConfig { runner_address: None, available_shard_groups: available, ..config() };
     let client = Sharding::builder(client_config)
@@ -594,27 +587,26 @@ async fn a_run_broken_by_an_engine_failure_runs_no_compensation() {
     let (engine, faults) = engine_on_faulty_storage().await;
     let (compensations, runs) = (Arc::new(AtomicU32::new(0)), Arc::new(AtomicU32::new(0)));
     let (undone, started) = (Arc::clone(&compensations), Arc::clone(&runs));
-    engine
-        .register::<Broken, _, _>(move |ctx: WorkflowContext, _: suite::Input| {
-            started.fetch_add(1, Ordering::SeqCst);
-            let (undone, faults) = (Arc::clone(&undone), Arc::clone(&faults));
-            async move {
-                let hold: String = ctx
-                    .activity("reserve", move |_| {
-                        // The next request saves fail: the run cannot store its next step.
-                        faults.fail_request_saves(1);
-                        async { Ok::<_, Never>("hold".to_owned()) }
-                    })
-                    .compensate(move |_, _| async move {
-                        undone.fetch_add(1, Ordering::SeqCst);
-                    })
-                    .await?;
-                let charge: String =
-                    ctx.activity("charge", |_| async { Ok::<_, Never>("paid".to_owned()) }).await?;
-                Ok(format!("{hold}/{charge}"))
-            }
-        })
-        .unwrap();
+    Broken::register(&engine, move |ctx: WorkflowContext, _: suite::Input| {
+        started.fetch_add(1, Ordering::SeqCst);
+        let (undone, faults) = (Arc::clone(&undone), Arc::clone(&faults));
+        async move {
+            let hold: String = ctx
+                .activity("reserve", move |_| {
+                    // The next request saves fail: the run cannot store its next step.
+                    faults.fail_request_saves(1);
+                    async { Ok::<_, Never>("hold".to_owned()) }
+                })
+                .compensate(move |_, _| async move {
+                    undone.fetch_add(1, Ordering::SeqCst);
+                })
+                .await?;
+            let charge: String =
+                ctx.activity("charge", |_| async { Ok::<_, Never>("paid".to_owned()) }).await?;
+            Ok(format!("{hold}/{charge}"))
+        }
+    })
+    .unwrap();
     let payload = suite::Input { key: "broken".into(), ..suite::Input::default() };
     let outcome = engine.execute::<Broken>(payload).await;
     assert_eq!(outcome.unwrap(), "hold/paid");
@@ -647,22 +639,21 @@ async fn an_activity_whose_result_was_not_stored_runs_again() {
     let (engine, faults) = engine_on_faulty_storage().await;
     let runs = Arc::new(AtomicU32::new(0));
     let counted = Arc::clone(&runs);
-    engine
-        .register::<Unstored, _, _>(move |ctx: WorkflowContext, _: suite::Input| {
-            let (counted, faults) = (Arc::clone(&counted), Arc::clone(&faults));
-            async move {
-                ctx.activity("reserve", move |_| {
-                    let run = counted.fetch_add(1, Ordering::SeqCst) + 1;
-                    if run == 1 {
-                        // Every write of the first run's result fails.
-                        faults.fail_reply_saves(4);
-                    }
-                    async move { Ok::<_, Never>(run) }
-                })
-                .await
-            }
-        })
-        .unwrap();
+    Unstored::register(&engine, move |ctx: WorkflowContext, _: suite::Input| {
+        let (counted, faults) = (Arc::clone(&counted), Arc::clone(&faults));
+        async move {
+            ctx.activity("reserve", move |_| {
+                let run = counted.fetch_add(1, Ordering::SeqCst) + 1;
+                if run == 1 {
+                    // Every write of the first run's result fails.
+                    faults.fail_reply_saves(4);
+                }
+                async move { Ok::<_, Never>(run) }
+            })
+            .await
+        }
+    })
+    .unwrap();
     let payload = suite::Input { key: "unstored".into(), ..suite::Input::default() };
     let outcome =
         tokio::time::timeout(Duration::from_secs(120), engine.execute::<Unstored>(payload)).await;
@@ -716,37 +707,35 @@ mod drained {
     /// that waits for a permit; the parent runs the child.
     pub(super) fn register(engine: &WorkflowEngine, probe: &Probe) {
         let p = probe.clone();
-        engine
-            .register::<Child, _, _>(move |ctx: WorkflowContext, _: suite::Input| {
-                let p = p.clone();
-                async move {
-                    let undo = Arc::clone(&p.compensations);
-                    ctx.activity("reserve", |_| async { Ok::<_, String>("held".to_owned()) })
-                        .compensate(move |_, _| async move {
-                            undo.fetch_add(1, Ordering::SeqCst);
-                        })
-                        .await?;
-                    ctx.await_deferred(&DurableDeferred::<()>::new("Go"))
-                        .await
-                        .unwrap_or_else(|never| match never {});
-                    ctx.activity("charge", move |_| {
-                        let p = p.clone();
-                        async move {
-                            p.failing.fetch_add(1, Ordering::SeqCst);
-                            let _permit = p.release.acquire().await;
-                            Err::<String, _>("declined".to_owned())
-                        }
+        Child::register(engine, move |ctx: WorkflowContext, _: suite::Input| {
+            let p = p.clone();
+            async move {
+                let undo = Arc::clone(&p.compensations);
+                ctx.activity("reserve", |_| async { Ok::<_, String>("held".to_owned()) })
+                    .compensate(move |_, _| async move {
+                        undo.fetch_add(1, Ordering::SeqCst);
                     })
+                    .await?;
+                ctx.await_deferred(&DurableDeferred::<()>::new("Go"))
                     .await
-                }
-            })
-            .unwrap();
-        engine
-            .register::<Parent, _, _>(|ctx: WorkflowContext, payload: suite::Input| async move {
-                let child = suite::Input { key: format!("{}-child", payload.key), ..payload };
-                ctx.child::<Child>(child).await
-            })
-            .unwrap();
+                    .unwrap_or_else(|never| match never {});
+                ctx.activity("charge", move |_| {
+                    let p = p.clone();
+                    async move {
+                        p.failing.fetch_add(1, Ordering::SeqCst);
+                        let _permit = p.release.acquire().await;
+                        Err::<String, _>("declined".to_owned())
+                    }
+                })
+                .await
+            }
+        })
+        .unwrap();
+        Parent::register(engine, |ctx: WorkflowContext, payload: suite::Input| async move {
+            let child = suite::Input { key: format!("{}-child", payload.key), ..payload };
+            ctx.child::<Child>(child).await
+        })
+        .unwrap();
     }
 }
 

@@ -288,164 +288,152 @@ fn gate(name: &str) -> DurableDeferred<String> {
 /// Registers every workflow of these tests on a runner.
 fn register(engine: &WorkflowEngine, probe: &Probe, port: u16) {
     let p = probe.clone();
-    engine
-        .register::<EndToEnd, _, _>(move |ctx: WorkflowContext, _: Input| {
-            let p = p.clone();
-            async move {
-                ctx.activity("gated", move |_| {
-                    let p = p.clone();
-                    async move {
-                        p.hit("gated");
-                        // Both callers are attached before the activity ends.
-                        tokio::time::sleep(Duration::from_millis(500)).await;
-                        Ok::<u32, Never>(42)
-                    }
-                })
-                .await
-            }
-        })
-        .unwrap();
+    EndToEnd::register(engine, move |ctx: WorkflowContext, _: Input| {
+        let p = p.clone();
+        async move {
+            ctx.activity("gated", move |_| {
+                let p = p.clone();
+                async move {
+                    p.hit("gated");
+                    // Both callers are attached before the activity ends.
+                    tokio::time::sleep(Duration::from_millis(500)).await;
+                    Ok::<u32, Never>(42)
+                }
+            })
+            .await
+        }
+    })
+    .unwrap();
     let p = probe.clone();
-    engine
-        .register::<Resumable, _, _>(move |ctx: WorkflowContext, _: Input| {
-            let p = p.clone();
-            async move {
-                p.ran("run", port);
-                ctx.activity("BeforeSuspension", move |_| {
-                    let p = p.clone();
-                    async move {
-                        p.hit("BeforeSuspension");
-                        p.ran("BeforeSuspension", port);
-                        Ok::<(), Never>(())
-                    }
-                })
-                .await?;
-                ctx.await_deferred(&gate("Gate")).await
-            }
-        })
-        .unwrap();
+    Resumable::register(engine, move |ctx: WorkflowContext, _: Input| {
+        let p = p.clone();
+        async move {
+            p.ran("run", port);
+            ctx.activity("BeforeSuspension", move |_| {
+                let p = p.clone();
+                async move {
+                    p.hit("BeforeSuspension");
+                    p.ran("BeforeSuspension", port);
+                    Ok::<(), Never>(())
+                }
+            })
+            .await?;
+            ctx.await_deferred(&gate("Gate")).await
+        }
+    })
+    .unwrap();
     register_waiting(engine, probe, port);
 }
 
 /// The workflows of these tests that wait for a deferred or a race.
 fn register_waiting(engine: &WorkflowEngine, probe: &Probe, port: u16) {
     let p = probe.clone();
-    engine
-        .register::<Compensated, _, _>(move |ctx: WorkflowContext, _: Input| {
-            let p = p.clone();
-            async move {
-                p.ran("run", port);
-                let (step, undo) = (p.clone(), p.clone());
-                ctx.activity("reserve", move |_| {
-                    let p = step.clone();
-                    async move {
-                        p.ran("reserve", port);
-                        Ok::<_, String>("held".to_owned())
-                    }
-                })
-                .compensate(move |_, _| async move { undo.hit("compensation") })
-                .await?;
-                let value =
-                    ctx.await_deferred(&gate("Gate")).await.unwrap_or_else(|never| match never {});
-                if value == "fail" { Err("compensated".to_owned()) } else { Ok(value) }
-            }
-        })
-        .unwrap();
+    Compensated::register(engine, move |ctx: WorkflowContext, _: Input| {
+        let p = p.clone();
+        async move {
+            p.ran("run", port);
+            let (step, undo) = (p.clone(), p.clone());
+            ctx.activity("reserve", move |_| {
+                let p = step.clone();
+                async move {
+                    p.ran("reserve", port);
+                    Ok::<_, String>("held".to_owned())
+                }
+            })
+            .compensate(move |_, _| async move { undo.hit("compensation") })
+            .await?;
+            let value =
+                ctx.await_deferred(&gate("Gate")).await.unwrap_or_else(|never| match never {});
+            if value == "fail" { Err("compensated".to_owned()) } else { Ok(value) }
+        }
+    })
+    .unwrap();
     let p = probe.clone();
-    engine
-        .register::<Retried, _, _>(move |ctx: WorkflowContext, payload: Input| {
-            let p = p.clone();
-            async move {
-                ctx.activity("retried", move |activity| {
-                    let (p, succeed) = (p.clone(), payload.to == "succeed");
-                    async move {
-                        let attempt = activity.attempt();
-                        p.hit(&format!("{}:attempt:{attempt}", if succeed { "s" } else { "f" }));
-                        if succeed && attempt == 3 {
-                            Ok(attempt)
-                        } else {
-                            Err(RetryError { attempt })
-                        }
-                    }
-                })
-                .retry(2)
-                .await
-            }
-        })
-        .unwrap();
-    engine
-        .register::<Clocked, _, _>(move |ctx: WorkflowContext, _: Input| async move {
-            ctx.sleep_with_threshold("nap", Duration::from_secs(1), Duration::ZERO).await;
-            Ok(0)
-        })
-        .unwrap();
+    Retried::register(engine, move |ctx: WorkflowContext, payload: Input| {
+        let p = p.clone();
+        async move {
+            ctx.activity("retried", move |activity| {
+                let (p, succeed) = (p.clone(), payload.to == "succeed");
+                async move {
+                    let attempt = activity.attempt();
+                    p.hit(&format!("{}:attempt:{attempt}", if succeed { "s" } else { "f" }));
+                    if succeed && attempt == 3 { Ok(attempt) } else { Err(RetryError { attempt }) }
+                }
+            })
+            .retry(2)
+            .await
+        }
+    })
+    .unwrap();
+    Clocked::register(engine, move |ctx: WorkflowContext, _: Input| async move {
+        ctx.sleep_with_threshold("nap", Duration::from_secs(1), Duration::ZERO).await;
+        Ok(0)
+    })
+    .unwrap();
     let p = probe.clone();
-    engine
-        .register::<Interruptible, _, _>(move |ctx: WorkflowContext, _: Input| {
-            let p = p.clone();
-            async move {
-                p.hit("interruptible:run");
-                ctx.await_deferred(&gate("Gate")).await
-            }
-        })
-        .unwrap();
+    Interruptible::register(engine, move |ctx: WorkflowContext, _: Input| {
+        let p = p.clone();
+        async move {
+            p.hit("interruptible:run");
+            ctx.await_deferred(&gate("Gate")).await
+        }
+    })
+    .unwrap();
     register_race(engine, probe, port);
     let p = probe.clone();
-    engine
-        .register::<QueueUser, _, _>(move |ctx: WorkflowContext, payload: Input| {
-            let p = p.clone();
-            async move {
-                p.hit(&format!("queue-user:{}", payload.key));
-                JOBS.process(&ctx, Job { id: payload.key }).await
-            }
-        })
-        .unwrap();
+    QueueUser::register(engine, move |ctx: WorkflowContext, payload: Input| {
+        let p = p.clone();
+        async move {
+            p.hit(&format!("queue-user:{}", payload.key));
+            JOBS.process(&ctx, Job { id: payload.key }).await
+        }
+    })
+    .unwrap();
 }
 
 /// The race of integration test 4.
 fn register_race(engine: &WorkflowEngine, probe: &Probe, port: u16) {
     let p = probe.clone();
-    engine
-        .register::<Raced, _, _>(move |ctx: WorkflowContext, _: Input| {
-            let p = p.clone();
-            async move {
-                p.ran("run", port);
-                let (a, b) = (p.clone(), p.clone());
-                let winner = ctx
-                    .race(
-                        "race",
-                        vec![
-                            Box::pin(
-                                ctx.activity("winner", move |_| {
-                                    let p = a.clone();
-                                    async move {
-                                        p.hit("branch:winner");
-                                        p.ran("winner", port);
-                                        Ok::<_, String>("winner".to_owned())
-                                    }
-                                })
-                                .into_future(),
-                            ),
-                            Box::pin(
-                                ctx.activity("loser", move |_| {
-                                    let p = b.clone();
-                                    async move {
-                                        p.hit("branch:loser");
-                                        tokio::time::sleep(Duration::from_secs(30)).await;
-                                        Ok::<_, String>("loser".to_owned())
-                                    }
-                                })
-                                .into_future(),
-                            ),
-                        ],
-                    )
-                    .await?;
-                let tail =
-                    ctx.await_deferred(&gate("Tail")).await.unwrap_or_else(|never| match never {});
-                Ok(format!("{winner}:{tail}"))
-            }
-        })
-        .unwrap();
+    Raced::register(engine, move |ctx: WorkflowContext, _: Input| {
+        let p = p.clone();
+        async move {
+            p.ran("run", port);
+            let (a, b) = (p.clone(), p.clone());
+            let winner = ctx
+                .race(
+                    "race",
+                    vec![
+                        Box::pin(
+                            ctx.activity("winner", move |_| {
+                                let p = a.clone();
+                                async move {
+                                    p.hit("branch:winner");
+                                    p.ran("winner", port);
+                                    Ok::<_, String>("winner".to_owned())
+                                }
+                            })
+                            .into_future(),
+                        ),
+                        Box::pin(
+                            ctx.activity("loser", move |_| {
+                                let p = b.clone();
+                                async move {
+                                    p.hit("branch:loser");
+                                    tokio::time::sleep(Duration::from_secs(30)).await;
+                                    Ok::<_, String>("loser".to_owned())
+                                }
+                            })
+                            .into_future(),
+                        ),
+                    ],
+                )
+                .await?;
+            let tail =
+                ctx.await_deferred(&gate("Tail")).await.unwrap_or_else(|never| match never {});
+            Ok(format!("{winner}:{tail}"))
+        }
+    })
+    .unwrap();
 }
 
 use std::future::IntoFuture;

@@ -67,11 +67,10 @@ impl Runner {
             .await
             .unwrap();
         let engine = WorkflowEngine::cluster_with(&sharding, options(&queue)).unwrap();
-        engine
-            .register::<Jobber, _, _>(|ctx: WorkflowContext, payload: Input| async move {
-                JOBS.process(&ctx, Job { id: payload.key }).await
-            })
-            .unwrap();
+        Jobber::register(&engine, |ctx: WorkflowContext, payload: Input| async move {
+            JOBS.process(&ctx, Job { id: payload.key }).await
+        })
+        .unwrap();
         Runner { clock, messages, faults, queue, sharding, engine }
     }
 

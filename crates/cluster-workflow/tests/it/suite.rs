@@ -192,24 +192,23 @@ workflow!(Doubler, u64, String);
 
 fn register_doubler(engine: &WorkflowEngine, runs: &Log) {
     let runs = runs.clone();
-    engine
-        .register::<Doubler, _, _>(move |ctx: WorkflowContext, payload: Input| {
-            let runs = runs.clone();
-            async move {
-                let activity_runs = runs.clone();
-                let doubled: u64 = ctx
-                    .activity("double", move |_| {
-                        let runs = activity_runs.clone();
-                        async move {
-                            runs.push("double");
-                            Ok::<_, String>(payload.value * 2)
-                        }
-                    })
-                    .await?;
-                Ok(doubled)
-            }
-        })
-        .unwrap();
+    Doubler::register(engine, move |ctx: WorkflowContext, payload: Input| {
+        let runs = runs.clone();
+        async move {
+            let activity_runs = runs.clone();
+            let doubled: u64 = ctx
+                .activity("double", move |_| {
+                    let runs = activity_runs.clone();
+                    async move {
+                        runs.push("double");
+                        Ok::<_, String>(payload.value * 2)
+                    }
+                })
+                .await?;
+            Ok(doubled)
+        }
+    })
+    .unwrap();
 }
 
 pub(crate) async fn executes_and_polls(h: &impl Harness) {
@@ -247,22 +246,21 @@ pub(crate) async fn executing_again_attaches_to_the_execution(h: &impl Harness) 
     let permits = Arc::new(Semaphore::new(0));
     {
         let (log, permits) = (log.clone(), Arc::clone(&permits));
-        engine
-            .register::<Gated, _, _>(move |ctx: WorkflowContext, _: Input| {
-                let (log, permits) = (log.clone(), Arc::clone(&permits));
-                async move {
-                    ctx.activity("gated", move |_| {
-                        let (log, permits) = (log.clone(), Arc::clone(&permits));
-                        async move {
-                            log.push("gated");
-                            permits.acquire().await.unwrap().forget();
-                            Ok::<u64, Never>(42)
-                        }
-                    })
-                    .await
-                }
-            })
-            .unwrap();
+        Gated::register(&engine, move |ctx: WorkflowContext, _: Input| {
+            let (log, permits) = (log.clone(), Arc::clone(&permits));
+            async move {
+                ctx.activity("gated", move |_| {
+                    let (log, permits) = (log.clone(), Arc::clone(&permits));
+                    async move {
+                        log.push("gated");
+                        permits.acquire().await.unwrap().forget();
+                        Ok::<u64, Never>(42)
+                    }
+                })
+                .await
+            }
+        })
+        .unwrap();
     }
     let (first, second) = (engine.clone(), engine.clone());
     let first = tokio::spawn(async move { first.execute::<Gated>(input("same")).await.unwrap() });
@@ -284,22 +282,21 @@ pub(crate) async fn a_completed_deferred_wakes_an_active_run(h: &impl Harness) {
     let log = Log::default();
     {
         let log = log.clone();
-        engine
-            .register::<Waker, _, _>(move |ctx: WorkflowContext, _: Input| {
-                let log = log.clone();
-                async move {
-                    log.push("run");
-                    let signal: BoxFuture<'_, Result<String, Never>> = Box::pin(async {
-                        ctx.await_deferred(&gate()).await.map(|_| "signal".to_owned())
-                    });
-                    let timeout: BoxFuture<'_, Result<String, Never>> = Box::pin(async {
-                        tokio::time::sleep(ms(10000)).await;
-                        Ok("timeout".to_owned())
-                    });
-                    ctx.race("race", vec![signal, timeout]).await
-                }
-            })
-            .unwrap();
+        Waker::register(&engine, move |ctx: WorkflowContext, _: Input| {
+            let log = log.clone();
+            async move {
+                log.push("run");
+                let signal: BoxFuture<'_, Result<String, Never>> = Box::pin(async {
+                    ctx.await_deferred(&gate()).await.map(|_| "signal".to_owned())
+                });
+                let timeout: BoxFuture<'_, Result<String, Never>> = Box::pin(async {
+                    tokio::time::sleep(ms(10000)).await;
+                    Ok("timeout".to_owned())
+                });
+                ctx.race("race", vec![signal, timeout]).await
+            }
+        })
+        .unwrap();
     }
     let id = engine.execute_discard::<Waker>(input("w")).await.unwrap();
     until("the run started", || log.contains("run")).await;
@@ -316,16 +313,15 @@ pub(crate) async fn shutdown_interrupts_waiting_callers(h: &impl Harness) {
     let log = Log::default();
     {
         let log = log.clone();
-        engine
-            .register::<Forever, _, _>(move |_: WorkflowContext, _: Input| {
-                let log = log.clone();
-                async move {
-                    log.push("run");
-                    std::future::pending::<()>().await;
-                    Ok(())
-                }
-            })
-            .unwrap();
+        Forever::register(&engine, move |_: WorkflowContext, _: Input| {
+            let log = log.clone();
+            async move {
+                log.push("run");
+                std::future::pending::<()>().await;
+                Ok(())
+            }
+        })
+        .unwrap();
     }
     let caller = engine.clone();
     let caller = tokio::spawn(async move { caller.execute::<Forever>(input("f")).await });
@@ -344,26 +340,21 @@ workflow!(Recorder, String, Never);
 
 fn register_recorder(engine: &WorkflowEngine, log: &Log, runs: &Arc<AtomicU32>) {
     let (log, runs) = (log.clone(), Arc::clone(runs));
-    engine
-        .register::<Recorder, _, _>(move |ctx: WorkflowContext, _: Input| {
-            let (log, runs) = (log.clone(), Arc::clone(&runs));
-            async move {
-                let run = runs.fetch_add(1, Ordering::SeqCst) + 1;
-                let finalizer_log = log.clone();
-                ctx.add_finalizer(move |exit: RunExit| async move {
-                    finalizer_log.push(format!(
-                        "wf:{run}:{}:{}",
-                        kind(&exit.exit),
-                        exit.interrupted
-                    ));
-                });
-                let body = BodyFinalizer { ctx: ctx.clone(), log: log.clone() };
-                let value = ctx.await_deferred(&gate()).await?;
-                drop(body);
-                Ok(value)
-            }
-        })
-        .unwrap();
+    Recorder::register(engine, move |ctx: WorkflowContext, _: Input| {
+        let (log, runs) = (log.clone(), Arc::clone(&runs));
+        async move {
+            let run = runs.fetch_add(1, Ordering::SeqCst) + 1;
+            let finalizer_log = log.clone();
+            ctx.add_finalizer(move |exit: RunExit| async move {
+                finalizer_log.push(format!("wf:{run}:{}:{}", kind(&exit.exit), exit.interrupted));
+            });
+            let body = BodyFinalizer { ctx: ctx.clone(), log: log.clone() };
+            let value = ctx.await_deferred(&gate()).await?;
+            drop(body);
+            Ok(value)
+        }
+    })
+    .unwrap();
 }
 
 /// Records whether the run is interrupted when the body is dropped or finishes.
@@ -450,45 +441,44 @@ fn email_trigger() -> DurableDeferred<()> {
 
 fn register_email(engine: &WorkflowEngine, log: &Log) {
     let log = log.clone();
-    engine
-        .register::<EmailWorkflow, _, _>(move |ctx: WorkflowContext, payload: Input| {
-            let log = log.clone();
-            async move {
-                log.push("run");
-                let _finalizer = OnDrop(log.clone(), "finalizer".into());
-                let (send_log, compensation_log) = (log.clone(), log.clone());
-                ctx.activity("SendEmail", move |activity| {
-                    let log = send_log.clone();
-                    async move {
-                        let attempt = activity.attempt();
-                        log.push(format!("send:{attempt}"));
-                        if attempt == 5 { Ok(()) } else { Err(SendEmailError { attempt }) }
-                    }
-                })
-                .retry(5)
-                .compensate(move |(), cause| async move {
-                    compensation_log.push(format!("compensation:{}", cause_kind(&cause)));
-                })
-                .await?;
-                if payload.to == "compensation" {
-                    return Err(SendEmailError { attempt: 0 });
+    EmailWorkflow::register(engine, move |ctx: WorkflowContext, payload: Input| {
+        let log = log.clone();
+        async move {
+            log.push("run");
+            let _finalizer = OnDrop(log.clone(), "finalizer".into());
+            let (send_log, compensation_log) = (log.clone(), log.clone());
+            ctx.activity("SendEmail", move |activity| {
+                let log = send_log.clone();
+                async move {
+                    let attempt = activity.attempt();
+                    log.push(format!("send:{attempt}"));
+                    if attempt == 5 { Ok(()) } else { Err(SendEmailError { attempt }) }
                 }
-                ctx.activity("Sleep", |activity| async move {
-                    activity
-                        .context()
-                        .sleep_with_threshold("Some sleep", ms(10000), Duration::ZERO)
-                        .await;
-                    Ok::<(), Never>(())
-                })
-                .await
-                .unwrap_or_else(|never| match never {});
-                let _ensuring = OnDrop(log.clone(), "ensuring".into());
-                ctx.await_deferred(&email_trigger()).await.unwrap_or_else(|never| match never {});
-                log.push("triggered");
-                Ok(())
+            })
+            .retry(5)
+            .compensate(move |(), cause| async move {
+                compensation_log.push(format!("compensation:{}", cause_kind(&cause)));
+            })
+            .await?;
+            if payload.to == "compensation" {
+                return Err(SendEmailError { attempt: 0 });
             }
-        })
-        .unwrap();
+            ctx.activity("Sleep", |activity| async move {
+                activity
+                    .context()
+                    .sleep_with_threshold("Some sleep", ms(10000), Duration::ZERO)
+                    .await;
+                Ok::<(), Never>(())
+            })
+            .await
+            .unwrap_or_else(|never| match never {});
+            let _ensuring = OnDrop(log.clone(), "ensuring".into());
+            ctx.await_deferred(&email_trigger()).await.unwrap_or_else(|never| match never {});
+            log.push("triggered");
+            Ok(())
+        }
+    })
+    .unwrap();
 }
 
 pub(crate) async fn email_workflow_suspends_resumes_and_deduplicates(h: &impl Harness) {
@@ -564,61 +554,58 @@ workflow!(Saga, String, String);
 fn register_saga(engine: &WorkflowEngine, log: &Log, long: &Arc<Semaphore>) {
     let (log, long) = (log.clone(), Arc::clone(long));
     let runs = Arc::new(AtomicU32::new(0));
-    engine
-        .register::<Saga, _, _>(move |ctx: WorkflowContext, payload: Input| {
-            let (log, long, runs) = (log.clone(), Arc::clone(&long), Arc::clone(&runs));
-            async move {
-                let run = runs.fetch_add(1, Ordering::SeqCst) + 1;
-                log.push(format!("run:{run}"));
-                let finalizer_log = log.clone();
-                ctx.add_finalizer(move |exit: RunExit| async move {
-                    let interrupted = if exit.interrupted { ":interrupted" } else { "" };
-                    finalizer_log.push(format!("wf:{run}:{}{interrupted}", kind(&exit.exit)));
-                });
-                let compensation_log = log.clone();
-                ctx.activity("step", |_| async { Ok::<_, String>("held".to_owned()) })
-                    .compensate(move |value, cause| async move {
-                        compensation_log.push(format!("comp:{run}:{value}:{}", cause_kind(&cause)));
+    Saga::register(engine, move |ctx: WorkflowContext, payload: Input| {
+        let (log, long, runs) = (log.clone(), Arc::clone(&long), Arc::clone(&runs));
+        async move {
+            let run = runs.fetch_add(1, Ordering::SeqCst) + 1;
+            log.push(format!("run:{run}"));
+            let finalizer_log = log.clone();
+            ctx.add_finalizer(move |exit: RunExit| async move {
+                let interrupted = if exit.interrupted { ":interrupted" } else { "" };
+                finalizer_log.push(format!("wf:{run}:{}{interrupted}", kind(&exit.exit)));
+            });
+            let compensation_log = log.clone();
+            ctx.activity("step", |_| async { Ok::<_, String>("held".to_owned()) })
+                .compensate(move |value, cause| async move {
+                    compensation_log.push(format!("comp:{run}:{value}:{}", cause_kind(&cause)));
+                })
+                .await?;
+            match payload.to.as_str() {
+                "fail" => Err("boom".to_owned()),
+                "suspend" => {
+                    let value =
+                        ctx.await_deferred(&gate()).await.unwrap_or_else(|never| match never {});
+                    if value == "fail" { Err("late boom".to_owned()) } else { Ok(value) }
+                }
+                "active" | "active-then-activity" => {
+                    let long_log = log.clone();
+                    ctx.activity("long", move |_| {
+                        let (long, log) = (Arc::clone(&long), long_log.clone());
+                        async move {
+                            log.push("long:start");
+                            long.acquire().await.unwrap().forget();
+                            Ok::<_, String>(())
+                        }
                     })
                     .await?;
-                match payload.to.as_str() {
-                    "fail" => Err("boom".to_owned()),
-                    "suspend" => {
-                        let value = ctx
-                            .await_deferred(&gate())
-                            .await
-                            .unwrap_or_else(|never| match never {});
-                        if value == "fail" { Err("late boom".to_owned()) } else { Ok(value) }
-                    }
-                    "active" | "active-then-activity" => {
-                        let long_log = log.clone();
-                        ctx.activity("long", move |_| {
-                            let (long, log) = (Arc::clone(&long), long_log.clone());
+                    if payload.to == "active-then-activity" {
+                        let after_log = log.clone();
+                        ctx.activity("after", move |_| {
+                            let log = after_log.clone();
                             async move {
-                                log.push("long:start");
-                                long.acquire().await.unwrap().forget();
+                                log.push("after");
                                 Ok::<_, String>(())
                             }
                         })
                         .await?;
-                        if payload.to == "active-then-activity" {
-                            let after_log = log.clone();
-                            ctx.activity("after", move |_| {
-                                let log = after_log.clone();
-                                async move {
-                                    log.push("after");
-                                    Ok::<_, String>(())
-                                }
-                            })
-                            .await?;
-                        }
-                        Ok("done".to_owned())
                     }
-                    _ => Ok("done".to_owned()),
+                    Ok("done".to_owned())
                 }
+                _ => Ok("done".to_owned()),
             }
-        })
-        .unwrap();
+        }
+    })
+    .unwrap();
 }
 
 /// One row of the matrix: how the execution is driven, and what observers must see.
@@ -776,26 +763,22 @@ pub(crate) async fn compensations_run_in_reverse_order_with_the_cause(h: &impl H
     let log = Log::default();
     {
         let log = log.clone();
-        engine
-            .register::<Ordered, _, _>(move |ctx: WorkflowContext, _: Input| {
-                let log = log.clone();
-                async move {
-                    for step in ["reserve", "charge", "ship"] {
-                        let log = log.clone();
-                        ctx.activity(
-                            step,
-                            move |_| async move { Ok::<_, String>(step.to_owned()) },
-                        )
+        Ordered::register(&engine, move |ctx: WorkflowContext, _: Input| {
+            let log = log.clone();
+            async move {
+                for step in ["reserve", "charge", "ship"] {
+                    let log = log.clone();
+                    ctx.activity(step, move |_| async move { Ok::<_, String>(step.to_owned()) })
                         .compensate(move |value, cause| async move {
                             let error: Option<String> = cause.error();
                             log.push(format!("undo:{value}:{}", error.unwrap_or_default()));
                         })
                         .await?;
-                    }
-                    Err("no courier".to_owned())
                 }
-            })
-            .unwrap();
+                Err("no courier".to_owned())
+            }
+        })
+        .unwrap();
     }
     let result = engine.execute::<Ordered>(input("saga")).await;
     assert!(
@@ -849,19 +832,18 @@ pub(crate) async fn activity_race_returns_the_first_success_and_drops_the_losers
     let log = Log::default();
     {
         let log = log.clone();
-        engine
-            .register::<Racer, _, _>(move |ctx: WorkflowContext, _: Input| {
-                let log = log.clone();
-                async move {
-                    let branches = vec![
-                        sleeper(&ctx, &log, "Activity1", 1_000),
-                        sleeper(&ctx, &log, "Activity2", 500),
-                        sleeper(&ctx, &log, "Activity3", 100),
-                    ];
-                    ctx.race("race", branches).await
-                }
-            })
-            .unwrap();
+        Racer::register(&engine, move |ctx: WorkflowContext, _: Input| {
+            let log = log.clone();
+            async move {
+                let branches = vec![
+                    sleeper(&ctx, &log, "Activity1", 1_000),
+                    sleeper(&ctx, &log, "Activity2", 500),
+                    sleeper(&ctx, &log, "Activity3", 100),
+                ];
+                ctx.race("race", branches).await
+            }
+        })
+        .unwrap();
     }
     assert_eq!(engine.execute::<Racer>(input("r")).await.unwrap(), "Activity3");
     assert!(log.contains("Activity1:interrupted"), "{:?}", log.entries());
@@ -875,18 +857,17 @@ pub(crate) async fn activity_race_ignores_a_failure_when_another_branch_succeeds
     let log = Log::default();
     {
         let log = log.clone();
-        engine
-            .register::<Resilient, _, _>(move |ctx: WorkflowContext, _: Input| {
-                let log = log.clone();
-                async move {
-                    let failing: Branch<'_> = Box::pin(
-                        ctx.activity("fails", |_| async { Err::<String, _>("boom".to_owned()) })
-                            .into_future(),
-                    );
-                    ctx.race("race", vec![failing, sleeper(&ctx, &log, "slow", 1_000)]).await
-                }
-            })
-            .unwrap();
+        Resilient::register(&engine, move |ctx: WorkflowContext, _: Input| {
+            let log = log.clone();
+            async move {
+                let failing: Branch<'_> = Box::pin(
+                    ctx.activity("fails", |_| async { Err::<String, _>("boom".to_owned()) })
+                        .into_future(),
+                );
+                ctx.race("race", vec![failing, sleeper(&ctx, &log, "slow", 1_000)]).await
+            }
+        })
+        .unwrap();
     }
     assert_eq!(engine.execute::<Resilient>(input("r")).await.unwrap(), "slow");
 }
@@ -894,18 +875,17 @@ pub(crate) async fn activity_race_ignores_a_failure_when_another_branch_succeeds
 pub(crate) async fn activity_race_fails_when_every_branch_fails(h: &impl Harness) {
     workflow!(Doomed, String, String);
     let engine = h.engine().await;
-    engine
-        .register::<Doomed, _, _>(|ctx: WorkflowContext, _: Input| async move {
-            let first: Branch<'_> = Box::pin(
-                ctx.activity("a", |_| async { Err::<String, _>("a".to_owned()) }).into_future(),
-            );
-            let second: Branch<'_> = Box::pin(async {
-                tokio::time::sleep(ms(1000)).await;
-                Err("b".to_owned())
-            });
-            ctx.race("race", vec![first, second]).await
-        })
-        .unwrap();
+    Doomed::register(&engine, |ctx: WorkflowContext, _: Input| async move {
+        let first: Branch<'_> = Box::pin(
+            ctx.activity("a", |_| async { Err::<String, _>("a".to_owned()) }).into_future(),
+        );
+        let second: Branch<'_> = Box::pin(async {
+            tokio::time::sleep(ms(1000)).await;
+            Err("b".to_owned())
+        });
+        ctx.race("race", vec![first, second]).await
+    })
+    .unwrap();
     let result = engine.execute::<Doomed>(input("d")).await;
     assert!(matches!(&result, Err(ExecuteError::Failed(error)) if error == "b"), "{result:?}");
 }
@@ -914,35 +894,31 @@ workflow!(DeferredRacer, String, String);
 
 fn register_deferred_racer(engine: &WorkflowEngine, log: &Log, millis: u64) {
     let log = log.clone();
-    engine
-        .register::<DeferredRacer, _, _>(move |ctx: WorkflowContext, _: Input| {
-            let log = log.clone();
-            async move {
-                log.push("run");
-                let winner = ctx
-                    .race(
-                        "race",
-                        vec![
-                            await_branch(&ctx, gate(), ""),
-                            sleeper(&ctx, &log, "activity", millis),
-                        ],
-                    )
-                    .await?;
-                let tail_log = log.clone();
-                let tail: String = ctx
-                    .activity("tail", move |_| {
-                        let log = tail_log.clone();
-                        async move {
-                            log.push("tail:start");
-                            tokio::time::sleep(ms(10000)).await;
-                            Ok::<_, String>("tail".to_owned())
-                        }
-                    })
-                    .await?;
-                Ok(format!("{winner}:{tail}"))
-            }
-        })
-        .unwrap();
+    DeferredRacer::register(engine, move |ctx: WorkflowContext, _: Input| {
+        let log = log.clone();
+        async move {
+            log.push("run");
+            let winner = ctx
+                .race(
+                    "race",
+                    vec![await_branch(&ctx, gate(), ""), sleeper(&ctx, &log, "activity", millis)],
+                )
+                .await?;
+            let tail_log = log.clone();
+            let tail: String = ctx
+                .activity("tail", move |_| {
+                    let log = tail_log.clone();
+                    async move {
+                        log.push("tail:start");
+                        tokio::time::sleep(ms(10000)).await;
+                        Ok::<_, String>("tail".to_owned())
+                    }
+                })
+                .await?;
+            Ok(format!("{winner}:{tail}"))
+        }
+    })
+    .unwrap();
 }
 
 pub(crate) async fn deferred_race_lets_a_deferred_win_while_a_branch_is_active(h: &impl Harness) {
@@ -983,27 +959,25 @@ pub(crate) async fn a_race_replays_its_recorded_winner(h: &impl Harness) {
     let log = Log::default();
     {
         let log = log.clone();
-        engine
-            .register::<Recorded, _, _>(move |ctx: WorkflowContext, _: Input| {
-                let log = log.clone();
-                async move {
-                    log.push("run");
-                    let winner = ctx
-                        .race(
-                            "race",
-                            vec![
-                                sleeper(&ctx, &log, "slow", 50_000),
-                                sleeper(&ctx, &log, "fast", 1_000),
-                            ],
-                        )
-                        .await?;
-                    let tail: DurableDeferred<String> = DurableDeferred::new("Tail");
-                    let tail =
-                        ctx.await_deferred(&tail).await.unwrap_or_else(|never| match never {});
-                    Ok(format!("{winner}:{tail}"))
-                }
-            })
-            .unwrap();
+        Recorded::register(&engine, move |ctx: WorkflowContext, _: Input| {
+            let log = log.clone();
+            async move {
+                log.push("run");
+                let winner = ctx
+                    .race(
+                        "race",
+                        vec![
+                            sleeper(&ctx, &log, "slow", 50_000),
+                            sleeper(&ctx, &log, "fast", 1_000),
+                        ],
+                    )
+                    .await?;
+                let tail: DurableDeferred<String> = DurableDeferred::new("Tail");
+                let tail = ctx.await_deferred(&tail).await.unwrap_or_else(|never| match never {});
+                Ok(format!("{winner}:{tail}"))
+            }
+        })
+        .unwrap();
     }
     let id = engine.execute_discard::<Recorded>(input("r")).await.unwrap();
     suspended::<Recorded>(&engine, &id).await;
@@ -1018,13 +992,12 @@ pub(crate) async fn a_race_replays_its_recorded_winner(h: &impl Harness) {
 pub(crate) async fn a_race_suspends_when_every_branch_waits(h: &impl Harness) {
     workflow!(Waiting, String, String);
     let engine = h.engine().await;
-    engine
-        .register::<Waiting, _, _>(|ctx: WorkflowContext, _: Input| async move {
-            let a = await_branch(&ctx, DurableDeferred::new("A"), "-a");
-            let b = await_branch(&ctx, DurableDeferred::new("B"), "-b");
-            ctx.race("race", vec![a, b]).await
-        })
-        .unwrap();
+    Waiting::register(&engine, |ctx: WorkflowContext, _: Input| async move {
+        let a = await_branch(&ctx, DurableDeferred::new("A"), "-a");
+        let b = await_branch(&ctx, DurableDeferred::new("B"), "-b");
+        ctx.race("race", vec![a, b]).await
+    })
+    .unwrap();
     let id = engine.execute_discard::<Waiting>(input("w")).await.unwrap();
     suspended::<Waiting>(&engine, &id).await;
     open::<Waiting>(&engine, &id, &DurableDeferred::new("B"), "signal").await;
@@ -1037,25 +1010,24 @@ pub(crate) async fn awaits_inside_an_activity_do_not_preempt_the_run(h: &impl Ha
     let log = Log::default();
     {
         let log = log.clone();
-        engine
-            .register::<Inner, _, _>(move |ctx: WorkflowContext, _: Input| {
-                let log = log.clone();
-                async move {
-                    log.push("run");
-                    let clocked: Branch<'_> = Box::pin(
-                        ctx.activity("clocked", |activity| async move {
-                            activity
-                                .context()
-                                .sleep_with_threshold("inner", ms(5000), Duration::ZERO)
-                                .await;
-                            Ok::<_, String>("clock".to_owned())
-                        })
-                        .into_future(),
-                    );
-                    ctx.race("race", vec![clocked, sleeper(&ctx, &log, "slow", 30_000)]).await
-                }
-            })
-            .unwrap();
+        Inner::register(&engine, move |ctx: WorkflowContext, _: Input| {
+            let log = log.clone();
+            async move {
+                log.push("run");
+                let clocked: Branch<'_> = Box::pin(
+                    ctx.activity("clocked", |activity| async move {
+                        activity
+                            .context()
+                            .sleep_with_threshold("inner", ms(5000), Duration::ZERO)
+                            .await;
+                        Ok::<_, String>("clock".to_owned())
+                    })
+                    .into_future(),
+                );
+                ctx.race("race", vec![clocked, sleeper(&ctx, &log, "slow", 30_000)]).await
+            }
+        })
+        .unwrap();
     }
     assert_eq!(engine.execute::<Inner>(input("i")).await.unwrap(), "slow");
     assert_eq!(log.count("run"), 1, "the clock inside the activity did not preempt the run");
@@ -1073,31 +1045,27 @@ fn child_deferred() -> DurableDeferred<String> {
 
 fn register_family(engine: &WorkflowEngine, log: &Log) {
     let child_log = log.clone();
-    engine
-        .register::<Child, _, _>(move |ctx: WorkflowContext, _: Input| {
-            let log = child_log.clone();
-            async move {
-                log.push("child:run");
-                let value = ctx
-                    .await_deferred(&child_deferred())
-                    .await
-                    .unwrap_or_else(|never| match never {});
-                Ok(format!("child:{value}"))
-            }
-        })
-        .unwrap();
+    Child::register(engine, move |ctx: WorkflowContext, _: Input| {
+        let log = child_log.clone();
+        async move {
+            log.push("child:run");
+            let value =
+                ctx.await_deferred(&child_deferred()).await.unwrap_or_else(|never| match never {});
+            Ok(format!("child:{value}"))
+        }
+    })
+    .unwrap();
     let parent_log = log.clone();
-    engine
-        .register::<Parent, _, _>(move |ctx: WorkflowContext, payload: Input| {
-            let log = parent_log.clone();
-            async move {
-                log.push("parent:run");
-                let _body = BodyFinalizer { ctx: ctx.clone(), log: log.clone() };
-                let value = ctx.child::<Child>(input(&format!("{}-child", payload.key))).await?;
-                Ok(format!("parent:{value}"))
-            }
-        })
-        .unwrap();
+    Parent::register(engine, move |ctx: WorkflowContext, payload: Input| {
+        let log = parent_log.clone();
+        async move {
+            log.push("parent:run");
+            let _body = BodyFinalizer { ctx: ctx.clone(), log: log.clone() };
+            let value = ctx.child::<Child>(input(&format!("{}-child", payload.key))).await?;
+            Ok(format!("parent:{value}"))
+        }
+    })
+    .unwrap();
 }
 
 pub(crate) async fn a_child_completion_wakes_its_parent(h: &impl Harness) {
@@ -1160,34 +1128,33 @@ workflow!(Flaky, String, String, suspend_on_failure());
 fn register_flaky(engine: &WorkflowEngine, log: &Log, in_activity: bool) {
     let log = log.clone();
     let failures = Arc::new(AtomicU32::new(1));
-    engine
-        .register::<Flaky, _, _>(move |ctx: WorkflowContext, _: Input| {
-            let (log, failures) = (log.clone(), Arc::clone(&failures));
-            async move {
-                log.push("run");
-                if in_activity {
+    Flaky::register(engine, move |ctx: WorkflowContext, _: Input| {
+        let (log, failures) = (log.clone(), Arc::clone(&failures));
+        async move {
+            log.push("run");
+            if in_activity {
+                let failures = Arc::clone(&failures);
+                ctx.activity("flaky", move |_| {
                     let failures = Arc::clone(&failures);
-                    ctx.activity("flaky", move |_| {
-                        let failures = Arc::clone(&failures);
-                        async move {
-                            if failures.fetch_sub(1, Ordering::SeqCst) > 0 {
-                                return Err("boom".to_owned());
-                            }
-                            Ok::<_, String>("recovered".to_owned())
+                    async move {
+                        if failures.fetch_sub(1, Ordering::SeqCst) > 0 {
+                            return Err("boom".to_owned());
                         }
-                    })
+                        Ok::<_, String>("recovered".to_owned())
+                    }
+                })
+                .await
+            } else {
+                let _ = ctx
+                    .await_deferred(&DurableDeferred::<String>::new("Never"))
                     .await
-                } else {
-                    let _ = ctx
-                        .await_deferred(&DurableDeferred::<String>::new("Never"))
-                        .await
-                        .ok()
-                        .filter(|_| false);
-                    Err("boom".to_owned())
-                }
+                    .ok()
+                    .filter(|_| false);
+                Err("boom".to_owned())
             }
-        })
-        .unwrap();
+        }
+    })
+    .unwrap();
 }
 
 fn failed_suspension(result: &WorkflowResult) -> bool {
@@ -1215,11 +1182,10 @@ workflow!(AlwaysFails, String, String, suspend_on_failure());
 
 pub(crate) async fn interrupting_a_failed_suspension_keeps_the_original_failure(h: &impl Harness) {
     let engine = h.engine().await;
-    engine
-        .register::<AlwaysFails, _, _>(|_: WorkflowContext, _: Input| async {
-            Err::<String, _>("boom".to_owned())
-        })
-        .unwrap();
+    AlwaysFails::register(&engine, |_: WorkflowContext, _: Input| async {
+        Err::<String, _>("boom".to_owned())
+    })
+    .unwrap();
     let id = engine.execute_discard::<AlwaysFails>(input("a")).await.unwrap();
     let result = suspended::<AlwaysFails>(&engine, &id).await;
     assert!(failed_suspension(&result), "{result:?}");
@@ -1252,31 +1218,30 @@ pub(crate) async fn a_caught_activity_defect_lets_the_workflow_go_on(h: &impl Ha
     let log = Log::default();
     {
         let log = log.clone();
-        engine
-            .register::<Catcher, _, _>(move |ctx: WorkflowContext, _: Input| {
-                let log = log.clone();
-                async move {
-                    let died = ctx
-                        .activity("dies", |_| async {
-                            if true {
-                                panic!("Batch request error: Request timed out");
-                            }
-                            Ok::<String, String>(String::new())
-                        })
-                        .catch_defects()
-                        .await;
-                    let Err(ActivityError::Defect(defect)) = died else {
-                        return Err("no defect".to_owned());
-                    };
-                    log.push("catch");
-                    ctx.activity("log", move |_| {
-                        let defect = defect.clone();
-                        async move { Ok::<_, String>(defect) }
+        Catcher::register(&engine, move |ctx: WorkflowContext, _: Input| {
+            let log = log.clone();
+            async move {
+                let died = ctx
+                    .activity("dies", |_| async {
+                        if true {
+                            panic!("Batch request error: Request timed out");
+                        }
+                        Ok::<String, String>(String::new())
                     })
-                    .await
-                }
-            })
-            .unwrap();
+                    .catch_defects()
+                    .await;
+                let Err(ActivityError::Defect(defect)) = died else {
+                    return Err("no defect".to_owned());
+                };
+                log.push("catch");
+                ctx.activity("log", move |_| {
+                    let defect = defect.clone();
+                    async move { Ok::<_, String>(defect) }
+                })
+                .await
+            }
+        })
+        .unwrap();
     }
     let defect = engine.execute::<Catcher>(input("c")).await.unwrap();
     assert!(defect.contains("Batch request error: Request timed out"), "{defect}");
@@ -1286,17 +1251,16 @@ pub(crate) async fn a_caught_activity_defect_lets_the_workflow_go_on(h: &impl Ha
 pub(crate) async fn an_uncaught_activity_defect_completes_with_a_die(h: &impl Harness) {
     workflow!(Dies, String, String);
     let engine = h.engine().await;
-    engine
-        .register::<Dies, _, _>(|ctx: WorkflowContext, _: Input| async move {
-            ctx.activity("dies", |_| async {
-                if true {
-                    panic!("Batch request error: Request timed out");
-                }
-                Ok::<String, String>(String::new())
-            })
-            .await
+    Dies::register(&engine, |ctx: WorkflowContext, _: Input| async move {
+        ctx.activity("dies", |_| async {
+            if true {
+                panic!("Batch request error: Request timed out");
+            }
+            Ok::<String, String>(String::new())
         })
-        .unwrap();
+        .await
+    })
+    .unwrap();
     let result = engine.execute::<Dies>(input("d")).await;
     match result {
         Err(ExecuteError::Defect(defect)) => {
@@ -1314,14 +1278,13 @@ pub(crate) async fn without_capture_defects_a_defect_leaves_no_result(h: &impl H
         WorkflowOptions { capture_defects: false, ..WorkflowOptions::default() }
     );
     let engine = h.engine().await;
-    engine
-        .register::<Uncaptured, _, _>(|_: WorkflowContext, _: Input| async {
-            if true {
-                panic!("lost");
-            }
-            Ok(String::new())
-        })
-        .unwrap();
+    Uncaptured::register(&engine, |_: WorkflowContext, _: Input| async {
+        if true {
+            panic!("lost");
+        }
+        Ok(String::new())
+    })
+    .unwrap();
     let id = engine.execute_discard::<Uncaptured>(input("u")).await.unwrap();
     let mut polled = engine.poll::<Uncaptured>(&id).await;
     for _ in 0..100 {
@@ -1339,14 +1302,13 @@ pub(crate) async fn without_capture_defects_a_defect_leaves_no_result(h: &impl H
 pub(crate) async fn a_body_panic_is_a_defect(h: &impl Harness) {
     workflow!(Panics, String, String);
     let engine = h.engine().await;
-    engine
-        .register::<Panics, _, _>(|_: WorkflowContext, _: Input| async {
-            if true {
-                panic!("body panic");
-            }
-            Ok(String::new())
-        })
-        .unwrap();
+    Panics::register(&engine, |_: WorkflowContext, _: Input| async {
+        if true {
+            panic!("body panic");
+        }
+        Ok(String::new())
+    })
+    .unwrap();
     let result = engine.execute::<Panics>(input("p")).await;
     assert!(
         matches!(&result, Err(ExecuteError::Defect(defect)) if defect.contains("body panic")),
@@ -1367,27 +1329,26 @@ pub(crate) async fn retries_number_attempts_and_keep_the_last_error(h: &impl Har
     let log = Log::default();
     {
         let log = log.clone();
-        engine
-            .register::<Retried, _, _>(move |ctx: WorkflowContext, payload: Input| {
-                let log = log.clone();
-                async move {
-                    ctx.activity("retried", move |activity| {
-                        let (log, succeed) = (log.clone(), payload.to == "succeed");
-                        async move {
-                            let attempt = activity.attempt();
-                            log.push(format!("attempt:{attempt}"));
-                            if succeed && attempt == 3 {
-                                Ok(attempt)
-                            } else {
-                                Err(RetryError { attempt })
-                            }
+        Retried::register(&engine, move |ctx: WorkflowContext, payload: Input| {
+            let log = log.clone();
+            async move {
+                ctx.activity("retried", move |activity| {
+                    let (log, succeed) = (log.clone(), payload.to == "succeed");
+                    async move {
+                        let attempt = activity.attempt();
+                        log.push(format!("attempt:{attempt}"));
+                        if succeed && attempt == 3 {
+                            Ok(attempt)
+                        } else {
+                            Err(RetryError { attempt })
                         }
-                    })
-                    .retry(2)
-                    .await
-                }
-            })
-            .unwrap();
+                    }
+                })
+                .retry(2)
+                .await
+            }
+        })
+        .unwrap();
     }
     assert_eq!(engine.execute::<Retried>(input_to("s", "succeed")).await.unwrap(), 3);
     assert_eq!(log.entries(), ["attempt:1", "attempt:2", "attempt:3"]);
@@ -1406,25 +1367,24 @@ pub(crate) async fn an_interrupted_activity_runs_again_and_completes(h: &impl Ha
     let runs = Arc::new(AtomicU32::new(0));
     {
         let runs = Arc::clone(&runs);
-        engine
-            .register::<Interrupted, _, _>(move |ctx: WorkflowContext, _: Input| {
-                let runs = Arc::clone(&runs);
-                async move {
-                    ctx.activity("cut", move |activity| {
-                        let runs = Arc::clone(&runs);
-                        async move {
-                            let run = runs.fetch_add(1, Ordering::SeqCst) + 1;
-                            if run < 3 {
-                                // As after a call the callee's lost shard interrupted.
-                                return activity.interrupt().await;
-                            }
-                            Ok::<_, String>(run)
+        Interrupted::register(&engine, move |ctx: WorkflowContext, _: Input| {
+            let runs = Arc::clone(&runs);
+            async move {
+                ctx.activity("cut", move |activity| {
+                    let runs = Arc::clone(&runs);
+                    async move {
+                        let run = runs.fetch_add(1, Ordering::SeqCst) + 1;
+                        if run < 3 {
+                            // As after a call the callee's lost shard interrupted.
+                            return activity.interrupt().await;
                         }
-                    })
-                    .await
-                }
-            })
-            .unwrap();
+                        Ok::<_, String>(run)
+                    }
+                })
+                .await
+            }
+        })
+        .unwrap();
     }
     let started = tokio::time::Instant::now();
     assert_eq!(engine.execute::<Interrupted>(input("i")).await.unwrap(), 3);
@@ -1444,32 +1404,31 @@ pub(crate) async fn an_activity_failing_on_its_own_is_not_retried_on_interrupt(h
     let runs = Arc::new(AtomicU32::new(0));
     {
         let runs = Arc::clone(&runs);
-        engine
-            .register::<FailsAlone, _, _>(move |ctx: WorkflowContext, payload: Input| {
-                let runs = Arc::clone(&runs);
-                async move {
-                    let panics = payload.to == "panic";
-                    let outcome = ctx
-                        .activity("fails", move |_| {
-                            let runs = Arc::clone(&runs);
-                            async move {
-                                runs.fetch_add(1, Ordering::SeqCst);
-                                if panics {
-                                    panic!("the body broke");
-                                }
-                                Err::<String, String>("declined".to_owned())
+        FailsAlone::register(&engine, move |ctx: WorkflowContext, payload: Input| {
+            let runs = Arc::clone(&runs);
+            async move {
+                let panics = payload.to == "panic";
+                let outcome = ctx
+                    .activity("fails", move |_| {
+                        let runs = Arc::clone(&runs);
+                        async move {
+                            runs.fetch_add(1, Ordering::SeqCst);
+                            if panics {
+                                panic!("the body broke");
                             }
-                        })
-                        .catch_defects()
-                        .await;
-                    match outcome {
-                        Ok(value) => Ok(value),
-                        Err(ActivityError::Failed(error)) => Err(error),
-                        Err(ActivityError::Defect(defect)) => Ok(format!("defect:{defect}")),
-                    }
+                            Err::<String, String>("declined".to_owned())
+                        }
+                    })
+                    .catch_defects()
+                    .await;
+                match outcome {
+                    Ok(value) => Ok(value),
+                    Err(ActivityError::Failed(error)) => Err(error),
+                    Err(ActivityError::Defect(defect)) => Ok(format!("defect:{defect}")),
                 }
-            })
-            .unwrap();
+            }
+        })
+        .unwrap();
     }
     let failed = engine.execute::<FailsAlone>(input_to("f", "fail")).await;
     assert!(
@@ -1490,33 +1449,32 @@ pub(crate) async fn an_activity_interrupted_past_its_retries_dies(h: &impl Harne
     let runs = Arc::new(AtomicU32::new(0));
     {
         let runs = Arc::clone(&runs);
-        engine
-            .register::<AlwaysCut, _, _>(move |ctx: WorkflowContext, _: Input| {
-                let runs = Arc::clone(&runs);
-                async move {
-                    let policy = InterruptRetry {
-                        max_retries: 2,
-                        first_delay: ms(100),
-                        ..InterruptRetry::default()
-                    };
-                    let outcome = ctx
-                        .activity("always", move |activity| {
-                            let runs = Arc::clone(&runs);
-                            async move {
-                                runs.fetch_add(1, Ordering::SeqCst);
-                                activity.interrupt::<Result<String, String>>().await
-                            }
-                        })
-                        .interrupt_retry(policy)
-                        .catch_defects()
-                        .await;
-                    match outcome {
-                        Err(ActivityError::Defect(defect)) => Ok(defect),
-                        other => Err(format!("{other:?}")),
-                    }
+        AlwaysCut::register(&engine, move |ctx: WorkflowContext, _: Input| {
+            let runs = Arc::clone(&runs);
+            async move {
+                let policy = InterruptRetry {
+                    max_retries: 2,
+                    first_delay: ms(100),
+                    ..InterruptRetry::default()
+                };
+                let outcome = ctx
+                    .activity("always", move |activity| {
+                        let runs = Arc::clone(&runs);
+                        async move {
+                            runs.fetch_add(1, Ordering::SeqCst);
+                            activity.interrupt::<Result<String, String>>().await
+                        }
+                    })
+                    .interrupt_retry(policy)
+                    .catch_defects()
+                    .await;
+                match outcome {
+                    Err(ActivityError::Defect(defect)) => Ok(defect),
+                    other => Err(format!("{other:?}")),
                 }
-            })
-            .unwrap();
+            }
+        })
+        .unwrap();
     }
     let defect = engine.execute::<AlwaysCut>(input("a")).await.unwrap();
     assert_eq!(defect, r#""Activity \"always\" interrupted and retry attempts exhausted""#);
@@ -1529,26 +1487,25 @@ pub(crate) async fn concurrent_activities_with_one_name_run_once(h: &impl Harnes
     let log = Log::default();
     {
         let log = log.clone();
-        engine
-            .register::<Twice, _, _>(move |ctx: WorkflowContext, _: Input| {
-                let log = log.clone();
-                async move {
-                    let body = |_| {
-                        let log = log.clone();
-                        async move {
-                            log.push("body");
-                            tokio::time::sleep(ms(100)).await;
-                            Ok::<u64, String>(7)
-                        }
-                    };
-                    let (a, b) = tokio::join!(
-                        ctx.activity("same", body).into_future(),
-                        ctx.activity("same", body).into_future()
-                    );
-                    Ok((a?, b?))
-                }
-            })
-            .unwrap();
+        Twice::register(&engine, move |ctx: WorkflowContext, _: Input| {
+            let log = log.clone();
+            async move {
+                let body = |_| {
+                    let log = log.clone();
+                    async move {
+                        log.push("body");
+                        tokio::time::sleep(ms(100)).await;
+                        Ok::<u64, String>(7)
+                    }
+                };
+                let (a, b) = tokio::join!(
+                    ctx.activity("same", body).into_future(),
+                    ctx.activity("same", body).into_future()
+                );
+                Ok((a?, b?))
+            }
+        })
+        .unwrap();
     }
     assert_eq!(engine.execute::<Twice>(input("t")).await.unwrap(), (7, 7));
     assert_eq!(log.count("body"), 1);
@@ -1560,28 +1517,26 @@ pub(crate) async fn concurrent_activities_finish_before_the_run_suspends(h: &imp
     let log = Log::default();
     {
         let log = log.clone();
-        engine
-            .register::<Concurrent, _, _>(move |ctx: WorkflowContext, _: Input| {
-                let log = log.clone();
-                async move {
-                    let slow_log = log.clone();
-                    let slow = ctx.activity("slow", move |_| {
-                        let log = slow_log.clone();
-                        async move {
-                            log.push("slow:start");
-                            tokio::time::sleep(ms(5000)).await;
-                            log.push("slow:done");
-                            Ok::<_, String>("slow".to_owned())
-                        }
-                    });
-                    let gate = gate();
-                    let (slow, signal) =
-                        tokio::join!(slow.into_future(), ctx.await_deferred(&gate));
-                    let signal = signal.unwrap_or_else(|never| match never {});
-                    Ok(format!("{}:{signal}", slow?))
-                }
-            })
-            .unwrap();
+        Concurrent::register(&engine, move |ctx: WorkflowContext, _: Input| {
+            let log = log.clone();
+            async move {
+                let slow_log = log.clone();
+                let slow = ctx.activity("slow", move |_| {
+                    let log = slow_log.clone();
+                    async move {
+                        log.push("slow:start");
+                        tokio::time::sleep(ms(5000)).await;
+                        log.push("slow:done");
+                        Ok::<_, String>("slow".to_owned())
+                    }
+                });
+                let gate = gate();
+                let (slow, signal) = tokio::join!(slow.into_future(), ctx.await_deferred(&gate));
+                let signal = signal.unwrap_or_else(|never| match never {});
+                Ok(format!("{}:{signal}", slow?))
+            }
+        })
+        .unwrap();
     }
     let id = engine.execute_discard::<Concurrent>(input("c")).await.unwrap();
     suspended::<Concurrent>(&engine, &id).await;
@@ -1597,17 +1552,16 @@ pub(crate) async fn durable_sleep_wakes_the_run(h: &impl Harness) {
     let log = Log::default();
     {
         let log = log.clone();
-        engine
-            .register::<Sleeper, _, _>(move |ctx: WorkflowContext, _: Input| {
-                let log = log.clone();
-                async move {
-                    log.push("run");
-                    ctx.sleep_with_threshold("nap", ms(120_000), ms(60_000)).await;
-                    ctx.sleep("zero", Duration::ZERO).await;
-                    Ok(())
-                }
-            })
-            .unwrap();
+        Sleeper::register(&engine, move |ctx: WorkflowContext, _: Input| {
+            let log = log.clone();
+            async move {
+                log.push("run");
+                ctx.sleep_with_threshold("nap", ms(120_000), ms(60_000)).await;
+                ctx.sleep("zero", Duration::ZERO).await;
+                Ok(())
+            }
+        })
+        .unwrap();
     }
     let start = tokio::time::Instant::now();
     let id = engine.execute_discard::<Sleeper>(input("s")).await.unwrap();
@@ -1623,16 +1577,15 @@ pub(crate) async fn short_sleeps_are_activities(h: &impl Harness) {
     let log = Log::default();
     {
         let log = log.clone();
-        engine
-            .register::<Napper, _, _>(move |ctx: WorkflowContext, _: Input| {
-                let log = log.clone();
-                async move {
-                    log.push("run");
-                    ctx.sleep_with_threshold("short", ms(10_000), ms(60_000)).await;
-                    Ok(())
-                }
-            })
-            .unwrap();
+        Napper::register(&engine, move |ctx: WorkflowContext, _: Input| {
+            let log = log.clone();
+            async move {
+                log.push("run");
+                ctx.sleep_with_threshold("short", ms(10_000), ms(60_000)).await;
+                Ok(())
+            }
+        })
+        .unwrap();
     }
     let start = tokio::time::Instant::now();
     engine.execute::<Napper>(input("n")).await.unwrap();
@@ -1643,11 +1596,10 @@ pub(crate) async fn short_sleeps_are_activities(h: &impl Harness) {
 pub(crate) async fn first_completion_wins(h: &impl Harness) {
     workflow!(Firsts, String, Never);
     let engine = h.engine().await;
-    engine
-        .register::<Firsts, _, _>(|ctx: WorkflowContext, _: Input| async move {
-            ctx.await_deferred(&gate()).await
-        })
-        .unwrap();
+    Firsts::register(&engine, |ctx: WorkflowContext, _: Input| async move {
+        ctx.await_deferred(&gate()).await
+    })
+    .unwrap();
     let id = engine.execute_discard::<Firsts>(input("f")).await.unwrap();
     suspended::<Firsts>(&engine, &id).await;
     open::<Firsts>(&engine, &id, &gate(), "first").await;
@@ -1694,7 +1646,7 @@ pub(crate) async fn unregistered_workflows_are_an_error(h: &impl Harness) {
         );
         register_doubler(&engine, &Log::default());
     }
-    let twice = engine.register::<Doubler, _, _>(|_: WorkflowContext, _: Input| async { Ok(0) });
+    let twice = Doubler::register(&engine, |_: WorkflowContext, _: Input| async { Ok(0) });
     assert!(matches!(twice, Err(WorkflowError::Invalid(_))));
 }
 
@@ -1714,20 +1666,19 @@ workflow!(Queued, u64, String);
 
 fn register_queued(engine: &WorkflowEngine, log: &Log) {
     let run_log = log.clone();
-    engine
-        .register::<Queued, _, _>(move |ctx: WorkflowContext, payload: Input| {
-            let log = run_log.clone();
-            async move {
-                log.push("run");
-                let item = Item { id: "api-call-1".into(), value: payload.value };
-                let result = API_QUEUE.process(&ctx, item).await?;
-                if payload.to == "gate" {
-                    let _ = ctx.await_deferred(&gate()).await;
-                }
-                Ok(result)
+    Queued::register(engine, move |ctx: WorkflowContext, payload: Input| {
+        let log = run_log.clone();
+        async move {
+            log.push("run");
+            let item = Item { id: "api-call-1".into(), value: payload.value };
+            let result = API_QUEUE.process(&ctx, item).await?;
+            if payload.to == "gate" {
+                let _ = ctx.await_deferred(&gate()).await;
             }
-        })
-        .unwrap();
+            Ok(result)
+        }
+    })
+    .unwrap();
     let log = log.clone();
     engine
         .register_queue_worker(
@@ -1789,18 +1740,17 @@ pub(crate) async fn a_bare_durable_clock_branch_wins(h: &impl Harness) {
     let log = Log::default();
     {
         let log = log.clone();
-        engine
-            .register::<ClockRace, _, _>(move |ctx: WorkflowContext, _: Input| {
-                let log = log.clone();
-                async move {
-                    let clock: Branch<'_> = Box::pin(async {
-                        ctx.sleep_with_threshold("short", ms(5_000), Duration::ZERO).await;
-                        Ok("clock".to_owned())
-                    });
-                    ctx.race("race", vec![clock, sleeper(&ctx, &log, "slow", 30_000)]).await
-                }
-            })
-            .unwrap();
+        ClockRace::register(&engine, move |ctx: WorkflowContext, _: Input| {
+            let log = log.clone();
+            async move {
+                let clock: Branch<'_> = Box::pin(async {
+                    ctx.sleep_with_threshold("short", ms(5_000), Duration::ZERO).await;
+                    Ok("clock".to_owned())
+                });
+                ctx.race("race", vec![clock, sleeper(&ctx, &log, "slow", 30_000)]).await
+            }
+        })
+        .unwrap();
     }
     assert_eq!(engine.execute::<ClockRace>(input("c")).await.unwrap(), "clock");
 }
@@ -1813,24 +1763,21 @@ pub(crate) async fn a_waking_branch_runs_its_own_steps_again(h: &impl Harness) {
     let log = Log::default();
     {
         let log = log.clone();
-        engine
-            .register::<Steps, _, _>(move |ctx: WorkflowContext, _: Input| {
-                let log = log.clone();
-                async move {
-                    let branch: Branch<'_> = Box::pin(async {
-                        let act: String = ctx
-                            .activity("act", |_| async { Ok::<_, String>("act".to_owned()) })
-                            .await?;
-                        let value = ctx
-                            .await_deferred(&gate())
-                            .await
-                            .unwrap_or_else(|never| match never {});
-                        Ok(format!("{act}:{value}!"))
-                    });
-                    ctx.race("race", vec![branch, sleeper(&ctx, &log, "slow", 30_000)]).await
-                }
-            })
-            .unwrap();
+        Steps::register(&engine, move |ctx: WorkflowContext, _: Input| {
+            let log = log.clone();
+            async move {
+                let branch: Branch<'_> = Box::pin(async {
+                    let act: String = ctx
+                        .activity("act", |_| async { Ok::<_, String>("act".to_owned()) })
+                        .await?;
+                    let value =
+                        ctx.await_deferred(&gate()).await.unwrap_or_else(|never| match never {});
+                    Ok(format!("{act}:{value}!"))
+                });
+                ctx.race("race", vec![branch, sleeper(&ctx, &log, "slow", 30_000)]).await
+            }
+        })
+        .unwrap();
     }
     let id = engine.execute_discard::<Steps>(input("s")).await.unwrap();
     until("the slow branch runs", || log.contains("slow:start")).await;
@@ -1845,22 +1792,21 @@ pub(crate) async fn a_multi_await_branch_replays_per_completion(h: &impl Harness
     let log = Log::default();
     {
         let log = log.clone();
-        engine
-            .register::<TwoAwaits, _, _>(move |ctx: WorkflowContext, _: Input| {
-                let log = log.clone();
-                async move {
-                    log.push("run");
-                    let branch: Branch<'_> = Box::pin(async {
-                        let a = ctx.await_deferred(&DurableDeferred::<String>::new("A")).await;
-                        let b = ctx.await_deferred(&DurableDeferred::<String>::new("B")).await;
-                        let (Ok(a), Ok(b)) = (a, b);
-                        Ok(format!("{a}:{b}"))
-                    });
-                    let never: Branch<'_> = Box::pin(std::future::pending());
-                    ctx.race("race", vec![branch, never]).await
-                }
-            })
-            .unwrap();
+        TwoAwaits::register(&engine, move |ctx: WorkflowContext, _: Input| {
+            let log = log.clone();
+            async move {
+                log.push("run");
+                let branch: Branch<'_> = Box::pin(async {
+                    let a = ctx.await_deferred(&DurableDeferred::<String>::new("A")).await;
+                    let b = ctx.await_deferred(&DurableDeferred::<String>::new("B")).await;
+                    let (Ok(a), Ok(b)) = (a, b);
+                    Ok(format!("{a}:{b}"))
+                });
+                let never: Branch<'_> = Box::pin(std::future::pending());
+                ctx.race("race", vec![branch, never]).await
+            }
+        })
+        .unwrap();
     }
     let id = engine.execute_discard::<TwoAwaits>(input("m")).await.unwrap();
     until("the first run", || log.contains("run")).await;
@@ -1877,23 +1823,22 @@ pub(crate) async fn a_multi_await_branch_replays_per_completion(h: &impl Harness
 pub(crate) async fn a_race_of_waiting_activities_suspends(h: &impl Harness) {
     workflow!(WaitingActivity, String, String);
     let engine = h.engine().await;
-    engine
-        .register::<WaitingActivity, _, _>(|ctx: WorkflowContext, _: Input| async move {
-            let inside: Branch<'_> = Box::pin(
-                ctx.activity("inside", |activity| async move {
-                    let value = activity
-                        .context()
-                        .await_deferred(&DurableDeferred::<String>::new("X"))
-                        .await
-                        .unwrap_or_else(|never| match never {});
-                    Ok::<_, String>(format!("activity:{value}"))
-                })
-                .into_future(),
-            );
-            let outside = await_branch(&ctx, DurableDeferred::new("Y"), ":outside");
-            ctx.race("race", vec![inside, outside]).await
-        })
-        .unwrap();
+    WaitingActivity::register(&engine, |ctx: WorkflowContext, _: Input| async move {
+        let inside: Branch<'_> = Box::pin(
+            ctx.activity("inside", |activity| async move {
+                let value = activity
+                    .context()
+                    .await_deferred(&DurableDeferred::<String>::new("X"))
+                    .await
+                    .unwrap_or_else(|never| match never {});
+                Ok::<_, String>(format!("activity:{value}"))
+            })
+            .into_future(),
+        );
+        let outside = await_branch(&ctx, DurableDeferred::new("Y"), ":outside");
+        ctx.race("race", vec![inside, outside]).await
+    })
+    .unwrap();
     let id = engine.execute_discard::<WaitingActivity>(input("w")).await.unwrap();
     suspended::<WaitingActivity>(&engine, &id).await;
     open::<WaitingActivity>(&engine, &id, &DurableDeferred::new("X"), "x").await;

@@ -1,20 +1,23 @@
 //! Transactional activities (`ActivityCall::with_transaction`, the reference's
 //! `ClusterSchema.WithTransaction` on an activity) on SQLite on disk, PostgreSQL and MySQL: the
 //! body writes a row of an application table through the storage transaction its result is
-//! saved in, and the row exists exactly when the activity's success was saved.
+//! saved in (with the typed guard of the database), and the row exists exactly when the
+//! activity's success was saved.
 
+use std::any::type_name;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::time::Duration;
 
 use cluster_core::ids::RunnerAddress;
-use cluster_sharding::{Sharding, TransactionSlot};
-use cluster_storage_sql::sqlite::SqliteTransactionHandle;
+use cluster_core::transaction::TransactionError;
+use cluster_sharding::Sharding;
+use cluster_storage_sql::mysql::MySqlTransactionGuard;
+use cluster_storage_sql::postgres::PgTransactionGuard;
+use cluster_storage_sql::sqlite::{SqliteTransactionGuard, SqliteTransactionHandle};
 use cluster_testkit::databases::TestDatabase;
 use cluster_testkit::faulty::{Faults, FaultyMessageStorage};
-use cluster_workflow::{
-    ActivityContext, DurableDeferred, ExecuteError, Workflow, WorkflowContext, WorkflowEngine,
-};
+use cluster_workflow::{ActivityContext, DurableDeferred, ExecuteError, Workflow, WorkflowEngine};
 use serde::{Deserialize, Serialize};
 
 /// What the test workflow's activity does after writing its row.
@@ -33,6 +36,21 @@ impl Workflow for Transactional {
     const NAME: &'static str = "Transactional";
     type Payload = Order;
     type Success = u32;
+    type Error = String;
+
+    fn idempotency_key(order: &Order) -> String {
+        order.key.clone()
+    }
+}
+
+/// Reports what its activities get when they lock their transaction: an activity outside a
+/// transaction, then a transactional one asking for another backend's guard.
+struct Probe;
+
+impl Workflow for Probe {
+    const NAME: &'static str = "Probe";
+    type Payload = Order;
+    type Success = Vec<Option<String>>;
     type Error = String;
 
     fn idempotency_key(order: &Order) -> String {
@@ -147,36 +165,39 @@ impl Fixture {
             .await
             .unwrap();
         let engine = WorkflowEngine::cluster(&sharding).unwrap();
-        let (table, runs) = (self.quoted(), Arc::clone(&self.runs));
-        engine
-            .register::<Transactional, _, _>(move |ctx: WorkflowContext, order: Order| {
-                let (table, runs) = (table.clone(), Arc::clone(&runs));
-                async move {
-                    let mode = order.mode.clone();
-                    let value = ctx
-                        .activity("write", move |activity: ActivityContext| {
-                            let (table, runs, key, mode) =
-                                (table.clone(), Arc::clone(&runs), order.key.clone(), mode.clone());
-                            async move {
-                                let run = runs.fetch_add(1, Ordering::SeqCst) + 1;
-                                let slot = activity.transaction().ok_or("no transaction")?;
-                                insert(slot, &table, &key).await?;
-                                match mode.as_str() {
-                                    "fail" => Err("refused".to_owned()),
-                                    "hang" if run == 1 => std::future::pending().await,
-                                    _ => Ok(run),
-                                }
-                            }
-                        })
-                        .with_transaction()
-                        .await?;
-                    if order.mode == "wait" {
-                        ctx.await_deferred(&DurableDeferred::<(), String>::new("Go")).await?;
-                    }
-                    Ok(value)
+        let (table, runs, kind) = (self.quoted(), Arc::clone(&self.runs), self.database.kind());
+        Transactional::register(&engine, move |ctx, order| {
+            let (table, runs) = (table.clone(), Arc::clone(&runs));
+            async move {
+                let value = ctx
+                    .activity("write", async |activity| {
+                        let run = runs.fetch_add(1, Ordering::SeqCst) + 1;
+                        insert(&activity, kind, &table, &order.key).await?;
+                        match order.mode.as_str() {
+                            "fail" => Err("refused".to_owned()),
+                            "hang" if run == 1 => std::future::pending().await,
+                            _ => Ok(run),
+                        }
+                    })
+                    .with_transaction()
+                    .await?;
+                if order.mode == "wait" {
+                    ctx.await_deferred(&DurableDeferred::<(), String>::new("Go")).await?;
                 }
-            })
-            .unwrap();
+                Ok(value)
+            }
+        })
+        .unwrap();
+        Probe::register(&engine, move |ctx, _| async move {
+            let outside = ctx.activity("outside", async |activity| {
+                Ok::<_, String>(guard_error(&activity, kind).await)
+            });
+            let inside = ctx.activity("inside", async |activity| {
+                Ok::<_, String>(wrong_guard_error(&activity, kind).await)
+            });
+            Ok(vec![outside.await?, inside.with_transaction().await?])
+        })
+        .unwrap();
         (sharding, engine, faults)
     }
 
@@ -188,30 +209,66 @@ impl Fixture {
     }
 }
 
-/// Inserts row `key` through the activity's transaction, whichever backend it is on.
-async fn insert(slot: &TransactionSlot, table: &str, key: &str) -> Result<(), String> {
-    let mut transaction = slot.lock().await;
-    let transaction = transaction.as_mut().ok_or("the transaction is gone")?;
-    let backend = transaction.backend();
-    if backend.is::<SqliteTransactionHandle>() {
-        let handle = backend.downcast_mut::<SqliteTransactionHandle>().ok_or("sqlite")?;
-        let (sql, key) = (format!("INSERT INTO {table} (k) VALUES (?1)"), key.to_owned());
-        handle
-            .run(move |connection| connection.execute(&sql, [key]).map(|_| ()))
-            .await
-            .map_err(|error| error.to_string())
-    } else if backend.is::<deadpool_postgres::Object>() {
-        let client = backend.downcast_mut::<deadpool_postgres::Object>().ok_or("postgres")?;
-        let sql = format!("INSERT INTO {table} (k) VALUES ($1)");
-        client.execute(&sql, &[&key]).await.map(|_| ()).map_err(|error| error.to_string())
-    } else if backend.is::<mysql_async::Transaction<'static>>() {
-        use mysql_async::prelude::Queryable;
-        let transaction =
-            backend.downcast_mut::<mysql_async::Transaction<'static>>().ok_or("mysql")?;
-        let sql = format!("INSERT INTO {table} (k) VALUES (?)");
-        transaction.exec_drop(sql, (key,)).await.map_err(|error| error.to_string())
-    } else {
-        Err("an unknown storage backend".to_owned())
+/// Inserts row `key` through the activity's transaction, with the typed guard of the
+/// database `kind` the test runs on.
+async fn insert(
+    activity: &ActivityContext,
+    kind: &str,
+    table: &str,
+    key: &str,
+) -> Result<(), String> {
+    match kind {
+        "sqlite" => {
+            let transaction =
+                SqliteTransactionGuard::of(activity).await.map_err(|error| error.to_string())?;
+            let (sql, key) = (format!("INSERT INTO {table} (k) VALUES (?1)"), key.to_owned());
+            transaction
+                .run(move |connection| connection.execute(&sql, [key]).map(|_| ()))
+                .await
+                .map_err(|error| error.to_string())
+        }
+        "postgres" => {
+            let client =
+                PgTransactionGuard::of(activity).await.map_err(|error| error.to_string())?;
+            let sql = format!("INSERT INTO {table} (k) VALUES ($1)");
+            client.execute(&sql, &[&key]).await.map(|_| ()).map_err(|error| error.to_string())
+        }
+        _ => {
+            use mysql_async::prelude::Queryable;
+            let mut transaction =
+                MySqlTransactionGuard::of(activity).await.map_err(|error| error.to_string())?;
+            let sql = format!("INSERT INTO {table} (k) VALUES (?)");
+            transaction.exec_drop(sql, (key,)).await.map_err(|error| error.to_string())
+        }
+    }
+}
+
+/// The error of locking the activity's transaction with the guard of its own database `kind`
+/// (`None`: the guard was given).
+async fn guard_error(activity: &ActivityContext, kind: &str) -> Option<String> {
+    let error = match kind {
+        "sqlite" => SqliteTransactionGuard::of(activity).await.err(),
+        "postgres" => PgTransactionGuard::of(activity).await.err(),
+        _ => MySqlTransactionGuard::of(activity).await.err(),
+    };
+    error.map(|error| format!("{error:?}"))
+}
+
+/// The error of locking the activity's transaction with the guard of another database than
+/// its own, `kind`.
+async fn wrong_guard_error(activity: &ActivityContext, kind: &str) -> Option<String> {
+    let error = match kind {
+        "sqlite" => PgTransactionGuard::of(activity).await.err(),
+        _ => SqliteTransactionGuard::of(activity).await.err(),
+    };
+    error.map(|error| format!("{error:?}"))
+}
+
+/// The handle type of the guard [`wrong_guard_error`] asks for on database `kind`.
+fn wrong_handle(kind: &str) -> &'static str {
+    match kind {
+        "sqlite" => type_name::<deadpool_postgres::Object>(),
+        _ => type_name::<SqliteTransactionHandle>(),
     }
 }
 
@@ -299,6 +356,43 @@ async fn a_cut_off_activity_leaves_no_writes_and_runs_again(fixture: Fixture) {
     fixture.finish().await;
 }
 
+/// An activity outside a transaction gets [`TransactionError::Missing`] from its backend's
+/// guard; a transactional activity asking for another backend's guard gets
+/// [`TransactionError::WrongBackend`], and its own guard works.
+async fn guards_report_a_missing_transaction_and_another_backend(fixture: Fixture) {
+    let (sharding, engine, _) = fixture.runner().await;
+    let kind = fixture.database.kind();
+    let errors = engine.execute::<Probe>(order("probe", "ok")).await.unwrap();
+    let wrong = TransactionError::WrongBackend { expected: wrong_handle(kind) };
+    assert_eq!(
+        errors,
+        [Some(format!("{:?}", TransactionError::Missing)), Some(format!("{wrong:?}"))]
+    );
+    // The backend's own guard in a transactional activity: the row commits with the result.
+    assert_eq!(engine.execute::<Transactional>(order("own", "ok")).await.unwrap(), 1);
+    assert_eq!(fixture.rows("own").await, 1);
+    stop(sharding, engine).await;
+    fixture.finish().await;
+}
+
+/// The in-memory engine has no storage: even a transactional activity has no transaction.
+#[tokio::test]
+async fn the_memory_engine_has_no_transaction() {
+    let engine = WorkflowEngine::memory();
+    Probe::register(&engine, |ctx, _| async move {
+        let inside = ctx
+            .activity("inside", async |activity| {
+                Ok::<_, String>(guard_error(&activity, "postgres").await)
+            })
+            .with_transaction()
+            .await?;
+        Ok(vec![inside])
+    })
+    .unwrap();
+    let errors = engine.execute::<Probe>(order("memory", "ok")).await.unwrap();
+    assert_eq!(errors, [Some(format!("{:?}", TransactionError::Missing))]);
+}
+
 macro_rules! on_databases {
     ($($name:ident),* $(,)?) => {
         mod sqlite {
@@ -339,4 +433,5 @@ on_databases!(
     a_failed_commit_rolls_the_writes_back,
     a_failure_rolls_the_writes_back,
     a_cut_off_activity_leaves_no_writes_and_runs_again,
+    guards_report_a_missing_transaction_and_another_backend,
 );
