@@ -23,7 +23,7 @@ use cluster_sharding::TransactionSlot;
 use serde::Serialize;
 use serde::de::DeserializeOwned;
 
-use crate::definition::Workflow;
+use crate::engine::Workflow;
 use crate::engine::{
     ActivityBody, ActivityStep, Decoded, Parent, WorkflowEngine, decode_exit, encode_result,
 };

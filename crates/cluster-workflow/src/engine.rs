@@ -17,7 +17,7 @@ use serde::Serialize;
 use serde::de::DeserializeOwned;
 
 use crate::context::WorkflowContext;
-use crate::definition::{Workflow, WorkflowOptions};
+use crate::definition::WorkflowOptions;
 use crate::id::{ExecutionId, Token};
 use crate::result::{WorkflowResult, filter_interrupts, interrupt_reason, squash};
 use crate::run::{BodyEnd, ChildLink, Finalizer, Run, RunExit};
@@ -245,6 +245,74 @@ pub(crate) trait Backend: Send + Sync + 'static {
         queue: &'static str,
         worker: QueueWorker,
     ) -> Result<(), WorkflowError>;
+}
+
+/// A workflow definition. The body is registered separately, on each engine that runs it
+/// ([`Workflow::register`]), so that it can capture the services it needs.
+///
+/// ```
+/// use cluster_workflow::{Workflow, WorkflowEngine};
+/// use serde::{Deserialize, Serialize};
+///
+/// #[derive(Clone, Serialize, Deserialize)]
+/// struct Order { id: String, amount: u64 }
+///
+/// struct Checkout;
+///
+/// impl Workflow for Checkout {
+///     const NAME: &'static str = "Checkout";
+///     type Payload = Order;
+///     type Success = String;
+///     type Error = String;
+///     fn idempotency_key(order: &Order) -> String { order.id.clone() }
+/// }
+///
+/// let engine = WorkflowEngine::memory();
+/// Checkout::register(&engine, |_ctx, order| async move {
+///     Ok(format!("charged {}", order.amount))
+/// })
+/// .unwrap();
+/// ```
+pub trait Workflow: Send + Sync + 'static {
+    /// The workflow's name (the reference's tag): part of every execution id and of the
+    /// cluster entity type `Workflow/<NAME>`.
+    const NAME: &'static str;
+    /// The input of an execution. For the cluster engine it encodes as a JSON object.
+    type Payload: Serialize + DeserializeOwned + Send + Sync + 'static;
+    /// What a successful execution returns.
+    type Success: Serialize + DeserializeOwned + Send + 'static;
+    /// The execution's own error.
+    type Error: Serialize + DeserializeOwned + Send + 'static;
+
+    /// The idempotency key of a payload: executing a payload with the same key again attaches
+    /// to the same execution.
+    fn idempotency_key(payload: &Self::Payload) -> String;
+
+    /// How executions of this workflow behave.
+    fn options() -> WorkflowOptions {
+        WorkflowOptions::default()
+    }
+
+    /// The execution id of a payload.
+    fn execution_id(payload: &Self::Payload) -> ExecutionId {
+        ExecutionId::derive(Self::NAME, &Self::idempotency_key(payload))
+    }
+
+    /// Registers this workflow's body on `engine`: `body(context, payload)` runs for every run
+    /// of every execution on this engine (a replay runs it again from the top with the stored
+    /// results of completed steps). Not meant to be overridden.
+    ///
+    /// # Errors
+    ///
+    /// [`WorkflowError::Invalid`] when the workflow is already registered on `engine`.
+    fn register<F, Fut>(engine: &WorkflowEngine, body: F) -> Result<(), WorkflowError>
+    where
+        Self: Sized,
+        F: Fn(WorkflowContext, Self::Payload) -> Fut + Send + Sync + 'static,
+        Fut: Future<Output = Result<Self::Success, Self::Error>> + Send + 'static,
+    {
+        engine.register::<Self, F, Fut>(body)
+    }
 }
 
 /// A worker type-erased for an engine: decodes the item's payload, runs, encodes the result;

@@ -63,8 +63,8 @@ pub use context::{
     ActivityCall, ActivityContext, ActivityError, DEFAULT_IN_MEMORY_SLEEP_THRESHOLD,
     DurableDeferred, InterruptRetry, Never, WorkflowContext,
 };
-pub use definition::{RetrySchedule, Workflow, WorkflowOptions};
-pub use engine::{ClusterFailure, ExecuteError, WorkflowEngine, WorkflowError};
+pub use definition::{RetrySchedule, WorkflowOptions};
+pub use engine::{ClusterFailure, ExecuteError, Workflow, WorkflowEngine, WorkflowError};
 pub use id::{ExecutionId, Token, TokenError, activity_idempotency_key, hash_digest};
 pub use queue::{DurableQueue, QueueOptions};
 pub use result::{FailureCause, WorkflowResult};

@@ -28,9 +28,7 @@ pub(crate) const CIRCLE_FILES_MAX: usize = 3;
 /// that only goes down, to [`CIRCLE_FILES_MAX`].
 ///
 /// - `cluster-sharding`: the runtime's components are being separated from its hub.
-/// - `cluster-storage-sql`: the SQLite worker runs the operations its callers define.
-pub(crate) const CIRCLE_CEILINGS: [(&str, usize); 2] =
-    [("cluster-sharding", 13), ("cluster-storage-sql", 7)];
+pub(crate) const CIRCLE_CEILINGS: [(&str, usize); 1] = [("cluster-sharding", 13)];
 
 /// A crate's module files: module path → source text.
 pub(crate) type Modules = BTreeMap<String, String>;

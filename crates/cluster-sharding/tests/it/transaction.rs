@@ -8,9 +8,9 @@ use std::any::type_name;
 use std::sync::Arc;
 use std::time::Duration;
 
+use cluster_core::ShardingConfig;
 use cluster_core::storage::MessageStorage;
 use cluster_core::transaction::TransactionError;
-use cluster_core::ShardingConfig;
 use cluster_sharding::{
     CallError, Entity, EntityContext, EntityOptions, Handler, Protocol, RequestContext, Rpc,
     Sharding,

@@ -33,10 +33,11 @@ use mysql_async::prelude::Queryable;
 use mysql_async::{Conn, IsolationLevel, Pool, Row, Transaction, TxOpts, Value};
 use tracing::Instrument;
 
+use super::classify::{ER_DUP_ENTRY, is_deadlock, storage_error};
+use super::columns::{Columns, check_bytes, check_chars};
+use super::connection;
+use super::migrate::migrate_messages;
 use super::queries::{self, IN_LIST_LEN_MAX, MessageQueries};
-use super::{
-    Columns, ER_DUP_ENTRY, check_bytes, check_chars, is_deadlock, migrate_messages, storage_error,
-};
 use crate::batch::Batcher;
 use crate::options::TablePrefix;
 use crate::row::{self, LastReplyRow, MessageInsert, MessageRow, ReplyInsert, ReplyRow};
@@ -116,7 +117,7 @@ impl MySqlMessageStorage {
         url: &str,
         options: &crate::options::SqlStorageOptions,
     ) -> Result<MySqlMessageStorage, StorageError> {
-        let pool = super::pool(url, super::POOL_SIZE_DEFAULT)?;
+        let pool = connection::pool(url, connection::POOL_SIZE_DEFAULT)?;
         MySqlMessageStorage::new(pool, &options.prefix).await
     }
 

@@ -24,8 +24,11 @@ use cluster_core::queue_storage::{
 use mysql_async::prelude::Queryable;
 use mysql_async::{Conn, IsolationLevel, Pool, Row, TxOpts, Value};
 
+use super::classify::{is_deadlock, storage_error};
+use super::columns::Columns;
+use super::connection;
+use super::migrate::run_migrations;
 use super::queries::{self, DdlStatement, IN_LIST_LEN_MAX, Migration, placeholders};
-use super::{Columns, is_deadlock, run_migrations, storage_error};
 use crate::queue::{CLEANUP_BATCH_LEN, QueueTable, attempts, check_name, new_lock, whole_seconds};
 
 /// `element MEDIUMTEXT` (after migration `0002_upgrade_schema`) holds at most this many bytes.
@@ -56,7 +59,7 @@ impl MySqlQueueStorage {
     ///
     /// As [`migrate`](MySqlQueueStorage::migrate).
     pub async fn connect(url: &str, table: QueueTable) -> Result<MySqlQueueStorage, StorageError> {
-        let pool = super::pool(url, super::POOL_SIZE_DEFAULT)?;
+        let pool = connection::pool(url, connection::POOL_SIZE_DEFAULT)?;
         MySqlQueueStorage::new(pool, table).await
     }
 

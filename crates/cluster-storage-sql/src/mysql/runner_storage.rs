@@ -19,9 +19,12 @@ use mysql_async::prelude::Queryable;
 use mysql_async::{Conn, Opts, Pool, Row};
 use tracing::Instrument;
 
+use super::classify::storage_error;
+use super::columns::{Columns, check_bytes, check_chars};
+use super::connection;
+use super::migrate::migrate_runners;
 use super::queries::{self, RunnerQueries};
 use super::shard_lock::{LockCommand, ShardLocks};
-use super::{Columns, check_bytes, check_chars, migrate_runners, storage_error};
 use crate::lock::with_deadline;
 use crate::options::SqlStorageOptions;
 
@@ -72,7 +75,7 @@ impl MySqlRunnerStorage {
         let opts = Opts::from_url(url).map_err(|error| {
             StorageError::with_source(StorageErrorKind::InvalidInput, "invalid MySQL URL", error)
         })?;
-        let pool = super::pool(url, super::POOL_SIZE_DEFAULT)?;
+        let pool = connection::pool(url, connection::POOL_SIZE_DEFAULT)?;
         MySqlRunnerStorage::new(pool, opts, options).await
     }
 

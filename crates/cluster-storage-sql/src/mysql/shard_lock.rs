@@ -25,8 +25,10 @@ use cluster_core::error::{DecodeError, StorageError, StorageErrorKind};
 use mysql_async::prelude::Queryable;
 use mysql_async::{Conn, Opts, Row, Value};
 
+use super::classify::storage_error;
+use super::columns::{Columns, check_chars};
+use super::connection::ClosingConn;
 use super::queries::{self, IN_LIST_LEN_MAX, RunnerQueries};
-use super::{ClosingConn, Columns, check_chars, storage_error};
 use crate::lock::mysql_lock_name;
 use crate::options::{LockMode, SqlStorageOptions, TablePrefix};
 

@@ -32,11 +32,9 @@ use crate::row::{
     self, LastReplyRow, MessageInsert, MessageRow, ReplyInsert, ReplyRow, id_from_sql, id_to_sql,
 };
 
+use super::classify::{column_error, driver_error, pool_error};
+use super::connection::{self, execute, migrate_on_pool, pooled_execute, pooled_query, settle};
 use super::queries::{self, MessageQueries, MigrationTarget};
-use super::{
-    column_error, driver_error, execute, migrate_on_pool, pool_error, pooled_execute, pooled_query,
-    settle,
-};
 
 /// The PostgreSQL [`MessageStorage`].
 ///
@@ -121,7 +119,7 @@ impl PgMessageStorage {
         url: &str,
         options: &SqlStorageOptions,
     ) -> Result<PgMessageStorage, StorageError> {
-        let pool = super::pool(super::parse_config(url)?, super::POOL_SIZE_DEFAULT)?;
+        let pool = connection::pool(connection::parse_config(url)?, connection::POOL_SIZE_DEFAULT)?;
         PgMessageStorage::new(pool, options).await
     }
 

@@ -19,7 +19,7 @@ use cluster_core::storage::CLAIM_WINDOW;
 use crate::options::TablePrefix;
 use crate::row::{MESSAGE_KIND_ACK_CHUNK, MESSAGE_KIND_INTERRUPT, REPLY_KIND_WITH_EXIT};
 
-use super::{column_error, driver_error};
+use super::classify::{column_error, driver_error};
 
 // The claim window is spliced into the claim statement in whole seconds.
 const _: () = assert!(CLAIM_WINDOW.subsec_nanos() == 0 && CLAIM_WINDOW.as_secs() > 0);

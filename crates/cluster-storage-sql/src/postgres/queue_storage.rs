@@ -25,8 +25,8 @@ use cluster_core::queue_storage::{
 use deadpool_postgres::Pool;
 use tokio_postgres::Row;
 
+use super::connection::{self, migrate_on_pool, pooled_execute, pooled_query};
 use super::queries::{Migration, MigrationTarget};
-use super::{migrate_on_pool, pooled_execute, pooled_query};
 use crate::queue::{CLEANUP_BATCH_LEN, QueueTable, attempts, new_lock, whole_seconds};
 
 /// The advisory transaction lock key (second half) that serialises the queue's migrations; the
@@ -57,7 +57,7 @@ impl PgQueueStorage {
     ///
     /// Cancel safe: the migrations run in one transaction, which a dropped future rolls back.
     pub async fn connect(url: &str, table: QueueTable) -> Result<PgQueueStorage, StorageError> {
-        let pool = super::pool(super::parse_config(url)?, super::POOL_SIZE_DEFAULT)?;
+        let pool = connection::pool(connection::parse_config(url)?, connection::POOL_SIZE_DEFAULT)?;
         PgQueueStorage::new(pool, table).await
     }
 

@@ -22,9 +22,10 @@ use tracing::Instrument;
 use crate::lock::{advisory_namespace, with_deadline};
 use crate::options::{SqlStorageOptions, TablePrefix};
 
+use super::classify::column_error;
+use super::connection::{self, migrate_on_pool, pooled_execute, pooled_query};
 use super::queries::{self, MigrationTarget, RunnerQueries};
 use super::shard_lock::ShardLocks;
-use super::{column_error, migrate_on_pool, pooled_execute, pooled_query};
 
 /// The PostgreSQL [`RunnerStorage`].
 ///
@@ -80,8 +81,8 @@ impl PgRunnerStorage {
         url: &str,
         options: &SqlStorageOptions,
     ) -> Result<PgRunnerStorage, StorageError> {
-        let config = super::parse_config(url)?;
-        let pool = super::pool(config.clone(), super::POOL_SIZE_DEFAULT)?;
+        let config = connection::parse_config(url)?;
+        let pool = connection::pool(config.clone(), connection::POOL_SIZE_DEFAULT)?;
         PgRunnerStorage::new(pool, config, options).await
     }
 

@@ -30,7 +30,7 @@ use tokio_postgres::NoTls;
 use crate::lock::{advisory_lock_number, advisory_namespace, with_deadline};
 use crate::options::{LockMode, SqlStorageOptions};
 
-use super::driver_error;
+use super::classify::{column_error, driver_error};
 use super::queries::{RunnerQueries, advisory};
 
 /// The largest `idle_session_timeout` PostgreSQL accepts, in milliseconds.
@@ -269,8 +269,8 @@ impl ShardLocks {
                         .await
                         .map_err(|error| driver_error("acquire: try lock", error))?;
                     for row in rows {
-                        let number: i32 = row.try_get(0).map_err(super::column_error)?;
-                        let locked: bool = row.try_get(1).map_err(super::column_error)?;
+                        let number: i32 = row.try_get(0).map_err(column_error)?;
+                        let locked: bool = row.try_get(1).map_err(column_error)?;
                         if locked {
                             now_held.insert(number);
                         }
@@ -328,7 +328,7 @@ impl ShardLocks {
             .map_err(|error| driver_error("held locks", error))?;
         let mut held = BTreeSet::new();
         for row in rows {
-            let oid: u32 = row.try_get(0).map_err(super::column_error)?;
+            let oid: u32 = row.try_get(0).map_err(column_error)?;
             if let Ok(number) = i32::try_from(oid) {
                 held.insert(number);
             }
@@ -355,7 +355,7 @@ impl ShardLocks {
                 .await
                 .map_err(|error| driver_error("release: check", error))?
                 .try_get(0)
-                .map_err(super::column_error)?;
+                .map_err(column_error)?;
             if !still_held {
                 return Ok(());
             }
@@ -430,7 +430,7 @@ impl ShardLocks {
                     client.query_one(advisory::SETUP, &[&self.idle_session_timeout_ms]).await;
                 let pid = setup
                     .map_err(|error| driver_error("lock session: setup", error))
-                    .and_then(|row| row.try_get::<_, i32>(0).map_err(super::column_error));
+                    .and_then(|row| row.try_get::<_, i32>(0).map_err(column_error));
                 match pid {
                     Ok(pid) => pid,
                     Err(error) => {
@@ -464,7 +464,7 @@ fn shard_texts(shard_ids: &[ShardId]) -> Vec<String> {
 }
 
 fn returned_shards(rows: &[tokio_postgres::Row]) -> Result<BTreeSet<String>, StorageError> {
-    rows.iter().map(|row| row.try_get::<_, String>(0).map_err(super::column_error)).collect()
+    rows.iter().map(|row| row.try_get::<_, String>(0).map_err(column_error)).collect()
 }
 
 /// The shards of `shard_ids` (in that order) whose text is in `held`.

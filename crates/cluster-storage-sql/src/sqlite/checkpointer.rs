@@ -18,7 +18,7 @@ use std::time::Duration;
 
 use rusqlite::Connection;
 
-use super::SqliteOptions;
+use super::options::SqliteOptions;
 
 /// The writer's automatic checkpoint threshold while a checkpointer runs (SQLite's default is
 /// 1,000 pages): the log stays bounded even if the checkpointer cannot keep up.

@@ -1,6 +1,7 @@
 //! [`SqliteRunnerStorage`]: the runner registry of `cluster_core::storage::RunnerStorage` on a
 //! SQLite file (`effect/src/cluster/RunnerStorage.ts`, `effect/src/cluster/SqlRunnerStorage.ts`);
-//! its shard locks are lease rows, in `shard_lock.rs`.
+//! its shard locks are lease rows, in `shard_lock.rs`. The worker thread runs the registry's SQL
+//! in `runner_ops.rs`.
 //!
 //! Heartbeats, expiry and lease ages use the database clock (`CURRENT_TIMESTAMP`), never a
 //! runner's, so runners with skewed clocks agree on who is alive.
@@ -14,12 +15,13 @@ use cluster_core::error::{StorageError, StorageErrorKind};
 use cluster_core::future::BoxFuture;
 use cluster_core::storage::RunnerStorage;
 use cluster_core::{MachineId, Runner, RunnerAddress, ShardId};
-use rusqlite::params;
 
-use super::SqliteOptions;
-use super::queries::{self, MigrationSet};
-use super::shard_lock::LockKind;
-use super::worker::{Command, Responder, Worker, WorkerState, classify};
+use super::lock_ops::LockKind;
+use super::options::SqliteOptions;
+use super::queries::MigrationSet;
+use super::runner_ops::RunnerOp;
+use super::state::Responder;
+use super::worker::{Command, Worker};
 
 /// [`RunnerStorage`] on a SQLite file: the runner registry and lease-row shard locks.
 ///
@@ -257,62 +259,4 @@ impl RunnerStorage for SqliteRunnerStorage {
             self.lock("release_all", address, &[], LockKind::ReleaseAll).await.map(drop)
         })
     }
-}
-
-/// The runner registry operations.
-pub(super) enum RunnerOp {
-    Register { address: String, runner: String, healthy: bool, reply: Responder<i64> },
-    Unregister { address: String, reply: Responder<()> },
-    GetRunners { reply: Responder<Vec<(String, bool)>> },
-    SetHealth { address: String, healthy: bool, reply: Responder<()> },
-}
-
-/// Runs a registry operation on the worker thread.
-pub(super) fn run_operation(state: &WorkerState, op: RunnerOp) {
-    let connection = &state.connection;
-    let sql = &state.statements.runner;
-    match op {
-        RunnerOp::Register { address, runner, healthy, reply } => {
-            let result = connection
-                .prepare_cached(&sql.register)
-                .and_then(|mut statement| {
-                    statement.query_row(params![address, runner, healthy], |row| row.get(0))
-                })
-                .map_err(|error| classify("register", error));
-            let _ = reply.send(result);
-        }
-        RunnerOp::Unregister { address, reply } => {
-            let result = connection
-                .prepare_cached(&sql.unregister)
-                .and_then(|mut statement| {
-                    statement.execute(params![address, state.expiration_modifier])
-                })
-                .map(drop)
-                .map_err(|error| classify("unregister", error));
-            let _ = reply.send(result);
-        }
-        RunnerOp::GetRunners { reply } => {
-            let result = get_runners(state).map_err(|error| classify("get_runners", error));
-            let _ = reply.send(result);
-        }
-        RunnerOp::SetHealth { address, healthy, reply } => {
-            let result = connection
-                .prepare_cached(&sql.set_health)
-                .and_then(|mut statement| statement.execute(params![address, healthy]))
-                .map(drop)
-                .map_err(|error| classify("set_runner_health", error));
-            let _ = reply.send(result);
-        }
-    }
-}
-
-/// The live runners' JSON and health. `healthy` is read leniently (any non-zero integer).
-fn get_runners(state: &WorkerState) -> rusqlite::Result<Vec<(String, bool)>> {
-    let mut statement = state.connection.prepare_cached(&state.statements.runner.get_runners)?;
-    let rows = statement.query_map([&state.expiration_modifier], |row| {
-        let runner = queries::text(row.get_ref(0)?).unwrap_or_default();
-        let healthy = queries::integer(row.get_ref(1)?, 0).is_some_and(|healthy| healthy != 0);
-        Ok((runner, healthy))
-    })?;
-    rows.collect()
 }

@@ -16,19 +16,17 @@ use std::path::Path;
 use std::sync::Arc;
 
 use cluster_core::error::{StorageError, StorageErrorKind};
-use rusqlite::{Connection, ErrorCode};
+use rusqlite::Connection;
 use tokio::sync::{mpsc, oneshot};
 
-use super::SqliteOptions;
 use super::checkpointer::{self, Checkpointer};
-use super::message_storage::{self, MessageOp, TransactionOp, Write};
+use super::lock_ops::{self, LockOp};
+use super::message_ops::{self, MessageOp, TransactionOp, Write};
+use super::options::SqliteOptions;
 use super::queries::{self, MigrationSet, Statements};
-use super::queue_storage::{self, QueueOp};
-use super::runner_storage::{self, RunnerOp};
-use super::shard_lock::{self, LockOp};
-
-/// Where a worker sends the result of a command.
-pub(super) type Responder<T> = oneshot::Sender<Result<T, StorageError>>;
+use super::queue_ops::{self, QueueOp};
+use super::runner_ops::{self, RunnerOp};
+use super::state::{Responder, TransactionState, WorkerState, classify};
 
 /// Everything a worker does. Closed: a worker is a state machine over these, not a closure
 /// runner (only [`TransactionOp::Call`] carries a user's statement, inside its transaction).
@@ -49,33 +47,6 @@ pub(super) enum Command {
     Migrate { set: MigrationSet, reply: Responder<Vec<i64>> },
     /// Close the connection and stop; replies once the connection is closed.
     Shutdown { reply: oneshot::Sender<()> },
-}
-
-/// The state of a transaction worker's user transaction.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub(super) enum TransactionState {
-    /// No transaction: the next statement begins one.
-    Idle,
-    /// `BEGIN IMMEDIATE` ran; statements run inside it.
-    Open,
-    /// SQLite rolled the transaction back on its own (after an I/O error, say). Everything
-    /// until the caller's commit or rollback fails, so that no later statement runs outside the
-    /// transaction.
-    Aborted,
-}
-
-/// What a worker thread owns.
-pub(super) struct WorkerState {
-    pub(super) connection: Connection,
-    pub(super) statements: Statements,
-    /// The shard lock expiration in whole seconds.
-    pub(super) expiration_seconds: i64,
-    /// The same as a `datetime` modifier, `-<n> seconds`.
-    pub(super) expiration_modifier: String,
-    pub(super) group_commit_len_max: usize,
-    pub(super) transaction: TransactionState,
-    /// The background checkpointer of the message worker (see [`checkpointer`]).
-    pub(super) checkpointer: Option<Checkpointer>,
 }
 
 /// A handle on a worker thread: cheap to clone; the thread stops when the last handle is
@@ -243,19 +214,19 @@ fn run(mut state: WorkerState, mut receiver: mpsc::Receiver<Command>) {
             Command::Write(save) => {
                 let (batch, reads) = drain_batch(&state, *save, &mut receiver, &mut pending);
                 for read in reads {
-                    message_storage::run_operation(&state, read);
+                    message_ops::run_operation(&state, read);
                 }
-                message_storage::run_writes(&state, batch);
+                message_ops::run_writes(&state, batch);
                 if let Some(checkpointer) = &state.checkpointer {
                     checkpointer.nudge();
                 }
             }
-            Command::Message(operation) => message_storage::run_operation(&state, operation),
-            Command::Runner(operation) => runner_storage::run_operation(&state, operation),
-            Command::Lock(operation) => shard_lock::run_operation(&state, operation),
-            Command::Queue(operation) => queue_storage::run_operation(&state, operation),
+            Command::Message(operation) => message_ops::run_operation(&state, operation),
+            Command::Runner(operation) => runner_ops::run_operation(&state, operation),
+            Command::Lock(operation) => lock_ops::run_operation(&state, operation),
+            Command::Queue(operation) => queue_ops::run_operation(&state, operation),
             Command::Transaction(operation) => {
-                message_storage::run_transaction_operation(&mut state, operation);
+                message_ops::run_transaction_operation(&mut state, operation);
             }
             Command::Migrate { set, reply } => {
                 let result = queries::migrate(&state.connection, &state.statements.prefix, set)
@@ -320,34 +291,4 @@ pub(super) fn worker_gone(operation: &str) -> StorageError {
         StorageErrorKind::Unavailable,
         format!("sqlite {operation}: the connection worker has stopped"),
     )
-}
-
-/// Classifies a driver error: a uniqueness violation is a conflict, a lock
-/// still held by another connection after the busy timeout is a timeout, a file that cannot be
-/// read or written makes the database unavailable, a column of the wrong type is a malformed
-/// row.
-pub(super) fn classify(operation: &str, error: rusqlite::Error) -> StorageError {
-    let kind = match &error {
-        rusqlite::Error::SqliteFailure(failure, _) => match failure.code {
-            ErrorCode::ConstraintViolation if queries::is_unique_violation(&error) => {
-                StorageErrorKind::Conflict
-            }
-            ErrorCode::ConstraintViolation | ErrorCode::TooBig => StorageErrorKind::InvalidInput,
-            ErrorCode::DatabaseBusy | ErrorCode::DatabaseLocked => StorageErrorKind::Timeout,
-            ErrorCode::CannotOpen
-            | ErrorCode::SystemIoFailure
-            | ErrorCode::DiskFull
-            | ErrorCode::ReadOnly
-            | ErrorCode::PermissionDenied
-            | ErrorCode::NotADatabase
-            | ErrorCode::FileLockingProtocolFailed
-            | ErrorCode::NoLargeFileSupport => StorageErrorKind::Unavailable,
-            _ => StorageErrorKind::Other,
-        },
-        rusqlite::Error::FromSqlConversionFailure(..)
-        | rusqlite::Error::InvalidColumnType(..)
-        | rusqlite::Error::IntegralValueOutOfRange(..) => StorageErrorKind::Malformed,
-        _ => StorageErrorKind::Other,
-    };
-    StorageError::with_source(kind, format!("sqlite {operation} failed"), error)
 }

@@ -1,0 +1,78 @@
+//! The connection pool of the MySQL storages, and [`ClosingConn`]: a connection closed rather
+//! than reused after a failure, without waiting for an unresponsive server.
+
+use std::future::Future;
+use std::task::{Context, Waker};
+use std::time::Duration;
+
+use cluster_core::error::{StorageError, StorageErrorKind};
+use mysql_async::{Conn, Pool};
+
+/// The default number of pooled connections of [`pool`].
+pub const POOL_SIZE_DEFAULT: usize = 16;
+
+/// A pool of at most `size_max` connections to the `mysql://` URL `url`, set up as the storages
+/// want it: idle connections are kept for a minute (a `mysql_async` pool with no inactive TTL
+/// closes every connection it gets back) and are not reset on checkout (a reset drops their
+/// prepared statements).
+pub fn pool(url: &str, size_max: usize) -> Result<Pool, StorageError> {
+    let opts = mysql_async::Opts::from_url(url).map_err(|error| {
+        StorageError::with_source(StorageErrorKind::InvalidInput, "invalid MySQL URL", error)
+    })?;
+    let constraints = mysql_async::PoolConstraints::new(0, size_max.max(1)).ok_or_else(|| {
+        StorageError::new(StorageErrorKind::InvalidInput, "invalid MySQL pool size")
+    })?;
+    let pool_opts = mysql_async::PoolOpts::default()
+        .with_constraints(constraints)
+        .with_inactive_connection_ttl(Duration::from_secs(60))
+        .with_reset_connection(false);
+    Ok(Pool::new(mysql_async::OptsBuilder::from_opts(opts).pool_opts(pool_opts)))
+}
+
+/// A connection that is closed, not returned to its pool, if it is dropped before
+/// [`into_inner`](ClosingConn::into_inner): after a failure or a cancellation its session
+/// state (named locks, a half-read result) must not be reused.
+pub(crate) struct ClosingConn(Option<Conn>);
+
+impl ClosingConn {
+    pub(crate) fn new(conn: Conn) -> ClosingConn {
+        ClosingConn(Some(conn))
+    }
+
+    pub(crate) fn get(&mut self) -> &mut Conn {
+        // Present from `new` until `into_inner` consumes self or `drop` runs.
+        self.0.as_mut().expect("a ClosingConn holds its connection until it is consumed")
+    }
+
+    /// The connection, now dropped normally (a pooled one returns to its pool).
+    pub(crate) fn into_inner(mut self) -> Conn {
+        self.0.take().expect("a ClosingConn holds its connection until it is consumed")
+    }
+}
+
+impl Drop for ClosingConn {
+    fn drop(&mut self) {
+        if let Some(conn) = self.0.take() {
+            close_now(conn);
+        }
+    }
+}
+
+/// Closes `conn` without waiting for the server.
+///
+/// Dropping a `Conn` makes `mysql_async` spawn a task that first drains any pending result and
+/// then says goodbye; with an unresponsive server that task can wait for minutes and keep the
+/// session (and its named locks) alive. Instead, start `disconnect` and poll it once: it marks
+/// the connection disconnected before its first await, so dropping it afterwards closes the
+/// socket at once (a pooled connection is discarded by its pool, not reused).
+fn close_now(conn: Conn) {
+    if tokio::runtime::Handle::try_current().is_err() {
+        // Outside a runtime the socket cannot be polled; the driver's drop closes it.
+        drop(conn);
+        return;
+    }
+    let mut disconnect = std::pin::pin!(conn.disconnect());
+    let mut context = Context::from_waker(Waker::noop());
+    // Ready or not, the outcome does not matter: the socket closes when the future drops.
+    let _poll = disconnect.as_mut().poll(&mut context);
+}

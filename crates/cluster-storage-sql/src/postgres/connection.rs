@@ -1,0 +1,129 @@
+//! The connection pool of the PostgreSQL storages: building it with bounded waits, running one
+//! statement or the migrations on a pooled connection, and closing a connection that is lost.
+
+use std::time::Duration;
+
+use cluster_core::error::{StorageError, StorageErrorKind};
+use deadpool_postgres::{
+    ClientWrapper, Manager, ManagerConfig, Object, Pool, RecyclingMethod, Runtime,
+};
+use postgres_types::ToSql;
+use tokio_postgres::{NoTls, Row};
+
+use super::classify::{driver_error, pool_error};
+use super::queries::{self, MigrationTarget};
+
+/// How long a caller waits for a pooled connection before the operation fails with
+/// [`StorageErrorKind::Timeout`].
+pub const POOL_WAIT_TIMEOUT: Duration = Duration::from_secs(30);
+
+/// How long opening a new connection may take.
+pub const CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// The default number of pooled connections of
+/// [`PgMessageStorage::connect`](super::PgMessageStorage::connect) and
+/// [`PgRunnerStorage::connect`](super::PgRunnerStorage::connect).
+pub const POOL_SIZE_DEFAULT: usize = 16;
+
+/// Parses a `postgres://` URL (or a `key=value` connection string).
+pub fn parse_config(url: &str) -> Result<tokio_postgres::Config, StorageError> {
+    url.parse::<tokio_postgres::Config>().map_err(|error| {
+        StorageError::with_source(StorageErrorKind::InvalidInput, "invalid PostgreSQL URL", error)
+    })
+}
+
+/// A pool of at most `size_max` connections to `config`, with bounded waits: a caller waits at
+/// most [`POOL_WAIT_TIMEOUT`] for a connection and a new connection is opened within
+/// [`CONNECT_TIMEOUT`]. A connection whose socket closed is discarded when it is next checked
+/// out.
+pub fn pool(config: tokio_postgres::Config, size_max: usize) -> Result<Pool, StorageError> {
+    let manager = Manager::from_config(
+        config,
+        NoTls,
+        ManagerConfig { recycling_method: RecyclingMethod::Fast },
+    );
+    Pool::builder(manager)
+        .max_size(size_max.max(1))
+        .runtime(Runtime::Tokio1)
+        .wait_timeout(Some(POOL_WAIT_TIMEOUT))
+        .create_timeout(Some(CONNECT_TIMEOUT))
+        .recycle_timeout(Some(CONNECT_TIMEOUT))
+        .build()
+        .map_err(|error| {
+            StorageError::with_source(StorageErrorKind::Other, "cannot build the pool", error)
+        })
+}
+
+/// Runs `sql` on a connection from `pool` and returns its rows.
+pub(crate) async fn pooled_query(
+    pool: &Pool,
+    what: &str,
+    sql: &str,
+    params: &[&(dyn ToSql + Sync)],
+) -> Result<Vec<Row>, StorageError> {
+    let client = pool.get().await.map_err(|error| pool_error(what, error))?;
+    let result = query(&client, what, sql, params).await;
+    settle(client, result.as_ref().err());
+    result
+}
+
+/// Runs `sql` on a connection from `pool` and returns the number of rows it changed.
+pub(crate) async fn pooled_execute(
+    pool: &Pool,
+    what: &str,
+    sql: &str,
+    params: &[&(dyn ToSql + Sync)],
+) -> Result<u64, StorageError> {
+    let client = pool.get().await.map_err(|error| pool_error(what, error))?;
+    let result = execute(&client, what, sql, params).await;
+    settle(client, result.as_ref().err());
+    result
+}
+
+/// Runs the migrations of `target` on a pooled connection; a lost race with another migrator
+/// creating the history table is retried once.
+pub(crate) async fn migrate_on_pool(
+    pool: &Pool,
+    target: &MigrationTarget<'_>,
+) -> Result<Vec<i32>, StorageError> {
+    let mut attempt = 0;
+    loop {
+        let mut client = pool.get().await.map_err(|error| pool_error("migrate", error))?;
+        let result = queries::migrate(&mut client, target).await;
+        settle(client, result.as_ref().err());
+        match result {
+            Err(error) if error.kind() == StorageErrorKind::Conflict && attempt == 0 => {
+                attempt += 1;
+                tracing::debug!(%error, "migration raced another migrator; retrying");
+            }
+            result => return result,
+        }
+    }
+}
+
+/// Gives a connection back to the pool, unless `error` says it is lost: then it is closed and
+/// the pool opens a new one when needed.
+pub(crate) fn settle(client: Object, error: Option<&StorageError>) {
+    if error.is_some_and(|error| error.kind() == StorageErrorKind::Unavailable) {
+        drop(Object::take(client));
+    }
+}
+async fn query(
+    client: &ClientWrapper,
+    what: &str,
+    sql: &str,
+    params: &[&(dyn ToSql + Sync)],
+) -> Result<Vec<Row>, StorageError> {
+    let statement = client.prepare_cached(sql).await.map_err(|error| driver_error(what, error))?;
+    client.query(&statement, params).await.map_err(|error| driver_error(what, error))
+}
+
+pub(super) async fn execute(
+    client: &ClientWrapper,
+    what: &str,
+    sql: &str,
+    params: &[&(dyn ToSql + Sync)],
+) -> Result<u64, StorageError> {
+    let statement = client.prepare_cached(sql).await.map_err(|error| driver_error(what, error))?;
+    client.execute(&statement, params).await.map_err(|error| driver_error(what, error))
+}
