@@ -404,6 +404,10 @@ struct Signals {
     interrupt: CancellationToken,
     /// Set when the instance's task has ended.
     ended: CancellationToken,
+    /// Set when a persisted request that had not started was left for the shard's next run
+    /// because the instance was stopping. Every later persisted request is left too, so that
+    /// the entity's storage order holds on the next owner.
+    left: CancellationToken,
 }
 
 struct Instance {
@@ -622,6 +626,7 @@ impl<E: Entity> Shared<E> {
             stopping: shared.stopping.token().child_token(),
             interrupt: shared.closed.child_token(),
             ended: CancellationToken::new(),
+            left: CancellationToken::new(),
         };
         let handle = KeepAliveHandle {
             latch: Arc::clone(&keep_alive),
@@ -1311,9 +1316,11 @@ async fn handle<E: Entity>(
             format!("entity type {} has no request {:?}", shared.entity_type, request.tag);
         return Outcome::Exited(malformed(&message));
     };
+    let persisted = delivery.started.is_some();
     if delivery.cancellation.is_cancelled()
         || signals.interrupt.is_cancelled()
         || (entry.interrupt_on_termination && signals.stopping.is_cancelled())
+        || (persisted && signals.left.is_cancelled())
     {
         return Outcome::Exited(Exit::interrupt());
     }
@@ -1325,6 +1332,14 @@ async fn handle<E: Entity>(
             begin_transaction(shared, transaction, &delivery.cancellation, signals, generation);
         if let Some(stopped) = Box::pin(begun).await {
             return stopped;
+        }
+        // The instance began stopping while the transaction began: its shard is being let go
+        // (a lost lock, a rebalance) or the runner shuts down. The handler has not started, so
+        // it does not start now: the request is left stored for the shard's next run, and so
+        // is every later persisted request of this instance (see `Signals::left`).
+        if persisted && signals.stopping.is_cancelled() {
+            signals.left.cancel();
+            return Outcome::Exited(Exit::interrupt());
         }
     }
     if let Some(started) = &delivery.started {

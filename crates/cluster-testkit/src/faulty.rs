@@ -58,6 +58,8 @@ pub struct Faults {
     storage_delay_millis: std::sync::atomic::AtomicU64,
     /// Milliseconds every `begin_transaction` waits first.
     begin_delay_millis: std::sync::atomic::AtomicU64,
+    /// While true, every `begin_transaction` waits (after its delay) until it turns false.
+    begin_held: tokio::sync::watch::Sender<bool>,
     /// Milliseconds every `save_ack_chunk` waits first.
     ack_delay_millis: std::sync::atomic::AtomicU64,
     /// Milliseconds every `unprocessed_before` waits first.
@@ -157,6 +159,12 @@ impl Faults {
     pub fn delay_begin_transaction(&self, delay: std::time::Duration) {
         let millis = u64::try_from(delay.as_millis()).unwrap_or(u64::MAX);
         self.begin_delay_millis.store(millis, Ordering::Release);
+    }
+
+    /// While `held`, every `begin_transaction` waits until it is released (`false`), so that
+    /// a test decides, without a timing assumption, what happens while a transaction begins.
+    pub fn hold_begin_transaction(&self, held: bool) {
+        self.begin_held.send_replace(held);
     }
 
     /// Every `save_ack_chunk` from now on waits `delay` first (zero: no wait): a stream's
@@ -504,6 +512,9 @@ impl MessageStorage for FaultyMessageStorage {
             if delay > 0 {
                 tokio::time::sleep(std::time::Duration::from_millis(delay)).await;
             }
+            let mut held = self.faults.begin_held.subscribe();
+            // The sender lives as long as the faults this call holds: `wait_for` cannot fail.
+            let _ = held.wait_for(|held| !*held).await;
             if self.faults.begin_transaction.fails() {
                 return Err(injected("begin_transaction"));
             }
