@@ -1316,11 +1316,11 @@ async fn handle<E: Entity>(
             format!("entity type {} has no request {:?}", shared.entity_type, request.tag);
         return Outcome::Exited(malformed(&message));
     };
-    let persisted = delivery.started.is_some();
+    // A persisted request (it has `started`) after one left for the next run is left too.
     if delivery.cancellation.is_cancelled()
         || signals.interrupt.is_cancelled()
         || (entry.interrupt_on_termination && signals.stopping.is_cancelled())
-        || (persisted && signals.left.is_cancelled())
+        || (delivery.started.is_some() && signals.left.is_cancelled())
     {
         return Outcome::Exited(Exit::interrupt());
     }
@@ -1332,14 +1332,6 @@ async fn handle<E: Entity>(
             begin_transaction(shared, transaction, &delivery.cancellation, signals, generation);
         if let Some(stopped) = Box::pin(begun).await {
             return stopped;
-        }
-        // The instance began stopping while the transaction began: its shard is being let go
-        // (a lost lock, a rebalance) or the runner shuts down. The handler has not started, so
-        // it does not start now: the request is left stored for the shard's next run, and so
-        // is every later persisted request of this instance (see `Signals::left`).
-        if persisted && signals.stopping.is_cancelled() {
-            signals.left.cancel();
-            return Outcome::Exited(Exit::interrupt());
         }
     }
     if let Some(started) = &delivery.started {
@@ -1424,7 +1416,8 @@ async fn handle<E: Entity>(
 
 /// Begins the request's transaction, retrying after `transaction_retry` while the storage
 /// fails, until it is begun (`None`) or the request is interrupted (its own interrupt, the
-/// instance's interruption at the end of a drain, or a restart after a panic). Meanwhile the
+/// instance's interruption at the end of a drain, a restart after a panic, or the instance's
+/// stopping by the time the transaction is begun). Meanwhile the
 /// request holds its place in the instance's order, as it would while its handler ran.
 async fn begin_transaction<E: Entity>(
     shared: &Shared<E>,
@@ -1449,7 +1442,18 @@ async fn begin_transaction<E: Entity>(
             outcome = interruption.as_mut() => return Some(outcome),
             begun = transaction.begin() => begun,
         };
-        let Err(error) = begun else { return None };
+        let Err(error) = begun else {
+            // The instance began stopping while the transaction began: its shard is being let
+            // go (a lost lock, a rebalance) or the runner shuts down. The handler has not
+            // started, so it does not start now. The request (persisted, as every transactional
+            // one is) is left stored for the shard's next run, and so is every later persisted
+            // request of this instance (see `Signals::left`).
+            if signals.stopping.is_cancelled() {
+                signals.left.cancel();
+                return Some(Outcome::Exited(Exit::interrupt()));
+            }
+            return None;
+        };
         let retry = shared.options.transaction_retry;
         tracing::warn!(%error, attempt, ?retry, entity_type = %shared.entity_type, "could not begin a transaction; retrying");
         tokio::select! {

@@ -260,13 +260,16 @@ impl Sharding {
         let (replies, replied) = mpsc::channel(STREAM_BUFFER);
         let (acked, mut acks) = mpsc::channel::<Snowflake>(STREAM_BUFFER);
         let cancellation = InterruptSignal::new();
-        // The replies are pumped until the final one, the caller goes away or interrupts.
+        // The replies are pumped until the final one, the caller goes away or interrupts, or the
+        // runtime shuts down: a task of the runtime's, awaited at shutdown.
         let stop = cancellation.clone();
-        tokio::spawn(async move {
+        let shutdown = self.shutdown_token().clone();
+        self.spawn_owned(async move {
             loop {
                 let next = tokio::select! {
                     next = stream.next_reply() => next,
                     () = stop.cancelled() => return,
+                    () = shutdown.cancelled() => return,
                 };
                 let Some(reply) = next else { return };
                 let reply = match reply {
@@ -283,10 +286,19 @@ impl Sharding {
                 }
             }
         });
-        // Acknowledgements go to the owner as `AckChunk` envelopes.
+        // Acknowledgements go to the owner as `AckChunk` envelopes, until the caller drops its
+        // stream or the runtime shuts down.
         let sharding = self.clone();
-        tokio::spawn(async move {
-            while let Some(reply_id) = acks.recv().await {
+        let shutdown = self.shutdown_token().clone();
+        self.spawn_owned(async move {
+            loop {
+                let reply_id = tokio::select! {
+                    next = acks.recv() => match next {
+                        Some(reply_id) => reply_id,
+                        None => return,
+                    },
+                    () = shutdown.cancelled() => return,
+                };
                 let ack = AckChunk {
                     id: sharding.next_id(),
                     address: address.clone(),

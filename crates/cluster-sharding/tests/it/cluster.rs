@@ -503,6 +503,12 @@ mod in_memory {
     }
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn shutting_down_ends_the_pumps_of_a_remote_stream() {
+        let net = super::Net::memory().await.unwrap();
+        super::shutting_down_ends_the_pumps_of_a_remote_stream(net).await;
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn dropping_the_caller_interrupts_the_request_on_the_other_runner() {
         let net = super::Net::memory().await.unwrap();
         super::dropping_the_caller_interrupts_the_request_on_the_other_runner(net).await;
@@ -1008,6 +1014,27 @@ async fn a_volatile_stream_from_another_runner_is_acknowledged_item_by_item(net:
     }
     assert_eq!(items, [0, 1, 2, 3, 4]);
     a.shutdown().await;
+    b.shutdown().await;
+}
+
+/// The pumps of a stream from another runner are tasks of the caller's runtime: when it shuts
+/// down they end and drop the call they held, so the owner's handler is interrupted even though
+/// the caller still holds its stream.
+async fn shutting_down_ends_the_pumps_of_a_remote_stream(net: Net) {
+    let network = MemoryNetwork::new();
+    let (a, b) = pair(&net, &network, 10_041).await;
+    let id = ids_on(&net, &a, &b, "pumped", 1).remove(0);
+    let probes = Probes::of(&id);
+    let counter = a.client::<Counter>(id.as_str());
+    let count = crate::entities::Count { n: 1_000_000, fail_after: None };
+    let mut stream = counter.stream(count).await.unwrap();
+    assert_eq!(stream.next().await.unwrap().unwrap(), 0);
+    a.shutdown().await;
+    eventually("the owner's handler is interrupted", || {
+        probes.interrupted.load(Ordering::SeqCst) == 1
+    })
+    .await;
+    drop(stream);
     b.shutdown().await;
 }
 
