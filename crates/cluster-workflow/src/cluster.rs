@@ -22,7 +22,7 @@ use cluster_core::future::BoxFuture;
 use cluster_core::queue_storage::QueueStorage;
 use cluster_core::storage::MessageStorage;
 use cluster_core::sync::lock;
-use cluster_core::{EntityAddress, EntityType, ShardGroup, Snowflake, Timestamp};
+use cluster_core::{DecodeError, EntityAddress, EntityType, ShardGroup, Snowflake, Timestamp};
 use cluster_sharding::{
     CallError, Entity, EntityClient, EntityContext, EntityOptions, Protocol, RequestContext, Rpc,
     Sharding, SharedHandler, TransactionSlot, Uninterruptible,
@@ -112,9 +112,10 @@ impl RunRpc {
     fn new(payload: &RawJson, parent: Option<&Parent>) -> Result<RunRpc, WorkflowError> {
         let fields: serde_json::Map<String, serde_json::Value> =
             payload.decode().map_err(|_| {
-                WorkflowError::Malformed(
-                    "a workflow payload must encode as a JSON object for the cluster engine".into(),
-                )
+                WorkflowError::Malformed(DecodeError::new(
+                    "workflow payload",
+                    "a workflow payload must encode as a JSON object for the cluster engine",
+                ))
             })?;
         let mut fields = fields;
         if let Some(parent) = parent {
@@ -123,8 +124,9 @@ impl RunRpc {
                 execution_id: parent.execution_id.as_str().to_owned(),
                 detached: parent.detached.then_some(true),
             };
-            let parent = serde_json::to_value(parent)
-                .map_err(|error| WorkflowError::Malformed(error.to_string()))?;
+            let parent = serde_json::to_value(parent).map_err(|error| {
+                WorkflowError::Malformed(DecodeError::new("parent", error.to_string()))
+            })?;
             fields.insert(PARENT_KEY.to_owned(), parent);
         }
         Ok(RunRpc(fields))
@@ -375,7 +377,10 @@ impl WorkflowEngine {
         sharding.insert_extension(Arc::clone(&engine));
         sharding
             .register_as::<ClockEntity>(EntityType::from(CLOCK_ENTITY), entity_options())
-            .map_err(|error| WorkflowError::Invalid(error.to_string()))?;
+            .map_err(|error| WorkflowError::Register {
+                entity_type: CLOCK_ENTITY.to_owned(),
+                source: Arc::new(error),
+            })?;
         Ok(WorkflowEngine { backend: engine })
     }
 }
@@ -573,8 +578,7 @@ impl ClusterEngine {
         };
         let result = match self.final_reply(request_id).await? {
             Some((reply_id, Exit::Success(value))) => {
-                let result: ResultJson =
-                    value.decode().map_err(|error| WorkflowError::Malformed(error.to_string()))?;
+                let result: ResultJson = value.decode().map_err(WorkflowError::Malformed)?;
                 Some((reply_id, result.0))
             }
             Some((_, Exit::Failure(cause))) => {
@@ -622,7 +626,7 @@ impl ClusterEngine {
             Some((_, Exit::Success(value))) => value
                 .decode::<ExitJson>()
                 .map(|exit| Some(exit.0))
-                .map_err(|error| WorkflowError::Malformed(error.to_string())),
+                .map_err(WorkflowError::Malformed),
             _ => Ok(None),
         }
     }
@@ -1388,9 +1392,13 @@ impl Backend for ClusterEngine {
             registrations.insert(registration.name, registration.clone());
         }
         self.define(registration.name, &registration.options);
-        self.sharding
-            .register_as::<WorkflowEntity>(Self::entity_type(registration.name), entity_options())
-            .map_err(|error| WorkflowError::Invalid(error.to_string()))
+        let entity_type = Self::entity_type(registration.name);
+        self.sharding.register_as::<WorkflowEntity>(entity_type.clone(), entity_options()).map_err(
+            |error| WorkflowError::Register {
+                entity_type: entity_type.to_string(),
+                source: Arc::new(error),
+            },
+        )
     }
 
     fn define(&self, workflow: &'static str, options: &WorkflowOptions) {

@@ -11,8 +11,10 @@ use std::future::Future;
 use std::sync::Arc;
 use std::time::Duration;
 
+use cluster_core::DecodeError;
 use cluster_core::envelope::{Cause, CauseReason, Exit, RawJson};
 use cluster_core::future::BoxFuture;
+use cluster_sharding::RegisterError;
 use serde::Serialize;
 use serde::de::DeserializeOwned;
 
@@ -46,10 +48,19 @@ pub enum WorkflowError {
     },
     /// A value could not be encoded or decoded.
     #[error("malformed value: {0}")]
-    Malformed(String),
+    Malformed(#[source] DecodeError),
     /// Used wrongly (for example `detached` without `discard`).
     #[error("{0}")]
     Invalid(String),
+    /// The runtime refused to register an entity type the engine runs on.
+    #[error("could not register {entity_type}")]
+    Register {
+        /// The entity type (`Workflow/<name>`, `Workflow/-/DurableClock`).
+        entity_type: String,
+        /// Why.
+        #[source]
+        source: Arc<RegisterError>,
+    },
 }
 
 /// The typed error under a [`WorkflowError::Cluster`].
@@ -515,7 +526,7 @@ impl WorkflowEngine {
 }
 
 fn encode_payload<P: Serialize>(payload: &P) -> Result<RawJson, WorkflowError> {
-    RawJson::encode(payload).map_err(|error| WorkflowError::Malformed(error.to_string()))
+    RawJson::encode(payload).map_err(WorkflowError::Malformed)
 }
 
 /// The exit of a typed result.

@@ -33,6 +33,7 @@ use std::num::NonZeroU32;
 use std::sync::Arc;
 use std::time::Duration;
 
+use cluster_core::DecodeError;
 use cluster_core::envelope::{Exit, RawJson};
 use futures_util::FutureExt as _;
 use serde::de::DeserializeOwned;
@@ -177,8 +178,10 @@ impl Element {
         token: &Token,
         payload: &RawJson,
     ) -> Result<Element, WorkflowError> {
-        let payload = RawValue::from_string(payload.json_or_null().to_owned())
-            .map_err(|error| WorkflowError::Malformed(error.to_string()))?;
+        let payload =
+            RawValue::from_string(payload.json_or_null().to_owned()).map_err(|error| {
+                WorkflowError::Malformed(DecodeError::new("queue item payload", error.to_string()))
+            })?;
         let span = hash_digest(&format!("span:{item_id}"));
         Ok(Element {
             token: token.encode(),

@@ -21,6 +21,7 @@ use std::num::NonZeroU32;
 use std::sync::{Arc, Mutex, Weak};
 use std::time::Duration;
 
+use cluster_core::DecodeError;
 use cluster_core::envelope::RawJson;
 use cluster_core::queue_storage::{ClaimBatch, ClaimedItem, QueueClaim, QueueStorage, TakeOptions};
 use cluster_core::sync::lock;
@@ -104,8 +105,10 @@ impl QueueWorkers {
         payload: &RawJson,
     ) -> Result<(), WorkflowError> {
         let storage = self.storage()?;
-        let element = serde_json::to_string(&Element::new(item_id, token, payload)?)
-            .map_err(|error| WorkflowError::Malformed(error.to_string()))?;
+        let element =
+            serde_json::to_string(&Element::new(item_id, token, payload)?).map_err(|error| {
+                WorkflowError::Malformed(DecodeError::new("queue item", error.to_string()))
+            })?;
         let name = persisted_name(queue);
         let mut backoff = OFFER_BACKOFF_MIN;
         let mut attempt = 1;

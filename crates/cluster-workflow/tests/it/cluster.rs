@@ -812,3 +812,33 @@ async fn a_child_failing_during_its_runners_drain_compensates_once() {
     assert_eq!(probe.compensations.load(Ordering::SeqCst), 1, "the compensation ran once");
     second.shutdown().await;
 }
+
+/// A registration the runtime refuses keeps the runtime's typed error as its source.
+#[tokio::test(start_paused = true)]
+async fn a_refused_registration_keeps_the_runtimes_error() {
+    let clock: Arc<dyn Clock> = Arc::new(TokioClock::new());
+    let memory = Arc::new(MemoryMessageStorage::new(Arc::clone(&clock)));
+    let sharding = Sharding::builder(config()).clock(clock).messages(memory).start().await.unwrap();
+    let engine = WorkflowEngine::cluster(&sharding).unwrap();
+    sharding.shutdown().await;
+    struct Greet;
+    impl cluster_workflow::Workflow for Greet {
+        const NAME: &'static str = "Greet";
+        type Payload = String;
+        type Success = String;
+        type Error = String;
+        fn idempotency_key(name: &String) -> String {
+            name.clone()
+        }
+    }
+    use cluster_workflow::Workflow as _;
+    let refused = Greet::register(&engine, |_context, name| async move { Ok(name) });
+    let Err(cluster_workflow::WorkflowError::Register { entity_type, source }) = refused else {
+        panic!("a shut-down runtime accepted a workflow: {refused:?}");
+    };
+    assert_eq!(entity_type, "Workflow/Greet");
+    assert!(
+        matches!(*source, cluster_sharding::RegisterError::ShuttingDown),
+        "the runtime's error is kept: {source:?}"
+    );
+}
