@@ -531,34 +531,23 @@ mod single_runner {
         let database = MemoryRunnerDatabase::new(clock.clone());
         let runners =
             |expiration| Arc::new(MemoryRunnerStorage::new(Arc::clone(&database), expiration));
-        let first = Sharding::builder(at(1))
-            .clock(clock.clone())
-            .messages(messages.clone())
-            .runners(runners(Duration::from_secs(60)))
-            .single_runner()
-            .start()
-            .await
-            .unwrap();
-        let refused = Sharding::builder(at(2))
-            .clock(clock.clone())
-            .messages(messages.clone())
-            .runners(runners(Duration::from_secs(60)))
-            .single_runner()
-            .start()
-            .await;
+        // A single runner at `port` on the shared storages.
+        let single = |port| {
+            Sharding::builder(at(port))
+                .clock(clock.clone())
+                .messages(messages.clone())
+                .runners(runners(Duration::from_secs(60)))
+                .single_runner()
+                .start()
+        };
+        let first = single(1).await.unwrap();
+        let refused = single(2).await;
         assert!(
             matches!(refused, Err(StartError::ShardsHeld { held: 300, total: 300 })),
             "{refused:?}"
         );
         first.shutdown().await;
-        let second = Sharding::builder(at(2))
-            .clock(clock.clone())
-            .messages(messages.clone())
-            .runners(runners(Duration::from_secs(60)))
-            .single_runner()
-            .start()
-            .await
-            .unwrap();
+        let second = single(2).await.unwrap();
         second.shutdown().await;
         let client_only = ShardingConfig { runner_address: None, ..super::config() };
         let refused = Sharding::builder(client_only)
