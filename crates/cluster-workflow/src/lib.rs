@@ -48,7 +48,7 @@
 //! (`effect/src/workflow/`), with the choices of its open questions written down in
 //! `docs/workflows.md`.
 
-mod cluster;
+mod cluster_engine;
 mod context;
 mod definition;
 mod engine;
@@ -58,7 +58,7 @@ mod queue;
 mod result;
 mod run;
 
-pub use cluster::{CLOCK_ENTITY, ClusterOptions, INTERRUPT_SIGNAL, PARENT_KEY};
+pub use cluster_engine::{CLOCK_ENTITY, ClusterOptions, INTERRUPT_SIGNAL, PARENT_KEY};
 pub use context::{
     ActivityCall, ActivityContext, ActivityError, DEFAULT_IN_MEMORY_SLEEP_THRESHOLD,
     DurableDeferred, InterruptRetry, Never, WorkflowContext,
