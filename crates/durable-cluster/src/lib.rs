@@ -17,53 +17,40 @@
 //! An entity, a runner on a SQLite file, and a persisted request answered exactly once:
 //!
 //! ```
+//! use std::sync::Arc;
 //! use std::sync::atomic::{AtomicU64, Ordering};
 //!
-//! use durable_cluster::{
-//!     Entity, EntityContext, EntityOptions, Handler, Never, Protocol, RequestContext, Rpc,
-//!     ShardingConfig, SingleRunner,
-//! };
+//! use durable_cluster::{EntityContext, EntityOptions, Never, ShardingConfig, SingleRunner, entity};
 //! use serde::{Deserialize, Serialize};
 //!
-//! static RUNS: AtomicU64 = AtomicU64::new(0);
-//!
-//! struct Account {
-//!     balance: u64,
-//! }
-//!
+//! /// Adds `amount`; `key` makes it one deposit however often it is sent.
 //! #[derive(Serialize, Deserialize)]
 //! struct Deposit {
 //!     key: String,
 //!     amount: u64,
 //! }
 //!
-//! impl Rpc for Deposit {
-//!     const TAG: &'static str = "Deposit";
-//!     const PERSISTED: bool = true;
-//!     type Success = u64;
-//!     type Error = Never;
+//! /// Reads the balance (volatile: in memory only).
+//! #[derive(Serialize, Deserialize)]
+//! struct Balance;
 //!
-//!     fn primary_key(&self) -> Option<String> {
-//!         Some(self.key.clone())
-//!     }
+//! struct Account {
+//!     balance: u64,
+//!     /// A dependency, handed in by the factory: counts the handler's runs.
+//!     runs: Arc<AtomicU64>,
 //! }
 //!
-//! impl Entity for Account {
-//!     const TYPE: &'static str = "Account";
-//!
-//!     async fn create(_context: &EntityContext) -> Account {
-//!         Account { balance: 0 }
-//!     }
-//!
-//!     fn protocol(protocol: &mut Protocol<Account>) {
-//!         protocol.handle::<Deposit>();
-//!     }
-//! }
-//!
-//! impl Handler<Deposit> for Account {
-//!     async fn handle(&mut self, _: &RequestContext, deposit: Deposit) -> Result<u64, Never> {
-//!         RUNS.fetch_add(1, Ordering::SeqCst);
+//! #[entity]
+//! impl Account {
+//!     #[rpc(persisted, primary_key = key)]
+//!     async fn deposit(&mut self, deposit: Deposit) -> Result<u64, Never> {
+//!         self.runs.fetch_add(1, Ordering::SeqCst);
 //!         self.balance += deposit.amount;
+//!         Ok(self.balance)
+//!     }
+//!
+//!     #[rpc]
+//!     async fn balance(&mut self, _: Balance) -> Result<u64, Never> {
 //!         Ok(self.balance)
 //!     }
 //! }
@@ -72,14 +59,20 @@
 //! # async fn main() -> Result<(), Box<dyn std::error::Error>> {
 //! let path = std::env::temp_dir().join(format!("doc-facade-{}.db", std::process::id()));
 //! let sharding = SingleRunner::sqlite(&path, ShardingConfig::default()).await?;
-//! sharding.register::<Account>(EntityOptions::default())?;
+//! let runs = Arc::new(AtomicU64::new(0));
+//! let counted = Arc::clone(&runs);
+//! sharding.register_with(EntityOptions::default(), move |_: &EntityContext| Account {
+//!     balance: 0,
+//!     runs: Arc::clone(&counted),
+//! })?;
 //!
-//! let account = sharding.client::<Account>("alice");
+//! let accounts = Account::client(&sharding);
 //! let deposit = || Deposit { key: "deposit-1".into(), amount: 10 };
-//! assert_eq!(account.send(deposit()).await?, 10);
+//! assert_eq!(accounts.deposit("alice", deposit()).await?, 10);
 //! // The same key again: the stored reply; the handler does not run again.
-//! assert_eq!(account.send(deposit()).await?, 10);
-//! assert_eq!(RUNS.load(Ordering::SeqCst), 1);
+//! assert_eq!(accounts.deposit("alice", deposit()).await?, 10);
+//! assert_eq!(runs.load(Ordering::SeqCst), 1);
+//! assert_eq!(accounts.balance("alice", Balance).await?, 10);
 //!
 //! sharding.shutdown().await;
 //! # for suffix in ["", "-wal", "-shm"] {
@@ -88,6 +81,11 @@
 //! # Ok(())
 //! # }
 //! ```
+//!
+//! The `entity` macro writes the request types' `Rpc` implementations, the handlers, the
+//! protocol and the typed client (`Account::client`); docs/sharding.md lists its arguments.
+//! The same entity can be written by hand with the [`Entity`], [`Rpc`] and [`Handler`]
+//! traits.
 //!
 //! Several runners on one database: [`Runner`] (feature `rpc`) reads its storage, address and
 //! transport settings from the environment; docs/deployment.md shows a complete runner.
