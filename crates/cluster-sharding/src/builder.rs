@@ -186,6 +186,10 @@ impl ShardingBuilder {
                 part: "messages",
                 reason: "a client-only process sends persisted requests only",
             }),
+            (None, None) if single_runner => Err(StartError::Missing {
+                part: "messages",
+                reason: "a single runner delivers persisted requests",
+            }),
             (None, None) => Ok(Sharding::start_volatile(config, clock)?),
             (None, Some(_)) => Err(StartError::Missing {
                 part: "messages",

@@ -931,6 +931,15 @@ mod builder {
     }
 
     #[tokio::test]
+    async fn a_single_runner_without_storage_is_missing_its_part() {
+        let started = Sharding::builder(ShardingConfig::default()).single_runner().start().await;
+        let Err(StartError::Missing { part, .. }) = started else {
+            panic!("a single runner started without storage: {started:?}");
+        };
+        assert_eq!(part, "messages");
+    }
+
+    #[tokio::test]
     async fn a_client_only_single_runner_is_a_conflict() {
         let database = MemoryRunnerDatabase::new(Arc::new(SystemClock));
         let started = Sharding::builder(ShardingConfig::default())
