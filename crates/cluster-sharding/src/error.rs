@@ -36,7 +36,7 @@ pub enum StartError {
     #[error(transparent)]
     Config(#[from] ConfigError),
     /// A storage operation failed.
-    #[error("storage error while starting")]
+    #[error("storage error while starting: {0}")]
     Storage(#[from] StorageError),
     /// The builder lacks a part that another part, or the process's role, needs.
     #[error("{part} is required: {reason}")]
@@ -53,7 +53,7 @@ pub enum StartError {
     #[error("a runner needs a runner address")]
     NoRunnerAddress,
     /// A built-in entity or singleton could not be registered.
-    #[error("could not register a built-in")]
+    #[error("could not register a built-in: {0}")]
     Register(#[source] RegisterError),
     /// Another live runner holds some of the shards.
     #[error("{held} of {total} shards are locked by another runner")]

@@ -60,10 +60,10 @@ pub enum RunnerError {
     #[error("configuration: {0}")]
     Config(#[from] ConfigError),
     /// The storage could not be opened.
-    #[error("storage")]
+    #[error("storage: {0}")]
     Storage(#[from] StorageError),
     /// The transport could not start.
-    #[error("transport")]
+    #[error("transport: {0}")]
     Transport(#[from] RpcError),
     /// The listen address could not be resolved.
     #[error("cannot resolve {address}")]
@@ -75,13 +75,13 @@ pub enum RunnerError {
         source: Option<std::io::Error>,
     },
     /// The runtime could not start.
-    #[error("start")]
+    #[error("start: {0}")]
     Start(#[from] StartError),
     /// The application's registration step failed; the runner left the cluster.
-    #[error("registration")]
+    #[error("registration: {0}")]
     Register(#[source] BoxError),
     /// The signal handlers could not be installed.
-    #[error("signals")]
+    #[error("signals: {0}")]
     Signals(#[source] std::io::Error),
 }
 
@@ -388,6 +388,13 @@ mod tests {
         let Ok(found) = found else { panic!("a client's settings load") };
         assert_eq!(found.sharding.runner_address, None);
         assert_eq!(found.sharding.runner_listen_address, None);
+    }
+
+    #[test]
+    fn an_error_says_its_cause_in_one_line() {
+        let missing = cluster_sharding::StartError::Missing { part: "messages", reason: "why" };
+        let error = RunnerError::Start(missing);
+        assert_eq!(error.to_string(), "start: messages is required: why");
     }
 
     #[tokio::test]
