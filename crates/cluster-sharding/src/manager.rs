@@ -404,10 +404,6 @@ struct Signals {
     interrupt: CancellationToken,
     /// Set when the instance's task has ended.
     ended: CancellationToken,
-    /// Set when a persisted request that had not started was left for the shard's next run
-    /// because the instance was stopping. Every later persisted request is left too, so that
-    /// the entity's storage order holds on the next owner.
-    left: CancellationToken,
 }
 
 struct Instance {
@@ -626,7 +622,6 @@ impl<E: Entity> Shared<E> {
             stopping: shared.stopping.token().child_token(),
             interrupt: shared.closed.child_token(),
             ended: CancellationToken::new(),
-            left: CancellationToken::new(),
         };
         let handle = KeepAliveHandle {
             latch: Arc::clone(&keep_alive),
@@ -1316,11 +1311,9 @@ async fn handle<E: Entity>(
             format!("entity type {} has no request {:?}", shared.entity_type, request.tag);
         return Outcome::Exited(malformed(&message));
     };
-    // A persisted request (it has `started`) after one left for the next run is left too.
     if delivery.cancellation.is_cancelled()
         || signals.interrupt.is_cancelled()
         || (entry.interrupt_on_termination && signals.stopping.is_cancelled())
-        || (delivery.started.is_some() && signals.left.is_cancelled())
     {
         return Outcome::Exited(Exit::interrupt());
     }
@@ -1416,8 +1409,7 @@ async fn handle<E: Entity>(
 
 /// Begins the request's transaction, retrying after `transaction_retry` while the storage
 /// fails, until it is begun (`None`) or the request is interrupted (its own interrupt, the
-/// instance's interruption at the end of a drain, a restart after a panic, or the instance's
-/// stopping by the time the transaction is begun). Meanwhile the
+/// instance's interruption at the end of a drain, or a restart after a panic). Meanwhile the
 /// request holds its place in the instance's order, as it would while its handler ran.
 async fn begin_transaction<E: Entity>(
     shared: &Shared<E>,
@@ -1442,18 +1434,7 @@ async fn begin_transaction<E: Entity>(
             outcome = interruption.as_mut() => return Some(outcome),
             begun = transaction.begin() => begun,
         };
-        let Err(error) = begun else {
-            // The instance began stopping while the transaction began: its shard is being let
-            // go (a lost lock, a rebalance) or the runner shuts down. The handler has not
-            // started, so it does not start now. The request (persisted, as every transactional
-            // one is) is left stored for the shard's next run, and so is every later persisted
-            // request of this instance (see `Signals::left`).
-            if signals.stopping.is_cancelled() {
-                signals.left.cancel();
-                return Some(Outcome::Exited(Exit::interrupt()));
-            }
-            return None;
-        };
+        let Err(error) = begun else { return None };
         let retry = shared.options.transaction_retry;
         tracing::warn!(%error, attempt, ?retry, entity_type = %shared.entity_type, "could not begin a transaction; retrying");
         tokio::select! {
