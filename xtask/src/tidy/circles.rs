@@ -6,7 +6,7 @@
 //!
 //! How a file's imports are read, as text (no macro expansion):
 //!
-//! - Comments are dropped, and so is everything from `#[cfg(test)]` on: tests are not part of
+//! - Comments are dropped, and so is every item marked `#[cfg(test)]`: tests are not part of
 //!   the structure.
 //! - Every `use` item is expanded (braces included) into paths; so is every inline path that
 //!   starts with `crate::`, `super::` or `self::`.
@@ -148,12 +148,8 @@ pub(crate) fn circle_violations(root: &Path) -> Result<Vec<String>> {
     Ok(violations)
 }
 
-/// `text` without comments and without its tests (everything from `#[cfg(test)]` on).
+/// `text` without comments and without the items marked `#[cfg(test)]`.
 pub(crate) fn code_of(text: &str) -> String {
-    let text = match text.find("#[cfg(test)]") {
-        Some(at) => &text[..at],
-        None => text,
-    };
     let mut code = String::with_capacity(text.len());
     for line in text.lines() {
         let line = match line.find("//") {
@@ -164,7 +160,46 @@ pub(crate) fn code_of(text: &str) -> String {
         code.push_str(line);
         code.push('\n');
     }
-    code
+    without_test_items(&code)
+}
+
+/// `code` without each `#[cfg(test)]` item: up to its `;` (`mod tests;`, a `use`), or to the
+/// end of its first braced block (`mod tests { .. }`, a function).
+fn without_test_items(code: &str) -> String {
+    const MARK: &str = "#[cfg(test)]";
+    let mut kept = String::with_capacity(code.len());
+    let mut rest = code;
+    while let Some(at) = rest.find(MARK) {
+        kept.push_str(&rest[..at]);
+        let item = &rest[at + MARK.len()..];
+        let end = match (item.find(';'), item.find('{')) {
+            (Some(semicolon), Some(brace)) if semicolon < brace => semicolon + 1,
+            (Some(semicolon), None) => semicolon + 1,
+            (_, Some(brace)) => block_end(item, brace),
+            (None, None) => item.len(),
+        };
+        rest = &item[end..];
+    }
+    kept.push_str(rest);
+    kept
+}
+
+/// The index just past the block that opens at `open` (the whole rest when unbalanced).
+fn block_end(text: &str, open: usize) -> usize {
+    let mut depth = 0_usize;
+    for (at, c) in text[open..].char_indices() {
+        match c {
+            '{' => depth += 1,
+            '}' => {
+                depth = depth.saturating_sub(1);
+                if depth == 0 {
+                    return open + at + 1;
+                }
+            }
+            _ => {}
+        }
+    }
+    text.len()
 }
 
 /// The names the crate root re-exports, each with the module path it comes from.

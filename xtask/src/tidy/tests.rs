@@ -174,3 +174,14 @@ fn tests_and_other_crates_do_not_make_circles() {
         "a parent and its child import each other; nothing else does"
     );
 }
+
+#[test]
+fn code_after_a_test_module_declaration_still_counts() {
+    let crate_modules = modules(&[
+        ("a", "#[cfg(test)]\nmod tests;\n\nuse crate::b::Thing;\n"),
+        ("b", "#[cfg(test)]\nfn helper() { crate::a::X; }\nuse crate::a::Other;\n"),
+    ]);
+    let edges = circles::edges(&crate_modules);
+    assert_eq!(edges["a"], BTreeSet::from(["b".to_owned()]));
+    assert_eq!(edges["b"], BTreeSet::from(["a".to_owned()]), "only the test function is left out");
+}
