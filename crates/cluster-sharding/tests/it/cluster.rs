@@ -200,23 +200,8 @@ impl Net {
         health_interval: Duration,
         mode: RunnerHealthCheck,
     ) -> Sharding {
-        let (messages, locks) = self.storages().await;
-        let address = RunnerAddress::new("127.0.0.1", port);
-        let config = ShardingConfig {
-            runner_health_check_interval: health_interval,
-            runner_health_check: mode,
-            ..config(Some(address.clone()))
-        };
-        let transport = network.transport();
-        let sharding = Sharding::builder(config)
-            .messages(messages)
-            .runners(locks)
-            .transport(transport)
-            .start()
-            .await
-            .unwrap();
-        network.attach(address, sharding.runner_handler());
-        sharding.register::<Counter>(EntityOptions::default()).unwrap();
+        let sharding = self.runner_judging_unattached(port, network, health_interval, mode).await;
+        network.attach(RunnerAddress::new("127.0.0.1", port), sharding.runner_handler());
         sharding
     }
 
