@@ -940,6 +940,32 @@ mod builder {
     }
 
     #[tokio::test]
+    async fn runner_storage_without_message_storage_is_missing_its_part() {
+        let database = MemoryRunnerDatabase::new(Arc::new(SystemClock));
+        let started = Sharding::builder(ShardingConfig::default())
+            .runners(Arc::new(MemoryRunnerStorage::new(database, Duration::from_secs(30))))
+            .start()
+            .await;
+        let Err(StartError::Missing { part, .. }) = started else {
+            panic!("started without message storage: {started:?}");
+        };
+        assert_eq!(part, "messages");
+    }
+
+    #[tokio::test]
+    async fn a_single_runner_with_a_transport_is_a_conflict() {
+        let database = MemoryRunnerDatabase::new(Arc::new(SystemClock));
+        let started = Sharding::builder(ShardingConfig::default())
+            .messages(messages())
+            .runners(Arc::new(MemoryRunnerStorage::new(database, Duration::from_secs(30))))
+            .transport(MemoryNetwork::new().transport())
+            .single_runner()
+            .start()
+            .await;
+        assert!(matches!(started, Err(StartError::Conflict(_))), "started: {started:?}");
+    }
+
+    #[tokio::test]
     async fn a_client_only_single_runner_is_a_conflict() {
         let database = MemoryRunnerDatabase::new(Arc::new(SystemClock));
         let started = Sharding::builder(ShardingConfig::default())
