@@ -46,7 +46,6 @@ use std::time::Duration;
 use cluster_core::config::Capacity;
 use cluster_core::envelope::{Chunk, Exit, RawJson, Reply};
 use cluster_core::future::BoxFuture;
-use cluster_core::storage::MessageTransaction;
 use cluster_core::sync::lock;
 use cluster_core::transaction::{BackendLock, TransactionError, TransactionSource};
 use cluster_core::{ClusterError, EntityAddress, ShardGroup, Snowflake};
@@ -55,10 +54,10 @@ use serde::de::DeserializeOwned;
 use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
 
+use crate::delivery::TransactionSlot;
 use crate::interrupt::InterruptSignal;
 use crate::keep_alive::KeepAliveHandle;
 use crate::rpc::{Rpc, StreamRpc};
-use crate::sharding::Sharding;
 
 /// An entity type.
 ///
@@ -144,28 +143,38 @@ pub trait Entity: Sized + Send + 'static {
 
 /// What [`Entity::create`] and the factories of
 /// [`Sharding::register_with`](crate::Sharding::register_with) get.
-#[derive(Clone, Debug)]
+///
+/// Its `sharding()` method, the runtime the instance runs in, is written where that runtime
+/// is (`sharding.rs`): the entity layer is below the runtime and does not name it.
+#[derive(Clone)]
 pub struct EntityContext {
     address: EntityAddress,
-    sharding: Sharding,
+    /// The runtime, a `Sharding`, held erased: see [`RuntimeHandle`].
+    pub(crate) runtime: RuntimeHandle,
+}
+
+impl std::fmt::Debug for EntityContext {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("EntityContext").field("address", &self.address).finish_non_exhaustive()
+    }
 }
 
 impl EntityContext {
-    pub(crate) fn new(address: EntityAddress, sharding: Sharding) -> EntityContext {
-        EntityContext { address, sharding }
+    pub(crate) fn new(address: EntityAddress, runtime: RuntimeHandle) -> EntityContext {
+        EntityContext { address, runtime }
     }
 
     /// The new instance's address.
     pub fn address(&self) -> &EntityAddress {
         &self.address
     }
-
-    /// The runtime the instance runs in: `context.sharding().client::<Other>(id)` calls
-    /// another entity. An instance that keeps it keeps the runtime alive until it stops.
-    pub fn sharding(&self) -> &Sharding {
-        &self.sharding
-    }
 }
+
+/// The runtime a context hands to user code, held without naming its type: the layers below
+/// the runtime (entities, singletons, cron jobs) hand it out, and the runtime is built on
+/// them. Only the runtime makes one, from itself, and reads it back (in `sharding.rs`).
+#[derive(Clone)]
+pub(crate) struct RuntimeHandle(pub(crate) Arc<dyn std::any::Any + Send + Sync>);
 
 /// Handles one request type `R`.
 pub trait Handler<R: Rpc>: Entity {
@@ -586,9 +595,6 @@ impl Ids {
         self.generator.set_machine_id(machine_id);
     }
 }
-
-/// The storage transaction a `WITH_TRANSACTION` request's handler runs in.
-pub type TransactionSlot = Arc<tokio::sync::Mutex<Option<Box<dyn MessageTransaction>>>>;
 
 /// Locks the transaction in `slot` and lends its backend handle: the
 /// [`TransactionSource::lock_backend`] of a context that holds a slot ([`RequestContext`], and

@@ -79,6 +79,7 @@
 mod builder;
 mod client;
 mod cron;
+mod delivery;
 mod entity;
 mod error;
 mod interrupt;
@@ -103,10 +104,11 @@ pub use cluster_core::Never;
 #[cfg(feature = "macros")]
 pub use cluster_macros::entity;
 pub use cron::{CronContext, CronError, CronOptions};
+pub use delivery::TransactionSlot;
 pub use entity::{
     CHUNK_BYTES_MAX, CHUNK_ITEMS_MAX, ChunkError, Chunks, DEFAULT_ON_STOP_TIMEOUT, Entity,
     EntityContext, EntityOptions, ForkedHandler, ForkedStreamHandler, Handler, Protocol,
-    RequestContext, SharedHandler, StreamHandler, TransactionSlot, lock_backend,
+    RequestContext, SharedHandler, StreamHandler, lock_backend,
 };
 pub use error::{RegisterError, StartError};
 pub use queue_entity::{

@@ -17,26 +17,27 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use cluster_core::config::Capacity;
-use cluster_core::envelope::{Chunk, Exit, RawJson, Reply, Request, WithExit};
+use cluster_core::envelope::{Exit, RawJson, Reply, Request, WithExit};
 use cluster_core::future::BoxFuture;
-use cluster_core::storage::{MessageStorage, MessageTransaction};
 use cluster_core::sync::lock;
 use cluster_core::{ClusterError, EntityAddress, EntityType, ShardId, Snowflake};
 use futures_util::stream::FuturesUnordered;
 use futures_util::{FutureExt, StreamExt};
-use tokio::sync::{mpsc, oneshot};
+use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 use tracing::Instrument;
 
+use crate::delivery::{
+    Delivery, ErasedManager, PendingTransaction, Refused, ReplyTo, Serving, StreamReplies,
+};
 use crate::entity::{
     CallKind, ChunkChannel, Entity, EntityContext, Ids, Protocol, RequestContext, SharedValue,
-    Sharing, TransactionSlot, malformed,
+    Sharing, malformed,
 };
 use crate::interrupt::{FlaggedToken, InterruptSignal};
 use crate::keep_alive::{KEEP_ALIVE_TAG, KeepAlive, KeepAliveHandle, KeepAliveSender};
 use crate::metrics;
-use crate::sharding::{Sharding, WeakSharding};
 use instances::{Instances, Partition};
 
 /// The largest mailbox channel; an unbounded mailbox capacity is capped here (everything has a
@@ -75,78 +76,6 @@ impl RestartBackoff {
     }
 }
 
-/// A request handed to an instance, with where its exit goes.
-pub(crate) struct Delivery {
-    pub(crate) request: Request,
-    /// Fired when the request is interrupted.
-    pub(crate) cancellation: InterruptSignal,
-    pub(crate) reply: ReplyTo,
-    /// The storage transaction the handler runs in (persisted `WITH_TRANSACTION` requests),
-    /// begun by the instance when the request starts.
-    pub(crate) transaction: Option<PendingTransaction>,
-    /// Set when the handler starts running the request (persisted requests: shutdown abandons
-    /// the local callers of requests that never started, reference `abandonUndelivered`).
-    pub(crate) started: Option<Arc<std::sync::atomic::AtomicBool>>,
-}
-
-impl Delivery {
-    /// The delivery of a volatile request: no storage transaction, no start flag.
-    pub(crate) fn volatile(
-        request: Request,
-        cancellation: InterruptSignal,
-        reply: ReplyTo,
-    ) -> Box<Delivery> {
-        Box::new(Delivery { request, cancellation, reply, transaction: None, started: None })
-    }
-}
-
-/// The storage transaction of a `WITH_TRANSACTION` request. The instance begins it when the
-/// request starts, as the reference's handler runs inside `withTransaction`
-/// (`effect/src/cluster/internal/entityManager.ts`, `requestWriteOptions`), so that handing a
-/// request to its entity never waits: nothing can change between the checks that admit it and
-/// its arrival in the mailbox. The runtime takes it back to commit or roll back.
-#[derive(Clone)]
-pub(crate) struct PendingTransaction {
-    storage: Arc<dyn MessageStorage>,
-    slot: TransactionSlot,
-}
-
-impl PendingTransaction {
-    /// A transaction to begin on `storage`.
-    pub(crate) fn new(storage: Arc<dyn MessageStorage>) -> PendingTransaction {
-        PendingTransaction { storage, slot: TransactionSlot::default() }
-    }
-
-    /// The transaction, if it was begun and not taken yet.
-    pub(crate) async fn take(&self) -> Option<Box<dyn MessageTransaction>> {
-        self.slot.lock().await.take()
-    }
-
-    async fn begin(&self) -> Result<(), cluster_core::error::StorageError> {
-        let transaction = self.storage.begin_transaction().await?;
-        *self.slot.lock().await = Some(transaction);
-        Ok(())
-    }
-}
-
-/// Where the outcome of a request goes.
-pub(crate) enum ReplyTo {
-    /// The exit of a unary request.
-    Exit(oneshot::Sender<Exit>),
-    /// The chunks and then the final reply of a streaming request, and its acknowledgements.
-    Stream(StreamReplies),
-}
-
-/// The channels of a streaming request.
-pub(crate) struct StreamReplies {
-    /// Chunks, then the final reply.
-    pub(crate) replies: mpsc::Sender<Reply>,
-    /// The ids of acknowledged chunks.
-    pub(crate) acks: mpsc::Receiver<Snowflake>,
-    /// The last chunk sent before a restart, for a resumed stream.
-    pub(crate) last_sent: Option<Chunk>,
-}
-
 /// The runner-wide number of resident instances, bounded by `max_resident_entities`.
 #[derive(Debug)]
 pub(crate) struct Residency {
@@ -183,67 +112,6 @@ impl Residency {
         self.count.fetch_sub(1, Ordering::AcqRel);
         self.freed.notify_waiters();
     }
-}
-
-/// Why a delivery was refused.
-#[derive(Debug)]
-pub(crate) enum Refused {
-    /// The runner holds as many instances as it may (`max_resident_entities`): retry once one
-    /// is reaped. Callers see `MailboxFull`.
-    ResidencyFull(EntityAddress),
-    /// Anything else (the instance's mailbox is full, the manager is stopping).
-    Cluster(ClusterError),
-}
-
-impl From<Refused> for ClusterError {
-    fn from(refused: Refused) -> ClusterError {
-        match refused {
-            Refused::ResidencyFull(address) => ClusterError::MailboxFull { address },
-            Refused::Cluster(error) => error,
-        }
-    }
-}
-
-/// What the runtime needs from a manager, whatever its entity type.
-pub(crate) trait ErasedManager: Send + Sync {
-    /// Hands `delivery` to its instance, creating it if needed, if `runtime` serves its shard.
-    /// The shard is checked under the lock that a shard's stop takes to remove its instances:
-    /// a delivery either reaches an instance that the stop will see, or is refused.
-    fn deliver(&self, delivery: Box<Delivery>, runtime: &Sharding) -> Result<(), Refused>;
-
-    /// The addresses of the resident instances.
-    fn resident_addresses(&self) -> Vec<EntityAddress>;
-
-    /// The number of resident instances.
-    fn active_entities(&self) -> usize;
-
-    /// Whether requests tagged `tag` are streaming requests.
-    fn is_stream(&self, tag: &str) -> bool;
-
-    /// Whether the request tagged `tag` with `payload` runs inside a storage transaction.
-    fn with_transaction(&self, tag: &str, payload: &RawJson) -> bool;
-
-    /// Whether requests tagged `tag` run again when they end by interrupt.
-    fn rerun_on_interrupt(&self, tag: &str) -> bool;
-
-    /// Stops every instance and waits for them to end: no new request is admitted, the ones
-    /// already delivered get `termination_timeout` to finish (the reference's graceful drain,
-    /// `entityTerminationTimeout`), then the rest are interrupted.
-    fn shutdown(&self, termination_timeout: Duration) -> BoxFuture<'_, ()>;
-
-    /// Stops the instances of `shard` and waits for them to end
-    /// (`effect/src/cluster/internal/entityManager.ts`): the same drain as
-    /// [`shutdown`](ErasedManager::shutdown), or an immediate interruption when `force`. Instances
-    /// the shard gets meanwhile are stopped too.
-    fn stop_shard<'a>(
-        &'a self,
-        shard: &'a ShardId,
-        force: bool,
-        termination_timeout: Duration,
-    ) -> BoxFuture<'a, ()>;
-
-    /// Whether `shard` has instances of this type (what a stuck release waits for).
-    fn has_instances_in(&self, shard: &ShardId) -> bool;
 }
 
 /// The requests an instance admitted and has not answered yet, by id.
@@ -338,6 +206,10 @@ pub(crate) struct ManagerOptions {
     pub(crate) mailbox_metrics: bool,
 }
 
+/// Makes the context of a new instance at an address; `None` once the runtime is gone. The
+/// runtime gives it, so that a manager neither names nor keeps alive the runtime.
+pub(crate) type Contexts = Arc<dyn Fn(&EntityAddress) -> Option<EntityContext> + Send + Sync>;
+
 /// What makes the instances of an entity type.
 pub(crate) enum Factory<E> {
     /// [`Entity::create`], boxed. A function pointer that `Sharding::register` takes: the
@@ -372,8 +244,8 @@ pub(crate) struct EntityManager<E: Entity> {
 }
 
 struct Shared<E: Entity> {
-    /// What new instances get to call other entities.
-    runtime: WeakSharding,
+    /// Makes the context of a new instance (what it gets to call other entities).
+    contexts: Contexts,
     entity_type: EntityType,
     protocol: Protocol<E>,
     /// Makes the instances.
@@ -420,7 +292,7 @@ struct Instance {
 
 impl<E: Entity> EntityManager<E> {
     pub(crate) fn new(
-        runtime: WeakSharding,
+        contexts: Contexts,
         entity_type: EntityType,
         factory: Factory<E>,
         options: ManagerOptions,
@@ -430,7 +302,7 @@ impl<E: Entity> EntityManager<E> {
     ) -> EntityManager<E> {
         EntityManager {
             shared: Arc::new(Shared {
-                runtime,
+                contexts,
                 entity_type,
                 protocol: Protocol::of(),
                 factory,
@@ -449,7 +321,7 @@ impl<E: Entity> EntityManager<E> {
 }
 
 impl<E: Entity> ErasedManager for EntityManager<E> {
-    fn deliver(&self, delivery: Box<Delivery>, runtime: &Sharding) -> Result<(), Refused> {
+    fn deliver(&self, delivery: Box<Delivery>, serving: &dyn Serving) -> Result<(), Refused> {
         let shared = &self.shared;
         // The address is cloned only where it is kept (a new instance) or reported (a refusal).
         let address = || delivery.request.address.clone();
@@ -458,7 +330,7 @@ impl<E: Entity> ErasedManager for EntityManager<E> {
         // Under the partition's lock: `shutdown` cancels it before it clears the partitions, and
         // a shard's release stops serving it before it removes the shard's instances (the
         // reference's `hasShardId` check in `EntityManager.send`).
-        if shared.stopping.is_cancelled() || !runtime.serves(shard) {
+        if shared.stopping.is_cancelled() || !serving.serves(shard) {
             return Err(Refused::Cluster(ClusterError::EntityNotAssignedToRunner {
                 address: address(),
             }));
@@ -1225,7 +1097,7 @@ async fn create<E: Entity>(
         if interrupt.is_cancelled() {
             return None;
         }
-        let context = EntityContext::new(address.clone(), shared.runtime.upgrade()?);
+        let context = (shared.contexts)(address)?;
         match AssertUnwindSafe(shared.factory.make(&context)).catch_unwind().await {
             Ok(entity) => return Some(entity),
             Err(_) => {
@@ -1334,7 +1206,7 @@ async fn handle<E: Entity>(
         address.clone(),
         request.request_id,
         delivery.cancellation.clone(),
-        delivery.transaction.as_ref().map(|transaction| Arc::clone(&transaction.slot)),
+        delivery.transaction.as_ref().map(|transaction| Arc::clone(transaction.slot())),
         keep_alive,
         &request.headers,
     );

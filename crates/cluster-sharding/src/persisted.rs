@@ -54,9 +54,9 @@ use cluster_core::{ClusterError, EntityAddress, EntityType, ShardId, Snowflake};
 use tokio::sync::{Notify, mpsc, oneshot};
 use tokio::time::Instant;
 
+use crate::delivery::{Delivery, PendingTransaction, Refused, ReplyTo, StreamReplies};
 use crate::entity::malformed;
 use crate::interrupt::InterruptSignal;
-use crate::manager::{Delivery, PendingTransaction, Refused, ReplyTo, StreamReplies};
 use crate::sharding::Sharding;
 
 mod direct;

@@ -22,8 +22,8 @@ use cluster_core::transport::{ReplyStream, RunnerHandler};
 use cluster_core::{ClusterError, RunnerAddress, ShardId, Snowflake};
 use tokio::sync::{mpsc, oneshot};
 
+use crate::delivery::{Delivery, ReplyTo};
 use crate::interrupt::InterruptSignal;
-use crate::manager::{Delivery, ReplyTo};
 use crate::sharding::{LocalCall, STREAM_BUFFER, Sharding, WeakSharding};
 
 /// Where a volatile request goes.

@@ -27,15 +27,13 @@ use tokio_util::task::TaskTracker;
 
 use crate::client::EntityClient;
 use crate::cron::CronJobs;
+use crate::delivery::{Delivery, ErasedManager, ReplyTo, Serving, StreamReplies};
 use crate::entity::Ids;
-use crate::entity::{DEFAULT_ON_STOP_TIMEOUT, Entity, EntityContext, EntityOptions};
+use crate::entity::{DEFAULT_ON_STOP_TIMEOUT, Entity, EntityContext, EntityOptions, RuntimeHandle};
 use crate::error::RegisterError;
 use crate::interrupt::{FlaggedToken, InterruptSignal};
 use crate::keep_alive::{KEEP_ALIVE_TAG, KeepAliveSender};
-use crate::manager::{
-    Delivery, EntityManager, ErasedManager, Factory, ManagerOptions, ReplyTo, Residency,
-    StreamReplies,
-};
+use crate::manager::{Contexts, EntityManager, Factory, ManagerOptions, Residency};
 use crate::member::Member;
 use crate::metrics;
 use crate::persisted::{PersistedDelivery, all_shards};
@@ -448,7 +446,7 @@ impl Sharding {
                 return Err(RegisterError::AlreadyRegistered(entity_type));
             }
             let manager = EntityManager::<E>::new(
-                self.downgrade(),
+                self.contexts(),
                 entity_type.clone(),
                 factory,
                 manager_options,
@@ -804,6 +802,30 @@ impl Sharding {
         Ok((replied, acked, cancellation))
     }
 
+    /// What entity managers call to make the context of a new instance: a weak handle, so
+    /// that the managers do not keep the runtime alive.
+    fn contexts(&self) -> Contexts {
+        let runtime = self.downgrade();
+        Arc::new(move |address: &EntityAddress| {
+            let sharding = runtime.upgrade()?;
+            Some(EntityContext::new(address.clone(), sharding.handle()))
+        })
+    }
+
+    /// This runtime, for a context handed to user code (see [`Sharding::of`]).
+    pub(crate) fn handle(&self) -> RuntimeHandle {
+        RuntimeHandle(Arc::new(self.clone()))
+    }
+
+    /// The runtime in `handle`, which only [`Sharding::handle`] makes.
+    fn of(handle: &RuntimeHandle) -> &Sharding {
+        match handle.0.downcast_ref::<Sharding>() {
+            Some(sharding) => sharding,
+            // `RuntimeHandle` is crate-private, and `handle` is its only constructor.
+            None => unreachable!("a runtime handle holds a Sharding"),
+        }
+    }
+
     /// What entity managers call to send the keep-alive request: a weak handle, so that the
     /// managers do not keep the runtime alive.
     fn keep_alive_sender(&self) -> KeepAliveSender {
@@ -904,6 +926,21 @@ impl Sharding {
             Some(manager) => Ok(manager.deliver(delivery, self).map_err(ClusterError::from)),
             None => Err(delivery),
         }
+    }
+}
+
+impl EntityContext {
+    /// The runtime the instance runs in: `context.sharding().client::<Other>(id)` calls
+    /// another entity. An instance that keeps it keeps the runtime alive until it stops.
+    pub fn sharding(&self) -> &Sharding {
+        Sharding::of(&self.runtime)
+    }
+}
+
+/// The managers check the runtime's shards before they admit a request.
+impl Serving for Sharding {
+    fn serves(&self, shard: &ShardId) -> bool {
+        Sharding::serves(self, shard)
     }
 }
 
