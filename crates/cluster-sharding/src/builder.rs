@@ -16,10 +16,11 @@ use std::sync::Arc;
 
 use cluster_core::storage::{MessageStorage, RunnerStorage};
 use cluster_core::transport::Transport;
-use cluster_core::{Clock, ShardingConfig, SystemClock};
+use cluster_core::{Clock, Runner, ShardingConfig, SystemClock};
 
 use crate::error::StartError;
 use crate::sharding::Sharding;
+use crate::single_runner::{HeldLocks, LockedRuntime, all_shards};
 
 /// Puts a [`Sharding`] runtime together: [`Sharding::builder`], the parts, then
 /// [`start`](ShardingBuilder::start).
@@ -205,11 +206,51 @@ impl ShardingBuilder {
                 Ok(Sharding::start_own_storage(config, clock, messages).await?)
             }
             (Some(messages), Some(runners)) if single_runner => {
-                Sharding::start_single_runner(config, clock, messages, runners).await
+                start_single_runner(config, clock, messages, runners).await
             }
             (Some(messages), Some(runners)) => {
                 Sharding::start_cluster(config, clock, messages, runners, transport)
             }
         }
     }
+}
+
+/// A single runner on `messages`, holding every shard's lock in `runners` (see
+/// `single_runner`), with its storage read loop started.
+async fn start_single_runner(
+    config: ShardingConfig,
+    clock: Arc<dyn Clock>,
+    messages: Arc<dyn MessageStorage>,
+    runners: Arc<dyn RunnerStorage>,
+) -> Result<Sharding, StartError> {
+    config.validate()?;
+    let address = config.runner_address.clone().ok_or(StartError::NoRunnerAddress)?;
+    let groups = config.shard_groups().assigned;
+    let runner =
+        Runner::new(address.clone(), groups.iter().cloned().collect(), config.runner_shard_weight);
+    let machine_id = runners.register(&runner, true).await?;
+    let shards = all_shards(&groups, config.shards_per_group);
+    let acquired_at = tokio::time::Instant::now();
+    let acquired = runners.acquire(&address, &shards).await?;
+    if acquired.len() < shards.len() {
+        // Give back what was taken: the other runner keeps the rest.
+        let _ = runners.release_all(&address).await;
+        return Err(StartError::ShardsHeld {
+            held: shards.len() - acquired.len(),
+            total: shards.len(),
+        });
+    }
+    let interval = config.shard_lock_interval();
+    let locks = Arc::new(HeldLocks::new(runners, address, shards, &config, acquired_at));
+    let sharding = Sharding::start_own_storage(config, clock, Arc::clone(&messages)).await?;
+    sharding.set_machine_id(machine_id);
+    sharding.hold_locks(Arc::clone(&locks));
+    let runtime = LockedRuntime {
+        managers: Arc::clone(sharding.managers()),
+        messages,
+        read_latch: sharding.read_latch(),
+    };
+    let shutdown = sharding.shutdown_token().clone();
+    sharding.spawn_owned(locks.refresh(runtime, interval, shutdown));
+    Ok(sharding)
 }

@@ -19,6 +19,23 @@ use crate::interrupt::InterruptSignal;
 /// The storage transaction a `WITH_TRANSACTION` request's handler runs in.
 pub type TransactionSlot = Arc<tokio::sync::Mutex<Option<Box<dyn MessageTransaction>>>>;
 
+/// Wakes the storage read loop, instead of at its next poll: a request was saved, a shard
+/// was taken, an entity type was registered.
+#[derive(Debug, Default)]
+pub(crate) struct ReadLatch(tokio::sync::Notify);
+
+impl ReadLatch {
+    /// Wakes the read loop (once, if it is not waiting now).
+    pub(crate) fn wake(&self) {
+        self.0.notify_one();
+    }
+
+    /// Completes at the next wake.
+    pub(crate) fn woken(&self) -> tokio::sync::futures::Notified<'_> {
+        self.0.notified()
+    }
+}
+
 /// Whether this runner serves a shard now: what a manager checks before it admits a request.
 pub(crate) trait Serving {
     /// Whether requests of `shard` may run here now.

@@ -89,6 +89,7 @@ mod member;
 pub mod metrics;
 mod persisted;
 mod queue_entity;
+mod registry;
 mod remote;
 mod rpc;
 mod sharding;

@@ -277,7 +277,7 @@ impl Sharding {
                     return served;
                 }
                 let config = self.config();
-                crate::persisted::all_shards(
+                crate::single_runner::all_shards(
                     &config.shard_groups().assigned,
                     config.shards_per_group,
                 )
@@ -489,7 +489,7 @@ impl Sharding {
         // The shard's singletons stop too; the lock waits for both.
         self.sync_singletons();
         futures_util::future::join(
-            self.stop_shard_entities(&shard, force, termination_timeout),
+            self.managers().stop_shard(&shard, force, termination_timeout),
             self.stop_singletons_in(Some(&shard)),
         )
         .await;
@@ -559,7 +559,7 @@ impl Sharding {
         let sharding = &self;
         futures_util::future::join_all(shards.iter().map(|shard| async move {
             futures_util::future::join(
-                sharding.stop_shard_entities(shard, true, termination_timeout),
+                sharding.managers().stop_shard(shard, true, termination_timeout),
                 sharding.stop_singletons_in(Some(shard)),
             )
             .await;
@@ -588,7 +588,7 @@ impl Sharding {
             if overdue
                 && warned_at.is_none_or(|at| at.elapsed() >= expiration.max(RELEASE_WARNING_PERIOD))
             {
-                let blocking = self.entity_types_in(&shards);
+                let blocking = self.managers().types_in(&shards);
                 tracing::warn!(waited = ?started.elapsed(), ?blocking, "forced release of the shard locks still pending");
                 warned_at = Some(tokio::time::Instant::now());
             }
@@ -682,33 +682,9 @@ impl Sharding {
         for shard in affected {
             let sharding = self.clone();
             self.spawn_cluster(async move {
-                sharding.stop_shard_entities(&shard, true, termination_timeout).await;
+                sharding.managers().stop_shard(&shard, true, termination_timeout).await;
             });
         }
-    }
-
-    /// Stops the entities of `shard` on every entity type.
-    pub(crate) async fn stop_shard_entities(
-        &self,
-        shard: &ShardId,
-        force: bool,
-        timeout: Duration,
-    ) {
-        let managers = self.all_managers();
-        futures_util::future::join_all(
-            managers.iter().map(|manager| manager.stop_shard(shard, force, timeout)),
-        )
-        .await;
-    }
-
-    /// The entity types that still have instances in `shards` (named in stuck-release
-    /// warnings).
-    fn entity_types_in(&self, shards: &[ShardId]) -> Vec<String> {
-        self.all_managers_by_type()
-            .into_iter()
-            .filter(|(_, manager)| shards.iter().any(|shard| manager.has_instances_in(shard)))
-            .map(|(entity_type, _)| entity_type.to_string())
-            .collect()
     }
 
     /// `shard` was let go.

@@ -54,7 +54,7 @@ use cluster_core::{ClusterError, EntityAddress, EntityType, ShardId, Snowflake};
 use tokio::sync::{Notify, mpsc, oneshot};
 use tokio::time::Instant;
 
-use crate::delivery::{Delivery, PendingTransaction, Refused, ReplyTo, StreamReplies};
+use crate::delivery::{Delivery, PendingTransaction, ReadLatch, Refused, ReplyTo, StreamReplies};
 use crate::entity::malformed;
 use crate::interrupt::InterruptSignal;
 use crate::sharding::Sharding;
@@ -76,7 +76,7 @@ pub(crate) struct PersistedDelivery {
     shards: Vec<ShardId>,
     waiters: Mutex<ReplyHandlers<Waiter>>,
     /// Wakes the storage read loop (a new request, an interrupt, a registration).
-    read_latch: Notify,
+    read_latch: Arc<ReadLatch>,
     /// The requests taken up here, from their claim to their stored outcome (`tracked`).
     tracked: Mutex<tracked::Tracked>,
     /// Woken when a request reaches its entity or a reservation ends.
@@ -197,7 +197,7 @@ impl PersistedDelivery {
             storage,
             shards,
             waiters: Mutex::new(ReplyHandlers::new()),
-            read_latch: Notify::new(),
+            read_latch: Arc::default(),
             tracked: Mutex::new(tracked::Tracked::default()),
             reservation_ended: Notify::new(),
             reply_waiters: Notify::new(),
@@ -282,9 +282,14 @@ impl PersistedDelivery {
         lock(&self.waiters).unregister_shard(shard, mode);
     }
 
+    /// What wakes the storage read loop, for the components that change what it reads.
+    pub(crate) fn read_latch(&self) -> &Arc<ReadLatch> {
+        &self.read_latch
+    }
+
     /// Wakes the storage read loop.
     pub(crate) fn poll_storage(&self) {
-        self.read_latch.notify_one();
+        self.read_latch.wake();
     }
 }
 
@@ -616,7 +621,7 @@ impl Sharding {
             };
             let residency = self.residency();
             tokio::select! {
-                () = persisted.read_latch.notified() => {}
+                () = persisted.read_latch.woken() => {}
                 () = tokio::time::sleep(wait) => {}
                 () = residency.freed(), if state.capped => {}
                 () = self.shutdown_token().cancelled() => return,
@@ -645,7 +650,7 @@ impl Sharding {
         let residents;
         let addresses = if self.residency().is_full() {
             state.capped = true;
-            residents = self.resident_addresses();
+            residents = self.managers().resident_addresses();
             Some(residents.as_slice())
         } else {
             None
@@ -767,7 +772,7 @@ impl Sharding {
         };
         let request_id = request.request_id;
         let shard = request.address.shard_id.clone();
-        let Some(manager) = self.registered_manager(&request.address.entity_type) else {
+        let Some(manager) = self.managers().get(&request.address.entity_type) else {
             if !self.serves(&shard) {
                 return Dispatched::Release(request_id);
             }
@@ -1268,15 +1273,4 @@ enum Dispatched {
 
 fn not_stored(address: &EntityAddress) -> ClusterError {
     ClusterError::EntityNotAssignedToRunner { address: address.clone() }
-}
-
-/// Every shard of `groups`.
-pub(crate) fn all_shards(
-    groups: &BTreeSet<cluster_core::ShardGroup>,
-    shards_per_group: u32,
-) -> Vec<ShardId> {
-    groups
-        .iter()
-        .flat_map(|group| (1..=shards_per_group).map(move |id| ShardId::new(group.clone(), id)))
-        .collect()
 }

@@ -401,7 +401,8 @@ impl RunnerHandler for Server {
             }
             let request_id = request.request_id;
             let is_stream = sharding
-                .registered_manager(&request.address.entity_type)
+                .managers()
+                .get(&request.address.entity_type)
                 .is_some_and(|manager| manager.is_stream(&request.tag));
             if is_stream {
                 let (replies, acks, cancellation) = sharding.stream_local(request).await?;

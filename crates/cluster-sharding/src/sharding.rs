@@ -7,7 +7,7 @@
 
 use std::collections::BTreeMap;
 use std::num::NonZeroU32;
-use std::sync::{Arc, Mutex, OnceLock, RwLock};
+use std::sync::{Arc, Mutex, OnceLock};
 
 use cluster_core::config::{Capacity, ShardingConfig};
 use cluster_core::envelope::{Exit, RawJson, Reply, Request, TraceContext, WithExit};
@@ -15,19 +15,19 @@ use cluster_core::error::ConfigError;
 use cluster_core::future::BoxFuture;
 use cluster_core::snowflake::SharedSnowflakeGenerator;
 use cluster_core::storage::{MessageStorage, SaveRequestOptions};
-use cluster_core::sync::{self, lock};
+use cluster_core::sync::lock;
 use cluster_core::transport::Transport;
 use cluster_core::{
     Clock, ClusterError, EntityAddress, EntityId, EntityType, MachineId, ShardGroup, ShardId,
     Snowflake, Tag,
 };
-use tokio::sync::{Notify, broadcast, mpsc, oneshot};
+use tokio::sync::{broadcast, mpsc, oneshot};
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
 use crate::client::EntityClient;
 use crate::cron::CronJobs;
-use crate::delivery::{Delivery, ErasedManager, ReplyTo, Serving, StreamReplies};
+use crate::delivery::{Delivery, ErasedManager, ReadLatch, ReplyTo, Serving, StreamReplies};
 use crate::entity::Ids;
 use crate::entity::{DEFAULT_ON_STOP_TIMEOUT, Entity, EntityContext, EntityOptions, RuntimeHandle};
 use crate::error::RegisterError;
@@ -36,10 +36,11 @@ use crate::keep_alive::{KEEP_ALIVE_TAG, KeepAliveSender};
 use crate::manager::{Contexts, EntityManager, Factory, ManagerOptions, Residency};
 use crate::member::Member;
 use crate::metrics;
-use crate::persisted::{PersistedDelivery, all_shards};
+use crate::persisted::PersistedDelivery;
+use crate::registry::Managers;
 use crate::remote::RemoteCalls;
-use crate::single_runner::HeldLocks;
-use crate::singleton::Singletons;
+use crate::single_runner::{HeldLocks, all_shards};
+use crate::singleton::{self, SingletonContext, SingletonHost, SingletonOptions, Singletons};
 
 /// What [`Sharding::registration_events`] reports.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -77,21 +78,11 @@ pub struct Sharding {
     inner: Arc<Inner>,
 }
 
-/// How many entity types a delivery finds without a lock (see `Inner::fast_managers`); the
-/// others are found under the registry's read lock.
-const FAST_TYPES: usize = 16;
-
 struct Inner {
     config: ShardingConfig,
     clock: Arc<dyn Clock>,
     ids: Arc<Ids>,
-    managers: RwLock<BTreeMap<EntityType, Arc<dyn ErasedManager>>>,
-    /// The first [`FAST_TYPES`] registered types again, in registration order, each slot set
-    /// once: what every delivery reads, without the lock (both workers taking the read lock
-    /// on every request made its state bounce between them). Types are never unregistered.
-    fast_managers: [OnceLock<(EntityType, Arc<dyn ErasedManager>)>; FAST_TYPES],
-    /// Woken whenever an entity type is registered.
-    registered: Notify,
+    managers: Arc<Managers>,
     events: broadcast::Sender<RegistrationEvent>,
     residency: Arc<Residency>,
     /// Cancelled when the runner stops; every request reads its flag.
@@ -104,7 +95,7 @@ struct Inner {
     locks: OnceLock<Arc<HeldLocks>>,
     /// Membership, shard locks and handoff, when several runners share the storage.
     cluster: Option<Arc<Member>>,
-    singletons: Singletons,
+    singletons: Arc<Singletons>,
     cron_jobs: CronJobs,
     /// The runner-to-runner transport, for volatile requests to other runners.
     transport: Option<Arc<dyn Transport>>,
@@ -285,22 +276,27 @@ impl Sharding {
         let runners = usize::from(config.runner_address.is_some());
         metrics::set(metrics::RUNNERS, runners);
         metrics::set(metrics::RUNNERS_HEALTHY, runners);
+        let shutdown = FlaggedToken::default();
+        let tasks = TaskTracker::new();
+        let singletons = Arc::new(Singletons::new(
+            config.entity_termination_timeout,
+            tasks.clone(),
+            shutdown.token().clone(),
+        ));
         Ok(Sharding {
             inner: Arc::new(Inner {
                 config,
                 clock,
                 ids,
-                managers: RwLock::new(BTreeMap::new()),
-                fast_managers: std::array::from_fn(|_| OnceLock::new()),
-                registered: Notify::new(),
+                managers: Arc::default(),
                 events: broadcast::channel(REGISTRATION_EVENTS_MAX).0,
                 residency,
-                shutdown: FlaggedToken::default(),
+                shutdown,
                 persisted,
-                tasks: TaskTracker::new(),
+                tasks,
                 locks: OnceLock::new(),
                 cluster,
-                singletons: Singletons::default(),
+                singletons,
                 cron_jobs: CronJobs::default(),
                 transport,
                 remote_calls: RemoteCalls::default(),
@@ -323,6 +319,74 @@ impl Sharding {
         assert_has_create!(E);
         let entity_type = EntityType::from_static(E::TYPE);
         self.register_factory(entity_type, options, Factory::<E>::create())
+    }
+
+    /// Registers the singleton `name`: `run` is called on the one runner that holds the lock
+    /// of the name's shard, again whenever the shard comes back to this runner, and (after a
+    /// backoff) when it panics. It stops (its [`SingletonContext::cancellation`] fires, then
+    /// it gets `entity_termination_timeout` before it is dropped) before the shard's lock is
+    /// released. In a client-only process this is a no-op, as in the reference.
+    ///
+    /// ```
+    /// use cluster_core::ShardingConfig;
+    /// use cluster_sharding::{Sharding, SingletonOptions};
+    /// use tokio::sync::mpsc;
+    ///
+    /// # #[tokio::main(flavor = "current_thread")]
+    /// # async fn main() -> Result<(), Box<dyn std::error::Error>> {
+    /// let sharding = Sharding::builder(ShardingConfig::default()).start().await?;
+    /// let (events, mut received) = mpsc::channel(4);
+    /// sharding.register_singleton("reaper", SingletonOptions::default(), move |context| {
+    ///     let events = events.clone();
+    ///     async move {
+    ///         let _ = events.send("started").await;
+    ///         // Work until the runner stops or hands the singleton's shard over.
+    ///         context.cancellation().cancelled().await;
+    ///         let _ = events.send("stopped").await;
+    ///     }
+    /// })?;
+    /// assert_eq!(received.recv().await, Some("started"));
+    /// sharding.shutdown().await;
+    /// assert_eq!(received.recv().await, Some("stopped"));
+    /// # Ok(())
+    /// # }
+    /// ```
+    pub fn register_singleton<F, Fut>(
+        &self,
+        name: impl Into<String>,
+        options: SingletonOptions,
+        run: F,
+    ) -> Result<(), RegisterError>
+    where
+        F: Fn(SingletonContext) -> Fut + Send + Sync + 'static,
+        Fut: Future<Output = ()> + Send + 'static,
+    {
+        if self.is_shutdown() {
+            return Err(RegisterError::ShuttingDown);
+        }
+        if !self.is_runner() {
+            return Ok(());
+        }
+        let name: Arc<str> = Arc::from(name.into());
+        let group = options.shard_group.unwrap_or_else(ShardGroup::default_group);
+        let shard = self.shard_id(&name, &group);
+        let run: singleton::Run = Arc::new(move |context| Box::pin(run(context)));
+        self.inner.singletons.insert(&name, shard, run)?;
+        tracing::debug!(singleton = %name, "singleton registered");
+        self.publish(RegistrationEvent::SingletonRegistered(name.to_string()));
+        self.sync_singletons();
+        Ok(())
+    }
+
+    /// Starts the singletons whose shard this runner serves and stops the others (without
+    /// waiting for them; see [`stop_singletons_in`](Sharding::stop_singletons_in)).
+    pub(crate) fn sync_singletons(&self) {
+        self.inner.singletons.sync(self);
+    }
+
+    /// Stops the singletons of `shard` (all of them with `None`) and waits until they ended.
+    pub(crate) async fn stop_singletons_in(&self, shard: Option<&ShardId>) {
+        self.inner.singletons.stop_in(shard).await;
     }
 
     /// Registers entity type `E` under the name `entity_type` instead of `E::TYPE`: one Rust
@@ -440,12 +504,8 @@ impl Sharding {
             transaction_retry: config.send_retry_interval,
             mailbox_metrics: config.entity_mailbox_metrics,
         };
-        {
-            let mut managers = sync::write(&self.inner.managers);
-            if managers.contains_key(&entity_type) {
-                return Err(RegisterError::AlreadyRegistered(entity_type));
-            }
-            let manager = EntityManager::<E>::new(
+        let inserted = self.inner.managers.insert(&entity_type, || {
+            Arc::new(EntityManager::<E>::new(
                 self.contexts(),
                 entity_type.clone(),
                 factory,
@@ -453,16 +513,12 @@ impl Sharding {
                 Arc::clone(&self.inner.residency),
                 Arc::clone(&self.inner.ids),
                 self.keep_alive_sender(),
-            );
-            let manager: Arc<dyn ErasedManager> = Arc::new(manager);
-            // Under the write lock, so the slots fill in registration order.
-            if let Some(slot) = self.inner.fast_managers.get(managers.len()) {
-                let _ = slot.set((entity_type.clone(), Arc::clone(&manager)));
-            }
-            managers.insert(entity_type.clone(), manager);
+            ))
+        });
+        if !inserted {
+            return Err(RegisterError::AlreadyRegistered(entity_type));
         }
         tracing::debug!(%entity_type, "entity registered");
-        self.inner.registered.notify_waiters();
         // Nobody may be subscribed: that is not an error.
         let _ = self.inner.events.send(RegistrationEvent::EntityRegistered(entity_type));
         // Messages held while the type was unknown are read again.
@@ -511,7 +567,7 @@ impl Sharding {
 
     /// The number of resident entity instances on this runner.
     pub fn active_entity_count(&self) -> usize {
-        self.managers().iter().map(|manager| manager.active_entities()).sum()
+        self.inner.managers.active_entities()
     }
 
     /// Whether [`shutdown`](Sharding::shutdown) was called.
@@ -532,7 +588,7 @@ impl Sharding {
             cluster.shutting_down();
         }
         let termination_timeout = self.inner.config.entity_termination_timeout;
-        let managers = self.managers();
+        let managers = self.inner.managers.all();
         // Local callers of persisted requests that no handler started will not get their
         // reply here: they hear at once that it is left for the next owner, so that a handler
         // the drain waits for is not stuck on one of them (reference `abandonUndelivered`).
@@ -601,6 +657,12 @@ impl Sharding {
         }
     }
 
+    /// What wakes the storage read loop; without a message storage there is no read loop, and
+    /// the latch wakes nothing.
+    pub(crate) fn read_latch(&self) -> Arc<ReadLatch> {
+        self.persisted().map(|persisted| Arc::clone(persisted.read_latch())).unwrap_or_default()
+    }
+
     /// Wakes the storage read loop now, instead of at its next poll.
     pub fn poll_storage(&self) {
         if let Some(persisted) = &self.inner.persisted {
@@ -628,11 +690,6 @@ impl Sharding {
         &self.inner.cron_jobs
     }
 
-    /// The registered singletons.
-    pub(crate) fn singletons(&self) -> &Singletons {
-        &self.inner.singletons
-    }
-
     /// Publishes a registration event (nobody may be subscribed: that is not an error).
     pub(crate) fn publish(&self, event: RegistrationEvent) {
         let _ = self.inner.events.send(event);
@@ -649,19 +706,6 @@ impl Sharding {
         task: impl std::future::Future<Output = ()> + Send + 'static,
     ) {
         self.spawn_owned(task);
-    }
-
-    /// Every registered entity manager.
-    pub(crate) fn all_managers(&self) -> Vec<Arc<dyn ErasedManager>> {
-        self.managers()
-    }
-
-    /// Every registered entity manager, with its type.
-    pub(crate) fn all_managers_by_type(&self) -> Vec<(EntityType, Arc<dyn ErasedManager>)> {
-        sync::read(&self.inner.managers)
-            .iter()
-            .map(|(entity_type, manager)| (entity_type.clone(), Arc::clone(manager)))
-            .collect()
     }
 
     pub(crate) fn persisted(&self) -> Option<&Arc<PersistedDelivery>> {
@@ -712,51 +756,9 @@ impl Sharding {
         &self.inner.residency
     }
 
-    /// The addresses of every resident entity instance.
-    pub(crate) fn resident_addresses(&self) -> Vec<EntityAddress> {
-        self.managers().iter().flat_map(|manager| manager.resident_addresses()).collect()
-    }
-
-    /// The manager of a registered type, without waiting.
-    pub(crate) fn registered_manager(
-        &self,
-        entity_type: &EntityType,
-    ) -> Option<Arc<dyn ErasedManager>> {
-        self.manager(entity_type)
-    }
-
     /// A fresh id.
     pub(crate) fn next_id(&self) -> Snowflake {
         self.inner.ids.next()
-    }
-
-    fn managers(&self) -> Vec<Arc<dyn ErasedManager>> {
-        sync::read(&self.inner.managers).values().cloned().collect()
-    }
-
-    fn manager(&self, entity_type: &EntityType) -> Option<Arc<dyn ErasedManager>> {
-        sync::read(&self.inner.managers).get(entity_type).cloned()
-    }
-
-    /// The manager of `address`'s type, waiting up to the registration timeout for an entity
-    /// type that is not registered yet (its layer may still be starting); then a defect.
-    async fn manager_for(&self, address: &EntityAddress) -> Result<Arc<dyn ErasedManager>, Exit> {
-        let deadline = crate::time::deadline(self.inner.config.entity_registration_timeout);
-        loop {
-            let registered = self.inner.registered.notified();
-            if let Some(manager) = self.manager(&address.entity_type) {
-                return Ok(manager);
-            }
-            let timed_out = tokio::select! {
-                () = registered => false,
-                () = tokio::time::sleep_until(deadline) => true,
-                () = self.inner.shutdown.token().cancelled() => true,
-            };
-            if timed_out {
-                let message = format!("Entity type '{}' not registered", address.entity_type);
-                return Err(Exit::die_with_message("Error", &message));
-            }
-        }
     }
 
     /// Delivers a volatile request to the local entity and waits for its exit. Dropping the
@@ -903,29 +905,25 @@ impl Sharding {
         }
     }
 
+    /// The entity managers of this runner.
+    pub(crate) fn managers(&self) -> &Arc<Managers> {
+        &self.inner.managers
+    }
+
+    /// The manager of `address`'s type, waiting up to the registration timeout for an entity
+    /// type that is not registered yet (its layer may still be starting); then a defect.
+    async fn manager_for(&self, address: &EntityAddress) -> Result<Arc<dyn ErasedManager>, Exit> {
+        let timeout = self.inner.config.entity_registration_timeout;
+        self.inner.managers.wait_for(address, timeout, self.inner.shutdown.token()).await
+    }
+
     /// Hands `delivery` to the manager of its entity type, without waiting: `Err` gives it
-    /// back when the type is not registered (yet). The manager is used under the read lock,
-    /// without cloning its `Arc` (a reference count every request of every worker would bump).
+    /// back when the type is not registered (yet).
     pub(crate) fn deliver_registered(
         &self,
         delivery: Box<Delivery>,
     ) -> Result<Result<(), ClusterError>, Box<Delivery>> {
-        let entity_type = &delivery.request.address.entity_type;
-        for slot in &self.inner.fast_managers {
-            match slot.get() {
-                Some((registered, manager)) if registered == entity_type => {
-                    return Ok(manager.deliver(delivery, self).map_err(ClusterError::from));
-                }
-                Some(_) => {}
-                // The slots fill in order: the type is past them, or not registered yet.
-                None => break,
-            }
-        }
-        let managers = sync::read(&self.inner.managers);
-        match managers.get(entity_type) {
-            Some(manager) => Ok(manager.deliver(delivery, self).map_err(ClusterError::from)),
-            None => Err(delivery),
-        }
+        self.inner.managers.deliver(delivery, self)
     }
 }
 
@@ -934,6 +932,20 @@ impl EntityContext {
     /// another entity. An instance that keeps it keeps the runtime alive until it stops.
     pub fn sharding(&self) -> &Sharding {
         Sharding::of(&self.runtime)
+    }
+}
+
+impl SingletonContext {
+    /// The runtime, to call entities.
+    pub fn sharding(&self) -> &Sharding {
+        Sharding::of(&self.runtime)
+    }
+}
+
+/// Singletons run where the runtime serves their shard, and get the runtime in their context.
+impl SingletonHost for Sharding {
+    fn handle(&self) -> RuntimeHandle {
+        Sharding::handle(self)
     }
 }
 

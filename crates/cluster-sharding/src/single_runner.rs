@@ -21,11 +21,11 @@ use std::time::Duration;
 
 use cluster_core::storage::{MessageStorage, RunnerStorage};
 use cluster_core::sync::lock;
-use cluster_core::{Clock, Runner, RunnerAddress, ShardId};
+use cluster_core::{RunnerAddress, ShardId};
+use tokio_util::sync::CancellationToken;
 
-use crate::error::StartError;
-use crate::persisted::all_shards;
-use crate::sharding::Sharding;
+use crate::delivery::ReadLatch;
+use crate::registry::Managers;
 
 /// Shards and registration a single runner holds, released at shutdown.
 ///
@@ -52,6 +52,16 @@ pub(crate) struct HeldLocks {
     released: AtomicBool,
 }
 
+/// What the lock refresh acts on when it finds locks lost or taken back.
+pub(crate) struct LockedRuntime {
+    /// The entities of a lost shard stop.
+    pub(crate) managers: Arc<Managers>,
+    /// The claims on a taken-back shard's messages are released.
+    pub(crate) messages: Arc<dyn MessageStorage>,
+    /// The read loop reads a shard served again at once.
+    pub(crate) read_latch: Arc<ReadLatch>,
+}
+
 /// What the refreshes found.
 #[derive(Default)]
 struct LockState {
@@ -69,7 +79,7 @@ struct LockState {
 const LEASE_MARGIN_MIN: Duration = Duration::from_secs(2);
 
 impl HeldLocks {
-    fn new(
+    pub(crate) fn new(
         runners: Arc<dyn RunnerStorage>,
         address: RunnerAddress,
         shards: Vec<ShardId>,
@@ -124,7 +134,7 @@ impl HeldLocks {
         Some(self.shards.iter().filter(|shard| !state.lost.contains(*shard)).cloned().collect())
     }
 
-    /// Refreshes the locks every `interval` until `sharding` shuts down.
+    /// Refreshes the locks every `interval` until `shutdown`.
     ///
     /// - **Lost locks.** A lock the refresh does not return was taken by another runner.
     ///   That runner is a misconfigured second runner on the same database, or one that found
@@ -135,23 +145,28 @@ impl HeldLocks {
     /// - **Failed refreshes.** While refreshes fail, the shards are served until their leases
     ///   could have expired.
     ///   Then they are not served until a refresh answers again.
-    pub(crate) async fn refresh(self: Arc<HeldLocks>, sharding: Sharding, interval: Duration) {
+    pub(crate) async fn refresh(
+        self: Arc<HeldLocks>,
+        runtime: LockedRuntime,
+        interval: Duration,
+        shutdown: CancellationToken,
+    ) {
         loop {
             tokio::select! {
                 () = tokio::time::sleep(interval) => {}
-                () = sharding.shutdown_token().cancelled() => return,
+                () = shutdown.cancelled() => return,
             }
             let sent_at = tokio::time::Instant::now();
             let refresh = self.runners.refresh(&self.address, &self.shards);
             let stopped = match tokio::time::timeout(interval, refresh).await {
-                Ok(Ok(held)) => self.refreshed(sent_at, &held, &sharding),
+                Ok(Ok(held)) => self.refreshed(sent_at, &held, &runtime),
                 Ok(Err(error)) => self.unconfirmed(&error.to_string()),
                 Err(_) => self.unconfirmed("the refresh timed out"),
             };
             for shard in &stopped {
-                sharding.stop_shard_entities(shard, true, Duration::ZERO).await;
+                runtime.managers.stop_shard(shard, true, Duration::ZERO).await;
             }
-            self.take_back(&sharding).await;
+            self.take_back(&runtime).await;
         }
     }
 
@@ -163,7 +178,7 @@ impl HeldLocks {
         &self,
         sent_at: tokio::time::Instant,
         held: &[ShardId],
-        sharding: &Sharding,
+        runtime: &LockedRuntime,
     ) -> Vec<ShardId> {
         let mut state = self.state();
         let resumed = !state.is_confirmed(self.lease);
@@ -187,7 +202,7 @@ impl HeldLocks {
         self.publish(&state);
         if resumed {
             tracing::info!("the shard locks are confirmed again");
-            sharding.poll_storage();
+            runtime.read_latch.wake();
         }
         lost
     }
@@ -212,7 +227,7 @@ impl HeldLocks {
     }
 
     /// Takes back the lost locks that are free again.
-    async fn take_back(&self, sharding: &Sharding) {
+    async fn take_back(&self, runtime: &LockedRuntime) {
         let lost: Vec<ShardId> = self.state().lost.iter().cloned().collect();
         if lost.is_empty() {
             return;
@@ -222,9 +237,7 @@ impl HeldLocks {
             return;
         }
         // The other runner's claims on these shards' messages are released, as on start.
-        if let Some(messages) = sharding.message_storage()
-            && let Err(error) = messages.reset_shards(&acquired).await
-        {
+        if let Err(error) = runtime.messages.reset_shards(&acquired).await {
             tracing::warn!(%error, "could not release the claims of the shards taken back");
         }
         let mut state = self.state();
@@ -234,7 +247,7 @@ impl HeldLocks {
         tracing::info!(shards = acquired.len(), "shard locks taken back");
         self.publish(&state);
         drop(state);
-        sharding.poll_storage();
+        runtime.read_latch.wake();
     }
 
     /// Publishes what the refreshes found to the deliveries and the `effect_cluster_shards` gauge.
@@ -267,41 +280,13 @@ impl LockState {
     }
 }
 
-impl Sharding {
-    /// A single runner on `messages`, holding every shard's lock in `runners` (see the module
-    /// docs), with its storage read loop started.
-    pub(crate) async fn start_single_runner(
-        config: cluster_core::ShardingConfig,
-        clock: Arc<dyn Clock>,
-        messages: Arc<dyn MessageStorage>,
-        runners: Arc<dyn RunnerStorage>,
-    ) -> Result<Sharding, StartError> {
-        config.validate()?;
-        let address = config.runner_address.clone().ok_or(StartError::NoRunnerAddress)?;
-        let groups = config.shard_groups().assigned;
-        let runner = Runner::new(
-            address.clone(),
-            groups.iter().cloned().collect(),
-            config.runner_shard_weight,
-        );
-        let machine_id = runners.register(&runner, true).await?;
-        let shards = all_shards(&groups, config.shards_per_group);
-        let acquired_at = tokio::time::Instant::now();
-        let acquired = runners.acquire(&address, &shards).await?;
-        if acquired.len() < shards.len() {
-            // Give back what was taken: the other runner keeps the rest.
-            let _ = runners.release_all(&address).await;
-            return Err(StartError::ShardsHeld {
-                held: shards.len() - acquired.len(),
-                total: shards.len(),
-            });
-        }
-        let interval = config.shard_lock_interval();
-        let locks = Arc::new(HeldLocks::new(runners, address, shards, &config, acquired_at));
-        let sharding = Sharding::start_own_storage(config, clock, messages).await?;
-        sharding.set_machine_id(machine_id);
-        sharding.hold_locks(Arc::clone(&locks));
-        sharding.spawn_owned(locks.refresh(sharding.clone(), interval));
-        Ok(sharding)
-    }
+/// Every shard of `groups`.
+pub(crate) fn all_shards(
+    groups: &BTreeSet<cluster_core::ShardGroup>,
+    shards_per_group: u32,
+) -> Vec<ShardId> {
+    groups
+        .iter()
+        .flat_map(|group| (1..=shards_per_group).map(move |id| ShardId::new(group.clone(), id)))
+        .collect()
 }

@@ -14,7 +14,6 @@
 //! future returns is done: it is not started again until the shard moves.
 
 use std::collections::BTreeMap;
-use std::future::Future;
 use std::panic::AssertUnwindSafe;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -24,11 +23,13 @@ use cluster_core::sync::lock;
 use cluster_core::{ShardGroup, ShardId};
 use futures_util::FutureExt;
 use tokio_util::sync::CancellationToken;
+use tokio_util::task::TaskTracker;
 use tracing::Instrument;
 
+use crate::delivery::Serving;
+use crate::entity::RuntimeHandle;
 use crate::error::RegisterError;
 use crate::metrics;
-use crate::sharding::Sharding;
 
 /// The restart backoff after a panic.
 const RESTART_FIRST: Duration = Duration::from_millis(500);
@@ -42,12 +43,25 @@ pub struct SingletonOptions {
 }
 
 /// What a running singleton gets.
-#[derive(Clone, Debug)]
+///
+/// Its `sharding()` method, the runtime to call entities with, is written where that runtime
+/// is (`sharding.rs`): singletons sit below the runtime and do not name it.
+#[derive(Clone)]
 pub struct SingletonContext {
     name: Arc<str>,
     shard: ShardId,
-    sharding: Sharding,
+    /// The runtime, a `Sharding`, held erased.
+    pub(crate) runtime: RuntimeHandle,
     cancellation: CancellationToken,
+}
+
+impl std::fmt::Debug for SingletonContext {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("SingletonContext")
+            .field("name", &self.name)
+            .field("shard", &self.shard)
+            .finish_non_exhaustive()
+    }
 }
 
 impl SingletonContext {
@@ -61,11 +75,6 @@ impl SingletonContext {
         &self.shard
     }
 
-    /// The runtime, to call entities.
-    pub fn sharding(&self) -> &Sharding {
-        &self.sharding
-    }
-
     /// Cancelled when the singleton must stop (its shard is let go, the runner stops); the
     /// future is dropped `entity_termination_timeout` later if it has not returned.
     pub fn cancellation(&self) -> &CancellationToken {
@@ -74,12 +83,25 @@ impl SingletonContext {
 }
 
 /// A singleton's body, type-erased.
-type Run = Arc<dyn Fn(SingletonContext) -> BoxFuture<'static, ()> + Send + Sync>;
+pub(crate) type Run = Arc<dyn Fn(SingletonContext) -> BoxFuture<'static, ()> + Send + Sync>;
 
-/// The registered singletons of a runtime.
-#[derive(Default)]
+/// What singletons need from the runtime they run in: whether it serves a shard, and itself
+/// for their contexts.
+pub(crate) trait SingletonHost: Serving + Clone + Send + Sync + 'static {
+    /// The runtime, for a singleton's context.
+    fn handle(&self) -> RuntimeHandle;
+}
+
+/// The registered singletons of a runtime: each runs while the runtime serves its shard.
 pub(crate) struct Singletons {
     entries: Mutex<BTreeMap<Arc<str>, Entry>>,
+    /// How long a stopping singleton may take to return before it is dropped
+    /// (`entity_termination_timeout`).
+    grace: Duration,
+    /// The runtime's tasks: a singleton's task is awaited at shutdown.
+    tasks: TaskTracker,
+    /// Cancelled when the runtime stops: an ended singleton is not started again.
+    shutdown: CancellationToken,
 }
 
 struct Entry {
@@ -98,86 +120,45 @@ struct Running {
 }
 
 impl Singletons {
+    /// No singleton yet; they will run on `tasks` until `shutdown`.
+    pub(crate) fn new(
+        grace: Duration,
+        tasks: TaskTracker,
+        shutdown: CancellationToken,
+    ) -> Singletons {
+        Singletons { entries: Mutex::default(), grace, tasks, shutdown }
+    }
+
     /// The number of singletons running (or stopping) here.
     fn running(&self) -> usize {
         lock(&self.entries).values().filter(|entry| entry.running.is_some()).count()
     }
-}
 
-impl Sharding {
-    /// Registers the singleton `name`: `run` is called on the one runner that holds the lock
-    /// of the name's shard, again whenever the shard comes back to this runner, and (after a
-    /// backoff) when it panics. It stops (its [`SingletonContext::cancellation`] fires, then
-    /// it gets `entity_termination_timeout` before it is dropped) before the shard's lock is
-    /// released. In a client-only process this is a no-op, as in the reference.
-    ///
-    /// ```
-    /// use cluster_core::ShardingConfig;
-    /// use cluster_sharding::{Sharding, SingletonOptions};
-    /// use tokio::sync::mpsc;
-    ///
-    /// # #[tokio::main(flavor = "current_thread")]
-    /// # async fn main() -> Result<(), Box<dyn std::error::Error>> {
-    /// let sharding = Sharding::builder(ShardingConfig::default()).start().await?;
-    /// let (events, mut received) = mpsc::channel(4);
-    /// sharding.register_singleton("reaper", SingletonOptions::default(), move |context| {
-    ///     let events = events.clone();
-    ///     async move {
-    ///         let _ = events.send("started").await;
-    ///         // Work until the runner stops or hands the singleton's shard over.
-    ///         context.cancellation().cancelled().await;
-    ///         let _ = events.send("stopped").await;
-    ///     }
-    /// })?;
-    /// assert_eq!(received.recv().await, Some("started"));
-    /// sharding.shutdown().await;
-    /// assert_eq!(received.recv().await, Some("stopped"));
-    /// # Ok(())
-    /// # }
-    /// ```
-    pub fn register_singleton<F, Fut>(
+    /// Adds the singleton `name` of `shard`, not started yet (see [`Singletons::sync`]).
+    pub(crate) fn insert(
         &self,
-        name: impl Into<String>,
-        options: SingletonOptions,
-        run: F,
-    ) -> Result<(), RegisterError>
-    where
-        F: Fn(SingletonContext) -> Fut + Send + Sync + 'static,
-        Fut: Future<Output = ()> + Send + 'static,
-    {
-        if self.is_shutdown() {
-            return Err(RegisterError::ShuttingDown);
+        name: &Arc<str>,
+        shard: ShardId,
+        run: Run,
+    ) -> Result<(), RegisterError> {
+        let mut entries = lock(&self.entries);
+        if entries.contains_key(name) {
+            return Err(RegisterError::SingletonAlreadyRegistered(name.to_string()));
         }
-        if !self.is_runner() {
-            return Ok(());
-        }
-        let name: Arc<str> = Arc::from(name.into());
-        let group = options.shard_group.unwrap_or_else(ShardGroup::default_group);
-        let shard = self.shard_id(&name, &group);
-        let run: Run = Arc::new(move |context| Box::pin(run(context)));
-        {
-            let mut entries = lock(&self.singletons().entries);
-            if entries.contains_key(&name) {
-                return Err(RegisterError::SingletonAlreadyRegistered(name.to_string()));
-            }
-            entries.insert(Arc::clone(&name), Entry { shard, run, running: None });
-        }
-        tracing::debug!(singleton = %name, "singleton registered");
-        self.publish(crate::RegistrationEvent::SingletonRegistered(name.to_string()));
-        self.sync_singletons();
+        entries.insert(Arc::clone(name), Entry { shard, run, running: None });
         Ok(())
     }
 
-    /// Starts the singletons whose shard this runner serves and stops the others (without
-    /// waiting for them; see [`stop_singletons_in`](Sharding::stop_singletons_in)).
-    pub(crate) fn sync_singletons(&self) {
+    /// Starts the singletons whose shard `host` serves and stops the others (without waiting
+    /// for them; see [`stop_in`](Singletons::stop_in)).
+    pub(crate) fn sync<H: SingletonHost>(self: &Arc<Singletons>, host: &H) {
         let mut to_stop = Vec::new();
         {
-            let mut entries = lock(&self.singletons().entries);
+            let mut entries = lock(&self.entries);
             for (name, entry) in entries.iter_mut() {
-                let serves = self.serves(&entry.shard);
+                let serves = host.serves(&entry.shard);
                 match (&entry.running, serves) {
-                    (None, true) => entry.running = Some(self.start_singleton(name, entry)),
+                    (None, true) => entry.running = Some(self.start(name, entry, host)),
                     (Some(running), false) => to_stop.push(running.stop.clone()),
                     _ => {}
                 }
@@ -186,13 +167,13 @@ impl Sharding {
         for stop in to_stop {
             stop.cancel();
         }
-        metrics::set(metrics::SINGLETONS, self.singletons().running());
+        metrics::set(metrics::SINGLETONS, self.running());
     }
 
     /// Stops the singletons of `shard` (all of them with `None`) and waits until they ended.
-    pub(crate) async fn stop_singletons_in(&self, shard: Option<&ShardId>) {
+    pub(crate) async fn stop_in(&self, shard: Option<&ShardId>) {
         let ended: Vec<CancellationToken> = {
-            let entries = lock(&self.singletons().entries);
+            let entries = lock(&self.entries);
             entries
                 .values()
                 .filter(|entry| shard.is_none_or(|shard| entry.shard == *shard))
@@ -206,22 +187,28 @@ impl Sharding {
         futures_util::future::join_all(ended.iter().map(CancellationToken::cancelled)).await;
     }
 
-    fn start_singleton(&self, name: &Arc<str>, entry: &Entry) -> Running {
+    fn start<H: SingletonHost>(
+        self: &Arc<Singletons>,
+        name: &Arc<str>,
+        entry: &Entry,
+        host: &H,
+    ) -> Running {
         let stop = CancellationToken::new();
         let ended = CancellationToken::new();
         let running = Running { stop: stop.clone(), ended: ended.clone() };
-        let sharding = self.clone();
+        let singletons = Arc::clone(self);
+        let host = host.clone();
         let name = Arc::clone(name);
         let shard = entry.shard.clone();
         let run = Arc::clone(&entry.run);
         let span = tracing::info_span!("singleton", singleton = %name, %shard);
-        self.spawn_owned(
+        self.tasks.spawn(
             async move {
                 let _ended = ended.drop_guard();
                 tracing::info!("singleton started");
-                sharding.run_singleton(&name, shard, run, &stop).await;
+                singletons.run(&name, shard, run, &stop, &host).await;
                 tracing::info!("singleton stopped");
-                sharding.singleton_ended(&name);
+                singletons.ended(&name, &host);
             }
             .instrument(span),
         );
@@ -230,20 +217,21 @@ impl Sharding {
 
     /// Runs a singleton until it is asked to stop (and the grace period is over), restarting it
     /// after a panic.
-    async fn run_singleton(
+    async fn run(
         &self,
         name: &Arc<str>,
         shard: ShardId,
         run: Run,
         stop: &CancellationToken,
+        host: &impl SingletonHost,
     ) {
-        let grace = self.config().entity_termination_timeout;
+        let grace = self.grace;
         let mut backoff = RESTART_FIRST;
         loop {
             let context = SingletonContext {
                 name: Arc::clone(name),
                 shard: shard.clone(),
-                sharding: self.clone(),
+                runtime: host.handle(),
                 cancellation: stop.child_token(),
             };
             let mut body = AssertUnwindSafe(run(context)).catch_unwind();
@@ -277,16 +265,16 @@ impl Sharding {
     }
 
     /// A singleton's task ended: it may start again (if its shard is still served here).
-    fn singleton_ended(&self, name: &Arc<str>) {
+    fn ended<H: SingletonHost>(self: &Arc<Singletons>, name: &Arc<str>, host: &H) {
         {
-            let mut entries = lock(&self.singletons().entries);
+            let mut entries = lock(&self.entries);
             if let Some(entry) = entries.get_mut(name) {
                 entry.running = None;
             }
         }
-        if !self.is_shutdown() {
-            self.sync_singletons();
+        if !self.shutdown.is_cancelled() {
+            self.sync(host);
         }
-        metrics::set(metrics::SINGLETONS, self.singletons().running());
+        metrics::set(metrics::SINGLETONS, self.running());
     }
 }

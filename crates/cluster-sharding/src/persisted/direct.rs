@@ -156,7 +156,8 @@ impl Sharding {
         }
         let direct = persisted.may_deliver_directly(address)
             && self
-                .registered_manager(&address.entity_type)
+                .managers()
+                .get(&address.entity_type)
                 .is_some_and(|manager| !manager.is_stream(&request.tag));
         let reservation = direct.then(|| persisted.reserve(request.request_id)).flatten();
         if reservation.is_none() {
