@@ -19,8 +19,10 @@ use cluster_core::transport::Transport;
 use cluster_core::{Clock, Runner, ShardingConfig, SystemClock};
 
 use crate::error::StartError;
+use crate::member::{Member, RUNNER_HEALTH};
 use crate::sharding::Sharding;
 use crate::single_runner::{HeldLocks, LockedRuntime, all_shards};
+use crate::singleton::SingletonOptions;
 
 /// Puts a [`Sharding`] runtime together: [`Sharding::builder`], the parts, then
 /// [`start`](ShardingBuilder::start).
@@ -209,7 +211,7 @@ impl ShardingBuilder {
                 start_single_runner(config, clock, messages, runners).await
             }
             (Some(messages), Some(runners)) => {
-                Sharding::start_cluster(config, clock, messages, runners, transport)
+                start_cluster(config, clock, messages, runners, transport)
             }
         }
     }
@@ -252,5 +254,43 @@ async fn start_single_runner(
     };
     let shutdown = sharding.shutdown_token().clone();
     sharding.spawn_owned(locks.refresh(runtime, interval, shutdown));
+    Ok(sharding)
+}
+
+/// A member of the cluster whose runners share `messages` and `runners`: a runner, or a client
+/// with `runner_address` `None`.
+///
+/// - Shards are assigned by the hash ring over the registry's healthy runners, locked in
+///   `runners`, and handed over when runners join, leave or crash (docs/sharding.md,
+///   "Several runners").
+/// - Persisted requests and their replies go through `messages`.
+/// - Volatile requests reach other runners through `transport`, if there is one.
+fn start_cluster(
+    config: ShardingConfig,
+    clock: Arc<dyn Clock>,
+    messages: Arc<dyn MessageStorage>,
+    runners: Arc<dyn RunnerStorage>,
+    transport: Option<Arc<dyn Transport>>,
+) -> Result<Sharding, StartError> {
+    config.validate()?;
+    let member = Arc::new(Member::new(
+        config.clone(),
+        Arc::clone(&clock),
+        runners,
+        Arc::clone(&messages),
+        transport.clone(),
+    ));
+    let sharding =
+        Sharding::with_cluster(config, clock, messages, Arc::clone(&member), transport.clone())?;
+    member.start(&sharding);
+    if let Some(transport) = transport.filter(|_| member.is_runner()) {
+        let checker = Arc::clone(&member);
+        sharding
+            .register_singleton(RUNNER_HEALTH, SingletonOptions::default(), move |context| {
+                Arc::clone(&checker)
+                    .check_health(Arc::clone(&transport), context.cancellation().clone())
+            })
+            .map_err(StartError::Register)?;
+    }
     Ok(sharding)
 }

@@ -50,20 +50,18 @@ use cluster_core::config::RunnerHealthCheck;
 use cluster_core::future::BoxFuture;
 use cluster_core::membership::{Assignment, Membership, MembershipConfig};
 use cluster_core::ownership::{AcquisitionGates, ShardOwnership};
-use cluster_core::reply_handlers::UnregisterMode;
 use cluster_core::storage::{MessageStorage, RunnerStorage};
 use cluster_core::sync::lock;
 use cluster_core::transport::Transport;
-use cluster_core::{Clock, Runner, RunnerAddress, ShardId, ShardingConfig};
+use cluster_core::{Clock, MachineId, Runner, RunnerAddress, ShardId, ShardingConfig};
 use futures_util::FutureExt;
 use futures_util::future::Shared;
 use tokio::sync::{Notify, watch};
 use tokio_util::sync::CancellationToken;
 
-use crate::error::StartError;
+use crate::delivery::Serving;
 use crate::metrics;
-use crate::sharding::Sharding;
-use crate::singleton::SingletonOptions;
+use crate::registry::Managers;
 
 /// How long a registry call may take (the reference's 5 s).
 const REGISTRY_TIMEOUT: Duration = Duration::from_secs(5);
@@ -79,9 +77,52 @@ const RELEASE_RETRY: Duration = Duration::from_millis(50);
 /// A stuck release is reported at most this often.
 const RELEASE_WARNING_PERIOD: Duration = Duration::from_secs(30);
 
-/// The multi-runner side of a [`Sharding`] runtime.
+/// What a cluster member asks of the runtime it belongs to: the entities and singletons of
+/// the shards it takes and lets go, and the persisted requests in flight on them.
+pub(crate) trait MemberHost: Serving + Clone + Send + Sync + 'static {
+    /// Whether the runtime is shutting down.
+    fn is_shutdown(&self) -> bool;
+
+    /// Runs `task` as a task of the runtime, awaited at shutdown.
+    fn spawn_owned(&self, task: impl Future<Output = ()> + Send + 'static);
+
+    /// The entity managers, whose instances stop with their shard.
+    fn managers(&self) -> &Arc<Managers>;
+
+    /// Starts the singletons of the shards served now, and stops the others.
+    fn sync_singletons(&self);
+
+    /// Stops the singletons of `shard` (all with `None`) and waits until they ended.
+    fn stop_singletons_in(&self, shard: Option<&ShardId>) -> impl Future<Output = ()> + Send;
+
+    /// Stamps new ids with the machine id the registry gave this runner.
+    fn set_machine_id(&self, machine_id: MachineId);
+
+    /// Wakes the storage read loop: a shard was taken.
+    fn poll_storage(&self);
+
+    /// Waits, at most `bound`, until no persisted request of `shard` (of any shard with
+    /// `None`) is taken up and unsettled.
+    fn writes_finished(
+        &self,
+        shard: Option<&ShardId>,
+        bound: Duration,
+    ) -> impl Future<Output = ()> + Send;
+
+    /// Tells the local callers waiting for replies of `shard`'s requests that they were
+    /// abandoned to the next owner.
+    fn abandon_waiters_of(&self, shard: &ShardId);
+}
+
+/// The multi-runner side of a runtime: membership, shard locks and the handoff.
 pub(crate) struct Member {
+    config: ShardingConfig,
+    clock: Arc<dyn Clock>,
     storage: Arc<dyn RunnerStorage>,
+    /// Where the claims of a previous owner on a taken shard's messages are released.
+    messages: Arc<dyn MessageStorage>,
+    /// Told when a runner leaves; pings runners for the runner-health singleton.
+    transport: Option<Arc<dyn Transport>>,
     /// This runner; `None` in a client-only process.
     runner: Option<Runner>,
     state: Mutex<State>,
@@ -124,6 +165,64 @@ impl std::fmt::Debug for Member {
 }
 
 impl Member {
+    /// The member that `config` describes (a runner, or a client with `runner_address`
+    /// `None`), on the registry and locks in `runners`; its loops start with
+    /// [`Member::start`].
+    pub(crate) fn new(
+        config: ShardingConfig,
+        clock: Arc<dyn Clock>,
+        runners: Arc<dyn RunnerStorage>,
+        messages: Arc<dyn MessageStorage>,
+        transport: Option<Arc<dyn Transport>>,
+    ) -> Member {
+        let runner = config.runner_address.clone().map(|address| {
+            let groups = config.shard_groups().assigned.into_iter().collect();
+            Runner::new(address, groups, config.runner_shard_weight)
+        });
+        let membership = Membership::new(MembershipConfig {
+            shards_per_group: config.shards_per_group,
+            join_debounce: config.runner_join_debounce,
+        });
+        Member {
+            config,
+            clock,
+            storage: runners,
+            messages,
+            transport,
+            runner,
+            state: Mutex::new(State {
+                membership,
+                ownership: ShardOwnership::new(),
+                assignment: Assignment::default(),
+                release_tasks: BTreeSet::new(),
+            }),
+            acquisition: Notify::new(),
+            lock_events: watch::Sender::new(0),
+            confirmations: Mutex::new(BTreeMap::new()),
+            handoff: CancellationToken::new(),
+            handed_off: Notify::new(),
+            stopped: CancellationToken::new(),
+            registration: tokio::sync::Mutex::new(()),
+        }
+    }
+
+    /// Starts the loops on `host`'s tasks: the registry sync, and for a runner the lock
+    /// acquisition and refresh.
+    pub(crate) fn start<H: MemberHost>(self: &Arc<Member>, host: &H) {
+        metrics::set(metrics::RUNNERS, usize::from(self.runner.is_some()));
+        metrics::set(metrics::SHARDS, 0);
+        host.spawn_owned(Arc::clone(self).sync_loop(host.clone()));
+        if self.runner.is_some() {
+            host.spawn_owned(Arc::clone(self).acquisition_loop(host.clone()));
+            host.spawn_owned(Arc::clone(self).refresh_loop(host.clone()));
+        }
+    }
+
+    /// Whether this process is a runner (not a client).
+    pub(crate) fn is_runner(&self) -> bool {
+        self.runner.is_some()
+    }
+
     fn state(&self) -> MutexGuard<'_, State> {
         lock(&self.state)
     }
@@ -167,130 +266,12 @@ impl Member {
     }
 }
 
-impl Sharding {
-    /// A member of the cluster whose runners share `messages` and `runners` (see
-    /// [`Sharding::builder`]): a runner, or a client with `runner_address` `None`.
-    ///
-    /// - Shards are assigned by the hash ring over the registry's healthy runners, locked in
-    ///   `runners`, and handed over when runners join, leave or crash (docs/sharding.md,
-    ///   "Several runners").
-    /// - Persisted requests and their replies go through `messages`.
-    /// - Volatile requests reach other runners through `transport`, if there is one.
-    pub(crate) fn start_cluster(
-        config: ShardingConfig,
-        clock: Arc<dyn Clock>,
-        messages: Arc<dyn MessageStorage>,
-        runners: Arc<dyn RunnerStorage>,
-        transport: Option<Arc<dyn Transport>>,
-    ) -> Result<Sharding, StartError> {
-        config.validate()?;
-        let runner = config.runner_address.clone().map(|address| {
-            let groups = config.shard_groups().assigned.into_iter().collect();
-            Runner::new(address, groups, config.runner_shard_weight)
-        });
-        let membership = Membership::new(MembershipConfig {
-            shards_per_group: config.shards_per_group,
-            join_debounce: config.runner_join_debounce,
-        });
-        let cluster = Arc::new(Member {
-            storage: runners,
-            runner,
-            state: Mutex::new(State {
-                membership,
-                ownership: ShardOwnership::new(),
-                assignment: Assignment::default(),
-                release_tasks: BTreeSet::new(),
-            }),
-            acquisition: Notify::new(),
-            lock_events: watch::Sender::new(0),
-            confirmations: Mutex::new(BTreeMap::new()),
-            handoff: CancellationToken::new(),
-            handed_off: Notify::new(),
-            stopped: CancellationToken::new(),
-            registration: tokio::sync::Mutex::new(()),
-        });
-        let sharding = Sharding::with_cluster(
-            config,
-            clock,
-            messages,
-            Arc::clone(&cluster),
-            transport.clone(),
-        )?;
-        metrics::set(metrics::RUNNERS, usize::from(cluster.runner.is_some()));
-        metrics::set(metrics::SHARDS, 0);
-        sharding.spawn_cluster(sharding.clone().sync_loop(Arc::clone(&cluster)));
-        if cluster.runner.is_some() {
-            sharding.spawn_cluster(sharding.clone().acquisition_loop(Arc::clone(&cluster)));
-            sharding.spawn_cluster(sharding.clone().refresh_loop(Arc::clone(&cluster)));
-            if let Some(transport) = transport {
-                sharding.register_runner_health(Arc::clone(&cluster), transport)?;
-            }
-        }
-        Ok(sharding)
-    }
-
-    /// The runner-health singleton (`effect/src/cluster/Sharding.ts`, with the checks of
-    /// `effect/src/cluster/RunnerHealth.ts`).
-    ///
-    /// - It runs every `runner_health_check_interval`, when more than one runner is registered.
-    /// - It judges each runner as `runner_health_check` says (see [`judge`]).
-    /// - It records the verdicts that changed.
-    /// - It never marks the last healthy runner unhealthy.
-    ///
-    /// The sync loops then treat an unhealthy runner as gone.
-    fn register_runner_health(
-        &self,
-        cluster: Arc<Member>,
-        transport: Arc<dyn Transport>,
-    ) -> Result<(), StartError> {
-        let interval = self.config().runner_health_check_interval;
-        let mode = self.config().runner_health_check;
-        let options = SingletonOptions::default();
-        self.register_singleton(RUNNER_HEALTH, options, move |context| {
-            let cluster = Arc::clone(&cluster);
-            let transport = Arc::clone(&transport);
-            async move {
-                // The runners that answered a ping of this singleton's, while it runs here.
-                let mut known = BTreeSet::new();
-                loop {
-                    tokio::select! {
-                        () = tokio::time::sleep(interval) => {}
-                        () = context.cancellation().cancelled() => return,
-                    }
-                    let checked = check_runners(&cluster, &*transport, mode, &mut known).await;
-                    if let Err(error) = checked {
-                        tracing::debug!(%error, "runner health check failed");
-                    }
-                }
-            }
-        })
-        .map_err(StartError::Register)
-    }
-
-    /// The shards this runner holds the lock of and runs (every shard of its groups for a
-    /// single runner; none for a client).
-    pub fn acquired_shards(&self) -> Vec<ShardId> {
-        match self.cluster() {
-            Some(cluster) => cluster.acquired(),
-            None if self.is_runner() && !self.is_shutdown() => {
-                if let Some(served) = self.held_locks().and_then(|locks| locks.served()) {
-                    return served;
-                }
-                let config = self.config();
-                crate::single_runner::all_shards(
-                    &config.shard_groups().assigned,
-                    config.shards_per_group,
-                )
-            }
-            None => Vec::new(),
-        }
-    }
-
+impl Member {
     /// The registry sync loop (`effect/src/cluster/Sharding.ts`).
-    async fn sync_loop(self, cluster: Arc<Member>) {
-        let interval = self.config().refresh_assignments_interval;
+    async fn sync_loop<H: MemberHost>(self: Arc<Member>, host: H) {
+        let interval = self.config.refresh_assignments_interval;
         loop {
-            let pause = match self.sync_once(&cluster).await {
+            let pause = match self.sync_once(&host).await {
                 Ok(true) => Duration::ZERO,
                 Ok(false) => interval,
                 Err(error) => {
@@ -300,40 +281,40 @@ impl Sharding {
             };
             tokio::select! {
                 () = tokio::time::sleep(pause) => {}
-                () = cluster.stopped.cancelled() => return,
+                () = self.stopped.cancelled() => return,
             }
         }
     }
 
     /// One sync iteration; `Ok(true)` when the runner must register again at once.
-    async fn sync_once(&self, cluster: &Member) -> Result<bool, String> {
-        let live = cluster.runner.as_ref().filter(|_| !self.is_shutdown());
+    async fn sync_once<H: MemberHost>(&self, host: &H) -> Result<bool, String> {
+        let live = self.runner.as_ref().filter(|_| !host.is_shutdown());
         if let Some(runner) = live
-            && cluster.state().membership.needs_registration(runner)
+            && self.state().membership.needs_registration(runner)
         {
-            let _registering = cluster.registration.lock().await;
-            if !self.is_shutdown() {
+            let _registering = self.registration.lock().await;
+            if !host.is_shutdown() {
                 let machine_id =
-                    tokio::time::timeout(REGISTRY_TIMEOUT, cluster.storage.register(runner, true))
+                    tokio::time::timeout(REGISTRY_TIMEOUT, self.storage.register(runner, true))
                         .await
                         .map_err(|_| "register timed out".to_owned())?
                         .map_err(|error| error.to_string())?;
-                self.set_machine_id(machine_id);
+                host.set_machine_id(machine_id);
                 tracing::debug!(runner = %runner.address, ?machine_id, "registered");
             }
         }
-        let runners = tokio::time::timeout(REGISTRY_TIMEOUT, cluster.storage.get_runners())
+        let runners = tokio::time::timeout(REGISTRY_TIMEOUT, self.storage.get_runners())
             .await
             .map_err(|_| "get_runners timed out".to_owned())?
             .map_err(|error| error.to_string())?;
-        let live = cluster.runner.as_ref().filter(|_| !self.is_shutdown());
-        let now = self.clock().now();
+        let live = self.runner.as_ref().filter(|_| !host.is_shutdown());
+        let now = self.clock.now();
         let step = {
-            let mut state = cluster.state();
+            let mut state = self.state();
             let step = state.membership.observe(now, &runners, live);
             if let Some(assignment) = &step.assignment {
                 state.assignment = assignment.clone();
-                if let Some(address) = cluster.address() {
+                if let Some(address) = self.address() {
                     let mine = assignment.shards_of(address);
                     state.ownership.set_assignment(mine);
                 }
@@ -342,7 +323,7 @@ impl Sharding {
         };
         for address in &step.unavailable {
             tracing::info!(runner = %address, "runner left or turned unhealthy");
-            if let Some(transport) = self.transport() {
+            if let Some(transport) = &self.transport {
                 transport.on_runner_unavailable(address);
             }
         }
@@ -353,24 +334,24 @@ impl Sharding {
             tracing::info!(
                 runners = step.healthy_count,
                 shards = assignment.len(),
-                mine = cluster.address().map_or(0, |address| assignment.shards_of(address).len()),
+                mine = self.address().map_or(0, |address| assignment.shards_of(address).len()),
                 "shard assignment published"
             );
-            cluster.acquisition.notify_one();
-            cluster.lock_changed();
+            self.acquisition.notify_one();
+            self.lock_changed();
         }
         if step.reopen_acquisition {
-            cluster.acquisition.notify_one();
+            self.acquisition.notify_one();
         }
         metrics::set(metrics::JOINS_PENDING, usize::from(step.joins_pending));
         if let Some(runner) = live {
-            let healthy = cluster.state().membership.is_healthy(runner);
+            let healthy = self.state().membership.is_healthy(runner);
             metrics::set(metrics::RUNNERS_HEALTHY, usize::from(healthy));
             if step.healthy_count == 0 {
                 tracing::warn!(runner = %runner.address, "no healthy runner: marking this one healthy");
                 tokio::time::timeout(
                     REGISTRY_TIMEOUT,
-                    cluster.storage.set_runner_health(&runner.address, true),
+                    self.storage.set_runner_health(&runner.address, true),
                 )
                 .await
                 .map_err(|_| "set_runner_health timed out".to_owned())?
@@ -381,24 +362,28 @@ impl Sharding {
     }
 
     /// The shard acquisition loop (`effect/src/cluster/Sharding.ts`).
-    async fn acquisition_loop(self, cluster: Arc<Member>) {
-        let Some(address) = cluster.address().cloned() else { return };
+    async fn acquisition_loop<H: MemberHost>(self: Arc<Member>, host: H) {
+        let Some(address) = self.address().cloned() else { return };
         loop {
-            let period = ACQUISITION_PERIOD.min(self.config().entity_message_poll_interval);
+            let period = ACQUISITION_PERIOD.min(self.config.entity_message_poll_interval);
             tokio::select! {
-                () = cluster.acquisition.notified() => {}
+                () = self.acquisition.notified() => {}
                 () = tokio::time::sleep(period) => {}
-                () = cluster.handoff.cancelled(), if !cluster.handoff.is_cancelled() => {}
-                () = cluster.stopped.cancelled() => return,
+                () = self.handoff.cancelled(), if !self.handoff.is_cancelled() => {}
+                () = self.stopped.cancelled() => return,
             }
-            self.acquisition_round(&cluster, &address).await;
+            self.acquisition_round(&host, &address).await;
         }
     }
 
-    async fn acquisition_round(&self, cluster: &Arc<Member>, address: &RunnerAddress) {
-        let handing_off = cluster.handoff.is_cancelled();
+    async fn acquisition_round<H: MemberHost>(
+        self: &Arc<Member>,
+        host: &H,
+        address: &RunnerAddress,
+    ) {
+        let handing_off = self.handoff.is_cancelled();
         let (releasing, forced, to_acquire, joins_pending) = {
-            let mut state = cluster.state();
+            let mut state = self.state();
             let moved = state.ownership.begin_round(handing_off);
             if !moved.is_empty() {
                 tracing::info!(shards = moved.len(), "releasing shards that moved away");
@@ -412,63 +397,64 @@ impl Sharding {
                 .cloned()
                 .collect();
             let joins_pending = state.membership.has_pending_joins();
-            let gates = AcquisitionGates { shutting_down: self.is_shutdown(), joins_pending };
+            let gates = AcquisitionGates { shutting_down: host.is_shutdown(), joins_pending };
             (releasing, forced, state.ownership.shards_to_acquire(gates), joins_pending)
         };
-        self.update_shard_gauges(cluster);
+        self.update_shard_gauges();
         if let Some(shards) = forced {
-            self.spawn_cluster(self.clone().forced_release(Arc::clone(cluster), shards));
+            host.spawn_owned(Arc::clone(self).forced_release(host.clone(), shards));
         }
         for shard in releasing {
-            self.spawn_cluster(self.clone().release_shard(Arc::clone(cluster), shard));
+            host.spawn_owned(Arc::clone(self).release_shard(host.clone(), shard));
         }
-        if handing_off && cluster.state().ownership.is_handed_off() {
-            cluster.handed_off.notify_waiters();
+        if handing_off && self.state().ownership.is_handed_off() {
+            self.handed_off.notify_waiters();
         }
         if to_acquire.is_empty() {
             return;
         }
-        let interval = self.config().shard_lock_interval();
-        let acquired =
-            match tokio::time::timeout(interval, cluster.storage.acquire(address, &to_acquire))
-                .await
-            {
-                Ok(Ok(acquired)) => acquired,
-                Ok(Err(error)) => {
-                    tracing::warn!(%error, "could not acquire shard locks");
-                    return;
-                }
-                Err(_) => {
-                    tracing::warn!("acquiring shard locks timed out");
-                    cluster.acquisition.notify_one();
-                    return;
-                }
-            };
+        let interval = self.config.shard_lock_interval();
+        let acquired = match tokio::time::timeout(
+            interval,
+            self.storage.acquire(address, &to_acquire),
+        )
+        .await
+        {
+            Ok(Ok(acquired)) => acquired,
+            Ok(Err(error)) => {
+                tracing::warn!(%error, "could not acquire shard locks");
+                return;
+            }
+            Err(_) => {
+                tracing::warn!("acquiring shard locks timed out");
+                self.acquisition.notify_one();
+                return;
+            }
+        };
         if acquired.is_empty() {
             return;
         }
         // The previous owner's claims on these shards' messages are released.
-        if let Some(persisted) = self.persisted()
-            && let Ok(Err(error)) =
-                tokio::time::timeout(interval, persisted.storage.reset_shards(&acquired)).await
+        if let Ok(Err(error)) =
+            tokio::time::timeout(interval, self.messages.reset_shards(&acquired)).await
         {
             tracing::debug!(%error, "could not release the previous owner's claims");
         }
-        let outcome = cluster.state().ownership.on_acquired(&acquired, joins_pending);
+        let outcome = self.state().ownership.on_acquired(&acquired, joins_pending);
         if !outcome.activated.is_empty() {
             tracing::info!(shards = outcome.activated.len(), "shards acquired");
-            cluster.lock_changed();
-            self.poll_storage();
-            self.sync_singletons();
+            self.lock_changed();
+            host.poll_storage();
+            host.sync_singletons();
         }
         if !outcome.to_release.is_empty() {
-            cluster.acquisition.notify_one();
+            self.acquisition.notify_one();
         }
-        self.update_shard_gauges(cluster);
+        self.update_shard_gauges();
     }
 
-    fn update_shard_gauges(&self, cluster: &Member) {
-        let state = cluster.state();
+    fn update_shard_gauges(&self) {
+        let state = self.state();
         metrics::set(metrics::SHARDS, state.ownership.n_acquired());
         metrics::set(metrics::SHARDS_RELEASING, state.ownership.n_releasing());
         metrics::set(metrics::SHARD_LOCKS_HEALTHY, usize::from(state.ownership.locks_healthy()));
@@ -481,40 +467,38 @@ impl Sharding {
     /// 3. Its lock is released.
     /// 4. Local callers waiting for its replies read them from storage.
     ///    During shutdown, they are told instead that their requests were abandoned here.
-    async fn release_shard(self, cluster: Arc<Member>, shard: ShardId) {
-        let Some(address) = cluster.address().cloned() else { return };
+    async fn release_shard<H: MemberHost>(self: Arc<Member>, host: H, shard: ShardId) {
+        let Some(address) = self.address().cloned() else { return };
         let release_started = tokio::time::Instant::now();
-        let termination_timeout = self.config().entity_termination_timeout;
-        let force = cluster.handoff.is_cancelled();
+        let termination_timeout = self.config.entity_termination_timeout;
+        let force = self.handoff.is_cancelled();
         // The shard's singletons stop too; the lock waits for both.
-        self.sync_singletons();
+        host.sync_singletons();
         futures_util::future::join(
-            self.managers().stop_shard(&shard, force, termination_timeout),
-            self.stop_singletons_in(Some(&shard)),
+            host.managers().stop_shard(&shard, force, termination_timeout),
+            host.stop_singletons_in(Some(&shard)),
         )
         .await;
         // The requests that finished while the shard drained are answered before the lock
         // goes, however slow storage is, up to the lock's expiration.
         // Past it, another runner may hold the shard anyway, and that owner runs what is left.
-        if let Some(persisted) = self.persisted() {
-            persisted.writes_finished(Some(&shard), self.config().shard_lock_expiration).await;
-        }
+        host.writes_finished(Some(&shard), self.config.shard_lock_expiration).await;
         let started = tokio::time::Instant::now();
         let mut warned_at: Option<tokio::time::Instant> = None;
         loop {
-            if cluster.state().ownership.is_force_releasing(&shard) {
+            if self.state().ownership.is_force_releasing(&shard) {
                 // A forced release took over: it drops every lock at once.
                 break;
             }
-            if cluster.stopped.is_cancelled() {
+            if self.stopped.is_cancelled() {
                 // Shutdown is over: its `release_all` drops the lock, or it expires.
                 break;
             }
-            let interval = self.config().shard_lock_interval();
-            match bounded(interval, cluster.storage.release(&address, &shard)).await {
+            let interval = self.config.shard_lock_interval();
+            match bounded(interval, self.storage.release(&address, &shard)).await {
                 Ok(()) => {
                     // Together: a round never sees the shard releasing with no task for it.
-                    let mut state = cluster.state();
+                    let mut state = self.state();
                     state.ownership.release_finished(&shard);
                     state.release_tasks.remove(&shard);
                     drop(state);
@@ -529,22 +513,22 @@ impl Sharding {
                     }
                     tokio::select! {
                         () = tokio::time::sleep(RELEASE_RETRY) => {}
-                        () = cluster.stopped.cancelled() => {}
+                        () = self.stopped.cancelled() => {}
                     }
                 }
             }
         }
         // Also after a forced release took over or shutdown ended the loop (no-op otherwise).
-        cluster.state().release_tasks.remove(&shard);
-        if cluster.stopped.is_cancelled() {
+        self.state().release_tasks.remove(&shard);
+        if self.stopped.is_cancelled() {
             return;
         }
-        self.unregister_shard_waiters(&shard);
+        Member::unregister_shard_waiters(&host, &shard);
         tracing::debug!(%shard, took = ?started.elapsed(), "shard released");
-        self.update_shard_gauges(&cluster);
-        cluster.acquisition.notify_one();
-        if cluster.handoff.is_cancelled() && cluster.state().ownership.is_handed_off() {
-            cluster.handed_off.notify_waiters();
+        self.update_shard_gauges();
+        self.acquisition.notify_one();
+        if self.handoff.is_cancelled() && self.state().ownership.is_handed_off() {
+            self.handed_off.notify_waiters();
         }
     }
 
@@ -552,11 +536,11 @@ impl Sharding {
     ///
     /// Every shard is let go without waiting for entities.
     /// Then every lock is dropped with `release_all`.
-    async fn forced_release(self, cluster: Arc<Member>, shards: Vec<ShardId>) {
-        let Some(address) = cluster.address().cloned() else { return };
-        let termination_timeout = self.config().entity_termination_timeout;
-        self.sync_singletons();
-        let sharding = &self;
+    async fn forced_release<H: MemberHost>(self: Arc<Member>, host: H, shards: Vec<ShardId>) {
+        let Some(address) = self.address().cloned() else { return };
+        let termination_timeout = self.config.entity_termination_timeout;
+        host.sync_singletons();
+        let sharding = &host;
         futures_util::future::join_all(shards.iter().map(|shard| async move {
             futures_util::future::join(
                 sharding.managers().stop_shard(shard, true, termination_timeout),
@@ -565,21 +549,19 @@ impl Sharding {
             .await;
         }))
         .await;
-        let expiration = self.config().shard_lock_expiration;
+        let expiration = self.config.shard_lock_expiration;
         let started = tokio::time::Instant::now();
         let mut warned_at: Option<tokio::time::Instant> = None;
         loop {
-            if cluster.stopped.is_cancelled() {
+            if self.stopped.is_cancelled() {
                 // Shutdown is over: its own `release_all` was the last word.
                 return;
             }
-            let healthy = cluster.state().ownership.locks_healthy();
+            let healthy = self.state().ownership.locks_healthy();
             if healthy {
-                let interval = self.config().shard_lock_interval();
-                if let Some(persisted) = self.persisted() {
-                    persisted.writes_finished(None, interval).await;
-                }
-                match bounded(interval, cluster.storage.release_all(&address)).await {
+                let interval = self.config.shard_lock_interval();
+                host.writes_finished(None, interval).await;
+                match bounded(interval, self.storage.release_all(&address)).await {
                     Ok(()) => break,
                     Err(error) => tracing::debug!(%error, "release_all failed; retrying"),
                 }
@@ -588,49 +570,48 @@ impl Sharding {
             if overdue
                 && warned_at.is_none_or(|at| at.elapsed() >= expiration.max(RELEASE_WARNING_PERIOD))
             {
-                let blocking = self.managers().types_in(&shards);
+                let blocking = host.managers().types_in(&shards);
                 tracing::warn!(waited = ?started.elapsed(), ?blocking, "forced release of the shard locks still pending");
                 warned_at = Some(tokio::time::Instant::now());
             }
-            let mut events = cluster.lock_events.subscribe();
+            let mut events = self.lock_events.subscribe();
             tokio::select! {
                 _ = events.changed() => {}
                 () = tokio::time::sleep(RELEASE_RETRY) => {}
-                () = cluster.stopped.cancelled() => {}
+                () = self.stopped.cancelled() => {}
             }
         }
-        cluster.state().ownership.finish_forced_release(&shards);
+        self.state().ownership.finish_forced_release(&shards);
         for shard in &shards {
-            self.unregister_shard_waiters(shard);
+            Member::unregister_shard_waiters(&host, shard);
         }
         tracing::info!(shards = shards.len(), "forced release done");
-        self.update_shard_gauges(&cluster);
-        cluster.acquisition.notify_one();
+        self.update_shard_gauges();
+        self.acquisition.notify_one();
     }
 
     /// The lock refresh loop (`effect/src/cluster/Sharding.ts`).
     ///
     /// It confirms the held locks every `shard_lock_interval`.
     /// While lock storage is unhealthy, it probes it instead.
-    async fn refresh_loop(self, cluster: Arc<Member>) {
-        let Some(address) = cluster.address().cloned() else { return };
-        let interval = self.config().shard_lock_interval();
+    async fn refresh_loop<H: MemberHost>(self: Arc<Member>, host: H) {
+        let Some(address) = self.address().cloned() else { return };
+        let interval = self.config.shard_lock_interval();
         let mut ticks = tokio::time::interval(interval);
         ticks.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         loop {
             tokio::select! {
                 _ = ticks.tick() => {}
-                () = cluster.stopped.cancelled() => return,
+                () = self.stopped.cancelled() => return,
             }
-            let healthy = cluster.state().ownership.locks_healthy();
+            let healthy = self.state().ownership.locks_healthy();
             if healthy {
-                let held = cluster.state().ownership.held();
-                match tokio::time::timeout(interval, refresh(&*cluster.storage, &address, &held))
-                    .await
+                let held = self.state().ownership.held();
+                match tokio::time::timeout(interval, refresh(&*self.storage, &address, &held)).await
                 {
                     Ok(Ok(returned)) => {
                         let releasing =
-                            cluster.state().ownership.release_lost_shards(&held, &returned);
+                            self.state().ownership.release_lost_shards(&held, &returned);
                         if returned.len() < held.len() {
                             tracing::warn!(
                                 lost = held.len() - returned.len(),
@@ -638,28 +619,28 @@ impl Sharding {
                             );
                         }
                         if releasing {
-                            cluster.acquisition.notify_one();
+                            self.acquisition.notify_one();
                         }
                     }
-                    Ok(Err(error)) => self.locks_unhealthy(&cluster, &error.to_string()).await,
-                    Err(_) => self.locks_unhealthy(&cluster, "refresh timed out").await,
+                    Ok(Err(error)) => self.locks_unhealthy(&host, &error.to_string()).await,
+                    Err(_) => self.locks_unhealthy(&host, "refresh timed out").await,
                 }
             } else {
-                let probe = cluster.storage.refresh(&address, &[]);
+                let probe = self.storage.refresh(&address, &[]);
                 if let Ok(Ok(_)) = tokio::time::timeout(interval, probe).await {
                     let recovered = {
-                        let mut state = cluster.state();
+                        let mut state = self.state();
                         let mine = state.assignment.shards_of(&address);
                         state.ownership.mark_healthy(mine)
                     };
                     if recovered {
                         tracing::info!("shard lock storage is healthy again");
-                        cluster.lock_changed();
-                        cluster.acquisition.notify_one();
+                        self.lock_changed();
+                        self.acquisition.notify_one();
                     }
                 }
             }
-            self.update_shard_gauges(&cluster);
+            self.update_shard_gauges();
         }
     }
 
@@ -667,21 +648,21 @@ impl Sharding {
     ///
     /// - Every entity of the held shards is interrupted at once.
     /// - The acquisition loop drops every lock before taking any again.
-    async fn locks_unhealthy(&self, cluster: &Arc<Member>, why: &str) {
-        let affected = cluster.state().ownership.mark_unhealthy();
+    async fn locks_unhealthy<H: MemberHost>(&self, host: &H, why: &str) {
+        let affected = self.state().ownership.mark_unhealthy();
         let Some(affected) = affected else { return };
         tracing::warn!(
             why,
             shards = affected.len(),
             "shard lock storage is unhealthy: interrupting the shards' entities"
         );
-        cluster.lock_changed();
-        self.sync_singletons();
-        cluster.acquisition.notify_one();
-        let termination_timeout = self.config().entity_termination_timeout;
+        self.lock_changed();
+        host.sync_singletons();
+        self.acquisition.notify_one();
+        let termination_timeout = self.config.entity_termination_timeout;
         for shard in affected {
-            let sharding = self.clone();
-            self.spawn_cluster(async move {
+            let sharding = host.clone();
+            host.spawn_owned(async move {
                 sharding.managers().stop_shard(&shard, true, termination_timeout).await;
             });
         }
@@ -694,11 +675,103 @@ impl Sharding {
     /// - Otherwise (a rebalance) they keep waiting.
     ///   The reply poller reads the next owner's final replies and stream chunks from storage.
     ///   The reference's rerouted callers read them from storage too.
-    fn unregister_shard_waiters(&self, shard: &ShardId) {
-        if let Some(persisted) = self.persisted()
-            && self.is_shutdown()
-        {
-            persisted.unregister_shard(shard, UnregisterMode::Abandon);
+    fn unregister_shard_waiters<H: MemberHost>(host: &H, shard: &ShardId) {
+        if host.is_shutdown() {
+            host.abandon_waiters_of(shard);
+        }
+    }
+
+    /// The shutdown handoff (`effect/src/cluster/Sharding.ts`, effect 4.0.3).
+    ///
+    /// It runs once the entities drained:
+    ///
+    /// 1. Every shard goes through the per-shard release, bounded by `shard_lock_interval`.
+    /// 2. The runner leaves the registry, and the loops stop.
+    /// 3. The final replies still being written are awaited, at most `shard_lock_expiration`.
+    /// 4. `release_all` drops what is left.
+    pub(crate) async fn hand_off<H: MemberHost>(self: &Arc<Member>, host: &H) {
+        self.lock_changed();
+        if let Some(address) = self.address().cloned() {
+            let handed_off = self.handed_off.notified();
+            self.handoff.cancel();
+            self.acquisition.notify_one();
+            let bound = self.config.shard_lock_interval();
+            if !self.state().ownership.is_handed_off()
+                && tokio::time::timeout(bound, handed_off).await.is_err()
+            {
+                tracing::warn!(
+                    held = self.state().ownership.held().len(),
+                    "handoff incomplete; dropping the remaining locks"
+                );
+            }
+            {
+                let _registering = self.registration.lock().await;
+                let unregistered = bounded(REGISTRY_TIMEOUT, self.storage.unregister(&address));
+                if let Err(error) = unregistered.await {
+                    tracing::warn!(%error, "could not unregister the runner");
+                }
+            }
+            self.stopped.cancel();
+            host.writes_finished(None, self.config.shard_lock_expiration).await;
+            let released = bounded(bound, self.storage.release_all(&address));
+            if let Err(error) = released.await {
+                tracing::warn!(%error, "could not release the shard locks; they expire");
+            }
+            tracing::info!(runner = %address, "shutdown complete");
+        }
+        self.stopped.cancel();
+        metrics::set(metrics::SHARDS, 0);
+    }
+
+    /// The body of the runner-health singleton (`effect/src/cluster/Sharding.ts`, with the
+    /// checks of `effect/src/cluster/RunnerHealth.ts`), until `cancellation`.
+    ///
+    /// - It runs every `runner_health_check_interval`, when more than one runner is registered.
+    /// - It judges each runner as `runner_health_check` says (see [`judge`]).
+    /// - It records the verdicts that changed.
+    /// - It never marks the last healthy runner unhealthy.
+    ///
+    /// The sync loops then treat an unhealthy runner as gone.
+    pub(crate) async fn check_health(
+        self: Arc<Member>,
+        transport: Arc<dyn Transport>,
+        cancellation: CancellationToken,
+    ) {
+        let interval = self.config.runner_health_check_interval;
+        let mode = self.config.runner_health_check;
+        // The runners that answered a ping of this singleton's, while it runs here.
+        let mut known = BTreeSet::new();
+        loop {
+            tokio::select! {
+                () = tokio::time::sleep(interval) => {}
+                () = cancellation.cancelled() => return,
+            }
+            let checked = check_runners(&self, &*transport, mode, &mut known).await;
+            if let Err(error) = checked {
+                tracing::debug!(%error, "runner health check failed");
+            }
+        }
+    }
+
+    /// Whether `shard` is active here (see [`Member::is_acquired`]) once the wait for its
+    /// lock is over: while the shard is assigned here and its lock is not taken yet, this
+    /// waits, at most `shard_lock_expiration`. The previous owner is still draining it
+    /// (`effect/src/cluster/Sharding.ts`).
+    pub(crate) async fn await_lock(&self, shard: &ShardId, shutting_down: impl Fn() -> bool) {
+        let deadline = crate::time::deadline(self.config.shard_lock_expiration);
+        let mut events = self.lock_events.subscribe();
+        loop {
+            if !self.state().ownership.is_awaiting_lock(shard, shutting_down()) {
+                return;
+            }
+            tokio::select! {
+                changed = events.changed() => {
+                    if changed.is_err() {
+                        return;
+                    }
+                }
+                () = tokio::time::sleep_until(deadline) => return,
+            }
         }
     }
 
@@ -709,17 +782,8 @@ impl Sharding {
     /// - A lock refresh must confirm it.
     /// - Every concurrent writer shares one refresh per shard.
     ///   The refresh outlives a writer that is interrupted.
-    /// - Without a cluster, a single runner confirms from its leases' last refresh.
-    ///   A runtime without shard locks may always store.
-    pub(crate) async fn confirm_shard_lock(&self, shard: &ShardId) -> bool {
-        let Some(cluster) = self.cluster() else {
-            // A single runner confirms from its leases' last refresh (`single_runner`).
-            let confirmed = self.held_locks().is_none_or(|locks| locks.confirms(shard));
-            if !confirmed {
-                tracing::warn!(%shard, "shard lock not confirmed: the final reply is left for the next owner");
-            }
-            return confirmed;
-        };
+    pub(crate) async fn confirm_lock(self: &Arc<Member>, shard: &ShardId) -> bool {
+        let cluster = self;
         let Some(address) = cluster.address().cloned() else { return false };
         if !cluster.state().ownership.is_owned_or_releasing(shard) {
             return false;
@@ -731,7 +795,7 @@ impl Sharding {
                 .or_insert_with(|| {
                     let cluster = Arc::clone(cluster);
                     let shard = shard.clone();
-                    let interval = self.config().shard_lock_interval();
+                    let interval = self.config.shard_lock_interval();
                     let task = tokio::spawn(async move {
                         let refresh =
                             cluster.storage.refresh(&address, std::slice::from_ref(&shard));
@@ -768,94 +832,10 @@ impl Sharding {
         }
         confirmed
     }
-
-    /// Whether this runner serves requests of `shard` now.
-    ///
-    /// It does when it holds the shard's lock and is not shutting down.
-    /// A single runner holds every lock.
-    pub(crate) fn serves(&self, shard: &ShardId) -> bool {
-        if self.is_shutdown() || !self.is_runner() {
-            return false;
-        }
-        match self.cluster() {
-            Some(cluster) => cluster.is_acquired(shard),
-            None => self.held_locks().is_none_or(|locks| locks.serves(shard)),
-        }
-    }
-
-    /// Waits while `shard` is assigned to this runner but its lock is not taken yet, then
-    /// tells whether this runner serves it.
-    ///
-    /// The previous owner is still draining the shard (`effect/src/cluster/Sharding.ts`).
-    /// The wait lasts at most `shard_lock_expiration`.
-    pub(crate) async fn await_shard(&self, shard: &ShardId) -> bool {
-        let Some(cluster) = self.cluster() else { return self.serves(shard) };
-        let deadline = crate::time::deadline(self.config().shard_lock_expiration);
-        let mut events = cluster.lock_events.subscribe();
-        loop {
-            let awaiting = cluster.state().ownership.is_awaiting_lock(shard, self.is_shutdown());
-            if !awaiting {
-                return self.serves(shard);
-            }
-            tokio::select! {
-                changed = events.changed() => {
-                    if changed.is_err() {
-                        return self.serves(shard);
-                    }
-                }
-                () = tokio::time::sleep_until(deadline) => return self.serves(shard),
-            }
-        }
-    }
-
-    /// The shutdown handoff (`effect/src/cluster/Sharding.ts`, effect 4.0.3).
-    ///
-    /// It runs once the entities drained:
-    ///
-    /// 1. Every shard goes through the per-shard release, bounded by `shard_lock_interval`.
-    /// 2. The runner leaves the registry, and the loops stop.
-    /// 3. The final replies still being written are awaited, at most `shard_lock_expiration`.
-    /// 4. `release_all` drops what is left.
-    pub(crate) async fn hand_off(&self) {
-        let Some(cluster) = self.cluster().cloned() else { return };
-        cluster.lock_changed();
-        if let Some(address) = cluster.address().cloned() {
-            let handed_off = cluster.handed_off.notified();
-            cluster.handoff.cancel();
-            cluster.acquisition.notify_one();
-            let bound = self.config().shard_lock_interval();
-            if !cluster.state().ownership.is_handed_off()
-                && tokio::time::timeout(bound, handed_off).await.is_err()
-            {
-                tracing::warn!(
-                    held = cluster.state().ownership.held().len(),
-                    "handoff incomplete; dropping the remaining locks"
-                );
-            }
-            {
-                let _registering = cluster.registration.lock().await;
-                let unregistered = bounded(REGISTRY_TIMEOUT, cluster.storage.unregister(&address));
-                if let Err(error) = unregistered.await {
-                    tracing::warn!(%error, "could not unregister the runner");
-                }
-            }
-            cluster.stopped.cancel();
-            if let Some(persisted) = self.persisted() {
-                persisted.writes_finished(None, self.config().shard_lock_expiration).await;
-            }
-            let released = bounded(bound, cluster.storage.release_all(&address));
-            if let Err(error) = released.await {
-                tracing::warn!(%error, "could not release the shard locks; they expire");
-            }
-            tracing::info!(runner = %address, "shutdown complete");
-        }
-        cluster.stopped.cancel();
-        metrics::set(metrics::SHARDS, 0);
-    }
 }
 
 /// The name of the runner-health singleton (the reference's).
-const RUNNER_HEALTH: &str = "effect/cluster/Sharding/RunnerHealth";
+pub(crate) const RUNNER_HEALTH: &str = "effect/cluster/Sharding/RunnerHealth";
 /// A runner counts as alive if one of this many pings answers.
 const PING_ATTEMPTS: u32 = 5;
 const PING_SPACING: Duration = Duration::from_millis(500);

@@ -8,11 +8,13 @@
 use std::collections::BTreeMap;
 use std::num::NonZeroU32;
 use std::sync::{Arc, Mutex, OnceLock};
+use std::time::Duration;
 
 use cluster_core::config::{Capacity, ShardingConfig};
 use cluster_core::envelope::{Exit, RawJson, Reply, Request, TraceContext, WithExit};
 use cluster_core::error::ConfigError;
 use cluster_core::future::BoxFuture;
+use cluster_core::reply_handlers::UnregisterMode;
 use cluster_core::snowflake::SharedSnowflakeGenerator;
 use cluster_core::storage::{MessageStorage, SaveRequestOptions};
 use cluster_core::sync::lock;
@@ -34,7 +36,7 @@ use crate::error::RegisterError;
 use crate::interrupt::{FlaggedToken, InterruptSignal};
 use crate::keep_alive::{KEEP_ALIVE_TAG, KeepAliveSender};
 use crate::manager::{Contexts, EntityManager, Factory, ManagerOptions, Residency};
-use crate::member::Member;
+use crate::member::{Member, MemberHost};
 use crate::metrics;
 use crate::persisted::PersistedDelivery;
 use crate::registry::Managers;
@@ -602,7 +604,9 @@ impl Sharding {
         );
         futures_util::future::join(entities, self.stop_singletons_in(None)).await;
         // The entities have stopped: the shards go to other runners at once.
-        self.hand_off().await;
+        if let Some(cluster) = &self.inner.cluster {
+            cluster.hand_off(self).await;
+        }
         self.inner.tasks.close();
         self.inner.tasks.wait().await;
         // No reply will be read from here on: local callers stop waiting.
@@ -613,6 +617,65 @@ impl Sharding {
         if let Some(locks) = self.inner.locks.get() {
             locks.release().await;
         }
+    }
+
+    /// The shards this runner holds the lock of and runs (every shard of its groups for a
+    /// single runner; none for a client).
+    pub fn acquired_shards(&self) -> Vec<ShardId> {
+        match self.cluster() {
+            Some(cluster) => cluster.acquired(),
+            None if self.is_runner() && !self.is_shutdown() => {
+                if let Some(served) = self.held_locks().and_then(|locks| locks.served()) {
+                    return served;
+                }
+                let config = self.config();
+                all_shards(&config.shard_groups().assigned, config.shards_per_group)
+            }
+            None => Vec::new(),
+        }
+    }
+
+    /// Whether this runner serves requests of `shard` now.
+    ///
+    /// It does when it holds the shard's lock and is not shutting down.
+    /// A single runner holds every lock.
+    pub(crate) fn serves(&self, shard: &ShardId) -> bool {
+        if self.is_shutdown() || !self.is_runner() {
+            return false;
+        }
+        match self.cluster() {
+            Some(cluster) => cluster.is_acquired(shard),
+            None => self.held_locks().is_none_or(|locks| locks.serves(shard)),
+        }
+    }
+
+    /// Waits while `shard` is assigned to this runner but its lock is not taken yet, then
+    /// tells whether this runner serves it.
+    ///
+    /// The previous owner is still draining the shard (`effect/src/cluster/Sharding.ts`).
+    /// The wait lasts at most `shard_lock_expiration`.
+    pub(crate) async fn await_shard(&self, shard: &ShardId) -> bool {
+        if let Some(cluster) = self.cluster() {
+            cluster.await_lock(shard, || self.is_shutdown()).await;
+        }
+        self.serves(shard)
+    }
+
+    /// Whether this runner may store the final reply of a request of `shard`
+    /// (`effect/src/cluster/Sharding.ts`, effect 4.1.0).
+    ///
+    /// - A cluster member confirms the shard's lock with a refresh (see `Member::confirm_lock`).
+    /// - A single runner confirms from its leases' last refresh (`single_runner`).
+    /// - A runtime without shard locks may always store.
+    pub(crate) async fn confirm_shard_lock(&self, shard: &ShardId) -> bool {
+        if let Some(cluster) = self.cluster() {
+            return cluster.confirm_lock(shard).await;
+        }
+        let confirmed = self.held_locks().is_none_or(|locks| locks.confirms(shard));
+        if !confirmed {
+            tracing::warn!(%shard, "shard lock not confirmed: the final reply is left for the next owner");
+        }
+        confirmed
     }
 
     /// Stamps new ids with the machine id the runner registry gave this runner.
@@ -698,14 +761,6 @@ impl Sharding {
     /// The cluster side, when several runners share the storage.
     pub(crate) fn cluster(&self) -> Option<&Arc<Member>> {
         self.inner.cluster.as_ref()
-    }
-
-    /// Spawns a loop of the cluster side, awaited at shutdown like every task.
-    pub(crate) fn spawn_cluster(
-        &self,
-        task: impl std::future::Future<Output = ()> + Send + 'static,
-    ) {
-        self.spawn_owned(task);
     }
 
     pub(crate) fn persisted(&self) -> Option<&Arc<PersistedDelivery>> {
@@ -946,6 +1001,49 @@ impl SingletonContext {
 impl SingletonHost for Sharding {
     fn handle(&self) -> RuntimeHandle {
         Sharding::handle(self)
+    }
+}
+
+/// A cluster member takes and lets go of the runtime's shards.
+impl MemberHost for Sharding {
+    fn is_shutdown(&self) -> bool {
+        Sharding::is_shutdown(self)
+    }
+
+    fn spawn_owned(&self, task: impl Future<Output = ()> + Send + 'static) {
+        Sharding::spawn_owned(self, task);
+    }
+
+    fn managers(&self) -> &Arc<Managers> {
+        Sharding::managers(self)
+    }
+
+    fn sync_singletons(&self) {
+        Sharding::sync_singletons(self);
+    }
+
+    fn stop_singletons_in(&self, shard: Option<&ShardId>) -> impl Future<Output = ()> + Send {
+        self.inner.singletons.stop_in(shard)
+    }
+
+    fn set_machine_id(&self, machine_id: MachineId) {
+        Sharding::set_machine_id(self, machine_id);
+    }
+
+    fn poll_storage(&self) {
+        Sharding::poll_storage(self);
+    }
+
+    async fn writes_finished(&self, shard: Option<&ShardId>, bound: Duration) {
+        if let Some(persisted) = self.persisted() {
+            persisted.writes_finished(shard, bound).await;
+        }
+    }
+
+    fn abandon_waiters_of(&self, shard: &ShardId) {
+        if let Some(persisted) = self.persisted() {
+            persisted.unregister_shard(shard, UnregisterMode::Abandon);
+        }
     }
 }
 
