@@ -1,7 +1,8 @@
 //! Volatile requests between runners (`effect/src/cluster/Sharding.ts` `sendOutgoing`,
 //! `effect/src/cluster/Runners.ts`): routing to the shard's owner through a
 //! [`Transport`](cluster_core::transport::Transport), and the server side that a transport
-//! calls when a peer's request arrives ([`Sharding::runner_handler`]).
+//! calls when a peer's request arrives ([`Remote::handler`], handed out by
+//! `Sharding::runner_handler`).
 //!
 //! A volatile request goes to the owner of its shard in the current assignment: this runner
 //! (the local path, which waits for a lock being taken over), another runner (through the
@@ -18,13 +19,17 @@ use std::sync::{Arc, Mutex};
 use cluster_core::envelope::{AckChunk, Envelope, Exit, Reply, Request, WithExit};
 use cluster_core::future::BoxFuture;
 use cluster_core::sync::lock;
-use cluster_core::transport::{ReplyStream, RunnerHandler};
+use cluster_core::transport::{ReplyStream, RunnerHandler, Transport};
 use cluster_core::{ClusterError, RunnerAddress, ShardId, Snowflake};
 use tokio::sync::{mpsc, oneshot};
+use tokio_util::task::TaskTracker;
 
-use crate::delivery::{Delivery, ReplyTo};
+use crate::delivery::{Delivery, ReadLatch, ReplyTo};
+use crate::entity::Ids;
 use crate::interrupt::InterruptSignal;
-use crate::sharding::{LocalCall, STREAM_BUFFER, Sharding, WeakSharding};
+use crate::local::{LocalCall, LocalDelivery, STREAM_BUFFER, StreamCall};
+use crate::registry::Managers;
+use crate::shards::Shards;
 
 /// Where a volatile request goes.
 enum Route {
@@ -38,10 +43,54 @@ enum Route {
     Unreachable,
 }
 
+/// Routing of volatile requests, to this runner or another, and the server side of the
+/// transport.
+pub(crate) struct Remote {
+    /// This runner's address (`None` in a client).
+    own: Option<RunnerAddress>,
+    /// How long a volatile request is retried for (`shard_lock_expiration`).
+    retry_for: std::time::Duration,
+    /// The pause between retries (`send_retry_interval`).
+    retry_every: std::time::Duration,
+    transport: Option<Arc<dyn Transport>>,
+    shards: Arc<Shards>,
+    local: Arc<LocalDelivery>,
+    managers: Arc<Managers>,
+    ids: Arc<Ids>,
+    /// Wakes the storage read loop when a peer says a message was stored for a shard here.
+    read_latch: Arc<ReadLatch>,
+    /// Volatile requests of remote callers running here.
+    calls: RemoteCalls,
+    /// The runtime's tasks: the stream pumps and the owner notices.
+    tasks: TaskTracker,
+}
+
+/// What routing starts from.
+pub(crate) struct RemoteParts {
+    pub(crate) config: ShardingConfigView,
+    pub(crate) transport: Option<Arc<dyn Transport>>,
+    pub(crate) shards: Arc<Shards>,
+    pub(crate) local: Arc<LocalDelivery>,
+    pub(crate) managers: Arc<Managers>,
+    pub(crate) ids: Arc<Ids>,
+    pub(crate) read_latch: Arc<ReadLatch>,
+    pub(crate) tasks: TaskTracker,
+}
+
+/// The settings routing reads.
+pub(crate) struct ShardingConfigView {
+    /// This runner's address (`None` in a client).
+    pub(crate) runner_address: Option<RunnerAddress>,
+    /// How long a volatile request is retried for.
+    pub(crate) shard_lock_expiration: std::time::Duration,
+    /// The pause between retries.
+    pub(crate) send_retry_interval: std::time::Duration,
+}
+
 /// Volatile requests of remote callers still running here, by request id: where their
 /// interrupts and acknowledgements go.
 #[derive(Default)]
-pub(crate) struct RemoteCalls {
+struct RemoteCalls {
     calls: Mutex<BTreeMap<Snowflake, RemoteCall>>,
 }
 
@@ -78,13 +127,37 @@ fn not_here<T>(request: &Request) -> Result<T, ClusterError> {
     Err(ClusterError::EntityNotAssignedToRunner { address: request.address.clone() })
 }
 
-impl Sharding {
+impl Remote {
+    /// Routing from `parts`.
+    pub(crate) fn new(parts: RemoteParts) -> Remote {
+        let RemoteParts { config, transport, shards, local, managers, ids, read_latch, tasks } =
+            parts;
+        Remote {
+            own: config.runner_address,
+            retry_for: config.shard_lock_expiration,
+            retry_every: config.send_retry_interval,
+            transport,
+            shards,
+            local,
+            managers,
+            ids,
+            read_latch,
+            calls: RemoteCalls::default(),
+            tasks,
+        }
+    }
+
+    /// The runner-to-runner transport, if any.
+    pub(crate) fn transport(&self) -> Option<&Arc<dyn Transport>> {
+        self.transport.as_ref()
+    }
+
     /// The owner of `shard` for volatile traffic.
     fn route(&self, shard: &ShardId) -> Route {
-        let Some(cluster) = self.cluster() else {
-            return if self.is_runner() { Route::Local } else { Route::Unreachable };
+        let Some(cluster) = self.shards.member() else {
+            return if self.shards.is_runner() { Route::Local } else { Route::Unreachable };
         };
-        let me = self.config().runner_address.as_ref();
+        let me = self.own.as_ref();
         match cluster.owner(shard) {
             Some(owner) if Some(&owner) == me => Route::Local,
             Some(owner) if self.transport().is_some() => Route::Remote(owner),
@@ -96,7 +169,7 @@ impl Sharding {
     /// Whether a failed volatile send may be tried again (the deadline of the whole call is
     /// checked by the caller).
     fn retriable(&self, error: &ClusterError) -> bool {
-        !self.is_shutdown()
+        !self.shards.shutdown().is_cancelled()
             && matches!(
                 error,
                 ClusterError::RunnerUnavailable { .. }
@@ -124,16 +197,17 @@ impl Sharding {
         loop {
             let route = self.route(&request.address.shard_id);
             // The common case first, with no clock read and no waiting: a shard held here.
-            if matches!(route, Route::Local) && self.serves(&request.address.shard_id) {
+            if matches!(route, Route::Local) && self.shards.serves(&request.address.shard_id) {
                 return local(request).await;
             }
-            let deadline = *deadline
-                .get_or_insert_with(|| crate::time::deadline(self.config().shard_lock_expiration));
+            let deadline = *deadline.get_or_insert_with(|| crate::time::deadline(self.retry_for));
             // The rarer steps are boxed, so that the common case's future stays small.
             let attempt = match route {
                 // A stale assignment may name this runner for a shard it does not hold (it
                 // has not seen a join yet): the owner is looked up again.
-                Route::Local if Box::pin(self.await_shard(&request.address.shard_id)).await => {
+                Route::Local
+                    if Box::pin(self.shards.await_shard(&request.address.shard_id)).await =>
+                {
                     return local(request).await;
                 }
                 Route::Local | Route::Unknown => not_here(&request),
@@ -143,7 +217,7 @@ impl Sharding {
             match attempt {
                 Err(error) if self.retriable(&error) && tokio::time::Instant::now() < deadline => {
                     tracing::debug!(%error, request_id = %request.request_id, what, "volatile request not delivered; retrying");
-                    tokio::time::sleep(self.config().send_retry_interval).await;
+                    tokio::time::sleep(self.retry_every).await;
                 }
                 attempt => return attempt,
             }
@@ -156,15 +230,15 @@ impl Sharding {
     /// future of its own (the routing loop's is about 2 KiB, and a future is copied into its
     /// parent when it is made); anything else goes through [`routed`](Sharding::routed),
     /// boxed. Either way a local delivery's error is the call's, as in `routed`.
-    pub(crate) async fn send_volatile(
+    pub(crate) async fn send(
         &self,
         request: Request,
         uninterruptible: bool,
     ) -> Result<Exit, ClusterError> {
         let shard = &request.address.shard_id;
-        let request = if matches!(self.route(shard), Route::Local) && self.serves(shard) {
+        let request = if matches!(self.route(shard), Route::Local) && self.shards.serves(shard) {
             let (delivery, call) = LocalCall::new(request);
-            match self.deliver_registered(delivery) {
+            match self.local.deliver_registered(delivery) {
                 Ok(Ok(())) => return call.exit(uninterruptible).await,
                 Ok(Err(refused)) => return Err(refused),
                 // Not registered yet: the routing loop waits for the registration.
@@ -176,7 +250,7 @@ impl Sharding {
         Box::pin(self.routed(
             request,
             "request",
-            |request| self.send_local(request, uninterruptible),
+            |request| self.local.send(request, uninterruptible),
             |owner, request| self.send_remote(owner, request, uninterruptible),
         ))
         .await
@@ -188,7 +262,7 @@ impl Sharding {
         request: Request,
         uninterruptible: bool,
     ) -> Result<Exit, ClusterError> {
-        let Some(transport) = self.transport().cloned() else {
+        let Some(transport) = self.transport.clone() else {
             return Err(ClusterError::EntityNotAssignedToRunner { address: request.address });
         };
         let call = async move { transport.send(&owner, request, false).await };
@@ -208,17 +282,17 @@ impl Sharding {
 
     /// This runner's address, or an empty one for a client (only for errors).
     fn own_address(&self) -> RunnerAddress {
-        self.config().runner_address.clone().unwrap_or_else(|| RunnerAddress::new("", 0))
+        self.own.clone().unwrap_or_else(|| RunnerAddress::new("", 0))
     }
 
     /// Delivers a volatile request without waiting for its exit (a discarded call).
-    pub(crate) async fn notify_volatile(&self, request: Request) -> Result<(), ClusterError> {
+    pub(crate) async fn notify(&self, request: Request) -> Result<(), ClusterError> {
         self.routed(
             request,
             "discard",
-            |request| self.notify_local(request),
+            |request| self.local.notify(request),
             |owner, request| async move {
-                match self.transport() {
+                match &self.transport {
                     Some(transport) => {
                         transport.notify(&owner, Envelope::Request(request), false).await
                     }
@@ -231,15 +305,11 @@ impl Sharding {
 
     /// Sends a volatile streaming request to its entity, wherever it lives: its replies, where
     /// the caller's acknowledgements go, and what interrupts it.
-    pub(crate) async fn stream_volatile(
-        &self,
-        request: Request,
-    ) -> Result<(mpsc::Receiver<Reply>, mpsc::Sender<Snowflake>, InterruptSignal), ClusterError>
-    {
+    pub(crate) async fn stream(&self, request: Request) -> Result<StreamCall, ClusterError> {
         self.routed(
             request,
             "stream",
-            |request| self.stream_local(request),
+            |request| self.local.stream(request),
             |owner, request| self.stream_remote(owner, request),
         )
         .await
@@ -249,9 +319,8 @@ impl Sharding {
         &self,
         owner: RunnerAddress,
         request: Request,
-    ) -> Result<(mpsc::Receiver<Reply>, mpsc::Sender<Snowflake>, InterruptSignal), ClusterError>
-    {
-        let Some(transport) = self.transport().cloned() else {
+    ) -> Result<StreamCall, ClusterError> {
+        let Some(transport) = self.transport.clone() else {
             return Err(ClusterError::EntityNotAssignedToRunner { address: request.address });
         };
         let address = request.address.clone();
@@ -263,8 +332,8 @@ impl Sharding {
         // The replies are pumped until the final one, the caller goes away or interrupts, or the
         // runtime shuts down: a task of the runtime's, awaited at shutdown.
         let stop = cancellation.clone();
-        let shutdown = self.shutdown_token().clone();
-        self.spawn_owned(async move {
+        let shutdown = self.shards.shutdown().token().clone();
+        self.tasks.spawn(async move {
             loop {
                 let next = tokio::select! {
                     next = stream.next_reply() => next,
@@ -288,9 +357,9 @@ impl Sharding {
         });
         // Acknowledgements go to the owner as `AckChunk` envelopes, until the caller drops its
         // stream or the runtime shuts down.
-        let sharding = self.clone();
-        let shutdown = self.shutdown_token().clone();
-        self.spawn_owned(async move {
+        let ids = Arc::clone(&self.ids);
+        let shutdown = self.shards.shutdown().token().clone();
+        self.tasks.spawn(async move {
             loop {
                 let reply_id = tokio::select! {
                     next = acks.recv() => match next {
@@ -299,12 +368,8 @@ impl Sharding {
                     },
                     () = shutdown.cancelled() => return,
                 };
-                let ack = AckChunk {
-                    id: sharding.next_id(),
-                    address: address.clone(),
-                    request_id,
-                    reply_id,
-                };
+                let ack =
+                    AckChunk { id: ids.next(), address: address.clone(), request_id, reply_id };
                 if let Err(error) =
                     transport.send_envelope(&owner, Envelope::AckChunk(ack), false).await
                 {
@@ -320,13 +385,11 @@ impl Sharding {
     /// persisted `Notify`; a failure is only logged, the owner's poll finds the message
     /// anyway).
     pub(crate) fn wake_reader(&self, shard: &ShardId, envelope: impl FnOnce() -> Envelope) {
-        if let Some(persisted) = self.persisted() {
-            persisted.poll_storage();
-        }
+        self.read_latch.wake();
         let Route::Remote(owner) = self.route(shard) else { return };
-        let Some(transport) = self.transport().cloned() else { return };
+        let Some(transport) = self.transport.clone() else { return };
         let envelope = envelope();
-        self.spawn_owned(async move {
+        self.tasks.spawn(async move {
             if let Err(error) = transport.notify(&owner, envelope, true).await {
                 tracing::debug!(%error, %owner, "could not tell the owner to read storage");
             }
@@ -335,14 +398,14 @@ impl Sharding {
 
     /// What a transport calls when a peer's request arrives (the reference's `RunnerServer`).
     /// It does not keep the runtime alive.
-    pub fn runner_handler(&self) -> Arc<dyn RunnerHandler> {
-        Arc::new(Server { sharding: self.downgrade() })
+    pub(crate) fn handler(self: &Arc<Remote>) -> Arc<dyn RunnerHandler> {
+        Arc::new(Server { remote: Arc::downgrade(self) })
     }
 }
 
 /// The server side of this runtime, for a transport.
 struct Server {
-    sharding: WeakSharding,
+    remote: std::sync::Weak<Remote>,
 }
 
 impl std::fmt::Debug for Server {
@@ -352,9 +415,10 @@ impl std::fmt::Debug for Server {
 }
 
 impl Server {
-    /// The runtime, unless it is gone (then the request's entity is not here).
-    fn sharding(&self, address: &cluster_core::EntityAddress) -> Result<Sharding, ClusterError> {
-        self.sharding
+    /// The runtime's routing, unless the runtime is gone (then the request's entity is not
+    /// here).
+    fn remote(&self, address: &cluster_core::EntityAddress) -> Result<Arc<Remote>, ClusterError> {
+        self.remote
             .upgrade()
             .ok_or_else(|| ClusterError::EntityNotAssignedToRunner { address: address.clone() })
     }
@@ -367,20 +431,20 @@ impl RunnerHandler for Server {
         persisted: bool,
     ) -> BoxFuture<'_, Result<(), ClusterError>> {
         Box::pin(async move {
-            let sharding = self.sharding(envelope.address())?;
+            let remote = self.remote(envelope.address())?;
             if persisted {
                 // Stored already: the read loop picks it up.
-                sharding.poll_storage();
+                remote.read_latch.wake();
                 return Ok(());
             }
             match envelope {
-                Envelope::Request(request) => sharding.notify_local(request).await,
+                Envelope::Request(request) => remote.local.notify(request).await,
                 Envelope::Interrupt(interrupt) => {
-                    sharding.remote_calls().interrupt(interrupt.request_id);
+                    remote.calls.interrupt(interrupt.request_id);
                     Ok(())
                 }
                 Envelope::AckChunk(ack) => {
-                    sharding.remote_calls().ack(ack.request_id, ack.reply_id);
+                    remote.calls.ack(ack.request_id, ack.reply_id);
                     Ok(())
                 }
             }
@@ -393,38 +457,39 @@ impl RunnerHandler for Server {
         persisted: bool,
     ) -> BoxFuture<'_, Result<Box<dyn ReplyStream>, ClusterError>> {
         Box::pin(async move {
-            let sharding = self.sharding(&request.address)?;
+            let remote = self.remote(&request.address)?;
             if persisted {
                 // Persisted requests are stored by their caller and answered through storage.
-                sharding.poll_storage();
+                remote.read_latch.wake();
                 return Err(ClusterError::EntityNotAssignedToRunner { address: request.address });
             }
             let request_id = request.request_id;
-            let is_stream = sharding
-                .managers()
+            let is_stream = remote
+                .managers
                 .get(&request.address.entity_type)
                 .is_some_and(|manager| manager.is_stream(&request.tag));
             if is_stream {
-                let (replies, acks, cancellation) = sharding.stream_local(request).await?;
+                let (replies, acks, cancellation) = remote.local.stream(request).await?;
                 let call = RemoteCall { cancellation: cancellation.clone(), acks: Some(acks) };
-                sharding.remote_calls().insert(request_id, call);
-                let guard = CallGuard { sharding: sharding.downgrade(), request_id, cancellation };
+                remote.calls.insert(request_id, call);
+                let guard = CallGuard { remote: Arc::downgrade(&remote), request_id, cancellation };
                 Ok(Box::new(ServerStream::Stream { replies, _guard: guard })
                     as Box<dyn ReplyStream>)
             } else {
                 let (reply, exit) = oneshot::channel();
                 let cancellation = InterruptSignal::new();
                 let call = RemoteCall { cancellation: cancellation.clone(), acks: None };
-                sharding.remote_calls().insert(request_id, call);
+                remote.calls.insert(request_id, call);
                 let guard = CallGuard {
-                    sharding: sharding.downgrade(),
+                    remote: Arc::downgrade(&remote),
                     request_id,
                     cancellation: cancellation.clone(),
                 };
-                sharding
+                remote
+                    .local
                     .deliver(Delivery::volatile(request, cancellation, ReplyTo::Exit(reply)))
                     .await?;
-                let id = sharding.next_id();
+                let id = remote.ids.next();
                 Ok(
                     Box::new(ServerStream::Unary {
                         exit: Some(exit),
@@ -449,7 +514,7 @@ impl RunnerHandler for Server {
 /// Interrupts a remote caller's request when its reply stream is dropped (the caller went
 /// away), and forgets it.
 struct CallGuard {
-    sharding: WeakSharding,
+    remote: std::sync::Weak<Remote>,
     request_id: Snowflake,
     cancellation: InterruptSignal,
 }
@@ -457,8 +522,8 @@ struct CallGuard {
 impl Drop for CallGuard {
     fn drop(&mut self) {
         self.cancellation.cancel();
-        if let Some(sharding) = self.sharding.upgrade() {
-            sharding.remote_calls().remove(self.request_id);
+        if let Some(remote) = self.remote.upgrade() {
+            remote.calls.remove(self.request_id);
         }
     }
 }

@@ -7,40 +7,41 @@
 
 use std::collections::BTreeMap;
 use std::num::NonZeroU32;
-use std::sync::{Arc, Mutex, OnceLock};
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use cluster_core::config::{Capacity, ShardingConfig};
-use cluster_core::envelope::{Exit, RawJson, Reply, Request, TraceContext, WithExit};
+use cluster_core::envelope::{Envelope, Exit, RawJson, Request, TraceContext};
 use cluster_core::error::ConfigError;
 use cluster_core::future::BoxFuture;
 use cluster_core::reply_handlers::UnregisterMode;
 use cluster_core::snowflake::SharedSnowflakeGenerator;
 use cluster_core::storage::{MessageStorage, SaveRequestOptions};
 use cluster_core::sync::lock;
-use cluster_core::transport::Transport;
+use cluster_core::transport::{RunnerHandler, Transport};
 use cluster_core::{
     Clock, ClusterError, EntityAddress, EntityId, EntityType, MachineId, ShardGroup, ShardId,
     Snowflake, Tag,
 };
-use tokio::sync::{broadcast, mpsc, oneshot};
+use tokio::sync::broadcast;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
 use crate::client::EntityClient;
 use crate::cron::CronJobs;
-use crate::delivery::{Delivery, ErasedManager, ReadLatch, ReplyTo, Serving, StreamReplies};
+use crate::delivery::{ReadLatch, Serving};
 use crate::entity::Ids;
 use crate::entity::{DEFAULT_ON_STOP_TIMEOUT, Entity, EntityContext, EntityOptions, RuntimeHandle};
 use crate::error::RegisterError;
-use crate::interrupt::{FlaggedToken, InterruptSignal};
 use crate::keep_alive::{KEEP_ALIVE_TAG, KeepAliveSender};
+use crate::local::{LocalDelivery, StreamCall};
 use crate::manager::{Contexts, EntityManager, Factory, ManagerOptions, Residency};
 use crate::member::{Member, MemberHost};
 use crate::metrics;
 use crate::persisted::PersistedDelivery;
 use crate::registry::Managers;
-use crate::remote::RemoteCalls;
+use crate::remote::{Remote, RemoteParts, ShardingConfigView};
+use crate::shards::Shards;
 use crate::single_runner::{HeldLocks, all_shards};
 use crate::singleton::{self, SingletonContext, SingletonHost, SingletonOptions, Singletons};
 
@@ -53,9 +54,6 @@ pub enum RegistrationEvent {
     /// A singleton was registered on this runner.
     SingletonRegistered(String),
 }
-
-/// The buffer of a stream's reply and acknowledgement channels.
-pub(crate) const STREAM_BUFFER: usize = 4;
 
 /// How many registration events a slow subscriber may lag behind before it misses some.
 const REGISTRATION_EVENTS_MAX: usize = 64;
@@ -87,22 +85,18 @@ struct Inner {
     managers: Arc<Managers>,
     events: broadcast::Sender<RegistrationEvent>,
     residency: Arc<Residency>,
-    /// Cancelled when the runner stops; every request reads its flag.
-    shutdown: FlaggedToken,
     /// Persisted delivery, when the runtime has a message storage.
     persisted: Option<Arc<PersistedDelivery>>,
     /// Every background task of the runtime; awaited at shutdown.
     tasks: TaskTracker,
-    /// The shard locks and registration of a single runner, released at shutdown.
-    locks: OnceLock<Arc<HeldLocks>>,
-    /// Membership, shard locks and handoff, when several runners share the storage.
-    cluster: Option<Arc<Member>>,
+    /// The shards served here: by a cluster member, a single runner's locks, or all of them.
+    shards: Arc<Shards>,
+    /// Requests to the entities of this runner.
+    local: Arc<LocalDelivery>,
     singletons: Arc<Singletons>,
     cron_jobs: CronJobs,
-    /// The runner-to-runner transport, for volatile requests to other runners.
-    transport: Option<Arc<dyn Transport>>,
-    /// Volatile requests of remote callers running here.
-    remote_calls: RemoteCalls,
+    /// Routing of volatile requests, and the server side of the transport.
+    remote: Arc<Remote>,
     /// Services attached to the runtime by the layers built on it (see
     /// [`Sharding::insert_extension`]).
     extensions: Mutex<BTreeMap<std::any::TypeId, Arc<dyn std::any::Any + Send + Sync>>>,
@@ -278,30 +272,55 @@ impl Sharding {
         let runners = usize::from(config.runner_address.is_some());
         metrics::set(metrics::RUNNERS, runners);
         metrics::set(metrics::RUNNERS_HEALTHY, runners);
-        let shutdown = FlaggedToken::default();
         let tasks = TaskTracker::new();
+        let all = all_shards(&config.shard_groups().assigned, config.shards_per_group);
+        let shards = Arc::new(Shards::new(config.runner_address.is_some(), cluster, all));
+        let shutdown = shards.shutdown().token();
+        let managers = Arc::new(Managers::default());
+        let local = Arc::new(LocalDelivery::new(
+            Arc::clone(&managers),
+            Arc::clone(&shards),
+            Arc::clone(&ids),
+            config.entity_registration_timeout,
+            shutdown.clone(),
+        ));
+        let remote = Arc::new(Remote::new(RemoteParts {
+            config: ShardingConfigView {
+                runner_address: config.runner_address.clone(),
+                shard_lock_expiration: config.shard_lock_expiration,
+                send_retry_interval: config.send_retry_interval,
+            },
+            transport,
+            shards: Arc::clone(&shards),
+            local: Arc::clone(&local),
+            managers: Arc::clone(&managers),
+            ids: Arc::clone(&ids),
+            read_latch: persisted
+                .as_ref()
+                .map(|persisted| Arc::clone(persisted.read_latch()))
+                .unwrap_or_default(),
+            tasks: tasks.clone(),
+        }));
         let singletons = Arc::new(Singletons::new(
             config.entity_termination_timeout,
             tasks.clone(),
-            shutdown.token().clone(),
+            shutdown.clone(),
         ));
         Ok(Sharding {
             inner: Arc::new(Inner {
                 config,
                 clock,
                 ids,
-                managers: Arc::default(),
+                managers,
                 events: broadcast::channel(REGISTRATION_EVENTS_MAX).0,
                 residency,
-                shutdown,
                 persisted,
                 tasks,
-                locks: OnceLock::new(),
-                cluster,
+                shards,
+                local,
                 singletons,
                 cron_jobs: CronJobs::default(),
-                transport,
-                remote_calls: RemoteCalls::default(),
+                remote,
                 extensions: Mutex::new(BTreeMap::new()),
             }),
         })
@@ -574,7 +593,7 @@ impl Sharding {
 
     /// Whether [`shutdown`](Sharding::shutdown) was called.
     pub fn is_shutdown(&self) -> bool {
-        self.inner.shutdown.is_cancelled()
+        self.inner.shards.shutdown().is_cancelled()
     }
 
     /// Stops the runner: new requests fail with `EntityNotAssignedToRunner`, the ones already
@@ -584,8 +603,8 @@ impl Sharding {
     /// local callers still waiting for a persisted reply fail with
     /// [`ClusterError::Abandoned`]. Idempotent.
     pub async fn shutdown(&self) {
-        self.inner.shutdown.cancel();
-        if let Some(cluster) = &self.inner.cluster {
+        self.inner.shards.shutdown().cancel();
+        if let Some(cluster) = self.cluster() {
             // Requests waiting for a shard's lock stop waiting.
             cluster.shutting_down();
         }
@@ -604,7 +623,7 @@ impl Sharding {
         );
         futures_util::future::join(entities, self.stop_singletons_in(None)).await;
         // The entities have stopped: the shards go to other runners at once.
-        if let Some(cluster) = &self.inner.cluster {
+        if let Some(cluster) = self.cluster() {
             cluster.hand_off(self).await;
         }
         self.inner.tasks.close();
@@ -614,7 +633,7 @@ impl Sharding {
             persisted.abandon_waiters();
         }
         // The entities have stopped: the shards can go to the next runner.
-        if let Some(locks) = self.inner.locks.get() {
+        if let Some(locks) = self.held_locks() {
             locks.release().await;
         }
     }
@@ -622,60 +641,18 @@ impl Sharding {
     /// The shards this runner holds the lock of and runs (every shard of its groups for a
     /// single runner; none for a client).
     pub fn acquired_shards(&self) -> Vec<ShardId> {
-        match self.cluster() {
-            Some(cluster) => cluster.acquired(),
-            None if self.is_runner() && !self.is_shutdown() => {
-                if let Some(served) = self.held_locks().and_then(|locks| locks.served()) {
-                    return served;
-                }
-                let config = self.config();
-                all_shards(&config.shard_groups().assigned, config.shards_per_group)
-            }
-            None => Vec::new(),
-        }
+        self.inner.shards.acquired()
     }
 
-    /// Whether this runner serves requests of `shard` now.
-    ///
-    /// It does when it holds the shard's lock and is not shutting down.
-    /// A single runner holds every lock.
+    /// Whether this runner serves requests of `shard` now (see [`Shards::serves`]).
     pub(crate) fn serves(&self, shard: &ShardId) -> bool {
-        if self.is_shutdown() || !self.is_runner() {
-            return false;
-        }
-        match self.cluster() {
-            Some(cluster) => cluster.is_acquired(shard),
-            None => self.held_locks().is_none_or(|locks| locks.serves(shard)),
-        }
+        self.inner.shards.serves(shard)
     }
 
-    /// Waits while `shard` is assigned to this runner but its lock is not taken yet, then
-    /// tells whether this runner serves it.
-    ///
-    /// The previous owner is still draining the shard (`effect/src/cluster/Sharding.ts`).
-    /// The wait lasts at most `shard_lock_expiration`.
-    pub(crate) async fn await_shard(&self, shard: &ShardId) -> bool {
-        if let Some(cluster) = self.cluster() {
-            cluster.await_lock(shard, || self.is_shutdown()).await;
-        }
-        self.serves(shard)
-    }
-
-    /// Whether this runner may store the final reply of a request of `shard`
-    /// (`effect/src/cluster/Sharding.ts`, effect 4.1.0).
-    ///
-    /// - A cluster member confirms the shard's lock with a refresh (see `Member::confirm_lock`).
-    /// - A single runner confirms from its leases' last refresh (`single_runner`).
-    /// - A runtime without shard locks may always store.
+    /// Whether this runner may store the final reply of a request of `shard` (see
+    /// [`Shards::confirm`]).
     pub(crate) async fn confirm_shard_lock(&self, shard: &ShardId) -> bool {
-        if let Some(cluster) = self.cluster() {
-            return cluster.confirm_lock(shard).await;
-        }
-        let confirmed = self.held_locks().is_none_or(|locks| locks.confirms(shard));
-        if !confirmed {
-            tracing::warn!(%shard, "shard lock not confirmed: the final reply is left for the next owner");
-        }
-        confirmed
+        self.inner.shards.confirm(shard).await
     }
 
     /// Stamps new ids with the machine id the runner registry gave this runner.
@@ -683,17 +660,14 @@ impl Sharding {
         self.inner.ids.set_machine_id(machine_id);
     }
 
-    /// Keeps `locks`: the shards are served while they confirm them, and released at
-    /// shutdown. Set once, by a single runner's start (`ShardingBuilder::single_runner`).
+    /// Keeps a single runner's `locks` (see [`Shards::hold_locks`]).
     pub(crate) fn hold_locks(&self, locks: Arc<HeldLocks>) {
-        if self.inner.locks.set(locks).is_err() {
-            tracing::error!("a single runner's locks were set twice; the first are kept");
-        }
+        self.inner.shards.hold_locks(locks);
     }
 
     /// The shard locks of a single runner, if it holds them in a runner storage.
     pub(crate) fn held_locks(&self) -> Option<&Arc<HeldLocks>> {
-        self.inner.locks.get()
+        self.inner.shards.held_locks()
     }
 
     /// The registrations made on this runner from now on. A subscriber that falls more than 64
@@ -733,14 +707,39 @@ impl Sharding {
         }
     }
 
-    /// The runner-to-runner transport, if any.
-    pub(crate) fn transport(&self) -> Option<&Arc<dyn Transport>> {
-        self.inner.transport.as_ref()
+    /// Sends a volatile request to its entity, wherever it lives, and waits for its exit
+    /// (see [`Remote::send`]).
+    pub(crate) async fn send_volatile(
+        &self,
+        request: Request,
+        uninterruptible: bool,
+    ) -> Result<Exit, ClusterError> {
+        self.inner.remote.send(request, uninterruptible).await
     }
 
-    /// Volatile requests of remote callers running here.
-    pub(crate) fn remote_calls(&self) -> &RemoteCalls {
-        &self.inner.remote_calls
+    /// Delivers a volatile request without waiting for its exit (a discarded call).
+    pub(crate) async fn notify_volatile(&self, request: Request) -> Result<(), ClusterError> {
+        self.inner.remote.notify(request).await
+    }
+
+    /// Sends a volatile streaming request to its entity, wherever it lives.
+    pub(crate) async fn stream_volatile(
+        &self,
+        request: Request,
+    ) -> Result<StreamCall, ClusterError> {
+        self.inner.remote.stream(request).await
+    }
+
+    /// A message for `shard` was stored: whoever reads that shard looks at once (see
+    /// [`Remote::wake_reader`]).
+    pub(crate) fn wake_reader(&self, shard: &ShardId, envelope: impl FnOnce() -> Envelope) {
+        self.inner.remote.wake_reader(shard, envelope);
+    }
+
+    /// What a transport calls when a peer's request arrives (the reference's `RunnerServer`).
+    /// It does not keep the runtime alive.
+    pub fn runner_handler(&self) -> Arc<dyn RunnerHandler> {
+        self.inner.remote.handler()
     }
 
     /// A handle that does not keep the runtime alive.
@@ -760,7 +759,7 @@ impl Sharding {
 
     /// The cluster side, when several runners share the storage.
     pub(crate) fn cluster(&self) -> Option<&Arc<Member>> {
-        self.inner.cluster.as_ref()
+        self.inner.shards.member()
     }
 
     pub(crate) fn persisted(&self) -> Option<&Arc<PersistedDelivery>> {
@@ -798,7 +797,7 @@ impl Sharding {
     }
 
     pub(crate) fn shutdown_token(&self) -> &CancellationToken {
-        self.inner.shutdown.token()
+        self.inner.shards.shutdown().token()
     }
 
     /// Runs `task` as a background task of the runtime, awaited at shutdown.
@@ -814,49 +813,6 @@ impl Sharding {
     /// A fresh id.
     pub(crate) fn next_id(&self) -> Snowflake {
         self.inner.ids.next()
-    }
-
-    /// Delivers a volatile request to the local entity and waits for its exit. Dropping the
-    /// returned future interrupts the request, unless `uninterruptible`.
-    pub(crate) async fn send_local(
-        &self,
-        request: Request,
-        uninterruptible: bool,
-    ) -> Result<Exit, ClusterError> {
-        let (delivery, call) = LocalCall::new(request);
-        self.deliver(delivery).await?;
-        call.exit(uninterruptible).await
-    }
-
-    /// Delivers a volatile streaming request to the local entity; returns its replies (chunks,
-    /// then the final reply) and where the caller's acknowledgements go.
-    pub(crate) async fn stream_local(
-        &self,
-        request: Request,
-    ) -> Result<(mpsc::Receiver<Reply>, mpsc::Sender<Snowflake>, InterruptSignal), ClusterError>
-    {
-        let address = request.address.clone();
-        if !self.await_shard(&address.shard_id).await {
-            return Err(ClusterError::EntityNotAssignedToRunner { address });
-        }
-        // One chunk in flight at a time (the handler waits for its acknowledgement), plus the
-        // final reply.
-        let (replies, replied) = mpsc::channel(STREAM_BUFFER);
-        let (acked, acks) = mpsc::channel(STREAM_BUFFER);
-        let cancellation = InterruptSignal::new();
-        let manager = match self.manager_for(&address).await {
-            Ok(manager) => manager,
-            Err(defect) => {
-                let with_exit =
-                    WithExit { request_id: request.request_id, id: self.next_id(), exit: defect };
-                let _ = replies.send(Reply::WithExit(with_exit)).await;
-                return Ok((replied, acked, cancellation));
-            }
-        };
-        let stream = StreamReplies { replies, acks, last_sent: None };
-        let delivery = Delivery::volatile(request, cancellation.clone(), ReplyTo::Stream(stream));
-        manager.deliver(delivery, self)?;
-        Ok((replied, acked, cancellation))
     }
 
     /// What entity managers call to make the context of a new instance: a weak handle, so
@@ -929,56 +885,12 @@ impl Sharding {
 
     /// Delivers a volatile request without waiting for its exit (a discarded call).
     pub(crate) async fn notify_local(&self, request: Request) -> Result<(), ClusterError> {
-        let (reply, _ignored) = oneshot::channel();
-        self.deliver(Delivery::volatile(request, InterruptSignal::new(), ReplyTo::Exit(reply)))
-            .await
-    }
-
-    /// Delivers a volatile request to the local entity, waiting (boxed, rare) for its shard's
-    /// lock or its type's registration.
-    pub(crate) async fn deliver(&self, delivery: Box<Delivery>) -> Result<(), ClusterError> {
-        // The common case (a held shard, a registered type) reads no clock and waits for
-        // nothing; the waits are boxed so that they do not grow every call's future.
-        let shard = &delivery.request.address.shard_id;
-        if !self.serves(shard) && !Box::pin(self.await_shard(shard)).await {
-            let address = delivery.request.address.clone();
-            return Err(ClusterError::EntityNotAssignedToRunner { address });
-        }
-        let delivery = match self.deliver_registered(delivery) {
-            Ok(delivered) => return delivered,
-            Err(unregistered) => unregistered,
-        };
-        match Box::pin(self.manager_for(&delivery.request.address)).await {
-            Ok(manager) => Ok(manager.deliver(delivery, self)?),
-            Err(defect) => {
-                // The caller gets the defect as the request's exit.
-                if let ReplyTo::Exit(reply) = delivery.reply {
-                    let _ = reply.send(defect);
-                }
-                Ok(())
-            }
-        }
+        self.inner.local.notify(request).await
     }
 
     /// The entity managers of this runner.
     pub(crate) fn managers(&self) -> &Arc<Managers> {
         &self.inner.managers
-    }
-
-    /// The manager of `address`'s type, waiting up to the registration timeout for an entity
-    /// type that is not registered yet (its layer may still be starting); then a defect.
-    async fn manager_for(&self, address: &EntityAddress) -> Result<Arc<dyn ErasedManager>, Exit> {
-        let timeout = self.inner.config.entity_registration_timeout;
-        self.inner.managers.wait_for(address, timeout, self.inner.shutdown.token()).await
-    }
-
-    /// Hands `delivery` to the manager of its entity type, without waiting: `Err` gives it
-    /// back when the type is not registered (yet).
-    pub(crate) fn deliver_registered(
-        &self,
-        delivery: Box<Delivery>,
-    ) -> Result<Result<(), ClusterError>, Box<Delivery>> {
-        self.inner.managers.deliver(delivery, self)
     }
 }
 
@@ -1053,40 +965,6 @@ impl Serving for Sharding {
         Sharding::serves(self, shard)
     }
 }
-
-/// A volatile unary request about to be handed to a local entity, and how its exit comes back.
-pub(crate) struct LocalCall {
-    exit: oneshot::Receiver<Exit>,
-    interrupt: InterruptSignal,
-    /// For the error of an instance that went away without answering.
-    address: EntityAddress,
-}
-
-impl LocalCall {
-    /// The delivery of `request` and the call that waits for its exit.
-    pub(crate) fn new(request: Request) -> (Box<Delivery>, LocalCall) {
-        let (reply, exit) = oneshot::channel();
-        let interrupt = InterruptSignal::new();
-        let address = request.address.clone();
-        let delivery = Delivery::volatile(request, interrupt.clone(), ReplyTo::Exit(reply));
-        (delivery, LocalCall { exit, interrupt, address })
-    }
-
-    /// Waits for the exit of the delivered request. Dropping the future interrupts the
-    /// request, unless `uninterruptible`; an instance that went away without answering (the
-    /// runner stopped) is `EntityNotAssignedToRunner`.
-    pub(crate) async fn exit(self, uninterruptible: bool) -> Result<Exit, ClusterError> {
-        let LocalCall { exit, interrupt, address } = self;
-        // Dropped before the exit arrives (the caller went away): interrupt the request.
-        let interrupt_on_drop = (!uninterruptible).then(|| interrupt.drop_guard());
-        let exit = exit.await.map_err(|_| ClusterError::EntityNotAssignedToRunner { address });
-        if let Some(guard) = interrupt_on_drop {
-            guard.disarm();
-        }
-        exit
-    }
-}
-
 #[cfg(test)]
 mod machine_id_tests {
     use super::*;

@@ -61,7 +61,7 @@ async fn a_request_id_already_in_the_mailbox_is_refused_until_it_is_answered() {
     let first = tokio::spawn({
         let sharding = sharding.clone();
         let request = request.clone();
-        async move { sharding.send_local(request, false).await }
+        async move { sharding.send_volatile(request, false).await }
     });
     tokio::time::sleep(Duration::from_millis(10)).await;
     // Running: the same id is refused, typed.
@@ -77,7 +77,7 @@ async fn a_request_id_already_in_the_mailbox_is_refused_until_it_is_answered() {
     tokio::time::sleep(Duration::from_millis(10)).await;
     let again = tokio::spawn({
         let sharding = sharding.clone();
-        async move { sharding.send_local(request, false).await }
+        async move { sharding.send_volatile(request, false).await }
     });
     tokio::time::sleep(Duration::from_millis(10)).await;
     opener().notify_one();
