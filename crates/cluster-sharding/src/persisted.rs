@@ -27,7 +27,7 @@
 //!   (`tracked`).
 //!   The read loop, direct delivery and a re-run each skip a request claimed here.
 //! - **Fencing.** A handler's final reply is stored only once the shard's lock is confirmed
-//!   (`Sharding::confirm_shard_lock`).
+//!   (`Shards::confirm`).
 //!   Otherwise the reply is not stored, the claim is released, and the shard's next owner runs
 //!   the request.
 //! - **Drained releases.** A shard's release waits until the requests taken up in it are
@@ -50,14 +50,22 @@ use cluster_core::storage::{
     MessageStorage, SaveRequestOptions, SaveResult, UnprocessedMessage, UnprocessedOptions,
 };
 use cluster_core::sync::lock;
-use cluster_core::{ClusterError, EntityAddress, EntityType, ShardId, Snowflake};
+use cluster_core::{
+    Clock, ClusterError, EntityAddress, EntityType, ShardId, ShardingConfig, Snowflake,
+};
 use tokio::sync::{Notify, mpsc, oneshot};
 use tokio::time::Instant;
+use tokio_util::task::TaskTracker;
 
 use crate::delivery::{Delivery, PendingTransaction, ReadLatch, Refused, ReplyTo, StreamReplies};
+use crate::entity::Ids;
 use crate::entity::malformed;
 use crate::interrupt::InterruptSignal;
-use crate::sharding::Sharding;
+use crate::local::STREAM_BUFFER;
+use crate::manager::Residency;
+use crate::registry::Managers;
+use crate::remote::Remote;
+use crate::shards::Shards;
 
 mod direct;
 mod tracked;
@@ -69,9 +77,22 @@ const SAVE_REPLY_ATTEMPTS: u32 = 4;
 /// The pause between those attempts (the reference's 200 ms).
 const SAVE_REPLY_SPACING: Duration = Duration::from_millis(200);
 
-/// The persisted side of a [`Sharding`] runtime.
+/// Persisted delivery: what a runtime with a message storage saves, reads, delivers and
+/// answers. It works with the parts of the runtime it is given ([`PersistedParts`]).
 pub(crate) struct PersistedDelivery {
     pub(crate) storage: Arc<dyn MessageStorage>,
+    /// The settings it reads: poll intervals, the batch size, the registration timeout.
+    config: ShardingConfig,
+    clock: Arc<dyn Clock>,
+    ids: Arc<Ids>,
+    /// The shards this runtime serves: delivery, fencing and shutdown.
+    serving: Arc<Shards>,
+    /// Tells a stored message's owner to read it.
+    remote: Arc<Remote>,
+    managers: Arc<Managers>,
+    residency: Arc<Residency>,
+    /// The runtime's tasks: the outcome writers, the interrupt writers, the loops.
+    tasks: TaskTracker,
     /// The shards this runner reads (every shard of its groups: one runner owns them all).
     shards: Vec<ShardId>,
     waiters: Mutex<ReplyHandlers<Waiter>>,
@@ -191,13 +212,52 @@ impl ReplyWaiter for Waiter {
 /// to this process.
 type Answer = Result<Reply, UnregisterMode>;
 
+/// What persisted delivery starts from.
+pub(crate) struct PersistedParts {
+    pub(crate) storage: Arc<dyn MessageStorage>,
+    /// The shards the read loop reads when no lock says otherwise (every shard of the groups
+    /// of a runner on a storage of its own; none otherwise).
+    pub(crate) shards: Vec<ShardId>,
+    pub(crate) config: ShardingConfig,
+    pub(crate) clock: Arc<dyn Clock>,
+    pub(crate) ids: Arc<Ids>,
+    pub(crate) serving: Arc<Shards>,
+    pub(crate) remote: Arc<Remote>,
+    pub(crate) managers: Arc<Managers>,
+    pub(crate) residency: Arc<Residency>,
+    pub(crate) read_latch: Arc<ReadLatch>,
+    pub(crate) tasks: TaskTracker,
+}
+
 impl PersistedDelivery {
-    pub(crate) fn new(storage: Arc<dyn MessageStorage>, shards: Vec<ShardId>) -> PersistedDelivery {
-        PersistedDelivery {
+    /// Persisted delivery from `parts`; its loops start with [`PersistedDelivery::start`].
+    pub(crate) fn new(parts: PersistedParts) -> PersistedDelivery {
+        let PersistedParts {
             storage,
             shards,
+            config,
+            clock,
+            ids,
+            serving,
+            remote,
+            managers,
+            residency,
+            read_latch,
+            tasks,
+        } = parts;
+        PersistedDelivery {
+            storage,
+            config,
+            clock,
+            ids,
+            serving,
+            remote,
+            managers,
+            residency,
+            tasks,
+            shards,
             waiters: Mutex::new(ReplyHandlers::new()),
-            read_latch: Arc::default(),
+            read_latch,
             tracked: Mutex::new(tracked::Tracked::default()),
             reservation_ended: Notify::new(),
             reply_waiters: Notify::new(),
@@ -205,6 +265,59 @@ impl PersistedDelivery {
             write_ended: Notify::new(),
             direct: Mutex::new(direct::Direct::default()),
         }
+    }
+
+    /// Starts the reply poller and, for a runner, the storage read loop, on the runtime's
+    /// tasks.
+    pub(crate) fn start(self: &Arc<PersistedDelivery>, runner: bool) {
+        self.tasks.spawn(Arc::clone(self).poll_replies());
+        if runner {
+            self.tasks.spawn(Arc::clone(self).read_storage());
+        }
+    }
+
+    fn config(&self) -> &ShardingConfig {
+        &self.config
+    }
+
+    fn clock(&self) -> &Arc<dyn Clock> {
+        &self.clock
+    }
+
+    fn next_id(&self) -> Snowflake {
+        self.ids.next()
+    }
+
+    fn managers(&self) -> &Managers {
+        &self.managers
+    }
+
+    fn residency(&self) -> &Residency {
+        &self.residency
+    }
+
+    fn serves(&self, shard: &ShardId) -> bool {
+        self.serving.serves(shard)
+    }
+
+    async fn confirm_shard_lock(&self, shard: &ShardId) -> bool {
+        self.serving.confirm(shard).await
+    }
+
+    fn is_shutdown(&self) -> bool {
+        self.serving.shutdown().is_cancelled()
+    }
+
+    fn shutdown_token(&self) -> &tokio_util::sync::CancellationToken {
+        self.serving.shutdown().token()
+    }
+
+    fn spawn_owned(&self, task: impl Future<Output = ()> + Send + 'static) {
+        self.tasks.spawn(task);
+    }
+
+    fn wake_reader(&self, shard: &ShardId, envelope: impl FnOnce() -> Envelope) {
+        self.remote.wake_reader(shard, envelope);
     }
 
     /// Marks a request of `shard` as taken up and not settled until the guard drops.
@@ -296,7 +409,7 @@ impl PersistedDelivery {
 /// A persisted stream as its caller sees it: the replies channel, the registration that feeds
 /// it, and the acknowledgements that go to storage.
 pub(crate) struct PersistedStream {
-    sharding: Sharding,
+    persisted: Arc<PersistedDelivery>,
     address: EntityAddress,
     request_id: Snowflake,
     pub(crate) replies: mpsc::Receiver<Reply>,
@@ -308,21 +421,21 @@ pub(crate) struct PersistedStream {
 impl PersistedStream {
     /// Stores the acknowledgement of chunk `reply_id`, which lets the handler send the next.
     pub(crate) async fn ack(&self, reply_id: Snowflake) -> Result<(), ClusterError> {
-        let Some(persisted) = self.sharding.persisted() else { return Ok(()) };
+        let persisted = &self.persisted;
         let ack = cluster_core::envelope::AckChunk {
-            id: self.sharding.next_id(),
+            id: self.persisted.next_id(),
             address: self.address.clone(),
             request_id: self.request_id,
             reply_id,
         };
         persisted.storage.save_ack_chunk(&ack).await?;
-        if self.sharding.is_shutdown() {
+        if self.persisted.is_shutdown() {
             // Stored for the next owner, which resumes the stream after this chunk.
             // This consumer gets no further chunk here.
             // This is the reference's abandoned AckChunk (`effect/src/cluster/Sharding.ts`).
             return Err(ClusterError::EntityNotAssignedToRunner { address: self.address.clone() });
         }
-        self.sharding.wake_reader(&self.address.shard_id, || Envelope::AckChunk(ack));
+        self.persisted.wake_reader(&self.address.shard_id, || Envelope::AckChunk(ack));
         Ok(())
     }
 
@@ -332,7 +445,7 @@ impl PersistedStream {
     ///   next owner.
     /// - `None`: an interruption.
     pub(crate) fn ended_early(&self) -> Option<ClusterError> {
-        self.sharding.is_shutdown().then(|| ClusterError::Abandoned {
+        self.persisted.is_shutdown().then(|| ClusterError::Abandoned {
             address: self.address.clone(),
             request_id: self.request_id,
         })
@@ -340,7 +453,7 @@ impl PersistedStream {
 
     /// The stream ended: nothing to interrupt any more.
     pub(crate) fn finish(&mut self) {
-        self.interrupt.sharding = None;
+        self.interrupt.persisted = None;
     }
 }
 
@@ -361,48 +474,40 @@ impl Drop for OwnedRegistration {
 
 /// Sends an interrupt for a persisted request whose caller went away, unless disarmed.
 struct InterruptOnDrop {
-    sharding: Option<Sharding>,
+    persisted: Option<Arc<PersistedDelivery>>,
     address: EntityAddress,
     request_id: Snowflake,
 }
 
 impl Drop for InterruptOnDrop {
     fn drop(&mut self) {
-        let Some(sharding) = self.sharding.take() else { return };
-        if sharding.is_shutdown() {
+        let Some(persisted) = self.persisted.take() else { return };
+        if persisted.is_shutdown() {
             // The request stays stored for the next run.
             // An interrupt saved now would cut it off there.
             // (effect's `Sharding.test.ts`: no interrupts for durable messages at shutdown.)
             return;
         }
         let interrupt = Interrupt {
-            id: sharding.next_id(),
+            id: persisted.next_id(),
             address: self.address.clone(),
             request_id: self.request_id,
         };
-        let owner = sharding.clone();
+        let owner = Arc::clone(&persisted);
         owner.spawn_owned(async move {
             let request_id = interrupt.request_id;
-            if let Err(error) = sharding.store_interrupt(interrupt).await {
+            if let Err(error) = persisted.store_interrupt(interrupt).await {
                 tracing::warn!(%error, %request_id, "could not store an interrupt");
             }
         });
     }
 }
 
-impl Sharding {
-    /// Interrupts the persisted request `request_id` of the entity at `address`, wherever it
-    /// runs.
-    ///
-    /// The interrupt is stored, and the owner's storage reader is woken (the reference's
-    /// `Envelope.Interrupt`).
-    /// A request that is not running is not affected.
-    ///
-    /// # Errors
-    ///
-    /// The interrupt could not be stored, or the runtime has no storage.
-    pub async fn interrupt_request(
-        &self,
+impl PersistedDelivery {
+    /// Stores an interrupt for the persisted request `request_id` of the entity at `address`,
+    /// and wakes the owner's storage reader (see `Sharding::interrupt_request`).
+    pub(crate) async fn interrupt_request(
+        self: &Arc<Self>,
         address: &EntityAddress,
         request_id: Snowflake,
     ) -> Result<(), ClusterError> {
@@ -410,36 +515,33 @@ impl Sharding {
         self.store_interrupt(interrupt).await
     }
 
-    async fn store_interrupt(&self, interrupt: Interrupt) -> Result<(), ClusterError> {
-        let persisted = self.persisted().ok_or_else(|| not_stored(&interrupt.address))?;
-        persisted.storage.save_interrupt(&interrupt).await?;
+    async fn store_interrupt(self: &Arc<Self>, interrupt: Interrupt) -> Result<(), ClusterError> {
+        self.storage.save_interrupt(&interrupt).await?;
         let shard = interrupt.address.shard_id.clone();
         self.wake_reader(&shard, || Envelope::Interrupt(interrupt));
         Ok(())
     }
 }
 
-impl Sharding {
+impl PersistedDelivery {
     /// Saves a persisted request and waits for its final reply's exit.
     ///
     /// Dropping the returned future stores an interrupt for the request, unless
     /// `uninterruptible`.
     /// The request itself stays stored.
     pub(crate) async fn send_persisted(
-        &self,
+        self: &Arc<Self>,
         request: Request,
         options: SaveRequestOptions,
         uninterruptible: bool,
     ) -> Result<Exit, ClusterError> {
-        let persisted = self.persisted().ok_or_else(|| not_stored(&request.address))?;
         let (reply, mut replied) = oneshot::channel();
         // Registered before the save, so a reply saved right after it is not missed.
-        let mut registration =
-            persisted.register(request.request_id, &request.address.shard_id, reply);
-        let direct = self.plan_direct(persisted, &request, &options);
-        let (saved, earlier) = self.save(persisted, &request, &options, direct.is_some()).await;
+        let mut registration = self.register(request.request_id, &request.address.shard_id, reply);
+        let direct = self.plan_direct(&request, &options);
+        let (saved, earlier) = self.save(&request, &options, direct.is_some()).await;
         if !matches!(saved, Ok(SaveResult::Success)) {
-            persisted.unhold(&request.address, request.request_id);
+            self.unhold(&request.address, request.request_id);
         }
         let waited_id = match saved? {
             SaveResult::Success => request.request_id,
@@ -450,7 +552,7 @@ impl Sharding {
             }
             SaveResult::Duplicate { original_id, .. } => {
                 let (reply, duplicate_replied) = oneshot::channel();
-                registration = persisted.register(original_id, &request.address.shard_id, reply);
+                registration = self.register(original_id, &request.address.shard_id, reply);
                 replied = duplicate_replied;
                 original_id
             }
@@ -458,7 +560,7 @@ impl Sharding {
         if let Some(reservation) = direct.filter(|_| waited_id == request.request_id) {
             // Boxed: its future would otherwise be inside this one, which the caller moves at
             // each await.
-            Box::pin(self.deliver_directly(persisted, request.clone(), reservation, earlier)).await;
+            Box::pin(self.deliver_directly(request.clone(), reservation, earlier)).await;
         } else {
             self.wake_reader(&request.address.shard_id, || Envelope::Request(request.clone()));
         }
@@ -473,15 +575,15 @@ impl Sharding {
             });
         }
         let mut interrupt = InterruptOnDrop {
-            sharding: (!uninterruptible).then(|| self.clone()),
+            persisted: (!uninterruptible).then(|| Arc::clone(self)),
             address: request.address.clone(),
             request_id: waited_id,
         };
         // A shard that moves or a fenced reply keeps the wait going.
         // The reply poller reads the next owner's reply.
         // Only shutdown ends the wait without a reply.
-        let exit = self.await_reply(persisted, &request.address, waited_id, &mut replied).await;
-        interrupt.sharding = None;
+        let exit = self.await_reply(&request.address, waited_id, &mut replied).await;
+        interrupt.persisted = None;
         drop(registration);
         exit
     }
@@ -489,23 +591,19 @@ impl Sharding {
     /// Saves a persisted streaming request; its chunks and final reply arrive on the returned
     /// stream's channel.
     pub(crate) async fn stream_persisted(
-        &self,
+        self: &Arc<Self>,
         request: Request,
         options: SaveRequestOptions,
     ) -> Result<PersistedStream, ClusterError> {
-        let persisted = Arc::clone(self.persisted().ok_or_else(|| not_stored(&request.address))?);
         let (sender, replies) = mpsc::channel(STREAM_BUFFER);
         let shard_id = &request.address.shard_id;
         let mut registration =
-            persisted.register_waiter(request.request_id, shard_id, Waiter::stream(sender.clone()));
-        let request_id = match persisted.storage.save_request(&request, &options).await? {
+            self.register_waiter(request.request_id, shard_id, Waiter::stream(sender.clone()));
+        let request_id = match self.storage.save_request(&request, &options).await? {
             SaveResult::Success => request.request_id,
             SaveResult::Duplicate { original_id, last_received_reply } => {
-                registration = persisted.register_waiter(
-                    original_id,
-                    shard_id,
-                    Waiter::stream(sender.clone()),
-                );
+                registration =
+                    self.register_waiter(original_id, shard_id, Waiter::stream(sender.clone()));
                 if let Some(reply) = last_received_reply {
                     let _ = sender.try_send(reply);
                 }
@@ -513,14 +611,14 @@ impl Sharding {
             }
         };
         self.wake_reader(&request.address.shard_id, || Envelope::Request(request.clone()));
-        persisted.reply_waiters.notify_one();
+        self.reply_waiters.notify_one();
         let interrupt = InterruptOnDrop {
-            sharding: Some(self.clone()),
+            persisted: Some(Arc::clone(self)),
             address: request.address.clone(),
             request_id,
         };
         Ok(PersistedStream {
-            sharding: self.clone(),
+            persisted: Arc::clone(self),
             address: request.address,
             request_id,
             replies,
@@ -531,20 +629,19 @@ impl Sharding {
 
     /// Saves a persisted request without waiting for its reply (a discarded call).
     pub(crate) async fn notify_persisted(
-        &self,
+        self: &Arc<Self>,
         request: Request,
         options: SaveRequestOptions,
     ) -> Result<(), ClusterError> {
-        let persisted = self.persisted().ok_or_else(|| not_stored(&request.address))?;
-        let direct = self.plan_direct(persisted, &request, &options);
-        let (saved, earlier) = self.save(persisted, &request, &options, direct.is_some()).await;
+        let direct = self.plan_direct(&request, &options);
+        let (saved, earlier) = self.save(&request, &options, direct.is_some()).await;
         if !matches!(saved, Ok(SaveResult::Success)) {
-            persisted.unhold(&request.address, request.request_id);
+            self.unhold(&request.address, request.request_id);
         }
         // The save's error first: a request that was not stored must not look sent.
         let saved = saved?;
         if let Some(reservation) = direct.filter(|_| matches!(saved, SaveResult::Success)) {
-            Box::pin(self.deliver_directly(persisted, request, reservation, earlier)).await;
+            Box::pin(self.deliver_directly(request, reservation, earlier)).await;
         } else {
             self.wake_reader(&request.address.shard_id, || Envelope::Request(request.clone()));
         }
@@ -552,14 +649,13 @@ impl Sharding {
     }
 
     async fn await_reply(
-        &self,
-        persisted: &PersistedDelivery,
+        self: &Arc<Self>,
         address: &EntityAddress,
         request_id: Snowflake,
         replied: &mut oneshot::Receiver<Answer>,
     ) -> Result<Exit, ClusterError> {
         // Woken by a reply saved in this process, or by the reply poller.
-        persisted.reply_waiters.notify_one();
+        self.reply_waiters.notify_one();
         match replied.await {
             Ok(Ok(Reply::WithExit(with_exit))) => Ok(with_exit.exit),
             // This process stops: the request stays stored for the next owner.
@@ -577,13 +673,13 @@ impl Sharding {
     /// It reads them all in one query, every `entity_reply_poll_interval` while anyone waits.
     /// It finds the replies that another process saved, or that this process saved before a
     /// restart.
-    pub(crate) async fn poll_replies(self, persisted: Arc<PersistedDelivery>) {
+    pub(crate) async fn poll_replies(self: Arc<Self>) {
         let interval = self.config().entity_reply_poll_interval;
         loop {
-            let waiting: Vec<Snowflake> = lock(&persisted.waiters).waiting().collect();
+            let waiting: Vec<Snowflake> = lock(&self.waiters).waiting().collect();
             if waiting.is_empty() {
                 tokio::select! {
-                    () = persisted.reply_waiters.notified() => continue,
+                    () = self.reply_waiters.notified() => continue,
                     () = self.shutdown_token().cancelled() => return,
                 }
             }
@@ -591,11 +687,11 @@ impl Sharding {
                 () = tokio::time::sleep(interval) => {}
                 () = self.shutdown_token().cancelled() => return,
             }
-            match persisted.storage.replies_for(&waiting).await {
+            match self.storage.replies_for(&waiting).await {
                 Ok(replies) => {
                     // Final replies and unacknowledged chunks: stream readers skip the chunks
                     // they already have.
-                    let mut waiters = lock(&persisted.waiters);
+                    let mut waiters = lock(&self.waiters);
                     for reply in &replies {
                         waiters.on_reply_saved(reply);
                     }
@@ -606,7 +702,7 @@ impl Sharding {
     }
 
     /// The storage read loop; runs until shutdown.
-    pub(crate) async fn read_storage(self, persisted: Arc<PersistedDelivery>) {
+    pub(crate) async fn read_storage(self: Arc<Self>) {
         let config = self.config().clone();
         let mut state = ReadState::default();
         loop {
@@ -621,7 +717,7 @@ impl Sharding {
             };
             let residency = self.residency();
             tokio::select! {
-                () = persisted.read_latch.woken() => {}
+                () = self.read_latch.woken() => {}
                 () = tokio::time::sleep(wait) => {}
                 () = residency.freed(), if state.capped => {}
                 () = self.shutdown_token().cancelled() => return,
@@ -629,9 +725,9 @@ impl Sharding {
             state.retry_soon = false;
             state.capped = false;
             // Drain a backlog at once, but never spin on a full batch of skipped messages.
-            while let Some(Read { full: true, delivered: true }) =
-                self.read_once(&persisted, &mut state).await
-            {}
+            while let Some(Read { full: true, delivered: true }) = self.read_once(&mut state).await
+            {
+            }
         }
     }
 
@@ -641,11 +737,7 @@ impl Sharding {
     ///   progressing.
     /// - Otherwise, every message of this runner's shards is read.
     /// - `None` means that the read failed.
-    async fn read_once(
-        &self,
-        persisted: &Arc<PersistedDelivery>,
-        state: &mut ReadState,
-    ) -> Option<Read> {
+    async fn read_once(self: &Arc<Self>, state: &mut ReadState) -> Option<Read> {
         let batch_size = self.config().unprocessed_message_batch_size;
         let residents;
         let addresses = if self.residency().is_full() {
@@ -659,20 +751,20 @@ impl Sharding {
         let options = UnprocessedOptions { limit: Some(batch_size), addresses };
         let now = self.clock().now();
         // A single runner reads every shard of its groups, unless it lost some of their locks.
-        let held = match self.cluster() {
+        let held = match self.serving.member() {
             Some(cluster) => Some(cluster.readable()),
-            None => self.held_locks().and_then(|locks| locks.served()),
+            None => self.serving.held_locks().and_then(|locks| locks.served()),
         };
         let shards = match &held {
             Some(held) if held.is_empty() => return Some(Read { full: false, delivered: false }),
             Some(held) => held.as_slice(),
-            None => &persisted.shards,
+            None => &self.shards,
         };
-        persisted.begin_read();
-        let batch = match persisted.storage.unprocessed_messages(shards, now, options).await {
+        self.begin_read();
+        let batch = match self.storage.unprocessed_messages(shards, now, options).await {
             Ok(batch) => batch,
             Err(error) => {
-                persisted.end_read();
+                self.end_read();
                 tracing::warn!(%error, "could not read unprocessed messages");
                 return None;
             }
@@ -681,7 +773,7 @@ impl Sharding {
         for malformed_row in &batch.malformed {
             let reply = self
                 .final_reply(malformed_row.request_id, malformed(&malformed_row.error.to_string()));
-            self.save_final_reply(persisted, reply, None).await;
+            self.save_final_reply(reply, None).await;
         }
         let mut delivered = false;
         let mut release = Vec::new();
@@ -696,22 +788,21 @@ impl Sharding {
             {
                 // An earlier request to this entity was not delivered: this one waits behind
                 // it, so that the entity sees them in order.
-                persisted.hold(address, *request_id);
+                self.hold(address, *request_id);
                 release.push(*request_id);
                 continue;
             }
-            let dispatched =
-                self.dispatch(persisted, message, &mut state.unregistered, Claiming::Read);
+            let dispatched = self.dispatch(message, &mut state.unregistered, Claiming::Read);
             if let Some((address, request_id)) = &request {
                 match dispatched {
                     Dispatched::Delivered
                     | Dispatched::Skipped
                     | Dispatched::Settled(_)
                     | Dispatched::Answer(_) => {
-                        persisted.unhold(address, *request_id);
+                        self.unhold(address, *request_id);
                     }
                     _ => {
-                        persisted.hold(address, *request_id);
+                        self.hold(address, *request_id);
                         refused.insert(address.clone());
                     }
                 }
@@ -730,16 +821,16 @@ impl Sharding {
                     state.capped = true;
                     release.push(id);
                 }
-                Dispatched::Answer(reply) => self.save_final_reply(persisted, reply, None).await,
+                Dispatched::Answer(reply) => self.save_final_reply(reply, None).await,
             }
         }
-        persisted.end_read();
+        self.end_read();
         // Held now: a cluster's shards may have moved during the read; a single runner's not.
-        let held_now = self.cluster().map(|cluster| cluster.readable());
-        persisted.caught_up(shards, held_now.as_deref().unwrap_or(shards), whole_shards && !full);
+        let held_now = self.serving.member().map(|cluster| cluster.readable());
+        self.caught_up(shards, held_now.as_deref().unwrap_or(shards), whole_shards && !full);
         state.unregistered.warn();
         if !release.is_empty()
-            && let Err(error) = persisted.storage.reset_requests(&release).await
+            && let Err(error) = self.storage.reset_requests(&release).await
         {
             tracing::debug!(%error, "could not release claims");
         }
@@ -757,8 +848,7 @@ impl Sharding {
     /// (A `WITH_TRANSACTION` request's transaction is begun by its instance, not here.)
     /// `claiming` says who dispatches (see [`Claiming`]).
     fn dispatch(
-        &self,
-        persisted: &Arc<PersistedDelivery>,
+        self: &Arc<Self>,
         message: UnprocessedMessage,
         unregistered: &mut Unregistered,
         claiming: Claiming,
@@ -766,7 +856,7 @@ impl Sharding {
         let request = match message.envelope {
             Envelope::Request(request) => request,
             envelope => {
-                persisted.forward(&envelope);
+                self.forward(&envelope);
                 return Dispatched::Skipped;
             }
         };
@@ -804,7 +894,7 @@ impl Sharding {
             (None, ReplyTo::Exit(reply), Outcome::Exit(exit))
         };
         let in_flight = InFlight::new(cancellation.clone(), Arc::clone(&started), acks);
-        let claim = match persisted.claim(request_id, in_flight, claiming) {
+        let claim = match self.claim(request_id, in_flight, claiming) {
             Ok(claim) => claim,
             // Already being processed (AlreadyProcessingMessage): its reply will complete it.
             Err(Busy::Running) => return Dispatched::Skipped,
@@ -813,14 +903,14 @@ impl Sharding {
         // Before the shard's check.
         // So a release that stops serving the shard after the check waits for this request's
         // outcome before it lets the lock go.
-        let write = persisted.begin_write(&shard);
+        let write = self.begin_write(&shard);
         if !self.serves(&shard) {
             // The shard was let go since the read: its next owner runs the request.
             return Dispatched::Release(request_id);
         }
         let transaction = manager
             .with_transaction(&request.tag, &request.payload)
-            .then(|| PendingTransaction::new(Arc::clone(&persisted.storage)));
+            .then(|| PendingTransaction::new(Arc::clone(&self.storage)));
         let rerun = manager.rerun_on_interrupt(&request.tag).then(|| request.clone());
         let delivery = Delivery {
             request,
@@ -829,13 +919,11 @@ impl Sharding {
             transaction: transaction.clone(),
             started: Some(started),
         };
-        match manager.deliver(Box::new(delivery), self) {
+        match manager.deliver(Box::new(delivery), &*self.serving) {
             Ok(()) => {
                 claim.keep();
-                let sharding = self.clone();
-                let persisted = Arc::clone(persisted);
                 let sent = Sent { request_id, shard, outcome, transaction, rerun, write };
-                self.spawn_owned(sharding.store_outcome(persisted, sent));
+                self.spawn_owned(Arc::clone(self).store_outcome(sent));
                 Dispatched::Delivered
             }
             Err(refused) => {
@@ -855,11 +943,7 @@ impl Sharding {
     ///
     /// A request interrupted by shutdown, or whose entity went away, is left stored for the
     /// next run.
-    fn store_outcome(
-        self,
-        persisted: Arc<PersistedDelivery>,
-        sent: Sent,
-    ) -> BoxFuture<'static, ()> {
+    fn store_outcome(self: Arc<Self>, sent: Sent) -> BoxFuture<'static, ()> {
         // Boxed: a re-run dispatches again, which spawns another `store_outcome`.
         Box::pin(async move {
             let Sent { request_id, shard, outcome, transaction, rerun, write } = sent;
@@ -869,7 +953,7 @@ impl Sharding {
                     let mut exit = None;
                     while let Some(reply) = replies.recv().await {
                         match reply {
-                            Reply::Chunk(_) => self.save_reply_retrying(&persisted, &reply).await,
+                            Reply::Chunk(_) => self.save_reply_retrying(&reply).await,
                             Reply::WithExit(with_exit) => {
                                 exit = Some(with_exit.exit);
                                 break;
@@ -880,7 +964,7 @@ impl Sharding {
                 }
             };
             // The read loop must not take it up again while its outcome is stored.
-            let _settle = persisted.settle(request_id);
+            let _settle = self.settle(request_id);
             // Held from the claim to here: the shard's release waits for the outcome.
             let _write = write;
             let transaction = match transaction {
@@ -892,10 +976,10 @@ impl Sharding {
                     Some(exit) if exit.is_success() => {
                         if !self.confirm_shard_lock(&shard).await {
                             let _ = transaction.rollback().await;
-                            return self.fenced(&persisted, request_id).await;
+                            return self.fenced(request_id).await;
                         }
                         let reply = self.final_reply(request_id, exit);
-                        self.commit_final_reply(&persisted, transaction, reply).await;
+                        self.commit_final_reply(transaction, reply).await;
                         return;
                     }
                     // A failure is saved after the rollback
@@ -914,23 +998,23 @@ impl Sharding {
                 Some(Exit::Failure(cause))
                     if cause.has_interrupts_only() && !self.serves(&shard) =>
                 {
-                    let _ = persisted.storage.reset_requests(&[request_id]).await;
+                    let _ = self.storage.reset_requests(&[request_id]).await;
                 }
                 // Server-side uninterruptible: an interrupt runs it again instead of answering it.
                 Some(Exit::Failure(cause)) if cause.has_interrupts_only() && rerun.is_some() => {
                     if let Some(request) = rerun {
-                        self.rerun(&persisted, request).await;
+                        self.rerun(request).await;
                     }
                 }
                 Some(_) if !self.confirm_shard_lock(&shard).await => {
-                    self.fenced(&persisted, request_id).await;
+                    self.fenced(request_id).await;
                 }
                 Some(exit) => {
                     let reply = self.final_reply(request_id, exit);
-                    self.save_final_reply(&persisted, reply, Some(&shard)).await;
+                    self.save_final_reply(reply, Some(&shard)).await;
                 }
                 None => {
-                    let _ = persisted.storage.reset_requests(&[request_id]).await;
+                    let _ = self.storage.reset_requests(&[request_id]).await;
                 }
             }
         })
@@ -941,8 +1025,8 @@ impl Sharding {
     /// - The final reply is not stored.
     /// - The claim is released for the shard's next owner.
     /// - Local callers keep waiting; they read the reply from storage once that owner stores it.
-    async fn fenced(&self, persisted: &PersistedDelivery, request_id: Snowflake) {
-        if let Err(error) = persisted.storage.reset_requests(&[request_id]).await {
+    async fn fenced(self: &Arc<Self>, request_id: Snowflake) {
+        if let Err(error) = self.storage.reset_requests(&[request_id]).await {
             tracing::debug!(%error, %request_id, "could not release a fenced request's claim");
         }
     }
@@ -952,12 +1036,12 @@ impl Sharding {
     ///
     /// It waits out a full mailbox or the residency cap.
     /// If the runner stops first, the request stays stored for the next run.
-    async fn rerun(&self, persisted: &Arc<PersistedDelivery>, request: Request) {
+    async fn rerun(self: &Arc<Self>, request: Request) {
         let request_id = request.request_id;
         tracing::debug!(%request_id, "interrupted uninterruptible request runs again");
         loop {
             if self.is_shutdown() {
-                let _ = persisted.storage.reset_requests(&[request_id]).await;
+                let _ = self.storage.reset_requests(&[request_id]).await;
                 return;
             }
             let message = UnprocessedMessage {
@@ -965,16 +1049,16 @@ impl Sharding {
                 last_sent_reply: None,
             };
             let mut unregistered = Unregistered::default();
-            let dispatched = self.dispatch(persisted, message, &mut unregistered, Claiming::Rerun);
+            let dispatched = self.dispatch(message, &mut unregistered, Claiming::Rerun);
             unregistered.warn();
             match dispatched {
                 Dispatched::Delivered | Dispatched::Skipped | Dispatched::Settled(_) => return,
                 Dispatched::Answer(reply) => {
-                    return self.save_final_reply(persisted, reply, None).await;
+                    return self.save_final_reply(reply, None).await;
                 }
                 Dispatched::Release(_) => {
-                    let _ = persisted.storage.reset_requests(&[request_id]).await;
-                    persisted.poll_storage();
+                    let _ = self.storage.reset_requests(&[request_id]).await;
+                    self.poll_storage();
                     return;
                 }
                 Dispatched::Retry(_) | Dispatched::Capped(_) => {
@@ -990,8 +1074,7 @@ impl Sharding {
     /// - If the commit's outcome is unknown, storage decides.
     ///   A stored final reply means that the commit happened; otherwise the request runs again.
     async fn commit_final_reply(
-        &self,
-        persisted: &PersistedDelivery,
+        self: &Arc<Self>,
         mut transaction: Box<dyn cluster_core::storage::MessageTransaction>,
         reply: Reply,
     ) {
@@ -1005,18 +1088,18 @@ impl Sharding {
         };
         match committed {
             Ok(()) => {
-                lock(&persisted.waiters).on_reply_saved(&reply);
+                lock(&self.waiters).on_reply_saved(&reply);
             }
             Err(error) => {
                 tracing::warn!(%error, %request_id, "could not commit a reply");
-                let stored = persisted.storage.replies_for(&[request_id]).await.unwrap_or_default();
+                let stored = self.storage.replies_for(&[request_id]).await.unwrap_or_default();
                 match stored.into_iter().find(Reply::is_final) {
                     Some(final_reply) => {
-                        lock(&persisted.waiters).on_reply_saved(&final_reply);
+                        lock(&self.waiters).on_reply_saved(&final_reply);
                     }
                     None => {
-                        let _ = persisted.storage.reset_requests(&[request_id]).await;
-                        persisted.poll_storage();
+                        let _ = self.storage.reset_requests(&[request_id]).await;
+                        self.poll_storage();
                     }
                 }
             }
@@ -1024,11 +1107,11 @@ impl Sharding {
     }
 
     /// Stores a chunk (retrying a few times) and hands it to local waiters.
-    async fn save_reply_retrying(&self, persisted: &PersistedDelivery, reply: &Reply) {
+    async fn save_reply_retrying(self: &Arc<Self>, reply: &Reply) {
         for attempt in 1..=SAVE_REPLY_ATTEMPTS {
-            match persisted.storage.save_reply(reply).await {
+            match self.storage.save_reply(reply).await {
                 Ok(()) => {
-                    lock(&persisted.waiters).on_reply_saved(reply);
+                    lock(&self.waiters).on_reply_saved(reply);
                     return;
                 }
                 // A conflict is not a passing failure: no retry stores the chunk.
@@ -1036,7 +1119,7 @@ impl Sharding {
                 // storage that rejects the same chunk twice says so).
                 // Or a chunk of another run holds its sequence.
                 Err(error) if error.kind() == cluster_core::error::StorageErrorKind::Conflict => {
-                    return self.chunk_conflict(persisted, reply, &error).await;
+                    return self.chunk_conflict(reply, &error).await;
                 }
                 Err(error) if attempt < SAVE_REPLY_ATTEMPTS => {
                     tracing::debug!(%error, attempt, "could not save a chunk, retrying");
@@ -1057,17 +1140,12 @@ impl Sharding {
     ///   The local waiters get it as if this save had succeeded.
     ///   (Otherwise only the reply poller would hand it over.)
     /// - Otherwise the conflict is logged.
-    async fn chunk_conflict(
-        &self,
-        persisted: &PersistedDelivery,
-        reply: &Reply,
-        error: &cluster_core::StorageError,
-    ) {
+    async fn chunk_conflict(self: &Arc<Self>, reply: &Reply, error: &cluster_core::StorageError) {
         let request_id = reply.request_id();
-        match persisted.storage.replies_for_unfiltered(&[request_id]).await {
+        match self.storage.replies_for_unfiltered(&[request_id]).await {
             Ok(stored) if stored.iter().any(|stored| stored.id() == reply.id()) => {
                 tracing::debug!(%request_id, reply_id = %reply.id(), "chunk already stored");
-                lock(&persisted.waiters).on_reply_saved(reply);
+                lock(&self.waiters).on_reply_saved(reply);
             }
             Ok(_) => {
                 tracing::warn!(%error, %request_id, "a chunk conflicts with one of another run");
@@ -1078,7 +1156,7 @@ impl Sharding {
         }
     }
 
-    fn final_reply(&self, request_id: Snowflake, exit: Exit) -> Reply {
+    fn final_reply(self: &Arc<Self>, request_id: Snowflake, exit: Exit) -> Reply {
         Reply::WithExit(WithExit { request_id, id: self.next_id(), exit })
     }
 
@@ -1088,12 +1166,7 @@ impl Sharding {
     /// With it, a failed write is retried only after the lock is confirmed again.
     /// So a retry never lands after this runner lost or let go of the shard.
     /// When the lock is not confirmed, the request is left for the next owner.
-    async fn save_final_reply(
-        &self,
-        persisted: &PersistedDelivery,
-        mut reply: Reply,
-        fence: Option<&ShardId>,
-    ) {
+    async fn save_final_reply(self: &Arc<Self>, mut reply: Reply, fence: Option<&ShardId>) {
         let mut replaced = false;
         let mut attempt = 0;
         while attempt < SAVE_REPLY_ATTEMPTS {
@@ -1102,11 +1175,11 @@ impl Sharding {
                 && attempt > 1
                 && !self.confirm_shard_lock(shard).await
             {
-                return self.fenced(persisted, reply.request_id()).await;
+                return self.fenced(reply.request_id()).await;
             }
-            match persisted.storage.save_reply(&reply).await {
+            match self.storage.save_reply(&reply).await {
                 Ok(()) => {
-                    lock(&persisted.waiters).on_reply_saved(&reply);
+                    lock(&self.waiters).on_reply_saved(&reply);
                     return;
                 }
                 Err(error) if error.kind() == cluster_core::error::StorageErrorKind::Conflict => {
@@ -1138,7 +1211,7 @@ impl Sharding {
                 }
                 Err(error) => {
                     tracing::warn!(%error, request_id = %reply.request_id(), "could not save a reply; the request runs again later");
-                    let _ = persisted.storage.reset_requests(&[reply.request_id()]).await;
+                    let _ = self.storage.reset_requests(&[reply.request_id()]).await;
                 }
             }
         }
@@ -1174,9 +1247,6 @@ enum Outcome {
     /// The chunks and final reply of a streaming request.
     Stream(mpsc::Receiver<Reply>),
 }
-
-/// The buffer of a persisted stream's reply and acknowledgement channels.
-const STREAM_BUFFER: usize = 4;
 
 /// The messages of entity types not registered here (yet).
 ///
@@ -1271,6 +1341,7 @@ enum Dispatched {
     Answer(Reply),
 }
 
-fn not_stored(address: &EntityAddress) -> ClusterError {
+/// The error of a persisted request in a runtime without a message storage.
+pub(crate) fn not_stored(address: &EntityAddress) -> ClusterError {
     ClusterError::EntityNotAssignedToRunner { address: address.clone() }
 }

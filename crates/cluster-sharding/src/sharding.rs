@@ -1,9 +1,19 @@
-//! [`Sharding`]: the runtime of one process. It registers entity types, hands out typed
-//! clients and routes requests to the entity managers.
+//! [`Sharding`]: the runtime of one process, a thin handle on its components.
 //!
-//! This is the single-runner core: volatile requests are delivered in memory to the local
-//! managers, persisted ones through `MessageStorage` (see `persisted`). Shard locks and the
-//! multi-runner routing build on it (see `ARCHITECTURE.md`).
+//! The handle registers entity types and singletons, hands out typed clients, reports
+//! registrations and runs the shutdown sequence. Everything else is a component with narrow
+//! inputs, which the handle builds and calls:
+//!
+//! - `Managers` (`registry`): the entity managers by type;
+//! - `Shards` (`shards`): the shards served now, and the shutdown flag;
+//! - `LocalDelivery` (`local`): requests to this runner's entities;
+//! - `Remote` (`remote`): volatile requests routed to their owner;
+//! - `PersistedDelivery` (`persisted`): saved requests, the read loop, stored replies;
+//! - `Member` (`member`): membership, shard locks and the handoff;
+//! - `Singletons` (`singleton`): tasks on the runner that holds their shard.
+//!
+//! Components that call back into the runtime do so through a trait they define
+//! (`MemberHost`, `SingletonHost`), which the handle implements. See `ARCHITECTURE.md`.
 
 use std::collections::BTreeMap;
 use std::num::NonZeroU32;
@@ -11,7 +21,7 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use cluster_core::config::{Capacity, ShardingConfig};
-use cluster_core::envelope::{Envelope, Exit, RawJson, Request, TraceContext};
+use cluster_core::envelope::{Exit, RawJson, Request, TraceContext};
 use cluster_core::error::ConfigError;
 use cluster_core::future::BoxFuture;
 use cluster_core::reply_handlers::UnregisterMode;
@@ -38,7 +48,7 @@ use crate::local::{LocalDelivery, StreamCall};
 use crate::manager::{Contexts, EntityManager, Factory, ManagerOptions, Residency};
 use crate::member::{Member, MemberHost};
 use crate::metrics;
-use crate::persisted::PersistedDelivery;
+use crate::persisted::{PersistedDelivery, PersistedParts, PersistedStream, not_stored};
 use crate::registry::Managers;
 use crate::remote::{Remote, RemoteParts, ShardingConfigView};
 use crate::shards::Shards;
@@ -192,10 +202,11 @@ impl Sharding {
             tracing::warn!(%error, "could not release the claims of a previous run");
         }
         metrics::set(metrics::SHARDS, shards.len());
-        let persisted = Arc::new(PersistedDelivery::new(storage, shards));
-        let sharding = Sharding::build(config, clock, Some(Arc::clone(&persisted)), None, None)?;
-        sharding.spawn_owned(sharding.clone().poll_replies(Arc::clone(&persisted)));
-        sharding.spawn_owned(sharding.clone().read_storage(persisted));
+        let runner = config.runner_address.is_some();
+        let sharding = Sharding::build(config, clock, Some((storage, shards)), None, None)?;
+        if let Some(persisted) = sharding.persisted() {
+            persisted.start(runner);
+        }
         Ok(sharding)
     }
 
@@ -209,12 +220,10 @@ impl Sharding {
         transport: Option<Arc<dyn Transport>>,
     ) -> Result<Sharding, ConfigError> {
         let runner = config.runner_address.is_some();
-        let persisted = Arc::new(PersistedDelivery::new(storage, Vec::new()));
-        let sharding =
-            Sharding::build(config, clock, Some(Arc::clone(&persisted)), Some(cluster), transport)?;
-        sharding.spawn_owned(sharding.clone().poll_replies(Arc::clone(&persisted)));
-        if runner {
-            sharding.spawn_owned(sharding.clone().read_storage(persisted));
+        let storage = Some((storage, Vec::new()));
+        let sharding = Sharding::build(config, clock, storage, Some(cluster), transport)?;
+        if let Some(persisted) = sharding.persisted() {
+            persisted.start(runner);
         }
         Ok(sharding)
     }
@@ -237,9 +246,10 @@ impl Sharding {
                 "a client-only process has no runner address",
             ));
         }
-        let persisted = Arc::new(PersistedDelivery::new(storage, Vec::new()));
-        let sharding = Sharding::build(config, clock, Some(Arc::clone(&persisted)), None, None)?;
-        sharding.spawn_owned(sharding.clone().poll_replies(persisted));
+        let sharding = Sharding::build(config, clock, Some((storage, Vec::new())), None, None)?;
+        if let Some(persisted) = sharding.persisted() {
+            persisted.start(false);
+        }
         Ok(sharding)
     }
 
@@ -251,7 +261,7 @@ impl Sharding {
     fn build(
         config: ShardingConfig,
         clock: Arc<dyn Clock>,
-        persisted: Option<Arc<PersistedDelivery>>,
+        storage: Option<(Arc<dyn MessageStorage>, Vec<ShardId>)>,
         cluster: Option<Arc<Member>>,
         transport: Option<Arc<dyn Transport>>,
     ) -> Result<Sharding, ConfigError> {
@@ -274,12 +284,13 @@ impl Sharding {
         metrics::set(metrics::RUNNERS_HEALTHY, runners);
         let tasks = TaskTracker::new();
         let all = all_shards(&config.shard_groups().assigned, config.shards_per_group);
-        let shards = Arc::new(Shards::new(config.runner_address.is_some(), cluster, all));
-        let shutdown = shards.shutdown().token();
+        let shards_served = Arc::new(Shards::new(config.runner_address.is_some(), cluster, all));
+        let shutdown = shards_served.shutdown().token();
+        let read_latch = Arc::new(ReadLatch::default());
         let managers = Arc::new(Managers::default());
         let local = Arc::new(LocalDelivery::new(
             Arc::clone(&managers),
-            Arc::clone(&shards),
+            Arc::clone(&shards_served),
             Arc::clone(&ids),
             config.entity_registration_timeout,
             shutdown.clone(),
@@ -291,16 +302,28 @@ impl Sharding {
                 send_retry_interval: config.send_retry_interval,
             },
             transport,
-            shards: Arc::clone(&shards),
+            shards: Arc::clone(&shards_served),
             local: Arc::clone(&local),
             managers: Arc::clone(&managers),
             ids: Arc::clone(&ids),
-            read_latch: persisted
-                .as_ref()
-                .map(|persisted| Arc::clone(persisted.read_latch()))
-                .unwrap_or_default(),
+            read_latch: Arc::clone(&read_latch),
             tasks: tasks.clone(),
         }));
+        let persisted = storage.map(|(storage, shards)| {
+            Arc::new(PersistedDelivery::new(PersistedParts {
+                storage,
+                shards,
+                config: config.clone(),
+                clock: Arc::clone(&clock),
+                ids: Arc::clone(&ids),
+                serving: Arc::clone(&shards_served),
+                remote: Arc::clone(&remote),
+                managers: Arc::clone(&managers),
+                residency: Arc::clone(&residency),
+                read_latch,
+                tasks: tasks.clone(),
+            }))
+        });
         let singletons = Arc::new(Singletons::new(
             config.entity_termination_timeout,
             tasks.clone(),
@@ -316,7 +339,7 @@ impl Sharding {
                 residency,
                 persisted,
                 tasks,
-                shards,
+                shards: shards_served,
                 local,
                 singletons,
                 cron_jobs: CronJobs::default(),
@@ -649,12 +672,6 @@ impl Sharding {
         self.inner.shards.serves(shard)
     }
 
-    /// Whether this runner may store the final reply of a request of `shard` (see
-    /// [`Shards::confirm`]).
-    pub(crate) async fn confirm_shard_lock(&self, shard: &ShardId) -> bool {
-        self.inner.shards.confirm(shard).await
-    }
-
     /// Stamps new ids with the machine id the runner registry gave this runner.
     pub(crate) fn set_machine_id(&self, machine_id: MachineId) {
         self.inner.ids.set_machine_id(machine_id);
@@ -700,6 +717,66 @@ impl Sharding {
         self.persisted().map(|persisted| Arc::clone(persisted.read_latch())).unwrap_or_default()
     }
 
+    /// Saves a persisted request and waits for its final reply's exit (see
+    /// [`PersistedDelivery::send_persisted`]).
+    pub(crate) async fn send_persisted(
+        &self,
+        request: Request,
+        options: SaveRequestOptions,
+        uninterruptible: bool,
+    ) -> Result<Exit, ClusterError> {
+        match self.persisted() {
+            Some(persisted) => persisted.send_persisted(request, options, uninterruptible).await,
+            None => Err(not_stored(&request.address)),
+        }
+    }
+
+    /// Saves a persisted streaming request; its chunks and final reply arrive on the returned
+    /// stream.
+    pub(crate) async fn stream_persisted(
+        &self,
+        request: Request,
+        options: SaveRequestOptions,
+    ) -> Result<PersistedStream, ClusterError> {
+        match self.persisted() {
+            Some(persisted) => persisted.stream_persisted(request, options).await,
+            None => Err(not_stored(&request.address)),
+        }
+    }
+
+    /// Saves a persisted request without waiting for its reply (a discarded call).
+    pub(crate) async fn notify_persisted(
+        &self,
+        request: Request,
+        options: SaveRequestOptions,
+    ) -> Result<(), ClusterError> {
+        match self.persisted() {
+            Some(persisted) => persisted.notify_persisted(request, options).await,
+            None => Err(not_stored(&request.address)),
+        }
+    }
+
+    /// Interrupts the persisted request `request_id` of the entity at `address`, wherever it
+    /// runs.
+    ///
+    /// The interrupt is stored, and the owner's storage reader is woken (the reference's
+    /// `Envelope.Interrupt`).
+    /// A request that is not running is not affected.
+    ///
+    /// # Errors
+    ///
+    /// The interrupt could not be stored, or the runtime has no storage.
+    pub async fn interrupt_request(
+        &self,
+        address: &EntityAddress,
+        request_id: Snowflake,
+    ) -> Result<(), ClusterError> {
+        match self.persisted() {
+            Some(persisted) => persisted.interrupt_request(address, request_id).await,
+            None => Err(not_stored(address)),
+        }
+    }
+
     /// Wakes the storage read loop now, instead of at its next poll.
     pub fn poll_storage(&self) {
         if let Some(persisted) = &self.inner.persisted {
@@ -728,12 +805,6 @@ impl Sharding {
         request: Request,
     ) -> Result<StreamCall, ClusterError> {
         self.inner.remote.stream(request).await
-    }
-
-    /// A message for `shard` was stored: whoever reads that shard looks at once (see
-    /// [`Remote::wake_reader`]).
-    pub(crate) fn wake_reader(&self, shard: &ShardId, envelope: impl FnOnce() -> Envelope) {
-        self.inner.remote.wake_reader(shard, envelope);
     }
 
     /// What a transport calls when a peer's request arrives (the reference's `RunnerServer`).
@@ -803,11 +874,6 @@ impl Sharding {
     /// Runs `task` as a background task of the runtime, awaited at shutdown.
     pub(crate) fn spawn_owned(&self, task: impl std::future::Future<Output = ()> + Send + 'static) {
         self.inner.tasks.spawn(task);
-    }
-
-    /// The runner-wide residency count.
-    pub(crate) fn residency(&self) -> &Arc<Residency> {
-        &self.inner.residency
     }
 
     /// A fresh id.

@@ -24,12 +24,6 @@ use anyhow::{Context, Result};
 /// The largest import circle a crate may have, in files.
 pub(crate) const CIRCLE_FILES_MAX: usize = 3;
 
-/// Crates whose circle is still larger, with the most files it may have today: a ratchet
-/// that only goes down, to [`CIRCLE_FILES_MAX`].
-///
-/// - `cluster-sharding`: the runtime's components are being separated from its hub.
-pub(crate) const CIRCLE_CEILINGS: [(&str, usize); 1] = [("cluster-sharding", 5)];
-
 /// A crate's module files: module path → source text.
 pub(crate) type Modules = BTreeMap<String, String>;
 
@@ -133,10 +127,7 @@ pub(crate) fn circle_violations(root: &Path) -> Result<Vec<String>> {
         let name = dir.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default();
         let largest = circles(&edges(&load_modules(&src)?)).into_iter().next();
         let Some(largest) = largest else { continue };
-        let max = CIRCLE_CEILINGS
-            .iter()
-            .find(|(crate_name, _)| *crate_name == name)
-            .map_or(CIRCLE_FILES_MAX, |(_, ceiling)| *ceiling);
+        let max = CIRCLE_FILES_MAX;
         if largest.len() > max {
             violations.push(format!(
                 "{name}: an import circle of {} files (at most {max}): {}",

@@ -46,7 +46,6 @@ use cluster_core::{ClusterError, EntityAddress, ShardId, Snowflake};
 
 use super::tracked::{Claiming, Earlier, Reservation};
 use super::{Dispatched, PersistedDelivery, Unregistered, lock};
-use crate::sharding::Sharding;
 
 /// What direct delivery remembers (in [`PersistedDelivery`]).
 #[derive(Default)]
@@ -127,7 +126,7 @@ impl PersistedDelivery {
     }
 }
 
-impl Sharding {
+impl PersistedDelivery {
     /// Whether a request about to be saved may go directly to its entity once saved.
     ///
     /// It may when all of these hold:
@@ -143,8 +142,7 @@ impl Sharding {
     /// Otherwise an undelayed request to a served shard is held for the read loop.
     /// Call [`PersistedDelivery::unhold`] if the save fails or finds a duplicate.
     pub(super) fn plan_direct(
-        &self,
-        persisted: &Arc<PersistedDelivery>,
+        self: &Arc<Self>,
         request: &Request,
         options: &SaveRequestOptions,
     ) -> Option<Reservation> {
@@ -154,14 +152,14 @@ impl Sharding {
         if options.deliver_at.is_some() || !self.serves(&address.shard_id) {
             return None;
         }
-        let direct = persisted.may_deliver_directly(address)
+        let direct = self.may_deliver_directly(address)
             && self
                 .managers()
                 .get(&address.entity_type)
                 .is_some_and(|manager| !manager.is_stream(&request.tag));
-        let reservation = direct.then(|| persisted.reserve(request.request_id)).flatten();
+        let reservation = direct.then(|| self.reserve(request.request_id)).flatten();
         if reservation.is_none() {
-            persisted.hold(address, request.request_id);
+            self.hold(address, request.request_id);
         }
         reservation
     }
@@ -176,22 +174,17 @@ impl Sharding {
     ///
     /// [`MessageStorage::save_request_ordered`]: cluster_core::storage::MessageStorage::save_request_ordered
     pub(super) async fn save(
-        &self,
-        persisted: &PersistedDelivery,
+        self: &Arc<Self>,
         request: &Request,
         options: &SaveRequestOptions,
         direct: bool,
     ) -> (Result<SaveResult, ClusterError>, Option<Vec<Snowflake>>) {
         if !direct {
-            return (
-                persisted.storage.save_request(request, options).await.map_err(Into::into),
-                None,
-            );
+            return (self.storage.save_request(request, options).await.map_err(Into::into), None);
         }
-        let mut wake = WakeOnDrop(Some(persisted));
+        let mut wake = WakeOnDrop(Some(self.as_ref()));
         let now = self.clock().now();
-        let ordered =
-            persisted.storage.save_request_ordered(request, options, now, EARLIER_LIMIT).await;
+        let ordered = self.storage.save_request_ordered(request, options, now, EARLIER_LIMIT).await;
         wake.0 = None;
         match ordered {
             Ok(ordered) => (Ok(ordered.saved), ordered.earlier),
@@ -208,8 +201,7 @@ impl Sharding {
     /// That happens for an earlier request unread here, a full mailbox, the residency cap, or
     /// the shard let go meanwhile.
     pub(super) async fn deliver_directly(
-        &self,
-        persisted: &Arc<PersistedDelivery>,
+        self: &Arc<Self>,
         request: Request,
         reservation: Reservation,
         earlier: Option<Vec<Snowflake>>,
@@ -217,31 +209,31 @@ impl Sharding {
         let address = request.address.clone();
         let request_id = request.request_id;
         let in_order = match earlier {
-            Some(earlier) => Box::pin(persisted.earlier_delivered(&earlier)).await,
+            Some(earlier) => Box::pin(self.earlier_delivered(&earlier)).await,
             None => false,
         };
         if !in_order {
             tracing::debug!(%request_id, "an earlier request is unread here: left to the read loop");
-            persisted.hold(&address, request_id);
-            persisted.poll_storage();
+            self.hold(&address, request_id);
+            self.poll_storage();
             return;
         }
         let message =
             UnprocessedMessage { envelope: Envelope::Request(request), last_sent_reply: None };
         let mut unregistered = Unregistered::default();
         let span = tracing::debug_span!("deliver_directly", %request_id);
-        let dispatched = span
-            .in_scope(|| self.dispatch(persisted, message, &mut unregistered, Claiming::Reserved));
+        let dispatched =
+            span.in_scope(|| self.dispatch(message, &mut unregistered, Claiming::Reserved));
         // Claimed (kept by the claim), taken over by the read loop, or left to it.
         drop(reservation);
         unregistered.warn();
         match dispatched {
             Dispatched::Delivered | Dispatched::Skipped | Dispatched::Settled(_) => {}
-            Dispatched::Answer(reply) => self.save_final_reply(persisted, reply, None).await,
+            Dispatched::Answer(reply) => self.save_final_reply(reply, None).await,
             Dispatched::Release(_) | Dispatched::Retry(_) | Dispatched::Capped(_) => {
                 tracing::debug!(%request_id, "not delivered directly; left to the read loop");
-                persisted.hold(&address, request_id);
-                persisted.poll_storage();
+                self.hold(&address, request_id);
+                self.poll_storage();
             }
         }
     }
