@@ -65,10 +65,10 @@ impl std::fmt::Debug for ShardingBuilder {
     }
 }
 
-impl Sharding {
+impl ShardingBuilder {
     /// A builder of a runtime configured with `config`, on the system clock, with no storage
-    /// and no transport.
-    pub fn builder(config: ShardingConfig) -> ShardingBuilder {
+    /// and no transport (what [`Sharding::builder`] returns).
+    pub(crate) fn new(config: ShardingConfig) -> ShardingBuilder {
         ShardingBuilder {
             config,
             clock: Arc::new(SystemClock),
@@ -79,9 +79,7 @@ impl Sharding {
             single_runner: false,
         }
     }
-}
 
-impl ShardingBuilder {
     /// Persisted requests, their replies and their chunks go through `storage`.
     ///
     /// - A runner saves what it is sent there and reads its shards' mailboxes from it.

@@ -23,21 +23,18 @@
 //! usual; the reference turns the failure into a defect that restarts the entity and replays
 //! the run.
 
-use std::collections::BTreeMap;
 use std::future::Future;
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::time::Duration;
 
 use cluster_core::future::BoxFuture;
-use cluster_core::sync::lock;
 use cluster_core::{EntityType, ShardGroup, Timestamp};
 use serde::{Deserialize, Serialize};
+use tokio_util::sync::CancellationToken;
 
-use crate::entity::{Entity, EntityContext, EntityOptions, Handler, Protocol, RequestContext};
+use crate::entity::{Entity, EntityContext, Handler, Protocol, RequestContext, RuntimeHandle};
 use crate::error::RegisterError;
-use crate::rpc::{Rpc, Uninterruptible};
-use crate::sharding::Sharding;
-use crate::singleton::SingletonOptions;
+use crate::rpc::{CallError, Rpc, Uninterruptible};
 
 /// The first pause between scheduling attempts, and the longest.
 const SCHEDULE_RETRY_FIRST: Duration = Duration::from_millis(200);
@@ -88,10 +85,20 @@ pub enum CronError {
 }
 
 /// What a running job gets.
-#[derive(Clone, Debug)]
+///
+/// Its `sharding()` method, the runtime to call entities with, is written where that runtime
+/// is (`sharding.rs`): cron jobs sit below the runtime and do not name it.
+#[derive(Clone)]
 pub struct CronContext {
     scheduled: Timestamp,
-    sharding: Sharding,
+    /// The runtime, a `Sharding`, held erased.
+    pub(crate) runtime: RuntimeHandle,
+}
+
+impl std::fmt::Debug for CronContext {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("CronContext").field("scheduled", &self.scheduled).finish_non_exhaustive()
+    }
 }
 
 impl CronContext {
@@ -99,17 +106,36 @@ impl CronContext {
     pub fn scheduled(&self) -> Timestamp {
         self.scheduled
     }
-
-    /// The runtime, to call entities.
-    pub fn sharding(&self) -> &Sharding {
-        &self.sharding
-    }
 }
 
-type Execute = Arc<dyn Fn(CronContext) -> BoxFuture<'static, Result<(), String>> + Send + Sync>;
+/// A job's body, type-erased; its error is logged.
+pub(crate) type Execute =
+    Arc<dyn Fn(CronContext) -> BoxFuture<'static, Result<(), String>> + Send + Sync>;
+
+/// What cron jobs need from the runtime they run in.
+pub(crate) trait CronHost: Clone + Send + Sync + 'static {
+    /// The time now, on the runtime's clock.
+    fn now(&self) -> Timestamp;
+
+    /// Whether the runtime is shutting down.
+    fn is_shutdown(&self) -> bool;
+
+    /// The runtime, for a job's context.
+    fn handle(&self) -> RuntimeHandle;
+
+    /// Sends `request` to the entity `entity_id` of `job`, without waiting for its reply.
+    fn discard<R: Rpc>(
+        &self,
+        job: &Job,
+        entity_id: String,
+        request: R,
+    ) -> impl Future<Output = Result<(), CallError<R::Error>>> + Send
+    where
+        CronEntity<Self>: Handler<R>;
+}
 
 /// A registered job.
-struct Job {
+pub(crate) struct Job {
     name: String,
     entity_type: EntityType,
     cron: croner::Cron,
@@ -118,18 +144,41 @@ struct Job {
 }
 
 impl Job {
+    /// The job `name`, run at the instants of `expression` (five fields, or six with seconds
+    /// first; UTC). Its entity type is `ClusterCron/<name>`.
+    pub(crate) fn new(
+        name: String,
+        expression: &str,
+        options: CronOptions,
+        execute: Execute,
+    ) -> Result<Job, CronError> {
+        let cron =
+            croner::Cron::new(expression).with_seconds_optional().parse().map_err(|error| {
+                CronError::InvalidExpression {
+                    expression: expression.to_owned(),
+                    reason: error.to_string(),
+                }
+            })?;
+        let entity_type = EntityType::from(format!("ClusterCron/{name}").as_str());
+        Ok(Job { name, entity_type, cron, options, execute })
+    }
+
+    /// The job's entity type, `ClusterCron/<name>`; its singleton has the same name.
+    pub(crate) fn entity_type(&self) -> &EntityType {
+        &self.entity_type
+    }
+
+    /// The shard group of the job's entity and singleton.
+    pub(crate) fn shard_group(&self) -> ShardGroup {
+        self.options.shard_group.clone().unwrap_or_else(ShardGroup::default_group)
+    }
+
     /// The first scheduled instant strictly after `after`.
     fn next_after(&self, after: Timestamp) -> Option<Timestamp> {
         let after = chrono::DateTime::<chrono::Utc>::from_timestamp_millis(after.unix_millis())?;
         let next = self.cron.find_next_occurrence(&after, false).ok()?;
         Some(Timestamp::from_unix_millis(next.timestamp_millis()))
     }
-}
-
-/// The jobs of a runtime, by entity type (what the job entities are made from).
-#[derive(Default)]
-pub(crate) struct CronJobs {
-    jobs: Mutex<BTreeMap<EntityType, Arc<Job>>>,
 }
 
 /// An instant as the reference writes it: `2024-01-01T00:00:00.000Z`.
@@ -147,7 +196,7 @@ fn parse_iso(instant: &str) -> Option<Timestamp> {
 
 /// The `run` request: the instant it is for, and whether it goes to the executor entity.
 #[derive(Clone, Debug, Serialize, Deserialize)]
-struct Run {
+pub(crate) struct Run {
     #[serde(rename = "dateTime")]
     date_time: String,
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -172,7 +221,7 @@ impl Rpc for Run {
 
 /// The `start` request of an executor job.
 #[derive(Clone, Debug, Serialize, Deserialize)]
-struct Start {}
+pub(crate) struct Start {}
 
 impl Rpc for Start {
     const TAG: &'static str = "start";
@@ -181,69 +230,77 @@ impl Rpc for Start {
     type Error = ();
 }
 
-/// One job entity: an instant's run (default) or the executor.
-struct CronEntity {
-    job: Option<Arc<Job>>,
-    sharding: Sharding,
+/// One job entity: an instant's run (default) or the executor. Made by the factory that
+/// `Sharding::register_cron` registers, with its job and the runtime.
+pub(crate) struct CronEntity<H> {
+    job: Arc<Job>,
+    host: H,
     /// Whether this activation handled a run (executor jobs).
     ran: bool,
 }
 
-impl Entity for CronEntity {
+impl<H: CronHost> CronEntity<H> {
+    /// An instance of `job`'s entity type.
+    pub(crate) fn new(job: Arc<Job>, host: H) -> CronEntity<H> {
+        CronEntity { job, host, ran: false }
+    }
+}
+
+impl<H: CronHost> Entity for CronEntity<H> {
     // The reference's cron entity turns client spans off (`effect/src/cluster/ClusterCron.ts`).
     const CLIENT_TRACING: bool = false;
 
     const TYPE: &'static str = "ClusterCron";
 
-    async fn create(context: &EntityContext) -> CronEntity {
-        let sharding = context.sharding().clone();
-        let job = lock(&sharding.cron_jobs().jobs).get(&context.address().entity_type).cloned();
-        CronEntity { job, sharding, ran: false }
+    // Registered as `ClusterCron/<name>` with a factory only.
+    const FACTORY_ONLY: bool = true;
+
+    fn create(_: &EntityContext) -> impl Future<Output = CronEntity<H>> + Send {
+        std::future::pending()
     }
 
-    fn protocol(protocol: &mut Protocol<CronEntity>) {
+    fn protocol(protocol: &mut Protocol<CronEntity<H>>) {
         protocol.handle::<Run>().handle::<Start>();
     }
 }
 
-impl Handler<Run> for CronEntity {
+impl<H: CronHost> Handler<Run> for CronEntity<H> {
     async fn handle(&mut self, _: &RequestContext, run: Run) -> Result<(), ()> {
-        let Some(job) = self.job.clone() else { return Err(()) };
+        let job = Arc::clone(&self.job);
         self.ran = true;
         let Some(scheduled) = parse_iso(&run.date_time) else {
             tracing::warn!(cron = %job.name, date_time = %run.date_time, "a run with an unreadable instant");
             return Err(());
         };
-        let now = self.sharding.clock().now();
+        let now = self.host.now();
         if scheduled < now.saturating_sub(job.options.skip_if_older_than) {
             tracing::info!(cron = %job.name, %run.date_time, "run skipped: older than skip_if_older_than");
         } else {
-            let context = CronContext { scheduled, sharding: self.sharding.clone() };
+            let context = CronContext { scheduled, runtime: self.host.handle() };
             if let Err(error) = (job.execute)(context).await {
                 tracing::warn!(cron = %job.name, %run.date_time, %error, "cron job failed");
             }
         }
         let from = if job.options.calculate_next_run_from_previous { scheduled } else { now };
-        schedule(&self.sharding, &job, from).await;
+        schedule(&self.host, &job, from).await;
         Ok(())
     }
 }
 
-impl Handler<Start> for CronEntity {
+impl<H: CronHost> Handler<Start> for CronEntity<H> {
     async fn handle(&mut self, _: &RequestContext, _: Start) -> Result<(), ()> {
-        let Some(job) = self.job.clone() else { return Err(()) };
         if !self.ran {
             // A pending run is delivered first (one message at a time, in storage order), so
             // this schedules only when nothing is pending; otherwise it deduplicates.
-            let now = self.sharding.clock().now();
-            schedule(&self.sharding, &job, now).await;
+            let now = self.host.now();
+            schedule(&self.host, &self.job, now).await;
         }
         Ok(())
     }
 }
 
 /// Stores the run after `after`, retrying until it is stored.
-async fn schedule(sharding: &Sharding, job: &Job, after: Timestamp) {
+async fn schedule<H: CronHost>(host: &H, job: &Job, after: Timestamp) {
     let Some(next) = job.next_after(after) else {
         tracing::warn!(cron = %job.name, "the cron expression has no next instant");
         return;
@@ -254,17 +311,15 @@ async fn schedule(sharding: &Sharding, job: &Job, after: Timestamp) {
     } else {
         (date_time.clone(), None)
     };
-    let group = job.options.shard_group.clone().unwrap_or_else(ShardGroup::default_group);
-    let client = sharding.client_in::<CronEntity>(job.entity_type.clone(), &group, entity_id);
     let mut pause = SCHEDULE_RETRY_FIRST;
     loop {
         let run = Run { date_time: date_time.clone(), executor };
-        match client.discard(run).await {
+        match host.discard(job, entity_id.clone(), run).await {
             Ok(()) => {
                 tracing::debug!(cron = %job.name, next = %date_time, "next run scheduled");
                 return;
             }
-            Err(error) if !sharding.is_shutdown() => {
+            Err(error) if !host.is_shutdown() => {
                 tracing::warn!(cron = %job.name, %error, retry_in = ?pause, "could not schedule the next run");
                 tokio::time::sleep(pause).await;
                 pause = pause.mul_f64(1.5).min(SCHEDULE_RETRY_MAX);
@@ -275,124 +330,25 @@ async fn schedule(sharding: &Sharding, job: &Job, after: Timestamp) {
     }
 }
 
-impl Sharding {
-    /// The registered cron jobs.
-    fn cron_jobs(&self) -> &CronJobs {
-        self.cron_jobs_registry()
-    }
-
-    /// Registers the cron job `name`: `execute` runs once per instant of `expression` (five
-    /// fields, or six with seconds first; UTC) across the cluster, on whichever runner stores
-    /// and reads its runs (docs/sharding.md, "Cron jobs"). Register it on every runner. On a
-    /// client-only process nothing runs.
-    ///
-    /// ```
-    /// use std::sync::Arc;
-    /// use std::time::Duration;
-    ///
-    /// use cluster_core::ShardingConfig;
-    /// use cluster_sharding::{CronOptions, Sharding};
-    /// use cluster_storage_sql::sqlite::{SqliteMessageStorage, SqliteOptions};
-    /// use tokio::sync::mpsc;
-    ///
-    /// # #[tokio::main(flavor = "current_thread")]
-    /// # async fn main() -> Result<(), Box<dyn std::error::Error>> {
-    /// # let path = std::env::temp_dir().join(format!("doc-cron-{}.db", std::process::id()));
-    /// // Runs are stored messages: a short poll interval finds the first one sooner.
-    /// let config = ShardingConfig {
-    ///     entity_message_poll_interval: Duration::from_millis(100),
-    ///     ..ShardingConfig::default()
-    /// };
-    /// let messages = SqliteMessageStorage::open(&path, SqliteOptions::default()).await?;
-    /// let sharding = Sharding::builder(config).messages(Arc::new(messages)).start().await?;
-    /// let (runs, mut ran) = mpsc::channel(16);
-    /// // Every second (six fields: seconds first).
-    /// sharding.register_cron("heartbeat", "* * * * * *", CronOptions::default(), move |context| {
-    ///     let runs = runs.clone();
-    ///     async move {
-    ///         let _ = runs.send(context.scheduled()).await;
-    ///         Ok::<(), String>(())
-    ///     }
-    /// })?;
-    /// let first = tokio::time::timeout(Duration::from_secs(30), ran.recv()).await?;
-    /// assert!(first.is_some());
-    /// sharding.shutdown().await;
-    /// # for suffix in ["", "-wal", "-shm"] {
-    /// #     let _ = std::fs::remove_file(format!("{}{suffix}", path.display()));
-    /// # }
-    /// # Ok(())
-    /// # }
-    /// ```
-    pub fn register_cron<F, Fut, E>(
-        &self,
-        name: impl Into<String>,
-        expression: &str,
-        options: CronOptions,
-        execute: F,
-    ) -> Result<(), CronError>
-    where
-        F: Fn(CronContext) -> Fut + Send + Sync + 'static,
-        Fut: Future<Output = Result<(), E>> + Send + 'static,
-        E: std::fmt::Display + 'static,
-    {
-        let name = name.into();
-        if self.persisted().is_none() {
-            return Err(CronError::NoMessageStorage);
-        }
-        let cron =
-            croner::Cron::new(expression).with_seconds_optional().parse().map_err(|error| {
-                CronError::InvalidExpression {
-                    expression: expression.to_owned(),
-                    reason: error.to_string(),
-                }
-            })?;
-        let entity_type = EntityType::from(format!("ClusterCron/{name}").as_str());
-        let execute: Execute = Arc::new(move |context| {
-            let run = execute(context);
-            Box::pin(async move { run.await.map_err(|error| error.to_string()) })
-        });
-        let job = Arc::new(Job {
-            name: name.clone(),
-            entity_type: entity_type.clone(),
-            cron,
-            options: options.clone(),
-            execute,
-        });
-        {
-            let mut jobs = lock(&self.cron_jobs().jobs);
-            if jobs.contains_key(&entity_type) {
-                return Err(CronError::Register(RegisterError::AlreadyRegistered(entity_type)));
+/// The body of a job's singleton: it schedules the run after now (or, for an executor job,
+/// starts the executor), until `cancellation`.
+pub(crate) async fn start_schedule<H: CronHost>(
+    host: H,
+    job: Arc<Job>,
+    cancellation: CancellationToken,
+) {
+    if job.options.calculate_next_run_from_previous {
+        let mut pause = SCHEDULE_RETRY_FIRST;
+        while let Err(error) = host.discard(&job, EXECUTOR.to_owned(), Start {}).await {
+            if cancellation.is_cancelled() {
+                return;
             }
-            // Before the entity type: its first request may arrive at once.
-            jobs.insert(entity_type.clone(), Arc::clone(&job));
+            tracing::warn!(cron = %job.name, %error, "could not start the executor");
+            tokio::time::sleep(pause).await;
+            pause = pause.mul_f64(1.5).min(SCHEDULE_RETRY_MAX);
         }
-        let entity_options = EntityOptions::default();
-        self.register_as::<CronEntity>(entity_type, entity_options)?;
-        let singleton = SingletonOptions { shard_group: options.shard_group };
-        self.register_singleton(format!("ClusterCron/{name}"), singleton, move |context| {
-            let job = Arc::clone(&job);
-            async move {
-                let sharding = context.sharding().clone();
-                if job.options.calculate_next_run_from_previous {
-                    let group =
-                        job.options.shard_group.clone().unwrap_or_else(ShardGroup::default_group);
-                    let executor =
-                        sharding.client_in::<CronEntity>(job.entity_type.clone(), &group, EXECUTOR);
-                    let mut pause = SCHEDULE_RETRY_FIRST;
-                    while let Err(error) = executor.discard(Start {}).await {
-                        if context.cancellation().is_cancelled() {
-                            return;
-                        }
-                        tracing::warn!(cron = %job.name, %error, "could not start the executor");
-                        tokio::time::sleep(pause).await;
-                        pause = pause.mul_f64(1.5).min(SCHEDULE_RETRY_MAX);
-                    }
-                } else {
-                    let now = sharding.clock().now();
-                    schedule(&sharding, &job, now).await;
-                }
-            }
-        })?;
-        Ok(())
+    } else {
+        let now = host.now();
+        schedule(&host, &job, now).await;
     }
 }

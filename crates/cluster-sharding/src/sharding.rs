@@ -31,17 +31,20 @@ use cluster_core::sync::lock;
 use cluster_core::transport::{RunnerHandler, Transport};
 use cluster_core::{
     Clock, ClusterError, EntityAddress, EntityId, EntityType, MachineId, ShardGroup, ShardId,
-    Snowflake, Tag,
+    Snowflake, Tag, Timestamp,
 };
 use tokio::sync::broadcast;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
+use crate::builder::ShardingBuilder;
 use crate::client::EntityClient;
-use crate::cron::CronJobs;
+use crate::cron::{self, CronContext, CronEntity, CronError, CronHost, CronOptions};
 use crate::delivery::{ReadLatch, Serving};
 use crate::entity::Ids;
-use crate::entity::{DEFAULT_ON_STOP_TIMEOUT, Entity, EntityContext, EntityOptions, RuntimeHandle};
+use crate::entity::{
+    DEFAULT_ON_STOP_TIMEOUT, Entity, EntityContext, EntityOptions, Handler, RuntimeHandle,
+};
 use crate::error::RegisterError;
 use crate::keep_alive::{KEEP_ALIVE_TAG, KeepAliveSender};
 use crate::local::{LocalDelivery, StreamCall};
@@ -51,6 +54,7 @@ use crate::metrics;
 use crate::persisted::{PersistedDelivery, PersistedParts, PersistedStream, not_stored};
 use crate::registry::Managers;
 use crate::remote::{Remote, RemoteParts, ShardingConfigView};
+use crate::rpc::{CallError, Rpc};
 use crate::shards::Shards;
 use crate::single_runner::{HeldLocks, all_shards};
 use crate::singleton::{self, SingletonContext, SingletonHost, SingletonOptions, Singletons};
@@ -104,7 +108,6 @@ struct Inner {
     /// Requests to the entities of this runner.
     local: Arc<LocalDelivery>,
     singletons: Arc<Singletons>,
-    cron_jobs: CronJobs,
     /// Routing of volatile requests, and the server side of the transport.
     remote: Arc<Remote>,
     /// Services attached to the runtime by the layers built on it (see
@@ -253,6 +256,12 @@ impl Sharding {
         Ok(sharding)
     }
 
+    /// A builder of a runtime configured with `config`, on the system clock, with no storage
+    /// and no transport (see [`ShardingBuilder`]).
+    pub fn builder(config: ShardingConfig) -> ShardingBuilder {
+        ShardingBuilder::new(config)
+    }
+
     /// Whether this process hosts entities (it has a runner address).
     pub fn is_runner(&self) -> bool {
         self.inner.config.runner_address.is_some()
@@ -342,7 +351,6 @@ impl Sharding {
                 shards: shards_served,
                 local,
                 singletons,
-                cron_jobs: CronJobs::default(),
                 remote,
                 extensions: Mutex::new(BTreeMap::new()),
             }),
@@ -431,6 +439,85 @@ impl Sharding {
     /// Stops the singletons of `shard` (all of them with `None`) and waits until they ended.
     pub(crate) async fn stop_singletons_in(&self, shard: Option<&ShardId>) {
         self.inner.singletons.stop_in(shard).await;
+    }
+
+    /// Registers the cron job `name`: `execute` runs once per instant of `expression` (five
+    /// fields, or six with seconds first; UTC) across the cluster, on whichever runner stores
+    /// and reads its runs (docs/sharding.md, "Cron jobs"). Register it on every runner. On a
+    /// client-only process nothing runs.
+    ///
+    /// ```
+    /// use std::sync::Arc;
+    /// use std::time::Duration;
+    ///
+    /// use cluster_core::ShardingConfig;
+    /// use cluster_sharding::{CronOptions, Sharding};
+    /// use cluster_storage_sql::sqlite::{SqliteMessageStorage, SqliteOptions};
+    /// use tokio::sync::mpsc;
+    ///
+    /// # #[tokio::main(flavor = "current_thread")]
+    /// # async fn main() -> Result<(), Box<dyn std::error::Error>> {
+    /// # let path = std::env::temp_dir().join(format!("doc-cron-{}.db", std::process::id()));
+    /// // Runs are stored messages: a short poll interval finds the first one sooner.
+    /// let config = ShardingConfig {
+    ///     entity_message_poll_interval: Duration::from_millis(100),
+    ///     ..ShardingConfig::default()
+    /// };
+    /// let messages = SqliteMessageStorage::open(&path, SqliteOptions::default()).await?;
+    /// let sharding = Sharding::builder(config).messages(Arc::new(messages)).start().await?;
+    /// let (runs, mut ran) = mpsc::channel(16);
+    /// // Every second (six fields: seconds first).
+    /// sharding.register_cron("heartbeat", "* * * * * *", CronOptions::default(), move |context| {
+    ///     let runs = runs.clone();
+    ///     async move {
+    ///         let _ = runs.send(context.scheduled()).await;
+    ///         Ok::<(), String>(())
+    ///     }
+    /// })?;
+    /// let first = tokio::time::timeout(Duration::from_secs(30), ran.recv()).await?;
+    /// assert!(first.is_some());
+    /// sharding.shutdown().await;
+    /// # for suffix in ["", "-wal", "-shm"] {
+    /// #     let _ = std::fs::remove_file(format!("{}{suffix}", path.display()));
+    /// # }
+    /// # Ok(())
+    /// # }
+    /// ```
+    pub fn register_cron<F, Fut, E>(
+        &self,
+        name: impl Into<String>,
+        expression: &str,
+        options: CronOptions,
+        execute: F,
+    ) -> Result<(), CronError>
+    where
+        F: Fn(CronContext) -> Fut + Send + Sync + 'static,
+        Fut: Future<Output = Result<(), E>> + Send + 'static,
+        E: std::fmt::Display + 'static,
+    {
+        if self.persisted().is_none() {
+            return Err(CronError::NoMessageStorage);
+        }
+        let execute: cron::Execute = Arc::new(move |context| {
+            let run = execute(context);
+            Box::pin(async move { run.await.map_err(|error| error.to_string()) })
+        });
+        let job = Arc::new(cron::Job::new(name.into(), expression, options, execute)?);
+        let entity_type = job.entity_type().clone();
+        // The instances get the runtime from their context: a factory that kept it would keep
+        // the runtime alive through its own managers.
+        let entity_job = Arc::clone(&job);
+        let factory = move |context: &EntityContext| {
+            CronEntity::new(Arc::clone(&entity_job), context.sharding().clone())
+        };
+        let factory = Factory::<CronEntity<Sharding>>::With(Arc::new(factory));
+        self.register_factory(entity_type.clone(), EntityOptions::default(), factory)?;
+        let singleton = SingletonOptions { shard_group: Some(job.shard_group()) };
+        self.register_singleton(entity_type.to_string(), singleton, move |context| {
+            let host = context.sharding().clone();
+            cron::start_schedule(host, Arc::clone(&job), context.cancellation().clone())
+        })?;
+        Ok(())
     }
 
     /// Registers entity type `E` under the name `entity_type` instead of `E::TYPE`: one Rust
@@ -818,11 +905,6 @@ impl Sharding {
         WeakSharding(Arc::downgrade(&self.inner))
     }
 
-    /// The registered cron jobs.
-    pub(crate) fn cron_jobs_registry(&self) -> &CronJobs {
-        &self.inner.cron_jobs
-    }
-
     /// Publishes a registration event (nobody may be subscribed: that is not an error).
     pub(crate) fn publish(&self, event: RegistrationEvent) {
         let _ = self.inner.events.send(event);
@@ -965,6 +1047,43 @@ impl EntityContext {
     /// another entity. An instance that keeps it keeps the runtime alive until it stops.
     pub fn sharding(&self) -> &Sharding {
         Sharding::of(&self.runtime)
+    }
+}
+
+impl CronContext {
+    /// The runtime, to call entities.
+    pub fn sharding(&self) -> &Sharding {
+        Sharding::of(&self.runtime)
+    }
+}
+
+/// Cron jobs read the runtime's clock and send their runs through it.
+impl CronHost for Sharding {
+    fn now(&self) -> Timestamp {
+        self.clock().now()
+    }
+
+    fn is_shutdown(&self) -> bool {
+        Sharding::is_shutdown(self)
+    }
+
+    fn handle(&self) -> RuntimeHandle {
+        Sharding::handle(self)
+    }
+
+    async fn discard<R: Rpc>(
+        &self,
+        job: &cron::Job,
+        entity_id: String,
+        request: R,
+    ) -> Result<(), CallError<R::Error>>
+    where
+        CronEntity<Sharding>: Handler<R>,
+    {
+        let group = job.shard_group();
+        let client =
+            self.client_in::<CronEntity<Sharding>>(job.entity_type().clone(), &group, entity_id);
+        client.discard(request).await
     }
 }
 
