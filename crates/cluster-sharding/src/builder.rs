@@ -19,10 +19,10 @@ use cluster_core::transport::Transport;
 use cluster_core::{Clock, Runner, ShardingConfig, SystemClock};
 
 use crate::error::StartError;
-use crate::member::{Member, RUNNER_HEALTH};
+use crate::placement::member::{Member, RUNNER_HEALTH};
+use crate::placement::single_runner::{HeldLocks, LockedRuntime, all_shards};
+use crate::services::singleton::SingletonOptions;
 use crate::sharding::Sharding;
-use crate::single_runner::{HeldLocks, LockedRuntime, all_shards};
-use crate::singleton::SingletonOptions;
 
 /// Puts a [`Sharding`] runtime together: [`Sharding::builder`], the parts, then
 /// [`start`](ShardingBuilder::start).

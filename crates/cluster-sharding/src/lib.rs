@@ -76,51 +76,38 @@
 //! `SingleRunner::sqlite` (one process on a SQLite file) and `Runner` (a runner process from
 //! the environment).
 
+mod api;
 mod builder;
-mod client;
-mod cron;
-mod delivery;
-mod entity;
 mod error;
-mod interrupt;
-mod keep_alive;
-mod local;
-mod manager;
-mod member;
 pub mod metrics;
-mod persisted;
-mod queue_entity;
-mod registry;
-mod remote;
-mod rpc;
+mod placement;
+mod runtime;
+mod services;
 mod sharding;
-mod shards;
-mod single_runner;
-mod singleton;
 mod time;
 
+pub use api::client::{ChunkStream, EntityClient};
+pub use api::entity::{
+    CHUNK_BYTES_MAX, CHUNK_ITEMS_MAX, ChunkError, Chunks, DEFAULT_ON_STOP_TIMEOUT, Entity,
+    EntityContext, EntityOptions, ForkedHandler, ForkedStreamHandler, Handler, Protocol,
+    RequestContext, SharedHandler, StreamHandler, lock_backend,
+};
+pub use api::queue_entity::{
+    Accepts, AcceptsStream, BehaviourError, QueueEntity, QueueProtocol, QueueShared, Queued,
+    QueuedRequest, Replier, RequestQueue,
+};
+pub use api::rpc::{CallError, Rpc, StreamRpc, Uninterruptible};
 pub use builder::ShardingBuilder;
-pub use client::{ChunkStream, EntityClient};
 pub use cluster_core::Never;
 /// Writes an entity from one impl block: its requests' `Rpc` implementations, its handlers, its
 /// protocol and a typed client (see the `cluster-macros` crate).
 #[cfg(feature = "macros")]
 pub use cluster_macros::entity;
-pub use cron::{CronContext, CronError, CronOptions};
-pub use delivery::TransactionSlot;
-pub use entity::{
-    CHUNK_BYTES_MAX, CHUNK_ITEMS_MAX, ChunkError, Chunks, DEFAULT_ON_STOP_TIMEOUT, Entity,
-    EntityContext, EntityOptions, ForkedHandler, ForkedStreamHandler, Handler, Protocol,
-    RequestContext, SharedHandler, StreamHandler, lock_backend,
-};
 pub use error::{RegisterError, StartError};
-pub use queue_entity::{
-    Accepts, AcceptsStream, BehaviourError, QueueEntity, QueueProtocol, QueueShared, Queued,
-    QueuedRequest, Replier, RequestQueue,
-};
-pub use rpc::{CallError, Rpc, StreamRpc, Uninterruptible};
+pub use runtime::delivery::TransactionSlot;
+pub use services::cron::{CronContext, CronError, CronOptions};
+pub use services::singleton::{SingletonContext, SingletonOptions};
 pub use sharding::{RegistrationEvent, Sharding, seed_provisional_machine_ids};
-pub use singleton::{SingletonContext, SingletonOptions};
 
 /// What the code that [`entity`] generates refers to; not part of the API. A crate that
 /// re-exports this one whole (`pub use cluster_sharding::*`) re-exports it too, so that

@@ -37,27 +37,29 @@ use tokio::sync::broadcast;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
-use crate::builder::ShardingBuilder;
-use crate::client::EntityClient;
-use crate::cron::{self, CronContext, CronEntity, CronError, CronHost, CronOptions};
-use crate::delivery::{ReadLatch, Serving};
-use crate::entity::Ids;
-use crate::entity::{
+use crate::api::client::EntityClient;
+use crate::api::entity::Ids;
+use crate::api::entity::{
     DEFAULT_ON_STOP_TIMEOUT, Entity, EntityContext, EntityOptions, Handler, RuntimeHandle,
 };
+use crate::api::rpc::{CallError, Rpc};
+use crate::builder::ShardingBuilder;
 use crate::error::RegisterError;
-use crate::keep_alive::{KEEP_ALIVE_TAG, KeepAliveSender};
-use crate::local::{LocalDelivery, StreamCall};
-use crate::manager::{Contexts, EntityManager, Factory, ManagerOptions, Residency};
-use crate::member::{Member, MemberHost};
 use crate::metrics;
-use crate::persisted::{PersistedDelivery, PersistedParts, PersistedStream, not_stored};
-use crate::registry::Managers;
-use crate::remote::{Remote, RemoteParts, ShardingConfigView};
-use crate::rpc::{CallError, Rpc};
-use crate::shards::Shards;
-use crate::single_runner::{HeldLocks, all_shards};
-use crate::singleton::{self, SingletonContext, SingletonHost, SingletonOptions, Singletons};
+use crate::placement::member::{Member, MemberHost};
+use crate::placement::remote::{Remote, RemoteParts, ShardingConfigView};
+use crate::placement::shards::Shards;
+use crate::placement::single_runner::{HeldLocks, all_shards};
+use crate::runtime::delivery::{ReadLatch, Serving};
+use crate::runtime::keep_alive::{KEEP_ALIVE_TAG, KeepAliveSender};
+use crate::runtime::local::{LocalDelivery, StreamCall};
+use crate::runtime::manager::{Contexts, EntityManager, Factory, ManagerOptions, Residency};
+use crate::runtime::persisted::{PersistedDelivery, PersistedParts, PersistedStream, not_stored};
+use crate::runtime::registry::Managers;
+use crate::services::cron::{self, CronContext, CronEntity, CronError, CronHost, CronOptions};
+use crate::services::singleton::{
+    self, SingletonContext, SingletonHost, SingletonOptions, Singletons,
+};
 
 /// What [`Sharding::registration_events`] reports.
 #[derive(Clone, Debug, PartialEq, Eq)]

@@ -28,16 +28,16 @@ use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 use tracing::Instrument;
 
-use crate::delivery::{
-    Delivery, ErasedManager, PendingTransaction, Refused, ReplyTo, Serving, StreamReplies,
-};
-use crate::entity::{
+use crate::api::entity::{
     CallKind, ChunkChannel, Entity, EntityContext, Ids, Protocol, RequestContext, SharedValue,
     Sharing, malformed,
 };
-use crate::interrupt::{FlaggedToken, InterruptSignal};
-use crate::keep_alive::{KEEP_ALIVE_TAG, KeepAlive, KeepAliveHandle, KeepAliveSender};
 use crate::metrics;
+use crate::runtime::delivery::{
+    Delivery, ErasedManager, PendingTransaction, Refused, ReplyTo, Serving, StreamReplies,
+};
+use crate::runtime::interrupt::{FlaggedToken, InterruptSignal};
+use crate::runtime::keep_alive::{KEEP_ALIVE_TAG, KeepAlive, KeepAliveHandle, KeepAliveSender};
 use instances::{Instances, Partition};
 
 /// The largest mailbox channel; an unbounded mailbox capacity is capped here (everything has a
@@ -262,7 +262,7 @@ struct Shared<E: Entity> {
     /// Set when the graceful drain is over: running requests are interrupted.
     closed: CancellationToken,
     tasks: TaskTracker,
-    /// Sends the keep-alive request (see [`crate::keep_alive`]).
+    /// Sends the keep-alive request (see [`crate::runtime::keep_alive`]).
     keep_alive_sender: KeepAliveSender,
 }
 

@@ -14,7 +14,7 @@ use cluster_core::storage::{MessageStorage, MessageTransaction};
 use cluster_core::{ClusterError, EntityAddress, ShardId, Snowflake};
 use tokio::sync::{mpsc, oneshot};
 
-use crate::interrupt::InterruptSignal;
+use crate::runtime::interrupt::InterruptSignal;
 
 /// The storage transaction a `WITH_TRANSACTION` request's handler runs in.
 pub type TransactionSlot = Arc<tokio::sync::Mutex<Option<Box<dyn MessageTransaction>>>>;

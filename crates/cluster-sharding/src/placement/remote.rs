@@ -24,12 +24,12 @@ use cluster_core::{ClusterError, RunnerAddress, ShardId, Snowflake};
 use tokio::sync::{mpsc, oneshot};
 use tokio_util::task::TaskTracker;
 
-use crate::delivery::{Delivery, ReadLatch, ReplyTo};
-use crate::entity::Ids;
-use crate::interrupt::InterruptSignal;
-use crate::local::{LocalCall, LocalDelivery, STREAM_BUFFER, StreamCall};
-use crate::registry::Managers;
-use crate::shards::Shards;
+use crate::api::entity::Ids;
+use crate::placement::shards::Shards;
+use crate::runtime::delivery::{Delivery, ReadLatch, ReplyTo};
+use crate::runtime::interrupt::InterruptSignal;
+use crate::runtime::local::{LocalCall, LocalDelivery, STREAM_BUFFER, StreamCall};
+use crate::runtime::registry::Managers;
 
 /// Where a volatile request goes.
 enum Route {
@@ -276,7 +276,9 @@ impl Remote {
         }?;
         match reply {
             Reply::WithExit(with_exit) => Ok(with_exit.exit),
-            Reply::Chunk(_) => Ok(crate::entity::malformed("a chunk answered a unary request")),
+            Reply::Chunk(_) => {
+                Ok(crate::api::entity::malformed("a chunk answered a unary request"))
+            }
         }
     }
 

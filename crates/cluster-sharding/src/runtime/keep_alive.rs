@@ -17,7 +17,7 @@ use cluster_core::future::BoxFuture;
 use cluster_core::sync::lock;
 use cluster_core::{ClusterError, EntityAddress};
 
-use crate::delivery::{Delivery, ReplyTo};
+use crate::runtime::delivery::{Delivery, ReplyTo};
 
 /// The tag of the internal keep-alive request (the reference's `KeepAliveRpc`).
 pub(crate) const KEEP_ALIVE_TAG: &str = "Cluster/Entity/keepAlive";

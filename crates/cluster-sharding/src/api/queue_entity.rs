@@ -54,12 +54,12 @@ use cluster_core::{DecodeError, ShardGroup, Snowflake};
 use futures_util::FutureExt;
 use tokio::sync::{mpsc, oneshot};
 
-use crate::entity::{
+use crate::api::entity::{
     CallKind, ChunkChannel, ChunkError, Chunks, Entity, EntityContext, ForkedHandler,
     ForkedStreamHandler, HandlerEntry, Protocol, RequestContext, SharedValue, malformed,
     stream_with,
 };
-use crate::rpc::{Rpc, StreamRpc};
+use crate::api::rpc::{Rpc, StreamRpc};
 
 /// How many requests wait in a queue entity's queue before handing over another waits.
 const QUEUE_CAPACITY: usize = 1024;

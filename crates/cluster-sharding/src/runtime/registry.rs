@@ -18,7 +18,7 @@ use cluster_core::{ClusterError, EntityAddress, EntityType, ShardId};
 use tokio::sync::Notify;
 use tokio_util::sync::CancellationToken;
 
-use crate::delivery::{Delivery, ErasedManager, Serving};
+use crate::runtime::delivery::{Delivery, ErasedManager, Serving};
 
 /// How many entity types a delivery finds without a lock (see [`Managers`]); the others are
 /// found under the registry's read lock.

@@ -32,8 +32,8 @@ use cluster_core::Snowflake;
 use tokio::sync::mpsc;
 
 use super::{PersistedDelivery, lock};
-use crate::interrupt::InterruptSignal;
 use crate::metrics;
+use crate::runtime::interrupt::InterruptSignal;
 
 /// The map (in [`PersistedDelivery`]).
 #[derive(Default)]

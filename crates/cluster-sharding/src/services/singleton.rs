@@ -26,10 +26,10 @@ use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 use tracing::Instrument;
 
-use crate::delivery::Serving;
-use crate::entity::RuntimeHandle;
+use crate::api::entity::RuntimeHandle;
 use crate::error::RegisterError;
 use crate::metrics;
+use crate::runtime::delivery::Serving;
 
 /// The restart backoff after a panic.
 const RESTART_FIRST: Duration = Duration::from_millis(500);

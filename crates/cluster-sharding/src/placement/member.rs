@@ -59,9 +59,9 @@ use futures_util::future::Shared;
 use tokio::sync::{Notify, watch};
 use tokio_util::sync::CancellationToken;
 
-use crate::delivery::Serving;
 use crate::metrics;
-use crate::registry::Managers;
+use crate::runtime::delivery::Serving;
+use crate::runtime::registry::Managers;
 
 /// How long a registry call may take (the reference's 5 s).
 const REGISTRY_TIMEOUT: Duration = Duration::from_secs(5);

@@ -57,15 +57,17 @@ use tokio::sync::{Notify, mpsc, oneshot};
 use tokio::time::Instant;
 use tokio_util::task::TaskTracker;
 
-use crate::delivery::{Delivery, PendingTransaction, ReadLatch, Refused, ReplyTo, StreamReplies};
-use crate::entity::Ids;
-use crate::entity::malformed;
-use crate::interrupt::InterruptSignal;
-use crate::local::STREAM_BUFFER;
-use crate::manager::Residency;
-use crate::registry::Managers;
-use crate::remote::Remote;
-use crate::shards::Shards;
+use crate::api::entity::Ids;
+use crate::api::entity::malformed;
+use crate::placement::remote::Remote;
+use crate::placement::shards::Shards;
+use crate::runtime::delivery::{
+    Delivery, PendingTransaction, ReadLatch, Refused, ReplyTo, StreamReplies,
+};
+use crate::runtime::interrupt::InterruptSignal;
+use crate::runtime::local::STREAM_BUFFER;
+use crate::runtime::manager::Residency;
+use crate::runtime::registry::Managers;
 
 mod direct;
 mod tracked;

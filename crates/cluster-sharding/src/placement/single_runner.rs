@@ -24,8 +24,8 @@ use cluster_core::sync::lock;
 use cluster_core::{RunnerAddress, ShardId};
 use tokio_util::sync::CancellationToken;
 
-use crate::delivery::ReadLatch;
-use crate::registry::Managers;
+use crate::runtime::delivery::ReadLatch;
+use crate::runtime::registry::Managers;
 
 /// Shards and registration a single runner holds, released at shutdown.
 ///

@@ -15,9 +15,9 @@ use cluster_core::{ClusterError, EntityAddress, Snowflake};
 use tokio::sync::mpsc;
 use tracing::Instrument;
 
-use crate::entity::{Entity, Handler, StreamHandler};
-use crate::interrupt::InterruptGuard;
-use crate::rpc::{CallError, Rpc, StreamRpc};
+use crate::api::entity::{Entity, Handler, StreamHandler};
+use crate::api::rpc::{CallError, Rpc, StreamRpc};
+use crate::runtime::interrupt::InterruptGuard;
 use crate::sharding::Sharding;
 
 /// The defect the reference raises for a persisted request on a runtime without storage.
@@ -43,7 +43,7 @@ enum Acks {
     /// To the local handler, interrupted by cancellation.
     Local { acks: mpsc::Sender<Snowflake>, interrupt: Option<InterruptGuard> },
     /// Through storage, interrupted by a stored interrupt.
-    Stored(Box<crate::persisted::PersistedStream>),
+    Stored(Box<crate::runtime::persisted::PersistedStream>),
 }
 
 impl Acks {

@@ -9,10 +9,10 @@ use std::sync::{Arc, OnceLock};
 
 use cluster_core::ShardId;
 
-use crate::delivery::Serving;
-use crate::interrupt::FlaggedToken;
-use crate::member::Member;
-use crate::single_runner::HeldLocks;
+use crate::placement::member::Member;
+use crate::placement::single_runner::HeldLocks;
+use crate::runtime::delivery::Serving;
+use crate::runtime::interrupt::FlaggedToken;
 
 /// The shards this runtime serves.
 pub(crate) struct Shards {

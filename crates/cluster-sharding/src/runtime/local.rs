@@ -15,11 +15,11 @@ use cluster_core::{ClusterError, EntityAddress, Snowflake};
 use tokio::sync::{mpsc, oneshot};
 use tokio_util::sync::CancellationToken;
 
-use crate::delivery::{Delivery, ErasedManager, ReplyTo, StreamReplies};
-use crate::entity::Ids;
-use crate::interrupt::InterruptSignal;
-use crate::registry::Managers;
-use crate::shards::Shards;
+use crate::api::entity::Ids;
+use crate::placement::shards::Shards;
+use crate::runtime::delivery::{Delivery, ErasedManager, ReplyTo, StreamReplies};
+use crate::runtime::interrupt::InterruptSignal;
+use crate::runtime::registry::Managers;
 
 /// The buffer of a stream's reply and acknowledgement channels.
 pub(crate) const STREAM_BUFFER: usize = 4;

@@ -54,10 +54,10 @@ use serde::de::DeserializeOwned;
 use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
 
-use crate::delivery::TransactionSlot;
-use crate::interrupt::InterruptSignal;
-use crate::keep_alive::KeepAliveHandle;
-use crate::rpc::{Rpc, StreamRpc};
+use crate::api::rpc::{Rpc, StreamRpc};
+use crate::runtime::delivery::TransactionSlot;
+use crate::runtime::interrupt::InterruptSignal;
+use crate::runtime::keep_alive::KeepAliveHandle;
 
 /// An entity type.
 ///

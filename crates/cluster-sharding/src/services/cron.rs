@@ -32,9 +32,9 @@ use cluster_core::{EntityType, ShardGroup, Timestamp};
 use serde::{Deserialize, Serialize};
 use tokio_util::sync::CancellationToken;
 
-use crate::entity::{Entity, EntityContext, Handler, Protocol, RequestContext, RuntimeHandle};
+use crate::api::entity::{Entity, EntityContext, Handler, Protocol, RequestContext, RuntimeHandle};
+use crate::api::rpc::{CallError, Rpc, Uninterruptible};
 use crate::error::RegisterError;
-use crate::rpc::{CallError, Rpc, Uninterruptible};
 
 /// The first pause between scheduling attempts, and the longest.
 const SCHEDULE_RETRY_FIRST: Duration = Duration::from_millis(200);
