@@ -11,6 +11,8 @@
 //! - Locks are taken through `cluster_core::sync` and `Never` is `cluster_core::Never`, each
 //!   defined once.
 //! - No import circle inside a crate is larger than three files (`circles`).
+//! - `cluster-sharding`'s components do not name its handle, and its persisted path reads one
+//!   way (`layers`).
 //! - Comments and docs cite only what a clone can follow: the reference's own sources
 //!   (`effect/src/...`) or paths that exist in this repository, never the design notes the
 //!   project started from.
@@ -66,6 +68,7 @@ pub(crate) fn run(root: &Path) -> Result<()> {
     violations.extend(source_violations(root)?);
     violations.extend(citation_violations_in(root)?);
     violations.extend(circles::circle_violations(root)?);
+    violations.extend(layers::layer_violations(root)?);
     if violations.is_empty() {
         return Ok(());
     }
@@ -373,5 +376,6 @@ fn collect_rust_files(dir: &Path, files: &mut Vec<PathBuf>) -> Result<()> {
 }
 
 mod circles;
+mod layers;
 #[cfg(test)]
 mod tests;

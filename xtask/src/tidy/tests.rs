@@ -185,3 +185,28 @@ fn code_after_a_test_module_declaration_still_counts() {
     assert_eq!(edges["a"], BTreeSet::from(["b".to_owned()]));
     assert_eq!(edges["b"], BTreeSet::from(["a".to_owned()]), "only the test function is left out");
 }
+
+#[test]
+fn a_component_that_names_the_handle_or_persisted_delivery_backwards_is_reported() {
+    let crate_modules = modules(&[
+        ("", "mod sharding;\npub use sharding::Sharding;\n"),
+        ("sharding", "use crate::runtime::manager::Manager;\n"),
+        ("runtime::manager", "use crate::Sharding;\nuse crate::runtime::persisted::Stored;\n"),
+        ("runtime::persisted", "use crate::runtime::manager::Manager;\n"),
+        ("runtime::persisted::direct", "use super::Stored;\n"),
+        ("api::client", "use crate::sharding::Sharding;\n"),
+    ]);
+    let edges = circles::edges(&crate_modules);
+    let found = layers::violations_in("cluster-sharding", &edges, &layers::rules());
+    assert_eq!(
+        found,
+        [
+            "cluster-sharding: `runtime::manager` imports `sharding` (a component does not name \
+             the handle)",
+            "cluster-sharding: `runtime::manager` imports `runtime::persisted` (the persisted \
+             path reads one way)",
+        ],
+        "the client may name the handle, and persisted delivery may name the manager"
+    );
+    assert!(layers::violations_in("other-crate", &edges, &layers::rules()).is_empty());
+}
