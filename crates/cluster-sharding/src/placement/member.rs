@@ -58,6 +58,7 @@ use futures_util::FutureExt;
 use futures_util::future::Shared;
 use tokio::sync::{Notify, watch};
 use tokio_util::sync::CancellationToken;
+use tokio_util::task::TaskTracker;
 
 use crate::metrics;
 use crate::runtime::delivery::Serving;
@@ -140,6 +141,9 @@ pub(crate) struct Member {
     handed_off: Notify,
     /// Stops the loops, after the handoff.
     stopped: CancellationToken,
+    /// The in-flight lock confirmations, which outlive an interrupted writer; awaited by the
+    /// shutdown handoff.
+    confirming: TaskTracker,
     /// Held while registering, and while unregistering at shutdown.
     /// So a registration in flight cannot advertise a runner that is going away.
     registration: tokio::sync::Mutex<()>,
@@ -202,6 +206,7 @@ impl Member {
             handoff: CancellationToken::new(),
             handed_off: Notify::new(),
             stopped: CancellationToken::new(),
+            confirming: TaskTracker::new(),
             registration: tokio::sync::Mutex::new(()),
         }
     }
@@ -713,6 +718,9 @@ impl Member {
             }
             self.stopped.cancel();
             host.writes_finished(None, self.config.shard_lock_expiration).await;
+            // The writers are done; a confirmation they started ends within its timeout.
+            self.confirming.close();
+            self.confirming.wait().await;
             let released = bounded(bound, self.storage.release_all(&address));
             if let Err(error) = released.await {
                 tracing::warn!(%error, "could not release the shard locks; they expire");
@@ -796,7 +804,7 @@ impl Member {
                     let cluster = Arc::clone(cluster);
                     let shard = shard.clone();
                     let interval = self.config.shard_lock_interval();
-                    let task = tokio::spawn(async move {
+                    let task = self.confirming.spawn(async move {
                         let refresh =
                             cluster.storage.refresh(&address, std::slice::from_ref(&shard));
                         let confirmed = match tokio::time::timeout(interval, refresh).await {

@@ -267,8 +267,9 @@ impl Remote {
         };
         let call = async move { transport.send(&owner, request, false).await };
         let reply = if uninterruptible {
-            // Dropping the caller must not drop the call (which would interrupt it remotely).
-            let task = tokio::spawn(call);
+            // Dropping the caller must not drop the call (which would interrupt it remotely):
+            // it runs on as a task of the runtime, awaited at shutdown.
+            let task = self.tasks.spawn(call);
             task.await
                 .map_err(|_| ClusterError::RunnerUnavailable { address: self.own_address() })?
         } else {
