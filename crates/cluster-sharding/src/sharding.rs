@@ -509,11 +509,9 @@ impl Sharding {
         // The instances get the runtime from their context: a factory that kept it would keep
         // the runtime alive through its own managers.
         let entity_job = Arc::clone(&job);
-        let factory = move |context: &EntityContext| {
-            CronEntity::new(Arc::clone(&entity_job), context.sharding().clone())
-        };
-        let factory = Factory::<CronEntity<Sharding>>::With(Arc::new(factory));
-        self.register_factory(entity_type.clone(), EntityOptions::default(), factory)?;
+        self.register_as_with(entity_type.clone(), EntityOptions::default(), move |context| {
+            CronEntity::<Sharding>::new(Arc::clone(&entity_job), context.sharding().clone())
+        })?;
         let singleton = SingletonOptions { shard_group: Some(job.shard_group()) };
         self.register_singleton(entity_type.to_string(), singleton, move |context| {
             let host = context.sharding().clone();
@@ -533,6 +531,18 @@ impl Sharding {
     ) -> Result<(), RegisterError> {
         assert_has_create!(E);
         self.register_factory(entity_type, options, Factory::<E>::create())
+    }
+
+    /// Registers entity type `E` under the name `entity_type`, its instances made by
+    /// `factory`: [`register_as`](Sharding::register_as) and
+    /// [`register_with`](Sharding::register_with) together.
+    pub fn register_as_with<E: Entity>(
+        &self,
+        entity_type: EntityType,
+        options: EntityOptions,
+        factory: impl Fn(&EntityContext) -> E + Send + Sync + 'static,
+    ) -> Result<(), RegisterError> {
+        self.register_factory(entity_type, options, Factory::With(Arc::new(factory)))
     }
 
     /// Registers entity type `E` with `factory` making its instances instead of

@@ -24,8 +24,8 @@ use cluster_core::storage::MessageStorage;
 use cluster_core::sync::lock;
 use cluster_core::{DecodeError, EntityAddress, EntityType, ShardGroup, Snowflake, Timestamp};
 use cluster_sharding::{
-    CallError, Entity, EntityClient, EntityContext, EntityOptions, Protocol, RequestContext, Rpc,
-    Sharding, SharedHandler, TransactionSlot, Uninterruptible,
+    CallError, Entity, EntityClient, EntityContext, EntityOptions, Protocol, RegisterError,
+    RequestContext, Rpc, Sharding, SharedHandler, TransactionSlot, Uninterruptible,
 };
 use serde::de::Error as _;
 use serde::{Deserialize, Deserializer, Serialize, Serializer};
@@ -357,14 +357,23 @@ impl WorkflowEngine {
         sharding: &Sharding,
         options: ClusterOptions,
     ) -> Result<WorkflowEngine, WorkflowError> {
+        let backend = ClusterEngine::attach(sharding, options)?;
+        Ok(WorkflowEngine { backend })
+    }
+}
+
+impl ClusterEngine {
+    /// The cluster engine of `sharding`, its clock entity registered: what
+    /// [`WorkflowEngine::cluster_with`] runs on.
+    fn attach(
+        sharding: &Sharding,
+        options: ClusterOptions,
+    ) -> Result<Arc<ClusterEngine>, WorkflowError> {
         let Some(storage) = sharding.message_storage().cloned() else {
             return Err(WorkflowError::Invalid(
                 "the cluster workflow engine needs a runtime with a message storage".into(),
             ));
         };
-        if sharding.extension::<ClusterEngine>().is_some() {
-            return Err(WorkflowError::Invalid("the runtime already has a workflow engine".into()));
-        }
         let engine = Arc::new_cyclic(|me| ClusterEngine {
             me: me.clone(),
             sharding: sharding.clone(),
@@ -374,14 +383,23 @@ impl WorkflowEngine {
             activations: Mutex::new(BTreeMap::new()),
             queues: QueueWorkers::new(options.queue_storage, options.queue),
         });
-        sharding.insert_extension(Arc::clone(&engine));
-        sharding
-            .register_as::<ClockEntity>(EntityType::from(CLOCK_ENTITY), entity_options())
-            .map_err(|error| WorkflowError::Register {
+        // The entities get the engine from their factory: it lives as long as their runtime.
+        let clock_engine = Arc::clone(&engine);
+        let registered = sharding.register_as_with(
+            EntityType::from(CLOCK_ENTITY),
+            entity_options(),
+            move |context| ClockEntity::new(context, Arc::clone(&clock_engine)),
+        );
+        match registered {
+            Ok(()) => Ok(engine),
+            Err(RegisterError::AlreadyRegistered(_)) => {
+                Err(WorkflowError::Invalid("the runtime already has a workflow engine".into()))
+            }
+            Err(error) => Err(WorkflowError::Register {
                 entity_type: CLOCK_ENTITY.to_owned(),
                 source: Arc::new(error),
-            })?;
-        Ok(WorkflowEngine { backend: engine })
+            }),
+        }
     }
 }
 
@@ -1028,19 +1046,9 @@ impl Drop for WorkflowEntity {
     }
 }
 
-fn engine_of(context: &EntityContext) -> Arc<ClusterEngine> {
-    match context.sharding().extension::<ClusterEngine>() {
-        Some(engine) => engine,
-        // Registered only by the engine, after it attached itself.
-        None => panic!("a workflow entity without a workflow engine on its runtime"),
-    }
-}
-
-impl Entity for WorkflowEntity {
-    const TYPE: &'static str = "Workflow";
-
-    async fn create(context: &EntityContext) -> WorkflowEntity {
-        let engine = engine_of(context);
+impl WorkflowEntity {
+    /// The activation of the execution at `context`'s address, on `engine`.
+    fn activate(context: &EntityContext, engine: Arc<ClusterEngine>) -> WorkflowEntity {
         let address = context.address();
         let workflow =
             address.entity_type.as_str().strip_prefix("Workflow/").unwrap_or_default().to_owned();
@@ -1057,6 +1065,17 @@ impl Entity for WorkflowEntity {
         });
         lock(&engine.activations).insert(execution_id, Arc::downgrade(&activation));
         WorkflowEntity { activation }
+    }
+}
+
+impl Entity for WorkflowEntity {
+    const TYPE: &'static str = "Workflow";
+
+    // Registered as `Workflow/<name>` by the engine, with a factory that hands it the engine.
+    const FACTORY_ONLY: bool = true;
+
+    fn create(_: &EntityContext) -> impl std::future::Future<Output = WorkflowEntity> + Send {
+        std::future::pending()
     }
 
     fn protocol(protocol: &mut Protocol<WorkflowEntity>) {
@@ -1156,14 +1175,24 @@ pub(crate) struct ClockEntity {
     execution_id: ExecutionId,
 }
 
+impl ClockEntity {
+    /// The clock of the execution at `context`'s address, on `engine`.
+    fn new(context: &EntityContext, engine: Arc<ClusterEngine>) -> ClockEntity {
+        ClockEntity {
+            engine,
+            execution_id: ExecutionId::from_raw(context.address().entity_id.as_str()),
+        }
+    }
+}
+
 impl Entity for ClockEntity {
     const TYPE: &'static str = CLOCK_ENTITY;
 
-    async fn create(context: &EntityContext) -> ClockEntity {
-        ClockEntity {
-            engine: engine_of(context),
-            execution_id: ExecutionId::from_raw(context.address().entity_id.as_str()),
-        }
+    // Registered by the engine, with a factory that hands it the engine.
+    const FACTORY_ONLY: bool = true;
+
+    fn create(_: &EntityContext) -> impl std::future::Future<Output = ClockEntity> + Send {
+        std::future::pending()
     }
 
     fn protocol(protocol: &mut Protocol<ClockEntity>) {
@@ -1393,7 +1422,12 @@ impl Backend for ClusterEngine {
         }
         self.define(registration.name, &registration.options);
         let entity_type = Self::entity_type(registration.name);
-        self.sharding.register_as::<WorkflowEntity>(entity_type.clone(), entity_options()).map_err(
+        let Some(engine) = self.me.upgrade() else {
+            return Err(WorkflowError::Invalid("the workflow engine is gone".into()));
+        };
+        let factory =
+            move |context: &EntityContext| WorkflowEntity::activate(context, Arc::clone(&engine));
+        self.sharding.register_as_with(entity_type.clone(), entity_options(), factory).map_err(
             |error| WorkflowError::Register {
                 entity_type: entity_type.to_string(),
                 source: Arc::new(error),
@@ -1579,6 +1613,29 @@ mod tests {
 
     use super::*;
 
+    /// One engine per runtime: a second one would register the same entity types, so it is
+    /// refused with a typed error, and the first keeps working.
+    #[tokio::test]
+    async fn a_second_engine_on_one_runtime_is_refused() {
+        let config = ShardingConfig::default();
+        let path = std::env::temp_dir().join(format!("workflow-second-{}.db", std::process::id()));
+        let options =
+            SqliteOptions::new(SqlStorageOptions::from_config(&config, TablePrefix::default()));
+        let storage = Arc::new(SqliteMessageStorage::open(&path, options).await.unwrap());
+        let sharding = Sharding::builder(config).messages(storage).start().await.unwrap();
+        let first = WorkflowEngine::cluster(&sharding).unwrap();
+        let second = WorkflowEngine::cluster(&sharding).unwrap_err();
+        assert!(
+            matches!(&second, WorkflowError::Invalid(message) if message.contains("already has")),
+            "{second:?}"
+        );
+        drop(first);
+        sharding.shutdown().await;
+        for suffix in ["", "-wal", "-shm"] {
+            let _ = std::fs::remove_file(format!("{}{suffix}", path.display()));
+        }
+    }
+
     /// New in effect 4.1.0 (`deferredResult` reads an unprocessed completion): a completion saved
     /// and not yet processed is already the deferred's result, and the first one saved wins. On
     /// 4.0.6 the reader found nothing until the owner processed it.
@@ -1599,7 +1656,8 @@ mod tests {
             .start()
             .await
             .unwrap();
-        let engine = WorkflowEngine::cluster(&sharding).unwrap();
+        let cluster = ClusterEngine::attach(&sharding, ClusterOptions::default()).unwrap();
+        let engine = WorkflowEngine { backend: Arc::clone(&cluster) as Arc<dyn Backend> };
         let execution_id = ExecutionId::derive("Gated", "pending");
         let token = |_: ()| Token {
             workflow: "Gated".into(),
@@ -1608,7 +1666,6 @@ mod tests {
         };
         engine.complete(&token(()), Ok::<&str, Never>("first")).await.unwrap();
         engine.complete(&token(()), Ok::<&str, Never>("second")).await.unwrap();
-        let Some(cluster) = sharding.extension::<ClusterEngine>() else { panic!("no engine") };
         let stored = cluster.stored_deferred("Gated", &execution_id, "Gate").await.unwrap();
         assert_eq!(stored, Some(Exit::Success(RawJson::encode("first").unwrap())));
         assert_eq!(cluster.stored_deferred("Gated", &execution_id, "Other").await.unwrap(), None);
