@@ -82,7 +82,8 @@ impl Workload {
     /// The reference workload's size: `(ops, in_flight, entities)`.
     fn defaults(self) -> (usize, usize, usize) {
         match self {
-            Workload::W0 | Workload::W1 => (100_000, 256, 1_000),
+            // A million: 100,000 take about 0.15 s, too short to read on a noisy machine.
+            Workload::W0 | Workload::W1 => (1_000_000, 256, 1_000),
             Workload::W2 | Workload::W3 => (20_000, 64, 1_000),
             Workload::W4 | Workload::W5 => (2_000, 64, 0),
         }
@@ -198,7 +199,7 @@ mod tests {
     fn a_workload_takes_the_reference_sizes_unless_told_otherwise() {
         assert_eq!(
             parse_args(&args("w1")),
-            Ok(Plan { workload: Workload::W1, ops: 100_000, in_flight: 256, entities: 1_000 })
+            Ok(Plan { workload: Workload::W1, ops: 1_000_000, in_flight: 256, entities: 1_000 })
         );
         assert_eq!(
             parse_args(&args("W3 --in-flight 16 --ops 1_000")),

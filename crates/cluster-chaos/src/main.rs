@@ -89,13 +89,16 @@ async fn run() -> Result<(), String> {
     let client = &report.client;
     say(&format!(
         "chaos summary: deposits sent {}, answered {}, failed {}, unanswered {}; \
-         echoes ok {}, wrong {}; max deposit latency {} ms; audit rows {}; errors by kind {:?}",
+         echoes ok {}, wrong {}; deposit latency p50 {} ms, p99 {} ms, max {} ms; audit rows {}; \
+         errors by kind {:?}",
         client.sent,
         client.answered,
         client.failed,
         client.unanswered,
         client.echoes_ok,
         client.echoes_wrong,
+        client.p50_deposit_latency_ms,
+        client.p99_deposit_latency_ms,
         client.max_deposit_latency_ms,
         report.audit_rows,
         client.errors

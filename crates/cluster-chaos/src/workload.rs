@@ -108,6 +108,12 @@ pub struct Summary {
     pub errors: BTreeMap<String, u64>,
     /// The longest a deposit took from its first send to its answer, retries included.
     pub max_deposit_latency_ms: u64,
+    /// The median of the answered deposits' latencies (as the maximum's), in milliseconds.
+    #[serde(default)]
+    pub p50_deposit_latency_ms: u64,
+    /// The 99th percentile of the same latencies, in milliseconds.
+    #[serde(default)]
+    pub p99_deposit_latency_ms: u64,
     /// Deposits stored while an earlier deposit to the same ledger was not answered yet.
     pub queued_behind: u64,
 }
@@ -125,9 +131,22 @@ pub fn error_kind(error: &CallError<LedgerError>) -> String {
     }
 }
 
+/// The most deposit latencies kept for the percentiles (past it, the later ones are left out).
+const LATENCIES_MAX: usize = 1 << 20;
+
 #[derive(Default)]
 struct Tally {
     summary: Summary,
+    /// The answered deposits' latencies, in milliseconds.
+    latencies: Vec<u64>,
+}
+
+/// The `per_mille` quantile (500 for the median) of `sorted`, by the nearest rank; 0 when it
+/// is empty.
+fn percentile(sorted: &[u64], per_mille: usize) -> u64 {
+    let Some(last) = sorted.len().checked_sub(1) else { return 0 };
+    let rank = (sorted.len().saturating_mul(per_mille)).div_ceil(1000);
+    sorted[rank.saturating_sub(1).min(last)]
 }
 
 /// Per ledger: how many of its deposits are stored (its next deposit waits for that count),
@@ -206,7 +225,13 @@ pub async fn run(client: &Sharding, options: &WorkloadOptions) -> Summary {
     };
     while workers.join_next().await.is_some() {}
     let _ = echoes.await;
-    let mut summary = lock(&tally).summary.clone();
+    let (mut summary, mut latencies) = {
+        let tally = lock(&tally);
+        (tally.summary.clone(), tally.latencies.clone())
+    };
+    latencies.sort_unstable();
+    summary.p50_deposit_latency_ms = percentile(&latencies, 500);
+    summary.p99_deposit_latency_ms = percentile(&latencies, 990);
     // Every started deposit ends answered, failed or unanswered.
     summary.sent = next.load(Ordering::SeqCst);
     summary
@@ -285,11 +310,13 @@ impl Deposited<'_> {
             match tokio::time::timeout(left, ledger.send(Deposit { key: key.to_owned() })).await {
                 Ok(Ok(_)) => {
                     let latency = u64::try_from(first.elapsed().as_millis()).unwrap_or(u64::MAX);
-                    record(self.tally, |summary| {
-                        summary.answered += 1;
-                        summary.max_deposit_latency_ms =
-                            summary.max_deposit_latency_ms.max(latency);
-                    });
+                    let mut tally = lock(self.tally);
+                    tally.summary.answered += 1;
+                    tally.summary.max_deposit_latency_ms =
+                        tally.summary.max_deposit_latency_ms.max(latency);
+                    if tally.latencies.len() < LATENCIES_MAX {
+                        tally.latencies.push(latency);
+                    }
                     return;
                 }
                 Ok(Err(CallError::Failed(error))) => {
@@ -342,6 +369,16 @@ mod tests {
     use std::collections::BTreeMap;
 
     use super::{ledger_of, position};
+
+    #[test]
+    fn percentiles_take_the_nearest_rank() {
+        let sorted: Vec<u64> = (1..=100).collect();
+        assert_eq!(super::percentile(&sorted, 500), 50);
+        assert_eq!(super::percentile(&sorted, 990), 99);
+        assert_eq!(super::percentile(&[7], 990), 7);
+        assert_eq!(super::percentile(&[], 500), 0);
+        assert_eq!(super::percentile(&[1, 2, 3], 500), 2);
+    }
 
     #[test]
     fn bursts_go_to_the_ledgers_in_turn_and_number_each_ledgers_deposits_without_gaps() {

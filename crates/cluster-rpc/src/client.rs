@@ -400,6 +400,7 @@ async fn write_loop(
     shared: Arc<Shared>,
     idle_expiry: Duration,
 ) {
+    let mut buffer = Vec::new();
     loop {
         let idle_at = lock(&shared.state).last_active + idle_expiry;
         let body = tokio::select! {
@@ -430,7 +431,7 @@ async fn write_loop(
                 continue;
             }
         };
-        if let Err(error) = conn::write_frame(&mut writer, &body).await {
+        if let Err(error) = conn::write_queued(&mut writer, body, &mut out, &mut buffer).await {
             debug!(%error, "write failed");
             break;
         }

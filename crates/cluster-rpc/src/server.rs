@@ -246,8 +246,9 @@ pub(crate) async fn write_loop<W: tokio::io::AsyncWrite + Unpin>(
     mut writer: W,
     mut out: mpsc::Receiver<Vec<u8>>,
 ) {
+    let mut buffer = Vec::new();
     while let Some(body) = out.recv().await {
-        if let Err(error) = conn::write_frame(&mut writer, &body).await {
+        if let Err(error) = conn::write_queued(&mut writer, body, &mut out, &mut buffer).await {
             debug!(%error, "write failed; closing the connection");
             return;
         }
