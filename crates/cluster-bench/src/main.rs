@@ -11,6 +11,10 @@
 //! - `W2`, `W3`: the same request persisted with a primary key, on SQLite and on PostgreSQL.
 //! - `W4`, `W5`: a workflow of three small activities on the cluster workflow engine, on
 //!   SQLite and on PostgreSQL.
+//! - `W6`, `W7`, `W8`: three runner processes on PostgreSQL and this process as a client-only
+//!   member: W3's persisted request, a volatile echo, and W5's workflow (see `processes`).
+//!   The line adds the sum and the maximum of every process's peak resident set.
+//! - `runner`: one runner process of W6 to W8 (started by them).
 //!
 //! `cargo xtask bench` runs them in release mode with the local services (see
 //! docs/performance.md). PostgreSQL comes from `CLUSTER_BENCH_POSTGRES_URL`, else
@@ -19,6 +23,7 @@
 
 mod database;
 mod drive;
+mod processes;
 mod workloads;
 
 use std::process::ExitCode;
@@ -55,6 +60,12 @@ pub(crate) enum Workload {
     W4,
     /// Three-activity workflow on PostgreSQL.
     W5,
+    /// Persisted echo from a client to three runner processes, on PostgreSQL.
+    W6,
+    /// Volatile echo from a client to three runner processes.
+    W7,
+    /// Three-activity workflow started from a client, run by three runner processes.
+    W8,
 }
 
 impl Workload {
@@ -66,6 +77,9 @@ impl Workload {
             "W3" => Some(Workload::W3),
             "W4" => Some(Workload::W4),
             "W5" => Some(Workload::W5),
+            "W6" => Some(Workload::W6),
+            "W7" => Some(Workload::W7),
+            "W8" => Some(Workload::W8),
             _ => None,
         }
     }
@@ -75,7 +89,7 @@ impl Workload {
         match self {
             Workload::W0 | Workload::W1 => "memory",
             Workload::W2 | Workload::W4 => "sqlite",
-            Workload::W3 | Workload::W5 => "postgres",
+            Workload::W3 | Workload::W5 | Workload::W6 | Workload::W7 | Workload::W8 => "postgres",
         }
     }
 
@@ -83,15 +97,14 @@ impl Workload {
     fn defaults(self) -> (usize, usize, usize) {
         match self {
             // A million: 100,000 take about 0.15 s, too short to read on a noisy machine.
-            Workload::W0 | Workload::W1 => (1_000_000, 256, 1_000),
-            Workload::W2 | Workload::W3 => (20_000, 64, 1_000),
-            Workload::W4 | Workload::W5 => (2_000, 64, 0),
+            Workload::W0 | Workload::W1 | Workload::W7 => (1_000_000, 256, 1_000),
+            Workload::W2 | Workload::W3 | Workload::W6 => (20_000, 64, 1_000),
+            Workload::W4 | Workload::W5 | Workload::W8 => (2_000, 64, 0),
         }
     }
 }
 
-const USAGE: &str =
-    "usage: cluster-bench <W0|W1|W2|W3|W4|W5> [--ops N] [--in-flight N] [--entities N]";
+const USAGE: &str = "usage: cluster-bench <W0|W1|W2|W3|W4|W5|W6|W7|W8> [--ops N] [--in-flight N] [--entities N] | runner";
 
 /// Reads the command line.
 pub(crate) fn parse_args(args: &[String]) -> Result<Plan, String> {
@@ -119,8 +132,14 @@ pub(crate) fn parse_args(args: &[String]) -> Result<Plan, String> {
     Ok(Plan { workload, ops, in_flight, entities })
 }
 
-/// The JSON line of a finished run.
-pub(crate) fn report(plan: &Plan, measured: &Measured, peak_rss_mb: f64) -> String {
+/// The JSON line of a finished run; `processes` holds the peak resident set of every process
+/// of a run across processes (this one first), for their sum and maximum.
+pub(crate) fn report(
+    plan: &Plan,
+    measured: &Measured,
+    peak_rss_mb: f64,
+    processes: Option<&[f64]>,
+) -> String {
     let seconds = measured.elapsed.as_secs_f64();
     let ops_per_s = if seconds > 0.0 { usize_f64(plan.ops) / seconds } else { 0.0 };
     let round = |value: f64, digits: i32| {
@@ -139,6 +158,14 @@ pub(crate) fn report(plan: &Plan, measured: &Measured, peak_rss_mb: f64) -> Stri
         "p99_ms": round(measured.percentile_ms(990), 3),
         "peak_rss_mb": round(peak_rss_mb, 1),
     });
+    let mut line = line;
+    if let (Some(processes), Some(fields)) = (processes, line.as_object_mut()) {
+        let sum: f64 = processes.iter().sum();
+        let max = processes.iter().copied().fold(0.0, f64::max);
+        fields.insert("processes".to_owned(), processes.len().into());
+        fields.insert("rss_sum_mb".to_owned(), round(sum, 1).into());
+        fields.insert("rss_max_mb".to_owned(), round(max, 1).into());
+    }
     line.to_string()
 }
 
@@ -149,8 +176,12 @@ pub(crate) fn usize_f64(value: usize) -> f64 {
 }
 
 /// The process's peak resident set (`VmHWM`) in MiB, or 0 where `/proc` has none.
-fn peak_rss_mb() -> f64 {
-    let status = std::fs::read_to_string("/proc/self/status").unwrap_or_default();
+pub(crate) fn peak_rss_mb() -> f64 {
+    vm_hwm_mb(&std::fs::read_to_string("/proc/self/status").unwrap_or_default())
+}
+
+/// The `VmHWM` of a `/proc/<pid>/status` text in MiB, or 0 without one.
+pub(crate) fn vm_hwm_mb(status: &str) -> f64 {
     status
         .lines()
         .find_map(|line| line.strip_prefix("VmHWM:"))
@@ -160,6 +191,9 @@ fn peak_rss_mb() -> f64 {
 
 fn main() -> ExitCode {
     let args: Vec<String> = std::env::args().skip(1).collect();
+    if args.first().map(String::as_str) == Some("runner") {
+        return run_runner();
+    }
     let plan = match parse_args(&args) {
         Ok(plan) => plan,
         Err(error) => return fail(&error),
@@ -168,9 +202,18 @@ fn main() -> ExitCode {
         Ok(runtime) => runtime,
         Err(error) => return fail(&format!("cannot start the runtime: {error}")),
     };
-    match runtime.block_on(workloads::run(&plan)) {
-        Ok(measured) => {
-            let line = report(&plan, &measured, peak_rss_mb());
+    let across = matches!(plan.workload, Workload::W6 | Workload::W7 | Workload::W8);
+    let outcome = runtime.block_on(async {
+        if across {
+            let run = processes::run(&plan).await?;
+            Ok((run.measured, Some(run.peak_rss_mb)))
+        } else {
+            workloads::run(&plan).await.map(|measured| (measured, None))
+        }
+    });
+    match outcome {
+        Ok((measured, processes)) => {
+            let line = report(&plan, &measured, peak_rss_mb(), processes.as_deref());
             #[expect(clippy::print_stdout, reason = "the benchmark's result line")]
             {
                 println!("{line}");
@@ -178,6 +221,18 @@ fn main() -> ExitCode {
             ExitCode::SUCCESS
         }
         Err(error) => fail(&format!("{:?}: {error}", plan.workload)),
+    }
+}
+
+/// `cluster-bench runner`: a runner process of W6 to W8.
+fn run_runner() -> ExitCode {
+    let runtime = match tokio::runtime::Builder::new_multi_thread().enable_all().build() {
+        Ok(runtime) => runtime,
+        Err(error) => return fail(&format!("cannot start the runtime: {error}")),
+    };
+    match runtime.block_on(processes::runner()) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(error) => fail(&format!("runner: {error}")),
     }
 }
 
@@ -225,7 +280,7 @@ mod tests {
             elapsed: std::time::Duration::from_secs(2),
             latencies_ns: vec![1_000_000, 2_000_000, 3_000_000, 40_000_000],
         };
-        let line = report(&plan, &measured, 12.34);
+        let line = report(&plan, &measured, 12.34, None);
         let value: serde_json::Value = serde_json::from_str(&line).unwrap();
         assert_eq!(value["workload"], "W2");
         assert_eq!(value["storage"], "sqlite");
@@ -235,5 +290,13 @@ mod tests {
         assert_eq!(value["p99_ms"], 40.0);
         assert_eq!(value["peak_rss_mb"], 12.3);
         assert!(!line.contains('\n'));
+        assert!(value.get("rss_sum_mb").is_none(), "one process: no sum");
+        let across = parse_args(&args("W6 --ops 4")).unwrap();
+        let line = report(&across, &measured, 10.0, Some(&[10.0, 20.55, 30.0]));
+        let value: serde_json::Value = serde_json::from_str(&line).unwrap();
+        assert_eq!(value["storage"], "postgres");
+        assert_eq!(value["processes"], 3);
+        assert_eq!(value["rss_sum_mb"], 60.6);
+        assert_eq!(value["rss_max_mb"], 30.0);
     }
 }

@@ -17,15 +17,15 @@ use crate::drive::{Measured, drive};
 use crate::{Plan, Workload};
 
 /// The echo entity: answers every request with its number.
-struct Echo;
+pub(crate) struct Echo;
 
 /// A volatile request (W1).
 #[derive(Serialize, Deserialize)]
-struct Ping(u64);
+pub(crate) struct Ping(u64);
 
 /// A persisted request with a primary key (W2, W3).
 #[derive(Serialize, Deserialize)]
-struct StoredPing {
+pub(crate) struct StoredPing {
     key: String,
     n: u64,
 }
@@ -73,17 +73,17 @@ impl Handler<StoredPing> for Echo {
 }
 
 /// The workflow of W4 and W5: three small activities, each adding one.
-struct ThreeSteps;
+pub(crate) struct ThreeSteps;
 
 /// Which execution.
 #[derive(Clone, Serialize, Deserialize)]
-struct Job {
+pub(crate) struct Job {
     id: u64,
 }
 
 /// The workflow never fails.
 #[derive(Debug, Serialize, Deserialize)]
-enum JobError {}
+pub(crate) enum JobError {}
 
 impl Workflow for ThreeSteps {
     const NAME: &'static str = "ThreeSteps";
@@ -96,7 +96,7 @@ impl Workflow for ThreeSteps {
     }
 }
 
-async fn three_steps(ctx: WorkflowContext, job: Job) -> Result<u64, JobError> {
+pub(crate) async fn three_steps(ctx: WorkflowContext, job: Job) -> Result<u64, JobError> {
     let mut value = job.id;
     for step in ["one", "two", "three"] {
         value = ctx.activity(step, async |_| Ok::<u64, JobError>(value + 1)).await?;
@@ -115,6 +115,9 @@ pub(crate) async fn run(plan: &Plan) -> Result<Measured, String> {
         Workload::W1 => None,
         Workload::W2 | Workload::W4 => Some(BenchDatabase::sqlite()),
         Workload::W3 | Workload::W5 => Some(BenchDatabase::postgres()?),
+        Workload::W6 | Workload::W7 | Workload::W8 => {
+            return Err("W6 to W8 run across processes".to_owned());
+        }
     };
     let result = match &database {
         None => volatile_echo(plan).await,
@@ -143,7 +146,17 @@ async fn volatile_echo(plan: &Plan) -> Result<Measured, String> {
         ShardingConfig { max_resident_entities: Capacity::Unbounded, ..ShardingConfig::default() };
     let sharding = Sharding::builder(config).start().await.map_err(|error| error.to_string())?;
     sharding.register::<Echo>(EntityOptions::default()).map_err(|error| error.to_string())?;
-    let measured = measure(plan, None, {
+    let measured = volatile_echo_from(plan, &sharding).await;
+    sharding.shutdown().await;
+    measured
+}
+
+/// The volatile echo of W1 (on this runner) and W7 (from a client, to other processes).
+pub(crate) async fn volatile_echo_from(
+    plan: &Plan,
+    sharding: &Sharding,
+) -> Result<Measured, String> {
+    measure(plan, None, {
         let (sharding, plan) = (sharding.clone(), plan.clone());
         move |n| {
             let client = sharding.client::<Echo>(entity_id(&plan, n));
@@ -153,9 +166,7 @@ async fn volatile_echo(plan: &Plan) -> Result<Measured, String> {
             }
         }
     })
-    .await;
-    sharding.shutdown().await;
-    measured
+    .await
 }
 
 /// W0: what W1 does without the runtime. One task per entity reads a bounded mailbox of
@@ -221,7 +232,24 @@ async fn persisted_echo(
     sharding: &Sharding,
 ) -> Result<Measured, String> {
     sharding.register::<Echo>(EntityOptions::default()).map_err(|error| error.to_string())?;
-    measure(plan, Some(database), {
+    persisted_echo_on(plan, Some(database), sharding).await
+}
+
+/// The persisted echo of W6, from a client to the runner processes.
+pub(crate) async fn persisted_echo_from(
+    plan: &Plan,
+    client: &Sharding,
+) -> Result<Measured, String> {
+    persisted_echo_on(plan, None, client).await
+}
+
+/// The persisted echo's operations; `database`'s statistics are refreshed after the warm-up.
+async fn persisted_echo_on(
+    plan: &Plan,
+    database: Option<&BenchDatabase>,
+    sharding: &Sharding,
+) -> Result<Measured, String> {
+    measure(plan, database, {
         let (sharding, plan) = (sharding.clone(), plan.clone());
         move |n| {
             let client = sharding.client::<Echo>(entity_id(&plan, n));
@@ -241,9 +269,23 @@ async fn workflows(
     database: &BenchDatabase,
     sharding: &Sharding,
 ) -> Result<Measured, String> {
+    workflows_on(plan, Some(database), sharding).await
+}
+
+/// The workflows of W8, started from a client and run by the runner processes.
+pub(crate) async fn workflows_from(plan: &Plan, client: &Sharding) -> Result<Measured, String> {
+    workflows_on(plan, None, client).await
+}
+
+/// The workflow executions; `database`'s statistics are refreshed after the warm-up.
+async fn workflows_on(
+    plan: &Plan,
+    database: Option<&BenchDatabase>,
+    sharding: &Sharding,
+) -> Result<Measured, String> {
     let engine = WorkflowEngine::cluster(sharding).map_err(|error| error.to_string())?;
     ThreeSteps::register(&engine, three_steps).map_err(|error| error.to_string())?;
-    measure(plan, Some(database), move |n| {
+    measure(plan, database, move |n| {
         let engine = engine.clone();
         async move {
             let id = n as u64;

@@ -1,0 +1,172 @@
+//! W6 to W8: three runner processes and this process as a client-only member, on PostgreSQL.
+//!
+//! - Each runner is this binary in `runner` mode, configured from the environment as any
+//!   runner process is (`durable_cluster::Runner`): the echo entity, the workflow engine and the
+//!   three-step workflow, on a free port of 127.0.0.1.
+//! - This process joins as a client (no shard of its own) with the TCP transport, so every
+//!   request crosses a process boundary.
+//! - The peak resident set of every process is read from `/proc` before the runners stop.
+
+use std::process::Stdio;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use cluster_core::ShardingConfig;
+use cluster_sharding::{EntityOptions, Sharding};
+use cluster_workflow::{Workflow, WorkflowEngine};
+use durable_cluster::{Role, Runner, RunnerEnv};
+use tokio::process::{Child, Command};
+
+use crate::database::BenchDatabase;
+use crate::drive::Measured;
+use crate::workloads::{self, Echo, ThreeSteps};
+use crate::{Plan, Workload};
+
+/// How many runner processes serve the shards.
+const RUNNERS: usize = 3;
+
+/// How long the runners may take to register.
+const REGISTER_DEADLINE: Duration = Duration::from_secs(60);
+
+/// How long a runner may take to hand its shards over and exit once told to stop.
+const STOP_DEADLINE: Duration = Duration::from_secs(30);
+
+/// A measured run across processes, with every process's peak resident set in MiB (this one
+/// first).
+pub(crate) struct AcrossProcesses {
+    pub(crate) measured: Measured,
+    pub(crate) peak_rss_mb: Vec<f64>,
+}
+
+/// `cluster-bench runner`: one runner process, until SIGTERM.
+///
+/// # Errors
+///
+/// The environment is wrong, or the runner could not start.
+pub(crate) async fn runner() -> Result<(), String> {
+    let env = RunnerEnv::from_env(Role::Runner).map_err(|error| error.to_string())?;
+    // The engine lives as long as the runner serves.
+    let engine = Arc::new(Mutex::new(None));
+    let kept = Arc::clone(&engine);
+    let runner = Runner::start(&env, move |sharding| {
+        sharding.register::<Echo>(EntityOptions::default())?;
+        let engine = WorkflowEngine::cluster(sharding)?;
+        ThreeSteps::register(&engine, workloads::three_steps)?;
+        *cluster_core::sync::lock(&kept) = Some(engine);
+        Ok(())
+    })
+    .await
+    .map_err(|error| error.to_string())?;
+    durable_cluster::terminated().await.map_err(|error| error.to_string())?;
+    runner.shutdown().await;
+    drop(engine);
+    Ok(())
+}
+
+/// Runs `plan` (W6, W7 or W8) against three runner processes.
+///
+/// # Errors
+///
+/// A process or the database could not start, or an operation failed.
+pub(crate) async fn run(plan: &Plan) -> Result<AcrossProcesses, String> {
+    let database = BenchDatabase::postgres()?;
+    let result = run_on(plan, &database).await;
+    database.remove().await?;
+    result
+}
+
+async fn run_on(plan: &Plan, database: &BenchDatabase) -> Result<AcrossProcesses, String> {
+    let BenchDatabase::Postgres { url, prefix } = database else {
+        return Err("the workloads across processes run on PostgreSQL".to_owned());
+    };
+    // The tables exist before any process starts (one migration, no race).
+    let (_, registry) = database.open(&ShardingConfig::default()).await?;
+    let secret = format!("bench-{}-{}", std::process::id(), free_port()?);
+    let shared = vec![
+        ("CLUSTER_STORAGE_URL".to_owned(), url.clone()),
+        ("CLUSTER_TABLE_PREFIX".to_owned(), prefix.as_str().to_owned()),
+        ("CLUSTER_RPC_SECRET".to_owned(), secret),
+    ];
+    let mut runners = Vec::with_capacity(RUNNERS);
+    for _ in 0..RUNNERS {
+        runners.push(spawn_runner(&shared)?);
+    }
+    let measured = async {
+        wait_for_runners(&*registry).await?;
+        let env = RunnerEnv::from_lookup(Role::Client, |name| {
+            shared.iter().find(|(key, _)| key == name).map(|(_, value)| value.clone())
+        })
+        .map_err(|error| error.to_string())?;
+        let client = env.join().await.map_err(|error| error.to_string())?;
+        let measured = measure(plan, &client).await;
+        client.shutdown().await;
+        measured
+    }
+    .await;
+    let mut peak_rss_mb = vec![crate::peak_rss_mb()];
+    peak_rss_mb.extend(runners.iter().map(|child| child.id().map_or(0.0, peak_rss_of)));
+    for child in &mut runners {
+        stop(child).await;
+    }
+    Ok(AcrossProcesses { measured: measured?, peak_rss_mb })
+}
+
+/// The workload of `plan` from the client `client`.
+async fn measure(plan: &Plan, client: &Sharding) -> Result<Measured, String> {
+    match plan.workload {
+        Workload::W6 => workloads::persisted_echo_from(plan, client).await,
+        Workload::W7 => workloads::volatile_echo_from(plan, client).await,
+        Workload::W8 => workloads::workflows_from(plan, client).await,
+        other => Err(format!("{other:?} does not run across processes")),
+    }
+}
+
+/// Starts one runner process on a free port of 127.0.0.1.
+fn spawn_runner(shared: &[(String, String)]) -> Result<Child, String> {
+    let exe = std::env::current_exe().map_err(|error| format!("current exe: {error}"))?;
+    let port = free_port()?;
+    let mut command = Command::new(exe);
+    command.arg("runner").stdout(Stdio::null()).stderr(Stdio::inherit()).kill_on_drop(true);
+    command.envs(shared.iter().map(|(name, value)| (name, value)));
+    command.env("HOST", "127.0.0.1").env("PORT", port.to_string());
+    command.spawn().map_err(|error| format!("cannot start a runner: {error}"))
+}
+
+/// Waits until every runner is in the registry.
+async fn wait_for_runners(
+    registry: &dyn cluster_core::storage::RunnerStorage,
+) -> Result<(), String> {
+    let deadline = tokio::time::Instant::now() + REGISTER_DEADLINE;
+    loop {
+        let registered = registry.get_runners().await.map_err(|error| error.to_string())?;
+        if registered.iter().filter(|(_, healthy)| *healthy).count() >= RUNNERS {
+            return Ok(());
+        }
+        if tokio::time::Instant::now() >= deadline {
+            return Err(format!("{} of {RUNNERS} runners registered in time", registered.len()));
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+/// Stops a runner gracefully (SIGTERM: it hands its shards over), or kills it past the
+/// deadline.
+async fn stop(child: &mut Child) {
+    if let Some(pid) = child.id() {
+        let _ = Command::new("kill").args(["-TERM", &pid.to_string()]).status().await;
+    }
+    if tokio::time::timeout(STOP_DEADLINE, child.wait()).await.is_err() {
+        let _ = child.kill().await;
+    }
+}
+
+/// The peak resident set (`VmHWM`) of process `pid` in MiB, or 0 where `/proc` has none.
+fn peak_rss_of(pid: u32) -> f64 {
+    crate::vm_hwm_mb(&std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap_or_default())
+}
+
+/// A free TCP port on 127.0.0.1 (bound, then released for the runner to take).
+fn free_port() -> Result<u16, String> {
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").map_err(|error| error.to_string())?;
+    listener.local_addr().map(|address| address.port()).map_err(|error| error.to_string())
+}
