@@ -678,8 +678,7 @@ impl PersistedDelivery {
     pub(crate) async fn poll_replies(self: Arc<Self>) {
         let interval = self.config().entity_reply_poll_interval;
         loop {
-            let waiting: Vec<Snowflake> = lock(&self.waiters).waiting().collect();
-            if waiting.is_empty() {
+            if lock(&self.waiters).waiting().next().is_none() {
                 tokio::select! {
                     () = self.reply_waiters.notified() => continue,
                     () = self.shutdown_token().cancelled() => return,
@@ -688,6 +687,12 @@ impl PersistedDelivery {
             tokio::select! {
                 () = tokio::time::sleep(interval) => {}
                 () = self.shutdown_token().cancelled() => return,
+            }
+            // Who waits is read now, not before the sleep: a caller that started waiting
+            // meanwhile is read at this poll rather than the next.
+            let waiting: Vec<Snowflake> = lock(&self.waiters).waiting().collect();
+            if waiting.is_empty() {
+                continue;
             }
             match self.storage.replies_for(&waiting).await {
                 Ok(replies) => {

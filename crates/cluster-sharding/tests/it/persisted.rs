@@ -907,3 +907,40 @@ async fn a_request_the_read_loop_answers_while_direct_delivery_checks_order_runs
     assert_eq!(probes.deposits.load(Ordering::SeqCst), 3, "the second request ran twice");
     sharding.shutdown().await;
 }
+
+/// A caller that starts waiting while the reply poller sleeps is answered at the next poll
+/// after its reply is stored, not one interval later: the poller reads who waits when it
+/// polls, not when it starts to sleep.
+#[tokio::test(start_paused = true)]
+async fn a_reply_stored_during_the_pollers_sleep_is_read_at_its_next_poll() {
+    let store = memory().await;
+    let runner = runner(&store).await;
+    let interval = Duration::from_secs(1);
+    let client_config =
+        ShardingConfig { runner_address: None, entity_reply_poll_interval: interval, ..config() };
+    let client = Sharding::builder(client_config)
+        .messages(Arc::clone(&store.storage))
+        .client_only()
+        .start()
+        .await
+        .unwrap();
+    let counter = client.client::<Counter>("poll-snapshot");
+    // The first caller starts the poller's wait; its poll comes one interval later.
+    let first = tokio::spawn({
+        let counter = counter.clone();
+        async move { counter.send(Deposit { key: "first".to_owned(), amount: 1 }).await }
+    });
+    tokio::time::sleep(interval / 4).await;
+    let started = tokio::time::Instant::now();
+    // The runner answers within its message poll (100 ms), well before that poll.
+    let second = counter.send(Deposit { key: "second".to_owned(), amount: 2 }).await.unwrap();
+    assert_eq!(second, 3);
+    assert!(
+        started.elapsed() < interval,
+        "answered after {:?}: the poll before it left the second caller out",
+        started.elapsed()
+    );
+    assert_eq!(first.await.unwrap().unwrap(), 1);
+    client.shutdown().await;
+    runner.shutdown().await;
+}
