@@ -8,7 +8,6 @@
 //! - The peak resident set of every process is read from `/proc` before the runners stop.
 
 use std::process::Stdio;
-use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use cluster_core::ShardingConfig;
@@ -45,21 +44,17 @@ pub(crate) struct AcrossProcesses {
 /// The environment is wrong, or the runner could not start.
 pub(crate) async fn runner() -> Result<(), String> {
     let env = RunnerEnv::from_env(Role::Runner).map_err(|error| error.to_string())?;
-    // The engine lives as long as the runner serves.
-    let engine = Arc::new(Mutex::new(None));
-    let kept = Arc::clone(&engine);
-    let runner = Runner::start(&env, move |sharding| {
+    let runner = Runner::start(&env, |sharding| {
         sharding.register::<Echo>(EntityOptions::default())?;
+        // The engine's entities keep it: it lives as long as the runtime.
         let engine = WorkflowEngine::cluster(sharding)?;
         ThreeSteps::register(&engine, workloads::three_steps)?;
-        *cluster_core::sync::lock(&kept) = Some(engine);
         Ok(())
     })
     .await
     .map_err(|error| error.to_string())?;
     durable_cluster::terminated().await.map_err(|error| error.to_string())?;
     runner.shutdown().await;
-    drop(engine);
     Ok(())
 }
 
@@ -114,9 +109,9 @@ async fn run_on(plan: &Plan, database: &BenchDatabase) -> Result<AcrossProcesses
 /// The workload of `plan` from the client `client`.
 async fn measure(plan: &Plan, client: &Sharding) -> Result<Measured, String> {
     match plan.workload {
-        Workload::W6 => workloads::persisted_echo_from(plan, client).await,
+        Workload::W6 => workloads::persisted_echo_on(plan, None, client).await,
         Workload::W7 => workloads::volatile_echo_from(plan, client).await,
-        Workload::W8 => workloads::workflows_from(plan, client).await,
+        Workload::W8 => workloads::workflows_on(plan, None, client).await,
         other => Err(format!("{other:?} does not run across processes")),
     }
 }
@@ -139,11 +134,12 @@ async fn wait_for_runners(
     let deadline = tokio::time::Instant::now() + REGISTER_DEADLINE;
     loop {
         let registered = registry.get_runners().await.map_err(|error| error.to_string())?;
-        if registered.iter().filter(|(_, healthy)| *healthy).count() >= RUNNERS {
+        let healthy = registered.iter().filter(|(_, healthy)| *healthy).count();
+        if healthy >= RUNNERS {
             return Ok(());
         }
         if tokio::time::Instant::now() >= deadline {
-            return Err(format!("{} of {RUNNERS} runners registered in time", registered.len()));
+            return Err(format!("{healthy} of {RUNNERS} runners registered healthy in time"));
         }
         tokio::time::sleep(Duration::from_millis(50)).await;
     }

@@ -235,16 +235,9 @@ async fn persisted_echo(
     persisted_echo_on(plan, Some(database), sharding).await
 }
 
-/// The persisted echo of W6, from a client to the runner processes.
-pub(crate) async fn persisted_echo_from(
-    plan: &Plan,
-    client: &Sharding,
-) -> Result<Measured, String> {
-    persisted_echo_on(plan, None, client).await
-}
-
-/// The persisted echo's operations; `database`'s statistics are refreshed after the warm-up.
-async fn persisted_echo_on(
+/// The persisted echo's operations, on a runner (W2, W3) or from a client to the runner
+/// processes (W6); `database`'s statistics, if given, are refreshed after the warm-up.
+pub(crate) async fn persisted_echo_on(
     plan: &Plan,
     database: Option<&BenchDatabase>,
     sharding: &Sharding,
@@ -272,13 +265,9 @@ async fn workflows(
     workflows_on(plan, Some(database), sharding).await
 }
 
-/// The workflows of W8, started from a client and run by the runner processes.
-pub(crate) async fn workflows_from(plan: &Plan, client: &Sharding) -> Result<Measured, String> {
-    workflows_on(plan, None, client).await
-}
-
-/// The workflow executions; `database`'s statistics are refreshed after the warm-up.
-async fn workflows_on(
+/// The workflow executions, on a runner (W4, W5) or started from a client and run by the
+/// runner processes (W8); `database`'s statistics, if given, are refreshed after the warm-up.
+pub(crate) async fn workflows_on(
     plan: &Plan,
     database: Option<&BenchDatabase>,
     sharding: &Sharding,

@@ -278,15 +278,13 @@ fn start_cluster(
         Arc::clone(&messages),
         transport.clone(),
     ));
-    let sharding =
-        Sharding::with_cluster(config, clock, messages, Arc::clone(&member), transport.clone())?;
+    let sharding = Sharding::with_cluster(config, clock, messages, Arc::clone(&member), transport)?;
     member.start(&sharding);
-    if let Some(transport) = transport.filter(|_| member.is_runner()) {
+    if member.checks_health() {
         let checker = Arc::clone(&member);
         sharding
             .register_singleton(RUNNER_HEALTH, SingletonOptions::default(), move |context| {
-                Arc::clone(&checker)
-                    .check_health(Arc::clone(&transport), context.cancellation().clone())
+                Arc::clone(&checker).check_health(context.cancellation().clone())
             })
             .map_err(StartError::Register)?;
     }

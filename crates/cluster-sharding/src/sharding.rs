@@ -47,7 +47,7 @@ use crate::builder::ShardingBuilder;
 use crate::error::RegisterError;
 use crate::metrics;
 use crate::placement::member::{Member, MemberHost};
-use crate::placement::remote::{Remote, RemoteParts, ShardingConfigView};
+use crate::placement::remote::{Remote, RemoteParts};
 use crate::placement::shards::Shards;
 use crate::placement::single_runner::{HeldLocks, all_shards};
 use crate::runtime::delivery::{ReadLatch, Serving};
@@ -207,16 +207,11 @@ impl Sharding {
             tracing::warn!(%error, "could not release the claims of a previous run");
         }
         metrics::set(metrics::SHARDS, shards.len());
-        let runner = config.runner_address.is_some();
-        let sharding = Sharding::build(config, clock, Some((storage, shards)), None, None)?;
-        if let Some(persisted) = sharding.persisted() {
-            persisted.start(runner);
-        }
-        Ok(sharding)
+        Sharding::build(config, clock, Some((storage, shards)), None, None)
     }
 
     /// The runtime of a cluster member (see [`Sharding::cluster`]): persisted delivery through
-    /// `storage` on the shards `cluster` holds; its loops are started by the caller.
+    /// `storage` on the shards `cluster` holds; the member's loops are started by the caller.
     pub(crate) fn with_cluster(
         config: ShardingConfig,
         clock: Arc<dyn Clock>,
@@ -224,13 +219,7 @@ impl Sharding {
         cluster: Arc<Member>,
         transport: Option<Arc<dyn Transport>>,
     ) -> Result<Sharding, ConfigError> {
-        let runner = config.runner_address.is_some();
-        let storage = Some((storage, Vec::new()));
-        let sharding = Sharding::build(config, clock, storage, Some(cluster), transport)?;
-        if let Some(persisted) = sharding.persisted() {
-            persisted.start(runner);
-        }
-        Ok(sharding)
+        Sharding::build(config, clock, Some((storage, Vec::new())), Some(cluster), transport)
     }
 
     /// A client-only process on `storage` (the reference's client-only mode; `runner_address`
@@ -251,11 +240,7 @@ impl Sharding {
                 "a client-only process has no runner address",
             ));
         }
-        let sharding = Sharding::build(config, clock, Some((storage, Vec::new())), None, None)?;
-        if let Some(persisted) = sharding.persisted() {
-            persisted.start(false);
-        }
-        Ok(sharding)
+        Sharding::build(config, clock, Some((storage, Vec::new())), None, None)
     }
 
     /// A builder of a runtime configured with `config`, on the system clock, with no storage
@@ -269,6 +254,9 @@ impl Sharding {
         self.inner.config.runner_address.is_some()
     }
 
+    /// Puts the components together on `storage` (with the shards its read loop reads when
+    /// no lock says otherwise), `cluster` and `transport`, and starts persisted delivery's
+    /// loops.
     fn build(
         config: ShardingConfig,
         clock: Arc<dyn Clock>,
@@ -306,20 +294,18 @@ impl Sharding {
             config.entity_registration_timeout,
             shutdown.clone(),
         ));
-        let remote = Arc::new(Remote::new(RemoteParts {
-            config: ShardingConfigView {
-                runner_address: config.runner_address.clone(),
-                shard_lock_expiration: config.shard_lock_expiration,
-                send_retry_interval: config.send_retry_interval,
+        let remote = Arc::new(Remote::new(
+            &config,
+            RemoteParts {
+                transport,
+                shards: Arc::clone(&shards_served),
+                local: Arc::clone(&local),
+                managers: Arc::clone(&managers),
+                ids: Arc::clone(&ids),
+                read_latch: Arc::clone(&read_latch),
+                tasks: tasks.clone(),
             },
-            transport,
-            shards: Arc::clone(&shards_served),
-            local: Arc::clone(&local),
-            managers: Arc::clone(&managers),
-            ids: Arc::clone(&ids),
-            read_latch: Arc::clone(&read_latch),
-            tasks: tasks.clone(),
-        }));
+        ));
         let persisted = storage.map(|(storage, shards)| {
             Arc::new(PersistedDelivery::new(PersistedParts {
                 storage,
@@ -335,6 +321,10 @@ impl Sharding {
                 tasks: tasks.clone(),
             }))
         });
+        // The reply poller, and for a runner the storage read loop.
+        if let Some(persisted) = &persisted {
+            persisted.start(config.runner_address.is_some());
+        }
         let singletons = Arc::new(Singletons::new(
             config.entity_termination_timeout,
             tasks.clone(),

@@ -223,9 +223,10 @@ impl Member {
         }
     }
 
-    /// Whether this process is a runner (not a client).
-    pub(crate) fn is_runner(&self) -> bool {
-        self.runner.is_some()
+    /// Whether this process is a runner (not a client) with a transport: what the
+    /// runner-health singleton needs.
+    pub(crate) fn checks_health(&self) -> bool {
+        self.runner.is_some() && self.transport.is_some()
     }
 
     fn state(&self) -> MutexGuard<'_, State> {
@@ -740,11 +741,9 @@ impl Member {
     /// - It never marks the last healthy runner unhealthy.
     ///
     /// The sync loops then treat an unhealthy runner as gone.
-    pub(crate) async fn check_health(
-        self: Arc<Member>,
-        transport: Arc<dyn Transport>,
-        cancellation: CancellationToken,
-    ) {
+    /// Without a transport there is nothing to ping: it returns at once.
+    pub(crate) async fn check_health(self: Arc<Member>, cancellation: CancellationToken) {
+        let Some(transport) = self.transport.clone() else { return };
         let interval = self.config.runner_health_check_interval;
         let mode = self.config.runner_health_check;
         // The runners that answered a ping of this singleton's, while it runs here.

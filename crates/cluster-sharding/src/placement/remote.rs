@@ -20,7 +20,7 @@ use cluster_core::envelope::{AckChunk, Envelope, Exit, Reply, Request, WithExit}
 use cluster_core::future::BoxFuture;
 use cluster_core::sync::lock;
 use cluster_core::transport::{ReplyStream, RunnerHandler, Transport};
-use cluster_core::{ClusterError, RunnerAddress, ShardId, Snowflake};
+use cluster_core::{ClusterError, RunnerAddress, ShardId, ShardingConfig, Snowflake};
 use tokio::sync::{mpsc, oneshot};
 use tokio_util::task::TaskTracker;
 
@@ -65,9 +65,8 @@ pub(crate) struct Remote {
     tasks: TaskTracker,
 }
 
-/// What routing starts from.
+/// What routing works with, besides its settings.
 pub(crate) struct RemoteParts {
-    pub(crate) config: ShardingConfigView,
     pub(crate) transport: Option<Arc<dyn Transport>>,
     pub(crate) shards: Arc<Shards>,
     pub(crate) local: Arc<LocalDelivery>,
@@ -75,16 +74,6 @@ pub(crate) struct RemoteParts {
     pub(crate) ids: Arc<Ids>,
     pub(crate) read_latch: Arc<ReadLatch>,
     pub(crate) tasks: TaskTracker,
-}
-
-/// The settings routing reads.
-pub(crate) struct ShardingConfigView {
-    /// This runner's address (`None` in a client).
-    pub(crate) runner_address: Option<RunnerAddress>,
-    /// How long a volatile request is retried for.
-    pub(crate) shard_lock_expiration: std::time::Duration,
-    /// The pause between retries.
-    pub(crate) send_retry_interval: std::time::Duration,
 }
 
 /// Volatile requests of remote callers still running here, by request id: where their
@@ -128,12 +117,12 @@ fn not_here<T>(request: &Request) -> Result<T, ClusterError> {
 }
 
 impl Remote {
-    /// Routing from `parts`.
-    pub(crate) fn new(parts: RemoteParts) -> Remote {
-        let RemoteParts { config, transport, shards, local, managers, ids, read_latch, tasks } =
-            parts;
+    /// Routing with `parts`, as `config` says (its runner address, `shard_lock_expiration`,
+    /// `send_retry_interval`).
+    pub(crate) fn new(config: &ShardingConfig, parts: RemoteParts) -> Remote {
+        let RemoteParts { transport, shards, local, managers, ids, read_latch, tasks } = parts;
         Remote {
-            own: config.runner_address,
+            own: config.runner_address.clone(),
             retry_for: config.shard_lock_expiration,
             retry_every: config.send_retry_interval,
             transport,

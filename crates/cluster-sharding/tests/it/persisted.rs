@@ -61,6 +61,12 @@ fn config() -> ShardingConfig {
     }
 }
 
+/// A client-only process on `store` (the builder drops the config's runner address).
+async fn client_only(store: &Store, config: ShardingConfig) -> Sharding {
+    let builder = Sharding::builder(config).messages(Arc::clone(&store.storage));
+    builder.client_only().start().await.unwrap()
+}
+
 async fn runner(store: &Store) -> Sharding {
     let sharding =
         Sharding::builder(config()).messages(Arc::clone(&store.storage)).start().await.unwrap();
@@ -660,13 +666,7 @@ mod single_runner {
 
 async fn a_client_only_process_reaches_the_runner_through_storage(store: Store, id: &str) {
     let runner = runner(&store).await;
-    let client_config = ShardingConfig { runner_address: None, ..config() };
-    let client = Sharding::builder(client_config)
-        .messages(Arc::clone(&store.storage))
-        .client_only()
-        .start()
-        .await
-        .unwrap();
+    let client = client_only(&store, config()).await;
     assert!(!client.is_runner());
     client.register::<Counter>(EntityOptions::default()).unwrap();
     assert_eq!(client.active_entity_count(), 0, "a client hosts nothing");
@@ -704,13 +704,7 @@ async fn a_persisted_stream_resumes_on_the_next_runner(store: Store, id: &str) {
     probes.hang_at.store(2, Ordering::SeqCst);
     let first = runner(&store).await;
     // The caller lives in another process than both runners.
-    let caller_config = ShardingConfig { runner_address: None, ..config() };
-    let caller = Sharding::builder(caller_config)
-        .messages(Arc::clone(&store.storage))
-        .client_only()
-        .start()
-        .await
-        .unwrap();
+    let caller = client_only(&store, config()).await;
     let mut stream = caller
         .client::<Counter>(id)
         .stream(crate::entities::Resume { key: "r".to_owned(), n: 5 })
@@ -810,13 +804,7 @@ async fn a_request_another_process_stored_comes_before_a_later_local_one(store: 
     let counter = sharding.client::<Counter>(id);
     assert_eq!(counter.send(Deposit { key: format!("{id}-1"), amount: 1 }).await.unwrap(), 1);
     eventually("the read loop read its shards", || reads.load(Ordering::SeqCst) > 0).await;
-    let other_config = ShardingConfig { runner_address: None, ..config() };
-    let other = Sharding::builder(other_config)
-        .messages(Arc::clone(&store.storage))
-        .client_only()
-        .start()
-        .await
-        .unwrap();
+    let other = client_only(&store, config()).await;
     other
         .client::<Counter>(id)
         .discard(Deposit { key: format!("{id}-100"), amount: 100 })
@@ -916,14 +904,9 @@ async fn a_reply_stored_during_the_pollers_sleep_is_read_at_its_next_poll() {
     let store = memory().await;
     let runner = runner(&store).await;
     let interval = Duration::from_secs(1);
-    let client_config =
-        ShardingConfig { runner_address: None, entity_reply_poll_interval: interval, ..config() };
-    let client = Sharding::builder(client_config)
-        .messages(Arc::clone(&store.storage))
-        .client_only()
-        .start()
-        .await
-        .unwrap();
+    let client =
+        client_only(&store, ShardingConfig { entity_reply_poll_interval: interval, ..config() })
+            .await;
     let counter = client.client::<Counter>("poll-snapshot");
     // The first caller starts the poller's wait; its poll comes one interval later.
     let first = tokio::spawn({
