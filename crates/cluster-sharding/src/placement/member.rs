@@ -20,6 +20,12 @@
 //! - The **refresh loop** confirms the locks; losing one starts its release.
 //!   When lock storage fails, it interrupts every entity and drops every lock before taking any
 //!   again.
+//! - **Leases**: a shard's messages are read only while its lock was confirmed recently enough
+//!   that no other runner can have taken it ([`lock_lease`]).
+//!   A runner that was frozen (a stopped process, a paused machine) reads nothing of it until a
+//!   refresh answers.
+//!   Otherwise its first read could claim a message that the new owner must deliver before the
+//!   ones stored after it.
 //! - **Fencing**: the final reply of a persisted request is stored only after a lock refresh
 //!   confirms the shard.
 //!   Concurrent writers share one in-flight refresh per shard.
@@ -57,10 +63,12 @@ use cluster_core::{Clock, MachineId, Runner, RunnerAddress, ShardId, ShardingCon
 use futures_util::FutureExt;
 use futures_util::future::Shared;
 use tokio::sync::{Notify, watch};
+use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
 use crate::metrics;
+use crate::placement::lock_lease;
 use crate::runtime::delivery::Serving;
 use crate::runtime::registry::Managers;
 
@@ -118,6 +126,8 @@ pub(crate) trait MemberHost: Serving + Clone + Send + Sync + 'static {
 /// The multi-runner side of a runtime: membership, shard locks and the handoff.
 pub(crate) struct Member {
     config: ShardingConfig,
+    /// How long a lock operation's answer confirms its shards ([`lock_lease`]).
+    lease: Duration,
     clock: Arc<dyn Clock>,
     storage: Arc<dyn RunnerStorage>,
     /// Where the claims of a previous owner on a taken shard's messages are released.
@@ -160,6 +170,37 @@ struct State {
     /// So a task that ends meanwhile cannot have its shard released a second time, by a round
     /// that read the shard as releasing.
     release_tasks: BTreeSet<ShardId>,
+    /// When the last lock operation that confirmed each held shard was sent: its acquisition,
+    /// a refresh, or a fencing confirmation.
+    /// A shard's messages are read only within the lease that follows.
+    confirmed: BTreeMap<ShardId, Instant>,
+}
+
+impl State {
+    /// A lock operation sent at `sent_at` confirmed `shards`.
+    ///
+    /// Returns whether one of them was held with its lease lapsed: its messages were not read
+    /// meanwhile.
+    fn confirm(&mut self, shards: &[ShardId], sent_at: Instant, lease: Duration) -> bool {
+        let mut resumed = false;
+        for shard in shards {
+            match self.confirmed.get_mut(shard) {
+                Some(at) => {
+                    resumed |= at.elapsed() >= lease && self.ownership.is_owned_or_releasing(shard);
+                    *at = (*at).max(sent_at);
+                }
+                None => {
+                    self.confirmed.insert(shard.clone(), sent_at);
+                }
+            }
+        }
+        resumed
+    }
+
+    /// Whether `shard`'s lock was confirmed less than `lease` ago.
+    fn is_confirmed(&self, shard: &ShardId, now: Instant, lease: Duration) -> bool {
+        self.confirmed.get(shard).is_some_and(|at| now.saturating_duration_since(*at) < lease)
+    }
 }
 
 impl std::fmt::Debug for Member {
@@ -188,6 +229,7 @@ impl Member {
             join_debounce: config.runner_join_debounce,
         });
         Member {
+            lease: lock_lease(&config),
             config,
             clock,
             storage: runners,
@@ -199,6 +241,7 @@ impl Member {
                 ownership: ShardOwnership::new(),
                 assignment: Assignment::default(),
                 release_tasks: BTreeSet::new(),
+                confirmed: BTreeMap::new(),
             }),
             acquisition: Notify::new(),
             lock_events: watch::Sender::new(0),
@@ -262,8 +305,17 @@ impl Member {
     /// - The releasing shards: their draining entities still take interrupts and
     ///   acknowledgements (effect 4.0.3).
     ///   Their requests are left to the next owner.
+    ///
+    /// Only those whose lock was confirmed within the lease ([`lock_lease`]).
+    /// A runner that was frozen past it may have lost the lock without knowing yet.
+    /// Its read would claim messages that the next owner must read in order, so it waits for a
+    /// refresh.
     pub(crate) fn readable(&self) -> Vec<ShardId> {
-        self.state().ownership.held()
+        let state = self.state();
+        let now = Instant::now();
+        let mut held = state.ownership.held();
+        held.retain(|shard| state.is_confirmed(shard, now, self.lease));
+        held
     }
 
     /// The runner started shutting down: requests waiting for a lock stop waiting.
@@ -420,6 +472,7 @@ impl Member {
             return;
         }
         let interval = self.config.shard_lock_interval();
+        let sent_at = Instant::now();
         let acquired = match tokio::time::timeout(
             interval,
             self.storage.acquire(address, &to_acquire),
@@ -446,7 +499,11 @@ impl Member {
         {
             tracing::debug!(%error, "could not release the previous owner's claims");
         }
-        let outcome = self.state().ownership.on_acquired(&acquired, joins_pending);
+        let outcome = {
+            let mut state = self.state();
+            state.confirm(&acquired, sent_at, self.lease);
+            state.ownership.on_acquired(&acquired, joins_pending)
+        };
         if !outcome.activated.is_empty() {
             tracing::info!(shards = outcome.activated.len(), "shards acquired");
             self.lock_changed();
@@ -475,7 +532,7 @@ impl Member {
     ///    During shutdown, they are told instead that their requests were abandoned here.
     async fn release_shard<H: MemberHost>(self: Arc<Member>, host: H, shard: ShardId) {
         let Some(address) = self.address().cloned() else { return };
-        let release_started = tokio::time::Instant::now();
+        let release_started = Instant::now();
         let termination_timeout = self.config.entity_termination_timeout;
         let force = self.handoff.is_cancelled();
         // The shard's singletons stop too; the lock waits for both.
@@ -489,8 +546,8 @@ impl Member {
         // goes, however slow storage is, up to the lock's expiration.
         // Past it, another runner may hold the shard anyway, and that owner runs what is left.
         host.writes_finished(Some(&shard), self.config.shard_lock_expiration).await;
-        let started = tokio::time::Instant::now();
-        let mut warned_at: Option<tokio::time::Instant> = None;
+        let started = Instant::now();
+        let mut warned_at: Option<Instant> = None;
         loop {
             if self.state().ownership.is_force_releasing(&shard) {
                 // A forced release took over: it drops every lock at once.
@@ -515,7 +572,7 @@ impl Member {
                 Err(error) => {
                     if warned_at.is_none_or(|at| at.elapsed() >= RELEASE_WARNING_PERIOD) {
                         tracing::warn!(%error, %shard, waited = ?started.elapsed(), "could not release a shard lock; retrying");
-                        warned_at = Some(tokio::time::Instant::now());
+                        warned_at = Some(Instant::now());
                     }
                     tokio::select! {
                         () = tokio::time::sleep(RELEASE_RETRY) => {}
@@ -556,8 +613,8 @@ impl Member {
         }))
         .await;
         let expiration = self.config.shard_lock_expiration;
-        let started = tokio::time::Instant::now();
-        let mut warned_at: Option<tokio::time::Instant> = None;
+        let started = Instant::now();
+        let mut warned_at: Option<Instant> = None;
         loop {
             if self.stopped.is_cancelled() {
                 // Shutdown is over: its own `release_all` was the last word.
@@ -578,7 +635,7 @@ impl Member {
             {
                 let blocking = host.managers().types_in(&shards);
                 tracing::warn!(waited = ?started.elapsed(), ?blocking, "forced release of the shard locks still pending");
-                warned_at = Some(tokio::time::Instant::now());
+                warned_at = Some(Instant::now());
             }
             let mut events = self.lock_events.subscribe();
             tokio::select! {
@@ -613,11 +670,26 @@ impl Member {
             let healthy = self.state().ownership.locks_healthy();
             if healthy {
                 let held = self.state().ownership.held();
+                let sent_at = Instant::now();
                 match tokio::time::timeout(interval, refresh(&*self.storage, &address, &held)).await
                 {
                     Ok(Ok(returned)) => {
-                        let releasing =
-                            self.state().ownership.release_lost_shards(&held, &returned);
+                        let (releasing, resumed) = {
+                            let mut state = self.state();
+                            let releasing = state.ownership.release_lost_shards(&held, &returned);
+                            let resumed = state.confirm(&returned, sent_at, self.lease);
+                            let held_now: BTreeSet<ShardId> =
+                                state.ownership.held().into_iter().collect();
+                            state.confirmed.retain(|shard, _| held_now.contains(shard));
+                            (releasing, resumed)
+                        };
+                        if resumed {
+                            tracing::warn!(
+                                "shard locks confirmed again after their lease lapsed; their \
+                                 messages are read again"
+                            );
+                            host.poll_storage();
+                        }
                         if returned.len() < held.len() {
                             tracing::warn!(
                                 lost = held.len() - returned.len(),
@@ -803,17 +875,20 @@ impl Member {
                     let cluster = Arc::clone(cluster);
                     let shard = shard.clone();
                     let interval = self.config.shard_lock_interval();
+                    let lease = self.lease;
                     let task = self.confirming.spawn(async move {
+                        let sent_at = Instant::now();
                         let refresh =
                             cluster.storage.refresh(&address, std::slice::from_ref(&shard));
                         let confirmed = match tokio::time::timeout(interval, refresh).await {
                             Ok(Ok(returned)) => {
                                 let refreshed = std::slice::from_ref(&shard);
-                                if cluster
-                                    .state()
-                                    .ownership
-                                    .release_lost_shards(refreshed, &returned)
-                                {
+                                let releasing = {
+                                    let mut state = cluster.state();
+                                    state.confirm(&returned, sent_at, lease);
+                                    state.ownership.release_lost_shards(refreshed, &returned)
+                                };
+                                if releasing {
                                     cluster.acquisition.notify_one();
                                 }
                                 returned.contains(&shard)

@@ -71,13 +71,6 @@ struct LockState {
     lost: BTreeSet<ShardId>,
 }
 
-/// The time a lease must have left, at least, for a shard to be served.
-///
-/// - A final reply confirmed now is written within it.
-/// - SQLite's lease times are whole seconds.
-///   As the database sees it, a lease may start up to a second before the refresh was sent.
-const LEASE_MARGIN_MIN: Duration = Duration::from_secs(2);
-
 impl HeldLocks {
     pub(crate) fn new(
         runners: Arc<dyn RunnerStorage>,
@@ -86,14 +79,11 @@ impl HeldLocks {
         config: &cluster_core::ShardingConfig,
         acquired_at: tokio::time::Instant,
     ) -> HeldLocks {
-        // At most half the expiration, so that a lease outlives the refresh interval.
-        let expiration = config.shard_lock_expiration;
-        let margin = config.shard_lock_interval().max(LEASE_MARGIN_MIN.min(expiration / 2));
         HeldLocks {
             runners,
             address,
             shards,
-            lease: expiration.saturating_sub(margin),
+            lease: crate::placement::lock_lease(config),
             state: Mutex::new(LockState { confirmed_at: Some(acquired_at), lost: BTreeSet::new() }),
             serving_all: AtomicBool::new(true),
             released: AtomicBool::new(false),
@@ -123,13 +113,16 @@ impl HeldLocks {
     }
 
     /// The shards served now, or `None` when that is all of them.
+    ///
+    /// The lease is checked here, not only by the refreshes: a runner frozen past it reads
+    /// nothing until a refresh answers.
     pub(crate) fn served(&self) -> Option<Vec<ShardId>> {
-        if self.serving_all.load(Ordering::Acquire) {
-            return None;
-        }
         let state = self.state();
         if !state.is_confirmed(self.lease) {
             return Some(Vec::new());
+        }
+        if self.serving_all.load(Ordering::Acquire) {
+            return None;
         }
         Some(self.shards.iter().filter(|shard| !state.lost.contains(*shard)).cloned().collect())
     }

@@ -19,7 +19,7 @@ use cluster_testkit::memory::{MemoryMessageStorage, MemoryRunnerDatabase, Memory
 use cluster_testkit::transport::{Call, MemoryNetwork};
 
 use crate::entities::{
-    Book, Counter, Deposit, Gated, Increment, OVERSIZE_RUNS, Oversize, Probes, spawn_send,
+    Book, Counter, Deposit, Gated, Increment, OVERSIZE_RUNS, Oversize, Persist, Probes, spawn_send,
 };
 use crate::singletons::{self, Tally};
 
@@ -2149,4 +2149,39 @@ async fn a_reply_slow_to_store_while_its_shard_drains_keeps_the_lock(net: Net) {
     for sharding in [&a, &b] {
         sharding.shutdown().await;
     }
+}
+
+/// A runner frozen past its lease (a stopped process: none of its tasks runs while the clock
+/// goes on) may have lost its locks without knowing it yet. It reads no message of its shards
+/// until a lock refresh answers. Otherwise its first read could claim a message that the shard's
+/// new owner must deliver before the ones stored after it, and the new owner would deliver
+/// those first (seen in the fault test: a ledger's deposit ran before the one stored earlier).
+///
+/// Paused time makes the freeze exact: the clock jumps past the lease at once, and the refresh
+/// that follows takes a while to answer.
+#[tokio::test(start_paused = true)]
+async fn a_runner_frozen_past_its_lease_reads_nothing_until_a_refresh_answers() {
+    let net = Net::memory().await.unwrap();
+    let (runner, faults) = faulty_runner(&net, 7101).await;
+    eventually("the runner holds every shard", || split(&[&runner])).await;
+    let client = net.client().await;
+    let id = net.id("frozen-past-the-lease");
+    let probes = Probes::of(&id);
+    let counter = client.client::<Counter>(id.as_str());
+    // Within the refresh's timeout (`shard_lock_interval`, 500 ms here).
+    let refresh_answers_after = Duration::from_millis(400);
+    faults.delay_locks(refresh_answers_after);
+    tokio::time::advance(EXPIRATION).await;
+    let thawed = tokio::time::Instant::now();
+    counter.discard(Persist).await.unwrap();
+    eventually("the request runs", || probes.created.load(Ordering::SeqCst) == 1).await;
+    let read_after = thawed.elapsed();
+    assert!(
+        read_after >= refresh_answers_after,
+        "the frozen runner read the message {read_after:?} after it continued, before its \
+         refresh answered"
+    );
+    faults.delay_locks(Duration::ZERO);
+    client.shutdown().await;
+    runner.shutdown().await;
 }
