@@ -23,6 +23,7 @@
 //! | `effect_cluster_shard_locks_healthy` | gauge | | 1 while lock storage answers (0: every shard is being let go) |
 //! | `effect_cluster_join_debounce_pending` | gauge | | 1 while runner joins are held back by the join debounce |
 //! | `effect_cluster_shard_locks_lost_total` | counter | | shard locks a single runner found taken by another runner |
+//! | `effect_cluster_persisted_pushed_total` | counter | `answer` | persisted requests this process pushed to their owner, by what answered them: `pushed` (the owner, on the call), `stored` (the reply poller was first), `fallback` (the call failed; storage answered or will) |
 //!
 //! The reference's `effect_cluster_entity_mailbox_size_max` is not reported. The `metrics`
 //! facade cannot remove a series: the mailbox gauge of an entity that stopped is set to 0.
@@ -54,6 +55,8 @@ pub const SHARD_LOCKS_HEALTHY: &str = "effect_cluster_shard_locks_healthy";
 pub const JOINS_PENDING: &str = "effect_cluster_join_debounce_pending";
 /// Shard locks a single runner lost to another runner.
 pub const SHARD_LOCKS_LOST: &str = "effect_cluster_shard_locks_lost_total";
+/// Persisted requests pushed to their owner, by `answer`: `pushed`, `stored` or `fallback`.
+pub const PERSISTED_PUSHED: &str = "effect_cluster_persisted_pushed_total";
 
 /// Sets a gauge from a count.
 pub(crate) fn set(name: &'static str, count: usize) {

@@ -34,6 +34,9 @@ pub struct MemoryNetwork {
     sends: AtomicU32,
     lost: AtomicU32,
     duplicated: AtomicU32,
+    /// Woken by [`MemoryNetwork::cut_calls_to`].
+    cut: tokio::sync::Notify,
+    replies_lost: AtomicU32,
 }
 
 /// Random transport faults, applied to every call while set (see
@@ -70,6 +73,10 @@ struct State {
     faults: Option<(NetworkFaults, SimRng)>,
     /// How many pings each address was sent, failed ones included.
     pings: BTreeMap<RunnerAddress, u32>,
+    /// The final replies of this many more `send` calls to each address are lost.
+    losing_replies: BTreeMap<RunnerAddress, u32>,
+    /// How often the calls to each address were cut.
+    cuts: BTreeMap<RunnerAddress, u64>,
 }
 
 /// A kind of call, for fault injection.
@@ -109,6 +116,41 @@ impl MemoryNetwork {
     /// The next `times` calls of kind `call` to `address` fail with `RunnerUnavailable`.
     pub fn fail_next(&self, address: RunnerAddress, call: Call, times: u32) {
         lock(&self.state).failing.insert((address, call), times);
+    }
+
+    /// The next `times` `send` calls to `address` reach it and run, but their final replies are
+    /// lost on the way back: the caller gets `RunnerUnavailable`.
+    pub fn lose_next_replies(&self, address: RunnerAddress, times: u32) {
+        lock(&self.state).losing_replies.insert(address, times);
+    }
+
+    /// How many final replies [`lose_next_replies`](MemoryNetwork::lose_next_replies) lost.
+    pub fn replies_lost(&self) -> u32 {
+        self.replies_lost.load(Ordering::Acquire)
+    }
+
+    /// Breaks the `send` calls to `address` waiting for their replies now (a connection that
+    /// goes away): their callers get `RunnerUnavailable`, and the peer sees them dropped.
+    pub fn cut_calls_to(&self, address: &RunnerAddress) {
+        *lock(&self.state).cuts.entry(address.clone()).or_default() += 1;
+        self.cut.notify_waiters();
+    }
+
+    fn cuts_of(&self, address: &RunnerAddress) -> u64 {
+        lock(&self.state).cuts.get(address).copied().unwrap_or(0)
+    }
+
+    /// Whether the next final reply from `address` is to be lost (and counts it).
+    fn loses_reply(&self, address: &RunnerAddress) -> bool {
+        let mut state = lock(&self.state);
+        match state.losing_replies.get_mut(address) {
+            Some(left) if *left > 0 => {
+                *left -= 1;
+                self.replies_lost.fetch_add(1, Ordering::AcqRel);
+                true
+            }
+            _ => false,
+        }
     }
 
     /// Delays, loses and duplicates calls at random from now on, every choice drawn from
@@ -305,15 +347,36 @@ impl Transport for MemoryTransport {
         persisted: bool,
     ) -> BoxFuture<'a, Result<Reply, ClusterError>> {
         Box::pin(async move {
+            let cuts = self.network.cuts_of(address);
             let mut replies = self.start(address, request, persisted).await?;
+            let unavailable = || ClusterError::RunnerUnavailable { address: address.clone() };
             loop {
-                match replies.next_reply().await {
-                    Some(Ok(reply)) if reply.is_final() => return Ok(reply),
+                // Kept across the wake-ups of cuts to other runners: a reply future dropped
+                // half-way loses its reply.
+                let next = replies.next_reply();
+                tokio::pin!(next);
+                let next = loop {
+                    let cut = self.network.cut.notified();
+                    tokio::pin!(cut);
+                    cut.as_mut().enable();
+                    if self.network.cuts_of(address) != cuts {
+                        return Err(unavailable());
+                    }
+                    tokio::select! {
+                        next = &mut next => break next,
+                        () = cut => {}
+                    }
+                };
+                match next {
+                    Some(Ok(reply)) if reply.is_final() => {
+                        if self.network.loses_reply(address) {
+                            return Err(unavailable());
+                        }
+                        return Ok(reply);
+                    }
                     Some(Ok(_chunk)) => {}
                     Some(Err(error)) => return Err(error),
-                    None => {
-                        return Err(ClusterError::RunnerUnavailable { address: address.clone() });
-                    }
+                    None => return Err(unavailable()),
                 }
             }
         })

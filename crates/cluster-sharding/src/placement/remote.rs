@@ -10,11 +10,15 @@
 //! (`EntityNotAssignedToRunner`, the owner moved) is retried every `send_retry_interval` with
 //! the owner looked up again, for at most `shard_lock_expiration`, after which the caller gets
 //! the error; a runner that is shutting down does not retry. Dropping the caller's future drops
-//! the transport call, which interrupts the request on the owner. Persisted requests never
-//! need the transport: they are stored, and the owner reads them.
+//! the transport call, which interrupts the request on the owner.
+//!
+//! Persisted requests are stored first and need no transport: the owner reads them.
+//! With one, the caller pushes a stored request to its owner ([`Remote::push`]), which runs it
+//! without waiting for a read and answers with the final reply it stored
+//! ([`PushedRequests`]).
 
 use std::collections::BTreeMap;
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, OnceLock, Weak};
 
 use cluster_core::envelope::{AckChunk, Envelope, Exit, Reply, Request, WithExit};
 use cluster_core::future::BoxFuture;
@@ -61,6 +65,9 @@ pub(crate) struct Remote {
     read_latch: Arc<ReadLatch>,
     /// Volatile requests of remote callers running here.
     calls: RemoteCalls,
+    /// Where persisted requests pushed by their callers go: persisted delivery, once it
+    /// started (weak: persisted delivery holds this routing).
+    pushed: OnceLock<Weak<dyn PushedRequests>>,
     /// The runtime's tasks: the stream pumps and the owner notices.
     tasks: TaskTracker,
 }
@@ -111,6 +118,25 @@ impl RemoteCalls {
     }
 }
 
+/// What serves the persisted requests that callers push to this runner (persisted delivery).
+///
+/// A pushed request was stored by its caller already.
+/// Storage stays the source of truth: a request that is not served here is read from storage
+/// by its owner, and its caller reads the reply from storage.
+pub(crate) trait PushedRequests: Send + Sync {
+    /// Runs the stored unary `request` here, in its entity's storage order, and answers with its
+    /// final reply once that is stored.
+    ///
+    /// `EntityNotAssignedToRunner` when this runner does not serve its shard, or stops waiting
+    /// for the reply (shutdown).
+    fn serve(self: Arc<Self>, request: Request) -> BoxFuture<'static, Result<Reply, ClusterError>>;
+
+    /// Takes up a stored `envelope` without answering: a discarded request runs as
+    /// [`serve`](PushedRequests::serve) runs it; an interrupt or acknowledgement goes to its
+    /// request if that runs here.
+    fn take_up(self: Arc<Self>, envelope: Envelope);
+}
+
 /// The error of a request whose entity is not on this runner (yet).
 fn not_here<T>(request: &Request) -> Result<T, ClusterError> {
     Err(ClusterError::EntityNotAssignedToRunner { address: request.address.clone() })
@@ -132,8 +158,40 @@ impl Remote {
             ids,
             read_latch,
             calls: RemoteCalls::default(),
+            pushed: OnceLock::new(),
             tasks,
         }
+    }
+
+    /// Serves the persisted requests that callers push here with `pushed`. Set once.
+    pub(crate) fn serve_pushed_with(&self, pushed: Weak<dyn PushedRequests>) {
+        if self.pushed.set(pushed).is_err() {
+            tracing::error!("pushed requests were given a server twice; the first is kept");
+        }
+    }
+
+    /// The server of pushed persisted requests, if persisted delivery runs.
+    fn pushed(&self) -> Option<Arc<dyn PushedRequests>> {
+        self.pushed.get().and_then(Weak::upgrade)
+    }
+
+    /// Sends a stored persisted request to its shard's owner, through the transport
+    /// (the reference's persisted `Effect` RPC).
+    ///
+    /// - The owner runs it without waiting for a read of storage.
+    /// - It answers with the final reply it stored.
+    /// - `None` when the owner is this runner, unknown, or out of reach: the caller waits on
+    ///   storage.
+    ///
+    /// A failed call (`Err`) tells the caller nothing about the request: it stays stored.
+    pub(crate) fn push(
+        &self,
+        request: &Request,
+    ) -> Option<BoxFuture<'static, Result<Reply, ClusterError>>> {
+        let Route::Remote(owner) = self.route(&request.address.shard_id) else { return None };
+        let transport = self.transport.clone()?;
+        let request = request.clone();
+        Some(Box::pin(async move { transport.send(&owner, request, true).await }))
     }
 
     /// The runner-to-runner transport, if any.
@@ -425,8 +483,11 @@ impl RunnerHandler for Server {
         Box::pin(async move {
             let remote = self.remote(envelope.address())?;
             if persisted {
-                // Stored already: the read loop picks it up.
-                remote.read_latch.wake();
+                // Stored already: taken up at once, or by the read loop.
+                match remote.pushed() {
+                    Some(pushed) => pushed.take_up(envelope),
+                    None => remote.read_latch.wake(),
+                }
                 return Ok(());
             }
             match envelope {
@@ -450,16 +511,27 @@ impl RunnerHandler for Server {
     ) -> BoxFuture<'_, Result<Box<dyn ReplyStream>, ClusterError>> {
         Box::pin(async move {
             let remote = self.remote(&request.address)?;
-            if persisted {
-                // Persisted requests are stored by their caller and answered through storage.
-                remote.read_latch.wake();
-                return Err(ClusterError::EntityNotAssignedToRunner { address: request.address });
-            }
             let request_id = request.request_id;
             let is_stream = remote
                 .managers
                 .get(&request.address.entity_type)
                 .is_some_and(|manager| manager.is_stream(&request.tag));
+            if persisted {
+                // Stored by its caller already.
+                // A unary request runs here at once and its stored reply goes back on this call.
+                // A stream is read from storage, and its caller reads the replies there.
+                return match remote.pushed() {
+                    Some(pushed) if !is_stream => {
+                        let reply = pushed.serve(request);
+                        Ok(Box::new(ServerStream::Pushed { reply: Some(reply) })
+                            as Box<dyn ReplyStream>)
+                    }
+                    _ => {
+                        remote.read_latch.wake();
+                        Err(ClusterError::EntityNotAssignedToRunner { address: request.address })
+                    }
+                };
+            }
             if is_stream {
                 let (replies, acks, cancellation) = remote.local.stream(request).await?;
                 let call = RemoteCall { cancellation: cancellation.clone(), acks: Some(acks) };
@@ -532,6 +604,12 @@ enum ServerStream {
         replies: mpsc::Receiver<Reply>,
         _guard: CallGuard,
     },
+    /// A pushed persisted request: its stored final reply.
+    /// Dropped (the caller went away), the request keeps running: it is stored, and only a
+    /// stored interrupt stops it.
+    Pushed {
+        reply: Option<BoxFuture<'static, Result<Reply, ClusterError>>>,
+    },
 }
 
 impl ReplyStream for ServerStream {
@@ -544,6 +622,7 @@ impl ReplyStream for ServerStream {
                     Some(Ok(Reply::WithExit(WithExit { request_id: *request_id, id: *id, exit })))
                 }
                 ServerStream::Stream { replies, .. } => replies.recv().await.map(Ok),
+                ServerStream::Pushed { reply } => Some(reply.take()?.await),
             }
         })
     }

@@ -70,6 +70,7 @@ use crate::runtime::manager::Residency;
 use crate::runtime::registry::Managers;
 
 mod direct;
+mod pushed;
 mod tracked;
 
 use tracked::{Busy, Claiming, InFlight};
@@ -271,10 +272,15 @@ impl PersistedDelivery {
 
     /// Starts the reply poller and, for a runner, the storage read loop, on the runtime's
     /// tasks.
+    ///
+    /// A runner also serves the persisted requests its callers push to it (`pushed`).
     pub(crate) fn start(self: &Arc<PersistedDelivery>, runner: bool) {
         self.tasks.spawn(Arc::clone(self).poll_replies());
         if runner {
             self.tasks.spawn(Arc::clone(self).read_storage());
+            let pushed: std::sync::Weak<dyn crate::placement::remote::PushedRequests> =
+                Arc::downgrade(self) as _;
+            self.remote.serve_pushed_with(pushed);
         }
     }
 
@@ -559,10 +565,15 @@ impl PersistedDelivery {
                 original_id
             }
         };
-        if let Some(reservation) = direct.filter(|_| waited_id == request.request_id) {
+        let fresh = waited_id == request.request_id;
+        let mut push = None;
+        if let Some(reservation) = direct.filter(|_| fresh) {
             // Boxed: its future would otherwise be inside this one, which the caller moves at
             // each await.
             Box::pin(self.deliver_directly(request.clone(), reservation, earlier)).await;
+        } else if let Some(pushed) = self.remote.push(&request).filter(|_| fresh) {
+            // The owner runs it at once and answers on the call (`pushed`).
+            push = Some(pushed);
         } else {
             self.wake_reader(&request.address.shard_id, || Envelope::Request(request.clone()));
         }
@@ -584,7 +595,10 @@ impl PersistedDelivery {
         // A shard that moves or a fenced reply keeps the wait going.
         // The reply poller reads the next owner's reply.
         // Only shutdown ends the wait without a reply.
-        let exit = self.await_reply(&request.address, waited_id, &mut replied).await;
+        let exit = match push {
+            Some(push) => self.await_pushed(&request, push, &mut replied).await,
+            None => self.await_reply(&request.address, waited_id, &mut replied).await,
+        };
         interrupt.persisted = None;
         drop(registration);
         exit
@@ -650,6 +664,45 @@ impl PersistedDelivery {
         Ok(())
     }
 
+    /// Waits for the final reply of `request`, pushed to its owner as `push`.
+    ///
+    /// The first of the owner's answer on the call and the stored reply (read by the reply
+    /// poller) wins.
+    /// Both are the stored final reply (see `pushed`).
+    /// A failed call leaves the wait to storage, and the owner is told to read.
+    async fn await_pushed(
+        self: &Arc<Self>,
+        request: &Request,
+        push: BoxFuture<'static, Result<Reply, ClusterError>>,
+        replied: &mut oneshot::Receiver<Answer>,
+    ) -> Result<Exit, ClusterError> {
+        let (address, request_id) = (&request.address, request.request_id);
+        self.reply_waiters.notify_one();
+        tokio::select! {
+            pushed = push => match pushed {
+                Ok(Reply::WithExit(with_exit)) => {
+                    metrics::counter!(crate::metrics::PERSISTED_PUSHED, "answer" => "pushed")
+                        .increment(1);
+                    return Ok(with_exit.exit);
+                }
+                Ok(Reply::Chunk(_)) => {
+                    tracing::debug!(%request_id, "a pushed request was answered with a chunk; waiting on storage");
+                }
+                Err(error) => {
+                    tracing::debug!(%error, %request_id, "pushing the request failed; waiting on storage");
+                    self.wake_reader(&address.shard_id, || Envelope::Request(request.clone()));
+                }
+            },
+            answer = &mut *replied => {
+                metrics::counter!(crate::metrics::PERSISTED_PUSHED, "answer" => "stored")
+                    .increment(1);
+                return Self::answered(address, request_id, answer);
+            }
+        }
+        metrics::counter!(crate::metrics::PERSISTED_PUSHED, "answer" => "fallback").increment(1);
+        self.await_reply(address, request_id, replied).await
+    }
+
     async fn await_reply(
         self: &Arc<Self>,
         address: &EntityAddress,
@@ -658,7 +711,16 @@ impl PersistedDelivery {
     ) -> Result<Exit, ClusterError> {
         // Woken by a reply saved in this process, or by the reply poller.
         self.reply_waiters.notify_one();
-        match replied.await {
+        Self::answered(address, request_id, replied.await)
+    }
+
+    /// What a local caller of `request_id` returns, from what its waiter heard.
+    fn answered(
+        address: &EntityAddress,
+        request_id: Snowflake,
+        answer: Result<Answer, oneshot::error::RecvError>,
+    ) -> Result<Exit, ClusterError> {
+        match answer {
             Ok(Ok(Reply::WithExit(with_exit))) => Ok(with_exit.exit),
             // This process stops: the request stays stored for the next owner.
             Ok(Err(UnregisterMode::Abandon)) => {

@@ -395,6 +395,8 @@ macro_rules! on_every_backend {
     };
 }
 
+mod pushed;
+
 on_every_backend!(
     runners_split_the_shards_and_answer_every_persisted_request_once,
     the_shutdown_handoff_gives_every_shard_to_the_others_before_the_locks_expire,
@@ -1514,9 +1516,10 @@ async fn a_chained_cron_job_catches_up_or_skips_missed_runs(net: Net, skip: bool
     }
 }
 
-/// A persisted request saved by a process that does not own its shard tells the owner through
-/// the transport (the reference's persisted `Notify`): the owner reads it at once instead of at
-/// its next poll.
+/// A persisted request saved without waiting for its reply (a discard) by a process that does
+/// not own its shard goes to the owner through the transport (the reference's persisted
+/// `Notify`): the owner runs it at once instead of at its next poll. (A request whose caller
+/// waits is pushed on a call instead: see `pushed`.)
 async fn a_stored_request_wakes_its_remote_owner_through_the_transport(net: Net) {
     let network = MemoryNetwork::new();
     let slow_poll = |port: u16| {
@@ -1544,16 +1547,19 @@ async fn a_stored_request_wakes_its_remote_owner_through_the_transport(net: Net)
         .start()
         .await
         .unwrap();
-    let counter = client.client::<Counter>(net.id("woken"));
+    let id = net.id("woken");
+    let counter = client.client::<Counter>(id.as_str());
     // The client's own first assignment comes from its registry poll.
     tokio::time::sleep(Duration::from_millis(200)).await;
     let before = network.notifies();
-    let answered = tokio::time::timeout(
+    counter.discard(Deposit { key: "now".to_owned(), amount: 2 }).await.unwrap();
+    let probes = Probes::of(&id);
+    eventually_within(
+        "the owner runs it long before its next poll",
         Duration::from_secs(10),
-        counter.send(Deposit { key: "now".to_owned(), amount: 2 }),
+        || probes.deposits.load(Ordering::SeqCst) == 1,
     )
     .await;
-    assert_eq!(answered.expect("answered long before the owner's next poll").unwrap(), 2);
     assert!(network.notifies() > before, "the owner was told");
     client.shutdown().await;
     owner.shutdown().await;

@@ -86,7 +86,7 @@ impl PersistedDelivery {
     }
 
     /// Whether a request to `address` may go directly to its entity now.
-    fn may_deliver_directly(&self, address: &EntityAddress) -> bool {
+    pub(super) fn may_deliver_directly(&self, address: &EntityAddress) -> bool {
         let direct = lock(&self.direct);
         direct.caught_up.contains(&address.shard_id) && !direct.pending.contains_key(address)
     }
@@ -249,7 +249,7 @@ const EARLIER_WAIT: std::time::Duration = std::time::Duration::from_millis(100);
 /// How many earlier unprocessed requests of an entity the order check reads.
 ///
 /// When more than this many of them run here at once, the request is left to the read loop.
-const EARLIER_LIMIT: NonZeroU32 = NonZeroU32::new(16).expect("16 is not zero");
+pub(super) const EARLIER_LIMIT: NonZeroU32 = NonZeroU32::new(16).expect("16 is not zero");
 
 /// Wakes the storage read loop when dropped armed.
 struct WakeOnDrop<'a>(Option<&'a PersistedDelivery>);

@@ -1,0 +1,149 @@
+//! Persisted requests pushed by their callers (the owner's side of a persisted `Effect` RPC,
+//! `effect/src/cluster/Sharding.ts`).
+//!
+//! A caller that does not serve a request's shard stores the request, then sends it to the
+//! shard's owner over the transport.
+//! The owner hands it to its entity as direct delivery does (`direct`), without waiting for its
+//! read loop, and answers the call with the final reply once that reply is stored.
+//!
+//! # The stored reply is the answer
+//!
+//! The call is answered only by the waiter registered here for the request.
+//! That waiter hears a final reply in two ways, both stored:
+//!
+//! - this process saved it (`save_final_reply` and the transactional commit wake the waiters
+//!   only after the write succeeded);
+//! - the reply poller read it from storage (another process stored it, or this one did before
+//!   the waiter was registered).
+//!
+//! Storage accepts one final reply per request.
+//! So the reply on the call is the stored one, and the caller may return it without a read.
+//!
+//! # Order and runs
+//!
+//! Nothing changes:
+//!
+//! - the request goes directly only under direct delivery's order rules, checked against the
+//!   entity's earlier unprocessed requests read from storage at arrival;
+//! - otherwise the read loop delivers it in storage order;
+//! - the claim (`tracked`) keeps a push, a notify and a read of the same request from running
+//!   it twice;
+//! - the request is read from storage after it is reserved here, and runs only if it is still
+//!   unanswered; what runs is the stored request, not the pushed copy.
+//!
+//! # When the push fails
+//!
+//! The request stays stored, so nothing is lost:
+//!
+//! - the owner does not serve the shard (it moved), or stops: the call fails, and the caller
+//!   waits on storage;
+//! - the call breaks (a lost connection, the owner dies after storing the reply): the caller
+//!   reads the reply from storage;
+//! - the caller goes away: the request still runs, and only a stored interrupt stops it.
+
+use std::sync::Arc;
+
+use cluster_core::ClusterError;
+use cluster_core::envelope::{Envelope, Reply, Request};
+use cluster_core::future::BoxFuture;
+use tokio::sync::oneshot;
+use tracing::Instrument;
+
+use super::PersistedDelivery;
+use super::direct::EARLIER_LIMIT;
+use crate::placement::remote::PushedRequests;
+
+impl PushedRequests for PersistedDelivery {
+    fn serve(self: Arc<Self>, request: Request) -> BoxFuture<'static, Result<Reply, ClusterError>> {
+        let span = tracing::debug_span!("serve_pushed", request_id = %request.request_id);
+        Box::pin(self.serve_pushed(request).instrument(span))
+    }
+
+    fn take_up(self: Arc<Self>, envelope: Envelope) {
+        match envelope {
+            Envelope::Request(request) => {
+                let persisted = Arc::clone(&self);
+                self.spawn_owned(persisted.deliver_pushed(request));
+            }
+            envelope => {
+                self.forward(&envelope);
+                // Its row is read too, and marked processed, by the read loop.
+                self.poll_storage();
+            }
+        }
+    }
+}
+
+impl PersistedDelivery {
+    /// Runs a pushed request here and answers with its stored final reply.
+    async fn serve_pushed(self: Arc<Self>, request: Request) -> Result<Reply, ClusterError> {
+        let address = request.address.clone();
+        let request_id = request.request_id;
+        if !self.serves(&address.shard_id) {
+            self.poll_storage();
+            return Err(ClusterError::EntityNotAssignedToRunner { address });
+        }
+        let (reply, replied) = oneshot::channel();
+        // Registered before the delivery, so that a reply stored right after is not missed.
+        // A reply stored before is read by the reply poller, which polls for every waiter.
+        let registration = self.register(request_id, &address.shard_id, reply);
+        self.reply_waiters.notify_one();
+        // A task of its own: the delivery completes even if the caller goes away meanwhile.
+        self.spawn_owned(Arc::clone(&self).deliver_pushed(request));
+        let answer = replied.await;
+        drop(registration);
+        match answer {
+            Ok(Ok(reply)) => Ok(reply),
+            // Shutdown, or the shard let go during shutdown: the caller reads storage.
+            Ok(Err(_)) | Err(_) => Err(ClusterError::EntityNotAssignedToRunner { address }),
+        }
+    }
+
+    /// Hands a pushed request to its entity if direct delivery's order rules allow it now;
+    /// otherwise leaves it to the read loop, which is woken.
+    async fn deliver_pushed(self: Arc<Self>, request: Request) {
+        let address = &request.address;
+        let unary = self
+            .managers()
+            .get(&address.entity_type)
+            .is_some_and(|manager| !manager.is_stream(&request.tag));
+        let reservation = (unary && self.serves(&address.shard_id))
+            .then(|| self.may_deliver_directly(address))
+            .filter(|direct| *direct)
+            .and_then(|_| self.reserve(request.request_id));
+        let Some(reservation) = reservation else {
+            // Taken up here already, or its entity's requests go through the read loop now.
+            self.poll_storage();
+            return;
+        };
+        // Read after the reservation: a run that ended before it stored its reply first, so a
+        // request answered already (a second push, a late one) is not found and runs no more.
+        // The stored request is what runs, not the pushed copy.
+        let now = self.clock().now();
+        let stored = match self.storage.unprocessed_messages_by_id(&[request.request_id], now).await
+        {
+            Ok(batch) => batch.messages.into_iter().find_map(|message| match message.envelope {
+                Envelope::Request(stored) if stored.request_id == request.request_id => {
+                    Some(stored)
+                }
+                _ => None,
+            }),
+            Err(error) => {
+                tracing::debug!(%error, "could not read a pushed request; left to the read loop");
+                self.poll_storage();
+                return;
+            }
+        };
+        let Some(stored) = stored else {
+            tracing::debug!("a pushed request is answered already, or not due");
+            return;
+        };
+        let earlier = self
+            .storage
+            .unprocessed_before(address, request.request_id, now, EARLIER_LIMIT)
+            .await
+            .map_err(|error| tracing::debug!(%error, "could not read the earlier requests"))
+            .ok();
+        Box::pin(self.deliver_directly(stored, reservation, earlier)).await;
+    }
+}

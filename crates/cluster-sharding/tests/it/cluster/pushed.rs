@@ -1,0 +1,263 @@
+//! Persisted requests pushed to their owner over the transport: the owner runs a stored request
+//! at once and answers on the call with the final reply it stored; storage stays the fallback
+//! (effect 4.1.0's persisted `Effect` RPC).
+
+use std::sync::Arc;
+use std::sync::atomic::Ordering;
+use std::time::Duration;
+
+use cluster_core::{RunnerAddress, ShardingConfig};
+use cluster_sharding::{EntityClient, EntityOptions, Sharding};
+use cluster_testkit::transport::{MemoryNetwork, NetworkFaults};
+
+use super::{Net, config, eventually, final_gated_replies, split};
+use crate::entities::{Counter, Deposit, Gated, Increment, Probes};
+
+/// A runner at `port` reachable on `network`, with the test's settings changed by `tune`.
+async fn runner(
+    net: &Net,
+    port: u16,
+    network: &Arc<MemoryNetwork>,
+    tune: impl FnOnce(&mut ShardingConfig),
+) -> Sharding {
+    let (messages, locks) = net.storages().await;
+    let address = RunnerAddress::new("127.0.0.1", port);
+    let mut config =
+        ShardingConfig { shard_lock_expiration: net.expiration, ..config(Some(address.clone())) };
+    tune(&mut config);
+    let sharding = Sharding::builder(config)
+        .messages(messages)
+        .runners(locks)
+        .transport(network.transport())
+        .start()
+        .await
+        .unwrap();
+    sharding.register::<Counter>(EntityOptions::default()).unwrap();
+    network.attach(address, sharding.runner_handler());
+    sharding
+}
+
+/// A client-only process on `network`, with the test's settings changed by `tune`.
+async fn client(
+    net: &Net,
+    network: &Arc<MemoryNetwork>,
+    tune: impl FnOnce(&mut ShardingConfig),
+) -> Sharding {
+    let (messages, locks) = net.storages().await;
+    let mut config = config(None);
+    tune(&mut config);
+    Sharding::builder(config)
+        .messages(messages)
+        .runners(locks)
+        .transport(network.transport())
+        .start()
+        .await
+        .unwrap()
+}
+
+/// Waits until `client` routes to the owner of `counter`'s entity: its first assignment comes from
+/// its registry poll, and a persisted request sent before goes through storage alone. A
+/// volatile request is retried until it is routed.
+async fn routed(counter: &EntityClient<Counter>) {
+    let routed = counter.send(Increment { by: 0 });
+    tokio::time::timeout(Duration::from_secs(20), routed).await.expect("routed").unwrap();
+}
+
+/// Polls of storage so slow that only a push answers in time.
+fn slow_polls(config: &mut ShardingConfig) {
+    config.entity_message_poll_interval = Duration::from_secs(60);
+    config.entity_reply_poll_interval = Duration::from_secs(60);
+}
+
+/// The owner hears of the request on the call and answers on it: neither its read loop's poll
+/// nor the caller's reply poll is waited for.
+async fn a_pushed_request_is_answered_on_the_call_without_waiting_for_a_poll(net: Net) {
+    let network = MemoryNetwork::new();
+    let a = runner(&net, 8101, &network, slow_polls).await;
+    eventually("the runner holds every shard", || split(&[&a])).await;
+    let client = client(&net, &network, slow_polls).await;
+    let counter = client.client::<Counter>(net.id("pushed"));
+    routed(&counter).await;
+    let sends = network.sends();
+    let deposit = counter.send(Deposit { key: "k".to_owned(), amount: 7 });
+    let answer = tokio::time::timeout(Duration::from_secs(20), deposit).await;
+    assert_eq!(answer.expect("answered before any poll").unwrap(), 7);
+    assert_eq!(network.sends() - sends, 1, "one push");
+    assert_eq!(net.final_replies(&counter, "Deposit", "k").await, 1);
+    client.shutdown().await;
+    a.shutdown().await;
+}
+
+/// The owner ran the request and stored its reply, but the reply on the call is lost: the
+/// caller answers with the stored reply, which it reads from storage; the request ran once.
+async fn a_pushed_reply_lost_in_transit_is_read_from_storage(net: Net) {
+    let network = MemoryNetwork::new();
+    let a = runner(&net, 8201, &network, |_| {}).await;
+    eventually("the runner holds every shard", || split(&[&a])).await;
+    // The reply poll comes well after the push's answer would, so the lost answer is what the
+    // caller misses.
+    let client = client(&net, &network, |config| {
+        config.entity_reply_poll_interval = Duration::from_secs(2);
+    })
+    .await;
+    let id = net.id("pushed-lost");
+    let counter = client.client::<Counter>(id.as_str());
+    routed(&counter).await;
+    network.lose_next_replies(RunnerAddress::new("127.0.0.1", 8201), 1);
+    let deposit = counter.send(Deposit { key: "k".to_owned(), amount: 3 });
+    let answer = tokio::time::timeout(Duration::from_secs(20), deposit).await;
+    assert_eq!(answer.expect("answered").unwrap(), 3);
+    assert_eq!(network.replies_lost(), 1, "the pushed reply was lost");
+    assert_eq!(Probes::of(&id).deposits.load(Ordering::SeqCst), 1, "the request ran once");
+    assert_eq!(net.final_replies(&counter, "Deposit", "k").await, 1);
+    client.shutdown().await;
+    a.shutdown().await;
+}
+
+/// The owner stores the reply and dies before its answer reaches the caller: the caller reads
+/// the stored reply.
+async fn the_owner_dying_after_storing_the_reply_leaves_it_to_storage(net: Net) {
+    let network = MemoryNetwork::new();
+    let address = RunnerAddress::new("127.0.0.1", 8301);
+    let a = runner(&net, 8301, &network, |_| {}).await;
+    eventually("the runner holds every shard", || split(&[&a])).await;
+    let client = client(&net, &network, |_| {}).await;
+    let id = net.id("pushed-owner-dies");
+    let counter = client.client::<Counter>(id.as_str());
+    routed(&counter).await;
+    let probes = Probes::of(&id);
+    let call = tokio::spawn({
+        let counter = counter.clone();
+        async move { counter.send(Gated).await }
+    });
+    eventually("the request runs", || probes.gated_runs.load(Ordering::SeqCst) == 1).await;
+    // Its answer will not reach the caller, and nothing more reaches the owner.
+    network.lose_next_replies(address.clone(), 1);
+    probes.gate.add_permits(1);
+    for _ in 0..2000 {
+        if final_gated_replies(&net, &counter).await == 1 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    assert_eq!(final_gated_replies(&net, &counter).await, 1, "the owner stored the reply");
+    network.detach(&address);
+    let answer = tokio::time::timeout(Duration::from_secs(20), call).await;
+    assert_eq!(answer.expect("answered").unwrap().unwrap(), 1);
+    assert_eq!(probes.gated_runs.load(Ordering::SeqCst), 1, "the request ran once");
+    client.shutdown().await;
+    a.shutdown().await;
+}
+
+/// The caller's connection goes away while its request runs. The owner does not stop the
+/// request: it is stored, and only a stored interrupt stops it. It stores the reply, which the
+/// caller reads from storage.
+async fn a_pushed_request_outlives_its_broken_call(net: Net) {
+    let network = MemoryNetwork::new();
+    let address = RunnerAddress::new("127.0.0.1", 8401);
+    let a = runner(&net, 8401, &network, |_| {}).await;
+    eventually("the runner holds every shard", || split(&[&a])).await;
+    let client = client(&net, &network, |_| {}).await;
+    let id = net.id("pushed-cut");
+    let counter = client.client::<Counter>(id.as_str());
+    routed(&counter).await;
+    let probes = Probes::of(&id);
+    let call = tokio::spawn({
+        let counter = counter.clone();
+        async move { counter.send(Gated).await }
+    });
+    eventually("the request runs", || probes.gated_runs.load(Ordering::SeqCst) == 1).await;
+    network.cut_calls_to(&address);
+    probes.gate.add_permits(1);
+    let answer = tokio::time::timeout(Duration::from_secs(20), call).await;
+    assert_eq!(answer.expect("answered").unwrap().unwrap(), 1);
+    assert_eq!(probes.gated_runs.load(Ordering::SeqCst), 1, "the request ran once");
+    assert_eq!(final_gated_replies(&net, &counter).await, 1);
+    client.shutdown().await;
+    a.shutdown().await;
+}
+
+/// Every call reaches the owner twice, and its read loop reads often: each request is taken up
+/// by two pushes and by reads at once, and still runs once and is answered once.
+async fn a_request_pushed_twice_and_read_at_once_runs_once(net: Net) {
+    let network = MemoryNetwork::new();
+    let a = runner(&net, 8501, &network, |config| {
+        config.entity_message_poll_interval = Duration::from_millis(5);
+    })
+    .await;
+    eventually("the runner holds every shard", || split(&[&a])).await;
+    let client = client(&net, &network, |_| {}).await;
+    for n in 0..5_u64 {
+        routed(&client.client::<Counter>(net.id(&format!("pushed-twice-{n}")))).await;
+    }
+    network.set_faults(NetworkFaults { duplicate_per_mille: 1000, ..NetworkFaults::default() }, 7);
+    let mut calls = Vec::new();
+    for n in 0..20_u64 {
+        let id = net.id(&format!("pushed-twice-{}", n % 5));
+        let counter = client.client::<Counter>(id.as_str());
+        let deposit = Deposit { key: format!("k{n}"), amount: 1 };
+        calls.push((id, n, tokio::spawn(async move { counter.send(deposit).await })));
+    }
+    for (_, _, call) in &mut calls {
+        let answer = tokio::time::timeout(Duration::from_secs(20), call).await;
+        answer.expect("answered").unwrap().unwrap();
+    }
+    assert!(network.duplicated() >= 20, "the pushes were delivered twice");
+    for n in 0..5_u64 {
+        let id = net.id(&format!("pushed-twice-{n}"));
+        assert_eq!(
+            Probes::of(&id).deposits.load(Ordering::SeqCst),
+            4,
+            "{id}: each deposit ran once"
+        );
+    }
+    for (id, n, _) in &calls {
+        let counter = client.client::<Counter>(id.as_str());
+        assert_eq!(net.final_replies(&counter, "Deposit", &format!("k{n}")).await, 1);
+    }
+    network.clear_faults();
+    client.shutdown().await;
+    a.shutdown().await;
+}
+
+/// The owner lets the shard go while the pushed request runs (it shuts down): the call ends
+/// without a reply, the request runs again on the next owner, and the caller gets that owner's
+/// stored reply, once.
+async fn the_shard_moving_while_a_pushed_request_runs_leaves_the_answer_to_the_next_owner(
+    net: Net,
+) {
+    let network = MemoryNetwork::new();
+    let a = runner(&net, 8601, &network, |_| {}).await;
+    eventually("the runner holds every shard", || split(&[&a])).await;
+    let client = client(&net, &network, |_| {}).await;
+    let id = net.id("pushed-moves");
+    let counter = client.client::<Counter>(id.as_str());
+    routed(&counter).await;
+    let probes = Probes::of(&id);
+    let call = tokio::spawn({
+        let counter = counter.clone();
+        async move { counter.send(Gated).await }
+    });
+    eventually("the request runs", || probes.gated_runs.load(Ordering::SeqCst) == 1).await;
+    let b = runner(&net, 8602, &network, |_| {}).await;
+    // Its handler does not finish within the termination timeout: it is interrupted, and the
+    // request is left stored for the next owner.
+    a.shutdown().await;
+    eventually("the next owner holds every shard", || split(&[&b])).await;
+    eventually("the request runs again", || probes.gated_runs.load(Ordering::SeqCst) == 2).await;
+    probes.gate.add_permits(1);
+    let answer = tokio::time::timeout(Duration::from_secs(20), call).await;
+    assert_eq!(answer.expect("answered").unwrap().unwrap(), 2);
+    assert_eq!(final_gated_replies(&net, &counter).await, 1);
+    client.shutdown().await;
+    b.shutdown().await;
+}
+
+on_every_backend!(
+    a_pushed_request_is_answered_on_the_call_without_waiting_for_a_poll,
+    a_pushed_reply_lost_in_transit_is_read_from_storage,
+    the_owner_dying_after_storing_the_reply_leaves_it_to_storage,
+    a_pushed_request_outlives_its_broken_call,
+    a_request_pushed_twice_and_read_at_once_runs_once,
+    the_shard_moving_while_a_pushed_request_runs_leaves_the_answer_to_the_next_owner,
+);
