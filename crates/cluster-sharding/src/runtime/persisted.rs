@@ -566,12 +566,18 @@ impl PersistedDelivery {
             }
         };
         let fresh = waited_id == request.request_id;
+        // A duplicate is pushed under the stored request's id: the owner runs (or waits for)
+        // the stored request, not this copy.
+        let waited = match fresh {
+            true => request.clone(),
+            false => Request { request_id: waited_id, ..request.clone() },
+        };
         let mut push = None;
         if let Some(reservation) = direct.filter(|_| fresh) {
             // Boxed: its future would otherwise be inside this one, which the caller moves at
             // each await.
             Box::pin(self.deliver_directly(request.clone(), reservation, earlier)).await;
-        } else if let Some(pushed) = self.remote.push(&request).filter(|_| fresh) {
+        } else if let Some(pushed) = self.remote.push(&waited) {
             // The owner runs it at once and answers on the call (`pushed`).
             push = Some(pushed);
         } else {
@@ -596,7 +602,7 @@ impl PersistedDelivery {
         // The reply poller reads the next owner's reply.
         // Only shutdown ends the wait without a reply.
         let exit = match push {
-            Some(push) => self.await_pushed(&request, push, &mut replied).await,
+            Some(push) => self.await_pushed(&waited, push, &mut replied).await,
             None => self.await_reply(&request.address, waited_id, &mut replied).await,
         };
         interrupt.persisted = None;

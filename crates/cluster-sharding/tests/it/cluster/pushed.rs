@@ -88,6 +88,33 @@ async fn a_pushed_request_is_answered_on_the_call_without_waiting_for_a_poll(net
     a.shutdown().await;
 }
 
+/// A request sent again with the key of a stored one (after a `discard`, or by a caller that
+/// retries) waits for the stored request: it is pushed under the stored request's id, and the
+/// owner answers with that request's reply, without a poll.
+async fn a_request_sent_again_with_its_key_is_answered_on_the_call(net: Net) {
+    let network = MemoryNetwork::new();
+    let a = runner(&net, 8701, &network, slow_polls).await;
+    eventually("the runner holds every shard", || split(&[&a])).await;
+    let client = client(&net, &network, slow_polls).await;
+    let id = net.id("pushed-again");
+    let counter = client.client::<Counter>(id.as_str());
+    routed(&counter).await;
+    let probes = Probes::of(&id);
+    counter.discard(Gated).await.unwrap();
+    eventually("the discarded request runs", || probes.gated_runs.load(Ordering::SeqCst) == 1)
+        .await;
+    let call = tokio::spawn({
+        let counter = counter.clone();
+        async move { counter.send(Gated).await }
+    });
+    probes.gate.add_permits(1);
+    let answer = tokio::time::timeout(Duration::from_secs(20), call).await;
+    assert_eq!(answer.expect("answered before any poll").unwrap().unwrap(), 1);
+    assert_eq!(probes.gated_runs.load(Ordering::SeqCst), 1, "the request ran once");
+    client.shutdown().await;
+    a.shutdown().await;
+}
+
 /// The owner ran the request and stored its reply, but the reply on the call is lost: the
 /// caller answers with the stored reply, which it reads from storage; the request ran once.
 async fn a_pushed_reply_lost_in_transit_is_read_from_storage(net: Net) {
@@ -255,6 +282,7 @@ async fn the_shard_moving_while_a_pushed_request_runs_leaves_the_answer_to_the_n
 
 on_every_backend!(
     a_pushed_request_is_answered_on_the_call_without_waiting_for_a_poll,
+    a_request_sent_again_with_its_key_is_answered_on_the_call,
     a_pushed_reply_lost_in_transit_is_read_from_storage,
     the_owner_dying_after_storing_the_reply_leaves_it_to_storage,
     a_pushed_request_outlives_its_broken_call,
