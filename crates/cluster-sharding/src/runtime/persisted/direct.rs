@@ -209,6 +209,12 @@ impl PersistedDelivery {
         let address = request.address.clone();
         let request_id = request.request_id;
         let in_order = match earlier {
+            // A full read may have left later ones out: those are unread here.
+            Some(earlier)
+                if u32::try_from(earlier.len()).unwrap_or(u32::MAX) >= EARLIER_LIMIT.get() =>
+            {
+                false
+            }
             Some(earlier) => Box::pin(self.earlier_delivered(&earlier)).await,
             None => false,
         };
@@ -248,7 +254,7 @@ const EARLIER_WAIT: std::time::Duration = std::time::Duration::from_millis(100);
 
 /// How many earlier unprocessed requests of an entity the order check reads.
 ///
-/// When more than this many of them run here at once, the request is left to the read loop.
+/// When it finds this many, more may lie beyond them, so the request is left to the read loop.
 pub(super) const EARLIER_LIMIT: NonZeroU32 = NonZeroU32::new(16).expect("16 is not zero");
 
 /// Wakes the storage read loop when dropped armed.

@@ -280,6 +280,45 @@ async fn the_shard_moving_while_a_pushed_request_runs_leaves_the_answer_to_the_n
     b.shutdown().await;
 }
 
+/// Direct delivery (a runner's own request, or a pushed one) reads at most 16 of the entity's
+/// earlier unprocessed requests. When it finds that many, more may lie beyond them, unread here:
+/// the request is left to the read loop, which delivers in storage order. Here the 18th request
+/// to a busy entity finds the 16 oldest delivered, while the 17th, stored by another process,
+/// is not: it must still run after the 17th.
+async fn a_request_behind_more_earlier_requests_than_direct_delivery_reads_keeps_its_order(
+    net: Net,
+) {
+    let network = MemoryNetwork::new();
+    let a = runner(&net, 8801, &network, |config| {
+        config.entity_message_poll_interval = Duration::from_secs(1);
+    })
+    .await;
+    eventually("the runner holds every shard", || split(&[&a])).await;
+    let id = net.id("pushed-beyond-the-limit");
+    let own = a.client::<Counter>(id.as_str());
+    let probes = Probes::of(&id);
+    // The entity is busy: its next requests wait in its mailbox, delivered in order.
+    own.discard(Gated).await.unwrap();
+    eventually("the entity is busy", || probes.gated_runs.load(Ordering::SeqCst) == 1).await;
+    for n in 0..16 {
+        own.discard(Deposit { key: format!("k{n}"), amount: 1 }).await.unwrap();
+    }
+    // The 17th is stored by a process that tells nobody: only a read finds it.
+    let quiet = net.client().await;
+    let quiet_counter = quiet.client::<Counter>(id.as_str());
+    quiet_counter.discard(Deposit { key: "k16".to_owned(), amount: 1000 }).await.unwrap();
+    let last = tokio::spawn({
+        let own = own.clone();
+        async move { own.send(Deposit { key: "k17".to_owned(), amount: 1 }).await }
+    });
+    probes.gate.add_permits(1);
+    let answer = tokio::time::timeout(Duration::from_secs(20), last).await;
+    let value = answer.expect("answered").unwrap().unwrap();
+    assert_eq!(value, 1017, "the 18th request ran before the 17th (it saw {value})");
+    quiet.shutdown().await;
+    a.shutdown().await;
+}
+
 on_every_backend!(
     a_pushed_request_is_answered_on_the_call_without_waiting_for_a_poll,
     a_request_sent_again_with_its_key_is_answered_on_the_call,
@@ -288,4 +327,5 @@ on_every_backend!(
     a_pushed_request_outlives_its_broken_call,
     a_request_pushed_twice_and_read_at_once_runs_once,
     the_shard_moving_while_a_pushed_request_runs_leaves_the_answer_to_the_next_owner,
+    a_request_behind_more_earlier_requests_than_direct_delivery_reads_keeps_its_order,
 );
