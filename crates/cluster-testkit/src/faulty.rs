@@ -60,6 +60,11 @@ pub struct Faults {
     begin_delay_millis: std::sync::atomic::AtomicU64,
     /// While true, every `begin_transaction` waits (after its delay) until it turns false.
     begin_held: tokio::sync::watch::Sender<bool>,
+    /// While true, every read of unprocessed messages waits (after its latency) until it turns
+    /// false.
+    reads_held: tokio::sync::watch::Sender<bool>,
+    /// Reads of unprocessed messages waiting because of `reads_held`.
+    reads_waiting: AtomicU32,
     /// Milliseconds every `save_ack_chunk` waits first.
     ack_delay_millis: std::sync::atomic::AtomicU64,
     /// Milliseconds every `unprocessed_before` waits first.
@@ -165,6 +170,19 @@ impl Faults {
     /// a test decides, without a timing assumption, what happens while a transaction begins.
     pub fn hold_begin_transaction(&self, held: bool) {
         self.begin_held.send_replace(held);
+    }
+
+    /// While `held`, every read of unprocessed messages (a runner's claim) waits before it
+    /// reaches the storage, until it is released (`false`): a test decides what happens while
+    /// a read is under way.
+    pub fn hold_reads(&self, held: bool) {
+        self.reads_held.send_replace(held);
+    }
+
+    /// How many reads of unprocessed messages wait because of
+    /// [`hold_reads`](Faults::hold_reads) now.
+    pub fn reads_waiting(&self) -> u32 {
+        self.reads_waiting.load(Ordering::Acquire)
     }
 
     /// Every `save_ack_chunk` from now on waits `delay` first (zero: no wait): a stream's
@@ -424,6 +442,14 @@ impl MessageStorage for FaultyMessageStorage {
         }
         Box::pin(async move {
             self.faults.latency().await;
+            let mut held = self.faults.reads_held.subscribe();
+            if *held.borrow_and_update() {
+                self.faults.reads_waiting.fetch_add(1, Ordering::AcqRel);
+                // The sender lives as long as the faults this call holds: `wait_for` cannot
+                // fail.
+                let _ = held.wait_for(|held| !*held).await;
+                self.faults.reads_waiting.fetch_sub(1, Ordering::AcqRel);
+            }
             self.inner.unprocessed_messages(shard_ids, now, options).await
         })
     }

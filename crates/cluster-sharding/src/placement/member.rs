@@ -154,6 +154,10 @@ pub(crate) struct Member {
     /// The in-flight lock confirmations, which outlive an interrupted writer; awaited by the
     /// shutdown handoff.
     confirming: TaskTracker,
+    /// Held shared by a read of stored messages, from the choice of its shards until its claim
+    /// is stored; held at once by a shard's release before its lock goes
+    /// ([`Member::begin_read`]).
+    reads: tokio::sync::RwLock<()>,
     /// Held while registering, and while unregistering at shutdown.
     /// So a registration in flight cannot advertise a runner that is going away.
     registration: tokio::sync::Mutex<()>,
@@ -170,6 +174,8 @@ struct State {
     /// So a task that ends meanwhile cannot have its shard released a second time, by a round
     /// that read the shard as releasing.
     release_tasks: BTreeSet<ShardId>,
+    /// The shards whose lock is being released: no read starts on them any more.
+    unreadable: BTreeSet<ShardId>,
     /// When the last lock operation that confirmed each held shard was sent: its acquisition,
     /// a refresh, or a fencing confirmation.
     /// A shard's messages are read only within the lease that follows.
@@ -242,6 +248,7 @@ impl Member {
                 assignment: Assignment::default(),
                 release_tasks: BTreeSet::new(),
                 confirmed: BTreeMap::new(),
+                unreadable: BTreeSet::new(),
             }),
             acquisition: Notify::new(),
             lock_events: watch::Sender::new(0),
@@ -251,6 +258,7 @@ impl Member {
             stopped: CancellationToken::new(),
             confirming: TaskTracker::new(),
             registration: tokio::sync::Mutex::new(()),
+            reads: tokio::sync::RwLock::new(()),
         }
     }
 
@@ -314,8 +322,34 @@ impl Member {
         let state = self.state();
         let now = Instant::now();
         let mut held = state.ownership.held();
-        held.retain(|shard| state.is_confirmed(shard, now, self.lease));
+        held.retain(|shard| {
+            state.is_confirmed(shard, now, self.lease) && !state.unreadable.contains(shard)
+        });
         held
+    }
+
+    /// Waits until the reads under way end (see [`Member::begin_read`]).
+    ///
+    /// At most `shard_lock_expiration`: past it, the lock is gone anyway.
+    async fn reads_finished(&self) {
+        let wait = self.config.shard_lock_expiration;
+        if tokio::time::timeout(wait, self.reads.write()).await.is_err() {
+            tracing::warn!(
+                ?wait,
+                "a read of stored messages is still under way; letting the locks go"
+            );
+        }
+    }
+
+    /// Starts a read of stored messages: the shards it reads ([`Member::readable`]), and a
+    /// guard to hold until its claim is stored.
+    ///
+    /// A shard's release waits for the reads under way before its lock goes.
+    /// Otherwise a read that chose the shard before the release could claim its messages after
+    /// the next owner took the lock and released the previous claims, and hide them from it.
+    pub(crate) async fn begin_read(&self) -> (Vec<ShardId>, tokio::sync::RwLockReadGuard<'_, ()>) {
+        let guard = self.reads.read().await;
+        (self.readable(), guard)
     }
 
     /// The runner started shutting down: requests waiting for a lock stop waiting.
@@ -546,6 +580,10 @@ impl Member {
         // goes, however slow storage is, up to the lock's expiration.
         // Past it, another runner may hold the shard anyway, and that owner runs what is left.
         host.writes_finished(Some(&shard), self.config.shard_lock_expiration).await;
+        // No read chooses the shard from now on, and the reads that did are over before the
+        // lock goes (see `begin_read`).
+        self.state().unreadable.insert(shard.clone());
+        self.reads_finished().await;
         let started = Instant::now();
         let mut warned_at: Option<Instant> = None;
         loop {
@@ -582,7 +620,11 @@ impl Member {
             }
         }
         // Also after a forced release took over or shutdown ended the loop (no-op otherwise).
-        self.state().release_tasks.remove(&shard);
+        {
+            let mut state = self.state();
+            state.release_tasks.remove(&shard);
+            state.unreadable.remove(&shard);
+        }
         if self.stopped.is_cancelled() {
             return;
         }
@@ -794,6 +836,12 @@ impl Member {
             // The writers are done; a confirmation they started ends within its timeout.
             self.confirming.close();
             self.confirming.wait().await;
+            {
+                let mut state = self.state();
+                let held = state.ownership.held();
+                state.unreadable.extend(held);
+            }
+            self.reads_finished().await;
             let released = bounded(bound, self.storage.release_all(&address));
             if let Err(error) = released.await {
                 tracing::warn!(%error, "could not release the shard locks; they expire");

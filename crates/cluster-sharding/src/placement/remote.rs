@@ -131,6 +131,15 @@ pub(crate) trait PushedRequests: Send + Sync {
     /// for the reply (shutdown).
     fn serve(self: Arc<Self>, request: Request) -> BoxFuture<'static, Result<Reply, ClusterError>>;
 
+    /// Takes up the stored streaming `request` (the read loop delivers it, in order) and answers
+    /// with its chunks and final reply, each once stored.
+    ///
+    /// `EntityNotAssignedToRunner` when this runner does not serve its shard.
+    fn serve_stream(
+        self: Arc<Self>,
+        request: Request,
+    ) -> Result<Box<dyn ReplyStream>, ClusterError>;
+
     /// Takes up a stored `envelope` without answering: a discarded request runs as
     /// [`serve`](PushedRequests::serve) runs it; an interrupt or acknowledgement goes to its
     /// request if that runs here.
@@ -188,10 +197,26 @@ impl Remote {
         &self,
         request: &Request,
     ) -> Option<BoxFuture<'static, Result<Reply, ClusterError>>> {
-        let Route::Remote(owner) = self.route(&request.address.shard_id) else { return None };
-        let transport = self.transport.clone()?;
+        let (owner, transport) = self.pushed_to(request)?;
         let request = request.clone();
         Some(Box::pin(async move { transport.send(&owner, request, true).await }))
+    }
+
+    /// [`Remote::push`] for a streaming request: the owner answers with the chunks and the final
+    /// reply it stores, as it stores them.
+    pub(crate) fn push_stream(
+        &self,
+        request: &Request,
+    ) -> Option<BoxFuture<'static, Result<Box<dyn ReplyStream>, ClusterError>>> {
+        let (owner, transport) = self.pushed_to(request)?;
+        let request = request.clone();
+        Some(Box::pin(async move { transport.stream(&owner, request, true).await }))
+    }
+
+    /// The owner of `request`'s shard and the transport to it, when that is another runner.
+    fn pushed_to(&self, request: &Request) -> Option<(RunnerAddress, Arc<dyn Transport>)> {
+        let Route::Remote(owner) = self.route(&request.address.shard_id) else { return None };
+        Some((owner, self.transport.clone()?))
     }
 
     /// The runner-to-runner transport, if any.
@@ -517,16 +542,16 @@ impl RunnerHandler for Server {
                 .get(&request.address.entity_type)
                 .is_some_and(|manager| manager.is_stream(&request.tag));
             if persisted {
-                // Stored by its caller already.
-                // A unary request runs here at once and its stored reply goes back on this call.
-                // A stream is read from storage, and its caller reads the replies there.
+                // Stored by its caller already: it runs here, and its stored replies go back on
+                // this call.
                 return match remote.pushed() {
-                    Some(pushed) if !is_stream => {
+                    Some(pushed) if is_stream => pushed.serve_stream(request),
+                    Some(pushed) => {
                         let reply = pushed.serve(request);
                         Ok(Box::new(ServerStream::Pushed { reply: Some(reply) })
                             as Box<dyn ReplyStream>)
                     }
-                    _ => {
+                    None => {
                         remote.read_latch.wake();
                         Err(ClusterError::EntityNotAssignedToRunner { address: request.address })
                     }

@@ -423,6 +423,8 @@ pub(crate) struct PersistedStream {
     pub(crate) replies: mpsc::Receiver<Reply>,
     /// Feeds `replies` while the stream lives.
     _registration: OwnedRegistration,
+    /// Stops the task that reads the replies the owner pushes, when the stream goes.
+    _pump: Option<tokio_util::sync::DropGuard>,
     interrupt: InterruptOnDrop,
 }
 
@@ -632,7 +634,15 @@ impl PersistedDelivery {
                 original_id
             }
         };
-        self.wake_reader(&request.address.shard_id, || Envelope::Request(request.clone()));
+        // The stored request is what the owner runs, under its own id.
+        let waited = Request { request_id, ..request.clone() };
+        let pump = match self.remote.push_stream(&waited) {
+            Some(call) => Some(self.pump_pushed(waited, call)),
+            None => {
+                self.wake_reader(&request.address.shard_id, || Envelope::Request(waited));
+                None
+            }
+        };
         self.reply_waiters.notify_one();
         let interrupt = InterruptOnDrop {
             persisted: Some(Arc::clone(self)),
@@ -645,6 +655,7 @@ impl PersistedDelivery {
             request_id,
             replies,
             _registration: registration,
+            _pump: pump,
             interrupt,
         })
     }
@@ -826,9 +837,14 @@ impl PersistedDelivery {
         let options = UnprocessedOptions { limit: Some(batch_size), addresses };
         let now = self.clock().now();
         // A single runner reads every shard of its groups, unless it lost some of their locks.
-        let held = match self.serving.member() {
-            Some(cluster) => Some(cluster.readable()),
-            None => self.serving.held_locks().and_then(|locks| locks.served()),
+        // A cluster's read holds its guard until its claim is stored: a shard's release waits
+        // for it before the lock goes.
+        let (held, reading) = match self.serving.member() {
+            Some(cluster) => {
+                let (readable, reading) = cluster.begin_read().await;
+                (Some(readable), Some(reading))
+            }
+            None => (self.serving.held_locks().and_then(|locks| locks.served()), None),
         };
         let shards = match &held {
             Some(held) if held.is_empty() => return Some(Read { full: false, delivered: false }),
@@ -836,7 +852,9 @@ impl PersistedDelivery {
             None => &self.shards,
         };
         self.begin_read();
-        let batch = match self.storage.unprocessed_messages(shards, now, options).await {
+        let claimed = self.storage.unprocessed_messages(shards, now, options).await;
+        drop(reading);
+        let batch = match claimed {
             Ok(batch) => batch,
             Err(error) => {
                 self.end_read();
@@ -973,6 +991,12 @@ impl PersistedDelivery {
             Ok(claim) => claim,
             // Already being processed (AlreadyProcessingMessage): its reply will complete it.
             Err(Busy::Running) => return Dispatched::Skipped,
+            // Another dispatch is handing it to its entity: the read's later requests to that
+            // entity wait for the next read, which comes soon, so that they do not go first.
+            Err(Busy::Arriving) if claiming == Claiming::Read => {
+                return Dispatched::Retry(request_id);
+            }
+            Err(Busy::Arriving) => return Dispatched::Skipped,
             Err(Busy::Settled) => return Dispatched::Settled(request_id),
         };
         // Before the shard's check.

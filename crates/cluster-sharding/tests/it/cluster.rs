@@ -424,6 +424,7 @@ on_every_backend!(
     a_runner_the_transport_cannot_reach_keeps_its_shards_while_its_heartbeat_lives,
     a_known_runner_that_stops_answering_pings_loses_its_shards,
     the_heartbeat_check_marks_a_runner_with_a_live_heartbeat_healthy_again,
+    a_read_under_way_holds_back_the_release_of_its_shards,
 );
 
 mod transaction_begin {
@@ -2190,4 +2191,37 @@ async fn a_runner_frozen_past_its_lease_reads_nothing_until_a_refresh_answers() 
     faults.delay_locks(Duration::ZERO);
     client.shutdown().await;
     runner.shutdown().await;
+}
+
+/// A read of stored messages that chose a shard before the shard's release ends before the
+/// shard's lock goes. Otherwise its claim could land after the next owner took the lock and
+/// released the previous owner's claims: the claimed requests would be hidden from the next
+/// owner, which would run the ones stored after them first.
+async fn a_read_under_way_holds_back_the_release_of_its_shards(net: Net) {
+    let (messages, locks) = net.storages().await;
+    let (messages, faults) = cluster_testkit::faulty::FaultyMessageStorage::new(messages);
+    let config = config(Some(RunnerAddress::new("127.0.0.1", 27_101)));
+    let a = Sharding::builder(config).messages(Arc::new(messages)).runners(locks).start().await;
+    let a = a.unwrap();
+    a.register::<Counter>(EntityOptions::default()).unwrap();
+    eventually("the runner holds every shard", || split(&[&a])).await;
+    faults.hold_reads(true);
+    eventually("a read is under way", || faults.reads_waiting() > 0).await;
+    let b = net.runner(27_102).await;
+    let all = usize::try_from(SHARDS).unwrap();
+    eventually("the first runner lets shards go", || a.acquired_shards().len() < all).await;
+    // While the read is under way, the shards it chose keep their lock.
+    let watched_until = tokio::time::Instant::now() + Duration::from_secs(2);
+    while tokio::time::Instant::now() < watched_until {
+        let taken = b.acquired_shards();
+        assert!(taken.is_empty(), "{taken:?} were taken while a read of them was under way");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    faults.hold_reads(false);
+    eventually("the shards are split", || {
+        split(&[&a, &b]) && !a.acquired_shards().is_empty() && !b.acquired_shards().is_empty()
+    })
+    .await;
+    b.shutdown().await;
+    a.shutdown().await;
 }

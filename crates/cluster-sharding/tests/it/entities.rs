@@ -31,6 +31,8 @@ pub(crate) struct Probes {
     pub(crate) gate: tokio::sync::Semaphore,
     /// `Book` handler runs.
     pub(crate) booked: AtomicUsize,
+    /// The keys of the `Deposit` runs, in the order they ran.
+    pub(crate) deposit_keys: Mutex<Vec<String>>,
 }
 
 impl Default for Probes {
@@ -47,6 +49,7 @@ impl Default for Probes {
             gated_runs: AtomicUsize::new(0),
             gate: tokio::sync::Semaphore::new(0),
             booked: AtomicUsize::new(0),
+            deposit_keys: Mutex::default(),
         }
     }
 }
@@ -313,6 +316,7 @@ rpc!(Hang, "Hang", (), Failure, true);
 impl Handler<Deposit> for Counter {
     async fn handle(&mut self, _: &RequestContext, request: Deposit) -> Result<u64, Failure> {
         self.probes.deposits.fetch_add(1, Ordering::SeqCst);
+        self.probes.deposit_keys.lock().unwrap().push(request.key.clone());
         self.value += request.amount;
         Ok(self.value)
     }

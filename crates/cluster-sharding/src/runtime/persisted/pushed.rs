@@ -5,6 +5,9 @@
 //! shard's owner over the transport.
 //! The owner hands it to its entity as direct delivery does (`direct`), without waiting for its
 //! read loop, and answers the call with the final reply once that reply is stored.
+//! A stream is delivered by the owner's read loop, woken at once (it resumes after the last
+//! stored chunk); its chunks go back on the call as they are stored, and the caller's
+//! acknowledgements, stored, are given to the owner at once (`take_up`).
 //!
 //! # The stored reply is the answer
 //!
@@ -46,17 +49,40 @@ use std::sync::Arc;
 use cluster_core::ClusterError;
 use cluster_core::envelope::{Envelope, Reply, Request};
 use cluster_core::future::BoxFuture;
-use tokio::sync::oneshot;
+use cluster_core::sync::lock;
+use cluster_core::transport::ReplyStream;
+use tokio::sync::{mpsc, oneshot};
+use tokio_util::sync::{CancellationToken, DropGuard};
 use tracing::Instrument;
 
-use super::PersistedDelivery;
 use super::direct::EARLIER_LIMIT;
+use super::{OwnedRegistration, PersistedDelivery, Waiter};
 use crate::placement::remote::PushedRequests;
+use crate::runtime::local::STREAM_BUFFER;
 
 impl PushedRequests for PersistedDelivery {
     fn serve(self: Arc<Self>, request: Request) -> BoxFuture<'static, Result<Reply, ClusterError>> {
         let span = tracing::debug_span!("serve_pushed", request_id = %request.request_id);
         Box::pin(self.serve_pushed(request).instrument(span))
+    }
+
+    fn serve_stream(
+        self: Arc<Self>,
+        request: Request,
+    ) -> Result<Box<dyn ReplyStream>, ClusterError> {
+        let address = request.address.clone();
+        if !self.serves(&address.shard_id) {
+            self.poll_storage();
+            return Err(ClusterError::EntityNotAssignedToRunner { address });
+        }
+        let (sender, replies) = mpsc::channel(STREAM_BUFFER);
+        // Fed as this process stores the stream's replies, and by the reply poller.
+        let registration =
+            self.register_waiter(request.request_id, &address.shard_id, Waiter::stream(sender));
+        self.reply_waiters.notify_one();
+        // A stream goes through the read loop, which resumes it after its last stored chunk.
+        self.poll_storage();
+        Ok(Box::new(PushedStream { replies, _registration: registration, finished: false }))
     }
 
     fn take_up(self: Arc<Self>, envelope: Envelope) {
@@ -74,7 +100,67 @@ impl PushedRequests for PersistedDelivery {
     }
 }
 
+/// A pushed stream's replies as the owner stores them, until the final reply.
+struct PushedStream {
+    replies: mpsc::Receiver<Reply>,
+    _registration: OwnedRegistration,
+    finished: bool,
+}
+
+impl ReplyStream for PushedStream {
+    fn next_reply(&mut self) -> BoxFuture<'_, Option<Result<Reply, ClusterError>>> {
+        Box::pin(async move {
+            if self.finished {
+                return None;
+            }
+            // `None` once the waiter is gone (this runner stops): the caller reads storage.
+            let reply = self.replies.recv().await?;
+            self.finished = reply.is_final();
+            Some(Ok(reply))
+        })
+    }
+}
+
 impl PersistedDelivery {
+    /// Reads the replies that `request`'s owner pushes on `call`, and hands each to this
+    /// process's waiters as the reply poller does: they are stored replies.
+    ///
+    /// The task ends at the final reply, when the call fails (storage answers instead, and
+    /// the owner is told to read), or when the returned guard drops.
+    pub(super) fn pump_pushed(
+        self: &Arc<Self>,
+        request: Request,
+        call: BoxFuture<'static, Result<Box<dyn ReplyStream>, ClusterError>>,
+    ) -> DropGuard {
+        let stop = CancellationToken::new();
+        let guard = stop.clone().drop_guard();
+        let persisted = Arc::clone(self);
+        self.spawn_owned(async move {
+            let request_id = request.request_id;
+            let pumped = async {
+                let mut replies = call.await?;
+                while let Some(reply) = replies.next_reply().await {
+                    let reply = reply?;
+                    lock(&persisted.waiters).on_reply_saved(&reply);
+                    if reply.is_final() {
+                        return Ok(());
+                    }
+                }
+                Err(ClusterError::EntityNotAssignedToRunner { address: request.address.clone() })
+            };
+            let pumped = tokio::select! {
+                pumped = pumped => pumped,
+                () = stop.cancelled() => return,
+            };
+            if let Err(error) = pumped {
+                tracing::debug!(%error, %request_id, "a pushed stream broke off; reading storage");
+                let shard = request.address.shard_id.clone();
+                persisted.wake_reader(&shard, || Envelope::Request(request));
+            }
+        });
+        guard
+    }
+
     /// Runs a pushed request here and answers with its stored final reply.
     async fn serve_pushed(self: Arc<Self>, request: Request) -> Result<Reply, ClusterError> {
         let address = request.address.clone();

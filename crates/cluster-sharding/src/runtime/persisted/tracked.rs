@@ -91,6 +91,9 @@ impl InFlight {
 pub(super) enum Busy {
     /// It runs here already.
     Running,
+    /// Another dispatch claimed it and is handing it to its entity right now.
+    /// It is not in the mailbox yet, so a later request to the entity must not go first.
+    Arriving,
     /// Its outcome is being stored, or was during the current read.
     Settled,
 }
@@ -249,6 +252,9 @@ impl PersistedDelivery {
             (Some(Track::Reserved), Claiming::Read) => Previous::Absent,
             (Some(Track::Reserved), Claiming::Reserved) => Previous::Reserved,
             (Some(Track::Settling), Claiming::Rerun) => Previous::Settling,
+            (Some(Track::Running(in_flight)), _) if !in_flight.delivered => {
+                return Err(Busy::Arriving);
+            }
             (Some(Track::Running(_)), _) => return Err(Busy::Running),
             (None | Some(Track::Reserved | Track::Settling | Track::Settled), _) => {
                 return Err(Busy::Settled);

@@ -11,7 +11,7 @@ use cluster_sharding::{EntityClient, EntityOptions, Sharding};
 use cluster_testkit::transport::{MemoryNetwork, NetworkFaults};
 
 use super::{Net, config, eventually, final_gated_replies, split};
-use crate::entities::{Counter, Deposit, Gated, Increment, Probes};
+use crate::entities::{Counter, Deposit, Gated, Increment, Probes, Resume};
 
 /// A runner at `port` reachable on `network`, with the test's settings changed by `tune`.
 async fn runner(
@@ -111,6 +111,29 @@ async fn a_request_sent_again_with_its_key_is_answered_on_the_call(net: Net) {
     let answer = tokio::time::timeout(Duration::from_secs(20), call).await;
     assert_eq!(answer.expect("answered before any poll").unwrap().unwrap(), 1);
     assert_eq!(probes.gated_runs.load(Ordering::SeqCst), 1, "the request ran once");
+    client.shutdown().await;
+    a.shutdown().await;
+}
+
+/// A persisted stream's chunks and final reply come back on the call as the owner stores them,
+/// and the caller's acknowledgements reach the owner at once: neither side waits for a poll.
+async fn a_pushed_stream_is_answered_on_the_call_without_waiting_for_a_poll(net: Net) {
+    let network = MemoryNetwork::new();
+    let a = runner(&net, 8901, &network, slow_polls).await;
+    eventually("the runner holds every shard", || split(&[&a])).await;
+    let client = client(&net, &network, slow_polls).await;
+    let counter = client.client::<Counter>(net.id("pushed-stream"));
+    routed(&counter).await;
+    let streamed = async {
+        let mut stream = counter.stream(Resume { key: "s".to_owned(), n: 5 }).await.unwrap();
+        let mut items = Vec::new();
+        while let Some(item) = stream.next().await {
+            items.push(item.unwrap());
+        }
+        items
+    };
+    let items = tokio::time::timeout(Duration::from_secs(20), streamed).await;
+    assert_eq!(items.expect("streamed before any poll"), vec![0, 1, 2, 3, 4]);
     client.shutdown().await;
     a.shutdown().await;
 }
@@ -319,13 +342,55 @@ async fn a_request_behind_more_earlier_requests_than_direct_delivery_reads_keeps
     a.shutdown().await;
 }
 
+/// Requests pushed one after the other to a few entities, while the owner's read loop reads
+/// every millisecond: the pushes and the reads race to hand each request to its entity, and
+/// every entity still runs its requests in storage order.
+async fn pushed_requests_racing_the_read_loop_run_in_storage_order(net: Net) {
+    let network = MemoryNetwork::new();
+    let a = runner(&net, 9001, &network, |config| {
+        config.entity_message_poll_interval = Duration::from_millis(1);
+    })
+    .await;
+    eventually("the runner holds every shard", || split(&[&a])).await;
+    let client = client(&net, &network, |_| {}).await;
+    let ids: Vec<String> = (0..4).map(|n| net.id(&format!("pushed-race-{n}"))).collect();
+    for id in &ids {
+        routed(&client.client::<Counter>(id.as_str())).await;
+    }
+    const EACH: usize = 60;
+    let mut senders = Vec::new();
+    for id in &ids {
+        let counter = client.client::<Counter>(id.as_str());
+        senders.push(tokio::spawn(async move {
+            // Each is stored after the one before: storage order is the key order.
+            for n in 0..EACH {
+                counter.discard(Deposit { key: format!("k{n:03}"), amount: 1 }).await.unwrap();
+            }
+        }));
+    }
+    for sender in senders {
+        sender.await.unwrap();
+    }
+    for id in &ids {
+        let probes = Probes::of(id);
+        eventually("every request ran", || probes.deposits.load(Ordering::SeqCst) == EACH).await;
+        let ran = probes.deposit_keys.lock().unwrap().clone();
+        let stored: Vec<String> = (0..EACH).map(|n| format!("k{n:03}")).collect();
+        assert_eq!(ran, stored, "{id} ran its requests out of storage order");
+    }
+    client.shutdown().await;
+    a.shutdown().await;
+}
+
 on_every_backend!(
     a_pushed_request_is_answered_on_the_call_without_waiting_for_a_poll,
     a_request_sent_again_with_its_key_is_answered_on_the_call,
+    a_pushed_stream_is_answered_on_the_call_without_waiting_for_a_poll,
     a_pushed_reply_lost_in_transit_is_read_from_storage,
     the_owner_dying_after_storing_the_reply_leaves_it_to_storage,
     a_pushed_request_outlives_its_broken_call,
     a_request_pushed_twice_and_read_at_once_runs_once,
     the_shard_moving_while_a_pushed_request_runs_leaves_the_answer_to_the_next_owner,
     a_request_behind_more_earlier_requests_than_direct_delivery_reads_keeps_its_order,
+    pushed_requests_racing_the_read_loop_run_in_storage_order,
 );
