@@ -666,6 +666,9 @@ impl Member {
             if healthy {
                 let interval = self.config.shard_lock_interval();
                 host.writes_finished(None, interval).await;
+                // As a release's: no read claims these shards' messages once their locks go.
+                self.state().unreadable.extend(shards.iter().cloned());
+                self.reads_finished().await;
                 match bounded(interval, self.storage.release_all(&address)).await {
                     Ok(()) => break,
                     Err(error) => tracing::debug!(%error, "release_all failed; retrying"),
@@ -686,7 +689,13 @@ impl Member {
                 () = self.stopped.cancelled() => {}
             }
         }
-        self.state().ownership.finish_forced_release(&shards);
+        {
+            let mut state = self.state();
+            state.ownership.finish_forced_release(&shards);
+            for shard in &shards {
+                state.unreadable.remove(shard);
+            }
+        }
         for shard in &shards {
             Member::unregister_shard_waiters(&host, shard);
         }
