@@ -558,6 +558,27 @@ pub trait RunnerStorage: Send + Sync + fmt::Debug {
         shard_ids: &'a [ShardId],
     ) -> BoxFuture<'a, Result<Vec<ShardId>, StorageError>>;
 
+    /// Confirms the locks on `shard_ids`, as [`refresh`](RunnerStorage::refresh) does, without
+    /// the heartbeat.
+    ///
+    /// - It returns the subset still held.
+    /// - It extends the leases of lease rows.
+    /// - Fencing asks it before final replies, many times a second; the refresh loop keeps the
+    ///   heartbeat.
+    ///   A heartbeat per reply would write the runner's one registry row each time.
+    /// - The default refreshes.
+    ///
+    /// # Cancel safety
+    ///
+    /// Cancel safe, as `refresh`.
+    fn confirm<'a>(
+        &'a self,
+        address: &'a RunnerAddress,
+        shard_ids: &'a [ShardId],
+    ) -> BoxFuture<'a, Result<Vec<ShardId>, StorageError>> {
+        self.refresh(address, shard_ids)
+    }
+
     /// Releases one lock, verified: `address` does not hold it afterwards.
     ///
     /// # Cancel safety

@@ -812,6 +812,21 @@ impl RunnerStorage for FaultyRunnerStorage {
         })
     }
 
+    fn confirm<'a>(
+        &'a self,
+        address: &'a RunnerAddress,
+        shard_ids: &'a [ShardId],
+    ) -> BoxFuture<'a, Result<Vec<ShardId>, StorageError>> {
+        Box::pin(async move {
+            self.faults.through_the_blackhole().await;
+            if self.faults.refresh_fails.load(Ordering::Acquire) {
+                return Err(injected("confirm"));
+            }
+            let confirmed = self.inner.confirm(address, shard_ids).await?;
+            Ok(self.without_lost(confirmed))
+        })
+    }
+
     fn release<'a>(
         &'a self,
         address: &'a RunnerAddress,

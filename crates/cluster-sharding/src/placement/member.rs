@@ -935,8 +935,9 @@ impl Member {
                     let lease = self.lease;
                     let task = self.confirming.spawn(async move {
                         let sent_at = Instant::now();
+                        // Without the heartbeat: the refresh loop keeps it.
                         let refresh =
-                            cluster.storage.refresh(&address, std::slice::from_ref(&shard));
+                            cluster.storage.confirm(&address, std::slice::from_ref(&shard));
                         let confirmed = match tokio::time::timeout(interval, refresh).await {
                             Ok(Ok(returned)) => {
                                 let refreshed = std::slice::from_ref(&shard);

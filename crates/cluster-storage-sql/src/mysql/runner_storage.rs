@@ -295,12 +295,32 @@ impl RunnerStorage for MySqlRunnerStorage {
                     with_deadline(self.options.shard_lock_interval, "refresh", heartbeat).await?;
                     return Ok(Vec::new());
                 }
-                let command = LockCommand::Refresh { address: &address, shard_ids };
+                let command =
+                    LockCommand::Refresh { address: &address, shard_ids, heartbeat: true };
                 let held = self.locked("refresh", command).await?;
                 tracing::debug!(n_requested = shard_ids.len(), n_held = held.len());
                 Ok(held)
             }
             .instrument(span("refresh")),
+        )
+    }
+
+    fn confirm<'a>(
+        &'a self,
+        address: &'a RunnerAddress,
+        shard_ids: &'a [ShardId],
+    ) -> BoxFuture<'a, Result<Vec<ShardId>, StorageError>> {
+        Box::pin(
+            async move {
+                if shard_ids.is_empty() {
+                    return Ok(Vec::new());
+                }
+                let address = address_text(address)?;
+                let command =
+                    LockCommand::Refresh { address: &address, shard_ids, heartbeat: false };
+                self.locked("confirm", command).await
+            }
+            .instrument(span("confirm")),
         )
     }
 

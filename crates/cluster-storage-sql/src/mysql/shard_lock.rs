@@ -46,8 +46,8 @@ const RELEASE_ATTEMPTS_MAX: u32 = 8;
 pub(crate) enum LockCommand<'a> {
     /// Take the shards that are free; report all that are held.
     Acquire { address: &'a str, shard_ids: &'a [ShardId] },
-    /// Heartbeat, then report (leases: extend) the shards still held.
-    Refresh { address: &'a str, shard_ids: &'a [ShardId] },
+    /// Heartbeat (with `heartbeat`), then report (leases: extend) the shards still held.
+    Refresh { address: &'a str, shard_ids: &'a [ShardId], heartbeat: bool },
     /// Release one shard.
     Release { address: &'a str, shard_id: &'a ShardId },
     /// Release every shard.
@@ -212,8 +212,10 @@ impl ShardLocks {
                 LockCommand::Acquire { shard_ids, .. } => {
                     advisory_acquire(conn, pin.session_id, shard_ids, names).await
                 }
-                LockCommand::Refresh { address, shard_ids } => {
-                    self.heartbeat(conn, address).await?;
+                LockCommand::Refresh { address, shard_ids, heartbeat } => {
+                    if heartbeat {
+                        self.heartbeat(conn, address).await?;
+                    }
                     let holders = advisory_holders(conn, names).await?;
                     Ok(select(shard_ids, |index| holders[index] == Some(pin.session_id)))
                 }
@@ -262,8 +264,10 @@ impl ShardLocks {
                     lease_select(conn, |n| self.queries.lease_held(n), address, names).await?;
                 Ok(select(shard_ids, |index| held.contains(&names[index])))
             }
-            LockCommand::Refresh { address, shard_ids } => {
-                self.heartbeat(conn, address).await?;
+            LockCommand::Refresh { address, shard_ids, heartbeat } => {
+                if heartbeat {
+                    self.heartbeat(conn, address).await?;
+                }
                 for chunk in names.chunks(IN_LIST_LEN_MAX) {
                     let mut params = vec![Value::from(address)];
                     params.extend(chunk.iter().map(|name| Value::from(name.as_str())));

@@ -278,10 +278,18 @@ impl RunnerStorage for PgRunnerStorage {
                     self.heartbeat(address).await?;
                     return Ok(Vec::new());
                 }
-                self.locks.refresh(address, shard_ids).await
+                self.locks.refresh(address, shard_ids, true).await
             }
             .instrument(span("refresh")),
         )
+    }
+
+    fn confirm<'a>(
+        &'a self,
+        address: &'a RunnerAddress,
+        shard_ids: &'a [ShardId],
+    ) -> BoxFuture<'a, Result<Vec<ShardId>, StorageError>> {
+        Box::pin(self.locks.refresh(address, shard_ids, false).instrument(span("confirm")))
     }
 
     fn release<'a>(

@@ -144,12 +144,13 @@ impl ShardLocks {
         self.bounded("acquire", &used, operation).await
     }
 
-    /// Refreshes the heartbeat of `address` on the lock session and reports which of
-    /// `shard_ids` it still holds (leases are extended). Never takes a lock.
+    /// Refreshes the heartbeat of `address` on the lock session (with `heartbeat`) and reports
+    /// which of `shard_ids` it still holds (leases are extended). Never takes a lock.
     pub(crate) async fn refresh(
         &self,
         address: &RunnerAddress,
         shard_ids: &[ShardId],
+        heartbeat: bool,
     ) -> Result<Vec<ShardId>, StorageError> {
         let numbers = self.lock_numbers(shard_ids)?;
         let used = Used::default();
@@ -157,11 +158,13 @@ impl ShardLocks {
             let session = self.session(&used).await?;
             let _turn = session.turn.lock().await;
             let address_text = address.to_string();
-            session
-                .client
-                .execute(self.queries.heartbeat.as_str(), &[&address_text])
-                .await
-                .map_err(|error| driver_error("refresh: heartbeat", error))?;
+            if heartbeat {
+                session
+                    .client
+                    .execute(self.queries.heartbeat.as_str(), &[&address_text])
+                    .await
+                    .map_err(|error| driver_error("refresh: heartbeat", error))?;
+            }
             match self.mode {
                 LockMode::Advisory => self.held(&session, shard_ids, &numbers).await,
                 LockMode::Lease => {

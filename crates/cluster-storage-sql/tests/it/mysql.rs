@@ -1051,3 +1051,50 @@ async fn retried_writes_are_idempotent() {
     drop(storage);
     database.drop_tables().await;
 }
+
+/// Fencing confirms a shard's lock before each final reply. `confirm` reports the locks still
+/// held, as `refresh` does, without writing the runner's heartbeat: that is one registry row,
+/// and one write of it per reply made the row the cluster's bottleneck.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn confirm_reports_the_held_locks_without_a_heartbeat() {
+    let Some(database) = Database::new() else { return };
+    database.migrate().await;
+    let runners_table = database.table("runners");
+    for (mode, host) in
+        [(LockMode::Advisory, "confirm-advisory"), (LockMode::Lease, "confirm-lease")]
+    {
+        let runners = database.runner_storage(mode, Duration::from_secs(60)).await;
+        let owner = runner(host);
+        runners.register(&owner, true).await.unwrap();
+        let held = vec![shard(1), shard(2)];
+        assert_eq!(runners.acquire(&owner.address, &held).await.unwrap(), held);
+        // An old heartbeat: any write of it shows.
+        let address = owner.address.to_string();
+        database
+            .exec(&format!(
+                "UPDATE `{runners_table}` SET last_heartbeat = '2000-01-01 00:00:00' \
+                 WHERE address = '{address}'"
+            ))
+            .await;
+        let heartbeat_sql = format!(
+            "SELECT CAST(last_heartbeat AS CHAR) FROM `{runners_table}` WHERE address = '{address}'"
+        );
+        let heartbeat = || async {
+            let rows = database.rows(&heartbeat_sql).await;
+            rows.first().and_then(|row| row.get::<String, _>(0)).unwrap_or_default()
+        };
+        let asked = vec![shard(1), shard(2), shard(3)];
+        assert_eq!(runners.confirm(&owner.address, &asked).await.unwrap(), held, "{mode:?}");
+        assert!(
+            heartbeat().await.starts_with("2000-01-01"),
+            "{mode:?}: confirm wrote the heartbeat"
+        );
+        assert_eq!(runners.refresh(&owner.address, &asked).await.unwrap(), held, "{mode:?}");
+        assert!(
+            !heartbeat().await.starts_with("2000-01-01"),
+            "{mode:?}: refresh keeps the heartbeat"
+        );
+        runners.release_all(&owner.address).await.unwrap();
+    }
+    database.drop_tables().await;
+}

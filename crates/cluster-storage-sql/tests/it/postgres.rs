@@ -974,3 +974,39 @@ async fn failed_transaction_does_not_commit() {
     assert!(storage.replies_for(&[Snowflake::new(1)]).await.unwrap().is_empty());
     scratch.cleanup().await;
 }
+
+/// Fencing confirms a shard's lock before each final reply. `confirm` reports the locks still
+/// held, as `refresh` does, without writing the runner's heartbeat: that is one registry row,
+/// and one write of it per reply made the row the cluster's bottleneck.
+#[tokio::test]
+async fn confirm_reports_the_held_locks_without_a_heartbeat() {
+    let Some(scratch) = Scratch::new().await else { return };
+    let runners_table = scratch.table("runners");
+    for (mode, host) in
+        [(LockMode::Advisory, "confirm-advisory"), (LockMode::Lease, "confirm-lease")]
+    {
+        let runners = scratch.runner_storage(mode, Duration::from_secs(60)).await;
+        let owner = runner(host);
+        runners.register(&owner, true).await.unwrap();
+        assert_eq!(
+            runners.acquire(&owner.address, &shards(&[1, 2])).await.unwrap(),
+            shards(&[1, 2])
+        );
+        let sql =
+            format!("SELECT last_heartbeat::text FROM \"{runners_table}\" WHERE address = $1");
+        let address = owner.address.to_string();
+        let heartbeat = || async {
+            let row = scratch.admin.client.query_one(sql.as_str(), &[&address]).await.unwrap();
+            row.get::<_, String>(0)
+        };
+        let before = heartbeat().await;
+        let confirmed = runners.confirm(&owner.address, &shards(&[1, 2, 3])).await.unwrap();
+        assert_eq!(confirmed, shards(&[1, 2]), "{mode:?}");
+        assert_eq!(heartbeat().await, before, "{mode:?}: confirm wrote the heartbeat");
+        let refreshed = runners.refresh(&owner.address, &shards(&[1, 2, 3])).await.unwrap();
+        assert_eq!(refreshed, shards(&[1, 2]), "{mode:?}");
+        assert_ne!(heartbeat().await, before, "{mode:?}: refresh keeps the heartbeat");
+        runners.release_all(&owner.address).await.unwrap();
+    }
+    scratch.cleanup().await;
+}
