@@ -7,11 +7,11 @@ use std::sync::atomic::Ordering;
 use std::time::Duration;
 
 use cluster_core::{RunnerAddress, ShardingConfig};
-use cluster_sharding::{EntityClient, EntityOptions, Sharding};
+use cluster_sharding::{CallError, EntityClient, EntityOptions, Sharding};
 use cluster_testkit::transport::{MemoryNetwork, NetworkFaults};
 
 use super::{Net, config, eventually, final_gated_replies, split};
-use crate::entities::{Counter, Deposit, Gated, Increment, Probes, Resume};
+use crate::entities::{Counter, Deposit, Failure, Gated, Increment, Probes, Resume};
 
 /// A runner at `port` reachable on `network`, with the test's settings changed by `tune`.
 async fn runner(
@@ -61,6 +61,37 @@ async fn client(
 async fn routed(counter: &EntityClient<Counter>) {
     let routed = counter.send(Increment { by: 0 });
     tokio::time::timeout(Duration::from_secs(20), routed).await.expect("routed").unwrap();
+}
+
+/// A runner holding every shard, a client-only process routed to one entity of it, and a
+/// `Gated` request of that entity pushed and running (its handler waits at the gate).
+struct GatedCall {
+    network: Arc<MemoryNetwork>,
+    owner: Sharding,
+    client: Sharding,
+    counter: EntityClient<Counter>,
+    probes: Arc<Probes>,
+    call: tokio::task::JoinHandle<Result<usize, CallError<Failure>>>,
+}
+
+impl GatedCall {
+    /// The runner at `port`, the entity `name`.
+    async fn start(net: &Net, port: u16, name: &str) -> GatedCall {
+        let network = MemoryNetwork::new();
+        let owner = runner(net, port, &network, |_| {}).await;
+        eventually("the runner holds every shard", || split(&[&owner])).await;
+        let client = client(net, &network, |_| {}).await;
+        let id = net.id(name);
+        let counter = client.client::<Counter>(id.as_str());
+        routed(&counter).await;
+        let probes = Probes::of(&id);
+        let call = tokio::spawn({
+            let counter = counter.clone();
+            async move { counter.send(Gated).await }
+        });
+        eventually("the request runs", || probes.gated_runs.load(Ordering::SeqCst) == 1).await;
+        GatedCall { network, owner, client, counter, probes, call }
+    }
 }
 
 /// Polls of storage so slow that only a push answers in time.
@@ -167,64 +198,40 @@ async fn a_pushed_reply_lost_in_transit_is_read_from_storage(net: Net) {
 /// The owner stores the reply and dies before its answer reaches the caller: the caller reads
 /// the stored reply.
 async fn the_owner_dying_after_storing_the_reply_leaves_it_to_storage(net: Net) {
-    let network = MemoryNetwork::new();
+    let GatedCall { network, owner, client, counter, probes, call } =
+        GatedCall::start(&net, 8301, "pushed-owner-dies").await;
     let address = RunnerAddress::new("127.0.0.1", 8301);
-    let a = runner(&net, 8301, &network, |_| {}).await;
-    eventually("the runner holds every shard", || split(&[&a])).await;
-    let client = client(&net, &network, |_| {}).await;
-    let id = net.id("pushed-owner-dies");
-    let counter = client.client::<Counter>(id.as_str());
-    routed(&counter).await;
-    let probes = Probes::of(&id);
-    let call = tokio::spawn({
-        let counter = counter.clone();
-        async move { counter.send(Gated).await }
-    });
-    eventually("the request runs", || probes.gated_runs.load(Ordering::SeqCst) == 1).await;
     // Its answer will not reach the caller, and nothing more reaches the owner.
     network.lose_next_replies(address.clone(), 1);
     probes.gate.add_permits(1);
-    for _ in 0..2000 {
-        if final_gated_replies(&net, &counter).await == 1 {
-            break;
-        }
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(20);
+    while final_gated_replies(&net, &counter).await == 0 {
+        assert!(tokio::time::Instant::now() < deadline, "the owner stored no reply");
         tokio::time::sleep(Duration::from_millis(10)).await;
     }
-    assert_eq!(final_gated_replies(&net, &counter).await, 1, "the owner stored the reply");
     network.detach(&address);
     let answer = tokio::time::timeout(Duration::from_secs(20), call).await;
     assert_eq!(answer.expect("answered").unwrap().unwrap(), 1);
     assert_eq!(probes.gated_runs.load(Ordering::SeqCst), 1, "the request ran once");
+    assert_eq!(final_gated_replies(&net, &counter).await, 1);
     client.shutdown().await;
-    a.shutdown().await;
+    owner.shutdown().await;
 }
 
 /// The caller's connection goes away while its request runs. The owner does not stop the
 /// request: it is stored, and only a stored interrupt stops it. It stores the reply, which the
 /// caller reads from storage.
 async fn a_pushed_request_outlives_its_broken_call(net: Net) {
-    let network = MemoryNetwork::new();
-    let address = RunnerAddress::new("127.0.0.1", 8401);
-    let a = runner(&net, 8401, &network, |_| {}).await;
-    eventually("the runner holds every shard", || split(&[&a])).await;
-    let client = client(&net, &network, |_| {}).await;
-    let id = net.id("pushed-cut");
-    let counter = client.client::<Counter>(id.as_str());
-    routed(&counter).await;
-    let probes = Probes::of(&id);
-    let call = tokio::spawn({
-        let counter = counter.clone();
-        async move { counter.send(Gated).await }
-    });
-    eventually("the request runs", || probes.gated_runs.load(Ordering::SeqCst) == 1).await;
-    network.cut_calls_to(&address);
+    let GatedCall { network, owner, client, counter, probes, call } =
+        GatedCall::start(&net, 8401, "pushed-cut").await;
+    network.cut_calls_to(&RunnerAddress::new("127.0.0.1", 8401));
     probes.gate.add_permits(1);
     let answer = tokio::time::timeout(Duration::from_secs(20), call).await;
     assert_eq!(answer.expect("answered").unwrap().unwrap(), 1);
     assert_eq!(probes.gated_runs.load(Ordering::SeqCst), 1, "the request ran once");
     assert_eq!(final_gated_replies(&net, &counter).await, 1);
     client.shutdown().await;
-    a.shutdown().await;
+    owner.shutdown().await;
 }
 
 /// Every call reaches the owner twice, and its read loop reads often: each request is taken up
@@ -276,31 +283,20 @@ async fn a_request_pushed_twice_and_read_at_once_runs_once(net: Net) {
 async fn the_shard_moving_while_a_pushed_request_runs_leaves_the_answer_to_the_next_owner(
     net: Net,
 ) {
-    let network = MemoryNetwork::new();
-    let a = runner(&net, 8601, &network, |_| {}).await;
-    eventually("the runner holds every shard", || split(&[&a])).await;
-    let client = client(&net, &network, |_| {}).await;
-    let id = net.id("pushed-moves");
-    let counter = client.client::<Counter>(id.as_str());
-    routed(&counter).await;
-    let probes = Probes::of(&id);
-    let call = tokio::spawn({
-        let counter = counter.clone();
-        async move { counter.send(Gated).await }
-    });
-    eventually("the request runs", || probes.gated_runs.load(Ordering::SeqCst) == 1).await;
-    let b = runner(&net, 8602, &network, |_| {}).await;
+    let GatedCall { network, owner, client, counter, probes, call } =
+        GatedCall::start(&net, 8601, "pushed-moves").await;
+    let next = runner(&net, 8602, &network, |_| {}).await;
     // Its handler does not finish within the termination timeout: it is interrupted, and the
     // request is left stored for the next owner.
-    a.shutdown().await;
-    eventually("the next owner holds every shard", || split(&[&b])).await;
+    owner.shutdown().await;
+    eventually("the next owner holds every shard", || split(&[&next])).await;
     eventually("the request runs again", || probes.gated_runs.load(Ordering::SeqCst) == 2).await;
     probes.gate.add_permits(1);
     let answer = tokio::time::timeout(Duration::from_secs(20), call).await;
     assert_eq!(answer.expect("answered").unwrap().unwrap(), 2);
     assert_eq!(final_gated_replies(&net, &counter).await, 1);
     client.shutdown().await;
-    b.shutdown().await;
+    next.shutdown().await;
 }
 
 /// Direct delivery (a runner's own request, or a pushed one) reads at most 16 of the entity's
