@@ -7,13 +7,16 @@
 //! 2. The storage read loop claims it and hands it to its entity.
 //!    A request saved by the runner that serves its shard goes to its entity directly instead
 //!    (`direct`).
+//!    So does one that another process saved and pushed to this runner (`pushed`).
 //! 3. The entity's exit is stored as the request's final reply.
 //!
-//! A caller in this process waits for the reply in two ways:
+//! A caller in this process waits for the reply in three ways, and the first to answer wins:
 //!
 //! - on an in-process reply waiter, registered before the save;
+//! - on the call that pushed the request to its owner, which answers with the stored reply
+//!   (`pushed`);
 //! - by polling storage every `entity_reply_poll_interval`, the fallback for a reply saved by
-//!   another process or before a restart.
+//!   another process or before a restart, or a push that failed.
 //!
 //! Storage is the source of truth.
 //! A request whose runner stops before answering stays stored, and the next run answers it.
