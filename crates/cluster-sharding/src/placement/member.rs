@@ -62,7 +62,7 @@ use cluster_core::transport::Transport;
 use cluster_core::{Clock, MachineId, Runner, RunnerAddress, ShardId, ShardingConfig};
 use futures_util::FutureExt;
 use futures_util::future::Shared;
-use tokio::sync::{Notify, watch};
+use tokio::sync::{Notify, oneshot, watch};
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
@@ -143,8 +143,8 @@ pub(crate) struct Member {
     /// unhealthy, shutdown.
     /// Requests waiting for a shard's lock then check again.
     lock_events: watch::Sender<u64>,
-    /// The in-flight lock confirmation of each shard (fencing).
-    confirmations: Mutex<BTreeMap<ShardId, Shared<BoxFuture<'static, bool>>>>,
+    /// The lock confirmations of fencing: each shard's outcome, its round in flight or next.
+    confirmations: Mutex<Confirmations>,
     /// Set when the shutdown handoff starts: every shard is released.
     handoff: CancellationToken,
     /// Woken when nothing is held any more during the handoff.
@@ -161,6 +161,17 @@ pub(crate) struct Member {
     /// Held while registering, and while unregistering at shutdown.
     /// So a registration in flight cannot advertise a runner that is going away.
     registration: tokio::sync::Mutex<()>,
+}
+
+/// Fencing's lock confirmations (see [`Member::confirm_lock`]).
+#[derive(Default)]
+struct Confirmations {
+    /// The outcome of each shard's confirmation, in the round in flight or the next one.
+    outcomes: BTreeMap<ShardId, Shared<BoxFuture<'static, bool>>>,
+    /// The shards of the next round, and where each one's outcome goes.
+    next: Vec<(ShardId, oneshot::Sender<bool>)>,
+    /// Whether a task runs the rounds.
+    running: bool,
 }
 
 /// What the loops share.
@@ -252,7 +263,7 @@ impl Member {
             }),
             acquisition: Notify::new(),
             lock_events: watch::Sender::new(0),
-            confirmations: Mutex::new(BTreeMap::new()),
+            confirmations: Mutex::new(Confirmations::default()),
             handoff: CancellationToken::new(),
             handed_off: Notify::new(),
             stopped: CancellationToken::new(),
@@ -915,62 +926,91 @@ impl Member {
     /// (`effect/src/cluster/Sharding.ts`, effect 4.1.0).
     ///
     /// - The shard must be acquired or releasing here.
-    /// - A lock refresh must confirm it.
-    /// - Every concurrent writer shares one refresh per shard.
-    ///   The refresh outlives a writer that is interrupted.
+    /// - A lock confirmation must find it held.
+    /// - Concurrent writers share confirmations: a writer joins the round that covers its
+    ///   shard, in flight or next, and one round confirms every shard queued for it in one
+    ///   storage call, one round at a time (they run on the runner's one lock session anyway).
+    /// - The rounds outlive a writer that is interrupted.
     pub(crate) async fn confirm_lock(self: &Arc<Member>, shard: &ShardId) -> bool {
-        let cluster = self;
-        let Some(address) = cluster.address().cloned() else { return false };
-        if !cluster.state().ownership.is_owned_or_releasing(shard) {
+        let Some(address) = self.address().cloned() else { return false };
+        if !self.state().ownership.is_owned_or_releasing(shard) {
             return false;
         }
         let confirmation = {
-            let mut confirmations = lock(&cluster.confirmations);
-            confirmations
-                .entry(shard.clone())
-                .or_insert_with(|| {
-                    let cluster = Arc::clone(cluster);
-                    let shard = shard.clone();
-                    let interval = self.config.shard_lock_interval();
-                    let lease = self.lease;
-                    let task = self.confirming.spawn(async move {
-                        let sent_at = Instant::now();
-                        // Without the heartbeat: the refresh loop keeps it.
-                        let refresh =
-                            cluster.storage.confirm(&address, std::slice::from_ref(&shard));
-                        let confirmed = match tokio::time::timeout(interval, refresh).await {
-                            Ok(Ok(returned)) => {
-                                let refreshed = std::slice::from_ref(&shard);
-                                let releasing = {
-                                    let mut state = cluster.state();
-                                    state.confirm(&returned, sent_at, lease);
-                                    state.ownership.release_lost_shards(refreshed, &returned)
-                                };
-                                if releasing {
-                                    cluster.acquisition.notify_one();
-                                }
-                                returned.contains(&shard)
-                            }
-                            Ok(Err(error)) => {
-                                tracing::debug!(%error, %shard, "could not confirm a shard lock");
-                                false
-                            }
-                            Err(_) => false,
-                        };
-                        lock(&cluster.confirmations).remove(&shard);
-                        confirmed
-                    });
-                    let confirmed: BoxFuture<'static, bool> =
-                        Box::pin(task.map(|joined| joined.unwrap_or(false)));
-                    confirmed.shared()
-                })
-                .clone()
+            let mut confirmations = lock(&self.confirmations);
+            match confirmations.outcomes.get(shard) {
+                Some(outcome) => outcome.clone(),
+                None => {
+                    let (sender, outcome) = oneshot::channel();
+                    let outcome: BoxFuture<'static, bool> =
+                        Box::pin(outcome.map(|outcome| outcome.unwrap_or(false)));
+                    let outcome = outcome.shared();
+                    confirmations.outcomes.insert(shard.clone(), outcome.clone());
+                    confirmations.next.push((shard.clone(), sender));
+                    if !confirmations.running {
+                        confirmations.running = true;
+                        self.confirming.spawn(Arc::clone(self).confirmation_rounds(address));
+                    }
+                    outcome
+                }
+            }
         };
         let confirmed = confirmation.await;
         if !confirmed {
             tracing::warn!(%shard, "shard lock not confirmed: the final reply is left for the next owner");
         }
         confirmed
+    }
+
+    /// Runs confirmation rounds while shards are queued for one (see [`Member::confirm_lock`]).
+    async fn confirmation_rounds(self: Arc<Member>, address: RunnerAddress) {
+        let interval = self.config.shard_lock_interval();
+        loop {
+            let round = {
+                let mut confirmations = lock(&self.confirmations);
+                if confirmations.next.is_empty() {
+                    confirmations.running = false;
+                    return;
+                }
+                std::mem::take(&mut confirmations.next)
+            };
+            let shards: Vec<ShardId> = round.iter().map(|(shard, _)| shard.clone()).collect();
+            let sent_at = Instant::now();
+            // Without the heartbeat: the refresh loop keeps it.
+            let confirmed = match tokio::time::timeout(
+                interval,
+                self.storage.confirm(&address, &shards),
+            )
+            .await
+            {
+                Ok(Ok(returned)) => {
+                    let releasing = {
+                        let mut state = self.state();
+                        state.confirm(&returned, sent_at, self.lease);
+                        state.ownership.release_lost_shards(&shards, &returned)
+                    };
+                    if releasing {
+                        self.acquisition.notify_one();
+                    }
+                    returned
+                }
+                Ok(Err(error)) => {
+                    tracing::debug!(%error, shards = shards.len(), "could not confirm shard locks");
+                    Vec::new()
+                }
+                Err(_) => Vec::new(),
+            };
+            {
+                let mut confirmations = lock(&self.confirmations);
+                for shard in &shards {
+                    confirmations.outcomes.remove(shard);
+                }
+            }
+            for (shard, sender) in round {
+                // The writer may have gone away; the outcome is shared with those that wait.
+                let _ = sender.send(confirmed.contains(&shard));
+            }
+        }
     }
 }
 
