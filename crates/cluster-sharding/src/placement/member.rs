@@ -26,9 +26,10 @@
 //!   refresh answers.
 //!   Otherwise its first read could claim a message that the new owner must deliver before the
 //!   ones stored after it.
-//! - **Fencing**: the final reply of a persisted request is stored only after a lock refresh
-//!   confirms the shard.
-//!   Concurrent writers share one in-flight refresh per shard.
+//! - **Fencing**: the final reply of a persisted request is stored only after a lock
+//!   confirmation finds the shard held.
+//!   Concurrent writers share confirmation rounds: one storage call confirms every shard queued
+//!   for it, without the heartbeat.
 //! - **Handoff**: at shutdown, once the entities drained, every shard is released through the
 //!   per-shard path, bounded by `shard_lock_interval`.
 //!   So other runners take the shards at once.
