@@ -185,6 +185,23 @@ impl PersistedDelivery {
         }
     }
 
+    /// Hands the stored final reply of `request_id`, if there is one, to this process's waiters,
+    /// as the reply poller would.
+    ///
+    /// A caller's waiter registered after the reply was stored heard nothing of it, and the
+    /// next poll may be far.
+    async fn answer_if_stored(&self, request_id: cluster_core::Snowflake) {
+        match self.storage.replies_for(&[request_id]).await {
+            Ok(replies) => {
+                let mut waiters = lock(&self.waiters);
+                for reply in replies.iter().filter(|reply| reply.is_final()) {
+                    waiters.on_reply_saved(reply);
+                }
+            }
+            Err(error) => tracing::debug!(%error, %request_id, "could not read a reply"),
+        }
+    }
+
     /// Hands a pushed request to its entity if direct delivery's order rules allow it now;
     /// otherwise leaves it to the read loop, which is woken.
     async fn deliver_pushed(self: Arc<Self>, request: Request) {
@@ -199,7 +216,9 @@ impl PersistedDelivery {
             .and_then(|_| self.reserve(request.request_id));
         let Some(reservation) = reservation else {
             // Taken up here already, or its entity's requests go through the read loop now.
+            // It may also have been answered just before a caller started waiting here.
             self.poll_storage();
+            self.answer_if_stored(request.request_id).await;
             return;
         };
         // Read after the reservation: a run that ended before it stored its reply first, so a
@@ -222,6 +241,8 @@ impl PersistedDelivery {
         };
         let Some(stored) = stored else {
             tracing::debug!("a pushed request is answered already, or not due");
+            drop(reservation);
+            self.answer_if_stored(request.request_id).await;
             return;
         };
         let earlier = self

@@ -121,7 +121,9 @@ async fn a_pushed_request_is_answered_on_the_call_without_waiting_for_a_poll(net
 
 /// A request sent again with the key of a stored one (after a `discard`, or by a caller that
 /// retries) waits for the stored request: it is pushed under the stored request's id, and the
-/// owner answers with that request's reply, without a poll.
+/// owner answers with that request's reply, without a poll. Here the push reaches the owner only
+/// after the request was answered, so the owner's waiter comes after the reply was stored: the
+/// owner finds the stored reply and answers at once.
 async fn a_request_sent_again_with_its_key_is_answered_on_the_call(net: Net) {
     let network = MemoryNetwork::new();
     let a = runner(&net, 8701, &network, slow_polls).await;
@@ -134,14 +136,28 @@ async fn a_request_sent_again_with_its_key_is_answered_on_the_call(net: Net) {
     counter.discard(Gated).await.unwrap();
     eventually("the discarded request runs", || probes.gated_runs.load(Ordering::SeqCst) == 1)
         .await;
+    let delay = Duration::from_secs(1);
+    network.set_faults(
+        NetworkFaults { delay_min: delay, delay_max: delay, ..NetworkFaults::default() },
+        3,
+    );
+    let sends = network.sends();
     let call = tokio::spawn({
         let counter = counter.clone();
         async move { counter.send(Gated).await }
     });
+    // Stored (a duplicate, unanswered) and pushed: the push is on its way.
+    eventually("the request is pushed", || network.sends() > sends).await;
     probes.gate.add_permits(1);
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(20);
+    while final_gated_replies(&net, &counter).await == 0 {
+        assert!(tokio::time::Instant::now() < deadline, "the request was not answered");
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
     let answer = tokio::time::timeout(Duration::from_secs(20), call).await;
     assert_eq!(answer.expect("answered before any poll").unwrap().unwrap(), 1);
     assert_eq!(probes.gated_runs.load(Ordering::SeqCst), 1, "the request ran once");
+    network.clear_faults();
     client.shutdown().await;
     a.shutdown().await;
 }
