@@ -445,10 +445,11 @@ impl MessageStorage for FaultyMessageStorage {
             let mut held = self.faults.reads_held.subscribe();
             if *held.borrow_and_update() {
                 self.faults.reads_waiting.fetch_add(1, Ordering::AcqRel);
+                // Counted out when the wait ends, or when the read is dropped while it waits.
+                let _waiting = Uncount(&self.faults.reads_waiting);
                 // The sender lives as long as the faults this call holds: `wait_for` cannot
                 // fail.
                 let _ = held.wait_for(|held| !*held).await;
-                self.faults.reads_waiting.fetch_sub(1, Ordering::AcqRel);
             }
             self.inner.unprocessed_messages(shard_ids, now, options).await
         })
@@ -860,5 +861,14 @@ impl RunnerStorage for FaultyRunnerStorage {
             self.faults.through_the_blackhole().await;
             self.inner.release_all(address).await
         })
+    }
+}
+
+/// Takes one from a counter when dropped.
+struct Uncount<'a>(&'a AtomicU32);
+
+impl Drop for Uncount<'_> {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::AcqRel);
     }
 }

@@ -63,6 +63,50 @@ async fn routed(counter: &EntityClient<Counter>) {
     tokio::time::timeout(Duration::from_secs(20), routed).await.expect("routed").unwrap();
 }
 
+/// A runner holding every shard, and a client-only process routed to one entity of it, on one
+/// memory network.
+struct Pushing {
+    network: Arc<MemoryNetwork>,
+    owner: Sharding,
+    client: Sharding,
+    /// The entity's id (its `Probes`).
+    id: String,
+    counter: EntityClient<Counter>,
+}
+
+impl Pushing {
+    /// The runner at `port`, the entity `name`; `tune` changes both processes' settings.
+    async fn start(
+        net: &Net,
+        port: u16,
+        name: &str,
+        tune: impl Fn(&mut ShardingConfig),
+    ) -> Pushing {
+        let network = MemoryNetwork::new();
+        let owner = runner(net, port, &network, &tune).await;
+        eventually("the runner holds every shard", || split(&[&owner])).await;
+        let client = client(net, &network, &tune).await;
+        let id = net.id(name);
+        let counter = client.client::<Counter>(id.as_str());
+        routed(&counter).await;
+        Pushing { network, owner, client, id, counter }
+    }
+
+    async fn shutdown(self) {
+        self.client.shutdown().await;
+        self.owner.shutdown().await;
+    }
+}
+
+/// Waits until the `Gated` request of `counter`'s entity has a stored final reply.
+async fn until_gated_reply_stored(net: &Net, counter: &EntityClient<Counter>) {
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(20);
+    while final_gated_replies(net, counter).await == 0 {
+        assert!(tokio::time::Instant::now() < deadline, "no final reply was stored");
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+}
+
 /// A runner holding every shard, a client-only process routed to one entity of it, and a
 /// `Gated` request of that entity pushed and running (its handler waits at the gate).
 struct GatedCall {
@@ -77,13 +121,8 @@ struct GatedCall {
 impl GatedCall {
     /// The runner at `port`, the entity `name`.
     async fn start(net: &Net, port: u16, name: &str) -> GatedCall {
-        let network = MemoryNetwork::new();
-        let owner = runner(net, port, &network, |_| {}).await;
-        eventually("the runner holds every shard", || split(&[&owner])).await;
-        let client = client(net, &network, |_| {}).await;
-        let id = net.id(name);
-        let counter = client.client::<Counter>(id.as_str());
-        routed(&counter).await;
+        let Pushing { network, owner, client, id, counter } =
+            Pushing::start(net, port, name, |_| {}).await;
         let probes = Probes::of(&id);
         let call = tokio::spawn({
             let counter = counter.clone();
@@ -103,20 +142,15 @@ fn slow_polls(config: &mut ShardingConfig) {
 /// The owner hears of the request on the call and answers on it: neither its read loop's poll
 /// nor the caller's reply poll is waited for.
 async fn a_pushed_request_is_answered_on_the_call_without_waiting_for_a_poll(net: Net) {
-    let network = MemoryNetwork::new();
-    let a = runner(&net, 8101, &network, slow_polls).await;
-    eventually("the runner holds every shard", || split(&[&a])).await;
-    let client = client(&net, &network, slow_polls).await;
-    let counter = client.client::<Counter>(net.id("pushed"));
-    routed(&counter).await;
+    let pushing = Pushing::start(&net, 8101, "pushed", slow_polls).await;
+    let (network, counter) = (&pushing.network, &pushing.counter);
     let sends = network.sends();
     let deposit = counter.send(Deposit { key: "k".to_owned(), amount: 7 });
     let answer = tokio::time::timeout(Duration::from_secs(20), deposit).await;
     assert_eq!(answer.expect("answered before any poll").unwrap(), 7);
     assert_eq!(network.sends() - sends, 1, "one push");
-    assert_eq!(net.final_replies(&counter, "Deposit", "k").await, 1);
-    client.shutdown().await;
-    a.shutdown().await;
+    assert_eq!(net.final_replies(counter, "Deposit", "k").await, 1);
+    pushing.shutdown().await;
 }
 
 /// A request sent again with the key of a stored one (after a `discard`, or by a caller that
@@ -125,14 +159,9 @@ async fn a_pushed_request_is_answered_on_the_call_without_waiting_for_a_poll(net
 /// after the request was answered, so the owner's waiter comes after the reply was stored: the
 /// owner finds the stored reply and answers at once.
 async fn a_request_sent_again_with_its_key_is_answered_on_the_call(net: Net) {
-    let network = MemoryNetwork::new();
-    let a = runner(&net, 8701, &network, slow_polls).await;
-    eventually("the runner holds every shard", || split(&[&a])).await;
-    let client = client(&net, &network, slow_polls).await;
-    let id = net.id("pushed-again");
-    let counter = client.client::<Counter>(id.as_str());
-    routed(&counter).await;
-    let probes = Probes::of(&id);
+    let pushing = Pushing::start(&net, 8701, "pushed-again", slow_polls).await;
+    let (network, counter) = (&pushing.network, &pushing.counter);
+    let probes = Probes::of(&pushing.id);
     counter.discard(Gated).await.unwrap();
     eventually("the discarded request runs", || probes.gated_runs.load(Ordering::SeqCst) == 1)
         .await;
@@ -149,28 +178,19 @@ async fn a_request_sent_again_with_its_key_is_answered_on_the_call(net: Net) {
     // Stored (a duplicate, unanswered) and pushed: the push is on its way.
     eventually("the request is pushed", || network.sends() > sends).await;
     probes.gate.add_permits(1);
-    let deadline = tokio::time::Instant::now() + Duration::from_secs(20);
-    while final_gated_replies(&net, &counter).await == 0 {
-        assert!(tokio::time::Instant::now() < deadline, "the request was not answered");
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    }
+    until_gated_reply_stored(&net, counter).await;
     let answer = tokio::time::timeout(Duration::from_secs(20), call).await;
     assert_eq!(answer.expect("answered before any poll").unwrap().unwrap(), 1);
     assert_eq!(probes.gated_runs.load(Ordering::SeqCst), 1, "the request ran once");
     network.clear_faults();
-    client.shutdown().await;
-    a.shutdown().await;
+    pushing.shutdown().await;
 }
 
 /// A persisted stream's chunks and final reply come back on the call as the owner stores them,
 /// and the caller's acknowledgements reach the owner at once: neither side waits for a poll.
 async fn a_pushed_stream_is_answered_on_the_call_without_waiting_for_a_poll(net: Net) {
-    let network = MemoryNetwork::new();
-    let a = runner(&net, 8901, &network, slow_polls).await;
-    eventually("the runner holds every shard", || split(&[&a])).await;
-    let client = client(&net, &network, slow_polls).await;
-    let counter = client.client::<Counter>(net.id("pushed-stream"));
-    routed(&counter).await;
+    let pushing = Pushing::start(&net, 8901, "pushed-stream", slow_polls).await;
+    let counter = &pushing.counter;
     let streamed = async {
         let mut stream = counter.stream(Resume { key: "s".to_owned(), n: 5 }).await.unwrap();
         let mut items = Vec::new();
@@ -181,34 +201,27 @@ async fn a_pushed_stream_is_answered_on_the_call_without_waiting_for_a_poll(net:
     };
     let items = tokio::time::timeout(Duration::from_secs(20), streamed).await;
     assert_eq!(items.expect("streamed before any poll"), vec![0, 1, 2, 3, 4]);
-    client.shutdown().await;
-    a.shutdown().await;
+    pushing.shutdown().await;
 }
 
 /// The owner ran the request and stored its reply, but the reply on the call is lost: the
 /// caller answers with the stored reply, which it reads from storage; the request ran once.
 async fn a_pushed_reply_lost_in_transit_is_read_from_storage(net: Net) {
-    let network = MemoryNetwork::new();
-    let a = runner(&net, 8201, &network, |_| {}).await;
-    eventually("the runner holds every shard", || split(&[&a])).await;
     // The reply poll comes well after the push's answer would, so the lost answer is what the
     // caller misses.
-    let client = client(&net, &network, |config| {
+    let pushing = Pushing::start(&net, 8201, "pushed-lost", |config| {
         config.entity_reply_poll_interval = Duration::from_secs(2);
     })
     .await;
-    let id = net.id("pushed-lost");
-    let counter = client.client::<Counter>(id.as_str());
-    routed(&counter).await;
+    let (network, counter) = (&pushing.network, &pushing.counter);
     network.lose_next_replies(RunnerAddress::new("127.0.0.1", 8201), 1);
     let deposit = counter.send(Deposit { key: "k".to_owned(), amount: 3 });
     let answer = tokio::time::timeout(Duration::from_secs(20), deposit).await;
     assert_eq!(answer.expect("answered").unwrap(), 3);
     assert_eq!(network.replies_lost(), 1, "the pushed reply was lost");
-    assert_eq!(Probes::of(&id).deposits.load(Ordering::SeqCst), 1, "the request ran once");
-    assert_eq!(net.final_replies(&counter, "Deposit", "k").await, 1);
-    client.shutdown().await;
-    a.shutdown().await;
+    assert_eq!(Probes::of(&pushing.id).deposits.load(Ordering::SeqCst), 1, "the request ran once");
+    assert_eq!(net.final_replies(counter, "Deposit", "k").await, 1);
+    pushing.shutdown().await;
 }
 
 /// The owner stores the reply and dies before its answer reaches the caller: the caller reads
@@ -220,11 +233,7 @@ async fn the_owner_dying_after_storing_the_reply_leaves_it_to_storage(net: Net) 
     // Its answer will not reach the caller, and nothing more reaches the owner.
     network.lose_next_replies(address.clone(), 1);
     probes.gate.add_permits(1);
-    let deadline = tokio::time::Instant::now() + Duration::from_secs(20);
-    while final_gated_replies(&net, &counter).await == 0 {
-        assert!(tokio::time::Instant::now() < deadline, "the owner stored no reply");
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    }
+    until_gated_reply_stored(&net, &counter).await;
     network.detach(&address);
     let answer = tokio::time::timeout(Duration::from_secs(20), call).await;
     assert_eq!(answer.expect("answered").unwrap().unwrap(), 1);
