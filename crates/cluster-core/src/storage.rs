@@ -39,6 +39,7 @@
 //! [`ReplyHandlers`]: crate::reply_handlers::ReplyHandlers
 
 use std::any::Any;
+use std::collections::BTreeMap;
 use std::fmt;
 use std::num::NonZeroU32;
 use std::time::Duration;
@@ -76,6 +77,18 @@ pub struct OrderedSave {
     /// The entity's unprocessed requests stored before this one.
     /// `None` when this one was not stored, or when the read failed.
     pub earlier: Option<Vec<Snowflake>>,
+}
+
+/// What [`MessageStorage::unprocessed_messages_ordered`] read.
+#[derive(Clone, Debug, Default)]
+pub struct OrderedBatch {
+    /// The unprocessed messages with the asked ids, as
+    /// [`unprocessed_messages_by_id`](MessageStorage::unprocessed_messages_by_id) reads them.
+    pub batch: UnprocessedBatch,
+    /// Per request of `batch`, its entity's unprocessed requests stored before it, as
+    /// [`unprocessed_before`](MessageStorage::unprocessed_before) reads them.
+    /// A request without an entry has an unknown list: its read failed.
+    pub earlier: BTreeMap<Snowflake, Vec<Snowflake>>,
 }
 
 /// Where and when a request is delivered, besides its envelope.
@@ -339,6 +352,44 @@ pub trait MessageStorage: Send + Sync + fmt::Debug {
         now: Timestamp,
         limit: NonZeroU32,
     ) -> BoxFuture<'a, Result<Vec<Snowflake>, StorageError>>;
+
+    /// Reads the unprocessed messages with these ids, as
+    /// [`unprocessed_messages_by_id`](MessageStorage::unprocessed_messages_by_id) does.
+    /// For each request read, also reads its entity's earlier requests, as
+    /// [`unprocessed_before`](MessageStorage::unprocessed_before) does (at `now`, at most
+    /// `limit`).
+    ///
+    /// A runner needs both to hand a request that another process stored to its entity
+    /// directly, in storage order.
+    ///
+    /// - A failed read of the earlier requests leaves that request without an entry.
+    /// - The default makes the calls one by one; a backend may answer concurrent calls in one
+    ///   round trip.
+    ///
+    /// # Cancel safety
+    ///
+    /// Cancel safe: it only reads.
+    fn unprocessed_messages_ordered<'a>(
+        &'a self,
+        ids: &'a [Snowflake],
+        now: Timestamp,
+        limit: NonZeroU32,
+    ) -> BoxFuture<'a, Result<OrderedBatch, StorageError>> {
+        Box::pin(async move {
+            let batch = self.unprocessed_messages_by_id(ids, now).await?;
+            let mut earlier = BTreeMap::new();
+            for message in &batch.messages {
+                if let Envelope::Request(request) = &message.envelope
+                    && let Ok(ids) = self
+                        .unprocessed_before(&request.address, request.request_id, now, limit)
+                        .await
+                {
+                    earlier.insert(request.request_id, ids);
+                }
+            }
+            Ok(OrderedBatch { batch, earlier })
+        })
+    }
 
     /// Saves `request` as [`save_request`](MessageStorage::save_request) does.
     /// When it was stored, also reads [`unprocessed_before`](MessageStorage::unprocessed_before)

@@ -84,6 +84,7 @@ macro_rules! storage_suite {
             unprocessed_before_lists_the_entitys_earlier_requests,
             save_request_ordered_reads_the_earlier_requests_with_the_save,
             concurrent_ordered_saves_each_get_their_earlier_requests,
+            unprocessed_messages_ordered_reads_requests_with_their_earlier_requests,
             interrupts_are_delivered_and_cleared,
             clear_replies_resets_a_request,
             clear_replies_with_expected_reply_id_is_conditional,

@@ -15,7 +15,7 @@ use cluster_core::envelope::{AckChunk, Interrupt, Reply, Request};
 use cluster_core::error::{StorageError, StorageErrorKind};
 use cluster_core::future::BoxFuture;
 use cluster_core::storage::{
-    MessageStorage, MessageTransaction, OrderedSave, SaveRequestOptions, SaveResult,
+    MessageStorage, MessageTransaction, OrderedBatch, OrderedSave, SaveRequestOptions, SaveResult,
     UnprocessedBatch, UnprocessedOptions,
 };
 use cluster_core::transaction::TransactionGuard;
@@ -55,6 +55,7 @@ struct Writers {
     requests: Batcher<SaveJob, OrderedSave>,
     replies: Batcher<Reply, ()>,
     claims: Batcher<Claim, UnprocessedBatch>,
+    reads: Batcher<OrderedRead, OrderedBatch>,
 }
 
 /// One caller's save, owned so that it can wait in a batch.
@@ -73,6 +74,13 @@ struct Claim {
     limit: Option<i64>,
     /// The address filter as parallel columns, if any.
     addresses: Option<(Vec<String>, Vec<String>, Vec<String>)>,
+}
+
+/// One caller's `unprocessed_messages_ordered`, owned so that it can wait in a batch.
+struct OrderedRead {
+    ids: Vec<i64>,
+    now: i64,
+    limit: i64,
 }
 
 /// How many writes wait for a batch writer before callers wait for room.
@@ -98,7 +106,12 @@ impl Writers {
             let (pool, queries) = (claim_pool.clone(), Arc::clone(&claim_queries));
             async move { claim_batch(&pool, &queries, inputs).await }
         });
-        Writers { requests, replies, claims }
+        let (read_pool, read_queries) = (pool.clone(), Arc::clone(queries));
+        let reads = Batcher::spawn(WRITE_QUEUE_CAPACITY, WRITE_BATCH_SIZE_MAX, move |inputs| {
+            let (pool, queries) = (read_pool.clone(), Arc::clone(&read_queries));
+            async move { read_ordered(&pool, &queries, inputs).await }
+        });
+        Writers { requests, replies, claims, reads }
     }
 }
 
@@ -557,6 +570,65 @@ async fn save_reply_one(
     result
 }
 
+/// Answers concurrent `unprocessed_messages_ordered` calls with one statement.
+/// If it fails, every caller gets the error.
+async fn read_ordered(
+    pool: &Pool,
+    queries: &MessageQueries,
+    reads: Vec<OrderedRead>,
+) -> Vec<Result<OrderedBatch, StorageError>> {
+    let mut columns: [Vec<i64>; 3] = Default::default();
+    let mut jobs: Vec<i32> = Vec::new();
+    for (job, read) in reads.iter().enumerate() {
+        let job = i32::try_from(job).unwrap_or(i32::MAX);
+        for id in &read.ids {
+            columns[0].push(*id);
+            columns[1].push(read.now);
+            columns[2].push(read.limit);
+            jobs.push(job);
+        }
+    }
+    let params: [&(dyn ToSql + Sync); 4] = [&columns[0], &columns[1], &columns[2], &jobs];
+    let sql = &queries.unprocessed_ordered;
+    let read = pooled_query(pool, "unprocessed_messages_ordered", sql, &params).await;
+    let rows = match read.and_then(|rows| ordered_rows(&rows, reads.len())) {
+        Ok(rows) => rows,
+        Err(error) => return reads.iter().map(|_| Err(error.clone())).collect(),
+    };
+    rows.into_iter()
+        .map(|(messages, earlier)| {
+            // An unreadable id leaves its request without a list: it goes the read loop's way.
+            let earlier = earlier
+                .into_iter()
+                .filter_map(|(id, ids)| Some((id_from_sql(id).ok()?, row::ids_from_sql(ids).ok()?)))
+                .collect();
+            Ok(OrderedBatch { batch: row::into_batch(messages), earlier })
+        })
+        .collect()
+}
+
+/// The rows of [`read_ordered`], per job: its message rows, and each request's earlier ids.
+type OrderedRows = (Vec<MessageRow>, Vec<(i64, Vec<i64>)>);
+
+fn ordered_rows(rows: &[Row], jobs: usize) -> Result<Vec<OrderedRows>, StorageError> {
+    let mut per_job: Vec<OrderedRows> = (0..jobs).map(|_| Default::default()).collect();
+    for row in rows {
+        let message = message_row(row)?;
+        let job: i32 = row.try_get(16).map_err(column_error)?;
+        let earlier: Option<Vec<i64>> = row.try_get(17).map_err(column_error)?;
+        let Some((messages, lists)) =
+            usize::try_from(job).ok().and_then(|job| per_job.get_mut(job))
+        else {
+            return Err(StorageError::new(StorageErrorKind::Other, "a read row of no caller"));
+        };
+        if message.kind == 0 {
+            lists.push((message.id, earlier.unwrap_or_default()));
+        }
+        messages.push(message);
+    }
+    Ok(per_job)
+}
+
 /// Saves a batch of replies with one statement (one commit) when they belong to distinct
 /// requests; otherwise, or if the batch statement fails (a second final reply), each reply is
 /// saved on its own, so only the faulty one fails.
@@ -912,6 +984,28 @@ impl MessageStorage for PgMessageStorage {
                 message_rows(&self.query("unprocessed_messages_by_id", sql, &[&ids, &now]).await?)
             }
             .instrument(span("unprocessed_messages_by_id")),
+        )
+    }
+
+    fn unprocessed_messages_ordered<'a>(
+        &'a self,
+        ids: &'a [Snowflake],
+        now: Timestamp,
+        limit: std::num::NonZeroU32,
+    ) -> BoxFuture<'a, Result<OrderedBatch, StorageError>> {
+        Box::pin(
+            async move {
+                if ids.is_empty() {
+                    return Ok(OrderedBatch::default());
+                }
+                let read = OrderedRead {
+                    ids: ids_to_sql(ids)?,
+                    now: now.unix_millis(),
+                    limit: i64::from(limit.get()),
+                };
+                self.writers().reads.submit(read).await
+            }
+            .instrument(span("unprocessed_messages_ordered")),
         )
     }
 

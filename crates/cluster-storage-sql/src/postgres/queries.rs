@@ -93,6 +93,10 @@ pub(crate) struct MessageQueries {
     /// Unprocessed messages with ids `$1`, due at `$2`, not claimed.
     pub(crate) unprocessed_by_id: String,
     pub(crate) unprocessed_before: String,
+    /// `unprocessed_by_id` and `unprocessed_before` at once, for several callers: for each row
+    /// of the parallel arrays `(id, now, limit, job)`, the unprocessed message with that id due at
+    /// `now`, then `job`, then (for a request) its entity's earlier requests as an array.
+    pub(crate) unprocessed_ordered: String,
     /// `unprocessed_before` for several requests at once: for each row of the parallel arrays
     /// (shard `$1`, entity type `$2`, entity id `$3`, request `$4`, now `$5`, limit `$6`), the
     /// pairs (request, earlier id) in storage order.
@@ -215,6 +219,27 @@ impl MessageQueries {
                  AND m.rowid < (SELECT rowid FROM {messages} WHERE id = $4) \
                  AND (m.deliver_at IS NULL OR m.deliver_at <= $5) \
                  ORDER BY m.rowid ASC LIMIT $6"
+            ),
+            unprocessed_ordered: format!(
+                "SELECT {MESSAGE_ROW_COLUMNS}, q.job, e.earlier \
+                 FROM unnest($1::bigint[], $2::bigint[], $3::bigint[], $4::int[]) \
+                   AS q(id, now, lim, job) \
+                 JOIN {messages} m ON m.id = q.id \
+                 LEFT JOIN {replies} r ON r.id = m.last_reply_id \
+                 CROSS JOIN LATERAL ( \
+                   SELECT array_agg(b.id ORDER BY b.rowid) AS earlier FROM ( \
+                     SELECT o.id, o.rowid FROM {messages} o \
+                     WHERE m.kind = 0 AND o.shard_id = m.shard_id AND o.processed = FALSE \
+                     AND o.kind = 0 AND o.entity_type = m.entity_type \
+                     AND o.entity_id = m.entity_id AND o.rowid < m.rowid \
+                     AND (o.deliver_at IS NULL OR o.deliver_at <= q.now) \
+                     ORDER BY o.rowid ASC LIMIT q.lim \
+                   ) b \
+                 ) e \
+                 WHERE m.processed = FALSE AND (m.deliver_at IS NULL OR m.deliver_at <= q.now) \
+                 AND {} \
+                 ORDER BY q.job, m.rowid",
+                no_pending_reply(&replies)
             ),
             unprocessed_before_many: format!(
                 "SELECT q.request_id, e.id FROM unnest( \
@@ -399,6 +424,8 @@ pub(crate) mod advisory {
     pub(crate) const IS_HELD: &str = "SELECT EXISTS (SELECT 1 FROM pg_locks \
          WHERE locktype = 'advisory' AND granted = TRUE AND classid = $1 AND objid = $2 \
          AND objsubid = 2 AND pid = $3)";
+    /// A sign of life of the session: its backend pid.
+    pub(crate) const ALIVE: &str = "SELECT pg_backend_pid()";
     /// Releases every advisory lock of the session.
     pub(crate) const UNLOCK_ALL: &str = "SELECT pg_advisory_unlock_all()";
 }

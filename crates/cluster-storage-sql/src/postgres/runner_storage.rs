@@ -289,7 +289,7 @@ impl RunnerStorage for PgRunnerStorage {
         address: &'a RunnerAddress,
         shard_ids: &'a [ShardId],
     ) -> BoxFuture<'a, Result<Vec<ShardId>, StorageError>> {
-        Box::pin(self.locks.refresh(address, shard_ids, false).instrument(span("confirm")))
+        Box::pin(self.locks.confirm(address, shard_ids).instrument(span("confirm")))
     }
 
     fn release<'a>(

@@ -14,6 +14,22 @@
 //! connects a new one. Since a new session holds nothing, a refresh after a rebuild reports the
 //! locks as lost instead of hiding the loss, and `acquire` retries once on a new session (an
 //! idle session may have been ended by the server).
+//!
+//! # Confirmations
+//!
+//! A confirmation (the fencing check before a final reply) is asked for about every reply.
+//! Reading `pg_locks` costs the server a snapshot of every lock it holds, so in advisory mode a
+//! confirmation reads it only when it must:
+//!
+//! - each session remembers the locks it was seen to hold, by `pg_locks` or by a successful
+//!   `pg_try_advisory_lock`, and forgets a lock before it unlocks it;
+//! - a session-level advisory lock ends only with an unlock, which this session alone can issue,
+//!   or with the session;
+//! - so a confirmation asks the session for a sign of life (its backend pid) and answers with
+//!   the remembered locks.
+//!
+//! A session that does not answer is discarded, as after any failure: nothing is confirmed.
+//! The periodic refresh still reads `pg_locks`, and replaces what the session remembers.
 
 use std::collections::BTreeSet;
 use std::fmt;
@@ -59,6 +75,9 @@ pub(crate) struct ShardLocks {
 struct LockSession {
     client: tokio_postgres::Client,
     pid: i32,
+    /// The advisory lock numbers this session was seen to hold, and has not unlocked since.
+    /// Updated while the session's turn is held.
+    known: Mutex<BTreeSet<i32>>,
     /// Operations on the session take turns. The advisory check-then-lock of `acquire` and the
     /// unlock loop of `release` are several statements; interleaving two of them could take a
     /// lock twice (a session-level lock is re-entrant and counted).
@@ -70,6 +89,20 @@ impl Drop for LockSession {
     fn drop(&mut self) {
         // Closing the socket ends the server session, which releases its advisory locks.
         self.connection.abort();
+    }
+}
+
+impl LockSession {
+    /// Records what `pg_locks` or a lock attempt showed: of `asked`, the session holds `held`.
+    fn remember(&self, asked: &[i32], held: &BTreeSet<i32>) {
+        let mut known = lock(&self.known);
+        for number in asked {
+            if held.contains(number) {
+                known.insert(*number);
+            } else {
+                known.remove(number);
+            }
+        }
     }
 }
 
@@ -181,6 +214,46 @@ impl ShardLocks {
         self.bounded("refresh", &used, operation).await
     }
 
+    /// Reports which of `shard_ids` the lock session still holds, as `refresh` without the
+    /// heartbeat does; in advisory mode, from a sign of life of the session (see the module
+    /// documentation).
+    pub(crate) async fn confirm(
+        &self,
+        address: &RunnerAddress,
+        shard_ids: &[ShardId],
+    ) -> Result<Vec<ShardId>, StorageError> {
+        if self.mode == LockMode::Lease {
+            return self.refresh(address, shard_ids, false).await;
+        }
+        let numbers = self.lock_numbers(shard_ids)?;
+        let used = Used::default();
+        let operation = async {
+            let session = self.session(&used).await?;
+            let _turn = session.turn.lock().await;
+            let pid: i32 = session
+                .client
+                .query_one(advisory::ALIVE, &[])
+                .await
+                .map_err(|error| driver_error("confirm", error))?
+                .try_get(0)
+                .map_err(column_error)?;
+            if pid != session.pid {
+                return Err(StorageError::new(
+                    cluster_core::error::StorageErrorKind::Unavailable,
+                    "the lock session answered with another backend",
+                ));
+            }
+            let known = lock(&session.known);
+            Ok(shard_ids
+                .iter()
+                .zip(&numbers)
+                .filter(|(_, number)| known.contains(number))
+                .map(|(shard_id, _)| shard_id.clone())
+                .collect())
+        };
+        self.bounded("confirm", &used, operation).await
+    }
+
     /// Releases one lock, verified.
     pub(crate) async fn release(
         &self,
@@ -223,7 +296,10 @@ impl ShardLocks {
             let session = self.session(&used).await?;
             let _turn = session.turn.lock().await;
             let result = match self.mode {
-                LockMode::Advisory => session.client.execute(advisory::UNLOCK_ALL, &[]).await,
+                LockMode::Advisory => {
+                    lock(&session.known).clear();
+                    session.client.execute(advisory::UNLOCK_ALL, &[]).await
+                }
                 LockMode::Lease => {
                     let address = address.to_string();
                     session
@@ -279,6 +355,7 @@ impl ShardLocks {
                         }
                     }
                 }
+                session.remember(numbers, &now_held);
                 Ok(shard_ids
                     .iter()
                     .zip(numbers)
@@ -307,6 +384,7 @@ impl ShardLocks {
         numbers: &[i32],
     ) -> Result<Vec<ShardId>, StorageError> {
         let held = self.held_numbers(session, numbers).await?;
+        session.remember(numbers, &held);
         Ok(shard_ids
             .iter()
             .zip(numbers)
@@ -342,6 +420,8 @@ impl ShardLocks {
     /// Unlocks `number` until `pg_locks` no longer shows it held by the session, at most
     /// [`UNLOCK_ATTEMPTS_MAX`] times, then unlocks everything.
     async fn unlock(&self, session: &LockSession, number: i32) -> Result<(), StorageError> {
+        // Forgotten first: from here on, the lock is not confirmed.
+        lock(&session.known).remove(&number);
         let oid = number.cast_unsigned();
         for _ in 0..UNLOCK_ATTEMPTS_MAX {
             session
@@ -364,6 +444,7 @@ impl ShardLocks {
             }
         }
         tracing::warn!(number, "advisory lock still held after unlocking; unlocking all");
+        lock(&session.known).clear();
         session
             .client
             .execute(advisory::UNLOCK_ALL, &[])
@@ -444,7 +525,13 @@ impl ShardLocks {
             }
         };
         tracing::debug!(pid, "lock session opened");
-        Ok(LockSession { client, pid, turn: tokio::sync::Mutex::new(()), connection })
+        Ok(LockSession {
+            client,
+            pid,
+            known: Mutex::new(BTreeSet::new()),
+            turn: tokio::sync::Mutex::new(()),
+            connection,
+        })
     }
 
     /// Drops the session recorded in `used` from the slot (if it is still the current one) and

@@ -1010,3 +1010,51 @@ async fn confirm_reports_the_held_locks_without_a_heartbeat() {
     }
     scratch.cleanup().await;
 }
+
+/// In advisory mode `confirm` answers from the locks the session was seen to hold, after a sign
+/// of life of the session: a released lock, or every lock of an ended session, is never
+/// confirmed, and a lock the session lost is not confirmed on its new session either.
+#[tokio::test]
+async fn confirm_never_reports_a_lock_the_session_let_go_or_lost() {
+    let Some(scratch) = Scratch::new().await else { return };
+    let expiration = Duration::from_secs(6);
+    let storage = scratch.runner_storage(LockMode::Advisory, expiration).await;
+    let other = scratch.runner_storage(LockMode::Advisory, expiration).await;
+    let (address, other_address) = (RunnerAddress::new("a", 1), RunnerAddress::new("b", 1));
+    assert_eq!(storage.acquire(&address, &shards(&[1, 2, 3])).await.unwrap(), shards(&[1, 2, 3]));
+    assert_eq!(other.acquire(&other_address, &shards(&[4])).await.unwrap(), shards(&[4]));
+    let confirmed = storage.confirm(&address, &shards(&[1, 2, 3, 4])).await.unwrap();
+    assert_eq!(confirmed, shards(&[1, 2, 3]), "another session's lock is not confirmed");
+    storage.release(&address, &shard(2)).await.unwrap();
+    assert_eq!(storage.confirm(&address, &shards(&[1, 2, 3])).await.unwrap(), shards(&[1, 3]));
+    storage.release_all(&address).await.unwrap();
+    assert!(storage.confirm(&address, &shards(&[1, 3])).await.unwrap().is_empty());
+    assert_eq!(storage.acquire(&address, &shards(&[1])).await.unwrap(), shards(&[1]));
+    let pid = storage.lock_session_pid().unwrap();
+    let terminated: bool = scratch
+        .admin
+        .client
+        .query_one("SELECT pg_terminate_backend($1)", &[&pid])
+        .await
+        .unwrap()
+        .get(0);
+    assert!(terminated);
+    // The ended session's locks are free: another runner takes one of them.
+    eventually("the ended session's lock is free", || async {
+        other.acquire(&other_address, &shards(&[1])).await.is_ok_and(|held| held == shards(&[1]))
+    })
+    .await;
+    match storage.confirm(&address, &shards(&[1])).await {
+        Ok(held) => assert!(held.is_empty(), "a lost lock was confirmed: {held:?}"),
+        Err(error) => assert!(
+            matches!(error.kind(), StorageErrorKind::Unavailable | StorageErrorKind::Timeout),
+            "{error}"
+        ),
+    }
+    assert!(
+        storage.confirm(&address, &shards(&[1])).await.unwrap().is_empty(),
+        "a new session confirms nothing it did not lock"
+    );
+    other.release_all(&other_address).await.unwrap();
+    scratch.cleanup().await;
+}

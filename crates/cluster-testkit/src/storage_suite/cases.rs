@@ -3,6 +3,7 @@
 //! Ids are small snowflakes in increasing order, so that insertion order and id order agree
 //! on every backend (SQLite orders by id, the others by an auto-increment row id).
 
+use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -643,6 +644,58 @@ pub async fn concurrent_ordered_saves_each_get_their_earlier_requests(
             target.request_id
         );
     }
+}
+
+/// Concurrent `unprocessed_messages_ordered` calls (a backend may answer them in one batch)
+/// each read what `unprocessed_messages_by_id` reads for their ids, and for each request what
+/// `unprocessed_before` answers.
+pub async fn unprocessed_messages_ordered_reads_requests_with_their_earlier_requests(
+    fixture: &dyn StorageFixture,
+) {
+    let storage = fixture.message_storage();
+    let limit = std::num::NonZeroU32::new(3).unwrap();
+    // Three entities of one shard, their requests interleaved.
+    for id in 1..=12u64 {
+        save(&*storage, &request(id, u32::try_from(id % 3).unwrap())).await;
+    }
+    storage.save_reply(&final_reply(4, 100)).await.unwrap();
+    storage.save_ack_chunk(&ack(13, &request(1, 1), 99)).await.unwrap();
+    let later = SaveRequestOptions {
+        primary_key: None,
+        deliver_at: Some(now().saturating_add(Duration::from_secs(60))),
+    };
+    assert_eq!(storage.save_request(&request(14, 2), &later).await.unwrap(), SaveResult::Success);
+    let asked: Vec<Vec<u64>> =
+        vec![vec![12], vec![4, 10], vec![11, 14, 99], vec![1, 2, 3], vec![13], vec![7, 8, 9]];
+    let reads = asked.iter().map(|ids| {
+        let storage = Arc::clone(&storage);
+        let ids = snowflakes(ids);
+        async move { storage.unprocessed_messages_ordered(&ids, now(), limit).await.unwrap() }
+    });
+    let read = futures_util::future::join_all(reads).await;
+    for (wanted, ordered) in asked.iter().zip(read) {
+        let expected =
+            storage.unprocessed_messages_by_id(&snowflakes(wanted), now()).await.unwrap();
+        assert_eq!(ids(&ordered.batch), ids(&expected), "{}: {wanted:?}", fixture.name());
+        let mut lists = BTreeMap::new();
+        for message in &expected.messages {
+            if let Envelope::Request(target) = &message.envelope {
+                let before = storage
+                    .unprocessed_before(&target.address, target.request_id, now(), limit)
+                    .await
+                    .unwrap();
+                lists.insert(target.request_id, before);
+            }
+        }
+        assert_eq!(
+            ordered.earlier,
+            lists,
+            "{}: the earlier requests of {wanted:?}",
+            fixture.name()
+        );
+    }
+    let none = storage.unprocessed_messages_ordered(&[], now(), limit).await.unwrap();
+    assert!(none.batch.is_empty() && none.earlier.is_empty());
 }
 
 /// Interrupts are stored and delivered; resetting the request deletes them

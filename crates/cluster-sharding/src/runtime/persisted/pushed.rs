@@ -224,15 +224,25 @@ impl PersistedDelivery {
         // Read after the reservation: a run that ended before it stored its reply first, so a
         // request answered already (a second push, a late one) is not found and runs no more.
         // The stored request is what runs, not the pushed copy.
+        // Its entity's earlier requests come with it, in one read (a backend may answer the
+        // reads of concurrent pushes together).
         let now = self.clock().now();
-        let stored = match self.storage.unprocessed_messages_by_id(&[request.request_id], now).await
+        let ids = [request.request_id];
+        let (stored, earlier) = match self
+            .storage
+            .unprocessed_messages_ordered(&ids, now, EARLIER_LIMIT)
+            .await
         {
-            Ok(batch) => batch.messages.into_iter().find_map(|message| match message.envelope {
-                Envelope::Request(stored) if stored.request_id == request.request_id => {
-                    Some(stored)
-                }
-                _ => None,
-            }),
+            Ok(mut ordered) => {
+                let stored =
+                    ordered.batch.messages.into_iter().find_map(|message| match message.envelope {
+                        Envelope::Request(stored) if stored.request_id == request.request_id => {
+                            Some(stored)
+                        }
+                        _ => None,
+                    });
+                (stored, ordered.earlier.remove(&request.request_id))
+            }
             Err(error) => {
                 tracing::debug!(%error, "could not read a pushed request; left to the read loop");
                 self.poll_storage();
@@ -245,12 +255,6 @@ impl PersistedDelivery {
             self.answer_if_stored(request.request_id).await;
             return;
         };
-        let earlier = self
-            .storage
-            .unprocessed_before(address, request.request_id, now, EARLIER_LIMIT)
-            .await
-            .map_err(|error| tracing::debug!(%error, "could not read the earlier requests"))
-            .ok();
         Box::pin(self.deliver_directly(stored, reservation, earlier)).await;
     }
 }
