@@ -16,6 +16,9 @@ pub(crate) const BATCH_FRAMES_MAX: usize = 64;
 /// The most bytes a writer gathers for one system call; a frame larger than this goes alone.
 pub(crate) const BATCH_BYTES_MAX: usize = 256 * 1024;
 
+/// The bytes a connection's reader takes from its socket at most in one system call.
+pub(crate) const READ_BUFFER_BYTES: usize = 64 * 1024;
+
 /// Why a connection's frame stream broke.
 #[derive(Debug, thiserror::Error)]
 pub(crate) enum FrameError {
@@ -103,7 +106,14 @@ pub(crate) async fn write_queued<W: AsyncWrite + Unpin>(
 ) -> io::Result<()> {
     let mut next = match out.try_recv() {
         Ok(body) => body,
-        Err(_) => return write_frame(writer, &first).await,
+        Err(_) => {
+            // The tasks that are ready to run may queue more frames: they run first, once.
+            tokio::task::yield_now().await;
+            match out.try_recv() {
+                Ok(body) => body,
+                Err(_) => return write_frame(writer, &first).await,
+            }
+        }
     };
     buffer.clear();
     push_frame(buffer, &first)?;
@@ -238,6 +248,20 @@ mod tests {
         let stream = queued(usize::MAX, &large, &[&large, &large]).await;
         assert_eq!(stream.bytes.len(), 3 * (large.len() + 4));
         assert_eq!(stream.writes, 3, "two halves and their headers do not fit in one batch");
+    }
+
+    /// A frame queued by a task that was ready to run when the writer woke goes out in the
+    /// same write as the frame that woke it.
+    #[tokio::test]
+    async fn a_frame_queued_by_a_ready_task_joins_the_write() {
+        let (sender, mut out) = tokio::sync::mpsc::channel(8);
+        let queued = tokio::spawn(async move { sender.send(b"two".to_vec()).await.unwrap() });
+        let mut stream = Trickle { bytes: Vec::new(), step: usize::MAX, writes: 0 };
+        let mut buffer = Vec::new();
+        super::write_queued(&mut stream, b"one".to_vec(), &mut out, &mut buffer).await.unwrap();
+        queued.await.unwrap();
+        assert_eq!(stream.bytes, b"\0\0\0\x03one\0\0\0\x03two");
+        assert_eq!(stream.writes, 1, "two frames, one write");
     }
 
     #[tokio::test]
