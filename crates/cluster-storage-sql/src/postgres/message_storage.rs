@@ -7,7 +7,7 @@
 //! one round-trip. Every statement is prepared once per pooled connection.
 
 use std::any::Any;
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 use std::fmt;
 use std::sync::{Arc, OnceLock};
 
@@ -460,53 +460,36 @@ async fn save_requests(
 /// The unprocessed requests stored before each of `jobs` (all stored, all asking for it) for
 /// its entity, in storage order: what `unprocessed_before` answers for one, in one statement.
 /// Every job has an entry, empty when nothing came before it.
+///
+/// The statement reads at the earliest of the jobs' `now` and the largest of their limits;
+/// each job keeps its own limit (as `read_ordered` does).
 async fn earlier_requests(
     pool: &Pool,
     queries: &MessageQueries,
     jobs: &[&SaveJob],
 ) -> Result<BTreeMap<Snowflake, Vec<Snowflake>>, StorageError> {
-    let mut columns = EarlierColumns::default();
-    for job in jobs {
-        let address = &job.request.address;
-        let (now, limit) = job.order.unwrap_or((0, 0));
-        columns.shard_ids.push(address.shard_id.to_string());
-        columns.entity_types.push(address.entity_type.as_str());
-        columns.entity_ids.push(address.entity_id.as_str());
-        columns.request_ids.push(id_to_sql(job.request.request_id)?);
-        columns.nows.push(now);
-        columns.limits.push(limit);
-    }
-    let params: [&(dyn ToSql + Sync); 6] = [
-        &columns.shard_ids,
-        &columns.entity_types,
-        &columns.entity_ids,
-        &columns.request_ids,
-        &columns.nows,
-        &columns.limits,
-    ];
+    let ids =
+        jobs.iter().map(|job| id_to_sql(job.request.request_id)).collect::<Result<Vec<_>, _>>()?;
+    let orders = jobs.iter().map(|job| job.order.unwrap_or((0, 0)));
+    let now = orders.clone().map(|(now, _)| now).min().unwrap_or(0);
+    let limit = orders.map(|(_, limit)| limit).max().unwrap_or(0);
     let sql = &queries.unprocessed_before_many;
-    let rows = pooled_query(pool, "save_request_ordered: earlier", sql, &params).await?;
-    let mut earlier: BTreeMap<Snowflake, Vec<Snowflake>> =
-        jobs.iter().map(|job| (job.request.request_id, Vec::new())).collect();
+    let rows =
+        pooled_query(pool, "save_request_ordered: earlier", sql, &[&ids, &now, &limit]).await?;
+    let mut lists: BTreeMap<i64, Vec<i64>> = BTreeMap::new();
     for row in &rows {
-        let pair = [row.try_get::<_, i64>(0), row.try_get::<_, i64>(1)];
-        let pair = pair.into_iter().collect::<Result<Vec<i64>, _>>().map_err(column_error)?;
-        if let [request_id, id] = row::ids_from_sql(pair)?[..] {
-            earlier.entry(request_id).or_default().push(id);
-        }
+        let id: i64 = row.try_get(0).map_err(column_error)?;
+        let before: Option<Vec<i64>> = row.try_get(1).map_err(column_error)?;
+        lists.insert(id, before.unwrap_or_default());
+    }
+    let mut earlier = BTreeMap::new();
+    for (job, id) in jobs.iter().zip(ids) {
+        let mut before = row::ids_from_sql(lists.get(&id).cloned().unwrap_or_default())?;
+        let (_, limit) = job.order.unwrap_or((0, 0));
+        before.truncate(usize::try_from(limit).unwrap_or(0));
+        earlier.insert(job.request.request_id, before);
     }
     Ok(earlier)
-}
-
-/// The parallel columns of [`earlier_requests`].
-#[derive(Default)]
-struct EarlierColumns<'a> {
-    shard_ids: Vec<String>,
-    entity_types: Vec<&'a str>,
-    entity_ids: Vec<&'a str>,
-    request_ids: Vec<i64>,
-    nows: Vec<i64>,
-    limits: Vec<i64>,
 }
 
 /// The multi-row insert of [`save_requests`]; returns the ids that were inserted.
@@ -571,62 +554,63 @@ async fn save_reply_one(
 }
 
 /// Answers concurrent `unprocessed_messages_ordered` calls with one statement.
-/// If it fails, every caller gets the error.
+///
+/// - The statement reads at the earliest of the callers' `now`: a message due for it is due
+///   for every caller, and one due later for another caller is left to the read loop.
+/// - It reads the largest of the callers' limits, and each caller keeps its own.
+/// - If it fails, every caller gets the error.
 async fn read_ordered(
     pool: &Pool,
     queries: &MessageQueries,
     reads: Vec<OrderedRead>,
 ) -> Vec<Result<OrderedBatch, StorageError>> {
-    let mut columns: [Vec<i64>; 3] = Default::default();
-    let mut jobs: Vec<i32> = Vec::new();
-    for (job, read) in reads.iter().enumerate() {
-        let job = i32::try_from(job).unwrap_or(i32::MAX);
-        for id in &read.ids {
-            columns[0].push(*id);
-            columns[1].push(read.now);
-            columns[2].push(read.limit);
-            jobs.push(job);
-        }
-    }
-    let params: [&(dyn ToSql + Sync); 4] = [&columns[0], &columns[1], &columns[2], &jobs];
+    let mut ids: Vec<i64> = reads.iter().flat_map(|read| read.ids.iter().copied()).collect();
+    ids.sort_unstable();
+    ids.dedup();
+    let now = reads.iter().map(|read| read.now).min().unwrap_or(0);
+    let limit = reads.iter().map(|read| read.limit).max().unwrap_or(0);
     let sql = &queries.unprocessed_ordered;
-    let read = pooled_query(pool, "unprocessed_messages_ordered", sql, &params).await;
-    let rows = match read.and_then(|rows| ordered_rows(&rows, reads.len())) {
+    let read = pooled_query(pool, "unprocessed_messages_ordered", sql, &[&ids, &now, &limit]).await;
+    let rows = match read.and_then(|rows| ordered_rows(&rows)) {
         Ok(rows) => rows,
         Err(error) => return reads.iter().map(|_| Err(error.clone())).collect(),
     };
-    rows.into_iter()
-        .map(|(messages, earlier)| {
-            // An unreadable id leaves its request without a list: it goes the read loop's way.
-            let earlier = earlier
-                .into_iter()
-                .filter_map(|(id, ids)| Some((id_from_sql(id).ok()?, row::ids_from_sql(ids).ok()?)))
-                .collect();
+    reads
+        .iter()
+        .map(|read| {
+            let asked: BTreeSet<i64> = read.ids.iter().copied().collect();
+            let mut messages = Vec::new();
+            let mut earlier = BTreeMap::new();
+            for (message, before) in rows.iter().filter(|(message, _)| asked.contains(&message.id))
+            {
+                // An unreadable id leaves its request without a list: it goes the read loop's
+                // way.
+                if let Some(before) = before
+                    && let Ok(id) = id_from_sql(message.id)
+                    && let Ok(mut before) = row::ids_from_sql(before.clone())
+                {
+                    before.truncate(usize::try_from(read.limit).unwrap_or(usize::MAX));
+                    earlier.insert(id, before);
+                }
+                messages.push(message.clone());
+            }
             Ok(OrderedBatch { batch: row::into_batch(messages), earlier })
         })
         .collect()
 }
 
-/// The rows of [`read_ordered`], per job: its message rows, and each request's earlier ids.
-type OrderedRows = (Vec<MessageRow>, Vec<(i64, Vec<i64>)>);
+/// A row of [`read_ordered`]: the message row, and for a request its earlier ids.
+type OrderedRow = (MessageRow, Option<Vec<i64>>);
 
-fn ordered_rows(rows: &[Row], jobs: usize) -> Result<Vec<OrderedRows>, StorageError> {
-    let mut per_job: Vec<OrderedRows> = (0..jobs).map(|_| Default::default()).collect();
-    for row in rows {
-        let message = message_row(row)?;
-        let job: i32 = row.try_get(16).map_err(column_error)?;
-        let earlier: Option<Vec<i64>> = row.try_get(17).map_err(column_error)?;
-        let Some((messages, lists)) =
-            usize::try_from(job).ok().and_then(|job| per_job.get_mut(job))
-        else {
-            return Err(StorageError::new(StorageErrorKind::Other, "a read row of no caller"));
-        };
-        if message.kind == 0 {
-            lists.push((message.id, earlier.unwrap_or_default()));
-        }
-        messages.push(message);
-    }
-    Ok(per_job)
+fn ordered_rows(rows: &[Row]) -> Result<Vec<OrderedRow>, StorageError> {
+    rows.iter()
+        .map(|row| {
+            let message = message_row(row)?;
+            let earlier: Option<Vec<i64>> = row.try_get(16).map_err(column_error)?;
+            let earlier = (message.kind == 0).then(|| earlier.unwrap_or_default());
+            Ok((message, earlier))
+        })
+        .collect()
 }
 
 /// Saves a batch of replies with one statement (one commit) when they belong to distinct

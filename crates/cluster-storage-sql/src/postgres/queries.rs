@@ -93,13 +93,13 @@ pub(crate) struct MessageQueries {
     /// Unprocessed messages with ids `$1`, due at `$2`, not claimed.
     pub(crate) unprocessed_by_id: String,
     pub(crate) unprocessed_before: String,
-    /// `unprocessed_by_id` and `unprocessed_before` at once, for several callers: for each row
-    /// of the parallel arrays `(id, now, limit, job)`, the unprocessed message with that id due at
-    /// `now`, then `job`, then (for a request) its entity's earlier requests as an array.
+    /// `unprocessed_by_id` and `unprocessed_before` at once: the unprocessed messages `$1` due at
+    /// `$2`, each with (for a request) its entity's earlier requests due at `$2`, at most `$3`,
+    /// as an array.
     pub(crate) unprocessed_ordered: String,
-    /// `unprocessed_before` for several requests at once: for each row of the parallel arrays
-    /// (shard `$1`, entity type `$2`, entity id `$3`, request `$4`, now `$5`, limit `$6`), the
-    /// pairs (request, earlier id) in storage order.
+    /// `unprocessed_before` for the stored requests `$1` at once: each one's id, and its
+    /// entity's earlier requests due at `$2`, at most `$3`, as an array.
+    /// The earlier requests are a subquery of the select list, as in `unprocessed_ordered`.
     pub(crate) unprocessed_before_many: String,
     /// Releases the claims of the requests `$1`.
     pub(crate) reset_requests: String,
@@ -220,40 +220,37 @@ impl MessageQueries {
                  AND (m.deliver_at IS NULL OR m.deliver_at <= $5) \
                  ORDER BY m.rowid ASC LIMIT $6"
             ),
+            // Planned at almost every call (a custom plan), so kept to the joins of
+            // `unprocessed_by_id`: the earlier requests are a subquery of the select list,
+            // planned on its own.
             unprocessed_ordered: format!(
-                "SELECT {MESSAGE_ROW_COLUMNS}, q.job, e.earlier \
-                 FROM unnest($1::bigint[], $2::bigint[], $3::bigint[], $4::int[]) \
-                   AS q(id, now, lim, job) \
-                 JOIN {messages} m ON m.id = q.id \
-                 LEFT JOIN {replies} r ON r.id = m.last_reply_id \
-                 CROSS JOIN LATERAL ( \
-                   SELECT array_agg(b.id ORDER BY b.rowid) AS earlier FROM ( \
+                "SELECT {MESSAGE_ROW_COLUMNS}, \
+                   (SELECT array_agg(b.id ORDER BY b.rowid) FROM ( \
                      SELECT o.id, o.rowid FROM {messages} o \
                      WHERE m.kind = 0 AND o.shard_id = m.shard_id AND o.processed = FALSE \
                      AND o.kind = 0 AND o.entity_type = m.entity_type \
                      AND o.entity_id = m.entity_id AND o.rowid < m.rowid \
-                     AND (o.deliver_at IS NULL OR o.deliver_at <= q.now) \
-                     ORDER BY o.rowid ASC LIMIT q.lim \
-                   ) b \
-                 ) e \
-                 WHERE m.processed = FALSE AND (m.deliver_at IS NULL OR m.deliver_at <= q.now) \
+                     AND (o.deliver_at IS NULL OR o.deliver_at <= $2) \
+                     ORDER BY o.rowid ASC LIMIT $3 \
+                   ) b) \
+                 FROM {messages} m LEFT JOIN {replies} r ON r.id = m.last_reply_id \
+                 WHERE m.id = ANY($1) AND m.processed = FALSE \
+                 AND (m.deliver_at IS NULL OR m.deliver_at <= $2) \
                  AND {} \
-                 ORDER BY q.job, m.rowid",
+                 ORDER BY m.rowid ASC",
                 no_pending_reply(&replies)
             ),
             unprocessed_before_many: format!(
-                "SELECT q.request_id, e.id FROM unnest( \
-                   $1::text[], $2::text[], $3::text[], $4::bigint[], $5::bigint[], $6::bigint[] \
-                 ) AS q(shard_id, entity_type, entity_id, request_id, now, lim) \
-                 CROSS JOIN LATERAL ( \
-                   SELECT m.id, m.rowid FROM {messages} m \
-                   WHERE m.shard_id = q.shard_id AND m.processed = FALSE AND m.kind = 0 \
-                   AND m.entity_type = q.entity_type AND m.entity_id = q.entity_id \
-                   AND m.rowid < (SELECT rowid FROM {messages} WHERE id = q.request_id) \
-                   AND (m.deliver_at IS NULL OR m.deliver_at <= q.now) \
-                   ORDER BY m.rowid ASC LIMIT q.lim \
-                 ) e \
-                 ORDER BY q.request_id, e.rowid"
+                "SELECT m.id, \
+                   (SELECT array_agg(b.id ORDER BY b.rowid) FROM ( \
+                     SELECT o.id, o.rowid FROM {messages} o \
+                     WHERE o.shard_id = m.shard_id AND o.processed = FALSE AND o.kind = 0 \
+                     AND o.entity_type = m.entity_type AND o.entity_id = m.entity_id \
+                     AND o.rowid < m.rowid \
+                     AND (o.deliver_at IS NULL OR o.deliver_at <= $2) \
+                     ORDER BY o.rowid ASC LIMIT $3 \
+                   ) b) \
+                 FROM {messages} m WHERE m.id = ANY($1)"
             ),
             reset_requests: reset(&messages, "request_id = ANY($1)"),
             reset_addresses: reset(

@@ -78,6 +78,9 @@ struct LockSession {
     /// The advisory lock numbers this session was seen to hold, and has not unlocked since.
     /// Updated while the session's turn is held.
     known: Mutex<BTreeSet<i32>>,
+    /// [`advisory::ALIVE`], prepared once (advisory mode): a confirmation is then one round
+    /// trip, with no parsing or planning.
+    alive: Option<tokio_postgres::Statement>,
     /// Operations on the session take turns. The advisory check-then-lock of `acquire` and the
     /// unlock loop of `release` are several statements; interleaving two of them could take a
     /// lock twice (a session-level lock is re-entrant and counted).
@@ -230,10 +233,11 @@ impl ShardLocks {
         let operation = async {
             let session = self.session(&used).await?;
             let _turn = session.turn.lock().await;
-            let pid: i32 = session
-                .client
-                .query_one(advisory::ALIVE, &[])
-                .await
+            let alive = match &session.alive {
+                Some(statement) => session.client.query_one(statement, &[]).await,
+                None => session.client.query_one(advisory::ALIVE, &[]).await,
+            };
+            let pid: i32 = alive
                 .map_err(|error| driver_error("confirm", error))?
                 .try_get(0)
                 .map_err(column_error)?;
@@ -507,16 +511,23 @@ impl ShardLocks {
                 tracing::debug!(%error, "lock session ended");
             }
         });
-        let pid = match self.mode {
-            LockMode::Lease => 0,
+        let (pid, alive) = match self.mode {
+            LockMode::Lease => (0, None),
             LockMode::Advisory => {
-                let setup =
-                    client.query_one(advisory::SETUP, &[&self.idle_session_timeout_ms]).await;
-                let pid = setup
-                    .map_err(|error| driver_error("lock session: setup", error))
-                    .and_then(|row| row.try_get::<_, i32>(0).map_err(column_error));
-                match pid {
-                    Ok(pid) => pid,
+                let setup = async {
+                    let row = client
+                        .query_one(advisory::SETUP, &[&self.idle_session_timeout_ms])
+                        .await
+                        .map_err(|error| driver_error("lock session: setup", error))?;
+                    let pid = row.try_get::<_, i32>(0).map_err(column_error)?;
+                    let alive = client
+                        .prepare(advisory::ALIVE)
+                        .await
+                        .map_err(|error| driver_error("lock session: setup", error))?;
+                    Ok::<_, StorageError>((pid, Some(alive)))
+                };
+                match setup.await {
+                    Ok(setup) => setup,
                     Err(error) => {
                         connection.abort();
                         return Err(error);
@@ -529,6 +540,7 @@ impl ShardLocks {
             client,
             pid,
             known: Mutex::new(BTreeSet::new()),
+            alive,
             turn: tokio::sync::Mutex::new(()),
             connection,
         })

@@ -653,7 +653,9 @@ pub async fn unprocessed_messages_ordered_reads_requests_with_their_earlier_requ
     fixture: &dyn StorageFixture,
 ) {
     let storage = fixture.message_storage();
-    let limit = std::num::NonZeroU32::new(3).unwrap();
+    // Calls read together may ask for different limits.
+    let limit =
+        |call: usize| std::num::NonZeroU32::new(u32::try_from(call % 3 + 1).unwrap()).unwrap();
     // Three entities of one shard, their requests interleaved.
     for id in 1..=12u64 {
         save(&*storage, &request(id, u32::try_from(id % 3).unwrap())).await;
@@ -667,13 +669,13 @@ pub async fn unprocessed_messages_ordered_reads_requests_with_their_earlier_requ
     assert_eq!(storage.save_request(&request(14, 2), &later).await.unwrap(), SaveResult::Success);
     let asked: Vec<Vec<u64>> =
         vec![vec![12], vec![4, 10], vec![11, 14, 99], vec![1, 2, 3], vec![13], vec![7, 8, 9]];
-    let reads = asked.iter().map(|ids| {
+    let reads = asked.iter().enumerate().map(|(call, ids)| {
         let storage = Arc::clone(&storage);
         let ids = snowflakes(ids);
-        async move { storage.unprocessed_messages_ordered(&ids, now(), limit).await.unwrap() }
+        async move { storage.unprocessed_messages_ordered(&ids, now(), limit(call)).await.unwrap() }
     });
     let read = futures_util::future::join_all(reads).await;
-    for (wanted, ordered) in asked.iter().zip(read) {
+    for (call, (wanted, ordered)) in asked.iter().zip(read).enumerate() {
         let expected =
             storage.unprocessed_messages_by_id(&snowflakes(wanted), now()).await.unwrap();
         assert_eq!(ids(&ordered.batch), ids(&expected), "{}: {wanted:?}", fixture.name());
@@ -681,7 +683,7 @@ pub async fn unprocessed_messages_ordered_reads_requests_with_their_earlier_requ
         for message in &expected.messages {
             if let Envelope::Request(target) = &message.envelope {
                 let before = storage
-                    .unprocessed_before(&target.address, target.request_id, now(), limit)
+                    .unprocessed_before(&target.address, target.request_id, now(), limit(call))
                     .await
                     .unwrap();
                 lists.insert(target.request_id, before);
@@ -694,7 +696,7 @@ pub async fn unprocessed_messages_ordered_reads_requests_with_their_earlier_requ
             fixture.name()
         );
     }
-    let none = storage.unprocessed_messages_ordered(&[], now(), limit).await.unwrap();
+    let none = storage.unprocessed_messages_ordered(&[], now(), limit(0)).await.unwrap();
     assert!(none.batch.is_empty() && none.earlier.is_empty());
 }
 
