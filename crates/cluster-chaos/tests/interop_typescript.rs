@@ -830,10 +830,15 @@ async fn a_typescript_runner_keeps_its_shards_while_a_rust_runner_checks_health(
             ring.get_shards(SHARDS).unwrap().iter().map(|owner| owner.port()).collect();
         owners
     };
-    let rust_port = (0..100)
-        .filter_map(|_| free_port().ok())
-        .find(|port| *port != ts_port && owners_with(*port)[singleton_shard as usize - 1] == *port)
-        .expect("a port whose runner owns the health singleton's shard");
+    // Every port is tried in turn: for some of the TypeScript runner's ports, only one port
+    // in thirty gives the Rust runner the singleton's shard, and a hundred free ports drawn at
+    // random (port 0) missed all of them in one CI run.
+    let rust_port = (20_000..=u16::MAX)
+        .filter(|port| {
+            *port != ts_port && owners_with(*port)[singleton_shard as usize - 1] == *port
+        })
+        .find(|port| std::net::TcpListener::bind(("127.0.0.1", *port)).is_ok())
+        .expect("a free port whose runner owns the health singleton's shard");
     let owners = owners_with(rust_port);
     let share = |port: u16| -> BTreeSet<u32> {
         (1..=SHARDS).filter(|shard| owners[*shard as usize - 1] == port).collect()

@@ -224,33 +224,18 @@ impl MessageQueries {
             // `unprocessed_by_id`: the earlier requests are a subquery of the select list,
             // planned on its own.
             unprocessed_ordered: format!(
-                "SELECT {MESSAGE_ROW_COLUMNS}, \
-                   (SELECT array_agg(b.id ORDER BY b.rowid) FROM ( \
-                     SELECT o.id, o.rowid FROM {messages} o \
-                     WHERE m.kind = 0 AND o.shard_id = m.shard_id AND o.processed = FALSE \
-                     AND o.kind = 0 AND o.entity_type = m.entity_type \
-                     AND o.entity_id = m.entity_id AND o.rowid < m.rowid \
-                     AND (o.deliver_at IS NULL OR o.deliver_at <= $2) \
-                     ORDER BY o.rowid ASC LIMIT $3 \
-                   ) b) \
+                "SELECT {MESSAGE_ROW_COLUMNS}, {} \
                  FROM {messages} m LEFT JOIN {replies} r ON r.id = m.last_reply_id \
                  WHERE m.id = ANY($1) AND m.processed = FALSE \
                  AND (m.deliver_at IS NULL OR m.deliver_at <= $2) \
                  AND {} \
                  ORDER BY m.rowid ASC",
+                earlier_of_m(&messages),
                 no_pending_reply(&replies)
             ),
             unprocessed_before_many: format!(
-                "SELECT m.id, \
-                   (SELECT array_agg(b.id ORDER BY b.rowid) FROM ( \
-                     SELECT o.id, o.rowid FROM {messages} o \
-                     WHERE o.shard_id = m.shard_id AND o.processed = FALSE AND o.kind = 0 \
-                     AND o.entity_type = m.entity_type AND o.entity_id = m.entity_id \
-                     AND o.rowid < m.rowid \
-                     AND (o.deliver_at IS NULL OR o.deliver_at <= $2) \
-                     ORDER BY o.rowid ASC LIMIT $3 \
-                   ) b) \
-                 FROM {messages} m WHERE m.id = ANY($1)"
+                "SELECT m.id, {} FROM {messages} m WHERE m.id = ANY($1)",
+                earlier_of_m(&messages)
             ),
             reset_requests: reset(&messages, "request_id = ANY($1)"),
             reset_addresses: reset(
@@ -271,6 +256,22 @@ impl MessageQueries {
 
 /// A request is waiting while it has a final reply or an unacknowledged chunk (then its stream
 /// waits for the acknowledgement); this holds its acknowledgements and interrupts back too.
+/// The ids of the unprocessed requests of row `m`'s entity stored before it and due at `$2`,
+/// at most `$3`, in storage order, as an array (`NULL` when there are none): a subquery of a
+/// select list, for `unprocessed_before` on many rows at once.
+fn earlier_of_m(messages: &str) -> String {
+    format!(
+        "(SELECT array_agg(b.id ORDER BY b.rowid) FROM ( \
+           SELECT o.id, o.rowid FROM {messages} o \
+           WHERE o.shard_id = m.shard_id AND o.processed = FALSE AND o.kind = 0 \
+           AND o.entity_type = m.entity_type AND o.entity_id = m.entity_id \
+           AND o.rowid < m.rowid \
+           AND (o.deliver_at IS NULL OR o.deliver_at <= $2) \
+           ORDER BY o.rowid ASC LIMIT $3 \
+         ) b)"
+    )
+}
+
 fn no_pending_reply(replies: &str) -> String {
     format!(
         "NOT EXISTS (SELECT 1 FROM {replies} p WHERE p.request_id = m.request_id \

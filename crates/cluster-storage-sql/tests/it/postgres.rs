@@ -761,6 +761,13 @@ async fn frozen_lock_holder_loses_its_locks_after_idle_session_timeout() {
     scratch.cleanup().await;
 }
 
+/// Ends the server session `pid`, as an operator's `pg_terminate_backend` does.
+async fn terminate(admin: &Admin, pid: i32) {
+    let terminated: bool =
+        admin.client.query_one("SELECT pg_terminate_backend($1)", &[&pid]).await.unwrap().get(0);
+    assert!(terminated, "session {pid} was not terminated");
+}
+
 /// A terminated lock session: the next lock operation fails within the deadline or reports
 /// the loss, never a stale "held"; the storage reconnects by itself and can lock again.
 #[tokio::test]
@@ -772,14 +779,7 @@ async fn terminated_lock_session_is_rebuilt() {
     let address = RunnerAddress::new("a", 1);
     assert_eq!(storage.acquire(&address, &shards(&[1, 2])).await.unwrap(), shards(&[1, 2]));
     let first_pid = storage.lock_session_pid().unwrap();
-    let terminated: bool = scratch
-        .admin
-        .client
-        .query_one("SELECT pg_terminate_backend($1)", &[&first_pid])
-        .await
-        .unwrap()
-        .get(0);
-    assert!(terminated);
+    terminate(&scratch.admin, first_pid).await;
     // Bounded: the lock deadline plus a margin for scheduling.
     let refreshed = tokio::time::timeout(
         deadline + Duration::from_secs(1),
@@ -1031,14 +1031,7 @@ async fn confirm_never_reports_a_lock_the_session_let_go_or_lost() {
     assert!(storage.confirm(&address, &shards(&[1, 3])).await.unwrap().is_empty());
     assert_eq!(storage.acquire(&address, &shards(&[1])).await.unwrap(), shards(&[1]));
     let pid = storage.lock_session_pid().unwrap();
-    let terminated: bool = scratch
-        .admin
-        .client
-        .query_one("SELECT pg_terminate_backend($1)", &[&pid])
-        .await
-        .unwrap()
-        .get(0);
-    assert!(terminated);
+    terminate(&scratch.admin, pid).await;
     // The ended session's locks are free: another runner takes one of them.
     eventually("the ended session's lock is free", || async {
         other.acquire(&other_address, &shards(&[1])).await.is_ok_and(|held| held == shards(&[1]))
