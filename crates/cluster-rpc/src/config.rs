@@ -26,6 +26,16 @@ pub const MAX_FRAME_BYTES_MAX: u32 = 1 << 30;
 /// | `CLUSTER_RPC_IDLE_EXPIRY`       | `idle_expiry`        | 3 minutes    |
 /// | `CLUSTER_RPC_BACKOFF_BASE`      | `backoff_base`       | 100 millis   |
 /// | `CLUSTER_RPC_BACKOFF_CAP`       | `backoff_cap`        | 10 seconds   |
+/// | `CLUSTER_RPC_INSECURE`          | `insecure`           | `false`      |
+///
+/// # Secure by default
+///
+/// A server that listens on an address other than loopback must authenticate its peers:
+/// with `CLUSTER_RPC_SECRET`, or with TLS client certificates
+/// (`CLUSTER_RPC_TLS_REQUIRE_CLIENT_CERT`).
+/// Otherwise [`crate::RpcServer::bind`] refuses to start, naming `CLUSTER_RPC_SECRET`.
+/// `CLUSTER_RPC_INSECURE=true` accepts any peer that reaches the port; the server then logs a
+/// warning when it starts.
 ///
 /// Durations use the reference's syntax (`5 seconds`, `200 millis`, see
 /// [`cluster_core::config::parse_duration`]). Unset and empty variables keep their defaults.
@@ -70,6 +80,9 @@ pub struct RpcConfig {
     /// TLS around every connection; `None` (the default) is plain TCP. Both ends must agree.
     #[cfg(feature = "tls")]
     pub tls: Option<crate::tls::TlsConfig>,
+    /// Whether a server may listen beyond loopback without authenticating its peers (see
+    /// "Secure by default" above).
+    pub insecure: bool,
 }
 
 impl Default for RpcConfig {
@@ -87,6 +100,7 @@ impl Default for RpcConfig {
             backoff_cap: Duration::from_secs(10),
             #[cfg(feature = "tls")]
             tls: None,
+            insecure: false,
         }
     }
 }
@@ -107,6 +121,7 @@ impl fmt::Debug for RpcConfig {
             .field("backoff_cap", &self.backoff_cap);
         #[cfg(feature = "tls")]
         debug.field("tls", &self.tls);
+        debug.field("insecure", &self.insecure);
         debug.finish()
     }
 }
@@ -166,6 +181,19 @@ impl RpcConfig {
                     .map_err(|error| ConfigError::new(var, &value, error.reason()))?;
             }
         }
+        if let Some(value) = get("CLUSTER_RPC_INSECURE")? {
+            config.insecure = match value.trim() {
+                "true" => true,
+                "false" => false,
+                _ => {
+                    return Err(ConfigError::new(
+                        "CLUSTER_RPC_INSECURE",
+                        &value,
+                        "must be true or false",
+                    ));
+                }
+            };
+        }
         crate::tls::from_env(&get, &mut config)?;
         config.validate().map_err(|error| {
             let var = format!("CLUSTER_RPC_{}", error.key().to_ascii_uppercase());
@@ -219,6 +247,41 @@ impl RpcConfig {
             ));
         }
         Ok(())
+    }
+
+    /// Whether a server listening on `listen` may start with these settings (see "Secure by
+    /// default" above).
+    ///
+    /// # Errors
+    ///
+    /// `listen` is not a loopback address, and the settings neither authenticate peers nor
+    /// opt out with `insecure`.
+    /// The error names `CLUSTER_RPC_SECRET`; its value is empty.
+    pub fn check_exposure(&self, listen: std::net::SocketAddr) -> Result<(), ConfigError> {
+        if listen.ip().is_loopback() || self.authenticates_peers() || self.insecure {
+            return Ok(());
+        }
+        Err(ConfigError::new(
+            "CLUSTER_RPC_SECRET",
+            "",
+            format!(
+                "is required to listen on {listen}, which is not a loopback address: without it \
+                 anyone who reaches the port can call every entity (or require TLS client \
+                 certificates with CLUSTER_RPC_TLS_REQUIRE_CLIENT_CERT=true, or accept any peer \
+                 with CLUSTER_RPC_INSECURE=true)"
+            ),
+        ))
+    }
+
+    /// Whether a server with these settings lets in only the peers it can authenticate.
+    pub(crate) fn authenticates_peers(&self) -> bool {
+        let secret = self.secret.as_ref().is_some_and(|secret| !secret.is_empty());
+        #[cfg(feature = "tls")]
+        let certificates =
+            self.tls.as_ref().is_some_and(crate::tls::TlsConfig::authenticates_peers);
+        #[cfg(not(feature = "tls"))]
+        let certificates = false;
+        secret || certificates
     }
 
     pub(crate) fn secret_bytes(&self) -> &[u8] {

@@ -63,11 +63,22 @@ impl RpcServer {
     /// Binds `listen` (port 0 picks a free port) after validating `config` (with TLS,
     /// `config.tls` needs a certificate and key).
     ///
+    /// # Errors
+    ///
+    /// - `config` is invalid.
+    /// - `listen` is not a loopback address and `config` neither authenticates peers nor sets
+    ///   `insecure` ([`RpcConfig::check_exposure`]); with `insecure`, a warning is logged.
+    /// - The socket cannot be bound.
+    ///
     /// # Cancel safety
     ///
     /// Cancel safe: dropping the future before it returns releases the socket.
     pub async fn bind(listen: SocketAddr, config: RpcConfig) -> Result<RpcServer, RpcError> {
         config.validate()?;
+        config.check_exposure(listen)?;
+        if !listen.ip().is_loopback() && !config.authenticates_peers() {
+            warn!(%listen, "CLUSTER_RPC_INSECURE=true: the transport accepts any peer that reaches this address");
+        }
         let tls = ServerTls::new(&config)?;
         let listener = TcpListener::bind(listen).await.map_err(RpcError::Bind)?;
         let local_addr = listener.local_addr().map_err(RpcError::Bind)?;

@@ -266,6 +266,12 @@ mod enabled {
             Ok(self)
         }
 
+        /// Whether servers require a client certificate signed by the CA: only peers with
+        /// such a certificate get in.
+        pub(crate) fn authenticates_peers(&self) -> bool {
+            self.require_client_cert && self.roots.is_some()
+        }
+
         /// Whether servers require a client certificate signed by the CA.
         pub fn with_client_cert_required(mut self, required: bool) -> TlsConfig {
             self.require_client_cert = required;

@@ -2,7 +2,7 @@
 
 use cluster_core::error::ClusterError;
 use cluster_core::transport::Transport;
-use cluster_rpc::{RpcConfig, TcpTransport};
+use cluster_rpc::{RpcConfig, RpcError, RpcServer, TcpTransport};
 use tokio::io::AsyncWriteExt;
 
 use crate::support::{
@@ -111,4 +111,103 @@ fn tls_variables_without_the_tls_feature_are_an_error() {
         assert_eq!(error.key(), var);
         assert!(error.reason().contains("built without the tls feature"), "{error}");
     }
+}
+
+/// The warnings logged while it is the thread's default subscriber.
+#[derive(Clone, Default)]
+struct Warnings(std::sync::Arc<std::sync::Mutex<Vec<String>>>);
+
+impl Warnings {
+    fn logged(&self) -> Vec<String> {
+        self.0.lock().unwrap().clone()
+    }
+}
+
+/// The `message` field of an event, with its other fields.
+struct Message<'a>(&'a mut String);
+
+impl tracing::field::Visit for Message<'_> {
+    fn record_debug(&mut self, field: &tracing::field::Field, value: &dyn std::fmt::Debug) {
+        self.0.push_str(&format!("{}={value:?} ", field.name()));
+    }
+}
+
+impl tracing::Subscriber for Warnings {
+    fn enabled(&self, _: &tracing::Metadata<'_>) -> bool {
+        true
+    }
+
+    fn new_span(&self, _: &tracing::span::Attributes<'_>) -> tracing::span::Id {
+        tracing::span::Id::from_u64(1)
+    }
+
+    fn record(&self, _: &tracing::span::Id, _: &tracing::span::Record<'_>) {}
+
+    fn record_follows_from(&self, _: &tracing::span::Id, _: &tracing::span::Id) {}
+
+    fn event(&self, event: &tracing::Event<'_>) {
+        if *event.metadata().level() == tracing::Level::WARN {
+            let mut line = String::new();
+            event.record(&mut Message(&mut line));
+            self.0.lock().unwrap().push(line);
+        }
+    }
+
+    fn enter(&self, _: &tracing::span::Id) {}
+
+    fn exit(&self, _: &tracing::span::Id) {}
+}
+
+/// A server that listens beyond loopback must authenticate its peers, or be told explicitly
+/// that it need not: then it says so in a warning.
+#[tokio::test]
+async fn a_server_beyond_loopback_refuses_to_start_without_a_secret() {
+    let everywhere: std::net::SocketAddr = "0.0.0.0:0".parse().unwrap();
+    let loopback: std::net::SocketAddr = "127.0.0.1:0".parse().unwrap();
+    let error = match RpcServer::bind(everywhere, config()).await {
+        Err(RpcError::Config(error)) => error,
+        Err(error) => panic!("not a configuration error: {error}"),
+        Ok(_) => panic!("a server without a secret started on 0.0.0.0"),
+    };
+    assert_eq!((error.key(), error.value()), ("CLUSTER_RPC_SECRET", ""));
+    assert!(error.reason().contains("CLUSTER_RPC_INSECURE=true"), "{error}");
+    let empty = RpcConfig { secret: Some(b"".as_slice().into()), ..config() };
+    assert!(RpcServer::bind(everywhere, empty).await.is_err(), "an empty secret is no secret");
+    assert!(RpcServer::bind(everywhere, with_secret("s3cret")).await.is_ok());
+    assert!(RpcServer::bind(loopback, config()).await.is_ok(), "loopback needs no secret");
+    let warnings = Warnings::default();
+    let guard = tracing::dispatcher::set_default(&tracing::Dispatch::new(warnings.clone()));
+    let insecure = RpcConfig { insecure: true, ..config() };
+    assert!(RpcServer::bind(everywhere, insecure).await.is_ok());
+    assert!(RpcServer::bind(everywhere, with_secret("s3cret")).await.is_ok());
+    drop(guard);
+    let logged = warnings.logged();
+    assert_eq!(logged.len(), 1, "one warning, for the insecure server only: {logged:?}");
+    assert!(logged[0].contains("CLUSTER_RPC_INSECURE=true"), "{logged:?}");
+}
+
+/// `CLUSTER_RPC_INSECURE` takes `true` or `false`; anything else is an error naming it.
+#[test]
+fn the_insecure_opt_out_is_read_strictly() {
+    let load = |value: &str| {
+        let value = value.to_owned();
+        RpcConfig::from_env_with(move |var| {
+            Ok((var == "CLUSTER_RPC_INSECURE").then(|| value.clone()))
+        })
+    };
+    assert!(load("true").unwrap().insecure);
+    assert!(!load("false").unwrap().insecure);
+    let error = load("yes").expect_err("not a boolean");
+    assert_eq!((error.key(), error.value()), ("CLUSTER_RPC_INSECURE", "yes"));
+}
+
+/// The secret appears in no `Debug` output and in no error.
+#[test]
+fn the_secret_is_never_shown() {
+    let config = with_secret("hunter2-value");
+    let shown = format!("{config:?} {config:#?}");
+    assert!(!shown.contains("hunter2"), "{shown}");
+    assert!(shown.contains("<redacted>"), "{shown}");
+    let error = RpcConfig { max_in_flight: 0, ..config }.validate().expect_err("out of range");
+    assert!(!format!("{error} {error:?}").contains("hunter2"));
 }

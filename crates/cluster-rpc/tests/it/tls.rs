@@ -293,3 +293,18 @@ async fn tls_config_errors_name_the_variable() {
     let error = TcpTransport::new(with_tls(identity_only)).expect_err("client");
     assert!(matches!(&error, RpcError::Config(error) if error.key() == "tls_ca"), "{error:?}");
 }
+
+/// Beyond loopback, TLS that requires client certificates authenticates peers without a
+/// secret; TLS that does not is no authentication.
+#[tokio::test]
+async fn client_certificates_let_a_server_listen_beyond_loopback() {
+    let pki = Pki::new();
+    let everywhere = std::net::SocketAddr::from(([0, 0, 0, 0], 0));
+    let required = with_tls(pki.runner().with_client_cert_required(true));
+    assert!(RpcServer::bind(everywhere, required).await.is_ok());
+    let error = RpcServer::bind(everywhere, with_tls(pki.runner())).await.expect_err("bind");
+    assert!(
+        matches!(&error, RpcError::Config(error) if error.key() == "CLUSTER_RPC_SECRET"),
+        "{error:?}"
+    );
+}
