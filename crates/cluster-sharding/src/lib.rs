@@ -104,6 +104,7 @@ pub use cluster_core::Never;
 #[cfg(feature = "macros")]
 pub use cluster_macros::entity;
 pub use error::{RegisterError, StartError};
+pub use placement::member::Readiness;
 pub use runtime::delivery::TransactionSlot;
 pub use services::cron::{CronContext, CronError, CronOptions};
 pub use services::singleton::{SingletonContext, SingletonOptions};

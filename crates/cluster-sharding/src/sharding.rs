@@ -46,7 +46,7 @@ use crate::api::rpc::{CallError, Rpc};
 use crate::builder::ShardingBuilder;
 use crate::error::RegisterError;
 use crate::metrics;
-use crate::placement::member::{Member, MemberHost};
+use crate::placement::member::{Member, MemberHost, Readiness};
 use crate::placement::remote::{Remote, RemoteParts};
 use crate::placement::shards::Shards;
 use crate::placement::single_runner::{HeldLocks, all_shards};
@@ -747,6 +747,26 @@ impl Sharding {
         // The entities have stopped: the shards can go to the next runner.
         if let Some(locks) = self.held_locks() {
             locks.release().await;
+        }
+    }
+
+    /// Whether this process serves what the cluster assigns it, for a readiness probe.
+    ///
+    /// A single runner is registered and assigned every shard of its groups; its lock storage
+    /// counts as healthy while it holds every lock.
+    pub fn readiness(&self) -> Readiness {
+        if let Some(member) = self.cluster() {
+            return member.readiness();
+        }
+        let all = self.inner.shards.all().len();
+        let not_acquired = all.saturating_sub(self.acquired_shards().len());
+        let runner = self.is_runner();
+        Readiness {
+            runner,
+            registered: runner,
+            lock_storage_healthy: not_acquired == 0,
+            assigned: if runner { all } else { 0 },
+            not_acquired: if runner { not_acquired } else { 0 },
         }
     }
 

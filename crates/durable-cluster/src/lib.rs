@@ -90,6 +90,8 @@
 //! Several runners on one database: [`Runner`] (feature `rpc`) reads its storage, address and
 //! transport settings from the environment; docs/deployment.md shows a complete runner.
 
+#[cfg(feature = "ops")]
+mod ops;
 #[cfg(feature = "rpc")]
 mod runner;
 #[cfg(feature = "sqlite")]

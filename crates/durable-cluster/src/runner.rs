@@ -6,6 +6,7 @@
 //! | `CLUSTER_TABLE_PREFIX` | the tables' prefix (default `cluster`) |
 //! | `HOST`, `PORT`, `LISTEN_HOST`, `LISTEN_PORT`, … | the runtime's settings (`ShardingConfig::from_env`) |
 //! | `CLUSTER_RPC_SECRET`, `CLUSTER_RPC_*` | the transport's settings (`RpcConfig::from_env`) |
+//! | `CLUSTER_OPS_LISTEN` | the address of the operations server (`/healthz`, `/readyz`, `/metrics`; feature `ops`), off when unset |
 //!
 //! A runner binds its transport's listener (the listen address, or else its advertised one),
 //! joins the cluster, and serves peers.
@@ -83,6 +84,15 @@ pub enum RunnerError {
     /// The signal handlers could not be installed.
     #[error("signals: {0}")]
     Signals(#[source] std::io::Error),
+    /// The operations server could not listen on `CLUSTER_OPS_LISTEN`.
+    #[error("cannot listen on {address} (CLUSTER_OPS_LISTEN): {source}")]
+    Ops {
+        /// The address.
+        address: SocketAddr,
+        /// Why, for instance that the port is in use.
+        #[source]
+        source: std::io::Error,
+    },
 }
 
 /// Whether a process hosts entities.
@@ -105,6 +115,8 @@ pub struct RunnerEnv {
     pub sharding: ShardingConfig,
     /// The transport's settings.
     pub rpc: RpcConfig,
+    /// Where the operations server listens (`CLUSTER_OPS_LISTEN`, feature `ops`); `None`: off.
+    pub ops_listen: Option<SocketAddr>,
 }
 
 impl RunnerEnv {
@@ -146,7 +158,27 @@ impl RunnerEnv {
             sharding.runner_listen_address = None;
         }
         let rpc = RpcConfig::from_env_with(|name| Ok(lookup(name)))?;
-        Ok(RunnerEnv { storage_url, table_prefix, sharding, rpc })
+        let ops_listen = match lookup("CLUSTER_OPS_LISTEN").filter(|value| !value.is_empty()) {
+            None => None,
+            Some(value) if cfg!(feature = "ops") => {
+                Some(value.trim().parse::<SocketAddr>().map_err(|_| {
+                    ConfigError::new(
+                        "CLUSTER_OPS_LISTEN",
+                        &value,
+                        "is not an IP address and port, such as 0.0.0.0:9090",
+                    )
+                })?)
+            }
+            Some(value) => {
+                return Err(ConfigError::new(
+                    "CLUSTER_OPS_LISTEN",
+                    &value,
+                    "needs durable-cluster's feature `ops`, which this build lacks",
+                )
+                .into());
+            }
+        };
+        Ok(RunnerEnv { storage_url, table_prefix, sharding, rpc, ops_listen })
     }
 
     /// The storage options of these settings.
@@ -226,8 +258,21 @@ impl RunnerEnv {
     ///
     /// The transport, the storage or the runtime could not start.
     pub async fn join(&self) -> Result<Sharding, RunnerError> {
-        let transport = TcpTransport::new(self.rpc.clone())?;
         let (messages, locks) = self.open_storages().await?;
+        self.join_with(messages, locks).await
+    }
+
+    /// Joins the cluster as [`RunnerEnv::join`] does, on storages the caller opened.
+    ///
+    /// # Errors
+    ///
+    /// The transport or the runtime could not start.
+    pub async fn join_with(
+        &self,
+        messages: Arc<dyn MessageStorage>,
+        locks: Arc<dyn RunnerStorage>,
+    ) -> Result<Sharding, RunnerError> {
+        let transport = TcpTransport::new(self.rpc.clone())?;
         let sharding = Sharding::builder(self.sharding.clone())
             .messages(messages)
             .runners(locks)
@@ -243,6 +288,8 @@ pub struct Runner {
     /// The runtime.
     pub sharding: Sharding,
     server: ServerHandle,
+    #[cfg(feature = "ops")]
+    ops: Option<crate::ops::OpsServer>,
 }
 
 impl std::fmt::Debug for Runner {
@@ -286,6 +333,25 @@ impl Runner {
         env: &RunnerEnv,
         register: impl FnOnce(&Sharding) -> Result<(), BoxError>,
     ) -> Result<Runner, RunnerError> {
+        Runner::start_with(env, None, register).await
+    }
+
+    /// Starts as [`Runner::start`] does, on `storages` (the message storage and the runner
+    /// storage) instead of those of `env.storage_url`, when given: wrapped storages, or a
+    /// backend of the application's own.
+    ///
+    /// # Errors
+    ///
+    /// As [`Runner::start`].
+    ///
+    /// # Cancel safety
+    ///
+    /// Not cancel safe, as [`Runner::start`].
+    pub async fn start_with(
+        env: &RunnerEnv,
+        storages: Option<(Arc<dyn MessageStorage>, Arc<dyn RunnerStorage>)>,
+        register: impl FnOnce(&Sharding) -> Result<(), BoxError>,
+    ) -> Result<Runner, RunnerError> {
         let address = env
             .sharding
             .runner_address
@@ -294,14 +360,36 @@ impl Runner {
         let listen = env.sharding.runner_listen_address.clone().unwrap_or(address);
         let listen = resolve(&listen).await?;
         let server = RpcServer::bind(listen, env.rpc.clone()).await?;
-        let sharding = env.join().await?;
+        // Bound before joining: a port in use stops the start before the runner holds shards.
+        #[cfg(feature = "ops")]
+        let ops = match env.ops_listen {
+            Some(address) => Some(crate::ops::OpsListener::bind(address).await?),
+            None => None,
+        };
+        let sharding = match storages {
+            Some((messages, locks)) => env.join_with(messages, locks).await?,
+            None => env.join().await?,
+        };
         if let Err(error) = register(&sharding) {
             // Leave the cluster cleanly instead of holding shards it cannot serve.
             sharding.shutdown().await;
             return Err(RunnerError::Register(error));
         }
         let server = server.serve(sharding.runner_handler());
-        Ok(Runner { sharding, server })
+        #[cfg(feature = "ops")]
+        let ops = ops.map(|ops| ops.serve(sharding.clone()));
+        Ok(Runner {
+            sharding,
+            server,
+            #[cfg(feature = "ops")]
+            ops,
+        })
+    }
+
+    /// Where the operations server listens, when `CLUSTER_OPS_LISTEN` is set (feature `ops`).
+    #[cfg(feature = "ops")]
+    pub fn ops_address(&self) -> Option<SocketAddr> {
+        self.ops.as_ref().map(crate::ops::OpsServer::local_addr)
     }
 
     /// Shuts down gracefully: the shards go to the other runners, then the listener stops.
@@ -310,8 +398,13 @@ impl Runner {
     ///
     /// Not cancel safe: a shutdown dropped half-way leaves shards to expire.
     pub async fn shutdown(self) {
+        // `/readyz` answers 503 ("shutting down") during the handoff.
         self.sharding.shutdown().await;
         self.server.shutdown().await;
+        #[cfg(feature = "ops")]
+        if let Some(ops) = self.ops {
+            ops.shutdown().await;
+        }
     }
 }
 

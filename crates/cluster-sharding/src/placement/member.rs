@@ -164,6 +164,24 @@ pub(crate) struct Member {
     registration: tokio::sync::Mutex<()>,
 }
 
+/// What [`Sharding::readiness`](crate::Sharding::readiness) reports: whether this process
+/// serves what the cluster assigns it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct Readiness {
+    /// Whether this process is a runner (a client serves no shard).
+    pub runner: bool,
+    /// Whether the runner is in the runner registry.
+    pub registered: bool,
+    /// Whether the shard lock storage answers.
+    pub lock_storage_healthy: bool,
+    /// The shards the current assignment gives this runner.
+    pub assigned: usize,
+    /// Of those, the shards whose lock this runner does not hold yet.
+    /// A previous owner may still be handing them over.
+    pub not_acquired: usize,
+}
+
 /// Fencing's lock confirmations (see [`Member::confirm_lock`]).
 #[derive(Default)]
 struct Confirmations {
@@ -307,6 +325,25 @@ impl Member {
     /// The owner of `shard` in the current assignment.
     pub(crate) fn owner(&self, shard: &ShardId) -> Option<RunnerAddress> {
         self.state().assignment.owner(shard).cloned()
+    }
+
+    /// What a readiness check reads: registration, lock storage, and the shards assigned here
+    /// against those acquired.
+    pub(crate) fn readiness(&self) -> Readiness {
+        let state = self.state();
+        let registered =
+            self.runner.as_ref().is_some_and(|runner| !state.membership.needs_registration(runner));
+        let assigned =
+            self.address().map(|address| state.assignment.shards_of(address)).unwrap_or_default();
+        let not_acquired =
+            assigned.iter().filter(|shard| !state.ownership.is_acquired(shard)).count();
+        Readiness {
+            runner: self.runner.is_some(),
+            registered,
+            lock_storage_healthy: state.ownership.locks_healthy(),
+            assigned: assigned.len(),
+            not_acquired,
+        }
     }
 
     /// Whether `shard` is active here: locked and running.

@@ -108,6 +108,11 @@ impl Shards {
         confirmed
     }
 
+    /// Every shard of the runner's groups.
+    pub(crate) fn all(&self) -> &[ShardId] {
+        &self.all
+    }
+
     /// The shards this runner holds the lock of and runs (every shard of its groups for a
     /// single runner; none for a client).
     pub(crate) fn acquired(&self) -> Vec<ShardId> {

@@ -1,0 +1,211 @@
+//! The operations server of a [`Runner`](crate::Runner) (feature `ops`): probes and metrics
+//! over HTTP, on the address in `CLUSTER_OPS_LISTEN` (off when it is unset).
+//!
+//! | path | answers |
+//! | --- | --- |
+//! | `GET /healthz` | `200 ok` while the process runs |
+//! | `GET /readyz` | `200` when the runner serves what the cluster assigns it, else `503`; a JSON body says why |
+//! | `GET /metrics` | every series of the `metrics` facade, in the Prometheus text format |
+//!
+//! A runner is ready when all of these hold:
+//!
+//! - it is not shutting down;
+//! - it is in the runner registry;
+//! - its shard lock storage answers;
+//! - it holds every shard the assignment gives it, or has been taking them for less than
+//!   twice `SHARD_LOCK_EXPIRATION` (a previous owner's lock may have to expire first).
+//!
+//! `/metrics` needs the process's global `metrics` recorder.
+//! The first operations server installs a Prometheus recorder; if the application installed
+//! another recorder first, `/metrics` answers `503` and says so.
+
+use std::net::SocketAddr;
+use std::sync::{Arc, Mutex, OnceLock};
+use std::time::Duration;
+
+use axum::Router;
+use axum::http::StatusCode;
+use axum::response::IntoResponse;
+use axum::routing::get;
+use cluster_sharding::Sharding;
+use metrics_exporter_prometheus::{PrometheusBuilder, PrometheusHandle};
+use tokio::task::JoinHandle;
+use tokio_util::sync::CancellationToken;
+
+use crate::runner::RunnerError;
+
+/// How often the Prometheus recorder folds its histograms (its upkeep).
+const UPKEEP_INTERVAL: Duration = Duration::from_secs(5);
+
+/// A bound operations listener, not serving yet ([`OpsListener::serve`]).
+#[derive(Debug)]
+pub(crate) struct OpsListener {
+    listener: tokio::net::TcpListener,
+    local_addr: SocketAddr,
+}
+
+/// A running operations server; [`OpsServer::shutdown`] stops it.
+#[derive(Debug)]
+pub(crate) struct OpsServer {
+    local_addr: SocketAddr,
+    stop: CancellationToken,
+    task: JoinHandle<()>,
+}
+
+impl OpsListener {
+    /// Binds `listen`.
+    ///
+    /// # Errors
+    ///
+    /// [`RunnerError::Ops`] names `CLUSTER_OPS_LISTEN` and the address, for instance when the
+    /// port is in use.
+    pub(crate) async fn bind(listen: SocketAddr) -> Result<OpsListener, RunnerError> {
+        let bound = async {
+            let listener = tokio::net::TcpListener::bind(listen).await?;
+            let local_addr = listener.local_addr()?;
+            Ok::<_, std::io::Error>(OpsListener { listener, local_addr })
+        };
+        bound.await.map_err(|source| RunnerError::Ops { address: listen, source })
+    }
+
+    /// Serves the probes of `sharding` and the metrics until [`OpsServer::shutdown`].
+    pub(crate) fn serve(self, sharding: Sharding) -> OpsServer {
+        let expiration = sharding.config().shard_lock_expiration;
+        let readiness = Arc::new(ReadinessCheck {
+            sharding,
+            acquire_bound: expiration.saturating_mul(2),
+            not_acquired_since: Mutex::new(None),
+        });
+        let router = Router::new()
+            .route("/healthz", get(|| async { "ok\n" }))
+            .route("/readyz", get(move || ready(Arc::clone(&readiness))))
+            .route("/metrics", get(render_metrics));
+        let stop = CancellationToken::new();
+        let stopped = stop.clone();
+        let local_addr = self.local_addr;
+        let task = tokio::spawn(async move {
+            let upkeep = async {
+                let mut interval = tokio::time::interval(UPKEEP_INTERVAL);
+                loop {
+                    interval.tick().await;
+                    if let Some(handle) = prometheus() {
+                        handle.run_upkeep();
+                    }
+                }
+            };
+            let served = axum::serve(self.listener, router)
+                .with_graceful_shutdown(stopped.cancelled_owned());
+            tokio::select! {
+                served = served => {
+                    if let Err(error) = served {
+                        tracing::warn!(%error, "the operations server stopped");
+                    }
+                }
+                () = upkeep => {}
+            }
+        });
+        tracing::info!(%local_addr, "operations server listening");
+        OpsServer { local_addr, stop, task }
+    }
+}
+
+impl OpsServer {
+    /// The bound address (with the actual port when bound to port 0).
+    pub(crate) fn local_addr(&self) -> SocketAddr {
+        self.local_addr
+    }
+
+    /// Stops accepting requests and waits for those in progress.
+    pub(crate) async fn shutdown(self) {
+        self.stop.cancel();
+        if let Err(error) = self.task.await {
+            tracing::debug!(%error, "the operations server's task ended abnormally");
+        }
+    }
+}
+
+/// The readiness rule of the module documentation, with the time the runner has been taking
+/// its shards.
+struct ReadinessCheck {
+    sharding: Sharding,
+    acquire_bound: Duration,
+    not_acquired_since: Mutex<Option<cluster_core::Timestamp>>,
+}
+
+impl ReadinessCheck {
+    /// Why the runner is not ready, if it is not.
+    fn not_ready(&self) -> (Option<String>, cluster_sharding::Readiness) {
+        let readiness = self.sharding.readiness();
+        let reason = if self.sharding.is_shutdown() {
+            Some("shutting down".to_owned())
+        } else if !readiness.registered {
+            Some("not registered in the runner registry".to_owned())
+        } else if !readiness.lock_storage_healthy {
+            Some("the shard lock storage does not answer".to_owned())
+        } else {
+            self.taking_too_long(&readiness)
+        };
+        (reason, readiness)
+    }
+
+    /// Whether the runner has been taking its assigned shards for longer than the bound.
+    fn taking_too_long(&self, readiness: &cluster_sharding::Readiness) -> Option<String> {
+        let mut since = self.not_acquired_since.lock().unwrap_or_else(|poison| poison.into_inner());
+        if readiness.not_acquired == 0 {
+            *since = None;
+            return None;
+        }
+        let now = self.sharding.clock().now();
+        let waited = now.saturating_duration_since(*since.get_or_insert(now));
+        (waited > self.acquire_bound).then(|| {
+            format!(
+                "{} of {} assigned shards not acquired for {} s",
+                readiness.not_acquired,
+                readiness.assigned,
+                waited.as_secs()
+            )
+        })
+    }
+}
+
+/// `GET /readyz`.
+async fn ready(check: Arc<ReadinessCheck>) -> impl IntoResponse {
+    let (reason, readiness) = check.not_ready();
+    let status = if reason.is_some() { StatusCode::SERVICE_UNAVAILABLE } else { StatusCode::OK };
+    let body = serde_json::json!({
+        "ready": reason.is_none(),
+        "reason": reason,
+        "registered": readiness.registered,
+        "lock_storage_healthy": readiness.lock_storage_healthy,
+        "assigned_shards": readiness.assigned,
+        "not_acquired_shards": readiness.not_acquired,
+    });
+    (status, [("content-type", "application/json")], format!("{body}\n"))
+}
+
+/// `GET /metrics`.
+async fn render_metrics() -> impl IntoResponse {
+    match prometheus() {
+        Some(handle) => {
+            (StatusCode::OK, [("content-type", "text/plain; version=0.0.4")], handle.render())
+        }
+        None => (
+            StatusCode::SERVICE_UNAVAILABLE,
+            [("content-type", "text/plain")],
+            "another metrics recorder is installed in this process\n".to_owned(),
+        ),
+    }
+}
+
+/// The process's Prometheus recorder, installed by the first call; `None` when another
+/// recorder was installed first.
+fn prometheus() -> Option<&'static PrometheusHandle> {
+    static HANDLE: OnceLock<Option<PrometheusHandle>> = OnceLock::new();
+    HANDLE
+        .get_or_init(|| {
+            let recorder = PrometheusBuilder::new().build_recorder();
+            let handle = recorder.handle();
+            metrics::set_global_recorder(recorder).ok().map(|()| handle)
+        })
+        .as_ref()
+}
