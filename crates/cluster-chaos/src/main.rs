@@ -16,7 +16,8 @@ use durable_cluster::{Role, Runner, RunnerEnv};
 async fn main() -> ExitCode {
     let mode = std::env::args().nth(1).unwrap_or_else(|| "run".to_owned());
     let result = match mode.as_str() {
-        "runner" => runner().await,
+        // A runner's failures are reported as every runner reports them (`Runner::main_with`).
+        "runner" => return runner().await,
         "client" => client().await,
         "run" => run().await,
         other => Err(format!("unknown mode {other:?}: expected runner, client or run")),
@@ -35,8 +36,27 @@ fn report_error(message: &str) {
     eprintln!("{message}");
 }
 
-async fn runner() -> Result<(), String> {
-    let env = RunnerEnv::from_env(Role::Runner).map_err(|error| error.to_string())?;
+async fn runner() -> ExitCode {
+    let env = RunnerEnv::from_env(Role::Runner);
+    let dependencies = match &env {
+        Ok(env) => match ledger_dependencies(env) {
+            Ok(dependencies) => dependencies,
+            Err(error) => {
+                report_error(&format!("chaos runner: {error}"));
+                return ExitCode::FAILURE;
+            }
+        },
+        Err(_) => LedgerDependencies::default(),
+    };
+    Runner::main_with(env, |sharding| {
+        sharding.register_with(EntityOptions::default(), Ledger::factory(dependencies))?;
+        Ok(())
+    })
+    .await
+}
+
+/// The ledger's audit and run recording, from the `CHAOS_*` variables.
+fn ledger_dependencies(env: &RunnerEnv) -> Result<LedgerDependencies, String> {
     let mut dependencies = LedgerDependencies::default();
     if std::env::var("CHAOS_AUDIT").is_ok() {
         dependencies.audit_table = Some(ledger::audit_table(&env.table_prefix));
@@ -58,15 +78,7 @@ async fn runner() -> Result<(), String> {
             dependencies.deposit_work = Duration::from_millis(millis);
         }
     }
-    let node = Runner::start(&env, |sharding| {
-        sharding.register_with(EntityOptions::default(), Ledger::factory(dependencies))?;
-        Ok(())
-    })
-    .await
-    .map_err(|error| error.to_string())?;
-    durable_cluster::terminated().await.map_err(|error| error.to_string())?;
-    node.shutdown().await;
-    Ok(())
+    Ok(dependencies)
 }
 
 async fn client() -> Result<(), String> {

@@ -209,3 +209,72 @@ fn prometheus() -> Option<&'static PrometheusHandle> {
         })
         .as_ref()
 }
+
+/// Installs the process's logger: `tracing` events to standard error, filtered by `RUST_LOG`
+/// (default `info`), as text or, with `CLUSTER_LOG_FORMAT=json`, as JSON lines.
+/// A logger installed before stays.
+///
+/// # Errors
+///
+/// `RUST_LOG` is not a filter, or `CLUSTER_LOG_FORMAT` is neither `text` nor `json`; the error
+/// names the variable.
+pub(crate) fn init_logging() -> Result<(), cluster_core::ConfigError> {
+    let (filter, json) = logging_settings(|name| std::env::var(name).ok())?;
+    let builder = tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr);
+    // Another logger may be installed already (tests, an application's own): it stays.
+    let _ = if json { builder.json().try_init() } else { builder.try_init() };
+    Ok(())
+}
+
+/// The filter and whether to write JSON, from `RUST_LOG` and `CLUSTER_LOG_FORMAT` in `lookup`.
+fn logging_settings(
+    lookup: impl Fn(&str) -> Option<String>,
+) -> Result<(tracing_subscriber::EnvFilter, bool), cluster_core::ConfigError> {
+    use tracing_subscriber::EnvFilter;
+    let filter = match lookup("RUST_LOG") {
+        Some(value) if !value.trim().is_empty() => EnvFilter::try_new(&value).map_err(|error| {
+            cluster_core::ConfigError::new("RUST_LOG", &value, error.to_string())
+        })?,
+        _ => EnvFilter::new("info"),
+    };
+    let json = match lookup("CLUSTER_LOG_FORMAT") {
+        None => false,
+        Some(value) => match value.trim() {
+            "" | "text" => false,
+            "json" => true,
+            _ => {
+                return Err(cluster_core::ConfigError::new(
+                    "CLUSTER_LOG_FORMAT",
+                    &value,
+                    "must be text or json",
+                ));
+            }
+        },
+    };
+    Ok((filter, json))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::logging_settings;
+
+    fn settings(vars: &[(&str, &str)]) -> Result<bool, (String, String)> {
+        let lookup = |name: &str| {
+            vars.iter().find(|(var, _)| *var == name).map(|(_, value)| (*value).to_owned())
+        };
+        logging_settings(lookup)
+            .map(|(_, json)| json)
+            .map_err(|error| (error.key().to_owned(), error.value().to_owned()))
+    }
+
+    #[test]
+    fn the_log_settings_are_read_strictly() {
+        assert_eq!(settings(&[]), Ok(false));
+        assert_eq!(settings(&[("CLUSTER_LOG_FORMAT", "json"), ("RUST_LOG", "debug")]), Ok(true));
+        assert_eq!(settings(&[("CLUSTER_LOG_FORMAT", "text")]), Ok(false));
+        let wrong = ("CLUSTER_LOG_FORMAT".to_owned(), "xml".to_owned());
+        assert_eq!(settings(&[("CLUSTER_LOG_FORMAT", "xml")]), Err(wrong));
+        let filter = settings(&[("RUST_LOG", "cluster=loud")]);
+        assert_eq!(filter.map_err(|(key, _)| key), Err("RUST_LOG".to_owned()));
+    }
+}

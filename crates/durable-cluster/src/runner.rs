@@ -95,6 +95,17 @@ pub enum RunnerError {
     },
 }
 
+impl RunnerError {
+    /// The exit code of a runner process that stops with this error: 2 for a configuration
+    /// error (a wrong variable, an unknown storage scheme), 1 otherwise.
+    pub fn exit_code(&self) -> u8 {
+        match self {
+            RunnerError::Config(_) => 2,
+            _ => 1,
+        }
+    }
+}
+
 /// Whether a process hosts entities.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Role {
@@ -386,6 +397,47 @@ impl Runner {
         })
     }
 
+    /// Runs a runner process to its end, from the process environment, and returns its exit
+    /// code: the whole `main` of a runner binary (`examples/runner.rs`).
+    ///
+    /// - Logs go to standard error, filtered by `RUST_LOG` (default `info`), as text or, with
+    ///   `CLUSTER_LOG_FORMAT=json`, as JSON lines.
+    /// - It starts as [`Runner::from_env`] does, then runs until SIGTERM or SIGINT, and shuts
+    ///   down gracefully.
+    /// - A failure is one line on standard error and exit code 2 for a configuration error, 1
+    ///   otherwise ([`RunnerError::exit_code`]).
+    #[cfg(feature = "ops")]
+    pub async fn main(
+        register: impl FnOnce(&Sharding) -> Result<(), BoxError>,
+    ) -> std::process::ExitCode {
+        let env = crate::ops::init_logging()
+            .map_err(RunnerError::from)
+            .and_then(|()| RunnerEnv::from_env(Role::Runner));
+        Runner::main_with(env, register).await
+    }
+
+    /// Runs a runner process to its end on settings already read, as [`Runner::main`] does, and
+    /// returns its exit code; it installs no logger.
+    pub async fn main_with(
+        env: Result<RunnerEnv, RunnerError>,
+        register: impl FnOnce(&Sharding) -> Result<(), BoxError>,
+    ) -> std::process::ExitCode {
+        let run = async {
+            let runner = Runner::start(&env?, register).await?;
+            tracing::info!(address = ?runner.sharding.config().runner_address, "runner started");
+            let stopped = terminated().await;
+            runner.shutdown().await;
+            stopped
+        };
+        match run.await {
+            Ok(()) => std::process::ExitCode::SUCCESS,
+            Err(error) => {
+                report_failure(&error);
+                std::process::ExitCode::from(error.exit_code())
+            }
+        }
+    }
+
     /// Where the operations server listens, when `CLUSTER_OPS_LISTEN` is set (feature `ops`).
     #[cfg(feature = "ops")]
     pub fn ops_address(&self) -> Option<SocketAddr> {
@@ -406,6 +458,14 @@ impl Runner {
             ops.shutdown().await;
         }
     }
+}
+
+/// Says why a runner process stops, in one line on standard error (a logger may not be
+/// installed).
+#[expect(clippy::print_stderr, reason = "a failed process says why on standard error")]
+fn report_failure(error: &RunnerError) {
+    let line = error.to_string().replace('\n', " ");
+    eprintln!("error: {line}");
 }
 
 async fn resolve(address: &RunnerAddress) -> Result<SocketAddr, RunnerError> {
