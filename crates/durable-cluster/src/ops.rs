@@ -16,8 +16,9 @@
 //!   twice `SHARD_LOCK_EXPIRATION` (a previous owner's lock may have to expire first).
 //!
 //! `/metrics` needs the process's global `metrics` recorder.
-//! The first operations server installs a Prometheus recorder; if the application installed
-//! another recorder first, `/metrics` answers `503` and says so.
+//! The first operations server installs a Prometheus recorder when it binds, before the runtime
+//! starts; if the application installed another recorder first, `/metrics` answers `503` and
+//! says so.
 
 use std::net::SocketAddr;
 use std::sync::{Arc, Mutex, OnceLock};
@@ -60,6 +61,9 @@ impl OpsListener {
     /// [`RunnerError::Ops`] names `CLUSTER_OPS_LISTEN` and the address, for instance when the
     /// port is in use.
     pub(crate) async fn bind(listen: SocketAddr) -> Result<OpsListener, RunnerError> {
+        // Before the runtime starts: a series set once while it starts (such as
+        // `effect_cluster_runners`) would be lost to a recorder installed later.
+        let _ = prometheus();
         let bound = async {
             let listener = tokio::net::TcpListener::bind(listen).await?;
             let local_addr = listener.local_addr()?;

@@ -94,6 +94,8 @@ async fn answers_its_probes(name: &str, database: TestDatabase) {
         get_until(ops, "/metrics", |_, body| body.contains("effect_cluster_shards ")).await;
     assert_eq!(status, 200);
     assert!(metrics.contains("# TYPE effect_cluster_shards gauge"), "{metrics}");
+    // Set once, while the runtime starts: the recorder was there before.
+    assert!(metrics.contains("effect_cluster_runners 1"), "{metrics}");
     assert_eq!(get(ops, "/nothing-here").await.unwrap().0, 404);
     runner.shutdown().await;
     assert!(get(ops, "/healthz").await.is_err(), "the server stops with the runner");
