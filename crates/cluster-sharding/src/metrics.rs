@@ -23,6 +23,11 @@
 //! | `effect_cluster_shard_locks_healthy` | gauge | | 1 while lock storage answers (0: every shard is being let go) |
 //! | `effect_cluster_join_debounce_pending` | gauge | | 1 while runner joins are held back by the join debounce |
 //! | `effect_cluster_shard_locks_lost_total` | counter | | shard locks a single runner found taken by another runner |
+//! | `effect_cluster_shard_acquisitions_total` | counter | | shard locks this runner acquired |
+//! | `effect_cluster_shard_losses_total` | counter | | shard locks a refresh found lost (taken by another runner, or a lock session that ended) |
+//! | `effect_cluster_shard_lock_refresh_seconds` | histogram (s) | | how long each periodic lock refresh took, time-outs included |
+//! | `effect_cluster_read_loop_lag_seconds` | gauge (s) | | time since the storage read loop last finished a read; it grows while the loop is stuck |
+//! | `effect_cluster_persisted_latency_seconds` | histogram (s) | | from a persisted request's save (its id's timestamp) to its stored final reply, on the runner that stored it |
 //! | `effect_cluster_persisted_pushed_total` | counter | `answer` | persisted requests this process pushed to their owner, by what answered them: `pushed` (the owner, on the call), `stored` (the reply poller was first), `fallback` (the call failed; storage answered or will) |
 //!
 //! The reference's `effect_cluster_entity_mailbox_size_max` is not reported. The `metrics`
@@ -57,6 +62,29 @@ pub const JOINS_PENDING: &str = "effect_cluster_join_debounce_pending";
 pub const SHARD_LOCKS_LOST: &str = "effect_cluster_shard_locks_lost_total";
 /// Persisted requests pushed to their owner, by `answer`: `pushed`, `stored` or `fallback`.
 pub const PERSISTED_PUSHED: &str = "effect_cluster_persisted_pushed_total";
+
+/// Shard locks acquired.
+pub const SHARD_ACQUISITIONS: &str = "effect_cluster_shard_acquisitions_total";
+/// Shard locks a refresh found lost.
+pub const SHARD_LOSSES: &str = "effect_cluster_shard_losses_total";
+/// How long each periodic lock refresh took, in seconds.
+pub const SHARD_LOCK_REFRESH: &str = "effect_cluster_shard_lock_refresh_seconds";
+
+/// Time since the storage read loop last finished a read, in seconds.
+pub const READ_LOOP_LAG: &str = "effect_cluster_read_loop_lag_seconds";
+
+/// From a persisted request's save to its stored final reply, in seconds.
+pub const PERSISTED_LATENCY: &str = "effect_cluster_persisted_latency_seconds";
+
+/// Adds `count` to a counter.
+pub(crate) fn count(name: &'static str, count: usize) {
+    metrics::counter!(name).increment(u64::try_from(count).unwrap_or(u64::MAX));
+}
+
+/// Records a duration in seconds in a histogram.
+pub(crate) fn record_seconds(name: &'static str, duration: Duration) {
+    metrics::histogram!(name).record(duration.as_secs_f64());
+}
 
 /// Sets a gauge from a count.
 pub(crate) fn set(name: &'static str, count: usize) {

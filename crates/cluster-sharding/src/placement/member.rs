@@ -589,6 +589,7 @@ impl Member {
         };
         if !outcome.activated.is_empty() {
             tracing::info!(shards = outcome.activated.len(), "shards acquired");
+            metrics::count(metrics::SHARD_ACQUISITIONS, outcome.activated.len());
             self.lock_changed();
             host.poll_storage();
             host.sync_singletons();
@@ -771,8 +772,10 @@ impl Member {
             if healthy {
                 let held = self.state().ownership.held();
                 let sent_at = Instant::now();
-                match tokio::time::timeout(interval, refresh(&*self.storage, &address, &held)).await
-                {
+                let refreshed =
+                    tokio::time::timeout(interval, refresh(&*self.storage, &address, &held)).await;
+                metrics::record_seconds(metrics::SHARD_LOCK_REFRESH, sent_at.elapsed());
+                match refreshed {
                     Ok(Ok(returned)) => {
                         let (releasing, resumed) = {
                             let mut state = self.state();
@@ -795,6 +798,7 @@ impl Member {
                                 lost = held.len() - returned.len(),
                                 "shard locks lost; releasing them"
                             );
+                            metrics::count(metrics::SHARD_LOSSES, held.len() - returned.len());
                         }
                         if releasing {
                             self.acquisition.notify_one();

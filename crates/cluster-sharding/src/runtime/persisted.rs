@@ -82,6 +82,8 @@ use tracked::{Busy, Claiming, InFlight};
 const SAVE_REPLY_ATTEMPTS: u32 = 4;
 /// The pause between those attempts (the reference's 200 ms).
 const SAVE_REPLY_SPACING: Duration = Duration::from_millis(200);
+/// How often the read-loop lag gauge is set.
+const READ_LAG_REPORT_INTERVAL: Duration = Duration::from_secs(1);
 
 /// Persisted delivery: what a runtime with a message storage saves, reads, delivers and
 /// answers. It works with the parts of the runtime it is given ([`PersistedParts`]).
@@ -124,6 +126,9 @@ pub(crate) struct PersistedDelivery {
     write_ended: Notify,
     /// Direct delivery's state (`direct`).
     direct: Mutex<direct::Direct>,
+    /// When the storage read loop last finished a read (the clock's epoch milliseconds, 0
+    /// before the first): the read-loop lag metric's source.
+    last_read: std::sync::atomic::AtomicI64,
 }
 
 /// A request of a shard taken up and not settled yet (see [`PersistedDelivery::begin_write`]).
@@ -270,6 +275,7 @@ impl PersistedDelivery {
             writes: Mutex::new(BTreeMap::new()),
             write_ended: Notify::new(),
             direct: Mutex::new(direct::Direct::default()),
+            last_read: std::sync::atomic::AtomicI64::new(0),
         }
     }
 
@@ -281,6 +287,7 @@ impl PersistedDelivery {
         self.tasks.spawn(Arc::clone(self).poll_replies());
         if runner {
             self.tasks.spawn(Arc::clone(self).read_storage());
+            self.tasks.spawn(Arc::clone(self).report_read_lag());
             let pushed: std::sync::Weak<dyn crate::placement::remote::PushedRequests> =
                 Arc::downgrade(self) as _;
             self.remote.serve_pushed_with(pushed);
@@ -814,9 +821,39 @@ impl PersistedDelivery {
             state.retry_soon = false;
             state.capped = false;
             // Drain a backlog at once, but never spin on a full batch of skipped messages.
-            while let Some(Read { full: true, delivered: true }) = self.read_once(&mut state).await
-            {
+            loop {
+                let read = self.read_once(&mut state).await;
+                if read.is_some() {
+                    let now = self.clock().now().unix_millis();
+                    self.last_read.store(now, std::sync::atomic::Ordering::Relaxed);
+                }
+                if !matches!(read, Some(Read { full: true, delivered: true })) {
+                    break;
+                }
             }
+        }
+    }
+
+    /// Sets the read-loop lag gauge every second: the time since the read loop last finished
+    /// a read.
+    /// It grows while the loop is stuck (a storage call that hangs, a read that waits), the
+    /// "healthy but not consuming" runner.
+    async fn report_read_lag(self: Arc<Self>) {
+        let mut ticks = tokio::time::interval(READ_LAG_REPORT_INTERVAL);
+        loop {
+            tokio::select! {
+                _ = ticks.tick() => {}
+                () = self.shutdown_token().cancelled() => return,
+            }
+            let last = self.last_read.load(std::sync::atomic::Ordering::Relaxed);
+            let lag = match last {
+                0 => Duration::ZERO,
+                last => {
+                    let millis = self.clock().now().unix_millis().saturating_sub(last);
+                    Duration::from_millis(u64::try_from(millis).unwrap_or(0))
+                }
+            };
+            ::metrics::gauge!(crate::metrics::READ_LOOP_LAG).set(lag.as_secs_f64());
         }
     }
 
@@ -1190,6 +1227,7 @@ impl PersistedDelivery {
         };
         match committed {
             Ok(()) => {
+                self.record_answered(&reply);
                 lock(&self.waiters).on_reply_saved(&reply);
             }
             Err(error) => {
@@ -1206,6 +1244,13 @@ impl PersistedDelivery {
                 }
             }
         }
+    }
+
+    /// Records the time from a request's save (its id's timestamp) to its stored final reply.
+    fn record_answered(&self, reply: &Reply) {
+        let saved = reply.request_id().timestamp();
+        let took = self.clock().now().saturating_duration_since(saved);
+        ::metrics::histogram!(crate::metrics::PERSISTED_LATENCY).record(took.as_secs_f64());
     }
 
     /// Stores a chunk (retrying a few times) and hands it to local waiters.
@@ -1281,6 +1326,7 @@ impl PersistedDelivery {
             }
             match self.storage.save_reply(&reply).await {
                 Ok(()) => {
+                    self.record_answered(&reply);
                     lock(&self.waiters).on_reply_saved(&reply);
                     return;
                 }

@@ -9,16 +9,17 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
 use std::time::Duration;
 
-use cluster_core::{ShardingConfig, SystemClock};
+use cluster_core::{RunnerAddress, ShardingConfig, SystemClock};
 use cluster_sharding::{
     Entity, EntityContext, EntityOptions, Handler, Protocol, RequestContext, Sharding,
 };
+use cluster_testkit::memory::{MemoryMessageStorage, MemoryRunnerDatabase, MemoryRunnerStorage};
 use metrics::{
     Counter, Gauge, GaugeFn, Histogram, HistogramFn, Key, KeyName, Metadata, Recorder,
     SharedString, Unit,
 };
 
-use crate::entities::{Failure, Get};
+use crate::entities::{Failure, Get, Persist};
 
 /// Gauge values and histogram samples by name and labels.
 #[derive(Default)]
@@ -260,4 +261,74 @@ async fn the_shard_release_timer_records_each_release_of_the_shutdown_handoff() 
     assert!(samples.iter().all(|ms| ms.is_finite() && *ms >= 0.0), "{samples:?}");
     assert_eq!(gauge("effect_cluster_shards{}"), Some(0.0));
     assert_one_naming_scheme();
+}
+
+/// An entity type of its own with a persisted request.
+struct Stored;
+
+impl Entity for Stored {
+    const TYPE: &'static str = "Stored";
+
+    async fn create(_context: &EntityContext) -> Stored {
+        Stored
+    }
+
+    fn protocol(protocol: &mut Protocol<Stored>) {
+        protocol.handle::<Persist>();
+    }
+}
+
+impl Handler<Persist> for Stored {
+    async fn handle(&mut self, _: &RequestContext, _: Persist) -> Result<(), Failure> {
+        Ok(())
+    }
+}
+
+/// Waits until `name` has been registered with the recorder, failing after a deadline.
+async fn registered(name: &str) {
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+    while !gauges().names.lock().unwrap().contains(name) {
+        assert!(tokio::time::Instant::now() < deadline, "{name} was never reported");
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+}
+
+/// A cluster member reports its shard acquisitions, how long its lock refreshes take, its
+/// read loop's lag and the latency of its persisted requests.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_cluster_member_reports_its_locks_its_read_loop_and_its_persisted_latency() {
+    gauges();
+    let clock = Arc::new(SystemClock);
+    let messages = Arc::new(MemoryMessageStorage::new(clock.clone()));
+    let registry = MemoryRunnerDatabase::new(clock);
+    let locks = Arc::new(MemoryRunnerStorage::new(registry, Duration::from_secs(5)));
+    let config = ShardingConfig {
+        runner_address: Some(RunnerAddress::new("127.0.0.1", 1)),
+        shards_per_group: 8,
+        refresh_assignments_interval: Duration::from_millis(50),
+        shard_lock_refresh_interval: Duration::from_millis(100),
+        entity_message_poll_interval: Duration::from_millis(50),
+        ..ShardingConfig::default()
+    };
+    let sharding =
+        Sharding::builder(config).messages(messages).runners(locks).start().await.unwrap();
+    sharding.register::<Stored>(EntityOptions::default()).unwrap();
+    sharding.client::<Stored>("s1").send(Persist).await.unwrap();
+    for name in [
+        "effect_cluster_shard_acquisitions_total",
+        "effect_cluster_shard_lock_refresh_seconds",
+        "effect_cluster_read_loop_lag_seconds",
+        "effect_cluster_persisted_latency_seconds",
+    ] {
+        registered(name).await;
+    }
+    let latencies = gauges().samples.lock().unwrap()["effect_cluster_persisted_latency_seconds{}"]
+        .0
+        .lock()
+        .unwrap()
+        .clone();
+    assert!(latencies.iter().all(|took| (0.0..10.0).contains(took)), "{latencies:?}");
+    let lag = gauge("effect_cluster_read_loop_lag_seconds{}").unwrap();
+    assert!(lag < 5.0, "a reading loop lags {lag} s");
+    sharding.shutdown().await;
 }
