@@ -1,7 +1,6 @@
 //! The operations server of a `Runner` (feature `ops`), over real HTTP, on SQLite.
 #![cfg(all(feature = "ops", feature = "sqlite"))]
 
-use std::collections::BTreeMap;
 use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Duration;
@@ -9,39 +8,21 @@ use std::time::Duration;
 use cluster_core::storage::{MessageStorage, RunnerStorage};
 
 use cluster_testkit::databases::TestDatabase;
-use durable_cluster::{Role, Runner, RunnerEnv, RunnerError};
+use durable_cluster::{Runner, RunnerEnv, RunnerError};
+
+mod support;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
-/// The SQLite file of the test `name`.
-fn database(name: &str) -> std::path::PathBuf {
-    std::env::temp_dir().join(format!("durable-cluster-ops-{name}-{}.db", std::process::id()))
-}
-
-/// Removes the SQLite file of the test `name` and its journal files.
-fn remove_database(name: &str) {
-    let path = database(name);
-    for suffix in ["", "-wal", "-shm"] {
-        let _ = std::fs::remove_file(format!("{}{suffix}", path.display()));
-    }
-}
-
-/// A runner's variables on a fresh SQLite file, on loopback, with `extra`.
+/// A runner's variables with a secret (a listener beyond loopback would need it) and `extra`.
 fn env(name: &str, extra: &[(&str, &str)]) -> Result<RunnerEnv, RunnerError> {
-    remove_database(name);
-    let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
-    let mut vars: BTreeMap<String, String> = [
-        ("CLUSTER_STORAGE_URL", format!("sqlite:{}", database(name).display())),
-        ("HOST", "127.0.0.1".to_owned()),
-        ("PORT", port.to_string()),
-        ("CLUSTER_RPC_SECRET", "ops-test".to_owned()),
-    ]
-    .into_iter()
-    .map(|(name, value)| (name.to_owned(), value))
-    .collect();
-    for (name, value) in extra {
-        vars.insert((*name).to_owned(), (*value).to_owned());
-    }
-    RunnerEnv::from_lookup(Role::Runner, move |name| vars.get(name).cloned())
+    let mut vars = vec![("CLUSTER_RPC_SECRET", "ops-test")];
+    vars.extend_from_slice(extra);
+    support::env(&format!("ops-{name}"), &vars)
+}
+
+/// Removes the SQLite file of the test `name`.
+fn remove_database(name: &str) {
+    support::remove_database(&format!("ops-{name}"));
 }
 
 /// `GET path` over HTTP/1.1: the status and the body.
