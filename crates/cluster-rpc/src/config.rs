@@ -258,7 +258,7 @@ impl RpcConfig {
     /// opt out with `insecure`.
     /// The error names `CLUSTER_RPC_SECRET`; its value is empty.
     pub fn check_exposure(&self, listen: std::net::SocketAddr) -> Result<(), ConfigError> {
-        if listen.ip().is_loopback() || self.authenticates_peers() || self.insecure {
+        if !self.accepts_anyone_on(listen) || self.insecure {
             return Ok(());
         }
         Err(ConfigError::new(
@@ -273,8 +273,14 @@ impl RpcConfig {
         ))
     }
 
+    /// Whether a server with these settings, listening on `listen`, lets in any peer that
+    /// reaches it from another machine.
+    pub(crate) fn accepts_anyone_on(&self, listen: std::net::SocketAddr) -> bool {
+        !listen.ip().is_loopback() && !self.authenticates_peers()
+    }
+
     /// Whether a server with these settings lets in only the peers it can authenticate.
-    pub(crate) fn authenticates_peers(&self) -> bool {
+    fn authenticates_peers(&self) -> bool {
         let secret = self.secret.as_ref().is_some_and(|secret| !secret.is_empty());
         #[cfg(feature = "tls")]
         let certificates =

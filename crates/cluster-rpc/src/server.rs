@@ -76,7 +76,7 @@ impl RpcServer {
     pub async fn bind(listen: SocketAddr, config: RpcConfig) -> Result<RpcServer, RpcError> {
         config.validate()?;
         config.check_exposure(listen)?;
-        if !listen.ip().is_loopback() && !config.authenticates_peers() {
+        if config.accepts_anyone_on(listen) {
             warn!(%listen, "CLUSTER_RPC_INSECURE=true: the transport accepts any peer that reaches this address");
         }
         let tls = ServerTls::new(&config)?;

@@ -752,21 +752,31 @@ impl Sharding {
 
     /// Whether this process serves what the cluster assigns it, for a readiness probe.
     ///
-    /// A single runner is registered and assigned every shard of its groups; its lock storage
-    /// counts as healthy while it holds every lock.
+    /// - A cluster member reports its registration, its lock storage and its assigned shards.
+    /// - A single runner is registered and assigned every shard of its groups; its lock storage
+    ///   counts as healthy while it holds every lock.
+    /// - A client is assigned nothing and holds no lock.
     pub fn readiness(&self) -> Readiness {
         if let Some(member) = self.cluster() {
             return member.readiness();
         }
-        let all = self.inner.shards.all().len();
-        let not_acquired = all.saturating_sub(self.acquired_shards().len());
-        let runner = self.is_runner();
+        if !self.is_runner() {
+            return Readiness {
+                runner: false,
+                registered: false,
+                lock_storage_healthy: true,
+                assigned: 0,
+                not_acquired: 0,
+            };
+        }
+        let assigned = self.inner.shards.all().len();
+        let not_acquired = assigned.saturating_sub(self.acquired_shards().len());
         Readiness {
-            runner,
-            registered: runner,
+            runner: true,
+            registered: true,
             lock_storage_healthy: not_acquired == 0,
-            assigned: if runner { all } else { 0 },
-            not_acquired: if runner { not_acquired } else { 0 },
+            assigned,
+            not_acquired,
         }
     }
 

@@ -35,6 +35,9 @@ use tokio_util::sync::CancellationToken;
 
 use crate::runner::RunnerError;
 
+/// How long a shutdown waits for the operations server's requests in progress.
+const SHUTDOWN_TIMEOUT: Duration = Duration::from_secs(5);
+
 /// How often the Prometheus recorder folds its histograms (its upkeep).
 const UPKEEP_INTERVAL: Duration = Duration::from_secs(5);
 
@@ -119,12 +122,26 @@ impl OpsServer {
         self.local_addr
     }
 
-    /// Stops accepting requests and waits for those in progress.
-    pub(crate) async fn shutdown(self) {
+    /// Stops accepting requests and waits for those in progress, at most
+    /// [`SHUTDOWN_TIMEOUT`]: a client that keeps a request open does not hold the runner's
+    /// exit.
+    pub(crate) async fn shutdown(mut self) {
         self.stop.cancel();
-        if let Err(error) = self.task.await {
-            tracing::debug!(%error, "the operations server's task ended abnormally");
+        match tokio::time::timeout(SHUTDOWN_TIMEOUT, &mut self.task).await {
+            Ok(Ok(())) => {}
+            Ok(Err(error)) => {
+                tracing::debug!(%error, "the operations server's task ended abnormally")
+            }
+            // Dropped here, the server's task is aborted.
+            Err(_) => tracing::debug!("the operations server's requests outlived the shutdown"),
         }
+    }
+}
+
+/// A runner dropped without its shutdown stops its operations server too.
+impl Drop for OpsServer {
+    fn drop(&mut self) {
+        self.task.abort();
     }
 }
 
@@ -154,7 +171,7 @@ impl ReadinessCheck {
 
     /// Whether the runner has been taking its assigned shards for longer than the bound.
     fn taking_too_long(&self, readiness: &cluster_sharding::Readiness) -> Option<String> {
-        let mut since = self.not_acquired_since.lock().unwrap_or_else(|poison| poison.into_inner());
+        let mut since = cluster_core::sync::lock(&self.not_acquired_since);
         if readiness.not_acquired == 0 {
             *since = None;
             return None;

@@ -151,3 +151,18 @@ async fn a_busy_or_wrong_operations_address_is_a_clear_error() {
     remove_database("busy");
     remove_database("wrong");
 }
+
+/// A client that keeps a request half sent does not hold the runner's shutdown.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_half_sent_request_does_not_hold_the_shutdown() {
+    let settings = env("slow", &[("CLUSTER_OPS_LISTEN", "127.0.0.1:0")]).unwrap();
+    let runner = Runner::start(&settings, |_| Ok(())).await.unwrap();
+    let ops = runner.ops_address().unwrap();
+    let mut slow = tokio::net::TcpStream::connect(ops).await.unwrap();
+    slow.write_all(b"GET /healthz HTTP/1.1\r\nHost: x\r\n").await.unwrap();
+    tokio::time::timeout(Duration::from_secs(30), runner.shutdown())
+        .await
+        .expect("the shutdown ends with a request still half sent");
+    drop(slow);
+    remove_database("slow");
+}

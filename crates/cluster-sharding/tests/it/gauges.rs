@@ -180,9 +180,14 @@ impl Handler<Get> for Queued {
 
 /// Waits until `key`'s gauge reads `value`, failing after a deadline.
 async fn gauge_reaches(key: &str, value: f64) {
+    until(|| gauge(key) == Some(value), || format!("{key} = {:?}, not {value}", gauge(key))).await;
+}
+
+/// Waits until `done` holds, failing with `why` after a deadline.
+async fn until(done: impl Fn() -> bool, why: impl Fn() -> String) {
     let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
-    while gauge(key) != Some(value) {
-        assert!(tokio::time::Instant::now() < deadline, "{key} = {:?}, not {value}", gauge(key));
+    while !done() {
+        assert!(tokio::time::Instant::now() < deadline, "{}", why());
         tokio::time::sleep(Duration::from_millis(5)).await;
     }
 }
@@ -286,11 +291,11 @@ impl Handler<Persist> for Stored {
 
 /// Waits until `name` has been registered with the recorder, failing after a deadline.
 async fn registered(name: &str) {
-    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
-    while !gauges().names.lock().unwrap().contains(name) {
-        assert!(tokio::time::Instant::now() < deadline, "{name} was never reported");
-        tokio::time::sleep(Duration::from_millis(5)).await;
-    }
+    until(
+        || gauges().names.lock().unwrap().contains(name),
+        || format!("{name} was never reported"),
+    )
+    .await;
 }
 
 /// A cluster member reports its shard acquisitions, how long its lock refreshes take, its

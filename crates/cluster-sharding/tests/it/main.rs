@@ -10,6 +10,7 @@ mod gauges;
 mod macros;
 mod persisted;
 mod queue;
+mod readiness;
 mod shutdown;
 mod singletons;
 mod streams;

@@ -461,8 +461,7 @@ async fn save_requests(
 /// its entity, in storage order: what `unprocessed_before` answers for one, in one statement.
 /// Every job has an entry, empty when nothing came before it.
 ///
-/// The statement reads at the earliest of the jobs' `now` and the largest of their limits;
-/// each job keeps its own limit (as `read_ordered` does).
+/// The statement reads at the jobs' bounds ([`batch_bounds`]).
 async fn earlier_requests(
     pool: &Pool,
     queries: &MessageQueries,
@@ -470,9 +469,7 @@ async fn earlier_requests(
 ) -> Result<BTreeMap<Snowflake, Vec<Snowflake>>, StorageError> {
     let ids =
         jobs.iter().map(|job| id_to_sql(job.request.request_id)).collect::<Result<Vec<_>, _>>()?;
-    let orders = jobs.iter().map(|job| job.order.unwrap_or((0, 0)));
-    let now = orders.clone().map(|(now, _)| now).min().unwrap_or(0);
-    let limit = orders.map(|(_, limit)| limit).max().unwrap_or(0);
+    let (now, limit) = batch_bounds(jobs.iter().map(|job| job.order.unwrap_or((0, 0))));
     let sql = &queries.unprocessed_before_many;
     let rows =
         pooled_query(pool, "save_request_ordered: earlier", sql, &[&ids, &now, &limit]).await?;
@@ -484,12 +481,25 @@ async fn earlier_requests(
     }
     let mut earlier = BTreeMap::new();
     for (job, id) in jobs.iter().zip(ids) {
-        let mut before = row::ids_from_sql(lists.get(&id).cloned().unwrap_or_default())?;
         let (_, limit) = job.order.unwrap_or((0, 0));
-        before.truncate(usize::try_from(limit).unwrap_or(0));
+        let before = earlier_of_caller(lists.remove(&id).unwrap_or_default(), limit)?;
         earlier.insert(job.request.request_id, before);
     }
     Ok(earlier)
+}
+
+/// The `now` and the limit of a statement that answers several callers' `(now, limit)`: the
+/// earliest `now` (a message due then is due for every caller) and the largest limit (each
+/// caller keeps its own, [`earlier_of_caller`]).
+fn batch_bounds(orders: impl Iterator<Item = (i64, i64)>) -> (i64, i64) {
+    orders.fold((i64::MAX, 0), |(now, limit), (at, most)| (now.min(at), limit.max(most)))
+}
+
+/// A caller's earlier requests from a batch's list: its first `limit`, in storage order.
+fn earlier_of_caller(ids: Vec<i64>, limit: i64) -> Result<Vec<Snowflake>, StorageError> {
+    let mut ids = ids;
+    ids.truncate(usize::try_from(limit).unwrap_or(0));
+    row::ids_from_sql(ids)
 }
 
 /// The multi-row insert of [`save_requests`]; returns the ids that were inserted.
@@ -555,9 +565,8 @@ async fn save_reply_one(
 
 /// Answers concurrent `unprocessed_messages_ordered` calls with one statement.
 ///
-/// - The statement reads at the earliest of the callers' `now`: a message due for it is due
-///   for every caller, and one due later for another caller is left to the read loop.
-/// - It reads the largest of the callers' limits, and each caller keeps its own.
+/// - It reads at the batch's bounds ([`batch_bounds`]): a message due later for another caller
+///   is left to the read loop.
 /// - If it fails, every caller gets the error.
 async fn read_ordered(
     pool: &Pool,
@@ -567,8 +576,7 @@ async fn read_ordered(
     let mut ids: Vec<i64> = reads.iter().flat_map(|read| read.ids.iter().copied()).collect();
     ids.sort_unstable();
     ids.dedup();
-    let now = reads.iter().map(|read| read.now).min().unwrap_or(0);
-    let limit = reads.iter().map(|read| read.limit).max().unwrap_or(0);
+    let (now, limit) = batch_bounds(reads.iter().map(|read| (read.now, read.limit)));
     let sql = &queries.unprocessed_ordered;
     let read = pooled_query(pool, "unprocessed_messages_ordered", sql, &[&ids, &now, &limit]).await;
     let rows = match read.and_then(|rows| ordered_rows(&rows)) {
@@ -587,9 +595,8 @@ async fn read_ordered(
                 // way.
                 if let Some(before) = before
                     && let Ok(id) = id_from_sql(message.id)
-                    && let Ok(mut before) = row::ids_from_sql(before.clone())
+                    && let Ok(before) = earlier_of_caller(before.clone(), read.limit)
                 {
-                    before.truncate(usize::try_from(read.limit).unwrap_or(usize::MAX));
                     earlier.insert(id, before);
                 }
                 messages.push(message.clone());

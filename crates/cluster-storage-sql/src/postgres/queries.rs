@@ -254,8 +254,6 @@ impl MessageQueries {
     }
 }
 
-/// A request is waiting while it has a final reply or an unacknowledged chunk (then its stream
-/// waits for the acknowledgement); this holds its acknowledgements and interrupts back too.
 /// The ids of the unprocessed requests of row `m`'s entity stored before it and due at `$2`,
 /// at most `$3`, in storage order, as an array (`NULL` when there are none): a subquery of a
 /// select list, for `unprocessed_before` on many rows at once.
@@ -272,6 +270,8 @@ fn earlier_of_m(messages: &str) -> String {
     )
 }
 
+/// A request is waiting while it has a final reply or an unacknowledged chunk (then its stream
+/// waits for the acknowledgement); this holds its acknowledgements and interrupts back too.
 fn no_pending_reply(replies: &str) -> String {
     format!(
         "NOT EXISTS (SELECT 1 FROM {replies} p WHERE p.request_id = m.request_id \

@@ -78,9 +78,9 @@ struct LockSession {
     /// The advisory lock numbers this session was seen to hold, and has not unlocked since.
     /// Updated while the session's turn is held.
     known: Mutex<BTreeSet<i32>>,
-    /// [`advisory::ALIVE`], prepared once (advisory mode): a confirmation is then one round
-    /// trip, with no parsing or planning.
-    alive: Option<tokio_postgres::Statement>,
+    /// [`advisory::ALIVE`], prepared once: a confirmation is then one round trip, with no
+    /// parsing or planning.
+    alive: tokio_postgres::Statement,
     /// Operations on the session take turns. The advisory check-then-lock of `acquire` and the
     /// unlock loop of `release` are several statements; interleaving two of them could take a
     /// lock twice (a session-level lock is re-entrant and counted).
@@ -233,11 +233,10 @@ impl ShardLocks {
         let operation = async {
             let session = self.session(&used).await?;
             let _turn = session.turn.lock().await;
-            let alive = match &session.alive {
-                Some(statement) => session.client.query_one(statement, &[]).await,
-                None => session.client.query_one(advisory::ALIVE, &[]).await,
-            };
-            let pid: i32 = alive
+            let pid: i32 = session
+                .client
+                .query_one(&session.alive, &[])
+                .await
                 .map_err(|error| driver_error("confirm", error))?
                 .try_get(0)
                 .map_err(column_error)?;
@@ -511,28 +510,28 @@ impl ShardLocks {
                 tracing::debug!(%error, "lock session ended");
             }
         });
-        let (pid, alive) = match self.mode {
-            LockMode::Lease => (0, None),
-            LockMode::Advisory => {
-                let setup = async {
+        let setup = async {
+            let pid = match self.mode {
+                LockMode::Lease => 0,
+                LockMode::Advisory => {
                     let row = client
                         .query_one(advisory::SETUP, &[&self.idle_session_timeout_ms])
                         .await
                         .map_err(|error| driver_error("lock session: setup", error))?;
-                    let pid = row.try_get::<_, i32>(0).map_err(column_error)?;
-                    let alive = client
-                        .prepare(advisory::ALIVE)
-                        .await
-                        .map_err(|error| driver_error("lock session: setup", error))?;
-                    Ok::<_, StorageError>((pid, Some(alive)))
-                };
-                match setup.await {
-                    Ok(setup) => setup,
-                    Err(error) => {
-                        connection.abort();
-                        return Err(error);
-                    }
+                    row.try_get::<_, i32>(0).map_err(column_error)?
                 }
+            };
+            let alive = client
+                .prepare(advisory::ALIVE)
+                .await
+                .map_err(|error| driver_error("lock session: setup", error))?;
+            Ok::<_, StorageError>((pid, alive))
+        };
+        let (pid, alive) = match setup.await {
+            Ok(setup) => setup,
+            Err(error) => {
+                connection.abort();
+                return Err(error);
             }
         };
         tracing::debug!(pid, "lock session opened");
