@@ -326,6 +326,9 @@ pub struct ShardingConfig {
     /// judges the others by their registry heartbeat alone, so that a runner of the reference,
     /// which does not speak this transport, keeps its shards in a mixed cluster. It only
     /// matters on runners started with a transport; without one there is no health check.
+    /// A runner given a check of the application's instead (cluster-sharding's
+    /// `ShardingBuilder::runner_health`, or `CLUSTER_RUNNER_HEALTH=kubernetes` for
+    /// durable-cluster's `Runner`) asks that check and pings nobody, whatever this mode says.
     ///
     /// Default `ping-known`. Environment: `RUNNER_HEALTH_CHECK` (`ping-known`, `ping` or
     /// `heartbeat`; not read by the reference).

@@ -90,6 +90,20 @@ pub enum StorageErrorKind {
     Other,
 }
 
+impl StorageErrorKind {
+    /// The kind as a metric label: lowercase, one word or snake case.
+    pub fn as_label(self) -> &'static str {
+        match self {
+            StorageErrorKind::Conflict => "conflict",
+            StorageErrorKind::Unavailable => "unavailable",
+            StorageErrorKind::Timeout => "timeout",
+            StorageErrorKind::Malformed => "malformed",
+            StorageErrorKind::InvalidInput => "invalid_input",
+            StorageErrorKind::Other => "other",
+        }
+    }
+}
+
 impl fmt::Display for StorageErrorKind {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.write_str(match self {

@@ -175,6 +175,12 @@ pub struct UnprocessedOptions<'a> {
 ///   A second final reply for one request is a
 ///   [`StorageErrorKind::Conflict`](crate::error::StorageErrorKind::Conflict).
 pub trait MessageStorage: Send + Sync + fmt::Debug {
+    /// A short fixed name of the backend (`postgres`, `mysql`, `sqlite`, `memory`), the
+    /// `backend` label of the storage metrics. It must not depend on configuration.
+    fn backend_name(&self) -> &'static str {
+        "custom"
+    }
+
     /// Stores `request` unless a request with the same primary key is stored.
     ///
     /// - **Dedup.** When the primary key is taken, nothing is written.
@@ -534,6 +540,11 @@ pub trait MessageTransaction: Send {
 ///   lock expiration.
 ///   Then a lease row may be taken over, and the server ends an advisory lock's session.
 pub trait RunnerStorage: Send + Sync + fmt::Debug {
+    /// A short fixed name of the backend, as [`MessageStorage::backend_name`].
+    fn backend_name(&self) -> &'static str {
+        "custom"
+    }
+
     /// Registers (upserts) `runner` with `healthy` and a fresh heartbeat.
     ///
     /// Returns the runner's machine id, which stays the same for a live address.

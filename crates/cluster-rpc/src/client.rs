@@ -218,7 +218,9 @@ async fn connect(
     let stream = tokio::time::timeout(config.connect_timeout, attempt)
         .await
         .map_err(|_| "timed out".to_owned())??;
-    let span = info_span!("rpc_client_connection", %address);
+    // A root span: the connection outlives the call that happened to open it, and must not keep
+    // that call's span (and its trace) open.
+    let span = info_span!(parent: None, "rpc_client_connection", %address);
     Ok(Connection::start(stream, Arc::clone(config), span))
 }
 

@@ -19,6 +19,7 @@ use cluster_core::transport::Transport;
 use cluster_core::{Clock, Runner, ShardingConfig, SystemClock};
 
 use crate::error::StartError;
+use crate::placement::health::RunnerHealth;
 use crate::placement::member::{Member, RUNNER_HEALTH};
 use crate::placement::single_runner::{HeldLocks, LockedRuntime, all_shards};
 use crate::services::singleton::SingletonOptions;
@@ -50,6 +51,7 @@ pub struct ShardingBuilder {
     transport: Option<Arc<dyn Transport>>,
     client_only: bool,
     single_runner: bool,
+    runner_health: Option<Arc<dyn RunnerHealth>>,
 }
 
 impl std::fmt::Debug for ShardingBuilder {
@@ -61,6 +63,7 @@ impl std::fmt::Debug for ShardingBuilder {
             .field("transport", &self.transport.is_some())
             .field("client_only", &self.client_only)
             .field("single_runner", &self.single_runner)
+            .field("runner_health", &self.runner_health.is_some())
             .finish_non_exhaustive()
     }
 }
@@ -77,6 +80,7 @@ impl ShardingBuilder {
             transport: None,
             client_only: false,
             single_runner: false,
+            runner_health: None,
         }
     }
 
@@ -109,6 +113,19 @@ impl ShardingBuilder {
     /// - It needs [`runners`](ShardingBuilder::runners): routing follows the membership.
     pub fn transport(mut self, transport: Arc<dyn Transport>) -> ShardingBuilder {
         self.transport = Some(transport);
+        self
+    }
+
+    /// The runner-health singleton judges the runners with `health` instead of pinging them
+    /// (the reference's `RunnerHealth` service, `effect/src/cluster/RunnerHealth.ts`).
+    ///
+    /// - Once per `runner_health_check_interval` it asks about every runner the registry
+    ///   lists, and marks unhealthy those `health` says are dead (never the last healthy one);
+    ///   their shards go to the others. `runner_health_check` is not used.
+    /// - It needs [`runners`](ShardingBuilder::runners), and works with or without a
+    ///   transport; a client or a single runner judges nobody, and is refused.
+    pub fn runner_health(mut self, health: Arc<dyn RunnerHealth>) -> ShardingBuilder {
+        self.runner_health = Some(health);
         self
     }
 
@@ -165,7 +182,15 @@ impl ShardingBuilder {
             transport,
             client_only,
             single_runner,
+            runner_health,
         } = self;
+        if runner_health.is_some() && (runners.is_none() || client_only || single_runner) {
+            let why = "a runner-health check needs `runners`, not a client or a single runner";
+            return Err(StartError::Conflict(why));
+        }
+        // Every storage operation of the runtime is timed and its errors counted.
+        let messages = messages.map(crate::metered::MeteredMessages::wrap);
+        let runners = runners.map(crate::metered::MeteredRunners::wrap);
         if client_only {
             config.runner_address = None;
             config.runner_listen_address = None;
@@ -209,7 +234,7 @@ impl ShardingBuilder {
                 start_single_runner(config, clock, messages, runners).await
             }
             (Some(messages), Some(runners)) => {
-                start_cluster(config, clock, messages, runners, transport)
+                start_cluster(config, clock, messages, runners, transport, runner_health)
             }
         }
     }
@@ -269,6 +294,7 @@ fn start_cluster(
     messages: Arc<dyn MessageStorage>,
     runners: Arc<dyn RunnerStorage>,
     transport: Option<Arc<dyn Transport>>,
+    runner_health: Option<Arc<dyn RunnerHealth>>,
 ) -> Result<Sharding, StartError> {
     config.validate()?;
     let member = Arc::new(Member::new(
@@ -277,6 +303,7 @@ fn start_cluster(
         runners,
         Arc::clone(&messages),
         transport.clone(),
+        runner_health,
     ));
     let sharding = Sharding::with_cluster(config, clock, messages, Arc::clone(&member), transport)?;
     member.start(&sharding);

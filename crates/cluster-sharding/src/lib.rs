@@ -79,12 +79,14 @@
 mod api;
 mod builder;
 mod error;
+mod metered;
 pub mod metrics;
 mod placement;
 mod runtime;
 mod services;
 mod sharding;
 mod time;
+pub mod trace;
 
 pub use api::client::{ChunkStream, EntityClient};
 pub use api::entity::{
@@ -104,6 +106,7 @@ pub use cluster_core::Never;
 #[cfg(feature = "macros")]
 pub use cluster_macros::entity;
 pub use error::{RegisterError, StartError};
+pub use placement::health::RunnerHealth;
 pub use placement::member::Readiness;
 pub use runtime::delivery::TransactionSlot;
 pub use services::cron::{CronContext, CronError, CronOptions};

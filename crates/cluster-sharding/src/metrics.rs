@@ -30,6 +30,26 @@
 //! | `effect_cluster_persisted_latency_seconds` | histogram (s) | | from a persisted request's save (its id's timestamp) to its stored final reply, on the runner that stored it |
 //! | `effect_cluster_persisted_pushed_total` | counter | `answer` | persisted requests this process pushed to their owner, by what answered them: `pushed` (the owner, on the call), `stored` (the reply poller was first), `fallback` (the call failed; storage answered or will) |
 //!
+//! Requests, by entity `type`, request `tag` and `kind` (`volatile`, `persisted`, or `stream`
+//! for a streaming request type, persisted or not); a request whose tag its type does not
+//! declare is not counted, so that no label comes from the wire:
+//!
+//! | name | kind | labels | meaning |
+//! | --- | --- | --- | --- |
+//! | `effect_cluster_requests_received_total` | counter | `type`, `tag`, `kind` | requests handed to an entity manager of this runner, admitted or refused |
+//! | `effect_cluster_requests_answered_total` | counter | `type`, `tag`, `kind` | requests this runner's handlers answered with success |
+//! | `effect_cluster_requests_failed_total` | counter | `type`, `tag`, `kind`, `reason` | requests that ended otherwise: `failure` (the request type's own error), `defect`, `interrupt`, or `refused` (not admitted: mailbox full, shard not served here, manager stopping) |
+//! | `effect_cluster_handler_duration_seconds` | histogram (s) | `type`, `tag` | how long each run of a handler took, to its exit |
+//!
+//! Storage operations, by `backend` (`postgres`, `mysql`, `sqlite`, `memory`, or `custom` for a
+//! storage that does not name itself) and `operation` (the storage contract's method, such as
+//! `save_request` or `refresh`):
+//!
+//! | name | kind | labels | meaning |
+//! | --- | --- | --- | --- |
+//! | `effect_cluster_storage_operation_seconds` | histogram (s) | `backend`, `operation` | how long each storage operation of this process took, failed ones included |
+//! | `effect_cluster_storage_errors_total` | counter | `backend`, `operation`, `kind` | storage operations that failed, by the error's kind (`conflict`, `unavailable`, `timeout`, `malformed`, `invalid_input`, `other`) |
+//!
 //! The reference's `effect_cluster_entity_mailbox_size_max` is not reported. The `metrics`
 //! facade cannot remove a series: the mailbox gauge of an entity that stopped is set to 0.
 
@@ -75,6 +95,149 @@ pub const READ_LOOP_LAG: &str = "effect_cluster_read_loop_lag_seconds";
 
 /// From a persisted request's save to its stored final reply, in seconds.
 pub const PERSISTED_LATENCY: &str = "effect_cluster_persisted_latency_seconds";
+
+/// Requests handed to an entity manager, by `type`, `tag` and `kind`.
+pub const REQUESTS_RECEIVED: &str = "effect_cluster_requests_received_total";
+/// Requests answered with success, by `type`, `tag` and `kind`.
+pub const REQUESTS_ANSWERED: &str = "effect_cluster_requests_answered_total";
+/// Requests that failed, by `type`, `tag`, `kind` and `reason`.
+pub const REQUESTS_FAILED: &str = "effect_cluster_requests_failed_total";
+/// How long each run of a handler took, in seconds, by `type` and `tag`.
+pub const HANDLER_DURATION: &str = "effect_cluster_handler_duration_seconds";
+
+/// How long each storage operation took, in seconds, by `backend` and `operation`.
+pub const STORAGE_OPERATION: &str = "effect_cluster_storage_operation_seconds";
+/// Storage operations that failed, by `backend`, `operation` and `kind`.
+pub const STORAGE_ERRORS: &str = "effect_cluster_storage_errors_total";
+
+/// How a request reached its entity, for the `kind` label.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum RequestKind {
+    /// In memory, from this runner or over the transport.
+    Volatile = 0,
+    /// Saved in the message table first.
+    Persisted = 1,
+}
+
+/// Why a request failed, for the `reason` label.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum FailReason {
+    /// The request type's own error.
+    Failure = 0,
+    /// A defect: a panic, a malformed payload, an unexpected error.
+    Defect = 1,
+    /// An interruption.
+    Interrupt = 2,
+    /// Not admitted.
+    Refused = 3,
+}
+
+impl FailReason {
+    const LABELS: [&'static str; 4] = ["failure", "defect", "interrupt", "refused"];
+
+    /// The reason of a failed exit: its first reason decides (a defect beside an interruption
+    /// is a defect).
+    pub(crate) fn of(cause: &cluster_core::envelope::Cause) -> FailReason {
+        use cluster_core::envelope::CauseReason;
+        if cause.0.iter().any(|reason| matches!(reason, CauseReason::Die(_))) {
+            FailReason::Defect
+        } else if cause.0.iter().any(|reason| matches!(reason, CauseReason::Fail(_))) {
+            FailReason::Failure
+        } else {
+            FailReason::Interrupt
+        }
+    }
+}
+
+/// The request metrics of one request type of one entity type, registered once, so that
+/// counting a request is an increment on a handle, not a lookup in the recorder.
+///
+/// The handles come from the recorder installed when the entity type is registered: install
+/// the recorder before starting the runtime.
+pub(crate) struct RequestMetrics {
+    received: [metrics::Counter; 2],
+    answered: [metrics::Counter; 2],
+    failed: [[metrics::Counter; 4]; 2],
+    duration: metrics::Histogram,
+}
+
+impl Default for RequestMetrics {
+    fn default() -> RequestMetrics {
+        RequestMetrics {
+            received: [metrics::Counter::noop(), metrics::Counter::noop()],
+            answered: [metrics::Counter::noop(), metrics::Counter::noop()],
+            failed: std::array::from_fn(|_| std::array::from_fn(|_| metrics::Counter::noop())),
+            duration: metrics::Histogram::noop(),
+        }
+    }
+}
+
+impl RequestMetrics {
+    /// The handles of request type `tag` of `entity_type`; a streaming type's requests all
+    /// count under the kind `stream`.
+    pub(crate) fn register(entity_type: &str, tag: &'static str, stream: bool) -> RequestMetrics {
+        let kinds = [RequestKind::Volatile, RequestKind::Persisted];
+        let labels = |kind: RequestKind| {
+            [
+                metrics::Label::new("type", entity_type.to_owned()),
+                metrics::Label::from_static_parts("tag", tag),
+                metrics::Label::from_static_parts("kind", kind_label(kind, stream)),
+            ]
+        };
+        RequestMetrics {
+            received: kinds.map(|kind| metrics::counter!(REQUESTS_RECEIVED, labels(kind).to_vec())),
+            answered: kinds.map(|kind| metrics::counter!(REQUESTS_ANSWERED, labels(kind).to_vec())),
+            failed: kinds.map(|kind| {
+                FailReason::LABELS.map(|reason| {
+                    let mut labels = labels(kind).to_vec();
+                    labels.push(metrics::Label::from_static_parts("reason", reason));
+                    metrics::counter!(REQUESTS_FAILED, labels)
+                })
+            }),
+            duration: metrics::histogram!(
+                HANDLER_DURATION,
+                vec![
+                    metrics::Label::new("type", entity_type.to_owned()),
+                    metrics::Label::from_static_parts("tag", tag),
+                ]
+            ),
+        }
+    }
+
+    /// Counts a request handed to the manager.
+    pub(crate) fn received(&self, kind: RequestKind) {
+        self.received[kind as usize].increment(1);
+    }
+
+    /// Counts a request's exit.
+    pub(crate) fn exited(&self, kind: RequestKind, exit: &cluster_core::envelope::Exit) {
+        match exit {
+            cluster_core::envelope::Exit::Success(_) => self.answered[kind as usize].increment(1),
+            cluster_core::envelope::Exit::Failure(cause) => {
+                self.failed(kind, FailReason::of(cause))
+            }
+        }
+    }
+
+    /// Counts a failed request.
+    pub(crate) fn failed(&self, kind: RequestKind, reason: FailReason) {
+        self.failed[kind as usize][reason as usize].increment(1);
+    }
+
+    /// Records how long a run of the handler took.
+    pub(crate) fn handled(&self, took: Duration) {
+        self.duration.record(took.as_secs_f64());
+    }
+}
+
+/// The `kind` label.
+fn kind_label(kind: RequestKind, stream: bool) -> &'static str {
+    match (stream, kind) {
+        (true, _) => "stream",
+        (false, RequestKind::Volatile) => "volatile",
+        (false, RequestKind::Persisted) => "persisted",
+    }
+}
 
 /// Adds `count` to a counter.
 pub(crate) fn count(name: &'static str, count: usize) {

@@ -21,7 +21,7 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use cluster_core::config::{Capacity, ShardingConfig};
-use cluster_core::envelope::{Exit, RawJson, Request, TraceContext};
+use cluster_core::envelope::{Exit, RawJson, Request};
 use cluster_core::error::ConfigError;
 use cluster_core::future::BoxFuture;
 use cluster_core::reply_handlers::UnregisterMode;
@@ -1034,8 +1034,8 @@ impl Sharding {
         })
     }
 
-    /// A new request envelope: a fresh id, no headers, no trace. The tag is an RPC's `TAG`,
-    /// which the envelope borrows.
+    /// A new request envelope: a fresh id, no headers, and the current span's trace context
+    /// (see [`crate::trace`]). The tag is an RPC's `TAG`, which the envelope borrows.
     pub(crate) fn new_request(
         &self,
         address: EntityAddress,
@@ -1048,7 +1048,7 @@ impl Sharding {
             tag: Tag::from_static(tag),
             payload,
             headers: RawJson::empty_object(),
-            trace: TraceContext::default(),
+            trace: crate::trace::current(),
         }
     }
 

@@ -276,6 +276,10 @@ impl fmt::Debug for FaultyMessageStorage {
 }
 
 impl MessageStorage for FaultyMessageStorage {
+    fn backend_name(&self) -> &'static str {
+        self.inner.backend_name()
+    }
+
     fn save_request<'a>(
         &'a self,
         request: &'a Request,
@@ -738,6 +742,10 @@ impl fmt::Debug for FaultyRunnerStorage {
 }
 
 impl RunnerStorage for FaultyRunnerStorage {
+    fn backend_name(&self) -> &'static str {
+        self.inner.backend_name()
+    }
+
     fn register<'a>(
         &'a self,
         runner: &'a Runner,

@@ -470,6 +470,10 @@ fn plain(envelope: Envelope) -> StoredMessage {
 }
 
 impl MessageStorage for MemoryMessageStorage {
+    fn backend_name(&self) -> &'static str {
+        "memory"
+    }
+
     fn save_request<'a>(
         &'a self,
         request: &'a Request,
@@ -768,6 +772,10 @@ impl MemoryRunnerStorage {
 }
 
 impl RunnerStorage for MemoryRunnerStorage {
+    fn backend_name(&self) -> &'static str {
+        "memory"
+    }
+
     fn register<'a>(
         &'a self,
         runner: &'a Runner,

@@ -294,6 +294,8 @@ impl WorkflowContext {
         let execute: ActivityBody<'b> = Box::new(move |activity_run: Arc<Run>, transaction| {
             Box::pin(async move {
                 let mut retry = 0;
+                let first = (step.attempt > 1).then_some(crate::metrics::Retry::Failure);
+                crate::metrics::activity_attempt(activity_run.workflow, first);
                 loop {
                     let context = ActivityContext {
                         context: WorkflowContext::new(Arc::clone(&activity_run)),
@@ -321,6 +323,8 @@ impl WorkflowContext {
                         return activity_result(Exit::die(defect), options);
                     }
                     retry += 1;
+                    let again = Some(crate::metrics::Retry::Interrupt);
+                    crate::metrics::activity_attempt(activity_run.workflow, again);
                     let delay = interrupt_retry.delay(retry);
                     tracing::info!(activity = name, execution_id = %activity_run.execution_id, retry, ?delay, "activity interrupted: running it again");
                     activity_run.reset_for_retry();

@@ -727,10 +727,22 @@ pub(crate) async fn finish_run(
     (outcome, children)
 }
 
+/// How a run ended, for its metric.
+fn run_end(outcome: &RunOutcome) -> crate::metrics::RunEnd {
+    use crate::metrics::RunEnd;
+    match outcome {
+        RunOutcome::Result(WorkflowResult::Complete(Exit::Success(_))) => RunEnd::Completed,
+        RunOutcome::Result(WorkflowResult::Complete(Exit::Failure(_))) => RunEnd::Failed,
+        RunOutcome::Result(WorkflowResult::Suspended { .. }) => RunEnd::Suspended,
+        RunOutcome::NoResult(_) => RunEnd::Stopped,
+    }
+}
+
 /// A finished run's result ([`into_result`]) and the children an applied interrupt must
 /// interrupt too (the interrupt link).
 pub(crate) fn run_outcome(run: &Run, end: &BodyEnd) -> (RunOutcome, Vec<ChildLink>) {
     let outcome = into_result(run, end);
+    crate::metrics::run_ended(run.workflow, run_end(&outcome));
     let state = run.state();
     let children = if state.interrupted {
         state.children.iter().filter(|child| !child.complete).cloned().collect()

@@ -54,6 +54,7 @@ mod definition;
 mod engine;
 mod id;
 mod memory;
+pub mod metrics;
 mod queue;
 mod result;
 mod run;

@@ -152,6 +152,9 @@ impl Run {
         options: RunOptions,
         engine: Arc<dyn Backend>,
     ) -> Arc<Run> {
+        if matches!(kind, RunKind::Body) {
+            crate::metrics::run_started(workflow);
+        }
         Run::with_awaits(workflow, execution_id, kind, options, engine, Awaits::default())
     }
 

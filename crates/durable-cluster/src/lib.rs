@@ -12,6 +12,7 @@
 //! | `mysql` | [`storage::mysql`] (MySQL or MariaDB) |
 //! | `rpc` | the TCP transport ([`rpc`]) and the runner process ([`Runner`]) |
 //! | `tls` | TLS on the transport |
+//! | `kubernetes` | [`KubernetesRunnerHealth`]: runners judged by their pods' readiness (`CLUSTER_RUNNER_HEALTH=kubernetes` for [`Runner`]) |
 //! | `workflow` | durable workflows ([`workflow`]) |
 //!
 //! An entity, a runner on a SQLite file, and a persisted request answered exactly once:
@@ -90,8 +91,12 @@
 //! Several runners on one database: [`Runner`] (feature `rpc`) reads its storage, address and
 //! transport settings from the environment; docs/deployment.md shows a complete runner.
 
+#[cfg(feature = "kubernetes")]
+mod kubernetes;
 #[cfg(feature = "ops")]
 mod ops;
+#[cfg(feature = "otel")]
+pub mod otel;
 #[cfg(feature = "rpc")]
 mod runner;
 #[cfg(feature = "sqlite")]
@@ -106,8 +111,10 @@ pub use cluster_core::{
 /// runtime's path).
 pub use cluster_macros::durable_entity as entity;
 pub use cluster_sharding::*;
+#[cfg(feature = "kubernetes")]
+pub use kubernetes::{KubernetesOptions, KubernetesRunnerHealth, KubernetesToken};
 #[cfg(feature = "rpc")]
-pub use runner::{BoxError, Role, Runner, RunnerEnv, RunnerError, terminated};
+pub use runner::{BoxError, Role, Runner, RunnerEnv, RunnerError, RunnerHealthSource, terminated};
 #[cfg(feature = "sqlite")]
 pub use single_runner::SingleRunner;
 

@@ -218,13 +218,34 @@ async fn render_metrics() -> impl IntoResponse {
     }
 }
 
+/// Bucket bounds of the histograms in seconds: from half a millisecond (a cached lock
+/// confirmation, a fast handler) to half a minute (a stuck statement).
+const SECONDS_BUCKETS: [f64; 14] =
+    [0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 10.0, 30.0];
+/// Bucket bounds of the reference's shard release histogram, in milliseconds.
+const MILLISECONDS_BUCKETS: [f64; 9] =
+    [10.0, 50.0, 100.0, 500.0, 1_000.0, 5_000.0, 15_000.0, 30_000.0, 60_000.0];
+
+/// The recorder's histograms: Prometheus histograms with buckets (which add up across
+/// runners), not summaries.
+fn histograms(builder: PrometheusBuilder) -> PrometheusBuilder {
+    use metrics_exporter_prometheus::Matcher;
+    let seconds = Matcher::Suffix("_seconds".to_owned());
+    let milliseconds = Matcher::Full(cluster_sharding::metrics::SHARD_RELEASE.to_owned());
+    // Neither list is empty, the only error `set_buckets_for_metric` reports.
+    let configured = builder
+        .set_buckets_for_metric(seconds, &SECONDS_BUCKETS)
+        .and_then(|builder| builder.set_buckets_for_metric(milliseconds, &MILLISECONDS_BUCKETS));
+    configured.unwrap_or_else(|_| PrometheusBuilder::new())
+}
+
 /// The process's Prometheus recorder, installed by the first call; `None` when another
 /// recorder was installed first.
 fn prometheus() -> Option<&'static PrometheusHandle> {
     static HANDLE: OnceLock<Option<PrometheusHandle>> = OnceLock::new();
     HANDLE
         .get_or_init(|| {
-            let recorder = PrometheusBuilder::new().build_recorder();
+            let recorder = histograms(PrometheusBuilder::new()).build_recorder();
             let handle = recorder.handle();
             metrics::set_global_recorder(recorder).ok().map(|()| handle)
         })
@@ -232,18 +253,37 @@ fn prometheus() -> Option<&'static PrometheusHandle> {
 }
 
 /// Installs the process's logger: `tracing` events to standard error, filtered by `RUST_LOG`
-/// (default `info`), as text or, with `CLUSTER_LOG_FORMAT=json`, as JSON lines.
+/// (default `info`), as text or, with `CLUSTER_LOG_FORMAT=json`, as JSON lines; with the
+/// feature `otel` and an OTLP endpoint, spans are also exported (see [`crate::otel`]).
 /// A logger installed before stays.
 ///
 /// # Errors
 ///
-/// `RUST_LOG` is not a filter, or `CLUSTER_LOG_FORMAT` is neither `text` nor `json`; the error
-/// names the variable.
+/// `RUST_LOG` or `CLUSTER_OTEL_FILTER` is not a filter, `CLUSTER_LOG_FORMAT` is neither `text`
+/// nor `json`, or the OTLP exporter cannot be built; the error names the variable.
 pub(crate) fn init_logging() -> Result<(), cluster_core::ConfigError> {
-    let (filter, json) = logging_settings(|name| std::env::var(name).ok())?;
-    let builder = tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr);
+    use tracing_subscriber::Layer as _;
+    use tracing_subscriber::layer::SubscriberExt as _;
+    use tracing_subscriber::util::SubscriberInitExt as _;
+    type Boxed = Box<dyn tracing_subscriber::Layer<tracing_subscriber::Registry> + Send + Sync>;
+    let lookup = |name: &str| std::env::var(name).ok();
+    let (filter, json) = logging_settings(lookup)?;
+    let fmt = tracing_subscriber::fmt::layer().with_writer(std::io::stderr);
+    let mut layers: Vec<Boxed> = vec![if json {
+        Box::new(fmt.json().with_filter(filter))
+    } else {
+        Box::new(fmt.with_filter(filter))
+    }];
+    #[cfg(feature = "otel")]
+    layers.extend(crate::otel::layer_from_env(lookup)?);
     // Another logger may be installed already (tests, an application's own): it stays.
-    let _ = if json { builder.json().try_init() } else { builder.try_init() };
+    let _ = tracing_subscriber::registry().with(layers).try_init();
+    #[cfg(not(feature = "otel"))]
+    if lookup("OTEL_EXPORTER_OTLP_ENDPOINT").is_some() {
+        tracing::warn!(
+            "OTEL_EXPORTER_OTLP_ENDPOINT is set, but this binary was built without the feature `otel`: no spans are exported"
+        );
+    }
     Ok(())
 }
 

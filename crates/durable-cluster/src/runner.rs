@@ -7,6 +7,9 @@
 //! | `HOST`, `PORT`, `LISTEN_HOST`, `LISTEN_PORT`, … | the runtime's settings (`ShardingConfig::from_env`) |
 //! | `CLUSTER_RPC_SECRET`, `CLUSTER_RPC_*` | the transport's settings (`RpcConfig::from_env`) |
 //! | `CLUSTER_OPS_LISTEN` | the address of the operations server (`/healthz`, `/readyz`, `/metrics`; feature `ops`), off when unset |
+//! | `CLUSTER_RUNNER_HEALTH` | how the runners judge each other: `transport` (the default: pings, as `RUNNER_HEALTH_CHECK` says) or `kubernetes` (pod readiness; feature `kubernetes`) |
+//! | `CLUSTER_KUBERNETES_NAMESPACE` | with `kubernetes`: the namespace of the runners' pods (default: the pod's own) |
+//! | `CLUSTER_KUBERNETES_LABEL_SELECTOR` | with `kubernetes`: the label selector of the runners' pods (default: every running pod of the namespace) |
 //!
 //! A runner binds its transport's listener (the listen address, or else its advertised one),
 //! joins the cluster, and serves peers.
@@ -47,7 +50,7 @@ use std::sync::Arc;
 use cluster_core::storage::{MessageStorage, RunnerStorage};
 use cluster_core::{ConfigError, RunnerAddress, ShardingConfig, StorageError};
 use cluster_rpc::{RpcConfig, RpcError, RpcServer, ServerHandle, TcpTransport};
-use cluster_sharding::{Sharding, StartError};
+use cluster_sharding::{RunnerHealth, Sharding, StartError};
 use cluster_storage_sql::{SqlStorageOptions, TablePrefix};
 
 /// What an application's registration step may fail with.
@@ -128,6 +131,140 @@ pub struct RunnerEnv {
     pub rpc: RpcConfig,
     /// Where the operations server listens (`CLUSTER_OPS_LISTEN`, feature `ops`); `None`: off.
     pub ops_listen: Option<SocketAddr>,
+    /// How a runner judges the other runners' health (`CLUSTER_RUNNER_HEALTH`); a client
+    /// judges none, and does not read it.
+    pub runner_health: RunnerHealthSource,
+}
+
+/// How a runner's runner-health singleton judges the other runners (`CLUSTER_RUNNER_HEALTH`).
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum RunnerHealthSource {
+    /// Pings through the transport, as `RUNNER_HEALTH_CHECK` says (`CLUSTER_RUNNER_HEALTH`
+    /// unset, or `transport`).
+    #[default]
+    Transport,
+    /// The readiness of the runners' pods, read from the Kubernetes API
+    /// (`CLUSTER_RUNNER_HEALTH=kubernetes`, feature `kubernetes`; see `KubernetesRunnerHealth`).
+    /// A runner is alive while the pod whose IP is its host is ready or still starting.
+    Kubernetes {
+        /// The API server's URL, from `KUBERNETES_SERVICE_HOST` and `KUBERNETES_SERVICE_PORT`.
+        api_url: String,
+        /// Where the pod's service account (token, CA and namespace) is mounted:
+        /// `/var/run/secrets/kubernetes.io/serviceaccount` from the environment.
+        service_account_dir: std::path::PathBuf,
+        /// The namespace of the runners' pods (`CLUSTER_KUBERNETES_NAMESPACE`); `None`: the
+        /// pod's own, from the service account.
+        namespace: Option<String>,
+        /// The label selector of the runners' pods (`CLUSTER_KUBERNETES_LABEL_SELECTOR`);
+        /// `None`: every running pod of the namespace.
+        label_selector: Option<String>,
+    },
+}
+
+/// `CLUSTER_RUNNER_HEALTH` and the variables of its `kubernetes` mode.
+const RUNNER_HEALTH: &str = "CLUSTER_RUNNER_HEALTH";
+const KUBERNETES_NAMESPACE: &str = "CLUSTER_KUBERNETES_NAMESPACE";
+const KUBERNETES_LABEL_SELECTOR: &str = "CLUSTER_KUBERNETES_LABEL_SELECTOR";
+
+impl RunnerHealthSource {
+    /// The source that `CLUSTER_RUNNER_HEALTH` and its variables (read with `lookup`) name.
+    fn from_lookup(lookup: &impl Fn(&str) -> Option<String>) -> Result<Self, ConfigError> {
+        let set = |name: &str| lookup(name).filter(|value| !value.is_empty());
+        let namespace = set(KUBERNETES_NAMESPACE);
+        let label_selector = set(KUBERNETES_LABEL_SELECTOR);
+        match set(RUNNER_HEALTH).as_deref() {
+            None | Some("transport") => {
+                let unused = [
+                    (KUBERNETES_NAMESPACE, namespace),
+                    (KUBERNETES_LABEL_SELECTOR, label_selector),
+                ];
+                if let Some((name, value)) =
+                    unused.into_iter().find_map(|(name, value)| Some((name, value?)))
+                {
+                    return Err(ConfigError::new(
+                        name,
+                        value,
+                        "is only read with CLUSTER_RUNNER_HEALTH=kubernetes",
+                    ));
+                }
+                Ok(RunnerHealthSource::Transport)
+            }
+            Some("kubernetes") => kubernetes_source(lookup, namespace, label_selector),
+            Some(other) => Err(ConfigError::new(
+                RUNNER_HEALTH,
+                other,
+                "expected `transport` (the default) or `kubernetes`",
+            )),
+        }
+    }
+
+    /// The runner-health check of this source: `None` for the transport's pings.
+    fn check(&self) -> Result<Option<Arc<dyn RunnerHealth>>, ConfigError> {
+        match self {
+            RunnerHealthSource::Transport => Ok(None),
+            #[cfg(feature = "kubernetes")]
+            RunnerHealthSource::Kubernetes {
+                api_url,
+                service_account_dir,
+                namespace,
+                label_selector,
+            } => {
+                use crate::kubernetes::{KubernetesOptions, KubernetesRunnerHealth};
+                let mut options = KubernetesOptions::from_service_account(
+                    api_url.clone(),
+                    service_account_dir,
+                    namespace.clone(),
+                )?;
+                options.label_selector.clone_from(label_selector);
+                Ok(Some(Arc::new(KubernetesRunnerHealth::new(options)?)))
+            }
+            #[cfg(not(feature = "kubernetes"))]
+            RunnerHealthSource::Kubernetes { .. } => Err(kubernetes_missing()),
+        }
+    }
+}
+
+/// The `kubernetes` source, its variables checked.
+#[cfg(feature = "kubernetes")]
+fn kubernetes_source(
+    lookup: &impl Fn(&str) -> Option<String>,
+    namespace: Option<String>,
+    label_selector: Option<String>,
+) -> Result<RunnerHealthSource, ConfigError> {
+    if let Some(namespace) = &namespace {
+        crate::kubernetes::check_namespace(namespace)
+            .map_err(|reason| ConfigError::new(KUBERNETES_NAMESPACE, namespace, reason))?;
+    }
+    if let Some(selector) = &label_selector {
+        crate::kubernetes::check_label_selector(selector)
+            .map_err(|reason| ConfigError::new(KUBERNETES_LABEL_SELECTOR, selector, reason))?;
+    }
+    Ok(RunnerHealthSource::Kubernetes {
+        api_url: crate::kubernetes::in_cluster_api_url(lookup)?,
+        service_account_dir: crate::kubernetes::KubernetesOptions::SERVICE_ACCOUNT_DIR.into(),
+        namespace,
+        label_selector,
+    })
+}
+
+/// Without the feature `kubernetes`, asking for it is a configuration error.
+#[cfg(not(feature = "kubernetes"))]
+fn kubernetes_source(
+    _lookup: &impl Fn(&str) -> Option<String>,
+    _namespace: Option<String>,
+    _label_selector: Option<String>,
+) -> Result<RunnerHealthSource, ConfigError> {
+    Err(kubernetes_missing())
+}
+
+#[cfg(not(feature = "kubernetes"))]
+fn kubernetes_missing() -> ConfigError {
+    ConfigError::new(
+        RUNNER_HEALTH,
+        "kubernetes",
+        "needs durable-cluster's feature `kubernetes`, which this build lacks",
+    )
 }
 
 impl RunnerEnv {
@@ -189,7 +326,12 @@ impl RunnerEnv {
                 .into());
             }
         };
-        Ok(RunnerEnv { storage_url, table_prefix, sharding, rpc, ops_listen })
+        // A client judges no runner: it does not read the runner-health variables.
+        let runner_health = match role {
+            Role::Runner => RunnerHealthSource::from_lookup(&lookup)?,
+            Role::Client => RunnerHealthSource::Transport,
+        };
+        Ok(RunnerEnv { storage_url, table_prefix, sharding, rpc, ops_listen, runner_health })
     }
 
     /// The storage options of these settings.
@@ -283,13 +425,18 @@ impl RunnerEnv {
         messages: Arc<dyn MessageStorage>,
         locks: Arc<dyn RunnerStorage>,
     ) -> Result<Sharding, RunnerError> {
+        // A client judges nobody: only a runner gets the runner-health check.
+        let health = match self.sharding.runner_address {
+            Some(_) => self.runner_health.check()?,
+            None => None,
+        };
         let transport = TcpTransport::new(self.rpc.clone())?;
-        let sharding = Sharding::builder(self.sharding.clone())
-            .messages(messages)
-            .runners(locks)
-            .transport(transport)
-            .start()
-            .await?;
+        let mut builder =
+            Sharding::builder(self.sharding.clone()).messages(messages).runners(locks);
+        if let Some(health) = health {
+            builder = builder.runner_health(health);
+        }
+        let sharding = builder.transport(transport).start().await?;
         Ok(sharding)
     }
 }
@@ -402,6 +549,8 @@ impl Runner {
     ///
     /// - Logs go to standard error, filtered by `RUST_LOG` (default `info`), as text or, with
     ///   `CLUSTER_LOG_FORMAT=json`, as JSON lines.
+    /// - With the feature `otel` and `OTEL_EXPORTER_OTLP_ENDPOINT` set, spans are exported over
+    ///   OTLP and requests carry their trace context to other runners ([`crate::otel`]).
     /// - It starts as [`Runner::from_env`] does, then runs until SIGTERM or SIGINT, and shuts
     ///   down gracefully.
     /// - A failure is one line on standard error and exit code 2 for a configuration error, 1
@@ -429,7 +578,10 @@ impl Runner {
             runner.shutdown().await;
             stopped
         };
-        match run.await {
+        let ran = run.await;
+        #[cfg(feature = "otel")]
+        crate::otel::shutdown().await;
+        match ran {
             Ok(()) => std::process::ExitCode::SUCCESS,
             Err(error) => {
                 report_failure(&error);
@@ -559,5 +711,101 @@ mod tests {
             panic!("an unknown scheme is a configuration error");
         };
         assert_eq!((error.key(), error.value()), ("CLUSTER_STORAGE_URL", "redis://localhost"));
+    }
+
+    /// The configuration error of the runner settings `variables` (on an unused SQLite file).
+    fn refused(variables: &[(&str, &str)]) -> cluster_core::ConfigError {
+        let mut all = vec![("CLUSTER_STORAGE_URL", "sqlite:/tmp/unused.db")];
+        all.extend_from_slice(variables);
+        match env(&all) {
+            Err(RunnerError::Config(error)) => error,
+            Err(error) => panic!("not a configuration error: {error}"),
+            Ok(found) => panic!("accepted: {:?}", found.runner_health),
+        }
+    }
+
+    /// The runner-health variables of a pod: the API server's service and `extra`.
+    #[cfg(feature = "kubernetes")]
+    fn in_pod<'a>(extra: &[(&'a str, &'a str)]) -> Vec<(&'a str, &'a str)> {
+        let mut variables = vec![
+            ("CLUSTER_STORAGE_URL", "sqlite:/tmp/unused.db"),
+            ("CLUSTER_RUNNER_HEALTH", "kubernetes"),
+            ("KUBERNETES_SERVICE_HOST", "10.96.0.1"),
+            ("KUBERNETES_SERVICE_PORT", "443"),
+        ];
+        for (name, value) in extra {
+            variables.retain(|(known, _)| known != name);
+            variables.push((name, value));
+        }
+        variables
+    }
+
+    #[test]
+    fn the_runner_health_is_the_transports_unless_a_variable_says_otherwise() {
+        use super::RunnerHealthSource;
+        for variables in [&[][..], &[("CLUSTER_RUNNER_HEALTH", "transport")][..]] {
+            let mut all = vec![("CLUSTER_STORAGE_URL", "sqlite:/tmp/unused.db")];
+            all.extend_from_slice(variables);
+            let Ok(found) = env(&all) else { panic!("{variables:?} load") };
+            assert_eq!(found.runner_health, RunnerHealthSource::Transport);
+        }
+        let error = refused(&[("CLUSTER_RUNNER_HEALTH", "k8s")]);
+        assert_eq!((error.key(), error.value()), ("CLUSTER_RUNNER_HEALTH", "k8s"));
+        // A namespace or selector without `kubernetes` would be silently unused.
+        let error = refused(&[("CLUSTER_KUBERNETES_NAMESPACE", "runners")]);
+        assert_eq!(error.key(), "CLUSTER_KUBERNETES_NAMESPACE");
+        let error = refused(&[("CLUSTER_KUBERNETES_LABEL_SELECTOR", "app=runner")]);
+        assert_eq!(error.key(), "CLUSTER_KUBERNETES_LABEL_SELECTOR");
+        // A client judges no runner, and reads none of them.
+        let client = RunnerEnv::from_lookup(Role::Client, |name| match name {
+            "CLUSTER_STORAGE_URL" => Some("sqlite:/tmp/unused.db".to_owned()),
+            "CLUSTER_RUNNER_HEALTH" => Some("kubernetes".to_owned()),
+            _ => None,
+        });
+        let Ok(client) = client else { panic!("a client's settings load") };
+        assert_eq!(client.runner_health, RunnerHealthSource::Transport);
+    }
+
+    #[cfg(not(feature = "kubernetes"))]
+    #[test]
+    fn kubernetes_runner_health_without_the_feature_is_a_configuration_error() {
+        let error = refused(&[("CLUSTER_RUNNER_HEALTH", "kubernetes")]);
+        assert_eq!(error.key(), "CLUSTER_RUNNER_HEALTH");
+        assert!(error.reason().contains("feature `kubernetes`"), "{error}");
+    }
+
+    #[cfg(feature = "kubernetes")]
+    #[test]
+    fn kubernetes_runner_health_reads_the_pods_service_and_its_variables() {
+        use super::RunnerHealthSource;
+        let selector = ("CLUSTER_KUBERNETES_LABEL_SELECTOR", "app=cluster-runner");
+        let Ok(found) = env(&in_pod(&[("CLUSTER_KUBERNETES_NAMESPACE", "runners"), selector]))
+        else {
+            panic!("the settings of a pod load");
+        };
+        let expected = RunnerHealthSource::Kubernetes {
+            api_url: "https://10.96.0.1:443".to_owned(),
+            service_account_dir: "/var/run/secrets/kubernetes.io/serviceaccount".into(),
+            namespace: Some("runners".to_owned()),
+            label_selector: Some("app=cluster-runner".to_owned()),
+        };
+        assert_eq!(found.runner_health, expected);
+        let Ok(found) = env(&in_pod(&[])) else { panic!("the defaults load") };
+        let RunnerHealthSource::Kubernetes { namespace, label_selector, .. } = found.runner_health
+        else {
+            panic!("kubernetes");
+        };
+        assert_eq!((namespace, label_selector), (None, None));
+        let refused_by = |variables: &[(&str, &str)]| match env(&in_pod(variables)) {
+            Err(RunnerError::Config(error)) => error.key().to_owned(),
+            Err(error) => panic!("not a configuration error: {error}"),
+            Ok(found) => panic!("accepted: {:?}", found.runner_health),
+        };
+        let bad_namespace = ("CLUSTER_KUBERNETES_NAMESPACE", "Runners");
+        assert_eq!(refused_by(&[bad_namespace]), "CLUSTER_KUBERNETES_NAMESPACE");
+        let bad_selector = ("CLUSTER_KUBERNETES_LABEL_SELECTOR", "app: runner");
+        assert_eq!(refused_by(&[bad_selector]), "CLUSTER_KUBERNETES_LABEL_SELECTOR");
+        assert_eq!(refused_by(&[("KUBERNETES_SERVICE_PORT", "")]), "KUBERNETES_SERVICE_PORT");
+        assert_eq!(refused_by(&[("KUBERNETES_SERVICE_HOST", "")]), "KUBERNETES_SERVICE_HOST");
     }
 }

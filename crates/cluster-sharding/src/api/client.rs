@@ -231,8 +231,8 @@ impl<E: Entity> EntityClient<E> {
         E: Handler<R>,
     {
         let options = self.save_options(&request);
-        let request = self.request(&request).map_err(CallError::Cluster)?;
-        let span = self.span(R::TAG, &request);
+        let mut request = self.request(&request).map_err(CallError::Cluster)?;
+        let span = self.span(R::TAG, &mut request);
         let uninterruptible = R::UNINTERRUPTIBLE.client();
         let exit = if R::PERSISTED {
             if self.sharding.persisted().is_none() {
@@ -248,18 +248,24 @@ impl<E: Entity> EntityClient<E> {
     }
 
     /// The span of one call, or a disabled one when the type turned client spans off.
-    fn span(&self, tag: &'static str, request: &Request) -> tracing::Span {
+    /// The call's `entity_client` span; the request carries its trace context (see
+    /// [`crate::trace`]), so that the handler's span is its child.
+    fn span(&self, tag: &'static str, request: &mut Request) -> tracing::Span {
         if !E::CLIENT_TRACING {
             return tracing::Span::none();
         }
-        tracing::info_span!(
+        let span = tracing::info_span!(
             "entity_client",
             otel.name = %format_args!("{}.client.{tag}", E::TYPE),
             entity_type = E::TYPE,
             entity_id = %self.address.entity_id,
             tag,
             request_id = %request.request_id,
-        )
+        );
+        if !span.is_disabled() {
+            crate::trace::stamp(&span, &mut request.trace);
+        }
+        span
     }
 
     /// Sends `request` without waiting for its reply: returns once the request is delivered
@@ -269,8 +275,8 @@ impl<E: Entity> EntityClient<E> {
         E: Handler<R>,
     {
         let options = self.save_options(&request);
-        let request = self.request(&request).map_err(CallError::Cluster)?;
-        let span = self.span(R::TAG, &request);
+        let mut request = self.request(&request).map_err(CallError::Cluster)?;
+        let span = self.span(R::TAG, &mut request);
         if R::PERSISTED {
             if self.sharding.persisted().is_none() {
                 return Err(CallError::Defect(PERSISTED_WITHOUT_STORAGE.to_owned()));
@@ -318,9 +324,9 @@ impl<E: Entity> EntityClient<E> {
             primary_key: request.primary_key().map(|key| primary_key(&self.address, R::TAG, &key)),
             deliver_at: None,
         };
-        let request = self.build(R::TAG, &request).map_err(CallError::Cluster)?;
+        let mut request = self.build(R::TAG, &request).map_err(CallError::Cluster)?;
         // The span covers the start of the stream; its items are read later.
-        let span = self.span(R::TAG, &request);
+        let span = self.span(R::TAG, &mut request);
         let (replies, acks) = if R::PERSISTED {
             if self.sharding.persisted().is_none() {
                 return Err(CallError::Defect(PERSISTED_WITHOUT_STORAGE.to_owned()));

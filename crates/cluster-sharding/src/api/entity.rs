@@ -774,6 +774,8 @@ pub(crate) struct HandlerEntry<E> {
     pub(crate) rerun_on_interrupt: bool,
     /// Takes the forked state from a new entity value (forked request types only).
     pub(crate) fork_state: Option<fn(&E) -> SharedValue>,
+    /// Its request metrics (no-ops until [`Protocol::measured`]).
+    pub(crate) metrics: crate::metrics::RequestMetrics,
 }
 
 impl<E> HandlerEntry<E> {
@@ -790,6 +792,7 @@ impl<E> HandlerEntry<E> {
             },
             rerun_on_interrupt: R::UNINTERRUPTIBLE.server() && R::PERSISTED,
             fork_state: None,
+            metrics: crate::metrics::RequestMetrics::default(),
         }
     }
 
@@ -802,6 +805,7 @@ impl<E> HandlerEntry<E> {
             with_transaction: Transactional::Never,
             rerun_on_interrupt: false,
             fork_state,
+            metrics: crate::metrics::RequestMetrics::default(),
         }
     }
 }
@@ -913,6 +917,15 @@ impl<E: Entity> Protocol<E> {
         let call = CallKind::ForkedStream(forked_stream_call::<E, R>);
         let entry = HandlerEntry::stream(call, Some(fork_state));
         self.handlers.insert(R::TAG, entry);
+        self
+    }
+
+    /// Registers the request metrics of every request type, labelled with `entity_type`.
+    pub(crate) fn measured(mut self, entity_type: &str) -> Protocol<E> {
+        for (tag, entry) in &mut self.handlers {
+            let stream = entry.call.is_stream();
+            entry.metrics = crate::metrics::RequestMetrics::register(entity_type, tag, stream);
+        }
         self
     }
 

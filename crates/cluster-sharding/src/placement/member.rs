@@ -48,6 +48,8 @@
 //! they stop answering.
 //! It leaves the others to their registry heartbeat: those are runners of the reference, which
 //! do not speak this transport.
+//! Given a check of the application's ([`RunnerHealth`], with or without a transport), the
+//! singleton asks it instead and pings nobody.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::sync::{Arc, Mutex, MutexGuard};
@@ -69,6 +71,7 @@ use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
 use crate::metrics;
+use crate::placement::health::RunnerHealth;
 use crate::placement::lock_lease;
 use crate::runtime::delivery::Serving;
 use crate::runtime::registry::Managers;
@@ -135,6 +138,8 @@ pub(crate) struct Member {
     messages: Arc<dyn MessageStorage>,
     /// Told when a runner leaves; pings runners for the runner-health singleton.
     transport: Option<Arc<dyn Transport>>,
+    /// The application's runner-health check, asked instead of pinging.
+    health: Option<Arc<dyn RunnerHealth>>,
     /// This runner; `None` in a client-only process.
     runner: Option<Runner>,
     state: Mutex<State>,
@@ -248,13 +253,15 @@ impl std::fmt::Debug for Member {
 impl Member {
     /// The member that `config` describes (a runner, or a client with `runner_address`
     /// `None`), on the registry and locks in `runners`; its loops start with
-    /// [`Member::start`].
+    /// [`Member::start`]. Its runner-health singleton asks `health` when given, and otherwise
+    /// pings through `transport`.
     pub(crate) fn new(
         config: ShardingConfig,
         clock: Arc<dyn Clock>,
         runners: Arc<dyn RunnerStorage>,
         messages: Arc<dyn MessageStorage>,
         transport: Option<Arc<dyn Transport>>,
+        health: Option<Arc<dyn RunnerHealth>>,
     ) -> Member {
         let runner = config.runner_address.clone().map(|address| {
             let groups = config.shard_groups().assigned.into_iter().collect();
@@ -271,6 +278,7 @@ impl Member {
             storage: runners,
             messages,
             transport,
+            health,
             runner,
             state: Mutex::new(State {
                 membership,
@@ -304,10 +312,10 @@ impl Member {
         }
     }
 
-    /// Whether this process is a runner (not a client) with a transport: what the
-    /// runner-health singleton needs.
+    /// Whether this process is a runner (not a client) with a transport or a runner-health
+    /// check of the application's: what the runner-health singleton needs.
     pub(crate) fn checks_health(&self) -> bool {
-        self.runner.is_some() && self.transport.is_some()
+        self.runner.is_some() && (self.transport.is_some() || self.health.is_some())
     }
 
     fn state(&self) -> MutexGuard<'_, State> {
@@ -918,16 +926,22 @@ impl Member {
     /// checks of `effect/src/cluster/RunnerHealth.ts`), until `cancellation`.
     ///
     /// - It runs every `runner_health_check_interval`, when more than one runner is registered.
-    /// - It judges each runner as `runner_health_check` says (see [`judge`]).
+    /// - It judges each runner with the application's [`RunnerHealth`] when there is one, and
+    ///   otherwise as `runner_health_check` says (see [`judge`]).
     /// - It records the verdicts that changed.
     /// - It never marks the last healthy runner unhealthy.
     ///
     /// The sync loops then treat an unhealthy runner as gone.
-    /// Without a transport there is nothing to ping: it returns at once.
+    /// Without a check and without a transport there is nothing to ask: it returns at once.
     pub(crate) async fn check_health(self: Arc<Member>, cancellation: CancellationToken) {
-        let Some(transport) = self.transport.clone() else { return };
+        let judge = match (&self.health, &self.transport) {
+            (Some(health), _) => Judge::Check(Arc::clone(health)),
+            (None, Some(transport)) => {
+                Judge::Ping(Arc::clone(transport), self.config.runner_health_check)
+            }
+            (None, None) => return,
+        };
         let interval = self.config.runner_health_check_interval;
-        let mode = self.config.runner_health_check;
         // The runners that answered a ping of this singleton's, while it runs here.
         let mut known = BTreeSet::new();
         loop {
@@ -935,7 +949,7 @@ impl Member {
                 () = tokio::time::sleep(interval) => {}
                 () = cancellation.cancelled() => return,
             }
-            let checked = check_runners(&self, &*transport, mode, &mut known).await;
+            let checked = check_runners(&self, &judge, &mut known).await;
             if let Err(error) = checked {
                 tracing::debug!(%error, "runner health check failed");
             }
@@ -1062,8 +1076,30 @@ pub(crate) const RUNNER_HEALTH: &str = "effect/cluster/Sharding/RunnerHealth";
 const PING_ATTEMPTS: u32 = 5;
 const PING_SPACING: Duration = Duration::from_millis(500);
 const PING_TIMEOUT: Duration = Duration::from_secs(10);
-/// How many runners are pinged at once.
+/// How many runners are pinged (or asked about) at once.
 const PING_CONCURRENCY: usize = 10;
+/// How long the application's [`RunnerHealth`] may take to judge one runner; past it, the runner
+/// counts as alive.
+const CHECK_TIMEOUT: Duration = Duration::from_secs(30);
+
+/// How the runner-health singleton judges the runners.
+enum Judge {
+    /// Through the transport's pings, as the mode says.
+    Ping(Arc<dyn Transport>, RunnerHealthCheck),
+    /// With the application's check
+    /// ([`ShardingBuilder::runner_health`](crate::ShardingBuilder::runner_health)).
+    Check(Arc<dyn RunnerHealth>),
+}
+
+impl Judge {
+    /// The name of the way runners are judged, for the logs.
+    fn name(&self) -> &'static str {
+        match self {
+            Judge::Ping(_, mode) => mode.as_str(),
+            Judge::Check(_) => "custom",
+        }
+    }
+}
 
 /// What one round found out about one runner.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -1074,9 +1110,12 @@ struct Verdict {
     answered: bool,
 }
 
-/// Judges the runner at `address`, which the registry lists (so its heartbeat is live), as
-/// `mode` says; `known` tells whether it answered a ping of this singleton's before.
+/// Judges the runner at `address`, which the registry lists (so its heartbeat is live), with
+/// the application's check or as the ping mode says; `known` tells whether it answered a ping
+/// of this singleton's before.
 ///
+/// - The application's check: alive as it says; alive when it takes longer than
+///   [`CHECK_TIMEOUT`] (a check that cannot tell takes no shard away).
 /// - `Ping`: alive when one of [`PING_ATTEMPTS`] pings answers (the reference's
 ///   `RunnerHealth.layerPing`).
 /// - `Heartbeat`: alive; no ping.
@@ -1084,12 +1123,22 @@ struct Verdict {
 ///   An unknown one gets one ping, to learn whether it speaks the transport.
 ///   It is alive whatever the answer: a runner of the reference never answers, and only its
 ///   heartbeat says whether it lives.
-async fn judge(
-    transport: &dyn Transport,
-    mode: RunnerHealthCheck,
-    known: bool,
-    address: &RunnerAddress,
-) -> Verdict {
+async fn judge(judging: &Judge, known: bool, address: &RunnerAddress) -> Verdict {
+    let (transport, mode) = match judging {
+        Judge::Ping(transport, mode) => (&**transport, *mode),
+        Judge::Check(health) => {
+            let checked = tokio::time::timeout(CHECK_TIMEOUT, health.is_alive(address)).await;
+            let alive = checked.unwrap_or_else(|_| {
+                tracing::warn!(
+                    runner = %address,
+                    timeout = ?CHECK_TIMEOUT,
+                    "the runner-health check did not answer in time; the runner counts as alive"
+                );
+                true
+            });
+            return Verdict { alive, answered: false };
+        }
+    };
     match mode {
         RunnerHealthCheck::Heartbeat => Verdict { alive: true, answered: false },
         RunnerHealthCheck::Ping => {
@@ -1111,8 +1160,7 @@ async fn judge(
 /// earlier round, and is updated.
 async fn check_runners(
     cluster: &Member,
-    transport: &dyn Transport,
-    mode: RunnerHealthCheck,
+    judging: &Judge,
     known: &mut BTreeSet<RunnerAddress>,
 ) -> Result<(), String> {
     use futures_util::StreamExt;
@@ -1132,7 +1180,7 @@ async fn check_runners(
     let checks =
         futures_util::stream::iter(runners.into_iter().map(|(runner, was_healthy)| async move {
             let known = before.contains(&runner.address);
-            let verdict = judge(transport, mode, known, &runner.address).await;
+            let verdict = judge(judging, known, &runner.address).await;
             (runner, was_healthy, verdict)
         }))
         .buffer_unordered(PING_CONCURRENCY)
@@ -1168,7 +1216,8 @@ async fn check_runners(
             healthy -= 1;
         }
     }
-    tracing::debug!(%mode, checked, unhealthy, known = known.len(), "runner health check finished");
+    let mode = judging.name();
+    tracing::debug!(mode, checked, unhealthy, known = known.len(), "runner health check finished");
     Ok(())
 }
 

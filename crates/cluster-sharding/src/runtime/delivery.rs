@@ -57,6 +57,15 @@ pub(crate) struct Delivery {
 }
 
 impl Delivery {
+    /// How the request came, for its metrics: a persisted request carries a start flag.
+    pub(crate) fn kind(&self) -> crate::metrics::RequestKind {
+        if self.started.is_some() {
+            crate::metrics::RequestKind::Persisted
+        } else {
+            crate::metrics::RequestKind::Volatile
+        }
+    }
+
     /// The delivery of a volatile request: no storage transaction, no start flag.
     pub(crate) fn volatile(
         request: Request,

@@ -32,7 +32,7 @@ use crate::api::entity::{
     CallKind, ChunkChannel, Entity, EntityContext, Ids, Protocol, RequestContext, SharedValue,
     Sharing, malformed,
 };
-use crate::metrics;
+use crate::metrics::{self, FailReason};
 use crate::runtime::delivery::{
     Delivery, ErasedManager, PendingTransaction, Refused, ReplyTo, Serving, StreamReplies,
 };
@@ -300,11 +300,12 @@ impl<E: Entity> EntityManager<E> {
         ids: Arc<Ids>,
         keep_alive_sender: KeepAliveSender,
     ) -> EntityManager<E> {
+        let protocol = Protocol::of().measured(entity_type.as_str());
         EntityManager {
             shared: Arc::new(Shared {
                 contexts,
                 entity_type,
-                protocol: Protocol::of(),
+                protocol,
                 factory,
                 options,
                 residency,
@@ -320,8 +321,10 @@ impl<E: Entity> EntityManager<E> {
     }
 }
 
-impl<E: Entity> ErasedManager for EntityManager<E> {
-    fn deliver(&self, delivery: Box<Delivery>, serving: &dyn Serving) -> Result<(), Refused> {
+impl<E: Entity> EntityManager<E> {
+    /// Admits a request to its instance's mailbox, creating the instance if it is not
+    /// resident, or says why not.
+    fn admit(&self, delivery: Box<Delivery>, serving: &dyn Serving) -> Result<(), Refused> {
         let shared = &self.shared;
         // The address is cloned only where it is kept (a new instance) or reported (a refusal).
         let address = || delivery.request.address.clone();
@@ -371,6 +374,24 @@ impl<E: Entity> ErasedManager for EntityManager<E> {
         }
         tracing::trace!(entity_type = %shared.entity_type, %request_id, "delivered");
         Ok(())
+    }
+}
+
+impl<E: Entity> ErasedManager for EntityManager<E> {
+    fn deliver(&self, delivery: Box<Delivery>, serving: &dyn Serving) -> Result<(), Refused> {
+        let shared = &self.shared;
+        let measured = shared.protocol.get(&delivery.request.tag).map(|entry| &entry.metrics);
+        let kind = delivery.kind();
+        if let Some(metrics) = measured {
+            metrics.received(kind);
+        }
+        let refused = |refused: Refused| {
+            if let Some(metrics) = measured {
+                metrics.failed(kind, FailReason::Refused);
+            }
+            refused
+        };
+        self.admit(delivery, serving).map_err(refused)
     }
 
     fn active_entities(&self) -> usize {
@@ -483,7 +504,10 @@ impl<E: Entity> Shared<E> {
         });
         let active = Arc::new(Active::reporting(gauge));
         let keep_alive = Arc::new(KeepAlive::default());
+        // A root span: the instance outlives the request that created it, whose span (and
+        // trace) it must not hold open.
         let span = tracing::debug_span!(
+            parent: None,
             "entity",
             entity_type = %shared.entity_type,
             entity_id = %address.entity_id,
@@ -1050,6 +1074,9 @@ async fn respond_to<E: Entity>(
     exit: Exit,
 ) {
     let request_id = delivery.request.request_id;
+    if let Some(entry) = shared.protocol.get(&delivery.request.tag) {
+        entry.metrics.exited(delivery.kind(), &exit);
+    }
     match delivery.reply {
         ReplyTo::Exit(reply) => {
             let _ = reply.send(exit);
@@ -1168,6 +1195,21 @@ async fn run_one<E: Entity>(
     Finished { seq, delivery, access, outcome }
 }
 
+/// The `request` span of one handler run, continuing the trace the request carries.
+fn request_span(request: &Request) -> tracing::Span {
+    let address = &request.address;
+    let span = tracing::debug_span!(
+        "request",
+        entity_type = %address.entity_type,
+        entity_id = %address.entity_id,
+        shard = %address.shard_id,
+        request_id = %request.request_id,
+        tag = %request.tag,
+    );
+    crate::trace::set_parent(&span, &request.trace);
+    span
+}
+
 async fn handle<E: Entity>(
     shared: &Shared<E>,
     access: &mut Access<E>,
@@ -1210,14 +1252,7 @@ async fn handle<E: Entity>(
         keep_alive,
         &request.headers,
     );
-    let span = tracing::debug_span!(
-        "request",
-        entity_type = %address.entity_type,
-        entity_id = %address.entity_id,
-        shard = %address.shard_id,
-        request_id = %request.request_id,
-        tag = %request.tag,
-    );
+    let span = request_span(request);
     let mut channel = match (entry.call.is_stream(), &mut delivery.reply) {
         (true, ReplyTo::Stream(stream)) => Some(chunk_channel(shared, request, stream)),
         (true, ReplyTo::Exit(_)) => {
@@ -1252,6 +1287,7 @@ async fn handle<E: Entity>(
     // The handler is polled once on its own: one that finishes on its first poll (most do)
     // never builds the wait on the four interrupt sources, nor registers with them (which
     // costs a lock on each). The interruptions were checked just before it started.
+    let began = tokio::time::Instant::now();
     let outcome = {
         let mut handled = std::pin::pin!(AssertUnwindSafe(call).catch_unwind().instrument(span));
         match futures_util::poll!(handled.as_mut()) {
@@ -1271,6 +1307,7 @@ async fn handle<E: Entity>(
             }
         }
     };
+    entry.metrics.handled(began.elapsed());
     // Give the stream's acknowledgements back, so that a restarted run continues the stream.
     if let (Some(channel), ReplyTo::Stream(stream)) = (channel, &mut delivery.reply) {
         stream.acks = channel.acks;

@@ -395,6 +395,7 @@ macro_rules! on_every_backend {
     };
 }
 
+mod health;
 mod pushed;
 
 on_every_backend!(

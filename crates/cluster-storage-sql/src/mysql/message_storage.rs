@@ -400,6 +400,10 @@ fn span(operation: &'static str) -> tracing::Span {
 }
 
 impl MessageStorage for MySqlMessageStorage {
+    fn backend_name(&self) -> &'static str {
+        "mysql"
+    }
+
     fn save_request<'a>(
         &'a self,
         request: &'a Request,

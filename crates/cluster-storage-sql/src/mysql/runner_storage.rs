@@ -200,6 +200,10 @@ fn span(operation: &'static str) -> tracing::Span {
 }
 
 impl RunnerStorage for MySqlRunnerStorage {
+    fn backend_name(&self) -> &'static str {
+        "mysql"
+    }
+
     fn register<'a>(
         &'a self,
         runner: &'a Runner,

@@ -834,6 +834,10 @@ fn span(operation: &'static str) -> tracing::Span {
 }
 
 impl MessageStorage for PgMessageStorage {
+    fn backend_name(&self) -> &'static str {
+        "postgres"
+    }
+
     fn save_request<'a>(
         &'a self,
         request: &'a Request,

@@ -208,6 +208,10 @@ fn span(operation: &'static str) -> tracing::Span {
 }
 
 impl RunnerStorage for PgRunnerStorage {
+    fn backend_name(&self) -> &'static str {
+        "postgres"
+    }
+
     fn register<'a>(
         &'a self,
         runner: &'a Runner,

@@ -190,6 +190,10 @@ impl SqliteMessageStorage {
 }
 
 impl MessageStorage for SqliteMessageStorage {
+    fn backend_name(&self) -> &'static str {
+        "sqlite"
+    }
+
     fn save_request<'a>(
         &'a self,
         request: &'a Request,

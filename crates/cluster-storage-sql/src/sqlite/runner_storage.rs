@@ -146,6 +146,10 @@ impl SqliteRunnerStorage {
 }
 
 impl RunnerStorage for SqliteRunnerStorage {
+    fn backend_name(&self) -> &'static str {
+        "sqlite"
+    }
+
     fn register<'a>(
         &'a self,
         runner: &'a Runner,
