@@ -269,13 +269,16 @@ pub(crate) fn init_logging() -> Result<(), cluster_core::ConfigError> {
     let lookup = |name: &str| std::env::var(name).ok();
     let (filter, json) = logging_settings(lookup)?;
     let fmt = tracing_subscriber::fmt::layer().with_writer(std::io::stderr);
-    let mut layers: Vec<Boxed> = vec![if json {
+    let logs: Boxed = if json {
         Box::new(fmt.json().with_filter(filter))
     } else {
         Box::new(fmt.with_filter(filter))
-    }];
+    };
     #[cfg(feature = "otel")]
-    layers.extend(crate::otel::layer_from_env(lookup)?);
+    let layers: Vec<Boxed> =
+        std::iter::once(logs).chain(crate::otel::layer_from_env(lookup)?).collect();
+    #[cfg(not(feature = "otel"))]
+    let layers: Vec<Boxed> = vec![logs];
     // Another logger may be installed already (tests, an application's own): it stays.
     let _ = tracing_subscriber::registry().with(layers).try_init();
     #[cfg(not(feature = "otel"))]
