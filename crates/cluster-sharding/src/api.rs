@@ -10,5 +10,6 @@
 
 pub(crate) mod client;
 pub(crate) mod entity;
+pub(crate) mod erased;
 pub(crate) mod queue_entity;
 pub(crate) mod rpc;

@@ -91,6 +91,8 @@
 //! Several runners on one database: [`Runner`] (feature `rpc`) reads its storage, address and
 //! transport settings from the environment; docs/deployment.md shows a complete runner.
 
+#[cfg(feature = "http")]
+pub mod http;
 #[cfg(feature = "kubernetes")]
 mod kubernetes;
 #[cfg(feature = "ops")]

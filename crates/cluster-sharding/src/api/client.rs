@@ -230,13 +230,24 @@ impl<E: Entity> EntityClient<E> {
     where
         E: Handler<R>,
     {
-        let options = self.save_options(&request);
-        let mut request = self.request(&request).map_err(CallError::Cluster)?;
-        let span = self.span(R::TAG, &mut request);
-        let uninterruptible = R::UNINTERRUPTIBLE.client();
-        let exit = if R::PERSISTED {
+        decode_exit::<R>(self.exit_of(request).await?)
+    }
+
+    /// Sends `request` and waits for its exit, not decoded: what [`send`](EntityClient::send)
+    /// decodes. The handler bound is left to the callers.
+    pub(crate) async fn exit_of<R: Rpc>(&self, request: R) -> Result<Exit, CallError<R::Error>> {
+        let call = self.raw_call(&request).map_err(CallError::Cluster)?;
+        self.exit_of_raw(call).await.map_err(RawFailure::into_call_error)
+    }
+
+    /// Sends an encoded request and waits for its exit.
+    pub(crate) async fn exit_of_raw(&self, call: RawCall) -> Result<Exit, RawFailure> {
+        let RawCall { tag, payload, options, persisted, uninterruptible } = call;
+        let mut request = self.with_headers_of(tag, payload);
+        let span = self.span(tag, &mut request);
+        let exit = if persisted {
             if self.sharding.persisted().is_none() {
-                return Err(CallError::Defect(PERSISTED_WITHOUT_STORAGE.to_owned()));
+                return Err(RawFailure::Defect(PERSISTED_WITHOUT_STORAGE.to_owned()));
             }
             let call = self.sharding.send_persisted(request, options, uninterruptible);
             Box::pin(call.instrument(span)).await?
@@ -244,11 +255,11 @@ impl<E: Entity> EntityClient<E> {
             // Not boxed: the volatile call's future is small (its rare steps are boxed inside).
             self.sharding.send_volatile(request, uninterruptible).instrument(span).await?
         };
-        decode_exit::<R>(exit)
+        Ok(exit)
     }
 
-    /// The span of one call, or a disabled one when the type turned client spans off.
-    /// The call's `entity_client` span; the request carries its trace context (see
+    /// The call's `entity_client` span, or a disabled one when the type turned client spans
+    /// off; the request carries its trace context (see
     /// [`crate::trace`]), so that the handler's span is its child.
     fn span(&self, tag: &'static str, request: &mut Request) -> tracing::Span {
         if !E::CLIENT_TRACING {
@@ -274,12 +285,26 @@ impl<E: Entity> EntityClient<E> {
     where
         E: Handler<R>,
     {
-        let options = self.save_options(&request);
-        let mut request = self.request(&request).map_err(CallError::Cluster)?;
-        let span = self.span(R::TAG, &mut request);
-        if R::PERSISTED {
+        self.discard_unchecked(request).await
+    }
+
+    /// [`discard`](EntityClient::discard), the handler bound left to the callers.
+    pub(crate) async fn discard_unchecked<R: Rpc>(
+        &self,
+        request: R,
+    ) -> Result<(), CallError<R::Error>> {
+        let call = self.raw_call(&request).map_err(CallError::Cluster)?;
+        self.discard_raw(call).await.map_err(RawFailure::into_call_error)
+    }
+
+    /// Sends an encoded request without waiting for its reply.
+    pub(crate) async fn discard_raw(&self, call: RawCall) -> Result<(), RawFailure> {
+        let RawCall { tag, payload, options, persisted, .. } = call;
+        let mut request = self.with_headers_of(tag, payload);
+        let span = self.span(tag, &mut request);
+        if persisted {
             if self.sharding.persisted().is_none() {
-                return Err(CallError::Defect(PERSISTED_WITHOUT_STORAGE.to_owned()));
+                return Err(RawFailure::Defect(PERSISTED_WITHOUT_STORAGE.to_owned()));
             }
             return Ok(self.sharding.notify_persisted(request, options).instrument(span).await?);
         }
@@ -291,20 +316,45 @@ impl<E: Entity> EntityClient<E> {
                 if self.sharding.is_shutdown() =>
             {
                 let _entered = span.enter();
-                tracing::warn!(%address, tag = R::TAG, "volatile discard sent during shutdown: dropped");
+                tracing::warn!(%address, tag, "volatile discard sent during shutdown: dropped");
                 Ok(())
             }
             sent => Ok(sent?),
         }
     }
 
-    /// The primary key (composed with the address and tag) and delivery time of a persisted
-    /// request.
-    fn save_options<R: Rpc>(&self, request: &R) -> SaveRequestOptions {
+    /// The encoded call of `request`, with what its type says about its delivery.
+    fn raw_call<R: Rpc>(&self, request: &R) -> Result<RawCall, ClusterError> {
+        Ok(RawCall {
+            tag: R::TAG,
+            payload: RawJson::encode(request)?,
+            options: self.save_options_of(R::TAG, request.primary_key(), request.deliver_at()),
+            persisted: R::PERSISTED,
+            uninterruptible: R::UNINTERRUPTIBLE.client(),
+        })
+    }
+
+    /// The save options of a request with `primary_key` (the request's own, composed here with
+    /// the address and tag) and `deliver_at`.
+    pub(crate) fn save_options_of(
+        &self,
+        tag: &'static str,
+        primary_key: Option<String>,
+        deliver_at: Option<cluster_core::Timestamp>,
+    ) -> SaveRequestOptions {
         SaveRequestOptions {
-            primary_key: request.primary_key().map(|key| primary_key(&self.address, R::TAG, &key)),
-            deliver_at: request.deliver_at(),
+            primary_key: primary_key.map(|key| self::primary_key(&self.address, tag, &key)),
+            deliver_at,
         }
+    }
+
+    /// A request of `tag` with `payload` and this client's headers.
+    fn with_headers_of(&self, tag: &'static str, payload: RawJson) -> Request {
+        let mut request = self.sharding.new_request(self.address.clone(), tag, payload);
+        if let Some(headers) = &self.headers {
+            request.headers = headers.clone();
+        }
+        request
     }
 
     /// Sends the streaming `request` and returns its items as they come. Each chunk is
@@ -351,21 +401,45 @@ impl<E: Entity> EntityClient<E> {
         })
     }
 
-    fn request<R: Rpc>(&self, request: &R) -> Result<Request, ClusterError> {
-        self.build(R::TAG, request)
-    }
-
     fn build<T: serde::Serialize>(
         &self,
         tag: &'static str,
         request: &T,
     ) -> Result<Request, ClusterError> {
-        let payload = RawJson::encode(request)?;
-        let mut request = self.sharding.new_request(self.address.clone(), tag, payload);
-        if let Some(headers) = &self.headers {
-            request.headers = headers.clone();
+        Ok(self.with_headers_of(tag, RawJson::encode(request)?))
+    }
+}
+
+/// An encoded request and what its type says about its delivery.
+pub(crate) struct RawCall {
+    pub(crate) tag: &'static str,
+    pub(crate) payload: RawJson,
+    pub(crate) options: SaveRequestOptions,
+    pub(crate) persisted: bool,
+    pub(crate) uninterruptible: bool,
+}
+
+/// Why an encoded call failed before its exit.
+#[derive(Debug)]
+pub(crate) enum RawFailure {
+    /// The cluster could not deliver the request or its reply.
+    Cluster(ClusterError),
+    /// The runtime cannot run it (a persisted request without storage).
+    Defect(String),
+}
+
+impl From<ClusterError> for RawFailure {
+    fn from(error: ClusterError) -> RawFailure {
+        RawFailure::Cluster(error)
+    }
+}
+
+impl RawFailure {
+    fn into_call_error<E>(self) -> CallError<E> {
+        match self {
+            RawFailure::Cluster(error) => CallError::Cluster(error),
+            RawFailure::Defect(defect) => CallError::Defect(defect),
         }
-        Ok(request)
     }
 }
 

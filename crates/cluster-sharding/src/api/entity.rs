@@ -45,6 +45,7 @@ use std::time::Duration;
 
 use cluster_core::config::Capacity;
 use cluster_core::envelope::{Chunk, Exit, RawJson, Reply};
+use cluster_core::error::DecodeError;
 use cluster_core::future::BoxFuture;
 use cluster_core::sync::lock;
 use cluster_core::transaction::{BackendLock, TransactionError, TransactionSource};
@@ -850,15 +851,66 @@ pub(crate) struct Sharing<E> {
     pub(crate) unshare: fn(SharedValue) -> Result<E, SharedValue>,
 }
 
+/// What a request type says about its delivery, for a caller that holds its payload as JSON.
+#[derive(Clone, Copy)]
+pub(crate) struct RpcShape {
+    pub(crate) tag: &'static str,
+    pub(crate) persisted: bool,
+    /// Uninterruptible on the client side.
+    pub(crate) uninterruptible: bool,
+    /// Its success is `()`.
+    pub(crate) void_success: bool,
+    /// Reads a payload as the type: its primary key and delivery time; `None` for a streaming
+    /// type.
+    pub(crate) read: Option<ReadPayload>,
+}
+
+/// Decodes a payload as a request type and gives its primary key and delivery time.
+pub(crate) type ReadPayload =
+    fn(&RawJson) -> Result<(Option<String>, Option<cluster_core::Timestamp>), DecodeError>;
+
+impl RpcShape {
+    fn unary<R: Rpc>() -> RpcShape {
+        RpcShape {
+            tag: R::TAG,
+            persisted: R::PERSISTED,
+            uninterruptible: R::UNINTERRUPTIBLE.client(),
+            void_success: std::any::TypeId::of::<R::Success>() == std::any::TypeId::of::<()>(),
+            read: Some(read_payload::<R>),
+        }
+    }
+
+    fn stream<R: StreamRpc>() -> RpcShape {
+        RpcShape {
+            tag: R::TAG,
+            persisted: R::PERSISTED,
+            uninterruptible: false,
+            void_success: false,
+            read: None,
+        }
+    }
+}
+
+/// Decodes `payload` as `R`: its primary key and delivery time.
+fn read_payload<R: Rpc>(
+    payload: &RawJson,
+) -> Result<(Option<String>, Option<cluster_core::Timestamp>), DecodeError> {
+    let request: R = payload.decode()?;
+    Ok((request.primary_key(), request.deliver_at()))
+}
+
 /// The requests an entity type handles, by tag.
 pub struct Protocol<E> {
     handlers: BTreeMap<&'static str, HandlerEntry<E>>,
     sharing: Option<Sharing<E>>,
+    /// What each request type says about its delivery, by tag, for gateways.
+    shapes: BTreeMap<&'static str, RpcShape>,
 }
 
 impl<E: Entity> Protocol<E> {
     pub(crate) fn of() -> Protocol<E> {
-        let mut protocol = Protocol { handlers: BTreeMap::new(), sharing: None };
+        let mut protocol =
+            Protocol { handlers: BTreeMap::new(), sharing: None, shapes: BTreeMap::new() };
         E::protocol(&mut protocol);
         protocol
     }
@@ -869,6 +921,7 @@ impl<E: Entity> Protocol<E> {
         E: Handler<R>,
     {
         self.handlers.insert(R::TAG, HandlerEntry::unary::<R>(CallKind::Unary(call::<E, R>)));
+        self.shapes.insert(R::TAG, RpcShape::unary::<R>());
         self
     }
 
@@ -880,6 +933,7 @@ impl<E: Entity> Protocol<E> {
     {
         let entry = HandlerEntry::unary::<R>(CallKind::Shared(shared_call::<E, R>));
         self.handlers.insert(R::TAG, entry);
+        self.shapes.insert(R::TAG, RpcShape::unary::<R>());
         self.sharing = Some(Sharing { share: share::<E>, unshare: unshare::<E> });
         self
     }
@@ -891,6 +945,7 @@ impl<E: Entity> Protocol<E> {
     {
         let entry = HandlerEntry::stream(CallKind::Stream(stream_call::<E, R>), None);
         self.handlers.insert(R::TAG, entry);
+        self.shapes.insert(R::TAG, RpcShape::stream::<R>());
         self
     }
 
@@ -904,6 +959,7 @@ impl<E: Entity> Protocol<E> {
         let mut entry = HandlerEntry::unary::<R>(CallKind::Forked(forked_call::<E, R>));
         entry.fork_state = Some(|entity: &E| -> SharedValue { ForkedHandler::<R>::state(entity) });
         self.handlers.insert(R::TAG, entry);
+        self.shapes.insert(R::TAG, RpcShape::unary::<R>());
         self
     }
 
@@ -917,6 +973,7 @@ impl<E: Entity> Protocol<E> {
         let call = CallKind::ForkedStream(forked_stream_call::<E, R>);
         let entry = HandlerEntry::stream(call, Some(fork_state));
         self.handlers.insert(R::TAG, entry);
+        self.shapes.insert(R::TAG, RpcShape::stream::<R>());
         self
     }
 
@@ -927,6 +984,11 @@ impl<E: Entity> Protocol<E> {
             entry.metrics = crate::metrics::RequestMetrics::register(entity_type, tag, stream);
         }
         self
+    }
+
+    /// What each request type says about its delivery, in tag order.
+    pub(crate) fn shapes(&self) -> Vec<RpcShape> {
+        self.shapes.values().copied().collect()
     }
 
     /// The forked states of a new entity value, by request tag.

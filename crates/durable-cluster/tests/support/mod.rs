@@ -1,4 +1,5 @@
 //! What the runner tests share: a runner's settings on an SQLite file of the test's own.
+#![allow(dead_code, reason = "each test binary uses a part of it")]
 
 use std::collections::BTreeMap;
 

@@ -1,0 +1,124 @@
+//! An HTTP gateway in front of an entity, with a bearer token: one runner on a SQLite file and
+//! the `Counter` entity served over HTTP (see docs/http.md for the curl lines).
+//!
+//! ```text
+//! GATEWAY_TOKEN=secret cargo run -p durable-cluster --features http --example http_gateway
+//! curl -s -X POST -H 'authorization: Bearer secret' -d '{"amount":2}' \
+//!   http://127.0.0.1:8080/api/increment/c1
+//! ```
+//!
+//! It listens on `GATEWAY_LISTEN` (default `127.0.0.1:8080`) until Ctrl-C. Without
+//! `GATEWAY_TOKEN` every request is refused (401).
+
+use std::process::ExitCode;
+
+use axum::extract::Request;
+use axum::http::StatusCode;
+use axum::middleware::Next;
+use axum::response::Response;
+use durable_cluster::http::HttpGateway;
+use durable_cluster::{EntityOptions, Never, ShardingConfig, SingleRunner, entity};
+use serde::{Deserialize, Serialize};
+
+/// A counter.
+struct Counter {
+    count: i64,
+}
+
+/// Adds `amount` to the count: `POST /api/increment/{id}` with `{"amount": n}` (the path
+/// segment is the request type's tag in lowercase).
+#[derive(Serialize, Deserialize)]
+struct Increment {
+    amount: i64,
+}
+
+/// Reads the count: `POST /api/get/{id}` with an empty body.
+#[derive(Serialize, Deserialize)]
+struct Get;
+
+/// Why an `Add` was refused: the reference's tagged error form.
+#[derive(Debug, Serialize, Deserialize)]
+#[serde(tag = "_tag", rename = "NegativeAmount")]
+struct NegativeAmount {
+    amount: i64,
+}
+
+#[entity]
+impl Counter {
+    async fn create() -> Self {
+        Counter { count: 0 }
+    }
+
+    /// Adds to the count, refusing a negative amount.
+    #[rpc]
+    async fn increment(&mut self, add: Increment) -> Result<i64, NegativeAmount> {
+        if add.amount < 0 {
+            return Err(NegativeAmount { amount: add.amount });
+        }
+        self.count += add.amount;
+        Ok(self.count)
+    }
+
+    /// The count.
+    #[rpc]
+    async fn get(&self, _: Get) -> Result<i64, Never> {
+        Ok(self.count)
+    }
+}
+
+/// Lets a request through only with `authorization: Bearer <token>`.
+async fn bearer(
+    token: Option<String>,
+    request: Request,
+    next: Next,
+) -> Result<Response, StatusCode> {
+    let expected = token.map(|token| format!("Bearer {token}"));
+    let given = request.headers().get("authorization").and_then(|value| value.to_str().ok());
+    match (expected, given) {
+        (Some(expected), Some(given)) if expected == given => Ok(next.run(request).await),
+        _ => Err(StatusCode::UNAUTHORIZED),
+    }
+}
+
+async fn run() -> Result<(), Box<dyn std::error::Error>> {
+    let path = std::env::temp_dir().join(format!("http-gateway-{}.db", std::process::id()));
+    let sharding = SingleRunner::sqlite(&path, ShardingConfig::default()).await?;
+    sharding.register::<Counter>(EntityOptions::default())?;
+    let token = std::env::var("GATEWAY_TOKEN").ok().filter(|token| !token.is_empty());
+    let gateway = HttpGateway::new(sharding.clone()).entity::<Counter>().router().layer(
+        axum::middleware::from_fn(move |request, next| bearer(token.clone(), request, next)),
+    );
+    let app = axum::Router::new().nest("/api", gateway);
+    let listen = std::env::var("GATEWAY_LISTEN").unwrap_or_else(|_| "127.0.0.1:8080".to_owned());
+    let listener = tokio::net::TcpListener::bind(&listen).await?;
+    say(&format!("http_gateway: listening on {}", listener.local_addr()?));
+    axum::serve(listener, app)
+        .with_graceful_shutdown(async {
+            let _ = tokio::signal::ctrl_c().await;
+        })
+        .await?;
+    sharding.shutdown().await;
+    for suffix in ["", "-wal", "-shm"] {
+        let _ = std::fs::remove_file(format!("{}{suffix}", path.display()));
+    }
+    Ok(())
+}
+
+#[expect(clippy::print_stdout, reason = "the example says where it listens")]
+fn say(line: &str) {
+    println!("{line}");
+}
+
+#[tokio::main]
+async fn main() -> ExitCode {
+    match run().await {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(error) => {
+            #[expect(clippy::print_stderr, reason = "the example reports its failure")]
+            {
+                eprintln!("http_gateway: {error}");
+            }
+            ExitCode::FAILURE
+        }
+    }
+}

@@ -1,0 +1,440 @@
+//! HTTP ingress (feature `http`): entities called over HTTP, wire-compatible with the reference's
+//! `EntityProxy.toHttpApiGroup` + `EntityProxyServer.layerHttpApi`
+//! (`effect/src/cluster/EntityProxy.ts`, `effect/src/cluster/EntityProxyServer.ts`), so that a
+//! client made with effect's `HttpApiClient` from the reference's definition works unchanged.
+//!
+//! [`HttpGateway`] builds an axum [`Router`] from registered entity types. It runs on a runner
+//! or on a client-only process (a stateless gateway in front of the cluster). The answers follow
+//! the reference's (its golden answers are in `crates/durable-cluster/tests/fixtures/http/`):
+//!
+//! - `POST /{tag in lowercase}/{entityId}` sends the request and answers 200 with the success
+//!   as JSON (a void success: 200 with an empty body).
+//! - `POST /{tag in lowercase}/{entityId}/discard` sends it without waiting: 204.
+//! - The body is the request's payload as JSON; an empty body is `null` (a request without
+//!   fields); an array is refused (the reference's payloads are structs). A body that does not decode as the request type answers 400 with the decoding
+//!   error (the reference's body is empty; its client reads the status only).
+//! - The request type's own error answers 500 with the error's JSON, unless
+//!   [`HttpGateway::error_status`] gives its `_tag` another status (the reference's
+//!   `httpApiStatus` annotation).
+//! - `MailboxFull`, `AlreadyProcessingMessage`, `PersistenceError` and
+//!   `EntityNotAssignedToRunner` answer 500 with their tagged JSON (the last one not on a discard
+//!   route, as in the reference). A defect answers 500 with an empty body: it is logged, never
+//!   shown.
+//! - Paths match without regard to case; duplicate and trailing slashes are ignored; the entity
+//!   id is percent-decoded and at most 100 characters. Anything else (another method, another
+//!   path, a streaming request type) answers 404 with an empty body.
+//! - A content type other than JSON answers 415; a body over the limit 413; a call past the
+//!   request timeout 504.
+//!
+//! Authentication is a tower layer of the application's around the router (see the
+//! `http_gateway` example), and a prefix is axum's `Router::nest`.
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+use std::time::Duration;
+
+use axum::extract::{Request, State};
+use axum::http::{HeaderValue, Method, StatusCode, header};
+use axum::response::{IntoResponse, Response};
+use cluster_core::envelope::{Cause, CauseReason, Exit, RawJson};
+use cluster_core::{ClusterError, EntityAddress, EntityId};
+use cluster_sharding::{Entity, ErasedError, ErasedRpc, Sharding};
+
+/// The longest entity id a path may carry, in characters after decoding (the reference's
+/// router's `maxParamLength`).
+pub const MAX_ENTITY_ID_CHARS: usize = 100;
+
+/// Limits of an [`HttpGateway`].
+#[derive(Clone, Debug)]
+#[non_exhaustive]
+pub struct HttpOptions {
+    /// The largest request body, in bytes; a larger one answers 413. Default 4 MiB.
+    pub max_body_bytes: usize,
+    /// How long a call may take before the gateway answers 504. The request itself goes on (a
+    /// persisted request is answered in storage). Default 30 s.
+    pub request_timeout: Duration,
+}
+
+impl Default for HttpOptions {
+    fn default() -> HttpOptions {
+        HttpOptions { max_body_bytes: 4 * 1024 * 1024, request_timeout: Duration::from_secs(30) }
+    }
+}
+
+/// The request types of one registered entity type, by their path segment.
+#[derive(Debug)]
+struct EntityRoutes {
+    entity_type: &'static str,
+    /// Path segments before the tag, in lowercase (empty at the root).
+    prefix: Vec<String>,
+    /// The callable request types, by tag in lowercase.
+    rpcs: BTreeMap<String, ErasedRpc>,
+}
+
+/// An HTTP gateway to entities: build it, then serve its [`router`](HttpGateway::router).
+#[derive(Debug)]
+pub struct HttpGateway {
+    sharding: Sharding,
+    entities: Vec<EntityRoutes>,
+    error_statuses: BTreeMap<String, StatusCode>,
+    options: HttpOptions,
+}
+
+impl HttpGateway {
+    /// A gateway that calls entities through `sharding` (a runner, or a client-only process).
+    pub fn new(sharding: Sharding) -> HttpGateway {
+        HttpGateway {
+            sharding,
+            entities: Vec::new(),
+            error_statuses: BTreeMap::new(),
+            options: HttpOptions::default(),
+        }
+    }
+
+    /// Serves the request types of `E` at the root: `/{tag}/{entityId}` and
+    /// `/{tag}/{entityId}/discard` (the reference's group without a prefix).
+    #[must_use]
+    pub fn entity<E: Entity>(self) -> HttpGateway {
+        self.entity_under::<E>("")
+    }
+
+    /// Serves the request types of `E` under `prefix` (such as `/counter`), so that entity types
+    /// with the same tags do not share paths (the reference's `HttpApiGroup.prefix`).
+    #[must_use]
+    pub fn entity_under<E: Entity>(mut self, prefix: &str) -> HttpGateway {
+        let rpcs = cluster_sharding::rpcs_of::<E>()
+            .into_iter()
+            .filter(|rpc| !rpc.is_stream())
+            .map(|rpc| (rpc.tag().to_lowercase(), rpc))
+            .collect();
+        let prefix = segments(prefix).map(str::to_lowercase).collect();
+        self.entities.push(EntityRoutes { entity_type: E::TYPE, prefix, rpcs });
+        self
+    }
+
+    /// Answers the request types' errors whose `_tag` is `tag` with `status` instead of 500 (the
+    /// reference's `httpApiStatus` annotation on an error class).
+    ///
+    /// # Errors
+    ///
+    /// `status` is not an HTTP error status (400 to 599).
+    pub fn error_status(mut self, tag: &str, status: u16) -> Result<HttpGateway, InvalidStatus> {
+        let status = StatusCode::from_u16(status).map_err(|_| InvalidStatus(status))?;
+        if !(status.is_client_error() || status.is_server_error()) {
+            return Err(InvalidStatus(status.as_u16()));
+        }
+        self.error_statuses.insert(tag.to_owned(), status);
+        Ok(self)
+    }
+
+    /// The gateway with `options`.
+    #[must_use]
+    pub fn options(mut self, options: HttpOptions) -> HttpGateway {
+        self.options = options;
+        self
+    }
+
+    /// The axum router of the gateway.
+    pub fn router(self) -> axum::Router {
+        axum::Router::new().fallback(serve).with_state(Arc::new(self))
+    }
+
+    /// The request type and entity id a path names, and whether it is a discard route.
+    fn route(&self, path: &str) -> Option<(&EntityRoutes, &ErasedRpc, EntityId, bool)> {
+        // The reference's router ends the path at `;`.
+        let path = path.split(';').next().unwrap_or_default();
+        let parts: Vec<&str> = segments(path).collect();
+        self.entities.iter().find_map(|entity| {
+            let rest = strip_prefix(&parts, &entity.prefix)?;
+            let (tag, entity_id, discard) = match rest {
+                [tag, entity_id] => (tag, entity_id, false),
+                [tag, entity_id, discard] if discard.eq_ignore_ascii_case("discard") => {
+                    (tag, entity_id, true)
+                }
+                _ => return None,
+            };
+            let rpc = entity.rpcs.get(&tag.to_lowercase())?;
+            let entity_id = decode_segment(entity_id)?;
+            if entity_id.chars().count() > MAX_ENTITY_ID_CHARS {
+                return None;
+            }
+            Some((entity, rpc, EntityId::from(entity_id), discard))
+        })
+    }
+}
+
+/// A status that is not an HTTP error status.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, thiserror::Error)]
+#[error("{0} is not an HTTP error status (400 to 599)")]
+pub struct InvalidStatus(pub u16);
+
+/// The non-empty segments of a path.
+fn segments(path: &str) -> impl Iterator<Item = &str> {
+    path.split('/').filter(|segment| !segment.is_empty())
+}
+
+/// What follows `prefix` in `parts`, compared without regard to case.
+fn strip_prefix<'a>(parts: &'a [&'a str], prefix: &[String]) -> Option<&'a [&'a str]> {
+    if parts.len() < prefix.len() {
+        return None;
+    }
+    let (head, rest) = parts.split_at(prefix.len());
+    head.iter()
+        .zip(prefix)
+        .all(|(part, expected)| part.eq_ignore_ascii_case(expected))
+        .then_some(rest)
+}
+
+/// A percent-decoded path segment; `None` when an escape is not valid or the bytes are not
+/// UTF-8.
+fn decode_segment(segment: &str) -> Option<String> {
+    let bytes = segment.as_bytes();
+    let mut decoded = Vec::with_capacity(bytes.len());
+    let mut index = 0;
+    while index < bytes.len() {
+        if bytes[index] == b'%' {
+            let hex = bytes.get(index + 1..index + 3)?;
+            let hex = std::str::from_utf8(hex).ok()?;
+            decoded.push(u8::from_str_radix(hex, 16).ok()?);
+            index += 3;
+        } else {
+            decoded.push(bytes[index]);
+            index += 1;
+        }
+    }
+    String::from_utf8(decoded).ok()
+}
+
+/// An empty answer with `status`.
+fn empty(status: StatusCode) -> Response {
+    status.into_response()
+}
+
+/// A JSON answer.
+fn json(status: StatusCode, body: String) -> Response {
+    let mut response = (status, body).into_response();
+    response
+        .headers_mut()
+        .insert(header::CONTENT_TYPE, HeaderValue::from_static("application/json"));
+    response
+}
+
+/// The one handler: routes, checks the body, calls, answers.
+async fn serve(State(gateway): State<Arc<HttpGateway>>, request: Request) -> Response {
+    if request.method() != Method::POST {
+        return empty(StatusCode::NOT_FOUND);
+    }
+    let Some((entity, rpc, entity_id, discard)) = gateway.route(request.uri().path()) else {
+        return empty(StatusCode::NOT_FOUND);
+    };
+    let span = tracing::info_span!(
+        "http_request",
+        entity_type = entity.entity_type,
+        tag = rpc.tag(),
+        entity_id = %entity_id,
+        discard,
+    );
+    let _entered = span.enter();
+    if let Some(unsupported) = unsupported_content_type(request.headers()) {
+        let mut response = (StatusCode::UNSUPPORTED_MEDIA_TYPE, unsupported).into_response();
+        response.headers_mut().insert(header::CONTENT_TYPE, HeaderValue::from_static("text/plain"));
+        return response;
+    }
+    let body = match axum::body::to_bytes(request.into_body(), gateway.options.max_body_bytes).await
+    {
+        Ok(body) => body,
+        Err(_) => return empty(StatusCode::PAYLOAD_TOO_LARGE),
+    };
+    let payload = match payload_of(&body) {
+        Ok(payload) => payload,
+        Err(message) => return decode_failed(&message),
+    };
+    drop(_entered);
+    let call = async {
+        if discard {
+            rpc.discard(&gateway.sharding, entity_id, payload).await.map(|()| None)
+        } else {
+            rpc.send(&gateway.sharding, entity_id, payload).await.map(Some)
+        }
+    };
+    let called = tracing::Instrument::instrument(
+        tokio::time::timeout(gateway.options.request_timeout, call),
+        span.clone(),
+    )
+    .await;
+    let _entered = span.enter();
+    match called {
+        Err(_) => {
+            tracing::warn!("HTTP call timed out");
+            empty(StatusCode::GATEWAY_TIMEOUT)
+        }
+        Ok(Ok(None)) => empty(StatusCode::NO_CONTENT),
+        Ok(Ok(Some(exit))) => gateway.exit_response(rpc, exit),
+        Ok(Err(error)) => error_response(&error, discard),
+    }
+}
+
+/// Why a content type is refused (`Unsupported content-type: ...`), if it is: a missing one is
+/// JSON; the value is compared in lowercase without its parameters.
+fn unsupported_content_type(headers: &axum::http::HeaderMap) -> Option<String> {
+    let value = headers.get(header::CONTENT_TYPE)?;
+    let value = String::from_utf8_lossy(value.as_bytes()).to_lowercase();
+    let media = value.split(';').next().unwrap_or_default().trim().to_owned();
+    (media != "application/json").then(|| format!("Unsupported content-type: {media}"))
+}
+
+/// The payload of a body: JSON, or `null` when the body is empty.
+fn payload_of(body: &[u8]) -> Result<RawJson, String> {
+    if body.iter().all(u8::is_ascii_whitespace) {
+        return Ok(RawJson::null());
+    }
+    let text = std::str::from_utf8(body).map_err(|error| error.to_string())?;
+    // The reference's payloads are structs or empty, never arrays; serde would read an array
+    // into a struct's fields in order.
+    if text.trim_start().starts_with('[') {
+        return Err("a payload is a JSON object or null, not an array".to_owned());
+    }
+    RawJson::from_json(text.to_owned()).map_err(|error| error.to_string())
+}
+
+/// 400, with the decoding error.
+fn decode_failed(message: &str) -> Response {
+    tracing::debug!(%message, "HTTP payload does not decode");
+    let body = serde_json::json!({ "_tag": "HttpApiSchemaError", "message": message });
+    json(StatusCode::BAD_REQUEST, body.to_string())
+}
+
+impl HttpGateway {
+    /// The answer of an exit.
+    fn exit_response(&self, rpc: &ErasedRpc, exit: Exit) -> Response {
+        match exit {
+            Exit::Success(_) if rpc.is_void() => empty(StatusCode::OK),
+            Exit::Success(value) => json(StatusCode::OK, value.json_or_null().to_owned()),
+            Exit::Failure(cause) => self.failure_response(&cause),
+        }
+    }
+
+    /// The request type's own error with its status, or 500 with an empty body for a defect or
+    /// an interruption (logged, never shown).
+    fn failure_response(&self, cause: &Cause) -> Response {
+        let failure = cause.0.iter().find_map(|reason| match reason {
+            CauseReason::Fail(error) => Some(error),
+            _ => None,
+        });
+        if let Some(error) = failure {
+            let status = error
+                .decode::<serde_json::Value>()
+                .ok()
+                .and_then(|value| value.get("_tag").and_then(|tag| tag.as_str()).map(str::to_owned))
+                .and_then(|tag| self.error_statuses.get(&tag).copied())
+                .unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
+            return json(status, error.json_or_null().to_owned());
+        }
+        tracing::error!(?cause, "HTTP call ended with a defect or an interruption");
+        empty(StatusCode::INTERNAL_SERVER_ERROR)
+    }
+}
+
+/// The answer of a call that failed before its exit.
+fn error_response(error: &ErasedError, discard: bool) -> Response {
+    match error {
+        ErasedError::Decode(error) => decode_failed(&error.to_string()),
+        ErasedError::Cluster(error) => match cluster_error_json(error, discard) {
+            Some(body) => json(StatusCode::INTERNAL_SERVER_ERROR, body.to_string()),
+            None => {
+                tracing::error!(%error, "HTTP call failed in the cluster");
+                empty(StatusCode::INTERNAL_SERVER_ERROR)
+            }
+        },
+        ErasedError::Stream(_) => empty(StatusCode::NOT_FOUND),
+        other => {
+            tracing::error!(error = %other, "HTTP call failed");
+            empty(StatusCode::INTERNAL_SERVER_ERROR)
+        }
+    }
+}
+
+/// The reference's JSON of the cluster errors its proxy declares; `None` for the others (and
+/// for `EntityNotAssignedToRunner` on a discard route, which does not declare it).
+fn cluster_error_json(error: &ClusterError, discard: bool) -> Option<serde_json::Value> {
+    match error {
+        ClusterError::MailboxFull { address } => {
+            Some(serde_json::json!({ "_tag": "MailboxFull", "address": address_json(address) }))
+        }
+        ClusterError::AlreadyProcessingMessage { envelope_id, address } => {
+            Some(serde_json::json!({
+                "_tag": "AlreadyProcessingMessage",
+                "envelopeId": envelope_id.to_string(),
+                "address": address_json(address),
+            }))
+        }
+        ClusterError::EntityNotAssignedToRunner { address } if !discard => {
+            Some(serde_json::json!({
+                "_tag": "EntityNotAssignedToRunner",
+                "address": address_json(address),
+            }))
+        }
+        ClusterError::Persistence(storage) => {
+            // The kind only: a driver's message may show the database's internals.
+            tracing::warn!(error = %storage, "HTTP call failed in storage");
+            let message = format!("storage failed ({})", storage.kind());
+            Some(serde_json::json!({
+                "_tag": "PersistenceError",
+                "cause": { "name": "Error", "message": message },
+            }))
+        }
+        _ => None,
+    }
+}
+
+/// The reference's JSON of an entity address.
+fn address_json(address: &EntityAddress) -> serde_json::Value {
+    serde_json::json!({
+        "shardId": { "group": address.shard_id.group().as_str(), "id": address.shard_id.id() },
+        "entityType": address.entity_type.as_str(),
+        "entityId": address.entity_id.as_str(),
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn segments_are_percent_decoded_and_bad_escapes_refused() {
+        assert_eq!(decode_segment("a%2Fb").as_deref(), Some("a/b"));
+        assert_eq!(decode_segment("100%25").as_deref(), Some("100%"));
+        assert_eq!(decode_segment("caf%C3%A9").as_deref(), Some("café"));
+        assert_eq!(decode_segment("a+b").as_deref(), Some("a+b"));
+        assert_eq!(decode_segment("%zz"), None);
+        assert_eq!(decode_segment("%4"), None);
+        assert_eq!(decode_segment("%FF"), None, "not UTF-8");
+    }
+
+    #[test]
+    fn content_types_are_compared_in_lowercase_without_parameters() {
+        let with = |value: &str| {
+            let mut headers = axum::http::HeaderMap::new();
+            headers.insert(header::CONTENT_TYPE, HeaderValue::from_str(value).unwrap());
+            unsupported_content_type(&headers)
+        };
+        assert_eq!(unsupported_content_type(&axum::http::HeaderMap::new()), None);
+        assert_eq!(with("application/json"), None);
+        assert_eq!(with("Application/JSON; charset=utf-8"), None);
+        assert_eq!(with("text/plain").as_deref(), Some("Unsupported content-type: text/plain"));
+        assert_eq!(
+            with("application/vnd.api+json").as_deref(),
+            Some("Unsupported content-type: application/vnd.api+json")
+        );
+    }
+
+    #[test]
+    fn an_empty_body_is_null_and_bad_json_is_refused() {
+        assert_eq!(payload_of(b"").unwrap(), RawJson::null());
+        assert_eq!(payload_of(b"  \n").unwrap(), RawJson::null());
+        assert_eq!(payload_of(b"{\"amount\":1}").unwrap().json(), Some("{\"amount\":1}"));
+        assert!(payload_of(b"{\"amount\":").is_err());
+        assert!(payload_of(&[0xff, 0xfe]).is_err());
+        assert!(payload_of(b" [1]").is_err(), "an array is never a payload");
+    }
+}
