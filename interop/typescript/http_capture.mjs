@@ -8,7 +8,9 @@
 // - crates/durable-cluster/tests/fixtures/http/reference-openapi.json: the reference's OpenAPI
 //   document of the same API (`OpenApi.fromApi`, served at `/openapi.json`).
 //
-// Usage: `node interop/typescript/http_capture.mjs` (after `npm ci --prefix interop/typescript`).
+// Usage: `node interop/typescript/http_capture.mjs` (after `npm ci --prefix interop/typescript`);
+// `node interop/typescript/http_capture.mjs --client-only <port>` runs only the HttpApiClient
+// cases against another server (see the end of this file).
 //
 // The raw cases are sent with node's fetch. `request.headers` are the headers the case sets;
 // fetch adds its own (`accept: */*`, `accept-encoding`, `accept-language: *`,
@@ -860,4 +862,13 @@ const main = async () => {
   process.stdout.write(`wrote ${cases.length} cases to ${join(outDir, "reference.json")}\n`)
 }
 
-await main()
+// `--client-only <port>`: only the HttpApiClient cases, against a server of another
+// implementation on 127.0.0.1:<port> (the Rust gateway of crates/durable-cluster/tests/http.rs),
+// printed as one JSON array of `{ name, status, clientResult }` on standard output.
+if (process.argv[2] === "--client-only") {
+  const cases = await runClientCases(Number(process.argv[3]))
+  const results = cases.map((c) => ({ name: c.name, status: c.response?.status ?? null, clientResult: c.clientResult }))
+  process.stdout.write(JSON.stringify(results) + "\n")
+} else {
+  await main()
+}

@@ -72,10 +72,11 @@ struct EntityRoutes {
 }
 
 /// An HTTP gateway to entities: build it, then serve its [`router`](HttpGateway::router).
-#[derive(Debug)]
 pub struct HttpGateway {
     sharding: Sharding,
     entities: Vec<EntityRoutes>,
+    #[cfg(feature = "workflow")]
+    workflows: Vec<workflows::WorkflowRoutes>,
     error_statuses: BTreeMap<String, StatusCode>,
     options: HttpOptions,
 }
@@ -86,6 +87,8 @@ impl HttpGateway {
         HttpGateway {
             sharding,
             entities: Vec::new(),
+            #[cfg(feature = "workflow")]
+            workflows: Vec::new(),
             error_statuses: BTreeMap::new(),
             options: HttpOptions::default(),
         }
@@ -163,6 +166,16 @@ impl HttpGateway {
     }
 }
 
+impl std::fmt::Debug for HttpGateway {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("HttpGateway")
+            .field("entities", &self.entities)
+            .field("error_statuses", &self.error_statuses)
+            .field("options", &self.options)
+            .finish_non_exhaustive()
+    }
+}
+
 /// A status that is not an HTTP error status.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, thiserror::Error)]
 #[error("{0} is not an HTTP error status (400 to 599)")]
@@ -224,6 +237,10 @@ async fn serve(State(gateway): State<Arc<HttpGateway>>, request: Request) -> Res
     if request.method() != Method::POST {
         return empty(StatusCode::NOT_FOUND);
     }
+    #[cfg(feature = "workflow")]
+    if let Some((routes, action)) = workflows::route(&gateway.workflows, request.uri().path()) {
+        return workflows::serve(&gateway, routes, action, request).await;
+    }
     let Some((entity, rpc, entity_id, discard)) = gateway.route(request.uri().path()) else {
         return empty(StatusCode::NOT_FOUND);
     };
@@ -235,19 +252,9 @@ async fn serve(State(gateway): State<Arc<HttpGateway>>, request: Request) -> Res
         discard,
     );
     let _entered = span.enter();
-    if let Some(unsupported) = unsupported_content_type(request.headers()) {
-        let mut response = (StatusCode::UNSUPPORTED_MEDIA_TYPE, unsupported).into_response();
-        response.headers_mut().insert(header::CONTENT_TYPE, HeaderValue::from_static("text/plain"));
-        return response;
-    }
-    let body = match axum::body::to_bytes(request.into_body(), gateway.options.max_body_bytes).await
-    {
-        Ok(body) => body,
-        Err(_) => return empty(StatusCode::PAYLOAD_TOO_LARGE),
-    };
-    let payload = match payload_of(&body) {
+    let payload = match read_payload(&gateway.options, request).await {
         Ok(payload) => payload,
-        Err(message) => return decode_failed(&message),
+        Err(refused) => return refused,
     };
     drop(_entered);
     let call = async {
@@ -272,6 +279,19 @@ async fn serve(State(gateway): State<Arc<HttpGateway>>, request: Request) -> Res
         Ok(Ok(Some(exit))) => gateway.exit_response(rpc, exit),
         Ok(Err(error)) => error_response(&error, discard),
     }
+}
+
+/// The request's JSON payload, or the answer that refuses it (415, 413, 400).
+async fn read_payload(options: &HttpOptions, request: Request) -> Result<RawJson, Response> {
+    if let Some(unsupported) = unsupported_content_type(request.headers()) {
+        let mut response = (StatusCode::UNSUPPORTED_MEDIA_TYPE, unsupported).into_response();
+        response.headers_mut().insert(header::CONTENT_TYPE, HeaderValue::from_static("text/plain"));
+        return Err(response);
+    }
+    let Ok(body) = axum::body::to_bytes(request.into_body(), options.max_body_bytes).await else {
+        return Err(empty(StatusCode::PAYLOAD_TOO_LARGE));
+    };
+    payload_of(&body).map_err(|message| decode_failed(&message))
 }
 
 /// Why a content type is refused (`Unsupported content-type: ...`), if it is: a missing one is
@@ -305,6 +325,16 @@ fn decode_failed(message: &str) -> Response {
 }
 
 impl HttpGateway {
+    /// A request type's (or a workflow's) own error: 500, or the status given to its `_tag`.
+    fn typed_error(&self, error: String) -> Response {
+        let status = serde_json::from_str::<serde_json::Value>(&error)
+            .ok()
+            .and_then(|value| value.get("_tag").and_then(|tag| tag.as_str()).map(str::to_owned))
+            .and_then(|tag| self.error_statuses.get(&tag).copied())
+            .unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
+        json(status, error)
+    }
+
     /// The answer of an exit.
     fn exit_response(&self, rpc: &ErasedRpc, exit: Exit) -> Response {
         match exit {
@@ -322,13 +352,7 @@ impl HttpGateway {
             _ => None,
         });
         if let Some(error) = failure {
-            let status = error
-                .decode::<serde_json::Value>()
-                .ok()
-                .and_then(|value| value.get("_tag").and_then(|tag| tag.as_str()).map(str::to_owned))
-                .and_then(|tag| self.error_statuses.get(&tag).copied())
-                .unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
-            return json(status, error.json_or_null().to_owned());
+            return self.typed_error(error.json_or_null().to_owned());
         }
         tracing::error!(?cause, "HTTP call ended with a defect or an interruption");
         empty(StatusCode::INTERNAL_SERVER_ERROR)
@@ -394,6 +418,198 @@ fn address_json(address: &EntityAddress) -> serde_json::Value {
         "entityType": address.entity_type.as_str(),
         "entityId": address.entity_id.as_str(),
     })
+}
+
+/// Workflow routes (with the feature `workflow`), wire-compatible with the reference's
+/// `WorkflowProxy.toHttpApiGroup` + `WorkflowProxyServer.layerHttpApi`
+/// (`effect/src/workflow/WorkflowProxy.ts`, `effect/src/workflow/WorkflowProxyServer.ts`).
+#[cfg(feature = "workflow")]
+mod workflows {
+    use super::{
+        HttpGateway, Request, Response, StatusCode, decode_failed, empty, json, read_payload,
+        segments, strip_prefix,
+    };
+    use cluster_core::envelope::RawJson;
+    use cluster_core::future::BoxFuture;
+    use cluster_workflow::{ExecuteError, ExecutionId, Workflow, WorkflowEngine};
+
+    /// What a workflow route does.
+    #[derive(Clone, Copy, Debug, PartialEq, Eq)]
+    pub(super) enum Action {
+        /// `POST /{name}`: run and wait for the result.
+        Execute,
+        /// `POST /{name}/discard`: start, answer the execution id.
+        Discard,
+        /// `POST /{name}/resume` with `{"executionId": ...}`: resume a suspended execution.
+        Resume,
+    }
+
+    /// What an erased workflow call answers.
+    pub(super) enum Outcome {
+        /// The success's JSON, or `None` for a void success.
+        Success(Option<String>),
+        /// The workflow's own error, as JSON.
+        Failed(String),
+        /// The execution id of a discarded execution.
+        Started(ExecutionId),
+        /// Resumed.
+        Resumed,
+        /// The payload is not the workflow's.
+        Decode(String),
+        /// A defect, an interruption or an engine failure: logged, never shown.
+        Broken(String),
+    }
+
+    type Call = fn(WorkflowEngine, Action, RawJson) -> BoxFuture<'static, Outcome>;
+
+    /// The routes of one workflow.
+    pub(super) struct WorkflowRoutes {
+        name: &'static str,
+        prefix: Vec<String>,
+        engine: WorkflowEngine,
+        call: Call,
+    }
+
+    impl std::fmt::Debug for WorkflowRoutes {
+        fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+            f.debug_struct("WorkflowRoutes").field("name", &self.name).finish_non_exhaustive()
+        }
+    }
+
+    impl HttpGateway {
+        /// Serves the workflow `W` of `engine` at the root: `POST /{name}` (execute and wait),
+        /// `/{name}/discard` (start; answers the execution id) and `/{name}/resume` (the
+        /// reference's workflow proxy group without a prefix).
+        #[must_use]
+        pub fn workflow<W: Workflow>(self, engine: &WorkflowEngine) -> HttpGateway {
+            self.workflow_under::<W>(engine, "")
+        }
+
+        /// Serves the workflow `W` under `prefix`.
+        #[must_use]
+        pub fn workflow_under<W: Workflow>(
+            mut self,
+            engine: &WorkflowEngine,
+            prefix: &str,
+        ) -> HttpGateway {
+            let prefix = segments(prefix).map(str::to_lowercase).collect();
+            let routes =
+                WorkflowRoutes { name: W::NAME, prefix, engine: engine.clone(), call: call::<W> };
+            self.workflows.push(routes);
+            self
+        }
+    }
+
+    /// The workflow and action a path names.
+    pub(super) fn route<'a>(
+        workflows: &'a [WorkflowRoutes],
+        path: &str,
+    ) -> Option<(&'a WorkflowRoutes, Action)> {
+        let path = path.split(';').next().unwrap_or_default();
+        let parts: Vec<&str> = segments(path).collect();
+        workflows.iter().find_map(|routes| {
+            let rest = strip_prefix(&parts, &routes.prefix)?;
+            let (name, action) = match rest {
+                [name] => (name, Action::Execute),
+                [name, action] if action.eq_ignore_ascii_case("discard") => (name, Action::Discard),
+                [name, action] if action.eq_ignore_ascii_case("resume") => (name, Action::Resume),
+                _ => return None,
+            };
+            name.eq_ignore_ascii_case(routes.name).then_some((routes, action))
+        })
+    }
+
+    /// Runs one workflow route.
+    pub(super) async fn serve(
+        gateway: &HttpGateway,
+        routes: &WorkflowRoutes,
+        action: Action,
+        request: Request,
+    ) -> Response {
+        let span = tracing::info_span!("http_request", workflow = routes.name, ?action);
+        let payload = match read_payload(&gateway.options, request).await {
+            Ok(payload) => payload,
+            Err(refused) => return refused,
+        };
+        let call = (routes.call)(routes.engine.clone(), action, payload);
+        let called = tracing::Instrument::instrument(
+            tokio::time::timeout(gateway.options.request_timeout, call),
+            span.clone(),
+        )
+        .await;
+        let _entered = span.enter();
+        match called {
+            Err(_) => {
+                tracing::warn!("HTTP call timed out");
+                empty(StatusCode::GATEWAY_TIMEOUT)
+            }
+            Ok(Outcome::Success(None)) => empty(StatusCode::OK),
+            Ok(Outcome::Success(Some(value))) => json(StatusCode::OK, value),
+            Ok(Outcome::Failed(error)) => gateway.typed_error(error),
+            Ok(Outcome::Started(execution_id)) => {
+                // An id is a string: it always encodes.
+                let id = serde_json::to_string(execution_id.as_str()).unwrap_or_default();
+                json(StatusCode::OK, id)
+            }
+            Ok(Outcome::Resumed) => empty(StatusCode::NO_CONTENT),
+            Ok(Outcome::Decode(message)) => decode_failed(&message),
+            Ok(Outcome::Broken(why)) => {
+                tracing::error!(%why, "HTTP workflow call failed");
+                empty(StatusCode::INTERNAL_SERVER_ERROR)
+            }
+        }
+    }
+
+    /// The body of a resume route.
+    #[derive(serde::Deserialize)]
+    struct Resume {
+        #[serde(rename = "executionId")]
+        execution_id: String,
+    }
+
+    /// One workflow route of `W`.
+    fn call<W: Workflow>(
+        engine: WorkflowEngine,
+        action: Action,
+        payload: RawJson,
+    ) -> BoxFuture<'static, Outcome> {
+        Box::pin(async move {
+            if action == Action::Resume {
+                let resume: Resume = match payload.decode() {
+                    Ok(resume) => resume,
+                    Err(error) => return Outcome::Decode(error.to_string()),
+                };
+                let execution_id = ExecutionId::from_raw(resume.execution_id);
+                return match engine.resume::<W>(&execution_id).await {
+                    Ok(()) => Outcome::Resumed,
+                    Err(error) => Outcome::Broken(error.to_string()),
+                };
+            }
+            let payload: W::Payload = match payload.decode() {
+                Ok(payload) => payload,
+                Err(error) => return Outcome::Decode(error.to_string()),
+            };
+            if action == Action::Discard {
+                return match engine.execute_discard::<W>(payload).await {
+                    Ok(execution_id) => Outcome::Started(execution_id),
+                    Err(error) => Outcome::Broken(error.to_string()),
+                };
+            }
+            let void = std::any::TypeId::of::<W::Success>() == std::any::TypeId::of::<()>();
+            match engine.execute::<W>(payload).await {
+                Ok(_) if void => Outcome::Success(None),
+                Ok(success) => match serde_json::to_string(&success) {
+                    Ok(value) => Outcome::Success(Some(value)),
+                    Err(error) => Outcome::Broken(error.to_string()),
+                },
+                Err(ExecuteError::Failed(error)) => match serde_json::to_string(&error) {
+                    Ok(error) => Outcome::Failed(error),
+                    Err(error) => Outcome::Broken(error.to_string()),
+                },
+                Err(error) => Outcome::Broken(error.to_string()),
+            }
+        })
+    }
 }
 
 #[cfg(test)]

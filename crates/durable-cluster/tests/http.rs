@@ -1,13 +1,14 @@
 //! The HTTP gateway (feature `http`) against the reference's own answers: the requests of
 //! `tests/fixtures/http/reference.json` (captured from the reference's `EntityProxyServer` by
 //! `interop/typescript/http_capture.mjs`) are sent, in order, over real HTTP to a gateway in
-//! front of a runner on SQLite whose `Counter` entity behaves as the reference's, and each
-//! answer's status and body must be the reference's.
-#![cfg(all(feature = "http", feature = "sqlite", feature = "rpc"))]
+//! front of a runner on SQLite whose `Counter` entity and `Greet` workflow behave as the
+//! reference's, and each answer's status and body must be the reference's.
+#![cfg(all(feature = "http", feature = "sqlite", feature = "rpc", feature = "workflow"))]
 
 use std::net::SocketAddr;
 
 use durable_cluster::http::HttpGateway;
+use durable_cluster::workflow::{Workflow, WorkflowContext, WorkflowEngine};
 use durable_cluster::{
     Entity, EntityContext, EntityOptions, Protocol, RequestContext, Rpc, ShardingConfig,
     SingleRunner,
@@ -175,6 +176,40 @@ impl durable_cluster::Handler<Deposit> for Counter {
     }
 }
 
+/// The reference's `Greet` workflow: greets `name`; an empty name is refused, `boom` dies.
+struct Greet;
+
+#[derive(Serialize, Deserialize)]
+struct GreetPayload {
+    name: String,
+}
+
+/// The reference's tagged error `GreetRefused`.
+#[derive(Debug, Serialize, Deserialize)]
+#[serde(tag = "_tag", rename = "GreetRefused")]
+struct GreetRefused {
+    name: String,
+}
+
+impl Workflow for Greet {
+    const NAME: &'static str = "Greet";
+    type Payload = GreetPayload;
+    type Success = String;
+    type Error = GreetRefused;
+
+    fn idempotency_key(payload: &GreetPayload) -> String {
+        payload.name.clone()
+    }
+}
+
+async fn greet(_: WorkflowContext, payload: GreetPayload) -> Result<String, GreetRefused> {
+    match payload.name.as_str() {
+        "" => Err(GreetRefused { name: payload.name }),
+        "boom" => panic!("boom"),
+        name => Ok(format!("Hello, {name}!")),
+    }
+}
+
 /// One exchange: the status, the content type and the body.
 #[derive(Debug)]
 struct Answer {
@@ -242,23 +277,52 @@ const NOT_REPLAYED: &[(&str, &str)] = &[
     ("client_deposit_persistence_error", "as deposit_persistence_error"),
 ];
 
+/// A gateway serving `Counter` and `Greet` (with `Rejected` answered 409, as the reference's
+/// annotation says) in front of a single runner on the SQLite file of `name`.
+struct Gateway {
+    address: SocketAddr,
+    sharding: durable_cluster::Sharding,
+    server: tokio::task::JoinHandle<std::io::Result<()>>,
+    name: &'static str,
+}
+
+impl Gateway {
+    async fn start(name: &'static str) -> Gateway {
+        support::remove_database(name);
+        let sharding =
+            SingleRunner::sqlite(support::database(name), ShardingConfig::default()).await.unwrap();
+        sharding.register::<Counter>(EntityOptions::default()).unwrap();
+        let engine = WorkflowEngine::cluster(&sharding).unwrap();
+        Greet::register(&engine, greet).unwrap();
+        let router = HttpGateway::new(sharding.clone())
+            .workflow::<Greet>(&engine)
+            .entity::<Counter>()
+            .error_status("Rejected", 409)
+            .unwrap()
+            .router();
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let address = listener.local_addr().unwrap();
+        let server = tokio::spawn(async move { axum::serve(listener, router).await });
+        Gateway { address, sharding, server, name }
+    }
+
+    async fn stop(self) {
+        self.server.abort();
+        self.sharding.shutdown().await;
+        support::remove_database(self.name);
+    }
+}
+
+/// The reference's captured cases.
+fn fixtures() -> Value {
+    serde_json::from_str(include_str!("fixtures/http/reference.json")).unwrap()
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_gateway_answers_as_the_reference() {
-    let fixtures: Value =
-        serde_json::from_str(include_str!("fixtures/http/reference.json")).unwrap();
-    let name = "http-reference";
-    support::remove_database(name);
-    let sharding =
-        SingleRunner::sqlite(support::database(name), ShardingConfig::default()).await.unwrap();
-    sharding.register::<Counter>(EntityOptions::default()).unwrap();
-    let router = HttpGateway::new(sharding.clone())
-        .entity::<Counter>()
-        .error_status("Rejected", 409)
-        .unwrap()
-        .router();
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let address = listener.local_addr().unwrap();
-    let server = tokio::spawn(async move { axum::serve(listener, router).await });
+    let fixtures = fixtures();
+    let gateway = Gateway::start("http-reference").await;
+    let address = gateway.address;
 
     let mut replayed = 0;
     for case in fixtures.as_array().unwrap() {
@@ -266,9 +330,8 @@ async fn the_gateway_answers_as_the_reference() {
         let request = &case["request"];
         let path = request["path"].as_str().unwrap();
         let group = path.split('/').find(|segment| !segment.is_empty()).unwrap_or_default();
-        // The workflow group, the forced errors, the mailbox entity and the OpenAPI document
-        // are not served here yet.
-        let other = ["greet", "farewell", "forced", "sleep", "crash", "openapi.json"]
+        // The forced errors, the mailbox entity and the OpenAPI document are not served here.
+        let other = ["forced", "sleep", "crash", "openapi.json"]
             .iter()
             .any(|other| group.eq_ignore_ascii_case(other));
         if other || NOT_REPLAYED.iter().any(|(skipped, _)| *skipped == name) {
@@ -308,14 +371,167 @@ async fn the_gateway_answers_as_the_reference() {
         replayed += 1;
     }
     // Most of the entity cases: a regenerated fixture that lost them fails here.
-    assert!(replayed >= 70, "only {replayed} cases replayed");
+    assert!(replayed >= 85, "only {replayed} cases replayed");
 
     // Beyond the reference: a body over the limit is refused.
     let big = format!("{{\"amount\":1,\"pad\":\"{}\"}}", "x".repeat(5 * 1024 * 1024));
     let answer = exchange(address, "POST", "/increment/big", &[], big.as_bytes()).await;
     assert_eq!(answer.status, 413, "{answer:?}");
 
-    server.abort();
-    sharding.shutdown().await;
-    support::remove_database(name);
+    gateway.stop().await;
+}
+
+/// Client cases whose answer differs on purpose (see `NOT_REPLAYED`).
+const CLIENT_NOT_COMPARED: &[&str] = &["client_boom_defect", "client_deposit_persistence_error"];
+
+/// Effect's own `HttpApiClient`, made from the reference's definition of the API
+/// (`interop/typescript/http_proxy_server.mjs`), calls the Rust gateway: each call must end as
+/// it ended against the reference (the value, or the typed error with its fields).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn effects_http_api_client_works_against_the_gateway() {
+    let package = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../interop/typescript");
+    let node = std::process::Command::new("node").arg("--version").output().is_ok();
+    let installed = package.join("node_modules/effect/package.json").is_file();
+    if !node || !installed {
+        let missing = if node { "interop/typescript/node_modules" } else { "node" };
+        assert!(
+            std::env::var("CI").as_deref() != Ok("true"),
+            "{missing} is missing and CI=true: install Node.js and run `npm ci --prefix interop/typescript`"
+        );
+        #[expect(clippy::print_stderr, reason = "a skipped test says why")]
+        {
+            eprintln!("skipped: {missing} is missing (`npm ci --prefix interop/typescript`)");
+        }
+        return;
+    }
+    let fixtures = fixtures();
+    let gateway = Gateway::start("http-client").await;
+    let port = gateway.address.port().to_string();
+    let output = tokio::process::Command::new("node")
+        .arg("http_capture.mjs")
+        .args(["--client-only", &port])
+        .current_dir(&package)
+        .kill_on_drop(true)
+        .output();
+    let output = tokio::time::timeout(std::time::Duration::from_secs(120), output)
+        .await
+        .expect("the TypeScript client finishes within 2 minutes")
+        .unwrap();
+    assert!(output.status.success(), "{}", String::from_utf8_lossy(&output.stderr));
+    let results: Value = serde_json::from_slice(&output.stdout).unwrap();
+    let mut compared = 0;
+    for result in results.as_array().unwrap() {
+        let name = result["name"].as_str().unwrap();
+        if CLIENT_NOT_COMPARED.contains(&name) {
+            continue;
+        }
+        let expected = fixtures
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|case| case["name"] == name)
+            .unwrap_or_else(|| panic!("{name} is not in the fixtures"));
+        assert_eq!(result["status"], expected["response"]["status"], "{name}: status");
+        assert!(
+            same_json(&result["clientResult"], &expected["clientResult"]),
+            "{name}: the client got {} against the gateway, {} against the reference",
+            result["clientResult"],
+            expected["clientResult"]
+        );
+        compared += 1;
+    }
+    assert!(compared >= 12, "only {compared} client calls compared");
+    gateway.stop().await;
+}
+
+/// Arbitrary JSON values, nested a few levels.
+fn any_json() -> impl proptest::strategy::Strategy<Value = Value> {
+    use proptest::prelude::*;
+    let leaf = prop_oneof![
+        Just(Value::Null),
+        any::<bool>().prop_map(Value::from),
+        any::<i64>().prop_map(Value::from),
+        any::<f64>().prop_map(
+            |number| serde_json::Number::from_f64(number).map_or(Value::Null, Value::Number)
+        ),
+        ".{0,12}".prop_map(Value::from),
+    ];
+    leaf.prop_recursive(3, 24, 6, |inner| {
+        prop_oneof![
+            proptest::collection::vec(inner.clone(), 0..4).prop_map(Value::from),
+            proptest::collection::btree_map("(amount|id|reason|name|[a-z]{1,6})", inner, 0..4)
+                .prop_map(|map| Value::Object(map.into_iter().collect())),
+        ]
+    })
+}
+
+/// An answer is never a 5xx unless it carries a handler's own typed error.
+fn only_typed_errors_are_5xx(answer: &Answer) -> Result<(), String> {
+    if answer.status < 500 {
+        return Ok(());
+    }
+    let tag = serde_json::from_str::<Value>(&answer.body)
+        .ok()
+        .and_then(|body| body.get("_tag").and_then(Value::as_str).map(str::to_owned));
+    match tag.as_deref() {
+        Some("NegativeAmount" | "GreetRefused") => Ok(()),
+        _ => Err(format!("a 5xx that is not a typed error: {answer:?}")),
+    }
+}
+
+/// The JSON boundary: arbitrary bytes, arbitrary JSON and arbitrary paths never give a 5xx
+/// other than a handler's own error (and never a panic: the gateway keeps answering).
+#[test]
+fn arbitrary_input_never_gives_a_server_error() {
+    use proptest::prelude::*;
+    use proptest::test_runner::{Config, TestRunner};
+
+    let runtime =
+        tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().unwrap();
+    let gateway = runtime.block_on(Gateway::start("http-boundary"));
+    let address = gateway.address;
+    let tags = ["increment", "get", "reset", "whoami", "reject", "deposit", "greet"];
+    let json = [("content-type".to_owned(), "application/json".to_owned())];
+    let mut runner = TestRunner::new(Config { cases: 200, ..Config::default() });
+
+    let bodies =
+        (proptest::sample::select(tags.to_vec()), proptest::collection::vec(any::<u8>(), 0..64));
+    runner
+        .run(&bodies, |(tag, body)| {
+            let path = if tag == "greet" { "/greet".to_owned() } else { format!("/{tag}/p1") };
+            let answer = runtime.block_on(exchange(address, "POST", &path, &json, &body));
+            only_typed_errors_are_5xx(&answer).map_err(TestCaseError::fail)
+        })
+        .unwrap();
+
+    let values = (proptest::sample::select(tags.to_vec()), any_json(), any::<bool>());
+    runner
+        .run(&values, |(tag, value, discard)| {
+            let suffix = if discard { "/discard" } else { "" };
+            let path = if tag == "greet" {
+                format!("/greet{suffix}")
+            } else {
+                format!("/{tag}/p2{suffix}")
+            };
+            let body = value.to_string();
+            let answer = runtime.block_on(exchange(address, "POST", &path, &json, body.as_bytes()));
+            only_typed_errors_are_5xx(&answer).map_err(TestCaseError::fail)
+        })
+        .unwrap();
+
+    // Paths of arbitrary printable segments (escapes included), valid or not.
+    let paths = proptest::collection::vec("[ -~]{0,12}", 0..5);
+    runner
+        .run(&paths, |segments| {
+            let path: String = segments
+                .iter()
+                .map(|segment| format!("/{}", segment.replace([' ', '#', '?'], "%20")))
+                .collect();
+            let path = if path.is_empty() { "/".to_owned() } else { path };
+            let answer = runtime.block_on(exchange(address, "POST", &path, &json, b"{}"));
+            only_typed_errors_are_5xx(&answer).map_err(TestCaseError::fail)
+        })
+        .unwrap();
+
+    runtime.block_on(gateway.stop());
 }
