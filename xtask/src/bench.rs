@@ -1,7 +1,7 @@
 //! `cargo xtask bench`: the benchmark workloads of docs/performance.md (`cluster-bench`), in
 //! release mode against the local services.
 //!
-//! - `bench [W0|W1|…|W8|all]` (default `all`): each workload in its own process, one
+//! - `bench [W0|W1|…|W9|all]` (default `all`): each workload in its own process, one
 //!   JSON line each on standard output. W0 is W1's baseline without the runtime (a bare tokio
 //!   mailbox-and-oneshot echo on the same driver), to read W1 against on the same day.
 //! - `bench scaling`: W2 and W3 at 1, 16, 64 and 256 requests in flight, W1 with 1,000,
@@ -19,7 +19,8 @@ use plotters::prelude::*;
 use serde_json::Value;
 
 /// The workloads `all` runs, in order.
-pub(crate) const WORKLOADS: [&str; 9] = ["W0", "W1", "W2", "W3", "W4", "W5", "W6", "W7", "W8"];
+pub(crate) const WORKLOADS: [&str; 10] =
+    ["W0", "W1", "W2", "W3", "W4", "W5", "W6", "W7", "W8", "W9"];
 
 /// Where `bench scaling` writes its results and plots, under the workspace root.
 const OUTPUT: &str = "docs/performance";
@@ -75,7 +76,7 @@ pub(crate) fn run(root: &Path, args: &[String], service_env: &[(&str, &str)]) ->
             say(&workload_line(&name.to_ascii_uppercase(), &args[1..], service_env)?);
             Ok(())
         }
-        Some(other) => bail!("unknown benchmark `{other}`: W0 … W8, all, scaling or plot"),
+        Some(other) => bail!("unknown benchmark `{other}`: W0 … W9, all, scaling or plot"),
     }
 }
 

@@ -23,6 +23,7 @@
 
 mod database;
 mod drive;
+mod http;
 mod processes;
 mod workloads;
 
@@ -66,6 +67,9 @@ pub(crate) enum Workload {
     W7,
     /// Three-activity workflow started from a client, run by three runner processes.
     W8,
+    /// W6's persisted echo over HTTP, through a gateway process (a client-only member serving
+    /// `durable_cluster::http`) to three runner processes, on PostgreSQL.
+    W9,
 }
 
 impl Workload {
@@ -80,6 +84,7 @@ impl Workload {
             "W6" => Some(Workload::W6),
             "W7" => Some(Workload::W7),
             "W8" => Some(Workload::W8),
+            "W9" => Some(Workload::W9),
             _ => None,
         }
     }
@@ -89,7 +94,12 @@ impl Workload {
         match self {
             Workload::W0 | Workload::W1 => "memory",
             Workload::W2 | Workload::W4 => "sqlite",
-            Workload::W3 | Workload::W5 | Workload::W6 | Workload::W7 | Workload::W8 => "postgres",
+            Workload::W3
+            | Workload::W5
+            | Workload::W6
+            | Workload::W7
+            | Workload::W8
+            | Workload::W9 => "postgres",
         }
     }
 
@@ -98,13 +108,13 @@ impl Workload {
         match self {
             // A million: 100,000 take about 0.15 s, too short to read on a noisy machine.
             Workload::W0 | Workload::W1 | Workload::W7 => (1_000_000, 256, 1_000),
-            Workload::W2 | Workload::W3 | Workload::W6 => (20_000, 64, 1_000),
+            Workload::W2 | Workload::W3 | Workload::W6 | Workload::W9 => (20_000, 64, 1_000),
             Workload::W4 | Workload::W5 | Workload::W8 => (2_000, 64, 0),
         }
     }
 }
 
-const USAGE: &str = "usage: cluster-bench <W0|W1|W2|W3|W4|W5|W6|W7|W8> [--ops N] [--in-flight N] [--entities N] | runner";
+const USAGE: &str = "usage: cluster-bench <W0|W1|W2|W3|W4|W5|W6|W7|W8|W9> [--ops N] [--in-flight N] [--entities N] | runner | gateway";
 
 /// Reads the command line.
 pub(crate) fn parse_args(args: &[String]) -> Result<Plan, String> {
@@ -194,6 +204,9 @@ fn main() -> ExitCode {
     if args.first().map(String::as_str) == Some("runner") {
         return run_runner();
     }
+    if args.first().map(String::as_str) == Some("gateway") {
+        return run_gateway();
+    }
     let plan = match parse_args(&args) {
         Ok(plan) => plan,
         Err(error) => return fail(&error),
@@ -202,7 +215,7 @@ fn main() -> ExitCode {
         Ok(runtime) => runtime,
         Err(error) => return fail(&format!("cannot start the runtime: {error}")),
     };
-    let across = matches!(plan.workload, Workload::W6 | Workload::W7 | Workload::W8);
+    let across = matches!(plan.workload, Workload::W6 | Workload::W7 | Workload::W8 | Workload::W9);
     let outcome = runtime.block_on(async {
         if across {
             let run = processes::run(&plan).await?;
@@ -236,6 +249,18 @@ fn run_runner() -> ExitCode {
     }
 }
 
+/// `cluster-bench gateway`: the HTTP gateway process of W9.
+fn run_gateway() -> ExitCode {
+    let runtime = match tokio::runtime::Builder::new_multi_thread().enable_all().build() {
+        Ok(runtime) => runtime,
+        Err(error) => return fail(&format!("cannot start the runtime: {error}")),
+    };
+    match runtime.block_on(processes::gateway()) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(error) => fail(&format!("gateway: {error}")),
+    }
+}
+
 #[expect(clippy::print_stderr, reason = "the benchmark reports why it could not run")]
 fn fail(error: &str) -> ExitCode {
     eprintln!("cluster-bench: {error}");
@@ -261,12 +286,16 @@ mod tests {
             Ok(Plan { workload: Workload::W3, ops: 1_000, in_flight: 16, entities: 1_000 })
         );
         assert_eq!(parse_args(&args("W5")).map(|plan| plan.ops), Ok(2_000));
+        assert_eq!(
+            parse_args(&args("w9")),
+            Ok(Plan { workload: Workload::W9, ops: 20_000, in_flight: 64, entities: 1_000 })
+        );
     }
 
     #[test]
     fn bad_arguments_are_refused_with_a_reason() {
         assert!(parse_args(&[]).unwrap_err().starts_with("usage"));
-        assert!(parse_args(&args("W9")).unwrap_err().contains("unknown workload `W9`"));
+        assert!(parse_args(&args("W10")).unwrap_err().contains("unknown workload `W10`"));
         assert!(parse_args(&args("W1 --ops")).unwrap_err().contains("needs a number"));
         assert!(parse_args(&args("W1 --ops many")).unwrap_err().contains("not `many`"));
         assert!(parse_args(&args("W1 --ops 0")).unwrap_err().contains("at least 1"));

@@ -1,5 +1,7 @@
-//! W6 to W8: three runner processes and this process as a client-only member, on PostgreSQL.
+//! W6 to W9: three runner processes and this process as a client-only member, on PostgreSQL.
 //!
+//! - W9 adds a gateway process between this one and the runners: a client-only member serving
+//!   the echo entity over HTTP (`durable_cluster::http`); this process sends HTTP requests.
 //! - Each runner is this binary in `runner` mode, configured from the environment as any
 //!   runner process is (`durable_cluster::Runner`): the echo entity, the workflow engine and the
 //!   three-step workflow, on a free port of 127.0.0.1.
@@ -58,7 +60,35 @@ pub(crate) async fn runner() -> Result<(), String> {
     Ok(())
 }
 
-/// Runs `plan` (W6, W7 or W8) against three runner processes.
+/// `cluster-bench gateway`: W9's gateway process, a client-only member serving the echo entity
+/// over HTTP on `127.0.0.1:$GATEWAY_PORT`, until SIGTERM.
+///
+/// # Errors
+///
+/// The environment is wrong, or the member or the listener could not start.
+pub(crate) async fn gateway() -> Result<(), String> {
+    let env = RunnerEnv::from_env(Role::Client).map_err(|error| error.to_string())?;
+    let port: u16 = std::env::var("GATEWAY_PORT")
+        .ok()
+        .and_then(|port| port.parse().ok())
+        .ok_or("GATEWAY_PORT must be a port")?;
+    let client = env.join().await.map_err(|error| error.to_string())?;
+    let router = durable_cluster::http::HttpGateway::new(client.clone()).entity::<Echo>().router();
+    let listener = tokio::net::TcpListener::bind(("127.0.0.1", port))
+        .await
+        .map_err(|error| format!("127.0.0.1:{port}: {error}"))?;
+    let stopped = async {
+        let _ = durable_cluster::terminated().await;
+    };
+    axum::serve(listener, router)
+        .with_graceful_shutdown(stopped)
+        .await
+        .map_err(|error| error.to_string())?;
+    client.shutdown().await;
+    Ok(())
+}
+
+/// Runs `plan` (W6 to W9) against three runner processes.
 ///
 /// # Errors
 ///
@@ -86,8 +116,19 @@ async fn run_on(plan: &Plan, database: &BenchDatabase) -> Result<AcrossProcesses
     for _ in 0..RUNNERS {
         runners.push(spawn_runner(&shared)?);
     }
+    let gateway_port = free_port()?;
+    let mut gateway = if plan.workload == Workload::W9 {
+        Some(spawn_mode("gateway", &shared, &[("GATEWAY_PORT", gateway_port.to_string())])?)
+    } else {
+        None
+    };
     let measured = async {
         wait_for_runners(&*registry).await?;
+        if plan.workload == Workload::W9 {
+            let http = crate::http::HttpClient::new(gateway_port);
+            http.wait_until_up().await?;
+            return crate::http::persisted_echo_over_http(plan, Some(database), http).await;
+        }
         let env = RunnerEnv::from_lookup(Role::Client, |name| {
             shared.iter().find(|(key, _)| key == name).map(|(_, value)| value.clone())
         })
@@ -99,7 +140,11 @@ async fn run_on(plan: &Plan, database: &BenchDatabase) -> Result<AcrossProcesses
     }
     .await;
     let mut peak_rss_mb = vec![crate::peak_rss_mb()];
+    peak_rss_mb.extend(gateway.iter().map(|child| child.id().map_or(0.0, peak_rss_of)));
     peak_rss_mb.extend(runners.iter().map(|child| child.id().map_or(0.0, peak_rss_of)));
+    if let Some(gateway) = &mut gateway {
+        stop(gateway).await;
+    }
     for child in &mut runners {
         stop(child).await;
     }
@@ -126,13 +171,22 @@ async fn measure(
 
 /// Starts one runner process on a free port of 127.0.0.1.
 fn spawn_runner(shared: &[(String, String)]) -> Result<Child, String> {
+    let port = free_port()?.to_string();
+    spawn_mode("runner", shared, &[("HOST", "127.0.0.1".to_owned()), ("PORT", port)])
+}
+
+/// Starts this binary in `mode` with the `shared` and `own` variables.
+fn spawn_mode(
+    mode: &str,
+    shared: &[(String, String)],
+    own: &[(&str, String)],
+) -> Result<Child, String> {
     let exe = std::env::current_exe().map_err(|error| format!("current exe: {error}"))?;
-    let port = free_port()?;
     let mut command = Command::new(exe);
-    command.arg("runner").stdout(Stdio::null()).stderr(Stdio::inherit()).kill_on_drop(true);
+    command.arg(mode).stdout(Stdio::null()).stderr(Stdio::inherit()).kill_on_drop(true);
     command.envs(shared.iter().map(|(name, value)| (name, value)));
-    command.env("HOST", "127.0.0.1").env("PORT", port.to_string());
-    command.spawn().map_err(|error| format!("cannot start a runner: {error}"))
+    command.envs(own.iter().map(|(name, value)| (name, value)));
+    command.spawn().map_err(|error| format!("cannot start a {mode}: {error}"))
 }
 
 /// Waits until every runner is in the registry.

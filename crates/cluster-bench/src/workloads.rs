@@ -115,8 +115,8 @@ pub(crate) async fn run(plan: &Plan) -> Result<Measured, String> {
         Workload::W1 => None,
         Workload::W2 | Workload::W4 => Some(BenchDatabase::sqlite()),
         Workload::W3 | Workload::W5 => Some(BenchDatabase::postgres()?),
-        Workload::W6 | Workload::W7 | Workload::W8 => {
-            return Err("W6 to W8 run across processes".to_owned());
+        Workload::W6 | Workload::W7 | Workload::W8 | Workload::W9 => {
+            return Err("W6 to W9 run across processes".to_owned());
         }
     };
     let result = match &database {
@@ -134,7 +134,7 @@ fn warm_up_size(plan: &Plan) -> usize {
     (plan.ops / 10).max(1)
 }
 
-fn entity_id(plan: &Plan, n: usize) -> String {
+pub(crate) fn entity_id(plan: &Plan, n: usize) -> String {
     format!("echo-{}", n % plan.entities.max(1))
 }
 
@@ -287,7 +287,7 @@ pub(crate) async fn workflows_on(
 
 /// The warm-up on numbers after the measured ones, the tables' statistics, then the
 /// measurement.
-async fn measure<F, Fut>(
+pub(crate) async fn measure<F, Fut>(
     plan: &Plan,
     database: Option<&BenchDatabase>,
     op: F,
@@ -303,6 +303,6 @@ where
     drive(0, plan.ops, plan.in_flight, op).await
 }
 
-fn check(echoed: u64, n: usize) -> Result<(), String> {
+pub(crate) fn check(echoed: u64, n: usize) -> Result<(), String> {
     if echoed == n as u64 { Ok(()) } else { Err(format!("expected {n}, got {echoed}")) }
 }

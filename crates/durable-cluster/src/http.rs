@@ -3,7 +3,7 @@
 //! (`effect/src/cluster/EntityProxy.ts`, `effect/src/cluster/EntityProxyServer.ts`), so that a
 //! client made with effect's `HttpApiClient` from the reference's definition works unchanged.
 //!
-//! [`HttpGateway`] builds an axum [`Router`] from registered entity types. It runs on a runner
+//! [`HttpGateway`] builds an [`axum::Router`] from registered entity types. It runs on a runner
 //! or on a client-only process (a stateless gateway in front of the cluster). The answers follow
 //! the reference's (its golden answers are in `crates/durable-cluster/tests/fixtures/http/`):
 //!
