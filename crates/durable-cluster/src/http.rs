@@ -50,8 +50,9 @@ pub const MAX_ENTITY_ID_CHARS: usize = 100;
 pub struct HttpOptions {
     /// The largest request body, in bytes; a larger one answers 413. Default 4 MiB.
     pub max_body_bytes: usize,
-    /// How long a call may take before the gateway answers 504. The request itself goes on (a
-    /// persisted request is answered in storage). Default 30 s.
+    /// How long a call may take before the gateway answers 504. A persisted request goes on
+    /// and is answered in storage (the same call, with the same primary key, reads it); a
+    /// volatile one is interrupted. Default 30 s.
     pub request_timeout: Duration,
 }
 
