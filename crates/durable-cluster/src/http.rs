@@ -25,6 +25,7 @@
 //!   path, a streaming request type) answers 404 with an empty body.
 //! - A content type other than JSON answers 415; a body over the limit 413; a call past the
 //!   request timeout 504.
+//! - `GET /openapi.json` answers the OpenAPI document of the routes ([`HttpGateway::openapi`]).
 //!
 //! Authentication is a tower layer of the application's around the router (see the
 //! `http_gateway` example), and a prefix is axum's `Router::nest`.
@@ -39,6 +40,8 @@ use axum::response::{IntoResponse, Response};
 use cluster_core::envelope::{Cause, CauseReason, Exit, RawJson};
 use cluster_core::{ClusterError, EntityAddress, EntityId};
 use cluster_sharding::{Entity, ErasedError, ErasedRpc, Sharding};
+
+mod openapi;
 
 /// The longest entity id a path may carry, in characters after decoding (the reference's
 /// router's `maxParamLength`).
@@ -80,6 +83,8 @@ pub struct HttpGateway {
     workflows: Vec<workflows::WorkflowRoutes>,
     error_statuses: BTreeMap<String, StatusCode>,
     options: HttpOptions,
+    /// The OpenAPI document, made when the router is.
+    openapi_json: String,
 }
 
 impl HttpGateway {
@@ -92,6 +97,7 @@ impl HttpGateway {
             workflows: Vec::new(),
             error_statuses: BTreeMap::new(),
             options: HttpOptions::default(),
+            openapi_json: String::new(),
         }
     }
 
@@ -138,9 +144,39 @@ impl HttpGateway {
         self
     }
 
-    /// The axum router of the gateway.
-    pub fn router(self) -> axum::Router {
+    /// The axum router of the gateway; it also serves the OpenAPI document at
+    /// `GET /openapi.json`.
+    pub fn router(mut self) -> axum::Router {
+        // A document of strings and numbers always serializes.
+        self.openapi_json = self.openapi().to_json().unwrap_or_default();
         axum::Router::new().fallback(serve).with_state(Arc::new(self))
+    }
+
+    /// The OpenAPI 3.1 document of the routes, in the reference's shape (see
+    /// `http/openapi.rs`): paths relative to the router, one tag per entity type or workflow.
+    pub fn openapi(&self) -> utoipa::openapi::OpenApi {
+        let entities: Vec<openapi::EntityOperation<'_>> = self
+            .entities
+            .iter()
+            .flat_map(|entity| {
+                entity.rpcs.values().map(|rpc| openapi::EntityOperation {
+                    group: entity.entity_type,
+                    prefix: &entity.prefix,
+                    tag: rpc.tag(),
+                    void_success: rpc.is_void(),
+                })
+            })
+            .collect();
+        #[cfg(feature = "workflow")]
+        let workflows = workflows::operations(&self.workflows);
+        #[cfg(not(feature = "workflow"))]
+        let workflows = Vec::new();
+        let errors: Vec<(String, u16)> = self
+            .error_statuses
+            .iter()
+            .map(|(tag, status)| (tag.clone(), status.as_u16()))
+            .collect();
+        openapi::document("durable-cluster gateway", &entities, &workflows, &errors)
     }
 
     /// The request type and entity id a path names, and whether it is a discard route.
@@ -235,6 +271,9 @@ fn json(status: StatusCode, body: String) -> Response {
 
 /// The one handler: routes, checks the body, calls, answers.
 async fn serve(State(gateway): State<Arc<HttpGateway>>, request: Request) -> Response {
+    if request.method() == Method::GET && segments(request.uri().path()).eq(["openapi.json"]) {
+        return json(StatusCode::OK, gateway.openapi_json.clone());
+    }
     if request.method() != Method::POST {
         return empty(StatusCode::NOT_FOUND);
     }
@@ -499,6 +538,19 @@ mod workflows {
             self.workflows.push(routes);
             self
         }
+    }
+
+    /// What the OpenAPI document needs of each workflow.
+    pub(super) fn operations(
+        workflows: &[WorkflowRoutes],
+    ) -> Vec<super::openapi::WorkflowOperation<'_>> {
+        workflows
+            .iter()
+            .map(|routes| super::openapi::WorkflowOperation {
+                prefix: &routes.prefix,
+                name: routes.name,
+            })
+            .collect()
     }
 
     /// The workflow and action a path names.

@@ -1,0 +1,247 @@
+//! The gateway's OpenAPI 3.1 document (`GET /openapi.json`), in the shape of the reference's
+//! (`OpenApi.fromApi` over the entity and workflow proxy groups): one tag per entity type or
+//! workflow, operation ids `<group>.<Tag>` and `<group>.<Tag>Discard`, the path parameter
+//! `entityId`, the statuses the gateway answers with, and the cluster errors as components
+//! under the reference's names.
+//!
+//! The payload, success and error schemas of a request type are open (`{}`): the runtime knows
+//! their JSON, not their schema.
+
+use utoipa::openapi::path::{OperationBuilder, ParameterBuilder, ParameterIn};
+use utoipa::openapi::request_body::RequestBodyBuilder;
+use utoipa::openapi::schema::AnyOfBuilder;
+use utoipa::openapi::{
+    ComponentsBuilder, ContentBuilder, HttpMethod, InfoBuilder, ObjectBuilder, OpenApi,
+    OpenApiBuilder, PathItem, PathsBuilder, Ref, Required, ResponseBuilder, Schema, Type,
+};
+
+/// What the document needs of one routed request type.
+pub(super) struct EntityOperation<'a> {
+    pub(super) group: &'a str,
+    pub(super) prefix: &'a [String],
+    pub(super) tag: &'a str,
+    pub(super) void_success: bool,
+}
+
+/// What the document needs of one workflow.
+pub(super) struct WorkflowOperation<'a> {
+    pub(super) prefix: &'a [String],
+    pub(super) name: &'a str,
+}
+
+/// The reference's component names of the cluster errors.
+const MAILBOX_FULL: &str = "_effect_cluster_ClusterError_MailboxFullEncoded";
+const ALREADY_PROCESSING: &str = "_effect_cluster_ClusterError_AlreadyProcessingMessageEncoded";
+const PERSISTENCE: &str = "_effect_cluster_ClusterError_PersistenceErrorEncoded";
+const NOT_ASSIGNED: &str = "_effect_cluster_ClusterError_EntityNotAssignedToRunnerEncoded";
+const ADDRESS: &str = "_effect_cluster_EntityAddressEncoded";
+
+/// The document of `entities` and `workflows`, with `errors` (a `_tag` and its status) as
+/// extra responses.
+pub(super) fn document(
+    title: &str,
+    entities: &[EntityOperation<'_>],
+    workflows: &[WorkflowOperation<'_>],
+    errors: &[(String, u16)],
+) -> OpenApi {
+    let mut paths = PathsBuilder::new();
+    for operation in entities {
+        let base = path_of(operation.prefix, &operation.tag.to_lowercase());
+        let path = format!("{base}/{{entityId}}");
+        let call = entity_operation(operation, false, errors);
+        paths = paths.path(path.clone(), PathItem::new(HttpMethod::Post, call));
+        let discard = entity_operation(operation, true, errors);
+        paths = paths.path(format!("{path}/discard"), PathItem::new(HttpMethod::Post, discard));
+    }
+    for workflow in workflows {
+        let base = path_of(workflow.prefix, &workflow.name.to_lowercase());
+        for (suffix, operation) in [
+            ("", workflow_execute(workflow, errors)),
+            ("/discard", workflow_discard(workflow)),
+            ("/resume", workflow_resume(workflow)),
+        ] {
+            paths =
+                paths.path(format!("{base}{suffix}"), PathItem::new(HttpMethod::Post, operation));
+        }
+    }
+    OpenApiBuilder::new()
+        .info(InfoBuilder::new().title(title).version("0.0.1").build())
+        .paths(paths.build())
+        .components(Some(components()))
+        .build()
+}
+
+/// `/{prefix}/{segment}`.
+fn path_of(prefix: &[String], segment: &str) -> String {
+    prefix.iter().map(|part| format!("/{part}")).chain([format!("/{segment}")]).collect()
+}
+
+/// An open schema (`{}`): any JSON.
+fn any() -> Schema {
+    Schema::Object(ObjectBuilder::new().build())
+}
+
+fn string() -> Schema {
+    Schema::Object(ObjectBuilder::new().schema_type(Type::String).build())
+}
+
+fn json_body(schema: Schema) -> RequestBodyBuilder {
+    RequestBodyBuilder::new()
+        .content("application/json", ContentBuilder::new().schema(Some(schema)).build())
+        .required(Some(Required::True))
+}
+
+/// `anyOf` the typed error (open) and the cluster errors named.
+fn errors_of(typed: bool, cluster: &[&str]) -> Schema {
+    let mut any_of = AnyOfBuilder::new();
+    if typed {
+        any_of = any_of.item(any());
+    }
+    for name in cluster {
+        any_of = any_of.item(Ref::from_schema_name(*name));
+    }
+    Schema::AnyOf(any_of.build())
+}
+
+/// The operation of a request type's route or of its discard route.
+fn entity_operation(
+    operation: &EntityOperation<'_>,
+    discard: bool,
+    errors: &[(String, u16)],
+) -> OperationBuilder {
+    let id = if discard {
+        format!("{}.{}Discard", operation.group, operation.tag)
+    } else {
+        format!("{}.{}", operation.group, operation.tag)
+    };
+    let entity_id = ParameterBuilder::new()
+        .name("entityId")
+        .parameter_in(ParameterIn::Path)
+        .required(Required::True)
+        .schema(Some(string()));
+    let mut built = OperationBuilder::new()
+        .tag(operation.group)
+        .operation_id(Some(id))
+        .parameter(entity_id)
+        .request_body(Some(json_body(any()).build()));
+    if discard {
+        let failed = errors_of(false, &[MAILBOX_FULL, ALREADY_PROCESSING, PERSISTENCE]);
+        built = built.response("204", ResponseBuilder::new().description("<No Content>"));
+        built = built.response("500", error_response(failed));
+        return built;
+    }
+    let success = if operation.void_success {
+        ResponseBuilder::new().description("<No Content>")
+    } else {
+        ResponseBuilder::new()
+            .description("Success")
+            .content("application/json", ContentBuilder::new().schema(Some(any())).build())
+    };
+    let failed = errors_of(true, &[MAILBOX_FULL, ALREADY_PROCESSING, PERSISTENCE, NOT_ASSIGNED]);
+    built = built.response("200", success).response("500", error_response(failed));
+    with_error_statuses(built, errors)
+}
+
+/// A 500 (or another error status) answer with `schema`.
+fn error_response(schema: Schema) -> ResponseBuilder {
+    ResponseBuilder::new()
+        .description("Error")
+        .content("application/json", ContentBuilder::new().schema(Some(schema)).build())
+}
+
+/// The statuses given to error tags, as extra responses.
+fn with_error_statuses(
+    mut operation: OperationBuilder,
+    errors: &[(String, u16)],
+) -> OperationBuilder {
+    for (tag, status) in errors {
+        operation = operation.response(status.to_string(), error_response(any()).description(tag));
+    }
+    operation
+}
+
+fn workflow_execute(
+    workflow: &WorkflowOperation<'_>,
+    errors: &[(String, u16)],
+) -> OperationBuilder {
+    let success = ResponseBuilder::new()
+        .description("Success")
+        .content("application/json", ContentBuilder::new().schema(Some(any())).build());
+    let operation = OperationBuilder::new()
+        .tag(workflow.name)
+        .operation_id(Some(format!("{0}.{0}", workflow.name)))
+        .request_body(Some(json_body(any()).build()))
+        .response("200", success)
+        .response("500", error_response(any()));
+    with_error_statuses(operation, errors)
+}
+
+fn workflow_discard(workflow: &WorkflowOperation<'_>) -> OperationBuilder {
+    let started = ResponseBuilder::new()
+        .description("The execution id")
+        .content("application/json", ContentBuilder::new().schema(Some(string())).build());
+    OperationBuilder::new()
+        .tag(workflow.name)
+        .operation_id(Some(format!("{0}.{0}Discard", workflow.name)))
+        .request_body(Some(json_body(any()).build()))
+        .response("200", started)
+}
+
+fn workflow_resume(workflow: &WorkflowOperation<'_>) -> OperationBuilder {
+    let body = ObjectBuilder::new()
+        .schema_type(Type::Object)
+        .property("executionId", string())
+        .required("executionId")
+        .build();
+    OperationBuilder::new()
+        .tag(workflow.name)
+        .operation_id(Some(format!("{0}.{0}Resume", workflow.name)))
+        .request_body(Some(json_body(Schema::Object(body)).build()))
+        .response("204", ResponseBuilder::new().description("<No Content>"))
+}
+
+/// A tagged error object: `_tag` with `tag` and the `fields`.
+fn tagged(tag: &str, fields: Vec<(&str, utoipa::openapi::RefOr<Schema>)>) -> Schema {
+    let tag_schema = ObjectBuilder::new().schema_type(Type::String).enum_values(Some([tag]));
+    let mut object = ObjectBuilder::new().schema_type(Type::Object).property("_tag", tag_schema);
+    object = object.required("_tag");
+    for (name, schema) in fields {
+        object = object.property(name, schema).required(name);
+    }
+    Schema::Object(object.build())
+}
+
+/// The cluster errors and the entity address, as the reference encodes them.
+fn components() -> utoipa::openapi::Components {
+    let integer = ObjectBuilder::new().schema_type(Type::Integer).build();
+    let shard = ObjectBuilder::new()
+        .schema_type(Type::Object)
+        .property("group", string())
+        .property("id", integer)
+        .required("group")
+        .required("id")
+        .build();
+    let address = ObjectBuilder::new()
+        .schema_type(Type::Object)
+        .property("shardId", shard)
+        .property("entityType", string())
+        .property("entityId", string())
+        .required("shardId")
+        .required("entityType")
+        .required("entityId")
+        .build();
+    let address_ref = || Ref::from_schema_name(ADDRESS).into();
+    ComponentsBuilder::new()
+        .schema(ADDRESS, Schema::Object(address))
+        .schema(MAILBOX_FULL, tagged("MailboxFull", vec![("address", address_ref())]))
+        .schema(
+            ALREADY_PROCESSING,
+            tagged(
+                "AlreadyProcessingMessage",
+                vec![("envelopeId", string().into()), ("address", address_ref())],
+            ),
+        )
+        .schema(PERSISTENCE, tagged("PersistenceError", vec![("cause", any().into())]))
+        .schema(NOT_ASSIGNED, tagged("EntityNotAssignedToRunner", vec![("address", address_ref())]))
+        .build()
+}
