@@ -278,6 +278,10 @@ async fn serve(State(gateway): State<Arc<HttpGateway>>, request: Request) -> Res
         return empty(StatusCode::NOT_FOUND);
     }
     #[cfg(feature = "workflow")]
+    if let Some(deferred) = workflows::deferred_route(&gateway.workflows, request.uri().path()) {
+        return workflows::complete(&gateway, deferred, request).await;
+    }
+    #[cfg(feature = "workflow")]
     if let Some((routes, action)) = workflows::route(&gateway.workflows, request.uri().path()) {
         return workflows::serve(&gateway, routes, action, request).await;
     }
@@ -469,9 +473,9 @@ mod workflows {
         HttpGateway, Request, Response, StatusCode, decode_failed, empty, json, read_payload,
         segments, strip_prefix,
     };
-    use cluster_core::envelope::RawJson;
+    use cluster_core::envelope::{Exit, RawJson};
     use cluster_core::future::BoxFuture;
-    use cluster_workflow::{ExecuteError, ExecutionId, Workflow, WorkflowEngine};
+    use cluster_workflow::{ExecuteError, ExecutionId, Token, Workflow, WorkflowEngine};
 
     /// What a workflow route does.
     #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -482,6 +486,10 @@ mod workflows {
         Discard,
         /// `POST /{name}/resume` with `{"executionId": ...}`: resume a suspended execution.
         Resume,
+        /// `POST /{name}/poll` with `{"executionId": ...}`: the stored result, or `null`.
+        Poll,
+        /// `POST /{name}/interrupt` with `{"executionId": ...}`: interrupt the execution.
+        Interrupt,
     }
 
     /// What an erased workflow call answers.
@@ -492,8 +500,10 @@ mod workflows {
         Failed(String),
         /// The execution id of a discarded execution.
         Started(ExecutionId),
-        /// Resumed.
-        Resumed,
+        /// Done, nothing to answer (resumed, interrupted).
+        Done,
+        /// The stored result (its JSON), or `None` while there is none.
+        Polled(Option<String>),
         /// The payload is not the workflow's.
         Decode(String),
         /// A defect, an interruption or an engine failure: logged, never shown.
@@ -519,7 +529,9 @@ mod workflows {
     impl HttpGateway {
         /// Serves the workflow `W` of `engine` at the root: `POST /{name}` (execute and wait),
         /// `/{name}/discard` (start; answers the execution id) and `/{name}/resume` (the
-        /// reference's workflow proxy group without a prefix).
+        /// reference's workflow proxy group without a prefix); beyond the reference,
+        /// `/{name}/poll` and `/{name}/interrupt`, and `/deferred/{token}` (and `.../fail`) to
+        /// complete a deferred of `W` from its token.
         #[must_use]
         pub fn workflow<W: Workflow>(self, engine: &WorkflowEngine) -> HttpGateway {
             self.workflow_under::<W>(engine, "")
@@ -566,10 +578,103 @@ mod workflows {
                 [name] => (name, Action::Execute),
                 [name, action] if action.eq_ignore_ascii_case("discard") => (name, Action::Discard),
                 [name, action] if action.eq_ignore_ascii_case("resume") => (name, Action::Resume),
+                [name, action] if action.eq_ignore_ascii_case("poll") => (name, Action::Poll),
+                [name, action] if action.eq_ignore_ascii_case("interrupt") => {
+                    (name, Action::Interrupt)
+                }
                 _ => return None,
             };
             name.eq_ignore_ascii_case(routes.name).then_some((routes, action))
         })
+    }
+
+    /// A deferred to complete: `POST /deferred/{token}` (a success, the body its value) or
+    /// `POST /deferred/{token}/fail` (a failure, the body its error), for a workflow the gateway
+    /// serves.
+    pub(super) enum Deferred<'a> {
+        /// The token names a workflow served here.
+        Served { routes: &'a WorkflowRoutes, token: Token, fail: bool },
+        /// The token does not read, or names a workflow not served here.
+        Refused { status: StatusCode, why: String },
+    }
+
+    /// The deferred route a path names, if it is one (`/deferred/...`, only with workflows).
+    pub(super) fn deferred_route<'a>(
+        workflows: &'a [WorkflowRoutes],
+        path: &str,
+    ) -> Option<Deferred<'a>> {
+        let parts: Vec<&str> = segments(path).collect();
+        let (token, fail) = match parts.as_slice() {
+            [head, token] if head.eq_ignore_ascii_case("deferred") => (token, false),
+            [head, token, fail]
+                if head.eq_ignore_ascii_case("deferred") && fail.eq_ignore_ascii_case("fail") =>
+            {
+                (token, true)
+            }
+            _ => return None,
+        };
+        if workflows.is_empty() {
+            return None;
+        }
+        let token = match Token::parse(token) {
+            Ok(token) => token,
+            Err(error) => {
+                return Some(Deferred::Refused {
+                    status: StatusCode::BAD_REQUEST,
+                    why: error.to_string(),
+                });
+            }
+        };
+        match workflows.iter().find(|routes| routes.name == token.workflow) {
+            Some(routes) => Some(Deferred::Served { routes, token, fail }),
+            None => Some(Deferred::Refused {
+                status: StatusCode::NOT_FOUND,
+                why: format!("no workflow {:?} is served here", token.workflow),
+            }),
+        }
+    }
+
+    /// Completes a deferred from its token: 204 once done.
+    pub(super) async fn complete(
+        gateway: &HttpGateway,
+        deferred: Deferred<'_>,
+        request: Request,
+    ) -> Response {
+        let (routes, token, fail) = match deferred {
+            Deferred::Served { routes, token, fail } => (routes, token, fail),
+            Deferred::Refused { status, why } => {
+                tracing::debug!(%why, "deferred completion refused");
+                return empty(status);
+            }
+        };
+        let span = tracing::info_span!(
+            "http_request",
+            workflow = routes.name,
+            deferred = %token.deferred,
+            execution_id = %token.execution_id,
+        );
+        let payload = match read_payload(&gateway.options, request).await {
+            Ok(payload) => payload,
+            Err(refused) => return refused,
+        };
+        let exit = if fail { Exit::fail(payload) } else { Exit::Success(payload) };
+        let completed = tracing::Instrument::instrument(
+            tokio::time::timeout(
+                gateway.options.request_timeout,
+                routes.engine.complete_exit(&token, exit),
+            ),
+            span.clone(),
+        )
+        .await;
+        let _entered = span.enter();
+        match completed {
+            Ok(Ok(())) => empty(StatusCode::NO_CONTENT),
+            Ok(Err(error)) => {
+                tracing::error!(%error, "HTTP deferred completion failed");
+                empty(StatusCode::INTERNAL_SERVER_ERROR)
+            }
+            Err(_) => empty(StatusCode::GATEWAY_TIMEOUT),
+        }
     }
 
     /// Runs one workflow route.
@@ -604,7 +709,10 @@ mod workflows {
                 let id = serde_json::to_string(execution_id.as_str()).unwrap_or_default();
                 json(StatusCode::OK, id)
             }
-            Ok(Outcome::Resumed) => empty(StatusCode::NO_CONTENT),
+            Ok(Outcome::Done) => empty(StatusCode::NO_CONTENT),
+            Ok(Outcome::Polled(result)) => {
+                json(StatusCode::OK, result.unwrap_or_else(|| "null".to_owned()))
+            }
             Ok(Outcome::Decode(message)) => decode_failed(&message),
             Ok(Outcome::Broken(why)) => {
                 tracing::error!(%why, "HTTP workflow call failed");
@@ -613,7 +721,7 @@ mod workflows {
         }
     }
 
-    /// The body of a resume route.
+    /// The body of the resume, poll and interrupt routes.
     #[derive(serde::Deserialize)]
     struct Resume {
         #[serde(rename = "executionId")]
@@ -627,14 +735,24 @@ mod workflows {
         payload: RawJson,
     ) -> BoxFuture<'static, Outcome> {
         Box::pin(async move {
-            if action == Action::Resume {
-                let resume: Resume = match payload.decode() {
-                    Ok(resume) => resume,
+            if matches!(action, Action::Resume | Action::Poll | Action::Interrupt) {
+                let named: Resume = match payload.decode() {
+                    Ok(named) => named,
                     Err(error) => return Outcome::Decode(error.to_string()),
                 };
-                let execution_id = ExecutionId::from_raw(resume.execution_id);
-                return match engine.resume::<W>(&execution_id).await {
-                    Ok(()) => Outcome::Resumed,
+                let execution_id = ExecutionId::from_raw(named.execution_id);
+                let done = match action {
+                    Action::Poll => {
+                        return match engine.poll::<W>(&execution_id).await {
+                            Ok(result) => Outcome::Polled(result.map(|result| result.to_json())),
+                            Err(error) => Outcome::Broken(error.to_string()),
+                        };
+                    }
+                    Action::Interrupt => engine.interrupt::<W>(&execution_id).await,
+                    _ => engine.resume::<W>(&execution_id).await,
+                };
+                return match done {
+                    Ok(()) => Outcome::Done,
                     Err(error) => Outcome::Broken(error.to_string()),
                 };
             }

@@ -8,7 +8,9 @@
 use std::net::SocketAddr;
 
 use durable_cluster::http::HttpGateway;
-use durable_cluster::workflow::{Workflow, WorkflowContext, WorkflowEngine};
+use durable_cluster::workflow::{
+    DurableDeferred, ExecutionId, Token, Workflow, WorkflowContext, WorkflowEngine,
+};
 use durable_cluster::{
     Entity, EntityContext, EntityOptions, Protocol, RequestContext, Rpc, ShardingConfig,
     SingleRunner,
@@ -210,6 +212,36 @@ async fn greet(_: WorkflowContext, payload: GreetPayload) -> Result<String, Gree
     }
 }
 
+/// A workflow that waits for an approval: the deferred `approval`, completed over HTTP from its
+/// token. Its payload's field is one the property test's JSON never has (it would wait).
+struct Approval;
+
+#[derive(Serialize, Deserialize)]
+struct ApprovalPayload {
+    approval_id: String,
+}
+
+impl Workflow for Approval {
+    const NAME: &'static str = "Approval";
+    type Payload = ApprovalPayload;
+    type Success = String;
+    type Error = String;
+
+    fn idempotency_key(payload: &ApprovalPayload) -> String {
+        payload.approval_id.clone()
+    }
+}
+
+/// The deferred an `Approval` waits for.
+fn approval() -> DurableDeferred<String, String> {
+    DurableDeferred::new("approval")
+}
+
+async fn approve(ctx: WorkflowContext, _: ApprovalPayload) -> Result<String, String> {
+    let by = ctx.await_deferred(&approval()).await?;
+    Ok(format!("approved by {by}"))
+}
+
 /// One exchange: the status, the content type and the body.
 #[derive(Debug)]
 struct Answer {
@@ -294,8 +326,10 @@ impl Gateway {
         sharding.register::<Counter>(EntityOptions::default()).unwrap();
         let engine = WorkflowEngine::cluster(&sharding).unwrap();
         Greet::register(&engine, greet).unwrap();
+        Approval::register(&engine, approve).unwrap();
         let router = HttpGateway::new(sharding.clone())
             .workflow::<Greet>(&engine)
+            .workflow::<Approval>(&engine)
             .entity::<Counter>()
             .error_status("Rejected", 409)
             .unwrap()
@@ -496,6 +530,74 @@ async fn the_openapi_document_lists_the_references_operations() {
     ] {
         assert!(ours["components"]["schemas"][name].is_object(), "{name}");
     }
+    gateway.stop().await;
+}
+
+/// `POST /{name}/poll` until `done` accepts the stored result, at most 20 seconds.
+async fn poll_until(
+    address: SocketAddr,
+    execution_id: &str,
+    done: impl Fn(&str) -> bool,
+) -> String {
+    let json = [("content-type".to_owned(), "application/json".to_owned())];
+    let body = serde_json::json!({ "executionId": execution_id }).to_string();
+    let deadline = tokio::time::Instant::now() + std::time::Duration::from_secs(20);
+    loop {
+        let answer = exchange(address, "POST", "/approval/poll", &json, body.as_bytes()).await;
+        assert_eq!(answer.status, 200, "{answer:?}");
+        if done(&answer.body) {
+            return answer.body;
+        }
+        assert!(tokio::time::Instant::now() < deadline, "still {}", answer.body);
+        tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+    }
+}
+
+/// Beyond the reference's routes: an execution is polled, a deferred completed from its token
+/// (as a webhook would), and another execution interrupted, all over HTTP.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_deferred_is_completed_from_its_token_and_executions_polled_and_interrupted() {
+    let gateway = Gateway::start("http-deferred").await;
+    let address = gateway.address;
+    let json = [("content-type".to_owned(), "application/json".to_owned())];
+    let started =
+        exchange(address, "POST", "/approval/discard", &json, br#"{"approval_id":"a1"}"#).await;
+    assert_eq!(started.status, 200, "{started:?}");
+    let execution_id: String = serde_json::from_str(&started.body).unwrap();
+    let suspended = poll_until(address, &execution_id, |body| body.contains("Suspended")).await;
+    assert!(suspended.starts_with(r#"{"_tag":"Suspended""#), "{suspended}");
+
+    let token = approval().token_for::<Approval>(&ExecutionId::from_raw(execution_id.clone()));
+    let path = format!("/deferred/{}", token.encode());
+    let completed = exchange(address, "POST", &path, &json, br#""alice""#).await;
+    assert_eq!(completed.status, 204, "{completed:?}");
+    let executed = exchange(address, "POST", "/approval", &json, br#"{"approval_id":"a1"}"#).await;
+    assert_eq!((executed.status, executed.body.as_str()), (200, r#""approved by alice""#));
+    let result = poll_until(address, &execution_id, |body| body.contains("Complete")).await;
+    assert!(result.contains("approved by alice"), "{result}");
+
+    // A token that does not read, and one of a workflow not served here.
+    let bad = exchange(address, "POST", "/deferred/not-a-token!", &json, b"1").await;
+    assert_eq!(bad.status, 400, "{bad:?}");
+    let other = Token {
+        workflow: "Elsewhere".to_owned(),
+        execution_id: ExecutionId::from_raw("x"),
+        deferred: "approval".to_owned(),
+    };
+    let path = format!("/deferred/{}", other.encode());
+    assert_eq!(exchange(address, "POST", &path, &json, b"1").await.status, 404);
+
+    // Another execution, interrupted while it waits.
+    let started =
+        exchange(address, "POST", "/approval/discard", &json, br#"{"approval_id":"a2"}"#).await;
+    let execution_id: String = serde_json::from_str(&started.body).unwrap();
+    poll_until(address, &execution_id, |body| body.contains("Suspended")).await;
+    let body = serde_json::json!({ "executionId": execution_id }).to_string();
+    let interrupted =
+        exchange(address, "POST", "/approval/interrupt", &json, body.as_bytes()).await;
+    assert_eq!(interrupted.status, 204, "{interrupted:?}");
+    let result = poll_until(address, &execution_id, |body| body.contains("Complete")).await;
+    assert!(result.contains("Interrupt"), "{result}");
     gateway.stop().await;
 }
 

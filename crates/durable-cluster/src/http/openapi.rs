@@ -58,10 +58,29 @@ pub(super) fn document(
         for (suffix, operation) in [
             ("", workflow_execute(workflow, errors)),
             ("/discard", workflow_discard(workflow)),
-            ("/resume", workflow_resume(workflow)),
+            ("/resume", workflow_by_id(workflow, "Resume", no_content())),
+            ("/poll", workflow_by_id(workflow, "Poll", polled())),
+            ("/interrupt", workflow_by_id(workflow, "Interrupt", no_content())),
         ] {
-            paths =
-                paths.path(format!("{base}{suffix}"), PathItem::new(HttpMethod::Post, operation));
+            let item = PathItem::new(HttpMethod::Post, operation);
+            paths = paths.path(format!("{base}{suffix}"), item);
+        }
+    }
+    if !workflows.is_empty() {
+        for (suffix, id) in [("", "deferred.Complete"), ("/fail", "deferred.Fail")] {
+            let token = ParameterBuilder::new()
+                .name("token")
+                .parameter_in(ParameterIn::Path)
+                .required(Required::True)
+                .schema(Some(string()));
+            let operation = OperationBuilder::new()
+                .tag("deferred")
+                .operation_id(Some(id))
+                .parameter(token)
+                .request_body(Some(json_body(any()).build()))
+                .response("204", no_content());
+            let path = format!("/deferred/{{token}}{suffix}");
+            paths = paths.path(path, PathItem::new(HttpMethod::Post, operation));
         }
     }
     OpenApiBuilder::new()
@@ -187,17 +206,33 @@ fn workflow_discard(workflow: &WorkflowOperation<'_>) -> OperationBuilder {
         .response("200", started)
 }
 
-fn workflow_resume(workflow: &WorkflowOperation<'_>) -> OperationBuilder {
+fn no_content() -> ResponseBuilder {
+    ResponseBuilder::new().description("<No Content>")
+}
+
+fn polled() -> ResponseBuilder {
+    ResponseBuilder::new()
+        .description("The stored result, or null")
+        .content("application/json", ContentBuilder::new().schema(Some(any())).build())
+}
+
+/// An operation whose body names an execution (`{"executionId": ...}`).
+fn workflow_by_id(
+    workflow: &WorkflowOperation<'_>,
+    operation: &str,
+    answer: ResponseBuilder,
+) -> OperationBuilder {
     let body = ObjectBuilder::new()
         .schema_type(Type::Object)
         .property("executionId", string())
         .required("executionId")
         .build();
+    let status = if operation == "Poll" { "200" } else { "204" };
     OperationBuilder::new()
         .tag(workflow.name)
-        .operation_id(Some(format!("{0}.{0}Resume", workflow.name)))
+        .operation_id(Some(format!("{0}.{0}{operation}", workflow.name)))
         .request_body(Some(json_body(Schema::Object(body)).build()))
-        .response("204", ResponseBuilder::new().description("<No Content>"))
+        .response(status, answer)
 }
 
 /// A tagged error object: `_tag` with `tag` and the `fields`.
