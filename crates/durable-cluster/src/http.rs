@@ -308,21 +308,29 @@ async fn serve(State(gateway): State<Arc<HttpGateway>>, request: Request) -> Res
             rpc.send(&gateway.sharding, entity_id, payload).await.map(Some)
         }
     };
-    let called = tracing::Instrument::instrument(
-        tokio::time::timeout(gateway.options.request_timeout, call),
-        span.clone(),
-    )
-    .await;
+    let called = within_timeout(&gateway.options, &span, call).await;
     let _entered = span.enter();
     match called {
-        Err(_) => {
-            tracing::warn!("HTTP call timed out");
-            empty(StatusCode::GATEWAY_TIMEOUT)
-        }
-        Ok(Ok(None)) => empty(StatusCode::NO_CONTENT),
-        Ok(Ok(Some(exit))) => gateway.exit_response(rpc, exit),
-        Ok(Err(error)) => error_response(&error, discard),
+        None => empty(StatusCode::GATEWAY_TIMEOUT),
+        Some(Ok(None)) => empty(StatusCode::NO_CONTENT),
+        Some(Ok(Some(exit))) => gateway.exit_response(rpc, exit),
+        Some(Err(error)) => error_response(&error, discard),
     }
+}
+
+/// Runs `call` in `span` within the request timeout; `None` when it timed out (logged).
+async fn within_timeout<T>(
+    options: &HttpOptions,
+    span: &tracing::Span,
+    call: impl Future<Output = T>,
+) -> Option<T> {
+    let timed = tokio::time::timeout(options.request_timeout, call);
+    let called = tracing::Instrument::instrument(timed, span.clone()).await;
+    if called.is_err() {
+        let _entered = span.enter();
+        tracing::warn!("HTTP call timed out");
+    }
+    called.ok()
 }
 
 /// The request's JSON payload, or the answer that refuses it (415, 413, 400).
@@ -471,7 +479,7 @@ fn address_json(address: &EntityAddress) -> serde_json::Value {
 mod workflows {
     use super::{
         HttpGateway, Request, Response, StatusCode, decode_failed, empty, json, read_payload,
-        segments, strip_prefix,
+        segments, strip_prefix, within_timeout,
     };
     use cluster_core::envelope::{Exit, RawJson};
     use cluster_core::future::BoxFuture;
@@ -658,22 +666,16 @@ mod workflows {
             Err(refused) => return refused,
         };
         let exit = if fail { Exit::fail(payload) } else { Exit::Success(payload) };
-        let completed = tracing::Instrument::instrument(
-            tokio::time::timeout(
-                gateway.options.request_timeout,
-                routes.engine.complete_exit(&token, exit),
-            ),
-            span.clone(),
-        )
-        .await;
+        let completing = routes.engine.complete_exit(&token, exit);
+        let completed = within_timeout(&gateway.options, &span, completing).await;
         let _entered = span.enter();
         match completed {
-            Ok(Ok(())) => empty(StatusCode::NO_CONTENT),
-            Ok(Err(error)) => {
+            Some(Ok(())) => empty(StatusCode::NO_CONTENT),
+            Some(Err(error)) => {
                 tracing::error!(%error, "HTTP deferred completion failed");
                 empty(StatusCode::INTERNAL_SERVER_ERROR)
             }
-            Err(_) => empty(StatusCode::GATEWAY_TIMEOUT),
+            None => empty(StatusCode::GATEWAY_TIMEOUT),
         }
     }
 
@@ -690,31 +692,24 @@ mod workflows {
             Err(refused) => return refused,
         };
         let call = (routes.call)(routes.engine.clone(), action, payload);
-        let called = tracing::Instrument::instrument(
-            tokio::time::timeout(gateway.options.request_timeout, call),
-            span.clone(),
-        )
-        .await;
+        let called = within_timeout(&gateway.options, &span, call).await;
         let _entered = span.enter();
         match called {
-            Err(_) => {
-                tracing::warn!("HTTP call timed out");
-                empty(StatusCode::GATEWAY_TIMEOUT)
-            }
-            Ok(Outcome::Success(None)) => empty(StatusCode::OK),
-            Ok(Outcome::Success(Some(value))) => json(StatusCode::OK, value),
-            Ok(Outcome::Failed(error)) => gateway.typed_error(error),
-            Ok(Outcome::Started(execution_id)) => {
+            None => empty(StatusCode::GATEWAY_TIMEOUT),
+            Some(Outcome::Success(None)) => empty(StatusCode::OK),
+            Some(Outcome::Success(Some(value))) => json(StatusCode::OK, value),
+            Some(Outcome::Failed(error)) => gateway.typed_error(error),
+            Some(Outcome::Started(execution_id)) => {
                 // An id is a string: it always encodes.
                 let id = serde_json::to_string(execution_id.as_str()).unwrap_or_default();
                 json(StatusCode::OK, id)
             }
-            Ok(Outcome::Done) => empty(StatusCode::NO_CONTENT),
-            Ok(Outcome::Polled(result)) => {
+            Some(Outcome::Done) => empty(StatusCode::NO_CONTENT),
+            Some(Outcome::Polled(result)) => {
                 json(StatusCode::OK, result.unwrap_or_else(|| "null".to_owned()))
             }
-            Ok(Outcome::Decode(message)) => decode_failed(&message),
-            Ok(Outcome::Broken(why)) => {
+            Some(Outcome::Decode(message)) => decode_failed(&message),
+            Some(Outcome::Broken(why)) => {
                 tracing::error!(%why, "HTTP workflow call failed");
                 empty(StatusCode::INTERNAL_SERVER_ERROR)
             }

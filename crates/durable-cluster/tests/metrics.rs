@@ -16,7 +16,6 @@ use durable_cluster::{
     Runner, Sharding, StreamHandler, StreamRpc,
 };
 use serde::{Deserialize, Serialize};
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
 mod support;
 
@@ -191,14 +190,7 @@ async fn flaky(ctx: WorkflowContext, _: Job) -> Result<u32, String> {
 
 /// `GET path` over HTTP/1.1: the status and the body.
 async fn get(address: SocketAddr, path: &str) -> std::io::Result<(u16, String)> {
-    let mut stream = tokio::net::TcpStream::connect(address).await?;
-    let request = format!("GET {path} HTTP/1.1\r\nHost: {address}\r\nConnection: close\r\n\r\n");
-    stream.write_all(request.as_bytes()).await?;
-    let mut response = String::new();
-    stream.read_to_string(&mut response).await?;
-    let status = response.split(' ').nth(1).and_then(|code| code.parse().ok()).unwrap_or(0);
-    let body = response.split_once("\r\n\r\n").map(|(_, body)| body.to_owned()).unwrap_or_default();
-    Ok((status, body))
+    support::get(address, path).await
 }
 
 /// Each exported metric's kind and label names, from Prometheus text.

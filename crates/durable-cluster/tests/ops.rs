@@ -11,7 +11,7 @@ use cluster_testkit::databases::TestDatabase;
 use durable_cluster::{Runner, RunnerEnv, RunnerError};
 
 mod support;
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::io::AsyncWriteExt;
 
 /// A runner's variables with a secret (a listener beyond loopback would need it) and `extra`.
 fn env(name: &str, extra: &[(&str, &str)]) -> Result<RunnerEnv, RunnerError> {
@@ -27,14 +27,7 @@ fn remove_database(name: &str) {
 
 /// `GET path` over HTTP/1.1: the status and the body.
 async fn get(address: SocketAddr, path: &str) -> std::io::Result<(u16, String)> {
-    let mut stream = tokio::net::TcpStream::connect(address).await?;
-    let request = format!("GET {path} HTTP/1.1\r\nHost: {address}\r\nConnection: close\r\n\r\n");
-    stream.write_all(request.as_bytes()).await?;
-    let mut response = String::new();
-    stream.read_to_string(&mut response).await?;
-    let status = response.split(' ').nth(1).and_then(|code| code.parse().ok()).unwrap_or(0);
-    let body = response.split_once("\r\n\r\n").map(|(_, body)| body.to_owned()).unwrap_or_default();
-    Ok((status, body))
+    support::get(address, path).await
 }
 
 /// `GET path` until `done` accepts the answer, at most 20 seconds.

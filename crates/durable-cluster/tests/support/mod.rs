@@ -36,3 +36,19 @@ pub(crate) fn env(name: &str, extra: &[(&str, &str)]) -> Result<RunnerEnv, Runne
     }
     RunnerEnv::from_lookup(Role::Runner, move |name| vars.get(name).cloned())
 }
+
+/// `GET path` over HTTP/1.1 on a connection of its own: the status and the body.
+pub(crate) async fn get(
+    address: std::net::SocketAddr,
+    path: &str,
+) -> std::io::Result<(u16, String)> {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let mut stream = tokio::net::TcpStream::connect(address).await?;
+    let request = format!("GET {path} HTTP/1.1\r\nHost: {address}\r\nConnection: close\r\n\r\n");
+    stream.write_all(request.as_bytes()).await?;
+    let mut response = String::new();
+    stream.read_to_string(&mut response).await?;
+    let status = response.split(' ').nth(1).and_then(|code| code.parse().ok()).unwrap_or(0);
+    let body = response.split_once("\r\n\r\n").map(|(_, body)| body.to_owned()).unwrap_or_default();
+    Ok((status, body))
+}
