@@ -295,12 +295,13 @@ async fn serve(State(gateway): State<Arc<HttpGateway>>, request: Request) -> Res
         entity_id = %entity_id,
         discard,
     );
-    let _entered = span.enter();
-    let payload = match read_payload(&gateway.options, request).await {
+    // Instrumented, not entered: an entered span must not be held across an await.
+    let reading =
+        tracing::Instrument::instrument(read_payload(&gateway.options, request), span.clone());
+    let payload = match reading.await {
         Ok(payload) => payload,
         Err(refused) => return refused,
     };
-    drop(_entered);
     let call = async {
         if discard {
             rpc.discard(&gateway.sharding, entity_id, payload).await.map(|()| None)
