@@ -304,7 +304,10 @@ const NOT_REPLAYED: &[(&str, &str)] = &[
     ),
     ("amount_infinity_string", "as amount_nan_string"),
     ("large_body_11mb", "the gateway limits bodies (413, tested below); the reference does not"),
-    ("deposit_persistence_error", "needs a failing storage (the error's form is a unit test)"),
+    (
+        "deposit_persistence_error",
+        "a failing storage: a_storage_failure_answers_the_references_persistence_error",
+    ),
     ("deposit_persistence_error_discard", "as deposit_persistence_error"),
     ("client_deposit_persistence_error", "as deposit_persistence_error"),
 ];
@@ -531,6 +534,61 @@ async fn the_openapi_document_lists_the_references_operations() {
         assert!(ours["components"]["schemas"][name].is_object(), "{name}");
     }
     gateway.stop().await;
+}
+
+/// A storage that fails while the gateway saves a persisted request: the reference's
+/// `PersistenceError` form, the storage's own message never shown, and the next request served.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_storage_failure_answers_the_references_persistence_error() {
+    use durable_cluster::storage::sqlite::{
+        SqliteMessageStorage, SqliteOptions, SqliteRunnerStorage,
+    };
+    use durable_cluster::storage::{SqlStorageOptions, TablePrefix};
+
+    let name = "http-persistence";
+    support::remove_database(name);
+    let path = support::database(name);
+    let config = ShardingConfig::default();
+    let options = SqlStorageOptions::from_config(&config, TablePrefix::default());
+    let messages =
+        SqliteMessageStorage::open(&path, SqliteOptions::new(options.clone())).await.unwrap();
+    let runners = SqliteRunnerStorage::open(&path, SqliteOptions::new(options)).await.unwrap();
+    let (messages, faults) =
+        cluster_testkit::faulty::FaultyMessageStorage::new(std::sync::Arc::new(messages));
+    let sharding = durable_cluster::Sharding::builder(config)
+        .messages(std::sync::Arc::new(messages))
+        .runners(std::sync::Arc::new(runners))
+        .single_runner()
+        .start()
+        .await
+        .unwrap();
+    sharding.register::<Counter>(EntityOptions::default()).unwrap();
+    let router = HttpGateway::new(sharding.clone()).entity::<Counter>().router();
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let address = listener.local_addr().unwrap();
+    let server = tokio::spawn(async move { axum::serve(listener, router).await });
+    let json = [("content-type".to_owned(), "application/json".to_owned())];
+    let body = br#"{"id":"d1","amount":2}"#;
+
+    faults.fail_request_saves(1_000);
+    for path in ["/deposit/e1", "/deposit/e1/discard"] {
+        let answer = exchange(address, "POST", path, &json, body).await;
+        assert_eq!(answer.status, 500, "{path}: {answer:?}");
+        let error: Value = serde_json::from_str(&answer.body).unwrap();
+        assert_eq!(error["_tag"], "PersistenceError", "{path}: {error}");
+        assert_eq!(error["cause"]["name"], "Error", "{path}: {error}");
+        assert!(
+            !answer.body.contains("injected"),
+            "{path}: the storage's message is shown: {error}"
+        );
+    }
+    faults.fail_request_saves(0);
+    let answer = exchange(address, "POST", "/deposit/e1", &json, body).await;
+    assert_eq!((answer.status, answer.body.as_str()), (200, "2.0"), "{answer:?}");
+
+    server.abort();
+    sharding.shutdown().await;
+    support::remove_database(name);
 }
 
 /// `POST /{name}/poll` until `done` accepts the stored result, at most 20 seconds.
