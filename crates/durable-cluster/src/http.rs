@@ -180,12 +180,9 @@ impl HttpGateway {
     }
 
     /// The request type and entity id a path names, and whether it is a discard route.
-    fn route(&self, path: &str) -> Option<(&EntityRoutes, &ErasedRpc, EntityId, bool)> {
-        // The reference's router ends the path at `;`.
-        let path = path.split(';').next().unwrap_or_default();
-        let parts: Vec<&str> = segments(path).collect();
+    fn route(&self, parts: &[&str]) -> Option<(&EntityRoutes, &ErasedRpc, EntityId, bool)> {
         self.entities.iter().find_map(|entity| {
-            let rest = strip_prefix(&parts, &entity.prefix)?;
+            let rest = strip_prefix(parts, &entity.prefix)?;
             let (tag, entity_id, discard) = match rest {
                 [tag, entity_id] => (tag, entity_id, false),
                 [tag, entity_id, discard] if discard.eq_ignore_ascii_case("discard") => {
@@ -217,6 +214,12 @@ impl std::fmt::Debug for HttpGateway {
 #[derive(Clone, Copy, Debug, PartialEq, Eq, thiserror::Error)]
 #[error("{0} is not an HTTP error status (400 to 599)")]
 pub struct InvalidStatus(pub u16);
+
+/// The segments a route is matched on: the path up to `;` (where the reference's router ends
+/// it), without empty segments (duplicate and trailing slashes).
+fn path_parts(path: &str) -> Vec<&str> {
+    segments(path.split(';').next().unwrap_or_default()).collect()
+}
 
 /// The non-empty segments of a path.
 fn segments(path: &str) -> impl Iterator<Item = &str> {
@@ -271,21 +274,23 @@ fn json(status: StatusCode, body: String) -> Response {
 
 /// The one handler: routes, checks the body, calls, answers.
 async fn serve(State(gateway): State<Arc<HttpGateway>>, request: Request) -> Response {
-    if request.method() == Method::GET && segments(request.uri().path()).eq(["openapi.json"]) {
+    let path = request.uri().path().to_owned();
+    let parts = path_parts(&path);
+    if request.method() == Method::GET && parts == ["openapi.json"] {
         return json(StatusCode::OK, gateway.openapi_json.clone());
     }
     if request.method() != Method::POST {
         return empty(StatusCode::NOT_FOUND);
     }
     #[cfg(feature = "workflow")]
-    if let Some(deferred) = workflows::deferred_route(&gateway.workflows, request.uri().path()) {
+    if let Some(deferred) = workflows::deferred_route(&gateway.workflows, &parts) {
         return workflows::complete(&gateway, deferred, request).await;
     }
     #[cfg(feature = "workflow")]
-    if let Some((routes, action)) = workflows::route(&gateway.workflows, request.uri().path()) {
+    if let Some((routes, action)) = workflows::route(&gateway.workflows, &parts) {
         return workflows::serve(&gateway, routes, action, request).await;
     }
-    let Some((entity, rpc, entity_id, discard)) = gateway.route(request.uri().path()) else {
+    let Some((entity, rpc, entity_id, discard)) = gateway.route(&parts) else {
         return empty(StatusCode::NOT_FOUND);
     };
     let span = tracing::info_span!(
@@ -380,6 +385,9 @@ fn decode_failed(message: &str) -> Response {
 impl HttpGateway {
     /// A request type's (or a workflow's) own error: 500, or the status given to its `_tag`.
     fn typed_error(&self, error: String) -> Response {
+        if self.error_statuses.is_empty() {
+            return json(StatusCode::INTERNAL_SERVER_ERROR, error);
+        }
         let status = serde_json::from_str::<serde_json::Value>(&error)
             .ok()
             .and_then(|value| value.get("_tag").and_then(|tag| tag.as_str()).map(str::to_owned))
@@ -577,12 +585,10 @@ mod workflows {
     /// The workflow and action a path names.
     pub(super) fn route<'a>(
         workflows: &'a [WorkflowRoutes],
-        path: &str,
+        parts: &[&str],
     ) -> Option<(&'a WorkflowRoutes, Action)> {
-        let path = path.split(';').next().unwrap_or_default();
-        let parts: Vec<&str> = segments(path).collect();
         workflows.iter().find_map(|routes| {
-            let rest = strip_prefix(&parts, &routes.prefix)?;
+            let rest = strip_prefix(parts, &routes.prefix)?;
             let (name, action) = match rest {
                 [name] => (name, Action::Execute),
                 [name, action] if action.eq_ignore_ascii_case("discard") => (name, Action::Discard),
@@ -610,10 +616,9 @@ mod workflows {
     /// The deferred route a path names, if it is one (`/deferred/...`, only with workflows).
     pub(super) fn deferred_route<'a>(
         workflows: &'a [WorkflowRoutes],
-        path: &str,
+        parts: &[&str],
     ) -> Option<Deferred<'a>> {
-        let parts: Vec<&str> = segments(path).collect();
-        let (token, fail) = match parts.as_slice() {
+        let (token, fail) = match parts {
             [head, token] if head.eq_ignore_ascii_case("deferred") => (token, false),
             [head, token, fail]
                 if head.eq_ignore_ascii_case("deferred") && fail.eq_ignore_ascii_case("fail") =>

@@ -17,7 +17,6 @@ use durable_cluster::{
 };
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
 mod support;
 
@@ -242,41 +241,7 @@ async fn approve(ctx: WorkflowContext, _: ApprovalPayload) -> Result<String, Str
     Ok(format!("approved by {by}"))
 }
 
-/// One exchange: the status, the content type and the body.
-#[derive(Debug)]
-struct Answer {
-    status: u16,
-    content_type: Option<String>,
-    body: String,
-}
-
-/// Sends `method path` with `headers` and `body` over HTTP/1.1, one connection per request.
-async fn exchange(
-    address: SocketAddr,
-    method: &str,
-    path: &str,
-    headers: &[(String, String)],
-    body: &[u8],
-) -> Answer {
-    let mut stream = tokio::net::TcpStream::connect(address).await.unwrap();
-    let mut head = format!("{method} {path} HTTP/1.1\r\nHost: {address}\r\nConnection: close\r\n");
-    for (name, value) in headers {
-        head.push_str(&format!("{name}: {value}\r\n"));
-    }
-    head.push_str(&format!("Content-Length: {}\r\n\r\n", body.len()));
-    stream.write_all(head.as_bytes()).await.unwrap();
-    stream.write_all(body).await.unwrap();
-    let mut response = Vec::new();
-    stream.read_to_end(&mut response).await.unwrap();
-    let response = String::from_utf8(response).unwrap();
-    let (head, body) = response.split_once("\r\n\r\n").unwrap();
-    let status = head.split(' ').nth(1).unwrap().parse().unwrap();
-    let content_type = head.lines().find_map(|line| {
-        let (name, value) = line.split_once(':')?;
-        name.eq_ignore_ascii_case("content-type").then(|| value.trim().to_owned())
-    });
-    Answer { status, content_type, body: body.to_owned() }
-}
+use support::{Answer, exchange};
 
 /// Whether two JSON values are equal, numbers compared as numbers (`5` and `5.0`).
 fn same_json(left: &Value, right: &Value) -> bool {

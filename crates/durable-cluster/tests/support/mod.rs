@@ -2,6 +2,7 @@
 #![allow(dead_code, reason = "each test binary uses a part of it")]
 
 use std::collections::BTreeMap;
+use std::net::SocketAddr;
 
 use durable_cluster::{Role, RunnerEnv, RunnerError};
 
@@ -37,18 +38,62 @@ pub(crate) fn env(name: &str, extra: &[(&str, &str)]) -> Result<RunnerEnv, Runne
     RunnerEnv::from_lookup(Role::Runner, move |name| vars.get(name).cloned())
 }
 
-/// `GET path` over HTTP/1.1 on a connection of its own: the status and the body.
-pub(crate) async fn get(
-    address: std::net::SocketAddr,
+/// One exchange: the status, the content type and the body.
+#[derive(Debug)]
+pub(crate) struct Answer {
+    pub(crate) status: u16,
+    pub(crate) content_type: Option<String>,
+    pub(crate) body: String,
+}
+
+/// Sends `method path` with `headers` and `body` over HTTP/1.1, one connection per request.
+pub(crate) async fn exchange(
+    address: SocketAddr,
+    method: &str,
     path: &str,
-) -> std::io::Result<(u16, String)> {
+    headers: &[(String, String)],
+    body: &[u8],
+) -> Answer {
+    try_exchange(address, method, path, headers, body).await.unwrap()
+}
+
+/// [`exchange`], failing when the connection or the answer does.
+pub(crate) async fn try_exchange(
+    address: SocketAddr,
+    method: &str,
+    path: &str,
+    headers: &[(String, String)],
+    body: &[u8],
+) -> std::io::Result<Answer> {
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let invalid =
+        |what: &str| std::io::Error::new(std::io::ErrorKind::InvalidData, what.to_owned());
     let mut stream = tokio::net::TcpStream::connect(address).await?;
-    let request = format!("GET {path} HTTP/1.1\r\nHost: {address}\r\nConnection: close\r\n\r\n");
-    stream.write_all(request.as_bytes()).await?;
-    let mut response = String::new();
-    stream.read_to_string(&mut response).await?;
-    let status = response.split(' ').nth(1).and_then(|code| code.parse().ok()).unwrap_or(0);
-    let body = response.split_once("\r\n\r\n").map(|(_, body)| body.to_owned()).unwrap_or_default();
-    Ok((status, body))
+    let mut head = format!("{method} {path} HTTP/1.1\r\nHost: {address}\r\nConnection: close\r\n");
+    for (name, value) in headers {
+        head.push_str(&format!("{name}: {value}\r\n"));
+    }
+    head.push_str(&format!("Content-Length: {}\r\n\r\n", body.len()));
+    stream.write_all(head.as_bytes()).await?;
+    stream.write_all(body).await?;
+    let mut response = Vec::new();
+    stream.read_to_end(&mut response).await?;
+    let response = String::from_utf8(response).map_err(|_| invalid("not UTF-8"))?;
+    let (head, body) = response.split_once("\r\n\r\n").ok_or_else(|| invalid("no head"))?;
+    let status = head
+        .split(' ')
+        .nth(1)
+        .and_then(|status| status.parse().ok())
+        .ok_or_else(|| invalid("no status"))?;
+    let content_type = head.lines().find_map(|line| {
+        let (name, value) = line.split_once(':')?;
+        name.eq_ignore_ascii_case("content-type").then(|| value.trim().to_owned())
+    });
+    Ok(Answer { status, content_type, body: body.to_owned() })
+}
+
+/// `GET path` over HTTP/1.1 on a connection of its own: the status and the body.
+pub(crate) async fn get(address: SocketAddr, path: &str) -> std::io::Result<(u16, String)> {
+    let answer = try_exchange(address, "GET", path, &[], b"").await?;
+    Ok((answer.status, answer.body))
 }
