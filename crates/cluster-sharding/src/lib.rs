@@ -94,7 +94,7 @@ pub use api::entity::{
     EntityContext, EntityOptions, ForkedHandler, ForkedStreamHandler, Handler, Protocol,
     RequestContext, SharedHandler, StreamHandler, lock_backend,
 };
-pub use api::erased::{ErasedError, ErasedRpc, rpcs_of};
+pub use api::erased::{ErasedError, ErasedRpc, ErasedStream, ErasedStreamEnd, rpcs_of};
 pub use api::queue_entity::{
     Accepts, AcceptsStream, BehaviourError, QueueEntity, QueueProtocol, QueueShared, Queued,
     QueuedRequest, Replier, RequestQueue,

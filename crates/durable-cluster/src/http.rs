@@ -22,7 +22,10 @@
 //!   shown.
 //! - Paths match without regard to case; duplicate and trailing slashes are ignored; the entity
 //!   id is percent-decoded and at most 100 characters. Anything else (another method, another
-//!   path, a streaming request type) answers 404 with an empty body.
+//!   path, the discard route of a streaming request type) answers 404 with an empty body.
+//! - A streaming request type answers 200 and its items as NDJSON or Server-Sent Events, with
+//!   backpressure (a format of this gateway's own: the reference's proxy has none; see
+//!   `http/stream.rs`).
 //! - A content type other than JSON answers 415; a body over the limit 413; a call past the
 //!   request timeout 504.
 //! - `GET /openapi.json` answers the OpenAPI document of the routes ([`HttpGateway::openapi`]).
@@ -42,6 +45,7 @@ use cluster_core::{ClusterError, EntityAddress, EntityId};
 use cluster_sharding::{Entity, ErasedError, ErasedRpc, Sharding};
 
 mod openapi;
+mod stream;
 
 /// The longest entity id a path may carry, in characters after decoding (the reference's
 /// router's `maxParamLength`).
@@ -114,7 +118,6 @@ impl HttpGateway {
     pub fn entity_under<E: Entity>(mut self, prefix: &str) -> HttpGateway {
         let rpcs = cluster_sharding::rpcs_of::<E>()
             .into_iter()
-            .filter(|rpc| !rpc.is_stream())
             .map(|rpc| (rpc.tag().to_lowercase(), rpc))
             .collect();
         let prefix = segments(prefix).map(str::to_lowercase).collect();
@@ -164,6 +167,7 @@ impl HttpGateway {
                     prefix: &entity.prefix,
                     tag: rpc.tag(),
                     void_success: rpc.is_void(),
+                    stream: rpc.is_stream(),
                 })
             })
             .collect();
@@ -293,6 +297,11 @@ async fn serve(State(gateway): State<Arc<HttpGateway>>, request: Request) -> Res
     let Some((entity, rpc, entity_id, discard)) = gateway.route(&parts) else {
         return empty(StatusCode::NOT_FOUND);
     };
+    // A stream has no discard route.
+    if discard && rpc.is_stream() {
+        return empty(StatusCode::NOT_FOUND);
+    }
+    let format = stream::Format::of(request.headers());
     let span = tracing::info_span!(
         "http_request",
         entity_type = entity.entity_type,
@@ -307,6 +316,18 @@ async fn serve(State(gateway): State<Arc<HttpGateway>>, request: Request) -> Res
         Ok(payload) => payload,
         Err(refused) => return refused,
     };
+    if rpc.is_stream() {
+        // The timeout bounds the start; the items come as long as the connection reads them.
+        let started = rpc.stream(&gateway.sharding, entity_id, payload);
+        return match within_timeout(&gateway.options, &span, started).await {
+            None => empty(StatusCode::GATEWAY_TIMEOUT),
+            Some(Ok(started)) => stream::respond(started, format, span),
+            Some(Err(error)) => {
+                let _entered = span.enter();
+                error_response(&error, false)
+            }
+        };
+    }
     let call = async {
         if discard {
             rpc.discard(&gateway.sharding, entity_id, payload).await.map(|()| None)
@@ -431,7 +452,7 @@ fn error_response(error: &ErasedError, discard: bool) -> Response {
                 empty(StatusCode::INTERNAL_SERVER_ERROR)
             }
         },
-        ErasedError::Stream(_) => empty(StatusCode::NOT_FOUND),
+        ErasedError::Stream(_) | ErasedError::NotStream(_) => empty(StatusCode::NOT_FOUND),
         other => {
             tracing::error!(error = %other, "HTTP call failed");
             empty(StatusCode::INTERNAL_SERVER_ERROR)

@@ -26,16 +26,44 @@ const PERSISTED_WITHOUT_STORAGE: &str =
 
 /// The items of a streamed response, in order.
 pub struct ChunkStream<R: StreamRpc> {
+    raw: RawChunkStream,
+    /// Items of a chunk that [`next`](ChunkStream::next) began.
+    buffered: VecDeque<RawJson>,
+    request: PhantomData<fn() -> R>,
+}
+
+/// The chunks of a streamed response, encoded: what [`ChunkStream`] decodes and what a gateway
+/// forwards.
+pub(crate) struct RawChunkStream {
     replies: mpsc::Receiver<Reply>,
     acks: Acks,
-    buffered: VecDeque<RawJson>,
     /// Chunks below this sequence were read already (a persisted stream may see a chunk again
     /// until its acknowledgement is stored).
     next_sequence: u32,
     finished: bool,
     /// Why the stream ended early, returned after the items already received.
     failed: Option<ClusterError>,
-    request: PhantomData<fn() -> R>,
+}
+
+/// Why a stream ended before its last item, encoded.
+#[derive(Debug)]
+pub(crate) enum RawStreamEnd {
+    /// The handler failed: its own error, a defect or an interruption.
+    Failed(Cause),
+    /// The cluster could not deliver the stream.
+    Cluster(ClusterError),
+    /// The stream's replies stopped before its final reply.
+    Interrupted,
+}
+
+impl RawStreamEnd {
+    fn into_call_error<E: serde::de::DeserializeOwned>(self) -> CallError<E> {
+        match self {
+            RawStreamEnd::Failed(cause) => failure(cause),
+            RawStreamEnd::Cluster(error) => CallError::Cluster(error),
+            RawStreamEnd::Interrupted => CallError::Interrupted,
+        }
+    }
 }
 
 /// Where a stream's acknowledgements go, and what interrupts it when dropped early.
@@ -58,10 +86,12 @@ impl Acks {
     }
 
     /// Why the stream's replies stopped before its final reply.
-    fn ended_early<E>(&self) -> CallError<E> {
+    fn ended_early(&self) -> RawStreamEnd {
         match self {
-            Acks::Stored(stream) => stream.ended_early().map_or(CallError::Interrupted, Into::into),
-            Acks::Local { .. } => CallError::Interrupted,
+            Acks::Stored(stream) => {
+                stream.ended_early().map_or(RawStreamEnd::Interrupted, RawStreamEnd::Cluster)
+            }
+            Acks::Local { .. } => RawStreamEnd::Interrupted,
         }
     }
 
@@ -84,16 +114,14 @@ impl<R: StreamRpc> ChunkStream<R> {
     ///
     /// Cancel safe: an item is only taken when this returns it.
     pub async fn next(&mut self) -> Option<Result<R::Item, CallError<R::Error>>> {
-        if let Some(value) = self.buffered.pop_front() {
-            return Some(value.decode().map_err(|error| CallError::Cluster(error.into())));
-        }
-        match self.receive().await? {
-            Ok(()) => {
-                let value = self.buffered.pop_front()?;
-                Some(value.decode().map_err(|error| CallError::Cluster(error.into())))
+        if self.buffered.is_empty() {
+            match self.raw.next_chunk().await? {
+                Ok(values) => self.buffered.extend(values),
+                Err(end) => return Some(Err(end.into_call_error())),
             }
-            Err(error) => Some(Err(error)),
         }
+        let value = self.buffered.pop_front()?;
+        Some(value.decode().map_err(|error| CallError::Cluster(error.into())))
     }
 
     /// The items of the next chunk, as the handler's runtime grouped them (see
@@ -104,29 +132,34 @@ impl<R: StreamRpc> ChunkStream<R> {
     ///
     /// Cancel safe: a chunk is only taken when this returns it.
     pub async fn next_chunk(&mut self) -> Option<Result<Vec<R::Item>, CallError<R::Error>>> {
-        if self.buffered.is_empty()
-            && let Err(error) = self.receive().await?
-        {
-            return Some(Err(error));
-        }
-        let decoded = self
-            .buffered
-            .drain(..)
+        let values = if self.buffered.is_empty() {
+            match self.raw.next_chunk().await? {
+                Ok(values) => values,
+                Err(end) => return Some(Err(end.into_call_error())),
+            }
+        } else {
+            self.buffered.drain(..).collect()
+        };
+        let decoded = values
+            .into_iter()
             .map(|value| value.decode())
             .collect::<Result<Vec<_>, _>>()
             .map_err(|error| CallError::Cluster(error.into()));
         Some(decoded)
     }
+}
 
-    /// Waits for the next chunk and buffers its items: `Some(Ok(()))` once at least one item
-    /// is buffered, `Some(Err(_))` when the stream failed, `None` once it ended.
-    async fn receive(&mut self) -> Option<Result<(), CallError<R::Error>>> {
+impl RawChunkStream {
+    /// The items of the next chunk that has any, encoded; `Some(Err(_))` when the stream
+    /// failed (after the items already received); `None` once it ended.
+    ///
+    /// # Cancel safety
+    ///
+    /// Cancel safe: a chunk is only taken when this returns it.
+    pub(crate) async fn next_chunk(&mut self) -> Option<Result<Vec<RawJson>, RawStreamEnd>> {
         loop {
-            if !self.buffered.is_empty() {
-                return Some(Ok(()));
-            }
             if let Some(error) = self.failed.take() {
-                return Some(Err(CallError::Cluster(error)));
+                return Some(Err(RawStreamEnd::Cluster(error)));
             }
             if self.finished {
                 return None;
@@ -143,13 +176,15 @@ impl<R: StreamRpc> ChunkStream<R> {
                         self.failed = Some(error);
                     }
                     self.next_sequence = chunk.sequence() + 1;
-                    self.buffered.extend(chunk.values().iter().cloned());
+                    if !chunk.values().is_empty() {
+                        return Some(Ok(chunk.values().to_vec()));
+                    }
                 }
                 Some(Reply::WithExit(with_exit)) => {
                     self.finished = true;
                     self.acks.finish();
                     if let Exit::Failure(cause) = with_exit.exit {
-                        return Some(Err(failure::<R::Error>(cause)));
+                        return Some(Err(RawStreamEnd::Failed(cause)));
                     }
                 }
                 // The entity went away without a final reply (the runner stopped).
@@ -164,7 +199,7 @@ impl<R: StreamRpc> ChunkStream<R> {
 
 impl<R: StreamRpc> std::fmt::Debug for ChunkStream<R> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("ChunkStream").field("finished", &self.finished).finish_non_exhaustive()
+        f.debug_struct("ChunkStream").field("finished", &self.raw.finished).finish_non_exhaustive()
     }
 }
 
@@ -370,16 +405,29 @@ impl<E: Entity> EntityClient<E> {
     where
         E: StreamHandler<R>,
     {
-        let options = SaveRequestOptions {
-            primary_key: request.primary_key().map(|key| primary_key(&self.address, R::TAG, &key)),
-            deliver_at: None,
+        let options = self.save_options_of(R::TAG, request.primary_key(), None);
+        let payload =
+            RawJson::encode(&request).map_err(|error| CallError::Cluster(error.into()))?;
+        let call = RawCall {
+            tag: R::TAG,
+            payload,
+            options,
+            persisted: R::PERSISTED,
+            uninterruptible: false,
         };
-        let mut request = self.build(R::TAG, &request).map_err(CallError::Cluster)?;
+        let raw = self.stream_raw(call).await.map_err(RawFailure::into_call_error)?;
+        Ok(ChunkStream { raw, buffered: VecDeque::new(), request: PhantomData })
+    }
+
+    /// Sends an encoded streaming request and returns its chunks as they come.
+    pub(crate) async fn stream_raw(&self, call: RawCall) -> Result<RawChunkStream, RawFailure> {
+        let RawCall { tag, payload, options, persisted, .. } = call;
+        let mut request = self.with_headers_of(tag, payload);
         // The span covers the start of the stream; its items are read later.
-        let span = self.span(R::TAG, &mut request);
-        let (replies, acks) = if R::PERSISTED {
+        let span = self.span(tag, &mut request);
+        let (replies, acks) = if persisted {
             if self.sharding.persisted().is_none() {
-                return Err(CallError::Defect(PERSISTED_WITHOUT_STORAGE.to_owned()));
+                return Err(RawFailure::Defect(PERSISTED_WITHOUT_STORAGE.to_owned()));
             }
             let mut stream =
                 self.sharding.stream_persisted(request, options).instrument(span).await?;
@@ -390,23 +438,7 @@ impl<E: Entity> EntityClient<E> {
                 self.sharding.stream_volatile(request).instrument(span).await?;
             (replies, Acks::Local { acks, interrupt: Some(cancellation.drop_guard()) })
         };
-        Ok(ChunkStream {
-            replies,
-            acks,
-            buffered: VecDeque::new(),
-            next_sequence: 0,
-            finished: false,
-            failed: None,
-            request: PhantomData,
-        })
-    }
-
-    fn build<T: serde::Serialize>(
-        &self,
-        tag: &'static str,
-        request: &T,
-    ) -> Result<Request, ClusterError> {
-        Ok(self.with_headers_of(tag, RawJson::encode(request)?))
+        Ok(RawChunkStream { replies, acks, next_sequence: 0, finished: false, failed: None })
     }
 }
 

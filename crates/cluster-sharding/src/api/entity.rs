@@ -860,9 +860,10 @@ pub(crate) struct RpcShape {
     pub(crate) uninterruptible: bool,
     /// Its success is `()`.
     pub(crate) void_success: bool,
-    /// Reads a payload as the type: its primary key and delivery time; `None` for a streaming
-    /// type.
-    pub(crate) read: Option<ReadPayload>,
+    /// It answers with a stream.
+    pub(crate) stream: bool,
+    /// Reads a payload as the type: its primary key and delivery time.
+    pub(crate) read: ReadPayload,
 }
 
 /// Decodes a payload as a request type and gives its primary key and delivery time.
@@ -876,7 +877,8 @@ impl RpcShape {
             persisted: R::PERSISTED,
             uninterruptible: R::UNINTERRUPTIBLE.client(),
             void_success: std::any::TypeId::of::<R::Success>() == std::any::TypeId::of::<()>(),
-            read: Some(read_payload::<R>),
+            stream: false,
+            read: read_payload::<R>,
         }
     }
 
@@ -886,7 +888,8 @@ impl RpcShape {
             persisted: R::PERSISTED,
             uninterruptible: false,
             void_success: false,
-            read: None,
+            stream: true,
+            read: read_stream_payload::<R>,
         }
     }
 }
@@ -897,6 +900,14 @@ fn read_payload<R: Rpc>(
 ) -> Result<(Option<String>, Option<cluster_core::Timestamp>), DecodeError> {
     let request: R = payload.decode()?;
     Ok((request.primary_key(), request.deliver_at()))
+}
+
+/// Decodes `payload` as the streaming `R`: its primary key (a stream has no delivery time).
+fn read_stream_payload<R: StreamRpc>(
+    payload: &RawJson,
+) -> Result<(Option<String>, Option<cluster_core::Timestamp>), DecodeError> {
+    let request: R = payload.decode()?;
+    Ok((request.primary_key(), None))
 }
 
 /// The requests an entity type handles, by tag.

@@ -3,15 +3,16 @@
 //! which decodes a JSON payload into its request type and sends it as the typed client does
 //! (persisted requests with their primary key, so a gateway deduplicates as a Rust caller does).
 //!
-//! Streaming request types are listed (so that a gateway can say it does not serve them) but not
-//! callable here.
+//! A streaming request type is called with [`ErasedRpc::stream`], whose [`ErasedStream`] gives
+//! the chunks' items as JSON, acknowledging each chunk as it is taken (so a slow reader slows
+//! the handler down).
 
-use cluster_core::envelope::{Exit, RawJson};
+use cluster_core::envelope::{Cause, Exit, RawJson};
 use cluster_core::error::DecodeError;
 use cluster_core::future::BoxFuture;
 use cluster_core::{ClusterError, EntityId};
 
-use crate::api::client::{RawCall, RawFailure};
+use crate::api::client::{RawCall, RawChunkStream, RawFailure, RawStreamEnd};
 use crate::api::entity::{Entity, Protocol, RpcShape};
 use crate::sharding::Sharding;
 
@@ -28,11 +29,16 @@ enum Mode {
 type CallFn =
     fn(Sharding, EntityId, RawCall, Mode) -> BoxFuture<'static, Result<Option<Exit>, RawFailure>>;
 
+/// The stream call of an entity type's client, monomorphized for the type.
+type StreamFn =
+    fn(Sharding, EntityId, RawCall) -> BoxFuture<'static, Result<RawChunkStream, RawFailure>>;
+
 /// One request type of an entity type, callable with a JSON payload.
 #[derive(Clone, Copy)]
 pub struct ErasedRpc {
     shape: RpcShape,
     call: CallFn,
+    stream: StreamFn,
 }
 
 impl std::fmt::Debug for ErasedRpc {
@@ -40,7 +46,7 @@ impl std::fmt::Debug for ErasedRpc {
         f.debug_struct("ErasedRpc")
             .field("tag", &self.shape.tag)
             .field("persisted", &self.shape.persisted)
-            .field("stream", &self.shape.read.is_none())
+            .field("stream", &self.shape.stream)
             .finish()
     }
 }
@@ -58,9 +64,53 @@ pub enum ErasedError {
     /// The runtime cannot run the request (a persisted request without storage).
     #[error("{0}")]
     Defect(String),
-    /// The request type answers with a stream, which an erased call does not read.
+    /// The request type answers with a stream, which only [`ErasedRpc::stream`] reads.
     #[error("the request type `{0}` answers with a stream")]
     Stream(&'static str),
+    /// The request type answers once, which [`ErasedRpc::stream`] does not read.
+    #[error("the request type `{0}` does not answer with a stream")]
+    NotStream(&'static str),
+}
+
+/// The chunks of a streamed answer, encoded; dropping it interrupts the request.
+pub struct ErasedStream {
+    raw: RawChunkStream,
+}
+
+impl std::fmt::Debug for ErasedStream {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ErasedStream").finish_non_exhaustive()
+    }
+}
+
+/// Why a stream ended before its last item.
+#[derive(Debug)]
+#[non_exhaustive]
+pub enum ErasedStreamEnd {
+    /// The handler failed: the request type's own error, a defect or an interruption, as the
+    /// cause of its exit.
+    Failed(Cause),
+    /// The cluster could not deliver the stream (its storage failed, its runner stopped).
+    Cluster(ClusterError),
+    /// The stream's replies stopped before its final reply.
+    Interrupted,
+}
+
+impl ErasedStream {
+    /// The items of the next chunk, as JSON, acknowledged once taken; `Some(Err(_))` when the
+    /// stream failed (after the items already taken); `None` once it ended.
+    ///
+    /// # Cancel safety
+    ///
+    /// Cancel safe: a chunk is only taken when this returns it.
+    pub async fn next_chunk(&mut self) -> Option<Result<Vec<RawJson>, ErasedStreamEnd>> {
+        let next = self.raw.next_chunk().await?;
+        Some(next.map_err(|end| match end {
+            RawStreamEnd::Failed(cause) => ErasedStreamEnd::Failed(cause),
+            RawStreamEnd::Cluster(error) => ErasedStreamEnd::Cluster(error),
+            RawStreamEnd::Interrupted => ErasedStreamEnd::Interrupted,
+        }))
+    }
 }
 
 impl ErasedRpc {
@@ -76,7 +126,7 @@ impl ErasedRpc {
 
     /// Whether it answers with a stream.
     pub fn is_stream(&self) -> bool {
-        self.shape.read.is_none()
+        self.shape.stream
     }
 
     /// Whether its success is `()` (a void success).
@@ -126,6 +176,31 @@ impl ErasedRpc {
         self.call(sharding, entity_id, payload, Mode::Discard).await.map(|_| ())
     }
 
+    /// Decodes `payload` and sends it to `entity_id` as a streaming request; returns once the
+    /// stream started (its request sent, and stored for a persisted one).
+    ///
+    /// # Errors
+    ///
+    /// [`ErasedError`]: the payload does not decode, the cluster failed, or the type does not
+    /// stream.
+    ///
+    /// # Cancel safety
+    ///
+    /// Dropping the future or the returned stream interrupts the request.
+    pub async fn stream(
+        &self,
+        sharding: &Sharding,
+        entity_id: EntityId,
+        payload: RawJson,
+    ) -> Result<ErasedStream, ErasedError> {
+        if !self.shape.stream {
+            return Err(ErasedError::NotStream(self.shape.tag));
+        }
+        let call = self.raw_call(payload)?;
+        let raw = (self.stream)(sharding.clone(), entity_id, call).await.map_err(erased)?;
+        Ok(ErasedStream { raw })
+    }
+
     async fn call(
         &self,
         sharding: &Sharding,
@@ -133,23 +208,33 @@ impl ErasedRpc {
         payload: RawJson,
         mode: Mode,
     ) -> Result<Option<Exit>, ErasedError> {
-        let read = self.shape.read.ok_or(ErasedError::Stream(self.shape.tag))?;
-        let (primary_key, deliver_at) = read(&payload)?;
-        // The request's own primary key: the client composes it with the address and tag.
+        if self.shape.stream {
+            return Err(ErasedError::Stream(self.shape.tag));
+        }
+        let call = self.raw_call(payload)?;
+        (self.call)(sharding.clone(), entity_id, call, mode).await.map_err(erased)
+    }
+
+    /// The call of `payload`, decoded as the request type for its primary key (the request's
+    /// own: the client composes it with the address and tag) and delivery time.
+    fn raw_call(&self, payload: RawJson) -> Result<RawCall, ErasedError> {
+        let (primary_key, deliver_at) = (self.shape.read)(&payload)?;
         let options = cluster_core::storage::SaveRequestOptions { primary_key, deliver_at };
-        let call = RawCall {
+        Ok(RawCall {
             tag: self.shape.tag,
             payload,
             options,
             persisted: self.shape.persisted,
             uninterruptible: self.shape.uninterruptible,
-        };
-        (self.call)(sharding.clone(), entity_id, call, mode).await.map_err(
-            |failure| match failure {
-                RawFailure::Cluster(error) => ErasedError::Cluster(error),
-                RawFailure::Defect(defect) => ErasedError::Defect(defect),
-            },
-        )
+        })
+    }
+}
+
+/// The erased error of a raw failure.
+fn erased(failure: RawFailure) -> ErasedError {
+    match failure {
+        RawFailure::Cluster(error) => ErasedError::Cluster(error),
+        RawFailure::Defect(defect) => ErasedError::Defect(defect),
     }
 }
 
@@ -173,11 +258,25 @@ fn call<E: Entity>(
     })
 }
 
+/// Starts `call` as a stream with the client of `E` for `entity_id`.
+fn stream<E: Entity>(
+    sharding: Sharding,
+    entity_id: EntityId,
+    call: RawCall,
+) -> BoxFuture<'static, Result<RawChunkStream, RawFailure>> {
+    Box::pin(async move {
+        let client = sharding.client::<E>(entity_id);
+        let own = call.options;
+        let options = client.save_options_of(call.tag, own.primary_key, own.deliver_at);
+        client.stream_raw(RawCall { options, ..call }).await
+    })
+}
+
 /// The request types of `E`, in tag order, each callable with a JSON payload.
 pub fn rpcs_of<E: Entity>() -> Vec<ErasedRpc> {
     Protocol::<E>::of()
         .shapes()
         .into_iter()
-        .map(|shape| ErasedRpc { shape, call: call::<E> })
+        .map(|shape| ErasedRpc { shape, call: call::<E>, stream: stream::<E> })
         .collect()
 }

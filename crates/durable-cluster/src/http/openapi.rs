@@ -21,6 +21,7 @@ pub(super) struct EntityOperation<'a> {
     pub(super) prefix: &'a [String],
     pub(super) tag: &'a str,
     pub(super) void_success: bool,
+    pub(super) stream: bool,
 }
 
 /// What the document needs of one workflow.
@@ -50,6 +51,10 @@ pub(super) fn document(
         let path = format!("{base}/{{entityId}}");
         let call = entity_operation(operation, false, errors);
         paths = paths.path(path.clone(), PathItem::new(HttpMethod::Post, call));
+        if operation.stream {
+            // A stream has no discard route.
+            continue;
+        }
         let discard = entity_operation(operation, true, errors);
         paths = paths.path(format!("{path}/discard"), PathItem::new(HttpMethod::Post, discard));
     }
@@ -149,7 +154,13 @@ fn entity_operation(
         built = built.response("500", error_response(failed));
         return built;
     }
-    let success = if operation.void_success {
+    let success = if operation.stream {
+        // One line or event per item, then the end (see `http/stream.rs`).
+        ResponseBuilder::new()
+            .description("The items, then the end")
+            .content("application/x-ndjson", ContentBuilder::new().schema(Some(any())).build())
+            .content("text/event-stream", ContentBuilder::new().schema(Some(string())).build())
+    } else if operation.void_success {
         ResponseBuilder::new().description("<No Content>")
     } else {
         ResponseBuilder::new()

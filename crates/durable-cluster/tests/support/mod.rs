@@ -89,7 +89,28 @@ pub(crate) async fn try_exchange(
         let (name, value) = line.split_once(':')?;
         name.eq_ignore_ascii_case("content-type").then(|| value.trim().to_owned())
     });
-    Ok(Answer { status, content_type, body: body.to_owned() })
+    let chunked = head.lines().any(|line| {
+        line.split_once(':').is_some_and(|(name, value)| {
+            name.eq_ignore_ascii_case("transfer-encoding") && value.trim() == "chunked"
+        })
+    });
+    let body =
+        if chunked { dechunk(body).ok_or_else(|| invalid("bad chunks"))? } else { body.to_owned() };
+    Ok(Answer { status, content_type, body })
+}
+
+/// The body of a chunked transfer encoding; `None` when it is cut or malformed.
+fn dechunk(mut rest: &str) -> Option<String> {
+    let mut body = String::new();
+    loop {
+        let (size, after) = rest.split_once("\r\n")?;
+        let size = usize::from_str_radix(size.split(';').next()?.trim(), 16).ok()?;
+        if size == 0 {
+            return Some(body);
+        }
+        body.push_str(after.get(..size)?);
+        rest = after.get(size..)?.strip_prefix("\r\n")?;
+    }
 }
 
 /// `GET path` over HTTP/1.1 on a connection of its own: the status and the body.
