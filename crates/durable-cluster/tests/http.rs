@@ -1,19 +1,20 @@
 //! The HTTP gateway (feature `http`) against the reference's own answers: the requests of
 //! `tests/fixtures/http/reference.json` (captured from the reference's `EntityProxyServer` by
 //! `interop/typescript/http_capture.mjs`) are sent, in order, over real HTTP to a gateway in
-//! front of a runner on SQLite whose `Counter` entity and `Greet` workflow behave as the
-//! reference's, and each answer's status and body must be the reference's.
+//! front of a runner on SQLite (and again on PostgreSQL) whose `Counter` entity and `Greet`
+//! workflow behave as the reference's, and each answer's status and body must be the
+//! reference's.
 #![cfg(all(feature = "http", feature = "sqlite", feature = "rpc", feature = "workflow"))]
 
 use std::net::SocketAddr;
 
+use cluster_testkit::databases::TestDatabase;
 use durable_cluster::http::HttpGateway;
 use durable_cluster::workflow::{
     DurableDeferred, ExecutionId, Token, Workflow, WorkflowContext, WorkflowEngine,
 };
 use durable_cluster::{
     Entity, EntityContext, EntityOptions, Protocol, RequestContext, Rpc, ShardingConfig,
-    SingleRunner,
 };
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
@@ -278,19 +279,32 @@ const NOT_REPLAYED: &[(&str, &str)] = &[
 ];
 
 /// A gateway serving `Counter` and `Greet` (with `Rejected` answered 409, as the reference's
-/// annotation says) in front of a single runner on the SQLite file of `name`.
+/// annotation says) in front of a single runner on a database of the test's own.
 struct Gateway {
     address: SocketAddr,
     sharding: durable_cluster::Sharding,
     server: tokio::task::JoinHandle<std::io::Result<()>>,
-    name: &'static str,
+    /// Removed (its file or its tables) when the gateway stops.
+    database: TestDatabase,
 }
 
 impl Gateway {
+    /// A gateway on an SQLite file named after `name`.
     async fn start(name: &'static str) -> Gateway {
-        support::remove_database(name);
-        let sharding =
-            SingleRunner::sqlite(support::database(name), ShardingConfig::default()).await.unwrap();
+        Gateway::on(TestDatabase::sqlite(name)).await
+    }
+
+    /// A gateway on `database`.
+    async fn on(database: TestDatabase) -> Gateway {
+        let config = ShardingConfig::default();
+        let (messages, runners) = database.open(&config).await.unwrap();
+        let sharding = durable_cluster::Sharding::builder(config)
+            .messages(messages)
+            .runners(runners)
+            .single_runner()
+            .start()
+            .await
+            .unwrap();
         sharding.register::<Counter>(EntityOptions::default()).unwrap();
         let engine = WorkflowEngine::cluster(&sharding).unwrap();
         Greet::register(&engine, greet).unwrap();
@@ -305,13 +319,13 @@ impl Gateway {
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
         let address = listener.local_addr().unwrap();
         let server = tokio::spawn(async move { axum::serve(listener, router).await });
-        Gateway { address, sharding, server, name }
+        Gateway { address, sharding, server, database }
     }
 
     async fn stop(self) {
         self.server.abort();
         self.sharding.shutdown().await;
-        support::remove_database(self.name);
+        drop(self.database);
     }
 }
 
@@ -320,10 +334,9 @@ fn fixtures() -> Value {
     serde_json::from_str(include_str!("fixtures/http/reference.json")).unwrap()
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn the_gateway_answers_as_the_reference() {
+/// Sends the reference's cases to `gateway` and compares each answer with the reference's.
+async fn replay_the_references_cases(gateway: Gateway) {
     let fixtures = fixtures();
-    let gateway = Gateway::start("http-reference").await;
     let address = gateway.address;
 
     let mut replayed = 0;
@@ -381,6 +394,20 @@ async fn the_gateway_answers_as_the_reference() {
     assert_eq!(answer.status, 413, "{answer:?}");
 
     gateway.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_gateway_answers_as_the_reference() {
+    replay_the_references_cases(Gateway::start("http-reference").await).await;
+}
+
+/// The same cases with the runner's storage on PostgreSQL (the persisted `Deposit` and the
+/// workflows go through its tables).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_gateway_answers_as_the_reference_on_postgres() {
+    if let Some(database) = TestDatabase::postgres() {
+        replay_the_references_cases(Gateway::on(database).await).await;
+    }
 }
 
 /// Client cases whose answer differs on purpose (see `NOT_REPLAYED`).
@@ -578,9 +605,7 @@ async fn poll_until(
 
 /// Beyond the reference's routes: an execution is polled, a deferred completed from its token
 /// (as a webhook would), and another execution interrupted, all over HTTP.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_deferred_is_completed_from_its_token_and_executions_polled_and_interrupted() {
-    let gateway = Gateway::start("http-deferred").await;
+async fn deferred_poll_and_interrupt(gateway: Gateway) {
     let address = gateway.address;
     let json = [("content-type".to_owned(), "application/json".to_owned())];
     let started =
@@ -622,6 +647,18 @@ async fn a_deferred_is_completed_from_its_token_and_executions_polled_and_interr
     let result = poll_until(address, &execution_id, |body| body.contains("Complete")).await;
     assert!(result.contains("Interrupt"), "{result}");
     gateway.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_deferred_is_completed_from_its_token_and_executions_polled_and_interrupted() {
+    deferred_poll_and_interrupt(Gateway::start("http-deferred").await).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_deferred_is_completed_and_executions_polled_and_interrupted_on_postgres() {
+    if let Some(database) = TestDatabase::postgres() {
+        deferred_poll_and_interrupt(Gateway::on(database).await).await;
+    }
 }
 
 /// Arbitrary JSON values, nested a few levels.
