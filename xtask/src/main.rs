@@ -2,8 +2,11 @@
 //!
 //! - `ci`: everything CI checks, in order: formatting, clippy (all targets, then each storage
 //!   feature on its own), the database services, all tests, the quickstart, the saga, streaming
-//!   and cron examples, a smoke run of the benchmark workloads, the simulation, the fault test,
-//!   the three-runner example, documentation.
+//!   and cron examples, schemathesis against the HTTP gateway example, a smoke run of the
+//!   benchmark workloads, the simulation, the fault test, the three-runner example,
+//!   documentation.
+//! - `schemathesis`: requests generated from the HTTP gateway example's OpenAPI document
+//!   (also run by `ci`); none may answer a 5xx.
 //! - `tidy`: the repository rules that are not compiler lints (also run as tests by `ci`).
 //! - `chaos`: the fault test across processes on PostgreSQL (`cluster-chaos`; also run by
 //!   `ci`): runners killed, frozen, joining and leaving under traffic.
@@ -62,6 +65,9 @@ fn main() -> ExitCode {
         Some("ci") => ci(),
         Some("tidy") => tidy::run(&workspace_root()),
         Some("chaos") => chaos(),
+        Some("schemathesis") => env::set_current_dir(workspace_root())
+            .context("cannot enter the workspace")
+            .and_then(|()| gateway_schemathesis()),
         Some("sim") => sim(&args[1..]),
         Some("bench") => bench(&args[1..]),
         Some("config-doc") => config_doc::run(&workspace_root()),
@@ -81,7 +87,7 @@ fn main() -> ExitCode {
 
 fn usage() {
     report(
-        "usage: cargo xtask <ci | tidy | chaos | sim [--seeds N] [--from S] [--classic|--extended|--graceful] | sim --seed S [--trace] [--classic|--extended|--graceful] | bench [W0|W1|W2|W3|W4|W5|W6|W7|W8|W9|all|scaling|plot] | config-doc>",
+        "usage: cargo xtask <ci | tidy | chaos | schemathesis | sim [--seeds N] [--from S] [--classic|--extended|--graceful] | sim --seed S [--trace] [--classic|--extended|--graceful] | bench [W0|W1|W2|W3|W4|W5|W6|W7|W8|W9|all|scaling|plot] | config-doc>",
     );
 }
 
@@ -149,6 +155,7 @@ fn ci() -> Result<()> {
     // The streaming and cron examples check their own outcome too.
     step("streaming", &["run", "-p", "durable-cluster", "--example", "streaming"], &[])?;
     step("cron", &["run", "-p", "durable-cluster", "--example", "cron_singleton"], &[])?;
+    gateway_schemathesis()?;
     bench_smoke(&service_env)?;
     sim(&["--seeds".to_owned(), "200".to_owned()])?;
     // Graceful faults only: every handler runs exactly once, in storage order.
@@ -274,6 +281,99 @@ pub(crate) fn step(name: &str, args: &[&str], envs: &[(&str, &str)]) -> Result<(
         bail!("step `{name}` failed ({status})");
     }
     Ok(())
+}
+
+/// The version of schemathesis that `gateway_schemathesis` installs.
+const SCHEMATHESIS: &str = "4.32.5";
+
+/// Requests generated from the OpenAPI document of the `http_gateway` example by schemathesis
+/// (from PyPI, installed in a virtual environment under the cache folder) against the running
+/// example: none may answer a 5xx. Without Python or PyPI the step is reported and skipped,
+/// except under `CI=true`, where it fails.
+fn gateway_schemathesis() -> Result<()> {
+    let features = ["--features", "http,schemars,sqlite", "--example", "http_gateway"];
+    let mut build = vec!["build", "--quiet", "-p", "durable-cluster"];
+    build.extend(features);
+    step("http_gateway example", &build, &[])?;
+    let schemathesis = match schemathesis_venv() {
+        Ok(schemathesis) => schemathesis,
+        Err(error) if env::var("CI").as_deref() != Ok("true") => {
+            report(&format!("==> schemathesis: skipped, {error:#}"));
+            return Ok(());
+        }
+        Err(error) => bail!("CI=true and schemathesis cannot be installed: {error:#}"),
+    };
+    let target = env::var_os("CARGO_TARGET_DIR")
+        .map_or_else(|| workspace_root().join("target"), PathBuf::from);
+    let binary = target.join("debug/examples/http_gateway");
+    let mut gateway = Command::new(&binary)
+        .envs([("GATEWAY_TOKEN", "schemathesis"), ("GATEWAY_LISTEN", "127.0.0.1:0")])
+        .stdout(std::process::Stdio::piped())
+        .spawn()
+        .with_context(|| format!("cannot start {}", binary.display()))?;
+    let address = listening_address(&mut gateway);
+    let outcome = address.and_then(|address| {
+        let url = format!("http://{address}/api");
+        report(&format!("==> schemathesis {SCHEMATHESIS} against {url}"));
+        // Its own state (`.hypothesis`) goes to a temporary folder, not the checkout.
+        let work = env::temp_dir().join(format!("schemathesis-{}", std::process::id()));
+        std::fs::create_dir_all(&work)?;
+        let status = Command::new(&schemathesis)
+            .current_dir(&work)
+            .args(["run", &format!("{url}/openapi.json"), "--url", &url])
+            .args(["-H", "Authorization: Bearer schemathesis"])
+            .args(["--checks", "not_a_server_error", "--max-examples", "100", "--seed", "1"])
+            .status();
+        let _ = std::fs::remove_dir_all(&work);
+        let status = status.context("cannot run schemathesis")?;
+        if !status.success() {
+            bail!("schemathesis found answers with a 5xx status ({status})");
+        }
+        Ok(())
+    });
+    // Ctrl-C: the example stops its runner and removes its database file.
+    let _ = Command::new("kill").args(["-INT", &gateway.id().to_string()]).status();
+    let _ = gateway.wait();
+    outcome
+}
+
+/// The address the `http_gateway` example prints once it listens.
+fn listening_address(gateway: &mut std::process::Child) -> Result<String> {
+    use std::io::BufRead;
+    let stdout = gateway.stdout.take().context("no output from the example")?;
+    for line in std::io::BufReader::new(stdout).lines() {
+        if let Some(address) = line?.strip_prefix("http_gateway: listening on ") {
+            return Ok(address.trim().to_owned());
+        }
+    }
+    bail!("the http_gateway example stopped before it listened")
+}
+
+/// The schemathesis command of a virtual environment under the cache folder, installed there
+/// first if it is not.
+fn schemathesis_venv() -> Result<PathBuf> {
+    let home = env::var_os("HOME").context("HOME is not set")?;
+    let venv =
+        PathBuf::from(home).join(format!(".cache/durable-cluster/schemathesis-{SCHEMATHESIS}"));
+    let command = venv.join("bin/schemathesis");
+    if command.is_file() {
+        return Ok(command);
+    }
+    report(&format!("==> schemathesis: installing {SCHEMATHESIS} into {}", venv.display()));
+    let created = Command::new("python3").args(["-m", "venv"]).arg(&venv).status();
+    if !created.is_ok_and(|status| status.success()) {
+        bail!("python3 -m venv failed");
+    }
+    let pip = venv.join("bin/pip");
+    let installed = Command::new(&pip)
+        .args(["install", "--quiet", "--disable-pip-version-check"])
+        .arg(format!("schemathesis=={SCHEMATHESIS}"))
+        .status();
+    if !installed.is_ok_and(|status| status.success()) {
+        let _ = std::fs::remove_dir_all(&venv);
+        bail!("pip install schemathesis=={SCHEMATHESIS} failed");
+    }
+    Ok(command)
 }
 
 /// Installs the TypeScript reference's packages (`interop/typescript`, exact versions from its

@@ -16,3 +16,19 @@ impl std::fmt::Display for Never {
 }
 
 impl std::error::Error for Never {}
+
+/// No value matches `Never`: its schema is `false`, JSON Schema's schema that matches nothing.
+#[cfg(feature = "schemars")]
+impl schemars::JsonSchema for Never {
+    fn schema_name() -> std::borrow::Cow<'static, str> {
+        "Never".into()
+    }
+
+    fn inline_schema() -> bool {
+        true
+    }
+
+    fn json_schema(_: &mut schemars::SchemaGenerator) -> schemars::Schema {
+        false.into()
+    }
+}

@@ -2,13 +2,14 @@
 //! the `Counter` entity served over HTTP (see docs/http.md for the curl lines).
 //!
 //! ```text
-//! GATEWAY_TOKEN=secret cargo run -p durable-cluster --features http --example http_gateway
+//! GATEWAY_TOKEN=secret cargo run -p durable-cluster --features http,schemars --example http_gateway
 //! curl -s -X POST -H 'authorization: Bearer secret' -d '{"amount":2}' \
 //!   http://127.0.0.1:8080/api/increment/c1
 //! ```
 //!
 //! It listens on `GATEWAY_LISTEN` (default `127.0.0.1:8080`) until Ctrl-C. Without
-//! `GATEWAY_TOKEN` every request is refused (401).
+//! `GATEWAY_TOKEN` every request is refused (401). Its OpenAPI document, with the request
+//! types' schemas, is at `/api/openapi.json`.
 
 use std::process::ExitCode;
 
@@ -18,6 +19,7 @@ use axum::middleware::Next;
 use axum::response::Response;
 use durable_cluster::http::HttpGateway;
 use durable_cluster::{EntityOptions, Never, ShardingConfig, SingleRunner, entity};
+use schemars::JsonSchema;
 use serde::{Deserialize, Serialize};
 
 /// A counter.
@@ -27,20 +29,24 @@ struct Counter {
 
 /// Adds `amount` to the count: `POST /api/increment/{id}` with `{"amount": n}` (the path
 /// segment is the request type's tag in lowercase).
-#[derive(Serialize, Deserialize)]
+#[derive(Serialize, Deserialize, JsonSchema)]
 struct Increment {
     amount: i64,
 }
 
 /// Reads the count: `POST /api/get/{id}` with an empty body.
-#[derive(Serialize, Deserialize)]
+#[derive(Serialize, Deserialize, JsonSchema)]
 struct Get;
 
-/// Why an `Add` was refused: the reference's tagged error form.
-#[derive(Debug, Serialize, Deserialize)]
-#[serde(tag = "_tag", rename = "NegativeAmount")]
-struct NegativeAmount {
-    amount: i64,
+/// Why an `Increment` was refused, in the reference's tagged error form; the gateway answers
+/// both with 422 instead of the reference's 500 (`HttpGateway::error_status`).
+#[derive(Debug, Serialize, Deserialize, JsonSchema)]
+#[serde(tag = "_tag")]
+enum Refused {
+    /// The amount is negative.
+    NegativeAmount { amount: i64 },
+    /// The count would overflow.
+    Overflow { count: i64 },
 }
 
 #[entity]
@@ -49,13 +55,14 @@ impl Counter {
         Counter { count: 0 }
     }
 
-    /// Adds to the count, refusing a negative amount.
+    /// Adds to the count, refusing a negative amount and an overflow.
     #[rpc]
-    async fn increment(&mut self, add: Increment) -> Result<i64, NegativeAmount> {
+    async fn increment(&mut self, add: Increment) -> Result<i64, Refused> {
         if add.amount < 0 {
-            return Err(NegativeAmount { amount: add.amount });
+            return Err(Refused::NegativeAmount { amount: add.amount });
         }
-        self.count += add.amount;
+        self.count =
+            self.count.checked_add(add.amount).ok_or(Refused::Overflow { count: self.count })?;
         Ok(self.count)
     }
 
@@ -85,9 +92,16 @@ async fn run() -> Result<(), Box<dyn std::error::Error>> {
     let sharding = SingleRunner::sqlite(&path, ShardingConfig::default()).await?;
     sharding.register::<Counter>(EntityOptions::default())?;
     let token = std::env::var("GATEWAY_TOKEN").ok().filter(|token| !token.is_empty());
-    let gateway = HttpGateway::new(sharding.clone()).entity::<Counter>().router().layer(
-        axum::middleware::from_fn(move |request, next| bearer(token.clone(), request, next)),
-    );
+    let gateway = HttpGateway::new(sharding.clone())
+        .entity::<Counter>()
+        .schemas::<Counter, Increment>()
+        .schemas::<Counter, Get>()
+        .error_status("NegativeAmount", 422)?
+        .error_status("Overflow", 422)?
+        .router()
+        .layer(axum::middleware::from_fn(move |request, next| {
+            bearer(token.clone(), request, next)
+        }));
     let app = axum::Router::new().nest("/api", gateway);
     let listen = std::env::var("GATEWAY_LISTEN").unwrap_or_else(|_| "127.0.0.1:8080".to_owned());
     let listener = tokio::net::TcpListener::bind(&listen).await?;

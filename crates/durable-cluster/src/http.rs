@@ -45,6 +45,8 @@ use cluster_core::{ClusterError, EntityAddress, EntityId};
 use cluster_sharding::{Entity, ErasedError, ErasedRpc, Sharding};
 
 mod openapi;
+#[cfg(feature = "schemars")]
+mod schemas;
 mod stream;
 
 /// The longest entity id a path may carry, in characters after decoding (the reference's
@@ -87,6 +89,10 @@ pub struct HttpGateway {
     workflows: Vec<workflows::WorkflowRoutes>,
     error_statuses: BTreeMap<String, StatusCode>,
     options: HttpOptions,
+    /// The schemas the application documented (feature `schemars`).
+    documented: openapi::Documented,
+    #[cfg(feature = "schemars")]
+    generator: schemas::Generator,
     /// The OpenAPI document, made when the router is.
     openapi_json: String,
 }
@@ -101,6 +107,9 @@ impl HttpGateway {
             workflows: Vec::new(),
             error_statuses: BTreeMap::new(),
             options: HttpOptions::default(),
+            documented: openapi::Documented::default(),
+            #[cfg(feature = "schemars")]
+            generator: schemas::Generator::default(),
             openapi_json: String::new(),
         }
     }
@@ -150,14 +159,15 @@ impl HttpGateway {
     /// The axum router of the gateway; it also serves the OpenAPI document at
     /// `GET /openapi.json`.
     pub fn router(mut self) -> axum::Router {
-        // A document of strings and numbers always serializes.
-        self.openapi_json = self.openapi().to_json().unwrap_or_default();
+        self.openapi_json = self.openapi().to_string();
         axum::Router::new().fallback(serve).with_state(Arc::new(self))
     }
 
-    /// The OpenAPI 3.1 document of the routes, in the reference's shape (see
-    /// `http/openapi.rs`): paths relative to the router, one tag per entity type or workflow.
-    pub fn openapi(&self) -> utoipa::openapi::OpenApi {
+    /// The OpenAPI 3.1 document of the routes, as JSON, in the reference's shape (see
+    /// `http/openapi.rs`): paths relative to the router, one tag per entity type or workflow;
+    /// the schemas of the request types and workflows documented with `schemars` (feature
+    /// `schemars`), open ones (`{}`) for the others.
+    pub fn openapi(&self) -> serde_json::Value {
         let entities: Vec<openapi::EntityOperation<'_>> = self
             .entities
             .iter()
@@ -180,7 +190,13 @@ impl HttpGateway {
             .iter()
             .map(|(tag, status)| (tag.clone(), status.as_u16()))
             .collect();
-        openapi::document("durable-cluster gateway", &entities, &workflows, &errors)
+        openapi::document(
+            "durable-cluster gateway",
+            &entities,
+            &workflows,
+            &errors,
+            &self.documented,
+        )
     }
 
     /// The request type and entity id a path names, and whether it is a discard route.

@@ -13,6 +13,8 @@
 //! | `rpc` | the TCP transport ([`rpc`]) and the runner process ([`Runner`]) |
 //! | `tls` | TLS on the transport |
 //! | `kubernetes` | [`KubernetesRunnerHealth`]: runners judged by their pods' readiness (`CLUSTER_RUNNER_HEALTH=kubernetes` for [`Runner`]) |
+//! | `http` | the HTTP gateway (`http::HttpGateway`): entities, streams and workflows over HTTP |
+//! | `schemars` | payload, success and error schemas in the gateway's OpenAPI document |
 //! | `workflow` | durable workflows ([`workflow`]) |
 //!
 //! An entity, a runner on a SQLite file, and a persisted request answered exactly once:

@@ -26,11 +26,13 @@ struct Counter {
     count: f64,
 }
 
+#[cfg_attr(feature = "schemars", derive(schemars::JsonSchema))]
 #[derive(Serialize, Deserialize)]
 struct Increment {
     amount: f64,
 }
 
+#[cfg_attr(feature = "schemars", derive(schemars::JsonSchema))]
 #[derive(Serialize, Deserialize)]
 struct Get;
 
@@ -45,6 +47,7 @@ struct Reject {
     reason: String,
 }
 
+#[cfg_attr(feature = "schemars", derive(schemars::JsonSchema))]
 #[derive(Serialize, Deserialize)]
 struct Deposit {
     id: String,
@@ -52,6 +55,7 @@ struct Deposit {
 }
 
 /// The reference's tagged error `NegativeAmount`.
+#[cfg_attr(feature = "schemars", derive(schemars::JsonSchema))]
 #[derive(Debug, Serialize, Deserialize)]
 #[serde(tag = "_tag", rename = "NegativeAmount")]
 struct NegativeAmount {
@@ -181,12 +185,14 @@ impl durable_cluster::Handler<Deposit> for Counter {
 /// The reference's `Greet` workflow: greets `name`; an empty name is refused, `boom` dies.
 struct Greet;
 
+#[cfg_attr(feature = "schemars", derive(schemars::JsonSchema))]
 #[derive(Serialize, Deserialize)]
 struct GreetPayload {
     name: String,
 }
 
 /// The reference's tagged error `GreetRefused`.
+#[cfg_attr(feature = "schemars", derive(schemars::JsonSchema))]
 #[derive(Debug, Serialize, Deserialize)]
 #[serde(tag = "_tag", rename = "GreetRefused")]
 struct GreetRefused {
@@ -762,4 +768,82 @@ fn arbitrary_input_never_gives_a_server_error() {
     let sent = sent.into_inner();
     assert!(sent >= 600, "{sent} cases sent");
     runtime.block_on(gateway.stop());
+}
+
+/// The schemas documented with `schemars` take the place of the open ones: the payload, the
+/// success and the typed error of a call route, the payload only of its discard route (whose
+/// cluster errors stay), the components they refer to; a `Never` error is left out; a type not
+/// documented keeps open schemas; a workflow's payload, success and error.
+#[cfg(feature = "schemars")]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn documented_schemas_take_the_place_of_the_open_ones() {
+    let database = TestDatabase::sqlite("http-schemas");
+    let config = ShardingConfig::default();
+    let (messages, runners) = database.open(&config).await.unwrap();
+    let sharding = durable_cluster::Sharding::builder(config)
+        .messages(messages)
+        .runners(runners)
+        .single_runner()
+        .start()
+        .await
+        .unwrap();
+    let engine = WorkflowEngine::cluster(&sharding).unwrap();
+    let document = HttpGateway::new(sharding.clone())
+        .entity::<Counter>()
+        .workflow::<Greet>(&engine)
+        .schemas::<Counter, Increment>()
+        .schemas::<Counter, Deposit>()
+        .workflow_schemas::<Greet>()
+        .openapi();
+    let operation = |path: &str| document["paths"][path]["post"].clone();
+    let body = |path: &str| {
+        operation(path)["requestBody"]["content"]["application/json"]["schema"].clone()
+    };
+    let answer = |path: &str, status: &str| {
+        operation(path)["responses"][status]["content"]["application/json"]["schema"].clone()
+    };
+    let reference =
+        |name: &str| serde_json::json!({ "$ref": format!("#/components/schemas/{name}") });
+    let cluster = |name: &str| reference(&format!("_effect_cluster_ClusterError_{name}Encoded"));
+
+    assert_eq!(body("/increment/{entityId}"), reference("Increment"));
+    assert_eq!(answer("/increment/{entityId}", "200")["type"], "number");
+    let errors = answer("/increment/{entityId}", "500")["anyOf"].clone();
+    assert_eq!(errors[0], reference("NegativeAmount"), "{errors}");
+    assert_eq!(errors.as_array().unwrap().len(), 5, "{errors}");
+    let increment = &document["components"]["schemas"]["Increment"];
+    assert_eq!(increment["properties"]["amount"]["type"], "number", "{increment}");
+    assert_eq!(increment["required"], serde_json::json!(["amount"]), "{increment}");
+    assert!(document["components"]["schemas"].get("NegativeAmount").is_some());
+
+    // The discard route: the payload; its cluster errors untouched.
+    assert_eq!(body("/increment/{entityId}/discard"), reference("Increment"));
+    let errors = answer("/increment/{entityId}/discard", "500")["anyOf"].clone();
+    let expected = ["MailboxFull", "AlreadyProcessingMessage", "PersistenceError"].map(cluster);
+    assert_eq!(errors, serde_json::json!(expected));
+
+    // `Deposit` cannot fail: its 500 answers the cluster errors only.
+    let errors = answer("/deposit/{entityId}", "500")["anyOf"].clone();
+    assert_eq!(errors.as_array().unwrap().len(), 4, "{errors}");
+    assert_eq!(errors[0], cluster("MailboxFull"), "{errors}");
+
+    // `Get` is not documented: open schemas.
+    assert_eq!(body("/get/{entityId}"), serde_json::json!({}));
+    assert_eq!(answer("/get/{entityId}", "200"), serde_json::json!({}));
+
+    // The workflow: payload, success and error; its discard route's payload.
+    assert_eq!(body("/greet"), reference("GreetPayload"));
+    assert_eq!(body("/greet/discard"), reference("GreetPayload"));
+    assert_eq!(answer("/greet", "200")["type"], "string");
+    assert_eq!(answer("/greet", "500"), reference("GreetRefused"));
+    // The gateway's own answers are documented on every route.
+    for path in ["/increment/{entityId}", "/greet", "/greet/discard"] {
+        assert_eq!(answer(path, "400"), reference("HttpApiSchemaError"), "{path}");
+        let responses = &operation(path)["responses"];
+        for status in ["413", "415", "504"] {
+            assert!(responses.get(status).is_some(), "{path} {status}: {responses}");
+        }
+    }
+
+    sharding.shutdown().await;
 }

@@ -2,7 +2,7 @@
 //! PostgreSQL: items as NDJSON and as Server-Sent Events with the end line, a failure after
 //! some items, a persisted stream deduplicated by its primary key, backpressure (a slow reader
 //! holds the handler back) and a closed connection interrupting the handler.
-#![cfg(all(feature = "http", feature = "sqlite", feature = "rpc"))]
+#![cfg(all(feature = "http", feature = "schemars", feature = "sqlite", feature = "rpc"))]
 
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
@@ -24,7 +24,7 @@ mod support;
 struct Feed;
 
 /// Counts from 0 below `to`, failing with `Stopped` at `fail_at`.
-#[derive(Serialize, Deserialize)]
+#[derive(Serialize, Deserialize, schemars::JsonSchema)]
 struct Count {
     to: u32,
     fail_at: Option<u32>,
@@ -47,7 +47,7 @@ struct Flood {
 #[derive(Serialize, Deserialize)]
 struct Forever;
 
-#[derive(Debug, Serialize, Deserialize)]
+#[derive(Debug, Serialize, Deserialize, schemars::JsonSchema)]
 #[serde(tag = "_tag", rename = "Stopped")]
 struct Stopped {
     at: u32,
@@ -196,7 +196,10 @@ impl Gateway {
             .await
             .unwrap();
         sharding.register::<Feed>(EntityOptions::default()).unwrap();
-        let router = HttpGateway::new(sharding.clone()).entity::<Feed>().router();
+        let router = HttpGateway::new(sharding.clone())
+            .entity::<Feed>()
+            .stream_schemas::<Feed, Count>()
+            .router();
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
         let address = listener.local_addr().unwrap();
         let server = tokio::spawn(async move { axum::serve(listener, router).await });
@@ -319,6 +322,13 @@ async fn streams_are_served(database: TestDatabase) {
     assert!(content.get("application/x-ndjson").is_some(), "{content}");
     assert!(content.get("text/event-stream").is_some(), "{content}");
     assert!(document["paths"].get("/count/{entityId}/discard").is_none());
+    // `Count` is documented: a line is an item of its item's schema, or the end.
+    let lines = &content["application/x-ndjson"]["schema"]["oneOf"];
+    assert_eq!(lines[0]["properties"]["item"]["type"], "integer", "{lines}");
+    assert_eq!(lines[1]["required"], serde_json::json!(["end"]), "{lines}");
+    let payload = &document["paths"]["/count/{entityId}"]["post"]["requestBody"]["content"];
+    let payload = &payload["application/json"]["schema"];
+    assert_eq!(payload["$ref"], "#/components/schemas/Count", "{payload}");
 
     gateway.stop().await;
 }

@@ -5,11 +5,15 @@
 //! under the reference's names.
 //!
 //! The payload, success and error schemas of a request type are open (`{}`): the runtime knows
-//! their JSON, not their schema.
+//! their JSON, not their schema; unless the application documented them from `schemars`
+//! (feature `schemars`, `http/schemas.rs`), which puts them in place of the open ones.
 
+use std::collections::BTreeMap;
+
+use serde_json::Value;
 use utoipa::openapi::path::{OperationBuilder, ParameterBuilder, ParameterIn};
 use utoipa::openapi::request_body::RequestBodyBuilder;
-use utoipa::openapi::schema::AnyOfBuilder;
+use utoipa::openapi::schema::{AnyOfBuilder, OneOfBuilder, SchemaType};
 use utoipa::openapi::{
     ComponentsBuilder, ContentBuilder, HttpMethod, InfoBuilder, ObjectBuilder, OpenApi,
     OpenApiBuilder, PathItem, PathsBuilder, Ref, Required, ResponseBuilder, Schema, Type,
@@ -30,16 +34,117 @@ pub(super) struct WorkflowOperation<'a> {
     pub(super) name: &'a str,
 }
 
+/// The schemas of one request type or workflow, as JSON Schemas; `None` leaves a schema open.
+#[derive(Debug, Default)]
+pub(super) struct OperationSchemas {
+    pub(super) payload: Option<Value>,
+    /// The success (not for a void success or a stream).
+    pub(super) success: Option<Value>,
+    pub(super) error: Option<Value>,
+    /// A stream's item.
+    pub(super) item: Option<Value>,
+}
+
+/// The schemas the application documented: by group (entity type or workflow) and tag (the
+/// workflow's name for a workflow), and the components they refer to.
+#[derive(Debug, Default)]
+pub(super) struct Documented {
+    pub(super) operations: BTreeMap<(String, String), OperationSchemas>,
+    pub(super) definitions: serde_json::Map<String, Value>,
+}
+
 /// The reference's component names of the cluster errors.
 const MAILBOX_FULL: &str = "_effect_cluster_ClusterError_MailboxFullEncoded";
 const ALREADY_PROCESSING: &str = "_effect_cluster_ClusterError_AlreadyProcessingMessageEncoded";
 const PERSISTENCE: &str = "_effect_cluster_ClusterError_PersistenceErrorEncoded";
 const NOT_ASSIGNED: &str = "_effect_cluster_ClusterError_EntityNotAssignedToRunnerEncoded";
 const ADDRESS: &str = "_effect_cluster_EntityAddressEncoded";
+/// The gateway's decoding error (400).
+const SCHEMA_ERROR: &str = "HttpApiSchemaError";
 
 /// The document of `entities` and `workflows`, with `errors` (a `_tag` and its status) as
-/// extra responses.
+/// extra responses and the `documented` schemas in place of open ones.
 pub(super) fn document(
+    title: &str,
+    entities: &[EntityOperation<'_>],
+    workflows: &[WorkflowOperation<'_>],
+    errors: &[(String, u16)],
+    documented: &Documented,
+) -> Value {
+    let document = open_document(title, entities, workflows, errors);
+    // A document of strings, numbers and maps always serializes.
+    let mut document = serde_json::to_value(document).unwrap_or_default();
+    for operation in entities {
+        let key = (operation.group.to_owned(), operation.tag.to_owned());
+        let Some(schemas) = documented.operations.get(&key) else { continue };
+        let base = path_of(operation.prefix, &operation.tag.to_lowercase());
+        let path = format!("{base}/{{entityId}}");
+        place(&mut document, &path, schemas);
+        if !operation.stream {
+            // A discard answers no success and no typed error.
+            let discard =
+                OperationSchemas { payload: schemas.payload.clone(), ..Default::default() };
+            place(&mut document, &format!("{path}/discard"), &discard);
+        }
+    }
+    for workflow in workflows {
+        let key = (workflow.name.to_owned(), workflow.name.to_owned());
+        let Some(schemas) = documented.operations.get(&key) else { continue };
+        let base = path_of(workflow.prefix, &workflow.name.to_lowercase());
+        place(&mut document, &base, schemas);
+        let discard = OperationSchemas { payload: schemas.payload.clone(), ..Default::default() };
+        place(&mut document, &format!("{base}/discard"), &discard);
+    }
+    if let Some(components) =
+        document.pointer_mut("/components/schemas").and_then(Value::as_object_mut)
+    {
+        for (name, schema) in &documented.definitions {
+            // The cluster errors keep the reference's schemas.
+            components.entry(name.clone()).or_insert_with(|| schema.clone());
+        }
+    }
+    document
+}
+
+/// Puts `schemas` in place of the open schemas of the `POST` operation at `path`: the request
+/// body, the success (or a stream's item) and the typed error (the first of the 500 answer's
+/// `anyOf`, or its whole schema for a workflow). An error that matches nothing (`false`, a
+/// `Never`) is left out of the `anyOf`.
+fn place(document: &mut Value, path: &str, schemas: &OperationSchemas) {
+    let Some(operation) = document
+        .get_mut("paths")
+        .and_then(|paths| paths.get_mut(path))
+        .and_then(|item| item.get_mut("post"))
+    else {
+        return;
+    };
+    let mut set = |pointer: &str, schema: &Option<Value>| {
+        if let (Some(slot), Some(schema)) = (operation.pointer_mut(pointer), schema) {
+            *slot = schema.clone();
+        }
+    };
+    set("/requestBody/content/application~1json/schema", &schemas.payload);
+    set("/responses/200/content/application~1json/schema", &schemas.success);
+    set(
+        "/responses/200/content/application~1x-ndjson/schema/oneOf/0/properties/item",
+        &schemas.item,
+    );
+    let Some(error) = &schemas.error else { return };
+    let Some(failed) = operation.pointer_mut("/responses/500/content/application~1json/schema")
+    else {
+        return;
+    };
+    match failed.get_mut("anyOf").and_then(Value::as_array_mut) {
+        Some(any_of) if *error == Value::Bool(false) => {
+            any_of.remove(0);
+        }
+        Some(any_of) => any_of[0] = error.clone(),
+        None => *failed = error.clone(),
+    }
+}
+
+/// The document with open schemas.
+fn open_document(
     title: &str,
     entities: &[EntityOperation<'_>],
     workflows: &[WorkflowOperation<'_>],
@@ -102,7 +207,7 @@ fn path_of(prefix: &[String], segment: &str) -> String {
 
 /// An open schema (`{}`): any JSON.
 fn any() -> Schema {
-    Schema::Object(ObjectBuilder::new().build())
+    Schema::Object(ObjectBuilder::new().schema_type(SchemaType::AnyValue).build())
 }
 
 fn string() -> Schema {
@@ -113,6 +218,24 @@ fn json_body(schema: Schema) -> RequestBodyBuilder {
     RequestBodyBuilder::new()
         .content("application/json", ContentBuilder::new().schema(Some(schema)).build())
         .required(Some(Required::True))
+}
+
+/// A line of a stream's NDJSON answer: an item, or the end.
+fn line() -> Schema {
+    let item = ObjectBuilder::new()
+        .schema_type(Type::Object)
+        .property("item", any())
+        .required("item")
+        .build();
+    let ends = ["complete", "failed", "defect", "interrupted"];
+    let end_kind = ObjectBuilder::new().schema_type(Type::String).enum_values(Some(ends));
+    let end = ObjectBuilder::new()
+        .schema_type(Type::Object)
+        .property("end", end_kind)
+        .property("error", any())
+        .required("end")
+        .build();
+    Schema::OneOf(OneOfBuilder::new().item(item).item(end).build())
 }
 
 /// `anyOf` the typed error (open) and the cluster errors named.
@@ -152,13 +275,13 @@ fn entity_operation(
         let failed = errors_of(false, &[MAILBOX_FULL, ALREADY_PROCESSING, PERSISTENCE]);
         built = built.response("204", ResponseBuilder::new().description("<No Content>"));
         built = built.response("500", error_response(failed));
-        return built;
+        return gateway_answers(built);
     }
     let success = if operation.stream {
         // One line or event per item, then the end (see `http/stream.rs`).
         ResponseBuilder::new()
             .description("The items, then the end")
-            .content("application/x-ndjson", ContentBuilder::new().schema(Some(any())).build())
+            .content("application/x-ndjson", ContentBuilder::new().schema(Some(line())).build())
             .content("text/event-stream", ContentBuilder::new().schema(Some(string())).build())
     } else if operation.void_success {
         ResponseBuilder::new().description("<No Content>")
@@ -169,7 +292,23 @@ fn entity_operation(
     };
     let failed = errors_of(true, &[MAILBOX_FULL, ALREADY_PROCESSING, PERSISTENCE, NOT_ASSIGNED]);
     built = built.response("200", success).response("500", error_response(failed));
-    with_error_statuses(built, errors)
+    gateway_answers(with_error_statuses(built, errors))
+}
+
+/// The gateway's own answers, beyond the reference's: 400 (the body does not decode as the
+/// payload, with the decoding error), 413 (the body is over the limit), 415 (not JSON) and 504
+/// (the call took longer than the request timeout).
+fn gateway_answers(operation: OperationBuilder) -> OperationBuilder {
+    let decode =
+        ResponseBuilder::new().description("The body does not decode as the payload").content(
+            "application/json",
+            ContentBuilder::new().schema(Some(Ref::from_schema_name(SCHEMA_ERROR))).build(),
+        );
+    operation
+        .response("400", decode)
+        .response("413", ResponseBuilder::new().description("The body is over the limit"))
+        .response("415", ResponseBuilder::new().description("The body is not JSON"))
+        .response("504", ResponseBuilder::new().description("The call timed out"))
 }
 
 /// A 500 (or another error status) answer with `schema`.
@@ -203,18 +342,19 @@ fn workflow_execute(
         .request_body(Some(json_body(any()).build()))
         .response("200", success)
         .response("500", error_response(any()));
-    with_error_statuses(operation, errors)
+    gateway_answers(with_error_statuses(operation, errors))
 }
 
 fn workflow_discard(workflow: &WorkflowOperation<'_>) -> OperationBuilder {
     let started = ResponseBuilder::new()
         .description("The execution id")
         .content("application/json", ContentBuilder::new().schema(Some(string())).build());
-    OperationBuilder::new()
+    let operation = OperationBuilder::new()
         .tag(workflow.name)
         .operation_id(Some(format!("{0}.{0}Discard", workflow.name)))
         .request_body(Some(json_body(any()).build()))
-        .response("200", started)
+        .response("200", started);
+    gateway_answers(operation)
 }
 
 fn no_content() -> ResponseBuilder {
@@ -239,11 +379,12 @@ fn workflow_by_id(
         .required("executionId")
         .build();
     let status = if operation == "Poll" { "200" } else { "204" };
-    OperationBuilder::new()
+    let operation = OperationBuilder::new()
         .tag(workflow.name)
         .operation_id(Some(format!("{0}.{0}{operation}", workflow.name)))
         .request_body(Some(json_body(Schema::Object(body)).build()))
-        .response(status, answer)
+        .response(status, answer);
+    gateway_answers(operation)
 }
 
 /// A tagged error object: `_tag` with `tag` and the `fields`.
@@ -289,5 +430,6 @@ fn components() -> utoipa::openapi::Components {
         )
         .schema(PERSISTENCE, tagged("PersistenceError", vec![("cause", any().into())]))
         .schema(NOT_ASSIGNED, tagged("EntityNotAssignedToRunner", vec![("address", address_ref())]))
+        .schema(SCHEMA_ERROR, tagged(SCHEMA_ERROR, vec![("message", string().into())]))
         .build()
 }
