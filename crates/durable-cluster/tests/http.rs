@@ -302,15 +302,7 @@ impl Gateway {
 
     /// A gateway on `database`.
     async fn on(database: TestDatabase) -> Gateway {
-        let config = ShardingConfig::default();
-        let (messages, runners) = database.open(&config).await.unwrap();
-        let sharding = durable_cluster::Sharding::builder(config)
-            .messages(messages)
-            .runners(runners)
-            .single_runner()
-            .start()
-            .await
-            .unwrap();
+        let sharding = support::single_runner(&database).await;
         sharding.register::<Counter>(EntityOptions::default()).unwrap();
         let engine = WorkflowEngine::cluster(&sharding).unwrap();
         Greet::register(&engine, greet).unwrap();
@@ -778,15 +770,7 @@ fn arbitrary_input_never_gives_a_server_error() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn documented_schemas_take_the_place_of_the_open_ones() {
     let database = TestDatabase::sqlite("http-schemas");
-    let config = ShardingConfig::default();
-    let (messages, runners) = database.open(&config).await.unwrap();
-    let sharding = durable_cluster::Sharding::builder(config)
-        .messages(messages)
-        .runners(runners)
-        .single_runner()
-        .start()
-        .await
-        .unwrap();
+    let sharding = support::single_runner(&database).await;
     let engine = WorkflowEngine::cluster(&sharding).unwrap();
     let document = HttpGateway::new(sharding.clone())
         .entity::<Counter>()

@@ -12,7 +12,7 @@ use cluster_testkit::databases::TestDatabase;
 use durable_cluster::http::HttpGateway;
 use durable_cluster::{
     Chunks, Entity, EntityContext, EntityOptions, Protocol, RequestContext, Sharding,
-    ShardingConfig, StreamHandler, StreamRpc,
+    StreamHandler, StreamRpc,
 };
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
@@ -186,15 +186,7 @@ struct Gateway {
 
 impl Gateway {
     async fn start(database: &TestDatabase) -> Gateway {
-        let config = ShardingConfig::default();
-        let (messages, runners) = database.open(&config).await.unwrap();
-        let sharding = Sharding::builder(config)
-            .messages(messages)
-            .runners(runners)
-            .single_runner()
-            .start()
-            .await
-            .unwrap();
+        let sharding = support::single_runner(database).await;
         sharding.register::<Feed>(EntityOptions::default()).unwrap();
         let router = HttpGateway::new(sharding.clone())
             .entity::<Feed>()

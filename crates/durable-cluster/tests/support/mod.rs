@@ -6,6 +6,21 @@ use std::net::SocketAddr;
 
 use durable_cluster::{Role, RunnerEnv, RunnerError};
 
+/// A single runner on `database`, with the default configuration.
+pub(crate) async fn single_runner(
+    database: &cluster_testkit::databases::TestDatabase,
+) -> durable_cluster::Sharding {
+    let config = durable_cluster::ShardingConfig::default();
+    let (messages, runners) = database.open(&config).await.unwrap();
+    durable_cluster::Sharding::builder(config)
+        .messages(messages)
+        .runners(runners)
+        .single_runner()
+        .start()
+        .await
+        .unwrap()
+}
+
 /// The SQLite file of the test `name`.
 pub(crate) fn database(name: &str) -> std::path::PathBuf {
     std::env::temp_dir().join(format!("durable-cluster-{name}-{}.db", std::process::id()))
