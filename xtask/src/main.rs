@@ -318,14 +318,16 @@ fn gateway_schemathesis() -> Result<()> {
         // Its own state (`.hypothesis`) goes to a temporary folder, not the checkout.
         let work = env::temp_dir().join(format!("schemathesis-{}", std::process::id()));
         std::fs::create_dir_all(&work)?;
-        let status = Command::new(&schemathesis)
+        let run = Command::new(&schemathesis)
             .current_dir(&work)
             .args(["run", &format!("{url}/openapi.json"), "--url", &url])
             .args(["-H", "Authorization: Bearer schemathesis"])
             .args(["--checks", "not_a_server_error", "--max-examples", "100", "--seed", "1"])
-            .status();
+            .spawn()
+            .context("cannot run schemathesis")
+            .and_then(|child| wait_within(child, SCHEMATHESIS_DEADLINE, "schemathesis"));
         let _ = std::fs::remove_dir_all(&work);
-        let status = status.context("cannot run schemathesis")?;
+        let status = run?;
         if !status.success() {
             bail!("schemathesis found answers with a 5xx status ({status})");
         }
@@ -333,20 +335,56 @@ fn gateway_schemathesis() -> Result<()> {
     });
     // Ctrl-C: the example stops its runner and removes its database file.
     let _ = Command::new("kill").args(["-INT", &gateway.id().to_string()]).status();
-    let _ = gateway.wait();
+    wait_within(gateway, std::time::Duration::from_secs(30), "the http_gateway example")?;
     outcome
 }
 
-/// The address the `http_gateway` example prints once it listens.
+/// How long the `http_gateway` example may take to listen.
+const GATEWAY_START_DEADLINE: std::time::Duration = std::time::Duration::from_secs(60);
+/// How long schemathesis may run (it takes seconds).
+const SCHEMATHESIS_DEADLINE: std::time::Duration = std::time::Duration::from_secs(600);
+
+/// The address the `http_gateway` example prints once it listens, within
+/// `GATEWAY_START_DEADLINE`.
 fn listening_address(gateway: &mut std::process::Child) -> Result<String> {
     use std::io::BufRead;
     let stdout = gateway.stdout.take().context("no output from the example")?;
-    for line in std::io::BufReader::new(stdout).lines() {
-        if let Some(address) = line?.strip_prefix("http_gateway: listening on ") {
-            return Ok(address.trim().to_owned());
+    let (sender, receiver) = std::sync::mpsc::sync_channel(1);
+    // The reader ends with the example's output; it is not joined.
+    std::thread::spawn(move || {
+        let address =
+            std::io::BufReader::new(stdout).lines().map_while(Result::ok).find_map(|line| {
+                line.strip_prefix("http_gateway: listening on ").map(|a| a.trim().to_owned())
+            });
+        let _ = sender.send(address);
+    });
+    match receiver.recv_timeout(GATEWAY_START_DEADLINE) {
+        Ok(Some(address)) => Ok(address),
+        Ok(None) | Err(std::sync::mpsc::RecvTimeoutError::Disconnected) => {
+            bail!("the http_gateway example stopped before it listened")
+        }
+        Err(std::sync::mpsc::RecvTimeoutError::Timeout) => {
+            bail!("the http_gateway example did not listen within {GATEWAY_START_DEADLINE:?}")
         }
     }
-    bail!("the http_gateway example stopped before it listened")
+}
+
+/// Waits for `child` to exit, killing it after `deadline` (counted in polls of 100 ms).
+fn wait_within(
+    mut child: std::process::Child,
+    deadline: std::time::Duration,
+    what: &str,
+) -> Result<std::process::ExitStatus> {
+    let poll = std::time::Duration::from_millis(100);
+    for _ in 0..deadline.as_millis().div_ceil(poll.as_millis()) {
+        if let Some(status) = child.try_wait()? {
+            return Ok(status);
+        }
+        std::thread::sleep(poll);
+    }
+    let _ = child.kill();
+    let _ = child.wait();
+    bail!("{what} did not end within {deadline:?}")
 }
 
 /// The schemathesis command of a virtual environment under the cache folder, installed there

@@ -202,10 +202,10 @@ pub(crate) fn vm_hwm_mb(status: &str) -> f64 {
 fn main() -> ExitCode {
     let args: Vec<String> = std::env::args().skip(1).collect();
     if args.first().map(String::as_str) == Some("runner") {
-        return run_runner();
+        return run_process("runner", processes::runner());
     }
     if args.first().map(String::as_str) == Some("gateway") {
-        return run_gateway();
+        return run_process("gateway", processes::gateway());
     }
     let plan = match parse_args(&args) {
         Ok(plan) => plan,
@@ -237,27 +237,19 @@ fn main() -> ExitCode {
     }
 }
 
-/// `cluster-bench runner`: a runner process of W6 to W8.
-fn run_runner() -> ExitCode {
+/// `cluster-bench runner` (a runner process of W6 to W8) or `cluster-bench gateway` (the HTTP
+/// gateway process of W9): runs `process` on a runtime of its own.
+fn run_process(
+    name: &str,
+    process: impl std::future::Future<Output = Result<(), String>>,
+) -> ExitCode {
     let runtime = match tokio::runtime::Builder::new_multi_thread().enable_all().build() {
         Ok(runtime) => runtime,
         Err(error) => return fail(&format!("cannot start the runtime: {error}")),
     };
-    match runtime.block_on(processes::runner()) {
+    match runtime.block_on(process) {
         Ok(()) => ExitCode::SUCCESS,
-        Err(error) => fail(&format!("runner: {error}")),
-    }
-}
-
-/// `cluster-bench gateway`: the HTTP gateway process of W9.
-fn run_gateway() -> ExitCode {
-    let runtime = match tokio::runtime::Builder::new_multi_thread().enable_all().build() {
-        Ok(runtime) => runtime,
-        Err(error) => return fail(&format!("cannot start the runtime: {error}")),
-    };
-    match runtime.block_on(processes::gateway()) {
-        Ok(()) => ExitCode::SUCCESS,
-        Err(error) => fail(&format!("gateway: {error}")),
+        Err(error) => fail(&format!("{name}: {error}")),
     }
 }
 

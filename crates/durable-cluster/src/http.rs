@@ -317,7 +317,8 @@ async fn serve(State(gateway): State<Arc<HttpGateway>>, request: Request) -> Res
     if discard && rpc.is_stream() {
         return empty(StatusCode::NOT_FOUND);
     }
-    let format = stream::Format::of(request.headers());
+    // Read before the body takes the request.
+    let format = rpc.is_stream().then(|| stream::Format::of(request.headers()));
     let span = tracing::info_span!(
         "http_request",
         entity_type = entity.entity_type,
@@ -332,7 +333,7 @@ async fn serve(State(gateway): State<Arc<HttpGateway>>, request: Request) -> Res
         Ok(payload) => payload,
         Err(refused) => return refused,
     };
-    if rpc.is_stream() {
+    if let Some(format) = format {
         // The timeout bounds the start; the items come as long as the connection reads them.
         let started = rpc.stream(&gateway.sharding, entity_id, payload);
         return match within_timeout(&gateway.options, &span, started).await {

@@ -821,7 +821,7 @@ async fn documented_schemas_take_the_place_of_the_open_ones() {
     assert_eq!(answer("/greet", "200")["type"], "string");
     assert_eq!(answer("/greet", "500"), reference("GreetRefused"));
     // The gateway's own answers are documented on every route.
-    for path in ["/increment/{entityId}", "/greet", "/greet/discard"] {
+    for path in ["/increment/{entityId}", "/greet", "/greet/discard", "/deferred/{token}"] {
         assert_eq!(answer(path, "400"), reference("HttpApiSchemaError"), "{path}");
         let responses = &operation(path)["responses"];
         for status in ["413", "415", "504"] {

@@ -16,7 +16,7 @@ use utoipa::openapi::request_body::RequestBodyBuilder;
 use utoipa::openapi::schema::{AnyOfBuilder, OneOfBuilder, SchemaType};
 use utoipa::openapi::{
     ComponentsBuilder, ContentBuilder, HttpMethod, InfoBuilder, ObjectBuilder, OpenApi,
-    OpenApiBuilder, PathItem, PathsBuilder, Ref, Required, ResponseBuilder, Schema, Type,
+    OpenApiBuilder, PathItem, PathsBuilder, Ref, RefOr, Required, ResponseBuilder, Schema, Type,
 };
 
 /// What the document needs of one routed request type.
@@ -45,11 +45,19 @@ pub(super) struct OperationSchemas {
     pub(super) item: Option<Value>,
 }
 
-/// The schemas the application documented: by group (entity type or workflow) and tag (the
-/// workflow's name for a workflow), and the components they refer to.
+/// What a set of documented schemas is for.
+#[derive(Clone, Debug, PartialEq, Eq, PartialOrd, Ord)]
+pub(super) enum Documents {
+    /// The request type of an entity type: its type and its tag.
+    Rpc(String, String),
+    /// A workflow, by name.
+    Workflow(String),
+}
+
+/// The schemas the application documented, and the components they refer to.
 #[derive(Debug, Default)]
 pub(super) struct Documented {
-    pub(super) operations: BTreeMap<(String, String), OperationSchemas>,
+    pub(super) operations: BTreeMap<Documents, OperationSchemas>,
     pub(super) definitions: serde_json::Map<String, Value>,
 }
 
@@ -75,10 +83,9 @@ pub(super) fn document(
     // A document of strings, numbers and maps always serializes.
     let mut document = serde_json::to_value(document).unwrap_or_default();
     for operation in entities {
-        let key = (operation.group.to_owned(), operation.tag.to_owned());
+        let key = Documents::Rpc(operation.group.to_owned(), operation.tag.to_owned());
         let Some(schemas) = documented.operations.get(&key) else { continue };
-        let base = path_of(operation.prefix, &operation.tag.to_lowercase());
-        let path = format!("{base}/{{entityId}}");
+        let path = entity_path(operation);
         place(&mut document, &path, schemas);
         if !operation.stream {
             // A discard answers no success and no typed error.
@@ -88,9 +95,9 @@ pub(super) fn document(
         }
     }
     for workflow in workflows {
-        let key = (workflow.name.to_owned(), workflow.name.to_owned());
+        let key = Documents::Workflow(workflow.name.to_owned());
         let Some(schemas) = documented.operations.get(&key) else { continue };
-        let base = path_of(workflow.prefix, &workflow.name.to_lowercase());
+        let base = workflow_path(workflow);
         place(&mut document, &base, schemas);
         let discard = OperationSchemas { payload: schemas.payload.clone(), ..Default::default() };
         place(&mut document, &format!("{base}/discard"), &discard);
@@ -152,8 +159,7 @@ fn open_document(
 ) -> OpenApi {
     let mut paths = PathsBuilder::new();
     for operation in entities {
-        let base = path_of(operation.prefix, &operation.tag.to_lowercase());
-        let path = format!("{base}/{{entityId}}");
+        let path = entity_path(operation);
         let call = entity_operation(operation, false, errors);
         paths = paths.path(path.clone(), PathItem::new(HttpMethod::Post, call));
         if operation.stream {
@@ -164,7 +170,7 @@ fn open_document(
         paths = paths.path(format!("{path}/discard"), PathItem::new(HttpMethod::Post, discard));
     }
     for workflow in workflows {
-        let base = path_of(workflow.prefix, &workflow.name.to_lowercase());
+        let base = workflow_path(workflow);
         for (suffix, operation) in [
             ("", workflow_execute(workflow, errors)),
             ("/discard", workflow_discard(workflow)),
@@ -189,6 +195,7 @@ fn open_document(
                 .parameter(token)
                 .request_body(Some(json_body(any()).build()))
                 .response("204", no_content());
+            let operation = gateway_answers(operation);
             let path = format!("/deferred/{{token}}{suffix}");
             paths = paths.path(path, PathItem::new(HttpMethod::Post, operation));
         }
@@ -203,6 +210,16 @@ fn open_document(
 /// `/{prefix}/{segment}`.
 fn path_of(prefix: &[String], segment: &str) -> String {
     prefix.iter().map(|part| format!("/{part}")).chain([format!("/{segment}")]).collect()
+}
+
+/// `/{prefix}/{tag in lowercase}/{entityId}`: a request type's call route.
+fn entity_path(operation: &EntityOperation<'_>) -> String {
+    format!("{}/{{entityId}}", path_of(operation.prefix, &operation.tag.to_lowercase()))
+}
+
+/// `/{prefix}/{name in lowercase}`: a workflow's execute route.
+fn workflow_path(workflow: &WorkflowOperation<'_>) -> String {
+    path_of(workflow.prefix, &workflow.name.to_lowercase())
 }
 
 /// An open schema (`{}`): any JSON.
@@ -273,7 +290,7 @@ fn entity_operation(
         .request_body(Some(json_body(any()).build()));
     if discard {
         let failed = errors_of(false, &[MAILBOX_FULL, ALREADY_PROCESSING, PERSISTENCE]);
-        built = built.response("204", ResponseBuilder::new().description("<No Content>"));
+        built = built.response("204", no_content());
         built = built.response("500", error_response(failed));
         return gateway_answers(built);
     }
@@ -284,11 +301,9 @@ fn entity_operation(
             .content("application/x-ndjson", ContentBuilder::new().schema(Some(line())).build())
             .content("text/event-stream", ContentBuilder::new().schema(Some(string())).build())
     } else if operation.void_success {
-        ResponseBuilder::new().description("<No Content>")
+        no_content()
     } else {
-        ResponseBuilder::new()
-            .description("Success")
-            .content("application/json", ContentBuilder::new().schema(Some(any())).build())
+        json_answer("Success", any())
     };
     let failed = errors_of(true, &[MAILBOX_FULL, ALREADY_PROCESSING, PERSISTENCE, NOT_ASSIGNED]);
     built = built.response("200", success).response("500", error_response(failed));
@@ -300,10 +315,7 @@ fn entity_operation(
 /// (the call took longer than the request timeout).
 fn gateway_answers(operation: OperationBuilder) -> OperationBuilder {
     let decode =
-        ResponseBuilder::new().description("The body does not decode as the payload").content(
-            "application/json",
-            ContentBuilder::new().schema(Some(Ref::from_schema_name(SCHEMA_ERROR))).build(),
-        );
+        json_answer("The body does not decode as the payload", Ref::from_schema_name(SCHEMA_ERROR));
     operation
         .response("400", decode)
         .response("413", ResponseBuilder::new().description("The body is over the limit"))
@@ -311,11 +323,16 @@ fn gateway_answers(operation: OperationBuilder) -> OperationBuilder {
         .response("504", ResponseBuilder::new().description("The call timed out"))
 }
 
+/// An answer with a JSON body of `schema`.
+fn json_answer(description: &str, schema: impl Into<RefOr<Schema>>) -> ResponseBuilder {
+    ResponseBuilder::new()
+        .description(description)
+        .content("application/json", ContentBuilder::new().schema(Some(schema)).build())
+}
+
 /// A 500 (or another error status) answer with `schema`.
 fn error_response(schema: Schema) -> ResponseBuilder {
-    ResponseBuilder::new()
-        .description("Error")
-        .content("application/json", ContentBuilder::new().schema(Some(schema)).build())
+    json_answer("Error", schema)
 }
 
 /// The statuses given to error tags, as extra responses.
@@ -333,22 +350,17 @@ fn workflow_execute(
     workflow: &WorkflowOperation<'_>,
     errors: &[(String, u16)],
 ) -> OperationBuilder {
-    let success = ResponseBuilder::new()
-        .description("Success")
-        .content("application/json", ContentBuilder::new().schema(Some(any())).build());
     let operation = OperationBuilder::new()
         .tag(workflow.name)
         .operation_id(Some(format!("{0}.{0}", workflow.name)))
         .request_body(Some(json_body(any()).build()))
-        .response("200", success)
+        .response("200", json_answer("Success", any()))
         .response("500", error_response(any()));
     gateway_answers(with_error_statuses(operation, errors))
 }
 
 fn workflow_discard(workflow: &WorkflowOperation<'_>) -> OperationBuilder {
-    let started = ResponseBuilder::new()
-        .description("The execution id")
-        .content("application/json", ContentBuilder::new().schema(Some(string())).build());
+    let started = json_answer("The execution id", string());
     let operation = OperationBuilder::new()
         .tag(workflow.name)
         .operation_id(Some(format!("{0}.{0}Discard", workflow.name)))
@@ -362,9 +374,7 @@ fn no_content() -> ResponseBuilder {
 }
 
 fn polled() -> ResponseBuilder {
-    ResponseBuilder::new()
-        .description("The stored result, or null")
-        .content("application/json", ContentBuilder::new().schema(Some(any())).build())
+    json_answer("The stored result, or null", any())
 }
 
 /// An operation whose body names an execution (`{"executionId": ...}`).

@@ -14,7 +14,7 @@ use cluster_sharding::{Handler, Rpc, StreamHandler, StreamRpc};
 use schemars::{JsonSchema, SchemaGenerator, generate::SchemaSettings};
 
 use super::HttpGateway;
-use super::openapi::OperationSchemas;
+use super::openapi::{Documents, OperationSchemas};
 
 /// The generator of a gateway's schemas, behind a lock: the gateway is shared between
 /// threads and a generator cannot be.
@@ -48,7 +48,8 @@ impl HttpGateway {
         R::Error: JsonSchema,
     {
         let void = std::any::TypeId::of::<R::Success>() == std::any::TypeId::of::<()>();
-        self.with_schemas(E::TYPE, R::TAG, |generator| OperationSchemas {
+        let documents = Documents::Rpc(E::TYPE.to_owned(), R::TAG.to_owned());
+        self.with_schemas(documents, |generator| OperationSchemas {
             payload: Some(generator.subschema_for::<R>().to_value()),
             success: (!void).then(|| generator.subschema_for::<R::Success>().to_value()),
             error: Some(generator.subschema_for::<R::Error>().to_value()),
@@ -66,7 +67,8 @@ impl HttpGateway {
         R::Item: JsonSchema,
         R::Error: JsonSchema,
     {
-        self.with_schemas(E::TYPE, R::TAG, |generator| OperationSchemas {
+        let documents = Documents::Rpc(E::TYPE.to_owned(), R::TAG.to_owned());
+        self.with_schemas(documents, |generator| OperationSchemas {
             payload: Some(generator.subschema_for::<R>().to_value()),
             success: None,
             error: Some(generator.subschema_for::<R::Error>().to_value()),
@@ -85,7 +87,7 @@ impl HttpGateway {
         W::Success: JsonSchema,
         W::Error: JsonSchema,
     {
-        self.with_schemas(W::NAME, W::NAME, |generator| OperationSchemas {
+        self.with_schemas(Documents::Workflow(W::NAME.to_owned()), |generator| OperationSchemas {
             payload: Some(generator.subschema_for::<W::Payload>().to_value()),
             success: Some(generator.subschema_for::<W::Success>().to_value()),
             error: Some(generator.subschema_for::<W::Error>().to_value()),
@@ -93,12 +95,11 @@ impl HttpGateway {
         })
     }
 
-    /// Records the schemas `make` gives for the routes of `tag` in `group`, and the components
-    /// they refer to.
+    /// Records the schemas `make` gives for the routes of `documents`, and the components they
+    /// refer to.
     fn with_schemas(
         mut self,
-        group: &str,
-        tag: &str,
+        documents: Documents,
         make: impl FnOnce(&mut SchemaGenerator) -> OperationSchemas,
     ) -> HttpGateway {
         let mut generator = cluster_core::sync::lock(&self.generator.0);
@@ -106,7 +107,7 @@ impl HttpGateway {
         let definitions = generator.take_definitions(true);
         drop(generator);
         self.documented.definitions.extend(definitions);
-        self.documented.operations.insert((group.to_owned(), tag.to_owned()), schemas);
+        self.documented.operations.insert(documents, schemas);
         self
     }
 }

@@ -40,11 +40,12 @@ pub(super) enum Format {
 }
 
 impl Format {
-    /// SSE when the `Accept` header names `text/event-stream`, else NDJSON.
+    /// SSE when the `Accept` header names `text/event-stream` (in any case), else NDJSON.
     pub(super) fn of(headers: &axum::http::HeaderMap) -> Format {
         let sse = headers.get_all(header::ACCEPT).iter().any(|value| {
             String::from_utf8_lossy(value.as_bytes()).split(',').any(|media| {
-                media.split(';').next().unwrap_or_default().trim() == "text/event-stream"
+                let media = media.split(';').next().unwrap_or_default().trim();
+                media.eq_ignore_ascii_case("text/event-stream")
             })
         });
         if sse { Format::Sse } else { Format::NdJson }
@@ -53,8 +54,8 @@ impl Format {
 
 /// What one read of the stream gives.
 enum Step {
-    /// The items of a chunk, as compact JSON.
-    Items(Vec<String>),
+    /// The items of a chunk.
+    Items(Vec<RawJson>),
     /// The stream's end, as its JSON object.
     End(serde_json::Value),
 }
@@ -67,10 +68,7 @@ async fn step(
     let next = stream.next_chunk().instrument(span.clone()).await;
     let _entered = span.enter();
     match next {
-        Some(Ok(values)) => {
-            let items = values.iter().map(compact).collect();
-            (Step::Items(items), Some((stream, span.clone())))
-        }
+        Some(Ok(values)) => (Step::Items(values), Some((stream, span.clone()))),
         Some(Err(end)) => (Step::End(end_of(end)), None),
         None => {
             tracing::debug!("HTTP stream complete");
@@ -91,9 +89,9 @@ pub(super) fn respond(stream: ErasedStream, format: Format, span: tracing::Span)
                 let mut text = String::new();
                 match step {
                     Step::Items(items) => {
-                        for item in items {
+                        for item in &items {
                             text.push_str("{\"item\":");
-                            text.push_str(&item);
+                            text.push_str(&compact(item));
                             text.push_str("}\n");
                         }
                     }
@@ -114,8 +112,8 @@ pub(super) fn respond(stream: ErasedStream, format: Format, span: tracing::Span)
             let events = steps.flat_map(|step| {
                 let events: Vec<Result<Event, Infallible>> = match step {
                     Step::Items(items) => items
-                        .into_iter()
-                        .map(|item| Ok(Event::default().event("item").data(item)))
+                        .iter()
+                        .map(|item| Ok(Event::default().event("item").data(compact(item))))
                         .collect(),
                     Step::End(end) => vec![Ok(Event::default().event("end").data(end.to_string()))],
                 };
@@ -128,13 +126,13 @@ pub(super) fn respond(stream: ErasedStream, format: Format, span: tracing::Span)
 
 /// An item's JSON on one line: as stored, unless it holds a line break (JSON with whitespace
 /// from another writer), then rewritten compact.
-fn compact(value: &RawJson) -> String {
+fn compact(value: &RawJson) -> std::borrow::Cow<'_, str> {
     let text = value.json_or_null();
     if !text.contains(['\n', '\r']) {
-        return text.to_owned();
+        return text.into();
     }
-    serde_json::from_str::<serde_json::Value>(text)
-        .map_or_else(|_| "null".to_owned(), |value| value.to_string())
+    let value = serde_json::from_str::<serde_json::Value>(text);
+    value.map_or_else(|_| "null".to_owned(), |value| value.to_string()).into()
 }
 
 /// The end object of a stream that failed; a defect is logged, not shown.
@@ -189,6 +187,8 @@ mod tests {
             header::ACCEPT,
             HeaderValue::from_static("application/json, text/event-stream;q=0.9"),
         );
+        assert_eq!(Format::of(&headers), Format::Sse);
+        headers.insert(header::ACCEPT, HeaderValue::from_static("Text/Event-Stream"));
         assert_eq!(Format::of(&headers), Format::Sse);
     }
 
