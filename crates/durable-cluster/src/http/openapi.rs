@@ -142,6 +142,8 @@ fn place(document: &mut Value, path: &str, schemas: &OperationSchemas) {
         return;
     };
     match failed.get_mut("anyOf").and_then(Value::as_array_mut) {
+        // The typed error's slot is the first; the cluster errors follow.
+        Some(any_of) if any_of.is_empty() => {}
         Some(any_of) if *error == Value::Bool(false) => {
             any_of.remove(0);
         }
