@@ -14,6 +14,7 @@
 
 use std::collections::BTreeMap;
 use std::fmt;
+use std::sync::atomic::{self, AtomicBool};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -26,7 +27,7 @@ use cluster_core::sync::lock;
 use cluster_core::transport::{ReplyStream, Transport};
 use tokio::io::WriteHalf;
 use tokio::net::TcpStream;
-use tokio::sync::{Notify, OwnedSemaphorePermit, Semaphore, mpsc};
+use tokio::sync::{Notify, OwnedSemaphorePermit, Semaphore, TryAcquireError, mpsc};
 use tokio::task::JoinSet;
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
@@ -37,7 +38,7 @@ use crate::config::RpcConfig;
 use crate::conn;
 use crate::frame::Frame;
 use crate::handshake;
-use crate::server::read_loop;
+use crate::server::next_frame;
 use crate::tls::{BoxStream, ClientTls};
 
 /// The `Transport` contract over TCP: a cached, multiplexed connection per peer, reopened lazily
@@ -45,13 +46,20 @@ use crate::tls::{BoxStream, ClientTls};
 pub struct TcpTransport {
     config: Arc<RpcConfig>,
     tls: ClientTls,
-    peers: Mutex<BTreeMap<RunnerAddress, Arc<tokio::sync::Mutex<Peer>>>>,
+    peers: Mutex<BTreeMap<RunnerAddress, PeerSlot>>,
 }
 
-/// The cached state of one peer.
+/// A peer as the calls find it: its open connection, taken under the map's lock without
+/// waiting, and the state of connection attempts, which one caller at a time holds.
+#[derive(Default)]
+struct PeerSlot {
+    open: Option<Arc<Connection>>,
+    attempts: Arc<tokio::sync::Mutex<Peer>>,
+}
+
+/// The connection attempts to one peer.
 #[derive(Default)]
 struct Peer {
-    connection: Option<Arc<Connection>>,
     failures: u32,
     retry_at: Option<Instant>,
 }
@@ -82,36 +90,36 @@ impl TcpTransport {
     /// Whether a connection to `address` is cached and open (also true while a connection
     /// attempt to it is under way).
     pub fn is_connected(&self, address: &RunnerAddress) -> bool {
-        let Some(peer) = lock(&self.peers).get(address).cloned() else { return false };
-        peer.try_lock().map_or(true, |peer| {
-            peer.connection.as_ref().is_some_and(|connection| !connection.shared.is_closed())
-        })
+        let peers = lock(&self.peers);
+        let Some(slot) = peers.get(address) else { return false };
+        slot.open.as_ref().is_some_and(|connection| !connection.shared.is_closed())
+            || slot.attempts.try_lock().is_err()
     }
 
     /// Drops the cached connection to `address`: calls in flight on it fail with
     /// `RunnerUnavailable`, the next call connects afresh (with no backoff).
     fn forget(&self, address: &RunnerAddress) {
-        let Some(peer) = lock(&self.peers).remove(address) else { return };
+        let Some(slot) = lock(&self.peers).remove(address) else { return };
         info!(%address, "rpc connection dropped");
-        // A peer locked by a connection attempt is left to it: the attempt's connection is
-        // dropped with the peer, which is no longer cached.
-        if let Ok(mut peer) = peer.try_lock()
-            && let Some(connection) = peer.connection.take()
-        {
+        // A connection attempt under way is left to it: its connection serves the call that
+        // made it and is not cached, as its peer no longer is.
+        if let Some(connection) = slot.open {
             connection.shared.close();
         }
     }
 
     /// The open connection to `address`, opened if needed.
     async fn connection(&self, address: &RunnerAddress) -> Result<Arc<Connection>, ClusterError> {
-        let peer = Arc::clone(lock(&self.peers).entry(address.clone()).or_default());
-        let mut peer = peer.lock().await;
-        if let Some(connection) = &peer.connection
-            && !connection.shared.is_closed()
-        {
-            return Ok(Arc::clone(connection));
-        }
-        peer.connection = None;
+        let attempts = match self.open_connection(address) {
+            Ok(connection) => return Ok(connection),
+            Err(attempts) => attempts,
+        };
+        let mut peer = attempts.lock().await;
+        // Another caller may have connected while this one waited for the attempt's lock.
+        let attempts = match self.open_connection(address) {
+            Ok(connection) => return Ok(connection),
+            Err(current) => current,
+        };
         let now = Instant::now();
         if peer.retry_at.is_some_and(|retry_at| now < retry_at) {
             return Err(unavailable(address));
@@ -122,7 +130,12 @@ impl TcpTransport {
                 peer.failures = 0;
                 peer.retry_at = None;
                 let connection = Arc::new(connection);
-                peer.connection = Some(Arc::clone(&connection));
+                // Cached unless the peer was forgotten meanwhile (its slot is then a new one).
+                if let Some(slot) = lock(&self.peers).get_mut(address)
+                    && Arc::ptr_eq(&slot.attempts, &attempts)
+                {
+                    slot.open = Some(Arc::clone(&connection));
+                }
                 Ok(connection)
             }
             Err(error) => {
@@ -137,6 +150,25 @@ impl TcpTransport {
                 Err(unavailable(address))
             }
         }
+    }
+
+    /// The cached open connection to `address`, or the lock of its connection attempts.
+    fn open_connection(
+        &self,
+        address: &RunnerAddress,
+    ) -> Result<Arc<Connection>, Arc<tokio::sync::Mutex<Peer>>> {
+        let mut peers = lock(&self.peers);
+        if let Some(slot) = peers.get_mut(address) {
+            match &slot.open {
+                Some(connection) if !connection.shared.is_closed() => {
+                    return Ok(Arc::clone(connection));
+                }
+                Some(_) => slot.open = None,
+                None => {}
+            }
+            return Err(Arc::clone(&slot.attempts));
+        }
+        Err(Arc::clone(&peers.entry(address.clone()).or_default().attempts))
     }
 
     /// Starts a request call: its frame is queued when this returns.
@@ -168,7 +200,7 @@ impl TcpTransport {
         let connection = self.connection(address).await?;
         let call = connection.begin_call(1, address).await?;
         let mut call = call.send(&connection, frame, address).await?;
-        match call.receiver.recv().await {
+        match call.receive().await {
             Some(Incoming::Done) => Ok(()),
             Some(Incoming::Failed(ServerError::Typed(error))) => Err(error),
             Some(Incoming::Failed(ServerError::Defect(message))) => {
@@ -237,6 +269,9 @@ struct Shared {
     state: Mutex<SharedState>,
     /// Wakes the writer when a cancel is queued.
     cancel_queued: Notify,
+    /// Whether the connection is closed, read by every call without a lock (`closed` is what
+    /// the tasks wait on).
+    is_closed: AtomicBool,
     closed: CancellationToken,
     permits: Arc<Semaphore>,
     out: mpsc::Sender<Vec<u8>>,
@@ -247,16 +282,30 @@ struct SharedState {
     next_call: u64,
     pending: BTreeMap<u64, mpsc::Sender<Incoming>>,
     cancels: Vec<u64>,
-    last_active: Instant,
+    /// Since when no call has been in flight (the clock is read only when the last call of a
+    /// busy connection ends, not for every call).
+    idle_since: Instant,
+}
+
+impl SharedState {
+    /// Forgets `call`; `true` when it was in flight.
+    fn end_call(&mut self, call: u64) -> bool {
+        let ended = self.pending.remove(&call).is_some();
+        if ended && self.pending.is_empty() {
+            self.idle_since = Instant::now();
+        }
+        ended
+    }
 }
 
 impl Shared {
     fn is_closed(&self) -> bool {
-        self.closed.is_cancelled()
+        self.is_closed.load(atomic::Ordering::Acquire)
     }
 
     /// Closes the connection: its tasks stop and every call in flight sees its channel close.
     fn close(&self) {
+        self.is_closed.store(true, atomic::Ordering::Release);
         self.closed.cancel();
         let pending = std::mem::take(&mut lock(&self.state).pending);
         drop(pending);
@@ -265,8 +314,7 @@ impl Shared {
     /// Forgets `call` and, if it was still in flight, queues its cancellation.
     fn abandon(&self, call: u64) {
         let mut state = lock(&self.state);
-        state.last_active = Instant::now();
-        if state.pending.remove(&call).is_some() && !self.is_closed() {
+        if state.end_call(call) && !self.is_closed() {
             state.cancels.push(call);
             drop(state);
             self.cancel_queued.notify_one();
@@ -274,10 +322,10 @@ impl Shared {
     }
 
     /// Routes one server frame to its call; `Err` is a protocol violation.
-    fn route(&self, frame: Frame<'static>) -> Result<(), &'static str> {
+    fn route(&self, names: &mut codec::Names, frame: Frame<'_>) -> Result<(), &'static str> {
         let (call, incoming, is_final) = match frame {
             Frame::Done { call } => (call, Incoming::Done, true),
-            Frame::Failed { call, error } => match codec::error_in(error) {
+            Frame::Failed { call, error } => match codec::error_in(names, error) {
                 Ok(error) => (call, Incoming::Failed(error), true),
                 Err(error) => (call, Incoming::Malformed(error), true),
             },
@@ -295,16 +343,22 @@ impl Shared {
             | Frame::Cancel { .. } => return Err("a client frame from the server"),
         };
         let mut state = lock(&self.state);
-        state.last_active = Instant::now();
-        let sender =
-            if is_final { state.pending.remove(&call) } else { state.pending.get(&call).cloned() };
+        let sender = if is_final {
+            let sender = state.pending.remove(&call);
+            if sender.is_some() && state.pending.is_empty() {
+                state.idle_since = Instant::now();
+            }
+            sender
+        } else {
+            state.pending.get(&call).cloned()
+        };
         // A frame for a call that was abandoned meanwhile is dropped.
         let Some(sender) = sender else { return Ok(()) };
         if sender.try_send(incoming).is_err() && !is_final {
             // The caller let more replies pile up than the stream buffer holds: its stream is
             // cut (it will see `RunnerUnavailable`) and the request cancelled.
             warn!(call, "stream buffer overflow; cancelling the call");
-            state.pending.remove(&call);
+            state.end_call(call);
             state.cancels.push(call);
             drop(state);
             self.cancel_queued.notify_one();
@@ -334,9 +388,10 @@ impl Connection {
                 next_call: 0,
                 pending: BTreeMap::new(),
                 cancels: Vec::new(),
-                last_active: Instant::now(),
+                idle_since: Instant::now(),
             }),
             cancel_queued: Notify::new(),
+            is_closed: AtomicBool::new(false),
             closed: CancellationToken::new(),
             permits: Arc::new(Semaphore::new(config.max_in_flight())),
             out: out_tx,
@@ -347,11 +402,12 @@ impl Connection {
             let shared = Arc::clone(&shared);
             let max = config.max_frame_bytes;
             async move {
-                let (frames_tx, mut frames_rx) = mpsc::channel(1);
-                let read = read_loop(read_half, max, frames_tx);
+                // Each frame is routed to its call as soon as it is decoded, from the buffer.
                 let route = async {
-                    while let Some(frame) = frames_rx.recv().await {
-                        if let Err(violation) = shared.route(frame) {
+                    let mut frames = conn::FrameReader::new(read_half, max);
+                    let mut names = codec::Names::default();
+                    while let Some(frame) = next_frame(&mut frames).await {
+                        if let Err(violation) = shared.route(&mut names, frame) {
                             warn!(violation, "protocol violation; closing the connection");
                             return;
                         }
@@ -359,7 +415,7 @@ impl Connection {
                 };
                 tokio::select! {
                     () = shared.closed.cancelled() => {}
-                    ((), ()) = async { tokio::join!(read, route) } => {}
+                    () = route => {}
                 }
                 shared.close();
                 debug!("connection closed");
@@ -377,10 +433,14 @@ impl Connection {
         buffer: usize,
         address: &RunnerAddress,
     ) -> Result<PendingCall, ClusterError> {
-        let permit = Arc::clone(&self.shared.permits)
-            .acquire_owned()
-            .await
-            .map_err(|_| unavailable(address))?;
+        let permits = &self.shared.permits;
+        let permit = match Arc::clone(permits).try_acquire_owned() {
+            Ok(permit) => permit,
+            Err(TryAcquireError::NoPermits) => {
+                Arc::clone(permits).acquire_owned().await.map_err(|_| unavailable(address))?
+            }
+            Err(TryAcquireError::Closed) => return Err(unavailable(address)),
+        };
         let (sender, receiver) = mpsc::channel(buffer);
         let mut state = lock(&self.shared.state);
         if self.shared.is_closed() {
@@ -389,8 +449,13 @@ impl Connection {
         let call = state.next_call;
         state.next_call = state.next_call.wrapping_add(1);
         state.pending.insert(call, sender);
-        state.last_active = Instant::now();
-        Ok(PendingCall { call, receiver, shared: Arc::clone(&self.shared), _permit: permit })
+        Ok(PendingCall {
+            call,
+            receiver,
+            shared: Arc::clone(&self.shared),
+            answered: false,
+            _permit: permit,
+        })
     }
 }
 
@@ -403,11 +468,22 @@ async fn write_loop(
     idle_expiry: Duration,
 ) {
     let mut buffer = Vec::new();
+    // One wait for the whole loop, not one registered and dropped per batch.
+    let closed = shared.closed.cancelled();
+    tokio::pin!(closed);
     loop {
-        let idle_at = lock(&shared.state).last_active + idle_expiry;
+        let idle_at = {
+            let state = lock(&shared.state);
+            // A connection with calls in flight is not idle: it looks again one period later.
+            if state.pending.is_empty() {
+                state.idle_since + idle_expiry
+            } else {
+                Instant::now() + idle_expiry
+            }
+        };
         let body = tokio::select! {
             biased;
-            () = shared.closed.cancelled() => break,
+            () = &mut closed => break,
             () = shared.cancel_queued.notified() => {
                 let cancels = std::mem::take(&mut lock(&shared.state).cancels);
                 let mut failed = false;
@@ -425,7 +501,7 @@ async fn write_loop(
             },
             () = tokio::time::sleep_until(idle_at) => {
                 let state = lock(&shared.state);
-                if state.pending.is_empty() && Instant::now() >= state.last_active + idle_expiry {
+                if state.pending.is_empty() && Instant::now() >= state.idle_since + idle_expiry {
                     drop(state);
                     info!("idle rpc connection expired");
                     break;
@@ -447,16 +523,31 @@ struct PendingCall {
     call: u64,
     receiver: mpsc::Receiver<Incoming>,
     shared: Arc<Shared>,
+    /// Whether the call's final answer was received (the reader has forgotten the call).
+    answered: bool,
     _permit: OwnedSemaphorePermit,
 }
 
 impl Drop for PendingCall {
     fn drop(&mut self) {
-        self.shared.abandon(self.call);
+        if !self.answered {
+            self.shared.abandon(self.call);
+        }
     }
 }
 
 impl PendingCall {
+    /// The call's next answer, or `None` once the reader has dropped the call.
+    async fn receive(&mut self) -> Option<Incoming> {
+        let incoming = self.receiver.recv().await;
+        // A final answer was routed after the reader forgot the call: nothing to cancel.
+        self.answered = match &incoming {
+            Some(Incoming::Reply(reply)) => reply.is_final(),
+            Some(Incoming::Done | Incoming::Failed(_) | Incoming::Malformed(_)) | None => true,
+        };
+        incoming
+    }
+
     /// Encodes and queues the call's frame. A frame that cannot be encoded or is too large
     /// fails this call only, as `MalformedMessage`.
     async fn send<'a>(
@@ -485,7 +576,7 @@ impl TcpReplyStream {
         if self.done {
             return None;
         }
-        let incoming = self.call.receiver.recv().await;
+        let incoming = self.call.receive().await;
         let item = match incoming {
             Some(Incoming::Reply(reply)) => {
                 self.done = reply.is_final();

@@ -32,7 +32,9 @@ use cluster_core::envelope::{
     TraceContext, WithExit,
 };
 use cluster_core::error::{ClusterError, DecodeError};
-use cluster_core::ids::{EntityAddress, EntityId, EntityType, RunnerAddress, ShardGroup, ShardId};
+use cluster_core::ids::{
+    EntityAddress, EntityId, EntityType, RunnerAddress, ShardGroup, ShardId, Tag,
+};
 use cluster_core::snowflake::Snowflake;
 
 use crate::frame::{
@@ -41,9 +43,13 @@ use crate::frame::{
 
 /// `frame` encoded, or why not: postcard failed (it has no failure path for these types, but
 /// the error is kept rather than unwrapped) or the result exceeds `max_frame_bytes`.
+///
+/// The bytes are written into one allocation sized from the frame's strings
+/// ([`Frame::size_hint`]), not grown from empty.
 pub(crate) fn encode(frame: &Frame<'_>, max_frame_bytes: u32) -> Result<Vec<u8>, DecodeError> {
-    let bytes = postcard::to_stdvec(frame)
-        .map_err(|error| DecodeError::new("rpc frame", error.to_string()))?;
+    let bytes =
+        postcard::serialize_with_flavor(frame, Sized(Vec::with_capacity(frame.size_hint())))
+            .map_err(|error| DecodeError::new("rpc frame", error.to_string()))?;
     if u32::try_from(bytes.len()).map_or(true, |len| len > max_frame_bytes) {
         return Err(DecodeError::new(
             "rpc frame",
@@ -53,14 +59,63 @@ pub(crate) fn encode(frame: &Frame<'_>, max_frame_bytes: u32) -> Result<Vec<u8>,
     Ok(bytes)
 }
 
-/// The frame in `bytes`; trailing bytes are an error.
-pub(crate) fn decode(bytes: &[u8]) -> Result<Frame<'static>, DecodeError> {
-    let (frame, rest) = postcard::take_from_bytes::<Frame<'static>>(bytes)
+/// postcard's output into a vector allocated beforehand.
+struct Sized(Vec<u8>);
+
+impl postcard::ser_flavors::Flavor for Sized {
+    type Output = Vec<u8>;
+
+    fn try_push(&mut self, byte: u8) -> postcard::Result<()> {
+        self.0.push(byte);
+        Ok(())
+    }
+
+    fn try_extend(&mut self, bytes: &[u8]) -> postcard::Result<()> {
+        self.0.extend_from_slice(bytes);
+        Ok(())
+    }
+
+    fn finalize(self) -> postcard::Result<Vec<u8>> {
+        Ok(self.0)
+    }
+}
+
+/// The frame in `bytes`, its strings borrowed from them; trailing bytes are an error.
+pub(crate) fn decode(bytes: &[u8]) -> Result<Frame<'_>, DecodeError> {
+    let (frame, rest) = postcard::take_from_bytes::<Frame<'_>>(bytes)
         .map_err(|error| DecodeError::new("rpc frame", error.to_string()))?;
     if !rest.is_empty() {
         return Err(DecodeError::new("rpc frame", format!("{} trailing bytes", rest.len())));
     }
     Ok(frame)
+}
+
+/// The most names of one kind a connection keeps (see [`Names`]).
+const NAMES_MAX: usize = 64;
+
+/// The shard groups, entity types and tags a connection has decoded, kept so that the next
+/// frame naming them shares them rather than allocating them again (a connection sees few).
+/// Bounded: past [`NAMES_MAX`] of a kind, a new name is allocated each time, as any other.
+#[derive(Default)]
+pub(crate) struct Names {
+    groups: Vec<ShardGroup>,
+    types: Vec<EntityType>,
+    tags: Vec<Tag>,
+}
+
+/// The name `name` among `known`, added when it is new and there is room.
+fn intern<T>(known: &mut Vec<T>, name: &str) -> T
+where
+    T: AsRef<str> + Clone + for<'s> From<&'s str>,
+{
+    if let Some(found) = known.iter().find(|known| known.as_ref() == name) {
+        return found.clone();
+    }
+    let made = T::from(name);
+    if known.len() < NAMES_MAX {
+        known.push(made.clone());
+    }
+    made
 }
 
 fn raw_out(raw: &RawJson) -> Option<Cow<'_, str>> {
@@ -83,14 +138,17 @@ pub(crate) fn address_out(address: &EntityAddress) -> WireAddress<'_> {
     }
 }
 
-pub(crate) fn address_in(address: WireAddress<'_>) -> Result<EntityAddress, DecodeError> {
+pub(crate) fn address_in(
+    names: &mut Names,
+    address: &WireAddress<'_>,
+) -> Result<EntityAddress, DecodeError> {
     if address.shard == 0 {
         return Err(DecodeError::new("entity address", "shard numbers start at 1"));
     }
     Ok(EntityAddress {
-        shard_id: ShardId::new(ShardGroup::from(address.group.into_owned()), address.shard),
-        entity_type: EntityType::from(address.entity_type.into_owned()),
-        entity_id: EntityId::from(address.entity_id.into_owned()),
+        shard_id: ShardId::new(intern(&mut names.groups, &address.group), address.shard),
+        entity_type: intern(&mut names.types, &address.entity_type),
+        entity_id: EntityId::from(&*address.entity_id),
     })
 }
 
@@ -107,11 +165,14 @@ pub(crate) fn request_out(request: &Request) -> WireRequest<'_> {
     }
 }
 
-pub(crate) fn request_in(request: WireRequest<'_>) -> Result<Request, DecodeError> {
+pub(crate) fn request_in(
+    names: &mut Names,
+    request: WireRequest<'_>,
+) -> Result<Request, DecodeError> {
     Ok(Request {
         request_id: Snowflake::new(request.request_id),
-        address: address_in(request.address)?,
-        tag: request.tag.as_ref().into(),
+        address: address_in(names, &request.address)?,
+        tag: intern(&mut names.tags, &request.tag),
         payload: raw_in(request.payload)?,
         headers: raw_in(request.headers)?,
         trace: TraceContext {
@@ -139,20 +200,23 @@ pub(crate) fn envelope_out(envelope: &Envelope) -> WireEnvelope<'_> {
     }
 }
 
-pub(crate) fn envelope_in(envelope: WireEnvelope<'_>) -> Result<Envelope, DecodeError> {
+pub(crate) fn envelope_in(
+    names: &mut Names,
+    envelope: WireEnvelope<'_>,
+) -> Result<Envelope, DecodeError> {
     Ok(match envelope {
-        WireEnvelope::Request(request) => Envelope::Request(request_in(request)?),
+        WireEnvelope::Request(request) => Envelope::Request(request_in(names, request)?),
         WireEnvelope::AckChunk { id, address, request_id, reply_id } => {
             Envelope::AckChunk(AckChunk {
                 id: Snowflake::new(id),
-                address: address_in(address)?,
+                address: address_in(names, &address)?,
                 request_id: Snowflake::new(request_id),
                 reply_id: Snowflake::new(reply_id),
             })
         }
         WireEnvelope::Interrupt { id, address, request_id } => Envelope::Interrupt(Interrupt {
             id: Snowflake::new(id),
-            address: address_in(address)?,
+            address: address_in(names, &address)?,
             request_id: Snowflake::new(request_id),
         }),
     })
@@ -261,22 +325,25 @@ pub(crate) fn error_out(error: &ClusterError) -> WireError<'_> {
     }
 }
 
-pub(crate) fn error_in(error: WireError<'_>) -> Result<ServerError, DecodeError> {
+pub(crate) fn error_in(
+    names: &mut Names,
+    error: WireError<'_>,
+) -> Result<ServerError, DecodeError> {
     Ok(ServerError::Typed(match error {
         WireError::EntityNotAssignedToRunner(address) => {
-            ClusterError::EntityNotAssignedToRunner { address: address_in(address)? }
+            ClusterError::EntityNotAssignedToRunner { address: address_in(names, &address)? }
         }
         WireError::MailboxFull(address) => {
-            ClusterError::MailboxFull { address: address_in(address)? }
+            ClusterError::MailboxFull { address: address_in(names, &address)? }
         }
         WireError::AlreadyProcessingMessage { envelope_id, address } => {
             ClusterError::AlreadyProcessingMessage {
                 envelope_id: Snowflake::new(envelope_id),
-                address: address_in(address)?,
+                address: address_in(names, &address)?,
             }
         }
         WireError::Abandoned { address, request_id } => ClusterError::Abandoned {
-            address: address_in(address)?,
+            address: address_in(names, &address)?,
             request_id: Snowflake::new(request_id),
         },
         WireError::RunnerUnavailable { host, port } => {
@@ -288,4 +355,89 @@ pub(crate) fn error_in(error: WireError<'_>) -> Result<ServerError, DecodeError>
         WireError::Defect(message) => return Ok(ServerError::Defect(message.into_owned())),
         WireError::Overloaded => return Ok(ServerError::Overloaded),
     }))
+}
+
+#[cfg(test)]
+mod tests {
+    use std::borrow::Cow;
+
+    use cluster_core::envelope::{RawJson, Request, TraceContext};
+    use cluster_core::ids::{EntityAddress, EntityId, EntityType, ShardGroup, ShardId};
+    use cluster_core::snowflake::Snowflake;
+
+    use crate::frame::Frame;
+
+    fn request(entity: &str) -> Request {
+        Request {
+            request_id: Snowflake::new(7),
+            address: EntityAddress {
+                shard_id: ShardId::new(ShardGroup::from("default"), 3),
+                entity_type: EntityType::from("Counter"),
+                entity_id: EntityId::from(entity),
+            },
+            tag: "Increment".into(),
+            payload: RawJson::from_json(r#"{"by":1}"#.to_owned()).unwrap(),
+            headers: RawJson::from_json("{}".to_owned()).unwrap(),
+            trace: TraceContext::default(),
+        }
+    }
+
+    /// A decoded frame's strings point into the frame's bytes: the domain values made from it
+    /// are the only copies.
+    #[test]
+    fn decoding_borrows_the_strings_from_the_frame() {
+        let request = request("entity-1");
+        let frame =
+            Frame::Request { call: 1, request: super::request_out(&request), persisted: true };
+        let bytes = super::encode(&frame, 1 << 20).unwrap();
+        assert!(bytes.len() <= frame.size_hint(), "one allocation holds the frame");
+        let Frame::Request { request: wire, .. } = super::decode(&bytes).unwrap() else {
+            panic!("not a request")
+        };
+        for text in [&wire.address.group, &wire.address.entity_id, &wire.tag] {
+            assert!(matches!(text, Cow::Borrowed(_)), "{text} was copied");
+        }
+        assert!(matches!(wire.payload, Some(Cow::Borrowed(_))), "the payload was copied");
+        let mut names = super::Names::default();
+        assert_eq!(super::request_in(&mut names, wire).unwrap(), request);
+    }
+
+    /// The names a connection has seen are shared by the next requests naming them.
+    #[test]
+    fn names_are_shared_between_frames() {
+        let mut names = super::Names::default();
+        let mut decoded = Vec::new();
+        for entity in ["a", "b"] {
+            let request = request(entity);
+            let frame =
+                Frame::Request { call: 1, request: super::request_out(&request), persisted: false };
+            let bytes = super::encode(&frame, 1 << 20).unwrap();
+            let Frame::Request { request: wire, .. } = super::decode(&bytes).unwrap() else {
+                panic!("not a request")
+            };
+            decoded.push(super::request_in(&mut names, wire).unwrap());
+        }
+        let [first, second] = &decoded[..] else { panic!("two requests") };
+        assert!(std::ptr::eq(
+            first.address.entity_type.as_str(),
+            second.address.entity_type.as_str()
+        ));
+        assert!(std::ptr::eq(
+            first.address.shard_id.group().as_str(),
+            second.address.shard_id.group().as_str()
+        ));
+        assert!(std::ptr::eq(first.tag.as_str(), second.tag.as_str()));
+        assert_eq!(second.address.entity_id.as_str(), "b");
+    }
+
+    /// Past the bound, new names are still decoded, just not kept.
+    #[test]
+    fn the_names_kept_are_bounded() {
+        let mut types: Vec<EntityType> = Vec::new();
+        for n in 0..super::NAMES_MAX + 10 {
+            let name = format!("Type{n}");
+            assert_eq!(super::intern(&mut types, &name).as_str(), name);
+        }
+        assert_eq!(types.len(), super::NAMES_MAX);
+    }
 }

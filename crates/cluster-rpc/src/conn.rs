@@ -38,29 +38,91 @@ pub(crate) enum FrameError {
     Malformed(String),
 }
 
-/// The next frame's bytes, or `None` when the peer closed the connection between frames.
+/// A connection's incoming frames: the socket is read in bulk into one buffer, and each frame's
+/// body is handed out as a slice of it, so a frame costs neither a system call nor an
+/// allocation of its own.
 ///
-/// Not cancel safe (a partly read frame is lost): only the connection's reader task calls it,
-/// and it is only cancelled when the connection is closed.
-pub(crate) async fn read_frame<R: AsyncRead + Unpin>(
-    reader: &mut R,
+/// The buffer holds [`READ_BUFFER_BYTES`]; a frame larger than that (up to the frame limit)
+/// grows it for as long as it is read, and it shrinks back once that frame is taken.
+pub(crate) struct FrameReader<R> {
+    reader: R,
+    buffer: Vec<u8>,
+    /// Where the bytes not yet handed out start.
+    start: usize,
+    /// Where the bytes read so far end.
+    end: usize,
     max_frame_bytes: u32,
-) -> Result<Option<Vec<u8>>, FrameError> {
-    let mut header = [0_u8; 4];
-    // The first byte tells a clean close (EOF here) from a truncated frame (EOF later).
-    match reader.read(&mut header[..1]).await? {
-        0 => return Ok(None),
-        _ => reader.read_exact(&mut header[1..]).await?,
-    };
-    let len = u32::from_be_bytes(header);
-    if len > max_frame_bytes {
-        return Err(FrameError::Oversize { len, max: max_frame_bytes });
+}
+
+impl<R: AsyncRead + Unpin> FrameReader<R> {
+    /// A reader of `reader`'s frames, refusing frames above `max_frame_bytes`.
+    pub(crate) fn new(reader: R, max_frame_bytes: u32) -> FrameReader<R> {
+        FrameReader {
+            reader,
+            buffer: vec![0; READ_BUFFER_BYTES],
+            start: 0,
+            end: 0,
+            max_frame_bytes,
+        }
     }
-    let len =
-        usize::try_from(len).map_err(|_| FrameError::Oversize { len, max: max_frame_bytes })?;
-    let mut body = vec![0_u8; len];
-    reader.read_exact(&mut body).await?;
-    Ok(Some(body))
+
+    /// The next frame's body, or `None` when the peer closed the connection between frames.
+    ///
+    /// Cancel safe: the buffer keeps what was read, and a cancelled read loses nothing.
+    pub(crate) async fn next_frame(&mut self) -> Result<Option<&[u8]>, FrameError> {
+        let body = loop {
+            let arrived = &self.buffer[self.start..self.end];
+            // The frame's full size (its length, then its body), once its length has arrived.
+            let mut needed = 4;
+            if let Some(header) = arrived.first_chunk::<4>() {
+                let len = u32::from_be_bytes(*header);
+                if len > self.max_frame_bytes {
+                    return Err(FrameError::Oversize { len, max: self.max_frame_bytes });
+                }
+                needed = usize::try_from(len)
+                    .ok()
+                    .and_then(|len| len.checked_add(4))
+                    .ok_or(FrameError::Oversize { len, max: self.max_frame_bytes })?;
+                if arrived.len() >= needed {
+                    let body = self.start + 4..self.start + needed;
+                    self.start += needed;
+                    break body;
+                }
+            }
+            self.make_room(needed);
+            let read = self.reader.read(&mut self.buffer[self.end..]).await?;
+            if read == 0 {
+                if self.start == self.end {
+                    return Ok(None);
+                }
+                return Err(io::Error::from(io::ErrorKind::UnexpectedEof).into());
+            }
+            self.end += read;
+        };
+        Ok(Some(&self.buffer[body]))
+    }
+
+    /// Makes room behind the bytes read for a frame of `needed` bytes that starts at `start`:
+    /// the partial frame moves to the front, and the buffer grows for a frame larger than it.
+    fn make_room(&mut self, needed: usize) {
+        if self.start == self.end {
+            self.start = 0;
+            self.end = 0;
+            if self.buffer.len() > READ_BUFFER_BYTES && needed <= READ_BUFFER_BYTES {
+                // A large frame's room is given back once it is taken.
+                self.buffer.truncate(READ_BUFFER_BYTES);
+                self.buffer.shrink_to_fit();
+            }
+        }
+        if self.buffer.len() - self.start < needed {
+            self.buffer.copy_within(self.start..self.end, 0);
+            self.end -= self.start;
+            self.start = 0;
+        }
+        if self.buffer.len() < needed {
+            self.buffer.resize(needed, 0);
+        }
+    }
 }
 
 /// Writes one frame whose body is `body` (already checked against the limit by the encoder):
@@ -154,7 +216,85 @@ mod tests {
     use std::pin::Pin;
     use std::task::{Context, Poll};
 
-    use tokio::io::AsyncWrite;
+    use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
+
+    use super::{FrameError, FrameReader, READ_BUFFER_BYTES};
+
+    /// A socket whose bytes arrive at most `step` at a time.
+    struct Chunked {
+        bytes: Vec<u8>,
+        at: usize,
+        step: usize,
+    }
+
+    impl AsyncRead for Chunked {
+        fn poll_read(
+            mut self: Pin<&mut Self>,
+            _: &mut Context<'_>,
+            buf: &mut ReadBuf<'_>,
+        ) -> Poll<io::Result<()>> {
+            let n = buf.remaining().min(self.step).min(self.bytes.len() - self.at);
+            let at = self.at;
+            buf.put_slice(&self.bytes[at..at + n]);
+            self.at += n;
+            Poll::Ready(Ok(()))
+        }
+    }
+
+    fn framed(bodies: &[&[u8]]) -> Vec<u8> {
+        let mut bytes = Vec::new();
+        for body in bodies {
+            bytes.extend_from_slice(&u32::try_from(body.len()).unwrap().to_be_bytes());
+            bytes.extend_from_slice(body);
+        }
+        bytes
+    }
+
+    /// Every frame's body, in order, however the bytes arrive; then the clean end.
+    #[tokio::test]
+    async fn frames_are_read_whole_however_the_bytes_arrive() {
+        let large = vec![7_u8; 3 * READ_BUFFER_BYTES + 5];
+        let bodies: [&[u8]; 5] = [b"one", b"", &large, b"four", b"five"];
+        for step in [1, 2, 3, 5, 4096, usize::MAX] {
+            let socket = Chunked { bytes: framed(&bodies), at: 0, step };
+            let mut reader = FrameReader::new(socket, 1 << 24);
+            for body in bodies {
+                let read = reader.next_frame().await.unwrap().unwrap();
+                assert_eq!(read, body, "step {step}");
+            }
+            assert!(reader.next_frame().await.unwrap().is_none(), "step {step}");
+            assert_eq!(
+                reader.buffer.len(),
+                READ_BUFFER_BYTES,
+                "the large frame's room is given back"
+            );
+        }
+    }
+
+    #[tokio::test]
+    async fn a_stream_that_ends_inside_a_frame_is_an_error() {
+        for cut in [1, 3, 4, 6] {
+            let mut bytes = framed(&[b"whole", b"cut short"]);
+            bytes.truncate(9 + cut);
+            let mut reader = FrameReader::new(Chunked { bytes, at: 0, step: 2 }, 1 << 20);
+            assert_eq!(reader.next_frame().await.unwrap().unwrap(), b"whole");
+            let error = reader.next_frame().await.unwrap_err();
+            assert!(
+                matches!(&error, FrameError::Io(error) if error.kind() == io::ErrorKind::UnexpectedEof),
+                "cut at {cut}: {error}"
+            );
+        }
+    }
+
+    /// A frame above the limit is refused from its length, before its body is read.
+    #[tokio::test]
+    async fn an_oversize_frame_is_refused_from_its_length() {
+        let bytes = framed(&[&[0_u8; 100]]);
+        let mut reader = FrameReader::new(Chunked { bytes, at: 0, step: 4 }, 99);
+        let error = reader.next_frame().await.unwrap_err();
+        assert!(matches!(error, FrameError::Oversize { len: 100, max: 99 }), "{error}");
+        assert_eq!(reader.reader.at, 4, "only the length was read");
+    }
 
     /// A stream that takes at most `step` bytes per write, vectored or not, and counts writes.
     struct Trickle {

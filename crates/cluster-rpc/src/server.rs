@@ -17,7 +17,7 @@ use std::net::SocketAddr;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 
-use cluster_core::envelope::Reply;
+use cluster_core::envelope::{Envelope, Reply, Request};
 use cluster_core::error::{ClusterError, DecodeError};
 use cluster_core::transport::RunnerHandler;
 use tokio::net::{TcpListener, TcpStream};
@@ -221,38 +221,104 @@ async fn serve_connection(tcp: TcpStream, server: Server, shutdown: Cancellation
     debug!("connection closed");
 }
 
+/// A client's frame, decoded by the connection's reader into what the dispatcher acts on.
+#[expect(
+    clippy::large_enum_variant,
+    reason = "calls are nearly every frame; boxing them would add an allocation to each"
+)]
+pub(crate) enum Inbound {
+    /// `Ping`.
+    Ping {
+        /// The call id.
+        call: u64,
+    },
+    /// `Cancel`.
+    Cancel {
+        /// The call id.
+        call: u64,
+    },
+    /// A call to run (`Notify`, `Request` or `Envelope`).
+    Call {
+        /// The call id.
+        call: u64,
+        /// What to run.
+        body: CallBody,
+    },
+    /// A server frame sent by a client: a protocol violation.
+    FromServer,
+}
+
+/// What a call runs. A frame that decodes but not into domain values (a payload that is not
+/// JSON, shard 0) fails its own call only, so the error is kept for the call to answer.
+pub(crate) enum CallBody {
+    /// `Notify`.
+    Notify(Result<Envelope, DecodeError>, bool),
+    /// `Request`.
+    Request(Result<Request, DecodeError>, bool),
+    /// `Envelope`.
+    Envelope(Result<Envelope, DecodeError>, bool),
+}
+
+/// `frame`, decoded into domain values with the connection's `names`.
+fn inbound(names: &mut codec::Names, frame: Frame<'_>) -> Inbound {
+    match frame {
+        Frame::Ping { call } => Inbound::Ping { call },
+        Frame::Cancel { call } => Inbound::Cancel { call },
+        Frame::Notify { call, envelope, persisted } => Inbound::Call {
+            call,
+            body: CallBody::Notify(codec::envelope_in(names, envelope), persisted),
+        },
+        Frame::Request { call, request, persisted } => Inbound::Call {
+            call,
+            body: CallBody::Request(codec::request_in(names, request), persisted),
+        },
+        Frame::Envelope { call, envelope, persisted } => Inbound::Call {
+            call,
+            body: CallBody::Envelope(codec::envelope_in(names, envelope), persisted),
+        },
+        Frame::Done { .. } | Frame::Reply { .. } | Frame::Failed { .. } => Inbound::FromServer,
+    }
+}
+
 /// Reads and decodes frames until the peer closes or sends something wrong.
 ///
-/// The socket is read through a buffer of [`conn::READ_BUFFER_BYTES`]: one system call takes in
-/// every frame that has arrived, instead of three calls per frame (its first byte, the rest of
-/// its length, its body).
+/// The socket is read through a [`conn::FrameReader`]: one system call takes in every frame
+/// that has arrived, and a frame's strings are copied once, into its domain values.
 pub(crate) async fn read_loop<R: tokio::io::AsyncRead + Unpin>(
     reader: R,
     max_frame_bytes: u32,
-    frames: mpsc::Sender<Frame<'static>>,
+    frames: mpsc::Sender<Inbound>,
 ) {
-    let mut reader = tokio::io::BufReader::with_capacity(conn::READ_BUFFER_BYTES, reader);
-    loop {
-        let result = match conn::read_frame(&mut reader, max_frame_bytes).await {
-            Ok(Some(body)) => {
-                codec::decode(&body).map_err(|error| FrameError::Malformed(error.to_string()))
-            }
-            Ok(None) => {
-                debug!("peer closed the connection");
-                return;
-            }
-            Err(error) => Err(error),
-        };
-        match result {
-            Ok(frame) => {
-                if frames.send(frame).await.is_err() {
-                    return;
-                }
-            }
+    let mut reader = conn::FrameReader::new(reader, max_frame_bytes);
+    let mut names = codec::Names::default();
+    while let Some(frame) = next_frame(&mut reader).await {
+        if frames.send(inbound(&mut names, frame)).await.is_err() {
+            return;
+        }
+    }
+}
+
+/// The next frame of a connection, or `None` when it ended: the peer closed it (logged at
+/// debug) or sent something that is not a frame (logged as a warning).
+pub(crate) async fn next_frame<R: tokio::io::AsyncRead + Unpin>(
+    reader: &mut conn::FrameReader<R>,
+) -> Option<Frame<'_>> {
+    match reader.next_frame().await {
+        Ok(Some(body)) => match codec::decode(body) {
+            Ok(frame) => Some(frame),
             Err(error) => {
+                let error = FrameError::Malformed(error.to_string());
                 warn!(%error, "bad frame; closing the connection");
-                return;
+                None
             }
+        },
+        Ok(None) => {
+            debug!("peer closed the connection");
+            None
+        }
+        Err(error) => {
+            warn!(%error, "bad frame; closing the connection");
+            None
         }
     }
 }
@@ -285,14 +351,13 @@ struct Connection {
 }
 
 impl Connection {
-    async fn dispatch(
-        mut self,
-        mut frames: mpsc::Receiver<Frame<'static>>,
-        shutdown: CancellationToken,
-    ) {
+    async fn dispatch(mut self, mut frames: mpsc::Receiver<Inbound>, shutdown: CancellationToken) {
+        // One wait for the whole loop, not one registered and dropped per frame.
+        let shutdown = shutdown.cancelled();
+        tokio::pin!(shutdown);
         loop {
             tokio::select! {
-                () = shutdown.cancelled() => return,
+                () = &mut shutdown => return,
                 Some(joined) = self.calls.join_next_with_id() => self.reap(joined).await,
                 frame = frames.recv() => match frame {
                     Some(frame) => {
@@ -324,29 +389,27 @@ impl Connection {
         }
     }
 
-    async fn on_frame(&mut self, frame: Frame<'static>) -> Result<(), io::Error> {
+    async fn on_frame(&mut self, frame: Inbound) -> Result<(), io::Error> {
         let max = self.config.max_frame_bytes;
-        let call = match &frame {
-            Frame::Ping { call } => {
-                send(&self.out, &Frame::Done { call: *call }, max).await;
+        let (call, body) = match frame {
+            Inbound::Ping { call } => {
+                send(&self.out, &Frame::Done { call }, max).await;
                 return Ok(());
             }
-            Frame::Cancel { call } => {
-                if let Some(task) = self.by_call.remove(call) {
+            Inbound::Cancel { call } => {
+                if let Some(task) = self.by_call.remove(&call) {
                     debug!(call, "call cancelled by the client");
                     task.abort();
                 }
                 return Ok(());
             }
-            Frame::Done { .. } | Frame::Reply { .. } | Frame::Failed { .. } => {
+            Inbound::FromServer => {
                 return Err(io::Error::new(
                     io::ErrorKind::InvalidData,
                     "a server frame from a client",
                 ));
             }
-            Frame::Notify { call, .. }
-            | Frame::Request { call, .. }
-            | Frame::Envelope { call, .. } => *call,
+            Inbound::Call { call, body } => (call, body),
         };
         if self.by_call.contains_key(&call) {
             return Err(io::Error::new(
@@ -358,7 +421,7 @@ impl Connection {
             send(&self.out, &Frame::Failed { call, error: WireError::Overloaded }, max).await;
             return Ok(());
         }
-        let task = run_call(frame, Arc::clone(&self.handler), self.out.clone(), max);
+        let task = run_call(call, body, Arc::clone(&self.handler), self.out.clone(), max);
         let abort = self.calls.spawn(task.in_current_span());
         self.ids.insert(abort.id(), call);
         self.by_call.insert(call, abort);
@@ -413,46 +476,42 @@ async fn answer_void(
 
 /// Runs one call to its end and queues its answer frames.
 async fn run_call(
-    frame: Frame<'static>,
+    call: u64,
+    body: CallBody,
     handler: Arc<dyn RunnerHandler>,
     out: mpsc::Sender<Vec<u8>>,
     max: u32,
 ) {
-    match frame {
-        Frame::Notify { call, envelope, persisted } => {
-            let outcome = match codec::envelope_in(envelope) {
+    match body {
+        CallBody::Notify(envelope, persisted) => {
+            let outcome = match envelope {
                 Ok(envelope) => Ok(handler.notify(envelope, persisted).await),
                 Err(error) => Err(error),
             };
             answer_void(call, outcome, &out, max).await;
         }
-        Frame::Envelope { call, envelope, persisted } => {
-            let outcome = match codec::envelope_in(envelope) {
+        CallBody::Envelope(envelope, persisted) => {
+            let outcome = match envelope {
                 Ok(envelope) => Ok(handler.envelope(envelope, persisted).await),
                 Err(error) => Err(error),
             };
             answer_void(call, outcome, &out, max).await;
         }
-        Frame::Request { call, request, persisted } => {
+        CallBody::Request(request, persisted) => {
             run_request(call, request, persisted, &*handler, &out, max).await;
         }
-        Frame::Ping { .. }
-        | Frame::Cancel { .. }
-        | Frame::Done { .. }
-        | Frame::Reply { .. }
-        | Frame::Failed { .. } => {}
     }
 }
 
 async fn run_request(
     call: u64,
-    request: crate::frame::WireRequest<'static>,
+    request: Result<Request, DecodeError>,
     persisted: bool,
     handler: &dyn RunnerHandler,
     out: &mpsc::Sender<Vec<u8>>,
     max: u32,
 ) {
-    let request = match codec::request_in(request) {
+    let request = match request {
         Ok(request) => request,
         Err(error) => {
             send(out, &Frame::Failed { call, error: defect(&error.to_string()) }, max).await;
@@ -547,7 +606,7 @@ mod tests {
         super::read_loop(&mut socket, 1 << 20, frames).await;
         let mut calls = Vec::new();
         while let Ok(frame) = read.try_recv() {
-            if let Frame::Ping { call } = frame {
+            if let super::Inbound::Ping { call } = frame {
                 calls.push(call);
             }
         }
