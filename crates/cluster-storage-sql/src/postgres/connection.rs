@@ -67,6 +67,57 @@ pub(crate) async fn pooled_query(
     result
 }
 
+/// A connection of its own for statements that PostgreSQL should plan once, not at every call.
+///
+/// For a statement whose custom plans cost more to make than to run (an `= ANY($1)` over a
+/// batch's ids, with a subquery for each row): PostgreSQL keeps planning it anew, because each
+/// custom plan looks cheaper than the generic one. This connection is taken out of the pool
+/// (it never goes back to it) and set to `plan_cache_mode = force_generic_plan` once, so the
+/// pool's other statements keep their usual plans.
+///
+/// One batch writer uses it, one statement at a time. A connection that fails is closed, and
+/// the next statement takes a new one from the pool.
+pub(crate) struct GenericPlans {
+    pool: Pool,
+    client: tokio::sync::Mutex<Option<ClientWrapper>>,
+}
+
+impl GenericPlans {
+    /// Statements on a connection that will be taken from `pool` when first needed.
+    pub(crate) fn new(pool: Pool) -> GenericPlans {
+        GenericPlans { pool, client: tokio::sync::Mutex::new(None) }
+    }
+
+    /// Runs `sql` and returns its rows.
+    pub(crate) async fn query(
+        &self,
+        what: &str,
+        sql: &str,
+        params: &[&(dyn ToSql + Sync)],
+    ) -> Result<Vec<Row>, StorageError> {
+        let mut slot = self.client.lock().await;
+        let client = match slot.take() {
+            Some(client) => client,
+            None => {
+                let pooled = self.pool.get().await.map_err(|error| pool_error(what, error))?;
+                let client = Object::take(pooled);
+                client
+                    .batch_execute("SET plan_cache_mode = force_generic_plan")
+                    .await
+                    .map_err(|error| driver_error(what, error))?;
+                client
+            }
+        };
+        let result = query(&client, what, sql, params).await;
+        let lost =
+            result.as_ref().is_err_and(|error| error.kind() == StorageErrorKind::Unavailable);
+        if !lost {
+            *slot = Some(client);
+        }
+        result
+    }
+}
+
 /// Runs `sql` on a connection from `pool` and returns the number of rows it changed.
 pub(crate) async fn pooled_execute(
     pool: &Pool,

@@ -33,7 +33,9 @@ use crate::row::{
 };
 
 use super::classify::{column_error, driver_error, pool_error};
-use super::connection::{self, execute, migrate_on_pool, pooled_execute, pooled_query, settle};
+use super::connection::{
+    self, GenericPlans, execute, migrate_on_pool, pooled_execute, pooled_query, settle,
+};
 use super::queries::{self, MessageQueries, MigrationTarget};
 
 /// The PostgreSQL [`MessageStorage`].
@@ -92,9 +94,11 @@ const WRITE_BATCH_SIZE_MAX: usize = 256;
 impl Writers {
     fn spawn(pool: &Pool, queries: &Arc<MessageQueries>) -> Writers {
         let (request_pool, request_queries) = (pool.clone(), Arc::clone(queries));
+        let earlier_reads = Arc::new(GenericPlans::new(pool.clone()));
         let requests = Batcher::spawn(WRITE_QUEUE_CAPACITY, WRITE_BATCH_SIZE_MAX, move |inputs| {
             let (pool, queries) = (request_pool.clone(), Arc::clone(&request_queries));
-            async move { save_requests(&pool, &queries, inputs).await }
+            let earlier_reads = Arc::clone(&earlier_reads);
+            async move { save_requests(&pool, &earlier_reads, &queries, inputs).await }
         });
         let (reply_pool, reply_queries) = (pool.clone(), Arc::clone(queries));
         let replies = Batcher::spawn(WRITE_QUEUE_CAPACITY, WRITE_BATCH_SIZE_MAX, move |inputs| {
@@ -106,10 +110,11 @@ impl Writers {
             let (pool, queries) = (claim_pool.clone(), Arc::clone(&claim_queries));
             async move { claim_batch(&pool, &queries, inputs).await }
         });
-        let (read_pool, read_queries) = (pool.clone(), Arc::clone(queries));
+        let (read_connection, read_queries) =
+            (Arc::new(GenericPlans::new(pool.clone())), Arc::clone(queries));
         let reads = Batcher::spawn(WRITE_QUEUE_CAPACITY, WRITE_BATCH_SIZE_MAX, move |inputs| {
-            let (pool, queries) = (read_pool.clone(), Arc::clone(&read_queries));
-            async move { read_ordered(&pool, &queries, inputs).await }
+            let (connection, queries) = (Arc::clone(&read_connection), Arc::clone(&read_queries));
+            async move { read_ordered(&connection, &queries, inputs).await }
         });
         Writers { requests, replies, claims, reads }
     }
@@ -412,6 +417,7 @@ async fn save_request_one(
 /// the whole batch ([`earlier_requests`]).
 async fn save_requests(
     pool: &Pool,
+    earlier_reads: &GenericPlans,
     queries: &MessageQueries,
     jobs: Vec<SaveJob>,
 ) -> Vec<Result<OrderedSave, StorageError>> {
@@ -439,7 +445,7 @@ async fn save_requests(
         BTreeMap::new()
     } else {
         // A failed read does not fail the saves: their callers leave them to the read loop.
-        earlier_requests(pool, queries, &ordered).await.unwrap_or_else(|error| {
+        earlier_requests(earlier_reads, queries, &ordered).await.unwrap_or_else(|error| {
             tracing::debug!(%error, "the earlier requests of saved requests could not be read");
             BTreeMap::new()
         })
@@ -463,7 +469,7 @@ async fn save_requests(
 ///
 /// The statement reads at the jobs' bounds ([`batch_bounds`]).
 async fn earlier_requests(
-    pool: &Pool,
+    connection: &GenericPlans,
     queries: &MessageQueries,
     jobs: &[&SaveJob],
 ) -> Result<BTreeMap<Snowflake, Vec<Snowflake>>, StorageError> {
@@ -471,8 +477,9 @@ async fn earlier_requests(
         jobs.iter().map(|job| id_to_sql(job.request.request_id)).collect::<Result<Vec<_>, _>>()?;
     let (now, limit) = batch_bounds(jobs.iter().map(|job| job.order.unwrap_or((0, 0))));
     let sql = &queries.unprocessed_before_many;
+    // Planned once, as `read_ordered`'s read.
     let rows =
-        pooled_query(pool, "save_request_ordered: earlier", sql, &[&ids, &now, &limit]).await?;
+        connection.query("save_request_ordered: earlier", sql, &[&ids, &now, &limit]).await?;
     let mut lists: BTreeMap<i64, Vec<i64>> = BTreeMap::new();
     for row in &rows {
         let id: i64 = row.try_get(0).map_err(column_error)?;
@@ -569,7 +576,7 @@ async fn save_reply_one(
 ///   is left to the read loop.
 /// - If it fails, every caller gets the error.
 async fn read_ordered(
-    pool: &Pool,
+    connection: &GenericPlans,
     queries: &MessageQueries,
     reads: Vec<OrderedRead>,
 ) -> Vec<Result<OrderedBatch, StorageError>> {
@@ -578,7 +585,8 @@ async fn read_ordered(
     ids.dedup();
     let (now, limit) = batch_bounds(reads.iter().map(|read| (read.now, read.limit)));
     let sql = &queries.unprocessed_ordered;
-    let read = pooled_query(pool, "unprocessed_messages_ordered", sql, &[&ids, &now, &limit]).await;
+    // Planned once: its custom plans cost more to make than to run (see `GenericPlans`).
+    let read = connection.query("unprocessed_messages_ordered", sql, &[&ids, &now, &limit]).await;
     let rows = match read.and_then(|rows| ordered_rows(&rows)) {
         Ok(rows) => rows,
         Err(error) => return reads.iter().map(|_| Err(error.clone())).collect(),

@@ -1051,3 +1051,41 @@ async fn confirm_never_reports_a_lock_the_session_let_go_or_lost() {
     other.release_all(&other_address).await.unwrap();
     scratch.cleanup().await;
 }
+
+/// The owner's ordered reads run on a session of their own (planned once there, see
+/// `GenericPlans`): terminating it fails at most the read under way, and the next read takes a
+/// new session and answers as before.
+#[tokio::test]
+async fn a_terminated_ordered_read_session_is_replaced() {
+    let Some(scratch) = Scratch::new().await else { return };
+    let storage = scratch.message_storage().await;
+    for id in 1..=3 {
+        let saved = storage.save_request(&request(id, "e1"), &SaveRequestOptions::default()).await;
+        assert_eq!(saved.unwrap(), SaveResult::Success);
+    }
+    let now = cluster_core::clock::Timestamp::from_unix_millis(i64::MAX / 2);
+    let limit = std::num::NonZeroU32::new(16).unwrap();
+    let ids = [Snowflake::new(3)];
+    let expected = vec![Snowflake::new(1), Snowflake::new(2)];
+    let read = storage.unprocessed_messages_ordered(&ids, now, limit).await.unwrap();
+    assert_eq!(read.earlier.get(&Snowflake::new(3)), Some(&expected));
+    let sessions = "SELECT pid FROM pg_stat_activity WHERE query LIKE '%array_agg%' \
+                    AND query LIKE '%' || $1 || '%' AND pid <> pg_backend_pid()";
+    let messages_table = scratch.table("messages");
+    let pids = |rows: Vec<tokio_postgres::Row>| rows.iter().map(|row| row.get(0)).collect();
+    let first: Vec<i32> =
+        pids(scratch.admin.client.query(sessions, &[&messages_table]).await.unwrap());
+    assert_eq!(first.len(), 1, "one session runs the ordered reads: {first:?}");
+    terminate(&scratch.admin, first[0]).await;
+    match storage.unprocessed_messages_ordered(&ids, now, limit).await {
+        Ok(read) => assert_eq!(read.earlier.get(&Snowflake::new(3)), Some(&expected)),
+        Err(error) => assert_eq!(error.kind(), StorageErrorKind::Unavailable, "{error}"),
+    }
+    let read = storage.unprocessed_messages_ordered(&ids, now, limit).await.unwrap();
+    assert_eq!(read.earlier.get(&Snowflake::new(3)), Some(&expected));
+    let second: Vec<i32> =
+        pids(scratch.admin.client.query(sessions, &[&messages_table]).await.unwrap());
+    assert_eq!(second.len(), 1, "{second:?}");
+    assert_ne!(first, second, "a new session");
+    scratch.cleanup().await;
+}
