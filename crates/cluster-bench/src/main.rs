@@ -173,6 +173,10 @@ pub(crate) fn report(
         let sum: f64 = processes.iter().sum();
         let max = processes.iter().copied().fold(0.0, f64::max);
         fields.insert("processes".to_owned(), processes.len().into());
+        fields.insert(
+            "workers_per_process".to_owned(),
+            processes::workers_per_process(plan.workload).into(),
+        );
         fields.insert("rss_sum_mb".to_owned(), round(sum, 1).into());
         fields.insert("rss_max_mb".to_owned(), round(max, 1).into());
     }
@@ -211,11 +215,16 @@ fn main() -> ExitCode {
         Ok(plan) => plan,
         Err(error) => return fail(&error),
     };
-    let runtime = match tokio::runtime::Builder::new_multi_thread().enable_all().build() {
+    let across = matches!(plan.workload, Workload::W6 | Workload::W7 | Workload::W8 | Workload::W9);
+    let mut builder = tokio::runtime::Builder::new_multi_thread();
+    if across {
+        // This process is one of several sharing the cores (see `workers_per_process`).
+        builder.worker_threads(processes::workers_per_process(plan.workload));
+    }
+    let runtime = match builder.enable_all().build() {
         Ok(runtime) => runtime,
         Err(error) => return fail(&format!("cannot start the runtime: {error}")),
     };
-    let across = matches!(plan.workload, Workload::W6 | Workload::W7 | Workload::W8 | Workload::W9);
     let outcome = runtime.block_on(async {
         if across {
             let run = processes::run(&plan).await?;
@@ -238,7 +247,8 @@ fn main() -> ExitCode {
 }
 
 /// `cluster-bench runner` (a runner process of W6 to W8) or `cluster-bench gateway` (the HTTP
-/// gateway process of W9): runs `process` on a runtime of its own.
+/// gateway process of W9): runs `process` on a runtime of its own, of as many workers as
+/// `TOKIO_WORKER_THREADS` says (the parent sets it, see `processes::workers_per_process`).
 fn run_process(
     name: &str,
     process: impl std::future::Future<Output = Result<(), String>>,

@@ -26,6 +26,26 @@ use crate::{Plan, Workload};
 /// How many runner processes serve the shards.
 const RUNNERS: usize = 3;
 
+/// The variable tokio reads for its number of worker threads.
+const WORKERS_VARIABLE: &str = "TOKIO_WORKER_THREADS";
+
+/// The tokio worker threads each process of `workload` runs, across processes: the machine's
+/// cores shared among them, at least one each, as a container's CPU limit would share them
+/// (tokio sizes its pool from the cores a process may use). Every process of W6 to W8 on a
+/// 2-core machine would otherwise run 2 workers, 8 threads on 2 cores, which pay for waking
+/// each other more than for their work (docs/performance.md). `TOKIO_WORKER_THREADS` set by
+/// the caller wins.
+pub(crate) fn workers_per_process(workload: Workload) -> usize {
+    if let Some(workers) =
+        std::env::var(WORKERS_VARIABLE).ok().and_then(|value| value.trim().parse::<usize>().ok())
+    {
+        return workers.max(1);
+    }
+    let processes = RUNNERS + 1 + usize::from(workload == Workload::W9);
+    let cores = std::thread::available_parallelism().map_or(1, std::num::NonZeroUsize::get);
+    (cores / processes).max(1)
+}
+
 /// How long the runners may take to register.
 const REGISTER_DEADLINE: Duration = Duration::from_secs(60);
 
@@ -111,6 +131,7 @@ async fn run_on(plan: &Plan, database: &BenchDatabase) -> Result<AcrossProcesses
         ("CLUSTER_STORAGE_URL".to_owned(), url.clone()),
         ("CLUSTER_TABLE_PREFIX".to_owned(), prefix.as_str().to_owned()),
         ("CLUSTER_RPC_SECRET".to_owned(), secret),
+        (WORKERS_VARIABLE.to_owned(), workers_per_process(plan.workload).to_string()),
     ];
     let mut runners = Vec::with_capacity(RUNNERS);
     for _ in 0..RUNNERS {
