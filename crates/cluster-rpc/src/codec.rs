@@ -93,9 +93,14 @@ pub(crate) fn decode(bytes: &[u8]) -> Result<Frame<'_>, DecodeError> {
 /// The most names of one kind a connection keeps (see [`Names`]).
 const NAMES_MAX: usize = 64;
 
+/// The longest name a connection keeps (the reference's columns hold at most 150 bytes of an
+/// entity type, 50 of a tag or a shard id).
+const NAME_BYTES_MAX: usize = 256;
+
 /// The shard groups, entity types and tags a connection has decoded, kept so that the next
 /// frame naming them shares them rather than allocating them again (a connection sees few).
-/// Bounded: past [`NAMES_MAX`] of a kind, a new name is allocated each time, as any other.
+/// Bounded: past [`NAMES_MAX`] of a kind, or past [`NAME_BYTES_MAX`] bytes, a new name is
+/// allocated each time, as any other.
 #[derive(Default)]
 pub(crate) struct Names {
     groups: Vec<ShardGroup>,
@@ -112,7 +117,7 @@ where
         return found.clone();
     }
     let made = T::from(name);
-    if known.len() < NAMES_MAX {
+    if known.len() < NAMES_MAX && name.len() <= NAME_BYTES_MAX {
         known.push(made.clone());
     }
     made
@@ -362,7 +367,7 @@ mod tests {
     use std::borrow::Cow;
 
     use cluster_core::envelope::{RawJson, Request, TraceContext};
-    use cluster_core::ids::{EntityAddress, EntityId, EntityType, ShardGroup, ShardId};
+    use cluster_core::ids::{EntityAddress, EntityId, EntityType, ShardGroup, ShardId, Tag};
     use cluster_core::snowflake::Snowflake;
 
     use crate::frame::Frame;
@@ -439,5 +444,9 @@ mod tests {
             assert_eq!(super::intern(&mut types, &name).as_str(), name);
         }
         assert_eq!(types.len(), super::NAMES_MAX);
+        let mut tags: Vec<Tag> = Vec::new();
+        let long = "t".repeat(super::NAME_BYTES_MAX + 1);
+        assert_eq!(super::intern(&mut tags, &long).as_str(), long);
+        assert!(tags.is_empty(), "a name past the length bound is not kept");
     }
 }
