@@ -211,7 +211,7 @@ fn push_frame(buffer: &mut Vec<u8>, body: &[u8]) -> io::Result<()> {
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use std::io::{self, IoSlice};
     use std::pin::Pin;
     use std::task::{Context, Poll};
@@ -220,11 +220,19 @@ mod tests {
 
     use super::{FrameError, FrameReader, READ_BUFFER_BYTES};
 
-    /// A socket whose bytes arrive at most `step` at a time.
-    struct Chunked {
+    /// A socket whose bytes arrive at most `step` at a time; counts the reads that take some.
+    pub(crate) struct Chunked {
         bytes: Vec<u8>,
         at: usize,
         step: usize,
+        pub(crate) reads: usize,
+    }
+
+    impl Chunked {
+        /// A socket that has received `bytes`, handing out at most `step` per read.
+        pub(crate) fn new(bytes: Vec<u8>, step: usize) -> Chunked {
+            Chunked { bytes, at: 0, step, reads: 0 }
+        }
     }
 
     impl AsyncRead for Chunked {
@@ -234,9 +242,12 @@ mod tests {
             buf: &mut ReadBuf<'_>,
         ) -> Poll<io::Result<()>> {
             let n = buf.remaining().min(self.step).min(self.bytes.len() - self.at);
-            let at = self.at;
-            buf.put_slice(&self.bytes[at..at + n]);
-            self.at += n;
+            if n > 0 {
+                let at = self.at;
+                buf.put_slice(&self.bytes[at..at + n]);
+                self.at += n;
+                self.reads += 1;
+            }
             Poll::Ready(Ok(()))
         }
     }
@@ -256,7 +267,7 @@ mod tests {
         let large = vec![7_u8; 3 * READ_BUFFER_BYTES + 5];
         let bodies: [&[u8]; 5] = [b"one", b"", &large, b"four", b"five"];
         for step in [1, 2, 3, 5, 4096, usize::MAX] {
-            let socket = Chunked { bytes: framed(&bodies), at: 0, step };
+            let socket = Chunked::new(framed(&bodies), step);
             let mut reader = FrameReader::new(socket, 1 << 24);
             for body in bodies {
                 let read = reader.next_frame().await.unwrap().unwrap();
@@ -276,7 +287,7 @@ mod tests {
         for cut in [1, 3, 4, 6] {
             let mut bytes = framed(&[b"whole", b"cut short"]);
             bytes.truncate(9 + cut);
-            let mut reader = FrameReader::new(Chunked { bytes, at: 0, step: 2 }, 1 << 20);
+            let mut reader = FrameReader::new(Chunked::new(bytes, 2), 1 << 20);
             assert_eq!(reader.next_frame().await.unwrap().unwrap(), b"whole");
             let error = reader.next_frame().await.unwrap_err();
             assert!(
@@ -290,7 +301,7 @@ mod tests {
     #[tokio::test]
     async fn an_oversize_frame_is_refused_from_its_length() {
         let bytes = framed(&[&[0_u8; 100]]);
-        let mut reader = FrameReader::new(Chunked { bytes, at: 0, step: 4 }, 99);
+        let mut reader = FrameReader::new(Chunked::new(bytes, 4), 99);
         let error = reader.next_frame().await.unwrap_err();
         assert!(matches!(error, FrameError::Oversize { len: 100, max: 99 }), "{error}");
         assert_eq!(reader.reader.at, 4, "only the length was read");

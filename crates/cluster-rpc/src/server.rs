@@ -559,38 +559,8 @@ async fn run_request(
 
 #[cfg(test)]
 mod tests {
-    use std::io;
-    use std::pin::Pin;
-    use std::task::{Context, Poll};
-
-    use tokio::io::{AsyncRead, ReadBuf};
-
     use crate::codec;
     use crate::frame::Frame;
-
-    /// A socket whose bytes have all arrived; counts the reads that take some of them.
-    struct Arrived {
-        bytes: Vec<u8>,
-        at: usize,
-        reads: usize,
-    }
-
-    impl AsyncRead for Arrived {
-        fn poll_read(
-            mut self: Pin<&mut Self>,
-            _: &mut Context<'_>,
-            buf: &mut ReadBuf<'_>,
-        ) -> Poll<io::Result<()>> {
-            let n = buf.remaining().min(self.bytes.len() - self.at);
-            if n > 0 {
-                let at = self.at;
-                buf.put_slice(&self.bytes[at..at + n]);
-                self.at += n;
-                self.reads += 1;
-            }
-            Poll::Ready(Ok(()))
-        }
-    }
 
     /// Frames that have arrived together are taken in with one read, not three reads each.
     #[tokio::test]
@@ -601,7 +571,7 @@ mod tests {
             bytes.extend_from_slice(&u32::try_from(body.len()).unwrap().to_be_bytes());
             bytes.extend_from_slice(&body);
         }
-        let mut socket = Arrived { bytes, at: 0, reads: 0 };
+        let mut socket = crate::conn::tests::Chunked::new(bytes, usize::MAX);
         let (frames, mut read) = tokio::sync::mpsc::channel(128);
         super::read_loop(&mut socket, 1 << 20, frames).await;
         let mut calls = Vec::new();
