@@ -251,11 +251,11 @@ pub(crate) enum Inbound {
 /// What a call runs. A frame that decodes but not into domain values (a payload that is not
 /// JSON, shard 0) fails its own call only, so the error is kept for the call to answer.
 pub(crate) enum CallBody {
-    /// `Notify`.
+    /// `Notify`: the envelope, and whether it is stored.
     Notify(Result<Envelope, DecodeError>, bool),
-    /// `Request`.
+    /// `Request`: the request, and whether it is stored.
     Request(Result<Request, DecodeError>, bool),
-    /// `Envelope`.
+    /// `Envelope`: the envelope, and whether it is stored.
     Envelope(Result<Envelope, DecodeError>, bool),
 }
 
