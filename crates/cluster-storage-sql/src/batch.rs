@@ -50,6 +50,18 @@ where
         tokio::spawn(async move {
             let mut batch = Vec::with_capacity(batch_size_max);
             while jobs.recv_many(&mut batch, batch_size_max).await > 0 {
+                if batch.len() < batch_size_max {
+                    // Woken by the first write, the worker would often take it alone: the tasks
+                    // that are ready to run go first, once, so that the writes they queue join
+                    // this batch (as the transport's writer does with frames).
+                    tokio::task::yield_now().await;
+                    while batch.len() < batch_size_max {
+                        match jobs.try_recv() {
+                            Ok(job) => batch.push(job),
+                            Err(_) => break,
+                        }
+                    }
+                }
                 let (inputs, replies): (Vec<Input>, Vec<_>) = batch.drain(..).unzip();
                 let mut results = write(inputs).await.into_iter();
                 for reply in replies {

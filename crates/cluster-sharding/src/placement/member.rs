@@ -1022,6 +1022,9 @@ impl Member {
     async fn confirmation_rounds(self: Arc<Member>, address: RunnerAddress) {
         let interval = self.config.shard_lock_interval();
         loop {
+            // The writers that are ready to run go first, once, so that the shards they queue
+            // join this round rather than the next.
+            tokio::task::yield_now().await;
             let round = {
                 let mut confirmations = lock(&self.confirmations);
                 if confirmations.next.is_empty() {

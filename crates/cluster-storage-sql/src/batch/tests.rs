@@ -78,3 +78,28 @@ async fn a_short_result_list_fails_the_rest() {
         Batcher::spawn(4, 4, |_inputs: Vec<u32>| async { Vec::<Result<u32, StorageError>>::new() });
     assert_eq!(batcher.submit(1).await.unwrap_err().kind(), StorageErrorKind::Other);
 }
+
+/// A write queued by a task that was ready to run when the worker woke joins the batch of the
+/// write that woke it (the worker lets the ready tasks go first, once).
+#[tokio::test(flavor = "multi_thread", worker_threads = 1)]
+async fn a_write_queued_by_a_ready_task_joins_the_batch() {
+    let sizes = Arc::new(std::sync::Mutex::new(Vec::new()));
+    let batcher = Arc::new(Batcher::spawn(64, 32, {
+        let sizes = Arc::clone(&sizes);
+        move |inputs: Vec<u32>| {
+            sizes.lock().unwrap().push(inputs.len());
+            async move { inputs.into_iter().map(Ok).collect() }
+        }
+    }));
+    // Both tasks are ready before either runs; the first one's write wakes the worker.
+    let writers: Vec<_> = (0..2)
+        .map(|input| {
+            let batcher = Arc::clone(&batcher);
+            tokio::spawn(async move { batcher.submit(input).await })
+        })
+        .collect();
+    for (input, writer) in writers.into_iter().enumerate() {
+        assert_eq!(writer.await.unwrap().unwrap(), u32::try_from(input).unwrap());
+    }
+    assert_eq!(*sizes.lock().unwrap(), [2], "one batch");
+}
