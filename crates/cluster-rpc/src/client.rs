@@ -38,7 +38,6 @@ use crate::config::RpcConfig;
 use crate::conn;
 use crate::frame::Frame;
 use crate::handshake;
-use crate::server::next_frame;
 use crate::tls::{BoxStream, ClientTls};
 
 /// The `Transport` contract over TCP: a cached, multiplexed connection per peer, reopened lazily
@@ -406,7 +405,7 @@ impl Connection {
                 let route = async {
                     let mut frames = conn::FrameReader::new(read_half, max);
                     let mut names = codec::Names::default();
-                    while let Some(frame) = next_frame(&mut frames).await {
+                    while let Some(frame) = frames.next_decoded().await {
                         if let Err(violation) = shared.route(&mut names, frame) {
                             warn!(violation, "protocol violation; closing the connection");
                             return;

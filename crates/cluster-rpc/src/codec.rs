@@ -48,7 +48,7 @@ use crate::frame::{
 /// ([`Frame::size_hint`]), not grown from empty.
 pub(crate) fn encode(frame: &Frame<'_>, max_frame_bytes: u32) -> Result<Vec<u8>, DecodeError> {
     let bytes =
-        postcard::serialize_with_flavor(frame, Sized(Vec::with_capacity(frame.size_hint())))
+        postcard::serialize_with_flavor(frame, Presized(Vec::with_capacity(frame.size_hint())))
             .map_err(|error| DecodeError::new("rpc frame", error.to_string()))?;
     if u32::try_from(bytes.len()).map_or(true, |len| len > max_frame_bytes) {
         return Err(DecodeError::new(
@@ -60,9 +60,9 @@ pub(crate) fn encode(frame: &Frame<'_>, max_frame_bytes: u32) -> Result<Vec<u8>,
 }
 
 /// postcard's output into a vector allocated beforehand.
-struct Sized(Vec<u8>);
+struct Presized(Vec<u8>);
 
-impl postcard::ser_flavors::Flavor for Sized {
+impl postcard::ser_flavors::Flavor for Presized {
     type Output = Vec<u8>;
 
     fn try_push(&mut self, byte: u8) -> postcard::Result<()> {

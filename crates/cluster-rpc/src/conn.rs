@@ -9,6 +9,10 @@ use std::io;
 
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 use tokio::sync::mpsc;
+use tracing::{debug, warn};
+
+use crate::codec;
+use crate::frame::Frame;
 
 /// The most frames a writer sends in one system call (see [`write_queued`]).
 pub(crate) const BATCH_FRAMES_MAX: usize = 64;
@@ -100,6 +104,30 @@ impl<R: AsyncRead + Unpin> FrameReader<R> {
             self.end += read;
         };
         Ok(Some(&self.buffer[body]))
+    }
+
+    /// The next frame, decoded, or `None` when the connection ended: the peer closed it
+    /// (logged at debug) or sent something that is not a frame (logged as a warning). Both
+    /// sides' readers take their frames here.
+    pub(crate) async fn next_decoded(&mut self) -> Option<Frame<'_>> {
+        match self.next_frame().await {
+            Ok(Some(body)) => match codec::decode(body) {
+                Ok(frame) => Some(frame),
+                Err(error) => {
+                    let error = FrameError::Malformed(error.to_string());
+                    warn!(%error, "bad frame; closing the connection");
+                    None
+                }
+            },
+            Ok(None) => {
+                debug!("peer closed the connection");
+                None
+            }
+            Err(error) => {
+                warn!(%error, "bad frame; closing the connection");
+                None
+            }
+        }
     }
 
     /// Makes room behind the bytes read for a frame of `needed` bytes that starts at `start`:

@@ -28,7 +28,7 @@ use tracing::{Instrument, debug, info_span, warn};
 
 use crate::codec;
 use crate::config::RpcConfig;
-use crate::conn::{self, FrameError};
+use crate::conn;
 use crate::error::RpcError;
 use crate::frame::{Frame, WireError};
 use crate::handshake;
@@ -291,34 +291,9 @@ pub(crate) async fn read_loop<R: tokio::io::AsyncRead + Unpin>(
 ) {
     let mut reader = conn::FrameReader::new(reader, max_frame_bytes);
     let mut names = codec::Names::default();
-    while let Some(frame) = next_frame(&mut reader).await {
+    while let Some(frame) = reader.next_decoded().await {
         if frames.send(inbound(&mut names, frame)).await.is_err() {
             return;
-        }
-    }
-}
-
-/// The next frame of a connection, or `None` when it ended: the peer closed it (logged at
-/// debug) or sent something that is not a frame (logged as a warning).
-pub(crate) async fn next_frame<R: tokio::io::AsyncRead + Unpin>(
-    reader: &mut conn::FrameReader<R>,
-) -> Option<Frame<'_>> {
-    match reader.next_frame().await {
-        Ok(Some(body)) => match codec::decode(body) {
-            Ok(frame) => Some(frame),
-            Err(error) => {
-                let error = FrameError::Malformed(error.to_string());
-                warn!(%error, "bad frame; closing the connection");
-                None
-            }
-        },
-        Ok(None) => {
-            debug!("peer closed the connection");
-            None
-        }
-        Err(error) => {
-            warn!(%error, "bad frame; closing the connection");
-            None
         }
     }
 }
