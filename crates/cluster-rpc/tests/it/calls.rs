@@ -229,6 +229,26 @@ async fn an_idle_connection_expires() {
     within(runners.ping(&address)).await.expect("reconnects");
 }
 
+/// A connection with a call in flight is not idle, however long the call takes; it expires
+/// once its last call ends.
+#[tokio::test]
+async fn a_connection_with_a_call_in_flight_does_not_expire() {
+    let idle_expiry = Duration::from_millis(100);
+    let config = RpcConfig { idle_expiry, ..config() };
+    let handler = FakeHandler::new();
+    let server = serve(config.clone(), handler.clone()).await;
+    let runners = TcpTransport::new(config).expect("config");
+    let address = runner_address(&server);
+    let hanging =
+        within(runners.stream(&address, request(120, "Hang"), false)).await.expect("stream");
+    // What is checked is that nothing happens: the wait is the check, four idle periods.
+    tokio::time::sleep(idle_expiry * 4).await;
+    assert!(runners.is_connected(&address), "a busy connection expired");
+    assert_eq!(server.connection_count(), 1);
+    drop(hanging);
+    assert!(wait_until(|| server.connection_count() == 0).await, "the idle connection stayed");
+}
+
 #[tokio::test]
 async fn a_handler_panic_is_a_defect_of_that_request_only() {
     let handler = FakeHandler::new();
