@@ -43,7 +43,12 @@ pub(crate) fn workers_per_process(workload: Workload) -> usize {
     }
     let processes = RUNNERS + 1 + usize::from(workload == Workload::W9);
     let cores = std::thread::available_parallelism().map_or(1, std::num::NonZeroUsize::get);
-    (cores / processes).max(1)
+    share_of(cores, processes)
+}
+
+/// Each of `processes` processes' share of `cores`, at least one.
+fn share_of(cores: usize, processes: usize) -> usize {
+    cores.checked_div(processes).unwrap_or(cores).max(1)
 }
 
 /// How long the runners may take to register.
@@ -248,4 +253,15 @@ fn peak_rss_of(pid: u32) -> f64 {
 fn free_port() -> Result<u16, String> {
     let listener = std::net::TcpListener::bind("127.0.0.1:0").map_err(|error| error.to_string())?;
     listener.local_addr().map(|address| address.port()).map_err(|error| error.to_string())
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn each_process_gets_its_share_of_the_cores_and_at_least_one() {
+        assert_eq!(super::share_of(2, 4), 1, "four processes on two cores");
+        assert_eq!(super::share_of(16, 4), 4);
+        assert_eq!(super::share_of(17, 5), 3);
+        assert_eq!(super::share_of(1, 0), 1);
+    }
 }
