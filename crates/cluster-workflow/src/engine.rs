@@ -676,10 +676,10 @@ async fn close_scope(finalizers: Vec<Finalizer>, exit: RunExit, abandoned: bool)
         return;
     }
     for finalizer in finalizers.into_iter().rev() {
-        let outcome = futures_util::FutureExt::catch_unwind(std::panic::AssertUnwindSafe(
-            finalizer(exit.clone()),
-        ))
-        .await;
+        // The closure is called inside the guard too: a finalizer may panic before it returns
+        // its future, and that panic must not unwind through the run's handler.
+        let exit = exit.clone();
+        let outcome = cluster_core::future::guarded(move || finalizer(exit)).await;
         if outcome.is_err() {
             tracing::warn!("a workflow finalizer panicked");
         }

@@ -35,7 +35,6 @@ use std::time::Duration;
 
 use cluster_core::DecodeError;
 use cluster_core::envelope::{Exit, RawJson};
-use futures_util::FutureExt as _;
 use serde::de::DeserializeOwned;
 use serde::{Deserialize, Serialize};
 use serde_json::value::RawValue;
@@ -221,8 +220,8 @@ impl WorkflowEngine {
             Box::pin(async move {
                 let payload = payload.decode::<P>().map_err(|error| error.to_string())?;
                 // A panicking worker is a defect of its item, as a dying handler is in the
-                // reference.
-                let ran = std::panic::AssertUnwindSafe(worker(payload)).catch_unwind().await;
+                // reference; it may panic before it returns its future too.
+                let ran = cluster_core::future::guarded(|| worker(payload)).await;
                 Ok(match ran {
                     Ok(result) => encode_result(result),
                     Err(_) => Exit::die_with_message("Panic", "the queue worker panicked"),

@@ -335,15 +335,17 @@ pub(crate) enum BodyEnd {
 
 /// Polls `body` until it returns or `run` must stop; the body is dropped before this returns.
 pub(crate) async fn drive(run: &Run, body: impl Future<Output = Exit>) -> BodyEnd {
-    let body = AssertUnwindSafe(body).catch_unwind();
-    let end = {
-        tokio::pin!(body);
-        tokio::select! {
-            biased;
-            exit = &mut body => BodyEnd::Returned(exit.unwrap_or_else(|panic| panic_exit(&*panic))),
-            () = run.stopped() => BodyEnd::Stopped,
-        }
+    let mut body = Box::pin(AssertUnwindSafe(body).catch_unwind());
+    let end = tokio::select! {
+        biased;
+        exit = &mut body => BodyEnd::Returned(exit.unwrap_or_else(|panic| panic_exit(&*panic))),
+        () = run.stopped() => BodyEnd::Stopped,
     };
+    // Dropping a stopped body runs its locals' `Drop` (the body finalizers), which are user
+    // code too: a panic there must not unwind through the run's handler.
+    if std::panic::catch_unwind(AssertUnwindSafe(move || drop(body))).is_err() {
+        tracing::warn!(execution_id = %run.execution_id, "a body finalizer panicked");
+    }
     run.update(|state| state.finished = true);
     end
 }

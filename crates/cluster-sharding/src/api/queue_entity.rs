@@ -51,7 +51,6 @@ use cluster_core::envelope::{Exit, RawJson};
 use cluster_core::future::BoxFuture;
 use cluster_core::sync::lock;
 use cluster_core::{DecodeError, ShardGroup, Snowflake};
-use futures_util::FutureExt;
 use tokio::sync::{mpsc, oneshot};
 
 use crate::api::entity::{
@@ -167,11 +166,13 @@ impl<Q: QueueEntity> Entity for Queued<Q> {
         });
         let replier = Replier { shared: Arc::clone(&shared) };
         let requests = RequestQueue { receiver };
-        let behaviour = Q::behaviour(context.clone(), requests, replier);
+        let context = context.clone();
         let ended = Arc::clone(&shared);
         let entity_type = Q::TYPE;
         let behaviour = tokio::spawn(async move {
-            let outcome = std::panic::AssertUnwindSafe(behaviour).catch_unwind().await;
+            // Called inside the guard: the behaviour may panic before it returns its future.
+            let outcome =
+                cluster_core::future::guarded(|| Q::behaviour(context, requests, replier)).await;
             let message = match outcome {
                 Ok(Ok(())) => format!("the behaviour of queue entity {entity_type} ended"),
                 Ok(Err(error)) => {

@@ -866,7 +866,8 @@ impl<E: Entity> InstanceLoop<E> {
             Slot::Lent | Slot::Gone => None,
         };
         let Some(mut entity) = entity else { return };
-        let stopping = AssertUnwindSafe(entity.on_stop()).catch_unwind();
+        // Called inside the guard: a hand-written `on_stop` may panic before its future exists.
+        let stopping = cluster_core::future::guarded(|| entity.on_stop());
         match tokio::time::timeout(self.shared.options.on_stop_timeout, stopping).await {
             Ok(Ok(())) => {}
             Ok(Err(_)) => {

@@ -14,14 +14,12 @@
 //! future returns is done: it is not started again until the shard moves.
 
 use std::collections::BTreeMap;
-use std::panic::AssertUnwindSafe;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use cluster_core::future::BoxFuture;
 use cluster_core::sync::lock;
 use cluster_core::{ShardGroup, ShardId};
-use futures_util::FutureExt;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 use tracing::Instrument;
@@ -234,7 +232,8 @@ impl Singletons {
                 runtime: host.handle(),
                 cancellation: stop.child_token(),
             };
-            let mut body = AssertUnwindSafe(run(context)).catch_unwind();
+            // Called inside the guard: the closure may panic before it returns its future.
+            let mut body = cluster_core::future::guarded(|| run(context));
             let outcome = tokio::select! {
                 outcome = &mut body => Some(outcome),
                 () = stop.cancelled() => None,

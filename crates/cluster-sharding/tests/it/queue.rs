@@ -283,3 +283,45 @@ async fn a_failing_behaviour_fails_every_pending_request(sharding: &Sharding) {
         );
     }
 }
+
+/// A queue entity whose behaviour panics before it returns its future.
+struct Hasty;
+
+impl Accepts<Double> for Hasty {}
+
+impl QueueEntity for Hasty {
+    const TYPE: &'static str = "Hasty";
+
+    fn protocol(protocol: &mut QueueProtocol<'_, Hasty>) {
+        protocol.handle::<Double>();
+    }
+
+    fn behaviour(
+        context: EntityContext,
+        _: RequestQueue,
+        _: Replier,
+    ) -> impl std::future::Future<Output = Result<(), BehaviourError>> + Send {
+        if !context.address().entity_id.as_str().is_empty() {
+            std::panic::panic_any("a behaviour that panics before returning its future");
+        }
+        std::future::ready(Ok(()))
+    }
+}
+
+/// A behaviour that panics before it returns its future ends its entity like one that panics
+/// while it runs: requests get the defect instead of waiting for an entity that never starts.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_behaviour_panicking_before_its_future_answers_requests_with_a_defect() {
+    let storage = Arc::new(MemoryMessageStorage::new(Arc::new(SystemClock)));
+    let sharding = Sharding::builder(config()).messages(storage).start().await.unwrap();
+    sharding.register::<Queued<Hasty>>(EntityOptions::default()).unwrap();
+    let hasty = sharding.client::<Queued<Hasty>>("hasty");
+    let answer = tokio::time::timeout(Duration::from_secs(10), hasty.send(Double { n: 1 }))
+        .await
+        .expect("the request waits for an entity that never starts");
+    assert!(
+        matches!(&answer, Err(CallError::Defect(defect)) if defect.contains("panicked")),
+        "{answer:?}"
+    );
+    sharding.shutdown().await;
+}

@@ -465,3 +465,69 @@ async fn shutdown_abandons_the_callers_of_requests_no_handler_started() {
     let left = unprocessed(&*storage).await;
     assert_eq!(requests(&left), 0, "{left:?}");
 }
+
+/// An entity whose `on_stop` panics before it returns its future.
+struct HastyStop;
+
+/// Answered with 1.
+#[derive(Serialize, Deserialize)]
+struct Touch;
+
+impl Rpc for Touch {
+    const TAG: &'static str = "Touch";
+    type Success = u32;
+    type Error = String;
+}
+
+impl Entity for HastyStop {
+    const TYPE: &'static str = "HastyStop";
+
+    async fn create(_: &EntityContext) -> HastyStop {
+        HastyStop
+    }
+
+    fn protocol(protocol: &mut Protocol<HastyStop>) {
+        protocol.handle::<Touch>();
+    }
+
+    fn on_stop(&mut self) -> impl std::future::Future<Output = ()> + Send {
+        if HASTY_STOPS.fetch_add(1, std::sync::atomic::Ordering::SeqCst) < u32::MAX {
+            std::panic::panic_any("an on_stop that panics before returning its future");
+        }
+        std::future::ready(())
+    }
+}
+
+static HASTY_STOPS: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
+
+impl Handler<Touch> for HastyStop {
+    async fn handle(&mut self, _: &RequestContext, _: Touch) -> Result<u32, String> {
+        Ok(1)
+    }
+}
+
+/// An `on_stop` that panics before it returns its future is logged like one that panics while
+/// it runs: the entity type goes on serving, and the shutdown completes.
+#[tokio::test(start_paused = true)]
+async fn an_on_stop_panicking_before_its_future_is_contained() {
+    let sharding = Sharding::builder(ShardingConfig::default()).start().await.unwrap();
+    let options = EntityOptions {
+        max_idle_time: Some(Some(Duration::from_secs(1))),
+        ..EntityOptions::default()
+    };
+    sharding.register::<HastyStop>(options).unwrap();
+    let first = sharding.client::<HastyStop>("first");
+    assert_eq!(first.send(Touch).await.unwrap(), 1);
+    eventually("the idle instance stopped", || {
+        HASTY_STOPS.load(std::sync::atomic::Ordering::SeqCst) >= 1
+    })
+    .await;
+    let again = tokio::time::timeout(Duration::from_secs(30), first.send(Touch)).await;
+    assert!(matches!(again, Ok(Ok(1))), "{again:?}");
+    let other = sharding.client::<HastyStop>("other");
+    let other = tokio::time::timeout(Duration::from_secs(30), other.send(Touch)).await;
+    assert!(matches!(other, Ok(Ok(1))), "{other:?}");
+    tokio::time::timeout(Duration::from_secs(60), sharding.shutdown())
+        .await
+        .expect("the shutdown never ended");
+}

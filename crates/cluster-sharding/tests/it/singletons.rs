@@ -100,6 +100,30 @@ async fn a_panicking_singleton_is_started_again() {
     sharding.shutdown().await;
 }
 
+/// A singleton closure that panics before it returns its future is started again, as one that
+/// panics while it runs.
+#[tokio::test(start_paused = true)]
+async fn a_singleton_panicking_before_its_future_is_started_again() {
+    let sharding = sharding(ShardingConfig::default()).await;
+    let (calls, running) = (Arc::new(AtomicUsize::new(0)), Arc::new(AtomicUsize::new(0)));
+    let (counted, runs) = (Arc::clone(&calls), Arc::clone(&running));
+    sharding
+        .register_singleton("hasty", SingletonOptions::default(), move |context| {
+            if counted.fetch_add(1, Ordering::SeqCst) < 2 {
+                std::panic::panic_any("a singleton that panics before returning its future");
+            }
+            let running = Arc::clone(&runs);
+            async move {
+                running.fetch_add(1, Ordering::SeqCst);
+                context.cancellation().cancelled().await;
+            }
+        })
+        .unwrap();
+    eventually("it runs after two panics", || running.load(Ordering::SeqCst) == 1).await;
+    assert_eq!(calls.load(Ordering::SeqCst), 3);
+    sharding.shutdown().await;
+}
+
 #[tokio::test(start_paused = true)]
 async fn a_singleton_that_ignores_its_cancellation_is_dropped_after_the_grace_period() {
     let config = ShardingConfig {

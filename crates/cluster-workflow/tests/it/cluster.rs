@@ -144,6 +144,9 @@ cluster_tests!(
     a_waking_branch_runs_its_own_steps_again,
     a_multi_await_branch_replays_per_completion,
     a_race_of_waiting_activities_suspends,
+    a_finalizer_panicking_before_its_future_ends_the_execution,
+    a_queue_worker_panicking_before_its_future_is_a_defect,
+    a_body_finalizer_panicking_at_a_suspension_lets_the_run_suspend,
 );
 
 /// New in effect 4.1.0 (`ensureSuccess`): a wake that keeps failing (here: the run's reset) is

@@ -1844,3 +1844,100 @@ pub(crate) async fn a_race_of_waiting_activities_suspends(h: &impl Harness) {
     open::<WaitingActivity>(&engine, &id, &DurableDeferred::new("X"), "x").await;
     assert_eq!(complete_exit::<WaitingActivity>(&engine, &id).await, success("activity:x"));
 }
+
+// ---------------------------------------------------------------------------------------
+// User closures that panic before they return their future
+
+workflow!(PanickyFinalizer, String, String);
+
+/// A finalizer closure whose panic comes before its future exists.
+fn panicking_finalizer(_: RunExit) -> std::future::Ready<()> {
+    std::panic::panic_any("a finalizer that panics before returning its future")
+}
+
+/// A workflow finalizer that panics before it returns its future is caught like one that
+/// panics while it runs: the other finalizers still run once and the execution ends.
+pub(crate) async fn a_finalizer_panicking_before_its_future_ends_the_execution(h: &impl Harness) {
+    let engine = h.engine().await;
+    let log = Log::default();
+    let run_log = log.clone();
+    PanickyFinalizer::register(&engine, move |ctx: WorkflowContext, _: Input| {
+        let log = run_log.clone();
+        async move {
+            let compensation_log = log.clone();
+            ctx.activity("reserve", |_| async { Ok::<_, String>("held".to_owned()) })
+                .compensate(move |_, _| async move { compensation_log.push("compensate") })
+                .await?;
+            ctx.add_finalizer(panicking_finalizer);
+            Err::<String, _>("the order failed".to_owned())
+        }
+    })
+    .unwrap();
+    let result = tokio::time::timeout(
+        ms(60_000),
+        engine.execute::<PanickyFinalizer>(input("panicky-finalizer")),
+    )
+    .await
+    .expect("execute never returned");
+    assert!(matches!(&result, Err(ExecuteError::Failed(error)) if error == "the order failed"));
+    // Time for restarts and replays, had the panic escaped.
+    tokio::time::sleep(ms(5_000)).await;
+    assert_eq!(log.count("compensate"), 1, "{:?}", log.entries());
+}
+
+const PANICKY_QUEUE: cluster_workflow::DurableQueue<Item, u64, String> =
+    cluster_workflow::DurableQueue::new("PanickyQueue", |item: &Item| item.id.clone());
+
+workflow!(PanickyWorker, u64, String);
+
+/// A queue worker closure whose panic comes before its future exists.
+fn panicking_worker(_: Item) -> std::future::Ready<Result<u64, String>> {
+    std::panic::panic_any("a worker that panics before returning its future")
+}
+
+/// A queue worker that panics before it returns its future is a defect of its item, as one
+/// that panics while it runs: the workflow gets the defect and ends.
+pub(crate) async fn a_queue_worker_panicking_before_its_future_is_a_defect(h: &impl Harness) {
+    let engine = h.engine().await;
+    PanickyWorker::register(&engine, move |ctx: WorkflowContext, payload: Input| async move {
+        PANICKY_QUEUE.process(&ctx, Item { id: "panics".into(), value: payload.value }).await
+    })
+    .unwrap();
+    engine.register_queue_worker(PANICKY_QUEUE, panicking_worker, 1).unwrap();
+    let id = engine.execute_discard::<PanickyWorker>(input("panicky-worker")).await.unwrap();
+    let exit = complete_exit::<PanickyWorker>(&engine, &id).await;
+    assert_eq!(kind(&exit), "die", "{exit:?}");
+}
+
+workflow!(PanickyDrop, String, String);
+
+/// A body local whose `Drop` (a body finalizer) panics when its run suspends.
+struct PanicOnSuspend(WorkflowContext);
+
+impl Drop for PanicOnSuspend {
+    fn drop(&mut self) {
+        if self.0.is_suspended() {
+            std::panic::panic_any("a body finalizer that panics at a suspension");
+        }
+    }
+}
+
+/// A body finalizer that panics when the run suspends does not stop the suspension from
+/// being stored: the completion it waits for then finishes the execution.
+pub(crate) async fn a_body_finalizer_panicking_at_a_suspension_lets_the_run_suspend(
+    h: &impl Harness,
+) {
+    let engine = h.engine().await;
+    PanickyDrop::register(&engine, |ctx: WorkflowContext, _: Input| async move {
+        let _finalizer = PanicOnSuspend(ctx.clone());
+        match ctx.await_deferred(&gate()).await {
+            Ok(value) => Ok(value),
+            Err(never) => match never {},
+        }
+    })
+    .unwrap();
+    let id = engine.execute_discard::<PanickyDrop>(input("panicky-drop")).await.unwrap();
+    suspended::<PanickyDrop>(&engine, &id).await;
+    open::<PanickyDrop>(&engine, &id, &gate(), "opened").await;
+    assert_eq!(complete_exit::<PanickyDrop>(&engine, &id).await, success("opened"));
+}
