@@ -28,6 +28,7 @@ use crate::engine::{
     ActivityBody, ActivityStep, Decoded, Parent, WorkflowEngine, decode_exit, encode_result,
 };
 use crate::id::{ExecutionId, Token};
+use crate::name::ReservedName;
 use crate::result::{FailureCause, WorkflowResult};
 use crate::run::{
     BodyEnd, Branch, Run, RunExit, RunKind, RunOptions, drive, in_branch, note_branch_await,
@@ -55,8 +56,20 @@ impl<T, E> Clone for DurableDeferred<T, E> {
 
 impl<T, E> DurableDeferred<T, E> {
     /// The deferred `name` (unique within an execution).
-    pub fn new(name: impl Into<String>) -> DurableDeferred<T, E> {
-        DurableDeferred { name: name.into(), types: PhantomData }
+    ///
+    /// # Errors
+    ///
+    /// [`ReservedName`] when `name` starts with a prefix the engine keeps for its own records
+    /// (`raceAll/`, `DurableClock/`, `DurableQueue/`, `Workflow/`).
+    pub fn new(name: impl Into<String>) -> Result<DurableDeferred<T, E>, ReservedName> {
+        let name = name.into();
+        crate::name::check_deferred(&name)?;
+        Ok(DurableDeferred { name, types: PhantomData })
+    }
+
+    /// A deferred of the engine's own, under a reserved name.
+    pub(crate) fn reserved(name: String) -> DurableDeferred<T, E> {
+        DurableDeferred { name, types: PhantomData }
     }
 
     /// The deferred's name.
@@ -66,7 +79,8 @@ impl<T, E> DurableDeferred<T, E> {
 
     /// The deferred of this name for the current attempt of an activity (`<name>/<attempt>`).
     pub fn with_attempt(&self, attempt: u32) -> DurableDeferred<T, E> {
-        DurableDeferred::new(format!("{}/{attempt}", self.name))
+        // A checked name with a suffix keeps its (allowed) prefix.
+        DurableDeferred { name: format!("{}/{attempt}", self.name), types: PhantomData }
     }
 
     /// The token of this deferred in the execution `execution_id` of workflow `W`.
@@ -255,6 +269,9 @@ impl WorkflowContext {
     /// attempt; a replay gets its stored result. Await the returned call, optionally after
     /// [`retry`](ActivityCall::retry), [`compensate`](ActivityCall::compensate) or
     /// [`catch_defects`](ActivityCall::catch_defects).
+    ///
+    /// A name that starts with a prefix the engine keeps for its own records (`DurableClock/`)
+    /// is refused: awaiting the call ends the run with a defect that says so ([`ReservedName`]).
     pub fn activity<A, E, F, Fut>(
         &self,
         name: impl Into<String>,
@@ -264,9 +281,21 @@ impl WorkflowContext {
         F: Fn(ActivityContext) -> Fut + Send + Sync,
         Fut: Future<Output = Result<A, E>> + Send,
     {
+        let name = name.into();
+        let refused = crate::name::check_activity(&name).err();
+        ActivityCall { refused, ..self.reserved_activity(name, body) }
+    }
+
+    /// An activity of the engine's own, under a reserved name.
+    fn reserved_activity<A, E, F, Fut>(&self, name: String, body: F) -> ActivityCall<'_, A, E, F>
+    where
+        F: Fn(ActivityContext) -> Fut + Send + Sync,
+        Fut: Future<Output = Result<A, E>> + Send,
+    {
         ActivityCall {
             context: self,
-            name: name.into(),
+            name,
+            refused: None,
             body,
             retries: 0,
             transactional: false,
@@ -432,7 +461,7 @@ impl WorkflowContext {
         let clock = format!("DurableClock/{name}");
         if duration <= in_memory_threshold {
             let slept: Result<(), Never> = self
-                .activity(clock, move |_| async move {
+                .reserved_activity(clock, move |_| async move {
                     tokio::time::sleep(duration).await;
                     Ok(())
                 })
@@ -498,7 +527,7 @@ impl WorkflowContext {
                 run.release_awaits(&awaits);
                 let exit = encode_result(result);
                 run.update(|state| state.completed.insert(record.clone()));
-                let token = self.token(&DurableDeferred::<(), Never>::new(record));
+                let token = self.token(&DurableDeferred::<(), Never>::reserved(record));
                 let recorded = run.engine.deferred_done(Some(run), token, exit.clone()).await;
                 hold.release();
                 if let Err(error) = recorded {
@@ -682,6 +711,8 @@ fn unreachable_step() -> ! {
 pub struct ActivityCall<'c, A, E, F> {
     context: &'c WorkflowContext,
     name: String,
+    /// Why the name is refused, if it is.
+    refused: Option<ReservedName>,
     body: F,
     retries: u32,
     transactional: bool,
@@ -759,6 +790,10 @@ where
     }
 
     async fn attempts(&self) -> Decoded<A, E> {
+        if let Some(refused) = &self.refused {
+            let defect = RawJson::encode(&refused.to_string()).unwrap_or_else(|_| RawJson::null());
+            return Decoded::Raise(crate::run::defect_cause(defect));
+        }
         let mut attempt = 1;
         loop {
             let step =

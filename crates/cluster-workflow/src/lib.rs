@@ -55,6 +55,7 @@ mod engine;
 mod id;
 mod memory;
 pub mod metrics;
+mod name;
 mod queue;
 mod result;
 mod run;
@@ -67,6 +68,7 @@ pub use context::{
 pub use definition::{RetrySchedule, WorkflowOptions};
 pub use engine::{ClusterFailure, ExecuteError, Workflow, WorkflowEngine, WorkflowError};
 pub use id::{ExecutionId, Token, TokenError, activity_idempotency_key, hash_digest};
+pub use name::{RESERVED_ACTIVITY_PREFIXES, RESERVED_DEFERRED_PREFIXES, ReservedName};
 pub use queue::{DurableQueue, QueueOptions};
 pub use result::{FailureCause, WorkflowResult};
 pub use run::RunExit;

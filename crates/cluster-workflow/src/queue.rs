@@ -95,7 +95,7 @@ where
             None,
         );
         let deferred =
-            DurableDeferred::<S, E>::new(format!("{}/{item_id}", persisted_name(self.name)));
+            DurableDeferred::<S, E>::reserved(format!("{}/{item_id}", persisted_name(self.name)));
         let token = ctx.token(&deferred);
         ctx.offer(self.name, &item_id, token, &payload).await;
         ctx.await_deferred(&deferred).await

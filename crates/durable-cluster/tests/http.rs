@@ -240,7 +240,7 @@ impl Workflow for Approval {
 
 /// The deferred an `Approval` waits for.
 fn approval() -> DurableDeferred<String, String> {
-    DurableDeferred::new("approval")
+    DurableDeferred::new("approval").unwrap()
 }
 
 async fn approve(ctx: WorkflowContext, _: ApprovalPayload) -> Result<String, String> {

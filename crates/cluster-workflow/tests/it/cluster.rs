@@ -147,6 +147,7 @@ cluster_tests!(
     a_finalizer_panicking_before_its_future_ends_the_execution,
     a_queue_worker_panicking_before_its_future_is_a_defect,
     a_body_finalizer_panicking_at_a_suspension_lets_the_run_suspend,
+    reserved_names_are_refused,
 );
 
 /// New in effect 4.1.0 (`ensureSuccess`): a wake that keeps failing (here: the run's reset) is
@@ -171,7 +172,7 @@ async fn a_failing_wake_is_left_for_the_next_owner_at_shutdown() {
     }
     fn register(engine: &WorkflowEngine) {
         Gated::register(engine, |ctx: WorkflowContext, _: suite::Input| async move {
-            ctx.await_deferred(&DurableDeferred::<String>::new("Gate")).await
+            ctx.await_deferred(&DurableDeferred::<String>::new("Gate").unwrap()).await
         })
         .unwrap();
     }
@@ -193,7 +194,7 @@ async fn a_failing_wake_is_left_for_the_next_owner_at_shutdown() {
     let id = engine.execute_discard::<Gated>(payload).await.unwrap();
     suite::suspended::<Gated>(&engine, &id).await;
     faults.fail_clear_replies(u32::MAX);
-    let token = DurableDeferred::<String>::new("Gate").token_for::<Gated>(&id);
+    let token = DurableDeferred::<String>::new("Gate").unwrap().token_for::<Gated>(&id);
     engine.complete(&token, Ok::<String, Never>("opened".into())).await.unwrap();
     // The deferred's handler now retries the run's reset.
     tokio::time::sleep(Duration::from_secs(2)).await;
@@ -349,7 +350,7 @@ async fn a_completion_during_a_slow_suspension_commit_wakes_the_run(delay: Durat
     let runs = Arc::clone(&started);
     Committing::register(&engine, move |ctx: WorkflowContext, _: suite::Input| {
         runs.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
-        async move { ctx.await_deferred(&DurableDeferred::<String>::new("Gate")).await }
+        async move { ctx.await_deferred(&DurableDeferred::<String>::new("Gate").unwrap()).await }
     })
     .unwrap();
     let payload = suite::Input { key: "commit".into(), ..suite::Input::default() };
@@ -363,7 +364,7 @@ async fn a_completion_during_a_slow_suspension_commit_wakes_the_run(delay: Durat
     }
     tokio::time::sleep(Duration::from_millis(300)).await;
     assert_eq!(engine.poll::<Committing>(&id).await.unwrap(), None, "the reply is not stored yet");
-    let token = DurableDeferred::<String>::new("Gate").token_for::<Committing>(&id);
+    let token = DurableDeferred::<String>::new("Gate").unwrap().token_for::<Committing>(&id);
     engine.complete(&token, Ok::<String, Never>("late".into())).await.unwrap();
     // The completion wakes the execution.
     let exit = suite::complete_exit::<Committing>(&engine, &id).await;
@@ -391,7 +392,7 @@ async fn a_wake_waiting_for_a_slow_suspension_commit_is_left_for_the_next_owner_
     }
     fn register(engine: &WorkflowEngine) {
         Slow::register(engine, |ctx: WorkflowContext, _: suite::Input| async move {
-            ctx.await_deferred(&DurableDeferred::<String>::new("Gate")).await
+            ctx.await_deferred(&DurableDeferred::<String>::new("Gate").unwrap()).await
         })
         .unwrap();
     }
@@ -415,7 +416,7 @@ async fn a_wake_waiting_for_a_slow_suspension_commit_is_left_for_the_next_owner_
     let id = engine.execute_discard::<Slow>(payload).await.unwrap();
     tokio::time::sleep(Duration::from_millis(300)).await;
     assert_eq!(engine.poll::<Slow>(&id).await.unwrap(), None, "the reply is not stored yet");
-    let token = DurableDeferred::<String>::new("Gate").token_for::<Slow>(&id);
+    let token = DurableDeferred::<String>::new("Gate").unwrap().token_for::<Slow>(&id);
     engine.complete(&token, Ok::<String, Never>("later".into())).await.unwrap();
     // The deferred's handler now waits for the run's reply.
     tokio::time::sleep(Duration::from_secs(1)).await;
@@ -464,7 +465,7 @@ async fn a_completion_awaited_inside_an_activity_wakes_the_suspending_run() {
             ctx.activity("waits", move |activity| {
                 counted.fetch_add(1, Ordering::SeqCst);
                 async move {
-                    let gate = DurableDeferred::<String>::new("Gate");
+                    let gate = DurableDeferred::<String>::new("Gate").unwrap();
                     activity.context().await_deferred(&gate).await
                 }
             })
@@ -484,7 +485,7 @@ async fn a_completion_awaited_inside_an_activity_wakes_the_suspending_run() {
     assert_eq!(attempts.load(Ordering::SeqCst), 1, "the activity started");
     tokio::time::sleep(Duration::from_millis(100)).await;
     assert_eq!(engine.poll::<Inner>(&id).await.unwrap(), None, "the run has not ended yet");
-    let token = DurableDeferred::<String>::new("Gate").token_for::<Inner>(&id);
+    let token = DurableDeferred::<String>::new("Gate").unwrap().token_for::<Inner>(&id);
     engine.complete(&token, Ok::<String, Never>("opened".into())).await.unwrap();
     // The completion wakes the execution, whose replay runs the activity again.
     let exit = suite::complete_exit::<Inner>(&engine, &id).await;
@@ -536,7 +537,7 @@ async fn traffic_of_a_workflow_goes_to_its_shard_group_from_every_process() {
     Sharded::register(&engine, |ctx: WorkflowContext, _: suite::Input| async move {
         let act: String =
             ctx.activity("act", |_| async { Ok::<_, Never>("act".to_owned()) }).await?;
-        let gate = ctx.await_deferred(&DurableDeferred::<String>::new("Gate")).await?;
+        let gate = ctx.await_deferred(&DurableDeferred::<String>::new("Gate").unwrap()).await?;
         Ok(format!("{act}:{gate}"))
     })
     .unwrap();
@@ -556,7 +557,7 @@ async fn traffic_of_a_workflow_goes_to_its_shard_group_from_every_process() {
         .unwrap();
     // The run and its activity ran in the workflow group.
     suite::suspended::<Sharded>(&remote, &id).await;
-    let token = DurableDeferred::<String>::new("Gate").token_for::<Sharded>(&id);
+    let token = DurableDeferred::<String>::new("Gate").unwrap().token_for::<Sharded>(&id);
     remote.complete(&token, Ok::<String, Never>("gate".into())).await.unwrap();
     // The completion reached the workflow's shard group.
     let exit = suite::complete_exit::<Sharded>(&remote, &id).await;
@@ -719,7 +720,7 @@ mod drained {
                         undo.fetch_add(1, Ordering::SeqCst);
                     })
                     .await?;
-                ctx.await_deferred(&DurableDeferred::<()>::new("Go"))
+                ctx.await_deferred(&DurableDeferred::<()>::new("Go").unwrap())
                     .await
                     .unwrap_or_else(|never| match never {});
                 ctx.activity("charge", move |_| {
@@ -781,7 +782,7 @@ async fn a_child_failing_during_its_runners_drain_compensates_once() {
     });
     suite::suspended::<Child>(&engine, &child).await;
     suite::suspended::<Parent>(&engine, &id).await;
-    let go = DurableDeferred::<()>::new("Go").token_for::<Child>(&child);
+    let go = DurableDeferred::<()>::new("Go").unwrap().token_for::<Child>(&child);
     engine.complete(&go, Ok::<(), Never>(())).await.unwrap();
     // The child's replay is in its failing activity when the runner starts to drain.
     for _ in 0..1_000 {

@@ -282,7 +282,7 @@ fn register_worker(engine: &WorkflowEngine, probe: &Probe, port: u16) {
 }
 
 fn gate(name: &str) -> DurableDeferred<String> {
-    DurableDeferred::new(name)
+    DurableDeferred::new(name).unwrap()
 }
 
 /// Registers every workflow of these tests on a runner.

@@ -79,4 +79,5 @@ memory_tests!(
     a_finalizer_panicking_before_its_future_ends_the_execution,
     a_queue_worker_panicking_before_its_future_is_a_defect,
     a_body_finalizer_panicking_at_a_suspension_lets_the_run_suspend,
+    reserved_names_are_refused,
 );

@@ -16,8 +16,8 @@ use cluster_sharding::Sharding;
 use cluster_testkit::faulty::{Faults, FaultyMessageStorage};
 use cluster_testkit::memory::{MemoryMessageStorage, MemoryQueueStorage};
 use cluster_workflow::{
-    ClusterOptions, DurableDeferred, DurableQueue, ExecutionId, Workflow, WorkflowContext,
-    WorkflowEngine, WorkflowError, activity_idempotency_key,
+    ClusterOptions, DurableQueue, ExecutionId, Token, Workflow, WorkflowContext, WorkflowEngine,
+    WorkflowError, activity_idempotency_key,
 };
 use serde::{Deserialize, Serialize};
 
@@ -152,8 +152,11 @@ async fn item_in(runner: &Runner, queue_item: (&str, &str), state: QueueItemStat
 #[tokio::test(start_paused = true)]
 async fn items_that_cannot_be_decoded_are_dead_lettered_and_skipped() {
     let runner = Runner::start().await;
-    let token = DurableDeferred::<String, String>::new("DurableQueue/Jobs/x")
-        .token_for::<Jobber>(&ExecutionId::derive("Jobber", "x"));
+    let token = Token {
+        workflow: "Jobber".into(),
+        execution_id: ExecutionId::derive("Jobber", "x"),
+        deferred: "DurableQueue/Jobs/x".into(),
+    };
     let bad = [
         ("not-json", "not json".to_owned()),
         ("bad-token", r#"{"token":"%%%","payload":{"id":"a"}}"#.to_owned()),

@@ -172,7 +172,7 @@ fn cause_kind(cause: &FailureCause) -> &'static str {
 }
 
 fn gate() -> DurableDeferred<String> {
-    DurableDeferred::new("Gate")
+    DurableDeferred::new("Gate").unwrap()
 }
 
 async fn open<W: Workflow>(
@@ -436,7 +436,7 @@ pub(crate) struct SendEmailError {
 workflow!(EmailWorkflow, (), SendEmailError);
 
 fn email_trigger() -> DurableDeferred<()> {
-    DurableDeferred::new("EmailTrigger")
+    DurableDeferred::new("EmailTrigger").unwrap()
 }
 
 fn register_email(engine: &WorkflowEngine, log: &Log) {
@@ -972,7 +972,7 @@ pub(crate) async fn a_race_replays_its_recorded_winner(h: &impl Harness) {
                         ],
                     )
                     .await?;
-                let tail: DurableDeferred<String> = DurableDeferred::new("Tail");
+                let tail: DurableDeferred<String> = DurableDeferred::new("Tail").unwrap();
                 let tail = ctx.await_deferred(&tail).await.unwrap_or_else(|never| match never {});
                 Ok(format!("{winner}:{tail}"))
             }
@@ -982,7 +982,7 @@ pub(crate) async fn a_race_replays_its_recorded_winner(h: &impl Harness) {
     let id = engine.execute_discard::<Recorded>(input("r")).await.unwrap();
     suspended::<Recorded>(&engine, &id).await;
     let starts = (log.count("slow:start"), log.count("fast:start"));
-    open::<Recorded>(&engine, &id, &DurableDeferred::new("Tail"), "after").await;
+    open::<Recorded>(&engine, &id, &DurableDeferred::new("Tail").unwrap(), "after").await;
     assert_eq!(complete_exit::<Recorded>(&engine, &id).await, success("fast:after"));
     assert_eq!(log.count("run"), 2);
     // The replay took the recorded winner without entering any branch.
@@ -993,14 +993,14 @@ pub(crate) async fn a_race_suspends_when_every_branch_waits(h: &impl Harness) {
     workflow!(Waiting, String, String);
     let engine = h.engine().await;
     Waiting::register(&engine, |ctx: WorkflowContext, _: Input| async move {
-        let a = await_branch(&ctx, DurableDeferred::new("A"), "-a");
-        let b = await_branch(&ctx, DurableDeferred::new("B"), "-b");
+        let a = await_branch(&ctx, DurableDeferred::new("A").unwrap(), "-a");
+        let b = await_branch(&ctx, DurableDeferred::new("B").unwrap(), "-b");
         ctx.race("race", vec![a, b]).await
     })
     .unwrap();
     let id = engine.execute_discard::<Waiting>(input("w")).await.unwrap();
     suspended::<Waiting>(&engine, &id).await;
-    open::<Waiting>(&engine, &id, &DurableDeferred::new("B"), "signal").await;
+    open::<Waiting>(&engine, &id, &DurableDeferred::new("B").unwrap(), "signal").await;
     assert_eq!(complete_exit::<Waiting>(&engine, &id).await, success("signal-b"));
 }
 
@@ -1040,7 +1040,7 @@ workflow!(Child, String, String);
 workflow!(Parent, String, String);
 
 fn child_deferred() -> DurableDeferred<String> {
-    DurableDeferred::new("ChildDeferred")
+    DurableDeferred::new("ChildDeferred").unwrap()
 }
 
 fn register_family(engine: &WorkflowEngine, log: &Log) {
@@ -1146,7 +1146,7 @@ fn register_flaky(engine: &WorkflowEngine, log: &Log, in_activity: bool) {
                 .await
             } else {
                 let _ = ctx
-                    .await_deferred(&DurableDeferred::<String>::new("Never"))
+                    .await_deferred(&DurableDeferred::<String>::new("Never").unwrap())
                     .await
                     .ok()
                     .filter(|_| false);
@@ -1797,8 +1797,8 @@ pub(crate) async fn a_multi_await_branch_replays_per_completion(h: &impl Harness
             async move {
                 log.push("run");
                 let branch: Branch<'_> = Box::pin(async {
-                    let a = ctx.await_deferred(&DurableDeferred::<String>::new("A")).await;
-                    let b = ctx.await_deferred(&DurableDeferred::<String>::new("B")).await;
+                    let a = ctx.await_deferred(&DurableDeferred::<String>::new("A").unwrap()).await;
+                    let b = ctx.await_deferred(&DurableDeferred::<String>::new("B").unwrap()).await;
                     let (Ok(a), Ok(b)) = (a, b);
                     Ok(format!("{a}:{b}"))
                 });
@@ -1810,9 +1810,9 @@ pub(crate) async fn a_multi_await_branch_replays_per_completion(h: &impl Harness
     }
     let id = engine.execute_discard::<TwoAwaits>(input("m")).await.unwrap();
     until("the first run", || log.contains("run")).await;
-    open::<TwoAwaits>(&engine, &id, &DurableDeferred::new("A"), "a").await;
+    open::<TwoAwaits>(&engine, &id, &DurableDeferred::new("A").unwrap(), "a").await;
     until("the replay after A", || log.count("run") >= 2).await;
-    open::<TwoAwaits>(&engine, &id, &DurableDeferred::new("B"), "b").await;
+    open::<TwoAwaits>(&engine, &id, &DurableDeferred::new("B").unwrap(), "b").await;
     assert_eq!(complete_exit::<TwoAwaits>(&engine, &id).await, success("a:b"));
     let runs = log.count("run");
     assert!((2..=3).contains(&runs), "{runs} runs");
@@ -1828,20 +1828,20 @@ pub(crate) async fn a_race_of_waiting_activities_suspends(h: &impl Harness) {
             ctx.activity("inside", |activity| async move {
                 let value = activity
                     .context()
-                    .await_deferred(&DurableDeferred::<String>::new("X"))
+                    .await_deferred(&DurableDeferred::<String>::new("X").unwrap())
                     .await
                     .unwrap_or_else(|never| match never {});
                 Ok::<_, String>(format!("activity:{value}"))
             })
             .into_future(),
         );
-        let outside = await_branch(&ctx, DurableDeferred::new("Y"), ":outside");
+        let outside = await_branch(&ctx, DurableDeferred::new("Y").unwrap(), ":outside");
         ctx.race("race", vec![inside, outside]).await
     })
     .unwrap();
     let id = engine.execute_discard::<WaitingActivity>(input("w")).await.unwrap();
     suspended::<WaitingActivity>(&engine, &id).await;
-    open::<WaitingActivity>(&engine, &id, &DurableDeferred::new("X"), "x").await;
+    open::<WaitingActivity>(&engine, &id, &DurableDeferred::new("X").unwrap(), "x").await;
     assert_eq!(complete_exit::<WaitingActivity>(&engine, &id).await, success("activity:x"));
 }
 
@@ -1940,4 +1940,51 @@ pub(crate) async fn a_body_finalizer_panicking_at_a_suspension_lets_the_run_susp
     suspended::<PanickyDrop>(&engine, &id).await;
     open::<PanickyDrop>(&engine, &id, &gate(), "opened").await;
     assert_eq!(complete_exit::<PanickyDrop>(&engine, &id).await, success("opened"));
+}
+
+// ---------------------------------------------------------------------------------------
+// Names the engine keeps for its own records
+
+workflow!(ReservedNames, String, String);
+
+/// A deferred named like a race's record (`raceAll/<race>`) is refused where it is defined, so
+/// that no completion of it can decide `ctx.race("x")` without running a branch (before the
+/// check, a completion of `raceAll/x` was the race's winner); an activity named like a short
+/// sleep (`DurableClock/<clock>`) ends the run with a defect that names the reserved prefix.
+pub(crate) async fn reserved_names_are_refused(h: &impl Harness) {
+    for name in ["raceAll/x", "DurableClock/nap", "DurableQueue/q/1", "Workflow/InterruptSignal"] {
+        let refused = DurableDeferred::<String>::new(name).unwrap_err();
+        assert_eq!(refused.name, name);
+    }
+    let engine = h.engine().await;
+    let log = Log::default();
+    let run_log = log.clone();
+    ReservedNames::register(&engine, move |ctx: WorkflowContext, payload: Input| {
+        let log = run_log.clone();
+        async move {
+            let call = ctx.activity("DurableClock/nap", move |_| {
+                let log = log.clone();
+                async move {
+                    log.push("activity ran");
+                    Ok::<_, String>("slept".to_owned())
+                }
+            });
+            if payload.to == "caught" {
+                return match call.catch_defects().await {
+                    Err(ActivityError::Defect(defect)) => Ok(defect),
+                    other => Ok(format!("not refused: {other:?}")),
+                };
+            }
+            call.await
+        }
+    })
+    .unwrap();
+    let caught = engine.execute::<ReservedNames>(input_to("caught", "caught")).await.unwrap();
+    assert!(caught.contains("DurableClock/") && caught.contains("choose a name"), "{caught}");
+    let died = engine.execute::<ReservedNames>(input("died")).await;
+    assert!(
+        matches!(&died, Err(ExecuteError::Defect(defect)) if defect.contains("keeps for its own records")),
+        "{died:?}"
+    );
+    assert!(log.entries().is_empty(), "a refused activity ran: {:?}", log.entries());
 }

@@ -182,7 +182,7 @@ impl Fixture {
                     .with_transaction()
                     .await?;
                 if order.mode == "wait" {
-                    ctx.await_deferred(&DurableDeferred::<(), String>::new("Go")).await?;
+                    ctx.await_deferred(&DurableDeferred::<(), String>::new("Go").unwrap()).await?;
                 }
                 Ok(value)
             }
@@ -301,7 +301,7 @@ async fn commits_the_writes_with_the_result(fixture: Fixture) {
     crate::suite::suspended::<Transactional>(&engine, &id).await;
     assert_eq!(fixture.rows("ok").await, 1, "the row committed with the activity's result");
     assert!(faults.commits() >= 1, "the result was saved in a transaction");
-    let token = DurableDeferred::<(), String>::new("Go").token_for::<Transactional>(&id);
+    let token = DurableDeferred::<(), String>::new("Go").unwrap().token_for::<Transactional>(&id);
     engine.complete(&token, Ok::<(), String>(())).await.unwrap();
     // The replay reads the stored result: the body does not run again.
     assert_eq!(engine.execute::<Transactional>(order("ok", "wait")).await.unwrap(), 1);
