@@ -507,6 +507,32 @@ pub trait MessageTransaction: Send {
     ///   transaction reaches it through `backend_as`.
     fn backend(&mut self) -> &mut (dyn Any + Send);
 
+    /// Marks the transaction's state now (SQL `SAVEPOINT`), so that
+    /// [`rollback_to_savepoint`](MessageTransaction::rollback_to_savepoint) can return to it.
+    ///
+    /// - There is one savepoint: a later call moves it.
+    /// - What the transaction holds before it stays.
+    /// - A transactional activity marks its transaction before its body runs, so that an
+    ///   attempt run again starts from the same state.
+    ///
+    /// # Cancel safety
+    ///
+    /// Not cancel safe: if the future is dropped, whether the savepoint exists is unknown.
+    /// Roll the whole transaction back then.
+    fn savepoint(&mut self) -> BoxFuture<'_, Result<(), StorageError>>;
+
+    /// Undoes every statement since the [`savepoint`](MessageTransaction::savepoint), the
+    /// handler's own and the saved replies alike; the savepoint stays.
+    ///
+    /// It also clears a failed statement's error, so that the transaction can go on.
+    /// Without a savepoint it fails.
+    ///
+    /// # Cancel safety
+    ///
+    /// Not cancel safe: if the future is dropped, the transaction's state is unknown.
+    /// Roll the whole transaction back then.
+    fn rollback_to_savepoint(&mut self) -> BoxFuture<'_, Result<(), StorageError>>;
+
     /// Commits.
     ///
     /// # Cancel safety

@@ -357,6 +357,14 @@ impl MessageTransaction for MeteredTransaction {
         self.inner.backend()
     }
 
+    fn savepoint(&mut self) -> BoxFuture<'_, Result<(), StorageError>> {
+        self.inner.savepoint()
+    }
+
+    fn rollback_to_savepoint(&mut self) -> BoxFuture<'_, Result<(), StorageError>> {
+        self.inner.rollback_to_savepoint()
+    }
+
     fn commit(self: Box<Self>) -> BoxFuture<'static, Result<(), StorageError>> {
         let MeteredTransaction { inner, meters } = *self;
         Box::pin(async move { meters.measure(Op::TransactionCommit, inner.commit()).await })

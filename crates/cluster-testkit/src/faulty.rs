@@ -571,6 +571,14 @@ impl MessageTransaction for FaultyTransaction {
         self.inner.backend()
     }
 
+    fn savepoint(&mut self) -> BoxFuture<'_, Result<(), StorageError>> {
+        self.inner.savepoint()
+    }
+
+    fn rollback_to_savepoint(&mut self) -> BoxFuture<'_, Result<(), StorageError>> {
+        self.inner.rollback_to_savepoint()
+    }
+
     fn commit(self: Box<Self>) -> BoxFuture<'static, Result<(), StorageError>> {
         let FaultyTransaction { inner, faults } = *self;
         Box::pin(async move {

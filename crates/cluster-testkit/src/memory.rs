@@ -654,8 +654,12 @@ impl MessageStorage for MemoryMessageStorage {
     fn begin_transaction(
         &self,
     ) -> BoxFuture<'_, Result<Box<dyn MessageTransaction>, StorageError>> {
-        let transaction =
-            MemoryTransaction { state: Arc::clone(&self.state), pending: Vec::new(), handle: () };
+        let transaction = MemoryTransaction {
+            state: Arc::clone(&self.state),
+            pending: Vec::new(),
+            savepoint: None,
+            handle: (),
+        };
         ready(Ok(Box::new(transaction) as Box<dyn MessageTransaction>))
     }
 }
@@ -664,6 +668,8 @@ impl MessageStorage for MemoryMessageStorage {
 struct MemoryTransaction {
     state: Arc<Mutex<MessageState>>,
     pending: Vec<Reply>,
+    /// How many replies were pending at the savepoint.
+    savepoint: Option<usize>,
     handle: (),
 }
 
@@ -678,6 +684,22 @@ impl MessageTransaction for MemoryTransaction {
 
     fn backend(&mut self) -> &mut (dyn Any + Send) {
         &mut self.handle
+    }
+
+    fn savepoint(&mut self) -> BoxFuture<'_, Result<(), StorageError>> {
+        self.savepoint = Some(self.pending.len());
+        ready(Ok(()))
+    }
+
+    fn rollback_to_savepoint(&mut self) -> BoxFuture<'_, Result<(), StorageError>> {
+        let Some(savepoint) = self.savepoint else {
+            return ready(Err(StorageError::new(
+                StorageErrorKind::Other,
+                "rollback to a savepoint in a transaction without one",
+            )));
+        };
+        self.pending.truncate(savepoint);
+        ready(Ok(()))
     }
 
     fn commit(self: Box<Self>) -> BoxFuture<'static, Result<(), StorageError>> {

@@ -92,6 +92,7 @@ macro_rules! storage_suite {
             clear_address_removes_everything,
             keys_are_compared_exactly,
             transaction_commits_and_rolls_back,
+            transaction_rolls_back_to_its_savepoint,
             register_and_get_runners,
             runner_health_flips,
             unregister_removes_the_runner,

@@ -16,6 +16,7 @@ use std::task::{Context, Poll};
 use std::time::Duration;
 
 use cluster_core::envelope::{Cause, CauseReason, Exit, RawJson};
+use cluster_core::error::{StorageError, StorageErrorKind};
 use cluster_core::future::BoxFuture;
 use cluster_core::sync::lock;
 use cluster_core::transaction::{BackendLock, TransactionError, TransactionSource};
@@ -326,6 +327,16 @@ impl WorkflowContext {
                 let first = (step.attempt > 1).then_some(crate::metrics::Retry::Failure);
                 crate::metrics::activity_attempt(activity_run.workflow, first);
                 loop {
+                    // Every run of the body starts from the transaction's state before the
+                    // first: a retry must not commit the writes of the run it replaces.
+                    if let Err(error) = clean_start(transaction.as_ref(), retry).await {
+                        tracing::warn!(activity = name, execution_id = %activity_run.execution_id, %error, "the activity's transaction cannot give its body a clean start");
+                        let message = format!(
+                            "Activity \"{name}\" could not start from a clean transaction: {error}"
+                        );
+                        let defect = RawJson::encode(&message).unwrap_or_else(|_| RawJson::null());
+                        return activity_result(Exit::die(defect), options);
+                    }
                     let context = ActivityContext {
                         context: WorkflowContext::new(Arc::clone(&activity_run)),
                         transaction: transaction.clone(),
@@ -671,6 +682,21 @@ impl WorkflowContext {
             });
         }
         out
+    }
+}
+
+/// Gives run `retry` (0 first) of a transactional activity's body a clean transaction: the
+/// first marks a savepoint, each retry rolls back to it.
+async fn clean_start(slot: Option<&TransactionSlot>, retry: u32) -> Result<(), StorageError> {
+    let Some(slot) = slot else { return Ok(()) };
+    let mut transaction = slot.lock().await;
+    let Some(transaction) = transaction.as_mut() else {
+        return Err(StorageError::new(StorageErrorKind::Other, "the transaction already ended"));
+    };
+    if retry == 0 {
+        transaction.savepoint().await
+    } else {
+        transaction.rollback_to_savepoint().await
     }
 }
 

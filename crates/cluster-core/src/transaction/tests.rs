@@ -77,6 +77,14 @@ impl MessageTransaction for Numbered {
         &mut self.0
     }
 
+    fn savepoint(&mut self) -> BoxFuture<'_, Result<(), StorageError>> {
+        Box::pin(std::future::ready(Ok(())))
+    }
+
+    fn rollback_to_savepoint(&mut self) -> BoxFuture<'_, Result<(), StorageError>> {
+        Box::pin(std::future::ready(Ok(())))
+    }
+
     fn commit(self: Box<Self>) -> BoxFuture<'static, Result<(), StorageError>> {
         Box::pin(std::future::ready(Ok(())))
     }

@@ -613,6 +613,26 @@ impl MessageTransaction for MySqlTransaction {
         &mut self.tx
     }
 
+    fn savepoint(&mut self) -> BoxFuture<'_, Result<(), StorageError>> {
+        Box::pin(
+            async move {
+                let savepoint = self.tx.query_drop(queries::SAVEPOINT).await;
+                savepoint.map_err(|error| storage_error("savepoint", error))
+            }
+            .instrument(span("transaction.savepoint")),
+        )
+    }
+
+    fn rollback_to_savepoint(&mut self) -> BoxFuture<'_, Result<(), StorageError>> {
+        Box::pin(
+            async move {
+                let rolled_back = self.tx.query_drop(queries::ROLLBACK_TO_SAVEPOINT).await;
+                rolled_back.map_err(|error| storage_error("rollback to savepoint", error))
+            }
+            .instrument(span("transaction.rollback_to_savepoint")),
+        )
+    }
+
     fn commit(self: Box<Self>) -> BoxFuture<'static, Result<(), StorageError>> {
         Box::pin(
             async move { self.tx.commit().await.map_err(|error| storage_error("commit", error)) }

@@ -681,3 +681,11 @@ pub(crate) fn advisory_holders(n: usize) -> String {
 pub(crate) fn advisory_try_lock(n: usize) -> String {
     format!("SELECT {}", vec!["GET_LOCK(?, 0)"; n].join(", "))
 }
+
+/// Marks a user transaction's state (`MessageTransaction::savepoint`); a later one moves it.
+// language=SQL
+pub(crate) const SAVEPOINT: &str = "SAVEPOINT cluster_savepoint";
+
+/// Returns a user transaction to its savepoint, which stays (`rollback_to_savepoint`).
+// language=SQL
+pub(crate) const ROLLBACK_TO_SAVEPOINT: &str = "ROLLBACK TO SAVEPOINT cluster_savepoint";

@@ -1229,6 +1229,22 @@ impl MessageTransaction for PgTransaction {
         }
     }
 
+    fn savepoint(&mut self) -> BoxFuture<'_, Result<(), StorageError>> {
+        Box::pin(
+            async move { self.simple("savepoint", queries::SAVEPOINT).await }
+                .instrument(span("transaction.savepoint")),
+        )
+    }
+
+    fn rollback_to_savepoint(&mut self) -> BoxFuture<'_, Result<(), StorageError>> {
+        Box::pin(
+            async move {
+                self.simple("rollback to savepoint", queries::ROLLBACK_TO_SAVEPOINT).await
+            }
+            .instrument(span("transaction.rollback_to_savepoint")),
+        )
+    }
+
     fn commit(self: Box<Self>) -> BoxFuture<'static, Result<(), StorageError>> {
         // `SELECT 1` first: in a transaction that already failed, PostgreSQL answers a bare
         // `COMMIT` by rolling back without an error; the `SELECT` fails instead (SQLSTATE

@@ -681,3 +681,11 @@ pub(crate) async fn migrate(
     transaction.commit().await.map_err(|e| driver_error("migrate: COMMIT", e))?;
     Ok(pending.iter().map(|migration| migration.id).collect())
 }
+
+/// Marks a user transaction's state (`MessageTransaction::savepoint`); a later one moves it.
+// language=SQL
+pub(crate) const SAVEPOINT: &str = "SAVEPOINT cluster_savepoint";
+
+/// Returns a user transaction to its savepoint, which stays (`rollback_to_savepoint`).
+// language=SQL
+pub(crate) const ROLLBACK_TO_SAVEPOINT: &str = "ROLLBACK TO SAVEPOINT cluster_savepoint";

@@ -29,7 +29,7 @@ use super::message_ops::{
     WriteOutcome,
 };
 use super::options::SqliteOptions;
-use super::queries::{MigrationSet, json_integers, json_strings};
+use super::queries::{self, MigrationSet, json_integers, json_strings};
 use super::state::{Responder, classify};
 use super::worker::{Command, Worker};
 use crate::row::{
@@ -672,6 +672,16 @@ impl MessageTransaction for SqliteTransaction {
 
     fn backend(&mut self) -> &mut (dyn Any + Send) {
         &mut self.handle
+    }
+
+    fn savepoint(&mut self) -> BoxFuture<'_, Result<(), StorageError>> {
+        Box::pin(self.handle.run(|connection| connection.execute_batch(queries::SAVEPOINT)))
+    }
+
+    fn rollback_to_savepoint(&mut self) -> BoxFuture<'_, Result<(), StorageError>> {
+        Box::pin(
+            self.handle.run(|connection| connection.execute_batch(queries::ROLLBACK_TO_SAVEPOINT)),
+        )
     }
 
     fn commit(self: Box<Self>) -> BoxFuture<'static, Result<(), StorageError>> {

@@ -602,3 +602,11 @@ pub(super) fn integer(value: ValueRef<'_>, unreadable: i64) -> Option<i64> {
 pub(super) fn small_integer(value: ValueRef<'_>, unreadable: i32) -> Option<i32> {
     integer(value, i64::from(unreadable)).map(|value| i32::try_from(value).unwrap_or(unreadable))
 }
+
+/// Marks a user transaction's state (`MessageTransaction::savepoint`); a later one moves it.
+// language=SQL
+pub(crate) const SAVEPOINT: &str = "SAVEPOINT cluster_savepoint";
+
+/// Returns a user transaction to its savepoint, which stays (`rollback_to_savepoint`).
+// language=SQL
+pub(crate) const ROLLBACK_TO_SAVEPOINT: &str = "ROLLBACK TO SAVEPOINT cluster_savepoint";

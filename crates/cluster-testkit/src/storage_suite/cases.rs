@@ -860,6 +860,32 @@ pub async fn transaction_commits_and_rolls_back(fixture: &dyn StorageFixture) {
     assert_eq!(reply_ids(&storage.replies_for(&snowflakes(&[1, 2, 3])).await.unwrap()), [10, 13]);
 }
 
+/// A transaction returns to its savepoint as often as asked: what was saved after the
+/// savepoint is undone, what was saved before it commits. Without a savepoint the rollback to
+/// one fails.
+pub async fn transaction_rolls_back_to_its_savepoint(fixture: &dyn StorageFixture) {
+    let storage = fixture.message_storage();
+    for id in 1..=3 {
+        save(&*storage, &request(id, 1)).await;
+    }
+    let mut transaction = storage.begin_transaction().await.unwrap();
+    transaction.save_reply(&final_reply(1, 10)).await.unwrap();
+    transaction.savepoint().await.unwrap();
+    transaction.save_reply(&final_reply(2, 11)).await.unwrap();
+    transaction.rollback_to_savepoint().await.unwrap();
+    transaction.save_reply(&final_reply(3, 12)).await.unwrap();
+    transaction.rollback_to_savepoint().await.unwrap();
+    transaction.save_reply(&final_reply(3, 13)).await.unwrap();
+    transaction.commit().await.unwrap();
+    let replies = storage.replies_for(&snowflakes(&[1, 2, 3])).await.unwrap();
+    assert_eq!(reply_ids(&replies), [10, 13], "{}", fixture.name());
+
+    let mut without = storage.begin_transaction().await.unwrap();
+    let refused = without.rollback_to_savepoint().await;
+    assert!(refused.is_err(), "{}: {refused:?}", fixture.name());
+    let _ = without.rollback().await;
+}
+
 // --- Runners and shard locks --------------------------------------------------------------------
 
 /// Registration upserts by address and keeps the machine id of a live address (effect's SQL storage

@@ -25,7 +25,8 @@ use serde::{Deserialize, Serialize};
 struct Order {
     key: String,
     /// `ok`: succeed; `fail`: fail with its own error; `hang`: never finish on the first run;
-    /// `wait`: succeed, then the workflow waits for the deferred `Go`.
+    /// `interrupt`: end the first run with an interrupt (retried by the interrupt retry
+    /// policy); `wait`: succeed, then the workflow waits for the deferred `Go`.
     mode: String,
 }
 
@@ -176,6 +177,7 @@ impl Fixture {
                         match order.mode.as_str() {
                             "fail" => Err("refused".to_owned()),
                             "hang" if run == 1 => std::future::pending().await,
+                            "interrupt" if run == 1 => activity.interrupt().await,
                             _ => Ok(run),
                         }
                     })
@@ -356,6 +358,17 @@ async fn a_cut_off_activity_leaves_no_writes_and_runs_again(fixture: Fixture) {
     fixture.finish().await;
 }
 
+/// A body cut off by an interrupt runs again under the interrupt retry policy in a clean
+/// transaction: the writes of the interrupted run are rolled back, so the row is written once.
+async fn an_interrupted_run_leaves_no_writes_for_its_retry(fixture: Fixture) {
+    let (sharding, engine, _) = fixture.runner().await;
+    assert_eq!(engine.execute::<Transactional>(order("retried", "interrupt")).await.unwrap(), 2);
+    assert_eq!(fixture.runs(), 2, "the interrupted run ran again");
+    assert_eq!(fixture.rows("retried").await, 1, "the interrupted run's row was rolled back");
+    stop(sharding, engine).await;
+    fixture.finish().await;
+}
+
 /// An activity outside a transaction gets [`TransactionError::Missing`] from its backend's
 /// guard; a transactional activity asking for another backend's guard gets
 /// [`TransactionError::WrongBackend`], and its own guard works.
@@ -433,5 +446,6 @@ on_databases!(
     a_failed_commit_rolls_the_writes_back,
     a_failure_rolls_the_writes_back,
     a_cut_off_activity_leaves_no_writes_and_runs_again,
+    an_interrupted_run_leaves_no_writes_for_its_retry,
     guards_report_a_missing_transaction_and_another_backend,
 );
