@@ -46,6 +46,11 @@ use crate::run::{Awaits, BodyEnd, ChildLink, Run, RunKind, RunOptions, drive};
 
 /// The deferred a durable interrupt is stored under.
 pub const INTERRUPT_SIGNAL: &str = "Workflow/InterruptSignal";
+/// The deferred that marks a stored interrupt as unsafe (`interrupt_unsafe`): the next run
+/// applies it however it ends, not only at a suspension. New here: the reference keeps the
+/// unsafe part in memory only (`ClusterWorkflowEngine.interruptUnsafe`), so a run that replays
+/// after it and completes loses it. TypeScript runners read it as a completion nothing awaits.
+pub const INTERRUPT_UNSAFE: &str = "Workflow/InterruptUnsafe";
 /// The payload key of a child's parent in its `run` request.
 pub const PARENT_KEY: &str = "~effect/cluster/ClusterWorkflowEngine/payloadParentKey";
 /// The entity type of durable clocks.
@@ -886,25 +891,39 @@ impl Activation {
     }
 
     /// Branch B of the reference's `onExit`: a run that suspended (or failed under
-    /// `suspend_on_failure`) while an interrupt signal is stored applies the interrupt.
+    /// `suspend_on_failure`) while an interrupt signal is stored applies the interrupt. An
+    /// unsafe interrupt ([`INTERRUPT_UNSAFE`]) is applied however the run ended, as the
+    /// in-memory engine does, unless the run was abandoned or broken off (it has no result).
     async fn apply_interrupt(&self, run: &Run, end: &BodyEnd) {
         let Ending { suspended, failed_under_sof } = ending(run, end);
-        if !(suspended || failed_under_sof) {
+        // Read only when an interrupt is known: an unsafe one always stores the signal too.
+        let hard = self.interrupt_cached()
+            && {
+                let state = run.state();
+                !state.abandoned && state.broken.is_none()
+            }
+            && self.is_stored(INTERRUPT_UNSAFE).await;
+        if !(suspended || failed_under_sof || hard) {
             return;
         }
-        let signal = match self.deferred(INTERRUPT_SIGNAL).await {
-            Ok(signal) => signal,
-            Err(error) => {
-                tracing::warn!(%error, "could not read the interrupt signal");
-                None
-            }
-        };
-        if signal.is_some() {
+        if hard || self.is_stored(INTERRUPT_SIGNAL).await {
             run.update(|state| {
                 state.interrupted = true;
                 state.suspended = false;
             });
             self.engine.clear_clocks(&self.workflow, &self.execution_id).await;
+        }
+    }
+
+    /// Whether deferred `name` is completed (cached or stored); an unreadable storage reads as
+    /// not completed.
+    async fn is_stored(&self, name: &str) -> bool {
+        match self.deferred(name).await {
+            Ok(completion) => completion.is_some(),
+            Err(error) => {
+                tracing::warn!(%error, deferred = name, "could not read an interrupt deferred");
+                false
+            }
         }
     }
 
@@ -915,6 +934,10 @@ impl Activation {
         exit: Exit,
     ) -> Result<Exit, Abandoned> {
         self.state().results.insert(name.clone(), exit.clone());
+        if name == INTERRUPT_UNSAFE {
+            // Stored before its interrupt signal, whose completion wakes the execution.
+            return Ok(exit);
+        }
         let explicit = name == INTERRUPT_SIGNAL;
         let (current, activity_awaits, completed_here) = {
             let state = self.state();
@@ -963,9 +986,19 @@ impl Activation {
             }
         }
         // A run that just ended may not have its reply stored yet: the reset waits for it,
-        // so that a completion during the suspension's commit still wakes the run.
-        let settle = std::mem::take(&mut self.state().reply_pending);
-        let settled = if settle { self.await_run_reply().await } else { Ok(()) };
+        // so that a completion during the suspension's commit still wakes the run. Every wake
+        // waits (an interrupt must not read "no reply yet" because an earlier wake is already
+        // waiting); the mark is cleared once the reply is seen, unless another run ended since.
+        let pending = self.state().reply_pending.then(|| *self.runs.borrow());
+        let settled = match pending {
+            Some(runs) => self.await_run_reply().await.inspect(|()| {
+                let mut state = self.state();
+                if state.current.is_none() && *self.runs.borrow() == runs {
+                    state.reply_pending = false;
+                }
+            }),
+            None => Ok(()),
+        };
         // Released before the reset can start a replay, so that later wakes reach it.
         if mode == ResumeMode::Automatic {
             self.waking.store(false, Ordering::Release);
@@ -1254,21 +1287,22 @@ impl ClusterEngine {
         if matches!(result, Some((_, WorkflowResult::Complete(_)))) {
             return Ok(());
         }
-        let token = Token {
+        let token = |deferred: &str| Token {
             workflow: workflow.to_owned(),
             execution_id: execution_id.clone(),
-            deferred: INTERRUPT_SIGNAL.to_owned(),
+            deferred: deferred.to_owned(),
         };
-        self.complete(None, token, Exit::void()).await?;
-        // Stored: an activation of the execution on this runner sees it at its next step
-        // without waiting for the signal's delivery (its value is always `void`, so the cache
-        // cannot disagree with the first completion stored).
-        if let Some(activation) = self.activation(execution_id) {
-            activation
-                .state()
-                .results
-                .entry(INTERRUPT_SIGNAL.to_owned())
-                .or_insert_with(Exit::void);
+        // The unsafe mark goes first: the signal's wake must find it.
+        let signals: &[&str] =
+            if hard { &[INTERRUPT_UNSAFE, INTERRUPT_SIGNAL] } else { &[INTERRUPT_SIGNAL] };
+        for signal in signals {
+            self.complete(None, token(signal), Exit::void()).await?;
+            // Stored: an activation of the execution on this runner sees it at its next step
+            // without waiting for its delivery (its value is always `void`, so the cache cannot
+            // disagree with the first completion stored).
+            if let Some(activation) = self.activation(execution_id) {
+                activation.state().results.entry((*signal).to_owned()).or_insert_with(Exit::void);
+            }
         }
         if hard {
             let address = self.address(workflow, execution_id);

@@ -60,7 +60,9 @@ mod queue;
 mod result;
 mod run;
 
-pub use cluster_engine::{CLOCK_ENTITY, ClusterOptions, INTERRUPT_SIGNAL, PARENT_KEY};
+pub use cluster_engine::{
+    CLOCK_ENTITY, ClusterOptions, INTERRUPT_SIGNAL, INTERRUPT_UNSAFE, PARENT_KEY,
+};
 pub use context::{
     ActivityCall, ActivityContext, ActivityError, DEFAULT_IN_MEMORY_SLEEP_THRESHOLD,
     DurableDeferred, InterruptRetry, Never, WorkflowContext,

@@ -2,6 +2,7 @@
 //! with tokio's paused clock (and, in `sql`, on SQLite, PostgreSQL and MySQL with a real one).
 
 use std::sync::Arc;
+use std::sync::atomic::{AtomicU32, Ordering};
 use std::time::Duration;
 
 use cluster_core::{Clock, ShardingConfig, Timestamp};
@@ -103,6 +104,7 @@ cluster_tests!(
     superseded_runs_finalize_after_the_final_run,
     body_finalizers_do_not_see_a_deposited_interrupt,
     workflow_finalizers_see_a_deposited_interrupt,
+    interrupt_unsafe_applies_across_a_suspended_replay,
     email_workflow_suspends_resumes_and_deduplicates,
     interrupting_a_suspended_execution_runs_its_compensation_once,
     compensation_runs_once_when_the_execution_fails,
@@ -845,4 +847,52 @@ async fn a_refused_registration_keeps_the_runtimes_error() {
         matches!(*source, cluster_sharding::RegisterError::ShuttingDown),
         "the runtime's error is kept: {source:?}"
     );
+}
+
+/// A `suspend_on_failure` run fails and its `Suspended` reply takes seven seconds to store.
+/// A completion of a deferred the run does not await (an automatic wake) waits for that reply;
+/// an interrupt arriving meanwhile must still be applied once the reply is stored. Before the
+/// fix the automatic wake took the "reply pending" mark, the interrupt's wake read no reply and
+/// did nothing, and the execution stayed suspended.
+#[tokio::test(start_paused = true)]
+async fn an_interrupt_during_an_automatic_wakes_wait_for_a_slow_reply_is_applied() {
+    use cluster_workflow::{DurableDeferred, Never, Workflow, WorkflowContext, WorkflowOptions};
+
+    struct FailsSlowly;
+    impl Workflow for FailsSlowly {
+        const NAME: &'static str = "FailsSlowly";
+        type Payload = suite::Input;
+        type Success = String;
+        type Error = String;
+        fn idempotency_key(payload: &suite::Input) -> String {
+            payload.key.clone()
+        }
+        fn options() -> WorkflowOptions {
+            WorkflowOptions { suspend_on_failure: true, ..WorkflowOptions::default() }
+        }
+    }
+
+    let (engine, faults) = engine_on_faulty_storage().await;
+    let runs = Arc::new(AtomicU32::new(0));
+    let counted = Arc::clone(&runs);
+    FailsSlowly::register(&engine, move |_: WorkflowContext, _: suite::Input| {
+        counted.fetch_add(1, Ordering::SeqCst);
+        async { Err::<String, _>("boom".to_owned()) }
+    })
+    .unwrap();
+    faults.delay_replies(Duration::from_secs(7));
+    let payload = suite::Input { key: "slow-failure".into(), ..suite::Input::default() };
+    let id = engine.execute_discard::<FailsSlowly>(payload).await.unwrap();
+    while runs.load(Ordering::SeqCst) == 0 {
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert_eq!(engine.poll::<FailsSlowly>(&id).await.unwrap(), None, "the reply is not stored yet");
+    // The automatic wake: a deferred the run never awaits.
+    let other = DurableDeferred::<String>::new("Other").unwrap().token_for::<FailsSlowly>(&id);
+    engine.complete(&other, Ok::<String, Never>("unawaited".into())).await.unwrap();
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    engine.interrupt::<FailsSlowly>(&id).await.unwrap();
+    let exit = suite::complete_exit::<FailsSlowly>(&engine, &id).await;
+    assert_eq!(exit, cluster_core::Exit::fail(cluster_core::RawJson::encode("boom").unwrap()));
 }

@@ -111,6 +111,7 @@ on_databases!(
     executing_again_attaches_to_the_execution,
     email_workflow_suspends_resumes_and_deduplicates,
     interrupting_a_suspended_execution_runs_its_compensation_once,
+    interrupt_unsafe_applies_across_a_suspended_replay,
     compensation_scenario_matrix,
     a_race_replays_its_recorded_winner,
     deferred_race_lets_a_deferred_win_while_a_branch_is_active,
