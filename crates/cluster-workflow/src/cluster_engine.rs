@@ -427,6 +427,16 @@ fn cluster_error<E: std::fmt::Debug>(error: CallError<E>) -> WorkflowError {
     }
 }
 
+/// The exit of a request whose final reply is a defect (`CallError::Defect`, with the
+/// defect's JSON): its result could not be stored (a value over the storage's limit,
+/// `ReplyNotStored`) or read. No rerun changes a final reply, so it is the step's outcome.
+fn defect_exit(defect: String) -> Exit {
+    let defect = RawJson::from_json(defect.clone())
+        .or_else(|_| RawJson::encode(&defect))
+        .unwrap_or_else(|_| RawJson::null());
+    Exit::die(defect)
+}
+
 fn storage_error(error: cluster_core::StorageError) -> WorkflowError {
     WorkflowError::cluster_from("a storage operation failed", error)
 }
@@ -604,8 +614,10 @@ impl ClusterEngine {
                 let result: ResultJson = value.decode().map_err(WorkflowError::Malformed)?;
                 Some((reply_id, result.0))
             }
-            Some((_, Exit::Failure(cause))) => {
-                return Err(WorkflowError::NoResult(cause));
+            // A final reply that is a failure (its result could not be stored, as a value
+            // over the storage's limit): the execution is over, with that defect.
+            Some((reply_id, Exit::Failure(cause))) => {
+                Some((reply_id, WorkflowResult::Complete(Exit::Failure(cause))))
             }
             None => None,
         };
@@ -650,7 +662,10 @@ impl ClusterEngine {
                 .decode::<ExitJson>()
                 .map(|exit| Some(exit.0))
                 .map_err(WorkflowError::Malformed),
-            _ => Ok(None),
+            // The completion was processed but its reply could not be stored (a value at the
+            // storage's limit once wrapped in the reply): the awaiting step gets the defect.
+            Some((_, failure @ Exit::Failure(_))) => Ok(Some(failure)),
+            None => Ok(None),
         }
     }
 
@@ -1399,7 +1414,14 @@ impl ClusterEngine {
                 reply = &mut reply => reply,
                 () = body => reply.await,
             };
-            let reply = reply.map_err(cluster_error)?;
+            let reply = match reply {
+                Ok(reply) => reply,
+                Err(CallError::Defect(defect)) => {
+                    tracing::warn!(activity = name, attempt, execution_id = %run.execution_id, %defect, "the activity's result is a defect");
+                    ResultJson(WorkflowResult::Complete(defect_exit(defect)))
+                }
+                Err(error) => return Err(cluster_error(error)),
+            };
             let not_run = {
                 let mut state = activation.state();
                 let waiting = state.activities.remove(&key).is_some();
@@ -1544,8 +1566,13 @@ impl Backend for ClusterEngine {
                 client.discard(request).await.map_err(cluster_error)?;
                 return Ok(None);
             }
-            let result = client.send(request).await.map_err(cluster_error)?;
-            Ok(Some(result.0))
+            match client.send(request).await {
+                Ok(result) => Ok(Some(result.0)),
+                Err(CallError::Defect(defect)) => {
+                    Ok(Some(WorkflowResult::Complete(defect_exit(defect))))
+                }
+                Err(error) => Err(cluster_error(error)),
+            }
         })
     }
 

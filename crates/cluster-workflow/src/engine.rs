@@ -84,6 +84,31 @@ impl WorkflowError {
     pub(crate) fn cluster_from(what: &str, source: impl Into<ClusterFailure>) -> WorkflowError {
         WorkflowError::Cluster { what: what.to_owned(), source: Some(source.into()) }
     }
+
+    /// Whether doing the same again fails the same way: a value that cannot be encoded, or
+    /// that storage refuses (`InvalidInput`, such as a value over its size limit). A run that
+    /// meets one ends with a defect instead of being replayed without end.
+    pub(crate) fn is_permanent(&self) -> bool {
+        use cluster_core::ClusterError;
+        use cluster_core::error::StorageErrorKind;
+        let refused = |error: &cluster_core::StorageError| {
+            matches!(error.kind(), StorageErrorKind::InvalidInput)
+        };
+        match self {
+            WorkflowError::Malformed(_) | WorkflowError::Invalid(_) => true,
+            WorkflowError::Cluster { source: Some(ClusterFailure::Storage(error)), .. } => {
+                refused(error)
+            }
+            WorkflowError::Cluster { source: Some(ClusterFailure::Cluster(error)), .. } => {
+                match error {
+                    ClusterError::Persistence(error) => refused(error),
+                    ClusterError::MalformedMessage(_) => true,
+                    _ => false,
+                }
+            }
+            _ => false,
+        }
+    }
 }
 
 /// Why `execute` did not return the workflow's success value.

@@ -248,7 +248,7 @@ impl WorkflowContext {
         let payload = match RawJson::encode(payload) {
             Ok(payload) => payload,
             Err(error) => {
-                self.run.break_with(&error).await;
+                self.run.break_with(&WorkflowError::Malformed(error)).await;
                 return;
             }
         };

@@ -20,7 +20,7 @@ use cluster_core::sync::lock;
 use futures_util::FutureExt;
 use tokio::sync::Notify;
 
-use crate::engine::Backend;
+use crate::engine::{Backend, WorkflowError};
 use crate::id::ExecutionId;
 use crate::result::FailureCause;
 
@@ -222,8 +222,21 @@ impl Run {
         std::future::pending()
     }
 
-    /// The engine failed under the run: it stops with no result (replayed later).
-    pub(crate) fn break_with(&self, error: &dyn std::fmt::Display) -> std::future::Pending<()> {
+    /// The engine failed under the run: it stops with no result (replayed later). A failure
+    /// that a replay would meet again ([`WorkflowError::is_permanent`], such as a value over the
+    /// storage's limit) ends the run with a defect instead, which names it.
+    pub(crate) fn break_with(&self, error: &WorkflowError) -> std::future::Pending<()> {
+        if error.is_permanent() {
+            tracing::warn!(execution_id = %self.execution_id, %error, "workflow step failed for good: ending the run with a defect");
+            let message = std::iter::successors(Some(error as &dyn std::error::Error), |error| {
+                error.source()
+            })
+            .map(ToString::to_string)
+            .collect::<Vec<_>>()
+            .join(": ");
+            let defect = RawJson::encode(&message).unwrap_or_else(|_| RawJson::null());
+            return self.raise(defect_cause(defect));
+        }
         tracing::warn!(execution_id = %self.execution_id, %error, "workflow run stopped by an engine failure");
         let message = error.to_string();
         self.update(|state| {

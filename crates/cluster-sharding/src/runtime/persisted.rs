@@ -1118,7 +1118,7 @@ impl PersistedDelivery {
                             return self.fenced(request_id).await;
                         }
                         let reply = self.final_reply(request_id, exit);
-                        self.commit_final_reply(transaction, reply).await;
+                        self.commit_final_reply(transaction, reply, &shard).await;
                         return;
                     }
                     // A failure is saved after the rollback
@@ -1212,16 +1212,24 @@ impl PersistedDelivery {
     /// - The local waiters hear of the reply only after the commit (effect 4.0.3).
     /// - If the commit's outcome is unknown, storage decides.
     ///   A stored final reply means that the commit happened; otherwise the request runs again.
+    /// - A reply the storage refuses (a value over its limit) is never committed: the
+    ///   transaction rolls back, and the request is answered with a `ReplyNotStored` defect,
+    ///   as outside a transaction ([`save_final_reply`](Self::save_final_reply)).
     async fn commit_final_reply(
         self: &Arc<Self>,
         mut transaction: Box<dyn cluster_core::storage::MessageTransaction>,
         reply: Reply,
+        shard: &ShardId,
     ) {
         let request_id = reply.request_id();
         let committed = match transaction.save_reply(&reply).await {
             Ok(()) => transaction.commit().await,
             Err(error) => {
                 let _ = transaction.rollback().await;
+                if error.kind() == cluster_core::error::StorageErrorKind::InvalidInput {
+                    tracing::warn!(%error, %request_id, "a transactional reply cannot be stored: its writes are rolled back");
+                    return self.save_final_reply(reply, Some(shard)).await;
+                }
                 Err(error)
             }
         };

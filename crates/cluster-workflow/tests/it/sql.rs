@@ -67,6 +67,11 @@ impl Harness for OnDatabase {
     fn is_cluster(&self) -> bool {
         true
     }
+
+    fn value_bytes_max(&self) -> Option<usize> {
+        // MySQL's TEXT columns.
+        (self.database.kind() == "mysql").then_some(65_535)
+    }
 }
 
 macro_rules! on_databases {
@@ -124,4 +129,5 @@ on_databases!(
     an_activity_interrupted_past_its_retries_dies,
     first_completion_wins,
     a_queue_item_is_offered_once_across_replays,
+    values_over_the_storage_limit_are_typed_errors,
 );

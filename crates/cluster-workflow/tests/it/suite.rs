@@ -25,6 +25,11 @@ pub(crate) trait Harness {
     fn is_cluster(&self) -> bool {
         false
     }
+
+    /// The most bytes the engine's storage keeps in one value, if it has such a limit.
+    fn value_bytes_max(&self) -> Option<usize> {
+        None
+    }
 }
 
 thread_local! {
@@ -1631,11 +1636,12 @@ pub(crate) async fn unregistered_workflows_are_an_error(h: &impl Harness) {
     let engine = h.engine().await;
     if h.is_cluster() {
         // As in the reference, a runner that owns the shard answers a request for an entity
-        // type it never registers with a defect once the registration timeout passed.
+        // type it never registers with a defect once the registration timeout passed: the
+        // execution's final reply, which its caller gets as a defect.
         let result = engine.execute::<Doubler>(input("x")).await;
         assert!(
-            matches!(&result, Err(ExecuteError::Engine(WorkflowError::Cluster { what, .. }))
-                if what.contains("Entity type 'Workflow/Doubler' not registered")),
+            matches!(&result, Err(ExecuteError::Defect(defect))
+                if defect.contains("Entity type 'Workflow/Doubler' not registered")),
             "{result:?}"
         );
         register_doubler(&engine, &Log::default());
@@ -1987,4 +1993,84 @@ pub(crate) async fn reserved_names_are_refused(h: &impl Harness) {
         "{died:?}"
     );
     assert!(log.entries().is_empty(), "a refused activity ran: {:?}", log.entries());
+}
+
+// ---------------------------------------------------------------------------------------
+// Values over the storage's limit
+
+workflow!(Oversized, String, String);
+
+/// A string whose JSON is over `limit` bytes.
+fn oversized(limit: usize) -> String {
+    "x".repeat(limit + 1)
+}
+
+/// Values over the storage's limit are typed errors, never a stuck execution: an activity's
+/// result is a defect the body can catch (or that completes the execution), a workflow's
+/// result is a defect for its caller, and a completion is refused to its completer. Before the
+/// fix an activity result over MySQL's 64 KiB restarted the run without end.
+pub(crate) async fn values_over_the_storage_limit_are_typed_errors(h: &impl Harness) {
+    let Some(limit) = h.value_bytes_max() else { return };
+    let engine = h.engine().await;
+    Oversized::register(&engine, move |ctx: WorkflowContext, payload: Input| async move {
+        match payload.to.as_str() {
+            "caught" => {
+                let caught = ctx
+                    .activity("big", |_| async move { Ok::<_, String>(oversized(limit)) })
+                    .catch_defects()
+                    .await;
+                match caught {
+                    Err(ActivityError::Defect(defect)) => Ok(format!("caught {defect}")),
+                    Err(ActivityError::Failed(error)) => Err(error),
+                    Ok(value) => Ok(format!("stored {} bytes", value.len())),
+                }
+            }
+            "transactional" => {
+                let caught = ctx
+                    .activity("big", |_| async move { Ok::<_, String>(oversized(limit)) })
+                    .with_transaction()
+                    .catch_defects()
+                    .await;
+                match caught {
+                    Err(ActivityError::Defect(defect)) => Ok(format!("caught {defect}")),
+                    Err(ActivityError::Failed(error)) => Err(error),
+                    Ok(value) => Ok(format!("stored {} bytes", value.len())),
+                }
+            }
+            "uncaught" => ctx.activity("big", |_| async move { Ok(oversized(limit)) }).await,
+            "result" => Ok(oversized(limit)),
+            _ => {
+                let gate = DurableDeferred::<String>::new("Big").unwrap();
+                ctx.await_deferred(&gate).await.map_err(|never| match never {})
+            }
+        }
+    })
+    .unwrap();
+    for to in ["caught", "transactional"] {
+        let caught =
+            tokio::time::timeout(ms(120_000), engine.execute::<Oversized>(input_to(to, to)))
+                .await
+                .unwrap_or_else(|_| panic!("the {to} execution never ended"))
+                .unwrap();
+        assert!(
+            caught.starts_with("caught") && caught.contains("ReplyNotStored"),
+            "{to}: {caught}"
+        );
+    }
+    for to in ["uncaught", "result"] {
+        let died = tokio::time::timeout(ms(120_000), engine.execute::<Oversized>(input_to(to, to)))
+            .await
+            .unwrap_or_else(|_| panic!("the {to} execution never ended"));
+        assert!(
+            matches!(&died, Err(ExecuteError::Defect(defect)) if defect.contains("ReplyNotStored")),
+            "{to}: {died:?}"
+        );
+    }
+    let id = engine.execute_discard::<Oversized>(input_to("waits", "gate")).await.unwrap();
+    suspended::<Oversized>(&engine, &id).await;
+    let token = DurableDeferred::<String>::new("Big").unwrap().token_for::<Oversized>(&id);
+    let refused = engine.complete(&token, Ok::<String, Never>(oversized(limit))).await;
+    assert!(refused.is_err(), "an oversized completion was accepted");
+    open::<Oversized>(&engine, &id, &DurableDeferred::new("Big").unwrap(), "small").await;
+    assert_eq!(complete_exit::<Oversized>(&engine, &id).await, success("small"));
 }
