@@ -1340,22 +1340,41 @@ impl ClusterEngine {
     }
 
     /// The stored result of activity `name`/`attempt`, or a suspension when it has none.
+    ///
+    /// A stored request without a final reply is waited for: an earlier run cut off while the
+    /// activity's result was being written leaves it so, and that result, once stored, is the
+    /// activity's (its compensation must be registered). Every stored request gets a final
+    /// reply from this owner (`Suspended` when no caller waits), so the wait ends; it gives up
+    /// only when the runner shuts down.
     async fn stored_activity_result(
         &self,
         run: &Run,
         name: &str,
         attempt: u32,
     ) -> Result<WorkflowResult, WorkflowError> {
-        let stored = match self.activity_request_id(run, name, attempt).await? {
-            Some(request_id) => self.final_reply(request_id).await?,
-            None => None,
+        let Some(request_id) = self.activity_request_id(run, name, attempt).await? else {
+            return Ok(WorkflowResult::suspended());
         };
-        if let Some((_, Exit::Success(value))) = stored
-            && let Ok(ResultJson(result @ WorkflowResult::Complete(_))) = value.decode()
-        {
-            return Ok(result);
+        let mut wait = Duration::from_millis(10);
+        let stored = loop {
+            if let Some((_, exit)) = self.final_reply(request_id).await? {
+                break exit;
+            }
+            if self.pause(wait).await.is_err() {
+                return Err(WorkflowError::cluster(
+                    "the runner stopped while an activity's result was written",
+                ));
+            }
+            wait = (wait * 2).min(Duration::from_secs(1));
+        };
+        match stored {
+            Exit::Success(value) => match value.decode() {
+                Ok(ResultJson(result @ WorkflowResult::Complete(_))) => Ok(result),
+                _ => Ok(WorkflowResult::suspended()),
+            },
+            // The result could not be stored (`ReplyNotStored`): the defect is the exit.
+            failure @ Exit::Failure(_) => Ok(WorkflowResult::Complete(failure)),
         }
-        Ok(WorkflowResult::suspended())
     }
 
     /// Runs activity `name`/`attempt` through its request: the handler gives the go (with the

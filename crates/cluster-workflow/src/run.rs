@@ -226,19 +226,18 @@ impl Run {
     /// that a replay would meet again ([`WorkflowError::is_permanent`], such as a value over the
     /// storage's limit) ends the run with a defect instead, which names it.
     pub(crate) fn break_with(&self, error: &WorkflowError) -> std::future::Pending<()> {
+        // The error with its causes: "the cluster failed: …" alone names no cause.
+        let message =
+            std::iter::successors(Some(error as &dyn std::error::Error), |error| error.source())
+                .map(ToString::to_string)
+                .collect::<Vec<_>>()
+                .join(": ");
         if error.is_permanent() {
-            tracing::warn!(execution_id = %self.execution_id, %error, "workflow step failed for good: ending the run with a defect");
-            let message = std::iter::successors(Some(error as &dyn std::error::Error), |error| {
-                error.source()
-            })
-            .map(ToString::to_string)
-            .collect::<Vec<_>>()
-            .join(": ");
+            tracing::warn!(execution_id = %self.execution_id, error = %message, "workflow step failed for good: ending the run with a defect");
             let defect = RawJson::encode(&message).unwrap_or_else(|_| RawJson::null());
             return self.raise(defect_cause(defect));
         }
-        tracing::warn!(execution_id = %self.execution_id, %error, "workflow run stopped by an engine failure");
-        let message = error.to_string();
+        tracing::warn!(execution_id = %self.execution_id, error = %message, "workflow run stopped by an engine failure");
         self.update(|state| {
             state.broken.get_or_insert(message);
         });
