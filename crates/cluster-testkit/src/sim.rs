@@ -134,6 +134,9 @@ pub struct SimConfig {
     pub extended_faults: bool,
     /// Workflow executions the client runs (needs the `workflow` feature).
     pub workflows: usize,
+    /// Workflow executions the client interrupts, among automatic wakes and resumes (needs
+    /// the `workflow` feature).
+    pub holds: usize,
     /// The scenario added with the checks of handler runs: handlers that take a moment,
     /// transactional requests that runners send (so that they go directly to local entities),
     /// periods of slow transaction begins, and orders that ship through a child workflow.
@@ -156,6 +159,7 @@ impl SimConfig {
             faults: true,
             extended_faults: true,
             workflows: 20,
+            holds: 8,
             exactly_once: true,
             graceful: false,
         }
@@ -169,7 +173,7 @@ impl SimConfig {
     /// The scenario of `seed` as it was before the checks of handler runs came (the
     /// regression seeds found then replay it exactly; the runs are checked all the same).
     pub fn extended(seed: u64) -> SimConfig {
-        SimConfig { exactly_once: false, ..SimConfig::seed(seed) }
+        SimConfig { exactly_once: false, holds: 0, ..SimConfig::seed(seed) }
     }
 
     /// The scenario of `seed` as it was before transport faults, latency spikes, dying
@@ -615,14 +619,15 @@ async fn simulate(config: SimConfig) -> SimReport {
         runners: Arc::default(),
         next_port: 1,
         #[cfg(feature = "workflow")]
-        workflows: (config.workflows > 0).then(|| {
-            workflow::Ledger::new(history.clone(), Arc::clone(&violations), config.exactly_once)
+        workflows: (config.workflows + config.holds > 0).then(|| {
+            let (children, holds) = (config.exactly_once, config.holds > 0);
+            workflow::Ledger::new(history.clone(), Arc::clone(&violations), children, holds)
         }),
         runs: runs::Runs::new(history.clone()),
         slow_handlers: config.exactly_once,
     };
     #[cfg(not(feature = "workflow"))]
-    if config.workflows > 0 {
+    if config.workflows + config.holds > 0 {
         world.violation("workflows need the `workflow` feature of cluster-testkit".to_owned());
     }
     for _ in 0..config.runners {
@@ -647,6 +652,9 @@ async fn simulate(config: SimConfig) -> SimReport {
             // A stream of choices of its own: the older scenarios' draws stay as they were.
             let mut rng = SimRng::new(config.seed ^ 0x776f_726b_666c_6f77);
             calls.extend(ledger.start(&client, config.workflows, &mut rng));
+            // A stream of its own too: the orders' draws stay as they were.
+            let mut rng = SimRng::new(config.seed ^ 0x686f_6c64_7369_6e74);
+            calls.extend(ledger.start_holds(&client, config.holds, &mut rng));
         }
         calls
     };

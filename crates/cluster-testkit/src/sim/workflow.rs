@@ -7,6 +7,13 @@
 //! (undone on failure) and then dispatches, failing for the orders that fail: the child's
 //! failure fails the parent.
 //!
+//! With `holds`, the client also interrupts executions that wait (`SimHold`, suspended on a
+//! deferred nobody completes) or that failed under `suspend_on_failure` (`SimHoldSof`): it
+//! completes deferreds they do not await (automatic wakes), sometimes resumes them, then
+//! interrupts them (safely or not, sometimes twice), while reply writes may be slow. Each must
+//! end interrupted (the `suspend_on_failure` one with its original failure) within the bound,
+//! never stay suspended, and undo its step once per stored outcome.
+//!
 //! Checked as the run goes: an activity attempt whose result was stored never runs again (its
 //! stored result is what a replay gets). Checked at the end: every order ends within the
 //! bound with the outcome its payload asks for; an order that succeeded never compensated; in
@@ -21,12 +28,12 @@ use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
 
 use cluster_core::Snowflake;
-use cluster_core::envelope::{Exit, Reply};
+use cluster_core::envelope::{CauseReason, Exit, Reply};
 use cluster_core::sync::lock;
 use cluster_sharding::Sharding;
 use cluster_workflow::{
-    ActivityContext, ExecuteError, RetrySchedule, Workflow, WorkflowContext, WorkflowEngine,
-    WorkflowOptions, WorkflowResult,
+    ActivityContext, DurableDeferred, ExecuteError, Never, RetrySchedule, Workflow,
+    WorkflowContext, WorkflowEngine, WorkflowOptions, WorkflowResult,
 };
 use serde::{Deserialize, Serialize};
 
@@ -96,6 +103,50 @@ impl Workflow for SimShipment {
     }
 }
 
+/// An execution the client interrupts.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+struct Hold {
+    id: u64,
+}
+
+/// Waits for a deferred nobody completes, after a compensated step: it ends only by an
+/// interrupt.
+struct SimHold;
+
+impl Workflow for SimHold {
+    const NAME: &'static str = "SimHold";
+    type Payload = Hold;
+    type Success = u64;
+    type Error = String;
+
+    fn idempotency_key(hold: &Hold) -> String {
+        format!("hold-{}", hold.id)
+    }
+
+    fn options() -> WorkflowOptions {
+        SimOrder::options()
+    }
+}
+
+/// Fails after a compensated step under `suspend_on_failure`: it stays suspended (failed) until
+/// an interrupt completes it with its failure.
+struct SimHoldSof;
+
+impl Workflow for SimHoldSof {
+    const NAME: &'static str = "SimHoldSof";
+    type Payload = Hold;
+    type Success = u64;
+    type Error = String;
+
+    fn idempotency_key(hold: &Hold) -> String {
+        format!("hold-{}", hold.id)
+    }
+
+    fn options() -> WorkflowOptions {
+        WorkflowOptions { suspend_on_failure: true, ..SimOrder::options() }
+    }
+}
+
 /// What the activity requests of the scenario look like (the engine's `activity` payload).
 #[derive(Deserialize)]
 struct ActivityPayload {
@@ -109,6 +160,8 @@ pub(super) struct Ledger {
     violations: Arc<Mutex<Vec<String>>>,
     /// Orders ship through the child workflow.
     children: bool,
+    /// The client interrupts executions (`SimHold`, `SimHoldSof`).
+    holds: bool,
     state: Mutex<LedgerState>,
 }
 
@@ -128,6 +181,10 @@ struct LedgerState {
     runners: BTreeMap<u64, Arc<str>>,
     /// The failed orders: the runs whose outcomes were stored (the order's, its shipment's).
     failed: BTreeMap<u64, (u64, Option<u64>)>,
+    /// Each hold's compensating runs.
+    hold_compensations: BTreeMap<u64, Vec<u64>>,
+    /// The holds that completed (approved after safe interrupts only).
+    completed_holds: BTreeSet<u64>,
 }
 
 impl Ledger {
@@ -135,8 +192,9 @@ impl Ledger {
         history: History,
         violations: Arc<Mutex<Vec<String>>>,
         children: bool,
+        holds: bool,
     ) -> Arc<Ledger> {
-        Arc::new(Ledger { history, violations, children, state: Mutex::default() })
+        Arc::new(Ledger { history, violations, children, holds, state: Mutex::default() })
     }
 
     fn state(&self) -> MutexGuard<'_, LedgerState> {
@@ -155,7 +213,10 @@ impl Ledger {
                 if request.tag.as_ref() == "activity"
                     && matches!(
                         request.address.entity_type.as_str(),
-                        "Workflow/SimOrder" | "Workflow/SimShipment"
+                        "Workflow/SimOrder"
+                            | "Workflow/SimShipment"
+                            | "Workflow/SimHold"
+                            | "Workflow/SimHoldSof"
                     ) =>
             {
                 let Ok(payload) = request.payload.decode::<ActivityPayload>() else { return };
@@ -228,10 +289,170 @@ impl Ledger {
             })
             .map_err(|error| error.to_string())?;
         }
+        if self.holds {
+            let (held, on) = (Arc::clone(&ledger), Arc::clone(&runner));
+            SimHold::register(&engine, move |ctx, hold| {
+                held_step(ctx, hold, Arc::clone(&held), Arc::clone(&on), false)
+            })
+            .map_err(|error| error.to_string())?;
+            let (held, on) = (Arc::clone(&ledger), Arc::clone(&runner));
+            SimHoldSof::register(&engine, move |ctx, hold| {
+                held_step(ctx, hold, Arc::clone(&held), Arc::clone(&on), true)
+            })
+            .map_err(|error| error.to_string())?;
+        }
         SimOrder::register(&engine, move |ctx, order| {
             saga(ctx, order, Arc::clone(&ledger), Arc::clone(&runner))
         })
         .map_err(|error| error.to_string())
+    }
+
+    /// Starts `count` holds from the client at times drawn from `rng`, every other one under
+    /// `suspend_on_failure`: each is woken, resumed and interrupted as `rng` says, and must end
+    /// interrupted.
+    pub(super) fn start_holds(
+        self: &Arc<Ledger>,
+        client: &Sharding,
+        count: usize,
+        rng: &mut SimRng,
+    ) -> Vec<(String, tokio::task::JoinHandle<()>)> {
+        let engine = match WorkflowEngine::cluster(client) {
+            Ok(engine) => engine,
+            Err(error) => {
+                self.violation(format!("the client has no workflow engine: {error}"));
+                return Vec::new();
+            }
+        };
+        (0..count)
+            .map(|index| {
+                let id = u64::try_from(index).unwrap_or(u64::MAX);
+                let plan = HoldPlan::draw(rng);
+                let (engine, ledger) = (engine.clone(), Arc::clone(self));
+                let call = tokio::spawn(async move {
+                    if index % 2 == 0 {
+                        ledger.hold::<SimHold>(&engine, id, plan).await;
+                    } else {
+                        ledger.hold::<SimHoldSof>(&engine, id, plan).await;
+                    }
+                });
+                (format!("hold {id}"), call)
+            })
+            .collect()
+    }
+
+    /// Runs hold `id` of workflow `W` through `plan`, then checks how it ended.
+    async fn hold<W>(&self, engine: &WorkflowEngine, id: u64, plan: HoldPlan)
+    where
+        W: Workflow<Payload = Hold, Success = u64, Error = String>,
+    {
+        let hold = Hold { id };
+        let execution = W::execution_id(&hold);
+        tokio::time::sleep(plan.start).await;
+        self.retrying(id, "start", || engine.execute_discard::<W>(hold.clone())).await;
+        tokio::time::sleep(plan.first_wake).await;
+        for (index, pause) in plan.wakes.iter().enumerate() {
+            let token = DurableDeferred::<(), Never>::new(format!("noise-{index}"))
+                .map(|deferred| deferred.token_for::<W>(&execution));
+            match token {
+                Ok(token) => {
+                    self.retrying(id, "wake", || engine.complete(&token, Ok::<(), Never>(())))
+                        .await;
+                }
+                Err(error) => self.violation(format!("hold {id}: {error}")),
+            }
+            tokio::time::sleep(*pause).await;
+        }
+        if plan.resume {
+            self.retrying(id, "resume", || engine.resume::<W>(&execution)).await;
+        }
+        for unsafe_interrupt in &plan.interrupts {
+            self.history.record(format!("hold {id} interrupted (unsafe: {unsafe_interrupt})"));
+            if *unsafe_interrupt {
+                self.retrying(id, "interrupt", || engine.interrupt_unsafe::<W>(&execution)).await;
+            } else {
+                self.retrying(id, "interrupt", || engine.interrupt::<W>(&execution)).await;
+            }
+            tokio::time::sleep(plan.between_interrupts).await;
+        }
+        if plan.approve {
+            // The awaited completion lands right after the interrupts: a safe interrupt may
+            // lose to it (the run completes without another step), an unsafe one may not.
+            let token = DurableDeferred::<u64, String>::new("approval")
+                .map(|deferred| deferred.token_for::<W>(&execution));
+            if let Ok(token) = token {
+                self.retrying(id, "approve", || engine.complete(&token, Ok::<u64, String>(id)))
+                    .await;
+            }
+        }
+        // Ends, or the caller's bound reports it.
+        let exit = loop {
+            match engine.poll::<W>(&execution).await {
+                Ok(Some(WorkflowResult::Complete(exit))) => break exit,
+                Ok(_) => {}
+                Err(error) => self.history.record(format!("hold {id} poll: {error}")),
+            }
+            tokio::time::sleep(Duration::from_millis(200)).await;
+        };
+        let reserved =
+            self.state().completed.contains(&(execution.to_string(), "reserve/1".to_owned()));
+        let safe_only = !plan.interrupts.iter().any(|unsafe_interrupt| *unsafe_interrupt);
+        let may_complete = plan.approve && safe_only && !W::options().suspend_on_failure;
+        self.check_hold(id, W::options().suspend_on_failure, reserved, may_complete, &exit);
+    }
+
+    /// Calls `call` until it succeeds (an engine failure is retried).
+    async fn retrying<T, F, Fut>(&self, id: u64, what: &str, mut call: F)
+    where
+        F: FnMut() -> Fut,
+        Fut: std::future::Future<Output = Result<T, cluster_workflow::WorkflowError>>,
+    {
+        while let Err(error) = call().await {
+            self.history.record(format!("retry hold {id} {what}: {error}"));
+            tokio::time::sleep(Duration::from_millis(500)).await;
+        }
+    }
+
+    /// A hold ended with `exit`. It is interrupted, unless its step's result was stored
+    /// (`reserved`) under `suspend_on_failure`: every run then fails, and the interrupt completes
+    /// it with its original failure. A stored step is undone; a step that never ran (the
+    /// interrupt came first, and a pending interrupt starts no step) is not.
+    /// A hold approved after safe interrupts only (`may_complete`) may complete instead: a safe
+    /// interrupt that meets no further step is lost, as in the reference.
+    fn check_hold(
+        &self,
+        id: u64,
+        suspend_on_failure: bool,
+        reserved: bool,
+        may_complete: bool,
+        exit: &Exit,
+    ) {
+        let compensations = self.state().hold_compensations.get(&id).cloned().unwrap_or_default();
+        self.history.record(format!(
+            "hold {id} ended with {exit:?}, reserved: {reserved}, undone by runs {compensations:?}"
+        ));
+        let expected = match exit {
+            Exit::Failure(cause) if suspend_on_failure && reserved => {
+                cause.0.iter().any(|reason| matches!(reason, CauseReason::Fail(_)))
+                    && !cause.has_interrupts()
+            }
+            Exit::Failure(cause) => cause.has_interrupts_only(),
+            Exit::Success(_) => may_complete,
+        };
+        if !expected {
+            self.violation(format!(
+                "hold {id} (suspend_on_failure: {suspend_on_failure}, reserved: {reserved}) ended with {exit:?}"
+            ));
+        }
+        // A completed hold is checked at the end: only runs whose outcomes were not stored
+        // may have undone its step.
+        if matches!(exit, Exit::Success(_)) {
+            self.state().completed_holds.insert(id);
+        } else if reserved == compensations.is_empty() {
+            self.violation(format!(
+                "hold {id}: its step was {}stored, it ended with {exit:?}, and it was undone by runs {compensations:?}",
+                if reserved { "" } else { "not " }
+            ));
+        }
     }
 
     /// Executes `count` orders from the client at times drawn from `rng` (every fourth one
@@ -379,6 +600,33 @@ impl Ledger {
                 return;
             }
         }
+        // Each hold's step is undone once per stored failed outcome: every compensating run but
+        // the decisive one (none for a completed hold) ran on a runner that crashed or froze, or
+        // wrote to a failing storage.
+        for (hold, runs) in &state.hold_compensations {
+            let decisive = usize::from(!state.completed_holds.contains(hold));
+            let unexcused: Vec<&u64> = runs
+                .iter()
+                .filter(|run| {
+                    let runner = state.runners.get(run).map_or("?", |runner| &**runner);
+                    let failed_write = [
+                        SimHold::execution_id(&Hold { id: *hold }).to_string(),
+                        SimHoldSof::execution_id(&Hold { id: *hold }).to_string(),
+                    ]
+                    .iter()
+                    .any(|execution| failed_entities.contains(execution));
+                    !ungraceful.contains_key(runner) && !failed_write
+                })
+                .collect();
+            if unexcused.len() > decisive {
+                let what = format!(
+                    "hold {hold}: runs {unexcused:?} undid its step (the decisive ones: {decisive}), and their runners neither crashed nor froze"
+                );
+                drop(state);
+                self.violation(what);
+                return;
+            }
+        }
         let runs: u32 = state.activity_runs.values().sum();
         let attempts = state.activity_runs.len();
         drop(state);
@@ -461,4 +709,65 @@ async fn shipment(
     .await
     .map_err(|reason| OrderFailed { reason, run, child_run: None })?;
     Ok(run)
+}
+
+/// When and how the client wakes, resumes and interrupts one hold.
+struct HoldPlan {
+    start: Duration,
+    first_wake: Duration,
+    /// The pause after each automatic wake.
+    wakes: Vec<Duration>,
+    resume: bool,
+    /// Each interrupt, unsafe or not.
+    interrupts: Vec<bool>,
+    between_interrupts: Duration,
+    /// The awaited completion comes after the interrupts.
+    approve: bool,
+}
+
+impl HoldPlan {
+    /// A plan drawn from `rng`: the wakes and the interrupt come close together, so that they
+    /// often meet a run's slow reply write.
+    fn draw(rng: &mut SimRng) -> HoldPlan {
+        let start = rng.duration(Duration::ZERO, WORKLOAD / 2);
+        let first_wake = rng.duration(Duration::ZERO, Duration::from_millis(600));
+        let wakes = (0..1 + rng.below(3))
+            .map(|_| rng.duration(Duration::ZERO, Duration::from_millis(150)))
+            .collect();
+        let resume = rng.below(4) == 0;
+        let interrupts = (0..1 + rng.below(2)).map(|_| rng.below(2) == 0).collect();
+        let between_interrupts = rng.duration(Duration::ZERO, Duration::from_millis(400));
+        let approve = rng.below(2) == 0;
+        HoldPlan { start, first_wake, wakes, resume, interrupts, between_interrupts, approve }
+    }
+}
+
+/// A hold's body: reserve (undone on failure), then wait for a deferred nobody completes, or,
+/// under `suspend_on_failure`, fail.
+async fn held_step(
+    ctx: WorkflowContext,
+    hold: Hold,
+    ledger: Arc<Ledger>,
+    runner: Arc<str>,
+    fails: bool,
+) -> Result<u64, String> {
+    let run = ledger.next_run(&runner);
+    let id = hold.id;
+    ledger.history.record(format!("hold {id} run {run} on {runner}"));
+    let undo = Arc::clone(&ledger);
+    ctx.activity("reserve", async |context| {
+        ledger.activity_started(id, &context, "reserve");
+        Ok::<u64, String>(id)
+    })
+    .compensate(move |_, _| async move {
+        undo.history.record(format!("hold {id} run {run} undoes reserve"));
+        undo.state().hold_compensations.entry(id).or_default().push(run);
+    })
+    .await?;
+    if fails {
+        return Err("refused".to_owned());
+    }
+    let approval =
+        DurableDeferred::<u64, String>::new("approval").map_err(|error| error.to_string())?;
+    ctx.await_deferred(&approval).await
 }
