@@ -590,6 +590,12 @@ impl Runner {
         }
     }
 
+    /// The address the transport's listener is bound to: the listen address (`LISTEN_HOST`,
+    /// `LISTEN_PORT`), or else the advertised one, with the port the system chose for port 0.
+    pub fn listen_address(&self) -> SocketAddr {
+        self.server.local_addr()
+    }
+
     /// Where the operations server listens, when `CLUSTER_OPS_LISTEN` is set (feature `ops`).
     #[cfg(feature = "ops")]
     pub fn ops_address(&self) -> Option<SocketAddr> {
