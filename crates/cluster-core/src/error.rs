@@ -155,13 +155,28 @@ impl StorageError {
     }
 }
 
+/// The message, the kind, then every cause down the [`source`](StdError::source) chain: a
+/// driver's error often says only "error connecting to server", and the OS error or the
+/// server's own message is its source.
+///
+/// A cause whose text is already shown (an error that prints its own source) is not repeated,
+/// and a `StorageError` cause shows only its own message and kind, its causes following.
 impl fmt::Display for StorageError {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "{} ({})", self.message, self.kind)?;
-        if let Some(source) = &self.source {
-            write!(f, ": {source}")?;
+        let mut shown = format!("{} ({})", self.message, self.kind);
+        let mut cause = StdError::source(self);
+        while let Some(error) = cause {
+            let text = match error.downcast_ref::<StorageError>() {
+                Some(storage) => format!("{} ({})", storage.message, storage.kind),
+                None => error.to_string(),
+            };
+            if !text.is_empty() && !shown.contains(&text) {
+                shown.push_str(": ");
+                shown.push_str(&text);
+            }
+            cause = error.source();
         }
-        Ok(())
+        f.write_str(&shown)
     }
 }
 
@@ -269,3 +284,6 @@ impl ConfigError {
         &self.reason
     }
 }
+
+#[cfg(test)]
+mod tests;
