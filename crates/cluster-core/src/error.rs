@@ -31,6 +31,18 @@ pub enum ClusterError {
         /// The runner that could not be reached.
         address: RunnerAddress,
     },
+    /// The runner and this process do not accept each other: the transport's handshake failed,
+    /// for example because they do not hold the same shared secret, or the runner does not
+    /// speak this transport. Not transient: routing does not retry it, and persisted requests
+    /// still reach their owner through storage. Fix the configuration that `reason` names.
+    /// Not in the reference, whose transports have no handshake.
+    #[error("the connection handshake with runner {address} failed: {reason}")]
+    HandshakeFailed {
+        /// The runner that was asked.
+        address: RunnerAddress,
+        /// Why, and what to check; never the secret or a value derived from it.
+        reason: Arc<str>,
+    },
     /// The entity has as many requests in flight as its mailbox holds, or the runner has as many
     /// resident entities as it may.
     #[error("the mailbox of entity {address} is full")]
