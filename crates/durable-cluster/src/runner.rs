@@ -573,7 +573,7 @@ impl Runner {
     ) -> std::process::ExitCode {
         let run = async {
             let runner = Runner::start(&env?, register).await?;
-            tracing::info!(address = ?runner.sharding.config().runner_address, "runner started");
+            log_started(runner.sharding.config().runner_address.as_ref(), runner.listen_address());
             let stopped = terminated().await;
             runner.shutdown().await;
             stopped
@@ -615,6 +615,16 @@ impl Runner {
         if let Some(ops) = self.ops {
             ops.shutdown().await;
         }
+    }
+}
+
+/// Logs that a runner started, advertised at `address` and listening on `listen`, both as text
+/// (`127.0.0.1:5000`): JSON logs show a field's text, and a `Debug` form would be
+/// `Some(RunnerAddress(127.0.0.1:5000))`.
+pub(crate) fn log_started(address: Option<&RunnerAddress>, listen: SocketAddr) {
+    match address {
+        Some(address) => tracing::info!(%address, %listen, "runner started"),
+        None => tracing::info!(%listen, "runner started"),
     }
 }
 
