@@ -550,7 +550,7 @@ impl Runner {
     /// - Logs go to standard error, filtered by `RUST_LOG` (default `info`), as text or, with
     ///   `CLUSTER_LOG_FORMAT=json`, as JSON lines.
     /// - With the feature `otel` and `OTEL_EXPORTER_OTLP_ENDPOINT` set, spans are exported over
-    ///   OTLP and requests carry their trace context to other runners ([`crate::otel`]).
+    ///   OTLP and requests carry their trace context to other runners (the `otel` module).
     /// - It starts as [`Runner::from_env`] does, then runs until SIGTERM or SIGINT, and shuts
     ///   down gracefully.
     /// - A failure is one line on standard error and exit code 2 for a configuration error, 1
@@ -565,7 +565,7 @@ impl Runner {
         Runner::main_with(env, register).await
     }
 
-    /// Runs a runner process to its end on settings already read, as [`Runner::main`] does, and
+    /// Runs a runner process to its end on settings already read, as `Runner::main` does, and
     /// returns its exit code; it installs no logger.
     pub async fn main_with(
         env: Result<RunnerEnv, RunnerError>,
