@@ -67,7 +67,7 @@ fn warn(address: &EntityAddress, request_id: Snowflake, waited: Duration) {
         ?waited,
         "no runner holds the shard of this persisted request, so its caller waits; start a \
          runner that serves shard group `{}` on this database and table prefix, or check that \
-         the runners reach the database; to give up, bound the call with a timeout (dropping \
+         the runners reach the database; to stop waiting, bound the call with a timeout (dropping \
          the call interrupts the request)",
         address.shard_id.group(),
     );
