@@ -4,7 +4,7 @@
 //!   feature on its own), the database services, all tests, the quickstart, the saga, streaming
 //!   and cron examples, schemathesis against the HTTP gateway example, a smoke run of the
 //!   benchmark workloads, the simulation, the fault test, the three-runner example,
-//!   documentation.
+//!   documentation (every feature, then the facade's default, `rpc` and `ops` builds).
 //! - `schemathesis`: requests generated from the HTTP gateway example's OpenAPI document
 //!   (also run by `ci`); none may answer a 5xx.
 //! - `tidy`: the repository rules that are not compiler lints (also run as tests by `ci`).
@@ -35,6 +35,10 @@ use anyhow::{Context, Result, bail};
 
 /// The storage features of `cluster-storage-sql`; clippy checks each on its own.
 const STORAGE_FEATURES: [&str; 3] = ["postgres", "mysql", "sqlite"];
+
+/// Feature sets of `durable-cluster` whose docs `ci` builds besides the workspace's with every
+/// feature: the default, the transport without `ops`, and `ops` without `otel`.
+const FACADE_DOC_FEATURES: [&str; 3] = ["default", "rpc", "ops"];
 
 /// A database service the test suite uses: its URL variable, default URL and TCP address.
 struct Service {
@@ -167,6 +171,15 @@ fn ci() -> Result<()> {
         &["doc", "--workspace", "--all-features", "--no-deps"],
         &[("RUSTDOCFLAGS", "-D warnings")],
     )?;
+    // A link to an item behind a feature breaks the docs of a build without it; these are the
+    // builds a user's `cargo doc` most often makes.
+    for features in FACADE_DOC_FEATURES {
+        step(
+            &format!("docs of durable-cluster with the features {features}"),
+            &["doc", "--package", "durable-cluster", "--no-deps", "--features", features],
+            &[("RUSTDOCFLAGS", "-D warnings")],
+        )?;
+    }
     report("xtask ci: all steps passed");
     Ok(())
 }

@@ -1,7 +1,7 @@
 //! Interoperability: persisted requests keep flowing through storage when the owner of their
 //! shard speaks another protocol (here: a runner whose transport refuses our handshake, as a
 //! TypeScript runner of the reference on the same tables would), while volatile requests to
-//! it fail with `RunnerUnavailable`. Neither runner marks the other unhealthy: under the default
+//! it fail at once with `HandshakeFailed`. Neither runner marks the other unhealthy: under the default
 //! `runner_health_check` (`ping-known`) a runner that never answered a ping is judged by its
 //! registry heartbeat.
 
@@ -87,16 +87,26 @@ async fn persisted_requests_reach_a_runner_that_refuses_our_transport() {
     assert_eq!(answer.expect("answered through storage").unwrap(), 1);
     assert_eq!(theirs.sharding.active_entity_count(), 1, "handled by the shard's owner");
     assert_eq!(ours.sharding.active_entity_count(), 0);
-    let echo = tokio::time::timeout(Duration::from_secs(20), ledger.send(Echo { n: 7 })).await;
-    assert!(
-        matches!(
-            echo.expect("the volatile call ends"),
-            Err(CallError::Cluster(ClusterError::RunnerUnavailable { .. }))
-        ),
-        "a volatile request cannot cross protocols"
-    );
-    // The volatile call took longer than a lock expiration, many health-check rounds: the
-    // runners still split the shards, and the registry holds both as healthy.
+    // A volatile request cannot cross: it fails at once, naming the handshake's cause, instead
+    // of `RunnerUnavailable` after a lock expiration of retries. So it does for two lock
+    // expirations, many health-check rounds, while the peer is in backoff or not.
+    let window = tokio::time::Instant::now() + Duration::from_secs(6);
+    let mut calls = 0;
+    while calls == 0 || tokio::time::Instant::now() < window {
+        let sent = tokio::time::Instant::now();
+        let echo = tokio::time::timeout(Duration::from_secs(20), ledger.send(Echo { n: 7 })).await;
+        match echo.expect("the volatile call ends") {
+            Err(CallError::Cluster(ClusterError::HandshakeFailed { reason, .. })) => {
+                assert!(reason.contains("CLUSTER_RPC_SECRET"), "{reason}");
+                assert!(!reason.contains("ours") && !reason.contains("another protocol"));
+            }
+            other => panic!("a volatile request crossed, or failed otherwise: {other:?}"),
+        }
+        assert!(sent.elapsed() < Duration::from_secs(2), "retried: {:?}", sent.elapsed());
+        calls += 1;
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    // The runners still split the shards, and the registry holds both as healthy.
     let (a, b) = (ours.sharding.acquired_shards(), theirs.sharding.acquired_shards());
     assert!(!a.is_empty() && !b.is_empty() && a.len() + b.len() == 30, "{a:?} {b:?}");
     let (_, registry) = env(&database, 1, "ours").open_storages().await.unwrap();

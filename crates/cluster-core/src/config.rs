@@ -20,7 +20,7 @@
 //! | Variable | Field | Default |
 //! | --- | --- | --- |
 //! | `HOST`, `PORT` | [`runner_address`](ShardingConfig::runner_address) | `localhost`, `34431` (always `Some` from the environment) |
-//! | `LISTEN_HOST`, `LISTEN_PORT` | [`runner_listen_address`](ShardingConfig::runner_listen_address) | `None`; `LISTEN_PORT` defaults to `34431` and needs `LISTEN_HOST` |
+//! | `LISTEN_HOST`, `LISTEN_PORT` | [`runner_listen_address`](ShardingConfig::runner_listen_address) | `None`; `LISTEN_PORT` defaults to the advertised port (`PORT`) and needs `LISTEN_HOST` |
 //! | `RUNNER_SHARD_WEIGHT` | [`runner_shard_weight`](ShardingConfig::runner_shard_weight) | `1` (an integer) |
 //! | `AVAILABLE_SHARD_GROUPS` | [`available_shard_groups`](ShardingConfig::available_shard_groups) | `default` |
 //! | `SHARD_GROUPS` | [`assigned_shard_groups`](ShardingConfig::assigned_shard_groups) | `default` |
@@ -47,6 +47,11 @@
 //!
 //! `HOST` and `PORT` are generic names that platforms and other tools also set; a runner reads
 //! them all the same, as the reference does.
+//!
+//! `LISTEN_HOST` without `LISTEN_PORT` listens on the advertised port (`PORT`, or its default).
+//! The reference listens on `34431` then, whatever `PORT` says (`listenPort`'s default in
+//! `effect/src/cluster/ShardingConfig.ts`); so `PORT=5000 LISTEN_HOST=0.0.0.0`, the usual
+//! container setting, would advertise a port it does not listen on.
 //!
 //! # Value syntax
 //!
@@ -186,7 +191,8 @@ pub struct ShardingConfig {
     /// `0.0.0.0`). Port 0 binds an ephemeral port.
     ///
     /// Default `None` (bind `runner_address`). Environment: `LISTEN_HOST` and `LISTEN_PORT`
-    /// (neither: `None`; `LISTEN_HOST` alone: port 34431; `LISTEN_PORT` alone: an error).
+    /// (neither: `None`; `LISTEN_HOST` alone: the advertised port, `PORT`; `LISTEN_PORT` alone:
+    /// an error). The reference listens on 34431 when only `LISTEN_HOST` is set.
     pub runner_listen_address: Option<RunnerAddress>,
     /// This runner's share of the shards relative to other runners: 2 takes twice the shards
     /// of a runner with weight 1. Greater than 0 and at most [`RUNNER_SHARD_WEIGHT_MAX`].
@@ -1197,12 +1203,14 @@ impl<F: Fn(&str) -> Option<String>> Env<F> {
 
     fn read_runner(&self, config: &mut ShardingConfig) -> Result<(), ConfigError> {
         let host = self.get(var::HOST).unwrap_or_else(|| DEFAULT_HOST.to_owned());
-        let port = self.integer(var::PORT, 1, u16::MAX)?.unwrap_or(DEFAULT_PORT);
-        config.runner_address = Some(RunnerAddress::new(host, port));
+        let advertised_port = self.integer(var::PORT, 1, u16::MAX)?.unwrap_or(DEFAULT_PORT);
+        config.runner_address = Some(RunnerAddress::new(host, advertised_port));
         let listen_port = self.integer(var::LISTEN_PORT, 0, u16::MAX)?;
         config.runner_listen_address = match (self.get(var::LISTEN_HOST), listen_port) {
             (None, None) => None,
-            (Some(host), port) => Some(RunnerAddress::new(host, port.unwrap_or(DEFAULT_PORT))),
+            // The advertised port, not the reference's fixed 34431: a runner listens where
+            // its peers connect.
+            (Some(host), port) => Some(RunnerAddress::new(host, port.unwrap_or(advertised_port))),
             (None, Some(_)) => {
                 return Err(ConfigError::new(
                     var::LISTEN_PORT,

@@ -31,6 +31,18 @@ pub enum ClusterError {
         /// The runner that could not be reached.
         address: RunnerAddress,
     },
+    /// The runner and this process do not accept each other: the transport's handshake failed,
+    /// for example because they do not hold the same shared secret, or the runner does not
+    /// speak this transport. Not transient: routing does not retry it, and persisted requests
+    /// still reach their owner through storage. Fix the configuration that `reason` names.
+    /// Not in the reference, whose transports have no handshake.
+    #[error("the connection handshake with runner {address} failed: {reason}")]
+    HandshakeFailed {
+        /// The runner that was asked.
+        address: RunnerAddress,
+        /// Why, and what to check; never the secret or a value derived from it.
+        reason: Arc<str>,
+    },
     /// The entity has as many requests in flight as its mailbox holds, or the runner has as many
     /// resident entities as it may.
     #[error("the mailbox of entity {address} is full")]
@@ -155,13 +167,28 @@ impl StorageError {
     }
 }
 
+/// The message, the kind, then every cause down the [`source`](StdError::source) chain: a
+/// driver's error often says only "error connecting to server", and the OS error or the
+/// server's own message is its source.
+///
+/// A cause whose text is already shown (an error that prints its own source) is not repeated,
+/// and a `StorageError` cause shows only its own message and kind, its causes following.
 impl fmt::Display for StorageError {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "{} ({})", self.message, self.kind)?;
-        if let Some(source) = &self.source {
-            write!(f, ": {source}")?;
+        let mut shown = format!("{} ({})", self.message, self.kind);
+        let mut cause = StdError::source(self);
+        while let Some(error) = cause {
+            let text = match error.downcast_ref::<StorageError>() {
+                Some(storage) => format!("{} ({})", storage.message, storage.kind),
+                None => error.to_string(),
+            };
+            if !text.is_empty() && !shown.contains(&text) {
+                shown.push_str(": ");
+                shown.push_str(&text);
+            }
+            cause = error.source();
         }
-        Ok(())
+        f.write_str(&shown)
     }
 }
 
@@ -269,3 +296,6 @@ impl ConfigError {
         &self.reason
     }
 }
+
+#[cfg(test)]
+mod tests;

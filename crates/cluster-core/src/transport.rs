@@ -8,7 +8,9 @@
 //!
 //! Error mapping (`effect/src/cluster/Runners.ts`, effect's `Runners.test.ts`), which every
 //! implementation keeps: a transport failure is [`ClusterError::RunnerUnavailable`] (routing
-//! retries it); the server's typed errors (`EntityNotAssignedToRunner`, `MailboxFull`,
+//! retries it); a peer that this process cannot authenticate, or that refuses this process, is
+//! [`ClusterError::HandshakeFailed`] (a configuration error, not retried; not in the
+//! reference); the server's typed errors (`EntityNotAssignedToRunner`, `MailboxFull`,
 //! `AlreadyProcessingMessage`) come back as they are; a defect the server delivers for a
 //! *persisted* request is `RunnerUnavailable` too, so the caller recovers the reply from storage,
 //! while for a volatile request it becomes the request's `Die` reply; a reply that cannot be

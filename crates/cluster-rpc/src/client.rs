@@ -61,10 +61,34 @@ struct PeerSlot {
 struct Peer {
     failures: u32,
     retry_at: Option<Instant>,
+    /// Why the last attempt's handshake failed, if that is how it failed: calls during the
+    /// backoff fail with it too, not with `RunnerUnavailable`, which routing would retry.
+    refused: Option<Arc<str>>,
 }
 
 fn unavailable(address: &RunnerAddress) -> ClusterError {
     ClusterError::RunnerUnavailable { address: address.clone() }
+}
+
+fn refused(address: &RunnerAddress, reason: &Arc<str>) -> ClusterError {
+    ClusterError::HandshakeFailed { address: address.clone(), reason: Arc::clone(reason) }
+}
+
+/// Why a connection attempt failed.
+enum ConnectError {
+    /// The handshake failed: the peer and this process do not accept each other.
+    Refused(Arc<str>),
+    /// Anything else: the connection was refused or lost, or the attempt timed out.
+    Failed(String),
+}
+
+impl fmt::Display for ConnectError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            ConnectError::Refused(reason) => write!(f, "handshake failed: {reason}"),
+            ConnectError::Failed(reason) => f.write_str(reason),
+        }
+    }
 }
 
 impl fmt::Debug for TcpTransport {
@@ -121,13 +145,17 @@ impl TcpTransport {
         };
         let now = Instant::now();
         if peer.retry_at.is_some_and(|retry_at| now < retry_at) {
-            return Err(unavailable(address));
+            return Err(match &peer.refused {
+                Some(reason) => refused(address, reason),
+                None => unavailable(address),
+            });
         }
         match connect(address, &self.config, &self.tls).await {
             Ok(connection) => {
                 info!(%address, "rpc connection established");
                 peer.failures = 0;
                 peer.retry_at = None;
+                peer.refused = None;
                 let connection = Arc::new(connection);
                 // Cached unless the peer was forgotten meanwhile (its slot is then a new one).
                 if let Some(slot) = lock(&self.peers).get_mut(address)
@@ -146,7 +174,18 @@ impl TcpTransport {
                     now.checked_add(delay).unwrap_or_else(|| now + cluster_core::clock::FAR_FUTURE),
                 );
                 warn!(%address, %error, failures = peer.failures, ?delay, "rpc connect failed");
-                Err(unavailable(address))
+                match error {
+                    // A configuration error: the caller is told at once, not after retries.
+                    ConnectError::Refused(reason) => {
+                        let error = refused(address, &reason);
+                        peer.refused = Some(reason);
+                        Err(error)
+                    }
+                    ConnectError::Failed(_) => {
+                        peer.refused = None;
+                        Err(unavailable(address))
+                    }
+                }
             }
         }
     }
@@ -234,21 +273,26 @@ async fn connect(
     address: &RunnerAddress,
     config: &Arc<RpcConfig>,
     tls: &ClientTls,
-) -> Result<Connection, String> {
+) -> Result<Connection, ConnectError> {
+    let failed = |error: &dyn fmt::Display| ConnectError::Failed(error.to_string());
     let attempt = async {
         let tcp = TcpStream::connect((address.host(), address.port()))
             .await
-            .map_err(|error| error.to_string())?;
+            .map_err(|error| failed(&error))?;
         let _ = tcp.set_nodelay(true);
-        let mut stream = tls.connect(address, tcp).await.map_err(|error| error.to_string())?;
-        handshake::client(&mut stream, config.secret_bytes())
-            .await
-            .map_err(|error| error.to_string())?;
-        Ok::<_, String>(stream)
+        let mut stream = tls.connect(address, tcp).await.map_err(|error| failed(&error))?;
+        handshake::client(&mut stream, config.secret_bytes()).await.map_err(|error| {
+            if error.is_refusal() {
+                ConnectError::Refused(Arc::from(error.to_string()))
+            } else {
+                failed(&error)
+            }
+        })?;
+        Ok::<_, ConnectError>(stream)
     };
     let stream = tokio::time::timeout(config.connect_timeout, attempt)
         .await
-        .map_err(|_| "timed out".to_owned())??;
+        .map_err(|_| ConnectError::Failed("timed out".to_owned()))??;
     // A root span: the connection outlives the call that happened to open it, and must not keep
     // that call's span (and its trace) open.
     let span = info_span!(parent: None, "rpc_client_connection", %address);

@@ -7,8 +7,15 @@
 //! 2. server → client: `MAGIC`, version, a 32-byte random server nonce and
 //!    `HMAC(secret, "server" ‖ client nonce ‖ server nonce)`;
 //! 3. the client checks the server's proof (so it never talks to an impostor), then sends
-//!    `HMAC(secret, "client" ‖ client nonce ‖ server nonce)`;
+//!    `HMAC(secret, "client" ‖ client nonce ‖ server nonce)`; when the server's proof is wrong
+//!    it sends [`REFUSED`] instead, and closes;
 //! 4. the server checks it and answers one byte, [`ACCEPTED`]; otherwise it closes.
+//!
+//! [`REFUSED`] (32 zero bytes, which no proof equals in practice) lets the server say why in its
+//! log: without it, the server of a client with another secret only saw the connection end.
+//! It carries nothing derived from the secret. A server of an earlier build reads it as a wrong
+//! proof, and a client of an earlier build closes without it, which the server reports as a
+//! likely secret mismatch; so the protocol version stays 1.
 //!
 //! Fresh nonces on both sides make every proof single-use (no replay), the role labels stop a
 //! proof from being reflected back, and the comparison is constant-time (`hmac`'s `verify`).
@@ -28,10 +35,12 @@ const MAGIC: [u8; 4] = *b"CRPC";
 const NONCE_LEN: usize = 32;
 const PROOF_LEN: usize = 32;
 const ACCEPTED: u8 = 1;
+/// What a client sends in place of its proof after refusing the server's.
+const REFUSED: [u8; PROOF_LEN] = [0; PROOF_LEN];
 
 type HmacSha256 = Hmac<Sha256>;
 
-/// Why a handshake failed.
+/// Why a handshake failed. No variant holds the secret or a value derived from it.
 #[derive(Debug, thiserror::Error)]
 pub(crate) enum HandshakeError {
     /// The socket failed or closed.
@@ -41,11 +50,41 @@ pub(crate) enum HandshakeError {
     #[error("the peer does not speak this protocol (version {PROTOCOL_VERSION})")]
     Protocol,
     /// The peer's proof does not match: it does not hold the shared secret.
-    #[error("the peer does not hold the shared secret")]
+    #[error(
+        "the peer does not hold this side's shared secret (CLUSTER_RPC_SECRET must be the same on \
+         every runner and client)"
+    )]
     BadProof,
+    /// The peer refused this side's proof: it does not hold the same shared secret.
+    #[error(
+        "the peer refused this side's proof: the two do not hold the same shared secret \
+         (CLUSTER_RPC_SECRET must be the same on every runner and client)"
+    )]
+    ProofRefused,
+    /// The peer closed the connection right after this side's proof, as a client of an earlier
+    /// build does when it refuses it.
+    #[error(
+        "the peer closed the connection after this side's proof: it likely does not hold the \
+         same shared secret (CLUSTER_RPC_SECRET must be the same on every runner and client)"
+    )]
+    ClosedAfterProof,
     /// No randomness for the nonce.
     #[error("no randomness for the handshake nonce: {0}")]
     Random(String),
+}
+
+impl HandshakeError {
+    /// Whether the peer and this side do not accept each other (another secret, another
+    /// protocol): a configuration error, which trying again does not fix.
+    pub(crate) fn is_refusal(&self) -> bool {
+        match self {
+            HandshakeError::Protocol
+            | HandshakeError::BadProof
+            | HandshakeError::ProofRefused
+            | HandshakeError::ClosedAfterProof => true,
+            HandshakeError::Io(_) | HandshakeError::Random(_) => false,
+        }
+    }
 }
 
 fn nonce() -> Result<[u8; NONCE_LEN], HandshakeError> {
@@ -82,9 +121,14 @@ pub(crate) async fn client<S: AsyncRead + AsyncWrite + Unpin>(
         return Err(HandshakeError::Protocol);
     }
     let server_nonce = &answer[5..5 + NONCE_LEN];
-    mac(secret, b"server", &client_nonce, server_nonce)
-        .verify_slice(&answer[5 + NONCE_LEN..])
-        .map_err(|_| HandshakeError::BadProof)?;
+    let verified =
+        mac(secret, b"server", &client_nonce, server_nonce).verify_slice(&answer[5 + NONCE_LEN..]);
+    if verified.is_err() {
+        // Tells the server why, so that its log names the cause; best effort.
+        let _ = stream.write_all(&REFUSED).await;
+        let _ = stream.flush().await;
+        return Err(HandshakeError::BadProof);
+    }
     let proof = mac(secret, b"client", &client_nonce, server_nonce).finalize().into_bytes();
     stream.write_all(&proof).await?;
     let mut accepted = [0_u8; 1];
@@ -116,7 +160,16 @@ pub(crate) async fn server<S: AsyncRead + AsyncWrite + Unpin>(
     stream.write_all(&answer).await?;
 
     let mut client_proof = [0_u8; PROOF_LEN];
-    stream.read_exact(&mut client_proof).await?;
+    match stream.read_exact(&mut client_proof).await {
+        Ok(_) => {}
+        Err(error) if error.kind() == io::ErrorKind::UnexpectedEof => {
+            return Err(HandshakeError::ClosedAfterProof);
+        }
+        Err(error) => return Err(HandshakeError::Io(error)),
+    }
+    if client_proof == REFUSED {
+        return Err(HandshakeError::ProofRefused);
+    }
     mac(secret, b"client", client_nonce, &server_nonce)
         .verify_slice(&client_proof)
         .map_err(|_| HandshakeError::BadProof)?;

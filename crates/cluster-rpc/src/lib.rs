@@ -21,9 +21,11 @@
 //!
 //! Error mapping (`effect/src/cluster/Runners.ts`, effect's `Runners.test.ts`), on the client:
 //!
-//! - a transport failure (connect refused or timed out, handshake refused, connection lost
-//!   before the final answer, server overloaded, backoff in force) is
-//!   `ClusterError::RunnerUnavailable`;
+//! - a transport failure (connect refused or timed out, connection lost before the final
+//!   answer, server overloaded, backoff in force) is `ClusterError::RunnerUnavailable`;
+//! - a failed handshake (the peer does not hold the same shared secret, or does not speak this
+//!   protocol) is `ClusterError::HandshakeFailed`, which names the cause, also during the
+//!   backoff that follows; routing does not retry it (the reference has no handshake);
 //! - the server's typed errors (`EntityNotAssignedToRunner`, `MailboxFull`,
 //!   `AlreadyProcessingMessage`, `Abandoned`, `RunnerUnavailable`, `RunnerNotRegistered`) come
 //!   back as they are;
@@ -51,11 +53,11 @@
 //! the expected name (`CLUSTER_RPC_TLS_SERVER_NAME`, by default the runner's host, so
 //! certificates must name the advertised host or IP address); with client certificates
 //! required, the server verifies the client's chain against the same CA. A failed TLS
-//! handshake is a refused connection (`RunnerUnavailable`, backoff), like a failed HMAC
-//! handshake. Both ends must agree: a plaintext peer and a TLS peer refuse each other. Without
-//! the feature traffic is not encrypted (the handshake still authenticates peers), and setting
-//! any `CLUSTER_RPC_TLS_*` variable is a configuration error ("built without the tls
-//! feature").
+//! handshake is a refused connection (`RunnerUnavailable`, backoff); a failed HMAC handshake
+//! inside it is `HandshakeFailed`. Both ends must agree: a plaintext peer and a TLS peer
+//! refuse each other. Without the feature traffic is not encrypted (the handshake still
+//! authenticates peers), and setting any `CLUSTER_RPC_TLS_*` variable is a configuration error
+//! ("built without the tls feature").
 //!
 //! Persisted traffic never depends on this crate: storage is the source of truth.
 

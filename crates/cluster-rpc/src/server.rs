@@ -193,7 +193,8 @@ async fn serve_connection(tcp: TcpStream, server: Server, shutdown: Cancellation
             stream
         }
         Ok(Err(error)) => {
-            warn!(%error, "handshake failed; connection refused");
+            // The cause, never the secret: a peer with another secret is named as such.
+            warn!(%error, "a peer failed the handshake; connection refused");
             return;
         }
         Err(_) => {

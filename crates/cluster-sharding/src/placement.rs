@@ -4,13 +4,15 @@
 //! - `health`: the application's runner-health check, instead of the transport's pings;
 //! - `single_runner`: one runner holding every shard's lock;
 //! - `shards`: the shards served now, and whether a final reply may be stored;
-//! - `remote`: volatile requests routed to the owner of their shard.
+//! - `remote`: volatile requests routed to the owner of their shard;
+//! - `unserved`: the warning of a persisted call whose shard no runner holds.
 
 pub(crate) mod health;
 pub(crate) mod member;
 pub(crate) mod remote;
 pub(crate) mod shards;
 pub(crate) mod single_runner;
+pub(crate) mod unserved;
 
 use std::time::Duration;
 

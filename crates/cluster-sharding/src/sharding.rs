@@ -844,10 +844,19 @@ impl Sharding {
         options: SaveRequestOptions,
         uninterruptible: bool,
     ) -> Result<Exit, ClusterError> {
-        match self.persisted() {
-            Some(persisted) => persisted.send_persisted(request, options, uninterruptible).await,
-            None => Err(not_stored(&request.address)),
-        }
+        let Some(persisted) = self.persisted() else {
+            return Err(not_stored(&request.address));
+        };
+        let (address, request_id) = (request.address.clone(), request.request_id);
+        let call = persisted.send_persisted(request, options, uninterruptible);
+        crate::placement::unserved::watched(
+            self.cluster(),
+            self.config(),
+            &address,
+            request_id,
+            call,
+        )
+        .await
     }
 
     /// Saves a persisted streaming request; its chunks and final reply arrive on the returned

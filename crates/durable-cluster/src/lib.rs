@@ -7,15 +7,74 @@
 //!
 //! | feature | what it adds |
 //! | --- | --- |
-//! | `sqlite` (default) | [`storage::sqlite`] and [`SingleRunner::sqlite`] |
-//! | `postgres` | [`storage::postgres`] |
-//! | `mysql` | [`storage::mysql`] (MySQL or MariaDB) |
-//! | `rpc` | the TCP transport ([`rpc`]) and the runner process ([`Runner`]) |
+// Each row links its items only when its feature is on: `cargo doc` without it would report the
+// links as broken (a CI step builds the docs with the default features, warnings denied).
+#![cfg_attr(
+    feature = "sqlite",
+    doc = "| `sqlite` (default) | [`storage::sqlite`] and [`SingleRunner::sqlite`] |"
+)]
+#![cfg_attr(
+    not(feature = "sqlite"),
+    doc = "| `sqlite` (default) | `storage::sqlite` and `SingleRunner::sqlite` |"
+)]
+#![cfg_attr(feature = "postgres", doc = "| `postgres` | [`storage::postgres`] |")]
+#![cfg_attr(not(feature = "postgres"), doc = "| `postgres` | `storage::postgres` |")]
+#![cfg_attr(feature = "mysql", doc = "| `mysql` | [`storage::mysql`] (MySQL or MariaDB) |")]
+#![cfg_attr(not(feature = "mysql"), doc = "| `mysql` | `storage::mysql` (MySQL or MariaDB) |")]
+#![cfg_attr(
+    feature = "rpc",
+    doc = "| `rpc` | the TCP transport ([`rpc`]) and the runner process ([`Runner`]) |"
+)]
+#![cfg_attr(
+    not(feature = "rpc"),
+    doc = "| `rpc` | the TCP transport (`rpc`) and the runner process (`Runner`) |"
+)]
+#![cfg_attr(
+    feature = "ops",
+    doc = "| `ops` (with `rpc`) | [`Runner::main`]: the operations server (`/healthz`, `/readyz`, \
+           `/metrics` from `CLUSTER_OPS_LISTEN`) and the logger (`RUST_LOG`, \
+           `CLUSTER_LOG_FORMAT`) |"
+)]
+#![cfg_attr(
+    not(feature = "ops"),
+    doc = "| `ops` (with `rpc`) | `Runner::main`: the operations server (`/healthz`, `/readyz`, \
+           `/metrics` from `CLUSTER_OPS_LISTEN`) and the logger (`RUST_LOG`, \
+           `CLUSTER_LOG_FORMAT`) |"
+)]
+#![cfg_attr(
+    feature = "otel",
+    doc = "| `otel` (with `ops`) | [`otel`]: spans exported over OTLP, and the trace context \
+           carried by requests across processes |"
+)]
+#![cfg_attr(
+    not(feature = "otel"),
+    doc = "| `otel` (with `ops`) | `otel`: spans exported over OTLP, and the trace context \
+           carried by requests across processes |"
+)]
 //! | `tls` | TLS on the transport |
-//! | `kubernetes` | [`KubernetesRunnerHealth`]: runners judged by their pods' readiness (`CLUSTER_RUNNER_HEALTH=kubernetes` for [`Runner`]) |
-//! | `http` | the HTTP gateway (`http::HttpGateway`): entities, streams and workflows over HTTP |
+#![cfg_attr(
+    feature = "kubernetes",
+    doc = "| `kubernetes` | [`KubernetesRunnerHealth`]: runners judged by their pods' readiness \
+           (`CLUSTER_RUNNER_HEALTH=kubernetes` for `Runner`) |"
+)]
+#![cfg_attr(
+    not(feature = "kubernetes"),
+    doc = "| `kubernetes` | `KubernetesRunnerHealth`: runners judged by their pods' readiness \
+           (`CLUSTER_RUNNER_HEALTH=kubernetes` for `Runner`) |"
+)]
+#![cfg_attr(
+    feature = "http",
+    doc = "| `http` | the HTTP gateway ([`http::HttpGateway`]): entities, streams and workflows \
+           over HTTP |"
+)]
+#![cfg_attr(
+    not(feature = "http"),
+    doc = "| `http` | the HTTP gateway (`http::HttpGateway`): entities, streams and workflows over \
+           HTTP |"
+)]
 //! | `schemars` | payload, success and error schemas in the gateway's OpenAPI document |
-//! | `workflow` | durable workflows ([`workflow`]) |
+#![cfg_attr(feature = "workflow", doc = "| `workflow` | durable workflows ([`workflow`]) |")]
+#![cfg_attr(not(feature = "workflow"), doc = "| `workflow` | durable workflows (`workflow`) |")]
 //!
 //! An entity, a runner on a SQLite file, and a persisted request answered exactly once:
 //!
@@ -90,7 +149,7 @@
 //! The same entity can be written by hand with the [`Entity`], [`Rpc`] and [`Handler`]
 //! traits.
 //!
-//! Several runners on one database: [`Runner`] (feature `rpc`) reads its storage, address and
+//! Several runners on one database: `Runner` (feature `rpc`) reads its storage, address and
 //! transport settings from the environment; docs/deployment.md shows a complete runner.
 
 #[cfg(feature = "http")]

@@ -255,6 +255,8 @@ fn prometheus() -> Option<&'static PrometheusHandle> {
 /// Installs the process's logger: `tracing` events to standard error, filtered by `RUST_LOG`
 /// (default `info`), as text or, with `CLUSTER_LOG_FORMAT=json`, as JSON lines; with the
 /// feature `otel` and an OTLP endpoint, spans are also exported (see [`crate::otel`]).
+/// Text has colours only when standard error is a terminal and `NO_COLOR` is unset or empty,
+/// so that logs written to a file or a pipe hold no escape codes.
 /// A logger installed before stays.
 ///
 /// # Errors
@@ -262,23 +264,17 @@ fn prometheus() -> Option<&'static PrometheusHandle> {
 /// `RUST_LOG` or `CLUSTER_OTEL_FILTER` is not a filter, `CLUSTER_LOG_FORMAT` is neither `text`
 /// nor `json`, or the OTLP exporter cannot be built; the error names the variable.
 pub(crate) fn init_logging() -> Result<(), cluster_core::ConfigError> {
-    use tracing_subscriber::Layer as _;
+    use std::io::IsTerminal as _;
     use tracing_subscriber::layer::SubscriberExt as _;
     use tracing_subscriber::util::SubscriberInitExt as _;
-    type Boxed = Box<dyn tracing_subscriber::Layer<tracing_subscriber::Registry> + Send + Sync>;
     let lookup = |name: &str| std::env::var(name).ok();
-    let (filter, json) = logging_settings(lookup)?;
-    let fmt = tracing_subscriber::fmt::layer().with_writer(std::io::stderr);
-    let logs: Boxed = if json {
-        Box::new(fmt.json().with_filter(filter))
-    } else {
-        Box::new(fmt.with_filter(filter))
-    };
+    let settings = logging_settings(lookup, std::io::stderr().is_terminal())?;
+    let logs = log_layer(settings, std::io::stderr);
     #[cfg(feature = "otel")]
-    let layers: Vec<Boxed> =
+    let layers: Vec<BoxedLayer> =
         std::iter::once(logs).chain(crate::otel::layer_from_env(lookup)?).collect();
     #[cfg(not(feature = "otel"))]
-    let layers: Vec<Boxed> = vec![logs];
+    let layers: Vec<BoxedLayer> = vec![logs];
     // Another logger may be installed already (tests, an application's own): it stays.
     let _ = tracing_subscriber::registry().with(layers).try_init();
     #[cfg(not(feature = "otel"))]
@@ -290,10 +286,37 @@ pub(crate) fn init_logging() -> Result<(), cluster_core::ConfigError> {
     Ok(())
 }
 
-/// The filter and whether to write JSON, from `RUST_LOG` and `CLUSTER_LOG_FORMAT` in `lookup`.
+/// A layer of the process's subscriber.
+type BoxedLayer = Box<dyn tracing_subscriber::Layer<tracing_subscriber::Registry> + Send + Sync>;
+
+/// How the logs are written: which events, JSON or text, and whether text has colours.
+struct LogSettings {
+    filter: tracing_subscriber::EnvFilter,
+    json: bool,
+    ansi: bool,
+}
+
+/// The log layer of `settings`, writing to `writer`.
+fn log_layer<W>(settings: LogSettings, writer: W) -> BoxedLayer
+where
+    W: for<'w> tracing_subscriber::fmt::MakeWriter<'w> + Send + Sync + 'static,
+{
+    use tracing_subscriber::Layer as _;
+    let LogSettings { filter, json, ansi } = settings;
+    let fmt = tracing_subscriber::fmt::layer().with_writer(writer);
+    if json {
+        Box::new(fmt.json().with_filter(filter))
+    } else {
+        Box::new(fmt.with_ansi(ansi).with_filter(filter))
+    }
+}
+
+/// The log settings from `RUST_LOG`, `CLUSTER_LOG_FORMAT` and `NO_COLOR` in `lookup`, for a
+/// standard error that is a terminal or not.
 fn logging_settings(
     lookup: impl Fn(&str) -> Option<String>,
-) -> Result<(tracing_subscriber::EnvFilter, bool), cluster_core::ConfigError> {
+    stderr_is_terminal: bool,
+) -> Result<LogSettings, cluster_core::ConfigError> {
     use tracing_subscriber::EnvFilter;
     let filter = match lookup("RUST_LOG") {
         Some(value) if !value.trim().is_empty() => EnvFilter::try_new(&value).map_err(|error| {
@@ -315,19 +338,26 @@ fn logging_settings(
             }
         },
     };
-    Ok((filter, json))
+    // https://no-color.org: a non-empty `NO_COLOR` turns colours off.
+    let no_color = lookup("NO_COLOR").is_some_and(|value| !value.is_empty());
+    Ok(LogSettings { filter, json, ansi: stderr_is_terminal && !no_color })
 }
 
 #[cfg(test)]
 mod tests {
-    use super::logging_settings;
+    use std::sync::{Arc, Mutex};
+
+    use super::{LogSettings, log_layer, logging_settings};
+
+    fn lookup(vars: &[(&str, &str)]) -> impl Fn(&str) -> Option<String> {
+        let vars: Vec<(String, String)> =
+            vars.iter().map(|(name, value)| ((*name).to_owned(), (*value).to_owned())).collect();
+        move |name: &str| vars.iter().find(|(var, _)| var == name).map(|(_, value)| value.clone())
+    }
 
     fn settings(vars: &[(&str, &str)]) -> Result<bool, (String, String)> {
-        let lookup = |name: &str| {
-            vars.iter().find(|(var, _)| *var == name).map(|(_, value)| (*value).to_owned())
-        };
-        logging_settings(lookup)
-            .map(|(_, json)| json)
+        logging_settings(lookup(vars), false)
+            .map(|settings| settings.json)
             .map_err(|error| (error.key().to_owned(), error.value().to_owned()))
     }
 
@@ -340,5 +370,72 @@ mod tests {
         assert_eq!(settings(&[("CLUSTER_LOG_FORMAT", "xml")]), Err(wrong));
         let filter = settings(&[("RUST_LOG", "cluster=loud")]);
         assert_eq!(filter.map_err(|(key, _)| key), Err("RUST_LOG".to_owned()));
+    }
+
+    /// What a log layer wrote, as a writer for it.
+    #[derive(Clone, Default)]
+    struct Written(Arc<Mutex<Vec<u8>>>);
+
+    impl Written {
+        fn text(&self) -> String {
+            String::from_utf8(self.0.lock().unwrap().clone()).unwrap()
+        }
+    }
+
+    impl std::io::Write for Written {
+        fn write(&mut self, bytes: &[u8]) -> std::io::Result<usize> {
+            self.0.lock().unwrap().extend_from_slice(bytes);
+            Ok(bytes.len())
+        }
+
+        fn flush(&mut self) -> std::io::Result<()> {
+            Ok(())
+        }
+    }
+
+    impl<'w> tracing_subscriber::fmt::MakeWriter<'w> for Written {
+        type Writer = Written;
+
+        fn make_writer(&'w self) -> Written {
+            self.clone()
+        }
+    }
+
+    /// What `log` writes through the layer of `settings`.
+    fn logged(settings: LogSettings, log: impl FnOnce()) -> String {
+        use tracing_subscriber::layer::SubscriberExt as _;
+        let written = Written::default();
+        let subscriber = tracing_subscriber::registry().with(log_layer(settings, written.clone()));
+        tracing::subscriber::with_default(subscriber, log);
+        written.text()
+    }
+
+    /// Text written where standard error is no terminal (a file, a pipe) has no colours, and
+    /// `NO_COLOR` turns them off on a terminal too.
+    #[test]
+    fn text_logs_have_colours_only_on_a_terminal_without_no_color() {
+        let to_file = logging_settings(lookup(&[]), false).unwrap();
+        let text = logged(to_file, || tracing::info!(runner = "r1", "runner started"));
+        assert!(text.contains("runner started"), "{text}");
+        assert!(!text.contains('\u{1b}'), "escape codes in a file: {text:?}");
+        let on_terminal = logging_settings(lookup(&[]), true).unwrap();
+        assert!(on_terminal.ansi);
+        let no_color = logging_settings(lookup(&[("NO_COLOR", "1")]), true).unwrap();
+        assert!(!no_color.ansi);
+        let empty = logging_settings(lookup(&[("NO_COLOR", "")]), true).unwrap();
+        assert!(empty.ansi, "an empty NO_COLOR is unset");
+    }
+
+    /// The `runner started` event shows its addresses as text (`127.0.0.1:5000`), not as their
+    /// `Debug` form.
+    #[test]
+    fn the_runner_started_event_shows_addresses_as_text() {
+        let json = logging_settings(lookup(&[("CLUSTER_LOG_FORMAT", "json")]), false).unwrap();
+        let address = cluster_core::RunnerAddress::new("127.0.0.1", 5000);
+        let listen = std::net::SocketAddr::from(([0, 0, 0, 0], 5000));
+        let line = logged(json, || crate::runner::log_started(Some(&address), listen));
+        let event: serde_json::Value = serde_json::from_str(line.trim()).unwrap();
+        assert_eq!(event["fields"]["address"], "127.0.0.1:5000", "{line}");
+        assert_eq!(event["fields"]["listen"], "0.0.0.0:5000", "{line}");
     }
 }

@@ -550,7 +550,7 @@ impl Runner {
     /// - Logs go to standard error, filtered by `RUST_LOG` (default `info`), as text or, with
     ///   `CLUSTER_LOG_FORMAT=json`, as JSON lines.
     /// - With the feature `otel` and `OTEL_EXPORTER_OTLP_ENDPOINT` set, spans are exported over
-    ///   OTLP and requests carry their trace context to other runners ([`crate::otel`]).
+    ///   OTLP and requests carry their trace context to other runners (the `otel` module).
     /// - It starts as [`Runner::from_env`] does, then runs until SIGTERM or SIGINT, and shuts
     ///   down gracefully.
     /// - A failure is one line on standard error and exit code 2 for a configuration error, 1
@@ -565,7 +565,7 @@ impl Runner {
         Runner::main_with(env, register).await
     }
 
-    /// Runs a runner process to its end on settings already read, as [`Runner::main`] does, and
+    /// Runs a runner process to its end on settings already read, as `Runner::main` does, and
     /// returns its exit code; it installs no logger.
     pub async fn main_with(
         env: Result<RunnerEnv, RunnerError>,
@@ -573,7 +573,7 @@ impl Runner {
     ) -> std::process::ExitCode {
         let run = async {
             let runner = Runner::start(&env?, register).await?;
-            tracing::info!(address = ?runner.sharding.config().runner_address, "runner started");
+            log_started(runner.sharding.config().runner_address.as_ref(), runner.listen_address());
             let stopped = terminated().await;
             runner.shutdown().await;
             stopped
@@ -588,6 +588,12 @@ impl Runner {
                 std::process::ExitCode::from(error.exit_code())
             }
         }
+    }
+
+    /// The address the transport's listener is bound to: the listen address (`LISTEN_HOST`,
+    /// `LISTEN_PORT`), or else the advertised one, with the port the system chose for port 0.
+    pub fn listen_address(&self) -> SocketAddr {
+        self.server.local_addr()
     }
 
     /// Where the operations server listens, when `CLUSTER_OPS_LISTEN` is set (feature `ops`).
@@ -609,6 +615,16 @@ impl Runner {
         if let Some(ops) = self.ops {
             ops.shutdown().await;
         }
+    }
+}
+
+/// Logs that a runner started, advertised at `address` and listening on `listen`, both as text
+/// (`127.0.0.1:5000`): JSON logs show a field's text, and a `Debug` form would be
+/// `Some(RunnerAddress(127.0.0.1:5000))`.
+pub(crate) fn log_started(address: Option<&RunnerAddress>, listen: SocketAddr) {
+    match address {
+        Some(address) => tracing::info!(%address, %listen, "runner started"),
+        None => tracing::info!(%listen, "runner started"),
     }
 }
 

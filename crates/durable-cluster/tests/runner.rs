@@ -5,8 +5,8 @@ use durable_cluster::{Runner, RunnerEnv, RunnerError};
 
 mod support;
 
-/// A runner's variables: a fresh SQLite file, the advertised address on loopback, the listener
-/// on every interface, and `extra`.
+/// A runner's variables: a fresh SQLite file, the advertised address on loopback at a free port,
+/// the listener on every interface at that port, and `extra`.
 fn env(name: &str, extra: &[(&str, &str)]) -> RunnerEnv {
     let mut vars = vec![("LISTEN_HOST", "0.0.0.0")];
     vars.extend_from_slice(extra);
@@ -41,6 +41,20 @@ async fn a_runner_listening_beyond_loopback_needs_a_secret_or_an_explicit_opt_ou
         support::remove_database(name);
     }
     support::remove_database("refused");
+}
+
+/// `LISTEN_HOST` alone listens on the advertised port (`PORT`), where the peers connect, as a
+/// container's `PORT=5000 LISTEN_HOST=0.0.0.0` expects.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_runner_listens_on_its_advertised_port_when_only_the_listen_host_is_set() {
+    let env = env("listen-port", &[("CLUSTER_RPC_SECRET", "s3cret")]);
+    let advertised = env.sharding.runner_address.clone().unwrap();
+    assert_eq!(env.sharding.runner_listen_address.as_ref().map(|a| a.host()), Some("0.0.0.0"));
+    let runner = Runner::start(&env, |_| Ok(())).await.unwrap();
+    let listening = runner.listen_address();
+    runner.shutdown().await;
+    support::remove_database("listen-port");
+    assert_eq!(listening.port(), advertised.port(), "advertised {advertised}");
 }
 
 /// The secret shows in no `Debug` output of the settings.

@@ -195,6 +195,10 @@ fn listen_address_rules() {
     assert_eq!(load(&[]).unwrap().runner_listen_address, None);
     let host_only = load(&[("LISTEN_HOST", "0.0.0.0")]).unwrap();
     assert_eq!(host_only.runner_listen_address, Some(RunnerAddress::new("0.0.0.0", 34431)));
+    // Without LISTEN_PORT a runner listens on the port it advertises, where peers connect.
+    let container = load(&[("PORT", "5000"), ("LISTEN_HOST", "0.0.0.0")]).unwrap();
+    assert_eq!(container.runner_listen_address, Some(RunnerAddress::new("0.0.0.0", 5000)));
+    assert_eq!(container.runner_address, Some(RunnerAddress::new("localhost", 5000)));
     let both = load(&[("LISTEN_HOST", "::"), ("LISTEN_PORT", "8080")]).unwrap();
     assert_eq!(both.runner_listen_address, Some(RunnerAddress::new("::", 8080)));
     let ephemeral = load(&[("LISTEN_HOST", "127.0.0.1"), ("LISTEN_PORT", "0")]).unwrap();

@@ -6,7 +6,8 @@ use cluster_rpc::{RpcConfig, RpcError, RpcServer, TcpTransport};
 use tokio::io::AsyncWriteExt;
 
 use crate::support::{
-    FakeHandler, closed_by_server, config, raw_client, request, runner_address, serve, within,
+    FakeHandler, closed_by_server, config, raw_client, request, runner_address, serve, wait_until,
+    within,
 };
 
 fn with_secret(secret: &str) -> RpcConfig {
@@ -22,26 +23,52 @@ async fn the_right_secret_is_accepted() {
     assert!(reply.expect("reply").is_final());
 }
 
+/// A client without the server's secret is refused before any call, and both sides say why: the
+/// caller gets `HandshakeFailed` at once (a configuration error, which routing does not retry),
+/// also while the peer is in backoff, and the server logs a warning naming the secret mismatch.
+/// Neither shows the secret.
 #[tokio::test]
-async fn a_wrong_or_missing_secret_is_refused_before_any_call() {
+async fn a_wrong_or_missing_secret_is_refused_before_any_call_and_named_on_both_sides() {
     let handler = FakeHandler::new();
+    let warnings = Warnings::default();
+    let _guard = tracing::dispatcher::set_default(&tracing::Dispatch::new(warnings.clone()));
     let server = serve(with_secret("s3cret"), handler.clone()).await;
     let address = runner_address(&server);
     for client in [with_secret("guess"), config()] {
         let runners = TcpTransport::new(client).expect("config");
         let error = within(runners.send(&address, request(1, "Echo"), false)).await;
-        assert!(matches!(error, Err(ClusterError::RunnerUnavailable { .. })), "{error:?}");
+        assert_handshake_failed(&error.map(|_| ()));
+        // The second call finds the peer in backoff: the same error, not `RunnerUnavailable`.
         let error = within(runners.notify(
             &address,
             cluster_core::Envelope::Request(request(2, "Echo")),
             false,
         ))
         .await;
-        assert!(matches!(error, Err(ClusterError::RunnerUnavailable { .. })), "{error:?}");
+        assert_handshake_failed(&error);
         assert!(!runners.is_connected(&address));
+    }
+    let named = |line: &String| line.contains("failed the handshake") && line.contains("secret");
+    assert!(
+        wait_until(|| warnings.logged().iter().filter(|line| named(line)).count() >= 2).await,
+        "the server names the cause of each refusal: {:?}",
+        warnings.logged()
+    );
+    for line in warnings.logged() {
+        assert!(!line.contains("s3cret") && !line.contains("guess"), "{line}");
     }
     assert_eq!(handler.calls(), 0);
     assert_eq!(server.connection_count(), 0);
+}
+
+/// `error` is a `HandshakeFailed` that names the secret's variable, and not the secrets.
+fn assert_handshake_failed(error: &Result<(), ClusterError>) {
+    let Err(ClusterError::HandshakeFailed { reason, .. }) = error else {
+        panic!("not a handshake failure: {error:?}");
+    };
+    assert!(reason.contains("CLUSTER_RPC_SECRET"), "{reason}");
+    let shown = format!("{error:?} {}", error.as_ref().unwrap_err());
+    assert!(!shown.contains("s3cret") && !shown.contains("guess"), "{shown}");
 }
 
 #[tokio::test]
@@ -50,7 +77,7 @@ async fn a_client_with_a_secret_refuses_a_server_without_one() {
     let server = serve(config(), handler.clone()).await;
     let runners = TcpTransport::new(with_secret("s3cret")).expect("config");
     let error = within(runners.send(&runner_address(&server), request(1, "Echo"), false)).await;
-    assert!(matches!(error, Err(ClusterError::RunnerUnavailable { .. })), "{error:?}");
+    assert_handshake_failed(&error.map(|_| ()));
     assert_eq!(handler.calls(), 0);
 }
 

@@ -155,7 +155,7 @@ async fn a_round_trip_over_tls_configured_from_the_environment() {
     })
     .expect("client");
     let error = within(runners.send(&address, request(2, "Echo"), false)).await;
-    assert!(matches!(error, Err(ClusterError::RunnerUnavailable { .. })), "{error:?}");
+    assert!(matches!(error, Err(ClusterError::HandshakeFailed { .. })), "{error:?}");
     assert_eq!(handler.calls(), 1);
 }
 

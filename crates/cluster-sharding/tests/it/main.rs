@@ -15,6 +15,7 @@ mod shutdown;
 mod singletons;
 mod streams;
 mod transaction;
+mod unserved;
 
 use std::sync::Arc;
 use std::sync::atomic::Ordering;

@@ -11,6 +11,58 @@ use mysql_async::{Conn, Pool};
 /// The default number of pooled connections of [`pool`].
 pub const POOL_SIZE_DEFAULT: usize = 16;
 
+/// `error`, from opening a storage on the `mysql://` URL `url` (its first connection and its
+/// migrations), with the server it tried and what to check: the driver's error alone names
+/// neither.
+///
+/// The cause itself (the OS error, or the server's message) stays the source, which
+/// `StorageError`'s text shows.
+pub(crate) fn opening_error(url: &str, error: StorageError) -> StorageError {
+    let Ok(opts) = mysql_async::Opts::from_url(url) else { return error };
+    let target = format!(
+        "{}:{} (database \"{}\", user \"{}\")",
+        opts.ip_or_hostname(),
+        opts.tcp_port(),
+        opts.db_name().unwrap_or("(none)"),
+        opts.user().unwrap_or("(none)"),
+    );
+    let message = match server_code(&error) {
+        // ER_BAD_DB_ERROR
+        Some(1049) => format!(
+            "MySQL at {target} has no such database: create the database, or fix its name in \
+             the URL"
+        ),
+        // ER_ACCESS_DENIED_ERROR, ER_DBACCESS_DENIED_ERROR
+        Some(1044 | 1045) => format!(
+            "MySQL at {target} refused the user: check the user and password in the URL, and \
+             the user's grants"
+        ),
+        Some(_) => format!("MySQL at {target} refused: see the server's message"),
+        None if error.kind() == StorageErrorKind::Unavailable => format!(
+            "cannot reach MySQL at {target}: check that MySQL runs there and accepts \
+             connections from this host, and the host and port in the URL"
+        ),
+        None if error.kind() == StorageErrorKind::Timeout => format!(
+            "MySQL at {target} did not answer in time: check the host, the port and the network"
+        ),
+        None => format!("cannot open the MySQL storage at {target}"),
+    };
+    StorageError::with_source(error.kind(), message, error)
+}
+
+/// The server's error code, when the server refused.
+fn server_code(error: &StorageError) -> Option<u16> {
+    let mut source = std::error::Error::source(error);
+    while let Some(cause) = source {
+        if let Some(mysql_async::Error::Server(server)) = cause.downcast_ref::<mysql_async::Error>()
+        {
+            return Some(server.code);
+        }
+        source = cause.source();
+    }
+    None
+}
+
 /// A pool of at most `size_max` connections to the `mysql://` URL `url`, set up as the storages
 /// want it: idle connections are kept for a minute (a `mysql_async` pool with no inactive TTL
 /// closes every connection it gets back) and are not reset on checkout (a reset drops their

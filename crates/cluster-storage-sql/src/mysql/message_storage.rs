@@ -118,7 +118,8 @@ impl MySqlMessageStorage {
         options: &crate::options::SqlStorageOptions,
     ) -> Result<MySqlMessageStorage, StorageError> {
         let pool = connection::pool(url, connection::POOL_SIZE_DEFAULT)?;
-        MySqlMessageStorage::new(pool, &options.prefix).await
+        let opened = MySqlMessageStorage::new(pool, &options.prefix).await;
+        opened.map_err(|error| connection::opening_error(url, error))
     }
 
     /// The storage on `pool` with tables named by `prefix`, after running the migrations

@@ -60,7 +60,8 @@ impl MySqlQueueStorage {
     /// As [`migrate`](MySqlQueueStorage::migrate).
     pub async fn connect(url: &str, table: QueueTable) -> Result<MySqlQueueStorage, StorageError> {
         let pool = connection::pool(url, connection::POOL_SIZE_DEFAULT)?;
-        MySqlQueueStorage::new(pool, table).await
+        let opened = MySqlQueueStorage::new(pool, table).await;
+        opened.map_err(|error| connection::opening_error(url, error))
     }
 
     /// Brings `table` up to date on `pool` and returns the store.

@@ -76,7 +76,8 @@ impl MySqlRunnerStorage {
             StorageError::with_source(StorageErrorKind::InvalidInput, "invalid MySQL URL", error)
         })?;
         let pool = connection::pool(url, connection::POOL_SIZE_DEFAULT)?;
-        MySqlRunnerStorage::new(pool, opts, options).await
+        let opened = MySqlRunnerStorage::new(pool, opts, options).await;
+        opened.map_err(|error| connection::opening_error(url, error))
     }
 
     /// The storage on `pool` after running the migrations

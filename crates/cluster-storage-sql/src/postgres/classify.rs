@@ -15,13 +15,17 @@ pub(crate) fn driver_error(what: &str, error: tokio_postgres::Error) -> StorageE
 
 /// A failure to check a connection out of the pool, classified.
 pub(crate) fn pool_error(what: &str, error: PoolError) -> StorageError {
-    let kind = match &error {
+    let message = format!("{what}: no connection");
+    let kind = match error {
+        // The driver's error is the cause; the pool's wrapper adds only noise to the text.
+        PoolError::Backend(driver) => {
+            return StorageError::with_source(classify(&driver), message, driver);
+        }
         PoolError::Timeout(_) => StorageErrorKind::Timeout,
-        PoolError::Backend(driver) => classify(driver),
         PoolError::Closed | PoolError::PostCreateHook(_) => StorageErrorKind::Unavailable,
         PoolError::NoRuntimeSpecified => StorageErrorKind::Other,
     };
-    StorageError::with_source(kind, format!("{what}: no connection"), error)
+    StorageError::with_source(kind, message, error)
 }
 
 /// The kind of a driver error: SQLSTATE classes for server errors, [`Unavailable`] for a lost

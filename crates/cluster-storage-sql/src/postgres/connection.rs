@@ -32,6 +32,82 @@ pub fn parse_config(url: &str) -> Result<tokio_postgres::Config, StorageError> {
     })
 }
 
+/// `error`, from opening a storage on `config` (its first connection and its migrations), with
+/// the server it tried and what to check: the driver's error alone names neither.
+///
+/// The cause itself (the OS error, or the server's message) stays the source, which
+/// `StorageError`'s text shows.
+pub(crate) fn opening_error(config: &tokio_postgres::Config, error: StorageError) -> StorageError {
+    let target = target(config);
+    let message = match cause(&error) {
+        Cause::Server(code) if code == "3D000" => format!(
+            "PostgreSQL at {target} has no such database: create the database, or fix its name \
+             in the URL"
+        ),
+        Cause::Server(code) if code.starts_with("28") => format!(
+            "PostgreSQL at {target} refused the user: check the user and password in the URL, \
+             and the server's pg_hba.conf"
+        ),
+        Cause::Server(_) => format!("PostgreSQL at {target} refused: see the server's message"),
+        Cause::Network => format!(
+            "cannot reach PostgreSQL at {target}: check that PostgreSQL runs there and accepts \
+             connections from this host, and the host and port in the URL"
+        ),
+        Cause::Other if error.kind() == StorageErrorKind::Timeout => format!(
+            "PostgreSQL at {target} did not answer in time: check the host, the port and the \
+             network"
+        ),
+        Cause::Other => format!("cannot open the PostgreSQL storage at {target}"),
+    };
+    StorageError::with_source(error.kind(), message, error)
+}
+
+/// What a failure to open a storage comes from.
+enum Cause {
+    /// The server answered with this SQLSTATE.
+    Server(String),
+    /// The connection could not be made or was lost.
+    Network,
+    /// Anything else.
+    Other,
+}
+
+fn cause(error: &StorageError) -> Cause {
+    let mut source = std::error::Error::source(error);
+    let mut network = false;
+    while let Some(cause) = source {
+        if let Some(db_error) = cause.downcast_ref::<tokio_postgres::error::DbError>() {
+            return Cause::Server(db_error.code().code().to_owned());
+        }
+        network |= cause.is::<std::io::Error>();
+        source = cause.source();
+    }
+    if network { Cause::Network } else { Cause::Other }
+}
+
+/// Where `config` connects, without its password: `host:port, database "…", user "…"`.
+fn target(config: &tokio_postgres::Config) -> String {
+    use tokio_postgres::config::Host;
+    let ports = config.get_ports();
+    let hosts: Vec<String> = config
+        .get_hosts()
+        .iter()
+        .enumerate()
+        .map(|(idx, host)| {
+            // One port for every host, or one per host; 5432 when the URL gives none.
+            let port = ports.get(idx).or(ports.first()).copied().unwrap_or(5432);
+            match host {
+                Host::Tcp(name) => format!("{name}:{port}"),
+                Host::Unix(path) => format!("{}/.s.PGSQL.{port}", path.display()),
+            }
+        })
+        .collect();
+    let hosts = if hosts.is_empty() { "localhost:5432".to_owned() } else { hosts.join(", ") };
+    let user = config.get_user().unwrap_or("(none)");
+    let database = config.get_dbname().unwrap_or(user);
+    format!("{hosts} (database \"{database}\", user \"{user}\")")
+}
+
 /// A pool of at most `size_max` connections to `config`, with bounded waits: a caller waits at
 /// most [`POOL_WAIT_TIMEOUT`] for a connection and a new connection is opened within
 /// [`CONNECT_TIMEOUT`]. A connection whose socket closed is discarded when it is next checked

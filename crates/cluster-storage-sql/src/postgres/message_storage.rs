@@ -137,8 +137,10 @@ impl PgMessageStorage {
         url: &str,
         options: &SqlStorageOptions,
     ) -> Result<PgMessageStorage, StorageError> {
-        let pool = connection::pool(connection::parse_config(url)?, connection::POOL_SIZE_DEFAULT)?;
-        PgMessageStorage::new(pool, options).await
+        let config = connection::parse_config(url)?;
+        let pool = connection::pool(config.clone(), connection::POOL_SIZE_DEFAULT)?;
+        let opened = PgMessageStorage::new(pool, options).await;
+        opened.map_err(|error| connection::opening_error(&config, error))
     }
 
     /// Runs the migrations on `pool` and returns the storage (the reference's `layerWith`).

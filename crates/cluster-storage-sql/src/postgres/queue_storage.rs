@@ -57,8 +57,10 @@ impl PgQueueStorage {
     ///
     /// Cancel safe: the migrations run in one transaction, which a dropped future rolls back.
     pub async fn connect(url: &str, table: QueueTable) -> Result<PgQueueStorage, StorageError> {
-        let pool = connection::pool(connection::parse_config(url)?, connection::POOL_SIZE_DEFAULT)?;
-        PgQueueStorage::new(pool, table).await
+        let config = connection::parse_config(url)?;
+        let pool = connection::pool(config.clone(), connection::POOL_SIZE_DEFAULT)?;
+        let opened = PgQueueStorage::new(pool, table).await;
+        opened.map_err(|error| connection::opening_error(&config, error))
     }
 
     /// Brings `table` up to date on `pool` and returns the store.

@@ -83,7 +83,8 @@ impl PgRunnerStorage {
     ) -> Result<PgRunnerStorage, StorageError> {
         let config = connection::parse_config(url)?;
         let pool = connection::pool(config.clone(), connection::POOL_SIZE_DEFAULT)?;
-        PgRunnerStorage::new(pool, config, options).await
+        let opened = PgRunnerStorage::new(pool, config.clone(), options).await;
+        opened.map_err(|error| connection::opening_error(&config, error))
     }
 
     /// Runs the migrations on `pool` and returns the storage, whose lock session connects

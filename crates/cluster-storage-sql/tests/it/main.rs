@@ -52,3 +52,10 @@ pub(crate) fn database_url(variable: &str) -> Option<String> {
 fn report(message: &str) {
     eprintln!("{message}");
 }
+
+#[cfg(any(feature = "postgres", feature = "mysql"))]
+/// A loopback port on which nothing listens: one the system just handed out and took back.
+pub(crate) fn closed_port() -> u16 {
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").expect("a loopback port");
+    listener.local_addr().expect("a bound address").port()
+}

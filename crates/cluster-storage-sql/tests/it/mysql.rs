@@ -19,7 +19,7 @@ use cluster_core::storage::{
 };
 use cluster_core::{
     Clock, EntityAddress, EntityId, EntityType, Runner, RunnerAddress, ShardGroup, ShardId,
-    Snowflake, SystemClock, Timestamp,
+    ShardingConfig, Snowflake, SystemClock, Timestamp,
 };
 use cluster_storage_sql::mysql::{
     MySqlMessageStorage, MySqlRunnerStorage, migrate_messages, migrate_runners,
@@ -1097,4 +1097,37 @@ async fn confirm_reports_the_held_locks_without_a_heartbeat() {
         runners.release_all(&owner.address).await.unwrap();
     }
     database.drop_tables().await;
+}
+
+/// A storage that cannot open names the server it tried, the cause (the OS error, or the
+/// server's own message) and what to check, so that a new user need not guess.
+#[tokio::test]
+async fn a_failed_connect_names_the_server_the_cause_and_the_fix() {
+    let options = SqlStorageOptions::from_config(&ShardingConfig::default(), unique_prefix());
+    let port = crate::closed_port();
+    let down = format!("mysql://root@127.0.0.1:{port}/test");
+    let Err(error) = MySqlMessageStorage::connect(&down, &options).await else {
+        panic!("connected to a closed port");
+    };
+    let shown = error.to_string();
+    assert_eq!(error.kind(), StorageErrorKind::Unavailable, "{shown}");
+    assert!(shown.contains(&format!("127.0.0.1:{port}")), "the host and port: {shown}");
+    assert!(shown.contains("os error"), "the OS error: {shown}");
+    assert!(shown.contains("check that MySQL"), "what to do: {shown}");
+
+    let Some(url) = database_url("CLUSTER_TEST_MYSQL_URL") else { return };
+    let opts = Opts::from_url(&url).unwrap();
+    let password = opts.pass().map(|password| format!(":{password}")).unwrap_or_default();
+    let wrong = format!(
+        "mysql://{}{password}@{}:{}/cluster_no_such_database",
+        opts.user().unwrap_or("root"),
+        opts.ip_or_hostname(),
+        opts.tcp_port()
+    );
+    let Err(error) = MySqlRunnerStorage::connect(&wrong, options).await else {
+        panic!("connected to a database that does not exist");
+    };
+    let shown = error.to_string();
+    assert!(shown.contains("cluster_no_such_database"), "the server's message: {shown}");
+    assert!(shown.contains("create the database"), "what to do: {shown}");
 }

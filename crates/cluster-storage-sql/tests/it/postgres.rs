@@ -1089,3 +1089,49 @@ async fn a_terminated_ordered_read_session_is_replaced() {
     assert_ne!(first, second, "a new session");
     scratch.cleanup().await;
 }
+
+/// A storage that cannot open names the server it tried, the cause (the OS error, or the
+/// server's own message) and what to check, so that a new user need not guess.
+#[tokio::test]
+async fn a_failed_connect_names_the_server_the_cause_and_the_fix() {
+    let options =
+        SqlStorageOptions::from_config(&ShardingConfig::default(), crate::unique_prefix());
+    let port = crate::closed_port();
+    let down = format!("postgres://postgres@127.0.0.1:{port}/test");
+    let Err(error) = PgMessageStorage::connect(&down, &options).await else {
+        panic!("connected to a closed port");
+    };
+    let shown = error.to_string();
+    assert_eq!(error.kind(), StorageErrorKind::Unavailable, "{shown}");
+    assert!(shown.contains(&format!("127.0.0.1:{port}")), "the host and port: {shown}");
+    assert!(shown.contains("os error"), "the OS error: {shown}");
+    assert!(shown.contains("check that PostgreSQL"), "what to do: {shown}");
+
+    let Some(url) = crate::database_url(URL_VARIABLE) else { return };
+    let config = postgres::parse_config(&url).unwrap();
+    let wrong = wrong_database(&config, "cluster_no_such_database");
+    let Err(error) = PgRunnerStorage::connect(&wrong, &options).await else {
+        panic!("connected to a database that does not exist");
+    };
+    let shown = error.to_string();
+    assert!(
+        shown.contains("database \"cluster_no_such_database\" does not exist"),
+        "the server's message: {shown}"
+    );
+    assert!(shown.contains("create the database"), "what to do: {shown}");
+}
+
+/// `config`'s connection string with the database `name`.
+fn wrong_database(config: &tokio_postgres::Config, name: &str) -> String {
+    let host = match config.get_hosts().first() {
+        Some(tokio_postgres::config::Host::Tcp(host)) => host.clone(),
+        _ => "127.0.0.1".to_owned(),
+    };
+    let port = config.get_ports().first().copied().unwrap_or(5432);
+    let user = config.get_user().unwrap_or("postgres");
+    let mut text = format!("host={host} port={port} user={user} dbname={name}");
+    if let Some(password) = config.get_password() {
+        text.push_str(&format!(" password={}", String::from_utf8_lossy(password)));
+    }
+    text
+}

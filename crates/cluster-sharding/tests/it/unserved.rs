@@ -1,0 +1,114 @@
+//! A persisted call whose shard no runner holds: its caller warns while it waits, naming the
+//! entity, the shard and what to do, and the call ends once a runner takes the shard.
+
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use cluster_core::{RunnerAddress, ShardingConfig, SystemClock};
+use cluster_sharding::{EntityOptions, Sharding};
+use cluster_testkit::memory::{MemoryMessageStorage, MemoryRunnerDatabase, MemoryRunnerStorage};
+
+use crate::entities::{Counter, Persist};
+
+/// The warnings logged while it is the thread's default subscriber, each as its fields.
+#[derive(Clone, Default)]
+struct Warnings(Arc<Mutex<Vec<String>>>);
+
+impl Warnings {
+    fn logged(&self) -> Vec<String> {
+        self.0.lock().unwrap().clone()
+    }
+}
+
+struct Fields<'a>(&'a mut String);
+
+impl tracing::field::Visit for Fields<'_> {
+    fn record_debug(&mut self, field: &tracing::field::Field, value: &dyn std::fmt::Debug) {
+        self.0.push_str(&format!("{}={value:?} ", field.name()));
+    }
+}
+
+impl tracing::Subscriber for Warnings {
+    fn enabled(&self, metadata: &tracing::Metadata<'_>) -> bool {
+        *metadata.level() <= tracing::Level::WARN
+    }
+
+    fn new_span(&self, _: &tracing::span::Attributes<'_>) -> tracing::span::Id {
+        tracing::span::Id::from_u64(1)
+    }
+
+    fn record(&self, _: &tracing::span::Id, _: &tracing::span::Record<'_>) {}
+
+    fn record_follows_from(&self, _: &tracing::span::Id, _: &tracing::span::Id) {}
+
+    fn event(&self, event: &tracing::Event<'_>) {
+        if *event.metadata().level() == tracing::Level::WARN {
+            let mut line = String::new();
+            event.record(&mut Fields(&mut line));
+            self.0.lock().unwrap().push(line);
+        }
+    }
+
+    fn enter(&self, _: &tracing::span::Id) {}
+
+    fn exit(&self, _: &tracing::span::Id) {}
+}
+
+fn config(runner_address: Option<RunnerAddress>) -> ShardingConfig {
+    ShardingConfig {
+        runner_address,
+        shards_per_group: 4,
+        refresh_assignments_interval: Duration::from_millis(20),
+        shard_lock_refresh_interval: Duration::from_millis(500),
+        entity_message_poll_interval: Duration::from_millis(50),
+        entity_reply_poll_interval: Duration::from_millis(20),
+        ..ShardingConfig::default()
+    }
+}
+
+/// A client-only process with no runner: its persisted call warns while it waits, then ends
+/// once a runner starts and takes the shard.
+#[tokio::test]
+async fn a_persisted_call_that_no_runner_serves_warns_while_it_waits() {
+    let warnings = Warnings::default();
+    let _guard = tracing::dispatcher::set_default(&tracing::Dispatch::new(warnings.clone()));
+    let clock = Arc::new(SystemClock);
+    let messages = Arc::new(MemoryMessageStorage::new(clock.clone()));
+    let registry = MemoryRunnerDatabase::new(clock);
+    let expiration = Duration::from_secs(5);
+    let client = Sharding::builder(config(None))
+        .messages(messages.clone())
+        .runners(Arc::new(MemoryRunnerStorage::new(Arc::clone(&registry), expiration)))
+        .start()
+        .await
+        .unwrap();
+    let counter = client.client::<Counter>("nobody-serves-me");
+    let mut call = std::pin::pin!(counter.send(Persist));
+    let named = |line: &String| {
+        line.contains("no runner holds the shard")
+            && line.contains("entity_type=Counter")
+            && line.contains("entity_id=nobody-serves-me")
+            && line.contains(&format!("shard={}", counter.address().shard_id))
+            && line.contains("timeout")
+    };
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(20);
+    while !warnings.logged().iter().any(named) {
+        assert!(tokio::time::Instant::now() < deadline, "no warning: {:?}", warnings.logged());
+        tokio::select! {
+            ended = &mut call => panic!("the call ended without a runner: {ended:?}"),
+            () = tokio::time::sleep(Duration::from_millis(10)) => {}
+        }
+    }
+    // A runner comes: it takes the shard, and the call gets its reply.
+    let runner = Sharding::builder(config(Some(RunnerAddress::new("127.0.0.1", 1))))
+        .messages(messages)
+        .runners(Arc::new(MemoryRunnerStorage::new(registry, expiration)))
+        .start()
+        .await
+        .unwrap();
+    runner.register::<Counter>(EntityOptions::default()).unwrap();
+    let answered = tokio::time::timeout(Duration::from_secs(20), call).await;
+    answered.expect("answered once a runner holds the shard").unwrap();
+    client.shutdown().await;
+    runner.shutdown().await;
+}
