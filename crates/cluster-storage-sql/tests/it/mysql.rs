@@ -24,6 +24,7 @@ use cluster_core::{
 use cluster_storage_sql::mysql::{
     MySqlMessageStorage, MySqlRunnerStorage, migrate_messages, migrate_runners,
 };
+use cluster_storage_sql::options::VALUE_BYTES_MAX_DEFAULT;
 use cluster_storage_sql::{LockMode, SqlStorageOptions, TablePrefix};
 use cluster_testkit::storage_suite::{Corruption, StorageFixture};
 use mysql_async::prelude::Queryable;
@@ -77,6 +78,7 @@ impl Database {
             shard_lock_interval: (expiration / 3).max(Duration::from_secs(1)),
             available_groups: vec![ShardGroup::from("default")],
             extra_indexes: true,
+            value_bytes_max: VALUE_BYTES_MAX_DEFAULT,
         }
     }
 
