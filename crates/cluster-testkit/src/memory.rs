@@ -1040,6 +1040,10 @@ impl StorageFixture for MemoryFixture {
         ready(Arc::new(storage) as Arc<dyn RunnerStorage>)
     }
 
+    fn value_bytes_max(&self) -> usize {
+        self.messages.value_bytes_max()
+    }
+
     fn corrupt(&self, corruption: Corruption) -> BoxFuture<'_, ()> {
         match corruption {
             Corruption::MessagePayload(id) => self.messages.corrupt_message(id),

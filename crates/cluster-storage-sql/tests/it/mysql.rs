@@ -198,6 +198,11 @@ impl StorageFixture for MySqlFixture {
         })
     }
 
+    /// The default `value_bytes_max`, capped by the `TEXT` columns: 65,535 bytes.
+    fn value_bytes_max(&self) -> usize {
+        self.storage.value_bytes_max().get()
+    }
+
     fn corrupt(&self, corruption: Corruption) -> BoxFuture<'_, ()> {
         Box::pin(async move {
             let (table, set, id) = match corruption {

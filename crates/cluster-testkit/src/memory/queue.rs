@@ -357,6 +357,10 @@ impl QueueFixture for MemoryQueueFixture {
         ready(self.storage())
     }
 
+    fn value_bytes_max(&self) -> usize {
+        self.storage.value_bytes_max()
+    }
+
     fn cleanup(self: Box<Self>) -> BoxFuture<'static, ()> {
         ready(())
     }
