@@ -45,7 +45,7 @@ pub mod postgres;
 #[cfg(feature = "sqlite")]
 pub mod sqlite;
 
-pub use options::{LockMode, SqlStorageOptions, TablePrefix};
+pub use options::{LockMode, SqlStorageOptions, TablePrefix, ValueBytesMax};
 #[cfg(feature = "postgres")]
 pub use postgres::{PgMessageStorage, PgQueueStorage, PgRunnerStorage, PgTransactionGuard};
 pub use queue::QueueTable;

@@ -1,5 +1,5 @@
-//! What every SQL backend is configured with: the table prefix, the shard lock settings and
-//! whether the migrations may add to the reference's schema.
+//! What every SQL backend is configured with: the table prefix, the shard lock settings,
+//! whether the migrations may add to the reference's schema, and the size limit of stored values.
 
 use std::fmt;
 use std::time::Duration;
@@ -74,6 +74,78 @@ impl fmt::Display for TablePrefix {
     }
 }
 
+/// The default of [`SqlStorageOptions::value_bytes_max`]: 16 MiB.
+///
+/// Generous for payloads and replies, while it bounds what one value costs a runner's memory
+/// and a round trip to the database.
+pub const VALUE_BYTES_MAX_DEFAULT: ValueBytesMax = ValueBytesMax(16 * 1024 * 1024);
+
+/// The most bytes a stored value may have: a request's payload or headers, a reply's payload
+/// (the exit's JSON, or a chunk's array of values), a queue element. At least 1 and at most
+/// [`ValueBytesMax::LIMIT`] (1 GiB, about what PostgreSQL and SQLite hold in one value).
+///
+/// The backends refuse a longer value before sending anything to the database, with
+/// [`StorageErrorKind::InvalidInput`](cluster_core::error::StorageErrorKind::InvalidInput). Where
+/// the database holds less, the limit is capped: on MySQL by the `TEXT` columns (65,535 bytes)
+/// of the messages and replies, and for the queue's elements at 16,711,680 bytes (a
+/// `MEDIUMTEXT` row within the default `max_allowed_packet` of 16 MiB); on SQLite at
+/// 1,000,000,000 bytes, its longest string.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub struct ValueBytesMax(usize);
+
+impl ValueBytesMax {
+    /// The largest limit accepted: 1 GiB.
+    pub const LIMIT: usize = 1024 * 1024 * 1024;
+
+    /// `bytes`, if it is at least 1 and at most [`ValueBytesMax::LIMIT`].
+    ///
+    /// # Errors
+    ///
+    /// A [`ConfigError`] for `value_bytes_max` saying what is wrong with `bytes`.
+    pub fn new(bytes: usize) -> Result<ValueBytesMax, ConfigError> {
+        let reject =
+            |reason: String| Err(ConfigError::new("value_bytes_max", bytes.to_string(), reason));
+        if bytes == 0 {
+            return reject(
+                "a stored value may have at least 1 byte: 0 would refuse every value".to_owned(),
+            );
+        }
+        if bytes > ValueBytesMax::LIMIT {
+            return reject(format!(
+                "at most {} bytes (1 GiB): keep larger values elsewhere and store a reference",
+                ValueBytesMax::LIMIT
+            ));
+        }
+        Ok(ValueBytesMax(bytes))
+    }
+
+    /// What a column type holds, `bytes`, for the backends' constants: a `const` item that
+    /// calls this fails to compile unless `bytes` is a valid limit.
+    #[cfg(any(feature = "mysql", feature = "sqlite"))]
+    pub(crate) const fn column(bytes: usize) -> ValueBytesMax {
+        assert!(bytes >= 1 && bytes <= ValueBytesMax::LIMIT, "a column holds 1 byte to 1 GiB");
+        ValueBytesMax(bytes)
+    }
+
+    /// The limit in bytes.
+    pub fn get(self) -> usize {
+        self.0
+    }
+}
+
+impl Default for ValueBytesMax {
+    /// [`VALUE_BYTES_MAX_DEFAULT`].
+    fn default() -> ValueBytesMax {
+        VALUE_BYTES_MAX_DEFAULT
+    }
+}
+
+impl fmt::Display for ValueBytesMax {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{} bytes", self.0)
+    }
+}
+
 /// How shard locks are held.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum LockMode {
@@ -108,6 +180,10 @@ pub struct SqlStorageOptions {
     /// (`docs/storage.md`). MySQL and SQLite have none. With `false` nothing is created, and an
     /// index created earlier is kept.
     pub extra_indexes: bool,
+    /// The most bytes a stored value may have ([`VALUE_BYTES_MAX_DEFAULT`], 16 MiB, by
+    /// default): a request's payload and headers, a reply's payload, a queue element. A longer
+    /// one is refused before it reaches the database (see [`ValueBytesMax`]).
+    pub value_bytes_max: ValueBytesMax,
 }
 
 impl SqlStorageOptions {
@@ -127,6 +203,7 @@ impl SqlStorageOptions {
             shard_lock_interval: config.shard_lock_interval(),
             available_groups,
             extra_indexes: true,
+            value_bytes_max: VALUE_BYTES_MAX_DEFAULT,
         }
     }
 

@@ -5,6 +5,10 @@
 //! `kind` 0 = final reply, `NULL` = chunk. Payloads, headers, exits and chunk values are stored
 //! as the JSON text the caller encoded, never re-encoded. A row that cannot be decoded becomes
 //! a [`MalformedMessage`] (messages) or a defect reply (replies), never a panic.
+//!
+//! Every value written from a caller (a request's payload and headers, a reply's payload, a
+//! queue element) is checked against the storage's [`ValueLimit`] before any SQL is sent, so a
+//! refused value never aborts a transaction or a batch.
 
 use std::borrow::Cow;
 use std::collections::BTreeMap;
@@ -19,6 +23,8 @@ use cluster_core::storage::{
     MalformedMessage, SaveRequestOptions, UnprocessedBatch, UnprocessedMessage,
 };
 use cluster_core::{EntityAddress, EntityId, EntityType, ShardId, Snowflake};
+
+use crate::options::ValueBytesMax;
 
 /// `kind` of a request row.
 pub(crate) const MESSAGE_KIND_REQUEST: i32 = 0;
@@ -54,6 +60,64 @@ pub(crate) fn ids_from_sql(ids: Vec<i64>) -> Result<Vec<Snowflake>, StorageError
             })
         })
         .collect()
+}
+
+/// The most bytes a value may have on one storage: the option
+/// [`value_bytes_max`](crate::SqlStorageOptions::value_bytes_max), or less when the column holds
+/// less (MySQL's `TEXT`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct ValueLimit {
+    bytes_max: ValueBytesMax,
+    /// The column, when it holds fewer bytes than the option (then raising the option does not
+    /// help, and the message says so).
+    column: Option<&'static str>,
+}
+
+impl ValueLimit {
+    /// The limit of a backend whose columns hold any value up to [`ValueBytesMax::LIMIT`].
+    pub(crate) fn new(option: ValueBytesMax) -> ValueLimit {
+        ValueLimit { bytes_max: option, column: None }
+    }
+
+    /// The limit of a backend whose columns hold `column_bytes_max`, described as `column`
+    /// (for example "MySQL's TEXT column"), when the option is `option`: the smaller of the two.
+    #[cfg(any(feature = "mysql", feature = "sqlite"))]
+    pub(crate) fn capped(
+        option: ValueBytesMax,
+        column: &'static str,
+        column_bytes_max: ValueBytesMax,
+    ) -> ValueLimit {
+        if column_bytes_max < option {
+            ValueLimit { bytes_max: column_bytes_max, column: Some(column) }
+        } else {
+            ValueLimit::new(option)
+        }
+    }
+
+    /// The limit in force.
+    pub(crate) fn effective(self) -> ValueBytesMax {
+        self.bytes_max
+    }
+
+    /// `value`, named `what` in the error (for example "the reply's payload"), fits the limit.
+    pub(crate) fn check(self, what: &str, value: &str) -> Result<(), StorageError> {
+        let (len, bytes_max) = (value.len(), self.bytes_max.get());
+        if len <= bytes_max {
+            return Ok(());
+        }
+        let message = match self.column {
+            None => format!(
+                "{what} has {len} bytes, over the limit of {bytes_max} bytes: raise \
+                 SqlStorageOptions::value_bytes_max, or keep large values elsewhere and store \
+                 a reference to them"
+            ),
+            Some(column) => format!(
+                "{what} has {len} bytes, over the {bytes_max} bytes of {column}: keep large \
+                 values elsewhere and store a reference to them"
+            ),
+        };
+        Err(StorageError::new(StorageErrorKind::InvalidInput, message))
+    }
 }
 
 /// The column values of a message row to insert.
@@ -120,6 +184,28 @@ impl<'a> MessageInsert<'a> {
         })
     }
 
+    /// The row of a request, if its payload and headers fit `limit`.
+    pub(crate) fn checked_request(
+        request: &'a Request,
+        options: &'a SaveRequestOptions,
+        limit: ValueLimit,
+    ) -> Result<MessageInsert<'a>, StorageError> {
+        let insert = MessageInsert::request(request, options)?;
+        insert.check_values(limit)?;
+        Ok(insert)
+    }
+
+    /// The caller's values of the row (payload and headers) fit `limit`.
+    fn check_values(&self, limit: ValueLimit) -> Result<(), StorageError> {
+        if let Some(payload) = self.payload {
+            limit.check("the request's payload", payload)?;
+        }
+        if let Some(headers) = self.headers {
+            limit.check("the request's headers", headers)?;
+        }
+        Ok(())
+    }
+
     fn bare(address: &'a EntityAddress, kind: i32, id: i64) -> MessageInsert<'a> {
         MessageInsert {
             id,
@@ -177,6 +263,14 @@ impl ReplyInsert {
                 })?),
             },
         })
+    }
+
+    /// The row of `reply`, if its payload fits `limit`.
+    pub(crate) fn checked(reply: &Reply, limit: ValueLimit) -> Result<ReplyInsert, StorageError> {
+        let insert = ReplyInsert::new(reply)?;
+        let what = if insert.kind.is_some() { "the reply's payload" } else { "the chunk's values" };
+        limit.check(what, &insert.payload)?;
+        Ok(insert)
     }
 }
 

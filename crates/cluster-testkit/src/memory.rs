@@ -9,6 +9,11 @@
 //! [`MemoryRunnerDatabase`].
 //!
 //! Time comes from an injected [`Clock`] (the database clock of the SQL backends).
+//!
+//! Like the SQL storages, they refuse a value longer than their limit
+//! ([`VALUE_BYTES_MAX_DEFAULT`] unless set otherwise) with
+//! [`StorageErrorKind::InvalidInput`], measured on the JSON text a SQL storage would write, so
+//! that simulations and workflow tests meet the limits production has.
 
 use std::any::Any;
 use std::collections::{BTreeMap, BTreeSet};
@@ -17,6 +22,7 @@ use std::sync::atomic::{AtomicU32, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
+use cluster_core::encoded::{self, JsonForm};
 use cluster_core::envelope::{self, AckChunk, Envelope, Interrupt, Reply, Request};
 use cluster_core::error::{DecodeError, StorageError, StorageErrorKind};
 use cluster_core::future::BoxFuture;
@@ -41,6 +47,60 @@ fn ready<'a, T: Send + 'a>(value: T) -> BoxFuture<'a, T> {
 
 fn conflict(message: String) -> StorageError {
     StorageError::new(StorageErrorKind::Conflict, message)
+}
+
+/// The default limit of the memory storages' values: 16 MiB, the default of the SQL storages'
+/// `SqlStorageOptions::value_bytes_max`.
+pub const VALUE_BYTES_MAX_DEFAULT: usize = 16 * 1024 * 1024;
+
+/// `value`, named `what` in the error, has at most `bytes_max` bytes; `setter` is how the
+/// storage's limit is raised. The message is the SQL storages' own.
+fn check_value(
+    what: &str,
+    value: &str,
+    bytes_max: usize,
+    setter: &str,
+) -> Result<(), StorageError> {
+    let len = value.len();
+    if len <= bytes_max {
+        return Ok(());
+    }
+    Err(StorageError::new(
+        StorageErrorKind::InvalidInput,
+        format!(
+            "{what} has {len} bytes, over the limit of {bytes_max} bytes: raise {setter}, or \
+             keep large values elsewhere and store a reference to them"
+        ),
+    ))
+}
+
+/// How [`MemoryMessageStorage`]'s limit is raised, for its errors.
+const MESSAGE_SETTER: &str = "MemoryMessageStorage::with_value_bytes_max";
+
+/// The request's payload and headers, as a SQL storage writes them, fit `bytes_max`.
+fn check_request(request: &Request, bytes_max: usize) -> Result<(), StorageError> {
+    if let Some(payload) = request.payload.json() {
+        check_value("the request's payload", payload, bytes_max, MESSAGE_SETTER)?;
+    }
+    if let Some(headers) = request.headers.json() {
+        check_value("the request's headers", headers, bytes_max, MESSAGE_SETTER)?;
+    }
+    Ok(())
+}
+
+/// The reply's payload, as a SQL storage writes it (the exit's JSON, or the chunk's array of
+/// values), fits `bytes_max`.
+fn check_reply_value(reply: &Reply, bytes_max: usize) -> Result<(), StorageError> {
+    match reply {
+        Reply::WithExit(with_exit) => {
+            let payload = with_exit.exit.to_json();
+            check_value("the reply's payload", &payload, bytes_max, MESSAGE_SETTER)
+        }
+        Reply::Chunk(chunk) => {
+            let payload = encoded::values_to_json(chunk.values());
+            check_value("the chunk's values", &payload, bytes_max, MESSAGE_SETTER)
+        }
+    }
 }
 
 #[derive(Debug)]
@@ -226,17 +286,35 @@ pub struct MemoryMessageStorage {
     reads: AtomicUsize,
     /// The smallest `limit` those calls asked for (`u32::MAX` while none did).
     smallest_limit: AtomicU32,
+    /// The most bytes of a payload, headers or reply.
+    value_bytes_max: usize,
 }
 
 impl MemoryMessageStorage {
-    /// An empty storage whose claims use `clock`.
+    /// An empty storage whose claims use `clock`, with values limited to
+    /// [`VALUE_BYTES_MAX_DEFAULT`].
     pub fn new(clock: Arc<dyn Clock>) -> MemoryMessageStorage {
         MemoryMessageStorage {
             state: Arc::default(),
             clock,
             reads: AtomicUsize::new(0),
             smallest_limit: AtomicU32::new(u32::MAX),
+            value_bytes_max: VALUE_BYTES_MAX_DEFAULT,
         }
+    }
+
+    /// The storage with values limited to `value_bytes_max` bytes, as
+    /// `SqlStorageOptions::value_bytes_max` limits the SQL storages': a longer payload, headers
+    /// or reply (measured as the JSON text a SQL storage writes) is refused with
+    /// [`StorageErrorKind::InvalidInput`], and nothing of it is stored.
+    #[must_use]
+    pub fn with_value_bytes_max(self, value_bytes_max: usize) -> MemoryMessageStorage {
+        MemoryMessageStorage { value_bytes_max, ..self }
+    }
+
+    /// The most bytes a stored value may have.
+    pub fn value_bytes_max(&self) -> usize {
+        self.value_bytes_max
     }
 
     /// How many times [`MessageStorage::unprocessed_messages`] was called.
@@ -325,6 +403,7 @@ impl MemoryMessageStorage {
         request: &Request,
         options: &SaveRequestOptions,
     ) -> Result<SaveResult, StorageError> {
+        check_request(request, self.value_bytes_max)?;
         let mut state = lock(&self.state);
         let message_id =
             options.primary_key.as_deref().map(|key| envelope::message_id(key).into_owned());
@@ -373,6 +452,7 @@ impl MemoryMessageStorage {
     }
 
     fn save_reply_now(&self, reply: &Reply) -> Result<(), StorageError> {
+        check_reply_value(reply, self.value_bytes_max)?;
         let mut state = lock(&self.state);
         state.check_reply(reply)?;
         state.apply_reply(reply);
@@ -656,6 +736,7 @@ impl MessageStorage for MemoryMessageStorage {
     ) -> BoxFuture<'_, Result<Box<dyn MessageTransaction>, StorageError>> {
         let transaction = MemoryTransaction {
             state: Arc::clone(&self.state),
+            value_bytes_max: self.value_bytes_max,
             pending: Vec::new(),
             savepoint: None,
             handle: (),
@@ -667,6 +748,7 @@ impl MessageStorage for MemoryMessageStorage {
 /// A transaction of [`MemoryMessageStorage`]: replies are held and applied together at commit.
 struct MemoryTransaction {
     state: Arc<Mutex<MessageState>>,
+    value_bytes_max: usize,
     pending: Vec<Reply>,
     /// How many replies were pending at the savepoint.
     savepoint: Option<usize>,
@@ -675,6 +757,9 @@ struct MemoryTransaction {
 
 impl MessageTransaction for MemoryTransaction {
     fn save_reply<'a>(&'a mut self, reply: &'a Reply) -> BoxFuture<'a, Result<(), StorageError>> {
+        if let Err(refused) = check_reply_value(reply, self.value_bytes_max) {
+            return ready(Err(refused));
+        }
         let checked = lock(&self.state).check_reply(reply);
         if checked.is_ok() {
             self.pending.push(reply.clone());
@@ -953,6 +1038,10 @@ impl StorageFixture for MemoryFixture {
     fn runner_storage(&self, expiration: Duration) -> BoxFuture<'_, Arc<dyn RunnerStorage>> {
         let storage = MemoryRunnerStorage::new(Arc::clone(&self.runners), expiration);
         ready(Arc::new(storage) as Arc<dyn RunnerStorage>)
+    }
+
+    fn value_bytes_max(&self) -> usize {
+        self.messages.value_bytes_max()
     }
 
     fn corrupt(&self, corruption: Corruption) -> BoxFuture<'_, ()> {

@@ -32,6 +32,10 @@ pub trait QueueFixture: Send + Sync {
     /// A new store on the same table, as another process would open it (its own connections).
     fn other_storage(&self) -> BoxFuture<'_, Arc<dyn QueueStorage>>;
 
+    /// The most bytes an element may have on [`storage`](QueueFixture::storage): the limit it
+    /// was built with, or its column's own when that is smaller (MySQL's `MEDIUMTEXT`).
+    fn value_bytes_max(&self) -> usize;
+
     /// Drops the table.
     fn cleanup(self: Box<Self>) -> BoxFuture<'static, ()>;
 }
@@ -59,6 +63,7 @@ macro_rules! queue_suite {
             fail_exhausted_fails_lapsed_final_attempts,
             cleanup_removes_old_settled_items,
             empty_refresh_and_unknown_items,
+            elements_at_the_limit_are_stored_and_over_it_refused,
         );
     };
     (@cases $fixture:path; $($case:ident),* $(,)?) => {

@@ -48,6 +48,11 @@ pub trait StorageFixture: Send + Sync {
     /// Damages a stored row.
     fn corrupt(&self, corruption: Corruption) -> BoxFuture<'_, ()>;
 
+    /// The most bytes a stored value (a request's payload or headers, a reply's payload) may
+    /// have on [`message_storage`](StorageFixture::message_storage): the limit it was built
+    /// with, or its columns' own when that is smaller (MySQL's `TEXT`).
+    fn value_bytes_max(&self) -> usize;
+
     /// Drops the tables.
     fn cleanup(self: Box<Self>) -> BoxFuture<'static, ()>;
 }
@@ -91,6 +96,10 @@ macro_rules! storage_suite {
             request_id_for_primary_key,
             clear_address_removes_everything,
             keys_are_compared_exactly,
+            values_at_the_limit_are_stored_whole,
+            values_over_the_limit_are_refused,
+            a_refused_reply_leaves_its_transaction_usable,
+            a_value_over_the_limit_fails_alone_in_a_batch,
             transaction_commits_and_rolls_back,
             transaction_rolls_back_to_its_savepoint,
             register_and_get_runners,

@@ -1,6 +1,9 @@
 //! [`TestClient`]: an entity type's calls in process, an instance per entity id, persisted
-//! requests included, and handlers that do not see the caller's context.
+//! requests included, handlers that do not see the caller's context, and replies over the
+//! memory storage's limit.
 
+use cluster_core::ClusterError;
+use cluster_core::error::StorageErrorKind;
 use cluster_sharding::{CallError, Entity, EntityContext, Handler, Protocol, RequestContext, Rpc};
 use cluster_testkit::TestClient;
 use serde::{Deserialize, Serialize};
@@ -33,6 +36,25 @@ impl Rpc for Deposit {
     const TAG: &'static str = "Deposit";
     const PERSISTED: bool = true;
     type Success = u64;
+    type Error = Refused;
+
+    fn primary_key(&self) -> Option<String> {
+        Some(self.key.clone())
+    }
+}
+
+/// A persisted request answered with a text of `len` bytes; `pad` only makes it larger.
+#[derive(Serialize, Deserialize)]
+struct Blob {
+    key: String,
+    len: usize,
+    pad: String,
+}
+
+impl Rpc for Blob {
+    const TAG: &'static str = "Blob";
+    const PERSISTED: bool = true;
+    type Success = String;
     type Error = Refused;
 
     fn primary_key(&self) -> Option<String> {
@@ -77,6 +99,7 @@ impl Entity for Counter {
         protocol.handle::<Add>();
         protocol.handle::<Deposit>();
         protocol.handle::<Look>();
+        protocol.handle::<Blob>();
     }
 }
 
@@ -94,6 +117,12 @@ impl Handler<Deposit> for Counter {
     async fn handle(&mut self, _: &RequestContext, deposit: Deposit) -> Result<u64, Refused> {
         self.value += deposit.by;
         Ok(self.value)
+    }
+}
+
+impl Handler<Blob> for Counter {
+    async fn handle(&mut self, _: &RequestContext, blob: Blob) -> Result<String, Refused> {
+        Ok("b".repeat(blob.len))
     }
 }
 
@@ -144,5 +173,34 @@ async fn the_handler_does_not_see_the_callers_context() {
     let seen = CALLER.scope(7, with.send(Look)).await.unwrap();
     assert_eq!(seen.task_local, None);
     assert_eq!(seen.headers, [("tenant".to_owned(), "t1".to_owned())]);
+    counters.shutdown().await;
+}
+
+/// Values over the memory storage's limit (16 MiB, as the SQL storages' default) meet what
+/// they meet on a SQL storage. A persisted request over it is not saved: its caller gets the
+/// storage's error. A reply over it cannot be stored: its caller is answered with the
+/// `ReplyNotStored` defect that says why, instead of the request running again forever.
+#[tokio::test]
+async fn values_over_the_storage_limit_fail_their_caller() {
+    let counters = TestClient::<Counter>::new().await.unwrap();
+    let e = counters.client("e");
+    let blob =
+        |key: &str, len: usize, pad: usize| Blob { key: key.to_owned(), len, pad: "p".repeat(pad) };
+    let fits = e.send(blob("small", 1_000, 0)).await.unwrap();
+    assert_eq!(fits.len(), 1_000);
+    let limit = cluster_testkit::memory::VALUE_BYTES_MAX_DEFAULT;
+    let answer = e.send(blob("padded", 1, limit)).await;
+    let Err(CallError::Cluster(ClusterError::Persistence(error))) = answer else {
+        panic!("a request over the limit is not saved, not {:?}", answer.map(|text| text.len()));
+    };
+    assert_eq!(error.kind(), StorageErrorKind::InvalidInput, "{error}");
+    assert!(error.to_string().contains("the request's payload"), "{error}");
+    let answer = e.send(blob("large", limit, 0)).await;
+    let Err(CallError::Defect(defect)) = answer else {
+        panic!("a reply over the limit is a defect, not {:?}", answer.map(|text| text.len()));
+    };
+    assert!(defect.contains("ReplyNotStored"), "{defect}");
+    assert!(defect.contains("the reply's payload"), "{defect}");
+    assert!(defect.contains(&format!("limit of {limit} bytes")), "{defect}");
     counters.shutdown().await;
 }

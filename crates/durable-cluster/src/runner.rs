@@ -4,6 +4,7 @@
 //! | --- | --- |
 //! | `CLUSTER_STORAGE_URL` | `postgres://…`, `mysql://…` or `sqlite:<path>` (required) |
 //! | `CLUSTER_TABLE_PREFIX` | the tables' prefix (default `cluster`) |
+//! | `CLUSTER_STORAGE_VALUE_BYTES_MAX` | the most bytes of a stored payload, reply or queue element (default 16777216, 16 MiB; at most 1 GiB) |
 //! | `HOST`, `PORT`, `LISTEN_HOST`, `LISTEN_PORT`, … | the runtime's settings (`ShardingConfig::from_env`) |
 //! | `CLUSTER_RPC_SECRET`, `CLUSTER_RPC_*` | the transport's settings (`RpcConfig::from_env`) |
 //! | `CLUSTER_OPS_LISTEN` | the address of the operations server (`/healthz`, `/readyz`, `/metrics`; feature `ops`), off when unset |
@@ -51,7 +52,7 @@ use cluster_core::storage::{MessageStorage, RunnerStorage};
 use cluster_core::{ConfigError, RunnerAddress, ShardingConfig, StorageError};
 use cluster_rpc::{RpcConfig, RpcError, RpcServer, ServerHandle, TcpTransport};
 use cluster_sharding::{RunnerHealth, Sharding, StartError};
-use cluster_storage_sql::{SqlStorageOptions, TablePrefix};
+use cluster_storage_sql::{SqlStorageOptions, TablePrefix, ValueBytesMax};
 
 /// What an application's registration step may fail with.
 pub type BoxError = Box<dyn std::error::Error + Send + Sync>;
@@ -125,6 +126,9 @@ pub struct RunnerEnv {
     pub storage_url: String,
     /// The tables' prefix.
     pub table_prefix: TablePrefix,
+    /// The most bytes of a stored value (`CLUSTER_STORAGE_VALUE_BYTES_MAX`, 16 MiB by default;
+    /// see `SqlStorageOptions::value_bytes_max`).
+    pub value_bytes_max: ValueBytesMax,
     /// The runtime's settings; `runner_address: None` for a client.
     pub sharding: ShardingConfig,
     /// The transport's settings.
@@ -160,6 +164,22 @@ pub enum RunnerHealthSource {
         /// `None`: every running pod of the namespace.
         label_selector: Option<String>,
     },
+}
+
+/// The variable of [`RunnerEnv::value_bytes_max`].
+const VALUE_BYTES_MAX: &str = "CLUSTER_STORAGE_VALUE_BYTES_MAX";
+
+/// `CLUSTER_STORAGE_VALUE_BYTES_MAX` (read with `lookup`): a number of bytes, or the default
+/// when unset or empty.
+fn value_bytes_max(lookup: &impl Fn(&str) -> Option<String>) -> Result<ValueBytesMax, ConfigError> {
+    let Some(value) = lookup(VALUE_BYTES_MAX).filter(|value| !value.trim().is_empty()) else {
+        return Ok(ValueBytesMax::default());
+    };
+    let bytes = value.trim().parse::<usize>().map_err(|_| {
+        ConfigError::new(VALUE_BYTES_MAX, &value, "is not a number of bytes, such as 16777216")
+    })?;
+    ValueBytesMax::new(bytes)
+        .map_err(|error| ConfigError::new(VALUE_BYTES_MAX, &value, error.reason().to_owned()))
 }
 
 /// `CLUSTER_RUNNER_HEALTH` and the variables of its `kubernetes` mode.
@@ -300,6 +320,7 @@ impl RunnerEnv {
             })?,
             None => TablePrefix::default(),
         };
+        let value_bytes_max = value_bytes_max(&lookup)?;
         let mut sharding = ShardingConfig::from_env_with(lookup.clone())?;
         if role == Role::Client {
             sharding.runner_address = None;
@@ -331,12 +352,23 @@ impl RunnerEnv {
             Role::Runner => RunnerHealthSource::from_lookup(&lookup)?,
             Role::Client => RunnerHealthSource::Transport,
         };
-        Ok(RunnerEnv { storage_url, table_prefix, sharding, rpc, ops_listen, runner_health })
+        Ok(RunnerEnv {
+            storage_url,
+            table_prefix,
+            value_bytes_max,
+            sharding,
+            rpc,
+            ops_listen,
+            runner_health,
+        })
     }
 
     /// The storage options of these settings.
     pub fn storage_options(&self) -> SqlStorageOptions {
-        SqlStorageOptions::from_config(&self.sharding, self.table_prefix.clone())
+        SqlStorageOptions {
+            value_bytes_max: self.value_bytes_max,
+            ..SqlStorageOptions::from_config(&self.sharding, self.table_prefix.clone())
+        }
     }
 
     /// Opens this process's message and lock storage, running the migrations.
@@ -691,6 +723,24 @@ mod tests {
         };
         assert_eq!((error.key(), error.value()), ("CLUSTER_TABLE_PREFIX", "bad-prefix"));
         assert!(error.to_string().contains("CLUSTER_TABLE_PREFIX"), "{error}");
+    }
+
+    #[test]
+    fn the_value_limit_comes_from_its_variable() {
+        let unset = env(&[("CLUSTER_STORAGE_URL", "sqlite:/tmp/unused.db")]);
+        let Ok(unset) = unset else { panic!("the settings load without the variable") };
+        assert_eq!(unset.storage_options().value_bytes_max.get(), 16 * 1024 * 1024);
+        let set = env(&[
+            ("CLUSTER_STORAGE_URL", "sqlite:/tmp/unused.db"),
+            ("CLUSTER_STORAGE_VALUE_BYTES_MAX", "1048576"),
+        ]);
+        let Ok(set) = set else { panic!("a number of bytes loads") };
+        assert_eq!(set.storage_options().value_bytes_max.get(), 1_048_576);
+        for bad in ["16MiB", "-1", "0", "1073741825"] {
+            let error = refused(&[("CLUSTER_STORAGE_VALUE_BYTES_MAX", bad)]);
+            assert_eq!((error.key(), error.value()), ("CLUSTER_STORAGE_VALUE_BYTES_MAX", bad));
+            assert!(error.to_string().contains("CLUSTER_STORAGE_VALUE_BYTES_MAX"), "{error}");
+        }
     }
 
     #[test]

@@ -5,6 +5,30 @@ use cluster_core::error::{DecodeError, StorageError, StorageErrorKind};
 use mysql_async::{Row, Value};
 
 use super::queries;
+use crate::options::ValueBytesMax;
+use crate::row::ValueLimit;
+
+/// What a `TEXT` column (the messages' payload and headers, the replies' payload) holds.
+const TEXT_VALUE_BYTES_MAX: ValueBytesMax = ValueBytesMax::column(queries::TEXT_BYTES_MAX);
+/// What the queue's `element` holds: its `MEDIUMTEXT` column (after migration
+/// `0002_upgrade_schema`) holds 16,777,215 bytes, but a statement or a row must also fit the
+/// server's `max_allowed_packet`, 16 MiB by default on MariaDB. An element within 64 KiB of it
+/// cannot be stored (`packet out of order`) or, once stored with a long failure, read back
+/// (`packet too large`): such a row would fail every claim of its queue. 64 KiB leaves room for
+/// the rest of the row (id, queue name, a failure of the workers' 4,096 characters).
+const QUEUE_ELEMENT_BYTES_MAX: ValueBytesMax = ValueBytesMax::column(16 * 1024 * 1024 - 64 * 1024);
+
+/// The limit of the message storage's values: `option`, capped by their `TEXT` columns.
+pub(crate) fn text_limit(option: ValueBytesMax) -> ValueLimit {
+    ValueLimit::capped(option, "MySQL's TEXT column", TEXT_VALUE_BYTES_MAX)
+}
+
+/// The limit of the queue's elements: `option`, capped by what a row holds within MariaDB's
+/// default `max_allowed_packet`.
+pub(crate) fn queue_element_limit(option: ValueBytesMax) -> ValueLimit {
+    let row = "a MySQL queue row within the default max_allowed_packet (16 MiB)";
+    ValueLimit::capped(option, row, QUEUE_ELEMENT_BYTES_MAX)
+}
 
 /// A stored value that cannot be read as what it should be.
 fn bad_column(what: &'static str, value: &Value) -> DecodeError {

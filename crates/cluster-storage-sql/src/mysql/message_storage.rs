@@ -6,7 +6,8 @@
 //!
 //! Rows are mapped by the shared `row` module; this file only moves values between it and the
 //! driver, and checks column widths before writing (`INSERT IGNORE` would otherwise truncate an
-//! over-long value with a mere warning).
+//! over-long value with a mere warning). Payloads and headers are checked against one limit:
+//! `value_bytes_max`, capped by their `TEXT` columns.
 //!
 //! Departures from the reference, each for a reason given where it is made: the storage's own
 //! transactions run in `READ COMMITTED` and are retried after a deadlock (gap locks of
@@ -34,13 +35,15 @@ use mysql_async::{Conn, IsolationLevel, Pool, Row, Transaction, TxOpts, Value};
 use tracing::Instrument;
 
 use super::classify::{ER_DUP_ENTRY, is_deadlock, storage_error};
-use super::columns::{Columns, check_bytes, check_chars};
+use super::columns::{Columns, check_chars, text_limit};
 use super::connection;
 use super::migrate::migrate_messages;
 use super::queries::{self, IN_LIST_LEN_MAX, MessageQueries};
 use crate::batch::Batcher;
-use crate::options::TablePrefix;
-use crate::row::{self, LastReplyRow, MessageInsert, MessageRow, ReplyInsert, ReplyRow};
+use crate::options::{TablePrefix, ValueBytesMax};
+use crate::row::{
+    self, LastReplyRow, MessageInsert, MessageRow, ReplyInsert, ReplyRow, ValueLimit,
+};
 
 /// The most placeholders one statement may bind (the protocol's limit).
 const PARAMS_MAX: usize = 65_535;
@@ -65,6 +68,8 @@ pub struct MySqlMessageStorage {
     pool: Pool,
     prefix: TablePrefix,
     queries: Arc<MessageQueries>,
+    /// The most bytes of a payload or headers: `value_bytes_max`, capped by `TEXT`.
+    limit: ValueLimit,
     /// The group-commit writers, started on first use (that is, inside the runtime).
     writers: OnceLock<Writers>,
 }
@@ -83,16 +88,16 @@ const WRITE_QUEUE_CAPACITY: usize = 4096;
 const WRITE_BATCH_SIZE_MAX: usize = 256;
 
 impl Writers {
-    fn spawn(pool: &Pool, queries: &Arc<MessageQueries>) -> Writers {
+    fn spawn(pool: &Pool, queries: &Arc<MessageQueries>, limit: ValueLimit) -> Writers {
         let (request_pool, request_queries) = (pool.clone(), Arc::clone(queries));
         let requests = Batcher::spawn(WRITE_QUEUE_CAPACITY, WRITE_BATCH_SIZE_MAX, move |inputs| {
             let (pool, queries) = (request_pool.clone(), Arc::clone(&request_queries));
-            async move { save_requests(&pool, &queries, inputs).await }
+            async move { save_requests(&pool, &queries, limit, inputs).await }
         });
         let (reply_pool, reply_queries) = (pool.clone(), Arc::clone(queries));
         let replies = Batcher::spawn(WRITE_QUEUE_CAPACITY, WRITE_BATCH_SIZE_MAX, move |inputs| {
             let (pool, queries) = (reply_pool.clone(), Arc::clone(&reply_queries));
-            async move { save_replies(&pool, &queries, inputs).await }
+            async move { save_replies(&pool, &queries, limit, inputs).await }
         });
         Writers { requests, replies }
     }
@@ -108,7 +113,8 @@ impl fmt::Debug for MySqlMessageStorage {
 impl MySqlMessageStorage {
     /// Connects to the `mysql://` URL `url` with a pool of
     /// [`POOL_SIZE_DEFAULT`](super::POOL_SIZE_DEFAULT) connections ([`pool`](super::pool)),
-    /// runs the migrations and returns the storage.
+    /// runs the migrations and returns the storage, with values limited to
+    /// `options.value_bytes_max` (capped by `TEXT`).
     ///
     /// # Cancel safety
     ///
@@ -119,11 +125,14 @@ impl MySqlMessageStorage {
     ) -> Result<MySqlMessageStorage, StorageError> {
         let pool = connection::pool(url, connection::POOL_SIZE_DEFAULT)?;
         let opened = MySqlMessageStorage::new(pool, &options.prefix).await;
-        opened.map_err(|error| connection::opening_error(url, error))
+        let storage = opened.map_err(|error| connection::opening_error(url, error))?;
+        Ok(storage.with_value_bytes_max(options.value_bytes_max))
     }
 
     /// The storage on `pool` with tables named by `prefix`, after running the migrations
-    /// ([`migrate_messages`](super::migrate_messages)).
+    /// ([`migrate_messages`](super::migrate_messages)). Its values are limited to the default
+    /// [`value_bytes_max`](crate::SqlStorageOptions::value_bytes_max), capped by `TEXT`; see
+    /// [`with_value_bytes_max`](MySqlMessageStorage::with_value_bytes_max).
     ///
     /// # Cancel safety
     ///
@@ -140,7 +149,28 @@ impl MySqlMessageStorage {
     /// example by a deploy step with a schema owner's connection.
     pub fn without_migrations(pool: Pool, prefix: &TablePrefix) -> MySqlMessageStorage {
         let queries = Arc::new(MessageQueries::new(prefix));
-        MySqlMessageStorage { pool, prefix: prefix.clone(), queries, writers: OnceLock::new() }
+        let limit = text_limit(ValueBytesMax::default());
+        MySqlMessageStorage {
+            pool,
+            prefix: prefix.clone(),
+            queries,
+            limit,
+            writers: OnceLock::new(),
+        }
+    }
+
+    /// The storage with its values limited to `value_bytes_max` bytes, or to the 65,535 bytes
+    /// of their `TEXT` columns if that is less: a longer payload, headers or reply is refused
+    /// with [`StorageErrorKind::InvalidInput`] before anything is sent.
+    pub fn with_value_bytes_max(self, value_bytes_max: ValueBytesMax) -> MySqlMessageStorage {
+        // The writers capture the limit: new ones start with the new limit on first use.
+        MySqlMessageStorage { limit: text_limit(value_bytes_max), writers: OnceLock::new(), ..self }
+    }
+
+    /// The most bytes a stored value may have on this storage: `value_bytes_max`, or the 65,535
+    /// bytes of a `TEXT` column if that is less.
+    pub fn value_bytes_max(&self) -> ValueBytesMax {
+        self.limit.effective()
     }
 
     /// The pool the storage runs on.
@@ -173,12 +203,12 @@ impl MySqlMessageStorage {
     }
 
     fn writers(&self) -> &Writers {
-        self.writers.get_or_init(|| Writers::spawn(&self.pool, &self.queries))
+        self.writers.get_or_init(|| Writers::spawn(&self.pool, &self.queries, self.limit))
     }
 
     async fn save_ack_chunk_inner(&self, ack: &AckChunk) -> Result<(), StorageError> {
         let insert = MessageInsert::ack_chunk(ack)?;
-        check_message(&insert)?;
+        check_widths(&insert)?;
         let reply_id = row::id_to_sql(ack.reply_id)?;
         self.transaction(TxBody::AckChunk { insert: &insert, reply_id }).await?;
         Ok(())
@@ -186,7 +216,7 @@ impl MySqlMessageStorage {
 
     async fn save_interrupt_inner(&self, interrupt: &Interrupt) -> Result<(), StorageError> {
         let insert = MessageInsert::interrupt(interrupt)?;
-        check_message(&insert)?;
+        check_widths(&insert)?;
         let mut conn = self.conn().await?;
         conn.exec_drop(self.queries.insert_message_ignore.as_str(), message_params(&insert))
             .await
@@ -556,7 +586,8 @@ impl MessageStorage for MySqlMessageStorage {
             async move {
                 // The caller's transaction: the server's default isolation level.
                 let tx = self.begin(&TxOpts::default()).await?;
-                let transaction = MySqlTransaction { tx, queries: Arc::clone(&self.queries) };
+                let queries = Arc::clone(&self.queries);
+                let transaction = MySqlTransaction { tx, queries, limit: self.limit };
                 Ok(Box::new(transaction) as Box<dyn MessageTransaction>)
             }
             .instrument(span("begin_transaction")),
@@ -596,14 +627,15 @@ pub type MySqlTransactionGuard<'a> = TransactionGuard<'a, Transaction<'static>>;
 struct MySqlTransaction {
     tx: Transaction<'static>,
     queries: Arc<MessageQueries>,
+    limit: ValueLimit,
 }
 
 impl MessageTransaction for MySqlTransaction {
     fn save_reply<'a>(&'a mut self, reply: &'a Reply) -> BoxFuture<'a, Result<(), StorageError>> {
         Box::pin(
             async move {
-                let insert = ReplyInsert::new(reply)?;
-                check_bytes("payload", &insert.payload)?;
+                // Checked before any statement: a refused reply leaves the transaction usable.
+                let insert = ReplyInsert::checked(reply, self.limit)?;
                 write_reply(&mut self.tx, &self.queries, &insert).await.map(|_| ())
             }
             .instrument(span("transaction.save_reply")),
@@ -695,11 +727,12 @@ async fn begin_read_committed(pool: &Pool) -> Result<Transaction<'static>, Stora
 async fn save_request_one(
     pool: &Pool,
     queries: &MessageQueries,
+    limit: ValueLimit,
     request: &Request,
     options: &SaveRequestOptions,
 ) -> Result<SaveResult, StorageError> {
-    let insert = MessageInsert::request(request, options)?;
-    check_message(&insert)?;
+    let insert = MessageInsert::checked_request(request, options, limit)?;
+    check_widths(&insert)?;
     let mut conn =
         pool.get_conn().await.map_err(|error| storage_error("cannot get a connection", error))?;
     let Some(message_id) = insert.message_id.as_deref() else {
@@ -732,14 +765,16 @@ async fn save_request_one(
 
 /// Saves a batch of requests. Those with a primary key go into one multi-row `INSERT IGNORE`;
 /// a request whose row is then found under its own id and key was inserted, the others (a
-/// taken key, no key, or a failed batch) are saved one by one, which also resolves duplicates.
+/// taken key, no key, a value that does not fit, or a failed batch) are saved one by one, which
+/// also resolves duplicates and refuses what does not fit.
 async fn save_requests(
     pool: &Pool,
     queries: &MessageQueries,
+    limit: ValueLimit,
     inputs: Vec<(Request, SaveRequestOptions)>,
 ) -> Vec<Result<SaveResult, StorageError>> {
     let inserted = if inputs.len() > 1 {
-        insert_keyed_requests(pool, queries, &inputs).await.unwrap_or_default()
+        insert_keyed_requests(pool, queries, limit, &inputs).await.unwrap_or_default()
     } else {
         Vec::new()
     };
@@ -748,7 +783,7 @@ async fn save_requests(
         let id = row::id_to_sql(request.request_id).ok();
         results.push(match id {
             Some(id) if inserted.contains(&id) => Ok(SaveResult::Success),
-            _ => save_request_one(pool, queries, request, options).await,
+            _ => save_request_one(pool, queries, limit, request, options).await,
         });
     }
     results
@@ -758,12 +793,15 @@ async fn save_requests(
 async fn insert_keyed_requests(
     pool: &Pool,
     queries: &MessageQueries,
+    limit: ValueLimit,
     inputs: &[(Request, SaveRequestOptions)],
 ) -> Result<Vec<i64>, StorageError> {
     let inserts: Vec<MessageInsert<'_>> = inputs
         .iter()
-        .filter_map(|(request, options)| MessageInsert::request(request, options).ok())
-        .filter(|insert| insert.message_id.is_some() && check_message(insert).is_ok())
+        .filter_map(|(request, options)| {
+            MessageInsert::checked_request(request, options, limit).ok()
+        })
+        .filter(|insert| insert.message_id.is_some() && check_widths(insert).is_ok())
         .collect();
     if inserts.is_empty() {
         return Ok(Vec::new());
@@ -791,55 +829,52 @@ async fn insert_keyed_requests(
         .collect())
 }
 
-/// Saves one reply in its own transaction.
+/// Saves one reply, already checked, in its own transaction.
 async fn save_reply_one(
     pool: &Pool,
     queries: &MessageQueries,
-    reply: &Reply,
+    insert: &ReplyInsert,
 ) -> Result<(), StorageError> {
-    let insert = ReplyInsert::new(reply)?;
-    check_bytes("payload", &insert.payload)?;
     // A retried chunk (`AlreadyStored`) changed nothing; committing that is a no-op.
-    transaction(pool, queries, TxBody::Reply(&insert)).await?;
+    transaction(pool, queries, TxBody::Reply(insert)).await?;
     Ok(())
 }
 
-/// Saves a batch of replies in one transaction (one commit). If a reply fails inside it (a
+/// Saves a batch of replies in one transaction (one commit). A reply that does not fit the
+/// limit is refused before the transaction and fails alone. If a reply fails inside it (a
 /// second final reply), the transaction is rolled back and each reply is saved on its own, so
 /// only the faulty one fails; a failed commit is reported to every caller of the batch.
 async fn save_replies(
     pool: &Pool,
     queries: &MessageQueries,
+    limit: ValueLimit,
     replies: Vec<Reply>,
 ) -> Vec<Result<(), StorageError>> {
-    if replies.len() > 1 {
-        let inserts: Result<Vec<ReplyInsert>, StorageError> = replies
-            .iter()
-            .map(|reply| {
-                let insert = ReplyInsert::new(reply)?;
-                check_bytes("payload", &insert.payload)?;
-                Ok(insert)
-            })
-            .collect();
-        if let Ok(inserts) = inserts
-            && let Ok(mut tx) = begin_read_committed(pool).await
-        {
-            let mut written = true;
-            for insert in &inserts {
-                if run_body(&mut tx, queries, &TxBody::Reply(insert)).await.is_err() {
-                    written = false;
-                    break;
-                }
-            }
-            if written {
-                let committed = tx.commit().await.map_err(|error| storage_error("commit", error));
-                return replies.iter().map(|_| committed.clone()).collect();
+    let inserts: Vec<Result<ReplyInsert, StorageError>> =
+        replies.iter().map(|reply| ReplyInsert::checked(reply, limit)).collect();
+    let checked: Vec<&ReplyInsert> =
+        inserts.iter().filter_map(|insert| insert.as_ref().ok()).collect();
+    if checked.len() > 1
+        && let Ok(mut tx) = begin_read_committed(pool).await
+    {
+        let mut written = true;
+        for insert in &checked {
+            if run_body(&mut tx, queries, &TxBody::Reply(insert)).await.is_err() {
+                written = false;
+                break;
             }
         }
+        if written {
+            let committed = tx.commit().await.map_err(|error| storage_error("commit", error));
+            return inserts.into_iter().map(|insert| insert.and(committed.clone())).collect();
+        }
     }
-    let mut results = Vec::with_capacity(replies.len());
-    for reply in &replies {
-        results.push(save_reply_one(pool, queries, reply).await);
+    let mut results = Vec::with_capacity(inserts.len());
+    for insert in inserts {
+        results.push(match insert {
+            Ok(insert) => save_reply_one(pool, queries, &insert).await,
+            Err(refused) => Err(refused),
+        });
     }
     results
 }
@@ -1015,8 +1050,9 @@ async fn duplicate_reply<Q: Queryable>(
     Err(conflict(format!("a reply of request {} conflicts with a stored one", insert.request_id)))
 }
 
-/// Checks the column widths of a message row (see the module docs).
-fn check_message(insert: &MessageInsert<'_>) -> Result<(), StorageError> {
+/// Checks the column widths of a message row (see the module docs); its payload and headers are
+/// checked against the storage's limit when the row is made (`MessageInsert::checked_request`).
+fn check_widths(insert: &MessageInsert<'_>) -> Result<(), StorageError> {
     check_chars("shard_id", &insert.shard_id, queries::SHARD_ID_LEN_MAX)?;
     check_chars("entity_type", insert.entity_type, queries::ENTITY_TYPE_LEN_MAX)?;
     check_chars("entity_id", insert.entity_id, queries::ENTITY_ID_LEN_MAX)?;
@@ -1029,11 +1065,6 @@ fn check_message(insert: &MessageInsert<'_>) -> Result<(), StorageError> {
     for (column, value, len_max) in optional {
         if let Some(value) = value {
             check_chars(column, value, len_max)?;
-        }
-    }
-    for (column, value) in [("payload", insert.payload), ("headers", insert.headers)] {
-        if let Some(value) = value {
-            check_bytes(column, value)?;
         }
     }
     Ok(())

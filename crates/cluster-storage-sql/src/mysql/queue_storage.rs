@@ -9,7 +9,8 @@
 //! database clock in UTC (`UTC_TIMESTAMP()`, whole seconds: `DATETIME` keeps no time zone, and
 //! the session's `NOW()` would move at a daylight saving change). Values are checked against
 //! their columns before an `INSERT IGNORE`, which would otherwise truncate them with a mere
-//! warning.
+//! warning; an element against `value_bytes_max`, capped by what a row holds within MariaDB's
+//! default `max_allowed_packet` (16 MiB).
 
 use std::fmt;
 use std::num::NonZeroU32;
@@ -25,14 +26,13 @@ use mysql_async::prelude::Queryable;
 use mysql_async::{Conn, IsolationLevel, Pool, Row, TxOpts, Value};
 
 use super::classify::{is_deadlock, storage_error};
-use super::columns::Columns;
+use super::columns::{Columns, queue_element_limit};
 use super::connection;
 use super::migrate::run_migrations;
 use super::queries::{self, DdlStatement, IN_LIST_LEN_MAX, Migration, placeholders};
+use crate::options::ValueBytesMax;
 use crate::queue::{CLEANUP_BATCH_LEN, QueueTable, attempts, check_name, new_lock, whole_seconds};
-
-/// `element MEDIUMTEXT` (after migration `0002_upgrade_schema`) holds at most this many bytes.
-const MEDIUMTEXT_BYTES_MAX: usize = 16_777_215;
+use crate::row::ValueLimit;
 /// How often a claim runs when InnoDB keeps choosing it as a deadlock victim.
 const DEADLOCK_ATTEMPTS_MAX: u32 = 3;
 
@@ -41,6 +41,8 @@ const DEADLOCK_ATTEMPTS_MAX: u32 = 3;
 pub struct MySqlQueueStorage {
     pool: Pool,
     sql: QueueSql,
+    /// The most bytes of an element: `value_bytes_max`, capped at 16 MiB − 64 KiB.
+    limit: ValueLimit,
 }
 
 impl fmt::Debug for MySqlQueueStorage {
@@ -64,7 +66,9 @@ impl MySqlQueueStorage {
         opened.map_err(|error| connection::opening_error(url, error))
     }
 
-    /// Brings `table` up to date on `pool` and returns the store.
+    /// Brings `table` up to date on `pool` and returns the store. Its elements are limited to
+    /// the default [`value_bytes_max`](crate::SqlStorageOptions::value_bytes_max), capped at
+    /// 16,711,680 bytes; see [`with_value_bytes_max`](MySqlQueueStorage::with_value_bytes_max).
     ///
     /// # Cancel safety
     ///
@@ -76,7 +80,26 @@ impl MySqlQueueStorage {
 
     /// The store on a table migrated elsewhere, without running any DDL.
     pub fn without_migrations(pool: Pool, table: QueueTable) -> MySqlQueueStorage {
-        MySqlQueueStorage { pool, sql: QueueSql::new(table) }
+        let limit = queue_element_limit(ValueBytesMax::default());
+        MySqlQueueStorage { pool, sql: QueueSql::new(table), limit }
+    }
+
+    /// The store with its elements limited to `value_bytes_max` bytes, or to 16,711,680 bytes
+    /// (16 MiB − 64 KiB) if that is less: a longer element is refused with
+    /// [`StorageErrorKind::InvalidInput`] before anything is sent.
+    ///
+    /// The `element` column is a `MEDIUMTEXT` (16,777,215 bytes), but a statement and a row
+    /// must also fit the server's `max_allowed_packet`, 16 MiB by default on MariaDB; the cap
+    /// leaves room for the rest of the row. A server with a smaller `max_allowed_packet`
+    /// (4 MiB on MySQL 5.7) needs a `value_bytes_max` at least 64 KiB below it.
+    pub fn with_value_bytes_max(self, value_bytes_max: ValueBytesMax) -> MySqlQueueStorage {
+        MySqlQueueStorage { limit: queue_element_limit(value_bytes_max), ..self }
+    }
+
+    /// The most bytes an element may have on this store: `value_bytes_max`, or 16,711,680
+    /// bytes if that is less.
+    pub fn value_bytes_max(&self) -> ValueBytesMax {
+        self.limit.effective()
     }
 
     /// Creates or upgrades `table`, recording the migrations in `<table>_migrations` as
@@ -170,12 +193,7 @@ impl QueueStorage for MySqlQueueStorage {
         Box::pin(async move {
             check_name("id", id)?;
             check_name("queue_name", queue)?;
-            if element.len() > MEDIUMTEXT_BYTES_MAX {
-                return Err(StorageError::new(
-                    StorageErrorKind::InvalidInput,
-                    format!("a queue element holds at most {MEDIUMTEXT_BYTES_MAX} bytes"),
-                ));
-            }
+            self.limit.check("the queue element", element)?;
             let params = vec![id.into(), queue.into(), element.into()];
             Ok(self.execute("queue offer", &self.sql.offer, params).await? > 0)
         })

@@ -5,6 +5,9 @@
 //! transaction of several statements (saving a reply, saving an acknowledgement, clearing an
 //! address): PostgreSQL runs one statement atomically, so the effect is the same and it costs
 //! one round-trip. Every statement is prepared once per pooled connection.
+//!
+//! Payloads, headers and replies longer than `value_bytes_max` are refused before any
+//! statement is sent; in a batch, such a value fails alone and the others go on together.
 
 use std::any::Any;
 use std::collections::{BTreeMap, BTreeSet};
@@ -27,9 +30,10 @@ use tracing::Instrument;
 
 use crate::batch::Batcher;
 use crate::lock::advisory_namespace;
-use crate::options::{SqlStorageOptions, TablePrefix};
+use crate::options::{SqlStorageOptions, TablePrefix, ValueBytesMax};
 use crate::row::{
-    self, LastReplyRow, MessageInsert, MessageRow, ReplyInsert, ReplyRow, id_from_sql, id_to_sql,
+    self, LastReplyRow, MessageInsert, MessageRow, ReplyInsert, ReplyRow, ValueLimit, id_from_sql,
+    id_to_sql,
 };
 
 use super::classify::{column_error, driver_error, pool_error};
@@ -47,6 +51,8 @@ pub struct PgMessageStorage {
     pool: Pool,
     queries: Arc<MessageQueries>,
     prefix: TablePrefix,
+    /// The most bytes of a payload, headers or reply (`value_bytes_max`).
+    limit: ValueLimit,
     /// The group-commit writers, started on first use (that is, inside the runtime).
     writers: Arc<OnceLock<Writers>>,
 }
@@ -92,18 +98,18 @@ const WRITE_QUEUE_CAPACITY: usize = 4096;
 const WRITE_BATCH_SIZE_MAX: usize = 256;
 
 impl Writers {
-    fn spawn(pool: &Pool, queries: &Arc<MessageQueries>) -> Writers {
+    fn spawn(pool: &Pool, queries: &Arc<MessageQueries>, limit: ValueLimit) -> Writers {
         let (request_pool, request_queries) = (pool.clone(), Arc::clone(queries));
         let earlier_reads = Arc::new(GenericPlans::new(pool.clone()));
         let requests = Batcher::spawn(WRITE_QUEUE_CAPACITY, WRITE_BATCH_SIZE_MAX, move |inputs| {
             let (pool, queries) = (request_pool.clone(), Arc::clone(&request_queries));
             let earlier_reads = Arc::clone(&earlier_reads);
-            async move { save_requests(&pool, &earlier_reads, &queries, inputs).await }
+            async move { save_requests(&pool, &earlier_reads, &queries, limit, inputs).await }
         });
         let (reply_pool, reply_queries) = (pool.clone(), Arc::clone(queries));
         let replies = Batcher::spawn(WRITE_QUEUE_CAPACITY, WRITE_BATCH_SIZE_MAX, move |inputs| {
             let (pool, queries) = (reply_pool.clone(), Arc::clone(&reply_queries));
-            async move { save_replies(&pool, &queries, inputs).await }
+            async move { save_replies(&pool, &queries, limit, inputs).await }
         });
         let (claim_pool, claim_queries) = (pool.clone(), Arc::clone(queries));
         let claims = Batcher::spawn(WRITE_QUEUE_CAPACITY, WRITE_BATCH_SIZE_MAX, move |inputs| {
@@ -163,8 +169,16 @@ impl PgMessageStorage {
             pool,
             queries: Arc::new(MessageQueries::new(&options.prefix)),
             prefix: options.prefix.clone(),
+            limit: ValueLimit::new(options.value_bytes_max),
             writers: Arc::new(OnceLock::new()),
         }
+    }
+
+    /// The most bytes a stored value may have on this storage (`options.value_bytes_max`): a
+    /// longer payload, headers or reply is refused with [`StorageErrorKind::InvalidInput`]
+    /// before anything is sent.
+    pub fn value_bytes_max(&self) -> ValueBytesMax {
+        self.limit.effective()
     }
 
     /// Creates or upgrades `<prefix>_messages` and `<prefix>_replies` (history in
@@ -255,7 +269,7 @@ impl PgMessageStorage {
     }
 
     fn writers(&self) -> &Writers {
-        self.writers.get_or_init(|| Writers::spawn(&self.pool, &self.queries))
+        self.writers.get_or_init(|| Writers::spawn(&self.pool, &self.queries, self.limit))
     }
 
     async fn clear_replies_inner(
@@ -374,10 +388,11 @@ async fn claim_together(
 async fn save_request_one(
     pool: &Pool,
     queries: &MessageQueries,
+    limit: ValueLimit,
     request: &Request,
     options: &SaveRequestOptions,
 ) -> Result<SaveResult, StorageError> {
-    let insert = MessageInsert::request(request, options)?;
+    let insert = MessageInsert::checked_request(request, options, limit)?;
     let inserted =
         pooled_query(pool, "save_request", &queries.insert_request, &insert_params(&insert))
             .await?;
@@ -413,19 +428,21 @@ async fn save_request_one(
 }
 
 /// Saves a batch of requests with one multi-row insert (one commit). Requests whose primary
-/// key was taken are then resolved one by one as duplicates; if the batch statement fails (a
-/// reused request id), every request is saved on its own, so only the faulty one fails. The
-/// stored requests that asked for their entity's earlier requests get them from one query for
-/// the whole batch ([`earlier_requests`]).
+/// key was taken are then resolved one by one as duplicates, and those left out of the batch
+/// (a value over the limit) are refused one by one; if the batch statement fails (a reused
+/// request id), every request is saved on its own, so only the faulty one fails. The stored
+/// requests that asked for their entity's earlier requests get them from one query for the
+/// whole batch ([`earlier_requests`]).
 async fn save_requests(
     pool: &Pool,
     earlier_reads: &GenericPlans,
     queries: &MessageQueries,
+    limit: ValueLimit,
     jobs: Vec<SaveJob>,
 ) -> Vec<Result<OrderedSave, StorageError>> {
     let mut saved = Vec::with_capacity(jobs.len());
     let batched =
-        if jobs.len() > 1 { insert_requests(pool, queries, &jobs).await.ok() } else { None };
+        if jobs.len() > 1 { insert_requests(pool, queries, limit, &jobs).await.ok() } else { None };
     for job in &jobs {
         let inserted = match (&batched, id_to_sql(job.request.request_id)) {
             (Some(inserted), Ok(id)) => inserted.contains(&id),
@@ -434,7 +451,7 @@ async fn save_requests(
         saved.push(if inserted {
             Ok(SaveResult::Success)
         } else {
-            save_request_one(pool, queries, &job.request, &job.options).await
+            save_request_one(pool, queries, limit, &job.request, &job.options).await
         });
     }
     let ordered: Vec<&SaveJob> = jobs
@@ -511,16 +528,21 @@ fn earlier_of_caller(ids: Vec<i64>, limit: i64) -> Result<Vec<Snowflake>, Storag
     row::ids_from_sql(ids)
 }
 
-/// The multi-row insert of [`save_requests`]; returns the ids that were inserted.
+/// The multi-row insert of [`save_requests`]; returns the ids that were inserted. A request
+/// whose row cannot be made (a value over `limit`) is left out, for its own save to refuse.
 async fn insert_requests(
     pool: &Pool,
     queries: &MessageQueries,
+    limit: ValueLimit,
     jobs: &[SaveJob],
 ) -> Result<Vec<i64>, StorageError> {
-    let inserts = jobs
+    let inserts: Vec<MessageInsert<'_>> = jobs
         .iter()
-        .map(|job| MessageInsert::request(&job.request, &job.options))
-        .collect::<Result<Vec<_>, _>>()?;
+        .filter_map(|job| MessageInsert::checked_request(&job.request, &job.options, limit).ok())
+        .collect();
+    if inserts.is_empty() {
+        return Ok(Vec::new());
+    }
     let column = |f: &dyn Fn(&MessageInsert<'_>) -> Option<String>| -> Vec<Option<String>> {
         inserts.iter().map(f).collect()
     };
@@ -560,14 +582,14 @@ async fn insert_requests(
     rows.iter().map(|row| row.try_get::<_, i64>(0).map_err(column_error)).collect()
 }
 
-/// Saves one reply.
+/// Saves one reply, already checked.
 async fn save_reply_one(
     pool: &Pool,
     queries: &MessageQueries,
-    reply: &Reply,
+    insert: &ReplyInsert,
 ) -> Result<(), StorageError> {
     let client = pool.get().await.map_err(|error| pool_error("save_reply", error))?;
-    let result = save_reply_on(&client, queries, reply).await;
+    let result = save_reply_on(&client, queries, insert).await;
     settle(client, result.as_ref().err());
     result
 }
@@ -632,24 +654,33 @@ fn ordered_rows(rows: &[Row]) -> Result<Vec<OrderedRow>, StorageError> {
 
 /// Saves a batch of replies with one statement (one commit) when they belong to distinct
 /// requests; otherwise, or if the batch statement fails (a second final reply), each reply is
-/// saved on its own, so only the faulty one fails.
+/// saved on its own, so only the faulty one fails. A reply over the limit is refused before
+/// any statement and fails alone.
 async fn save_replies(
     pool: &Pool,
     queries: &MessageQueries,
+    limit: ValueLimit,
     replies: Vec<Reply>,
 ) -> Vec<Result<(), StorageError>> {
-    let mut request_ids: Vec<_> = replies.iter().map(Reply::request_id).collect();
+    let inserts: Vec<Result<ReplyInsert, StorageError>> =
+        replies.iter().map(|reply| ReplyInsert::checked(reply, limit)).collect();
+    let checked: Vec<&ReplyInsert> =
+        inserts.iter().filter_map(|insert| insert.as_ref().ok()).collect();
+    let mut request_ids: Vec<i64> = checked.iter().map(|insert| insert.request_id).collect();
     request_ids.sort_unstable();
     request_ids.dedup();
-    if replies.len() > 1
-        && request_ids.len() == replies.len()
-        && insert_replies(pool, queries, &replies).await.is_ok()
+    if checked.len() > 1
+        && request_ids.len() == checked.len()
+        && insert_replies(pool, queries, &checked).await.is_ok()
     {
-        return replies.iter().map(|_| Ok(())).collect();
+        return inserts.into_iter().map(|insert| insert.map(drop)).collect();
     }
-    let mut results = Vec::with_capacity(replies.len());
-    for reply in &replies {
-        results.push(save_reply_one(pool, queries, reply).await);
+    let mut results = Vec::with_capacity(inserts.len());
+    for insert in inserts {
+        results.push(match insert {
+            Ok(insert) => save_reply_one(pool, queries, &insert).await,
+            Err(refused) => Err(refused),
+        });
     }
     results
 }
@@ -657,9 +688,8 @@ async fn save_replies(
 async fn insert_replies(
     pool: &Pool,
     queries: &MessageQueries,
-    replies: &[Reply],
+    inserts: &[&ReplyInsert],
 ) -> Result<(), StorageError> {
-    let inserts = replies.iter().map(ReplyInsert::new).collect::<Result<Vec<_>, _>>()?;
     let ids: Vec<i64> = inserts.iter().map(|insert| insert.id).collect();
     let kinds: Vec<Option<i32>> = inserts.iter().map(|insert| insert.kind).collect();
     let request_ids: Vec<i64> = inserts.iter().map(|insert| insert.request_id).collect();
@@ -732,14 +762,14 @@ fn duplicate(row: &Row) -> Result<SaveResult, StorageError> {
     Ok(SaveResult::Duplicate { original_id, last_received_reply })
 }
 
-/// Saves `reply` on `client` (a pooled connection, or one inside a transaction).
+/// Saves the checked reply `insert` on `client` (a pooled connection, or one inside a
+/// transaction).
 async fn save_reply_on(
     client: &ClientWrapper,
     queries: &MessageQueries,
-    reply: &Reply,
+    insert: &ReplyInsert,
 ) -> Result<(), StorageError> {
-    let insert = ReplyInsert::new(reply)?;
-    let sql = if reply.is_final() { &queries.save_exit } else { &queries.save_chunk };
+    let sql = if insert.kind.is_some() { &queries.save_exit } else { &queries.save_chunk };
     let params: [&(dyn ToSql + Sync); 5] =
         [&insert.id, &insert.kind, &insert.request_id, &insert.payload, &insert.sequence];
     execute(client, "save_reply", sql, &params).await.map(drop)
@@ -1125,6 +1155,7 @@ impl MessageStorage for PgMessageStorage {
                 let transaction = PgTransaction {
                     client: Some(client),
                     queries: Arc::clone(&self.queries),
+                    limit: self.limit,
                     closed: (),
                 };
                 transaction.simple("begin_transaction", "BEGIN").await?;
@@ -1169,6 +1200,7 @@ pub struct PgTransaction {
     /// `None` once committed or rolled back (both consume the transaction).
     client: Option<Object>,
     queries: Arc<MessageQueries>,
+    limit: ValueLimit,
     /// What [`MessageTransaction::backend`] lends when there is no connection.
     closed: (),
 }
@@ -1219,8 +1251,13 @@ impl Drop for PgTransaction {
 impl MessageTransaction for PgTransaction {
     fn save_reply<'a>(&'a mut self, reply: &'a Reply) -> BoxFuture<'a, Result<(), StorageError>> {
         Box::pin(
-            async move { save_reply_on(self.connection()?, &self.queries, reply).await }
-                .instrument(span("transaction.save_reply")),
+            async move {
+                // Checked before any statement: a refused reply would otherwise abort the
+                // transaction, and with it the replies saved before.
+                let insert = ReplyInsert::checked(reply, self.limit)?;
+                save_reply_on(self.connection()?, &self.queries, &insert).await
+            }
+            .instrument(span("transaction.save_reply")),
         )
     }
 

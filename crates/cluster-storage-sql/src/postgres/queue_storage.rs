@@ -9,6 +9,7 @@
 //! time would move them at a daylight saving change); lock expirations and retry delays are
 //! whole seconds, as the reference counts them.
 //! Claim locks are bound as text and cast to the `UUID` column.
+//! An element longer than `value_bytes_max` is refused before it is sent.
 
 use std::fmt;
 use std::num::NonZeroU32;
@@ -27,7 +28,9 @@ use tokio_postgres::Row;
 
 use super::connection::{self, migrate_on_pool, pooled_execute, pooled_query};
 use super::queries::{Migration, MigrationTarget};
+use crate::options::ValueBytesMax;
 use crate::queue::{CLEANUP_BATCH_LEN, QueueTable, attempts, new_lock, whole_seconds};
+use crate::row::ValueLimit;
 
 /// The advisory transaction lock key (second half) that serialises the queue's migrations; the
 /// first half is the namespace of the table's name.
@@ -41,6 +44,8 @@ const QUEUE_MIGRATION_LOCK: i32 = 0;
 pub struct PgQueueStorage {
     pool: Pool,
     sql: Arc<QueueSql>,
+    /// The most bytes of an element (`value_bytes_max`).
+    limit: ValueLimit,
 }
 
 impl fmt::Debug for PgQueueStorage {
@@ -63,7 +68,9 @@ impl PgQueueStorage {
         opened.map_err(|error| connection::opening_error(&config, error))
     }
 
-    /// Brings `table` up to date on `pool` and returns the store.
+    /// Brings `table` up to date on `pool` and returns the store. Its elements are limited to
+    /// the default [`value_bytes_max`](crate::SqlStorageOptions::value_bytes_max); see
+    /// [`with_value_bytes_max`](PgQueueStorage::with_value_bytes_max).
     ///
     /// # Cancel safety
     ///
@@ -77,7 +84,19 @@ impl PgQueueStorage {
     /// The store on a table migrated elsewhere, for a role without DDL rights. Runs no
     /// statement.
     pub fn without_migrations(pool: Pool, table: QueueTable) -> PgQueueStorage {
-        PgQueueStorage { pool, sql: Arc::new(QueueSql::new(table)) }
+        let limit = ValueLimit::new(ValueBytesMax::default());
+        PgQueueStorage { pool, sql: Arc::new(QueueSql::new(table)), limit }
+    }
+
+    /// The store with its elements limited to `value_bytes_max` bytes: a longer element is
+    /// refused with [`StorageErrorKind::InvalidInput`] before anything is sent.
+    pub fn with_value_bytes_max(self, value_bytes_max: ValueBytesMax) -> PgQueueStorage {
+        PgQueueStorage { limit: ValueLimit::new(value_bytes_max), ..self }
+    }
+
+    /// The most bytes an element may have on this store.
+    pub fn value_bytes_max(&self) -> ValueBytesMax {
+        self.limit.effective()
     }
 
     /// Creates or upgrades `table` (history in `<table>_migrations`), as the reference's
@@ -132,6 +151,7 @@ impl QueueStorage for PgQueueStorage {
         element: &'a str,
     ) -> BoxFuture<'a, Result<bool, StorageError>> {
         Box::pin(async move {
+            self.limit.check("the queue element", element)?;
             let inserted = pooled_execute(
                 &self.pool,
                 "queue offer",

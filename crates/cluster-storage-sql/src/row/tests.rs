@@ -202,3 +202,71 @@ fn addresses_group_by_shard_and_type() {
         ]
     );
 }
+
+fn limit(bytes: usize) -> ValueBytesMax {
+    ValueBytesMax::new(bytes).unwrap()
+}
+
+#[test]
+fn a_value_limit_counts_bytes_and_names_the_fix() {
+    let value_limit = ValueLimit::new(limit(4));
+    assert_eq!(value_limit.effective(), limit(4));
+    assert!(value_limit.check("the payload", "abcd").is_ok());
+    // Bytes, not characters: "é" is two.
+    let error = value_limit.check("the payload", "abcé").unwrap_err();
+    assert_eq!(error.kind(), StorageErrorKind::InvalidInput);
+    let message = error.to_string();
+    for expected in ["the payload", "5 bytes", "limit of 4 bytes", "value_bytes_max", "reference"] {
+        assert!(message.contains(expected), "{expected:?} is not in {message:?}");
+    }
+}
+
+#[cfg(any(feature = "mysql", feature = "sqlite"))]
+#[test]
+fn a_smaller_column_caps_the_limit_and_says_so() {
+    const COLUMN: ValueBytesMax = ValueBytesMax::column(3);
+    let capped = ValueLimit::capped(limit(4), "a small column", COLUMN);
+    assert_eq!(capped.effective(), limit(3));
+    let message = capped.check("the payload", "abcd").unwrap_err().to_string();
+    assert!(message.contains("over the 3 bytes of a small column"), "{message}");
+    assert!(!message.contains("value_bytes_max"), "raising the option would not help: {message}");
+    // A larger column leaves the option in force.
+    let uncapped = ValueLimit::capped(limit(2), "a large column", COLUMN);
+    assert_eq!(uncapped, ValueLimit::new(limit(2)));
+}
+
+#[test]
+fn checked_rows_refuse_values_over_the_limit_before_any_sql() {
+    let request = request();
+    let options = SaveRequestOptions::default();
+    let payload_len = request.payload.json().unwrap().len();
+    assert!(
+        MessageInsert::checked_request(&request, &options, ValueLimit::new(limit(payload_len)))
+            .is_ok()
+    );
+    let error =
+        MessageInsert::checked_request(&request, &options, ValueLimit::new(limit(payload_len - 1)))
+            .unwrap_err();
+    assert!(error.to_string().contains("the request's payload"), "{error}");
+    let headers =
+        Request { headers: RawJson::from_json(r#"{"a":"bc"}"#.to_owned()).unwrap(), ..request };
+    let error =
+        MessageInsert::checked_request(&headers, &options, ValueLimit::new(limit(payload_len)))
+            .unwrap_err();
+    assert!(error.to_string().contains("the request's headers"), "{error}");
+    let exit = Reply::WithExit(WithExit {
+        request_id: Snowflake::new(1),
+        id: Snowflake::new(2),
+        exit: Exit::void(),
+    });
+    let exit_len = ReplyInsert::new(&exit).unwrap().payload.len();
+    assert!(ReplyInsert::checked(&exit, ValueLimit::new(limit(exit_len))).is_ok());
+    let error = ReplyInsert::checked(&exit, ValueLimit::new(limit(exit_len - 1))).unwrap_err();
+    assert!(error.to_string().contains("the reply's payload"), "{error}");
+    let values = vec![RawJson::from_json("1".to_owned()).unwrap()];
+    let chunk = Reply::Chunk(Chunk::new(Snowflake::new(1), Snowflake::new(3), 0, values).unwrap());
+    // `[1]`: three bytes.
+    assert!(ReplyInsert::checked(&chunk, ValueLimit::new(limit(3))).is_ok());
+    let error = ReplyInsert::checked(&chunk, ValueLimit::new(limit(2))).unwrap_err();
+    assert!(error.to_string().contains("the chunk's values"), "{error}");
+}

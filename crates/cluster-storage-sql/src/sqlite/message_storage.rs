@@ -5,6 +5,9 @@
 //! that come back; the blocking side (`run_*` in `message_ops.rs`, called by the worker thread)
 //! runs the SQL. Saves go through group commit; everything that reads and then writes runs in a
 //! `BEGIN IMMEDIATE` transaction.
+//!
+//! Payloads, headers and replies longer than `value_bytes_max` are refused here, before a
+//! command reaches the worker: a group commit never holds a value it would have to refuse.
 
 use std::any::Any;
 use std::fmt;
@@ -32,8 +35,9 @@ use super::options::SqliteOptions;
 use super::queries::{self, MigrationSet, json_integers, json_strings};
 use super::state::{Responder, classify};
 use super::worker::{Command, Worker};
+use crate::options::ValueBytesMax;
 use crate::row::{
-    self, MessageInsert, ReplyInsert, ReplyRow, id_from_sql, id_to_sql, ids_from_sql,
+    self, MessageInsert, ReplyInsert, ReplyRow, ValueLimit, id_from_sql, id_to_sql, ids_from_sql,
 };
 
 /// [`MessageStorage`] on a SQLite file.
@@ -47,6 +51,8 @@ use crate::row::{
 pub struct SqliteMessageStorage {
     worker: Worker,
     transactions: Arc<TransactionPool>,
+    /// The most bytes of a payload, headers or reply (`value_bytes_max`).
+    limit: ValueLimit,
 }
 
 impl fmt::Debug for SqliteMessageStorage {
@@ -92,9 +98,17 @@ impl SqliteMessageStorage {
         let path = path.as_ref().to_path_buf();
         let worker = Worker::spawn_writer(&path, &options).await?;
         let permits = Arc::new(Semaphore::new(options.transactions_open_max.get()));
+        let limit = options.value_limit();
         let transactions =
             Arc::new(TransactionPool { path, options, idle: Mutex::new(Vec::new()), permits });
-        Ok(SqliteMessageStorage { worker, transactions })
+        Ok(SqliteMessageStorage { worker, transactions, limit })
+    }
+
+    /// The most bytes a stored value may have on this storage (`value_bytes_max` of its
+    /// options): a longer payload, headers or reply is refused with
+    /// [`StorageErrorKind::InvalidInput`] before it reaches the worker.
+    pub fn value_bytes_max(&self) -> ValueBytesMax {
+        self.limit.effective()
     }
 
     /// Brings the message tables of the database at `path` up to date (history
@@ -142,7 +156,7 @@ impl SqliteMessageStorage {
         options: &SaveRequestOptions,
         earlier: Option<EarlierCheck>,
     ) -> Result<OrderedSave, StorageError> {
-        let insert = MessageInsert::request(request, options)?;
+        let insert = MessageInsert::checked_request(request, options, self.limit)?;
         // Before keys were hashed, SQLite's unbounded TEXT column stored long keys as they
         // are: such a row must still be found.
         let legacy_message_id = options
@@ -237,7 +251,7 @@ impl MessageStorage for SqliteMessageStorage {
 
     fn save_reply<'a>(&'a self, reply: &'a Reply) -> BoxFuture<'a, Result<(), StorageError>> {
         Box::pin(async move {
-            let row = ReplyInsert::new(reply)?;
+            let row = ReplyInsert::checked(reply, self.limit)?;
             tracing::debug!(operation = "save_reply", id = %reply.id(), request_id = %reply.request_id(), is_final = reply.is_final(), "sqlite");
             self.write(WriteOp::Reply(row)).await.map(drop)
         })
@@ -659,7 +673,8 @@ impl SqliteTransaction {
 impl MessageTransaction for SqliteTransaction {
     fn save_reply<'a>(&'a mut self, reply: &'a Reply) -> BoxFuture<'a, Result<(), StorageError>> {
         Box::pin(async move {
-            let row = ReplyInsert::new(reply)?;
+            // Checked before the worker sees it, as every save is.
+            let row = ReplyInsert::checked(reply, self.pool.options.value_limit())?;
             tracing::debug!(operation = "transaction save_reply", id = %reply.id(), request_id = %reply.request_id(), "sqlite");
             self.handle
                 .worker

@@ -4,12 +4,15 @@
 use std::num::NonZeroUsize;
 use std::time::Duration;
 
-use crate::options::SqlStorageOptions;
+use crate::options::{SqlStorageOptions, ValueBytesMax};
+use crate::row::ValueLimit;
 
 const COMMAND_QUEUE_LEN_MAX_DEFAULT: NonZeroUsize = NonZeroUsize::new(1024).unwrap();
 const GROUP_COMMIT_LEN_MAX_DEFAULT: NonZeroUsize = NonZeroUsize::new(256).unwrap();
 const TRANSACTIONS_OPEN_MAX_DEFAULT: NonZeroUsize = NonZeroUsize::new(16).unwrap();
 const CHECKPOINT_INTERVAL_DEFAULT: Duration = Duration::from_millis(25);
+/// The longest string SQLite stores (`SQLITE_MAX_LENGTH`, as the bundled library is built).
+const SQLITE_VALUE_BYTES_MAX: ValueBytesMax = ValueBytesMax::column(1_000_000_000);
 
 /// How hard SQLite works to make a commit durable (`PRAGMA synchronous`), in WAL mode.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -63,6 +66,13 @@ impl SqliteOptions {
     /// The default settings with `storage`.
     pub fn new(storage: SqlStorageOptions) -> SqliteOptions {
         SqliteOptions { storage, ..SqliteOptions::default() }
+    }
+
+    /// The limit of stored values: `storage.value_bytes_max`, capped by the longest string
+    /// SQLite stores.
+    pub(crate) fn value_limit(&self) -> ValueLimit {
+        let option = self.storage.value_bytes_max;
+        ValueLimit::capped(option, "SQLite's longest string", SQLITE_VALUE_BYTES_MAX)
     }
 }
 

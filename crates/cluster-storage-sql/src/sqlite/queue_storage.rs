@@ -7,7 +7,8 @@
 //! claim is one `UPDATE … RETURNING` statement, which SQLite runs atomically. The worker thread
 //! runs the SQL and the migrations, in `queue_ops.rs`. Times are the database clock
 //! (`CURRENT_TIMESTAMP`, whole seconds). Lists of claims are bound as JSON arrays (`json_each`), as
-//! the other SQLite statements do, where the reference splices literals.
+//! the other SQLite statements do, where the reference splices literals. An element longer than
+//! `value_bytes_max` is refused before it reaches the worker.
 
 use std::fmt;
 use std::num::NonZeroU32;
@@ -26,12 +27,16 @@ use super::queries::{json_integers, json_strings};
 use super::queue_ops::{QueueCall, QueueOp, QueueSql, Settlement};
 use super::state::Responder;
 use super::worker::{Command, Worker};
+use crate::options::ValueBytesMax;
 use crate::queue::{CLEANUP_BATCH_LEN, QueueTable, new_lock};
+use crate::row::ValueLimit;
 
 /// [`QueueStorage`] on a SQLite file.
 pub struct SqliteQueueStorage {
     worker: Worker,
     sql: Arc<QueueSql>,
+    /// The most bytes of an element (`value_bytes_max`).
+    limit: ValueLimit,
 }
 
 impl fmt::Debug for SqliteQueueStorage {
@@ -74,7 +79,16 @@ impl SqliteQueueStorage {
         table: QueueTable,
     ) -> Result<SqliteQueueStorage, StorageError> {
         let worker = Worker::spawn(path.as_ref(), options, "queue").await?;
-        Ok(SqliteQueueStorage { worker, sql: Arc::new(QueueSql::new(table)) })
+        let limit = options.value_limit();
+        Ok(SqliteQueueStorage { worker, sql: Arc::new(QueueSql::new(table)), limit })
+    }
+
+    /// The most bytes an element may have on this store (`value_bytes_max` of its options): a
+    /// longer one is refused with
+    /// [`StorageErrorKind::InvalidInput`](cluster_core::error::StorageErrorKind::InvalidInput)
+    /// before it reaches the worker.
+    pub fn value_bytes_max(&self) -> ValueBytesMax {
+        self.limit.effective()
     }
 
     /// Stops the worker once the commands queued before have run and waits until its
@@ -118,6 +132,7 @@ impl QueueStorage for SqliteQueueStorage {
         element: &'a str,
     ) -> BoxFuture<'a, Result<bool, StorageError>> {
         Box::pin(async move {
+            self.limit.check("the queue element", element)?;
             let (queue, id, element) = (queue.to_owned(), id.to_owned(), element.to_owned());
             self.call("queue offer", |reply| QueueCall::Offer { queue, id, element, reply }).await
         })

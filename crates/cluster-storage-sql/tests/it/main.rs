@@ -7,6 +7,7 @@
 //! fails them: CI never passes by skipping. Every test works on tables with its own prefix and
 //! drops them at the end.
 
+mod limits;
 #[cfg(feature = "mysql")]
 mod mysql;
 #[cfg(feature = "postgres")]
@@ -18,6 +19,16 @@ mod sqlite;
 use std::sync::atomic::{AtomicU32, Ordering};
 
 use cluster_storage_sql::TablePrefix;
+#[cfg(any(feature = "sqlite", feature = "postgres"))]
+use cluster_storage_sql::options::ValueBytesMax;
+
+/// The `value_bytes_max` of the conformance suites' SQLite and PostgreSQL storages: small, so
+/// that the cases' values at the limit are cheap to write and read back. (MySQL's storages keep
+/// the default, which their columns cap.)
+#[cfg(any(feature = "sqlite", feature = "postgres"))]
+pub(crate) fn suite_value_bytes_max() -> ValueBytesMax {
+    ValueBytesMax::new(256 * 1024).expect("256 KiB is a valid limit")
+}
 
 /// A table prefix no other test, process or earlier run uses: `t<pid>_<counter>_<nanos>`.
 pub(crate) fn unique_prefix() -> TablePrefix {

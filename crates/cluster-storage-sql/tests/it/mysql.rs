@@ -24,6 +24,7 @@ use cluster_core::{
 use cluster_storage_sql::mysql::{
     MySqlMessageStorage, MySqlRunnerStorage, migrate_messages, migrate_runners,
 };
+use cluster_storage_sql::options::VALUE_BYTES_MAX_DEFAULT;
 use cluster_storage_sql::{LockMode, SqlStorageOptions, TablePrefix};
 use cluster_testkit::storage_suite::{Corruption, StorageFixture};
 use mysql_async::prelude::Queryable;
@@ -77,6 +78,7 @@ impl Database {
             shard_lock_interval: (expiration / 3).max(Duration::from_secs(1)),
             available_groups: vec![ShardGroup::from("default")],
             extra_indexes: true,
+            value_bytes_max: VALUE_BYTES_MAX_DEFAULT,
         }
     }
 
@@ -194,6 +196,11 @@ impl StorageFixture for MySqlFixture {
             self.runner_storages.lock().expect("not poisoned").push(Arc::clone(&storage));
             storage as Arc<dyn RunnerStorage>
         })
+    }
+
+    /// The default `value_bytes_max`, capped by the `TEXT` columns: 65,535 bytes.
+    fn value_bytes_max(&self) -> usize {
+        self.storage.value_bytes_max().get()
     }
 
     fn corrupt(&self, corruption: Corruption) -> BoxFuture<'_, ()> {

@@ -85,7 +85,10 @@ struct PgFixture {
 async fn pg_fixture(lock_mode: LockMode) -> Option<Box<dyn StorageFixture>> {
     let url = crate::database_url(URL_VARIABLE)?;
     let prefix = crate::unique_prefix();
-    let options = options(&prefix, lock_mode, Duration::from_secs(60));
+    let options = SqlStorageOptions {
+        value_bytes_max: crate::suite_value_bytes_max(),
+        ..options(&prefix, lock_mode, Duration::from_secs(60))
+    };
     let pool = postgres::pool(postgres::parse_config(&url).unwrap(), 8).unwrap();
     let message_storage = PgMessageStorage::new(pool, &options).await.unwrap();
     PgRunnerStorage::migrate(message_storage.pool(), &prefix).await.unwrap();
@@ -117,6 +120,10 @@ impl StorageFixture for PgFixture {
             let storage = PgRunnerStorage::connect(&self.url, &options).await.unwrap();
             Arc::new(storage) as Arc<dyn RunnerStorage>
         })
+    }
+
+    fn value_bytes_max(&self) -> usize {
+        self.message_storage.value_bytes_max().get()
     }
 
     fn corrupt(&self, corruption: Corruption) -> BoxFuture<'_, ()> {

@@ -59,7 +59,10 @@ mod sqlite {
     async fn fixture() -> Option<Box<dyn QueueFixture>> {
         let database = TempDatabase::new();
         let table = unique_table();
-        let storage = Arc::new(open(&database, &table).await);
+        let mut options = database.options();
+        options.storage.value_bytes_max = crate::suite_value_bytes_max();
+        let storage = SqliteQueueStorage::open(&database.path, &options, table.clone());
+        let storage = Arc::new(storage.await.expect("open the queue store"));
         Some(Box::new(SqliteQueueFixture {
             database,
             table,
@@ -83,6 +86,10 @@ mod sqlite {
                 self.others.lock().expect("not poisoned").push(Arc::clone(&other));
                 other as Arc<dyn QueueStorage>
             })
+        }
+
+        fn value_bytes_max(&self) -> usize {
+            self.storage.value_bytes_max().get()
         }
 
         fn cleanup(self: Box<Self>) -> BoxFuture<'static, ()> {
@@ -273,7 +280,8 @@ mod postgres {
     async fn fixture() -> Option<Box<dyn QueueFixture>> {
         let url = crate::database_url(URL_VARIABLE)?;
         let table = unique_table();
-        let storage = Arc::new(connect(&url, &table).await);
+        let storage = connect(&url, &table).await;
+        let storage = Arc::new(storage.with_value_bytes_max(crate::suite_value_bytes_max()));
         let admin = admin(&url).await;
         Some(Box::new(PgQueueFixture { url, table, admin, storage }))
     }
@@ -291,6 +299,10 @@ mod postgres {
             Box::pin(async move {
                 Arc::new(connect(&self.url, &self.table).await) as Arc<dyn QueueStorage>
             })
+        }
+
+        fn value_bytes_max(&self) -> usize {
+            self.storage.value_bytes_max().get()
         }
 
         fn cleanup(self: Box<Self>) -> BoxFuture<'static, ()> {
@@ -477,6 +489,11 @@ mod mysql {
             Box::pin(async move {
                 Arc::new(connect(&self.url, &self.table).await) as Arc<dyn QueueStorage>
             })
+        }
+
+        /// The default `value_bytes_max`, capped at 16 MiB − 64 KiB: 16,711,680 bytes.
+        fn value_bytes_max(&self) -> usize {
+            self.storage.value_bytes_max().get()
         }
 
         fn cleanup(self: Box<Self>) -> BoxFuture<'static, ()> {

@@ -101,7 +101,9 @@ struct SqliteFixture {
 
 async fn fixture() -> Option<Box<dyn StorageFixture>> {
     let database = TempDatabase::new();
-    let storage = SqliteMessageStorage::open(&database.path, database.options())
+    let mut options = database.options();
+    options.storage.value_bytes_max = crate::suite_value_bytes_max();
+    let storage = SqliteMessageStorage::open(&database.path, options)
         .await
         .expect("open the message storage");
     Some(Box::new(SqliteFixture {
@@ -132,6 +134,10 @@ impl StorageFixture for SqliteFixture {
             self.runner_storages.lock().expect("not poisoned").push(Arc::clone(&storage));
             storage as Arc<dyn RunnerStorage>
         })
+    }
+
+    fn value_bytes_max(&self) -> usize {
+        self.storage.value_bytes_max().get()
     }
 
     fn corrupt(&self, corruption: Corruption) -> BoxFuture<'_, ()> {

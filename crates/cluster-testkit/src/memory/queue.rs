@@ -5,7 +5,8 @@
 //!
 //! Time comes from an injected [`Clock`] (the database clock of the SQL stores), without their
 //! rounding to whole seconds. Several takers share one store through clones of its `Arc`, as
-//! processes share one table.
+//! processes share one table. An element longer than the store's limit
+//! ([`VALUE_BYTES_MAX_DEFAULT`] unless set otherwise) is refused, as the SQL stores refuse it.
 
 use std::collections::BTreeMap;
 use std::num::NonZeroU32;
@@ -20,7 +21,7 @@ use cluster_core::queue_storage::{
 };
 use cluster_core::{Clock, Timestamp};
 
-use super::{lock, ready};
+use super::{VALUE_BYTES_MAX_DEFAULT, check_value, lock, ready};
 use crate::queue_suite::QueueFixture;
 
 /// One row of the queue table.
@@ -71,12 +72,33 @@ struct QueueTable {
 pub struct MemoryQueueStorage {
     clock: Arc<dyn Clock>,
     table: Mutex<QueueTable>,
+    /// The most bytes of an element.
+    value_bytes_max: usize,
 }
 
 impl MemoryQueueStorage {
-    /// An empty store whose times come from `clock`.
+    /// An empty store whose times come from `clock`, with elements limited to
+    /// [`VALUE_BYTES_MAX_DEFAULT`].
     pub fn new(clock: Arc<dyn Clock>) -> MemoryQueueStorage {
-        MemoryQueueStorage { clock, table: Mutex::new(QueueTable::default()) }
+        MemoryQueueStorage {
+            clock,
+            table: Mutex::new(QueueTable::default()),
+            value_bytes_max: VALUE_BYTES_MAX_DEFAULT,
+        }
+    }
+
+    /// The store with elements limited to `value_bytes_max` bytes, as
+    /// `SqlStorageOptions::value_bytes_max` limits the SQL stores': a longer element is refused
+    /// with [`InvalidInput`](cluster_core::error::StorageErrorKind::InvalidInput) and not
+    /// stored.
+    #[must_use]
+    pub fn with_value_bytes_max(self, value_bytes_max: usize) -> MemoryQueueStorage {
+        MemoryQueueStorage { value_bytes_max, ..self }
+    }
+
+    /// The most bytes an element may have.
+    pub fn value_bytes_max(&self) -> usize {
+        self.value_bytes_max
     }
 
     /// Runs `settle` on the row `claim` holds; whether there was one.
@@ -104,6 +126,12 @@ impl QueueStorage for MemoryQueueStorage {
         id: &'a str,
         element: &'a str,
     ) -> BoxFuture<'a, Result<bool, StorageError>> {
+        let setter = "MemoryQueueStorage::with_value_bytes_max";
+        if let Err(refused) =
+            check_value("the queue element", element, self.value_bytes_max, setter)
+        {
+            return ready(Err(refused));
+        }
         let now = self.clock.now();
         let mut table = lock(&self.table);
         let key = (queue.to_owned(), id.to_owned());
@@ -327,6 +355,10 @@ impl QueueFixture for MemoryQueueFixture {
 
     fn other_storage(&self) -> BoxFuture<'_, Arc<dyn QueueStorage>> {
         ready(self.storage())
+    }
+
+    fn value_bytes_max(&self) -> usize {
+        self.storage.value_bytes_max()
     }
 
     fn cleanup(self: Box<Self>) -> BoxFuture<'static, ()> {

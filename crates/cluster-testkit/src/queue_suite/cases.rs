@@ -17,6 +17,7 @@ use cluster_core::queue_storage::{
 };
 
 use super::QueueFixture;
+use crate::storage_suite::cases::assert_refused;
 
 /// How long a case waits for an eventual condition (a claim lapsing) before failing.
 const EVENTUAL: Duration = Duration::from_secs(30);
@@ -372,4 +373,26 @@ pub async fn empty_refresh_and_unknown_items(fixture: &dyn QueueFixture) {
     assert_eq!(storage.item(QUEUE, "missing").await.unwrap(), None);
     assert!(take(&*storage, &options(10)).await.is_empty());
     assert_eq!(storage.fail_exhausted(QUEUE, n(1), LONG_EXPIRATION).await.unwrap(), 0);
+}
+
+/// An element exactly at the limit is stored and taken back byte for byte; one byte over it is
+/// refused as invalid input, nothing of it is stored, and its id can then be offered with an
+/// element that fits.
+pub async fn elements_at_the_limit_are_stored_and_over_it_refused(fixture: &dyn QueueFixture) {
+    let storage = fixture.storage();
+    let limit = fixture.value_bytes_max();
+    let json_string = |bytes: usize| format!("\"{}\"", "e".repeat(bytes - 2));
+    let at = json_string(limit);
+    assert!(storage.offer(QUEUE, "at", &at).await.unwrap(), "{}", fixture.name());
+    let over = limit + 1;
+    let refused = storage.offer(QUEUE, "over", &json_string(over)).await;
+    assert_refused(fixture.name(), refused, "the queue element", over, limit);
+    assert_eq!(storage.item(QUEUE, "over").await.unwrap(), None, "{}", fixture.name());
+    offer(&*storage, "over").await;
+    let batch = take(&*storage, &options(10)).await;
+    assert_eq!(ids(&batch), ["at", "over"], "{}", fixture.name());
+    // Compared without printing: a failure would print megabytes.
+    assert!(batch.items[0].element == at, "{}: the element changed", fixture.name());
+    assert_eq!(batch.items[1].element, element("over"));
+    assert!(item(&*storage, "at").await.element == at, "{}", fixture.name());
 }

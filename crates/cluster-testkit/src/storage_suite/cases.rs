@@ -7,13 +7,15 @@ use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::time::Duration;
 
+use futures_util::future::join_all;
 use tokio::time::Instant;
 
+use cluster_core::encoded::{JsonForm, values_to_json};
 use cluster_core::envelope::{
     AckChunk, CauseReason, Chunk, Envelope, Exit, Interrupt, RawJson, Reply, Request, TraceContext,
     WithExit, primary_key,
 };
-use cluster_core::error::StorageErrorKind;
+use cluster_core::error::{StorageError, StorageErrorKind};
 use cluster_core::ids::RunnerWeight;
 use cluster_core::storage::{
     MessageStorage, SaveRequestOptions, SaveResult, UnprocessedBatch, UnprocessedOptions,
@@ -828,6 +830,213 @@ pub async fn keys_are_compared_exactly(fixture: &dyn StorageFixture) {
     assert_eq!(stored("alice").await, None, "{}", fixture.name());
     assert_eq!(stored("Bob").await, Some(Snowflake::new(5)), "{}", fixture.name());
     assert_eq!(stored("Bob ").await, Some(Snowflake::new(6)), "{}", fixture.name());
+}
+
+// --- Value limits -------------------------------------------------------------------------------
+
+/// A JSON string of exactly `bytes` bytes (`"aaa…"`; at least 2, the quotes).
+fn json_string(bytes: usize) -> RawJson {
+    assert!(bytes >= 2, "a JSON string has at least its two quotes");
+    RawJson::from_json(format!("\"{}\"", "a".repeat(bytes - 2))).unwrap()
+}
+
+/// A request to entity `e<entity>` on shard 1 whose payload is exactly `bytes` bytes of JSON.
+fn request_with_payload(id: u64, entity: u32, bytes: usize) -> Request {
+    Request { payload: json_string(bytes), ..request(id, entity) }
+}
+
+/// A request to entity `e<entity>` on shard 1 whose headers are exactly `bytes` bytes of JSON.
+fn request_with_headers(id: u64, entity: u32, bytes: usize) -> Request {
+    Request { headers: json_string(bytes), ..request(id, entity) }
+}
+
+/// A final reply whose stored payload, the exit's JSON (which wraps the value), is exactly
+/// `bytes` bytes.
+fn final_reply_of_size(request_id: u64, id: u64, bytes: usize) -> Reply {
+    let wrapping = Exit::Success(json_string(2)).to_json().len() - 2;
+    let exit = Exit::Success(json_string(bytes - wrapping));
+    assert_eq!(exit.to_json().len(), bytes, "the exit's JSON has the size asked for");
+    Reply::WithExit(WithExit {
+        request_id: Snowflake::new(request_id),
+        id: Snowflake::new(id),
+        exit,
+    })
+}
+
+/// A chunk whose stored payload, the JSON array of its values, is exactly `bytes` bytes.
+fn chunk_of_size(request_id: u64, id: u64, sequence: u32, bytes: usize) -> Reply {
+    let wrapping = values_to_json(&[json_string(2)]).len() - 2;
+    let values = vec![json_string(bytes - wrapping)];
+    assert_eq!(values_to_json(&values).len(), bytes, "the chunk's JSON has the size asked for");
+    let chunk = Chunk::new(Snowflake::new(request_id), Snowflake::new(id), sequence, values);
+    Reply::Chunk(chunk.unwrap())
+}
+
+/// Asserts that `result` refused `what`, a value of `bytes` bytes over the limit `limit`, as
+/// invalid input with a message that names the value, its size, the limit and the way out.
+pub(crate) fn assert_refused<T: std::fmt::Debug>(
+    backend: &str,
+    result: Result<T, StorageError>,
+    what: &str,
+    bytes: usize,
+    limit: usize,
+) {
+    let error = match result {
+        Err(error) => error,
+        Ok(stored) => panic!("{backend}: {what} of {bytes} bytes was accepted: {stored:?}"),
+    };
+    assert_eq!(error.kind(), StorageErrorKind::InvalidInput, "{backend}: {what}: {error}");
+    let message = error.to_string();
+    for expected in [what, &bytes.to_string(), &limit.to_string(), "store a reference"] {
+        assert!(message.contains(expected), "{backend}: {expected:?} is not in {message:?}");
+    }
+}
+
+/// A request's payload and headers, a final reply, a chunk and a reply saved in a transaction,
+/// each exactly at the limit, are stored and read back byte for byte.
+pub async fn values_at_the_limit_are_stored_whole(fixture: &dyn StorageFixture) {
+    let storage = fixture.message_storage();
+    let limit = fixture.value_bytes_max();
+    let payload_at = request_with_payload(1, 1, limit);
+    let headers_at = request_with_headers(2, 2, limit);
+    let stream = request(3, 3);
+    for request in [&payload_at, &headers_at, &stream, &request(4, 4)] {
+        let saved = save_keyed(&*storage, request, "k").await;
+        assert_eq!(saved, SaveResult::Success, "{}", fixture.name());
+    }
+    let batch = read(&*storage, &[shard(1)]).await;
+    assert_eq!(ids(&batch), [1, 2, 3, 4], "{}", fixture.name());
+    assert!(batch.messages[0].envelope == Envelope::Request(payload_at), "{}", fixture.name());
+    assert!(batch.messages[1].envelope == Envelope::Request(headers_at), "{}", fixture.name());
+    let final_at = final_reply_of_size(1, 10, limit);
+    storage.save_reply(&final_at).await.unwrap();
+    let chunk_at = chunk_of_size(3, 11, 0, limit);
+    storage.save_reply(&chunk_at).await.unwrap();
+    let transactional_at = final_reply_of_size(4, 12, limit);
+    let mut transaction = storage.begin_transaction().await.unwrap();
+    transaction.save_reply(&transactional_at).await.unwrap();
+    transaction.commit().await.unwrap();
+    let replies = storage.replies_for(&snowflakes(&[1, 3, 4])).await.unwrap();
+    assert_eq!(reply_ids(&replies), [10, 11, 12], "{}", fixture.name());
+    assert!(replies == [final_at, chunk_at.clone(), transactional_at], "{}", fixture.name());
+    // A duplicate of the stream reads its chunk back whole too.
+    let duplicate = save_keyed(&*storage, &request(5, 3), "k").await;
+    let expected = SaveResult::Duplicate {
+        original_id: Snowflake::new(3),
+        last_received_reply: Some(chunk_at),
+    };
+    assert!(duplicate == expected, "{}: the duplicate's last reply", fixture.name());
+}
+
+/// A value one byte over the limit is refused as invalid input, with a message that says why
+/// and what to do; nothing of it is stored, and the storage goes on working: the same ids are
+/// saved afterwards with values that fit.
+pub async fn values_over_the_limit_are_refused(fixture: &dyn StorageFixture) {
+    let storage = fixture.message_storage();
+    let name = fixture.name();
+    let limit = fixture.value_bytes_max();
+    let over = limit + 1;
+    let payload_over = request_with_payload(1, 1, over);
+    let refused = storage.save_request(&payload_over, &key_of(&payload_over, "k")).await;
+    assert_refused(name, refused, "the request's payload", over, limit);
+    let headers_over = request_with_headers(1, 1, over);
+    let refused = storage.save_request(&headers_over, &SaveRequestOptions::default()).await;
+    assert_refused(name, refused, "the request's headers", over, limit);
+    assert_eq!(read_ids(&*storage).await, Vec::<u64>::new(), "{name}: nothing was stored");
+    let composed = primary_key(&payload_over.address, &payload_over.tag, "k");
+    assert_eq!(storage.request_id_for_primary_key(&composed).await.unwrap(), None, "{name}");
+    // The same id and key, with a payload that fits.
+    assert_eq!(save_keyed(&*storage, &request(1, 1), "k").await, SaveResult::Success, "{name}");
+    save(&*storage, &request(2, 2)).await;
+    save(&*storage, &request(3, 3)).await;
+    let refused = storage.save_reply(&final_reply_of_size(1, 10, over)).await;
+    assert_refused(name, refused, "the reply's payload", over, limit);
+    let refused = storage.save_reply(&chunk_of_size(2, 11, 0, over)).await;
+    assert_refused(name, refused, "the chunk's values", over, limit);
+    let stored = storage.replies_for_unfiltered(&snowflakes(&[1, 2])).await.unwrap();
+    assert!(stored.is_empty(), "{name}: a refused reply was stored: {stored:?}");
+    assert_eq!(read_ids(&*storage).await, [1, 2, 3], "{name}: the requests wait for replies");
+    // The same reply ids, with values that fit.
+    storage.save_reply(&final_reply(1, 10)).await.unwrap();
+    storage.save_reply(&chunk(2, 11, 0)).await.unwrap();
+    let stored = storage.replies_for_unfiltered(&snowflakes(&[1, 2])).await.unwrap();
+    assert_eq!(reply_ids(&stored), [10, 11], "{name}");
+}
+
+/// A reply refused in a transaction is refused before anything reaches the database: the
+/// transaction goes on, and commits the replies saved before and after it.
+pub async fn a_refused_reply_leaves_its_transaction_usable(fixture: &dyn StorageFixture) {
+    let storage = fixture.message_storage();
+    let name = fixture.name();
+    let limit = fixture.value_bytes_max();
+    let over = limit + 1;
+    for id in 1..=3 {
+        save(&*storage, &request(id, 1)).await;
+    }
+    let mut transaction = storage.begin_transaction().await.unwrap();
+    transaction.save_reply(&final_reply(1, 10)).await.unwrap();
+    let refused = transaction.save_reply(&final_reply_of_size(2, 11, over)).await;
+    assert_refused(name, refused, "the reply's payload", over, limit);
+    let refused = transaction.save_reply(&chunk_of_size(2, 12, 0, over)).await;
+    assert_refused(name, refused, "the chunk's values", over, limit);
+    transaction.save_reply(&final_reply(3, 13)).await.unwrap();
+    transaction.commit().await.unwrap();
+    let stored = storage.replies_for_unfiltered(&snowflakes(&[1, 2, 3])).await.unwrap();
+    assert_eq!(reply_ids(&stored), [10, 13], "{name}");
+    // The refused request is answered later with a reply that fits.
+    storage.save_reply(&final_reply(2, 11)).await.unwrap();
+}
+
+/// Saved together (one group commit on the backends that batch), a request and a reply over the
+/// limit fail alone: every other save of their batches is stored.
+pub async fn a_value_over_the_limit_fails_alone_in_a_batch(fixture: &dyn StorageFixture) {
+    let storage = fixture.message_storage();
+    let name = fixture.name();
+    let limit = fixture.value_bytes_max();
+    let over = limit + 1;
+    // Keyed and unkeyed requests: MySQL batches only the keyed ones.
+    let requests: Vec<(Request, SaveRequestOptions)> = (1..=8_u32)
+        .map(|entity| {
+            let id = u64::from(entity);
+            let request =
+                if id == 4 { request_with_payload(id, entity, over) } else { request(id, entity) };
+            let options =
+                if id % 2 == 0 { key_of(&request, "k") } else { SaveRequestOptions::default() };
+            (request, options)
+        })
+        .collect();
+    let saves = requests.iter().map(|(request, options)| storage.save_request(request, options));
+    for ((request, _), saved) in requests.iter().zip(join_all(saves).await) {
+        if request.request_id == Snowflake::new(4) {
+            assert_refused(name, saved, "the request's payload", over, limit);
+        } else {
+            assert_eq!(saved.unwrap(), SaveResult::Success, "{name}: {:?}", request.request_id);
+        }
+    }
+    // Saved concurrently, the requests have no order of their own (MySQL stores the keyed
+    // ones of a batch first).
+    let mut stored = read_ids(&*storage).await;
+    stored.sort_unstable();
+    assert_eq!(stored, [1, 2, 3, 5, 6, 7, 8], "{name}");
+    let answered = [1_u64, 2, 3, 5, 6, 7, 8];
+    let replies: Vec<Reply> = answered
+        .iter()
+        .map(
+            |&id| if id == 5 { final_reply_of_size(5, 15, over) } else { final_reply(id, id + 10) },
+        )
+        .collect();
+    let saves = replies.iter().map(|reply| storage.save_reply(reply));
+    for (reply, saved) in replies.iter().zip(join_all(saves).await) {
+        if reply.request_id() == Snowflake::new(5) {
+            assert_refused(name, saved, "the reply's payload", over, limit);
+        } else {
+            assert!(saved.is_ok(), "{name}: the reply to {}: {saved:?}", reply.request_id());
+        }
+    }
+    let stored = storage.replies_for_unfiltered(&snowflakes(&answered)).await.unwrap();
+    let mut stored = reply_ids(&stored);
+    stored.sort_unstable();
+    assert_eq!(stored, [11, 12, 13, 16, 17, 18], "{name}");
 }
 
 /// Replies saved in a transaction are invisible until commit, gone on rollback, and a
