@@ -97,7 +97,13 @@ impl ValueBytesMax {
     /// The largest limit accepted: 1 GiB.
     pub const LIMIT: usize = 1024 * 1024 * 1024;
 
-    /// `bytes`, if it is at least 1 and at most [`ValueBytesMax::LIMIT`].
+    /// The smallest limit accepted: 1 KiB. The runtime stores small values of its own that
+    /// must always fit, above all the `ReplyNotStored` defect that answers a request whose
+    /// reply was refused; under a smaller limit that defect would be refused too, and the
+    /// request would run again without end.
+    pub const MIN: usize = 1024;
+
+    /// `bytes`, if it is at least [`ValueBytesMax::MIN`] and at most [`ValueBytesMax::LIMIT`].
     ///
     /// # Errors
     ///
@@ -105,10 +111,12 @@ impl ValueBytesMax {
     pub fn new(bytes: usize) -> Result<ValueBytesMax, ConfigError> {
         let reject =
             |reason: String| Err(ConfigError::new("value_bytes_max", bytes.to_string(), reason));
-        if bytes == 0 {
-            return reject(
-                "a stored value may have at least 1 byte: 0 would refuse every value".to_owned(),
-            );
+        if bytes < ValueBytesMax::MIN {
+            return reject(format!(
+                "at least {} bytes (1 KiB): the runtime's own replies, such as the defect that \
+                 says why a value was refused, must fit",
+                ValueBytesMax::MIN
+            ));
         }
         if bytes > ValueBytesMax::LIMIT {
             return reject(format!(
@@ -123,7 +131,16 @@ impl ValueBytesMax {
     /// calls this fails to compile unless `bytes` is a valid limit.
     #[cfg(any(feature = "mysql", feature = "sqlite"))]
     pub(crate) const fn column(bytes: usize) -> ValueBytesMax {
-        assert!(bytes >= 1 && bytes <= ValueBytesMax::LIMIT, "a column holds 1 byte to 1 GiB");
+        assert!(
+            bytes >= ValueBytesMax::MIN && bytes <= ValueBytesMax::LIMIT,
+            "a column holds 1 KiB to 1 GiB"
+        );
+        ValueBytesMax(bytes)
+    }
+
+    /// Any positive `bytes`, below [`ValueBytesMax::MIN`] too: for unit tests of the check.
+    #[cfg(test)]
+    pub(crate) fn unchecked(bytes: usize) -> ValueBytesMax {
         ValueBytesMax(bytes)
     }
 

@@ -4,7 +4,7 @@
 //! | --- | --- |
 //! | `CLUSTER_STORAGE_URL` | `postgres://…`, `mysql://…` or `sqlite:<path>` (required) |
 //! | `CLUSTER_TABLE_PREFIX` | the tables' prefix (default `cluster`) |
-//! | `CLUSTER_STORAGE_VALUE_BYTES_MAX` | the most bytes of a stored payload, reply or queue element (default 16777216, 16 MiB; at most 1 GiB) |
+//! | `CLUSTER_STORAGE_VALUE_BYTES_MAX` | the most bytes of a stored payload, reply or queue element (default 16777216, 16 MiB; at least 1024, at most 1 GiB) |
 //! | `HOST`, `PORT`, `LISTEN_HOST`, `LISTEN_PORT`, … | the runtime's settings (`ShardingConfig::from_env`) |
 //! | `CLUSTER_RPC_SECRET`, `CLUSTER_RPC_*` | the transport's settings (`RpcConfig::from_env`) |
 //! | `CLUSTER_OPS_LISTEN` | the address of the operations server (`/healthz`, `/readyz`, `/metrics`; feature `ops`), off when unset |

@@ -33,13 +33,13 @@ fn options_follow_the_config() {
 }
 
 #[test]
-fn value_bytes_max_is_at_least_one_byte_and_at_most_a_gibibyte() {
+fn value_bytes_max_is_at_least_a_kibibyte_and_at_most_a_gibibyte() {
     assert_eq!(SqlStorageOptions::default().value_bytes_max, VALUE_BYTES_MAX_DEFAULT);
     assert_eq!(VALUE_BYTES_MAX_DEFAULT.get(), 16 * 1024 * 1024);
     assert_eq!(ValueBytesMax::default(), VALUE_BYTES_MAX_DEFAULT);
-    assert_eq!(ValueBytesMax::new(1).unwrap().get(), 1);
+    assert_eq!(ValueBytesMax::new(1024).unwrap().get(), 1024);
     assert_eq!(ValueBytesMax::new(ValueBytesMax::LIMIT).unwrap().get(), 1 << 30);
-    for bad in [0, ValueBytesMax::LIMIT + 1, usize::MAX] {
+    for bad in [0, 1, 1023, ValueBytesMax::LIMIT + 1, usize::MAX] {
         let error = ValueBytesMax::new(bad).unwrap_err();
         assert_eq!((error.key(), error.value()), ("value_bytes_max", bad.to_string().as_str()));
         assert!(!error.reason().is_empty());

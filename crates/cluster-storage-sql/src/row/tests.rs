@@ -204,7 +204,7 @@ fn addresses_group_by_shard_and_type() {
 }
 
 fn limit(bytes: usize) -> ValueBytesMax {
-    ValueBytesMax::new(bytes).unwrap()
+    ValueBytesMax::unchecked(bytes)
 }
 
 #[test]
@@ -224,14 +224,14 @@ fn a_value_limit_counts_bytes_and_names_the_fix() {
 #[cfg(any(feature = "mysql", feature = "sqlite"))]
 #[test]
 fn a_smaller_column_caps_the_limit_and_says_so() {
-    const COLUMN: ValueBytesMax = ValueBytesMax::column(3);
-    let capped = ValueLimit::capped(limit(4), "a small column", COLUMN);
+    let column = ValueBytesMax::unchecked(3);
+    let capped = ValueLimit::capped(limit(4), "a small column", column);
     assert_eq!(capped.effective(), limit(3));
     let message = capped.check("the payload", "abcd").unwrap_err().to_string();
     assert!(message.contains("over the 3 bytes of a small column"), "{message}");
     assert!(!message.contains("value_bytes_max"), "raising the option would not help: {message}");
     // A larger column leaves the option in force.
-    let uncapped = ValueLimit::capped(limit(2), "a large column", COLUMN);
+    let uncapped = ValueLimit::capped(limit(2), "a large column", column);
     assert_eq!(uncapped, ValueLimit::new(limit(2)));
 }
 

@@ -134,10 +134,13 @@ mod postgres {
         let queue = PgQueueStorage::without_migrations(unreachable_pool(), QueueTable::default());
         assert_eq!(queue.value_bytes_max(), VALUE_BYTES_MAX_DEFAULT);
         assert_refused(queue.offer("q", "i", &json_text(over)).await, &["the queue element"]);
-        let small = ValueBytesMax::new(10).expect("a limit");
+        let small = ValueBytesMax::new(1_024).expect("a limit");
         let queue = queue.with_value_bytes_max(small);
         assert_eq!(queue.value_bytes_max(), small);
-        assert_refused(queue.offer("q", "i", &json_text(11)).await, &["11 bytes", "10 bytes"]);
+        assert_refused(
+            queue.offer("q", "i", &json_text(1_025)).await,
+            &["1025 bytes", "1024 bytes"],
+        );
     }
 }
 
@@ -167,11 +170,11 @@ mod mysql {
             ["the request's payload", "65536 bytes", "65535 bytes of MySQL's TEXT column"];
         assert_refused(saved, &expected);
         assert_refused(storage.save_reply(&reply_of_size(65_536)).await, &["the reply's payload"]);
-        let small = ValueBytesMax::new(1_000).expect("a limit");
+        let small = ValueBytesMax::new(1_100).expect("a limit");
         let storage = storage.with_value_bytes_max(small);
         assert_eq!(storage.value_bytes_max(), small);
-        let saved = save_request_of_size(&storage, 1_001).await;
-        assert_refused(saved, &["1001 bytes", "limit of 1000 bytes", "value_bytes_max"]);
+        let saved = save_request_of_size(&storage, 1_101).await;
+        assert_refused(saved, &["1101 bytes", "limit of 1100 bytes", "value_bytes_max"]);
     }
 
     /// The queue's elements are capped at 16 MiB − 64 KiB, what a row holds within the default
@@ -184,9 +187,12 @@ mod mysql {
         let over = queue.value_bytes_max().get() + 1;
         let expected = ["the queue element", "16711681 bytes", "max_allowed_packet"];
         assert_refused(queue.offer("q", "i", &json_text(over)).await, &expected);
-        let small = ValueBytesMax::new(10).expect("a limit");
+        let small = ValueBytesMax::new(1_024).expect("a limit");
         let queue = queue.with_value_bytes_max(small);
         assert_eq!(queue.value_bytes_max(), small);
-        assert_refused(queue.offer("q", "i", &json_text(11)).await, &["11 bytes", "10 bytes"]);
+        assert_refused(
+            queue.offer("q", "i", &json_text(1_025)).await,
+            &["1025 bytes", "1024 bytes"],
+        );
     }
 }

@@ -23,6 +23,7 @@ use std::time::Duration;
 
 use cluster_core::DecodeError;
 use cluster_core::envelope::RawJson;
+use cluster_core::error::StorageErrorKind;
 use cluster_core::queue_storage::{ClaimBatch, ClaimedItem, QueueClaim, QueueStorage, TakeOptions};
 use cluster_core::sync::lock;
 use tokio::sync::{Notify, watch};
@@ -96,7 +97,8 @@ impl QueueWorkers {
     /// Stores item `item_id` of `queue` unless it is stored already, and wakes this engine's
     /// worker of the queue. Storage failures are retried with backoff a few times (the
     /// reference's `process` retries its offer); then the caller's run breaks off and its
-    /// replay offers again.
+    /// replay offers again. An element the store refuses (`InvalidInput`, over its size limit)
+    /// is not retried: the caller's run ends with a defect.
     pub(crate) async fn offer(
         &self,
         queue: &str,
@@ -116,6 +118,12 @@ impl QueueWorkers {
             let error = match timeout(CALL_DEADLINE, storage.offer(&name, item_id, &element)).await
             {
                 Ok(Ok(stored)) => break stored,
+                // Refused for good (an element over the store's size limit): no retry, and
+                // the typed source lets the run end with a defect instead of replaying.
+                Ok(Err(error)) if error.kind() == StorageErrorKind::InvalidInput => {
+                    let what = format!("offering to {name} was refused");
+                    return Err(WorkflowError::cluster_from(&what, error));
+                }
                 Ok(Err(error)) => error.to_string(),
                 Err(_) => format!("no answer within {CALL_DEADLINE:?}"),
             };

@@ -67,10 +67,15 @@ pub(crate) fn config() -> ShardingConfig {
 
 struct ClusterOnMemory;
 
+/// The memory storage's value limit in the suite: MySQL's `TEXT`, so that the suite meets
+/// the smallest limit of the SQL backends on every run.
+const MEMORY_VALUE_BYTES_MAX: usize = 65_535;
+
 impl Harness for ClusterOnMemory {
     async fn engine(&self) -> WorkflowEngine {
         let clock: Arc<dyn Clock> = Arc::new(TokioClock::new());
-        let storage = Arc::new(MemoryMessageStorage::new(Arc::clone(&clock)));
+        let storage = MemoryMessageStorage::new(Arc::clone(&clock));
+        let storage = Arc::new(storage.with_value_bytes_max(MEMORY_VALUE_BYTES_MAX));
         let sharding = Sharding::builder(config())
             .clock(Arc::clone(&clock))
             .messages(storage)
@@ -82,6 +87,10 @@ impl Harness for ClusterOnMemory {
 
     fn is_cluster(&self) -> bool {
         true
+    }
+
+    fn value_bytes_max(&self) -> Option<usize> {
+        Some(MEMORY_VALUE_BYTES_MAX)
     }
 }
 
@@ -150,6 +159,7 @@ cluster_tests!(
     a_queue_worker_panicking_before_its_future_is_a_defect,
     a_body_finalizer_panicking_at_a_suspension_lets_the_run_suspend,
     reserved_names_are_refused,
+    values_over_the_storage_limit_are_typed_errors,
 );
 
 /// New in effect 4.1.0 (`ensureSuccess`): a wake that keeps failing (here: the run's reset) is
@@ -895,4 +905,54 @@ async fn an_interrupt_during_an_automatic_wakes_wait_for_a_slow_reply_is_applied
     engine.interrupt::<FailsSlowly>(&id).await.unwrap();
     let exit = suite::complete_exit::<FailsSlowly>(&engine, &id).await;
     assert_eq!(exit, cluster_core::Exit::fail(cluster_core::RawJson::encode("boom").unwrap()));
+}
+
+/// A durable queue item over the queue store's limit ends the run with a defect that names
+/// the refusal, instead of breaking the run for a replay that offers it again without end.
+#[tokio::test(start_paused = true)]
+async fn a_queue_item_over_the_stores_limit_is_a_defect() {
+    use cluster_workflow::{DurableQueue, ExecuteError, Workflow, WorkflowContext};
+
+    struct Enqueues;
+    impl Workflow for Enqueues {
+        const NAME: &'static str = "Enqueues";
+        type Payload = suite::Input;
+        type Success = u64;
+        type Error = String;
+        fn idempotency_key(payload: &suite::Input) -> String {
+            payload.key.clone()
+        }
+    }
+    const BIG: DurableQueue<String, u64, String> =
+        DurableQueue::new("Big", |item: &String| item.len().to_string());
+
+    let clock: Arc<dyn Clock> = Arc::new(TokioClock::new());
+    let storage = Arc::new(MemoryMessageStorage::new(Arc::clone(&clock)));
+    let queue = MemoryQueueStorage::new(Arc::clone(&clock)).with_value_bytes_max(2_048);
+    let sharding =
+        Sharding::builder(config()).clock(clock).messages(storage).start().await.unwrap();
+    let options =
+        ClusterOptions { queue_storage: Some(Arc::new(queue)), ..ClusterOptions::default() };
+    let engine = WorkflowEngine::cluster_with(&sharding, options).unwrap();
+    let runs = Arc::new(AtomicU32::new(0));
+    let counted = Arc::clone(&runs);
+    Enqueues::register(&engine, move |ctx: WorkflowContext, _: suite::Input| {
+        counted.fetch_add(1, Ordering::SeqCst);
+        async move { BIG.process(&ctx, "x".repeat(4_096)).await }
+    })
+    .unwrap();
+    engine
+        .register_queue_worker(BIG, |item: String| async move { Ok(item.len() as u64) }, 1)
+        .unwrap();
+    let payload = suite::Input { key: "big".into(), ..suite::Input::default() };
+    let outcome =
+        tokio::time::timeout(Duration::from_secs(120), engine.execute::<Enqueues>(payload))
+            .await
+            .expect("the execution never ended");
+    assert!(
+        matches!(&outcome, Err(ExecuteError::Defect(defect)) if defect.contains("refused")),
+        "{outcome:?}"
+    );
+    assert_eq!(runs.load(Ordering::SeqCst), 1, "the run was not replayed");
+    sharding.shutdown().await;
 }
