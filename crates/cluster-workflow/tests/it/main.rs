@@ -4,6 +4,7 @@
 mod cluster;
 mod integration;
 mod memory;
+mod panics;
 mod queue;
 mod sql;
 mod suite;
