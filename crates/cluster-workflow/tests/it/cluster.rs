@@ -956,3 +956,63 @@ async fn a_queue_item_over_the_stores_limit_is_a_defect() {
     assert_eq!(runs.load(Ordering::SeqCst), 1, "the run was not replayed");
     sharding.shutdown().await;
 }
+
+/// `interrupt_unsafe` cuts off a run while its activity's result is being written (replies take
+/// two seconds). The next run, with the interrupt pending, starts no new activity, but it waits
+/// for that result: the step's compensation is registered and runs when the interrupt ends the
+/// execution. Before the fix the next run read "no result", suspended, and the execution ended
+/// interrupted with the step never undone.
+#[tokio::test(start_paused = true)]
+async fn an_activity_result_written_during_an_unsafe_interrupt_is_compensated() {
+    use cluster_workflow::{DurableDeferred, Workflow, WorkflowContext};
+
+    struct Reserving;
+    impl Workflow for Reserving {
+        const NAME: &'static str = "Reserving";
+        type Payload = suite::Input;
+        type Success = String;
+        type Error = String;
+        fn idempotency_key(payload: &suite::Input) -> String {
+            payload.key.clone()
+        }
+    }
+
+    let (engine, faults) = engine_on_faulty_storage().await;
+    let (ran, undone) = (Arc::new(AtomicU32::new(0)), Arc::new(AtomicU32::new(0)));
+    let (counted, compensated) = (Arc::clone(&ran), Arc::clone(&undone));
+    Reserving::register(&engine, move |ctx: WorkflowContext, _: suite::Input| {
+        let (counted, compensated) = (Arc::clone(&counted), Arc::clone(&compensated));
+        async move {
+            ctx.activity("reserve", |_| {
+                let counted = Arc::clone(&counted);
+                async move {
+                    counted.fetch_add(1, Ordering::SeqCst);
+                    Ok::<u32, String>(1)
+                }
+            })
+            .compensate(move |_, _| async move {
+                compensated.fetch_add(1, Ordering::SeqCst);
+            })
+            .await?;
+            let gate = DurableDeferred::<String>::new("Gate").unwrap();
+            ctx.await_deferred(&gate).await.map_err(|never| match never {})
+        }
+    })
+    .unwrap();
+    faults.delay_replies(Duration::from_secs(2));
+    let payload = suite::Input { key: "reserving".into(), ..suite::Input::default() };
+    let id = engine.execute_discard::<Reserving>(payload).await.unwrap();
+    while ran.load(Ordering::SeqCst) == 0 {
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    // The activity's result is being written; the run waits for it.
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    engine.interrupt_unsafe::<Reserving>(&id).await.unwrap();
+    let exit = suite::complete_exit::<Reserving>(&engine, &id).await;
+    assert!(
+        matches!(&exit, cluster_core::Exit::Failure(cause) if cause.has_interrupts_only()),
+        "{exit:?}"
+    );
+    assert_eq!(ran.load(Ordering::SeqCst), 1, "the activity ran once");
+    assert_eq!(undone.load(Ordering::SeqCst), 1, "its stored result was undone once");
+}
