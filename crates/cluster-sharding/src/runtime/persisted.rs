@@ -318,6 +318,12 @@ impl PersistedDelivery {
         self.serving.serves(shard)
     }
 
+    /// Whether a request of `shard` may be handed to an entity here now: served, within the
+    /// lease of its last lock confirmation ([`Shards::delivers`]).
+    fn delivers(&self, shard: &ShardId) -> bool {
+        self.serving.delivers(shard)
+    }
+
     async fn confirm_shard_lock(&self, shard: &ShardId) -> bool {
         self.serving.confirm(shard).await
     }
@@ -1043,8 +1049,9 @@ impl PersistedDelivery {
         // So a release that stops serving the shard after the check waits for this request's
         // outcome before it lets the lock go.
         let write = self.begin_write(&shard);
-        if !self.serves(&shard) {
-            // The shard was let go since the read: its next owner runs the request.
+        if !self.delivers(&shard) {
+            // The shard was let go since the read (its next owner runs the request), or its
+            // lease lapsed (the next read after a refresh delivers it).
             return Dispatched::Release(request_id);
         }
         let transaction = manager

@@ -2194,6 +2194,48 @@ async fn a_runner_frozen_past_its_lease_reads_nothing_until_a_refresh_answers() 
     runner.shutdown().await;
 }
 
+/// A runner frozen past its lease hands no request to an entity until a lock refresh answers,
+/// whichever way the request comes: one it stores itself (direct delivery, whose row stays
+/// unclaimed, so the next owner would run it too) or a volatile one. The read loop already waits
+/// (`a_runner_frozen_past_its_lease_reads_nothing_until_a_refresh_answers`); direct delivery
+/// and the managers' admission ran such requests at once (seen 0 ms after the thaw).
+#[tokio::test(start_paused = true)]
+async fn a_runner_frozen_past_its_lease_runs_no_request_until_a_refresh_answers() {
+    let net = Net::memory().await.unwrap();
+    let (runner, faults) = faulty_runner(&net, 7102).await;
+    eventually("the runner holds every shard", || split(&[&runner])).await;
+    let stored = Probes::of(&net.id("frozen-direct"));
+    let volatile = Probes::of(&net.id("frozen-volatile"));
+    let refresh_answers_after = Duration::from_millis(400);
+    faults.delay_locks(refresh_answers_after);
+    tokio::time::advance(EXPIRATION).await;
+    let thawed = tokio::time::Instant::now();
+    runner.client::<Counter>(net.id("frozen-direct")).discard(Persist).await.unwrap();
+    let call =
+        spawn_send(&runner.client::<Counter>(net.id("frozen-volatile")), Increment { by: 1 });
+    let (mut stored_ran, mut volatile_ran) = (None, None);
+    eventually("both requests run", || {
+        for (probes, ran) in [(&stored, &mut stored_ran), (&volatile, &mut volatile_ran)] {
+            if ran.is_none() && probes.created.load(Ordering::SeqCst) > 0 {
+                *ran = Some(thawed.elapsed());
+            }
+        }
+        stored_ran.is_some() && volatile_ran.is_some()
+    })
+    .await;
+    for (what, ran) in [("stored", stored_ran), ("volatile", volatile_ran)] {
+        let ran = ran.unwrap_or_default();
+        assert!(
+            ran >= refresh_answers_after,
+            "the frozen runner ran the {what} request {ran:?} after it continued, before its \
+             refresh answered"
+        );
+    }
+    assert_eq!(call.await.unwrap().unwrap(), 1);
+    faults.delay_locks(Duration::ZERO);
+    runner.shutdown().await;
+}
+
 /// A read of stored messages that chose a shard before the shard's release ends before the
 /// shard's lock goes. Otherwise its claim could land after the next owner took the lock and
 /// released the previous owner's claims: the claimed requests would be hidden from the next

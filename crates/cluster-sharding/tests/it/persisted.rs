@@ -566,6 +566,59 @@ mod single_runner {
         assert!(matches!(refused, Err(StartError::NoRunnerAddress)), "{refused:?}");
     }
 
+    /// A single runner frozen past its lease hands none of its own persisted requests to an
+    /// entity until a lock refresh answers: its leases may have expired and another runner may
+    /// hold the shards, which would run the unclaimed row too. It ran them at once before
+    /// direct delivery checked the lease (seen 10 ms after the thaw): its flag of every shard
+    /// served is set by the refreshes, and none had answered yet. Paused time makes the freeze
+    /// exact.
+    #[tokio::test(start_paused = true)]
+    async fn a_single_runner_frozen_past_its_lease_runs_nothing_until_a_refresh_answers() {
+        use cluster_testkit::faulty::FaultyRunnerStorage;
+
+        let clock = Arc::new(SystemClock);
+        let expiration = Duration::from_secs(3);
+        let config = ShardingConfig {
+            shard_lock_refresh_interval: Duration::from_millis(500),
+            shard_lock_expiration: expiration,
+            ..at(1)
+        };
+        let runners =
+            MemoryRunnerStorage::new(MemoryRunnerDatabase::new(clock.clone()), expiration);
+        let (runners, faults) = FaultyRunnerStorage::new(Arc::new(runners));
+        let sharding = Sharding::builder(config)
+            .messages(Arc::new(MemoryMessageStorage::new(clock)))
+            .runners(Arc::new(runners))
+            .single_runner()
+            .start()
+            .await
+            .unwrap();
+        sharding.register::<Counter>(EntityOptions::default()).unwrap();
+        let id = "single-runner-frozen";
+        let probes = crate::entities::Probes::of(id);
+        // Answered once the read loop has read every shard: direct delivery is on.
+        let warm = sharding.client::<Counter>("single-runner-frozen-warm");
+        warm.send(crate::entities::Persist).await.unwrap();
+        // Within the refresh's timeout (the refresh interval).
+        let refresh_answers_after = Duration::from_millis(400);
+        faults.delay_locks(refresh_answers_after);
+        tokio::time::advance(expiration).await;
+        let thawed = tokio::time::Instant::now();
+        sharding.client::<Counter>(id).discard(crate::entities::Persist).await.unwrap();
+        super::eventually("the request runs", || {
+            probes.created.load(std::sync::atomic::Ordering::SeqCst) == 1
+        })
+        .await;
+        let ran_after = thawed.elapsed();
+        assert!(
+            ran_after >= refresh_answers_after,
+            "the frozen runner ran its request {ran_after:?} after it continued, before its \
+             refresh answered"
+        );
+        faults.delay_locks(Duration::ZERO);
+        sharding.shutdown().await;
+    }
+
     /// Two single runners on one SQLite file never both answer a request. The first one's
     /// lock refreshes stop (a frozen process) while a request runs: once its leases could have
     /// expired it serves no shard and interrupts the request, which it leaves stored. A second

@@ -210,7 +210,9 @@ impl PersistedDelivery {
             .managers()
             .get(&address.entity_type)
             .is_some_and(|manager| !manager.is_stream(&request.tag));
-        let reservation = (unary && self.serves(&address.shard_id))
+        // Within the lease only: a runner frozen past it may have lost the shard, and the
+        // pushed request's row is unclaimed, so the next owner would run it too.
+        let reservation = (unary && self.delivers(&address.shard_id))
             .then(|| self.may_deliver_directly(address))
             .filter(|direct| *direct)
             .and_then(|_| self.reserve(request.request_id));

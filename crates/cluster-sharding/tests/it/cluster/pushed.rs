@@ -7,8 +7,10 @@ use std::sync::atomic::Ordering;
 use std::time::Duration;
 
 use cluster_core::clock::{Clock, SystemClock};
+use cluster_core::storage::RunnerStorage;
 use cluster_core::{RunnerAddress, ShardingConfig};
 use cluster_sharding::{CallError, EntityClient, EntityOptions, Sharding};
+use cluster_testkit::faulty::FaultyRunnerStorage;
 use cluster_testkit::transport::{MemoryNetwork, NetworkFaults};
 
 use super::{Net, config, eventually, final_gated_replies, split};
@@ -21,7 +23,19 @@ async fn runner(
     network: &Arc<MemoryNetwork>,
     tune: impl FnOnce(&mut ShardingConfig),
 ) -> Sharding {
+    runner_with(net, port, network, |locks| locks, tune).await
+}
+
+/// [`runner`], whose lock storage goes through `wrap` (to inject faults).
+async fn runner_with(
+    net: &Net,
+    port: u16,
+    network: &Arc<MemoryNetwork>,
+    wrap: impl FnOnce(Arc<dyn RunnerStorage>) -> Arc<dyn RunnerStorage>,
+    tune: impl FnOnce(&mut ShardingConfig),
+) -> Sharding {
     let (messages, locks) = net.storages().await;
+    let locks = wrap(locks);
     let address = RunnerAddress::new("127.0.0.1", port);
     let mut config =
         ShardingConfig { shard_lock_expiration: net.expiration, ..config(Some(address.clone())) };
@@ -408,6 +422,52 @@ async fn pushed_requests_racing_the_read_loop_run_in_storage_order(net: Net) {
     }
     client.shutdown().await;
     a.shutdown().await;
+}
+
+/// A runner frozen past its lease runs no pushed request until a lock refresh answers: it may
+/// have lost the shard without knowing yet, and the pushed request's row is unclaimed, so the
+/// next owner would run it too. Before the owner checked the lease on this path, it ran the
+/// request at once (seen 0 ms after the thaw). Paused time makes the freeze exact, as in
+/// `a_runner_frozen_past_its_lease_reads_nothing_until_a_refresh_answers`.
+#[tokio::test(start_paused = true)]
+async fn a_runner_frozen_past_its_lease_runs_no_pushed_request_until_a_refresh_answers() {
+    let net = Net::memory().await.unwrap();
+    let network = MemoryNetwork::new();
+    let mut faults = None;
+    let wrap = |locks| {
+        let (locks, lock_faults) = FaultyRunnerStorage::new(locks);
+        faults = Some(lock_faults);
+        Arc::new(locks) as Arc<dyn RunnerStorage>
+    };
+    let owner = runner_with(&net, 8121, &network, wrap, slow_polls).await;
+    let faults = faults.expect("the runner was built");
+    eventually("the runner holds every shard", || split(&[&owner])).await;
+    let client = client(&net, &network, slow_polls).await;
+    let id = net.id("frozen-pushed");
+    let counter = client.client::<Counter>(id.as_str());
+    routed(&counter).await;
+    let probes = Probes::of(&id);
+    let refresh_answers_after = Duration::from_millis(400);
+    faults.delay_locks(refresh_answers_after);
+    tokio::time::advance(super::EXPIRATION).await;
+    let thawed = tokio::time::Instant::now();
+    let sends = network.sends();
+    let call = tokio::spawn({
+        let counter = counter.clone();
+        async move { counter.send(Deposit { key: "k".to_owned(), amount: 2 }).await }
+    });
+    eventually("the request runs", || probes.deposits.load(Ordering::SeqCst) == 1).await;
+    let ran_after = thawed.elapsed();
+    assert_eq!(network.sends() - sends, 1, "the request was pushed");
+    assert!(
+        ran_after >= refresh_answers_after,
+        "the frozen runner ran the pushed request {ran_after:?} after it continued, before its \
+         refresh answered"
+    );
+    assert_eq!(call.await.unwrap().unwrap(), 2);
+    faults.delay_locks(Duration::ZERO);
+    client.shutdown().await;
+    owner.shutdown().await;
 }
 
 on_every_backend!(
