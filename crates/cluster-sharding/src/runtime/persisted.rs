@@ -33,6 +33,8 @@
 //!   (`Shards::confirm`).
 //!   Otherwise the reply is not stored, the claim is released, and the shard's next owner runs
 //!   the request.
+//!   That may be this runner, when only the confirmation failed: if a second confirmation
+//!   finds the lock held, its read loop is woken.
 //! - **Drained releases.** A shard's release waits until the requests taken up in it are
 //!   settled ([`WriteGuard`]), for a bounded time.
 //!   So a request that finishes while its shard drains is answered here.
@@ -1122,7 +1124,7 @@ impl PersistedDelivery {
                     Some(exit) if exit.is_success() => {
                         if !self.confirm_shard_lock(&shard).await {
                             let _ = transaction.rollback().await;
-                            return self.fenced(request_id).await;
+                            return self.fenced(request_id, &shard).await;
                         }
                         let reply = self.final_reply(request_id, exit);
                         self.commit_final_reply(transaction, reply).await;
@@ -1153,7 +1155,7 @@ impl PersistedDelivery {
                     }
                 }
                 Some(_) if !self.confirm_shard_lock(&shard).await => {
-                    self.fenced(request_id).await;
+                    self.fenced(request_id, &shard).await;
                 }
                 Some(exit) => {
                     let reply = self.final_reply(request_id, exit);
@@ -1166,14 +1168,25 @@ impl PersistedDelivery {
         })
     }
 
-    /// The shard lock was not confirmed (effect 4.1.0 fencing).
+    /// The lock of `shard` was not confirmed (effect 4.1.0 fencing).
     ///
     /// - The final reply is not stored.
     /// - The claim is released for the shard's next owner.
+    /// - The next owner may be this runner: only the confirmation may have failed (a storage
+    ///   call that failed or timed out), the lock still held.
+    ///   So the lock is confirmed once more, and if it is held the read loop is woken: its next
+    ///   read runs the request again, rather than its next poll.
+    ///   Otherwise nothing is woken: a runner whose lock storage fails would run the request
+    ///   again and again, each run fenced.
+    ///   A shard that moved is read by its new owner when it takes it.
     /// - Local callers keep waiting; they read the reply from storage once that owner stores it.
-    async fn fenced(self: &Arc<Self>, request_id: Snowflake) {
+    async fn fenced(self: &Arc<Self>, request_id: Snowflake, shard: &ShardId) {
         if let Err(error) = self.storage.reset_requests(&[request_id]).await {
             tracing::debug!(%error, %request_id, "could not release a fenced request's claim");
+        }
+        if self.confirm_shard_lock(shard).await {
+            tracing::debug!(%request_id, "fenced request released; its lock is held: reading storage again");
+            self.poll_storage();
         }
     }
 
@@ -1329,7 +1342,7 @@ impl PersistedDelivery {
                 && attempt > 1
                 && !self.confirm_shard_lock(shard).await
             {
-                return self.fenced(reply.request_id()).await;
+                return self.fenced(reply.request_id(), shard).await;
             }
             match self.storage.save_reply(&reply).await {
                 Ok(()) => {

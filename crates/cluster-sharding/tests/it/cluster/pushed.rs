@@ -470,7 +470,41 @@ async fn a_runner_frozen_past_its_lease_runs_no_pushed_request_until_a_refresh_a
     owner.shutdown().await;
 }
 
+/// A pushed request whose final reply was fenced by a failed lock confirmation (the owner still
+/// holds the shard) runs again at once and its call is answered with the second run's stored
+/// reply, without waiting for the owner's next poll (a minute here) as it did before the fence
+/// woke the read loop.
+async fn a_fenced_pushed_request_runs_again_without_waiting_for_a_poll(net: Net) {
+    let network = MemoryNetwork::new();
+    let mut confirms = None;
+    let wrap = |locks| {
+        let failing = super::FailingConfirms::wrap(locks);
+        confirms = Some(Arc::clone(&failing));
+        failing as Arc<dyn RunnerStorage>
+    };
+    let owner = runner_with(&net, 8131, &network, wrap, slow_polls).await;
+    let confirms = confirms.expect("the runner was built");
+    eventually("the runner holds every shard", || split(&[&owner])).await;
+    let client = client(&net, &network, slow_polls).await;
+    let id = net.id("pushed-fenced");
+    let counter = client.client::<Counter>(id.as_str());
+    routed(&counter).await;
+    confirms.fail_next(1);
+    let sends = network.sends();
+    let deposit = counter.send(Deposit { key: "k".to_owned(), amount: 3 });
+    let answer = tokio::time::timeout(Duration::from_secs(20), deposit).await;
+    // The second run's: the entity's state kept the first run's deposit.
+    assert_eq!(answer.expect("answered before any poll").unwrap(), 6);
+    assert_eq!(network.sends() - sends, 1, "one push");
+    assert!(!confirms.armed(), "the first run's reply was fenced");
+    assert_eq!(Probes::of(&id).deposits.load(Ordering::SeqCst), 2, "the request ran again");
+    assert_eq!(net.final_replies(&counter, "Deposit", "k").await, 1);
+    client.shutdown().await;
+    owner.shutdown().await;
+}
+
 on_every_backend!(
+    a_fenced_pushed_request_runs_again_without_waiting_for_a_poll,
     a_pushed_request_is_answered_on_the_call_without_waiting_for_a_poll,
     a_request_sent_again_with_its_key_is_answered_on_the_call,
     a_pushed_stream_is_answered_on_the_call_without_waiting_for_a_poll,
