@@ -555,7 +555,8 @@ impl PersistedDelivery {
     /// Saves a persisted request and waits for its final reply's exit.
     ///
     /// Dropping the returned future stores an interrupt for the request, unless
-    /// `uninterruptible`.
+    /// `uninterruptible` or the request was stored before (a duplicate of its primary key: its
+    /// first caller may still wait for it).
     /// The request itself stays stored.
     pub(crate) async fn send_persisted(
         self: &Arc<Self>,
@@ -613,8 +614,12 @@ impl PersistedDelivery {
                 request_id: waited_id,
             });
         }
+        // Only the caller that stored the request interrupts it when it goes away.
+        // A duplicate's caller waits for a request that another caller made, and may still be
+        // waiting for (the reference's client interrupts the request id it made, which a
+        // duplicate never stored: `effect/src/cluster/Sharding.ts`, the client's `Interrupt`).
         let mut interrupt = InterruptOnDrop {
-            persisted: (!uninterruptible).then(|| Arc::clone(self)),
+            persisted: (!uninterruptible && fresh).then(|| Arc::clone(self)),
             address: request.address.clone(),
             request_id: waited_id,
         };
@@ -652,6 +657,7 @@ impl PersistedDelivery {
                 original_id
             }
         };
+        let fresh = request_id == request.request_id;
         // The stored request is what the owner runs, under its own id.
         let waited = Request { request_id, ..request.clone() };
         let pump = match self.remote.push_stream(&waited) {
@@ -662,8 +668,9 @@ impl PersistedDelivery {
             }
         };
         self.reply_waiters.notify_one();
+        // As for a unary request: a duplicate's reader does not interrupt another's stream.
         let interrupt = InterruptOnDrop {
-            persisted: Some(Arc::clone(self)),
+            persisted: fresh.then(|| Arc::clone(self)),
             address: request.address.clone(),
             request_id,
         };

@@ -115,6 +115,8 @@ on_every_storage!(
     discard_stores_the_request_and_returns,
     durable_interrupts_go_through_storage,
     an_interrupted_server_uninterruptible_request_runs_again,
+    a_duplicate_whose_caller_gives_up_does_not_interrupt_the_stored_request,
+    a_duplicate_stream_whose_reader_goes_away_does_not_interrupt_the_stored_stream,
     a_kept_alive_entity_is_activated_again_after_a_restart,
     durable_requests_survive_a_restart,
     claims_of_a_killed_runner_are_released_on_start,
@@ -399,6 +401,62 @@ async fn durable_interrupts_go_through_storage(store: Store, id: &str) {
         assert!(tokio::time::Instant::now() < deadline, "the request was not answered");
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
+    sharding.shutdown().await;
+}
+
+/// A caller that sends a request again with the key of a stored, unanswered one (a retry, or
+/// another caller of the same work) waits for that request, and when it gives up it does not
+/// interrupt it: the request is the first caller's, who still waits. The reference's client
+/// interrupts the request id it made, which a duplicate never stored
+/// (`effect/src/cluster/Sharding.ts`, the client's `Interrupt`). Before, the second caller's
+/// interrupt was stored for the first caller's request, which ended interrupted.
+async fn a_duplicate_whose_caller_gives_up_does_not_interrupt_the_stored_request(
+    store: Store,
+    id: &str,
+) {
+    let sharding = runner(&store).await;
+    let counter = sharding.client::<Counter>(id);
+    let probes = Probes::of(id);
+    let first = spawn_send(&counter, crate::entities::Gated);
+    eventually("the request runs", || probes.gated_runs.load(Ordering::SeqCst) == 1).await;
+    let again =
+        tokio::time::timeout(Duration::from_millis(200), counter.send(crate::entities::Gated));
+    assert!(again.await.is_err(), "the stored request is still running");
+    // An interrupt stored now wakes the read loop, which hands it to the handler at once.
+    let watched_until = tokio::time::Instant::now() + Duration::from_secs(1);
+    while tokio::time::Instant::now() < watched_until {
+        if first.is_finished() {
+            panic!("the first caller's request ended early: {:?}", first.await);
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    probes.gate.add_permits(1);
+    let answer = tokio::time::timeout(Duration::from_secs(20), first).await;
+    assert_eq!(answer.expect("answered in time").unwrap().unwrap(), 1);
+    assert_eq!(probes.gated_runs.load(Ordering::SeqCst), 1, "it ran once");
+    sharding.shutdown().await;
+}
+
+/// The same for a persisted stream: a second reader of a stored stream (opened with its key)
+/// that goes away does not interrupt the stream, whose first reader still reads it.
+async fn a_duplicate_stream_whose_reader_goes_away_does_not_interrupt_the_stored_stream(
+    store: Store,
+    id: &str,
+) {
+    let sharding = runner(&store).await;
+    let counter = sharding.client::<Counter>(id);
+    let probes = Probes::of(id);
+    // The handler stops before its second item, until it is interrupted.
+    probes.hang_at.store(1, Ordering::SeqCst);
+    let resume = || crate::entities::Resume { key: "s".to_owned(), n: 3 };
+    let mut first = counter.stream(resume()).await.unwrap();
+    assert_eq!(first.next().await.unwrap().unwrap(), 0);
+    drop(counter.stream(resume()).await.unwrap());
+    // An interrupt stored now wakes the read loop, which hands it to the handler at once, and
+    // the stream ends with the interrupt.
+    let next = tokio::time::timeout(Duration::from_secs(1), first.next()).await;
+    assert!(next.is_err(), "the first reader's stream ended early: {next:?}");
+    drop(first);
     sharding.shutdown().await;
 }
 
