@@ -117,6 +117,7 @@ on_every_storage!(
     an_interrupted_server_uninterruptible_request_runs_again,
     a_duplicate_whose_caller_gives_up_does_not_interrupt_the_stored_request,
     a_duplicate_stream_whose_reader_goes_away_does_not_interrupt_the_stored_stream,
+    a_later_request_goes_ahead_only_of_earlier_ones_that_reached_the_entity,
     a_kept_alive_entity_is_activated_again_after_a_restart,
     durable_requests_survive_a_restart,
     claims_of_a_killed_runner_are_released_on_start,
@@ -265,6 +266,71 @@ async fn requests_left_to_the_read_loop_keep_their_entitys_order(store: Store, i
     }
     assert_eq!(probes.deposits.load(Ordering::SeqCst), 8);
     sharding.shutdown().await;
+}
+
+/// Direct delivery lets a request go ahead of an earlier request of its entity only once that
+/// one reached the entity (`tracked::Earlier`). An earlier request whose outcome is being stored
+/// (settling) counts as delivered: it ran, and a later request need not wait for its reply's
+/// write. A request that waits behind a full mailbox has not reached the entity and keeps its
+/// place: the later request waits behind it.
+///
+/// (Kept as the proof that counting settling requests as delivered lets no request run before
+/// an earlier one's first run: a request settles only after it ran. The one that settles and
+/// waits for room is an interrupted server-uninterruptible request about to run again; its
+/// re-run comes after the requests queued meanwhile in any case, as the reference offers it to
+/// the entity again behind them: `effect/src/cluster/internal/entityManager.ts`.)
+async fn a_later_request_goes_ahead_only_of_earlier_ones_that_reached_the_entity(
+    store: Store,
+    id: &str,
+) {
+    let options = EntityOptions {
+        mailbox_capacity: cluster_core::config::Capacity::bounded(1),
+        ..EntityOptions::default()
+    };
+    let (sharding, reads, faults) = counted_runner(&store, options).await;
+    let counter = sharding.client::<Counter>(id);
+    let probes = Probes::of(id);
+    let deposit = |key: &str| Deposit { key: key.to_owned(), amount: 1 };
+    // The first one may wake the read loop, which then catches up.
+    assert_eq!(counter.send(deposit("k0")).await.unwrap(), 1);
+    eventually("the read loop read its shards", || reads.load(Ordering::SeqCst) > 0).await;
+    // Settling: k1 ran and its reply is being written (for 2 s); k2 goes directly meanwhile.
+    faults.delay_replies(Duration::from_secs(2));
+    let settling = spawn_send(&counter, deposit("k1"));
+    eventually("k1 runs", || probes.deposits.load(Ordering::SeqCst) == 2).await;
+    let read = reads.load(Ordering::SeqCst);
+    let later = spawn_send(&counter, deposit("k2"));
+    eventually("k2 runs", || probes.deposits.load(Ordering::SeqCst) == 3).await;
+    assert!(!settling.is_finished(), "k2 ran before k1's reply was stored");
+    assert_eq!(reads.load(Ordering::SeqCst), read, "k2 went to its entity directly");
+    faults.delay_replies(Duration::ZERO);
+    assert_eq!(settling.await.unwrap().unwrap(), 2);
+    assert_eq!(later.await.unwrap().unwrap(), 3);
+    // Behind a full mailbox: the gated request fills it, k3 waits in storage, and k4 after it.
+    let gated = spawn_send(&counter, crate::entities::Gated);
+    eventually("the gated request runs", || probes.gated_runs.load(Ordering::SeqCst) == 1).await;
+    let waiting = spawn_send(&counter, deposit("k3"));
+    stored_deposit(&store, counter.address(), "k3").await;
+    let behind = spawn_send(&counter, deposit("k4"));
+    stored_deposit(&store, counter.address(), "k4").await;
+    probes.gate.add_permits(1);
+    for call in [waiting, behind] {
+        tokio::time::timeout(Duration::from_secs(20), call).await.unwrap().unwrap().unwrap();
+    }
+    gated.await.unwrap().unwrap();
+    let ran = probes.deposit_keys.lock().unwrap().clone();
+    assert_eq!(ran, ["k0", "k1", "k2", "k3", "k4"], "the entity's requests ran in storage order");
+    sharding.shutdown().await;
+}
+
+/// Waits until the `Deposit` with primary key `key` of `address` is stored.
+async fn stored_deposit(store: &Store, address: &cluster_core::EntityAddress, key: &str) {
+    let key = cluster_core::envelope::primary_key(address, "Deposit", key);
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(20);
+    while store.storage.request_id_for_primary_key(&key).await.unwrap().is_none() {
+        assert!(tokio::time::Instant::now() < deadline, "{key} is not stored");
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
 }
 
 /// A runner on `store` whose storage fails on demand. Its reply poller is too slow to help:
