@@ -730,6 +730,8 @@ impl PersistedDelivery {
                 Ok(Reply::Chunk(_)) => {
                     tracing::debug!(%request_id, "a pushed request was answered with a chunk; waiting on storage");
                 }
+                // Also when the transport's lane of pushes to the owner is full: the request
+                // is stored, and the owner is told to read it.
                 Err(error) => {
                     tracing::debug!(%error, %request_id, "pushing the request failed; waiting on storage");
                     self.wake_reader(&address.shard_id, || Envelope::Request(request.clone()));

@@ -34,10 +34,18 @@
 //! - the request is read from storage after it is reserved here, and runs only if it is still
 //!   unanswered; what runs is the stored request, not the pushed copy.
 //!
+//! # Bounds
+//!
+//! A push stays an open call until the final reply is stored, however long the handler runs.
+//! The transport keeps pushes in a lane of their own, so that they never take the slots of
+//! volatile calls, notices and pings (see `cluster_core::transport::Transport::send`).
+//!
 //! # When the push fails
 //!
 //! The request stays stored, so nothing is lost:
 //!
+//! - the caller's lane of pushes to the owner is full: the call fails at once, the owner is
+//!   told to read storage, and the caller waits on storage;
 //! - the owner does not serve the shard (it moved), or stops: the call fails, and the caller
 //!   waits on storage;
 //! - the call breaks (a lost connection, the owner dies after storing the reply): the caller

@@ -7,14 +7,19 @@ use std::sync::atomic::Ordering;
 use std::time::Duration;
 
 use cluster_core::clock::{Clock, SystemClock};
-use cluster_core::storage::RunnerStorage;
+use cluster_core::storage::{MessageStorage, RunnerStorage};
+use cluster_core::transport::Transport;
 use cluster_core::{RunnerAddress, ShardingConfig};
+use cluster_rpc::{RpcConfig, RpcServer, ServerHandle, TcpTransport};
 use cluster_sharding::{CallError, EntityClient, EntityOptions, Sharding};
 use cluster_testkit::faulty::FaultyRunnerStorage;
 use cluster_testkit::transport::{MemoryNetwork, NetworkFaults};
 
 use super::{Net, config, eventually, final_gated_replies, split};
-use crate::entities::{Counter, Deposit, Failure, Gated, Increment, Probes, Resume};
+use crate::entities::{Counter, Deposit, Failure, Gated, Increment, Probes, Resume, spawn_send};
+
+/// A process's own handles on the shared storage.
+type Storages = (Arc<dyn MessageStorage>, Arc<dyn RunnerStorage>);
 
 /// A runner at `port` reachable on `network`, with the test's settings changed by `tune`.
 async fn runner(
@@ -23,32 +28,60 @@ async fn runner(
     network: &Arc<MemoryNetwork>,
     tune: impl FnOnce(&mut ShardingConfig),
 ) -> Sharding {
-    runner_with(net, port, network, |locks| locks, tune).await
+    runner_with(net, port, network, |storages| storages, tune).await
 }
 
-/// [`runner`], whose lock storage goes through `wrap` (to inject faults).
+/// [`runner`], whose storages go through `wrap` (to inject faults).
 async fn runner_with(
     net: &Net,
     port: u16,
     network: &Arc<MemoryNetwork>,
-    wrap: impl FnOnce(Arc<dyn RunnerStorage>) -> Arc<dyn RunnerStorage>,
+    wrap: impl FnOnce(Storages) -> Storages,
     tune: impl FnOnce(&mut ShardingConfig),
 ) -> Sharding {
-    let (messages, locks) = net.storages().await;
-    let locks = wrap(locks);
     let address = RunnerAddress::new("127.0.0.1", port);
+    let sharding = member(net, address.clone(), network.transport(), wrap, tune).await;
+    network.attach(address, sharding.runner_handler());
+    sharding
+}
+
+/// A runner on the TCP transport of `cluster-rpc` with `rpc`'s limits, listening on a port of
+/// its own, and its server; the test's settings changed by `tune`.
+async fn tcp_runner(
+    net: &Net,
+    rpc: &RpcConfig,
+    tune: impl FnOnce(&mut ShardingConfig),
+) -> (Sharding, ServerHandle) {
+    let listen = std::net::SocketAddr::from(([127, 0, 0, 1], 0));
+    let server = RpcServer::bind(listen, rpc.clone()).await.unwrap();
+    let address = RunnerAddress::new("127.0.0.1", server.local_addr().port());
+    let transport = TcpTransport::new(rpc.clone()).unwrap();
+    let sharding = member(net, address, transport, |storages| storages, tune).await;
+    let server = server.serve(sharding.runner_handler());
+    (sharding, server)
+}
+
+/// A runner at `address` on `transport` (the caller makes it reachable), with `net`'s
+/// storages through `wrap` and the test's settings changed by `tune`.
+async fn member(
+    net: &Net,
+    address: RunnerAddress,
+    transport: Arc<dyn Transport>,
+    wrap: impl FnOnce(Storages) -> Storages,
+    tune: impl FnOnce(&mut ShardingConfig),
+) -> Sharding {
+    let (messages, locks) = wrap(net.storages().await);
     let mut config =
-        ShardingConfig { shard_lock_expiration: net.expiration, ..config(Some(address.clone())) };
+        ShardingConfig { shard_lock_expiration: net.expiration, ..config(Some(address)) };
     tune(&mut config);
     let sharding = Sharding::builder(config)
         .messages(messages)
         .runners(locks)
-        .transport(network.transport())
+        .transport(transport)
         .start()
         .await
         .unwrap();
     sharding.register::<Counter>(EntityOptions::default()).unwrap();
-    network.attach(address, sharding.runner_handler());
     sharding
 }
 
@@ -58,13 +91,22 @@ async fn client(
     network: &Arc<MemoryNetwork>,
     tune: impl FnOnce(&mut ShardingConfig),
 ) -> Sharding {
+    client_on(net, network.transport(), tune).await
+}
+
+/// A client-only process on `transport`, with the test's settings changed by `tune`.
+async fn client_on(
+    net: &Net,
+    transport: Arc<dyn Transport>,
+    tune: impl FnOnce(&mut ShardingConfig),
+) -> Sharding {
     let (messages, locks) = net.storages().await;
     let mut config = config(None);
     tune(&mut config);
     Sharding::builder(config)
         .messages(messages)
         .runners(locks)
-        .transport(network.transport())
+        .transport(transport)
         .start()
         .await
         .unwrap()
@@ -434,10 +476,10 @@ async fn a_runner_frozen_past_its_lease_runs_no_pushed_request_until_a_refresh_a
     let net = Net::memory().await.unwrap();
     let network = MemoryNetwork::new();
     let mut faults = None;
-    let wrap = |locks| {
+    let wrap = |(messages, locks)| {
         let (locks, lock_faults) = FaultyRunnerStorage::new(locks);
         faults = Some(lock_faults);
-        Arc::new(locks) as Arc<dyn RunnerStorage>
+        (messages, Arc::new(locks) as Arc<dyn RunnerStorage>)
     };
     let owner = runner_with(&net, 8121, &network, wrap, slow_polls).await;
     let faults = faults.expect("the runner was built");
@@ -477,10 +519,10 @@ async fn a_runner_frozen_past_its_lease_runs_no_pushed_request_until_a_refresh_a
 async fn a_fenced_pushed_request_runs_again_without_waiting_for_a_poll(net: Net) {
     let network = MemoryNetwork::new();
     let mut confirms = None;
-    let wrap = |locks| {
+    let wrap = |(messages, locks)| {
         let failing = super::FailingConfirms::wrap(locks);
         confirms = Some(Arc::clone(&failing));
-        failing as Arc<dyn RunnerStorage>
+        (messages, failing as Arc<dyn RunnerStorage>)
     };
     let owner = runner_with(&net, 8131, &network, wrap, slow_polls).await;
     let confirms = confirms.expect("the runner was built");
@@ -503,7 +545,46 @@ async fn a_fenced_pushed_request_runs_again_without_waiting_for_a_poll(net: Net)
     owner.shutdown().await;
 }
 
+/// A pushed call lasts as long as its request's handler runs. Such calls must not take the call
+/// slots of the connection that every other call to the owner needs. Over TCP, with
+/// `max_in_flight = 2` and two pushed requests held at their gates, a volatile call and a
+/// persisted call to other entities of the same owner are answered at once. Before pushes had a
+/// lane of their own, both waited for the held requests (unanswered after 5 s).
+async fn pushed_requests_held_by_their_handlers_leave_the_connection_to_other_calls(net: Net) {
+    let rpc = RpcConfig { max_in_flight: 2, ..RpcConfig::default() };
+    let (owner, server) = tcp_runner(&net, &rpc, slow_polls).await;
+    eventually("the runner holds every shard", || split(&[&owner])).await;
+    let client = client_on(&net, TcpTransport::new(rpc).unwrap(), slow_polls).await;
+    let counter = |name: &str| client.client::<Counter>(net.id(name));
+    routed(&counter("tcp-volatile")).await;
+    let held = ["tcp-held-0", "tcp-held-1"];
+    let calls: Vec<_> = held.iter().map(|name| spawn_send(&counter(name), Gated)).collect();
+    for name in held {
+        let probes = Probes::of(&net.id(name));
+        eventually("the pushed request runs", || probes.gated_runs.load(Ordering::SeqCst) == 1)
+            .await;
+    }
+    let (volatile, persisted) = (counter("tcp-volatile"), counter("tcp-persisted"));
+    let volatile = volatile.send(Increment { by: 1 });
+    let volatile = tokio::time::timeout(Duration::from_secs(5), volatile).await;
+    assert_eq!(volatile.expect("the volatile call answered while pushes are held").unwrap(), 1);
+    let persisted = persisted.send(Deposit { key: "k".to_owned(), amount: 4 });
+    let persisted = tokio::time::timeout(Duration::from_secs(5), persisted).await;
+    assert_eq!(persisted.expect("the persisted call answered while pushes are held").unwrap(), 4);
+    for name in held {
+        Probes::of(&net.id(name)).gate.add_permits(1);
+    }
+    for call in calls {
+        let answer = tokio::time::timeout(Duration::from_secs(20), call).await;
+        assert_eq!(answer.expect("answered").unwrap().unwrap(), 1);
+    }
+    client.shutdown().await;
+    owner.shutdown().await;
+    server.shutdown().await;
+}
+
 on_every_backend!(
+    pushed_requests_held_by_their_handlers_leave_the_connection_to_other_calls,
     a_fenced_pushed_request_runs_again_without_waiting_for_a_poll,
     a_pushed_request_is_answered_on_the_call_without_waiting_for_a_poll,
     a_request_sent_again_with_its_key_is_answered_on_the_call,
