@@ -86,6 +86,10 @@ const SAVE_REPLY_ATTEMPTS: u32 = 4;
 const SAVE_REPLY_SPACING: Duration = Duration::from_millis(200);
 /// How often the read-loop lag gauge is set.
 const READ_LAG_REPORT_INTERVAL: Duration = Duration::from_secs(1);
+/// How many pushed requests this runner takes up at once (`pushed`): each is a task that reads
+/// the request back from storage and hands it to its entity.
+/// Past it, the read loop delivers them, woken at once: one read takes up a batch.
+const TAKE_UPS_MAX: usize = 256;
 
 /// Persisted delivery: what a runtime with a message storage saves, reads, delivers and
 /// answers. It works with the parts of the runtime it is given ([`PersistedParts`]).
@@ -128,6 +132,8 @@ pub(crate) struct PersistedDelivery {
     write_ended: Notify,
     /// Direct delivery's state (`direct`).
     direct: Mutex<direct::Direct>,
+    /// The take-ups of pushed requests under way ([`TAKE_UPS_MAX`], `pushed`).
+    take_ups: Arc<tokio::sync::Semaphore>,
     /// When the storage read loop last finished a read (the clock's epoch milliseconds, 0
     /// before the first): the read-loop lag metric's source.
     last_read: std::sync::atomic::AtomicI64,
@@ -277,6 +283,7 @@ impl PersistedDelivery {
             writes: Mutex::new(BTreeMap::new()),
             write_ended: Notify::new(),
             direct: Mutex::new(direct::Direct::default()),
+            take_ups: Arc::new(tokio::sync::Semaphore::new(TAKE_UPS_MAX)),
             last_read: std::sync::atomic::AtomicI64::new(0),
         }
     }
@@ -720,6 +727,7 @@ impl PersistedDelivery {
     ) -> Result<Exit, ClusterError> {
         let (address, request_id) = (&request.address, request.request_id);
         self.reply_waiters.notify_one();
+        let waiting = crate::metrics::Occupied::of(crate::metrics::PERSISTED_PUSHED_WAITING);
         tokio::select! {
             pushed = push => match pushed {
                 Ok(Reply::WithExit(with_exit)) => {
@@ -743,6 +751,7 @@ impl PersistedDelivery {
                 return Self::answered(address, request_id, answer);
             }
         }
+        drop(waiting);
         metrics::counter!(crate::metrics::PERSISTED_PUSHED, "answer" => "fallback").increment(1);
         self.await_reply(address, request_id, replied).await
     }

@@ -12,7 +12,7 @@ use cluster_core::transport::Transport;
 use cluster_core::{RunnerAddress, ShardingConfig};
 use cluster_rpc::{RpcConfig, RpcServer, ServerHandle, TcpTransport};
 use cluster_sharding::{CallError, EntityClient, EntityOptions, Sharding};
-use cluster_testkit::faulty::FaultyRunnerStorage;
+use cluster_testkit::faulty::{FaultyMessageStorage, FaultyRunnerStorage};
 use cluster_testkit::transport::{MemoryNetwork, NetworkFaults};
 
 use super::{Net, config, eventually, final_gated_replies, split};
@@ -581,6 +581,49 @@ async fn pushed_requests_held_by_their_handlers_leave_the_connection_to_other_ca
     client.shutdown().await;
     owner.shutdown().await;
     server.shutdown().await;
+}
+
+/// The owner takes up the requests it is told of (a persisted notice: a discarded request, one
+/// whose push failed) in a bounded number of tasks; past the bound, its read loop delivers
+/// them. Before, each notice spawned a task of its own: here 1,000 notices, while the owner's
+/// reads of a request's entity were slow, left about 1,000 of them waiting at once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_owner_takes_up_what_it_is_told_of_in_a_bounded_number_of_tasks() {
+    const NOTICES: usize = 1_000;
+    let net = Net::memory().await.unwrap();
+    let network = MemoryNetwork::new();
+    let mut faults = None;
+    let wrap = |(messages, locks)| {
+        let (messages, storage_faults) = FaultyMessageStorage::new(messages);
+        faults = Some(storage_faults);
+        (Arc::new(messages) as Arc<dyn MessageStorage>, locks)
+    };
+    let owner = runner_with(&net, 8141, &network, wrap, slow_polls).await;
+    let faults = faults.expect("the runner was built");
+    eventually("the runner holds every shard", || split(&[&owner])).await;
+    let client = client(&net, &network, slow_polls).await;
+    let id = net.id("take-up-bound");
+    let counter = client.client::<Counter>(id.as_str());
+    routed(&counter).await;
+    let tasks = || tokio::runtime::Handle::current().metrics().num_alive_tasks();
+    let before = tasks();
+    // A take-up reads the request and its entity's earlier ones: that read takes 3 s now.
+    faults.delay_order_checks(Duration::from_secs(3));
+    let notices = network.notifies();
+    for n in 0..NOTICES {
+        counter.discard(Deposit { key: format!("k{n}"), amount: 1 }).await.unwrap();
+    }
+    let told = || usize::try_from(network.notifies() - notices).unwrap();
+    eventually("the owner is told of every request", || told() == NOTICES).await;
+    // The last notices reach their take-up.
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    let alive = tasks().saturating_sub(before);
+    assert!(alive < NOTICES / 2, "{alive} tasks alive after {NOTICES} notices");
+    faults.delay_order_checks(Duration::ZERO);
+    let probes = Probes::of(&id);
+    eventually("every request runs", || probes.deposits.load(Ordering::SeqCst) == NOTICES).await;
+    client.shutdown().await;
+    owner.shutdown().await;
 }
 
 on_every_backend!(
