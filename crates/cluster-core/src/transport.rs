@@ -67,6 +67,15 @@ pub trait Transport: Send + Sync + fmt::Debug {
     /// request the request is already stored and the owner pushes the reply back when it saves
     /// it.
     ///
+    /// A persisted call (a push) lasts until the request's final reply is stored, as long as
+    /// its handler runs.
+    /// An implementation with a bound on the calls in flight to a runner keeps pushes apart
+    /// from the other calls (a lane of their own, with its own bound), so that held pushes
+    /// never delay a volatile call, a notice or a ping.
+    /// A push that finds its lane full fails at once with `RunnerUnavailable` rather than
+    /// wait: its caller then waits on storage, where the request already is.
+    /// The same holds for a persisted [`stream`](Transport::stream).
+    ///
     /// # Cancel safety
     ///
     /// Dropping the future abandons the call; the server interrupts a volatile request whose

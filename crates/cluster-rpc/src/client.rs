@@ -5,6 +5,15 @@
 //! whose future or reply stream is dropped before its final answer queues a `Cancel` frame
 //! (written ahead of other frames), so the server drops the request's reply stream.
 //!
+//! A connection's calls take slots in one of two lanes ([`Lane`]):
+//!
+//! - pings, notices, envelopes and volatile requests: `max_in_flight` slots; a call waits for
+//!   a free one;
+//! - pushed persisted requests: `max_pushed_in_flight` slots of their own. Such a call lasts
+//!   until its request's final reply is stored, however long its handler runs, so held pushes
+//!   never take the slots of the other calls. A push that finds its lane full fails at once
+//!   (`RunnerUnavailable`): its caller waits on storage, where the request is already.
+//!
 //! Reconnection is lazy: a call that finds its peer's connection closed opens a new one. After
 //! a failed attempt the peer is in backoff, `min(backoff_cap, backoff_base × 2^(n−1))` with
 //! equal jitter (half fixed, half random) after the n-th consecutive failure; calls during
@@ -217,7 +226,9 @@ impl TcpTransport {
         persisted: bool,
     ) -> Result<TcpReplyStream, ClusterError> {
         let connection = self.connection(address).await?;
-        let call = connection.begin_call(self.config.stream_buffer(), address).await?;
+        // A pushed persisted request waits as long as its handler runs: its own lane.
+        let lane = if persisted { Lane::Pushed } else { Lane::Calls };
+        let call = connection.begin_call(self.config.stream_buffer(), address, lane).await?;
         let frame =
             |id| Frame::Request { call: id, request: codec::request_out(request), persisted };
         call.send(&connection, frame, address).await.map(|call| TcpReplyStream {
@@ -236,7 +247,7 @@ impl TcpTransport {
         frame: impl FnOnce(u64) -> Frame<'f>,
     ) -> Result<(), ClusterError> {
         let connection = self.connection(address).await?;
-        let call = connection.begin_call(1, address).await?;
+        let call = connection.begin_call(1, address, Lane::Calls).await?;
         let mut call = call.send(&connection, frame, address).await?;
         match call.receive().await {
             Some(Incoming::Done) => Ok(()),
@@ -299,6 +310,17 @@ async fn connect(
     Ok(Connection::start(stream, Arc::clone(config), span))
 }
 
+/// The slots a call takes on its connection.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Lane {
+    /// Pings, notices, envelopes and volatile requests (`max_in_flight`): a call waits for a
+    /// slot.
+    Calls,
+    /// Pushed persisted requests (`max_pushed_in_flight`): a push that finds no slot fails at
+    /// once.
+    Pushed,
+}
+
 /// What the reader delivers to a call.
 enum Incoming {
     Done,
@@ -316,7 +338,10 @@ struct Shared {
     /// the tasks wait on).
     is_closed: AtomicBool,
     closed: CancellationToken,
+    /// The slots of [`Lane::Calls`].
     permits: Arc<Semaphore>,
+    /// The slots of [`Lane::Pushed`].
+    pushed_permits: Arc<Semaphore>,
     out: mpsc::Sender<Vec<u8>>,
     max_frame_bytes: u32,
 }
@@ -436,7 +461,10 @@ impl Connection {
             cancel_queued: Notify::new(),
             is_closed: AtomicBool::new(false),
             closed: CancellationToken::new(),
-            permits: Arc::new(Semaphore::new(config.max_in_flight())),
+            permits: Arc::new(Semaphore::new(config.max_in_flight().min(Semaphore::MAX_PERMITS))),
+            pushed_permits: Arc::new(Semaphore::new(
+                config.max_pushed_in_flight().min(Semaphore::MAX_PERMITS),
+            )),
             out: out_tx,
             max_frame_bytes: config.max_frame_bytes,
         });
@@ -470,15 +498,23 @@ impl Connection {
         Connection { shared, _tasks: tasks }
     }
 
-    /// Registers a new call whose channel holds `buffer` answers.
+    /// Registers a new call in `lane` whose channel holds `buffer` answers.
     async fn begin_call(
         &self,
         buffer: usize,
         address: &RunnerAddress,
+        lane: Lane,
     ) -> Result<PendingCall, ClusterError> {
-        let permits = &self.shared.permits;
+        let permits = match lane {
+            Lane::Calls => &self.shared.permits,
+            Lane::Pushed => &self.shared.pushed_permits,
+        };
         let permit = match Arc::clone(permits).try_acquire_owned() {
             Ok(permit) => permit,
+            Err(TryAcquireError::NoPermits) if lane == Lane::Pushed => {
+                debug!(%address, "the lane of pushed requests is full; the caller waits on storage");
+                return Err(unavailable(address));
+            }
             Err(TryAcquireError::NoPermits) => {
                 Arc::clone(permits).acquire_owned().await.map_err(|_| unavailable(address))?
             }

@@ -20,6 +20,7 @@ pub const MAX_FRAME_BYTES_MAX: u32 = 1 << 30;
 /// | `CLUSTER_RPC_MAX_FRAME_BYTES`   | `max_frame_bytes`    | 8 MiB        |
 /// | `CLUSTER_RPC_CONNECT_TIMEOUT`   | `connect_timeout`    | 5 seconds    |
 /// | `CLUSTER_RPC_MAX_IN_FLIGHT`     | `max_in_flight`      | 1024         |
+/// | `CLUSTER_RPC_MAX_PUSHED_IN_FLIGHT` | `max_pushed_in_flight` | 8192     |
 /// | `CLUSTER_RPC_QUEUE_CAPACITY`    | `queue_capacity`     | 256          |
 /// | `CLUSTER_RPC_STREAM_BUFFER`     | `stream_buffer`      | 16           |
 /// | `CLUSTER_RPC_MAX_CONNECTIONS`   | `max_connections`    | 1024         |
@@ -63,8 +64,17 @@ pub struct RpcConfig {
     pub max_frame_bytes: u32,
     /// The longest a connection attempt, TCP and handshake together, may take.
     pub connect_timeout: Duration,
-    /// The most calls in flight on one connection (client and server side).
+    /// The most calls in flight on one connection (client and server side), pushed persisted
+    /// requests apart.
     pub max_in_flight: u32,
+    /// The most pushed persisted requests in flight on one connection (client and server side),
+    /// in a lane of their own.
+    ///
+    /// Such a call lasts until its request's final reply is stored, as long as its handler
+    /// runs, so it must not take the slots of the other calls (volatile requests, notices,
+    /// pings).
+    /// A push that finds its lane full fails at once: its caller waits on storage instead.
+    pub max_pushed_in_flight: u32,
     /// The most frames queued for a connection's writer.
     pub queue_capacity: u32,
     /// The most replies of one streamed request buffered on the client before it reads them.
@@ -92,6 +102,7 @@ impl Default for RpcConfig {
             max_frame_bytes: 8 << 20,
             connect_timeout: Duration::from_secs(5),
             max_in_flight: 1024,
+            max_pushed_in_flight: 8192,
             queue_capacity: 256,
             stream_buffer: 16,
             max_connections: 1024,
@@ -113,6 +124,7 @@ impl fmt::Debug for RpcConfig {
             .field("max_frame_bytes", &self.max_frame_bytes)
             .field("connect_timeout", &self.connect_timeout)
             .field("max_in_flight", &self.max_in_flight)
+            .field("max_pushed_in_flight", &self.max_pushed_in_flight)
             .field("queue_capacity", &self.queue_capacity)
             .field("stream_buffer", &self.stream_buffer)
             .field("max_connections", &self.max_connections)
@@ -158,6 +170,7 @@ impl RpcConfig {
         let numbers = [
             ("CLUSTER_RPC_MAX_FRAME_BYTES", &mut config.max_frame_bytes),
             ("CLUSTER_RPC_MAX_IN_FLIGHT", &mut config.max_in_flight),
+            ("CLUSTER_RPC_MAX_PUSHED_IN_FLIGHT", &mut config.max_pushed_in_flight),
             ("CLUSTER_RPC_QUEUE_CAPACITY", &mut config.queue_capacity),
             ("CLUSTER_RPC_STREAM_BUFFER", &mut config.stream_buffer),
             ("CLUSTER_RPC_MAX_CONNECTIONS", &mut config.max_connections),
@@ -213,6 +226,7 @@ impl RpcConfig {
         let limits = [
             ("max_frame_bytes", self.max_frame_bytes),
             ("max_in_flight", self.max_in_flight),
+            ("max_pushed_in_flight", self.max_pushed_in_flight),
             ("queue_capacity", self.queue_capacity),
             ("stream_buffer", self.stream_buffer),
             ("max_connections", self.max_connections),
@@ -304,5 +318,9 @@ impl RpcConfig {
 
     pub(crate) fn max_in_flight(&self) -> usize {
         usize::try_from(self.max_in_flight).unwrap_or(usize::MAX)
+    }
+
+    pub(crate) fn max_pushed_in_flight(&self) -> usize {
+        usize::try_from(self.max_pushed_in_flight).unwrap_or(usize::MAX)
     }
 }

@@ -8,8 +8,10 @@
 //!
 //! Per connection: the handshake runs first, within `connect_timeout`; then frames are read and
 //! dispatched. A `Cancel` frame, or the connection closing, aborts the call. At most
-//! `max_in_flight` calls run at once; a call beyond that is answered `Overloaded` (the client
-//! reports `RunnerUnavailable`), so reading never stalls and cancels are always seen.
+//! `max_in_flight` calls run at once, and beside them at most `max_pushed_in_flight` pushed
+//! persisted requests (a `Request` frame marked persisted), which last as long as their
+//! handlers run; a call beyond its lane's bound is answered `Overloaded` (the client reports
+//! `RunnerUnavailable`), so reading never stalls and cancels are always seen.
 
 use std::collections::BTreeMap;
 use std::io;
@@ -216,6 +218,7 @@ async fn serve_connection(tcp: TcpStream, server: Server, shutdown: Cancellation
         out: out_tx,
         calls: JoinSet::new(),
         ids: BTreeMap::new(),
+        pushed: 0,
         by_call: BTreeMap::new(),
     };
     connection.dispatch(frames_rx, shutdown).await;
@@ -320,8 +323,11 @@ struct Connection {
     handler: Arc<dyn RunnerHandler>,
     out: mpsc::Sender<Vec<u8>>,
     calls: JoinSet<()>,
-    /// The call of each running task, to answer a call whose task panicked.
-    ids: BTreeMap<tokio::task::Id, u64>,
+    /// The call of each running task, to answer a call whose task panicked, and whether it is a
+    /// pushed persisted request.
+    ids: BTreeMap<tokio::task::Id, (u64, bool)>,
+    /// How many of the running calls are pushed persisted requests.
+    pushed: usize,
     /// The task of each running call, to cancel it.
     by_call: BTreeMap<u64, AbortHandle>,
 }
@@ -353,8 +359,11 @@ impl Connection {
             Ok((id, ())) => *id,
             Err(error) => error.id(),
         };
-        let Some(call) = self.ids.remove(&id) else { return };
+        let Some((call, pushed)) = self.ids.remove(&id) else { return };
         self.by_call.remove(&call);
+        if pushed {
+            self.pushed -= 1;
+        }
         if let Err(error) = joined
             && error.is_panic()
         {
@@ -393,13 +402,24 @@ impl Connection {
                 "a call id reused while in flight",
             ));
         }
-        if self.calls.len() >= self.config.max_in_flight() {
+        // A pushed persisted request waits as long as its handler runs: it has a lane of its
+        // own, so that held pushes never take the slots of the other calls.
+        let pushed = matches!(body, CallBody::Request(_, true));
+        let full = match pushed {
+            true => self.pushed >= self.config.max_pushed_in_flight(),
+            false => self.calls.len() - self.pushed >= self.config.max_in_flight(),
+        };
+        if full {
+            debug!(call, pushed, "a call beyond its lane's bound: overloaded");
             send(&self.out, &Frame::Failed { call, error: WireError::Overloaded }, max).await;
             return Ok(());
         }
         let task = run_call(call, body, Arc::clone(&self.handler), self.out.clone(), max);
         let abort = self.calls.spawn(task.in_current_span());
-        self.ids.insert(abort.id(), call);
+        self.ids.insert(abort.id(), (call, pushed));
+        if pushed {
+            self.pushed += 1;
+        }
         self.by_call.insert(call, abort);
         Ok(())
     }

@@ -28,7 +28,9 @@
 //! | `effect_cluster_shard_lock_refresh_seconds` | histogram (s) | | how long each periodic lock refresh took, time-outs included |
 //! | `effect_cluster_read_loop_lag_seconds` | gauge (s) | | time since the storage read loop last finished a read; it grows while the loop is stuck |
 //! | `effect_cluster_persisted_latency_seconds` | histogram (s) | | from a persisted request's save (its id's timestamp) to its stored final reply, on the runner that stored it |
-//! | `effect_cluster_persisted_pushed_total` | counter | `answer` | persisted requests this process pushed to their owner, by what answered them: `pushed` (the owner, on the call), `stored` (the reply poller was first), `fallback` (the call failed; storage answered or will) |
+//! | `effect_cluster_persisted_pushed_total` | counter | `answer` | persisted requests this process pushed to their owner, by what answered them: `pushed` (the owner, on the call), `stored` (the reply poller was first), `fallback` (the call failed, or the transport's lane of pushes was full; storage answered or will) |
+//! | `effect_cluster_persisted_pushed_waiting` | gauge | | pushed calls this process waits on: the occupancy of its transport's lanes of pushes (`max_pushed_in_flight` per connection) |
+//! | `effect_cluster_persisted_pushed_serving` | gauge | | pushed calls this runner answers once their final replies are stored |
 //!
 //! Requests, by entity `type`, request `tag` and `kind` (`volatile`, `persisted`, or `stream`
 //! for a streaming request type, persisted or not); a request whose tag its type does not
@@ -82,6 +84,10 @@ pub const JOINS_PENDING: &str = "effect_cluster_join_debounce_pending";
 pub const SHARD_LOCKS_LOST: &str = "effect_cluster_shard_locks_lost_total";
 /// Persisted requests pushed to their owner, by `answer`: `pushed`, `stored` or `fallback`.
 pub const PERSISTED_PUSHED: &str = "effect_cluster_persisted_pushed_total";
+/// Pushed calls this process waits on.
+pub const PERSISTED_PUSHED_WAITING: &str = "effect_cluster_persisted_pushed_waiting";
+/// Pushed calls this runner serves.
+pub const PERSISTED_PUSHED_SERVING: &str = "effect_cluster_persisted_pushed_serving";
 
 /// Shard locks acquired.
 pub const SHARD_ACQUISITIONS: &str = "effect_cluster_shard_acquisitions_total";
@@ -242,6 +248,24 @@ fn kind_label(kind: RequestKind, stream: bool) -> &'static str {
 /// Adds `count` to a counter.
 pub(crate) fn count(name: &'static str, count: usize) {
     metrics::counter!(name).increment(u64::try_from(count).unwrap_or(u64::MAX));
+}
+
+/// One more in a gauge while alive (a call in flight, say).
+pub(crate) struct Occupied(metrics::Gauge);
+
+impl Occupied {
+    /// Counts one more in `name` until dropped.
+    pub(crate) fn of(name: &'static str) -> Occupied {
+        let gauge = metrics::gauge!(name);
+        gauge.increment(1.0);
+        Occupied(gauge)
+    }
+}
+
+impl Drop for Occupied {
+    fn drop(&mut self) {
+        self.0.decrement(1.0);
+    }
 }
 
 /// Records a duration in seconds in a histogram.

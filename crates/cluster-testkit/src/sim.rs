@@ -16,9 +16,10 @@
 //! storage black-holed for a while), crash (their lock storage dies: no refresh, no release;
 //! cut off the network) and are replaced, restart gracefully, are partitioned off the
 //! network, join in bursts, are replaced one by one in rolling updates; reply writes get
-//! slow, storage calls fail; the transport delays, loses and duplicates calls; storage and
-//! one runner's lock storage get latency spikes; storage transactions are slow to begin;
-//! clocks are skewed. [`SimConfig::graceful`] draws only the graceful faults. The workload is
+//! slow, storage calls fail; the transport bounds each process's calls to a runner as a TCP
+//! connection does (pushed persisted requests in a lane of their own), and delays, loses and
+//! duplicates calls; storage and one runner's lock storage get latency spikes; storage
+//! transactions are slow to begin; clocks are skewed. [`SimConfig::graceful`] draws only the graceful faults. The workload is
 //! persisted requests with primary keys and volatile requests from a client-only member of
 //! the cluster, transactional requests that the runners send (which go directly to the
 //! entities they hold), and (feature `workflow`) workflow executions of a compensated saga
@@ -31,9 +32,11 @@
 //! reply is stored per request, every volatile request ends with its reply or a typed error;
 //! a handler runs again only after a run on a runner that crashed or froze, or after a write
 //! of its reply failed (`runs`), and without such faults each entity runs its requests in
-//! storage order; for workflows, a stored activity result is never run again, and
-//! compensations run once per stored failed outcome (an earlier run compensates too only if
-//! its runner crashed or froze, or its outcome's write failed), never for a success.
+//! storage order; once the faults are over, a volatile call and a persisted call to a runner
+//! are answered within a second while more long persisted calls than the transport's slots
+//! are pushed to it (the latency probe); for workflows, a stored activity result is never run
+//! again, and compensations run once per stored failed outcome (an earlier run compensates too
+//! only if its runner crashed or froze, or its outcome's write failed), never for a success.
 //! `docs/testing.md` has the details.
 
 use std::collections::BTreeMap;
@@ -51,7 +54,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::faulty::{Faults, FaultyMessageStorage, FaultyRunnerStorage, LockFaults, StorageEvent};
 use crate::memory::{MemoryMessageStorage, MemoryRunnerDatabase, MemoryRunnerStorage};
-use crate::transport::{MemoryNetwork, NetworkFaults};
+use crate::transport::{MemoryNetwork, NetworkFaults, Slots};
 
 mod runs;
 #[cfg(feature = "workflow")]
@@ -145,6 +148,12 @@ pub struct SimConfig {
     /// networks and storage; no crash, freeze, slow lock storage or storage error): every
     /// handler must run exactly once, and each entity in storage order.
     pub graceful: bool,
+    /// The network bounds each process's calls in flight to each runner as a connection of the
+    /// TCP transport does (8 calls, and 4 pushed persisted requests in a lane of their own), and
+    /// once the faults are over the latency probe runs: more long persisted calls than those
+    /// slots are pushed to one runner, and a volatile call and a persisted call to other
+    /// entities of that runner must still be answered within a second.
+    pub transport_slots: bool,
 }
 
 impl SimConfig {
@@ -162,6 +171,7 @@ impl SimConfig {
             holds: 8,
             exactly_once: true,
             graceful: false,
+            transport_slots: true,
         }
     }
 
@@ -173,7 +183,7 @@ impl SimConfig {
     /// The scenario of `seed` as it was before the checks of handler runs came (the
     /// regression seeds found then replay it exactly; the runs are checked all the same).
     pub fn extended(seed: u64) -> SimConfig {
-        SimConfig { exactly_once: false, holds: 0, ..SimConfig::seed(seed) }
+        SimConfig { exactly_once: false, holds: 0, transport_slots: false, ..SimConfig::seed(seed) }
     }
 
     /// The scenario of `seed` as it was before transport faults, latency spikes, dying
@@ -269,6 +279,18 @@ const LOCK_RECOVERY: Duration = Duration::from_secs(3);
 const VOLATILE_BOUND: Duration = Duration::from_secs(30);
 /// How long a runner's own call waits before it is made again from another runner.
 const LOCAL_CALL_BOUND: Duration = Duration::from_secs(10);
+/// The calls each process may have in flight to each runner (`transport_slots`): fewer pushed
+/// ones than the latency probe's long calls, so that some pushes find their lane full.
+const SIM_SLOTS: Slots = Slots { calls: 8, pushed: 4 };
+/// How many long persisted calls the latency probe pushes to one runner: more than its
+/// slots.
+const PROBE_HOLDS: usize = 12;
+/// How long each of those calls' handlers takes.
+const PROBE_HOLD: Duration = Duration::from_secs(20);
+/// How long a call of the latency probe may take while the long calls are held.
+const PROBE_BOUND: Duration = Duration::from_secs(1);
+/// How long the cluster may take to settle after the faults before the probe runs.
+const SETTLE_BOUND: Duration = Duration::from_secs(30);
 
 fn runner_config(runner_address: Option<RunnerAddress>) -> ShardingConfig {
     ShardingConfig {
@@ -321,6 +343,25 @@ impl Rpc for AddTx {
     }
 }
 
+/// A persisted request with a primary key whose handler takes `millis` (simulated time): the
+/// long persisted calls of the latency probe.
+#[derive(Serialize, Deserialize)]
+struct Hold {
+    key: String,
+    millis: u64,
+}
+
+impl Rpc for Hold {
+    const TAG: &'static str = "Hold";
+    const PERSISTED: bool = true;
+    type Success = u64;
+    type Error = String;
+
+    fn primary_key(&self) -> Option<String> {
+        Some(self.key.clone())
+    }
+}
+
 /// A volatile request: sent runner to runner through the simulated network.
 #[derive(Serialize, Deserialize)]
 struct Echo {
@@ -347,7 +388,7 @@ impl Entity for SimCounter {
     }
 
     fn protocol(protocol: &mut Protocol<SimCounter>) {
-        protocol.handle::<Add>().handle::<AddTx>().handle::<Echo>();
+        protocol.handle::<Add>().handle::<AddTx>().handle::<Echo>().handle::<Hold>();
     }
 }
 
@@ -374,6 +415,14 @@ impl Handler<Echo> for SimCounter {
 impl Handler<Add> for SimCounter {
     async fn handle(&mut self, context: &RequestContext, add: Add) -> Result<u64, String> {
         Ok(self.add(context, &add.key).await)
+    }
+}
+
+impl Handler<Hold> for SimCounter {
+    async fn handle(&mut self, context: &RequestContext, hold: Hold) -> Result<u64, String> {
+        let value = self.add(context, &hold.key).await;
+        tokio::time::sleep(Duration::from_millis(hold.millis)).await;
+        Ok(value)
     }
 }
 
@@ -434,9 +483,27 @@ struct World {
     runs: Arc<runs::Runs>,
     /// Handlers take a moment (`exactly_once`).
     slow_handlers: bool,
+    /// The faults of the first schedule still in force after it moved on (a freeze, a
+    /// partition, slow replies): the latency probe waits for them to end.
+    in_force: Arc<std::sync::atomic::AtomicUsize>,
+}
+
+/// A fault in force until dropped (see `World::in_force`).
+struct InForce(Arc<std::sync::atomic::AtomicUsize>);
+
+impl Drop for InForce {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, std::sync::atomic::Ordering::Relaxed);
+    }
 }
 
 impl World {
+    /// A fault that stays in force after the schedule moves on, until the guard drops.
+    fn in_force(&self) -> InForce {
+        self.in_force.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        InForce(Arc::clone(&self.in_force))
+    }
+
     fn violation(&self, what: String) {
         self.history.record(format!("VIOLATION {what}"));
         lock(&self.violations).push(what);
@@ -625,10 +692,14 @@ async fn simulate(config: SimConfig) -> SimReport {
         }),
         runs: runs::Runs::new(history.clone()),
         slow_handlers: config.exactly_once,
+        in_force: Arc::default(),
     };
     #[cfg(not(feature = "workflow"))]
     if config.workflows + config.holds > 0 {
         world.violation("workflows need the `workflow` feature of cluster-testkit".to_owned());
+    }
+    if config.transport_slots {
+        world.network.bound_slots(SIM_SLOTS);
     }
     for _ in 0..config.runners {
         world.start_runner(&mut rng).await;
@@ -675,6 +746,9 @@ async fn simulate(config: SimConfig) -> SimReport {
                 }
             }
         }
+    }
+    if config.transport_slots {
+        probe_pushed_latency(&world, &client).await;
     }
     sampler.abort();
     check_final_replies(&world, &client, Add::TAG, "k", config.requests).await;
@@ -887,11 +961,12 @@ async fn apply(world: &mut World, rng: &mut SimRng, fault: Fault) {
             world.history.record(format!("freeze {name} for {}ms", millis(duration)));
             world.runs.ungraceful(&name, "freeze");
             locks.blackhole(true);
-            let history = world.history.clone();
+            let (history, in_force) = (world.history.clone(), world.in_force());
             tokio::spawn(async move {
                 tokio::time::sleep(duration).await;
                 locks.blackhole(false);
                 history.record(format!("thaw {name}"));
+                drop(in_force);
             });
         }
         Fault::Crash => {
@@ -931,6 +1006,7 @@ async fn apply(world: &mut World, rng: &mut SimRng, fault: Fault) {
             world.network.detach(&address);
             let (network, history, runners) =
                 (Arc::clone(&world.network), world.history.clone(), Arc::clone(&world.runners));
+            let in_force = world.in_force();
             tokio::spawn(async move {
                 tokio::time::sleep(duration).await;
                 let gone = lock(&runners).iter().any(|runner| runner.name == name && runner.gone);
@@ -938,6 +1014,7 @@ async fn apply(world: &mut World, rng: &mut SimRng, fault: Fault) {
                     network.attach(address, sharding.runner_handler());
                     history.record(format!("heal {name}"));
                 }
+                drop(in_force);
             });
         }
         Fault::SlowReplies(delay, duration) => {
@@ -950,13 +1027,14 @@ async fn apply(world: &mut World, rng: &mut SimRng, fault: Fault) {
             for process in &faults {
                 process.delay_replies(delay);
             }
-            let history = world.history.clone();
+            let (history, in_force) = (world.history.clone(), world.in_force());
             tokio::spawn(async move {
                 tokio::time::sleep(duration).await;
                 for process in &faults {
                     process.delay_replies(Duration::ZERO);
                 }
                 history.record("replies fast again".to_owned());
+                drop(in_force);
             });
         }
     }
@@ -1228,6 +1306,143 @@ async fn check_ownership(
     }
 }
 
+/// The latency probe (`transport_slots`), once the faults are over and the cluster settled.
+///
+/// - The client pushes [`PROBE_HOLDS`] long persisted calls (more than its slots to one
+///   runner) to entities of one runner, and waits until their handlers run.
+/// - Then a volatile call and a persisted call to other entities of that runner must each be
+///   answered within [`PROBE_BOUND`]: the held calls must not take the transport's slots that
+///   other calls need.
+/// - Every long call is answered, once.
+async fn probe_pushed_latency(world: &World, client: &Sharding) {
+    // The faults are over: storage errors injected and not used up yet are dropped.
+    let processes: Vec<Arc<Faults>> = lock(&world.storage_faults).clone();
+    for process in &processes {
+        process.fail_reads(0);
+        process.fail_request_saves(0);
+        process.fail_reply_saves(0);
+    }
+    let Some((owner, shards)) = settled_owner(world).await else {
+        world.violation(format!(
+            "the cluster did not settle within {}ms of the last answer",
+            millis(SETTLE_BOUND)
+        ));
+        return;
+    };
+    let on_owner: Vec<String> = (0..)
+        .map(|n| format!("probe-{n}"))
+        .filter(|id| shards.contains(&client.client::<SimCounter>(id.as_str()).address().shard_id))
+        .take(PROBE_HOLDS + 2)
+        .collect();
+    world.history.record(format!("probe: {PROBE_HOLDS} long calls pushed to {owner}"));
+    let hold_for = u64::try_from(PROBE_HOLD.as_millis()).unwrap_or(u64::MAX);
+    let holds: Vec<_> = on_owner[..PROBE_HOLDS]
+        .iter()
+        .enumerate()
+        .map(|(n, id)| {
+            let counter = client.client::<SimCounter>(id.as_str());
+            let hold = Hold { key: format!("hold{n}"), millis: hold_for };
+            (counter.clone(), tokio::spawn(async move { counter.send(hold).await }))
+        })
+        .collect();
+    let started = async {
+        while !(0..PROBE_HOLDS).all(|n| world.runs.has_run(&format!("hold{n}"))) {
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+    };
+    if tokio::time::timeout(PROBE_BOUND, started).await.is_err() {
+        world.violation(format!("probe: the long calls to {owner} did not all start"));
+    }
+    let echo = client.client::<SimCounter>(on_owner[PROBE_HOLDS].as_str());
+    probe_call(world, &owner, "volatile call", echo.send(Echo { n: 7 })).await;
+    let add = client.client::<SimCounter>(on_owner[PROBE_HOLDS + 1].as_str());
+    probe_call(world, &owner, "persisted call", add.send(Add { key: "probe".to_owned() })).await;
+    for (n, (counter, hold)) in holds.into_iter().enumerate() {
+        match tokio::time::timeout(PROBE_HOLD + HEAL_BOUND, hold).await {
+            Ok(Ok(Ok(_))) => {}
+            outcome => world.violation(format!("probe: long call {n} ended with {outcome:?}")),
+        }
+        check_final_reply(world, counter.address(), Hold::TAG, &format!("hold{n}")).await;
+    }
+}
+
+/// One call of the latency probe: answered within [`PROBE_BOUND`], or a violation.
+async fn probe_call<T, E: std::fmt::Debug>(
+    world: &World,
+    owner: &str,
+    what: &str,
+    call: impl Future<Output = Result<T, cluster_sharding::CallError<E>>>,
+) {
+    let sent = tokio::time::Instant::now();
+    match tokio::time::timeout(PROBE_BOUND, call).await {
+        Ok(Ok(_)) => {
+            let took = millis(sent.elapsed());
+            world.history.record(format!("probe: {what} to {owner} took {took}ms"));
+        }
+        Ok(Err(error)) => world.violation(format!("probe: {what} to {owner} failed: {error:?}")),
+        Err(_) => world.violation(format!(
+            "probe: {what} to {owner} unanswered after {}ms while long persisted calls were \
+             pushed to it",
+            millis(PROBE_BOUND)
+        )),
+    }
+}
+
+/// Waits, at most [`SETTLE_BOUND`], until no fault is in force any more and the live runners
+/// hold every shard between them, the same for a second: the name of the first live runner
+/// that holds shards, and its shards.
+async fn settled_owner(
+    world: &World,
+) -> Option<(String, std::collections::BTreeSet<cluster_core::ShardId>)> {
+    let deadline = tokio::time::Instant::now() + SETTLE_BOUND;
+    let mut last = None;
+    while tokio::time::Instant::now() < deadline {
+        if world.in_force.load(std::sync::atomic::Ordering::Relaxed) > 0 {
+            last = None;
+            tokio::time::sleep(Duration::from_millis(100)).await;
+            continue;
+        }
+        let held: Vec<(String, Vec<cluster_core::ShardId>)> = {
+            let runners = lock(&world.runners);
+            runners
+                .iter()
+                .filter(|runner| runner.is_live())
+                .map(|runner| (runner.name.clone(), runner.sharding.acquired_shards()))
+                .collect()
+        };
+        let total: usize = held.iter().map(|(_, shards)| shards.len()).sum();
+        let distinct: std::collections::BTreeSet<_> =
+            held.iter().flat_map(|(_, shards)| shards.iter().cloned()).collect();
+        let whole = total == distinct.len() && distinct.len() == 12;
+        if whole && last.as_ref() == Some(&held) {
+            let (owner, shards) = held.into_iter().find(|(_, shards)| !shards.is_empty())?;
+            return Some((owner, shards.into_iter().collect()));
+        }
+        last = whole.then_some(held);
+        tokio::time::sleep(Duration::from_secs(1)).await;
+    }
+    None
+}
+
+/// Exactly one final reply is stored for the request `tag` with key `key` of `address`.
+async fn check_final_reply(world: &World, address: &EntityAddress, tag: &str, key: &str) {
+    let primary_key = cluster_core::envelope::primary_key(address, tag, key);
+    let request = match world.messages.request_id_for_primary_key(&primary_key).await {
+        Ok(Some(request)) => request,
+        Ok(None) => return world.violation(format!("{key} is not stored")),
+        Err(error) => return world.violation(format!("{key} cannot be read: {error}")),
+    };
+    match world.messages.replies_for_unfiltered(&[request]).await {
+        Ok(replies) => {
+            let finals = replies.iter().filter(|reply| reply.is_final()).count();
+            if finals != 1 {
+                world.violation(format!("{key} has {finals} final replies"));
+            }
+        }
+        Err(error) => world.violation(format!("{key}'s replies cannot be read: {error}")),
+    }
+}
+
 /// Exactly one final reply is stored per request (`<prefix><index>`, with tag `tag`).
 async fn check_final_replies(
     world: &World,
@@ -1237,29 +1452,8 @@ async fn check_final_replies(
     requests: usize,
 ) {
     for index in 0..requests {
-        let key = format!("{prefix}{index}");
         let address = counter_of(client, index).address().clone();
-        let primary_key = cluster_core::envelope::primary_key(&address, tag, &key);
-        let request = match world.messages.request_id_for_primary_key(&primary_key).await {
-            Ok(Some(request)) => request,
-            Ok(None) => {
-                world.violation(format!("{key} is not stored"));
-                continue;
-            }
-            Err(error) => {
-                world.violation(format!("{key} cannot be read: {error}"));
-                continue;
-            }
-        };
-        match world.messages.replies_for_unfiltered(&[request]).await {
-            Ok(replies) => {
-                let finals = replies.iter().filter(|reply| reply.is_final()).count();
-                if finals != 1 {
-                    world.violation(format!("{key} has {finals} final replies"));
-                }
-            }
-            Err(error) => world.violation(format!("{key}'s replies cannot be read: {error}")),
-        }
+        check_final_reply(world, &address, tag, &format!("{prefix}{index}")).await;
     }
 }
 

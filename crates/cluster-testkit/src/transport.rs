@@ -4,6 +4,9 @@
 //! `RunnerHandler`; dropping a call drops the peer's reply stream, which interrupts a volatile
 //! request there, as a real connection does.
 //!
+//! Limits: each process's calls in flight to each peer can be bounded as one connection of the
+//! TCP transport bounds them ([`Slots`]), pushed persisted requests in a lane of their own.
+//!
 //! Faults: a runner can be cut off (every call to it fails with `RunnerUnavailable`, like a
 //! dead peer), the next calls of a kind to a runner can be made to fail once, and
 //! [`NetworkFaults`] delay, lose and duplicate calls at random (from a seed, so a simulation
@@ -37,6 +40,25 @@ pub struct MemoryNetwork {
     /// Woken by [`MemoryNetwork::cut_calls_to`].
     cut: tokio::sync::Notify,
     replies_lost: AtomicU32,
+}
+
+/// How many calls one process may have in flight to one peer, as one connection of the TCP
+/// transport allows (`cluster_rpc::RpcConfig`), while set (see [`MemoryNetwork::bound_slots`]).
+///
+/// A call holds its slot until its final answer (a stream's, until the stream is dropped).
+/// As over TCP, the calls take slots in two lanes:
+///
+/// - pings, notices, envelopes and volatile requests wait for a free slot of `calls`
+///   (`max_in_flight`);
+/// - pushed persisted requests, which last as long as their handlers run, take a slot of
+///   `pushed` (`max_pushed_in_flight`), and fail at once (`RunnerUnavailable`) when none is
+///   free.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Slots {
+    /// Calls in flight from one process to one peer, pushed persisted requests apart.
+    pub calls: usize,
+    /// Pushed persisted requests in flight from one process to one peer.
+    pub pushed: usize,
 }
 
 /// Random transport faults, applied to every call while set (see
@@ -77,6 +99,8 @@ struct State {
     losing_replies: BTreeMap<RunnerAddress, u32>,
     /// How often the calls to each address were cut.
     cuts: BTreeMap<RunnerAddress, u64>,
+    /// The slots of each process's calls to each peer, when bounded.
+    slots: Option<Slots>,
 }
 
 /// A kind of call, for fault injection.
@@ -151,6 +175,12 @@ impl MemoryNetwork {
             }
             _ => false,
         }
+    }
+
+    /// Bounds the calls each process has in flight to each peer, as a TCP connection does.
+    /// Transports made afterwards keep these slots.
+    pub fn bound_slots(&self, slots: Slots) {
+        lock(&self.state).slots = Some(slots);
     }
 
     /// Delays, loses and duplicates calls at random from now on, every choice drawn from
@@ -244,9 +274,14 @@ impl MemoryNetwork {
             .ok_or_else(|| ClusterError::RunnerUnavailable { address: address.clone() })
     }
 
-    /// A `Transport` client on this network.
+    /// A `Transport` client on this network: one process's connections.
     pub fn transport(self: &Arc<MemoryNetwork>) -> Arc<dyn Transport> {
-        Arc::new(MemoryTransport { network: Arc::clone(self) })
+        let slots = lock(&self.state).slots;
+        Arc::new(MemoryTransport {
+            network: Arc::clone(self),
+            slots,
+            peers: Mutex::new(BTreeMap::new()),
+        })
     }
 }
 
@@ -254,9 +289,54 @@ impl MemoryNetwork {
 #[derive(Debug)]
 struct MemoryTransport {
     network: Arc<MemoryNetwork>,
+    /// The bound of this process's calls to each peer, if any.
+    slots: Option<Slots>,
+    /// The slots of this process's calls to each peer (its connection to it).
+    peers: Mutex<BTreeMap<RunnerAddress, Lanes>>,
+}
+
+/// The slots of one process's calls to one peer (see [`Slots`]).
+#[derive(Debug)]
+struct Lanes {
+    calls: Arc<tokio::sync::Semaphore>,
+    pushed: Arc<tokio::sync::Semaphore>,
+}
+
+/// A slot of a call in flight, given back when the call ends (`None`: calls are not bounded).
+type Slot = Option<tokio::sync::OwnedSemaphorePermit>;
+
+/// A stream's replies, holding its call's slot until the stream is dropped.
+struct SlottedStream {
+    replies: Box<dyn ReplyStream>,
+    _slot: Slot,
+}
+
+impl ReplyStream for SlottedStream {
+    fn next_reply(&mut self) -> BoxFuture<'_, Option<Result<Reply, ClusterError>>> {
+        self.replies.next_reply()
+    }
 }
 
 impl MemoryTransport {
+    /// A slot for a call to `address`: once one is free, or for a pushed persisted request
+    /// (`pushed`) one free now.
+    async fn slot(&self, address: &RunnerAddress, pushed: bool) -> Result<Slot, ClusterError> {
+        let Some(slots) = self.slots else { return Ok(None) };
+        let unavailable = || ClusterError::RunnerUnavailable { address: address.clone() };
+        let lane = {
+            let mut peers = lock(&self.peers);
+            let lanes = peers.entry(address.clone()).or_insert_with(|| Lanes {
+                calls: Arc::new(tokio::sync::Semaphore::new(slots.calls)),
+                pushed: Arc::new(tokio::sync::Semaphore::new(slots.pushed)),
+            });
+            Arc::clone(if pushed { &lanes.pushed } else { &lanes.calls })
+        };
+        if pushed {
+            return lane.try_acquire_owned().map(Some).map_err(|_| unavailable());
+        }
+        lane.acquire_owned().await.map(Some).map_err(|_| unavailable())
+    }
+
     /// Delivers an envelope (a `notify` or `send_envelope` call) under the random faults.
     async fn deliver(
         &self,
@@ -265,6 +345,7 @@ impl MemoryTransport {
         envelope: Envelope,
         persisted: bool,
     ) -> Result<(), ClusterError> {
+        let _slot = self.slot(address, false).await?;
         let fate = self.network.fate();
         let peer = self.network.reach(address, call, fate).await?;
         let send = |envelope| match call {
@@ -282,7 +363,8 @@ impl MemoryTransport {
         delivered
     }
 
-    /// Starts a request (a `send` or `stream` call) under the random faults.
+    /// Starts a request (a `send` or `stream` call) under the random faults; its replies hold
+    /// the call's slot.
     async fn start(
         &self,
         address: &RunnerAddress,
@@ -290,6 +372,7 @@ impl MemoryTransport {
         persisted: bool,
     ) -> Result<Box<dyn ReplyStream>, ClusterError> {
         self.network.sends.fetch_add(1, Ordering::AcqRel);
+        let slot = self.slot(address, persisted).await?;
         let fate = self.network.fate();
         let peer = self.network.reach(address, Call::Request, fate).await?;
         if fate.duplicated {
@@ -307,7 +390,10 @@ impl MemoryTransport {
             drop(replies);
             return Err(ClusterError::RunnerUnavailable { address: address.clone() });
         }
-        Ok(replies)
+        Ok(match slot {
+            Some(slot) => Box::new(SlottedStream { replies, _slot: Some(slot) }),
+            None => replies,
+        })
     }
 }
 
@@ -319,6 +405,7 @@ impl Transport for MemoryTransport {
                 let count = state.pings.entry(address.clone()).or_default();
                 *count = count.saturating_add(1);
             }
+            let _slot = self.slot(address, false).await?;
             let fate = self.network.fate();
             self.network.reach(address, Call::Request, fate).await?;
             if fate.lost_after {

@@ -1,4 +1,5 @@
-//! The simulated transport's random faults: delays, lost calls and duplicated calls.
+//! The simulated transport's random faults (delays, lost calls and duplicated calls) and its
+//! bounded slots.
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU32, Ordering};
@@ -10,7 +11,7 @@ use cluster_core::error::ClusterError;
 use cluster_core::future::BoxFuture;
 use cluster_core::ids::{EntityAddress, EntityId, EntityType, RunnerAddress, ShardGroup, ShardId};
 use cluster_core::transport::{ReplyStream, RunnerHandler};
-use cluster_testkit::transport::{MemoryNetwork, NetworkFaults};
+use cluster_testkit::transport::{MemoryNetwork, NetworkFaults, Slots};
 
 /// Counts what reaches it; requests are refused (only their arrival matters here).
 #[derive(Debug, Default)]
@@ -129,4 +130,86 @@ async fn calls_are_delayed_within_the_bounds_and_the_seed_decides() {
     assert!(first.iter().all(|delay| (10..=50).contains(&delay.as_millis())), "{first:?}");
     assert_eq!(first, delays(3).await, "the same seed gives the same delays");
     assert_ne!(first, delays(4).await);
+}
+
+/// Answers requests of tag `Hang` never; refuses the others at once.
+#[derive(Debug, Default)]
+struct Hanging;
+
+impl RunnerHandler for Hanging {
+    fn notify(&self, _: Envelope, _: bool) -> BoxFuture<'_, Result<(), ClusterError>> {
+        Box::pin(std::future::ready(Ok(())))
+    }
+
+    fn request(
+        &self,
+        request: Request,
+        _: bool,
+    ) -> BoxFuture<'_, Result<Box<dyn ReplyStream>, ClusterError>> {
+        if &*request.tag == "Hang" {
+            return Box::pin(std::future::ready(Ok(Box::new(Never) as Box<dyn ReplyStream>)));
+        }
+        let error = ClusterError::EntityNotAssignedToRunner { address: request.address };
+        Box::pin(std::future::ready(Err(error)))
+    }
+
+    fn envelope(
+        &self,
+        envelope: Envelope,
+        persisted: bool,
+    ) -> BoxFuture<'_, Result<(), ClusterError>> {
+        self.notify(envelope, persisted)
+    }
+}
+
+/// A reply stream that never yields.
+struct Never;
+
+impl ReplyStream for Never {
+    fn next_reply(
+        &mut self,
+    ) -> BoxFuture<'_, Option<Result<cluster_core::envelope::Reply, ClusterError>>> {
+        Box::pin(std::future::pending())
+    }
+}
+
+/// With bounded slots, as over a TCP connection, pushed persisted requests take slots of their
+/// own: held pushes leave the others' slot free, and a push that finds its lane full fails at
+/// once; the other calls wait for a free slot.
+#[tokio::test(start_paused = true)]
+async fn bounded_slots_keep_pushes_apart_and_fail_a_push_at_once_when_its_lane_is_full() {
+    let network = MemoryNetwork::new();
+    network.bound_slots(Slots { calls: 1, pushed: 1 });
+    let address = RunnerAddress::new("peer", 1);
+    network.attach(address.clone(), Arc::new(Hanging) as Arc<dyn RunnerHandler>);
+    let runners = network.transport();
+    let hang = |id| Request { tag: "Hang".into(), ..request(id) };
+    let held = {
+        let (runners, address, hang) = (Arc::clone(&runners), address.clone(), hang(1));
+        tokio::spawn(async move { runners.send(&address, hang, true).await })
+    };
+    tokio::task::yield_now().await;
+    let full = runners.send(&address, request(2), true).await;
+    assert!(matches!(full, Err(ClusterError::RunnerUnavailable { .. })), "{full:?}");
+    // The other calls' slot is free: a call goes through, and one held takes it.
+    assert!(runners.notify(&address, Envelope::Request(request(3)), true).await.is_ok());
+    let volatile = {
+        let (runners, address, hang) = (Arc::clone(&runners), address.clone(), hang(4));
+        tokio::spawn(async move { runners.send(&address, hang, false).await })
+    };
+    tokio::task::yield_now().await;
+    // Now a call waits for that slot.
+    let waiting = tokio::time::timeout(Duration::from_secs(1), runners.ping(&address)).await;
+    assert!(waiting.is_err(), "a call went past its lane's bound");
+    volatile.abort();
+    let _ = volatile.await;
+    assert!(runners.ping(&address).await.is_ok(), "the slot was given back");
+    // Another process has slots of its own.
+    let other = network.transport();
+    assert!(
+        other.send(&address, request(5), true).await.is_err_and(|error| {
+            matches!(error, ClusterError::EntityNotAssignedToRunner { .. })
+        })
+    );
+    held.abort();
 }

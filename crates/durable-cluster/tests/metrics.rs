@@ -41,6 +41,8 @@ const PINNED: &[(&str, &str, &[&str])] = &[
     ("effect_cluster_read_loop_lag_seconds", "gauge", &[]),
     ("effect_cluster_persisted_latency_seconds", "histogram", &[]),
     ("effect_cluster_persisted_pushed_total", "counter", &["answer"]),
+    ("effect_cluster_persisted_pushed_waiting", "gauge", &[]),
+    ("effect_cluster_persisted_pushed_serving", "gauge", &[]),
     ("effect_cluster_requests_received_total", "counter", &["kind", "tag", "type"]),
     ("effect_cluster_requests_answered_total", "counter", &["kind", "tag", "type"]),
     ("effect_cluster_requests_failed_total", "counter", &["kind", "reason", "tag", "type"]),

@@ -1,4 +1,5 @@
-//! The limits and the reconnection policy: calls beyond `max_in_flight`, connections beyond
+//! The limits and the reconnection policy: calls beyond `max_in_flight`, pushed persisted
+//! requests in a lane of their own (`max_pushed_in_flight`), connections beyond
 //! `max_connections`, the reconnection backoff and the stream-buffer overflow.
 
 use std::sync::Arc;
@@ -197,4 +198,79 @@ async fn a_stream_that_overflows_its_buffer_is_cut_and_cancelled() {
     let echo = within(runners.send(&address, request(2, "Echo"), false)).await;
     assert!(echo.expect("the connection still serves").is_final());
     assert_eq!(server.connection_count(), 1);
+}
+
+/// Sends `request` (pushed, as persisted) again and again until it is answered, failing after
+/// [`DEADLINE`]: the server frees a slot only once it reaps the call that held it.
+async fn pushed_until_answered(runners: &TcpTransport, address: &RunnerAddress, id: u64) {
+    let deadline = Instant::now() + DEADLINE;
+    loop {
+        match within(runners.send(address, request(id, "Echo"), true)).await {
+            Ok(reply) => return assert!(reply.is_final()),
+            Err(error) => assert!(Instant::now() < deadline, "never answered: {error:?}"),
+        }
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+}
+
+/// A pushed persisted request lasts as long as its handler runs, so pushes have a lane of their
+/// own on a connection: held pushes leave the `max_in_flight` slots to the other calls, and a
+/// push that finds its lane full fails at once, without reaching the server (its caller waits
+/// on storage, where the request is).
+#[tokio::test]
+async fn pushed_requests_take_slots_of_their_own_and_fail_at_once_when_those_are_taken() {
+    let handler = FakeHandler::new();
+    let limits = RpcConfig { max_in_flight: 1, max_pushed_in_flight: 2, ..config() };
+    let server = serve(limits.clone(), handler.clone()).await;
+    let runners = TcpTransport::new(limits).expect("config");
+    let address = runner_address(&server);
+    let held: Vec<_> = (1..=2)
+        .map(|id| {
+            let (runners, address) = (runners.clone(), address.clone());
+            tokio::spawn(async move { runners.send(&address, request(id, "Hang"), true).await })
+        })
+        .collect();
+    assert!(wait_until(|| handler.requests() == 2).await, "the pushes never arrived");
+    let full = within(runners.send(&address, request(3, "Echo"), true)).await;
+    assert!(
+        matches!(&full, Err(ClusterError::RunnerUnavailable { address: at }) if *at == address),
+        "{full:?}"
+    );
+    assert_eq!(handler.requests(), 2, "the push beyond the lane reached the server");
+    // The other calls keep their slot, one after the other.
+    for id in [4, 5] {
+        let echo = within(runners.send(&address, request(id, "Echo"), false)).await;
+        assert!(echo.expect("a volatile call while pushes are held").is_final());
+    }
+    within(runners.ping(&address)).await.expect("a ping while pushes are held");
+    // A held push that ends gives its slot back.
+    held[0].abort();
+    assert!(wait_until(|| handler.dropped.load(Ordering::Acquire) == 1).await);
+    pushed_until_answered(&runners, &address, 6).await;
+    assert_eq!(server.connection_count(), 1);
+}
+
+/// The server bounds the pushes of a connection on its own too: a client that allows more gets
+/// `Overloaded` (`RunnerUnavailable`) for a push beyond the server's lane, while its other calls
+/// are served.
+#[tokio::test]
+async fn the_server_answers_a_push_beyond_its_lane_overloaded() {
+    let handler = FakeHandler::new();
+    let limits = RpcConfig { max_in_flight: 1, max_pushed_in_flight: 1, ..config() };
+    let server = serve(limits, handler.clone()).await;
+    let runners = TcpTransport::new(config()).expect("config");
+    let address = runner_address(&server);
+    let held = {
+        let (runners, address) = (runners.clone(), address.clone());
+        tokio::spawn(async move { runners.send(&address, request(1, "Hang"), true).await })
+    };
+    assert!(wait_until(|| handler.requests() == 1).await, "the push never arrived");
+    let overloaded = within(runners.send(&address, request(2, "Echo"), true)).await;
+    assert!(matches!(overloaded, Err(ClusterError::RunnerUnavailable { .. })), "{overloaded:?}");
+    assert_eq!(handler.requests(), 1, "the push beyond the server's lane reached the handler");
+    let echo = within(runners.send(&address, request(3, "Echo"), false)).await;
+    assert!(echo.expect("a volatile call while a push is held").is_final());
+    held.abort();
+    assert!(wait_until(|| handler.dropped.load(Ordering::Acquire) == 1).await);
+    pushed_until_answered(&runners, &address, 4).await;
 }

@@ -111,16 +111,23 @@ async fn config_from_env_names_the_bad_variable() {
     })
     .expect_err("out of range");
     assert_eq!(error.key(), "CLUSTER_RPC_STREAM_BUFFER");
+    let error = RpcConfig::from_env_with(|var| {
+        Ok((var == "CLUSTER_RPC_MAX_PUSHED_IN_FLIGHT").then(|| "0".to_owned()))
+    })
+    .expect_err("out of range");
+    assert_eq!(error.key(), "CLUSTER_RPC_MAX_PUSHED_IN_FLIGHT");
     let config = RpcConfig::from_env_with(|var| {
         Ok(match var {
             "CLUSTER_RPC_SECRET" => Some("k".to_owned()),
             "CLUSTER_RPC_IDLE_EXPIRY" => Some("2 seconds".to_owned()),
+            "CLUSTER_RPC_MAX_PUSHED_IN_FLIGHT" => Some("100".to_owned()),
             _ => None,
         })
     })
     .expect("valid");
     assert_eq!(config.secret.as_deref(), Some(&b"k"[..]));
     assert_eq!(config.idle_expiry, std::time::Duration::from_secs(2));
+    assert_eq!(config.max_pushed_in_flight, 100);
 }
 
 #[cfg(not(feature = "tls"))]

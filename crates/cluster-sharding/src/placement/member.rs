@@ -359,6 +359,17 @@ impl Member {
         self.state().ownership.is_acquired(shard)
     }
 
+    /// Whether a request of `shard` may be handed to an entity here now: the shard is acquired
+    /// and its lock was confirmed within the lease ([`lock_lease`]).
+    ///
+    /// A runner frozen past the lease may have lost the lock without knowing yet.
+    /// The read loop waits for a refresh before it reads the shard ([`Member::readable`]); so do
+    /// the other ways to an entity: direct delivery, pushed requests and volatile ones.
+    pub(crate) fn delivers(&self, shard: &ShardId) -> bool {
+        let state = self.state();
+        state.ownership.is_acquired(shard) && state.is_confirmed(shard, Instant::now(), self.lease)
+    }
+
     /// The shards whose messages this runner reads.
     pub(crate) fn acquired(&self) -> Vec<ShardId> {
         self.state().ownership.acquired().cloned().collect()

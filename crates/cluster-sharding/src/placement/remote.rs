@@ -269,7 +269,7 @@ impl Remote {
         loop {
             let route = self.route(&request.address.shard_id);
             // The common case first, with no clock read and no waiting: a shard held here.
-            if matches!(route, Route::Local) && self.shards.serves(&request.address.shard_id) {
+            if matches!(route, Route::Local) && self.shards.delivers(&request.address.shard_id) {
                 return local(request).await;
             }
             let deadline = *deadline.get_or_insert_with(|| crate::time::deadline(self.retry_for));
@@ -308,7 +308,7 @@ impl Remote {
         uninterruptible: bool,
     ) -> Result<Exit, ClusterError> {
         let shard = &request.address.shard_id;
-        let request = if matches!(self.route(shard), Route::Local) && self.shards.serves(shard) {
+        let request = if matches!(self.route(shard), Route::Local) && self.shards.delivers(shard) {
             let (delivery, call) = LocalCall::new(request);
             match self.local.deliver_registered(delivery) {
                 Ok(Ok(())) => return call.exit(uninterruptible).await,

@@ -79,8 +79,29 @@ impl Shards {
         }
     }
 
+    /// Whether a request of `shard` may be handed to an entity here now.
+    ///
+    /// - This runner serves the shard ([`Shards::serves`]).
+    /// - Its lock was confirmed within the lease (`placement::lock_lease`).
+    ///   A runner frozen past the lease (a stopped process, a paused machine) may have lost the
+    ///   lock without knowing yet: it hands nothing to an entity until a refresh answers, as its
+    ///   read loop reads nothing.
+    ///
+    /// Every way to an entity checks this: the managers' admission, direct delivery, pushed
+    /// requests, volatile ones.
+    /// Ownership decisions (whether a shard moved) read [`Shards::serves`].
+    pub(crate) fn delivers(&self, shard: &ShardId) -> bool {
+        if self.shutdown.is_cancelled() || !self.runner {
+            return false;
+        }
+        match &self.member {
+            Some(member) => member.delivers(shard),
+            None => self.locks.get().is_none_or(|locks| locks.delivers(shard)),
+        }
+    }
+
     /// Waits while `shard` is assigned to this runner but its lock is not taken yet, then
-    /// tells whether this runner serves it.
+    /// tells whether a request of it may be handed to an entity here ([`Shards::delivers`]).
     ///
     /// The previous owner is still draining the shard (`effect/src/cluster/Sharding.ts`).
     /// The wait lasts at most `shard_lock_expiration`.
@@ -88,7 +109,7 @@ impl Shards {
         if let Some(member) = &self.member {
             member.await_lock(shard, || self.shutdown.is_cancelled()).await;
         }
-        self.serves(shard)
+        self.delivers(shard)
     }
 
     /// Whether this runner may store the final reply of a request of `shard`
@@ -129,9 +150,9 @@ impl Shards {
     }
 }
 
-/// What a manager checks before it admits a request.
+/// What a manager checks before it admits a request: the last gate of every way to an entity.
 impl Serving for Shards {
     fn serves(&self, shard: &ShardId) -> bool {
-        Shards::serves(self, shard)
+        Shards::delivers(self, shard)
     }
 }

@@ -15,7 +15,7 @@
 //! runtime's job.
 
 use std::collections::BTreeSet;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
 
@@ -49,6 +49,11 @@ pub(crate) struct HeldLocks {
     /// Every shard is held and its lease is confirmed.
     /// Each delivery reads this first.
     serving_all: AtomicBool,
+    /// When the lease of the last refresh that answered ends, in nanoseconds since `origin`
+    /// (0 when no lease holds): what [`HeldLocks::delivers`] reads without a lock.
+    lease_ends: AtomicU64,
+    /// The instant `lease_ends` counts from.
+    origin: tokio::time::Instant,
     released: AtomicBool,
 }
 
@@ -79,13 +84,17 @@ impl HeldLocks {
         config: &cluster_core::ShardingConfig,
         acquired_at: tokio::time::Instant,
     ) -> HeldLocks {
+        let lease = crate::placement::lock_lease(config);
         HeldLocks {
             runners,
             address,
             shards,
-            lease: crate::placement::lock_lease(config),
+            lease,
             state: Mutex::new(LockState { confirmed_at: Some(acquired_at), lost: BTreeSet::new() }),
             serving_all: AtomicBool::new(true),
+            // The acquisition confirmed every lock at `origin`.
+            lease_ends: AtomicU64::new(u64::try_from(lease.as_nanos()).unwrap_or(u64::MAX)),
+            origin: acquired_at,
             released: AtomicBool::new(false),
         }
     }
@@ -101,6 +110,20 @@ impl HeldLocks {
     /// Every delivery reads this, so the common case is one atomic load.
     pub(crate) fn serves(&self, shard: &ShardId) -> bool {
         self.serving_all.load(Ordering::Acquire) || self.confirms(shard)
+    }
+
+    /// Whether a request of `shard` may be handed to an entity now: the runner serves it, and
+    /// its lease has not lapsed since the last refresh.
+    ///
+    /// A runner frozen past the lease may have lost the locks without knowing yet, and its
+    /// refreshes have not said so: [`serves`](HeldLocks::serves) still holds until one answers.
+    /// The common case is two atomic loads and a clock read.
+    pub(crate) fn delivers(&self, shard: &ShardId) -> bool {
+        if !self.serving_all.load(Ordering::Acquire) {
+            return self.confirms(shard);
+        }
+        let now = u64::try_from(self.origin.elapsed().as_nanos()).unwrap_or(u64::MAX);
+        now < self.lease_ends.load(Ordering::Acquire)
     }
 
     /// Whether `shard`'s lease is confirmed now, so that a final reply may be stored.
@@ -246,6 +269,11 @@ impl HeldLocks {
     /// Publishes what the refreshes found to the deliveries and the `effect_cluster_shards` gauge.
     fn publish(&self, state: &LockState) {
         let confirmed = state.is_confirmed(self.lease);
+        let ends = state.confirmed_at.filter(|_| confirmed).map_or(0, |at| {
+            let ends = at.saturating_duration_since(self.origin).saturating_add(self.lease);
+            u64::try_from(ends.as_nanos()).unwrap_or(u64::MAX)
+        });
+        self.lease_ends.store(ends, Ordering::Release);
         self.serving_all.store(confirmed && state.lost.is_empty(), Ordering::Release);
         let served = if confirmed { self.shards.len() - state.lost.len() } else { 0 };
         crate::metrics::set(crate::metrics::SHARDS, served);

@@ -102,7 +102,7 @@ impl LocalDelivery {
         // The common case (a held shard, a registered type) reads no clock and waits for
         // nothing; the waits are boxed so that they do not grow every call's future.
         let shard = &delivery.request.address.shard_id;
-        if !self.shards.serves(shard) && !Box::pin(self.shards.await_shard(shard)).await {
+        if !self.shards.delivers(shard) && !Box::pin(self.shards.await_shard(shard)).await {
             let address = delivery.request.address.clone();
             return Err(ClusterError::EntityNotAssignedToRunner { address });
         }

@@ -33,6 +33,8 @@
 //!   (`Shards::confirm`).
 //!   Otherwise the reply is not stored, the claim is released, and the shard's next owner runs
 //!   the request.
+//!   That may be this runner, when only the confirmation failed: if a second confirmation
+//!   finds the lock held, its read loop is woken.
 //! - **Drained releases.** A shard's release waits until the requests taken up in it are
 //!   settled ([`WriteGuard`]), for a bounded time.
 //!   So a request that finishes while its shard drains is answered here.
@@ -84,6 +86,10 @@ const SAVE_REPLY_ATTEMPTS: u32 = 4;
 const SAVE_REPLY_SPACING: Duration = Duration::from_millis(200);
 /// How often the read-loop lag gauge is set.
 const READ_LAG_REPORT_INTERVAL: Duration = Duration::from_secs(1);
+/// How many pushed requests this runner takes up at once (`pushed`): each is a task that reads
+/// the request back from storage and hands it to its entity.
+/// Past it, the read loop delivers them, woken at once: one read takes up a batch.
+const TAKE_UPS_MAX: usize = 256;
 
 /// Persisted delivery: what a runtime with a message storage saves, reads, delivers and
 /// answers. It works with the parts of the runtime it is given ([`PersistedParts`]).
@@ -126,6 +132,8 @@ pub(crate) struct PersistedDelivery {
     write_ended: Notify,
     /// Direct delivery's state (`direct`).
     direct: Mutex<direct::Direct>,
+    /// The take-ups of pushed requests under way ([`TAKE_UPS_MAX`], `pushed`).
+    take_ups: Arc<tokio::sync::Semaphore>,
     /// When the storage read loop last finished a read (the clock's epoch milliseconds, 0
     /// before the first): the read-loop lag metric's source.
     last_read: std::sync::atomic::AtomicI64,
@@ -275,6 +283,7 @@ impl PersistedDelivery {
             writes: Mutex::new(BTreeMap::new()),
             write_ended: Notify::new(),
             direct: Mutex::new(direct::Direct::default()),
+            take_ups: Arc::new(tokio::sync::Semaphore::new(TAKE_UPS_MAX)),
             last_read: std::sync::atomic::AtomicI64::new(0),
         }
     }
@@ -316,6 +325,12 @@ impl PersistedDelivery {
 
     fn serves(&self, shard: &ShardId) -> bool {
         self.serving.serves(shard)
+    }
+
+    /// Whether a request of `shard` may be handed to an entity here now: served, within the
+    /// lease of its last lock confirmation ([`Shards::delivers`]).
+    fn delivers(&self, shard: &ShardId) -> bool {
+        self.serving.delivers(shard)
     }
 
     async fn confirm_shard_lock(&self, shard: &ShardId) -> bool {
@@ -547,7 +562,8 @@ impl PersistedDelivery {
     /// Saves a persisted request and waits for its final reply's exit.
     ///
     /// Dropping the returned future stores an interrupt for the request, unless
-    /// `uninterruptible`.
+    /// `uninterruptible` or the request was stored before (a duplicate of its primary key: its
+    /// first caller may still wait for it).
     /// The request itself stays stored.
     pub(crate) async fn send_persisted(
         self: &Arc<Self>,
@@ -605,8 +621,12 @@ impl PersistedDelivery {
                 request_id: waited_id,
             });
         }
+        // Only the caller that stored the request interrupts it when it goes away.
+        // A duplicate's caller waits for a request that another caller made, and may still be
+        // waiting for (the reference's client interrupts the request id it made, which a
+        // duplicate never stored: `effect/src/cluster/Sharding.ts`, the client's `Interrupt`).
         let mut interrupt = InterruptOnDrop {
-            persisted: (!uninterruptible).then(|| Arc::clone(self)),
+            persisted: (!uninterruptible && fresh).then(|| Arc::clone(self)),
             address: request.address.clone(),
             request_id: waited_id,
         };
@@ -644,6 +664,7 @@ impl PersistedDelivery {
                 original_id
             }
         };
+        let fresh = request_id == request.request_id;
         // The stored request is what the owner runs, under its own id.
         let waited = Request { request_id, ..request.clone() };
         let pump = match self.remote.push_stream(&waited) {
@@ -654,8 +675,9 @@ impl PersistedDelivery {
             }
         };
         self.reply_waiters.notify_one();
+        // As for a unary request: a duplicate's reader does not interrupt another's stream.
         let interrupt = InterruptOnDrop {
-            persisted: Some(Arc::clone(self)),
+            persisted: fresh.then(|| Arc::clone(self)),
             address: request.address.clone(),
             request_id,
         };
@@ -705,6 +727,7 @@ impl PersistedDelivery {
     ) -> Result<Exit, ClusterError> {
         let (address, request_id) = (&request.address, request.request_id);
         self.reply_waiters.notify_one();
+        let waiting = crate::metrics::Occupied::of(crate::metrics::PERSISTED_PUSHED_WAITING);
         tokio::select! {
             pushed = push => match pushed {
                 Ok(Reply::WithExit(with_exit)) => {
@@ -715,6 +738,8 @@ impl PersistedDelivery {
                 Ok(Reply::Chunk(_)) => {
                     tracing::debug!(%request_id, "a pushed request was answered with a chunk; waiting on storage");
                 }
+                // Also when the transport's lane of pushes to the owner is full: the request
+                // is stored, and the owner is told to read it.
                 Err(error) => {
                     tracing::debug!(%error, %request_id, "pushing the request failed; waiting on storage");
                     self.wake_reader(&address.shard_id, || Envelope::Request(request.clone()));
@@ -726,6 +751,7 @@ impl PersistedDelivery {
                 return Self::answered(address, request_id, answer);
             }
         }
+        drop(waiting);
         metrics::counter!(crate::metrics::PERSISTED_PUSHED, "answer" => "fallback").increment(1);
         self.await_reply(address, request_id, replied).await
     }
@@ -1043,8 +1069,9 @@ impl PersistedDelivery {
         // So a release that stops serving the shard after the check waits for this request's
         // outcome before it lets the lock go.
         let write = self.begin_write(&shard);
-        if !self.serves(&shard) {
-            // The shard was let go since the read: its next owner runs the request.
+        if !self.delivers(&shard) {
+            // The shard was let go since the read (its next owner runs the request), or its
+            // lease lapsed (the next read after a refresh delivers it).
             return Dispatched::Release(request_id);
         }
         let transaction = manager
@@ -1115,7 +1142,7 @@ impl PersistedDelivery {
                     Some(exit) if exit.is_success() => {
                         if !self.confirm_shard_lock(&shard).await {
                             let _ = transaction.rollback().await;
-                            return self.fenced(request_id).await;
+                            return self.fenced(request_id, &shard).await;
                         }
                         let reply = self.final_reply(request_id, exit);
                         self.commit_final_reply(transaction, reply, &shard).await;
@@ -1146,7 +1173,7 @@ impl PersistedDelivery {
                     }
                 }
                 Some(_) if !self.confirm_shard_lock(&shard).await => {
-                    self.fenced(request_id).await;
+                    self.fenced(request_id, &shard).await;
                 }
                 Some(exit) => {
                     let reply = self.final_reply(request_id, exit);
@@ -1159,14 +1186,25 @@ impl PersistedDelivery {
         })
     }
 
-    /// The shard lock was not confirmed (effect 4.1.0 fencing).
+    /// The lock of `shard` was not confirmed (effect 4.1.0 fencing).
     ///
     /// - The final reply is not stored.
     /// - The claim is released for the shard's next owner.
+    /// - The next owner may be this runner: only the confirmation may have failed (a storage
+    ///   call that failed or timed out), the lock still held.
+    ///   So the lock is confirmed once more, and if it is held the read loop is woken: its next
+    ///   read runs the request again, rather than its next poll.
+    ///   Otherwise nothing is woken: a runner whose lock storage fails would run the request
+    ///   again and again, each run fenced.
+    ///   A shard that moved is read by its new owner when it takes it.
     /// - Local callers keep waiting; they read the reply from storage once that owner stores it.
-    async fn fenced(self: &Arc<Self>, request_id: Snowflake) {
+    async fn fenced(self: &Arc<Self>, request_id: Snowflake, shard: &ShardId) {
         if let Err(error) = self.storage.reset_requests(&[request_id]).await {
             tracing::debug!(%error, %request_id, "could not release a fenced request's claim");
+        }
+        if self.confirm_shard_lock(shard).await {
+            tracing::debug!(%request_id, "fenced request released; its lock is held: reading storage again");
+            self.poll_storage();
         }
     }
 
@@ -1330,7 +1368,7 @@ impl PersistedDelivery {
                 && attempt > 1
                 && !self.confirm_shard_lock(shard).await
             {
-                return self.fenced(reply.request_id()).await;
+                return self.fenced(reply.request_id(), shard).await;
             }
             match self.storage.save_reply(&reply).await {
                 Ok(()) => {

@@ -7,6 +7,7 @@ use std::time::Duration;
 
 use cluster_core::config::RunnerHealthCheck;
 use cluster_core::envelope::{Reply, primary_key};
+use cluster_core::error::{StorageError, StorageErrorKind};
 use cluster_core::storage::{MessageStorage, RunnerStorage};
 use cluster_core::{Clock, RunnerAddress, ShardGroup, ShardId, ShardingConfig, SystemClock};
 use cluster_sharding::{CallError, CronOptions, EntityClient, EntityOptions, Sharding};
@@ -426,6 +427,7 @@ on_every_backend!(
     a_known_runner_that_stops_answering_pings_loses_its_shards,
     the_heartbeat_check_marks_a_runner_with_a_live_heartbeat_healthy_again,
     a_read_under_way_holds_back_the_release_of_its_shards,
+    a_fenced_request_runs_again_without_waiting_for_a_poll,
 );
 
 mod transaction_begin {
@@ -727,6 +729,145 @@ async fn faulty_runner(net: &Net, port: u16) -> (Sharding, Arc<LockFaults>) {
         })
         .await;
     (runner, faults.expect("the runner was built"))
+}
+
+/// A lock storage whose next confirmations fail while everything else works, its refreshes
+/// included: fencing meets a passing storage failure, and the runner keeps its shards.
+#[derive(Debug)]
+struct FailingConfirms {
+    inner: Arc<dyn RunnerStorage>,
+    /// How many more confirmations fail.
+    failing: std::sync::atomic::AtomicU32,
+}
+
+impl FailingConfirms {
+    /// `inner`, whose confirmations fail once armed ([`FailingConfirms::fail_next`]).
+    fn wrap(inner: Arc<dyn RunnerStorage>) -> Arc<FailingConfirms> {
+        Arc::new(FailingConfirms { inner, failing: std::sync::atomic::AtomicU32::new(0) })
+    }
+
+    /// The next `times` confirmations fail.
+    fn fail_next(&self, times: u32) {
+        self.failing.store(times, Ordering::SeqCst);
+    }
+
+    /// Whether confirmations are still to fail.
+    fn armed(&self) -> bool {
+        self.failing.load(Ordering::SeqCst) > 0
+    }
+}
+
+impl RunnerStorage for FailingConfirms {
+    fn register<'a>(
+        &'a self,
+        runner: &'a cluster_core::Runner,
+        healthy: bool,
+    ) -> cluster_core::future::BoxFuture<'a, Result<cluster_core::MachineId, StorageError>> {
+        self.inner.register(runner, healthy)
+    }
+
+    fn unregister<'a>(
+        &'a self,
+        address: &'a RunnerAddress,
+    ) -> cluster_core::future::BoxFuture<'a, Result<(), StorageError>> {
+        self.inner.unregister(address)
+    }
+
+    fn get_runners(
+        &self,
+    ) -> cluster_core::future::BoxFuture<'_, Result<Vec<(cluster_core::Runner, bool)>, StorageError>>
+    {
+        self.inner.get_runners()
+    }
+
+    fn set_runner_health<'a>(
+        &'a self,
+        address: &'a RunnerAddress,
+        healthy: bool,
+    ) -> cluster_core::future::BoxFuture<'a, Result<(), StorageError>> {
+        self.inner.set_runner_health(address, healthy)
+    }
+
+    fn acquire<'a>(
+        &'a self,
+        address: &'a RunnerAddress,
+        shard_ids: &'a [ShardId],
+    ) -> cluster_core::future::BoxFuture<'a, Result<Vec<ShardId>, StorageError>> {
+        self.inner.acquire(address, shard_ids)
+    }
+
+    fn refresh<'a>(
+        &'a self,
+        address: &'a RunnerAddress,
+        shard_ids: &'a [ShardId],
+    ) -> cluster_core::future::BoxFuture<'a, Result<Vec<ShardId>, StorageError>> {
+        self.inner.refresh(address, shard_ids)
+    }
+
+    fn confirm<'a>(
+        &'a self,
+        address: &'a RunnerAddress,
+        shard_ids: &'a [ShardId],
+    ) -> cluster_core::future::BoxFuture<'a, Result<Vec<ShardId>, StorageError>> {
+        let failing = self
+            .failing
+            .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |left| left.checked_sub(1));
+        if failing.is_ok() {
+            let error = StorageError::new(StorageErrorKind::Unavailable, "injected: confirm");
+            return Box::pin(async move { Err(error) });
+        }
+        self.inner.confirm(address, shard_ids)
+    }
+
+    fn release<'a>(
+        &'a self,
+        address: &'a RunnerAddress,
+        shard_id: &'a ShardId,
+    ) -> cluster_core::future::BoxFuture<'a, Result<(), StorageError>> {
+        self.inner.release(address, shard_id)
+    }
+
+    fn release_all<'a>(
+        &'a self,
+        address: &'a RunnerAddress,
+    ) -> cluster_core::future::BoxFuture<'a, Result<(), StorageError>> {
+        self.inner.release_all(address)
+    }
+}
+
+/// A request whose final reply was fenced by a failed lock confirmation (the runner still holds
+/// the shard: only the confirmation failed) runs again at once, not at the read loop's next
+/// poll: the fenced request is released and the read loop is woken. Its caller is answered by
+/// the second run. Before the fence woke the read loop, the second run waited for the poll
+/// (a minute here), and the caller with it.
+async fn a_fenced_request_runs_again_without_waiting_for_a_poll(net: Net) {
+    let mut confirms = None;
+    let wrap = |locks| {
+        let failing = FailingConfirms::wrap(locks);
+        confirms = Some(Arc::clone(&failing));
+        failing as Arc<dyn RunnerStorage>
+    };
+    let runner = net
+        .runner_configured(7301, wrap, |config| {
+            config.entity_message_poll_interval = Duration::from_secs(60);
+            config.entity_reply_poll_interval = Duration::from_secs(60);
+        })
+        .await;
+    let confirms = confirms.expect("the runner was built");
+    eventually("the runner holds every shard", || split(&[&runner])).await;
+    let id = net.id("fenced-again");
+    let counter = runner.client::<Counter>(id.as_str());
+    // Answered once the read loop has read every shard: direct delivery is on.
+    counter.send(Persist).await.unwrap();
+    confirms.fail_next(1);
+    let deposit = counter.send(Deposit { key: "k".to_owned(), amount: 5 });
+    let answer = tokio::time::timeout(Duration::from_secs(20), deposit).await;
+    // The second run's: the entity's state kept the first run's deposit.
+    assert_eq!(answer.expect("answered before the next poll").unwrap(), 10);
+    assert!(!confirms.armed(), "the first run's reply was fenced");
+    assert_eq!(Probes::of(&id).deposits.load(Ordering::SeqCst), 2, "the request ran again");
+    assert_eq!(net.final_replies(&counter, "Deposit", "k").await, 1);
+    runner.shutdown().await;
 }
 
 /// Effect's `Sharding.test.ts`: lock storage stops answering. The runner drops its shards and
@@ -2191,6 +2332,48 @@ async fn a_runner_frozen_past_its_lease_reads_nothing_until_a_refresh_answers() 
     );
     faults.delay_locks(Duration::ZERO);
     client.shutdown().await;
+    runner.shutdown().await;
+}
+
+/// A runner frozen past its lease hands no request to an entity until a lock refresh answers,
+/// whichever way the request comes: one it stores itself (direct delivery, whose row stays
+/// unclaimed, so the next owner would run it too) or a volatile one. The read loop already waits
+/// (`a_runner_frozen_past_its_lease_reads_nothing_until_a_refresh_answers`); direct delivery
+/// and the managers' admission ran such requests at once (seen 0 ms after the thaw).
+#[tokio::test(start_paused = true)]
+async fn a_runner_frozen_past_its_lease_runs_no_request_until_a_refresh_answers() {
+    let net = Net::memory().await.unwrap();
+    let (runner, faults) = faulty_runner(&net, 7102).await;
+    eventually("the runner holds every shard", || split(&[&runner])).await;
+    let stored = Probes::of(&net.id("frozen-direct"));
+    let volatile = Probes::of(&net.id("frozen-volatile"));
+    let refresh_answers_after = Duration::from_millis(400);
+    faults.delay_locks(refresh_answers_after);
+    tokio::time::advance(EXPIRATION).await;
+    let thawed = tokio::time::Instant::now();
+    runner.client::<Counter>(net.id("frozen-direct")).discard(Persist).await.unwrap();
+    let call =
+        spawn_send(&runner.client::<Counter>(net.id("frozen-volatile")), Increment { by: 1 });
+    let (mut stored_ran, mut volatile_ran) = (None, None);
+    eventually("both requests run", || {
+        for (probes, ran) in [(&stored, &mut stored_ran), (&volatile, &mut volatile_ran)] {
+            if ran.is_none() && probes.created.load(Ordering::SeqCst) > 0 {
+                *ran = Some(thawed.elapsed());
+            }
+        }
+        stored_ran.is_some() && volatile_ran.is_some()
+    })
+    .await;
+    for (what, ran) in [("stored", stored_ran), ("volatile", volatile_ran)] {
+        let ran = ran.unwrap_or_default();
+        assert!(
+            ran >= refresh_answers_after,
+            "the frozen runner ran the {what} request {ran:?} after it continued, before its \
+             refresh answered"
+        );
+    }
+    assert_eq!(call.await.unwrap().unwrap(), 1);
+    faults.delay_locks(Duration::ZERO);
     runner.shutdown().await;
 }
 

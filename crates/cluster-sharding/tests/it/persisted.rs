@@ -115,6 +115,9 @@ on_every_storage!(
     discard_stores_the_request_and_returns,
     durable_interrupts_go_through_storage,
     an_interrupted_server_uninterruptible_request_runs_again,
+    a_duplicate_whose_caller_gives_up_does_not_interrupt_the_stored_request,
+    a_duplicate_stream_whose_reader_goes_away_does_not_interrupt_the_stored_stream,
+    a_later_request_goes_ahead_only_of_earlier_ones_that_reached_the_entity,
     a_kept_alive_entity_is_activated_again_after_a_restart,
     durable_requests_survive_a_restart,
     claims_of_a_killed_runner_are_released_on_start,
@@ -265,6 +268,71 @@ async fn requests_left_to_the_read_loop_keep_their_entitys_order(store: Store, i
     sharding.shutdown().await;
 }
 
+/// Direct delivery lets a request go ahead of an earlier request of its entity only once that
+/// one reached the entity (`tracked::Earlier`). An earlier request whose outcome is being stored
+/// (settling) counts as delivered: it ran, and a later request need not wait for its reply's
+/// write. A request that waits behind a full mailbox has not reached the entity and keeps its
+/// place: the later request waits behind it.
+///
+/// (Kept as the proof that counting settling requests as delivered lets no request run before
+/// an earlier one's first run: a request settles only after it ran. The one that settles and
+/// waits for room is an interrupted server-uninterruptible request about to run again; its
+/// re-run comes after the requests queued meanwhile in any case, as the reference offers it to
+/// the entity again behind them: `effect/src/cluster/internal/entityManager.ts`.)
+async fn a_later_request_goes_ahead_only_of_earlier_ones_that_reached_the_entity(
+    store: Store,
+    id: &str,
+) {
+    let options = EntityOptions {
+        mailbox_capacity: cluster_core::config::Capacity::bounded(1),
+        ..EntityOptions::default()
+    };
+    let (sharding, reads, faults) = counted_runner(&store, options).await;
+    let counter = sharding.client::<Counter>(id);
+    let probes = Probes::of(id);
+    let deposit = |key: &str| Deposit { key: key.to_owned(), amount: 1 };
+    // The first one may wake the read loop, which then catches up.
+    assert_eq!(counter.send(deposit("k0")).await.unwrap(), 1);
+    eventually("the read loop read its shards", || reads.load(Ordering::SeqCst) > 0).await;
+    // Settling: k1 ran and its reply is being written (for 2 s); k2 goes directly meanwhile.
+    faults.delay_replies(Duration::from_secs(2));
+    let settling = spawn_send(&counter, deposit("k1"));
+    eventually("k1 runs", || probes.deposits.load(Ordering::SeqCst) == 2).await;
+    let read = reads.load(Ordering::SeqCst);
+    let later = spawn_send(&counter, deposit("k2"));
+    eventually("k2 runs", || probes.deposits.load(Ordering::SeqCst) == 3).await;
+    assert!(!settling.is_finished(), "k2 ran before k1's reply was stored");
+    assert_eq!(reads.load(Ordering::SeqCst), read, "k2 went to its entity directly");
+    faults.delay_replies(Duration::ZERO);
+    assert_eq!(settling.await.unwrap().unwrap(), 2);
+    assert_eq!(later.await.unwrap().unwrap(), 3);
+    // Behind a full mailbox: the gated request fills it, k3 waits in storage, and k4 after it.
+    let gated = spawn_send(&counter, crate::entities::Gated);
+    eventually("the gated request runs", || probes.gated_runs.load(Ordering::SeqCst) == 1).await;
+    let waiting = spawn_send(&counter, deposit("k3"));
+    stored_deposit(&store, counter.address(), "k3").await;
+    let behind = spawn_send(&counter, deposit("k4"));
+    stored_deposit(&store, counter.address(), "k4").await;
+    probes.gate.add_permits(1);
+    for call in [waiting, behind] {
+        tokio::time::timeout(Duration::from_secs(20), call).await.unwrap().unwrap().unwrap();
+    }
+    gated.await.unwrap().unwrap();
+    let ran = probes.deposit_keys.lock().unwrap().clone();
+    assert_eq!(ran, ["k0", "k1", "k2", "k3", "k4"], "the entity's requests ran in storage order");
+    sharding.shutdown().await;
+}
+
+/// Waits until the `Deposit` with primary key `key` of `address` is stored.
+async fn stored_deposit(store: &Store, address: &cluster_core::EntityAddress, key: &str) {
+    let key = cluster_core::envelope::primary_key(address, "Deposit", key);
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(20);
+    while store.storage.request_id_for_primary_key(&key).await.unwrap().is_none() {
+        assert!(tokio::time::Instant::now() < deadline, "{key} is not stored");
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+}
+
 /// A runner on `store` whose storage fails on demand. Its reply poller is too slow to help:
 /// callers get their replies from the runner's own settlement or not in time.
 async fn faulty_runner(store: &Store) -> (Sharding, Arc<Faults>) {
@@ -399,6 +467,62 @@ async fn durable_interrupts_go_through_storage(store: Store, id: &str) {
         assert!(tokio::time::Instant::now() < deadline, "the request was not answered");
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
+    sharding.shutdown().await;
+}
+
+/// A caller that sends a request again with the key of a stored, unanswered one (a retry, or
+/// another caller of the same work) waits for that request, and when it gives up it does not
+/// interrupt it: the request is the first caller's, who still waits. The reference's client
+/// interrupts the request id it made, which a duplicate never stored
+/// (`effect/src/cluster/Sharding.ts`, the client's `Interrupt`). Before, the second caller's
+/// interrupt was stored for the first caller's request, which ended interrupted.
+async fn a_duplicate_whose_caller_gives_up_does_not_interrupt_the_stored_request(
+    store: Store,
+    id: &str,
+) {
+    let sharding = runner(&store).await;
+    let counter = sharding.client::<Counter>(id);
+    let probes = Probes::of(id);
+    let first = spawn_send(&counter, crate::entities::Gated);
+    eventually("the request runs", || probes.gated_runs.load(Ordering::SeqCst) == 1).await;
+    let again =
+        tokio::time::timeout(Duration::from_millis(200), counter.send(crate::entities::Gated));
+    assert!(again.await.is_err(), "the stored request is still running");
+    // An interrupt stored now wakes the read loop, which hands it to the handler at once.
+    let watched_until = tokio::time::Instant::now() + Duration::from_secs(1);
+    while tokio::time::Instant::now() < watched_until {
+        if first.is_finished() {
+            panic!("the first caller's request ended early: {:?}", first.await);
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    probes.gate.add_permits(1);
+    let answer = tokio::time::timeout(Duration::from_secs(20), first).await;
+    assert_eq!(answer.expect("answered in time").unwrap().unwrap(), 1);
+    assert_eq!(probes.gated_runs.load(Ordering::SeqCst), 1, "it ran once");
+    sharding.shutdown().await;
+}
+
+/// The same for a persisted stream: a second reader of a stored stream (opened with its key)
+/// that goes away does not interrupt the stream, whose first reader still reads it.
+async fn a_duplicate_stream_whose_reader_goes_away_does_not_interrupt_the_stored_stream(
+    store: Store,
+    id: &str,
+) {
+    let sharding = runner(&store).await;
+    let counter = sharding.client::<Counter>(id);
+    let probes = Probes::of(id);
+    // The handler stops before its second item, until it is interrupted.
+    probes.hang_at.store(1, Ordering::SeqCst);
+    let resume = || crate::entities::Resume { key: "s".to_owned(), n: 3 };
+    let mut first = counter.stream(resume()).await.unwrap();
+    assert_eq!(first.next().await.unwrap().unwrap(), 0);
+    drop(counter.stream(resume()).await.unwrap());
+    // An interrupt stored now wakes the read loop, which hands it to the handler at once, and
+    // the stream ends with the interrupt.
+    let next = tokio::time::timeout(Duration::from_secs(1), first.next()).await;
+    assert!(next.is_err(), "the first reader's stream ended early: {next:?}");
+    drop(first);
     sharding.shutdown().await;
 }
 
@@ -564,6 +688,59 @@ mod single_runner {
             .start()
             .await;
         assert!(matches!(refused, Err(StartError::NoRunnerAddress)), "{refused:?}");
+    }
+
+    /// A single runner frozen past its lease hands none of its own persisted requests to an
+    /// entity until a lock refresh answers: its leases may have expired and another runner may
+    /// hold the shards, which would run the unclaimed row too. It ran them at once before
+    /// direct delivery checked the lease (seen 10 ms after the thaw): its flag of every shard
+    /// served is set by the refreshes, and none had answered yet. Paused time makes the freeze
+    /// exact.
+    #[tokio::test(start_paused = true)]
+    async fn a_single_runner_frozen_past_its_lease_runs_nothing_until_a_refresh_answers() {
+        use cluster_testkit::faulty::FaultyRunnerStorage;
+
+        let clock = Arc::new(SystemClock);
+        let expiration = Duration::from_secs(3);
+        let config = ShardingConfig {
+            shard_lock_refresh_interval: Duration::from_millis(500),
+            shard_lock_expiration: expiration,
+            ..at(1)
+        };
+        let runners =
+            MemoryRunnerStorage::new(MemoryRunnerDatabase::new(clock.clone()), expiration);
+        let (runners, faults) = FaultyRunnerStorage::new(Arc::new(runners));
+        let sharding = Sharding::builder(config)
+            .messages(Arc::new(MemoryMessageStorage::new(clock)))
+            .runners(Arc::new(runners))
+            .single_runner()
+            .start()
+            .await
+            .unwrap();
+        sharding.register::<Counter>(EntityOptions::default()).unwrap();
+        let id = "single-runner-frozen";
+        let probes = crate::entities::Probes::of(id);
+        // Answered once the read loop has read every shard: direct delivery is on.
+        let warm = sharding.client::<Counter>("single-runner-frozen-warm");
+        warm.send(crate::entities::Persist).await.unwrap();
+        // Within the refresh's timeout (the refresh interval).
+        let refresh_answers_after = Duration::from_millis(400);
+        faults.delay_locks(refresh_answers_after);
+        tokio::time::advance(expiration).await;
+        let thawed = tokio::time::Instant::now();
+        sharding.client::<Counter>(id).discard(crate::entities::Persist).await.unwrap();
+        super::eventually("the request runs", || {
+            probes.created.load(std::sync::atomic::Ordering::SeqCst) == 1
+        })
+        .await;
+        let ran_after = thawed.elapsed();
+        assert!(
+            ran_after >= refresh_answers_after,
+            "the frozen runner ran its request {ran_after:?} after it continued, before its \
+             refresh answered"
+        );
+        faults.delay_locks(Duration::ZERO);
+        sharding.shutdown().await;
     }
 
     /// Two single runners on one SQLite file never both answer a request. The first one's

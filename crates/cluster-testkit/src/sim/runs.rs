@@ -91,6 +91,11 @@ impl Runs {
         }
     }
 
+    /// Whether the handler of the request with key `key` ran.
+    pub(super) fn has_run(&self, key: &str) -> bool {
+        self.state().runs.contains_key(key)
+    }
+
     /// `runner` crashed, froze or lost track of its locks (`what`): its runs may be repeated.
     pub(super) fn ungraceful(&self, runner: &str, what: &'static str) {
         self.state().ungraceful.entry(runner.to_owned()).or_insert(what);

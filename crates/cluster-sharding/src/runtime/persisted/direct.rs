@@ -15,6 +15,10 @@
 //! Order per entity is storage order.
 //! A request goes directly only when all of these hold:
 //!
+//! - **Within the lease.** The shard's lock was confirmed within the lease, as the read loop
+//!   requires before it reads the shard (`Shards::delivers`).
+//!   A runner frozen past it may have lost the lock without knowing yet, and the row it would
+//!   run stays unclaimed: the next owner would run it too.
 //! - **Caught up.** The read loop has caught up with the shard's stored backlog.
 //!   Its last exhaustive read covered the shard, so nothing older from before this runner took
 //!   the shard is unread.
@@ -132,7 +136,7 @@ impl PersistedDelivery {
     /// It may when all of these hold:
     ///
     /// - it is not delayed;
-    /// - its shard is served and caught up;
+    /// - its shard is served, within the lease of its last lock confirmation, and caught up;
     /// - nothing earlier to its entity waits in storage;
     /// - it is a unary request, of an entity type registered here.
     ///
@@ -152,7 +156,8 @@ impl PersistedDelivery {
         if options.deliver_at.is_some() || !self.serves(&address.shard_id) {
             return None;
         }
-        let direct = self.may_deliver_directly(address)
+        let direct = self.delivers(&address.shard_id)
+            && self.may_deliver_directly(address)
             && self
                 .managers()
                 .get(&address.entity_type)

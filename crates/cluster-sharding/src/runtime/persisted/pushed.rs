@@ -34,10 +34,20 @@
 //! - the request is read from storage after it is reserved here, and runs only if it is still
 //!   unanswered; what runs is the stored request, not the pushed copy.
 //!
+//! # Bounds
+//!
+//! - A push stays an open call until the final reply is stored, however long the handler runs.
+//!   The transport keeps pushes in a lane of their own, so that they never take the slots of
+//!   volatile calls, notices and pings (see `cluster_core::transport::Transport::send`).
+//! - The owner takes up pushed requests (pushed, or told of in a notice) in at most
+//!   `TAKE_UPS_MAX` tasks at once; past that, the read loop, woken at once, delivers them.
+//!
 //! # When the push fails
 //!
 //! The request stays stored, so nothing is lost:
 //!
+//! - the caller's lane of pushes to the owner is full: the call fails at once, the owner is
+//!   told to read storage, and the caller waits on storage;
 //! - the owner does not serve the shard (it moved), or stops: the call fails, and the caller
 //!   waits on storage;
 //! - the call breaks (a lost connection, the owner dies after storing the reply): the caller
@@ -87,10 +97,7 @@ impl PushedRequests for PersistedDelivery {
 
     fn take_up(self: Arc<Self>, envelope: Envelope) {
         match envelope {
-            Envelope::Request(request) => {
-                let persisted = Arc::clone(&self);
-                self.spawn_owned(persisted.deliver_pushed(request));
-            }
+            Envelope::Request(request) => self.take_up_request(request),
             envelope => {
                 self.forward(&envelope);
                 // Its row is read too, and marked processed, by the read loop.
@@ -174,14 +181,40 @@ impl PersistedDelivery {
         // A reply stored before is read by the reply poller, which polls for every waiter.
         let registration = self.register(request_id, &address.shard_id, reply);
         self.reply_waiters.notify_one();
+        let _serving = crate::metrics::Occupied::of(crate::metrics::PERSISTED_PUSHED_SERVING);
         // A task of its own: the delivery completes even if the caller goes away meanwhile.
-        self.spawn_owned(Arc::clone(&self).deliver_pushed(request));
+        self.take_up_request(request);
         let answer = replied.await;
         drop(registration);
         match answer {
             Ok(Ok(reply)) => Ok(reply),
             // Shutdown, or the shard let go during shutdown: the caller reads storage.
             Ok(Err(_)) | Err(_) => Err(ClusterError::EntityNotAssignedToRunner { address }),
+        }
+    }
+
+    /// Takes up a pushed request in a task of its own ([`deliver_pushed`]), unless
+    /// [`TAKE_UPS_MAX`] are under way: then the read loop, woken at once, delivers it with the
+    /// others it reads.
+    ///
+    /// So a flood of notices or pushes costs a bounded number of tasks and storage reads.
+    ///
+    /// [`deliver_pushed`]: PersistedDelivery::deliver_pushed
+    /// [`TAKE_UPS_MAX`]: super::TAKE_UPS_MAX
+    fn take_up_request(self: &Arc<Self>, request: Request) {
+        match Arc::clone(&self.take_ups).try_acquire_owned() {
+            Ok(permit) => {
+                let persisted = Arc::clone(self);
+                self.spawn_owned(async move {
+                    persisted.deliver_pushed(request).await;
+                    drop(permit);
+                });
+            }
+            Err(_) => {
+                let request_id = request.request_id;
+                tracing::debug!(%request_id, "as many pushed requests taken up as allowed; left to the read loop");
+                self.poll_storage();
+            }
         }
     }
 
@@ -210,7 +243,9 @@ impl PersistedDelivery {
             .managers()
             .get(&address.entity_type)
             .is_some_and(|manager| !manager.is_stream(&request.tag));
-        let reservation = (unary && self.serves(&address.shard_id))
+        // Within the lease only: a runner frozen past it may have lost the shard, and the
+        // pushed request's row is unclaimed, so the next owner would run it too.
+        let reservation = (unary && self.delivers(&address.shard_id))
             .then(|| self.may_deliver_directly(address))
             .filter(|direct| *direct)
             .and_then(|_| self.reserve(request.request_id));

@@ -297,6 +297,11 @@ impl PersistedDelivery {
     /// Where the earlier request `request_id` is.
     ///
     /// A later request to the entity may follow it directly once it reached the entity here.
+    /// A settling (or settled) request reached it: a request settles only after its exit.
+    /// The later request need not wait for its reply's write, or for a re-run of it (an
+    /// interrupted server-uninterruptible request), which comes after the requests queued
+    /// meanwhile in any case (`effect/src/cluster/internal/entityManager.ts` offers it to the
+    /// entity again behind them).
     pub(super) fn earlier(&self, request_id: Snowflake) -> Earlier {
         match lock(&self.tracked).requests.get(&request_id) {
             Some(Track::Running(in_flight)) if in_flight.delivered => Earlier::Delivered,

@@ -7,12 +7,19 @@ use std::sync::atomic::Ordering;
 use std::time::Duration;
 
 use cluster_core::clock::{Clock, SystemClock};
+use cluster_core::storage::{MessageStorage, RunnerStorage};
+use cluster_core::transport::Transport;
 use cluster_core::{RunnerAddress, ShardingConfig};
+use cluster_rpc::{RpcConfig, RpcServer, ServerHandle, TcpTransport};
 use cluster_sharding::{CallError, EntityClient, EntityOptions, Sharding};
+use cluster_testkit::faulty::{FaultyMessageStorage, FaultyRunnerStorage};
 use cluster_testkit::transport::{MemoryNetwork, NetworkFaults};
 
 use super::{Net, config, eventually, final_gated_replies, split};
-use crate::entities::{Counter, Deposit, Failure, Gated, Increment, Probes, Resume};
+use crate::entities::{Counter, Deposit, Failure, Gated, Increment, Probes, Resume, spawn_send};
+
+/// A process's own handles on the shared storage.
+type Storages = (Arc<dyn MessageStorage>, Arc<dyn RunnerStorage>);
 
 /// A runner at `port` reachable on `network`, with the test's settings changed by `tune`.
 async fn runner(
@@ -21,20 +28,60 @@ async fn runner(
     network: &Arc<MemoryNetwork>,
     tune: impl FnOnce(&mut ShardingConfig),
 ) -> Sharding {
-    let (messages, locks) = net.storages().await;
+    runner_with(net, port, network, |storages| storages, tune).await
+}
+
+/// [`runner`], whose storages go through `wrap` (to inject faults).
+async fn runner_with(
+    net: &Net,
+    port: u16,
+    network: &Arc<MemoryNetwork>,
+    wrap: impl FnOnce(Storages) -> Storages,
+    tune: impl FnOnce(&mut ShardingConfig),
+) -> Sharding {
     let address = RunnerAddress::new("127.0.0.1", port);
+    let sharding = member(net, address.clone(), network.transport(), wrap, tune).await;
+    network.attach(address, sharding.runner_handler());
+    sharding
+}
+
+/// A runner on the TCP transport of `cluster-rpc` with `rpc`'s limits, listening on a port of
+/// its own, and its server; the test's settings changed by `tune`.
+async fn tcp_runner(
+    net: &Net,
+    rpc: &RpcConfig,
+    tune: impl FnOnce(&mut ShardingConfig),
+) -> (Sharding, ServerHandle) {
+    let listen = std::net::SocketAddr::from(([127, 0, 0, 1], 0));
+    let server = RpcServer::bind(listen, rpc.clone()).await.unwrap();
+    let address = RunnerAddress::new("127.0.0.1", server.local_addr().port());
+    let transport = TcpTransport::new(rpc.clone()).unwrap();
+    let sharding = member(net, address, transport, |storages| storages, tune).await;
+    let server = server.serve(sharding.runner_handler());
+    (sharding, server)
+}
+
+/// A runner at `address` on `transport` (the caller makes it reachable), with `net`'s
+/// storages through `wrap` and the test's settings changed by `tune`.
+async fn member(
+    net: &Net,
+    address: RunnerAddress,
+    transport: Arc<dyn Transport>,
+    wrap: impl FnOnce(Storages) -> Storages,
+    tune: impl FnOnce(&mut ShardingConfig),
+) -> Sharding {
+    let (messages, locks) = wrap(net.storages().await);
     let mut config =
-        ShardingConfig { shard_lock_expiration: net.expiration, ..config(Some(address.clone())) };
+        ShardingConfig { shard_lock_expiration: net.expiration, ..config(Some(address)) };
     tune(&mut config);
     let sharding = Sharding::builder(config)
         .messages(messages)
         .runners(locks)
-        .transport(network.transport())
+        .transport(transport)
         .start()
         .await
         .unwrap();
     sharding.register::<Counter>(EntityOptions::default()).unwrap();
-    network.attach(address, sharding.runner_handler());
     sharding
 }
 
@@ -44,13 +91,22 @@ async fn client(
     network: &Arc<MemoryNetwork>,
     tune: impl FnOnce(&mut ShardingConfig),
 ) -> Sharding {
+    client_on(net, network.transport(), tune).await
+}
+
+/// A client-only process on `transport`, with the test's settings changed by `tune`.
+async fn client_on(
+    net: &Net,
+    transport: Arc<dyn Transport>,
+    tune: impl FnOnce(&mut ShardingConfig),
+) -> Sharding {
     let (messages, locks) = net.storages().await;
     let mut config = config(None);
     tune(&mut config);
     Sharding::builder(config)
         .messages(messages)
         .runners(locks)
-        .transport(network.transport())
+        .transport(transport)
         .start()
         .await
         .unwrap()
@@ -410,7 +466,169 @@ async fn pushed_requests_racing_the_read_loop_run_in_storage_order(net: Net) {
     a.shutdown().await;
 }
 
+/// A runner frozen past its lease runs no pushed request until a lock refresh answers: it may
+/// have lost the shard without knowing yet, and the pushed request's row is unclaimed, so the
+/// next owner would run it too. Before the owner checked the lease on this path, it ran the
+/// request at once (seen 0 ms after the thaw). Paused time makes the freeze exact, as in
+/// `a_runner_frozen_past_its_lease_reads_nothing_until_a_refresh_answers`.
+#[tokio::test(start_paused = true)]
+async fn a_runner_frozen_past_its_lease_runs_no_pushed_request_until_a_refresh_answers() {
+    let net = Net::memory().await.unwrap();
+    let network = MemoryNetwork::new();
+    let mut faults = None;
+    let wrap = |(messages, locks)| {
+        let (locks, lock_faults) = FaultyRunnerStorage::new(locks);
+        faults = Some(lock_faults);
+        (messages, Arc::new(locks) as Arc<dyn RunnerStorage>)
+    };
+    let owner = runner_with(&net, 8121, &network, wrap, slow_polls).await;
+    let faults = faults.expect("the runner was built");
+    eventually("the runner holds every shard", || split(&[&owner])).await;
+    let client = client(&net, &network, slow_polls).await;
+    let id = net.id("frozen-pushed");
+    let counter = client.client::<Counter>(id.as_str());
+    routed(&counter).await;
+    let probes = Probes::of(&id);
+    let refresh_answers_after = Duration::from_millis(400);
+    faults.delay_locks(refresh_answers_after);
+    tokio::time::advance(super::EXPIRATION).await;
+    let thawed = tokio::time::Instant::now();
+    let sends = network.sends();
+    let call = tokio::spawn({
+        let counter = counter.clone();
+        async move { counter.send(Deposit { key: "k".to_owned(), amount: 2 }).await }
+    });
+    eventually("the request runs", || probes.deposits.load(Ordering::SeqCst) == 1).await;
+    let ran_after = thawed.elapsed();
+    assert_eq!(network.sends() - sends, 1, "the request was pushed");
+    assert!(
+        ran_after >= refresh_answers_after,
+        "the frozen runner ran the pushed request {ran_after:?} after it continued, before its \
+         refresh answered"
+    );
+    assert_eq!(call.await.unwrap().unwrap(), 2);
+    faults.delay_locks(Duration::ZERO);
+    client.shutdown().await;
+    owner.shutdown().await;
+}
+
+/// A pushed request whose final reply was fenced by a failed lock confirmation (the owner still
+/// holds the shard) runs again at once and its call is answered with the second run's stored
+/// reply, without waiting for the owner's next poll (a minute here) as it did before the fence
+/// woke the read loop.
+async fn a_fenced_pushed_request_runs_again_without_waiting_for_a_poll(net: Net) {
+    let network = MemoryNetwork::new();
+    let mut confirms = None;
+    let wrap = |(messages, locks)| {
+        let failing = super::FailingConfirms::wrap(locks);
+        confirms = Some(Arc::clone(&failing));
+        (messages, failing as Arc<dyn RunnerStorage>)
+    };
+    let owner = runner_with(&net, 8131, &network, wrap, slow_polls).await;
+    let confirms = confirms.expect("the runner was built");
+    eventually("the runner holds every shard", || split(&[&owner])).await;
+    let client = client(&net, &network, slow_polls).await;
+    let id = net.id("pushed-fenced");
+    let counter = client.client::<Counter>(id.as_str());
+    routed(&counter).await;
+    confirms.fail_next(1);
+    let sends = network.sends();
+    let deposit = counter.send(Deposit { key: "k".to_owned(), amount: 3 });
+    let answer = tokio::time::timeout(Duration::from_secs(20), deposit).await;
+    // The second run's: the entity's state kept the first run's deposit.
+    assert_eq!(answer.expect("answered before any poll").unwrap(), 6);
+    assert_eq!(network.sends() - sends, 1, "one push");
+    assert!(!confirms.armed(), "the first run's reply was fenced");
+    assert_eq!(Probes::of(&id).deposits.load(Ordering::SeqCst), 2, "the request ran again");
+    assert_eq!(net.final_replies(&counter, "Deposit", "k").await, 1);
+    client.shutdown().await;
+    owner.shutdown().await;
+}
+
+/// A pushed call lasts as long as its request's handler runs. Such calls must not take the call
+/// slots of the connection that every other call to the owner needs. Over TCP, with
+/// `max_in_flight = 2` and two pushed requests held at their gates, a volatile call and a
+/// persisted call to other entities of the same owner are answered at once. Before pushes had a
+/// lane of their own, both waited for the held requests (unanswered after 5 s).
+async fn pushed_requests_held_by_their_handlers_leave_the_connection_to_other_calls(net: Net) {
+    let rpc = RpcConfig { max_in_flight: 2, ..RpcConfig::default() };
+    let (owner, server) = tcp_runner(&net, &rpc, slow_polls).await;
+    eventually("the runner holds every shard", || split(&[&owner])).await;
+    let client = client_on(&net, TcpTransport::new(rpc).unwrap(), slow_polls).await;
+    let counter = |name: &str| client.client::<Counter>(net.id(name));
+    routed(&counter("tcp-volatile")).await;
+    let held = ["tcp-held-0", "tcp-held-1"];
+    let calls: Vec<_> = held.iter().map(|name| spawn_send(&counter(name), Gated)).collect();
+    for name in held {
+        let probes = Probes::of(&net.id(name));
+        eventually("the pushed request runs", || probes.gated_runs.load(Ordering::SeqCst) == 1)
+            .await;
+    }
+    let (volatile, persisted) = (counter("tcp-volatile"), counter("tcp-persisted"));
+    let volatile = volatile.send(Increment { by: 1 });
+    let volatile = tokio::time::timeout(Duration::from_secs(5), volatile).await;
+    assert_eq!(volatile.expect("the volatile call answered while pushes are held").unwrap(), 1);
+    let persisted = persisted.send(Deposit { key: "k".to_owned(), amount: 4 });
+    let persisted = tokio::time::timeout(Duration::from_secs(5), persisted).await;
+    assert_eq!(persisted.expect("the persisted call answered while pushes are held").unwrap(), 4);
+    for name in held {
+        Probes::of(&net.id(name)).gate.add_permits(1);
+    }
+    for call in calls {
+        let answer = tokio::time::timeout(Duration::from_secs(20), call).await;
+        assert_eq!(answer.expect("answered").unwrap().unwrap(), 1);
+    }
+    client.shutdown().await;
+    owner.shutdown().await;
+    server.shutdown().await;
+}
+
+/// The owner takes up the requests it is told of (a persisted notice: a discarded request, one
+/// whose push failed) in a bounded number of tasks; past the bound, its read loop delivers
+/// them. Before, each notice spawned a task of its own: here 1,000 notices, while the owner's
+/// reads of a request's entity were slow, left about 1,000 of them waiting at once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_owner_takes_up_what_it_is_told_of_in_a_bounded_number_of_tasks() {
+    const NOTICES: usize = 1_000;
+    let net = Net::memory().await.unwrap();
+    let network = MemoryNetwork::new();
+    let mut faults = None;
+    let wrap = |(messages, locks)| {
+        let (messages, storage_faults) = FaultyMessageStorage::new(messages);
+        faults = Some(storage_faults);
+        (Arc::new(messages) as Arc<dyn MessageStorage>, locks)
+    };
+    let owner = runner_with(&net, 8141, &network, wrap, slow_polls).await;
+    let faults = faults.expect("the runner was built");
+    eventually("the runner holds every shard", || split(&[&owner])).await;
+    let client = client(&net, &network, slow_polls).await;
+    let id = net.id("take-up-bound");
+    let counter = client.client::<Counter>(id.as_str());
+    routed(&counter).await;
+    let tasks = || tokio::runtime::Handle::current().metrics().num_alive_tasks();
+    let before = tasks();
+    // A take-up reads the request and its entity's earlier ones: that read takes 3 s now.
+    faults.delay_order_checks(Duration::from_secs(3));
+    let notices = network.notifies();
+    for n in 0..NOTICES {
+        counter.discard(Deposit { key: format!("k{n}"), amount: 1 }).await.unwrap();
+    }
+    let told = || usize::try_from(network.notifies() - notices).unwrap();
+    eventually("the owner is told of every request", || told() == NOTICES).await;
+    // The last notices reach their take-up.
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    let alive = tasks().saturating_sub(before);
+    assert!(alive < NOTICES / 2, "{alive} tasks alive after {NOTICES} notices");
+    faults.delay_order_checks(Duration::ZERO);
+    let probes = Probes::of(&id);
+    eventually("every request runs", || probes.deposits.load(Ordering::SeqCst) == NOTICES).await;
+    client.shutdown().await;
+    owner.shutdown().await;
+}
+
 on_every_backend!(
+    pushed_requests_held_by_their_handlers_leave_the_connection_to_other_calls,
+    a_fenced_pushed_request_runs_again_without_waiting_for_a_poll,
     a_pushed_request_is_answered_on_the_call_without_waiting_for_a_poll,
     a_request_sent_again_with_its_key_is_answered_on_the_call,
     a_pushed_stream_is_answered_on_the_call_without_waiting_for_a_poll,
