@@ -50,6 +50,8 @@ pub struct Faults {
     clear_replies: Countdown,
     reads: Countdown,
     request_saves: Countdown,
+    /// Request saves that find their id taken by another message.
+    request_ids_taken: Countdown,
     reply_saves: Countdown,
     reply_saves_unacknowledged: Countdown,
     /// Milliseconds every `save_reply` waits before it writes.
@@ -131,6 +133,13 @@ impl Faults {
     /// The next `times` request saves fail (`Unavailable`) without storing anything.
     pub fn fail_request_saves(&self, times: u32) {
         self.request_saves.0.store(times, Ordering::Release);
+    }
+
+    /// The next `times` request saves find their id taken by another message (`Conflict`,
+    /// as a storage answers a snowflake that two processes with one machine id both made),
+    /// without writing.
+    pub fn take_request_ids(&self, times: u32) {
+        self.request_ids_taken.0.store(times, Ordering::Release);
     }
 
     /// The next `times` reply writes fail (`Unavailable`) without writing.
@@ -251,6 +260,11 @@ fn dead<'a, T: Send + 'a>() -> BoxFuture<'a, T> {
     Box::pin(std::future::pending())
 }
 
+fn id_taken(request: &Request) -> StorageError {
+    let message = format!("injected: message {} already exists", request.request_id);
+    StorageError::new(StorageErrorKind::Conflict, message)
+}
+
 fn injected(what: &str) -> StorageError {
     StorageError::new(StorageErrorKind::Unavailable, format!("injected failure: {what}"))
 }
@@ -293,6 +307,9 @@ impl MessageStorage for FaultyMessageStorage {
             if self.faults.request_saves.fails() {
                 return Err(injected("save_request"));
             }
+            if self.faults.request_ids_taken.fails() {
+                return Err(id_taken(request));
+            }
             let saved = self.inner.save_request(request, options).await;
             if let Ok(SaveResult::Success) = &saved {
                 self.faults.saved_requests.fetch_add(1, Ordering::AcqRel);
@@ -317,6 +334,9 @@ impl MessageStorage for FaultyMessageStorage {
             self.faults.latency().await;
             if self.faults.request_saves.fails() {
                 return Err(injected("save_request"));
+            }
+            if self.faults.request_ids_taken.fails() {
+                return Err(id_taken(request));
             }
             let ordered = self.inner.save_request_ordered(request, options, now, limit).await?;
             if let SaveResult::Success = &ordered.saved {

@@ -90,6 +90,9 @@ const READ_LAG_REPORT_INTERVAL: Duration = Duration::from_secs(1);
 /// the request back from storage and hands it to its entity.
 /// Past it, the read loop delivers them, woken at once: one read takes up a batch.
 const TAKE_UPS_MAX: usize = 256;
+/// How often a request is saved again with a fresh id while its id is taken by another
+/// message (see [`PersistedDelivery::id_taken`]).
+const ID_ATTEMPTS_MAX: u32 = 8;
 
 /// Persisted delivery: what a runtime with a message storage saves, reads, delivers and
 /// answers. It works with the parts of the runtime it is given ([`PersistedParts`]).
@@ -567,18 +570,24 @@ impl PersistedDelivery {
     /// The request itself stays stored.
     pub(crate) async fn send_persisted(
         self: &Arc<Self>,
-        request: Request,
+        mut request: Request,
         options: SaveRequestOptions,
         uninterruptible: bool,
     ) -> Result<Exit, ClusterError> {
-        let (reply, mut replied) = oneshot::channel();
-        // Registered before the save, so a reply saved right after it is not missed.
-        let mut registration = self.register(request.request_id, &request.address.shard_id, reply);
-        let direct = self.plan_direct(&request, &options);
-        let (saved, earlier) = self.save(&request, &options, direct.is_some()).await;
-        if !matches!(saved, Ok(SaveResult::Success)) {
-            self.unhold(&request.address, request.request_id);
-        }
+        let mut attempt = 1;
+        let (mut registration, mut replied, direct, saved, earlier) = loop {
+            let (reply, replied) = oneshot::channel();
+            // Registered before the save, so a reply saved right after it is not missed.
+            let registration = self.register(request.request_id, &request.address.shard_id, reply);
+            let direct = self.plan_direct(&request, &options);
+            let (saved, earlier) = self.save(&request, &options, direct.is_some()).await;
+            if !matches!(saved, Ok(SaveResult::Success)) {
+                self.unhold(&request.address, request.request_id);
+            }
+            if !self.id_taken(&saved, &mut request, &mut attempt) {
+                break (registration, replied, direct, saved, earlier);
+            }
+        };
         let waited_id = match saved? {
             SaveResult::Success => request.request_id,
             SaveResult::Duplicate {
@@ -650,10 +659,17 @@ impl PersistedDelivery {
         options: SaveRequestOptions,
     ) -> Result<PersistedStream, ClusterError> {
         let (sender, replies) = mpsc::channel(STREAM_BUFFER);
-        let shard_id = &request.address.shard_id;
-        let mut registration =
-            self.register_waiter(request.request_id, shard_id, Waiter::stream(sender.clone()));
-        let request_id = match self.storage.save_request(&request, &options).await? {
+        let shard_id = &request.address.shard_id.clone();
+        let (mut request, mut attempt) = (request, 1);
+        let (mut registration, saved) = loop {
+            let registration =
+                self.register_waiter(request.request_id, shard_id, Waiter::stream(sender.clone()));
+            let saved = self.storage.save_request(&request, &options).await.map_err(Into::into);
+            if !self.id_taken(&saved, &mut request, &mut attempt) {
+                break (registration, saved);
+            }
+        };
+        let request_id = match saved? {
             SaveResult::Success => request.request_id,
             SaveResult::Duplicate { original_id, last_received_reply } => {
                 registration =
@@ -695,14 +711,20 @@ impl PersistedDelivery {
     /// Saves a persisted request without waiting for its reply (a discarded call).
     pub(crate) async fn notify_persisted(
         self: &Arc<Self>,
-        request: Request,
+        mut request: Request,
         options: SaveRequestOptions,
     ) -> Result<(), ClusterError> {
-        let direct = self.plan_direct(&request, &options);
-        let (saved, earlier) = self.save(&request, &options, direct.is_some()).await;
-        if !matches!(saved, Ok(SaveResult::Success)) {
-            self.unhold(&request.address, request.request_id);
-        }
+        let mut attempt = 1;
+        let (direct, saved, earlier) = loop {
+            let direct = self.plan_direct(&request, &options);
+            let (saved, earlier) = self.save(&request, &options, direct.is_some()).await;
+            if !matches!(saved, Ok(SaveResult::Success)) {
+                self.unhold(&request.address, request.request_id);
+            }
+            if !self.id_taken(&saved, &mut request, &mut attempt) {
+                break (direct, saved, earlier);
+            }
+        };
         // The save's error first: a request that was not stored must not look sent.
         let saved = saved?;
         if let Some(reservation) = direct.filter(|_| matches!(saved, SaveResult::Success)) {
@@ -711,6 +733,34 @@ impl PersistedDelivery {
             self.wake_reader(&request.address.shard_id, || Envelope::Request(request.clone()));
         }
         Ok(())
+    }
+
+    /// Whether `request`'s save found its id taken by another message (`Conflict`: a primary
+    /// key's duplicate is not an error but `SaveResult::Duplicate`), with attempts left; if so,
+    /// `request` gets a fresh id to be saved again.
+    ///
+    /// Two processes make the same snowflake when they share a machine id and its millisecond
+    /// and sequence: a client-only process draws its machine id at random, and a runner may
+    /// get the same one from the registry (the reference's generator has the same gap).
+    fn id_taken(
+        &self,
+        saved: &Result<SaveResult, ClusterError>,
+        request: &mut Request,
+        attempt: &mut u32,
+    ) -> bool {
+        let taken = matches!(
+            saved,
+            Err(ClusterError::Persistence(error))
+                if error.kind() == cluster_core::error::StorageErrorKind::Conflict
+        );
+        if !taken || *attempt >= ID_ATTEMPTS_MAX {
+            return false;
+        }
+        *attempt += 1;
+        let fresh = self.next_id();
+        tracing::warn!(taken = %request.request_id, %fresh, "a persisted request's id is taken by another message (a process shares this machine id): saving it with a fresh id");
+        request.request_id = fresh;
+        true
     }
 
     /// Waits for the final reply of `request`, pushed to its owner as `push`.

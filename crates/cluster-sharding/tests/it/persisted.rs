@@ -139,6 +139,7 @@ on_every_storage!(
     a_persisted_streams_final_reply_is_never_dropped,
     a_type_registered_late_is_not_refused_for_an_earlier_types_timeout,
     a_request_the_read_loop_answers_while_direct_delivery_checks_order_runs_once,
+    a_request_whose_id_is_taken_is_saved_with_a_fresh_id,
 );
 
 /// Waits until the request `tag` with primary key `key` of `address` has a final reply (with
@@ -1103,4 +1104,29 @@ async fn a_reply_stored_during_the_pollers_sleep_is_read_at_its_next_poll() {
     assert_eq!(first.await.unwrap().unwrap(), 1);
     client.shutdown().await;
     runner.shutdown().await;
+}
+
+/// A save that finds the request's id taken by another message (two processes sharing a
+/// machine id made the same snowflake) is tried again with a fresh id: a call, a discard and
+/// a stream each go through, and each handler runs once. Before the fix each failed with the
+/// storage's `Conflict`.
+async fn a_request_whose_id_is_taken_is_saved_with_a_fresh_id(store: Store, id: &str) {
+    let (sharding, _reads, faults) = counted_runner(&store, EntityOptions::default()).await;
+    let counter = sharding.client::<Counter>(id);
+    faults.take_request_ids(2);
+    assert_eq!(counter.send(Deposit { key: "taken".to_owned(), amount: 2 }).await.unwrap(), 2);
+    faults.take_request_ids(2);
+    counter.discard(Deposit { key: "taken-discard".to_owned(), amount: 3 }).await.unwrap();
+    let probes = Probes::of(id);
+    eventually("the discarded deposit runs", || probes.deposits.load(Ordering::SeqCst) == 2).await;
+    faults.take_request_ids(2);
+    let stream = counter.stream(crate::entities::Resume { key: "taken-stream".to_owned(), n: 3 });
+    let mut stream = stream.await.unwrap();
+    let mut items = Vec::new();
+    while let Some(item) = stream.next().await {
+        items.push(item.unwrap());
+    }
+    assert_eq!(items, [0, 1, 2]);
+    assert_eq!(probes.deposits.load(Ordering::SeqCst), 2, "each deposit ran once");
+    sharding.shutdown().await;
 }
