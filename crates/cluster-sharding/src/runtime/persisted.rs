@@ -1169,7 +1169,18 @@ impl PersistedDelivery {
                     let mut exit = None;
                     while let Some(reply) = replies.recv().await {
                         match reply {
-                            Reply::Chunk(_) => self.save_reply_retrying(&reply).await,
+                            Reply::Chunk(_) => {
+                                // A chunk the storage refuses is never stored, so never
+                                // acknowledged: the stream ends here with a defect, and the
+                                // handler's next send fails once `replies` is dropped.
+                                if let Err(refused) = self.save_reply_retrying(&reply).await {
+                                    let message = format!(
+                                        "a chunk of the stream could not be stored: {refused}"
+                                    );
+                                    exit = Some(Exit::die_with_message("ReplyNotStored", &message));
+                                    break;
+                                }
+                            }
                             Reply::WithExit(with_exit) => {
                                 exit = Some(with_exit.exit);
                                 break;
@@ -1350,19 +1361,33 @@ impl PersistedDelivery {
     }
 
     /// Stores a chunk (retrying a few times) and hands it to local waiters.
-    async fn save_reply_retrying(self: &Arc<Self>, reply: &Reply) {
+    ///
+    /// `Err` is a chunk the storage refuses for good (`InvalidInput`, over its size limit);
+    /// other failures are logged once the retries are spent.
+    async fn save_reply_retrying(
+        self: &Arc<Self>,
+        reply: &Reply,
+    ) -> Result<(), cluster_core::StorageError> {
         for attempt in 1..=SAVE_REPLY_ATTEMPTS {
             match self.storage.save_reply(reply).await {
                 Ok(()) => {
                     lock(&self.waiters).on_reply_saved(reply);
-                    return;
+                    return Ok(());
                 }
                 // A conflict is not a passing failure: no retry stores the chunk.
                 // Either an earlier attempt stored it and its acknowledgement was lost (a
                 // storage that rejects the same chunk twice says so).
                 // Or a chunk of another run holds its sequence.
                 Err(error) if error.kind() == cluster_core::error::StorageErrorKind::Conflict => {
-                    return self.chunk_conflict(reply, &error).await;
+                    self.chunk_conflict(reply, &error).await;
+                    return Ok(());
+                }
+                // The storage cannot hold this chunk (a value over its limit): no retry would.
+                Err(error)
+                    if error.kind() == cluster_core::error::StorageErrorKind::InvalidInput =>
+                {
+                    tracing::warn!(%error, request_id = %reply.request_id(), "a chunk cannot be stored; ending the stream with a defect");
+                    return Err(error);
                 }
                 Err(error) if attempt < SAVE_REPLY_ATTEMPTS => {
                     tracing::debug!(%error, attempt, "could not save a chunk, retrying");
@@ -1375,6 +1400,7 @@ impl PersistedDelivery {
                 }
             }
         }
+        Ok(())
     }
 
     /// A chunk's save hit a stored reply.

@@ -28,7 +28,7 @@ impl Entity for Streamer {
     }
 
     fn protocol(protocol: &mut Protocol<Streamer>) {
-        protocol.stream::<Burst>().stream::<Batch>().stream::<Wide>();
+        protocol.stream::<Burst>().stream::<Batch>().stream::<Wide>().stream::<Tall>();
     }
 }
 
@@ -123,6 +123,42 @@ impl StreamHandler<Wide> for Streamer {
     }
 }
 
+/// A persisted stream of `"a"`, a string of `width` characters, then `"c"`.
+#[derive(Serialize, Deserialize)]
+struct Tall {
+    key: String,
+    width: usize,
+}
+
+impl StreamRpc for Tall {
+    const TAG: &'static str = "Tall";
+    const PERSISTED: bool = true;
+    type Item = String;
+    type Error = String;
+
+    fn primary_key(&self) -> Option<String> {
+        Some(self.key.clone())
+    }
+}
+
+impl StreamHandler<Tall> for Streamer {
+    async fn handle(
+        &mut self,
+        _: &RequestContext,
+        request: Tall,
+        chunks: &mut Chunks<'_, String>,
+    ) -> Result<(), String> {
+        for item in ["a".to_owned(), "b".repeat(request.width), "c".to_owned()] {
+            chunks.send(item).await.map_err(|error| error.to_string())?;
+            chunks.flush().await.map_err(|error| error.to_string())?;
+        }
+        Ok(())
+    }
+}
+
+/// The memory storage's value limit in these tests: small, so that a value over it is cheap.
+const MEMORY_VALUE_BYTES_MAX: usize = 65_536;
+
 fn config() -> ShardingConfig {
     ShardingConfig {
         entity_message_poll_interval: Duration::from_millis(100),
@@ -137,6 +173,8 @@ struct Pair {
     runner: Sharding,
     caller: Sharding,
     storage: Arc<dyn MessageStorage>,
+    /// The most bytes the storage keeps in one value.
+    value_bytes_max: usize,
     /// Dropped last: removes the tables.
     _database: Option<TestDatabase>,
 }
@@ -146,7 +184,8 @@ impl Pair {
         let (runner_storage, caller_storage): (Arc<dyn MessageStorage>, Arc<dyn MessageStorage>) =
             match &database {
                 None => {
-                    let memory = Arc::new(MemoryMessageStorage::new(Arc::new(SystemClock)));
+                    let memory = MemoryMessageStorage::new(Arc::new(SystemClock));
+                    let memory = Arc::new(memory.with_value_bytes_max(MEMORY_VALUE_BYTES_MAX));
                     (memory.clone(), memory)
                 }
                 Some(database) => (
@@ -167,7 +206,13 @@ impl Pair {
             .start()
             .await
             .unwrap();
-        Pair { runner, caller, storage: runner_storage, _database: database }
+        let value_bytes_max = match database.as_ref().map(TestDatabase::kind) {
+            None => MEMORY_VALUE_BYTES_MAX,
+            // Its `TEXT` columns.
+            Some("mysql") => 65_535,
+            Some(_) => cluster_storage_sql::options::VALUE_BYTES_MAX_DEFAULT.get(),
+        };
+        Pair { runner, caller, storage: runner_storage, value_bytes_max, _database: database }
     }
 
     /// The stored chunks of the request `tag` with `key` to `id`, in sequence order.
@@ -240,7 +285,35 @@ macro_rules! on_every_backend {
 on_every_backend!(
     fifty_items_to_a_storage_only_caller_arrive_in_few_chunks,
     a_batch_arrives_as_one_chunk,
+    a_chunk_over_the_storage_limit_ends_the_stream_with_a_defect,
 );
+
+/// An item over the storage's limit cannot be stored as a chunk: the stream ends with a
+/// `ReplyNotStored` defect after the items before it, instead of stalling for an
+/// acknowledgement that never comes (before the fix the caller waited out the 60 s bound).
+async fn a_chunk_over_the_storage_limit_ends_the_stream_with_a_defect(pair: Pair) {
+    let client = pair.caller.client::<Streamer>("tall");
+    let width = pair.value_bytes_max + 1;
+    let read = async {
+        let mut stream = client.stream(Tall { key: "tall".to_owned(), width }).await.unwrap();
+        let mut items = Vec::new();
+        while let Some(item) = stream.next().await {
+            items.push(item.map_err(|error| format!("{error:?}")));
+        }
+        items
+    };
+    let items =
+        tokio::time::timeout(Duration::from_secs(60), read).await.expect("the stream stalled");
+    assert_eq!(items.first(), Some(&Ok("a".to_owned())), "{:?}", &items[..items.len().min(1)]);
+    assert_eq!(items.len(), 2, "the stream ends after the refused chunk");
+    assert!(
+        matches!(&items[1], Err(defect) if defect.contains("ReplyNotStored")),
+        "{:?}",
+        items[1].as_ref().map(String::len)
+    );
+    let database = pair.shutdown().await;
+    drop(database);
+}
 
 /// Fifty items a handler sends at once reach a caller that only sees storage in a couple of
 /// chunks, not one chunk (and one storage round trip) per item.
