@@ -1595,6 +1595,17 @@ impl Backend for ClusterEngine {
         })
     }
 
+    fn execution_exists<'a>(
+        &'a self,
+        workflow: &'a str,
+        execution_id: &'a ExecutionId,
+    ) -> BoxFuture<'a, Result<bool, WorkflowError>> {
+        Box::pin(async move {
+            let run = self.request_id(workflow, execution_id, RunRpc::TAG, "").await?;
+            Ok(run.is_some())
+        })
+    }
+
     fn poll<'a>(
         &'a self,
         workflow: &'a str,
@@ -1744,8 +1755,13 @@ mod tests {
             execution_id: execution_id.clone(),
             deferred: "Gate".into(),
         };
-        engine.complete(&token(()), Ok::<&str, Never>("first")).await.unwrap();
-        engine.complete(&token(()), Ok::<&str, Never>("second")).await.unwrap();
+        // Through the engine's own completion: the execution was never started.
+        for value in ["first", "second"] {
+            let exit = Exit::Success(RawJson::encode(value).unwrap());
+            cluster.complete(None, token(()), exit).await.unwrap();
+        }
+        let refused = engine.complete(&token(()), Ok::<&str, Never>("third")).await;
+        assert!(matches!(refused, Err(WorkflowError::NoSuchExecution { .. })), "{refused:?}");
         let stored = cluster.stored_deferred("Gated", &execution_id, "Gate").await.unwrap();
         assert_eq!(stored, Some(Exit::Success(RawJson::encode("first").unwrap())));
         assert_eq!(cluster.stored_deferred("Gated", &execution_id, "Other").await.unwrap(), None);

@@ -52,6 +52,19 @@ pub enum WorkflowError {
     /// Used wrongly (for example `detached` without `discard`).
     #[error("{0}")]
     Invalid(String),
+    /// A deferred the engine keeps for its own records cannot be completed from outside.
+    #[error(transparent)]
+    ReservedName(#[from] crate::name::ReservedName),
+    /// The execution was never started: a deferred of it cannot be completed.
+    #[error(
+        "workflow {workflow} has no execution {execution_id}: start it before completing its deferreds"
+    )]
+    NoSuchExecution {
+        /// The workflow's name.
+        workflow: String,
+        /// The execution id the token names.
+        execution_id: ExecutionId,
+    },
     /// The runtime refused to register an entity type the engine runs on.
     #[error("could not register {entity_type}")]
     Register {
@@ -229,6 +242,13 @@ pub(crate) trait Backend: Send + Sync + 'static {
         parent: Option<Parent>,
         discard: bool,
     ) -> BoxFuture<'a, Result<Option<WorkflowResult>, WorkflowError>>;
+
+    /// Whether the execution was started (its run is stored, whatever its state).
+    fn execution_exists<'a>(
+        &'a self,
+        workflow: &'a str,
+        execution_id: &'a ExecutionId,
+    ) -> BoxFuture<'a, Result<bool, WorkflowError>>;
 
     /// The latest result of an execution; `None` while nothing is stored.
     fn poll<'a>(
@@ -531,10 +551,24 @@ impl WorkflowEngine {
 
     /// Completes the deferred a token names with an encoded exit.
     ///
+    /// Only a deferred of an execution that exists can be completed: a token computed ahead
+    /// of the execution (its id is public, see [`TokenKey`](crate::TokenKey)) must not decide
+    /// a later execution's step. The engine's own records (the interrupt signal, races, sleeps,
+    /// queue items) cannot be completed through a token.
+    ///
     /// # Errors
     ///
-    /// An engine failure.
+    /// [`WorkflowError::ReservedName`] for a deferred the engine keeps for itself,
+    /// [`WorkflowError::NoSuchExecution`] for an execution that was never started, or an engine
+    /// failure.
     pub async fn complete_exit(&self, token: &Token, exit: Exit) -> Result<(), WorkflowError> {
+        crate::name::check_deferred(&token.deferred)?;
+        if !self.backend.execution_exists(&token.workflow, &token.execution_id).await? {
+            return Err(WorkflowError::NoSuchExecution {
+                workflow: token.workflow.clone(),
+                execution_id: token.execution_id.clone(),
+            });
+        }
         self.backend.deferred_done(None, token.clone(), exit).await
     }
 }

@@ -99,10 +99,16 @@ pub struct Token {
     pub deferred: String,
 }
 
-/// A token that cannot be read.
+/// A token that cannot be read, or (signed) whose signature does not match.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-#[error("malformed deferred token: {0}")]
+#[error("invalid token: {0}")]
 pub struct TokenError(String);
+
+impl TokenError {
+    pub(crate) fn new(why: impl Into<String>) -> TokenError {
+        TokenError(why.into())
+    }
+}
 
 impl Token {
     /// The token's text: unpadded base64url of the JSON array
@@ -135,7 +141,7 @@ impl fmt::Display for Token {
 
 const ALPHABET: &[u8; 64] = b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789-_";
 
-fn base64url_encode(bytes: &[u8]) -> String {
+pub(crate) fn base64url_encode(bytes: &[u8]) -> String {
     let mut out = String::with_capacity(bytes.len().div_ceil(3) * 4);
     for chunk in bytes.chunks(3) {
         let b = [chunk[0], *chunk.get(1).unwrap_or(&0), *chunk.get(2).unwrap_or(&0)];
@@ -148,7 +154,7 @@ fn base64url_encode(bytes: &[u8]) -> String {
     out
 }
 
-fn base64url_decode(text: &str) -> Option<Vec<u8>> {
+pub(crate) fn base64url_decode(text: &str) -> Option<Vec<u8>> {
     let value = |c: u8| ALPHABET.iter().position(|&a| a == c).and_then(|p| u32::try_from(p).ok());
     let bytes = text.as_bytes();
     if bytes.len() % 4 == 1 {

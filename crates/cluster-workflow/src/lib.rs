@@ -48,6 +48,7 @@
 //! (`effect/src/workflow/`), with the choices of its open questions written down in
 //! `docs/workflows.md`.
 
+mod capability;
 mod cluster_engine;
 mod context;
 mod definition;
@@ -60,6 +61,7 @@ mod queue;
 mod result;
 mod run;
 
+pub use capability::{TOKEN_KEY_BYTES_MIN, TokenKey, TokenKeyError};
 pub use cluster_engine::{
     CLOCK_ENTITY, ClusterOptions, INTERRUPT_SIGNAL, INTERRUPT_UNSAFE, PARENT_KEY,
 };

@@ -434,6 +434,15 @@ impl Backend for MemoryEngine {
         })
     }
 
+    fn execution_exists<'a>(
+        &'a self,
+        _workflow: &'a str,
+        execution_id: &'a ExecutionId,
+    ) -> BoxFuture<'a, Result<bool, WorkflowError>> {
+        let exists = self.shared().executions.contains_key(execution_id);
+        Box::pin(std::future::ready(Ok(exists)))
+    }
+
     fn poll<'a>(
         &'a self,
         _workflow: &'a str,

@@ -80,4 +80,5 @@ memory_tests!(
     a_queue_worker_panicking_before_its_future_is_a_defect,
     a_body_finalizer_panicking_at_a_suspension_lets_the_run_suspend,
     reserved_names_are_refused,
+    tokens_cannot_complete_ahead_of_an_execution_or_the_engines_records,
 );

@@ -2074,3 +2074,39 @@ pub(crate) async fn values_over_the_storage_limit_are_typed_errors(h: &impl Harn
     open::<Oversized>(&engine, &id, &DurableDeferred::new("Big").unwrap(), "small").await;
     assert_eq!(complete_exit::<Oversized>(&engine, &id).await, success("small"));
 }
+
+// ---------------------------------------------------------------------------------------
+// Tokens are names, not rights
+
+/// A completion for an execution that was never started is refused (its id and its tokens are
+/// computable from public inputs), so it cannot decide a later execution's step; nor can a
+/// token reach the engine's own records, such as the interrupt signal. Before the fix the
+/// early completion was the later execution's result, and the forged signal interrupted it.
+pub(crate) async fn tokens_cannot_complete_ahead_of_an_execution_or_the_engines_records(
+    h: &impl Harness,
+) {
+    workflow!(Gatekept, String, String);
+    let engine = h.engine().await;
+    Gatekept::register(&engine, |ctx: WorkflowContext, _: Input| async move {
+        ctx.await_deferred(&gate()).await.map_err(|never| match never {})
+    })
+    .unwrap();
+    let id = Gatekept::execution_id(&input("victim"));
+    let early = engine.complete(&gate().token_for::<Gatekept>(&id), Ok::<_, Never>("forged")).await;
+    assert!(matches!(&early, Err(WorkflowError::NoSuchExecution { .. })), "{early:?}");
+    let started = engine.execute_discard::<Gatekept>(input("victim")).await.unwrap();
+    assert_eq!(started, id);
+    suspended::<Gatekept>(&engine, &id).await;
+    let signal = cluster_workflow::Token {
+        workflow: Gatekept::NAME.into(),
+        execution_id: id.clone(),
+        deferred: cluster_workflow::INTERRUPT_SIGNAL.into(),
+    };
+    let forged = engine.complete(&signal, Ok::<(), Never>(())).await;
+    assert!(matches!(&forged, Err(WorkflowError::ReservedName(_))), "{forged:?}");
+    // Still waiting for its own gate: neither the early value nor an interrupt reached it.
+    tokio::time::sleep(ms(1_000)).await;
+    suspended::<Gatekept>(&engine, &id).await;
+    open::<Gatekept>(&engine, &id, &gate(), "genuine").await;
+    assert_eq!(complete_exit::<Gatekept>(&engine, &id).await, success("genuine"));
+}
