@@ -49,6 +49,9 @@ mod openapi;
 mod schemas;
 mod stream;
 
+#[cfg(feature = "workflow")]
+pub use workflows::{WorkflowAccess, WorkflowAction};
+
 /// The longest entity id a path may carry, in characters after decoding (the reference's
 /// router's `maxParamLength`).
 pub const MAX_ENTITY_ID_CHARS: usize = 100;
@@ -87,6 +90,9 @@ pub struct HttpGateway {
     entities: Vec<EntityRoutes>,
     #[cfg(feature = "workflow")]
     workflows: Vec<workflows::WorkflowRoutes>,
+    /// Who may complete deferreds and resume, poll or interrupt executions.
+    #[cfg(feature = "workflow")]
+    access: workflows::Access,
     error_statuses: BTreeMap<String, StatusCode>,
     options: HttpOptions,
     /// The schemas the application documented (feature `schemars`).
@@ -105,6 +111,8 @@ impl HttpGateway {
             entities: Vec::new(),
             #[cfg(feature = "workflow")]
             workflows: Vec::new(),
+            #[cfg(feature = "workflow")]
+            access: workflows::Access::default(),
             error_statuses: BTreeMap::new(),
             options: HttpOptions::default(),
             documented: openapi::Documented::default(),
@@ -303,7 +311,7 @@ async fn serve(State(gateway): State<Arc<HttpGateway>>, request: Request) -> Res
         return empty(StatusCode::NOT_FOUND);
     }
     #[cfg(feature = "workflow")]
-    if let Some(deferred) = workflows::deferred_route(&gateway.workflows, &parts) {
+    if let Some(deferred) = workflows::deferred_route(&gateway.workflows, &gateway.access, &parts) {
         return workflows::complete(&gateway, deferred, request).await;
     }
     #[cfg(feature = "workflow")]
@@ -528,9 +536,80 @@ mod workflows {
         HttpGateway, Request, Response, StatusCode, decode_failed, empty, json, read_payload,
         segments, strip_prefix, within_timeout,
     };
+    use std::sync::Arc;
+
+    use axum::http::HeaderMap;
     use cluster_core::envelope::{Exit, RawJson};
     use cluster_core::future::BoxFuture;
-    use cluster_workflow::{ExecuteError, ExecutionId, Token, Workflow, WorkflowEngine};
+    use cluster_workflow::{
+        ExecuteError, ExecutionId, Token, TokenKey, Workflow, WorkflowEngine, WorkflowError,
+    };
+
+    /// Who may complete deferreds and resume, poll or interrupt executions over HTTP: the
+    /// holders of capabilities signed with the key, and whoever the authorizer lets through.
+    /// With neither, those routes answer 403.
+    #[derive(Clone, Default)]
+    pub(super) struct Access {
+        key: Option<TokenKey>,
+        authorizer: Option<Authorizer>,
+    }
+
+    /// The application's rule for the workflow routes that act on an existing execution.
+    type Authorizer = Arc<dyn Fn(&WorkflowAccess<'_>) -> bool + Send + Sync>;
+
+    /// What a request asks of an execution, for [`HttpGateway::workflow_authorizer`].
+    #[derive(Debug)]
+    #[non_exhaustive]
+    pub struct WorkflowAccess<'a> {
+        /// The workflow's name.
+        pub workflow: &'a str,
+        /// The execution.
+        pub execution_id: &'a ExecutionId,
+        /// What is asked.
+        pub action: WorkflowAction<'a>,
+        /// The request's headers (for example the identity an authentication layer put there).
+        pub headers: &'a HeaderMap,
+    }
+
+    /// What a request asks of an execution.
+    #[derive(Clone, Copy, Debug, PartialEq, Eq)]
+    #[non_exhaustive]
+    pub enum WorkflowAction<'a> {
+        /// Complete the deferred of this name (`/deferred/{token}`).
+        Complete(&'a str),
+        /// Resume the execution (`/{name}/resume`).
+        Resume,
+        /// Read its result (`/{name}/poll`).
+        Poll,
+        /// Interrupt it (`/{name}/interrupt`).
+        Interrupt,
+    }
+
+    impl Access {
+        /// Whether `access` is allowed: by a capability (a signed token or execution handle,
+        /// checked before), or by the authorizer.
+        fn allows(&self, access: &WorkflowAccess<'_>, signed: bool) -> bool {
+            signed || self.authorizer.as_ref().is_some_and(|authorizer| authorizer(access))
+        }
+
+        fn configured(&self) -> bool {
+            self.key.is_some() || self.authorizer.is_some()
+        }
+    }
+
+    /// Why a workflow route refused a caller: logged, the caller gets the status only.
+    fn forbidden(access: &Access, what: &str) -> Response {
+        if access.configured() {
+            tracing::debug!(what, "workflow route refused: no valid capability");
+        } else {
+            tracing::warn!(
+                what,
+                "workflow route refused: the gateway has no token key and no authorizer \
+                 (HttpGateway::workflow_tokens, HttpGateway::workflow_authorizer)"
+            );
+        }
+        empty(StatusCode::FORBIDDEN)
+    }
 
     /// What a workflow route does.
     #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -592,6 +671,31 @@ mod workflows {
             self.workflow_under::<W>(engine, "")
         }
 
+        /// Accepts capabilities signed with `key` on the routes that act on an existing
+        /// execution: `/deferred/{token}` takes a token signed with [`TokenKey::sign`], and
+        /// `/{name}/resume`, `/{name}/poll` and `/{name}/interrupt` take an execution handle
+        /// signed with [`TokenKey::sign_execution`] in the body's `token` field, beside
+        /// `executionId`. Without a key or an authorizer those routes answer 403: an execution
+        /// id and a plain token are computed from public inputs and grant nothing.
+        #[must_use]
+        pub fn workflow_tokens(mut self, key: TokenKey) -> HttpGateway {
+            self.access.key = Some(key);
+            self
+        }
+
+        /// Lets `authorize` decide the routes that act on an existing execution (completing
+        /// a deferred from a plain token, resume, poll, interrupt), for example from the
+        /// identity an authentication layer put in the headers. A valid capability
+        /// ([`HttpGateway::workflow_tokens`]) is allowed without asking it.
+        #[must_use]
+        pub fn workflow_authorizer(
+            mut self,
+            authorize: impl Fn(&WorkflowAccess<'_>) -> bool + Send + Sync + 'static,
+        ) -> HttpGateway {
+            self.access.authorizer = Some(Arc::new(authorize));
+            self
+        }
+
         /// Serves the workflow `W` under `prefix`.
         #[must_use]
         pub fn workflow_under<W: Workflow>(
@@ -645,15 +749,16 @@ mod workflows {
     /// `POST /deferred/{token}/fail` (a failure, the body its error), for a workflow the gateway
     /// serves.
     pub(super) enum Deferred<'a> {
-        /// The token names a workflow served here.
-        Served { routes: &'a WorkflowRoutes, token: Token, fail: bool },
-        /// The token does not read, or names a workflow not served here.
+        /// The token names a workflow served here; `signed` when its signature was checked.
+        Served { routes: &'a WorkflowRoutes, token: Token, signed: bool, fail: bool },
+        /// The token does not read, is not allowed, or names a workflow not served here.
         Refused { status: StatusCode, why: String },
     }
 
     /// The deferred route a path names, if it is one (`/deferred/...`, only with workflows).
     pub(super) fn deferred_route<'a>(
         workflows: &'a [WorkflowRoutes],
+        access: &Access,
         parts: &[&str],
     ) -> Option<Deferred<'a>> {
         let (token, fail) = match parts {
@@ -668,17 +773,22 @@ mod workflows {
         if workflows.is_empty() {
             return None;
         }
-        let token = match Token::parse(token) {
-            Ok(token) => token,
-            Err(error) => {
-                return Some(Deferred::Refused {
-                    status: StatusCode::BAD_REQUEST,
-                    why: error.to_string(),
-                });
-            }
+        // A signed token is checked; a plain one reads, and only an authorizer may allow it.
+        let signed = access.key.as_ref().and_then(|key| key.verify(token).ok());
+        let (token, signed) = match signed {
+            Some(token) => (token, true),
+            None => match Token::parse(token.split('.').next().unwrap_or_default()) {
+                Ok(token) => (token, false),
+                Err(error) => {
+                    return Some(Deferred::Refused {
+                        status: StatusCode::BAD_REQUEST,
+                        why: error.to_string(),
+                    });
+                }
+            },
         };
         match workflows.iter().find(|routes| routes.name == token.workflow) {
-            Some(routes) => Some(Deferred::Served { routes, token, fail }),
+            Some(routes) => Some(Deferred::Served { routes, token, signed, fail }),
             None => Some(Deferred::Refused {
                 status: StatusCode::NOT_FOUND,
                 why: format!("no workflow {:?} is served here", token.workflow),
@@ -692,13 +802,22 @@ mod workflows {
         deferred: Deferred<'_>,
         request: Request,
     ) -> Response {
-        let (routes, token, fail) = match deferred {
-            Deferred::Served { routes, token, fail } => (routes, token, fail),
+        let (routes, token, signed, fail) = match deferred {
+            Deferred::Served { routes, token, signed, fail } => (routes, token, signed, fail),
             Deferred::Refused { status, why } => {
                 tracing::debug!(%why, "deferred completion refused");
                 return empty(status);
             }
         };
+        let asked = WorkflowAccess {
+            workflow: routes.name,
+            execution_id: &token.execution_id,
+            action: WorkflowAction::Complete(&token.deferred),
+            headers: request.headers(),
+        };
+        if !gateway.access.allows(&asked, signed) {
+            return forbidden(&gateway.access, "complete a deferred");
+        }
         let span = tracing::info_span!(
             "http_request",
             workflow = routes.name,
@@ -715,6 +834,15 @@ mod workflows {
         let _entered = span.enter();
         match completed {
             Some(Ok(())) => empty(StatusCode::NO_CONTENT),
+            // A name the engine keeps for itself is not a deferred a caller may complete.
+            Some(Err(WorkflowError::ReservedName(refused))) => {
+                tracing::debug!(%refused, "deferred completion refused");
+                empty(StatusCode::FORBIDDEN)
+            }
+            Some(Err(error @ WorkflowError::NoSuchExecution { .. })) => {
+                tracing::debug!(%error, "deferred completion refused");
+                empty(StatusCode::NOT_FOUND)
+            }
             Some(Err(error)) => {
                 tracing::error!(%error, "HTTP deferred completion failed");
                 empty(StatusCode::INTERNAL_SERVER_ERROR)
@@ -731,10 +859,31 @@ mod workflows {
         request: Request,
     ) -> Response {
         let span = tracing::info_span!("http_request", workflow = routes.name, ?action);
+        let headers = request.headers().clone();
         let payload = match read_payload(&gateway.options, request).await {
             Ok(payload) => payload,
             Err(refused) => return refused,
         };
+        if let Some(asked) = action.on_execution() {
+            let named: Named = match payload.decode() {
+                Ok(named) => named,
+                Err(error) => return decode_failed(&error.to_string()),
+            };
+            let execution_id = ExecutionId::from_raw(named.execution_id);
+            let signed = gateway.access.key.as_ref().is_some_and(|key| {
+                named.token.as_deref().and_then(|token| key.verify_execution(token).ok())
+                    == Some((routes.name.to_owned(), execution_id.clone()))
+            });
+            let access = WorkflowAccess {
+                workflow: routes.name,
+                execution_id: &execution_id,
+                action: asked,
+                headers: &headers,
+            };
+            if !gateway.access.allows(&access, signed) {
+                return forbidden(&gateway.access, "act on an execution");
+            }
+        }
         let call = (routes.call)(routes.engine.clone(), action, payload);
         let called = within_timeout(&gateway.options, &span, call).await;
         let _entered = span.enter();
@@ -760,11 +909,32 @@ mod workflows {
         }
     }
 
+    impl Action {
+        /// What the route asks of an existing execution, if it acts on one.
+        fn on_execution(self) -> Option<WorkflowAction<'static>> {
+            match self {
+                Action::Resume => Some(WorkflowAction::Resume),
+                Action::Poll => Some(WorkflowAction::Poll),
+                Action::Interrupt => Some(WorkflowAction::Interrupt),
+                Action::Execute | Action::Discard => None,
+            }
+        }
+    }
+
     /// The body of the resume, poll and interrupt routes.
     #[derive(serde::Deserialize)]
     struct Resume {
         #[serde(rename = "executionId")]
         execution_id: String,
+    }
+
+    /// The same body, with the execution handle that allows the call.
+    #[derive(serde::Deserialize)]
+    struct Named {
+        #[serde(rename = "executionId")]
+        execution_id: String,
+        #[serde(default)]
+        token: Option<String>,
     }
 
     /// One workflow route of `W`.

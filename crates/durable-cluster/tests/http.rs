@@ -11,7 +11,7 @@ use std::net::SocketAddr;
 use cluster_testkit::databases::TestDatabase;
 use durable_cluster::http::HttpGateway;
 use durable_cluster::workflow::{
-    DurableDeferred, ExecutionId, Token, Workflow, WorkflowContext, WorkflowEngine,
+    DurableDeferred, ExecutionId, Token, TokenKey, Workflow, WorkflowContext, WorkflowEngine,
 };
 use durable_cluster::{
     Entity, EntityContext, EntityOptions, Protocol, RequestContext, Rpc, ShardingConfig,
@@ -300,20 +300,41 @@ impl Gateway {
         Gateway::on(TestDatabase::sqlite(name)).await
     }
 
+    /// A gateway on an SQLite file named after `name` that lets anyone act on an execution, as
+    /// the reference's workflow proxy does: what its captured cases and its client expect.
+    async fn open_as_the_reference(name: &'static str) -> Gateway {
+        Gateway::open_on(TestDatabase::sqlite(name)).await
+    }
+
     /// A gateway on `database`.
     async fn on(database: TestDatabase) -> Gateway {
+        Gateway::serve(database, false).await
+    }
+
+    /// A gateway on `database` that lets anyone act on an execution.
+    async fn open_on(database: TestDatabase) -> Gateway {
+        Gateway::serve(database, true).await
+    }
+
+    /// A gateway on `database`; `open` lets anyone act on an execution (an authorizer that
+    /// says yes), otherwise only the holders of capabilities signed with [`token_key`].
+    async fn serve(database: TestDatabase, open: bool) -> Gateway {
         let sharding = support::single_runner(&database).await;
         sharding.register::<Counter>(EntityOptions::default()).unwrap();
         let engine = WorkflowEngine::cluster(&sharding).unwrap();
         Greet::register(&engine, greet).unwrap();
         Approval::register(&engine, approve).unwrap();
-        let router = HttpGateway::new(sharding.clone())
+        let mut gateway = HttpGateway::new(sharding.clone())
             .workflow::<Greet>(&engine)
             .workflow::<Approval>(&engine)
+            .workflow_tokens(token_key())
             .entity::<Counter>()
             .error_status("Rejected", 409)
-            .unwrap()
-            .router();
+            .unwrap();
+        if open {
+            gateway = gateway.workflow_authorizer(|_| true);
+        }
+        let router = gateway.router();
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
         let address = listener.local_addr().unwrap();
         let server = tokio::spawn(async move { axum::serve(listener, router).await });
@@ -325,6 +346,17 @@ impl Gateway {
         self.sharding.shutdown().await;
         drop(self.database);
     }
+}
+
+/// The key the test gateway checks capabilities with.
+fn token_key() -> TokenKey {
+    TokenKey::from_hex("000102030405060708090a0b0c0d0e0f101112131415161718191a1b1c1d1e1f").unwrap()
+}
+
+/// The body of the poll, resume and interrupt routes: the execution and its signed handle.
+fn on_execution(execution_id: &str) -> String {
+    let handle = token_key().sign_execution("Approval", &ExecutionId::from_raw(execution_id));
+    serde_json::json!({ "executionId": execution_id, "token": handle }).to_string()
 }
 
 /// The reference's captured cases.
@@ -396,7 +428,7 @@ async fn replay_the_references_cases(gateway: Gateway) {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_gateway_answers_as_the_reference() {
-    replay_the_references_cases(Gateway::start("http-reference").await).await;
+    replay_the_references_cases(Gateway::open_as_the_reference("http-reference").await).await;
 }
 
 /// The same cases with the runner's storage on PostgreSQL (the persisted `Deposit` and the
@@ -404,7 +436,7 @@ async fn the_gateway_answers_as_the_reference() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_gateway_answers_as_the_reference_on_postgres() {
     if let Some(database) = TestDatabase::postgres() {
-        replay_the_references_cases(Gateway::on(database).await).await;
+        replay_the_references_cases(Gateway::open_on(database).await).await;
     }
 }
 
@@ -432,7 +464,7 @@ async fn effects_http_api_client_works_against_the_gateway() {
         return;
     }
     let fixtures = fixtures();
-    let gateway = Gateway::start("http-client").await;
+    let gateway = Gateway::open_as_the_reference("http-client").await;
     let port = gateway.address.port().to_string();
     let output = tokio::process::Command::new("node")
         .arg("http_capture.mjs")
@@ -588,7 +620,7 @@ async fn poll_until(
     done: impl Fn(&str) -> bool,
 ) -> String {
     let json = [("content-type".to_owned(), "application/json".to_owned())];
-    let body = serde_json::json!({ "executionId": execution_id }).to_string();
+    let body = on_execution(execution_id);
     let deadline = tokio::time::Instant::now() + std::time::Duration::from_secs(20);
     loop {
         let answer = exchange(address, "POST", "/approval/poll", &json, body.as_bytes()).await;
@@ -614,7 +646,7 @@ async fn deferred_poll_and_interrupt(gateway: Gateway) {
     assert!(suspended.starts_with(r#"{"_tag":"Suspended""#), "{suspended}");
 
     let token = approval().token_for::<Approval>(&ExecutionId::from_raw(execution_id.clone()));
-    let path = format!("/deferred/{}", token.encode());
+    let path = format!("/deferred/{}", token_key().sign(&token));
     let completed = exchange(address, "POST", &path, &json, br#""alice""#).await;
     assert_eq!(completed.status, 204, "{completed:?}");
     let executed = exchange(address, "POST", "/approval", &json, br#"{"approval_id":"a1"}"#).await;
@@ -638,13 +670,134 @@ async fn deferred_poll_and_interrupt(gateway: Gateway) {
         exchange(address, "POST", "/approval/discard", &json, br#"{"approval_id":"a2"}"#).await;
     let execution_id: String = serde_json::from_str(&started.body).unwrap();
     poll_until(address, &execution_id, |body| body.contains("Suspended")).await;
-    let body = serde_json::json!({ "executionId": execution_id }).to_string();
+    let body = on_execution(&execution_id);
     let interrupted =
         exchange(address, "POST", "/approval/interrupt", &json, body.as_bytes()).await;
     assert_eq!(interrupted.status, 204, "{interrupted:?}");
     let result = poll_until(address, &execution_id, |body| body.contains("Complete")).await;
     assert!(result.contains("Interrupt"), "{result}");
     gateway.stop().await;
+}
+
+/// The workflow routes that act on an existing execution take capabilities, not names: a
+/// plain or forged token, another key's, one bent to another deferred or execution, a name the
+/// engine keeps for itself, and an execution that does not exist yet are all refused, and
+/// nothing reaches the execution. Before capabilities each of these was 204 (an outsider
+/// approved someone else's execution, or interrupted it through `Workflow/InterruptSignal`).
+async fn workflow_routes_need_a_capability(gateway: Gateway) {
+    let address = gateway.address;
+    let json = [("content-type".to_owned(), "application/json".to_owned())];
+    let started =
+        exchange(address, "POST", "/approval/discard", &json, br#"{"approval_id":"c1"}"#).await;
+    let execution_id: String = serde_json::from_str(&started.body).unwrap();
+    let execution = ExecutionId::from_raw(execution_id.clone());
+    poll_until(address, &execution_id, |body| body.contains("Suspended")).await;
+    let deferred = |name: &str| Token {
+        workflow: "Approval".to_owned(),
+        execution_id: execution.clone(),
+        deferred: name.to_owned(),
+    };
+    let other_key = TokenKey::new(&[9; 32]).unwrap();
+    let signed = token_key().sign(&deferred("approval"));
+    let (_, tag) = signed.rsplit_once('.').unwrap();
+    let later = ExecutionId::derive("Approval", "not-started-yet");
+    let refused = [
+        (deferred("approval").encode(), 403, "a plain token"),
+        (other_key.sign(&deferred("approval")), 403, "another key's token"),
+        (format!("{}.{tag}", deferred("other").encode()), 403, "a tag moved to another deferred"),
+        (token_key().sign(&deferred("Workflow/InterruptSignal")), 403, "the interrupt signal"),
+        (
+            token_key().sign(&Token { execution_id: later, ..deferred("approval") }),
+            404,
+            "an execution that does not exist yet",
+        ),
+    ];
+    for (token, status, what) in refused {
+        let path = format!("/deferred/{token}");
+        let answer = exchange(address, "POST", &path, &json, br#""mallory""#).await;
+        assert_eq!(answer.status, status, "{what}: {answer:?}");
+    }
+    // Acting on the execution: no handle, another execution's, another key's.
+    let other = token_key().sign_execution("Approval", &ExecutionId::from_raw("elsewhere"));
+    let bodies = [
+        serde_json::json!({ "executionId": execution_id }),
+        serde_json::json!({ "executionId": execution_id, "token": other }),
+        serde_json::json!({
+            "executionId": execution_id,
+            "token": other_key.sign_execution("Approval", &execution),
+        }),
+    ];
+    for route in ["/approval/interrupt", "/approval/resume", "/approval/poll"] {
+        for body in &bodies {
+            let answer = exchange(address, "POST", route, &json, body.to_string().as_bytes()).await;
+            assert_eq!(answer.status, 403, "{route} with {body}: {answer:?}");
+        }
+    }
+    // Untouched: still waiting; the genuine capability completes it.
+    let still = poll_until(address, &execution_id, |body| body.contains("Suspended")).await;
+    assert!(still.starts_with(r#"{"_tag":"Suspended""#), "{still}");
+    let path = format!("/deferred/{signed}");
+    assert_eq!(exchange(address, "POST", &path, &json, br#""alice""#).await.status, 204);
+    let result = poll_until(address, &execution_id, |body| body.contains("Complete")).await;
+    assert!(result.contains("approved by alice"), "{result}");
+    // Sent again, the capability changes nothing: the first completion won.
+    assert_eq!(exchange(address, "POST", &path, &json, br#""mallory""#).await.status, 204);
+    let result = poll_until(address, &execution_id, |body| body.contains("Complete")).await;
+    assert!(result.contains("approved by alice"), "{result}");
+    gateway.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn workflow_routes_need_a_capability_on_sqlite() {
+    workflow_routes_need_a_capability(Gateway::start("http-capabilities").await).await;
+}
+
+/// A gateway with neither a token key nor an authorizer refuses every route that acts on an
+/// existing execution; an authorizer decides them from the request's headers.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn without_a_key_the_authorizer_decides_and_without_either_nothing_passes() {
+    let database = TestDatabase::sqlite("http-authorizer");
+    let sharding = support::single_runner(&database).await;
+    let engine = WorkflowEngine::cluster(&sharding).unwrap();
+    Approval::register(&engine, approve).unwrap();
+    let serve = |router: axum::Router| async move {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let address = listener.local_addr().unwrap();
+        (address, tokio::spawn(async move { axum::serve(listener, router).await }))
+    };
+    let closed = HttpGateway::new(sharding.clone()).workflow::<Approval>(&engine).router();
+    let admins = HttpGateway::new(sharding.clone())
+        .workflow::<Approval>(&engine)
+        .workflow_authorizer(|access| access.headers.get("x-role").is_some_and(|r| r == "admin"))
+        .router();
+    let ((closed, closed_server), (admins, admins_server)) =
+        (serve(closed).await, serve(admins).await);
+    let json = [("content-type".to_owned(), "application/json".to_owned())];
+    let started =
+        exchange(closed, "POST", "/approval/discard", &json, br#"{"approval_id":"z1"}"#).await;
+    assert_eq!(started.status, 200, "starting needs no capability: {started:?}");
+    let execution_id: String = serde_json::from_str(&started.body).unwrap();
+    let body = serde_json::json!({ "executionId": execution_id }).to_string();
+    let token = approval().token_for::<Approval>(&ExecutionId::from_raw(execution_id.clone()));
+    let path = format!("/deferred/{}", token.encode());
+    for address in [closed, admins] {
+        assert_eq!(
+            exchange(address, "POST", "/approval/poll", &json, body.as_bytes()).await.status,
+            403
+        );
+        assert_eq!(exchange(address, "POST", &path, &json, br#""x""#).await.status, 403);
+    }
+    let admin = [
+        ("content-type".to_owned(), "application/json".to_owned()),
+        ("x-role".to_owned(), "admin".to_owned()),
+    ];
+    let polled = exchange(admins, "POST", "/approval/poll", &admin, body.as_bytes()).await;
+    assert_eq!(polled.status, 200, "{polled:?}");
+    assert_eq!(exchange(admins, "POST", &path, &admin, br#""root""#).await.status, 204);
+    closed_server.abort();
+    admins_server.abort();
+    sharding.shutdown().await;
+    drop(database);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

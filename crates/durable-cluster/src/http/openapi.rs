@@ -196,7 +196,13 @@ fn open_document(
                 .operation_id(Some(id))
                 .parameter(token)
                 .request_body(Some(json_body(any()).build()))
-                .response("204", no_content());
+                .response("204", no_content())
+                .response("403", forbidden())
+                .response(
+                    "404",
+                    ResponseBuilder::new()
+                        .description("No such execution, or a workflow not served here"),
+                );
             let operation = gateway_answers(operation);
             let path = format!("/deferred/{{token}}{suffix}");
             paths = paths.path(path, PathItem::new(HttpMethod::Post, operation));
@@ -371,6 +377,12 @@ fn workflow_discard(workflow: &WorkflowOperation<'_>) -> OperationBuilder {
     gateway_answers(operation)
 }
 
+/// A workflow route refused for want of a capability (a signed token or execution handle)
+/// or of the authorizer's consent.
+fn forbidden() -> ResponseBuilder {
+    ResponseBuilder::new().description("No valid capability for this execution")
+}
+
 fn no_content() -> ResponseBuilder {
     ResponseBuilder::new().description("<No Content>")
 }
@@ -389,13 +401,15 @@ fn workflow_by_id(
         .schema_type(Type::Object)
         .property("executionId", string())
         .required("executionId")
+        .property("token", string())
         .build();
     let status = if operation == "Poll" { "200" } else { "204" };
     let operation = OperationBuilder::new()
         .tag(workflow.name)
         .operation_id(Some(format!("{0}.{0}{operation}", workflow.name)))
         .request_body(Some(json_body(Schema::Object(body)).build()))
-        .response(status, answer);
+        .response(status, answer)
+        .response("403", forbidden());
     gateway_answers(operation)
 }
 
