@@ -177,7 +177,9 @@ pub use cluster_sharding::*;
 #[cfg(feature = "kubernetes")]
 pub use kubernetes::{KubernetesOptions, KubernetesRunnerHealth, KubernetesToken};
 #[cfg(feature = "rpc")]
-pub use runner::{BoxError, Role, Runner, RunnerEnv, RunnerError, RunnerHealthSource, terminated};
+pub use runner::{
+    BoxError, Role, Runner, RunnerEnv, RunnerError, RunnerHealthSource, masked_url, terminated,
+};
 #[cfg(feature = "sqlite")]
 pub use single_runner::SingleRunner;
 
