@@ -8,6 +8,7 @@
 //! | `HOST`, `PORT`, `LISTEN_HOST`, `LISTEN_PORT`, … | the runtime's settings (`ShardingConfig::from_env`) |
 //! | `CLUSTER_RPC_SECRET`, `CLUSTER_RPC_*` | the transport's settings (`RpcConfig::from_env`) |
 //! | `CLUSTER_OPS_LISTEN` | the address of the operations server (`/healthz`, `/readyz`, `/metrics`; feature `ops`), off when unset |
+//! | `CLUSTER_OPS_CONNECTIONS_MAX`, `CLUSTER_OPS_HEADER_READ_TIMEOUT` | the operations server's connection limit (default 64) and header-read and idle timeout (default `5 seconds`) |
 //! | `CLUSTER_RUNNER_HEALTH` | how the runners judge each other: `transport` (the default: pings, as `RUNNER_HEALTH_CHECK` says) or `kubernetes` (pod readiness; feature `kubernetes`) |
 //! | `CLUSTER_KUBERNETES_NAMESPACE` | with `kubernetes`: the namespace of the runners' pods (default: the pod's own) |
 //! | `CLUSTER_KUBERNETES_LABEL_SELECTOR` | with `kubernetes`: the label selector of the runners' pods (default: every running pod of the namespace) |
@@ -138,6 +139,10 @@ pub struct RunnerEnv {
     pub rpc: RpcConfig,
     /// Where the operations server listens (`CLUSTER_OPS_LISTEN`, feature `ops`); `None`: off.
     pub ops_listen: Option<SocketAddr>,
+    /// The operations server's limits (`CLUSTER_OPS_CONNECTIONS_MAX`,
+    /// `CLUSTER_OPS_HEADER_READ_TIMEOUT`; [`ServerLimits::ops`] by default).
+    #[cfg(feature = "ops")]
+    pub ops_limits: crate::ServerLimits,
     /// How a runner judges the other runners' health (`CLUSTER_RUNNER_HEALTH`); a client
     /// judges none, and does not read it.
     pub runner_health: RunnerHealthSource,
@@ -145,15 +150,17 @@ pub struct RunnerEnv {
 
 impl std::fmt::Debug for RunnerEnv {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("RunnerEnv")
+        let mut debug = f.debug_struct("RunnerEnv");
+        debug
             .field("storage_url", &masked_url(&self.storage_url))
             .field("table_prefix", &self.table_prefix)
             .field("value_bytes_max", &self.value_bytes_max)
             .field("sharding", &self.sharding)
             .field("rpc", &self.rpc)
-            .field("ops_listen", &self.ops_listen)
-            .field("runner_health", &self.runner_health)
-            .finish()
+            .field("ops_listen", &self.ops_listen);
+        #[cfg(feature = "ops")]
+        debug.field("ops_limits", &self.ops_limits);
+        debug.field("runner_health", &self.runner_health).finish()
     }
 }
 
@@ -410,6 +417,8 @@ impl RunnerEnv {
                 .into());
             }
         };
+        #[cfg(feature = "ops")]
+        let ops_limits = crate::ServerLimits::ops().with_lookup("CLUSTER_OPS_", &lookup)?;
         // A client judges no runner: it does not read the runner-health variables.
         let runner_health = match role {
             Role::Runner => RunnerHealthSource::from_lookup(&lookup)?,
@@ -422,6 +431,8 @@ impl RunnerEnv {
             sharding,
             rpc,
             ops_listen,
+            #[cfg(feature = "ops")]
+            ops_limits,
             runner_health,
         })
     }
@@ -616,7 +627,9 @@ impl Runner {
         // Bound before joining: a port in use stops the start before the runner holds shards.
         #[cfg(feature = "ops")]
         let ops = match env.ops_listen {
-            Some(address) => Some(crate::ops::OpsListener::bind(address).await?),
+            Some(address) => {
+                Some(crate::ops::OpsListener::bind(address, env.ops_limits.clone()).await?)
+            }
             None => None,
         };
         let sharding = match storages {
