@@ -453,3 +453,17 @@ async fn an_id_with_a_control_character_is_refused_and_never_logged_raw() {
     legitimate_call(gateway).await;
     served.stop().await;
 }
+
+/// A handler's panic is answered 500 at once (not 504 after the request timeout and a series of
+/// restarts), and the recreated entity serves the next request.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_handler_defect_is_answered_500_at_once() {
+    let served = start("security-defect", &[], &[]).await;
+    let started = Instant::now();
+    let answer = support::exchange(served.gateway, "POST", "/boom/b1", &json(), b"").await;
+    assert_eq!((answer.status, answer.body.as_str()), (500, ""), "{answer:?}");
+    assert!(started.elapsed() < Duration::from_secs(2), "{:?}", started.elapsed());
+    let answer = support::exchange(served.gateway, "POST", "/get/b1", &json(), b"").await;
+    assert_eq!((answer.status, answer.body.as_str()), (200, "0"), "{answer:?}");
+    served.stop().await;
+}
