@@ -467,3 +467,50 @@ async fn a_handler_defect_is_answered_500_at_once() {
     assert_eq!((answer.status, answer.body.as_str()), (200, "0"), "{answer:?}");
     served.stop().await;
 }
+
+/// A storage URL's password shows in no error, `Debug` output, log line or `/readyz` answer of
+/// a runner: one that cannot start (an unknown scheme, an unreachable database) and, with
+/// PostgreSQL (which trusts any password here), one that runs.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_storage_password_never_shows() {
+    let _ = logs();
+    const PASSWORD: &str = "Hunter2Secret";
+    let mut shown = String::new();
+    for url in [
+        format!("mariadb://app:{PASSWORD}@db.example:3306/app"),
+        format!("postgres://app:{PASSWORD}@127.0.0.1:1/app"),
+        format!("postgres://app@127.0.0.1:1/app?password={PASSWORD}"),
+    ] {
+        let env = support::env("security-secret", &[("CLUSTER_STORAGE_URL", &url)]).unwrap();
+        shown.push_str(&format!("{env:?} {env:#?}\n"));
+        match Runner::start(&env, |_| Ok(())).await {
+            Err(error) => shown.push_str(&format!("{error} {error:?}\n")),
+            Ok(runner) => {
+                runner.shutdown().await;
+                panic!("{url} started");
+            }
+        }
+    }
+    if let Ok(reachable) = std::env::var("CLUSTER_TEST_POSTGRES_URL") {
+        let url = reachable.replacen(
+            "postgres://postgres@",
+            &format!("postgres://postgres:{PASSWORD}@"),
+            1,
+        );
+        assert!(url.contains(PASSWORD), "{reachable} has no user to give a password");
+        let env = support::env(
+            "security-secret",
+            &[("CLUSTER_STORAGE_URL", &url), ("CLUSTER_OPS_LISTEN", "127.0.0.1:0")],
+        )
+        .unwrap();
+        let runner = Runner::start(&env, |_| Ok(())).await.unwrap();
+        let (_, ready) = support::get(runner.ops_address().unwrap(), "/readyz").await.unwrap();
+        shown.push_str(&format!("{env:?} {ready} {:?}\n", runner));
+        runner.shutdown().await;
+    }
+    support::remove_database("security-secret");
+    let logs = logged();
+    assert!(!shown.contains(PASSWORD), "{shown}");
+    assert!(!logs.contains(PASSWORD), "{logs}");
+    assert!(shown.contains("app:***@"), "{shown}");
+}
