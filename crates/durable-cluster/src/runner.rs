@@ -140,7 +140,8 @@ pub struct RunnerEnv {
     /// Where the operations server listens (`CLUSTER_OPS_LISTEN`, feature `ops`); `None`: off.
     pub ops_listen: Option<SocketAddr>,
     /// The operations server's limits (`CLUSTER_OPS_CONNECTIONS_MAX`,
-    /// `CLUSTER_OPS_HEADER_READ_TIMEOUT`; [`ServerLimits::ops`] by default).
+    /// `CLUSTER_OPS_HEADER_READ_TIMEOUT`; by default
+    /// [`ServerLimits::ops`](crate::ServerLimits::ops)).
     #[cfg(feature = "ops")]
     pub ops_limits: crate::ServerLimits,
     /// How a runner judges the other runners' health (`CLUSTER_RUNNER_HEALTH`); a client

@@ -1,4 +1,4 @@
-//! The HTTP server under the gateway ([`crate::http::serve`]) and the operations server: hyper's
+//! The HTTP server under the gateway (`http::serve`) and the operations server: hyper's
 //! HTTP/1 connections, with its timer, behind a connection limit.
 //!
 //! What one client cannot do to it:
