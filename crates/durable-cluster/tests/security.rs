@@ -57,6 +57,13 @@ fn logs() -> &'static Arc<Mutex<Vec<u8>>> {
     })
 }
 
+/// Held by each test: under `cargo test` the tests of this file share one process, whose
+/// descriptors the flood test counts (nextest runs each in a process of its own).
+async fn one_at_a_time() -> tokio::sync::MutexGuard<'static, ()> {
+    static SERIAL: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
+    SERIAL.lock().await
+}
+
 #[derive(Clone)]
 struct Logs(Arc<Mutex<Vec<u8>>>);
 
@@ -234,6 +241,7 @@ fn open_descriptors() -> usize {
 /// here), and a legitimate client is served meanwhile.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn slow_headers_slow_bodies_and_idle_connections_are_closed_within_their_timeouts() {
+    let _serial = one_at_a_time().await;
     let served = start(
         "security-slow",
         &[],
@@ -289,6 +297,7 @@ async fn slow_headers_slow_bodies_and_idle_connections_are_closed_within_their_t
 /// the limits, the runner stays ready and the gateway answers, at once.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_connection_flood_on_each_port_leaves_the_runner_ready() {
+    let _serial = one_at_a_time().await;
     let ops_max = OPS_CONNECTIONS_MAX.to_string();
     let gateway_max = GATEWAY_CONNECTIONS_MAX.to_string();
     let served = start(
@@ -356,6 +365,7 @@ async fn a_connection_flood_on_each_port_leaves_the_runner_ready() {
 /// browser may send without a preflight, it is refused and reaches no entity.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_request_without_the_json_content_type_is_refused() {
+    let _serial = one_at_a_time().await;
     let served = start("security-content-type", &[], &[]).await;
     let gateway = served.gateway;
     let text = vec![("content-type".to_owned(), "text/plain".to_owned())];
@@ -377,6 +387,7 @@ async fn a_request_without_the_json_content_type_is_refused() {
 /// wrong token is refused as a missing one.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn every_route_needs_the_bearer_token() {
+    let _serial = one_at_a_time().await;
     let token = "d2f1c9a0e4b7386512fedcba98765432";
     let served = start("security-bearer", &[], &[("CLUSTER_HTTP_BEARER_TOKEN", token)]).await;
     let gateway = served.gateway;
@@ -410,6 +421,7 @@ async fn every_route_needs_the_bearer_token() {
 /// caller) is logged escaped. No log line carries a raw control character, and none is forged.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_id_with_a_control_character_is_refused_and_never_logged_raw() {
+    let _serial = one_at_a_time().await;
     let served = start("security-ids", &[], &[]).await;
     let gateway = served.gateway;
     for id in ["x%0AINFO%20admin%20login%20ok", "a%1B%5B2J", "nul%00", "del%7F"] {
@@ -458,6 +470,7 @@ async fn an_id_with_a_control_character_is_refused_and_never_logged_raw() {
 /// restarts), and the recreated entity serves the next request.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_handler_defect_is_answered_500_at_once() {
+    let _serial = one_at_a_time().await;
     let served = start("security-defect", &[], &[]).await;
     let started = Instant::now();
     let answer = support::exchange(served.gateway, "POST", "/boom/b1", &json(), b"").await;
@@ -473,6 +486,7 @@ async fn a_handler_defect_is_answered_500_at_once() {
 /// PostgreSQL (which trusts any password here), one that runs.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_storage_password_never_shows() {
+    let _serial = one_at_a_time().await;
     let _ = logs();
     const PASSWORD: &str = "Hunter2Secret";
     let mut shown = String::new();
