@@ -320,7 +320,10 @@ fn gateway_schemathesis() -> Result<()> {
         .map_or_else(|| workspace_root().join("target"), PathBuf::from);
     let binary = target.join("debug/examples/http_gateway");
     let mut gateway = Command::new(&binary)
-        .envs([("GATEWAY_TOKEN", "schemathesis"), ("GATEWAY_LISTEN", "127.0.0.1:0")])
+        .envs([
+            ("CLUSTER_HTTP_BEARER_TOKEN", SCHEMATHESIS_TOKEN),
+            ("GATEWAY_LISTEN", "127.0.0.1:0"),
+        ])
         .stdout(std::process::Stdio::piped())
         .spawn()
         .with_context(|| format!("cannot start {}", binary.display()))?;
@@ -334,7 +337,7 @@ fn gateway_schemathesis() -> Result<()> {
         let run = Command::new(&schemathesis)
             .current_dir(&work)
             .args(["run", &format!("{url}/openapi.json"), "--url", &url])
-            .args(["-H", "Authorization: Bearer schemathesis"])
+            .args(["-H", &format!("Authorization: Bearer {SCHEMATHESIS_TOKEN}")])
             .args(["--checks", "not_a_server_error", "--max-examples", "100", "--seed", "1"])
             .spawn()
             .context("cannot run schemathesis")
@@ -354,6 +357,10 @@ fn gateway_schemathesis() -> Result<()> {
 
 /// How long the `http_gateway` example may take to listen.
 const GATEWAY_START_DEADLINE: std::time::Duration = std::time::Duration::from_secs(60);
+/// The example gateway's bearer token during schemathesis' run (a token has at least 32
+/// characters).
+const SCHEMATHESIS_TOKEN: &str = "schemathesis-token-0123456789abcdef";
+
 /// How long schemathesis may run (it takes seconds).
 const SCHEMATHESIS_DEADLINE: std::time::Duration = std::time::Duration::from_secs(600);
 

@@ -419,7 +419,7 @@ pub const MESSAGE_ID_LENGTH_MAX: usize = 255;
 ///
 /// Two requests with the same storage key are one request: the second save is a duplicate.
 pub fn primary_key(address: &EntityAddress, tag: &str, key: &str) -> String {
-    format!("{}/{}/{tag}/{key}", address.entity_type, address.entity_id)
+    format!("{}/{}/{tag}/{key}", address.entity_type, address.entity_id.as_str())
 }
 
 /// The `message_id` column value of a primary key: the key itself when it has at most

@@ -6,7 +6,7 @@
 //! touching a reference count.
 
 use std::cmp::Ordering;
-use std::fmt;
+use std::fmt::{self, Write as _};
 use std::hash::{Hash, Hasher};
 use std::str::FromStr;
 use std::sync::Arc;
@@ -76,12 +76,6 @@ macro_rules! shared_str_newtype {
             }
         }
 
-        impl fmt::Display for $name {
-            fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-                f.write_str(self.as_str())
-            }
-        }
-
         impl fmt::Debug for $name {
             fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
                 fmt::Debug::fmt(self.as_str(), f)
@@ -124,6 +118,45 @@ shared_str_newtype!(
     /// The key of one entity instance within its type.
     EntityId
 );
+
+macro_rules! plain_display {
+    ($($name:ident),*) => {$(
+        impl fmt::Display for $name {
+            fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+                f.write_str(self.as_str())
+            }
+        }
+    )*};
+}
+
+plain_display!(ShardGroup, EntityType, Tag);
+
+/// An entity id as text, with its control characters escaped (an escape character shows as
+/// `\u{1b}`, a line feed as `\n`): ids come from outside (an HTTP path, a peer, a stored
+/// message), and every log line and span field shows them through this `Display`, so that an id
+/// can never forge a log line or drive a terminal.
+/// Every other character is shown as is. The id itself is [`EntityId::as_str`]: storage keys,
+/// hashes and wire forms use that, never this text.
+///
+/// Escaping here rather than refusing such ids where they are made: an id is made from a
+/// `String` in many places (`From` cannot fail), and ids stored by the reference, or sent by
+/// its runners, must still be read and served as they are.
+impl fmt::Display for EntityId {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let text = self.as_str();
+        if !text.chars().any(char::is_control) {
+            return f.write_str(text);
+        }
+        for character in text.chars() {
+            if character.is_control() {
+                write!(f, "{}", character.escape_debug())?;
+            } else {
+                f.write_char(character)?;
+            }
+        }
+        Ok(())
+    }
+}
 
 shared_str_newtype!(
     /// The tag of an RPC, such as `Increment`: which request of its entity type a message is.

@@ -90,7 +90,7 @@ pub mod trace;
 
 pub use api::client::{ChunkStream, EntityClient};
 pub use api::entity::{
-    CHUNK_BYTES_MAX, CHUNK_ITEMS_MAX, ChunkError, Chunks, DEFAULT_ON_STOP_TIMEOUT, Entity,
+    CHUNK_BYTES_MAX, CHUNK_ITEMS_MAX, ChunkError, Chunks, DEFAULT_ON_STOP_TIMEOUT, Defects, Entity,
     EntityContext, EntityOptions, ForkedHandler, ForkedStreamHandler, Handler, Protocol,
     RequestContext, SharedHandler, StreamHandler, lock_backend,
 };

@@ -636,6 +636,7 @@ impl Sharding {
             on_stop_timeout: options.on_stop_timeout.unwrap_or(DEFAULT_ON_STOP_TIMEOUT),
             transaction_retry: config.send_retry_interval,
             mailbox_metrics: config.entity_mailbox_metrics,
+            defects: options.defects.unwrap_or_default(),
         };
         let inserted = self.inner.managers.insert(&entity_type, || {
             Arc::new(EntityManager::<E>::new(

@@ -349,7 +349,7 @@ impl MemoryMessageStorage {
         let mut lines = Vec::new();
         for message in state.messages.values() {
             let address = message.envelope.address();
-            if !address.entity_id.to_string().contains(entity_id) {
+            if !address.entity_id.as_str().contains(entity_id) {
                 continue;
             }
             let what = match &message.envelope {

@@ -92,7 +92,7 @@ impl Entity for Counter {
     const TYPE: &'static str = "TestCounter";
 
     async fn create(context: &EntityContext) -> Counter {
-        Counter { value: 0, id: context.address().entity_id.to_string() }
+        Counter { value: 0, id: context.address().entity_id.as_str().to_owned() }
     }
 
     fn protocol(protocol: &mut Protocol<Counter>) {

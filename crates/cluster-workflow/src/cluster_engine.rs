@@ -410,6 +410,9 @@ impl ClusterEngine {
 
 fn entity_options() -> EntityOptions {
     EntityOptions {
+        // A run without a result (a defect with `capture_defects` off) panics on purpose to be
+        // run again: the reference's fatal defects.
+        defects: Some(cluster_sharding::Defects::Replay),
         max_idle_time: Some(Some(MAX_IDLE)),
         concurrency: Some(Capacity::Bounded(
             NonZeroU32::new(CONCURRENCY).unwrap_or(NonZeroU32::MIN),

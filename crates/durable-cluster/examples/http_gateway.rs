@@ -2,22 +2,20 @@
 //! the `Counter` entity served over HTTP (see docs/http.md for the curl lines).
 //!
 //! ```text
-//! GATEWAY_TOKEN=secret cargo run -p durable-cluster --features http,schemars --example http_gateway
-//! curl -s -X POST -H 'authorization: Bearer secret' -d '{"amount":2}' \
+//! export CLUSTER_HTTP_BEARER_TOKEN=$(openssl rand -hex 16)
+//! cargo run -p durable-cluster --features http,schemars --example http_gateway
+//! curl -s -H "authorization: Bearer $CLUSTER_HTTP_BEARER_TOKEN" --json '{"amount":2}' \
 //!   http://127.0.0.1:8080/api/increment/c1
 //! ```
 //!
-//! It listens on `GATEWAY_LISTEN` (default `127.0.0.1:8080`) until Ctrl-C. Without
-//! `GATEWAY_TOKEN` every request is refused (401). Its OpenAPI document, with the request
-//! types' schemas, is at `/api/openapi.json`.
+//! It listens on `GATEWAY_LISTEN` (default `127.0.0.1:8080`) until Ctrl-C, with the limits and
+//! the token of the `CLUSTER_HTTP_*` variables (`HttpConfig::from_env`), and does not start
+//! without a token. Its OpenAPI document, with the request types' schemas, is at
+//! `/api/openapi.json`.
 
 use std::process::ExitCode;
 
-use axum::extract::Request;
-use axum::http::StatusCode;
-use axum::middleware::Next;
-use axum::response::Response;
-use durable_cluster::http::HttpGateway;
+use durable_cluster::http::{HttpConfig, HttpGateway};
 use durable_cluster::{EntityOptions, Never, ShardingConfig, SingleRunner, entity};
 use schemars::JsonSchema;
 use serde::{Deserialize, Serialize};
@@ -73,44 +71,35 @@ impl Counter {
     }
 }
 
-/// Lets a request through only with `authorization: Bearer <token>`.
-async fn bearer(
-    token: Option<String>,
-    request: Request,
-    next: Next,
-) -> Result<Response, StatusCode> {
-    let expected = token.map(|token| format!("Bearer {token}"));
-    let given = request.headers().get("authorization").and_then(|value| value.to_str().ok());
-    match (expected, given) {
-        (Some(expected), Some(given)) if expected == given => Ok(next.run(request).await),
-        _ => Err(StatusCode::UNAUTHORIZED),
-    }
-}
-
 async fn run() -> Result<(), Box<dyn std::error::Error>> {
+    // The limits and the bearer token of `CLUSTER_HTTP_*`; the token is required here.
+    let config = HttpConfig::from_env()?;
+    if config.bearer_token.is_none() {
+        return Err(
+            "set CLUSTER_HTTP_BEARER_TOKEN (at least 32 characters: openssl rand -hex 16)".into()
+        );
+    }
     let path = std::env::temp_dir().join(format!("http-gateway-{}.db", std::process::id()));
     let sharding = SingleRunner::sqlite(&path, ShardingConfig::default()).await?;
     sharding.register::<Counter>(EntityOptions::default())?;
-    let token = std::env::var("GATEWAY_TOKEN").ok().filter(|token| !token.is_empty());
     let gateway = HttpGateway::new(sharding.clone())
         .entity::<Counter>()
         .schemas::<Counter, Increment>()
         .schemas::<Counter, Get>()
         .error_status("NegativeAmount", 422)?
         .error_status("Overflow", 422)?
-        .router()
-        .layer(axum::middleware::from_fn(move |request, next| {
-            bearer(token.clone(), request, next)
-        }));
+        // Every route, the OpenAPI document included, needs the token.
+        .configured(&config)
+        .router();
     let app = axum::Router::new().nest("/api", gateway);
     let listen = std::env::var("GATEWAY_LISTEN").unwrap_or_else(|_| "127.0.0.1:8080".to_owned());
     let listener = tokio::net::TcpListener::bind(&listen).await?;
     say(&format!("http_gateway: listening on {}", listener.local_addr()?));
-    axum::serve(listener, app)
-        .with_graceful_shutdown(async {
-            let _ = tokio::signal::ctrl_c().await;
-        })
-        .await?;
+    // Not `axum::serve`: it has no header or idle timeout and no connection limit.
+    let stopped = async {
+        let _ = tokio::signal::ctrl_c().await;
+    };
+    durable_cluster::http::serve(listener, app, config.limits, stopped).await;
     sharding.shutdown().await;
     for suffix in ["", "-wal", "-shm"] {
         let _ = std::fs::remove_file(format!("{}{suffix}", path.display()));

@@ -66,7 +66,7 @@ impl Entity for Sensor {
 
     async fn create(context: &EntityContext) -> Sensor {
         // Each sensor starts from a base derived from its id, to tell them apart.
-        let base = context.address().entity_id.to_string().len() as u64 * 100;
+        let base = context.address().entity_id.as_str().len() as u64 * 100;
         Sensor { base }
     }
 

@@ -26,12 +26,19 @@
 //! - A streaming request type answers 200 and its items as NDJSON or Server-Sent Events, with
 //!   backpressure (a format of this gateway's own: the reference's proxy has none; see
 //!   `http/stream.rs`).
-//! - A content type other than JSON answers 415; a body over the limit 413; a call past the
-//!   request timeout 504.
+//! - A request without the JSON content type (`application/json`, parameters allowed) answers
+//!   415, also without a content type at all (the reference reads that as JSON): a browser's
+//!   `no-cors` request from another site cannot send JSON, so it cannot change state here.
+//! - An entity id, an execution id or a deferred's name with a control character answers 400.
+//! - A body over the limit answers 413; a body not read within `body_read_timeout` 408; a call
+//!   past the request timeout 504.
 //! - `GET /openapi.json` answers the OpenAPI document of the routes ([`HttpGateway::openapi`]).
 //!
-//! Authentication is a tower layer of the application's around the router (see the
-//! `http_gateway` example), and a prefix is axum's `Router::nest`.
+//! Authentication: an [`Authenticator`] ([`HttpGateway::authenticator`], such as
+//! [`BearerToken`]) runs before every route. [`serve`] serves a router within
+//! [`ServerLimits`](crate::ServerLimits) (connections, header and idle timeouts), and
+//! [`HttpConfig::from_env`] reads all of it from `CLUSTER_HTTP_*`. A prefix is axum's
+//! `Router::nest`.
 
 use std::collections::BTreeMap;
 use std::sync::Arc;
@@ -44,16 +51,18 @@ use cluster_core::envelope::{Cause, CauseReason, Exit, RawJson};
 use cluster_core::{ClusterError, EntityAddress, EntityId};
 use cluster_sharding::{Entity, ErasedError, ErasedRpc, Sharding};
 
+mod auth;
 mod openapi;
 #[cfg(feature = "schemars")]
 mod schemas;
 mod stream;
 
+pub use auth::{Authenticator, BEARER_TOKEN_CHARS_MIN, BearerToken};
 #[cfg(feature = "workflow")]
 pub use workflows::{WorkflowAccess, WorkflowAction};
 
 /// The longest entity id a path may carry, in characters after decoding (the reference's
-/// router's `maxParamLength`).
+/// router's `maxParamLength`); also the longest execution id a workflow route accepts.
 pub const MAX_ENTITY_ID_CHARS: usize = 100;
 
 /// Limits of an [`HttpGateway`].
@@ -66,12 +75,123 @@ pub struct HttpOptions {
     /// and is answered in storage (the same call, with the same primary key, reads it); a
     /// volatile one is interrupted. Default 30 s.
     pub request_timeout: Duration,
+    /// How long reading a request's whole body may take before the gateway answers 408 and
+    /// closes the connection. Default 30 s.
+    pub body_read_timeout: Duration,
 }
 
 impl Default for HttpOptions {
     fn default() -> HttpOptions {
-        HttpOptions { max_body_bytes: 4 * 1024 * 1024, request_timeout: Duration::from_secs(30) }
+        HttpOptions {
+            max_body_bytes: 4 * 1024 * 1024,
+            request_timeout: Duration::from_secs(30),
+            body_read_timeout: Duration::from_secs(30),
+        }
     }
+}
+
+/// The gateway's settings from the environment ([`HttpConfig::from_env`]): its server's limits,
+/// its options and its bearer token. Unset or empty variables keep the defaults.
+///
+/// | variable | meaning |
+/// | --- | --- |
+/// | `CLUSTER_HTTP_CONNECTIONS_MAX` | the most connections open at once (default 1024) |
+/// | `CLUSTER_HTTP_HEADER_READ_TIMEOUT` | the time to send a request head, and the idle time of a kept-alive connection (default `30 seconds`) |
+/// | `CLUSTER_HTTP_BODY_READ_TIMEOUT` | the time to send a whole body (default `30 seconds`) |
+/// | `CLUSTER_HTTP_BODY_BYTES_MAX` | the largest body, in bytes (default 4194304) |
+/// | `CLUSTER_HTTP_REQUEST_TIMEOUT` | the time a call may take (default `30 seconds`) |
+/// | `CLUSTER_HTTP_BEARER_TOKEN` | the token every request must carry (`Authorization: Bearer ...`), at least 32 characters |
+/// | `CLUSTER_HTTP_BEARER_TOKEN_FILE` | a file of such tokens, one per line (instead of the variable; for a rotation) |
+#[derive(Clone, Debug)]
+#[non_exhaustive]
+pub struct HttpConfig {
+    /// The server's limits (for [`serve`]).
+    pub limits: crate::ServerLimits,
+    /// The gateway's options ([`HttpGateway::options`]).
+    pub options: HttpOptions,
+    /// The bearer token(s) every request must carry, when set ([`HttpGateway::authenticator`]).
+    pub bearer_token: Option<BearerToken>,
+}
+
+impl HttpConfig {
+    /// The settings from the process environment.
+    ///
+    /// # Errors
+    ///
+    /// A variable is wrong (the error names it, and never shows a token), or both
+    /// `CLUSTER_HTTP_BEARER_TOKEN` and `CLUSTER_HTTP_BEARER_TOKEN_FILE` are set.
+    pub fn from_env() -> Result<HttpConfig, cluster_core::ConfigError> {
+        HttpConfig::from_lookup(|name| std::env::var(name).ok())
+    }
+
+    /// The settings from `lookup` (a variable's value, or `None` when it is unset).
+    ///
+    /// # Errors
+    ///
+    /// As [`HttpConfig::from_env`].
+    pub fn from_lookup(
+        lookup: impl Fn(&str) -> Option<String>,
+    ) -> Result<HttpConfig, cluster_core::ConfigError> {
+        use crate::server::{bounded_duration, set};
+        let limits = crate::ServerLimits::gateway().with_lookup("CLUSTER_HTTP_", &lookup)?;
+        let mut options = HttpOptions::default();
+        if let Some(value) = set(&lookup, "CLUSTER_HTTP_BODY_READ_TIMEOUT") {
+            options.body_read_timeout = bounded_duration("CLUSTER_HTTP_BODY_READ_TIMEOUT", &value)?;
+        }
+        if let Some(value) = set(&lookup, "CLUSTER_HTTP_REQUEST_TIMEOUT") {
+            options.request_timeout = bounded_duration("CLUSTER_HTTP_REQUEST_TIMEOUT", &value)?;
+        }
+        if let Some(value) = set(&lookup, "CLUSTER_HTTP_BODY_BYTES_MAX") {
+            options.max_body_bytes = value
+                .trim()
+                .parse::<usize>()
+                .ok()
+                .filter(|bytes| (1..=1 << 30).contains(bytes))
+                .ok_or_else(|| {
+                    cluster_core::ConfigError::new(
+                        "CLUSTER_HTTP_BODY_BYTES_MAX",
+                        &value,
+                        "is not a number of bytes from 1 to 1073741824, such as 4194304",
+                    )
+                })?;
+        }
+        let token = lookup(auth::TOKEN_VARIABLE).filter(|token| !token.is_empty());
+        let file = set(&lookup, auth::TOKEN_FILE_VARIABLE);
+        let bearer_token = match (token, file) {
+            (Some(_), Some(file)) => {
+                return Err(cluster_core::ConfigError::new(
+                    auth::TOKEN_FILE_VARIABLE,
+                    file,
+                    "is set together with CLUSTER_HTTP_BEARER_TOKEN: set one of them",
+                ));
+            }
+            (Some(token), None) => Some(BearerToken::new(&token)?),
+            (None, Some(file)) => Some(BearerToken::from_file(std::path::Path::new(&file))?),
+            (None, None) => None,
+        };
+        Ok(HttpConfig { limits, options, bearer_token })
+    }
+}
+
+/// Serves `app` (a gateway's router, or a router it is nested in) on `listener` within
+/// `limits` until `shutdown` completes, then stops gracefully: no new connection, the requests
+/// in progress answered within `limits.shutdown_timeout`, every connection closed.
+///
+/// Use it rather than `axum::serve`, which has no header-read or idle timeout and no connection
+/// limit: a few hundred stalled clients would hold it. HTTP/1 only: a connection carries one
+/// request at a time (pipelined requests wait their turn). See [`ServerLimits`](crate::ServerLimits)
+/// for what happens at the connection limit.
+///
+/// # Cancel safety
+///
+/// Dropping the future closes every connection at once.
+pub async fn serve(
+    listener: tokio::net::TcpListener,
+    app: axum::Router,
+    limits: crate::ServerLimits,
+    shutdown: impl Future<Output = ()> + Send,
+) {
+    crate::server::serve(listener, app, limits, shutdown).await;
 }
 
 /// The request types of one registered entity type, by their path segment.
@@ -95,6 +215,8 @@ pub struct HttpGateway {
     access: workflows::Access,
     error_statuses: BTreeMap<String, StatusCode>,
     options: HttpOptions,
+    /// Runs before every route, when set.
+    authenticator: Option<Arc<dyn Authenticator>>,
     /// The schemas the application documented (feature `schemars`).
     documented: openapi::Documented,
     #[cfg(feature = "schemars")]
@@ -115,6 +237,7 @@ impl HttpGateway {
             access: workflows::Access::default(),
             error_statuses: BTreeMap::new(),
             options: HttpOptions::default(),
+            authenticator: None,
             documented: openapi::Documented::default(),
             #[cfg(feature = "schemars")]
             generator: schemas::Generator::default(),
@@ -164,11 +287,29 @@ impl HttpGateway {
         self
     }
 
+    /// Runs `authenticator` before every route: a request it refuses is answered with its
+    /// answer, and reaches no entity or workflow.
+    #[must_use]
+    pub fn authenticator(mut self, authenticator: impl Authenticator) -> HttpGateway {
+        self.authenticator = Some(Arc::new(authenticator));
+        self
+    }
+
+    /// The gateway with the options and the bearer token (when one is set) of `config`.
+    #[must_use]
+    pub fn configured(mut self, config: &HttpConfig) -> HttpGateway {
+        self.options = config.options.clone();
+        if let Some(token) = &config.bearer_token {
+            self = self.authenticator(token.clone());
+        }
+        self
+    }
+
     /// The axum router of the gateway; it also serves the OpenAPI document at
     /// `GET /openapi.json`.
     pub fn router(mut self) -> axum::Router {
         self.openapi_json = self.openapi().to_string();
-        axum::Router::new().fallback(serve).with_state(Arc::new(self))
+        axum::Router::new().fallback(route_request).with_state(Arc::new(self))
     }
 
     /// The OpenAPI 3.1 document of the routes, as JSON, in the reference's shape (see
@@ -234,6 +375,7 @@ impl std::fmt::Debug for HttpGateway {
             .field("entities", &self.entities)
             .field("error_statuses", &self.error_statuses)
             .field("options", &self.options)
+            .field("authenticated", &self.authenticator.is_some())
             .finish_non_exhaustive()
     }
 }
@@ -300,8 +442,12 @@ fn json(status: StatusCode, body: String) -> Response {
     response
 }
 
-/// The one handler: routes, checks the body, calls, answers.
-async fn serve(State(gateway): State<Arc<HttpGateway>>, request: Request) -> Response {
+/// The one handler: authenticates, routes, checks the body, calls, answers.
+async fn route_request(State(gateway): State<Arc<HttpGateway>>, request: Request) -> Response {
+    let request = match authenticate(&gateway, request).await {
+        Ok(request) => request,
+        Err(refused) => return refused,
+    };
     let path = request.uri().path().to_owned();
     let parts = path_parts(&path);
     if request.method() == Method::GET && parts == ["openapi.json"] {
@@ -312,6 +458,9 @@ async fn serve(State(gateway): State<Arc<HttpGateway>>, request: Request) -> Res
     }
     #[cfg(feature = "workflow")]
     if let Some(deferred) = workflows::deferred_route(&gateway.workflows, &gateway.access, &parts) {
+        if let Some(refused) = workflows::refuse_token_ids(&deferred) {
+            return refused;
+        }
         return workflows::complete(&gateway, deferred, request).await;
     }
     #[cfg(feature = "workflow")]
@@ -321,6 +470,9 @@ async fn serve(State(gateway): State<Arc<HttpGateway>>, request: Request) -> Res
     let Some((entity, rpc, entity_id, discard)) = gateway.route(&parts) else {
         return empty(StatusCode::NOT_FOUND);
     };
+    if let Some(refused) = refuse_id("entity id", entity_id.as_str()) {
+        return refused;
+    }
     // A stream has no discard route.
     if discard && rpc.is_stream() {
         return empty(StatusCode::NOT_FOUND);
@@ -370,6 +522,18 @@ async fn serve(State(gateway): State<Arc<HttpGateway>>, request: Request) -> Res
     }
 }
 
+/// The request, when the gateway has no authenticator or its authenticator lets it through;
+/// otherwise the authenticator's answer.
+async fn authenticate(gateway: &HttpGateway, request: Request) -> Result<Request, Response> {
+    let Some(authenticator) = &gateway.authenticator else { return Ok(request) };
+    let (parts, body) = request.into_parts();
+    if let Err(refused) = authenticator.authenticate(&parts).await {
+        tracing::debug!(status = %refused.status(), "HTTP request refused by the authenticator");
+        return Err(refused);
+    }
+    Ok(Request::from_parts(parts, body))
+}
+
 /// Runs `call` in `span` within the request timeout; `None` when it timed out (logged).
 async fn within_timeout<T>(
     options: &HttpOptions,
@@ -385,23 +549,35 @@ async fn within_timeout<T>(
     called.ok()
 }
 
-/// The request's JSON payload, or the answer that refuses it (415, 413, 400).
+/// The request's JSON payload, or the answer that refuses it (415, 413, 408, 400).
 async fn read_payload(options: &HttpOptions, request: Request) -> Result<RawJson, Response> {
     if let Some(unsupported) = unsupported_content_type(request.headers()) {
         let mut response = (StatusCode::UNSUPPORTED_MEDIA_TYPE, unsupported).into_response();
         response.headers_mut().insert(header::CONTENT_TYPE, HeaderValue::from_static("text/plain"));
         return Err(response);
     }
-    let Ok(body) = axum::body::to_bytes(request.into_body(), options.max_body_bytes).await else {
+    let reading = axum::body::to_bytes(request.into_body(), options.max_body_bytes);
+    let Ok(read) = tokio::time::timeout(options.body_read_timeout, reading).await else {
+        tracing::debug!("HTTP request body not read within its timeout");
+        // The rest of the body is never read: the connection closes after the answer.
+        let mut response = empty(StatusCode::REQUEST_TIMEOUT);
+        response.headers_mut().insert(header::CONNECTION, HeaderValue::from_static("close"));
+        return Err(response);
+    };
+    let Ok(body) = read else {
         return Err(empty(StatusCode::PAYLOAD_TOO_LARGE));
     };
     payload_of(&body).map_err(|message| decode_failed(&message))
 }
 
-/// Why a content type is refused (`Unsupported content-type: ...`), if it is: a missing one is
-/// JSON; the value is compared in lowercase without its parameters.
+/// Why a content type is refused (`Unsupported content-type: ...`), if it is: the value is
+/// compared in lowercase without its parameters, and a request without one is refused too
+/// (the reference reads it as JSON), so that no request a browser sends without a CORS
+/// preflight (`text/plain`, a form, no body type at all) reaches a route that changes state.
 fn unsupported_content_type(headers: &axum::http::HeaderMap) -> Option<String> {
-    let value = headers.get(header::CONTENT_TYPE)?;
+    let Some(value) = headers.get(header::CONTENT_TYPE) else {
+        return Some("Missing content-type: send application/json".to_owned());
+    };
     let value = String::from_utf8_lossy(value.as_bytes()).to_lowercase();
     let media = value.split(';').next().unwrap_or_default().trim().to_owned();
     (media != "application/json").then(|| format!("Unsupported content-type: {media}"))
@@ -419,6 +595,19 @@ fn payload_of(body: &[u8]) -> Result<RawJson, String> {
         return Err("a payload is a JSON object or null, not an array".to_owned());
     }
     RawJson::from_json(text.to_owned()).map_err(|error| error.to_string())
+}
+
+/// 400 when `id` (an entity id, an execution id, a deferred's name: `what`) is longer than
+/// [`MAX_ENTITY_ID_CHARS`] or holds a control character, which could forge a log line or drive
+/// a terminal wherever the id is shown. The answer names the character, never the id.
+fn refuse_id(what: &str, id: &str) -> Option<Response> {
+    let problem = if id.chars().count() > MAX_ENTITY_ID_CHARS {
+        format!("the {what} is longer than {MAX_ENTITY_ID_CHARS} characters")
+    } else {
+        let control = id.chars().find(|character| character.is_control())?;
+        format!("the {what} holds the control character U+{:04X}", u32::from(control))
+    };
+    Some(decode_failed(&problem))
 }
 
 /// 400, with the decoding error.
@@ -534,7 +723,7 @@ fn address_json(address: &EntityAddress) -> serde_json::Value {
 mod workflows {
     use super::{
         HttpGateway, Request, Response, StatusCode, decode_failed, empty, json, read_payload,
-        segments, strip_prefix, within_timeout,
+        refuse_id, segments, strip_prefix, within_timeout,
     };
     use std::sync::Arc;
 
@@ -796,6 +985,24 @@ mod workflows {
         }
     }
 
+    /// 400 when the token's execution id or deferred name is too long or holds a control
+    /// character (see `refuse_id`): it would reach the storage and the logs as it is.
+    pub(super) fn refuse_token_ids(deferred: &Deferred<'_>) -> Option<Response> {
+        let Deferred::Served { token, .. } = deferred else { return None };
+        refuse_id("execution id", token.execution_id.as_str())
+            .or_else(|| refuse_id("deferred name", &token.deferred))
+    }
+
+    /// 400 when the execution id that a resume, poll or interrupt names is too long or holds a
+    /// control character (see `refuse_id`); a body that does not decode is left to the route.
+    fn refuse_execution_id(action: Action, payload: &RawJson) -> Option<Response> {
+        if !matches!(action, Action::Resume | Action::Poll | Action::Interrupt) {
+            return None;
+        }
+        let named: Resume = payload.decode().ok()?;
+        refuse_id("execution id", &named.execution_id)
+    }
+
     /// Completes a deferred from its token: 204 once done.
     pub(super) async fn complete(
         gateway: &HttpGateway,
@@ -864,6 +1071,9 @@ mod workflows {
             Ok(payload) => payload,
             Err(refused) => return refused,
         };
+        if let Some(refused) = refuse_execution_id(action, &payload) {
+            return refused;
+        }
         if let Some(asked) = action.on_execution() {
             let named: Named = match payload.decode() {
                 Ok(named) => named,
@@ -1014,7 +1224,11 @@ mod tests {
             headers.insert(header::CONTENT_TYPE, HeaderValue::from_str(value).unwrap());
             unsupported_content_type(&headers)
         };
-        assert_eq!(unsupported_content_type(&axum::http::HeaderMap::new()), None);
+        assert_eq!(
+            unsupported_content_type(&axum::http::HeaderMap::new()).as_deref(),
+            Some("Missing content-type: send application/json"),
+            "no content type is not JSON: a browser sends none without a preflight"
+        );
         assert_eq!(with("application/json"), None);
         assert_eq!(with("Application/JSON; charset=utf-8"), None);
         assert_eq!(with("text/plain").as_deref(), Some("Unsupported content-type: text/plain"));

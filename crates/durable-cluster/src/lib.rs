@@ -162,6 +162,8 @@ mod ops;
 pub mod otel;
 #[cfg(feature = "rpc")]
 mod runner;
+#[cfg(feature = "server")]
+mod server;
 #[cfg(feature = "sqlite")]
 mod single_runner;
 
@@ -177,7 +179,11 @@ pub use cluster_sharding::*;
 #[cfg(feature = "kubernetes")]
 pub use kubernetes::{KubernetesOptions, KubernetesRunnerHealth, KubernetesToken};
 #[cfg(feature = "rpc")]
-pub use runner::{BoxError, Role, Runner, RunnerEnv, RunnerError, RunnerHealthSource, terminated};
+pub use runner::{
+    BoxError, Role, Runner, RunnerEnv, RunnerError, RunnerHealthSource, masked_url, terminated,
+};
+#[cfg(feature = "server")]
+pub use server::{HEADER_BYTES_MAX, ServerLimits};
 #[cfg(feature = "sqlite")]
 pub use single_runner::SingleRunner;
 

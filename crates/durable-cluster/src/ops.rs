@@ -34,6 +34,7 @@ use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
 
 use crate::runner::RunnerError;
+use crate::server::ServerLimits;
 
 /// How long a shutdown waits for the operations server's requests in progress.
 const SHUTDOWN_TIMEOUT: Duration = Duration::from_secs(5);
@@ -46,6 +47,7 @@ const UPKEEP_INTERVAL: Duration = Duration::from_secs(5);
 pub(crate) struct OpsListener {
     listener: tokio::net::TcpListener,
     local_addr: SocketAddr,
+    limits: ServerLimits,
 }
 
 /// A running operations server; [`OpsServer::shutdown`] stops it.
@@ -63,14 +65,17 @@ impl OpsListener {
     ///
     /// [`RunnerError::Ops`] names `CLUSTER_OPS_LISTEN` and the address, for instance when the
     /// port is in use.
-    pub(crate) async fn bind(listen: SocketAddr) -> Result<OpsListener, RunnerError> {
+    pub(crate) async fn bind(
+        listen: SocketAddr,
+        limits: ServerLimits,
+    ) -> Result<OpsListener, RunnerError> {
         // Before the runtime starts: a series set once while it starts (such as
         // `effect_cluster_runners`) would be lost to a recorder installed later.
         let _ = prometheus();
         let bound = async {
             let listener = tokio::net::TcpListener::bind(listen).await?;
             let local_addr = listener.local_addr()?;
-            Ok::<_, std::io::Error>(OpsListener { listener, local_addr })
+            Ok::<_, std::io::Error>(OpsListener { listener, local_addr, limits })
         };
         bound.await.map_err(|source| RunnerError::Ops { address: listen, source })
     }
@@ -100,14 +105,10 @@ impl OpsListener {
                     }
                 }
             };
-            let served = axum::serve(self.listener, router)
-                .with_graceful_shutdown(stopped.cancelled_owned());
+            let served =
+                crate::server::serve(self.listener, router, self.limits, stopped.cancelled_owned());
             tokio::select! {
-                served = served => {
-                    if let Err(error) = served {
-                        tracing::warn!(%error, "the operations server stopped");
-                    }
-                }
+                () = served => {}
                 () = upkeep => {}
             }
         });

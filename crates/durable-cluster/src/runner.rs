@@ -8,6 +8,7 @@
 //! | `HOST`, `PORT`, `LISTEN_HOST`, `LISTEN_PORT`, … | the runtime's settings (`ShardingConfig::from_env`) |
 //! | `CLUSTER_RPC_SECRET`, `CLUSTER_RPC_*` | the transport's settings (`RpcConfig::from_env`) |
 //! | `CLUSTER_OPS_LISTEN` | the address of the operations server (`/healthz`, `/readyz`, `/metrics`; feature `ops`), off when unset |
+//! | `CLUSTER_OPS_CONNECTIONS_MAX`, `CLUSTER_OPS_HEADER_READ_TIMEOUT` | the operations server's connection limit (default 64) and header-read and idle timeout (default `5 seconds`) |
 //! | `CLUSTER_RUNNER_HEALTH` | how the runners judge each other: `transport` (the default: pings, as `RUNNER_HEALTH_CHECK` says) or `kubernetes` (pod readiness; feature `kubernetes`) |
 //! | `CLUSTER_KUBERNETES_NAMESPACE` | with `kubernetes`: the namespace of the runners' pods (default: the pod's own) |
 //! | `CLUSTER_KUBERNETES_LABEL_SELECTOR` | with `kubernetes`: the label selector of the runners' pods (default: every running pod of the namespace) |
@@ -120,9 +121,12 @@ pub enum Role {
 }
 
 /// A process's settings.
-#[derive(Clone, Debug)]
+///
+/// Its `Debug` output shows the storage URL with its password masked ([`masked_url`]) and no
+/// transport secret.
+#[derive(Clone)]
 pub struct RunnerEnv {
-    /// Where messages and locks live.
+    /// Where messages and locks live. It may hold a password: show it with [`masked_url`].
     pub storage_url: String,
     /// The tables' prefix.
     pub table_prefix: TablePrefix,
@@ -135,9 +139,76 @@ pub struct RunnerEnv {
     pub rpc: RpcConfig,
     /// Where the operations server listens (`CLUSTER_OPS_LISTEN`, feature `ops`); `None`: off.
     pub ops_listen: Option<SocketAddr>,
+    /// The operations server's limits (`CLUSTER_OPS_CONNECTIONS_MAX`,
+    /// `CLUSTER_OPS_HEADER_READ_TIMEOUT`; by default
+    /// [`ServerLimits::ops`](crate::ServerLimits::ops)).
+    #[cfg(feature = "ops")]
+    pub ops_limits: crate::ServerLimits,
     /// How a runner judges the other runners' health (`CLUSTER_RUNNER_HEALTH`); a client
     /// judges none, and does not read it.
     pub runner_health: RunnerHealthSource,
+}
+
+impl std::fmt::Debug for RunnerEnv {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let mut debug = f.debug_struct("RunnerEnv");
+        debug
+            .field("storage_url", &masked_url(&self.storage_url))
+            .field("table_prefix", &self.table_prefix)
+            .field("value_bytes_max", &self.value_bytes_max)
+            .field("sharding", &self.sharding)
+            .field("rpc", &self.rpc)
+            .field("ops_listen", &self.ops_listen);
+        #[cfg(feature = "ops")]
+        debug.field("ops_limits", &self.ops_limits);
+        debug.field("runner_health", &self.runner_health).finish()
+    }
+}
+
+/// What replaces a password in a URL that is shown.
+const MASK: &str = "***";
+
+/// `url` as it may be shown in an error, a log line or a `Debug` output: the password of its
+/// user information (`postgres://app:***@db:5432/app`) and the value of every query parameter
+/// whose name contains `password` (`?password=***`) masked.
+///
+/// It never fails: a value that is not a URL is masked from its first `:` (after `://` when
+/// there is one) to its last `@`, so that a malformed URL shows no more than a well-formed one.
+/// It masks too much rather than too little: a `@` in a query string masks what precedes it.
+pub fn masked_url(url: &str) -> String {
+    let (scheme, rest) = match url.split_once("://") {
+        Some((scheme, rest)) => (format!("{scheme}://"), rest),
+        None => match url.split_once(':') {
+            Some((scheme, rest)) => (format!("{scheme}:"), rest),
+            None => (String::new(), url),
+        },
+    };
+    let (user_info, rest) = match rest.rsplit_once('@') {
+        Some((user_info, host)) => {
+            let user = match user_info.split_once(':') {
+                Some((user, _password)) => format!("{user}:{MASK}@"),
+                None => format!("{user_info}@"),
+            };
+            (user, host)
+        }
+        None => (String::new(), rest),
+    };
+    let masked_rest = match rest.split_once('?') {
+        Some((path, query)) => {
+            let pairs: Vec<String> = query
+                .split('&')
+                .map(|pair| match pair.split_once('=') {
+                    Some((name, _)) if name.to_ascii_lowercase().contains("password") => {
+                        format!("{name}={MASK}")
+                    }
+                    _ => pair.to_owned(),
+                })
+                .collect();
+            format!("{path}?{}", pairs.join("&"))
+        }
+        None => rest.to_owned(),
+    };
+    format!("{scheme}{user_info}{masked_rest}")
 }
 
 /// How a runner's runner-health singleton judges the other runners (`CLUSTER_RUNNER_HEALTH`).
@@ -347,6 +418,8 @@ impl RunnerEnv {
                 .into());
             }
         };
+        #[cfg(feature = "ops")]
+        let ops_limits = crate::ServerLimits::ops().with_lookup("CLUSTER_OPS_", &lookup)?;
         // A client judges no runner: it does not read the runner-health variables.
         let runner_health = match role {
             Role::Runner => RunnerHealthSource::from_lookup(&lookup)?,
@@ -359,6 +432,8 @@ impl RunnerEnv {
             sharding,
             rpc,
             ops_listen,
+            #[cfg(feature = "ops")]
+            ops_limits,
             runner_health,
         })
     }
@@ -384,7 +459,7 @@ impl RunnerEnv {
         let missing = |feature: &str| {
             ConfigError::new(
                 "CLUSTER_STORAGE_URL",
-                url,
+                masked_url(url),
                 format!("needs durable-cluster's feature `{feature}`, which this build lacks"),
             )
         };
@@ -430,7 +505,7 @@ impl RunnerEnv {
         let _ = (options, missing);
         Err(ConfigError::new(
             "CLUSTER_STORAGE_URL",
-            url,
+            masked_url(url),
             "is not postgres://…, mysql://… or sqlite:<path>",
         )
         .into())
@@ -553,7 +628,9 @@ impl Runner {
         // Bound before joining: a port in use stops the start before the runner holds shards.
         #[cfg(feature = "ops")]
         let ops = match env.ops_listen {
-            Some(address) => Some(crate::ops::OpsListener::bind(address).await?),
+            Some(address) => {
+                Some(crate::ops::OpsListener::bind(address, env.ops_limits.clone()).await?)
+            }
             None => None,
         };
         let sharding = match storages {
@@ -741,6 +818,48 @@ mod tests {
             assert_eq!((error.key(), error.value()), ("CLUSTER_STORAGE_VALUE_BYTES_MAX", bad));
             assert!(error.to_string().contains("CLUSTER_STORAGE_VALUE_BYTES_MAX"), "{error}");
         }
+    }
+
+    #[test]
+    fn a_shown_url_has_its_password_masked() {
+        use super::masked_url;
+        let cases = [
+            ("postgres://app:Hunter2@db:5432/app", "postgres://app:***@db:5432/app"),
+            (
+                "mysql://app:p%40ss@db/app?ssl-mode=required",
+                "mysql://app:***@db/app?ssl-mode=required",
+            ),
+            ("mariadb://app:Hunter2@db:3306/app", "mariadb://app:***@db:3306/app"),
+            // Unescaped `@` and `/` in the password: masked up to the last `@`.
+            ("postgres://app:a@b/c@db/app", "postgres://app:***@db/app"),
+            (
+                "postgres://app@db/app?password=Hunter2&sslmode=require",
+                "postgres://app@db/app?password=***&sslmode=require",
+            ),
+            ("postgres://db/app?PassWord=Hunter2", "postgres://db/app?PassWord=***"),
+            ("mariadb:app:Hunter2@db", "mariadb:app:***@db"),
+            ("sqlite:/tmp/cluster.db", "sqlite:/tmp/cluster.db"),
+            ("redis://localhost", "redis://localhost"),
+            ("", ""),
+        ];
+        for (url, shown) in cases {
+            assert_eq!(masked_url(url), shown, "{url}");
+        }
+    }
+
+    #[tokio::test]
+    async fn a_storage_url_with_a_password_is_shown_masked() {
+        let url = "mariadb://app:Hunter2Secret@db.example:3306/app";
+        let Ok(found) = env(&[("CLUSTER_STORAGE_URL", url)]) else {
+            panic!("the settings load; the scheme is checked when the storage opens");
+        };
+        let shown = format!("{found:?} {found:#?}");
+        assert!(!shown.contains("Hunter2Secret"), "{shown}");
+        assert!(shown.contains("mariadb://app:***@db.example:3306/app"), "{shown}");
+        let Err(error) = found.open_storages().await else { panic!("an unknown scheme") };
+        let shown = format!("{error} {error:?}");
+        assert!(!shown.contains("Hunter2Secret"), "{shown}");
+        assert!(shown.contains("CLUSTER_STORAGE_URL"), "{shown}");
     }
 
     #[test]

@@ -101,3 +101,23 @@ fn a_static_name_equals_orders_and_hashes_as_the_same_shared_name() {
     let map = std::collections::BTreeMap::from([(from_wire, 1)]);
     assert_eq!(map.get(&from_code), Some(&1));
 }
+
+/// An entity id shows its control characters escaped, so that no log line carries them; the id
+/// itself is unchanged.
+#[test]
+fn an_entity_id_shows_its_control_characters_escaped() {
+    let forged = EntityId::from("x\nINFO admin login ok\u{1b}[2J\u{0}é");
+    let shown = forged.to_string();
+    assert_eq!(shown, "x\\nINFO admin login ok\\u{1b}[2J\\0é");
+    assert!(!shown.chars().any(char::is_control), "{shown:?}");
+    assert_eq!(forged.as_str(), "x\nINFO admin login ok\u{1b}[2J\u{0}é");
+    let address = EntityAddress {
+        shard_id: ShardId::new(ShardGroup::default_group(), 1),
+        entity_type: EntityType::from_static("Counter"),
+        entity_id: forged,
+    };
+    for shown in [address.to_string(), format!("{address:?}")] {
+        assert!(!shown.chars().any(char::is_control), "{shown:?}");
+    }
+    assert_eq!(EntityId::from("plain-id").to_string(), "plain-id");
+}

@@ -1197,6 +1197,27 @@ pub struct EntityOptions {
     /// How long [`Entity::on_stop`] may run before it is dropped ([`DEFAULT_ON_STOP_TIMEOUT`]
     /// by default), at most [`INTERVAL_MAX`](cluster_core::config::INTERVAL_MAX).
     pub on_stop_timeout: Option<Duration>,
+    /// What a handler's panic does to its request ([`Defects::Answer`] by default).
+    pub defects: Option<Defects>,
+}
+
+/// What a handler's panic does to the request it was handling ([`EntityOptions::defects`]).
+/// Either way the instance is recreated after the type's backoff (its state may be half
+/// changed), and the other requests it was running run again on the new one.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum Defects {
+    /// The request ends with a defect at once (its caller gets `CallError::Defect`, an HTTP
+    /// caller 500; a persisted request stores it as its final reply). The reference's
+    /// `disableFatalDefects: true`. The default: a panic is a bug, and running the request
+    /// again would most often panic again, holding the entity's other requests and the caller
+    /// until its timeout.
+    #[default]
+    Answer,
+    /// The request runs again on the recreated instance, after the backoff, without a limit
+    /// (its caller waits): the reference's default (fatal defects). For handlers whose panics
+    /// are transient, and for the workflow engine, whose runs are replayed this way.
+    Replay,
 }
 
 impl EntityOptions {

@@ -204,6 +204,8 @@ pub(crate) struct ManagerOptions {
     pub(crate) transaction_retry: Duration,
     /// Report each instance's mailbox size (`entity_mailbox_metrics`).
     pub(crate) mailbox_metrics: bool,
+    /// What a handler's panic does to its request.
+    pub(crate) defects: crate::api::entity::Defects,
 }
 
 /// Makes the context of a new instance at an address; `None` once the runtime is gone. The
@@ -1026,9 +1028,26 @@ impl<E: Entity> InstanceLoop<E> {
             }
             Outcome::Panicked | Outcome::Restarted => {
                 tracing::warn!(entity_type = %self.shared.entity_type, entity_id = %self.address.entity_id, "defect in entity, restarting");
-                let replay = vec![Queued { seq: finished.seq, delivery: finished.delivery }];
+                let mut replay = Vec::new();
+                self.answer_or_replay(finished, &mut replay).await;
                 Box::pin(self.restart(replay)).await;
             }
+        }
+    }
+
+    /// A run that panicked ends with a defect at once ([`Defects::Answer`]) or is queued in
+    /// `replay` to run again on the recreated instance; a run stopped by another's panic is
+    /// always replayed.
+    ///
+    /// [`Defects::Answer`]: crate::api::entity::Defects::Answer
+    async fn answer_or_replay(&mut self, finished: Finished<E>, replay: &mut Vec<Queued>) {
+        let answered = matches!(finished.outcome, Outcome::Panicked)
+            && self.shared.options.defects == crate::api::entity::Defects::Answer;
+        if answered {
+            let exit = Exit::die_with_message("Defect", "the handler panicked");
+            self.respond(finished.delivery, exit).await;
+        } else {
+            replay.push(Queued { seq: finished.seq, delivery: finished.delivery });
         }
     }
 
@@ -1043,7 +1062,7 @@ impl<E: Entity> InstanceLoop<E> {
                 // Finished just before the restart reached it.
                 Outcome::Exited(exit) => self.respond(finished.delivery, exit).await,
                 Outcome::Panicked | Outcome::Restarted => {
-                    replay.push(Queued { seq: finished.seq, delivery: finished.delivery });
+                    self.answer_or_replay(finished, &mut replay).await;
                 }
             }
         }

@@ -11,8 +11,8 @@ use std::time::Duration;
 use cluster_core::ShardingConfig;
 use cluster_core::config::Capacity;
 use cluster_sharding::{
-    Entity, EntityClient, EntityContext, EntityOptions, Handler, Protocol, RequestContext, Rpc,
-    Sharding, SharedHandler,
+    CallError, Defects, Entity, EntityClient, EntityContext, EntityOptions, Handler, Protocol,
+    RequestContext, Rpc, Sharding, SharedHandler,
 };
 use serde::{Deserialize, Serialize};
 use tokio::sync::Semaphore;
@@ -160,9 +160,13 @@ impl Handler<Write> for Library {
 }
 
 async fn library(concurrency: Option<Capacity>) -> Sharding {
+    library_with(concurrency, None).await
+}
+
+async fn library_with(concurrency: Option<Capacity>, defects: Option<Defects>) -> Sharding {
     let sharding = sharding(ShardingConfig::default()).await;
     sharding
-        .register::<Library>(EntityOptions { concurrency, ..EntityOptions::default() })
+        .register::<Library>(EntityOptions { concurrency, defects, ..EntityOptions::default() })
         .unwrap();
     sharding
 }
@@ -274,7 +278,7 @@ async fn an_exclusive_request_runs_alone_and_requests_start_in_delivery_order() 
 
 #[tokio::test(start_paused = true)]
 async fn a_panic_restarts_the_entity_and_replays_every_request_in_flight() {
-    let sharding = library(Capacity::bounded(2)).await;
+    let sharding = library_with(Capacity::bounded(2), Some(Defects::Replay)).await;
     let client = sharding.client::<Library>("restarts");
     let log = Log::of("restarts");
     let waiting = spawn(&client, read("waiting", true)).await;
@@ -292,4 +296,24 @@ async fn a_panic_restarts_the_entity_and_replays_every_request_in_flight() {
     assert_eq!(waiting.await.unwrap().unwrap(), 0);
     assert_eq!(panicking.await.unwrap().unwrap(), 0);
     assert_eq!(log.count("end waiting"), 1);
+}
+
+/// By default the request that panicked is answered with a defect at once, and the one in
+/// flight beside it runs again on the recreated instance.
+#[tokio::test(start_paused = true)]
+async fn a_panic_answers_its_request_and_replays_the_others_in_flight() {
+    let sharding = library(Capacity::bounded(2)).await;
+    let client = sharding.client::<Library>("answers");
+    let log = Log::of("answers");
+    let waiting = spawn(&client, read("waiting", true)).await;
+    eventually("the first request runs", || log.count("start waiting") == 1).await;
+    log.panic_once.store(true, Ordering::SeqCst);
+    let panicking =
+        spawn(&client, Read { name: "panics".to_owned(), wait: false, panic: true }).await;
+    let error = panicking.await.unwrap().unwrap_err();
+    assert!(matches!(error, CallError::Defect(_)), "{error:?}");
+    eventually("the one in flight is replayed", || log.count("start waiting") == 2).await;
+    assert_eq!(log.count("start panics"), 1);
+    log.gate.add_permits(1);
+    assert_eq!(waiting.await.unwrap().unwrap(), 0);
 }

@@ -23,7 +23,7 @@ use std::time::Duration;
 
 use cluster_core::config::Capacity;
 use cluster_core::{ClusterError, ShardingConfig, SystemClock};
-use cluster_sharding::{CallError, EntityOptions, RegisterError, Sharding};
+use cluster_sharding::{CallError, Defects, EntityOptions, RegisterError, Sharding};
 
 use entities::{
     Counter, Fail, Get, Increment, Persist, Probe, Probes, SetKeepAlive, Sleep, Stuck, spawn_send,
@@ -217,9 +217,13 @@ async fn dropping_the_call_interrupts_the_handler() {
     assert_eq!(counter.send(Increment { by: 1 }).await.unwrap(), 1);
 }
 
+/// With `Defects::Replay` (the reference's fatal defects), the request that panicked runs
+/// again on the recreated instance.
 #[tokio::test(start_paused = true)]
 async fn a_panicking_handler_restarts_the_entity_and_replays_the_request() {
-    let sharding = registered(ShardingConfig::default()).await;
+    let sharding = sharding(ShardingConfig::default()).await;
+    let options = EntityOptions { defects: Some(Defects::Replay), ..EntityOptions::default() };
+    sharding.register::<Counter>(options).unwrap();
     let counter = sharding.client::<Counter>("panics");
     counter.send(Increment { by: 10 }).await.unwrap();
     let probes = Probes::of("panics");
@@ -227,6 +231,24 @@ async fn a_panicking_handler_restarts_the_entity_and_replays_the_request() {
     probes.panic_once.store(true, Ordering::SeqCst);
     // The state was lost with the restart; the replayed request runs on a fresh instance.
     assert_eq!(counter.send(Increment { by: 1 }).await.unwrap(), 1);
+    assert_eq!(probes.created.load(Ordering::SeqCst), 2);
+}
+
+/// By default a panic answers its request with a defect at once (no replay, no wait for the
+/// backoff) and recreates the instance, which serves the next request.
+#[tokio::test(start_paused = true)]
+async fn a_panicking_handler_answers_its_request_with_a_defect_at_once() {
+    let sharding = registered(ShardingConfig::default()).await;
+    let counter = sharding.client::<Counter>("panics-answered");
+    counter.send(Increment { by: 10 }).await.unwrap();
+    let probes = Probes::of("panics-answered");
+    probes.panic_once.store(true, Ordering::SeqCst);
+    let started = tokio::time::Instant::now();
+    let error = counter.send(Increment { by: 1 }).await.unwrap_err();
+    assert!(matches!(error, CallError::Defect(_)), "{error:?}");
+    assert_eq!(started.elapsed(), Duration::ZERO, "answered before the restart's backoff");
+    // The state was lost with the restart; the request that panicked did not run again.
+    assert_eq!(counter.send(Increment { by: 2 }).await.unwrap(), 2);
     assert_eq!(probes.created.load(Ordering::SeqCst), 2);
 }
 

@@ -389,7 +389,7 @@ impl MessageStorage for SqliteMessageStorage {
                 .message_op("unprocessed_before", |reply| MessageOp::UnprocessedBefore {
                     shard_id: address.shard_id.to_string(),
                     entity_type: address.entity_type.to_string(),
-                    entity_id: address.entity_id.to_string(),
+                    entity_id: address.entity_id.as_str().to_owned(),
                     request_id,
                     now: now.unix_millis(),
                     limit: limit.get(),

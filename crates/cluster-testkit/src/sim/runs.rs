@@ -107,7 +107,7 @@ impl Runs {
         let mut state = self.state();
         state.failed_replies.insert(request_id);
         if let Some(address) = address {
-            state.failed_entities.insert(address.entity_id.to_string());
+            state.failed_entities.insert(address.entity_id.as_str().to_owned());
         }
     }
 

@@ -221,7 +221,7 @@ impl Ledger {
             {
                 let Ok(payload) = request.payload.decode::<ActivityPayload>() else { return };
                 let key = format!("{}/{}", payload.name, payload.attempt);
-                let execution = request.address.entity_id.to_string();
+                let execution = request.address.entity_id.as_str().to_owned();
                 self.state().activity_requests.insert(request.request_id, (execution, key));
             }
             StorageEvent::FinalReplyStored(Reply::WithExit(with_exit)) => {

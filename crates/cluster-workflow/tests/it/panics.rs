@@ -15,7 +15,7 @@ use cluster_core::envelope::Exit;
 use cluster_core::sync::lock;
 use cluster_core::{Clock, Never};
 use cluster_sharding::{
-    Entity, EntityContext, EntityOptions, Handler, Protocol, RequestContext, Rpc, Sharding,
+    Defects, Entity, EntityContext, EntityOptions, Handler, Protocol, RequestContext, Rpc, Sharding,
 };
 use cluster_testkit::memory::MemoryMessageStorage;
 use cluster_workflow::{DurableQueue, Workflow, WorkflowContext, WorkflowEngine};
@@ -219,7 +219,10 @@ const ITEMS: DurableQueue<u64, u64, String> =
 fn register(engine: &WorkflowEngine, sharding: Option<&Sharding>, probes: &Probes, fails: bool) {
     if let Some(sharding) = sharding {
         let (factory, handler) = (probes.factory.clone(), probes.handler.clone());
-        let made = sharding.register_with::<Stamper>(EntityOptions::default(), move |_| {
+        // A panicking handler runs its request again (the reference's fatal defects): the
+        // property below counts those runs.
+        let options = EntityOptions { defects: Some(Defects::Replay), ..EntityOptions::default() };
+        let made = sharding.register_with::<Stamper>(options, move |_| {
             // The factory is synchronous: either panic mode panics in the call.
             let panics = factory.call();
             if panics {

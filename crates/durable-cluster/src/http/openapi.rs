@@ -319,15 +319,22 @@ fn entity_operation(
 }
 
 /// The gateway's own answers, beyond the reference's: 400 (the body does not decode as the
-/// payload, with the decoding error), 413 (the body is over the limit), 415 (not JSON) and 504
-/// (the call took longer than the request timeout).
+/// payload, with the decoding error, or an id holds a control character), 408 (the body was
+/// not sent within the body-read timeout), 413 (the body is over the limit), 415 (not JSON, or
+/// no content type) and 504 (the call took longer than the request timeout).
 fn gateway_answers(operation: OperationBuilder) -> OperationBuilder {
-    let decode =
-        json_answer("The body does not decode as the payload", Ref::from_schema_name(SCHEMA_ERROR));
+    let decode = json_answer(
+        "The body does not decode as the payload, or an id holds a control character",
+        Ref::from_schema_name(SCHEMA_ERROR),
+    );
     operation
         .response("400", decode)
+        .response("408", ResponseBuilder::new().description("The body was not sent in time"))
         .response("413", ResponseBuilder::new().description("The body is over the limit"))
-        .response("415", ResponseBuilder::new().description("The body is not JSON"))
+        .response(
+            "415",
+            ResponseBuilder::new().description("The content type is not application/json"),
+        )
         .response("504", ResponseBuilder::new().description("The call timed out"))
 }
 
