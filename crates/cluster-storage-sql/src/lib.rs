@@ -37,7 +37,7 @@ pub(crate) mod batch;
 pub(crate) mod lock;
 pub mod queue;
 pub(crate) mod row;
-#[cfg(feature = "postgres")]
+#[cfg(any(feature = "postgres", feature = "mysql"))]
 pub mod tls;
 
 #[cfg(feature = "mysql")]

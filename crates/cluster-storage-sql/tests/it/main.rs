@@ -15,7 +15,7 @@ mod postgres;
 mod queue;
 #[cfg(feature = "sqlite")]
 mod sqlite;
-#[cfg(all(feature = "tls", feature = "postgres"))]
+#[cfg(all(feature = "tls", any(feature = "postgres", feature = "mysql")))]
 mod tls;
 
 use std::sync::atomic::{AtomicU32, Ordering};

@@ -1,9 +1,12 @@
 //! TLS to the database, against real servers: the local PostgreSQL's own TLS (its certificate
-//! read from `ssl_cert_file`). Certificates are made with the `openssl` command line.
+//! read from `ssl_cert_file`), and a throwaway MariaDB that the test starts with a certificate
+//! of a CA it makes. Certificates are made with the `openssl` command line.
 //!
 //! URLs carry a password the server never checks (`Hunter2Secret`), so that every error can be
 //! shown not to contain it.
 
+#[cfg(feature = "mysql")]
+mod mariadb;
 #[cfg(feature = "postgres")]
 mod postgres;
 
@@ -89,14 +92,6 @@ pub(crate) fn make_pki(dir: &Path, san: &str) {
 pub(crate) fn with_params(url: &str, params: &str) -> String {
     let separator = if url.contains('?') { '&' } else { '?' };
     format!("{url}{separator}{params}")
-}
-
-/// `url` with the password [`PASSWORD`] (`scheme://user@…` becomes `scheme://user:…@…`).
-pub(crate) fn with_password(url: &str) -> String {
-    let (scheme, rest) = url.split_once("://").expect("a URL with a scheme");
-    let (user, host) = rest.split_once('@').expect("a URL with a user");
-    let user = user.split(':').next().unwrap_or(user);
-    format!("{scheme}://{user}:{PASSWORD}@{host}")
 }
 
 /// The error of a connection that should have failed, checked to name each of `expected`

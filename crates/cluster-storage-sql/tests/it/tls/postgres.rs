@@ -12,7 +12,7 @@ use cluster_storage_sql::{SqlStorageOptions, TablePrefix};
 use tokio::task::JoinHandle;
 use tokio_postgres::NoTls;
 
-use super::{ScratchDir, assert_refused, make_pki, openssl, with_params, with_password};
+use super::{PASSWORD, ScratchDir, assert_refused, make_pki, openssl, with_params};
 
 const URL_VARIABLE: &str = "CLUSTER_TEST_POSTGRES_URL";
 
@@ -179,7 +179,7 @@ async fn the_servers_certificate_as_sslrootcert_passes_verify_ca_and_verify_full
     let text = format!(
         "host={dns_name} hostaddr={host} port={port} user={user} password={} dbname={database} \
          sslmode=verify-full sslrootcert='{}'",
-        super::PASSWORD,
+        PASSWORD,
         server.certificate.display()
     );
     let storage = PgMessageStorage::connect(&text, &options).await.expect("verify-full");
@@ -201,4 +201,12 @@ fn subject_alt_names(file: &std::path::Path) -> Vec<String> {
         })
         .map(str::to_owned)
         .collect()
+}
+
+/// `url` with the password [`PASSWORD`] (`scheme://user@…` becomes `scheme://user:…@…`).
+pub(crate) fn with_password(url: &str) -> String {
+    let (scheme, rest) = url.split_once("://").expect("a URL with a scheme");
+    let (user, host) = rest.split_once('@').expect("a URL with a user");
+    let user = user.split(':').next().unwrap_or(user);
+    format!("{scheme}://{user}:{PASSWORD}@{host}")
 }
