@@ -50,7 +50,7 @@ async fn main() -> Result<(), Error> {
         "mysql" => {
             use cluster_storage_sql::mysql::{self, MySqlMessageStorage};
             let url = target.unwrap_or_else(|| "mysql://root@127.0.0.1:3306/test".to_owned());
-            let pool = mysql::pool(&url, pool_size)?;
+            let pool = mysql::pool(&url, pool_size).await?;
             let storage = Arc::new(MySqlMessageStorage::new(pool.clone(), &options.prefix).await?);
             let report = storage_cycles(storage, concurrency, duration).await?;
             let mut conn = pool.get_conn().await?;

@@ -37,6 +37,8 @@ pub(crate) mod batch;
 pub(crate) mod lock;
 pub mod queue;
 pub(crate) mod row;
+#[cfg(any(feature = "postgres", feature = "mysql"))]
+pub mod tls;
 
 #[cfg(feature = "mysql")]
 pub mod mysql;

@@ -12,8 +12,10 @@
 //!
 //! What they share has files of its own:
 //!
-//! - `connection`: the pool ([`pool`]), and closing a connection without waiting for an
-//!   unresponsive server.
+//! - `connection`: the options of a URL ([`opts`]), the pool ([`pool`]), and closing a
+//!   connection without waiting for an unresponsive server.
+//! - `tls`: the URL's `ssl-mode` and `ssl-ca`, applied to `mysql_async`'s rustls support
+//!   (feature `tls`).
 //! - `classify`: driver error classification.
 //! - `columns`: reading columns without panicking, and checking that a value fits its column.
 //! - `migrate`: effect's SQL migrator (`Migrator.ts`, MySQL dialect) guarded by `GET_LOCK`.
@@ -34,8 +36,9 @@ mod queries;
 mod queue_storage;
 mod runner_storage;
 mod shard_lock;
+mod tls;
 
-pub use connection::{POOL_SIZE_DEFAULT, pool};
+pub use connection::{CONNECT_TIMEOUT, POOL_SIZE_DEFAULT, opts, pool};
 pub use message_storage::{MySqlMessageStorage, MySqlTransactionGuard};
 pub use migrate::{migrate_messages, migrate_runners};
 pub use queue_storage::MySqlQueueStorage;

@@ -11,10 +11,14 @@
 //! - `queue_storage`: the persisted queue on the pool, in the reference's `effect_queue` table.
 //! - `queries`: every SQL text and the migrations, built once per storage from the validated
 //!   [`TablePrefix`](crate::TablePrefix); user values are always bound as parameters.
-//! - `connection`: the pool ([`pool`]), statements and migrations on a pooled connection.
+//! - `connection`: the configuration of a URL ([`PgConfig`]), the pool ([`pool`]), statements
+//!   and migrations on a pooled connection.
+//! - `tls`: the URL's `sslmode` and `sslrootcert`, read as libpq reads them, and the rustls
+//!   connector (feature `tls`) of the pool and the lock session.
 //! - `classify`: how driver and pool errors become `StorageError`s.
 //!
-//! Connections are plain TCP (`NoTls`): TLS is not wired in yet.
+//! Without the feature `tls`, connections are plain TCP, and a URL that requires TLS is
+//! refused.
 
 mod classify;
 mod connection;
@@ -23,8 +27,11 @@ mod queries;
 mod queue_storage;
 mod runner_storage;
 mod shard_lock;
+mod tls;
 
-pub use connection::{CONNECT_TIMEOUT, POOL_SIZE_DEFAULT, POOL_WAIT_TIMEOUT, parse_config, pool};
+pub use connection::{
+    CONNECT_TIMEOUT, POOL_SIZE_DEFAULT, POOL_WAIT_TIMEOUT, PgConfig, parse_config, pool,
+};
 pub use message_storage::{PgMessageStorage, PgTransaction, PgTransactionGuard};
 pub use queue_storage::PgQueueStorage;
 pub use runner_storage::PgRunnerStorage;

@@ -1,15 +1,94 @@
-//! The connection pool of the MySQL storages, and [`ClosingConn`]: a connection closed rather
-//! than reused after a failure, without waiting for an unresponsive server.
+//! The connection options of a URL (TLS included) and the connection pool of the MySQL
+//! storages, and [`ClosingConn`]: a connection closed rather than reused after a failure,
+//! without waiting for an unresponsive server.
 
 use std::future::Future;
 use std::task::{Context, Waker};
 use std::time::Duration;
 
 use cluster_core::error::{StorageError, StorageErrorKind};
-use mysql_async::{Conn, Pool};
+use mysql_async::{Conn, DriverError, Opts, Pool};
+
+use super::classify::storage_error;
+use super::tls::Parsed;
 
 /// The default number of pooled connections of [`pool`].
 pub const POOL_SIZE_DEFAULT: usize = 16;
+
+/// How long the connection that finds out whether the server offers TLS (`ssl-mode=PREFERRED`)
+/// may take.
+pub const CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// The connection options of the `mysql://` URL `url`, with its TLS parameters applied:
+/// `ssl-mode` (`DISABLED`, `PREFERRED`, the default, `REQUIRED`, `VERIFY_CA`,
+/// `VERIFY_IDENTITY`) and `ssl-ca` (a PEM file of the trusted CAs), as the `mysql` client
+/// reads them.
+///
+/// With `PREFERRED` and a build with TLS (feature `tls`), one connection, closed at once,
+/// finds out whether the server offers TLS; the options use it if it does.
+///
+/// # Errors
+///
+/// [`StorageErrorKind::InvalidInput`] for a URL that cannot be read, an unreadable CA file, or
+/// a mode that needs TLS in a build without it; with `PREFERRED`, the failure of that
+/// connection (an unreachable server, a refused user). Messages never show the URL.
+///
+/// # Cancel safety
+///
+/// Cancel safe: the connection of `PREFERRED` is closed when dropped.
+pub async fn opts(url: &str) -> Result<Opts, StorageError> {
+    match super::tls::parse(url)? {
+        Parsed::Ready(opts) => Ok(opts),
+        Parsed::Preferred { tls, plain } => preferred(*tls, *plain).await,
+    }
+}
+
+/// `tls` if the server takes a TLS connection, `plain` if it offers no TLS or its handshake
+/// fails (as the `mysql` client's `PREFERRED` falls back).
+async fn preferred(tls: Opts, plain: Opts) -> Result<Opts, StorageError> {
+    let attempt = tokio::time::timeout(CONNECT_TIMEOUT, Conn::new(tls.clone())).await;
+    match attempt {
+        Ok(Ok(conn)) => {
+            close_now(conn);
+            Ok(tls)
+        }
+        Ok(Err(mysql_async::Error::Driver(DriverError::NoClientSslFlagFromServer))) => {
+            tracing::debug!("the MySQL server offers no TLS; connecting in plaintext");
+            Ok(plain)
+        }
+        #[cfg(feature = "tls")]
+        Ok(Err(error)) if is_tls_failure(&error) => {
+            tracing::warn!(
+                %error,
+                "TLS with the MySQL server failed; connecting in plaintext, as ssl-mode=PREFERRED \
+                 allows (ssl-mode=REQUIRED refuses instead)"
+            );
+            Ok(plain)
+        }
+        Ok(Err(error)) => Err(storage_error("connect", error)),
+        Err(_elapsed) => Err(StorageError::new(
+            StorageErrorKind::Timeout,
+            format!("connect: no answer within {CONNECT_TIMEOUT:?}"),
+        )),
+    }
+}
+
+#[cfg(feature = "tls")]
+fn is_tls_failure(error: &mysql_async::Error) -> bool {
+    let parameters = tls_parameters();
+    crate::tls::explain(error, &parameters).is_some()
+}
+
+#[cfg(feature = "tls")]
+fn tls_parameters() -> crate::tls::TlsParameters {
+    crate::tls::TlsParameters {
+        ca: "ssl-ca",
+        encrypt_only: "ssl-mode=REQUIRED",
+        name_advice: "connect with a host name that the certificate holds (mysql_async checks \
+                      the name under VERIFY_CA too), or use ssl-mode=REQUIRED to encrypt \
+                      without checking the certificate",
+    }
+}
 
 /// `error`, from opening a storage on the `mysql://` URL `url` (its first connection and its
 /// migrations), with the server it tried and what to check: the driver's error alone names
@@ -18,7 +97,9 @@ pub const POOL_SIZE_DEFAULT: usize = 16;
 /// The cause itself (the OS error, or the server's message) stays the source, which
 /// `StorageError`'s text shows.
 pub(crate) fn opening_error(url: &str, error: StorageError) -> StorageError {
-    let Ok(opts) = mysql_async::Opts::from_url(url) else { return error };
+    let driver_url = super::tls::driver_url(url);
+    let Ok(opts) = driver_url.as_deref().map(mysql_async::Opts::from_url) else { return error };
+    let Ok(opts) = opts else { return error };
     let target = format!(
         "{}:{} (database \"{}\", user \"{}\")",
         opts.ip_or_hostname(),
@@ -26,6 +107,19 @@ pub(crate) fn opening_error(url: &str, error: StorageError) -> StorageError {
         opts.db_name().unwrap_or("(none)"),
         opts.user().unwrap_or("(none)"),
     );
+    #[cfg(feature = "tls")]
+    if let Some(explanation) = crate::tls::explain(&error, &tls_parameters()) {
+        let message = format!("TLS to MySQL at {target} failed: {explanation}");
+        return StorageError::with_source(error.kind(), message, error);
+    }
+    if no_tls_on_server(&error) {
+        let message = format!(
+            "MySQL at {target} does not offer TLS, and the URL's ssl-mode requires it: give the \
+             server a certificate (ssl_cert, ssl_key), or use ssl-mode=PREFERRED to fall back \
+             to plaintext"
+        );
+        return StorageError::with_source(error.kind(), message, error);
+    }
     let message = match server_code(&error) {
         // ER_BAD_DB_ERROR
         Some(1049) => format!(
@@ -50,6 +144,20 @@ pub(crate) fn opening_error(url: &str, error: StorageError) -> StorageError {
     StorageError::with_source(error.kind(), message, error)
 }
 
+/// Whether the server answered a TLS connection without offering TLS.
+fn no_tls_on_server(error: &StorageError) -> bool {
+    let mut source = std::error::Error::source(error);
+    while let Some(cause) = source {
+        if let Some(mysql_async::Error::Driver(DriverError::NoClientSslFlagFromServer)) =
+            cause.downcast_ref::<mysql_async::Error>()
+        {
+            return true;
+        }
+        source = cause.source();
+    }
+    false
+}
+
 /// The server's error code, when the server refused.
 fn server_code(error: &StorageError) -> Option<u16> {
     let mut source = std::error::Error::source(error);
@@ -63,14 +171,24 @@ fn server_code(error: &StorageError) -> Option<u16> {
     None
 }
 
-/// A pool of at most `size_max` connections to the `mysql://` URL `url`, set up as the storages
-/// want it: idle connections are kept for a minute (a `mysql_async` pool with no inactive TTL
-/// closes every connection it gets back) and are not reset on checkout (a reset drops their
-/// prepared statements).
-pub fn pool(url: &str, size_max: usize) -> Result<Pool, StorageError> {
-    let opts = mysql_async::Opts::from_url(url).map_err(|error| {
-        StorageError::with_source(StorageErrorKind::InvalidInput, "invalid MySQL URL", error)
-    })?;
+/// A pool of at most `size_max` connections to the `mysql://` URL `url`, with its TLS (see
+/// [`opts`]), set up as the storages want it: idle connections are kept for a minute (a
+/// `mysql_async` pool with no inactive TTL closes every connection it gets back) and are not
+/// reset on checkout (a reset drops their prepared statements).
+///
+/// # Errors
+///
+/// As [`opts`].
+///
+/// # Cancel safety
+///
+/// As [`opts`].
+pub async fn pool(url: &str, size_max: usize) -> Result<Pool, StorageError> {
+    pool_on(opts(url).await?, size_max)
+}
+
+/// A pool of at most `size_max` connections with `opts`, set up as [`pool`] says.
+pub(crate) fn pool_on(opts: Opts, size_max: usize) -> Result<Pool, StorageError> {
     let constraints = mysql_async::PoolConstraints::new(0, size_max.max(1)).ok_or_else(|| {
         StorageError::new(StorageErrorKind::InvalidInput, "invalid MySQL pool size")
     })?;

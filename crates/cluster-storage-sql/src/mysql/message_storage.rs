@@ -123,7 +123,9 @@ impl MySqlMessageStorage {
         url: &str,
         options: &crate::options::SqlStorageOptions,
     ) -> Result<MySqlMessageStorage, StorageError> {
-        let pool = connection::pool(url, connection::POOL_SIZE_DEFAULT)?;
+        let pool = connection::pool(url, connection::POOL_SIZE_DEFAULT)
+            .await
+            .map_err(|error| connection::opening_error(url, error))?;
         let opened = MySqlMessageStorage::new(pool, &options.prefix).await;
         let storage = opened.map_err(|error| connection::opening_error(url, error))?;
         Ok(storage.with_value_bytes_max(options.value_bytes_max))

@@ -61,7 +61,9 @@ impl MySqlQueueStorage {
     ///
     /// As [`migrate`](MySqlQueueStorage::migrate).
     pub async fn connect(url: &str, table: QueueTable) -> Result<MySqlQueueStorage, StorageError> {
-        let pool = connection::pool(url, connection::POOL_SIZE_DEFAULT)?;
+        let pool = connection::pool(url, connection::POOL_SIZE_DEFAULT)
+            .await
+            .map_err(|error| connection::opening_error(url, error))?;
         let opened = MySqlQueueStorage::new(pool, table).await;
         opened.map_err(|error| connection::opening_error(url, error))
     }

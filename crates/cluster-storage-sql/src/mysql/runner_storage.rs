@@ -72,10 +72,9 @@ impl MySqlRunnerStorage {
         url: &str,
         options: SqlStorageOptions,
     ) -> Result<MySqlRunnerStorage, StorageError> {
-        let opts = Opts::from_url(url).map_err(|error| {
-            StorageError::with_source(StorageErrorKind::InvalidInput, "invalid MySQL URL", error)
-        })?;
-        let pool = connection::pool(url, connection::POOL_SIZE_DEFAULT)?;
+        let opts =
+            connection::opts(url).await.map_err(|error| connection::opening_error(url, error))?;
+        let pool = connection::pool_on(opts.clone(), connection::POOL_SIZE_DEFAULT)?;
         let opened = MySqlRunnerStorage::new(pool, opts, options).await;
         opened.map_err(|error| connection::opening_error(url, error))
     }

@@ -1,6 +1,8 @@
-//! The connection pool of the PostgreSQL storages: building it with bounded waits, running one
-//! statement or the migrations on a pooled connection, and closing a connection that is lost.
+//! The connection pool of the PostgreSQL storages: the configuration of a URL ([`PgConfig`],
+//! TLS included), building the pool with bounded waits, running one statement or the
+//! migrations on a pooled connection, and closing a connection that is lost.
 
+use std::fmt;
 use std::time::Duration;
 
 use cluster_core::error::{StorageError, StorageErrorKind};
@@ -8,10 +10,14 @@ use deadpool_postgres::{
     ClientWrapper, Manager, ManagerConfig, Object, Pool, RecyclingMethod, Runtime,
 };
 use postgres_types::ToSql;
-use tokio_postgres::{NoTls, Row};
+use tokio::task::JoinHandle;
+use tokio_postgres::{Client, NoTls, Row};
 
 use super::classify::{driver_error, pool_error};
 use super::queries::{self, MigrationTarget};
+#[cfg(feature = "tls")]
+use super::tls::MakeRustls;
+use crate::tls::{TlsMode, TlsOptions};
 
 /// How long a caller waits for a pooled connection before the operation fails with
 /// [`StorageErrorKind::Timeout`].
@@ -25,11 +31,138 @@ pub const CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
 /// [`PgRunnerStorage::connect`](super::PgRunnerStorage::connect).
 pub const POOL_SIZE_DEFAULT: usize = 16;
 
-/// Parses a `postgres://` URL (or a `key=value` connection string).
-pub fn parse_config(url: &str) -> Result<tokio_postgres::Config, StorageError> {
-    url.parse::<tokio_postgres::Config>().map_err(|error| {
-        StorageError::with_source(StorageErrorKind::InvalidInput, "invalid PostgreSQL URL", error)
-    })
+/// Where and how the PostgreSQL storages connect: the driver's configuration, and the TLS that
+/// the URL asks for, which the driver's configuration cannot hold (`verify-ca`,
+/// `verify-full`, `sslrootcert`).
+///
+/// Made by [`parse_config`] from a URL, or by [`PgConfig::new`] from a driver configuration
+/// built in code. Its `Debug` shows no password.
+#[derive(Clone)]
+pub struct PgConfig {
+    driver: tokio_postgres::Config,
+    tls: TlsOptions,
+    connector: Connector,
+}
+
+/// What wraps a new connection.
+#[derive(Clone)]
+enum Connector {
+    /// Plain TCP: `disable`, or `prefer` in a build without TLS.
+    Plain,
+    #[cfg(feature = "tls")]
+    Rustls(MakeRustls),
+}
+
+impl PgConfig {
+    /// `driver` with `tls`. Reads the CA file of `tls`, if any; the driver's `ssl_mode` is set
+    /// from `tls.mode`.
+    ///
+    /// # Errors
+    ///
+    /// [`StorageErrorKind::InvalidInput`] when the CA file cannot be read or holds no usable
+    /// certificate, or when the mode needs TLS and the crate was built without its feature
+    /// `tls`.
+    pub fn new(
+        mut driver: tokio_postgres::Config,
+        tls: TlsOptions,
+    ) -> Result<PgConfig, StorageError> {
+        crate::tls::check_compiled_in(tls.mode, &format!("TLS mode {:?}", tls.mode), "postgres")?;
+        driver.ssl_mode(driver_ssl_mode(tls.mode));
+        let connector = match tls.mode {
+            TlsMode::Disable => Connector::Plain,
+            #[cfg(feature = "tls")]
+            _ => Connector::Rustls(MakeRustls::new(&tls)?),
+            #[cfg(not(feature = "tls"))]
+            _ => Connector::Plain,
+        };
+        Ok(PgConfig { driver, tls, connector })
+    }
+
+    /// The driver's configuration: host, port, user, database, timeouts.
+    pub fn driver(&self) -> &tokio_postgres::Config {
+        &self.driver
+    }
+
+    /// The driver's configuration, to change: session options, timeouts, the application
+    /// name. Its `ssl_mode` is set from the TLS mode whenever a connection is made.
+    pub fn driver_mut(&mut self) -> &mut tokio_postgres::Config {
+        &mut self.driver
+    }
+
+    /// The TLS of the connections.
+    pub fn tls(&self) -> &TlsOptions {
+        &self.tls
+    }
+
+    /// The driver's configuration, with the `ssl_mode` of the TLS mode.
+    fn into_driver(mut self) -> tokio_postgres::Config {
+        self.driver.ssl_mode(driver_ssl_mode(self.tls.mode));
+        self.driver
+    }
+}
+
+/// The driver's own mode: it knows whether to ask for TLS, not what to check.
+fn driver_ssl_mode(mode: TlsMode) -> tokio_postgres::config::SslMode {
+    use tokio_postgres::config::SslMode;
+    match mode {
+        TlsMode::Disable => SslMode::Disable,
+        TlsMode::Prefer => SslMode::Prefer,
+        _ => SslMode::Require,
+    }
+}
+
+impl fmt::Debug for PgConfig {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        // The driver's `Debug` shows the password as `Redaction`.
+        f.debug_struct("PgConfig")
+            .field("driver", &self.driver)
+            .field("tls", &self.tls)
+            .finish_non_exhaustive()
+    }
+}
+
+/// Parses a `postgres://` URL (or a `key=value` connection string), with its TLS parameters:
+/// `sslmode` (`disable`, `allow`, `prefer`, the default, `require`, `verify-ca`,
+/// `verify-full`) and `sslrootcert` (a PEM file of the trusted CAs, or `system`), as libpq
+/// reads them. The CA file is read now.
+///
+/// # Errors
+///
+/// [`StorageErrorKind::InvalidInput`], with a message that never shows the URL (it may hold the
+/// password).
+pub fn parse_config(url: &str) -> Result<PgConfig, StorageError> {
+    let (driver, tls) = super::tls::parse(url)?;
+    PgConfig::new(driver, tls)
+}
+
+/// Opens one connection on `config`, outside any pool, and runs its connection task, which
+/// ends when the returned handle is aborted or the connection closes.
+pub(crate) async fn connect(
+    config: &PgConfig,
+) -> Result<(Client, JoinHandle<()>), tokio_postgres::Error> {
+    fn run<T>(connection: T) -> JoinHandle<()>
+    where
+        T: std::future::Future<Output = Result<(), tokio_postgres::Error>> + Send + 'static,
+    {
+        tokio::spawn(async move {
+            if let Err(error) = connection.await {
+                tracing::debug!(%error, "connection ended");
+            }
+        })
+    }
+    let connector = config.connector.clone();
+    let driver = config.clone().into_driver();
+    match connector {
+        Connector::Plain => {
+            let (client, connection) = driver.connect(NoTls).await?;
+            Ok((client, run(connection)))
+        }
+        #[cfg(feature = "tls")]
+        Connector::Rustls(tls) => {
+            let (client, connection) = driver.connect(tls).await?;
+            Ok((client, run(connection)))
+        }
+    }
 }
 
 /// `error`, from opening a storage on `config` (its first connection and its migrations), with
@@ -37,9 +170,10 @@ pub fn parse_config(url: &str) -> Result<tokio_postgres::Config, StorageError> {
 ///
 /// The cause itself (the OS error, or the server's message) stays the source, which
 /// `StorageError`'s text shows.
-pub(crate) fn opening_error(config: &tokio_postgres::Config, error: StorageError) -> StorageError {
-    let target = target(config);
-    let message = match cause(&error) {
+pub(crate) fn opening_error(config: &PgConfig, error: StorageError) -> StorageError {
+    let target = target(&config.driver);
+    let message = match cause(&error, config.tls.mode) {
+        Cause::Tls(explanation) => format!("TLS to PostgreSQL at {target} failed: {explanation}"),
         Cause::Server(code) if code == "3D000" => format!(
             "PostgreSQL at {target} has no such database: create the database, or fix its name \
              in the URL"
@@ -64,6 +198,8 @@ pub(crate) fn opening_error(config: &tokio_postgres::Config, error: StorageError
 
 /// What a failure to open a storage comes from.
 enum Cause {
+    /// TLS failed, for the reason and with the fix given.
+    Tls(String),
     /// The server answered with this SQLSTATE.
     Server(String),
     /// The connection could not be made or was lost.
@@ -72,12 +208,37 @@ enum Cause {
     Other,
 }
 
-fn cause(error: &StorageError) -> Cause {
+/// The tokio-postgres message of a server that answered "no" to TLS; the driver's error has no
+/// kind to match instead.
+const NO_TLS_ON_SERVER: &str = "server does not support TLS";
+
+fn cause(error: &StorageError, mode: TlsMode) -> Cause {
+    #[cfg(feature = "tls")]
+    {
+        let parameters = crate::tls::TlsParameters {
+            ca: "sslrootcert",
+            encrypt_only: "sslmode=require without sslrootcert",
+            name_advice: "connect with a host name that the certificate holds (with `hostaddr` \
+                          for the address, if the name does not resolve to it), or use \
+                          sslmode=verify-ca to check the CA only",
+        };
+        if let Some(explanation) = crate::tls::explain(error, &parameters) {
+            return Cause::Tls(explanation);
+        }
+    }
     let mut source = std::error::Error::source(error);
     let mut network = false;
     while let Some(cause) = source {
         if let Some(db_error) = cause.downcast_ref::<tokio_postgres::error::DbError>() {
             return Cause::Server(db_error.code().code().to_owned());
+        }
+        if mode.requires_tls() && cause.to_string().contains(NO_TLS_ON_SERVER) {
+            return Cause::Tls(
+                "the server does not offer TLS, and the URL's sslmode requires it: turn `ssl` on \
+                 in the server's postgresql.conf, or use sslmode=prefer to fall back to \
+                 plaintext"
+                    .to_owned(),
+            );
         }
         network |= cause.is::<std::io::Error>();
         source = cause.source();
@@ -112,12 +273,17 @@ fn target(config: &tokio_postgres::Config) -> String {
 /// most [`POOL_WAIT_TIMEOUT`] for a connection and a new connection is opened within
 /// [`CONNECT_TIMEOUT`]. A connection whose socket closed is discarded when it is next checked
 /// out.
-pub fn pool(config: tokio_postgres::Config, size_max: usize) -> Result<Pool, StorageError> {
-    let manager = Manager::from_config(
-        config,
-        NoTls,
-        ManagerConfig { recycling_method: RecyclingMethod::Fast },
-    );
+///
+/// Connections use the TLS of `config` (see [`parse_config`]).
+pub fn pool(config: PgConfig, size_max: usize) -> Result<Pool, StorageError> {
+    let manager_config = ManagerConfig { recycling_method: RecyclingMethod::Fast };
+    let connector = config.connector.clone();
+    let driver = config.into_driver();
+    let manager = match connector {
+        Connector::Plain => Manager::from_config(driver, NoTls, manager_config),
+        #[cfg(feature = "tls")]
+        Connector::Rustls(tls) => Manager::from_config(driver, tls, manager_config),
+    };
     Pool::builder(manager)
         .max_size(size_max.max(1))
         .runtime(Runtime::Tokio1)

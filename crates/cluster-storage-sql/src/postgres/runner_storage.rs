@@ -23,7 +23,7 @@ use crate::lock::{advisory_namespace, with_deadline};
 use crate::options::{SqlStorageOptions, TablePrefix};
 
 use super::classify::column_error;
-use super::connection::{self, migrate_on_pool, pooled_execute, pooled_query};
+use super::connection::{self, PgConfig, migrate_on_pool, pooled_execute, pooled_query};
 use super::queries::{self, MigrationTarget, RunnerQueries};
 use super::shard_lock::ShardLocks;
 
@@ -95,7 +95,7 @@ impl PgRunnerStorage {
     /// Cancel safe: the migrations run in one transaction, which a dropped future rolls back.
     pub async fn new(
         pool: Pool,
-        lock_config: tokio_postgres::Config,
+        lock_config: PgConfig,
         options: &SqlStorageOptions,
     ) -> Result<PgRunnerStorage, StorageError> {
         PgRunnerStorage::migrate(&pool, &options.prefix).await?;
@@ -106,7 +106,7 @@ impl PgRunnerStorage {
     /// statement and opens no connection.
     pub fn without_migrations(
         pool: Pool,
-        lock_config: tokio_postgres::Config,
+        lock_config: PgConfig,
         options: &SqlStorageOptions,
     ) -> PgRunnerStorage {
         let queries = Arc::new(RunnerQueries::new(&options.prefix, options.expiration_seconds()));

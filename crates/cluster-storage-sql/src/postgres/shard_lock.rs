@@ -41,12 +41,12 @@ use cluster_core::error::StorageError;
 use cluster_core::sync::lock;
 use cluster_core::{RunnerAddress, ShardId};
 use tokio::task::JoinHandle;
-use tokio_postgres::NoTls;
 
 use crate::lock::{advisory_lock_number, advisory_namespace, with_deadline};
 use crate::options::{LockMode, SqlStorageOptions};
 
 use super::classify::{column_error, driver_error};
+use super::connection::{self, PgConfig};
 use super::queries::{RunnerQueries, advisory};
 
 /// The largest `idle_session_timeout` PostgreSQL accepts, in milliseconds.
@@ -58,7 +58,7 @@ const UNLOCK_ATTEMPTS_MAX: u32 = 5;
 
 /// The shard locks of one runner storage: the lock session slot and the lock statements.
 pub(crate) struct ShardLocks {
-    connect_config: tokio_postgres::Config,
+    connect_config: PgConfig,
     mode: LockMode,
     options: SqlStorageOptions,
     namespace: i32,
@@ -124,7 +124,7 @@ impl fmt::Debug for ShardLocks {
 
 impl ShardLocks {
     pub(crate) fn new(
-        connect_config: tokio_postgres::Config,
+        connect_config: PgConfig,
         options: &SqlStorageOptions,
         queries: Arc<RunnerQueries>,
     ) -> ShardLocks {
@@ -500,16 +500,9 @@ impl ShardLocks {
     }
 
     async fn connect(&self) -> Result<LockSession, StorageError> {
-        let (client, connection) = self
-            .connect_config
-            .connect(NoTls)
+        let (client, connection) = connection::connect(&self.connect_config)
             .await
             .map_err(|error| driver_error("lock session: connect", error))?;
-        let connection = tokio::spawn(async move {
-            if let Err(error) = connection.await {
-                tracing::debug!(%error, "lock session ended");
-            }
-        });
         let setup = async {
             let pid = match self.mode {
                 LockMode::Lease => 0,

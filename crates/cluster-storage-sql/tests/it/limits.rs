@@ -153,17 +153,21 @@ mod mysql {
 
     use super::{assert_refused, json_text, reply_of_size, save_request_of_size};
 
-    /// A pool whose connections would all fail: nothing listens on port 1.
-    fn unreachable_pool() -> mysql_async::Pool {
-        mysql::pool("mysql://root@127.0.0.1:1/none", 1).expect("a pool, which connects lazily")
+    /// A pool whose connections would all fail: nothing listens on port 1. Without TLS, the
+    /// pool connects lazily (`PREFERRED` would connect once to ask for TLS).
+    async fn unreachable_pool() -> mysql_async::Pool {
+        let url = "mysql://root@127.0.0.1:1/none?ssl-mode=DISABLED";
+        mysql::pool(url, 1).await.expect("a pool, which connects lazily")
     }
 
     /// The messages' values are capped by their `TEXT` columns: 65,535 bytes, whatever the
     /// option above it; below it, the option is in force.
     #[tokio::test]
     async fn the_text_columns_cap_the_message_values() {
-        let storage =
-            MySqlMessageStorage::without_migrations(unreachable_pool(), &TablePrefix::default());
+        let storage = MySqlMessageStorage::without_migrations(
+            unreachable_pool().await,
+            &TablePrefix::default(),
+        );
         assert_eq!(storage.value_bytes_max().get(), 65_535);
         let saved = save_request_of_size(&storage, 65_536).await;
         let expected =
@@ -182,7 +186,7 @@ mod mysql {
     #[tokio::test]
     async fn a_queue_row_caps_the_elements() {
         let queue =
-            MySqlQueueStorage::without_migrations(unreachable_pool(), QueueTable::default());
+            MySqlQueueStorage::without_migrations(unreachable_pool().await, QueueTable::default());
         assert_eq!(queue.value_bytes_max().get(), 16 * 1024 * 1024 - 64 * 1024);
         let over = queue.value_bytes_max().get() + 1;
         let expected = ["the queue element", "16711681 bytes", "max_allowed_packet"];

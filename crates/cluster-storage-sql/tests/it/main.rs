@@ -15,6 +15,8 @@ mod postgres;
 mod queue;
 #[cfg(feature = "sqlite")]
 mod sqlite;
+#[cfg(all(feature = "tls", any(feature = "postgres", feature = "mysql")))]
+mod tls;
 
 use std::sync::atomic::{AtomicU32, Ordering};
 

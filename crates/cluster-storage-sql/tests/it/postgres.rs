@@ -590,13 +590,13 @@ async fn mixed_case_prefix_is_quoted() {
 /// Storages whose sessions run in the time zone `zone` (e.g. `Etc/GMT+5`, that is UTC-05:00),
 /// set per connection; the server's setting is left alone.
 struct Zoned {
-    config: tokio_postgres::Config,
+    config: postgres::PgConfig,
 }
 
 impl Zoned {
     fn new(url: &str, zone: &str) -> Zoned {
         let mut config = postgres::parse_config(url).unwrap();
-        config.options(format!("-c TimeZone={zone}"));
+        config.driver_mut().options(format!("-c TimeZone={zone}"));
         Zoned { config }
     }
 
@@ -1116,7 +1116,7 @@ async fn a_failed_connect_names_the_server_the_cause_and_the_fix() {
 
     let Some(url) = crate::database_url(URL_VARIABLE) else { return };
     let config = postgres::parse_config(&url).unwrap();
-    let wrong = wrong_database(&config, "cluster_no_such_database");
+    let wrong = wrong_database(config.driver(), "cluster_no_such_database");
     let Err(error) = PgRunnerStorage::connect(&wrong, &options).await else {
         panic!("connected to a database that does not exist");
     };

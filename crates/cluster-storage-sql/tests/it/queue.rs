@@ -458,7 +458,7 @@ mod mysql {
     }
 
     async fn connect(url: &str, table: &QueueTable) -> MySqlQueueStorage {
-        MySqlQueueStorage::new(mysql::pool(url, 4).unwrap(), table.clone()).await.unwrap()
+        MySqlQueueStorage::new(mysql::pool(url, 4).await.unwrap(), table.clone()).await.unwrap()
     }
 
     struct MySqlQueueFixture {
@@ -472,7 +472,7 @@ mod mysql {
         let url = crate::database_url(URL_VARIABLE)?;
         let table = unique_table();
         let storage = Arc::new(connect(&url, &table).await);
-        let admin = mysql::pool(&url, 2).unwrap();
+        let admin = mysql::pool(&url, 2).await.unwrap();
         Some(Box::new(MySqlQueueFixture { url, table, admin, storage }))
     }
 
@@ -514,7 +514,7 @@ mod mysql {
         let Some(url) = crate::database_url(URL_VARIABLE) else { return };
         let table = unique_table();
         let storage = connect(&url, &table).await;
-        let admin = mysql::pool(&url, 2).unwrap();
+        let admin = mysql::pool(&url, 2).await.unwrap();
         let mut conn = admin.get_conn().await.unwrap();
         let columns: Vec<(String, String, String)> = conn
             .exec(
@@ -566,7 +566,7 @@ mod mysql {
     async fn a_table_of_the_first_migration_is_upgraded_with_its_rows() {
         let Some(url) = crate::database_url(URL_VARIABLE) else { return };
         let table = unique_table();
-        let admin = mysql::pool(&url, 2).unwrap();
+        let admin = mysql::pool(&url, 2).await.unwrap();
         let history = table.history();
         for statement in [
             format!(
