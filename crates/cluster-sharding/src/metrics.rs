@@ -19,6 +19,7 @@
 //!
 //! | name | kind | labels | meaning |
 //! | --- | --- | --- | --- |
+//! | `effect_cluster_entity_passivations_total` | counter | `type`, `reason` | entity instances stopped while idle: `idle` (after `max_idle_time` without a request) or `capacity` (among the least recently used idle instances when the runner's or the type's residency cap was reached) |
 //! | `effect_cluster_persisted_in_flight` | gauge | | persisted requests delivered to entities and not yet answered |
 //! | `effect_cluster_shard_locks_healthy` | gauge | | 1 while lock storage answers (0: every shard is being let go) |
 //! | `effect_cluster_join_debounce_pending` | gauge | | 1 while runner joins are held back by the join debounce |
@@ -73,6 +74,9 @@ pub const SINGLETONS: &str = "effect_cluster_singletons";
 pub const SHARDS_RELEASING: &str = "effect_cluster_shards_releasing";
 /// How long each completed release of one shard took, in milliseconds.
 pub const SHARD_RELEASE: &str = "effect_cluster_shard_release";
+
+/// Entity instances passivated, by `type` and `reason`.
+pub const ENTITY_PASSIVATIONS: &str = "effect_cluster_entity_passivations_total";
 
 /// Persisted requests delivered and not yet answered.
 pub const PERSISTED_IN_FLIGHT: &str = "effect_cluster_persisted_in_flight";
@@ -296,6 +300,25 @@ pub(crate) fn mailbox_gauge(entity_type: &str, entity_id: &str, shard: &str) -> 
 /// Sets a mailbox gauge.
 pub(crate) fn set_mailbox(gauge: &metrics::Gauge, size: usize) {
     gauge.set(as_gauge(size));
+}
+
+/// Why an entity instance was passivated.
+#[derive(Clone, Copy, Debug)]
+pub(crate) enum Passivation {
+    /// It went `max_idle_time` without a request.
+    Idle,
+    /// It was among the least recently used idle instances when a cap was reached.
+    Capacity,
+}
+
+/// Counts one passivation of an instance of `entity_type`.
+pub(crate) fn passivated(entity_type: &str, reason: Passivation) {
+    let reason = match reason {
+        Passivation::Idle => "idle",
+        Passivation::Capacity => "capacity",
+    };
+    metrics::counter!(ENTITY_PASSIVATIONS, "type" => entity_type.to_owned(), "reason" => reason)
+        .increment(1);
 }
 
 /// Records how long the release of one shard took.

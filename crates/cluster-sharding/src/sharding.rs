@@ -637,6 +637,7 @@ impl Sharding {
             transaction_retry: config.send_retry_interval,
             mailbox_metrics: config.entity_mailbox_metrics,
             defects: options.defects.unwrap_or_default(),
+            max_resident: options.max_resident.unwrap_or(Capacity::Unbounded),
         };
         let inserted = self.inner.managers.insert(&entity_type, || {
             Arc::new(EntityManager::<E>::new(

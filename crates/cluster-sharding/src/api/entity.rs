@@ -1199,6 +1199,11 @@ pub struct EntityOptions {
     pub on_stop_timeout: Option<Duration>,
     /// What a handler's panic does to its request ([`Defects::Answer`] by default).
     pub defects: Option<Defects>,
+    /// How many instances of this type may be resident on one runner, besides the runner-wide
+    /// `max_resident_entities` (unbounded by default). At either cap, a new instance makes
+    /// room by passivating the least recently used idle instances; when none is idle, the
+    /// request fails with `MailboxFull` (a persisted one waits in storage).
+    pub max_resident: Option<Capacity>,
 }
 
 /// What a handler's panic does to the request it was handling ([`EntityOptions::defects`]).

@@ -12,7 +12,7 @@
 use std::collections::{BTreeMap, VecDeque};
 use std::panic::AssertUnwindSafe;
 use std::pin::Pin;
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -77,20 +77,50 @@ impl RestartBackoff {
 }
 
 /// The runner-wide number of resident instances, bounded by `max_resident_entities`.
-#[derive(Debug)]
+///
+/// At the cap, a new instance makes room: the least recently used idle instances (nothing
+/// running, nothing queued, no keep-alive) are passivated, as Akka's least-recently-used
+/// passivation strategy does. A passivated instance leaves the count at once and runs its
+/// `on_stop` outside it; at most `cap` instances are passivating at a time, so that the tasks
+/// alive stay under twice the cap. A request that reaches a passivating instance takes it back
+/// into the count, even past the cap: it was resident all along.
 pub(crate) struct Residency {
+    /// Live instances that are not passivating.
     count: AtomicUsize,
     cap: Capacity,
+    /// Instances told to passivate whose tasks have not ended.
+    passivating: AtomicUsize,
     /// Woken when a slot frees up: the storage read loop retries the requests it held back.
     freed: tokio::sync::Notify,
+    /// The managers whose idle instances can be passivated.
+    managers: Mutex<Vec<std::sync::Weak<dyn Passivate>>>,
+    /// Held while room is made, so that concurrent newcomers do not each passivate a batch.
+    making_room: Mutex<()>,
+}
+
+impl std::fmt::Debug for Residency {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Residency")
+            .field("count", &self.count)
+            .field("cap", &self.cap)
+            .field("passivating", &self.passivating)
+            .finish_non_exhaustive()
+    }
 }
 
 impl Residency {
     pub(crate) fn new(cap: Capacity) -> Residency {
-        Residency { count: AtomicUsize::new(0), cap, freed: tokio::sync::Notify::new() }
+        Residency {
+            count: AtomicUsize::new(0),
+            cap,
+            passivating: AtomicUsize::new(0),
+            freed: tokio::sync::Notify::new(),
+            managers: Mutex::new(Vec::new()),
+            making_room: Mutex::new(()),
+        }
     }
 
-    /// Whether no further instance can be created.
+    /// Whether no further instance can be created without passivating one.
     pub(crate) fn is_full(&self) -> bool {
         self.cap.is_full(self.count.load(Ordering::Acquire))
     }
@@ -98,6 +128,13 @@ impl Residency {
     /// Completes when a slot frees up after the call.
     pub(crate) fn freed(&self) -> tokio::sync::futures::Notified<'_> {
         self.freed.notified()
+    }
+
+    /// Lets the idle instances of `manager` be passivated to make room.
+    fn register(&self, manager: std::sync::Weak<dyn Passivate>) {
+        let mut managers = lock(&self.managers);
+        managers.retain(|manager| manager.strong_count() > 0);
+        managers.push(manager);
     }
 
     fn try_reserve(&self) -> bool {
@@ -112,6 +149,101 @@ impl Residency {
         self.count.fetch_sub(1, Ordering::AcqRel);
         self.freed.notify_waiters();
     }
+
+    /// Whether one more instance may start passivating.
+    fn may_passivate(&self) -> bool {
+        !self.cap.is_full(self.passivating.load(Ordering::Acquire))
+    }
+
+    /// An instance starts passivating: its slot is free at once.
+    fn passivated(&self) {
+        self.passivating.fetch_add(1, Ordering::AcqRel);
+        self.release();
+    }
+
+    /// A passivating instance got a request: it counts again.
+    fn revived(&self) {
+        self.count.fetch_add(1, Ordering::AcqRel);
+        self.passivating.fetch_sub(1, Ordering::AcqRel);
+    }
+
+    /// A passivating instance's task ended; its slot was freed when it started.
+    fn passivation_ended(&self) {
+        self.passivating.fetch_sub(1, Ordering::AcqRel);
+    }
+
+    /// Passivates up to a batch of the least recently used idle instances of every registered
+    /// type, unless room was made meanwhile. Whether there is room now.
+    fn make_room(&self) -> bool {
+        let _making = lock(&self.making_room);
+        if !self.is_full() {
+            return true;
+        }
+        let managers: Vec<Arc<dyn Passivate>> =
+            lock(&self.managers).iter().filter_map(std::sync::Weak::upgrade).collect();
+        let batch = room_batch(self.cap);
+        passivate_least_recent(&managers, batch, self) > 0 && !self.is_full()
+    }
+}
+
+/// How many instances one attempt to make room passivates: a 64th of the cap, at least one, so
+/// that a flood of new ids scans the resident instances once per 64th of the cap (not once per
+/// id), and a newcomer rarely waits on a scan.
+fn room_batch(cap: Capacity) -> usize {
+    cap.limit().map_or(1, |limit| usize::try_from(limit.get() / 64).unwrap_or(1).max(1))
+}
+
+/// When an instance was last given a request, and the request's id, which orders the requests
+/// of one instant (snowflakes grow).
+type LastUsed = (tokio::time::Instant, Snowflake);
+
+/// One idle instance that may be passivated to make room.
+pub(crate) struct Candidate {
+    /// When the instance was last given a request.
+    last_used: LastUsed,
+    shard: ShardId,
+    id: cluster_core::EntityId,
+    /// Its manager, by position in the list the candidates came from.
+    manager: usize,
+}
+
+/// The managers' side of making room.
+pub(crate) trait Passivate: Send + Sync {
+    /// Adds the idle instances of the type to `out`, as candidates of manager `manager`.
+    fn idle_instances(&self, manager: usize, out: &mut Vec<Candidate>);
+    /// Passivates the candidate if it is still idle and was not used since; whether it did.
+    fn passivate(&self, candidate: &Candidate, residency: &Residency) -> bool;
+}
+
+/// Passivates up to `batch` of the least recently used idle instances of `managers`; how many.
+fn passivate_least_recent(
+    managers: &[Arc<dyn Passivate>],
+    batch: usize,
+    residency: &Residency,
+) -> usize {
+    let mut candidates = Vec::new();
+    for (index, manager) in managers.iter().enumerate() {
+        manager.idle_instances(index, &mut candidates);
+    }
+    if candidates.is_empty() {
+        return 0;
+    }
+    let batch = batch.min(candidates.len());
+    if batch < candidates.len() {
+        candidates.select_nth_unstable_by_key(batch - 1, |candidate| candidate.last_used);
+        candidates.truncate(batch);
+    }
+    candidates.sort_unstable_by_key(|candidate| candidate.last_used);
+    let mut passivated = 0;
+    for candidate in &candidates {
+        if !residency.may_passivate() {
+            break;
+        }
+        if managers[candidate.manager].passivate(candidate, residency) {
+            passivated += 1;
+        }
+    }
+    passivated
 }
 
 /// The requests an instance admitted and has not answered yet, by id.
@@ -125,6 +257,12 @@ struct Active {
     ids: Mutex<VecDeque<Snowflake>>,
     /// The entity's `effect_cluster_entity_mailbox_size` series, with `entity_mailbox_metrics`.
     gauge: Option<::metrics::Gauge>,
+    /// Set (under the partition's lock) when the instance was told to passivate to make room,
+    /// cleared when a request takes it back or its task ends: whichever clears it settles the
+    /// instance's place in the residency count.
+    passivating: AtomicBool,
+    /// Wakes the idle instance to passivate.
+    passivate: tokio::sync::Notify,
 }
 
 impl Drop for Active {
@@ -154,7 +292,12 @@ impl Active {
         if let Some(gauge) = &gauge {
             crate::metrics::set_mailbox(gauge, 0);
         }
-        Active { ids: Mutex::default(), gauge }
+        Active {
+            ids: Mutex::default(),
+            gauge,
+            passivating: AtomicBool::new(false),
+            passivate: tokio::sync::Notify::new(),
+        }
     }
 
     fn admit(&self, request_id: Snowflake, capacity: Capacity) -> Admission {
@@ -204,6 +347,10 @@ pub(crate) struct ManagerOptions {
     pub(crate) transaction_retry: Duration,
     /// Report each instance's mailbox size (`entity_mailbox_metrics`).
     pub(crate) mailbox_metrics: bool,
+    /// How many instances of the type may be resident ([`EntityOptions::max_resident`]).
+    ///
+    /// [`EntityOptions::max_resident`]: crate::api::entity::EntityOptions::max_resident
+    pub(crate) max_resident: Capacity,
     /// What a handler's panic does to its request.
     pub(crate) defects: crate::api::entity::Defects,
 }
@@ -266,6 +413,9 @@ struct Shared<E: Entity> {
     tasks: TaskTracker,
     /// Sends the keep-alive request (see [`crate::runtime::keep_alive`]).
     keep_alive_sender: KeepAliveSender,
+    /// Instances in `instances` that were told to passivate: the type's cap does not count
+    /// them. Changed under the lock of the partition that holds the instance.
+    passivating: AtomicUsize,
 }
 
 /// The stop signals of one instance.
@@ -290,6 +440,9 @@ struct Instance {
     active: Arc<Active>,
     /// Parked keep-alive requests keep the instance resident.
     keep_alive: Arc<KeepAlive>,
+    /// When the instance was last given a request: the least recently used idle instances are
+    /// passivated first.
+    last_used: LastUsed,
 }
 
 impl<E: Entity> EntityManager<E> {
@@ -303,23 +456,25 @@ impl<E: Entity> EntityManager<E> {
         keep_alive_sender: KeepAliveSender,
     ) -> EntityManager<E> {
         let protocol = Protocol::of().measured(entity_type.as_str());
-        EntityManager {
-            shared: Arc::new(Shared {
-                contexts,
-                entity_type,
-                protocol,
-                factory,
-                options,
-                residency,
-                ids,
-                instances: Instances::new(),
-                restarts: Mutex::new(RestartBackoff::default()),
-                stopping: FlaggedToken::default(),
-                closed: CancellationToken::new(),
-                tasks: TaskTracker::new(),
-                keep_alive_sender,
-            }),
-        }
+        let shared = Arc::new(Shared {
+            contexts,
+            entity_type,
+            protocol,
+            factory,
+            options,
+            residency,
+            ids,
+            instances: Instances::new(),
+            restarts: Mutex::new(RestartBackoff::default()),
+            stopping: FlaggedToken::default(),
+            closed: CancellationToken::new(),
+            tasks: TaskTracker::new(),
+            keep_alive_sender,
+            passivating: AtomicUsize::new(0),
+        });
+        let passivate: Arc<dyn Passivate> = shared.clone();
+        shared.residency.register(Arc::downgrade(&passivate));
+        EntityManager { shared }
     }
 }
 
@@ -335,19 +490,46 @@ impl<E: Entity> EntityManager<E> {
         // Under the partition's lock: `shutdown` cancels it before it clears the partitions, and
         // a shard's release stops serving it before it removes the shard's instances (the
         // reference's `hasShardId` check in `EntityManager.send`).
-        if shared.stopping.is_cancelled() || !serving.serves(shard) {
+        let not_served = || shared.stopping.is_cancelled() || !serving.serves(shard);
+        if not_served() {
             return Err(Refused::Cluster(ClusterError::EntityNotAssignedToRunner {
                 address: address(),
             }));
         }
-        let instance =
-            instances.get_or_try_insert(&delivery.request.address.entity_id, |resident| {
-                if !shared.residency.try_reserve() {
-                    return Err(Refused::ResidencyFull(address()));
-                }
-                metrics::set_for_type(metrics::ENTITIES, shared.entity_type.as_str(), resident);
-                Ok(Shared::spawn(shared, address()))
-            })?;
+        let id = &delivery.request.address.entity_id;
+        // At a cap, a newcomer makes room first, outside the partition's lock (making room
+        // locks every partition in turn). The two atomic loads are all a resident pays.
+        let runner_full = shared.residency.is_full();
+        let type_full = shared.type_is_full();
+        if (runner_full || type_full) && instances.get(id).is_none() {
+            drop(instances);
+            if type_full {
+                shared.make_room_in_type();
+            }
+            if shared.residency.is_full() {
+                shared.residency.make_room();
+            }
+            instances = shared.instances.partition(shard);
+            if not_served() {
+                return Err(Refused::Cluster(ClusterError::EntityNotAssignedToRunner {
+                    address: address(),
+                }));
+            }
+        }
+        let instance = instances.get_or_try_insert(id, |resident| {
+            // `resident` counts this newcomer.
+            let counted = (resident - 1).saturating_sub(shared.passivating.load(Ordering::Acquire));
+            if shared.options.max_resident.is_full(counted) || !shared.residency.try_reserve() {
+                return Err(Refused::ResidencyFull(address()));
+            }
+            metrics::set_for_type(metrics::ENTITIES, shared.entity_type.as_str(), counted + 1);
+            Ok(Shared::spawn(shared, address()))
+        })?;
+        instance.last_used = (tokio::time::Instant::now(), delivery.request.request_id);
+        if instance.active.passivating.swap(false, Ordering::AcqRel) {
+            // Told to passivate, it is wanted again: it counts again.
+            shared.revive();
+        }
         if &*delivery.request.tag == KEEP_ALIVE_TAG {
             // Not a mailbox request: it activates the entity and waits on its latch.
             tracing::debug!(entity_type = %shared.entity_type, entity_id = %delivery.request.address.entity_id, "keep-alive");
@@ -397,7 +579,7 @@ impl<E: Entity> ErasedManager for EntityManager<E> {
     }
 
     fn active_entities(&self) -> usize {
-        self.shared.instances.len()
+        self.shared.resident()
     }
 
     fn resident_addresses(&self) -> Vec<EntityAddress> {
@@ -431,12 +613,15 @@ impl<E: Entity> ErasedManager for EntityManager<E> {
                     let stopped = instances
                         .remove_where(|instance| instance.address.shard_id == *shard)
                         .into_iter()
-                        .map(|instance| instance.signals)
+                        .map(|instance| {
+                            shared.removed(&instance);
+                            instance.signals
+                        })
                         .collect();
                     metrics::set_for_type(
                         metrics::ENTITIES,
                         shared.entity_type.as_str(),
-                        shared.instances.len(),
+                        shared.resident(),
                     );
                     stopped
                 };
@@ -477,6 +662,7 @@ impl<E: Entity> ErasedManager for EntityManager<E> {
             shared.stopping.cancel();
             // Dropping the mailboxes' senders ends each instance once its queue is done.
             shared.instances.clear();
+            shared.passivating.store(0, Ordering::Release);
             metrics::set_for_type(metrics::ENTITIES, shared.entity_type.as_str(), 0);
             shared.tasks.close();
             if tokio::time::timeout(termination_timeout, shared.tasks.wait()).await.is_err() {
@@ -486,6 +672,48 @@ impl<E: Entity> ErasedManager for EntityManager<E> {
             }
             shared.closed.cancel();
         })
+    }
+}
+
+impl<E: Entity> Passivate for Shared<E> {
+    fn idle_instances(&self, manager: usize, out: &mut Vec<Candidate>) {
+        self.instances.for_each(|instance| {
+            let idle = instance.active.is_empty()
+                && !instance.keep_alive.is_enabled()
+                && !instance.active.passivating.load(Ordering::Acquire);
+            if idle {
+                out.push(Candidate {
+                    last_used: instance.last_used,
+                    shard: instance.address.shard_id.clone(),
+                    id: instance.address.entity_id.clone(),
+                    manager,
+                });
+            }
+        });
+    }
+
+    fn passivate(&self, candidate: &Candidate, residency: &Residency) -> bool {
+        let instances = self.instances.partition(&candidate.shard);
+        let Some(instance) = instances.get(&candidate.id) else {
+            return false;
+        };
+        // Still idle and not used since it was picked; admission clears the flag under this
+        // lock, so the two cannot cross.
+        let idle = instance.last_used == candidate.last_used
+            && instance.active.is_empty()
+            && !instance.keep_alive.is_enabled()
+            && !instance.active.passivating.load(Ordering::Acquire);
+        if !idle {
+            return false;
+        }
+        instance.active.passivating.store(true, Ordering::Release);
+        self.passivating.fetch_add(1, Ordering::AcqRel);
+        residency.passivated();
+        instance.active.passivate.notify_one();
+        metrics::set_for_type(metrics::ENTITIES, self.entity_type.as_str(), self.resident());
+        metrics::passivated(self.entity_type.as_str(), metrics::Passivation::Capacity);
+        tracing::debug!(entity_type = %self.entity_type, entity_id = %candidate.id, "passivating to make room");
+        true
     }
 }
 
@@ -534,7 +762,59 @@ impl<E: Entity> Shared<E> {
             signals.clone(),
         );
         shared.tasks.spawn(task.instrument(span));
-        Instance { address: address_for_instance, signals, mailbox, active, keep_alive }
+        Instance {
+            address: address_for_instance,
+            signals,
+            mailbox,
+            active,
+            keep_alive,
+            last_used: (tokio::time::Instant::now(), Snowflake::new(0)),
+        }
+    }
+
+    /// Whether the type holds as many instances as [`ManagerOptions::max_resident`] allows,
+    /// not counting those passivating.
+    fn type_is_full(&self) -> bool {
+        self.options.max_resident.is_full(self.resident())
+    }
+
+    /// The instances of the type that count as resident: those in `instances` that are not
+    /// passivating (they only finish their `on_stop`).
+    fn resident(&self) -> usize {
+        self.instances.len().saturating_sub(self.passivating.load(Ordering::Acquire))
+    }
+
+    /// Passivates up to a batch of the type's least recently used idle instances.
+    fn make_room_in_type(self: &Arc<Self>) {
+        let _making = lock(&self.residency.making_room);
+        if self.type_is_full() {
+            let this: Arc<dyn Passivate> = self.clone();
+            let batch = room_batch(self.options.max_resident);
+            passivate_least_recent(&[this], batch, &self.residency);
+        }
+    }
+
+    /// A passivating instance got a request.
+    fn revive(&self) {
+        self.passivating.fetch_sub(1, Ordering::AcqRel);
+        self.residency.revived();
+    }
+
+    /// An instance left `instances` (under its partition's lock).
+    fn removed(&self, instance: &Instance) {
+        if instance.active.passivating.load(Ordering::Acquire) {
+            self.passivating.fetch_sub(1, Ordering::AcqRel);
+        }
+    }
+
+    /// The instance's task ends: its slot is given back, unless it was given back when it
+    /// started passivating.
+    fn leave(&self, active: &Active) {
+        if active.passivating.swap(false, Ordering::AcqRel) {
+            self.residency.passivation_ended();
+        } else {
+            self.residency.release();
+        }
     }
 
     /// Whether requests tagged `tag` run on a shared reference.
@@ -569,12 +849,10 @@ impl<E: Entity> Shared<E> {
         let mut instances = self.instances.partition(&address.shard_id);
         let idle = Self::idle_in(&instances, address, receiver);
         if idle {
-            instances.remove(&address.entity_id);
-            metrics::set_for_type(
-                metrics::ENTITIES,
-                self.entity_type.as_str(),
-                self.instances.len(),
-            );
+            if let Some(instance) = instances.remove(&address.entity_id) {
+                self.removed(&instance);
+            }
+            metrics::set_for_type(metrics::ENTITIES, self.entity_type.as_str(), self.resident());
         }
         idle
     }
@@ -751,7 +1029,7 @@ async fn run_instance<E: Entity>(
     // (the entity's own `create` among them) would size every resident instance's task.
     let Some(entity) = Box::pin(create(&shared, &address, &signals.interrupt)).await else {
         keep_alive.latch.abandon();
-        shared.residency.release();
+        shared.leave(&active);
         return;
     };
     let forks = shared.protocol.fork_states(&entity);
@@ -785,7 +1063,7 @@ async fn run_instance<E: Entity>(
         }
     }
     instance.keep_alive.latch.abandon();
-    instance.shared.residency.release();
+    instance.shared.leave(&instance.active);
 }
 
 impl<E: Entity> InstanceLoop<E> {
@@ -833,6 +1111,7 @@ impl<E: Entity> InstanceLoop<E> {
                     &self.shared,
                     &self.address,
                     &mut self.receiver,
+                    &self.active,
                     &mut self.idle_timer,
                 );
                 match next.await {
@@ -1173,11 +1452,26 @@ async fn next_delivery<E: Entity>(
     shared: &Shared<E>,
     address: &EntityAddress,
     receiver: &mut mpsc::Receiver<Box<Delivery>>,
+    active: &Active,
     timer: &mut Option<Pin<Box<tokio::time::Sleep>>>,
 ) -> Next {
     let received = |delivery: Option<Box<Delivery>>| delivery.map_or(Next::Closed, Next::Delivery);
+    // Told to passivate, and still idle: the flag is cleared by a request that came since.
+    let passivating = |receiver: &mpsc::Receiver<Box<Delivery>>| {
+        active.passivating.load(Ordering::Acquire) && shared.is_idle(address, receiver)
+    };
     let Some(idle) = shared.options.max_idle_time else {
-        return received(receiver.recv().await);
+        loop {
+            tokio::select! {
+                biased;
+                delivery = receiver.recv() => return received(delivery),
+                () = active.passivate.notified() => {
+                    if passivating(receiver) {
+                        return Next::Idle;
+                    }
+                }
+            }
+        }
     };
     let mut due = crate::time::deadline(idle);
     let timer = timer.get_or_insert_with(|| Box::pin(tokio::time::sleep_until(due)));
@@ -1185,11 +1479,17 @@ async fn next_delivery<E: Entity>(
         tokio::select! {
             biased;
             delivery = receiver.recv() => return received(delivery),
+            () = active.passivate.notified() => {
+                if passivating(receiver) {
+                    return Next::Idle;
+                }
+            }
             () = timer.as_mut() => {
                 let now = tokio::time::Instant::now();
                 if now < due {
                     timer.as_mut().reset(due);
                 } else if shared.is_idle(address, receiver) {
+                    metrics::passivated(shared.entity_type.as_str(), metrics::Passivation::Idle);
                     return Next::Idle;
                 } else {
                     // Something holds the instance (a keep-alive): wait another period.

@@ -933,22 +933,27 @@ impl PersistedDelivery {
         }
     }
 
+    /// The entities whose messages alone the next read takes, at the residency cap once a
+    /// newcomer was refused there; `None` for every message.
+    fn residents_to_read(&self, state: &mut ReadState) -> Option<Vec<EntityAddress>> {
+        let at_cap = self.residency().is_full();
+        state.residents_only &= at_cap;
+        state.capped |= at_cap;
+        state.residents_only.then(|| self.managers().resident_addresses())
+    }
+
     /// One read of the storage read loop (`effect/src/cluster/Sharding.ts`).
     ///
-    /// - At the residency cap, only the resident entities' messages are read, so that they keep
+    /// - At the residency cap, once a newcomer was refused (no resident instance was idle to
+    ///   passivate for it), only the resident entities' messages are read, so that they keep
     ///   progressing.
-    /// - Otherwise, every message of this runner's shards is read.
+    /// - Otherwise, every message of this runner's shards is read; at the cap, newcomers make
+    ///   room by passivating idle instances.
     /// - `None` means that the read failed.
     async fn read_once(self: &Arc<Self>, state: &mut ReadState) -> Option<Read> {
         let batch_size = self.config().unprocessed_message_batch_size;
-        let residents;
-        let addresses = if self.residency().is_full() {
-            state.capped = true;
-            residents = self.managers().resident_addresses();
-            Some(residents.as_slice())
-        } else {
-            None
-        };
+        let residents = self.residents_to_read(state);
+        let addresses = residents.as_deref();
         let whole_shards = addresses.is_none();
         let options = UnprocessedOptions { limit: Some(batch_size), addresses };
         let now = self.clock().now();
@@ -1028,6 +1033,7 @@ impl PersistedDelivery {
                 }
                 Dispatched::Capped(id) => {
                     state.capped = true;
+                    state.residents_only = true;
                     release.push(id);
                 }
                 Dispatched::Answer(reply) => self.save_final_reply(reply, None).await,
@@ -1568,6 +1574,9 @@ struct ReadState {
     retry_soon: bool,
     /// The residency cap held requests back (or was reached).
     capped: bool,
+    /// A newcomer was refused at the cap because no resident instance was idle: reads take
+    /// only the residents' messages until the cap is no longer reached.
+    residents_only: bool,
 }
 
 /// What one read did.

@@ -15,7 +15,7 @@ use cluster_sharding::{
 };
 use cluster_testkit::memory::{MemoryMessageStorage, MemoryRunnerDatabase, MemoryRunnerStorage};
 use metrics::{
-    Counter, Gauge, GaugeFn, Histogram, HistogramFn, Key, KeyName, Metadata, Recorder,
+    Counter, CounterFn, Gauge, GaugeFn, Histogram, HistogramFn, Key, KeyName, Metadata, Recorder,
     SharedString, Unit,
 };
 
@@ -57,6 +57,17 @@ impl GaugeFn for Value {
     }
 }
 
+/// A counter reads as a gauge of its total.
+impl CounterFn for Value {
+    fn increment(&self, value: u64) {
+        GaugeFn::increment(self, value as f64);
+    }
+
+    fn absolute(&self, value: u64) {
+        self.set(value as f64);
+    }
+}
+
 fn name(key: &Key) -> String {
     let labels: Vec<String> =
         key.labels().map(|label| format!("{}={}", label.key(), label.value())).collect();
@@ -72,7 +83,8 @@ impl Recorder for Capture {
 
     fn register_counter(&self, key: &Key, _: &Metadata<'_>) -> Counter {
         self.0.names.lock().unwrap().insert(key.name().to_owned());
-        Counter::noop()
+        let mut values = self.0.values.lock().unwrap();
+        Counter::from_arc(Arc::clone(values.entry(name(key)).or_default()))
     }
 
     fn register_gauge(&self, key: &Key, _: &Metadata<'_>) -> Gauge {
@@ -140,7 +152,49 @@ async fn the_entities_gauge_follows_resident_instances() {
     tokio::time::sleep(Duration::from_secs(5)).await;
     assert_eq!(sharding.active_entity_count(), 0);
     assert_eq!(gauge("effect_cluster_entities{type=Meter}"), Some(0.0));
+    let idle = "effect_cluster_entity_passivations_total{type=Meter,reason=idle}";
+    assert_eq!(gauge(idle), Some(3.0));
     assert_one_naming_scheme();
+}
+
+/// An entity type of its own for the passivation counter.
+struct Crowded;
+
+impl Entity for Crowded {
+    const TYPE: &'static str = "Crowded";
+
+    async fn create(_context: &EntityContext) -> Crowded {
+        Crowded
+    }
+
+    fn protocol(protocol: &mut Protocol<Crowded>) {
+        protocol.handle::<Get>();
+    }
+}
+
+impl Handler<Get> for Crowded {
+    async fn handle(&mut self, _: &RequestContext, _: Get) -> Result<u64, Failure> {
+        Ok(0)
+    }
+}
+
+#[tokio::test(start_paused = true)]
+async fn passivations_to_make_room_are_counted_and_leave_the_entities_gauge() {
+    gauges();
+    let sharding = Sharding::builder(ShardingConfig::default()).start().await.unwrap();
+    let options = EntityOptions {
+        max_resident: cluster_core::config::Capacity::bounded(2),
+        max_idle_time: Some(None),
+        ..EntityOptions::default()
+    };
+    sharding.register::<Crowded>(options).unwrap();
+    for n in 0..5 {
+        sharding.client::<Crowded>(format!("crowded-{n}")).send(Get).await.unwrap();
+    }
+    let capacity = "effect_cluster_entity_passivations_total{type=Crowded,reason=capacity}";
+    assert_eq!(gauge(capacity), Some(3.0));
+    gauge_reaches("effect_cluster_entities{type=Crowded}", 2.0).await;
+    sharding.shutdown().await;
 }
 
 /// Every name reported is the reference's scheme, `effect_cluster_*`: no old `cluster_*` name

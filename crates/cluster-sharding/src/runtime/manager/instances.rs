@@ -89,6 +89,13 @@ impl<I> Instances<I> {
         collected
     }
 
+    /// Calls `f` on every instance, partition by partition (each locked in turn).
+    pub(super) fn for_each(&self, mut f: impl FnMut(&I)) {
+        for partition in &self.partitions {
+            lock(partition).values().for_each(&mut f);
+        }
+    }
+
     /// Removes every instance, partition by partition.
     pub(super) fn clear(&self) {
         for partition in &self.partitions {
