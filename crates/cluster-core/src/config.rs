@@ -250,8 +250,9 @@ pub struct ShardingConfig {
     /// Report each resident entity's mailbox size as the gauge
     /// `effect_cluster_entity_mailbox_size`, labelled `type`, `id` and `shard`: the requests
     /// admitted to the entity, queued or in flight. One series per resident entity can mean
-    /// many series on a busy runner; each is set to 0 when its entity stops. See
-    /// docs/operations.md for every metric.
+    /// many series on a busy runner. When its entity stops, a series is set to 0, and the
+    /// runner's operations server drops it from `/metrics`. See docs/operations.md for every
+    /// metric.
     ///
     /// Default `false`. Environment: `ENTITY_MAILBOX_METRICS`.
     pub entity_mailbox_metrics: bool,

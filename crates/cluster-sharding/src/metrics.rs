@@ -54,7 +54,9 @@
 //! | `effect_cluster_storage_errors_total` | counter | `backend`, `operation`, `kind` | storage operations that failed, by the error's kind (`conflict`, `unavailable`, `timeout`, `malformed`, `invalid_input`, `other`) |
 //!
 //! The reference's `effect_cluster_entity_mailbox_size_max` is not reported. The `metrics`
-//! facade cannot remove a series: the mailbox gauge of an entity that stopped is set to 0.
+//! facade cannot remove a series: the mailbox gauge of an entity that stopped is set to 0, and
+//! its handle dropped (the runner's operations server keeps these series by handle, and drops
+//! each with its entity).
 
 use std::time::Duration;
 

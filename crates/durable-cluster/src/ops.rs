@@ -36,6 +36,8 @@ use tokio_util::sync::CancellationToken;
 use crate::runner::RunnerError;
 use crate::server::ServerLimits;
 
+mod series;
+
 /// How long a shutdown waits for the operations server's requests in progress.
 const SHUTDOWN_TIMEOUT: Duration = Duration::from_secs(5);
 
@@ -100,8 +102,8 @@ impl OpsListener {
                 let mut interval = tokio::time::interval(UPKEEP_INTERVAL);
                 loop {
                     interval.tick().await;
-                    if let Some(handle) = prometheus() {
-                        handle.run_upkeep();
+                    if let Some(exported) = prometheus() {
+                        exported.prometheus.run_upkeep();
                     }
                 }
             };
@@ -208,8 +210,10 @@ async fn ready(check: Arc<ReadinessCheck>) -> impl IntoResponse {
 /// `GET /metrics`.
 async fn render_metrics() -> impl IntoResponse {
     match prometheus() {
-        Some(handle) => {
-            (StatusCode::OK, [("content-type", "text/plain; version=0.0.4")], handle.render())
+        Some(exported) => {
+            let mut body = exported.prometheus.render();
+            exported.entities.render(&mut body);
+            (StatusCode::OK, [("content-type", "text/plain; version=0.0.4")], body)
         }
         None => (
             StatusCode::SERVICE_UNAVAILABLE,
@@ -240,15 +244,26 @@ fn histograms(builder: PrometheusBuilder) -> PrometheusBuilder {
     configured.unwrap_or_else(|_| PrometheusBuilder::new())
 }
 
-/// The process's Prometheus recorder, installed by the first call; `None` when another
-/// recorder was installed first.
-fn prometheus() -> Option<&'static PrometheusHandle> {
-    static HANDLE: OnceLock<Option<PrometheusHandle>> = OnceLock::new();
-    HANDLE
+/// What `/metrics` renders: the Prometheus recorder's series, then the per-entity series that
+/// leave with their entities (see `series`).
+struct Exported {
+    prometheus: PrometheusHandle,
+    entities: Arc<series::EntitySeries>,
+}
+
+/// The process's recorder, installed by the first call; `None` when another recorder was
+/// installed first.
+fn prometheus() -> Option<&'static Exported> {
+    static EXPORTED: OnceLock<Option<Exported>> = OnceLock::new();
+    EXPORTED
         .get_or_init(|| {
-            let recorder = histograms(PrometheusBuilder::new()).build_recorder();
-            let handle = recorder.handle();
-            metrics::set_global_recorder(recorder).ok().map(|()| handle)
+            let prometheus = histograms(PrometheusBuilder::new()).build_recorder();
+            let handle = prometheus.handle();
+            let entities = Arc::new(series::EntitySeries::default());
+            let recorder = series::SplitRecorder { prometheus, entities: Arc::clone(&entities) };
+            metrics::set_global_recorder(recorder)
+                .ok()
+                .map(|()| Exported { prometheus: handle, entities })
         })
         .as_ref()
 }

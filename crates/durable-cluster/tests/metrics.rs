@@ -25,6 +25,7 @@ mod support;
 const PINNED: &[(&str, &str, &[&str])] = &[
     ("effect_cluster_entities", "gauge", &["type"]),
     ("effect_cluster_entity_mailbox_size", "gauge", &["id", "shard", "type"]),
+    ("effect_cluster_entity_passivations_total", "counter", &["reason", "type"]),
     ("effect_cluster_singletons", "gauge", &[]),
     ("effect_cluster_runners", "gauge", &[]),
     ("effect_cluster_runners_healthy", "gauge", &[]),
@@ -281,6 +282,52 @@ async fn every_exported_metric_has_its_pinned_name_kind_and_labels() {
         };
         assert_eq!(kind, *pinned_kind, "{name}'s kind");
         assert_eq!(&labels, pinned_labels, "{name}'s labels");
+    }
+    runner.shutdown().await;
+    support::remove_database(name);
+}
+
+/// With `ENTITY_MAILBOX_METRICS=true`, an entity's mailbox series leaves `/metrics` when the
+/// entity stops: a flood of ids does not grow the page for the life of the process.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_mailbox_series_of_stopped_entities_leave_metrics() {
+    let name = "metrics-mailbox-series";
+    let settings = support::env(
+        name,
+        &[
+            ("CLUSTER_OPS_LISTEN", "127.0.0.1:0"),
+            ("ENTITY_MAILBOX_METRICS", "true"),
+            ("ENTITY_MAX_IDLE_TIME", "300 millis"),
+        ],
+    )
+    .unwrap();
+    let handles: Arc<Mutex<Option<Sharding>>> = Arc::default();
+    let kept = Arc::clone(&handles);
+    let runner = Runner::start(&settings, move |sharding| {
+        sharding.register::<Counter>(EntityOptions::default())?;
+        *kept.lock().unwrap() = Some(sharding.clone());
+        Ok(())
+    })
+    .await
+    .unwrap();
+    let sharding = handles.lock().unwrap().take().unwrap();
+    let ops = runner.ops_address().unwrap();
+    for n in 0..50 {
+        sharding.client::<Counter>(format!("series-{n}")).send(Add(1)).await.unwrap();
+    }
+    let (status, text) = get(ops, "/metrics").await.unwrap();
+    assert_eq!(status, 200);
+    assert!(text.contains("id=\"series-49\""), "a resident entity's series:\n{text}");
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(20);
+    loop {
+        let (_, text) = get(ops, "/metrics").await.unwrap();
+        let left = text.lines().filter(|line| line.contains("id=\"series-")).count();
+        if left == 0 {
+            assert!(text.contains("effect_cluster_entity_passivations_total{"), "{text}");
+            break;
+        }
+        assert!(tokio::time::Instant::now() < deadline, "{left} series of stopped entities");
+        tokio::time::sleep(Duration::from_millis(50)).await;
     }
     runner.shutdown().await;
     support::remove_database(name);
