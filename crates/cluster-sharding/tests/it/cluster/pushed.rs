@@ -598,7 +598,13 @@ async fn the_owner_takes_up_what_it_is_told_of_in_a_bounded_number_of_tasks() {
         faults = Some(storage_faults);
         (Arc::new(messages) as Arc<dyn MessageStorage>, locks)
     };
-    let owner = runner_with(&net, 8141, &network, wrap, slow_polls).await;
+    // A small mailbox: requests its read loop delivers wait there, each with a task that
+    // stores its outcome; the mailbox bounds those, as the take-ups are bounded.
+    let tune = |config: &mut ShardingConfig| {
+        slow_polls(config);
+        config.entity_mailbox_capacity = cluster_core::config::Capacity::bounded(64).unwrap();
+    };
+    let owner = runner_with(&net, 8141, &network, wrap, tune).await;
     let faults = faults.expect("the runner was built");
     eventually("the runner holds every shard", || split(&[&owner])).await;
     let client = client(&net, &network, slow_polls).await;
