@@ -526,7 +526,11 @@ impl<E: Entity> EntityManager<E> {
             Ok(Shared::spawn(shared, address()))
         })?;
         instance.last_used = (tokio::time::Instant::now(), delivery.request.request_id);
-        if instance.active.passivating.swap(false, Ordering::AcqRel) {
+        // A load first: the flag is set under this partition's lock, which is held, and a
+        // read-modify-write on every request would cost more than the load.
+        if instance.active.passivating.load(Ordering::Acquire)
+            && instance.active.passivating.swap(false, Ordering::AcqRel)
+        {
             // Told to passivate, it is wanted again: it counts again.
             shared.revive();
         }
