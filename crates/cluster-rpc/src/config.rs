@@ -10,6 +10,10 @@ use cluster_core::error::ConfigError;
 /// The largest accepted `max_frame_bytes`: 1 GiB.
 pub const MAX_FRAME_BYTES_MAX: u32 = 1 << 30;
 
+/// The shortest accepted shared secret, in bytes: 32, which is 128 bits of key material when
+/// they are random hexadecimal digits (`openssl rand -hex 32` makes 64 of them, 256 bits).
+pub const MIN_SECRET_BYTES: usize = 32;
+
 /// The transport's options, shared by [`crate::RpcServer`] and [`crate::TcpTransport`].
 ///
 /// Loaded from the environment by [`RpcConfig::from_env`]:
@@ -28,6 +32,15 @@ pub const MAX_FRAME_BYTES_MAX: u32 = 1 << 30;
 /// | `CLUSTER_RPC_BACKOFF_BASE`      | `backoff_base`       | 100 millis   |
 /// | `CLUSTER_RPC_BACKOFF_CAP`       | `backoff_cap`        | 10 seconds   |
 /// | `CLUSTER_RPC_INSECURE`          | `insecure`           | `false`      |
+///
+/// # The shared secret
+///
+/// A non-empty secret must be at least [`MIN_SECRET_BYTES`] (32) bytes long, or
+/// [`RpcConfig::validate`] refuses it with an error naming `CLUSTER_RPC_SECRET` (never its
+/// value). Its length is all that can be checked, so make it random:
+/// `openssl rand -hex 32` prints 64 hexadecimal digits (256 bits); 32 random hexadecimal digits
+/// are the least that gives 128 bits. A phrase a person picks has far less entropy than its
+/// length suggests.
 ///
 /// # Secure by default
 ///
@@ -57,8 +70,9 @@ pub const MAX_FRAME_BYTES_MAX: u32 = 1 << 30;
 /// tls feature"), never silently ignored.
 #[derive(Clone)]
 pub struct RpcConfig {
-    /// The shared secret of the handshake; `None` means the empty key (no authentication).
-    /// Both ends must agree.
+    /// The shared secret of the handshake; `None` (or empty) means the empty key (no
+    /// authentication). Both ends must agree. At least [`MIN_SECRET_BYTES`] bytes when set
+    /// (see "The shared secret" above).
     pub secret: Option<Arc<[u8]>>,
     /// The largest frame sent or accepted, in bytes.
     pub max_frame_bytes: u32,
@@ -215,10 +229,25 @@ impl RpcConfig {
         Ok(config)
     }
 
-    /// Checks the ranges: every limit is at least 1, `max_frame_bytes` is at most
-    /// [`MAX_FRAME_BYTES_MAX`], timeouts and expiry are positive and `backoff_base <=
-    /// backoff_cap`; TLS settings make a usable server or client. The error names the field.
+    /// Checks the ranges: a secret, when set, has at least [`MIN_SECRET_BYTES`] bytes, every
+    /// limit is at least 1, `max_frame_bytes` is at most [`MAX_FRAME_BYTES_MAX`], timeouts and
+    /// expiry are positive and `backoff_base <= backoff_cap`; TLS settings make a usable server
+    /// or client. The error names the field, and never shows the secret.
     pub fn validate(&self) -> Result<(), ConfigError> {
+        if let Some(secret) = &self.secret
+            && !secret.is_empty()
+            && secret.len() < MIN_SECRET_BYTES
+        {
+            return Err(ConfigError::new(
+                "secret",
+                format!("<redacted, {} bytes>", secret.len()),
+                format!(
+                    "is too short: the shared secret needs at least {MIN_SECRET_BYTES} bytes of \
+                     random key material (128 bits as 32 hexadecimal digits); make one with \
+                     `openssl rand -hex 32` and give the same one to every runner and client"
+                ),
+            ));
+        }
         #[cfg(feature = "tls")]
         if let Some(tls) = &self.tls {
             tls.validate()?;

@@ -72,7 +72,7 @@ mod server;
 mod tls;
 
 pub use client::TcpTransport;
-pub use config::{MAX_FRAME_BYTES_MAX, RpcConfig};
+pub use config::{MAX_FRAME_BYTES_MAX, MIN_SECRET_BYTES, RpcConfig};
 pub use error::RpcError;
 pub use server::{RpcServer, ServerHandle};
 #[cfg(feature = "tls")]

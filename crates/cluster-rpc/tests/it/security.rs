@@ -10,6 +10,11 @@ use crate::support::{
     within,
 };
 
+/// A secret long enough to be accepted (the checks below look for "s3cret" in what is shown).
+const SECRET: &str = "s3cret-0123456789abcdef0123456789abcdef";
+/// Another one, held by the wrong peers.
+const OTHER_SECRET: &str = "guess-0123456789abcdef0123456789abcdef";
+
 fn with_secret(secret: &str) -> RpcConfig {
     RpcConfig { secret: Some(secret.as_bytes().into()), ..config() }
 }
@@ -17,8 +22,8 @@ fn with_secret(secret: &str) -> RpcConfig {
 #[tokio::test]
 async fn the_right_secret_is_accepted() {
     let handler = FakeHandler::new();
-    let server = serve(with_secret("s3cret"), handler.clone()).await;
-    let runners = TcpTransport::new(with_secret("s3cret")).expect("config");
+    let server = serve(with_secret(SECRET), handler.clone()).await;
+    let runners = TcpTransport::new(with_secret(SECRET)).expect("config");
     let reply = within(runners.send(&runner_address(&server), request(1, "Echo"), false)).await;
     assert!(reply.expect("reply").is_final());
 }
@@ -32,9 +37,9 @@ async fn a_wrong_or_missing_secret_is_refused_before_any_call_and_named_on_both_
     let handler = FakeHandler::new();
     let warnings = Warnings::default();
     let _guard = tracing::dispatcher::set_default(&tracing::Dispatch::new(warnings.clone()));
-    let server = serve(with_secret("s3cret"), handler.clone()).await;
+    let server = serve(with_secret(SECRET), handler.clone()).await;
     let address = runner_address(&server);
-    for client in [with_secret("guess"), config()] {
+    for client in [with_secret(OTHER_SECRET), config()] {
         let runners = TcpTransport::new(client).expect("config");
         let error = within(runners.send(&address, request(1, "Echo"), false)).await;
         assert_handshake_failed(&error.map(|_| ()));
@@ -75,7 +80,7 @@ fn assert_handshake_failed(error: &Result<(), ClusterError>) {
 async fn a_client_with_a_secret_refuses_a_server_without_one() {
     let handler = FakeHandler::new();
     let server = serve(config(), handler.clone()).await;
-    let runners = TcpTransport::new(with_secret("s3cret")).expect("config");
+    let runners = TcpTransport::new(with_secret(SECRET)).expect("config");
     let error = within(runners.send(&runner_address(&server), request(1, "Echo"), false)).await;
     assert_handshake_failed(&error.map(|_| ()));
     assert_eq!(handler.calls(), 0);
@@ -84,7 +89,7 @@ async fn a_client_with_a_secret_refuses_a_server_without_one() {
 #[tokio::test]
 async fn frames_sent_after_a_failed_proof_are_never_decoded() {
     let handler = FakeHandler::new();
-    let server = serve(with_secret("s3cret"), handler.clone()).await;
+    let server = serve(with_secret(SECRET), handler.clone()).await;
     // The raw client proves the empty key: the server must refuse it, whatever follows.
     let mut raw = tokio::net::TcpStream::connect(server.local_addr()).await.expect("connect");
     let mut hello = b"CRPC\x01".to_vec();
@@ -96,7 +101,7 @@ async fn frames_sent_after_a_failed_proof_are_never_decoded() {
     assert_eq!(handler.calls(), 0);
     assert_eq!(server.connection_count(), 0);
     // A raw client with the secret gets through (the test's handshake matches the crate's).
-    let _accepted = raw_client(server.local_addr(), b"s3cret").await;
+    let _accepted = raw_client(server.local_addr(), SECRET.as_bytes()).await;
 }
 
 #[tokio::test]
@@ -118,14 +123,14 @@ async fn config_from_env_names_the_bad_variable() {
     assert_eq!(error.key(), "CLUSTER_RPC_MAX_PUSHED_IN_FLIGHT");
     let config = RpcConfig::from_env_with(|var| {
         Ok(match var {
-            "CLUSTER_RPC_SECRET" => Some("k".to_owned()),
+            "CLUSTER_RPC_SECRET" => Some(SECRET.to_owned()),
             "CLUSTER_RPC_IDLE_EXPIRY" => Some("2 seconds".to_owned()),
             "CLUSTER_RPC_MAX_PUSHED_IN_FLIGHT" => Some("100".to_owned()),
             _ => None,
         })
     })
     .expect("valid");
-    assert_eq!(config.secret.as_deref(), Some(&b"k"[..]));
+    assert_eq!(config.secret.as_deref(), Some(SECRET.as_bytes()));
     assert_eq!(config.idle_expiry, std::time::Duration::from_secs(2));
     assert_eq!(config.max_pushed_in_flight, 100);
 }
@@ -207,13 +212,13 @@ async fn a_server_beyond_loopback_refuses_to_start_without_a_secret() {
     assert!(error.reason().contains("CLUSTER_RPC_INSECURE=true"), "{error}");
     let empty = RpcConfig { secret: Some(b"".as_slice().into()), ..config() };
     assert!(RpcServer::bind(everywhere, empty).await.is_err(), "an empty secret is no secret");
-    assert!(RpcServer::bind(everywhere, with_secret("s3cret")).await.is_ok());
+    assert!(RpcServer::bind(everywhere, with_secret(SECRET)).await.is_ok());
     assert!(RpcServer::bind(loopback, config()).await.is_ok(), "loopback needs no secret");
     let warnings = Warnings::default();
     let guard = tracing::dispatcher::set_default(&tracing::Dispatch::new(warnings.clone()));
     let insecure = RpcConfig { insecure: true, ..config() };
     assert!(RpcServer::bind(everywhere, insecure).await.is_ok());
-    assert!(RpcServer::bind(everywhere, with_secret("s3cret")).await.is_ok());
+    assert!(RpcServer::bind(everywhere, with_secret(SECRET)).await.is_ok());
     drop(guard);
     let logged = warnings.logged();
     assert_eq!(logged.len(), 1, "one warning, for the insecure server only: {logged:?}");
@@ -238,10 +243,44 @@ fn the_insecure_opt_out_is_read_strictly() {
 /// The secret appears in no `Debug` output and in no error.
 #[test]
 fn the_secret_is_never_shown() {
-    let config = with_secret("hunter2-value");
+    let config = with_secret("hunter2-value-0123456789abcdef0123456789");
     let shown = format!("{config:?} {config:#?}");
     assert!(!shown.contains("hunter2"), "{shown}");
     assert!(shown.contains("<redacted>"), "{shown}");
     let error = RpcConfig { max_in_flight: 0, ..config }.validate().expect_err("out of range");
     assert!(!format!("{error} {error:?}").contains("hunter2"));
 }
+
+/// A secret shorter than 32 bytes is refused wherever a configuration is checked (from the
+/// environment, `TcpTransport::new`, `RpcServer::bind`), with an error that names the variable
+/// and how to make a good one, and never shows the secret.
+#[tokio::test]
+async fn a_short_secret_is_refused_without_being_shown() {
+    let short = "hunter2-short-secret-31-bytes-x";
+    assert_eq!(short.len(), cluster_rpc::MIN_SECRET_BYTES - 1);
+    let error =
+        RpcConfig::from_env_with(|var| Ok((var == "CLUSTER_RPC_SECRET").then(|| short.to_owned())))
+            .expect_err("a short secret");
+    assert_eq!(error.key(), "CLUSTER_RPC_SECRET");
+    assert!(error.reason().contains("openssl rand -hex 32"), "{error}");
+    assert!(error.reason().contains("at least 32 bytes"), "{error}");
+    let shown = format!("{error} {error:?}");
+    assert!(!shown.contains("hunter2"), "{shown}");
+
+    let loopback: std::net::SocketAddr = "127.0.0.1:0".parse().unwrap();
+    let errors = [
+        TcpTransport::new(with_secret(short)).map(|_| ()).expect_err("client"),
+        RpcServer::bind(loopback, with_secret(short)).await.map(|_| ()).expect_err("server"),
+    ];
+    for error in errors {
+        let shown = format!("{error} {error:?}");
+        assert!(matches!(error, RpcError::Config(_)), "{shown}");
+        assert!(shown.contains("too short") && !shown.contains("hunter2"), "{shown}");
+    }
+    // 32 bytes are enough; an empty secret is no secret (allowed on loopback).
+    let enough = "hunter2-long-enough-32-bytes-xyz";
+    assert_eq!(enough.len(), cluster_rpc::MIN_SECRET_BYTES);
+    assert!(with_secret(enough).validate().is_ok());
+    assert!(with_secret("").validate().is_ok());
+}
+
