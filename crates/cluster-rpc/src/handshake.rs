@@ -1,24 +1,33 @@
-//! The connection handshake: a mutual HMAC-SHA256 challenge–response over a shared secret.
+//! The connection handshake: a mutual HMAC-SHA256 challenge–response over a shared secret, in
+//! which the caller proves first.
 //!
-//! It runs on the raw socket before any frame is read, with fixed-size messages, so a peer
-//! without the secret is refused before a single message frame is decoded:
+//! It runs on the raw socket (inside TLS when configured) before any frame is read, with
+//! fixed-size messages, so a peer without the secret is refused before a single message frame
+//! is decoded:
 //!
-//! 1. client → server: `MAGIC`, [`PROTOCOL_VERSION`], a 32-byte random client nonce;
-//! 2. server → client: `MAGIC`, version, a 32-byte random server nonce and
-//!    `HMAC(secret, "server" ‖ client nonce ‖ server nonce)`;
-//! 3. the client checks the server's proof (so it never talks to an impostor), then sends
-//!    `HMAC(secret, "client" ‖ client nonce ‖ server nonce)`; when the server's proof is wrong
-//!    it sends [`REFUSED`] instead, and closes;
-//! 4. the server checks it and answers one byte, [`ACCEPTED`]; otherwise it closes.
+//! 1. client → server: `MAGIC`, [`PROTOCOL_VERSION`], a 32-byte random client nonce `cn`;
+//! 2. server → client: `MAGIC`, its version and a 32-byte random server nonce `sn`, and nothing
+//!    else: nothing it sends before the client has proved itself depends on the secret;
+//! 3. client → server: `HMAC(secret, "client" ‖ cn ‖ sn)`;
+//! 4. the server checks it in constant time; when it is wrong the server closes the connection
+//!    without another byte. Otherwise it answers [`ACCEPTED`] and its own proof,
+//!    `HMAC(secret, "server" ‖ cn ‖ sn)`;
+//! 5. the client checks the server's proof (so it never talks to an impostor) before it sends a
+//!    frame.
 //!
-//! [`REFUSED`] (32 zero bytes, which no proof equals in practice) lets the server say why in its
-//! log: without it, the server of a client with another secret only saw the connection end.
-//! It carries nothing derived from the secret. A server of an earlier build reads it as a wrong
-//! proof, and a client of an earlier build closes without it, which the server reports as a
-//! likely secret mismatch; so the protocol version stays 1.
+//! No offline oracle: a peer that does not hold the secret gets a random nonce and then a
+//! closed connection, nothing it could test guesses of the secret against. (The server's proof
+//! at step 4 goes only to a client that has just proved it holds the secret.) A passive
+//! observer of a plaintext connection does see both proofs: the secret must be random and at
+//! least 128 bits long (`RpcConfig`'s "The shared secret"), or the transport must run inside
+//! TLS.
+//!
+//! A server that meets a client of another version still sends its hello (step 2), so that the
+//! client can name the cause; a client of version 1 (whose server proved first) then reads the
+//! close as a failed connection.
 //!
 //! Fresh nonces on both sides make every proof single-use (no replay), the role labels stop a
-//! proof from being reflected back, and the comparison is constant-time (`hmac`'s `verify`).
+//! proof from being reflected back, and the comparisons are constant-time (`hmac`'s `verify`).
 //! With no secret configured both sides use the empty key: the handshake then only checks the
 //! protocol version, and a side with a secret refuses a side without one.
 
@@ -28,15 +37,16 @@ use hmac::{Hmac, Mac};
 use sha2::Sha256;
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 
-/// The protocol version; bumped on every change to [`crate::frame`].
-pub(crate) const PROTOCOL_VERSION: u8 = 1;
+/// The protocol version; bumped on every change to [`crate::frame`] or to this handshake.
+pub(crate) const PROTOCOL_VERSION: u8 = 2;
 
 const MAGIC: [u8; 4] = *b"CRPC";
 const NONCE_LEN: usize = 32;
 const PROOF_LEN: usize = 32;
+/// A hello, either way: `MAGIC`, version, nonce.
+const HELLO_LEN: usize = MAGIC.len() + 1 + NONCE_LEN;
+/// The server's answer to a good proof, ahead of its own proof.
 const ACCEPTED: u8 = 1;
-/// What a client sends in place of its proof after refusing the server's.
-const REFUSED: [u8; PROOF_LEN] = [0; PROOF_LEN];
 
 type HmacSha256 = Hmac<Sha256>;
 
@@ -55,19 +65,13 @@ pub(crate) enum HandshakeError {
          every runner and client)"
     )]
     BadProof,
-    /// The peer refused this side's proof: it does not hold the same shared secret.
+    /// The server closed the connection right after this side's proof, as it does when it
+    /// refuses it.
     #[error(
         "the peer refused this side's proof: the two do not hold the same shared secret \
          (CLUSTER_RPC_SECRET must be the same on every runner and client)"
     )]
     ProofRefused,
-    /// The peer closed the connection right after this side's proof, as a client of an earlier
-    /// build does when it refuses it.
-    #[error(
-        "the peer closed the connection after this side's proof: it likely does not hold the \
-         same shared secret (CLUSTER_RPC_SECRET must be the same on every runner and client)"
-    )]
-    ClosedAfterProof,
     /// No randomness for the nonce.
     #[error("no randomness for the handshake nonce: {0}")]
     Random(String),
@@ -78,10 +82,9 @@ impl HandshakeError {
     /// protocol): a configuration error, which trying again does not fix.
     pub(crate) fn is_refusal(&self) -> bool {
         match self {
-            HandshakeError::Protocol
-            | HandshakeError::BadProof
-            | HandshakeError::ProofRefused
-            | HandshakeError::ClosedAfterProof => true,
+            HandshakeError::Protocol | HandshakeError::BadProof | HandshakeError::ProofRefused => {
+                true
+            }
             HandshakeError::Io(_) | HandshakeError::Random(_) => false,
         }
     }
@@ -91,6 +94,14 @@ fn nonce() -> Result<[u8; NONCE_LEN], HandshakeError> {
     let mut nonce = [0_u8; NONCE_LEN];
     getrandom::fill(&mut nonce).map_err(|error| HandshakeError::Random(error.to_string()))?;
     Ok(nonce)
+}
+
+fn hello(nonce: &[u8; NONCE_LEN]) -> [u8; HELLO_LEN] {
+    let mut hello = [0_u8; HELLO_LEN];
+    hello[..MAGIC.len()].copy_from_slice(&MAGIC);
+    hello[MAGIC.len()] = PROTOCOL_VERSION;
+    hello[MAGIC.len() + 1..].copy_from_slice(nonce);
+    hello
 }
 
 fn mac(secret: &[u8], role: &[u8], client: &[u8], server: &[u8]) -> HmacSha256 {
@@ -109,70 +120,67 @@ pub(crate) async fn client<S: AsyncRead + AsyncWrite + Unpin>(
     secret: &[u8],
 ) -> Result<(), HandshakeError> {
     let client_nonce = nonce()?;
-    let mut hello = Vec::with_capacity(MAGIC.len() + 1 + NONCE_LEN);
-    hello.extend_from_slice(&MAGIC);
-    hello.push(PROTOCOL_VERSION);
-    hello.extend_from_slice(&client_nonce);
-    stream.write_all(&hello).await?;
+    stream.write_all(&hello(&client_nonce)).await?;
 
-    let mut answer = [0_u8; 4 + 1 + NONCE_LEN + PROOF_LEN];
+    let mut answer = [0_u8; HELLO_LEN];
     stream.read_exact(&mut answer).await?;
-    if answer[..4] != MAGIC || answer[4] != PROTOCOL_VERSION {
+    if answer[..MAGIC.len()] != MAGIC || answer[MAGIC.len()] != PROTOCOL_VERSION {
         return Err(HandshakeError::Protocol);
     }
-    let server_nonce = &answer[5..5 + NONCE_LEN];
-    let verified =
-        mac(secret, b"server", &client_nonce, server_nonce).verify_slice(&answer[5 + NONCE_LEN..]);
-    if verified.is_err() {
-        // Tells the server why, so that its log names the cause; best effort.
-        let _ = stream.write_all(&REFUSED).await;
-        let _ = stream.flush().await;
-        return Err(HandshakeError::BadProof);
-    }
+    let server_nonce = &answer[MAGIC.len() + 1..];
     let proof = mac(secret, b"client", &client_nonce, server_nonce).finalize().into_bytes();
     stream.write_all(&proof).await?;
-    let mut accepted = [0_u8; 1];
-    stream.read_exact(&mut accepted).await?;
-    if accepted[0] != ACCEPTED {
+
+    let mut status = [0_u8; 1];
+    match stream.read_exact(&mut status).await {
+        Ok(_) => {}
+        // The server closes without a word when it refuses the proof.
+        Err(error) if error.kind() == io::ErrorKind::UnexpectedEof => {
+            return Err(HandshakeError::ProofRefused);
+        }
+        Err(error) => return Err(HandshakeError::Io(error)),
+    }
+    if status[0] != ACCEPTED {
         return Err(HandshakeError::Protocol);
     }
+    let mut server_proof = [0_u8; PROOF_LEN];
+    stream.read_exact(&mut server_proof).await?;
+    mac(secret, b"server", &client_nonce, server_nonce)
+        .verify_slice(&server_proof)
+        .map_err(|_| HandshakeError::BadProof)?;
     Ok(())
 }
 
-/// The server side. Not cancel safe; the caller bounds it with the connect timeout.
+/// The server side. Not cancel safe; the caller bounds it with the handshake timeout.
 pub(crate) async fn server<S: AsyncRead + AsyncWrite + Unpin>(
     stream: &mut S,
     secret: &[u8],
 ) -> Result<(), HandshakeError> {
-    let mut hello = [0_u8; 4 + 1 + NONCE_LEN];
-    stream.read_exact(&mut hello).await?;
-    if hello[..4] != MAGIC || hello[4] != PROTOCOL_VERSION {
+    let mut hello_in = [0_u8; HELLO_LEN];
+    stream.read_exact(&mut hello_in).await?;
+    if hello_in[..MAGIC.len()] != MAGIC {
         return Err(HandshakeError::Protocol);
     }
-    let client_nonce = &hello[5..];
     let server_nonce = nonce()?;
-    let proof = mac(secret, b"server", client_nonce, &server_nonce).finalize().into_bytes();
-    let mut answer = Vec::with_capacity(4 + 1 + NONCE_LEN + PROOF_LEN);
-    answer.extend_from_slice(&MAGIC);
-    answer.push(PROTOCOL_VERSION);
-    answer.extend_from_slice(&server_nonce);
-    answer.extend_from_slice(&proof);
-    stream.write_all(&answer).await?;
+    // Sent before the version is checked, so that a client of another version can name the
+    // cause. Nothing in it depends on the secret.
+    stream.write_all(&hello(&server_nonce)).await?;
+    if hello_in[MAGIC.len()] != PROTOCOL_VERSION {
+        return Err(HandshakeError::Protocol);
+    }
+    let client_nonce = &hello_in[MAGIC.len() + 1..];
 
     let mut client_proof = [0_u8; PROOF_LEN];
-    match stream.read_exact(&mut client_proof).await {
-        Ok(_) => {}
-        Err(error) if error.kind() == io::ErrorKind::UnexpectedEof => {
-            return Err(HandshakeError::ClosedAfterProof);
-        }
-        Err(error) => return Err(HandshakeError::Io(error)),
-    }
-    if client_proof == REFUSED {
-        return Err(HandshakeError::ProofRefused);
-    }
+    stream.read_exact(&mut client_proof).await?;
+    // A wrong proof closes the connection with nothing more sent.
     mac(secret, b"client", client_nonce, &server_nonce)
         .verify_slice(&client_proof)
         .map_err(|_| HandshakeError::BadProof)?;
-    stream.write_all(&[ACCEPTED]).await?;
+    let mut answer = [0_u8; 1 + PROOF_LEN];
+    answer[0] = ACCEPTED;
+    answer[1..].copy_from_slice(
+        &mac(secret, b"server", client_nonce, &server_nonce).finalize().into_bytes(),
+    );
+    stream.write_all(&answer).await?;
     Ok(())
 }

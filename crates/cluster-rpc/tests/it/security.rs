@@ -6,8 +6,8 @@ use cluster_rpc::{RpcConfig, RpcError, RpcServer, TcpTransport};
 use tokio::io::AsyncWriteExt;
 
 use crate::support::{
-    FakeHandler, closed_by_server, config, raw_client, request, runner_address, serve, wait_until,
-    within,
+    FakeHandler, HELLO, closed_by_server, config, hmac, raw_client, request, runner_address, serve,
+    wait_until, within,
 };
 
 /// A secret long enough to be accepted (the checks below look for "s3cret" in what is shown).
@@ -92,7 +92,7 @@ async fn frames_sent_after_a_failed_proof_are_never_decoded() {
     let server = serve(with_secret(SECRET), handler.clone()).await;
     // The raw client proves the empty key: the server must refuse it, whatever follows.
     let mut raw = tokio::net::TcpStream::connect(server.local_addr()).await.expect("connect");
-    let mut hello = b"CRPC\x01".to_vec();
+    let mut hello = HELLO.to_vec();
     hello.extend_from_slice(&[1; 32]);
     raw.write_all(&hello).await.expect("hello");
     raw.write_all(&[0; 32]).await.expect("bad proof");
@@ -284,3 +284,71 @@ async fn a_short_secret_is_refused_without_being_shown() {
     assert!(with_secret("").validate().is_ok());
 }
 
+/// Everything a server sends to a peer that has not proved it holds the secret: its hello
+/// (`MAGIC`, version, a fresh random nonce), then, after a wrong proof, nothing but the close.
+/// So an unauthenticated connection carries nothing to test guesses of the secret against:
+/// servers with different secrets answer alike, and the same server answers each connection
+/// with a fresh nonce.
+#[tokio::test]
+async fn a_peer_that_has_not_proved_itself_gets_nothing_derived_from_the_secret() {
+    let handler = FakeHandler::new();
+    let mut answers = Vec::new();
+    for secret in [SECRET, OTHER_SECRET, SECRET] {
+        let server = serve(with_secret(secret), handler.clone()).await;
+        let mut raw = tokio::net::TcpStream::connect(server.local_addr()).await.expect("connect");
+        let mut hello = HELLO.to_vec();
+        hello.extend_from_slice(&[9; 32]);
+        raw.write_all(&hello).await.expect("hello");
+        raw.write_all(&hmac(b"a guess", &[b"client"])).await.expect("wrong proof");
+        // Everything the server sends until it closes the connection.
+        let mut sent = Vec::new();
+        let _ = tokio::time::timeout(
+            crate::support::DEADLINE,
+            tokio::io::AsyncReadExt::read_to_end(&mut raw, &mut sent),
+        )
+        .await
+        .expect("the server closes the connection after a wrong proof");
+        assert_eq!(sent.len(), 37, "hello only, then the close: {sent:?}");
+        assert_eq!(&sent[..5], HELLO);
+        answers.push(sent[5..].to_vec());
+        assert_eq!(server.connection_count(), 0);
+    }
+    assert_ne!(answers[0], answers[1]);
+    assert_ne!(answers[0], answers[2], "a fresh nonce for every connection");
+    assert_eq!(handler.calls(), 0);
+}
+
+/// A server that does not hold the secret cannot pass for one that does: the client checks the
+/// server's proof after its own and refuses the impostor, naming the cause, before it sends
+/// anything else.
+#[tokio::test]
+async fn a_client_refuses_a_server_whose_proof_is_wrong() {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.expect("bind");
+    let port = listener.local_addr().expect("addr").port();
+    let impostor = tokio::spawn(async move {
+        let (mut stream, _) = listener.accept().await.expect("accept");
+        let mut hello = [0_u8; 37];
+        tokio::io::AsyncReadExt::read_exact(&mut stream, &mut hello).await.expect("hello");
+        let mut answer = HELLO.to_vec();
+        answer.extend_from_slice(&[3; 32]);
+        stream.write_all(&answer).await.expect("server hello");
+        let mut proof = [0_u8; 32];
+        tokio::io::AsyncReadExt::read_exact(&mut stream, &mut proof).await.expect("proof");
+        // Accepts any proof, and proves with a key of its own.
+        let mut accepted = vec![1];
+        accepted.extend_from_slice(&hmac(b"not the secret", &[b"server", &hello[5..], &[3; 32]]));
+        stream.write_all(&accepted).await.expect("accepted");
+        let mut after = Vec::new();
+        let _ = tokio::io::AsyncReadExt::read_to_end(&mut stream, &mut after).await;
+        after
+    });
+    let runners = TcpTransport::new(with_secret(SECRET)).expect("config");
+    let address = cluster_core::RunnerAddress::new("127.0.0.1", port);
+    let error = within(runners.send(&address, request(1, "Echo"), false)).await;
+    let Err(ClusterError::HandshakeFailed { reason, .. }) = &error else {
+        panic!("not a handshake failure: {error:?}");
+    };
+    assert!(reason.contains("does not hold this side's shared secret"), "{reason}");
+    let after = within(impostor).await.expect("impostor");
+    assert!(after.is_empty(), "the client sent {} bytes to an impostor", after.len());
+}

@@ -297,24 +297,36 @@ pub(crate) fn runner_address(server: &ServerHandle) -> RunnerAddress {
     RunnerAddress::new("127.0.0.1", server.local_addr().port())
 }
 
-/// Connects and completes the client half of the handshake with `secret`, as the crate does.
+/// The hello of a client of this protocol version (its nonce follows).
+pub(crate) const HELLO: &[u8; 5] = b"CRPC\x02";
+
+/// `HMAC(key, parts…)`.
+pub(crate) fn hmac(key: &[u8], parts: &[&[u8]]) -> [u8; 32] {
+    let mut mac = <Hmac<Sha256> as Mac>::new_from_slice(key).expect("key");
+    for part in parts {
+        mac.update(part);
+    }
+    mac.finalize().into_bytes().into()
+}
+
+/// Connects and completes the client half of the handshake with `secret`, as the crate does:
+/// hello, the server's nonce, the client's proof, then the server's answer and proof.
 pub(crate) async fn raw_client(address: SocketAddr, secret: &[u8]) -> TcpStream {
     let mut stream = TcpStream::connect(address).await.expect("connect");
     let client_nonce = [7_u8; 32];
-    let mut hello = b"CRPC\x01".to_vec();
+    let mut hello = HELLO.to_vec();
     hello.extend_from_slice(&client_nonce);
     stream.write_all(&hello).await.expect("hello");
-    let mut answer = [0_u8; 69];
+    let mut answer = [0_u8; 37];
     stream.read_exact(&mut answer).await.expect("server hello");
+    assert_eq!(&answer[..5], HELLO);
     let server_nonce = &answer[5..37];
-    let mut mac = <Hmac<Sha256> as Mac>::new_from_slice(secret).expect("key");
-    mac.update(b"client");
-    mac.update(&client_nonce);
-    mac.update(server_nonce);
-    stream.write_all(&mac.finalize().into_bytes()).await.expect("proof");
-    let mut accepted = [0_u8; 1];
+    let proof = hmac(secret, &[b"client", &client_nonce, server_nonce]);
+    stream.write_all(&proof).await.expect("proof");
+    let mut accepted = [0_u8; 33];
     stream.read_exact(&mut accepted).await.expect("accepted");
-    assert_eq!(accepted, [1]);
+    assert_eq!(accepted[0], 1);
+    assert_eq!(accepted[1..], hmac(secret, &[b"server", &client_nonce, server_nonce]));
     stream
 }
 
