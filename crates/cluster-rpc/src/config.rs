@@ -28,6 +28,8 @@ pub const MIN_SECRET_BYTES: usize = 32;
 /// | `CLUSTER_RPC_QUEUE_CAPACITY`    | `queue_capacity`     | 256          |
 /// | `CLUSTER_RPC_STREAM_BUFFER`     | `stream_buffer`      | 16           |
 /// | `CLUSTER_RPC_MAX_CONNECTIONS`   | `max_connections`    | 1024         |
+/// | `CLUSTER_RPC_MAX_HANDSHAKES`    | `max_handshakes`     | 64           |
+/// | `CLUSTER_RPC_HANDSHAKE_TIMEOUT` | `handshake_timeout`  | 3 seconds    |
 /// | `CLUSTER_RPC_IDLE_EXPIRY`       | `idle_expiry`        | 3 minutes    |
 /// | `CLUSTER_RPC_BACKOFF_BASE`      | `backoff_base`       | 100 millis   |
 /// | `CLUSTER_RPC_BACKOFF_CAP`       | `backoff_cap`        | 10 seconds   |
@@ -93,8 +95,17 @@ pub struct RpcConfig {
     pub queue_capacity: u32,
     /// The most replies of one streamed request buffered on the client before it reads them.
     pub stream_buffer: u32,
-    /// The most connections a server serves at once.
+    /// The most connections a server serves at once, counted once they have passed the
+    /// handshake: a connection beyond it is closed when it is accepted (or, when the last slot
+    /// went while it was shaking hands, refused after its proof, as busy).
     pub max_connections: u32,
+    /// The most connections a server lets shake hands at once, apart from `max_connections`:
+    /// a connection accepted beyond it is closed at once, so that peers that never prove
+    /// themselves hold at most this many sockets, and never an established connection's slot.
+    pub max_handshakes: u32,
+    /// The longest a server waits for an accepted connection to complete its handshake (TLS
+    /// included) before it closes it.
+    pub handshake_timeout: Duration,
     /// How long a client connection stays open with no call in flight.
     pub idle_expiry: Duration,
     /// The first delay before reconnecting to a runner that refused a connection.
@@ -120,6 +131,8 @@ impl Default for RpcConfig {
             queue_capacity: 256,
             stream_buffer: 16,
             max_connections: 1024,
+            max_handshakes: 64,
+            handshake_timeout: Duration::from_secs(3),
             idle_expiry: Duration::from_secs(180),
             backoff_base: Duration::from_millis(100),
             backoff_cap: Duration::from_secs(10),
@@ -142,6 +155,8 @@ impl fmt::Debug for RpcConfig {
             .field("queue_capacity", &self.queue_capacity)
             .field("stream_buffer", &self.stream_buffer)
             .field("max_connections", &self.max_connections)
+            .field("max_handshakes", &self.max_handshakes)
+            .field("handshake_timeout", &self.handshake_timeout)
             .field("idle_expiry", &self.idle_expiry)
             .field("backoff_base", &self.backoff_base)
             .field("backoff_cap", &self.backoff_cap);
@@ -188,6 +203,7 @@ impl RpcConfig {
             ("CLUSTER_RPC_QUEUE_CAPACITY", &mut config.queue_capacity),
             ("CLUSTER_RPC_STREAM_BUFFER", &mut config.stream_buffer),
             ("CLUSTER_RPC_MAX_CONNECTIONS", &mut config.max_connections),
+            ("CLUSTER_RPC_MAX_HANDSHAKES", &mut config.max_handshakes),
         ];
         for (var, field) in numbers {
             if let Some(value) = get(var)? {
@@ -198,6 +214,7 @@ impl RpcConfig {
         }
         let durations = [
             ("CLUSTER_RPC_CONNECT_TIMEOUT", &mut config.connect_timeout),
+            ("CLUSTER_RPC_HANDSHAKE_TIMEOUT", &mut config.handshake_timeout),
             ("CLUSTER_RPC_IDLE_EXPIRY", &mut config.idle_expiry),
             ("CLUSTER_RPC_BACKOFF_BASE", &mut config.backoff_base),
             ("CLUSTER_RPC_BACKOFF_CAP", &mut config.backoff_cap),
@@ -259,6 +276,7 @@ impl RpcConfig {
             ("queue_capacity", self.queue_capacity),
             ("stream_buffer", self.stream_buffer),
             ("max_connections", self.max_connections),
+            ("max_handshakes", self.max_handshakes),
         ];
         for (key, value) in limits {
             if value == 0 {
@@ -274,6 +292,7 @@ impl RpcConfig {
         }
         let durations = [
             ("connect_timeout", self.connect_timeout),
+            ("handshake_timeout", self.handshake_timeout),
             ("idle_expiry", self.idle_expiry),
             ("backoff_cap", self.backoff_cap),
         ];

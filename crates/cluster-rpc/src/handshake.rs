@@ -11,7 +11,8 @@
 //! 3. client → server: `HMAC(secret, "client" ‖ cn ‖ sn)`;
 //! 4. the server checks it in constant time; when it is wrong the server closes the connection
 //!    without another byte. Otherwise it answers [`ACCEPTED`] and its own proof,
-//!    `HMAC(secret, "server" ‖ cn ‖ sn)`;
+//!    `HMAC(secret, "server" ‖ cn ‖ sn)`, or [`BUSY`] alone when it serves as many connections
+//!    as it may (the caller then reports the runner unavailable, not a secret mismatch);
 //! 5. the client checks the server's proof (so it never talks to an impostor) before it sends a
 //!    frame.
 //!
@@ -47,6 +48,8 @@ const PROOF_LEN: usize = 32;
 const HELLO_LEN: usize = MAGIC.len() + 1 + NONCE_LEN;
 /// The server's answer to a good proof, ahead of its own proof.
 const ACCEPTED: u8 = 1;
+/// The server's answer to a good proof when it has no room for another connection.
+const BUSY: u8 = 2;
 
 type HmacSha256 = Hmac<Sha256>;
 
@@ -72,6 +75,9 @@ pub(crate) enum HandshakeError {
          (CLUSTER_RPC_SECRET must be the same on every runner and client)"
     )]
     ProofRefused,
+    /// The server accepted the proof but serves as many connections as it may.
+    #[error("the server serves as many connections as it may (CLUSTER_RPC_MAX_CONNECTIONS)")]
+    Busy,
     /// No randomness for the nonce.
     #[error("no randomness for the handshake nonce: {0}")]
     Random(String),
@@ -85,7 +91,7 @@ impl HandshakeError {
             HandshakeError::Protocol | HandshakeError::BadProof | HandshakeError::ProofRefused => {
                 true
             }
-            HandshakeError::Io(_) | HandshakeError::Random(_) => false,
+            HandshakeError::Io(_) | HandshakeError::Busy | HandshakeError::Random(_) => false,
         }
     }
 }
@@ -140,8 +146,10 @@ pub(crate) async fn client<S: AsyncRead + AsyncWrite + Unpin>(
         }
         Err(error) => return Err(HandshakeError::Io(error)),
     }
-    if status[0] != ACCEPTED {
-        return Err(HandshakeError::Protocol);
+    match status[0] {
+        ACCEPTED => {}
+        BUSY => return Err(HandshakeError::Busy),
+        _ => return Err(HandshakeError::Protocol),
     }
     let mut server_proof = [0_u8; PROOF_LEN];
     stream.read_exact(&mut server_proof).await?;
@@ -151,11 +159,15 @@ pub(crate) async fn client<S: AsyncRead + AsyncWrite + Unpin>(
     Ok(())
 }
 
-/// The server side. Not cancel safe; the caller bounds it with the handshake timeout.
-pub(crate) async fn server<S: AsyncRead + AsyncWrite + Unpin>(
+/// The server side. Once the client has proved itself, `admit` takes a slot for the connection
+/// (`None`: none is left, and the client is told so); the slot is returned.
+///
+/// Not cancel safe; the caller bounds it with the handshake timeout.
+pub(crate) async fn server<S: AsyncRead + AsyncWrite + Unpin, T>(
     stream: &mut S,
     secret: &[u8],
-) -> Result<(), HandshakeError> {
+    admit: impl FnOnce() -> Option<T>,
+) -> Result<T, HandshakeError> {
     let mut hello_in = [0_u8; HELLO_LEN];
     stream.read_exact(&mut hello_in).await?;
     if hello_in[..MAGIC.len()] != MAGIC {
@@ -176,11 +188,62 @@ pub(crate) async fn server<S: AsyncRead + AsyncWrite + Unpin>(
     mac(secret, b"client", client_nonce, &server_nonce)
         .verify_slice(&client_proof)
         .map_err(|_| HandshakeError::BadProof)?;
+    let Some(slot) = admit() else {
+        // Best effort: the connection is closed either way.
+        let _ = stream.write_all(&[BUSY]).await;
+        return Err(HandshakeError::Busy);
+    };
     let mut answer = [0_u8; 1 + PROOF_LEN];
     answer[0] = ACCEPTED;
     answer[1..].copy_from_slice(
         &mac(secret, b"server", client_nonce, &server_nonce).finalize().into_bytes(),
     );
     stream.write_all(&answer).await?;
-    Ok(())
+    Ok(slot)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::{HandshakeError, client, server};
+
+    const SECRET: &[u8] = b"0123456789abcdef0123456789abcdef";
+
+    /// Both sides of a handshake over an in-memory pipe, the server admitting with `admit`.
+    async fn shake(
+        client_secret: &[u8],
+        admit: Option<u32>,
+    ) -> (Result<(), HandshakeError>, Result<u32, HandshakeError>) {
+        let (mut near, mut far) = tokio::io::duplex(1024);
+        let server = async move {
+            let result = server(&mut far, SECRET, || admit).await;
+            drop(far);
+            result
+        };
+        tokio::join!(client(&mut near, client_secret), server)
+    }
+
+    #[tokio::test]
+    async fn a_proved_client_gets_the_slot_the_server_admits_it_with() {
+        let (client, server) = shake(SECRET, Some(7)).await;
+        assert!(client.is_ok(), "{client:?}");
+        assert_eq!(server.unwrap(), 7);
+    }
+
+    /// With no slot left, a proved client hears that the server is busy: not a refusal, so the
+    /// caller reports the runner unavailable rather than a secret mismatch.
+    #[tokio::test]
+    async fn a_server_with_no_slot_left_says_it_is_busy() {
+        let (client, server) = shake(SECRET, None).await;
+        assert!(matches!(client, Err(HandshakeError::Busy)), "{client:?}");
+        assert!(!client.unwrap_err().is_refusal());
+        assert!(matches!(server, Err(HandshakeError::Busy)), "{server:?}");
+    }
+
+    /// A wrong proof is never admitted, and the client hears a refusal.
+    #[tokio::test]
+    async fn a_wrong_proof_takes_no_slot() {
+        let (client, server) = shake(b"another-secret-0123456789abcdef0", Some(7)).await;
+        assert!(matches!(client, Err(HandshakeError::ProofRefused)), "{client:?}");
+        assert!(matches!(server, Err(HandshakeError::BadProof)), "{server:?}");
+    }
 }

@@ -126,6 +126,8 @@ async fn config_from_env_names_the_bad_variable() {
             "CLUSTER_RPC_SECRET" => Some(SECRET.to_owned()),
             "CLUSTER_RPC_IDLE_EXPIRY" => Some("2 seconds".to_owned()),
             "CLUSTER_RPC_MAX_PUSHED_IN_FLIGHT" => Some("100".to_owned()),
+            "CLUSTER_RPC_MAX_HANDSHAKES" => Some("8".to_owned()),
+            "CLUSTER_RPC_HANDSHAKE_TIMEOUT" => Some("500 millis".to_owned()),
             _ => None,
         })
     })
@@ -133,6 +135,8 @@ async fn config_from_env_names_the_bad_variable() {
     assert_eq!(config.secret.as_deref(), Some(SECRET.as_bytes()));
     assert_eq!(config.idle_expiry, std::time::Duration::from_secs(2));
     assert_eq!(config.max_pushed_in_flight, 100);
+    assert_eq!(config.max_handshakes, 8);
+    assert_eq!(config.handshake_timeout, std::time::Duration::from_millis(500));
 }
 
 #[cfg(not(feature = "tls"))]
