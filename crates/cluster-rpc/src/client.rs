@@ -472,10 +472,11 @@ impl Connection {
         let reader = {
             let shared = Arc::clone(&shared);
             let max = config.max_frame_bytes;
+            let frame_timeout = config.frame_timeout;
             async move {
                 // Each frame is routed to its call as soon as it is decoded, from the buffer.
                 let route = async {
-                    let mut frames = conn::FrameReader::new(read_half, max);
+                    let mut frames = conn::FrameReader::new(read_half, max, frame_timeout);
                     let mut names = codec::Names::default();
                     while let Some(frame) = frames.next_decoded().await {
                         if let Err(violation) = shared.route(&mut names, frame) {

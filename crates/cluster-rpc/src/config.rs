@@ -23,6 +23,7 @@ pub const MIN_SECRET_BYTES: usize = 32;
 /// | `CLUSTER_RPC_SECRET`            | `secret`             | none         |
 /// | `CLUSTER_RPC_MAX_FRAME_BYTES`   | `max_frame_bytes`    | 8 MiB        |
 /// | `CLUSTER_RPC_CONNECT_TIMEOUT`   | `connect_timeout`    | 5 seconds    |
+/// | `CLUSTER_RPC_FRAME_TIMEOUT`     | `frame_timeout`      | 30 seconds   |
 /// | `CLUSTER_RPC_MAX_IN_FLIGHT`     | `max_in_flight`      | 1024         |
 /// | `CLUSTER_RPC_MAX_PUSHED_IN_FLIGHT` | `max_pushed_in_flight` | 8192     |
 /// | `CLUSTER_RPC_QUEUE_CAPACITY`    | `queue_capacity`     | 256          |
@@ -80,6 +81,9 @@ pub struct RpcConfig {
     pub max_frame_bytes: u32,
     /// The longest a connection attempt, TCP and handshake together, may take.
     pub connect_timeout: Duration,
+    /// The longest a frame may take to arrive once its first byte has (both sides): a peer
+    /// that starts a frame and stalls has its connection closed, and logged.
+    pub frame_timeout: Duration,
     /// The most calls in flight on one connection (client and server side), pushed persisted
     /// requests apart.
     pub max_in_flight: u32,
@@ -126,6 +130,7 @@ impl Default for RpcConfig {
             secret: None,
             max_frame_bytes: 8 << 20,
             connect_timeout: Duration::from_secs(5),
+            frame_timeout: Duration::from_secs(30),
             max_in_flight: 1024,
             max_pushed_in_flight: 8192,
             queue_capacity: 256,
@@ -150,6 +155,7 @@ impl fmt::Debug for RpcConfig {
             .field("secret", &self.secret.as_ref().map(|_| "<redacted>"))
             .field("max_frame_bytes", &self.max_frame_bytes)
             .field("connect_timeout", &self.connect_timeout)
+            .field("frame_timeout", &self.frame_timeout)
             .field("max_in_flight", &self.max_in_flight)
             .field("max_pushed_in_flight", &self.max_pushed_in_flight)
             .field("queue_capacity", &self.queue_capacity)
@@ -214,6 +220,7 @@ impl RpcConfig {
         }
         let durations = [
             ("CLUSTER_RPC_CONNECT_TIMEOUT", &mut config.connect_timeout),
+            ("CLUSTER_RPC_FRAME_TIMEOUT", &mut config.frame_timeout),
             ("CLUSTER_RPC_HANDSHAKE_TIMEOUT", &mut config.handshake_timeout),
             ("CLUSTER_RPC_IDLE_EXPIRY", &mut config.idle_expiry),
             ("CLUSTER_RPC_BACKOFF_BASE", &mut config.backoff_base),
@@ -292,6 +299,7 @@ impl RpcConfig {
         }
         let durations = [
             ("connect_timeout", self.connect_timeout),
+            ("frame_timeout", self.frame_timeout),
             ("handshake_timeout", self.handshake_timeout),
             ("idle_expiry", self.idle_expiry),
             ("backoff_cap", self.backoff_cap),

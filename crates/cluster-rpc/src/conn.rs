@@ -1,14 +1,22 @@
 //! Length-delimited framing: each frame is a 4-byte big-endian length followed by that many
 //! bytes of postcard ([`crate::codec`]).
 //!
-//! A length above the configured limit, a stream that ends inside a frame and a frame that does
-//! not decode are all fatal *for that connection only*: the reader reports a [`FrameError`], the
-//! connection is closed and logged, and every other connection carries on.
+//! A length above the configured limit, a stream that ends inside a frame, a frame that does
+//! not arrive whole within the frame timeout and a frame that does not decode are all fatal
+//! *for that connection only*: the reader reports a [`FrameError`], the connection is closed and
+//! logged, and every other connection carries on.
+//!
+//! A frame's announced length is never allocated up front: the reader's buffer grows by at most
+//! [`READ_BUFFER_BYTES`] beyond the bytes that have arrived, so a peer that announces a large
+//! frame and stalls costs one buffer, not the announced size.
 
 use std::io;
 
+use std::time::Duration;
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
+
 use tokio::sync::mpsc;
+use tokio::time::Instant;
 use tracing::{debug, warn};
 
 use crate::codec;
@@ -40,6 +48,9 @@ pub(crate) enum FrameError {
     /// A frame did not decode.
     #[error("malformed frame: {0}")]
     Malformed(String),
+    /// A frame started but did not arrive whole within the frame timeout.
+    #[error("a frame did not arrive whole within {0:?} of its start (CLUSTER_RPC_FRAME_TIMEOUT)")]
+    Timeout(Duration),
 }
 
 /// A connection's incoming frames: the socket is read in bulk into one buffer, and each frame's
@@ -47,7 +58,9 @@ pub(crate) enum FrameError {
 /// allocation of its own.
 ///
 /// The buffer holds [`READ_BUFFER_BYTES`]; a frame larger than that (up to the frame limit)
-/// grows it for as long as it is read, and it shrinks back once that frame is taken.
+/// grows it as its bytes arrive, by at most [`READ_BUFFER_BYTES`] beyond them, for as long as it
+/// is read, and it shrinks back once that frame is taken. A frame must arrive whole within the
+/// frame timeout of the first read that found it incomplete.
 pub(crate) struct FrameReader<R> {
     reader: R,
     buffer: Vec<u8>,
@@ -56,17 +69,23 @@ pub(crate) struct FrameReader<R> {
     /// Where the bytes read so far end.
     end: usize,
     max_frame_bytes: u32,
+    frame_timeout: Duration,
+    /// When the frame under way must have arrived whole.
+    deadline: Option<Instant>,
 }
 
 impl<R: AsyncRead + Unpin> FrameReader<R> {
-    /// A reader of `reader`'s frames, refusing frames above `max_frame_bytes`.
-    pub(crate) fn new(reader: R, max_frame_bytes: u32) -> FrameReader<R> {
+    /// A reader of `reader`'s frames, refusing frames above `max_frame_bytes` and frames that do
+    /// not arrive whole within `frame_timeout`.
+    pub(crate) fn new(reader: R, max_frame_bytes: u32, frame_timeout: Duration) -> FrameReader<R> {
         FrameReader {
             reader,
             buffer: vec![0; READ_BUFFER_BYTES],
             start: 0,
             end: 0,
             max_frame_bytes,
+            frame_timeout,
+            deadline: None,
         }
     }
 
@@ -90,11 +109,26 @@ impl<R: AsyncRead + Unpin> FrameReader<R> {
                 if arrived.len() >= needed {
                     let body = self.start + 4..self.start + needed;
                     self.start += needed;
+                    self.deadline = None;
                     break body;
                 }
             }
+            // Between frames a connection may idle; inside one it has `frame_timeout`.
+            let deadline = match self.start == self.end {
+                true => None,
+                false => {
+                    Some(*self.deadline.get_or_insert_with(|| Instant::now() + self.frame_timeout))
+                }
+            };
             self.make_room(needed);
-            let read = self.reader.read(&mut self.buffer[self.end..]).await?;
+            let read = self.reader.read(&mut self.buffer[self.end..]);
+            let read = match deadline {
+                None => read.await?,
+                Some(deadline) => match tokio::time::timeout_at(deadline, read).await {
+                    Ok(read) => read?,
+                    Err(_) => return Err(FrameError::Timeout(self.frame_timeout)),
+                },
+            };
             if read == 0 {
                 if self.start == self.end {
                     return Ok(None);
@@ -131,7 +165,9 @@ impl<R: AsyncRead + Unpin> FrameReader<R> {
     }
 
     /// Makes room behind the bytes read for a frame of `needed` bytes that starts at `start`:
-    /// the partial frame moves to the front, and the buffer grows for a frame larger than it.
+    /// the partial frame moves to the front, and the buffer grows for a frame larger than it,
+    /// by at most [`READ_BUFFER_BYTES`] beyond the bytes that have arrived (never to the
+    /// announced length up front).
     fn make_room(&mut self, needed: usize) {
         if self.start == self.end {
             self.start = 0;
@@ -147,8 +183,12 @@ impl<R: AsyncRead + Unpin> FrameReader<R> {
             self.end -= self.start;
             self.start = 0;
         }
-        if self.buffer.len() < needed {
-            self.buffer.resize(needed, 0);
+        let arrived = self.end - self.start;
+        let wanted = self.start + needed.min(arrived + READ_BUFFER_BYTES);
+        if self.buffer.len() < wanted {
+            // `Vec` doubles its capacity as it grows: a large frame is copied a few times, and
+            // its buffer is at most twice the bytes that have arrived.
+            self.buffer.resize(wanted, 0);
         }
     }
 }
@@ -244,22 +284,29 @@ pub(crate) mod tests {
     use std::pin::Pin;
     use std::task::{Context, Poll};
 
-    use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
+    use std::time::Duration;
+
+    use tokio::io::{AsyncRead, AsyncWrite, AsyncWriteExt, ReadBuf};
 
     use super::{FrameError, FrameReader, READ_BUFFER_BYTES};
 
-    /// A socket whose bytes arrive at most `step` at a time; counts the reads that take some.
+    /// A frame timeout no test reaches.
+    const LONG: Duration = Duration::from_secs(60);
+
+    /// A socket whose bytes arrive at most `step` at a time; counts the reads that take some,
+    /// and notes the most room a read offered.
     pub(crate) struct Chunked {
         bytes: Vec<u8>,
         at: usize,
         step: usize,
         pub(crate) reads: usize,
+        pub(crate) most_room: usize,
     }
 
     impl Chunked {
         /// A socket that has received `bytes`, handing out at most `step` per read.
         pub(crate) fn new(bytes: Vec<u8>, step: usize) -> Chunked {
-            Chunked { bytes, at: 0, step, reads: 0 }
+            Chunked { bytes, at: 0, step, reads: 0, most_room: 0 }
         }
     }
 
@@ -269,6 +316,7 @@ pub(crate) mod tests {
             _: &mut Context<'_>,
             buf: &mut ReadBuf<'_>,
         ) -> Poll<io::Result<()>> {
+            self.most_room = self.most_room.max(buf.remaining());
             let n = buf.remaining().min(self.step).min(self.bytes.len() - self.at);
             if n > 0 {
                 let at = self.at;
@@ -296,7 +344,7 @@ pub(crate) mod tests {
         let bodies: [&[u8]; 5] = [b"one", b"", &large, b"four", b"five"];
         for step in [1, 2, 3, 5, 4096, usize::MAX] {
             let socket = Chunked::new(framed(&bodies), step);
-            let mut reader = FrameReader::new(socket, 1 << 24);
+            let mut reader = FrameReader::new(socket, 1 << 24, LONG);
             for body in bodies {
                 let read = reader.next_frame().await.unwrap().unwrap();
                 assert_eq!(read, body, "step {step}");
@@ -315,7 +363,7 @@ pub(crate) mod tests {
         for cut in [1, 3, 4, 6] {
             let mut bytes = framed(&[b"whole", b"cut short"]);
             bytes.truncate(9 + cut);
-            let mut reader = FrameReader::new(Chunked::new(bytes, 2), 1 << 20);
+            let mut reader = FrameReader::new(Chunked::new(bytes, 2), 1 << 20, LONG);
             assert_eq!(reader.next_frame().await.unwrap().unwrap(), b"whole");
             let error = reader.next_frame().await.unwrap_err();
             assert!(
@@ -329,10 +377,59 @@ pub(crate) mod tests {
     #[tokio::test]
     async fn an_oversize_frame_is_refused_from_its_length() {
         let bytes = framed(&[&[0_u8; 100]]);
-        let mut reader = FrameReader::new(Chunked::new(bytes, 4), 99);
+        let mut reader = FrameReader::new(Chunked::new(bytes, 4), 99, LONG);
         let error = reader.next_frame().await.unwrap_err();
         assert!(matches!(error, FrameError::Oversize { len: 100, max: 99 }), "{error}");
         assert_eq!(reader.reader.at, 4, "only the length was read");
+    }
+
+    /// A large frame is read into a buffer that grows as its bytes arrive, never to its
+    /// announced length at once: no read is offered more than [`READ_BUFFER_BYTES`] of room.
+    #[tokio::test]
+    async fn a_large_frame_grows_the_buffer_as_it_arrives() {
+        let large = vec![7_u8; 16 * READ_BUFFER_BYTES];
+        let mut reader = FrameReader::new(Chunked::new(framed(&[&large]), 1000), 1 << 24, LONG);
+        assert_eq!(reader.next_frame().await.unwrap().unwrap(), large);
+        assert!(
+            reader.reader.most_room <= READ_BUFFER_BYTES,
+            "a read was offered {} bytes of room",
+            reader.reader.most_room
+        );
+    }
+
+    /// A peer that announces a near-maximal frame and sends one byte of it costs one buffer,
+    /// not the announced length, and the reader gives up after the frame timeout.
+    #[tokio::test]
+    async fn a_stalled_frame_costs_one_buffer_and_times_out() {
+        let (mut peer, socket) = tokio::io::duplex(1 << 16);
+        let max = 8 << 20;
+        peer.write_all(&(max - 1_u32).to_be_bytes()).await.unwrap();
+        peer.write_all(&[1]).await.unwrap();
+        let timeout = Duration::from_millis(200);
+        let mut reader = FrameReader::new(socket, max, timeout);
+        let started = tokio::time::Instant::now();
+        let next = tokio::time::timeout(Duration::from_secs(10), reader.next_frame()).await;
+        let error = next.expect("the reader gives up on the frame").unwrap_err();
+        assert!(matches!(error, FrameError::Timeout(after) if after == timeout), "{error}");
+        assert!(started.elapsed() >= timeout);
+        assert!(
+            reader.buffer.capacity() <= 2 * READ_BUFFER_BYTES,
+            "{} bytes allocated for a frame of which 1 byte arrived",
+            reader.buffer.capacity()
+        );
+        drop(peer);
+    }
+
+    /// Between frames a connection may idle as long as it likes: only a started frame has a
+    /// deadline.
+    #[tokio::test]
+    async fn an_idle_connection_between_frames_does_not_time_out() {
+        let (mut peer, socket) = tokio::io::duplex(1 << 16);
+        let mut reader = FrameReader::new(socket, 1 << 20, Duration::from_millis(50));
+        let idle = tokio::time::timeout(Duration::from_millis(300), reader.next_frame()).await;
+        assert!(idle.is_err(), "the reader gave up on an idle connection: {idle:?}");
+        peer.write_all(&framed(&[b"late"])).await.unwrap();
+        assert_eq!(reader.next_frame().await.unwrap().unwrap(), b"late");
     }
 
     /// A stream that takes at most `step` bytes per write, vectored or not, and counts writes.

@@ -289,7 +289,10 @@ async fn serve_connection(
     let (frames_tx, frames_rx) = mpsc::channel(config.queue_capacity());
     let (out_tx, out_rx) = mpsc::channel(config.queue_capacity());
     let mut io_tasks = JoinSet::new();
-    io_tasks.spawn(read_loop(read_half, config.max_frame_bytes, frames_tx).in_current_span());
+    io_tasks.spawn(
+        read_loop(read_half, config.max_frame_bytes, config.frame_timeout, frames_tx)
+            .in_current_span(),
+    );
     io_tasks.spawn(write_loop(write_half, out_rx).in_current_span());
     let connection = Connection {
         config,
@@ -370,9 +373,10 @@ fn inbound(names: &mut codec::Names, frame: Frame<'_>) -> Inbound {
 pub(crate) async fn read_loop<R: tokio::io::AsyncRead + Unpin>(
     reader: R,
     max_frame_bytes: u32,
+    frame_timeout: std::time::Duration,
     frames: mpsc::Sender<Inbound>,
 ) {
-    let mut reader = conn::FrameReader::new(reader, max_frame_bytes);
+    let mut reader = conn::FrameReader::new(reader, max_frame_bytes, frame_timeout);
     let mut names = codec::Names::default();
     while let Some(frame) = reader.next_decoded().await {
         if frames.send(inbound(&mut names, frame)).await.is_err() {
@@ -648,7 +652,7 @@ mod tests {
         }
         let mut socket = crate::conn::tests::Chunked::new(bytes, usize::MAX);
         let (frames, mut read) = tokio::sync::mpsc::channel(128);
-        super::read_loop(&mut socket, 1 << 20, frames).await;
+        super::read_loop(&mut socket, 1 << 20, std::time::Duration::from_secs(30), frames).await;
         let mut calls = Vec::new();
         while let Ok(frame) = read.try_recv() {
             if let super::Inbound::Ping { call } = frame {
