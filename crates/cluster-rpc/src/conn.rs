@@ -6,15 +6,22 @@
 //! *for that connection only*: the reader reports a [`FrameError`], the connection is closed and
 //! logged, and every other connection carries on.
 //!
+//! Integrity: on a connection whose handshake used a secret, every frame is followed by a
+//! [`TAG_LEN`]-byte MAC ([`FrameMac`]): HMAC-SHA256 under the direction's session key, over the
+//! frame's sequence number in that direction and its body, truncated. A frame altered,
+//! replayed, reordered or dropped in transit fails its check, which closes the connection (and
+//! is logged). Without a secret frames carry no MAC.
+//!
 //! A frame's announced length is never allocated up front: the reader's buffer grows by at most
 //! [`READ_BUFFER_BYTES`] beyond the bytes that have arrived, so a peer that announces a large
 //! frame and stalls costs one buffer, not the announced size.
 
 use std::io;
-
 use std::time::Duration;
-use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 
+use hmac::{Hmac, Mac};
+use sha2::Sha256;
+use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 use tokio::sync::mpsc;
 use tokio::time::Instant;
 use tracing::{debug, warn};
@@ -30,6 +37,49 @@ pub(crate) const BATCH_BYTES_MAX: usize = 256 * 1024;
 
 /// The bytes a connection's reader takes from its socket at most in one system call.
 pub(crate) const READ_BUFFER_BYTES: usize = 64 * 1024;
+
+/// The bytes of a frame's MAC: HMAC-SHA256 truncated to 128 bits.
+pub(crate) const TAG_LEN: usize = 16;
+
+/// The MAC of one direction of a connection: a key from the handshake and the sequence number
+/// of the next frame (each side counts the frames it sends and those it receives, so no number
+/// travels).
+#[derive(Clone)]
+pub(crate) struct FrameMac {
+    /// HMAC keyed once; each frame starts from a copy.
+    keyed: Hmac<Sha256>,
+    sequence: u64,
+}
+
+impl FrameMac {
+    /// The MAC of a direction whose session key is `key`, from sequence number 0.
+    pub(crate) fn new(key: &[u8]) -> FrameMac {
+        // HMAC accepts keys of any length.
+        let keyed = <Hmac<Sha256> as Mac>::new_from_slice(key)
+            .unwrap_or_else(|_| <Hmac<Sha256> as Mac>::new(&Default::default()));
+        FrameMac { keyed, sequence: 0 }
+    }
+
+    fn next(&mut self, body: &[u8]) -> Hmac<Sha256> {
+        let mut mac = self.keyed.clone();
+        mac.update(&self.sequence.to_be_bytes());
+        mac.update(body);
+        self.sequence = self.sequence.wrapping_add(1);
+        mac
+    }
+
+    /// The tag of the next frame sent, `body`.
+    pub(crate) fn seal(&mut self, body: &[u8]) -> [u8; TAG_LEN] {
+        let mut tag = [0_u8; TAG_LEN];
+        tag.copy_from_slice(&self.next(body).finalize().into_bytes()[..TAG_LEN]);
+        tag
+    }
+
+    /// Whether `tag` is the tag of the next frame received, `body` (compared in constant time).
+    pub(crate) fn open(&mut self, body: &[u8], tag: &[u8]) -> bool {
+        self.next(body).verify_truncated_left(tag).is_ok()
+    }
+}
 
 /// Why a connection's frame stream broke.
 #[derive(Debug, thiserror::Error)]
@@ -48,6 +98,10 @@ pub(crate) enum FrameError {
     /// A frame did not decode.
     #[error("malformed frame: {0}")]
     Malformed(String),
+    /// A frame failed its MAC check: altered, replayed, reordered or dropped in transit, or
+    /// sent by a peer without the session key.
+    #[error("a frame failed its integrity check (altered, replayed or reordered in transit)")]
+    BadMac,
     /// A frame started but did not arrive whole within the frame timeout.
     #[error("a frame did not arrive whole within {0:?} of its start (CLUSTER_RPC_FRAME_TIMEOUT)")]
     Timeout(Duration),
@@ -72,12 +126,19 @@ pub(crate) struct FrameReader<R> {
     frame_timeout: Duration,
     /// When the frame under way must have arrived whole.
     deadline: Option<Instant>,
+    /// The MAC of the incoming direction, when the connection has one.
+    mac: Option<FrameMac>,
 }
 
 impl<R: AsyncRead + Unpin> FrameReader<R> {
-    /// A reader of `reader`'s frames, refusing frames above `max_frame_bytes` and frames that do
-    /// not arrive whole within `frame_timeout`.
-    pub(crate) fn new(reader: R, max_frame_bytes: u32, frame_timeout: Duration) -> FrameReader<R> {
+    /// A reader of `reader`'s frames, refusing frames above `max_frame_bytes`, frames that do
+    /// not arrive whole within `frame_timeout` and, with `mac`, frames that fail their MAC.
+    pub(crate) fn new(
+        reader: R,
+        max_frame_bytes: u32,
+        frame_timeout: Duration,
+        mac: Option<FrameMac>,
+    ) -> FrameReader<R> {
         FrameReader {
             reader,
             buffer: vec![0; READ_BUFFER_BYTES],
@@ -86,6 +147,7 @@ impl<R: AsyncRead + Unpin> FrameReader<R> {
             max_frame_bytes,
             frame_timeout,
             deadline: None,
+            mac,
         }
     }
 
@@ -102,12 +164,19 @@ impl<R: AsyncRead + Unpin> FrameReader<R> {
                 if len > self.max_frame_bytes {
                     return Err(FrameError::Oversize { len, max: self.max_frame_bytes });
                 }
+                let tag_len = if self.mac.is_some() { TAG_LEN } else { 0 };
                 needed = usize::try_from(len)
                     .ok()
-                    .and_then(|len| len.checked_add(4))
+                    .and_then(|len| len.checked_add(4 + tag_len))
                     .ok_or(FrameError::Oversize { len, max: self.max_frame_bytes })?;
                 if arrived.len() >= needed {
-                    let body = self.start + 4..self.start + needed;
+                    let body = self.start + 4..self.start + needed - tag_len;
+                    if let Some(mac) = &mut self.mac
+                        && !mac
+                            .open(&self.buffer[body.clone()], &self.buffer[body.end..][..tag_len])
+                    {
+                        return Err(FrameError::BadMac);
+                    }
                     self.start += needed;
                     self.deadline = None;
                     break body;
@@ -193,29 +262,43 @@ impl<R: AsyncRead + Unpin> FrameReader<R> {
     }
 }
 
-/// Writes one frame whose body is `body` (already checked against the limit by the encoder):
-/// the length and the body go out in one vectored write where the stream allows it, so a
-/// frame is one system call and, with `TCP_NODELAY`, one segment rather than two.
+/// Writes one frame whose body is `body` (already checked against the limit by the encoder),
+/// sealed with `mac` when the connection has one: the length, the body and the tag go out in
+/// one vectored write where the stream allows it, so a frame is one system call and, with
+/// `TCP_NODELAY`, one segment rather than two.
 ///
 /// Not cancel safe: only the connection's writer task calls it.
 pub(crate) async fn write_frame<W: AsyncWrite + Unpin>(
     writer: &mut W,
     body: &[u8],
+    mac: Option<&mut FrameMac>,
 ) -> io::Result<()> {
     let len = u32::try_from(body.len())
         .map_err(|_| io::Error::new(io::ErrorKind::InvalidInput, "frame longer than 4 GiB"))?;
     let header = len.to_be_bytes();
-    let mut written = 0;
-    while written < header.len() {
-        let parts = [io::IoSlice::new(&header[written..]), io::IoSlice::new(body)];
-        let n = writer.write_vectored(&parts).await?;
+    let tag = mac.map(|mac| mac.seal(body));
+    let mut parts: [&[u8]; 3] = [&header, body, tag.as_ref().map_or(&[], |tag| tag.as_slice())];
+    let mut first = 0;
+    while first < parts.len() {
+        if parts[first].is_empty() {
+            first += 1;
+            continue;
+        }
+        let slices = parts.map(io::IoSlice::new);
+        let mut n = writer.write_vectored(&slices[first..]).await?;
         if n == 0 {
             return Err(io::ErrorKind::WriteZero.into());
         }
-        written += n;
+        while n > 0 && first < parts.len() {
+            let taken = n.min(parts[first].len());
+            parts[first] = &parts[first][taken..];
+            n -= taken;
+            if parts[first].is_empty() {
+                first += 1;
+            }
+        }
     }
-    let sent = written - header.len();
-    writer.write_all(&body[sent..]).await
+    Ok(())
 }
 
 /// Writes `first` and the frames queued behind it in `out`, together.
@@ -233,6 +316,7 @@ pub(crate) async fn write_queued<W: AsyncWrite + Unpin>(
     first: Vec<u8>,
     out: &mut mpsc::Receiver<Vec<u8>>,
     buffer: &mut Vec<u8>,
+    mac: &mut Option<FrameMac>,
 ) -> io::Result<()> {
     let mut next = match out.try_recv() {
         Ok(body) => body,
@@ -241,21 +325,21 @@ pub(crate) async fn write_queued<W: AsyncWrite + Unpin>(
             tokio::task::yield_now().await;
             match out.try_recv() {
                 Ok(body) => body,
-                Err(_) => return write_frame(writer, &first).await,
+                Err(_) => return write_frame(writer, &first, mac.as_mut()).await,
             }
         }
     };
     buffer.clear();
-    push_frame(buffer, &first)?;
+    push_frame(buffer, &first, mac.as_mut())?;
     let mut frames = 1;
     loop {
-        if frames == BATCH_FRAMES_MAX || buffer.len() + 4 + next.len() > BATCH_BYTES_MAX {
+        if frames == BATCH_FRAMES_MAX || buffer.len() + 4 + next.len() + TAG_LEN > BATCH_BYTES_MAX {
             // Full: this batch goes, and `next` starts the following one.
             writer.write_all(buffer).await?;
             buffer.clear();
             frames = 0;
         }
-        push_frame(buffer, &next)?;
+        push_frame(buffer, &next, mac.as_mut())?;
         frames += 1;
         match out.try_recv() {
             Ok(body) => next = body,
@@ -269,12 +353,16 @@ pub(crate) async fn write_queued<W: AsyncWrite + Unpin>(
     sent
 }
 
-/// Appends one frame (its length, then `body`) to `buffer`.
-fn push_frame(buffer: &mut Vec<u8>, body: &[u8]) -> io::Result<()> {
+/// Appends one frame (its length, then `body`, then its tag when sealed with `mac`) to
+/// `buffer`.
+fn push_frame(buffer: &mut Vec<u8>, body: &[u8], mac: Option<&mut FrameMac>) -> io::Result<()> {
     let len = u32::try_from(body.len())
         .map_err(|_| io::Error::new(io::ErrorKind::InvalidInput, "frame longer than 4 GiB"))?;
     buffer.extend_from_slice(&len.to_be_bytes());
     buffer.extend_from_slice(body);
+    if let Some(mac) = mac {
+        buffer.extend_from_slice(&mac.seal(body));
+    }
     Ok(())
 }
 
@@ -344,7 +432,7 @@ pub(crate) mod tests {
         let bodies: [&[u8]; 5] = [b"one", b"", &large, b"four", b"five"];
         for step in [1, 2, 3, 5, 4096, usize::MAX] {
             let socket = Chunked::new(framed(&bodies), step);
-            let mut reader = FrameReader::new(socket, 1 << 24, LONG);
+            let mut reader = FrameReader::new(socket, 1 << 24, LONG, None);
             for body in bodies {
                 let read = reader.next_frame().await.unwrap().unwrap();
                 assert_eq!(read, body, "step {step}");
@@ -363,7 +451,7 @@ pub(crate) mod tests {
         for cut in [1, 3, 4, 6] {
             let mut bytes = framed(&[b"whole", b"cut short"]);
             bytes.truncate(9 + cut);
-            let mut reader = FrameReader::new(Chunked::new(bytes, 2), 1 << 20, LONG);
+            let mut reader = FrameReader::new(Chunked::new(bytes, 2), 1 << 20, LONG, None);
             assert_eq!(reader.next_frame().await.unwrap().unwrap(), b"whole");
             let error = reader.next_frame().await.unwrap_err();
             assert!(
@@ -377,7 +465,7 @@ pub(crate) mod tests {
     #[tokio::test]
     async fn an_oversize_frame_is_refused_from_its_length() {
         let bytes = framed(&[&[0_u8; 100]]);
-        let mut reader = FrameReader::new(Chunked::new(bytes, 4), 99, LONG);
+        let mut reader = FrameReader::new(Chunked::new(bytes, 4), 99, LONG, None);
         let error = reader.next_frame().await.unwrap_err();
         assert!(matches!(error, FrameError::Oversize { len: 100, max: 99 }), "{error}");
         assert_eq!(reader.reader.at, 4, "only the length was read");
@@ -388,7 +476,8 @@ pub(crate) mod tests {
     #[tokio::test]
     async fn a_large_frame_grows_the_buffer_as_it_arrives() {
         let large = vec![7_u8; 16 * READ_BUFFER_BYTES];
-        let mut reader = FrameReader::new(Chunked::new(framed(&[&large]), 1000), 1 << 24, LONG);
+        let mut reader =
+            FrameReader::new(Chunked::new(framed(&[&large]), 1000), 1 << 24, LONG, None);
         assert_eq!(reader.next_frame().await.unwrap().unwrap(), large);
         assert!(
             reader.reader.most_room <= READ_BUFFER_BYTES,
@@ -406,7 +495,7 @@ pub(crate) mod tests {
         peer.write_all(&(max - 1_u32).to_be_bytes()).await.unwrap();
         peer.write_all(&[1]).await.unwrap();
         let timeout = Duration::from_millis(200);
-        let mut reader = FrameReader::new(socket, max, timeout);
+        let mut reader = FrameReader::new(socket, max, timeout, None);
         let started = tokio::time::Instant::now();
         let next = tokio::time::timeout(Duration::from_secs(10), reader.next_frame()).await;
         let error = next.expect("the reader gives up on the frame").unwrap_err();
@@ -425,7 +514,7 @@ pub(crate) mod tests {
     #[tokio::test]
     async fn an_idle_connection_between_frames_does_not_time_out() {
         let (mut peer, socket) = tokio::io::duplex(1 << 16);
-        let mut reader = FrameReader::new(socket, 1 << 20, Duration::from_millis(50));
+        let mut reader = FrameReader::new(socket, 1 << 20, Duration::from_millis(50), None);
         let idle = tokio::time::timeout(Duration::from_millis(300), reader.next_frame()).await;
         assert!(idle.is_err(), "the reader gave up on an idle connection: {idle:?}");
         peer.write_all(&framed(&[b"late"])).await.unwrap();
@@ -481,7 +570,7 @@ pub(crate) mod tests {
 
     async fn written(step: usize, body: &[u8]) -> Trickle {
         let mut stream = Trickle { bytes: Vec::new(), step, writes: 0 };
-        super::write_frame(&mut stream, body).await.unwrap();
+        super::write_frame(&mut stream, body, None).await.unwrap();
         stream
     }
 
@@ -500,7 +589,9 @@ pub(crate) mod tests {
         }
         let mut stream = Trickle { bytes: Vec::new(), step, writes: 0 };
         let mut buffer = Vec::new();
-        super::write_queued(&mut stream, first.to_vec(), &mut out, &mut buffer).await.unwrap();
+        super::write_queued(&mut stream, first.to_vec(), &mut out, &mut buffer, &mut None)
+            .await
+            .unwrap();
         stream
     }
 
@@ -534,10 +625,75 @@ pub(crate) mod tests {
         let queued = tokio::spawn(async move { sender.send(b"two".to_vec()).await.unwrap() });
         let mut stream = Trickle { bytes: Vec::new(), step: usize::MAX, writes: 0 };
         let mut buffer = Vec::new();
-        super::write_queued(&mut stream, b"one".to_vec(), &mut out, &mut buffer).await.unwrap();
+        super::write_queued(&mut stream, b"one".to_vec(), &mut out, &mut buffer, &mut None)
+            .await
+            .unwrap();
         queued.await.unwrap();
         assert_eq!(stream.bytes, b"\0\0\0\x03one\0\0\0\x03two");
         assert_eq!(stream.writes, 1, "two frames, one write");
+    }
+
+    const KEY: &[u8] = b"a session key of thirty-two bytes";
+
+    /// `bodies` as a writer task sends them, sealed with [`KEY`], `step` bytes per write at most.
+    async fn sealed(step: usize, bodies: &[&[u8]]) -> Vec<u8> {
+        let (sender, mut out) = tokio::sync::mpsc::channel(64);
+        for body in &bodies[1..] {
+            sender.try_send(body.to_vec()).unwrap();
+        }
+        let mut stream = Trickle { bytes: Vec::new(), step, writes: 0 };
+        let mut mac = Some(super::FrameMac::new(KEY));
+        let first = bodies[0].to_vec();
+        super::write_queued(&mut stream, first, &mut out, &mut Vec::new(), &mut mac).await.unwrap();
+        stream.bytes
+    }
+
+    /// Every frame of `bytes`, read with `key`, or the first error.
+    async fn opened(bytes: Vec<u8>, key: &[u8]) -> Result<Vec<Vec<u8>>, FrameError> {
+        let mac = Some(super::FrameMac::new(key));
+        let mut reader = FrameReader::new(Chunked::new(bytes, 7), 1 << 20, LONG, mac);
+        let mut frames = Vec::new();
+        while let Some(body) = reader.next_frame().await? {
+            frames.push(body.to_vec());
+        }
+        Ok(frames)
+    }
+
+    /// Sealed frames read back whole, alone or batched, however the writes were cut; a byte
+    /// altered anywhere (length, body or tag) is refused.
+    #[tokio::test]
+    async fn sealed_frames_read_back_and_any_altered_byte_is_refused() {
+        let bodies: [&[u8]; 3] = [b"one", b"", b"three"];
+        for step in [1, 3, usize::MAX] {
+            let alone = sealed(step, &bodies[..1]).await;
+            assert_eq!(alone.len(), 4 + 3 + super::TAG_LEN, "step {step}");
+            assert_eq!(opened(alone, KEY).await.unwrap(), [b"one"], "step {step}");
+            let batch = sealed(step, &bodies).await;
+            assert_eq!(opened(batch, KEY).await.unwrap(), bodies, "step {step}");
+        }
+        let batch = sealed(usize::MAX, &bodies).await;
+        for at in 0..batch.len() {
+            let mut altered = batch.clone();
+            altered[at] ^= 0x01;
+            assert!(opened(altered, KEY).await.is_err(), "byte {at} altered unnoticed");
+        }
+        let error = opened(batch, b"the other direction's key").await.unwrap_err();
+        assert!(matches!(error, FrameError::BadMac), "{error}");
+    }
+
+    /// A frame replayed, or frames swapped, fail their check: the sequence number is covered.
+    #[tokio::test]
+    async fn a_replayed_or_reordered_frame_is_refused() {
+        let batch = sealed(usize::MAX, &[b"first", b"second"]).await;
+        let (first, second) = batch.split_at(4 + 5 + super::TAG_LEN);
+        let replayed = [first, second, second].concat();
+        let error = opened(replayed, KEY).await.unwrap_err();
+        assert!(matches!(error, FrameError::BadMac), "{error}");
+        let reordered = [second, first].concat();
+        let error = opened(reordered, KEY).await.unwrap_err();
+        assert!(matches!(error, FrameError::BadMac), "{error}");
+        let dropped = second.to_vec();
+        assert!(matches!(opened(dropped, KEY).await, Err(FrameError::BadMac)));
     }
 
     #[tokio::test]

@@ -27,6 +27,12 @@
 //! client can name the cause; a client of version 1 (whose server proved first) then reads the
 //! close as a failed connection.
 //!
+//! Session keys: with a secret, each direction of the connection gets a key of its own,
+//! `HMAC(secret, "session c2s" ‖ cn ‖ sn)` (client to server) and
+//! `HMAC(secret, "session s2c" ‖ cn ‖ sn)`, with which every frame after the handshake carries
+//! a MAC over its sequence number and bytes (see [`crate::conn::FrameMac`]). Without a secret
+//! there are no keys and no MACs: the empty key would protect nothing.
+//!
 //! Fresh nonces on both sides make every proof single-use (no replay), the role labels stop a
 //! proof from being reflected back, and the comparisons are constant-time (`hmac`'s `verify`).
 //! With no secret configured both sides use the empty key: the handshake then only checks the
@@ -37,6 +43,8 @@ use std::io;
 use hmac::{Hmac, Mac};
 use sha2::Sha256;
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
+
+use crate::conn::FrameMac;
 
 /// The protocol version; bumped on every change to [`crate::frame`] or to this handshake.
 pub(crate) const PROTOCOL_VERSION: u8 = 2;
@@ -110,6 +118,26 @@ fn hello(nonce: &[u8; NONCE_LEN]) -> [u8; HELLO_LEN] {
     hello
 }
 
+/// The frame MACs of a connection's two directions, derived from the handshake.
+pub(crate) struct SessionKeys {
+    /// Client to server: the client's writer seals with it, the server's reader checks.
+    pub(crate) client_to_server: FrameMac,
+    /// Server to client.
+    pub(crate) server_to_client: FrameMac,
+}
+
+/// The session keys of a handshake with `secret`, or `None` without a secret.
+fn session(secret: &[u8], client: &[u8], server: &[u8]) -> Option<SessionKeys> {
+    if secret.is_empty() {
+        return None;
+    }
+    let key = |role: &[u8]| mac(secret, role, client, server).finalize().into_bytes();
+    Some(SessionKeys {
+        client_to_server: FrameMac::new(&key(b"session c2s")),
+        server_to_client: FrameMac::new(&key(b"session s2c")),
+    })
+}
+
 fn mac(secret: &[u8], role: &[u8], client: &[u8], server: &[u8]) -> HmacSha256 {
     // HMAC accepts keys of any length, the empty key included.
     let mut mac = <HmacSha256 as Mac>::new_from_slice(secret)
@@ -120,11 +148,12 @@ fn mac(secret: &[u8], role: &[u8], client: &[u8], server: &[u8]) -> HmacSha256 {
     mac
 }
 
-/// The client side. Not cancel safe; the caller bounds it with the connect timeout.
+/// The client side; returns the session keys (none without a secret). Not cancel safe; the
+/// caller bounds it with the connect timeout.
 pub(crate) async fn client<S: AsyncRead + AsyncWrite + Unpin>(
     stream: &mut S,
     secret: &[u8],
-) -> Result<(), HandshakeError> {
+) -> Result<Option<SessionKeys>, HandshakeError> {
     let client_nonce = nonce()?;
     stream.write_all(&hello(&client_nonce)).await?;
 
@@ -156,18 +185,19 @@ pub(crate) async fn client<S: AsyncRead + AsyncWrite + Unpin>(
     mac(secret, b"server", &client_nonce, server_nonce)
         .verify_slice(&server_proof)
         .map_err(|_| HandshakeError::BadProof)?;
-    Ok(())
+    Ok(session(secret, &client_nonce, server_nonce))
 }
 
 /// The server side. Once the client has proved itself, `admit` takes a slot for the connection
-/// (`None`: none is left, and the client is told so); the slot is returned.
+/// (`None`: none is left, and the client is told so); the slot is returned, with the session
+/// keys (none without a secret).
 ///
 /// Not cancel safe; the caller bounds it with the handshake timeout.
 pub(crate) async fn server<S: AsyncRead + AsyncWrite + Unpin, T>(
     stream: &mut S,
     secret: &[u8],
     admit: impl FnOnce() -> Option<T>,
-) -> Result<T, HandshakeError> {
+) -> Result<(T, Option<SessionKeys>), HandshakeError> {
     let mut hello_in = [0_u8; HELLO_LEN];
     stream.read_exact(&mut hello_in).await?;
     if hello_in[..MAGIC.len()] != MAGIC {
@@ -199,7 +229,7 @@ pub(crate) async fn server<S: AsyncRead + AsyncWrite + Unpin, T>(
         &mac(secret, b"server", client_nonce, &server_nonce).finalize().into_bytes(),
     );
     stream.write_all(&answer).await?;
-    Ok(slot)
+    Ok((slot, session(secret, client_nonce, &server_nonce)))
 }
 
 #[cfg(test)]
@@ -219,7 +249,8 @@ mod tests {
             drop(far);
             result
         };
-        tokio::join!(client(&mut near, client_secret), server)
+        let (client, server) = tokio::join!(client(&mut near, client_secret), server);
+        (client.map(|_| ()), server.map(|(slot, _)| slot))
     }
 
     #[tokio::test]

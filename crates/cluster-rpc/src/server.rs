@@ -262,11 +262,11 @@ async fn serve_connection(
         let admit = || admit(&connections, max_connections);
         handshake::server(&mut stream, config.secret_bytes(), admit)
             .await
-            .map(|counted| (stream, counted))
+            .map(|(counted, keys)| (stream, counted, keys))
     };
     let shaken = tokio::time::timeout(config.handshake_timeout, shake).await;
     drop(handshake);
-    let (stream, _counted) = match shaken {
+    let (stream, _counted, keys) = match shaken {
         Ok(Ok(established)) => {
             debug!("connection accepted");
             established
@@ -288,12 +288,15 @@ async fn serve_connection(
     let (read_half, write_half) = tokio::io::split(stream);
     let (frames_tx, frames_rx) = mpsc::channel(config.queue_capacity());
     let (out_tx, out_rx) = mpsc::channel(config.queue_capacity());
+    let (read_mac, write_mac) = match keys {
+        Some(keys) => (Some(keys.client_to_server), Some(keys.server_to_client)),
+        None => (None, None),
+    };
+    let reader =
+        conn::FrameReader::new(read_half, config.max_frame_bytes, config.frame_timeout, read_mac);
     let mut io_tasks = JoinSet::new();
-    io_tasks.spawn(
-        read_loop(read_half, config.max_frame_bytes, config.frame_timeout, frames_tx)
-            .in_current_span(),
-    );
-    io_tasks.spawn(write_loop(write_half, out_rx).in_current_span());
+    io_tasks.spawn(read_loop(reader, frames_tx).in_current_span());
+    io_tasks.spawn(write_loop(write_half, out_rx, write_mac).in_current_span());
     let connection = Connection {
         config,
         handler,
@@ -371,12 +374,9 @@ fn inbound(names: &mut codec::Names, frame: Frame<'_>) -> Inbound {
 /// The socket is read through a [`conn::FrameReader`]: one system call takes in every frame
 /// that has arrived, and a frame's strings are copied once, into its domain values.
 pub(crate) async fn read_loop<R: tokio::io::AsyncRead + Unpin>(
-    reader: R,
-    max_frame_bytes: u32,
-    frame_timeout: std::time::Duration,
+    mut reader: conn::FrameReader<R>,
     frames: mpsc::Sender<Inbound>,
 ) {
-    let mut reader = conn::FrameReader::new(reader, max_frame_bytes, frame_timeout);
     let mut names = codec::Names::default();
     while let Some(frame) = reader.next_decoded().await {
         if frames.send(inbound(&mut names, frame)).await.is_err() {
@@ -385,14 +385,17 @@ pub(crate) async fn read_loop<R: tokio::io::AsyncRead + Unpin>(
     }
 }
 
-/// Writes queued frames until the queue closes or the socket fails.
+/// Writes queued frames, sealed with `mac` when the connection has one, until the queue closes
+/// or the socket fails.
 pub(crate) async fn write_loop<W: tokio::io::AsyncWrite + Unpin>(
     mut writer: W,
     mut out: mpsc::Receiver<Vec<u8>>,
+    mut mac: Option<conn::FrameMac>,
 ) {
     let mut buffer = Vec::new();
     while let Some(body) = out.recv().await {
-        if let Err(error) = conn::write_queued(&mut writer, body, &mut out, &mut buffer).await {
+        let written = conn::write_queued(&mut writer, body, &mut out, &mut buffer, &mut mac).await;
+        if let Err(error) = written {
             debug!(%error, "write failed; closing the connection");
             return;
         }
@@ -652,7 +655,13 @@ mod tests {
         }
         let mut socket = crate::conn::tests::Chunked::new(bytes, usize::MAX);
         let (frames, mut read) = tokio::sync::mpsc::channel(128);
-        super::read_loop(&mut socket, 1 << 20, std::time::Duration::from_secs(30), frames).await;
+        let reader = crate::conn::FrameReader::new(
+            &mut socket,
+            1 << 20,
+            std::time::Duration::from_secs(30),
+            None,
+        );
+        super::read_loop(reader, frames).await;
         let mut calls = Vec::new();
         while let Ok(frame) = read.try_recv() {
             if let super::Inbound::Ping { call } = frame {

@@ -1,4 +1,4 @@
-//! The shared-secret handshake.
+//! The shared-secret handshake, the length of the secret and the MACs of frames.
 
 use cluster_core::error::ClusterError;
 use cluster_core::transport::Transport;
@@ -6,8 +6,8 @@ use cluster_rpc::{RpcConfig, RpcError, RpcServer, TcpTransport};
 use tokio::io::AsyncWriteExt;
 
 use crate::support::{
-    FakeHandler, HELLO, closed_by_server, config, hmac, raw_client, request, runner_address, serve,
-    wait_until, within,
+    FakeHandler, HELLO, closed_by_server, config, hmac, raw_client, raw_session, request,
+    runner_address, sealed_frame, serve, wait_until, within,
 };
 
 /// A secret long enough to be accepted (the checks below look for "s3cret" in what is shown).
@@ -355,4 +355,40 @@ async fn a_client_refuses_a_server_whose_proof_is_wrong() {
     assert!(reason.contains("does not hold this side's shared secret"), "{reason}");
     let after = within(impostor).await.expect("impostor");
     assert!(after.is_empty(), "the client sent {} bytes to an impostor", after.len());
+}
+
+/// With a secret, every frame after the handshake carries a MAC under its direction's session
+/// key, over its sequence number: the server answers a sealed `Ping` with a sealed `Done`, and
+/// closes the connection on a frame that was replayed or altered in transit.
+#[tokio::test]
+async fn frames_are_sealed_and_a_replayed_or_altered_frame_closes_the_connection() {
+    let handler = FakeHandler::new();
+    let server = serve(with_secret(SECRET), handler.clone()).await;
+    // `Ping { call: 5 }` and `Done { call: 5 }` in postcard.
+    let (ping, done) = ([0_u8, 5], [5_u8, 5]);
+
+    let mut raw = raw_session(server.local_addr(), SECRET.as_bytes()).await;
+    let first = sealed_frame(&raw.client_to_server, 0, &ping);
+    raw.stream.write_all(&first).await.expect("ping");
+    let mut answer = [0_u8; 4 + 2 + 16];
+    within(tokio::io::AsyncReadExt::read_exact(&mut raw.stream, &mut answer))
+        .await
+        .expect("a sealed answer");
+    assert_eq!(answer.to_vec(), sealed_frame(&raw.server_to_client, 0, &done));
+    // The same frame again: its sequence number is past.
+    raw.stream.write_all(&first).await.expect("replay");
+    assert!(closed_by_server(&mut raw.stream).await, "a replayed frame was accepted");
+
+    let mut raw = raw_session(server.local_addr(), SECRET.as_bytes()).await;
+    let mut altered = sealed_frame(&raw.client_to_server, 0, &ping);
+    altered[5] ^= 0x01;
+    raw.stream.write_all(&altered).await.expect("altered ping");
+    assert!(closed_by_server(&mut raw.stream).await, "an altered frame was accepted");
+
+    // Unsealed, as a peer of the previous version would send it.
+    let mut raw = raw_session(server.local_addr(), SECRET.as_bytes()).await;
+    raw.stream.write_all(&[0, 0, 0, 2, 0, 5]).await.expect("unsealed ping");
+    raw.stream.write_all(&[0; 16]).await.expect("no tag");
+    assert!(closed_by_server(&mut raw.stream).await, "an unsealed frame was accepted");
+    assert!(wait_until(|| server.connection_count() == 0).await);
 }

@@ -312,6 +312,20 @@ pub(crate) fn hmac(key: &[u8], parts: &[&[u8]]) -> [u8; 32] {
 /// Connects and completes the client half of the handshake with `secret`, as the crate does:
 /// hello, the server's nonce, the client's proof, then the server's answer and proof.
 pub(crate) async fn raw_client(address: SocketAddr, secret: &[u8]) -> TcpStream {
+    raw_session(address, secret).await.stream
+}
+
+/// A raw connection past the handshake, with its session keys.
+pub(crate) struct RawSession {
+    pub(crate) stream: TcpStream,
+    /// The key of the frames this side sends.
+    pub(crate) client_to_server: [u8; 32],
+    /// The key of the frames the server sends.
+    pub(crate) server_to_client: [u8; 32],
+}
+
+/// Like [`raw_client`], keeping the session keys to seal and check frames with.
+pub(crate) async fn raw_session(address: SocketAddr, secret: &[u8]) -> RawSession {
     let mut stream = TcpStream::connect(address).await.expect("connect");
     let client_nonce = [7_u8; 32];
     let mut hello = HELLO.to_vec();
@@ -327,7 +341,20 @@ pub(crate) async fn raw_client(address: SocketAddr, secret: &[u8]) -> TcpStream 
     stream.read_exact(&mut accepted).await.expect("accepted");
     assert_eq!(accepted[0], 1);
     assert_eq!(accepted[1..], hmac(secret, &[b"server", &client_nonce, server_nonce]));
-    stream
+    RawSession {
+        stream,
+        client_to_server: hmac(secret, &[b"session c2s", &client_nonce, server_nonce]),
+        server_to_client: hmac(secret, &[b"session s2c", &client_nonce, server_nonce]),
+    }
+}
+
+/// A frame as a side with session key `key` sends it as its `sequence`-th: length, body, and
+/// `HMAC(key, sequence ‖ body)` cut to 16 bytes.
+pub(crate) fn sealed_frame(key: &[u8], sequence: u64, body: &[u8]) -> Vec<u8> {
+    let mut frame = u32::try_from(body.len()).expect("short").to_be_bytes().to_vec();
+    frame.extend_from_slice(body);
+    frame.extend_from_slice(&hmac(key, &[&sequence.to_be_bytes(), body])[..16]);
+    frame
 }
 
 /// Whether the server closed `stream` (EOF or reset) before [`DEADLINE`].
