@@ -6,11 +6,15 @@
 //! *for that connection only*: the reader reports a [`FrameError`], the connection is closed and
 //! logged, and every other connection carries on.
 //!
-//! Integrity: on a connection whose handshake used a secret, every frame is followed by a
-//! [`TAG_LEN`]-byte MAC ([`FrameMac`]): HMAC-SHA256 under the direction's session key, over the
-//! frame's sequence number in that direction and its body, truncated. A frame altered,
-//! replayed, reordered or dropped in transit fails its check, which closes the connection (and
-//! is logged). Without a secret frames carry no MAC.
+//! Integrity: on a connection whose handshake used a secret, frames travel in *records*, the
+//! frames of one write: a lone frame, or a writer's batch. A record's last frame has the top bit
+//! of its length field set ([`RECORD_END`]) and is followed by a [`TAG_LEN`]-byte MAC
+//! ([`FrameMac`]): HMAC-SHA256 under the direction's session key, over the record's sequence
+//! number in that direction and its bytes (lengths included), truncated. The reader hands out
+//! no frame of a record before its tag has checked out. A frame altered, replayed, reordered or
+//! dropped in transit fails the check, which closes the connection (and is logged). One tag per
+//! write rather than per frame keeps the cost of the MACs small under load, when a write
+//! carries many frames. Without a secret frames carry no MAC and no flag.
 //!
 //! A frame's announced length is never allocated up front: the reader's buffer grows by at most
 //! [`READ_BUFFER_BYTES`] beyond the bytes that have arrived, so a peer that announces a large
@@ -38,12 +42,16 @@ pub(crate) const BATCH_BYTES_MAX: usize = 256 * 1024;
 /// The bytes a connection's reader takes from its socket at most in one system call.
 pub(crate) const READ_BUFFER_BYTES: usize = 64 * 1024;
 
-/// The bytes of a frame's MAC: HMAC-SHA256 truncated to 128 bits.
+/// The bytes of a record's MAC: HMAC-SHA256 truncated to 128 bits.
 pub(crate) const TAG_LEN: usize = 16;
 
+/// Set in the length field of a record's last frame, on a connection with MACs: the record's
+/// tag follows that frame. (Frame lengths are at most 1 GiB, so the bit is free.)
+const RECORD_END: u32 = 1 << 31;
+
 /// The MAC of one direction of a connection: a key from the handshake and the sequence number
-/// of the next frame (each side counts the frames it sends and those it receives, so no number
-/// travels).
+/// of the next record (each side counts the records it sends and those it receives, so no
+/// number travels).
 #[derive(Clone)]
 pub(crate) struct FrameMac {
     /// HMAC keyed once; each frame starts from a copy.
@@ -60,24 +68,27 @@ impl FrameMac {
         FrameMac { keyed, sequence: 0 }
     }
 
-    fn next(&mut self, body: &[u8]) -> Hmac<Sha256> {
+    fn next(&mut self, parts: &[&[u8]]) -> Hmac<Sha256> {
         let mut mac = self.keyed.clone();
         mac.update(&self.sequence.to_be_bytes());
-        mac.update(body);
+        for part in parts {
+            mac.update(part);
+        }
         self.sequence = self.sequence.wrapping_add(1);
         mac
     }
 
-    /// The tag of the next frame sent, `body`.
-    pub(crate) fn seal(&mut self, body: &[u8]) -> [u8; TAG_LEN] {
+    /// The tag of the next record sent, the concatenation of `parts`.
+    pub(crate) fn seal(&mut self, parts: &[&[u8]]) -> [u8; TAG_LEN] {
         let mut tag = [0_u8; TAG_LEN];
-        tag.copy_from_slice(&self.next(body).finalize().into_bytes()[..TAG_LEN]);
+        tag.copy_from_slice(&self.next(parts).finalize().into_bytes()[..TAG_LEN]);
         tag
     }
 
-    /// Whether `tag` is the tag of the next frame received, `body` (compared in constant time).
-    pub(crate) fn open(&mut self, body: &[u8], tag: &[u8]) -> bool {
-        self.next(body).verify_truncated_left(tag).is_ok()
+    /// Whether `tag` is the tag of the next record received, `record` (compared in constant
+    /// time).
+    pub(crate) fn open(&mut self, record: &[u8], tag: &[u8]) -> bool {
+        self.next(&[record]).verify_truncated_left(tag).is_ok()
     }
 }
 
@@ -128,6 +139,12 @@ pub(crate) struct FrameReader<R> {
     deadline: Option<Instant>,
     /// The MAC of the incoming direction, when the connection has one.
     mac: Option<FrameMac>,
+    /// With a MAC: the bytes from `start` that belong to frames of a record whose tag checked
+    /// out, not yet handed out (the tag follows them).
+    verified: usize,
+    /// With a MAC: the bytes from `start` of the record under way already scanned (whole
+    /// frames without the record flag).
+    scanned: usize,
 }
 
 impl<R: AsyncRead + Unpin> FrameReader<R> {
@@ -148,6 +165,8 @@ impl<R: AsyncRead + Unpin> FrameReader<R> {
             frame_timeout,
             deadline: None,
             mac,
+            verified: 0,
+            scanned: 0,
         }
     }
 
@@ -156,32 +175,43 @@ impl<R: AsyncRead + Unpin> FrameReader<R> {
     /// Cancel safe: the buffer keeps what was read, and a cancelled read loses nothing.
     pub(crate) async fn next_frame(&mut self) -> Result<Option<&[u8]>, FrameError> {
         let body = loop {
-            let arrived = &self.buffer[self.start..self.end];
-            // The frame's full size (its length, then its body), once its length has arrived.
-            let mut needed = 4;
-            if let Some(header) = arrived.first_chunk::<4>() {
-                let len = u32::from_be_bytes(*header);
-                if len > self.max_frame_bytes {
-                    return Err(FrameError::Oversize { len, max: self.max_frame_bytes });
+            // The bytes from `start` needed before anything more can be handed out.
+            let needed = if self.verified > 0 {
+                // A frame of a record whose tag checked out: whole in the buffer.
+                let header =
+                    self.buffer[self.start..].first_chunk::<4>().copied().unwrap_or_default();
+                let frame = 4 + usize::try_from(u32::from_be_bytes(header) & !RECORD_END)
+                    .unwrap_or(usize::MAX);
+                let body = self.start + 4..self.start + frame;
+                self.start += frame;
+                self.verified = self.verified.saturating_sub(frame);
+                if self.verified == 0 {
+                    // The record's tag.
+                    self.start += TAG_LEN;
                 }
-                let tag_len = if self.mac.is_some() { TAG_LEN } else { 0 };
-                needed = usize::try_from(len)
-                    .ok()
-                    .and_then(|len| len.checked_add(4 + tag_len))
-                    .ok_or(FrameError::Oversize { len, max: self.max_frame_bytes })?;
-                if arrived.len() >= needed {
-                    let body = self.start + 4..self.start + needed - tag_len;
-                    if let Some(mac) = &mut self.mac
-                        && !mac
-                            .open(&self.buffer[body.clone()], &self.buffer[body.end..][..tag_len])
-                    {
-                        return Err(FrameError::BadMac);
+                break body;
+            } else if self.mac.is_some() {
+                match self.check_record()? {
+                    None => continue,
+                    Some(needed) => needed,
+                }
+            } else {
+                let arrived = &self.buffer[self.start..self.end];
+                // The frame's full size (its length, then its body), once its length has arrived.
+                match arrived.first_chunk::<4>() {
+                    None => 4,
+                    Some(header) => {
+                        let needed = 4 + self.frame_len(u32::from_be_bytes(*header))?;
+                        if arrived.len() >= needed {
+                            let body = self.start + 4..self.start + needed;
+                            self.start += needed;
+                            self.deadline = None;
+                            break body;
+                        }
+                        needed
                     }
-                    self.start += needed;
-                    self.deadline = None;
-                    break body;
                 }
-            }
+            };
             // Between frames a connection may idle; inside one it has `frame_timeout`.
             let deadline = match self.start == self.end {
                 true => None,
@@ -207,6 +237,60 @@ impl<R: AsyncRead + Unpin> FrameReader<R> {
             self.end += read;
         };
         Ok(Some(&self.buffer[body]))
+    }
+
+    /// The body length a frame's length field announces (without the record flag), checked
+    /// against the limit.
+    fn frame_len(&self, field: u32) -> Result<usize, FrameError> {
+        let len = match self.mac {
+            Some(_) => field & !RECORD_END,
+            None => field,
+        };
+        if len > self.max_frame_bytes {
+            return Err(FrameError::Oversize { len, max: self.max_frame_bytes });
+        }
+        usize::try_from(len).map_err(|_| FrameError::Oversize { len, max: self.max_frame_bytes })
+    }
+
+    /// Checks the record under way, from `start`, once it has arrived whole: `None` when its tag
+    /// checked out (its frames can be handed out), or the bytes from `start` needed to go on.
+    /// Its frames are scanned once each, as they arrive.
+    fn check_record(&mut self) -> Result<Option<usize>, FrameError> {
+        let most = usize::try_from(self.max_frame_bytes)
+            .unwrap_or(usize::MAX)
+            .saturating_add(4 + TAG_LEN + BATCH_BYTES_MAX);
+        loop {
+            let at = self.start + self.scanned;
+            let Some(header) = self.buffer[at..self.end].first_chunk::<4>() else {
+                return Ok(Some(self.scanned + 4));
+            };
+            let field = u32::from_be_bytes(*header);
+            let frame = 4 + self.frame_len(field)?;
+            let last = field & RECORD_END != 0;
+            let record = self.scanned + frame + if last { TAG_LEN } else { 0 };
+            if record > most {
+                return Err(FrameError::Malformed(format!(
+                    "a record of more than {most} bytes (frames without a tag)"
+                )));
+            }
+            if self.end - self.start < record {
+                return Ok(Some(record));
+            }
+            if !last {
+                self.scanned = record;
+                continue;
+            }
+            let bytes = self.start..self.start + record - TAG_LEN;
+            let tag = bytes.end..bytes.end + TAG_LEN;
+            let Some(mac) = &mut self.mac else { return Ok(None) };
+            if !mac.open(&self.buffer[bytes], &self.buffer[tag]) {
+                return Err(FrameError::BadMac);
+            }
+            self.verified = record - TAG_LEN;
+            self.scanned = 0;
+            self.deadline = None;
+            return Ok(None);
+        }
     }
 
     /// The next frame, decoded, or `None` when the connection ended: the peer closed it
@@ -275,8 +359,13 @@ pub(crate) async fn write_frame<W: AsyncWrite + Unpin>(
 ) -> io::Result<()> {
     let len = u32::try_from(body.len())
         .map_err(|_| io::Error::new(io::ErrorKind::InvalidInput, "frame longer than 4 GiB"))?;
-    let header = len.to_be_bytes();
-    let tag = mac.map(|mac| mac.seal(body));
+    let (header, tag) = match mac {
+        None => (len.to_be_bytes(), None),
+        Some(mac) => {
+            let header = (len | RECORD_END).to_be_bytes();
+            (header, Some(mac.seal(&[&header, body])))
+        }
+    };
     let mut parts: [&[u8]; 3] = [&header, body, tag.as_ref().map_or(&[], |tag| tag.as_slice())];
     let mut first = 0;
     while first < parts.len() {
@@ -330,22 +419,27 @@ pub(crate) async fn write_queued<W: AsyncWrite + Unpin>(
         }
     };
     buffer.clear();
-    push_frame(buffer, &first, mac.as_mut())?;
+    // Where the last frame pushed starts: the frame that ends the record, with a MAC.
+    let mut last = 0;
+    push_frame(buffer, &first)?;
     let mut frames = 1;
     loop {
         if frames == BATCH_FRAMES_MAX || buffer.len() + 4 + next.len() + TAG_LEN > BATCH_BYTES_MAX {
             // Full: this batch goes, and `next` starts the following one.
+            seal_record(buffer, last, mac.as_mut());
             writer.write_all(buffer).await?;
             buffer.clear();
             frames = 0;
         }
-        push_frame(buffer, &next, mac.as_mut())?;
+        last = buffer.len();
+        push_frame(buffer, &next)?;
         frames += 1;
         match out.try_recv() {
             Ok(body) => next = body,
             Err(_) => break,
         }
     }
+    seal_record(buffer, last, mac.as_mut());
     let sent = writer.write_all(buffer).await;
     // A burst's room is given back once it is sent.
     buffer.clear();
@@ -353,17 +447,24 @@ pub(crate) async fn write_queued<W: AsyncWrite + Unpin>(
     sent
 }
 
-/// Appends one frame (its length, then `body`, then its tag when sealed with `mac`) to
-/// `buffer`.
-fn push_frame(buffer: &mut Vec<u8>, body: &[u8], mac: Option<&mut FrameMac>) -> io::Result<()> {
+/// Appends one frame (its length, then `body`) to `buffer`.
+fn push_frame(buffer: &mut Vec<u8>, body: &[u8]) -> io::Result<()> {
     let len = u32::try_from(body.len())
         .map_err(|_| io::Error::new(io::ErrorKind::InvalidInput, "frame longer than 4 GiB"))?;
     buffer.extend_from_slice(&len.to_be_bytes());
     buffer.extend_from_slice(body);
-    if let Some(mac) = mac {
-        buffer.extend_from_slice(&mac.seal(body));
-    }
     Ok(())
+}
+
+/// With `mac`, makes the frames in `buffer` one record: flags the last frame, which starts at
+/// `last`, and appends the record's tag.
+fn seal_record(buffer: &mut Vec<u8>, last: usize, mac: Option<&mut FrameMac>) {
+    let Some(mac) = mac else { return };
+    if let Some(flag) = buffer.get_mut(last) {
+        *flag |= 0x80;
+    }
+    let tag = mac.seal(&[buffer]);
+    buffer.extend_from_slice(&tag);
 }
 
 #[cfg(test)]
@@ -681,11 +782,16 @@ pub(crate) mod tests {
         assert!(matches!(error, FrameError::BadMac), "{error}");
     }
 
-    /// A frame replayed, or frames swapped, fail their check: the sequence number is covered.
+    /// A record replayed, or records swapped or dropped, fail their check: the sequence number
+    /// is covered.
     #[tokio::test]
-    async fn a_replayed_or_reordered_frame_is_refused() {
-        let batch = sealed(usize::MAX, &[b"first", b"second"]).await;
-        let (first, second) = batch.split_at(4 + 5 + super::TAG_LEN);
+    async fn a_replayed_or_reordered_record_is_refused() {
+        let mut stream = Trickle { bytes: Vec::new(), step: usize::MAX, writes: 0 };
+        let mut mac = super::FrameMac::new(KEY);
+        super::write_frame(&mut stream, b"first", Some(&mut mac)).await.unwrap();
+        super::write_frame(&mut stream, b"second", Some(&mut mac)).await.unwrap();
+        assert_eq!(opened(stream.bytes.clone(), KEY).await.unwrap(), [&b"first"[..], b"second"]);
+        let (first, second) = stream.bytes.split_at(4 + 5 + super::TAG_LEN);
         let replayed = [first, second, second].concat();
         let error = opened(replayed, KEY).await.unwrap_err();
         assert!(matches!(error, FrameError::BadMac), "{error}");
@@ -694,6 +800,31 @@ pub(crate) mod tests {
         assert!(matches!(error, FrameError::BadMac), "{error}");
         let dropped = second.to_vec();
         assert!(matches!(opened(dropped, KEY).await, Err(FrameError::BadMac)));
+    }
+
+    /// A batch is one record with one tag, and none of its frames is handed out before the tag
+    /// has checked out.
+    #[tokio::test]
+    async fn a_batch_is_one_record_checked_before_any_of_its_frames_is_handed_out() {
+        let bodies: [&[u8]; 3] = [b"one", b"two", b"three"];
+        let batch = sealed(usize::MAX, &bodies).await;
+        assert_eq!(batch.len(), 3 * 4 + 3 + 3 + 5 + super::TAG_LEN, "one tag for the batch");
+        let mut forged = batch.clone();
+        let last = forged.len() - 1;
+        forged[last] ^= 0x01;
+        let mac = Some(super::FrameMac::new(KEY));
+        let mut reader = FrameReader::new(Chunked::new(forged, usize::MAX), 1 << 20, LONG, mac);
+        let first = reader.next_frame().await.map(|frame| frame.map(<[u8]>::to_vec));
+        assert!(matches!(first, Err(FrameError::BadMac)), "{first:?}");
+        // Frames without a tag are not gathered without end.
+        let mut untagged = Vec::new();
+        for _ in 0..64 {
+            untagged.extend_from_slice(&framed(&[&[0_u8; 8192]]));
+        }
+        let mac = Some(super::FrameMac::new(KEY));
+        let mut reader = FrameReader::new(Chunked::new(untagged, usize::MAX), 8192, LONG, mac);
+        let error = reader.next_frame().await.unwrap_err();
+        assert!(matches!(error, FrameError::Malformed(_)), "{error}");
     }
 
     #[tokio::test]

@@ -29,8 +29,9 @@
 //!
 //! Session keys: with a secret, each direction of the connection gets a key of its own,
 //! `HMAC(secret, "session c2s" ‖ cn ‖ sn)` (client to server) and
-//! `HMAC(secret, "session s2c" ‖ cn ‖ sn)`, with which every frame after the handshake carries
-//! a MAC over its sequence number and bytes (see [`crate::conn::FrameMac`]). Without a secret
+//! `HMAC(secret, "session s2c" ‖ cn ‖ sn)`, with which every write after the handshake (a
+//! record of frames) carries a MAC over its sequence number and bytes (see
+//! [`crate::conn::FrameMac`]). Without a secret
 //! there are no keys and no MACs: the empty key would protect nothing.
 //!
 //! Fresh nonces on both sides make every proof single-use (no replay), the role labels stop a

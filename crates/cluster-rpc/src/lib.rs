@@ -14,7 +14,8 @@
 //!
 //! Protocol: after a mutual HMAC-SHA256 handshake over the shared secret (see `handshake`),
 //! each side sends length-delimited frames (4-byte big-endian length, at most
-//! `max_frame_bytes`, then the body and, with a secret, a 16-byte MAC) of postcard-encoded wire
+//! `max_frame_bytes`, then the body; with a secret, each write ends with a 16-byte MAC) of
+//! postcard-encoded wire
 //! forms (`frame`; the codec was chosen by measurement, see `codec`). Calls are `Ping`,
 //! `Notify`, `Request` (the `Effect` and `Stream` RPCs), `Envelope` and `Cancel`; answers are
 //! `Done`, `Reply` and `Failed`. A garbage, truncated, oversize, late or unauthentic frame
@@ -29,11 +30,12 @@
 //! - **Secrets of at least 32 bytes** ([`MIN_SECRET_BYTES`]); a shorter one is a configuration
 //!   error that names `CLUSTER_RPC_SECRET` and never shows it. Make one with
 //!   `openssl rand -hex 32`.
-//! - **Per-frame MACs.** With a secret, every frame after the handshake carries a 16-byte
-//!   HMAC-SHA256 tag under a per-connection, per-direction key derived from the handshake, over
-//!   the frame's sequence number and bytes: a frame altered, replayed, reordered or dropped in
-//!   transit closes the connection, and is logged. Without a secret (loopback only) there are no
-//!   tags.
+//! - **MACs on every frame.** With a secret, every frame after the handshake is covered by a
+//!   16-byte HMAC-SHA256 tag under a per-connection, per-direction key derived from the
+//!   handshake: one tag per write (a *record*: a lone frame or a writer's batch), over the
+//!   record's sequence number and bytes, checked before any of its frames is handed out. A frame
+//!   altered, replayed, reordered or dropped in transit closes the connection, and is logged.
+//!   Without a secret (loopback only) there are no tags.
 //! - **Bounds on peers that do not prove themselves or stall.** At most `max_handshakes`
 //!   connections shake hands at once, each within `handshake_timeout`, counted apart from the
 //!   `max_connections` established ones; a frame's announced length is never allocated up front

@@ -357,9 +357,10 @@ async fn a_client_refuses_a_server_whose_proof_is_wrong() {
     assert!(after.is_empty(), "the client sent {} bytes to an impostor", after.len());
 }
 
-/// With a secret, every frame after the handshake carries a MAC under its direction's session
-/// key, over its sequence number: the server answers a sealed `Ping` with a sealed `Done`, and
-/// closes the connection on a frame that was replayed or altered in transit.
+/// With a secret, every write after the handshake (a record of frames) carries a MAC under its
+/// direction's session key, over its sequence number: the server answers a sealed `Ping` with
+/// a sealed `Done`, and closes the connection on a frame that was replayed or altered in
+/// transit.
 #[tokio::test]
 async fn frames_are_sealed_and_a_replayed_or_altered_frame_closes_the_connection() {
     let handler = FakeHandler::new();
@@ -385,9 +386,9 @@ async fn frames_are_sealed_and_a_replayed_or_altered_frame_closes_the_connection
     raw.stream.write_all(&altered).await.expect("altered ping");
     assert!(closed_by_server(&mut raw.stream).await, "an altered frame was accepted");
 
-    // Unsealed, as a peer of the previous version would send it.
+    // A tag that is not the MAC.
     let mut raw = raw_session(server.local_addr(), SECRET.as_bytes()).await;
-    raw.stream.write_all(&[0, 0, 0, 2, 0, 5]).await.expect("unsealed ping");
+    raw.stream.write_all(&[0x80, 0, 0, 2, 0, 5]).await.expect("unsealed ping");
     raw.stream.write_all(&[0; 16]).await.expect("no tag");
     assert!(closed_by_server(&mut raw.stream).await, "an unsealed frame was accepted");
     assert!(wait_until(|| server.connection_count() == 0).await);

@@ -348,12 +348,15 @@ pub(crate) async fn raw_session(address: SocketAddr, secret: &[u8]) -> RawSessio
     }
 }
 
-/// A frame as a side with session key `key` sends it as its `sequence`-th: length, body, and
-/// `HMAC(key, sequence ‖ body)` cut to 16 bytes.
+/// A lone frame as a side with session key `key` sends it, as its `sequence`-th record:
+/// length with the record flag (the top bit), body, and `HMAC(key, sequence ‖ length ‖ body)`
+/// cut to 16 bytes.
 pub(crate) fn sealed_frame(key: &[u8], sequence: u64, body: &[u8]) -> Vec<u8> {
-    let mut frame = u32::try_from(body.len()).expect("short").to_be_bytes().to_vec();
+    let len = u32::try_from(body.len()).expect("short") | 1 << 31;
+    let mut frame = len.to_be_bytes().to_vec();
     frame.extend_from_slice(body);
-    frame.extend_from_slice(&hmac(key, &[&sequence.to_be_bytes(), body])[..16]);
+    let tag = hmac(key, &[&sequence.to_be_bytes(), &frame]);
+    frame.extend_from_slice(&tag[..16]);
     frame
 }
 
