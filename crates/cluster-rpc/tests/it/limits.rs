@@ -15,8 +15,8 @@ use tokio::net::{TcpListener, TcpStream};
 use tokio::time::Instant;
 
 use crate::support::{
-    DEADLINE, FakeHandler, closed_by_server, config, request, runner_address, serve, wait_until,
-    within,
+    DEADLINE, FakeHandler, Warnings, closed_by_server, config, request, runner_address, serve,
+    wait_until, within,
 };
 
 #[tokio::test]
@@ -285,12 +285,14 @@ async fn the_server_answers_a_push_beyond_its_lane_overloaded() {
 async fn a_flood_of_unauthenticated_connections_leaves_room_for_peers() {
     let handler = FakeHandler::new();
     let limits = RpcConfig {
-        max_connections: 2,
-        max_handshakes: 4,
+        max_connections: 3,
+        max_handshakes: 5,
         // Longer than the test: only the limits can close the flood's connections.
         handshake_timeout: Duration::from_secs(60),
         ..config()
     };
+    let warnings = Warnings::default();
+    let _guard = tracing::dispatcher::set_default(&tracing::Dispatch::new(warnings.clone()));
     let server = serve(limits, handler.clone()).await;
     let address = runner_address(&server);
     let first = TcpTransport::new(config()).expect("config");
@@ -298,7 +300,7 @@ async fn a_flood_of_unauthenticated_connections_leaves_room_for_peers() {
 
     // More idle, unauthenticated connections than `max_connections`, within `max_handshakes`.
     let mut flood = Vec::new();
-    for _ in 0..3 {
+    for _ in 0..4 {
         flood.push(TcpStream::connect(server.local_addr()).await.expect("connect"));
     }
     let second = TcpTransport::new(config()).expect("config");
@@ -306,8 +308,9 @@ async fn a_flood_of_unauthenticated_connections_leaves_room_for_peers() {
     assert!(reply.expect("a peer that proves itself gets in").is_final());
     assert_eq!(server.connection_count(), 2);
 
-    // Beyond `max_handshakes`: the first takes the last free slot, the others are closed at
-    // once (well before the handshake timeout), unread.
+    // Beyond `max_handshakes` (with an established slot still free): the first takes the last
+    // free handshake slot, the others are closed at once (well before the handshake timeout),
+    // unread.
     let mut beyond = Vec::new();
     for _ in 0..10 {
         beyond.push(TcpStream::connect(server.local_addr()).await.expect("connect"));
@@ -319,6 +322,13 @@ async fn a_flood_of_unauthenticated_connections_leaves_room_for_peers() {
     within(second.send(&address, request(3, "Echo"), false)).await.expect("second still served");
     assert_eq!(server.connection_count(), 2);
     assert_eq!(handler.requests(), 3);
+    // Nine refusals, one warning line: a flood of sockets is not a flood of log lines.
+    let refusals: Vec<String> = warnings
+        .logged()
+        .into_iter()
+        .filter(|line| line.contains("CLUSTER_RPC_MAX_HANDSHAKES"))
+        .collect();
+    assert_eq!(refusals.len(), 1, "{:?}", warnings.logged());
     drop(flood);
 }
 

@@ -6,7 +6,7 @@ use cluster_rpc::{RpcConfig, RpcError, RpcServer, TcpTransport};
 use tokio::io::AsyncWriteExt;
 
 use crate::support::{
-    FakeHandler, HELLO, closed_by_server, config, hmac, raw_client, raw_session, request,
+    FakeHandler, HELLO, Warnings, closed_by_server, config, hmac, raw_client, raw_session, request,
     runner_address, sealed_frame, serve, wait_until, within,
 };
 
@@ -154,51 +154,6 @@ fn tls_variables_without_the_tls_feature_are_an_error() {
         assert_eq!(error.key(), var);
         assert!(error.reason().contains("built without the tls feature"), "{error}");
     }
-}
-
-/// The warnings logged while it is the thread's default subscriber.
-#[derive(Clone, Default)]
-struct Warnings(std::sync::Arc<std::sync::Mutex<Vec<String>>>);
-
-impl Warnings {
-    fn logged(&self) -> Vec<String> {
-        self.0.lock().unwrap().clone()
-    }
-}
-
-/// The `message` field of an event, with its other fields.
-struct Message<'a>(&'a mut String);
-
-impl tracing::field::Visit for Message<'_> {
-    fn record_debug(&mut self, field: &tracing::field::Field, value: &dyn std::fmt::Debug) {
-        self.0.push_str(&format!("{}={value:?} ", field.name()));
-    }
-}
-
-impl tracing::Subscriber for Warnings {
-    fn enabled(&self, _: &tracing::Metadata<'_>) -> bool {
-        true
-    }
-
-    fn new_span(&self, _: &tracing::span::Attributes<'_>) -> tracing::span::Id {
-        tracing::span::Id::from_u64(1)
-    }
-
-    fn record(&self, _: &tracing::span::Id, _: &tracing::span::Record<'_>) {}
-
-    fn record_follows_from(&self, _: &tracing::span::Id, _: &tracing::span::Id) {}
-
-    fn event(&self, event: &tracing::Event<'_>) {
-        if *event.metadata().level() == tracing::Level::WARN {
-            let mut line = String::new();
-            event.record(&mut Message(&mut line));
-            self.0.lock().unwrap().push(line);
-        }
-    }
-
-    fn enter(&self, _: &tracing::span::Id) {}
-
-    fn exit(&self, _: &tracing::span::Id) {}
 }
 
 /// A server that listens beyond loopback must authenticate its peers, or be told explicitly
