@@ -131,7 +131,7 @@ async fn run_on(plan: &Plan, database: &BenchDatabase) -> Result<AcrossProcesses
     };
     // The tables exist before any process starts (one migration, no race).
     let (_, registry) = database.open(&ShardingConfig::default()).await?;
-    let secret = format!("bench-{}-{}", std::process::id(), free_port()?);
+    let secret = random_secret();
     let shared = vec![
         ("CLUSTER_STORAGE_URL".to_owned(), url.clone()),
         ("CLUSTER_TABLE_PREFIX".to_owned(), prefix.as_str().to_owned()),
@@ -253,6 +253,15 @@ fn peak_rss_of(pid: u32) -> f64 {
 fn free_port() -> Result<u16, String> {
     let listener = std::net::TcpListener::bind("127.0.0.1:0").map_err(|error| error.to_string())?;
     listener.local_addr().map(|address| address.port()).map_err(|error| error.to_string())
+}
+
+/// A fresh random shared secret for one run: 64 hexadecimal digits from four randomly keyed
+/// hashers (the transport refuses secrets shorter than 32 bytes).
+fn random_secret() -> String {
+    use std::hash::{BuildHasher, Hasher};
+    (0..4)
+        .map(|_| format!("{:016x}", std::hash::RandomState::new().build_hasher().finish()))
+        .collect()
 }
 
 #[cfg(test)]

@@ -147,8 +147,9 @@ fn cluster_env(url: &str, prefix: &str) -> Vec<(&'static str, String)> {
     vec![
         ("CLUSTER_STORAGE_URL", url.to_owned()),
         ("CLUSTER_TABLE_PREFIX", prefix.to_owned()),
-        // Every runner and client of a cluster needs the same secret.
-        ("CLUSTER_RPC_SECRET", format!("example-secret-{prefix}")),
+        // Every runner and client of a cluster needs the same secret, of at least 32 bytes: a
+        // real cluster makes one with `openssl rand -hex 32` and keeps it in a secret store.
+        ("CLUSTER_RPC_SECRET", format!("example-secret-0123456789abcdef-{prefix}")),
         // Faster than the defaults, so that the example takes seconds.
         ("REFRESH_ASSIGNMENTS_INTERVAL", "500 millis".to_owned()),
         ("ENTITY_MESSAGE_POLL_INTERVAL", "500 millis".to_owned()),

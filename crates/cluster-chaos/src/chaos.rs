@@ -315,7 +315,7 @@ async fn run_on(
     prefix: &TablePrefix,
     db: &tokio_postgres::Client,
 ) -> Result<Report, String> {
-    let secret = format!("chaos-{}-{}", std::process::id(), free_port()?);
+    let secret = random_secret();
     let env = shared_env(options, prefix, &secret);
     // The tables exist before any process starts (one migration, no race).
     let node = RunnerEnv::from_lookup(Role::Client, |name| {
@@ -642,6 +642,15 @@ pub fn overlapping_epochs(spans: &Spans) -> Vec<String> {
         }
     }
     overlaps
+}
+
+/// A fresh random shared secret for one run: 64 hexadecimal digits from four randomly keyed
+/// hashers (the transport refuses secrets shorter than 32 bytes).
+fn random_secret() -> String {
+    use std::hash::{BuildHasher, Hasher};
+    (0..4)
+        .map(|_| format!("{:016x}", std::hash::RandomState::new().build_hasher().finish()))
+        .collect()
 }
 
 #[cfg(test)]

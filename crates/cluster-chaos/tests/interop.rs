@@ -13,6 +13,11 @@ use cluster_core::ClusterError;
 use cluster_sharding::{CallError, EntityOptions, Sharding};
 use durable_cluster::{Role, Runner, RunnerEnv};
 
+/// The shared secret of "our" runners (at least 32 bytes, as the transport requires).
+const OURS: &str = "ours-0123456789abcdef0123456789abcdef";
+/// The secret of the runner that stands for a peer speaking another protocol.
+const THEIRS: &str = "another-protocol-0123456789abcdef0123456789";
+
 fn env(database: &str, port: u16, secret: &str) -> RunnerEnv {
     // `INTEROP_RUNNER_HEALTH_CHECK=ping` runs the reference's check, under which the test fails.
     let mode = std::env::var("INTEROP_RUNNER_HEALTH_CHECK").unwrap_or_default();
@@ -73,8 +78,8 @@ async fn persisted_requests_reach_a_runner_that_refuses_our_transport() {
     let path =
         std::env::temp_dir().join(format!("cluster-chaos-interop-{}.db", std::process::id()));
     let database = path.display().to_string();
-    let ours = start(&env(&database, free_port().unwrap(), "ours")).await;
-    let theirs = start(&env(&database, free_port().unwrap(), "another protocol")).await;
+    let ours = start(&env(&database, free_port().unwrap(), OURS)).await;
+    let theirs = start(&env(&database, free_port().unwrap(), THEIRS)).await;
     eventually("the runners split the shards", || {
         let (a, b) = (ours.sharding.acquired_shards(), theirs.sharding.acquired_shards());
         !a.is_empty() && !b.is_empty() && a.len() + b.len() == 30
@@ -98,7 +103,7 @@ async fn persisted_requests_reach_a_runner_that_refuses_our_transport() {
         match echo.expect("the volatile call ends") {
             Err(CallError::Cluster(ClusterError::HandshakeFailed { reason, .. })) => {
                 assert!(reason.contains("CLUSTER_RPC_SECRET"), "{reason}");
-                assert!(!reason.contains("ours") && !reason.contains("another protocol"));
+                assert!(!reason.contains(OURS) && !reason.contains(THEIRS));
             }
             other => panic!("a volatile request crossed, or failed otherwise: {other:?}"),
         }
@@ -109,7 +114,7 @@ async fn persisted_requests_reach_a_runner_that_refuses_our_transport() {
     // The runners still split the shards, and the registry holds both as healthy.
     let (a, b) = (ours.sharding.acquired_shards(), theirs.sharding.acquired_shards());
     assert!(!a.is_empty() && !b.is_empty() && a.len() + b.len() == 30, "{a:?} {b:?}");
-    let (_, registry) = env(&database, 1, "ours").open_storages().await.unwrap();
+    let (_, registry) = env(&database, 1, OURS).open_storages().await.unwrap();
     let runners = registry.get_runners().await.unwrap();
     assert_eq!(runners.len(), 2);
     assert!(runners.iter().all(|(_, healthy)| *healthy), "{runners:?}");
@@ -127,7 +132,7 @@ async fn a_runner_that_cannot_register_its_entities_leaves_the_registry() {
     let path =
         std::env::temp_dir().join(format!("cluster-chaos-refused-{}.db", std::process::id()));
     let database = path.display().to_string();
-    let node = env(&database, free_port().unwrap(), "ours");
+    let node = env(&database, free_port().unwrap(), OURS);
     let started = Runner::start(&node, |_| Err("no entities".into())).await;
     assert!(
         matches!(&started, Err(durable_cluster::RunnerError::Register(reason)) if reason.to_string() == "no entities"),

@@ -228,7 +228,7 @@ impl Interop {
     /// The Rust runner's settings, with `extra` added.
     fn rust_env(&self, port: u16, extra: &[(&'static str, &str)]) -> RunnerEnv {
         let mut vars = self.shared_env(port);
-        vars.push(("CLUSTER_RPC_SECRET", "interop".to_owned()));
+        vars.push(("CLUSTER_RPC_SECRET", "interop-0123456789abcdef0123456789abcdef".to_owned()));
         vars.extend(extra.iter().map(|(name, value)| (*name, (*value).to_owned())));
         RunnerEnv::from_lookup(Role::Runner, |name| {
             vars.iter().find(|(key, _)| *key == name).map(|(_, value)| value.clone())

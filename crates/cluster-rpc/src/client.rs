@@ -292,22 +292,23 @@ async fn connect(
             .map_err(|error| failed(&error))?;
         let _ = tcp.set_nodelay(true);
         let mut stream = tls.connect(address, tcp).await.map_err(|error| failed(&error))?;
-        handshake::client(&mut stream, config.secret_bytes()).await.map_err(|error| {
-            if error.is_refusal() {
-                ConnectError::Refused(Arc::from(error.to_string()))
-            } else {
-                failed(&error)
-            }
-        })?;
-        Ok::<_, ConnectError>(stream)
+        let keys =
+            handshake::client(&mut stream, config.secret_bytes()).await.map_err(|error| {
+                if error.is_refusal() {
+                    ConnectError::Refused(Arc::from(error.to_string()))
+                } else {
+                    failed(&error)
+                }
+            })?;
+        Ok::<_, ConnectError>((stream, keys))
     };
-    let stream = tokio::time::timeout(config.connect_timeout, attempt)
+    let (stream, keys) = tokio::time::timeout(config.connect_timeout, attempt)
         .await
         .map_err(|_| ConnectError::Failed("timed out".to_owned()))??;
     // A root span: the connection outlives the call that happened to open it, and must not keep
     // that call's span (and its trace) open.
     let span = info_span!(parent: None, "rpc_client_connection", %address);
-    Ok(Connection::start(stream, Arc::clone(config), span))
+    Ok(Connection::start(stream, keys, Arc::clone(config), span))
 }
 
 /// The slots a call takes on its connection.
@@ -448,7 +449,18 @@ impl Drop for Connection {
 }
 
 impl Connection {
-    fn start(stream: BoxStream, config: Arc<RpcConfig>, span: tracing::Span) -> Connection {
+    /// Starts the reader and writer of a connection whose handshake gave `keys` (none without
+    /// a secret).
+    fn start(
+        stream: BoxStream,
+        keys: Option<handshake::SessionKeys>,
+        config: Arc<RpcConfig>,
+        span: tracing::Span,
+    ) -> Connection {
+        let (write_mac, read_mac) = match keys {
+            Some(keys) => (Some(keys.client_to_server), Some(keys.server_to_client)),
+            None => (None, None),
+        };
         let (read_half, write_half) = tokio::io::split(stream);
         let (out_tx, out_rx) = mpsc::channel(config.queue_capacity());
         let shared = Arc::new(Shared {
@@ -472,10 +484,12 @@ impl Connection {
         let reader = {
             let shared = Arc::clone(&shared);
             let max = config.max_frame_bytes;
+            let frame_timeout = config.frame_timeout;
             async move {
                 // Each frame is routed to its call as soon as it is decoded, from the buffer.
                 let route = async {
-                    let mut frames = conn::FrameReader::new(read_half, max);
+                    let mut frames =
+                        conn::FrameReader::new(read_half, max, frame_timeout, read_mac);
                     let mut names = codec::Names::default();
                     while let Some(frame) = frames.next_decoded().await {
                         if let Err(violation) = shared.route(&mut names, frame) {
@@ -493,7 +507,8 @@ impl Connection {
             }
         };
         tasks.spawn(reader.instrument(span.clone()));
-        let writer = write_loop(write_half, out_rx, Arc::clone(&shared), config.idle_expiry);
+        let writer =
+            write_loop(write_half, out_rx, Arc::clone(&shared), config.idle_expiry, write_mac);
         tasks.spawn(writer.instrument(span));
         Connection { shared, _tasks: tasks }
     }
@@ -545,6 +560,7 @@ async fn write_loop(
     mut out: mpsc::Receiver<Vec<u8>>,
     shared: Arc<Shared>,
     idle_expiry: Duration,
+    mut mac: Option<conn::FrameMac>,
 ) {
     let mut buffer = Vec::new();
     // One wait for the whole loop, not one registered and dropped per batch.
@@ -568,7 +584,7 @@ async fn write_loop(
                 let mut failed = false;
                 for call in cancels {
                     if let Ok(body) = codec::encode(&Frame::Cancel { call }, shared.max_frame_bytes) {
-                        failed |= conn::write_frame(&mut writer, &body).await.is_err();
+                        failed |= conn::write_frame(&mut writer, &body, mac.as_mut()).await.is_err();
                     }
                 }
                 if failed { break }
@@ -588,7 +604,8 @@ async fn write_loop(
                 continue;
             }
         };
-        if let Err(error) = conn::write_queued(&mut writer, body, &mut out, &mut buffer).await {
+        let written = conn::write_queued(&mut writer, body, &mut out, &mut buffer, &mut mac).await;
+        if let Err(error) = written {
             debug!(%error, "write failed");
             break;
         }

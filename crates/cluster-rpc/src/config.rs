@@ -10,6 +10,10 @@ use cluster_core::error::ConfigError;
 /// The largest accepted `max_frame_bytes`: 1 GiB.
 pub const MAX_FRAME_BYTES_MAX: u32 = 1 << 30;
 
+/// The shortest accepted shared secret, in bytes: 32, which is 128 bits of key material when
+/// they are random hexadecimal digits (`openssl rand -hex 32` makes 64 of them, 256 bits).
+pub const MIN_SECRET_BYTES: usize = 32;
+
 /// The transport's options, shared by [`crate::RpcServer`] and [`crate::TcpTransport`].
 ///
 /// Loaded from the environment by [`RpcConfig::from_env`]:
@@ -19,15 +23,27 @@ pub const MAX_FRAME_BYTES_MAX: u32 = 1 << 30;
 /// | `CLUSTER_RPC_SECRET`            | `secret`             | none         |
 /// | `CLUSTER_RPC_MAX_FRAME_BYTES`   | `max_frame_bytes`    | 8 MiB        |
 /// | `CLUSTER_RPC_CONNECT_TIMEOUT`   | `connect_timeout`    | 5 seconds    |
+/// | `CLUSTER_RPC_FRAME_TIMEOUT`     | `frame_timeout`      | 30 seconds   |
 /// | `CLUSTER_RPC_MAX_IN_FLIGHT`     | `max_in_flight`      | 1024         |
 /// | `CLUSTER_RPC_MAX_PUSHED_IN_FLIGHT` | `max_pushed_in_flight` | 8192     |
 /// | `CLUSTER_RPC_QUEUE_CAPACITY`    | `queue_capacity`     | 256          |
 /// | `CLUSTER_RPC_STREAM_BUFFER`     | `stream_buffer`      | 16           |
 /// | `CLUSTER_RPC_MAX_CONNECTIONS`   | `max_connections`    | 1024         |
+/// | `CLUSTER_RPC_MAX_HANDSHAKES`    | `max_handshakes`     | 64           |
+/// | `CLUSTER_RPC_HANDSHAKE_TIMEOUT` | `handshake_timeout`  | 3 seconds    |
 /// | `CLUSTER_RPC_IDLE_EXPIRY`       | `idle_expiry`        | 3 minutes    |
 /// | `CLUSTER_RPC_BACKOFF_BASE`      | `backoff_base`       | 100 millis   |
 /// | `CLUSTER_RPC_BACKOFF_CAP`       | `backoff_cap`        | 10 seconds   |
 /// | `CLUSTER_RPC_INSECURE`          | `insecure`           | `false`      |
+///
+/// # The shared secret
+///
+/// A non-empty secret must be at least [`MIN_SECRET_BYTES`] (32) bytes long, or
+/// [`RpcConfig::validate`] refuses it with an error naming `CLUSTER_RPC_SECRET` (never its
+/// value). Its length is all that can be checked, so make it random:
+/// `openssl rand -hex 32` prints 64 hexadecimal digits (256 bits); 32 random hexadecimal digits
+/// are the least that gives 128 bits. A phrase a person picks has far less entropy than its
+/// length suggests.
 ///
 /// # Secure by default
 ///
@@ -57,13 +73,17 @@ pub const MAX_FRAME_BYTES_MAX: u32 = 1 << 30;
 /// tls feature"), never silently ignored.
 #[derive(Clone)]
 pub struct RpcConfig {
-    /// The shared secret of the handshake; `None` means the empty key (no authentication).
-    /// Both ends must agree.
+    /// The shared secret of the handshake; `None` (or empty) means the empty key (no
+    /// authentication). Both ends must agree. At least [`MIN_SECRET_BYTES`] bytes when set
+    /// (see "The shared secret" above).
     pub secret: Option<Arc<[u8]>>,
     /// The largest frame sent or accepted, in bytes.
     pub max_frame_bytes: u32,
     /// The longest a connection attempt, TCP and handshake together, may take.
     pub connect_timeout: Duration,
+    /// The longest a frame may take to arrive once its first byte has (both sides): a peer
+    /// that starts a frame and stalls has its connection closed, and logged.
+    pub frame_timeout: Duration,
     /// The most calls in flight on one connection (client and server side), pushed persisted
     /// requests apart.
     pub max_in_flight: u32,
@@ -79,8 +99,17 @@ pub struct RpcConfig {
     pub queue_capacity: u32,
     /// The most replies of one streamed request buffered on the client before it reads them.
     pub stream_buffer: u32,
-    /// The most connections a server serves at once.
+    /// The most connections a server serves at once, counted once they have passed the
+    /// handshake: a connection beyond it is closed when it is accepted (or, when the last slot
+    /// went while it was shaking hands, refused after its proof, as busy).
     pub max_connections: u32,
+    /// The most connections a server lets shake hands at once, apart from `max_connections`:
+    /// a connection accepted beyond it is closed at once, so that peers that never prove
+    /// themselves hold at most this many sockets, and never an established connection's slot.
+    pub max_handshakes: u32,
+    /// The longest a server waits for an accepted connection to complete its handshake (TLS
+    /// included) before it closes it.
+    pub handshake_timeout: Duration,
     /// How long a client connection stays open with no call in flight.
     pub idle_expiry: Duration,
     /// The first delay before reconnecting to a runner that refused a connection.
@@ -101,11 +130,14 @@ impl Default for RpcConfig {
             secret: None,
             max_frame_bytes: 8 << 20,
             connect_timeout: Duration::from_secs(5),
+            frame_timeout: Duration::from_secs(30),
             max_in_flight: 1024,
             max_pushed_in_flight: 8192,
             queue_capacity: 256,
             stream_buffer: 16,
             max_connections: 1024,
+            max_handshakes: 64,
+            handshake_timeout: Duration::from_secs(3),
             idle_expiry: Duration::from_secs(180),
             backoff_base: Duration::from_millis(100),
             backoff_cap: Duration::from_secs(10),
@@ -123,11 +155,14 @@ impl fmt::Debug for RpcConfig {
             .field("secret", &self.secret.as_ref().map(|_| "<redacted>"))
             .field("max_frame_bytes", &self.max_frame_bytes)
             .field("connect_timeout", &self.connect_timeout)
+            .field("frame_timeout", &self.frame_timeout)
             .field("max_in_flight", &self.max_in_flight)
             .field("max_pushed_in_flight", &self.max_pushed_in_flight)
             .field("queue_capacity", &self.queue_capacity)
             .field("stream_buffer", &self.stream_buffer)
             .field("max_connections", &self.max_connections)
+            .field("max_handshakes", &self.max_handshakes)
+            .field("handshake_timeout", &self.handshake_timeout)
             .field("idle_expiry", &self.idle_expiry)
             .field("backoff_base", &self.backoff_base)
             .field("backoff_cap", &self.backoff_cap);
@@ -174,6 +209,7 @@ impl RpcConfig {
             ("CLUSTER_RPC_QUEUE_CAPACITY", &mut config.queue_capacity),
             ("CLUSTER_RPC_STREAM_BUFFER", &mut config.stream_buffer),
             ("CLUSTER_RPC_MAX_CONNECTIONS", &mut config.max_connections),
+            ("CLUSTER_RPC_MAX_HANDSHAKES", &mut config.max_handshakes),
         ];
         for (var, field) in numbers {
             if let Some(value) = get(var)? {
@@ -184,6 +220,8 @@ impl RpcConfig {
         }
         let durations = [
             ("CLUSTER_RPC_CONNECT_TIMEOUT", &mut config.connect_timeout),
+            ("CLUSTER_RPC_FRAME_TIMEOUT", &mut config.frame_timeout),
+            ("CLUSTER_RPC_HANDSHAKE_TIMEOUT", &mut config.handshake_timeout),
             ("CLUSTER_RPC_IDLE_EXPIRY", &mut config.idle_expiry),
             ("CLUSTER_RPC_BACKOFF_BASE", &mut config.backoff_base),
             ("CLUSTER_RPC_BACKOFF_CAP", &mut config.backoff_cap),
@@ -215,10 +253,25 @@ impl RpcConfig {
         Ok(config)
     }
 
-    /// Checks the ranges: every limit is at least 1, `max_frame_bytes` is at most
-    /// [`MAX_FRAME_BYTES_MAX`], timeouts and expiry are positive and `backoff_base <=
-    /// backoff_cap`; TLS settings make a usable server or client. The error names the field.
+    /// Checks the ranges: a secret, when set, has at least [`MIN_SECRET_BYTES`] bytes, every
+    /// limit is at least 1, `max_frame_bytes` is at most [`MAX_FRAME_BYTES_MAX`], timeouts and
+    /// expiry are positive and `backoff_base <= backoff_cap`; TLS settings make a usable server
+    /// or client. The error names the field, and never shows the secret.
     pub fn validate(&self) -> Result<(), ConfigError> {
+        if let Some(secret) = &self.secret
+            && !secret.is_empty()
+            && secret.len() < MIN_SECRET_BYTES
+        {
+            return Err(ConfigError::new(
+                "secret",
+                format!("<redacted, {} bytes>", secret.len()),
+                format!(
+                    "is too short: the shared secret needs at least {MIN_SECRET_BYTES} bytes of \
+                     random key material (128 bits as 32 hexadecimal digits); make one with \
+                     `openssl rand -hex 32` and give the same one to every runner and client"
+                ),
+            ));
+        }
         #[cfg(feature = "tls")]
         if let Some(tls) = &self.tls {
             tls.validate()?;
@@ -230,6 +283,7 @@ impl RpcConfig {
             ("queue_capacity", self.queue_capacity),
             ("stream_buffer", self.stream_buffer),
             ("max_connections", self.max_connections),
+            ("max_handshakes", self.max_handshakes),
         ];
         for (key, value) in limits {
             if value == 0 {
@@ -245,6 +299,8 @@ impl RpcConfig {
         }
         let durations = [
             ("connect_timeout", self.connect_timeout),
+            ("frame_timeout", self.frame_timeout),
+            ("handshake_timeout", self.handshake_timeout),
             ("idle_expiry", self.idle_expiry),
             ("backoff_cap", self.backoff_cap),
         ];

@@ -14,10 +14,33 @@
 //!
 //! Protocol: after a mutual HMAC-SHA256 handshake over the shared secret (see `handshake`),
 //! each side sends length-delimited frames (4-byte big-endian length, at most
-//! `max_frame_bytes`) of postcard-encoded wire forms (`frame`; the codec was chosen by
-//! measurement, see `codec`). Calls are `Ping`, `Notify`, `Request` (the `Effect` and `Stream`
-//! RPCs), `Envelope` and `Cancel`; answers are `Done`, `Reply` and `Failed`. A garbage,
-//! truncated or oversize frame closes its connection only, and is logged.
+//! `max_frame_bytes`, then the body; with a secret, each write ends with a 16-byte MAC) of
+//! postcard-encoded wire
+//! forms (`frame`; the codec was chosen by measurement, see `codec`). Calls are `Ping`,
+//! `Notify`, `Request` (the `Effect` and `Stream` RPCs), `Envelope` and `Cancel`; answers are
+//! `Done`, `Reply` and `Failed`. A garbage, truncated, oversize, late or unauthentic frame
+//! closes its connection only, and is logged.
+//!
+//! Security (protocol version 2):
+//!
+//! - **The caller proves first.** The server sends only a random nonce until the client has
+//!   proved it holds the secret; a wrong proof gets the connection closed with nothing more. So
+//!   an unauthenticated connection gets nothing to test guesses of the secret against (no
+//!   offline oracle). The server then proves itself to the client.
+//! - **Secrets of at least 32 bytes** ([`MIN_SECRET_BYTES`]); a shorter one is a configuration
+//!   error that names `CLUSTER_RPC_SECRET` and never shows it. Make one with
+//!   `openssl rand -hex 32`.
+//! - **MACs on every frame.** With a secret, every frame after the handshake is covered by a
+//!   16-byte HMAC-SHA256 tag under a per-connection, per-direction key derived from the
+//!   handshake: one tag per write (a *record*: a lone frame or a writer's batch), over the
+//!   record's sequence number and bytes, checked before any of its frames is handed out. A frame
+//!   altered, replayed, reordered or dropped in transit closes the connection, and is logged.
+//!   Without a secret (loopback only) there are no tags.
+//! - **Bounds on peers that do not prove themselves or stall.** At most `max_handshakes`
+//!   connections shake hands at once, each within `handshake_timeout`, counted apart from the
+//!   `max_connections` established ones; a frame's announced length is never allocated up front
+//!   (the buffer grows as bytes arrive), and a started frame must arrive within `frame_timeout`.
+//! - **Confidentiality needs TLS**: without it, payloads travel in clear.
 //!
 //! Error mapping (`effect/src/cluster/Runners.ts`, effect's `Runners.test.ts`), on the client:
 //!
@@ -72,7 +95,7 @@ mod server;
 mod tls;
 
 pub use client::TcpTransport;
-pub use config::{MAX_FRAME_BYTES_MAX, RpcConfig};
+pub use config::{MAX_FRAME_BYTES_MAX, MIN_SECRET_BYTES, RpcConfig};
 pub use error::RpcError;
 pub use server::{RpcServer, ServerHandle};
 #[cfg(feature = "tls")]

@@ -6,9 +6,20 @@
 //! listener and every connection; aborting a call's task drops the handler's
 //! [`ReplyStream`](cluster_core::transport::ReplyStream), which interrupts a volatile request.
 //!
-//! Per connection: the handshake runs first, within `connect_timeout`; then frames are read and
-//! dispatched. A `Cancel` frame, or the connection closing, aborts the call. At most
-//! `max_in_flight` calls run at once, and beside them at most `max_pushed_in_flight` pushed
+//! Connections are admitted in two stages, each with its own bound, so that peers that never
+//! prove themselves cannot take the room of those that do:
+//!
+//! - **Shaking hands**: at most `max_handshakes` accepted connections run the handshake (TLS
+//!   included) at once, each within `handshake_timeout`; a connection accepted beyond that bound,
+//!   or while `max_connections` connections are established, is closed at once, unread.
+//! - **Established**: a connection whose peer has proved itself takes one of `max_connections`
+//!   slots (if the last one went meanwhile, the peer is told it is busy and the connection is
+//!   closed), then frames are read and dispatched.
+//!
+//! Refusals at accept are logged as one warning per second at most, with their count.
+//!
+//! Per established connection: a `Cancel` frame, or the connection closing, aborts the call.
+//! At most `max_in_flight` calls run at once, and beside them at most `max_pushed_in_flight` pushed
 //! persisted requests (a `Request` frame marked persisted), which last as long as their
 //! handlers run; a call beyond its lane's bound is answered `Overloaded` (the client reports
 //! `RunnerUnavailable`), so reading never stalls and cancels are always seen.
@@ -18,13 +29,15 @@ use std::io;
 use std::net::SocketAddr;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
+use std::time::Duration;
 
 use cluster_core::envelope::{Envelope, Reply, Request};
 use cluster_core::error::{ClusterError, DecodeError};
 use cluster_core::transport::RunnerHandler;
 use tokio::net::{TcpListener, TcpStream};
-use tokio::sync::mpsc;
+use tokio::sync::{OwnedSemaphorePermit, Semaphore, mpsc};
 use tokio::task::{AbortHandle, JoinSet};
+use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 use tracing::{Instrument, debug, info_span, warn};
 
@@ -100,10 +113,14 @@ impl RpcServer {
         let local_addr = self.local_addr;
         let span = info_span!("rpc_server", %local_addr);
         let connections = Arc::new(AtomicUsize::new(0));
+        let handshakes = usize::try_from(self.config.max_handshakes)
+            .unwrap_or(usize::MAX)
+            .min(Semaphore::MAX_PERMITS);
         let server = Server {
             config: Arc::new(self.config),
             handler,
             connections: Arc::clone(&connections),
+            handshakes: Arc::new(Semaphore::new(handshakes)),
             tls: self.tls,
         };
         accept.spawn(accept_loop(self.listener, server, shutdown.clone()).instrument(span));
@@ -140,6 +157,8 @@ struct Server {
     config: Arc<RpcConfig>,
     handler: Arc<dyn RunnerHandler>,
     connections: Arc<AtomicUsize>,
+    /// The slots of connections still shaking hands (`max_handshakes`).
+    handshakes: Arc<Semaphore>,
     tls: ServerTls,
 }
 
@@ -152,20 +171,65 @@ impl Drop for Counted {
     }
 }
 
+/// Takes an established connection's slot, if one of `max` is free.
+fn admit(connections: &Arc<AtomicUsize>, max: usize) -> Option<Counted> {
+    connections
+        .fetch_update(Ordering::AcqRel, Ordering::Acquire, |open| (open < max).then_some(open + 1))
+        .ok()
+        .map(|_| Counted(Arc::clone(connections)))
+}
+
+/// Refusals at accept, logged as one warning per second at most, with their count: a flood of
+/// connections must not become a flood of log lines.
+struct Refusals {
+    what: &'static str,
+    since_logged: u64,
+    logged_at: Option<Instant>,
+}
+
+impl Refusals {
+    fn new(what: &'static str) -> Refusals {
+        Refusals { what, since_logged: 0, logged_at: None }
+    }
+
+    fn note(&mut self, peer: SocketAddr) {
+        self.since_logged += 1;
+        let now = Instant::now();
+        if self.logged_at.is_none_or(|at| now.duration_since(at) >= Duration::from_secs(1)) {
+            warn!(%peer, refused = self.since_logged, "connection refused: {}", self.what);
+            self.since_logged = 0;
+            self.logged_at = Some(now);
+        }
+    }
+}
+
 async fn accept_loop(listener: TcpListener, server: Server, shutdown: CancellationToken) {
     let max_connections = usize::try_from(server.config.max_connections).unwrap_or(usize::MAX);
     let mut connections = JoinSet::new();
+    let mut too_many = Refusals::new("too many connections (CLUSTER_RPC_MAX_CONNECTIONS)");
+    let mut too_many_handshakes =
+        Refusals::new("too many connections shaking hands (CLUSTER_RPC_MAX_HANDSHAKES)");
     loop {
         tokio::select! {
             () = shutdown.cancelled() => break,
             Some(_) = connections.join_next() => {}
             accepted = listener.accept() => match accepted {
                 Ok((stream, peer)) => {
-                    if connections.len() >= max_connections {
-                        warn!(%peer, "connection refused: too many connections");
+                    // Both refusals close the socket at once, unread: it takes no slot.
+                    if server.connections.load(Ordering::Acquire) >= max_connections {
+                        too_many.note(peer);
                         continue;
                     }
-                    let task = serve_connection(stream, server.clone(), shutdown.child_token());
+                    let Ok(handshake) = Arc::clone(&server.handshakes).try_acquire_owned() else {
+                        too_many_handshakes.note(peer);
+                        continue;
+                    };
+                    let task = serve_connection(
+                        stream,
+                        server.clone(),
+                        handshake,
+                        shutdown.child_token(),
+                    );
                     connections.spawn(task.instrument(info_span!("rpc_connection", %peer)));
                 }
                 Err(error) => {
@@ -181,18 +245,35 @@ async fn accept_loop(listener: TcpListener, server: Server, shutdown: Cancellati
     while connections.join_next().await.is_some() {}
 }
 
-async fn serve_connection(tcp: TcpStream, server: Server, shutdown: CancellationToken) {
-    let Server { config, handler, connections, tls } = server;
+/// Serves one accepted connection: the handshake, holding `handshake` (a slot of
+/// `max_handshakes`) until it ends, then the frames.
+async fn serve_connection(
+    tcp: TcpStream,
+    server: Server,
+    handshake: OwnedSemaphorePermit,
+    shutdown: CancellationToken,
+) {
+    let Server { config, handler, connections, tls, .. } = server;
     let _ = tcp.set_nodelay(true);
+    let max_connections = usize::try_from(config.max_connections).unwrap_or(usize::MAX);
     // TLS (when configured) first, then the handshake inside it, both within the timeout.
-    let handshake = async {
+    let shake = async {
         let mut stream = tls.accept(tcp).await.map_err(handshake::HandshakeError::Io)?;
-        handshake::server(&mut stream, config.secret_bytes()).await.map(|()| stream)
+        let admit = || admit(&connections, max_connections);
+        handshake::server(&mut stream, config.secret_bytes(), admit)
+            .await
+            .map(|(counted, keys)| (stream, counted, keys))
     };
-    let stream = match tokio::time::timeout(config.connect_timeout, handshake).await {
-        Ok(Ok(stream)) => {
+    let shaken = tokio::time::timeout(config.handshake_timeout, shake).await;
+    drop(handshake);
+    let (stream, _counted, keys) = match shaken {
+        Ok(Ok(established)) => {
             debug!("connection accepted");
-            stream
+            established
+        }
+        Ok(Err(handshake::HandshakeError::Busy)) => {
+            warn!("connection refused after its handshake: too many connections");
+            return;
         }
         Ok(Err(error)) => {
             // The cause, never the secret: a peer with another secret is named as such.
@@ -204,14 +285,18 @@ async fn serve_connection(tcp: TcpStream, server: Server, shutdown: Cancellation
             return;
         }
     };
-    connections.fetch_add(1, Ordering::AcqRel);
-    let _counted = Counted(connections);
     let (read_half, write_half) = tokio::io::split(stream);
     let (frames_tx, frames_rx) = mpsc::channel(config.queue_capacity());
     let (out_tx, out_rx) = mpsc::channel(config.queue_capacity());
+    let (read_mac, write_mac) = match keys {
+        Some(keys) => (Some(keys.client_to_server), Some(keys.server_to_client)),
+        None => (None, None),
+    };
+    let reader =
+        conn::FrameReader::new(read_half, config.max_frame_bytes, config.frame_timeout, read_mac);
     let mut io_tasks = JoinSet::new();
-    io_tasks.spawn(read_loop(read_half, config.max_frame_bytes, frames_tx).in_current_span());
-    io_tasks.spawn(write_loop(write_half, out_rx).in_current_span());
+    io_tasks.spawn(read_loop(reader, frames_tx).in_current_span());
+    io_tasks.spawn(write_loop(write_half, out_rx, write_mac).in_current_span());
     let connection = Connection {
         config,
         handler,
@@ -289,11 +374,9 @@ fn inbound(names: &mut codec::Names, frame: Frame<'_>) -> Inbound {
 /// The socket is read through a [`conn::FrameReader`]: one system call takes in every frame
 /// that has arrived, and a frame's strings are copied once, into its domain values.
 pub(crate) async fn read_loop<R: tokio::io::AsyncRead + Unpin>(
-    reader: R,
-    max_frame_bytes: u32,
+    mut reader: conn::FrameReader<R>,
     frames: mpsc::Sender<Inbound>,
 ) {
-    let mut reader = conn::FrameReader::new(reader, max_frame_bytes);
     let mut names = codec::Names::default();
     while let Some(frame) = reader.next_decoded().await {
         if frames.send(inbound(&mut names, frame)).await.is_err() {
@@ -302,14 +385,17 @@ pub(crate) async fn read_loop<R: tokio::io::AsyncRead + Unpin>(
     }
 }
 
-/// Writes queued frames until the queue closes or the socket fails.
+/// Writes queued frames, sealed with `mac` when the connection has one, until the queue closes
+/// or the socket fails.
 pub(crate) async fn write_loop<W: tokio::io::AsyncWrite + Unpin>(
     mut writer: W,
     mut out: mpsc::Receiver<Vec<u8>>,
+    mut mac: Option<conn::FrameMac>,
 ) {
     let mut buffer = Vec::new();
     while let Some(body) = out.recv().await {
-        if let Err(error) = conn::write_queued(&mut writer, body, &mut out, &mut buffer).await {
+        let written = conn::write_queued(&mut writer, body, &mut out, &mut buffer, &mut mac).await;
+        if let Err(error) = written {
             debug!(%error, "write failed; closing the connection");
             return;
         }
@@ -569,7 +655,13 @@ mod tests {
         }
         let mut socket = crate::conn::tests::Chunked::new(bytes, usize::MAX);
         let (frames, mut read) = tokio::sync::mpsc::channel(128);
-        super::read_loop(&mut socket, 1 << 20, frames).await;
+        let reader = crate::conn::FrameReader::new(
+            &mut socket,
+            1 << 20,
+            std::time::Duration::from_secs(30),
+            None,
+        );
+        super::read_loop(reader, frames).await;
         let mut calls = Vec::new();
         while let Ok(frame) = read.try_recv() {
             if let super::Inbound::Ping { call } = frame {

@@ -15,7 +15,7 @@ use tokio::io::AsyncWriteExt;
 
 /// A runner's variables with a secret (a listener beyond loopback would need it) and `extra`.
 fn env(name: &str, extra: &[(&str, &str)]) -> Result<RunnerEnv, RunnerError> {
-    let mut vars = vec![("CLUSTER_RPC_SECRET", "ops-test")];
+    let mut vars = vec![("CLUSTER_RPC_SECRET", "ops-test-0123456789abcdef0123456789abcdef")];
     vars.extend_from_slice(extra);
     support::env(&format!("ops-{name}"), &vars)
 }

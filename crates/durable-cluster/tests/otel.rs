@@ -132,7 +132,9 @@ async fn a_handler_on_another_runner_continues_the_callers_trace() {
     assert!(durable_cluster::otel::install_propagator());
 
     let name = "otel-propagation";
-    let settings = support::env(name, &[("CLUSTER_RPC_SECRET", "otel-test")]).unwrap();
+    let settings =
+        support::env(name, &[("CLUSTER_RPC_SECRET", "otel-test-0123456789abcdef0123456789abcdef")])
+            .unwrap();
     let runner = Runner::start(&settings, |sharding| {
         sharding.register::<Echo>(EntityOptions::default())?;
         Ok(())
@@ -141,10 +143,12 @@ async fn a_handler_on_another_runner_continues_the_callers_trace() {
     .unwrap();
     // A client-only process's settings: the same storage and secret, no address.
     let storage = format!("sqlite:{}", support::database(name).display());
-    let vars: BTreeMap<&str, String> =
-        [("CLUSTER_STORAGE_URL", storage), ("CLUSTER_RPC_SECRET", "otel-test".to_owned())]
-            .into_iter()
-            .collect();
+    let vars: BTreeMap<&str, String> = [
+        ("CLUSTER_STORAGE_URL", storage),
+        ("CLUSTER_RPC_SECRET", "otel-test-0123456789abcdef0123456789abcdef".to_owned()),
+    ]
+    .into_iter()
+    .collect();
     let client_env =
         RunnerEnv::from_lookup(Role::Client, move |name| vars.get(name).cloned()).unwrap();
     let client: Sharding = client_env.join().await.unwrap();

@@ -32,7 +32,7 @@ async fn a_runner_listening_beyond_loopback_needs_a_secret_or_an_explicit_opt_ou
     }
     for (name, extra) in [
         ("insecure", ("CLUSTER_RPC_INSECURE", "true")),
-        ("secret", ("CLUSTER_RPC_SECRET", "s3cret")),
+        ("secret", ("CLUSTER_RPC_SECRET", "s3cret-0123456789abcdef0123456789abcdef")),
     ] {
         let runner = Runner::start(&env(name, &[extra]), |_| Ok(()))
             .await
@@ -47,7 +47,8 @@ async fn a_runner_listening_beyond_loopback_needs_a_secret_or_an_explicit_opt_ou
 /// container's `PORT=5000 LISTEN_HOST=0.0.0.0` expects.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_runner_listens_on_its_advertised_port_when_only_the_listen_host_is_set() {
-    let env = env("listen-port", &[("CLUSTER_RPC_SECRET", "s3cret")]);
+    let env =
+        env("listen-port", &[("CLUSTER_RPC_SECRET", "s3cret-0123456789abcdef0123456789abcdef")]);
     let advertised = env.sharding.runner_address.clone().unwrap();
     assert_eq!(env.sharding.runner_listen_address.as_ref().map(|a| a.host()), Some("0.0.0.0"));
     let runner = Runner::start(&env, |_| Ok(())).await.unwrap();
@@ -60,7 +61,7 @@ async fn a_runner_listens_on_its_advertised_port_when_only_the_listen_host_is_se
 /// The secret shows in no `Debug` output of the settings.
 #[test]
 fn the_settings_never_show_the_secret() {
-    let env = env("debug", &[("CLUSTER_RPC_SECRET", "hunter2-value")]);
+    let env = env("debug", &[("CLUSTER_RPC_SECRET", "hunter2-value-0123456789abcdef0123456789")]);
     let shown = format!("{env:?} {env:#?}");
     assert!(!shown.contains("hunter2"), "{shown}");
     support::remove_database("debug");

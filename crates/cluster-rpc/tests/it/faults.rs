@@ -1,11 +1,11 @@
-//! Unreachable and restarting servers; garbage, truncated and oversize frames.
+//! Unreachable and restarting servers; garbage, truncated, oversize and stalled frames.
 
 use std::time::Duration;
 
 use cluster_core::error::ClusterError;
 use cluster_core::ids::RunnerAddress;
 use cluster_core::transport::Transport;
-use cluster_rpc::{RpcServer, TcpTransport};
+use cluster_rpc::{RpcConfig, RpcServer, TcpTransport};
 use tokio::io::AsyncWriteExt;
 use tokio::net::TcpStream;
 use tokio::time::Instant;
@@ -125,4 +125,29 @@ async fn garbage_before_the_handshake_is_refused() {
     assert!(closed_by_server(&mut raw).await);
     assert_eq!(server.connection_count(), 0);
     assert_eq!(handler.calls(), 0);
+}
+
+/// A peer that has passed the handshake, announces a near-maximal frame and sends one byte of
+/// it has its connection closed after the frame timeout (and is logged); the server carries on.
+#[tokio::test]
+async fn a_frame_that_stalls_closes_its_connection_after_the_frame_timeout() {
+    let handler = FakeHandler::new();
+    let server_config = RpcConfig { frame_timeout: Duration::from_millis(300), ..config() };
+    let max = server_config.max_frame_bytes;
+    let server = serve(server_config, handler.clone()).await;
+    let runners = TcpTransport::new(config()).expect("config");
+    let address = runner_address(&server);
+    within(runners.ping(&address)).await.expect("good client");
+
+    let mut raw = raw_client(server.local_addr(), b"").await;
+    assert!(wait_until(|| server.connection_count() == 2).await);
+    let started = Instant::now();
+    raw.write_all(&(max - 1).to_be_bytes()).await.expect("length");
+    raw.write_all(&[0]).await.expect("one byte");
+    assert!(closed_by_server(&mut raw).await, "the server kept a stalled frame");
+    assert!(started.elapsed() < Duration::from_secs(5), "closed after {:?}", started.elapsed());
+    assert!(wait_until(|| server.connection_count() == 1).await);
+    assert_eq!(handler.calls(), 0);
+    let reply = within(runners.send(&address, request(5, "Echo"), false)).await;
+    assert!(reply.expect("the good client still works").is_final());
 }

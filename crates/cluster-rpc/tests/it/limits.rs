@@ -1,6 +1,7 @@
 //! The limits and the reconnection policy: calls beyond `max_in_flight`, pushed persisted
 //! requests in a lane of their own (`max_pushed_in_flight`), connections beyond
-//! `max_connections`, the reconnection backoff and the stream-buffer overflow.
+//! `max_connections`, connections still shaking hands (`max_handshakes`, `handshake_timeout`),
+//! the reconnection backoff and the stream-buffer overflow.
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -10,11 +11,12 @@ use cluster_core::error::ClusterError;
 use cluster_core::ids::RunnerAddress;
 use cluster_core::transport::Transport;
 use cluster_rpc::{RpcConfig, TcpTransport};
-use tokio::net::TcpListener;
+use tokio::net::{TcpListener, TcpStream};
 use tokio::time::Instant;
 
 use crate::support::{
-    DEADLINE, FakeHandler, config, request, runner_address, serve, wait_until, within,
+    DEADLINE, FakeHandler, Warnings, closed_by_server, config, request, runner_address, serve,
+    wait_until, within,
 };
 
 #[tokio::test]
@@ -273,4 +275,91 @@ async fn the_server_answers_a_push_beyond_its_lane_overloaded() {
     held.abort();
     assert!(wait_until(|| handler.dropped.load(Ordering::Acquire) == 1).await);
     pushed_until_answered(&runners, &address, 4).await;
+}
+
+/// Connections that never prove themselves hold at most `max_handshakes` sockets, and never the
+/// slot of an established connection: a flood of more idle connections than `max_connections`
+/// leaves room for a peer that proves itself, those beyond `max_handshakes` are closed at once,
+/// and the established connections carry on.
+#[tokio::test]
+async fn a_flood_of_unauthenticated_connections_leaves_room_for_peers() {
+    let handler = FakeHandler::new();
+    let limits = RpcConfig {
+        max_connections: 3,
+        max_handshakes: 5,
+        // Longer than the test: only the limits can close the flood's connections.
+        handshake_timeout: Duration::from_secs(60),
+        ..config()
+    };
+    let warnings = Warnings::default();
+    let _guard = tracing::dispatcher::set_default(&tracing::Dispatch::new(warnings.clone()));
+    let server = serve(limits, handler.clone()).await;
+    let address = runner_address(&server);
+    let first = TcpTransport::new(config()).expect("config");
+    within(first.ping(&address)).await.expect("first connection");
+
+    // More idle, unauthenticated connections than `max_connections`, within `max_handshakes`.
+    let mut flood = Vec::new();
+    for _ in 0..4 {
+        flood.push(TcpStream::connect(server.local_addr()).await.expect("connect"));
+    }
+    let second = TcpTransport::new(config()).expect("config");
+    let reply = within(second.send(&address, request(1, "Echo"), false)).await;
+    assert!(reply.expect("a peer that proves itself gets in").is_final());
+    assert_eq!(server.connection_count(), 2);
+
+    // Beyond `max_handshakes` (with an established slot still free): the first takes the last
+    // free handshake slot, the others are closed at once (well before the handshake timeout),
+    // unread.
+    let mut beyond = Vec::new();
+    for _ in 0..10 {
+        beyond.push(TcpStream::connect(server.local_addr()).await.expect("connect"));
+    }
+    for (n, raw) in beyond.iter_mut().enumerate().skip(1) {
+        assert!(closed_by_server(raw).await, "connection {n} beyond max_handshakes was kept");
+    }
+    within(first.send(&address, request(2, "Echo"), false)).await.expect("first still served");
+    within(second.send(&address, request(3, "Echo"), false)).await.expect("second still served");
+    assert_eq!(server.connection_count(), 2);
+    assert_eq!(handler.requests(), 3);
+    // Nine refusals, one warning line: a flood of sockets is not a flood of log lines.
+    let refusals: Vec<String> = warnings
+        .logged()
+        .into_iter()
+        .filter(|line| line.contains("CLUSTER_RPC_MAX_HANDSHAKES"))
+        .collect();
+    assert_eq!(refusals.len(), 1, "{:?}", warnings.logged());
+    drop(flood);
+}
+
+/// A connection that does not complete its handshake within `handshake_timeout` is closed, and
+/// its slot serves the next peer; while it holds the only slot, a peer is turned away at once.
+#[tokio::test]
+async fn a_connection_that_does_not_shake_hands_in_time_is_closed() {
+    let handler = FakeHandler::new();
+    let limits = RpcConfig {
+        max_handshakes: 1,
+        handshake_timeout: Duration::from_millis(300),
+        // The client's bound, which the server used to apply to handshakes: far longer.
+        connect_timeout: Duration::from_secs(60),
+        ..config()
+    };
+    let server = serve(limits, handler.clone()).await;
+    let address = runner_address(&server);
+    let started = Instant::now();
+    let mut idle = TcpStream::connect(server.local_addr()).await.expect("connect");
+    let runners = TcpTransport::new(config()).expect("config");
+    let refused = within(runners.ping(&address)).await;
+    assert!(matches!(refused, Err(ClusterError::RunnerUnavailable { .. })), "{refused:?}");
+
+    assert!(closed_by_server(&mut idle).await, "the idle connection was kept");
+    assert!(started.elapsed() < Duration::from_secs(5), "closed after {:?}", started.elapsed());
+    let deadline = Instant::now() + DEADLINE;
+    let mut pinged = within(runners.ping(&address)).await;
+    while pinged.is_err() && Instant::now() < deadline {
+        tokio::time::sleep(Duration::from_millis(5)).await;
+        pinged = within(runners.ping(&address)).await;
+    }
+    pinged.expect("the freed slot serves the peer");
+    assert_eq!(server.connection_count(), 1);
 }

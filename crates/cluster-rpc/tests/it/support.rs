@@ -297,25 +297,67 @@ pub(crate) fn runner_address(server: &ServerHandle) -> RunnerAddress {
     RunnerAddress::new("127.0.0.1", server.local_addr().port())
 }
 
-/// Connects and completes the client half of the handshake with `secret`, as the crate does.
+/// The hello of a client of this protocol version (its nonce follows).
+pub(crate) const HELLO: &[u8; 5] = b"CRPC\x02";
+
+/// `HMAC(key, parts…)`.
+pub(crate) fn hmac(key: &[u8], parts: &[&[u8]]) -> [u8; 32] {
+    let mut mac = <Hmac<Sha256> as Mac>::new_from_slice(key).expect("key");
+    for part in parts {
+        mac.update(part);
+    }
+    mac.finalize().into_bytes().into()
+}
+
+/// Connects and completes the client half of the handshake with `secret`, as the crate does:
+/// hello, the server's nonce, the client's proof, then the server's answer and proof.
 pub(crate) async fn raw_client(address: SocketAddr, secret: &[u8]) -> TcpStream {
+    raw_session(address, secret).await.stream
+}
+
+/// A raw connection past the handshake, with its session keys.
+pub(crate) struct RawSession {
+    pub(crate) stream: TcpStream,
+    /// The key of the frames this side sends.
+    pub(crate) client_to_server: [u8; 32],
+    /// The key of the frames the server sends.
+    pub(crate) server_to_client: [u8; 32],
+}
+
+/// Like [`raw_client`], keeping the session keys to seal and check frames with.
+pub(crate) async fn raw_session(address: SocketAddr, secret: &[u8]) -> RawSession {
     let mut stream = TcpStream::connect(address).await.expect("connect");
     let client_nonce = [7_u8; 32];
-    let mut hello = b"CRPC\x01".to_vec();
+    let mut hello = HELLO.to_vec();
     hello.extend_from_slice(&client_nonce);
     stream.write_all(&hello).await.expect("hello");
-    let mut answer = [0_u8; 69];
+    let mut answer = [0_u8; 37];
     stream.read_exact(&mut answer).await.expect("server hello");
+    assert_eq!(&answer[..5], HELLO);
     let server_nonce = &answer[5..37];
-    let mut mac = <Hmac<Sha256> as Mac>::new_from_slice(secret).expect("key");
-    mac.update(b"client");
-    mac.update(&client_nonce);
-    mac.update(server_nonce);
-    stream.write_all(&mac.finalize().into_bytes()).await.expect("proof");
-    let mut accepted = [0_u8; 1];
+    let proof = hmac(secret, &[b"client", &client_nonce, server_nonce]);
+    stream.write_all(&proof).await.expect("proof");
+    let mut accepted = [0_u8; 33];
     stream.read_exact(&mut accepted).await.expect("accepted");
-    assert_eq!(accepted, [1]);
-    stream
+    assert_eq!(accepted[0], 1);
+    assert_eq!(accepted[1..], hmac(secret, &[b"server", &client_nonce, server_nonce]));
+    RawSession {
+        stream,
+        client_to_server: hmac(secret, &[b"session c2s", &client_nonce, server_nonce]),
+        server_to_client: hmac(secret, &[b"session s2c", &client_nonce, server_nonce]),
+    }
+}
+
+/// A lone frame as a side with session key `key` sends it, as its `sequence`-th record:
+/// length with the record flag (the top bit), body, and `HMAC(key, sequence ‖ length ‖ body)`
+/// cut to 16 bytes.
+pub(crate) fn sealed_frame(key: &[u8], sequence: u64, body: &[u8]) -> Vec<u8> {
+    let len = u32::try_from(body.len()).expect("short") | 1 << 31;
+    let mut frame = len.to_be_bytes().to_vec();
+    frame.extend_from_slice(body);
+    let tag = hmac(key, &[&sequence.to_be_bytes(), &frame]);
+    frame.extend_from_slice(&tag[..16]);
+    frame
 }
 
 /// Whether the server closed `stream` (EOF or reset) before [`DEADLINE`].
@@ -330,4 +372,49 @@ pub(crate) async fn closed_by_server(stream: &mut TcpStream) -> bool {
         }
     };
     tokio::time::timeout(DEADLINE, read).await.is_ok()
+}
+
+/// The warnings logged while it is the thread's default subscriber.
+#[derive(Clone, Default)]
+pub(crate) struct Warnings(std::sync::Arc<std::sync::Mutex<Vec<String>>>);
+
+impl Warnings {
+    pub(crate) fn logged(&self) -> Vec<String> {
+        self.0.lock().unwrap().clone()
+    }
+}
+
+/// The `message` field of an event, with its other fields.
+struct Message<'a>(&'a mut String);
+
+impl tracing::field::Visit for Message<'_> {
+    fn record_debug(&mut self, field: &tracing::field::Field, value: &dyn std::fmt::Debug) {
+        self.0.push_str(&format!("{}={value:?} ", field.name()));
+    }
+}
+
+impl tracing::Subscriber for Warnings {
+    fn enabled(&self, _: &tracing::Metadata<'_>) -> bool {
+        true
+    }
+
+    fn new_span(&self, _: &tracing::span::Attributes<'_>) -> tracing::span::Id {
+        tracing::span::Id::from_u64(1)
+    }
+
+    fn record(&self, _: &tracing::span::Id, _: &tracing::span::Record<'_>) {}
+
+    fn record_follows_from(&self, _: &tracing::span::Id, _: &tracing::span::Id) {}
+
+    fn event(&self, event: &tracing::Event<'_>) {
+        if *event.metadata().level() == tracing::Level::WARN {
+            let mut line = String::new();
+            event.record(&mut Message(&mut line));
+            self.0.lock().unwrap().push(line);
+        }
+    }
+
+    fn enter(&self, _: &tracing::span::Id) {}
+
+    fn exit(&self, _: &tracing::span::Id) {}
 }

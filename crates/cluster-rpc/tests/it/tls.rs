@@ -124,7 +124,7 @@ async fn a_round_trip_over_tls_configured_from_the_environment() {
     let pki = Pki::new();
     let (cert, key, ca) = (pki.path("server.pem"), pki.path("server.key"), pki.path("ca.pem"));
     let server_config = from_vars(&[
-        ("CLUSTER_RPC_SECRET", "s3cret"),
+        ("CLUSTER_RPC_SECRET", "s3cret-0123456789abcdef0123456789abcdef"),
         ("CLUSTER_RPC_TLS_CERT", &cert),
         ("CLUSTER_RPC_TLS_KEY", &key),
         ("CLUSTER_RPC_TLS_CA", &ca),
@@ -132,7 +132,7 @@ async fn a_round_trip_over_tls_configured_from_the_environment() {
     .expect("server config");
     assert!(server_config.tls.is_some());
     let client_config = from_vars(&[
-        ("CLUSTER_RPC_SECRET", "s3cret"),
+        ("CLUSTER_RPC_SECRET", "s3cret-0123456789abcdef0123456789abcdef"),
         ("CLUSTER_RPC_TLS_CA", &ca),
         ("CLUSTER_RPC_TLS_SERVER_NAME", "localhost"),
     ])
@@ -149,7 +149,7 @@ async fn a_round_trip_over_tls_configured_from_the_environment() {
     assert_eq!(server.connection_count(), 1);
     // TLS alone is not enough: the handshake inside it still wants the secret.
     let runners = TcpTransport::new(RpcConfig {
-        secret: Some(b"guess"[..].into()),
+        secret: Some(b"guess-0123456789abcdef0123456789abcdef"[..].into()),
         tls: Some(pki.client("ca.pem")),
         ..config()
     })
