@@ -10,8 +10,9 @@
 use std::collections::BTreeMap;
 use std::fmt::Write as _;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex, PoisonError, Weak};
+use std::sync::{Arc, Mutex, Weak};
 
+use cluster_core::sync::lock;
 use metrics::{Counter, Gauge, Histogram, Key, KeyName, Metadata, Recorder, SharedString, Unit};
 use metrics_exporter_prometheus::PrometheusRecorder;
 
@@ -33,7 +34,7 @@ struct Kept {
 
 impl EntitySeries {
     fn gauge(&self, key: &Key) -> Gauge {
-        let mut kept = self.series.lock().unwrap_or_else(PoisonError::into_inner);
+        let mut kept = lock(&self.series);
         if let Some(value) = kept.by_key.get(key).and_then(Weak::upgrade) {
             return Gauge::from_arc(value);
         }
@@ -48,7 +49,7 @@ impl EntitySeries {
 
     /// Appends the live series to `out` in the Prometheus text format.
     pub(crate) fn render(&self, out: &mut String) {
-        let mut kept = self.series.lock().unwrap_or_else(PoisonError::into_inner);
+        let mut kept = lock(&self.series);
         kept.by_key.retain(|_, value| value.strong_count() > 0);
         if kept.by_key.is_empty() {
             return;
