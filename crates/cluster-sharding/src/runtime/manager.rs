@@ -193,9 +193,10 @@ fn room_batch(cap: Capacity) -> usize {
     cap.limit().map_or(1, |limit| usize::try_from(limit.get() / 64).unwrap_or(1).max(1))
 }
 
-/// When an instance was last given a request, and the request's id, which orders the requests
-/// of one instant (snowflakes grow).
-type LastUsed = (tokio::time::Instant, Snowflake);
+/// When an instance was last given a request: the greatest id of its requests. Snowflakes grow
+/// with time, so this orders instances by recency without reading a clock on every request
+/// (an old persisted request delivered late does not make its instance look older).
+type LastUsed = Snowflake;
 
 /// One idle instance that may be passivated to make room.
 pub(crate) struct Candidate {
@@ -525,7 +526,7 @@ impl<E: Entity> EntityManager<E> {
             metrics::set_for_type(metrics::ENTITIES, shared.entity_type.as_str(), counted + 1);
             Ok(Shared::spawn(shared, address()))
         })?;
-        instance.last_used = (tokio::time::Instant::now(), delivery.request.request_id);
+        instance.last_used = instance.last_used.max(delivery.request.request_id);
         // A load first: the flag is set under this partition's lock, which is held, and a
         // read-modify-write on every request would cost more than the load.
         if instance.active.passivating.load(Ordering::Acquire)
@@ -772,7 +773,7 @@ impl<E: Entity> Shared<E> {
             mailbox,
             active,
             keep_alive,
-            last_used: (tokio::time::Instant::now(), Snowflake::new(0)),
+            last_used: Snowflake::new(0),
         }
     }
 
