@@ -256,9 +256,12 @@ pub struct ShardingConfig {
     ///
     /// Default `false`. Environment: `ENTITY_MAILBOX_METRICS`.
     pub entity_mailbox_metrics: bool,
-    /// The most entities that may be resident on this runner at once. At the limit no new entity
-    /// starts: persisted messages for new entities stay in storage until a slot frees up, and
-    /// volatile sends to new entities fail with `MailboxFull`.
+    /// The most entities that may be resident on this runner at once. At the limit a new entity
+    /// makes room: the least recently used idle entities (nothing running or queued, no
+    /// keep-alive) are passivated, as with Akka's least-recently-used passivation strategy. When
+    /// no entity is idle, no new entity starts: persisted messages for new entities stay in
+    /// storage until a slot frees up, and volatile sends to new entities fail with
+    /// `MailboxFull`. A further cap for one entity type is `EntityOptions::max_resident`.
     ///
     /// Default 10,000. Environment: `MAX_RESIDENT_ENTITIES` (a positive integer; `Unbounded` is
     /// programmatic only).
