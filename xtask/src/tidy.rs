@@ -16,6 +16,7 @@
 //! - Comments and docs cite only what a clone can follow: the reference's own sources
 //!   (`effect/src/...`) or paths that exist in this repository, never the design notes the
 //!   project started from.
+//! - Commit subjects have at most 72 characters (`commits`).
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::fs;
@@ -69,6 +70,7 @@ pub(crate) fn run(root: &Path) -> Result<()> {
     violations.extend(citation_violations_in(root)?);
     violations.extend(circles::circle_violations(root)?);
     violations.extend(layers::layer_violations(root)?);
+    violations.extend(commits::commit_violations(root));
     if violations.is_empty() {
         return Ok(());
     }
@@ -376,6 +378,7 @@ fn collect_rust_files(dir: &Path, files: &mut Vec<PathBuf>) -> Result<()> {
 }
 
 mod circles;
+mod commits;
 mod layers;
 #[cfg(test)]
 mod tests;

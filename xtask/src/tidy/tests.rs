@@ -210,3 +210,14 @@ fn a_component_that_names_the_handle_or_persisted_delivery_backwards_is_reported
     );
     assert!(layers::violations_in("other-crate", &edges, &layers::rules()).is_empty());
 }
+
+#[test]
+fn commit_subjects_over_72_characters_are_named() {
+    let ok = "a".repeat(72);
+    let long = "b".repeat(73);
+    let accented = "é".repeat(72);
+    let log = format!("1111111 {ok}\n2222222 {long}\n3333333 {accented}\n4444444\n");
+    let violations = commits::subject_violations(&log);
+    assert_eq!(violations.len(), 1, "{violations:?}");
+    assert!(violations[0].starts_with("commit 2222222: its subject has 73 characters"));
+}
