@@ -11,6 +11,7 @@ use cluster_chaos::chaos::free_port;
 use cluster_chaos::ledger::{Deposit, Echo, Ledger, LedgerDependencies};
 use cluster_core::ClusterError;
 use cluster_sharding::{CallError, EntityOptions, Sharding};
+use cluster_testkit::wait::eventually;
 use durable_cluster::{Role, Runner, RunnerEnv};
 
 /// The shared secret of "our" runners (at least 32 bytes, as the transport requires).
@@ -50,15 +51,6 @@ async fn start(env: &RunnerEnv) -> Runner {
     })
     .await
     .unwrap()
-}
-
-/// Waits for `condition`, failing after a deadline.
-async fn eventually(what: &str, condition: impl Fn() -> bool) {
-    let deadline = tokio::time::Instant::now() + Duration::from_secs(20);
-    while !condition() {
-        assert!(tokio::time::Instant::now() < deadline, "{what} did not happen");
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
 }
 
 /// An entity id whose shard `owner` holds.

@@ -34,6 +34,7 @@ use cluster_sharding::{
     Sharding,
 };
 use cluster_storage_sql::TablePrefix;
+use cluster_testkit::wait::eventually;
 use durable_cluster::{Role, Runner, RunnerEnv};
 use serde::{Deserialize, Serialize};
 use serde_json::{Value, json};
@@ -426,15 +427,6 @@ fn last_shards(events: &[Value]) -> Option<BTreeSet<u32>> {
     let last = events.iter().rev().find(|event| event["event"] == "shards")?;
     let shards = last["shards"].as_array()?;
     Some(shards.iter().filter_map(|shard| shard.as_u64()?.try_into().ok()).collect())
-}
-
-/// Waits for `condition`, failing after [`DEADLINE`].
-async fn eventually(what: &str, condition: impl Fn() -> bool) {
-    let deadline = Instant::now() + DEADLINE;
-    while !condition() {
-        assert!(Instant::now() < deadline, "{what} did not happen");
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
 }
 
 /// The shard numbers a Rust runner holds.

@@ -23,6 +23,9 @@
 //! - [`sim`]: the simulated cluster: runners and a client of the real runtime on one paused
 //!   single-threaded runtime, faults and workload from one seed, invariants checked as it goes
 //!   (`cargo xtask sim`).
+//!
+//! - [`wait`]: [`eventually`](wait::eventually), the one way tests wait on a condition, with a
+//!   deadline.
 
 #[cfg(feature = "sql")]
 pub mod databases;
@@ -34,5 +37,6 @@ pub mod sim;
 pub mod storage_suite;
 pub mod test_client;
 pub mod transport;
+pub mod wait;
 
 pub use test_client::TestClient;

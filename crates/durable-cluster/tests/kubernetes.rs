@@ -19,6 +19,9 @@ use durable_cluster::{
 use serde_json::{Value, json};
 
 #[cfg(all(feature = "rpc", feature = "sqlite"))]
+use cluster_testkit::wait::eventually;
+
+#[cfg(all(feature = "rpc", feature = "sqlite"))]
 mod support;
 
 /// What the fake API answers to a list.
@@ -542,16 +545,6 @@ async fn over_https_only_the_clusters_ca_is_trusted() {
     server.abort();
 }
 
-/// Waits until `condition` holds, failing after 30 seconds.
-#[cfg(all(feature = "rpc", feature = "sqlite"))]
-async fn until(what: &str, condition: impl Fn() -> bool) {
-    let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
-    while !condition() {
-        assert!(tokio::time::Instant::now() < deadline, "{what} did not happen");
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
-}
-
 /// Two runners on one SQLite file, started with `CLUSTER_RUNNER_HEALTH=kubernetes` (the service
 /// account in a directory of the test's, the API a fake one over HTTP): the runner whose pod is
 /// not ready any more loses its shards, and gets them back once its pod is ready again.
@@ -592,14 +585,15 @@ async fn runners_started_with_kubernetes_health_follow_their_pods() {
     let a = Runner::start(&env_a, |_| Ok(())).await.unwrap();
     let b = Runner::start(&env_b, |_| Ok(())).await.unwrap();
     let holds = |runner: &Runner| runner.sharding.acquired_shards().len();
-    until("both runners hold shards", || holds(&a) > 0 && holds(&b) > 0).await;
+    eventually("both runners hold shards", || holds(&a) > 0 && holds(&b) > 0).await;
     api.set(Answer::Pods(vec![ready("127.0.0.1"), not_ready("127.0.0.2")]));
-    until("the runner whose pod is not ready loses its shards", || {
+    eventually("the runner whose pod is not ready loses its shards", || {
         holds(&b) == 0 && holds(&a) == 12
     })
     .await;
     api.set(Answer::Pods(vec![ready("127.0.0.1"), ready("127.0.0.2")]));
-    until("it gets shards back once its pod is ready", || holds(&a) > 0 && holds(&b) > 0).await;
+    eventually("it gets shards back once its pod is ready", || holds(&a) > 0 && holds(&b) > 0)
+        .await;
     let seen = api.seen();
     let first = seen.first().expect("the runners listed the pods");
     assert_eq!(first.path, "/api/v1/namespaces/runners/pods", "the pod's own namespace");

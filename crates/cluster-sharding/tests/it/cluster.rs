@@ -18,6 +18,7 @@ use cluster_storage_sql::{SqlStorageOptions, TablePrefix};
 use cluster_testkit::faulty::{FaultyRunnerStorage, LockFaults};
 use cluster_testkit::memory::{MemoryMessageStorage, MemoryRunnerDatabase, MemoryRunnerStorage};
 use cluster_testkit::transport::{Call, MemoryNetwork};
+use cluster_testkit::wait::{eventually, eventually_within};
 
 use crate::entities::{
     Book, Counter, Deposit, Gated, Increment, OVERSIZE_RUNS, Oversize, Persist, Probes, spawn_send,
@@ -556,20 +557,6 @@ fn config(runner_address: Option<RunnerAddress>) -> ShardingConfig {
         entity_reply_poll_interval: Duration::from_millis(50),
         entity_termination_timeout: Duration::from_secs(1),
         ..ShardingConfig::default()
-    }
-}
-
-/// Waits for `condition`, failing after a deadline.
-async fn eventually(what: &str, condition: impl FnMut() -> bool) {
-    eventually_within(what, Duration::from_secs(20), condition).await;
-}
-
-/// Waits for `condition`, failing after `deadline`.
-async fn eventually_within(what: &str, deadline: Duration, mut condition: impl FnMut() -> bool) {
-    let deadline = tokio::time::Instant::now() + deadline;
-    while !condition() {
-        assert!(tokio::time::Instant::now() < deadline, "{what} did not happen");
-        tokio::time::sleep(Duration::from_millis(10)).await;
     }
 }
 

@@ -25,6 +25,7 @@ use std::time::Duration;
 use cluster_core::config::Capacity;
 use cluster_core::{ClusterError, ShardingConfig, SystemClock};
 use cluster_sharding::{CallError, Defects, EntityOptions, RegisterError, Sharding};
+pub(crate) use cluster_testkit::wait::eventually;
 
 use entities::{
     Counter, Fail, Get, Increment, Persist, Probe, Probes, SetKeepAlive, Sleep, Stuck, spawn_send,
@@ -38,17 +39,6 @@ async fn registered(config: ShardingConfig) -> Sharding {
     let sharding = sharding(config).await;
     sharding.register::<Counter>(EntityOptions::default()).unwrap();
     sharding
-}
-
-/// Waits until `condition` holds (time is paused in these tests, so waiting is instant).
-async fn eventually(what: &str, mut condition: impl FnMut() -> bool) {
-    for _ in 0..10_000 {
-        if condition() {
-            return;
-        }
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    }
-    panic!("{what} did not happen");
 }
 
 #[tokio::test(start_paused = true)]

@@ -14,6 +14,7 @@ use cluster_storage_sql::{SqlStorageOptions, TablePrefix};
 use cluster_testkit::memory::MemoryMessageStorage;
 
 use cluster_testkit::faulty::{Faults, FaultyMessageStorage};
+use cluster_testkit::wait::eventually;
 
 use crate::entities::{
     CallerId, Counter, Deposit, Hang, Probes, SetKeepAlive, StoredCallerId, Stubborn, spawn_send,
@@ -77,15 +78,6 @@ async fn runner(store: &Store) -> Sharding {
 /// The number of unprocessed messages (see [`crate::unprocessed`]).
 async fn unprocessed(store: &Store) -> usize {
     crate::unprocessed(&*store.storage).await.len()
-}
-
-/// Waits for `condition` with a deadline (real time: SQLite works on its own threads).
-async fn eventually(what: &str, mut condition: impl FnMut() -> bool) {
-    let deadline = tokio::time::Instant::now() + Duration::from_secs(20);
-    while !condition() {
-        assert!(tokio::time::Instant::now() < deadline, "{what} did not happen");
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    }
 }
 
 macro_rules! on_every_storage {

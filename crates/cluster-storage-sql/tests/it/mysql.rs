@@ -27,14 +27,13 @@ use cluster_storage_sql::mysql::{
 use cluster_storage_sql::options::VALUE_BYTES_MAX_DEFAULT;
 use cluster_storage_sql::{LockMode, SqlStorageOptions, TablePrefix};
 use cluster_testkit::storage_suite::{Corruption, StorageFixture};
+use cluster_testkit::wait::eventually_async;
 use mysql_async::prelude::Queryable;
 use mysql_async::{Opts, OptsBuilder, Pool, PoolConstraints, PoolOpts, Row};
 use tokio::time::Instant;
 
 use crate::{database_url, unique_prefix};
 
-/// How long a test waits for an eventual condition before failing.
-const EVENTUAL: Duration = Duration::from_secs(30);
 /// The lock expiration of tests that are not about expiry.
 const LONG_EXPIRATION: Duration = Duration::from_secs(60);
 
@@ -282,19 +281,6 @@ async fn claim_ids(storage: &dyn MessageStorage) -> Vec<u64> {
         .await
         .expect("claim");
     batch.messages.iter().map(|message| message.envelope.id().get()).collect()
-}
-
-/// Waits until `condition` holds, polling every 100 ms, for at most [`EVENTUAL`].
-async fn eventually<F, Fut>(what: &str, mut condition: F)
-where
-    F: FnMut() -> Fut,
-    Fut: std::future::Future<Output = bool>,
-{
-    let deadline = Instant::now() + EVENTUAL;
-    while !condition().await {
-        assert!(Instant::now() < deadline, "{what} did not happen within {EVENTUAL:?}");
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
 }
 
 // --- Schema and migrations ----------------------------------------------------------------------
@@ -693,7 +679,7 @@ async fn times_do_not_depend_on_the_session_time_zone() {
     let abandoned = runner_storage(&east, expiration).await;
     let taker = Arc::new(runner_storage(&west, expiration).await);
     assert_eq!(abandoned.acquire(&b.address, &[shard(2)]).await.expect("acquire"), [shard(2)]);
-    eventually("the abandoned lease expires", || {
+    eventually_async("the abandoned lease expires", || {
         let (taker, a) = (Arc::clone(&taker), a.clone());
         async move { taker.acquire(&a.address, &[shard(2)]).await.is_ok_and(|got| !got.is_empty()) }
     })
@@ -719,7 +705,7 @@ async fn frozen_advisory_holder_loses_its_locks_after_wait_timeout() {
     assert_eq!(frozen.acquire(&a.address, &wanted).await.expect("acquire"), wanted);
     assert!(taker.acquire(&b.address, &wanted).await.expect("acquire").is_empty());
     let started = Instant::now();
-    eventually("the frozen session ends", || {
+    eventually_async("the frozen session ends", || {
         let taker = Arc::clone(&taker);
         let (b, wanted) = (b.clone(), wanted.clone());
         async move { taker.acquire(&b.address, &wanted).await.is_ok_and(|got| got == wanted) }
@@ -759,7 +745,7 @@ async fn killed_lock_session_is_rebuilt() {
     let acquired = storage.acquire(&a.address, &wanted).await;
     assert!(acquired.is_ok(), "acquire retries on a new session: {acquired:?}");
     assert!(started.elapsed() < deadline + Duration::from_secs(1));
-    eventually("the lock is taken again", || async {
+    eventually_async("the lock is taken again", || async {
         storage.acquire(&a.address, &wanted).await.is_ok_and(|got| got == wanted)
     })
     .await;
@@ -776,7 +762,7 @@ async fn killed_lock_session_is_rebuilt() {
         Ok(held) => assert!(held.is_empty(), "a killed session's lock reported held"),
         Err(error) => assert_storage_error(error),
     }
-    eventually("the storage recovers", || async {
+    eventually_async("the storage recovers", || async {
         storage.acquire(&a.address, &wanted).await.is_ok_and(|got| got == wanted)
     })
     .await;
@@ -813,7 +799,7 @@ async fn killed_pool_connection_is_replaced() {
     if let Err(error) = &first {
         assert_storage_error(error);
     }
-    eventually("the pool recovers", || async {
+    eventually_async("the pool recovers", || async {
         storage.replies_for(&[Snowflake::new(1)]).await.is_ok()
     })
     .await;

@@ -23,6 +23,7 @@ use cluster_core::{
 use cluster_storage_sql::postgres::{self, PgMessageStorage, PgRunnerStorage};
 use cluster_storage_sql::{LockMode, SqlStorageOptions, TablePrefix};
 use cluster_testkit::storage_suite::{Corruption, StorageFixture};
+use cluster_testkit::wait::eventually_async;
 use tokio::task::JoinHandle;
 use tokio_postgres::NoTls;
 
@@ -236,21 +237,6 @@ async fn read(storage: &PgMessageStorage) -> Result<UnprocessedBatch, StorageErr
 
 fn message_ids(batch: &UnprocessedBatch) -> Vec<u64> {
     batch.messages.iter().map(|message| message.envelope.id().get()).collect()
-}
-
-/// Polls `condition` every 100 ms until it holds; fails after [`EVENTUAL`].
-async fn eventually<F, Fut>(what: &str, mut condition: F)
-where
-    F: FnMut() -> Fut,
-    Fut: std::future::Future<Output = bool>,
-{
-    let polled = tokio::time::timeout(EVENTUAL, async {
-        while !condition().await {
-            tokio::time::sleep(Duration::from_millis(100)).await;
-        }
-    })
-    .await;
-    assert!(polled.is_ok(), "{what} did not happen within {EVENTUAL:?}");
 }
 
 // --- Schema and migrations --------------------------------------------------------------------
@@ -662,7 +648,7 @@ async fn times_do_not_depend_on_the_session_time_zone() {
     let abandoned = east.runner_storage(&short).await;
     let taker = west.runner_storage(&short).await;
     assert_eq!(abandoned.acquire(&b.address, &shards(&[2])).await.unwrap(), shards(&[2]));
-    eventually("the abandoned lease expires", || async {
+    eventually_async("the abandoned lease expires", || async {
         taker.acquire(&a.address, &shards(&[2])).await.is_ok_and(|got| !got.is_empty())
     })
     .await;
@@ -751,7 +737,7 @@ async fn frozen_lock_holder_loses_its_locks_after_idle_session_timeout() {
         .unwrap();
     assert_eq!(timeout, "0", "the admin session keeps the server default");
     assert!(taker.acquire(&b, &shards(&[1, 2])).await.unwrap().is_empty());
-    eventually("the frozen session's locks are released", || async {
+    eventually_async("the frozen session's locks are released", || async {
         taker.acquire(&b, &shards(&[1, 2])).await.is_ok_and(|held| held == shards(&[1, 2]))
     })
     .await;
@@ -1040,7 +1026,7 @@ async fn confirm_never_reports_a_lock_the_session_let_go_or_lost() {
     let pid = storage.lock_session_pid().unwrap();
     terminate(&scratch.admin, pid).await;
     // The ended session's locks are free: another runner takes one of them.
-    eventually("the ended session's lock is free", || async {
+    eventually_async("the ended session's lock is free", || async {
         other.acquire(&other_address, &shards(&[1])).await.is_ok_and(|held| held == shards(&[1]))
     })
     .await;

@@ -28,6 +28,7 @@ use cluster_storage_sql::sqlite::{
 };
 use cluster_storage_sql::{SqlStorageOptions, TablePrefix};
 use cluster_testkit::storage_suite::{Corruption, StorageFixture};
+use cluster_testkit::wait::eventually;
 use tokio::time::Instant;
 
 use crate::unique_prefix;
@@ -295,15 +296,6 @@ fn hold_write_lock(path: &Path) -> mpsc::Sender<()> {
     });
     is_locked.recv().expect("the lock holder started");
     release
-}
-
-/// Waits until `condition` holds, polling every 10 ms, for at most [`EVENTUAL`].
-async fn eventually(what: &str, mut condition: impl FnMut() -> bool) {
-    let deadline = Instant::now() + EVENTUAL;
-    while !condition() {
-        assert!(Instant::now() < deadline, "{what} did not happen within {EVENTUAL:?}");
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    }
 }
 
 // --- Schema and migrations ----------------------------------------------------------------------

@@ -15,6 +15,7 @@ use cluster_core::{Clock, Exit, RawJson};
 use cluster_sharding::Sharding;
 use cluster_testkit::faulty::{Faults, FaultyMessageStorage};
 use cluster_testkit::memory::{MemoryMessageStorage, MemoryQueueStorage};
+use cluster_testkit::wait::eventually;
 use cluster_workflow::{
     ClusterOptions, DurableQueue, ExecutionId, Token, Workflow, WorkflowContext, WorkflowEngine,
     WorkflowError, activity_idempotency_key,
@@ -120,17 +121,6 @@ fn register_counting_worker(engine: &WorkflowEngine, runs: &Arc<AtomicU32>) {
             2,
         )
         .unwrap();
-}
-
-/// Waits (on the paused clock) until `check` holds.
-async fn until(what: &str, mut check: impl FnMut() -> bool) {
-    for _ in 0..6_000 {
-        if check() {
-            return;
-        }
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    }
-    panic!("{what} did not happen within a minute");
 }
 
 /// Waits (on the paused clock) until the stored item is in `state`.
@@ -240,7 +230,7 @@ async fn a_stopped_worker_releases_its_item_to_other_workers() {
         )
         .unwrap();
     let id = runner.engine.execute_discard::<Jobber>(input("moved")).await.unwrap();
-    until("the first worker started the item", || !started.lock().unwrap().is_empty()).await;
+    eventually("the first worker started the item", || !started.lock().unwrap().is_empty()).await;
     assert!(runner.item(&id, "moved").await.claimed);
     runner.engine.shutdown().await;
     let released = runner.item(&id, "moved").await;

@@ -7,6 +7,7 @@ use std::time::Duration;
 
 use cluster_core::envelope::{CauseReason, Exit, RawJson};
 use cluster_core::sync::lock;
+use cluster_testkit::wait::eventually;
 use cluster_workflow::{
     ActivityError, DurableDeferred, ExecuteError, ExecutionId, FailureCause, InterruptRetry, Never,
     RunExit, Workflow, WorkflowContext, WorkflowEngine, WorkflowError, WorkflowOptions,
@@ -113,17 +114,6 @@ impl Drop for OnDrop {
     fn drop(&mut self) {
         self.0.push(self.1.clone());
     }
-}
-
-/// Waits until `check` holds (with a deadline of five minutes of the test clock).
-async fn until(what: &str, mut check: impl FnMut() -> bool) {
-    for _ in 0..30_000 {
-        if check() {
-            return;
-        }
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    }
-    panic!("timed out waiting until {what}");
 }
 
 /// Polls until the execution's latest result satisfies `accept`.
@@ -270,7 +260,7 @@ pub(crate) async fn executing_again_attaches_to_the_execution(h: &impl Harness) 
     let (first, second) = (engine.clone(), engine.clone());
     let first = tokio::spawn(async move { first.execute::<Gated>(input("same")).await.unwrap() });
     let second = tokio::spawn(async move { second.execute::<Gated>(input("same")).await.unwrap() });
-    until("the activity runs", || log.contains("gated")).await;
+    eventually("the activity runs", || log.contains("gated")).await;
     permits.add_permits(1);
     assert_eq!(first.await.unwrap(), 42);
     assert_eq!(second.await.unwrap(), 42);
@@ -304,7 +294,7 @@ pub(crate) async fn a_completed_deferred_wakes_an_active_run(h: &impl Harness) {
         .unwrap();
     }
     let id = engine.execute_discard::<Waker>(input("w")).await.unwrap();
-    until("the run started", || log.contains("run")).await;
+    eventually("the run started", || log.contains("run")).await;
     open::<Waker>(&engine, &id, &gate(), "go").await;
     assert_eq!(complete_exit::<Waker>(&engine, &id).await, success("signal"));
     assert_eq!(engine.execute::<Waker>(input("w")).await.unwrap(), "signal");
@@ -330,7 +320,7 @@ pub(crate) async fn shutdown_interrupts_waiting_callers(h: &impl Harness) {
     }
     let caller = engine.clone();
     let caller = tokio::spawn(async move { caller.execute::<Forever>(input("f")).await });
-    until("the run started", || log.contains("run")).await;
+    eventually("the run started", || log.contains("run")).await;
     engine.shutdown().await;
     assert!(matches!(caller.await.unwrap(), Err(ExecuteError::Interrupted)));
     assert!(matches!(
@@ -496,7 +486,7 @@ pub(crate) async fn email_workflow_suspends_resumes_and_deduplicates(h: &impl Ha
     let caller = engine.clone();
     let caller = tokio::spawn(async move { caller.execute::<EmailWorkflow>(payload).await });
     // The clock fires after 10 s; the replay then suspends on the trigger.
-    until("the run waits for the trigger", || log.contains("ensuring")).await;
+    eventually("the run waits for the trigger", || log.contains("ensuring")).await;
     suspended::<EmailWorkflow>(&engine, &id).await;
     assert!(log.contains("finalizer"), "body finalizer ran at the suspension");
     assert!(!log.entries().iter().any(|e| e.starts_with("compensation")));
@@ -529,7 +519,7 @@ pub(crate) async fn interrupting_a_suspended_execution_runs_its_compensation_onc
     let log = Log::default();
     register_email(&engine, &log);
     let id = engine.execute_discard::<EmailWorkflow>(input_to("interrupted", "x")).await.unwrap();
-    until("the run waits for the trigger", || log.contains("ensuring")).await;
+    eventually("the run waits for the trigger", || log.contains("ensuring")).await;
     suspended::<EmailWorkflow>(&engine, &id).await;
     engine.interrupt::<EmailWorkflow>(&id).await.unwrap();
     let exit = complete_exit::<EmailWorkflow>(&engine, &id).await;
@@ -737,13 +727,13 @@ pub(crate) async fn compensation_scenario_matrix(h: &impl Harness) {
                 engine.interrupt::<Saga>(&id).await.unwrap();
             }
             Drive::InterruptActive { hard } => {
-                until("the long activity runs", || log.contains("long:start")).await;
+                eventually("the long activity runs", || log.contains("long:start")).await;
                 if hard {
                     engine.interrupt_unsafe::<Saga>(&id).await.unwrap();
                     if h.is_cluster() {
                         // The cut-off reaches the run through storage: the activity is let go
                         // only once it did, so the row sees the cut-off, not a race with it.
-                        until("the cut-off run runs again", || log.contains("run:2")).await;
+                        eventually("the cut-off run runs again", || log.contains("run:2")).await;
                     }
                 } else {
                     engine.interrupt::<Saga>(&id).await.unwrap();
@@ -931,7 +921,7 @@ pub(crate) async fn deferred_race_lets_a_deferred_win_while_a_branch_is_active(h
     let log = Log::default();
     register_deferred_racer(&engine, &log, 5_000);
     let id = engine.execute_discard::<DeferredRacer>(input("d")).await.unwrap();
-    until("the activity branch runs", || log.contains("activity:start")).await;
+    eventually("the activity branch runs", || log.contains("activity:start")).await;
     open::<DeferredRacer>(&engine, &id, &gate(), "signal").await;
     assert_eq!(complete_exit::<DeferredRacer>(&engine, &id).await, success("signal:tail"));
     let runs = log.count("run");
@@ -950,7 +940,7 @@ pub(crate) async fn a_late_completion_of_a_losing_deferred_does_not_preempt(h: &
     let log = Log::default();
     register_deferred_racer(&engine, &log, 1_000);
     let id = engine.execute_discard::<DeferredRacer>(input("late")).await.unwrap();
-    until("the tail runs", || log.contains("tail:start")).await;
+    eventually("the tail runs", || log.contains("tail:start")).await;
     open::<DeferredRacer>(&engine, &id, &gate(), "signal").await;
     assert_eq!(complete_exit::<DeferredRacer>(&engine, &id).await, success("activity:tail"));
     // 4.1.0: the settled race released its wait, so the late completion preempts nothing.
@@ -1727,7 +1717,7 @@ pub(crate) async fn a_queue_item_is_offered_once_across_replays(h: &impl Harness
         .execute_discard::<Queued>(Input { value: 9, key: "once".into(), to: "gate".into() })
         .await
         .unwrap();
-    until("the item was processed", || log.contains("worker")).await;
+    eventually("the item was processed", || log.contains("worker")).await;
     suspended::<Queued>(&engine, &id).await;
     open::<Queued>(&engine, &id, &gate(), "go").await;
     assert_eq!(complete_exit::<Queued>(&engine, &id).await, success(10));
@@ -1786,7 +1776,7 @@ pub(crate) async fn a_waking_branch_runs_its_own_steps_again(h: &impl Harness) {
         .unwrap();
     }
     let id = engine.execute_discard::<Steps>(input("s")).await.unwrap();
-    until("the slow branch runs", || log.contains("slow:start")).await;
+    eventually("the slow branch runs", || log.contains("slow:start")).await;
     open::<Steps>(&engine, &id, &gate(), "signal").await;
     assert_eq!(complete_exit::<Steps>(&engine, &id).await, success("act:signal!"));
 }
@@ -1815,9 +1805,9 @@ pub(crate) async fn a_multi_await_branch_replays_per_completion(h: &impl Harness
         .unwrap();
     }
     let id = engine.execute_discard::<TwoAwaits>(input("m")).await.unwrap();
-    until("the first run", || log.contains("run")).await;
+    eventually("the first run", || log.contains("run")).await;
     open::<TwoAwaits>(&engine, &id, &DurableDeferred::new("A").unwrap(), "a").await;
-    until("the replay after A", || log.count("run") >= 2).await;
+    eventually("the replay after A", || log.count("run") >= 2).await;
     open::<TwoAwaits>(&engine, &id, &DurableDeferred::new("B").unwrap(), "b").await;
     assert_eq!(complete_exit::<TwoAwaits>(&engine, &id).await, success("a:b"));
     let runs = log.count("run");

@@ -17,6 +17,7 @@ use cluster_storage_sql::postgres::PgTransactionGuard;
 use cluster_storage_sql::sqlite::{SqliteTransactionGuard, SqliteTransactionHandle};
 use cluster_testkit::databases::TestDatabase;
 use cluster_testkit::faulty::{Faults, FaultyMessageStorage};
+use cluster_testkit::wait::eventually;
 use cluster_workflow::{ActivityContext, DurableDeferred, ExecuteError, Workflow, WorkflowEngine};
 use serde::{Deserialize, Serialize};
 
@@ -278,15 +279,6 @@ fn order(key: &str, mode: &str) -> Order {
     Order { key: key.to_owned(), mode: mode.to_owned() }
 }
 
-/// Waits until `check` holds, for at most 30 s.
-async fn until(what: &str, mut check: impl FnMut() -> bool) {
-    let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
-    while !check() {
-        assert!(tokio::time::Instant::now() < deadline, "timed out waiting until {what}");
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    }
-}
-
 async fn stop(sharding: Sharding, engine: WorkflowEngine) {
     engine.shutdown().await;
     sharding.shutdown().await;
@@ -298,7 +290,7 @@ async fn commits_the_writes_with_the_result(fixture: Fixture) {
     let (sharding, engine, faults) = fixture.runner().await;
     let id = Transactional::execution_id(&order("ok", "wait"));
     engine.execute_discard::<Transactional>(order("ok", "wait")).await.unwrap();
-    until("the activity ran", || fixture.runs() == 1).await;
+    eventually("the activity ran", || fixture.runs() == 1).await;
     // Suspended on the deferred once the activity's result (and its row) committed.
     crate::suite::suspended::<Transactional>(&engine, &id).await;
     assert_eq!(fixture.rows("ok").await, 1, "the row committed with the activity's result");
@@ -348,7 +340,7 @@ async fn a_failure_rolls_the_writes_back(fixture: Fixture) {
 async fn a_cut_off_activity_leaves_no_writes_and_runs_again(fixture: Fixture) {
     let (sharding, engine, _) = fixture.runner().await;
     engine.execute_discard::<Transactional>(order("cut", "hang")).await.unwrap();
-    until("the activity ran", || fixture.runs() == 1).await;
+    eventually("the activity ran", || fixture.runs() == 1).await;
     stop(sharding, engine).await;
     assert_eq!(fixture.rows("cut").await, 0, "the cut-off run's row was rolled back");
     let (sharding, engine, _) = fixture.runner().await;
