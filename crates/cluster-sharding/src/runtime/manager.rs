@@ -94,8 +94,9 @@ pub(crate) struct Residency {
     freed: tokio::sync::Notify,
     /// The managers whose idle instances can be passivated.
     managers: Mutex<Vec<std::sync::Weak<dyn Passivate>>>,
-    /// Held while room is made, so that concurrent newcomers do not each passivate a batch.
-    making_room: Mutex<()>,
+    /// Held while room is made, so that concurrent newcomers do not each passivate a batch;
+    /// it holds when the last scan that found nothing idle ends its quiet period.
+    making_room: Mutex<Quiet>,
 }
 
 impl std::fmt::Debug for Residency {
@@ -116,7 +117,7 @@ impl Residency {
             passivating: AtomicUsize::new(0),
             freed: tokio::sync::Notify::new(),
             managers: Mutex::new(Vec::new()),
-            making_room: Mutex::new(()),
+            making_room: Mutex::new(Quiet::default()),
         }
     }
 
@@ -175,14 +176,42 @@ impl Residency {
     /// Passivates up to a batch of the least recently used idle instances of every registered
     /// type, unless room was made meanwhile. Whether there is room now.
     fn make_room(&self) -> bool {
-        let _making = lock(&self.making_room);
+        let mut quiet = lock(&self.making_room);
         if !self.is_full() {
             return true;
+        }
+        if quiet.holds() {
+            return false;
         }
         let managers: Vec<Arc<dyn Passivate>> =
             lock(&self.managers).iter().filter_map(std::sync::Weak::upgrade).collect();
         let batch = room_batch(self.cap);
-        passivate_least_recent(&managers, batch, self) > 0 && !self.is_full()
+        let passivated = passivate_least_recent(&managers, batch, self);
+        quiet.after(passivated);
+        passivated > 0 && !self.is_full()
+    }
+}
+
+/// How long newcomers skip the scan for idle instances after one that found none.
+const QUIET_AFTER_FRUITLESS_SCAN: Duration = Duration::from_millis(50);
+
+/// The quiet period after a scan that found no idle instance: while every resident instance
+/// is busy, a flood of new ids would otherwise scan all of them once per id.
+#[derive(Default)]
+pub(crate) struct Quiet {
+    until: Option<tokio::time::Instant>,
+}
+
+impl Quiet {
+    /// Whether a scan is to be skipped now.
+    fn holds(&self) -> bool {
+        self.until.is_some_and(|until| tokio::time::Instant::now() < until)
+    }
+
+    /// Records a scan that passivated `passivated` instances.
+    fn after(&mut self, passivated: usize) {
+        self.until =
+            (passivated == 0).then(|| tokio::time::Instant::now() + QUIET_AFTER_FRUITLESS_SCAN);
     }
 }
 
@@ -417,6 +446,8 @@ struct Shared<E: Entity> {
     /// Instances in `instances` that were told to passivate: the type's cap does not count
     /// them. Changed under the lock of the partition that holds the instance.
     passivating: AtomicUsize,
+    /// Held while room is made within the type, with the quiet period of its last scan.
+    quiet: Mutex<Quiet>,
 }
 
 /// The stop signals of one instance.
@@ -472,6 +503,7 @@ impl<E: Entity> EntityManager<E> {
             tasks: TaskTracker::new(),
             keep_alive_sender,
             passivating: AtomicUsize::new(0),
+            quiet: Mutex::new(Quiet::default()),
         });
         let passivate: Arc<dyn Passivate> = shared.clone();
         shared.residency.register(Arc::downgrade(&passivate));
@@ -791,11 +823,11 @@ impl<E: Entity> Shared<E> {
 
     /// Passivates up to a batch of the type's least recently used idle instances.
     fn make_room_in_type(self: &Arc<Self>) {
-        let _making = lock(&self.residency.making_room);
-        if self.type_is_full() {
+        let mut quiet = lock(&self.quiet);
+        if self.type_is_full() && !quiet.holds() {
             let this: Arc<dyn Passivate> = self.clone();
             let batch = room_batch(self.options.max_resident);
-            passivate_least_recent(&[this], batch, &self.residency);
+            quiet.after(passivate_least_recent(&[this], batch, &self.residency));
         }
     }
 

@@ -84,8 +84,10 @@ async fn busy_and_kept_alive_entities_are_never_passivated_to_make_room() {
     assert!(matches!(error, CallError::Cluster(ClusterError::MailboxFull { .. })), "{error:?}");
     assert_eq!(probes.interrupted.load(Ordering::SeqCst), 0, "the busy one still runs");
     assert_eq!(kept.send(Get).await.unwrap(), 4, "the kept-alive one kept its state");
-    // Released, the kept-alive one is idle: the newcomer takes its place.
+    // Released, the kept-alive one is idle: the newcomer takes its place, once the quiet
+    // period after the scan that found nothing idle (50 ms) is over.
     kept.send(SetKeepAlive { enabled: false }).await.unwrap();
+    tokio::time::sleep(Duration::from_millis(50)).await;
     assert_eq!(sharding.client::<Counter>("held-new").send(Get).await.unwrap(), 0);
     call.abort();
     sharding.shutdown().await;

@@ -1,5 +1,6 @@
 //! The manager's admission of requests by id (`AlreadyProcessingMessage`,
-//! `effect/src/cluster/internal/entityManager.ts`), and its restart backoff.
+//! `effect/src/cluster/internal/entityManager.ts`), its restart backoff, and the quiet period
+//! of its scans for idle instances.
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -144,4 +145,39 @@ fn the_active_ids_admit_out_of_order_refuse_duplicates_and_keep_their_bound() {
         active.finish(Snowflake::new(id));
     }
     assert!(super::lock(&active.ids).capacity() <= super::ACTIVE_ROOM_KEPT);
+}
+
+/// An entity type whose instances are all busy: it counts the scans for idle ones.
+#[derive(Default)]
+struct AllBusy {
+    scans: std::sync::atomic::AtomicUsize,
+}
+
+impl super::Passivate for AllBusy {
+    fn idle_instances(&self, _manager: usize, _out: &mut Vec<super::Candidate>) {
+        self.scans.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+    }
+
+    fn passivate(&self, _candidate: &super::Candidate, _residency: &super::Residency) -> bool {
+        false
+    }
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_scan_that_finds_nothing_idle_quiets_the_scans_of_the_next_newcomers() {
+    use std::sync::atomic::Ordering;
+
+    let residency = super::Residency::new(cluster_core::config::Capacity::bounded(1).unwrap());
+    assert!(residency.try_reserve(), "the one slot, taken by a busy instance");
+    let busy = Arc::new(AllBusy::default());
+    let registered: Arc<dyn super::Passivate> = busy.clone();
+    residency.register(Arc::downgrade(&registered));
+    // A flood of newcomers while every instance is busy: one scan, not one per newcomer.
+    for _ in 0..100 {
+        assert!(!residency.make_room());
+    }
+    assert_eq!(busy.scans.load(Ordering::SeqCst), 1);
+    tokio::time::sleep(super::QUIET_AFTER_FRUITLESS_SCAN).await;
+    assert!(!residency.make_room());
+    assert_eq!(busy.scans.load(Ordering::SeqCst), 2, "scans again after the quiet period");
 }
