@@ -17,11 +17,13 @@
 //!   [`queue_storage::QueueStorage`], [`transport::Transport`], [`clock::Clock`].
 //! - [`transaction`]: a handler's typed access to the storage transaction it runs in
 //!   ([`transaction::TransactionGuard`]).
+//! - [`backoff::Backoff`], the one type for the delays between retries.
 //! - [`Never`], the error type of what cannot fail, and [`sync::lock`], the one way to take a
 //!   mutex.
 //! - Pure state machines: [`membership`] (registry observations to published assignments, with
 //!   the join debounce) and [`ownership`] (assigned, acquired and releasing shards).
 
+pub mod backoff;
 pub mod clock;
 pub mod config;
 pub mod encoded;

@@ -27,6 +27,7 @@ use std::sync::atomic::{self, AtomicBool};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
+use cluster_core::backoff::{Backoff, jittered};
 use cluster_core::envelope::{Envelope, Exit, Reply, Request, WithExit};
 use cluster_core::error::{ClusterError, DecodeError};
 use cluster_core::future::BoxFuture;
@@ -266,16 +267,14 @@ impl TcpTransport {
 
 /// The delay after the `failures`-th consecutive failed connection attempt.
 fn backoff(config: &RpcConfig, failures: u32) -> Duration {
-    let exponent = failures.saturating_sub(1).min(30);
-    let delay = config.backoff_base.saturating_mul(1 << exponent).min(config.backoff_cap);
-    let half = delay / 2;
+    let delay =
+        Backoff::doubling(config.backoff_base, config.backoff_cap).after_failures(failures.max(1));
     let mut random = [0_u8; 8];
     let random = match getrandom::fill(&mut random) {
         Ok(()) => u64::from_le_bytes(random),
         Err(_) => 0,
     };
-    let half_nanos = u64::try_from(half.as_nanos()).unwrap_or(u64::MAX);
-    half + Duration::from_nanos(random.checked_rem(half_nanos.saturating_add(1)).unwrap_or(0))
+    jittered(delay, random)
 }
 
 /// Opens a connection: TCP, then TLS when configured, then the handshake, all within the

@@ -16,6 +16,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, Weak};
 use std::time::Duration;
 
+use cluster_core::backoff::Backoff;
 use cluster_core::config::Capacity;
 use cluster_core::envelope::{Envelope, Exit, RawJson, Reply, primary_key};
 use cluster_core::future::BoxFuture;
@@ -450,14 +451,13 @@ where
     F: FnMut() -> Fut,
     Fut: std::future::Future<Output = Result<T, WorkflowError>>,
 {
-    let mut delay = Duration::from_millis(250);
+    let mut backoff = Backoff::doubling(Duration::from_millis(250), Duration::from_secs(1));
     for _ in 0..3 {
         match attempt().await {
             Ok(value) => return Ok(value),
             Err(error) => {
                 tracing::debug!(%error, "workflow storage read failed, retrying");
-                tokio::time::sleep(delay).await;
-                delay *= 2;
+                tokio::time::sleep(backoff.next_delay()).await;
             }
         }
     }
@@ -799,7 +799,7 @@ impl Activation {
         if self.state().loaded {
             return;
         }
-        let mut delay = Duration::from_millis(100);
+        let mut backoff = Backoff::doubling(Duration::from_millis(100), Duration::from_secs(10));
         loop {
             match self
                 .engine
@@ -816,8 +816,7 @@ impl Activation {
                 }
                 Err(error) => {
                     tracing::warn!(%error, execution_id = %self.execution_id, "could not load the interrupt signal, retrying");
-                    tokio::time::sleep(delay).await;
-                    delay = (delay * 2).min(Duration::from_secs(10));
+                    tokio::time::sleep(backoff.next_delay()).await;
                 }
             }
         }
@@ -1034,7 +1033,7 @@ impl Activation {
     /// stays stored for the next owner.
     async fn await_run_reply(&self) -> Result<(), Abandoned> {
         let engine = &self.engine;
-        let mut wait = Duration::from_millis(10);
+        let mut backoff = Backoff::doubling(Duration::from_millis(10), Duration::from_secs(1));
         loop {
             match engine.run_result(&self.workflow, &self.execution_id).await {
                 Ok(None | Some((_, Some(_)))) | Err(WorkflowError::NoResult(_)) => return Ok(()),
@@ -1043,8 +1042,7 @@ impl Activation {
                     tracing::warn!(%error, execution_id = %self.execution_id, "could not read the workflow's reply, retrying");
                 }
             }
-            engine.pause(wait).await?;
-            wait = (wait * 2).min(Duration::from_secs(1));
+            engine.pause(backoff.next_delay()).await?;
         }
     }
 }
@@ -1358,17 +1356,16 @@ impl ClusterEngine {
         let Some(request_id) = self.activity_request_id(run, name, attempt).await? else {
             return Ok(WorkflowResult::suspended());
         };
-        let mut wait = Duration::from_millis(10);
+        let mut backoff = Backoff::doubling(Duration::from_millis(10), Duration::from_secs(1));
         let stored = loop {
             if let Some((_, exit)) = self.final_reply(request_id).await? {
                 break exit;
             }
-            if self.pause(wait).await.is_err() {
+            if self.pause(backoff.next_delay()).await.is_err() {
                 return Err(WorkflowError::cluster(
                     "the runner stopped while an activity's result was written",
                 ));
             }
-            wait = (wait * 2).min(Duration::from_secs(1));
         };
         match stored {
             Exit::Success(value) => match value.decode() {
@@ -1655,15 +1652,15 @@ impl Backend for ClusterEngine {
                     return std::future::pending().await;
                 }
                 // The reply is stored just after the run's handler returns.
-                let mut wait = Duration::from_millis(10);
+                let mut backoff =
+                    Backoff::doubling(Duration::from_millis(10), Duration::from_millis(1_280));
                 for _ in 0..8 {
                     match self.poll(workflow, execution_id).await {
                         Ok(Some(WorkflowResult::Complete(_))) => return,
                         Ok(Some(WorkflowResult::Suspended { .. })) => break,
                         _ => {}
                     }
-                    tokio::time::sleep(wait).await;
-                    wait *= 2;
+                    tokio::time::sleep(backoff.next_delay()).await;
                 }
             }
         })

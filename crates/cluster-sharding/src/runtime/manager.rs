@@ -16,6 +16,7 @@ use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
+use cluster_core::backoff::Backoff;
 use cluster_core::config::Capacity;
 use cluster_core::envelope::{Exit, RawJson, Reply, Request, WithExit};
 use cluster_core::future::BoxFuture;
@@ -54,25 +55,27 @@ const RESTART_BACKOFF_RESET: Duration = Duration::from_secs(60);
 
 /// The restart backoff of an entity type: 500 ms, growing by half per restart, at most 10 s,
 /// and back to 500 ms after [`RESTART_BACKOFF_RESET`] without a restart.
-#[derive(Debug, Default)]
+#[derive(Debug)]
 pub(crate) struct RestartBackoff {
-    restarts: u32,
+    backoff: Backoff,
     last: Option<tokio::time::Instant>,
+}
+
+impl Default for RestartBackoff {
+    fn default() -> RestartBackoff {
+        let backoff = Backoff::new(RESTART_BACKOFF_FIRST, RESTART_BACKOFF_MAX, 3, 2);
+        RestartBackoff { backoff, last: None }
+    }
 }
 
 impl RestartBackoff {
     /// The delay before a restart that begins at `now`.
     pub(crate) fn next(&mut self, now: tokio::time::Instant) -> Duration {
         if self.last.is_some_and(|last| now.duration_since(last) >= RESTART_BACKOFF_RESET) {
-            self.restarts = 0;
+            self.backoff.reset();
         }
         self.last = Some(now);
-        let mut delay = RESTART_BACKOFF_FIRST;
-        for _ in 0..self.restarts.min(16) {
-            delay = delay.mul_f64(1.5).min(RESTART_BACKOFF_MAX);
-        }
-        self.restarts = self.restarts.saturating_add(1);
-        delay
+        self.backoff.next_delay()
     }
 }
 

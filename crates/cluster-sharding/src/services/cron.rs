@@ -27,6 +27,7 @@ use std::future::Future;
 use std::sync::Arc;
 use std::time::Duration;
 
+use cluster_core::backoff::Backoff;
 use cluster_core::future::BoxFuture;
 use cluster_core::{EntityType, ShardGroup, Timestamp};
 use serde::{Deserialize, Serialize};
@@ -311,7 +312,7 @@ async fn schedule<H: CronHost>(host: &H, job: &Job, after: Timestamp) {
     } else {
         (date_time.clone(), None)
     };
-    let mut pause = SCHEDULE_RETRY_FIRST;
+    let mut backoff = Backoff::new(SCHEDULE_RETRY_FIRST, SCHEDULE_RETRY_MAX, 3, 2);
     loop {
         let run = Run { date_time: date_time.clone(), executor };
         match host.discard(job, entity_id.clone(), run).await {
@@ -320,9 +321,9 @@ async fn schedule<H: CronHost>(host: &H, job: &Job, after: Timestamp) {
                 return;
             }
             Err(error) if !host.is_shutdown() => {
+                let pause = backoff.next_delay();
                 tracing::warn!(cron = %job.name, %error, retry_in = ?pause, "could not schedule the next run");
                 tokio::time::sleep(pause).await;
-                pause = pause.mul_f64(1.5).min(SCHEDULE_RETRY_MAX);
             }
             // Stopping: the next owner's singleton schedules it.
             Err(_) => return,
@@ -338,14 +339,13 @@ pub(crate) async fn start_schedule<H: CronHost>(
     cancellation: CancellationToken,
 ) {
     if job.options.calculate_next_run_from_previous {
-        let mut pause = SCHEDULE_RETRY_FIRST;
+        let mut backoff = Backoff::new(SCHEDULE_RETRY_FIRST, SCHEDULE_RETRY_MAX, 3, 2);
         while let Err(error) = host.discard(&job, EXECUTOR.to_owned(), Start {}).await {
             if cancellation.is_cancelled() {
                 return;
             }
             tracing::warn!(cron = %job.name, %error, "could not start the executor");
-            tokio::time::sleep(pause).await;
-            pause = pause.mul_f64(1.5).min(SCHEDULE_RETRY_MAX);
+            tokio::time::sleep(backoff.next_delay()).await;
         }
     } else {
         let now = host.now();

@@ -17,6 +17,7 @@ use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
+use cluster_core::backoff::Backoff;
 use cluster_core::future::BoxFuture;
 use cluster_core::sync::lock;
 use cluster_core::{ShardGroup, ShardId};
@@ -224,7 +225,7 @@ impl Singletons {
         host: &impl SingletonHost,
     ) {
         let grace = self.grace;
-        let mut backoff = RESTART_FIRST;
+        let mut backoff = Backoff::new(RESTART_FIRST, RESTART_MAX, 3, 2);
         loop {
             let context = SingletonContext {
                 name: Arc::clone(name),
@@ -245,12 +246,12 @@ impl Singletons {
                     return;
                 }
                 Some(Err(_)) => {
-                    tracing::warn!(retry_in = ?backoff, "singleton panicked; restarting");
+                    let delay = backoff.next_delay();
+                    tracing::warn!(retry_in = ?delay, "singleton panicked; restarting");
                     tokio::select! {
-                        () = tokio::time::sleep(backoff) => {}
+                        () = tokio::time::sleep(delay) => {}
                         () = stop.cancelled() => return,
                     }
-                    backoff = backoff.mul_f64(1.5).min(RESTART_MAX);
                 }
                 // Asked to stop: a grace period to return on its own, then dropped.
                 None => {

@@ -22,6 +22,7 @@ use std::sync::{Arc, Mutex, Weak};
 use std::time::Duration;
 
 use cluster_core::DecodeError;
+use cluster_core::backoff::Backoff;
 use cluster_core::envelope::RawJson;
 use cluster_core::error::StorageErrorKind;
 use cluster_core::queue_storage::{ClaimBatch, ClaimedItem, QueueClaim, QueueStorage, TakeOptions};
@@ -112,7 +113,7 @@ impl QueueWorkers {
                 WorkflowError::Malformed(DecodeError::new("queue item", error.to_string()))
             })?;
         let name = persisted_name(queue);
-        let mut backoff = OFFER_BACKOFF_MIN;
+        let mut backoff = Backoff::new(OFFER_BACKOFF_MIN, OFFER_BACKOFF_MAX, 3, 2);
         let mut attempt = 1;
         let stored = loop {
             let error = match timeout(CALL_DEADLINE, storage.offer(&name, item_id, &element)).await
@@ -130,9 +131,9 @@ impl QueueWorkers {
             if attempt == OFFER_ATTEMPTS_MAX {
                 return Err(WorkflowError::cluster(format!("offering to {name} failed: {error}")));
             }
-            tracing::warn!(queue = %name, item_id, %error, retry_in = ?backoff, "offering a queue item failed");
-            tokio::time::sleep(backoff).await;
-            backoff = (backoff.saturating_mul(3) / 2).min(OFFER_BACKOFF_MAX);
+            let delay = backoff.next_delay();
+            tracing::warn!(queue = %name, item_id, %error, retry_in = ?delay, "offering a queue item failed");
+            tokio::time::sleep(delay).await;
             attempt += 1;
         };
         if stored {
@@ -259,7 +260,7 @@ async fn run(worker_loop: Arc<WorkerLoop>) {
     let mut refresh = tokio::time::interval(worker_loop.options.lock_refresh_interval);
     refresh.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     let mut stop = worker_loop.stop.clone();
-    let mut backoff = TAKE_BACKOFF_MIN;
+    let mut backoff = Backoff::doubling(TAKE_BACKOFF_MIN, TAKE_BACKOFF_MAX);
     tracing::debug!(concurrency, "queue worker started");
     loop {
         if worker_loop.stopping() {
@@ -271,13 +272,12 @@ async fn run(worker_loop: Arc<WorkerLoop>) {
         if let Some(limit) = NonZeroU32::new(room) {
             match worker_loop.take(limit).await {
                 Ok(batch) => {
-                    backoff = TAKE_BACKOFF_MIN;
+                    backoff.reset();
                     worker_loop.spawn_batch(batch, &mut items);
                 }
                 Err(error) => {
-                    tracing::warn!(%error, retry_in = ?backoff, "taking queue items failed");
-                    wait = backoff;
-                    backoff = backoff.saturating_mul(2).min(TAKE_BACKOFF_MAX);
+                    wait = backoff.next_delay();
+                    tracing::warn!(%error, retry_in = ?wait, "taking queue items failed");
                 }
             }
         }
@@ -394,7 +394,7 @@ impl WorkerLoop {
     /// expiration; after it the claim has lapsed and the item runs again anyway.
     async fn settle(&self, claim: &QueueClaim, id: &str, outcome: Outcome) {
         let deadline = Instant::now() + self.options.lock_expiration;
-        let mut backoff = SETTLE_BACKOFF_MIN;
+        let mut backoff = Backoff::new(SETTLE_BACKOFF_MIN, SETTLE_BACKOFF_MAX, 3, 2);
         loop {
             let settled = match &outcome {
                 Outcome::Complete => self.storage.complete(claim),
@@ -420,7 +420,8 @@ impl WorkerLoop {
                 }
                 Err(_) => tracing::warn!(item_id = id, "settling a queue item timed out"),
             }
-            if Instant::now() + backoff > deadline {
+            let delay = backoff.next_delay();
+            if Instant::now() + delay > deadline {
                 tracing::warn!(
                     item_id = id,
                     ?outcome,
@@ -428,8 +429,7 @@ impl WorkerLoop {
                 );
                 return;
             }
-            tokio::time::sleep(backoff).await;
-            backoff = (backoff.saturating_mul(3) / 2).min(SETTLE_BACKOFF_MAX);
+            tokio::time::sleep(delay).await;
         }
     }
 
