@@ -1500,22 +1500,20 @@ async fn next_delivery<E: Entity>(
     let passivating = |receiver: &mpsc::Receiver<Box<Delivery>>| {
         active.passivating.load(Ordering::Acquire) && shared.is_idle(address, receiver)
     };
-    let Some(idle) = shared.options.max_idle_time else {
-        loop {
-            tokio::select! {
-                biased;
-                delivery = receiver.recv() => return received(delivery),
-                () = active.passivate.notified() => {
-                    if passivating(receiver) {
-                        return Next::Idle;
-                    }
-                }
-            }
-        }
-    };
-    let mut due = crate::time::deadline(idle);
-    let timer = timer.get_or_insert_with(|| Box::pin(tokio::time::sleep_until(due)));
+    // Without an idle time there is no timer, and the instance waits for a request or to be
+    // told to passivate.
+    let idle = shared.options.max_idle_time;
+    let mut due = idle.map(crate::time::deadline);
+    if let Some(due) = due {
+        timer.get_or_insert_with(|| Box::pin(tokio::time::sleep_until(due)));
+    }
     loop {
+        let fired = async {
+            match timer.as_mut() {
+                Some(timer) => timer.as_mut().await,
+                None => std::future::pending().await,
+            }
+        };
         tokio::select! {
             biased;
             delivery = receiver.recv() => return received(delivery),
@@ -1524,17 +1522,21 @@ async fn next_delivery<E: Entity>(
                     return Next::Idle;
                 }
             }
-            () = timer.as_mut() => {
+            () = fired => {
+                let (Some(idle), Some(at), Some(timer)) = (idle, due, timer.as_mut()) else {
+                    continue;
+                };
                 let now = tokio::time::Instant::now();
-                if now < due {
-                    timer.as_mut().reset(due);
+                if now < at {
+                    timer.as_mut().reset(at);
                 } else if shared.is_idle(address, receiver) {
                     metrics::passivated(shared.entity_type.as_str(), metrics::Passivation::Idle);
                     return Next::Idle;
                 } else {
                     // Something holds the instance (a keep-alive): wait another period.
-                    due = crate::time::after(now, idle);
-                    timer.as_mut().reset(due);
+                    let next = crate::time::after(now, idle);
+                    due = Some(next);
+                    timer.as_mut().reset(next);
                 }
             }
         }
