@@ -44,7 +44,7 @@ pub async fn eventually_within(
     }
 }
 
-/// Waits until the future `condition` makes resolves to `true`, checking every [`POLL`].
+/// Waits until the future that `condition` makes resolves to `true`, checking every [`POLL`].
 ///
 /// # Panics
 ///
