@@ -50,7 +50,7 @@ use std::time::Duration;
 
 use cluster_core::envelope::{Envelope, Exit, Interrupt, Reply, Request, WithExit};
 use cluster_core::future::BoxFuture;
-use cluster_core::reply_handlers::{ReplyHandlers, ReplyWaiter, UnregisterMode};
+use cluster_core::reply_handlers::UnregisterMode;
 use cluster_core::storage::{
     MessageStorage, SaveRequestOptions, SaveResult, UnprocessedMessage, UnprocessedOptions,
 };
@@ -58,7 +58,7 @@ use cluster_core::sync::lock;
 use cluster_core::{
     Clock, ClusterError, EntityAddress, EntityType, ShardId, ShardingConfig, Snowflake,
 };
-use tokio::sync::{Notify, mpsc, oneshot};
+use tokio::sync::{mpsc, oneshot};
 use tokio::time::Instant;
 use tokio_util::task::TaskTracker;
 
@@ -75,10 +75,16 @@ use crate::runtime::manager::Residency;
 use crate::runtime::registry::Managers;
 
 mod direct;
+mod lifecycle;
 mod pushed;
 mod tracked;
+mod waiters;
+mod writes;
 
-use tracked::{Busy, Claiming, InFlight};
+use lifecycle::{Busy, Claiming};
+use tracked::{InFlight, TrackedRequests};
+use waiters::{Answer, OwnedRegistration, ReplyWaiters, Waiter};
+use writes::{ShardWrites, WriteGuard};
 
 /// How often saving a final reply is tried before the request is left for a later read.
 const SAVE_REPLY_ATTEMPTS: u32 = 4;
@@ -112,27 +118,14 @@ pub(crate) struct PersistedDelivery {
     tasks: TaskTracker,
     /// The shards this runner reads (every shard of its groups: one runner owns them all).
     shards: Vec<ShardId>,
-    waiters: Mutex<ReplyHandlers<Waiter>>,
+    /// The local callers waiting for replies (`waiters`).
+    waiters: Arc<ReplyWaiters>,
     /// Wakes the storage read loop (a new request, an interrupt, a registration).
     read_latch: Arc<ReadLatch>,
     /// The requests taken up here, from their claim to their stored outcome (`tracked`).
-    tracked: Mutex<tracked::Tracked>,
-    /// Woken when a request reaches its entity or a reservation ends.
-    /// A later request to the entity, waiting for that one to go first, then checks again.
-    reservation_ended: Notify,
-    /// Wakes the reply poller when a caller starts waiting.
-    reply_waiters: Notify,
-    /// The requests taken up and not settled, counted per shard, from their claim until their
-    /// outcome is stored.
-    ///
-    /// The shard's lock is released only after them, or once the wait's bound passed
-    /// ([`PersistedDelivery::writes_finished`]):
-    ///
-    /// - a request that finishes while its shard drains is answered here;
-    /// - no final reply is written once this runner let the lock go.
-    writes: Mutex<BTreeMap<ShardId, usize>>,
-    /// Woken when a write ends.
-    write_ended: Notify,
+    tracked: Arc<TrackedRequests>,
+    /// The requests taken up and not settled, counted per shard (`writes`).
+    writes: Arc<ShardWrites>,
     /// Direct delivery's state (`direct`).
     direct: Mutex<direct::Direct>,
     /// The take-ups of pushed requests under way ([`TAKE_UPS_MAX`], `pushed`).
@@ -141,98 +134,6 @@ pub(crate) struct PersistedDelivery {
     /// before the first): the read-loop lag metric's source.
     last_read: std::sync::atomic::AtomicI64,
 }
-
-/// A request of a shard taken up and not settled yet (see [`PersistedDelivery::begin_write`]).
-pub(crate) struct WriteGuard {
-    persisted: Arc<PersistedDelivery>,
-    shard: ShardId,
-}
-
-impl Drop for WriteGuard {
-    fn drop(&mut self) {
-        {
-            let mut writes = lock(&self.persisted.writes);
-            if let Some(count) = writes.get_mut(&self.shard) {
-                *count -= 1;
-                if *count == 0 {
-                    writes.remove(&self.shard);
-                }
-            }
-        }
-        self.persisted.write_ended.notify_waiters();
-    }
-}
-
-/// A local caller waiting for replies.
-enum Waiter {
-    /// Waits for the final reply of a unary request, or for the news that it will not come
-    /// here (`Err`).
-    Exit(Option<oneshot::Sender<Answer>>),
-    /// Reads the chunks and the final reply of a streaming request.
-    Stream(StreamWaiter),
-}
-
-/// The reader of a persisted stream's replies.
-struct StreamWaiter {
-    sender: mpsc::Sender<Reply>,
-    /// The chunks below this sequence were handed over already.
-    /// The reply poller reads an unacknowledged chunk again at every poll, and a copy would
-    /// only take a slot.
-    next_sequence: u32,
-}
-
-impl Waiter {
-    /// The waiter of a stream's reader.
-    fn stream(sender: mpsc::Sender<Reply>) -> Waiter {
-        Waiter::Stream(StreamWaiter { sender, next_sequence: 0 })
-    }
-}
-
-impl ReplyWaiter for Waiter {
-    fn respond(&mut self, reply: &Reply) {
-        match self {
-            Waiter::Exit(sender) => {
-                if reply.is_final()
-                    && let Some(sender) = sender.take()
-                {
-                    // The caller may have gone away.
-                    let _ = sender.send(Ok(reply.clone()));
-                }
-            }
-            Waiter::Stream(stream) => match reply {
-                // The last slot is kept for the final reply.
-                // The waiter ends with it, so it must never find the channel full.
-                // A chunk that does not fit is handed over again by the reply poller until it
-                // is acknowledged (the caller is behind).
-                Reply::Chunk(chunk) => {
-                    if chunk.sequence() >= stream.next_sequence
-                        && stream.sender.capacity() > 1
-                        && stream.sender.try_send(reply.clone()).is_ok()
-                    {
-                        stream.next_sequence = chunk.sequence() + 1;
-                    }
-                }
-                Reply::WithExit(_) => {
-                    // The caller may have gone away.
-                    let _ = stream.sender.try_send(reply.clone());
-                }
-            },
-        }
-    }
-
-    fn complete(self) {}
-
-    fn unregistered(self, mode: UnregisterMode) {
-        if let Waiter::Exit(Some(sender)) = self {
-            // The caller may have gone away.
-            let _ = sender.send(Err(mode));
-        }
-    }
-}
-
-/// What a local caller of a persisted request hears: the final reply, or why it will not come
-/// to this process.
-type Answer = Result<Reply, UnregisterMode>;
 
 /// What persisted delivery starts from.
 pub(crate) struct PersistedParts {
@@ -278,13 +179,10 @@ impl PersistedDelivery {
             residency,
             tasks,
             shards,
-            waiters: Mutex::new(ReplyHandlers::new()),
+            waiters: Arc::default(),
             read_latch,
-            tracked: Mutex::new(tracked::Tracked::default()),
-            reservation_ended: Notify::new(),
-            reply_waiters: Notify::new(),
-            writes: Mutex::new(BTreeMap::new()),
-            write_ended: Notify::new(),
+            tracked: Arc::default(),
+            writes: Arc::default(),
             direct: Mutex::new(direct::Direct::default()),
             take_ups: Arc::new(tokio::sync::Semaphore::new(TAKE_UPS_MAX)),
             last_read: std::sync::atomic::AtomicI64::new(0),
@@ -356,40 +254,10 @@ impl PersistedDelivery {
         self.remote.wake_reader(shard, envelope);
     }
 
-    /// Marks a request of `shard` as taken up and not settled until the guard drops.
-    ///
-    /// It is taken when the request is claimed, before the check that the shard is served.
-    /// So a release that stops serving the shard after that check waits for the request's
-    /// outcome.
-    pub(crate) fn begin_write(self: &Arc<PersistedDelivery>, shard: &ShardId) -> WriteGuard {
-        *lock(&self.writes).entry(shard.clone()).or_default() += 1;
-        WriteGuard { persisted: Arc::clone(self), shard: shard.clone() }
-    }
-
-    /// Waits, at most `bound`, until no request of `shard` is taken up and unsettled.
-    ///
-    /// With `None`, it waits for the requests of every shard.
-    /// It is called once the shard's entities ended, before its lock is let go.
+    /// Waits, at most `bound`, until no request of `shard` (of any shard, with `None`) is
+    /// taken up and unsettled ([`ShardWrites::finished`]).
     pub(crate) async fn writes_finished(&self, shard: Option<&ShardId>, bound: Duration) {
-        let waiting = async {
-            loop {
-                let ended = self.write_ended.notified();
-                let busy = {
-                    let writes = lock(&self.writes);
-                    match shard {
-                        Some(shard) => writes.contains_key(shard),
-                        None => !writes.is_empty(),
-                    }
-                };
-                if !busy {
-                    return;
-                }
-                ended.await;
-            }
-        };
-        if tokio::time::timeout(bound, waiting).await.is_err() {
-            tracing::warn!(?shard, "final replies still being written when the lock is let go");
-        }
+        self.writes.finished(shard, bound).await;
     }
 
     /// Ends every local wait for a reply.
@@ -397,19 +265,15 @@ impl PersistedDelivery {
     /// This process shuts down and will not read replies any more.
     /// The callers fail with `ClusterError::Abandoned`; their requests stay stored.
     pub(crate) fn abandon_waiters(&self) {
-        let mut waiters = lock(&self.waiters);
-        let waiting: Vec<Snowflake> = waiters.waiting().collect();
-        for request_id in waiting {
-            waiters.unregister(request_id, UnregisterMode::Abandon);
-        }
+        self.waiters.abandon(|_| true);
     }
 
     /// Hands an interrupt or acknowledgement to the request it belongs to, if that request
     /// runs here.
     fn forward(&self, envelope: &Envelope) {
         match envelope {
-            Envelope::Interrupt(interrupt) => self.interrupt(interrupt.request_id),
-            Envelope::AckChunk(ack) => self.acknowledge(ack.request_id, ack.reply_id),
+            Envelope::Interrupt(interrupt) => self.tracked.interrupt(interrupt.request_id),
+            Envelope::AckChunk(ack) => self.tracked.acknowledge(ack.request_id, ack.reply_id),
             Envelope::Request(_) => {}
         }
     }
@@ -418,17 +282,12 @@ impl PersistedDelivery {
     /// The local callers of requests that no handler started hear at once that their requests
     /// are left stored for the next owner.
     pub(crate) fn abandon_undelivered(&self) {
-        let mut waiters = lock(&self.waiters);
-        let undelivered: Vec<Snowflake> =
-            waiters.waiting().filter(|request_id| !self.has_started(*request_id)).collect();
-        for request_id in undelivered {
-            waiters.unregister(request_id, UnregisterMode::Abandon);
-        }
+        self.waiters.abandon(|request_id| !self.tracked.has_started(request_id));
     }
 
     /// Ends the local waits for replies of `shard`'s requests (the shard was released).
     pub(crate) fn unregister_shard(&self, shard: &ShardId, mode: UnregisterMode) {
-        lock(&self.waiters).unregister_shard(shard, mode);
+        self.waiters.unregister_shard(shard, mode);
     }
 
     /// What wakes the storage read loop, for the components that change what it reads.
@@ -492,21 +351,6 @@ impl PersistedStream {
     /// The stream ended: nothing to interrupt any more.
     pub(crate) fn finish(&mut self) {
         self.interrupt.persisted = None;
-    }
-}
-
-/// A waiter's registration; dropping it unregisters the waiter.
-struct OwnedRegistration {
-    persisted: Arc<PersistedDelivery>,
-    request_id: Snowflake,
-    handler: Option<cluster_core::reply_handlers::HandlerId>,
-}
-
-impl Drop for OwnedRegistration {
-    fn drop(&mut self) {
-        if let Some(handler) = self.handler.take() {
-            lock(&self.persisted.waiters).remove(self.request_id, handler);
-        }
     }
 }
 
@@ -578,7 +422,8 @@ impl PersistedDelivery {
         let (mut registration, mut replied, direct, saved, earlier) = loop {
             let (reply, replied) = oneshot::channel();
             // Registered before the save, so a reply saved right after it is not missed.
-            let registration = self.register(request.request_id, &request.address.shard_id, reply);
+            let registration =
+                self.waiters.register_exit(request.request_id, &request.address.shard_id, reply);
             let direct = self.plan_direct(&request, &options);
             let (saved, earlier) = self.save(&request, &options, direct.is_some()).await;
             if !matches!(saved, Ok(SaveResult::Success)) {
@@ -597,7 +442,8 @@ impl PersistedDelivery {
             }
             SaveResult::Duplicate { original_id, .. } => {
                 let (reply, duplicate_replied) = oneshot::channel();
-                registration = self.register(original_id, &request.address.shard_id, reply);
+                registration =
+                    self.waiters.register_exit(original_id, &request.address.shard_id, reply);
                 replied = duplicate_replied;
                 original_id
             }
@@ -663,7 +509,7 @@ impl PersistedDelivery {
         let (mut request, mut attempt) = (request, 1);
         let (mut registration, saved) = loop {
             let registration =
-                self.register_waiter(request.request_id, shard_id, Waiter::stream(sender.clone()));
+                self.waiters.register(request.request_id, shard_id, Waiter::stream(sender.clone()));
             let saved = self.storage.save_request(&request, &options).await.map_err(Into::into);
             if !self.id_taken(&saved, &mut request, &mut attempt) {
                 break (registration, saved);
@@ -673,7 +519,7 @@ impl PersistedDelivery {
             SaveResult::Success => request.request_id,
             SaveResult::Duplicate { original_id, last_received_reply } => {
                 registration =
-                    self.register_waiter(original_id, shard_id, Waiter::stream(sender.clone()));
+                    self.waiters.register(original_id, shard_id, Waiter::stream(sender.clone()));
                 if let Some(reply) = last_received_reply {
                     let _ = sender.try_send(reply);
                 }
@@ -690,7 +536,6 @@ impl PersistedDelivery {
                 None
             }
         };
-        self.reply_waiters.notify_one();
         // As for a unary request: a duplicate's reader does not interrupt another's stream.
         let interrupt = InterruptOnDrop {
             persisted: fresh.then(|| Arc::clone(self)),
@@ -776,7 +621,6 @@ impl PersistedDelivery {
         replied: &mut oneshot::Receiver<Answer>,
     ) -> Result<Exit, ClusterError> {
         let (address, request_id) = (&request.address, request.request_id);
-        self.reply_waiters.notify_one();
         let waiting = crate::metrics::Occupied::of(crate::metrics::PERSISTED_PUSHED_WAITING);
         tokio::select! {
             pushed = push => match pushed {
@@ -813,7 +657,6 @@ impl PersistedDelivery {
         replied: &mut oneshot::Receiver<Answer>,
     ) -> Result<Exit, ClusterError> {
         // Woken by a reply saved in this process, or by the reply poller.
-        self.reply_waiters.notify_one();
         Self::answered(address, request_id, replied.await)
     }
 
@@ -843,11 +686,9 @@ impl PersistedDelivery {
     pub(crate) async fn poll_replies(self: Arc<Self>) {
         let interval = self.config().entity_reply_poll_interval;
         loop {
-            if lock(&self.waiters).waiting().next().is_none() {
-                tokio::select! {
-                    () = self.reply_waiters.notified() => continue,
-                    () = self.shutdown_token().cancelled() => return,
-                }
+            tokio::select! {
+                () = self.waiters.someone_waits() => {}
+                () = self.shutdown_token().cancelled() => return,
             }
             tokio::select! {
                 () = tokio::time::sleep(interval) => {}
@@ -855,7 +696,7 @@ impl PersistedDelivery {
             }
             // Who waits is read now, not before the sleep: a caller that started waiting
             // meanwhile is read at this poll rather than the next.
-            let waiting: Vec<Snowflake> = lock(&self.waiters).waiting().collect();
+            let waiting = self.waiters.waiting();
             if waiting.is_empty() {
                 continue;
             }
@@ -863,10 +704,7 @@ impl PersistedDelivery {
                 Ok(replies) => {
                     // Final replies and unacknowledged chunks: stream readers skip the chunks
                     // they already have.
-                    let mut waiters = lock(&self.waiters);
-                    for reply in &replies {
-                        waiters.on_reply_saved(reply);
-                    }
+                    self.waiters.on_replies_saved(&replies);
                 }
                 Err(error) => tracing::debug!(%error, "could not poll replies"),
             }
@@ -972,13 +810,13 @@ impl PersistedDelivery {
             Some(held) => held.as_slice(),
             None => &self.shards,
         };
-        self.begin_read();
+        self.tracked.begin_read();
         let claimed = self.storage.unprocessed_messages(shards, now, options).await;
         drop(reading);
         let batch = match claimed {
             Ok(batch) => batch,
             Err(error) => {
-                self.end_read();
+                self.tracked.end_read();
                 tracing::warn!(%error, "could not read unprocessed messages");
                 return None;
             }
@@ -1039,7 +877,7 @@ impl PersistedDelivery {
                 Dispatched::Answer(reply) => self.save_final_reply(reply, None).await,
             }
         }
-        self.end_read();
+        self.tracked.end_read();
         // Held now: a cluster's shards may have moved during the read; a single runner's not.
         let held_now = self.serving.member().map(|cluster| cluster.readable());
         self.caught_up(shards, held_now.as_deref().unwrap_or(shards), whole_shards && !full);
@@ -1109,7 +947,7 @@ impl PersistedDelivery {
             (None, ReplyTo::Exit(reply), Outcome::Exit(exit))
         };
         let in_flight = InFlight::new(cancellation.clone(), Arc::clone(&started), acks);
-        let claim = match self.claim(request_id, in_flight, claiming) {
+        let claim = match self.tracked.claim(request_id, in_flight, claiming) {
             Ok(claim) => claim,
             // Already being processed (AlreadyProcessingMessage): its reply will complete it.
             Err(Busy::Running) => return Dispatched::Skipped,
@@ -1124,7 +962,7 @@ impl PersistedDelivery {
         // Before the shard's check.
         // So a release that stops serving the shard after the check waits for this request's
         // outcome before it lets the lock go.
-        let write = self.begin_write(&shard);
+        let write = self.writes.begin(&shard);
         if !self.delivers(&shard) {
             // The shard was let go since the read (its next owner runs the request), or its
             // lease lapsed (the next read after a refresh delivers it).
@@ -1197,7 +1035,7 @@ impl PersistedDelivery {
                 }
             };
             // The read loop must not take it up again while its outcome is stored.
-            let _settle = self.settle(request_id);
+            let _settle = self.tracked.settle(request_id);
             // Held from the claim to here: the shard's release waits for the outcome.
             let _write = write;
             let transaction = match transaction {
@@ -1341,14 +1179,14 @@ impl PersistedDelivery {
         match committed {
             Ok(()) => {
                 self.record_answered(&reply);
-                lock(&self.waiters).on_reply_saved(&reply);
+                self.waiters.on_reply_saved(&reply);
             }
             Err(error) => {
                 tracing::warn!(%error, %request_id, "could not commit a reply");
                 let stored = self.storage.replies_for(&[request_id]).await.unwrap_or_default();
                 match stored.into_iter().find(Reply::is_final) {
                     Some(final_reply) => {
-                        lock(&self.waiters).on_reply_saved(&final_reply);
+                        self.waiters.on_reply_saved(&final_reply);
                     }
                     None => {
                         let _ = self.storage.reset_requests(&[request_id]).await;
@@ -1377,7 +1215,7 @@ impl PersistedDelivery {
         for attempt in 1..=SAVE_REPLY_ATTEMPTS {
             match self.storage.save_reply(reply).await {
                 Ok(()) => {
-                    lock(&self.waiters).on_reply_saved(reply);
+                    self.waiters.on_reply_saved(reply);
                     return Ok(());
                 }
                 // A conflict is not a passing failure: no retry stores the chunk.
@@ -1420,7 +1258,7 @@ impl PersistedDelivery {
         match self.storage.replies_for_unfiltered(&[request_id]).await {
             Ok(stored) if stored.iter().any(|stored| stored.id() == reply.id()) => {
                 tracing::debug!(%request_id, reply_id = %reply.id(), "chunk already stored");
-                lock(&self.waiters).on_reply_saved(reply);
+                self.waiters.on_reply_saved(reply);
             }
             Ok(_) => {
                 tracing::warn!(%error, %request_id, "a chunk conflicts with one of another run");
@@ -1455,7 +1293,7 @@ impl PersistedDelivery {
             match self.storage.save_reply(&reply).await {
                 Ok(()) => {
                     self.record_answered(&reply);
-                    lock(&self.waiters).on_reply_saved(&reply);
+                    self.waiters.on_reply_saved(&reply);
                     return;
                 }
                 Err(error) if error.kind() == cluster_core::error::StorageErrorKind::Conflict => {
@@ -1491,28 +1329,6 @@ impl PersistedDelivery {
                 }
             }
         }
-    }
-}
-
-impl PersistedDelivery {
-    /// Registers a waiter for the final reply of `request_id`.
-    fn register(
-        self: &Arc<PersistedDelivery>,
-        request_id: Snowflake,
-        shard_id: &ShardId,
-        reply: oneshot::Sender<Answer>,
-    ) -> OwnedRegistration {
-        self.register_waiter(request_id, shard_id, Waiter::Exit(Some(reply)))
-    }
-
-    fn register_waiter(
-        self: &Arc<PersistedDelivery>,
-        request_id: Snowflake,
-        shard_id: &ShardId,
-        waiter: Waiter,
-    ) -> OwnedRegistration {
-        let handler = lock(&self.waiters).register(request_id, shard_id.clone(), waiter);
-        OwnedRegistration { persisted: Arc::clone(self), request_id, handler: Some(handler) }
     }
 }
 

@@ -48,7 +48,8 @@ use cluster_core::envelope::{Envelope, Request};
 use cluster_core::storage::{SaveRequestOptions, SaveResult, UnprocessedMessage};
 use cluster_core::{ClusterError, EntityAddress, ShardId, Snowflake};
 
-use super::tracked::{Claiming, Earlier, Reservation};
+use super::lifecycle::Claiming;
+use super::tracked::Reservation;
 use super::{Dispatched, PersistedDelivery, Unregistered, lock};
 
 /// What direct delivery remembers (in [`PersistedDelivery`]).
@@ -61,34 +62,6 @@ pub(super) struct Direct {
 }
 
 impl PersistedDelivery {
-    /// Whether every one of `earlier` (an entity's requests stored before a new one) reached
-    /// the entity here.
-    ///
-    /// Those reserved here for direct delivery (saved together with the new one, say) are
-    /// waited for, at most [`EARLIER_WAIT`].
-    /// Each of them is about to be delivered or left to the read loop.
-    async fn earlier_delivered(&self, earlier: &[Snowflake]) -> bool {
-        let deadline = crate::time::deadline(EARLIER_WAIT);
-        loop {
-            let changed = self.reservation_ended.notified();
-            let mut reserved = false;
-            for id in earlier {
-                match self.earlier(*id) {
-                    Earlier::Delivered => {}
-                    Earlier::Reserved => reserved = true,
-                    Earlier::Elsewhere => return false,
-                }
-            }
-            if !reserved {
-                return true;
-            }
-            tokio::select! {
-                () = changed => {}
-                () = tokio::time::sleep_until(deadline) => return false,
-            }
-        }
-    }
-
     /// Whether a request to `address` may go directly to its entity now.
     pub(super) fn may_deliver_directly(&self, address: &EntityAddress) -> bool {
         let direct = lock(&self.direct);
@@ -162,7 +135,7 @@ impl PersistedDelivery {
                 .managers()
                 .get(&address.entity_type)
                 .is_some_and(|manager| !manager.is_stream(&request.tag));
-        let reservation = direct.then(|| self.reserve(request.request_id)).flatten();
+        let reservation = direct.then(|| self.tracked.reserve(request.request_id)).flatten();
         if reservation.is_none() {
             self.hold(address, request.request_id);
         }
@@ -220,7 +193,10 @@ impl PersistedDelivery {
             {
                 false
             }
-            Some(earlier) => Box::pin(self.earlier_delivered(&earlier)).await,
+            Some(earlier) => {
+                let deadline = crate::time::deadline(EARLIER_WAIT);
+                Box::pin(self.tracked.earlier_delivered(&earlier, deadline)).await
+            }
             None => false,
         };
         if !in_order {

@@ -59,7 +59,6 @@ use std::sync::Arc;
 use cluster_core::ClusterError;
 use cluster_core::envelope::{Envelope, Reply, Request};
 use cluster_core::future::BoxFuture;
-use cluster_core::sync::lock;
 use cluster_core::transport::ReplyStream;
 use tokio::sync::{mpsc, oneshot};
 use tokio_util::sync::{CancellationToken, DropGuard};
@@ -88,8 +87,7 @@ impl PushedRequests for PersistedDelivery {
         let (sender, replies) = mpsc::channel(STREAM_BUFFER);
         // Fed as this process stores the stream's replies, and by the reply poller.
         let registration =
-            self.register_waiter(request.request_id, &address.shard_id, Waiter::stream(sender));
-        self.reply_waiters.notify_one();
+            self.waiters.register(request.request_id, &address.shard_id, Waiter::stream(sender));
         // A stream goes through the read loop, which resumes it after its last stored chunk.
         self.poll_storage();
         Ok(Box::new(PushedStream { replies, _registration: registration, finished: false }))
@@ -148,7 +146,7 @@ impl PersistedDelivery {
                 let mut replies = call.await?;
                 while let Some(reply) = replies.next_reply().await {
                     let reply = reply?;
-                    lock(&persisted.waiters).on_reply_saved(&reply);
+                    persisted.waiters.on_reply_saved(&reply);
                     if reply.is_final() {
                         return Ok(());
                     }
@@ -179,8 +177,7 @@ impl PersistedDelivery {
         let (reply, replied) = oneshot::channel();
         // Registered before the delivery, so that a reply stored right after is not missed.
         // A reply stored before is read by the reply poller, which polls for every waiter.
-        let registration = self.register(request_id, &address.shard_id, reply);
-        self.reply_waiters.notify_one();
+        let registration = self.waiters.register_exit(request_id, &address.shard_id, reply);
         let _serving = crate::metrics::Occupied::of(crate::metrics::PERSISTED_PUSHED_SERVING);
         // A task of its own: the delivery completes even if the caller goes away meanwhile.
         self.take_up_request(request);
@@ -226,10 +223,7 @@ impl PersistedDelivery {
     async fn answer_if_stored(&self, request_id: cluster_core::Snowflake) {
         match self.storage.replies_for(&[request_id]).await {
             Ok(replies) => {
-                let mut waiters = lock(&self.waiters);
-                for reply in replies.iter().filter(|reply| reply.is_final()) {
-                    waiters.on_reply_saved(reply);
-                }
+                self.waiters.on_replies_saved(replies.iter().filter(|reply| reply.is_final()));
             }
             Err(error) => tracing::debug!(%error, %request_id, "could not read a reply"),
         }
@@ -248,7 +242,7 @@ impl PersistedDelivery {
         let reservation = (unary && self.delivers(&address.shard_id))
             .then(|| self.may_deliver_directly(address))
             .filter(|direct| *direct)
-            .and_then(|_| self.reserve(request.request_id));
+            .and_then(|_| self.tracked.reserve(request.request_id));
         let Some(reservation) = reservation else {
             // Taken up here already, or its entity's requests go through the read loop now.
             // It may also have been answered just before a caller started waiting here.

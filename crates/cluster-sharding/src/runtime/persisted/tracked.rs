@@ -1,79 +1,45 @@
 //! The persisted requests this runner has taken up, from their claim to their stored outcome.
 //!
-//! A request enters the map when a dispatch claims it, before it reaches its entity.
-//! It leaves once its outcome is stored.
-//! Its states:
+//! [`TrackedRequests`] keeps their [`Lifecycle`] under one lock and hands out the guards that
+//! move a request through it: a [`Reservation`] for direct delivery, a [`Claim`] for a dispatch,
+//! a [`SettleGuard`] while an outcome is stored. The states, transitions and invariants are in
+//! `lifecycle`.
 //!
-//! - `Reserved`: saved by this runner for direct delivery, which has not claimed it yet.
-//!   Direct delivery first checks storage order.
-//!   The read loop may take the request over.
-//!   Direct delivery then finds it taken and leaves it, so the two never both run it.
-//! - `Running`: claimed and handed to its entity.
-//!   Interrupts and acknowledgements go to it.
-//!   The read loop leaves its row alone (`AlreadyProcessingMessage`).
-//! - `Settling`: its exit is in, and its reply (or its release) is being stored.
-//!   The read loop releases the claim its read took, in case the outcome was to run again.
-//!   This is the reference's per-round `processedRequestIds`.
-//! - `Settled`: stored while a read was under way, which may have selected the row before the
-//!   reply was stored.
-//!   It is forgotten when that read ends.
-//!   A later read selects after the reply, so it no longer returns the row.
-//!
-//! One map under one lock makes two steps atomic:
+//! One lock makes two steps atomic:
 //!
 //! - the check and the claim of a dispatch;
 //! - the move from `Running` to `Settling`, so that no read sees a request in neither state.
 
-use std::collections::BTreeMap;
 use std::sync::Arc;
+use std::sync::Mutex;
 use std::sync::atomic::{AtomicBool, Ordering};
 
 use cluster_core::Snowflake;
-use tokio::sync::mpsc;
+use cluster_core::sync::lock;
+use tokio::sync::{Notify, mpsc};
+use tokio::time::Instant;
 
-use super::{PersistedDelivery, lock};
+use super::lifecycle::{Busy, Claiming, Earlier, Lifecycle, Previous};
 use crate::metrics;
 use crate::runtime::interrupt::InterruptSignal;
 
-/// The map (in [`PersistedDelivery`]).
+/// The requests taken up here (in `PersistedDelivery`).
 #[derive(Default)]
-pub(super) struct Tracked {
-    /// A read is between its select and the end of its dispatching.
-    reading: bool,
-    requests: BTreeMap<Snowflake, Track>,
-    /// How many requests are `Running`.
-    running: usize,
-}
-
-/// Where a taken-up request is.
-enum Track {
-    Reserved,
-    Running(InFlight),
-    Settling,
-    Settled,
-}
-
-/// Who claims a request, and so which states it may be claimed from.
-#[derive(Clone, Copy, PartialEq, Eq, Debug)]
-pub(super) enum Claiming {
-    /// The read loop: a request nobody here runs (or only reserved for direct delivery).
-    Read,
-    /// Direct delivery: the request it reserved before saving it, if nobody took it over.
-    Reserved,
-    /// A re-run: the request whose interrupted outcome is being settled.
-    Rerun,
+pub(super) struct TrackedRequests {
+    lifecycle: Mutex<Lifecycle<InFlight>>,
+    /// Woken when a request reaches its entity or a reservation ends.
+    /// A later request to the entity, waiting for that one to go first, then checks again.
+    arrived: Notify,
 }
 
 /// A request handed to its entity and not answered yet.
 pub(super) struct InFlight {
     /// Interrupts it.
-    pub(super) cancellation: InterruptSignal,
+    cancellation: InterruptSignal,
     /// Set once its handler started.
-    pub(super) started: Arc<AtomicBool>,
+    started: Arc<AtomicBool>,
     /// Where a streaming request's acknowledgements go.
-    pub(super) acks: Option<mpsc::Sender<Snowflake>>,
-    /// Set once it is in its entity's mailbox (the claim comes just before).
-    delivered: bool,
+    acks: Option<mpsc::Sender<Snowflake>>,
 }
 
 impl InFlight {
@@ -83,19 +49,8 @@ impl InFlight {
         started: Arc<AtomicBool>,
         acks: Option<mpsc::Sender<Snowflake>>,
     ) -> InFlight {
-        InFlight { cancellation, started, acks, delivered: false }
+        InFlight { cancellation, started, acks }
     }
-}
-
-/// Why a request could not be claimed.
-pub(super) enum Busy {
-    /// It runs here already.
-    Running,
-    /// Another dispatch claimed it and is handing it to its entity right now.
-    /// It is not in the mailbox yet, so a later request to the entity must not go first.
-    Arriving,
-    /// Its outcome is being stored, or was during the current read.
-    Settled,
 }
 
 /// A claimed request.
@@ -103,64 +58,19 @@ pub(super) enum Busy {
 /// Dropped before [`keep`](Claim::keep), the claim is undone.
 /// The request goes back to where it was: out of the map, reserved, or settling for a re-run.
 pub(super) struct Claim {
-    persisted: Arc<PersistedDelivery>,
+    tracked: Arc<TrackedRequests>,
     request_id: Snowflake,
     /// Where the request was before the claim.
     previous: Previous,
     kept: bool,
 }
 
-/// Where a claimed request was.
-#[derive(Clone, Copy)]
-enum Previous {
-    Absent,
-    Reserved,
-    Settling,
-}
-
-/// A request reserved for direct delivery.
-///
-/// Dropped, the reservation goes, unless direct delivery or the read loop claimed the request.
-pub(super) struct Reservation {
-    persisted: Arc<PersistedDelivery>,
-    request_id: Snowflake,
-}
-
-impl Drop for Reservation {
-    fn drop(&mut self) {
-        {
-            let mut tracked = lock(&self.persisted.tracked);
-            if matches!(tracked.requests.get(&self.request_id), Some(Track::Reserved)) {
-                tracked.requests.remove(&self.request_id);
-            }
-        }
-        self.persisted.reservation_ended.notify_waiters();
-    }
-}
-
-/// Where an earlier request of an entity is, for a later one that would go directly.
-#[derive(Clone, Copy, PartialEq, Eq, Debug)]
-pub(super) enum Earlier {
-    /// It reached the entity here.
-    Delivered,
-    /// Reserved here for direct delivery, not claimed yet.
-    /// It is about to be delivered or left to the read loop.
-    Reserved,
-    /// Not taken up here: the read loop delivers it.
-    Elsewhere,
-}
-
 impl Claim {
     /// The request reached its entity: it stays `Running` until its exit is in.
     pub(super) fn keep(mut self) {
         self.kept = true;
-        {
-            let mut tracked = lock(&self.persisted.tracked);
-            if let Some(Track::Running(in_flight)) = tracked.requests.get_mut(&self.request_id) {
-                in_flight.delivered = true;
-            }
-        }
-        self.persisted.reservation_ended.notify_waiters();
+        lock(&self.tracked.lifecycle).deliver(self.request_id);
+        self.tracked.arrived.notify_waiters();
     }
 }
 
@@ -169,65 +79,54 @@ impl Drop for Claim {
         if self.kept {
             return;
         }
-        {
-            let mut tracked = lock(&self.persisted.tracked);
-            if matches!(tracked.requests.get(&self.request_id), Some(Track::Running(_))) {
-                match self.previous {
-                    Previous::Absent => tracked.requests.remove(&self.request_id),
-                    Previous::Reserved => tracked.requests.insert(self.request_id, Track::Reserved),
-                    Previous::Settling => tracked.requests.insert(self.request_id, Track::Settling),
-                };
-                tracked.stopped_running();
-            }
-        }
-        self.persisted.reservation_ended.notify_waiters();
+        self.tracked.change(|lifecycle| lifecycle.undo_claim(self.request_id, self.previous));
+        self.tracked.arrived.notify_waiters();
+    }
+}
+
+/// A request reserved for direct delivery.
+///
+/// Dropped, the reservation goes, unless direct delivery or the read loop claimed the request.
+pub(super) struct Reservation {
+    tracked: Arc<TrackedRequests>,
+    request_id: Snowflake,
+}
+
+impl Drop for Reservation {
+    fn drop(&mut self) {
+        lock(&self.tracked.lifecycle).unreserve(self.request_id);
+        self.tracked.arrived.notify_waiters();
     }
 }
 
 /// Marks a request as settled when its outcome is stored (or the storing task ends).
 pub(super) struct SettleGuard {
-    persisted: Arc<PersistedDelivery>,
+    tracked: Arc<TrackedRequests>,
     request_id: Snowflake,
 }
 
 impl Drop for SettleGuard {
     fn drop(&mut self) {
-        let mut tracked = lock(&self.persisted.tracked);
-        if !matches!(tracked.requests.get(&self.request_id), Some(Track::Settling)) {
-            // Running again (a re-run claimed it): the re-run's own guard settles it.
-            return;
-        }
-        if tracked.reading {
-            // The current read may have selected the row before its reply was stored.
-            tracked.requests.insert(self.request_id, Track::Settled);
-        } else {
-            // The next read selects after the reply was stored: it will not return the row.
-            tracked.requests.remove(&self.request_id);
-        }
+        lock(&self.tracked.lifecycle).settled(self.request_id);
     }
 }
 
-impl Tracked {
-    fn stopped_running(&mut self) {
-        self.running = self.running.saturating_sub(1);
-        metrics::set(metrics::PERSISTED_IN_FLIGHT, self.running);
+impl TrackedRequests {
+    /// Applies a transition that may change how many requests run, and sets the in-flight
+    /// gauge after it.
+    fn change<T>(&self, transition: impl FnOnce(&mut Lifecycle<InFlight>) -> T) -> T {
+        let mut lifecycle = lock(&self.lifecycle);
+        let outcome = transition(&mut lifecycle);
+        metrics::set(metrics::PERSISTED_IN_FLIGHT, lifecycle.running_count());
+        outcome
     }
-}
 
-impl PersistedDelivery {
     /// Reserves `request_id`, about to be saved, for direct delivery.
     ///
     /// `None` if it is taken up here already (an id seen before).
-    pub(super) fn reserve(
-        self: &Arc<PersistedDelivery>,
-        request_id: Snowflake,
-    ) -> Option<Reservation> {
-        let mut tracked = lock(&self.tracked);
-        if tracked.requests.contains_key(&request_id) {
-            return None;
-        }
-        tracked.requests.insert(request_id, Track::Reserved);
-        Some(Reservation { persisted: Arc::clone(self), request_id })
+    pub(super) fn reserve(self: &Arc<Self>, request_id: Snowflake) -> Option<Reservation> {
+        let reserved = lock(&self.lifecycle).reserve(request_id);
+        reserved.then(|| Reservation { tracked: Arc::clone(self), request_id })
     }
 
     /// Claims `request_id` for a dispatch, in one step with the check that nobody else has.
@@ -238,82 +137,73 @@ impl PersistedDelivery {
     /// - for direct delivery, its reservation is gone: the read loop took it over, and may have
     ///   answered it already.
     pub(super) fn claim(
-        self: &Arc<PersistedDelivery>,
+        self: &Arc<Self>,
         request_id: Snowflake,
         in_flight: InFlight,
         claiming: Claiming,
     ) -> Result<Claim, Busy> {
-        let mut tracked = lock(&self.tracked);
-        let previous = match (tracked.requests.get(&request_id), claiming) {
-            (None, Claiming::Read | Claiming::Rerun) => Previous::Absent,
-            // Taken over by the read loop.
-            // Undone, the claim leaves the request to the next read, not to direct delivery,
-            // whose reservation may be gone already.
-            (Some(Track::Reserved), Claiming::Read) => Previous::Absent,
-            (Some(Track::Reserved), Claiming::Reserved) => Previous::Reserved,
-            (Some(Track::Settling), Claiming::Rerun) => Previous::Settling,
-            (Some(Track::Running(in_flight)), _) if !in_flight.delivered => {
-                return Err(Busy::Arriving);
-            }
-            (Some(Track::Running(_)), _) => return Err(Busy::Running),
-            (None | Some(Track::Reserved | Track::Settling | Track::Settled), _) => {
-                return Err(Busy::Settled);
-            }
-        };
-        tracked.requests.insert(request_id, Track::Running(in_flight));
-        tracked.running += 1;
-        metrics::set(metrics::PERSISTED_IN_FLIGHT, tracked.running);
-        Ok(Claim { persisted: Arc::clone(self), request_id, previous, kept: false })
+        let previous = self.change(|lifecycle| lifecycle.claim(request_id, in_flight, claiming))?;
+        Ok(Claim { tracked: Arc::clone(self), request_id, previous, kept: false })
     }
 
     /// The request's exit is in: it moves from `Running` to `Settling`.
     ///
-    /// The move is one step, so that the read loop never sees the request in neither state.
     /// The read loop leaves its row alone until the guard drops, and then until the current
     /// read ends.
-    pub(super) fn settle(self: &Arc<PersistedDelivery>, request_id: Snowflake) -> SettleGuard {
-        let mut tracked = lock(&self.tracked);
-        if let Some(Track::Running(_)) = tracked.requests.insert(request_id, Track::Settling) {
-            tracked.stopped_running();
-        }
-        SettleGuard { persisted: Arc::clone(self), request_id }
+    pub(super) fn settle(self: &Arc<Self>, request_id: Snowflake) -> SettleGuard {
+        self.change(|lifecycle| lifecycle.settle(request_id));
+        SettleGuard { tracked: Arc::clone(self), request_id }
     }
 
     /// A read is about to select.
     pub(super) fn begin_read(&self) {
-        lock(&self.tracked).reading = true;
+        lock(&self.lifecycle).begin_read();
     }
 
     /// The read dispatched what it selected, or failed.
-    ///
-    /// The requests settled meanwhile are forgotten.
-    /// The next read selects after their replies were stored.
     pub(super) fn end_read(&self) {
-        let mut tracked = lock(&self.tracked);
-        tracked.reading = false;
-        tracked.requests.retain(|_, track| !matches!(track, Track::Settled));
+        lock(&self.lifecycle).end_read();
     }
 
-    /// Where the earlier request `request_id` is.
+    /// Whether every one of `earlier` (an entity's requests stored before a new one) reached
+    /// the entity here.
     ///
-    /// A later request to the entity may follow it directly once it reached the entity here.
-    /// A settling (or settled) request reached it: a request settles only after its exit.
+    /// Those reserved here for direct delivery (saved together with the new one, say) are
+    /// waited for until `deadline`.
+    /// Each of them is about to be delivered or left to the read loop.
+    ///
+    /// A settling request reached the entity.
     /// The later request need not wait for its reply's write, or for a re-run of it (an
     /// interrupted server-uninterruptible request), which comes after the requests queued
     /// meanwhile in any case (`effect/src/cluster/internal/entityManager.ts` offers it to the
     /// entity again behind them).
-    pub(super) fn earlier(&self, request_id: Snowflake) -> Earlier {
-        match lock(&self.tracked).requests.get(&request_id) {
-            Some(Track::Running(in_flight)) if in_flight.delivered => Earlier::Delivered,
-            Some(Track::Settling | Track::Settled) => Earlier::Delivered,
-            Some(Track::Running(_) | Track::Reserved) => Earlier::Reserved,
-            None => Earlier::Elsewhere,
+    pub(super) async fn earlier_delivered(&self, earlier: &[Snowflake], deadline: Instant) -> bool {
+        loop {
+            let arrived = self.arrived.notified();
+            let mut reserved = false;
+            {
+                let lifecycle = lock(&self.lifecycle);
+                for id in earlier {
+                    match lifecycle.earlier(*id) {
+                        Earlier::Delivered => {}
+                        Earlier::Reserved => reserved = true,
+                        Earlier::Elsewhere => return false,
+                    }
+                }
+            }
+            if !reserved {
+                return true;
+            }
+            tokio::select! {
+                () = arrived => {}
+                () = tokio::time::sleep_until(deadline) => return false,
+            }
         }
     }
 
     /// Interrupts `request_id` if it runs here.
     pub(super) fn interrupt(&self, request_id: Snowflake) {
-        if let Some(Track::Running(in_flight)) = lock(&self.tracked).requests.get(&request_id) {
+        if let Some(in_flight) = lock(&self.lifecycle).running(request_id) {
             in_flight.cancellation.cancel();
         }
     }
@@ -321,10 +211,8 @@ impl PersistedDelivery {
     /// Hands the acknowledgement of chunk `reply_id` to the streaming request `request_id`, if
     /// it runs here.
     pub(super) fn acknowledge(&self, request_id: Snowflake, reply_id: Snowflake) {
-        let tracked = lock(&self.tracked);
-        if let Some(Track::Running(InFlight { acks: Some(acks), .. })) =
-            tracked.requests.get(&request_id)
-        {
+        let lifecycle = lock(&self.lifecycle);
+        if let Some(InFlight { acks: Some(acks), .. }) = lifecycle.running(request_id) {
             // Full only if the caller acknowledged faster than chunks went out.
             // The handler only waits for the latest chunk's acknowledgement.
             let _ = acks.try_send(reply_id);
@@ -333,9 +221,8 @@ impl PersistedDelivery {
 
     /// Whether the handler of `request_id` started here.
     pub(super) fn has_started(&self, request_id: Snowflake) -> bool {
-        matches!(
-            lock(&self.tracked).requests.get(&request_id),
-            Some(Track::Running(in_flight)) if in_flight.started.load(Ordering::Acquire)
-        )
+        lock(&self.lifecycle)
+            .running(request_id)
+            .is_some_and(|in_flight| in_flight.started.load(Ordering::Acquire))
     }
 }
