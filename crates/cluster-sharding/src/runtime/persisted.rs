@@ -45,7 +45,7 @@
 //! That happens when its runner dies before the reply is stored, or when its reply is fenced.
 
 use std::collections::{BTreeMap, BTreeSet};
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::time::Duration;
 
 use cluster_core::envelope::{Envelope, Exit, Interrupt, Reply, Request, WithExit};
@@ -54,7 +54,6 @@ use cluster_core::reply_handlers::UnregisterMode;
 use cluster_core::storage::{
     MessageStorage, SaveRequestOptions, SaveResult, UnprocessedMessage, UnprocessedOptions,
 };
-use cluster_core::sync::lock;
 use cluster_core::{
     Clock, ClusterError, EntityAddress, EntityType, ShardId, ShardingConfig, Snowflake,
 };
@@ -81,6 +80,7 @@ mod tracked;
 mod waiters;
 mod writes;
 
+use direct::DirectOrder;
 use lifecycle::{Busy, Claiming};
 use tracked::{InFlight, TrackedRequests};
 use waiters::{Answer, OwnedRegistration, ReplyWaiters, Waiter};
@@ -127,7 +127,7 @@ pub(crate) struct PersistedDelivery {
     /// The requests taken up and not settled, counted per shard (`writes`).
     writes: Arc<ShardWrites>,
     /// Direct delivery's state (`direct`).
-    direct: Mutex<direct::Direct>,
+    direct: DirectOrder,
     /// The take-ups of pushed requests under way ([`TAKE_UPS_MAX`], `pushed`).
     take_ups: Arc<tokio::sync::Semaphore>,
     /// When the storage read loop last finished a read (the clock's epoch milliseconds, 0
@@ -183,7 +183,7 @@ impl PersistedDelivery {
             read_latch,
             tracked: Arc::default(),
             writes: Arc::default(),
-            direct: Mutex::new(direct::Direct::default()),
+            direct: DirectOrder::default(),
             take_ups: Arc::new(tokio::sync::Semaphore::new(TAKE_UPS_MAX)),
             last_read: std::sync::atomic::AtomicI64::new(0),
         }
@@ -427,7 +427,7 @@ impl PersistedDelivery {
             let direct = self.plan_direct(&request, &options);
             let (saved, earlier) = self.save(&request, &options, direct.is_some()).await;
             if !matches!(saved, Ok(SaveResult::Success)) {
-                self.unhold(&request.address, request.request_id);
+                self.direct.unhold(&request.address, request.request_id);
             }
             if !self.id_taken(&saved, &mut request, &mut attempt) {
                 break (registration, replied, direct, saved, earlier);
@@ -564,7 +564,7 @@ impl PersistedDelivery {
             let direct = self.plan_direct(&request, &options);
             let (saved, earlier) = self.save(&request, &options, direct.is_some()).await;
             if !matches!(saved, Ok(SaveResult::Success)) {
-                self.unhold(&request.address, request.request_id);
+                self.direct.unhold(&request.address, request.request_id);
             }
             if !self.id_taken(&saved, &mut request, &mut attempt) {
                 break (direct, saved, earlier);
@@ -840,7 +840,7 @@ impl PersistedDelivery {
             {
                 // An earlier request to this entity was not delivered: this one waits behind
                 // it, so that the entity sees them in order.
-                self.hold(address, *request_id);
+                self.direct.hold(address, *request_id);
                 release.push(*request_id);
                 continue;
             }
@@ -851,10 +851,10 @@ impl PersistedDelivery {
                     | Dispatched::Skipped
                     | Dispatched::Settled(_)
                     | Dispatched::Answer(_) => {
-                        self.unhold(address, *request_id);
+                        self.direct.unhold(address, *request_id);
                     }
                     _ => {
-                        self.hold(address, *request_id);
+                        self.direct.hold(address, *request_id);
                         refused.insert(address.clone());
                     }
                 }
@@ -880,7 +880,7 @@ impl PersistedDelivery {
         self.tracked.end_read();
         // Held now: a cluster's shards may have moved during the read; a single runner's not.
         let held_now = self.serving.member().map(|cluster| cluster.readable());
-        self.caught_up(shards, held_now.as_deref().unwrap_or(shards), whole_shards && !full);
+        self.direct.caught_up(shards, held_now.as_deref().unwrap_or(shards), whole_shards && !full);
         state.unregistered.warn();
         if !release.is_empty()
             && let Err(error) = self.storage.reset_requests(&release).await

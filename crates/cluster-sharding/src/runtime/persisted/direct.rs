@@ -42,44 +42,49 @@
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::num::NonZeroU32;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 
 use cluster_core::envelope::{Envelope, Request};
 use cluster_core::storage::{SaveRequestOptions, SaveResult, UnprocessedMessage};
+use cluster_core::sync::lock;
 use cluster_core::{ClusterError, EntityAddress, ShardId, Snowflake};
 
 use super::lifecycle::Claiming;
 use super::tracked::Reservation;
-use super::{Dispatched, PersistedDelivery, Unregistered, lock};
+use super::{Dispatched, PersistedDelivery, Unregistered};
 
-/// What direct delivery remembers (in [`PersistedDelivery`]).
+/// What direct delivery remembers of the order per entity (in [`PersistedDelivery`]).
 #[derive(Default)]
-pub(super) struct Direct {
+pub(super) struct DirectOrder(Mutex<Order>);
+
+#[derive(Default)]
+struct Order {
     /// The shards the read loop's last exhaustive read covered.
     caught_up: BTreeSet<ShardId>,
     /// Per entity address, the local requests left to the read loop, not delivered yet.
     pending: BTreeMap<EntityAddress, BTreeSet<Snowflake>>,
 }
 
-impl PersistedDelivery {
-    /// Whether a request to `address` may go directly to its entity now.
-    pub(super) fn may_deliver_directly(&self, address: &EntityAddress) -> bool {
-        let direct = lock(&self.direct);
-        direct.caught_up.contains(&address.shard_id) && !direct.pending.contains_key(address)
+impl DirectOrder {
+    /// Whether the read loop caught up with `address`'s shard and holds nothing back for
+    /// `address`: a request to it may go directly.
+    fn open(&self, address: &EntityAddress) -> bool {
+        let order = lock(&self.0);
+        order.caught_up.contains(&address.shard_id) && !order.pending.contains_key(address)
     }
 
     /// Leaves `request_id` to the read loop: later local requests to `address` follow it there.
     pub(super) fn hold(&self, address: &EntityAddress, request_id: Snowflake) {
-        lock(&self.direct).pending.entry(address.clone()).or_default().insert(request_id);
+        lock(&self.0).pending.entry(address.clone()).or_default().insert(request_id);
     }
 
     /// The read loop delivered or answered `request_id` (or it was a duplicate).
     pub(super) fn unhold(&self, address: &EntityAddress, request_id: Snowflake) {
-        let mut direct = lock(&self.direct);
-        if let Some(ids) = direct.pending.get_mut(address) {
+        let mut order = lock(&self.0);
+        if let Some(ids) = order.pending.get_mut(address) {
             ids.remove(&request_id);
             if ids.is_empty() {
-                direct.pending.remove(address);
+                order.pending.remove(address);
             }
         }
     }
@@ -92,13 +97,13 @@ impl PersistedDelivery {
     /// - Holds on a shard taken during the read stay, so that the next read delivers them
     ///   first.
     pub(super) fn caught_up(&self, read: &[ShardId], held: &[ShardId], exhaustive: bool) {
-        let mut direct = lock(&self.direct);
+        let mut order = lock(&self.0);
         let held: BTreeSet<&ShardId> = held.iter().collect();
-        direct.pending.retain(|address, _| held.contains(&address.shard_id));
+        order.pending.retain(|address, _| held.contains(&address.shard_id));
         if exhaustive {
-            direct.caught_up = read.iter().filter(|shard| held.contains(shard)).cloned().collect();
+            order.caught_up = read.iter().filter(|shard| held.contains(shard)).cloned().collect();
         } else {
-            direct.caught_up.retain(|shard| held.contains(shard));
+            order.caught_up.retain(|shard| held.contains(shard));
         }
     }
 }
@@ -129,17 +134,38 @@ impl PersistedDelivery {
         if options.deliver_at.is_some() || !self.serves(&address.shard_id) {
             return None;
         }
-        let direct = self.delivers(&address.shard_id)
-            && self.may_deliver_directly(address)
+        let reservation = self
+            .admits_directly(request)
+            .then(|| self.tracked.reserve(request.request_id))
+            .flatten();
+        if reservation.is_none() {
+            self.direct.hold(address, request.request_id);
+        }
+        reservation
+    }
+
+    /// Whether `request` may go to its entity without the read loop now: the one check of
+    /// direct delivery, for the requests saved here and those pushed here.
+    ///
+    /// - Its shard is served, within the lease of its last lock confirmation
+    ///   ([`Shards::delivers`](crate::placement::shards::Shards::delivers)).
+    ///   A runner frozen past it may have lost the shard, and the request's row is unclaimed,
+    ///   so the next owner would run it too.
+    /// - The read loop caught up with the shard, and holds back no earlier request of the
+    ///   entity.
+    /// - It is a unary request of an entity type registered here: a stream goes through the
+    ///   read loop, which resumes it after its last stored chunk.
+    ///
+    /// Every delivery, the read loop's included, checks the lease again once the request is
+    /// claimed (`dispatch`).
+    pub(super) fn admits_directly(&self, request: &Request) -> bool {
+        let address = &request.address;
+        self.delivers(&address.shard_id)
+            && self.direct.open(address)
             && self
                 .managers()
                 .get(&address.entity_type)
-                .is_some_and(|manager| !manager.is_stream(&request.tag));
-        let reservation = direct.then(|| self.tracked.reserve(request.request_id)).flatten();
-        if reservation.is_none() {
-            self.hold(address, request.request_id);
-        }
-        reservation
+                .is_some_and(|manager| !manager.is_stream(&request.tag))
     }
 
     /// Saves a request.
@@ -201,7 +227,7 @@ impl PersistedDelivery {
         };
         if !in_order {
             tracing::debug!(%request_id, "an earlier request is unread here: left to the read loop");
-            self.hold(&address, request_id);
+            self.direct.hold(&address, request_id);
             self.poll_storage();
             return;
         }
@@ -219,7 +245,7 @@ impl PersistedDelivery {
             Dispatched::Answer(reply) => self.save_final_reply(reply, None).await,
             Dispatched::Release(_) | Dispatched::Retry(_) | Dispatched::Capped(_) => {
                 tracing::debug!(%request_id, "not delivered directly; left to the read loop");
-                self.hold(&address, request_id);
+                self.direct.hold(&address, request_id);
                 self.poll_storage();
             }
         }

@@ -232,17 +232,10 @@ impl PersistedDelivery {
     /// Hands a pushed request to its entity if direct delivery's order rules allow it now;
     /// otherwise leaves it to the read loop, which is woken.
     async fn deliver_pushed(self: Arc<Self>, request: Request) {
-        let address = &request.address;
-        let unary = self
-            .managers()
-            .get(&address.entity_type)
-            .is_some_and(|manager| !manager.is_stream(&request.tag));
-        // Within the lease only: a runner frozen past it may have lost the shard, and the
-        // pushed request's row is unclaimed, so the next owner would run it too.
-        let reservation = (unary && self.delivers(&address.shard_id))
-            .then(|| self.may_deliver_directly(address))
-            .filter(|direct| *direct)
-            .and_then(|_| self.tracked.reserve(request.request_id));
+        let reservation = self
+            .admits_directly(&request)
+            .then(|| self.tracked.reserve(request.request_id))
+            .flatten();
         let Some(reservation) = reservation else {
             // Taken up here already, or its entity's requests go through the read loop now.
             // It may also have been answered just before a caller started waiting here.
