@@ -18,6 +18,8 @@
 //!   Interrupts and acknowledgements go to it.
 //!   The read loop leaves its row alone (`AlreadyProcessingMessage`).
 //! - `Settling`: its exit is in, and its reply (or its release) is being stored.
+//!   Each settling has its own [`Settling`] token: only the end of that storing ends it.
+//!   A re-run's own settling is not ended by the end of the first run's.
 //!   The read loop releases the claim its read took, in case the outcome was to run again.
 //!   This is the reference's per-round `processedRequestIds`.
 //! - `Settled`: stored while a read was under way, which may have selected the row before the
@@ -37,7 +39,7 @@
 //! | `deliver`          | `Running`                              | `Running`, delivered       |
 //! | `undo_claim`       | `Running`                              | where the claim found it   |
 //! | `settle`           | any                                    | `Settling`                 |
-//! | `settled`          | `Settling`                             | `Settled` (reading), absent|
+//! | `settled`          | `Settling`, with the same token        | `Settled` (reading), absent|
 //! | `end_read`         | `Settled`                              | absent                     |
 //!
 //! A claim the read loop undoes leaves a request it took over from direct delivery absent,
@@ -50,6 +52,7 @@
 //! - `running` is the number of `Running` requests.
 //! - A request is `Settled` only while a read is under way.
 //! - A claim succeeds only for a request that no other claim holds: one run per delivery.
+//! - A request leaves `Settling` only when the storing that its token stands for ends.
 
 use std::collections::BTreeMap;
 
@@ -66,13 +69,20 @@ pub(super) struct Lifecycle<F> {
     requests: BTreeMap<Snowflake, Track<F>>,
     /// How many requests are `Running`.
     running: usize,
+    /// The token of the next settling.
+    next_settling: u64,
 }
 
 impl<F> Default for Lifecycle<F> {
     fn default() -> Lifecycle<F> {
-        Lifecycle { reading: false, requests: BTreeMap::new(), running: 0 }
+        Lifecycle { reading: false, requests: BTreeMap::new(), running: 0, next_settling: 0 }
     }
 }
+
+/// One settling of a request: what [`Lifecycle::settle`] hands out and
+/// [`Lifecycle::settled`] takes back.
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+pub(super) struct Settling(u64);
 
 /// Where a taken-up request is.
 #[derive(Debug)]
@@ -83,7 +93,7 @@ enum Track<F> {
         delivered: bool,
         flight: F,
     },
-    Settling,
+    Settling(Settling),
     Settled,
 }
 
@@ -116,7 +126,7 @@ pub(super) enum Busy {
 pub(super) enum Previous {
     Absent,
     Reserved,
-    Settling,
+    Settling(Settling),
 }
 
 /// Where an earlier request of an entity is, for a later one that would go directly.
@@ -171,10 +181,10 @@ impl<F> Lifecycle<F> {
             // whose reservation may be gone already.
             (Some(Track::Reserved), Claiming::Read) => Previous::Absent,
             (Some(Track::Reserved), Claiming::Reserved) => Previous::Reserved,
-            (Some(Track::Settling), Claiming::Rerun) => Previous::Settling,
+            (Some(Track::Settling(settling)), Claiming::Rerun) => Previous::Settling(*settling),
             (Some(Track::Running { delivered: false, .. }), _) => return Err(Busy::Arriving),
             (Some(Track::Running { delivered: true, .. }), _) => return Err(Busy::Running),
-            (None | Some(Track::Reserved | Track::Settling | Track::Settled), _) => {
+            (None | Some(Track::Reserved | Track::Settling(_) | Track::Settled), _) => {
                 return Err(Busy::Settled);
             }
         };
@@ -200,7 +210,9 @@ impl<F> Lifecycle<F> {
             match previous {
                 Previous::Absent => self.requests.remove(&request_id),
                 Previous::Reserved => self.requests.insert(request_id, Track::Reserved),
-                Previous::Settling => self.requests.insert(request_id, Track::Settling),
+                Previous::Settling(settling) => {
+                    self.requests.insert(request_id, Track::Settling(settling))
+                }
             };
             self.running -= 1;
         }
@@ -210,19 +222,26 @@ impl<F> Lifecycle<F> {
     /// The request's exit is in: it moves to `Settling` while its outcome is stored.
     ///
     /// The move is one step, so that the read loop never sees the request in neither state.
-    pub(super) fn settle(&mut self, request_id: Snowflake) {
-        if let Some(Track::Running { .. }) = self.requests.insert(request_id, Track::Settling) {
+    pub(super) fn settle(&mut self, request_id: Snowflake) -> Settling {
+        let settling = Settling(self.next_settling);
+        self.next_settling += 1;
+        let previous = self.requests.insert(request_id, Track::Settling(settling));
+        if let Some(Track::Running { .. }) = previous {
             self.running -= 1;
         }
         self.check();
+        settling
     }
 
     /// The request's outcome is stored (or its storing ended).
     ///
     /// The current read, if any, may have selected its row before: it stays `Settled` until
-    /// that read ends. A request claimed again for a re-run is left to the re-run.
-    pub(super) fn settled(&mut self, request_id: Snowflake) {
-        if matches!(self.requests.get(&request_id), Some(Track::Settling)) {
+    /// that read ends. A request claimed again for a re-run is left to the re-run, and so is
+    /// one the re-run settles in its turn: `settling` is no longer its token.
+    pub(super) fn settled(&mut self, request_id: Snowflake, settling: Settling) {
+        if let Some(Track::Settling(current)) = self.requests.get(&request_id)
+            && *current == settling
+        {
             if self.reading {
                 self.requests.insert(request_id, Track::Settled);
             } else {
@@ -254,7 +273,7 @@ impl<F> Lifecycle<F> {
     /// exit.
     pub(super) fn earlier(&self, request_id: Snowflake) -> Earlier {
         match self.requests.get(&request_id) {
-            Some(Track::Running { delivered: true, .. } | Track::Settling | Track::Settled) => {
+            Some(Track::Running { delivered: true, .. } | Track::Settling(_) | Track::Settled) => {
                 Earlier::Delivered
             }
             Some(Track::Running { delivered: false, .. } | Track::Reserved) => Earlier::Reserved,

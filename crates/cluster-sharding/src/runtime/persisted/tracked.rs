@@ -19,7 +19,7 @@ use cluster_core::sync::lock;
 use tokio::sync::{Notify, mpsc};
 use tokio::time::Instant;
 
-use super::lifecycle::{Busy, Claiming, Earlier, Lifecycle, Previous};
+use super::lifecycle::{Busy, Claiming, Earlier, Lifecycle, Previous, Settling};
 use crate::metrics;
 use crate::runtime::interrupt::InterruptSignal;
 
@@ -103,11 +103,12 @@ impl Drop for Reservation {
 pub(super) struct SettleGuard {
     tracked: Arc<TrackedRequests>,
     request_id: Snowflake,
+    settling: Settling,
 }
 
 impl Drop for SettleGuard {
     fn drop(&mut self) {
-        lock(&self.tracked.lifecycle).settled(self.request_id);
+        lock(&self.tracked.lifecycle).settled(self.request_id, self.settling);
     }
 }
 
@@ -151,8 +152,8 @@ impl TrackedRequests {
     /// The read loop leaves its row alone until the guard drops, and then until the current
     /// read ends.
     pub(super) fn settle(self: &Arc<Self>, request_id: Snowflake) -> SettleGuard {
-        self.change(|lifecycle| lifecycle.settle(request_id));
-        SettleGuard { tracked: Arc::clone(self), request_id }
+        let settling = self.change(|lifecycle| lifecycle.settle(request_id));
+        SettleGuard { tracked: Arc::clone(self), request_id, settling }
     }
 
     /// A read is about to select.

@@ -1,12 +1,12 @@
 //! The lifecycle's transitions, one by one from each state, and random sequences of them as
 //! the read loop, direct delivery and re-runs issue them.
 
-use std::collections::BTreeSet;
+use std::collections::{BTreeMap, BTreeSet};
 
 use cluster_core::Snowflake;
 use proptest::prelude::*;
 
-use super::{Busy, Claiming, Earlier, Lifecycle, Previous};
+use super::{Busy, Claiming, Earlier, Lifecycle, Previous, Settling};
 
 const ID: Snowflake = Snowflake::new(7);
 
@@ -42,8 +42,8 @@ fn lifecycle_at(start: Start) -> Lifecycle<()> {
             lifecycle.begin_read();
             lifecycle.claim(ID, (), Claiming::Read).unwrap();
             lifecycle.deliver(ID);
-            lifecycle.settle(ID);
-            lifecycle.settled(ID);
+            let settling = lifecycle.settle(ID);
+            lifecycle.settled(ID, settling);
         }
     }
     lifecycle
@@ -69,7 +69,7 @@ fn each_claimant_claims_only_from_its_states() {
         (Start::Running, Rerun, Err(Busy::Running)),
         (Start::Settling, Read, Err(Busy::Settled)),
         (Start::Settling, reserved, Err(Busy::Settled)),
-        (Start::Settling, Rerun, Ok(Previous::Settling)),
+        (Start::Settling, Rerun, Ok(Previous::Settling(Settling(0)))),
         (Start::Settled, Read, Err(Busy::Settled)),
         (Start::Settled, reserved, Err(Busy::Settled)),
         (Start::Settled, Rerun, Err(Busy::Settled)),
@@ -111,21 +111,38 @@ fn a_request_settled_during_a_read_is_forgotten_when_the_read_ends() {
     assert_eq!(lifecycle.len(), 0);
     // Settled with no read under way: the next read selects after the reply.
     let mut lifecycle = lifecycle_at(Start::Settling);
-    lifecycle.settled(ID);
+    lifecycle.settled(ID, Settling(0));
     assert_eq!(lifecycle.len(), 0);
 }
 
 #[test]
 fn a_rerun_settles_itself_and_its_first_run_does_not() {
+    let first = Settling(0);
     let mut lifecycle = lifecycle_at(Start::Settling);
     lifecycle.claim(ID, (), Claiming::Rerun).unwrap();
     lifecycle.deliver(ID);
     // The first run's outcome was stored: the re-run is left running.
-    lifecycle.settled(ID);
+    lifecycle.settled(ID, first);
     assert!(lifecycle.running(ID).is_some());
-    lifecycle.settle(ID);
-    lifecycle.settled(ID);
+    let rerun = lifecycle.settle(ID);
+    lifecycle.settled(ID, rerun);
     assert_eq!((lifecycle.len(), lifecycle.running_count()), (0, 0));
+}
+
+/// The re-run's exit came in before the first run's storing ended: the end of the first
+/// run's storing leaves the re-run's settling alone, so no read runs the request again while
+/// the re-run's reply is stored.
+#[test]
+fn the_first_runs_storing_ending_after_the_reruns_exit_leaves_the_rerun_settling() {
+    let first = Settling(0);
+    let mut lifecycle = lifecycle_at(Start::Settling);
+    lifecycle.claim(ID, (), Claiming::Rerun).unwrap();
+    lifecycle.deliver(ID);
+    let rerun = lifecycle.settle(ID);
+    lifecycle.settled(ID, first);
+    assert_eq!(lifecycle.claim(ID, (), Claiming::Read), Err(Busy::Settled));
+    lifecycle.settled(ID, rerun);
+    assert_eq!(lifecycle.len(), 0);
 }
 
 #[test]
@@ -184,7 +201,9 @@ struct Callers {
     /// Claims in their entity's mailbox, exit not in yet.
     delivered: Vec<Snowflake>,
     /// Outcomes being stored.
-    settling: Vec<Snowflake>,
+    settling: Vec<(Snowflake, Settling)>,
+    /// The latest settling of each request.
+    latest: BTreeMap<Snowflake, Settling>,
     reading: bool,
     /// Requests whose outcome was stored during the current read.
     settled_in_read: BTreeSet<Snowflake>,
@@ -201,26 +220,33 @@ impl Callers {
             + self.delivered.iter().filter(|held| **held == id).count()
     }
 
-    /// Takes a reservation (`Previous::Reserved`) or a settling (`Previous::Settling`) that no
-    /// arriving claim was made from.
+    /// Takes a reservation that no arriving claim was made from.
     ///
     /// Claims are made and ended within one synchronous dispatch, which direct delivery and a
     /// re-run call while they hold the reservation or the settling: a claim made from either
     /// ends before it does.
-    fn take_free(&mut self, handle: usize, from: Previous) -> Option<Snowflake> {
-        let claimed_from = |id: Snowflake| self.arriving.contains(&(id, from));
-        let held = if from == Previous::Reserved { &self.reservations } else { &self.settling };
+    fn take_reservation(&mut self, handle: usize) -> Option<Snowflake> {
+        let claimed = |id: Snowflake| self.arriving.contains(&(id, Previous::Reserved));
         let free: Vec<usize> =
-            (0..held.len()).filter(|index| !claimed_from(held[*index])).collect();
+            (0..self.reservations.len()).filter(|at| !claimed(self.reservations[*at])).collect();
         let index = *free.get(handle % free.len().max(1))?;
-        let held =
-            if from == Previous::Reserved { &mut self.reservations } else { &mut self.settling };
-        Some(held.remove(index))
+        Some(self.reservations.remove(index))
+    }
+
+    /// Takes a settling that no arriving claim was made from (see above).
+    fn take_settling(&mut self, handle: usize) -> Option<(Snowflake, Settling)> {
+        let claimed = |(id, settling): (Snowflake, Settling)| {
+            self.arriving.contains(&(id, Previous::Settling(settling)))
+        };
+        let free: Vec<usize> =
+            (0..self.settling.len()).filter(|at| !claimed(self.settling[*at])).collect();
+        let index = *free.get(handle % free.len().max(1))?;
+        Some(self.settling.remove(index))
     }
 
     fn claimed(&mut self, lifecycle: &mut Lifecycle<()>, id: Snowflake, claiming: Claiming) {
         let holding = self.holding(id);
-        let settling = self.settling.contains(&id);
+        let settling = self.settling.iter().any(|(held, _)| *held == id);
         let claimed = lifecycle.claim(id, (), claiming);
         if let Ok(previous) = claimed {
             assert_eq!(holding, 0, "{id} claimed twice");
@@ -241,7 +267,7 @@ impl Callers {
                 }
             }
             Op::Unreserve(handle) => {
-                if let Some(id) = self.take_free(handle, Previous::Reserved) {
+                if let Some(id) = self.take_reservation(handle) {
                     lifecycle.unreserve(id);
                 }
             }
@@ -252,7 +278,7 @@ impl Callers {
                 }
             }
             Op::ClaimRerun(handle) => {
-                if let Some(&id) = self.settling.get(handle % self.settling.len().max(1)) {
+                if let Some(&(id, _)) = self.settling.get(handle % self.settling.len().max(1)) {
                     self.claimed(lifecycle, id, Claiming::Rerun);
                 }
             }
@@ -271,15 +297,18 @@ impl Callers {
             }
             Op::Settle(handle) => {
                 if let Some(id) = take(&mut self.delivered, handle) {
-                    lifecycle.settle(id);
-                    self.settling.push(id);
+                    let settling = lifecycle.settle(id);
+                    self.latest.insert(id, settling);
+                    self.settling.push((id, settling));
                 }
             }
             Op::Settled(handle) => {
-                if let Some(id) = self.take_free(handle, Previous::Settling) {
-                    let rerun = self.holding(id) > 0;
-                    lifecycle.settled(id);
-                    if self.reading && !rerun && !self.settling.contains(&id) {
+                if let Some((id, settling)) = self.take_settling(handle) {
+                    // The request leaves `Settling` only if this is its latest settling and no
+                    // re-run holds it.
+                    let current = self.latest.get(&id) == Some(&settling) && self.holding(id) == 0;
+                    lifecycle.settled(id, settling);
+                    if self.reading && current {
                         self.settled_in_read.insert(id);
                     }
                 }
@@ -309,11 +338,11 @@ impl Callers {
             self.delivered.push(id);
         }
         for id in std::mem::take(&mut self.delivered) {
-            lifecycle.settle(id);
-            self.settling.push(id);
+            let settling = lifecycle.settle(id);
+            self.settling.push((id, settling));
         }
-        for id in std::mem::take(&mut self.settling) {
-            lifecycle.settled(id);
+        for (id, settling) in std::mem::take(&mut self.settling) {
+            lifecycle.settled(id, settling);
         }
         for id in std::mem::take(&mut self.reservations) {
             lifecycle.unreserve(id);
