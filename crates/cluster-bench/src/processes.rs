@@ -13,7 +13,7 @@ use std::process::Stdio;
 use std::time::Duration;
 
 use cluster_core::ShardingConfig;
-use cluster_sharding::{EntityOptions, Sharding};
+use cluster_sharding::Sharding;
 use cluster_workflow::{Workflow, WorkflowEngine};
 use durable_cluster::{Role, Runner, RunnerEnv};
 use tokio::process::{Child, Command};
@@ -72,7 +72,7 @@ pub(crate) struct AcrossProcesses {
 pub(crate) async fn runner() -> Result<(), String> {
     let env = RunnerEnv::from_env(Role::Runner).map_err(|error| error.to_string())?;
     let runner = Runner::start(&env, |sharding| {
-        sharding.register::<Echo>(EntityOptions::default())?;
+        sharding.entity::<Echo>().register()?;
         // The engine's entities keep it: it lives as long as the runtime.
         let engine = WorkflowEngine::cluster(sharding)?;
         ThreeSteps::register(&engine, workloads::three_steps)?;

@@ -7,7 +7,7 @@ use std::sync::Arc;
 use cluster_core::ShardingConfig;
 use cluster_core::config::Capacity;
 use cluster_sharding::{
-    Entity, EntityContext, EntityOptions, Handler, Never, Protocol, RequestContext, Rpc, Sharding,
+    Entity, EntityContext, Handler, Never, Protocol, RequestContext, Rpc, Sharding,
 };
 use cluster_workflow::{Workflow, WorkflowContext, WorkflowEngine};
 use serde::{Deserialize, Serialize};
@@ -145,7 +145,7 @@ async fn volatile_echo(plan: &Plan) -> Result<Measured, String> {
     let config =
         ShardingConfig { max_resident_entities: Capacity::Unbounded, ..ShardingConfig::default() };
     let sharding = Sharding::builder(config).start().await.map_err(|error| error.to_string())?;
-    sharding.register::<Echo>(EntityOptions::default()).map_err(|error| error.to_string())?;
+    sharding.entity::<Echo>().register().map_err(|error| error.to_string())?;
     let measured = volatile_echo_from(plan, &sharding).await;
     sharding.shutdown().await;
     measured
@@ -231,7 +231,7 @@ async fn persisted_echo(
     database: &BenchDatabase,
     sharding: &Sharding,
 ) -> Result<Measured, String> {
-    sharding.register::<Echo>(EntityOptions::default()).map_err(|error| error.to_string())?;
+    sharding.entity::<Echo>().register().map_err(|error| error.to_string())?;
     persisted_echo_on(plan, Some(database), sharding).await
 }
 

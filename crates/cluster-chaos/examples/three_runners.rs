@@ -28,7 +28,7 @@ use std::time::Duration;
 
 use cluster_chaos::chaos::{free_port, wait_for_runners};
 use cluster_sharding::{
-    Entity, EntityContext, EntityOptions, Handler, Never, Protocol, RequestContext, Rpc, Sharding,
+    Entity, EntityContext, Handler, Never, Protocol, RequestContext, Rpc, Sharding,
 };
 use cluster_storage_sql::PgRunnerStorage;
 use durable_cluster::{Role, Runner, RunnerEnv};
@@ -131,7 +131,7 @@ fn say(line: &str) {
 async fn runner() -> Result<(), String> {
     let env = RunnerEnv::from_env(Role::Runner).map_err(|error| error.to_string())?;
     let node = Runner::start(&env, |sharding| {
-        sharding.register::<Greeter>(EntityOptions::default())?;
+        sharding.entity::<Greeter>().register()?;
         Ok(())
     })
     .await

@@ -10,7 +10,7 @@
 //!
 //! What a ledger writes to and how it works come from [`LedgerDependencies`], handed to every
 //! instance by the factory it is registered with ([`Ledger::factory`] and
-//! `Sharding::register_with`), not from process globals.
+//! `Sharding::entity` with a factory), not from process globals.
 //!
 //! The lock epoch is the entity instance: an instance lives within one tenure of its shard's
 //! lock on its runner (it stops before the lock is released), so two epochs of different
@@ -53,7 +53,7 @@ pub struct Ledger {
 }
 
 impl Ledger {
-    /// The factory to register ledgers with (`Sharding::register_with`): every instance
+    /// The factory to register ledgers with (`Sharding::entity(..).factory`): every instance
     /// shares `dependencies`.
     pub fn factory(
         dependencies: LedgerDependencies,

@@ -9,7 +9,6 @@ use cluster_chaos::chaos::{self, ChaosOptions, say};
 use cluster_chaos::ledger::{self, Ledger, LedgerDependencies};
 use cluster_chaos::runs::{self, RunRecorder};
 use cluster_chaos::workload::{self, WorkloadOptions};
-use cluster_sharding::EntityOptions;
 use durable_cluster::{Role, Runner, RunnerEnv};
 
 #[tokio::main]
@@ -49,7 +48,7 @@ async fn runner() -> ExitCode {
         Err(_) => LedgerDependencies::default(),
     };
     Runner::main_with(env, |sharding| {
-        sharding.register_with(EntityOptions::default(), Ledger::factory(dependencies))?;
+        sharding.entity().factory(Ledger::factory(dependencies)).register()?;
         Ok(())
     })
     .await

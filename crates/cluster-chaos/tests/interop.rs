@@ -10,7 +10,7 @@ use std::time::Duration;
 use cluster_chaos::chaos::free_port;
 use cluster_chaos::ledger::{Deposit, Echo, Ledger, LedgerDependencies};
 use cluster_core::ClusterError;
-use cluster_sharding::{CallError, EntityOptions, Sharding};
+use cluster_sharding::{CallError, Sharding};
 use cluster_testkit::wait::eventually;
 use durable_cluster::{Role, Runner, RunnerEnv};
 
@@ -46,7 +46,7 @@ fn env(database: &str, port: u16, secret: &str) -> RunnerEnv {
 async fn start(env: &RunnerEnv) -> Runner {
     Runner::start(env, |sharding| {
         let factory = Ledger::factory(LedgerDependencies::default());
-        sharding.register_with(EntityOptions::default(), factory)?;
+        sharding.entity().factory(factory).register()?;
         Ok(())
     })
     .await

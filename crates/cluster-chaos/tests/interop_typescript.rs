@@ -30,8 +30,7 @@ use std::time::Duration;
 use cluster_chaos::chaos::free_port;
 use cluster_core::{Clock, ClusterError, HashRing, RunnerAddress, ShardGroup, SystemClock};
 use cluster_sharding::{
-    CallError, Entity, EntityContext, EntityOptions, Handler, Protocol, RequestContext, Rpc,
-    Sharding,
+    CallError, Entity, EntityContext, Handler, Protocol, RequestContext, Rpc, Sharding,
 };
 use cluster_storage_sql::TablePrefix;
 use cluster_testkit::wait::eventually;
@@ -245,7 +244,7 @@ impl Interop {
     /// Starts the Rust runner with `extra` settings, serving `InteropEcho`.
     async fn start_rust_with(&self, port: u16, extra: &[(&'static str, &str)]) -> Runner {
         Runner::start(&self.rust_env(port, extra), |sharding| {
-            sharding.register::<InteropEcho>(EntityOptions::default())?;
+            sharding.entity::<InteropEcho>().register()?;
             Ok(())
         })
         .await

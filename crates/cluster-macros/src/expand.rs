@@ -209,7 +209,7 @@ fn entity_impl(krate: &Path, def: &EntityDef) -> TokenStream {
                 }
             }
         }
-        // Never called: `FACTORY_ONLY` makes `Sharding::register` of the type fail to build.
+        // Never called: `FACTORY_ONLY` makes a registration of the type without a factory fail to build.
         None => quote! {
             const FACTORY_ONLY: bool = true;
             fn create(

@@ -55,7 +55,7 @@ mod tests;
 /// # #[tokio::main(flavor = "current_thread")]
 /// # async fn main() -> Result<(), Box<dyn std::error::Error>> {
 /// let sharding = Sharding::builder(ShardingConfig::default()).start().await?;
-/// sharding.register::<Account>(EntityOptions::default())?;
+/// sharding.entity::<Account>().register()?;
 /// let accounts = Account::client(&sharding);
 /// assert_eq!(accounts.balance("alice", Balance).await?, 0);
 /// # sharding.shutdown().await;
@@ -116,7 +116,7 @@ mod tests;
 ///
 /// | Method | Meaning |
 /// |---|---|
-/// | `[async] fn create([context: &EntityContext]) -> Self` | `Entity::create`. Optional: without it, the entity type can only be registered with a factory (`Sharding::register_with` or `register_with_async`), and `Sharding::register` of it fails to build (`Entity::FACTORY_ONLY`). |
+/// | `[async] fn create([context: &EntityContext]) -> Self` | `Entity::create`. Optional: without it, the entity type can only be registered with a factory (`.factory(..)` or `.factory_async(..)` on `Sharding::entity`), and a registration without one fails to build (`Entity::FACTORY_ONLY`). |
 /// | `[async] fn on_stop(&mut self)` | `Entity::on_stop`. |
 /// | `fn shard_group(entity_id: &str) -> ShardGroup` | `Entity::shard_group`. |
 /// | `fn protocol(protocol: &mut Protocol<Self>)` | Declarations of its own, after the `#[rpc]` ones: forked handlers, or handlers written by hand. |
@@ -169,7 +169,7 @@ fn entity_tokens(
 /// Programs that must not build, each for the reason its comment gives; `rustdoc` checks that
 /// they fail (`cargo test --doc -p cluster-macros`).
 ///
-/// `Sharding::register` of an entity type without `create`:
+/// A registration without a factory of an entity type without `create`:
 ///
 /// ```compile_fail,E0080
 /// use cluster_sharding::{EntityOptions, Never, Sharding, entity};
@@ -188,7 +188,7 @@ fn entity_tokens(
 /// }
 ///
 /// fn register(sharding: &Sharding) {
-///     let _ = sharding.register::<Pinger>(EntityOptions::default());
+///     let _ = sharding.entity::<Pinger>().register();
 /// }
 ///
 /// fn main() {
@@ -217,7 +217,7 @@ fn entity_tokens(
 /// }
 ///
 /// fn register(sharding: &Sharding) {
-///     let _ = sharding.register_with(EntityOptions::default(), |_: &EntityContext| Pinger);
+///     let _ = sharding.entity().factory(|_: &EntityContext| Pinger).register();
 /// }
 ///
 /// fn main() {

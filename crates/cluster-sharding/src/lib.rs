@@ -36,7 +36,7 @@
 //! # #[tokio::main(flavor = "current_thread")]
 //! # async fn main() -> Result<(), Box<dyn std::error::Error>> {
 //! let sharding = Sharding::builder(ShardingConfig::default()).start().await?;
-//! sharding.register::<Counter>(EntityOptions::default())?;
+//! sharding.entity::<Counter>().register()?;
 //!
 //! let counters = Counter::client(&sharding);
 //! assert_eq!(counters.increment("user-42", Increment { by: 1 }).await?, 1);
@@ -54,7 +54,8 @@
 //! `Increment`) and the typed client `CounterClient`. Those can be written by hand, as the
 //! [`Entity`] documentation shows. Either way, [`Sharding::client`] gives the client of one
 //! entity ([`EntityClient`], whose `send` takes any request the entity handles).
-//! [`Sharding::register_with`] makes instances with a factory, to hand them dependencies.
+//! [`Sharding::entity`] registers an entity type, its instances made by `create` or by a
+//! factory that hands them dependencies.
 //!
 //! The requests above are volatile: they live in memory only. A request type with
 //! [`Rpc::PERSISTED`] is saved to a message storage first and delivered at least once, answered
@@ -82,6 +83,7 @@ mod error;
 mod metered;
 pub mod metrics;
 mod placement;
+mod registration;
 mod runtime;
 mod services;
 mod sharding;
@@ -109,6 +111,7 @@ pub use cluster_macros::entity;
 pub use error::{RegisterError, StartError};
 pub use placement::health::RunnerHealth;
 pub use placement::member::Readiness;
+pub use registration::{ByCreate, ByFactory, EntityRegistration};
 pub use runtime::delivery::TransactionSlot;
 pub use services::cron::{CronContext, CronError, CronOptions};
 pub use services::singleton::{SingletonContext, SingletonOptions};

@@ -23,7 +23,6 @@ use std::time::Duration;
 use cluster_core::config::{Capacity, ShardingConfig};
 use cluster_core::envelope::{Exit, RawJson, Request};
 use cluster_core::error::ConfigError;
-use cluster_core::future::BoxFuture;
 use cluster_core::reply_handlers::UnregisterMode;
 use cluster_core::snowflake::SharedSnowflakeGenerator;
 use cluster_core::storage::{MessageStorage, SaveRequestOptions};
@@ -73,20 +72,6 @@ pub enum RegistrationEvent {
 
 /// How many registration events a slow subscriber may lag behind before it misses some.
 const REGISTRATION_EVENTS_MAX: usize = 64;
-
-/// Fails the build of a registration by [`Entity::create`] of an entity type with
-/// [`Entity::FACTORY_ONLY`] (evaluated when the registration is compiled for that type).
-macro_rules! assert_has_create {
-    ($entity:ty) => {
-        const {
-            assert!(
-                !<$entity as Entity>::FACTORY_ONLY,
-                "this entity type has no `create` (Entity::FACTORY_ONLY): register it with \
-                 `Sharding::register_with` and a factory, or give it an `async fn create`"
-            );
-        }
-    };
-}
 
 /// The runtime of one process; cheap to clone (a handle).
 #[derive(Clone)]
@@ -354,17 +339,6 @@ impl Sharding {
         &self.inner.config
     }
 
-    /// Registers entity type `E`: its requests are handled on this runner from now on, by
-    /// instances that [`Entity::create`] makes (see [`Sharding::register_with`] for a factory
-    /// instead; a type with [`Entity::FACTORY_ONLY`] fails to build here). In a client-only
-    /// process this is a no-op, as in the reference.
-    pub fn register<E: Entity>(&self, options: EntityOptions) -> Result<(), RegisterError> {
-        // Here as well as in `register_as`: the compiler's note then points at the caller.
-        assert_has_create!(E);
-        let entity_type = EntityType::from_static(E::TYPE);
-        self.register_factory(entity_type, options, Factory::<E>::create())
-    }
-
     /// Registers the singleton `name`: `run` is called on the one runner that holds the lock
     /// of the name's shard, again whenever the shard comes back to this runner, and (after a
     /// backoff) when it panics. It stops (its [`SingletonContext::cancellation`] fires, then
@@ -499,9 +473,12 @@ impl Sharding {
         // The instances get the runtime from their context: a factory that kept it would keep
         // the runtime alive through its own managers.
         let entity_job = Arc::clone(&job);
-        self.register_as_with(entity_type.clone(), EntityOptions::default(), move |context| {
-            CronEntity::<Sharding>::new(Arc::clone(&entity_job), context.sharding().clone())
-        })?;
+        self.entity()
+            .named(entity_type.clone())
+            .factory(move |context| {
+                CronEntity::<Sharding>::new(Arc::clone(&entity_job), context.sharding().clone())
+            })
+            .register()?;
         let singleton = SingletonOptions { shard_group: Some(job.shard_group()) };
         self.register_singleton(entity_type.to_string(), singleton, move |context| {
             let host = context.sharding().clone();
@@ -510,110 +487,9 @@ impl Sharding {
         Ok(())
     }
 
-    /// Registers entity type `E` under the name `entity_type` instead of `E::TYPE`: one Rust
-    /// type for several entity types, such as the reference's `ClusterCron/<name>` and
-    /// `Workflow/<name>`. Reach them with [`Sharding::client_as`]; an instance finds its type
-    /// in its address.
-    pub fn register_as<E: Entity>(
-        &self,
-        entity_type: EntityType,
-        options: EntityOptions,
-    ) -> Result<(), RegisterError> {
-        assert_has_create!(E);
-        self.register_factory(entity_type, options, Factory::<E>::create())
-    }
-
-    /// Registers entity type `E` under the name `entity_type`, its instances made by
-    /// `factory`: [`register_as`](Sharding::register_as) and
-    /// [`register_with`](Sharding::register_with) together.
-    pub fn register_as_with<E: Entity>(
-        &self,
-        entity_type: EntityType,
-        options: EntityOptions,
-        factory: impl Fn(&EntityContext) -> E + Send + Sync + 'static,
-    ) -> Result<(), RegisterError> {
-        self.register_factory(entity_type, options, Factory::With(Arc::new(factory)))
-    }
-
-    /// Registers entity type `E` with `factory` making its instances instead of
-    /// [`Entity::create`]: the way to hand instances their dependencies (a pool, a client, a
-    /// counter) without globals. The factory runs wherever `create` would: on an instance's
-    /// first request, after it was reaped for idleness, and after a panic (a panicking factory
-    /// is retried with the same backoff).
-    ///
-    /// ```
-    /// # use std::sync::Arc;
-    /// # use std::sync::atomic::{AtomicU64, Ordering};
-    /// # use cluster_core::ShardingConfig;
-    /// # use cluster_sharding::{EntityContext, EntityOptions, Never, Sharding, entity};
-    /// # use serde::{Deserialize, Serialize};
-    /// #[derive(Serialize, Deserialize)]
-    /// struct Visit;
-    ///
-    /// /// Counts the visits of every page in one shared counter.
-    /// struct Page {
-    ///     visits: Arc<AtomicU64>,
-    /// }
-    ///
-    /// // No `create`: instances come from the factory only.
-    /// #[entity]
-    /// impl Page {
-    ///     #[rpc]
-    ///     async fn visit(&mut self, _: Visit) -> Result<u64, Never> {
-    ///         Ok(self.visits.fetch_add(1, Ordering::Relaxed) + 1)
-    ///     }
-    /// }
-    ///
-    /// # #[tokio::main(flavor = "current_thread")]
-    /// # async fn main() -> Result<(), Box<dyn std::error::Error>> {
-    /// let sharding = Sharding::builder(ShardingConfig::default()).start().await?;
-    /// let visits = Arc::new(AtomicU64::new(0));
-    /// let shared = Arc::clone(&visits);
-    /// sharding.register_with(EntityOptions::default(), move |_: &EntityContext| Page {
-    ///     visits: Arc::clone(&shared),
-    /// })?;
-    /// let pages = Page::client(&sharding);
-    /// pages.visit("home", Visit).await?;
-    /// pages.visit("about", Visit).await?;
-    /// assert_eq!(visits.load(Ordering::Relaxed), 2);
-    /// # sharding.shutdown().await;
-    /// # Ok(())
-    /// # }
-    /// ```
-    ///
-    /// An entity type written with [`entity`](crate::entity) and no `create` can only be
-    /// registered with a factory, this way or with
-    /// [`register_with_async`](Sharding::register_with_async) ([`Entity::FACTORY_ONLY`]):
-    /// [`register`](Sharding::register) of it fails to build.
-    pub fn register_with<E: Entity>(
-        &self,
-        options: EntityOptions,
-        factory: impl Fn(&EntityContext) -> E + Send + Sync + 'static,
-    ) -> Result<(), RegisterError> {
-        let entity_type = EntityType::from_static(E::TYPE);
-        self.register_factory(entity_type, options, Factory::With(Arc::new(factory)))
-    }
-
-    /// Registers entity type `E` with an asynchronous `factory` making its instances, as
-    /// [`register_with`](Sharding::register_with) does with a synchronous one: for instances
-    /// that load something before their first request (a snapshot of their state, say). The
-    /// factory gets its own handle on the context; an instance's requests wait until it is
-    /// made.
-    pub fn register_with_async<E: Entity, F>(
-        &self,
-        options: EntityOptions,
-        factory: impl Fn(EntityContext) -> F + Send + Sync + 'static,
-    ) -> Result<(), RegisterError>
-    where
-        F: Future<Output = E> + Send + 'static,
-    {
-        let entity_type = EntityType::from_static(E::TYPE);
-        let factory = move |context| -> BoxFuture<'static, E> { Box::pin(factory(context)) };
-        self.register_factory(entity_type, options, Factory::WithAsync(Arc::new(factory)))
-    }
-
-    /// Registers entity type `E` as `entity_type`, its instances made by `factory`.
-    fn register_factory<E: Entity>(
+    /// Registers entity type `E` as `entity_type`, its instances made by `factory`
+    /// (`EntityRegistration::register`).
+    pub(crate) fn register_factory<E: Entity>(
         &self,
         entity_type: EntityType,
         options: EntityOptions,
@@ -661,32 +537,9 @@ impl Sharding {
         Ok(())
     }
 
-    /// A typed client for the entity `entity_id` of `E` registered as `entity_type` (see
-    /// [`Sharding::register_as`]), in the shard group `E::shard_group` gives.
-    pub fn client_as<E: Entity>(
-        &self,
-        entity_type: EntityType,
-        entity_id: impl Into<EntityId>,
-    ) -> EntityClient<E> {
-        let entity_id = entity_id.into();
-        let group = E::shard_group(entity_id.as_str());
-        self.client_in::<E>(entity_type, &group, entity_id)
-    }
-
-    /// A typed client for the entity `entity_id` of `E` registered as `entity_type`, in the
-    /// shard group `group`.
-    pub fn client_in<E: Entity>(
-        &self,
-        entity_type: EntityType,
-        group: &ShardGroup,
-        entity_id: impl Into<EntityId>,
-    ) -> EntityClient<E> {
-        let entity_id = entity_id.into();
-        let shard_id = self.shard_id(entity_id.as_str(), group);
-        EntityClient::new(self.clone(), EntityAddress { shard_id, entity_type, entity_id })
-    }
-
-    /// A typed client for the entity `entity_id` of type `E`.
+    /// A typed client for the entity `entity_id` of type `E`, under its own name
+    /// ([`Entity::TYPE`]); one registered under another name is reached with
+    /// `EntityRegistration::client`.
     pub fn client<E: Entity>(&self, entity_id: impl Into<EntityId>) -> EntityClient<E> {
         let entity_id = entity_id.into();
         let shard_id = self.shard_id(entity_id.as_str(), &E::shard_group(entity_id.as_str()));
@@ -1124,8 +977,10 @@ impl CronHost for Sharding {
         CronEntity<Sharding>: Handler<R>,
     {
         let group = job.shard_group();
-        let client =
-            self.client_in::<CronEntity<Sharding>>(job.entity_type().clone(), &group, entity_id);
+        let client = self
+            .entity::<CronEntity<Sharding>>()
+            .named(job.entity_type().clone())
+            .client_in(&group, entity_id);
         client.discard(request).await
     }
 }

@@ -47,9 +47,7 @@ use cluster_core::ids::RunnerAddress;
 use cluster_core::storage::{MessageStorage, RunnerStorage};
 use cluster_core::sync::lock;
 use cluster_core::{Clock, EntityAddress, ShardingConfig, Snowflake, Timestamp};
-use cluster_sharding::{
-    Entity, EntityContext, EntityOptions, Handler, Protocol, RequestContext, Rpc, Sharding,
-};
+use cluster_sharding::{Entity, EntityContext, Handler, Protocol, RequestContext, Rpc, Sharding};
 use serde::{Deserialize, Serialize};
 
 use crate::faulty::{Faults, FaultyMessageStorage, FaultyRunnerStorage, LockFaults, StorageEvent};
@@ -590,7 +588,7 @@ impl World {
                     runner: format!("runner-{port}"),
                     slow_handlers: self.slow_handlers,
                 }));
-                if let Err(error) = sharding.register::<SimCounter>(EntityOptions::default()) {
+                if let Err(error) = sharding.entity::<SimCounter>().register() {
                     self.violation(format!("runner {port} could not register: {error}"));
                 }
                 #[cfg(feature = "workflow")]

@@ -71,7 +71,7 @@ impl<E: Entity> TestClient<E> {
         let clock = Arc::new(SystemClock);
         let storage = Arc::new(MemoryMessageStorage::new(clock.clone()));
         let sharding = Sharding::builder(config).clock(clock).messages(storage).start().await?;
-        sharding.register::<E>(options)?;
+        sharding.entity::<E>().options(options).register()?;
         Ok(TestClient { sharding, entity: PhantomData })
     }
 

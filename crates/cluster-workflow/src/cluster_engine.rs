@@ -197,11 +197,12 @@ impl ClusterEngine {
         });
         // The entities get the engine from their factory: it lives as long as their runtime.
         let clock_engine = Arc::clone(&engine);
-        let registered = sharding.register_as_with(
-            EntityType::from(CLOCK_ENTITY),
-            entity_options(),
-            move |context| ClockEntity::new(context, Arc::clone(&clock_engine)),
-        );
+        let registered = sharding
+            .entity()
+            .named(EntityType::from(CLOCK_ENTITY))
+            .options(entity_options())
+            .factory(move |context| ClockEntity::new(context, Arc::clone(&clock_engine)))
+            .register();
         match registered {
             Ok(()) => Ok(engine),
             Err(RegisterError::AlreadyRegistered(_)) => {
@@ -354,11 +355,10 @@ impl ClusterEngine {
 
     fn client(&self, workflow: &str, execution_id: &ExecutionId) -> EntityClient<WorkflowEntity> {
         let group = self.group(workflow, execution_id);
-        self.sharding.client_in::<WorkflowEntity>(
-            Self::entity_type(workflow),
-            &group,
-            execution_id.as_str(),
-        )
+        self.sharding
+            .entity::<WorkflowEntity>()
+            .named(Self::entity_type(workflow))
+            .client_in(&group, execution_id.as_str())
     }
 
     fn clock_client(
@@ -367,11 +367,10 @@ impl ClusterEngine {
         execution_id: &ExecutionId,
     ) -> EntityClient<ClockEntity> {
         let group = self.group(workflow, execution_id);
-        self.sharding.client_in::<ClockEntity>(
-            EntityType::from(CLOCK_ENTITY),
-            &group,
-            execution_id.as_str(),
-        )
+        self.sharding
+            .entity::<ClockEntity>()
+            .named(EntityType::from(CLOCK_ENTITY))
+            .client_in(&group, execution_id.as_str())
     }
 
     fn activation(&self, execution_id: &ExecutionId) -> Option<Arc<Activation>> {

@@ -16,7 +16,7 @@
 use std::process::ExitCode;
 
 use durable_cluster::http::{HttpConfig, HttpGateway};
-use durable_cluster::{EntityOptions, Never, ShardingConfig, SingleRunner, entity};
+use durable_cluster::{Never, ShardingConfig, SingleRunner, entity};
 use schemars::JsonSchema;
 use serde::{Deserialize, Serialize};
 
@@ -81,7 +81,7 @@ async fn run() -> Result<(), Box<dyn std::error::Error>> {
     }
     let path = std::env::temp_dir().join(format!("http-gateway-{}.db", std::process::id()));
     let sharding = SingleRunner::sqlite(&path, ShardingConfig::default()).await?;
-    sharding.register::<Counter>(EntityOptions::default())?;
+    sharding.entity::<Counter>().register()?;
     let gateway = HttpGateway::new(sharding.clone())
         .entity::<Counter>()
         .schemas::<Counter, Increment>()

@@ -21,7 +21,7 @@ use std::time::Duration;
 use durable_cluster::cluster_core::envelope::primary_key;
 use durable_cluster::storage::MessageStorage;
 use durable_cluster::storage::sqlite::{SqliteMessageStorage, SqliteOptions};
-use durable_cluster::{Entity, EntityOptions, Never, Rpc, Sharding, SingleRunner, entity};
+use durable_cluster::{Entity, Never, Rpc, Sharding, SingleRunner, entity};
 use durable_cluster::{EntityAddress, EntityId, EntityType, ShardGroup, ShardingConfig};
 use serde::{Deserialize, Serialize};
 
@@ -75,7 +75,7 @@ fn config() -> ShardingConfig {
 /// stored messages.
 async fn start(path: &str) -> Result<Sharding, Error> {
     let sharding = SingleRunner::sqlite(path, config()).await?;
-    sharding.register::<Account>(EntityOptions::default())?;
+    sharding.entity::<Account>().register()?;
     Ok(sharding)
 }
 

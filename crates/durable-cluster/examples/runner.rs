@@ -11,7 +11,7 @@
 //! line naming the variable when a setting is wrong.
 
 use durable_cluster::{
-    Entity, EntityContext, EntityOptions, Handler, Never, Protocol, RequestContext, Rpc, Runner,
+    Entity, EntityContext, Handler, Never, Protocol, RequestContext, Rpc, Runner,
 };
 use serde::{Deserialize, Serialize};
 
@@ -54,7 +54,7 @@ impl Handler<Add> for Counter {
 #[tokio::main]
 async fn main() -> std::process::ExitCode {
     Runner::main(|sharding| {
-        sharding.register::<Counter>(EntityOptions::default())?;
+        sharding.entity::<Counter>().register()?;
         Ok(())
     })
     .await

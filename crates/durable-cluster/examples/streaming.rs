@@ -18,8 +18,8 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 
 use durable_cluster::ShardingConfig;
 use durable_cluster::{
-    CallError, Chunks, Entity, EntityContext, EntityOptions, Never, Protocol, RequestContext,
-    SingleRunner, StreamHandler, StreamRpc,
+    CallError, Chunks, Entity, EntityContext, Never, Protocol, RequestContext, SingleRunner,
+    StreamHandler, StreamRpc,
 };
 use serde::{Deserialize, Serialize};
 
@@ -129,7 +129,7 @@ async fn run(path: &std::path::Path) -> Result<(), String> {
     let sharding = SingleRunner::sqlite(path, ShardingConfig::default())
         .await
         .map_err(|error| error.to_string())?;
-    sharding.register::<Sensor>(EntityOptions::default()).map_err(|error| error.to_string())?;
+    sharding.entity::<Sensor>().register().map_err(|error| error.to_string())?;
     let sensor = sharding.client::<Sensor>("kitchen");
     let failed = |error: CallError<Never>| error.to_string();
 

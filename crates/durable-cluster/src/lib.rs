@@ -123,10 +123,10 @@
 //! let sharding = SingleRunner::sqlite(&path, ShardingConfig::default()).await?;
 //! let runs = Arc::new(AtomicU64::new(0));
 //! let counted = Arc::clone(&runs);
-//! sharding.register_with(EntityOptions::default(), move |_: &EntityContext| Account {
+//! sharding.entity().factory(move |_: &EntityContext| Account {
 //!     balance: 0,
 //!     runs: Arc::clone(&counted),
-//! })?;
+//! }).register()?;
 //!
 //! let accounts = Account::client(&sharding);
 //! let deposit = || Deposit { key: "deposit-1".into(), amount: 10 };

@@ -36,7 +36,7 @@
 //!     // Binds the listener, opens the storages (running the migrations), joins, registers,
 //!     // serves.
 //!     let runner = Runner::from_env(|sharding| {
-//!         sharding.register::<Account>(EntityOptions::default())?;
+//!         sharding.entity::<Account>().register()?;
 //!         Ok(())
 //!     })
 //!     .await?;

@@ -13,9 +13,7 @@ use durable_cluster::http::HttpGateway;
 use durable_cluster::workflow::{
     DurableDeferred, ExecutionId, Token, TokenKey, Workflow, WorkflowContext, WorkflowEngine,
 };
-use durable_cluster::{
-    Entity, EntityContext, EntityOptions, Protocol, RequestContext, Rpc, ShardingConfig,
-};
+use durable_cluster::{Entity, EntityContext, Protocol, RequestContext, Rpc, ShardingConfig};
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
 
@@ -320,7 +318,7 @@ impl Gateway {
     /// says yes), otherwise only the holders of capabilities signed with [`token_key`].
     async fn serve(database: TestDatabase, open: bool) -> Gateway {
         let sharding = support::single_runner(&database).await;
-        sharding.register::<Counter>(EntityOptions::default()).unwrap();
+        sharding.entity::<Counter>().register().unwrap();
         let engine = WorkflowEngine::cluster(&sharding).unwrap();
         Greet::register(&engine, greet).unwrap();
         Approval::register(&engine, approve).unwrap();
@@ -597,7 +595,7 @@ async fn a_storage_failure_answers_the_references_persistence_error() {
         .start()
         .await
         .unwrap();
-    sharding.register::<Counter>(EntityOptions::default()).unwrap();
+    sharding.entity::<Counter>().register().unwrap();
     let router = HttpGateway::new(sharding.clone()).entity::<Counter>().router();
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let address = listener.local_addr().unwrap();

@@ -11,8 +11,7 @@ use std::time::Duration;
 use cluster_testkit::databases::TestDatabase;
 use durable_cluster::http::HttpGateway;
 use durable_cluster::{
-    Chunks, Entity, EntityContext, EntityOptions, Protocol, RequestContext, Sharding,
-    StreamHandler, StreamRpc,
+    Chunks, Entity, EntityContext, Protocol, RequestContext, Sharding, StreamHandler, StreamRpc,
 };
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
@@ -187,7 +186,7 @@ struct Gateway {
 impl Gateway {
     async fn start(database: &TestDatabase) -> Gateway {
         let sharding = support::single_runner(database).await;
-        sharding.register::<Feed>(EntityOptions::default()).unwrap();
+        sharding.entity::<Feed>().register().unwrap();
         let router = HttpGateway::new(sharding.clone())
             .entity::<Feed>()
             .stream_schemas::<Feed, Count>()

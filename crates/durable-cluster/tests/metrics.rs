@@ -12,8 +12,8 @@ use std::time::Duration;
 
 use durable_cluster::workflow::{Workflow, WorkflowContext, WorkflowEngine};
 use durable_cluster::{
-    CallError, Chunks, Entity, EntityContext, EntityOptions, Never, Protocol, RequestContext, Rpc,
-    Runner, Sharding, StreamHandler, StreamRpc,
+    CallError, Chunks, Entity, EntityContext, Never, Protocol, RequestContext, Rpc, Runner,
+    Sharding, StreamHandler, StreamRpc,
 };
 use serde::{Deserialize, Serialize};
 
@@ -233,7 +233,7 @@ async fn every_exported_metric_has_its_pinned_name_kind_and_labels() {
     let handles: Arc<Mutex<Option<(Sharding, WorkflowEngine)>>> = Arc::default();
     let kept = Arc::clone(&handles);
     let runner = Runner::start(&settings, move |sharding| {
-        sharding.register::<Counter>(EntityOptions::default())?;
+        sharding.entity::<Counter>().register()?;
         let engine = WorkflowEngine::cluster(sharding)?;
         Flaky::register(&engine, flaky)?;
         *kept.lock().unwrap() = Some((sharding.clone(), engine));
@@ -304,7 +304,7 @@ async fn the_mailbox_series_of_stopped_entities_leave_metrics() {
     let handles: Arc<Mutex<Option<Sharding>>> = Arc::default();
     let kept = Arc::clone(&handles);
     let runner = Runner::start(&settings, move |sharding| {
-        sharding.register::<Counter>(EntityOptions::default())?;
+        sharding.entity::<Counter>().register()?;
         *kept.lock().unwrap() = Some(sharding.clone());
         Ok(())
     })

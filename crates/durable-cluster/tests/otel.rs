@@ -10,8 +10,7 @@ use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex};
 
 use durable_cluster::{
-    Entity, EntityContext, EntityOptions, Never, Protocol, RequestContext, Role, Rpc, Runner,
-    RunnerEnv, Sharding,
+    Entity, EntityContext, Never, Protocol, RequestContext, Role, Rpc, Runner, RunnerEnv, Sharding,
 };
 use opentelemetry::trace::{SpanId, TracerProvider as _};
 use opentelemetry_sdk::trace::{SdkTracerProvider, SpanData, SpanExporter};
@@ -136,7 +135,7 @@ async fn a_handler_on_another_runner_continues_the_callers_trace() {
         support::env(name, &[("CLUSTER_RPC_SECRET", "otel-test-0123456789abcdef0123456789abcdef")])
             .unwrap();
     let runner = Runner::start(&settings, |sharding| {
-        sharding.register::<Echo>(EntityOptions::default())?;
+        sharding.entity::<Echo>().register()?;
         Ok(())
     })
     .await

@@ -27,7 +27,7 @@ use durable_cluster::http::{HttpConfig, HttpGateway, serve};
 use durable_cluster::workflow::{
     DurableDeferred, ExecutionId, Token, Workflow, WorkflowContext, WorkflowEngine,
 };
-use durable_cluster::{EntityOptions, Never, RequestContext, Runner, entity};
+use durable_cluster::{Never, RequestContext, Runner, entity};
 use serde::{Deserialize, Serialize};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
@@ -169,7 +169,7 @@ async fn start(
     vars.extend_from_slice(ops_vars);
     let env = support::env(name, &vars).unwrap();
     let runner = Runner::start(&env, |sharding| {
-        sharding.register::<Probe>(EntityOptions::default())?;
+        sharding.entity::<Probe>().register()?;
         Ok(())
     })
     .await

@@ -4,8 +4,8 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
 use durable_cluster::{
-    Entity, EntityContext, EntityOptions, Handler, Never, Protocol, RequestContext, Rpc,
-    RunnerAddress, ShardingConfig, SingleRunner, StartError,
+    Entity, EntityContext, Handler, Never, Protocol, RequestContext, Rpc, RunnerAddress,
+    ShardingConfig, SingleRunner, StartError,
 };
 use serde::{Deserialize, Serialize};
 
@@ -72,7 +72,7 @@ async fn a_single_runner_restarts_on_its_file_and_answers_from_it() {
     let path = std::env::temp_dir().join(format!("facade-single-{}.db", std::process::id()));
     remove(&path);
     let first = SingleRunner::sqlite(&path, config()).await.unwrap();
-    first.register::<Account>(EntityOptions::default()).unwrap();
+    first.entity::<Account>().register().unwrap();
     let deposit = || Deposit { key: "a".to_owned(), amount: 3 };
     assert_eq!(first.client::<Account>("single").send(deposit()).await.unwrap(), 3);
     // Another runner on the same file while the first holds the shards is refused.
@@ -88,7 +88,7 @@ async fn a_single_runner_restarts_on_its_file_and_answers_from_it() {
     first.shutdown().await;
     // The same runner (same address) starts again on the file at once.
     let second = SingleRunner::sqlite(&path, config()).await.unwrap();
-    second.register::<Account>(EntityOptions::default()).unwrap();
+    second.entity::<Account>().register().unwrap();
     let again = second.client::<Account>("single").send(deposit()).await;
     assert_eq!(again.unwrap(), 3, "answered from the file");
     assert_eq!(RUNS.load(Ordering::SeqCst), 1, "the handler ran once");

@@ -103,13 +103,10 @@ pub trait Entity: Sized + Send + 'static {
     /// called so often that the spans cost more than they tell.
     const CLIENT_TRACING: bool = true;
 
-    /// Whether instances come only from a factory ([`Sharding::register_with`] or
-    /// `register_with_async`): then
-    /// [`Sharding::register`] of the type fails to build, and [`create`](Entity::create) never
+    /// Whether instances come only from a factory
+    /// ([`EntityRegistration::factory`](crate::EntityRegistration::factory) or `factory_async`):
+    /// then a registration without one fails to build, and [`create`](Entity::create) never
     /// runs. The [`entity`](crate::entity) macro sets it for an impl block without `create`.
-    ///
-    /// [`Sharding::register_with`]: crate::Sharding::register_with
-    /// [`Sharding::register`]: crate::Sharding::register
     const FACTORY_ONLY: bool = false;
 
     /// The shard group of an entity id (`default` unless overridden).
@@ -121,9 +118,9 @@ pub trait Entity: Sized + Send + 'static {
     /// it was reaped for idleness, or restarted after a panic). `context.sharding()` is the
     /// runtime, for instances that call other entities.
     ///
-    /// [`Sharding::register`](crate::Sharding::register) makes instances with it; an entity
-    /// type registered with [`Sharding::register_with`](crate::Sharding::register_with) gets
-    /// them from its factory instead, and this is never called (see
+    /// A registration ([`Sharding::entity`](crate::Sharding::entity)) makes instances with it;
+    /// an entity type registered with a factory gets them from the factory instead, and this is
+    /// never called (see
     /// [`FACTORY_ONLY`](Entity::FACTORY_ONLY)).
     fn create(context: &EntityContext) -> impl Future<Output = Self> + Send;
 
@@ -142,8 +139,8 @@ pub trait Entity: Sized + Send + 'static {
     }
 }
 
-/// What [`Entity::create`] and the factories of
-/// [`Sharding::register_with`](crate::Sharding::register_with) get.
+/// What [`Entity::create`] and a registration's factory
+/// ([`EntityRegistration::factory`](crate::EntityRegistration::factory)) get.
 ///
 /// Its `sharding()` method, the runtime the instance runs in, is written where that runtime
 /// is (`sharding.rs`): the entity layer is below the runtime and does not name it.

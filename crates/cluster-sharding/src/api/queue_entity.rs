@@ -39,7 +39,7 @@
 //!         Ok(())
 //!     }
 //! }
-//! // sharding.register::<Queued<Adder>>(options), sharding.client::<Queued<Adder>>(id)
+//! // sharding.entity::<Queued<Adder>>().options(options).register(), sharding.client::<Queued<Adder>>(id)
 //! ```
 
 use std::collections::BTreeMap;

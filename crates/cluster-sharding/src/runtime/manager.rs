@@ -394,13 +394,13 @@ pub(crate) type Contexts = Arc<dyn Fn(&EntityAddress) -> Option<EntityContext> +
 
 /// What makes the instances of an entity type.
 pub(crate) enum Factory<E> {
-    /// [`Entity::create`], boxed. A function pointer that `Sharding::register` takes: the
+    /// [`Entity::create`], boxed. A function pointer that a registration without a factory takes: the
     /// manager itself never names `E::create`, so an entity type registered only with a
-    /// factory needs none (see `Sharding::register_with`).
+    /// factory needs none (see `EntityRegistration::factory`).
     Create(for<'a> fn(&'a EntityContext) -> BoxFuture<'a, E>),
-    /// The factory of `Sharding::register_with`.
+    /// The factory of `EntityRegistration::factory`.
     With(Arc<dyn Fn(&EntityContext) -> E + Send + Sync>),
-    /// The factory of `Sharding::register_with_async`.
+    /// The factory of `EntityRegistration::factory_async`.
     WithAsync(Arc<dyn Fn(EntityContext) -> BoxFuture<'static, E> + Send + Sync>),
 }
 

@@ -8,9 +8,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
 
 use cluster_core::ShardingConfig;
-use cluster_sharding::{
-    Entity, EntityContext, EntityOptions, Handler, Protocol, RequestContext, Sharding,
-};
+use cluster_sharding::{Entity, EntityContext, Handler, Protocol, RequestContext, Sharding};
 
 use crate::entities::{Failure, Get};
 
@@ -131,8 +129,8 @@ impl Handler<Get> for Untraced {
 async fn each_client_call_runs_in_a_span_with_the_type_tag_and_request_id() {
     spans();
     let sharding = Sharding::builder(ShardingConfig::default()).start().await.unwrap();
-    sharding.register::<Traced>(EntityOptions::default()).unwrap();
-    sharding.register::<Untraced>(EntityOptions::default()).unwrap();
+    sharding.entity::<Traced>().register().unwrap();
+    sharding.entity::<Untraced>().register().unwrap();
     assert_eq!(sharding.client::<Traced>("t1").send(Get).await.unwrap(), 7);
     sharding.client::<Traced>("t2").discard(Get).await.unwrap();
     assert_eq!(sharding.client::<Untraced>("u1").send(Get).await.unwrap(), 8);

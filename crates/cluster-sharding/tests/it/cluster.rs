@@ -10,7 +10,7 @@ use cluster_core::envelope::{Reply, primary_key};
 use cluster_core::error::{StorageError, StorageErrorKind};
 use cluster_core::storage::{MessageStorage, RunnerStorage};
 use cluster_core::{Clock, RunnerAddress, ShardGroup, ShardId, ShardingConfig, SystemClock};
-use cluster_sharding::{CallError, CronOptions, EntityClient, EntityOptions, Sharding};
+use cluster_sharding::{CallError, CronOptions, EntityClient, Sharding};
 use cluster_storage_sql::mysql::{MySqlMessageStorage, MySqlRunnerStorage};
 use cluster_storage_sql::postgres::{PgMessageStorage, PgRunnerStorage};
 use cluster_storage_sql::sqlite::{SqliteMessageStorage, SqliteOptions, SqliteRunnerStorage};
@@ -146,7 +146,7 @@ impl Net {
             .start()
             .await
             .unwrap();
-        sharding.register::<Counter>(EntityOptions::default()).unwrap();
+        sharding.entity::<Counter>().register().unwrap();
         sharding
     }
 
@@ -190,7 +190,7 @@ impl Net {
             .start()
             .await
             .unwrap();
-        sharding.register::<Counter>(EntityOptions::default()).unwrap();
+        sharding.entity::<Counter>().register().unwrap();
         sharding
     }
 
@@ -922,7 +922,7 @@ async fn a_burst_of_joins_moves_each_shard_once(net: Net) {
                 .start()
                 .await
                 .unwrap();
-            runner.register::<Counter>(EntityOptions::default()).unwrap();
+            runner.entity::<Counter>().register().unwrap();
             (runner, faults.expect("built"))
         }
     };
@@ -1586,7 +1586,7 @@ async fn entities_run_only_on_runners_of_their_shard_group(mut net: Net) {
     let default = net.runner_configured(16_001, |locks| locks, serving("default")).await;
     let special = net.runner_configured(16_002, |locks| locks, serving("special")).await;
     for runner in [&default, &special] {
-        runner.register::<Special>(EntityOptions::default()).unwrap();
+        runner.entity::<Special>().register().unwrap();
     }
     let (messages, locks) = net.storages().await;
     let client_config = ShardingConfig { available_shard_groups: groups.clone(), ..config(None) };
@@ -1667,7 +1667,7 @@ async fn a_stored_request_wakes_its_remote_owner_through_the_transport(net: Net)
         .await
         .unwrap();
     network.attach(RunnerAddress::new("127.0.0.1", 18_001), owner.runner_handler());
-    owner.register::<Counter>(EntityOptions::default()).unwrap();
+    owner.entity::<Counter>().register().unwrap();
     eventually("the owner holds every shard", || split(&[&owner])).await;
     let (messages, locks) = net.storages().await;
     let client = Sharding::builder(config(None))
@@ -2033,7 +2033,7 @@ async fn a_frozen_runner_stores_no_final_reply_and_the_new_owner_answers_once(mu
         };
         let a = Sharding::builder(config).messages(Arc::new(messages)).runners(locks).start().await;
         let a = a.unwrap();
-        a.register::<Counter>(EntityOptions::default()).unwrap();
+        a.entity::<Counter>().register().unwrap();
         (a, faults)
     });
     let (a, faults) = started.await.unwrap();
@@ -2206,7 +2206,7 @@ async fn a_request_beginning_its_transaction_does_not_run_on_a_shard_let_go(net:
         .start()
         .await
         .unwrap();
-    a.register::<Counter>(EntityOptions::default()).unwrap();
+    a.entity::<Counter>().register().unwrap();
     eventually("the runner holds every shard", || split(&[&a])).await;
     let id = net.id("let-go");
     let counter = a.client::<Counter>(id.as_str());
@@ -2247,7 +2247,7 @@ async fn a_reply_slow_to_store_while_its_shard_drains_keeps_the_lock(net: Net) {
         .start()
         .await
         .unwrap();
-    a.register::<Counter>(EntityOptions::default()).unwrap();
+    a.entity::<Counter>().register().unwrap();
     eventually("the first runner holds every shard", || split(&[&a])).await;
     let moving: Vec<String> = (0..200)
         .map(|n| net.id(&format!("slow-drain-{n}")))
@@ -2374,7 +2374,7 @@ async fn a_read_under_way_holds_back_the_release_of_its_shards(net: Net) {
     let config = config(Some(RunnerAddress::new("127.0.0.1", 27_101)));
     let a = Sharding::builder(config).messages(Arc::new(messages)).runners(locks).start().await;
     let a = a.unwrap();
-    a.register::<Counter>(EntityOptions::default()).unwrap();
+    a.entity::<Counter>().register().unwrap();
     eventually("the runner holds every shard", || split(&[&a])).await;
     faults.hold_reads(true);
     eventually("a read is under way", || faults.reads_waiting() > 0).await;

@@ -166,7 +166,9 @@ async fn library(concurrency: Option<Capacity>) -> Sharding {
 async fn library_with(concurrency: Option<Capacity>, defects: Option<Defects>) -> Sharding {
     let sharding = sharding(ShardingConfig::default()).await;
     sharding
-        .register::<Library>(EntityOptions { concurrency, defects, ..EntityOptions::default() })
+        .entity::<Library>()
+        .options(EntityOptions { concurrency, defects, ..EntityOptions::default() })
+        .register()
         .unwrap();
     sharding
 }

@@ -9,8 +9,7 @@ use std::time::Duration;
 
 use cluster_core::ShardingConfig;
 use cluster_sharding::{
-    CallError, Entity, EntityContext, EntityOptions, ForkedHandler, Handler, Protocol,
-    RequestContext, Rpc,
+    CallError, Entity, EntityContext, ForkedHandler, Handler, Protocol, RequestContext, Rpc,
 };
 use serde::{Deserialize, Serialize};
 use tokio::sync::{Barrier, Semaphore};
@@ -126,7 +125,7 @@ where
 #[tokio::test(start_paused = true)]
 async fn forked_requests_run_together_beside_exclusive_ones() {
     let sharding = sharding(ShardingConfig::default()).await;
-    sharding.register::<Room>(EntityOptions::default()).unwrap();
+    sharding.entity::<Room>().register().unwrap();
     let room = sharding.client::<Room>("forked");
     let meeting = Meeting::of("forked");
     let first_hold = spawn(&room, Hold);

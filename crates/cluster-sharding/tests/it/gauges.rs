@@ -143,7 +143,7 @@ async fn the_entities_gauge_follows_resident_instances() {
         ..ShardingConfig::default()
     };
     let sharding = Sharding::builder(config).start().await.unwrap();
-    sharding.register::<Meter>(EntityOptions::default()).unwrap();
+    sharding.entity::<Meter>().register().unwrap();
     for id in ["m1", "m2", "m3"] {
         sharding.client::<Meter>(id).send(Get).await.unwrap();
     }
@@ -187,7 +187,7 @@ async fn passivations_to_make_room_are_counted_and_leave_the_entities_gauge() {
         max_idle_time: Some(None),
         ..EntityOptions::default()
     };
-    sharding.register::<Crowded>(options).unwrap();
+    sharding.entity::<Crowded>().options(options).register().unwrap();
     for n in 0..5 {
         sharding.client::<Crowded>(format!("crowded-{n}")).send(Get).await.unwrap();
     }
@@ -251,7 +251,7 @@ async fn the_mailbox_gauge_follows_each_entity_when_entity_mailbox_metrics_is_on
     gauges();
     let config = ShardingConfig { entity_mailbox_metrics: true, ..ShardingConfig::default() };
     let sharding = Sharding::builder(config).start().await.unwrap();
-    sharding.register::<Queued>(EntityOptions::default()).unwrap();
+    sharding.entity::<Queued>().register().unwrap();
     let client = sharding.client::<Queued>("q1");
     let shard = client.address().shard_id.to_string();
     let key = format!("effect_cluster_entity_mailbox_size{{type=Queued,id=q1,shard={shard}}}");
@@ -271,7 +271,7 @@ async fn the_mailbox_gauge_follows_each_entity_when_entity_mailbox_metrics_is_on
 
     // Off (the default): no series for the entities of a runtime without it.
     let quiet = Sharding::builder(ShardingConfig::default()).start().await.unwrap();
-    quiet.register::<Queued>(EntityOptions::default()).unwrap();
+    quiet.entity::<Queued>().register().unwrap();
     let client = quiet.client::<Queued>("q2");
     GATE.add_permits(1);
     client.send(Get).await.unwrap();
@@ -371,7 +371,7 @@ async fn a_cluster_member_reports_its_locks_its_read_loop_and_its_persisted_late
     };
     let sharding =
         Sharding::builder(config).messages(messages).runners(locks).start().await.unwrap();
-    sharding.register::<Stored>(EntityOptions::default()).unwrap();
+    sharding.entity::<Stored>().register().unwrap();
     sharding.client::<Stored>("s1").send(Persist).await.unwrap();
     for name in [
         "effect_cluster_shard_acquisitions_total",

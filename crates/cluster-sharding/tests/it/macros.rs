@@ -1,6 +1,6 @@
 //! Entities written with `#[entity]` on a SQLite runner: persisted requests deduplicated by
 //! primary key, volatile and shared requests, a stream, the typed client, and dependencies
-//! handed to instances through `Sharding::register_with`.
+//! handed to instances through a registration's factory.
 
 use std::collections::BTreeMap;
 use std::sync::Arc;
@@ -64,7 +64,7 @@ impl Runs {
     }
 }
 
-/// An account, with no `create`: instances come from `register_with`'s factory only.
+/// An account, with no `create`: instances come from a registration's factory only.
 struct Account {
     balance: u64,
     history: Vec<u64>,
@@ -246,9 +246,12 @@ async fn runner(file: &TempFile, runs: &Arc<Runs>) -> Sharding {
     let runs = Arc::clone(runs);
     let options = EntityOptions { concurrency: Capacity::bounded(2), ..EntityOptions::default() };
     sharding
-        .register_with(options, move |_: &EntityContext| Account::new(Arc::clone(&runs)))
+        .entity()
+        .options(options)
+        .factory(move |_: &EntityContext| Account::new(Arc::clone(&runs)))
+        .register()
         .unwrap();
-    sharding.register::<Counter>(EntityOptions::default()).unwrap();
+    sharding.entity::<Counter>().register().unwrap();
     sharding
 }
 
@@ -353,7 +356,8 @@ async fn an_asynchronous_factory_loads_each_instance_before_its_first_request() 
     let loads = Arc::new(AtomicU64::new(0));
     let (factory_store, factory_loads) = (Arc::clone(&store), Arc::clone(&loads));
     sharding
-        .register_with_async(EntityOptions::default(), move |context: EntityContext| {
+        .entity()
+        .factory_async(move |context: EntityContext| {
             let (store, loads) = (Arc::clone(&factory_store), Arc::clone(&factory_loads));
             async move {
                 let id = context.address().entity_id.as_str().to_owned();
@@ -362,6 +366,7 @@ async fn an_asynchronous_factory_loads_each_instance_before_its_first_request() 
                 Note { text }
             }
         })
+        .register()
         .unwrap();
     let notes = Note::client(&sharding);
     assert_eq!(within("a read", notes.read("greeting", Read)).await.unwrap(), "hello");

@@ -37,7 +37,7 @@ async fn sharding(config: ShardingConfig) -> Sharding {
 
 async fn registered(config: ShardingConfig) -> Sharding {
     let sharding = sharding(config).await;
-    sharding.register::<Counter>(EntityOptions::default()).unwrap();
+    sharding.entity::<Counter>().register().unwrap();
     sharding
 }
 
@@ -65,16 +65,17 @@ async fn every_one_of_many_registered_types_gets_its_requests() {
     let types: Vec<cluster_core::EntityType> =
         (0..40).map(|n| cluster_core::EntityType::from(format!("Counter{n}"))).collect();
     for entity_type in &types {
-        sharding.register_as::<Counter>(entity_type.clone(), EntityOptions::default()).unwrap();
+        sharding.entity::<Counter>().named(entity_type.clone()).register().unwrap();
     }
     for (n, entity_type) in types.iter().enumerate() {
         let n = u64::try_from(n).unwrap();
-        let client = sharding.client_as::<Counter>(entity_type.clone(), format!("many-{n}"));
+        let client =
+            sharding.entity::<Counter>().named(entity_type.clone()).client(format!("many-{n}"));
         assert_eq!(client.send(Increment { by: n + 1 }).await.unwrap(), n + 1, "{entity_type}");
     }
     // The same entity id under two types is two entities.
-    let first = sharding.client_as::<Counter>(types[0].clone(), "shared-id");
-    let last = sharding.client_as::<Counter>(types[39].clone(), "shared-id");
+    let first = sharding.entity::<Counter>().named(types[0].clone()).client("shared-id");
+    let last = sharding.entity::<Counter>().named(types[39].clone()).client("shared-id");
     assert_eq!(first.send(Increment { by: 5 }).await.unwrap(), 5);
     assert_eq!(last.send(Increment { by: 7 }).await.unwrap(), 7);
     assert_eq!(sharding.active_entity_count(), 42);
@@ -118,7 +119,7 @@ async fn fails_volatile_requests_immediately_when_the_mailbox_is_full() {
     let sharding = sharding(ShardingConfig::default()).await;
     let options =
         EntityOptions { mailbox_capacity: Capacity::bounded(2), ..EntityOptions::default() };
-    sharding.register::<Counter>(options).unwrap();
+    sharding.entity::<Counter>().options(options).register().unwrap();
     let counter = sharding.client::<Counter>("busy");
     let mut stuck = Vec::new();
     for _ in 0..2 {
@@ -176,10 +177,9 @@ async fn keep_alive_holds_an_entity_until_it_is_released() {
 async fn an_entity_without_max_idle_time_is_never_reaped() {
     let sharding = sharding(ShardingConfig::default()).await;
     sharding
-        .register::<Counter>(EntityOptions {
-            max_idle_time: Some(None),
-            ..EntityOptions::default()
-        })
+        .entity::<Counter>()
+        .options(EntityOptions { max_idle_time: Some(None), ..EntityOptions::default() })
+        .register()
         .unwrap();
     let counter = sharding.client::<Counter>("kept");
     counter.send(Increment { by: 4 }).await.unwrap();
@@ -209,7 +209,7 @@ async fn dropping_the_call_interrupts_the_handler() {
 async fn a_panicking_handler_restarts_the_entity_and_replays_the_request() {
     let sharding = sharding(ShardingConfig::default()).await;
     let options = EntityOptions { defects: Some(Defects::Replay), ..EntityOptions::default() };
-    sharding.register::<Counter>(options).unwrap();
+    sharding.entity::<Counter>().options(options).register().unwrap();
     let counter = sharding.client::<Counter>("panics");
     counter.send(Increment { by: 10 }).await.unwrap();
     let probes = Probes::of("panics");
@@ -260,7 +260,7 @@ async fn a_request_waits_for_its_entity_type_to_register() {
         async move { counter.send(Increment { by: 3 }).await }
     });
     tokio::time::sleep(Duration::from_secs(5)).await;
-    sharding.register::<Counter>(EntityOptions::default()).unwrap();
+    sharding.entity::<Counter>().register().unwrap();
     assert_eq!(call.await.unwrap().unwrap(), 3);
 }
 
@@ -268,7 +268,7 @@ async fn a_request_waits_for_its_entity_type_to_register() {
 async fn registrations_are_announced() {
     let sharding = sharding(ShardingConfig::default()).await;
     let mut events = sharding.registration_events();
-    sharding.register::<Counter>(EntityOptions::default()).unwrap();
+    sharding.entity::<Counter>().register().unwrap();
     let event = events.recv().await.unwrap();
     assert_eq!(event, cluster_sharding::RegistrationEvent::EntityRegistered("Counter".into()));
 }
@@ -276,7 +276,7 @@ async fn registrations_are_announced() {
 #[tokio::test(start_paused = true)]
 async fn registering_a_type_twice_is_an_error() {
     let sharding = registered(ShardingConfig::default()).await;
-    let error = sharding.register::<Counter>(EntityOptions::default()).unwrap_err();
+    let error = sharding.entity::<Counter>().register().unwrap_err();
     assert!(
         matches!(error, RegisterError::AlreadyRegistered(ref entity_type) if entity_type.as_str() == "Counter")
     );
@@ -347,7 +347,7 @@ async fn persisted_requests_to_a_full_mailbox_are_retried_without_waiting_for_th
     let sharding = Sharding::builder(config).messages(storage).start().await.unwrap();
     let options =
         EntityOptions { mailbox_capacity: Capacity::bounded(1), ..EntityOptions::default() };
-    sharding.register::<Counter>(options).unwrap();
+    sharding.entity::<Counter>().options(options).register().unwrap();
     let counter = sharding.client::<Counter>("full-mailbox");
     let started = tokio::time::Instant::now();
     let mut calls = Vec::new();
@@ -467,7 +467,7 @@ async fn keeps_delivering_to_resident_entities_at_the_residency_cap() {
     };
     let storage = Arc::new(MemoryMessageStorage::new(Arc::new(SystemClock)));
     let sharding = Sharding::builder(config).messages(storage).start().await.unwrap();
-    sharding.register::<Counter>(EntityOptions::default()).unwrap();
+    sharding.entity::<Counter>().register().unwrap();
     let resident = sharding.client::<Counter>("resident");
     // Kept alive, it is never passivated to make room for the newcomers.
     resident.send(SetKeepAlive { enabled: true }).await.unwrap();
@@ -514,7 +514,7 @@ async fn on_memory_storage(
         Arc::new(cluster_testkit::memory::MemoryMessageStorage::new(Arc::new(SystemClock)));
     let sharding =
         Sharding::builder(config).messages(Arc::clone(&storage) as _).start().await.unwrap();
-    sharding.register::<Counter>(EntityOptions::default()).unwrap();
+    sharding.entity::<Counter>().register().unwrap();
     (sharding, storage)
 }
 
@@ -786,7 +786,7 @@ async fn a_persisted_request_waits_for_its_deliver_at_time() {
         .start()
         .await
         .unwrap();
-    sharding.register::<Counter>(EntityOptions::default()).unwrap();
+    sharding.entity::<Counter>().register().unwrap();
     let client = sharding.client::<Counter>("later");
     let probes = Probes::of("later");
     let at = clock.now().saturating_add(Duration::from_secs(30));
@@ -850,7 +850,7 @@ async fn persisted_requests_wait_for_an_entity_type_registered_late() {
     tokio::time::sleep(Duration::from_millis(7_500)).await;
     assert!(!call.is_finished(), "answered before the type registered");
     tokio::time::sleep(Duration::from_millis(2_500)).await;
-    sharding.register::<Counter>(EntityOptions::default()).unwrap();
+    sharding.entity::<Counter>().register().unwrap();
     let answered = tokio::time::timeout(Duration::from_secs(60), call).await;
     assert_eq!(answered.expect("never answered").unwrap().unwrap(), 9);
     sharding.shutdown().await;
@@ -886,16 +886,16 @@ async fn reads_stay_full_sized_when_approaching_the_residency_cap() {
 async fn entity_options_out_of_bounds_are_refused_at_registration() {
     let sharding = sharding(ShardingConfig::default()).await;
     let forever = EntityOptions { max_idle_time: Some(Some(Duration::MAX)), ..Default::default() };
-    let error = sharding.register::<Counter>(forever).unwrap_err();
+    let error = sharding.entity::<Counter>().options(forever).register().unwrap_err();
     assert!(matches!(error, RegisterError::InvalidOptions { .. }), "{error}");
     assert!(error.to_string().contains("EntityOptions::max_idle_time"), "{error}");
     let slow_stop =
         EntityOptions { on_stop_timeout: Some(Duration::MAX), ..EntityOptions::default() };
-    let error = sharding.register::<Counter>(slow_stop).unwrap_err();
+    let error = sharding.entity::<Counter>().options(slow_stop).register().unwrap_err();
     assert!(error.to_string().contains("EntityOptions::on_stop_timeout"), "{error}");
     let longest = cluster_core::config::ENTITY_MAX_IDLE_TIME_MAX;
     let options = EntityOptions { max_idle_time: Some(Some(longest)), ..EntityOptions::default() };
-    sharding.register::<Counter>(options).unwrap();
+    sharding.entity::<Counter>().options(options).register().unwrap();
     let counter = sharding.client::<Counter>("idle-longest");
     assert_eq!(counter.send(Increment { by: 1 }).await.unwrap(), 1);
     assert_eq!(counter.send(Increment { by: 2 }).await.unwrap(), 3);

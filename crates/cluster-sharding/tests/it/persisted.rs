@@ -71,7 +71,7 @@ async fn client_only(store: &Store, config: ShardingConfig) -> Sharding {
 async fn runner(store: &Store) -> Sharding {
     let sharding =
         Sharding::builder(config()).messages(Arc::clone(&store.storage)).start().await.unwrap();
-    sharding.register::<Counter>(EntityOptions::default()).unwrap();
+    sharding.entity::<Counter>().register().unwrap();
     sharding
 }
 
@@ -160,7 +160,7 @@ async fn counted_runner(
     let config =
         ShardingConfig { entity_message_poll_interval: Duration::from_secs(3600), ..config() };
     let (sharding, reads, faults) = observed_runner(store, config).await;
-    sharding.register::<Counter>(options).unwrap();
+    sharding.entity::<Counter>().options(options).register().unwrap();
     (sharding, reads, faults)
 }
 
@@ -333,7 +333,7 @@ async fn faulty_runner(store: &Store) -> (Sharding, Arc<Faults>) {
     let config =
         ShardingConfig { entity_reply_poll_interval: Duration::from_secs(3600), ..config() };
     let sharding = Sharding::builder(config).messages(Arc::new(storage)).start().await.unwrap();
-    sharding.register::<Counter>(EntityOptions::default()).unwrap();
+    sharding.entity::<Counter>().register().unwrap();
     (sharding, faults)
 }
 
@@ -633,7 +633,7 @@ mod single_runner {
     use std::time::Duration;
 
     use cluster_core::{RunnerAddress, ShardingConfig, SystemClock};
-    use cluster_sharding::{EntityOptions, Sharding, StartError};
+    use cluster_sharding::{Sharding, StartError};
     use cluster_testkit::memory::{
         MemoryMessageStorage, MemoryRunnerDatabase, MemoryRunnerStorage,
     };
@@ -710,7 +710,7 @@ mod single_runner {
             .start()
             .await
             .unwrap();
-        sharding.register::<Counter>(EntityOptions::default()).unwrap();
+        sharding.entity::<Counter>().register().unwrap();
         let id = "single-runner-frozen";
         let probes = crate::entities::Probes::of(id);
         // Answered once the read loop has read every shard: direct delivery is on.
@@ -772,7 +772,7 @@ mod single_runner {
             .start()
             .await
             .unwrap();
-        first.register::<Counter>(EntityOptions::default()).unwrap();
+        first.entity::<Counter>().register().unwrap();
         let id = "two-runners";
         let probes = crate::entities::Probes::of(id);
         let runs = || probes.gated_runs.load(std::sync::atomic::Ordering::SeqCst);
@@ -801,7 +801,7 @@ mod single_runner {
                 Err(error) => panic!("{error}"),
             }
         };
-        second.register::<Counter>(EntityOptions::default()).unwrap();
+        second.entity::<Counter>().register().unwrap();
         super::eventually("the second run starts", || runs() == 2).await;
         // Enough for both runs: only the second one may answer.
         probes.gate.add_permits(2);
@@ -838,7 +838,7 @@ async fn a_client_only_process_reaches_the_runner_through_storage(store: Store, 
     let runner = runner(&store).await;
     let client = client_only(&store, config()).await;
     assert!(!client.is_runner());
-    client.register::<Counter>(EntityOptions::default()).unwrap();
+    client.entity::<Counter>().register().unwrap();
     assert_eq!(client.active_entity_count(), 0, "a client hosts nothing");
     let remote = client.client::<Counter>(id);
     assert_eq!(remote.send(Deposit { key: "c".to_owned(), amount: 8 }).await.unwrap(), 8);
@@ -997,7 +997,7 @@ async fn a_request_another_process_stored_comes_before_a_later_local_one(store: 
 /// ends with its final reply, not as interrupted.
 async fn a_persisted_streams_final_reply_is_never_dropped(store: Store, id: &str) {
     let (sharding, _reads, faults) = observed_runner(&store, config()).await;
-    sharding.register::<Counter>(EntityOptions::default()).unwrap();
+    sharding.entity::<Counter>().register().unwrap();
     // Eight reply polls (every 50 ms) while the acknowledgement is stored.
     faults.delay_acks(Duration::from_millis(400));
     let counter = sharding.client::<Counter>(id);
@@ -1022,18 +1022,19 @@ async fn a_type_registered_late_is_not_refused_for_an_earlier_types_timeout(
     id: &str,
 ) {
     let (sharding, reads, _faults) = observed_runner(&store, config()).await;
-    let ghost = sharding.client_as::<Counter>(cluster_core::EntityType::from("Ghost"), id);
+    let ghost =
+        sharding.entity::<Counter>().named(cluster_core::EntityType::from("Ghost")).client(id);
     let error = ghost.send(Deposit { key: format!("{id}-ghost"), amount: 1 }).await.unwrap_err();
     let CallError::Defect(defect) = error else { panic!("{error:?}") };
     assert!(defect.contains("Entity type 'Ghost' not registered"), "{defect}");
     let late_type = cluster_core::EntityType::from("Late");
-    let late = sharding.client_as::<Counter>(late_type.clone(), id);
+    let late = sharding.entity::<Counter>().named(late_type.clone()).client(id);
     let sending =
         tokio::spawn(async move { late.send(Deposit { key: "late".to_owned(), amount: 5 }).await });
     // Read twice while its type is unknown: held, not answered.
     let before = reads.load(Ordering::SeqCst);
     eventually("two reads", || reads.load(Ordering::SeqCst) >= before + 2).await;
-    sharding.register_as::<Counter>(late_type, EntityOptions::default()).unwrap();
+    sharding.entity::<Counter>().named(late_type).register().unwrap();
     let sent = tokio::time::timeout(Duration::from_secs(20), sending).await;
     assert_eq!(sent.expect("answered in time").unwrap().unwrap(), 5);
     sharding.shutdown().await;

@@ -9,8 +9,8 @@ use std::time::Duration;
 use cluster_core::storage::MessageStorage;
 use cluster_core::{ShardingConfig, SystemClock};
 use cluster_sharding::{
-    Accepts, AcceptsStream, BehaviourError, CallError, EntityContext, EntityOptions, QueueEntity,
-    QueueProtocol, Queued, Replier, RequestQueue, Rpc, Sharding, StreamRpc,
+    Accepts, AcceptsStream, BehaviourError, CallError, EntityContext, QueueEntity, QueueProtocol,
+    Queued, Replier, RequestQueue, Rpc, Sharding, StreamRpc,
 };
 use cluster_testkit::databases::TestDatabase;
 use cluster_testkit::memory::MemoryMessageStorage;
@@ -153,7 +153,7 @@ async fn runner(database: Option<TestDatabase>) -> (Sharding, Option<TestDatabas
         Some(database) => database.open(&config()).await.unwrap().0,
     };
     let sharding = Sharding::builder(config()).messages(storage).start().await.unwrap();
-    sharding.register::<Queued<Desk>>(EntityOptions::default()).unwrap();
+    sharding.entity::<Queued<Desk>>().register().unwrap();
     (sharding, database)
 }
 
@@ -314,7 +314,7 @@ impl QueueEntity for Hasty {
 async fn a_behaviour_panicking_before_its_future_answers_requests_with_a_defect() {
     let storage = Arc::new(MemoryMessageStorage::new(Arc::new(SystemClock)));
     let sharding = Sharding::builder(config()).messages(storage).start().await.unwrap();
-    sharding.register::<Queued<Hasty>>(EntityOptions::default()).unwrap();
+    sharding.entity::<Queued<Hasty>>().register().unwrap();
     let hasty = sharding.client::<Queued<Hasty>>("hasty");
     let answer = tokio::time::timeout(Duration::from_secs(10), hasty.send(Double { n: 1 }))
         .await

@@ -98,7 +98,7 @@ async fn a_per_type_cap_passivates_within_the_type() {
     let sharding =
         sharding(ShardingConfig { entity_max_idle_time: None, ..ShardingConfig::default() }).await;
     let options = EntityOptions { max_resident: Capacity::bounded(2), ..EntityOptions::default() };
-    sharding.register::<Counter>(options).unwrap();
+    sharding.entity::<Counter>().options(options).register().unwrap();
     for id in ["typed-a", "typed-b", "typed-c", "typed-d"] {
         assert_eq!(sharding.client::<Counter>(id).send(Increment { by: 1 }).await.unwrap(), 1);
     }

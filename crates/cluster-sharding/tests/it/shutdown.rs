@@ -305,8 +305,8 @@ async fn runner(config: ShardingConfig) -> (Sharding, Arc<MemoryMessageStorage>)
     let storage = Arc::new(MemoryMessageStorage::new(Arc::new(SystemClock)));
     let sharding =
         Sharding::builder(config).messages(Arc::clone(&storage) as _).start().await.unwrap();
-    sharding.register::<Sender>(EntityOptions::default()).unwrap();
-    sharding.register::<Receiver>(EntityOptions::default()).unwrap();
+    sharding.entity::<Sender>().register().unwrap();
+    sharding.entity::<Receiver>().register().unwrap();
     (sharding, storage)
 }
 
@@ -405,7 +405,7 @@ async fn on_stop_is_bounded_by_its_timeout() {
     let sharding = Sharding::builder(stopping()).messages(storage as _).start().await.unwrap();
     let options =
         EntityOptions { on_stop_timeout: Some(Duration::from_secs(2)), ..EntityOptions::default() };
-    sharding.register::<Sender>(options).unwrap();
+    sharding.entity::<Sender>().options(options).register().unwrap();
     sharding.client::<Sender>("slow-stop").send(Arm).await.unwrap();
     let started = tokio::time::Instant::now();
     tokio::time::timeout(Duration::from_secs(60), sharding.shutdown()).await.unwrap();
@@ -425,7 +425,7 @@ async fn a_request_during_on_stop_waits_for_it_and_gets_a_fresh_instance() {
         max_idle_time: Some(Some(Duration::from_secs(1))),
         ..EntityOptions::default()
     };
-    sharding.register::<Sender>(options).unwrap();
+    sharding.entity::<Sender>().options(options).register().unwrap();
     let sender = sharding.client::<Sender>("reaped");
     sender.send(Arm).await.unwrap();
     eventually("the idle instance stops", || script.events() == ["create", "stop"]).await;
@@ -515,7 +515,7 @@ async fn an_on_stop_panicking_before_its_future_is_contained() {
         max_idle_time: Some(Some(Duration::from_secs(1))),
         ..EntityOptions::default()
     };
-    sharding.register::<HastyStop>(options).unwrap();
+    sharding.entity::<HastyStop>().options(options).register().unwrap();
     let first = sharding.client::<HastyStop>("first");
     assert_eq!(first.send(Touch).await.unwrap(), 1);
     eventually("the idle instance stopped", || {

@@ -10,8 +10,8 @@ use cluster_core::envelope::{RawJson, Reply};
 use cluster_core::storage::MessageStorage;
 use cluster_core::{ShardingConfig, SystemClock};
 use cluster_sharding::{
-    CHUNK_BYTES_MAX, CHUNK_ITEMS_MAX, Chunks, Entity, EntityContext, EntityOptions, Protocol,
-    RequestContext, Sharding, StreamHandler, StreamRpc,
+    CHUNK_BYTES_MAX, CHUNK_ITEMS_MAX, Chunks, Entity, EntityContext, Protocol, RequestContext,
+    Sharding, StreamHandler, StreamRpc,
 };
 use cluster_testkit::databases::TestDatabase;
 use cluster_testkit::memory::MemoryMessageStorage;
@@ -198,7 +198,7 @@ impl Pair {
             .start()
             .await
             .unwrap();
-        runner.register::<Streamer>(EntityOptions::default()).unwrap();
+        runner.entity::<Streamer>().register().unwrap();
         let caller_config = ShardingConfig { runner_address: None, ..config() };
         let caller = Sharding::builder(caller_config)
             .messages(caller_storage)
@@ -359,7 +359,7 @@ async fn a_batch_arrives_as_one_chunk(pair: Pair) {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn coalescing_respects_the_chunk_bounds() {
     let sharding = Sharding::builder(ShardingConfig::default()).start().await.unwrap();
-    sharding.register::<Streamer>(EntityOptions::default()).unwrap();
+    sharding.entity::<Streamer>().register().unwrap();
     let client = sharding.client::<Streamer>("wide");
     for (n, width) in [(3 * CHUNK_ITEMS_MAX + 10, 1), (200, 1000)] {
         let mut stream = client.stream(Wide { n, width }).await.unwrap();
@@ -405,7 +405,7 @@ async fn a_chunk_whose_save_acknowledgement_was_lost_reaches_the_local_caller() 
     let config =
         ShardingConfig { entity_reply_poll_interval: Duration::from_secs(3600), ..config() };
     let sharding = Sharding::builder(config).messages(Arc::new(storage)).start().await.unwrap();
-    sharding.register::<Streamer>(EntityOptions::default()).unwrap();
+    sharding.entity::<Streamer>().register().unwrap();
     faults.lose_reply_acknowledgement(1);
     let client = sharding.client::<Streamer>("lost-ack");
     let mut stream = client.stream(Burst { key: "lost".to_owned(), n: 3 }).await.unwrap();

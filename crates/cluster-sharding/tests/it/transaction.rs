@@ -12,8 +12,7 @@ use cluster_core::ShardingConfig;
 use cluster_core::storage::MessageStorage;
 use cluster_core::transaction::TransactionError;
 use cluster_sharding::{
-    CallError, Entity, EntityContext, EntityOptions, Handler, Protocol, RequestContext, Rpc,
-    Sharding,
+    CallError, Entity, EntityContext, Handler, Protocol, RequestContext, Rpc, Sharding,
 };
 use cluster_storage_sql::mysql::MySqlTransactionGuard;
 use cluster_storage_sql::postgres::PgTransactionGuard;
@@ -183,7 +182,7 @@ impl Fixture {
         count(&*storage, database.kind(), &create).await;
         let sharding =
             Sharding::builder(config).messages(Arc::clone(&storage)).start().await.unwrap();
-        sharding.register::<Till>(EntityOptions::default()).unwrap();
+        sharding.entity::<Till>().register().unwrap();
         Fixture { sharding, storage, table, database }
     }
 

@@ -5,7 +5,7 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use cluster_core::{RunnerAddress, ShardingConfig, SystemClock};
-use cluster_sharding::{EntityOptions, Sharding};
+use cluster_sharding::Sharding;
 use cluster_testkit::memory::{MemoryMessageStorage, MemoryRunnerDatabase, MemoryRunnerStorage};
 
 use crate::entities::{Counter, Persist};
@@ -106,7 +106,7 @@ async fn a_persisted_call_that_no_runner_serves_warns_while_it_waits() {
         .start()
         .await
         .unwrap();
-    runner.register::<Counter>(EntityOptions::default()).unwrap();
+    runner.entity::<Counter>().register().unwrap();
     let answered = tokio::time::timeout(Duration::from_secs(20), call).await;
     answered.expect("answered once a runner holds the shard").unwrap();
     client.shutdown().await;

@@ -256,12 +256,16 @@ impl Backend for ClusterEngine {
         };
         let factory =
             move |context: &EntityContext| WorkflowEntity::activate(context, Arc::clone(&engine));
-        self.sharding.register_as_with(entity_type.clone(), entity_options(), factory).map_err(
-            |error| WorkflowError::Register {
+        self.sharding
+            .entity()
+            .named(entity_type.clone())
+            .options(entity_options())
+            .factory(factory)
+            .register()
+            .map_err(|error| WorkflowError::Register {
                 entity_type: entity_type.to_string(),
                 source: Arc::new(error),
-            },
-        )
+            })
     }
 
     fn define(&self, workflow: &'static str, options: &WorkflowOptions) {

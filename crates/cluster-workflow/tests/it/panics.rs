@@ -222,15 +222,19 @@ fn register(engine: &WorkflowEngine, sharding: Option<&Sharding>, probes: &Probe
         // A panicking handler runs its request again (the reference's fatal defects): the
         // property below counts those runs.
         let options = EntityOptions { defects: Some(Defects::Replay), ..EntityOptions::default() };
-        let made = sharding.register_with::<Stamper>(options, move |_| {
-            // The factory is synchronous: either panic mode panics in the call.
-            let panics = factory.call();
-            if panics {
-                panic_any("the factory panics");
-            }
-            factory.completions.fetch_add(1, Ordering::SeqCst);
-            Stamper { handler: handler.clone() }
-        });
+        let made = sharding
+            .entity::<Stamper>()
+            .options(options)
+            .factory(move |_| {
+                // The factory is synchronous: either panic mode panics in the call.
+                let panics = factory.call();
+                if panics {
+                    panic_any("the factory panics");
+                }
+                factory.completions.fetch_add(1, Ordering::SeqCst);
+                Stamper { handler: handler.clone() }
+            })
+            .register();
         made.unwrap();
     }
     let worker = probes.worker.clone();

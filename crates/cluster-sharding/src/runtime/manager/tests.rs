@@ -9,9 +9,7 @@ use cluster_core::envelope::{Exit, RawJson};
 use cluster_core::{ClusterError, EntityType, ShardingConfig};
 use serde::{Deserialize, Serialize};
 
-use crate::{
-    Entity, EntityContext, EntityOptions, Handler, Protocol, RequestContext, Rpc, Sharding,
-};
+use crate::{Entity, EntityContext, Handler, Protocol, RequestContext, Rpc, Sharding};
 
 struct Gate {
     open: Arc<tokio::sync::Notify>,
@@ -54,7 +52,7 @@ impl Handler<Pass> for Gate {
 #[tokio::test(start_paused = true)]
 async fn a_request_id_already_in_the_mailbox_is_refused_until_it_is_answered() {
     let sharding = Sharding::builder(ShardingConfig::default()).start().await.unwrap();
-    sharding.register::<Gate>(EntityOptions::default()).unwrap();
+    sharding.entity::<Gate>().register().unwrap();
     let client = sharding.client::<Gate>("gate");
     let address = client.address().clone();
     assert_eq!(address.entity_type, EntityType::from("Gate"));

@@ -8,7 +8,7 @@ use std::time::Duration;
 
 use cluster_core::future::BoxFuture;
 use cluster_core::{RunnerAddress, ShardingConfig};
-use cluster_sharding::{EntityOptions, RunnerHealth, Sharding, StartError};
+use cluster_sharding::{RunnerHealth, Sharding, StartError};
 use cluster_testkit::memory::MemoryMessageStorage;
 use cluster_testkit::transport::MemoryNetwork;
 
@@ -70,7 +70,7 @@ async fn runner(
         builder = builder.transport(network.transport());
     }
     let sharding = builder.start().await.unwrap();
-    sharding.register::<Counter>(EntityOptions::default()).unwrap();
+    sharding.entity::<Counter>().register().unwrap();
     if let Some(network) = network {
         network.attach(address, sharding.runner_handler());
     }

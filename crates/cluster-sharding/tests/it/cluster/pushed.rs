@@ -11,7 +11,7 @@ use cluster_core::storage::{MessageStorage, RunnerStorage};
 use cluster_core::transport::Transport;
 use cluster_core::{RunnerAddress, ShardingConfig};
 use cluster_rpc::{RpcConfig, RpcServer, ServerHandle, TcpTransport};
-use cluster_sharding::{CallError, EntityClient, EntityOptions, Sharding};
+use cluster_sharding::{CallError, EntityClient, Sharding};
 use cluster_testkit::faulty::{FaultyMessageStorage, FaultyRunnerStorage};
 use cluster_testkit::transport::{MemoryNetwork, NetworkFaults};
 
@@ -82,7 +82,7 @@ async fn member(
         .start()
         .await
         .unwrap();
-    sharding.register::<Counter>(EntityOptions::default()).unwrap();
+    sharding.entity::<Counter>().register().unwrap();
     sharding
 }
 
