@@ -23,6 +23,7 @@ use std::time::Duration;
 use cluster_core::config::{Capacity, ShardingConfig};
 use cluster_core::envelope::{Exit, RawJson, Request};
 use cluster_core::error::ConfigError;
+use cluster_core::error::{StorageError, StorageErrorKind};
 use cluster_core::reply_handlers::UnregisterMode;
 use cluster_core::snowflake::SharedSnowflakeGenerator;
 use cluster_core::storage::{MessageStorage, SaveRequestOptions};
@@ -668,21 +669,29 @@ impl Sharding {
     }
 
     /// Resets a persisted request so that it runs again (the reference's `reset`): its final
-    /// reply is deleted and it is delivered anew. With `expected_reply_id`, only if that is
-    /// still the request's latest reply. Returns whether the reset happened without error; a
-    /// runtime without storage has nothing to reset.
-    pub async fn reset(&self, request_id: Snowflake, expected_reply_id: Option<Snowflake>) -> bool {
-        let Some(persisted) = self.persisted() else { return false };
-        match persisted.storage.clear_replies(request_id, expected_reply_id).await {
-            Ok(()) => {
-                persisted.poll_storage();
-                true
-            }
-            Err(error) => {
-                tracing::warn!(%error, %request_id, "could not reset a request");
-                false
-            }
-        }
+    /// reply is deleted and it is delivered anew.
+    ///
+    /// With `expected_reply_id`, only if that is still the request's latest reply.
+    ///
+    /// # Errors
+    ///
+    /// [`ClusterError::Persistence`]: the storage failed, or this runtime has no message
+    /// storage (an `InvalidInput` error that says so).
+    pub async fn reset(
+        &self,
+        request_id: Snowflake,
+        expected_reply_id: Option<Snowflake>,
+    ) -> Result<(), ClusterError> {
+        let Some(persisted) = self.persisted() else {
+            let message = "this runtime has no message storage, so no persisted request to \
+                           reset: build it with `ShardingBuilder::messages`";
+            return Err(StorageError::new(StorageErrorKind::InvalidInput, message).into());
+        };
+        persisted.storage.clear_replies(request_id, expected_reply_id).await.inspect_err(
+            |error| tracing::warn!(%error, %request_id, "could not reset a request"),
+        )?;
+        persisted.poll_storage();
+        Ok(())
     }
 
     /// What wakes the storage read loop; without a message storage there is no read loop, and

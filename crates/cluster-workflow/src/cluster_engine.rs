@@ -495,10 +495,9 @@ impl ClusterEngine {
                     return Ok(());
                 }
                 tracing::debug!(workflow, %execution_id, ?mode, "workflow resumed");
-                if self.sharding.reset(request_id, Some(reply_id)).await {
-                    return Ok(());
-                }
-                Err(WorkflowError::cluster("failed to reset the workflow run"))
+                self.sharding.reset(request_id, Some(reply_id)).await.map_err(|error| {
+                    WorkflowError::cluster_from("failed to reset the workflow run", error)
+                })
             }
             Some((_, WorkflowResult::Complete(_))) | None => Ok(()),
         }
@@ -521,10 +520,10 @@ impl ClusterEngine {
                 .await
                 .map_err(cluster_error),
             Some(request_id) => {
-                if self.final_reply(request_id).await?.is_some()
-                    && !self.sharding.reset(request_id, None).await
-                {
-                    return Err(WorkflowError::cluster("failed to reset the parent's resume"));
+                if self.final_reply(request_id).await?.is_some() {
+                    self.sharding.reset(request_id, None).await.map_err(|error| {
+                        WorkflowError::cluster_from("failed to reset the parent's resume", error)
+                    })?;
                 }
                 Ok(())
             }

@@ -6,8 +6,9 @@ use std::sync::Arc;
 use std::sync::atomic::Ordering;
 use std::time::Duration;
 
+use cluster_core::error::StorageErrorKind;
 use cluster_core::storage::{MessageStorage, UnprocessedOptions};
-use cluster_core::{Clock, ShardGroup, ShardingConfig, SystemClock};
+use cluster_core::{Clock, ClusterError, ShardGroup, ShardingConfig, SystemClock};
 use cluster_sharding::{CallError, EntityOptions, Sharding};
 use cluster_storage_sql::sqlite::{SqliteMessageStorage, SqliteOptions};
 use cluster_storage_sql::{SqlStorageOptions, TablePrefix};
@@ -620,12 +621,21 @@ async fn reset_runs_a_request_again(store: Store, id: &str) {
     let key = cluster_core::envelope::primary_key(counter.address(), "Deposit", "r");
     let request_id = store.storage.request_id_for_primary_key(&key).await.unwrap().unwrap();
     // A stale expected reply id changes nothing.
-    assert!(sharding.reset(request_id, Some(cluster_core::Snowflake::new(1))).await);
-    assert!(sharding.reset(request_id, None).await);
+    sharding.reset(request_id, Some(cluster_core::Snowflake::new(1))).await.unwrap();
+    sharding.reset(request_id, None).await.unwrap();
     let probes = Probes::of(id);
     eventually("the request runs again", || probes.deposits.load(Ordering::SeqCst) == 2).await;
     sharding.shutdown().await;
-    assert!(!Sharding::builder(config()).start().await.unwrap().reset(request_id, None).await);
+    // Without a message storage the error says so, and how to give one.
+    let volatile = Sharding::builder(config()).start().await.unwrap();
+    let error = volatile.reset(request_id, None).await.unwrap_err();
+    let kind = match &error {
+        ClusterError::Persistence(cause) => Some(cause.kind()),
+        _ => None,
+    };
+    assert_eq!(kind, Some(StorageErrorKind::InvalidInput), "{error:?}");
+    assert!(error.to_string().contains("ShardingBuilder::messages"), "{error}");
+    volatile.shutdown().await;
 }
 
 mod single_runner {

@@ -219,11 +219,9 @@ impl ClusterEngine {
                     };
                     let sharding = &self.sharding;
                     with_retries(|| async {
-                        if sharding.reset(request_id, None).await {
-                            Ok(())
-                        } else {
-                            Err(WorkflowError::cluster("failed to reset an activity"))
-                        }
+                        sharding.reset(request_id, None).await.map_err(|error| {
+                            WorkflowError::cluster_from("failed to reset an activity", error)
+                        })
                     })
                     .await?;
                 }
