@@ -16,14 +16,14 @@ use std::sync::Arc;
 
 use cluster_core::storage::{MessageStorage, RunnerStorage};
 use cluster_core::transport::Transport;
-use cluster_core::{Clock, Runner, ShardingConfig, SystemClock};
+use cluster_core::{Clock, MachineId, Runner, ShardingConfig, SystemClock};
 
 use crate::error::StartError;
 use crate::placement::health::RunnerHealth;
 use crate::placement::member::{Member, RUNNER_HEALTH};
 use crate::placement::single_runner::{HeldLocks, LockedRuntime, all_shards};
 use crate::services::singleton::SingletonOptions;
-use crate::sharding::Sharding;
+use crate::sharding::{Basics, Sharding};
 
 /// Puts a [`Sharding`] runtime together: [`Sharding::builder`], the parts, then
 /// [`start`](ShardingBuilder::start).
@@ -52,6 +52,7 @@ pub struct ShardingBuilder {
     client_only: bool,
     single_runner: bool,
     runner_health: Option<Arc<dyn RunnerHealth>>,
+    machine_id: Option<MachineId>,
 }
 
 impl std::fmt::Debug for ShardingBuilder {
@@ -64,6 +65,7 @@ impl std::fmt::Debug for ShardingBuilder {
             .field("client_only", &self.client_only)
             .field("single_runner", &self.single_runner)
             .field("runner_health", &self.runner_health.is_some())
+            .field("machine_id", &self.machine_id)
             .finish_non_exhaustive()
     }
 }
@@ -81,6 +83,7 @@ impl ShardingBuilder {
             client_only: false,
             single_runner: false,
             runner_health: None,
+            machine_id: None,
         }
     }
 
@@ -135,6 +138,18 @@ impl ShardingBuilder {
         self
     }
 
+    /// The machine id that this runtime's snowflake ids carry until the runner registry gives
+    /// it one (a client-only process keeps it).
+    ///
+    /// By default it is drawn at random once per process, plus one per runtime.
+    /// A deterministic simulation sets it from its seed, so that a seed replays with the same
+    /// ids.
+    /// Two runtimes with one machine id make colliding ids within a millisecond.
+    pub fn provisional_machine_id(mut self, machine_id: MachineId) -> ShardingBuilder {
+        self.machine_id = Some(machine_id);
+        self
+    }
+
     /// The process is a client: it hosts no entity and reads no mailbox (the reference's
     /// client-only mode).
     ///
@@ -183,6 +198,7 @@ impl ShardingBuilder {
             client_only,
             single_runner,
             runner_health,
+            machine_id,
         } = self;
         if runner_health.is_some() && (runners.is_none() || client_only || single_runner) {
             let why = "a runner-health check needs `runners`, not a client or a single runner";
@@ -207,6 +223,7 @@ impl ShardingBuilder {
         if single_runner && transport.is_some() {
             return Err(StartError::Conflict("a single runner has no other runner to reach"));
         }
+        let basics = Basics { config, clock, machine_id };
         match (messages, runners) {
             (None, None) if client_only => Err(StartError::Missing {
                 part: "messages",
@@ -216,7 +233,7 @@ impl ShardingBuilder {
                 part: "messages",
                 reason: "a single runner delivers persisted requests",
             }),
-            (None, None) => Ok(Sharding::start_volatile(config, clock)?),
+            (None, None) => Ok(Sharding::start_volatile(basics)?),
             (None, Some(_)) => Err(StartError::Missing {
                 part: "messages",
                 reason: "a runner storage needs a message storage",
@@ -225,16 +242,14 @@ impl ShardingBuilder {
                 Err(StartError::Missing { part: "runners", reason: "a single runner's locks" })
             }
             (Some(messages), None) if client_only => {
-                Ok(Sharding::start_client_only(config, clock, messages)?)
+                Ok(Sharding::start_client_only(basics, messages)?)
             }
-            (Some(messages), None) => {
-                Ok(Sharding::start_own_storage(config, clock, messages).await?)
-            }
+            (Some(messages), None) => Ok(Sharding::start_own_storage(basics, messages).await?),
             (Some(messages), Some(runners)) if single_runner => {
-                start_single_runner(config, clock, messages, runners).await
+                start_single_runner(basics, messages, runners).await
             }
             (Some(messages), Some(runners)) => {
-                start_cluster(config, clock, messages, runners, transport, runner_health)
+                start_cluster(basics, messages, runners, transport, runner_health)
             }
         }
     }
@@ -243,11 +258,11 @@ impl ShardingBuilder {
 /// A single runner on `messages`, holding every shard's lock in `runners` (see
 /// `single_runner`), with its storage read loop started.
 async fn start_single_runner(
-    config: ShardingConfig,
-    clock: Arc<dyn Clock>,
+    basics: Basics,
     messages: Arc<dyn MessageStorage>,
     runners: Arc<dyn RunnerStorage>,
 ) -> Result<Sharding, StartError> {
+    let config = &basics.config;
     config.validate()?;
     let address = config.runner_address.clone().ok_or(StartError::NoRunnerAddress)?;
     let groups = config.shard_groups().assigned;
@@ -266,8 +281,8 @@ async fn start_single_runner(
         });
     }
     let interval = config.shard_lock_interval();
-    let locks = Arc::new(HeldLocks::new(runners, address, shards, &config, acquired_at));
-    let sharding = Sharding::start_own_storage(config, clock, Arc::clone(&messages)).await?;
+    let locks = Arc::new(HeldLocks::new(runners, address, shards, config, acquired_at));
+    let sharding = Sharding::start_own_storage(basics, Arc::clone(&messages)).await?;
     sharding.set_machine_id(machine_id);
     sharding.hold_locks(Arc::clone(&locks));
     let runtime = LockedRuntime {
@@ -289,23 +304,23 @@ async fn start_single_runner(
 /// - Persisted requests and their replies go through `messages`.
 /// - Volatile requests reach other runners through `transport`, if there is one.
 fn start_cluster(
-    config: ShardingConfig,
-    clock: Arc<dyn Clock>,
+    basics: Basics,
     messages: Arc<dyn MessageStorage>,
     runners: Arc<dyn RunnerStorage>,
     transport: Option<Arc<dyn Transport>>,
     runner_health: Option<Arc<dyn RunnerHealth>>,
 ) -> Result<Sharding, StartError> {
+    let config = &basics.config;
     config.validate()?;
     let member = Arc::new(Member::new(
         config.clone(),
-        Arc::clone(&clock),
+        Arc::clone(&basics.clock),
         runners,
         Arc::clone(&messages),
         transport.clone(),
         runner_health,
     ));
-    let sharding = Sharding::with_cluster(config, clock, messages, Arc::clone(&member), transport)?;
+    let sharding = Sharding::with_cluster(basics, messages, Arc::clone(&member), transport)?;
     member.start(&sharding);
     if member.checks_health() {
         let checker = Arc::clone(&member);

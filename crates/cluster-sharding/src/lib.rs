@@ -115,7 +115,7 @@ pub use registration::{ByCreate, ByFactory, EntityRegistration};
 pub use runtime::delivery::TransactionSlot;
 pub use services::cron::{CronContext, CronError, CronOptions};
 pub use services::singleton::{SingletonContext, SingletonOptions};
-pub use sharding::{RegistrationEvent, Sharding, seed_provisional_machine_ids};
+pub use sharding::{RegistrationEvent, Sharding};
 
 /// What the code that [`entity`] generates refers to; not part of the API. A crate that
 /// re-exports this one whole (`pub use cluster_sharding::*`) re-exports it too, so that

@@ -114,15 +114,16 @@ impl WeakSharding {
     }
 }
 
-/// The base of provisional machine ids: unset (`u64::MAX`) until drawn or seeded.
+/// The base of provisional machine ids: unset (`u64::MAX`) until drawn.
 static PROVISIONAL_BASE: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(u64::MAX);
-/// How many provisional machine ids were handed out since the base was set.
+/// How many provisional machine ids were handed out since the base was drawn.
 static PROVISIONAL_NEXT: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
 
-/// The machine id of a runtime until the registry gives it one: a random base drawn once per
-/// process, plus a counter, so that runtimes of one process never share one and processes
-/// (including containers whose processes all have the same pid) rarely do. Ids of two
-/// runtimes with one machine id collide within a millisecond.
+/// The machine id of a runtime until the registry gives it one, unless its builder set one
+/// ([`ShardingBuilder::provisional_machine_id`]): a random base drawn once per process, plus a
+/// counter, so that runtimes of one process never share one and processes (including
+/// containers whose processes all have the same pid) rarely do. Ids of two runtimes with one
+/// machine id collide within a millisecond.
 fn provisional_machine_id() -> MachineId {
     use std::sync::atomic::Ordering;
     let mut base = PROVISIONAL_BASE.load(Ordering::Acquire);
@@ -147,14 +148,12 @@ fn provisional_machine_id() -> MachineId {
     MachineId::new(i32::try_from(base.wrapping_add(n) % 1024).unwrap_or(0))
 }
 
-/// Makes the provisional machine ids of the runtimes created from now on a function of
-/// `seed` (and of their creation order), instead of random: for deterministic simulations,
-/// which run several runtimes in one process and replay a seed. Production code leaves them
-/// random.
-pub fn seed_provisional_machine_ids(seed: u32) {
-    use std::sync::atomic::Ordering;
-    PROVISIONAL_BASE.store(u64::from(seed), Ordering::Release);
-    PROVISIONAL_NEXT.store(0, Ordering::Release);
+/// What every runtime starts from, whatever its role: its configuration, its clock and its
+/// provisional machine id, if its builder set one.
+pub(crate) struct Basics {
+    pub(crate) config: ShardingConfig,
+    pub(crate) clock: Arc<dyn Clock>,
+    pub(crate) machine_id: Option<MachineId>,
 }
 
 impl std::fmt::Debug for Sharding {
@@ -168,11 +167,8 @@ impl std::fmt::Debug for Sharding {
 impl Sharding {
     /// A runtime with no storage (see [`Sharding::builder`]): only volatile requests can be
     /// sent.
-    pub(crate) fn start_volatile(
-        config: ShardingConfig,
-        clock: Arc<dyn Clock>,
-    ) -> Result<Sharding, ConfigError> {
-        Sharding::build(config, clock, None, None, None)
+    pub(crate) fn start_volatile(basics: Basics) -> Result<Sharding, ConfigError> {
+        Sharding::build(basics, None, None, None)
     }
 
     /// A single runner that owns every shard of its groups, with persisted delivery through
@@ -181,10 +177,10 @@ impl Sharding {
     /// Use it for one process on its own storage: shard locks and the runner registry, which
     /// let several runners share a database, are not taken here.
     pub(crate) async fn start_own_storage(
-        config: ShardingConfig,
-        clock: Arc<dyn Clock>,
+        basics: Basics,
         storage: Arc<dyn MessageStorage>,
     ) -> Result<Sharding, ConfigError> {
+        let config = &basics.config;
         let groups = config.shard_groups().assigned;
         let shards = all_shards(&groups, config.shards_per_group);
         // Taking the shards releases the claims a previous run left behind (it may have been
@@ -193,19 +189,18 @@ impl Sharding {
             tracing::warn!(%error, "could not release the claims of a previous run");
         }
         metrics::set(metrics::SHARDS, shards.len());
-        Sharding::build(config, clock, Some((storage, shards)), None, None)
+        Sharding::build(basics, Some((storage, shards)), None, None)
     }
 
     /// The runtime of a cluster member (see [`Sharding::cluster`]): persisted delivery through
     /// `storage` on the shards `cluster` holds; the member's loops are started by the caller.
     pub(crate) fn with_cluster(
-        config: ShardingConfig,
-        clock: Arc<dyn Clock>,
+        basics: Basics,
         storage: Arc<dyn MessageStorage>,
         cluster: Arc<Member>,
         transport: Option<Arc<dyn Transport>>,
     ) -> Result<Sharding, ConfigError> {
-        Sharding::build(config, clock, Some((storage, Vec::new())), Some(cluster), transport)
+        Sharding::build(basics, Some((storage, Vec::new())), Some(cluster), transport)
     }
 
     /// A client-only process on `storage` (the reference's client-only mode; `runner_address`
@@ -215,10 +210,10 @@ impl Sharding {
     /// transport to reach their runner, which this process does not have: they fail with
     /// `EntityNotAssignedToRunner`.
     pub(crate) fn start_client_only(
-        config: ShardingConfig,
-        clock: Arc<dyn Clock>,
+        basics: Basics,
         storage: Arc<dyn MessageStorage>,
     ) -> Result<Sharding, ConfigError> {
+        let config = &basics.config;
         if config.runner_address.is_some() {
             return Err(ConfigError::new(
                 "runner_address",
@@ -226,7 +221,7 @@ impl Sharding {
                 "a client-only process has no runner address",
             ));
         }
-        Sharding::build(config, clock, Some((storage, Vec::new())), None, None)
+        Sharding::build(basics, Some((storage, Vec::new())), None, None)
     }
 
     /// A builder of a runtime configured with `config`, on the system clock, with no storage
@@ -244,12 +239,12 @@ impl Sharding {
     /// no lock says otherwise), `cluster` and `transport`, and starts persisted delivery's
     /// loops.
     fn build(
-        config: ShardingConfig,
-        clock: Arc<dyn Clock>,
+        basics: Basics,
         storage: Option<(Arc<dyn MessageStorage>, Vec<ShardId>)>,
         cluster: Option<Arc<Member>>,
         transport: Option<Arc<dyn Transport>>,
     ) -> Result<Sharding, ConfigError> {
+        let Basics { config, clock, machine_id } = basics;
         config.validate()?;
         if !config.simulate_remote_serialization {
             tracing::info!(
@@ -258,7 +253,7 @@ impl Sharding {
         }
         // The reference starts with a random machine id until the runner registers (a
         // client-only process keeps it).
-        let machine_id = provisional_machine_id();
+        let machine_id = machine_id.unwrap_or_else(provisional_machine_id);
         let ids = Arc::new(Ids::new(
             Arc::clone(&clock),
             SharedSnowflakeGenerator::new(machine_id, clock.now()),
@@ -1067,5 +1062,29 @@ mod machine_id_tests {
             (0..64).map(|_| provisional_machine_id().snowflake_bits().into()).collect();
         assert_eq!(ids.len(), 64);
         assert!(ids.iter().all(|id| (0..1024).contains(id)));
+    }
+
+    /// A builder's provisional machine id is its runtime's, with other runtimes built in
+    /// between: a simulation sets one per runtime without a process-wide setting.
+    #[tokio::test]
+    async fn a_builder_sets_its_runtimes_provisional_machine_id() {
+        let config = ShardingConfig::default();
+        let seeded = Sharding::builder(config.clone())
+            .provisional_machine_id(MachineId::new(7))
+            .start()
+            .await
+            .unwrap();
+        let drawn = Sharding::builder(config.clone()).start().await.unwrap();
+        let again = Sharding::builder(config)
+            .provisional_machine_id(MachineId::new(7))
+            .start()
+            .await
+            .unwrap();
+        let machine = |sharding: &Sharding| sharding.inner.ids.next().machine_id();
+        assert_eq!(machine(&seeded), MachineId::new(7));
+        assert_eq!(machine(&again), MachineId::new(7));
+        for sharding in [seeded, drawn, again] {
+            sharding.shutdown().await;
+        }
     }
 }

@@ -46,7 +46,7 @@ use std::time::Duration;
 use cluster_core::ids::RunnerAddress;
 use cluster_core::storage::{MessageStorage, RunnerStorage};
 use cluster_core::sync::lock;
-use cluster_core::{Clock, EntityAddress, ShardingConfig, Snowflake, Timestamp};
+use cluster_core::{Clock, EntityAddress, MachineId, ShardingConfig, Snowflake, Timestamp};
 use cluster_sharding::{Entity, EntityContext, Handler, Protocol, RequestContext, Rpc, Sharding};
 use serde::{Deserialize, Serialize};
 
@@ -474,6 +474,9 @@ struct World {
     violations: Arc<Mutex<Vec<String>>>,
     runners: Arc<Mutex<Vec<SimRunner>>>,
     next_port: u16,
+    /// The provisional machine id of the next runtime: its snowflake ids (which order stored
+    /// messages) follow the seed.
+    next_machine_id: std::sync::atomic::AtomicU64,
     /// The workflow scenario's ledger, when it runs.
     #[cfg(feature = "workflow")]
     workflows: Option<Arc<workflow::Ledger>>,
@@ -559,6 +562,12 @@ impl World {
         (Arc::new(storage), faults)
     }
 
+    /// The provisional machine id of the next runtime.
+    fn machine_id(&self) -> MachineId {
+        let id = self.next_machine_id.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        MachineId::new(i32::try_from(id % 1024).unwrap_or(0))
+    }
+
     /// Starts a runner whose clock is skewed by up to 200 ms.
     async fn start_runner(&mut self, rng: &mut SimRng) {
         let port = self.next_port;
@@ -575,6 +584,7 @@ impl World {
         let transport = self.network.transport();
         match Sharding::builder(config)
             .clock(clock)
+            .provisional_machine_id(self.machine_id())
             .messages(messages)
             .runners(Arc::new(locks))
             .transport(transport)
@@ -662,8 +672,6 @@ enum Fault {
 }
 
 async fn simulate(config: SimConfig) -> SimReport {
-    // Snowflake ids (which order stored messages) follow the seed too.
-    cluster_sharding::seed_provisional_machine_ids(u32::try_from(config.seed % 1024).unwrap_or(0));
     let start = tokio::time::Instant::now();
     let mut rng = SimRng::new(config.seed);
     let database_clock: Arc<dyn Clock> = Arc::new(SimClock::new(start, Duration::ZERO, true));
@@ -683,6 +691,7 @@ async fn simulate(config: SimConfig) -> SimReport {
         violations: Arc::clone(&violations),
         runners: Arc::default(),
         next_port: 1,
+        next_machine_id: std::sync::atomic::AtomicU64::new(config.seed),
         #[cfg(feature = "workflow")]
         workflows: (config.workflows + config.holds > 0).then(|| {
             let (children, holds) = (config.exactly_once, config.holds > 0);
@@ -802,6 +811,7 @@ async fn start_workload(
     let (storage, _) = world.storage_for(None, Arc::default());
     let client = match Sharding::builder(runner_config(None))
         .clock(clock)
+        .provisional_machine_id(world.machine_id())
         .messages(storage)
         .runners(registry)
         .transport(transport)
