@@ -110,7 +110,7 @@ impl ShardingBuilder {
     /// Volatile requests reach entities of other runners through `transport`.
     ///
     /// - The transport delivers the other runners' requests to this one through
-    ///   [`Sharding::runner_handler`].
+    ///   [`Plumbing::runner_handler`](crate::Plumbing::runner_handler).
     /// - With a transport, the runners check each other's health by pinging (see
     ///   `RUNNER_HEALTH_CHECK` in docs/configuration.md).
     /// - It needs [`runners`](ShardingBuilder::runners): routing follows the membership.

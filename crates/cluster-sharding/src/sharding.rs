@@ -765,7 +765,7 @@ impl Sharding {
     }
 
     /// Wakes the storage read loop now, instead of at its next poll.
-    pub fn poll_storage(&self) {
+    pub(crate) fn poll_storage(&self) {
         if let Some(persisted) = &self.inner.persisted {
             persisted.poll_storage();
         }
@@ -796,7 +796,7 @@ impl Sharding {
 
     /// What a transport calls when a peer's request arrives (the reference's `RunnerServer`).
     /// It does not keep the runtime alive.
-    pub fn runner_handler(&self) -> Arc<dyn RunnerHandler> {
+    pub(crate) fn runner_handler(&self) -> Arc<dyn RunnerHandler> {
         self.inner.remote.handler()
     }
 
@@ -826,14 +826,17 @@ impl Sharding {
 
     /// The message storage of persisted requests, if the runtime has one: for layers built on
     /// the runtime (the workflow engine reads stored replies and deferred completions).
-    pub fn message_storage(&self) -> Option<&Arc<dyn MessageStorage>> {
+    pub(crate) fn message_storage(&self) -> Option<&Arc<dyn MessageStorage>> {
         self.persisted().map(|persisted| &persisted.storage)
     }
 
     /// Attaches a service to the runtime, one per type (replacing and returning an earlier
     /// one): how a layer built on the runtime, such as the workflow engine, reaches its state
     /// from the entities it registers.
-    pub fn insert_extension<T: Send + Sync + 'static>(&self, value: Arc<T>) -> Option<Arc<T>> {
+    pub(crate) fn insert_extension<T: Send + Sync + 'static>(
+        &self,
+        value: Arc<T>,
+    ) -> Option<Arc<T>> {
         let mut extensions = lock(&self.inner.extensions);
         extensions
             .insert(std::any::TypeId::of::<T>(), value)
@@ -841,7 +844,7 @@ impl Sharding {
     }
 
     /// The service of type `T` attached with [`insert_extension`](Sharding::insert_extension).
-    pub fn extension<T: Send + Sync + 'static>(&self) -> Option<Arc<T>> {
+    pub(crate) fn extension<T: Send + Sync + 'static>(&self) -> Option<Arc<T>> {
         let extensions = lock(&self.inner.extensions);
         extensions
             .get(&std::any::TypeId::of::<T>())

@@ -39,6 +39,7 @@
 //! only if its runner crashed or froze, or its outcome's write failed), never for a success.
 //! `docs/testing.md` has the details.
 
+use cluster_sharding::Plumbing;
 use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;

@@ -17,6 +17,7 @@
 //! - `activation`: one lifetime of an execution's entity on this runner, and the entities;
 //! - `contract`: the engine contract (`Backend`) as requests of the execution's entity.
 
+use cluster_sharding::Plumbing;
 use std::collections::BTreeMap;
 use std::num::NonZeroU32;
 use std::sync::{Arc, Mutex, Weak};

@@ -46,6 +46,7 @@
 //! }
 //! ```
 
+use cluster_sharding::Plumbing;
 use std::net::SocketAddr;
 use std::sync::Arc;
 

@@ -2,7 +2,7 @@
 //! `effect/src/cluster/Runners.ts`): routing to the shard's owner through a
 //! [`Transport`](cluster_core::transport::Transport), and the server side that a transport
 //! calls when a peer's request arrives ([`Remote::handler`], handed out by
-//! `Sharding::runner_handler`).
+//! `Plumbing::runner_handler`).
 //!
 //! A volatile request goes to the owner of its shard in the current assignment: this runner
 //! (the local path, which waits for a lock being taken over), another runner (through the

@@ -1,6 +1,7 @@
 //! Several runners on one storage (in one process): shard assignment, lock acquisition,
 //! rebalancing when a runner joins, the shutdown handoff, and ownership fencing.
 
+use cluster_sharding::Plumbing;
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
 use std::time::Duration;

@@ -18,6 +18,7 @@ mod streams;
 mod transaction;
 mod unserved;
 
+use cluster_sharding::Plumbing;
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
 use std::time::Duration;

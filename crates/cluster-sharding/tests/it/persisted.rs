@@ -2,6 +2,7 @@
 //! of effect's `Sharding.test.ts`): requests are stored first, delivered by the
 //! storage read loop, answered once, and survive a restart of the runner.
 
+use cluster_sharding::Plumbing;
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
 use std::time::Duration;

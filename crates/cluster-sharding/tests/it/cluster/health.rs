@@ -2,6 +2,7 @@
 //! `RunnerHealth` service of `effect/src/cluster/RunnerHealth.ts`): the runner-health singleton
 //! asks it instead of pinging, with or without a transport.
 
+use cluster_sharding::Plumbing;
 use std::collections::{BTreeMap, BTreeSet};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;

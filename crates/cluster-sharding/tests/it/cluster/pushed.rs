@@ -2,6 +2,7 @@
 //! at once and answers on the call with the final reply it stored; storage stays the fallback
 //! (effect 4.1.0's persisted `Effect` RPC).
 
+use cluster_sharding::Plumbing;
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
 use std::time::Duration;
