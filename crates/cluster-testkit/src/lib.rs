@@ -6,6 +6,7 @@
 //!   [`storage_suite!`](crate::storage_suite!).
 //! - `databases` (feature `sql`): real SQLite, PostgreSQL and MySQL storages for tests, on
 //!   a file or tables of the test's own, removed afterwards.
+//! - [`logs`]: [`Warnings`](logs::Warnings), the warnings a test's code logged.
 //! - [`faulty`]: a `MessageStorage` wrapper that fails on demand (transactions that cannot
 //!   begin, commits whose outcome is unknown).
 //! - [`measure`]: throughput measurements of storages, for benchmarks and notes.
@@ -30,6 +31,7 @@
 #[cfg(feature = "sql")]
 pub mod databases;
 pub mod faulty;
+pub mod logs;
 pub mod measure;
 pub mod memory;
 pub mod queue_suite;

@@ -374,47 +374,4 @@ pub(crate) async fn closed_by_server(stream: &mut TcpStream) -> bool {
     tokio::time::timeout(DEADLINE, read).await.is_ok()
 }
 
-/// The warnings logged while it is the thread's default subscriber.
-#[derive(Clone, Default)]
-pub(crate) struct Warnings(std::sync::Arc<std::sync::Mutex<Vec<String>>>);
-
-impl Warnings {
-    pub(crate) fn logged(&self) -> Vec<String> {
-        self.0.lock().unwrap().clone()
-    }
-}
-
-/// The `message` field of an event, with its other fields.
-struct Message<'a>(&'a mut String);
-
-impl tracing::field::Visit for Message<'_> {
-    fn record_debug(&mut self, field: &tracing::field::Field, value: &dyn std::fmt::Debug) {
-        self.0.push_str(&format!("{}={value:?} ", field.name()));
-    }
-}
-
-impl tracing::Subscriber for Warnings {
-    fn enabled(&self, _: &tracing::Metadata<'_>) -> bool {
-        true
-    }
-
-    fn new_span(&self, _: &tracing::span::Attributes<'_>) -> tracing::span::Id {
-        tracing::span::Id::from_u64(1)
-    }
-
-    fn record(&self, _: &tracing::span::Id, _: &tracing::span::Record<'_>) {}
-
-    fn record_follows_from(&self, _: &tracing::span::Id, _: &tracing::span::Id) {}
-
-    fn event(&self, event: &tracing::Event<'_>) {
-        if *event.metadata().level() == tracing::Level::WARN {
-            let mut line = String::new();
-            event.record(&mut Message(&mut line));
-            self.0.lock().unwrap().push(line);
-        }
-    }
-
-    fn enter(&self, _: &tracing::span::Id) {}
-
-    fn exit(&self, _: &tracing::span::Id) {}
-}
+pub(crate) use cluster_testkit::logs::Warnings;
