@@ -24,10 +24,6 @@ mod tests;
 ///     amount: u64,
 /// }
 ///
-/// /// Reads the balance.
-/// #[derive(Serialize, Deserialize)]
-/// struct Balance;
-///
 /// /// A bank account per entity id.
 /// struct Account {
 ///     balance: u64,
@@ -46,8 +42,9 @@ mod tests;
 ///         Ok(self.balance)
 ///     }
 ///
+///     /// Reads the balance. It takes no request: `Balance` is generated.
 ///     #[rpc]
-///     async fn balance(&self, _: Balance) -> Result<u64, Never> {
+///     async fn balance(&self) -> Result<u64, Never> {
 ///         Ok(self.balance)
 ///     }
 /// }
@@ -57,7 +54,7 @@ mod tests;
 /// let sharding = Sharding::builder(ShardingConfig::default()).start().await?;
 /// sharding.entity::<Account>().register()?;
 /// let accounts = Account::client(&sharding);
-/// assert_eq!(accounts.balance("alice", Balance).await?, 0);
+/// assert_eq!(accounts.balance("alice").await?, 0);
 /// # sharding.shutdown().await;
 /// # Ok(())
 /// # }
@@ -66,6 +63,9 @@ mod tests;
 /// # What it generates
 ///
 /// - The impl block itself, as written: its methods stay callable.
+/// - For each `#[rpc]` method that takes no request, its request type: a unit struct named
+///   after the method (`last_seen` makes `LastSeen`), with serde's traits, visible as the typed
+///   client is. It is stored as `null`, as a hand-written unit struct is.
 /// - For each `#[rpc]` method, `impl Rpc for Request` (or `StreamRpc` for a stream): the tag,
 ///   the flags of the method's arguments, `Success` and `Error` from its
 ///   `Result<Success, Error>`.
@@ -75,7 +75,8 @@ mod tests;
 /// - `impl Entity`: `TYPE`, `create` (or `FACTORY_ONLY` without one), and a `protocol` that
 ///   declares every `#[rpc]` method, so no handler is left undeclared.
 /// - The typed client `<Type>Client`, made by `<Type>::client(&sharding)`: one `async` method
-///   per `#[rpc]`, named after it, taking the entity id and the request, returning
+///   per `#[rpc]`, named after it, taking the entity id and the request (none for a generated
+///   one), returning
 ///   `Result<Success, CallError<Error>>` (a `ChunkStream` for a stream). It also has
 ///   `discard(id, request)` (send without waiting for the reply) and `entity(id)` (the
 ///   `EntityClient` of one entity, for headers).
@@ -111,6 +112,10 @@ mod tests;
 /// `Result<Success, Error>` spelled out (`Never` for a request that cannot fail). The request
 /// type must be a type of the same crate, as its `Rpc` implementation is written here; one
 /// method per request type.
+///
+/// A unary method may take no request (`async fn balance(&self) -> Result<u64, Never>`, or
+/// with the context only): its request type is generated, named after the method.
+/// Its client method then takes the entity id alone (`accounts.balance("alice")`).
 ///
 /// Methods with these names are the entity's hooks (the others are left alone):
 ///

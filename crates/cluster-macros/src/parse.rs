@@ -263,6 +263,9 @@ pub(crate) struct RpcMethod {
     pub(crate) asynchronous: bool,
     /// The request type.
     pub(crate) request: Type,
+    /// Whether the method takes no request: the request type, a unit struct named after the
+    /// method, is generated.
+    pub(crate) generated: bool,
     /// Its reply.
     pub(crate) reply: Reply,
     /// The `E` of `Result<_, E>`.
@@ -468,6 +471,11 @@ fn rpc_method(method: &ImplItemFn, args: RpcArgs) -> syn::Result<RpcMethod> {
         errors.push(Error::new(sig.ident.span(), "a stream takes `&mut self`, not `&self`"));
     }
     let (context, request, chunks_item) = parameters(sig, stream, &mut errors)?;
+    let generated = request.is_none();
+    let request = match request {
+        Some(request) => request,
+        None => generated_request(&sig.ident)?,
+    };
     let ReturnType::Type(_, output) = &sig.output else {
         let expected = if stream { "`Result<(), Error>`" } else { "`Result<Success, Error>`" };
         errors.push(Error::new(sig.span(), format!("an #[rpc] method returns {expected}")));
@@ -495,6 +503,7 @@ fn rpc_method(method: &ImplItemFn, args: RpcArgs) -> syn::Result<RpcMethod> {
         context,
         asynchronous: sig.asyncness.is_some(),
         request,
+        generated,
         reply,
         error,
         cfgs: attributes_named(&method.attrs, "cfg"),
@@ -533,7 +542,7 @@ fn parameters(
     sig: &syn::Signature,
     stream: bool,
     errors: &mut Errors,
-) -> syn::Result<(bool, Type, Option<Type>)> {
+) -> syn::Result<(bool, Option<Type>, Option<Type>)> {
     let inputs: Vec<&Type> = sig
         .inputs
         .iter()
@@ -547,6 +556,19 @@ fn parameters(
     } else {
         "`(&mut self, [context: &RequestContext,] request: Request)`"
     };
+    // A unary method may take no request (then its request type is generated): nothing, or
+    // only the context, a shared reference (a request is taken by value).
+    if !stream {
+        match inputs.as_slice() {
+            [] => return Ok((false, None, None)),
+            [Type::Reference(reference)]
+                if reference.mutability.is_none() && names(&reference.elem, "RequestContext") =>
+            {
+                return Ok((true, None, None));
+            }
+            _ => {}
+        }
+    }
     let fixed = if stream { 2 } else { 1 };
     let context = match inputs.len() {
         n if n == fixed => false,
@@ -589,7 +611,37 @@ fn parameters(
         )),
         _ => {}
     }
-    Ok((context, request, item))
+    Ok((context, Some(request), item))
+}
+
+/// The request type generated for a method that takes none: the method's name in
+/// `UpperCamelCase` (`balance` becomes `Balance`, `last_seen` becomes `LastSeen`).
+fn generated_request(method: &Ident) -> syn::Result<Type> {
+    let name: String = method
+        .to_string()
+        .trim_start_matches("r#")
+        .split('_')
+        .filter(|word| !word.is_empty())
+        .map(|word| {
+            let mut letters = word.chars();
+            letters
+                .next()
+                .map(|first| first.to_uppercase().chain(letters).collect::<String>())
+                .unwrap_or_default()
+        })
+        .collect();
+    if name.is_empty() {
+        let message = "this method's name makes no request type's name: take a request, such as \
+                       `request: Get`";
+        return Err(Error::new(method.span(), message));
+    }
+    let ident = Ident::new(&name, method.span());
+    Ok(syn::parse_quote!(#ident))
+}
+
+/// Whether `ty` is a path whose last segment is `name`.
+fn names(ty: &Type, name: &str) -> bool {
+    matches!(ty, Type::Path(path) if path.path.segments.last().is_some_and(|last| last.ident == name))
 }
 
 /// Refuses what a handler cannot be: `const`, `extern`, generic, variadic.

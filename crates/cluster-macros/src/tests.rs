@@ -151,6 +151,44 @@ fn writes_requests_handlers_entity_and_client() {
     assert_eq!(client_methods, ["client", "entity", "discard", "deposit", "balance", "history"]);
 }
 
+/// A method without a request gets a unit struct named after it, with the client's visibility;
+/// its handler and client method take none.
+#[test]
+fn a_method_without_a_request_gets_its_request_type() {
+    let items = expand(
+        quote!(client = pub AccountClient),
+        quote! {
+            impl Account {
+                #[rpc]
+                async fn last_seen(&self) -> Result<u64, Never> { Ok(0) }
+                #[rpc]
+                fn touch(&mut self, context: &RequestContext) -> Result<(), Never> { Ok(()) }
+            }
+        },
+    );
+    let structs: Vec<String> = items
+        .iter()
+        .filter_map(|item| match item {
+            Item::Struct(item) => Some(item.to_token_stream().to_string().replace(' ', "")),
+            _ => None,
+        })
+        .collect();
+    assert!(structs.iter().any(|item| item.ends_with("pubstructLastSeen;")), "{structs:?}");
+    assert!(structs.iter().any(|item| item.ends_with("pubstructTouch;")), "{structs:?}");
+    assert!(structs[0].contains("::cluster_sharding::__private::serde::Serialize"));
+    let impls = trait_impls(&items);
+    assert!(impls.contains(&("::cluster_sharding::Rpc".to_owned(), "LastSeen".to_owned())));
+    assert!(
+        impls.contains(&("::cluster_sharding::Handler<Touch>".to_owned(), "Account".to_owned()))
+    );
+    let text = quote!(#(#items)*).to_string().replace(' ', "");
+    assert!(text.contains("<Account>::last_seen(self,)"), "the method takes no request");
+    assert!(text.contains("<Account>::touch(self,context,)"), "the context only");
+    assert!(text.contains("constTAG:&'staticstr=\"LastSeen\";"));
+    assert!(text.contains("pubasyncfnlast_seen(&self,entity_id:"));
+    assert!(text.contains(".send(LastSeen).await"));
+}
+
 #[test]
 fn arguments_name_the_type_the_crate_and_the_client() {
     let items = expand(
@@ -352,6 +390,11 @@ fn signature_mistakes_are_reported_on_their_tokens() {
             quote!(),
             quote!(impl Account { #[rpc] async fn f(&mut self, r: R) -> u64 { 0 } }),
             &["returns `Result<Success, Error>`"],
+        ),
+        (
+            quote!(),
+            quote!(impl Account { #[rpc] async fn __(&mut self) -> Result<(), E> { Ok(()) } }),
+            &["makes no request type's name"],
         ),
         (
             quote!(),

@@ -125,4 +125,7 @@ pub use sharding::{RegistrationEvent, Sharding};
 #[doc(hidden)]
 pub mod __private {
     pub use cluster_core::{EntityId, ShardGroup, Timestamp};
+    /// The request types that `#[rpc]` methods without a request get derive serde's traits
+    /// through this path, so the user's crate needs no serde of its own for them.
+    pub use serde;
 }

@@ -34,15 +34,6 @@ struct Insufficient {
     balance: u64,
 }
 
-/// Reads the balance (volatile, shared).
-#[derive(Serialize, Deserialize)]
-struct Balance;
-
-/// Waits until `Runs::meeting` lets it through: two of them to one account end only if they
-/// run at the same time.
-#[derive(Serialize, Deserialize)]
-struct Meet;
-
 /// Streams the amounts deposited so far.
 #[derive(Serialize, Deserialize)]
 struct History;
@@ -99,13 +90,18 @@ impl Account {
         Ok(self.balance)
     }
 
+    /// Reads the balance (volatile, shared). It takes no request: its request type, `Balance`,
+    /// is generated.
     #[rpc]
-    async fn balance(&self, _: Balance) -> Result<u64, Never> {
+    async fn balance(&self) -> Result<u64, Never> {
         Ok(self.balance)
     }
 
+    /// Waits until `Runs::meeting` lets it through: two of them to one account end only if
+    /// they run at the same time. Its request type, `Meet`, is generated too.
     #[rpc]
-    async fn meet(&self, _: Meet) -> Result<(), Never> {
+    async fn meet(&self, context: &RequestContext) -> Result<(), Never> {
+        assert_eq!(context.address().entity_type.as_str(), "MacroAccount");
         self.runs.meeting.wait().await;
         Ok(())
     }
@@ -304,9 +300,9 @@ async fn volatile_requests_answer_successes_and_errors() {
         Err(CallError::Failed(error)) => assert_eq!(error, Insufficient { balance: 6 }),
         other => panic!("expected the handler's error, got {other:?}"),
     }
-    assert_eq!(within("a balance", accounts.balance("bob", Balance)).await.unwrap(), 6);
+    assert_eq!(within("a balance", accounts.balance("bob")).await.unwrap(), 6);
     // Another id is another instance, made by the factory.
-    assert_eq!(within("another balance", accounts.balance("carol", Balance)).await.unwrap(), 0);
+    assert_eq!(within("another balance", accounts.balance("carol")).await.unwrap(), 0);
     assert_eq!(runs.created.load(Ordering::SeqCst), 2);
     // The untyped client of one entity reaches the same instance.
     assert_eq!(within("a send", accounts.entity("bob").send(Balance)).await.unwrap(), 6);
@@ -321,7 +317,7 @@ async fn shared_requests_run_side_by_side() {
     let accounts = Account::client(&sharding);
     // Each waits for the other: both end only if `&self` made them shared requests.
     let (first, second) = within("two meetings", async {
-        tokio::join!(accounts.meet("dave", Meet), accounts.meet("dave", Meet))
+        tokio::join!(accounts.meet("dave"), accounts.meet("dave"))
     })
     .await;
     first.unwrap();
@@ -414,6 +410,10 @@ fn the_attributes_set_names_tags_and_what_requests_read() {
     let deposit = Deposit { key: "k".to_owned(), amount: 1 };
     assert_eq!(deposit.primary_key().as_deref(), Some("k"));
     assert_eq!(Balance.primary_key(), None);
+    // A generated request is a unit struct: stored as `null`, as a hand-written one is.
+    assert_eq!(<Balance as Rpc>::TAG, "Balance");
+    assert_eq!(serde_json::to_string(&Balance).unwrap(), "null");
+    assert_eq!(serde_json::from_str::<Meet>("null").unwrap(), Meet);
 
     let flagged = Flagged { id: 7, at_millis: Some(1_000), transactional: true };
     assert_eq!(flagged.primary_key().as_deref(), Some("flagged-7"));
