@@ -1,8 +1,8 @@
 //! Automation for this workspace: `cargo xtask <command>`.
 //!
 //! - `ci`: everything CI checks, in order: formatting, clippy (all targets, then each storage
-//!   feature on its own), the database services, all tests, the quickstart, the saga, streaming
-//!   and cron examples, schemathesis against the HTTP gateway example, a smoke run of the
+//!   feature on its own), the database services, all tests, the quickstart, the crash-restart
+//!   check, the saga, streaming and cron examples, schemathesis against the HTTP gateway example, a smoke run of the
 //!   benchmark workloads, the simulation, the fault test, the three-runner example,
 //!   documentation (every feature, then the facade's default, `rpc` and `ops` builds).
 //! - `schemathesis`: requests generated from the HTTP gateway example's OpenAPI document
@@ -150,6 +150,8 @@ fn ci() -> Result<()> {
     }
     // The README's first command, in a debug build: it asserts its own outcome.
     step("quickstart", &["run", "--example", "quickstart"], &[])?;
+    // A runner killed part-way and started again: every request answered exactly once.
+    step("crash_restart", &["run", "--example", "crash_restart"], &[])?;
     // The workflow issue's example: it asserts the compensations ran in reverse order, once.
     step(
         "saga",
