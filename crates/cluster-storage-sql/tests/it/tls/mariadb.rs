@@ -87,6 +87,10 @@ impl TlsMariaDb {
         let dir = ScratchDir::new("mariadb-tls");
         make_pki(&dir.path, "DNS:localhost");
         let data = dir.join("data");
+        // Temporary tables of its own: in the shared /tmp, a bootstrap running beside another
+        // server's failed to remove one ("Installation of system tables failed").
+        let tmp = dir.join("tmp");
+        std::fs::create_dir_all(&tmp).expect("the server's temporary directory");
         // mariadbd runs as root only when told to.
         let root = std::os::unix::fs::MetadataExt::uid(
             &std::fs::metadata("/proc/self").expect("/proc/self"),
@@ -98,6 +102,7 @@ impl TlsMariaDb {
         command
             .arg("--no-defaults")
             .arg(format!("--datadir={}", data.display()))
+            .arg(format!("--tmpdir={}", tmp.display()))
             .args(["--auth-root-authentication-method=normal", "--skip-test-db"])
             .args(user)
             // A small redo log: 4 MiB instead of 96 MiB.
@@ -119,6 +124,7 @@ impl TlsMariaDb {
         command
             .arg("--no-defaults")
             .arg(format!("--datadir={}", data.display()))
+            .arg(format!("--tmpdir={}", tmp.display()))
             .args(user)
             .arg(format!("--port={port}"))
             .args(["--bind-address=127.0.0.1", "--skip-name-resolve"])
