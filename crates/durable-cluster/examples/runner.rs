@@ -10,15 +10,8 @@
 //! operations server, the transport, graceful shutdown on SIGTERM, and exit code 2 with one
 //! line naming the variable when a setting is wrong.
 
-use durable_cluster::{
-    Entity, EntityContext, Handler, Never, Protocol, RequestContext, Rpc, Runner,
-};
+use durable_cluster::{Never, Runner, entity};
 use serde::{Deserialize, Serialize};
-
-/// A counter per entity id.
-struct Counter {
-    count: u64,
-}
 
 /// Adds `by` to the counter and answers the new count.
 #[derive(Serialize, Deserialize)]
@@ -26,26 +19,19 @@ struct Add {
     by: u64,
 }
 
-impl Rpc for Add {
-    const TAG: &'static str = "Add";
-    type Success = u64;
-    type Error = Never;
+/// A counter per entity id.
+struct Counter {
+    count: u64,
 }
 
-impl Entity for Counter {
-    const TYPE: &'static str = "Counter";
-
-    async fn create(_context: &EntityContext) -> Counter {
+#[entity]
+impl Counter {
+    async fn create() -> Self {
         Counter { count: 0 }
     }
 
-    fn protocol(protocol: &mut Protocol<Counter>) {
-        protocol.handle::<Add>();
-    }
-}
-
-impl Handler<Add> for Counter {
-    async fn handle(&mut self, _context: &RequestContext, add: Add) -> Result<u64, Never> {
+    #[rpc]
+    async fn add(&mut self, add: Add) -> Result<u64, Never> {
         self.count += add.by;
         Ok(self.count)
     }

@@ -16,17 +16,10 @@
 use std::process::ExitCode;
 use std::sync::atomic::{AtomicUsize, Ordering};
 
-use durable_cluster::ShardingConfig;
 use durable_cluster::{
-    CallError, Chunks, Entity, EntityContext, Never, Protocol, RequestContext, SingleRunner,
-    StreamHandler, StreamRpc,
+    CallError, Chunks, EntityContext, Never, ShardingConfig, SingleRunner, StreamRpc, entity,
 };
 use serde::{Deserialize, Serialize};
-
-/// A sensor's readings (the stand-in for a real source).
-struct Sensor {
-    base: u64,
-}
 
 /// The next `count` readings, as they come (volatile).
 #[derive(Serialize, Deserialize)]
@@ -41,45 +34,25 @@ struct Export {
     count: u64,
 }
 
-impl StreamRpc for Readings {
-    const TAG: &'static str = "Readings";
-    type Item = u64;
-    type Error = Never;
-}
-
-impl StreamRpc for Export {
-    const TAG: &'static str = "Export";
-    const PERSISTED: bool = true;
-    type Item = u64;
-    type Error = Never;
-
-    fn primary_key(&self) -> Option<String> {
-        Some(self.key.clone())
-    }
-}
-
 /// How many times the export handler ran (in this process).
 static EXPORTS_RUN: AtomicUsize = AtomicUsize::new(0);
 
-impl Entity for Sensor {
-    const TYPE: &'static str = "Sensor";
+/// A sensor's readings (the stand-in for a real source).
+struct Sensor {
+    base: u64,
+}
 
-    async fn create(context: &EntityContext) -> Sensor {
+#[entity]
+impl Sensor {
+    async fn create(context: &EntityContext) -> Self {
         // Each sensor starts from a base derived from its id, to tell them apart.
         let base = context.address().entity_id.as_str().len() as u64 * 100;
         Sensor { base }
     }
 
-    fn protocol(protocol: &mut Protocol<Sensor>) {
-        protocol.stream::<Readings>();
-        protocol.stream::<Export>();
-    }
-}
-
-impl StreamHandler<Readings> for Sensor {
-    async fn handle(
+    #[rpc(stream)]
+    async fn readings(
         &mut self,
-        _: &RequestContext,
         request: Readings,
         chunks: &mut Chunks<'_, u64>,
     ) -> Result<(), Never> {
@@ -93,15 +66,9 @@ impl StreamHandler<Readings> for Sensor {
         }
         Ok(())
     }
-}
 
-impl StreamHandler<Export> for Sensor {
-    async fn handle(
-        &mut self,
-        _: &RequestContext,
-        request: Export,
-        chunks: &mut Chunks<'_, u64>,
-    ) -> Result<(), Never> {
+    #[rpc(stream, persisted, primary_key = key)]
+    async fn export(&mut self, request: Export, chunks: &mut Chunks<'_, u64>) -> Result<(), Never> {
         EXPORTS_RUN.fetch_add(1, Ordering::SeqCst);
         // A re-delivered export (after a restart) resumes after its last stored item.
         let start = chunks.last_sent().map_or(0, |last: u64| last.saturating_sub(self.base) + 1);
@@ -130,12 +97,13 @@ async fn run(path: &std::path::Path) -> Result<(), String> {
         .await
         .map_err(|error| error.to_string())?;
     sharding.entity::<Sensor>().register().map_err(|error| error.to_string())?;
-    let sensor = sharding.client::<Sensor>("kitchen");
+    let sensors = Sensor::client(&sharding);
     let failed = |error: CallError<Never>| error.to_string();
 
-    let readings = collect(sensor.stream(Readings { count: 5 }).await.map_err(failed)?)
-        .await
-        .map_err(failed)?;
+    let readings =
+        collect(sensors.readings("kitchen", Readings { count: 5 }).await.map_err(failed)?)
+            .await
+            .map_err(failed)?;
     say(&format!("volatile readings: {readings:?}"));
     let expected: Vec<u64> = (700..705).collect();
     if readings != expected {
@@ -143,9 +111,13 @@ async fn run(path: &std::path::Path) -> Result<(), String> {
     }
 
     let export = || Export { key: "2026-11-30".into(), count: 4 };
-    let first = collect(sensor.stream(export()).await.map_err(failed)?).await.map_err(failed)?;
+    let first = collect(sensors.export("kitchen", export()).await.map_err(failed)?)
+        .await
+        .map_err(failed)?;
     say(&format!("persisted export: {first:?}"));
-    let again = collect(sensor.stream(export()).await.map_err(failed)?).await.map_err(failed)?;
+    let again = collect(sensors.export("kitchen", export()).await.map_err(failed)?)
+        .await
+        .map_err(failed)?;
     say(&format!("the same export again (already complete): {again:?}"));
     let runs = EXPORTS_RUN.load(Ordering::SeqCst);
     sharding.shutdown().await;
