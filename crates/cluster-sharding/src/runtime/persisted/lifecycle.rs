@@ -81,7 +81,7 @@ impl<F> Default for Lifecycle<F> {
 
 /// One settling of a request: what [`Lifecycle::settle`] hands out and
 /// [`Lifecycle::settled`] takes back.
-#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+#[derive(Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Debug)]
 pub(super) struct Settling(u64);
 
 /// Where a taken-up request is.

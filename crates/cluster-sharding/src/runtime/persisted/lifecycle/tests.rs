@@ -204,6 +204,9 @@ struct Callers {
     settling: Vec<(Snowflake, Settling)>,
     /// The latest settling of each request.
     latest: BTreeMap<Snowflake, Settling>,
+    /// Settlings whose re-run reached the entity: their storing task only ends after that
+    /// (`store_outcome` returns once `rerun` delivered), storing nothing more.
+    superseded: BTreeSet<Settling>,
     reading: bool,
     /// Requests whose outcome was stored during the current read.
     settled_in_read: BTreeSet<Snowflake>,
@@ -246,7 +249,10 @@ impl Callers {
 
     fn claimed(&mut self, lifecycle: &mut Lifecycle<()>, id: Snowflake, claiming: Claiming) {
         let holding = self.holding(id);
-        let settling = self.settling.iter().any(|(held, _)| *held == id);
+        let settling = self
+            .settling
+            .iter()
+            .any(|(held, settling)| *held == id && !self.superseded.contains(settling));
         let claimed = lifecycle.claim(id, (), claiming);
         if let Ok(previous) = claimed {
             assert_eq!(holding, 0, "{id} claimed twice");
@@ -278,12 +284,22 @@ impl Callers {
                 }
             }
             Op::ClaimRerun(handle) => {
-                if let Some(&(id, _)) = self.settling.get(handle % self.settling.len().max(1)) {
+                // A re-run claims again only while its earlier claims were not delivered.
+                let live: Vec<Snowflake> = self
+                    .settling
+                    .iter()
+                    .filter(|(_, settling)| !self.superseded.contains(settling))
+                    .map(|(id, _)| *id)
+                    .collect();
+                if let Some(&id) = live.get(handle % live.len().max(1)) {
                     self.claimed(lifecycle, id, Claiming::Rerun);
                 }
             }
             Op::Deliver(handle) => {
-                if let Some((id, _)) = take(&mut self.arriving, handle) {
+                if let Some((id, previous)) = take(&mut self.arriving, handle) {
+                    if let Previous::Settling(settling) = previous {
+                        self.superseded.insert(settling);
+                    }
                     lifecycle.deliver(id);
                     assert_eq!(lifecycle.earlier(id), Earlier::Delivered);
                     self.delivered.push(id);
