@@ -200,7 +200,12 @@ async fn passivations_to_make_room_are_counted_and_leave_the_entities_gauge() {
 /// Every name reported is the reference's scheme, `effect_cluster_*`: no old `cluster_*` name
 /// reports the same value a second time.
 fn assert_one_naming_scheme() {
-    let names = gauges().names.lock().unwrap().clone();
+    assert_one_naming_scheme_in(gauges());
+}
+
+/// [`assert_one_naming_scheme`] for the names `gauges` captured.
+fn assert_one_naming_scheme_in(gauges: &Gauges) {
+    let names = gauges.names.lock().unwrap().clone();
     assert!(!names.is_empty());
     let other: Vec<&String> =
         names.iter().filter(|name| !name.starts_with("effect_cluster_")).collect();
@@ -282,13 +287,21 @@ async fn the_mailbox_gauge_follows_each_entity_when_entity_mailbox_metrics_is_on
     quiet.shutdown().await;
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+/// On a one-thread runtime with a recorder of its own on that thread: under `cargo test`, the
+/// other tests of this binary release shards into the global recorder at the same time.
+#[tokio::test(flavor = "current_thread")]
 async fn the_shard_release_timer_records_each_release_of_the_shutdown_handoff() {
     use cluster_testkit::memory::{
         MemoryMessageStorage, MemoryRunnerDatabase, MemoryRunnerStorage,
     };
 
-    gauges();
+    let own = Arc::new(Gauges::default());
+    let recorder = Capture(Arc::clone(&own));
+    let _recording = metrics::set_default_local_recorder(&recorder);
+    let gauge = |key: &str| {
+        let values = own.values.lock().unwrap();
+        values.get(key).map(|value| f64::from_bits(value.0.load(Ordering::SeqCst)))
+    };
     let clock = Arc::new(SystemClock);
     let messages = Arc::new(MemoryMessageStorage::new(clock.clone()));
     let registry = MemoryRunnerDatabase::new(clock.clone());
@@ -314,12 +327,12 @@ async fn the_shard_release_timer_records_each_release_of_the_shutdown_handoff() 
     }
     assert_eq!(gauge("effect_cluster_shards{}"), Some(4.0));
     sharding.shutdown().await;
-    let samples = gauges().samples.lock().unwrap().get("effect_cluster_shard_release{}").cloned();
+    let samples = own.samples.lock().unwrap().get("effect_cluster_shard_release{}").cloned();
     let samples = samples.expect("the timer was registered").0.lock().unwrap().clone();
     assert_eq!(samples.len(), 4, "one sample per shard released: {samples:?}");
     assert!(samples.iter().all(|ms| ms.is_finite() && *ms >= 0.0), "{samples:?}");
     assert_eq!(gauge("effect_cluster_shards{}"), Some(0.0));
-    assert_one_naming_scheme();
+    assert_one_naming_scheme_in(&own);
 }
 
 /// An entity type of its own with a persisted request.
