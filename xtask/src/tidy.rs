@@ -8,6 +8,7 @@
 //! - Every Rust file starts with a `//!` doc.
 //! - No ignored tests, no tests that expect a panic, and no `todo` or `unimplemented` stubs.
 //! - Only `cluster-core`'s `SystemClock` reads the wall clock.
+//! - `PersistedDelivery` is wiring: its inherent `impl` lives in one file.
 //! - Locks are taken through `cluster_core::sync` and `Never` is `cluster_core::Never`, each
 //!   defined once.
 //! - No import circle inside a crate is larger than three files (`circles`).
@@ -215,6 +216,20 @@ pub(crate) fn file_violations(path: &str, text: &str) -> Vec<String> {
     for (pattern, home, instead) in single_homes {
         if text.contains(pattern) && path != home {
             violations.push(format!("{path}: contains `{pattern}`; use `{instead}`"));
+        }
+    }
+    // Wiring types: their inherent `impl` stays in one file, so the processes they wire keep
+    // their state and code of their own instead of growing back into a hub.
+    let wiring = [(
+        concat!("impl ", "PersistedDelivery {"),
+        "crates/cluster-sharding/src/runtime/persisted.rs",
+    )];
+    for (pattern, home) in wiring {
+        if text.contains(pattern) && path != home {
+            violations.push(format!(
+                "{path}: contains `{pattern}`; it is wiring, whose methods live in {home}: give the \
+                 code a component of its own that takes the parts it uses"
+            ));
         }
     }
     let wall_clock = concat!("SystemTime", "::now");

@@ -103,6 +103,13 @@ fn source_rules() {
     );
     assert_eq!(file_violations("crates/x/src/a.rs", &copy).len(), 1);
     assert!(file_violations("crates/cluster-core/src/sync.rs", &copy).is_empty());
+    let wiring = format!("//! Doc.\n{}\n}}\n", concat!("impl ", "PersistedDelivery {"));
+    let home = "crates/cluster-sharding/src/runtime/persisted.rs";
+    assert!(file_violations(home, &wiring).is_empty());
+    let elsewhere = "crates/cluster-sharding/src/runtime/persisted/direct.rs";
+    assert_eq!(file_violations(elsewhere, &wiring).len(), 1);
+    let trait_impl = "//! Doc.\nimpl Drop for PersistedDelivery {}\n";
+    assert!(file_violations(elsewhere, trait_impl).is_empty());
     let never = format!("//! Doc.\n{} {{}}\n", concat!("enum ", "Never"));
     assert_eq!(file_violations("crates/x/examples/a.rs", &never).len(), 1);
 }

@@ -49,11 +49,34 @@ use cluster_core::storage::{SaveRequestOptions, SaveResult, UnprocessedMessage};
 use cluster_core::sync::lock;
 use cluster_core::{ClusterError, EntityAddress, ShardId, Snowflake};
 
-use super::lifecycle::Claiming;
-use super::tracked::Reservation;
-use super::{Dispatched, PersistedDelivery, Unregistered};
+use cluster_core::Clock;
+use cluster_core::storage::MessageStorage;
 
-/// What direct delivery remembers of the order per entity (in [`PersistedDelivery`]).
+use super::lifecycle::Claiming;
+use super::runs::{Dispatched, Runs, Unregistered};
+use super::tracked::{Reservation, TrackedRequests};
+use crate::placement::shards::Shards;
+use crate::runtime::delivery::ReadLatch;
+use crate::runtime::registry::Managers;
+
+/// Direct delivery and what it works with.
+pub(super) struct DirectDelivery {
+    /// Where a request admitted here goes.
+    pub(super) runs: Arc<Runs>,
+    /// The order per entity, shared with the read loop.
+    pub(super) order: Arc<DirectOrder>,
+    pub(super) storage: Arc<dyn MessageStorage>,
+    /// The shards served, and the lease of their locks.
+    pub(super) serving: Arc<Shards>,
+    /// Reserves a request before its save, and waits for the earlier ones.
+    pub(super) tracked: Arc<TrackedRequests>,
+    pub(super) managers: Arc<Managers>,
+    /// Wakes the read loop for the requests left to it.
+    pub(super) read_latch: Arc<ReadLatch>,
+    pub(super) clock: Arc<dyn Clock>,
+}
+
+/// What direct delivery remembers of the order per entity, shared with the read loop.
 #[derive(Default)]
 pub(super) struct DirectOrder(Mutex<Order>);
 
@@ -108,7 +131,7 @@ impl DirectOrder {
     }
 }
 
-impl PersistedDelivery {
+impl DirectDelivery {
     /// Whether a request about to be saved may go directly to its entity once saved.
     ///
     /// It may when all of these hold:
@@ -122,16 +145,16 @@ impl PersistedDelivery {
     /// The read loop may read it as soon as it is stored, and the reservation keeps the read loop
     /// and direct delivery from both running it.
     /// Otherwise an undelayed request to a served shard is held for the read loop.
-    /// Call [`PersistedDelivery::unhold`] if the save fails or finds a duplicate.
-    pub(super) fn plan_direct(
-        self: &Arc<Self>,
+    /// Call [`DirectOrder::unhold`] if the save fails or finds a duplicate.
+    pub(super) fn plan(
+        &self,
         request: &Request,
         options: &SaveRequestOptions,
     ) -> Option<Reservation> {
         let address = &request.address;
         // A delayed request is meant to come after later ones.
         // So it neither goes directly nor holds the requests after it back.
-        if options.deliver_at.is_some() || !self.serves(&address.shard_id) {
+        if options.deliver_at.is_some() || !self.serving.serves(&address.shard_id) {
             return None;
         }
         let reservation = self
@@ -139,7 +162,7 @@ impl PersistedDelivery {
             .then(|| self.tracked.reserve(request.request_id))
             .flatten();
         if reservation.is_none() {
-            self.direct.hold(address, request.request_id);
+            self.order.hold(address, request.request_id);
         }
         reservation
     }
@@ -160,10 +183,10 @@ impl PersistedDelivery {
     /// claimed (`dispatch`).
     pub(super) fn admits_directly(&self, request: &Request) -> bool {
         let address = &request.address;
-        self.delivers(&address.shard_id)
-            && self.direct.open(address)
+        self.serving.delivers(&address.shard_id)
+            && self.order.open(address)
             && self
-                .managers()
+                .managers
                 .get(&address.entity_type)
                 .is_some_and(|manager| !manager.is_stream(&request.tag))
     }
@@ -178,7 +201,7 @@ impl PersistedDelivery {
     ///
     /// [`MessageStorage::save_request_ordered`]: cluster_core::storage::MessageStorage::save_request_ordered
     pub(super) async fn save(
-        self: &Arc<Self>,
+        &self,
         request: &Request,
         options: &SaveRequestOptions,
         direct: bool,
@@ -186,8 +209,8 @@ impl PersistedDelivery {
         if !direct {
             return (self.storage.save_request(request, options).await.map_err(Into::into), None);
         }
-        let mut wake = WakeOnDrop(Some(self.as_ref()));
-        let now = self.clock().now();
+        let mut wake = WakeOnDrop(Some(&self.read_latch));
+        let now = self.clock.now();
         let ordered = self.storage.save_request_ordered(request, options, now, EARLIER_LIMIT).await;
         wake.0 = None;
         match ordered {
@@ -204,8 +227,8 @@ impl PersistedDelivery {
     /// When the request cannot go now, it is held for the read loop, which is woken.
     /// That happens for an earlier request unread here, a full mailbox, the residency cap, or
     /// the shard let go meanwhile.
-    pub(super) async fn deliver_directly(
-        self: &Arc<Self>,
+    pub(super) async fn deliver(
+        &self,
         request: Request,
         reservation: Reservation,
         earlier: Option<Vec<Snowflake>>,
@@ -227,8 +250,8 @@ impl PersistedDelivery {
         };
         if !in_order {
             tracing::debug!(%request_id, "an earlier request is unread here: left to the read loop");
-            self.direct.hold(&address, request_id);
-            self.poll_storage();
+            self.order.hold(&address, request_id);
+            self.read_latch.wake();
             return;
         }
         let message =
@@ -236,17 +259,17 @@ impl PersistedDelivery {
         let mut unregistered = Unregistered::default();
         let span = tracing::debug_span!("deliver_directly", %request_id);
         let dispatched =
-            span.in_scope(|| self.dispatch(message, &mut unregistered, Claiming::Reserved));
+            span.in_scope(|| self.runs.dispatch(message, &mut unregistered, Claiming::Reserved));
         // Claimed (kept by the claim), taken over by the read loop, or left to it.
         drop(reservation);
         unregistered.warn();
         match dispatched {
             Dispatched::Delivered | Dispatched::Skipped | Dispatched::Settled(_) => {}
-            Dispatched::Answer(reply) => self.save_final_reply(reply, None).await,
+            Dispatched::Answer(reply) => self.runs.save_final_reply(reply, None).await,
             Dispatched::Release(_) | Dispatched::Retry(_) | Dispatched::Capped(_) => {
                 tracing::debug!(%request_id, "not delivered directly; left to the read loop");
-                self.direct.hold(&address, request_id);
-                self.poll_storage();
+                self.order.hold(&address, request_id);
+                self.read_latch.wake();
             }
         }
     }
@@ -265,12 +288,12 @@ const EARLIER_WAIT: std::time::Duration = std::time::Duration::from_millis(100);
 pub(super) const EARLIER_LIMIT: NonZeroU32 = NonZeroU32::new(16).expect("16 is not zero");
 
 /// Wakes the storage read loop when dropped armed.
-struct WakeOnDrop<'a>(Option<&'a PersistedDelivery>);
+struct WakeOnDrop<'a>(Option<&'a ReadLatch>);
 
 impl Drop for WakeOnDrop<'_> {
     fn drop(&mut self) {
-        if let Some(persisted) = self.0 {
-            persisted.poll_storage();
+        if let Some(read_latch) = self.0 {
+            read_latch.wake();
         }
     }
 }

@@ -64,12 +64,40 @@ use tokio::sync::{mpsc, oneshot};
 use tokio_util::sync::{CancellationToken, DropGuard};
 use tracing::Instrument;
 
-use super::direct::EARLIER_LIMIT;
-use super::{OwnedRegistration, PersistedDelivery, Waiter};
-use crate::placement::remote::PushedRequests;
+use cluster_core::Clock;
+use cluster_core::storage::MessageStorage;
+use tokio::sync::Semaphore;
+use tokio_util::task::TaskTracker;
+
+use super::direct::{DirectDelivery, EARLIER_LIMIT};
+use super::tracked::TrackedRequests;
+use super::waiters::{OwnedRegistration, ReplyWaiters, Waiter};
+use crate::placement::remote::{PushedRequests, Remote};
+use crate::placement::shards::Shards;
+use crate::runtime::delivery::ReadLatch;
 use crate::runtime::local::STREAM_BUFFER;
 
-impl PushedRequests for PersistedDelivery {
+/// The owner's side of pushed requests, and what it works with.
+pub(super) struct PushedDelivery {
+    /// Where a pushed request goes when its order allows.
+    pub(super) direct: Arc<DirectDelivery>,
+    pub(super) storage: Arc<dyn MessageStorage>,
+    /// The shards served: a push for another shard is refused.
+    pub(super) serving: Arc<Shards>,
+    /// Interrupts and acknowledgements told of go to their requests.
+    pub(super) tracked: Arc<TrackedRequests>,
+    /// The waiters that answer the calls.
+    pub(super) waiters: Arc<ReplyWaiters>,
+    /// Wakes the read loop for what is left to it.
+    pub(super) read_latch: Arc<ReadLatch>,
+    pub(super) clock: Arc<dyn Clock>,
+    /// The take-ups under way (`TAKE_UPS_MAX`).
+    pub(super) take_ups: Arc<Semaphore>,
+    /// The runtime's tasks: the take-ups.
+    pub(super) tasks: TaskTracker,
+}
+
+impl PushedRequests for PushedDelivery {
     fn serve(self: Arc<Self>, request: Request) -> BoxFuture<'static, Result<Reply, ClusterError>> {
         let span = tracing::debug_span!("serve_pushed", request_id = %request.request_id);
         Box::pin(self.serve_pushed(request).instrument(span))
@@ -80,8 +108,8 @@ impl PushedRequests for PersistedDelivery {
         request: Request,
     ) -> Result<Box<dyn ReplyStream>, ClusterError> {
         let address = request.address.clone();
-        if !self.serves(&address.shard_id) {
-            self.poll_storage();
+        if !self.serving.serves(&address.shard_id) {
+            self.read_latch.wake();
             return Err(ClusterError::EntityNotAssignedToRunner { address });
         }
         let (sender, replies) = mpsc::channel(STREAM_BUFFER);
@@ -89,7 +117,7 @@ impl PushedRequests for PersistedDelivery {
         let registration =
             self.waiters.register(request.request_id, &address.shard_id, Waiter::stream(sender));
         // A stream goes through the read loop, which resumes it after its last stored chunk.
-        self.poll_storage();
+        self.read_latch.wake();
         Ok(Box::new(PushedStream { replies, _registration: registration, finished: false }))
     }
 
@@ -97,9 +125,9 @@ impl PushedRequests for PersistedDelivery {
         match envelope {
             Envelope::Request(request) => self.take_up_request(request),
             envelope => {
-                self.forward(&envelope);
+                self.direct.runs.forward(&envelope);
                 // Its row is read too, and marked processed, by the read loop.
-                self.poll_storage();
+                self.read_latch.wake();
             }
         }
     }
@@ -126,52 +154,54 @@ impl ReplyStream for PushedStream {
     }
 }
 
-impl PersistedDelivery {
-    /// Reads the replies that `request`'s owner pushes on `call`, and hands each to this
-    /// process's waiters as the reply poller does: they are stored replies.
-    ///
-    /// The task ends at the final reply, when the call fails (storage answers instead, and
-    /// the owner is told to read), or when the returned guard drops.
-    pub(super) fn pump_pushed(
-        self: &Arc<Self>,
-        request: Request,
-        call: BoxFuture<'static, Result<Box<dyn ReplyStream>, ClusterError>>,
-    ) -> DropGuard {
-        let stop = CancellationToken::new();
-        let guard = stop.clone().drop_guard();
-        let persisted = Arc::clone(self);
-        self.spawn_owned(async move {
-            let request_id = request.request_id;
-            let pumped = async {
-                let mut replies = call.await?;
-                while let Some(reply) = replies.next_reply().await {
-                    let reply = reply?;
-                    persisted.waiters.on_reply_saved(&reply);
-                    if reply.is_final() {
-                        return Ok(());
-                    }
+/// Reads the replies that `request`'s owner pushes on `call`, and hands each to this process's
+/// `waiters` as the reply poller does: they are stored replies.
+///
+/// The task, one of `tasks`, ends at the final reply, when the call fails (storage answers
+/// instead, and the owner is told to read through `remote`), or when the returned guard drops.
+pub(super) fn pump_pushed(
+    waiters: &Arc<ReplyWaiters>,
+    remote: &Arc<Remote>,
+    tasks: &TaskTracker,
+    request: Request,
+    call: BoxFuture<'static, Result<Box<dyn ReplyStream>, ClusterError>>,
+) -> DropGuard {
+    let stop = CancellationToken::new();
+    let guard = stop.clone().drop_guard();
+    let (waiters, remote) = (Arc::clone(waiters), Arc::clone(remote));
+    tasks.spawn(async move {
+        let request_id = request.request_id;
+        let pumped = async {
+            let mut replies = call.await?;
+            while let Some(reply) = replies.next_reply().await {
+                let reply = reply?;
+                waiters.on_reply_saved(&reply);
+                if reply.is_final() {
+                    return Ok(());
                 }
-                Err(ClusterError::EntityNotAssignedToRunner { address: request.address.clone() })
-            };
-            let pumped = tokio::select! {
-                pumped = pumped => pumped,
-                () = stop.cancelled() => return,
-            };
-            if let Err(error) = pumped {
-                tracing::debug!(%error, %request_id, "a pushed stream broke off; reading storage");
-                let shard = request.address.shard_id.clone();
-                persisted.wake_reader(&shard, || Envelope::Request(request));
             }
-        });
-        guard
-    }
+            Err(ClusterError::EntityNotAssignedToRunner { address: request.address.clone() })
+        };
+        let pumped = tokio::select! {
+            pumped = pumped => pumped,
+            () = stop.cancelled() => return,
+        };
+        if let Err(error) = pumped {
+            tracing::debug!(%error, %request_id, "a pushed stream broke off; reading storage");
+            let shard = request.address.shard_id.clone();
+            remote.wake_reader(&shard, || Envelope::Request(request));
+        }
+    });
+    guard
+}
 
+impl PushedDelivery {
     /// Runs a pushed request here and answers with its stored final reply.
     async fn serve_pushed(self: Arc<Self>, request: Request) -> Result<Reply, ClusterError> {
         let address = request.address.clone();
         let request_id = request.request_id;
-        if !self.serves(&address.shard_id) {
-            self.poll_storage();
+        if !self.serving.serves(&address.shard_id) {
+            self.read_latch.wake();
             return Err(ClusterError::EntityNotAssignedToRunner { address });
         }
         let (reply, replied) = oneshot::channel();
@@ -196,21 +226,21 @@ impl PersistedDelivery {
     ///
     /// So a flood of notices or pushes costs a bounded number of tasks and storage reads.
     ///
-    /// [`deliver_pushed`]: PersistedDelivery::deliver_pushed
+    /// [`deliver_pushed`]: PushedDelivery::deliver_pushed
     /// [`TAKE_UPS_MAX`]: super::TAKE_UPS_MAX
     fn take_up_request(self: &Arc<Self>, request: Request) {
         match Arc::clone(&self.take_ups).try_acquire_owned() {
             Ok(permit) => {
-                let persisted = Arc::clone(self);
-                self.spawn_owned(async move {
-                    persisted.deliver_pushed(request).await;
+                let pushed = Arc::clone(self);
+                self.tasks.spawn(async move {
+                    pushed.deliver_pushed(request).await;
                     drop(permit);
                 });
             }
             Err(_) => {
                 let request_id = request.request_id;
                 tracing::debug!(%request_id, "as many pushed requests taken up as allowed; left to the read loop");
-                self.poll_storage();
+                self.read_latch.wake();
             }
         }
     }
@@ -233,13 +263,14 @@ impl PersistedDelivery {
     /// otherwise leaves it to the read loop, which is woken.
     async fn deliver_pushed(self: Arc<Self>, request: Request) {
         let reservation = self
+            .direct
             .admits_directly(&request)
             .then(|| self.tracked.reserve(request.request_id))
             .flatten();
         let Some(reservation) = reservation else {
             // Taken up here already, or its entity's requests go through the read loop now.
             // It may also have been answered just before a caller started waiting here.
-            self.poll_storage();
+            self.read_latch.wake();
             self.answer_if_stored(request.request_id).await;
             return;
         };
@@ -248,7 +279,7 @@ impl PersistedDelivery {
         // The stored request is what runs, not the pushed copy.
         // Its entity's earlier requests come with it, in one read (a backend may answer the
         // reads of concurrent pushes together).
-        let now = self.clock().now();
+        let now = self.clock.now();
         let ids = [request.request_id];
         let (stored, earlier) = match self
             .storage
@@ -267,7 +298,7 @@ impl PersistedDelivery {
             }
             Err(error) => {
                 tracing::debug!(%error, "could not read a pushed request; left to the read loop");
-                self.poll_storage();
+                self.read_latch.wake();
                 return;
             }
         };
@@ -277,6 +308,6 @@ impl PersistedDelivery {
             self.answer_if_stored(request.request_id).await;
             return;
         };
-        Box::pin(self.deliver_directly(stored, reservation, earlier)).await;
+        Box::pin(self.direct.deliver(stored, reservation, earlier)).await;
     }
 }
