@@ -144,7 +144,7 @@ async fn volatile_echo(plan: &Plan) -> Result<Measured, String> {
     // memory of a million.
     let config =
         ShardingConfig { max_resident_entities: Capacity::Unbounded, ..ShardingConfig::default() };
-    let sharding = Sharding::builder(config).start().await.map_err(|error| error.to_string())?;
+    let sharding = Sharding::volatile(config).start().await.map_err(|error| error.to_string())?;
     sharding.entity::<Echo>().register().map_err(|error| error.to_string())?;
     let measured = volatile_echo_from(plan, &sharding).await;
     sharding.shutdown().await;
@@ -210,10 +210,7 @@ async fn bare_echo(plan: &Plan) -> Result<Measured, String> {
 async fn on_database(plan: &Plan, database: &BenchDatabase) -> Result<Measured, String> {
     let config = ShardingConfig::default();
     let (messages, runners) = database.open(&config).await?;
-    let sharding = Sharding::builder(config)
-        .messages(messages)
-        .runners(runners)
-        .single_runner()
+    let sharding = Sharding::single_runner(config, messages, runners)
         .start()
         .await
         .map_err(|error| error.to_string())?;

@@ -51,7 +51,7 @@ mod tests;
 ///
 /// # #[tokio::main(flavor = "current_thread")]
 /// # async fn main() -> Result<(), Box<dyn std::error::Error>> {
-/// let sharding = Sharding::builder(ShardingConfig::default()).start().await?;
+/// let sharding = Sharding::volatile(ShardingConfig::default()).start().await?;
 /// sharding.entity::<Account>().register()?;
 /// let accounts = Account::client(&sharding);
 /// assert_eq!(accounts.balance("alice").await?, 0);

@@ -1,16 +1,49 @@
 //! [`ShardingBuilder`]: the one way to start a [`Sharding`] runtime, and [`StartError`], the one
 //! way it fails to start.
 //!
-//! What the builder is given decides what the process is:
+//! A process says what it is by the constructor it starts from; each takes the parts its role
+//! needs, and its builder offers only the settings that role has:
 //!
-//! | given | the process |
-//! | --- | --- |
-//! | nothing | volatile requests to entities of this process only |
-//! | `messages` | one runner owning every shard, no locks (a storage of its own) |
-//! | `messages`, `runners`, `single_runner()` | one runner holding every shard's lock |
-//! | `messages`, `runners` | a member of a cluster: membership, locks, handoff |
-//! | `messages`, `runners`, `transport` | the same, with volatile requests to other runners |
-//! | `client_only()` and `messages` (and `runners`, `transport`) | a client: it hosts no entity |
+//! | constructor | the process | settings of its own |
+//! | --- | --- | --- |
+//! | [`Sharding::volatile`] | volatile requests to entities of this process only | |
+//! | [`Sharding::standalone`] | one runner owning every shard, no locks (a storage of its own) | |
+//! | [`Sharding::single_runner`] | one runner holding every shard's lock | |
+//! | [`Sharding::member`] | a member of a cluster: membership, locks, handoff | `transport`, `runner_health` |
+//! | [`Sharding::client_only`] | a client: it hosts no entity, and reads replies from storage | |
+//! | [`Sharding::cluster_client`] | a client that reads the registry and computes the assignment | `transport` |
+//!
+//! Every builder takes [`clock`](ShardingBuilder::clock) and
+//! [`provisional_machine_id`](ShardingBuilder::provisional_machine_id).
+//! The two clients drop the configuration's runner address; a member whose `runner_address` is
+//! `None` is a cluster client too.
+//!
+//! A part that a role does not take is not offered, so a wrong combination does not compile:
+//!
+//! ```compile_fail,E0599
+//! # use std::sync::Arc;
+//! # use cluster_core::storage::{MessageStorage, RunnerStorage};
+//! # use cluster_core::transport::Transport;
+//! # use cluster_sharding::Sharding;
+//! fn build(
+//!     messages: Arc<dyn MessageStorage>,
+//!     runners: Arc<dyn RunnerStorage>,
+//!     transport: Arc<dyn Transport>,
+//! ) {
+//!     // A single runner has no other runner to reach.
+//!     let _ = Sharding::single_runner(Default::default(), messages, runners).transport(transport);
+//! }
+//! ```
+//!
+//! ```compile_fail,E0599
+//! # use std::sync::Arc;
+//! # use cluster_core::storage::MessageStorage;
+//! # use cluster_sharding::{RunnerHealth, Sharding};
+//! fn build(messages: Arc<dyn MessageStorage>, health: Arc<dyn RunnerHealth>) {
+//!     // A client judges no runner's health.
+//!     let _ = Sharding::client_only(Default::default(), messages).runner_health(health);
+//! }
+//! ```
 
 use std::sync::Arc;
 
@@ -20,13 +53,16 @@ use cluster_core::{Clock, MachineId, Runner, ShardingConfig, SystemClock};
 
 use crate::error::StartError;
 use crate::placement::health::RunnerHealth;
-use crate::placement::member::{Member, RUNNER_HEALTH};
+use crate::placement::member::{Member as MemberRuntime, RUNNER_HEALTH};
 use crate::placement::single_runner::{HeldLocks, LockedRuntime, all_shards};
 use crate::services::singleton::SingletonOptions;
 use crate::sharding::{Basics, Sharding};
 
-/// Puts a [`Sharding`] runtime together: [`Sharding::builder`], the parts, then
-/// [`start`](ShardingBuilder::start).
+use roles::{ClientOnly, ClusterClient, Member, SingleRunner, Standalone, Volatile};
+
+/// Puts a [`Sharding`] runtime together: a constructor per role ([`Sharding::volatile`],
+/// [`Sharding::standalone`], [`Sharding::single_runner`], [`Sharding::member`],
+/// [`Sharding::client_only`]), its settings, then `start`.
 ///
 /// ```
 /// use cluster_core::ShardingConfig;
@@ -35,105 +71,208 @@ use crate::sharding::{Basics, Sharding};
 /// # #[tokio::main(flavor = "current_thread")]
 /// # async fn main() -> Result<(), cluster_sharding::StartError> {
 /// // No storage: volatile requests to the entities of this process.
-/// let sharding = Sharding::builder(ShardingConfig::default()).start().await?;
+/// let sharding = Sharding::volatile(ShardingConfig::default()).start().await?;
 /// sharding.shutdown().await;
 /// # Ok(())
 /// # }
 /// ```
 ///
-/// The module table of `cluster_sharding::builder` says which parts make which process.
+/// `Role` is one of the [`roles`] types; the module table of `cluster_sharding::builder` says
+/// what each makes.
 #[must_use = "a builder does nothing until it is started"]
-pub struct ShardingBuilder {
+pub struct ShardingBuilder<Role> {
     config: ShardingConfig,
     clock: Arc<dyn Clock>,
-    messages: Option<Arc<dyn MessageStorage>>,
-    runners: Option<Arc<dyn RunnerStorage>>,
-    transport: Option<Arc<dyn Transport>>,
-    client_only: bool,
-    single_runner: bool,
-    runner_health: Option<Arc<dyn RunnerHealth>>,
     machine_id: Option<MachineId>,
+    role: Role,
 }
 
-impl std::fmt::Debug for ShardingBuilder {
+/// The roles a process takes, one per constructor: each holds the parts that role needs.
+pub mod roles {
+    use std::sync::Arc;
+
+    use cluster_core::storage::{MessageStorage, RunnerStorage};
+    use cluster_core::transport::Transport;
+
+    use crate::placement::health::RunnerHealth;
+
+    /// Volatile requests only ([`Sharding::volatile`](crate::Sharding::volatile)).
+    pub struct Volatile(pub(super) ());
+
+    /// One runner on a storage of its own
+    /// ([`Sharding::standalone`](crate::Sharding::standalone)).
+    pub struct Standalone {
+        pub(super) messages: Arc<dyn MessageStorage>,
+    }
+
+    /// The only runner on its storages
+    /// ([`Sharding::single_runner`](crate::Sharding::single_runner)).
+    pub struct SingleRunner {
+        pub(super) messages: Arc<dyn MessageStorage>,
+        pub(super) runners: Arc<dyn RunnerStorage>,
+    }
+
+    /// A member of a cluster ([`Sharding::member`](crate::Sharding::member)).
+    pub struct Member {
+        pub(super) messages: Arc<dyn MessageStorage>,
+        pub(super) runners: Arc<dyn RunnerStorage>,
+        pub(super) transport: Option<Arc<dyn Transport>>,
+        pub(super) runner_health: Option<Arc<dyn RunnerHealth>>,
+    }
+
+    /// A client that hosts no entity ([`Sharding::client_only`](crate::Sharding::client_only)).
+    pub struct ClientOnly {
+        pub(super) messages: Arc<dyn MessageStorage>,
+    }
+
+    /// A client of a cluster
+    /// ([`Sharding::cluster_client`](crate::Sharding::cluster_client)).
+    pub struct ClusterClient {
+        pub(super) messages: Arc<dyn MessageStorage>,
+        pub(super) runners: Arc<dyn RunnerStorage>,
+        pub(super) transport: Option<Arc<dyn Transport>>,
+    }
+
+    impl std::fmt::Debug for Volatile {
+        fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+            f.write_str("Volatile")
+        }
+    }
+
+    impl std::fmt::Debug for Standalone {
+        fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+            f.write_str("Standalone")
+        }
+    }
+
+    impl std::fmt::Debug for SingleRunner {
+        fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+            f.write_str("SingleRunner")
+        }
+    }
+
+    impl std::fmt::Debug for Member {
+        fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+            f.debug_struct("Member")
+                .field("transport", &self.transport.is_some())
+                .field("runner_health", &self.runner_health.is_some())
+                .finish_non_exhaustive()
+        }
+    }
+
+    impl std::fmt::Debug for ClientOnly {
+        fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+            f.write_str("ClientOnly")
+        }
+    }
+
+    impl std::fmt::Debug for ClusterClient {
+        fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+            f.debug_struct("ClusterClient")
+                .field("transport", &self.transport.is_some())
+                .finish_non_exhaustive()
+        }
+    }
+}
+
+impl<Role: std::fmt::Debug> std::fmt::Debug for ShardingBuilder<Role> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("ShardingBuilder")
+            .field("role", &self.role)
             .field("runner", &self.config.runner_address)
-            .field("messages", &self.messages.is_some())
-            .field("runners", &self.runners.is_some())
-            .field("transport", &self.transport.is_some())
-            .field("client_only", &self.client_only)
-            .field("single_runner", &self.single_runner)
-            .field("runner_health", &self.runner_health.is_some())
             .field("machine_id", &self.machine_id)
             .finish_non_exhaustive()
     }
 }
 
-impl ShardingBuilder {
-    /// A builder of a runtime configured with `config`, on the system clock, with no storage
-    /// and no transport (what [`Sharding::builder`] returns).
-    pub(crate) fn new(config: ShardingConfig) -> ShardingBuilder {
-        ShardingBuilder {
-            config,
-            clock: Arc::new(SystemClock),
-            messages: None,
-            runners: None,
-            transport: None,
-            client_only: false,
-            single_runner: false,
-            runner_health: None,
-            machine_id: None,
-        }
+impl Sharding {
+    /// A process with no storage: volatile requests to the entities of this process only.
+    pub fn volatile(config: ShardingConfig) -> ShardingBuilder<Volatile> {
+        ShardingBuilder::new(config, Volatile(()))
     }
 
-    /// Persisted requests, their replies and their chunks go through `storage`.
+    /// One runner that owns every shard of its groups, on a message storage of its own.
     ///
-    /// - A runner saves what it is sent there and reads its shards' mailboxes from it.
-    /// - A client saves its requests there and reads their replies back.
-    pub fn messages(mut self, storage: Arc<dyn MessageStorage>) -> ShardingBuilder {
-        self.messages = Some(storage);
-        self
+    /// - It takes no lock and joins no registry: no other runner may use `messages`.
+    /// - At start it releases the claims a previous run left behind.
+    pub fn standalone(
+        config: ShardingConfig,
+        messages: Arc<dyn MessageStorage>,
+    ) -> ShardingBuilder<Standalone> {
+        ShardingBuilder::new(config, Standalone { messages })
     }
 
-    /// The runner registry and the shard locks live in `storage`.
+    /// The only runner on its storages (the reference's `SingleRunner`).
     ///
-    /// - Without [`single_runner`](ShardingBuilder::single_runner), the process joins the
-    ///   cluster of every runner on `storage`: shards are assigned by the hash ring over the
-    ///   healthy runners, locked, and handed over when runners join, leave or crash.
-    /// - It needs [`messages`](ShardingBuilder::messages).
-    pub fn runners(mut self, storage: Arc<dyn RunnerStorage>) -> ShardingBuilder {
-        self.runners = Some(storage);
-        self
+    /// - At start it registers in `runners`, takes every shard's lock there, and fails with
+    ///   [`StartError::ShardsHeld`] if another live runner holds any.
+    /// - It refreshes its locks, and serves a shard only while its lease is confirmed.
+    /// - At shutdown, once its entities have stopped, it releases the locks and unregisters.
+    /// - Persisted requests, their replies and their chunks go through `messages`.
+    pub fn single_runner(
+        config: ShardingConfig,
+        messages: Arc<dyn MessageStorage>,
+        runners: Arc<dyn RunnerStorage>,
+    ) -> ShardingBuilder<SingleRunner> {
+        ShardingBuilder::new(config, SingleRunner { messages, runners })
     }
 
-    /// Volatile requests reach entities of other runners through `transport`.
+    /// A member of the cluster of every runner on `runners`.
     ///
-    /// - The transport delivers the other runners' requests to this one through
-    ///   [`Plumbing::runner_handler`](crate::Plumbing::runner_handler).
-    /// - With a transport, the runners check each other's health by pinging (see
-    ///   `RUNNER_HEALTH_CHECK` in docs/configuration.md).
-    /// - It needs [`runners`](ShardingBuilder::runners): routing follows the membership.
-    pub fn transport(mut self, transport: Arc<dyn Transport>) -> ShardingBuilder {
-        self.transport = Some(transport);
-        self
+    /// - Shards are assigned by the hash ring over the healthy runners, locked in `runners`,
+    ///   and handed over when runners join, leave or crash.
+    /// - Persisted requests, their replies and their chunks go through `messages`.
+    /// - Volatile requests reach other runners through a
+    ///   [`transport`](ShardingBuilder::transport), if it has one.
+    /// - With `runner_address` `None` it is a client of the cluster: it hosts no entity.
+    pub fn member(
+        config: ShardingConfig,
+        messages: Arc<dyn MessageStorage>,
+        runners: Arc<dyn RunnerStorage>,
+    ) -> ShardingBuilder<Member> {
+        let role = Member { messages, runners, transport: None, runner_health: None };
+        ShardingBuilder::new(config, role)
     }
 
-    /// The runner-health singleton judges the runners with `health` instead of pinging them
-    /// (the reference's `RunnerHealth` service, `effect/src/cluster/RunnerHealth.ts`).
+    /// A client: it hosts no entity and reads no mailbox (the reference's client-only mode).
     ///
-    /// - Once per `runner_health_check_interval` it asks about every runner the registry
-    ///   lists, and marks unhealthy those `health` says are dead (never the last healthy one);
-    ///   their shards go to the others. `runner_health_check` is not used.
-    /// - It needs [`runners`](ShardingBuilder::runners), and works with or without a
-    ///   transport; a client or a single runner judges nobody, and is refused.
-    pub fn runner_health(mut self, health: Arc<dyn RunnerHealth>) -> ShardingBuilder {
-        self.runner_health = Some(health);
-        self
+    /// - The configuration's runner address and listen address are dropped.
+    /// - Registering an entity type is a no-op.
+    /// - Persisted requests are saved in `messages` for the runners that own their shards;
+    ///   their replies are read back every `entity_reply_poll_interval`.
+    /// - Volatile requests fail with `EntityNotAssignedToRunner`: to reach the runners, use a
+    ///   [`cluster_client`](Sharding::cluster_client) with a transport.
+    pub fn client_only(
+        config: ShardingConfig,
+        messages: Arc<dyn MessageStorage>,
+    ) -> ShardingBuilder<ClientOnly> {
+        ShardingBuilder::new(config, ClientOnly { messages })
+    }
+
+    /// A client of the cluster of every runner on `runners`: it hosts no entity and holds no
+    /// lock, but reads the registry and computes the shard assignment as the runners do.
+    ///
+    /// - The configuration's runner address and listen address are dropped.
+    /// - Persisted requests are saved in `messages`; with a
+    ///   [`transport`](ShardingBuilder::transport), the owner is told at once.
+    /// - With a transport, volatile requests go straight to their owners; without one they
+    ///   fail with `EntityNotAssignedToRunner`.
+    pub fn cluster_client(
+        config: ShardingConfig,
+        messages: Arc<dyn MessageStorage>,
+        runners: Arc<dyn RunnerStorage>,
+    ) -> ShardingBuilder<ClusterClient> {
+        ShardingBuilder::new(config, ClusterClient { messages, runners, transport: None })
+    }
+}
+
+impl<Role> ShardingBuilder<Role> {
+    fn new(config: ShardingConfig, role: Role) -> ShardingBuilder<Role> {
+        ShardingBuilder { config, clock: Arc::new(SystemClock), machine_id: None, role }
     }
 
     /// Time is read from `clock` instead of the system clock.
-    pub fn clock(mut self, clock: Arc<dyn Clock>) -> ShardingBuilder {
+    pub fn clock(mut self, clock: Arc<dyn Clock>) -> ShardingBuilder<Role> {
         self.clock = clock;
         self
     }
@@ -145,113 +284,137 @@ impl ShardingBuilder {
     /// A deterministic simulation sets it from its seed, so that a seed replays with the same
     /// ids.
     /// Two runtimes with one machine id make colliding ids within a millisecond.
-    pub fn provisional_machine_id(mut self, machine_id: MachineId) -> ShardingBuilder {
+    pub fn provisional_machine_id(mut self, machine_id: MachineId) -> ShardingBuilder<Role> {
         self.machine_id = Some(machine_id);
         self
     }
 
-    /// The process is a client: it hosts no entity and reads no mailbox (the reference's
-    /// client-only mode).
-    ///
-    /// - The configuration's runner address and listen address are dropped.
-    /// - Registering an entity type is a no-op.
-    /// - Persisted requests are saved for the runners that own their shards; their replies are
-    ///   read back every `entity_reply_poll_interval`.
-    /// - Volatile requests need a transport (and `runners`, to know the owners); without one
-    ///   they fail with `EntityNotAssignedToRunner`.
-    pub fn client_only(mut self) -> ShardingBuilder {
-        self.client_only = true;
-        self
+    /// The settings every role shares; every storage operation timed and its errors counted.
+    fn basics(self) -> (Basics, Role) {
+        let ShardingBuilder { config, clock, machine_id, role } = self;
+        (Basics { config, clock, machine_id }, role)
     }
+}
 
-    /// The process is the only runner on its storages (the reference's `SingleRunner`).
+impl ShardingBuilder<Volatile> {
+    /// Starts the runtime.
     ///
-    /// - At start it registers, takes every shard's lock in [`runners`](ShardingBuilder::runners),
-    ///   and fails with [`StartError::ShardsHeld`] if another live runner holds any.
-    /// - It refreshes its locks, and serves a shard only while its lease is confirmed.
-    /// - At shutdown, once its entities have stopped, it releases the locks and unregisters.
-    pub fn single_runner(mut self) -> ShardingBuilder {
-        self.single_runner = true;
-        self
+    /// # Errors
+    ///
+    /// [`StartError::Config`]: the configuration is invalid.
+    pub async fn start(self) -> Result<Sharding, StartError> {
+        let (basics, Volatile(())) = self.basics();
+        Ok(Sharding::start_volatile(basics)?)
     }
+}
 
-    /// Starts the runtime and its loops.
+impl ShardingBuilder<Standalone> {
+    /// Starts the runtime and its storage read loop.
+    ///
+    /// # Errors
+    ///
+    /// [`StartError::Config`]: the configuration is invalid.
+    pub async fn start(self) -> Result<Sharding, StartError> {
+        let (basics, Standalone { messages }) = self.basics();
+        let messages = crate::metered::MeteredMessages::wrap(messages);
+        Ok(Sharding::start_own_storage(basics, messages).await?)
+    }
+}
+
+impl ShardingBuilder<SingleRunner> {
+    /// Registers, takes every shard's lock, and starts the runtime and its loops.
     ///
     /// # Errors
     ///
     /// - [`StartError::Config`]: the configuration is invalid.
-    /// - [`StartError::Missing`] or [`StartError::Conflict`]: the parts do not make a process
-    ///   (see the module table).
-    /// - [`StartError::Storage`], [`StartError::ShardsHeld`]: a single runner could not take its
-    ///   shards.
+    /// - [`StartError::NoRunnerAddress`]: `runner_address` is `None`.
+    /// - [`StartError::Storage`], [`StartError::ShardsHeld`]: the shards could not be taken.
     ///
     /// # Cancel safety
     ///
     /// Not cancel safe: a single runner dropped half-way may hold locks (they expire).
     pub async fn start(self) -> Result<Sharding, StartError> {
-        let ShardingBuilder {
-            mut config,
-            clock,
-            messages,
-            runners,
-            transport,
-            client_only,
-            single_runner,
-            runner_health,
-            machine_id,
-        } = self;
-        if runner_health.is_some() && (runners.is_none() || client_only || single_runner) {
-            let why = "a runner-health check needs `runners`, not a client or a single runner";
-            return Err(StartError::Conflict(why));
-        }
-        // Every storage operation of the runtime is timed and its errors counted.
-        let messages = messages.map(crate::metered::MeteredMessages::wrap);
-        let runners = runners.map(crate::metered::MeteredRunners::wrap);
-        if client_only {
-            config.runner_address = None;
-            config.runner_listen_address = None;
-            if single_runner {
-                return Err(StartError::Conflict("a client-only process is not a single runner"));
-            }
-        }
-        if transport.is_some() && runners.is_none() {
-            return Err(StartError::Missing {
-                part: "runners",
-                reason: "a transport routes by the membership kept in the runner storage",
-            });
-        }
-        if single_runner && transport.is_some() {
-            return Err(StartError::Conflict("a single runner has no other runner to reach"));
-        }
-        let basics = Basics { config, clock, machine_id };
-        match (messages, runners) {
-            (None, None) if client_only => Err(StartError::Missing {
-                part: "messages",
-                reason: "a client-only process sends persisted requests only",
-            }),
-            (None, None) if single_runner => Err(StartError::Missing {
-                part: "messages",
-                reason: "a single runner delivers persisted requests",
-            }),
-            (None, None) => Ok(Sharding::start_volatile(basics)?),
-            (None, Some(_)) => Err(StartError::Missing {
-                part: "messages",
-                reason: "a runner storage needs a message storage",
-            }),
-            (Some(_), None) if single_runner => {
-                Err(StartError::Missing { part: "runners", reason: "a single runner's locks" })
-            }
-            (Some(messages), None) if client_only => {
-                Ok(Sharding::start_client_only(basics, messages)?)
-            }
-            (Some(messages), None) => Ok(Sharding::start_own_storage(basics, messages).await?),
-            (Some(messages), Some(runners)) if single_runner => {
-                start_single_runner(basics, messages, runners).await
-            }
-            (Some(messages), Some(runners)) => {
-                start_cluster(basics, messages, runners, transport, runner_health)
-            }
-        }
+        let (basics, SingleRunner { messages, runners }) = self.basics();
+        let messages = crate::metered::MeteredMessages::wrap(messages);
+        let runners = crate::metered::MeteredRunners::wrap(runners);
+        start_single_runner(basics, messages, runners).await
+    }
+}
+
+impl ShardingBuilder<Member> {
+    /// Volatile requests reach entities of other runners through `transport`.
+    ///
+    /// - The transport delivers the other runners' requests to this one through
+    ///   [`Plumbing::runner_handler`](crate::Plumbing::runner_handler).
+    /// - With a transport, the runners check each other's health by pinging (see
+    ///   `RUNNER_HEALTH_CHECK` in docs/configuration.md).
+    pub fn transport(mut self, transport: Arc<dyn Transport>) -> ShardingBuilder<Member> {
+        self.role.transport = Some(transport);
+        self
+    }
+
+    /// The runner-health singleton judges the runners with `health` instead of pinging them
+    /// (the reference's `RunnerHealth` service, `effect/src/cluster/RunnerHealth.ts`).
+    ///
+    /// Once per `runner_health_check_interval` it asks about every runner the registry lists,
+    /// and marks unhealthy those `health` says are dead (never the last healthy one); their
+    /// shards go to the others.
+    /// `runner_health_check` is not used.
+    pub fn runner_health(mut self, health: Arc<dyn RunnerHealth>) -> ShardingBuilder<Member> {
+        self.role.runner_health = Some(health);
+        self
+    }
+
+    /// Joins the cluster and starts the runtime and its loops.
+    ///
+    /// # Errors
+    ///
+    /// - [`StartError::Config`]: the configuration is invalid.
+    /// - [`StartError::Register`]: the runner-health singleton could not be registered.
+    pub async fn start(self) -> Result<Sharding, StartError> {
+        let (basics, role) = self.basics();
+        let Member { messages, runners, transport, runner_health } = role;
+        let messages = crate::metered::MeteredMessages::wrap(messages);
+        let runners = crate::metered::MeteredRunners::wrap(runners);
+        start_cluster(basics, messages, runners, transport, runner_health)
+    }
+}
+
+impl ShardingBuilder<ClientOnly> {
+    /// Starts the client and its reply poller.
+    ///
+    /// # Errors
+    ///
+    /// [`StartError::Config`]: the configuration is invalid.
+    pub async fn start(self) -> Result<Sharding, StartError> {
+        let (mut basics, ClientOnly { messages }) = self.basics();
+        basics.config.runner_address = None;
+        basics.config.runner_listen_address = None;
+        let messages = crate::metered::MeteredMessages::wrap(messages);
+        Ok(Sharding::start_client_only(basics, messages)?)
+    }
+}
+
+impl ShardingBuilder<ClusterClient> {
+    /// Volatile requests reach their owners through `transport`, and an owner is told at once
+    /// of a persisted request stored for it.
+    pub fn transport(mut self, transport: Arc<dyn Transport>) -> ShardingBuilder<ClusterClient> {
+        self.role.transport = Some(transport);
+        self
+    }
+
+    /// Starts the client: it follows the registry and the assignment.
+    ///
+    /// # Errors
+    ///
+    /// [`StartError::Config`]: the configuration is invalid.
+    pub async fn start(self) -> Result<Sharding, StartError> {
+        let (mut basics, ClusterClient { messages, runners, transport }) = self.basics();
+        basics.config.runner_address = None;
+        basics.config.runner_listen_address = None;
+        let messages = crate::metered::MeteredMessages::wrap(messages);
+        let runners = crate::metered::MeteredRunners::wrap(runners);
+        start_cluster(basics, messages, runners, transport, None)
     }
 }
 
@@ -312,7 +475,7 @@ fn start_cluster(
 ) -> Result<Sharding, StartError> {
     let config = &basics.config;
     config.validate()?;
-    let member = Arc::new(Member::new(
+    let member = Arc::new(MemberRuntime::new(
         config.clone(),
         Arc::clone(&basics.clock),
         runners,

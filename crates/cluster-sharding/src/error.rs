@@ -38,17 +38,6 @@ pub enum StartError {
     /// A storage operation failed.
     #[error("storage error while starting: {0}")]
     Storage(#[from] StorageError),
-    /// The builder lacks a part that another part, or the process's role, needs.
-    #[error("{part} is required: {reason}")]
-    Missing {
-        /// The missing part, as the builder method that sets it (`"messages"`).
-        part: &'static str,
-        /// What needs it.
-        reason: &'static str,
-    },
-    /// Two parts that do not go together were both given.
-    #[error("{0}")]
-    Conflict(&'static str),
     /// A runner needs an address (`runner_address` is `None`), or the process is a client.
     #[error("a runner needs a runner address")]
     NoRunnerAddress,

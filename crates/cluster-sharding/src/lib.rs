@@ -35,7 +35,7 @@
 //!
 //! # #[tokio::main(flavor = "current_thread")]
 //! # async fn main() -> Result<(), Box<dyn std::error::Error>> {
-//! let sharding = Sharding::builder(ShardingConfig::default()).start().await?;
+//! let sharding = Sharding::volatile(ShardingConfig::default()).start().await?;
 //! sharding.entity::<Counter>().register()?;
 //!
 //! let counters = Counter::client(&sharding);
@@ -61,16 +61,16 @@
 //! [`Rpc::PERSISTED`] is saved to a message storage first and delivered at least once, answered
 //! exactly once per [`Rpc::primary_key`].
 //!
-//! [`Sharding::builder`] puts a process together from its parts; what it is given decides what
-//! the process is (see [`ShardingBuilder`]):
+//! A process says what it is by the constructor it starts from (see [`ShardingBuilder`]):
 //!
-//! - nothing: volatile requests to the entities of this process;
-//! - a message storage: persisted delivery, one runner owning every shard;
-//! - a message storage and a runner storage: a member of a cluster (membership and the
-//!   hash-ring assignment, shard locks with fencing of final replies, the shutdown handoff,
-//!   singletons and cron jobs), or with [`ShardingBuilder::single_runner`] the only runner;
-//! - a transport besides: volatile requests to the entities of other runners;
-//! - [`ShardingBuilder::client_only`]: a process that hosts no entity.
+//! - [`Sharding::volatile`]: volatile requests to the entities of this process;
+//! - [`Sharding::standalone`]: persisted delivery, one runner owning every shard;
+//! - [`Sharding::single_runner`]: the only runner, holding every shard's lock;
+//! - [`Sharding::member`]: a member of a cluster (membership and the hash-ring assignment,
+//!   shard locks with fencing of final replies, the shutdown handoff, singletons and cron
+//!   jobs), with a transport for volatile requests to the entities of other runners;
+//! - [`Sharding::client_only`] and [`Sharding::cluster_client`]: a process that hosts no
+//!   entity.
 //!
 //! This crate depends on no storage backend and no transport. Applications depend on the
 //! `durable-cluster` crate, which re-exports it with the SQL storages, the transport,
@@ -103,7 +103,7 @@ pub use api::queue_entity::{
     QueuedRequest, Replier, RequestQueue,
 };
 pub use api::rpc::{CallError, Rpc, StreamRpc, Uninterruptible};
-pub use builder::ShardingBuilder;
+pub use builder::{ShardingBuilder, roles};
 pub use cluster_core::Never;
 /// Writes an entity from one impl block: its requests' `Rpc` implementations, its handlers, its
 /// protocol and a typed client (see the `cluster-macros` crate).

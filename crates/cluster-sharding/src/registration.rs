@@ -92,7 +92,7 @@ impl Sharding {
     ///
     /// # #[tokio::main(flavor = "current_thread")]
     /// # async fn main() -> Result<(), Box<dyn std::error::Error>> {
-    /// let sharding = Sharding::builder(ShardingConfig::default()).start().await?;
+    /// let sharding = Sharding::volatile(ShardingConfig::default()).start().await?;
     /// let visits = Arc::new(AtomicU64::new(0));
     /// let shared = Arc::clone(&visits);
     /// sharding

@@ -43,7 +43,6 @@ use crate::api::entity::{
     DEFAULT_ON_STOP_TIMEOUT, Entity, EntityContext, EntityOptions, Handler, RuntimeHandle,
 };
 use crate::api::rpc::{CallError, Rpc};
-use crate::builder::ShardingBuilder;
 use crate::error::RegisterError;
 use crate::metrics;
 use crate::placement::member::{Member, MemberHost, Readiness};
@@ -120,7 +119,7 @@ static PROVISIONAL_BASE: std::sync::atomic::AtomicU64 = std::sync::atomic::Atomi
 static PROVISIONAL_NEXT: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
 
 /// The machine id of a runtime until the registry gives it one, unless its builder set one
-/// ([`ShardingBuilder::provisional_machine_id`]): a random base drawn once per process, plus a
+/// ([`ShardingBuilder::provisional_machine_id`](crate::ShardingBuilder::provisional_machine_id)): a random base drawn once per process, plus a
 /// counter, so that runtimes of one process never share one and processes (including
 /// containers whose processes all have the same pid) rarely do. Ids of two runtimes with one
 /// machine id collide within a millisecond.
@@ -165,7 +164,7 @@ impl std::fmt::Debug for Sharding {
 }
 
 impl Sharding {
-    /// A runtime with no storage (see [`Sharding::builder`]): only volatile requests can be
+    /// A runtime with no storage (see [`Sharding::volatile`]): only volatile requests can be
     /// sent.
     pub(crate) fn start_volatile(basics: Basics) -> Result<Sharding, ConfigError> {
         Sharding::build(basics, None, None, None)
@@ -222,12 +221,6 @@ impl Sharding {
             ));
         }
         Sharding::build(basics, Some((storage, Vec::new())), None, None)
-    }
-
-    /// A builder of a runtime configured with `config`, on the system clock, with no storage
-    /// and no transport (see [`ShardingBuilder`]).
-    pub fn builder(config: ShardingConfig) -> ShardingBuilder {
-        ShardingBuilder::new(config)
     }
 
     /// Whether this process hosts entities (it has a runner address).
@@ -348,7 +341,7 @@ impl Sharding {
     ///
     /// # #[tokio::main(flavor = "current_thread")]
     /// # async fn main() -> Result<(), Box<dyn std::error::Error>> {
-    /// let sharding = Sharding::builder(ShardingConfig::default()).start().await?;
+    /// let sharding = Sharding::volatile(ShardingConfig::default()).start().await?;
     /// let (events, mut received) = mpsc::channel(4);
     /// sharding.register_singleton("reaper", SingletonOptions::default(), move |context| {
     ///     let events = events.clone();
@@ -426,7 +419,7 @@ impl Sharding {
     ///     ..ShardingConfig::default()
     /// };
     /// let messages = SqliteMessageStorage::open(&path, SqliteOptions::default()).await?;
-    /// let sharding = Sharding::builder(config).messages(Arc::new(messages)).start().await?;
+    /// let sharding = Sharding::standalone(config, Arc::new(messages)).start().await?;
     /// let (runs, mut ran) = mpsc::channel(16);
     /// // Every second (six fields: seconds first).
     /// sharding.register_cron("heartbeat", "* * * * * *", CronOptions::default(), move |context| {
@@ -679,7 +672,8 @@ impl Sharding {
     ) -> Result<(), ClusterError> {
         let Some(persisted) = self.persisted() else {
             let message = "this runtime has no message storage, so no persisted request to \
-                           reset: build it with `ShardingBuilder::messages`";
+                           reset: start it with a message storage (`Sharding::standalone`, `single_runner` \
+                           or `member`)";
             return Err(StorageError::new(StorageErrorKind::InvalidInput, message).into());
         };
         persisted.storage.clear_replies(request_id, expected_reply_id).await.inspect_err(
@@ -1072,13 +1066,13 @@ mod machine_id_tests {
     #[tokio::test]
     async fn a_builder_sets_its_runtimes_provisional_machine_id() {
         let config = ShardingConfig::default();
-        let seeded = Sharding::builder(config.clone())
+        let seeded = Sharding::volatile(config.clone())
             .provisional_machine_id(MachineId::new(7))
             .start()
             .await
             .unwrap();
-        let drawn = Sharding::builder(config.clone()).start().await.unwrap();
-        let again = Sharding::builder(config)
+        let drawn = Sharding::volatile(config.clone()).start().await.unwrap();
+        let again = Sharding::volatile(config)
             .provisional_machine_id(MachineId::new(7))
             .start()
             .await

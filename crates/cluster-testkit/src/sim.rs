@@ -583,11 +583,9 @@ impl World {
         let last_read = Arc::new(std::sync::atomic::AtomicU64::new(millis(self.start.elapsed())));
         let (messages, storage) = self.storage_for(Some(address.clone()), Arc::clone(&last_read));
         let transport = self.network.transport();
-        match Sharding::builder(config)
+        match Sharding::member(config, messages, Arc::new(locks))
             .clock(clock)
             .provisional_machine_id(self.machine_id())
-            .messages(messages)
-            .runners(Arc::new(locks))
             .transport(transport)
             .start()
             .await
@@ -810,11 +808,9 @@ async fn start_workload(
         Arc::new(MemoryRunnerStorage::new(Arc::clone(&world.registry), EXPIRATION));
     let transport = world.network.transport();
     let (storage, _) = world.storage_for(None, Arc::default());
-    let client = match Sharding::builder(runner_config(None))
+    let client = match Sharding::member(runner_config(None), storage, registry)
         .clock(clock)
         .provisional_machine_id(world.machine_id())
-        .messages(storage)
-        .runners(registry)
         .transport(transport)
         .start()
         .await

@@ -70,7 +70,7 @@ impl<E: Entity> TestClient<E> {
     ) -> Result<TestClient<E>, TestClientError> {
         let clock = Arc::new(SystemClock);
         let storage = Arc::new(MemoryMessageStorage::new(clock.clone()));
-        let sharding = Sharding::builder(config).clock(clock).messages(storage).start().await?;
+        let sharding = Sharding::standalone(config, storage).clock(clock).start().await?;
         sharding.entity::<E>().options(options).register()?;
         Ok(TestClient { sharding, entity: PhantomData })
     }

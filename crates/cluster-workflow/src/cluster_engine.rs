@@ -105,7 +105,7 @@ impl WorkflowEngine {
     /// # Example
     ///
     /// One runner on a SQLite file; with several runners on PostgreSQL or MySQL
-    /// (`ShardingBuilder::runners`) the same code runs each execution on the owner of its shard:
+    /// (`Sharding::member`) the same code runs each execution on the owner of its shard:
     ///
     /// ```
     /// use std::sync::Arc;
@@ -133,7 +133,7 @@ impl WorkflowEngine {
     /// # let path = std::env::temp_dir().join(format!("doc-workflow-{}.db", std::process::id()));
     /// let messages = SqliteMessageStorage::open(&path, SqliteOptions::default()).await?;
     /// let sharding =
-    ///     Sharding::builder(ShardingConfig::default()).messages(Arc::new(messages)).start().await?;
+    ///     Sharding::standalone(ShardingConfig::default(), Arc::new(messages)).start().await?;
     /// let engine = WorkflowEngine::cluster(&sharding)?;
     /// PlaceOrder::register(&engine, |ctx, order| async move {
     ///     // Runs once; a replay of the execution reads its stored result.
@@ -562,7 +562,7 @@ mod tests {
         let options =
             SqliteOptions::new(SqlStorageOptions::from_config(&config, TablePrefix::default()));
         let storage = Arc::new(SqliteMessageStorage::open(&path, options).await.unwrap());
-        let sharding = Sharding::builder(config).messages(storage).start().await.unwrap();
+        let sharding = Sharding::standalone(config, storage).start().await.unwrap();
         let first = WorkflowEngine::cluster(&sharding).unwrap();
         let second = WorkflowEngine::cluster(&sharding).unwrap_err();
         assert!(
@@ -589,13 +589,7 @@ mod tests {
             SqliteOptions::new(SqlStorageOptions::from_config(&config, TablePrefix::default()));
         let storage = Arc::new(SqliteMessageStorage::open(&path, options).await.unwrap());
         // A client-only process: nobody processes the completions it saves.
-        let sharding = Sharding::builder(config)
-            .clock(clock)
-            .messages(storage)
-            .client_only()
-            .start()
-            .await
-            .unwrap();
+        let sharding = Sharding::client_only(config, storage).clock(clock).start().await.unwrap();
         let cluster = ClusterEngine::attach(&sharding, ClusterOptions::default()).unwrap();
         let engine = WorkflowEngine { backend: Arc::clone(&cluster) as Arc<dyn Backend> };
         let execution_id = ExecutionId::derive("Gated", "pending");

@@ -279,9 +279,7 @@ pub(crate) fn check_label_selector(selector: &str) -> Result<(), &'static str> {
 /// let mut options = KubernetesOptions::in_cluster()?;
 /// options.label_selector = Some("app=cluster-runner".to_owned());
 /// let health = KubernetesRunnerHealth::new(options)?;
-/// let sharding = Sharding::builder(ShardingConfig::from_env()?)
-///     .messages(messages)
-///     .runners(runners)
+/// let sharding = Sharding::member(ShardingConfig::from_env()?, messages, runners)
 ///     .runner_health(Arc::new(health))
 ///     .start()
 ///     .await?;

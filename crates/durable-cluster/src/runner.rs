@@ -539,8 +539,7 @@ impl RunnerEnv {
             None => None,
         };
         let transport = TcpTransport::new(self.rpc.clone())?;
-        let mut builder =
-            Sharding::builder(self.sharding.clone()).messages(messages).runners(locks);
+        let mut builder = Sharding::member(self.sharding.clone(), messages, locks);
         if let Some(health) = health {
             builder = builder.runner_health(health);
         }
@@ -883,9 +882,9 @@ mod tests {
 
     #[test]
     fn an_error_says_its_cause_in_one_line() {
-        let missing = cluster_sharding::StartError::Missing { part: "messages", reason: "why" };
-        let error = RunnerError::Start(missing);
-        assert_eq!(error.to_string(), "start: messages is required: why");
+        let error =
+            RunnerError::Start(cluster_sharding::StartError::ShardsHeld { held: 2, total: 8 });
+        assert_eq!(error.to_string(), "start: 2 of 8 shards are locked by another runner");
     }
 
     #[tokio::test]

@@ -18,7 +18,7 @@ impl SingleRunner {
     /// - The tables have the reference's prefix (`cluster`).
     /// - Time is the system clock; there is no transport.
     /// - The runner holds every shard's lock: one process is a complete deployment (see
-    ///   [`ShardingBuilder::single_runner`](cluster_sharding::ShardingBuilder::single_runner)).
+    ///   [`Sharding::single_runner`](cluster_sharding::Sharding::single_runner)).
     /// - The file's messages survive restarts: a persisted request sent again with its primary
     ///   key is answered from the file.
     ///
@@ -34,11 +34,6 @@ impl SingleRunner {
         let messages =
             SqliteMessageStorage::open(path.as_ref(), SqliteOptions::new(options.clone())).await?;
         let runners = SqliteRunnerStorage::open(path.as_ref(), SqliteOptions::new(options)).await?;
-        Sharding::builder(config)
-            .messages(Arc::new(messages))
-            .runners(Arc::new(runners))
-            .single_runner()
-            .start()
-            .await
+        Sharding::single_runner(config, Arc::new(messages), Arc::new(runners)).start().await
     }
 }

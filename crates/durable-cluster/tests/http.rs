@@ -588,13 +588,14 @@ async fn a_storage_failure_answers_the_references_persistence_error() {
     let runners = SqliteRunnerStorage::open(&path, SqliteOptions::new(options)).await.unwrap();
     let (messages, faults) =
         cluster_testkit::faulty::FaultyMessageStorage::new(std::sync::Arc::new(messages));
-    let sharding = durable_cluster::Sharding::builder(config)
-        .messages(std::sync::Arc::new(messages))
-        .runners(std::sync::Arc::new(runners))
-        .single_runner()
-        .start()
-        .await
-        .unwrap();
+    let sharding = durable_cluster::Sharding::single_runner(
+        config,
+        std::sync::Arc::new(messages),
+        std::sync::Arc::new(runners),
+    )
+    .start()
+    .await
+    .unwrap();
     sharding.entity::<Counter>().register().unwrap();
     let router = HttpGateway::new(sharding.clone()).entity::<Counter>().router();
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();

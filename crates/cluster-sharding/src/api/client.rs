@@ -257,6 +257,11 @@ impl<E: Entity> EntityClient<E> {
 
     /// Sends `request` and waits for its reply.
     ///
+    /// The verbs are the reference's: `send` is `Sharding.send` (request and reply) and
+    /// [`discard`](EntityClient::discard) is a call with `discard: true` (fire and forget)
+    /// (`effect/src/cluster/Sharding.ts`).
+    /// They keep code and traces readable next to the TypeScript runners'.
+    ///
     /// # Cancel safety
     ///
     /// Dropping the future interrupts the request (unless `R` is client-side uninterruptible):

@@ -1,6 +1,6 @@
 //! One runner that owns every shard, with its shard locks held in a [`RunnerStorage`]
 //! (reference `SingleRunner`): a complete deployment for one process, started by
-//! [`ShardingBuilder::single_runner`](crate::ShardingBuilder::single_runner).
+//! [`Sharding::single_runner`](crate::Sharding::single_runner).
 //!
 //! Its life:
 //!

@@ -128,7 +128,7 @@ impl Handler<Get> for Untraced {
 #[tokio::test]
 async fn each_client_call_runs_in_a_span_with_the_type_tag_and_request_id() {
     spans();
-    let sharding = Sharding::builder(ShardingConfig::default()).start().await.unwrap();
+    let sharding = Sharding::volatile(ShardingConfig::default()).start().await.unwrap();
     sharding.entity::<Traced>().register().unwrap();
     sharding.entity::<Untraced>().register().unwrap();
     assert_eq!(sharding.client::<Traced>("t1").send(Get).await.unwrap(), 7);

@@ -141,12 +141,7 @@ impl Net {
         let mut config = config(Some(RunnerAddress::new("127.0.0.1", port)));
         config.shard_lock_expiration = self.expiration;
         tune(&mut config);
-        let sharding = Sharding::builder(config)
-            .messages(messages)
-            .runners(wrap(locks))
-            .start()
-            .await
-            .unwrap();
+        let sharding = Sharding::member(config, messages, wrap(locks)).start().await.unwrap();
         sharding.entity::<Counter>().register().unwrap();
         sharding
     }
@@ -184,13 +179,8 @@ impl Net {
             ..config(Some(address))
         };
         let transport = network.transport();
-        let sharding = Sharding::builder(config)
-            .messages(messages)
-            .runners(locks)
-            .transport(transport)
-            .start()
-            .await
-            .unwrap();
+        let sharding =
+            Sharding::member(config, messages, locks).transport(transport).start().await.unwrap();
         sharding.entity::<Counter>().register().unwrap();
         sharding
     }
@@ -210,7 +200,7 @@ impl Net {
 
     async fn client(&self) -> Sharding {
         let (messages, locks) = self.storages().await;
-        Sharding::builder(config(None)).messages(messages).runners(locks).start().await.unwrap()
+        Sharding::member(config(None), messages, locks).start().await.unwrap()
     }
 
     /// The final replies stored for the request `tag` with primary key `key` of `client`'s
@@ -917,12 +907,7 @@ async fn a_burst_of_joins_moves_each_shard_once(net: Net) {
                 runner_address: Some(RunnerAddress::new("127.0.0.1", port)),
                 ..debounce
             };
-            let runner = Sharding::builder(config)
-                .messages(messages)
-                .runners(Arc::new(locks))
-                .start()
-                .await
-                .unwrap();
+            let runner = Sharding::member(config, messages, Arc::new(locks)).start().await.unwrap();
             runner.entity::<Counter>().register().unwrap();
             (runner, faults.expect("built"))
         }
@@ -1591,8 +1576,7 @@ async fn entities_run_only_on_runners_of_their_shard_group(mut net: Net) {
     }
     let (messages, locks) = net.storages().await;
     let client_config = ShardingConfig { available_shard_groups: groups.clone(), ..config(None) };
-    let client =
-        Sharding::builder(client_config).messages(messages).runners(locks).start().await.unwrap();
+    let client = Sharding::member(client_config, messages, locks).start().await.unwrap();
     for n in 0..5 {
         let where_am_i = client.client::<Special>(net.id(&format!("special-{n}")));
         assert_eq!(where_am_i.address().shard_id.group().to_string(), "special");
@@ -1660,9 +1644,7 @@ async fn a_stored_request_wakes_its_remote_owner_through_the_transport(net: Net)
     };
     let (messages, locks) = net.storages().await;
     let transport = network.transport();
-    let owner = Sharding::builder(slow_poll(18_001))
-        .messages(messages)
-        .runners(locks)
+    let owner = Sharding::member(slow_poll(18_001), messages, locks)
         .transport(transport)
         .start()
         .await
@@ -1671,9 +1653,7 @@ async fn a_stored_request_wakes_its_remote_owner_through_the_transport(net: Net)
     owner.entity::<Counter>().register().unwrap();
     eventually("the owner holds every shard", || split(&[&owner])).await;
     let (messages, locks) = net.storages().await;
-    let client = Sharding::builder(config(None))
-        .messages(messages)
-        .runners(locks)
+    let client = Sharding::member(config(None), messages, locks)
         .transport(network.transport())
         .start()
         .await
@@ -1779,12 +1759,7 @@ async fn a_killed_postgres_lock_session_loses_its_shards_and_takes_them_back() {
     let locks = Arc::new(PgRunnerStorage::connect(url, &options).await.unwrap());
     let messages = Arc::new(PgMessageStorage::connect(url, &options).await.unwrap());
     let config_a = config(Some(RunnerAddress::new("127.0.0.1", 22_001)));
-    let a = Sharding::builder(config_a)
-        .messages(messages)
-        .runners(Arc::clone(&locks) as _)
-        .start()
-        .await
-        .unwrap();
+    let a = Sharding::member(config_a, messages, Arc::clone(&locks) as _).start().await.unwrap();
     let b = net.runner(22_002).await;
     eventually("the shards are split", || {
         split(&[&a, &b]) && !a.acquired_shards().is_empty() && !b.acquired_shards().is_empty()
@@ -2032,7 +2007,7 @@ async fn a_frozen_runner_stores_no_final_reply_and_the_new_owner_answers_once(mu
             shard_lock_expiration: expiration,
             ..config(Some(RunnerAddress::new("127.0.0.1", 26_001)))
         };
-        let a = Sharding::builder(config).messages(Arc::new(messages)).runners(locks).start().await;
+        let a = Sharding::member(config, Arc::new(messages), locks).start().await;
         let a = a.unwrap();
         a.entity::<Counter>().register().unwrap();
         (a, faults)
@@ -2201,12 +2176,7 @@ async fn a_request_beginning_its_transaction_does_not_run_on_a_shard_let_go(net:
     let (messages, faults) = cluster_testkit::faulty::FaultyMessageStorage::new(messages);
     let (locks, lock_faults) = FaultyRunnerStorage::new(locks);
     let config = config(Some(RunnerAddress::new("127.0.0.1", 5201)));
-    let a = Sharding::builder(config)
-        .messages(Arc::new(messages))
-        .runners(Arc::new(locks))
-        .start()
-        .await
-        .unwrap();
+    let a = Sharding::member(config, Arc::new(messages), Arc::new(locks)).start().await.unwrap();
     a.entity::<Counter>().register().unwrap();
     eventually("the runner holds every shard", || split(&[&a])).await;
     let id = net.id("let-go");
@@ -2242,12 +2212,7 @@ async fn a_reply_slow_to_store_while_its_shard_drains_keeps_the_lock(net: Net) {
         entity_termination_timeout: Duration::from_secs(15),
         ..config(Some(RunnerAddress::new("127.0.0.1", 5301)))
     };
-    let a = Sharding::builder(config)
-        .messages(Arc::new(messages))
-        .runners(locks)
-        .start()
-        .await
-        .unwrap();
+    let a = Sharding::member(config, Arc::new(messages), locks).start().await.unwrap();
     a.entity::<Counter>().register().unwrap();
     eventually("the first runner holds every shard", || split(&[&a])).await;
     let moving: Vec<String> = (0..200)
@@ -2373,7 +2338,7 @@ async fn a_read_under_way_holds_back_the_release_of_its_shards(net: Net) {
     let (messages, locks) = net.storages().await;
     let (messages, faults) = cluster_testkit::faulty::FaultyMessageStorage::new(messages);
     let config = config(Some(RunnerAddress::new("127.0.0.1", 27_101)));
-    let a = Sharding::builder(config).messages(Arc::new(messages)).runners(locks).start().await;
+    let a = Sharding::member(config, Arc::new(messages), locks).start().await;
     let a = a.unwrap();
     a.entity::<Counter>().register().unwrap();
     eventually("the runner holds every shard", || split(&[&a])).await;

@@ -142,7 +142,7 @@ async fn the_entities_gauge_follows_resident_instances() {
         entity_max_idle_time: Some(Duration::from_secs(1)),
         ..ShardingConfig::default()
     };
-    let sharding = Sharding::builder(config).start().await.unwrap();
+    let sharding = Sharding::volatile(config).start().await.unwrap();
     sharding.entity::<Meter>().register().unwrap();
     for id in ["m1", "m2", "m3"] {
         sharding.client::<Meter>(id).send(Get).await.unwrap();
@@ -181,7 +181,7 @@ impl Handler<Get> for Crowded {
 #[tokio::test(start_paused = true)]
 async fn passivations_to_make_room_are_counted_and_leave_the_entities_gauge() {
     gauges();
-    let sharding = Sharding::builder(ShardingConfig::default()).start().await.unwrap();
+    let sharding = Sharding::volatile(ShardingConfig::default()).start().await.unwrap();
     let options = EntityOptions {
         max_resident: cluster_core::config::Capacity::bounded(2),
         max_idle_time: Some(None),
@@ -255,7 +255,7 @@ async fn until(done: impl Fn() -> bool, why: impl Fn() -> String) {
 async fn the_mailbox_gauge_follows_each_entity_when_entity_mailbox_metrics_is_on() {
     gauges();
     let config = ShardingConfig { entity_mailbox_metrics: true, ..ShardingConfig::default() };
-    let sharding = Sharding::builder(config).start().await.unwrap();
+    let sharding = Sharding::volatile(config).start().await.unwrap();
     sharding.entity::<Queued>().register().unwrap();
     let client = sharding.client::<Queued>("q1");
     let shard = client.address().shard_id.to_string();
@@ -275,7 +275,7 @@ async fn the_mailbox_gauge_follows_each_entity_when_entity_mailbox_metrics_is_on
     gauge_reaches(&key, 0.0).await;
 
     // Off (the default): no series for the entities of a runtime without it.
-    let quiet = Sharding::builder(ShardingConfig::default()).start().await.unwrap();
+    let quiet = Sharding::volatile(ShardingConfig::default()).start().await.unwrap();
     quiet.entity::<Queued>().register().unwrap();
     let client = quiet.client::<Queued>("q2");
     GATE.add_permits(1);
@@ -313,13 +313,7 @@ async fn the_shard_release_timer_records_each_release_of_the_shutdown_handoff() 
         entity_message_poll_interval: Duration::from_millis(50),
         ..ShardingConfig::default()
     };
-    let sharding = Sharding::builder(config)
-        .clock(clock)
-        .messages(messages)
-        .runners(locks)
-        .start()
-        .await
-        .unwrap();
+    let sharding = Sharding::member(config, messages, locks).clock(clock).start().await.unwrap();
     let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
     while sharding.acquired_shards().len() < 4 {
         assert!(tokio::time::Instant::now() < deadline, "the runner never held its shards");
@@ -382,8 +376,7 @@ async fn a_cluster_member_reports_its_locks_its_read_loop_and_its_persisted_late
         entity_message_poll_interval: Duration::from_millis(50),
         ..ShardingConfig::default()
     };
-    let sharding =
-        Sharding::builder(config).messages(messages).runners(locks).start().await.unwrap();
+    let sharding = Sharding::member(config, messages, locks).start().await.unwrap();
     sharding.entity::<Stored>().register().unwrap();
     sharding.client::<Stored>("s1").send(Persist).await.unwrap();
     for name in [

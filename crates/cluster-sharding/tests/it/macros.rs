@@ -226,13 +226,14 @@ async fn single_runner(path: &std::path::Path, config: ShardingConfig) -> Shardi
     let options = SqlStorageOptions::from_config(&config, TablePrefix::default());
     let messages = SqliteMessageStorage::open(path, SqliteOptions::new(options.clone()));
     let runners = SqliteRunnerStorage::open(path, SqliteOptions::new(options));
-    Sharding::builder(config)
-        .messages(Arc::new(messages.await.unwrap()))
-        .runners(Arc::new(runners.await.unwrap()))
-        .single_runner()
-        .start()
-        .await
-        .unwrap()
+    Sharding::single_runner(
+        config,
+        Arc::new(messages.await.unwrap()),
+        Arc::new(runners.await.unwrap()),
+    )
+    .start()
+    .await
+    .unwrap()
 }
 
 /// A runner on `file` with the accounts (their instances sharing `runs`, at most two shared
@@ -346,7 +347,7 @@ async fn streams_send_their_items() {
 
 #[tokio::test]
 async fn an_asynchronous_factory_loads_each_instance_before_its_first_request() {
-    let sharding = Sharding::builder(config()).start().await.unwrap();
+    let sharding = Sharding::volatile(config()).start().await.unwrap();
     let store: Store = Arc::default();
     store.lock().await.insert("greeting".to_owned(), "hello".to_owned());
     let loads = Arc::new(AtomicU64::new(0));

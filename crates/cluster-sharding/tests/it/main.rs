@@ -33,7 +33,7 @@ use entities::{
 };
 
 async fn sharding(config: ShardingConfig) -> Sharding {
-    Sharding::builder(config).start().await.unwrap()
+    Sharding::volatile(config).start().await.unwrap()
 }
 
 async fn registered(config: ShardingConfig) -> Sharding {
@@ -345,7 +345,7 @@ async fn persisted_requests_to_a_full_mailbox_are_retried_without_waiting_for_th
         ..ShardingConfig::default()
     };
     let storage = Arc::new(MemoryMessageStorage::new(Arc::new(SystemClock)));
-    let sharding = Sharding::builder(config).messages(storage).start().await.unwrap();
+    let sharding = Sharding::standalone(config, storage).start().await.unwrap();
     let options =
         EntityOptions { mailbox_capacity: Capacity::bounded(1), ..EntityOptions::default() };
     sharding.entity::<Counter>().options(options).register().unwrap();
@@ -467,7 +467,7 @@ async fn keeps_delivering_to_resident_entities_at_the_residency_cap() {
         ..ShardingConfig::default()
     };
     let storage = Arc::new(MemoryMessageStorage::new(Arc::new(SystemClock)));
-    let sharding = Sharding::builder(config).messages(storage).start().await.unwrap();
+    let sharding = Sharding::standalone(config, storage).start().await.unwrap();
     sharding.entity::<Counter>().register().unwrap();
     let resident = sharding.client::<Counter>("resident");
     // Kept alive, it is never passivated to make room for the newcomers.
@@ -513,8 +513,7 @@ async fn on_memory_storage(
 ) -> (Sharding, Arc<cluster_testkit::memory::MemoryMessageStorage>) {
     let storage =
         Arc::new(cluster_testkit::memory::MemoryMessageStorage::new(Arc::new(SystemClock)));
-    let sharding =
-        Sharding::builder(config).messages(Arc::clone(&storage) as _).start().await.unwrap();
+    let sharding = Sharding::standalone(config, Arc::clone(&storage) as _).start().await.unwrap();
     sharding.entity::<Counter>().register().unwrap();
     (sharding, storage)
 }
@@ -557,12 +556,7 @@ async fn drains_a_full_batch_without_waiting_for_the_poll_interval() {
     let (runner, storage) = on_memory_storage(config.clone()).await;
     // Saved by another process: nothing wakes the runner's read loop but its poll.
     let client_config = ShardingConfig { runner_address: None, ..config.clone() };
-    let client = Sharding::builder(client_config)
-        .messages(storage as _)
-        .client_only()
-        .start()
-        .await
-        .unwrap();
+    let client = Sharding::client_only(client_config, storage as _).start().await.unwrap();
     let drained = client.client::<Counter>("drained");
     for n in 0..5 {
         drained.discard(entities::Deposit { key: format!("d{n}"), amount: 1 }).await.unwrap();
@@ -781,9 +775,8 @@ async fn a_persisted_request_waits_for_its_deliver_at_time() {
 
     let clock = Arc::new(TokioClock { start: tokio::time::Instant::now() });
     let storage = Arc::new(cluster_testkit::memory::MemoryMessageStorage::new(clock.clone()));
-    let sharding = Sharding::builder(ShardingConfig::default())
+    let sharding = Sharding::standalone(ShardingConfig::default(), storage)
         .clock(clock.clone())
-        .messages(storage)
         .start()
         .await
         .unwrap();
@@ -842,7 +835,7 @@ async fn persisted_requests_wait_for_an_entity_type_registered_late() {
     };
     let storage =
         Arc::new(cluster_testkit::memory::MemoryMessageStorage::new(Arc::new(SystemClock)));
-    let sharding = Sharding::builder(config).messages(storage as _).start().await.unwrap();
+    let sharding = Sharding::standalone(config, storage as _).start().await.unwrap();
     let call = tokio::spawn({
         let client = sharding.client::<Counter>("late-type");
         async move { client.send(entities::Deposit { key: "late".to_owned(), amount: 9 }).await }
@@ -909,86 +902,10 @@ mod builder {
 
     use cluster_core::{RunnerAddress, ShardingConfig, SystemClock};
     use cluster_sharding::{Sharding, StartError};
-    use std::time::Duration;
-
-    use cluster_testkit::memory::{
-        MemoryMessageStorage, MemoryRunnerDatabase, MemoryRunnerStorage,
-    };
-    use cluster_testkit::transport::MemoryNetwork;
+    use cluster_testkit::memory::MemoryMessageStorage;
 
     fn messages() -> Arc<MemoryMessageStorage> {
         Arc::new(MemoryMessageStorage::new(Arc::new(SystemClock)))
-    }
-
-    #[tokio::test]
-    async fn a_transport_without_runner_storage_is_missing_its_part() {
-        let network = MemoryNetwork::new();
-        let started = Sharding::builder(ShardingConfig::default())
-            .messages(messages())
-            .transport(network.transport())
-            .start()
-            .await;
-        let Err(StartError::Missing { part, .. }) = started else {
-            panic!("started without runner storage: {started:?}");
-        };
-        assert_eq!(part, "runners");
-    }
-
-    #[tokio::test]
-    async fn a_client_without_message_storage_is_missing_its_part() {
-        let started = Sharding::builder(ShardingConfig::default()).client_only().start().await;
-        let Err(StartError::Missing { part, .. }) = started else {
-            panic!("a client started without storage: {started:?}");
-        };
-        assert_eq!(part, "messages");
-    }
-
-    #[tokio::test]
-    async fn a_single_runner_without_storage_is_missing_its_part() {
-        let started = Sharding::builder(ShardingConfig::default()).single_runner().start().await;
-        let Err(StartError::Missing { part, .. }) = started else {
-            panic!("a single runner started without storage: {started:?}");
-        };
-        assert_eq!(part, "messages");
-    }
-
-    #[tokio::test]
-    async fn runner_storage_without_message_storage_is_missing_its_part() {
-        let database = MemoryRunnerDatabase::new(Arc::new(SystemClock));
-        let started = Sharding::builder(ShardingConfig::default())
-            .runners(Arc::new(MemoryRunnerStorage::new(database, Duration::from_secs(30))))
-            .start()
-            .await;
-        let Err(StartError::Missing { part, .. }) = started else {
-            panic!("started without message storage: {started:?}");
-        };
-        assert_eq!(part, "messages");
-    }
-
-    #[tokio::test]
-    async fn a_single_runner_with_a_transport_is_a_conflict() {
-        let database = MemoryRunnerDatabase::new(Arc::new(SystemClock));
-        let started = Sharding::builder(ShardingConfig::default())
-            .messages(messages())
-            .runners(Arc::new(MemoryRunnerStorage::new(database, Duration::from_secs(30))))
-            .transport(MemoryNetwork::new().transport())
-            .single_runner()
-            .start()
-            .await;
-        assert!(matches!(started, Err(StartError::Conflict(_))), "started: {started:?}");
-    }
-
-    #[tokio::test]
-    async fn a_client_only_single_runner_is_a_conflict() {
-        let database = MemoryRunnerDatabase::new(Arc::new(SystemClock));
-        let started = Sharding::builder(ShardingConfig::default())
-            .messages(messages())
-            .runners(Arc::new(MemoryRunnerStorage::new(database, Duration::from_secs(30))))
-            .single_runner()
-            .client_only()
-            .start()
-            .await;
-        assert!(matches!(started, Err(StartError::Conflict(_))), "started: {started:?}");
     }
 
     #[tokio::test]
@@ -997,8 +914,7 @@ mod builder {
             runner_address: Some(RunnerAddress::new("localhost", 34_431)),
             ..ShardingConfig::default()
         };
-        let client =
-            Sharding::builder(config).messages(messages()).client_only().start().await.unwrap();
+        let client = Sharding::client_only(config, messages()).start().await.unwrap();
         assert!(!client.is_runner(), "a client-only process hosts no entity");
         assert_eq!(client.config().runner_address, None);
         client.shutdown().await;
@@ -1007,7 +923,7 @@ mod builder {
     #[tokio::test]
     async fn an_invalid_configuration_is_a_config_error() {
         let config = ShardingConfig { shards_per_group: 0, ..ShardingConfig::default() };
-        let started = Sharding::builder(config).start().await;
+        let started = Sharding::volatile(config).start().await;
         assert!(matches!(started, Err(StartError::Config(_))), "started: {started:?}");
     }
 }

@@ -66,13 +66,12 @@ fn config() -> ShardingConfig {
 
 /// A client-only process on `store` (the builder drops the config's runner address).
 async fn client_only(store: &Store, config: ShardingConfig) -> Sharding {
-    let builder = Sharding::builder(config).messages(Arc::clone(&store.storage));
-    builder.client_only().start().await.unwrap()
+    Sharding::client_only(config, Arc::clone(&store.storage)).start().await.unwrap()
 }
 
 async fn runner(store: &Store) -> Sharding {
     let sharding =
-        Sharding::builder(config()).messages(Arc::clone(&store.storage)).start().await.unwrap();
+        Sharding::standalone(config(), Arc::clone(&store.storage)).start().await.unwrap();
     sharding.entity::<Counter>().register().unwrap();
     sharding
 }
@@ -180,7 +179,7 @@ async fn observed_runner(
             counted.fetch_add(1, Ordering::SeqCst);
         }
     }));
-    let sharding = Sharding::builder(config).messages(Arc::new(storage)).start().await.unwrap();
+    let sharding = Sharding::standalone(config, Arc::new(storage)).start().await.unwrap();
     (sharding, reads, faults)
 }
 
@@ -334,7 +333,7 @@ async fn faulty_runner(store: &Store) -> (Sharding, Arc<Faults>) {
     let (storage, faults) = FaultyMessageStorage::new(Arc::clone(&store.storage));
     let config =
         ShardingConfig { entity_reply_poll_interval: Duration::from_secs(3600), ..config() };
-    let sharding = Sharding::builder(config).messages(Arc::new(storage)).start().await.unwrap();
+    let sharding = Sharding::standalone(config, Arc::new(storage)).start().await.unwrap();
     sharding.entity::<Counter>().register().unwrap();
     (sharding, faults)
 }
@@ -578,7 +577,7 @@ async fn durable_requests_survive_a_restart(store: Store, id: &str) {
 
 async fn unregistered_types_are_held_then_answered_with_a_defect(store: Store, id: &str) {
     let sharding =
-        Sharding::builder(config()).messages(Arc::clone(&store.storage)).start().await.unwrap();
+        Sharding::standalone(config(), Arc::clone(&store.storage)).start().await.unwrap();
     let started = tokio::time::Instant::now();
     let error = sharding
         .client::<Counter>(id)
@@ -595,8 +594,7 @@ async fn unregistered_types_are_held_then_answered_with_a_defect(store: Store, i
 async fn claims_of_a_killed_runner_are_released_on_start(store: Store, id: &str) {
     // A runner that was killed left a claimed, unanswered request (claims hide a row for ten
     // minutes). Simulate it: store a request and claim it without answering.
-    let stored =
-        Sharding::builder(config()).messages(Arc::clone(&store.storage)).start().await.unwrap();
+    let stored = Sharding::standalone(config(), Arc::clone(&store.storage)).start().await.unwrap();
     let client = stored.client::<Counter>(id);
     client.discard(Deposit { key: "claimed".to_owned(), amount: 9 }).await.unwrap();
     stored.shutdown().await;
@@ -628,14 +626,14 @@ async fn reset_runs_a_request_again(store: Store, id: &str) {
     eventually("the request runs again", || probes.deposits.load(Ordering::SeqCst) == 2).await;
     sharding.shutdown().await;
     // Without a message storage the error says so, and how to give one.
-    let volatile = Sharding::builder(config()).start().await.unwrap();
+    let volatile = Sharding::volatile(config()).start().await.unwrap();
     let error = volatile.reset(request_id, None).await.unwrap_err();
     let kind = match &error {
         ClusterError::Persistence(cause) => Some(cause.kind()),
         _ => None,
     };
     assert_eq!(kind, Some(StorageErrorKind::InvalidInput), "{error:?}");
-    assert!(error.to_string().contains("ShardingBuilder::messages"), "{error}");
+    assert!(error.to_string().contains("Sharding::standalone"), "{error}");
     volatile.shutdown().await;
 }
 
@@ -667,11 +665,8 @@ mod single_runner {
             |expiration| Arc::new(MemoryRunnerStorage::new(Arc::clone(&database), expiration));
         // A single runner at `port` on the shared storages.
         let single = |port| {
-            Sharding::builder(at(port))
+            Sharding::single_runner(at(port), messages.clone(), runners(Duration::from_secs(60)))
                 .clock(clock.clone())
-                .messages(messages.clone())
-                .runners(runners(Duration::from_secs(60)))
-                .single_runner()
                 .start()
         };
         let first = single(1).await.unwrap();
@@ -684,13 +679,11 @@ mod single_runner {
         let second = single(2).await.unwrap();
         second.shutdown().await;
         let client_only = ShardingConfig { runner_address: None, ..super::config() };
-        let refused = Sharding::builder(client_only)
-            .clock(clock)
-            .messages(messages)
-            .runners(runners(Duration::from_secs(60)))
-            .single_runner()
-            .start()
-            .await;
+        let refused =
+            Sharding::single_runner(client_only, messages, runners(Duration::from_secs(60)))
+                .clock(clock)
+                .start()
+                .await;
         assert!(matches!(refused, Err(StartError::NoRunnerAddress)), "{refused:?}");
     }
 
@@ -714,13 +707,14 @@ mod single_runner {
         let runners =
             MemoryRunnerStorage::new(MemoryRunnerDatabase::new(clock.clone()), expiration);
         let (runners, faults) = FaultyRunnerStorage::new(Arc::new(runners));
-        let sharding = Sharding::builder(config)
-            .messages(Arc::new(MemoryMessageStorage::new(clock)))
-            .runners(Arc::new(runners))
-            .single_runner()
-            .start()
-            .await
-            .unwrap();
+        let sharding = Sharding::single_runner(
+            config,
+            Arc::new(MemoryMessageStorage::new(clock)),
+            Arc::new(runners),
+        )
+        .start()
+        .await
+        .unwrap();
         sharding.entity::<Counter>().register().unwrap();
         let id = "single-runner-frozen";
         let probes = crate::entities::Probes::of(id);
@@ -775,11 +769,8 @@ mod single_runner {
         let runners = SqliteRunnerStorage::open(&path, options.clone()).await.unwrap();
         let (runners, faults) = FaultyRunnerStorage::new(Arc::new(runners));
         let clock = Arc::new(SystemClock);
-        let first = Sharding::builder(config(1))
+        let first = Sharding::single_runner(config(1), messages.clone(), Arc::new(runners))
             .clock(clock.clone())
-            .messages(messages.clone())
-            .runners(Arc::new(runners))
-            .single_runner()
             .start()
             .await
             .unwrap();
@@ -797,11 +788,8 @@ mod single_runner {
             Arc::new(SqliteRunnerStorage::open(&path, options).await.unwrap());
         let deadline = tokio::time::Instant::now() + Duration::from_secs(20);
         let second = loop {
-            let start = Sharding::builder(config(2))
+            let start = Sharding::single_runner(config(2), messages.clone(), runners.clone())
                 .clock(clock.clone())
-                .messages(messages.clone())
-                .runners(runners.clone())
-                .single_runner()
                 .start();
             match start.await {
                 Ok(second) => break second,
@@ -817,13 +805,7 @@ mod single_runner {
         // Enough for both runs: only the second one may answer.
         probes.gate.add_permits(2);
         let caller = ShardingConfig { runner_address: None, ..super::config() };
-        let caller = Sharding::builder(caller)
-            .clock(clock)
-            .messages(messages)
-            .client_only()
-            .start()
-            .await
-            .unwrap();
+        let caller = Sharding::client_only(caller, messages).clock(clock).start().await.unwrap();
         let counter = caller.client::<Counter>(id);
         let answer = tokio::time::timeout(Duration::from_secs(20), counter.send(Gated)).await;
         assert_eq!(answer.expect("answered in time").unwrap(), 2, "the second runner answered");

@@ -152,7 +152,7 @@ async fn runner(database: Option<TestDatabase>) -> (Sharding, Option<TestDatabas
         None => Arc::new(MemoryMessageStorage::new(Arc::new(SystemClock))),
         Some(database) => database.open(&config()).await.unwrap().0,
     };
-    let sharding = Sharding::builder(config()).messages(storage).start().await.unwrap();
+    let sharding = Sharding::standalone(config(), storage).start().await.unwrap();
     sharding.entity::<Queued<Desk>>().register().unwrap();
     (sharding, database)
 }
@@ -313,7 +313,7 @@ impl QueueEntity for Hasty {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_behaviour_panicking_before_its_future_answers_requests_with_a_defect() {
     let storage = Arc::new(MemoryMessageStorage::new(Arc::new(SystemClock)));
-    let sharding = Sharding::builder(config()).messages(storage).start().await.unwrap();
+    let sharding = Sharding::standalone(config(), storage).start().await.unwrap();
     sharding.entity::<Queued<Hasty>>().register().unwrap();
     let hasty = sharding.client::<Queued<Hasty>>("hasty");
     let answer = tokio::time::timeout(Duration::from_secs(10), hasty.send(Double { n: 1 }))

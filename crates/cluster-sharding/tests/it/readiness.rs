@@ -11,13 +11,15 @@ use cluster_testkit::memory::{MemoryMessageStorage, MemoryRunnerDatabase, Memory
 #[tokio::test]
 async fn a_single_runner_is_ready_with_every_shard_and_a_client_holds_none() {
     let config = ShardingConfig { shards_per_group: 4, ..ShardingConfig::default() };
-    let runner = Sharding::builder(config.clone()).start().await.unwrap();
+    let runner = Sharding::volatile(config.clone()).start().await.unwrap();
     let ready = runner.readiness();
     assert!(ready.runner && ready.registered && ready.lock_storage_healthy, "{ready:?}");
     assert_eq!((ready.assigned, ready.not_acquired), (4, 0));
     runner.shutdown().await;
-    let client =
-        Sharding::builder(ShardingConfig { runner_address: None, ..config }).start().await.unwrap();
+    let client = Sharding::volatile(ShardingConfig { runner_address: None, ..config })
+        .start()
+        .await
+        .unwrap();
     let ready = client.readiness();
     assert!(!ready.runner && !ready.registered && ready.lock_storage_healthy, "{ready:?}");
     assert_eq!((ready.assigned, ready.not_acquired), (0, 0));
@@ -38,7 +40,7 @@ async fn a_cluster_member_is_registered_and_takes_its_assigned_shards() {
         refresh_assignments_interval: Duration::from_millis(50),
         ..ShardingConfig::default()
     };
-    let member = Sharding::builder(config).messages(messages).runners(locks).start().await.unwrap();
+    let member = Sharding::member(config, messages, locks).start().await.unwrap();
     let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
     loop {
         let ready = member.readiness();

@@ -303,8 +303,7 @@ impl StreamHandler<Values> for Receiver {
 
 async fn runner(config: ShardingConfig) -> (Sharding, Arc<MemoryMessageStorage>) {
     let storage = Arc::new(MemoryMessageStorage::new(Arc::new(SystemClock)));
-    let sharding =
-        Sharding::builder(config).messages(Arc::clone(&storage) as _).start().await.unwrap();
+    let sharding = Sharding::standalone(config, Arc::clone(&storage) as _).start().await.unwrap();
     sharding.entity::<Sender>().register().unwrap();
     sharding.entity::<Receiver>().register().unwrap();
     (sharding, storage)
@@ -402,7 +401,7 @@ async fn on_stop_is_bounded_by_its_timeout() {
     let script = Script::of("slow-stop");
     *script.finale.lock().unwrap() = Some(Finale::Sleep(Duration::from_secs(3600)));
     let storage = Arc::new(MemoryMessageStorage::new(Arc::new(SystemClock)));
-    let sharding = Sharding::builder(stopping()).messages(storage as _).start().await.unwrap();
+    let sharding = Sharding::standalone(stopping(), storage as _).start().await.unwrap();
     let options =
         EntityOptions { on_stop_timeout: Some(Duration::from_secs(2)), ..EntityOptions::default() };
     sharding.entity::<Sender>().options(options).register().unwrap();
@@ -420,7 +419,7 @@ async fn on_stop_is_bounded_by_its_timeout() {
 async fn a_request_during_on_stop_waits_for_it_and_gets_a_fresh_instance() {
     let script = Script::of("reaped");
     *script.finale.lock().unwrap() = Some(Finale::Sleep(Duration::from_secs(5)));
-    let sharding = Sharding::builder(ShardingConfig::default()).start().await.unwrap();
+    let sharding = Sharding::volatile(ShardingConfig::default()).start().await.unwrap();
     let options = EntityOptions {
         max_idle_time: Some(Some(Duration::from_secs(1))),
         ..EntityOptions::default()
@@ -510,7 +509,7 @@ impl Handler<Touch> for HastyStop {
 /// it runs: the entity type goes on serving, and the shutdown completes.
 #[tokio::test(start_paused = true)]
 async fn an_on_stop_panicking_before_its_future_is_contained() {
-    let sharding = Sharding::builder(ShardingConfig::default()).start().await.unwrap();
+    let sharding = Sharding::volatile(ShardingConfig::default()).start().await.unwrap();
     let options = EntityOptions {
         max_idle_time: Some(Some(Duration::from_secs(1))),
         ..EntityOptions::default()

@@ -193,19 +193,11 @@ impl Pair {
                     database.open(&config()).await.unwrap().0,
                 ),
             };
-        let runner = Sharding::builder(config())
-            .messages(Arc::clone(&runner_storage))
-            .start()
-            .await
-            .unwrap();
+        let runner =
+            Sharding::standalone(config(), Arc::clone(&runner_storage)).start().await.unwrap();
         runner.entity::<Streamer>().register().unwrap();
         let caller_config = ShardingConfig { runner_address: None, ..config() };
-        let caller = Sharding::builder(caller_config)
-            .messages(caller_storage)
-            .client_only()
-            .start()
-            .await
-            .unwrap();
+        let caller = Sharding::client_only(caller_config, caller_storage).start().await.unwrap();
         let value_bytes_max = match database.as_ref().map(TestDatabase::kind) {
             None => MEMORY_VALUE_BYTES_MAX,
             // Its `TEXT` columns.
@@ -358,7 +350,7 @@ async fn a_batch_arrives_as_one_chunk(pair: Pair) {
 /// encoded bytes a chunk, and a chunk is filled up to them when the items are there.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn coalescing_respects_the_chunk_bounds() {
-    let sharding = Sharding::builder(ShardingConfig::default()).start().await.unwrap();
+    let sharding = Sharding::volatile(ShardingConfig::default()).start().await.unwrap();
     sharding.entity::<Streamer>().register().unwrap();
     let client = sharding.client::<Streamer>("wide");
     for (n, width) in [(3 * CHUNK_ITEMS_MAX + 10, 1), (200, 1000)] {
@@ -404,7 +396,7 @@ async fn a_chunk_whose_save_acknowledgement_was_lost_reaches_the_local_caller() 
     let (storage, faults) = cluster_testkit::faulty::FaultyMessageStorage::new(memory);
     let config =
         ShardingConfig { entity_reply_poll_interval: Duration::from_secs(3600), ..config() };
-    let sharding = Sharding::builder(config).messages(Arc::new(storage)).start().await.unwrap();
+    let sharding = Sharding::standalone(config, Arc::new(storage)).start().await.unwrap();
     sharding.entity::<Streamer>().register().unwrap();
     faults.lose_reply_acknowledgement(1);
     let client = sharding.client::<Streamer>("lost-ack");

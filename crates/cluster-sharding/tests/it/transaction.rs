@@ -180,8 +180,7 @@ impl Fixture {
         };
         let create = format!("CREATE TABLE {table} (k VARCHAR(100) NOT NULL)");
         count(&*storage, database.kind(), &create).await;
-        let sharding =
-            Sharding::builder(config).messages(Arc::clone(&storage)).start().await.unwrap();
+        let sharding = Sharding::standalone(config, Arc::clone(&storage)).start().await.unwrap();
         sharding.entity::<Till>().register().unwrap();
         Fixture { sharding, storage, table, database }
     }

@@ -33,12 +33,14 @@ async fn a_persisted_call_that_no_runner_serves_warns_while_it_waits() {
     let messages = Arc::new(MemoryMessageStorage::new(clock.clone()));
     let registry = MemoryRunnerDatabase::new(clock);
     let expiration = Duration::from_secs(5);
-    let client = Sharding::builder(config(None))
-        .messages(messages.clone())
-        .runners(Arc::new(MemoryRunnerStorage::new(Arc::clone(&registry), expiration)))
-        .start()
-        .await
-        .unwrap();
+    let client = Sharding::member(
+        config(None),
+        messages.clone(),
+        Arc::new(MemoryRunnerStorage::new(Arc::clone(&registry), expiration)),
+    )
+    .start()
+    .await
+    .unwrap();
     let counter = client.client::<Counter>("nobody-serves-me");
     let mut call = std::pin::pin!(counter.send(Persist));
     let named = |line: &String| {
@@ -57,12 +59,14 @@ async fn a_persisted_call_that_no_runner_serves_warns_while_it_waits() {
         }
     }
     // A runner comes: it takes the shard, and the call gets its reply.
-    let runner = Sharding::builder(config(Some(RunnerAddress::new("127.0.0.1", 1))))
-        .messages(messages)
-        .runners(Arc::new(MemoryRunnerStorage::new(registry, expiration)))
-        .start()
-        .await
-        .unwrap();
+    let runner = Sharding::member(
+        config(Some(RunnerAddress::new("127.0.0.1", 1))),
+        messages,
+        Arc::new(MemoryRunnerStorage::new(registry, expiration)),
+    )
+    .start()
+    .await
+    .unwrap();
     runner.entity::<Counter>().register().unwrap();
     let answered = tokio::time::timeout(Duration::from_secs(20), call).await;
     answered.expect("answered once a runner holds the shard").unwrap();

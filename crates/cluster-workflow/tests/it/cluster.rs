@@ -40,9 +40,8 @@ async fn engine_on_faulty_storage() -> (WorkflowEngine, Arc<cluster_testkit::fau
     let clock: Arc<dyn Clock> = Arc::new(TokioClock::new());
     let memory = Arc::new(MemoryMessageStorage::new(Arc::clone(&clock)));
     let (faulty, faults) = cluster_testkit::faulty::FaultyMessageStorage::new(memory);
-    let sharding = Sharding::builder(config())
+    let sharding = Sharding::standalone(config(), Arc::new(faulty))
         .clock(Arc::clone(&clock))
-        .messages(Arc::new(faulty))
         .start()
         .await
         .unwrap();
@@ -76,9 +75,8 @@ impl Harness for ClusterOnMemory {
         let clock: Arc<dyn Clock> = Arc::new(TokioClock::new());
         let storage = MemoryMessageStorage::new(Arc::clone(&clock));
         let storage = Arc::new(storage.with_value_bytes_max(MEMORY_VALUE_BYTES_MAX));
-        let sharding = Sharding::builder(config())
+        let sharding = Sharding::standalone(config(), storage)
             .clock(Arc::clone(&clock))
-            .messages(storage)
             .start()
             .await
             .unwrap();
@@ -195,9 +193,8 @@ async fn a_failing_wake_is_left_for_the_next_owner_at_shutdown() {
     let (faulty, faults) = FaultyMessageStorage::new(Arc::clone(&memory));
     let patient =
         ShardingConfig { entity_termination_timeout: Duration::from_secs(60), ..config() };
-    let first = Sharding::builder(patient)
+    let first = Sharding::standalone(patient, Arc::new(faulty))
         .clock(Arc::clone(&clock))
-        .messages(Arc::new(faulty))
         .start()
         .await
         .unwrap();
@@ -218,7 +215,7 @@ async fn a_failing_wake_is_left_for_the_next_owner_at_shutdown() {
     assert!(started.elapsed() < Duration::from_secs(5), "{:?}", started.elapsed());
     // The completion is stored and unanswered: the next owner handles it.
     assert_unanswered::<Gated>(&*memory, &first, &id, "Gate").await;
-    let second = Sharding::builder(config()).clock(clock).messages(memory).start().await.unwrap();
+    let second = Sharding::standalone(config(), memory).clock(clock).start().await.unwrap();
     let engine = WorkflowEngine::cluster(&second).unwrap();
     register(&engine);
     // The next owner wakes the execution.
@@ -281,9 +278,8 @@ async fn durable_clocks_go_to_the_workflow_shard_group_at_the_rounded_up_millise
         assigned_shard_groups: groups,
         ..config()
     };
-    let sharding = Sharding::builder(config)
+    let sharding = Sharding::standalone(config, Arc::clone(&storage))
         .clock(Arc::clone(&clock))
-        .messages(Arc::clone(&storage))
         .start()
         .await
         .unwrap();
@@ -416,9 +412,8 @@ async fn a_wake_waiting_for_a_slow_suspension_commit_is_left_for_the_next_owner_
     // A drain that would wait a minute for the wake.
     let patient =
         ShardingConfig { entity_termination_timeout: Duration::from_secs(60), ..config() };
-    let first = Sharding::builder(patient)
+    let first = Sharding::standalone(patient, Arc::new(faulty))
         .clock(Arc::clone(&clock))
-        .messages(Arc::new(faulty))
         .start()
         .await
         .unwrap();
@@ -439,7 +434,7 @@ async fn a_wake_waiting_for_a_slow_suspension_commit_is_left_for_the_next_owner_
     // The wake stopped waiting at the shutdown: its completion is left unanswered, although
     // the run's reply was stored before the drain ended.
     assert_unanswered::<Slow>(&*memory, &first, &id, "Gate").await;
-    let second = Sharding::builder(config()).clock(clock).messages(memory).start().await.unwrap();
+    let second = Sharding::standalone(config(), memory).clock(clock).start().await.unwrap();
     let engine = WorkflowEngine::cluster(&second).unwrap();
     register(&engine);
     let exit = suite::complete_exit::<Slow>(&engine, &id).await;
@@ -540,9 +535,8 @@ async fn traffic_of_a_workflow_goes_to_its_shard_group_from_every_process() {
         assigned_shard_groups: vec![ShardGroup::from("workflow")],
         ..config()
     };
-    let runner = Sharding::builder(runner_config)
+    let runner = Sharding::standalone(runner_config, Arc::clone(&storage))
         .clock(Arc::clone(&clock))
-        .messages(Arc::clone(&storage))
         .start()
         .await
         .unwrap();
@@ -556,13 +550,7 @@ async fn traffic_of_a_workflow_goes_to_its_shard_group_from_every_process() {
     .unwrap();
     let client_config =
         ShardingConfig { runner_address: None, available_shard_groups: available, ..config() };
-    let client = Sharding::builder(client_config)
-        .clock(clock)
-        .messages(storage)
-        .client_only()
-        .start()
-        .await
-        .unwrap();
+    let client = Sharding::client_only(client_config, storage).clock(clock).start().await.unwrap();
     let remote = WorkflowEngine::cluster(&client).unwrap();
     let id = remote
         .execute_discard::<Sharded>(suite::Input { key: "s".into(), ..suite::Input::default() })
@@ -779,9 +767,8 @@ async fn a_child_failing_during_its_runners_drain_compensates_once() {
     // The drain waits for the child's run to finish.
     let patient =
         ShardingConfig { entity_termination_timeout: Duration::from_secs(60), ..config() };
-    let first = Sharding::builder(patient)
+    let first = Sharding::standalone(patient, Arc::clone(&memory))
         .clock(Arc::clone(&clock))
-        .messages(Arc::clone(&memory))
         .start()
         .await
         .unwrap();
@@ -820,7 +807,7 @@ async fn a_child_failing_during_its_runners_drain_compensates_once() {
         .expect("the first runner shut down")
         .unwrap();
     // The next owner finishes the child and wakes the parent.
-    let second = Sharding::builder(config()).clock(clock).messages(memory).start().await.unwrap();
+    let second = Sharding::standalone(config(), memory).clock(clock).start().await.unwrap();
     let engine = WorkflowEngine::cluster(&second).unwrap();
     drained::register(&engine, &probe);
     let declined = cluster_core::Exit::fail(cluster_core::RawJson::encode("declined").unwrap());
@@ -835,7 +822,7 @@ async fn a_child_failing_during_its_runners_drain_compensates_once() {
 async fn a_refused_registration_keeps_the_runtimes_error() {
     let clock: Arc<dyn Clock> = Arc::new(TokioClock::new());
     let memory = Arc::new(MemoryMessageStorage::new(Arc::clone(&clock)));
-    let sharding = Sharding::builder(config()).clock(clock).messages(memory).start().await.unwrap();
+    let sharding = Sharding::standalone(config(), memory).clock(clock).start().await.unwrap();
     let engine = WorkflowEngine::cluster(&sharding).unwrap();
     sharding.shutdown().await;
     struct Greet;
@@ -930,8 +917,7 @@ async fn a_queue_item_over_the_stores_limit_is_a_defect() {
     let clock: Arc<dyn Clock> = Arc::new(TokioClock::new());
     let storage = Arc::new(MemoryMessageStorage::new(Arc::clone(&clock)));
     let queue = MemoryQueueStorage::new(Arc::clone(&clock)).with_value_bytes_max(2_048);
-    let sharding =
-        Sharding::builder(config()).clock(clock).messages(storage).start().await.unwrap();
+    let sharding = Sharding::standalone(config(), storage).clock(clock).start().await.unwrap();
     let options =
         ClusterOptions { queue_storage: Some(Arc::new(queue)), ..ClusterOptions::default() };
     let engine = WorkflowEngine::cluster_with(&sharding, options).unwrap();

@@ -82,8 +82,7 @@ impl Node {
             let config = config(port);
             let (messages, locks) = database.open(&config).await.unwrap();
             let queue_storage = Some(database.queue_storage().await.unwrap());
-            let sharding =
-                Sharding::builder(config).messages(messages).runners(locks).start().await.unwrap();
+            let sharding = Sharding::member(config, messages, locks).start().await.unwrap();
             let options = ClusterOptions { queue_storage, queue: queue_options() };
             let engine = WorkflowEngine::cluster_with(&sharding, options).unwrap();
             register(&engine, &probe, port);

@@ -317,9 +317,8 @@ async fn check(plan: Plan, cluster: bool) -> Result<(), TestCaseError> {
     let (engine, sharding) = if cluster {
         let clock: Arc<dyn Clock> = Arc::new(TokioClock::new());
         let storage = Arc::new(MemoryMessageStorage::new(Arc::clone(&clock)));
-        let sharding = Sharding::builder(config())
+        let sharding = Sharding::standalone(config(), storage)
             .clock(Arc::clone(&clock))
-            .messages(storage)
             .start()
             .await
             .unwrap();

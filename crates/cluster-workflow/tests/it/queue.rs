@@ -61,9 +61,8 @@ impl Runner {
             Arc::new(MemoryMessageStorage::new(Arc::clone(&clock)));
         let (faulty, faults) = FaultyMessageStorage::new(Arc::clone(&messages));
         let queue = Arc::new(MemoryQueueStorage::new(Arc::clone(&clock)));
-        let sharding = Sharding::builder(config())
+        let sharding = Sharding::standalone(config(), Arc::new(faulty))
             .clock(Arc::clone(&clock))
-            .messages(Arc::new(faulty))
             .start()
             .await
             .unwrap();
@@ -78,10 +77,8 @@ impl Runner {
     /// Another process on the same storages, serving no shard.
     async fn client(&self) -> (Sharding, WorkflowEngine) {
         let client_config = cluster_core::ShardingConfig { runner_address: None, ..config() };
-        let sharding = Sharding::builder(client_config)
+        let sharding = Sharding::client_only(client_config, Arc::clone(&self.messages))
             .clock(Arc::clone(&self.clock))
-            .messages(Arc::clone(&self.messages))
-            .client_only()
             .start()
             .await
             .unwrap();
@@ -278,8 +275,7 @@ async fn a_panicking_worker_fails_its_item_with_a_defect() {
 async fn queue_workers_need_a_queue_storage() {
     let clock: Arc<dyn Clock> = Arc::new(TokioClock::new());
     let messages = Arc::new(MemoryMessageStorage::new(Arc::clone(&clock)));
-    let sharding =
-        Sharding::builder(config()).clock(clock).messages(messages).start().await.unwrap();
+    let sharding = Sharding::standalone(config(), messages).clock(clock).start().await.unwrap();
     let engine = WorkflowEngine::cluster(&sharding).unwrap();
     let registered = engine.register_queue_worker(JOBS, |job: Job| async move { Ok(job.id) }, 1);
     assert!(matches!(registered, Err(WorkflowError::Invalid(_))), "{registered:?}");

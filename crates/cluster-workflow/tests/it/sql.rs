@@ -50,13 +50,7 @@ impl Harness for OnDatabase {
             ..crate::cluster::config()
         };
         let (messages, locks) = self.database.open(&config).await.unwrap();
-        let sharding = Sharding::builder(config)
-            .messages(messages)
-            .runners(locks)
-            .single_runner()
-            .start()
-            .await
-            .unwrap();
+        let sharding = Sharding::single_runner(config, messages, locks).start().await.unwrap();
         let queue_storage = Some(self.database.queue_storage().await.unwrap());
         let options = ClusterOptions { queue_storage, ..ClusterOptions::default() };
         let engine = WorkflowEngine::cluster_with(&sharding, options).unwrap();

@@ -159,13 +159,8 @@ impl Fixture {
         };
         let (messages, locks) = self.database.open(&config).await.unwrap();
         let (faulty, faults) = FaultyMessageStorage::new(messages);
-        let sharding = Sharding::builder(config)
-            .messages(Arc::new(faulty))
-            .runners(locks)
-            .single_runner()
-            .start()
-            .await
-            .unwrap();
+        let sharding =
+            Sharding::single_runner(config, Arc::new(faulty), locks).start().await.unwrap();
         let engine = WorkflowEngine::cluster(&sharding).unwrap();
         let (table, runs, kind) = (self.quoted(), Arc::clone(&self.runs), self.database.kind());
         Transactional::register(&engine, move |ctx, order| {

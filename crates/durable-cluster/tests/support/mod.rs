@@ -12,13 +12,7 @@ pub(crate) async fn single_runner(
 ) -> durable_cluster::Sharding {
     let config = durable_cluster::ShardingConfig::default();
     let (messages, runners) = database.open(&config).await.unwrap();
-    durable_cluster::Sharding::builder(config)
-        .messages(messages)
-        .runners(runners)
-        .single_runner()
-        .start()
-        .await
-        .unwrap()
+    durable_cluster::Sharding::single_runner(config, messages, runners).start().await.unwrap()
 }
 
 /// The SQLite file of the test `name`.

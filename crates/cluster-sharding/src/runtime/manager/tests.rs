@@ -51,7 +51,7 @@ impl Handler<Pass> for Gate {
 
 #[tokio::test(start_paused = true)]
 async fn a_request_id_already_in_the_mailbox_is_refused_until_it_is_answered() {
-    let sharding = Sharding::builder(ShardingConfig::default()).start().await.unwrap();
+    let sharding = Sharding::volatile(ShardingConfig::default()).start().await.unwrap();
     sharding.entity::<Gate>().register().unwrap();
     let client = sharding.client::<Gate>("gate");
     let address = client.address().clone();

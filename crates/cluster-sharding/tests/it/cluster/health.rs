@@ -9,8 +9,7 @@ use std::time::Duration;
 
 use cluster_core::future::BoxFuture;
 use cluster_core::{RunnerAddress, ShardingConfig};
-use cluster_sharding::{RunnerHealth, Sharding, StartError};
-use cluster_testkit::memory::MemoryMessageStorage;
+use cluster_sharding::{RunnerHealth, Sharding};
 use cluster_testkit::transport::MemoryNetwork;
 
 use super::{Net, config, eventually, registry_health, split};
@@ -63,9 +62,7 @@ async fn runner(
         shard_lock_expiration: net.expiration,
         ..config(Some(address.clone()))
     };
-    let mut builder = Sharding::builder(config)
-        .messages(messages)
-        .runners(locks)
+    let mut builder = Sharding::member(config, messages, locks)
         .runner_health(Arc::clone(health) as Arc<dyn RunnerHealth>);
     if let Some(network) = network {
         builder = builder.transport(network.transport());
@@ -143,37 +140,4 @@ async fn a_runner_health_check_replaces_the_pings_of_the_transport() {
     for runner in all {
         runner.shutdown().await;
     }
-}
-
-/// A check is for a cluster runner: a builder without a runner storage, a client and a single
-/// runner refuse it.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_runner_health_check_is_refused_outside_a_cluster_runner() {
-    let net = Net::memory().await.unwrap();
-    let health: Arc<dyn RunnerHealth> = Arc::new(Verdicts::default());
-    let messages = Arc::new(MemoryMessageStorage::new(Arc::new(cluster_core::SystemClock)));
-    let alone = Sharding::builder(config(Some(RunnerAddress::new("127.0.0.1", 19_201))))
-        .messages(messages)
-        .runner_health(Arc::clone(&health))
-        .start()
-        .await;
-    assert!(matches!(alone, Err(StartError::Conflict(_))), "{alone:?}");
-    let (messages, locks) = net.storages().await;
-    let client = Sharding::builder(config(None))
-        .messages(messages)
-        .runners(locks)
-        .client_only()
-        .runner_health(Arc::clone(&health))
-        .start()
-        .await;
-    assert!(matches!(client, Err(StartError::Conflict(_))), "{client:?}");
-    let (messages, locks) = net.storages().await;
-    let single = Sharding::builder(config(Some(RunnerAddress::new("127.0.0.1", 19_202))))
-        .messages(messages)
-        .runners(locks)
-        .single_runner()
-        .runner_health(health)
-        .start()
-        .await;
-    assert!(matches!(single, Err(StartError::Conflict(_))), "{single:?}");
 }

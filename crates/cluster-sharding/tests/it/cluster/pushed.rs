@@ -76,13 +76,8 @@ async fn member(
     let mut config =
         ShardingConfig { shard_lock_expiration: net.expiration, ..config(Some(address)) };
     tune(&mut config);
-    let sharding = Sharding::builder(config)
-        .messages(messages)
-        .runners(locks)
-        .transport(transport)
-        .start()
-        .await
-        .unwrap();
+    let sharding =
+        Sharding::member(config, messages, locks).transport(transport).start().await.unwrap();
     sharding.entity::<Counter>().register().unwrap();
     sharding
 }
@@ -105,13 +100,7 @@ async fn client_on(
     let (messages, locks) = net.storages().await;
     let mut config = config(None);
     tune(&mut config);
-    Sharding::builder(config)
-        .messages(messages)
-        .runners(locks)
-        .transport(transport)
-        .start()
-        .await
-        .unwrap()
+    Sharding::member(config, messages, locks).transport(transport).start().await.unwrap()
 }
 
 /// Waits until `client` routes to the owner of `counter`'s entity: its first assignment comes from
