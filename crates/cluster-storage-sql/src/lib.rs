@@ -38,6 +38,8 @@ pub(crate) mod lock;
 pub mod queue;
 pub(crate) mod row;
 #[cfg(any(feature = "postgres", feature = "mysql"))]
+pub(crate) mod save;
+#[cfg(any(feature = "postgres", feature = "mysql"))]
 pub mod tls;
 
 #[cfg(feature = "mysql")]

@@ -4,6 +4,9 @@
 //! count, claims with `SELECT … FOR UPDATE` and an `UPDATE` in one transaction, replies written in
 //! a transaction with their message rows.
 //!
+//! Saves follow the shared protocol of `crate::save` (group commit with a per-row fallback,
+//! deduplication by primary key, reply batches); `MySqlSaveBackend` is its MySQL side.
+//!
 //! Rows are mapped by the shared `row` module; this file only moves values between it and the
 //! driver, and checks column widths before writing (`INSERT IGNORE` would otherwise truncate an
 //! over-long value with a mere warning). Payloads and headers are checked against one limit:
@@ -44,6 +47,7 @@ use crate::options::{TablePrefix, ValueBytesMax};
 use crate::row::{
     self, LastReplyRow, MessageInsert, MessageRow, ReplyInsert, ReplyRow, ValueLimit,
 };
+use crate::save::{self, BatchFailure, SaveBackend};
 
 /// The most placeholders one statement may bind (the protocol's limit).
 const PARAMS_MAX: usize = 65_535;
@@ -89,17 +93,114 @@ const WRITE_BATCH_SIZE_MAX: usize = 256;
 
 impl Writers {
     fn spawn(pool: &Pool, queries: &Arc<MessageQueries>, limit: ValueLimit) -> Writers {
-        let (request_pool, request_queries) = (pool.clone(), Arc::clone(queries));
+        let backend =
+            Arc::new(MySqlSaveBackend { pool: pool.clone(), queries: Arc::clone(queries) });
+        let request_backend = Arc::clone(&backend);
         let requests = Batcher::spawn(WRITE_QUEUE_CAPACITY, WRITE_BATCH_SIZE_MAX, move |inputs| {
-            let (pool, queries) = (request_pool.clone(), Arc::clone(&request_queries));
-            async move { save_requests(&pool, &queries, limit, inputs).await }
+            let backend = Arc::clone(&request_backend);
+            async move {
+                let inputs: Vec<(Request, SaveRequestOptions)> = inputs;
+                let requests: Vec<(&Request, &SaveRequestOptions)> =
+                    inputs.iter().map(|(request, options)| (request, options)).collect();
+                save::save_requests(&*backend, limit, &requests).await
+            }
         });
-        let (reply_pool, reply_queries) = (pool.clone(), Arc::clone(queries));
         let replies = Batcher::spawn(WRITE_QUEUE_CAPACITY, WRITE_BATCH_SIZE_MAX, move |inputs| {
-            let (pool, queries) = (reply_pool.clone(), Arc::clone(&reply_queries));
-            async move { save_replies(&pool, &queries, limit, inputs).await }
+            let backend = Arc::clone(&backend);
+            async move { save::save_replies(&*backend, limit, &inputs).await }
         });
         Writers { requests, replies }
+    }
+}
+
+/// The MySQL side of the save protocol ([`save`]): requests are inserted with `INSERT IGNORE`
+/// and the affected-row count (the reference's MySQL dedup), replies in `READ COMMITTED`
+/// transactions with their message-row updates.
+struct MySqlSaveBackend {
+    pool: Pool,
+    queries: Arc<MessageQueries>,
+}
+
+impl MySqlSaveBackend {
+    async fn conn(&self) -> Result<Conn, StorageError> {
+        self.pool.get_conn().await.map_err(|error| storage_error("cannot get a connection", error))
+    }
+}
+
+impl SaveBackend for MySqlSaveBackend {
+    const REQUEST_BATCH_TAKES_UNKEYED: bool = false;
+    const REPLY_BATCH_ONE_PER_REQUEST: bool = false;
+
+    fn check_request(&self, row: &MessageInsert<'_>) -> Result<(), StorageError> {
+        check_widths(row)
+    }
+
+    /// One multi-row `INSERT IGNORE`; a row counts as inserted when it is then found under its
+    /// own id and key.
+    async fn insert_requests(&self, rows: &[MessageInsert<'_>]) -> Result<Vec<i64>, StorageError> {
+        let params: Vec<Value> = rows.iter().flat_map(message_params).collect();
+        let mut conn = self.conn().await?;
+        conn.exec_drop(self.queries.insert_messages_ignore(rows.len()), params)
+            .await
+            .map_err(|error| storage_error("save_request: batch", error))?;
+        let keys: Vec<Value> =
+            rows.iter().map(|row| Value::from(row.message_id.as_deref())).collect();
+        let stored: Vec<(i64, String)> = conn
+            .exec(self.queries.ids_for_message_ids(rows.len()), keys)
+            .await
+            .map_err(|error| storage_error("save_request: batch ids", error))?;
+        Ok(rows
+            .iter()
+            .filter(|row| {
+                stored.iter().any(|(id, key)| {
+                    *id == row.id && Some(key.as_str()) == row.message_id.as_deref()
+                })
+            })
+            .map(|row| row.id)
+            .collect())
+    }
+
+    /// A row with a key: `INSERT IGNORE` and the affected-row count. A row without one: a plain
+    /// `INSERT`, since nothing deduplicates it and a second save of its id is a key conflict.
+    async fn insert_request(&self, row: &MessageInsert<'_>) -> Result<bool, StorageError> {
+        let mut conn = self.conn().await?;
+        let sql = match row.message_id {
+            Some(_) => &self.queries.insert_message_ignore,
+            None => &self.queries.insert_message,
+        };
+        conn.exec_drop(sql.as_str(), message_params(row))
+            .await
+            .map_err(|error| storage_error("save_request", error))?;
+        Ok(conn.affected_rows() > 0)
+    }
+
+    async fn find_duplicate(&self, message_id: &str) -> Result<Option<SaveResult>, StorageError> {
+        let mut conn = self.conn().await?;
+        let existing: Option<Row> = conn
+            .exec_first(self.queries.select_duplicate.as_str(), (message_id,))
+            .await
+            .map_err(|error| storage_error("save_request: read the duplicate", error))?;
+        existing.map(read_duplicate).transpose()
+    }
+
+    /// One `READ COMMITTED` transaction of single-reply writes.
+    async fn insert_replies(&self, rows: &[&ReplyInsert]) -> Result<(), BatchFailure> {
+        let mut tx = begin_read_committed(&self.pool).await.map_err(BatchFailure::RolledBack)?;
+        for row in rows {
+            // Dropped on error: the pool rolls the transaction back.
+            run_body(&mut tx, &self.queries, &TxBody::Reply(row))
+                .await
+                .map_err(BatchFailure::RolledBack)?;
+        }
+        tx.commit()
+            .await
+            .map_err(|error| BatchFailure::CommitFailed(storage_error("commit", error)))
+    }
+
+    /// Its own transaction, retried after a deadlock. A retried chunk (the same chunk already
+    /// stored) changes nothing and is accepted.
+    async fn insert_reply(&self, row: &ReplyInsert) -> Result<(), StorageError> {
+        transaction(&self.pool, &self.queries, TxBody::Reply(row)).await.map(drop)
     }
 }
 
@@ -723,162 +824,6 @@ async fn begin_read_committed(pool: &Pool) -> Result<Transaction<'static>, Stora
     pool.start_transaction(options)
         .await
         .map_err(|error| storage_error("cannot start a transaction", error))
-}
-
-/// Saves one request: insert, or report the stored request with the same primary key.
-async fn save_request_one(
-    pool: &Pool,
-    queries: &MessageQueries,
-    limit: ValueLimit,
-    request: &Request,
-    options: &SaveRequestOptions,
-) -> Result<SaveResult, StorageError> {
-    let insert = MessageInsert::checked_request(request, options, limit)?;
-    check_widths(&insert)?;
-    let mut conn =
-        pool.get_conn().await.map_err(|error| storage_error("cannot get a connection", error))?;
-    let Some(message_id) = insert.message_id.as_deref() else {
-        // Without a primary key nothing deduplicates: a second save of the same id is a key
-        // conflict.
-        conn.exec_drop(queries.insert_message.as_str(), message_params(&insert))
-            .await
-            .map_err(|error| storage_error("save_request", error))?;
-        return Ok(SaveResult::Success);
-    };
-    conn.exec_drop(queries.insert_message_ignore.as_str(), message_params(&insert))
-        .await
-        .map_err(|error| storage_error("save_request", error))?;
-    if conn.affected_rows() > 0 {
-        return Ok(SaveResult::Success);
-    }
-    let existing: Option<Row> = conn
-        .exec_first(queries.select_duplicate.as_str(), (message_id,))
-        .await
-        .map_err(|error| storage_error("save_request: read the duplicate", error))?;
-    let Some(existing) = existing else {
-        // Ignored, yet no row has this primary key: the request id is stored under another key.
-        return Err(StorageError::new(
-            StorageErrorKind::Conflict,
-            format!("request {} is already stored with another primary key", request.request_id),
-        ));
-    };
-    read_duplicate(existing)
-}
-
-/// Saves a batch of requests. Those with a primary key go into one multi-row `INSERT IGNORE`;
-/// a request whose row is then found under its own id and key was inserted, the others (a
-/// taken key, no key, a value that does not fit, or a failed batch) are saved one by one, which
-/// also resolves duplicates and refuses what does not fit.
-async fn save_requests(
-    pool: &Pool,
-    queries: &MessageQueries,
-    limit: ValueLimit,
-    inputs: Vec<(Request, SaveRequestOptions)>,
-) -> Vec<Result<SaveResult, StorageError>> {
-    let inserted = if inputs.len() > 1 {
-        insert_keyed_requests(pool, queries, limit, &inputs).await.unwrap_or_default()
-    } else {
-        Vec::new()
-    };
-    let mut results = Vec::with_capacity(inputs.len());
-    for (request, options) in &inputs {
-        let id = row::id_to_sql(request.request_id).ok();
-        results.push(match id {
-            Some(id) if inserted.contains(&id) => Ok(SaveResult::Success),
-            _ => save_request_one(pool, queries, limit, request, options).await,
-        });
-    }
-    results
-}
-
-/// The multi-row insert of [`save_requests`]; returns the ids now stored under their own key.
-async fn insert_keyed_requests(
-    pool: &Pool,
-    queries: &MessageQueries,
-    limit: ValueLimit,
-    inputs: &[(Request, SaveRequestOptions)],
-) -> Result<Vec<i64>, StorageError> {
-    let inserts: Vec<MessageInsert<'_>> = inputs
-        .iter()
-        .filter_map(|(request, options)| {
-            MessageInsert::checked_request(request, options, limit).ok()
-        })
-        .filter(|insert| insert.message_id.is_some() && check_widths(insert).is_ok())
-        .collect();
-    if inserts.is_empty() {
-        return Ok(Vec::new());
-    }
-    let params: Vec<Value> = inserts.iter().flat_map(message_params).collect();
-    let mut conn =
-        pool.get_conn().await.map_err(|error| storage_error("cannot get a connection", error))?;
-    conn.exec_drop(queries.insert_messages_ignore(inserts.len()), params)
-        .await
-        .map_err(|error| storage_error("save_request: batch", error))?;
-    let keys: Vec<Value> =
-        inserts.iter().map(|insert| Value::from(insert.message_id.as_deref())).collect();
-    let stored: Vec<(i64, String)> = conn
-        .exec(queries.ids_for_message_ids(inserts.len()), keys)
-        .await
-        .map_err(|error| storage_error("save_request: batch ids", error))?;
-    Ok(inserts
-        .iter()
-        .filter(|insert| {
-            stored.iter().any(|(id, key)| {
-                *id == insert.id && Some(key.as_str()) == insert.message_id.as_deref()
-            })
-        })
-        .map(|insert| insert.id)
-        .collect())
-}
-
-/// Saves one reply, already checked, in its own transaction.
-async fn save_reply_one(
-    pool: &Pool,
-    queries: &MessageQueries,
-    insert: &ReplyInsert,
-) -> Result<(), StorageError> {
-    // A retried chunk (`AlreadyStored`) changed nothing; committing that is a no-op.
-    transaction(pool, queries, TxBody::Reply(insert)).await?;
-    Ok(())
-}
-
-/// Saves a batch of replies in one transaction (one commit). A reply that does not fit the
-/// limit is refused before the transaction and fails alone. If a reply fails inside it (a
-/// second final reply), the transaction is rolled back and each reply is saved on its own, so
-/// only the faulty one fails; a failed commit is reported to every caller of the batch.
-async fn save_replies(
-    pool: &Pool,
-    queries: &MessageQueries,
-    limit: ValueLimit,
-    replies: Vec<Reply>,
-) -> Vec<Result<(), StorageError>> {
-    let inserts: Vec<Result<ReplyInsert, StorageError>> =
-        replies.iter().map(|reply| ReplyInsert::checked(reply, limit)).collect();
-    let checked: Vec<&ReplyInsert> =
-        inserts.iter().filter_map(|insert| insert.as_ref().ok()).collect();
-    if checked.len() > 1
-        && let Ok(mut tx) = begin_read_committed(pool).await
-    {
-        let mut written = true;
-        for insert in &checked {
-            if run_body(&mut tx, queries, &TxBody::Reply(insert)).await.is_err() {
-                written = false;
-                break;
-            }
-        }
-        if written {
-            let committed = tx.commit().await.map_err(|error| storage_error("commit", error));
-            return inserts.into_iter().map(|insert| insert.and(committed.clone())).collect();
-        }
-    }
-    let mut results = Vec::with_capacity(inserts.len());
-    for insert in inserts {
-        results.push(match insert {
-            Ok(insert) => save_reply_one(pool, queries, &insert).await,
-            Err(refused) => Err(refused),
-        });
-    }
-    results
 }
 
 /// The transactions of the storage (a closed set, run by

@@ -6,6 +6,9 @@
 //! address): PostgreSQL runs one statement atomically, so the effect is the same and it costs
 //! one round-trip. Every statement is prepared once per pooled connection.
 //!
+//! Saves follow the shared protocol of `crate::save` (group commit with a per-row fallback,
+//! deduplication by primary key, reply batches); `PgSaveBackend` is its PostgreSQL side.
+//!
 //! Payloads, headers and replies longer than `value_bytes_max` are refused before any
 //! statement is sent; in a batch, such a value fails alone and the others go on together.
 
@@ -35,6 +38,7 @@ use crate::row::{
     self, LastReplyRow, MessageInsert, MessageRow, ReplyInsert, ReplyRow, ValueLimit, id_from_sql,
     id_to_sql,
 };
+use crate::save::{self, BatchFailure, SaveBackend};
 
 use super::classify::{column_error, driver_error, pool_error};
 use super::connection::{
@@ -99,17 +103,17 @@ const WRITE_BATCH_SIZE_MAX: usize = 256;
 
 impl Writers {
     fn spawn(pool: &Pool, queries: &Arc<MessageQueries>, limit: ValueLimit) -> Writers {
-        let (request_pool, request_queries) = (pool.clone(), Arc::clone(queries));
-        let earlier_reads = Arc::new(GenericPlans::new(pool.clone()));
+        let backend = Arc::new(PgSaveBackend { pool: pool.clone(), queries: Arc::clone(queries) });
+        let (request_backend, earlier_reads) =
+            (Arc::clone(&backend), Arc::new(GenericPlans::new(pool.clone())));
         let requests = Batcher::spawn(WRITE_QUEUE_CAPACITY, WRITE_BATCH_SIZE_MAX, move |inputs| {
-            let (pool, queries) = (request_pool.clone(), Arc::clone(&request_queries));
-            let earlier_reads = Arc::clone(&earlier_reads);
-            async move { save_requests(&pool, &earlier_reads, &queries, limit, inputs).await }
+            let (backend, earlier_reads) =
+                (Arc::clone(&request_backend), Arc::clone(&earlier_reads));
+            async move { save_requests(&backend, &earlier_reads, limit, inputs).await }
         });
-        let (reply_pool, reply_queries) = (pool.clone(), Arc::clone(queries));
         let replies = Batcher::spawn(WRITE_QUEUE_CAPACITY, WRITE_BATCH_SIZE_MAX, move |inputs| {
-            let (pool, queries) = (reply_pool.clone(), Arc::clone(&reply_queries));
-            async move { save_replies(&pool, &queries, limit, inputs).await }
+            let backend = Arc::clone(&backend);
+            async move { save::save_replies(&*backend, limit, &inputs).await }
         });
         let (claim_pool, claim_queries) = (pool.clone(), Arc::clone(queries));
         let claims = Batcher::spawn(WRITE_QUEUE_CAPACITY, WRITE_BATCH_SIZE_MAX, move |inputs| {
@@ -123,6 +127,92 @@ impl Writers {
             async move { read_ordered(&connection, &queries, inputs).await }
         });
         Writers { requests, replies, claims, reads }
+    }
+}
+
+/// The PostgreSQL side of the save protocol ([`save`]): each method is one statement on a
+/// pooled connection.
+struct PgSaveBackend {
+    pool: Pool,
+    queries: Arc<MessageQueries>,
+}
+
+impl SaveBackend for PgSaveBackend {
+    const REQUEST_BATCH_TAKES_UNKEYED: bool = true;
+    const REPLY_BATCH_ONE_PER_REQUEST: bool = true;
+
+    async fn insert_requests(&self, rows: &[MessageInsert<'_>]) -> Result<Vec<i64>, StorageError> {
+        let column = |f: &dyn Fn(&MessageInsert<'_>) -> Option<String>| -> Vec<Option<String>> {
+            rows.iter().map(f).collect()
+        };
+        let ids: Vec<i64> = rows.iter().map(|row| row.id).collect();
+        let message_ids = column(&|row| row.message_id.as_deref().map(str::to_owned));
+        let shard_ids = column(&|row| Some(row.shard_id.clone()));
+        let entity_types = column(&|row| Some(row.entity_type.to_owned()));
+        let entity_ids = column(&|row| Some(row.entity_id.to_owned()));
+        let kinds: Vec<i32> = rows.iter().map(|row| row.kind).collect();
+        let tags = column(&|row| row.tag.map(str::to_owned));
+        let payloads = column(&|row| row.payload.map(str::to_owned));
+        let headers = column(&|row| row.headers.map(str::to_owned));
+        let trace_ids = column(&|row| row.trace_id.map(str::to_owned));
+        let span_ids = column(&|row| row.span_id.map(str::to_owned));
+        let sampled: Vec<Option<bool>> = rows.iter().map(|row| row.sampled).collect();
+        let request_ids: Vec<i64> = rows.iter().map(|row| row.request_id).collect();
+        let reply_ids: Vec<Option<i64>> = rows.iter().map(|row| row.reply_id).collect();
+        let deliver_at: Vec<Option<i64>> = rows.iter().map(|row| row.deliver_at).collect();
+        let params: [&(dyn ToSql + Sync); 15] = [
+            &ids,
+            &message_ids,
+            &shard_ids,
+            &entity_types,
+            &entity_ids,
+            &kinds,
+            &tags,
+            &payloads,
+            &headers,
+            &trace_ids,
+            &span_ids,
+            &sampled,
+            &request_ids,
+            &reply_ids,
+            &deliver_at,
+        ];
+        let sql = &self.queries.insert_requests;
+        let inserted = pooled_query(&self.pool, "save_request: batch", sql, &params).await?;
+        inserted.iter().map(|row| row.try_get::<_, i64>(0).map_err(column_error)).collect()
+    }
+
+    async fn insert_request(&self, row: &MessageInsert<'_>) -> Result<bool, StorageError> {
+        let sql = &self.queries.insert_request;
+        let inserted = pooled_query(&self.pool, "save_request", sql, &insert_params(row)).await?;
+        Ok(!inserted.is_empty())
+    }
+
+    async fn find_duplicate(&self, message_id: &str) -> Result<Option<SaveResult>, StorageError> {
+        let sql = &self.queries.select_duplicate;
+        let rows = pooled_query(&self.pool, "save_request: duplicate", sql, &[&message_id]).await?;
+        rows.first().map(duplicate).transpose()
+    }
+
+    async fn insert_replies(&self, rows: &[&ReplyInsert]) -> Result<(), BatchFailure> {
+        let ids: Vec<i64> = rows.iter().map(|row| row.id).collect();
+        let kinds: Vec<Option<i32>> = rows.iter().map(|row| row.kind).collect();
+        let request_ids: Vec<i64> = rows.iter().map(|row| row.request_id).collect();
+        let payloads: Vec<&str> = rows.iter().map(|row| row.payload.as_str()).collect();
+        let sequences: Vec<Option<i32>> = rows.iter().map(|row| row.sequence).collect();
+        let params: [&(dyn ToSql + Sync); 5] = [&ids, &kinds, &request_ids, &payloads, &sequences];
+        // One statement: if it fails, it wrote nothing.
+        pooled_execute(&self.pool, "save_reply: batch", &self.queries.save_replies, &params)
+            .await
+            .map(drop)
+            .map_err(BatchFailure::RolledBack)
+    }
+
+    async fn insert_reply(&self, row: &ReplyInsert) -> Result<(), StorageError> {
+        let client = self.pool.get().await.map_err(|error| pool_error("save_reply", error))?;
+        let result = save_reply_on(&client, &self.queries, row).await;
+        settle(client, result.as_ref().err());
+        result
     }
 }
 
@@ -384,76 +474,20 @@ async fn claim_together(
     Ok(batches)
 }
 
-/// Saves one request: insert, or report the stored request with the same primary key.
-async fn save_request_one(
-    pool: &Pool,
-    queries: &MessageQueries,
-    limit: ValueLimit,
-    request: &Request,
-    options: &SaveRequestOptions,
-) -> Result<SaveResult, StorageError> {
-    let insert = MessageInsert::checked_request(request, options, limit)?;
-    let inserted =
-        pooled_query(pool, "save_request", &queries.insert_request, &insert_params(&insert))
-            .await?;
-    if !inserted.is_empty() {
-        return Ok(SaveResult::Success);
-    }
-    // Nothing was inserted: the message id is taken. The insert waited for a concurrent
-    // writer of the same key to commit, so this statement (with a new snapshot) sees it.
-    let Some(message_id) = insert.message_id.as_deref() else {
-        return Err(StorageError::new(
-            StorageErrorKind::Other,
-            "a request without a primary key was not inserted",
-        ));
-    };
-    let rows =
-        pooled_query(pool, "save_request: duplicate", &queries.select_duplicate, &[&message_id])
-            .await?;
-    let Some(row) = rows.first() else {
-        // The row that conflicted was deleted in between (clear_address): try again once.
-        let retried =
-            pooled_query(pool, "save_request", &queries.insert_request, &insert_params(&insert))
-                .await?;
-        return if retried.is_empty() {
-            Err(StorageError::new(
-                StorageErrorKind::Conflict,
-                "the request's primary key is taken and its row cannot be read",
-            ))
-        } else {
-            Ok(SaveResult::Success)
-        };
-    };
-    duplicate(row)
-}
-
-/// Saves a batch of requests with one multi-row insert (one commit). Requests whose primary
-/// key was taken are then resolved one by one as duplicates, and those left out of the batch
-/// (a value over the limit) are refused one by one; if the batch statement fails (a reused
-/// request id), every request is saved on its own, so only the faulty one fails. The stored
-/// requests that asked for their entity's earlier requests get them from one query for the
-/// whole batch ([`earlier_requests`]).
+/// Saves a batch of requests with the shared protocol ([`save::save_requests`]: one multi-row
+/// insert, then each request it did not insert on its own). The stored requests that asked for
+/// their entity's earlier requests get them from one query for the whole batch
+/// ([`earlier_requests`]).
 async fn save_requests(
-    pool: &Pool,
+    backend: &PgSaveBackend,
     earlier_reads: &GenericPlans,
-    queries: &MessageQueries,
     limit: ValueLimit,
     jobs: Vec<SaveJob>,
 ) -> Vec<Result<OrderedSave, StorageError>> {
-    let mut saved = Vec::with_capacity(jobs.len());
-    let batched =
-        if jobs.len() > 1 { insert_requests(pool, queries, limit, &jobs).await.ok() } else { None };
-    for job in &jobs {
-        let inserted = match (&batched, id_to_sql(job.request.request_id)) {
-            (Some(inserted), Ok(id)) => inserted.contains(&id),
-            _ => false,
-        };
-        saved.push(if inserted {
-            Ok(SaveResult::Success)
-        } else {
-            save_request_one(pool, queries, limit, &job.request, &job.options).await
-        });
-    }
+    let requests: Vec<(&Request, &SaveRequestOptions)> =
+        jobs.iter().map(|job| (&job.request, &job.options)).collect();
+    let saved = save::save_requests(backend, limit, &requests).await;
+    let queries = &backend.queries;
     let ordered: Vec<&SaveJob> = jobs
         .iter()
         .zip(&saved)
@@ -528,72 +562,6 @@ fn earlier_of_caller(ids: Vec<i64>, limit: i64) -> Result<Vec<Snowflake>, Storag
     row::ids_from_sql(ids)
 }
 
-/// The multi-row insert of [`save_requests`]; returns the ids that were inserted. A request
-/// whose row cannot be made (a value over `limit`) is left out, for its own save to refuse.
-async fn insert_requests(
-    pool: &Pool,
-    queries: &MessageQueries,
-    limit: ValueLimit,
-    jobs: &[SaveJob],
-) -> Result<Vec<i64>, StorageError> {
-    let inserts: Vec<MessageInsert<'_>> = jobs
-        .iter()
-        .filter_map(|job| MessageInsert::checked_request(&job.request, &job.options, limit).ok())
-        .collect();
-    if inserts.is_empty() {
-        return Ok(Vec::new());
-    }
-    let column = |f: &dyn Fn(&MessageInsert<'_>) -> Option<String>| -> Vec<Option<String>> {
-        inserts.iter().map(f).collect()
-    };
-    let ids: Vec<i64> = inserts.iter().map(|insert| insert.id).collect();
-    let message_ids = column(&|insert| insert.message_id.as_deref().map(str::to_owned));
-    let shard_ids = column(&|insert| Some(insert.shard_id.clone()));
-    let entity_types = column(&|insert| Some(insert.entity_type.to_owned()));
-    let entity_ids = column(&|insert| Some(insert.entity_id.to_owned()));
-    let kinds: Vec<i32> = inserts.iter().map(|insert| insert.kind).collect();
-    let tags = column(&|insert| insert.tag.map(str::to_owned));
-    let payloads = column(&|insert| insert.payload.map(str::to_owned));
-    let headers = column(&|insert| insert.headers.map(str::to_owned));
-    let trace_ids = column(&|insert| insert.trace_id.map(str::to_owned));
-    let span_ids = column(&|insert| insert.span_id.map(str::to_owned));
-    let sampled: Vec<Option<bool>> = inserts.iter().map(|insert| insert.sampled).collect();
-    let request_ids: Vec<i64> = inserts.iter().map(|insert| insert.request_id).collect();
-    let reply_ids: Vec<Option<i64>> = inserts.iter().map(|insert| insert.reply_id).collect();
-    let deliver_at: Vec<Option<i64>> = inserts.iter().map(|insert| insert.deliver_at).collect();
-    let params: [&(dyn ToSql + Sync); 15] = [
-        &ids,
-        &message_ids,
-        &shard_ids,
-        &entity_types,
-        &entity_ids,
-        &kinds,
-        &tags,
-        &payloads,
-        &headers,
-        &trace_ids,
-        &span_ids,
-        &sampled,
-        &request_ids,
-        &reply_ids,
-        &deliver_at,
-    ];
-    let rows = pooled_query(pool, "save_request: batch", &queries.insert_requests, &params).await?;
-    rows.iter().map(|row| row.try_get::<_, i64>(0).map_err(column_error)).collect()
-}
-
-/// Saves one reply, already checked.
-async fn save_reply_one(
-    pool: &Pool,
-    queries: &MessageQueries,
-    insert: &ReplyInsert,
-) -> Result<(), StorageError> {
-    let client = pool.get().await.map_err(|error| pool_error("save_reply", error))?;
-    let result = save_reply_on(&client, queries, insert).await;
-    settle(client, result.as_ref().err());
-    result
-}
-
 /// Answers concurrent `unprocessed_messages_ordered` calls with one statement.
 ///
 /// - It reads at the batch's bounds ([`batch_bounds`]): a message due later for another caller
@@ -650,53 +618,6 @@ fn ordered_rows(rows: &[Row]) -> Result<Vec<OrderedRow>, StorageError> {
             Ok((message, earlier))
         })
         .collect()
-}
-
-/// Saves a batch of replies with one statement (one commit) when they belong to distinct
-/// requests; otherwise, or if the batch statement fails (a second final reply), each reply is
-/// saved on its own, so only the faulty one fails. A reply over the limit is refused before
-/// any statement and fails alone.
-async fn save_replies(
-    pool: &Pool,
-    queries: &MessageQueries,
-    limit: ValueLimit,
-    replies: Vec<Reply>,
-) -> Vec<Result<(), StorageError>> {
-    let inserts: Vec<Result<ReplyInsert, StorageError>> =
-        replies.iter().map(|reply| ReplyInsert::checked(reply, limit)).collect();
-    let checked: Vec<&ReplyInsert> =
-        inserts.iter().filter_map(|insert| insert.as_ref().ok()).collect();
-    let mut request_ids: Vec<i64> = checked.iter().map(|insert| insert.request_id).collect();
-    request_ids.sort_unstable();
-    request_ids.dedup();
-    if checked.len() > 1
-        && request_ids.len() == checked.len()
-        && insert_replies(pool, queries, &checked).await.is_ok()
-    {
-        return inserts.into_iter().map(|insert| insert.map(drop)).collect();
-    }
-    let mut results = Vec::with_capacity(inserts.len());
-    for insert in inserts {
-        results.push(match insert {
-            Ok(insert) => save_reply_one(pool, queries, &insert).await,
-            Err(refused) => Err(refused),
-        });
-    }
-    results
-}
-
-async fn insert_replies(
-    pool: &Pool,
-    queries: &MessageQueries,
-    inserts: &[&ReplyInsert],
-) -> Result<(), StorageError> {
-    let ids: Vec<i64> = inserts.iter().map(|insert| insert.id).collect();
-    let kinds: Vec<Option<i32>> = inserts.iter().map(|insert| insert.kind).collect();
-    let request_ids: Vec<i64> = inserts.iter().map(|insert| insert.request_id).collect();
-    let payloads: Vec<&str> = inserts.iter().map(|insert| insert.payload.as_str()).collect();
-    let sequences: Vec<Option<i32>> = inserts.iter().map(|insert| insert.sequence).collect();
-    let params: [&(dyn ToSql + Sync); 5] = [&ids, &kinds, &request_ids, &payloads, &sequences];
-    pooled_execute(pool, "save_reply: batch", &queries.save_replies, &params).await.map(drop)
 }
 
 /// The address filter as three parallel columns `(shard_id, entity_type, entity_id)`, from the
