@@ -67,6 +67,7 @@ macro_rules! storage_suite {
             save_request_then_read_it,
             detects_duplicates_by_primary_key,
             duplicate_reports_the_last_reply,
+            a_retried_save_among_concurrent_saves_is_a_duplicate,
             hashes_primary_keys_longer_than_the_column,
             keeps_short_primary_keys_as_plaintext,
             request_without_primary_key_is_never_deduplicated,

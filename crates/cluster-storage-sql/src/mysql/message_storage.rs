@@ -135,28 +135,41 @@ impl SaveBackend for MySqlSaveBackend {
         check_widths(row)
     }
 
-    /// One multi-row `INSERT IGNORE`; a row counts as inserted when it is then found under its
-    /// own id and key.
+    /// One multi-row `INSERT IGNORE`. It reports only how many rows it inserted, so when it
+    /// skipped some, the inserted ones are those now stored under their own id and key whose
+    /// `rowid` (`AUTO_INCREMENT`) is at least the first one the statement generated for a row it
+    /// inserted (the `last_insert_id` of its OK packet): a row stored before with the same id and
+    /// key, a retried save, has a smaller one and is left to its own save, which reports it as
+    /// the duplicate.
     async fn insert_requests(&self, rows: &[MessageInsert<'_>]) -> Result<Vec<i64>, StorageError> {
         let params: Vec<Value> = rows.iter().flat_map(message_params).collect();
         let mut conn = self.conn().await?;
         conn.exec_drop(self.queries.insert_messages_ignore(rows.len()), params)
             .await
             .map_err(|error| storage_error("save_request: batch", error))?;
+        let inserted = conn.affected_rows();
+        if inserted == 0 {
+            return Ok(Vec::new());
+        }
+        if usize::try_from(inserted).is_ok_and(|inserted| inserted == rows.len()) {
+            return Ok(rows.iter().map(|row| row.id).collect());
+        }
+        let first_rowid = conn.last_insert_id().and_then(|id| i64::try_from(id).ok()).unwrap_or(0);
         let keys: Vec<Value> =
             rows.iter().map(|row| Value::from(row.message_id.as_deref())).collect();
-        let stored: Vec<(i64, String)> = conn
+        let stored: Vec<(i64, String, i64)> = conn
             .exec(self.queries.ids_for_message_ids(rows.len()), keys)
             .await
             .map_err(|error| storage_error("save_request: batch ids", error))?;
-        Ok(rows
-            .iter()
-            .filter(|row| {
-                stored.iter().any(|(id, key)| {
-                    *id == row.id && Some(key.as_str()) == row.message_id.as_deref()
-                })
+        Ok(stored
+            .into_iter()
+            .filter(|(id, key, rowid)| {
+                *rowid >= first_rowid
+                    && rows
+                        .iter()
+                        .any(|row| row.id == *id && row.message_id.as_deref() == Some(key))
             })
-            .map(|row| row.id)
+            .map(|(id, _, _)| id)
             .collect())
     }
 

@@ -515,11 +515,11 @@ impl MessageQueries {
         )
     }
 
-    /// The id stored under each of `n_keys` primary keys.
+    /// The id and `rowid` stored under each of `n_keys` primary keys.
     pub(crate) fn ids_for_message_ids(&self, n_keys: usize) -> String {
         // language=SQL
         format!(
-            "SELECT id, message_id FROM {} WHERE message_id IN ({})",
+            "SELECT id, message_id, rowid FROM {} WHERE message_id IN ({})",
             self.messages,
             placeholders(n_keys)
         )

@@ -228,6 +228,42 @@ pub async fn duplicate_reports_the_last_reply(fixture: &dyn StorageFixture) {
     );
 }
 
+/// A request saved again after it completed (a retry) is reported as the duplicate of itself,
+/// with its final reply, also when the retry is saved together with other requests (a backend
+/// may write concurrent saves with one statement). Told `Success` instead, its caller would wait
+/// for a reply that is never delivered again.
+pub async fn a_retried_save_among_concurrent_saves_is_a_duplicate(fixture: &dyn StorageFixture) {
+    let storage = fixture.message_storage();
+    for id in 1..=3 {
+        assert_eq!(
+            save_keyed(&*storage, &request(id, 1), &format!("k{id}")).await,
+            SaveResult::Success
+        );
+        storage.save_reply(&final_reply(id, 10 * id)).await.unwrap();
+    }
+    // The retries in the middle of fresh requests, each of these saved twice (the second save
+    // of a request in the same batch is its duplicate too): a batch that holds a retry holds
+    // other requests.
+    let ids = [100, 100, 101, 1, 101, 102, 102, 103, 2, 103, 104, 104, 105, 3, 105];
+    let saves = ids.map(|id| {
+        let storage = Arc::clone(&storage);
+        async move { (id, save_keyed(&*storage, &request(id, 1), &format!("k{id}")).await) }
+    });
+    let mut successes: BTreeMap<u64, usize> = BTreeMap::new();
+    for (id, result) in join_all(saves).await {
+        match result {
+            SaveResult::Success => *successes.entry(id).or_default() += 1,
+            SaveResult::Duplicate { original_id, last_received_reply } => {
+                assert_eq!(original_id, Snowflake::new(id), "{}", fixture.name());
+                let expected = (id < 100).then(|| final_reply(id, 10 * id));
+                assert_eq!(last_received_reply, expected, "{}: request {id}", fixture.name());
+            }
+        }
+    }
+    let expected: BTreeMap<u64, usize> = (100..=105).map(|id| (id, 1)).collect();
+    assert_eq!(successes, expected, "{}: each request stored once, no retry", fixture.name());
+}
+
 /// Keys longer than the 255-character column are stored as digests and still deduplicate and
 /// resolve (effect's SQL storage tests).
 pub async fn hashes_primary_keys_longer_than_the_column(fixture: &dyn StorageFixture) {
