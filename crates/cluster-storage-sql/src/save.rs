@@ -52,6 +52,10 @@ pub(crate) enum BatchFailure {
     RolledBack(StorageError),
     /// The batch's commit failed, so whether it was written is unknown: every caller of the batch
     /// gets the error.
+    #[cfg_attr(
+        not(feature = "mysql"),
+        allow(dead_code, reason = "only MySQL's reply batch is a transaction with its own commit")
+    )]
     CommitFailed(StorageError),
 }
 
