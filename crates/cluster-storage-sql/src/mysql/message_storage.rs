@@ -880,7 +880,7 @@ async fn run_body(
             tx.exec_drop(queries.ack_reply.as_str(), (*reply_id,))
                 .await
                 .map_err(|error| storage_error("save_ack_chunk: mark the chunk acked", error))?;
-            tx.exec_drop(queries.ack_older_acks.as_str(), (insert.request_id, insert.id))
+            tx.exec_drop(queries.process_older_acks.as_str(), (insert.request_id, insert.id))
                 .await
                 .map_err(|error| storage_error("save_ack_chunk: retire older acks", error))?;
         }
@@ -928,15 +928,15 @@ async fn clear_replies(
     let error = |error| storage_error("clear_replies", error);
     match expected_reply_id {
         None => {
-            tx.exec_drop(queries.clear_exit.as_str(), (id,)).await.map_err(error)?;
-            tx.exec_drop(queries.clear_interrupts.as_str(), (id,)).await.map_err(error)?;
-            tx.exec_drop(queries.clear_reset.as_str(), (id,)).await.map_err(error)
+            tx.exec_drop(queries.delete_exit.as_str(), (id,)).await.map_err(error)?;
+            tx.exec_drop(queries.delete_interrupts.as_str(), (id,)).await.map_err(error)?;
+            tx.exec_drop(queries.unprocess_request.as_str(), (id,)).await.map_err(error)
         }
         Some(expected) => {
-            tx.exec_drop(queries.clear_exit_if_latest.as_str(), (id, id, expected))
+            tx.exec_drop(queries.delete_exit_if_latest.as_str(), (id, id, expected))
                 .await
                 .map_err(error)?;
-            tx.exec_drop(queries.clear_reset_if_latest.as_str(), (id, expected))
+            tx.exec_drop(queries.unprocess_request_if_latest.as_str(), (id, expected))
                 .await
                 .map_err(error)
         }

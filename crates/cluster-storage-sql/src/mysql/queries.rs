@@ -320,16 +320,16 @@ pub(crate) struct MessageQueries {
     pub(crate) insert_message_ignore: String,
     pub(crate) select_duplicate: String,
     pub(crate) ack_reply: String,
-    pub(crate) ack_older_acks: String,
+    pub(crate) process_older_acks: String,
     pub(crate) insert_reply: String,
     pub(crate) select_reply_owner: String,
     pub(crate) chunk_last_reply: String,
     pub(crate) exit_processed: String,
-    pub(crate) clear_exit: String,
-    pub(crate) clear_interrupts: String,
-    pub(crate) clear_reset: String,
-    pub(crate) clear_exit_if_latest: String,
-    pub(crate) clear_reset_if_latest: String,
+    pub(crate) delete_exit: String,
+    pub(crate) delete_interrupts: String,
+    pub(crate) unprocess_request: String,
+    pub(crate) delete_exit_if_latest: String,
+    pub(crate) unprocess_request_if_latest: String,
     pub(crate) request_id_for_message_id: String,
     pub(crate) unprocessed_before: String,
     pub(crate) clear_address_replies: String,
@@ -359,7 +359,7 @@ impl MessageQueries {
                  LEFT JOIN {replies} r ON r.id = m.last_reply_id WHERE m.message_id = ?"
             ),
             ack_reply: format!("UPDATE {replies} SET acked = TRUE WHERE id = ?"),
-            ack_older_acks: format!(
+            process_older_acks: format!(
                 "UPDATE {messages} SET processed = TRUE WHERE processed = FALSE \
                  AND request_id = ? AND kind = {ack} AND id <> ?"
             ),
@@ -372,19 +372,19 @@ impl MessageQueries {
             exit_processed: format!(
                 "UPDATE {messages} SET processed = TRUE, last_reply_id = ? WHERE request_id = ?"
             ),
-            clear_exit: format!("DELETE FROM {replies} WHERE request_id = ? AND kind = {exit}"),
-            clear_interrupts: format!(
+            delete_exit: format!("DELETE FROM {replies} WHERE request_id = ? AND kind = {exit}"),
+            delete_interrupts: format!(
                 "DELETE FROM {messages} WHERE request_id = ? AND kind = {interrupt}"
             ),
-            clear_reset: format!(
+            unprocess_request: format!(
                 "UPDATE {messages} SET processed = FALSE, last_reply_id = NULL, last_read = NULL \
                  WHERE request_id = ?"
             ),
-            clear_exit_if_latest: format!(
+            delete_exit_if_latest: format!(
                 "DELETE FROM {replies} WHERE request_id = ? AND kind = {exit} AND EXISTS \
                  (SELECT 1 FROM {messages} WHERE id = ? AND last_reply_id = ?)"
             ),
-            clear_reset_if_latest: format!(
+            unprocess_request_if_latest: format!(
                 "UPDATE {messages} SET processed = FALSE, last_reply_id = NULL, last_read = NULL \
                  WHERE request_id = ? AND last_reply_id = ?"
             ),

@@ -177,13 +177,13 @@ impl SaveBackend for PgSaveBackend {
             &reply_ids,
             &deliver_at,
         ];
-        let sql = &self.queries.insert_requests;
+        let sql = &self.queries.insert_messages_ignore;
         let inserted = pooled_query(&self.pool, "save_request: batch", sql, &params).await?;
         inserted.iter().map(|row| row.try_get::<_, i64>(0).map_err(column_error)).collect()
     }
 
     async fn insert_request(&self, row: &MessageInsert<'_>) -> Result<bool, StorageError> {
-        let sql = &self.queries.insert_request;
+        let sql = &self.queries.insert_message_ignore;
         let inserted = pooled_query(&self.pool, "save_request", sql, &insert_params(row)).await?;
         Ok(!inserted.is_empty())
     }
@@ -720,8 +720,10 @@ async fn clear_replies_on(
         if latest.is_some() {
             let statement = transaction.prepare_cached(&queries.delete_exit).await.map_err(fail)?;
             transaction.execute(&statement, &[&request_id]).await.map_err(fail)?;
-            let statement =
-                transaction.prepare_cached(&queries.reset_request_if_latest).await.map_err(fail)?;
+            let statement = transaction
+                .prepare_cached(&queries.unprocess_request_if_latest)
+                .await
+                .map_err(fail)?;
             transaction
                 .execute(&statement, &[&request_id, &expected_reply_id])
                 .await
@@ -729,14 +731,14 @@ async fn clear_replies_on(
         }
         return transaction.commit().await.map_err(fail);
     }
-    for sql in [&queries.delete_exit, &queries.delete_interrupts, &queries.reset_request] {
+    for sql in [&queries.delete_exit, &queries.delete_interrupts, &queries.unprocess_request] {
         let statement = transaction.prepare_cached(sql).await.map_err(fail)?;
         transaction.execute(&statement, &[&request_id]).await.map_err(fail)?;
     }
     transaction.commit().await.map_err(fail)
 }
 
-/// Message rows (`MESSAGE_ROW_COLUMNS`) as a batch; rows that cannot be decoded are reported
+/// Message rows (`MESSAGE_COLUMNS`) as a batch; rows that cannot be decoded are reported
 /// as malformed.
 fn message_rows(rows: &[Row]) -> Result<UnprocessedBatch, StorageError> {
     let rows = rows.iter().map(message_row).collect::<Result<Vec<_>, _>>()?;

@@ -36,7 +36,7 @@ pub(crate) fn quoted(prefix: &TablePrefix, name: &str) -> String {
     format!("\"{}\"", prefix.table(name))
 }
 
-/// The columns of a message insert, in the order of [`MessageQueries::insert_request`]'s
+/// The columns of a message insert, in the order of [`MessageQueries::insert_message_ignore`]'s
 /// parameters `$1..$15`.
 const MESSAGE_INSERT_COLUMNS: &str = "id, message_id, shard_id, entity_type, entity_id, kind, \
      tag, payload, headers, trace_id, span_id, sampled, request_id, reply_id, deliver_at";
@@ -44,7 +44,7 @@ const MESSAGE_INSERT_VALUES: &str =
     "$1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14, $15";
 
 /// The columns read into a `MessageRow` (`m` the message, `r` the reply at `last_reply_id`).
-const MESSAGE_ROW_COLUMNS: &str = "m.id, m.shard_id, m.entity_type, m.entity_id, m.kind, m.tag, \
+const MESSAGE_COLUMNS: &str = "m.id, m.shard_id, m.entity_type, m.entity_id, m.kind, m.tag, \
      m.payload, m.headers, m.trace_id, m.span_id, m.sampled, m.request_id, m.reply_id, r.id, \
      r.payload, r.sequence";
 
@@ -52,10 +52,10 @@ const MESSAGE_ROW_COLUMNS: &str = "m.id, m.shard_id, m.entity_type, m.entity_id,
 #[derive(Debug)]
 pub(crate) struct MessageQueries {
     /// Insert a request; `RETURNING id` is empty when its `message_id` is taken.
-    pub(crate) insert_request: String,
+    pub(crate) insert_message_ignore: String,
     /// Insert many requests (group commit): `$1..$15` are arrays of the insert columns;
     /// `RETURNING id` lists the inserted ones.
-    pub(crate) insert_requests: String,
+    pub(crate) insert_messages_ignore: String,
     /// Save many replies (group commit): `$1..$5` are arrays of `(id, kind, request_id,
     /// payload, sequence)`, one reply per request.
     pub(crate) save_replies: String,
@@ -76,10 +76,11 @@ pub(crate) struct MessageQueries {
     pub(crate) delete_exit: String,
     /// Deletes the interrupts of `$1`.
     pub(crate) delete_interrupts: String,
+    /// Marks the rows of request `$1` whose latest reply is `$2` unprocessed, unclaimed,
+    /// without a latest reply (the conditional reset).
+    pub(crate) unprocess_request_if_latest: String,
     /// Marks every row of `$1` unprocessed, unclaimed, without a latest reply.
-    /// Reset the rows of request `$1` whose latest reply is `$2` (the conditional reset).
-    pub(crate) reset_request_if_latest: String,
-    pub(crate) reset_request: String,
+    pub(crate) unprocess_request: String,
     /// The id of the request with `message_id = $1`.
     pub(crate) request_id_for_message_id: String,
     /// Final replies and unacknowledged chunks of the requests `$1`.
@@ -117,11 +118,11 @@ impl MessageQueries {
         let messages = quoted(prefix, "messages");
         let replies = quoted(prefix, "replies");
         MessageQueries {
-            insert_request: format!(
+            insert_message_ignore: format!(
                 "INSERT INTO {messages} ({MESSAGE_INSERT_COLUMNS}) VALUES ({MESSAGE_INSERT_VALUES}) \
                  ON CONFLICT (message_id) DO NOTHING RETURNING id"
             ),
-            insert_requests: format!(
+            insert_messages_ignore: format!(
                 "INSERT INTO {messages} ({MESSAGE_INSERT_COLUMNS}) \
                  SELECT * FROM unnest($1::bigint[], $2::text[], $3::text[], $4::text[], \
                  $5::text[], $6::int[], $7::text[], $8::text[], $9::text[], $10::text[], \
@@ -178,11 +179,11 @@ impl MessageQueries {
             ),
             delete_exit: format!("DELETE FROM {replies} WHERE request_id = $1 AND kind = 0"),
             delete_interrupts: format!("DELETE FROM {messages} WHERE request_id = $1 AND kind = 2"),
-            reset_request_if_latest: format!(
+            unprocess_request_if_latest: format!(
                 "UPDATE {messages} SET processed = FALSE, last_reply_id = NULL, last_read = NULL \
                  WHERE request_id = $1 AND last_reply_id = $2"
             ),
-            reset_request: format!(
+            unprocess_request: format!(
                 "UPDATE {messages} SET processed = FALSE, last_reply_id = NULL, last_read = NULL \
                  WHERE request_id = $1"
             ),
@@ -204,7 +205,7 @@ impl MessageQueries {
                  (SELECT * FROM unnest($4::text[], $5::text[], $6::text[]))",
             ),
             unprocessed_by_id: format!(
-                "SELECT {MESSAGE_ROW_COLUMNS} \
+                "SELECT {MESSAGE_COLUMNS} \
                  FROM {messages} m LEFT JOIN {replies} r ON r.id = m.last_reply_id \
                  WHERE m.id = ANY($1) AND m.processed = FALSE \
                  AND (m.deliver_at IS NULL OR m.deliver_at <= $2) \
@@ -224,7 +225,7 @@ impl MessageQueries {
             // `unprocessed_by_id`: the earlier requests are a subquery of the select list,
             // planned on its own.
             unprocessed_ordered: format!(
-                "SELECT {MESSAGE_ROW_COLUMNS}, {} \
+                "SELECT {MESSAGE_COLUMNS}, {} \
                  FROM {messages} m LEFT JOIN {replies} r ON r.id = m.last_reply_id \
                  WHERE m.id = ANY($1) AND m.processed = FALSE \
                  AND (m.deliver_at IS NULL OR m.deliver_at <= $2) \
@@ -302,7 +303,7 @@ fn claim(messages: &str, replies: &str, address_filter: &str) -> String {
            WHERE c.id = picked.id \
            RETURNING c.* \
          ) \
-         SELECT {MESSAGE_ROW_COLUMNS} \
+         SELECT {MESSAGE_COLUMNS} \
          FROM claimed m LEFT JOIN {replies} r ON r.id = m.last_reply_id \
          ORDER BY m.rowid ASC"
     )
@@ -331,7 +332,7 @@ pub(crate) struct RunnerQueries {
     /// `runner, healthy` of the live runners.
     pub(crate) get_runners: String,
     /// Sets `$1`'s health to `$2`.
-    pub(crate) set_runner_health: String,
+    pub(crate) set_health: String,
     /// Refreshes `$1`'s heartbeat.
     pub(crate) heartbeat: String,
     /// Takes the shards `$2` for `$1` where free, own or expired; returns those now held.
@@ -364,7 +365,7 @@ impl RunnerQueries {
                 "SELECT runner, healthy FROM {runners} WHERE last_heartbeat > {expired_before} \
                  ORDER BY machine_id"
             ),
-            set_runner_health: format!("UPDATE {runners} SET healthy = $2 WHERE address = $1"),
+            set_health: format!("UPDATE {runners} SET healthy = $2 WHERE address = $1"),
             heartbeat: format!(
                 "UPDATE {runners} SET last_heartbeat = {UTC_NOW} WHERE address = $1"
             ),

@@ -247,7 +247,7 @@ impl RunnerStorage for PgRunnerStorage {
         Box::pin(
             async move {
                 let address = address.to_string();
-                let sql = &self.queries.set_runner_health;
+                let sql = &self.queries.set_health;
                 pooled_execute(&self.pool, "set_runner_health", sql, &[&address, &healthy])
                     .await
                     .map(drop)

@@ -58,12 +58,12 @@ pub(super) fn run_operation(state: &WorkerState, op: LockOp) {
         match kind {
             LockKind::Acquire => {
                 let shard_ids = json_strings(&shard_ids);
-                connection.prepare_cached(&sql.acquire)?.execute(params![
+                connection.prepare_cached(&sql.lease_acquire)?.execute(params![
                     address,
                     shard_ids,
                     state.expiration_seconds
                 ])?;
-                let mut statement = connection.prepare_cached(&sql.acquired)?;
+                let mut statement = connection.prepare_cached(&sql.lease_held)?;
                 let rows = statement
                     .query_map(params![address, state.expiration_modifier, shard_ids], |row| {
                         row.get::<_, String>(0)
@@ -75,7 +75,7 @@ pub(super) fn run_operation(state: &WorkerState, op: LockOp) {
                 if shard_ids.is_empty() {
                     return Ok(Vec::new());
                 }
-                let mut statement = connection.prepare_cached(&sql.refresh)?;
+                let mut statement = connection.prepare_cached(&sql.lease_refresh)?;
                 let rows = statement
                     .query_map(params![address, json_strings(&shard_ids)], |row| {
                         row.get::<_, String>(0)
@@ -83,14 +83,14 @@ pub(super) fn run_operation(state: &WorkerState, op: LockOp) {
                 rows.collect()
             }
             LockKind::Release => {
-                let mut statement = connection.prepare_cached(&sql.release)?;
+                let mut statement = connection.prepare_cached(&sql.lease_release)?;
                 for shard_id in &shard_ids {
                     statement.execute(params![address, shard_id])?;
                 }
                 Ok(Vec::new())
             }
             LockKind::ReleaseAll => {
-                connection.prepare_cached(&sql.release_all)?.execute([&address])?;
+                connection.prepare_cached(&sql.lease_release_all)?.execute([&address])?;
                 Ok(Vec::new())
             }
         }

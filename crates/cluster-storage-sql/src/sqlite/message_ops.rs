@@ -11,7 +11,7 @@
 use rusqlite::types::ToSql;
 use rusqlite::{Connection, OptionalExtension, Row, params};
 
-use super::queries::{self, MessageSql, json_integers};
+use super::queries::{self, MessageQueries, json_integers};
 use super::state::{Responder, TransactionState, WorkerState, classify};
 use crate::row::{LastReplyRow, MessageInsert, MessageRow, ReplyInsert, ReplyRow};
 
@@ -292,7 +292,7 @@ pub(super) fn run_writes(state: &WorkerState, batch: Vec<Write>) {
 
 fn execute_write(
     connection: &Connection,
-    sql: &MessageSql,
+    sql: &MessageQueries,
     op: &WriteOp,
 ) -> rusqlite::Result<WriteOutcome> {
     match op {
@@ -328,7 +328,7 @@ fn execute_write(
         WriteOp::Claim(claim) => claim_rows(connection, sql, claim).map(WriteOutcome::Claimed),
         WriteOp::Reply(row) => {
             let update =
-                if row.kind.is_some() { &sql.exit_last_reply } else { &sql.chunk_last_reply };
+                if row.kind.is_some() { &sql.exit_processed } else { &sql.chunk_last_reply };
             connection.prepare_cached(update)?.execute([row.id, row.request_id])?;
             connection.prepare_cached(&sql.insert_reply)?.execute(params![
                 row.id,
@@ -348,7 +348,7 @@ fn execute_write(
 /// is unique). A key that was stored in its legacy plaintext form is looked up first.
 fn save_request(
     connection: &Connection,
-    sql: &MessageSql,
+    sql: &MessageQueries,
     values: &MessageValues,
     legacy_message_id: Option<&str>,
 ) -> rusqlite::Result<WriteOutcome> {
@@ -357,17 +357,14 @@ fn save_request(
         return Ok(WriteOutcome::Stored);
     };
     if let Some(legacy) = legacy_message_id
-        && let Some(duplicate) =
-            select_duplicate(connection, &sql.select_duplicate_by_message_id, &legacy)?
+        && let Some(duplicate) = select_duplicate(connection, &sql.select_duplicate, &legacy)?
     {
         return Ok(duplicate);
     }
-    if insert_message(connection, &sql.insert_message_or_ignore, values)? > 0 {
+    if insert_message(connection, &sql.insert_message_ignore, values)? > 0 {
         return Ok(WriteOutcome::Stored);
     }
-    if let Some(duplicate) =
-        select_duplicate(connection, &sql.select_duplicate_by_message_id, &message_id)?
-    {
+    if let Some(duplicate) = select_duplicate(connection, &sql.select_duplicate, &message_id)? {
         return Ok(duplicate);
     }
     // Ignored although the key is free: the request id is taken (the same request saved under
@@ -502,7 +499,7 @@ fn execute(
 /// stored before `request_id`, oldest first, at most `limit`.
 fn unprocessed_before(
     connection: &Connection,
-    sql: &MessageSql,
+    sql: &MessageQueries,
     address: [&String; 3],
     request_id: i64,
     now: i64,
@@ -537,7 +534,7 @@ fn address_parameters(address_groups: &[AddressGroup]) -> Vec<&dyn ToSql> {
 
 fn clear_replies(
     connection: &Connection,
-    sql: &MessageSql,
+    sql: &MessageQueries,
     request_id: i64,
     expected_reply_id: Option<i64>,
 ) -> rusqlite::Result<()> {
@@ -557,13 +554,13 @@ fn clear_replies(
 
 fn request_id_for(
     connection: &Connection,
-    sql: &MessageSql,
+    sql: &MessageQueries,
     message_id: &str,
     legacy_message_id: Option<&str>,
 ) -> rusqlite::Result<Option<i64>> {
     for key in [Some(message_id), legacy_message_id].into_iter().flatten() {
         let id = connection
-            .prepare_cached(&sql.select_id_by_message_id)?
+            .prepare_cached(&sql.request_id_for_message_id)?
             .query_row([key], |row| row.get::<_, i64>(0))
             .optional()?;
         if id.is_some() {
@@ -577,16 +574,16 @@ fn request_id_for(
 /// `last_read` set in one transaction, so two readers never claim the same row.
 fn claim_rows(
     connection: &Connection,
-    sql: &MessageSql,
+    sql: &MessageQueries,
     claim: &Claim,
 ) -> rusqlite::Result<Vec<MessageRow>> {
-    let query = sql.unprocessed(claim.address_groups.len());
+    let query = sql.claim_select(claim.address_groups.len());
     let mut parameters: Vec<&dyn ToSql> = vec![&claim.shard_ids, &claim.now, &claim.limit];
     parameters.extend(address_parameters(&claim.address_groups));
     let rows = query_rows(connection, &query, &parameters, read_message_row)?;
     if !rows.is_empty() {
         let ids = json_integers(rows.iter().map(|row| row.id));
-        execute(connection, &sql.claim, &[&ids])?;
+        execute(connection, &sql.claim_update, &[&ids])?;
     }
     Ok(rows)
 }

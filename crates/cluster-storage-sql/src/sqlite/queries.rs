@@ -26,27 +26,27 @@ const MESSAGE_COLUMNS: &str = "m.id, m.shard_id, m.entity_type, m.entity_id, m.k
 
 /// The SQL of the message storage on one prefix.
 #[derive(Debug)]
-pub(super) struct MessageSql {
+pub(super) struct MessageQueries {
     pub(super) messages: String,
     pub(super) replies: String,
-    pub(super) select_duplicate_by_message_id: String,
+    pub(super) select_duplicate: String,
     pub(super) select_duplicate_by_id: String,
     pub(super) insert_message: String,
-    pub(super) insert_message_or_ignore: String,
+    pub(super) insert_message_ignore: String,
     pub(super) ack_reply: String,
     pub(super) process_older_acks: String,
     pub(super) chunk_last_reply: String,
-    pub(super) exit_last_reply: String,
+    pub(super) exit_processed: String,
     pub(super) insert_reply: String,
     pub(super) delete_exit: String,
     pub(super) delete_interrupts: String,
     pub(super) unprocess_request: String,
     pub(super) delete_exit_if_latest: String,
     pub(super) unprocess_request_if_latest: String,
-    pub(super) select_id_by_message_id: String,
+    pub(super) request_id_for_message_id: String,
     pub(super) replies_for: String,
     pub(super) replies_for_unfiltered: String,
-    pub(super) claim: String,
+    pub(super) claim_update: String,
     pub(super) unprocessed_by_id: String,
     pub(super) unprocessed_before: String,
     pub(super) reset_requests: String,
@@ -55,8 +55,8 @@ pub(super) struct MessageSql {
     pub(super) clear_address_messages: String,
 }
 
-impl MessageSql {
-    pub(super) fn new(prefix: &TablePrefix) -> MessageSql {
+impl MessageQueries {
+    pub(super) fn new(prefix: &TablePrefix) -> MessageQueries {
         let m = prefix.table("messages");
         let r = prefix.table("replies");
         let duplicate = format!(
@@ -66,17 +66,17 @@ impl MessageSql {
         let insert_columns = "(id, message_id, shard_id, entity_type, entity_id, kind, tag, \
              payload, headers, trace_id, span_id, sampled, request_id, reply_id, deliver_at) \
              VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?12, ?13, ?14, ?15)";
-        MessageSql {
-            select_duplicate_by_message_id: format!("{duplicate} WHERE m.message_id = ?1"),
+        MessageQueries {
+            select_duplicate: format!("{duplicate} WHERE m.message_id = ?1"),
             select_duplicate_by_id: format!("{duplicate} WHERE m.id = ?1"),
             insert_message: format!("INSERT INTO {m} {insert_columns}"),
-            insert_message_or_ignore: format!("INSERT OR IGNORE INTO {m} {insert_columns}"),
+            insert_message_ignore: format!("INSERT OR IGNORE INTO {m} {insert_columns}"),
             ack_reply: format!("UPDATE {r} SET acked = 1 WHERE id = ?1"),
             process_older_acks: format!(
                 "UPDATE {m} SET processed = 1 WHERE processed = 0 AND request_id = ?1 AND kind = 1"
             ),
             chunk_last_reply: format!("UPDATE {m} SET last_reply_id = ?1 WHERE id = ?2"),
-            exit_last_reply: format!(
+            exit_processed: format!(
                 "UPDATE {m} SET processed = 1, last_reply_id = ?1 WHERE request_id = ?2"
             ),
             insert_reply: format!(
@@ -97,7 +97,7 @@ impl MessageSql {
                 "UPDATE {m} SET processed = 0, last_reply_id = NULL, last_read = NULL \
                  WHERE request_id = ?1 AND last_reply_id = ?2"
             ),
-            select_id_by_message_id: format!("SELECT id FROM {m} WHERE message_id = ?1"),
+            request_id_for_message_id: format!("SELECT id FROM {m} WHERE message_id = ?1"),
             replies_for: format!(
                 "SELECT id, kind, request_id, payload, sequence FROM {r} \
                  WHERE request_id IN (SELECT value FROM json_each(?1)) \
@@ -109,7 +109,7 @@ impl MessageSql {
                  WHERE request_id IN (SELECT value FROM json_each(?1)) \
                  ORDER BY rowid ASC"
             ),
-            claim: format!(
+            claim_update: format!(
                 "UPDATE {m} SET last_read = CURRENT_TIMESTAMP \
                  WHERE id IN (SELECT value FROM json_each(?1))"
             ),
@@ -156,8 +156,8 @@ impl MessageSql {
     /// The claim query (`effect/src/cluster/SqlMessageStorage.ts`) over the shards in `?1`, due at
     /// `?2`, at most `?3` rows (`-1`: no limit), with `n_address_groups` address clauses whose
     /// parameters start at `?4` (three per clause: shard, entity type, entity ids as JSON).
-    pub(super) fn unprocessed(&self, n_address_groups: usize) -> String {
-        let MessageSql { messages: m, replies: r, .. } = self;
+    pub(super) fn claim_select(&self, n_address_groups: usize) -> String {
+        let MessageQueries { messages: m, replies: r, .. } = self;
         let address_filter = address_filter("m.", n_address_groups, 4);
         format!(
             "SELECT {MESSAGE_COLUMNS} FROM {m} m LEFT JOIN {r} r ON r.id = m.last_reply_id \
@@ -210,24 +210,24 @@ fn address_filter(alias: &str, n_groups: usize, first_parameter: usize) -> Strin
 /// The SQL of the runner registry and the shard lock leases on one prefix. `?` parameters named
 /// `expiration` take a `datetime` modifier such as `-30 seconds`.
 #[derive(Debug)]
-pub(super) struct RunnerSql {
+pub(super) struct RunnerQueries {
     pub(super) register: String,
     pub(super) unregister: String,
     pub(super) get_runners: String,
     pub(super) set_health: String,
     pub(super) heartbeat: String,
-    pub(super) acquire: String,
-    pub(super) acquired: String,
-    pub(super) refresh: String,
-    pub(super) release: String,
-    pub(super) release_all: String,
+    pub(super) lease_acquire: String,
+    pub(super) lease_held: String,
+    pub(super) lease_refresh: String,
+    pub(super) lease_release: String,
+    pub(super) lease_release_all: String,
 }
 
-impl RunnerSql {
-    pub(super) fn new(prefix: &TablePrefix) -> RunnerSql {
+impl RunnerQueries {
+    pub(super) fn new(prefix: &TablePrefix) -> RunnerQueries {
         let runners = prefix.table("runners");
         let locks = prefix.table("locks");
-        RunnerSql {
+        RunnerQueries {
             register: format!(
                 "INSERT INTO {runners} (address, runner, last_heartbeat, healthy) \
                  VALUES (?1, ?2, CURRENT_TIMESTAMP, ?3) \
@@ -253,7 +253,7 @@ impl RunnerSql {
             ),
             // ?1: address, ?2: shard ids (JSON), ?3: expiration in seconds. A shard is taken
             // unless another runner holds a lease on it that is at most the expiration old.
-            acquire: format!(
+            lease_acquire: format!(
                 "INSERT INTO {locks} (shard_id, address, acquired_at) \
                  SELECT source.value, ?1, CURRENT_TIMESTAMP FROM json_each(?2) AS source \
                  WHERE NOT EXISTS ( \
@@ -266,19 +266,19 @@ impl RunnerSql {
                  SET address = ?1, acquired_at = CURRENT_TIMESTAMP"
             ),
             // ?1: address, ?2: expiration modifier, ?3: shard ids (JSON).
-            acquired: format!(
+            lease_held: format!(
                 "SELECT shard_id FROM {locks} \
                  WHERE address = ?1 \
                  AND acquired_at >= datetime(CURRENT_TIMESTAMP, ?2) \
                  AND shard_id IN (SELECT value FROM json_each(?3))"
             ),
-            refresh: format!(
+            lease_refresh: format!(
                 "UPDATE {locks} SET acquired_at = CURRENT_TIMESTAMP \
                  WHERE address = ?1 AND shard_id IN (SELECT value FROM json_each(?2)) \
                  RETURNING shard_id"
             ),
-            release: format!("DELETE FROM {locks} WHERE address = ?1 AND shard_id = ?2"),
-            release_all: format!("DELETE FROM {locks} WHERE address = ?1"),
+            lease_release: format!("DELETE FROM {locks} WHERE address = ?1 AND shard_id = ?2"),
+            lease_release_all: format!("DELETE FROM {locks} WHERE address = ?1"),
         }
     }
 }
@@ -287,16 +287,16 @@ impl RunnerSql {
 #[derive(Debug)]
 pub(super) struct Statements {
     pub(super) prefix: TablePrefix,
-    pub(super) message: MessageSql,
-    pub(super) runner: RunnerSql,
+    pub(super) message: MessageQueries,
+    pub(super) runner: RunnerQueries,
 }
 
 impl Statements {
     pub(super) fn new(prefix: &TablePrefix) -> Statements {
         Statements {
             prefix: prefix.clone(),
-            message: MessageSql::new(prefix),
-            runner: RunnerSql::new(prefix),
+            message: MessageQueries::new(prefix),
+            runner: RunnerQueries::new(prefix),
         }
     }
 }
