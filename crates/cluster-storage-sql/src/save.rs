@@ -16,7 +16,9 @@
 //! - **Deduplication.** An insert skipped because the primary key is taken reads the stored
 //!   request with that key and reports it as [`SaveResult::Duplicate`], with its latest reply
 //!   (reference `effect/src/cluster/SqlMessageStorage.ts`, `saveEnvelope`). When no row has the
-//!   key any more (it was deleted in between, by `clear_address`), the insert runs once more.
+//!   key any more (it was deleted in between, by `clear_address`), the insert runs once more,
+//!   and a second skip is a conflict: the reference reports success there although nothing was
+//!   stored.
 //! - **Replies** ([`save_replies`]). A batch of concurrent replies is written together (one
 //!   commit); if a reply of the batch fails (a second final reply), the batch is rolled back and
 //!   each reply is saved on its own, so only the faulty one fails; if the commit itself fails,
@@ -29,12 +31,20 @@
 //! its own: MySQL accepts the retry, PostgreSQL rejects it as a conflict, as the contract of
 //! `MessageStorage::save_reply` allows.
 //!
-//! SQLite does not use this module. Its saves run on the worker thread as blocking code, inside
-//! the group-commit transaction that the worker shares between saves and claims; its fallback is
-//! a savepoint per write within that transaction rather than a statement per row on a fresh
-//! connection, and its deduplication also looks up keys stored in their legacy plaintext form
-//! (the reference's `mayHaveLegacyRow`, SQLite only). An async trait cannot be called from that
-//! thread, and the savepoint fallback is not the fallback written here.
+//! SQLite does not use this module, for three reasons:
+//!
+//! - Its group commit is one transaction on the worker thread that holds saved requests,
+//!   replies, acknowledgements, interrupts and claims together: one fsync for all of them under
+//!   `synchronous=FULL`. Batching saves here, apart from the rest, would cost a commit more per
+//!   batch.
+//! - Its writes are blocking `rusqlite` calls on that thread, where the async methods of
+//!   [`SaveBackend`] cannot be awaited (and blocking calls never run on the executor).
+//! - Its fallback is a savepoint per write inside the same transaction, not a statement per row
+//!   on its own connection, and its deduplication also looks up keys stored in their legacy
+//!   plaintext form (the reference's `mayHaveLegacyRow`, SQLite only) and reports a request
+//!   whose id is taken under another key as the duplicate of the stored one.
+//!
+//! Its steps are in `sqlite/message_ops.rs` (`save_request`, `run_writes`).
 
 use std::future::Future;
 
