@@ -117,7 +117,7 @@ pub use registration::{ByCreate, ByFactory, EntityRegistration};
 pub use runtime::delivery::TransactionSlot;
 pub use services::cron::{CronContext, CronError, CronOptions};
 pub use services::singleton::{SingletonContext, SingletonOptions};
-pub use sharding::{RegistrationEvent, Sharding};
+pub use sharding::{RegistrationEvent, Sharding, WeakSharding};
 
 /// What the code that [`entity`] generates refers to; not part of the API. A crate that
 /// re-exports this one whole (`pub use cluster_sharding::*`) re-exports it too, so that

@@ -9,7 +9,7 @@ use std::sync::Arc;
 use cluster_core::storage::MessageStorage;
 use cluster_core::transport::RunnerHandler;
 
-use crate::sharding::Sharding;
+use crate::sharding::{Sharding, WeakSharding};
 
 mod sealed {
     /// Only the runtime has plumbing.
@@ -30,6 +30,13 @@ pub trait Plumbing: sealed::Sealed {
     /// It does not keep the runtime alive.
     fn runner_handler(&self) -> Arc<dyn RunnerHandler>;
 
+    /// A handle that does not keep the runtime alive.
+    ///
+    /// A layer whose state the runtime keeps (in an entity factory, a singleton, an
+    /// extension) holds this, not a [`Sharding`]: otherwise the runtime and that state keep
+    /// each other alive, with the runtime's connections, after every handle is dropped.
+    fn downgrade(&self) -> WeakSharding;
+
     /// Attaches a service to the runtime, one per type (replacing and returning an earlier
     /// one): how a layer, such as the workflow engine, reaches its state from the entities it
     /// registers.
@@ -47,6 +54,10 @@ impl Plumbing for Sharding {
 
     fn poll_storage(&self) {
         Sharding::poll_storage(self);
+    }
+
+    fn downgrade(&self) -> WeakSharding {
+        Sharding::downgrade(self)
     }
 
     fn runner_handler(&self) -> Arc<dyn RunnerHandler> {

@@ -102,13 +102,35 @@ struct Inner {
     extensions: Mutex<BTreeMap<std::any::TypeId, Arc<dyn std::any::Any + Send + Sync>>>,
 }
 
-/// A handle on the runtime that does not keep it alive (what its managers hold).
+/// The last handle is gone without [`Sharding::shutdown`]: the runtime's loops stop, as its
+/// tasks would in a process that exits.
+/// Its entities are not drained and its locks are not released (they expire).
+impl Drop for Inner {
+    fn drop(&mut self) {
+        if !self.shards.shutdown().is_cancelled() {
+            tracing::debug!(
+                "the last handle on the runtime was dropped without a shutdown: stopping its loops"
+            );
+            self.shards.shutdown().cancel();
+        }
+    }
+}
+
+/// A handle on the runtime that does not keep it alive: what its managers hold, and what a
+/// layer above holds in the state that the runtime's own registrations keep (see
+/// [`Plumbing::downgrade`](crate::Plumbing::downgrade)).
 #[derive(Clone)]
-pub(crate) struct WeakSharding(std::sync::Weak<Inner>);
+pub struct WeakSharding(std::sync::Weak<Inner>);
+
+impl std::fmt::Debug for WeakSharding {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("WeakSharding").field("alive", &(self.0.strong_count() > 0)).finish()
+    }
+}
 
 impl WeakSharding {
-    /// The runtime, unless it is gone.
-    pub(crate) fn upgrade(&self) -> Option<Sharding> {
+    /// The runtime, unless every [`Sharding`] handle is gone.
+    pub fn upgrade(&self) -> Option<Sharding> {
         self.0.upgrade().map(|inner| Sharding { inner })
     }
 }

@@ -32,6 +32,7 @@ use cluster_core::sync::lock;
 use cluster_core::{EntityAddress, EntityType, ShardGroup, Snowflake};
 use cluster_sharding::{
     CallError, EntityClient, EntityOptions, RegisterError, RequestContext, Rpc, Sharding,
+    WeakSharding,
 };
 
 use crate::context::Never;
@@ -68,7 +69,10 @@ use requests::{DeferredRpc, ExitJson, ParentJson, ResultJson, ResumeRpc, RunRpc}
 /// The cluster engine's shared state, attached to its runtime as an extension.
 pub(crate) struct ClusterEngine {
     me: Weak<ClusterEngine>,
-    sharding: Sharding,
+    /// The runtime, held weakly: it keeps this engine (in its entities' factories), so a
+    /// strong handle here would keep both alive, with their connections, forever.
+    /// [`WorkflowEngine`]'s handle keeps the runtime alive instead.
+    sharding: WeakSharding,
     storage: Arc<dyn MessageStorage>,
     /// Bodies registered on this runner.
     registrations: Mutex<BTreeMap<&'static str, Registration>>,
@@ -171,7 +175,7 @@ impl WorkflowEngine {
         options: ClusterOptions,
     ) -> Result<WorkflowEngine, WorkflowError> {
         let backend = ClusterEngine::attach(sharding, options)?;
-        Ok(WorkflowEngine { backend })
+        Ok(WorkflowEngine { backend, _runtime: Some(sharding.clone()) })
     }
 }
 
@@ -189,7 +193,7 @@ impl ClusterEngine {
         };
         let engine = Arc::new_cyclic(|me| ClusterEngine {
             me: me.clone(),
-            sharding: sharding.clone(),
+            sharding: sharding.downgrade(),
             storage,
             registrations: Mutex::new(BTreeMap::new()),
             definitions: Mutex::new(BTreeMap::new()),
@@ -303,7 +307,7 @@ impl ClusterEngine {
         };
         let mut step = 0;
         loop {
-            if self.sharding.is_shutdown() {
+            if self.is_shutdown() {
                 return Err(Abandoned);
             }
             match attempt().await {
@@ -327,7 +331,7 @@ impl ClusterEngine {
             if now >= deadline {
                 return Ok(());
             }
-            if self.sharding.is_shutdown() {
+            if self.is_shutdown() {
                 return Err(Abandoned);
             }
             tokio::time::sleep((deadline - now).min(Duration::from_millis(100))).await;
@@ -350,28 +354,50 @@ impl ClusterEngine {
         EntityType::from(format!("Workflow/{workflow}"))
     }
 
-    fn address(&self, workflow: &str, execution_id: &ExecutionId) -> EntityAddress {
-        self.client(workflow, execution_id).address().clone()
+    /// The runtime, unless every handle on it was dropped (the engine goes with it).
+    fn sharding(&self) -> Result<Sharding, WorkflowError> {
+        self.sharding.upgrade().ok_or_else(|| {
+            WorkflowError::cluster("the cluster runtime is gone: every handle on it was dropped")
+        })
     }
 
-    fn client(&self, workflow: &str, execution_id: &ExecutionId) -> EntityClient<WorkflowEntity> {
+    /// Whether the runtime shuts down, or is gone.
+    fn is_shutdown(&self) -> bool {
+        self.sharding.upgrade().is_none_or(|sharding| sharding.is_shutdown())
+    }
+
+    fn address(
+        &self,
+        workflow: &str,
+        execution_id: &ExecutionId,
+    ) -> Result<EntityAddress, WorkflowError> {
+        Ok(self.client(workflow, execution_id)?.address().clone())
+    }
+
+    fn client(
+        &self,
+        workflow: &str,
+        execution_id: &ExecutionId,
+    ) -> Result<EntityClient<WorkflowEntity>, WorkflowError> {
         let group = self.group(workflow, execution_id);
-        self.sharding
+        Ok(self
+            .sharding()?
             .entity::<WorkflowEntity>()
             .named(Self::entity_type(workflow))
-            .client_in(&group, execution_id.as_str())
+            .client_in(&group, execution_id.as_str()))
     }
 
     fn clock_client(
         &self,
         workflow: &str,
         execution_id: &ExecutionId,
-    ) -> EntityClient<ClockEntity> {
+    ) -> Result<EntityClient<ClockEntity>, WorkflowError> {
         let group = self.group(workflow, execution_id);
-        self.sharding
+        Ok(self
+            .sharding()?
             .entity::<ClockEntity>()
             .named(EntityType::from(CLOCK_ENTITY))
-            .client_in(&group, execution_id.as_str())
+            .client_in(&group, execution_id.as_str()))
     }
 
     fn activation(&self, execution_id: &ExecutionId) -> Option<Arc<Activation>> {
@@ -386,7 +412,7 @@ impl ClusterEngine {
         tag: &str,
         key: &str,
     ) -> Result<Option<Snowflake>, WorkflowError> {
-        let key = primary_key(&self.address(workflow, execution_id), tag, key);
+        let key = primary_key(&self.address(workflow, execution_id)?, tag, key);
         with_retries(|| async {
             self.storage.request_id_for_primary_key(&key).await.map_err(storage_error)
         })
@@ -449,7 +475,7 @@ impl ClusterEngine {
         if let Some(exit) = self.deferred_reply(request_id).await? {
             return Ok(Some(exit));
         }
-        let now = self.sharding.clock().now();
+        let now = self.sharding()?.clock().now();
         let unprocessed = with_retries(|| async {
             self.storage.unprocessed_messages_by_id(&[request_id], now).await.map_err(storage_error)
         })
@@ -496,7 +522,7 @@ impl ClusterEngine {
                     return Ok(());
                 }
                 tracing::debug!(workflow, %execution_id, ?mode, "workflow resumed");
-                self.sharding.reset(request_id, Some(reply_id)).await.map_err(|error| {
+                self.sharding()?.reset(request_id, Some(reply_id)).await.map_err(|error| {
                     WorkflowError::cluster_from("failed to reset the workflow run", error)
                 })
             }
@@ -516,13 +542,13 @@ impl ClusterEngine {
             .await?;
         match existing {
             None => self
-                .client(&parent.workflow_name, &parent_id)
+                .client(&parent.workflow_name, &parent_id)?
                 .discard(ResumeRpc { child_execution_id: Some(child.as_str().to_owned()) })
                 .await
                 .map_err(cluster_error),
             Some(request_id) => {
                 if self.final_reply(request_id).await?.is_some() {
-                    self.sharding.reset(request_id, None).await.map_err(|error| {
+                    self.sharding()?.reset(request_id, None).await.map_err(|error| {
                         WorkflowError::cluster_from("failed to reset the parent's resume", error)
                     })?;
                 }
@@ -533,7 +559,8 @@ impl ClusterEngine {
 
     /// Removes every scheduled clock of an execution.
     async fn clear_clocks(&self, workflow: &str, execution_id: &ExecutionId) {
-        let address = self.clock_client(workflow, execution_id).address().clone();
+        let Ok(client) = self.clock_client(workflow, execution_id) else { return };
+        let address = client.address().clone();
         if let Err(error) = self.storage.clear_address(&address).await {
             tracing::warn!(%error, %execution_id, "could not clear the workflow's clocks");
         }
@@ -576,6 +603,34 @@ mod tests {
         }
     }
 
+    const SECONDS_5: std::time::Duration = std::time::Duration::from_secs(5);
+
+    /// The runtime holds the engine in its entities' factories, so the engine holds the runtime
+    /// weakly: once the handles are dropped, the runtime goes, with its storage's connections.
+    /// (With a strong handle the two kept each other alive, and `cargo test`'s MySQL tests ran
+    /// the server out of connections.)
+    #[tokio::test]
+    async fn the_runtime_goes_with_its_last_handle_and_the_engines() {
+        let config = ShardingConfig::default();
+        let path = std::env::temp_dir().join(format!("workflow-dropped-{}.db", std::process::id()));
+        let options =
+            SqliteOptions::new(SqlStorageOptions::from_config(&config, TablePrefix::default()));
+        let storage = Arc::new(SqliteMessageStorage::open(&path, options).await.unwrap());
+        let sharding = Sharding::standalone(config, storage).start().await.unwrap();
+        let engine = WorkflowEngine::cluster(&sharding).unwrap();
+        let weak = sharding.downgrade();
+        sharding.shutdown().await;
+        drop(sharding);
+        assert!(weak.upgrade().is_some(), "the engine's handle keeps the runtime alive");
+        drop(engine);
+        let dropped = || weak.upgrade().is_none();
+        cluster_testkit::wait::eventually_within("the runtime is dropped", SECONDS_5, dropped)
+            .await;
+        for suffix in ["", "-wal", "-shm"] {
+            let _ = std::fs::remove_file(format!("{}{suffix}", path.display()));
+        }
+    }
+
     /// New in effect 4.1.0 (`deferredResult` reads an unprocessed completion): a completion saved
     /// and not yet processed is already the deferred's result, and the first one saved wins. On
     /// 4.0.6 the reader found nothing until the owner processed it.
@@ -591,7 +646,10 @@ mod tests {
         // A client-only process: nobody processes the completions it saves.
         let sharding = Sharding::client_only(config, storage).clock(clock).start().await.unwrap();
         let cluster = ClusterEngine::attach(&sharding, ClusterOptions::default()).unwrap();
-        let engine = WorkflowEngine { backend: Arc::clone(&cluster) as Arc<dyn Backend> };
+        let engine = WorkflowEngine {
+            backend: Arc::clone(&cluster) as Arc<dyn Backend>,
+            _runtime: Some(sharding.clone()),
+        };
         let execution_id = ExecutionId::derive("Gated", "pending");
         let token = |_: ()| Token {
             workflow: "Gated".into(),

@@ -237,7 +237,7 @@ impl WorkflowContext {
 
     /// The engine running this workflow, to execute or complete other workflows.
     pub fn engine(&self) -> WorkflowEngine {
-        WorkflowEngine { backend: Arc::clone(&self.run.engine) }
+        WorkflowEngine { backend: Arc::clone(&self.run.engine), _runtime: None }
     }
 
     /// Whether this run is suspending (readable from a body finalizer: a `Drop` runs when the

@@ -388,6 +388,9 @@ pub(crate) struct QueueWorker {
 #[derive(Clone)]
 pub struct WorkflowEngine {
     pub(crate) backend: Arc<dyn Backend>,
+    /// The cluster runtime the engine runs on, kept alive while this handle lives (the engine
+    /// itself holds it weakly); `None` in memory and inside a run.
+    pub(crate) _runtime: Option<cluster_sharding::Sharding>,
 }
 
 impl std::fmt::Debug for WorkflowEngine {

@@ -84,7 +84,7 @@ impl WorkflowEngine {
             shared: Mutex::new(Shared::default()),
             tasks: Mutex::new(JoinSet::new()),
         });
-        WorkflowEngine { backend: engine }
+        WorkflowEngine { backend: engine, _runtime: None }
     }
 }
 

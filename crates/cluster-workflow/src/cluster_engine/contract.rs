@@ -43,7 +43,7 @@ impl ClusterEngine {
             from.update(|state| state.completed.insert(token.deferred.clone()));
         }
         tracing::debug!(workflow = %token.workflow, execution_id = %token.execution_id, deferred = %token.deferred, "deferred completed");
-        self.client(&token.workflow, &token.execution_id)
+        self.client(&token.workflow, &token.execution_id)?
             .discard(DeferredRpc { name: token.deferred, exit: ExitJson(exit) })
             .await
             .map_err(cluster_error)
@@ -79,8 +79,8 @@ impl ClusterEngine {
             }
         }
         if hard {
-            let address = self.address(workflow, execution_id);
-            self.sharding.interrupt_request(&address, request_id).await.map_err(|error| {
+            let address = self.address(workflow, execution_id)?;
+            self.sharding()?.interrupt_request(&address, request_id).await.map_err(|error| {
                 WorkflowError::cluster_from("interrupting a request failed", error)
             })?;
         }
@@ -157,7 +157,7 @@ impl ClusterEngine {
             }
             let (go, gone) = oneshot::channel();
             activation.state().wait_for_go(key.clone(), go);
-            let client = self.client(run.workflow, &run.execution_id);
+            let client = self.client(run.workflow, &run.execution_id)?;
             let request =
                 ActivityRpc { name: name.to_owned(), attempt, with_transaction: transactional };
             let reply = client.send(request);
@@ -217,7 +217,7 @@ impl ClusterEngine {
                     else {
                         continue;
                     };
-                    let sharding = &self.sharding;
+                    let sharding = &self.sharding()?;
                     with_retries(|| async {
                         sharding.reset(request_id, None).await.map_err(|error| {
                             WorkflowError::cluster_from("failed to reset an activity", error)
@@ -254,7 +254,7 @@ impl Backend for ClusterEngine {
         };
         let factory =
             move |context: &EntityContext| WorkflowEntity::activate(context, Arc::clone(&engine));
-        self.sharding
+        self.sharding()?
             .entity()
             .named(entity_type.clone())
             .options(entity_options())
@@ -308,7 +308,7 @@ impl Backend for ClusterEngine {
         duration: Duration,
     ) -> BoxFuture<'a, Result<(), WorkflowError>> {
         Box::pin(async move {
-            let now = self.sharding.clock().now().unix_millis();
+            let now = self.sharding()?.clock().now().unix_millis();
             #[expect(
                 clippy::cast_possible_truncation,
                 reason = "a wake-up time in milliseconds fits an i64"
@@ -319,7 +319,7 @@ impl Backend for ClusterEngine {
                 workflow_name: run.workflow.to_owned(),
                 wake_up,
             };
-            self.clock_client(run.workflow, &run.execution_id)
+            self.clock_client(run.workflow, &run.execution_id)?
                 .discard(request)
                 .await
                 .map_err(cluster_error)
@@ -336,7 +336,7 @@ impl Backend for ClusterEngine {
     ) -> BoxFuture<'a, Result<Option<WorkflowResult>, WorkflowError>> {
         Box::pin(async move {
             let request = RunRpc::new(&payload, parent.as_ref())?;
-            let client = self.client(workflow, execution_id);
+            let client = self.client(workflow, execution_id)?;
             if discard {
                 client.discard(request).await.map_err(cluster_error)?;
                 return Ok(None);
@@ -444,8 +444,7 @@ impl Backend for ClusterEngine {
         worker: QueueWorker,
     ) -> Result<(), WorkflowError> {
         let me = self.me.clone();
-        let stopped =
-            Arc::new(move || me.upgrade().is_none_or(|engine| engine.sharding.is_shutdown()));
+        let stopped = Arc::new(move || me.upgrade().is_none_or(|engine| engine.is_shutdown()));
         let backend: Weak<dyn Backend> = self.me.clone();
         self.queues.register(queue, worker, backend, stopped)
     }
