@@ -10,8 +10,9 @@ use cluster_core::transport::Transport;
 use cluster_rpc::{RpcConfig, TcpTransport};
 
 use crate::support::{
-    FakeHandler, config, entity, lock, request, runner_address, serve, wait_until, within,
+    DEADLINE, FakeHandler, config, entity, lock, request, runner_address, serve, within,
 };
+use cluster_testkit::wait::eventually_within;
 
 fn final_exit(reply: &Reply) -> &Exit {
     match reply {
@@ -107,13 +108,13 @@ async fn dropping_the_send_future_cancels_the_server_request() {
         let (runners, address) = (runners.clone(), address.clone());
         tokio::spawn(async move { runners.send(&address, request(70, "Hang"), false).await })
     };
-    assert!(wait_until(|| handler.requests() == 1).await, "the request never arrived");
+    eventually_within("the request never arrived", DEADLINE, || handler.requests() == 1).await;
     assert_eq!(handler.dropped.load(Ordering::Acquire), 0);
     call.abort();
-    assert!(
-        wait_until(|| handler.dropped.load(Ordering::Acquire) == 1).await,
-        "the server kept the reply stream of an abandoned call"
-    );
+    eventually_within("the server kept the reply stream of an abandoned call", DEADLINE, || {
+        handler.dropped.load(Ordering::Acquire) == 1
+    })
+    .await;
     // Only the call was cancelled: the connection still serves.
     within(runners.send(&address, request(71, "Echo"), false)).await.expect("sibling");
     assert_eq!(server.connection_count(), 1);
@@ -130,10 +131,10 @@ async fn dropping_a_reply_stream_cancels_the_server_request() {
     let first = within(replies.next_reply()).await.expect("chunk").expect("ok");
     assert!(!first.is_final());
     drop(replies);
-    assert!(
-        wait_until(|| handler.dropped.load(Ordering::Acquire) == 1).await,
-        "the server kept the reply stream of a dropped stream"
-    );
+    eventually_within("the server kept the reply stream of a dropped stream", DEADLINE, || {
+        handler.dropped.load(Ordering::Acquire) == 1
+    })
+    .await;
 }
 
 #[tokio::test]
@@ -211,7 +212,8 @@ async fn on_runner_unavailable_drops_the_cached_connection() {
     assert_eq!(server.connection_count(), 1);
     runners.on_runner_unavailable(&address);
     assert!(!runners.is_connected(&address));
-    assert!(wait_until(|| server.connection_count() == 0).await, "the connection stayed open");
+    eventually_within("the connection stayed open", DEADLINE, || server.connection_count() == 0)
+        .await;
     within(runners.ping(&address)).await.expect("reconnects");
     assert_eq!(server.connection_count(), 1);
 }
@@ -224,7 +226,8 @@ async fn an_idle_connection_expires() {
     let runners = TcpTransport::new(config).expect("config");
     let address = runner_address(&server);
     within(runners.ping(&address)).await.expect("ping");
-    assert!(wait_until(|| server.connection_count() == 0).await, "the idle connection stayed");
+    eventually_within("the idle connection stayed", DEADLINE, || server.connection_count() == 0)
+        .await;
     assert!(!runners.is_connected(&address));
     within(runners.ping(&address)).await.expect("reconnects");
 }
@@ -246,7 +249,8 @@ async fn a_connection_with_a_call_in_flight_does_not_expire() {
     assert!(runners.is_connected(&address), "a busy connection expired");
     assert_eq!(server.connection_count(), 1);
     drop(hanging);
-    assert!(wait_until(|| server.connection_count() == 0).await, "the idle connection stayed");
+    eventually_within("the idle connection stayed", DEADLINE, || server.connection_count() == 0)
+        .await;
 }
 
 #[tokio::test]

@@ -11,9 +11,10 @@ use tokio::net::TcpStream;
 use tokio::time::Instant;
 
 use crate::support::{
-    FakeHandler, closed_by_server, config, raw_client, request, runner_address, serve, wait_until,
+    DEADLINE, FakeHandler, closed_by_server, config, raw_client, request, runner_address, serve,
     within,
 };
+use cluster_testkit::wait::eventually_within;
 
 #[tokio::test]
 async fn a_server_that_is_not_listening_is_unavailable_quickly() {
@@ -73,7 +74,10 @@ async fn closes_only_that_connection(bytes: &[u8], close_after: bool) {
         raw.shutdown().await.expect("half-close");
     }
     assert!(closed_by_server(&mut raw).await, "the server kept a broken connection");
-    assert!(wait_until(|| server.connection_count() == 1).await);
+    eventually_within("server.connection_count() == 1", DEADLINE, || {
+        server.connection_count() == 1
+    })
+    .await;
     assert_eq!(handler.calls(), 0);
     let reply = within(runners.send(&address, request(5, "Echo"), false)).await;
     assert!(reply.expect("the good client still works").is_final());
@@ -140,13 +144,19 @@ async fn a_frame_that_stalls_closes_its_connection_after_the_frame_timeout() {
     within(runners.ping(&address)).await.expect("good client");
 
     let mut raw = raw_client(server.local_addr(), b"").await;
-    assert!(wait_until(|| server.connection_count() == 2).await);
+    eventually_within("server.connection_count() == 2", DEADLINE, || {
+        server.connection_count() == 2
+    })
+    .await;
     let started = Instant::now();
     raw.write_all(&(max - 1).to_be_bytes()).await.expect("length");
     raw.write_all(&[0]).await.expect("one byte");
     assert!(closed_by_server(&mut raw).await, "the server kept a stalled frame");
     assert!(started.elapsed() < Duration::from_secs(5), "closed after {:?}", started.elapsed());
-    assert!(wait_until(|| server.connection_count() == 1).await);
+    eventually_within("server.connection_count() == 1", DEADLINE, || {
+        server.connection_count() == 1
+    })
+    .await;
     assert_eq!(handler.calls(), 0);
     let reply = within(runners.send(&address, request(5, "Echo"), false)).await;
     assert!(reply.expect("the good client still works").is_final());

@@ -16,8 +16,9 @@ use tokio::time::Instant;
 
 use crate::support::{
     DEADLINE, FakeHandler, Warnings, closed_by_server, config, request, runner_address, serve,
-    wait_until, within,
+    within,
 };
+use cluster_testkit::wait::eventually_within;
 
 #[tokio::test]
 async fn a_call_beyond_max_in_flight_is_overloaded_and_others_carry_on() {
@@ -30,7 +31,8 @@ async fn a_call_beyond_max_in_flight_is_overloaded_and_others_carry_on() {
         let (runners, address) = (runners.clone(), address.clone());
         tokio::spawn(async move { runners.send(&address, request(1, "Hang"), false).await })
     };
-    assert!(wait_until(|| handler.requests() == 1).await, "the first request never arrived");
+    eventually_within("the first request never arrived", DEADLINE, || handler.requests() == 1)
+        .await;
 
     let overloaded = within(runners.send(&address, request(2, "Echo"), false)).await;
     assert!(
@@ -45,7 +47,10 @@ async fn a_call_beyond_max_in_flight_is_overloaded_and_others_carry_on() {
 
     // Once the running call is gone, the next one is served on the same connection.
     hang.abort();
-    assert!(wait_until(|| handler.dropped.load(Ordering::Acquire) == 1).await);
+    eventually_within("handler.dropped.load(Ordering::Acquire) == 1", DEADLINE, || {
+        handler.dropped.load(Ordering::Acquire) == 1
+    })
+    .await;
     let mut echo = Err(ClusterError::RunnerUnavailable { address: address.clone() });
     let deadline = Instant::now() + DEADLINE;
     // The server frees the slot when it reaps the aborted task: wait for that, with a deadline.
@@ -79,7 +84,10 @@ async fn a_connection_beyond_max_connections_is_refused() {
 
     // When the first connection closes, its slot is free again (past the second's backoff).
     first.on_runner_unavailable(&address);
-    assert!(wait_until(|| server.connection_count() == 0).await);
+    eventually_within("server.connection_count() == 0", DEADLINE, || {
+        server.connection_count() == 0
+    })
+    .await;
     let mut reply = Err(ClusterError::RunnerUnavailable { address: address.clone() });
     let deadline = Instant::now() + DEADLINE;
     while reply.is_err() && Instant::now() < deadline {
@@ -151,18 +159,18 @@ async fn after_a_failed_connect_calls_fail_at_once_until_the_backoff_passes() {
     let runners = TcpTransport::new(short).expect("config");
     let _ = within(runners.send(&address, request(10, "Echo"), false)).await;
     assert_eq!(accepted.load(Ordering::Acquire), 3);
-    let retried = wait_until(|| accepted.load(Ordering::Acquire) >= 4);
+    let retried = || accepted.load(Ordering::Acquire) >= 4;
+    let retried = eventually_within("a connection attempt after the backoff", DEADLINE, retried);
     let calls = async {
         loop {
             let _ = runners.send(&address, request(11, "Echo"), false).await;
             tokio::time::sleep(Duration::from_millis(5)).await;
         }
     };
-    let retried = tokio::select! {
-        retried = retried => retried,
-        () = calls => false,
-    };
-    assert!(retried, "no connection attempt after the backoff");
+    tokio::select! {
+        () = retried => {}
+        () = calls => {}
+    }
     task.abort();
 }
 
@@ -176,10 +184,10 @@ async fn a_stream_that_overflows_its_buffer_is_cut_and_cancelled() {
     // request on the server (which drops the handler's reply stream).
     let mut replies =
         within(runners.stream(&address, request(1, "Flood"), false)).await.expect("stream");
-    assert!(
-        wait_until(|| handler.dropped.load(Ordering::Acquire) == 1).await,
-        "the overflowing request was not cancelled"
-    );
+    eventually_within("the overflowing request was not cancelled", DEADLINE, || {
+        handler.dropped.load(Ordering::Acquire) == 1
+    })
+    .await;
     let mut chunks = 0;
     let end = loop {
         match within(replies.next_reply()).await {
@@ -232,7 +240,7 @@ async fn pushed_requests_take_slots_of_their_own_and_fail_at_once_when_those_are
             tokio::spawn(async move { runners.send(&address, request(id, "Hang"), true).await })
         })
         .collect();
-    assert!(wait_until(|| handler.requests() == 2).await, "the pushes never arrived");
+    eventually_within("the pushes never arrived", DEADLINE, || handler.requests() == 2).await;
     let full = within(runners.send(&address, request(3, "Echo"), true)).await;
     assert!(
         matches!(&full, Err(ClusterError::RunnerUnavailable { address: at }) if *at == address),
@@ -247,7 +255,10 @@ async fn pushed_requests_take_slots_of_their_own_and_fail_at_once_when_those_are
     within(runners.ping(&address)).await.expect("a ping while pushes are held");
     // A held push that ends gives its slot back.
     held[0].abort();
-    assert!(wait_until(|| handler.dropped.load(Ordering::Acquire) == 1).await);
+    eventually_within("handler.dropped.load(Ordering::Acquire) == 1", DEADLINE, || {
+        handler.dropped.load(Ordering::Acquire) == 1
+    })
+    .await;
     pushed_until_answered(&runners, &address, 6).await;
     assert_eq!(server.connection_count(), 1);
 }
@@ -266,14 +277,17 @@ async fn the_server_answers_a_push_beyond_its_lane_overloaded() {
         let (runners, address) = (runners.clone(), address.clone());
         tokio::spawn(async move { runners.send(&address, request(1, "Hang"), true).await })
     };
-    assert!(wait_until(|| handler.requests() == 1).await, "the push never arrived");
+    eventually_within("the push never arrived", DEADLINE, || handler.requests() == 1).await;
     let overloaded = within(runners.send(&address, request(2, "Echo"), true)).await;
     assert!(matches!(overloaded, Err(ClusterError::RunnerUnavailable { .. })), "{overloaded:?}");
     assert_eq!(handler.requests(), 1, "the push beyond the server's lane reached the handler");
     let echo = within(runners.send(&address, request(3, "Echo"), false)).await;
     assert!(echo.expect("a volatile call while a push is held").is_final());
     held.abort();
-    assert!(wait_until(|| handler.dropped.load(Ordering::Acquire) == 1).await);
+    eventually_within("handler.dropped.load(Ordering::Acquire) == 1", DEADLINE, || {
+        handler.dropped.load(Ordering::Acquire) == 1
+    })
+    .await;
     pushed_until_answered(&runners, &address, 4).await;
 }
 

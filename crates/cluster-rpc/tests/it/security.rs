@@ -6,9 +6,10 @@ use cluster_rpc::{RpcConfig, RpcError, RpcServer, TcpTransport};
 use tokio::io::AsyncWriteExt;
 
 use crate::support::{
-    FakeHandler, HELLO, Warnings, closed_by_server, config, hmac, raw_client, raw_session, request,
-    runner_address, sealed_frame, serve, wait_until, within,
+    DEADLINE, FakeHandler, HELLO, Warnings, closed_by_server, config, hmac, raw_client,
+    raw_session, request, runner_address, sealed_frame, serve, within,
 };
+use cluster_testkit::wait::eventually_within;
 
 /// A secret long enough to be accepted (the checks below look for "s3cret" in what is shown).
 const SECRET: &str = "s3cret-0123456789abcdef0123456789abcdef";
@@ -54,11 +55,8 @@ async fn a_wrong_or_missing_secret_is_refused_before_any_call_and_named_on_both_
         assert!(!runners.is_connected(&address));
     }
     let named = |line: &String| line.contains("failed the handshake") && line.contains("secret");
-    assert!(
-        wait_until(|| warnings.logged().iter().filter(|line| named(line)).count() >= 2).await,
-        "the server names the cause of each refusal: {:?}",
-        warnings.logged()
-    );
+    let named_twice = || warnings.logged().iter().filter(|line| named(line)).count() >= 2;
+    eventually_within("the server names the cause of each refusal", DEADLINE, named_twice).await;
     for line in warnings.logged() {
         assert!(!line.contains("s3cret") && !line.contains("guess"), "{line}");
     }
@@ -346,5 +344,8 @@ async fn frames_are_sealed_and_a_replayed_or_altered_frame_closes_the_connection
     raw.stream.write_all(&[0x80, 0, 0, 2, 0, 5]).await.expect("unsealed ping");
     raw.stream.write_all(&[0; 16]).await.expect("no tag");
     assert!(closed_by_server(&mut raw.stream).await, "an unsealed frame was accepted");
-    assert!(wait_until(|| server.connection_count() == 0).await);
+    eventually_within("server.connection_count() == 0", DEADLINE, || {
+        server.connection_count() == 0
+    })
+    .await;
 }

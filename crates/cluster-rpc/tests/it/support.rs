@@ -1,5 +1,5 @@
 //! Test support: a fake `RunnerHandler` whose behaviour is chosen by the request tag, request
-//! and address builders, condition waits with deadlines, and a raw handshake for tests that
+//! and address builders, a deadline for calls, and a raw handshake for tests that
 //! speak to the server byte by byte.
 
 use std::collections::BTreeSet;
@@ -21,7 +21,6 @@ use hmac::{Hmac, Mac};
 use sha2::Sha256;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
-use tokio::time::Instant;
 
 /// How long any condition may take before a test fails.
 pub(crate) const DEADLINE: Duration = Duration::from_secs(10);
@@ -103,7 +102,8 @@ impl ReplyStream for FakeStream {
                 // Waits for the ack of chunk `awaited`, as an entity does.
                 let state = Arc::clone(&self.state);
                 let acked = move || lock(&state).acked.contains(&awaited);
-                if !wait_until(acked).await {
+                let acked = cluster_testkit::wait::eventually("the chunk's ack", acked);
+                if tokio::time::timeout(DEADLINE, acked).await.is_err() {
                     return Some(Err(ClusterError::MalformedMessage(
                         cluster_core::DecodeError::new("test", "no ack"),
                     )));
@@ -233,20 +233,6 @@ impl ReplyStream for FloodStream {
         self.sequence = self.sequence.wrapping_add(1);
         let _ = &self.stream;
         Box::pin(async move { chunk.map(Ok) })
-    }
-}
-
-/// Polls `condition` until it holds or [`DEADLINE`] passes; returns whether it held.
-pub(crate) async fn wait_until(mut condition: impl FnMut() -> bool) -> bool {
-    let deadline = Instant::now() + DEADLINE;
-    loop {
-        if condition() {
-            return true;
-        }
-        if Instant::now() >= deadline {
-            return false;
-        }
-        tokio::time::sleep(Duration::from_millis(5)).await;
     }
 }
 
