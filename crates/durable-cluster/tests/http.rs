@@ -11,7 +11,7 @@ use std::net::SocketAddr;
 use cluster_testkit::databases::TestDatabase;
 use durable_cluster::http::HttpGateway;
 use durable_cluster::workflow::{
-    DurableDeferred, ExecutionId, Token, TokenKey, Workflow, WorkflowContext, WorkflowEngine,
+    ExecutionId, Token, TokenKey, Workflow, WorkflowContext, WorkflowEngine,
 };
 use durable_cluster::{Entity, EntityContext, Protocol, RequestContext, Rpc, ShardingConfig};
 use serde::{Deserialize, Serialize};
@@ -216,37 +216,7 @@ async fn greet(_: WorkflowContext, payload: GreetPayload) -> Result<String, Gree
     }
 }
 
-/// A workflow that waits for an approval: the deferred `approval`, completed over HTTP from its
-/// token. Its payload's field is one the property test's JSON never has (it would wait).
-struct Approval;
-
-#[derive(Serialize, Deserialize)]
-struct ApprovalPayload {
-    approval_id: String,
-}
-
-impl Workflow for Approval {
-    const NAME: &'static str = "Approval";
-    type Payload = ApprovalPayload;
-    type Success = String;
-    type Error = String;
-
-    fn idempotency_key(payload: &ApprovalPayload) -> String {
-        payload.approval_id.clone()
-    }
-}
-
-/// The deferred an `Approval` waits for.
-fn approval() -> DurableDeferred<String, String> {
-    DurableDeferred::new("approval").unwrap()
-}
-
-async fn approve(ctx: WorkflowContext, _: ApprovalPayload) -> Result<String, String> {
-    let by = ctx.await_deferred(&approval()).await?;
-    Ok(format!("approved by {by}"))
-}
-
-use support::{Answer, exchange};
+use support::{Answer, Approval, approval, approve, exchange};
 
 /// Whether two JSON values are equal, numbers compared as numbers (`5` and `5.0`).
 fn same_json(left: &Value, right: &Value) -> bool {

@@ -24,9 +24,7 @@ use std::sync::{Arc, Mutex, OnceLock};
 use std::time::Duration;
 
 use durable_cluster::http::{HttpConfig, HttpGateway, serve};
-use durable_cluster::workflow::{
-    DurableDeferred, ExecutionId, Token, Workflow, WorkflowContext, WorkflowEngine,
-};
+use durable_cluster::workflow::{ExecutionId, Token, Workflow, WorkflowEngine};
 use durable_cluster::{Never, RequestContext, Runner, entity};
 use serde::{Deserialize, Serialize};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
@@ -34,6 +32,8 @@ use tokio::net::TcpStream;
 use tokio::time::Instant;
 
 mod support;
+
+use support::{Approval, approve};
 
 /// Everything the process logged, as text lines without colours.
 fn logs() -> &'static Arc<Mutex<Vec<u8>>> {
@@ -116,30 +116,6 @@ impl Probe {
     async fn boom(&mut self, _: Boom) -> Result<(), Never> {
         panic!("boom")
     }
-}
-
-/// A workflow that waits for the deferred `approval`.
-struct Approval;
-
-#[derive(Serialize, Deserialize)]
-struct ApprovalPayload {
-    id: String,
-}
-
-impl Workflow for Approval {
-    const NAME: &'static str = "Approval";
-    type Payload = ApprovalPayload;
-    type Success = String;
-    type Error = String;
-
-    fn idempotency_key(payload: &ApprovalPayload) -> String {
-        payload.id.clone()
-    }
-}
-
-async fn approve(ctx: WorkflowContext, _: ApprovalPayload) -> Result<String, String> {
-    let approval: DurableDeferred<String, String> = DurableDeferred::new("approval").unwrap();
-    ctx.await_deferred(&approval).await
 }
 
 /// A runner with its operations server, and a gateway in the same process, both on loopback.

@@ -4,7 +4,9 @@
 use std::collections::BTreeMap;
 use std::net::SocketAddr;
 
+use durable_cluster::workflow::{DurableDeferred, Workflow, WorkflowContext};
 use durable_cluster::{Role, RunnerEnv, RunnerError};
+use serde::{Deserialize, Serialize};
 
 /// A single runner on `database`, with the default configuration.
 pub(crate) async fn single_runner(
@@ -126,4 +128,34 @@ fn dechunk(mut rest: &str) -> Option<String> {
 pub(crate) async fn get(address: SocketAddr, path: &str) -> std::io::Result<(u16, String)> {
     let answer = try_exchange(address, "GET", path, &[], b"").await?;
     Ok((answer.status, answer.body))
+}
+
+/// A workflow that waits for an approval: the deferred `approval`, completed over HTTP from its
+/// token. Its payload's field is one the HTTP property test's JSON never has (it would wait).
+pub(crate) struct Approval;
+
+#[derive(Serialize, Deserialize)]
+pub(crate) struct ApprovalPayload {
+    pub(crate) approval_id: String,
+}
+
+impl Workflow for Approval {
+    const NAME: &'static str = "Approval";
+    type Payload = ApprovalPayload;
+    type Success = String;
+    type Error = String;
+
+    fn idempotency_key(payload: &ApprovalPayload) -> String {
+        payload.approval_id.clone()
+    }
+}
+
+/// The deferred an `Approval` waits for.
+pub(crate) fn approval() -> DurableDeferred<String, String> {
+    DurableDeferred::new("approval").unwrap()
+}
+
+pub(crate) async fn approve(ctx: WorkflowContext, _: ApprovalPayload) -> Result<String, String> {
+    let by = ctx.await_deferred(&approval()).await?;
+    Ok(format!("approved by {by}"))
 }
