@@ -579,17 +579,14 @@ mod tests {
     use crate::engine::{Backend, Parent};
     use crate::id::Token;
     use cluster_core::Timestamp;
+    use cluster_testkit::databases::TestDatabase;
 
     /// One engine per runtime: a second one would register the same entity types, so it is
     /// refused with a typed error, and the first keeps working.
     #[tokio::test]
     async fn a_second_engine_on_one_runtime_is_refused() {
-        let config = ShardingConfig::default();
-        let path = std::env::temp_dir().join(format!("workflow-second-{}.db", std::process::id()));
-        let options =
-            SqliteOptions::new(SqlStorageOptions::from_config(&config, TablePrefix::default()));
-        let storage = Arc::new(SqliteMessageStorage::open(&path, options).await.unwrap());
-        let sharding = Sharding::standalone(config, storage).start().await.unwrap();
+        let database = TestDatabase::sqlite("workflow-second");
+        let sharding = standalone(&database).await;
         let first = WorkflowEngine::cluster(&sharding).unwrap();
         let second = WorkflowEngine::cluster(&sharding).unwrap_err();
         assert!(
@@ -598,12 +595,17 @@ mod tests {
         );
         drop(first);
         sharding.shutdown().await;
-        for suffix in ["", "-wal", "-shm"] {
-            let _ = std::fs::remove_file(format!("{}{suffix}", path.display()));
-        }
     }
 
-    const SECONDS_5: std::time::Duration = std::time::Duration::from_secs(5);
+    /// A runner on `database` that owns every shard.
+    async fn standalone(database: &TestDatabase) -> Sharding {
+        let config = ShardingConfig::default();
+        let (messages, _) = database.open(&config).await.unwrap();
+        Sharding::standalone(config, messages).start().await.unwrap()
+    }
+
+    /// How long a dropped runtime may take to go.
+    const DROP_DEADLINE: std::time::Duration = std::time::Duration::from_secs(5);
 
     /// The runtime holds the engine in its entities' factories, so the engine holds the runtime
     /// weakly: once the handles are dropped, the runtime goes, with its storage's connections.
@@ -611,12 +613,8 @@ mod tests {
     /// the server out of connections.)
     #[tokio::test]
     async fn the_runtime_goes_with_its_last_handle_and_the_engines() {
-        let config = ShardingConfig::default();
-        let path = std::env::temp_dir().join(format!("workflow-dropped-{}.db", std::process::id()));
-        let options =
-            SqliteOptions::new(SqlStorageOptions::from_config(&config, TablePrefix::default()));
-        let storage = Arc::new(SqliteMessageStorage::open(&path, options).await.unwrap());
-        let sharding = Sharding::standalone(config, storage).start().await.unwrap();
+        let database = TestDatabase::sqlite("workflow-dropped");
+        let sharding = standalone(&database).await;
         let engine = WorkflowEngine::cluster(&sharding).unwrap();
         let weak = sharding.downgrade();
         sharding.shutdown().await;
@@ -624,11 +622,8 @@ mod tests {
         assert!(weak.upgrade().is_some(), "the engine's handle keeps the runtime alive");
         drop(engine);
         let dropped = || weak.upgrade().is_none();
-        cluster_testkit::wait::eventually_within("the runtime is dropped", SECONDS_5, dropped)
+        cluster_testkit::wait::eventually_within("the runtime is dropped", DROP_DEADLINE, dropped)
             .await;
-        for suffix in ["", "-wal", "-shm"] {
-            let _ = std::fs::remove_file(format!("{}{suffix}", path.display()));
-        }
     }
 
     /// New in effect 4.1.0 (`deferredResult` reads an unprocessed completion): a completion saved
