@@ -185,6 +185,10 @@ pub trait MessageStorage: Send + Sync + fmt::Debug {
     ///
     /// - **Dedup.** When the primary key is taken, nothing is written.
     ///   The stored request's id and latest reply come back as [`SaveResult::Duplicate`].
+    /// - **Taken ids.** When the request's id is taken by another message (another key, or
+    ///   none), nothing is written and the save is a
+    ///   [`StorageErrorKind::Conflict`](crate::error::StorageErrorKind::Conflict): it is not
+    ///   that message's duplicate.
     /// - **Long keys.** A primary key longer than the column is stored as its digest
     ///   ([`message_id`](crate::envelope::message_id)).
     ///

@@ -41,8 +41,9 @@
 //!   [`SaveBackend`] cannot be awaited (and blocking calls never run on the executor).
 //! - Its fallback is a savepoint per write inside the same transaction, not a statement per row
 //!   on its own connection, and its deduplication also looks up keys stored in their legacy
-//!   plaintext form (the reference's `mayHaveLegacyRow`, SQLite only) and reports a request
-//!   whose id is taken under another key as the duplicate of the stored one.
+//!   plaintext form (the reference's `mayHaveLegacyRow`, SQLite only). A request whose id is
+//!   taken by another message is a conflict there too (the conformance suite's
+//!   `a_request_whose_id_is_taken_is_a_conflict`).
 //!
 //! Its steps are in `sqlite/message_ops.rs` (`save_request`, `run_writes`).
 

@@ -81,6 +81,7 @@ macro_rules! storage_suite {
             reset_shards_and_requests_release_claims,
             deliver_at_holds_messages_until_due,
             stream_replies_wait_for_acks,
+            a_request_whose_id_is_taken_is_a_conflict,
             second_final_reply_is_a_conflict,
             replies_for_returns_exits_and_unacked_chunks,
             replies_for_unfiltered_returns_everything,

@@ -367,14 +367,14 @@ fn save_request(
     if let Some(duplicate) = select_duplicate(connection, &sql.select_duplicate, &message_id)? {
         return Ok(duplicate);
     }
-    // Ignored although the key is free: the request id is taken (the same request saved under
-    // another key or none). It is the same request, so report the stored one.
-    select_duplicate(connection, &sql.select_duplicate_by_id, &values.id)?.ok_or_else(|| {
-        rusqlite::Error::SqliteFailure(
-            rusqlite::ffi::Error::new(rusqlite::ffi::SQLITE_CONSTRAINT),
-            Some("the request row was ignored by a constraint".to_owned()),
-        )
-    })
+    // Ignored although the key is free: the request id is taken by another message (two
+    // processes sharing a machine id made the same snowflake). It is not this request's
+    // duplicate, whose reply would answer the wrong caller: a conflict, as on the other
+    // backends, and the runtime saves the request again under a fresh id.
+    Err(rusqlite::Error::SqliteFailure(
+        rusqlite::ffi::Error::new(rusqlite::ffi::SQLITE_CONSTRAINT_PRIMARYKEY),
+        Some("the request's id is taken by another message".to_owned()),
+    ))
 }
 
 fn select_duplicate(

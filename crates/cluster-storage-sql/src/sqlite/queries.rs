@@ -30,7 +30,6 @@ pub(super) struct MessageQueries {
     pub(super) messages: String,
     pub(super) replies: String,
     pub(super) select_duplicate: String,
-    pub(super) select_duplicate_by_id: String,
     pub(super) insert_message: String,
     pub(super) insert_message_ignore: String,
     pub(super) ack_reply: String,
@@ -68,7 +67,6 @@ impl MessageQueries {
              VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?12, ?13, ?14, ?15)";
         MessageQueries {
             select_duplicate: format!("{duplicate} WHERE m.message_id = ?1"),
-            select_duplicate_by_id: format!("{duplicate} WHERE m.id = ?1"),
             insert_message: format!("INSERT INTO {m} {insert_columns}"),
             insert_message_ignore: format!("INSERT OR IGNORE INTO {m} {insert_columns}"),
             ack_reply: format!("UPDATE {r} SET acked = 1 WHERE id = ?1"),

@@ -939,25 +939,6 @@ async fn legacy_plaintext_long_keys_are_found() {
     database.remove();
 }
 
-/// A request id that is already stored under another key (or none) is reported as that
-/// request, not silently dropped.
-#[tokio::test]
-async fn a_taken_request_id_is_a_duplicate_of_the_stored_request() {
-    let database = TempDatabase::new();
-    let storage = SqliteMessageStorage::open(&database.path, database.options()).await.unwrap();
-    storage.save_request(&request(1), &SaveRequestOptions::default()).await.unwrap();
-    let keyed = SaveRequestOptions {
-        primary_key: Some("TestEntity/e1/GetUser/k".to_owned()),
-        deliver_at: None,
-    };
-    assert_eq!(
-        storage.save_request(&request(1), &keyed).await.unwrap(),
-        SaveResult::Duplicate { original_id: Snowflake::new(1), last_received_reply: None }
-    );
-    storage.close().await;
-    database.remove();
-}
-
 /// A runner row whose JSON cannot be decoded is skipped; the others are returned.
 #[tokio::test]
 async fn undecodable_runner_rows_are_skipped() {

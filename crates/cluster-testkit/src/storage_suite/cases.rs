@@ -477,6 +477,28 @@ pub async fn stream_replies_wait_for_acks(fixture: &dyn StorageFixture) {
     assert_eq!(batch.messages[0].last_sent_reply, Some(chunk(1, 12, 1)));
 }
 
+/// A request whose id is taken by another request (two processes sharing a machine id made
+/// the same snowflake) is a conflict, with or without a primary key: it is not that request's
+/// duplicate, whose reply would answer the wrong caller. Nothing of it is stored, and the
+/// runtime saves it again under a fresh id.
+pub async fn a_request_whose_id_is_taken_is_a_conflict(fixture: &dyn StorageFixture) {
+    let storage = fixture.message_storage();
+    let first = request(1, 1);
+    let saved = storage.save_request(&first, &key_of(&first, "first")).await.unwrap();
+    assert_eq!(saved, SaveResult::Success, "{}", fixture.name());
+    let other = request(1, 2);
+    for options in [key_of(&other, "other"), SaveRequestOptions::default()] {
+        let taken = storage.save_request(&other, &options).await;
+        let Err(error) = taken else {
+            panic!("{}: a taken id was accepted as {taken:?}", fixture.name());
+        };
+        assert_eq!(error.kind(), StorageErrorKind::Conflict, "{}: {error}", fixture.name());
+    }
+    let stored = storage.unprocessed_messages_by_id(&snowflakes(&[1]), now()).await.unwrap();
+    assert_eq!(stored.messages.len(), 1, "{}", fixture.name());
+    assert_eq!(stored.messages[0].envelope, Envelope::Request(first), "{}", fixture.name());
+}
+
 /// At most one final reply per request: a second is a conflict
 /// (`effect/src/cluster/SqlMessageStorage.ts`).
 pub async fn second_final_reply_is_a_conflict(fixture: &dyn StorageFixture) {
