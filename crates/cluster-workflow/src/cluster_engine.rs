@@ -299,13 +299,7 @@ impl ClusterEngine {
         F: FnMut() -> Fut,
         Fut: std::future::Future<Output = Result<(), WorkflowError>>,
     {
-        let schedule = crate::definition::RetrySchedule {
-            initial: Duration::from_millis(200),
-            factor: 1.5,
-            max: Duration::from_secs(60),
-            attempts: None,
-        };
-        let mut step = 0;
+        let mut backoff = Backoff::new(Duration::from_millis(200), Duration::from_secs(60), 3, 2);
         loop {
             if self.is_shutdown() {
                 return Err(Abandoned);
@@ -314,8 +308,7 @@ impl ClusterEngine {
                 Ok(()) => return Ok(()),
                 Err(error) => tracing::warn!(%error, what, "workflow wake failed, retrying"),
             }
-            let delay = schedule.delay(step).unwrap_or(schedule.max);
-            step += 1;
+            let delay = backoff.next_delay();
             self.pause(delay).await?;
         }
     }
