@@ -157,14 +157,17 @@ impl DirectDelivery {
         if options.deliver_at.is_some() || !self.serving.serves(&address.shard_id) {
             return None;
         }
-        let reservation = self
-            .admits_directly(request)
-            .then(|| self.tracked.reserve(request.request_id))
-            .flatten();
+        let reservation = self.reserve(request);
         if reservation.is_none() {
             self.order.hold(address, request.request_id);
         }
         reservation
+    }
+
+    /// Reserves `request` for direct delivery if [`admits_directly`](Self::admits_directly)
+    /// admits it and it is not taken up here already.
+    pub(super) fn reserve(&self, request: &Request) -> Option<Reservation> {
+        self.admits_directly(request).then(|| self.tracked.reserve(request.request_id)).flatten()
     }
 
     /// Whether `request` may go to its entity without the read loop now: the one check of
@@ -181,7 +184,7 @@ impl DirectDelivery {
     ///
     /// Every delivery, the read loop's included, checks the lease again once the request is
     /// claimed (`dispatch`).
-    pub(super) fn admits_directly(&self, request: &Request) -> bool {
+    fn admits_directly(&self, request: &Request) -> bool {
         let address = &request.address;
         self.serving.delivers(&address.shard_id)
             && self.order.open(address)

@@ -125,7 +125,7 @@ impl PushedRequests for PushedDelivery {
         match envelope {
             Envelope::Request(request) => self.take_up_request(request),
             envelope => {
-                self.direct.runs.forward(&envelope);
+                self.tracked.forward(&envelope);
                 // Its row is read too, and marked processed, by the read loop.
                 self.read_latch.wake();
             }
@@ -262,12 +262,7 @@ impl PushedDelivery {
     /// Hands a pushed request to its entity if direct delivery's order rules allow it now;
     /// otherwise leaves it to the read loop, which is woken.
     async fn deliver_pushed(self: Arc<Self>, request: Request) {
-        let reservation = self
-            .direct
-            .admits_directly(&request)
-            .then(|| self.tracked.reserve(request.request_id))
-            .flatten();
-        let Some(reservation) = reservation else {
+        let Some(reservation) = self.direct.reserve(&request) else {
             // Taken up here already, or its entity's requests go through the read loop now.
             // It may also have been answered just before a caller started waiting here.
             self.read_latch.wake();

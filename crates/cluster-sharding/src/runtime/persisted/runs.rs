@@ -66,16 +66,6 @@ pub(super) struct Runs {
 }
 
 impl Runs {
-    /// Hands an interrupt or acknowledgement to the request it belongs to, if that request
-    /// runs here.
-    pub(super) fn forward(&self, envelope: &Envelope) {
-        match envelope {
-            Envelope::Interrupt(interrupt) => self.tracked.interrupt(interrupt.request_id),
-            Envelope::AckChunk(ack) => self.tracked.acknowledge(ack.request_id, ack.reply_id),
-            Envelope::Request(_) => {}
-        }
-    }
-
     /// Wakes the storage read loop.
     fn poll_storage(&self) {
         self.read_latch.wake();
@@ -100,7 +90,7 @@ impl Runs {
         let request = match message.envelope {
             Envelope::Request(request) => request,
             envelope => {
-                self.forward(&envelope);
+                self.tracked.forward(&envelope);
                 return Dispatched::Skipped;
             }
         };

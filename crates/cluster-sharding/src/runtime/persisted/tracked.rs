@@ -15,6 +15,7 @@ use std::sync::Mutex;
 use std::sync::atomic::{AtomicBool, Ordering};
 
 use cluster_core::Snowflake;
+use cluster_core::envelope::Envelope;
 use cluster_core::sync::lock;
 use tokio::sync::{Notify, mpsc};
 use tokio::time::Instant;
@@ -202,8 +203,18 @@ impl TrackedRequests {
         }
     }
 
+    /// Hands an interrupt or acknowledgement to the request it belongs to, if that request
+    /// runs here.
+    pub(super) fn forward(&self, envelope: &Envelope) {
+        match envelope {
+            Envelope::Interrupt(interrupt) => self.interrupt(interrupt.request_id),
+            Envelope::AckChunk(ack) => self.acknowledge(ack.request_id, ack.reply_id),
+            Envelope::Request(_) => {}
+        }
+    }
+
     /// Interrupts `request_id` if it runs here.
-    pub(super) fn interrupt(&self, request_id: Snowflake) {
+    fn interrupt(&self, request_id: Snowflake) {
         if let Some(in_flight) = lock(&self.lifecycle).running(request_id) {
             in_flight.cancellation.cancel();
         }
@@ -211,7 +222,7 @@ impl TrackedRequests {
 
     /// Hands the acknowledgement of chunk `reply_id` to the streaming request `request_id`, if
     /// it runs here.
-    pub(super) fn acknowledge(&self, request_id: Snowflake, reply_id: Snowflake) {
+    fn acknowledge(&self, request_id: Snowflake, reply_id: Snowflake) {
         let lifecycle = lock(&self.lifecycle);
         if let Some(InFlight { acks: Some(acks), .. }) = lifecycle.running(request_id) {
             // Full only if the caller acknowledged faster than chunks went out.
