@@ -47,6 +47,7 @@
 //!
 //! Its steps are in `sqlite/message_ops.rs` (`save_request`, `run_writes`).
 
+use std::collections::BTreeMap;
 use std::future::Future;
 
 use cluster_core::envelope::{Reply, Request};
@@ -182,21 +183,24 @@ pub(crate) async fn save_requests<B: SaveBackend>(
     limit: ValueLimit,
     requests: &[(&Request, &SaveRequestOptions)],
 ) -> Vec<Result<SaveResult, StorageError>> {
-    let mut inserted =
-        if requests.len() > 1 { insert_batch(backend, limit, requests).await } else { Vec::new() };
+    let ids =
+        if requests.len() > 1 { insert_batch(backend, limit, requests).await } else { vec![] };
+    // How many rows the batch inserted per id.
+    let mut inserted: BTreeMap<i64, usize> = BTreeMap::new();
+    for id in ids {
+        *inserted.entry(id).or_default() += 1;
+    }
     let mut results = Vec::with_capacity(requests.len());
     for (request, options) in requests {
         // Each inserted row answers one caller: a second caller with the same request (a retry
         // queued in the same batch) is told it is a duplicate.
-        let position = id_to_sql(request.request_id)
-            .ok()
-            .and_then(|id| inserted.iter().position(|inserted| *inserted == id));
-        results.push(match position {
-            Some(position) => {
-                inserted.swap_remove(position);
+        let row = id_to_sql(request.request_id).ok().and_then(|id| inserted.get_mut(&id));
+        results.push(match row {
+            Some(rows) if *rows > 0 => {
+                *rows -= 1;
                 Ok(SaveResult::Success)
             }
-            None => save_request(backend, limit, request, options).await,
+            _ => save_request(backend, limit, request, options).await,
         });
     }
     results
