@@ -289,10 +289,18 @@ impl<Role> ShardingBuilder<Role> {
         self
     }
 
-    /// The settings every role shares; every storage operation timed and its errors counted.
+    /// The settings every role shares.
     fn basics(self) -> (Basics, Role) {
         let ShardingBuilder { config, clock, machine_id, role } = self;
         (Basics { config, clock, machine_id }, role)
+    }
+
+    /// The settings of a client: without the runner address and the listen address.
+    fn client_basics(self) -> (Basics, Role) {
+        let (mut basics, role) = self.basics();
+        basics.config.runner_address = None;
+        basics.config.runner_listen_address = None;
+        (basics, role)
     }
 }
 
@@ -387,9 +395,7 @@ impl ShardingBuilder<ClientOnly> {
     ///
     /// [`StartError::Config`]: the configuration is invalid.
     pub async fn start(self) -> Result<Sharding, StartError> {
-        let (mut basics, ClientOnly { messages }) = self.basics();
-        basics.config.runner_address = None;
-        basics.config.runner_listen_address = None;
+        let (basics, ClientOnly { messages }) = self.client_basics();
         let messages = crate::metered::MeteredMessages::wrap(messages);
         Ok(Sharding::start_client_only(basics, messages)?)
     }
@@ -409,9 +415,7 @@ impl ShardingBuilder<ClusterClient> {
     ///
     /// [`StartError::Config`]: the configuration is invalid.
     pub async fn start(self) -> Result<Sharding, StartError> {
-        let (mut basics, ClusterClient { messages, runners, transport }) = self.basics();
-        basics.config.runner_address = None;
-        basics.config.runner_listen_address = None;
+        let (basics, ClusterClient { messages, runners, transport }) = self.client_basics();
         let messages = crate::metered::MeteredMessages::wrap(messages);
         let runners = crate::metered::MeteredRunners::wrap(runners);
         start_cluster(basics, messages, runners, transport, None)

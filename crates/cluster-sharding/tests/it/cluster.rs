@@ -200,7 +200,7 @@ impl Net {
 
     async fn client(&self) -> Sharding {
         let (messages, locks) = self.storages().await;
-        Sharding::member(config(None), messages, locks).start().await.unwrap()
+        Sharding::cluster_client(config(None), messages, locks).start().await.unwrap()
     }
 
     /// The final replies stored for the request `tag` with primary key `key` of `client`'s
@@ -1576,7 +1576,7 @@ async fn entities_run_only_on_runners_of_their_shard_group(mut net: Net) {
     }
     let (messages, locks) = net.storages().await;
     let client_config = ShardingConfig { available_shard_groups: groups.clone(), ..config(None) };
-    let client = Sharding::member(client_config, messages, locks).start().await.unwrap();
+    let client = Sharding::cluster_client(client_config, messages, locks).start().await.unwrap();
     for n in 0..5 {
         let where_am_i = client.client::<Special>(net.id(&format!("special-{n}")));
         assert_eq!(where_am_i.address().shard_id.group().to_string(), "special");
@@ -1653,7 +1653,7 @@ async fn a_stored_request_wakes_its_remote_owner_through_the_transport(net: Net)
     owner.entity::<Counter>().register().unwrap();
     eventually("the owner holds every shard", || split(&[&owner])).await;
     let (messages, locks) = net.storages().await;
-    let client = Sharding::member(config(None), messages, locks)
+    let client = Sharding::cluster_client(config(None), messages, locks)
         .transport(network.transport())
         .start()
         .await

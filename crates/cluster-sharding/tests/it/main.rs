@@ -896,13 +896,16 @@ async fn entity_options_out_of_bounds_are_refused_at_registration() {
     sharding.shutdown().await;
 }
 
-/// The builder refuses parts that do not make a process, with a typed error naming the part.
+/// What each role's builder makes of its configuration, and the configuration it refuses.
 mod builder {
     use std::sync::Arc;
+    use std::time::Duration;
 
     use cluster_core::{RunnerAddress, ShardingConfig, SystemClock};
     use cluster_sharding::{Sharding, StartError};
-    use cluster_testkit::memory::MemoryMessageStorage;
+    use cluster_testkit::memory::{
+        MemoryMessageStorage, MemoryRunnerDatabase, MemoryRunnerStorage,
+    };
 
     fn messages() -> Arc<MemoryMessageStorage> {
         Arc::new(MemoryMessageStorage::new(Arc::new(SystemClock)))
@@ -917,6 +920,21 @@ mod builder {
         let client = Sharding::client_only(config, messages()).start().await.unwrap();
         assert!(!client.is_runner(), "a client-only process hosts no entity");
         assert_eq!(client.config().runner_address, None);
+        client.shutdown().await;
+    }
+
+    #[tokio::test]
+    async fn a_cluster_client_drops_the_runner_address() {
+        let config = ShardingConfig {
+            runner_address: Some(RunnerAddress::new("localhost", 34_432)),
+            ..ShardingConfig::default()
+        };
+        let registry = MemoryRunnerDatabase::new(Arc::new(SystemClock));
+        let runners = Arc::new(MemoryRunnerStorage::new(registry, Duration::from_secs(30)));
+        let client = Sharding::cluster_client(config, messages(), runners).start().await.unwrap();
+        assert!(!client.is_runner(), "a cluster client hosts no entity");
+        assert_eq!(client.config().runner_address, None);
+        assert!(client.acquired_shards().is_empty(), "a cluster client holds no lock");
         client.shutdown().await;
     }
 

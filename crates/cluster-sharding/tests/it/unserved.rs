@@ -33,7 +33,7 @@ async fn a_persisted_call_that_no_runner_serves_warns_while_it_waits() {
     let messages = Arc::new(MemoryMessageStorage::new(clock.clone()));
     let registry = MemoryRunnerDatabase::new(clock);
     let expiration = Duration::from_secs(5);
-    let client = Sharding::member(
+    let client = Sharding::cluster_client(
         config(None),
         messages.clone(),
         Arc::new(MemoryRunnerStorage::new(Arc::clone(&registry), expiration)),

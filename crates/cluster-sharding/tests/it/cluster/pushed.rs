@@ -100,7 +100,7 @@ async fn client_on(
     let (messages, locks) = net.storages().await;
     let mut config = config(None);
     tune(&mut config);
-    Sharding::member(config, messages, locks).transport(transport).start().await.unwrap()
+    Sharding::cluster_client(config, messages, locks).transport(transport).start().await.unwrap()
 }
 
 /// Waits until `client` routes to the owner of `counter`'s entity: its first assignment comes from
