@@ -530,3 +530,18 @@ async fn an_on_stop_panicking_before_its_future_is_contained() {
         .await
         .expect("the shutdown never ended");
 }
+
+/// The last handle dropped without `shutdown` stops the runtime's loops, as in a process that
+/// exits: they let go of the storage instead of reading it forever.
+#[tokio::test]
+async fn the_last_handle_dropped_without_a_shutdown_stops_the_loops() {
+    let storage = Arc::new(MemoryMessageStorage::new(Arc::new(SystemClock)));
+    let config = ShardingConfig::default();
+    let sharding = Sharding::standalone(config, storage.clone()).start().await.unwrap();
+    assert!(Arc::strong_count(&storage) > 1, "the runtime holds its storage");
+    drop(sharding);
+    let released = || Arc::strong_count(&storage) == 1;
+    let deadline = Duration::from_secs(5);
+    cluster_testkit::wait::eventually_within("the loops let go of the storage", deadline, released)
+        .await;
+}
