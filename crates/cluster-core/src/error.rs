@@ -98,6 +98,10 @@ pub enum StorageErrorKind {
     Malformed,
     /// The input cannot be stored, for example a value that exceeds a column.
     InvalidInput,
+    /// A conditional write of an entity's state found another revision than the one its
+    /// writer loaded: the state was written elsewhere since (see
+    /// [`entity_state`](crate::entity_state)).
+    StaleState,
     /// Anything else the database reported.
     Other,
 }
@@ -111,6 +115,7 @@ impl StorageErrorKind {
             StorageErrorKind::Timeout => "timeout",
             StorageErrorKind::Malformed => "malformed",
             StorageErrorKind::InvalidInput => "invalid_input",
+            StorageErrorKind::StaleState => "stale_state",
             StorageErrorKind::Other => "other",
         }
     }
@@ -124,6 +129,7 @@ impl fmt::Display for StorageErrorKind {
             StorageErrorKind::Timeout => "timeout",
             StorageErrorKind::Malformed => "malformed row",
             StorageErrorKind::InvalidInput => "invalid input",
+            StorageErrorKind::StaleState => "stale state",
             StorageErrorKind::Other => "error",
         })
     }

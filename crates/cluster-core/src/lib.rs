@@ -27,6 +27,7 @@ pub mod backoff;
 pub mod clock;
 pub mod config;
 pub mod encoded;
+pub mod entity_state;
 pub mod envelope;
 pub mod error;
 pub mod future;

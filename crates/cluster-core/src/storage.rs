@@ -45,6 +45,7 @@ use std::num::NonZeroU32;
 use std::time::Duration;
 
 use crate::clock::Timestamp;
+use crate::entity_state::{StateWrite, StoredState};
 use crate::envelope::{AckChunk, Envelope, Interrupt, Reply, Request};
 use crate::error::{DecodeError, StorageError};
 use crate::future::BoxFuture;
@@ -476,6 +477,62 @@ pub trait MessageStorage: Send + Sync + fmt::Debug {
         address: &'a EntityAddress,
     ) -> BoxFuture<'a, Result<(), StorageError>>;
 
+    /// The durable state of `address`'s entity, if it has a row
+    /// ([`entity_state`](crate::entity_state)). The row's key is the entity type and id.
+    ///
+    /// A storage that keeps no entity state fails (the default).
+    ///
+    /// # Cancel safety
+    ///
+    /// Cancel safe: it only reads.
+    fn load_state<'a>(
+        &'a self,
+        address: &'a EntityAddress,
+    ) -> BoxFuture<'a, Result<Option<StoredState>, StorageError>> {
+        let _ = address;
+        let backend = self.backend_name();
+        Box::pin(async move { Err(crate::entity_state::unsupported(backend)) })
+    }
+
+    /// Writes an entity's state alone, if its row still has the revision `write.expected`
+    /// (0: there is no row).
+    ///
+    /// - Another revision (or a row where none was expected) is a
+    ///   [`StorageErrorKind::StaleState`](crate::error::StorageErrorKind::StaleState), and
+    ///   nothing is written.
+    /// - A value longer than the storage's value limit is an `InvalidInput`.
+    ///
+    /// # Cancel safety
+    ///
+    /// Not cancel safe: if the future is dropped, the write may or may not have happened.
+    /// Load the state again before writing it again.
+    fn save_state<'a>(&'a self, write: &'a StateWrite) -> BoxFuture<'a, Result<(), StorageError>> {
+        let _ = write;
+        let backend = self.backend_name();
+        Box::pin(async move { Err(crate::entity_state::unsupported(backend)) })
+    }
+
+    /// Saves a final reply and an entity's state in one transaction: both or neither.
+    ///
+    /// - The state is written as [`save_state`](MessageStorage::save_state) writes it; a stale
+    ///   revision fails with `StaleState` and stores no reply.
+    /// - The reply is saved as [`save_reply`](MessageStorage::save_reply) saves it; a second
+    ///   final reply fails with `Conflict` and writes no state.
+    ///
+    /// # Cancel safety
+    ///
+    /// Not cancel safe: if the future is dropped, the outcome is unknown. A stored final reply
+    /// means that both were written.
+    fn save_reply_with_state<'a>(
+        &'a self,
+        reply: &'a Reply,
+        write: &'a StateWrite,
+    ) -> BoxFuture<'a, Result<(), StorageError>> {
+        let _ = (reply, write);
+        let backend = self.backend_name();
+        Box::pin(async move { Err(crate::entity_state::unsupported(backend)) })
+    }
+
     /// Starts a transaction in which replies are saved atomically with the handler's own writes.
     ///
     /// This is the reference's `withTransaction` (`effect/src/cluster/SqlMessageStorage.ts`).
@@ -501,6 +558,22 @@ pub trait MessageTransaction: Send {
     ///
     /// Cancel safe: nothing is visible before commit.
     fn save_reply<'a>(&'a mut self, reply: &'a Reply) -> BoxFuture<'a, Result<(), StorageError>>;
+
+    /// [`MessageStorage::save_state`] inside this transaction: a stale revision fails with
+    /// `StaleState`, and the caller rolls the transaction back.
+    ///
+    /// A storage that keeps no entity state fails (the default).
+    ///
+    /// # Cancel safety
+    ///
+    /// Cancel safe: nothing is visible before commit.
+    fn save_state<'a>(
+        &'a mut self,
+        write: &'a StateWrite,
+    ) -> BoxFuture<'a, Result<(), StorageError>> {
+        let _ = write;
+        Box::pin(async move { Err(crate::entity_state::unsupported("transaction's")) })
+    }
 
     /// The backend's own transaction handle, for the handler's own statements.
     ///
