@@ -289,6 +289,10 @@ fn entity_impl(krate: &Path, def: &EntityDef) -> TokenStream {
         }
     });
     let own_protocol = protocol.as_ref().map(|_| quote!(<#self_ty>::protocol(protocol);));
+    let state = def.args.state.as_ref().map(|field| match field {
+        Some(field) => quote!(protocol.durable(|entity| &mut entity.#field);),
+        None => quote!(protocol.durable(|entity| entity);),
+    });
     quote! {
         impl #krate::Entity for #self_ty {
             const TYPE: &'static str = #name;
@@ -296,6 +300,7 @@ fn entity_impl(krate: &Path, def: &EntityDef) -> TokenStream {
             #create
             fn protocol(protocol: &mut #krate::Protocol<Self>) {
                 #(#registrations)*
+                #state
                 #own_protocol
             }
             #on_stop

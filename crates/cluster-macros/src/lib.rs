@@ -91,6 +91,7 @@ mod tests;
 /// | `crate = path` | Where the runtime is: `::cluster_sharding` by default. A crate that re-exports `cluster-sharding` whole (`pub use cluster_sharding::*`) passes its own path, such as `crate = durable_cluster`. |
 /// | `client = pub AccountClient` | The typed client's visibility and name. Private and `<Type>Client` by default; the `client` constructor gets the same visibility. |
 /// | `client_tracing = false` | Sets `Entity::CLIENT_TRACING`: no `entity_client` span per call. |
+/// | `state = balance` | The entity's durable state (`Protocol::durable`): the field `balance`, kept in storage across restarts, moves and crashes, and committed with each request that changes it. `state = self` makes the whole value the state. The field's type implements serde's `Serialize` and `Deserialize`. |
 ///
 /// # `#[rpc(..)]` arguments
 ///

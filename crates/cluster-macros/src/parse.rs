@@ -27,6 +27,9 @@ pub(crate) struct EntityArgs {
     pub(crate) client: Option<(Visibility, Ident)>,
     /// `client_tracing = false`.
     pub(crate) client_tracing: Option<LitBool>,
+    /// `state = field`: the durable state, a field of the entity (`None` inside: the whole
+    /// value, `state = self`).
+    pub(crate) state: Option<Option<syn::Member>>,
 }
 
 impl EntityArgs {
@@ -56,10 +59,19 @@ impl EntityArgs {
             } else if meta.path.is_ident("client_tracing") {
                 let value: LitBool = meta.value()?.parse()?;
                 once(&mut args.client_tracing, value, &meta)
+            } else if meta.path.is_ident("state") {
+                let value = meta.value()?;
+                let field = if value.peek(syn::Token![self]) {
+                    value.parse::<syn::Token![self]>()?;
+                    None
+                } else {
+                    Some(value.parse::<syn::Member>()?)
+                };
+                once(&mut args.state, field, &meta)
             } else {
                 Err(meta.error(
                     "unknown #[entity] argument; expected `name = \"..\"`, `crate = path`, \
-                     `client = [visibility] Name` or `client_tracing = false`",
+                     `client = [visibility] Name`, `client_tracing = false` or `state = field`",
                 ))
             }
         });

@@ -17,6 +17,14 @@ pub enum RegisterError {
     /// A singleton of that name is registered already.
     #[error("singleton '{0}' is already registered")]
     SingletonAlreadyRegistered(String),
+    /// The entity type declared durable state (`Protocol::durable`), and the runtime has no
+    /// message storage to keep it in.
+    #[error(
+        "entity type {0} keeps durable state, and this runtime has no message storage: start it \
+         with Sharding::standalone, single_runner or member on SQLite, PostgreSQL, MySQL or \
+         memory storage"
+    )]
+    NoStateStorage(EntityType),
     /// The entity type's options are out of bounds.
     #[error("invalid options for entity type {entity_type}: {error}")]
     InvalidOptions {

@@ -40,7 +40,7 @@ use tokio_util::task::TaskTracker;
 use crate::api::client::EntityClient;
 use crate::api::entity::Ids;
 use crate::api::entity::{
-    DEFAULT_ON_STOP_TIMEOUT, Entity, EntityContext, EntityOptions, Handler, RuntimeHandle,
+    DEFAULT_ON_STOP_TIMEOUT, Entity, EntityContext, EntityOptions, Handler, Protocol, RuntimeHandle,
 };
 use crate::api::rpc::{CallError, Rpc};
 use crate::error::RegisterError;
@@ -526,6 +526,10 @@ impl Sharding {
             defects: options.defects.unwrap_or_default(),
             max_resident: options.max_resident.unwrap_or(Capacity::Unbounded),
         };
+        let storage = self.message_storage().cloned();
+        if storage.is_none() && Protocol::<E>::of().durability().is_some() {
+            return Err(RegisterError::NoStateStorage(entity_type));
+        }
         let inserted = self.inner.managers.insert(&entity_type, || {
             Arc::new(EntityManager::<E>::new(
                 self.contexts(),
@@ -535,6 +539,7 @@ impl Sharding {
                 Arc::clone(&self.inner.residency),
                 Arc::clone(&self.inner.ids),
                 self.keep_alive_sender(),
+                storage,
             ))
         });
         if !inserted {

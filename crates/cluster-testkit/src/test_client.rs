@@ -90,6 +90,19 @@ impl<E: Entity> TestClient<E> {
         self.sharding.client::<E>(entity_id)
     }
 
+    /// The durable state of the entity `entity_id` as stored, decoded as `S`, with its
+    /// revision; `None` when it has no row (see `EntityClient::stored_state`).
+    ///
+    /// # Errors
+    ///
+    /// The storage failed, or the row does not decode as `S`.
+    pub async fn state<S: serde::de::DeserializeOwned>(
+        &self,
+        entity_id: &str,
+    ) -> Result<Option<(S, u64)>, cluster_core::ClusterError> {
+        self.client(entity_id).stored_state().await
+    }
+
     /// The number of entity instances alive.
     pub fn active_entity_count(&self) -> usize {
         self.sharding.active_entity_count()

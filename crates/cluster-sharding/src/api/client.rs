@@ -12,6 +12,7 @@ use std::collections::{BTreeMap, VecDeque};
 use cluster_core::envelope::{Cause, CauseReason, Exit, RawJson, Reply, Request, primary_key};
 use cluster_core::storage::SaveRequestOptions;
 use cluster_core::{ClusterError, EntityAddress, Snowflake};
+use serde::de::DeserializeOwned;
 use tokio::sync::mpsc;
 use tracing::Instrument;
 
@@ -253,6 +254,29 @@ impl<E: Entity> EntityClient<E> {
     /// The entity's address.
     pub fn address(&self) -> &EntityAddress {
         &self.address
+    }
+
+    /// The entity's durable state as stored ([`Protocol::durable`](crate::Protocol::durable)),
+    /// decoded as `S`, with its revision; `None` when it has no row (its state is the one its
+    /// `create` makes). For tests and operations: it reads storage, not the resident instance,
+    /// and so sees only committed changes.
+    ///
+    /// # Errors
+    ///
+    /// [`ClusterError::Persistence`] when the runtime has no message storage or the storage
+    /// fails, [`ClusterError::MalformedMessage`] when the row does not decode as `S`.
+    pub async fn stored_state<S: DeserializeOwned>(
+        &self,
+    ) -> Result<Option<(S, u64)>, ClusterError> {
+        let Some(storage) = self.sharding.message_storage() else {
+            return Err(ClusterError::Persistence(cluster_core::entity_state::unsupported(
+                "runtime's (it has none)",
+            )));
+        };
+        let Some(stored) = storage.load_state(&self.address).await? else {
+            return Ok(None);
+        };
+        Ok(Some((stored.value.decode()?, stored.revision)))
     }
 
     /// Sends `request` and waits for its reply.

@@ -56,6 +56,7 @@ use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
 
 use crate::api::rpc::{Rpc, StreamRpc};
+use crate::api::state::Durability;
 use crate::runtime::delivery::TransactionSlot;
 use crate::runtime::interrupt::InterruptSignal;
 use crate::runtime::keep_alive::KeepAliveHandle;
@@ -913,12 +914,18 @@ pub struct Protocol<E> {
     sharing: Option<Sharing<E>>,
     /// What each request type says about its delivery, by tag, for gateways.
     shapes: BTreeMap<&'static str, RpcShape>,
+    /// The entity's durable state, if it declared one.
+    durability: Option<Durability<E>>,
 }
 
 impl<E: Entity> Protocol<E> {
     pub(crate) fn of() -> Protocol<E> {
-        let mut protocol =
-            Protocol { handlers: BTreeMap::new(), sharing: None, shapes: BTreeMap::new() };
+        let mut protocol = Protocol {
+            handlers: BTreeMap::new(),
+            sharing: None,
+            shapes: BTreeMap::new(),
+            durability: None,
+        };
         E::protocol(&mut protocol);
         protocol
     }
@@ -931,6 +938,52 @@ impl<E: Entity> Protocol<E> {
         self.handlers.insert(R::TAG, HandlerEntry::unary::<R>(CallKind::Unary(call::<E, R>)));
         self.shapes.insert(R::TAG, RpcShape::unary::<R>());
         self
+    }
+
+    /// Declares the entity's durable state: the part of the entity value that `field` reaches
+    /// (a field, or the whole value with `|entity| entity`), kept in storage across restarts,
+    /// moves and crashes.
+    ///
+    /// - It is loaded once per activation, right after the value is made (`create` or the
+    ///   factory), and replaces what `field` reaches then. Without a stored row, the state stays
+    ///   as `create` made it.
+    /// - After a `&mut self` request that succeeded and changed it, it is written: in the
+    ///   transaction of the final reply for a persisted request (exactly once), before the reply
+    ///   for a volatile one.
+    /// - A request that fails (`Err`, a panic, an interrupt) changes nothing: the value gets
+    ///   its committed state back.
+    /// - Every write is conditional on the revision that was loaded. A runner that lost the
+    ///   entity's shard cannot overwrite what the next owner wrote.
+    /// - A state equal to the one `create` makes is not stored: its row is deleted.
+    ///
+    /// The runtime needs a message storage (SQLite, PostgreSQL, MySQL or memory): registering a
+    /// durable entity on a runtime without one fails. `&self` and forked handlers read the
+    /// state but do not change it, and a streaming handler that changes it fails with a
+    /// defect. See docs/sharding.md, "Entity state".
+    ///
+    /// ```
+    /// # use cluster_sharding::{Entity, EntityContext, Protocol};
+    /// struct Account { balance: u64 }
+    ///
+    /// impl Entity for Account {
+    ///     const TYPE: &'static str = "Account";
+    ///     async fn create(_: &EntityContext) -> Account { Account { balance: 0 } }
+    ///     fn protocol(protocol: &mut Protocol<Account>) {
+    ///         protocol.durable(|account| &mut account.balance);
+    ///     }
+    /// }
+    /// ```
+    pub fn durable<S>(&mut self, field: fn(&mut E) -> &mut S) -> &mut Protocol<E>
+    where
+        S: Serialize + DeserializeOwned + 'static,
+    {
+        self.durability = Some(Durability::of(field));
+        self
+    }
+
+    /// The entity's durable state, if it declared one.
+    pub(crate) fn durability(&self) -> Option<&Durability<E>> {
+        self.durability.as_ref()
     }
 
     /// Declares that the entity handles `R` through a shared reference: such requests run

@@ -14,6 +14,7 @@ use cluster_core::storage::{MessageStorage, MessageTransaction};
 use cluster_core::{ClusterError, EntityAddress, ShardId, Snowflake};
 use tokio::sync::{mpsc, oneshot};
 
+use crate::api::state::StateSink;
 use crate::runtime::interrupt::InterruptSignal;
 
 /// The storage transaction a `WITH_TRANSACTION` request's handler runs in.
@@ -54,6 +55,9 @@ pub(crate) struct Delivery {
     /// Set when the handler starts running the request (persisted requests: shutdown abandons
     /// the local callers of requests that never started, reference `abandonUndelivered`).
     pub(crate) started: Option<Arc<std::sync::atomic::AtomicBool>>,
+    /// Where the instance hands its durable state write, to be committed with the final reply
+    /// (persisted unary requests to an entity type with durable state).
+    pub(crate) state: Option<StateSink>,
 }
 
 impl Delivery {
@@ -72,7 +76,14 @@ impl Delivery {
         cancellation: InterruptSignal,
         reply: ReplyTo,
     ) -> Box<Delivery> {
-        Box::new(Delivery { request, cancellation, reply, transaction: None, started: None })
+        Box::new(Delivery {
+            request,
+            cancellation,
+            reply,
+            transaction: None,
+            started: None,
+            state: None,
+        })
     }
 }
 
@@ -166,6 +177,9 @@ pub(crate) trait ErasedManager: Send + Sync {
 
     /// Whether the request tagged `tag` with `payload` runs inside a storage transaction.
     fn with_transaction(&self, tag: &str, payload: &RawJson) -> bool;
+
+    /// Whether the entity type declared durable state.
+    fn has_state(&self) -> bool;
 
     /// Whether requests tagged `tag` run again when they end by interrupt.
     fn rerun_on_interrupt(&self, tag: &str) -> bool;

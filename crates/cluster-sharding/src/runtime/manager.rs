@@ -18,8 +18,10 @@ use std::time::Duration;
 
 use cluster_core::backoff::Backoff;
 use cluster_core::config::Capacity;
+use cluster_core::entity_state::StoredState;
 use cluster_core::envelope::{Exit, RawJson, Reply, Request, WithExit};
 use cluster_core::future::BoxFuture;
+use cluster_core::storage::MessageStorage;
 use cluster_core::sync::lock;
 use cluster_core::{ClusterError, EntityAddress, EntityType, ShardId, Snowflake};
 use futures_util::stream::FuturesUnordered;
@@ -33,6 +35,7 @@ use crate::api::entity::{
     CallKind, ChunkChannel, Entity, EntityContext, Ids, Protocol, RequestContext, SharedValue,
     Sharing, malformed,
 };
+use crate::api::state::{Change, Committed, StateCell, StateHandOff};
 use crate::metrics::{self, FailReason};
 use crate::runtime::delivery::{
     Delivery, ErasedManager, PendingTransaction, Refused, ReplyTo, Serving, StreamReplies,
@@ -451,6 +454,9 @@ struct Shared<E: Entity> {
     passivating: AtomicUsize,
     /// Held while room is made within the type, with the quiet period of its last scan.
     quiet: Mutex<Quiet>,
+    /// Where the durable state of the type's instances is kept (the runtime's message
+    /// storage), if the type declared one.
+    state_storage: Option<Arc<dyn MessageStorage>>,
 }
 
 /// The stop signals of one instance.
@@ -489,8 +495,10 @@ impl<E: Entity> EntityManager<E> {
         residency: Arc<Residency>,
         ids: Arc<Ids>,
         keep_alive_sender: KeepAliveSender,
+        storage: Option<Arc<dyn MessageStorage>>,
     ) -> EntityManager<E> {
         let protocol = Protocol::of().measured(entity_type.as_str());
+        let state_storage = storage.filter(|_| protocol.durability().is_some());
         let shared = Arc::new(Shared {
             contexts,
             entity_type,
@@ -507,6 +515,7 @@ impl<E: Entity> EntityManager<E> {
             keep_alive_sender,
             passivating: AtomicUsize::new(0),
             quiet: Mutex::new(Quiet::default()),
+            state_storage,
         });
         let passivate: Arc<dyn Passivate> = shared.clone();
         shared.residency.register(Arc::downgrade(&passivate));
@@ -632,6 +641,10 @@ impl<E: Entity> ErasedManager for EntityManager<E> {
 
     fn with_transaction(&self, tag: &str, payload: &RawJson) -> bool {
         self.shared.protocol.get(tag).is_some_and(|entry| entry.with_transaction.of(payload))
+    }
+
+    fn has_state(&self) -> bool {
+        self.shared.protocol.durability().is_some()
     }
 
     fn rerun_on_interrupt(&self, tag: &str) -> bool {
@@ -1046,6 +1059,8 @@ struct InstanceLoop<E: Entity> {
     forked: FuturesUnordered<BoxFuture<'static, Finished<E>>>,
     /// The forked states of the entity value, by request tag, taken when it was created.
     forks: BTreeMap<&'static str, SharedValue>,
+    /// What the instance knows of its stored state (entity types with durable state).
+    state: Option<StateCell>,
     next_seq: u64,
     mailbox_open: bool,
     /// Shared with the shared requests' runs (one reference count, not a clone of each token).
@@ -1067,7 +1082,8 @@ async fn run_instance<E: Entity>(
     let _ended = signals.ended.clone().drop_guard();
     // The rare steps (creating, stopping, restarting) are boxed: inline, the largest of them
     // (the entity's own `create` among them) would size every resident instance's task.
-    let Some(entity) = Box::pin(create(&shared, &address, &signals.interrupt)).await else {
+    let Some((entity, state)) = Box::pin(activate(&shared, &address, &signals.interrupt)).await
+    else {
         keep_alive.latch.abandon();
         shared.leave(&active);
         return;
@@ -1085,6 +1101,7 @@ async fn run_instance<E: Entity>(
         running: FuturesUnordered::new(),
         forked: FuturesUnordered::new(),
         forks,
+        state,
         next_seq: 0,
         mailbox_open: true,
         signals: Arc::new(signals),
@@ -1203,9 +1220,9 @@ impl<E: Entity> InstanceLoop<E> {
     /// A new value after `on_stop`, for requests that arrived meanwhile; `false` once the
     /// manager closed.
     async fn recreate(&mut self) -> bool {
-        match Box::pin(create(&self.shared, &self.address, &self.signals.interrupt)).await {
-            Some(entity) => {
-                self.install(entity);
+        match Box::pin(activate(&self.shared, &self.address, &self.signals.interrupt)).await {
+            Some((entity, state)) => {
+                self.install(entity, state);
                 true
             }
             None => false,
@@ -1223,10 +1240,12 @@ impl<E: Entity> InstanceLoop<E> {
         }
     }
 
-    /// Puts a new entity value in the slot and takes its forked states.
-    fn install(&mut self, entity: E) {
+    /// Puts a new entity value in the slot, with what it knows of its stored state, and takes
+    /// its forked states.
+    fn install(&mut self, entity: E, state: Option<StateCell>) {
         self.forks = self.shared.protocol.fork_states(&entity);
         self.slot = Slot::Idle(entity);
+        self.state = state;
     }
 
     /// Starts a forked request beside everything else.
@@ -1341,10 +1360,15 @@ impl<E: Entity> InstanceLoop<E> {
     /// Answers a finished run, or restarts the entity after a panic.
     async fn settle(&mut self, finished: Finished<E>) {
         match finished.outcome {
-            Outcome::Exited(exit) => {
-                self.slot.give_back(finished.access);
-                self.respond(finished.delivery, exit).await;
-            }
+            Outcome::Exited(exit) => match finished.access {
+                Access::Exclusive(entity) if self.state.is_some() => {
+                    Box::pin(self.settle_durable(entity, finished.delivery, exit)).await;
+                }
+                access => {
+                    self.slot.give_back(access);
+                    self.respond(finished.delivery, exit).await;
+                }
+            },
             Outcome::Panicked | Outcome::Restarted => {
                 tracing::warn!(entity_type = %self.shared.entity_type, entity_id = %self.address.entity_id, "defect in entity, restarting");
                 let mut replay = Vec::new();
@@ -1391,9 +1415,123 @@ impl<E: Entity> InstanceLoop<E> {
         }
         self.slot = Slot::Gone;
         self.shared.backoff(&self.signals.interrupt).await;
-        if let Some(entity) = create(&self.shared, &self.address, &self.signals.interrupt).await {
-            self.install(entity);
+        if let Some((entity, state)) =
+            activate(&self.shared, &self.address, &self.signals.interrupt).await
+        {
+            self.install(entity, state);
             self.generation = InterruptSignal::new();
+        }
+    }
+
+    /// Answers an exclusive run of an entity with durable state, and commits its state change
+    /// first (volatile) or with its final reply (persisted): see [`crate::api::state`].
+    async fn settle_durable(&mut self, mut entity: E, mut delivery: Box<Delivery>, mut exit: Exit) {
+        let (Some(durability), Some(cell)) = (self.shared.protocol.durability(), &self.state)
+        else {
+            self.slot.give_back(Access::Exclusive(entity));
+            return self.respond(delivery, exit).await;
+        };
+        let change = match durability.encode(&mut entity) {
+            Ok(current) if exit.is_success() => cell.after(&self.address, current),
+            // A failed request changes nothing.
+            Ok(current) => match cell.after(&self.address, current) {
+                Change::Unchanged => Change::Unchanged,
+                Change::Initial(_) | Change::Write(..) => {
+                    self.revert(&mut entity);
+                    Change::Unchanged
+                }
+            },
+            Err(error) => {
+                tracing::warn!(%error, entity_type = %self.shared.entity_type, entity_id = %self.address.entity_id, "the entity state cannot be encoded; the request fails and the state stays");
+                self.revert(&mut entity);
+                let message = format!("the entity state cannot be encoded: {error}");
+                exit = Exit::die_with_message("StateNotEncoded", &message);
+                Change::Unchanged
+            }
+        };
+        let (write, current) = match change {
+            Change::Unchanged => {
+                self.slot.give_back(Access::Exclusive(entity));
+                return self.respond(delivery, exit).await;
+            }
+            Change::Initial(current) => {
+                if let Some(cell) = &mut self.state {
+                    cell.back_to_initial(current);
+                }
+                self.slot.give_back(Access::Exclusive(entity));
+                return self.respond(delivery, exit).await;
+            }
+            Change::Write(write, current) => (write, current),
+        };
+        if matches!(delivery.reply, ReplyTo::Stream(_)) {
+            self.revert(&mut entity);
+            self.slot.give_back(Access::Exclusive(entity));
+            let message = "a streaming handler changed the entity's durable state: streaming \
+                           handlers may read it, not change it (the change is dropped)";
+            return self
+                .respond(delivery, Exit::die_with_message("StateChangedByStream", message))
+                .await;
+        }
+        let committed = match delivery.state.take() {
+            // Persisted: committed with the final reply by the task that stores it.
+            Some(sink) => {
+                let (committed, outcome) = tokio::sync::oneshot::channel();
+                let handoff = StateHandOff { write: write.clone(), committed };
+                let _ = sink.send(handoff);
+                self.respond(delivery, exit).await;
+                outcome.await.unwrap_or(Committed::No)
+            }
+            // Volatile: committed before the reply is sent.
+            None => {
+                let saved = match &self.shared.state_storage {
+                    Some(storage) => storage.save_state(&write).await,
+                    None => Err(cluster_core::entity_state::unsupported("runtime's")),
+                };
+                match saved {
+                    Ok(()) => {
+                        self.respond(delivery, exit).await;
+                        Committed::Yes
+                    }
+                    Err(error) => {
+                        tracing::warn!(%error, entity_type = %self.shared.entity_type, entity_id = %self.address.entity_id, "the entity state could not be saved; the request fails");
+                        let message = format!("the entity state could not be saved: {error}");
+                        self.respond(delivery, Exit::die_with_message("StateNotSaved", &message))
+                            .await;
+                        Committed::No
+                    }
+                }
+            }
+        };
+        match committed {
+            Committed::Yes => {
+                if let Some(cell) = &mut self.state {
+                    cell.committed_as(&write, current);
+                }
+            }
+            Committed::No => Box::pin(self.reload(&mut entity)).await,
+        }
+        self.slot.give_back(Access::Exclusive(entity));
+    }
+
+    /// Gives `entity` its committed state back (after a request that failed).
+    fn revert(&self, entity: &mut E) {
+        let (Some(durability), Some(cell)) = (self.shared.protocol.durability(), &self.state)
+        else {
+            return;
+        };
+        if let Err(error) = durability.decode(entity, cell.committed()) {
+            tracing::error!(%error, entity_type = %self.shared.entity_type, entity_id = %self.address.entity_id, "the committed entity state does not decode back");
+        }
+    }
+
+    /// Reads the stored state again after a write that did not commit (or whose outcome is
+    /// unknown), and puts it in `entity`. Until the instance is interrupted: then the value
+    /// gets the state committed here last.
+    async fn reload(&mut self, entity: &mut E) {
+        let loaded = load_state(&self.shared, &self.address, entity, &self.signals.interrupt).await;
+        match (loaded, &mut self.state) {
+            (Some(stored), Some(cell)) => cell.reloaded(stored),
+            _ => self.revert(entity),
         }
     }
 
@@ -1450,6 +1588,70 @@ fn spawn_forked<E: Entity>(
         run_one(&shared, access, queued, keep_alive, &generation, &signals).await
     }));
     Ok(())
+}
+
+/// Creates the instance and loads its durable state into it, if the type declared one;
+/// `None` once the manager closed (or the runtime is gone).
+async fn activate<E: Entity>(
+    shared: &Shared<E>,
+    address: &EntityAddress,
+    interrupt: &CancellationToken,
+) -> Option<(E, Option<StateCell>)> {
+    loop {
+        let mut entity = create(shared, address, interrupt).await?;
+        let Some(durability) = shared.protocol.durability() else {
+            return Some((entity, None));
+        };
+        let initial = match durability.encode(&mut entity) {
+            Ok(initial) => initial,
+            Err(error) => {
+                tracing::error!(%error, entity_type = %shared.entity_type, entity_id = %address.entity_id, "the state of a new entity value cannot be encoded; creating it again");
+                shared.backoff(interrupt).await;
+                continue;
+            }
+        };
+        let stored = load_state(shared, address, &mut entity, interrupt).await?;
+        return Some((entity, Some(StateCell::new(initial, stored))));
+    }
+}
+
+/// Reads the entity's stored state and puts it in `entity`, retrying with the type's backoff
+/// while the storage fails or the row does not decode (it is left as it is, for an operator or
+/// a deploy to fix); `None` once interrupted. Without a row, `entity` is left as it is.
+async fn load_state<E: Entity>(
+    shared: &Shared<E>,
+    address: &EntityAddress,
+    entity: &mut E,
+    interrupt: &CancellationToken,
+) -> Option<Option<StoredState>> {
+    let (Some(durability), Some(storage)) =
+        (shared.protocol.durability(), shared.state_storage.as_ref())
+    else {
+        return Some(None);
+    };
+    loop {
+        if interrupt.is_cancelled() {
+            return None;
+        }
+        match storage.load_state(address).await {
+            Ok(stored) => {
+                let decoded = match &stored {
+                    Some(row) => durability.decode(entity, &row.value),
+                    None => Ok(()),
+                };
+                match decoded {
+                    Ok(()) => return Some(stored),
+                    Err(error) => {
+                        tracing::error!(%error, entity_type = %shared.entity_type, entity_id = %address.entity_id, "the stored entity state does not decode; its requests wait (fix the row or deploy code that reads it)");
+                    }
+                }
+            }
+            Err(error) => {
+                tracing::warn!(%error, entity_type = %shared.entity_type, entity_id = %address.entity_id, "could not load the entity state; retrying");
+            }
+        }
+        shared.backoff(interrupt).await;
+    }
 }
 
 /// Creates the instance with the type's factory, retrying with backoff if it panics; `None`

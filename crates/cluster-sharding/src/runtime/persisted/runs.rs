@@ -27,6 +27,7 @@ use super::tracked::{InFlight, TrackedRequests};
 use super::waiters::ReplyWaiters;
 use super::writes::{ShardWrites, WriteGuard};
 use crate::api::entity::Ids;
+use crate::api::state::{Committed, StateHandOff};
 use crate::placement::shards::Shards;
 use crate::runtime::delivery::{
     Delivery, PendingTransaction, ReadLatch, Refused, ReplyTo, StreamReplies,
@@ -153,17 +154,27 @@ impl Runs {
             .with_transaction(&request.tag, &request.payload)
             .then(|| PendingTransaction::new(Arc::clone(&self.storage)));
         let rerun = manager.rerun_on_interrupt(&request.tag).then(|| request.clone());
+        // A unary request to an entity with durable state hands its state write to
+        // `store_outcome`, which commits it with the final reply.
+        let (state_sink, state) = match &outcome {
+            Outcome::Exit(_) if manager.has_state() => {
+                let (sink, state) = oneshot::channel();
+                (Some(sink), Some(state))
+            }
+            _ => (None, None),
+        };
         let delivery = Delivery {
             request,
             cancellation,
             reply,
             transaction: transaction.clone(),
             started: Some(started),
+            state: state_sink,
         };
         match manager.deliver(Box::new(delivery), &*self.serving) {
             Ok(()) => {
                 claim.keep();
-                let sent = Sent { request_id, shard, outcome, transaction, rerun, write };
+                let sent = Sent { request_id, shard, outcome, transaction, rerun, write, state };
                 self.tasks.spawn(Arc::clone(self).store_outcome(sent));
                 Dispatched::Delivered
             }
@@ -187,7 +198,7 @@ impl Runs {
     fn store_outcome(self: Arc<Self>, sent: Sent) -> BoxFuture<'static, ()> {
         // Boxed: a re-run dispatches again, which spawns another `store_outcome`.
         Box::pin(async move {
-            let Sent { request_id, shard, outcome, transaction, rerun, write } = sent;
+            let Sent { request_id, shard, outcome, transaction, rerun, write, state } = sent;
             let exit = match outcome {
                 Outcome::Exit(exit) => exit.await.ok(),
                 Outcome::Stream(mut replies) => {
@@ -215,6 +226,8 @@ impl Runs {
                     exit
                 }
             };
+            // The instance hands a state write over before the exit: it is here by now.
+            let state = state.and_then(|mut state| state.try_recv().ok());
             // The read loop must not take it up again while its outcome is stored.
             let _settle = self.tracked.settle(request_id);
             // Held from the claim to here: the shard's release waits for the outcome.
@@ -231,7 +244,7 @@ impl Runs {
                             return self.fenced(request_id, &shard).await;
                         }
                         let reply = self.final_reply(request_id, exit);
-                        self.commit_final_reply(transaction, reply, &shard).await;
+                        self.commit_final_reply(transaction, reply, &shard, state).await;
                         return;
                     }
                     // A failure is saved after the rollback
@@ -263,7 +276,7 @@ impl Runs {
                 }
                 Some(exit) => {
                     let reply = self.final_reply(request_id, exit);
-                    self.save_final_reply(reply, Some(&shard)).await;
+                    self.save_final_reply_with(reply, Some(&shard), state).await;
                 }
                 None => {
                     let _ = self.storage.reset_requests(&[request_id]).await;
@@ -339,17 +352,32 @@ impl Runs {
     /// - A reply the storage refuses (a value over its limit) is never committed: the
     ///   transaction rolls back, and the request is answered with a `ReplyNotStored` defect,
     ///   as outside a transaction ([`save_final_reply`](Self::save_final_reply)).
+    /// - An entity's state write (`state`) goes into the same transaction, before the reply.
+    ///   A stale revision rolls everything back, and the request is left for the shard's owner.
     async fn commit_final_reply(
         self: &Arc<Self>,
         mut transaction: Box<dyn cluster_core::storage::MessageTransaction>,
         reply: Reply,
         shard: &ShardId,
+        state: Option<StateHandOff>,
     ) {
         let request_id = reply.request_id();
-        let committed = match transaction.save_reply(&reply).await {
+        let written = match &state {
+            Some(state) => transaction.save_state(&state.write).await,
+            None => Ok(()),
+        };
+        let saved = match written {
+            Ok(()) => transaction.save_reply(&reply).await,
+            Err(error) => Err(error),
+        };
+        let committed = match saved {
             Ok(()) => transaction.commit().await,
             Err(error) => {
                 let _ = transaction.rollback().await;
+                if error.kind() == cluster_core::error::StorageErrorKind::StaleState {
+                    tracing::warn!(%error, %request_id, "stale entity state: the reply is not stored");
+                    return self.fenced(request_id, shard).await;
+                }
                 if error.kind() == cluster_core::error::StorageErrorKind::InvalidInput {
                     tracing::warn!(%error, %request_id, "a transactional reply cannot be stored: its writes are rolled back");
                     return self.save_final_reply(reply, Some(shard)).await;
@@ -361,6 +389,9 @@ impl Runs {
             Ok(()) => {
                 self.record_answered(&reply);
                 self.waiters.on_reply_saved(&reply);
+                if let Some(state) = state {
+                    let _ = state.committed.send(Committed::Yes);
+                }
             }
             Err(error) => {
                 tracing::warn!(%error, %request_id, "could not commit a reply");
@@ -460,10 +491,24 @@ impl Runs {
     /// With it, a failed write is retried only after the lock is confirmed again.
     /// So a retry never lands after this runner lost or let go of the shard.
     /// When the lock is not confirmed, the request is left for the next owner.
-    pub(super) async fn save_final_reply(
+    pub(super) async fn save_final_reply(self: &Arc<Self>, reply: Reply, fence: Option<&ShardId>) {
+        self.save_final_reply_with(reply, fence, None).await;
+    }
+
+    /// [`save_final_reply`](Self::save_final_reply) with an entity's state write, committed in
+    /// the reply's transaction (both or neither).
+    ///
+    /// - A stale revision stores nothing: the state was written elsewhere, so this runner lost
+    ///   the entity. The request is left for the shard's owner, as a fenced one is.
+    /// - A reply or a state the storage refuses (over its limit) is answered with a defect,
+    ///   and the state is not written.
+    /// - The instance hears whether the write committed; when it did not, or when that is
+    ///   unknown, it reads its state again.
+    async fn save_final_reply_with(
         self: &Arc<Self>,
         mut reply: Reply,
         fence: Option<&ShardId>,
+        mut state: Option<StateHandOff>,
     ) {
         let mut replaced = false;
         let mut attempt = 0;
@@ -475,15 +520,30 @@ impl Runs {
             {
                 return self.fenced(reply.request_id(), shard).await;
             }
-            match self.storage.save_reply(&reply).await {
+            let saved = match &state {
+                Some(state) => self.storage.save_reply_with_state(&reply, &state.write).await,
+                None => self.storage.save_reply(&reply).await,
+            };
+            match saved {
                 Ok(()) => {
                     self.record_answered(&reply);
                     self.waiters.on_reply_saved(&reply);
+                    if let Some(state) = state {
+                        let _ = state.committed.send(Committed::Yes);
+                    }
                     return;
                 }
                 Err(error) if error.kind() == cluster_core::error::StorageErrorKind::Conflict => {
                     tracing::debug!(%error, request_id = %reply.request_id(), "request already answered");
                     return;
+                }
+                Err(error) if error.kind() == cluster_core::error::StorageErrorKind::StaleState => {
+                    tracing::warn!(%error, request_id = %reply.request_id(), "stale entity state: the reply is not stored");
+                    if let Some(shard) = fence {
+                        return self.fenced(reply.request_id(), shard).await;
+                    }
+                    let _ = self.storage.reset_requests(&[reply.request_id()]).await;
+                    return self.poll_storage();
                 }
                 // The storage cannot hold this reply: a value beyond a column, such as a reply
                 // over 64 KiB in MySQL's TEXT.
@@ -495,7 +555,12 @@ impl Runs {
                         && !replaced =>
                 {
                     tracing::warn!(%error, request_id = %reply.request_id(), "the reply cannot be stored; answering with a defect");
-                    let message = format!("the reply could not be stored: {error}");
+                    let message = match state.take() {
+                        Some(_) => {
+                            format!("the reply or the entity state could not be stored: {error}")
+                        }
+                        None => format!("the reply could not be stored: {error}"),
+                    };
                     reply = self.final_reply(
                         reply.request_id(),
                         Exit::die_with_message("ReplyNotStored", &message),
@@ -574,6 +639,8 @@ struct Sent {
     shard: ShardId,
     outcome: Outcome,
     transaction: Option<PendingTransaction>,
+    /// Where the instance hands the request's state write (durable entities).
+    state: Option<oneshot::Receiver<StateHandOff>>,
     /// The request itself, kept when an interrupt runs it again.
     rerun: Option<Request>,
     /// Holds the shard's release until the outcome is stored.
