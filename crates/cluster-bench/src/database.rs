@@ -12,8 +12,8 @@ use cluster_storage_sql::{
 };
 
 /// The tables one prefix holds.
-const TABLES: [&str; 6] =
-    ["messages", "replies", "migrations", "runners", "locks", "runner_migrations"];
+const TABLES: [&str; 7] =
+    ["messages", "replies", "migrations", "runners", "locks", "runner_migrations", "entity_state"];
 
 /// The local server the README's services provide.
 const LOCAL_POSTGRES: &str = "postgres://postgres@127.0.0.1:5432/test";

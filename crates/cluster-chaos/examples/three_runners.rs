@@ -291,11 +291,18 @@ async fn drop_tables(url: &str, prefix: &str) {
         return;
     };
     let connection = tokio::spawn(connection);
-    let tables: Vec<String> =
-        ["messages", "replies", "migrations", "runners", "locks", "runner_migrations"]
-            .iter()
-            .map(|table| format!("\"{prefix}_{table}\""))
-            .collect();
+    let tables: Vec<String> = [
+        "messages",
+        "replies",
+        "migrations",
+        "runners",
+        "locks",
+        "runner_migrations",
+        "entity_state",
+    ]
+    .iter()
+    .map(|table| format!("\"{prefix}_{table}\""))
+    .collect();
     let _ = db.batch_execute(&format!("DROP TABLE IF EXISTS {}", tables.join(", "))).await;
     connection.abort();
 }

@@ -222,11 +222,18 @@ pub async fn run(options: &ChaosOptions) -> Result<Report, String> {
 }
 
 async fn drop_tables(client: &tokio_postgres::Client, prefix: &TablePrefix) {
-    let mut tables: Vec<String> =
-        ["messages", "replies", "migrations", "runners", "locks", "runner_migrations"]
-            .iter()
-            .map(|table| format!("\"{}\"", prefix.table(table)))
-            .collect();
+    let mut tables: Vec<String> = [
+        "messages",
+        "replies",
+        "migrations",
+        "runners",
+        "locks",
+        "runner_migrations",
+        "entity_state",
+    ]
+    .iter()
+    .map(|table| format!("\"{}\"", prefix.table(table)))
+    .collect();
     tables.push(format!("\"{}\"", ledger::audit_table(prefix)));
     tables.push(format!("\"{}\"", runs::runs_table(prefix)));
     let _ = client.batch_execute(&format!("DROP TABLE IF EXISTS {}", tables.join(", "))).await;

@@ -48,8 +48,8 @@ const SHARDS: u32 = 30;
 const DEADLINE: Duration = Duration::from_secs(60);
 
 /// The tables of a prefix, histories included.
-const TABLES: [&str; 6] =
-    ["messages", "replies", "migrations", "runners", "locks", "runner_migrations"];
+const TABLES: [&str; 7] =
+    ["messages", "replies", "migrations", "runners", "locks", "runner_migrations", "entity_state"];
 
 // ------------------------------------------------------------------------------------------
 // The entity, as runner.mjs declares it

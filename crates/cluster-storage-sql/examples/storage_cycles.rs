@@ -41,9 +41,9 @@ async fn main() -> Result<(), Error> {
             let storage = Arc::new(PgMessageStorage::new(pool.clone(), &options).await?);
             let report = storage_cycles(storage, concurrency, duration).await?;
             let client = pool.get().await?;
-            let (messages, replies, migrations) = tables(&options.prefix);
+            let (messages, replies, migrations, state) = tables(&options.prefix);
             client
-                .batch_execute(&format!("DROP TABLE {messages}, {replies}, {migrations}"))
+                .batch_execute(&format!("DROP TABLE {messages}, {replies}, {migrations}, {state}"))
                 .await?;
             report
         }
@@ -54,8 +54,9 @@ async fn main() -> Result<(), Error> {
             let storage = Arc::new(MySqlMessageStorage::new(pool.clone(), &options.prefix).await?);
             let report = storage_cycles(storage, concurrency, duration).await?;
             let mut conn = pool.get_conn().await?;
-            let (messages, replies, migrations) = tables(&options.prefix);
-            conn.query_drop(format!("DROP TABLE {messages}, {replies}, {migrations}")).await?;
+            let (messages, replies, migrations, state) = tables(&options.prefix);
+            conn.query_drop(format!("DROP TABLE {messages}, {replies}, {migrations}, {state}"))
+                .await?;
             report
         }
         other => return Err(format!("unknown backend {other:?}").into()),
@@ -95,8 +96,9 @@ async fn sqlite(
 }
 
 /// The message storage's tables of `prefix`.
-fn tables(prefix: &TablePrefix) -> (String, String, String) {
-    (prefix.table("messages"), prefix.table("replies"), prefix.table("migrations"))
+fn tables(prefix: &TablePrefix) -> (String, String, String, String) {
+    let table = |name| prefix.table(name);
+    (table("messages"), table("replies"), table("migrations"), table("entity_state"))
 }
 
 #[expect(clippy::print_stdout, reason = "the example prints its measurement")]

@@ -20,9 +20,11 @@
 //! The tables, columns, migration-history tables and lock keys are the reference's (effect
 //! 4.1.0, `SqlMessageStorage.ts` and `SqlRunnerStorage.ts`), so a database can be shared with
 //! TypeScript runners. The only additions, kept out of the reference's histories, are the
-//! claim's index on PostgreSQL (see [`SqlStorageOptions::extra_indexes`]) and byte-wise
-//! collations of MySQL's key columns. All backends store and read rows through the same
-//! mapping (`row`), so they agree on every column.
+//! claim's index on PostgreSQL (see [`SqlStorageOptions::extra_indexes`]), byte-wise
+//! collations of MySQL's key columns, and a table of ours per prefix for durable entity state
+//! (`<prefix>_entity_state`, see [`cluster_core::entity_state`]), which TypeScript runners
+//! neither read nor write. All backends store and read rows through the same mapping (`row`),
+//! so they agree on every column.
 
 // The helpers the backends share are unused when no backend is compiled in.
 #![cfg_attr(

@@ -32,13 +32,14 @@ pub const MYSQL_URL: &str = "CLUSTER_TEST_MYSQL_URL";
 pub const CLEANUP_LOCK_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(10);
 
 /// The tables of a prefix, histories included (`queue` is the queue store's).
-const TABLES: [&str; 8] = [
+const TABLES: [&str; 9] = [
     "messages",
     "replies",
     "migrations",
     "runners",
     "locks",
     "runner_migrations",
+    "entity_state",
     "queue",
     "queue_migrations",
 ];

@@ -21,7 +21,8 @@ const MIGRATION_LOCK_WAIT: Duration = Duration::from_secs(60);
 /// recording the migrations in `<prefix>_migrations` as effect's SQL migrator does. Idempotent;
 /// concurrent callers are serialised by a `GET_LOCK` on the history table's name.
 ///
-/// Then, on every call and without a history row, the columns compared for identity
+/// Then, on every call and without a history row, our entity state table
+/// (`<prefix>_entity_state`) is created if it is missing, and the columns compared for identity
 /// (`message_id`, `shard_id`, `entity_type`, `entity_id`) get a byte-wise collation if they do
 /// not have it: the reference's tables ignore case and accents. Converting existing tables
 /// rebuilds them once.
@@ -34,7 +35,8 @@ const MIGRATION_LOCK_WAIT: Duration = Duration::from_secs(60);
 pub async fn migrate_messages(pool: &Pool, prefix: &TablePrefix) -> Result<(), StorageError> {
     let history = prefix.table("migrations");
     let migrations = queries::message_migrations(prefix);
-    run_migrations(pool, &history, migrations, queries::message_key_columns(prefix)).await
+    let tables = queries::message_extra_tables(prefix);
+    run_migrations(pool, &history, migrations, tables, queries::message_key_columns(prefix)).await
 }
 
 /// Creates or upgrades the runner storage tables (`<prefix>_runners`, `<prefix>_locks`),
@@ -49,7 +51,8 @@ pub async fn migrate_messages(pool: &Pool, prefix: &TablePrefix) -> Result<(), S
 pub async fn migrate_runners(pool: &Pool, prefix: &TablePrefix) -> Result<(), StorageError> {
     let history = prefix.table("runner_migrations");
     let migrations = queries::runner_migrations(prefix);
-    run_migrations(pool, &history, migrations, queries::runner_key_columns(prefix)).await
+    run_migrations(pool, &history, migrations, Vec::new(), queries::runner_key_columns(prefix))
+        .await
 }
 
 /// Effect's migrator, MySQL dialect: ensure the history table, then run every migration newer
@@ -59,21 +62,23 @@ pub async fn migrate_runners(pool: &Pool, prefix: &TablePrefix) -> Result<(), St
 /// "another process is migrating". MySQL commits implicitly at every DDL statement, so that
 /// transaction protects nothing there; we hold a `GET_LOCK` instead and record each migration
 /// after it ran. The history rows are the same, so either migrator can run after the other.
-/// The key columns' collation is ours and is not recorded there.
+/// Our `extra_tables` and the key columns' collation are ours and are not recorded there.
 pub(crate) async fn run_migrations(
     pool: &Pool,
     history: &str,
     migrations: Vec<queries::Migration>,
+    extra_tables: Vec<queries::ExtraTable>,
     key_columns: Vec<queries::KeyColumn>,
 ) -> Result<(), StorageError> {
     let span = tracing::debug_span!("mysql.migrate", history);
-    migrate_under_lock(pool, history, migrations, key_columns).instrument(span).await
+    migrate_under_lock(pool, history, migrations, &extra_tables, key_columns).instrument(span).await
 }
 
 async fn migrate_under_lock(
     pool: &Pool,
     history: &str,
     migrations: Vec<queries::Migration>,
+    extra_tables: &[queries::ExtraTable],
     key_columns: Vec<queries::KeyColumn>,
 ) -> Result<(), StorageError> {
     let conn = pool.get_conn().await.map_err(|error| storage_error("migrate: connect", error))?;
@@ -107,7 +112,15 @@ async fn migrate_under_lock(
     }
     // After the reference's migrations, whose `0002` declares `entity_type` again without a
     // collation.
-    ensure_key_collations(conn.get(), &key_columns).await?;
+    let collation = key_collation(conn.get()).await?;
+    for table in extra_tables {
+        // `IF NOT EXISTS`: a no-op (a note) when the table is there.
+        conn.get()
+            .query_drop(table.create(collation))
+            .await
+            .map_err(|error| storage_error(&format!("migrate: table {}", table.name), error))?;
+    }
+    ensure_key_collations(conn.get(), collation, &key_columns).await?;
     conn.get()
         .exec_drop("SELECT RELEASE_LOCK(?)", (lock_name.as_str(),))
         .await
@@ -147,13 +160,8 @@ async fn run_migration(
     }
 }
 
-/// Declares every key column that lacks it with the best byte-wise collation the server has,
-/// one `ALTER TABLE` per table. Columns that have it are left alone, so this is a catalog read
-/// on every call but the first.
-async fn ensure_key_collations(
-    conn: &mut Conn,
-    key_columns: &[queries::KeyColumn],
-) -> Result<(), StorageError> {
+/// The best byte-wise collation the server has ([`queries::KEY_COLLATIONS`]).
+async fn key_collation(conn: &mut Conn) -> Result<&'static str, StorageError> {
     let names: Vec<Value> = queries::KEY_COLLATIONS.iter().map(|name| Value::from(*name)).collect();
     let rows: Vec<Row> = conn
         .exec(queries::available_collations(), names)
@@ -163,14 +171,23 @@ async fn ensure_key_collations(
     for row in rows {
         available.extend(Columns::new(row).text().map_err(malformed_catalog)?);
     }
-    let Some(collation) =
-        queries::KEY_COLLATIONS.into_iter().find(|name| available.iter().any(|a| a == name))
-    else {
-        return Err(StorageError::new(
-            StorageErrorKind::Other,
-            "migrate: the server has no byte-wise utf8mb4 collation",
-        ));
-    };
+    queries::KEY_COLLATIONS.into_iter().find(|name| available.iter().any(|a| a == name)).ok_or_else(
+        || {
+            StorageError::new(
+                StorageErrorKind::Other,
+                "migrate: the server has no byte-wise utf8mb4 collation",
+            )
+        },
+    )
+}
+
+/// Declares every key column that lacks it with `collation`, one `ALTER TABLE` per table.
+/// Columns that have it are left alone, so this is a catalog read on every call but the first.
+async fn ensure_key_collations(
+    conn: &mut Conn,
+    collation: &str,
+    key_columns: &[queries::KeyColumn],
+) -> Result<(), StorageError> {
     let mut tables: Vec<&str> = key_columns.iter().map(|key| key.table.as_str()).collect();
     tables.dedup();
     for table in tables {

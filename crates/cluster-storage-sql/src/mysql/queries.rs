@@ -241,15 +241,63 @@ impl KeyColumn {
     }
 }
 
-/// The key columns of the message tables: the primary key and the address.
+/// The key columns of the message tables: the primary key and the address; and those of our
+/// entity state table, which is created with them (a table made otherwise gets them too).
 pub(crate) fn message_key_columns(prefix: &TablePrefix) -> Vec<KeyColumn> {
     let messages = prefix.table("messages");
+    let state = prefix.table(ENTITY_STATE_TABLE);
     vec![
         KeyColumn::new(&messages, "message_id", MESSAGE_ID_LEN_MAX, true),
         KeyColumn::new(&messages, "shard_id", SHARD_ID_LEN_MAX, false),
         KeyColumn::new(&messages, "entity_type", ENTITY_TYPE_LEN_MAX, false),
         KeyColumn::new(&messages, "entity_id", ENTITY_ID_LEN_MAX, false),
+        KeyColumn::new(&state, "entity_type", ENTITY_TYPE_LEN_MAX, false),
+        KeyColumn::new(&state, "entity_id", ENTITY_ID_LEN_MAX, false),
+        KeyColumn::new(&state, "shard_id", SHARD_ID_LEN_MAX, false),
     ]
+}
+
+/// The name of our entity state table (`<prefix>_entity_state`, see
+/// [`cluster_core::entity_state`]).
+pub(crate) const ENTITY_STATE_TABLE: &str = "entity_state";
+
+/// A table of ours, beyond the reference's schema: created when missing, after the reference's
+/// migrations and without a history row, with its key columns in the byte-wise collation the
+/// migrator chose ([`KEY_COLLATIONS`]).
+#[derive(Clone, Debug)]
+pub(crate) struct ExtraTable {
+    /// The table, unquoted.
+    pub(crate) name: String,
+    create: fn(table: &str, collation: &str) -> String,
+}
+
+impl ExtraTable {
+    /// The table's `CREATE TABLE IF NOT EXISTS`, its key columns in `collation`.
+    pub(crate) fn create(&self, collation: &str) -> String {
+        (self.create)(&quote(&self.name), collation)
+    }
+}
+
+/// The tables of ours next to the message tables: the entity state, one row per entity that
+/// has state, keyed by its type and id (the columns are the messages' own). The value is a
+/// `MEDIUMTEXT`.
+pub(crate) fn message_extra_tables(prefix: &TablePrefix) -> Vec<ExtraTable> {
+    fn create_state(table: &str, collation: &str) -> String {
+        let key = format!("CHARACTER SET utf8mb4 COLLATE {collation} NOT NULL");
+        // language=SQL
+        format!(
+            "CREATE TABLE IF NOT EXISTS {table} (
+  entity_type VARCHAR({ENTITY_TYPE_LEN_MAX}) {key},
+  entity_id VARCHAR({ENTITY_ID_LEN_MAX}) {key},
+  shard_id VARCHAR({SHARD_ID_LEN_MAX}) {key},
+  value MEDIUMTEXT NOT NULL,
+  revision BIGINT NOT NULL,
+  updated_at DATETIME NOT NULL,
+  PRIMARY KEY (entity_type, entity_id)
+)"
+        )
+    }
+    vec![ExtraTable { name: prefix.table(ENTITY_STATE_TABLE), create: create_state }]
 }
 
 /// The key columns of the runner tables: runner addresses and lease rows.

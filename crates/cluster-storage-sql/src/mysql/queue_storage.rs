@@ -115,7 +115,7 @@ impl MySqlQueueStorage {
     /// lock.
     pub async fn migrate(pool: &Pool, table: &QueueTable) -> Result<(), StorageError> {
         let key_columns = queries::queue_key_columns(table.as_str());
-        run_migrations(pool, &table.history(), migrations(table), key_columns).await
+        run_migrations(pool, &table.history(), migrations(table), Vec::new(), key_columns).await
     }
 
     /// The pool the store runs on.

@@ -272,13 +272,15 @@ impl PgMessageStorage {
     }
 
     /// Creates or upgrades `<prefix>_messages` and `<prefix>_replies` (history in
-    /// `<prefix>_migrations`) with the reference's migrations, and creates the claim's index
-    /// `<prefix>_messages_unprocessed_idx` if it is missing; returns the ids of the reference's
-    /// migrations that ran. Idempotent, and safe to run from several processes at once: they
-    /// take turns on an advisory transaction lock.
+    /// `<prefix>_migrations`) with the reference's migrations, creates our entity state table
+    /// `<prefix>_entity_state` and the claim's index `<prefix>_messages_unprocessed_idx` if they
+    /// are missing; returns the ids of the reference's migrations that ran. Idempotent, and
+    /// safe to run from several processes at once: they take turns on an advisory transaction
+    /// lock.
     ///
-    /// The history holds only the reference's migrations: the index is not recorded, and a
-    /// row `4 pg_messages_unprocessed_index` that earlier versions recorded is removed.
+    /// The history holds only the reference's migrations: the table and the index are not
+    /// recorded, and a row `4 pg_messages_unprocessed_index` that earlier versions recorded is
+    /// removed.
     ///
     /// # Cancel safety
     ///
@@ -289,7 +291,8 @@ impl PgMessageStorage {
     }
 
     /// [`migrate`](PgMessageStorage::migrate) with `options.prefix`, creating the claim's index
-    /// only if `options.extra_indexes` is set.
+    /// only if `options.extra_indexes` is set (the entity state table always: the storage's
+    /// own statements need it).
     ///
     /// # Cancel safety
     ///
@@ -300,6 +303,7 @@ impl PgMessageStorage {
     ) -> Result<Vec<i32>, StorageError> {
         let prefix = &options.prefix;
         let migrations = queries::message_migrations(prefix);
+        let extra_tables = queries::message_extra_tables(prefix);
         let extra_indexes =
             if options.extra_indexes { queries::message_extra_indexes(prefix) } else { Vec::new() };
         let target = MigrationTarget {
@@ -307,6 +311,7 @@ impl PgMessageStorage {
             lock: (advisory_namespace(prefix), queries::MESSAGE_MIGRATION_LOCK),
             migrations: &migrations,
             retired: &queries::RETIRED_MESSAGE_MIGRATIONS,
+            extra_tables: &extra_tables,
             extra_indexes: &extra_indexes,
         };
         migrate_on_pool(pool, &target).await

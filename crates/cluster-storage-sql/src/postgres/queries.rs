@@ -540,6 +540,38 @@ pub(crate) fn message_extra_indexes(prefix: &TablePrefix) -> Vec<ExtraIndex> {
     vec![ExtraIndex { name, create }]
 }
 
+/// The name of our entity state table (`<prefix>_entity_state`, see
+/// [`cluster_core::entity_state`]).
+pub(crate) const ENTITY_STATE_TABLE: &str = "entity_state";
+
+/// A table of ours, beyond the reference's schema: created when missing, after the reference's
+/// migrations and without a history row, whatever the options say (the storage's own
+/// statements need it).
+#[derive(Debug)]
+pub(crate) struct ExtraTable {
+    /// The table's name, quoted.
+    pub(crate) name: String,
+    pub(crate) create: String,
+}
+
+/// The tables of ours next to the message tables: the entity state, one row per entity that
+/// has state, keyed by its type and id (the columns are the messages' own).
+pub(crate) fn message_extra_tables(prefix: &TablePrefix) -> Vec<ExtraTable> {
+    let name = quoted(prefix, ENTITY_STATE_TABLE);
+    let create = format!(
+        "CREATE TABLE IF NOT EXISTS {name} ( \
+           entity_type VARCHAR(150) NOT NULL, \
+           entity_id VARCHAR(255) NOT NULL, \
+           shard_id VARCHAR(50) NOT NULL, \
+           value TEXT NOT NULL, \
+           revision BIGINT NOT NULL, \
+           updated_at TIMESTAMP NOT NULL, \
+           PRIMARY KEY (entity_type, entity_id) \
+         )"
+    );
+    vec![ExtraTable { name, create }]
+}
+
 /// History rows that earlier versions of this crate recorded in the reference's message history
 /// for objects of their own: a migrator removes them, so that the reference's history holds
 /// only the reference's migrations and a later effect release's migration of the same id runs.
@@ -593,6 +625,8 @@ pub(crate) struct MigrationTarget<'a> {
     pub(crate) migrations: &'a [Migration],
     /// History rows of ours to remove (`RETIRED_MESSAGE_MIGRATIONS`).
     pub(crate) retired: &'a [(i32, &'static str)],
+    /// Tables of ours to create when missing.
+    pub(crate) extra_tables: &'a [ExtraTable],
     /// Indexes of ours to create when missing (empty when the options forbid them).
     pub(crate) extra_indexes: &'a [ExtraIndex],
 }
@@ -601,8 +635,8 @@ pub(crate) struct MigrationTarget<'a> {
 /// ensure the history table, lock it, read the latest id, record the pending migrations, run
 /// them. An advisory transaction lock taken first makes a concurrent migration of the same
 /// prefix wait and then find nothing to do. Our own rows are removed from the history before
-/// it is read, and our own indexes are created last, without a history row. Returns the ids
-/// that were run.
+/// it is read, and our own tables and then indexes are created last, without a history row.
+/// Returns the ids that were run.
 pub(crate) async fn migrate(
     client: &mut tokio_postgres::Client,
     target: &MigrationTarget<'_>,
@@ -660,6 +694,23 @@ pub(crate) async fn migrate(
             transaction.batch_execute(statement).await.map_err(|e| {
                 driver_error(&format!("migration {:04}_{}", migration.id, migration.name), e)
             })?;
+        }
+    }
+    for table in target.extra_tables {
+        // Looked up first, as the indexes below are, so that a migration of tables that have
+        // it sends no DDL at all.
+        let exists: bool = transaction
+            .query_one("SELECT to_regclass($1) IS NOT NULL", &[&table.name])
+            .await
+            .map_err(|e| driver_error("migrate: look up a table", e))?
+            .try_get(0)
+            .map_err(column_error)?;
+        if !exists {
+            tracing::debug!(table = table.name, "creating a table of ours");
+            transaction
+                .batch_execute(&table.create)
+                .await
+                .map_err(|e| driver_error(&format!("migrate: table {}", table.name), e))?;
         }
     }
     for index in target.extra_indexes {

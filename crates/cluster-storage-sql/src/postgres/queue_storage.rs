@@ -113,6 +113,7 @@ impl PgQueueStorage {
             lock: (fnv1a_32(&format!("effect-queue:{table}")), QUEUE_MIGRATION_LOCK),
             migrations: &migrations,
             retired: &[],
+            extra_tables: &[],
             extra_indexes: &[],
         };
         migrate_on_pool(pool, &target).await

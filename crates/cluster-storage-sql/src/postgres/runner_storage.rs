@@ -132,6 +132,7 @@ impl PgRunnerStorage {
             lock: (advisory_namespace(prefix), queries::RUNNER_MIGRATION_LOCK),
             migrations: &migrations,
             retired: &[],
+            extra_tables: &[],
             extra_indexes: &[],
         };
         migrate_on_pool(pool, &target).await

@@ -335,6 +335,36 @@ impl MigrationSet {
             MigrationSet::Runners => runner_migrations(prefix),
         }
     }
+
+    /// The tables of ours next to the set's tables, created when missing after its
+    /// migrations, without a history row.
+    fn extra_tables(self, prefix: &TablePrefix) -> Vec<String> {
+        match self {
+            MigrationSet::Messages => message_extra_tables(prefix),
+            MigrationSet::Runners => Vec::new(),
+        }
+    }
+}
+
+/// The name of our entity state table (`<prefix>_entity_state`, see
+/// [`cluster_core::entity_state`]).
+const ENTITY_STATE_TABLE: &str = "entity_state";
+
+/// The entity state: one row per entity that has state, keyed by its type and id (the
+/// columns are the messages' own; times are UTC, as `CURRENT_TIMESTAMP` writes them).
+fn message_extra_tables(prefix: &TablePrefix) -> Vec<String> {
+    let s = prefix.table(ENTITY_STATE_TABLE);
+    vec![format!(
+        "CREATE TABLE IF NOT EXISTS {s} (
+          entity_type TEXT NOT NULL,
+          entity_id TEXT NOT NULL,
+          shard_id TEXT NOT NULL,
+          value TEXT NOT NULL,
+          revision INTEGER NOT NULL,
+          updated_at TEXT NOT NULL,
+          PRIMARY KEY (entity_type, entity_id)
+        )"
+    )]
 }
 
 fn message_migrations(prefix: &TablePrefix) -> Vec<Migration> {
@@ -424,6 +454,9 @@ fn runner_migrations(prefix: &TablePrefix) -> Vec<Migration> {
 /// `name`; in one transaction, the migrations above the latest recorded id are recorded first and
 /// then run; a concurrent migrator that recorded them first makes this one a no-op. Returns the ids
 /// that ran.
+///
+/// Then, on every call and without a history row, the set's tables of ours are created if they
+/// are missing (`CREATE TABLE IF NOT EXISTS`, which concurrent migrators may all run).
 pub(super) fn migrate(
     connection: &Connection,
     prefix: &TablePrefix,
@@ -459,11 +492,15 @@ pub(super) fn migrate(
         }
         Ok(required.iter().map(|migration| migration.id).collect())
     });
-    match result {
+    let ran = match result {
         // Another migrator recorded the same ids first (the reference's "Locked").
-        Err(error) if is_unique_violation(&error) => Ok(Vec::new()),
-        other => other,
+        Err(error) if is_unique_violation(&error) => Vec::new(),
+        other => other?,
+    };
+    for table in set.extra_tables(prefix) {
+        connection.execute_batch(&table)?;
     }
+    Ok(ran)
 }
 
 // ---------------------------------------------------------------------------------------------

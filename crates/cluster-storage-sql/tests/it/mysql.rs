@@ -34,6 +34,10 @@ use tokio::time::Instant;
 
 use crate::{database_url, unique_prefix};
 
+/// The tables of a prefix, histories included.
+const TABLES: [&str; 7] =
+    ["messages", "replies", "migrations", "runners", "locks", "runner_migrations", "entity_state"];
+
 /// The lock expiration of tests that are not about expiry.
 const LONG_EXPIRATION: Duration = Duration::from_secs(60);
 
@@ -126,7 +130,7 @@ impl Database {
     }
 
     async fn drop_tables(self) {
-        for name in ["messages", "replies", "migrations", "runners", "locks", "runner_migrations"] {
+        for name in TABLES {
             self.exec(&format!("DROP TABLE IF EXISTS `{}`", self.table(name))).await;
         }
         // Bounded: a test that failed may still hold connections of this pool.
@@ -538,7 +542,7 @@ async fn migrations_are_recorded_and_idempotent() {
 }
 
 /// The columns compared for identity: `(table, column)`.
-const KEY_COLUMNS: [(&str, &str); 7] = [
+const KEY_COLUMNS: [(&str, &str); 10] = [
     ("messages", "message_id"),
     ("messages", "shard_id"),
     ("messages", "entity_type"),
@@ -546,6 +550,9 @@ const KEY_COLUMNS: [(&str, &str); 7] = [
     ("runners", "address"),
     ("locks", "shard_id"),
     ("locks", "address"),
+    ("entity_state", "entity_type"),
+    ("entity_state", "entity_id"),
+    ("entity_state", "shard_id"),
 ];
 
 /// The collation of every column in [`KEY_COLUMNS`], in that order.
@@ -581,8 +588,9 @@ async fn key_columns_compare_bytes_after_migration() {
     let collations = key_collations(&database).await;
     assert_eq!(collations.len(), KEY_COLUMNS.len(), "{collations:?}");
     assert!(collations.iter().all(|collation| compares_bytes(collation)), "{collations:?}");
-    // The reference's tables: every text column in the database's default collation.
-    for table in ["messages", "runners", "locks"] {
+    // The reference's tables (and ours, made by hand): every text column in the database's
+    // default collation.
+    for table in ["messages", "runners", "locks", "entity_state"] {
         database
             .exec(&format!(
                 "ALTER TABLE `{}` CONVERT TO CHARACTER SET utf8mb4 COLLATE utf8mb4_general_ci",
@@ -621,6 +629,51 @@ async fn key_columns_compare_bytes_after_migration() {
         "the converted row is still found: {duplicate:?}"
     );
     drop(storage);
+    database.drop_tables().await;
+}
+
+/// The columns of the entity state table.
+async fn state_columns(database: &Database) -> Vec<Column> {
+    let rows = database
+        .rows(&format!(
+            "SELECT COLUMN_NAME, DATA_TYPE, CHARACTER_MAXIMUM_LENGTH, IS_NULLABLE, \
+             COLUMN_DEFAULT, EXTRA FROM information_schema.columns \
+             WHERE TABLE_SCHEMA = DATABASE() AND TABLE_NAME = '{}' ORDER BY ORDINAL_POSITION",
+            database.table("entity_state")
+        ))
+        .await;
+    rows.into_iter().map(Column::from_row).collect()
+}
+
+/// The entity state table is ours: created by the message migrations with the messages'
+/// columns for its key (in a byte-wise collation), without a history row, and again when it
+/// is missing.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_entity_state_table_is_created_outside_the_history() {
+    let Some(database) = Database::new() else { return };
+    database.migrate().await;
+    let n = false;
+    let expected: Vec<Column> = vec![
+        ("entity_type", "varchar", Some(150), n, None, n),
+        ("entity_id", "varchar", Some(255), n, None, n),
+        ("shard_id", "varchar", Some(50), n, None, n),
+        ("value", "mediumtext", Some(16_777_215), n, None, n),
+        ("revision", "bigint", None, n, None, n),
+        ("updated_at", "datetime", None, n, None, n),
+    ]
+    .into_iter()
+    .map(Column::from_spec)
+    .collect();
+    assert_eq!(state_columns(&database).await, expected);
+    let primary = indexes(&database, "entity_state").await;
+    assert_eq!(primary, [("PRIMARY".to_owned(), true, "entity_type,entity_id".to_owned())]);
+    let messages_history =
+        vec![(1, "create_tables".to_owned()), (2, "entity_type_size".to_owned())];
+    assert_eq!(history(&database, "migrations").await, messages_history);
+    database.exec(&format!("DROP TABLE `{}`", database.table("entity_state"))).await;
+    database.migrate().await;
+    assert_eq!(state_columns(&database).await, expected, "the table is back");
+    assert_eq!(history(&database, "migrations").await, messages_history);
     database.drop_tables().await;
 }
 

@@ -33,8 +33,8 @@ const URL_VARIABLE: &str = "CLUSTER_TEST_POSTGRES_URL";
 const EVENTUAL: Duration = Duration::from_secs(30);
 
 /// The tables of a prefix, histories included.
-const TABLES: [&str; 6] =
-    ["messages", "replies", "migrations", "runners", "locks", "runner_migrations"];
+const TABLES: [&str; 7] =
+    ["messages", "replies", "migrations", "runners", "locks", "runner_migrations", "entity_state"];
 
 fn options(prefix: &TablePrefix, lock_mode: LockMode, expiration: Duration) -> SqlStorageOptions {
     let config = ShardingConfig {
@@ -492,6 +492,38 @@ async fn migrations_are_idempotent_and_shared() {
     scratch.cleanup().await;
 }
 
+/// The entity state table is ours: created by the message migrations with the messages'
+/// columns for its key, without a history row, and again when it is missing.
+#[tokio::test]
+async fn the_entity_state_table_is_created_outside_the_history() {
+    let Some(scratch) = Scratch::new().await else { return };
+    let pool = postgres::pool(postgres::parse_config(&scratch.url).unwrap(), 2).unwrap();
+    assert_eq!(PgMessageStorage::migrate(&pool, &scratch.prefix).await.unwrap(), [1, 2, 3]);
+    let state = scratch.table("entity_state");
+    assert_eq!(
+        columns(&scratch.admin, &state).await,
+        [
+            "entity_type character varying(150) not null",
+            "entity_id character varying(255) not null",
+            "shard_id character varying(50) not null",
+            "value text not null",
+            "revision bigint not null",
+            "updated_at timestamp without time zone not null",
+        ]
+    );
+    assert_eq!(
+        indexes(&scratch.admin, &state).await,
+        ["T_pkey: CREATE UNIQUE INDEX T_pkey ON public.T USING btree (entity_type, entity_id)"]
+    );
+    let migrations = scratch.table("migrations");
+    assert_eq!(history(&scratch.admin, &migrations).await, reference_message_history());
+    scratch.admin.client.batch_execute(&format!("DROP TABLE \"{state}\"")).await.unwrap();
+    assert!(PgMessageStorage::migrate(&pool, &scratch.prefix).await.unwrap().is_empty());
+    assert_eq!(columns(&scratch.admin, &state).await.len(), 6, "the table is back");
+    assert_eq!(history(&scratch.admin, &migrations).await, reference_message_history());
+    scratch.cleanup().await;
+}
+
 /// Earlier versions recorded the claim's index as migration `4 pg_messages_unprocessed_index`
 /// in the reference's history, where a later effect release's own migration 4 would then be
 /// skipped. A migration removes that row (and only that row): the history becomes the
@@ -522,8 +554,9 @@ async fn history_row_4_of_an_earlier_version_is_removed() {
     scratch.cleanup().await;
 }
 
-/// With `extra_indexes` off, the migrations create exactly the reference's schema: no claim
-/// index, the reference's history; the storage still works (its claim reads the shard index).
+/// With `extra_indexes` off, the migrations create the reference's schema: no claim index,
+/// the reference's history; the storage still works (its claim reads the shard index). Our
+/// entity state table is created all the same: the storage's statements need it.
 #[tokio::test]
 async fn extra_indexes_off_adds_nothing_to_the_reference_schema() {
     let Some(scratch) = Scratch::new().await else { return };

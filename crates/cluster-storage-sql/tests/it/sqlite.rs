@@ -451,6 +451,36 @@ async fn migrations_are_recorded_and_idempotent() {
     database.remove();
 }
 
+/// The entity state table is ours: created by the message migrations with the messages'
+/// columns for the key, without a history row, and again when it is missing.
+#[tokio::test]
+async fn the_entity_state_table_is_created_outside_the_history() {
+    let database = TempDatabase::new();
+    let options = database.options();
+    assert_eq!(SqliteMessageStorage::migrate(&database.path, &options).await.unwrap(), [1, 2, 3]);
+    let connection = database.connect();
+    let state = database.table("entity_state");
+    expect_columns(
+        &connection,
+        &state,
+        &[
+            ("entity_type", "TEXT", true, None, 1),
+            ("entity_id", "TEXT", true, None, 2),
+            ("shard_id", "TEXT", true, None, 0),
+            ("value", "TEXT", true, None, 0),
+            ("revision", "INTEGER", true, None, 0),
+            ("updated_at", "TEXT", true, None, 0),
+        ],
+    );
+    expect_indexes(&connection, &state, vec![(format!("sqlite_autoindex_{state}_1"), true)]);
+    assert_eq!(history(&connection, &database.table("migrations")).len(), 3);
+    connection.execute_batch(&format!("DROP TABLE {state}")).unwrap();
+    assert!(SqliteMessageStorage::migrate(&database.path, &options).await.unwrap().is_empty());
+    assert_eq!(columns(&connection, &state).len(), 6, "the table is back");
+    assert_eq!(history(&connection, &database.table("migrations")).len(), 3);
+    database.remove();
+}
+
 /// Tables that exist without a history (deployments older than the history) are migrated in
 /// place: `IF NOT EXISTS` keeps their rows.
 #[tokio::test]

@@ -261,7 +261,7 @@ async fn the_default_prefers_tls_and_required_refuses_a_server_without_it() {
 async fn drop_tables(url: &str, prefix: &TablePrefix) {
     let pool = mysql_async::Pool::new(mysql_async::Opts::from_url(url).expect("a MySQL URL"));
     let mut conn = pool.get_conn().await.expect("a connection");
-    for name in ["messages", "replies", "migrations"] {
+    for name in ["messages", "replies", "migrations", "entity_state"] {
         let sql = format!("DROP TABLE IF EXISTS `{}`", prefix.table(name));
         conn.query_drop(sql).await.expect("drop a table");
     }

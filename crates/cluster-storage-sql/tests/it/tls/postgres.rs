@@ -17,8 +17,8 @@ use super::{PASSWORD, ScratchDir, assert_refused, make_pki, openssl, with_params
 const URL_VARIABLE: &str = "CLUSTER_TEST_POSTGRES_URL";
 
 /// The tables of a prefix, histories included.
-const TABLES: [&str; 6] =
-    ["messages", "replies", "migrations", "runners", "locks", "runner_migrations"];
+const TABLES: [&str; 7] =
+    ["messages", "replies", "migrations", "runners", "locks", "runner_migrations", "entity_state"];
 
 /// The test's server: its URL (with a password it never checks), a plain connection for the
 /// test's own statements, and the file of its certificate.
