@@ -81,14 +81,15 @@ impl fmt::Display for TablePrefix {
 pub const VALUE_BYTES_MAX_DEFAULT: ValueBytesMax = ValueBytesMax(16 * 1024 * 1024);
 
 /// The most bytes a stored value may have: a request's payload or headers, a reply's payload
-/// (the exit's JSON, or a chunk's array of values), a queue element. At least 1 and at most
-/// [`ValueBytesMax::LIMIT`] (1 GiB, about what PostgreSQL and SQLite hold in one value).
+/// (the exit's JSON, or a chunk's array of values), an entity's state, a queue element. At
+/// least 1 and at most [`ValueBytesMax::LIMIT`] (1 GiB, about what PostgreSQL and SQLite hold
+/// in one value).
 ///
 /// The backends refuse a longer value before sending anything to the database, with
 /// [`StorageErrorKind::InvalidInput`](cluster_core::error::StorageErrorKind::InvalidInput). Where
 /// the database holds less, the limit is capped: on MySQL by the `TEXT` columns (65,535 bytes)
-/// of the messages and replies, and for the queue's elements at 16,711,680 bytes (a
-/// `MEDIUMTEXT` row within the default `max_allowed_packet` of 16 MiB); on SQLite at
+/// of the messages and replies, and for entity states and the queue's elements at 16,711,680
+/// bytes (a `MEDIUMTEXT` row within the default `max_allowed_packet` of 16 MiB); on SQLite at
 /// 1,000,000,000 bytes, its longest string.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
 pub struct ValueBytesMax(usize);
@@ -194,12 +195,13 @@ pub struct SqlStorageOptions {
     /// migration history. There is one, on PostgreSQL: `<prefix>_messages_unprocessed_idx`,
     /// which the claim walks; without it the claim goes through `<prefix>_messages_shard_idx`,
     /// where processed rows and dead versions pile up until vacuum, and is slower
-    /// (`docs/storage.md`). MySQL and SQLite have none. With `false` nothing is created, and an
-    /// index created earlier is kept.
+    /// (`docs/storage.md`). MySQL and SQLite have none. With `false` no index is created, and an
+    /// index created earlier is kept. (The entity state table, `<prefix>_entity_state`, is
+    /// created either way: the storages' own statements need it.)
     pub extra_indexes: bool,
     /// The most bytes a stored value may have ([`VALUE_BYTES_MAX_DEFAULT`], 16 MiB, by
-    /// default): a request's payload and headers, a reply's payload, a queue element. A longer
-    /// one is refused before it reaches the database (see [`ValueBytesMax`]).
+    /// default): a request's payload and headers, a reply's payload, an entity's state, a queue
+    /// element. A longer one is refused before it reaches the database (see [`ValueBytesMax`]).
     pub value_bytes_max: ValueBytesMax,
 }
 

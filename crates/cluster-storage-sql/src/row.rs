@@ -14,6 +14,7 @@ use std::borrow::Cow;
 use std::collections::BTreeMap;
 
 use cluster_core::encoded::{self, JsonForm};
+use cluster_core::entity_state::{StateWrite, StoredState};
 use cluster_core::envelope::{
     self, AckChunk, Chunk, Envelope, Exit, Interrupt, RawJson, Reply, Request, TraceContext,
     WithExit,
@@ -271,6 +272,106 @@ impl ReplyInsert {
         let what = if insert.kind.is_some() { "the reply's payload" } else { "the chunk's values" };
         limit.check(what, &insert.payload)?;
         Ok(insert)
+    }
+}
+
+/// A conditional write of an entity's state, as the backends run it
+/// ([`cluster_core::entity_state`]): one statement on the row keyed by the entity's type and id,
+/// applied only at the revision its writer loaded.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub(crate) struct StateRow<'a> {
+    /// The write, for the error of a stale one ([`StateWrite::stale`]).
+    pub(crate) write: &'a StateWrite,
+    pub(crate) entity_type: &'a str,
+    pub(crate) entity_id: &'a str,
+    /// The entity's shard, kept in the row for operators.
+    pub(crate) shard_id: String,
+    /// The revision the writer loaded (0: no row).
+    pub(crate) expected: i64,
+    pub(crate) change: StateChange<'a>,
+}
+
+/// What a [`StateRow`] does to its row.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum StateChange<'a> {
+    /// No row was loaded: insert one at revision 1, unless one exists (then the write is
+    /// stale).
+    Insert(&'a str),
+    /// Set the value of the row at revision `expected`, which becomes `expected + 1`.
+    Update(&'a str),
+    /// Delete the row at revision `expected`.
+    Delete,
+    /// No row was loaded and none is wanted: nothing to write.
+    Nothing,
+}
+
+impl<'a> StateRow<'a> {
+    /// The row of `write`, if its value fits `limit` and its revision a `BIGINT`. The value is
+    /// the JSON text (the undefined value is stored as `null`), checked before any statement so
+    /// that a refused value never aborts a transaction.
+    pub(crate) fn checked(
+        write: &'a StateWrite,
+        limit: ValueLimit,
+    ) -> Result<StateRow<'a>, StorageError> {
+        let expected = i64::try_from(write.expected)
+            .ok()
+            .filter(|expected| *expected < i64::MAX)
+            .ok_or_else(|| {
+            StorageError::new(
+                StorageErrorKind::InvalidInput,
+                format!(
+                    "the state of {} cannot be written at revision {}: revisions are \
+                         BIGINTs",
+                    write.address, write.expected
+                ),
+            )
+        })?;
+        let change = match (&write.value, expected) {
+            (Some(value), expected) => {
+                let json = value.json_or_null();
+                limit.check(&format!("the state of {}", write.address), json)?;
+                if expected == 0 { StateChange::Insert(json) } else { StateChange::Update(json) }
+            }
+            (None, 0) => StateChange::Nothing,
+            (None, _) => StateChange::Delete,
+        };
+        Ok(StateRow {
+            write,
+            entity_type: write.address.entity_type.as_str(),
+            entity_id: write.address.entity_id.as_str(),
+            shard_id: write.address.shard_id.to_string(),
+            expected,
+            change,
+        })
+    }
+}
+
+/// An entity's state row as read (`value, revision`).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub(crate) struct StoredStateRow {
+    pub(crate) value: String,
+    pub(crate) revision: i64,
+}
+
+impl StoredStateRow {
+    /// The stored state of `address`; a value that is not JSON or a revision below 1 is a
+    /// malformed row that names the entity (never a panic).
+    pub(crate) fn decode(self, address: &EntityAddress) -> Result<StoredState, StorageError> {
+        let revision = u64::try_from(self.revision).ok().filter(|revision| *revision > 0);
+        let Some(revision) = revision else {
+            return Err(StorageError::new(
+                StorageErrorKind::Malformed,
+                format!("the stored state of {address} has revision {}", self.revision),
+            ));
+        };
+        let value = RawJson::from_json(self.value).map_err(|error| {
+            StorageError::with_source(
+                StorageErrorKind::Malformed,
+                format!("the stored state of {address} is not JSON"),
+                error,
+            )
+        })?;
+        Ok(StoredState { value, revision })
     }
 }
 

@@ -23,6 +23,13 @@ pub(crate) fn text_limit(option: ValueBytesMax) -> ValueLimit {
     ValueLimit::capped(option, "MySQL's TEXT column", TEXT_VALUE_BYTES_MAX)
 }
 
+/// The limit of entity states: `option`, capped as the queue's elements are (their
+/// `MEDIUMTEXT` column holds more than a row within MariaDB's default `max_allowed_packet`).
+pub(crate) fn state_limit(option: ValueBytesMax) -> ValueLimit {
+    let row = "a MySQL entity state row within the default max_allowed_packet (16 MiB)";
+    ValueLimit::capped(option, row, QUEUE_ELEMENT_BYTES_MAX)
+}
+
 /// The limit of the queue's elements: `option`, capped by what a row holds within MariaDB's
 /// default `max_allowed_packet`.
 pub(crate) fn queue_element_limit(option: ValueBytesMax) -> ValueLimit {

@@ -12,6 +12,11 @@
 //! over-long value with a mere warning). Payloads and headers are checked against one limit:
 //! `value_bytes_max`, capped by their `TEXT` columns.
 //!
+//! Entity states (`cluster_core::entity_state`) live in `<prefix>_entity_state`, a table of
+//! ours whose `MEDIUMTEXT` values are limited to `value_bytes_max`, capped as the queue's
+//! elements are. Each write is one conditional statement; a stale one changes no row (a stale
+//! insert hits the primary key, which fails the statement, not its transaction).
+//!
 //! Departures from the reference, each for a reason given where it is made: the storage's own
 //! transactions run in `READ COMMITTED` and are retried after a deadlock (gap locks of
 //! `REPEATABLE READ` deadlocked concurrent claims on different shards); acknowledgements and
@@ -24,6 +29,7 @@ use std::fmt;
 use std::sync::{Arc, OnceLock};
 
 use cluster_core::clock::Timestamp;
+use cluster_core::entity_state::{StateWrite, StoredState};
 use cluster_core::envelope::{self, AckChunk, Interrupt, Reply, Request};
 use cluster_core::error::{DecodeError, StorageError, StorageErrorKind};
 use cluster_core::future::BoxFuture;
@@ -34,18 +40,19 @@ use cluster_core::storage::{
 use cluster_core::transaction::TransactionGuard;
 use cluster_core::{EntityAddress, ShardId, Snowflake};
 use mysql_async::prelude::Queryable;
-use mysql_async::{Conn, IsolationLevel, Pool, Row, Transaction, TxOpts, Value};
+use mysql_async::{Conn, IsolationLevel, Params, Pool, Row, Transaction, TxOpts, Value};
 use tracing::Instrument;
 
 use super::classify::{ER_DUP_ENTRY, is_deadlock, storage_error};
-use super::columns::{Columns, check_chars, text_limit};
+use super::columns::{Columns, check_chars, state_limit, text_limit};
 use super::connection;
 use super::migrate::migrate_messages;
 use super::queries::{self, IN_LIST_LEN_MAX, MessageQueries};
 use crate::batch::Batcher;
 use crate::options::{TablePrefix, ValueBytesMax};
 use crate::row::{
-    self, LastReplyRow, MessageInsert, MessageRow, ReplyInsert, ReplyRow, ValueLimit,
+    self, LastReplyRow, MessageInsert, MessageRow, ReplyInsert, ReplyRow, StateChange, StateRow,
+    StoredStateRow, ValueLimit,
 };
 use crate::save::{self, BatchFailure, SaveBackend};
 
@@ -74,6 +81,9 @@ pub struct MySqlMessageStorage {
     queries: Arc<MessageQueries>,
     /// The most bytes of a payload or headers: `value_bytes_max`, capped by `TEXT`.
     limit: ValueLimit,
+    /// The most bytes of an entity state: `value_bytes_max`, capped by a row within the
+    /// default `max_allowed_packet`.
+    state_limit: ValueLimit,
     /// The group-commit writers, started on first use (that is, inside the runtime).
     writers: OnceLock<Writers>,
 }
@@ -266,27 +276,45 @@ impl MySqlMessageStorage {
     pub fn without_migrations(pool: Pool, prefix: &TablePrefix) -> MySqlMessageStorage {
         let queries = Arc::new(MessageQueries::new(prefix));
         let limit = text_limit(ValueBytesMax::default());
+        let state_limit = state_limit(ValueBytesMax::default());
         MySqlMessageStorage {
             pool,
             prefix: prefix.clone(),
             queries,
             limit,
+            state_limit,
             writers: OnceLock::new(),
         }
     }
 
     /// The storage with its values limited to `value_bytes_max` bytes, or to the 65,535 bytes
     /// of their `TEXT` columns if that is less: a longer payload, headers or reply is refused
-    /// with [`StorageErrorKind::InvalidInput`] before anything is sent.
+    /// with [`StorageErrorKind::InvalidInput`] before anything is sent. Entity states are
+    /// limited to `value_bytes_max` too, or to 16,711,680 bytes if that is less (see
+    /// [`state_bytes_max`](MySqlMessageStorage::state_bytes_max)).
     pub fn with_value_bytes_max(self, value_bytes_max: ValueBytesMax) -> MySqlMessageStorage {
         // The writers capture the limit: new ones start with the new limit on first use.
-        MySqlMessageStorage { limit: text_limit(value_bytes_max), writers: OnceLock::new(), ..self }
+        MySqlMessageStorage {
+            limit: text_limit(value_bytes_max),
+            state_limit: state_limit(value_bytes_max),
+            writers: OnceLock::new(),
+            ..self
+        }
     }
 
     /// The most bytes a stored value may have on this storage: `value_bytes_max`, or the 65,535
     /// bytes of a `TEXT` column if that is less.
     pub fn value_bytes_max(&self) -> ValueBytesMax {
         self.limit.effective()
+    }
+
+    /// The most bytes an entity's state may have on this storage: `value_bytes_max`, or
+    /// 16,711,680 bytes (16 MiB − 64 KiB) if that is less. The `value` column is a
+    /// `MEDIUMTEXT`, but a row must also fit the server's `max_allowed_packet`, 16 MiB by
+    /// default on MariaDB, as the queue's elements must; a longer state is refused with
+    /// [`StorageErrorKind::InvalidInput`] before anything is sent.
+    pub fn state_bytes_max(&self) -> ValueBytesMax {
+        self.state_limit.effective()
     }
 
     /// The pool the storage runs on.
@@ -532,6 +560,58 @@ impl MySqlMessageStorage {
         Ok(())
     }
 
+    async fn load_state_inner(
+        &self,
+        address: &EntityAddress,
+    ) -> Result<Option<StoredState>, StorageError> {
+        let mut conn = self.conn().await?;
+        let key = (address.entity_type.as_str(), address.entity_id.as_str());
+        let row: Option<Row> = conn
+            .exec_first(self.queries.load_state.as_str(), key)
+            .await
+            .map_err(|error| storage_error("load_state", error))?;
+        let Some(row) = row else { return Ok(None) };
+        let mut columns = Columns::new(row);
+        let (value, revision) = (columns.text(), columns.int());
+        let unreadable = |error: DecodeError| {
+            StorageError::with_source(
+                StorageErrorKind::Malformed,
+                format!("the stored state of {address} cannot be read"),
+                error,
+            )
+        };
+        // A NULL (impossible in this schema) fails to decode like bad JSON, or a revision 0.
+        let stored = StoredStateRow {
+            value: value.map_err(unreadable)?.unwrap_or_default(),
+            revision: revision.map_err(unreadable)?.unwrap_or(0),
+        };
+        stored.decode(address).map(Some)
+    }
+
+    async fn save_state_inner(&self, write: &StateWrite) -> Result<(), StorageError> {
+        let row = StateRow::checked(write, self.state_limit)?;
+        check_state_widths(&row)?;
+        if row.change == StateChange::Nothing {
+            return Ok(());
+        }
+        write_state(&mut self.conn().await?, &self.queries, &row).await
+    }
+
+    /// The state write and the reply in one transaction of their own, retried after a
+    /// deadlock as every transaction of the storage is; not through the reply batch writer
+    /// (`crate::save`) in this first version.
+    async fn save_reply_with_state_inner(
+        &self,
+        reply: &Reply,
+        write: &StateWrite,
+    ) -> Result<(), StorageError> {
+        // Both checked before any statement.
+        let insert = ReplyInsert::checked(reply, self.limit)?;
+        let row = StateRow::checked(write, self.state_limit)?;
+        check_state_widths(&row)?;
+        self.transaction(TxBody::ReplyWithState { state: &row, reply: &insert }).await.map(drop)
+    }
+
     async fn clear_address_inner(&self, address: &EntityAddress) -> Result<(), StorageError> {
         let body = TxBody::ClearAddress {
             entity_type: address.entity_type.as_str(),
@@ -695,6 +775,33 @@ impl MessageStorage for MySqlMessageStorage {
         Box::pin(self.clear_address_inner(address).instrument(span("clear_address")))
     }
 
+    fn load_state<'a>(
+        &'a self,
+        address: &'a EntityAddress,
+    ) -> BoxFuture<'a, Result<Option<StoredState>, StorageError>> {
+        Box::pin(self.load_state_inner(address).instrument(span("load_state")))
+    }
+
+    fn save_state<'a>(&'a self, write: &'a StateWrite) -> BoxFuture<'a, Result<(), StorageError>> {
+        Box::pin(self.save_state_inner(write).instrument(span("save_state")))
+    }
+
+    /// One transaction of its own per call, not the reply batch writer of
+    /// [`save_reply`](MessageStorage::save_reply).
+    fn save_reply_with_state<'a>(
+        &'a self,
+        reply: &'a Reply,
+        write: &'a StateWrite,
+    ) -> BoxFuture<'a, Result<(), StorageError>> {
+        let span = tracing::debug_span!(
+            "mysql.message_storage",
+            operation = "save_reply_with_state",
+            request_id = %reply.request_id(),
+            is_final = reply.is_final(),
+        );
+        Box::pin(self.save_reply_with_state_inner(reply, write).instrument(span))
+    }
+
     fn begin_transaction(
         &self,
     ) -> BoxFuture<'_, Result<Box<dyn MessageTransaction>, StorageError>> {
@@ -703,7 +810,12 @@ impl MessageStorage for MySqlMessageStorage {
                 // The caller's transaction: the server's default isolation level.
                 let tx = self.begin(&TxOpts::default()).await?;
                 let queries = Arc::clone(&self.queries);
-                let transaction = MySqlTransaction { tx, queries, limit: self.limit };
+                let transaction = MySqlTransaction {
+                    tx,
+                    queries,
+                    limit: self.limit,
+                    state_limit: self.state_limit,
+                };
                 Ok(Box::new(transaction) as Box<dyn MessageTransaction>)
             }
             .instrument(span("begin_transaction")),
@@ -744,6 +856,7 @@ struct MySqlTransaction {
     tx: Transaction<'static>,
     queries: Arc<MessageQueries>,
     limit: ValueLimit,
+    state_limit: ValueLimit,
 }
 
 impl MessageTransaction for MySqlTransaction {
@@ -755,6 +868,21 @@ impl MessageTransaction for MySqlTransaction {
                 write_reply(&mut self.tx, &self.queries, &insert).await.map(|_| ())
             }
             .instrument(span("transaction.save_reply")),
+        )
+    }
+
+    fn save_state<'a>(
+        &'a mut self,
+        write: &'a StateWrite,
+    ) -> BoxFuture<'a, Result<(), StorageError>> {
+        Box::pin(
+            async move {
+                // Checked before any statement, as replies are.
+                let row = StateRow::checked(write, self.state_limit)?;
+                check_state_widths(&row)?;
+                write_state(&mut self.tx, &self.queries, &row).await
+            }
+            .instrument(span("transaction.save_state")),
         )
     }
 
@@ -852,6 +980,9 @@ enum TxBody<'a> {
     Claim { sql: &'a str, params: &'a [Value] },
     /// Delete an entity's messages and replies.
     ClearAddress { entity_type: &'a str, entity_id: &'a str },
+    /// Write an entity's state, then store a reply with its message-row updates; a stale
+    /// state fails the transaction.
+    ReplyWithState { state: &'a StateRow<'a>, reply: &'a ReplyInsert },
 }
 
 /// What a [`TxBody`] produced.
@@ -886,6 +1017,10 @@ async fn run_body(
         }
         TxBody::Reply(insert) => {
             write_reply(tx, queries, insert).await?;
+        }
+        TxBody::ReplyWithState { state, reply } => {
+            write_state(tx, queries, state).await?;
+            write_reply(tx, queries, reply).await?;
         }
         TxBody::ClearReplies { request_id, expected_reply_id } => {
             clear_replies(tx, queries, *request_id, *expected_reply_id).await?;
@@ -1008,6 +1143,64 @@ async fn duplicate_reply<Q: Queryable>(
         }
     }
     Err(conflict(format!("a reply of request {} conflicts with a stored one", insert.request_id)))
+}
+
+/// Runs the checked state write `row` on `conn` (a pooled connection or a transaction): one
+/// statement, which changes no row when the write is stale. Then it fails with `StaleState`,
+/// and a transaction it ran in goes on.
+async fn write_state<Q: Queryable>(
+    conn: &mut Q,
+    queries: &MessageQueries,
+    row: &StateRow<'_>,
+) -> Result<(), StorageError> {
+    let (entity_type, entity_id, shard_id) = (row.entity_type, row.entity_id, &row.shard_id);
+    let changed = match row.change {
+        StateChange::Nothing => return Ok(()),
+        StateChange::Insert(value) => {
+            let params = (entity_type, entity_id, shard_id.as_str(), value);
+            match affected_rows(conn, &queries.insert_state, params.into()).await {
+                Err(mysql_async::Error::Server(error)) if error.code == ER_DUP_ENTRY => {
+                    return Err(row.write.stale());
+                }
+                inserted => inserted.map_err(|error| storage_error("save_state: insert", error))?,
+            }
+        }
+        StateChange::Update(value) => {
+            let params = (shard_id.as_str(), value, entity_type, entity_id, row.expected);
+            affected_rows(conn, &queries.update_state, params.into())
+                .await
+                .map_err(|error| storage_error("save_state: update", error))?
+        }
+        StateChange::Delete => {
+            let params = (entity_type, entity_id, row.expected);
+            affected_rows(conn, &queries.delete_state, params.into())
+                .await
+                .map_err(|error| storage_error("save_state: delete", error))?
+        }
+    };
+    // The update always changes the revision: the count is the same with or without
+    // `CLIENT_FOUND_ROWS`.
+    if changed == 0 { Err(row.write.stale()) } else { Ok(()) }
+}
+
+/// Runs the statement `sql` on `conn` and returns how many rows it changed.
+async fn affected_rows<Q: Queryable>(
+    conn: &mut Q,
+    sql: &str,
+    params: Params,
+) -> Result<u64, mysql_async::Error> {
+    let result = conn.exec_iter(sql, params).await?;
+    let affected = result.affected_rows();
+    result.drop_result().await?;
+    Ok(affected)
+}
+
+/// Checks the column widths of a state row's key (see the module docs); its value is checked
+/// against the storage's limit when the row is made (`StateRow::checked`).
+fn check_state_widths(row: &StateRow<'_>) -> Result<(), StorageError> {
+    check_chars("shard_id", &row.shard_id, queries::SHARD_ID_LEN_MAX)?;
+    check_chars("entity_type", row.entity_type, queries::ENTITY_TYPE_LEN_MAX)?;
+    check_chars("entity_id", row.entity_id, queries::ENTITY_ID_LEN_MAX)
 }
 
 /// Checks the column widths of a message row (see the module docs); its payload and headers are

@@ -280,7 +280,7 @@ impl ExtraTable {
 
 /// The tables of ours next to the message tables: the entity state, one row per entity that
 /// has state, keyed by its type and id (the columns are the messages' own). The value is a
-/// `MEDIUMTEXT`.
+/// `MEDIUMTEXT`; [`super::columns::state_limit`] caps it.
 pub(crate) fn message_extra_tables(prefix: &TablePrefix) -> Vec<ExtraTable> {
     fn create_state(table: &str, collation: &str) -> String {
         let key = format!("CHARACTER SET utf8mb4 COLLATE {collation} NOT NULL");
@@ -382,12 +382,23 @@ pub(crate) struct MessageQueries {
     pub(crate) unprocessed_before: String,
     pub(crate) clear_address_replies: String,
     pub(crate) clear_address_messages: String,
+    /// The `value, revision` of the state of an entity (type, id).
+    pub(crate) load_state: String,
+    /// Inserts an entity's state (type, id, shard, value) at revision 1; a row already there
+    /// is a duplicate key, that is a stale write.
+    pub(crate) insert_state: String,
+    /// Sets an entity's state (shard, value; type, id) if its revision is the last parameter,
+    /// and moves the revision on by one.
+    pub(crate) update_state: String,
+    /// Deletes an entity's state (type, id) if its revision is the last parameter.
+    pub(crate) delete_state: String,
 }
 
 impl MessageQueries {
     pub(crate) fn new(prefix: &TablePrefix) -> MessageQueries {
         let messages = quote(&prefix.table("messages"));
         let replies = quote(&prefix.table("replies"));
+        let state = quote(&prefix.table(ENTITY_STATE_TABLE));
         let insert_columns = "(id, message_id, shard_id, entity_type, entity_id, kind, tag, \
              payload, headers, trace_id, span_id, sampled, request_id, reply_id, deliver_at)";
         let insert_values = placeholders(15);
@@ -451,6 +462,23 @@ impl MessageQueries {
             ),
             clear_address_messages: format!(
                 "DELETE FROM {messages} WHERE entity_type = ? AND entity_id = ?"
+            ),
+            load_state: format!(
+                "SELECT value, revision FROM {state} WHERE entity_type = ? AND entity_id = ?"
+            ),
+            // A plain `INSERT`: `INSERT IGNORE` would also turn a value that does not fit into
+            // a warning. A duplicate key fails the statement only, not its transaction.
+            insert_state: format!(
+                "INSERT INTO {state} (entity_type, entity_id, shard_id, value, revision, \
+                 updated_at) VALUES (?, ?, ?, ?, 1, UTC_TIMESTAMP())"
+            ),
+            update_state: format!(
+                "UPDATE {state} SET shard_id = ?, value = ?, revision = revision + 1, \
+                 updated_at = UTC_TIMESTAMP() \
+                 WHERE entity_type = ? AND entity_id = ? AND revision = ?"
+            ),
+            delete_state: format!(
+                "DELETE FROM {state} WHERE entity_type = ? AND entity_id = ? AND revision = ?"
             ),
             messages,
             replies,

@@ -9,14 +9,20 @@
 //! Saves follow the shared protocol of `crate::save` (group commit with a per-row fallback,
 //! deduplication by primary key, reply batches); `PgSaveBackend` is its PostgreSQL side.
 //!
-//! Payloads, headers and replies longer than `value_bytes_max` are refused before any
-//! statement is sent; in a batch, such a value fails alone and the others go on together.
+//! Payloads, headers, replies and entity states longer than `value_bytes_max` are refused
+//! before any statement is sent; in a batch, such a value fails alone and the others go on
+//! together.
+//!
+//! Entity states (`cluster_core::entity_state`) live in `<prefix>_entity_state`, a table of
+//! ours: each write is one conditional statement that changes no row when it is stale, so a
+//! stale write never aborts the transaction it runs in.
 
 use std::any::Any;
 use std::collections::{BTreeMap, BTreeSet};
 use std::fmt;
 use std::sync::{Arc, OnceLock};
 
+use cluster_core::entity_state::{StateWrite, StoredState};
 use cluster_core::envelope::{AckChunk, Interrupt, Reply, Request};
 use cluster_core::error::{StorageError, StorageErrorKind};
 use cluster_core::future::BoxFuture;
@@ -35,8 +41,8 @@ use crate::batch::Batcher;
 use crate::lock::advisory_namespace;
 use crate::options::{SqlStorageOptions, TablePrefix, ValueBytesMax};
 use crate::row::{
-    self, LastReplyRow, MessageInsert, MessageRow, ReplyInsert, ReplyRow, ValueLimit, id_from_sql,
-    id_to_sql,
+    self, LastReplyRow, MessageInsert, MessageRow, ReplyInsert, ReplyRow, StateChange, StateRow,
+    StoredStateRow, ValueLimit, id_from_sql, id_to_sql,
 };
 use crate::save::{self, BatchFailure, SaveBackend};
 
@@ -365,6 +371,76 @@ impl PgMessageStorage {
 
     fn writers(&self) -> &Writers {
         self.writers.get_or_init(|| Writers::spawn(&self.pool, &self.queries, self.limit))
+    }
+
+    /// Checks a connection out of the pool and sends `BEGIN` on it.
+    async fn begin(&self) -> Result<PgTransaction, StorageError> {
+        let client = self.client("begin_transaction").await?;
+        // The guard exists before BEGIN is sent: if this future is dropped while BEGIN is in
+        // flight, the connection is closed instead of going back to the pool inside a
+        // transaction.
+        let transaction = PgTransaction {
+            client: Some(client),
+            queries: Arc::clone(&self.queries),
+            limit: self.limit,
+            closed: (),
+        };
+        transaction.simple("begin_transaction", "BEGIN").await?;
+        Ok(transaction)
+    }
+
+    async fn load_state_inner(
+        &self,
+        address: &EntityAddress,
+    ) -> Result<Option<StoredState>, StorageError> {
+        let key: [&(dyn ToSql + Sync); 2] =
+            [&address.entity_type.as_str(), &address.entity_id.as_str()];
+        let rows = self.query("load_state", &self.queries.load_state, &key).await?;
+        let Some(row) = rows.first() else { return Ok(None) };
+        let stored = StoredStateRow {
+            value: row.try_get(0).map_err(column_error)?,
+            revision: row.try_get(1).map_err(column_error)?,
+        };
+        stored.decode(address).map(Some)
+    }
+
+    async fn save_state_inner(&self, write: &StateWrite) -> Result<(), StorageError> {
+        let row = StateRow::checked(write, self.limit)?;
+        if row.change == StateChange::Nothing {
+            return Ok(());
+        }
+        let client = self.client("save_state").await?;
+        let result = write_state_on(&client, &self.queries, &row).await;
+        settle(client, result.as_ref().err());
+        result
+    }
+
+    /// The state write and the reply in one transaction of their own, on the transaction's
+    /// code ([`PgTransaction`]): `BEGIN`, the state, the reply, `COMMIT`. Not through the
+    /// reply batch writer (`crate::save`) in this first version: four round trips per reply.
+    async fn save_reply_with_state_inner(
+        &self,
+        reply: &Reply,
+        write: &StateWrite,
+    ) -> Result<(), StorageError> {
+        // Both checked before `BEGIN`: nothing is sent for a value that does not fit.
+        let insert = ReplyInsert::checked(reply, self.limit)?;
+        let row = StateRow::checked(write, self.limit)?;
+        let transaction = self.begin().await?;
+        let written = async {
+            transaction.write_state(&row).await?;
+            save_reply_on(transaction.connection()?, &self.queries, &insert).await
+        }
+        .await;
+        match written {
+            Ok(()) => Box::new(transaction).commit().await,
+            Err(error) => {
+                // The error is the answer: a failed rollback closes the connection, and the
+                // server rolls back when the session ends.
+                let _ = transaction.finish("rollback", "ROLLBACK").await;
+                Err(error)
+            }
+        }
     }
 
     async fn clear_replies_inner(
@@ -699,6 +775,34 @@ async fn save_reply_on(
     let params: [&(dyn ToSql + Sync); 5] =
         [&insert.id, &insert.kind, &insert.request_id, &insert.payload, &insert.sequence];
     execute(client, "save_reply", sql, &params).await.map(drop)
+}
+
+/// Runs the checked state write `row` (not [`StateChange::Nothing`]) on `client`, a pooled
+/// connection or one inside a transaction: one statement, which changes no row when the write
+/// is stale (then `StaleState`, and a transaction it ran in goes on).
+async fn write_state_on(
+    client: &ClientWrapper,
+    queries: &MessageQueries,
+    row: &StateRow<'_>,
+) -> Result<(), StorageError> {
+    let (entity_type, entity_id) = (&row.entity_type, &row.entity_id);
+    let changed = match row.change {
+        StateChange::Nothing => return Ok(()),
+        StateChange::Insert(value) => {
+            let params: [&(dyn ToSql + Sync); 4] = [entity_type, entity_id, &row.shard_id, &value];
+            execute(client, "save_state: insert", &queries.insert_state, &params).await?
+        }
+        StateChange::Update(value) => {
+            let params: [&(dyn ToSql + Sync); 5] =
+                [entity_type, entity_id, &row.shard_id, &value, &row.expected];
+            execute(client, "save_state: update", &queries.update_state, &params).await?
+        }
+        StateChange::Delete => {
+            let params: [&(dyn ToSql + Sync); 3] = [entity_type, entity_id, &row.expected];
+            execute(client, "save_state: delete", &queries.delete_state, &params).await?
+        }
+    };
+    if changed == 0 { Err(row.write.stale()) } else { Ok(()) }
 }
 
 /// `clear_replies` in one transaction. With an expected reply id, the request row is locked
@@ -1071,22 +1175,36 @@ impl MessageStorage for PgMessageStorage {
         )
     }
 
+    fn load_state<'a>(
+        &'a self,
+        address: &'a EntityAddress,
+    ) -> BoxFuture<'a, Result<Option<StoredState>, StorageError>> {
+        Box::pin(self.load_state_inner(address).instrument(span("load_state")))
+    }
+
+    fn save_state<'a>(&'a self, write: &'a StateWrite) -> BoxFuture<'a, Result<(), StorageError>> {
+        Box::pin(self.save_state_inner(write).instrument(span("save_state")))
+    }
+
+    /// One transaction of its own per call (see `save_reply_with_state_inner`), not the
+    /// reply batch writer of [`save_reply`](MessageStorage::save_reply).
+    fn save_reply_with_state<'a>(
+        &'a self,
+        reply: &'a Reply,
+        write: &'a StateWrite,
+    ) -> BoxFuture<'a, Result<(), StorageError>> {
+        Box::pin(
+            self.save_reply_with_state_inner(reply, write)
+                .instrument(span("save_reply_with_state")),
+        )
+    }
+
     fn begin_transaction(
         &self,
     ) -> BoxFuture<'_, Result<Box<dyn MessageTransaction>, StorageError>> {
         Box::pin(
             async move {
-                let client = self.client("begin_transaction").await?;
-                // The guard exists before BEGIN is sent: if this future is dropped while BEGIN
-                // is in flight, the connection is closed instead of going back to the pool
-                // inside a transaction.
-                let transaction = PgTransaction {
-                    client: Some(client),
-                    queries: Arc::clone(&self.queries),
-                    limit: self.limit,
-                    closed: (),
-                };
-                transaction.simple("begin_transaction", "BEGIN").await?;
+                let transaction = self.begin().await?;
                 Ok(Box::new(transaction) as Box<dyn MessageTransaction>)
             }
             .instrument(span("begin_transaction")),
@@ -1151,6 +1269,15 @@ impl PgTransaction {
         client.batch_execute(sql).await.map_err(|error| driver_error(what, error))
     }
 
+    /// Runs the checked state write `row` in the transaction: a stale one fails with
+    /// `StaleState` and leaves the transaction usable (it changed nothing).
+    async fn write_state(&self, row: &StateRow<'_>) -> Result<(), StorageError> {
+        if row.change == StateChange::Nothing {
+            return Ok(());
+        }
+        write_state_on(self.connection()?, &self.queries, row).await
+    }
+
     /// Sends `sql` (`COMMIT` or `ROLLBACK`) and gives the connection back, or closes it if the
     /// statement failed.
     async fn finish(mut self, what: &str, sql: &str) -> Result<(), StorageError> {
@@ -1186,6 +1313,20 @@ impl MessageTransaction for PgTransaction {
                 save_reply_on(self.connection()?, &self.queries, &insert).await
             }
             .instrument(span("transaction.save_reply")),
+        )
+    }
+
+    fn save_state<'a>(
+        &'a mut self,
+        write: &'a StateWrite,
+    ) -> BoxFuture<'a, Result<(), StorageError>> {
+        Box::pin(
+            async move {
+                // Checked before any statement, as replies are.
+                let row = StateRow::checked(write, self.limit)?;
+                self.write_state(&row).await
+            }
+            .instrument(span("transaction.save_state")),
         )
     }
 

@@ -110,6 +110,16 @@ pub(crate) struct MessageQueries {
     pub(crate) reset_shards: String,
     /// Deletes every message and reply of entity type `$1`, id `$2`.
     pub(crate) clear_address: String,
+    /// The `value, revision` of the state of entity type `$1`, id `$2`.
+    pub(crate) load_state: String,
+    /// Inserts the state `$4` of entity type `$1`, id `$2`, shard `$3` at revision 1; inserts
+    /// nothing when the entity has a row (a stale write).
+    pub(crate) insert_state: String,
+    /// Sets the state of entity type `$1`, id `$2` to `$4` (shard `$3`) if its revision is
+    /// `$5`, and moves the revision on by one.
+    pub(crate) update_state: String,
+    /// Deletes the state of entity type `$1`, id `$2` if its revision is `$3`.
+    pub(crate) delete_state: String,
 }
 
 impl MessageQueries {
@@ -117,6 +127,7 @@ impl MessageQueries {
     pub(crate) fn new(prefix: &TablePrefix) -> MessageQueries {
         let messages = quoted(prefix, "messages");
         let replies = quoted(prefix, "replies");
+        let state = quoted(prefix, ENTITY_STATE_TABLE);
         MessageQueries {
             insert_message_ignore: format!(
                 "INSERT INTO {messages} ({MESSAGE_INSERT_COLUMNS}) VALUES ({MESSAGE_INSERT_VALUES}) \
@@ -250,6 +261,24 @@ impl MessageQueries {
                    DELETE FROM {messages} WHERE entity_type = $1 AND entity_id = $2 RETURNING id \
                  ) \
                  DELETE FROM {replies} WHERE request_id IN (SELECT id FROM gone)"
+            ),
+            load_state: format!(
+                "SELECT value, revision FROM {state} WHERE entity_type = $1 AND entity_id = $2"
+            ),
+            // `ON CONFLICT DO NOTHING`, not an error: a stale insert must not abort the
+            // transaction it runs in.
+            insert_state: format!(
+                "INSERT INTO {state} (entity_type, entity_id, shard_id, value, revision, \
+                 updated_at) VALUES ($1, $2, $3, $4, 1, {UTC_NOW}) \
+                 ON CONFLICT (entity_type, entity_id) DO NOTHING"
+            ),
+            update_state: format!(
+                "UPDATE {state} SET shard_id = $3, value = $4, revision = revision + 1, \
+                 updated_at = {UTC_NOW} \
+                 WHERE entity_type = $1 AND entity_id = $2 AND revision = $5"
+            ),
+            delete_state: format!(
+                "DELETE FROM {state} WHERE entity_type = $1 AND entity_id = $2 AND revision = $3"
             ),
         }
     }

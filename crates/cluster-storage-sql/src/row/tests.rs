@@ -270,3 +270,65 @@ fn checked_rows_refuse_values_over_the_limit_before_any_sql() {
     let error = ReplyInsert::checked(&chunk, ValueLimit::new(limit(2))).unwrap_err();
     assert!(error.to_string().contains("the chunk's values"), "{error}");
 }
+
+fn state_write(expected: u64, value: Option<&str>) -> StateWrite {
+    StateWrite {
+        address: address(),
+        expected,
+        value: value.map(|value| RawJson::from_json(value.to_owned()).unwrap()),
+    }
+}
+
+#[test]
+fn a_state_write_becomes_one_conditional_statement() {
+    let limit = ValueLimit::new(limit(64));
+    let cases = [
+        (state_write(0, Some("1")), StateChange::Insert("1")),
+        (state_write(3, Some(r#"{"n":1}"#)), StateChange::Update(r#"{"n":1}"#)),
+        (state_write(3, None), StateChange::Delete),
+        (state_write(0, None), StateChange::Nothing),
+    ];
+    for (write, change) in &cases {
+        let row = StateRow::checked(write, limit).unwrap();
+        assert_eq!(row.change, *change, "{write:?}");
+        assert_eq!(row.expected, i64::try_from(write.expected).unwrap());
+        assert_eq!((row.entity_type, row.entity_id), ("Counter", "c-1"));
+        assert_eq!(row.shard_id, "default:7");
+    }
+    // The undefined value is stored as `null`, as JSON.stringify would leave it in an array.
+    let undefined =
+        StateWrite { address: address(), expected: 0, value: Some(RawJson::undefined()) };
+    assert_eq!(StateRow::checked(&undefined, limit).unwrap().change, StateChange::Insert("null"));
+}
+
+#[test]
+fn a_state_write_is_refused_before_any_sql() {
+    let over = state_write(1, Some(r#""abcdef""#));
+    let error = StateRow::checked(&over, ValueLimit::new(limit(7))).unwrap_err();
+    assert_eq!(error.kind(), StorageErrorKind::InvalidInput);
+    let message = error.to_string();
+    for expected in ["the state of Counter/c-1", "8 bytes", "limit of 7 bytes"] {
+        assert!(message.contains(expected), "{expected:?} is not in {message:?}");
+    }
+    // Revisions are BIGINTs, and the last one cannot move on.
+    for expected in [u64::MAX, i64::MAX.unsigned_abs()] {
+        let write = state_write(expected, Some("1"));
+        let error = StateRow::checked(&write, ValueLimit::new(limit(64))).unwrap_err();
+        assert_eq!(error.kind(), StorageErrorKind::InvalidInput, "{error}");
+    }
+}
+
+#[test]
+fn a_stored_state_decodes_or_is_malformed_naming_its_entity() {
+    let stored = StoredStateRow { value: r#"{"n":1}"#.to_owned(), revision: 2 };
+    let state = stored.decode(&address()).unwrap();
+    assert_eq!(state.revision, 2);
+    assert_eq!(state.value.json(), Some(r#"{"n":1}"#));
+    let not_json = StoredStateRow { value: "{not json".to_owned(), revision: 1 };
+    let no_revision = StoredStateRow { value: "1".to_owned(), revision: 0 };
+    for row in [not_json, no_revision] {
+        let error = row.clone().decode(&address()).unwrap_err();
+        assert_eq!(error.kind(), StorageErrorKind::Malformed, "{row:?}");
+        assert!(error.to_string().contains("Counter/c-1"), "{error}");
+    }
+}

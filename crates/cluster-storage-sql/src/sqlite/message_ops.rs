@@ -13,7 +13,10 @@ use rusqlite::{Connection, OptionalExtension, Row, params};
 
 use super::queries::{self, MessageQueries, json_integers};
 use super::state::{Responder, TransactionState, WorkerState, classify};
-use crate::row::{LastReplyRow, MessageInsert, MessageRow, ReplyInsert, ReplyRow};
+use crate::row::{
+    LastReplyRow, MessageInsert, MessageRow, ReplyInsert, ReplyRow, StateChange, StateRow,
+    StoredStateRow,
+};
 
 // ---------------------------------------------------------------------------------------------
 // Commands
@@ -61,6 +64,43 @@ impl From<MessageInsert<'_>> for MessageValues {
     }
 }
 
+/// The column values of a conditional state write (`StateRow`), owned so they can cross to the
+/// worker.
+#[derive(Debug)]
+pub(super) struct StateValues {
+    entity_type: String,
+    entity_id: String,
+    shard_id: String,
+    expected: i64,
+    change: StateValue,
+}
+
+/// What a [`StateValues`] does to its row (`StateChange`, owned).
+#[derive(Debug)]
+enum StateValue {
+    Insert(String),
+    Update(String),
+    Delete,
+    Nothing,
+}
+
+impl From<StateRow<'_>> for StateValues {
+    fn from(row: StateRow<'_>) -> StateValues {
+        StateValues {
+            entity_type: row.entity_type.to_owned(),
+            entity_id: row.entity_id.to_owned(),
+            shard_id: row.shard_id,
+            expected: row.expected,
+            change: match row.change {
+                StateChange::Insert(value) => StateValue::Insert(value.to_owned()),
+                StateChange::Update(value) => StateValue::Update(value.to_owned()),
+                StateChange::Delete => StateValue::Delete,
+                StateChange::Nothing => StateValue::Nothing,
+            },
+        }
+    }
+}
+
 /// A write that may share a transaction with other queued writes (group commit): the saves and
 /// the claim, the hot path of every request.
 #[derive(Debug)]
@@ -80,6 +120,11 @@ pub(super) enum WriteOp {
     Interrupt(MessageValues),
     /// A reply.
     Reply(ReplyInsert),
+    /// An entity's state, alone.
+    State(StateValues),
+    /// An entity's state, then a reply: both or neither (a stale state writes no reply; a
+    /// reply that fails undoes the state, with the rest of its write).
+    ReplyWithState { reply: ReplyInsert, state: StateValues },
     /// Select and claim unprocessed messages.
     Claim(Claim),
 }
@@ -111,6 +156,8 @@ impl WriteOp {
             WriteOp::AckChunk(_) => "save_ack_chunk",
             WriteOp::Interrupt(_) => "save_interrupt",
             WriteOp::Reply(_) => "save_reply",
+            WriteOp::State(_) => "save_state",
+            WriteOp::ReplyWithState { .. } => "save_reply_with_state",
             WriteOp::Claim(_) => "unprocessed_messages",
         }
     }
@@ -136,6 +183,8 @@ pub(super) enum WriteOutcome {
         id: i64,
         last_reply: Option<ReplyRow>,
     },
+    /// A state write found another revision than the expected one: nothing was written.
+    Stale,
 }
 
 /// One clause of an address filter: a shard, an entity type and its entity ids (JSON).
@@ -194,6 +243,11 @@ pub(super) enum MessageOp {
         entity_id: String,
         reply: Responder<()>,
     },
+    LoadState {
+        entity_type: String,
+        entity_id: String,
+        reply: Responder<Option<StoredStateRow>>,
+    },
 }
 
 impl MessageOp {
@@ -207,6 +261,7 @@ impl MessageOp {
                 | MessageOp::Replies { .. }
                 | MessageOp::UnprocessedById { .. }
                 | MessageOp::UnprocessedBefore { .. }
+                | MessageOp::LoadState { .. }
         )
     }
 }
@@ -216,10 +271,22 @@ pub(super) type UserStatement = Box<dyn FnOnce(rusqlite::Result<&Connection>) + 
 
 /// The steps of a user transaction.
 pub(super) enum TransactionOp {
-    SaveReply { row: ReplyInsert, reply: Responder<()> },
+    SaveReply {
+        row: ReplyInsert,
+        reply: Responder<()>,
+    },
+    /// A state write; `false`: stale, nothing written.
+    SaveState {
+        state: StateValues,
+        reply: Responder<bool>,
+    },
     Call(UserStatement),
-    Commit { reply: Responder<()> },
-    Rollback { reply: Option<Responder<()>> },
+    Commit {
+        reply: Responder<()>,
+    },
+    Rollback {
+        reply: Option<Responder<()>>,
+    },
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -327,19 +394,87 @@ fn execute_write(
         }
         WriteOp::Claim(claim) => claim_rows(connection, sql, claim).map(WriteOutcome::Claimed),
         WriteOp::Reply(row) => {
-            let update =
-                if row.kind.is_some() { &sql.exit_processed } else { &sql.chunk_last_reply };
-            connection.prepare_cached(update)?.execute([row.id, row.request_id])?;
-            connection.prepare_cached(&sql.insert_reply)?.execute(params![
-                row.id,
-                row.kind,
-                row.request_id,
-                row.payload,
-                row.sequence
-            ])?;
+            write_reply(connection, sql, row)?;
+            Ok(WriteOutcome::Stored)
+        }
+        WriteOp::State(state) => Ok(if write_state(connection, sql, state)? {
+            WriteOutcome::Stored
+        } else {
+            WriteOutcome::Stale
+        }),
+        WriteOp::ReplyWithState { reply, state } => {
+            // A stale state changed nothing: there is nothing to undo.
+            if !write_state(connection, sql, state)? {
+                return Ok(WriteOutcome::Stale);
+            }
+            // A failing reply fails this write, whose savepoint (or transaction) then undoes
+            // the state too.
+            write_reply(connection, sql, reply)?;
             Ok(WriteOutcome::Stored)
         }
     }
+}
+
+/// Stores a reply with its message-row updates: a chunk becomes its request's latest reply; a
+/// final reply also marks the request and its acknowledgements and interrupts processed.
+fn write_reply(
+    connection: &Connection,
+    sql: &MessageQueries,
+    row: &ReplyInsert,
+) -> rusqlite::Result<()> {
+    let update = if row.kind.is_some() { &sql.exit_processed } else { &sql.chunk_last_reply };
+    connection.prepare_cached(update)?.execute([row.id, row.request_id])?;
+    connection.prepare_cached(&sql.insert_reply)?.execute(params![
+        row.id,
+        row.kind,
+        row.request_id,
+        row.payload,
+        row.sequence
+    ])?;
+    Ok(())
+}
+
+/// Runs a conditional state write: one statement, which changes no row when the write is stale
+/// (`false`).
+fn write_state(
+    connection: &Connection,
+    sql: &MessageQueries,
+    state: &StateValues,
+) -> rusqlite::Result<bool> {
+    let StateValues { entity_type, entity_id, shard_id, expected, change } = state;
+    let changed =
+        match change {
+            StateValue::Nothing => return Ok(true),
+            StateValue::Insert(value) => connection
+                .prepare_cached(&sql.insert_state)?
+                .execute(params![entity_type, entity_id, shard_id, value])?,
+            StateValue::Update(value) => connection
+                .prepare_cached(&sql.update_state)?
+                .execute(params![entity_type, entity_id, shard_id, value, expected])?,
+            StateValue::Delete => connection
+                .prepare_cached(&sql.delete_state)?
+                .execute(params![entity_type, entity_id, expected])?,
+        };
+    Ok(changed > 0)
+}
+
+/// The state row of an entity (type, id), read leniently: a damaged row becomes a malformed
+/// state when decoded, never a failed query.
+fn load_state(
+    connection: &Connection,
+    sql: &MessageQueries,
+    entity_type: &str,
+    entity_id: &str,
+) -> rusqlite::Result<Option<StoredStateRow>> {
+    connection
+        .prepare_cached(&sql.load_state)?
+        .query_row([entity_type, entity_id], |row| {
+            Ok(StoredStateRow {
+                value: queries::text(row.get_ref(0)?).unwrap_or_default(),
+                revision: queries::integer(row.get_ref(1)?, -1).unwrap_or(-1),
+            })
+        })
+        .optional()
 }
 
 /// The reference's SQLite dedup, in one transaction: `INSERT OR IGNORE`, and only when the
@@ -482,6 +617,10 @@ pub(super) fn run_operation(state: &WorkerState, op: MessageOp) {
                 execute(c, &sql.clear_address_messages, &[&entity_type, &entity_id])
             });
             respond(reply, "clear_address", result);
+        }
+        MessageOp::LoadState { entity_type, entity_id, reply } => {
+            let result = load_state(connection, sql, &entity_type, &entity_id);
+            respond(reply, "load_state", result);
         }
     }
 }
@@ -640,6 +779,12 @@ pub(super) fn run_transaction_operation(state: &mut WorkerState, op: Transaction
             });
             note_abort(state);
             respond(reply, "transaction save_reply", result);
+        }
+        TransactionOp::SaveState { state: values, reply } => {
+            let result = begin_if_idle(state)
+                .and_then(|()| write_state(&state.connection, &state.statements.message, &values));
+            note_abort(state);
+            respond(reply, "transaction save_state", result);
         }
         TransactionOp::Call(statement) => {
             match begin_if_idle(state) {

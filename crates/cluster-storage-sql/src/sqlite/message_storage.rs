@@ -6,14 +6,20 @@
 //! runs the SQL. Saves go through group commit; everything that reads and then writes runs in a
 //! `BEGIN IMMEDIATE` transaction.
 //!
-//! Payloads, headers and replies longer than `value_bytes_max` are refused here, before a
-//! command reaches the worker: a group commit never holds a value it would have to refuse.
+//! Payloads, headers, replies and entity states longer than `value_bytes_max` are refused here,
+//! before a command reaches the worker: a group commit never holds a value it would have to
+//! refuse.
+//!
+//! Entity states (`cluster_core::entity_state`) live in `<prefix>_entity_state`, a table of
+//! ours. Their writes join the group commit as the replies do, a reply with its state as one
+//! write; a stale write changes no row, so it fails only its own caller.
 
 use std::any::Any;
 use std::fmt;
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
 
+use cluster_core::entity_state::{StateWrite, StoredState};
 use cluster_core::envelope::{AckChunk, Interrupt, MESSAGE_ID_LENGTH_MAX, Reply, Request};
 use cluster_core::error::{StorageError, StorageErrorKind};
 use cluster_core::future::BoxFuture;
@@ -28,8 +34,8 @@ use rusqlite::Connection;
 use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 
 use super::message_ops::{
-    AddressGroup, Claim, EarlierCheck, MessageOp, MessageValues, TransactionOp, Write, WriteOp,
-    WriteOutcome,
+    AddressGroup, Claim, EarlierCheck, MessageOp, MessageValues, StateValues, TransactionOp, Write,
+    WriteOp, WriteOutcome,
 };
 use super::options::SqliteOptions;
 use super::queries::{self, MigrationSet, json_integers, json_strings};
@@ -37,7 +43,8 @@ use super::state::{Responder, classify};
 use super::worker::{Command, Worker};
 use crate::options::ValueBytesMax;
 use crate::row::{
-    self, MessageInsert, ReplyInsert, ReplyRow, ValueLimit, id_from_sql, id_to_sql, ids_from_sql,
+    self, MessageInsert, ReplyInsert, ReplyRow, StateChange, StateRow, ValueLimit, id_from_sql,
+    id_to_sql, ids_from_sql,
 };
 
 /// [`MessageStorage`] on a SQLite file.
@@ -178,7 +185,9 @@ impl SqliteMessageStorage {
                 let earlier = ids.and_then(|ids| ids_from_sql(ids).ok());
                 Ok(OrderedSave { saved: SaveResult::Success, earlier })
             }
-            WriteOutcome::Claimed(_) => Err(mismatched_outcome("save_request")),
+            WriteOutcome::Claimed(_) | WriteOutcome::Stale => {
+                Err(mismatched_outcome("save_request"))
+            }
             WriteOutcome::Duplicate { id, last_reply } => {
                 let original_id = id_from_sql(id).map_err(|error| {
                     StorageError::with_source(
@@ -338,7 +347,8 @@ impl MessageStorage for SqliteMessageStorage {
                 WriteOutcome::Claimed(rows) => rows,
                 WriteOutcome::Stored
                 | WriteOutcome::StoredAfter(_)
-                | WriteOutcome::Duplicate { .. } => {
+                | WriteOutcome::Duplicate { .. }
+                | WriteOutcome::Stale => {
                     return Err(mismatched_outcome("unprocessed_messages"));
                 }
             };
@@ -466,6 +476,56 @@ impl MessageStorage for SqliteMessageStorage {
                 reply,
             })
             .await
+        })
+    }
+
+    fn load_state<'a>(
+        &'a self,
+        address: &'a EntityAddress,
+    ) -> BoxFuture<'a, Result<Option<StoredState>, StorageError>> {
+        Box::pin(async move {
+            tracing::debug!(operation = "load_state", %address, "sqlite");
+            let row = self
+                .message_op("load_state", |reply| MessageOp::LoadState {
+                    entity_type: address.entity_type.as_str().to_owned(),
+                    entity_id: address.entity_id.as_str().to_owned(),
+                    reply,
+                })
+                .await?;
+            row.map(|row| row.decode(address)).transpose()
+        })
+    }
+
+    fn save_state<'a>(&'a self, write: &'a StateWrite) -> BoxFuture<'a, Result<(), StorageError>> {
+        Box::pin(async move {
+            let row = StateRow::checked(write, self.limit)?;
+            if row.change == StateChange::Nothing {
+                return Ok(());
+            }
+            tracing::debug!(operation = "save_state", address = %write.address, expected = write.expected, "sqlite");
+            match self.write(WriteOp::State(StateValues::from(row))).await? {
+                WriteOutcome::Stored => Ok(()),
+                WriteOutcome::Stale => Err(write.stale()),
+                _ => Err(mismatched_outcome("save_state")),
+            }
+        })
+    }
+
+    /// One write of the group commit, as a reply alone is.
+    fn save_reply_with_state<'a>(
+        &'a self,
+        reply: &'a Reply,
+        write: &'a StateWrite,
+    ) -> BoxFuture<'a, Result<(), StorageError>> {
+        Box::pin(async move {
+            let row = ReplyInsert::checked(reply, self.limit)?;
+            let state = StateValues::from(StateRow::checked(write, self.limit)?);
+            tracing::debug!(operation = "save_reply_with_state", id = %reply.id(), request_id = %reply.request_id(), address = %write.address, expected = write.expected, "sqlite");
+            match self.write(WriteOp::ReplyWithState { reply: row, state }).await? {
+                WriteOutcome::Stored => Ok(()),
+                WriteOutcome::Stale => Err(write.stale()),
+                _ => Err(mismatched_outcome("save_reply_with_state")),
+            }
         })
     }
 
@@ -682,6 +742,29 @@ impl MessageTransaction for SqliteTransaction {
                     Command::Transaction(TransactionOp::SaveReply { row, reply })
                 })
                 .await
+        })
+    }
+
+    fn save_state<'a>(
+        &'a mut self,
+        write: &'a StateWrite,
+    ) -> BoxFuture<'a, Result<(), StorageError>> {
+        Box::pin(async move {
+            // Checked before the worker sees it, as every save is.
+            let row = StateRow::checked(write, self.pool.options.value_limit())?;
+            if row.change == StateChange::Nothing {
+                return Ok(());
+            }
+            tracing::debug!(operation = "transaction save_state", address = %write.address, expected = write.expected, "sqlite");
+            let state = StateValues::from(row);
+            let written = self
+                .handle
+                .worker
+                .call("transaction save_state", |reply| {
+                    Command::Transaction(TransactionOp::SaveState { state, reply })
+                })
+                .await?;
+            if written { Ok(()) } else { Err(write.stale()) }
         })
     }
 

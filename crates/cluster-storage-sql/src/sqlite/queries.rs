@@ -52,12 +52,23 @@ pub(super) struct MessageQueries {
     pub(super) reset_shards: String,
     pub(super) clear_address_replies: String,
     pub(super) clear_address_messages: String,
+    /// `?1` entity type, `?2` entity id: the state's `value, revision`.
+    pub(super) load_state: String,
+    /// `?1` type, `?2` id, `?3` shard, `?4` value: a new row at revision 1, or nothing when
+    /// the entity has one (a stale write).
+    pub(super) insert_state: String,
+    /// `?1` type, `?2` id, `?3` shard, `?4` value, `?5` expected revision.
+    pub(super) update_state: String,
+    /// `?1` type, `?2` id, `?3` expected revision.
+    pub(super) delete_state: String,
 }
 
 impl MessageQueries {
+    #[expect(clippy::too_many_lines, reason = "a table of SQL statements, one per field")]
     pub(super) fn new(prefix: &TablePrefix) -> MessageQueries {
         let m = prefix.table("messages");
         let r = prefix.table("replies");
+        let s = prefix.table(ENTITY_STATE_TABLE);
         let duplicate = format!(
             "SELECT m.id, r.id, r.kind, r.payload, r.sequence FROM {m} m \
              LEFT JOIN {r} r ON r.id = m.last_reply_id"
@@ -145,6 +156,24 @@ impl MessageQueries {
             ),
             clear_address_messages: format!(
                 "DELETE FROM {m} WHERE entity_type = ?1 AND entity_id = ?2"
+            ),
+            load_state: format!(
+                "SELECT value, revision FROM {s} WHERE entity_type = ?1 AND entity_id = ?2"
+            ),
+            // `DO NOTHING`, not an error: a stale insert must not fail the group commit or
+            // the user transaction it runs in.
+            insert_state: format!(
+                "INSERT INTO {s} (entity_type, entity_id, shard_id, value, revision, updated_at) \
+                 VALUES (?1, ?2, ?3, ?4, 1, CURRENT_TIMESTAMP) \
+                 ON CONFLICT (entity_type, entity_id) DO NOTHING"
+            ),
+            update_state: format!(
+                "UPDATE {s} SET shard_id = ?3, value = ?4, revision = revision + 1, \
+                 updated_at = CURRENT_TIMESTAMP \
+                 WHERE entity_type = ?1 AND entity_id = ?2 AND revision = ?5"
+            ),
+            delete_state: format!(
+                "DELETE FROM {s} WHERE entity_type = ?1 AND entity_id = ?2 AND revision = ?3"
             ),
             messages: m,
             replies: r,

@@ -10,6 +10,7 @@
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
+use cluster_core::entity_state::StateWrite;
 use cluster_core::envelope::{Exit, RawJson, Reply, Request, TraceContext, WithExit, primary_key};
 use cluster_core::error::{StorageError, StorageErrorKind};
 use cluster_core::future::BoxFuture;
@@ -647,7 +648,7 @@ async fn state_columns(database: &Database) -> Vec<Column> {
 
 /// The entity state table is ours: created by the message migrations with the messages'
 /// columns for its key (in a byte-wise collation), without a history row, and again when it
-/// is missing.
+/// is missing; its times are the database's clock in UTC.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_entity_state_table_is_created_outside_the_history() {
     let Some(database) = Database::new() else { return };
@@ -674,6 +675,19 @@ async fn the_entity_state_table_is_created_outside_the_history() {
     database.migrate().await;
     assert_eq!(state_columns(&database).await, expected, "the table is back");
     assert_eq!(history(&database, "migrations").await, messages_history);
+    let storage = database.message_storage(database.pool(2)).await;
+    let write = StateWrite { address: address("e1", 7), expected: 0, value: Some(RawJson::null()) };
+    storage.save_state(&write).await.expect("save a state");
+    let rows = database
+        .rows(&format!(
+            "SELECT shard_id, ABS(TIMESTAMPDIFF(SECOND, updated_at, UTC_TIMESTAMP())) FROM `{}`",
+            database.table("entity_state")
+        ))
+        .await;
+    let (shard_id, age): (String, i64) = mysql_async::from_row(rows.into_iter().next().unwrap());
+    assert_eq!(shard_id, shard(7).to_string());
+    assert!(age < 60, "updated_at is UTC, {age} s from now");
+    drop(storage);
     database.drop_tables().await;
 }
 

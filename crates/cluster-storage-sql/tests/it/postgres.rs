@@ -8,6 +8,7 @@
 use std::sync::Arc;
 use std::time::Duration;
 
+use cluster_core::entity_state::StateWrite;
 use cluster_core::envelope::{RawJson, Request, TraceContext};
 use cluster_core::error::{StorageError, StorageErrorKind};
 use cluster_core::future::BoxFuture;
@@ -493,7 +494,8 @@ async fn migrations_are_idempotent_and_shared() {
 }
 
 /// The entity state table is ours: created by the message migrations with the messages'
-/// columns for its key, without a history row, and again when it is missing.
+/// columns for its key, without a history row, and again when it is missing; its times are
+/// the database's clock in UTC.
 #[tokio::test]
 async fn the_entity_state_table_is_created_outside_the_history() {
     let Some(scratch) = Scratch::new().await else { return };
@@ -521,6 +523,29 @@ async fn the_entity_state_table_is_created_outside_the_history() {
     assert!(PgMessageStorage::migrate(&pool, &scratch.prefix).await.unwrap().is_empty());
     assert_eq!(columns(&scratch.admin, &state).await.len(), 6, "the table is back");
     assert_eq!(history(&scratch.admin, &migrations).await, reference_message_history());
+    let storage = scratch.message_storage().await;
+    let address = EntityAddress {
+        shard_id: shard(7),
+        entity_type: EntityType::from("TestEntity"),
+        entity_id: EntityId::from("e1"),
+    };
+    let write = StateWrite { address, expected: 0, value: Some(RawJson::null()) };
+    storage.save_state(&write).await.unwrap();
+    let row = scratch
+        .admin
+        .client
+        .query_one(
+            &format!(
+                "SELECT shard_id, abs(extract(epoch FROM \
+                 (NOW() AT TIME ZONE 'UTC') - updated_at))::float8 FROM \"{state}\""
+            ),
+            &[],
+        )
+        .await
+        .unwrap();
+    let (shard_id, age): (String, f64) = (row.get(0), row.get(1));
+    assert_eq!(shard_id, shard(7).to_string());
+    assert!(age < 60.0, "updated_at is UTC, {age} s from now");
     scratch.cleanup().await;
 }
 

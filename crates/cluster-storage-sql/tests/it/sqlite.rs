@@ -12,6 +12,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, mpsc};
 use std::time::Duration;
 
+use cluster_core::entity_state::StateWrite;
 use cluster_core::envelope::{Exit, RawJson, Reply, Request, TraceContext, WithExit, primary_key};
 use cluster_core::error::StorageErrorKind;
 use cluster_core::future::BoxFuture;
@@ -478,6 +479,23 @@ async fn the_entity_state_table_is_created_outside_the_history() {
     assert!(SqliteMessageStorage::migrate(&database.path, &options).await.unwrap().is_empty());
     assert_eq!(columns(&connection, &state).len(), 6, "the table is back");
     assert_eq!(history(&connection, &database.table("migrations")).len(), 3);
+    // Written on the database clock, in UTC.
+    let storage = SqliteMessageStorage::open(&database.path, options).await.unwrap();
+    let write = StateWrite { address: address("e1"), expected: 0, value: Some(RawJson::null()) };
+    storage.save_state(&write).await.unwrap();
+    let (shard_id, age): (String, i64) = connection
+        .query_row(
+            &format!(
+                "SELECT shard_id, abs(strftime('%s', 'now') - strftime('%s', updated_at)) \
+                 FROM {state}"
+            ),
+            [],
+            |row| Ok((row.get(0)?, row.get(1)?)),
+        )
+        .unwrap();
+    assert_eq!(shard_id, address("e1").shard_id.to_string());
+    assert!(age < 60, "updated_at is UTC, {age} s from now");
+    storage.close().await;
     database.remove();
 }
 
