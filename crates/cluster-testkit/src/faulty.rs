@@ -9,6 +9,7 @@ use std::fmt;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU32, Ordering};
 
+use cluster_core::entity_state::{StateWrite, StoredState};
 use cluster_core::envelope::{AckChunk, Interrupt, Reply, Request};
 use cluster_core::error::{StorageError, StorageErrorKind};
 use cluster_core::future::BoxFuture;
@@ -142,7 +143,8 @@ impl Faults {
         self.request_ids_taken.0.store(times, Ordering::Release);
     }
 
-    /// The next `times` reply writes fail (`Unavailable`) without writing.
+    /// The next `times` reply writes (`save_reply`, `save_reply_with_state`) fail
+    /// (`Unavailable`) without writing.
     pub fn fail_reply_saves(&self, times: u32) {
         self.reply_saves.0.store(times, Ordering::Release);
     }
@@ -153,9 +155,9 @@ impl Faults {
         self.reply_saves_unacknowledged.0.store(times, Ordering::Release);
     }
 
-    /// Every `save_reply` from now on waits `delay` before it writes (a slow database, or a
-    /// fenced write waiting for its lock refresh): widens the window between a handler's end
-    /// and its stored reply.
+    /// Every reply write (`save_reply`, `save_reply_with_state`) from now on waits `delay`
+    /// before it writes (a slow database, or a fenced write waiting for its lock refresh):
+    /// widens the window between a handler's end and its stored reply.
     pub fn delay_replies(&self, delay: std::time::Duration) {
         let millis = u64::try_from(delay.as_millis()).unwrap_or(u64::MAX);
         self.reply_delay_millis.store(millis, Ordering::Release);
@@ -283,6 +285,49 @@ impl FaultyMessageStorage {
     }
 }
 
+impl FaultyMessageStorage {
+    /// `save_reply`, or `save_reply_with_state` with `state`: the injected failures, delays
+    /// and events of a reply write.
+    fn reply_write<'a>(
+        &'a self,
+        reply: &'a Reply,
+        state: Option<&'a StateWrite>,
+    ) -> BoxFuture<'a, Result<(), StorageError>> {
+        if self.faults.is_dead() {
+            return dead();
+        }
+        let what = if state.is_some() { "save_reply_with_state" } else { "save_reply" };
+        if self.faults.reply_saves.fails() {
+            self.faults.notify(StorageEvent::ReplyWriteFailed(reply));
+            return Box::pin(std::future::ready(Err(injected(what))));
+        }
+        if reply.is_final() {
+            self.faults.notify(StorageEvent::FinalReply(reply));
+        }
+        let delay = self.faults.reply_delay_millis.load(Ordering::Acquire);
+        Box::pin(async move {
+            if delay > 0 {
+                tokio::time::sleep(std::time::Duration::from_millis(delay)).await;
+                if self.faults.is_dead() {
+                    // The process died while its write waited.
+                    std::future::pending::<()>().await;
+                }
+            }
+            let saved = match state {
+                Some(state) => self.inner.save_reply_with_state(reply, state).await,
+                None => self.inner.save_reply(reply).await,
+            };
+            if saved.is_ok() && reply.is_final() {
+                self.faults.notify(StorageEvent::FinalReplyStored(reply));
+            }
+            if saved.is_ok() && self.faults.reply_saves_unacknowledged.fails() {
+                return Err(injected(&format!("{what} (written)")));
+            }
+            saved
+        })
+    }
+}
+
 impl fmt::Debug for FaultyMessageStorage {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("FaultyMessageStorage").field("inner", &self.inner).finish_non_exhaustive()
@@ -374,34 +419,37 @@ impl MessageStorage for FaultyMessageStorage {
     }
 
     fn save_reply<'a>(&'a self, reply: &'a Reply) -> BoxFuture<'a, Result<(), StorageError>> {
+        self.reply_write(reply, None)
+    }
+
+    fn load_state<'a>(
+        &'a self,
+        address: &'a EntityAddress,
+    ) -> BoxFuture<'a, Result<Option<StoredState>, StorageError>> {
         if self.faults.is_dead() {
             return dead();
         }
-        if self.faults.reply_saves.fails() {
-            self.faults.notify(StorageEvent::ReplyWriteFailed(reply));
-            return Box::pin(std::future::ready(Err(injected("save_reply"))));
-        }
-        if reply.is_final() {
-            self.faults.notify(StorageEvent::FinalReply(reply));
-        }
-        let delay = self.faults.reply_delay_millis.load(Ordering::Acquire);
         Box::pin(async move {
-            if delay > 0 {
-                tokio::time::sleep(std::time::Duration::from_millis(delay)).await;
-                if self.faults.is_dead() {
-                    // The process died while its write waited.
-                    std::future::pending::<()>().await;
-                }
-            }
-            let saved = self.inner.save_reply(reply).await;
-            if saved.is_ok() && reply.is_final() {
-                self.faults.notify(StorageEvent::FinalReplyStored(reply));
-            }
-            if saved.is_ok() && self.faults.reply_saves_unacknowledged.fails() {
-                return Err(injected("save_reply (written)"));
-            }
-            saved
+            self.faults.latency().await;
+            self.inner.load_state(address).await
         })
+    }
+
+    fn save_state<'a>(&'a self, write: &'a StateWrite) -> BoxFuture<'a, Result<(), StorageError>> {
+        if self.faults.is_dead() {
+            return dead();
+        }
+        self.inner.save_state(write)
+    }
+
+    /// A reply write, as [`save_reply`](MessageStorage::save_reply) is: the same injected
+    /// faults and events.
+    fn save_reply_with_state<'a>(
+        &'a self,
+        reply: &'a Reply,
+        write: &'a StateWrite,
+    ) -> BoxFuture<'a, Result<(), StorageError>> {
+        self.reply_write(reply, Some(write))
     }
 
     fn clear_replies(
@@ -585,6 +633,13 @@ struct FaultyTransaction {
 impl MessageTransaction for FaultyTransaction {
     fn save_reply<'a>(&'a mut self, reply: &'a Reply) -> BoxFuture<'a, Result<(), StorageError>> {
         self.inner.save_reply(reply)
+    }
+
+    fn save_state<'a>(
+        &'a mut self,
+        write: &'a StateWrite,
+    ) -> BoxFuture<'a, Result<(), StorageError>> {
+        self.inner.save_state(write)
     }
 
     fn backend(&mut self) -> &mut (dyn Any + Send) {

@@ -14,6 +14,11 @@
 //! ([`VALUE_BYTES_MAX_DEFAULT`] unless set otherwise) with
 //! [`StorageErrorKind::InvalidInput`], measured on the JSON text a SQL storage would write, so
 //! that simulations and workflow tests meet the limits production has.
+//!
+//! Entity states ([`cluster_core::entity_state`]) are rows keyed by entity type and id, with
+//! the SQL storages' conditional writes. One difference: a state written in a transaction is
+//! checked again at commit, and a commit that finds it stale fails (a SQL transaction would
+//! instead hold the row, and the other writer would be the stale one).
 
 use std::any::Any;
 use std::collections::{BTreeMap, BTreeSet};
@@ -23,7 +28,8 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use cluster_core::encoded::{self, JsonForm};
-use cluster_core::envelope::{self, AckChunk, Envelope, Interrupt, Reply, Request};
+use cluster_core::entity_state::{StateWrite, StoredState};
+use cluster_core::envelope::{self, AckChunk, Envelope, Interrupt, RawJson, Reply, Request};
 use cluster_core::error::{DecodeError, StorageError, StorageErrorKind};
 use cluster_core::future::BoxFuture;
 use cluster_core::storage::{
@@ -103,6 +109,54 @@ fn check_reply_value(reply: &Reply, bytes_max: usize) -> Result<(), StorageError
     }
 }
 
+/// The state's JSON text, as a SQL storage writes it (the undefined value as `null`), fits
+/// `bytes_max`; its revision fits a SQL storage's `BIGINT`.
+fn check_state_write(write: &StateWrite, bytes_max: usize) -> Result<(), StorageError> {
+    if write.expected >= i64::MAX.unsigned_abs() {
+        return Err(StorageError::new(
+            StorageErrorKind::InvalidInput,
+            format!(
+                "the state of {} cannot be written at revision {}: revisions are BIGINTs",
+                write.address, write.expected
+            ),
+        ));
+    }
+    match &write.value {
+        Some(value) => {
+            let what = format!("the state of {}", write.address);
+            check_value(&what, value.json_or_null(), bytes_max, MESSAGE_SETTER)
+        }
+        None => Ok(()),
+    }
+}
+
+/// The key of an entity's state row: its type and id (not its shard).
+type StateKey = (String, String);
+
+fn state_key(address: &EntityAddress) -> StateKey {
+    (address.entity_type.as_str().to_owned(), address.entity_id.as_str().to_owned())
+}
+
+/// Whether `write` applies to a row at `revision` (0: no row): a deletion of no row applies
+/// anywhere, any other write only at its expected revision.
+fn state_applies(write: &StateWrite, revision: u64) -> Result<(), StorageError> {
+    if (write.value.is_none() && write.expected == 0) || revision == write.expected {
+        Ok(())
+    } else {
+        Err(write.stale())
+    }
+}
+
+/// An entity's state row.
+#[derive(Debug)]
+struct StoredEntityState {
+    /// The entity's shard at the last write, as the SQL storages keep it.
+    shard_id: ShardId,
+    value: RawJson,
+    revision: u64,
+    corrupted: bool,
+}
+
 #[derive(Debug)]
 struct StoredMessage {
     envelope: Envelope,
@@ -133,6 +187,8 @@ struct MessageState {
     /// Reply rows by insertion order.
     replies: BTreeMap<u64, StoredReply>,
     reply_rows: BTreeMap<Snowflake, u64>,
+    /// Entity states by entity type and id.
+    states: BTreeMap<StateKey, StoredEntityState>,
 }
 
 impl MessageState {
@@ -208,6 +264,33 @@ impl MessageState {
         self.reply_rows.insert(reply.id(), rowid);
         self.replies
             .insert(rowid, StoredReply { reply: reply.clone(), acked: false, corrupted: false });
+    }
+
+    /// The revision of the entity's state row (0: none).
+    fn state_revision(&self, key: &StateKey) -> u64 {
+        self.states.get(key).map_or(0, |stored| stored.revision)
+    }
+
+    /// Applies a state write that [`state_applies`] accepted.
+    fn apply_state(&mut self, write: &StateWrite) {
+        let key = state_key(&write.address);
+        match &write.value {
+            Some(value) => {
+                // Stored as the SQL storages store it: its JSON text, undefined as `null`.
+                let value = if value.is_undefined() { RawJson::null() } else { value.clone() };
+                let stored = StoredEntityState {
+                    shard_id: write.address.shard_id.clone(),
+                    value,
+                    revision: write.revision_after(),
+                    corrupted: false,
+                };
+                self.states.insert(key, stored);
+            }
+            None if write.expected > 0 => {
+                self.states.remove(&key);
+            }
+            None => {}
+        }
     }
 
     /// The replies to `request_ids` that `keep` accepts, in the order they were saved, as a
@@ -286,7 +369,7 @@ pub struct MemoryMessageStorage {
     reads: AtomicUsize,
     /// The smallest `limit` those calls asked for (`u32::MAX` while none did).
     smallest_limit: AtomicU32,
-    /// The most bytes of a payload, headers or reply.
+    /// The most bytes of a payload, headers, reply or entity state.
     value_bytes_max: usize,
 }
 
@@ -304,8 +387,8 @@ impl MemoryMessageStorage {
     }
 
     /// The storage with values limited to `value_bytes_max` bytes, as
-    /// `SqlStorageOptions::value_bytes_max` limits the SQL storages': a longer payload, headers
-    /// or reply (measured as the JSON text a SQL storage writes) is refused with
+    /// `SqlStorageOptions::value_bytes_max` limits the SQL storages': a longer payload, headers,
+    /// reply or entity state (measured as the JSON text a SQL storage writes) is refused with
     /// [`StorageErrorKind::InvalidInput`], and nothing of it is stored.
     #[must_use]
     pub fn with_value_bytes_max(self, value_bytes_max: usize) -> MemoryMessageStorage {
@@ -388,6 +471,19 @@ impl MemoryMessageStorage {
         }
     }
 
+    /// Test hook: the state row of `address`'s entity (if any) can no longer be decoded, until
+    /// it is written again.
+    pub fn corrupt_state(&self, address: &EntityAddress) {
+        if let Some(stored) = lock(&self.state).states.get_mut(&state_key(address)) {
+            stored.corrupted = true;
+        }
+    }
+
+    /// The shard kept in the state row of `address`'s entity, as an operator reads it.
+    pub fn state_shard(&self, address: &EntityAddress) -> Option<ShardId> {
+        lock(&self.state).states.get(&state_key(address)).map(|stored| stored.shard_id.clone())
+    }
+
     /// Test hook: the reply row `id` can no longer be decoded.
     pub fn corrupt_reply(&self, id: Snowflake) {
         let mut state = lock(&self.state);
@@ -455,6 +551,42 @@ impl MemoryMessageStorage {
         check_reply_value(reply, self.value_bytes_max)?;
         let mut state = lock(&self.state);
         state.check_reply(reply)?;
+        state.apply_reply(reply);
+        Ok(())
+    }
+
+    fn load_state_now(&self, address: &EntityAddress) -> Result<Option<StoredState>, StorageError> {
+        let state = lock(&self.state);
+        let Some(stored) = state.states.get(&state_key(address)) else { return Ok(None) };
+        if stored.corrupted {
+            return Err(StorageError::new(
+                StorageErrorKind::Malformed,
+                format!("the stored state of {address} is not JSON (corrupted by the test)"),
+            ));
+        }
+        Ok(Some(StoredState { value: stored.value.clone(), revision: stored.revision }))
+    }
+
+    fn save_state_now(&self, write: &StateWrite) -> Result<(), StorageError> {
+        check_state_write(write, self.value_bytes_max)?;
+        let mut state = lock(&self.state);
+        state_applies(write, state.state_revision(&state_key(&write.address)))?;
+        state.apply_state(write);
+        Ok(())
+    }
+
+    fn save_reply_with_state_now(
+        &self,
+        reply: &Reply,
+        write: &StateWrite,
+    ) -> Result<(), StorageError> {
+        check_reply_value(reply, self.value_bytes_max)?;
+        check_state_write(write, self.value_bytes_max)?;
+        let mut state = lock(&self.state);
+        // The state first, as the SQL storages write it: a stale one stores no reply.
+        state_applies(write, state.state_revision(&state_key(&write.address)))?;
+        state.check_reply(reply)?;
+        state.apply_state(write);
         state.apply_reply(reply);
         Ok(())
     }
@@ -731,6 +863,25 @@ impl MessageStorage for MemoryMessageStorage {
         ready(Ok(()))
     }
 
+    fn load_state<'a>(
+        &'a self,
+        address: &'a EntityAddress,
+    ) -> BoxFuture<'a, Result<Option<StoredState>, StorageError>> {
+        ready(self.load_state_now(address))
+    }
+
+    fn save_state<'a>(&'a self, write: &'a StateWrite) -> BoxFuture<'a, Result<(), StorageError>> {
+        ready(self.save_state_now(write))
+    }
+
+    fn save_reply_with_state<'a>(
+        &'a self,
+        reply: &'a Reply,
+        write: &'a StateWrite,
+    ) -> BoxFuture<'a, Result<(), StorageError>> {
+        ready(self.save_reply_with_state_now(reply, write))
+    }
+
     fn begin_transaction(
         &self,
     ) -> BoxFuture<'_, Result<Box<dyn MessageTransaction>, StorageError>> {
@@ -745,14 +896,57 @@ impl MessageStorage for MemoryMessageStorage {
     }
 }
 
-/// A transaction of [`MemoryMessageStorage`]: replies are held and applied together at commit.
+/// A transaction of [`MemoryMessageStorage`]: replies and states are held and applied
+/// together at commit.
 struct MemoryTransaction {
     state: Arc<Mutex<MessageState>>,
     value_bytes_max: usize,
-    pending: Vec<Reply>,
-    /// How many replies were pending at the savepoint.
+    pending: Vec<Pending>,
+    /// How many writes were pending at the savepoint.
     savepoint: Option<usize>,
     handle: (),
+}
+
+/// A write of a [`MemoryTransaction`], applied at commit.
+enum Pending {
+    Reply(Reply),
+    State(StateWrite),
+}
+
+/// The revisions the pending state writes leave (0: deleted), where they wrote: over the
+/// stored ones, what the transaction sees. A deletion of no row writes nothing.
+fn revisions_after<'a>(pending: impl IntoIterator<Item = &'a Pending>) -> BTreeMap<StateKey, u64> {
+    let mut revisions = BTreeMap::new();
+    for write in pending {
+        if let Pending::State(write) = write
+            && (write.value.is_some() || write.expected > 0)
+        {
+            revisions.insert(state_key(&write.address), write.revision_after());
+        }
+    }
+    revisions
+}
+
+impl MemoryTransaction {
+    /// Checks the pending writes in order against the stored rows, as commit applies them.
+    fn check_pending(&self, state: &MessageState) -> Result<(), StorageError> {
+        let mut revisions: BTreeMap<StateKey, u64> = BTreeMap::new();
+        for write in &self.pending {
+            match write {
+                Pending::Reply(reply) => state.check_reply(reply)?,
+                Pending::State(write) => {
+                    let key = state_key(&write.address);
+                    let revision =
+                        revisions.get(&key).copied().unwrap_or_else(|| state.state_revision(&key));
+                    state_applies(write, revision)?;
+                    if write.value.is_some() || write.expected > 0 {
+                        revisions.insert(key, write.revision_after());
+                    }
+                }
+            }
+        }
+        Ok(())
+    }
 }
 
 impl MessageTransaction for MemoryTransaction {
@@ -762,7 +956,30 @@ impl MessageTransaction for MemoryTransaction {
         }
         let checked = lock(&self.state).check_reply(reply);
         if checked.is_ok() {
-            self.pending.push(reply.clone());
+            self.pending.push(Pending::Reply(reply.clone()));
+        }
+        ready(checked)
+    }
+
+    fn save_state<'a>(
+        &'a mut self,
+        write: &'a StateWrite,
+    ) -> BoxFuture<'a, Result<(), StorageError>> {
+        if let Err(refused) = check_state_write(write, self.value_bytes_max) {
+            return ready(Err(refused));
+        }
+        let checked = {
+            let state = lock(&self.state);
+            let key = state_key(&write.address);
+            // The transaction sees its own writes.
+            let revision = revisions_after(&self.pending)
+                .get(&key)
+                .copied()
+                .unwrap_or_else(|| state.state_revision(&key));
+            state_applies(write, revision)
+        };
+        if checked.is_ok() {
+            self.pending.push(Pending::State(write.clone()));
         }
         ready(checked)
     }
@@ -789,13 +1006,14 @@ impl MessageTransaction for MemoryTransaction {
 
     fn commit(self: Box<Self>) -> BoxFuture<'static, Result<(), StorageError>> {
         let mut state = lock(&self.state);
-        for reply in &self.pending {
-            if let Err(error) = state.check_reply(reply) {
-                return ready(Err(error));
-            }
+        if let Err(error) = self.check_pending(&state) {
+            return ready(Err(error));
         }
-        for reply in &self.pending {
-            state.apply_reply(reply);
+        for write in &self.pending {
+            match write {
+                Pending::Reply(reply) => state.apply_reply(reply),
+                Pending::State(write) => state.apply_state(write),
+            }
         }
         ready(Ok(()))
     }
