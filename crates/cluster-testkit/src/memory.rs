@@ -1266,6 +1266,7 @@ impl StorageFixture for MemoryFixture {
         match corruption {
             Corruption::MessagePayload(id) => self.messages.corrupt_message(id),
             Corruption::ReplyPayload(id) => self.messages.corrupt_reply(id),
+            Corruption::StateValue(address) => self.messages.corrupt_state(&address),
         }
         ready(())
     }

@@ -18,19 +18,21 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use cluster_core::Snowflake;
 use cluster_core::future::BoxFuture;
 use cluster_core::storage::{MessageStorage, RunnerStorage};
+use cluster_core::{EntityAddress, Snowflake};
 
 pub mod cases;
 
 /// A way to damage a stored row, to test how storages read bad data.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug, PartialEq, Eq)]
 pub enum Corruption {
     /// The message row `id` gets a payload that is not JSON.
     MessagePayload(Snowflake),
     /// The reply row `id` gets a payload that is not JSON.
     ReplyPayload(Snowflake),
+    /// The state row of the entity (its type and id) gets a value that is not JSON.
+    StateValue(EntityAddress),
 }
 
 /// Fresh, isolated tables of one backend, for one test case.
@@ -52,6 +54,14 @@ pub trait StorageFixture: Send + Sync {
     /// have on [`message_storage`](StorageFixture::message_storage): the limit it was built
     /// with, or its columns' own when that is smaller (MySQL's `TEXT`).
     fn value_bytes_max(&self) -> usize;
+
+    /// The most bytes an entity's state (its JSON text) may have on
+    /// [`message_storage`](StorageFixture::message_storage): by default
+    /// [`value_bytes_max`](StorageFixture::value_bytes_max). A backend whose state column holds
+    /// another amount says so (MySQL's `MEDIUMTEXT`, whose cap is not the `TEXT` columns').
+    fn state_bytes_max(&self) -> usize {
+        self.value_bytes_max()
+    }
 
     /// Drops the tables.
     fn cleanup(self: Box<Self>) -> BoxFuture<'static, ()>;
@@ -104,6 +114,16 @@ macro_rules! storage_suite {
             a_value_over_the_limit_fails_alone_in_a_batch,
             transaction_commits_and_rolls_back,
             transaction_rolls_back_to_its_savepoint,
+            entity_state_round_trips,
+            a_stale_state_write_is_refused,
+            racing_state_writers_one_wins,
+            a_reply_with_state_commits_both,
+            a_stale_state_stores_no_reply,
+            a_second_final_reply_writes_no_state,
+            state_over_the_limit_is_refused,
+            state_in_a_transaction_commits_and_rolls_back,
+            states_are_keyed_by_type_and_id,
+            malformed_state_is_reported,
             register_and_get_runners,
             runner_health_flips,
             unregister_removes_the_runner,

@@ -207,11 +207,29 @@ impl StorageFixture for MySqlFixture {
         self.storage.value_bytes_max().get()
     }
 
+    /// The default `value_bytes_max`, capped by a row within the default `max_allowed_packet`:
+    /// 16,711,680 bytes.
+    fn state_bytes_max(&self) -> usize {
+        self.storage.state_bytes_max().get()
+    }
+
     fn corrupt(&self, corruption: Corruption) -> BoxFuture<'_, ()> {
         Box::pin(async move {
-            let (table, set, id) = match corruption {
-                Corruption::MessagePayload(id) => ("messages", "payload = 'not json {'", id),
-                Corruption::ReplyPayload(id) => ("replies", "payload = 'not json ['", id),
+            let (table, set, id) = match &corruption {
+                Corruption::MessagePayload(id) => ("messages", "payload = 'not json {'", *id),
+                Corruption::ReplyPayload(id) => ("replies", "payload = 'not json ['", *id),
+                Corruption::StateValue(address) => {
+                    let table = self.database.table("entity_state");
+                    let sql = format!(
+                        "UPDATE `{table}` SET value = 'not json {{' \
+                         WHERE entity_type = ? AND entity_id = ?"
+                    );
+                    let key = (address.entity_type.as_str(), address.entity_id.as_str());
+                    let mut conn = self.database.admin.get_conn().await.expect("a connection");
+                    conn.exec_drop(sql, key).await.expect("corrupt the state");
+                    assert_eq!(conn.affected_rows(), 1, "corrupting {corruption:?}");
+                    return;
+                }
             };
             let table = self.database.table(table);
             self.database.exec(&format!("UPDATE `{table}` SET {set} WHERE id = {id}")).await;

@@ -130,9 +130,20 @@ impl StorageFixture for PgFixture {
 
     fn corrupt(&self, corruption: Corruption) -> BoxFuture<'_, ()> {
         Box::pin(async move {
-            let (table, id) = match corruption {
-                Corruption::MessagePayload(id) => ("messages", id),
-                Corruption::ReplyPayload(id) => ("replies", id),
+            let (table, id) = match &corruption {
+                Corruption::MessagePayload(id) => ("messages", *id),
+                Corruption::ReplyPayload(id) => ("replies", *id),
+                Corruption::StateValue(address) => {
+                    let sql = format!(
+                        "UPDATE \"{}\" SET value = '{{not json' \
+                         WHERE entity_type = $1 AND entity_id = $2",
+                        self.prefix.table("entity_state")
+                    );
+                    let key = [address.entity_type.as_str(), address.entity_id.as_str()];
+                    let changed = self.admin.client.execute(&sql, &[&key[0], &key[1]]).await;
+                    assert_eq!(changed.unwrap(), 1, "corrupting {corruption:?}");
+                    return;
+                }
             };
             let sql = format!(
                 "UPDATE \"{}\" SET payload = '{{not json' WHERE id = $1",

@@ -144,9 +144,23 @@ impl StorageFixture for SqliteFixture {
 
     fn corrupt(&self, corruption: Corruption) -> BoxFuture<'_, ()> {
         Box::pin(async move {
-            let (table, set, id) = match corruption {
-                Corruption::MessagePayload(id) => ("messages", "payload = 'not json {'", id),
-                Corruption::ReplyPayload(id) => ("replies", "payload = 'not json ['", id),
+            let (table, set, id) = match &corruption {
+                Corruption::MessagePayload(id) => ("messages", "payload = 'not json {'", *id),
+                Corruption::ReplyPayload(id) => ("replies", "payload = 'not json ['", *id),
+                Corruption::StateValue(address) => {
+                    let sql = format!(
+                        "UPDATE {} SET value = 'not json {{' \
+                         WHERE entity_type = ?1 AND entity_id = ?2",
+                        self.database.table("entity_state")
+                    );
+                    let key = [address.entity_type.to_string(), address.entity_id.to_string()];
+                    let changed = in_transaction(&*self.storage, move |connection| {
+                        connection.execute(&sql, key)
+                    })
+                    .await;
+                    assert_eq!(changed, 1, "corrupting {corruption:?}");
+                    return;
+                }
             };
             let sql = format!("UPDATE {} SET {set} WHERE id = ?1", self.database.table(table));
             let id = id.to_i64().expect("test ids fit an i64");

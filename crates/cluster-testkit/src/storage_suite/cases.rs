@@ -11,6 +11,7 @@ use futures_util::future::join_all;
 use tokio::time::Instant;
 
 use cluster_core::encoded::{JsonForm, values_to_json};
+use cluster_core::entity_state::{StateWrite, StoredState};
 use cluster_core::envelope::{
     AckChunk, CauseReason, Chunk, Envelope, Exit, Interrupt, RawJson, Reply, Request, TraceContext,
     WithExit, primary_key,
@@ -1151,6 +1152,339 @@ pub async fn transaction_rolls_back_to_its_savepoint(fixture: &dyn StorageFixtur
     let refused = without.rollback_to_savepoint().await;
     assert!(refused.is_err(), "{}: {refused:?}", fixture.name());
     let _ = without.rollback().await;
+}
+
+// --- Entity state -------------------------------------------------------------------------------
+
+fn json(text: &str) -> RawJson {
+    RawJson::from_json(text.to_owned()).unwrap()
+}
+
+/// A write of `value` (`None`: a deletion) to `address`'s state, loaded at revision `expected`.
+fn state_write(address: &EntityAddress, expected: u64, value: Option<&str>) -> StateWrite {
+    StateWrite { address: address.clone(), expected, value: value.map(json) }
+}
+
+fn stored_state(value: &str, revision: u64) -> Option<StoredState> {
+    Some(StoredState { value: json(value), revision })
+}
+
+async fn load_state(storage: &dyn MessageStorage, address: &EntityAddress) -> Option<StoredState> {
+    storage.load_state(address).await.unwrap()
+}
+
+/// Asserts that `result` is a stale state write of `address`'s entity.
+fn assert_stale(backend: &str, result: Result<(), StorageError>, address: &EntityAddress) {
+    let Err(error) = result else {
+        panic!("{backend}: a stale write of the state of {address} was accepted");
+    };
+    assert_eq!(error.kind(), StorageErrorKind::StaleState, "{backend}: {error}");
+    let message = error.to_string();
+    assert!(message.contains(&address.to_string()), "{backend}: {message:?} names no entity");
+}
+
+/// A state is inserted at revision 1, each write moves it on by one, a deletion removes it, and
+/// a state written after a deletion starts again at revision 1. The JSON text reads back byte
+/// for byte.
+pub async fn entity_state_round_trips(fixture: &dyn StorageFixture) {
+    let storage = fixture.message_storage();
+    let name = fixture.name();
+    let entity = address("e1", 1);
+    assert_eq!(load_state(&*storage, &entity).await, None, "{name}");
+    // A deletion of no row, by a writer that found none, writes nothing.
+    storage.save_state(&state_write(&entity, 0, None)).await.unwrap();
+    assert_eq!(load_state(&*storage, &entity).await, None, "{name}");
+    let first = r#"{"name":"José \"J\"","items":[1,2.5,{"a":null}],"empty":{}}"#;
+    storage.save_state(&state_write(&entity, 0, Some(first))).await.unwrap();
+    let loaded = load_state(&*storage, &entity).await;
+    assert_eq!(loaded, stored_state(first, 1), "{name}");
+    assert_eq!(loaded.unwrap().value.json(), Some(first), "{name}: the text is kept");
+    storage.save_state(&state_write(&entity, 1, Some(r#"{"n":2}"#))).await.unwrap();
+    assert_eq!(load_state(&*storage, &entity).await, stored_state(r#"{"n":2}"#, 2), "{name}");
+    storage.save_state(&state_write(&entity, 2, Some("3"))).await.unwrap();
+    assert_eq!(load_state(&*storage, &entity).await, stored_state("3", 3), "{name}");
+    storage.save_state(&state_write(&entity, 3, None)).await.unwrap();
+    assert_eq!(load_state(&*storage, &entity).await, None, "{name}");
+    storage.save_state(&state_write(&entity, 0, Some("[]"))).await.unwrap();
+    assert_eq!(load_state(&*storage, &entity).await, stored_state("[]", 1), "{name}");
+    assert_eq!(load_state(&*storage, &address("e2", 1)).await, None, "{name}: another entity");
+}
+
+/// A write at a revision the row does not have is stale and changes nothing: an update or a
+/// deletion at another revision, an insert over an existing row, an update of no row.
+pub async fn a_stale_state_write_is_refused(fixture: &dyn StorageFixture) {
+    let storage = fixture.message_storage();
+    let name = fixture.name();
+    let entity = address("e1", 1);
+    storage.save_state(&state_write(&entity, 0, Some(r#"{"n":1}"#))).await.unwrap();
+    storage.save_state(&state_write(&entity, 1, Some(r#"{"n":2}"#))).await.unwrap();
+    let stale = [
+        state_write(&entity, 1, Some(r#"{"stale":"older"}"#)),
+        state_write(&entity, 3, Some(r#"{"stale":"newer"}"#)),
+        state_write(&entity, 0, Some(r#"{"stale":"insert"}"#)),
+        state_write(&entity, 1, None),
+        state_write(&entity, 5, None),
+    ];
+    for write in &stale {
+        assert_stale(name, storage.save_state(write).await, &entity);
+        let loaded = load_state(&*storage, &entity).await;
+        assert_eq!(loaded, stored_state(r#"{"n":2}"#, 2), "{name}: after {write:?}");
+    }
+    let missing = address("e2", 1);
+    assert_stale(name, storage.save_state(&state_write(&missing, 1, Some("1"))).await, &missing);
+    assert_stale(name, storage.save_state(&state_write(&missing, 1, None)).await, &missing);
+    assert_eq!(load_state(&*storage, &missing).await, None, "{name}");
+    // The writer that loaded the latest revision goes on.
+    storage.save_state(&state_write(&entity, 2, Some(r#"{"n":3}"#))).await.unwrap();
+    assert_eq!(load_state(&*storage, &entity).await, stored_state(r#"{"n":3}"#, 3), "{name}");
+}
+
+/// Writers racing with the same loaded revision: exactly one wins, the others are stale, and
+/// the row holds the winner's value.
+pub async fn racing_state_writers_one_wins(fixture: &dyn StorageFixture) {
+    let storage = fixture.message_storage();
+    let name = fixture.name();
+    let entity = address("e1", 1);
+    for expected in [0_u64, 1] {
+        let writes: Vec<StateWrite> = (0..4)
+            .map(|writer| {
+                state_write(&entity, expected, Some(&format!(r#"{{"writer":{writer}}}"#)))
+            })
+            .collect();
+        let results = join_all(writes.iter().map(|write| storage.save_state(write))).await;
+        let mut winners = Vec::new();
+        for (write, result) in writes.iter().zip(results) {
+            match result {
+                Ok(()) => winners.push(write),
+                Err(error) => {
+                    assert_eq!(error.kind(), StorageErrorKind::StaleState, "{name}: {error}");
+                }
+            }
+        }
+        let [winner] = winners.as_slice() else {
+            panic!("{name}: {} writers of revision {expected} won", winners.len());
+        };
+        let loaded = load_state(&*storage, &entity).await.unwrap();
+        assert_eq!(loaded.revision, expected + 1, "{name}");
+        assert_eq!(Some(&loaded.value), winner.value.as_ref(), "{name}");
+    }
+}
+
+/// A final reply saved with a state stores both: the reply is there, the request (with its
+/// interrupt) is processed, the state is written; the next one updates the state.
+pub async fn a_reply_with_state_commits_both(fixture: &dyn StorageFixture) {
+    let storage = fixture.message_storage();
+    let name = fixture.name();
+    let target = request(1, 1);
+    save(&*storage, &target).await;
+    save(&*storage, &request(2, 1)).await;
+    assert_eq!(read_ids(&*storage).await, [1, 2], "{name}");
+    let interrupt = Interrupt {
+        id: Snowflake::new(3),
+        address: target.address.clone(),
+        request_id: target.request_id,
+    };
+    storage.save_interrupt(&interrupt).await.unwrap();
+    let entity = &target.address;
+    let write = state_write(entity, 0, Some(r#"{"count":1}"#));
+    storage.save_reply_with_state(&final_reply(1, 10), &write).await.unwrap();
+    assert_eq!(reply_ids(&storage.replies_for(&snowflakes(&[1])).await.unwrap()), [10], "{name}");
+    assert_eq!(load_state(&*storage, entity).await, stored_state(r#"{"count":1}"#, 1), "{name}");
+    let write = state_write(entity, 1, Some(r#"{"count":2}"#));
+    storage.save_reply_with_state(&final_reply(2, 11), &write).await.unwrap();
+    assert_eq!(load_state(&*storage, entity).await, stored_state(r#"{"count":2}"#, 2), "{name}");
+    // Both requests, and the interrupt, are processed: released claims bring nothing back.
+    storage.reset_shards(&[shard(1)]).await.unwrap();
+    assert_eq!(read_ids(&*storage).await, Vec::<u64>::new(), "{name}");
+    let replies = storage.replies_for(&snowflakes(&[1, 2])).await.unwrap();
+    assert_eq!(replies, [final_reply(1, 10), final_reply(2, 11)], "{name}");
+    // A deletion with a reply.
+    save(&*storage, &request(4, 1)).await;
+    storage
+        .save_reply_with_state(&final_reply(4, 12), &state_write(entity, 2, None))
+        .await
+        .unwrap();
+    assert_eq!(load_state(&*storage, entity).await, None, "{name}");
+    assert_eq!(reply_ids(&storage.replies_for(&snowflakes(&[4])).await.unwrap()), [12], "{name}");
+}
+
+/// A stale state stores no reply: the request stays unprocessed, the state unchanged; saved
+/// again at the stored revision, both are written.
+pub async fn a_stale_state_stores_no_reply(fixture: &dyn StorageFixture) {
+    let storage = fixture.message_storage();
+    let name = fixture.name();
+    let target = request(1, 1);
+    save(&*storage, &target).await;
+    let entity = &target.address;
+    storage.save_state(&state_write(entity, 0, Some(r#"{"by":"owner"}"#))).await.unwrap();
+    for expected in [0, 2] {
+        let write = state_write(entity, expected, Some(r#"{"by":"stale"}"#));
+        assert_stale(
+            name,
+            storage.save_reply_with_state(&final_reply(1, 10), &write).await,
+            entity,
+        );
+    }
+    let stored = storage.replies_for_unfiltered(&snowflakes(&[1])).await.unwrap();
+    assert!(stored.is_empty(), "{name}: a reply was stored: {stored:?}");
+    assert_eq!(load_state(&*storage, entity).await, stored_state(r#"{"by":"owner"}"#, 1), "{name}");
+    assert_eq!(read_ids(&*storage).await, [1], "{name}: the request waits for its reply");
+    let write = state_write(entity, 1, Some(r#"{"by":"next"}"#));
+    storage.save_reply_with_state(&final_reply(1, 10), &write).await.unwrap();
+    assert_eq!(reply_ids(&storage.replies_for(&snowflakes(&[1])).await.unwrap()), [10], "{name}");
+    assert_eq!(load_state(&*storage, entity).await, stored_state(r#"{"by":"next"}"#, 2), "{name}");
+}
+
+/// A second final reply is a conflict with a state too, and then the state is not written: no
+/// row is made, and a row is not changed.
+pub async fn a_second_final_reply_writes_no_state(fixture: &dyn StorageFixture) {
+    let storage = fixture.message_storage();
+    let name = fixture.name();
+    let target = request(1, 1);
+    save(&*storage, &target).await;
+    let entity = &target.address;
+    storage.save_reply(&final_reply(1, 10)).await.unwrap();
+    let write = state_write(entity, 0, Some(r#"{"n":1}"#));
+    let error = storage.save_reply_with_state(&final_reply(1, 11), &write).await.unwrap_err();
+    assert_eq!(error.kind(), StorageErrorKind::Conflict, "{name}: {error}");
+    assert_eq!(load_state(&*storage, entity).await, None, "{name}");
+    storage.save_state(&write).await.unwrap();
+    let update = state_write(entity, 1, Some(r#"{"n":2}"#));
+    let error = storage.save_reply_with_state(&final_reply(1, 12), &update).await.unwrap_err();
+    assert_eq!(error.kind(), StorageErrorKind::Conflict, "{name}: {error}");
+    assert_eq!(load_state(&*storage, entity).await, stored_state(r#"{"n":1}"#, 1), "{name}");
+    assert_eq!(reply_ids(&storage.replies_for(&snowflakes(&[1])).await.unwrap()), [10], "{name}");
+    // The state goes on at the revision it has.
+    storage.save_state(&update).await.unwrap();
+}
+
+/// A state at the limit is stored whole; one byte over it is refused as invalid input, with a
+/// message that names the entity, the size and the limit, alone, with a reply and in a
+/// transaction (which goes on): nothing of it is written.
+pub async fn state_over_the_limit_is_refused(fixture: &dyn StorageFixture) {
+    let storage = fixture.message_storage();
+    let name = fixture.name();
+    let limit = fixture.state_bytes_max();
+    let over = limit + 1;
+    let entity = address("e1", 1);
+    let what = format!("the state of {entity}");
+    let at_limit = json_string(limit);
+    let write = StateWrite { address: entity.clone(), expected: 0, value: Some(at_limit.clone()) };
+    storage.save_state(&write).await.unwrap();
+    let loaded = load_state(&*storage, &entity).await.unwrap();
+    assert!(loaded.value == at_limit && loaded.revision == 1, "{name}: the state at the limit");
+    let over_limit =
+        |expected| StateWrite { address: entity.clone(), expected, value: Some(json_string(over)) };
+    assert_refused(name, storage.save_state(&over_limit(1)).await, &what, over, limit);
+    assert_refused(name, storage.save_state(&over_limit(0)).await, &what, over, limit);
+    save(&*storage, &request(1, 1)).await;
+    let refused = storage.save_reply_with_state(&final_reply(1, 10), &over_limit(1)).await;
+    assert_refused(name, refused, &what, over, limit);
+    let stored = storage.replies_for_unfiltered(&snowflakes(&[1])).await.unwrap();
+    assert!(stored.is_empty(), "{name}: a reply was stored: {stored:?}");
+    let mut transaction = storage.begin_transaction().await.unwrap();
+    assert_refused(name, transaction.save_state(&over_limit(1)).await, &what, over, limit);
+    transaction.save_state(&state_write(&entity, 1, Some("1"))).await.unwrap();
+    transaction.commit().await.unwrap();
+    assert_eq!(load_state(&*storage, &entity).await, stored_state("1", 2), "{name}");
+}
+
+/// States written in a transaction are invisible until commit and gone on rollback or back to
+/// a savepoint; the transaction sees its own writes, refuses a stale one, and commits a state
+/// with a reply.
+pub async fn state_in_a_transaction_commits_and_rolls_back(fixture: &dyn StorageFixture) {
+    let storage = fixture.message_storage();
+    let name = fixture.name();
+    let entity = address("e1", 1);
+    let mut committed = storage.begin_transaction().await.unwrap();
+    committed.save_state(&state_write(&entity, 0, Some(r#"{"n":1}"#))).await.unwrap();
+    committed.save_state(&state_write(&entity, 1, Some(r#"{"n":2}"#))).await.unwrap();
+    assert_eq!(load_state(&*storage, &entity).await, None, "{name}: visible before commit");
+    committed.commit().await.unwrap();
+    assert_eq!(load_state(&*storage, &entity).await, stored_state(r#"{"n":2}"#, 2), "{name}");
+
+    let mut rolled_back = storage.begin_transaction().await.unwrap();
+    rolled_back.save_state(&state_write(&entity, 2, Some(r#"{"n":3}"#))).await.unwrap();
+    rolled_back.rollback().await.unwrap();
+    assert_eq!(load_state(&*storage, &entity).await, stored_state(r#"{"n":2}"#, 2), "{name}");
+
+    let mut stale = storage.begin_transaction().await.unwrap();
+    assert_stale(name, stale.save_state(&state_write(&entity, 1, Some("1"))).await, &entity);
+    assert_stale(name, stale.save_state(&state_write(&entity, 0, Some("1"))).await, &entity);
+    stale.rollback().await.unwrap();
+
+    save(&*storage, &request(1, 1)).await;
+    let mut with_reply = storage.begin_transaction().await.unwrap();
+    with_reply.save_state(&state_write(&entity, 2, Some(r#"{"n":3}"#))).await.unwrap();
+    with_reply.savepoint().await.unwrap();
+    with_reply.save_state(&state_write(&entity, 3, None)).await.unwrap();
+    with_reply.rollback_to_savepoint().await.unwrap();
+    with_reply.save_reply(&final_reply(1, 10)).await.unwrap();
+    with_reply.commit().await.unwrap();
+    assert_eq!(load_state(&*storage, &entity).await, stored_state(r#"{"n":3}"#, 3), "{name}");
+    assert_eq!(reply_ids(&storage.replies_for(&snowflakes(&[1])).await.unwrap()), [10], "{name}");
+
+    // Deleted in a transaction.
+    let mut deleting = storage.begin_transaction().await.unwrap();
+    deleting.save_state(&state_write(&entity, 3, None)).await.unwrap();
+    deleting.commit().await.unwrap();
+    assert_eq!(load_state(&*storage, &entity).await, None, "{name}");
+}
+
+/// A state row is keyed by the entity's type and id, compared exactly (as
+/// `keys_are_compared_exactly` compares them): the same id of another type is another row, ids
+/// differing in case, accents or a trailing space are other rows; the same type and id on
+/// another shard is the same row.
+pub async fn states_are_keyed_by_type_and_id(fixture: &dyn StorageFixture) {
+    let storage = fixture.message_storage();
+    let name = fixture.name();
+    let of_type = |entity_type: &str, entity_id: &str| EntityAddress {
+        shard_id: shard(1),
+        entity_type: EntityType::from(entity_type),
+        entity_id: EntityId::from(entity_id),
+    };
+    let mut entities: Vec<EntityAddress> =
+        ["Alice", "alice", "José", "Jose", "Bob", "Bob "].iter().map(|id| address(id, 1)).collect();
+    entities.push(of_type("OtherEntity", "Alice"));
+    entities.push(of_type("testentity", "Alice"));
+    for (n, entity) in entities.iter().enumerate() {
+        let write = state_write(entity, 0, Some(&n.to_string()));
+        storage
+            .save_state(&write)
+            .await
+            .unwrap_or_else(|error| panic!("{name}: {entity}: {error}"));
+    }
+    for (n, entity) in entities.iter().enumerate() {
+        let loaded = load_state(&*storage, entity).await;
+        assert_eq!(loaded, stored_state(&n.to_string(), 1), "{name}: {entity}");
+    }
+    // Another shard, the same entity: its row.
+    let moved = address("Alice", 2);
+    assert_eq!(load_state(&*storage, &moved).await, stored_state("0", 1), "{name}");
+    storage.save_state(&state_write(&moved, 1, Some(r#""moved""#))).await.unwrap();
+    assert_eq!(load_state(&*storage, &entities[0]).await, stored_state(r#""moved""#, 2), "{name}");
+    // Deleting one leaves the others.
+    storage.save_state(&state_write(&entities[1], 1, None)).await.unwrap();
+    assert_eq!(load_state(&*storage, &entities[1]).await, None, "{name}");
+    for (n, entity) in entities.iter().enumerate().skip(2) {
+        assert_eq!(load_state(&*storage, entity).await, stored_state(&n.to_string(), 1), "{name}");
+    }
+}
+
+/// A stored state that is not JSON is a malformed row named by its entity, not a panic; a
+/// write at its revision replaces it.
+pub async fn malformed_state_is_reported(fixture: &dyn StorageFixture) {
+    let storage = fixture.message_storage();
+    let name = fixture.name();
+    let entity = address("e1", 1);
+    storage.save_state(&state_write(&entity, 0, Some(r#"{"n":1}"#))).await.unwrap();
+    fixture.corrupt(Corruption::StateValue(entity.clone())).await;
+    let error = storage.load_state(&entity).await.unwrap_err();
+    assert_eq!(error.kind(), StorageErrorKind::Malformed, "{name}: {error}");
+    assert!(error.to_string().contains(&entity.to_string()), "{name}: {error} names no entity");
+    assert_eq!(load_state(&*storage, &address("e2", 1)).await, None, "{name}: others read");
+    storage.save_state(&state_write(&entity, 1, Some(r#"{"n":2}"#))).await.unwrap();
+    assert_eq!(load_state(&*storage, &entity).await, stored_state(r#"{"n":2}"#, 2), "{name}");
 }
 
 // --- Runners and shard locks --------------------------------------------------------------------
