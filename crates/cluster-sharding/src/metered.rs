@@ -13,6 +13,7 @@ use std::num::NonZeroU32;
 use std::sync::Arc;
 
 use cluster_core::clock::Timestamp;
+use cluster_core::entity_state::{StateWrite, StoredState};
 use cluster_core::envelope::{AckChunk, Interrupt, Reply, Request};
 use cluster_core::error::StorageError;
 use cluster_core::future::BoxFuture;
@@ -44,8 +45,12 @@ enum Op {
     ResetAddresses,
     ResetShards,
     ClearAddress,
+    LoadState,
+    SaveState,
+    SaveReplyWithState,
     BeginTransaction,
     TransactionSaveReply,
+    TransactionSaveState,
     TransactionCommit,
     TransactionRollback,
     Register,
@@ -62,7 +67,7 @@ enum Op {
 impl Op {
     /// Every operation, in declaration order (an operation's histogram is at its index; one
     /// missing here is timed by no histogram, never a panic).
-    const ALL: [Op; 30] = [
+    const ALL: [Op; 34] = [
         Op::SaveRequest,
         Op::SaveRequestOrdered,
         Op::SaveAckChunk,
@@ -80,8 +85,12 @@ impl Op {
         Op::ResetAddresses,
         Op::ResetShards,
         Op::ClearAddress,
+        Op::LoadState,
+        Op::SaveState,
+        Op::SaveReplyWithState,
         Op::BeginTransaction,
         Op::TransactionSaveReply,
+        Op::TransactionSaveState,
         Op::TransactionCommit,
         Op::TransactionRollback,
         Op::Register,
@@ -115,8 +124,12 @@ impl Op {
             Op::ResetAddresses => "reset_addresses",
             Op::ResetShards => "reset_shards",
             Op::ClearAddress => "clear_address",
+            Op::LoadState => "load_state",
+            Op::SaveState => "save_state",
+            Op::SaveReplyWithState => "save_reply_with_state",
             Op::BeginTransaction => "begin_transaction",
             Op::TransactionSaveReply => "transaction_save_reply",
+            Op::TransactionSaveState => "transaction_save_state",
             Op::TransactionCommit => "transaction_commit",
             Op::TransactionRollback => "transaction_rollback",
             Op::Register => "register",
@@ -330,6 +343,26 @@ impl MessageStorage for MeteredMessages {
         Box::pin(self.meters.measure(Op::ClearAddress, self.inner.clear_address(address)))
     }
 
+    fn load_state<'a>(
+        &'a self,
+        address: &'a EntityAddress,
+    ) -> BoxFuture<'a, Result<Option<StoredState>, StorageError>> {
+        Box::pin(self.meters.measure(Op::LoadState, self.inner.load_state(address)))
+    }
+
+    fn save_state<'a>(&'a self, write: &'a StateWrite) -> BoxFuture<'a, Result<(), StorageError>> {
+        Box::pin(self.meters.measure(Op::SaveState, self.inner.save_state(write)))
+    }
+
+    fn save_reply_with_state<'a>(
+        &'a self,
+        reply: &'a Reply,
+        write: &'a StateWrite,
+    ) -> BoxFuture<'a, Result<(), StorageError>> {
+        let saved = self.inner.save_reply_with_state(reply, write);
+        Box::pin(self.meters.measure(Op::SaveReplyWithState, saved))
+    }
+
     fn begin_transaction(
         &self,
     ) -> BoxFuture<'_, Result<Box<dyn MessageTransaction>, StorageError>> {
@@ -351,6 +384,13 @@ struct MeteredTransaction {
 impl MessageTransaction for MeteredTransaction {
     fn save_reply<'a>(&'a mut self, reply: &'a Reply) -> BoxFuture<'a, Result<(), StorageError>> {
         Box::pin(self.meters.measure(Op::TransactionSaveReply, self.inner.save_reply(reply)))
+    }
+
+    fn save_state<'a>(
+        &'a mut self,
+        write: &'a StateWrite,
+    ) -> BoxFuture<'a, Result<(), StorageError>> {
+        Box::pin(self.meters.measure(Op::TransactionSaveState, self.inner.save_state(write)))
     }
 
     fn backend(&mut self) -> &mut (dyn Any + Send) {

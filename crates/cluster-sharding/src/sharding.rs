@@ -52,7 +52,7 @@ use crate::placement::single_runner::{HeldLocks, all_shards};
 use crate::runtime::delivery::{ReadLatch, Serving};
 use crate::runtime::keep_alive::{KEEP_ALIVE_TAG, KeepAliveSender};
 use crate::runtime::local::{LocalDelivery, StreamCall};
-use crate::runtime::manager::{Contexts, EntityManager, Factory, ManagerOptions, Residency};
+use crate::runtime::manager::{Contexts, EntityManager, Factory, Lent, ManagerOptions, Residency};
 use crate::runtime::persisted::{PersistedDelivery, PersistedParts, PersistedStream, not_stored};
 use crate::runtime::registry::Managers;
 use crate::services::cron::{self, CronContext, CronEntity, CronError, CronHost, CronOptions};
@@ -536,10 +536,12 @@ impl Sharding {
                 entity_type.clone(),
                 factory,
                 manager_options,
-                Arc::clone(&self.inner.residency),
-                Arc::clone(&self.inner.ids),
-                self.keep_alive_sender(),
-                storage,
+                Lent {
+                    residency: Arc::clone(&self.inner.residency),
+                    ids: Arc::clone(&self.inner.ids),
+                    keep_alive_sender: self.keep_alive_sender(),
+                    storage,
+                },
             ))
         });
         if !inserted {

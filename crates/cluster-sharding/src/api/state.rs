@@ -23,10 +23,16 @@ use serde::Serialize;
 use serde::de::DeserializeOwned;
 use tokio::sync::oneshot;
 
+/// Encodes the state of an entity value.
+type Encode<E> = Box<dyn Fn(&mut E) -> Result<RawJson, DecodeError> + Send + Sync>;
+
+/// Puts a decoded state in an entity value.
+type Decode<E> = Box<dyn Fn(&mut E, &RawJson) -> Result<(), DecodeError> + Send + Sync>;
+
 /// Reads and replaces an entity value's durable state, whatever its type.
 pub(crate) struct Durability<E> {
-    encode: Box<dyn Fn(&mut E) -> Result<RawJson, DecodeError> + Send + Sync>,
-    decode: Box<dyn Fn(&mut E, &RawJson) -> Result<(), DecodeError> + Send + Sync>,
+    encode: Encode<E>,
+    decode: Decode<E>,
 }
 
 impl<E: 'static> Durability<E> {

@@ -486,17 +486,26 @@ struct Instance {
     last_used: LastUsed,
 }
 
+/// What the runtime lends every manager.
+pub(crate) struct Lent {
+    /// The runner-wide residency count.
+    pub(crate) residency: Arc<Residency>,
+    pub(crate) ids: Arc<Ids>,
+    /// Sends the keep-alive request.
+    pub(crate) keep_alive_sender: KeepAliveSender,
+    /// The message storage, where durable entity state is kept, if the runtime has one.
+    pub(crate) storage: Option<Arc<dyn MessageStorage>>,
+}
+
 impl<E: Entity> EntityManager<E> {
     pub(crate) fn new(
         contexts: Contexts,
         entity_type: EntityType,
         factory: Factory<E>,
         options: ManagerOptions,
-        residency: Arc<Residency>,
-        ids: Arc<Ids>,
-        keep_alive_sender: KeepAliveSender,
-        storage: Option<Arc<dyn MessageStorage>>,
+        lent: Lent,
     ) -> EntityManager<E> {
+        let Lent { residency, ids, keep_alive_sender, storage } = lent;
         let protocol = Protocol::of().measured(entity_type.as_str());
         let state_storage = storage.filter(|_| protocol.durability().is_some());
         let shared = Arc::new(Shared {
@@ -1130,7 +1139,15 @@ impl<E: Entity> InstanceLoop<E> {
                 let tag = &head.delivery.request.tag;
                 let (is_shared, is_forked) =
                     (self.shared.is_shared(tag), self.shared.is_forked(tag));
-                if matches!(self.slot, Slot::Gone) {
+                if self.signals.interrupt.is_cancelled() && head.delivery.started.is_some() {
+                    // The instance was cut off (the end of a drain, a lost lock) before this
+                    // persisted request started: it is left stored, unanswered, for the next
+                    // run. An interrupt stored as its reply would end it for good once the
+                    // shard is served again.
+                    if let Some(queued) = self.queue.pop_front() {
+                        self.leave_stored(queued.delivery);
+                    }
+                } else if matches!(self.slot, Slot::Gone) {
                     // The manager closed during a restart: everything left is interrupted.
                     if let Some(queued) = self.queue.pop_front() {
                         self.respond(queued.delivery, Exit::interrupt()).await;
@@ -1513,6 +1530,13 @@ impl<E: Entity> InstanceLoop<E> {
         self.slot.give_back(Access::Exclusive(entity));
     }
 
+    /// Drops a persisted request that never started, unanswered: the task that stores its
+    /// outcome finds no exit and leaves it stored for the next run.
+    fn leave_stored(&self, delivery: Box<Delivery>) {
+        tracing::debug!(request_id = %delivery.request.request_id, "instance cut off: the request is left stored");
+        self.active.finish(delivery.request.request_id);
+    }
+
     /// Gives `entity` its committed state back (after a request that failed).
     fn revert(&self, entity: &mut E) {
         let (Some(durability), Some(cell)) = (self.shared.protocol.durability(), &self.state)
@@ -1529,10 +1553,12 @@ impl<E: Entity> InstanceLoop<E> {
     /// gets the state committed here last.
     async fn reload(&mut self, entity: &mut E) {
         let loaded = load_state(&self.shared, &self.address, entity, &self.signals.interrupt).await;
-        match (loaded, &mut self.state) {
-            (Some(stored), Some(cell)) => cell.reloaded(stored),
-            _ => self.revert(entity),
+        if let (Some(stored), Some(cell)) = (loaded, &mut self.state) {
+            cell.reloaded(stored);
         }
+        // Without a row, the value still holds the state of the write that did not commit: it
+        // gets the initial one (the committed state now).
+        self.revert(entity);
     }
 
     /// Sends a request's exit to where it goes; the caller may have gone away (an interrupted

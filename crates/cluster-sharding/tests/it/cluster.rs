@@ -326,8 +326,8 @@ fn database_url(variable: &str) -> Option<String> {
 }
 
 /// The tables of a prefix, histories included.
-const TABLES: [&str; 6] =
-    ["messages", "replies", "migrations", "runners", "locks", "runner_migrations"];
+const TABLES: [&str; 7] =
+    ["messages", "replies", "migrations", "runners", "locks", "runner_migrations", "entity_state"];
 
 /// A table prefix of this test's own: `<letter><pid>_<n>_<millis>`.
 fn unique_prefix(letter: &str) -> TablePrefix {

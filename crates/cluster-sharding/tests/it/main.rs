@@ -14,6 +14,7 @@ mod readiness;
 mod residency;
 mod shutdown;
 mod singletons;
+mod state;
 mod streams;
 mod transaction;
 mod unserved;
