@@ -44,6 +44,7 @@ use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
+use cluster_core::envelope::{Exit, Reply, WithExit};
 use cluster_core::ids::RunnerAddress;
 use cluster_core::storage::{MessageStorage, RunnerStorage};
 use cluster_core::sync::lock;
@@ -373,7 +374,9 @@ impl Rpc for Echo {
     type Error = String;
 }
 
-/// The simulated entity: a counter, which records its handler runs.
+/// The simulated entity: a counter, which records its handler runs. Its value is durable
+/// state, so each counter's successful replies are 1, 2, 3, … once each, across every fault
+/// ([`check_durable_counts`]).
 struct SimCounter {
     value: u64,
     recorder: Option<Arc<runs::Recorder>>,
@@ -387,21 +390,25 @@ impl Entity for SimCounter {
     }
 
     fn protocol(protocol: &mut Protocol<SimCounter>) {
+        protocol.durable(|counter| &mut counter.value);
         protocol.handle::<Add>().handle::<AddTx>().handle::<Echo>().handle::<Hold>();
     }
 }
 
 impl SimCounter {
-    /// Records a run of a keyed request and takes the run's time.
-    async fn add(&mut self, context: &RequestContext, key: &str) -> u64 {
+    /// Records a run of a keyed request and takes the run's time; the run, to end when the
+    /// handler returns.
+    async fn add(&mut self, context: &RequestContext, key: &str) -> (u64, Option<runs::Run>) {
+        let mut run = None;
         if let Some(recorder) = &self.recorder {
-            let takes = recorder.ran(key, context.request_id(), context.address());
+            let (takes, started) = recorder.ran(key, context.request_id(), context.address());
+            run = Some(started);
             if !takes.is_zero() {
                 tokio::time::sleep(takes).await;
             }
         }
         self.value += 1;
-        self.value
+        (self.value, run)
     }
 }
 
@@ -413,14 +420,21 @@ impl Handler<Echo> for SimCounter {
 
 impl Handler<Add> for SimCounter {
     async fn handle(&mut self, context: &RequestContext, add: Add) -> Result<u64, String> {
-        Ok(self.add(context, &add.key).await)
+        let (value, run) = self.add(context, &add.key).await;
+        if let Some(run) = run {
+            run.returned();
+        }
+        Ok(value)
     }
 }
 
 impl Handler<Hold> for SimCounter {
     async fn handle(&mut self, context: &RequestContext, hold: Hold) -> Result<u64, String> {
-        let value = self.add(context, &hold.key).await;
+        let (value, run) = self.add(context, &hold.key).await;
         tokio::time::sleep(Duration::from_millis(hold.millis)).await;
+        if let Some(run) = run {
+            run.returned();
+        }
         Ok(value)
     }
 }
@@ -430,7 +444,11 @@ impl Handler<AddTx> for SimCounter {
         if context.transaction().is_none() {
             return Err("AddTx ran outside a transaction".to_owned());
         }
-        Ok(self.add(context, &add.key).await)
+        let (value, run) = self.add(context, &add.key).await;
+        if let Some(run) = run {
+            run.returned();
+        }
+        Ok(value)
     }
 }
 
@@ -760,6 +778,7 @@ async fn simulate(config: SimConfig) -> SimReport {
     check_final_replies(&world, &client, Add::TAG, "k", config.requests).await;
     check_final_replies(&world, &client, AddTx::TAG, "t", local_requests).await;
     check_runs(&world, &database);
+    check_durable_counts(&world, &client, &database).await;
     #[cfg(feature = "workflow")]
     if let Some(ledger) = &world.workflows {
         ledger.check_end(&world.runs.ungraceful_runners(), &world.runs.failed_entities());
@@ -791,8 +810,11 @@ async fn run_fault_schedules(world: &mut World, config: &SimConfig, rng: &mut Si
 
 /// The entity of request `index` (requests spread over seven counters).
 fn counter_of(client: &Sharding, index: usize) -> cluster_sharding::EntityClient<SimCounter> {
-    client.client::<SimCounter>(format!("counter-{}", index % 7))
+    client.client::<SimCounter>(format!("counter-{}", index % COUNTERS))
 }
+
+/// How many counters the requests go to.
+const COUNTERS: usize = 7;
 
 /// A client-only process sends every request at a time drawn from the seed and retries it
 /// (with its key) until it is answered.
@@ -984,6 +1006,9 @@ async fn apply(world: &mut World, rng: &mut SimRng, fault: Fault) {
                 }
                 runners[index].gone = true;
                 world.network.detach(&runners[index].address);
+                // Its connections close with it: the calls waiting on it fail, as they would
+                // over TCP (a frozen runner's stay open).
+                world.network.cut_calls_to(&runners[index].address);
                 runners[index].name.clone()
             };
             world.history.record(format!("crash {name}"));
@@ -1478,6 +1503,50 @@ fn check_runs(world: &World, database: &MemoryMessageStorage) {
     world.history.record(format!(
         "handlers: {runs} runs, {repeated} repeated, ungraceful runners {ungraceful:?}"
     ));
+}
+
+/// Each counter's stored value is the number of its requests answered with success, and those
+/// answers are 1, 2, … that number, once each: every request changed the durable state once,
+/// with its reply, whatever crashed, froze or moved.
+async fn check_durable_counts(world: &World, client: &Sharding, database: &MemoryMessageStorage) {
+    for index in 0..COUNTERS {
+        let counter = counter_of(client, index);
+        let address = counter.address().clone();
+        let requests = database.request_order(&address);
+        let mut values = Vec::new();
+        let replies = match world.messages.replies_for_unfiltered(&requests).await {
+            Ok(replies) => replies,
+            Err(error) => {
+                return world.violation(format!("{address}: replies unreadable: {error}"));
+            }
+        };
+        for reply in replies {
+            if let Reply::WithExit(WithExit { exit: Exit::Success(value), .. }) = reply {
+                match value.decode::<u64>() {
+                    Ok(value) => values.push(value),
+                    Err(error) => world.violation(format!("{address}: a reply {error}")),
+                }
+            }
+        }
+        values.sort_unstable();
+        let expected: Vec<u64> = (1..=values.len() as u64).collect();
+        if values != expected {
+            world.violation(format!("{address}: answered values {values:?}, not 1 to n once each"));
+            for line in database.describe(address.entity_id.as_str()) {
+                world.history.record(format!("  stored: {line}"));
+            }
+        }
+        let stored = match counter.stored_state::<u64>().await {
+            Ok(stored) => stored.map_or(0, |(value, _)| value),
+            Err(error) => return world.violation(format!("{address}: state unreadable: {error}")),
+        };
+        if stored != values.len() as u64 {
+            world.violation(format!(
+                "{address}: stored value {stored}, {} successful answers",
+                values.len()
+            ));
+        }
+    }
 }
 
 /// Stops the client and every runner that is still up (crashed ones just stay).

@@ -29,20 +29,44 @@ pub(super) struct Recorder {
 
 impl Recorder {
     /// The handler of request `request_id` (with key `key`) of `address` starts; returns how
-    /// long it takes.
+    /// long it takes, and the run, which the handler ends with [`Run::returned`].
     pub(super) fn ran(
-        &self,
+        self: &Arc<Recorder>,
         key: &str,
         request_id: Snowflake,
         address: &EntityAddress,
-    ) -> Duration {
-        self.runs.ran(key, request_id, address, &self.runner);
+    ) -> (Duration, Run) {
+        let index = self.runs.ran(key, request_id, address, &self.runner);
+        let run = Run { runs: Arc::clone(&self.runs), key: key.to_owned(), index, returned: false };
         if !self.slow_handlers {
-            return Duration::ZERO;
+            return (Duration::ZERO, run);
         }
         // A few milliseconds, the same for every run of one key.
         let spread = key.bytes().fold(7_u64, |hash, byte| hash.wrapping_mul(31) ^ u64::from(byte));
-        Duration::from_millis(spread % 40)
+        (Duration::from_millis(spread % 40), run)
+    }
+}
+
+/// One run of a handler: dropped before [`returned`](Run::returned), it was cut off.
+pub(super) struct Run {
+    runs: Arc<Runs>,
+    key: String,
+    index: usize,
+    returned: bool,
+}
+
+impl Run {
+    /// The handler returned.
+    pub(super) fn returned(mut self) {
+        self.returned = true;
+    }
+}
+
+impl Drop for Run {
+    fn drop(&mut self) {
+        if !self.returned {
+            self.runs.state().cut_off.insert((std::mem::take(&mut self.key), self.index));
+        }
     }
 }
 
@@ -62,6 +86,9 @@ struct RunsState {
     first_runs: BTreeMap<EntityAddress, Vec<Snowflake>>,
     /// Runners that crashed, froze or had slow lock storage, with what happened.
     ungraceful: BTreeMap<String, &'static str>,
+    /// The runs cut off before their handler returned (the instance was interrupted: the end of
+    /// a drain, a lost lock), by key and the run's position: the next run is expected.
+    cut_off: BTreeSet<(String, usize)>,
     /// The requests a reply write of failed (by injection), and their entities.
     failed_replies: BTreeSet<Snowflake>,
     failed_entities: BTreeSet<String>,
@@ -76,19 +103,27 @@ impl Runs {
         lock(&self.state)
     }
 
-    fn ran(&self, key: &str, request_id: Snowflake, address: &EntityAddress, runner: &str) {
+    /// Records a run; its position among the key's runs.
+    fn ran(
+        &self,
+        key: &str,
+        request_id: Snowflake,
+        address: &EntityAddress,
+        runner: &str,
+    ) -> usize {
         let at = millis(self.history.start.elapsed());
         let mut state = self.state();
         let runs = state.runs.entry(key.to_owned()).or_default();
         runs.push((runner.to_owned(), at));
-        if runs.len() == 1 {
+        let n = runs.len();
+        if n == 1 {
             state.requests.insert(key.to_owned(), (address.clone(), request_id));
             state.first_runs.entry(address.clone()).or_default().push(request_id);
         } else {
-            let n = runs.len();
             drop(state);
             self.history.record(format!("{key} runs again ({n}) on {runner}"));
         }
+        n - 1
     }
 
     /// Whether the handler of the request with key `key` ran.
@@ -117,7 +152,8 @@ impl Runs {
     }
 
     /// The runner that an earlier run of a request was on may have lost it without a fault:
-    /// the runs after the first that no crash, freeze or outage explains.
+    /// the runs after the first that no crash, freeze, outage or cut-off explains (a run cut
+    /// off, by the end of a drain for instance, runs again).
     pub(super) fn unexplained_reruns(&self) -> Vec<String> {
         let state = self.state();
         let mut unexplained = Vec::new();
@@ -126,9 +162,10 @@ impl Runs {
                 .requests
                 .get(key)
                 .is_some_and(|(_, request_id)| state.failed_replies.contains(request_id));
-            for pair in runs.windows(2) {
+            for (index, pair) in runs.windows(2).enumerate() {
                 let ((runner, at), (again_on, again_at)) = (&pair[0], &pair[1]);
-                if state.ungraceful.contains_key(runner) || reply_failed {
+                let cut_off = state.cut_off.contains(&(key.clone(), index));
+                if state.ungraceful.contains_key(runner) || reply_failed || cut_off {
                     continue;
                 }
                 unexplained.push(format!(
