@@ -95,6 +95,8 @@ pub struct Report {
     pub violations: Vec<String>,
     /// Audit rows read.
     pub audit_rows: usize,
+    /// Ledgers with a stored balance (durable entity state).
+    pub ledgers: usize,
     /// The faults injected, in order.
     pub faults: Vec<Fault>,
     /// The runs and their attribution.
@@ -389,6 +391,7 @@ async fn run_on(
     check_client(&mut report);
     check_replies(&mut report, &messages, &node).await?;
     let committed = check_audit(&mut report, db, prefix).await?;
+    check_balances(&mut report, db, prefix).await?;
     check_runs(&mut report, db, prefix, &committed).await?;
     Ok(report)
 }
@@ -572,6 +575,44 @@ async fn check_audit(
     let overlaps = overlapping_epochs(&spans);
     report_problems(report, "shards served by two runners at once", overlaps);
     Ok(committed)
+}
+
+/// Each ledger's durable count of deposits equals its audit rows: every deposit changed the
+/// state once, with its reply, across every crash, freeze and move.
+async fn check_balances(
+    report: &mut Report,
+    db: &tokio_postgres::Client,
+    prefix: &TablePrefix,
+) -> Result<(), String> {
+    let audited =
+        format!("SELECT entity, COUNT(*) FROM \"{}\" GROUP BY entity", ledger::audit_table(prefix));
+    let rows = db.query(&audited, &[]).await.map_err(|error| format!("audit: {error}"))?;
+    let mut counts: BTreeMap<String, i64> =
+        rows.iter().map(|row| (row.get::<_, String>(0), row.get::<_, i64>(1))).collect();
+    let stored = format!(
+        "SELECT entity_id, value FROM \"{}\" WHERE entity_type = 'ChaosLedger'",
+        prefix.table("entity_state")
+    );
+    let rows = db.query(&stored, &[]).await.map_err(|error| format!("entity state: {error}"))?;
+    let mut problems = Vec::new();
+    for row in &rows {
+        let entity: String = row.get(0);
+        let value: String = row.get(1);
+        let audited = counts.remove(&entity).unwrap_or(0);
+        match value.parse::<i64>() {
+            Ok(balance) if balance == audited => {}
+            Ok(balance) => {
+                problems.push(format!("{entity}: balance {balance}, {audited} audit rows"));
+            }
+            Err(_) => problems.push(format!("{entity}: balance {value:?} is not a number")),
+        }
+    }
+    for (entity, audited) in counts {
+        problems.push(format!("{entity}: no stored balance, {audited} audit rows"));
+    }
+    report.ledgers = rows.len();
+    report_problems(report, "durable balances against the audit", problems);
+    Ok(())
 }
 
 /// Every run not committed is explained by a kill or freeze of its process, and each ledger's

@@ -16,6 +16,10 @@
 //! lock on its runner (it stops before the lock is released), so two epochs of different
 //! runners whose audit rows interleave on one shard mean that shard was served twice at once.
 //!
+//! A ledger's count of deposits is its durable state: it commits in the same transaction as
+//! each deposit's reply and audit row, so after every fault it equals the ledger's audit rows
+//! (the fault test checks it).
+//!
 //! An [`Echo`] is volatile and answers its number.
 
 use std::sync::Arc;
@@ -110,9 +114,10 @@ pub struct Echo {
     pub n: u64,
 }
 
-#[entity(name = "ChaosLedger")]
+#[entity(name = "ChaosLedger", state = deposits)]
 impl Ledger {
-    /// Adds one to the ledger, once per key, in the transaction that stores its reply.
+    /// Adds one to the ledger, once per key, in the transaction that stores its reply (with the
+    /// count, the ledger's durable state).
     #[rpc(persisted, primary_key = key, with_transaction)]
     async fn deposit(
         &mut self,

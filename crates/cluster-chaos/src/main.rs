@@ -101,7 +101,7 @@ async fn run() -> Result<(), String> {
     say(&format!(
         "chaos summary: deposits sent {}, answered {}, failed {}, unanswered {}; \
          echoes ok {}, wrong {}; deposit latency p50 {} ms, p99 {} ms, max {} ms; audit rows {}; \
-         errors by kind {:?}",
+         ledgers with a durable balance {}; errors by kind {:?}",
         client.sent,
         client.answered,
         client.failed,
@@ -112,6 +112,7 @@ async fn run() -> Result<(), String> {
         client.p99_deposit_latency_ms,
         client.max_deposit_latency_ms,
         report.audit_rows,
+        report.ledgers,
         client.errors
     ));
     let reruns = &report.reruns;
