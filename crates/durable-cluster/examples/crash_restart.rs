@@ -13,6 +13,8 @@
 //!    claims) and answers the rest.
 //! 4. Every deposit is sent again with its key: each is answered from storage, and the file
 //!    holds exactly one final reply per deposit.
+//! 5. Each account's balance is durable state, committed with each deposit's reply: it is the
+//!    sum of its deposits, each counted once, though the kill cut some of them short.
 
 use std::process::{Command, ExitCode};
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -47,7 +49,7 @@ struct Account {
     balance: u64,
 }
 
-#[entity]
+#[entity(state = balance)]
 impl Account {
     async fn create() -> Self {
         Account { balance: 0 }
@@ -160,6 +162,12 @@ async fn crash_restart() -> Result<(), Error> {
     for n in 0..DEPOSITS {
         accounts.deposit(account(n), deposit(n)).await?;
     }
+    let mut balances = Vec::new();
+    for id in 0..ACCOUNTS {
+        let stored = second.client::<Account>(account(id)).stored_state::<u64>().await?;
+        let expected: u64 = (0..DEPOSITS).filter(|n| n % ACCOUNTS == id).sum();
+        balances.push((stored.map(|(balance, _)| balance), expected));
+    }
     second.shutdown().await;
     let replies = final_replies(&observer).await?;
     observer.close().await;
@@ -174,6 +182,10 @@ async fn crash_restart() -> Result<(), Error> {
         return Err(format!("final replies per deposit: {replies:?}").into());
     }
     say(&format!("every one of the {DEPOSITS} deposits has exactly one final reply"));
+    if balances.iter().any(|(stored, expected)| *stored != Some(*expected)) {
+        return Err(format!("stored and expected balances: {balances:?}").into());
+    }
+    say(&format!("each of the {ACCOUNTS} balances counts its deposits once: {balances:?}"));
     Ok(())
 }
 
