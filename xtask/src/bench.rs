@@ -19,8 +19,8 @@ use plotters::prelude::*;
 use serde_json::Value;
 
 /// The workloads `all` runs, in order.
-pub(crate) const WORKLOADS: [&str; 10] =
-    ["W0", "W1", "W2", "W3", "W4", "W5", "W6", "W7", "W8", "W9"];
+pub(crate) const WORKLOADS: [&str; 13] =
+    ["W0", "W1", "W2", "W3", "W4", "W5", "W6", "W7", "W8", "W9", "W2S", "W3S", "W6S"];
 
 /// Where `bench scaling` writes its results and plots, under the workspace root.
 const OUTPUT: &str = "docs/performance";

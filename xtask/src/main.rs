@@ -91,7 +91,7 @@ fn main() -> ExitCode {
 
 fn usage() {
     report(
-        "usage: cargo xtask <ci | tidy | chaos | schemathesis | sim [--seeds N] [--from S] [--classic|--extended|--graceful] | sim --seed S [--trace] [--classic|--extended|--graceful] | bench [W0|W1|W2|W3|W4|W5|W6|W7|W8|W9|all|scaling|plot] | config-doc>",
+        "usage: cargo xtask <ci | tidy | chaos | schemathesis | sim [--seeds N] [--from S] [--classic|--extended|--graceful] | sim --seed S [--trace] [--classic|--extended|--graceful] | bench [W0|W1|W2|W3|W4|W5|W6|W7|W8|W9|W2S|W3S|W6S|all|scaling|plot] | config-doc>",
     );
 }
 
@@ -223,7 +223,8 @@ fn sim(args: &[String]) -> Result<()> {
 fn bench_smoke(service_env: &[(&str, &str)]) -> Result<()> {
     let postgres = service_env.iter().any(|(name, _)| *name == "CLUSTER_TEST_POSTGRES_URL");
     for workload in bench::WORKLOADS {
-        if !postgres && matches!(workload, "W3" | "W5" | "W6" | "W7" | "W8" | "W9") {
+        if !postgres && matches!(workload, "W3" | "W5" | "W6" | "W7" | "W8" | "W9" | "W3S" | "W6S")
+        {
             report(&format!("==> bench {workload} (smoke): skipped, PostgreSQL is not reachable"));
             continue;
         }

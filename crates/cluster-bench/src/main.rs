@@ -9,6 +9,8 @@
 //!   runtime), to compare W1 with on the same machine and day.
 //! - `W1`: volatile echo requests to local entities (no storage).
 //! - `W2`, `W3`: the same request persisted with a primary key, on SQLite and on PostgreSQL.
+//! - `W2S`, `W3S`, `W6S`: W2, W3 and W6 where every request also changes its entity's durable
+//!   state (a count), committed with its reply.
 //! - `W4`, `W5`: a workflow of three small activities on the cluster workflow engine, on
 //!   SQLite and on PostgreSQL.
 //! - `W6`, `W7`, `W8`: three runner processes on PostgreSQL and this process as a client-only
@@ -57,12 +59,18 @@ pub(crate) enum Workload {
     W2,
     /// Persisted echo on PostgreSQL.
     W3,
+    /// W2 with a durable state change per request.
+    W2S,
+    /// W3 with a durable state change per request.
+    W3S,
     /// Three-activity workflow on SQLite.
     W4,
     /// Three-activity workflow on PostgreSQL.
     W5,
     /// Persisted echo from a client to three runner processes, on PostgreSQL.
     W6,
+    /// W6 with a durable state change per request.
+    W6S,
     /// Volatile echo from a client to three runner processes.
     W7,
     /// Three-activity workflow started from a client, run by three runner processes.
@@ -79,6 +87,9 @@ impl Workload {
             "W1" => Some(Workload::W1),
             "W2" => Some(Workload::W2),
             "W3" => Some(Workload::W3),
+            "W2S" => Some(Workload::W2S),
+            "W3S" => Some(Workload::W3S),
+            "W6S" => Some(Workload::W6S),
             "W4" => Some(Workload::W4),
             "W5" => Some(Workload::W5),
             "W6" => Some(Workload::W6),
@@ -93,8 +104,10 @@ impl Workload {
     pub(crate) fn storage(self) -> &'static str {
         match self {
             Workload::W0 | Workload::W1 => "memory",
-            Workload::W2 | Workload::W4 => "sqlite",
+            Workload::W2 | Workload::W2S | Workload::W4 => "sqlite",
             Workload::W3
+            | Workload::W3S
+            | Workload::W6S
             | Workload::W5
             | Workload::W6
             | Workload::W7
@@ -108,13 +121,19 @@ impl Workload {
         match self {
             // A million: 100,000 take about 0.15 s, too short to read on a noisy machine.
             Workload::W0 | Workload::W1 | Workload::W7 => (1_000_000, 256, 1_000),
-            Workload::W2 | Workload::W3 | Workload::W6 | Workload::W9 => (20_000, 64, 1_000),
+            Workload::W2
+            | Workload::W3
+            | Workload::W6
+            | Workload::W9
+            | Workload::W2S
+            | Workload::W3S
+            | Workload::W6S => (20_000, 64, 1_000),
             Workload::W4 | Workload::W5 | Workload::W8 => (2_000, 64, 0),
         }
     }
 }
 
-const USAGE: &str = "usage: cluster-bench <W0|W1|W2|W3|W4|W5|W6|W7|W8|W9> [--ops N] [--in-flight N] [--entities N] | runner | gateway";
+const USAGE: &str = "usage: cluster-bench <W0|W1|W2|W3|W4|W5|W6|W7|W8|W9|W2S|W3S|W6S> [--ops N] [--in-flight N] [--entities N] | runner | gateway";
 
 /// Reads the command line.
 pub(crate) fn parse_args(args: &[String]) -> Result<Plan, String> {
@@ -215,7 +234,10 @@ fn main() -> ExitCode {
         Ok(plan) => plan,
         Err(error) => return fail(&error),
     };
-    let across = matches!(plan.workload, Workload::W6 | Workload::W7 | Workload::W8 | Workload::W9);
+    let across = matches!(
+        plan.workload,
+        Workload::W6 | Workload::W6S | Workload::W7 | Workload::W8 | Workload::W9
+    );
     let mut builder = tokio::runtime::Builder::new_multi_thread();
     if across {
         // This process is one of several sharing the cores (see `workers_per_process`).

@@ -20,7 +20,7 @@ use tokio::process::{Child, Command};
 
 use crate::database::BenchDatabase;
 use crate::drive::Measured;
-use crate::workloads::{self, Echo, ThreeSteps};
+use crate::workloads::{self, Echo, Tally, ThreeSteps};
 use crate::{Plan, Workload};
 
 /// How many runner processes serve the shards.
@@ -73,6 +73,7 @@ pub(crate) async fn runner() -> Result<(), String> {
     let env = RunnerEnv::from_env(Role::Runner).map_err(|error| error.to_string())?;
     let runner = Runner::start(&env, |sharding| {
         sharding.entity::<Echo>().register()?;
+        sharding.entity::<Tally>().register()?;
         // The engine's entities keep it: it lives as long as the runtime.
         let engine = WorkflowEngine::cluster(sharding)?;
         ThreeSteps::register(&engine, workloads::three_steps)?;
@@ -189,6 +190,7 @@ async fn measure(
 ) -> Result<Measured, String> {
     match plan.workload {
         Workload::W6 => workloads::persisted_echo_on(plan, Some(database), client).await,
+        Workload::W6S => workloads::stateful_on(plan, Some(database), client).await,
         Workload::W7 => workloads::volatile_echo_from(plan, client).await,
         Workload::W8 => workloads::workflows_on(plan, Some(database), client).await,
         other => Err(format!("{other:?} does not run across processes")),

@@ -1,4 +1,5 @@
-//! The workloads: an echo entity called volatile (W1) or persisted (W2, W3), and a workflow of
+//! The workloads: an echo entity called volatile (W1) or persisted (W2, W3), the same with a
+//! durable state change per request (W2S, W3S), and a workflow of
 //! three activities (W4, W5). Each warms up with a tenth of its operations on keys of their
 //! own, then measures.
 
@@ -72,6 +73,50 @@ impl Handler<StoredPing> for Echo {
     }
 }
 
+/// The entity of W2S, W3S and W6S: W2's echo, and a count of its requests kept as durable
+/// state, committed with each reply.
+pub(crate) struct Tally {
+    count: u64,
+}
+
+/// A persisted request that also changes its entity's state (W2S, W3S, W6S).
+#[derive(Serialize, Deserialize)]
+pub(crate) struct StoredAdd {
+    key: String,
+    n: u64,
+}
+
+impl Rpc for StoredAdd {
+    const TAG: &'static str = "StoredAdd";
+    const PERSISTED: bool = true;
+    type Success = u64;
+    type Error = Never;
+
+    fn primary_key(&self) -> Option<String> {
+        Some(self.key.clone())
+    }
+}
+
+impl Entity for Tally {
+    const TYPE: &'static str = "Tally";
+
+    async fn create(_context: &EntityContext) -> Tally {
+        Tally { count: 0 }
+    }
+
+    fn protocol(protocol: &mut Protocol<Tally>) {
+        protocol.durable(|tally| &mut tally.count);
+        protocol.handle::<StoredAdd>();
+    }
+}
+
+impl Handler<StoredAdd> for Tally {
+    async fn handle(&mut self, _: &RequestContext, add: StoredAdd) -> Result<u64, Never> {
+        self.count += 1;
+        Ok(add.n)
+    }
+}
+
 /// The workflow of W4 and W5: three small activities, each adding one.
 pub(crate) struct ThreeSteps;
 
@@ -113,9 +158,9 @@ pub(crate) async fn run(plan: &Plan) -> Result<Measured, String> {
     let database = match plan.workload {
         Workload::W0 => return bare_echo(plan).await,
         Workload::W1 => None,
-        Workload::W2 | Workload::W4 => Some(BenchDatabase::sqlite()),
-        Workload::W3 | Workload::W5 => Some(BenchDatabase::postgres()?),
-        Workload::W6 | Workload::W7 | Workload::W8 | Workload::W9 => {
+        Workload::W2 | Workload::W2S | Workload::W4 => Some(BenchDatabase::sqlite()),
+        Workload::W3 | Workload::W3S | Workload::W5 => Some(BenchDatabase::postgres()?),
+        Workload::W6 | Workload::W6S | Workload::W7 | Workload::W8 | Workload::W9 => {
             return Err("W6 to W9 run across processes".to_owned());
         }
     };
@@ -216,6 +261,10 @@ async fn on_database(plan: &Plan, database: &BenchDatabase) -> Result<Measured, 
         .map_err(|error| error.to_string())?;
     let measured = match plan.workload {
         Workload::W2 | Workload::W3 => persisted_echo(plan, database, &sharding).await,
+        Workload::W2S | Workload::W3S => {
+            sharding.entity::<Tally>().register().map_err(|error| error.to_string())?;
+            stateful_on(plan, Some(database), &sharding).await
+        }
         _ => workflows(plan, database, &sharding).await,
     };
     sharding.shutdown().await;
@@ -246,6 +295,27 @@ pub(crate) async fn persisted_echo_on(
             async move {
                 let ping = StoredPing { key: format!("ping-{n}"), n: n as u64 };
                 let echoed = client.send(ping).await.map_err(|e| e.to_string())?;
+                check(echoed, n)
+            }
+        }
+    })
+    .await
+}
+
+/// The persisted requests that change state, on a runner (W2S, W3S) or from a client to the
+/// runner processes (W6S).
+pub(crate) async fn stateful_on(
+    plan: &Plan,
+    database: Option<&BenchDatabase>,
+    sharding: &Sharding,
+) -> Result<Measured, String> {
+    measure(plan, database, {
+        let (sharding, plan) = (sharding.clone(), plan.clone());
+        move |n| {
+            let client = sharding.client::<Tally>(entity_id(&plan, n));
+            async move {
+                let add = StoredAdd { key: format!("add-{n}"), n: n as u64 };
+                let echoed = client.send(add).await.map_err(|e| e.to_string())?;
                 check(echoed, n)
             }
         }
