@@ -118,6 +118,7 @@ macro_rules! storage_suite {
             a_stale_state_write_is_refused,
             racing_state_writers_one_wins,
             a_reply_with_state_commits_both,
+            concurrent_replies_with_state_fail_alone,
             a_stale_state_stores_no_reply,
             a_second_final_reply_writes_no_state,
             state_over_the_limit_is_refused,

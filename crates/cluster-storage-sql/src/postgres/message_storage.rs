@@ -72,6 +72,8 @@ pub struct PgMessageStorage {
 struct Writers {
     requests: Batcher<SaveJob, OrderedSave>,
     replies: Batcher<Reply, ()>,
+    /// Final replies with their entities' state writes ([`save_stateful`]).
+    stateful: Batcher<StatefulSave, ()>,
     claims: Batcher<Claim, UnprocessedBatch>,
     reads: Batcher<OrderedRead, OrderedBatch>,
 }
@@ -121,6 +123,11 @@ impl Writers {
             let backend = Arc::clone(&backend);
             async move { save::save_replies(&*backend, limit, &inputs).await }
         });
+        let (stateful_pool, stateful_queries) = (pool.clone(), Arc::clone(queries));
+        let stateful = Batcher::spawn(WRITE_QUEUE_CAPACITY, WRITE_BATCH_SIZE_MAX, move |inputs| {
+            let (pool, queries) = (stateful_pool.clone(), Arc::clone(&stateful_queries));
+            async move { save_stateful(&pool, &queries, limit, inputs).await }
+        });
         let (claim_pool, claim_queries) = (pool.clone(), Arc::clone(queries));
         let claims = Batcher::spawn(WRITE_QUEUE_CAPACITY, WRITE_BATCH_SIZE_MAX, move |inputs| {
             let (pool, queries) = (claim_pool.clone(), Arc::clone(&claim_queries));
@@ -132,7 +139,7 @@ impl Writers {
             let (connection, queries) = (Arc::clone(&read_connection), Arc::clone(&read_queries));
             async move { read_ordered(&connection, &queries, inputs).await }
         });
-        Writers { requests, replies, claims, reads }
+        Writers { requests, replies, stateful, claims, reads }
     }
 }
 
@@ -375,18 +382,7 @@ impl PgMessageStorage {
 
     /// Checks a connection out of the pool and sends `BEGIN` on it.
     async fn begin(&self) -> Result<PgTransaction, StorageError> {
-        let client = self.client("begin_transaction").await?;
-        // The guard exists before BEGIN is sent: if this future is dropped while BEGIN is in
-        // flight, the connection is closed instead of going back to the pool inside a
-        // transaction.
-        let transaction = PgTransaction {
-            client: Some(client),
-            queries: Arc::clone(&self.queries),
-            limit: self.limit,
-            closed: (),
-        };
-        transaction.simple("begin_transaction", "BEGIN").await?;
-        Ok(transaction)
+        begin_on(&self.pool, &self.queries, self.limit).await
     }
 
     async fn load_state_inner(
@@ -415,32 +411,15 @@ impl PgMessageStorage {
         result
     }
 
-    /// The state write and the reply in one transaction of their own, on the transaction's
-    /// code ([`PgTransaction`]): `BEGIN`, the state, the reply, `COMMIT`. Not through the
-    /// reply batch writer (`crate::save`) in this first version: four round trips per reply.
+    /// The state write and the reply in one transaction, through the stateful batch writer
+    /// ([`save_stateful`]): concurrent saves share a transaction and its commit.
     async fn save_reply_with_state_inner(
         &self,
         reply: &Reply,
         write: &StateWrite,
     ) -> Result<(), StorageError> {
-        // Both checked before `BEGIN`: nothing is sent for a value that does not fit.
-        let insert = ReplyInsert::checked(reply, self.limit)?;
-        let row = StateRow::checked(write, self.limit)?;
-        let transaction = self.begin().await?;
-        let written = async {
-            transaction.write_state(&row).await?;
-            save_reply_on(transaction.connection()?, &self.queries, &insert).await
-        }
-        .await;
-        match written {
-            Ok(()) => Box::new(transaction).commit().await,
-            Err(error) => {
-                // The error is the answer: a failed rollback closes the connection, and the
-                // server rolls back when the session ends.
-                let _ = transaction.finish("rollback", "ROLLBACK").await;
-                Err(error)
-            }
-        }
+        let save = StatefulSave { reply: reply.clone(), write: write.clone() };
+        self.writers().stateful.submit(save).await
     }
 
     async fn clear_replies_inner(
@@ -762,6 +741,256 @@ fn duplicate(row: &Row) -> Result<SaveResult, StorageError> {
         StorageError::with_source(StorageErrorKind::Malformed, "unreadable message id", error)
     })?;
     Ok(SaveResult::Duplicate { original_id, last_received_reply })
+}
+
+/// Begins a transaction on a connection of `pool`.
+async fn begin_on(
+    pool: &Pool,
+    queries: &Arc<MessageQueries>,
+    limit: ValueLimit,
+) -> Result<PgTransaction, StorageError> {
+    let client = pool.get().await.map_err(|error| pool_error("begin_transaction", error))?;
+    // The guard exists before BEGIN is sent: if this future is dropped while BEGIN is in
+    // flight, the connection is closed instead of going back to the pool inside a transaction.
+    let transaction =
+        PgTransaction { client: Some(client), queries: Arc::clone(queries), limit, closed: () };
+    transaction.simple("begin_transaction", "BEGIN").await?;
+    Ok(transaction)
+}
+
+/// A final reply to save with its entity's state write (`save_reply_with_state`).
+struct StatefulSave {
+    reply: Reply,
+    write: StateWrite,
+}
+
+/// Saves a batch of final replies, each with its entity's state write: both or neither per
+/// save, every save of the batch in one transaction.
+///
+/// - Every value is checked first: one that does not fit fails alone, before anything is sent.
+/// - The state writes go first, pipelined on the transaction's connection. A stale one changes
+///   nothing and leaves the transaction usable: its save fails with `StaleState`, and its reply
+///   is left out.
+/// - Then the replies of the others, in one statement (the reply batch's), and one commit.
+/// - If a statement fails (a second final reply, say), the batch rolls back and each save runs
+///   in a transaction of its own, so that only the faulty one fails. If the commit fails, every
+///   save of the batch gets the error: whether it was written is unknown.
+async fn save_stateful(
+    pool: &Pool,
+    queries: &Arc<MessageQueries>,
+    limit: ValueLimit,
+    inputs: Vec<StatefulSave>,
+) -> Vec<Result<(), StorageError>> {
+    let checked: Vec<Result<(ReplyInsert, StateRow<'_>), StorageError>> = inputs
+        .iter()
+        .map(|input| {
+            let reply = ReplyInsert::checked(&input.reply, limit)?;
+            Ok((reply, StateRow::checked(&input.write, limit)?))
+        })
+        .collect();
+    let rows: Vec<&(ReplyInsert, StateRow<'_>)> =
+        checked.iter().filter_map(|row| row.as_ref().ok()).collect();
+    if rows.len() > 1 && distinct(&rows) {
+        match stateful_batch(pool, queries, limit, &rows).await {
+            Ok(mut outcomes) => {
+                outcomes.reverse();
+                return checked
+                    .into_iter()
+                    .map(|row| row.and_then(|_| outcomes.pop().unwrap_or(Ok(()))))
+                    .collect();
+            }
+            Err(BatchFailure::CommitFailed(error)) => {
+                return checked.into_iter().map(|row| row.and(Err(error.clone()))).collect();
+            }
+            Err(BatchFailure::RolledBack(error)) => {
+                tracing::debug!(%error, n_rows = rows.len(), "stateful batch rolled back");
+            }
+        }
+    }
+    let mut results = Vec::with_capacity(checked.len());
+    for row in &checked {
+        results.push(match row {
+            Ok((reply, state)) => save_one_stateful(pool, queries, limit, reply, state).await,
+            Err(refused) => Err(refused.clone()),
+        });
+    }
+    results
+}
+
+/// Whether the saves are for distinct requests and distinct entities (one statement may
+/// change a row once; two writes of one entity's state in a batch would be ordered by chance).
+fn distinct(rows: &[&(ReplyInsert, StateRow<'_>)]) -> bool {
+    let requests: BTreeSet<i64> = rows.iter().map(|(reply, _)| reply.request_id).collect();
+    let entities: BTreeSet<(&str, &str)> =
+        rows.iter().map(|(_, state)| (state.entity_type, state.entity_id)).collect();
+    requests.len() == rows.len() && entities.len() == rows.len()
+}
+
+/// The batch in one transaction: each save's outcome (`Ok`, or its `StaleState`), in order.
+///
+/// `BEGIN` and the state writes (one statement per kind of write: inserts, updates,
+/// deletions) go out together; then the replies of the saves whose state was written, in one
+/// statement; then the commit.
+async fn stateful_batch(
+    pool: &Pool,
+    queries: &Arc<MessageQueries>,
+    limit: ValueLimit,
+    rows: &[&(ReplyInsert, StateRow<'_>)],
+) -> Result<Vec<Result<(), StorageError>>, BatchFailure> {
+    let client = pool.get().await.map_err(|error| {
+        BatchFailure::RolledBack(pool_error("save_reply_with_state: batch", error))
+    })?;
+    // The guard exists before BEGIN is sent (see `begin_on`).
+    let transaction =
+        PgTransaction { client: Some(client), queries: Arc::clone(queries), limit, closed: () };
+    let written = async {
+        let client = transaction.connection()?;
+        let states: Vec<&StateRow<'_>> = rows.iter().map(|(_, state)| state).collect();
+        let begun = async {
+            client.batch_execute("BEGIN").await.map_err(|error| driver_error("BEGIN", error))
+        };
+        let (begun, applied) =
+            futures_util::future::join(begun, write_states(client, queries, &states)).await;
+        begun?;
+        let applied = applied?;
+        let mut outcomes = Vec::with_capacity(rows.len());
+        let mut live = Vec::with_capacity(rows.len());
+        for (reply, state) in rows {
+            let key = (state.entity_type, state.entity_id);
+            if state.change == StateChange::Nothing || applied.contains(&key) {
+                live.push(reply);
+                outcomes.push(Ok(()));
+            } else {
+                outcomes.push(Err(state.write.stale()));
+            }
+        }
+        if !live.is_empty() {
+            let ids: Vec<i64> = live.iter().map(|row| row.id).collect();
+            let kinds: Vec<Option<i32>> = live.iter().map(|row| row.kind).collect();
+            let request_ids: Vec<i64> = live.iter().map(|row| row.request_id).collect();
+            let payloads: Vec<&str> = live.iter().map(|row| row.payload.as_str()).collect();
+            let sequences: Vec<Option<i32>> = live.iter().map(|row| row.sequence).collect();
+            let params: [&(dyn ToSql + Sync); 5] =
+                [&ids, &kinds, &request_ids, &payloads, &sequences];
+            execute(client, "save_reply_with_state: batch", &queries.save_replies, &params).await?;
+        }
+        Ok(outcomes)
+    }
+    .await;
+    match written {
+        Ok(outcomes) => match Box::new(transaction).commit().await {
+            Ok(()) => Ok(outcomes),
+            Err(error) => Err(BatchFailure::CommitFailed(error)),
+        },
+        Err(error) => {
+            let _ = transaction.finish("rollback", "ROLLBACK").await;
+            Err(BatchFailure::RolledBack(error))
+        }
+    }
+}
+
+/// Runs the state writes of `states` on `client`, one statement per kind of write, sent
+/// together; the entities (type and id) whose write applied. A stale write changes no row and
+/// is simply not among them.
+async fn write_states<'a>(
+    client: &ClientWrapper,
+    queries: &MessageQueries,
+    states: &[&StateRow<'a>],
+) -> Result<BTreeSet<(&'a str, &'a str)>, StorageError> {
+    let (mut inserts, mut updates, mut deletes) = (Vec::new(), Vec::new(), Vec::new());
+    for state in states {
+        match state.change {
+            StateChange::Insert(value) => inserts.push((*state, value)),
+            StateChange::Update(value) => updates.push((*state, value)),
+            StateChange::Delete => deletes.push(*state),
+            StateChange::Nothing => {}
+        }
+    }
+    let column = |rows: &[(&StateRow<'a>, &'a str)], pick: fn(&StateRow<'a>) -> &'a str| {
+        rows.iter().map(|(state, _)| pick(state)).collect::<Vec<&str>>()
+    };
+    let inserted = async {
+        if inserts.is_empty() {
+            return Ok(Vec::new());
+        }
+        let shards: Vec<&str> = inserts.iter().map(|(state, _)| state.shard_id.as_str()).collect();
+        let values: Vec<&str> = inserts.iter().map(|(_, value)| *value).collect();
+        let (types, ids) = (column(&inserts, |s| s.entity_type), column(&inserts, |s| s.entity_id));
+        let params: [&(dyn ToSql + Sync); 4] = [&types, &ids, &shards, &values];
+        query(client, "save_state: insert batch", &queries.insert_states, &params).await
+    };
+    let updated = async {
+        if updates.is_empty() {
+            return Ok(Vec::new());
+        }
+        let shards: Vec<&str> = updates.iter().map(|(state, _)| state.shard_id.as_str()).collect();
+        let values: Vec<&str> = updates.iter().map(|(_, value)| *value).collect();
+        let expected: Vec<i64> = updates.iter().map(|(state, _)| state.expected).collect();
+        let (types, ids) = (column(&updates, |s| s.entity_type), column(&updates, |s| s.entity_id));
+        let params: [&(dyn ToSql + Sync); 5] = [&types, &ids, &shards, &values, &expected];
+        query(client, "save_state: update batch", &queries.update_states, &params).await
+    };
+    let deleted = async {
+        if deletes.is_empty() {
+            return Ok(Vec::new());
+        }
+        let types: Vec<&str> = deletes.iter().map(|state| state.entity_type).collect();
+        let ids: Vec<&str> = deletes.iter().map(|state| state.entity_id).collect();
+        let expected: Vec<i64> = deletes.iter().map(|state| state.expected).collect();
+        let params: [&(dyn ToSql + Sync); 3] = [&types, &ids, &expected];
+        query(client, "save_state: delete batch", &queries.delete_states, &params).await
+    };
+    let (inserted, updated, deleted) =
+        futures_util::future::join3(inserted, updated, deleted).await;
+    let mut applied = BTreeSet::new();
+    for row in inserted?.iter().chain(&updated?).chain(&deleted?) {
+        let entity_type: String = row.try_get(0).map_err(column_error)?;
+        let entity_id: String = row.try_get(1).map_err(column_error)?;
+        // Found again among the batch's own keys, so that the set borrows from them.
+        if let Some(state) = states
+            .iter()
+            .find(|state| state.entity_type == entity_type && state.entity_id == entity_id)
+        {
+            applied.insert((state.entity_type, state.entity_id));
+        }
+    }
+    Ok(applied)
+}
+
+/// Runs the statement `sql` on `client` and returns its rows.
+async fn query(
+    client: &ClientWrapper,
+    what: &str,
+    sql: &str,
+    params: &[&(dyn ToSql + Sync)],
+) -> Result<Vec<Row>, StorageError> {
+    let statement = client.prepare_cached(sql).await.map_err(|error| driver_error(what, error))?;
+    client.query(&statement, params).await.map_err(|error| driver_error(what, error))
+}
+
+/// One save in a transaction of its own: `BEGIN`, the state, the reply, `COMMIT`.
+async fn save_one_stateful(
+    pool: &Pool,
+    queries: &Arc<MessageQueries>,
+    limit: ValueLimit,
+    reply: &ReplyInsert,
+    state: &StateRow<'_>,
+) -> Result<(), StorageError> {
+    let transaction = begin_on(pool, queries, limit).await?;
+    let written = async {
+        transaction.write_state(state).await?;
+        save_reply_on(transaction.connection()?, queries, reply).await
+    }
+    .await;
+    match written {
+        Ok(()) => Box::new(transaction).commit().await,
+        Err(error) => {
+            // The error is the answer: a failed rollback closes the connection, and the server
+            // rolls back when the session ends.
+            let _ = transaction.finish("rollback", "ROLLBACK").await;
+            Err(error)
+        }
+    }
 }
 
 /// Saves the checked reply `insert` on `client` (a pooled connection, or one inside a

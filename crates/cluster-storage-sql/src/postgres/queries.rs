@@ -120,6 +120,15 @@ pub(crate) struct MessageQueries {
     pub(crate) update_state: String,
     /// Deletes the state of entity type `$1`, id `$2` if its revision is `$3`.
     pub(crate) delete_state: String,
+    /// [`insert_state`](Self::insert_state) for a batch (arrays of types, ids, shards,
+    /// values); returns the type and id of each row inserted.
+    pub(crate) insert_states: String,
+    /// [`update_state`](Self::update_state) for a batch (arrays of types, ids, shards, values,
+    /// expected revisions); returns the type and id of each row updated.
+    pub(crate) update_states: String,
+    /// [`delete_state`](Self::delete_state) for a batch (arrays of types, ids, expected
+    /// revisions); returns the type and id of each row deleted.
+    pub(crate) delete_states: String,
 }
 
 impl MessageQueries {
@@ -279,6 +288,32 @@ impl MessageQueries {
             ),
             delete_state: format!(
                 "DELETE FROM {state} WHERE entity_type = $1 AND entity_id = $2 AND revision = $3"
+            ),
+            insert_states: format!(
+                "INSERT INTO {state} (entity_type, entity_id, shard_id, value, revision, \
+                 updated_at) \
+                 SELECT i.entity_type, i.entity_id, i.shard_id, i.value, 1, {UTC_NOW} \
+                 FROM unnest($1::text[], $2::text[], $3::text[], $4::text[]) \
+                 AS i (entity_type, entity_id, shard_id, value) \
+                 ON CONFLICT (entity_type, entity_id) DO NOTHING \
+                 RETURNING entity_type, entity_id"
+            ),
+            update_states: format!(
+                "UPDATE {state} s SET shard_id = i.shard_id, value = i.value, \
+                 revision = s.revision + 1, updated_at = {UTC_NOW} \
+                 FROM unnest($1::text[], $2::text[], $3::text[], $4::text[], $5::bigint[]) \
+                 AS i (entity_type, entity_id, shard_id, value, expected) \
+                 WHERE s.entity_type = i.entity_type AND s.entity_id = i.entity_id \
+                 AND s.revision = i.expected \
+                 RETURNING s.entity_type, s.entity_id"
+            ),
+            delete_states: format!(
+                "DELETE FROM {state} s \
+                 USING unnest($1::text[], $2::text[], $3::bigint[]) \
+                 AS i (entity_type, entity_id, expected) \
+                 WHERE s.entity_type = i.entity_type AND s.entity_id = i.entity_id \
+                 AND s.revision = i.expected \
+                 RETURNING s.entity_type, s.entity_id"
             ),
         }
     }

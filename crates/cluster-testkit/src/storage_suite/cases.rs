@@ -1308,6 +1308,56 @@ pub async fn a_reply_with_state_commits_both(fixture: &dyn StorageFixture) {
     assert_eq!(reply_ids(&storage.replies_for(&snowflakes(&[4])).await.unwrap()), [12], "{name}");
 }
 
+/// Concurrent saves of replies with states (one batch, on a storage that batches them) fail
+/// alone: a stale state with `StaleState`, a second final reply with `Conflict`, each writing
+/// nothing; the others store their reply and their state.
+pub async fn concurrent_replies_with_state_fail_alone(fixture: &dyn StorageFixture) {
+    let storage = fixture.message_storage();
+    let name = fixture.name();
+    let entity = |id: u64| request(id, u32::try_from(id).unwrap()).address;
+    for id in 1..=10 {
+        save(&*storage, &request(id, u32::try_from(id).unwrap())).await;
+    }
+    // Entities 5 and 10 have a row: their saves, which expect none, are stale.
+    for id in [5, 10] {
+        storage.save_state(&state_write(&entity(id), 0, Some("1"))).await.unwrap();
+    }
+    // Request 9 is answered already: its save is a second final reply.
+    storage.save_reply(&final_reply(9, 100)).await.unwrap();
+    // A round with a stale save only, then one with a conflict too.
+    for round in [1..=5, 6..=10] {
+        let saves: Vec<(u64, Reply, StateWrite)> = round
+            .map(|id| (id, final_reply(id, 10 + id), state_write(&entity(id), 0, Some("7"))))
+            .collect();
+        let results = futures_util::future::join_all(
+            saves.iter().map(|(_, reply, write)| storage.save_reply_with_state(reply, write)),
+        )
+        .await;
+        for ((id, reply, _), result) in saves.iter().zip(results) {
+            let replies = storage.replies_for(&snowflakes(&[*id])).await.unwrap();
+            let state = load_state(&*storage, &entity(*id)).await;
+            match id {
+                5 | 10 => {
+                    assert_stale(name, result, &entity(*id));
+                    assert_eq!(replies, [], "{name}: request {id} got no reply");
+                    assert_eq!(state, stored_state("1", 1), "{name}: entity {id}");
+                }
+                9 => {
+                    let error = result.expect_err("a second final reply");
+                    assert_eq!(error.kind(), StorageErrorKind::Conflict, "{name}: {error}");
+                    assert_eq!(replies, [final_reply(9, 100)], "{name}");
+                    assert_eq!(state, None, "{name}: the conflict rolled its state back");
+                }
+                _ => {
+                    result.unwrap_or_else(|error| panic!("{name}: request {id}: {error}"));
+                    assert_eq!(replies, std::slice::from_ref(reply), "{name}: request {id}");
+                    assert_eq!(state, stored_state("7", 1), "{name}: entity {id}");
+                }
+            }
+        }
+    }
+}
+
 /// A stale state stores no reply: the request stays unprocessed, the state unchanged; saved
 /// again at the stored revision, both are written.
 pub async fn a_stale_state_stores_no_reply(fixture: &dyn StorageFixture) {
