@@ -26,6 +26,7 @@ use cluster_core::entity_state::{StateWrite, StoredState};
 use cluster_core::envelope::{AckChunk, Interrupt, Reply, Request};
 use cluster_core::error::{StorageError, StorageErrorKind};
 use cluster_core::future::BoxFuture;
+use cluster_core::hash::fnv1a_32;
 use cluster_core::storage::{
     MessageStorage, MessageTransaction, OrderedBatch, OrderedSave, SaveRequestOptions, SaveResult,
     UnprocessedBatch, UnprocessedOptions,
@@ -72,8 +73,10 @@ pub struct PgMessageStorage {
 struct Writers {
     requests: Batcher<SaveJob, OrderedSave>,
     replies: Batcher<Reply, ()>,
-    /// Final replies with their entities' state writes ([`save_stateful`]).
-    stateful: Batcher<StatefulSave, ()>,
+    /// Final replies with their entities' state writes ([`save_stateful`]), on
+    /// [`STATEFUL_WRITERS`] writers, an entity always on the same one: one batch waits for no
+    /// other's commit, and one entity's saves stay in order.
+    stateful: Vec<Batcher<StatefulSave, ()>>,
     claims: Batcher<Claim, UnprocessedBatch>,
     reads: Batcher<OrderedRead, OrderedBatch>,
 }
@@ -109,6 +112,10 @@ const WRITE_QUEUE_CAPACITY: usize = 4096;
 /// The most rows one batch writes.
 const WRITE_BATCH_SIZE_MAX: usize = 256;
 
+/// How many writers save final replies with entity state, each with a batch in flight: a
+/// batch takes two round trips and a commit, and the next one would otherwise wait for it.
+const STATEFUL_WRITERS: usize = 2;
+
 impl Writers {
     fn spawn(pool: &Pool, queries: &Arc<MessageQueries>, limit: ValueLimit) -> Writers {
         let backend = Arc::new(PgSaveBackend { pool: pool.clone(), queries: Arc::clone(queries) });
@@ -123,11 +130,15 @@ impl Writers {
             let backend = Arc::clone(&backend);
             async move { save::save_replies(&*backend, limit, &inputs).await }
         });
-        let (stateful_pool, stateful_queries) = (pool.clone(), Arc::clone(queries));
-        let stateful = Batcher::spawn(WRITE_QUEUE_CAPACITY, WRITE_BATCH_SIZE_MAX, move |inputs| {
-            let (pool, queries) = (stateful_pool.clone(), Arc::clone(&stateful_queries));
-            async move { save_stateful(&pool, &queries, limit, inputs).await }
-        });
+        let stateful = (0..STATEFUL_WRITERS)
+            .map(|_| {
+                let (pool, queries) = (pool.clone(), Arc::clone(queries));
+                Batcher::spawn(WRITE_QUEUE_CAPACITY, WRITE_BATCH_SIZE_MAX, move |inputs| {
+                    let (pool, queries) = (pool.clone(), Arc::clone(&queries));
+                    async move { save_stateful(&pool, &queries, limit, inputs).await }
+                })
+            })
+            .collect();
         let (claim_pool, claim_queries) = (pool.clone(), Arc::clone(queries));
         let claims = Batcher::spawn(WRITE_QUEUE_CAPACITY, WRITE_BATCH_SIZE_MAX, move |inputs| {
             let (pool, queries) = (claim_pool.clone(), Arc::clone(&claim_queries));
@@ -419,7 +430,13 @@ impl PgMessageStorage {
         write: &StateWrite,
     ) -> Result<(), StorageError> {
         let save = StatefulSave { reply: reply.clone(), write: write.clone() };
-        self.writers().stateful.submit(save).await
+        let writers = &self.writers().stateful;
+        let entity = format!("{}/{}", write.address.entity_type, write.address.entity_id);
+        let index = usize::try_from(fnv1a_32(&entity)).unwrap_or(0) % writers.len().max(1);
+        match writers.get(index) {
+            Some(writer) => writer.submit(save).await,
+            None => Err(StorageError::new(StorageErrorKind::Other, "no stateful writer")),
+        }
     }
 
     async fn clear_replies_inner(
@@ -829,8 +846,8 @@ fn distinct(rows: &[&(ReplyInsert, StateRow<'_>)]) -> bool {
 /// The batch in one transaction: each save's outcome (`Ok`, or its `StaleState`), in order.
 ///
 /// `BEGIN` and the state writes (one statement per kind of write: inserts, updates,
-/// deletions) go out together; then the replies of the saves whose state was written, in one
-/// statement; then the commit.
+/// deletions) go out together; then, together too, the replies of the saves whose state was
+/// written (one statement) and the commit: two round trips per batch.
 async fn stateful_batch(
     pool: &Pool,
     queries: &Arc<MessageQueries>,
@@ -864,25 +881,42 @@ async fn stateful_batch(
                 outcomes.push(Err(state.write.stale()));
             }
         }
-        if !live.is_empty() {
-            let ids: Vec<i64> = live.iter().map(|row| row.id).collect();
-            let kinds: Vec<Option<i32>> = live.iter().map(|row| row.kind).collect();
-            let request_ids: Vec<i64> = live.iter().map(|row| row.request_id).collect();
-            let payloads: Vec<&str> = live.iter().map(|row| row.payload.as_str()).collect();
-            let sequences: Vec<Option<i32>> = live.iter().map(|row| row.sequence).collect();
-            let params: [&(dyn ToSql + Sync); 5] =
-                [&ids, &kinds, &request_ids, &payloads, &sequences];
-            execute(client, "save_reply_with_state: batch", &queries.save_replies, &params).await?;
-        }
-        Ok(outcomes)
+        let ids: Vec<i64> = live.iter().map(|row| row.id).collect();
+        let kinds: Vec<Option<i32>> = live.iter().map(|row| row.kind).collect();
+        let request_ids: Vec<i64> = live.iter().map(|row| row.request_id).collect();
+        let payloads: Vec<&str> = live.iter().map(|row| row.payload.as_str()).collect();
+        let sequences: Vec<Option<i32>> = live.iter().map(|row| row.sequence).collect();
+        let params: [&(dyn ToSql + Sync); 5] = [&ids, &kinds, &request_ids, &payloads, &sequences];
+        let replied = async {
+            if live.is_empty() {
+                return Ok(());
+            }
+            let what = "save_reply_with_state: batch";
+            execute(client, what, &queries.save_replies, &params).await.map(drop)
+        };
+        // Sent right behind the replies. If their statement failed, `SELECT 1` fails too (the
+        // transaction is aborted) and `COMMIT` does not run: the transaction is rolled back
+        // below. `SELECT 1` also keeps a failed transaction from reading as committed.
+        let committed = async {
+            client.batch_execute("SELECT 1; COMMIT").await.map_err(|e| driver_error("commit", e))
+        };
+        let (replied, committed) = futures_util::future::join(replied, committed).await;
+        Ok((outcomes, replied, committed))
     }
     .await;
     match written {
-        Ok(outcomes) => match Box::new(transaction).commit().await {
-            Ok(()) => Ok(outcomes),
-            Err(error) => Err(BatchFailure::CommitFailed(error)),
-        },
-        Err(error) => {
+        Ok((outcomes, Ok(()), Ok(()))) => {
+            // Committed: the connection goes back to the pool.
+            let mut transaction = transaction;
+            drop(transaction.client.take());
+            Ok(outcomes)
+        }
+        Ok((_, Ok(()), Err(error))) => {
+            // Whether the commit happened is unknown; the connection is closed when the
+            // transaction is dropped.
+            Err(BatchFailure::CommitFailed(error))
+        }
+        Ok((_, Err(error), _)) | Err(error) => {
             let _ = transaction.finish("rollback", "ROLLBACK").await;
             Err(BatchFailure::RolledBack(error))
         }
