@@ -405,6 +405,7 @@ on_every_backend!(
     a_cron_job_chained_from_the_previous_run_runs_once_per_instant,
     an_interrupt_reaches_an_entity_draining_on_a_released_shard,
     persisted_requests_survive_an_abrupt_runner_death,
+    durable_state_moves_with_its_shard,
     a_request_stored_while_no_runner_is_up_is_answered_once_by_the_next,
     entities_run_only_on_runners_of_their_shard_group,
     a_registration_in_flight_does_not_outlive_the_shutdown,
@@ -1487,6 +1488,108 @@ async fn persisted_requests_survive_an_abrupt_runner_death(mut net: Net) {
     eventually("the survivors hold every shard", || split(&alive)).await;
     assert_eq!(net.final_replies(&counter, "Deposit", "before").await, 1);
     assert_eq!(net.final_replies(&counter, "Deposit", "after").await, 1);
+    client.shutdown().await;
+    for runner in runners {
+        runner.shutdown().await;
+    }
+}
+
+/// A vault whose balance is durable state, for the moves of [`durable_state_moves_with_its_shard`].
+struct Vault {
+    balance: u64,
+}
+
+impl cluster_sharding::Entity for Vault {
+    const TYPE: &'static str = "Vault";
+
+    async fn create(_: &cluster_sharding::EntityContext) -> Vault {
+        Vault { balance: 0 }
+    }
+
+    fn protocol(protocol: &mut cluster_sharding::Protocol<Vault>) {
+        protocol.durable(|vault| &mut vault.balance);
+        protocol.handle::<Put>();
+    }
+}
+
+/// Adds `amount` to a vault, once per key.
+#[derive(serde::Serialize, serde::Deserialize)]
+struct Put {
+    key: String,
+    amount: u64,
+}
+
+impl cluster_sharding::Rpc for Put {
+    const TAG: &'static str = "Put";
+    const PERSISTED: bool = true;
+    type Success = u64;
+    type Error = cluster_sharding::Never;
+
+    fn primary_key(&self) -> Option<String> {
+        Some(self.key.clone())
+    }
+}
+
+impl cluster_sharding::Handler<Put> for Vault {
+    async fn handle(
+        &mut self,
+        _: &cluster_sharding::RequestContext,
+        put: Put,
+    ) -> Result<u64, cluster_sharding::Never> {
+        self.balance += put.amount;
+        Ok(self.balance)
+    }
+}
+
+/// An entity's durable state follows it to the next owner of its shard: after a graceful
+/// handoff, and after its owner's abrupt death.
+async fn durable_state_moves_with_its_shard(mut net: Net) {
+    net.expiration = Duration::from_secs(2);
+    let mut killers = Vec::new();
+    let mut runners = Vec::new();
+    for port in [14_101, 14_102, 14_103] {
+        let mut faults = None;
+        let runner = net
+            .runner_with(port, |locks| {
+                let (locks, lock_faults) = FaultyRunnerStorage::new(locks);
+                faults = Some(lock_faults);
+                Arc::new(locks)
+            })
+            .await;
+        runner.entity::<Vault>().register().unwrap();
+        runners.push(runner);
+        killers.push(faults.unwrap());
+    }
+    let all: Vec<&Sharding> = runners.iter().collect();
+    eventually("the shards are split three ways", || {
+        split(&all) && all.iter().all(|runner| !runner.acquired_shards().is_empty())
+    })
+    .await;
+    let client = net.client().await;
+    let vault = client.client::<Vault>(net.id("vault").as_str());
+    let put = |key: &str, amount: u64| Put { key: key.to_owned(), amount };
+    assert_eq!(vault.send(put("before", 1)).await.unwrap(), 1);
+    let shard = vault.address().shard_id.clone();
+    let owner_of = |runners: &[Sharding]| {
+        runners.iter().position(|runner| runner.acquired_shards().contains(&shard)).unwrap()
+    };
+    // A graceful handoff.
+    let owner = owner_of(&runners);
+    let left = runners.remove(owner);
+    killers.remove(owner);
+    left.shutdown().await;
+    assert_eq!(vault.send(put("moved", 10)).await.unwrap(), 11, "the balance moved");
+    // An abrupt death of the next owner.
+    let owner = owner_of(&runners);
+    killers[owner].kill();
+    let dead = runners.remove(owner);
+    dead.shutdown().await;
+    let after = tokio::time::timeout(Duration::from_secs(30), vault.send(put("after", 100)))
+        .await
+        .expect("answered after the lock expired");
+    assert_eq!(after.unwrap(), 111, "the balance survived the owner's death");
+    let (stored, revision) = vault.stored_state::<u64>().await.unwrap().unwrap();
+    assert_eq!((stored, revision), (111, 3));
     client.shutdown().await;
     for runner in runners {
         runner.shutdown().await;
