@@ -288,16 +288,9 @@ pub(crate) async fn persisted_echo_on(
     database: Option<&BenchDatabase>,
     sharding: &Sharding,
 ) -> Result<Measured, String> {
-    measure(plan, database, {
-        let (sharding, plan) = (sharding.clone(), plan.clone());
-        move |n| {
-            let client = sharding.client::<Echo>(entity_id(&plan, n));
-            async move {
-                let ping = StoredPing { key: format!("ping-{n}"), n: n as u64 };
-                let echoed = client.send(ping).await.map_err(|e| e.to_string())?;
-                check(echoed, n)
-            }
-        }
+    persisted_on::<Echo, _>(plan, database, sharding, |n| StoredPing {
+        key: format!("ping-{n}"),
+        n: n as u64,
     })
     .await
 }
@@ -309,13 +302,30 @@ pub(crate) async fn stateful_on(
     database: Option<&BenchDatabase>,
     sharding: &Sharding,
 ) -> Result<Measured, String> {
+    persisted_on::<Tally, _>(plan, database, sharding, |n| StoredAdd {
+        key: format!("add-{n}"),
+        n: n as u64,
+    })
+    .await
+}
+
+/// Operation `n` sends `request(n)` to an entity of type `E` and checks that it answers `n`.
+async fn persisted_on<E, R>(
+    plan: &Plan,
+    database: Option<&BenchDatabase>,
+    sharding: &Sharding,
+    request: fn(usize) -> R,
+) -> Result<Measured, String>
+where
+    E: Handler<R>,
+    R: Rpc<Success = u64> + Send + 'static,
+{
     measure(plan, database, {
         let (sharding, plan) = (sharding.clone(), plan.clone());
         move |n| {
-            let client = sharding.client::<Tally>(entity_id(&plan, n));
+            let client = sharding.client::<E>(entity_id(&plan, n));
             async move {
-                let add = StoredAdd { key: format!("add-{n}"), n: n as u64 };
-                let echoed = client.send(add).await.map_err(|e| e.to_string())?;
+                let echoed = client.send(request(n)).await.map_err(|e| e.to_string())?;
                 check(echoed, n)
             }
         }

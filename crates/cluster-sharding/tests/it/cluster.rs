@@ -1445,11 +1445,11 @@ async fn the_heartbeat_check_marks_a_runner_with_a_live_heartbeat_healthy_again(
 /// Effect's Smoke integration test: a runner dies without cleaning up (no release, no
 /// unregistration, no more heartbeats); once its locks and registration expire the others take its
 /// shards and answer its entities' persisted requests.
-async fn persisted_requests_survive_an_abrupt_runner_death(mut net: Net) {
-    net.expiration = Duration::from_secs(2);
+/// Three runners, on `ports`, whose lock storages can be killed, once they split the shards.
+async fn killable_runners(net: &Net, ports: [u16; 3]) -> (Vec<Sharding>, Vec<Arc<LockFaults>>) {
     let mut killers = Vec::new();
     let mut runners = Vec::new();
-    for port in [14_001, 14_002, 14_003] {
+    for port in ports {
         let mut faults = None;
         let runner = net
             .runner_with(port, |locks| {
@@ -1466,6 +1466,12 @@ async fn persisted_requests_survive_an_abrupt_runner_death(mut net: Net) {
         split(&all) && all.iter().all(|runner| !runner.acquired_shards().is_empty())
     })
     .await;
+    (runners, killers)
+}
+
+async fn persisted_requests_survive_an_abrupt_runner_death(mut net: Net) {
+    net.expiration = Duration::from_secs(2);
+    let (mut runners, killers) = killable_runners(&net, [14_001, 14_002, 14_003]).await;
     let client = net.client().await;
     let id = net.id("survivor");
     let counter = client.client::<Counter>(id.as_str());
@@ -1545,26 +1551,10 @@ impl cluster_sharding::Handler<Put> for Vault {
 /// handoff, and after its owner's abrupt death.
 async fn durable_state_moves_with_its_shard(mut net: Net) {
     net.expiration = Duration::from_secs(2);
-    let mut killers = Vec::new();
-    let mut runners = Vec::new();
-    for port in [14_101, 14_102, 14_103] {
-        let mut faults = None;
-        let runner = net
-            .runner_with(port, |locks| {
-                let (locks, lock_faults) = FaultyRunnerStorage::new(locks);
-                faults = Some(lock_faults);
-                Arc::new(locks)
-            })
-            .await;
+    let (mut runners, mut killers) = killable_runners(&net, [14_101, 14_102, 14_103]).await;
+    for runner in &runners {
         runner.entity::<Vault>().register().unwrap();
-        runners.push(runner);
-        killers.push(faults.unwrap());
     }
-    let all: Vec<&Sharding> = runners.iter().collect();
-    eventually("the shards are split three ways", || {
-        split(&all) && all.iter().all(|runner| !runner.acquired_shards().is_empty())
-    })
-    .await;
     let client = net.client().await;
     let vault = client.client::<Vault>(net.id("vault").as_str());
     let put = |key: &str, amount: u64| Put { key: key.to_owned(), amount };

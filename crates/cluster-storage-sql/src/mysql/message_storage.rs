@@ -598,8 +598,8 @@ impl MySqlMessageStorage {
     }
 
     /// The state write and the reply in one transaction of their own, retried after a
-    /// deadlock as every transaction of the storage is; not through the reply batch writer
-    /// (`crate::save`) in this first version.
+    /// deadlock as every transaction of the storage is; not batched (PostgreSQL batches them,
+    /// MySQL does not yet).
     async fn save_reply_with_state_inner(
         &self,
         reply: &Reply,

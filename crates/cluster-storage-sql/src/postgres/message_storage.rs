@@ -1449,8 +1449,9 @@ impl MessageStorage for PgMessageStorage {
         Box::pin(self.save_state_inner(write).instrument(span("save_state")))
     }
 
-    /// One transaction of its own per call (see `save_reply_with_state_inner`), not the
-    /// reply batch writer of [`save_reply`](MessageStorage::save_reply).
+    /// Through the stateful batch writers (`save_stateful`), not the reply batch writer of
+    /// [`save_reply`](MessageStorage::save_reply): concurrent saves share a transaction and
+    /// its commit.
     fn save_reply_with_state<'a>(
         &'a self,
         reply: &'a Reply,
