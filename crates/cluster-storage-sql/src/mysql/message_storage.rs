@@ -589,8 +589,7 @@ impl MySqlMessageStorage {
     }
 
     async fn save_state_inner(&self, write: &StateWrite) -> Result<(), StorageError> {
-        let row = StateRow::checked(write, self.state_limit)?;
-        check_state_widths(&row)?;
+        let row = checked_state(write, self.state_limit)?;
         if row.change == StateChange::Nothing {
             return Ok(());
         }
@@ -607,8 +606,7 @@ impl MySqlMessageStorage {
     ) -> Result<(), StorageError> {
         // Both checked before any statement.
         let insert = ReplyInsert::checked(reply, self.limit)?;
-        let row = StateRow::checked(write, self.state_limit)?;
-        check_state_widths(&row)?;
+        let row = checked_state(write, self.state_limit)?;
         self.transaction(TxBody::ReplyWithState { state: &row, reply: &insert }).await.map(drop)
     }
 
@@ -878,8 +876,7 @@ impl MessageTransaction for MySqlTransaction {
         Box::pin(
             async move {
                 // Checked before any statement, as replies are.
-                let row = StateRow::checked(write, self.state_limit)?;
-                check_state_widths(&row)?;
+                let row = checked_state(write, self.state_limit)?;
                 write_state(&mut self.tx, &self.queries, &row).await
             }
             .instrument(span("transaction.save_state")),
@@ -1193,6 +1190,14 @@ async fn affected_rows<Q: Queryable>(
     let affected = result.affected_rows();
     result.drop_result().await?;
     Ok(affected)
+}
+
+/// The row of `write`: its value within `limit` (`StateRow::checked`) and its key within the
+/// columns' widths, checked before any statement.
+fn checked_state(write: &StateWrite, limit: ValueLimit) -> Result<StateRow<'_>, StorageError> {
+    let row = StateRow::checked(write, limit)?;
+    check_state_widths(&row)?;
+    Ok(row)
 }
 
 /// Checks the column widths of a state row's key (see the module docs); its value is checked

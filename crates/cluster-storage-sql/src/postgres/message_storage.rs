@@ -113,7 +113,7 @@ const WRITE_QUEUE_CAPACITY: usize = 4096;
 const WRITE_BATCH_SIZE_MAX: usize = 256;
 
 /// How many writers save final replies with entity state, each with a batch in flight: a
-/// batch takes two round trips and a commit, and the next one would otherwise wait for it.
+/// batch takes three round trips and a commit, and the next one would otherwise wait for it.
 const STATEFUL_WRITERS: usize = 2;
 
 impl Writers {
@@ -219,12 +219,8 @@ impl SaveBackend for PgSaveBackend {
     }
 
     async fn insert_replies(&self, rows: &[&ReplyInsert]) -> Result<(), BatchFailure> {
-        let ids: Vec<i64> = rows.iter().map(|row| row.id).collect();
-        let kinds: Vec<Option<i32>> = rows.iter().map(|row| row.kind).collect();
-        let request_ids: Vec<i64> = rows.iter().map(|row| row.request_id).collect();
-        let payloads: Vec<&str> = rows.iter().map(|row| row.payload.as_str()).collect();
-        let sequences: Vec<Option<i32>> = rows.iter().map(|row| row.sequence).collect();
-        let params: [&(dyn ToSql + Sync); 5] = [&ids, &kinds, &request_ids, &payloads, &sequences];
+        let columns = ReplyColumns::of(rows);
+        let params = columns.params();
         // One statement: if it fails, it wrote nothing.
         pooled_execute(&self.pool, "save_reply: batch", &self.queries.save_replies, &params)
             .await
@@ -431,8 +427,9 @@ impl PgMessageStorage {
     ) -> Result<(), StorageError> {
         let save = StatefulSave { reply: reply.clone(), write: write.clone() };
         let writers = &self.writers().stateful;
-        let entity = format!("{}/{}", write.address.entity_type, write.address.entity_id);
-        let index = usize::try_from(fnv1a_32(&entity)).unwrap_or(0) % writers.len().max(1);
+        // By entity id: one entity's saves always go through the same writer.
+        let hash = fnv1a_32(write.address.entity_id.as_str());
+        let index = usize::try_from(hash).unwrap_or(0) % writers.len().max(1);
         match writers.get(index) {
             Some(writer) => writer.submit(save).await,
             None => Err(StorageError::new(StorageErrorKind::Other, "no stateful writer")),
@@ -767,12 +764,34 @@ async fn begin_on(
     limit: ValueLimit,
 ) -> Result<PgTransaction, StorageError> {
     let client = pool.get().await.map_err(|error| pool_error("begin_transaction", error))?;
-    // The guard exists before BEGIN is sent: if this future is dropped while BEGIN is in
-    // flight, the connection is closed instead of going back to the pool inside a transaction.
-    let transaction =
-        PgTransaction { client: Some(client), queries: Arc::clone(queries), limit, closed: () };
+    let transaction = PgTransaction::guarding(client, queries, limit);
     transaction.simple("begin_transaction", "BEGIN").await?;
     Ok(transaction)
+}
+
+/// The parameters of the reply batch statement (`save_replies`): one array per column.
+struct ReplyColumns<'a> {
+    ids: Vec<i64>,
+    kinds: Vec<Option<i32>>,
+    request_ids: Vec<i64>,
+    payloads: Vec<&'a str>,
+    sequences: Vec<Option<i32>>,
+}
+
+impl<'a> ReplyColumns<'a> {
+    fn of(rows: &[&'a ReplyInsert]) -> ReplyColumns<'a> {
+        ReplyColumns {
+            ids: rows.iter().map(|row| row.id).collect(),
+            kinds: rows.iter().map(|row| row.kind).collect(),
+            request_ids: rows.iter().map(|row| row.request_id).collect(),
+            payloads: rows.iter().map(|row| row.payload.as_str()).collect(),
+            sequences: rows.iter().map(|row| row.sequence).collect(),
+        }
+    }
+
+    fn params(&self) -> [&(dyn ToSql + Sync); 5] {
+        [&self.ids, &self.kinds, &self.request_ids, &self.payloads, &self.sequences]
+    }
 }
 
 /// A final reply to save with its entity's state write (`save_reply_with_state`).
@@ -846,8 +865,10 @@ fn distinct(rows: &[&(ReplyInsert, StateRow<'_>)]) -> bool {
 /// The batch in one transaction: each save's outcome (`Ok`, or its `StaleState`), in order.
 ///
 /// `BEGIN` and the state writes (one statement per kind of write: inserts, updates,
-/// deletions) go out together; then, together too, the replies of the saves whose state was
-/// written (one statement) and the commit: two round trips per batch.
+/// deletions) go out together; then the replies of the saves whose state was written (one
+/// statement); then the commit. The commit waits for the replies' outcome: sent beside a
+/// statement that still needed its plan prepared, it could overtake it and commit the states
+/// without their replies.
 async fn stateful_batch(
     pool: &Pool,
     queries: &Arc<MessageQueries>,
@@ -857,15 +878,15 @@ async fn stateful_batch(
     let client = pool.get().await.map_err(|error| {
         BatchFailure::RolledBack(pool_error("save_reply_with_state: batch", error))
     })?;
-    // The guard exists before BEGIN is sent (see `begin_on`).
-    let transaction =
-        PgTransaction { client: Some(client), queries: Arc::clone(queries), limit, closed: () };
+    let transaction = PgTransaction::guarding(client, queries, limit);
     let written = async {
         let client = transaction.connection()?;
         let states: Vec<&StateRow<'_>> = rows.iter().map(|(_, state)| state).collect();
         let begun = async {
             client.batch_execute("BEGIN").await.map_err(|error| driver_error("BEGIN", error))
         };
+        // `BEGIN` is polled first, and a simple query is sent on its first poll: it goes out
+        // before the state writes, whatever they still prepare.
         let (begun, applied) =
             futures_util::future::join(begun, write_states(client, queries, &states)).await;
         begun?;
@@ -881,42 +902,20 @@ async fn stateful_batch(
                 outcomes.push(Err(state.write.stale()));
             }
         }
-        let ids: Vec<i64> = live.iter().map(|row| row.id).collect();
-        let kinds: Vec<Option<i32>> = live.iter().map(|row| row.kind).collect();
-        let request_ids: Vec<i64> = live.iter().map(|row| row.request_id).collect();
-        let payloads: Vec<&str> = live.iter().map(|row| row.payload.as_str()).collect();
-        let sequences: Vec<Option<i32>> = live.iter().map(|row| row.sequence).collect();
-        let params: [&(dyn ToSql + Sync); 5] = [&ids, &kinds, &request_ids, &payloads, &sequences];
-        let replied = async {
-            if live.is_empty() {
-                return Ok(());
-            }
+        if !live.is_empty() {
+            let columns = ReplyColumns::of(&live);
             let what = "save_reply_with_state: batch";
-            execute(client, what, &queries.save_replies, &params).await.map(drop)
-        };
-        // Sent right behind the replies. If their statement failed, `SELECT 1` fails too (the
-        // transaction is aborted) and `COMMIT` does not run: the transaction is rolled back
-        // below. `SELECT 1` also keeps a failed transaction from reading as committed.
-        let committed = async {
-            client.batch_execute("SELECT 1; COMMIT").await.map_err(|e| driver_error("commit", e))
-        };
-        let (replied, committed) = futures_util::future::join(replied, committed).await;
-        Ok((outcomes, replied, committed))
+            execute(client, what, &queries.save_replies, &columns.params()).await?;
+        }
+        Ok(outcomes)
     }
     .await;
     match written {
-        Ok((outcomes, Ok(()), Ok(()))) => {
-            // Committed: the connection goes back to the pool.
-            let mut transaction = transaction;
-            drop(transaction.client.take());
-            Ok(outcomes)
-        }
-        Ok((_, Ok(()), Err(error))) => {
-            // Whether the commit happened is unknown; the connection is closed when the
-            // transaction is dropped.
-            Err(BatchFailure::CommitFailed(error))
-        }
-        Ok((_, Err(error), _)) | Err(error) => {
+        Ok(outcomes) => match Box::new(transaction).commit().await {
+            Ok(()) => Ok(outcomes),
+            Err(error) => Err(BatchFailure::CommitFailed(error)),
+        },
+        Err(error) => {
             let _ = transaction.finish("rollback", "ROLLBACK").await;
             Err(BatchFailure::RolledBack(error))
         }
@@ -1533,12 +1532,16 @@ impl PgTransaction {
         client.batch_execute(sql).await.map_err(|error| driver_error(what, error))
     }
 
+    /// The transaction about to begin on `client`. It exists before `BEGIN` is sent: if a
+    /// future is dropped while `BEGIN` is in flight, the connection is closed instead of going
+    /// back to the pool inside a transaction.
+    fn guarding(client: Object, queries: &Arc<MessageQueries>, limit: ValueLimit) -> PgTransaction {
+        PgTransaction { client: Some(client), queries: Arc::clone(queries), limit, closed: () }
+    }
+
     /// Runs the checked state write `row` in the transaction: a stale one fails with
     /// `StaleState` and leaves the transaction usable (it changed nothing).
     async fn write_state(&self, row: &StateRow<'_>) -> Result<(), StorageError> {
-        if row.change == StateChange::Nothing {
-            return Ok(());
-        }
         write_state_on(self.connection()?, &self.queries, row).await
     }
 
