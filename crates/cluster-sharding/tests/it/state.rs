@@ -276,6 +276,33 @@ async fn state_over_the_limit_is_refused(fixture: Fixture) {
     fixture.finish().await;
 }
 
+/// A stored state that does not decode as the entity's (an incompatible change of its type)
+/// holds the entity's requests, losing nothing, until the row is fixed; then they run on it.
+async fn an_undecodable_state_holds_its_requests_until_fixed(mut fixture: Fixture) {
+    let accounts = fixture.accounts();
+    assert_eq!(accounts.credit("gus", Credit { amount: 5, memo: 0 }).await.unwrap(), 5);
+    let address = fixture.address("gus");
+    let nonsense = StateWrite {
+        address: address.clone(),
+        expected: 1,
+        value: Some(RawJson::encode("not a book").unwrap()),
+    };
+    fixture.storage.save_state(&nonsense).await.unwrap();
+    // A new runner: the instance loads the state anew.
+    fixture.restart().await;
+    let balance = tokio::spawn({
+        let accounts = fixture.accounts();
+        async move { accounts.balance("gus").await }
+    });
+    // Held: not answered, and no defect, while the row does not decode.
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert!(!balance.is_finished(), "a request ran on a state that does not decode");
+    fixture.write_elsewhere("gus", 2, &book(9)).await;
+    let answered = tokio::time::timeout(Duration::from_secs(30), balance).await;
+    assert_eq!(answered.expect("answered once the row decodes").unwrap().unwrap(), 9);
+    fixture.finish().await;
+}
+
 /// Durable state needs a storage: a runtime without one refuses the registration.
 #[tokio::test]
 async fn a_runtime_without_storage_refuses_durable_entities() {
@@ -370,4 +397,5 @@ on_stores!(
     a_stale_write_is_refused,
     the_initial_state_is_not_stored,
     state_over_the_limit_is_refused,
+    an_undecodable_state_holds_its_requests_until_fixed,
 );
