@@ -401,7 +401,9 @@ pub(crate) fn settle(client: Object, error: Option<&StorageError>) {
         drop(Object::take(client));
     }
 }
-async fn query(
+
+/// Runs the statement `sql` on `client` (prepared once per connection) and returns its rows.
+pub(super) async fn query(
     client: &ClientWrapper,
     what: &str,
     sql: &str,

@@ -26,7 +26,6 @@ use cluster_core::entity_state::{StateWrite, StoredState};
 use cluster_core::envelope::{AckChunk, Interrupt, Reply, Request};
 use cluster_core::error::{StorageError, StorageErrorKind};
 use cluster_core::future::BoxFuture;
-use cluster_core::hash::fnv1a_32;
 use cluster_core::storage::{
     MessageStorage, MessageTransaction, OrderedBatch, OrderedSave, SaveRequestOptions, SaveResult,
     UnprocessedBatch, UnprocessedOptions,
@@ -73,10 +72,10 @@ pub struct PgMessageStorage {
 struct Writers {
     requests: Batcher<SaveJob, OrderedSave>,
     replies: Batcher<Reply, ()>,
-    /// Final replies with their entities' state writes ([`save_stateful`]), on
-    /// [`STATEFUL_WRITERS`] writers, an entity always on the same one: one batch waits for no
-    /// other's commit, and one entity's saves stay in order.
-    stateful: Vec<Batcher<StatefulSave, ()>>,
+    /// Final replies with their entities' state writes ([`save_stateful`]), one statement per
+    /// batch. One writer, so that one entity's saves stay in order; a second one made smaller
+    /// batches and lowered throughput.
+    stateful: Batcher<StatefulSave, ()>,
     claims: Batcher<Claim, UnprocessedBatch>,
     reads: Batcher<OrderedRead, OrderedBatch>,
 }
@@ -112,10 +111,6 @@ const WRITE_QUEUE_CAPACITY: usize = 4096;
 /// The most rows one batch writes.
 const WRITE_BATCH_SIZE_MAX: usize = 256;
 
-/// How many writers save final replies with entity state, each with a batch in flight: a
-/// batch takes three round trips and a commit, and the next one would otherwise wait for it.
-const STATEFUL_WRITERS: usize = 2;
-
 impl Writers {
     fn spawn(pool: &Pool, queries: &Arc<MessageQueries>, limit: ValueLimit) -> Writers {
         let backend = Arc::new(PgSaveBackend { pool: pool.clone(), queries: Arc::clone(queries) });
@@ -130,15 +125,13 @@ impl Writers {
             let backend = Arc::clone(&backend);
             async move { save::save_replies(&*backend, limit, &inputs).await }
         });
-        let stateful = (0..STATEFUL_WRITERS)
-            .map(|_| {
-                let (pool, queries) = (pool.clone(), Arc::clone(queries));
-                Batcher::spawn(WRITE_QUEUE_CAPACITY, WRITE_BATCH_SIZE_MAX, move |inputs| {
-                    let (pool, queries) = (pool.clone(), Arc::clone(&queries));
-                    async move { save_stateful(&pool, &queries, limit, inputs).await }
-                })
-            })
-            .collect();
+        let (stateful_connection, stateful_queries) =
+            (Arc::new(GenericPlans::new(pool.clone())), Arc::clone(queries));
+        let stateful = Batcher::spawn(WRITE_QUEUE_CAPACITY, WRITE_BATCH_SIZE_MAX, move |inputs| {
+            let (connection, queries) =
+                (Arc::clone(&stateful_connection), Arc::clone(&stateful_queries));
+            async move { save_stateful(&connection, &queries, limit, inputs).await }
+        });
         let (claim_pool, claim_queries) = (pool.clone(), Arc::clone(queries));
         let claims = Batcher::spawn(WRITE_QUEUE_CAPACITY, WRITE_BATCH_SIZE_MAX, move |inputs| {
             let (pool, queries) = (claim_pool.clone(), Arc::clone(&claim_queries));
@@ -418,22 +411,15 @@ impl PgMessageStorage {
         result
     }
 
-    /// The state write and the reply in one transaction, through the stateful batch writer
-    /// ([`save_stateful`]): concurrent saves share a transaction and its commit.
+    /// The state write and the reply in one statement, through the stateful batch writer
+    /// ([`save_stateful`]): concurrent saves share the statement and its commit.
     async fn save_reply_with_state_inner(
         &self,
         reply: &Reply,
         write: &StateWrite,
     ) -> Result<(), StorageError> {
         let save = StatefulSave { reply: reply.clone(), write: write.clone() };
-        let writers = &self.writers().stateful;
-        // By entity id: one entity's saves always go through the same writer.
-        let hash = fnv1a_32(write.address.entity_id.as_str());
-        let index = usize::try_from(hash).unwrap_or(0) % writers.len().max(1);
-        match writers.get(index) {
-            Some(writer) => writer.submit(save).await,
-            None => Err(StorageError::new(StorageErrorKind::Other, "no stateful writer")),
-        }
+        self.writers().stateful.submit(save).await
     }
 
     async fn clear_replies_inner(
@@ -801,18 +787,18 @@ struct StatefulSave {
 }
 
 /// Saves a batch of final replies, each with its entity's state write: both or neither per
-/// save, every save of the batch in one transaction.
+/// save.
 ///
 /// - Every value is checked first: one that does not fit fails alone, before anything is sent.
-/// - The state writes go first, pipelined on the transaction's connection. A stale one changes
-///   nothing and leaves the transaction usable: its save fails with `StaleState`, and its reply
-///   is left out.
-/// - Then the replies of the others, in one statement (the reply batch's), and one commit.
-/// - If a statement fails (a second final reply, say), the batch rolls back and each save runs
-///   in a transaction of its own, so that only the faulty one fails. If the commit fails, every
-///   save of the batch gets the error: whether it was written is unknown.
+/// - The batch is one statement ([`MessageQueries::save_replies_with_state`]): one round trip
+///   and one commit. A stale state write changes nothing, and its save fails with `StaleState`
+///   while the others are stored.
+/// - If the statement fails (a second final reply, say), it wrote nothing, and each save runs
+///   in a statement of its own, so that only the faulty one fails. If the connection fails
+///   while the statement runs, every save of the batch gets the error: whether it was written
+///   is unknown.
 async fn save_stateful(
-    pool: &Pool,
+    connection: &GenericPlans,
     queries: &Arc<MessageQueries>,
     limit: ValueLimit,
     inputs: Vec<StatefulSave>,
@@ -827,7 +813,7 @@ async fn save_stateful(
     let rows: Vec<&(ReplyInsert, StateRow<'_>)> =
         checked.iter().filter_map(|row| row.as_ref().ok()).collect();
     if rows.len() > 1 && distinct(&rows) {
-        match stateful_batch(pool, queries, limit, &rows).await {
+        match save_stateful_rows(connection, queries, &rows).await {
             Ok(mut outcomes) => {
                 outcomes.reverse();
                 return checked
@@ -846,7 +832,12 @@ async fn save_stateful(
     let mut results = Vec::with_capacity(checked.len());
     for row in &checked {
         results.push(match row {
-            Ok((reply, state)) => save_one_stateful(pool, queries, limit, reply, state).await,
+            Ok(row) => match save_stateful_rows(connection, queries, &[row]).await {
+                Ok(mut outcome) => outcome.pop().unwrap_or(Ok(())),
+                Err(BatchFailure::RolledBack(error) | BatchFailure::CommitFailed(error)) => {
+                    Err(error)
+                }
+            },
             Err(refused) => Err(refused.clone()),
         });
     }
@@ -862,167 +853,95 @@ fn distinct(rows: &[&(ReplyInsert, StateRow<'_>)]) -> bool {
     requests.len() == rows.len() && entities.len() == rows.len()
 }
 
-/// The batch in one transaction: each save's outcome (`Ok`, or its `StaleState`), in order.
+/// Saves `rows` (for distinct requests and entities) in one statement: each save's outcome
+/// (`Ok`, or its `StaleState`), in order.
 ///
-/// `BEGIN` and the state writes (one statement per kind of write: inserts, updates,
-/// deletions) go out together; then the replies of the saves whose state was written (one
-/// statement); then the commit. The commit waits for the replies' outcome: sent beside a
-/// statement that still needed its plan prepared, it could overtake it and commit the states
-/// without their replies.
-async fn stateful_batch(
-    pool: &Pool,
-    queries: &Arc<MessageQueries>,
-    limit: ValueLimit,
+/// A statement that the server refused wrote nothing (`RolledBack`). A connection that failed
+/// or timed out meanwhile leaves the outcome unknown (`CommitFailed`).
+async fn save_stateful_rows(
+    connection: &GenericPlans,
+    queries: &MessageQueries,
     rows: &[&(ReplyInsert, StateRow<'_>)],
 ) -> Result<Vec<Result<(), StorageError>>, BatchFailure> {
-    let client = pool.get().await.map_err(|error| {
-        BatchFailure::RolledBack(pool_error("save_reply_with_state: batch", error))
+    let what = "save_reply_with_state";
+    let replies: Vec<&ReplyInsert> = rows.iter().map(|(reply, _)| reply).collect();
+    let columns = ReplyColumns::of(&replies);
+    let states = StateColumns::of(rows.iter().map(|(_, state)| state));
+    let [ids, kinds, request_ids, payloads, sequences] = columns.params();
+    let params: [&(dyn ToSql + Sync); 11] = [
+        ids,
+        kinds,
+        request_ids,
+        payloads,
+        sequences,
+        &states.types,
+        &states.ids,
+        &states.shards,
+        &states.values,
+        &states.expected,
+        &states.changes,
+    ];
+    let result = connection.query(what, &queries.save_replies_with_state, &params).await;
+    let stored = result.map_err(|error| match error.kind() {
+        StorageErrorKind::Unavailable | StorageErrorKind::Timeout => {
+            BatchFailure::CommitFailed(error)
+        }
+        _ => BatchFailure::RolledBack(error),
     })?;
-    let transaction = PgTransaction::guarding(client, queries, limit);
-    let written = async {
-        let client = transaction.connection()?;
-        let states: Vec<&StateRow<'_>> = rows.iter().map(|(_, state)| state).collect();
-        let begun = async {
-            client.batch_execute("BEGIN").await.map_err(|error| driver_error("BEGIN", error))
+    let stored = stored
+        .iter()
+        .map(|row| row.try_get::<_, i64>(0))
+        .collect::<Result<BTreeSet<i64>, _>>()
+        .map_err(|error| BatchFailure::CommitFailed(column_error(error)))?;
+    Ok(rows
+        .iter()
+        .map(
+            |(reply, state)| {
+                if stored.contains(&reply.request_id) { Ok(()) } else { Err(state.write.stale()) }
+            },
+        )
+        .collect())
+}
+
+/// The state writes of a batch as the parallel columns of
+/// [`MessageQueries::save_replies_with_state`].
+struct StateColumns<'a> {
+    types: Vec<&'a str>,
+    ids: Vec<&'a str>,
+    shards: Vec<&'a str>,
+    values: Vec<Option<&'a str>>,
+    expected: Vec<i64>,
+    changes: Vec<i32>,
+}
+
+impl<'a> StateColumns<'a> {
+    fn of<'r>(rows: impl Iterator<Item = &'r StateRow<'a>>) -> StateColumns<'r>
+    where
+        'a: 'r,
+    {
+        let mut columns = StateColumns {
+            types: Vec::new(),
+            ids: Vec::new(),
+            shards: Vec::new(),
+            values: Vec::new(),
+            expected: Vec::new(),
+            changes: Vec::new(),
         };
-        // `BEGIN` is polled first, and a simple query is sent on its first poll: it goes out
-        // before the state writes, whatever they still prepare.
-        let (begun, applied) =
-            futures_util::future::join(begun, write_states(client, queries, &states)).await;
-        begun?;
-        let applied = applied?;
-        let mut outcomes = Vec::with_capacity(rows.len());
-        let mut live = Vec::with_capacity(rows.len());
-        for (reply, state) in rows {
-            let key = (state.entity_type, state.entity_id);
-            if state.change == StateChange::Nothing || applied.contains(&key) {
-                live.push(reply);
-                outcomes.push(Ok(()));
-            } else {
-                outcomes.push(Err(state.write.stale()));
-            }
+        for row in rows {
+            let (value, change) = match row.change {
+                StateChange::Nothing => (None, queries::STATE_NOTHING),
+                StateChange::Insert(value) => (Some(value), queries::STATE_INSERT),
+                StateChange::Update(value) => (Some(value), queries::STATE_UPDATE),
+                StateChange::Delete => (None, queries::STATE_DELETE),
+            };
+            columns.types.push(row.entity_type);
+            columns.ids.push(row.entity_id);
+            columns.shards.push(row.shard_id.as_str());
+            columns.values.push(value);
+            columns.expected.push(row.expected);
+            columns.changes.push(change);
         }
-        if !live.is_empty() {
-            let columns = ReplyColumns::of(&live);
-            let what = "save_reply_with_state: batch";
-            execute(client, what, &queries.save_replies, &columns.params()).await?;
-        }
-        Ok(outcomes)
-    }
-    .await;
-    match written {
-        Ok(outcomes) => match Box::new(transaction).commit().await {
-            Ok(()) => Ok(outcomes),
-            Err(error) => Err(BatchFailure::CommitFailed(error)),
-        },
-        Err(error) => {
-            let _ = transaction.finish("rollback", "ROLLBACK").await;
-            Err(BatchFailure::RolledBack(error))
-        }
-    }
-}
-
-/// Runs the state writes of `states` on `client`, one statement per kind of write, sent
-/// together; the entities (type and id) whose write applied. A stale write changes no row and
-/// is simply not among them.
-async fn write_states<'a>(
-    client: &ClientWrapper,
-    queries: &MessageQueries,
-    states: &[&StateRow<'a>],
-) -> Result<BTreeSet<(&'a str, &'a str)>, StorageError> {
-    let (mut inserts, mut updates, mut deletes) = (Vec::new(), Vec::new(), Vec::new());
-    for state in states {
-        match state.change {
-            StateChange::Insert(value) => inserts.push((*state, value)),
-            StateChange::Update(value) => updates.push((*state, value)),
-            StateChange::Delete => deletes.push(*state),
-            StateChange::Nothing => {}
-        }
-    }
-    let column = |rows: &[(&StateRow<'a>, &'a str)], pick: fn(&StateRow<'a>) -> &'a str| {
-        rows.iter().map(|(state, _)| pick(state)).collect::<Vec<&str>>()
-    };
-    let inserted = async {
-        if inserts.is_empty() {
-            return Ok(Vec::new());
-        }
-        let shards: Vec<&str> = inserts.iter().map(|(state, _)| state.shard_id.as_str()).collect();
-        let values: Vec<&str> = inserts.iter().map(|(_, value)| *value).collect();
-        let (types, ids) = (column(&inserts, |s| s.entity_type), column(&inserts, |s| s.entity_id));
-        let params: [&(dyn ToSql + Sync); 4] = [&types, &ids, &shards, &values];
-        query(client, "save_state: insert batch", &queries.insert_states, &params).await
-    };
-    let updated = async {
-        if updates.is_empty() {
-            return Ok(Vec::new());
-        }
-        let shards: Vec<&str> = updates.iter().map(|(state, _)| state.shard_id.as_str()).collect();
-        let values: Vec<&str> = updates.iter().map(|(_, value)| *value).collect();
-        let expected: Vec<i64> = updates.iter().map(|(state, _)| state.expected).collect();
-        let (types, ids) = (column(&updates, |s| s.entity_type), column(&updates, |s| s.entity_id));
-        let params: [&(dyn ToSql + Sync); 5] = [&types, &ids, &shards, &values, &expected];
-        query(client, "save_state: update batch", &queries.update_states, &params).await
-    };
-    let deleted = async {
-        if deletes.is_empty() {
-            return Ok(Vec::new());
-        }
-        let types: Vec<&str> = deletes.iter().map(|state| state.entity_type).collect();
-        let ids: Vec<&str> = deletes.iter().map(|state| state.entity_id).collect();
-        let expected: Vec<i64> = deletes.iter().map(|state| state.expected).collect();
-        let params: [&(dyn ToSql + Sync); 3] = [&types, &ids, &expected];
-        query(client, "save_state: delete batch", &queries.delete_states, &params).await
-    };
-    let (inserted, updated, deleted) =
-        futures_util::future::join3(inserted, updated, deleted).await;
-    let mut applied = BTreeSet::new();
-    for row in inserted?.iter().chain(&updated?).chain(&deleted?) {
-        let entity_type: String = row.try_get(0).map_err(column_error)?;
-        let entity_id: String = row.try_get(1).map_err(column_error)?;
-        // Found again among the batch's own keys, so that the set borrows from them.
-        if let Some(state) = states
-            .iter()
-            .find(|state| state.entity_type == entity_type && state.entity_id == entity_id)
-        {
-            applied.insert((state.entity_type, state.entity_id));
-        }
-    }
-    Ok(applied)
-}
-
-/// Runs the statement `sql` on `client` and returns its rows.
-async fn query(
-    client: &ClientWrapper,
-    what: &str,
-    sql: &str,
-    params: &[&(dyn ToSql + Sync)],
-) -> Result<Vec<Row>, StorageError> {
-    let statement = client.prepare_cached(sql).await.map_err(|error| driver_error(what, error))?;
-    client.query(&statement, params).await.map_err(|error| driver_error(what, error))
-}
-
-/// One save in a transaction of its own: `BEGIN`, the state, the reply, `COMMIT`.
-async fn save_one_stateful(
-    pool: &Pool,
-    queries: &Arc<MessageQueries>,
-    limit: ValueLimit,
-    reply: &ReplyInsert,
-    state: &StateRow<'_>,
-) -> Result<(), StorageError> {
-    let transaction = begin_on(pool, queries, limit).await?;
-    let written = async {
-        transaction.write_state(state).await?;
-        save_reply_on(transaction.connection()?, queries, reply).await
-    }
-    .await;
-    match written {
-        Ok(()) => Box::new(transaction).commit().await,
-        Err(error) => {
-            // The error is the answer: a failed rollback closes the connection, and the server
-            // rolls back when the session ends.
-            let _ = transaction.finish("rollback", "ROLLBACK").await;
-            Err(error)
-        }
+        columns
     }
 }
 

@@ -30,6 +30,15 @@ const _: () = assert!(REPLY_KIND_WITH_EXIT == 0);
 /// The current time as a `TIMESTAMP` in UTC, whatever the session's `TimeZone`.
 pub(crate) const UTC_NOW: &str = "(NOW() AT TIME ZONE 'UTC')";
 
+/// What a state write of [`MessageQueries::save_replies_with_state`] does: nothing.
+pub(crate) const STATE_NOTHING: i32 = 0;
+/// The state write inserts the entity's row.
+pub(crate) const STATE_INSERT: i32 = 1;
+/// The state write updates the entity's row.
+pub(crate) const STATE_UPDATE: i32 = 2;
+/// The state write deletes the entity's row.
+pub(crate) const STATE_DELETE: i32 = 3;
+
 /// `<prefix>_<name>` as a quoted identifier. The prefix holds only ASCII letters, digits and
 /// `_` (checked by [`TablePrefix::new`]), so quoting cannot be escaped.
 pub(crate) fn quoted(prefix: &TablePrefix, name: &str) -> String {
@@ -120,15 +129,12 @@ pub(crate) struct MessageQueries {
     pub(crate) update_state: String,
     /// Deletes the state of entity type `$1`, id `$2` if its revision is `$3`.
     pub(crate) delete_state: String,
-    /// [`insert_state`](Self::insert_state) for a batch (arrays of types, ids, shards,
-    /// values); returns the type and id of each row inserted.
-    pub(crate) insert_states: String,
-    /// [`update_state`](Self::update_state) for a batch (arrays of types, ids, shards, values,
-    /// expected revisions); returns the type and id of each row updated.
-    pub(crate) update_states: String,
-    /// [`delete_state`](Self::delete_state) for a batch (arrays of types, ids, expected
-    /// revisions); returns the type and id of each row deleted.
-    pub(crate) delete_states: String,
+    /// Final replies with their entities' state writes, in one statement. `$1` to `$5` are
+    /// the replies' columns (as in [`save_replies`](Self::save_replies)); `$6` to `$10` the
+    /// state writes' entity types, ids, shards, values and expected revisions; `$11` what each
+    /// write does (0 nothing, 1 insert, 2 update, 3 delete). A reply is stored only if its
+    /// state write applied (or it has none). Returns the request ids of the stored replies.
+    pub(crate) save_replies_with_state: String,
 }
 
 impl MessageQueries {
@@ -289,31 +295,51 @@ impl MessageQueries {
             delete_state: format!(
                 "DELETE FROM {state} WHERE entity_type = $1 AND entity_id = $2 AND revision = $3"
             ),
-            insert_states: format!(
-                "INSERT INTO {state} (entity_type, entity_id, shard_id, value, revision, \
-                 updated_at) \
-                 SELECT i.entity_type, i.entity_id, i.shard_id, i.value, 1, {UTC_NOW} \
-                 FROM unnest($1::text[], $2::text[], $3::text[], $4::text[]) \
-                 AS i (entity_type, entity_id, shard_id, value) \
-                 ON CONFLICT (entity_type, entity_id) DO NOTHING \
-                 RETURNING entity_type, entity_id"
-            ),
-            update_states: format!(
-                "UPDATE {state} s SET shard_id = i.shard_id, value = i.value, \
-                 revision = s.revision + 1, updated_at = {UTC_NOW} \
-                 FROM unnest($1::text[], $2::text[], $3::text[], $4::text[], $5::bigint[]) \
-                 AS i (entity_type, entity_id, shard_id, value, expected) \
-                 WHERE s.entity_type = i.entity_type AND s.entity_id = i.entity_id \
-                 AND s.revision = i.expected \
-                 RETURNING s.entity_type, s.entity_id"
-            ),
-            delete_states: format!(
-                "DELETE FROM {state} s \
-                 USING unnest($1::text[], $2::text[], $3::bigint[]) \
-                 AS i (entity_type, entity_id, expected) \
-                 WHERE s.entity_type = i.entity_type AND s.entity_id = i.entity_id \
-                 AND s.revision = i.expected \
-                 RETURNING s.entity_type, s.entity_id"
+            save_replies_with_state: format!(
+                "WITH input AS ( \
+                   SELECT * FROM unnest($1::bigint[], $2::int[], $3::bigint[], $4::text[], \
+                   $5::int[], $6::text[], $7::text[], $8::text[], $9::text[], $10::bigint[], \
+                   $11::int[]) AS i (id, kind, request_id, payload, sequence, entity_type, \
+                   entity_id, shard_id, value, expected, change) \
+                 ), \
+                 inserted AS ( \
+                   INSERT INTO {state} (entity_type, entity_id, shard_id, value, revision, \
+                   updated_at) \
+                   SELECT entity_type, entity_id, shard_id, value, 1, {UTC_NOW} FROM input \
+                   WHERE change = {STATE_INSERT} \
+                   ON CONFLICT (entity_type, entity_id) DO NOTHING \
+                   RETURNING entity_type, entity_id \
+                 ), \
+                 updated AS ( \
+                   UPDATE {state} s SET shard_id = i.shard_id, value = i.value, \
+                   revision = s.revision + 1, updated_at = {UTC_NOW} FROM input i \
+                   WHERE i.change = {STATE_UPDATE} AND s.entity_type = i.entity_type \
+                   AND s.entity_id = i.entity_id AND s.revision = i.expected \
+                   RETURNING s.entity_type, s.entity_id \
+                 ), \
+                 deleted AS ( \
+                   DELETE FROM {state} s USING input i \
+                   WHERE i.change = {STATE_DELETE} AND s.entity_type = i.entity_type \
+                   AND s.entity_id = i.entity_id AND s.revision = i.expected \
+                   RETURNING s.entity_type, s.entity_id \
+                 ), \
+                 live AS ( \
+                   SELECT i.* FROM input i WHERE i.change = {STATE_NOTHING} \
+                   OR (i.entity_type, i.entity_id) IN ( \
+                     SELECT * FROM inserted UNION ALL SELECT * FROM updated \
+                     UNION ALL SELECT * FROM deleted) \
+                 ), \
+                 chunks AS ( \
+                   UPDATE {messages} m SET last_reply_id = l.id FROM live l \
+                   WHERE l.kind IS NULL AND m.id = l.request_id \
+                 ), \
+                 exits AS ( \
+                   UPDATE {messages} m SET processed = TRUE, last_reply_id = l.id FROM live l \
+                   WHERE l.kind = 0 AND m.request_id = l.request_id \
+                 ) \
+                 INSERT INTO {replies} (id, kind, request_id, payload, sequence) \
+                 SELECT id, kind, request_id, payload, sequence FROM live \
+                 RETURNING request_id"
             ),
         }
     }
