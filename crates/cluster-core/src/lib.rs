@@ -39,6 +39,7 @@ pub mod never;
 pub mod ownership;
 pub mod queue_storage;
 pub mod reply_handlers;
+pub mod retention;
 pub mod snowflake;
 pub mod storage;
 pub mod sync;

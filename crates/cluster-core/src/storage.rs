@@ -477,6 +477,49 @@ pub trait MessageStorage: Send + Sync + fmt::Debug {
         address: &'a EntityAddress,
     ) -> BoxFuture<'a, Result<(), StorageError>>;
 
+    /// Deletes one batch of processed requests whose final reply is older than
+    /// `batch.replied_before`, with every message and reply of each (interrupts,
+    /// acknowledgements, chunks); returns how many requests it deleted
+    /// ([`retention`](crate::retention)).
+    ///
+    /// - Requests of entity types that start with one of `batch.keep_entity_type_prefixes` are
+    ///   kept, and so is every request without a final reply.
+    /// - At most `batch.limit` requests, the oldest first; fewer than the limit means that no
+    ///   more are due. A limit of 0 is an `InvalidInput`.
+    /// - Each batch is short: one statement or one short transaction, so that it holds no lock
+    ///   for long.
+    ///
+    /// A storage without retention fails (the default).
+    ///
+    /// # Cancel safety
+    ///
+    /// Cancel safe: a dropped call deletes its batch or nothing.
+    fn purge_processed<'a>(
+        &'a self,
+        batch: &'a crate::retention::PurgeProcessed,
+    ) -> BoxFuture<'a, Result<u64, StorageError>> {
+        let _ = batch;
+        let backend = self.backend_name();
+        Box::pin(async move { Err(crate::retention::unsupported(backend)) })
+    }
+
+    /// Lists processed requests with their final replies, as `query` selects them, in request
+    /// id order ([`retention`](crate::retention)).
+    ///
+    /// A limit of 0 is an `InvalidInput`. A storage without retention fails (the default).
+    ///
+    /// # Cancel safety
+    ///
+    /// Cancel safe: it only reads.
+    fn processed_requests<'a>(
+        &'a self,
+        query: &'a crate::retention::ProcessedQuery,
+    ) -> BoxFuture<'a, Result<Vec<crate::retention::ProcessedRequest>, StorageError>> {
+        let _ = query;
+        let backend = self.backend_name();
+        Box::pin(async move { Err(crate::retention::unsupported(backend)) })
+    }
+
     /// The durable state of `address`'s entity, if it has a row
     /// ([`entity_state`](crate::entity_state)). The row's key is the entity type and id.
     ///
