@@ -44,6 +44,8 @@
 //! | `RUNNER_HEALTH_CHECK_INTERVAL` | [`runner_health_check_interval`](ShardingConfig::runner_health_check_interval) | `1 minute` |
 //! | `RUNNER_HEALTH_CHECK` | [`runner_health_check`](ShardingConfig::runner_health_check) | `ping-known` |
 //! | `SIMULATE_REMOTE_SERIALIZATION` | [`simulate_remote_serialization`](ShardingConfig::simulate_remote_serialization) | `true` |
+//! | `MESSAGE_RETENTION` | [`message_retention`](ShardingConfig::message_retention) | unset: processed requests are kept |
+//! | `WORKFLOW_RETENTION` | [`workflow_retention`](ShardingConfig::workflow_retention) | unset: finished executions are kept |
 //!
 //! `HOST` and `PORT` are generic names that platforms and other tools also set; a runner reads
 //! them all the same, as the reference does.
@@ -58,7 +60,8 @@
 //! - Integers: decimal, with an optional sign (`300`, `+300`); no exponent, no fraction.
 //! - Booleans: `true`, `yes`, `on`, `1`, `y` or `false`, `no`, `off`, `0`, `n` (lower case).
 //! - Lists: comma-separated, not trimmed (`a,b`).
-//! - Durations: see [`parse_duration`]; `Infinity` only for `ENTITY_MAX_IDLE_TIME`.
+//! - Durations: see [`parse_duration`]; `Infinity` only for `ENTITY_MAX_IDLE_TIME`,
+//!   `MESSAGE_RETENTION` and `WORKFLOW_RETENTION` (where it means "keep forever").
 //! - Health check modes: `ping-known`, `ping` or `heartbeat` (see [`RunnerHealthCheck`]).
 
 use std::collections::BTreeSet;
@@ -135,6 +138,17 @@ pub const INTERVAL_MAX: Duration = Duration::from_secs(60 * 60);
 /// means "never reap".
 pub const ENTITY_MAX_IDLE_TIME_MAX: Duration = Duration::from_secs(365 * 24 * 60 * 60);
 
+/// The shortest [`message_retention`](ShardingConfig::message_retention) and
+/// [`workflow_retention`](ShardingConfig::workflow_retention): 10 seconds.
+///
+/// A caller waiting on storage for its reply must read it before it is deleted, and a retry of
+/// a request must find it to be deduplicated; seconds are already risky, so keep days.
+pub const RETENTION_MIN: Duration = Duration::from_secs(10);
+
+/// The longest finite retention: 3,650 days. More is surely a unit mistake; leave the option
+/// unset to keep everything.
+pub const RETENTION_MAX: Duration = Duration::from_secs(3650 * 24 * 60 * 60);
+
 /// The shortest [`shard_lock_expiration`](ShardingConfig::shard_lock_expiration): one
 /// millisecond, the resolution of the cluster's clock and of the lock timestamps it writes.
 pub const SHARD_LOCK_EXPIRATION_MIN: Duration = Duration::from_millis(1);
@@ -144,7 +158,7 @@ const _: () =
     assert!(SHARD_GROUPS_MAX as i64 * 1_000_000 + SHARDS_PER_GROUP_MAX as i64 <= i32::MAX as i64);
 
 /// Every environment variable [`ShardingConfig::from_env`] reads.
-pub const ENV_VARS: [&str; 27] = [
+pub const ENV_VARS: [&str; 29] = [
     var::HOST,
     var::PORT,
     var::LISTEN_HOST,
@@ -172,6 +186,8 @@ pub const ENV_VARS: [&str; 27] = [
     var::RUNNER_HEALTH_CHECK_INTERVAL,
     var::RUNNER_HEALTH_CHECK,
     var::SIMULATE_REMOTE_SERIALIZATION,
+    var::MESSAGE_RETENTION,
+    var::WORKFLOW_RETENTION,
 ];
 
 /// The configuration of sharding on one runner (or client).
@@ -350,6 +366,26 @@ pub struct ShardingConfig {
     ///
     /// Default `true`. Environment: `SIMULATE_REMOTE_SERIALIZATION`.
     pub simulate_remote_serialization: bool,
+    /// How long a processed request and its replies are kept once it was answered; `None`
+    /// keeps them forever, as the reference does.
+    /// A cluster singleton deletes older ones in small batches (cluster-sharding's retention).
+    /// Workflow executions are not touched: see [`workflow_retention`](Self::workflow_retention).
+    /// A request deleted this way no longer deduplicates its primary key: the same key sent
+    /// again runs again.
+    /// From 10 seconds (`RETENTION_MIN`) to 3,650 days (`RETENTION_MAX`).
+    ///
+    /// Default `None`. Environment: `MESSAGE_RETENTION` (`Infinity` gives `None`; not read by
+    /// the reference).
+    pub message_retention: Option<Duration>,
+    /// How long a completed workflow execution (with its activities, deferreds and clocks) is
+    /// kept once it completed; `None` keeps it forever, as the reference does.
+    /// The workflow engine on the cluster deletes older ones in small batches.
+    /// A deleted execution's id no longer deduplicates: the same execution id runs again.
+    /// From 10 seconds (`RETENTION_MIN`) to 3,650 days (`RETENTION_MAX`).
+    ///
+    /// Default `None`. Environment: `WORKFLOW_RETENTION` (`Infinity` gives `None`; not read by
+    /// the reference).
+    pub workflow_retention: Option<Duration>,
 }
 
 /// How the runner-health singleton judges the other runners
@@ -497,6 +533,8 @@ impl Default for ShardingConfig {
             runner_health_check_interval: Duration::from_secs(60),
             runner_health_check: RunnerHealthCheck::PingKnown,
             simulate_remote_serialization: true,
+            message_retention: None,
+            workflow_retention: None,
         }
     }
 }
@@ -842,6 +880,18 @@ impl ShardingConfig {
                 )
                 .check()?;
         }
+        let retentions = [
+            ("message_retention", var::MESSAGE_RETENTION, self.message_retention),
+            ("workflow_retention", var::WORKFLOW_RETENTION, self.workflow_retention),
+        ];
+        for (field, env_var, retention) in retentions {
+            if let Some(retention) = retention {
+                DurationBound::new(field, env_var, retention)
+                    .at_least(RETENTION_MIN)
+                    .at_most(RETENTION_MAX, "use None (`Infinity`) to keep everything")
+                    .check()?;
+            }
+        }
         Ok(())
     }
 }
@@ -912,6 +962,8 @@ mod var {
     pub(super) const RUNNER_HEALTH_CHECK_INTERVAL: &str = "RUNNER_HEALTH_CHECK_INTERVAL";
     pub(super) const RUNNER_HEALTH_CHECK: &str = "RUNNER_HEALTH_CHECK";
     pub(super) const SIMULATE_REMOTE_SERIALIZATION: &str = "SIMULATE_REMOTE_SERIALIZATION";
+    pub(super) const MESSAGE_RETENTION: &str = "MESSAGE_RETENTION";
+    pub(super) const WORKFLOW_RETENTION: &str = "WORKFLOW_RETENTION";
 }
 
 // The reference's defaults that are not zero by construction (checked at compile time).
@@ -1194,8 +1246,11 @@ impl<F: Fn(&str) -> Option<String>> Env<F> {
                 var,
                 "Infinity",
                 format!(
-                    "only {} accepts `Infinity`; give a finite duration such as `10 seconds`",
-                    var::ENTITY_MAX_IDLE_TIME
+                    "only {}, {} and {} accept `Infinity`; give a finite duration such as \
+                     `10 seconds`",
+                    var::ENTITY_MAX_IDLE_TIME,
+                    var::MESSAGE_RETENTION,
+                    var::WORKFLOW_RETENTION
                 ),
             )),
         }
@@ -1281,10 +1336,17 @@ impl<F: Fn(&str) -> Option<String>> Env<F> {
                 *field = duration;
             }
         }
-        match self.duration_input(var::ENTITY_MAX_IDLE_TIME)? {
-            None => {}
-            Some(DurationInput::Finite(duration)) => config.entity_max_idle_time = Some(duration),
-            Some(DurationInput::Infinite) => config.entity_max_idle_time = None,
+        let optional = [
+            (var::ENTITY_MAX_IDLE_TIME, &mut config.entity_max_idle_time),
+            (var::MESSAGE_RETENTION, &mut config.message_retention),
+            (var::WORKFLOW_RETENTION, &mut config.workflow_retention),
+        ];
+        for (var, field) in optional {
+            match self.duration_input(var)? {
+                None => {}
+                Some(DurationInput::Finite(duration)) => *field = Some(duration),
+                Some(DurationInput::Infinite) => *field = None,
+            }
         }
         Ok(())
     }

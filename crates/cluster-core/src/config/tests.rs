@@ -132,6 +132,8 @@ const ENV_CASES: &[EnvCase] = &[
     }),
     ("RUNNER_HEALTH_CHECK", "heartbeat", |c| c.runner_health_check = RunnerHealthCheck::Heartbeat),
     ("SIMULATE_REMOTE_SERIALIZATION", "off", |c| c.simulate_remote_serialization = false),
+    ("MESSAGE_RETENTION", "7 days", |c| c.message_retention = Some(secs(7 * 24 * 3600))),
+    ("WORKFLOW_RETENTION", "30 days", |c| c.workflow_retention = Some(secs(30 * 24 * 3600))),
 ];
 
 #[test]
@@ -330,6 +332,27 @@ fn infinity_is_only_accepted_for_the_idle_time() {
     assert!(error.reason().contains("ENTITY_MAX_IDLE_TIME"), "{error}");
     let error = load_error(&[("ENTITY_MAX_IDLE_TIME", "-Infinity")]);
     assert_eq!(error.key(), "ENTITY_MAX_IDLE_TIME");
+    let config = load(&[("MESSAGE_RETENTION", "Infinity"), ("WORKFLOW_RETENTION", "Infinity")]);
+    let config = config.unwrap();
+    assert_eq!((config.message_retention, config.workflow_retention), (None, None));
+}
+
+#[test]
+fn a_retention_is_checked_against_its_bounds() {
+    for var in ["MESSAGE_RETENTION", "WORKFLOW_RETENTION"] {
+        let error = load_error(&[(var, "5 seconds")]);
+        assert_eq!((error.key(), error.value()), (var, "5 seconds"), "{error}");
+        assert!(error.reason().contains("10 seconds"), "{error}");
+        let error = load_error(&[(var, "4000 days")]);
+        assert!(error.reason().contains("Infinity"), "{error}");
+        assert!(load(&[(var, "10 seconds")]).is_ok());
+    }
+    let config = ShardingConfig {
+        message_retention: Some(Duration::from_secs(1)),
+        ..ShardingConfig::default()
+    };
+    let error = config.validate().unwrap_err();
+    assert_eq!(error.key(), "message_retention", "{error}");
 }
 
 #[test]
