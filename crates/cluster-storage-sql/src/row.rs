@@ -20,6 +20,7 @@ use cluster_core::envelope::{
     WithExit,
 };
 use cluster_core::error::{DecodeError, StorageError, StorageErrorKind};
+use cluster_core::retention::ProcessedRequest;
 use cluster_core::storage::{
     MalformedMessage, SaveRequestOptions, UnprocessedBatch, UnprocessedMessage,
 };
@@ -426,6 +427,67 @@ fn decode_chunk(
 /// A row whose ids cannot even be read: the database holds something no runner wrote.
 fn malformed_row(error: DecodeError) -> StorageError {
     StorageError::with_source(StorageErrorKind::Malformed, "unreadable reply row", error)
+}
+
+/// A processed request as `processed_requests` reads it: the request row's address and tag,
+/// and its final reply's id and payload.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub(crate) struct ProcessedRow {
+    pub(crate) request_id: i64,
+    pub(crate) shard_id: String,
+    pub(crate) entity_type: String,
+    pub(crate) entity_id: String,
+    pub(crate) tag: Option<String>,
+    pub(crate) reply_id: i64,
+    pub(crate) reply_payload: String,
+}
+
+impl ProcessedRow {
+    /// The processed request. An address or tag that cannot be read is a malformed row that
+    /// names the request (never a panic); a final reply that cannot be decoded becomes a defect
+    /// reply, as [`ReplyRow::decode`] makes it.
+    pub(crate) fn decode(self) -> Result<ProcessedRequest, StorageError> {
+        let row = self.request_id;
+        let malformed = |error: DecodeError| {
+            StorageError::with_source(
+                StorageErrorKind::Malformed,
+                format!("the processed request row {row} cannot be read"),
+                error,
+            )
+        };
+        let request_id = id_from_sql(self.request_id).map_err(malformed)?;
+        let shard_id =
+            self.shard_id.parse::<ShardId>().map_err(|e| malformed(DecodeError::from(e)))?;
+        let tag = self.tag.ok_or_else(|| malformed(DecodeError::new("request row", "no tag")))?;
+        let reply = ReplyRow {
+            id: self.reply_id,
+            kind: Some(REPLY_KIND_WITH_EXIT),
+            request_id: self.request_id,
+            payload: self.reply_payload,
+            sequence: None,
+        }
+        .decode()
+        .map_err(|error| {
+            StorageError::with_source(
+                StorageErrorKind::Malformed,
+                format!("the final reply of the processed request row {row} cannot be read"),
+                error,
+            )
+        })?;
+        let Reply::WithExit(reply) = reply else {
+            return Err(malformed(DecodeError::new("reply row", "a chunk, not a final reply")));
+        };
+        Ok(ProcessedRequest {
+            request_id,
+            address: EntityAddress {
+                shard_id,
+                entity_type: EntityType::from(self.entity_type),
+                entity_id: EntityId::from(self.entity_id),
+            },
+            tag,
+            reply,
+        })
+    }
 }
 
 /// The reply a message row's `last_reply_id` points at (always a chunk for a message that is

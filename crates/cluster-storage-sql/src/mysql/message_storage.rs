@@ -33,6 +33,7 @@ use cluster_core::entity_state::{StateWrite, StoredState};
 use cluster_core::envelope::{self, AckChunk, Interrupt, Reply, Request};
 use cluster_core::error::{DecodeError, StorageError, StorageErrorKind};
 use cluster_core::future::BoxFuture;
+use cluster_core::retention::{self, ProcessedQuery, ProcessedRequest, PurgeProcessed};
 use cluster_core::storage::{
     MalformedMessage, MessageStorage, MessageTransaction, SaveRequestOptions, SaveResult,
     UnprocessedBatch, UnprocessedOptions,
@@ -51,8 +52,8 @@ use super::queries::{self, IN_LIST_LEN_MAX, MessageQueries};
 use crate::batch::Batcher;
 use crate::options::{TablePrefix, ValueBytesMax};
 use crate::row::{
-    self, LastReplyRow, MessageInsert, MessageRow, ReplyInsert, ReplyRow, StateChange, StateRow,
-    StoredStateRow, ValueLimit,
+    self, LastReplyRow, MessageInsert, MessageRow, ProcessedRow, ReplyInsert, ReplyRow,
+    StateChange, StateRow, StoredStateRow, ValueLimit,
 };
 use crate::save::{self, BatchFailure, SaveBackend};
 
@@ -487,7 +488,7 @@ impl MySqlMessageStorage {
         );
         let read = match self.transaction(TxBody::Claim { sql: &sql, params: &params }).await? {
             TxOutput::Claimed(read) => read,
-            TxOutput::Done => Vec::new(),
+            TxOutput::Done | TxOutput::Purged(_) => Vec::new(),
         };
         let batch = into_batch(read);
         tracing::debug!(n_messages = batch.messages.len(), n_malformed = batch.malformed.len());
@@ -608,6 +609,57 @@ impl MySqlMessageStorage {
         let insert = ReplyInsert::checked(reply, self.limit)?;
         let row = checked_state(write, self.state_limit)?;
         self.transaction(TxBody::ReplyWithState { state: &row, reply: &insert }).await.map(drop)
+    }
+
+    /// One transaction: choose the requests (a plain read), lock those still processed, delete
+    /// their replies and message rows.
+    async fn purge_processed_inner(&self, batch: &PurgeProcessed) -> Result<u64, StorageError> {
+        if batch.limit == 0 {
+            return Err(retention::zero_limit("purge_processed"));
+        }
+        let keep = &batch.keep_entity_type_prefixes;
+        let mut params = vec![Value::from(row::id_to_sql(batch.replied_before)?)];
+        for prefix in keep {
+            params.push(Value::from(prefix.as_str()));
+            params.push(Value::from(prefix.as_str()));
+        }
+        params.push(Value::from(batch.limit));
+        let choose = self.queries.purge_choose(keep.len());
+        match self.transaction(TxBody::Purge { choose: &choose, params: &params }).await? {
+            TxOutput::Purged(deleted) => Ok(deleted),
+            TxOutput::Done | TxOutput::Claimed(_) => Err(StorageError::new(
+                StorageErrorKind::Other,
+                "purge_processed: the transaction returned no count",
+            )),
+        }
+    }
+
+    async fn processed_requests_inner(
+        &self,
+        query: &ProcessedQuery,
+    ) -> Result<Vec<ProcessedRequest>, StorageError> {
+        if query.limit == 0 {
+            return Err(retention::zero_limit("processed_requests"));
+        }
+        let prefix = query.entity_type_prefix.as_str();
+        let mut params = vec![
+            Value::from(row::id_to_sql(query.replied_before)?),
+            Value::from(prefix),
+            Value::from(prefix),
+        ];
+        if let Some(tag) = &query.tag {
+            params.push(Value::from(tag.as_str()));
+        }
+        // Ids are never negative: -1 is "from the first".
+        params.push(Value::from(query.after.map(row::id_to_sql).transpose()?.unwrap_or(-1)));
+        params.push(Value::from(query.limit));
+        let sql = self.queries.processed_requests(query.tag.is_some());
+        let mut conn = self.conn().await?;
+        let rows: Vec<Row> = conn
+            .exec(sql, params)
+            .await
+            .map_err(|error| storage_error("processed_requests", error))?;
+        rows.into_iter().map(read_processed_row).collect()
     }
 
     async fn clear_address_inner(&self, address: &EntityAddress) -> Result<(), StorageError> {
@@ -771,6 +823,20 @@ impl MessageStorage for MySqlMessageStorage {
         address: &'a EntityAddress,
     ) -> BoxFuture<'a, Result<(), StorageError>> {
         Box::pin(self.clear_address_inner(address).instrument(span("clear_address")))
+    }
+
+    fn purge_processed<'a>(
+        &'a self,
+        batch: &'a PurgeProcessed,
+    ) -> BoxFuture<'a, Result<u64, StorageError>> {
+        Box::pin(self.purge_processed_inner(batch).instrument(span("purge_processed")))
+    }
+
+    fn processed_requests<'a>(
+        &'a self,
+        query: &'a ProcessedQuery,
+    ) -> BoxFuture<'a, Result<Vec<ProcessedRequest>, StorageError>> {
+        Box::pin(self.processed_requests_inner(query).instrument(span("processed_requests")))
     }
 
     fn load_state<'a>(
@@ -980,12 +1046,17 @@ enum TxBody<'a> {
     /// Write an entity's state, then store a reply with its message-row updates; a stale
     /// state fails the transaction.
     ReplyWithState { state: &'a StateRow<'a>, reply: &'a ReplyInsert },
+    /// Delete a batch of processed requests: the plain read `choose` picks them, then those
+    /// still processed are locked and deleted with their replies and message rows.
+    Purge { choose: &'a str, params: &'a [Value] },
 }
 
 /// What a [`TxBody`] produced.
 enum TxOutput {
     Done,
     Claimed(Vec<ReadMessage>),
+    /// How many requests a purge deleted.
+    Purged(u64),
 }
 
 async fn run_body(
@@ -1036,6 +1107,9 @@ async fn run_body(
             }
             return Ok(TxOutput::Claimed(read));
         }
+        TxBody::Purge { choose, params } => {
+            return purge(tx, queries, choose, params).await.map(TxOutput::Purged);
+        }
         TxBody::ClearAddress { entity_type, entity_id } => {
             let key = (*entity_type, *entity_id);
             tx.exec_drop(queries.clear_address_replies.as_str(), key)
@@ -1047,6 +1121,47 @@ async fn run_body(
         }
     }
     Ok(TxOutput::Done)
+}
+
+/// Deletes the processed requests that `choose` picks, with their replies and message rows;
+/// returns how many requests it deleted. A request reset between the read and the lock (no
+/// longer processed) is kept.
+async fn purge(
+    tx: &mut Transaction<'static>,
+    queries: &MessageQueries,
+    choose: &str,
+    params: &[Value],
+) -> Result<u64, StorageError> {
+    let rows: Vec<Row> = tx
+        .exec(choose, params.to_vec())
+        .await
+        .map_err(|error| storage_error("purge_processed: choose", error))?;
+    let chosen = rows
+        .into_iter()
+        .map(|id| required(Columns::new(id).int(), "id"))
+        .collect::<Result<Vec<i64>, StorageError>>()?;
+    let mut deleted = 0_u64;
+    for chunk in chosen.chunks(IN_LIST_LEN_MAX) {
+        let rows: Vec<Row> = tx
+            .exec(queries.purge_lock(chunk.len()), chunk.to_vec())
+            .await
+            .map_err(|error| storage_error("purge_processed: lock", error))?;
+        let locked = rows
+            .into_iter()
+            .map(|id| required(Columns::new(id).int(), "id"))
+            .collect::<Result<Vec<i64>, StorageError>>()?;
+        if locked.is_empty() {
+            continue;
+        }
+        tx.exec_drop(queries.purge_replies(locked.len()), locked.clone())
+            .await
+            .map_err(|error| storage_error("purge_processed: replies", error))?;
+        tx.exec_drop(queries.purge_messages(locked.len()), locked.clone())
+            .await
+            .map_err(|error| storage_error("purge_processed: messages", error))?;
+        deleted += u64::try_from(locked.len()).unwrap_or(u64::MAX);
+    }
+    Ok(deleted)
 }
 
 /// Resets a request (`effect/src/cluster/MessageStorage.ts`); with `expected_reply_id`, only if
@@ -1299,6 +1414,29 @@ fn read_reply_row(row: Row) -> Result<(i64, Reply), StorageError> {
     let request_id = required(request_id, "request_id")?;
     let rest = kind.and_then(|kind| Ok((kind, payload?, sequence?)));
     Ok((rowid, read_reply(id, request_id, rest)?))
+}
+
+/// A `processed_requests` row: `id, shard_id, entity_type, entity_id, tag` and the final
+/// reply's `id, payload`; a column that cannot be read is a malformed row named by its id.
+fn read_processed_row(row: Row) -> Result<ProcessedRequest, StorageError> {
+    let mut columns = Columns::new(row);
+    let request_id = required(columns.int(), "id")?;
+    let unreadable = |error: DecodeError| {
+        StorageError::with_source(
+            StorageErrorKind::Malformed,
+            format!("the processed request row {request_id} cannot be read"),
+            error,
+        )
+    };
+    let mut text = |name: &str| present(columns.text(), name).map_err(unreadable);
+    let shard_id = text("shard_id")?;
+    let entity_type = text("entity_type")?;
+    let entity_id = text("entity_id")?;
+    let tag = columns.text().map_err(unreadable)?;
+    let reply_id = required(columns.int(), "the final reply's id")?;
+    let reply_payload = columns.text().map_err(unreadable)?.unwrap_or_default();
+    ProcessedRow { request_id, shard_id, entity_type, entity_id, tag, reply_id, reply_payload }
+        .decode()
 }
 
 /// A duplicate's row: `m.id, r.id, r.kind, r.payload, r.sequence`.

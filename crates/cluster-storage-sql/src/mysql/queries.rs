@@ -621,6 +621,66 @@ impl MessageQueries {
         )
     }
 
+    /// The processed requests that a purge deletes (`purge_processed`), lowest id first: a
+    /// final reply's id below the first parameter, an entity type that starts with none of the
+    /// `n_keep` prefixes (each bound twice, see [`starts_with`]), at most the last parameter.
+    /// A plain read: the rows are locked by [`purge_lock`](Self::purge_lock).
+    pub(crate) fn purge_choose(&self, n_keep: usize) -> String {
+        let (messages, replies) = (&self.messages, &self.replies);
+        let exit = REPLY_KIND_WITH_EXIT;
+        let keep: String =
+            (0..n_keep).map(|_| format!(" AND NOT {}", starts_with("m.entity_type"))).collect();
+        // language=SQL
+        format!(
+            "SELECT m.id FROM {replies} r JOIN {messages} m ON m.id = r.request_id \
+             WHERE r.kind = {exit} AND r.id < ? AND m.kind = 0 AND m.processed = TRUE{keep} \
+             ORDER BY m.id ASC LIMIT ?"
+        )
+    }
+
+    /// Locks the `n_ids` request rows that a purge chose and that are still processed, and
+    /// returns their ids: a request reset in between is kept.
+    pub(crate) fn purge_lock(&self, n_ids: usize) -> String {
+        // language=SQL
+        format!(
+            "SELECT id FROM {} WHERE id IN ({}) AND kind = 0 AND processed = TRUE FOR UPDATE",
+            self.messages,
+            placeholders(n_ids)
+        )
+    }
+
+    /// Deletes every reply of `n_ids` requests.
+    pub(crate) fn purge_replies(&self, n_ids: usize) -> String {
+        // language=SQL
+        format!("DELETE FROM {} WHERE request_id IN ({})", self.replies, placeholders(n_ids))
+    }
+
+    /// Deletes every message row of `n_ids` requests (the requests, their acknowledgements and
+    /// interrupts).
+    pub(crate) fn purge_messages(&self, n_ids: usize) -> String {
+        // language=SQL
+        format!("DELETE FROM {} WHERE request_id IN ({})", self.messages, placeholders(n_ids))
+    }
+
+    /// The processed requests (`processed_requests`): a final reply's id below the first
+    /// parameter, an entity type that starts with the prefix (bound twice, see
+    /// [`starts_with`]), the tag if `tagged`, an id above the next parameter (-1: any), at
+    /// most the last, in id order. Columns: `id, shard_id, entity_type, entity_id, tag` and
+    /// the final reply's `id, payload`.
+    pub(crate) fn processed_requests(&self, tagged: bool) -> String {
+        let (messages, replies) = (&self.messages, &self.replies);
+        let exit = REPLY_KIND_WITH_EXIT;
+        let prefix = starts_with("m.entity_type");
+        let tag = if tagged { " AND CAST(m.tag AS BINARY) = CAST(? AS BINARY)" } else { "" };
+        // language=SQL
+        format!(
+            "SELECT m.id, m.shard_id, m.entity_type, m.entity_id, m.tag, r.id, r.payload \
+             FROM {replies} r JOIN {messages} m ON m.id = r.request_id \
+             WHERE r.kind = {exit} AND r.id < ? AND m.kind = 0 AND {prefix}{tag} \
+             AND m.id > ? ORDER BY m.id ASC LIMIT ?"
+        )
+    }
+
     /// Releases the claims of unprocessed rows of the address groups.
     pub(crate) fn reset_addresses(&self, address_groups: &[usize]) -> String {
         // language=SQL
@@ -630,6 +690,12 @@ impl MessageQueries {
             address_filter("", address_groups)
         )
     }
+}
+
+/// Whether `column` starts with a prefix bound twice (`?` in `CHAR_LENGTH`, then `?` to
+/// compare), byte for byte: as binary strings, so that no collation ignores case or accents.
+fn starts_with(column: &str) -> String {
+    format!("(CAST(LEFT({column}, CHAR_LENGTH(?)) AS BINARY) = CAST(? AS BINARY))")
 }
 
 /// `(shard_id = ? AND entity_type = ? AND entity_id IN (?, …)) OR …`, one clause per group.

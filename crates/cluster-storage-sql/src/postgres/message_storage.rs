@@ -26,6 +26,7 @@ use cluster_core::entity_state::{StateWrite, StoredState};
 use cluster_core::envelope::{AckChunk, Interrupt, Reply, Request};
 use cluster_core::error::{StorageError, StorageErrorKind};
 use cluster_core::future::BoxFuture;
+use cluster_core::retention::{self, ProcessedQuery, ProcessedRequest, PurgeProcessed};
 use cluster_core::storage::{
     MessageStorage, MessageTransaction, OrderedBatch, OrderedSave, SaveRequestOptions, SaveResult,
     UnprocessedBatch, UnprocessedOptions,
@@ -41,8 +42,8 @@ use crate::batch::Batcher;
 use crate::lock::advisory_namespace;
 use crate::options::{SqlStorageOptions, TablePrefix, ValueBytesMax};
 use crate::row::{
-    self, LastReplyRow, MessageInsert, MessageRow, ReplyInsert, ReplyRow, StateChange, StateRow,
-    StoredStateRow, ValueLimit, id_from_sql, id_to_sql,
+    self, LastReplyRow, MessageInsert, MessageRow, ProcessedRow, ReplyInsert, ReplyRow,
+    StateChange, StateRow, StoredStateRow, ValueLimit, id_from_sql, id_to_sql,
 };
 use crate::save::{self, BatchFailure, SaveBackend};
 
@@ -398,6 +399,57 @@ impl PgMessageStorage {
             revision: row.try_get(1).map_err(column_error)?,
         };
         stored.decode(address).map(Some)
+    }
+
+    async fn purge_processed_inner(&self, batch: &PurgeProcessed) -> Result<u64, StorageError> {
+        if batch.limit == 0 {
+            return Err(retention::zero_limit("purge_processed"));
+        }
+        let before = id_to_sql(batch.replied_before)?;
+        let keep: Vec<&str> = batch.keep_entity_type_prefixes.iter().map(String::as_str).collect();
+        let limit = i64::from(batch.limit);
+        let sql = &self.queries.purge_processed;
+        let rows = self.query("purge_processed", sql, &[&before, &keep, &limit]).await?;
+        let Some(row) = rows.first() else {
+            return Err(StorageError::new(
+                StorageErrorKind::Other,
+                "purge_processed: the statement returned no count",
+            ));
+        };
+        let deleted: i64 = row.try_get(0).map_err(column_error)?;
+        Ok(u64::try_from(deleted).unwrap_or(0))
+    }
+
+    async fn processed_requests_inner(
+        &self,
+        query: &ProcessedQuery,
+    ) -> Result<Vec<ProcessedRequest>, StorageError> {
+        if query.limit == 0 {
+            return Err(retention::zero_limit("processed_requests"));
+        }
+        let before = id_to_sql(query.replied_before)?;
+        let prefix = query.entity_type_prefix.as_str();
+        let tag = query.tag.as_deref();
+        // Ids are never negative: -1 is "from the first".
+        let after = query.after.map(id_to_sql).transpose()?.unwrap_or(-1);
+        let limit = i64::from(query.limit);
+        let params: [&(dyn ToSql + Sync); 5] = [&before, &prefix, &tag, &after, &limit];
+        let sql = &self.queries.processed_requests;
+        let rows = self.query("processed_requests", sql, &params).await?;
+        rows.iter()
+            .map(|row| {
+                ProcessedRow {
+                    request_id: row.try_get(0).map_err(column_error)?,
+                    shard_id: row.try_get(1).map_err(column_error)?,
+                    entity_type: row.try_get(2).map_err(column_error)?,
+                    entity_id: row.try_get(3).map_err(column_error)?,
+                    tag: row.try_get(4).map_err(column_error)?,
+                    reply_id: row.try_get(5).map_err(column_error)?,
+                    reply_payload: row.try_get(6).map_err(column_error)?,
+                }
+                .decode()
+            })
+            .collect()
     }
 
     async fn save_state_inner(&self, write: &StateWrite) -> Result<(), StorageError> {
@@ -1354,6 +1406,20 @@ impl MessageStorage for PgMessageStorage {
             }
             .instrument(span("clear_address")),
         )
+    }
+
+    fn purge_processed<'a>(
+        &'a self,
+        batch: &'a PurgeProcessed,
+    ) -> BoxFuture<'a, Result<u64, StorageError>> {
+        Box::pin(self.purge_processed_inner(batch).instrument(span("purge_processed")))
+    }
+
+    fn processed_requests<'a>(
+        &'a self,
+        query: &'a ProcessedQuery,
+    ) -> BoxFuture<'a, Result<Vec<ProcessedRequest>, StorageError>> {
+        Box::pin(self.processed_requests_inner(query).instrument(span("processed_requests")))
     }
 
     fn load_state<'a>(

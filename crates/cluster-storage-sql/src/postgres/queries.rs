@@ -119,6 +119,15 @@ pub(crate) struct MessageQueries {
     pub(crate) reset_shards: String,
     /// Deletes every message and reply of entity type `$1`, id `$2`.
     pub(crate) clear_address: String,
+    /// Deletes at most `$3` processed requests (lowest id first) whose final reply's id is
+    /// below `$1` and whose entity type starts with none of `$2`, with every message and reply
+    /// of each; returns how many requests it deleted. The request rows are locked, and checked
+    /// processed again once locked, so that a request reset meanwhile is kept.
+    pub(crate) purge_processed: String,
+    /// The processed requests whose final reply's id is below `$1`, of entity types starting
+    /// with `$2`, with tag `$3` (NULL: any), with ids above `$4` (-1: any), at most `$5`, in id
+    /// order: `id, shard_id, entity_type, entity_id, tag` and the final reply's `id, payload`.
+    pub(crate) processed_requests: String,
     /// The `value, revision` of the state of entity type `$1`, id `$2`.
     pub(crate) load_state: String,
     /// Inserts the state `$4` of entity type `$1`, id `$2`, shard `$3` at revision 1; inserts
@@ -276,6 +285,33 @@ impl MessageQueries {
                    DELETE FROM {messages} WHERE entity_type = $1 AND entity_id = $2 RETURNING id \
                  ) \
                  DELETE FROM {replies} WHERE request_id IN (SELECT id FROM gone)"
+            ),
+            purge_processed: format!(
+                "WITH chosen AS ( \
+                   SELECT m.id FROM {replies} r JOIN {messages} m ON m.id = r.request_id \
+                   WHERE r.kind = 0 AND r.id < $1 AND m.kind = 0 AND m.processed = TRUE \
+                   AND NOT EXISTS (SELECT 1 FROM unnest($2::text[]) AS k (p) \
+                     WHERE left(m.entity_type, length(k.p)) = k.p) \
+                   ORDER BY m.id ASC LIMIT $3 \
+                   FOR UPDATE OF m \
+                 ), \
+                 gone_replies AS ( \
+                   DELETE FROM {replies} WHERE request_id IN (SELECT id FROM chosen) \
+                 ), \
+                 gone AS ( \
+                   DELETE FROM {messages} WHERE request_id IN (SELECT id FROM chosen) \
+                   RETURNING kind \
+                 ) \
+                 SELECT count(*) FROM gone WHERE kind = 0"
+            ),
+            processed_requests: format!(
+                "SELECT m.id, m.shard_id, m.entity_type, m.entity_id, m.tag, r.id, r.payload \
+                 FROM {replies} r JOIN {messages} m ON m.id = r.request_id \
+                 WHERE r.kind = 0 AND r.id < $1 AND m.kind = 0 \
+                 AND left(m.entity_type, length($2::text)) = $2::text \
+                 AND ($3::text IS NULL OR m.tag = $3::text) \
+                 AND m.id > $4 \
+                 ORDER BY m.id ASC LIMIT $5"
             ),
             load_state: format!(
                 "SELECT value, revision FROM {state} WHERE entity_type = $1 AND entity_id = $2"

@@ -14,8 +14,8 @@ use rusqlite::{Connection, OptionalExtension, Row, params};
 use super::queries::{self, MessageQueries, json_integers};
 use super::state::{Responder, TransactionState, WorkerState, classify};
 use crate::row::{
-    LastReplyRow, MessageInsert, MessageRow, ReplyInsert, ReplyRow, StateChange, StateRow,
-    StoredStateRow,
+    LastReplyRow, MessageInsert, MessageRow, ProcessedRow, ReplyInsert, ReplyRow, StateChange,
+    StateRow, StoredStateRow,
 };
 
 // ---------------------------------------------------------------------------------------------
@@ -248,6 +248,23 @@ pub(super) enum MessageOp {
         entity_id: String,
         reply: Responder<Option<StoredStateRow>>,
     },
+    /// One batch of `purge_processed`; replies with how many requests it deleted.
+    PurgeProcessed {
+        replied_before: i64,
+        /// The keep prefixes, as a JSON array.
+        keep_prefixes: String,
+        limit: u32,
+        reply: Responder<u64>,
+    },
+    /// `processed_requests`; `after` is -1 for "from the first".
+    ProcessedRequests {
+        replied_before: i64,
+        entity_type_prefix: String,
+        tag: Option<String>,
+        after: i64,
+        limit: u32,
+        reply: Responder<Vec<ProcessedRow>>,
+    },
 }
 
 impl MessageOp {
@@ -262,6 +279,7 @@ impl MessageOp {
                 | MessageOp::UnprocessedById { .. }
                 | MessageOp::UnprocessedBefore { .. }
                 | MessageOp::LoadState { .. }
+                | MessageOp::ProcessedRequests { .. }
         )
     }
 }
@@ -622,7 +640,49 @@ pub(super) fn run_operation(state: &WorkerState, op: MessageOp) {
             let result = load_state(connection, sql, &entity_type, &entity_id);
             respond(reply, "load_state", result);
         }
+        MessageOp::PurgeProcessed { replied_before, keep_prefixes, limit, reply } => {
+            let result = queries::immediate(connection, |c| {
+                purge_processed(c, sql, replied_before, &keep_prefixes, limit)
+            });
+            respond(reply, "purge_processed", result);
+        }
+        MessageOp::ProcessedRequests {
+            replied_before,
+            entity_type_prefix,
+            tag,
+            after,
+            limit,
+            reply,
+        } => {
+            let parameters: [&dyn ToSql; 5] =
+                [&replied_before, &entity_type_prefix, &tag, &after, &limit];
+            let result =
+                query_rows(connection, &sql.processed_requests, &parameters, read_processed_row);
+            respond(reply, "processed_requests", result);
+        }
     }
+}
+
+/// Deletes the processed requests that `purge_choose` picks, with their replies and message
+/// rows; returns how many requests it deleted. Run in a `BEGIN IMMEDIATE` transaction, so
+/// nothing changes between the choice and the deletes.
+fn purge_processed(
+    connection: &Connection,
+    sql: &MessageQueries,
+    replied_before: i64,
+    keep_prefixes: &str,
+    limit: u32,
+) -> rusqlite::Result<u64> {
+    let parameters: [&dyn ToSql; 3] = [&replied_before, &keep_prefixes, &limit];
+    let chosen =
+        query_rows(connection, &sql.purge_choose, &parameters, |row| row.get::<_, i64>(0))?;
+    if chosen.is_empty() {
+        return Ok(0);
+    }
+    let ids = json_integers(chosen.iter().copied());
+    execute(connection, &sql.purge_replies, &[&ids])?;
+    execute(connection, &sql.purge_messages, &[&ids])?;
+    Ok(u64::try_from(chosen.len()).unwrap_or(u64::MAX))
 }
 
 fn execute(
@@ -754,6 +814,21 @@ fn read_message_row(row: &Row<'_>) -> rusqlite::Result<MessageRow> {
         request_id: queries::integer(row.get_ref(11)?, -1).unwrap_or(-1),
         reply_id: queries::integer(row.get_ref(12)?, -1),
         last_reply,
+    })
+}
+
+/// A `processed_requests` row, read leniently: a damaged row becomes a malformed row when
+/// decoded, never a failed query.
+fn read_processed_row(row: &Row<'_>) -> rusqlite::Result<ProcessedRow> {
+    let text = |idx: usize| row.get_ref(idx).map(queries::text);
+    Ok(ProcessedRow {
+        request_id: queries::integer(row.get_ref(0)?, -1).unwrap_or(-1),
+        shard_id: text(1)?.unwrap_or_default(),
+        entity_type: text(2)?.unwrap_or_default(),
+        entity_id: text(3)?.unwrap_or_default(),
+        tag: text(4)?,
+        reply_id: queries::integer(row.get_ref(5)?, -1).unwrap_or(-1),
+        reply_payload: text(6)?.unwrap_or_default(),
     })
 }
 

@@ -23,6 +23,7 @@ use cluster_core::entity_state::{StateWrite, StoredState};
 use cluster_core::envelope::{AckChunk, Interrupt, MESSAGE_ID_LENGTH_MAX, Reply, Request};
 use cluster_core::error::{StorageError, StorageErrorKind};
 use cluster_core::future::BoxFuture;
+use cluster_core::retention::{self, ProcessedQuery, ProcessedRequest, PurgeProcessed};
 use cluster_core::storage::{
     MessageStorage, MessageTransaction, OrderedSave, SaveRequestOptions, SaveResult,
     UnprocessedBatch, UnprocessedOptions,
@@ -43,8 +44,8 @@ use super::state::{Responder, classify};
 use super::worker::{Command, Worker};
 use crate::options::ValueBytesMax;
 use crate::row::{
-    self, MessageInsert, ReplyInsert, ReplyRow, StateChange, StateRow, ValueLimit, id_from_sql,
-    id_to_sql, ids_from_sql,
+    self, MessageInsert, ProcessedRow, ReplyInsert, ReplyRow, StateChange, StateRow, ValueLimit,
+    id_from_sql, id_to_sql, ids_from_sql,
 };
 
 /// [`MessageStorage`] on a SQLite file.
@@ -476,6 +477,52 @@ impl MessageStorage for SqliteMessageStorage {
                 reply,
             })
             .await
+        })
+    }
+
+    fn purge_processed<'a>(
+        &'a self,
+        batch: &'a PurgeProcessed,
+    ) -> BoxFuture<'a, Result<u64, StorageError>> {
+        Box::pin(async move {
+            if batch.limit == 0 {
+                return Err(retention::zero_limit("purge_processed"));
+            }
+            let replied_before = id_to_sql(batch.replied_before)?;
+            tracing::debug!(operation = "purge_processed", limit = batch.limit, "sqlite");
+            self.message_op("purge_processed", |reply| MessageOp::PurgeProcessed {
+                replied_before,
+                keep_prefixes: json_strings(&batch.keep_entity_type_prefixes),
+                limit: batch.limit,
+                reply,
+            })
+            .await
+        })
+    }
+
+    fn processed_requests<'a>(
+        &'a self,
+        query: &'a ProcessedQuery,
+    ) -> BoxFuture<'a, Result<Vec<ProcessedRequest>, StorageError>> {
+        Box::pin(async move {
+            if query.limit == 0 {
+                return Err(retention::zero_limit("processed_requests"));
+            }
+            let replied_before = id_to_sql(query.replied_before)?;
+            // Ids are never negative: -1 is "from the first".
+            let after = query.after.map(id_to_sql).transpose()?.unwrap_or(-1);
+            tracing::debug!(operation = "processed_requests", limit = query.limit, "sqlite");
+            let rows = self
+                .message_op("processed_requests", |reply| MessageOp::ProcessedRequests {
+                    replied_before,
+                    entity_type_prefix: query.entity_type_prefix.clone(),
+                    tag: query.tag.clone(),
+                    after,
+                    limit: query.limit,
+                    reply,
+                })
+                .await?;
+            rows.into_iter().map(ProcessedRow::decode).collect()
         })
     }
 

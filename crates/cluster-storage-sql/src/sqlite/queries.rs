@@ -52,6 +52,17 @@ pub(super) struct MessageQueries {
     pub(super) reset_shards: String,
     pub(super) clear_address_replies: String,
     pub(super) clear_address_messages: String,
+    /// `?1` replied before, `?2` keep prefixes (JSON), `?3` limit: the ids of the processed
+    /// requests that a purge deletes, lowest first.
+    pub(super) purge_choose: String,
+    /// `?1` request ids (JSON): deletes their replies.
+    pub(super) purge_replies: String,
+    /// `?1` request ids (JSON): deletes their message rows.
+    pub(super) purge_messages: String,
+    /// `?1` replied before, `?2` entity type prefix, `?3` tag (NULL: any), `?4` after (-1:
+    /// any), `?5` limit: `id, shard_id, entity_type, entity_id, tag` of processed requests and
+    /// their final reply's `id, payload`, in id order.
+    pub(super) processed_requests: String,
     /// `?1` entity type, `?2` entity id: the state's `value, revision`.
     pub(super) load_state: String,
     /// `?1` type, `?2` id, `?3` shard, `?4` value: a new row at revision 1, or nothing when
@@ -156,6 +167,28 @@ impl MessageQueries {
             ),
             clear_address_messages: format!(
                 "DELETE FROM {m} WHERE entity_type = ?1 AND entity_id = ?2"
+            ),
+            purge_choose: format!(
+                "SELECT m.id FROM {r} r JOIN {m} m ON m.id = r.request_id \
+                 WHERE r.kind = 0 AND r.id < ?1 AND m.kind = 0 AND m.processed = 1 \
+                 AND NOT EXISTS (SELECT 1 FROM json_each(?2) k \
+                   WHERE substr(m.entity_type, 1, length(k.value)) = k.value) \
+                 ORDER BY m.id ASC LIMIT ?3"
+            ),
+            purge_replies: format!(
+                "DELETE FROM {r} WHERE request_id IN (SELECT value FROM json_each(?1))"
+            ),
+            purge_messages: format!(
+                "DELETE FROM {m} WHERE request_id IN (SELECT value FROM json_each(?1))"
+            ),
+            processed_requests: format!(
+                "SELECT m.id, m.shard_id, m.entity_type, m.entity_id, m.tag, r.id, r.payload \
+                 FROM {r} r JOIN {m} m ON m.id = r.request_id \
+                 WHERE r.kind = 0 AND r.id < ?1 AND m.kind = 0 \
+                 AND substr(m.entity_type, 1, length(?2)) = ?2 \
+                 AND (?3 IS NULL OR m.tag = ?3) \
+                 AND m.id > ?4 \
+                 ORDER BY m.id ASC LIMIT ?5"
             ),
             load_state: format!(
                 "SELECT value, revision FROM {s} WHERE entity_type = ?1 AND entity_id = ?2"
