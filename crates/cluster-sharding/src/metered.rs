@@ -17,6 +17,7 @@ use cluster_core::entity_state::{StateWrite, StoredState};
 use cluster_core::envelope::{AckChunk, Interrupt, Reply, Request};
 use cluster_core::error::StorageError;
 use cluster_core::future::BoxFuture;
+use cluster_core::retention::{ProcessedQuery, ProcessedRequest, PurgeProcessed};
 use cluster_core::storage::{
     MessageStorage, MessageTransaction, OrderedBatch, OrderedSave, RunnerStorage,
     SaveRequestOptions, SaveResult, UnprocessedBatch, UnprocessedOptions,
@@ -45,6 +46,8 @@ enum Op {
     ResetAddresses,
     ResetShards,
     ClearAddress,
+    PurgeProcessed,
+    ProcessedRequests,
     LoadState,
     SaveState,
     SaveReplyWithState,
@@ -67,7 +70,7 @@ enum Op {
 impl Op {
     /// Every operation, in declaration order (an operation's histogram is at its index; one
     /// missing here is timed by no histogram, never a panic).
-    const ALL: [Op; 34] = [
+    const ALL: [Op; 36] = [
         Op::SaveRequest,
         Op::SaveRequestOrdered,
         Op::SaveAckChunk,
@@ -85,6 +88,8 @@ impl Op {
         Op::ResetAddresses,
         Op::ResetShards,
         Op::ClearAddress,
+        Op::PurgeProcessed,
+        Op::ProcessedRequests,
         Op::LoadState,
         Op::SaveState,
         Op::SaveReplyWithState,
@@ -124,6 +129,8 @@ impl Op {
             Op::ResetAddresses => "reset_addresses",
             Op::ResetShards => "reset_shards",
             Op::ClearAddress => "clear_address",
+            Op::PurgeProcessed => "purge_processed",
+            Op::ProcessedRequests => "processed_requests",
             Op::LoadState => "load_state",
             Op::SaveState => "save_state",
             Op::SaveReplyWithState => "save_reply_with_state",
@@ -341,6 +348,21 @@ impl MessageStorage for MeteredMessages {
         address: &'a EntityAddress,
     ) -> BoxFuture<'a, Result<(), StorageError>> {
         Box::pin(self.meters.measure(Op::ClearAddress, self.inner.clear_address(address)))
+    }
+
+    fn purge_processed<'a>(
+        &'a self,
+        batch: &'a PurgeProcessed,
+    ) -> BoxFuture<'a, Result<u64, StorageError>> {
+        Box::pin(self.meters.measure(Op::PurgeProcessed, self.inner.purge_processed(batch)))
+    }
+
+    fn processed_requests<'a>(
+        &'a self,
+        query: &'a ProcessedQuery,
+    ) -> BoxFuture<'a, Result<Vec<ProcessedRequest>, StorageError>> {
+        let listed = self.inner.processed_requests(query);
+        Box::pin(self.meters.measure(Op::ProcessedRequests, listed))
     }
 
     fn load_state<'a>(

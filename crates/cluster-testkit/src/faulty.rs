@@ -13,6 +13,7 @@ use cluster_core::entity_state::{StateWrite, StoredState};
 use cluster_core::envelope::{AckChunk, Interrupt, Reply, Request};
 use cluster_core::error::{StorageError, StorageErrorKind};
 use cluster_core::future::BoxFuture;
+use cluster_core::retention::{ProcessedQuery, ProcessedRequest, PurgeProcessed};
 use cluster_core::storage::{
     MessageStorage, MessageTransaction, OrderedSave, RunnerStorage, SaveRequestOptions, SaveResult,
     UnprocessedBatch, UnprocessedOptions,
@@ -597,6 +598,26 @@ impl MessageStorage for FaultyMessageStorage {
             return dead();
         }
         self.inner.clear_address(address)
+    }
+
+    fn purge_processed<'a>(
+        &'a self,
+        batch: &'a PurgeProcessed,
+    ) -> BoxFuture<'a, Result<u64, StorageError>> {
+        if self.faults.is_dead() {
+            return dead();
+        }
+        self.inner.purge_processed(batch)
+    }
+
+    fn processed_requests<'a>(
+        &'a self,
+        query: &'a ProcessedQuery,
+    ) -> BoxFuture<'a, Result<Vec<ProcessedRequest>, StorageError>> {
+        if self.faults.is_dead() {
+            return dead();
+        }
+        self.inner.processed_requests(query)
     }
 
     fn begin_transaction(

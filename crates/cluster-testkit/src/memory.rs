@@ -32,6 +32,7 @@ use cluster_core::entity_state::{StateWrite, StoredState};
 use cluster_core::envelope::{self, AckChunk, Envelope, Interrupt, RawJson, Reply, Request};
 use cluster_core::error::{DecodeError, StorageError, StorageErrorKind};
 use cluster_core::future::BoxFuture;
+use cluster_core::retention::{self, ProcessedQuery, ProcessedRequest, PurgeProcessed};
 use cluster_core::storage::{
     CLAIM_WINDOW, MalformedMessage, MessageStorage, MessageTransaction, RunnerStorage,
     SaveRequestOptions, SaveResult, UnprocessedBatch, UnprocessedMessage, UnprocessedOptions,
@@ -347,6 +348,53 @@ impl MessageState {
             && !self.blocks_delivery(message.envelope.request_id())
     }
 
+    /// The processed requests whose final reply's id is below `replied_before` and that
+    /// `keep` accepts, in id order, each with its request row and final reply.
+    fn processed(
+        &self,
+        replied_before: Snowflake,
+        keep: impl Fn(&StoredMessage) -> bool,
+    ) -> BTreeMap<Snowflake, (&StoredMessage, &StoredReply)> {
+        self.replies
+            .values()
+            .filter(|stored| stored.reply.is_final() && stored.reply.id() < replied_before)
+            .filter_map(|stored| {
+                let request_id = stored.reply.request_id();
+                let message = self.message(request_id)?;
+                let is_request = matches!(message.envelope, Envelope::Request(_));
+                (is_request && keep(message)).then_some((request_id, (message, stored)))
+            })
+            .collect()
+    }
+
+    /// Deletes every message and reply of `request_ids`.
+    fn remove_requests(&mut self, request_ids: &BTreeSet<Snowflake>) {
+        let messages: Vec<u64> = self
+            .messages
+            .iter()
+            .filter(|(_, message)| request_ids.contains(&message.envelope.request_id()))
+            .map(|(rowid, _)| *rowid)
+            .collect();
+        for rowid in messages {
+            if let Some(message) = self.messages.remove(&rowid) {
+                self.message_rows.remove(&message.envelope.id());
+                if let Some(message_id) = &message.message_id {
+                    self.primary_keys.remove(message_id);
+                }
+            }
+        }
+        let replies: Vec<(u64, Snowflake)> = self
+            .replies
+            .iter()
+            .filter(|(_, stored)| request_ids.contains(&stored.reply.request_id()))
+            .map(|(rowid, stored)| (*rowid, stored.reply.id()))
+            .collect();
+        for (rowid, id) in replies {
+            self.replies.remove(&rowid);
+            self.reply_rows.remove(&id);
+        }
+    }
+
     fn reset(&mut self, matches: impl Fn(&StoredMessage) -> bool) {
         for message in self.messages.values_mut().filter(|message| !message.processed) {
             if matches(message) {
@@ -553,6 +601,65 @@ impl MemoryMessageStorage {
         state.check_reply(reply)?;
         state.apply_reply(reply);
         Ok(())
+    }
+
+    /// One batch of `purge_processed`, under the lock: the chosen requests go at once.
+    fn purge_processed_now(&self, batch: &PurgeProcessed) -> Result<u64, StorageError> {
+        if batch.limit == 0 {
+            return Err(retention::zero_limit("purge_processed"));
+        }
+        let mut state = lock(&self.state);
+        let limit = usize::try_from(batch.limit).unwrap_or(usize::MAX);
+        let chosen: BTreeSet<Snowflake> = state
+            .processed(batch.replied_before, |message| {
+                let entity_type = message.envelope.address().entity_type.as_str();
+                message.processed
+                    && !batch
+                        .keep_entity_type_prefixes
+                        .iter()
+                        .any(|prefix| entity_type.starts_with(prefix.as_str()))
+            })
+            .into_keys()
+            .take(limit)
+            .collect();
+        state.remove_requests(&chosen);
+        Ok(u64::try_from(chosen.len()).unwrap_or(u64::MAX))
+    }
+
+    /// `processed_requests`: a corrupted final reply reads as a defect, as `replies_for` reads
+    /// it.
+    fn processed_requests_now(
+        &self,
+        query: &ProcessedQuery,
+    ) -> Result<Vec<ProcessedRequest>, StorageError> {
+        if query.limit == 0 {
+            return Err(retention::zero_limit("processed_requests"));
+        }
+        let state = lock(&self.state);
+        let limit = usize::try_from(query.limit).unwrap_or(usize::MAX);
+        let processed = state.processed(query.replied_before, |message| {
+            let Envelope::Request(request) = &message.envelope else { return false };
+            request.address.entity_type.as_str().starts_with(query.entity_type_prefix.as_str())
+                && query.tag.as_ref().is_none_or(|tag| request.tag.as_str() == tag.as_str())
+                && query.after.is_none_or(|after| request.request_id > after)
+        });
+        let mut listed = Vec::new();
+        for (request_id, (message, stored)) in processed.into_iter().take(limit) {
+            let Envelope::Request(request) = &message.envelope else { continue };
+            let Reply::WithExit(reply) = MessageState::decoded_reply(stored) else {
+                return Err(StorageError::new(
+                    StorageErrorKind::Malformed,
+                    format!("the final reply of request {request_id} is a chunk"),
+                ));
+            };
+            listed.push(ProcessedRequest {
+                request_id,
+                address: request.address.clone(),
+                tag: request.tag.as_str().to_owned(),
+                reply,
+            });
+        }
+        Ok(listed)
     }
 
     fn load_state_now(&self, address: &EntityAddress) -> Result<Option<StoredState>, StorageError> {
@@ -861,6 +968,20 @@ impl MessageStorage for MemoryMessageStorage {
             state.reply_rows.remove(&id);
         }
         ready(Ok(()))
+    }
+
+    fn purge_processed<'a>(
+        &'a self,
+        batch: &'a PurgeProcessed,
+    ) -> BoxFuture<'a, Result<u64, StorageError>> {
+        ready(self.purge_processed_now(batch))
+    }
+
+    fn processed_requests<'a>(
+        &'a self,
+        query: &'a ProcessedQuery,
+    ) -> BoxFuture<'a, Result<Vec<ProcessedRequest>, StorageError>> {
+        ready(self.processed_requests_now(query))
     }
 
     fn load_state<'a>(
