@@ -18,12 +18,16 @@ use cluster_core::envelope::{
 };
 use cluster_core::error::{StorageError, StorageErrorKind};
 use cluster_core::ids::RunnerWeight;
+use cluster_core::retention::{
+    ProcessedQuery, ProcessedRequest, PurgeProcessed, WORKFLOW_ENTITY_TYPE_PREFIX, replied_before,
+};
+use cluster_core::snowflake::{EPOCH, SnowflakeParts};
 use cluster_core::storage::{
     MessageStorage, SaveRequestOptions, SaveResult, UnprocessedBatch, UnprocessedOptions,
 };
 use cluster_core::{
-    Clock, EntityAddress, EntityId, EntityType, Runner, RunnerAddress, ShardGroup, ShardId,
-    Snowflake, SystemClock, Timestamp,
+    Clock, EntityAddress, EntityId, EntityType, MachineId, Runner, RunnerAddress, ShardGroup,
+    ShardId, Snowflake, SystemClock, Timestamp,
 };
 
 use super::{Corruption, StorageFixture};
@@ -1535,6 +1539,301 @@ pub async fn malformed_state_is_reported(fixture: &dyn StorageFixture) {
     assert_eq!(load_state(&*storage, &address("e2", 1)).await, None, "{name}: others read");
     storage.save_state(&state_write(&entity, 1, Some(r#"{"n":2}"#))).await.unwrap();
     assert_eq!(load_state(&*storage, &entity).await, stored_state(r#"{"n":2}"#, 2), "{name}");
+}
+
+// --- Retention ----------------------------------------------------------------------------------
+
+/// Day `n` after the snowflake epoch, the clock of the retention cases.
+fn day(n: u64) -> Timestamp {
+    EPOCH.saturating_add(Duration::from_secs(n * 86_400))
+}
+
+/// The cutoff of the retention cases: replies made before day 10.
+fn cutoff() -> Snowflake {
+    replied_before(day(10))
+}
+
+/// A reply id made on day `n` (sequence `sequence`): ids of later days are higher.
+fn made_on(n: u64, sequence: u16) -> u64 {
+    let parts = SnowflakeParts { timestamp: day(n), machine_id: MachineId::new(1), sequence };
+    Snowflake::from_parts(parts).get()
+}
+
+/// An address of entity type `entity_type` on shard 1.
+fn typed(entity_type: &str, entity_id: &str) -> EntityAddress {
+    EntityAddress { entity_type: EntityType::from(entity_type), ..address(entity_id, 1) }
+}
+
+/// A request `id` to `address` with `tag`.
+fn tagged(id: u64, address: EntityAddress, tag: &str) -> Request {
+    Request { tag: tag.into(), ..request_to(id, address) }
+}
+
+fn purge_batch(keep: &[&str], limit: u32) -> PurgeProcessed {
+    PurgeProcessed {
+        replied_before: cutoff(),
+        keep_entity_type_prefixes: keep.iter().map(|prefix| (*prefix).to_owned()).collect(),
+        limit,
+    }
+}
+
+/// Every request answered at any time, of any type: what a purge left.
+fn everything() -> ProcessedQuery {
+    ProcessedQuery {
+        entity_type_prefix: String::new(),
+        tag: None,
+        replied_before: replied_before(day(10_000)),
+        after: None,
+        limit: 1_000,
+    }
+}
+
+async fn processed_ids(storage: &dyn MessageStorage, query: &ProcessedQuery) -> Vec<u64> {
+    let listed = storage.processed_requests(query).await.unwrap();
+    listed.iter().map(|processed| processed.request_id.get()).collect()
+}
+
+/// The ids of the unprocessed, deliverable rows among `rows`, without claiming them.
+async fn deliverable(storage: &dyn MessageStorage, rows: &[u64]) -> Vec<u64> {
+    let batch = storage.unprocessed_messages_by_id(&snowflakes(rows), now()).await.unwrap();
+    ids(&batch)
+}
+
+/// Asserts that `result` is an `InvalidInput`.
+fn assert_invalid<T: std::fmt::Debug>(backend: &str, result: Result<T, StorageError>) {
+    let error = result.expect_err("a limit of 0");
+    assert_eq!(error.kind(), StorageErrorKind::InvalidInput, "{backend}: {error}");
+}
+
+/// A purge deletes the requests answered before the cutoff, with their interrupts,
+/// acknowledgements, chunks and final reply; it keeps unprocessed requests, requests with
+/// chunks but no final reply, and requests answered at or after the cutoff.
+pub async fn purge_deletes_requests_answered_before_the_cutoff(fixture: &dyn StorageFixture) {
+    let storage = fixture.message_storage();
+    let name = fixture.name();
+    let old = request(1, 1);
+    for id in 1..=6 {
+        save(&*storage, &request(id, 1)).await;
+    }
+    // Request 1: a chunk, its final reply on day 1, then an acknowledgement and an interrupt
+    // that came after it (rows still unprocessed, held back by the final reply).
+    storage.save_reply(&chunk(1, 11, 0)).await.unwrap();
+    storage.save_reply(&final_reply(1, made_on(1, 0))).await.unwrap();
+    storage.save_ack_chunk(&ack(101, &old, 11)).await.unwrap();
+    let interrupt = Interrupt {
+        id: Snowflake::new(102),
+        address: old.address.clone(),
+        request_id: old.request_id,
+    };
+    storage.save_interrupt(&interrupt).await.unwrap();
+    // Request 2 is unprocessed; request 3 has a chunk and no final reply.
+    storage.save_reply(&chunk(3, 12, 0)).await.unwrap();
+    // Request 6 was answered just before the cutoff, request 5 at the cutoff exactly,
+    // request 4 on day 20 (saved in id order, which is insertion order on every backend).
+    storage.save_reply(&final_reply(6, cutoff().get() - 1)).await.unwrap();
+    storage.save_reply(&final_reply(5, cutoff().get())).await.unwrap();
+    storage.save_reply(&final_reply(4, made_on(20, 0))).await.unwrap();
+    let rows = [1, 2, 3, 4, 5, 6, 101, 102];
+    assert_eq!(deliverable(&*storage, &rows).await, [2], "{name}");
+
+    assert_eq!(storage.purge_processed(&purge_batch(&[], 100)).await.unwrap(), 2, "{name}");
+    assert_eq!(
+        storage.replies_for_unfiltered(&snowflakes(&[1, 6])).await.unwrap(),
+        [],
+        "{name}: the chunk and the final replies are gone"
+    );
+    // The acknowledgement and the interrupt went too: left alone, without their final reply,
+    // they would now be delivered.
+    assert_eq!(deliverable(&*storage, &rows).await, [2], "{name}");
+    assert_eq!(processed_ids(&*storage, &everything()).await, [4, 5], "{name}");
+    let kept = storage.replies_for_unfiltered(&snowflakes(&[3, 4, 5])).await.unwrap();
+    assert_eq!(
+        kept,
+        [chunk(3, 12, 0), final_reply(5, cutoff().get()), final_reply(4, made_on(20, 0))],
+        "{name}"
+    );
+    assert_eq!(storage.purge_processed(&purge_batch(&[], 100)).await.unwrap(), 0, "{name}");
+    // Request 2 is still delivered, with its id.
+    assert_eq!(read_ids(&*storage).await, [2], "{name}");
+}
+
+/// A purge keeps the requests of entity types that start with a keep prefix, compared byte
+/// for byte: no case folding, and `%` or `_` are no wildcards.
+pub async fn purge_keeps_entity_types_with_a_keep_prefix(fixture: &dyn StorageFixture) {
+    let storage = fixture.message_storage();
+    let name = fixture.name();
+    let types = [
+        "Workflow/Order",
+        "workflow/Order",
+        "Workflows",
+        "Pay%Plan",
+        "PayPlan",
+        "TestEntity",
+        "Pay_Day",
+        "PayXDay",
+    ];
+    for (id, entity_type) in (1_u64..).zip(types) {
+        save(&*storage, &request_to(id, typed(entity_type, "e1"))).await;
+        storage.save_reply(&final_reply(id, made_on(id, 0))).await.unwrap();
+    }
+    let keep = [WORKFLOW_ENTITY_TYPE_PREFIX, "Pay%", "Pay_D"];
+    assert_eq!(storage.purge_processed(&purge_batch(&keep, 100)).await.unwrap(), 5, "{name}");
+    assert_eq!(processed_ids(&*storage, &everything()).await, [1, 4, 7], "{name}");
+}
+
+/// A purge deletes at most its limit, the lowest request ids first (whenever they were
+/// answered); repeated calls drain what is due, the last one deleting fewer than the limit. A
+/// limit of 0 is refused and deletes nothing.
+pub async fn purge_honors_its_limit(fixture: &dyn StorageFixture) {
+    let storage = fixture.message_storage();
+    let name = fixture.name();
+    for id in 1..=5 {
+        save(&*storage, &request(id, 1)).await;
+        // The lowest request was answered last.
+        storage.save_reply(&final_reply(id, made_on(6 - id, 0))).await.unwrap();
+    }
+    assert_invalid(name, storage.purge_processed(&purge_batch(&[], 0)).await);
+    assert_eq!(processed_ids(&*storage, &everything()).await, [1, 2, 3, 4, 5], "{name}");
+    assert_eq!(storage.purge_processed(&purge_batch(&[], 2)).await.unwrap(), 2, "{name}");
+    assert_eq!(processed_ids(&*storage, &everything()).await, [3, 4, 5], "{name}");
+    assert_eq!(storage.purge_processed(&purge_batch(&[], 2)).await.unwrap(), 2, "{name}");
+    assert_eq!(storage.purge_processed(&purge_batch(&[], 2)).await.unwrap(), 1, "{name}");
+    assert_eq!(storage.purge_processed(&purge_batch(&[], 2)).await.unwrap(), 0, "{name}");
+    assert_eq!(processed_ids(&*storage, &everything()).await, [0_u64; 0], "{name}");
+}
+
+/// A purged request's primary key is free: a request saved with it again is a new request,
+/// not its duplicate.
+pub async fn a_purged_requests_primary_key_can_be_saved_again(fixture: &dyn StorageFixture) {
+    let storage = fixture.message_storage();
+    let name = fixture.name();
+    let first = request(1, 1);
+    assert_eq!(save_keyed(&*storage, &first, "k").await, SaveResult::Success, "{name}");
+    storage.save_reply(&final_reply(1, made_on(1, 0))).await.unwrap();
+    let duplicate = save_keyed(&*storage, &request(2, 1), "k").await;
+    let SaveResult::Duplicate { original_id, .. } = duplicate else {
+        panic!("{name}: expected a duplicate before the purge, got {duplicate:?}")
+    };
+    assert_eq!(original_id, Snowflake::new(1), "{name}");
+    assert_eq!(storage.purge_processed(&purge_batch(&[], 10)).await.unwrap(), 1, "{name}");
+    let key = primary_key(&first.address, &first.tag, "k");
+    assert_eq!(storage.request_id_for_primary_key(&key).await.unwrap(), None, "{name}");
+    assert_eq!(save_keyed(&*storage, &request(3, 1), "k").await, SaveResult::Success, "{name}");
+    assert_eq!(storage.request_id_for_primary_key(&key).await.unwrap(), Some(Snowflake::new(3)));
+    assert_eq!(read_ids(&*storage).await, [3], "{name}");
+}
+
+/// A purge never touches entity state: the state written with a purged request's reply stays.
+pub async fn entity_state_survives_a_purge(fixture: &dyn StorageFixture) {
+    let storage = fixture.message_storage();
+    let name = fixture.name();
+    let entity = address("e1", 1);
+    save(&*storage, &request(1, 1)).await;
+    let write = state_write(&entity, 0, Some(r#"{"n":1}"#));
+    storage.save_reply_with_state(&final_reply(1, made_on(1, 0)), &write).await.unwrap();
+    assert_eq!(storage.purge_processed(&purge_batch(&[], 10)).await.unwrap(), 1, "{name}");
+    assert_eq!(storage.replies_for(&snowflakes(&[1])).await.unwrap(), [], "{name}");
+    assert_eq!(load_state(&*storage, &entity).await, stored_state(r#"{"n":1}"#, 1), "{name}");
+}
+
+/// The processed requests are listed by entity type prefix, tag and cutoff, in request id
+/// order, paged with `after`, each with its address, tag and decoded final reply (a reply that
+/// cannot be decoded reads as a defect). Listing deletes nothing; a limit of 0 is refused.
+pub async fn processed_requests_filters_and_pages(fixture: &dyn StorageFixture) {
+    let storage = fixture.message_storage();
+    let name = fixture.name();
+    let on_shard_2 = EntityAddress { shard_id: shard(2), ..typed("TestEntity", "e2") };
+    let requests = [
+        tagged(1, typed("TestEntity", "e1"), "GetUser"),
+        tagged(2, typed("TestEntity", "e1"), "SetUser"),
+        tagged(3, typed("Other", "e1"), "GetUser"),
+        tagged(4, typed("TestEntity", "e1"), "GetUser"),
+        tagged(5, typed("TestEntity", "e1"), "GetUser"),
+        tagged(6, on_shard_2, "GetUser"),
+        tagged(7, typed("TestEntityX", "e1"), "getuser"),
+    ];
+    for request in &requests {
+        save(&*storage, request).await;
+    }
+    // Request 4 is answered after the cutoff, request 5 not at all.
+    let replies: BTreeMap<u64, Reply> = [(1, 1), (2, 2), (3, 3), (4, 20), (6, 4), (7, 5)]
+        .into_iter()
+        .map(|(id, day)| (id, final_reply(id, made_on(day, 0))))
+        .collect();
+    for reply in replies.values() {
+        storage.save_reply(reply).await.unwrap();
+    }
+    let query = ProcessedQuery {
+        entity_type_prefix: "TestEntity".to_owned(),
+        tag: None,
+        replied_before: cutoff(),
+        after: None,
+        limit: 10,
+    };
+    let listed = storage.processed_requests(&query).await.unwrap();
+    let expected: Vec<ProcessedRequest> = [1, 2, 6, 7]
+        .into_iter()
+        .map(|id| {
+            let request = &requests[usize::try_from(id - 1).unwrap()];
+            let Reply::WithExit(reply) = replies[&id].clone() else {
+                panic!("request {id}'s reply is a final reply")
+            };
+            ProcessedRequest {
+                request_id: request.request_id,
+                address: request.address.clone(),
+                tag: request.tag.as_str().to_owned(),
+                reply,
+            }
+        })
+        .collect();
+    assert_eq!(listed, expected, "{name}");
+    // The tag is compared exactly.
+    let by_tag = ProcessedQuery { tag: Some("GetUser".to_owned()), ..query.clone() };
+    assert_eq!(processed_ids(&*storage, &by_tag).await, [1, 6], "{name}");
+    let lower_tag = ProcessedQuery { tag: Some("getuser".to_owned()), ..query.clone() };
+    assert_eq!(processed_ids(&*storage, &lower_tag).await, [7], "{name}");
+    let other = ProcessedQuery { entity_type_prefix: "Oth".to_owned(), ..query.clone() };
+    assert_eq!(processed_ids(&*storage, &other).await, [3], "{name}");
+    let lower = ProcessedQuery { entity_type_prefix: "testentity".to_owned(), ..query.clone() };
+    assert_eq!(processed_ids(&*storage, &lower).await, [0_u64; 0], "{name}");
+    // The cutoff: a later one lists request 4 too.
+    let later = ProcessedQuery { replied_before: replied_before(day(21)), ..query.clone() };
+    assert_eq!(processed_ids(&*storage, &later).await, [1, 2, 4, 6, 7], "{name}");
+    // Pages of two, over every type.
+    let mut page = ProcessedQuery { entity_type_prefix: String::new(), limit: 2, ..query.clone() };
+    let mut pages = Vec::new();
+    loop {
+        let ids = processed_ids(&*storage, &page).await;
+        let Some(last) = ids.last() else { break };
+        page.after = Some(Snowflake::new(*last));
+        pages.push(ids);
+    }
+    assert_eq!(pages, [vec![1, 2], vec![3, 6], vec![7]], "{name}");
+    assert_invalid(
+        name,
+        storage.processed_requests(&ProcessedQuery { limit: 0, ..query.clone() }).await,
+    );
+    // Listing deleted nothing.
+    let all: Vec<u64> = replies.keys().copied().collect();
+    assert_eq!(storage.replies_for(&snowflakes(&all)).await.unwrap().len(), 6, "{name}");
+    // A final reply that cannot be decoded is listed as a defect.
+    fixture.corrupt(Corruption::ReplyPayload(Snowflake::new(made_on(2, 0)))).await;
+    let listed = storage.processed_requests(&only(&query, 2)).await.unwrap();
+    let [ProcessedRequest { request_id, reply: WithExit { exit: Exit::Failure(cause), .. }, .. }] =
+        listed.as_slice()
+    else {
+        panic!("{name}: expected request 2 with a defect reply, got {listed:?}")
+    };
+    assert_eq!(*request_id, Snowflake::new(2), "{name}");
+    assert!(
+        matches!(&cause.0[0], CauseReason::Die(defect) if defect.json().unwrap_or("").contains("MalformedMessage")),
+        "{name}: {cause:?}"
+    );
+}
+
+/// `query` narrowed to the request `id`, if it lists it: one request after `id - 1`.
+fn only(query: &ProcessedQuery, id: u64) -> ProcessedQuery {
+    ProcessedQuery { after: Some(Snowflake::new(id - 1)), limit: 1, ..query.clone() }
 }
 
 // --- Runners and shard locks --------------------------------------------------------------------
