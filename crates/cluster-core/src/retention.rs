@@ -66,18 +66,21 @@ pub struct ProcessedRequest {
     pub address: EntityAddress,
     /// Its tag (the RPC's name).
     pub tag: String,
+    /// Its payload, if it has one that is JSON (a payload that is not is left out, so that
+    /// one damaged row does not stop a listing).
+    pub payload: Option<crate::envelope::RawJson>,
     /// Its final reply.
     pub reply: crate::envelope::WithExit,
 }
 
 /// The smallest snowflake made at `time` or later: requests answered before `time` have final
-/// replies whose ids are below it. A time before the snowflake epoch gives the smallest id.
+/// replies whose ids are below it. A time before the snowflake epoch gives the smallest id; a
+/// time past the largest id that a `BIGINT` column holds gives that id (every stored reply is
+/// then before it).
 pub fn replied_before(time: Timestamp) -> Snowflake {
-    Snowflake::from_parts(SnowflakeParts {
-        timestamp: time,
-        machine_id: MachineId::new(0),
-        sequence: 0,
-    })
+    let parts = SnowflakeParts { timestamp: time, machine_id: MachineId::new(0), sequence: 0 };
+    let largest = u64::try_from(i64::MAX).unwrap_or(u64::MAX);
+    Snowflake::new(Snowflake::from_parts(parts).get().min(largest))
 }
 
 /// A limit of 0, refused before anything is sent.
@@ -97,4 +100,19 @@ pub fn unsupported(backend: &str) -> StorageError {
              message storage on SQLite, PostgreSQL, MySQL or memory"
         ),
     )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn replied_before_stays_within_a_bigint() {
+        let far = replied_before(Timestamp::from_unix_millis(i64::MAX / 2));
+        assert_eq!(far.to_i64(), Some(i64::MAX));
+        let now = Timestamp::from_unix_millis(1_800_000_000_000);
+        let cutoff = replied_before(now);
+        assert_eq!(cutoff.timestamp(), now);
+        assert_eq!((cutoff.machine_id(), cutoff.sequence()), (MachineId::new(0), 0));
+    }
 }

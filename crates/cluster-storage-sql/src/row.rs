@@ -440,6 +440,8 @@ pub(crate) struct ProcessedRow {
     pub(crate) tag: Option<String>,
     pub(crate) reply_id: i64,
     pub(crate) reply_payload: String,
+    /// The request's payload.
+    pub(crate) payload: Option<String>,
 }
 
 impl ProcessedRow {
@@ -485,6 +487,7 @@ impl ProcessedRow {
                 entity_id: EntityId::from(self.entity_id),
             },
             tag,
+            payload: self.payload.and_then(|payload| RawJson::from_json(payload).ok()),
             reply,
         })
     }

@@ -656,6 +656,7 @@ impl MemoryMessageStorage {
                 request_id,
                 address: request.address.clone(),
                 tag: request.tag.as_str().to_owned(),
+                payload: Some(request.payload.clone()),
                 reply,
             });
         }

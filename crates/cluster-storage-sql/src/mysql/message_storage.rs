@@ -1416,8 +1416,8 @@ fn read_reply_row(row: Row) -> Result<(i64, Reply), StorageError> {
     Ok((rowid, read_reply(id, request_id, rest)?))
 }
 
-/// A `processed_requests` row: `id, shard_id, entity_type, entity_id, tag` and the final
-/// reply's `id, payload`; a column that cannot be read is a malformed row named by its id.
+/// A `processed_requests` row: `id, shard_id, entity_type, entity_id, tag`, the final
+/// reply's `id, payload`, and the request's `payload`; a column that cannot be read is a malformed row named by its id.
 fn read_processed_row(row: Row) -> Result<ProcessedRequest, StorageError> {
     let mut columns = Columns::new(row);
     let request_id = required(columns.int(), "id")?;
@@ -1435,8 +1435,19 @@ fn read_processed_row(row: Row) -> Result<ProcessedRequest, StorageError> {
     let tag = columns.text().map_err(unreadable)?;
     let reply_id = required(columns.int(), "the final reply's id")?;
     let reply_payload = columns.text().map_err(unreadable)?.unwrap_or_default();
-    ProcessedRow { request_id, shard_id, entity_type, entity_id, tag, reply_id, reply_payload }
-        .decode()
+    // A payload that cannot be read is left out, as one that is not JSON.
+    let payload = columns.text().ok().flatten();
+    ProcessedRow {
+        request_id,
+        shard_id,
+        entity_type,
+        entity_id,
+        tag,
+        reply_id,
+        reply_payload,
+        payload,
+    }
+    .decode()
 }
 
 /// A duplicate's row: `m.id, r.id, r.kind, r.payload, r.sequence`.

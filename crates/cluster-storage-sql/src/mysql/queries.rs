@@ -665,8 +665,8 @@ impl MessageQueries {
     /// The processed requests (`processed_requests`): a final reply's id below the first
     /// parameter, an entity type that starts with the prefix (bound twice, see
     /// [`starts_with`]), the tag if `tagged`, an id above the next parameter (-1: any), at
-    /// most the last, in id order. Columns: `id, shard_id, entity_type, entity_id, tag` and
-    /// the final reply's `id, payload`.
+    /// most the last, in id order. Columns: `id, shard_id, entity_type, entity_id, tag`, the
+    /// final reply's `id, payload` and the request's `payload`.
     pub(crate) fn processed_requests(&self, tagged: bool) -> String {
         let (messages, replies) = (&self.messages, &self.replies);
         let exit = REPLY_KIND_WITH_EXIT;
@@ -674,7 +674,8 @@ impl MessageQueries {
         let tag = if tagged { " AND CAST(m.tag AS BINARY) = CAST(? AS BINARY)" } else { "" };
         // language=SQL
         format!(
-            "SELECT m.id, m.shard_id, m.entity_type, m.entity_id, m.tag, r.id, r.payload \
+            "SELECT m.id, m.shard_id, m.entity_type, m.entity_id, m.tag, r.id, r.payload, \
+                 m.payload \
              FROM {replies} r JOIN {messages} m ON m.id = r.request_id \
              WHERE r.kind = {exit} AND r.id < ? AND m.kind = 0 AND {prefix}{tag} \
              AND m.id > ? ORDER BY m.id ASC LIMIT ?"

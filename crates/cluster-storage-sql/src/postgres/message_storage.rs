@@ -446,6 +446,7 @@ impl PgMessageStorage {
                     tag: row.try_get(4).map_err(column_error)?,
                     reply_id: row.try_get(5).map_err(column_error)?,
                     reply_payload: row.try_get(6).map_err(column_error)?,
+                    payload: row.try_get(7).map_err(column_error)?,
                 }
                 .decode()
             })

@@ -126,7 +126,8 @@ pub(crate) struct MessageQueries {
     pub(crate) purge_processed: String,
     /// The processed requests whose final reply's id is below `$1`, of entity types starting
     /// with `$2`, with tag `$3` (NULL: any), with ids above `$4` (-1: any), at most `$5`, in id
-    /// order: `id, shard_id, entity_type, entity_id, tag` and the final reply's `id, payload`.
+    /// order: `id, shard_id, entity_type, entity_id, tag`, the final reply's `id, payload` and
+    /// the request's `payload`.
     pub(crate) processed_requests: String,
     /// The `value, revision` of the state of entity type `$1`, id `$2`.
     pub(crate) load_state: String,
@@ -305,7 +306,8 @@ impl MessageQueries {
                  SELECT count(*) FROM gone WHERE kind = 0"
             ),
             processed_requests: format!(
-                "SELECT m.id, m.shard_id, m.entity_type, m.entity_id, m.tag, r.id, r.payload \
+                "SELECT m.id, m.shard_id, m.entity_type, m.entity_id, m.tag, r.id, r.payload, \
+                 m.payload \
                  FROM {replies} r JOIN {messages} m ON m.id = r.request_id \
                  WHERE r.kind = 0 AND r.id < $1 AND m.kind = 0 \
                  AND left(m.entity_type, length($2::text)) = $2::text \

@@ -829,6 +829,7 @@ fn read_processed_row(row: &Row<'_>) -> rusqlite::Result<ProcessedRow> {
         tag: text(4)?,
         reply_id: queries::integer(row.get_ref(5)?, -1).unwrap_or(-1),
         reply_payload: text(6)?.unwrap_or_default(),
+        payload: text(7)?,
     })
 }
 

@@ -61,7 +61,7 @@ pub(super) struct MessageQueries {
     pub(super) purge_messages: String,
     /// `?1` replied before, `?2` entity type prefix, `?3` tag (NULL: any), `?4` after (-1:
     /// any), `?5` limit: `id, shard_id, entity_type, entity_id, tag` of processed requests and
-    /// their final reply's `id, payload`, in id order.
+    /// their final reply's `id, payload`, then the request's `payload`, in id order.
     pub(super) processed_requests: String,
     /// `?1` entity type, `?2` entity id: the state's `value, revision`.
     pub(super) load_state: String,
@@ -182,7 +182,8 @@ impl MessageQueries {
                 "DELETE FROM {m} WHERE request_id IN (SELECT value FROM json_each(?1))"
             ),
             processed_requests: format!(
-                "SELECT m.id, m.shard_id, m.entity_type, m.entity_id, m.tag, r.id, r.payload \
+                "SELECT m.id, m.shard_id, m.entity_type, m.entity_id, m.tag, r.id, r.payload, \
+                 m.payload \
                  FROM {r} r JOIN {m} m ON m.id = r.request_id \
                  WHERE r.kind = 0 AND r.id < ?1 AND m.kind = 0 \
                  AND substr(m.entity_type, 1, length(?2)) = ?2 \

@@ -1782,6 +1782,7 @@ pub async fn processed_requests_filters_and_pages(fixture: &dyn StorageFixture) 
                 request_id: request.request_id,
                 address: request.address.clone(),
                 tag: request.tag.as_str().to_owned(),
+                payload: Some(request.payload.clone()),
                 reply,
             }
         })
