@@ -55,6 +55,7 @@ use crate::error::StartError;
 use crate::placement::health::RunnerHealth;
 use crate::placement::member::{Member as MemberRuntime, RUNNER_HEALTH};
 use crate::placement::single_runner::{HeldLocks, LockedRuntime, all_shards};
+use crate::services::retention::{self, MESSAGE_RETENTION};
 use crate::services::singleton::SingletonOptions;
 use crate::sharding::{Basics, Sharding};
 
@@ -321,11 +322,14 @@ impl ShardingBuilder<Standalone> {
     ///
     /// # Errors
     ///
-    /// [`StartError::Config`]: the configuration is invalid.
+    /// - [`StartError::Config`]: the configuration is invalid.
+    /// - [`StartError::Register`]: the message retention singleton could not be registered.
     pub async fn start(self) -> Result<Sharding, StartError> {
         let (basics, Standalone { messages }) = self.basics();
         let messages = crate::metered::MeteredMessages::wrap(messages);
-        Ok(Sharding::start_own_storage(basics, messages).await?)
+        let sharding = Sharding::start_own_storage(basics, Arc::clone(&messages)).await?;
+        start_retention(&sharding, messages)?;
+        Ok(sharding)
     }
 }
 
@@ -337,6 +341,7 @@ impl ShardingBuilder<SingleRunner> {
     /// - [`StartError::Config`]: the configuration is invalid.
     /// - [`StartError::NoRunnerAddress`]: `runner_address` is `None`.
     /// - [`StartError::Storage`], [`StartError::ShardsHeld`]: the shards could not be taken.
+    /// - [`StartError::Register`]: the message retention singleton could not be registered.
     ///
     /// # Cancel safety
     ///
@@ -378,7 +383,8 @@ impl ShardingBuilder<Member> {
     /// # Errors
     ///
     /// - [`StartError::Config`]: the configuration is invalid.
-    /// - [`StartError::Register`]: the runner-health singleton could not be registered.
+    /// - [`StartError::Register`]: the runner-health or the message retention singleton could
+    ///   not be registered.
     pub async fn start(self) -> Result<Sharding, StartError> {
         let (basics, role) = self.basics();
         let Member { messages, runners, transport, runner_health } = role;
@@ -452,6 +458,7 @@ async fn start_single_runner(
     let sharding = Sharding::start_own_storage(basics, Arc::clone(&messages)).await?;
     sharding.set_machine_id(machine_id);
     sharding.hold_locks(Arc::clone(&locks));
+    start_retention(&sharding, Arc::clone(&messages))?;
     let runtime = LockedRuntime {
         managers: Arc::clone(sharding.managers()),
         messages,
@@ -487,8 +494,10 @@ fn start_cluster(
         transport.clone(),
         runner_health,
     ));
-    let sharding = Sharding::with_cluster(basics, messages, Arc::clone(&member), transport)?;
+    let sharding =
+        Sharding::with_cluster(basics, Arc::clone(&messages), Arc::clone(&member), transport)?;
     member.start(&sharding);
+    start_retention(&sharding, messages)?;
     if member.checks_health() {
         let checker = Arc::clone(&member);
         sharding
@@ -498,4 +507,34 @@ fn start_cluster(
             .map_err(StartError::Register)?;
     }
     Ok(sharding)
+}
+
+/// Registers the message retention singleton on a runner whose configuration sets
+/// `message_retention` ([`retention`](crate::services::retention)); warns on a runner whose
+/// tables on PostgreSQL or MySQL would grow without bound. A client does neither.
+fn start_retention(
+    sharding: &Sharding,
+    messages: Arc<dyn MessageStorage>,
+) -> Result<(), StartError> {
+    if !sharding.is_runner() {
+        return Ok(());
+    }
+    let Some(retention) = sharding.config().message_retention else {
+        let backend = messages.backend_name();
+        if matches!(backend, "postgres" | "mysql") {
+            tracing::warn!(
+                backend,
+                "message_retention is not set: processed requests and their replies are kept \
+                 forever and the tables grow without bound; set MESSAGE_RETENTION (7 days, say)"
+            );
+        }
+        return Ok(());
+    };
+    let clock = Arc::clone(sharding.clock());
+    sharding
+        .register_singleton(MESSAGE_RETENTION, SingletonOptions::default(), move |context| {
+            let (messages, clock) = (Arc::clone(&messages), Arc::clone(&clock));
+            retention::run(messages, clock, retention, context.cancellation().clone())
+        })
+        .map_err(StartError::Register)
 }

@@ -32,6 +32,7 @@
 //! | `effect_cluster_persisted_pushed_total` | counter | `answer` | persisted requests this process pushed to their owner, by what answered them: `pushed` (the owner, on the call), `stored` (the reply poller was first), `fallback` (the call failed, or the transport's lane of pushes was full; storage answered or will) |
 //! | `effect_cluster_persisted_pushed_waiting` | gauge | | pushed calls this process waits on: the occupancy of its transport's lanes of pushes (`max_pushed_in_flight` per connection) |
 //! | `effect_cluster_persisted_pushed_serving` | gauge | | pushed calls this runner answers once their final replies are stored |
+//! | `effect_cluster_retention_deleted_total` | counter | | processed requests (with their replies) deleted by message retention on this runner |
 //!
 //! Requests, by entity `type`, request `tag` and `kind` (`volatile`, `persisted`, or `stream`
 //! for a streaming request type, persisted or not); a request whose tag its type does not
@@ -94,6 +95,9 @@ pub const PERSISTED_PUSHED: &str = "effect_cluster_persisted_pushed_total";
 pub const PERSISTED_PUSHED_WAITING: &str = "effect_cluster_persisted_pushed_waiting";
 /// Pushed calls this runner serves.
 pub const PERSISTED_PUSHED_SERVING: &str = "effect_cluster_persisted_pushed_serving";
+
+/// Processed requests deleted by message retention.
+pub const RETENTION_DELETED: &str = "effect_cluster_retention_deleted_total";
 
 /// Shard locks acquired.
 pub const SHARD_ACQUISITIONS: &str = "effect_cluster_shard_acquisitions_total";

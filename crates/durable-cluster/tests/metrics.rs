@@ -54,6 +54,8 @@ const PINNED: &[(&str, &str, &[&str])] = &[
     ("effect_cluster_workflow_runs_ended_total", "counter", &["outcome", "workflow"]),
     ("effect_cluster_workflow_activity_attempts_total", "counter", &["workflow"]),
     ("effect_cluster_workflow_activity_retries_total", "counter", &["cause", "workflow"]),
+    ("effect_cluster_retention_deleted_total", "counter", &[]),
+    ("effect_cluster_workflow_executions_deleted_total", "counter", &[]),
 ];
 
 /// Samples the workload must have produced, as `name{labels}` prefixes of exported lines

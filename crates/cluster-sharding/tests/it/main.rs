@@ -12,6 +12,7 @@ mod persisted;
 mod queue;
 mod readiness;
 mod residency;
+mod retention;
 mod shutdown;
 mod singletons;
 mod state;
