@@ -62,6 +62,7 @@ const CONCURRENCY: u32 = 256;
 mod activation;
 mod contract;
 mod requests;
+mod retention;
 
 use activation::{Activation, ClockEntity, WorkflowEntity};
 use requests::{DeferredRpc, ExitJson, ParentJson, ResultJson, ResumeRpc, RunRpc};
@@ -209,7 +210,10 @@ impl ClusterEngine {
             .factory(move |context| ClockEntity::new(context, Arc::clone(&clock_engine)))
             .register();
         match registered {
-            Ok(()) => Ok(engine),
+            Ok(()) => {
+                engine.start_retention(sharding)?;
+                Ok(engine)
+            }
             Err(RegisterError::AlreadyRegistered(_)) => {
                 Err(WorkflowError::Invalid("the runtime already has a workflow engine".into()))
             }
@@ -218,6 +222,40 @@ impl ClusterEngine {
                 source: Arc::new(error),
             }),
         }
+    }
+}
+
+impl ClusterEngine {
+    /// Registers the workflow retention singleton on a runner whose configuration sets
+    /// `workflow_retention` (see `retention`); warns on a runner whose tables on PostgreSQL or
+    /// MySQL would keep every execution forever. A client does neither.
+    fn start_retention(&self, sharding: &Sharding) -> Result<(), WorkflowError> {
+        if !sharding.is_runner() {
+            return Ok(());
+        }
+        let Some(retention) = sharding.config().workflow_retention else {
+            let backend = self.storage.backend_name();
+            if matches!(backend, "postgres" | "mysql") {
+                tracing::warn!(
+                    backend,
+                    "workflow_retention is not set: completed workflow executions are kept \
+                     forever and the tables grow without bound; set WORKFLOW_RETENTION (30 days, \
+                     say, longer than your longest workflow)"
+                );
+            }
+            return Ok(());
+        };
+        let engine = self.me.clone();
+        sharding
+            .register_singleton(
+                retention::WORKFLOW_RETENTION,
+                cluster_sharding::SingletonOptions::default(),
+                move |context| retention::run(engine.clone(), retention, context),
+            )
+            .map_err(|error| WorkflowError::Register {
+                entity_type: retention::WORKFLOW_RETENTION.to_owned(),
+                source: Arc::new(error),
+            })
     }
 }
 

@@ -8,6 +8,7 @@
 //! | `effect_cluster_workflow_runs_ended_total` | counter | `workflow`, `outcome` | how runs ended: `completed` (the execution succeeded), `failed` (it ended with a failure, a defect or an interrupt), `suspended` (it waits on a deferred, a clock or an activity) or `stopped` (no result: cut off by a shutdown, a storage failure or a defect with `capture_defects` off) |
 //! | `effect_cluster_workflow_activity_attempts_total` | counter | `workflow` | activity attempts run (a replay's memoized results are not counted) |
 //! | `effect_cluster_workflow_activity_retries_total` | counter | `workflow`, `cause` | attempts that run again: `failure` (an attempt after a failed one, under `retry`) or `interrupt` (the same attempt after an interruption) |
+//! | `effect_cluster_workflow_executions_deleted_total` | counter | | completed executions deleted by workflow retention on this runner (no label: the names come from storage) |
 
 /// Runs of a workflow body started, by `workflow`.
 pub const RUNS_STARTED: &str = "effect_cluster_workflow_runs_started_total";
@@ -17,6 +18,14 @@ pub const RUNS_ENDED: &str = "effect_cluster_workflow_runs_ended_total";
 pub const ACTIVITY_ATTEMPTS: &str = "effect_cluster_workflow_activity_attempts_total";
 /// Activity attempts run again, by `workflow` and `cause`.
 pub const ACTIVITY_RETRIES: &str = "effect_cluster_workflow_activity_retries_total";
+
+/// Completed executions deleted by workflow retention.
+pub const EXECUTIONS_DELETED: &str = "effect_cluster_workflow_executions_deleted_total";
+
+/// Counts an execution deleted by workflow retention.
+pub(crate) fn execution_deleted() {
+    metrics::counter!(EXECUTIONS_DELETED).increment(1);
+}
 
 /// Counts a run of `workflow`'s body.
 pub(crate) fn run_started(workflow: &'static str) {

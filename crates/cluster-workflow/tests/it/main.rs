@@ -6,6 +6,7 @@ mod integration;
 mod memory;
 mod panics;
 mod queue;
+mod retention;
 mod sql;
 mod suite;
 mod transaction;
