@@ -17,6 +17,8 @@
 //!   member: W3's persisted request, a volatile echo, and W5's workflow (see `processes`).
 //!   The line adds the sum and the maximum of every process's peak resident set.
 //! - `runner`: one runner process of W6 to W8 (started by them).
+//! - `soak`: W3 for ten minutes with message retention at one minute, a JSON line every ten
+//!   seconds with the throughput and the tables' rows and size, then a summary (see `soak`).
 //!
 //! `cargo xtask bench` runs them in release mode with the local services (see
 //! docs/performance.md). PostgreSQL comes from `CLUSTER_BENCH_POSTGRES_URL`, else
@@ -27,6 +29,7 @@ mod database;
 mod drive;
 mod http;
 mod processes;
+mod soak;
 mod workloads;
 
 use std::process::ExitCode;
@@ -133,7 +136,7 @@ impl Workload {
     }
 }
 
-const USAGE: &str = "usage: cluster-bench <W0|W1|W2|W3|W4|W5|W6|W7|W8|W9|W2S|W3S|W6S> [--ops N] [--in-flight N] [--entities N] | runner | gateway";
+const USAGE: &str = "usage: cluster-bench <W0|W1|W2|W3|W4|W5|W6|W7|W8|W9|W2S|W3S|W6S> [--ops N] [--in-flight N] [--entities N] | soak [--seconds N] [--retention-seconds R] [--sample-seconds S] [--in-flight N] [--entities N] | runner | gateway";
 
 /// Reads the command line.
 pub(crate) fn parse_args(args: &[String]) -> Result<Plan, String> {
@@ -230,6 +233,12 @@ fn main() -> ExitCode {
     if args.first().map(String::as_str) == Some("gateway") {
         return run_process("gateway", processes::gateway());
     }
+    if args.first().map(String::as_str) == Some("soak") {
+        return match soak::parse_soak_args(&args[1..]) {
+            Ok(plan) => run_process("soak", async move { soak::run(&plan).await }),
+            Err(error) => fail(&error),
+        };
+    }
     let plan = match parse_args(&args) {
         Ok(plan) => plan,
         Err(error) => return fail(&error),
@@ -268,9 +277,10 @@ fn main() -> ExitCode {
     }
 }
 
-/// `cluster-bench runner` (a runner process of W6 to W8) or `cluster-bench gateway` (the HTTP
-/// gateway process of W9): runs `process` on a runtime of its own, of as many workers as
-/// `TOKIO_WORKER_THREADS` says (the parent sets it, see `processes::workers_per_process`).
+/// `cluster-bench runner` (a runner process of W6 to W8), `cluster-bench gateway` (the HTTP
+/// gateway process of W9) or `cluster-bench soak`: runs `process` on a runtime of its own, of
+/// as many workers as `TOKIO_WORKER_THREADS` says (the parent of a runner or gateway sets it,
+/// see `processes::workers_per_process`; otherwise one per core).
 fn run_process(
     name: &str,
     process: impl std::future::Future<Output = Result<(), String>>,

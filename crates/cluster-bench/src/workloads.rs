@@ -288,11 +288,12 @@ pub(crate) async fn persisted_echo_on(
     database: Option<&BenchDatabase>,
     sharding: &Sharding,
 ) -> Result<Measured, String> {
-    persisted_on::<Echo, _>(plan, database, sharding, |n| StoredPing {
-        key: format!("ping-{n}"),
-        n: n as u64,
-    })
-    .await
+    persisted_on::<Echo, _>(plan, database, sharding, stored_ping).await
+}
+
+/// W3's persisted request number `n`: primary key `ping-<n>`, answered with `n`.
+pub(crate) fn stored_ping(n: usize) -> StoredPing {
+    StoredPing { key: format!("ping-{n}"), n: n as u64 }
 }
 
 /// The persisted requests that change state, on a runner (W2S, W3S) or from a client to the
