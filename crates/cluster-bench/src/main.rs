@@ -136,7 +136,7 @@ impl Workload {
     }
 }
 
-const USAGE: &str = "usage: cluster-bench <W0|W1|W2|W3|W4|W5|W6|W7|W8|W9|W2S|W3S|W6S> [--ops N] [--in-flight N] [--entities N] | soak [--seconds N] [--retention-seconds R] [--sample-seconds S] [--in-flight N] [--entities N] | runner | gateway";
+const USAGE: &str = "usage: cluster-bench <W0|W1|W2|W3|W4|W5|W6|W7|W8|W9|W2S|W3S|W6S> [--ops N] [--in-flight N] [--entities N] | soak [--seconds N] [--retention-seconds R] [--sample-seconds S] [--in-flight N] [--entities N] [--no-vacuum] | runner | gateway";
 
 /// Reads the command line.
 pub(crate) fn parse_args(args: &[String]) -> Result<Plan, String> {

@@ -3,7 +3,7 @@
 //!
 //! ```text
 //! cluster-bench soak [--seconds N] [--retention-seconds R] [--sample-seconds S]
-//!                    [--in-flight N] [--entities N]
+//!                    [--in-flight N] [--entities N] [--no-vacuum]
 //! ```
 //!
 //! One runner (`Sharding::single_runner`) on fresh PostgreSQL tables holds every shard, with
@@ -16,6 +16,11 @@
 //! resident set. A last line `{"kind":"summary","workload":"soak",…}` compares the first half
 //! with the second and gives the rows and sizes at the start, at their maximum and at the end.
 //! The tables are dropped afterwards. `cargo xtask bench soak` runs it and plots the samples.
+//!
+//! Deleted rows leave dead tuples that only a vacuum makes reusable. A server with
+//! `autovacuum` off (the local test server, for speed) would grow the files whatever retention
+//! deletes, so on such a server the soak runs `VACUUM` on the two tables after every sample in
+//! autovacuum's stead (its time is in the sample, `vacuum_ms`); `--no-vacuum` leaves them.
 
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
@@ -37,7 +42,7 @@ use crate::{Plan, Workload, usize_f64};
 const WARM_UP: usize = 2_000;
 
 /// The usage line of `cluster-bench soak`.
-pub(crate) const SOAK_USAGE: &str = "usage: cluster-bench soak [--seconds N (600)] [--retention-seconds R (60)] [--sample-seconds S (10)] [--in-flight N (64)] [--entities N (1000)]";
+pub(crate) const SOAK_USAGE: &str = "usage: cluster-bench soak [--seconds N (600)] [--retention-seconds R (60)] [--sample-seconds S (10)] [--in-flight N (64)] [--entities N (1000)] [--no-vacuum]";
 
 /// One soak run: how long, with which retention, sampled how often, under how much load.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -52,6 +57,9 @@ pub(crate) struct SoakPlan {
     pub(crate) in_flight: usize,
     /// Distinct entities the requests go to.
     pub(crate) entities: usize,
+    /// Whether the soak vacuums the tables after every sample when the server's autovacuum
+    /// is off.
+    pub(crate) vacuum: bool,
 }
 
 impl Default for SoakPlan {
@@ -62,6 +70,7 @@ impl Default for SoakPlan {
             sample_seconds: 10,
             in_flight: 64,
             entities: 1_000,
+            vacuum: true,
         }
     }
 }
@@ -98,6 +107,7 @@ pub(crate) fn parse_soak_args(options: &[String]) -> Result<SoakPlan, String> {
             usize::try_from(number).map_err(|_| format!("`{option}` is too large: {number}"))
         };
         match option.as_str() {
+            "--no-vacuum" => plan.vacuum = false,
             "--seconds" => plan.seconds = value(&mut options)?,
             "--retention-seconds" => plan.retention_seconds = value(&mut options)?,
             "--sample-seconds" => plan.sample_seconds = value(&mut options)?,
@@ -137,6 +147,8 @@ pub(crate) struct Sample {
     pub(crate) tables: Tables,
     /// This process's resident set at the window's end, in MiB.
     pub(crate) rss_mb: f64,
+    /// How long the soak's `VACUUM` after the sample took, in milliseconds, if it ran one.
+    pub(crate) vacuum_ms: Option<f64>,
 }
 
 impl Sample {
@@ -147,7 +159,7 @@ impl Sample {
 
     /// The sample's JSON line.
     pub(crate) fn line(&self) -> String {
-        serde_json::json!({
+        let mut line = serde_json::json!({
             "kind": "sample",
             "t_s": round(self.t_s, 1),
             "ops": self.ops,
@@ -158,8 +170,11 @@ impl Sample {
             "table_bytes": self.tables.bytes,
             "dead_rows": self.tables.dead_rows,
             "rss_mb": round(self.rss_mb, 1),
-        })
-        .to_string()
+        });
+        if let (Some(vacuum_ms), Some(fields)) = (self.vacuum_ms, line.as_object_mut()) {
+            fields.insert("vacuum_ms".to_owned(), round(vacuum_ms, 0).into());
+        }
+        line.to_string()
     }
 }
 
@@ -169,13 +184,14 @@ fn round(value: f64, digits: i32) -> f64 {
     (value * scale).round() / scale
 }
 
-/// The summary line of a run: totals, the halves' mean throughput, and the tables at the
-/// start, at their maximum and at the end.
+/// The summary line of a run: totals, the halves' mean throughput, the tables at the start,
+/// at their maximum and at the end, and what reclaimed the dead rows (`vacuum`).
 pub(crate) fn summary(
     plan: &SoakPlan,
     start: Tables,
     samples: &[Sample],
     peak_rss_mb: f64,
+    vacuum: &str,
 ) -> String {
     let seconds: f64 = samples.iter().map(|sample| sample.window_s).sum();
     let ops: usize = samples.iter().map(|sample| sample.ops).sum();
@@ -221,6 +237,7 @@ pub(crate) fn summary(
         fields.insert(key("last"), field(&last).into());
     }
     fields.insert("peak_rss_mb".to_owned(), round(peak_rss_mb, 1).into());
+    fields.insert("vacuum".to_owned(), vacuum.into());
     Value::Object(fields).to_string()
 }
 
@@ -251,20 +268,20 @@ async fn on_database(plan: &SoakPlan, database: &BenchDatabase) -> Result<(), St
         .map_err(|error| format!("cannot start the runner: {error}"))?;
     let result = load(plan, database, &sharding).await;
     sharding.shutdown().await;
-    let (start, samples) = result?;
-    say(&summary(plan, start, &samples, crate::peak_rss_mb()));
+    let (start, samples, vacuum) = result?;
+    say(&summary(plan, start, &samples, crate::peak_rss_mb(), vacuum));
     Ok(())
 }
 
 /// The warm-up, then the load with a sample every window; returns the tables after the
-/// warm-up and the samples.
+/// warm-up, the samples, and what reclaimed the dead rows.
 async fn load(
     plan: &SoakPlan,
     database: &BenchDatabase,
     sharding: &Sharding,
-) -> Result<(Tables, Vec<Sample>), String> {
+) -> Result<(Tables, Vec<Sample>, &'static str), String> {
     sharding.entity::<Echo>().register().map_err(|error| error.to_string())?;
-    let monitor = Monitor::connect(database).await?;
+    let monitor = Monitor::connect(database, plan.vacuum).await?;
     let w3 = plan.as_w3();
     let send = {
         let (sharding, w3) = (sharding.clone(), w3.clone());
@@ -305,7 +322,7 @@ async fn load(
     let finished = finish(&mut callers).await;
     let samples = sampled?;
     finished?;
-    Ok((start, samples))
+    Ok((start, samples, monitor.vacuum_kind()))
 }
 
 /// Takes a sample at the end of every window until the run's time is up; a failed caller
@@ -342,6 +359,7 @@ async fn sample(
             return Err(format!("no request finished for {OPERATION_DEADLINE:?}"));
         }
         let tables = monitor.read().await?;
+        let vacuum_ms = monitor.vacuum().await?;
         let sample = Sample {
             t_s: (now - started).as_secs_f64(),
             window_s: measured.elapsed.as_secs_f64(),
@@ -349,6 +367,7 @@ async fn sample(
             p99_ms: measured.percentile_ms(990),
             tables,
             rss_mb: rss_mb(),
+            vacuum_ms,
         };
         say(&sample.line());
         samples.push(sample);
@@ -385,11 +404,16 @@ struct Monitor {
     connection: JoinHandle<Result<(), tokio_postgres::Error>>,
     /// The statement: two counts, the size, the dead rows.
     sql: String,
+    /// Whether the server runs autovacuum.
+    autovacuum: bool,
+    /// The soak's `VACUUM` of the two tables, when it runs one after every sample.
+    vacuum: Option<String>,
 }
 
 impl Monitor {
-    /// Connects to `database` (PostgreSQL only).
-    async fn connect(database: &BenchDatabase) -> Result<Monitor, String> {
+    /// Connects to `database` (PostgreSQL only); it vacuums after every sample if `vacuum` is
+    /// set and the server's autovacuum is off.
+    async fn connect(database: &BenchDatabase, vacuum: bool) -> Result<Monitor, String> {
         let BenchDatabase::Postgres { url, prefix } = database else {
             return Err("the soak runs on PostgreSQL".to_owned());
         };
@@ -405,7 +429,35 @@ impl Monitor {
              (SELECT coalesce(sum(n_dead_tup), 0)::bigint FROM pg_stat_user_tables \
               WHERE relname IN ('{messages}', '{replies}'))"
         );
-        Ok(Monitor { client, connection, sql })
+        let autovacuum: String = client
+            .query_one("SHOW autovacuum", &[])
+            .await
+            .and_then(|row| row.try_get(0))
+            .map_err(|error| format!("cannot read the server's autovacuum setting: {error}"))?;
+        let autovacuum = autovacuum == "on";
+        let vacuum =
+            (vacuum && !autovacuum).then(|| format!("VACUUM \"{messages}\", \"{replies}\""));
+        Ok(Monitor { client, connection, sql, autovacuum, vacuum })
+    }
+
+    /// What reclaims the tables' dead rows during the run.
+    fn vacuum_kind(&self) -> &'static str {
+        match (self.autovacuum, self.vacuum.is_some()) {
+            (true, _) => "autovacuum",
+            (false, true) => "VACUUM after every sample",
+            (false, false) => "none",
+        }
+    }
+
+    /// Runs the soak's `VACUUM`, if it runs one, and returns how long it took in milliseconds.
+    async fn vacuum(&self) -> Result<Option<f64>, String> {
+        let Some(sql) = &self.vacuum else { return Ok(None) };
+        let started = Instant::now();
+        self.client
+            .batch_execute(sql)
+            .await
+            .map_err(|error| format!("cannot vacuum the tables: {error}"))?;
+        Ok(Some(started.elapsed().as_secs_f64() * 1_000.0))
     }
 
     /// The tables now.
@@ -466,6 +518,10 @@ mod tests {
         assert!(parse_soak_args(&args("--seconds 0")).unwrap_err().contains("at least 1"));
         assert!(parse_soak_args(&args("--seconds")).unwrap_err().contains("needs a number"));
         assert!(parse_soak_args(&args("--ops 5")).unwrap_err().contains("unknown option"));
+        assert_eq!(
+            parse_soak_args(&args("--no-vacuum --in-flight 8")),
+            Ok(SoakPlan { vacuum: false, in_flight: 8, ..SoakPlan::default() })
+        );
     }
 
     fn sample(t_s: f64, ops: usize, messages: i64) -> Sample {
@@ -476,6 +532,7 @@ mod tests {
             p99_ms: 12.5,
             tables: Tables { messages, replies: messages, bytes: messages * 100, dead_rows: 7 },
             rss_mb: 30.0,
+            vacuum_ms: None,
         }
     }
 
@@ -494,7 +551,8 @@ mod tests {
             sample(40.0, 80_000, 70_000),
         ];
         let start = Tables { messages: 2_000, replies: 2_000, bytes: 1_000, dead_rows: 0 };
-        let summary: Value = serde_json::from_str(&summary(&plan, start, &samples, 42.0)).unwrap();
+        let summary = summary(&plan, start, &samples, 42.0, "none");
+        let summary: Value = serde_json::from_str(&summary).unwrap();
         assert_eq!(summary["kind"], "summary");
         assert_eq!(summary["workload"], "soak");
         assert_eq!(summary["ops"], 360_000);
@@ -507,5 +565,9 @@ mod tests {
         assert_eq!(summary["last_messages"], 70_000);
         assert_eq!(summary["max_table_bytes"], 9_000_000);
         assert_eq!(summary["peak_rss_mb"], 42.0);
+        assert_eq!(summary["vacuum"], "none");
+        let vacuumed = Sample { vacuum_ms: Some(1_234.4), ..sample(10.0, 1, 1) };
+        let line: Value = serde_json::from_str(&vacuumed.line()).unwrap();
+        assert_eq!(line["vacuum_ms"], 1_234.0);
     }
 }
