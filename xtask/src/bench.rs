@@ -8,11 +8,17 @@
 //!   100,000 and 1,000,000 entities; the lines go to `docs/performance/scaling.jsonl` and the
 //!   plots to `docs/performance/*.svg`.
 //! - `bench plot`: the plots again from `docs/performance/scaling.jsonl`, without running.
+//! - `bench soak [options]`: W3 for ten minutes with message retention at one minute
+//!   (`cluster-bench soak`, its options passed through); every line goes to
+//!   `docs/performance/soak.jsonl` and the curves of throughput, rows and table size over time
+//!   to `docs/performance/soak.svg`.
+//! - `bench plot-soak`: `soak.svg` again from `soak.jsonl`, without running.
 
 use std::env;
 use std::fs;
+use std::io::{BufRead, BufReader};
 use std::path::Path;
-use std::process::Command;
+use std::process::{Command, Stdio};
 
 use anyhow::{Context, Result, anyhow, bail};
 use plotters::prelude::*;
@@ -71,12 +77,23 @@ pub(crate) fn run(root: &Path, args: &[String], service_env: &[(&str, &str)]) ->
             plot_all(&output)
         }
         Some("plot") => plot_all(&root.join(OUTPUT)),
+        Some("soak") => {
+            build()?;
+            let lines = soak_lines(&args[1..], service_env)?;
+            let output = root.join(OUTPUT);
+            fs::create_dir_all(&output)?;
+            fs::write(output.join("soak.jsonl"), lines.join("\n") + "\n")?;
+            plot_soak_file(&output)
+        }
+        Some("plot-soak") => plot_soak_file(&root.join(OUTPUT)),
         Some(name) if WORKLOADS.iter().any(|w| w.eq_ignore_ascii_case(name)) => {
             build()?;
             say(&workload_line(&name.to_ascii_uppercase(), &args[1..], service_env)?);
             Ok(())
         }
-        Some(other) => bail!("unknown benchmark `{other}`: W0 … W9, all, scaling or plot"),
+        Some(other) => {
+            bail!("unknown benchmark `{other}`: W0 … W9, all, scaling, plot, soak or plot-soak")
+        }
     }
 }
 
@@ -105,6 +122,39 @@ fn workload_line(workload: &str, extra: &[String], service_env: &[(&str, &str)])
     serde_json::from_str::<Value>(&line)
         .with_context(|| format!("{workload} printed no JSON line: {stdout}"))?;
     Ok(line)
+}
+
+/// Runs `cluster-bench soak <extra>` and returns every line it printed, each passed on to
+/// standard output as it comes (the run takes minutes).
+fn soak_lines(extra: &[String], service_env: &[(&str, &str)]) -> Result<Vec<String>> {
+    crate::report(&format!("==> bench soak {}", extra.join(" ")));
+    let mut child = Command::new(cargo())
+        .args(["run", "--quiet", "--release", "--package", "cluster-bench", "--", "soak"])
+        .args(extra)
+        .envs(service_env.iter().copied())
+        .stdout(Stdio::piped())
+        .spawn()
+        .context("cannot run cluster-bench soak")?;
+    let stdout = child.stdout.take().context("cluster-bench soak has no standard output")?;
+    let mut lines = Vec::new();
+    for line in BufReader::new(stdout).lines() {
+        let line = line.context("cannot read cluster-bench soak's output")?;
+        if line.trim().is_empty() {
+            continue;
+        }
+        say(&line);
+        serde_json::from_str::<Value>(&line)
+            .with_context(|| format!("soak printed a line that is not JSON: {line}"))?;
+        lines.push(line);
+    }
+    let status = child.wait().context("cannot wait for cluster-bench soak")?;
+    if !status.success() {
+        bail!("soak failed ({status}); its errors are above");
+    }
+    if !lines.iter().any(|line| line.contains("\"summary\"")) {
+        bail!("soak printed no summary line");
+    }
+    Ok(lines)
 }
 
 #[expect(clippy::print_stdout, reason = "the benchmark lines are xtask's output")]
@@ -253,6 +303,146 @@ fn draw(path: &Path, title: &str, axes: (&str, &str), series: &[Series]) -> Resu
     Ok(())
 }
 
+/// Reads `soak.jsonl` in `dir` and draws `soak.svg` there.
+fn plot_soak_file(dir: &Path) -> Result<()> {
+    let path = dir.join("soak.jsonl");
+    let text = fs::read_to_string(&path).with_context(|| {
+        format!("cannot read {} (run `cargo xtask bench soak`)", path.display())
+    })?;
+    let samples = parse_soak(&text)?;
+    let svg = dir.join("soak.svg");
+    plot_soak(&svg, &samples)?;
+    crate::report(&format!("==> plot written to {}", svg.display()));
+    Ok(())
+}
+
+/// One sample line of a soak run, the fields its plot uses.
+#[derive(Clone, Debug, PartialEq)]
+pub(crate) struct SoakSample {
+    pub(crate) t_s: f64,
+    pub(crate) ops_per_s: f64,
+    pub(crate) messages: f64,
+    pub(crate) replies: f64,
+    pub(crate) table_bytes: f64,
+}
+
+/// The sample lines of a soak run (`"kind":"sample"`); the summary line is checked to be
+/// one and skipped.
+pub(crate) fn parse_soak(text: &str) -> Result<Vec<SoakSample>> {
+    let mut samples = Vec::new();
+    for (number, line) in text.lines().enumerate().filter(|(_, line)| !line.trim().is_empty()) {
+        let value: Value = serde_json::from_str(line)
+            .with_context(|| format!("line {} is not JSON", number + 1))?;
+        let field = |name: &str| {
+            value[name].as_f64().ok_or_else(|| anyhow!("line {}: no number `{name}`", number + 1))
+        };
+        match value["kind"].as_str() {
+            Some("sample") => samples.push(SoakSample {
+                t_s: field("t_s")?,
+                ops_per_s: field("ops_per_s")?,
+                messages: field("messages")?,
+                replies: field("replies")?,
+                table_bytes: field("table_bytes")?,
+            }),
+            Some("summary") => {}
+            _ => bail!("line {}: neither a sample nor the summary", number + 1),
+        }
+    }
+    if samples.is_empty() {
+        bail!("no sample lines");
+    }
+    Ok(samples)
+}
+
+/// Draws the soak's three charts, one above the other, into the SVG file `path`: throughput,
+/// rows, and the tables' size on disk, each against time.
+pub(crate) fn plot_soak(path: &Path, samples: &[SoakSample]) -> Result<()> {
+    let points = |y: fn(&SoakSample) -> f64| -> Vec<(f64, f64)> {
+        samples.iter().map(|sample| (sample.t_s, y(sample))).collect()
+    };
+    let fail = |error: &dyn std::fmt::Display| anyhow!("cannot draw {}: {error}", path.display());
+    let area = SVGBackend::new(path, (720, 960)).into_drawing_area();
+    area.fill(&WHITE).map_err(|e| fail(&e))?;
+    let panels = area.split_evenly((3, 1));
+    let [throughput, rows, size] = panels.as_slice() else {
+        bail!("cannot draw {}: three panels expected", path.display());
+    };
+    draw_over_time(
+        throughput,
+        "Soak: W3 with retention, throughput",
+        "requests/s",
+        &[Series { label: "requests/s", colour: BLUE, points: points(|s| s.ops_per_s) }],
+    )
+    .map_err(|e| fail(&e))?;
+    draw_over_time(
+        rows,
+        "Rows",
+        "rows",
+        &[
+            Series { label: "messages", colour: RED, points: points(|s| s.messages) },
+            Series { label: "replies", colour: GREEN, points: points(|s| s.replies) },
+        ],
+    )
+    .map_err(|e| fail(&e))?;
+    draw_over_time(
+        size,
+        "Size on disk (messages and replies, with indexes)",
+        "MiB",
+        &[Series {
+            label: "MiB",
+            colour: MAGENTA,
+            points: points(|s| s.table_bytes / (1024.0 * 1024.0)),
+        }],
+    )
+    .map_err(|e| fail(&e))?;
+    area.present().map_err(|e| fail(&e))?;
+    Ok(())
+}
+
+/// One chart on `area` with a linear time axis in seconds.
+fn draw_over_time(
+    area: &DrawingArea<SVGBackend<'_>, plotters::coord::Shift>,
+    title: &str,
+    y_desc: &str,
+    series: &[Series],
+) -> Result<()> {
+    let points = || series.iter().flat_map(|series| series.points.iter());
+    let x_max = points().map(|p| p.0).fold(1.0, f64::max);
+    let y_max = points().map(|p| p.1).fold(0.0, f64::max) * 1.1;
+    let fail = |error: &dyn std::fmt::Display| anyhow!("{title}: {error}");
+    let mut chart = ChartBuilder::on(area)
+        .caption(title, ("sans-serif", 18))
+        .margin(12)
+        .x_label_area_size(40)
+        .y_label_area_size(80)
+        .build_cartesian_2d(0f64..x_max, 0f64..y_max.max(1.0))
+        .map_err(|e| fail(&e))?;
+    chart
+        .configure_mesh()
+        .x_desc("time (s)")
+        .y_desc(y_desc)
+        .x_label_formatter(&|x| format!("{x:.0}"))
+        .y_label_formatter(&|y| format!("{y:.0}"))
+        .draw()
+        .map_err(|e| fail(&e))?;
+    for line in series {
+        let colour = line.colour;
+        chart
+            .draw_series(LineSeries::new(line.points.clone(), colour.stroke_width(2)))
+            .map_err(|e| fail(&e))?
+            .label(line.label)
+            .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 20, y)], colour));
+    }
+    chart
+        .configure_series_labels()
+        .position(SeriesLabelPosition::LowerRight)
+        .border_style(BLACK)
+        .background_style(WHITE)
+        .draw()
+        .map_err(|e| fail(&e))?;
+    Ok(())
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -285,6 +475,36 @@ mod tests {
         assert!(throughput.contains("W2 SQLite") && throughput.contains("W3 PostgreSQL"));
         let memory = fs::read_to_string(dir.join("entities-memory.svg")).unwrap();
         assert!(memory.contains("peak RSS (MiB)"));
+        fs::remove_dir_all(&dir).unwrap();
+    }
+
+    const SOAK: &str = r#"{"kind":"sample","t_s":10.0,"ops":90000,"ops_per_s":9000.0,"p99_ms":20.1,"messages":90000,"replies":90000,"table_bytes":52428800,"dead_rows":0,"rss_mb":40.2}
+{"kind":"sample","t_s":20.0,"ops":88000,"ops_per_s":8800.0,"p99_ms":21.0,"messages":178000,"replies":178000,"table_bytes":104857600,"dead_rows":12,"rss_mb":41.0}
+
+{"kind":"summary","workload":"soak","ops":178000,"ops_per_s":8900.0}
+"#;
+
+    #[test]
+    fn soak_lines_are_read_and_drawn_into_one_svg() {
+        let samples = parse_soak(SOAK).unwrap();
+        assert_eq!(samples.len(), 2);
+        assert!((samples[1].messages - 178_000.0).abs() < 1e-9);
+        assert!((samples[0].table_bytes - 52_428_800.0).abs() < 1e-9);
+        let error = parse_soak("{\"kind\":\"sample\",\"t_s\":1}").unwrap_err().to_string();
+        assert!(error.contains("line 1: no number `ops_per_s`"), "{error}");
+        let error = parse_soak("{\"workload\":\"W3\"}").unwrap_err().to_string();
+        assert!(error.contains("neither a sample nor the summary"), "{error}");
+        assert!(parse_soak("").unwrap_err().to_string().contains("no sample lines"));
+
+        let dir = env::temp_dir().join(format!("xtask-bench-soak-{}", std::process::id()));
+        fs::create_dir_all(&dir).unwrap();
+        let path = dir.join("soak.svg");
+        plot_soak(&path, &samples).unwrap();
+        let svg = fs::read_to_string(&path).unwrap();
+        assert!(svg.starts_with("<svg"));
+        for text in ["requests/s", "messages", "replies", "MiB", "time (s)"] {
+            assert!(svg.contains(text), "no `{text}` in the plot");
+        }
         fs::remove_dir_all(&dir).unwrap();
     }
 

@@ -16,8 +16,10 @@
 //!
 //! - `config-doc`: writes `docs/configuration.md`, the configuration reference, from the
 //!   documentation of `ShardingConfig` (a test fails when it is stale).
-//! - `bench [W1|…|W5|all|scaling|plot]`: the benchmark workloads in release mode against the
-//!   local services (see `bench`, docs/performance.md); not part of `ci`.
+//! - `bench [W0|…|W9|W2S|W3S|W6S|all|scaling|plot|soak|plot-soak]`: the benchmark workloads
+//!   in release mode against the local services, the scaling runs and their plots, and the
+//!   ten-minute soak with retention and its plot (see `bench`, docs/performance.md); not part
+//!   of `ci`.
 //!
 //! Automation is written in Rust so that it runs wherever cargo does.
 
@@ -91,7 +93,7 @@ fn main() -> ExitCode {
 
 fn usage() {
     report(
-        "usage: cargo xtask <ci | tidy | chaos | schemathesis | sim [--seeds N] [--from S] [--classic|--extended|--graceful] | sim --seed S [--trace] [--classic|--extended|--graceful] | bench [W0|W1|W2|W3|W4|W5|W6|W7|W8|W9|W2S|W3S|W6S|all|scaling|plot] | config-doc>",
+        "usage: cargo xtask <ci | tidy | chaos | schemathesis | sim [--seeds N] [--from S] [--classic|--extended|--graceful] | sim --seed S [--trace] [--classic|--extended|--graceful] | bench [W0|W1|W2|W3|W4|W5|W6|W7|W8|W9|W2S|W3S|W6S|all|scaling|plot|soak [--seconds N] [--retention-seconds R] [--sample-seconds S] [--in-flight N] [--entities N] [--no-vacuum]|plot-soak] | config-doc>",
     );
 }
 
