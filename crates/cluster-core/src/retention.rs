@@ -18,10 +18,28 @@
 //! A request with no final reply is never deleted, however old: it is not processed, or it
 //! was marked processed without an answer and its age is unknown.
 
+use std::time::Duration;
+
 use crate::error::{StorageError, StorageErrorKind};
 use crate::ids::EntityAddress;
 use crate::snowflake::{Snowflake, SnowflakeParts};
 use crate::{MachineId, Timestamp};
+
+/// The shortest pause between two batches of a sweep. A sweep pauses as long as its last
+/// batch took, at least this: it uses at most half of one connection.
+pub const PAUSE_MIN: Duration = Duration::from_millis(10);
+
+/// The longest one retention call (a batch, a page, one execution's deletion) may take. Past
+/// it the sweep stops and the next one starts over: a database that hangs does not hold the
+/// sweep forever.
+pub const CALL_DEADLINE: Duration = Duration::from_secs(30);
+
+/// How long a retention sweep waits for the next: a tenth of the retention, from 1 s to 1 min.
+/// So rows outlive the retention by at most a tenth of it (or a minute), plus the sweep's own
+/// time.
+pub fn sweep_interval(retention: Duration) -> Duration {
+    (retention / 10).clamp(Duration::from_secs(1), Duration::from_secs(60))
+}
 
 /// The entity types that [`PurgeProcessed::keep_entity_type_prefixes`] names by default: the
 /// workflow executions (their activity results are replayed until the execution completes).
@@ -105,6 +123,13 @@ pub fn unsupported(backend: &str) -> StorageError {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_sweep_interval_is_a_tenth_of_the_retention_within_bounds() {
+        assert_eq!(sweep_interval(Duration::from_secs(10)), Duration::from_secs(1));
+        assert_eq!(sweep_interval(Duration::from_secs(300)), Duration::from_secs(30));
+        assert_eq!(sweep_interval(Duration::from_secs(86_400)), Duration::from_secs(60));
+    }
 
     #[test]
     fn replied_before_stays_within_a_bigint() {

@@ -11,6 +11,7 @@
 //!   sweep ([`sweep_interval`]).
 //! - After each batch it pauses as long as the batch took (at least [`PAUSE_MIN`]), so that it
 //!   uses at most half of one connection and never holds locks for long.
+//! - A batch that takes longer than [`CALL_DEADLINE`] ends the sweep, as a failed one does.
 //! - Workflow executions (entity types `Workflow/…`) are left to the workflow engine, which
 //!   deletes an execution as a whole once it completed (`workflow_retention`).
 //! - A failed batch is logged and the sweep ends; the next sweep tries again.
@@ -19,32 +20,21 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use cluster_core::Clock;
-use cluster_core::retention::{PurgeProcessed, WORKFLOW_ENTITY_TYPE_PREFIX, replied_before};
+use cluster_core::retention::{
+    CALL_DEADLINE, PAUSE_MIN, PurgeProcessed, WORKFLOW_ENTITY_TYPE_PREFIX, replied_before,
+    sweep_interval,
+};
 use cluster_core::storage::MessageStorage;
 use tokio_util::sync::CancellationToken;
 
 use crate::metrics;
+use crate::services::singleton::pause;
 
 /// The singleton's name.
 pub(crate) const MESSAGE_RETENTION: &str = "MessageRetention";
 
 /// The most requests one batch deletes.
 pub(crate) const PURGE_BATCH: u32 = 1000;
-
-/// The shortest pause between two batches of a sweep.
-pub(crate) const PAUSE_MIN: Duration = Duration::from_millis(10);
-
-/// The longest wait between two sweeps.
-const SWEEP_INTERVAL_MAX: Duration = Duration::from_secs(60);
-
-/// The shortest wait between two sweeps.
-const SWEEP_INTERVAL_MIN: Duration = Duration::from_secs(1);
-
-/// How long a sweep waits for the next: a tenth of the retention, from 1 s to 1 min. So rows
-/// outlive the retention by at most a tenth of it (or a minute), plus the sweep's own time.
-pub(crate) fn sweep_interval(retention: Duration) -> Duration {
-    (retention / 10).clamp(SWEEP_INTERVAL_MIN, SWEEP_INTERVAL_MAX)
-}
 
 /// Runs the sweeps until `cancellation` fires: the singleton's body.
 pub(crate) async fn run(
@@ -54,18 +44,17 @@ pub(crate) async fn run(
     cancellation: CancellationToken,
 ) {
     tracing::info!(retention = ?retention, "message retention started on this runner");
-    let interval = sweep_interval(retention);
     loop {
         sweep(&*storage, &*clock, retention, &cancellation).await;
-        tokio::select! {
-            () = cancellation.cancelled() => return,
-            () = tokio::time::sleep(interval) => {}
+        if !pause(&cancellation, sweep_interval(retention)).await {
+            return;
         }
     }
 }
 
-/// One sweep: batches until one finds fewer than [`PURGE_BATCH`] requests, a batch fails, or
-/// `cancellation` fires. Returns how many requests it deleted.
+/// One sweep: batches until one finds fewer than [`PURGE_BATCH`] requests, a batch fails or
+/// takes longer than [`CALL_DEADLINE`], or `cancellation` fires. Returns how many requests it
+/// deleted.
 pub(crate) async fn sweep(
     storage: &dyn MessageStorage,
     clock: &dyn Clock,
@@ -82,25 +71,27 @@ pub(crate) async fn sweep(
         let started = tokio::time::Instant::now();
         let purged = tokio::select! {
             () = cancellation.cancelled() => break,
-            purged = storage.purge_processed(&batch) => purged,
+            purged = tokio::time::timeout(CALL_DEADLINE, storage.purge_processed(&batch)) => purged,
         };
         match purged {
-            Ok(count) => {
+            Ok(Ok(count)) => {
                 deleted += count;
                 metrics::count(metrics::RETENTION_DELETED, usize::try_from(count).unwrap_or(0));
                 if count < u64::from(PURGE_BATCH) {
                     break;
                 }
             }
-            Err(error) => {
+            Ok(Err(error)) => {
                 tracing::warn!(%error, deleted, "message retention batch failed; the next sweep tries again");
                 break;
             }
+            Err(_) => {
+                tracing::warn!(deadline = ?CALL_DEADLINE, deleted, "message retention batch timed out; the next sweep tries again");
+                break;
+            }
         }
-        let pause = started.elapsed().max(PAUSE_MIN);
-        tokio::select! {
-            () = cancellation.cancelled() => break,
-            () = tokio::time::sleep(pause) => {}
+        if !pause(cancellation, started.elapsed().max(PAUSE_MIN)).await {
+            break;
         }
     }
     if deleted > 0 {
@@ -111,12 +102,23 @@ pub(crate) async fn sweep(
 
 #[cfg(test)]
 mod tests {
+    use cluster_core::SystemClock;
+    use cluster_testkit::faulty::FaultyMessageStorage;
+    use cluster_testkit::memory::MemoryMessageStorage;
+
     use super::*;
 
-    #[test]
-    fn the_sweep_interval_is_a_tenth_of_the_retention_within_bounds() {
-        assert_eq!(sweep_interval(Duration::from_secs(10)), Duration::from_secs(1));
-        assert_eq!(sweep_interval(Duration::from_secs(300)), Duration::from_secs(30));
-        assert_eq!(sweep_interval(Duration::from_secs(86_400)), Duration::from_secs(60));
+    /// A storage that hangs (a database that stopped answering) does not hold a sweep past
+    /// the call deadline.
+    #[tokio::test(start_paused = true)]
+    async fn a_hanging_batch_ends_the_sweep_at_its_deadline() {
+        let memory = Arc::new(MemoryMessageStorage::new(Arc::new(SystemClock)));
+        let (storage, faults) = FaultyMessageStorage::new(memory);
+        faults.kill();
+        let (started, running) = (tokio::time::Instant::now(), CancellationToken::new());
+        let swept = sweep(&storage, &SystemClock, Duration::from_secs(60), &running);
+        let deleted = tokio::time::timeout(CALL_DEADLINE * 10, swept).await;
+        assert_eq!(deleted, Ok(0), "the sweep waited on the hanging storage");
+        assert!(started.elapsed() >= CALL_DEADLINE);
     }
 }

@@ -79,6 +79,20 @@ impl SingletonContext {
     pub fn cancellation(&self) -> &CancellationToken {
         &self.cancellation
     }
+
+    /// Waits `duration`, unless the singleton must stop first; whether it waited the whole
+    /// of it (`false`: stop now).
+    pub async fn pause(&self, duration: Duration) -> bool {
+        pause(&self.cancellation, duration).await
+    }
+}
+
+/// Waits `duration` unless `cancellation` fires first; whether it waited the whole of it.
+pub(crate) async fn pause(cancellation: &CancellationToken, duration: Duration) -> bool {
+    tokio::select! {
+        () = cancellation.cancelled() => false,
+        () = tokio::time::sleep(duration) => true,
+    }
 }
 
 /// A singleton's body, type-erased.

@@ -11,15 +11,19 @@
 //!
 //! An execution goes as a whole ([`MessageStorage::clear_address`] on its entity and on its
 //! durable clocks' entity), so nothing of it is left half deleted. Pages are small and paused
-//! between, as message retention's batches are.
+//! between, and each call has a deadline, as message retention's batches
+//! (`cluster_core::retention`).
 
 use std::sync::Weak;
 use std::time::Duration;
 
 use cluster_core::envelope::{Exit, RawJson};
-use cluster_core::retention::{ProcessedQuery, ProcessedRequest, replied_before};
+use cluster_core::retention::{
+    CALL_DEADLINE, PAUSE_MIN, ProcessedQuery, ProcessedRequest, replied_before, sweep_interval,
+};
 use cluster_core::{EntityAddress, EntityType};
 use cluster_sharding::{Rpc, SingletonContext};
+use tokio::time::timeout;
 
 use super::requests::{ResultJson, RunRpc};
 use super::{CLOCK_ENTITY, ClusterEngine};
@@ -32,34 +36,26 @@ pub(super) const WORKFLOW_RETENTION: &str = "WorkflowRetention";
 /// How many `run` requests one page reads.
 const PAGE: u32 = 100;
 
-/// The shortest pause between two pages.
-const PAUSE_MIN: Duration = Duration::from_millis(10);
-
-/// How long a sweep waits for the next: a tenth of the retention, from 1 s to 1 min.
-fn sweep_interval(retention: Duration) -> Duration {
-    (retention / 10).clamp(Duration::from_secs(1), Duration::from_secs(60))
-}
-
 /// Runs the sweeps until `cancellation` fires or the engine is gone: the singleton's body.
 pub(super) async fn run(
     engine: Weak<ClusterEngine>,
     retention: Duration,
     context: SingletonContext,
 ) {
-    let cancellation = context.cancellation();
     tracing::info!(retention = ?retention, "workflow retention started on this runner");
     loop {
         let Some(engine) = engine.upgrade() else { return };
         sweep(&engine, retention, &context).await;
         drop(engine);
-        tokio::select! {
-            () = cancellation.cancelled() => return,
-            () = tokio::time::sleep(sweep_interval(retention)) => {}
+        if !context.pause(sweep_interval(retention)).await {
+            return;
         }
     }
 }
 
-/// One sweep over the executions answered before the cutoff; returns how many it deleted.
+/// One sweep over the executions answered before the cutoff; returns how many it deleted. A
+/// page or a deletion that fails or takes longer than [`CALL_DEADLINE`] ends it (a failed
+/// deletion only skips its execution).
 async fn sweep(engine: &ClusterEngine, retention: Duration, context: &SingletonContext) -> u64 {
     let cancellation = context.cancellation();
     let Ok(sharding) = engine.sharding() else { return 0 };
@@ -77,12 +73,16 @@ async fn sweep(engine: &ClusterEngine, retention: Duration, context: &SingletonC
         let started = tokio::time::Instant::now();
         let page = tokio::select! {
             () = cancellation.cancelled() => break,
-            page = engine.storage.processed_requests(&query) => page,
+            page = timeout(CALL_DEADLINE, engine.storage.processed_requests(&query)) => page,
         };
         let page = match page {
-            Ok(page) => page,
-            Err(error) => {
+            Ok(Ok(page)) => page,
+            Ok(Err(error)) => {
                 tracing::warn!(%error, deleted, "workflow retention page failed; the next sweep tries again");
+                break;
+            }
+            Err(_) => {
+                tracing::warn!(deadline = ?CALL_DEADLINE, deleted, "workflow retention page timed out; the next sweep tries again");
                 break;
             }
         };
@@ -90,14 +90,18 @@ async fn sweep(engine: &ClusterEngine, retention: Duration, context: &SingletonC
             if cancellation.is_cancelled() {
                 break;
             }
-            match purge_if_done(engine, request).await {
-                Ok(true) => {
+            match timeout(CALL_DEADLINE, purge_if_done(engine, request)).await {
+                Ok(Ok(true)) => {
                     deleted += 1;
                     crate::metrics::execution_deleted();
                 }
-                Ok(false) => {}
-                Err(error) => {
+                Ok(Ok(false)) => {}
+                Ok(Err(error)) => {
                     tracing::warn!(%error, execution_id = %request.address.entity_id, "workflow retention could not delete an execution; the next sweep tries again");
+                }
+                Err(_) => {
+                    tracing::warn!(deadline = ?CALL_DEADLINE, execution_id = %request.address.entity_id, "workflow retention timed out deleting an execution; the next sweep tries again");
+                    return deleted;
                 }
             }
         }
@@ -105,10 +109,8 @@ async fn sweep(engine: &ClusterEngine, retention: Duration, context: &SingletonC
         if page.len() < PAGE as usize || query.after.is_none() {
             break;
         }
-        let pause = started.elapsed().max(PAUSE_MIN);
-        tokio::select! {
-            () = cancellation.cancelled() => break,
-            () = tokio::time::sleep(pause) => {}
+        if !context.pause(started.elapsed().max(PAUSE_MIN)).await {
+            break;
         }
     }
     if deleted > 0 {
@@ -142,11 +144,13 @@ async fn purge_if_done(
             return Ok(false);
         }
     }
+    // The clocks first: if the second deletion fails or is cut off, the execution's `run`
+    // request is still there, and the next sweep deletes both again.
     let storage = &engine.storage;
-    storage.clear_address(&request.address).await.map_err(super::storage_error)?;
     let clocks =
         EntityAddress { entity_type: EntityType::from(CLOCK_ENTITY), ..request.address.clone() };
     storage.clear_address(&clocks).await.map_err(super::storage_error)?;
+    storage.clear_address(&request.address).await.map_err(super::storage_error)?;
     tracing::debug!(workflow, execution_id = %request.address.entity_id, "workflow retention deleted an execution");
     Ok(true)
 }
