@@ -938,36 +938,19 @@ impl MessageStorage for MemoryMessageStorage {
         address: &'a EntityAddress,
     ) -> BoxFuture<'a, Result<(), StorageError>> {
         let mut state = lock(&self.state);
-        let removed: Vec<u64> = state
+        // Every message of the entity belongs to one of its requests: deleting those requests
+        // deletes them, with their replies.
+        let request_ids: BTreeSet<Snowflake> = state
             .messages
-            .iter()
-            .filter(|(_, message)| {
+            .values()
+            .filter(|message| {
                 let candidate = message.envelope.address();
                 candidate.entity_type == address.entity_type
                     && candidate.entity_id == address.entity_id
             })
-            .map(|(rowid, _)| *rowid)
+            .map(|message| message.envelope.request_id())
             .collect();
-        let mut request_ids = BTreeSet::new();
-        for rowid in removed {
-            if let Some(message) = state.messages.remove(&rowid) {
-                state.message_rows.remove(&message.envelope.id());
-                if let Some(message_id) = &message.message_id {
-                    state.primary_keys.remove(message_id);
-                }
-                request_ids.insert(message.envelope.request_id());
-            }
-        }
-        let replies: Vec<(u64, Snowflake)> = state
-            .replies
-            .iter()
-            .filter(|(_, stored)| request_ids.contains(&stored.reply.request_id()))
-            .map(|(rowid, stored)| (*rowid, stored.reply.id()))
-            .collect();
-        for (rowid, id) in replies {
-            state.replies.remove(&rowid);
-            state.reply_rows.remove(&id);
-        }
+        state.remove_requests(&request_ids);
         ready(Ok(()))
     }
 
