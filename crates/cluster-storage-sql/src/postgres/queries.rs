@@ -169,17 +169,8 @@ impl MessageQueries {
                 "WITH input AS ( \
                    SELECT * FROM unnest($1::bigint[], $2::int[], $3::bigint[], $4::text[], \
                    $5::int[]) AS i (id, kind, request_id, payload, sequence) \
-                 ), \
-                 chunks AS ( \
-                   UPDATE {messages} m SET last_reply_id = i.id FROM input i \
-                   WHERE i.kind IS NULL AND m.id = i.request_id \
-                 ), \
-                 exits AS ( \
-                   UPDATE {messages} m SET processed = TRUE, last_reply_id = i.id FROM input i \
-                   WHERE i.kind = 0 AND m.request_id = i.request_id \
-                 ) \
-                 INSERT INTO {replies} (id, kind, request_id, payload, sequence) \
-                 SELECT id, kind, request_id, payload, sequence FROM input"
+                 ), {}",
+                store_replies(&messages, &replies, "input")
             ),
             select_duplicate: format!(
                 "SELECT m.id, r.id, r.kind, r.payload, r.sequence FROM {messages} m \
@@ -366,21 +357,30 @@ impl MessageQueries {
                    OR (i.entity_type, i.entity_id) IN ( \
                      SELECT * FROM inserted UNION ALL SELECT * FROM updated \
                      UNION ALL SELECT * FROM deleted) \
-                 ), \
-                 chunks AS ( \
-                   UPDATE {messages} m SET last_reply_id = l.id FROM live l \
-                   WHERE l.kind IS NULL AND m.id = l.request_id \
-                 ), \
-                 exits AS ( \
-                   UPDATE {messages} m SET processed = TRUE, last_reply_id = l.id FROM live l \
-                   WHERE l.kind = 0 AND m.request_id = l.request_id \
-                 ) \
-                 INSERT INTO {replies} (id, kind, request_id, payload, sequence) \
-                 SELECT id, kind, request_id, payload, sequence FROM live \
-                 RETURNING request_id"
+                 ), {} RETURNING request_id",
+                store_replies(&messages, &replies, "live")
             ),
         }
     }
+}
+
+/// The end of a reply batch's statement, after its `WITH` names the rows `source` (columns
+/// `id, kind, request_id, payload, sequence`): a chunk moves its request's `last_reply_id`, a
+/// final reply marks its request (with its acknowledgements and interrupts) processed, and
+/// every row is inserted into `replies`.
+fn store_replies(messages: &str, replies: &str, source: &str) -> String {
+    format!(
+        "chunks AS ( \
+           UPDATE {messages} m SET last_reply_id = s.id FROM {source} s \
+           WHERE s.kind IS NULL AND m.id = s.request_id \
+         ), \
+         exits AS ( \
+           UPDATE {messages} m SET processed = TRUE, last_reply_id = s.id FROM {source} s \
+           WHERE s.kind = 0 AND m.request_id = s.request_id \
+         ) \
+         INSERT INTO {replies} (id, kind, request_id, payload, sequence) \
+         SELECT id, kind, request_id, payload, sequence FROM {source}"
+    )
 }
 
 /// The ids of the unprocessed requests of row `m`'s entity stored before it and due at `$2`,
