@@ -34,6 +34,7 @@ pub mod future;
 pub mod hash;
 pub mod hash_ring;
 pub mod ids;
+pub mod inspect;
 pub mod membership;
 pub mod never;
 pub mod ownership;

@@ -520,6 +520,49 @@ pub trait MessageStorage: Send + Sync + fmt::Debug {
         Box::pin(async move { Err(crate::retention::unsupported(backend)) })
     }
 
+    /// Per entity type and shard, the unprocessed messages: how many are due, scheduled and
+    /// claimed, how many claims went stale, and since when the oldest due one has waited
+    /// ([`inspect`](crate::inspect)).
+    ///
+    /// - Groups without an unprocessed message are left out.
+    /// - The groups whose oldest due message waited longest come first; at most
+    ///   `query.limit` (1 to [`LIMIT_MAX`](crate::inspect::LIMIT_MAX), else `InvalidInput`).
+    ///
+    /// A storage without the read model fails (the default).
+    ///
+    /// # Cancel safety
+    ///
+    /// Cancel safe: it only reads.
+    fn backlog<'a>(
+        &'a self,
+        query: &'a crate::inspect::BacklogQuery,
+    ) -> BoxFuture<'a, Result<Vec<crate::inspect::Backlog>, StorageError>> {
+        let _ = query;
+        let backend = self.backend_name();
+        Box::pin(async move { Err(crate::inspect::unsupported(backend, "backlogs")) })
+    }
+
+    /// Lists requests with their final replies, as `query` selects them, in id order (newest
+    /// first if asked) ([`inspect`](crate::inspect)).
+    ///
+    /// - A limit outside 1 to [`LIMIT_MAX`](crate::inspect::LIMIT_MAX) is an `InvalidInput`.
+    /// - A payload that is not JSON is left out; a final reply that cannot be decoded reads as
+    ///   a defect. One damaged row does not stop a listing.
+    ///
+    /// A storage without the read model fails (the default).
+    ///
+    /// # Cancel safety
+    ///
+    /// Cancel safe: it only reads.
+    fn requests<'a>(
+        &'a self,
+        query: &'a crate::inspect::RequestQuery,
+    ) -> BoxFuture<'a, Result<Vec<crate::inspect::RequestRecord>, StorageError>> {
+        let _ = query;
+        let backend = self.backend_name();
+        Box::pin(async move { Err(crate::inspect::unsupported(backend, "requests")) })
+    }
+
     /// The durable state of `address`'s entity, if it has a row
     /// ([`entity_state`](crate::entity_state)). The row's key is the entity type and id.
     ///
@@ -722,6 +765,44 @@ pub trait RunnerStorage: Send + Sync + fmt::Debug {
     ///
     /// Cancel safe: it only reads.
     fn get_runners(&self) -> BoxFuture<'_, Result<Vec<(Runner, bool)>, StorageError>>;
+
+    /// Every registered runner, expired ones included, with its machine id, health and the
+    /// age of its heartbeat ([`inspect`](crate::inspect)), in address order.
+    ///
+    /// Rows that cannot be decoded are skipped. A storage without the read model fails (the
+    /// default).
+    ///
+    /// # Cancel safety
+    ///
+    /// Cancel safe: it only reads.
+    fn runner_records(
+        &self,
+    ) -> BoxFuture<'_, Result<Vec<crate::inspect::RunnerRecord>, StorageError>> {
+        let backend = self.backend_name();
+        Box::pin(async move { Err(crate::inspect::unsupported(backend, "runners")) })
+    }
+
+    /// The locks held on `shard_ids`, as the database sees them, in shard order
+    /// ([`inspect`](crate::inspect)).
+    ///
+    /// - A shard nobody locks is left out.
+    /// - An expired lease is listed, marked expired, until a runner takes it over.
+    /// - An advisory lock names its runner when the runner named its session, and the
+    ///   database session otherwise.
+    ///
+    /// A storage without the read model fails (the default).
+    ///
+    /// # Cancel safety
+    ///
+    /// Cancel safe: it only reads.
+    fn shard_locks<'a>(
+        &'a self,
+        shard_ids: &'a [ShardId],
+    ) -> BoxFuture<'a, Result<Vec<crate::inspect::ShardLock>, StorageError>> {
+        let _ = shard_ids;
+        let backend = self.backend_name();
+        Box::pin(async move { Err(crate::inspect::unsupported(backend, "shard locks")) })
+    }
 
     /// Sets the runner's health flag.
     ///

@@ -17,6 +17,9 @@ use cluster_core::entity_state::{StateWrite, StoredState};
 use cluster_core::envelope::{AckChunk, Interrupt, Reply, Request};
 use cluster_core::error::StorageError;
 use cluster_core::future::BoxFuture;
+use cluster_core::inspect::{
+    Backlog, BacklogQuery, RequestQuery, RequestRecord, RunnerRecord, ShardLock,
+};
 use cluster_core::retention::{ProcessedQuery, ProcessedRequest, PurgeProcessed};
 use cluster_core::storage::{
     MessageStorage, MessageTransaction, OrderedBatch, OrderedSave, RunnerStorage,
@@ -48,6 +51,10 @@ enum Op {
     ClearAddress,
     PurgeProcessed,
     ProcessedRequests,
+    Backlog,
+    Requests,
+    RunnerRecords,
+    ShardLocks,
     LoadState,
     SaveState,
     SaveReplyWithState,
@@ -70,7 +77,7 @@ enum Op {
 impl Op {
     /// Every operation, in declaration order (an operation's histogram is at its index; one
     /// missing here is timed by no histogram, never a panic).
-    const ALL: [Op; 36] = [
+    const ALL: [Op; 40] = [
         Op::SaveRequest,
         Op::SaveRequestOrdered,
         Op::SaveAckChunk,
@@ -90,6 +97,10 @@ impl Op {
         Op::ClearAddress,
         Op::PurgeProcessed,
         Op::ProcessedRequests,
+        Op::Backlog,
+        Op::Requests,
+        Op::RunnerRecords,
+        Op::ShardLocks,
         Op::LoadState,
         Op::SaveState,
         Op::SaveReplyWithState,
@@ -131,6 +142,10 @@ impl Op {
             Op::ClearAddress => "clear_address",
             Op::PurgeProcessed => "purge_processed",
             Op::ProcessedRequests => "processed_requests",
+            Op::Backlog => "backlog",
+            Op::Requests => "requests",
+            Op::RunnerRecords => "runner_records",
+            Op::ShardLocks => "shard_locks",
             Op::LoadState => "load_state",
             Op::SaveState => "save_state",
             Op::SaveReplyWithState => "save_reply_with_state",
@@ -365,6 +380,20 @@ impl MessageStorage for MeteredMessages {
         Box::pin(self.meters.measure(Op::ProcessedRequests, listed))
     }
 
+    fn backlog<'a>(
+        &'a self,
+        query: &'a BacklogQuery,
+    ) -> BoxFuture<'a, Result<Vec<Backlog>, StorageError>> {
+        Box::pin(self.meters.measure(Op::Backlog, self.inner.backlog(query)))
+    }
+
+    fn requests<'a>(
+        &'a self,
+        query: &'a RequestQuery,
+    ) -> BoxFuture<'a, Result<Vec<RequestRecord>, StorageError>> {
+        Box::pin(self.meters.measure(Op::Requests, self.inner.requests(query)))
+    }
+
     fn load_state<'a>(
         &'a self,
         address: &'a EntityAddress,
@@ -480,6 +509,17 @@ impl RunnerStorage for MeteredRunners {
 
     fn get_runners(&self) -> BoxFuture<'_, Result<Vec<(Runner, bool)>, StorageError>> {
         Box::pin(self.meters.measure(Op::GetRunners, self.inner.get_runners()))
+    }
+
+    fn runner_records(&self) -> BoxFuture<'_, Result<Vec<RunnerRecord>, StorageError>> {
+        Box::pin(self.meters.measure(Op::RunnerRecords, self.inner.runner_records()))
+    }
+
+    fn shard_locks<'a>(
+        &'a self,
+        shard_ids: &'a [ShardId],
+    ) -> BoxFuture<'a, Result<Vec<ShardLock>, StorageError>> {
+        Box::pin(self.meters.measure(Op::ShardLocks, self.inner.shard_locks(shard_ids)))
     }
 
     fn set_runner_health<'a>(

@@ -73,3 +73,35 @@ pub(crate) async fn with_deadline<T>(
 
 #[cfg(all(test, feature = "postgres", feature = "mysql"))]
 mod tests;
+
+#[cfg(feature = "postgres")]
+/// What a runner's lock session is named after, before the runner's address: PostgreSQL's
+/// `application_name`. (A MySQL lock session names its runner with an identity lock instead,
+/// `<prefix>:runner:<address>`: see `mysql::queries::identity_lock_name`.)
+pub(crate) const SESSION_NAME_PREFIX: &str = "cluster-runner ";
+
+#[cfg(feature = "postgres")]
+/// The `application_name` that names a lock session after `address`: the one the URL
+/// configured, if any, then `cluster-runner <address>`; `None` if it does not fit (PostgreSQL
+/// keeps 63 bytes, and a cut name could name another runner).
+pub(crate) fn session_name(
+    configured: Option<&str>,
+    address: &cluster_core::RunnerAddress,
+) -> Option<String> {
+    let name = match configured.filter(|configured| !configured.is_empty()) {
+        Some(configured) => format!("{configured} {SESSION_NAME_PREFIX}{address}"),
+        None => format!("{SESSION_NAME_PREFIX}{address}"),
+    };
+    (name.len() <= 63).then_some(name)
+}
+
+#[cfg(feature = "postgres")]
+/// The holder of a lock whose session is named `name` (a runner's, if the name is one of ours)
+/// and identified by `session` otherwise.
+pub(crate) fn holder_of(name: Option<&str>, session: String) -> cluster_core::inspect::LockHolder {
+    use cluster_core::inspect::LockHolder;
+    name.and_then(|name| name.rsplit_once(SESSION_NAME_PREFIX))
+        .map(|(_, address)| address)
+        .and_then(|address| address.parse::<cluster_core::RunnerAddress>().ok())
+        .map_or(LockHolder::Session(session), LockHolder::Runner)
+}

@@ -623,5 +623,7 @@ pub(crate) fn group_addresses(addresses: &[EntityAddress]) -> Vec<(String, &str,
     groups.into_iter().map(|((shard_id, entity_type), ids)| (shard_id, entity_type, ids)).collect()
 }
 
+pub(crate) mod inspect;
+
 #[cfg(test)]
 mod tests;

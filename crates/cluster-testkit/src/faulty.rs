@@ -13,6 +13,9 @@ use cluster_core::entity_state::{StateWrite, StoredState};
 use cluster_core::envelope::{AckChunk, Interrupt, Reply, Request};
 use cluster_core::error::{StorageError, StorageErrorKind};
 use cluster_core::future::BoxFuture;
+use cluster_core::inspect::{
+    Backlog, BacklogQuery, RequestQuery, RequestRecord, RunnerRecord, ShardLock,
+};
 use cluster_core::retention::{ProcessedQuery, ProcessedRequest, PurgeProcessed};
 use cluster_core::storage::{
     MessageStorage, MessageTransaction, OrderedSave, RunnerStorage, SaveRequestOptions, SaveResult,
@@ -620,6 +623,26 @@ impl MessageStorage for FaultyMessageStorage {
         self.inner.processed_requests(query)
     }
 
+    fn backlog<'a>(
+        &'a self,
+        query: &'a BacklogQuery,
+    ) -> BoxFuture<'a, Result<Vec<Backlog>, StorageError>> {
+        if self.faults.is_dead() {
+            return dead();
+        }
+        self.inner.backlog(query)
+    }
+
+    fn requests<'a>(
+        &'a self,
+        query: &'a RequestQuery,
+    ) -> BoxFuture<'a, Result<Vec<RequestRecord>, StorageError>> {
+        if self.faults.is_dead() {
+            return dead();
+        }
+        self.inner.requests(query)
+    }
+
     fn begin_transaction(
         &self,
     ) -> BoxFuture<'_, Result<Box<dyn MessageTransaction>, StorageError>> {
@@ -880,6 +903,17 @@ impl RunnerStorage for FaultyRunnerStorage {
 
     fn get_runners(&self) -> BoxFuture<'_, Result<Vec<(Runner, bool)>, StorageError>> {
         self.inner.get_runners()
+    }
+
+    fn runner_records(&self) -> BoxFuture<'_, Result<Vec<RunnerRecord>, StorageError>> {
+        self.inner.runner_records()
+    }
+
+    fn shard_locks<'a>(
+        &'a self,
+        shard_ids: &'a [ShardId],
+    ) -> BoxFuture<'a, Result<Vec<ShardLock>, StorageError>> {
+        self.inner.shard_locks(shard_ids)
     }
 
     fn set_runner_health<'a>(

@@ -32,6 +32,9 @@ use cluster_core::entity_state::{StateWrite, StoredState};
 use cluster_core::envelope::{self, AckChunk, Envelope, Interrupt, RawJson, Reply, Request};
 use cluster_core::error::{DecodeError, StorageError, StorageErrorKind};
 use cluster_core::future::BoxFuture;
+use cluster_core::inspect::{
+    self, Backlog, BacklogQuery, LockHolder, RequestQuery, RequestRecord, RunnerRecord, ShardLock,
+};
 use cluster_core::retention::{self, ProcessedQuery, ProcessedRequest, PurgeProcessed};
 use cluster_core::storage::{
     CLAIM_WINDOW, MalformedMessage, MessageStorage, MessageTransaction, RunnerStorage,
@@ -663,6 +666,96 @@ impl MemoryMessageStorage {
         Ok(listed)
     }
 
+    /// `backlog`: the unprocessed messages grouped by entity type and shard.
+    fn backlog_now(&self, query: &BacklogQuery) -> Result<Vec<Backlog>, StorageError> {
+        inspect::check_limit("backlog", query.limit)?;
+        let stale_before = self.clock.now().saturating_sub(query.stale_after);
+        let state = lock(&self.state);
+        let mut groups: BTreeMap<(String, ShardId), Backlog> = BTreeMap::new();
+        for message in state.messages.values().filter(|message| !message.processed) {
+            let address = message.envelope.address();
+            let key = (address.entity_type.as_str().to_owned(), address.shard_id.clone());
+            let group = groups.entry(key).or_insert_with(|| Backlog {
+                entity_type: address.entity_type.as_str().to_owned(),
+                shard_id: address.shard_id.clone(),
+                due: 0,
+                scheduled: 0,
+                claimed: 0,
+                stale_claims: 0,
+                waiting_since: None,
+            });
+            let id_time = message.envelope.id().timestamp();
+            let waiting_since = match message.deliver_at {
+                None => id_time,
+                Some(at) if at <= query.now => at.max(id_time),
+                Some(_) => {
+                    group.scheduled += 1;
+                    continue;
+                }
+            };
+            group.due += 1;
+            group.waiting_since =
+                Some(group.waiting_since.map_or(waiting_since, |since| since.min(waiting_since)));
+            if let Some(read) = message.last_read {
+                group.claimed += 1;
+                if read < stale_before {
+                    group.stale_claims += 1;
+                }
+            }
+        }
+        let mut listed: Vec<Backlog> = groups.into_values().collect();
+        // The longest wait first; groups with nothing due last.
+        listed.sort_by_key(|group| (group.waiting_since.is_none(), group.waiting_since));
+        listed.truncate(usize::try_from(query.limit).unwrap_or(usize::MAX));
+        Ok(listed)
+    }
+
+    /// `requests`: a corrupted payload is left out, a corrupted final reply reads as a defect.
+    fn requests_now(&self, query: &RequestQuery) -> Result<Vec<RequestRecord>, StorageError> {
+        inspect::check_limit("requests", query.limit)?;
+        let state = lock(&self.state);
+        let mut listed: Vec<RequestRecord> = Vec::new();
+        for message in state.messages.values() {
+            let Envelope::Request(request) = &message.envelope else { continue };
+            let tag = request.tag.as_str();
+            if !query.matches(request.request_id, &request.address, tag, message.processed) {
+                continue;
+            }
+            let reply = state
+                .replies
+                .values()
+                .find(|stored| {
+                    stored.reply.request_id() == request.request_id && stored.reply.is_final()
+                })
+                .and_then(|stored| match MessageState::decoded_reply(stored) {
+                    Reply::WithExit(reply) => Some(reply),
+                    Reply::Chunk(_) => None,
+                });
+            let interrupted = state.messages.values().any(|other| {
+                matches!(&other.envelope, Envelope::Interrupt(interrupt)
+                    if interrupt.request_id == request.request_id)
+            });
+            listed.push(RequestRecord {
+                request_id: request.request_id,
+                address: request.address.clone(),
+                shard_id: request.address.shard_id.clone(),
+                tag: tag.to_owned(),
+                payload: (!message.corrupted).then(|| request.payload.clone()),
+                processed: message.processed,
+                claimed: !message.processed && message.last_read.is_some(),
+                deliver_at: message.deliver_at,
+                interrupted,
+                reply,
+            });
+        }
+        listed.sort_by_key(|record| record.request_id);
+        if query.newest_first {
+            listed.reverse();
+        }
+        listed.truncate(usize::try_from(query.limit).unwrap_or(usize::MAX));
+        Ok(listed)
+    }
+
     fn load_state_now(&self, address: &EntityAddress) -> Result<Option<StoredState>, StorageError> {
         let state = lock(&self.state);
         let Some(stored) = state.states.get(&state_key(address)) else { return Ok(None) };
@@ -968,6 +1061,20 @@ impl MessageStorage for MemoryMessageStorage {
         ready(self.processed_requests_now(query))
     }
 
+    fn backlog<'a>(
+        &'a self,
+        query: &'a BacklogQuery,
+    ) -> BoxFuture<'a, Result<Vec<Backlog>, StorageError>> {
+        ready(self.backlog_now(query))
+    }
+
+    fn requests<'a>(
+        &'a self,
+        query: &'a RequestQuery,
+    ) -> BoxFuture<'a, Result<Vec<RequestRecord>, StorageError>> {
+        ready(self.requests_now(query))
+    }
+
     fn load_state<'a>(
         &'a self,
         address: &'a EntityAddress,
@@ -1248,6 +1355,44 @@ impl RunnerStorage for MemoryRunnerStorage {
                 .collect()
         });
         ready(Ok(runners))
+    }
+
+    fn runner_records(&self) -> BoxFuture<'_, Result<Vec<RunnerRecord>, StorageError>> {
+        let records = self.with_state(|state, now, expired_before| {
+            state
+                .runners
+                .values()
+                .map(|row| RunnerRecord {
+                    runner: row.runner.clone(),
+                    machine_id: row.machine_id,
+                    healthy: row.healthy,
+                    heartbeat_age: now.saturating_duration_since(row.heartbeat),
+                    alive: row.heartbeat > expired_before,
+                })
+                .collect()
+        });
+        ready(Ok(records))
+    }
+
+    fn shard_locks<'a>(
+        &'a self,
+        shard_ids: &'a [ShardId],
+    ) -> BoxFuture<'a, Result<Vec<ShardLock>, StorageError>> {
+        let wanted: BTreeSet<&ShardId> = shard_ids.iter().collect();
+        let locks = self.with_state(|state, now, expired_before| {
+            state
+                .locks
+                .iter()
+                .filter(|(shard, _)| wanted.contains(shard))
+                .map(|(shard, (holder, refreshed))| ShardLock {
+                    shard_id: shard.clone(),
+                    holder: LockHolder::Runner(holder.clone()),
+                    lease_age: Some(now.saturating_duration_since(*refreshed)),
+                    expired: *refreshed < expired_before,
+                })
+                .collect()
+        });
+        ready(Ok(locks))
     }
 
     fn set_runner_health<'a>(

@@ -33,6 +33,7 @@ use cluster_core::entity_state::{StateWrite, StoredState};
 use cluster_core::envelope::{self, AckChunk, Interrupt, Reply, Request};
 use cluster_core::error::{DecodeError, StorageError, StorageErrorKind};
 use cluster_core::future::BoxFuture;
+use cluster_core::inspect::{Backlog, BacklogQuery, RequestQuery, RequestRecord};
 use cluster_core::retention::{self, ProcessedQuery, ProcessedRequest, PurgeProcessed};
 use cluster_core::storage::{
     MalformedMessage, MessageStorage, MessageTransaction, SaveRequestOptions, SaveResult,
@@ -51,6 +52,7 @@ use super::migrate::migrate_messages;
 use super::queries::{self, IN_LIST_LEN_MAX, MessageQueries};
 use crate::batch::Batcher;
 use crate::options::{TablePrefix, ValueBytesMax};
+use crate::row::inspect::{BacklogFilter, BacklogRow, RequestFilter, RequestRow};
 use crate::row::{
     self, LastReplyRow, MessageInsert, MessageRow, ProcessedRow, ReplyInsert, ReplyRow,
     StateChange, StateRow, StoredStateRow, ValueLimit,
@@ -662,6 +664,44 @@ impl MySqlMessageStorage {
         rows.into_iter().map(read_processed_row).collect()
     }
 
+    async fn backlog_inner(&self, query: &BacklogQuery) -> Result<Vec<Backlog>, StorageError> {
+        let filter = BacklogFilter::new(query)?;
+        let params = (filter.now_ms, filter.stale_after_ms, filter.limit);
+        let mut conn = self.conn().await?;
+        let rows: Vec<Row> = conn
+            .exec(self.queries.backlog.as_str(), params)
+            .await
+            .map_err(|error| storage_error("backlog", error))?;
+        rows.into_iter().map(read_backlog_row).collect()
+    }
+
+    async fn requests_inner(
+        &self,
+        query: &RequestQuery,
+    ) -> Result<Vec<RequestRecord>, StorageError> {
+        let filter = RequestFilter::new(query)?;
+        // In the order of `MessageQueries::requests`, which leaves the unset filters out.
+        let mut params = Vec::new();
+        params.extend(filter.request_id.map(Value::from));
+        params.extend(filter.shard_id.as_deref().map(Value::from));
+        if !filter.entity_type_prefix.is_empty() {
+            params.push(Value::from(filter.entity_type_prefix.as_str()));
+            params.push(Value::from(filter.entity_type_prefix.as_str()));
+        }
+        params.extend(filter.entity_type.as_deref().map(Value::from));
+        params.extend(filter.entity_id.as_deref().map(Value::from));
+        params.extend(filter.tag.as_deref().map(Value::from));
+        params.extend(filter.processed.map(Value::from));
+        params.push(Value::from(filter.after));
+        params.push(Value::from(filter.before));
+        params.push(Value::from(filter.limit));
+        let sql = self.queries.requests(&filter);
+        let mut conn = self.conn().await?;
+        let rows: Vec<Row> =
+            conn.exec(sql, params).await.map_err(|error| storage_error("requests", error))?;
+        rows.into_iter().map(read_request_row).collect()
+    }
+
     async fn clear_address_inner(&self, address: &EntityAddress) -> Result<(), StorageError> {
         let body = TxBody::ClearAddress {
             entity_type: address.entity_type.as_str(),
@@ -837,6 +877,20 @@ impl MessageStorage for MySqlMessageStorage {
         query: &'a ProcessedQuery,
     ) -> BoxFuture<'a, Result<Vec<ProcessedRequest>, StorageError>> {
         Box::pin(self.processed_requests_inner(query).instrument(span("processed_requests")))
+    }
+
+    fn backlog<'a>(
+        &'a self,
+        query: &'a BacklogQuery,
+    ) -> BoxFuture<'a, Result<Vec<Backlog>, StorageError>> {
+        Box::pin(self.backlog_inner(query).instrument(span("backlog")))
+    }
+
+    fn requests<'a>(
+        &'a self,
+        query: &'a RequestQuery,
+    ) -> BoxFuture<'a, Result<Vec<RequestRecord>, StorageError>> {
+        Box::pin(self.requests_inner(query).instrument(span("requests")))
     }
 
     fn load_state<'a>(
@@ -1446,6 +1500,70 @@ fn read_processed_row(row: Row) -> Result<ProcessedRequest, StorageError> {
         reply_id,
         reply_payload,
         payload,
+    }
+    .decode()
+}
+
+/// A `backlog` row: `entity_type, shard_id`, the four counts and the wait start; a column that
+/// cannot be read is a malformed row.
+fn read_backlog_row(row: Row) -> Result<Backlog, StorageError> {
+    let mut columns = Columns::new(row);
+    let entity_type = present(columns.text(), "entity_type").map_err(malformed_row)?;
+    let shard_id = present(columns.text(), "shard_id").map_err(malformed_row)?;
+    let mut count = |name: &str| required(columns.int(), name);
+    let due = count("due")?;
+    let scheduled = count("scheduled")?;
+    let claimed = count("claimed")?;
+    let stale_claims = count("stale_claims")?;
+    let waiting_since = columns.int().map_err(malformed_row)?;
+    BacklogRow { entity_type, shard_id, due, scheduled, claimed, stale_claims, waiting_since }
+        .decode()
+}
+
+/// A `requests` row (see `MessageQueries::requests`); a column that cannot be read is a
+/// malformed row named by its id, except the payload, which is left out.
+fn read_request_row(row: Row) -> Result<RequestRecord, StorageError> {
+    let mut columns = Columns::new(row);
+    let request_id = required(columns.int(), "id")?;
+    let unreadable = |error: DecodeError| {
+        StorageError::with_source(
+            StorageErrorKind::Malformed,
+            format!("the request row {request_id} cannot be read"),
+            error,
+        )
+    };
+    let shard_id = present(columns.text(), "shard_id").map_err(unreadable)?;
+    let entity_type = present(columns.text(), "entity_type").map_err(unreadable)?;
+    let entity_id = present(columns.text(), "entity_id").map_err(unreadable)?;
+    let tag = columns.text().map_err(unreadable)?;
+    // A payload that cannot be read is left out, as one that is not JSON.
+    let payload = columns.text().ok().flatten();
+    let mut flag = |name: &str| {
+        columns
+            .boolean()
+            .map_err(unreadable)?
+            .ok_or_else(|| unreadable(DecodeError::new("request row", format!("{name} is NULL"))))
+    };
+    let processed = flag("processed")?;
+    let claimed = flag("claimed")?;
+    let deliver_at = columns.int().map_err(unreadable)?;
+    let interrupted = columns.boolean().map_err(unreadable)?.unwrap_or(false);
+    let reply_id = columns.int().map_err(unreadable)?;
+    // A reply payload that cannot be read decodes as a defect, as one that is not JSON.
+    let reply_payload = columns.text().ok().flatten();
+    RequestRow {
+        request_id,
+        shard_id,
+        entity_type,
+        entity_id,
+        tag,
+        payload,
+        processed,
+        claimed,
+        deliver_at,
+        interrupted,
+        reply_id,
+        reply_payload,
     }
     .decode()
 }

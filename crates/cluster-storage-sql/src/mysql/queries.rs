@@ -3,17 +3,22 @@
 //!
 //! Identifiers come only from the validated [`TablePrefix`] (and are quoted with backticks);
 //! every value is a `?` parameter. The only literals spliced in are our own numbers (kinds,
-//! the claim window, the lease expiration in seconds) and collation names from
-//! [`KEY_COLLATIONS`], never input.
+//! the claim window, the lease expiration in seconds, the snowflake epoch), collation names
+//! from [`KEY_COLLATIONS`] and, in the identity lock names ([`identity_lock_name`]), the table
+//! prefix, never input.
 //!
 //! Claims, heartbeats and leases are written and compared in `UTC_TIMESTAMP()`, never `NOW()`:
 //! `DATETIME` columns keep no time zone, and `NOW()` is the session's local time, which jumps
-//! at daylight saving changes and differs between sessions in different zones.
+//! at daylight saving changes and differs between sessions in different zones. The read
+//! model's ages are measured against `UTC_TIMESTAMP(6)`, in milliseconds.
 
 use cluster_core::storage::CLAIM_WINDOW;
 
-use crate::options::TablePrefix;
-use crate::row::{MESSAGE_KIND_ACK_CHUNK, MESSAGE_KIND_INTERRUPT, REPLY_KIND_WITH_EXIT};
+use crate::options::{TABLE_PREFIX_LEN_MAX, TablePrefix};
+use crate::row::inspect::{RequestFilter, waiting_since_sql};
+use crate::row::{
+    MESSAGE_KIND_ACK_CHUNK, MESSAGE_KIND_INTERRUPT, MESSAGE_KIND_REQUEST, REPLY_KIND_WITH_EXIT,
+};
 
 /// Widths of the reference's columns (`effect/src/cluster/SqlRunnerStorage.ts`,
 /// `effect/src/cluster/SqlMessageStorage.ts`), checked before writing so that a value never reaches
@@ -392,6 +397,10 @@ pub(crate) struct MessageQueries {
     pub(crate) update_state: String,
     /// Deletes an entity's state (type, id) if its revision is the last parameter.
     pub(crate) delete_state: String,
+    /// The read model's backlog: parameters now (epoch ms), the stale claim age (ms) and the
+    /// limit, each bound once (a derived table names the first two). Columns: `entity_type,
+    /// shard_id`, the due, scheduled, claimed and stale counts, and the wait start (epoch ms).
+    pub(crate) backlog: String,
 }
 
 impl MessageQueries {
@@ -480,6 +489,7 @@ impl MessageQueries {
             delete_state: format!(
                 "DELETE FROM {state} WHERE entity_type = ? AND entity_id = ? AND revision = ?"
             ),
+            backlog: backlog_sql(&messages),
             messages,
             replies,
         }
@@ -682,6 +692,61 @@ impl MessageQueries {
         )
     }
 
+    /// The read model's requests with their final replies (`requests`), in id order (newest
+    /// first if `filter` asks). Only the filters `filter` sets appear, each with its
+    /// parameters, in this order: the request id; the entity type prefix if not empty (bound
+    /// twice, see [`starts_with`]); the entity type; the entity id; the tag; processed; then
+    /// always `after`, `before` and the limit. Columns: `id, shard_id, entity_type,
+    /// entity_id, tag, payload`, processed, claimed, `deliver_at`, interrupted, and the final
+    /// reply's `id, payload`.
+    ///
+    /// Texts compare as binary strings, as in [`processed_requests`](Self::processed_requests):
+    /// the reference's columns may keep a collation that ignores case, and `testentity` must
+    /// not find `TestEntity`.
+    pub(crate) fn requests(&self, filter: &RequestFilter) -> String {
+        let (messages, replies) = (&self.messages, &self.replies);
+        let (request, interrupt, exit) =
+            (MESSAGE_KIND_REQUEST, MESSAGE_KIND_INTERRUPT, REPLY_KIND_WITH_EXIT);
+        let equals = |column: &str| format!(" AND CAST({column} AS BINARY) = CAST(? AS BINARY)");
+        let mut conditions = String::new();
+        if filter.request_id.is_some() {
+            conditions.push_str(" AND m.id = ?");
+        }
+        // Plain, not binary: the shard index serves it (shard ids are ASCII).
+        if filter.shard_id.is_some() {
+            conditions.push_str(" AND m.shard_id = ?");
+        }
+        if !filter.entity_type_prefix.is_empty() {
+            conditions.push_str(" AND ");
+            conditions.push_str(&starts_with("m.entity_type"));
+        }
+        if filter.entity_type.is_some() {
+            conditions.push_str(&equals("m.entity_type"));
+        }
+        if filter.entity_id.is_some() {
+            conditions.push_str(&equals("m.entity_id"));
+        }
+        if filter.tag.is_some() {
+            conditions.push_str(&equals("m.tag"));
+        }
+        if filter.processed.is_some() {
+            conditions.push_str(" AND m.processed = ?");
+        }
+        let direction = if filter.newest_first { "DESC" } else { "ASC" };
+        // language=SQL
+        format!(
+            "SELECT m.id, m.shard_id, m.entity_type, m.entity_id, m.tag, m.payload, m.processed, \
+             (m.processed = FALSE AND m.last_read IS NOT NULL), m.deliver_at, \
+             EXISTS (SELECT 1 FROM {messages} i \
+               WHERE i.request_id = m.id AND i.kind = {interrupt}), \
+             r.id, r.payload \
+             FROM {messages} m \
+             LEFT JOIN {replies} r ON r.request_id = m.id AND r.kind = {exit} \
+             WHERE m.kind = {request}{conditions} AND m.id > ? AND m.id < ? \
+             ORDER BY m.id {direction} LIMIT ?"
+        )
+    }
+
     /// Releases the claims of unprocessed rows of the address groups.
     pub(crate) fn reset_addresses(&self, address_groups: &[usize]) -> String {
         // language=SQL
@@ -697,6 +762,39 @@ impl MessageQueries {
 /// compare), byte for byte: as binary strings, so that no collation ignores case or accents.
 fn starts_with(column: &str) -> String {
     format!("(CAST(LEFT({column}, CHAR_LENGTH(?)) AS BINARY) = CAST(? AS BINARY))")
+}
+
+/// The read model's backlog over `messages` ([`MessageQueries::backlog`]). MySQL has no
+/// aggregate `FILTER`: each count is a `SUM` of a `CASE`, cast back from `DECIMAL`; and no
+/// `NULLS LAST`: groups with no due message sort last by `MIN(…) IS NULL` (MariaDB refuses the
+/// alias of an aggregate inside an `ORDER BY` expression, so the minimum is repeated). Claim ages
+/// are measured in `UTC_TIMESTAMP(6)`, as claims are written in UTC, and compared in
+/// milliseconds (the largest stale age, `i64::MAX` ms, has no microseconds in a `BIGINT`).
+fn backlog_sql(messages: &str) -> String {
+    let due = "(deliver_at IS NULL OR deliver_at <= p.now_ms)";
+    let count =
+        |condition: &str| format!("CAST(SUM(CASE WHEN {condition} THEN 1 ELSE 0 END) AS SIGNED)");
+    let (n_due, n_scheduled) = (count(due), count("deliver_at > p.now_ms"));
+    let n_claimed = count(&format!("{due} AND last_read IS NOT NULL"));
+    let n_stale = count(&format!(
+        "{due} AND TIMESTAMPDIFF(MICROSECOND, last_read, UTC_TIMESTAMP(6)) DIV 1000 \
+         > p.stale_after_ms"
+    ));
+    // `id >> 22` shifts the id as an unsigned 64-bit number: exact, since ids are never
+    // negative. The message columns are unqualified, as `waiting_since_sql` names them; the
+    // parameters' derived table `p` has no column of the same name.
+    let waiting = waiting_since_sql("p.now_ms", "GREATEST");
+    // language=SQL
+    format!(
+        "SELECT entity_type, shard_id, {n_due}, {n_scheduled}, {n_claimed}, {n_stale}, \
+         CAST(MIN({waiting}) AS SIGNED) AS waiting_since \
+         FROM {messages} \
+         CROSS JOIN (SELECT CAST(? AS SIGNED) AS now_ms, CAST(? AS SIGNED) AS stale_after_ms) p \
+         WHERE processed = FALSE \
+         GROUP BY entity_type, shard_id \
+         ORDER BY MIN({waiting}) IS NULL, waiting_since, entity_type, shard_id \
+         LIMIT ?"
+    )
 }
 
 /// `(shard_id = ? AND entity_type = ? AND entity_id IN (?, …)) OR …`, one clause per group.
@@ -728,6 +826,17 @@ pub(crate) struct RunnerQueries {
     pub(crate) heartbeat: String,
     pub(crate) lease_release: String,
     pub(crate) lease_release_all: String,
+    /// Every runner: `machine_id, runner, healthy`, the heartbeat's age in ms and whether it
+    /// is alive.
+    pub(crate) runner_records: String,
+    /// Takes the identity lock of the address parameter (bound three times, see
+    /// [`identity_lock_name`]) without waiting: 1 if taken.
+    pub(crate) identity_take: String,
+    /// Releases the identity lock of the address parameter (bound three times).
+    pub(crate) identity_release: String,
+    /// The registered runners whose identity lock is held: `address` and the holder's
+    /// connection id, as `IS_USED_LOCK` reports it.
+    pub(crate) identity_holders: String,
 }
 
 impl RunnerQueries {
@@ -757,6 +866,18 @@ impl RunnerQueries {
             ),
             lease_release: format!("DELETE FROM {locks} WHERE address = ? AND shard_id = ?"),
             lease_release_all: format!("DELETE FROM {locks} WHERE address = ?"),
+            runner_records: format!(
+                "SELECT machine_id, runner, healthy, \
+                 TIMESTAMPDIFF(MICROSECOND, last_heartbeat, UTC_TIMESTAMP(6)) DIV 1000, \
+                 last_heartbeat > {expired_before} \
+                 FROM {runners} ORDER BY address"
+            ),
+            identity_take: format!("SELECT GET_LOCK({}, 0)", identity_lock_name(prefix, "?")),
+            identity_release: format!("SELECT RELEASE_LOCK({})", identity_lock_name(prefix, "?")),
+            identity_holders: {
+                let held = format!("IS_USED_LOCK({})", identity_lock_name(prefix, "address"));
+                format!("SELECT address, {held} FROM {runners} WHERE {held} IS NOT NULL")
+            },
             locks,
             expired_before,
         }
@@ -813,6 +934,52 @@ impl RunnerQueries {
             placeholders(n_shards)
         )
     }
+
+    /// The lease rows of `n_shards` shards (parameters: shard ids): `shard_id, address`, the
+    /// lease's age in ms and whether it expired (the takeover condition of
+    /// [`lease_acquire`](Self::lease_acquire)).
+    pub(crate) fn lease_rows(&self, n_shards: usize) -> String {
+        // language=SQL
+        format!(
+            "SELECT shard_id, address, \
+             TIMESTAMPDIFF(MICROSECOND, acquired_at, UTC_TIMESTAMP(6)) DIV 1000, \
+             acquired_at < {} \
+             FROM {} WHERE shard_id IN ({})",
+            self.expired_before,
+            self.locks,
+            placeholders(n_shards)
+        )
+    }
+}
+
+/// What an identity lock's name starts with, after the table prefix: `<prefix>:runner:`.
+const IDENTITY_LOCK_INFIX: &str = ":runner:";
+
+// A hashed identity lock name keeps at least 24 hex digits (96 bits) of the address's hash.
+const _: () = assert!(LOCK_NAME_LEN_MAX - TABLE_PREFIX_LEN_MAX - IDENTITY_LOCK_INFIX.len() >= 24);
+
+/// The SQL expression of the name of the *identity lock* of the runner address `address` (a
+/// column or a `?`, which then appears three times): the named lock a runner's advisory lock
+/// session holds so that other sessions can tell which runner a shard lock's holder is
+/// (`shard_lock`).
+///
+/// The name is `<prefix>:runner:<address>` when that fits MySQL's 64 characters; a longer
+/// address is replaced by the first hex digits of its SHA-256 that fit, after `<prefix>:runner#`
+/// (at least 24 digits, the prefix having at most 32 characters): cutting the address instead
+/// could give two runners one name. Neither form can be a shard lock (`<prefix>.<shard>`) or a
+/// pin lock (`<prefix>:pid:<n>`), since prefixes are identifiers. Lock names compare without
+/// case, so addresses that differ only in case share a name: the second session cannot take
+/// it, and a reader that finds one holder for two runners names neither.
+///
+/// The prefix is spliced into string literals: a validated identifier, it holds no quote.
+pub(crate) fn identity_lock_name(prefix: &TablePrefix, address: &str) -> String {
+    let head = format!("{prefix}{IDENTITY_LOCK_INFIX}");
+    let room = LOCK_NAME_LEN_MAX.saturating_sub(head.chars().count());
+    let hashed = format!("{prefix}:runner#");
+    format!(
+        "IF(CHAR_LENGTH({address}) <= {room}, CONCAT('{head}', {address}), \
+         CONCAT('{hashed}', LEFT(SHA2({address}, 256), {room})))"
+    )
 }
 
 /// `SELECT IS_USED_LOCK(?), …` over `n` lock names: the connection id holding each, or NULL.

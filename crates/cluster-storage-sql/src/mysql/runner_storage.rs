@@ -11,8 +11,9 @@ use std::fmt;
 use std::sync::Arc;
 
 use cluster_core::encoded::JsonForm;
-use cluster_core::error::{StorageError, StorageErrorKind};
+use cluster_core::error::{DecodeError, StorageError, StorageErrorKind};
 use cluster_core::future::BoxFuture;
+use cluster_core::inspect::{RunnerRecord, ShardLock};
 use cluster_core::storage::RunnerStorage;
 use cluster_core::{MachineId, Runner, RunnerAddress, ShardId};
 use mysql_async::prelude::Queryable;
@@ -23,10 +24,11 @@ use super::classify::storage_error;
 use super::columns::{Columns, check_bytes, check_chars};
 use super::connection;
 use super::migrate::migrate_runners;
-use super::queries::{self, RunnerQueries};
+use super::queries::{self, IN_LIST_LEN_MAX, RunnerQueries};
 use super::shard_lock::{LockCommand, ShardLocks};
 use crate::lock::with_deadline;
-use crate::options::SqlStorageOptions;
+use crate::options::{LockMode, SqlStorageOptions};
+use crate::row::inspect::{self, LeaseRow, RunnerRecordRow};
 
 /// [`RunnerStorage`] on MySQL or MariaDB (`effect/src/cluster/RunnerStorage.ts`), in either
 /// [`LockMode`].
@@ -168,6 +170,53 @@ impl MySqlRunnerStorage {
         Ok(runners)
     }
 
+    async fn runner_records_inner(&self) -> Result<Vec<RunnerRecord>, StorageError> {
+        let mut conn = self.conn().await?;
+        let rows: Vec<Row> = conn
+            .exec(self.queries.runner_records.as_str(), ())
+            .await
+            .map_err(|error| storage_error("runner_records", error))?;
+        let rows = rows
+            .into_iter()
+            .filter_map(|row| {
+                read_runner_record(row)
+                    .inspect_err(|error| {
+                        tracing::warn!(%error, "skipping a runner row that cannot be read");
+                    })
+                    .ok()
+            })
+            .collect();
+        Ok(inspect::runner_records(rows))
+    }
+
+    async fn shard_locks_inner(
+        &self,
+        shard_ids: &[ShardId],
+    ) -> Result<Vec<ShardLock>, StorageError> {
+        if shard_ids.is_empty() {
+            return Ok(Vec::new());
+        }
+        let mut conn = self.conn().await?;
+        if self.locks.mode() == LockMode::Advisory {
+            return self.locks.holders(&mut conn, shard_ids).await;
+        }
+        let shards: Vec<String> = shard_ids.iter().map(ToString::to_string).collect();
+        let mut leases = Vec::new();
+        for chunk in shards.chunks(IN_LIST_LEN_MAX) {
+            let rows: Vec<Row> = conn
+                .exec(self.queries.lease_rows(chunk.len()), chunk.to_vec())
+                .await
+                .map_err(|error| storage_error("shard_locks", error))?;
+            for row in rows {
+                match read_lease(row) {
+                    Ok(lease) => leases.push(lease),
+                    Err(error) => tracing::warn!(%error, "skipping a lock row that cannot be read"),
+                }
+            }
+        }
+        Ok(inspect::shard_locks(leases))
+    }
+
     /// A lock operation under the deadline `shard_lock_interval`.
     async fn locked(
         &self,
@@ -183,6 +232,35 @@ fn address_text(address: &RunnerAddress) -> Result<String, StorageError> {
     let text = address.to_string();
     check_chars("address", &text, queries::ADDRESS_LEN_MAX)?;
     Ok(text)
+}
+
+/// A `runner_records` row: `machine_id, runner, healthy`, the heartbeat's age (ms) and
+/// whether it is alive.
+fn read_runner_record(row: Row) -> Result<RunnerRecordRow, DecodeError> {
+    let mut columns = Columns::new(row);
+    Ok(RunnerRecordRow {
+        machine_id: not_null(columns.int(), "machine_id")?,
+        runner: not_null(columns.text(), "runner")?,
+        healthy: not_null(columns.boolean(), "healthy")?,
+        heartbeat_age_ms: not_null(columns.int(), "heartbeat age")?,
+        alive: not_null(columns.boolean(), "alive")?,
+    })
+}
+
+/// A `lease_rows` row: `shard_id, address`, the lease's age (ms) and whether it expired.
+fn read_lease(row: Row) -> Result<LeaseRow, DecodeError> {
+    let mut columns = Columns::new(row);
+    Ok(LeaseRow {
+        shard_id: not_null(columns.text(), "shard_id")?,
+        address: not_null(columns.text(), "address")?,
+        age_ms: not_null(columns.int(), "lease age")?,
+        expired: not_null(columns.boolean(), "expired")?,
+    })
+}
+
+/// A column that is never `NULL` (a `NULL` is a row that cannot be read).
+fn not_null<T>(column: Result<Option<T>, DecodeError>, name: &str) -> Result<T, DecodeError> {
+    column?.ok_or_else(|| DecodeError::new("row", format!("{name} is NULL")))
 }
 
 impl fmt::Debug for MySqlRunnerStorage {
@@ -230,6 +308,17 @@ impl RunnerStorage for MySqlRunnerStorage {
 
     fn get_runners(&self) -> BoxFuture<'_, Result<Vec<(Runner, bool)>, StorageError>> {
         Box::pin(self.get_runners_inner().instrument(span("get_runners")))
+    }
+
+    fn runner_records(&self) -> BoxFuture<'_, Result<Vec<RunnerRecord>, StorageError>> {
+        Box::pin(self.runner_records_inner().instrument(span("runner_records")))
+    }
+
+    fn shard_locks<'a>(
+        &'a self,
+        shard_ids: &'a [ShardId],
+    ) -> BoxFuture<'a, Result<Vec<ShardLock>, StorageError>> {
+        Box::pin(self.shard_locks_inner(shard_ids).instrument(span("shard_locks")))
     }
 
     fn set_runner_health<'a>(

@@ -5,7 +5,10 @@
 //!   the session's `wait_timeout` becomes the lock expiration, so the server ends the session of
 //!   a frozen runner and its locks with it; a *pin lock* (`<prefix>:pid:<random>`) read back
 //!   with `IS_USED_LOCK` gives the id other sessions see as the holder (behind Vitess that is not
-//!   `CONNECTION_ID()`).
+//!   `CONNECTION_ID()`). The first `acquire` also takes the runner's *identity lock*
+//!   ([`identity_lock_name`](queries::identity_lock_name)), so that a reader of the locks
+//!   ([`ShardLocks::holders`]) can tell which runner holds a shard: the session holding the
+//!   shard's lock holds its runner's identity lock too.
 //! - [`LockMode::Lease`]: rows in `<prefix>_locks`, with the reference's MySQL lease SQL; rows
 //!   are always written in one fixed order, so two runners cannot deadlock on them.
 //!
@@ -15,13 +18,14 @@
 //! it); the next operation connects a new one. That is the reference's "rebuild", done lazily:
 //! a failed reconnection is simply retried by the next operation.
 
-use std::collections::BTreeSet;
+use std::collections::{BTreeMap, BTreeSet};
 use std::fmt;
 use std::hash::{BuildHasher, RandomState};
 use std::sync::Arc;
 
-use cluster_core::ShardId;
 use cluster_core::error::{DecodeError, StorageError, StorageErrorKind};
+use cluster_core::inspect::{LockHolder, ShardLock};
+use cluster_core::{RunnerAddress, ShardId};
 use mysql_async::prelude::Queryable;
 use mysql_async::{Conn, Opts, Row, Value};
 
@@ -89,10 +93,12 @@ impl fmt::Debug for ShardLocks {
     }
 }
 
-/// A reserved connection and, in advisory mode, its pin.
+/// A reserved connection and, in advisory mode, its pin and the runner it is named after.
 struct LockSession {
     conn: ClosingConn,
     pin: Option<Pin>,
+    /// The address whose identity lock the session holds, once an advisory `acquire` took it.
+    named: Option<String>,
 }
 
 /// The pin lock of an advisory session and the holder id `IS_USED_LOCK` reports for it.
@@ -151,11 +157,7 @@ impl ShardLocks {
         shard_ids
             .iter()
             .map(|shard_id| match self.mode {
-                LockMode::Advisory => {
-                    let name = mysql_lock_name(&self.prefix, shard_id);
-                    check_chars("lock name", &name, queries::LOCK_NAME_LEN_MAX)?;
-                    Ok(name)
-                }
+                LockMode::Advisory => self.advisory_name(shard_id),
                 LockMode::Lease => {
                     let name = shard_id.to_string();
                     check_chars("shard_id", &name, queries::SHARD_ID_LEN_MAX)?;
@@ -163,6 +165,13 @@ impl ShardLocks {
                 }
             })
             .collect()
+    }
+
+    /// The advisory lock name of `shard_id`, checked against the server's limit.
+    fn advisory_name(&self, shard_id: &ShardId) -> Result<String, StorageError> {
+        let name = mysql_lock_name(&self.prefix, shard_id);
+        check_chars("lock name", &name, queries::LOCK_NAME_LEN_MAX)?;
+        Ok(name)
     }
 
     async fn connect(&self) -> Result<LockSession, StorageError> {
@@ -180,7 +189,7 @@ impl ShardLocks {
             session_id = pin.as_ref().map(|pin| pin.session_id),
             "lock session connected"
         );
-        Ok(LockSession { conn, pin })
+        Ok(LockSession { conn, pin, named: None })
     }
 
     /// Records the session's `wait_timeout`, sets it to the lock expiration and takes the pin.
@@ -207,9 +216,11 @@ impl ShardLocks {
         names: &[String],
     ) -> Result<Vec<ShardId>, StorageError> {
         let conn = session.conn.get();
+        let named = &mut session.named;
         match (self.mode, session.pin.as_mut()) {
             (LockMode::Advisory, Some(pin)) => match command {
-                LockCommand::Acquire { shard_ids, .. } => {
+                LockCommand::Acquire { address, shard_ids } => {
+                    self.name_session(conn, named, address).await?;
                     advisory_acquire(conn, pin.session_id, shard_ids, names).await
                 }
                 LockCommand::Refresh { address, shard_ids, heartbeat } => {
@@ -227,7 +238,9 @@ impl ShardLocks {
                     conn.query_drop("SELECT RELEASE_ALL_LOCKS()")
                         .await
                         .map_err(|error| storage_error("release_all", error))?;
-                    // That released the pin too: take it again.
+                    // That released the pin too: take it again. It released the identity
+                    // lock as well, which the next `acquire` takes again.
+                    *named = None;
                     *pin = take_pin(conn, &self.prefix, Some(pin.name.clone())).await?;
                     Ok(Vec::new())
                 }
@@ -293,6 +306,101 @@ impl ShardLocks {
                 Ok(Vec::new())
             }
         }
+    }
+
+    /// Names the session after `address` by taking its identity lock, unless it holds it
+    /// already (releasing the identity lock of another address first). A lock another session
+    /// holds (an old session of the runner that the server has not ended yet) is not waited
+    /// for: the shards then read as held by a bare session, and the next `acquire` tries again.
+    async fn name_session(
+        &self,
+        conn: &mut Conn,
+        named: &mut Option<String>,
+        address: &str,
+    ) -> Result<(), StorageError> {
+        if named.as_deref() == Some(address) {
+            return Ok(());
+        }
+        if let Some(previous) = named.take() {
+            let params = (previous.as_str(), previous.as_str(), previous.as_str());
+            conn.exec_drop(self.queries.identity_release.as_str(), params)
+                .await
+                .map_err(|error| storage_error("acquire: release the identity lock", error))?;
+        }
+        let row: Option<Row> = conn
+            .exec_first(self.queries.identity_take.as_str(), (address, address, address))
+            .await
+            .map_err(|error| storage_error("acquire: take the identity lock", error))?;
+        let taken = match row {
+            Some(row) => Columns::new(row).int().map_err(malformed)?,
+            None => None,
+        };
+        if taken == Some(1) {
+            *named = Some(address.to_owned());
+        } else {
+            tracing::debug!(address, "the identity lock is held by another session");
+        }
+        Ok(())
+    }
+
+    /// The lock mode.
+    pub(crate) fn mode(&self) -> LockMode {
+        self.mode
+    }
+
+    /// Who holds the advisory locks of `shard_ids`, read on `conn` (a pool connection, not the
+    /// lock session, which stays free for the runner's own lock operations): one `IS_USED_LOCK`
+    /// per shard, then, if any is held, the holders of the registered runners' identity locks
+    /// name the runners. A holder that holds no runner's identity lock is a bare session.
+    pub(crate) async fn holders(
+        &self,
+        conn: &mut Conn,
+        shard_ids: &[ShardId],
+    ) -> Result<Vec<ShardLock>, StorageError> {
+        let shard_ids: Vec<ShardId> =
+            shard_ids.iter().cloned().collect::<BTreeSet<ShardId>>().into_iter().collect();
+        let names: Vec<String> = shard_ids
+            .iter()
+            .map(|shard_id| self.advisory_name(shard_id))
+            .collect::<Result<_, StorageError>>()?;
+        let holders = advisory_holders(conn, &names).await?;
+        if holders.iter().all(Option::is_none) {
+            return Ok(Vec::new());
+        }
+        let rows: Vec<Row> = conn
+            .exec(self.queries.identity_holders.as_str(), ())
+            .await
+            .map_err(|error| storage_error("shard_locks: runner identities", error))?;
+        // The runner of each holder; `None` for a holder two runners' names point to (names
+        // that compare equal without case, or share a hash), which names neither.
+        let mut runners: BTreeMap<u64, Option<RunnerAddress>> = BTreeMap::new();
+        for row in rows {
+            let mut columns = Columns::new(row);
+            let (address, holder) = (columns.text(), columns.int());
+            let (Ok(Some(address)), Ok(Some(holder))) = (address, holder) else { continue };
+            match (address.parse::<RunnerAddress>(), u64::try_from(holder)) {
+                (Ok(address), Ok(holder)) => {
+                    runners
+                        .entry(holder)
+                        .and_modify(|runner| *runner = None)
+                        .or_insert(Some(address));
+                }
+                _ => tracing::warn!(%address, "skipping a runner whose address cannot be read"),
+            }
+        }
+        let locks = shard_ids
+            .into_iter()
+            .zip(holders)
+            .filter_map(|(shard_id, holder)| {
+                let holder = holder?;
+                let holder = match runners.get(&holder) {
+                    Some(Some(address)) => LockHolder::Runner(address.clone()),
+                    _ => LockHolder::Session(format!("MySQL connection {holder}")),
+                };
+                Some(ShardLock { shard_id, holder, lease_age: None, expired: false })
+            })
+            .collect();
+        Ok(locks)
     }
 
     async fn heartbeat(&self, conn: &mut Conn, address: &str) -> Result<(), StorageError> {

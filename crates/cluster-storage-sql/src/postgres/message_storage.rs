@@ -26,6 +26,7 @@ use cluster_core::entity_state::{StateWrite, StoredState};
 use cluster_core::envelope::{AckChunk, Interrupt, Reply, Request};
 use cluster_core::error::{StorageError, StorageErrorKind};
 use cluster_core::future::BoxFuture;
+use cluster_core::inspect::{Backlog, BacklogQuery, RequestQuery, RequestRecord};
 use cluster_core::retention::{self, ProcessedQuery, ProcessedRequest, PurgeProcessed};
 use cluster_core::storage::{
     MessageStorage, MessageTransaction, OrderedBatch, OrderedSave, SaveRequestOptions, SaveResult,
@@ -41,6 +42,7 @@ use tracing::Instrument;
 use crate::batch::Batcher;
 use crate::lock::advisory_namespace;
 use crate::options::{SqlStorageOptions, TablePrefix, ValueBytesMax};
+use crate::row::inspect::{BacklogFilter, BacklogRow, RequestFilter, RequestRow};
 use crate::row::{
     self, LastReplyRow, MessageInsert, MessageRow, ProcessedRow, ReplyInsert, ReplyRow,
     StateChange, StateRow, StoredStateRow, ValueLimit, id_from_sql, id_to_sql,
@@ -447,6 +449,57 @@ impl PgMessageStorage {
                     reply_id: row.try_get(5).map_err(column_error)?,
                     reply_payload: row.try_get(6).map_err(column_error)?,
                     payload: row.try_get(7).map_err(column_error)?,
+                }
+                .decode()
+            })
+            .collect()
+    }
+
+    async fn backlog_inner(&self, query: &BacklogQuery) -> Result<Vec<Backlog>, StorageError> {
+        let filter = BacklogFilter::new(query)?;
+        let limit = i64::from(filter.limit);
+        let params: [&(dyn ToSql + Sync); 3] = [&filter.now_ms, &filter.stale_after_ms, &limit];
+        let rows = self.query("backlog", &self.queries.backlog, &params).await?;
+        rows.iter()
+            .map(|row| {
+                BacklogRow {
+                    entity_type: row.try_get(0).map_err(column_error)?,
+                    shard_id: row.try_get(1).map_err(column_error)?,
+                    due: row.try_get(2).map_err(column_error)?,
+                    scheduled: row.try_get(3).map_err(column_error)?,
+                    claimed: row.try_get(4).map_err(column_error)?,
+                    stale_claims: row.try_get(5).map_err(column_error)?,
+                    waiting_since: row.try_get(6).map_err(column_error)?,
+                }
+                .decode()
+            })
+            .collect()
+    }
+
+    async fn requests_inner(
+        &self,
+        query: &RequestQuery,
+    ) -> Result<Vec<RequestRecord>, StorageError> {
+        let filter = RequestFilter::new(query)?;
+        let (sql, parameters) = queries::requests_sql(&self.queries.requests_head, &filter);
+        let params: Vec<&(dyn ToSql + Sync)> =
+            parameters.iter().map(|parameter| &**parameter as &(dyn ToSql + Sync)).collect();
+        let rows = self.query("requests", &sql, &params).await?;
+        rows.iter()
+            .map(|row| {
+                RequestRow {
+                    request_id: row.try_get(0).map_err(column_error)?,
+                    shard_id: row.try_get(1).map_err(column_error)?,
+                    entity_type: row.try_get(2).map_err(column_error)?,
+                    entity_id: row.try_get(3).map_err(column_error)?,
+                    tag: row.try_get(4).map_err(column_error)?,
+                    payload: row.try_get(5).map_err(column_error)?,
+                    processed: row.try_get(6).map_err(column_error)?,
+                    claimed: row.try_get(7).map_err(column_error)?,
+                    deliver_at: row.try_get(8).map_err(column_error)?,
+                    interrupted: row.try_get(9).map_err(column_error)?,
+                    reply_id: row.try_get(10).map_err(column_error)?,
+                    reply_payload: row.try_get(11).map_err(column_error)?,
                 }
                 .decode()
             })
@@ -1421,6 +1474,20 @@ impl MessageStorage for PgMessageStorage {
         query: &'a ProcessedQuery,
     ) -> BoxFuture<'a, Result<Vec<ProcessedRequest>, StorageError>> {
         Box::pin(self.processed_requests_inner(query).instrument(span("processed_requests")))
+    }
+
+    fn backlog<'a>(
+        &'a self,
+        query: &'a BacklogQuery,
+    ) -> BoxFuture<'a, Result<Vec<Backlog>, StorageError>> {
+        Box::pin(self.backlog_inner(query).instrument(span("backlog")))
+    }
+
+    fn requests<'a>(
+        &'a self,
+        query: &'a RequestQuery,
+    ) -> BoxFuture<'a, Result<Vec<RequestRecord>, StorageError>> {
+        Box::pin(self.requests_inner(query).instrument(span("requests")))
     }
 
     fn load_state<'a>(

@@ -13,11 +13,17 @@
 //! `TIMESTAMP` without time zone, where `NOW()` would store the session's local time, which
 //! jumps at daylight saving changes and differs between sessions in different zones.
 
+use std::fmt::Write as _;
+
 use cluster_core::error::StorageError;
 use cluster_core::storage::CLAIM_WINDOW;
+use postgres_types::ToSql;
 
 use crate::options::TablePrefix;
-use crate::row::{MESSAGE_KIND_ACK_CHUNK, MESSAGE_KIND_INTERRUPT, REPLY_KIND_WITH_EXIT};
+use crate::row::inspect::{RequestFilter, waiting_since_sql};
+use crate::row::{
+    MESSAGE_KIND_ACK_CHUNK, MESSAGE_KIND_INTERRUPT, MESSAGE_KIND_REQUEST, REPLY_KIND_WITH_EXIT,
+};
 
 use super::classify::{column_error, driver_error};
 
@@ -129,6 +135,12 @@ pub(crate) struct MessageQueries {
     /// order: `id, shard_id, entity_type, entity_id, tag`, the final reply's `id, payload` and
     /// the request's `payload`.
     pub(crate) processed_requests: String,
+    /// The read model's backlog: `$1` now (epoch ms), `$2` the stale claim age (ms), `$3`
+    /// the limit.
+    pub(crate) backlog: String,
+    /// The read model's requests: the statement's text up to its filters (see
+    /// [`requests_sql`]).
+    pub(crate) requests_head: String,
     /// The `value, revision` of the state of entity type `$1`, id `$2`.
     pub(crate) load_state: String,
     /// Inserts the state `$4` of entity type `$1`, id `$2`, shard `$3` at revision 1; inserts
@@ -306,6 +318,22 @@ impl MessageQueries {
                  AND m.id > $4 \
                  ORDER BY m.id ASC LIMIT $5"
             ),
+            backlog: format!(
+                "SELECT entity_type, shard_id, \
+                 count(*) FILTER (WHERE deliver_at IS NULL OR deliver_at <= $1::bigint), \
+                 count(*) FILTER (WHERE deliver_at > $1::bigint), \
+                 count(*) FILTER (WHERE (deliver_at IS NULL OR deliver_at <= $1::bigint) \
+                   AND last_read IS NOT NULL), \
+                 count(*) FILTER (WHERE (deliver_at IS NULL OR deliver_at <= $1::bigint) \
+                   AND last_read < {UTC_NOW} - $2::bigint * INTERVAL '1 millisecond'), \
+                 min({waiting}) AS waiting_since \
+                 FROM {messages} WHERE processed = FALSE \
+                 GROUP BY entity_type, shard_id \
+                 ORDER BY waiting_since ASC NULLS LAST, entity_type, shard_id \
+                 LIMIT $3::bigint",
+                waiting = waiting_since_sql("$1::bigint", "GREATEST")
+            ),
+            requests_head: requests_head(&messages, &replies),
             load_state: format!(
                 "SELECT value, revision FROM {state} WHERE entity_type = $1 AND entity_id = $2"
             ),
@@ -471,6 +499,12 @@ pub(crate) struct RunnerQueries {
     pub(crate) lease_release: String,
     /// Deletes every lease of `$1`.
     pub(crate) lease_release_all: String,
+    /// Every runner: `machine_id, runner, healthy`, the heartbeat's age in ms and whether it
+    /// is alive.
+    pub(crate) runner_records: String,
+    /// The lease rows of the shards `$1`: `shard_id, address`, the lease's age in ms and
+    /// whether it expired.
+    pub(crate) lease_rows: String,
 }
 
 impl RunnerQueries {
@@ -527,8 +561,83 @@ impl RunnerQueries {
                  ) \
                  DELETE FROM {locks} WHERE address = $1 AND shard_id IN (SELECT shard_id FROM locked)"
             ),
+            runner_records: format!(
+                "SELECT machine_id, runner, healthy, \
+                 (EXTRACT(EPOCH FROM ({UTC_NOW} - last_heartbeat)) * 1000)::bigint, \
+                 last_heartbeat > {expired_before} \
+                 FROM {runners} ORDER BY address"
+            ),
+            lease_rows: format!(
+                "SELECT shard_id, address, \
+                 (EXTRACT(EPOCH FROM ({UTC_NOW} - acquired_at)) * 1000)::bigint, \
+                 acquired_at < {expired_before} \
+                 FROM {locks} WHERE shard_id = ANY($1::text[])"
+            ),
         }
     }
+}
+
+/// The read model's requests with their final replies, before their filters.
+fn requests_head(messages: &str, replies: &str) -> String {
+    format!(
+        "SELECT m.id, m.shard_id, m.entity_type, m.entity_id, m.tag, m.payload, m.processed, \
+         (m.processed = FALSE AND m.last_read IS NOT NULL), m.deliver_at, \
+         EXISTS (SELECT 1 FROM {messages} i \
+           WHERE i.request_id = m.id AND i.kind = {MESSAGE_KIND_INTERRUPT}), \
+         r.id, r.payload \
+         FROM {messages} m \
+         LEFT JOIN {replies} r ON r.request_id = m.id AND r.kind = {REPLY_KIND_WITH_EXIT} \
+         WHERE m.kind = {MESSAGE_KIND_REQUEST}"
+    )
+}
+
+/// A parameter of a statement built at run time.
+pub(crate) type Parameter = Box<dyn ToSql + Sync + Send>;
+
+/// The read model's requests statement for `filter`, and its parameters. Only the set filters
+/// are in the text: a statement with `$n IS NULL OR …` conditions gets a generic plan after a
+/// few calls, which can use no index for them. So the shard filter uses the shard index, and
+/// the tag `run` (written as a literal, as the partial index's condition is) uses
+/// `messages_run_idx`.
+pub(crate) fn requests_sql(head: &str, filter: &RequestFilter) -> (String, Vec<Parameter>) {
+    let mut sql = head.to_owned();
+    let mut parameters: Vec<Parameter> = Vec::new();
+    let condition =
+        |sql: &mut String, parameters: &mut Vec<Parameter>, text: &str, value: Parameter| {
+            parameters.push(value);
+            let _ = write!(sql, " AND {text} ${}", parameters.len());
+        };
+    if let Some(id) = filter.request_id {
+        condition(&mut sql, &mut parameters, "m.id =", Box::new(id));
+    }
+    if let Some(shard) = &filter.shard_id {
+        condition(&mut sql, &mut parameters, "m.shard_id =", Box::new(shard.clone()));
+    }
+    if !filter.entity_type_prefix.is_empty() {
+        parameters.push(Box::new(filter.entity_type_prefix.clone()));
+        let n = parameters.len();
+        let _ = write!(sql, " AND left(m.entity_type, length(${n}::text)) = ${n}::text");
+    }
+    if let Some(entity_type) = &filter.entity_type {
+        condition(&mut sql, &mut parameters, "m.entity_type =", Box::new(entity_type.clone()));
+    }
+    if let Some(entity_id) = &filter.entity_id {
+        condition(&mut sql, &mut parameters, "m.entity_id =", Box::new(entity_id.clone()));
+    }
+    match filter.tag.as_deref() {
+        Some("run") => sql.push_str(" AND m.tag = 'run'"),
+        Some(tag) => condition(&mut sql, &mut parameters, "m.tag =", Box::new(tag.to_owned())),
+        None => {}
+    }
+    if let Some(processed) = filter.processed {
+        condition(&mut sql, &mut parameters, "m.processed =", Box::new(processed));
+    }
+    condition(&mut sql, &mut parameters, "m.id >", Box::new(filter.after));
+    condition(&mut sql, &mut parameters, "m.id <", Box::new(filter.before));
+    let direction = if filter.newest_first { "DESC" } else { "ASC" };
+    parameters.push(Box::new(i64::from(filter.limit)));
+    let _ = write!(sql, " ORDER BY m.id {direction} LIMIT ${}", parameters.len());
+    (sql, parameters)
 }
 
 /// The advisory lock session's statements; they name no table.
@@ -551,6 +660,15 @@ pub(crate) mod advisory {
     pub(crate) const IS_HELD: &str = "SELECT EXISTS (SELECT 1 FROM pg_locks \
          WHERE locktype = 'advisory' AND granted = TRUE AND classid = $1 AND objid = $2 \
          AND objsubid = 2 AND pid = $3)";
+    /// The advisory locks of namespace `$1` (an oid) on the lock numbers `$2` (oids): the
+    /// number, the holding session's pid and `application_name`.
+    pub(crate) const HOLDERS: &str = "SELECT l.objid, l.pid, a.application_name \
+         FROM pg_locks l LEFT JOIN pg_stat_activity a ON a.pid = l.pid \
+         WHERE l.locktype = 'advisory' AND l.granted = TRUE AND l.classid = $1 \
+         AND l.objsubid = 2 AND l.objid = ANY($2)";
+    /// Names the session `$1` (its `application_name`), so that a reader of `pg_locks` knows
+    /// whose locks it holds.
+    pub(crate) const NAME: &str = "SELECT set_config('application_name', $1, false)";
     /// A sign of life of the session: its backend pid.
     pub(crate) const ALIVE: &str = "SELECT pg_backend_pid()";
     /// Releases every advisory lock of the session.
@@ -665,7 +783,15 @@ pub(crate) fn message_extra_indexes(prefix: &TablePrefix) -> Vec<ExtraIndex> {
     // (docs/performance.md).
     let create =
         format!("CREATE INDEX IF NOT EXISTS {name} ON {messages} (rowid) WHERE processed = FALSE");
-    vec![ExtraIndex { name, create }]
+    // The workflow executions (their `run` requests), newest first, for the read model: without
+    // it, listing them reads every message. Only `run` requests have entries, so the hot path's
+    // writes do not pay for it.
+    let runs = quoted(prefix, "messages_run_idx");
+    let create_runs = format!(
+        "CREATE INDEX IF NOT EXISTS {runs} ON {messages} (id) \
+         WHERE kind = {MESSAGE_KIND_REQUEST} AND tag = 'run'"
+    );
+    vec![ExtraIndex { name, create }, ExtraIndex { name: runs, create: create_runs }]
 }
 
 /// The name of our entity state table (`<prefix>_entity_state`, see

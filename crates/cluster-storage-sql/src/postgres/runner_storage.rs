@@ -13,6 +13,7 @@ use std::sync::Arc;
 use cluster_core::encoded::JsonForm;
 use cluster_core::error::StorageError;
 use cluster_core::future::BoxFuture;
+use cluster_core::inspect::{RunnerRecord, ShardLock};
 use cluster_core::storage::RunnerStorage;
 use cluster_core::{MachineId, Runner, RunnerAddress, ShardId};
 use deadpool_postgres::Pool;
@@ -20,7 +21,8 @@ use postgres_types::ToSql;
 use tracing::Instrument;
 
 use crate::lock::{advisory_namespace, with_deadline};
-use crate::options::{SqlStorageOptions, TablePrefix};
+use crate::options::{LockMode, SqlStorageOptions, TablePrefix};
+use crate::row::inspect::{self, LeaseRow, RunnerRecordRow};
 
 use super::classify::column_error;
 use super::connection::{self, PgConfig, migrate_on_pool, pooled_execute, pooled_query};
@@ -196,6 +198,49 @@ impl PgRunnerStorage {
         Ok(runners)
     }
 
+    async fn runner_records_inner(&self) -> Result<Vec<RunnerRecord>, StorageError> {
+        let sql = &self.queries.runner_records;
+        let rows = pooled_query(&self.pool, "runner_records", sql, &[]).await?;
+        let rows = rows
+            .iter()
+            .map(|row| {
+                let machine_id: i32 = row.try_get(0).map_err(column_error)?;
+                Ok(RunnerRecordRow {
+                    machine_id: i64::from(machine_id),
+                    runner: row.try_get(1).map_err(column_error)?,
+                    healthy: row.try_get(2).map_err(column_error)?,
+                    heartbeat_age_ms: row.try_get(3).map_err(column_error)?,
+                    alive: row.try_get(4).map_err(column_error)?,
+                })
+            })
+            .collect::<Result<Vec<_>, StorageError>>()?;
+        Ok(inspect::runner_records(rows))
+    }
+
+    async fn shard_locks_inner(
+        &self,
+        shard_ids: &[ShardId],
+    ) -> Result<Vec<ShardLock>, StorageError> {
+        if self.locks.mode() == LockMode::Advisory {
+            return self.locks.holders(&self.pool, shard_ids).await;
+        }
+        let shards: Vec<String> = shard_ids.iter().map(ToString::to_string).collect();
+        let sql = &self.queries.lease_rows;
+        let rows = pooled_query(&self.pool, "shard_locks", sql, &[&shards]).await?;
+        let rows = rows
+            .iter()
+            .map(|row| {
+                Ok(LeaseRow {
+                    shard_id: row.try_get(0).map_err(column_error)?,
+                    address: row.try_get(1).map_err(column_error)?,
+                    age_ms: row.try_get(2).map_err(column_error)?,
+                    expired: row.try_get(3).map_err(column_error)?,
+                })
+            })
+            .collect::<Result<Vec<_>, StorageError>>()?;
+        Ok(inspect::shard_locks(rows))
+    }
+
     /// The probe: the heartbeat alone, on the pool, under the lock deadline.
     async fn heartbeat(&self, address: &RunnerAddress) -> Result<(), StorageError> {
         let address = address.to_string();
@@ -238,6 +283,17 @@ impl RunnerStorage for PgRunnerStorage {
 
     fn get_runners(&self) -> BoxFuture<'_, Result<Vec<(Runner, bool)>, StorageError>> {
         Box::pin(self.get_runners_inner().instrument(span("get_runners")))
+    }
+
+    fn runner_records(&self) -> BoxFuture<'_, Result<Vec<RunnerRecord>, StorageError>> {
+        Box::pin(self.runner_records_inner().instrument(span("runner_records")))
+    }
+
+    fn shard_locks<'a>(
+        &'a self,
+        shard_ids: &'a [ShardId],
+    ) -> BoxFuture<'a, Result<Vec<ShardLock>, StorageError>> {
+        Box::pin(self.shard_locks_inner(shard_ids).instrument(span("shard_locks")))
     }
 
     fn set_runner_health<'a>(

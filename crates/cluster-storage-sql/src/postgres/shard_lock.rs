@@ -31,18 +31,21 @@
 //! A session that does not answer is discarded, as after any failure: nothing is confirmed.
 //! The periodic refresh still reads `pg_locks`, and replaces what the session remembers.
 
-use std::collections::BTreeSet;
+use std::collections::{BTreeMap, BTreeSet};
 use std::fmt;
 use std::future::Future;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use cluster_core::error::StorageError;
+use cluster_core::inspect::ShardLock;
 use cluster_core::sync::lock;
 use cluster_core::{RunnerAddress, ShardId};
 use tokio::task::JoinHandle;
 
-use crate::lock::{advisory_lock_number, advisory_namespace, with_deadline};
+use crate::lock::{
+    advisory_lock_number, advisory_namespace, holder_of, session_name, with_deadline,
+};
 use crate::options::{LockMode, SqlStorageOptions};
 
 use super::classify::{column_error, driver_error};
@@ -78,6 +81,9 @@ struct LockSession {
     /// The advisory lock numbers this session was seen to hold, and has not unlocked since.
     /// Updated while the session's turn is held.
     known: Mutex<BTreeSet<i32>>,
+    /// The runner the session is named after (its `application_name`), once an `acquire`
+    /// named it.
+    named: Mutex<Option<RunnerAddress>>,
     /// [`advisory::ALIVE`], prepared once: a confirmation is then one round trip, with no
     /// parsing or planning.
     alive: tokio_postgres::Statement,
@@ -339,6 +345,7 @@ impl ShardLocks {
         let _turn = session.turn.lock().await;
         match self.mode {
             LockMode::Advisory => {
+                self.name_session(&session, address).await?;
                 let held = self.held_numbers(&session, numbers).await?;
                 let wanted: BTreeSet<i32> =
                     numbers.iter().copied().filter(|number| !held.contains(number)).collect();
@@ -377,6 +384,71 @@ impl ShardLocks {
                 Ok(in_request_order(shard_ids, &returned_shards(&rows)?))
             }
         }
+    }
+
+    /// Names `session` after `address` (its `application_name`), once: a reader of `pg_locks`
+    /// then knows which runner holds its locks ([`holders`](ShardLocks::holders)).
+    async fn name_session(
+        &self,
+        session: &LockSession,
+        address: &RunnerAddress,
+    ) -> Result<(), StorageError> {
+        if lock(&session.named).as_ref() == Some(address) {
+            return Ok(());
+        }
+        let configured = self.connect_config.driver().get_application_name();
+        if let Some(name) = session_name(configured, address) {
+            session
+                .client
+                .execute(advisory::NAME, &[&name])
+                .await
+                .map_err(|error| driver_error("acquire: name the lock session", error))?;
+        } else {
+            tracing::debug!(%address, "the address is too long to name the lock session after");
+        }
+        *lock(&session.named) = Some(address.clone());
+        Ok(())
+    }
+
+    /// The lock mode.
+    pub(crate) fn mode(&self) -> LockMode {
+        self.mode
+    }
+
+    /// Who holds the advisory locks of `shard_ids`, read on `pool` (not on the lock session,
+    /// which stays free for the runner's own lock operations).
+    pub(crate) async fn holders(
+        &self,
+        pool: &deadpool_postgres::Pool,
+        shard_ids: &[ShardId],
+    ) -> Result<Vec<ShardLock>, StorageError> {
+        let numbers: BTreeMap<u32, &ShardId> = shard_ids
+            .iter()
+            .map(|shard_id| {
+                let number = advisory_lock_number(&self.options, shard_id)?;
+                Ok((number.cast_unsigned(), shard_id))
+            })
+            .collect::<Result<_, StorageError>>()?;
+        let oids: Vec<u32> = numbers.keys().copied().collect();
+        let params: [&(dyn postgres_types::ToSql + Sync); 2] =
+            [&self.namespace.cast_unsigned(), &oids];
+        let rows = super::connection::pooled_query(pool, "shard_locks", advisory::HOLDERS, &params)
+            .await?;
+        let mut locks = Vec::with_capacity(rows.len());
+        for row in rows {
+            let oid: u32 = row.try_get(0).map_err(column_error)?;
+            let pid: i32 = row.try_get(1).map_err(column_error)?;
+            let name: Option<String> = row.try_get(2).map_err(column_error)?;
+            let Some(shard_id) = numbers.get(&oid) else { continue };
+            locks.push(ShardLock {
+                shard_id: (*shard_id).clone(),
+                holder: holder_of(name.as_deref(), format!("PostgreSQL backend {pid}")),
+                lease_age: None,
+                expired: false,
+            });
+        }
+        locks.sort_by(|a, b| a.shard_id.cmp(&b.shard_id));
+        Ok(locks)
     }
 
     /// The shards among `shard_ids` whose advisory locks `session` holds.
@@ -532,6 +604,7 @@ impl ShardLocks {
             client,
             pid,
             known: Mutex::new(BTreeSet::new()),
+            named: Mutex::new(None),
             alive,
             turn: tokio::sync::Mutex::new(()),
             connection,

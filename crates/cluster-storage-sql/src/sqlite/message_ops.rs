@@ -13,6 +13,7 @@ use rusqlite::{Connection, OptionalExtension, Row, params};
 
 use super::queries::{self, MessageQueries, json_integers};
 use super::state::{Responder, TransactionState, WorkerState, classify};
+use crate::row::inspect::{BacklogFilter, BacklogRow, RequestFilter, RequestRow};
 use crate::row::{
     LastReplyRow, MessageInsert, MessageRow, ProcessedRow, ReplyInsert, ReplyRow, StateChange,
     StateRow, StoredStateRow,
@@ -265,6 +266,16 @@ pub(super) enum MessageOp {
         limit: u32,
         reply: Responder<Vec<ProcessedRow>>,
     },
+    /// The read model's `backlog`.
+    Backlog {
+        filter: BacklogFilter,
+        reply: Responder<Vec<BacklogRow>>,
+    },
+    /// The read model's `requests`.
+    Requests {
+        filter: RequestFilter,
+        reply: Responder<Vec<RequestRow>>,
+    },
 }
 
 impl MessageOp {
@@ -280,6 +291,8 @@ impl MessageOp {
                 | MessageOp::UnprocessedBefore { .. }
                 | MessageOp::LoadState { .. }
                 | MessageOp::ProcessedRequests { .. }
+                | MessageOp::Backlog { .. }
+                | MessageOp::Requests { .. }
         )
     }
 }
@@ -660,7 +673,75 @@ pub(super) fn run_operation(state: &WorkerState, op: MessageOp) {
                 query_rows(connection, &sql.processed_requests, &parameters, read_processed_row);
             respond(reply, "processed_requests", result);
         }
+        MessageOp::Backlog { filter, reply } => {
+            respond(reply, "backlog", backlog(connection, sql, &filter));
+        }
+        MessageOp::Requests { filter, reply } => {
+            respond(reply, "requests", requests(connection, sql, &filter));
+        }
     }
+}
+
+/// The read model's backlog groups.
+fn backlog(
+    connection: &Connection,
+    sql: &MessageQueries,
+    filter: &BacklogFilter,
+) -> rusqlite::Result<Vec<BacklogRow>> {
+    // A `datetime` modifier: the claim age past which a claim is stale.
+    let stale =
+        format!("-{}.{:03} seconds", filter.stale_after_ms / 1_000, filter.stale_after_ms % 1_000);
+    let parameters: [&dyn ToSql; 3] = [&filter.now_ms, &stale, &filter.limit];
+    query_rows(connection, &sql.backlog, &parameters, read_backlog_row)
+}
+
+/// The read model's requests.
+fn requests(
+    connection: &Connection,
+    sql: &MessageQueries,
+    filter: &RequestFilter,
+) -> rusqlite::Result<Vec<RequestRow>> {
+    let (query, parameters) = queries::requests_sql(&sql.requests_head, filter);
+    let mut statement = connection.prepare_cached(&query)?;
+    let rows = statement.query_map(rusqlite::params_from_iter(parameters), read_request_row)?;
+    rows.collect()
+}
+
+/// A backlog row, read leniently (a count that cannot be read is zero).
+fn read_backlog_row(row: &Row<'_>) -> rusqlite::Result<BacklogRow> {
+    let text = |idx: usize| row.get_ref(idx).map(queries::text);
+    let number = |idx: usize| row.get_ref(idx).map(|value| queries::integer(value, 0));
+    Ok(BacklogRow {
+        entity_type: text(0)?.unwrap_or_default(),
+        shard_id: text(1)?.unwrap_or_default(),
+        due: number(2)?.unwrap_or(0),
+        scheduled: number(3)?.unwrap_or(0),
+        claimed: number(4)?.unwrap_or(0),
+        stale_claims: number(5)?.unwrap_or(0),
+        waiting_since: number(6)?,
+    })
+}
+
+/// A `requests` row, read leniently: a damaged row becomes a malformed row when decoded, never
+/// a failed query.
+fn read_request_row(row: &Row<'_>) -> rusqlite::Result<RequestRow> {
+    let text = |idx: usize| row.get_ref(idx).map(queries::text);
+    let number = |idx: usize| row.get_ref(idx).map(|value| queries::integer(value, -1));
+    let flag = |idx: usize| number(idx).map(|value| value.is_some_and(|value| value != 0));
+    Ok(RequestRow {
+        request_id: number(0)?.unwrap_or(-1),
+        shard_id: text(1)?.unwrap_or_default(),
+        entity_type: text(2)?.unwrap_or_default(),
+        entity_id: text(3)?.unwrap_or_default(),
+        tag: text(4)?,
+        payload: text(5)?,
+        processed: flag(6)?,
+        claimed: flag(7)?,
+        deliver_at: number(8)?,
+        interrupted: flag(9)?,
+        reply_id: number(10)?,
+        reply_payload: text(11)?,
+    })
 }
 
 /// Deletes the processed requests that `purge_choose` picks, with their replies and message

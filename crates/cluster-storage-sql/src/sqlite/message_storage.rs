@@ -23,6 +23,7 @@ use cluster_core::entity_state::{StateWrite, StoredState};
 use cluster_core::envelope::{AckChunk, Interrupt, MESSAGE_ID_LENGTH_MAX, Reply, Request};
 use cluster_core::error::{StorageError, StorageErrorKind};
 use cluster_core::future::BoxFuture;
+use cluster_core::inspect::{Backlog, BacklogQuery, RequestQuery, RequestRecord};
 use cluster_core::retention::{self, ProcessedQuery, ProcessedRequest, PurgeProcessed};
 use cluster_core::storage::{
     MessageStorage, MessageTransaction, OrderedSave, SaveRequestOptions, SaveResult,
@@ -43,6 +44,7 @@ use super::queries::{self, MigrationSet, json_integers, json_strings};
 use super::state::{Responder, classify};
 use super::worker::{Command, Worker};
 use crate::options::ValueBytesMax;
+use crate::row::inspect::{BacklogFilter, BacklogRow, RequestFilter, RequestRow};
 use crate::row::{
     self, MessageInsert, ProcessedRow, ReplyInsert, ReplyRow, StateChange, StateRow, ValueLimit,
     id_from_sql, id_to_sql, ids_from_sql,
@@ -523,6 +525,32 @@ impl MessageStorage for SqliteMessageStorage {
                 })
                 .await?;
             rows.into_iter().map(ProcessedRow::decode).collect()
+        })
+    }
+
+    fn backlog<'a>(
+        &'a self,
+        query: &'a BacklogQuery,
+    ) -> BoxFuture<'a, Result<Vec<Backlog>, StorageError>> {
+        Box::pin(async move {
+            let filter = BacklogFilter::new(query)?;
+            tracing::debug!(operation = "backlog", limit = query.limit, "sqlite");
+            let rows =
+                self.message_op("backlog", |reply| MessageOp::Backlog { filter, reply }).await?;
+            rows.into_iter().map(BacklogRow::decode).collect()
+        })
+    }
+
+    fn requests<'a>(
+        &'a self,
+        query: &'a RequestQuery,
+    ) -> BoxFuture<'a, Result<Vec<RequestRecord>, StorageError>> {
+        Box::pin(async move {
+            let filter = RequestFilter::new(query)?;
+            tracing::debug!(operation = "requests", limit = query.limit, "sqlite");
+            let rows =
+                self.message_op("requests", |reply| MessageOp::Requests { filter, reply }).await?;
+            rows.into_iter().map(RequestRow::decode).collect()
         })
     }
 

@@ -14,6 +14,8 @@ use rusqlite::types::ValueRef;
 use rusqlite::{Connection, OptionalExtension};
 
 use crate::options::TablePrefix;
+use crate::row::inspect::{RequestFilter, waiting_since_sql};
+use crate::row::{MESSAGE_KIND_INTERRUPT, MESSAGE_KIND_REQUEST, REPLY_KIND_WITH_EXIT};
 
 // The claim window is spelled `DATETIME('now', '-10 minute')` in the claim query, as in the
 // reference; it must stay the contract's window.
@@ -63,6 +65,12 @@ pub(super) struct MessageQueries {
     /// any), `?5` limit: `id, shard_id, entity_type, entity_id, tag` of processed requests and
     /// their final reply's `id, payload`, then the request's `payload`, in id order.
     pub(super) processed_requests: String,
+    /// The read model's backlog: `?1` now (epoch ms), `?2` the stale claim modifier (such as
+    /// `-60.000 seconds`), `?3` the limit.
+    pub(super) backlog: String,
+    /// The read model's requests: the statement's text up to its filters (see
+    /// [`requests_sql`]).
+    pub(super) requests_head: String,
     /// `?1` entity type, `?2` entity id: the state's `value, revision`.
     pub(super) load_state: String,
     /// `?1` type, `?2` id, `?3` shard, `?4` value: a new row at revision 1, or nothing when
@@ -191,6 +199,22 @@ impl MessageQueries {
                  AND m.id > ?4 \
                  ORDER BY m.id ASC LIMIT ?5"
             ),
+            backlog: format!(
+                "SELECT entity_type, shard_id, \
+                 SUM(CASE WHEN deliver_at IS NULL OR deliver_at <= ?1 THEN 1 ELSE 0 END), \
+                 SUM(CASE WHEN deliver_at > ?1 THEN 1 ELSE 0 END), \
+                 SUM(CASE WHEN (deliver_at IS NULL OR deliver_at <= ?1) \
+                   AND last_read IS NOT NULL THEN 1 ELSE 0 END), \
+                 SUM(CASE WHEN (deliver_at IS NULL OR deliver_at <= ?1) \
+                   AND last_read < datetime('now', ?2) THEN 1 ELSE 0 END), \
+                 MIN({waiting}) AS waiting_since \
+                 FROM {m} WHERE processed = 0 \
+                 GROUP BY entity_type, shard_id \
+                 ORDER BY waiting_since IS NULL, waiting_since, entity_type, shard_id \
+                 LIMIT ?3",
+                waiting = waiting_since_sql("?1", "MAX")
+            ),
+            requests_head: requests_head(&m, &r),
             load_state: format!(
                 "SELECT value, revision FROM {s} WHERE entity_type = ?1 AND entity_id = ?2"
             ),
@@ -268,6 +292,69 @@ fn address_filter(alias: &str, n_groups: usize, first_parameter: usize) -> Strin
     filter
 }
 
+/// The read model's requests with their final replies, before their filters.
+fn requests_head(m: &str, r: &str) -> String {
+    format!(
+        "SELECT m.id, m.shard_id, m.entity_type, m.entity_id, m.tag, m.payload, m.processed, \
+         (m.processed = 0 AND m.last_read IS NOT NULL), m.deliver_at, \
+         EXISTS (SELECT 1 FROM {m} i WHERE i.request_id = m.id AND i.kind = {interrupt}), \
+         r.id, r.payload \
+         FROM {m} m LEFT JOIN {r} r ON r.request_id = m.id AND r.kind = {with_exit} \
+         WHERE m.kind = {request}",
+        interrupt = MESSAGE_KIND_INTERRUPT,
+        with_exit = REPLY_KIND_WITH_EXIT,
+        request = MESSAGE_KIND_REQUEST,
+    )
+}
+
+/// The read model's requests statement for `filter`, and its parameters: only the set filters
+/// are in the text, so that SQLite (which plans a statement once, without its values) uses
+/// the index each one allows: the shard index for a shard, `messages_run_idx` for the tag
+/// `run` (written as a literal, as the partial index's condition is).
+pub(super) fn requests_sql(
+    head: &str,
+    filter: &RequestFilter,
+) -> (String, Vec<rusqlite::types::Value>) {
+    use rusqlite::types::Value;
+    let mut sql = head.to_owned();
+    let mut parameters = Vec::new();
+    let condition = |sql: &mut String, parameters: &mut Vec<Value>, text: &str, value: Value| {
+        parameters.push(value);
+        let _ = write!(sql, " AND {text} ?{}", parameters.len());
+    };
+    if let Some(id) = filter.request_id {
+        condition(&mut sql, &mut parameters, "m.id =", Value::Integer(id));
+    }
+    if let Some(shard) = &filter.shard_id {
+        condition(&mut sql, &mut parameters, "m.shard_id =", Value::Text(shard.clone()));
+    }
+    if !filter.entity_type_prefix.is_empty() {
+        parameters.push(Value::Text(filter.entity_type_prefix.clone()));
+        let n = parameters.len();
+        let _ = write!(sql, " AND substr(m.entity_type, 1, length(?{n})) = ?{n}");
+    }
+    if let Some(entity_type) = &filter.entity_type {
+        condition(&mut sql, &mut parameters, "m.entity_type =", Value::Text(entity_type.clone()));
+    }
+    if let Some(entity_id) = &filter.entity_id {
+        condition(&mut sql, &mut parameters, "m.entity_id =", Value::Text(entity_id.clone()));
+    }
+    match filter.tag.as_deref() {
+        Some("run") => sql.push_str(" AND m.tag = 'run'"),
+        Some(tag) => condition(&mut sql, &mut parameters, "m.tag =", Value::Text(tag.to_owned())),
+        None => {}
+    }
+    if let Some(processed) = filter.processed {
+        condition(&mut sql, &mut parameters, "m.processed =", Value::Integer(i64::from(processed)));
+    }
+    condition(&mut sql, &mut parameters, "m.id >", Value::Integer(filter.after));
+    condition(&mut sql, &mut parameters, "m.id <", Value::Integer(filter.before));
+    let direction = if filter.newest_first { "DESC" } else { "ASC" };
+    parameters.push(Value::Integer(i64::from(filter.limit)));
+    let _ = write!(sql, " ORDER BY m.id {direction} LIMIT ?{}", parameters.len());
+    (sql, parameters)
+}
+
 /// The SQL of the runner registry and the shard lock leases on one prefix. `?` parameters named
 /// `expiration` take a `datetime` modifier such as `-30 seconds`.
 #[derive(Debug)]
@@ -282,6 +369,12 @@ pub(super) struct RunnerQueries {
     pub(super) lease_refresh: String,
     pub(super) lease_release: String,
     pub(super) lease_release_all: String,
+    /// Every runner: `machine_id, runner, healthy`, the heartbeat's age in ms and whether it
+    /// is alive (`?1`: the expiration modifier).
+    pub(super) runner_records: String,
+    /// The lease rows of the shards `?2` (JSON): `shard_id, address`, the lease's age in ms
+    /// and whether it expired (`?1`: the expiration modifier).
+    pub(super) lease_rows: String,
 }
 
 impl RunnerQueries {
@@ -340,6 +433,19 @@ impl RunnerQueries {
             ),
             lease_release: format!("DELETE FROM {locks} WHERE address = ?1 AND shard_id = ?2"),
             lease_release_all: format!("DELETE FROM {locks} WHERE address = ?1"),
+            runner_records: format!(
+                "SELECT machine_id, runner, healthy, \
+                 CAST((julianday('now') - julianday(last_heartbeat)) * 86400000 AS INTEGER), \
+                 last_heartbeat > datetime(CURRENT_TIMESTAMP, ?1) \
+                 FROM {runners} ORDER BY address"
+            ),
+            lease_rows: format!(
+                "SELECT shard_id, address, \
+                 CAST((julianday('now') - julianday(acquired_at)) * 86400000 AS INTEGER), \
+                 acquired_at < datetime(CURRENT_TIMESTAMP, ?1) \
+                 FROM {locks} WHERE shard_id IN (SELECT value FROM json_each(?2)) \
+                 ORDER BY shard_id"
+            ),
         }
     }
 }
@@ -399,8 +505,8 @@ impl MigrationSet {
         }
     }
 
-    /// The tables of ours next to the set's tables, created when missing after its
-    /// migrations, without a history row.
+    /// The tables and indexes of ours next to the set's tables, created when missing after
+    /// its migrations, without a history row.
     fn extra_tables(self, prefix: &TablePrefix) -> Vec<String> {
         match self {
             MigrationSet::Messages => message_extra_tables(prefix),
@@ -417,8 +523,10 @@ const ENTITY_STATE_TABLE: &str = "entity_state";
 /// columns are the messages' own; times are UTC, as `CURRENT_TIMESTAMP` writes them).
 fn message_extra_tables(prefix: &TablePrefix) -> Vec<String> {
     let s = prefix.table(ENTITY_STATE_TABLE);
-    vec![format!(
-        "CREATE TABLE IF NOT EXISTS {s} (
+    let m = prefix.table("messages");
+    vec![
+        format!(
+            "CREATE TABLE IF NOT EXISTS {s} (
           entity_type TEXT NOT NULL,
           entity_id TEXT NOT NULL,
           shard_id TEXT NOT NULL,
@@ -427,7 +535,15 @@ fn message_extra_tables(prefix: &TablePrefix) -> Vec<String> {
           updated_at TEXT NOT NULL,
           PRIMARY KEY (entity_type, entity_id)
         )"
-    )]
+        ),
+        // The workflow executions (their `run` requests), newest first, for the read model:
+        // without it, listing them reads every message. Only `run` requests have entries, so the
+        // hot path's writes do not pay for it.
+        format!(
+            "CREATE INDEX IF NOT EXISTS {m}_run_idx ON {m} (id) \
+         WHERE kind = {MESSAGE_KIND_REQUEST} AND tag = 'run'"
+        ),
+    ]
 }
 
 fn message_migrations(prefix: &TablePrefix) -> Vec<Migration> {

@@ -13,12 +13,13 @@ use std::time::Duration;
 use cluster_core::encoded::JsonForm;
 use cluster_core::error::{StorageError, StorageErrorKind};
 use cluster_core::future::BoxFuture;
+use cluster_core::inspect::{RunnerRecord, ShardLock};
 use cluster_core::storage::RunnerStorage;
 use cluster_core::{MachineId, Runner, RunnerAddress, ShardId};
 
 use super::lock_ops::LockKind;
 use super::options::SqliteOptions;
-use super::queries::MigrationSet;
+use super::queries::{MigrationSet, json_strings};
 use super::runner_ops::RunnerOp;
 use super::state::Responder;
 use super::worker::{Command, Worker};
@@ -203,6 +204,29 @@ impl RunnerStorage for SqliteRunnerStorage {
             }
             tracing::debug!(operation = "get_runners", n_runners = runners.len(), "sqlite");
             Ok(runners)
+        })
+    }
+
+    fn runner_records(&self) -> BoxFuture<'_, Result<Vec<RunnerRecord>, StorageError>> {
+        Box::pin(async move {
+            let rows =
+                self.runner_op("runner_records", |reply| RunnerOp::Records { reply }).await?;
+            tracing::debug!(operation = "runner_records", n_runners = rows.len(), "sqlite");
+            Ok(crate::row::inspect::runner_records(rows))
+        })
+    }
+
+    fn shard_locks<'a>(
+        &'a self,
+        shard_ids: &'a [ShardId],
+    ) -> BoxFuture<'a, Result<Vec<ShardLock>, StorageError>> {
+        Box::pin(async move {
+            let ids = json_strings(shard_ids.iter().map(ToString::to_string));
+            let rows = self
+                .runner_op("shard_locks", |reply| RunnerOp::Leases { shard_ids: ids, reply })
+                .await?;
+            tracing::debug!(operation = "shard_locks", n_locks = rows.len(), "sqlite");
+            Ok(crate::row::inspect::shard_locks(rows))
         })
     }
 

@@ -15,6 +15,7 @@ use cluster_core::envelope::{Exit, RawJson, Reply, Request, TraceContext, WithEx
 use cluster_core::error::{StorageError, StorageErrorKind};
 use cluster_core::future::BoxFuture;
 use cluster_core::ids::RunnerWeight;
+use cluster_core::inspect::{LockHolder, ShardLock};
 use cluster_core::storage::{
     MessageStorage, RunnerStorage, SaveRequestOptions, SaveResult, UnprocessedOptions,
 };
@@ -931,6 +932,65 @@ async fn overlong_lock_names_are_invalid_input() {
     assert_eq!(error.kind(), StorageErrorKind::InvalidInput, "{error}");
     assert_eq!(storage.refresh(&a.address, &[shard(1)]).await.expect("refresh"), [shard(1)]);
     drop(storage);
+    database.drop_tables().await;
+}
+
+/// An advisory lock session names its runner with an identity lock: `<prefix>:runner:<address>`
+/// when that fits MySQL's 64 characters, a hash of a longer address otherwise; `release_all`
+/// drops it and the next `acquire` takes it again. A lock held by a session that names no
+/// runner (a TypeScript runner's) reads as that connection.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn advisory_holders_are_named_by_identity_locks() {
+    let Some(database) = Database::new() else { return };
+    database.migrate().await;
+    let short = runner("short");
+    let long = runner(&format!("runner-{}", "x".repeat(60)));
+    assert!(format!("{}:runner:{}", database.prefix, long.address).len() > 64);
+    let (storage_short, storage_long, reader) = (
+        database.runner_storage(LockMode::Advisory, LONG_EXPIRATION).await,
+        database.runner_storage(LockMode::Advisory, LONG_EXPIRATION).await,
+        database.runner_storage(LockMode::Advisory, LONG_EXPIRATION).await,
+    );
+    storage_short.register(&short, true).await.expect("register");
+    storage_long.register(&long, true).await.expect("register");
+    assert_eq!(storage_short.acquire(&short.address, &[shard(1)]).await.unwrap(), [shard(1)]);
+    assert_eq!(storage_long.acquire(&long.address, &[shard(2)]).await.unwrap(), [shard(2)]);
+    // A bare session, as a TypeScript runner's.
+    let mut bare = mysql_async::Conn::new(database.opts.clone()).await.expect("a connection");
+    let name = format!("{}.{}", database.prefix, shard(3));
+    let taken: Option<i64> =
+        bare.exec_first("SELECT GET_LOCK(?, 0)", (name,)).await.expect("GET_LOCK");
+    assert_eq!(taken, Some(1));
+    let bare_id = database.lock_holder(&shard(3)).await.expect("shard 3 is held");
+
+    let holders = |locks: Vec<ShardLock>| -> Vec<(u32, LockHolder)> {
+        locks.into_iter().map(|lock| (lock.shard_id.id(), lock.holder)).collect()
+    };
+    let wanted = [shard(1), shard(2), shard(3), shard(4)];
+    assert_eq!(
+        holders(reader.shard_locks(&wanted).await.expect("shard_locks")),
+        [
+            (1, LockHolder::Runner(short.address.clone())),
+            (2, LockHolder::Runner(long.address.clone())),
+            (3, LockHolder::Session(format!("MySQL connection {bare_id}"))),
+        ]
+    );
+    // The short address's identity lock has the readable name.
+    let identity = format!("{}:runner:{}", database.prefix, short.address);
+    let mut conn = database.admin.get_conn().await.expect("an admin connection");
+    let identity_holder: Option<u64> =
+        conn.exec_first("SELECT IS_USED_LOCK(?)", (identity,)).await.expect("IS_USED_LOCK");
+    assert_eq!(identity_holder, database.lock_holder(&shard(1)).await);
+    drop(conn);
+    // Released with everything else, taken again by the next acquire.
+    storage_short.release_all(&short.address).await.expect("release_all");
+    assert_eq!(storage_short.acquire(&short.address, &[shard(4)]).await.unwrap(), [shard(4)]);
+    assert_eq!(
+        holders(reader.shard_locks(&[shard(1), shard(4)]).await.expect("shard_locks")),
+        [(4, LockHolder::Runner(short.address.clone()))]
+    );
+    bare.disconnect().await.expect("disconnect");
+    drop((storage_short, storage_long, reader));
     database.drop_tables().await;
 }
 

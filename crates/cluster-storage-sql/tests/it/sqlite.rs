@@ -366,6 +366,8 @@ async fn message_schema_matches_the_reference_ddl() {
         &m,
         vec![
             (format!("{m}_request_id_idx"), false),
+            // Ours, beyond the reference: the read model's index of workflow executions.
+            (format!("{m}_run_idx"), false),
             (format!("{m}_shard_idx"), false),
             (format!("sqlite_autoindex_{m}_1"), true),
         ],

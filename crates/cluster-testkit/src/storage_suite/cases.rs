@@ -18,6 +18,9 @@ use cluster_core::envelope::{
 };
 use cluster_core::error::{StorageError, StorageErrorKind};
 use cluster_core::ids::RunnerWeight;
+use cluster_core::inspect::{
+    Backlog, BacklogQuery, LIMIT_MAX, LockHolder, RequestQuery, RequestRecord, ShardLock,
+};
 use cluster_core::retention::{
     ProcessedQuery, ProcessedRequest, PurgeProcessed, WORKFLOW_ENTITY_TYPE_PREFIX, replied_before,
 };
@@ -2058,5 +2061,297 @@ where
             fixture.name()
         );
         tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+// --- The read model ------------------------------------------------------------------------------
+
+/// A request `id` to `address` with `tag`, saved for delivery at `deliver_at`.
+async fn save_at(storage: &dyn MessageStorage, request: &Request, deliver_at: Timestamp) {
+    let options = SaveRequestOptions { primary_key: None, deliver_at: Some(deliver_at) };
+    let result = storage.save_request(request, &options).await.unwrap();
+    assert_eq!(result, SaveResult::Success, "saving {:?}", request.request_id);
+}
+
+fn backlog_query(stale_after: Duration, limit: u32) -> BacklogQuery {
+    BacklogQuery { now: now(), stale_after, limit }
+}
+
+/// The backlog groups unprocessed messages (requests and interrupts) by entity type and shard:
+/// due and scheduled ones apart, claims counted and, once older than `stale_after`, counted as
+/// stale; the group whose oldest due message waited longest first, groups with nothing due
+/// last. Processed requests are not counted; limits outside 1 to the maximum are refused.
+pub async fn backlog_groups_unprocessed_messages(fixture: &dyn StorageFixture) {
+    let storage = fixture.message_storage();
+    let name = fixture.name();
+    let later = now().saturating_add(Duration::from_secs(3_600));
+    let on_shard_2 = EntityAddress { shard_id: shard(2), ..typed("TestEntity", "e4") };
+    let on_shard_3 = EntityAddress { shard_id: shard(3), ..typed("Workflow/x", "w1") };
+    save(&*storage, &request_to(made_on(3, 0), typed("TestEntity", "e1"))).await;
+    save(&*storage, &request_to(made_on(4, 0), typed("TestEntity", "e2"))).await;
+    save(&*storage, &request_to(made_on(1, 0), typed("TestEntity", "e3"))).await;
+    storage.save_reply(&final_reply(made_on(1, 0), made_on(1, 5))).await.unwrap();
+    save_at(&*storage, &request_to(made_on(2, 0), typed("Other", "o1")), day(5)).await;
+    save_at(&*storage, &request_to(made_on(2, 1), typed("Other", "o2")), later).await;
+    let interrupted = request_to(made_on(6, 0), on_shard_2.clone());
+    save(&*storage, &interrupted).await;
+    let interrupt = Interrupt {
+        id: Snowflake::new(made_on(7, 0)),
+        address: on_shard_2,
+        request_id: interrupted.request_id,
+    };
+    storage.save_interrupt(&interrupt).await.unwrap();
+    save_at(&*storage, &request_to(made_on(1, 1), on_shard_3), later).await;
+    // Claims every due message of shard 1.
+    assert_eq!(read(&*storage, &[shard(1)]).await.messages.len(), 3, "{name}");
+
+    let listed = storage.backlog(&backlog_query(Duration::from_secs(3_600), 10)).await.unwrap();
+    let group =
+        |entity_type: &str, shard_id: u32, counts: [u64; 3], since: Option<Timestamp>| Backlog {
+            entity_type: entity_type.to_owned(),
+            shard_id: shard(shard_id),
+            due: counts[0],
+            scheduled: counts[1],
+            claimed: counts[2],
+            stale_claims: 0,
+            waiting_since: since,
+        };
+    let expected = [
+        group("TestEntity", 1, [2, 0, 2], Some(day(3))),
+        group("Other", 1, [1, 1, 1], Some(day(5))),
+        group("TestEntity", 2, [2, 0, 0], Some(day(6))),
+        group("Workflow/x", 3, [0, 1, 0], None),
+    ];
+    assert_eq!(listed, expected, "{name}");
+    assert_eq!(
+        listed[0].oldest_age(day(4)),
+        Duration::from_secs(86_400),
+        "{name}: the oldest waited a day at day 4"
+    );
+    // Claims go stale once older than `stale_after`.
+    eventually(fixture, "the claims go stale", || {
+        let storage = Arc::clone(&storage);
+        async move {
+            let listed = storage.backlog(&backlog_query(Duration::ZERO, 10)).await.unwrap();
+            listed.iter().all(|group| group.stale_claims == group.claimed)
+        }
+    })
+    .await;
+    let only_first = storage.backlog(&backlog_query(Duration::from_secs(3_600), 1)).await.unwrap();
+    assert_eq!(only_first, expected[..1], "{name}");
+    assert_invalid(name, storage.backlog(&backlog_query(Duration::ZERO, 0)).await);
+    assert_invalid(name, storage.backlog(&backlog_query(Duration::ZERO, LIMIT_MAX + 1)).await);
+}
+
+async fn request_ids(storage: &dyn MessageStorage, query: &RequestQuery) -> Vec<u64> {
+    let listed = storage.requests(query).await.unwrap();
+    listed.iter().map(|record| record.request_id.get()).collect()
+}
+
+/// Requests are listed with their shard, tag, payload, processed and claimed flags, delivery
+/// time, interrupt and final reply; every filter narrows the list; pages follow the ids both
+/// ways; a damaged payload is left out and a damaged reply reads as a defect; interrupts are
+/// not requests; limits outside 1 to the maximum are refused.
+pub async fn requests_filter_page_and_carry_replies(fixture: &dyn StorageFixture) {
+    let storage = fixture.message_storage();
+    let name = fixture.name();
+    let later = now().saturating_add(Duration::from_secs(3_600));
+    let on_shard_2 = EntityAddress { shard_id: shard(2), ..typed("TestEntity", "e2") };
+    let requests = [
+        tagged(1, typed("TestEntity", "e1"), "GetUser"),
+        tagged(2, typed("TestEntity", "e1"), "SetUser"),
+        tagged(3, typed("Other", "e1"), "GetUser"),
+        tagged(4, on_shard_2.clone(), "GetUser"),
+        tagged(6, typed("TestEntityX", "e1"), "GetUser"),
+    ];
+    for request in &requests {
+        if request.request_id.get() == 3 {
+            save_at(&*storage, request, later).await;
+        } else {
+            save(&*storage, request).await;
+        }
+    }
+    let interrupt =
+        Interrupt { id: Snowflake::new(5), address: on_shard_2, request_id: Snowflake::new(4) };
+    storage.save_interrupt(&interrupt).await.unwrap();
+    let replies: BTreeMap<u64, Reply> =
+        [(1, final_reply(1, 101)), (6, final_reply(6, 102))].into_iter().collect();
+    for reply in replies.values() {
+        storage.save_reply(reply).await.unwrap();
+    }
+    // Claims request 2 (1 is processed, 3 is not due).
+    assert_eq!(read_ids(&*storage).await, [2], "{name}");
+
+    let record = |request: &Request| {
+        let id = request.request_id.get();
+        RequestRecord {
+            request_id: request.request_id,
+            address: request.address.clone(),
+            shard_id: request.address.shard_id.clone(),
+            tag: request.tag.as_str().to_owned(),
+            payload: Some(request.payload.clone()),
+            processed: replies.contains_key(&id),
+            claimed: id == 2,
+            deliver_at: (id == 3).then_some(later),
+            interrupted: id == 4,
+            reply: replies.get(&id).map(|reply| match reply {
+                Reply::WithExit(reply) => reply.clone(),
+                Reply::Chunk(_) => panic!("a final reply"),
+            }),
+        }
+    };
+    let all = RequestQuery::all(10);
+    let listed = storage.requests(&all).await.unwrap();
+    assert_eq!(listed, requests.iter().map(record).collect::<Vec<_>>(), "{name}");
+    let newest = RequestQuery { newest_first: true, ..all.clone() };
+    assert_eq!(request_ids(&*storage, &newest).await, [6, 4, 3, 2, 1], "{name}");
+    let cases: [(RequestQuery, &[u64]); 10] = [
+        (RequestQuery { shard_id: Some(shard(2)), ..all.clone() }, &[4]),
+        (RequestQuery { tag: Some("run".into()), ..all.clone() }, &[]),
+        (RequestQuery { entity_type_prefix: "TestEntity".into(), ..all.clone() }, &[1, 2, 4, 6]),
+        (RequestQuery { entity_type: Some("TestEntity".into()), ..all.clone() }, &[1, 2, 4]),
+        (RequestQuery { entity_type: Some("testentity".into()), ..all.clone() }, &[]),
+        (RequestQuery { entity_id: Some("e1".into()), ..all.clone() }, &[1, 2, 3, 6]),
+        (RequestQuery { tag: Some("GetUser".into()), ..all.clone() }, &[1, 3, 4, 6]),
+        (RequestQuery { processed: Some(true), ..all.clone() }, &[1, 6]),
+        (RequestQuery { processed: Some(false), ..all.clone() }, &[2, 3, 4]),
+        (RequestQuery { request_id: Some(Snowflake::new(3)), ..all.clone() }, &[3]),
+    ];
+    for (query, expected) in cases {
+        assert_eq!(request_ids(&*storage, &query).await, expected, "{name}: {query:?}");
+    }
+    // Pages of two, both ways.
+    let mut page = RequestQuery::all(2);
+    let mut pages = Vec::new();
+    loop {
+        let ids = request_ids(&*storage, &page).await;
+        let Some(last) = ids.last() else { break };
+        page.after = Some(Snowflake::new(*last));
+        pages.push(ids);
+    }
+    assert_eq!(pages, [vec![1, 2], vec![3, 4], vec![6]], "{name}");
+    let mut page = RequestQuery { newest_first: true, ..RequestQuery::all(2) };
+    let mut pages = Vec::new();
+    loop {
+        let ids = request_ids(&*storage, &page).await;
+        let Some(last) = ids.last() else { break };
+        page.before = Some(Snowflake::new(*last));
+        pages.push(ids);
+    }
+    assert_eq!(pages, [vec![6, 4], vec![3, 2], vec![1]], "{name}");
+    assert_invalid(name, storage.requests(&RequestQuery::all(0)).await);
+    assert_invalid(name, storage.requests(&RequestQuery::all(LIMIT_MAX + 1)).await);
+    // Damaged rows are listed: the payload left out, the reply a defect.
+    fixture.corrupt(Corruption::MessagePayload(Snowflake::new(2))).await;
+    fixture.corrupt(Corruption::ReplyPayload(Snowflake::new(101))).await;
+    let listed = storage.requests(&RequestQuery::all(2)).await.unwrap();
+    assert_eq!(listed.len(), 2, "{name}: {listed:?}");
+    assert_eq!(listed[1].payload, None, "{name}");
+    let Some(WithExit { exit: Exit::Failure(cause), .. }) = &listed[0].reply else {
+        panic!("{name}: expected a defect reply, got {:?}", listed[0].reply)
+    };
+    assert!(
+        matches!(&cause.0[0], CauseReason::Die(defect) if defect.json().unwrap_or("").contains("MalformedMessage")),
+        "{name}: {cause:?}"
+    );
+}
+
+/// Every registered runner is listed with its machine id, health and heartbeat age; a runner
+/// whose heartbeat expired is still listed, as not alive, while `get_runners` leaves it out.
+pub async fn runner_records_list_expired_runners(fixture: &dyn StorageFixture) {
+    let name = fixture.name();
+    let storage = fixture.runner_storage(LONG_EXPIRATION).await;
+    let (a, b) = (runner("a"), runner("b"));
+    let machine_a = storage.register(&a, true).await.unwrap();
+    let machine_b = storage.register(&b, false).await.unwrap();
+    let records = storage.runner_records().await.unwrap();
+    assert_eq!(records.len(), 2, "{name}: {records:?}");
+    for (record, (runner, machine_id, healthy)) in
+        records.iter().zip([(&a, machine_a, true), (&b, machine_b, false)])
+    {
+        assert_eq!(record.runner, *runner, "{name}");
+        assert_eq!(record.machine_id, machine_id, "{name}");
+        assert_eq!(record.healthy, healthy, "{name}");
+        assert!(record.alive, "{name}: {record:?}");
+        assert!(record.heartbeat_age < LONG_EXPIRATION, "{name}: {record:?}");
+    }
+    let short = fixture.runner_storage(SHORT_EXPIRATION).await;
+    eventually(fixture, "the heartbeats expire", || {
+        let short = Arc::clone(&short);
+        async move {
+            short.runner_records().await.is_ok_and(|records| {
+                records.len() == 2
+                    && records
+                        .iter()
+                        .all(|record| !record.alive && record.heartbeat_age >= SHORT_EXPIRATION)
+            })
+        }
+    })
+    .await;
+    assert!(short.get_runners().await.unwrap().is_empty(), "{name}");
+}
+
+/// The shard locks name their holders, whichever session reads them; a released lock is gone;
+/// a lease that is not refreshed is listed as expired until it is taken over.
+pub async fn shard_locks_name_their_holders(fixture: &dyn StorageFixture) {
+    let name = fixture.name();
+    let (a, b) = (runner("a"), runner("b"));
+    let storage_a = fixture.runner_storage(LONG_EXPIRATION).await;
+    let storage_b = fixture.runner_storage(LONG_EXPIRATION).await;
+    let reader = fixture.runner_storage(LONG_EXPIRATION).await;
+    storage_a.register(&a, true).await.unwrap();
+    storage_b.register(&b, true).await.unwrap();
+    assert_eq!(sorted(storage_a.acquire(&a.address, &shards(&[1, 2])).await.unwrap()).len(), 2);
+    assert_eq!(storage_b.acquire(&b.address, &shards(&[3])).await.unwrap().len(), 1);
+    let holders = |locks: Vec<ShardLock>| -> Vec<(u32, LockHolder)> {
+        locks
+            .into_iter()
+            .map(|lock| {
+                assert!(!lock.expired, "{name}: {lock:?}");
+                assert!(lock.lease_age.is_none_or(|age| age < LONG_EXPIRATION), "{name}: {lock:?}");
+                (lock.shard_id.id(), lock.holder)
+            })
+            .collect()
+    };
+    let wanted = shards(&[1, 2, 3, 4, 5]);
+    let holder_a = LockHolder::Runner(a.address.clone());
+    let holder_b = LockHolder::Runner(b.address.clone());
+    assert_eq!(
+        holders(reader.shard_locks(&wanted).await.unwrap()),
+        [(1, holder_a.clone()), (2, holder_a.clone()), (3, holder_b.clone())],
+        "{name}"
+    );
+    assert_eq!(
+        holders(reader.shard_locks(&shards(&[2])).await.unwrap()),
+        [(2, holder_a.clone())],
+        "{name}: only the shards asked for"
+    );
+    storage_a.release(&a.address, &shard(2)).await.unwrap();
+    assert_eq!(
+        holders(storage_b.shard_locks(&wanted).await.unwrap()),
+        [(1, holder_a), (3, holder_b.clone())],
+        "{name}"
+    );
+    storage_a.release_all(&a.address).await.unwrap();
+    assert_eq!(holders(reader.shard_locks(&wanted).await.unwrap()), [(3, holder_b)], "{name}");
+    // A lease nobody refreshes expires (an advisory lock has no lease: it is held until its
+    // session ends).
+    let short = fixture.runner_storage(SHORT_EXPIRATION).await;
+    let c = runner("c");
+    short.register(&c, true).await.unwrap();
+    assert_eq!(short.acquire(&c.address, &shards(&[4])).await.unwrap().len(), 1);
+    let lock = reader.shard_locks(&shards(&[4])).await.unwrap();
+    assert_eq!(lock.len(), 1, "{name}: {lock:?}");
+    if lock[0].lease_age.is_some() {
+        eventually(fixture, "the lease expires", || {
+            let short = Arc::clone(&short);
+            async move {
+                short
+                    .shard_locks(&shards(&[4]))
+                    .await
+                    .is_ok_and(|locks| locks.len() == 1 && locks[0].expired)
+            }
+        })
+        .await;
     }
 }

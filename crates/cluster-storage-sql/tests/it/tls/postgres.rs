@@ -97,8 +97,9 @@ async fn sslmode_require_encrypts_the_pool_and_the_lock_session() {
     assert_eq!(acquired.expect("acquire"), vec![shard]);
     assert!(pooled_session_is_encrypted(&messages).await, "a pooled session is plaintext");
 
+    // The lock session keeps the configured name, followed by the runner it serves.
     let sql = "SELECT s.ssl FROM pg_stat_activity a JOIN pg_stat_ssl s USING (pid) \
-               WHERE a.application_name = $1";
+               WHERE a.application_name = $1 OR a.application_name LIKE $1 || ' %'";
     let sessions = server.admin.query(sql, &[&application]).await.expect("pg_stat_ssl");
     // The two pools' connections and the lock session, at least.
     assert!(sessions.len() >= 3, "{} sessions of the storages", sessions.len());
