@@ -54,6 +54,7 @@ mod context;
 mod definition;
 mod engine;
 mod id;
+pub mod inspect;
 mod memory;
 pub mod metrics;
 mod name;

@@ -2,9 +2,11 @@
 //! [`suite::Harness`] and run on the in-memory engine.
 
 mod cluster;
+mod inspect;
 mod integration;
 mod memory;
 mod panics;
+mod paused;
 mod queue;
 mod retention;
 mod sql;

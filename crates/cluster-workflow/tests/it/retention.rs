@@ -6,56 +6,19 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::time::Duration;
 
-use cluster_core::{Clock, ShardingConfig, Timestamp};
+use cluster_core::{Clock, ShardingConfig};
 use cluster_sharding::Sharding;
 use cluster_testkit::memory::MemoryMessageStorage;
 use cluster_workflow::{
-    DurableDeferred, ExecutionId, Never, Workflow, WorkflowContext, WorkflowEngine, WorkflowResult,
+    DurableDeferred, Never, Workflow, WorkflowContext, WorkflowEngine, WorkflowResult,
 };
-use serde::{Deserialize, Serialize};
 
 use crate::cluster::config;
+use crate::paused::{Key, PausedClock, complete, key, keyed, poll_until};
 
-/// The wall clock as tokio's paused clock moves, from a time after the snowflake epoch (ids
-/// made before it all carry the epoch, and would never age).
-#[derive(Debug)]
-struct PausedClock {
-    start: tokio::time::Instant,
-}
-
-impl Clock for PausedClock {
-    fn now(&self) -> Timestamp {
-        Timestamp::from_unix_millis(1_800_000_000_000).saturating_add(self.start.elapsed())
-    }
-}
-
-#[derive(Clone, Debug, Serialize, Deserialize)]
-struct Key {
-    key: String,
-}
-
-fn key(key: &str) -> Key {
-    Key { key: key.to_owned() }
-}
-
-macro_rules! keyed {
-    ($name:ident, $success:ty) => {
-        struct $name;
-        impl Workflow for $name {
-            const NAME: &'static str = stringify!($name);
-            type Payload = Key;
-            type Success = $success;
-            type Error = Never;
-            fn idempotency_key(payload: &Key) -> String {
-                payload.key.clone()
-            }
-        }
-    };
-}
-
-keyed!(Job, u32);
-keyed!(Elder, String);
-keyed!(Kid, u32);
+keyed!(Job, u32, Never);
+keyed!(Elder, String, Never);
+keyed!(Kid, u32, Never);
 
 const RETENTION: Duration = Duration::from_secs(10);
 
@@ -89,27 +52,6 @@ async fn engine(runs: &Arc<AtomicU32>) -> WorkflowEngine {
     })
     .unwrap();
     engine
-}
-
-/// Polls until `accept` holds for the execution's stored result (`None`: nothing stored),
-/// within a minute of the paused clock.
-async fn poll_until<W: Workflow>(
-    engine: &WorkflowEngine,
-    id: &ExecutionId,
-    what: &str,
-    accept: impl Fn(Option<&WorkflowResult>) -> bool,
-) {
-    for _ in 0..6_000 {
-        if accept(engine.poll::<W>(id).await.unwrap().as_ref()) {
-            return;
-        }
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    }
-    panic!("timed out waiting until {what}");
-}
-
-fn complete(result: Option<&WorkflowResult>) -> bool {
-    matches!(result, Some(WorkflowResult::Complete(_)))
 }
 
 #[tokio::test(start_paused = true)]
