@@ -155,20 +155,8 @@ impl HttpConfig {
                     )
                 })?;
         }
-        let token = lookup(auth::TOKEN_VARIABLE).filter(|token| !token.is_empty());
-        let file = set(&lookup, auth::TOKEN_FILE_VARIABLE);
-        let bearer_token = match (token, file) {
-            (Some(_), Some(file)) => {
-                return Err(cluster_core::ConfigError::new(
-                    auth::TOKEN_FILE_VARIABLE,
-                    file,
-                    "is set together with CLUSTER_HTTP_BEARER_TOKEN: set one of them",
-                ));
-            }
-            (Some(token), None) => Some(BearerToken::new(&token)?),
-            (None, Some(file)) => Some(BearerToken::from_file(std::path::Path::new(&file))?),
-            (None, None) => None,
-        };
+        let bearer_token = crate::token::Tokens::from_lookup(&lookup, auth::TOKEN_VARIABLE)?
+            .map(BearerToken::from_tokens);
         Ok(HttpConfig { limits, options, bearer_token })
     }
 }

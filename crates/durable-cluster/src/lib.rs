@@ -152,6 +152,8 @@
 //! Several runners on one database: `Runner` (feature `rpc`) reads its storage, address and
 //! transport settings from the environment; docs/deployment.md shows a complete runner.
 
+#[cfg(feature = "admin")]
+pub mod admin;
 #[cfg(feature = "http")]
 pub mod http;
 #[cfg(feature = "kubernetes")]
@@ -166,6 +168,8 @@ mod runner;
 mod server;
 #[cfg(feature = "sqlite")]
 mod single_runner;
+#[cfg(any(feature = "http", feature = "console"))]
+mod token;
 
 pub use cluster_core::{
     Clock, ClusterError, ConfigError, EntityAddress, EntityId, EntityType, Never, RunnerAddress,

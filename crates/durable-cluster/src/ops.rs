@@ -38,6 +38,14 @@ use crate::server::ServerLimits;
 
 mod series;
 
+/// The admin the operations server serves under `/admin`: the admin and who may use it.
+#[cfg(feature = "console")]
+pub(crate) type AdminParts = (crate::admin::Admin, crate::admin::web::AdminAccess);
+
+/// Without the feature `console` there is no admin to serve.
+#[cfg(not(feature = "console"))]
+pub(crate) type AdminParts = std::convert::Infallible;
+
 /// How long a shutdown waits for the operations server's requests in progress.
 const SHUTDOWN_TIMEOUT: Duration = Duration::from_secs(5);
 
@@ -82,19 +90,33 @@ impl OpsListener {
         bound.await.map_err(|source| RunnerError::Ops { address: listen, source })
     }
 
-    /// Serves the probes of `sharding` and the metrics until [`OpsServer::shutdown`].
-    pub(crate) fn serve(self, sharding: Sharding) -> OpsServer {
+    /// Serves the probes of `sharding` and the metrics until [`OpsServer::shutdown`], and the
+    /// admin under `/admin` when given (feature `console`).
+    pub(crate) fn serve(self, sharding: Sharding, admin: Option<AdminParts>) -> OpsServer {
         let expiration = sharding.config().shard_lock_expiration;
+        #[cfg(feature = "console")]
+        let sharding_for_admin = sharding.clone();
         let readiness = Arc::new(ReadinessCheck {
             sharding,
             acquire_bound: expiration.saturating_mul(2),
             not_acquired_since: Mutex::new(None),
         });
+        let stop = CancellationToken::new();
         let router = Router::new()
             .route("/healthz", get(|| async { "ok\n" }))
             .route("/readyz", get(move || ready(Arc::clone(&readiness))))
             .route("/metrics", get(render_metrics));
-        let stop = CancellationToken::new();
+        #[cfg(feature = "console")]
+        let router = match admin {
+            Some((admin, access)) => {
+                let web =
+                    crate::admin::web::router(admin, access, sharding_for_admin, stop.clone());
+                router.nest("/admin", web)
+            }
+            None => router,
+        };
+        #[cfg(not(feature = "console"))]
+        let () = admin.map_or((), |never| match never {});
         let stopped = stop.clone();
         let local_addr = self.local_addr;
         let task = tokio::spawn(async move {

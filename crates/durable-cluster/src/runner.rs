@@ -9,6 +9,7 @@
 //! | `CLUSTER_RPC_SECRET`, `CLUSTER_RPC_*` | the transport's settings (`RpcConfig::from_env`) |
 //! | `CLUSTER_OPS_LISTEN` | the address of the operations server (`/healthz`, `/readyz`, `/metrics`; feature `ops`), off when unset |
 //! | `CLUSTER_OPS_CONNECTIONS_MAX`, `CLUSTER_OPS_HEADER_READ_TIMEOUT` | the operations server's connection limit (default 64) and header-read and idle timeout (default `5 seconds`) |
+//! | `CLUSTER_ADMIN_TOKEN`, `CLUSTER_ADMIN_READ_TOKEN` (or `_FILE`) | the console's tokens on the operations server (feature `console`): read and act, or read only; off when unset |
 //! | `CLUSTER_RUNNER_HEALTH` | how the runners judge each other: `transport` (the default: pings, as `RUNNER_HEALTH_CHECK` says) or `kubernetes` (pod readiness; feature `kubernetes`) |
 //! | `CLUSTER_KUBERNETES_NAMESPACE` | with `kubernetes`: the namespace of the runners' pods (default: the pod's own) |
 //! | `CLUSTER_KUBERNETES_LABEL_SELECTOR` | with `kubernetes`: the label selector of the runners' pods (default: every running pod of the namespace) |
@@ -148,6 +149,10 @@ pub struct RunnerEnv {
     /// How a runner judges the other runners' health (`CLUSTER_RUNNER_HEALTH`); a client
     /// judges none, and does not read it.
     pub runner_health: RunnerHealthSource,
+    /// Who may use the admin on the operations server (`CLUSTER_ADMIN_TOKEN`,
+    /// `CLUSTER_ADMIN_READ_TOKEN`, feature `console`); `None`: off.
+    #[cfg(feature = "console")]
+    pub admin_access: Option<crate::admin::web::AdminAccess>,
 }
 
 impl std::fmt::Debug for RunnerEnv {
@@ -162,6 +167,8 @@ impl std::fmt::Debug for RunnerEnv {
             .field("ops_listen", &self.ops_listen);
         #[cfg(feature = "ops")]
         debug.field("ops_limits", &self.ops_limits);
+        #[cfg(feature = "console")]
+        debug.field("admin_access", &self.admin_access);
         debug.field("runner_health", &self.runner_health).finish()
     }
 }
@@ -426,6 +433,30 @@ impl RunnerEnv {
             Role::Runner => RunnerHealthSource::from_lookup(&lookup)?,
             Role::Client => RunnerHealthSource::Transport,
         };
+        let admin_configured = ["CLUSTER_ADMIN_TOKEN", "CLUSTER_ADMIN_READ_TOKEN"]
+            .into_iter()
+            .flat_map(|name| [name.to_owned(), format!("{name}_FILE")])
+            .find(|name| lookup(name).is_some_and(|value| !value.is_empty()));
+        if let Some(name) = &admin_configured {
+            if !cfg!(feature = "console") {
+                return Err(ConfigError::new(
+                    name,
+                    "<redacted>",
+                    "needs durable-cluster's feature `console`, which this build lacks",
+                )
+                .into());
+            }
+            if ops_listen.is_none() {
+                return Err(ConfigError::new(
+                    name,
+                    "<redacted>",
+                    "the admin is served by the operations server: set CLUSTER_OPS_LISTEN too",
+                )
+                .into());
+            }
+        }
+        #[cfg(feature = "console")]
+        let admin_access = crate::admin::web::AdminAccess::from_lookup(&lookup)?;
         Ok(RunnerEnv {
             storage_url,
             table_prefix,
@@ -436,6 +467,8 @@ impl RunnerEnv {
             #[cfg(feature = "ops")]
             ops_limits,
             runner_health,
+            #[cfg(feature = "console")]
+            admin_access,
         })
     }
 
@@ -633,10 +666,13 @@ impl Runner {
             }
             None => None,
         };
-        let sharding = match storages {
-            Some((messages, locks)) => env.join_with(messages, locks).await?,
-            None => env.join().await?,
+        let (messages, locks) = match storages {
+            Some(storages) => storages,
+            None => env.open_storages().await?,
         };
+        #[cfg(feature = "console")]
+        let admin_storages = (Arc::clone(&messages), Arc::clone(&locks));
+        let sharding = env.join_with(messages, locks).await?;
         if let Err(error) = register(&sharding) {
             // Leave the cluster cleanly instead of holding shards it cannot serve.
             sharding.shutdown().await;
@@ -644,7 +680,17 @@ impl Runner {
         }
         let server = server.serve(sharding.runner_handler());
         #[cfg(feature = "ops")]
-        let ops = ops.map(|ops| ops.serve(sharding.clone()));
+        let ops = ops.map(|ops| {
+            #[cfg(feature = "console")]
+            let admin = env.admin_access.clone().map(|access| {
+                let (messages, locks) = admin_storages;
+                let admin = crate::admin::Admin::new(messages, locks, env.sharding.clone());
+                (admin, access)
+            });
+            #[cfg(not(feature = "console"))]
+            let admin = None;
+            ops.serve(sharding.clone(), admin)
+        });
         Ok(Runner {
             sharding,
             server,

@@ -55,6 +55,8 @@ pub(crate) struct Answer {
     pub(crate) status: u16,
     pub(crate) content_type: Option<String>,
     pub(crate) body: String,
+    /// The status line and the headers, as received.
+    pub(crate) head: String,
 }
 
 /// Sends `method path` with `headers` and `body` over HTTP/1.1, one connection per request.
@@ -107,7 +109,7 @@ pub(crate) async fn try_exchange(
     });
     let body =
         if chunked { dechunk(body).ok_or_else(|| invalid("bad chunks"))? } else { body.to_owned() };
-    Ok(Answer { status, content_type, body })
+    Ok(Answer { status, content_type, body, head: head.to_owned() })
 }
 
 /// The body of a chunked transfer encoding; `None` when it is cut or malformed.
