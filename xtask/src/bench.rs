@@ -25,8 +25,8 @@ use plotters::prelude::*;
 use serde_json::Value;
 
 /// The workloads `all` runs, in order.
-pub(crate) const WORKLOADS: [&str; 13] =
-    ["W0", "W1", "W2", "W3", "W4", "W5", "W6", "W7", "W8", "W9", "W2S", "W3S", "W6S"];
+pub(crate) const WORKLOADS: [&str; 14] =
+    ["W0", "W1", "W2", "W3", "W4", "W5", "W6", "W7", "W8", "W9", "W2S", "W3S", "W3C", "W6S"];
 
 /// Where `bench scaling` writes its results and plots, under the workspace root.
 const OUTPUT: &str = "docs/performance";
@@ -164,10 +164,7 @@ fn say(line: &str) {
 
 /// Reads `scaling.jsonl` in `dir` and draws its plots there.
 fn plot_all(dir: &Path) -> Result<()> {
-    let path = dir.join("scaling.jsonl");
-    let text = fs::read_to_string(&path).with_context(|| {
-        format!("cannot read {} (run `cargo xtask bench scaling`)", path.display())
-    })?;
+    let text = read_results(dir, "scaling.jsonl", "cargo xtask bench scaling")?;
     let rows = parse_rows(&text)?;
     plot(dir, &rows)?;
     crate::report(&format!("==> plots written to {}", dir.display()));
@@ -185,18 +182,47 @@ pub(crate) struct Row {
     pub(crate) peak_rss_mb: f64,
 }
 
+/// One line of a JSON-lines results file: its number (from 1) and its value.
+struct JsonLine {
+    number: usize,
+    value: Value,
+}
+
+impl JsonLine {
+    /// The number field `name`.
+    fn number(&self, name: &str) -> Result<f64> {
+        self.value[name].as_f64().ok_or_else(|| anyhow!("line {}: no number `{name}`", self.number))
+    }
+}
+
+/// The non-blank lines of a JSON-lines results file, parsed.
+fn json_lines(text: &str) -> Result<Vec<JsonLine>> {
+    text.lines()
+        .enumerate()
+        .filter(|(_, line)| !line.trim().is_empty())
+        .map(|(index, line)| {
+            let value = serde_json::from_str(line)
+                .with_context(|| format!("line {} is not JSON", index + 1))?;
+            Ok(JsonLine { number: index + 1, value })
+        })
+        .collect()
+}
+
+/// The results file `name` in `dir`; its error names the command that writes it.
+fn read_results(dir: &Path, name: &str, command: &str) -> Result<String> {
+    let path = dir.join(name);
+    fs::read_to_string(&path)
+        .with_context(|| format!("cannot read {} (run `{command}`)", path.display()))
+}
+
 pub(crate) fn parse_rows(text: &str) -> Result<Vec<Row>> {
     let mut rows = Vec::new();
-    for (number, line) in text.lines().enumerate().filter(|(_, line)| !line.trim().is_empty()) {
-        let value: Value = serde_json::from_str(line)
-            .with_context(|| format!("line {} is not JSON", number + 1))?;
-        let field = |name: &str| {
-            value[name].as_f64().ok_or_else(|| anyhow!("line {}: no number `{name}`", number + 1))
-        };
+    for line in json_lines(text)? {
+        let field = |name: &str| line.number(name);
         rows.push(Row {
-            workload: value["workload"]
+            workload: line.value["workload"]
                 .as_str()
-                .ok_or_else(|| anyhow!("line {}: no `workload`", number + 1))?
+                .ok_or_else(|| anyhow!("line {}: no `workload`", line.number))?
                 .to_owned(),
             in_flight: field("in_flight")?,
             entities: field("entities")?,
@@ -305,10 +331,7 @@ fn draw(path: &Path, title: &str, axes: (&str, &str), series: &[Series]) -> Resu
 
 /// Reads `soak.jsonl` in `dir` and draws `soak.svg` there.
 fn plot_soak_file(dir: &Path) -> Result<()> {
-    let path = dir.join("soak.jsonl");
-    let text = fs::read_to_string(&path).with_context(|| {
-        format!("cannot read {} (run `cargo xtask bench soak`)", path.display())
-    })?;
+    let text = read_results(dir, "soak.jsonl", "cargo xtask bench soak")?;
     let samples = parse_soak(&text)?;
     let svg = dir.join("soak.svg");
     plot_soak(&svg, &samples)?;
@@ -330,13 +353,9 @@ pub(crate) struct SoakSample {
 /// one and skipped.
 pub(crate) fn parse_soak(text: &str) -> Result<Vec<SoakSample>> {
     let mut samples = Vec::new();
-    for (number, line) in text.lines().enumerate().filter(|(_, line)| !line.trim().is_empty()) {
-        let value: Value = serde_json::from_str(line)
-            .with_context(|| format!("line {} is not JSON", number + 1))?;
-        let field = |name: &str| {
-            value[name].as_f64().ok_or_else(|| anyhow!("line {}: no number `{name}`", number + 1))
-        };
-        match value["kind"].as_str() {
+    for line in json_lines(text)? {
+        let field = |name: &str| line.number(name);
+        match line.value["kind"].as_str() {
             Some("sample") => samples.push(SoakSample {
                 t_s: field("t_s")?,
                 ops_per_s: field("ops_per_s")?,
@@ -345,7 +364,7 @@ pub(crate) fn parse_soak(text: &str) -> Result<Vec<SoakSample>> {
                 table_bytes: field("table_bytes")?,
             }),
             Some("summary") => {}
-            _ => bail!("line {}: neither a sample nor the summary", number + 1),
+            _ => bail!("line {}: neither a sample nor the summary", line.number),
         }
     }
     if samples.is_empty() {

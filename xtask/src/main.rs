@@ -9,14 +9,15 @@
 //!   (also run by `ci`); none may answer a 5xx.
 //! - `tidy`: the repository rules that are not compiler lints (also run as tests by `ci`).
 //! - `chaos`: the fault test across processes on PostgreSQL (`cluster-chaos`; also run by
-//!   `ci`): runners killed, frozen, joining and leaving under traffic.
+//!   `ci`): runners killed, frozen, joining and leaving under traffic, with message retention
+//!   at 30 s.
 //! - `sim`: the simulated cluster over seeds (`--seeds N`, `--from S`) or one seed with its
 //!   trace (`--seed S`); each seed runs twice and must give the same history (also run by
 //!   `ci`, 200 seeds).
 //!
 //! - `config-doc`: writes `docs/configuration.md`, the configuration reference, from the
 //!   documentation of `ShardingConfig` (a test fails when it is stale).
-//! - `bench [W0|…|W9|W2S|W3S|W6S|all|scaling|plot|soak|plot-soak]`: the benchmark workloads
+//! - `bench [W0|…|W9|W2S|W3S|W3C|W6S|all|scaling|plot|soak|plot-soak]`: the benchmark workloads
 //!   in release mode against the local services, the scaling runs and their plots, and the
 //!   ten-minute soak with retention and its plot (see `bench`, docs/performance.md); not part
 //!   of `ci`.
@@ -93,7 +94,7 @@ fn main() -> ExitCode {
 
 fn usage() {
     report(
-        "usage: cargo xtask <ci | tidy | chaos | schemathesis | sim [--seeds N] [--from S] [--classic|--extended|--graceful] | sim --seed S [--trace] [--classic|--extended|--graceful] | bench [W0|W1|W2|W3|W4|W5|W6|W7|W8|W9|W2S|W3S|W6S|all|scaling|plot|soak [--seconds N] [--retention-seconds R] [--sample-seconds S] [--in-flight N] [--entities N] [--no-vacuum]|plot-soak] | config-doc>",
+        "usage: cargo xtask <ci | tidy | chaos | schemathesis | sim [--seeds N] [--from S] [--classic|--extended|--graceful] | sim --seed S [--trace] [--classic|--extended|--graceful] | bench [W0|W1|W2|W3|W4|W5|W6|W7|W8|W9|W2S|W3S|W3C|W6S|all|scaling|plot|soak [--seconds N] [--retention-seconds R] [--sample-seconds S] [--in-flight N] [--entities N] [--no-vacuum]|plot-soak] | config-doc>",
     );
 }
 
@@ -136,7 +137,8 @@ fn ci() -> Result<()> {
             &[],
         )?;
     }
-    let service_env = services()?;
+    let mut service_env = services()?;
+    service_env.extend(browser()?);
     let service_env: Vec<(&str, &str)> =
         service_env.iter().map(|(name, value)| (*name, value.as_str())).collect();
     typescript_packages()?;
@@ -225,7 +227,8 @@ fn sim(args: &[String]) -> Result<()> {
 fn bench_smoke(service_env: &[(&str, &str)]) -> Result<()> {
     let postgres = service_env.iter().any(|(name, _)| *name == "CLUSTER_TEST_POSTGRES_URL");
     for workload in bench::WORKLOADS {
-        if !postgres && matches!(workload, "W3" | "W5" | "W6" | "W7" | "W8" | "W9" | "W3S" | "W6S")
+        if !postgres
+            && matches!(workload, "W3" | "W5" | "W6" | "W7" | "W8" | "W9" | "W3S" | "W3C" | "W6S")
         {
             report(&format!("==> bench {workload} (smoke): skipped, PostgreSQL is not reachable"));
             continue;
@@ -496,6 +499,55 @@ fn services() -> Result<Vec<(&'static str, String)>> {
         }
     }
     Ok(envs)
+}
+
+/// Finds Chromium and chromedriver for the console's browser test, installing Debian's
+/// `chromium` and `chromium-driver` with `apt-get` when they are missing, and returns their
+/// paths as the test's variables.
+///
+/// Under `CI=true` a browser that cannot be installed fails the run; locally the browser test
+/// then skips with a message.
+fn browser() -> Result<Vec<(&'static str, String)>> {
+    let find = || {
+        let chromium = which("chromium").or_else(|| which("chromium-browser"));
+        Some((chromium?, which("chromedriver")?))
+    };
+    let found = find().or_else(|| {
+        report("==> browser: installing chromium and chromium-driver with apt-get");
+        let installed = Command::new("sh")
+            .args([
+                "-c",
+                "apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq \
+                 chromium chromium-driver",
+            ])
+            .status()
+            .is_ok_and(|status| status.success());
+        if installed { find() } else { None }
+    });
+    match found {
+        Some((chromium, driver)) => {
+            report(&format!("==> browser: {chromium} and {driver}"));
+            Ok(vec![("CLUSTER_TEST_CHROMIUM", chromium), ("CLUSTER_TEST_CHROMEDRIVER", driver)])
+        }
+        None if env::var("CI").as_deref() == Ok("true") => {
+            bail!(
+                "CI=true and chromium or chromedriver cannot be installed: the console's browser test needs them"
+            )
+        }
+        None => {
+            report("==> browser: chromium or chromedriver missing; the browser test will skip");
+            Ok(Vec::new())
+        }
+    }
+}
+
+/// The path of `program` on `PATH`, if it is there.
+fn which(program: &str) -> Option<String> {
+    let path = env::var_os("PATH")?;
+    env::split_paths(&path)
+        .map(|folder| folder.join(program))
+        .find(|candidate| candidate.is_file())
+        .map(|found| found.display().to_string())
 }
 
 fn is_reachable(address: &str) -> bool {

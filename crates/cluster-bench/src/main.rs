@@ -9,6 +9,9 @@
 //!   runtime), to compare W1 with on the same machine and day.
 //! - `W1`: volatile echo requests to local entities (no storage).
 //! - `W2`, `W3`: the same request persisted with a primary key, on SQLite and on PostgreSQL.
+//! - `W3C`: W3 while an operator's console polls the read model every second from storages
+//!   of its own (`durable_cluster::admin`: the overview's runners, shards, backlog and stuck
+//!   work, and a page of workflow executions).
 //! - `W2S`, `W3S`, `W6S`: W2, W3 and W6 where every request also changes its entity's durable
 //!   state (a count), committed with its reply.
 //! - `W4`, `W5`: a workflow of three small activities on the cluster workflow engine, on
@@ -66,6 +69,8 @@ pub(crate) enum Workload {
     W2S,
     /// W3 with a durable state change per request.
     W3S,
+    /// W3 while an operator's console polls the read model every second.
+    W3C,
     /// Three-activity workflow on SQLite.
     W4,
     /// Three-activity workflow on PostgreSQL.
@@ -92,6 +97,7 @@ impl Workload {
             "W3" => Some(Workload::W3),
             "W2S" => Some(Workload::W2S),
             "W3S" => Some(Workload::W3S),
+            "W3C" => Some(Workload::W3C),
             "W6S" => Some(Workload::W6S),
             "W4" => Some(Workload::W4),
             "W5" => Some(Workload::W5),
@@ -110,6 +116,7 @@ impl Workload {
             Workload::W2 | Workload::W2S | Workload::W4 => "sqlite",
             Workload::W3
             | Workload::W3S
+            | Workload::W3C
             | Workload::W6S
             | Workload::W5
             | Workload::W6
@@ -130,13 +137,14 @@ impl Workload {
             | Workload::W9
             | Workload::W2S
             | Workload::W3S
+            | Workload::W3C
             | Workload::W6S => (20_000, 64, 1_000),
             Workload::W4 | Workload::W5 | Workload::W8 => (2_000, 64, 0),
         }
     }
 }
 
-const USAGE: &str = "usage: cluster-bench <W0|W1|W2|W3|W4|W5|W6|W7|W8|W9|W2S|W3S|W6S> [--ops N] [--in-flight N] [--entities N] | soak [--seconds N] [--retention-seconds R] [--sample-seconds S] [--in-flight N] [--entities N] [--no-vacuum] | runner | gateway";
+const USAGE: &str = "usage: cluster-bench <W0|W1|W2|W3|W4|W5|W6|W7|W8|W9|W2S|W3S|W3C|W6S> [--ops N] [--in-flight N] [--entities N] | soak [--seconds N] [--retention-seconds R] [--sample-seconds S] [--in-flight N] [--entities N] [--no-vacuum] | runner | gateway";
 
 /// Reads the command line.
 pub(crate) fn parse_args(args: &[String]) -> Result<Plan, String> {
@@ -293,6 +301,12 @@ fn run_process(
         Ok(()) => ExitCode::SUCCESS,
         Err(error) => fail(&format!("{name}: {error}")),
     }
+}
+
+/// A note on standard error, beside the JSON line on standard output.
+#[expect(clippy::print_stderr, reason = "the benchmark notes what it did beside its result")]
+pub(crate) fn note(message: &str) {
+    eprintln!("cluster-bench: {message}");
 }
 
 #[expect(clippy::print_stderr, reason = "the benchmark reports why it could not run")]

@@ -4,6 +4,7 @@
 //! own, then measures.
 
 use std::sync::Arc;
+use std::time::Duration;
 
 use cluster_core::ShardingConfig;
 use cluster_core::config::Capacity;
@@ -13,7 +14,7 @@ use cluster_sharding::{
 use cluster_workflow::{Workflow, WorkflowContext, WorkflowEngine};
 use serde::{Deserialize, Serialize};
 
-use crate::database::BenchDatabase;
+use crate::database::{BenchDatabase, Storages};
 use crate::drive::{Measured, drive};
 use crate::{Plan, Workload};
 
@@ -159,7 +160,9 @@ pub(crate) async fn run(plan: &Plan) -> Result<Measured, String> {
         Workload::W0 => return bare_echo(plan).await,
         Workload::W1 => None,
         Workload::W2 | Workload::W2S | Workload::W4 => Some(BenchDatabase::sqlite()),
-        Workload::W3 | Workload::W3S | Workload::W5 => Some(BenchDatabase::postgres()?),
+        Workload::W3 | Workload::W3S | Workload::W3C | Workload::W5 => {
+            Some(BenchDatabase::postgres()?)
+        }
         Workload::W6 | Workload::W6S | Workload::W7 | Workload::W8 | Workload::W9 => {
             return Err("W6 to W9 run across processes".to_owned());
         }
@@ -261,6 +264,16 @@ async fn on_database(plan: &Plan, database: &BenchDatabase) -> Result<Measured, 
         .map_err(|error| error.to_string())?;
     let measured = match plan.workload {
         Workload::W2 | Workload::W3 => persisted_echo(plan, database, &sharding).await,
+        Workload::W3C => {
+            let (stop, stopped) = tokio::sync::oneshot::channel();
+            let storages = database.open(&config_of_console()).await?;
+            let console = tokio::spawn(console(storages, stopped));
+            let measured = persisted_echo(plan, database, &sharding).await;
+            let _ = stop.send(());
+            let polls = console.await.map_err(|error| error.to_string())??;
+            crate::note(&format!("W3C: the console polled {polls} times"));
+            measured
+        }
         Workload::W2S | Workload::W3S => {
             sharding.entity::<Tally>().register().map_err(|error| error.to_string())?;
             stateful_on(plan, Some(database), &sharding).await
@@ -269,6 +282,38 @@ async fn on_database(plan: &Plan, database: &BenchDatabase) -> Result<Measured, 
     };
     sharding.shutdown().await;
     measured
+}
+
+/// The settings the console reads the cluster with: the runner's.
+fn config_of_console() -> ShardingConfig {
+    ShardingConfig::default()
+}
+
+/// An operator's console on storages of its own: every second, the overview's reads (stuck
+/// work, runners, the shard map, the backlog) and a page of workflow executions, until `stop`.
+/// Returns how many times it polled.
+async fn console(
+    (messages, runners): Storages,
+    mut stop: tokio::sync::oneshot::Receiver<()>,
+) -> Result<u64, String> {
+    use durable_cluster::admin::Admin;
+    let admin = Admin::new(messages, runners, config_of_console());
+    let mut interval = tokio::time::interval(Duration::from_secs(1));
+    let mut polls = 0;
+    loop {
+        tokio::select! {
+            _ = &mut stop => return Ok(polls),
+            _ = interval.tick() => {}
+        }
+        let text = |error: durable_cluster::admin::AdminError| error.to_string();
+        admin.stuck(admin.stuck_threshold()).await.map_err(text)?;
+        admin.runners().await.map_err(text)?;
+        admin.shards().await.map_err(text)?;
+        admin.backlog(Duration::from_secs(60), 100).await.map_err(text)?;
+        let page = cluster_workflow::inspect::ExecutionQuery::newest(50);
+        admin.workflows(&page).await.map_err(text)?;
+        polls += 1;
+    }
 }
 
 /// W2, W3.

@@ -11,21 +11,35 @@
 //!    lost: `runner-4` joins, `runner-3` leaves with SIGTERM, `runner-1` comes back (its second
 //!    process) and joins, and `runner-2` leaves with SIGTERM.
 //!
-//! Each fault is logged with marks of the runs' sequence taken before and after it
-//! ([`crate::runs::Fault`]). At the end it checks that
+//! The runners run with message retention at 30 s ([`RETENTION`], `MESSAGE_RETENTION`), so
+//! a sweep deletes answered deposits while the faults go on. The client sends each deposit for
+//! at most [`ANSWER_WITHIN`] (15 s) from its first attempt to store it, so it never sends one
+//! again after retention could have deleted it. Once the client is done the last runners stay
+//! up [`RETENTION_LINGER`] (10 s), so that the deposits of the run's first seconds, those sent
+//! around the SIGKILL and the SIGSTOP, grow older than the retention before the last sweep.
 //!
-//! - every deposit was answered to its caller and has exactly one stored final reply and one
-//!   audit row, and the audit shows no shard served by two runners at once (see
-//!   [`crate::ledger`]);
+//! Each fault is logged with marks of the runs' sequence taken before and after it
+//! ([`crate::runs::Fault`]). At the end, once every runner left, it checks that
+//!
+//! - every deposit was answered to its caller and has exactly one audit row, and the audit
+//!   shows no shard served by two runners at once (see [`crate::ledger`]);
+//! - every deposit audited within the retention of the check's start (less a 2 s margin for
+//!   the clocks, [`crate::retention::CLOCK_MARGIN`]) has its stored request and exactly one
+//!   final reply, a success; an older one has that too or is gone whole (no request, no reply,
+//!   no other envelope), and no reply or envelope is left without its request
+//!   ([`crate::retention::check_deposit`]);
+//! - retention deleted at least one deposit: otherwise the run proves nothing about it;
+//! - each ledger's durable balance equals its audit rows (retention deletes neither);
 //! - every run of a deposit's handler other than its committed one (the one its audit row
 //!   names) was cut off by a SIGKILL or SIGSTOP of its own process
 //!   ([`crate::runs::check_reruns`]): a re-run after a graceful stop, a join or a rebalance is a
 //!   violation;
-//! - on every ledger, the deposits' first runs come in their storage order
+//! - on every ledger, the stored deposits' first runs come in their storage order, and a run of
+//!   a request that is not stored belongs to a deposit retention deleted
 //!   ([`crate::runs::check_order`]).
 //!
-//! A summary is printed (runs, re-runs, the re-runs each fault explains); any violation fails
-//! the run.
+//! A summary is printed (runs, re-runs, the re-runs each fault explains, the deposits retention
+//! deleted and kept); any violation fails the run.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::process::Stdio;
@@ -41,6 +55,7 @@ use tokio::process::{Child, Command};
 use tokio::time::Instant;
 
 use crate::ledger::{self, Deposit, Ledger};
+use crate::retention::{self, Found, Stored, Window};
 use crate::runs::{self, Fault, FaultKind, Order, ProcessId, Reruns, Run, StoredRequest};
 use crate::workload::{self, Summary};
 use durable_cluster::{Role, RunnerEnv};
@@ -67,6 +82,23 @@ const FREEZE_AFTERMATH: Duration = EXPIRATION;
 
 /// How long a runner has to leave after SIGTERM, or to register after it started.
 const PROCESS_DEADLINE: Duration = Duration::from_secs(30);
+
+/// The runners' message retention (`MESSAGE_RETENTION`): answered deposits older than this are
+/// deleted, with their replies, by a sweep every tenth of it.
+pub const RETENTION: Duration = Duration::from_secs(30);
+
+/// How long after its first attempt to store it the client may still send a deposit
+/// (`CHAOS_ANSWER_WITHIN_MS`). Retention deletes a request only once its final reply is older
+/// than [`RETENTION`], and a resend after that would run the deposit again under the same key;
+/// this stays far below it.
+pub const ANSWER_WITHIN: Duration = Duration::from_secs(15);
+
+const _: () = assert!(ANSWER_WITHIN.as_secs() * 2 <= RETENTION.as_secs());
+
+/// How long the last runners stay up after the client is done, before they leave and the
+/// checks start: the client sends for 30 s, so without it only the deposits of the run's first
+/// second or two would be older than [`RETENTION`] while a sweep can still run.
+pub const RETENTION_LINGER: Duration = Duration::from_secs(10);
 
 /// Reports a step of the run on standard output.
 #[expect(clippy::print_stdout, reason = "the fault test reports its steps to the terminal")]
@@ -103,10 +135,29 @@ pub struct Report {
     pub reruns: Reruns,
     /// The order check.
     pub order: Order,
+    /// What retention deleted.
+    pub retention: Retained,
+}
+
+/// The deposits retention deleted, and those it left.
+#[derive(Debug, Default)]
+pub struct Retained {
+    /// Deposits whose request and replies are all stored.
+    pub present: usize,
+    /// Deposits retention deleted whole (see [`crate::retention`]).
+    pub purged: usize,
+    /// How long before the check a deposit had to be audited to be allowed to be gone, in
+    /// milliseconds.
+    pub window_ms: i64,
+    /// The youngest purged deposit's audit, in milliseconds before the check.
+    pub youngest_purged_ms: Option<i64>,
+    /// The oldest deposit found present, in milliseconds before the check.
+    pub oldest_present_ms: Option<i64>,
 }
 
 /// The runtime settings every process of the run shares, as environment variables.
 fn shared_env(options: &ChaosOptions, prefix: &TablePrefix, secret: &str) -> Vec<(String, String)> {
+    let retention = format!("{} seconds", RETENTION.as_secs());
     [
         ("CLUSTER_STORAGE_URL", options.postgres_url.as_str()),
         ("CLUSTER_TABLE_PREFIX", prefix.as_str()),
@@ -120,6 +171,7 @@ fn shared_env(options: &ChaosOptions, prefix: &TablePrefix, secret: &str) -> Vec
         ("ENTITY_TERMINATION_TIMEOUT", "2 seconds"),
         ("RUNNER_HEALTH_CHECK_INTERVAL", "2 seconds"),
         ("SEND_RETRY_INTERVAL", "100 millis"),
+        ("MESSAGE_RETENTION", retention.as_str()),
     ]
     .into_iter()
     .map(|(name, value)| (name.to_owned(), value.to_owned()))
@@ -357,6 +409,7 @@ async fn run_on(
         ("CHAOS_SEND_FOR_MS", options.send_for.as_millis().to_string()),
         ("CHAOS_ENTITIES", ENTITIES.to_string()),
         ("CHAOS_BURST", BURST.to_string()),
+        ("CHAOS_ANSWER_WITHIN_MS", ANSWER_WITHIN.as_millis().to_string()),
     ];
     let (client, _) = spawn("client", "client", &env, &workload, Stdio::piped())?;
     let output = tokio::spawn(client.wait_with_output());
@@ -383,17 +436,42 @@ async fn run_on(
     let summary: Summary = serde_json::from_str(line)
         .map_err(|error| format!("client summary {line:?}: {error}; status {}", output.status))?;
 
-    // The runners still up leave gracefully; no run may happen after the checks' reads.
+    say(&format!("chaos: the client is done; the runners stay up {RETENTION_LINGER:?} more"));
+    tokio::time::sleep(RETENTION_LINGER).await;
+    // The runners still up leave gracefully; no run and no sweep may happen after the checks'
+    // reads start.
     for runner in runners.iter_mut().filter(|runner| !runner.exited) {
         faults.terminate(runner).await?;
     }
     let mut report = Report { client: summary, faults: faults.log, ..Report::default() };
-    check_client(&mut report);
-    check_replies(&mut report, &messages, &node).await?;
-    let committed = check_audit(&mut report, db, prefix).await?;
-    check_balances(&mut report, db, prefix).await?;
-    check_runs(&mut report, db, prefix, &committed).await?;
+    let tables = Tables { db, prefix, messages: &messages, node: &node };
+    check_all(&mut report, &tables).await?;
     Ok(report)
+}
+
+/// What the checks read.
+struct Tables<'a> {
+    db: &'a tokio_postgres::Client,
+    prefix: &'a TablePrefix,
+    messages: &'a PgMessageStorage,
+    node: &'a RunnerEnv,
+}
+
+/// The checks at the end, once every runner left (so every sweep of retention is over).
+async fn check_all(report: &mut Report, tables: &Tables<'_>) -> Result<(), String> {
+    let (db, prefix) = (tables.db, tables.prefix);
+    let row = db
+        .query_one("SELECT (EXTRACT(EPOCH FROM clock_timestamp()) * 1000000)::BIGINT", &[])
+        .await
+        .map_err(|error| format!("clock: {error}"))?;
+    let window = Window::new(row.try_get(0).map_err(|error| format!("clock: {error}"))?, RETENTION);
+    check_client(report);
+    let audited = check_audit(report, db, prefix).await?;
+    let all = read_runs(db, prefix).await?;
+    let purged = check_replies(report, tables, &audited, &all, &window).await?;
+    check_balances(report, db, prefix).await?;
+    check_runs(report, db, prefix, &audited.committed, &all, &purged).await?;
+    Ok(())
 }
 
 /// The schedule: crashes first, then (once the frozen runner had [`FREEZE_AFTERMATH`] to
@@ -481,44 +559,113 @@ fn check_client(report: &mut Report) {
     }
 }
 
-/// Every deposit has one stored request and exactly one final reply, a success.
+/// Every deposit has one stored request and exactly one final reply, a success, or, if it was
+/// audited before the retention window, may be gone whole: no request, no reply and no other
+/// envelope left ([`retention::check_deposit`]). Replies and envelopes left without their
+/// request are violations whichever deposit they belong to. Returns the keys of the deposits
+/// retention deleted, and fails the run if there are none: retention did not run.
 async fn check_replies(
     report: &mut Report,
-    messages: &PgMessageStorage,
-    node: &RunnerEnv,
-) -> Result<(), String> {
+    tables: &Tables<'_>,
+    audited: &Audited,
+    runs: &[Run],
+    window: &Window,
+) -> Result<BTreeSet<String>, String> {
+    let mut request_ids: BTreeMap<&str, BTreeSet<i64>> = BTreeMap::new();
+    for run in runs {
+        request_ids.entry(run.key.as_str()).or_default().insert(run.request_id);
+    }
+    let mut orphans = orphans(tables.db, tables.prefix).await?;
+    let (messages, node) = (tables.messages, tables.node);
     let mut problems = Vec::new();
+    let mut purged = BTreeSet::new();
+    let found = &mut report.retention;
+    found.window_ms = window.age_ms(window.purgeable_before);
     for n in 0..report.client.sent {
+        let key = format!("deposit-{n}");
         let entity_id = workload::ledger_of(n, ENTITIES, BURST);
         let address = EntityAddress {
             shard_id: node.sharding.shard_id(&entity_id, &ShardGroup::default_group()),
             entity_type: EntityType::from(Ledger::TYPE),
             entity_id: EntityId::from(entity_id),
         };
-        let key = primary_key(&address, Deposit::TAG, &format!("deposit-{n}"));
-        let id = messages.request_id_for_primary_key(&key).await.map_err(|e| e.to_string())?;
-        let Some(id) = id else {
-            problems.push(format!("deposit-{n}: no stored request"));
-            continue;
-        };
-        let replies = messages.replies_for_unfiltered(&[id]).await.map_err(|e| e.to_string())?;
-        let finals: Vec<&Reply> =
-            replies.iter().filter(|reply| matches!(reply, Reply::WithExit(_))).collect();
-        let successes = finals
-            .iter()
-            .filter(
-                |reply| matches!(reply, Reply::WithExit(with_exit) if with_exit.exit.is_success()),
-            )
-            .count();
-        if finals.len() != 1 || successes != 1 {
-            problems.push(format!(
-                "deposit-{n}: {} final replies, {successes} successes",
-                finals.len()
-            ));
+        let primary = primary_key(&address, Deposit::TAG, &key);
+        let id = messages.request_id_for_primary_key(&primary).await.map_err(|e| e.to_string())?;
+        let mut stored = Stored::default();
+        if let Some(id) = id {
+            let replies =
+                messages.replies_for_unfiltered(&[id]).await.map_err(|e| e.to_string())?;
+            let finals: Vec<&Reply> =
+                replies.iter().filter(|reply| matches!(reply, Reply::WithExit(_))).collect();
+            stored.request = true;
+            stored.final_replies = finals.len();
+            stored.successes = finals
+                .iter()
+                .filter(|reply| {
+                    matches!(reply, Reply::WithExit(with_exit) if with_exit.exit.is_success())
+                })
+                .count();
+        }
+        for id in request_ids.get(key.as_str()).into_iter().flatten() {
+            stored.orphans += orphans.remove(id).unwrap_or(0);
+        }
+        let at = audited.at.get(&key).copied();
+        match retention::check_deposit(at, &stored, window) {
+            Ok(Found::Present) => {
+                found.present += 1;
+                if let Some(age) = at.map(|at| window.age_ms(at)) {
+                    found.oldest_present_ms = found.oldest_present_ms.max(Some(age));
+                }
+            }
+            Ok(Found::Purged) => {
+                found.purged += 1;
+                if let Some(age) = at.map(|at| window.age_ms(at)) {
+                    found.youngest_purged_ms =
+                        Some(found.youngest_purged_ms.map_or(age, |young| young.min(age)));
+                }
+                purged.insert(key);
+            }
+            Err(problem) => problems.push(format!("{key}: {problem}")),
         }
     }
-    report_problems(report, "stored replies", problems);
-    Ok(())
+    for (id, rows) in orphans {
+        problems.push(format!("request {id} of no deposit: {rows} rows left without it"));
+    }
+    report_problems(report, "stored requests and replies", problems);
+    if report.retention.purged == 0 {
+        let old = audited.at.values().filter(|at| **at < window.purgeable_before).count();
+        report.violations.push(format!(
+            "retention deleted no deposit: all {} deposits are stored, {} of them audited \
+             more than {} ms before the check",
+            report.client.sent, old, report.retention.window_ms
+        ));
+    }
+    Ok(purged)
+}
+
+/// Replies and envelopes (acknowledgements, interrupts) whose request row is not stored, per
+/// request id: what a partial deletion would leave.
+async fn orphans(
+    db: &tokio_postgres::Client,
+    prefix: &TablePrefix,
+) -> Result<BTreeMap<i64, usize>, String> {
+    let (messages, replies) = (prefix.table("messages"), prefix.table("replies"));
+    let sql = format!(
+        "SELECT request_id, COUNT(*) FROM ( \
+           SELECT r.request_id FROM \"{replies}\" r WHERE NOT EXISTS \
+             (SELECT 1 FROM \"{messages}\" m WHERE m.id = r.request_id AND m.kind = 0) \
+           UNION ALL \
+           SELECT e.request_id FROM \"{messages}\" e WHERE e.kind <> 0 AND NOT EXISTS \
+             (SELECT 1 FROM \"{messages}\" m WHERE m.id = e.request_id AND m.kind = 0) \
+         ) AS left_over GROUP BY request_id"
+    );
+    let rows = db.query(&sql, &[]).await.map_err(|error| format!("orphans: {error}"))?;
+    let mut orphans = BTreeMap::new();
+    for row in &rows {
+        let count: i64 = row.get(1);
+        orphans.insert(row.get::<_, i64>(0), usize::try_from(count).unwrap_or(usize::MAX));
+    }
+    Ok(orphans)
 }
 
 fn report_problems(report: &mut Report, what: &str, problems: Vec<String>) {
@@ -528,13 +675,22 @@ fn report_problems(report: &mut Report, what: &str, problems: Vec<String>) {
     }
 }
 
+/// What the audit says of each deposit, by key.
+#[derive(Debug, Default)]
+struct Audited {
+    /// The committed runs (their `seq`).
+    committed: BTreeMap<String, BTreeSet<i64>>,
+    /// The earliest audit row's time, in microseconds of the database's clock.
+    at: BTreeMap<String, i64>,
+}
+
 /// One audit row per deposit, naming a run; on each shard, the epochs of different runners
-/// never overlap. Returns the committed runs (their `seq`) per deposit key.
+/// never overlap. Retention deletes no audit row, so this holds for purged deposits too.
 async fn check_audit(
     report: &mut Report,
     db: &tokio_postgres::Client,
     prefix: &TablePrefix,
-) -> Result<BTreeMap<String, BTreeSet<i64>>, String> {
+) -> Result<Audited, String> {
     let sql = format!(
         "SELECT key, shard, runner, epoch, run, \
          (EXTRACT(EPOCH FROM at) * 1000000)::BIGINT FROM \"{}\"",
@@ -543,7 +699,7 @@ async fn check_audit(
     let rows = db.query(&sql, &[]).await.map_err(|error| format!("audit: {error}"))?;
     report.audit_rows = rows.len();
     let mut per_key: BTreeMap<String, usize> = BTreeMap::new();
-    let mut committed: BTreeMap<String, BTreeSet<i64>> = BTreeMap::new();
+    let mut audited = Audited::default();
     let mut problems = Vec::new();
     let mut spans = Spans::new();
     for row in &rows {
@@ -555,10 +711,12 @@ async fn check_audit(
         let at: i64 = row.get(5);
         match run {
             Some(run) => {
-                committed.entry(key.clone()).or_default().insert(run);
+                audited.committed.entry(key.clone()).or_default().insert(run);
             }
             None => problems.push(format!("{key}: an audit row without its run")),
         }
+        let first = audited.at.entry(key.clone()).or_insert(at);
+        *first = (*first).min(at);
         *per_key.entry(key).or_default() += 1;
         let span = spans.entry(shard).or_default().entry((runner, epoch)).or_insert((at, at));
         span.0 = span.0.min(at);
@@ -574,7 +732,7 @@ async fn check_audit(
     report_problems(report, "audit rows per deposit", problems);
     let overlaps = overlapping_epochs(&spans);
     report_problems(report, "shards served by two runners at once", overlaps);
-    Ok(committed)
+    Ok(audited)
 }
 
 /// Each ledger's durable count of deposits equals its audit rows: every deposit changed the
@@ -615,14 +773,8 @@ async fn check_balances(
     Ok(())
 }
 
-/// Every run not committed is explained by a kill or freeze of its process, and each ledger's
-/// first runs follow its storage order (see [`crate::runs`]).
-async fn check_runs(
-    report: &mut Report,
-    db: &tokio_postgres::Client,
-    prefix: &TablePrefix,
-    committed: &BTreeMap<String, BTreeSet<i64>>,
-) -> Result<(), String> {
+/// Every recorded run of a deposit's handler (retention deletes none).
+async fn read_runs(db: &tokio_postgres::Client, prefix: &TablePrefix) -> Result<Vec<Run>, String> {
     let sql = format!(
         "SELECT seq, key, entity, request_id, runner, process, pid FROM \"{}\"",
         runs::runs_table(prefix)
@@ -642,7 +794,21 @@ async fn check_runs(
             pid: u32::try_from(pid).map_err(|_| format!("run pid {pid}"))?,
         });
     }
-    report.reruns = runs::check_reruns(&all, committed, &report.faults);
+    Ok(all)
+}
+
+/// Every run not committed is explained by a kill or freeze of its process, and each ledger's
+/// first runs follow its storage order (see [`crate::runs`]); the runs of the `purged`
+/// deposits, whose requests retention deleted, are left out of the order.
+async fn check_runs(
+    report: &mut Report,
+    db: &tokio_postgres::Client,
+    prefix: &TablePrefix,
+    committed: &BTreeMap<String, BTreeSet<i64>>,
+    all: &[Run],
+    purged: &BTreeSet<String>,
+) -> Result<(), String> {
+    report.reruns = runs::check_reruns(all, committed, &report.faults);
     if report.reruns.unexcused > 0 {
         report.violations.push(format!(
             "runs that were not committed and no kill or freeze explains: {}, first: {:?}",
@@ -661,7 +827,7 @@ async fn check_runs(
         .iter()
         .map(|row| StoredRequest { rowid: row.get(0), id: row.get(1), entity: row.get(2) })
         .collect();
-    report.order = runs::check_order(&requests, &all);
+    report.order = runs::check_order(&requests, all, purged);
     if report.order.violation_count > 0 {
         report.violations.push(format!(
             "first runs out of storage order: {}, first: {:?}",

@@ -7,13 +7,17 @@
 //!   before the handler does anything else, and the checks on them: a run that was not
 //!   committed must be explained by a kill or freeze of its own process, and each ledger's
 //!   first runs follow its storage order.
+//! - [`retention`]: what message retention may have deleted by the end of the run (the runners
+//!   run with it at 30 s), and the check of each deposit's stored request and replies against
+//!   it.
 //! - [`workload`]: the client-only process: persisted deposits (with primary keys), stored
-//!   one after the other per ledger and answered concurrently, and volatile echoes, retried
-//!   until answered, with a summary.
+//!   one after the other per ledger and answered concurrently, each sent for at most a set
+//!   time, and volatile echoes, retried until answered, with a summary.
 //! - [`chaos`]: the orchestration: runner processes on 127.0.0.1, faults (SIGKILL, SIGSTOP past
 //!   the lock expiration, then joins and graceful leaves only) and the checks at the end.
 
 pub mod chaos;
 pub mod ledger;
+pub mod retention;
 pub mod runs;
 pub mod workload;

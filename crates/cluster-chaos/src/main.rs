@@ -128,11 +128,28 @@ async fn run() -> Result<(), String> {
     ));
     say(&format!(
         "chaos order: {} ledgers, {} deposits compared with the one stored before them, {} \
-         stored while an earlier one to their ledger was unanswered, {} out of order",
+         stored while an earlier one to their ledger was unanswered, {} deleted by retention, \
+         {} out of order",
         report.order.entities,
         report.order.pairs,
         client.queued_behind,
+        report.order.purged,
         report.order.violation_count
+    ));
+    let retained = &report.retention;
+    let seconds = |ms: Option<i64>| {
+        ms.map_or_else(|| "none".to_owned(), |ms| format!("{:.1} s", ms as f64 / 1000.0))
+    };
+    say(&format!(
+        "chaos retention {:?}: {} deposits deleted whole (the youngest audited {} before the \
+         check), {} stored with their reply (the oldest audited {} before the check); every \
+         deposit audited within {} of the check must be stored",
+        chaos::RETENTION,
+        retained.purged,
+        seconds(retained.youngest_purged_ms),
+        retained.present,
+        seconds(retained.oldest_present_ms),
+        seconds(Some(retained.window_ms)),
     ));
     if report.violations.is_empty() {
         say("chaos: passed");

@@ -405,6 +405,8 @@ pub struct Order {
     pub entities: usize,
     /// Requests compared with the one stored before them on their ledger.
     pub pairs: usize,
+    /// Requests that ran but are no longer stored because retention deleted their deposit.
+    pub purged: usize,
     /// Inversions and runs of unknown requests.
     pub violations: Vec<String>,
     /// How many violations there were (only [`SHOWN`] are kept).
@@ -415,7 +417,12 @@ pub struct Order {
 /// the runtime delivers the requests of one entity in storage order, and a ledger runs one
 /// deposit at a time, so a request's first run comes after the first run of every request
 /// stored before it for the same entity. Requests that never ran are left to the other checks.
-pub fn check_order(requests: &[StoredRequest], runs: &[Run]) -> Order {
+///
+/// A run of a request that is not stored is a violation unless its deposit's key is in
+/// `purged`, the deposits that retention deleted whole (audited before the retention window,
+/// no request and no reply left: see [`crate::retention`]); such requests are counted, and the
+/// requests stored around them are still compared.
+pub fn check_order(requests: &[StoredRequest], runs: &[Run], purged: &BTreeSet<String>) -> Order {
     let mut first: BTreeMap<i64, &Run> = BTreeMap::new();
     for run in runs {
         let entry = first.entry(run.request_id).or_insert(run);
@@ -432,7 +439,12 @@ pub fn check_order(requests: &[StoredRequest], runs: &[Run]) -> Order {
     };
     let known: BTreeSet<i64> = requests.iter().map(|request| request.id).collect();
     for (id, run) in &first {
-        if !known.contains(id) {
+        if known.contains(id) {
+            continue;
+        }
+        if purged.contains(&run.key) {
+            found.purged += 1;
+        } else {
             violation(
                 &mut found,
                 format!("{}: run #{} of request {id}, not stored", run.key, run.seq),

@@ -12,9 +12,15 @@
 //! [`crate::runs::check_order`] is exact. The summary counts the deposits stored while an
 //! earlier one to the same ledger was still unanswered (`queued_behind`).
 //!
+//! A deposit is sent (stored, then awaited, both retried with its key) for at most
+//! `CHAOS_ANSWER_WITHIN_MS` from its first attempt to store it, if that is set; past it, the
+//! deposit counts as unanswered and is never sent again. With message retention on, keep it
+//! well below the retention: once retention deleted an answered request, the same key would
+//! store and run the deposit again.
+//!
 //! Options come from the environment: `CHAOS_KEY_PREFIX`, `CHAOS_ENTITIES`, `CHAOS_BURST`,
-//! `CHAOS_CONCURRENCY`, `CHAOS_SEND_FOR_MS`, `CHAOS_SETTLE_MS`. The summary is one JSON line
-//! on standard output.
+//! `CHAOS_CONCURRENCY`, `CHAOS_SEND_FOR_MS`, `CHAOS_SETTLE_MS`, `CHAOS_ANSWER_WITHIN_MS`. The
+//! summary is one JSON line on standard output.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -45,17 +51,23 @@ pub struct WorkloadOptions {
     pub send_for: Duration,
     /// How long after that the last deposits may take to be answered.
     pub settle: Duration,
+    /// How long after its first attempt to store it a deposit may still be sent (stored or
+    /// awaited) with its key; `None`: until the settle deadline.
+    pub answer_within: Option<Duration>,
 }
 
 impl WorkloadOptions {
     /// The options from `CHAOS_*` variables, with defaults for unset ones.
     pub fn from_env() -> Result<WorkloadOptions, String> {
-        let number = |name: &str, default: u64| -> Result<u64, String> {
+        let optional = |name: &str| -> Result<Option<u64>, String> {
             match std::env::var(name) {
-                Ok(value) => value.parse().map_err(|_| format!("{name}={value:?} is not a number")),
-                Err(_) => Ok(default),
+                Ok(value) => {
+                    value.parse().map(Some).map_err(|_| format!("{name}={value:?} is not a number"))
+                }
+                Err(_) => Ok(None),
             }
         };
+        let number = |name: &str, default: u64| Ok::<_, String>(optional(name)?.unwrap_or(default));
         Ok(WorkloadOptions {
             key_prefix: std::env::var("CHAOS_KEY_PREFIX").unwrap_or_else(|_| "deposit".to_owned()),
             entities: match number("CHAOS_ENTITIES", 200)? {
@@ -69,6 +81,7 @@ impl WorkloadOptions {
                 .map_err(|_| "CHAOS_CONCURRENCY is too large".to_owned())?,
             send_for: Duration::from_millis(number("CHAOS_SEND_FOR_MS", 20_000)?),
             settle: Duration::from_millis(number("CHAOS_SETTLE_MS", 60_000)?),
+            answer_within: optional("CHAOS_ANSWER_WITHIN_MS")?.map(Duration::from_millis),
         })
     }
 }
@@ -98,7 +111,8 @@ pub struct Summary {
     pub answered: u64,
     /// Deposits answered with a typed failure (a bug: deposits cannot fail).
     pub failed: u64,
-    /// Deposits never answered before the settle deadline.
+    /// Deposits never answered before the settle deadline (or within `CHAOS_ANSWER_WITHIN_MS`
+    /// of their first attempt to store them).
     pub unanswered: u64,
     /// Echoes sent and answered correctly.
     pub echoes_ok: u64,
@@ -252,57 +266,65 @@ impl Deposited<'_> {
         let ledger = client.client::<Ledger>(ledger_of(self.n, options.entities, options.burst));
         let key = format!("{}-{}", options.key_prefix, self.n);
         let first = Instant::now();
-        if !self.store(&ledger, &key, entity, index).await {
+        // The last moment this deposit is sent, set at its first attempt to store it.
+        let Some(last_send) = self.store(&ledger, &key, entity, index, options).await else {
             record(self.tally, |summary| summary.unanswered += 1);
             return;
-        }
-        self.answer(&ledger, &key, first).await;
+        };
+        self.answer(&ledger, &key, first, last_send).await;
         self.ledgers.settled(entity, index);
     }
 
-    /// Waits until the ledger's earlier deposits are stored, then stores this one; false if
-    /// that did not happen before the deadline.
+    /// Waits until the ledger's earlier deposits are stored, then stores this one; returns the
+    /// deadline of its sends (the settle deadline, or `answer_within` after the first attempt
+    /// to store it, whichever comes first), or `None` if it was not stored before that.
     async fn store(
         &self,
         ledger: &cluster_sharding::EntityClient<Ledger>,
         key: &str,
         entity: usize,
         index: u64,
-    ) -> bool {
-        let Some(stored) = self.ledgers.stored.get(entity) else { return false };
+        options: &WorkloadOptions,
+    ) -> Option<Instant> {
+        let stored = self.ledgers.stored.get(entity)?;
         let mut stored = stored.subscribe();
         match tokio::time::timeout_at(self.give_up, stored.wait_for(|count| *count >= index)).await
         {
             Ok(Ok(_)) => {}
-            Ok(Err(_)) | Err(_) => return false,
+            Ok(Err(_)) | Err(_) => return None,
         }
+        let last_send = options
+            .answer_within
+            .map_or(self.give_up, |within| self.give_up.min(Instant::now() + within));
         loop {
             let save = ledger.discard(Deposit { key: key.to_owned() });
-            match tokio::time::timeout_at(self.give_up, save).await {
+            match tokio::time::timeout_at(last_send, save).await {
                 Ok(Ok(())) => break,
                 Ok(Err(error)) => {
                     let kind = format!("store: {}", error_kind(&error));
                     record(self.tally, |summary| *summary.errors.entry(kind).or_default() += 1);
                     tokio::time::sleep(Duration::from_millis(100)).await;
                 }
-                Err(_) => return false,
+                Err(_) => return None,
             }
         }
         if self.ledgers.stored(entity, index) {
             record(self.tally, |summary| summary.queued_behind += 1);
         }
-        true
+        Some(last_send)
     }
 
-    /// Waits for the stored deposit's answer (sent again with its key until it comes).
+    /// Waits for the stored deposit's answer (sent again with its key until it comes, and
+    /// never after `last_send`).
     async fn answer(
         &self,
         ledger: &cluster_sharding::EntityClient<Ledger>,
         key: &str,
         first: Instant,
+        last_send: Instant,
     ) {
         loop {
-            let left = self.give_up.saturating_duration_since(Instant::now());
+            let left = last_send.saturating_duration_since(Instant::now());
             if left.is_zero() {
                 record(self.tally, |summary| summary.unanswered += 1);
                 return;

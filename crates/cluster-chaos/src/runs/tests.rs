@@ -111,11 +111,11 @@ fn first_runs_in_storage_order_pass_and_an_inversion_fails() {
     let mut runs = vec![run(5, "a", 100, &one), run(6, "b", 101, &one), run(2, "c", 102, &one)];
     // A re-run of the earlier request after the later one's first run changes nothing.
     runs.push(run(9, "a", 100, &one));
-    let found = check_order(&requests, &runs);
+    let found = check_order(&requests, &runs, &BTreeSet::new());
     assert_eq!((found.entities, found.pairs, found.violation_count), (1, 1, 0));
 
     let inverted = [run(6, "a", 100, &one), run(5, "b", 101, &one)];
-    let found = check_order(&requests, &inverted);
+    let found = check_order(&requests, &inverted, &BTreeSet::new());
     assert_eq!(found.violation_count, 1);
     assert!(found.violations[0].contains("b (rowid 2)"), "{:?}", found.violations);
 }
@@ -123,6 +123,34 @@ fn first_runs_in_storage_order_pass_and_an_inversion_fails() {
 #[test]
 fn a_run_of_a_request_that_was_not_stored_is_a_violation() {
     let one = process("runner-1", 1, 11);
-    let found = check_order(&[stored(1, 100, "ledger-1")], &[run(1, "x", 999, &one)]);
+    let found =
+        check_order(&[stored(1, 100, "ledger-1")], &[run(1, "x", 999, &one)], &BTreeSet::new());
     assert_eq!(found.violation_count, 1);
+}
+
+#[test]
+fn a_run_of_a_purged_deposit_is_counted_and_an_unknown_one_still_fails() {
+    let one = process("runner-1", 1, 11);
+    // Deposit "a" (request 100) was deleted by retention; "b" and "c" are stored in order.
+    let requests = [stored(2, 101, "ledger-1"), stored(3, 102, "ledger-1")];
+    let runs = [
+        run(1, "a", 100, &one),
+        run(2, "a", 100, &one),
+        run(3, "b", 101, &one),
+        run(4, "c", 102, &one),
+    ];
+    let purged: BTreeSet<String> = ["a".to_owned()].into();
+    let found = check_order(&requests, &runs, &purged);
+    assert_eq!((found.purged, found.pairs, found.violation_count), (1, 1, 0), "{found:?}");
+
+    // A request that is gone while its deposit is not one retention deleted is still flagged,
+    // and so are the stored ones out of order next to a purged one.
+    let mut unknown = runs.to_vec();
+    unknown.push(run(5, "x", 999, &one));
+    let found = check_order(&requests, &unknown, &purged);
+    assert_eq!((found.purged, found.violation_count), (1, 1), "{found:?}");
+    assert!(found.violations[0].contains("x: run #5 of request 999"), "{:?}", found.violations);
+    let inverted = [run(1, "a", 100, &one), run(4, "b", 101, &one), run(3, "c", 102, &one)];
+    let found = check_order(&requests, &inverted, &purged);
+    assert_eq!((found.purged, found.violation_count), (1, 1), "{found:?}");
 }
