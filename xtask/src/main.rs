@@ -10,7 +10,8 @@
 //! - `tidy`: the repository rules that are not compiler lints (also run as tests by `ci`).
 //! - `chaos`: the fault test across processes on PostgreSQL (`cluster-chaos`; also run by
 //!   `ci`): runners killed, frozen, joining and leaving under traffic, with message retention
-//!   at 30 s.
+//!   at 30 s; then failovers after SIGKILL with the default settings, in both lock modes.
+//!   `chaos --failover` runs only the failovers (`--kills N` per lock mode, 3 unless given).
 //! - `sim`: the simulated cluster over seeds (`--seeds N`, `--from S`) or one seed with its
 //!   trace (`--seed S`); each seed runs twice and must give the same history (also run by
 //!   `ci`, 200 seeds).
@@ -71,7 +72,7 @@ fn main() -> ExitCode {
     let result = match args.first().map(String::as_str) {
         Some("ci") => ci(),
         Some("tidy") => tidy::run(&workspace_root()),
-        Some("chaos") => chaos(),
+        Some("chaos") => chaos(&args[1..]),
         Some("schemathesis") => env::set_current_dir(workspace_root())
             .context("cannot enter the workspace")
             .and_then(|()| gateway_schemathesis()),
@@ -94,7 +95,7 @@ fn main() -> ExitCode {
 
 fn usage() {
     report(
-        "usage: cargo xtask <ci | tidy | chaos | schemathesis | sim [--seeds N] [--from S] [--classic|--extended|--graceful] | sim --seed S [--trace] [--classic|--extended|--graceful] | bench [W0|W1|W2|W3|W4|W5|W6|W7|W8|W9|W2S|W3S|W3C|W6S|all|scaling|plot|soak [--seconds N] [--retention-seconds R] [--sample-seconds S] [--in-flight N] [--entities N] [--no-vacuum]|plot-soak] | config-doc>",
+        "usage: cargo xtask <ci | tidy | chaos [--failover [--kills N]] | schemathesis | sim [--seeds N] [--from S] [--classic|--extended|--graceful] | sim --seed S [--trace] [--classic|--extended|--graceful] | bench [W0|W1|W2|W3|W4|W5|W6|W7|W8|W9|W2S|W3S|W3C|W6S|all|scaling|plot|soak [--seconds N] [--retention-seconds R] [--sample-seconds S] [--in-flight N] [--entities N] [--no-vacuum]|plot-soak] | config-doc>",
     );
 }
 
@@ -265,13 +266,41 @@ fn bench(args: &[String]) -> Result<()> {
     bench::run(&workspace_root(), args, &service_env)
 }
 
-fn chaos() -> Result<()> {
+fn chaos(args: &[String]) -> Result<()> {
     let root = workspace_root();
     env::set_current_dir(&root).with_context(|| format!("cannot enter {}", root.display()))?;
     let service_env = services()?;
     let service_env: Vec<(&str, &str)> =
         service_env.iter().map(|(name, value)| (*name, value.as_str())).collect();
-    chaos_with(&service_env)
+    match args {
+        [] => chaos_with(&service_env),
+        [flag] if flag == "--failover" => failover_with(&service_env, None),
+        [flag, kills, count] if flag == "--failover" && kills == "--kills" => {
+            let count: usize =
+                count.parse().with_context(|| format!("--kills {count:?} is not a number"))?;
+            failover_with(&service_env, Some(count))
+        }
+        _ => {
+            usage();
+            bail!("unknown arguments to chaos: {args:?}")
+        }
+    }
+}
+
+/// The failovers after SIGKILL with the default settings (`chaos failover`), on the PostgreSQL
+/// of `service_env`; `kills` per lock mode (3 unless given).
+fn failover_with(service_env: &[(&str, &str)], kills: Option<usize>) -> Result<()> {
+    let Some((_, url)) = service_env.iter().find(|(name, _)| *name == "CLUSTER_TEST_POSTGRES_URL")
+    else {
+        report("==> chaos failover: skipped, PostgreSQL is not reachable");
+        return Ok(());
+    };
+    let kills = kills.unwrap_or(3).to_string();
+    step(
+        "chaos failover",
+        &["run", "--package", "cluster-chaos", "--bin", "chaos", "--", "failover"],
+        &[("CLUSTER_CHAOS_POSTGRES_URL", url), ("CHAOS_FAILOVER_KILLS", kills.as_str())],
+    )
 }
 
 /// Runs the fault test on the PostgreSQL of `service_env`; skipped (with a message) when
@@ -286,7 +315,8 @@ fn chaos_with(service_env: &[(&str, &str)]) -> Result<()> {
         "chaos",
         &["run", "--package", "cluster-chaos", "--bin", "chaos", "--", "run"],
         &[("CLUSTER_CHAOS_POSTGRES_URL", url)],
-    )
+    )?;
+    failover_with(service_env, None)
 }
 
 /// Runs `cargo <args>` with extra environment variables; a non-zero exit fails the step.

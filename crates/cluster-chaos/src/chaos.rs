@@ -179,20 +179,20 @@ fn shared_env(options: &ChaosOptions, prefix: &TablePrefix, secret: &str) -> Vec
 }
 
 /// One process of the run.
-struct Process {
-    id: ProcessId,
-    port: u16,
-    child: Child,
+pub(crate) struct Process {
+    pub(crate) id: ProcessId,
+    pub(crate) port: u16,
+    pub(crate) child: Child,
     /// Waited for: it was killed, or it left.
-    exited: bool,
+    pub(crate) exited: bool,
 }
 
 impl Process {
-    fn name(&self) -> &str {
+    pub(crate) fn name(&self) -> &str {
         &self.id.runner
     }
 
-    async fn signal(&self, signal: &str) -> Result<(), String> {
+    pub(crate) async fn signal(&self, signal: &str) -> Result<(), String> {
         let pid = self.id.pid.to_string();
         let status = Command::new("kill").args([signal, &pid]).status().await;
         match status {
@@ -202,7 +202,8 @@ impl Process {
     }
 }
 
-fn spawn(
+/// Starts this program in `mode` (`runner` or `client`) with `env` and `extra`.
+pub(crate) fn spawn(
     name: &str,
     mode: &str,
     env: &[(String, String)],
@@ -275,7 +276,7 @@ pub async fn run(options: &ChaosOptions) -> Result<Report, String> {
     result
 }
 
-async fn drop_tables(client: &tokio_postgres::Client, prefix: &TablePrefix) {
+pub(crate) async fn drop_tables(client: &tokio_postgres::Client, prefix: &TablePrefix) {
     let mut tables: Vec<String> = [
         "messages",
         "replies",
@@ -860,7 +861,7 @@ pub fn overlapping_epochs(spans: &Spans) -> Vec<String> {
 
 /// A fresh random shared secret for one run: 64 hexadecimal digits from four randomly keyed
 /// hashers (the transport refuses secrets shorter than 32 bytes).
-fn random_secret() -> String {
+pub(crate) fn random_secret() -> String {
     use std::hash::{BuildHasher, Hasher};
     (0..4)
         .map(|_| format!("{:016x}", std::hash::RandomState::new().build_hasher().finish()))

@@ -15,8 +15,11 @@
 //!   time, and volatile echoes, retried until answered, with a summary.
 //! - [`chaos`]: the orchestration: runner processes on 127.0.0.1, faults (SIGKILL, SIGSTOP past
 //!   the lock expiration, then joins and graceful leaves only) and the checks at the end.
+//! - [`failover`]: SIGKILLs with the default settings, and how long the killed runner's shards
+//!   stay unserved, with advisory locks and with lease rows.
 
 pub mod chaos;
+pub mod failover;
 pub mod ledger;
 pub mod retention;
 pub mod runs;

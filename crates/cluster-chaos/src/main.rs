@@ -1,6 +1,7 @@
 //! `chaos runner` runs one runner from the environment (see `durable_cluster::Runner`) with the
 //! test's ledger entity; `chaos client` runs the client-only workload; `chaos run` (the
-//! default) runs the whole fault test across processes and exits non-zero on any violation.
+//! default) runs the whole fault test across processes and exits non-zero on any violation;
+//! `chaos failover` measures failovers after SIGKILL with the default settings.
 
 use std::process::ExitCode;
 use std::time::Duration;
@@ -19,7 +20,8 @@ async fn main() -> ExitCode {
         "runner" => return runner().await,
         "client" => client().await,
         "run" => run().await,
-        other => Err(format!("unknown mode {other:?}: expected runner, client or run")),
+        "failover" => failover().await,
+        other => Err(format!("unknown mode {other:?}: expected runner, client, run or failover")),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,
@@ -89,6 +91,37 @@ async fn client() -> Result<(), String> {
     let line = serde_json::to_string(&summary).map_err(|error| error.to_string())?;
     say(&line);
     Ok(())
+}
+
+/// `chaos failover`: SIGKILLs with the default settings (`CHAOS_FAILOVER_KILLS` per lock mode,
+/// 3 unless set), and the distribution of the failover times.
+async fn failover() -> Result<(), String> {
+    let postgres_url = std::env::var("CLUSTER_CHAOS_POSTGRES_URL")
+        .unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/test".to_owned());
+    let kills = match std::env::var("CHAOS_FAILOVER_KILLS") {
+        Ok(value) => {
+            value.parse().map_err(|_| format!("CHAOS_FAILOVER_KILLS={value:?} is not a number"))?
+        }
+        Err(_) => 3,
+    };
+    let reports = cluster_chaos::failover::run(&cluster_chaos::failover::FailoverOptions {
+        postgres_url,
+        kills,
+    })
+    .await?;
+    let mut violations = Vec::new();
+    for report in &reports {
+        say(&format!("chaos {}", report.summary()));
+        violations.extend(report.violations());
+    }
+    if violations.is_empty() {
+        say("chaos failover: passed");
+        return Ok(());
+    }
+    for violation in &violations {
+        say(&format!("chaos violation: {violation}"));
+    }
+    Err(format!("{} violations", violations.len()))
 }
 
 async fn run() -> Result<(), String> {

@@ -43,6 +43,9 @@
 //! | `SEND_RETRY_INTERVAL` | [`send_retry_interval`](ShardingConfig::send_retry_interval) | `100 millis` |
 //! | `RUNNER_HEALTH_CHECK_INTERVAL` | [`runner_health_check_interval`](ShardingConfig::runner_health_check_interval) | `1 minute` |
 //! | `RUNNER_HEALTH_CHECK` | [`runner_health_check`](ShardingConfig::runner_health_check) | `ping-known` |
+//! | `RUNNER_PROBE_INTERVAL` | [`runner_probe_interval`](ShardingConfig::runner_probe_interval) | `1 second` |
+//! | `STORAGE_READ_TIMEOUT` | [`storage_read_timeout`](ShardingConfig::storage_read_timeout) | `10 seconds` |
+//! | `STORAGE_WRITE_TIMEOUT` | [`storage_write_timeout`](ShardingConfig::storage_write_timeout) | `10 seconds` |
 //! | `SIMULATE_REMOTE_SERIALIZATION` | [`simulate_remote_serialization`](ShardingConfig::simulate_remote_serialization) | `true` |
 //! | `MESSAGE_RETENTION` | [`message_retention`](ShardingConfig::message_retention) | unset: processed requests are kept |
 //! | `WORKFLOW_RETENTION` | [`workflow_retention`](ShardingConfig::workflow_retention) | unset: finished executions are kept |
@@ -158,7 +161,7 @@ const _: () =
     assert!(SHARD_GROUPS_MAX as i64 * 1_000_000 + SHARDS_PER_GROUP_MAX as i64 <= i32::MAX as i64);
 
 /// Every environment variable [`ShardingConfig::from_env`] reads.
-pub const ENV_VARS: [&str; 29] = [
+pub const ENV_VARS: [&str; 32] = [
     var::HOST,
     var::PORT,
     var::LISTEN_HOST,
@@ -184,6 +187,9 @@ pub const ENV_VARS: [&str; 29] = [
     var::RUNNER_JOIN_DEBOUNCE,
     var::SEND_RETRY_INTERVAL,
     var::RUNNER_HEALTH_CHECK_INTERVAL,
+    var::RUNNER_PROBE_INTERVAL,
+    var::STORAGE_READ_TIMEOUT,
+    var::STORAGE_WRITE_TIMEOUT,
     var::RUNNER_HEALTH_CHECK,
     var::SIMULATE_REMOTE_SERIALIZATION,
     var::MESSAGE_RETENTION,
@@ -359,6 +365,40 @@ pub struct ShardingConfig {
     /// Default `ping-known`. Environment: `RUNNER_HEALTH_CHECK` (`ping-known`, `ping` or
     /// `heartbeat`; not read by the reference).
     pub runner_health_check: RunnerHealthCheck,
+    /// How often a runner probes its peers' transport addresses for one that is gone.
+    /// Greater than 0. At most one hour (`INTERVAL_MAX`).
+    ///
+    /// - A peer whose address refuses connections twice in a row has no process listening: it
+    ///   was killed or crashed.
+    ///   The prober marks it unhealthy at once, and lets go of its lease rows in lease mode, so
+    ///   that its shards move within seconds rather than when its heartbeat expires.
+    /// - A frozen or partitioned peer does not refuse connections (its socket stays open, or
+    ///   the connection times out), so it keeps its shards until its locks expire, as before.
+    /// - Each runner probes up to 8 of the healthy runners that follow it in address order.
+    /// - Probes need a transport, and stop with `RUNNER_HEALTH_CHECK=heartbeat`.
+    ///
+    /// Default 1 s. Environment: `RUNNER_PROBE_INTERVAL` (not read by the reference).
+    pub runner_probe_interval: Duration,
+    /// How long a read of storage may take: claims of unprocessed messages, reply, state and
+    /// primary-key lookups, the registry. Greater than 0. At most one hour (`INTERVAL_MAX`).
+    ///
+    /// A read past it fails with `StorageErrorKind::Timeout`, which the runtime handles as any
+    /// failed read: the read loop reads again at its next poll, a caller's lookup fails.
+    /// Lock operations have `shard_lock_interval()` instead; the listings of the console and
+    /// retention's sweeps have 30 s.
+    ///
+    /// Default 10 s. Environment: `STORAGE_READ_TIMEOUT` (not read by the reference).
+    pub storage_read_timeout: Duration,
+    /// How long a write to storage may take: requests, replies, acknowledgements, interrupts,
+    /// entity state, the steps of a transaction, released claims, the registry. Greater than 0.
+    /// At most one hour (`INTERVAL_MAX`).
+    ///
+    /// A write past it fails with `StorageErrorKind::Timeout`, and its outcome is unknown, as
+    /// when a connection drops: a final reply is looked up and retried, a caller's send fails
+    /// (send again with the same primary key).
+    ///
+    /// Default 10 s. Environment: `STORAGE_WRITE_TIMEOUT` (not read by the reference).
+    pub storage_write_timeout: Duration,
     /// Encode and decode volatile messages to local entities as if they went to another runner,
     /// so that serialization bugs show up on one machine. The Rust runtime always does (its
     /// requests are type-erased to JSON at the client), so `false` has no effect there; it is
@@ -531,6 +571,9 @@ impl Default for ShardingConfig {
             runner_join_debounce: Duration::ZERO,
             send_retry_interval: Duration::from_millis(100),
             runner_health_check_interval: Duration::from_secs(60),
+            runner_probe_interval: Duration::from_secs(1),
+            storage_read_timeout: Duration::from_secs(10),
+            storage_write_timeout: Duration::from_secs(10),
             runner_health_check: RunnerHealthCheck::PingKnown,
             simulate_remote_serialization: true,
             message_retention: None,
@@ -810,13 +853,42 @@ impl ShardingConfig {
 
     fn check_durations(&self) -> Result<(), Violation> {
         let positive = Duration::from_nanos(1);
-        let bounds = [
-            DurationBound::new(
+        // Greater than 0, at most `INTERVAL_MAX`.
+        let intervals = [
+            (
                 "shard_lock_refresh_interval",
                 var::SHARD_LOCK_REFRESH_INTERVAL,
                 self.shard_lock_refresh_interval,
-            )
-            .at_least(positive),
+            ),
+            (
+                "entity_message_poll_interval",
+                var::ENTITY_MESSAGE_POLL_INTERVAL,
+                self.entity_message_poll_interval,
+            ),
+            (
+                "entity_reply_poll_interval",
+                var::ENTITY_REPLY_POLL_INTERVAL,
+                self.entity_reply_poll_interval,
+            ),
+            (
+                "refresh_assignments_interval",
+                var::REFRESH_ASSIGNMENTS_INTERVAL,
+                self.refresh_assignments_interval,
+            ),
+            ("send_retry_interval", var::SEND_RETRY_INTERVAL, self.send_retry_interval),
+            (
+                "runner_health_check_interval",
+                var::RUNNER_HEALTH_CHECK_INTERVAL,
+                self.runner_health_check_interval,
+            ),
+            ("runner_probe_interval", var::RUNNER_PROBE_INTERVAL, self.runner_probe_interval),
+            ("storage_read_timeout", var::STORAGE_READ_TIMEOUT, self.storage_read_timeout),
+            ("storage_write_timeout", var::STORAGE_WRITE_TIMEOUT, self.storage_write_timeout),
+        ]
+        .map(|(field, env_var, value)| {
+            DurationBound::new(field, env_var, value).at_least(positive)
+        });
+        let others = [
             DurationBound::new(
                 "shard_lock_expiration",
                 var::SHARD_LOCK_EXPIRATION,
@@ -834,41 +906,12 @@ impl ShardingConfig {
                 self.entity_termination_timeout,
             ),
             DurationBound::new(
-                "entity_message_poll_interval",
-                var::ENTITY_MESSAGE_POLL_INTERVAL,
-                self.entity_message_poll_interval,
-            )
-            .at_least(positive),
-            DurationBound::new(
-                "entity_reply_poll_interval",
-                var::ENTITY_REPLY_POLL_INTERVAL,
-                self.entity_reply_poll_interval,
-            )
-            .at_least(positive),
-            DurationBound::new(
-                "refresh_assignments_interval",
-                var::REFRESH_ASSIGNMENTS_INTERVAL,
-                self.refresh_assignments_interval,
-            )
-            .at_least(positive),
-            DurationBound::new(
                 "runner_join_debounce",
                 var::RUNNER_JOIN_DEBOUNCE,
                 self.runner_join_debounce,
             ),
-            DurationBound::new(
-                "send_retry_interval",
-                var::SEND_RETRY_INTERVAL,
-                self.send_retry_interval,
-            )
-            .at_least(positive),
-            DurationBound::new(
-                "runner_health_check_interval",
-                var::RUNNER_HEALTH_CHECK_INTERVAL,
-                self.runner_health_check_interval,
-            )
-            .at_least(positive),
         ];
+        let bounds = intervals.into_iter().chain(others);
         for bound in bounds {
             bound.check()?;
         }
@@ -960,6 +1003,9 @@ mod var {
     pub(super) const RUNNER_JOIN_DEBOUNCE: &str = "RUNNER_JOIN_DEBOUNCE";
     pub(super) const SEND_RETRY_INTERVAL: &str = "SEND_RETRY_INTERVAL";
     pub(super) const RUNNER_HEALTH_CHECK_INTERVAL: &str = "RUNNER_HEALTH_CHECK_INTERVAL";
+    pub(super) const RUNNER_PROBE_INTERVAL: &str = "RUNNER_PROBE_INTERVAL";
+    pub(super) const STORAGE_READ_TIMEOUT: &str = "STORAGE_READ_TIMEOUT";
+    pub(super) const STORAGE_WRITE_TIMEOUT: &str = "STORAGE_WRITE_TIMEOUT";
     pub(super) const RUNNER_HEALTH_CHECK: &str = "RUNNER_HEALTH_CHECK";
     pub(super) const SIMULATE_REMOTE_SERIALIZATION: &str = "SIMULATE_REMOTE_SERIALIZATION";
     pub(super) const MESSAGE_RETENTION: &str = "MESSAGE_RETENTION";
@@ -1330,6 +1376,9 @@ impl<F: Fn(&str) -> Option<String>> Env<F> {
             (var::RUNNER_JOIN_DEBOUNCE, &mut config.runner_join_debounce),
             (var::SEND_RETRY_INTERVAL, &mut config.send_retry_interval),
             (var::RUNNER_HEALTH_CHECK_INTERVAL, &mut config.runner_health_check_interval),
+            (var::RUNNER_PROBE_INTERVAL, &mut config.runner_probe_interval),
+            (var::STORAGE_READ_TIMEOUT, &mut config.storage_read_timeout),
+            (var::STORAGE_WRITE_TIMEOUT, &mut config.storage_write_timeout),
         ];
         for (var, field) in fields {
             if let Some(duration) = self.duration(var)? {

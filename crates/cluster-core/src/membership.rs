@@ -376,6 +376,13 @@ impl Assignment {
     }
 }
 
+/// An assignment built from its owners, as a tool or a test writes it down.
+impl FromIterator<(ShardId, RunnerAddress)> for Assignment {
+    fn from_iter<I: IntoIterator<Item = (ShardId, RunnerAddress)>>(owners: I) -> Assignment {
+        Assignment { owners: owners.into_iter().collect() }
+    }
+}
+
 /// The observation as a map, keeping the first entry of an address listed twice.
 fn dedup_by_address(runners: &[(Runner, bool)]) -> BTreeMap<Runner, bool> {
     let mut addresses = BTreeSet::new();

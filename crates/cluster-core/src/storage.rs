@@ -888,4 +888,24 @@ pub trait RunnerStorage: Send + Sync + fmt::Debug {
         &'a self,
         address: &'a RunnerAddress,
     ) -> BoxFuture<'a, Result<(), StorageError>>;
+
+    /// Lets go of the locks of `address`, a runner another one found gone: its address refuses
+    /// connections, so no process of it runs (see `Transport::probe`).
+    ///
+    /// - Locks that end with their holder's database session (advisory locks) are gone already:
+    ///   this does nothing, and must not touch the caller's own session.
+    /// - Lease rows would count until they expire: they are deleted, so that the next owner
+    ///   takes the shards at once.
+    /// - The default does nothing: the locks then expire as they would.
+    ///
+    /// # Cancel safety
+    ///
+    /// Not cancel safe, but idempotent.
+    fn release_gone<'a>(
+        &'a self,
+        address: &'a RunnerAddress,
+    ) -> BoxFuture<'a, Result<(), StorageError>> {
+        let _ = address;
+        Box::pin(std::future::ready(Ok(())))
+    }
 }

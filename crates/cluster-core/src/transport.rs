@@ -116,6 +116,33 @@ pub trait Transport: Send + Sync + fmt::Debug {
 
     /// Forgets cached connections to a runner that left the healthy set.
     fn on_runner_unavailable(&self, address: &RunnerAddress);
+
+    /// Whether a process listens at `address` (the probe for runners that are gone).
+    ///
+    /// - [`Probe::Refused`] only when the address refused the connection: nothing listens
+    ///   there, so the runner's process is gone.
+    /// - A timeout, an unreachable host or any other failure is [`Probe::Unknown`]: a frozen
+    ///   or partitioned runner must not look gone.
+    /// - The default cannot tell, and says [`Probe::Unknown`].
+    ///
+    /// # Cancel safety
+    ///
+    /// Cancel safe.
+    fn probe<'a>(&'a self, address: &'a RunnerAddress) -> BoxFuture<'a, Probe> {
+        let _ = address;
+        Box::pin(std::future::ready(Probe::Unknown))
+    }
+}
+
+/// What [`Transport::probe`] found at a runner's address.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Probe {
+    /// Something accepted the connection (or a connection to it is open).
+    Listening,
+    /// The address refused the connection: no process listens there.
+    Refused,
+    /// The probe could not tell: a timeout, an unreachable host, or a transport without probes.
+    Unknown,
 }
 
 /// The server side: what the transport calls when a peer's RPC arrives.

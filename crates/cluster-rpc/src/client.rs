@@ -34,7 +34,7 @@ use cluster_core::future::BoxFuture;
 use cluster_core::ids::RunnerAddress;
 use cluster_core::snowflake::Snowflake;
 use cluster_core::sync::lock;
-use cluster_core::transport::{ReplyStream, Transport};
+use cluster_core::transport::{Probe, ReplyStream, Transport};
 use tokio::io::WriteHalf;
 use tokio::net::TcpStream;
 use tokio::sync::{Notify, OwnedSemaphorePermit, Semaphore, TryAcquireError, mpsc};
@@ -778,5 +778,40 @@ impl Transport for TcpTransport {
 
     fn on_runner_unavailable(&self, address: &RunnerAddress) {
         self.forget(address);
+    }
+
+    fn probe<'a>(&'a self, address: &'a RunnerAddress) -> BoxFuture<'a, Probe> {
+        Box::pin(async move {
+            // An open connection says the peer's socket lives: no need to open another.
+            let open = lock(&self.peers)
+                .get(address)
+                .and_then(|slot| slot.open.as_ref())
+                .is_some_and(|connection| !connection.shared.is_closed());
+            if open {
+                return Probe::Listening;
+            }
+            probe(address, PROBE_TIMEOUT.min(self.config.connect_timeout)).await
+        })
+    }
+}
+
+/// How long a probe's connection attempt may take; past it, the probe cannot tell.
+const PROBE_TIMEOUT: Duration = Duration::from_secs(1);
+
+/// A bare TCP connection to `address`, closed at once, without a handshake (the server logs a
+/// connection that closes before sending anything at debug level only).
+///
+/// Only a refused connection is [`Probe::Refused`]: a timeout or an unreachable host is what a
+/// partition looks like, and a partitioned runner may still hold its shards.
+async fn probe(address: &RunnerAddress, timeout: Duration) -> Probe {
+    match tokio::time::timeout(timeout, TcpStream::connect((address.host(), address.port()))).await
+    {
+        Ok(Ok(_connected)) => Probe::Listening,
+        Ok(Err(error)) if error.kind() == std::io::ErrorKind::ConnectionRefused => Probe::Refused,
+        Ok(Err(error)) => {
+            debug!(%address, %error, "probe failed; cannot tell whether the runner is gone");
+            Probe::Unknown
+        }
+        Err(_) => Probe::Unknown,
     }
 }

@@ -90,6 +90,10 @@ pub(crate) enum HandshakeError {
     /// No randomness for the nonce.
     #[error("no randomness for the handshake nonce: {0}")]
     Random(String),
+    /// The peer closed the connection before it sent a byte: a runner's probe (or a port
+    /// scan), not a peer that failed.
+    #[error("the peer closed the connection before its handshake")]
+    ClosedEarly,
 }
 
 impl HandshakeError {
@@ -100,7 +104,10 @@ impl HandshakeError {
             HandshakeError::Protocol | HandshakeError::BadProof | HandshakeError::ProofRefused => {
                 true
             }
-            HandshakeError::Io(_) | HandshakeError::Busy | HandshakeError::Random(_) => false,
+            HandshakeError::Io(_)
+            | HandshakeError::Busy
+            | HandshakeError::Random(_)
+            | HandshakeError::ClosedEarly => false,
         }
     }
 }

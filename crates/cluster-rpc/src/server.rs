@@ -258,6 +258,12 @@ async fn serve_connection(
     let max_connections = usize::try_from(config.max_connections).unwrap_or(usize::MAX);
     // TLS (when configured) first, then the handshake inside it, both within the timeout.
     let shake = async {
+        // A connection that closes before its first byte is a runner's probe
+        // (`Transport::probe`): logged at debug level, not as a failed handshake.
+        let mut first = [0_u8; 1];
+        if tcp.peek(&mut first).await.map_err(handshake::HandshakeError::Io)? == 0 {
+            return Err(handshake::HandshakeError::ClosedEarly);
+        }
         let mut stream = tls.accept(tcp).await.map_err(handshake::HandshakeError::Io)?;
         let admit = || admit(&connections, max_connections);
         handshake::server(&mut stream, config.secret_bytes(), admit)
@@ -270,6 +276,10 @@ async fn serve_connection(
         Ok(Ok(established)) => {
             debug!("connection accepted");
             established
+        }
+        Ok(Err(handshake::HandshakeError::ClosedEarly)) => {
+            debug!("a connection closed before its handshake (a probe); nothing to serve");
+            return;
         }
         Ok(Err(handshake::HandshakeError::Busy)) => {
             warn!("connection refused after its handshake: too many connections");

@@ -52,6 +52,7 @@ use cluster_core::transport::Transport;
 use cluster_core::{Clock, MachineId, Runner, ShardingConfig, SystemClock};
 
 use crate::error::StartError;
+use crate::metered::Deadlines;
 use crate::placement::health::RunnerHealth;
 use crate::placement::member::{Member as MemberRuntime, RUNNER_HEALTH};
 use crate::placement::single_runner::{HeldLocks, LockedRuntime, all_shards};
@@ -326,7 +327,8 @@ impl ShardingBuilder<Standalone> {
     /// - [`StartError::Register`]: the message retention singleton could not be registered.
     pub async fn start(self) -> Result<Sharding, StartError> {
         let (basics, Standalone { messages }) = self.basics();
-        let messages = crate::metered::MeteredMessages::wrap(messages);
+        let messages =
+            crate::metered::MeteredMessages::wrap(messages, Deadlines::of(&basics.config));
         let sharding = Sharding::start_own_storage(basics, Arc::clone(&messages)).await?;
         start_retention(&sharding, messages)?;
         Ok(sharding)
@@ -348,8 +350,9 @@ impl ShardingBuilder<SingleRunner> {
     /// Not cancel safe: a single runner dropped half-way may hold locks (they expire).
     pub async fn start(self) -> Result<Sharding, StartError> {
         let (basics, SingleRunner { messages, runners }) = self.basics();
-        let messages = crate::metered::MeteredMessages::wrap(messages);
-        let runners = crate::metered::MeteredRunners::wrap(runners);
+        let messages =
+            crate::metered::MeteredMessages::wrap(messages, Deadlines::of(&basics.config));
+        let runners = crate::metered::MeteredRunners::wrap(runners, Deadlines::of(&basics.config));
         start_single_runner(basics, messages, runners).await
     }
 }
@@ -388,8 +391,9 @@ impl ShardingBuilder<Member> {
     pub async fn start(self) -> Result<Sharding, StartError> {
         let (basics, role) = self.basics();
         let Member { messages, runners, transport, runner_health } = role;
-        let messages = crate::metered::MeteredMessages::wrap(messages);
-        let runners = crate::metered::MeteredRunners::wrap(runners);
+        let messages =
+            crate::metered::MeteredMessages::wrap(messages, Deadlines::of(&basics.config));
+        let runners = crate::metered::MeteredRunners::wrap(runners, Deadlines::of(&basics.config));
         start_cluster(basics, messages, runners, transport, runner_health)
     }
 }
@@ -402,7 +406,8 @@ impl ShardingBuilder<ClientOnly> {
     /// [`StartError::Config`]: the configuration is invalid.
     pub async fn start(self) -> Result<Sharding, StartError> {
         let (basics, ClientOnly { messages }) = self.client_basics();
-        let messages = crate::metered::MeteredMessages::wrap(messages);
+        let messages =
+            crate::metered::MeteredMessages::wrap(messages, Deadlines::of(&basics.config));
         Ok(Sharding::start_client_only(basics, messages)?)
     }
 }
@@ -422,8 +427,9 @@ impl ShardingBuilder<ClusterClient> {
     /// [`StartError::Config`]: the configuration is invalid.
     pub async fn start(self) -> Result<Sharding, StartError> {
         let (basics, ClusterClient { messages, runners, transport }) = self.client_basics();
-        let messages = crate::metered::MeteredMessages::wrap(messages);
-        let runners = crate::metered::MeteredRunners::wrap(runners);
+        let messages =
+            crate::metered::MeteredMessages::wrap(messages, Deadlines::of(&basics.config));
+        let runners = crate::metered::MeteredRunners::wrap(runners, Deadlines::of(&basics.config));
         start_cluster(basics, messages, runners, transport, None)
     }
 }

@@ -1,7 +1,13 @@
-//! Storage metrics: the runtime wraps the storages it is given in [`MeteredMessages`] and
-//! [`MeteredRunners`], which time every operation and count its errors, by `backend` (the
-//! storage's [`backend_name`](MessageStorage::backend_name)) and `operation` (the contract
-//! method's name).
+//! Storage metrics and deadlines: the runtime wraps the storages it is given in
+//! [`MeteredMessages`] and [`MeteredRunners`], which time every operation and count its errors,
+//! by `backend` (the storage's [`backend_name`](MessageStorage::backend_name)) and `operation`
+//! (the contract method's name).
+//!
+//! Every operation has a deadline, by its class ([`Deadlines`]): reads
+//! (`storage_read_timeout`), writes (`storage_write_timeout`), lock operations
+//! (`shard_lock_interval()`) and the long listings and deletions of the console and retention
+//! (30 s). An operation past its deadline fails with `StorageErrorKind::Timeout`; the storage
+//! may still complete it, as when a connection drops after a statement was sent.
 //!
 //! Every method, the contracts' default ones included, goes to the wrapped storage, so that a
 //! backend's own version of a default method keeps running. A transaction begun through the
@@ -11,11 +17,12 @@ use std::any::Any;
 use std::fmt;
 use std::num::NonZeroU32;
 use std::sync::Arc;
+use std::time::Duration;
 
 use cluster_core::clock::Timestamp;
 use cluster_core::entity_state::{StateWrite, StoredState};
 use cluster_core::envelope::{AckChunk, Interrupt, Reply, Request};
-use cluster_core::error::StorageError;
+use cluster_core::error::{StorageError, StorageErrorKind};
 use cluster_core::future::BoxFuture;
 use cluster_core::inspect::{
     Backlog, BacklogQuery, RequestQuery, RequestRecord, RunnerRecord, ShardLock,
@@ -72,12 +79,100 @@ enum Op {
     Confirm,
     Release,
     ReleaseAll,
+    ReleaseGone,
+}
+
+/// The class of an operation, which sets its deadline.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Class {
+    Read,
+    Write,
+    Lock,
+    Maintenance,
+}
+
+/// The deadline of each class of storage operation.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct Deadlines {
+    read: Duration,
+    write: Duration,
+    lock: Duration,
+}
+
+impl Deadlines {
+    /// The deadlines `config` sets.
+    pub(crate) fn of(config: &cluster_core::ShardingConfig) -> Deadlines {
+        Deadlines {
+            read: config.storage_read_timeout,
+            write: config.storage_write_timeout,
+            lock: config.shard_lock_interval(),
+        }
+    }
+
+    /// The deadline of `class`, and the setting that sets it.
+    fn of_class(self, class: Class) -> (Duration, &'static str) {
+        match class {
+            Class::Read => (self.read, "STORAGE_READ_TIMEOUT"),
+            Class::Write => (self.write, "STORAGE_WRITE_TIMEOUT"),
+            Class::Lock => (self.lock, "SHARD_LOCK_REFRESH_INTERVAL"),
+            Class::Maintenance => {
+                (cluster_core::retention::CALL_DEADLINE, "a fixed deadline of listings and purges")
+            }
+        }
+    }
 }
 
 impl Op {
+    /// The class of the operation (see [`Deadlines`]).
+    fn class(self) -> Class {
+        match self {
+            Op::RequestIdForPrimaryKey
+            | Op::RepliesFor
+            | Op::RepliesForUnfiltered
+            | Op::UnprocessedMessages
+            | Op::UnprocessedMessagesById
+            | Op::UnprocessedBefore
+            | Op::UnprocessedMessagesOrdered
+            | Op::LoadState
+            | Op::GetRunners => Class::Read,
+            Op::SaveRequest
+            | Op::SaveRequestOrdered
+            | Op::SaveAckChunk
+            | Op::SaveInterrupt
+            | Op::SaveReply
+            | Op::ClearReplies
+            | Op::ResetRequests
+            | Op::ResetAddresses
+            | Op::ResetShards
+            | Op::SaveState
+            | Op::SaveReplyWithState
+            | Op::BeginTransaction
+            | Op::TransactionSaveReply
+            | Op::TransactionSaveState
+            | Op::TransactionCommit
+            | Op::TransactionRollback
+            | Op::Register
+            | Op::Unregister
+            | Op::SetRunnerHealth => Class::Write,
+            Op::Acquire
+            | Op::Refresh
+            | Op::Confirm
+            | Op::Release
+            | Op::ReleaseAll
+            | Op::ReleaseGone => Class::Lock,
+            Op::ClearAddress
+            | Op::PurgeProcessed
+            | Op::ProcessedRequests
+            | Op::Backlog
+            | Op::Requests
+            | Op::RunnerRecords
+            | Op::ShardLocks => Class::Maintenance,
+        }
+    }
+
     /// Every operation, in declaration order (an operation's histogram is at its index; one
     /// missing here is timed by no histogram, never a panic).
-    const ALL: [Op; 40] = [
+    const ALL: [Op; 41] = [
         Op::SaveRequest,
         Op::SaveRequestOrdered,
         Op::SaveAckChunk,
@@ -118,6 +213,7 @@ impl Op {
         Op::Confirm,
         Op::Release,
         Op::ReleaseAll,
+        Op::ReleaseGone,
     ];
 
     /// The `operation` label: the contract method's name.
@@ -163,32 +259,55 @@ impl Op {
             Op::Confirm => "confirm",
             Op::Release => "release",
             Op::ReleaseAll => "release_all",
+            Op::ReleaseGone => "release_gone",
         }
     }
 }
 
-/// The latency histograms of one backend, one per operation, registered once.
+/// The latency histograms of one backend, one per operation, registered once, and the
+/// deadlines.
 struct Meters {
     backend: &'static str,
     latency: [metrics::Histogram; Op::ALL.len()],
+    deadlines: Deadlines,
 }
 
 impl Meters {
-    fn new(backend: &'static str) -> Arc<Meters> {
+    fn new(backend: &'static str, deadlines: Deadlines) -> Arc<Meters> {
         let latency = Op::ALL.map(|op| {
             metrics::histogram!(STORAGE_OPERATION, "backend" => backend, "operation" => op.label())
         });
-        Arc::new(Meters { backend, latency })
+        Arc::new(Meters { backend, latency, deadlines })
     }
 
-    /// Runs `operation`, recording how long it took and whether it failed.
+    /// Runs `operation` within its deadline, recording how long it took and whether it failed.
     async fn measure<T>(
         &self,
         op: Op,
         operation: impl Future<Output = Result<T, StorageError>>,
     ) -> Result<T, StorageError> {
         let began = tokio::time::Instant::now();
-        let result = operation.await;
+        let (deadline, setting) = self.deadlines.of_class(op.class());
+        let result = match tokio::time::timeout(deadline, operation).await {
+            Ok(result) => result,
+            Err(_) => {
+                tracing::debug!(
+                    operation = op.label(),
+                    ?deadline,
+                    "a storage operation passed its deadline"
+                );
+                Err(StorageError::new(
+                    StorageErrorKind::Timeout,
+                    format!(
+                        "{}: no answer from {} within {deadline:?} ({setting}); the database or \
+                         the network to it is slow or stalled, and the operation may still \
+                         complete",
+                        op.label(),
+                        self.backend
+                    ),
+                ))
+            }
+        };
         if let Some(latency) = self.latency.get(op as usize) {
             latency.record(began.elapsed().as_secs_f64());
         }
@@ -213,8 +332,11 @@ pub(crate) struct MeteredMessages {
 
 impl MeteredMessages {
     /// Wraps `inner`.
-    pub(crate) fn wrap(inner: Arc<dyn MessageStorage>) -> Arc<dyn MessageStorage> {
-        let meters = Meters::new(inner.backend_name());
+    pub(crate) fn wrap(
+        inner: Arc<dyn MessageStorage>,
+        deadlines: Deadlines,
+    ) -> Arc<dyn MessageStorage> {
+        let meters = Meters::new(inner.backend_name(), deadlines);
         Arc::new(MeteredMessages { inner, meters })
     }
 }
@@ -475,8 +597,11 @@ pub(crate) struct MeteredRunners {
 
 impl MeteredRunners {
     /// Wraps `inner`.
-    pub(crate) fn wrap(inner: Arc<dyn RunnerStorage>) -> Arc<dyn RunnerStorage> {
-        let meters = Meters::new(inner.backend_name());
+    pub(crate) fn wrap(
+        inner: Arc<dyn RunnerStorage>,
+        deadlines: Deadlines,
+    ) -> Arc<dyn RunnerStorage> {
+        let meters = Meters::new(inner.backend_name(), deadlines);
         Arc::new(MeteredRunners { inner, meters })
     }
 }
@@ -569,11 +694,69 @@ impl RunnerStorage for MeteredRunners {
     ) -> BoxFuture<'a, Result<(), StorageError>> {
         Box::pin(self.meters.measure(Op::ReleaseAll, self.inner.release_all(address)))
     }
+
+    fn release_gone<'a>(
+        &'a self,
+        address: &'a RunnerAddress,
+    ) -> BoxFuture<'a, Result<(), StorageError>> {
+        Box::pin(self.meters.measure(Op::ReleaseGone, self.inner.release_gone(address)))
+    }
 }
 
 #[cfg(test)]
 mod tests {
-    use super::Op;
+    use std::time::Duration;
+
+    use cluster_core::error::StorageErrorKind;
+
+    use super::{Class, Deadlines, Meters, Op};
+
+    fn deadlines() -> Deadlines {
+        Deadlines {
+            read: Duration::from_secs(3),
+            write: Duration::from_secs(5),
+            lock: Duration::from_secs(1),
+        }
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn an_operation_past_its_deadline_fails_with_a_timeout_that_names_the_setting() {
+        let meters = Meters::new("test", deadlines());
+        let began = tokio::time::Instant::now();
+        let hung = meters
+            .measure(Op::SaveReply, std::future::pending::<Result<(), super::StorageError>>())
+            .await;
+        let error = hung.expect_err("a hung write fails");
+        assert_eq!(error.kind(), StorageErrorKind::Timeout);
+        assert_eq!(began.elapsed(), Duration::from_secs(5), "the write deadline");
+        assert!(error.to_string().contains("STORAGE_WRITE_TIMEOUT"), "{error}");
+        assert!(error.to_string().contains("save_reply"), "{error}");
+
+        let began = tokio::time::Instant::now();
+        let read = meters.measure(Op::RepliesFor, std::future::pending::<Result<(), _>>()).await;
+        assert_eq!(read.map_err(|error| error.kind()), Err(StorageErrorKind::Timeout));
+        assert_eq!(began.elapsed(), Duration::from_secs(3), "the read deadline");
+
+        // An answer in time passes through.
+        let answered = meters.measure(Op::Refresh, async { Ok::<_, super::StorageError>(7) }).await;
+        assert_eq!(answered.ok(), Some(7));
+    }
+
+    #[test]
+    fn every_class_has_its_deadline() {
+        let deadlines = deadlines();
+        assert_eq!(deadlines.of_class(Class::Read).0, Duration::from_secs(3));
+        assert_eq!(deadlines.of_class(Class::Write).0, Duration::from_secs(5));
+        assert_eq!(deadlines.of_class(Class::Lock).0, Duration::from_secs(1));
+        assert_eq!(
+            deadlines.of_class(Class::Maintenance).0,
+            cluster_core::retention::CALL_DEADLINE
+        );
+        assert_eq!(Op::UnprocessedMessages.class(), Class::Read);
+        assert_eq!(Op::TransactionCommit.class(), Class::Write);
+        assert_eq!(Op::ReleaseGone.class(), Class::Lock);
+        assert_eq!(Op::PurgeProcessed.class(), Class::Maintenance);
+    }
 
     #[test]
     fn the_operations_are_listed_in_order_with_distinct_labels() {

@@ -33,6 +33,8 @@
 //! | `effect_cluster_persisted_pushed_waiting` | gauge | | pushed calls this process waits on: the occupancy of its transport's lanes of pushes (`max_pushed_in_flight` per connection) |
 //! | `effect_cluster_persisted_pushed_serving` | gauge | | pushed calls this runner answers once their final replies are stored |
 //! | `effect_cluster_retention_deleted_total` | counter | | processed requests (with their replies) deleted by message retention on this runner |
+//! | `effect_cluster_runners_gone_total` | counter | | peers this runner found gone (their address refused connections twice) and marked unhealthy |
+//! | `effect_cluster_shards_unserved` | gauge | | shards this runner sees unserved: those assigned to a peer it found gone, and its own assigned shards whose lock it does not hold yet |
 //!
 //! Requests, by entity `type`, request `tag` and `kind` (`volatile`, `persisted`, or `stream`
 //! for a streaming request type, persisted or not); a request whose tag its type does not
@@ -98,6 +100,11 @@ pub const PERSISTED_PUSHED_SERVING: &str = "effect_cluster_persisted_pushed_serv
 
 /// Processed requests deleted by message retention.
 pub const RETENTION_DELETED: &str = "effect_cluster_retention_deleted_total";
+
+/// Peers this runner found gone and marked unhealthy.
+pub const RUNNERS_GONE: &str = "effect_cluster_runners_gone_total";
+/// Shards this runner sees unserved.
+pub const SHARDS_UNSERVED: &str = "effect_cluster_shards_unserved";
 
 /// Shard locks acquired.
 pub const SHARD_ACQUISITIONS: &str = "effect_cluster_shard_acquisitions_total";

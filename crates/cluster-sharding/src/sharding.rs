@@ -640,6 +640,7 @@ impl Sharding {
                 lock_storage_healthy: true,
                 assigned: 0,
                 not_acquired: 0,
+                unserved: 0,
             };
         }
         let assigned = self.inner.shards.all().len();
@@ -650,6 +651,7 @@ impl Sharding {
             lock_storage_healthy: not_acquired == 0,
             assigned,
             not_acquired,
+            unserved: not_acquired,
         }
     }
 

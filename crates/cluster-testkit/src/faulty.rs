@@ -1008,6 +1008,19 @@ impl RunnerStorage for FaultyRunnerStorage {
             self.inner.release_all(address).await
         })
     }
+
+    fn release_gone<'a>(
+        &'a self,
+        address: &'a RunnerAddress,
+    ) -> BoxFuture<'a, Result<(), StorageError>> {
+        if self.faults.is_killed() {
+            return Box::pin(async { Err(injected("release_gone")) });
+        }
+        Box::pin(async move {
+            self.faults.through_the_blackhole().await;
+            self.inner.release_gone(address).await
+        })
+    }
 }
 
 /// Takes one from a counter when dropped.

@@ -1475,6 +1475,14 @@ impl RunnerStorage for MemoryRunnerStorage {
         self.with_state(|state, _, _| state.locks.retain(|_, (holder, _)| holder != address));
         ready(Ok(()))
     }
+
+    /// Leases, as lease rows: deleted.
+    fn release_gone<'a>(
+        &'a self,
+        address: &'a RunnerAddress,
+    ) -> BoxFuture<'a, Result<(), StorageError>> {
+        self.release_all(address)
+    }
 }
 
 /// The conformance-suite fixture of the memory storages.

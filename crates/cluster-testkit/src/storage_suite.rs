@@ -47,6 +47,14 @@ pub trait StorageFixture: Send + Sync {
     /// connections and lock session. Leases and heartbeats expire after `expiration`.
     fn runner_storage(&self, expiration: Duration) -> BoxFuture<'_, Arc<dyn RunnerStorage>>;
 
+    /// The process that opened `storage` dies: its database sessions end (advisory locks go
+    /// with them), and nothing is released or unregistered. By default the storage is dropped,
+    /// which closes its sessions; a fixture that keeps its runner storages lets go of it too.
+    fn kill_runner_storage(&self, storage: Arc<dyn RunnerStorage>) -> BoxFuture<'_, ()> {
+        drop(storage);
+        Box::pin(std::future::ready(()))
+    }
+
     /// Damages a stored row.
     fn corrupt(&self, corruption: Corruption) -> BoxFuture<'_, ()>;
 
@@ -144,6 +152,7 @@ macro_rules! storage_suite {
             released_shard_can_be_taken,
             expired_lease_is_taken_over,
             release_all_drops_every_lock,
+            release_gone_frees_a_gone_runners_locks,
             runner_addresses_are_compared_exactly,
         );
     };

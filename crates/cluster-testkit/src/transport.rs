@@ -14,7 +14,7 @@
 //! it (the caller sees `RunnerUnavailable`, as over TCP), a duplicated call reaches the peer
 //! twice (the second copy's replies go nowhere).
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 use std::fmt;
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::{Arc, Mutex};
@@ -25,7 +25,7 @@ use cluster_core::envelope::{Envelope, Reply, Request};
 use cluster_core::error::ClusterError;
 use cluster_core::future::BoxFuture;
 use cluster_core::sync::lock;
-use cluster_core::transport::{ReplyStream, RunnerHandler, Transport};
+use cluster_core::transport::{Probe, ReplyStream, RunnerHandler, Transport};
 
 use crate::sim::SimRng;
 
@@ -101,6 +101,10 @@ struct State {
     cuts: BTreeMap<RunnerAddress, u64>,
     /// The slots of each process's calls to each peer, when bounded.
     slots: Option<Slots>,
+    /// The addresses whose process is gone: probes find them refusing connections.
+    refusing: BTreeSet<RunnerAddress>,
+    /// How many probes each address was sent.
+    probes: BTreeMap<RunnerAddress, u32>,
 }
 
 /// A kind of call, for fault injection.
@@ -129,7 +133,23 @@ impl MemoryNetwork {
 
     /// Makes the runner at `address` reachable, served by `handler`.
     pub fn attach(&self, address: RunnerAddress, handler: Arc<dyn RunnerHandler>) {
-        lock(&self.state).handlers.insert(address, handler);
+        let mut state = lock(&self.state);
+        state.refusing.remove(&address);
+        state.handlers.insert(address, handler);
+    }
+
+    /// The process of the runner at `address` is gone (killed): calls to it fail with
+    /// `RunnerUnavailable`, and probes find its address refusing connections, until it is
+    /// attached again. A detached runner ([`MemoryNetwork::detach`]) is unreachable, not gone.
+    pub fn refuse(&self, address: &RunnerAddress) {
+        let mut state = lock(&self.state);
+        state.handlers.remove(address);
+        state.refusing.insert(address.clone());
+    }
+
+    /// How many probes `address` was sent.
+    pub fn probes_to(&self, address: &RunnerAddress) -> u32 {
+        lock(&self.state).probes.get(address).copied().unwrap_or(0)
     }
 
     /// Cuts the runner at `address` off: calls to it fail with `RunnerUnavailable`.
@@ -488,4 +508,20 @@ impl Transport for MemoryTransport {
     }
 
     fn on_runner_unavailable(&self, _address: &RunnerAddress) {}
+
+    /// Refused for an address the test made refuse ([`MemoryNetwork::refuse`]), listening for
+    /// an attached one, and unknown otherwise (a detached runner is unreachable, not gone).
+    fn probe<'a>(&'a self, address: &'a RunnerAddress) -> BoxFuture<'a, Probe> {
+        let mut state = lock(&self.network.state);
+        let count = state.probes.entry(address.clone()).or_default();
+        *count = count.saturating_add(1);
+        let probe = if state.refusing.contains(address) {
+            Probe::Refused
+        } else if state.handlers.contains_key(address) {
+            Probe::Listening
+        } else {
+            Probe::Unknown
+        };
+        Box::pin(std::future::ready(probe))
+    }
 }

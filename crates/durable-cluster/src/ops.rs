@@ -225,6 +225,7 @@ async fn ready(check: Arc<ReadinessCheck>) -> impl IntoResponse {
         "lock_storage_healthy": readiness.lock_storage_healthy,
         "assigned_shards": readiness.assigned,
         "not_acquired_shards": readiness.not_acquired,
+        "unserved_shards": readiness.unserved,
     });
     (status, [("content-type", "application/json")], format!("{body}\n"))
 }

@@ -68,6 +68,9 @@ fn defaults_are_the_reference_defaults() {
     assert_eq!(config.runner_join_debounce, Duration::ZERO);
     assert_eq!(config.runner_health_check_interval, secs(60));
     assert_eq!(config.runner_health_check, RunnerHealthCheck::PingKnown);
+    assert_eq!(config.runner_probe_interval, secs(1));
+    assert_eq!(config.storage_read_timeout, secs(10));
+    assert_eq!(config.storage_write_timeout, secs(10));
     assert!(config.simulate_remote_serialization);
     assert_eq!(config.validate(), Ok(()));
 }
@@ -131,6 +134,9 @@ const ENV_CASES: &[EnvCase] = &[
         c.runner_health_check_interval = secs(120);
     }),
     ("RUNNER_HEALTH_CHECK", "heartbeat", |c| c.runner_health_check = RunnerHealthCheck::Heartbeat),
+    ("RUNNER_PROBE_INTERVAL", "250 millis", |c| c.runner_probe_interval = millis(250)),
+    ("STORAGE_READ_TIMEOUT", "3 seconds", |c| c.storage_read_timeout = secs(3)),
+    ("STORAGE_WRITE_TIMEOUT", "4 seconds", |c| c.storage_write_timeout = secs(4)),
     ("SIMULATE_REMOTE_SERIALIZATION", "off", |c| c.simulate_remote_serialization = false),
     ("MESSAGE_RETENTION", "7 days", |c| c.message_retention = Some(secs(7 * 24 * 3600))),
     ("WORKFLOW_RETENTION", "30 days", |c| c.workflow_retention = Some(secs(30 * 24 * 3600))),
@@ -374,6 +380,9 @@ fn bad_values_name_the_variable_and_the_value() {
         ("SEND_RETRY_INTERVAL", "0 seconds"),
         ("REFRESH_ASSIGNMENTS_INTERVAL", "0 seconds"),
         ("RUNNER_HEALTH_CHECK_INTERVAL", "0 seconds"),
+        ("RUNNER_PROBE_INTERVAL", "0 seconds"),
+        ("STORAGE_READ_TIMEOUT", "0 seconds"),
+        ("STORAGE_WRITE_TIMEOUT", "2 hours"),
         ("RUNNER_JOIN_DEBOUNCE", "-5 seconds"),
         ("RUNNER_JOIN_DEBOUNCE", "2 hours"),
         ("ENTITY_MAX_IDLE_TIME", "400 days"),
@@ -428,7 +437,7 @@ fn cross_field_errors_name_the_variable_at_fault() {
 #[test]
 fn programmatic_errors_name_the_field() {
     type Case = (&'static str, fn(&mut ShardingConfig));
-    let cases: [Case; 24] = [
+    let cases: [Case; 27] = [
         ("shards_per_group", |c| c.shards_per_group = 0),
         ("shards_per_group", |c| c.shards_per_group = 1_000_000),
         ("available_shard_groups", |c| c.available_shard_groups = Vec::new()),
@@ -456,6 +465,9 @@ fn programmatic_errors_name_the_field() {
         ("send_retry_interval", |c| c.send_retry_interval = Duration::ZERO),
         ("refresh_assignments_interval", |c| c.refresh_assignments_interval = Duration::ZERO),
         ("runner_health_check_interval", |c| c.runner_health_check_interval = Duration::ZERO),
+        ("runner_probe_interval", |c| c.runner_probe_interval = Duration::ZERO),
+        ("storage_read_timeout", |c| c.storage_read_timeout = Duration::ZERO),
+        ("storage_write_timeout", |c| c.storage_write_timeout = Duration::from_secs(7200)),
         ("entity_max_idle_time", |c| c.entity_max_idle_time = Some(Duration::MAX)),
         ("max_resident_entities", |c| c.max_resident_entities = capacity(u32::MAX)),
         ("unprocessed_message_batch_size", |c| {

@@ -4,7 +4,7 @@ use std::time::Duration;
 
 use cluster_core::error::ClusterError;
 use cluster_core::ids::RunnerAddress;
-use cluster_core::transport::Transport;
+use cluster_core::transport::{Probe, Transport};
 use cluster_rpc::{RpcConfig, RpcServer, TcpTransport};
 use tokio::io::AsyncWriteExt;
 use tokio::net::TcpStream;
@@ -14,7 +14,7 @@ use crate::support::{
     DEADLINE, FakeHandler, closed_by_server, config, raw_client, request, runner_address, serve,
     within,
 };
-use cluster_testkit::wait::eventually_within;
+use cluster_testkit::wait::{eventually_async, eventually_within};
 
 #[tokio::test]
 async fn a_server_that_is_not_listening_is_unavailable_quickly() {
@@ -31,6 +31,36 @@ async fn a_server_that_is_not_listening_is_unavailable_quickly() {
     );
     assert!(within(runners.ping(&address)).await.is_err());
     assert!(started.elapsed() < Duration::from_secs(1), "took {:?}", started.elapsed());
+}
+
+#[tokio::test]
+async fn a_probe_tells_a_gone_runner_from_a_listening_one() {
+    let handler = FakeHandler::new();
+    let server = serve(config(), handler.clone()).await;
+    let address = runner_address(&server);
+    let runners = TcpTransport::new(config()).expect("config");
+    // No connection open yet: the probe connects and closes, and the server serves on.
+    assert_eq!(within(runners.probe(&address)).await, Probe::Listening);
+    within(runners.ping(&address)).await.expect("ping after a probe");
+    // A connection is open: it answers for the peer.
+    assert_eq!(within(runners.probe(&address)).await, Probe::Listening);
+    eventually_within("server.connection_count() == 1", DEADLINE, || {
+        server.connection_count() == 1
+    })
+    .await;
+
+    // The process is gone: its connection closes and its port refuses.
+    within(server.shutdown()).await;
+    eventually_async("the probe says refused", || {
+        let runners = std::sync::Arc::clone(&runners);
+        let address = address.clone();
+        async move { runners.probe(&address).await == Probe::Refused }
+    })
+    .await;
+
+    // A probe that cannot tell (here, a name that never resolves) is not "gone".
+    let nowhere = RunnerAddress::new("runner.invalid", 9);
+    assert_eq!(within(runners.probe(&nowhere)).await, Probe::Unknown);
 }
 
 #[tokio::test]

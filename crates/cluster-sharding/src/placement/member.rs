@@ -51,6 +51,8 @@
 //! Given a check of the application's ([`RunnerHealth`], with or without a transport), the
 //! singleton asks it instead and pings nobody.
 
+mod probe;
+
 use std::collections::{BTreeMap, BTreeSet};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
@@ -167,6 +169,8 @@ pub(crate) struct Member {
     /// Held while registering, and while unregistering at shutdown.
     /// So a registration in flight cannot advertise a runner that is going away.
     registration: tokio::sync::Mutex<()>,
+    /// Wakes the registry sync loop before its interval: a peer was found gone.
+    resync: Notify,
 }
 
 /// What [`Sharding::readiness`](crate::Sharding::readiness) reports: whether this process
@@ -185,6 +189,10 @@ pub struct Readiness {
     /// Of those, the shards whose lock this runner does not hold yet.
     /// A previous owner may still be handing them over.
     pub not_acquired: usize,
+    /// The shards no runner serves, as this runner sees them: those the assignment gives a peer
+    /// that this runner found gone (its address refuses connections), and `not_acquired`.
+    /// It does not make the runner unready.
+    pub unserved: usize,
 }
 
 /// Fencing's lock confirmations (see [`Member::confirm_lock`]).
@@ -215,6 +223,9 @@ struct State {
     /// a refresh, or a fencing confirmation.
     /// A shard's messages are read only within the lease that follows.
     confirmed: BTreeMap<ShardId, Instant>,
+    /// The peers this runner found gone and marked unhealthy, while the assignment still gives
+    /// them shards (see `probe`).
+    gone: BTreeSet<RunnerAddress>,
 }
 
 impl State {
@@ -287,7 +298,9 @@ impl Member {
                 release_tasks: BTreeSet::new(),
                 confirmed: BTreeMap::new(),
                 unreadable: BTreeSet::new(),
+                gone: BTreeSet::new(),
             }),
+            resync: Notify::new(),
             acquisition: Notify::new(),
             lock_events: watch::Sender::new(0),
             confirmations: Mutex::new(Confirmations::default()),
@@ -309,6 +322,9 @@ impl Member {
         if self.runner.is_some() {
             host.spawn_owned(Arc::clone(self).acquisition_loop(host.clone()));
             host.spawn_owned(Arc::clone(self).refresh_loop(host.clone()));
+        }
+        if self.probes_peers() {
+            host.spawn_owned(Arc::clone(self).probe_loop());
         }
     }
 
@@ -345,12 +361,14 @@ impl Member {
             self.address().map(|address| state.assignment.shards_of(address)).unwrap_or_default();
         let not_acquired =
             assigned.iter().filter(|shard| !state.ownership.is_acquired(shard)).count();
+        let unserved = probe::shards_of_gone(&state.assignment, &state.gone) + not_acquired;
         Readiness {
             runner: self.runner.is_some(),
             registered,
             lock_storage_healthy: state.ownership.locks_healthy(),
             assigned: assigned.len(),
             not_acquired,
+            unserved,
         }
     }
 
@@ -441,6 +459,7 @@ impl Member {
             };
             tokio::select! {
                 () = tokio::time::sleep(pause) => {}
+                () = self.resync.notified() => {}
                 () = self.stopped.cancelled() => return,
             }
         }

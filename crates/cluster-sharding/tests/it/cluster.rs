@@ -388,8 +388,15 @@ macro_rules! on_every_backend {
     };
 }
 
+mod deadlines;
 mod health;
+mod probe;
 mod pushed;
+
+use probe::{
+    a_killed_runner_loses_its_shards_in_seconds_through_the_probe,
+    an_unreachable_runner_is_not_taken_for_gone_by_the_probe,
+};
 
 on_every_backend!(
     runners_split_the_shards_and_answer_every_persisted_request_once,
@@ -421,6 +428,8 @@ on_every_backend!(
     the_heartbeat_check_marks_a_runner_with_a_live_heartbeat_healthy_again,
     a_read_under_way_holds_back_the_release_of_its_shards,
     a_fenced_request_runs_again_without_waiting_for_a_poll,
+    a_killed_runner_loses_its_shards_in_seconds_through_the_probe,
+    an_unreachable_runner_is_not_taken_for_gone_by_the_probe,
 );
 
 mod transaction_begin {

@@ -368,4 +368,15 @@ impl RunnerStorage for PgRunnerStorage {
     ) -> BoxFuture<'a, Result<(), StorageError>> {
         Box::pin(self.locks.release_all(address).instrument(span("release_all")))
     }
+
+    /// Lease rows only: advisory locks ended with the gone runner's session.
+    fn release_gone<'a>(
+        &'a self,
+        address: &'a RunnerAddress,
+    ) -> BoxFuture<'a, Result<(), StorageError>> {
+        if self.locks.mode() == LockMode::Advisory {
+            return Box::pin(std::future::ready(Ok(())));
+        }
+        self.release_all(address)
+    }
 }

@@ -287,4 +287,12 @@ impl RunnerStorage for SqliteRunnerStorage {
             self.lock("release_all", address, &[], LockKind::ReleaseAll).await.map(drop)
         })
     }
+
+    /// Lease rows are the only locks here: deleted, as `release_all` deletes them.
+    fn release_gone<'a>(
+        &'a self,
+        address: &'a RunnerAddress,
+    ) -> BoxFuture<'a, Result<(), StorageError>> {
+        self.release_all(address)
+    }
 }

@@ -203,6 +203,14 @@ impl StorageFixture for MySqlFixture {
         })
     }
 
+    fn kill_runner_storage(&self, storage: Arc<dyn RunnerStorage>) -> BoxFuture<'_, ()> {
+        let mut kept = self.runner_storages.lock().expect("not poisoned");
+        kept.retain(|kept| !std::ptr::addr_eq(Arc::as_ptr(kept), Arc::as_ptr(&storage)));
+        drop(kept);
+        drop(storage);
+        Box::pin(std::future::ready(()))
+    }
+
     /// The default `value_bytes_max`, capped by the `TEXT` columns: 65,535 bytes.
     fn value_bytes_max(&self) -> usize {
         self.storage.value_bytes_max().get()

@@ -2047,6 +2047,41 @@ pub async fn release_all_drops_every_lock(fixture: &dyn StorageFixture) {
     assert_eq!(sorted(first.acquire(&a.address, &shards(&[1, 2])).await.unwrap()), shards(&[1, 2]));
 }
 
+/// `release_gone` frees the locks of a runner whose process is gone, at once, and leaves the
+/// caller's own locks alone (advisory locks live in the caller's session).
+pub async fn release_gone_frees_a_gone_runners_locks(fixture: &dyn StorageFixture) {
+    let gone = fixture.runner_storage(LONG_EXPIRATION).await;
+    let prober = fixture.runner_storage(LONG_EXPIRATION).await;
+    let (a, b) = (runner("a"), runner("b"));
+    gone.register(&a, true).await.unwrap();
+    prober.register(&b, true).await.unwrap();
+    assert_eq!(sorted(gone.acquire(&a.address, &shards(&[1, 2])).await.unwrap()), shards(&[1, 2]));
+    assert_eq!(prober.acquire(&b.address, &shards(&[3])).await.unwrap(), shards(&[3]));
+    // The process dies: its database sessions go with it.
+    fixture.kill_runner_storage(gone).await;
+    prober.release_gone(&a.address).await.unwrap();
+    // Idempotent.
+    prober.release_gone(&a.address).await.unwrap();
+    eventually(fixture, "b takes a's shards", || async {
+        sorted(prober.acquire(&b.address, &shards(&[1, 2])).await.unwrap()) == shards(&[1, 2])
+    })
+    .await;
+    assert_eq!(
+        prober.refresh(&b.address, &shards(&[1, 2, 3])).await.unwrap().len(),
+        3,
+        "{}: release_gone let go of the caller's own locks",
+        fixture.name()
+    );
+    let third = fixture.runner_storage(LONG_EXPIRATION).await;
+    let c = runner("c");
+    third.register(&c, true).await.unwrap();
+    assert!(
+        third.acquire(&c.address, &shards(&[1, 2, 3])).await.unwrap().is_empty(),
+        "{}: a third runner took b's shards",
+        fixture.name()
+    );
+}
+
 /// Waits until `condition` holds, polling every 100 ms, for at most [`EVENTUAL`].
 async fn eventually<F, Fut>(fixture: &dyn StorageFixture, what: &str, mut condition: F)
 where
