@@ -155,17 +155,17 @@ fn ci() -> Result<()> {
     }
     // The README's first command, in a debug build: it asserts its own outcome.
     step("quickstart", &["run", "--example", "quickstart"], &[])?;
+    // The other examples, binaries and processes run from one build with every feature, the
+    // test build's: a `cargo run` per package would build the workspace again for each
+    // package's own set of features.
+    build_binaries()?;
     // A runner killed part-way and started again: every request answered exactly once.
-    step("crash_restart", &["run", "--example", "crash_restart"], &[])?;
+    run_built("crash_restart", "examples/crash_restart", &[], &[])?;
     // The workflow issue's example: it asserts the compensations ran in reverse order, once.
-    step(
-        "saga",
-        &["run", "-p", "durable-cluster", "--features", "workflow", "--example", "saga"],
-        &[],
-    )?;
+    run_built("saga", "examples/saga", &[], &[])?;
     // The streaming and cron examples check their own outcome too.
-    step("streaming", &["run", "-p", "durable-cluster", "--example", "streaming"], &[])?;
-    step("cron", &["run", "-p", "durable-cluster", "--example", "cron_singleton"], &[])?;
+    run_built("streaming", "examples/streaming", &[], &[])?;
+    run_built("cron", "examples/cron_singleton", &[], &[])?;
     gateway_schemathesis()?;
     bench_smoke(&service_env)?;
     sim(&["--seeds".to_owned(), "200".to_owned()])?;
@@ -215,10 +215,16 @@ fn sim(args: &[String]) -> Result<()> {
         "--",
     ];
     cargo_args.extend(args.iter().map(String::as_str));
+    // Optimized a little (`opt-level = 1`): the seeds run several times faster than in a
+    // plain debug build, and the build of its own directory costs little more.
     step(
         "sim",
         &cargo_args,
-        &[("RUSTFLAGS", "--cfg tokio_unstable"), ("CARGO_TARGET_DIR", target.as_str())],
+        &[
+            ("RUSTFLAGS", "--cfg tokio_unstable"),
+            ("CARGO_TARGET_DIR", target.as_str()),
+            ("CARGO_PROFILE_DEV_OPT_LEVEL", "1"),
+        ],
     )
 }
 
@@ -234,9 +240,10 @@ fn bench_smoke(service_env: &[(&str, &str)]) -> Result<()> {
             report(&format!("==> bench {workload} (smoke): skipped, PostgreSQL is not reachable"));
             continue;
         }
-        step(
+        run_built(
             &format!("bench {workload} (smoke)"),
-            &["run", "--quiet", "--package", "cluster-bench", "--", workload, "--ops", "200"],
+            "cluster-bench",
+            &[workload, "--ops", "200"],
             service_env,
         )?;
     }
@@ -251,9 +258,10 @@ fn three_runners(service_env: &[(&str, &str)]) -> Result<()> {
         report("==> three runners: skipped, PostgreSQL is not reachable");
         return Ok(());
     };
-    step(
+    run_built(
         "three runners",
-        &["run", "-p", "cluster-chaos", "--example", "three_runners"],
+        "examples/three_runners",
+        &[],
         &[("CLUSTER_EXAMPLE_POSTGRES_URL", url)],
     )
 }
@@ -296,9 +304,11 @@ fn failover_with(service_env: &[(&str, &str)], kills: Option<usize>) -> Result<(
         return Ok(());
     };
     let kills = kills.unwrap_or(3).to_string();
-    step(
+    build_binaries()?;
+    run_built(
         "chaos failover",
-        &["run", "--package", "cluster-chaos", "--bin", "chaos", "--", "failover"],
+        "chaos",
+        &["failover"],
         &[("CLUSTER_CHAOS_POSTGRES_URL", url), ("CHAOS_FAILOVER_KILLS", kills.as_str())],
     )
 }
@@ -311,11 +321,8 @@ fn chaos_with(service_env: &[(&str, &str)]) -> Result<()> {
         report("==> chaos: skipped, PostgreSQL is not reachable");
         return Ok(());
     };
-    step(
-        "chaos",
-        &["run", "--package", "cluster-chaos", "--bin", "chaos", "--", "run"],
-        &[("CLUSTER_CHAOS_POSTGRES_URL", url)],
-    )?;
+    build_binaries()?;
+    run_built("chaos", "chaos", &["run"], &[("CLUSTER_CHAOS_POSTGRES_URL", url)])?;
     failover_with(service_env, None)
 }
 
@@ -323,6 +330,7 @@ fn chaos_with(service_env: &[(&str, &str)]) -> Result<()> {
 pub(crate) fn step(name: &str, args: &[&str], envs: &[(&str, &str)]) -> Result<()> {
     report(&format!("==> {name}: cargo {}", args.join(" ")));
     let cargo = env::var("CARGO").unwrap_or_else(|_| "cargo".to_owned());
+    let began = started();
     let status = Command::new(cargo)
         .args(args)
         .envs(envs.iter().copied())
@@ -331,6 +339,47 @@ pub(crate) fn step(name: &str, args: &[&str], envs: &[(&str, &str)]) -> Result<(
     if !status.success() {
         bail!("step `{name}` failed ({status})");
     }
+    report(&format!("<== {name}: {:.0} s", began.elapsed().as_secs_f64()));
+    Ok(())
+}
+
+/// Now, for a step's duration (the workspace's clock rule is for the runtime's determinism;
+/// automation times its own steps).
+#[expect(clippy::disallowed_methods, reason = "a step's wall-clock duration, for its report")]
+fn started() -> std::time::Instant {
+    std::time::Instant::now()
+}
+
+/// The target directory cargo builds into (`CARGO_TARGET_DIR`, or `target` at the root).
+fn target_dir() -> PathBuf {
+    env::var_os("CARGO_TARGET_DIR").map_or_else(|| workspace_root().join("target"), PathBuf::from)
+}
+
+/// Builds every binary and example of the workspace with every feature, in the debug build
+/// the tests use: the same features as the test build, so nothing is compiled twice.
+fn build_binaries() -> Result<()> {
+    step(
+        "binaries and examples",
+        &["build", "--quiet", "--workspace", "--all-features", "--bins", "--examples"],
+        &[],
+    )
+}
+
+/// Runs `target/debug/<path>` (built by [`build_binaries`]) with `args` and extra environment
+/// variables; a non-zero exit fails the step.
+fn run_built(name: &str, path: &str, args: &[&str], envs: &[(&str, &str)]) -> Result<()> {
+    let binary = target_dir().join("debug").join(path);
+    report(&format!("==> {name}: {} {}", binary.display(), args.join(" ")));
+    let began = started();
+    let status = Command::new(&binary)
+        .args(args)
+        .envs(envs.iter().copied())
+        .status()
+        .with_context(|| format!("cannot run {} for step `{name}`", binary.display()))?;
+    if !status.success() {
+        bail!("step `{name}` failed ({status})");
+    }
+    report(&format!("<== {name}: {:.0} s", began.elapsed().as_secs_f64()));
     Ok(())
 }
 
@@ -342,10 +391,7 @@ const SCHEMATHESIS: &str = "4.32.5";
 /// example: none may answer a 5xx. Without Python or PyPI the step is reported and skipped,
 /// except under `CI=true`, where it fails.
 fn gateway_schemathesis() -> Result<()> {
-    let features = ["--features", "http,schemars,sqlite", "--example", "http_gateway"];
-    let mut build = vec!["build", "--quiet", "-p", "durable-cluster"];
-    build.extend(features);
-    step("http_gateway example", &build, &[])?;
+    build_binaries()?;
     let schemathesis = match schemathesis_venv() {
         Ok(schemathesis) => schemathesis,
         Err(error) if env::var("CI").as_deref() != Ok("true") => {
@@ -354,9 +400,7 @@ fn gateway_schemathesis() -> Result<()> {
         }
         Err(error) => bail!("CI=true and schemathesis cannot be installed: {error:#}"),
     };
-    let target = env::var_os("CARGO_TARGET_DIR")
-        .map_or_else(|| workspace_root().join("target"), PathBuf::from);
-    let binary = target.join("debug/examples/http_gateway");
+    let binary = target_dir().join("debug/examples/http_gateway");
     let mut gateway = Command::new(&binary)
         .envs([
             ("CLUSTER_HTTP_BEARER_TOKEN", SCHEMATHESIS_TOKEN),
