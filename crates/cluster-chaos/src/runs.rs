@@ -303,6 +303,31 @@ impl Fault {
     }
 }
 
+impl Fault {
+    /// Whether this freeze explains that `rerun`, in another process, was not committed: the
+    /// committed run `committed` started in the frozen process before the freeze began, and
+    /// `rerun` started after it began.
+    ///
+    /// Fencing confirms a shard's lock before a final reply is written, and nothing checks it
+    /// again in the write: a freeze between the two lets the resumed runner store its reply
+    /// after the new owner took the shard and ran the request again. The database keeps one
+    /// reply (the new owner's run waits for the frozen transaction and is rolled back, or its
+    /// reply conflicts), so the deposit is answered once, but its handler ran twice without a
+    /// crash of the second runner. The summary counts these apart ("late commit after ...");
+    /// fencing at write time, checked by the database in the write, will remove them.
+    pub fn commits_late(&self, committed: &Run, rerun: &Run) -> bool {
+        match self.kind {
+            FaultKind::Freeze { .. } => {
+                committed.ran_in(&self.process)
+                    && committed.seq < self.began
+                    && rerun.seq > self.began
+                    && !rerun.ran_in(&self.process)
+            }
+            FaultKind::Kill | FaultKind::Terminate | FaultKind::Join => false,
+        }
+    }
+}
+
 /// What [`check_reruns`] found.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct Reruns {
@@ -360,6 +385,16 @@ pub fn check_reruns(
             };
             if let Some(fault) = faults.iter().find(|fault| fault.excuses(run, answer)) {
                 *found.excused.entry(fault.label()).or_default() += 1;
+                continue;
+            }
+            let committed_run = key_runs.iter().find(|other| other.seq == answer);
+            if let Some(fault) = committed_run.and_then(|committed| {
+                faults.iter().find(|fault| fault.commits_late(committed, run))
+            }) {
+                *found
+                    .excused
+                    .entry(format!("late commit after {}", fault.label()))
+                    .or_default() += 1;
                 continue;
             }
             let of_process: Vec<String> = faults

@@ -58,6 +58,29 @@ fn a_run_cut_off_by_a_kill_or_a_freeze_is_excused() {
 }
 
 #[test]
+fn a_late_commit_of_a_frozen_runner_is_counted_apart_and_nothing_else_is() {
+    let (two, three) = (process("runner-2", 1, 12), process("runner-3", 1, 13));
+    let runs = [
+        // Runner-2 ran "a", froze before its commit, and committed once resumed; runner-3 had
+        // taken the shard and ran "a" again, and its run was rolled back.
+        run(2, "a", 100, &two),
+        run(7, "a", 100, &three),
+        // Runner-3 ran "b" before the freeze began: no freeze of runner-2 explains its rerun.
+        run(3, "b", 101, &two),
+        run(5, "b", 101, &three),
+        // Runner-2's committed run of "c" started during the freeze's aftermath, not before.
+        run(11, "c", 102, &two),
+        run(12, "c", 102, &three),
+    ];
+    let faults = [fault(FaultKind::Freeze { runs_until: 20 }, &two, 6, 10)];
+    let found = check_reruns(&runs, &committed(&[("a", 2), ("b", 3), ("c", 11)]), &faults);
+    assert_eq!(found.unexcused, 2, "{:?}", found.violations);
+    assert!(found.violations[0].starts_with("b:"), "{:?}", found.violations);
+    assert!(found.violations[1].starts_with("c:"), "{:?}", found.violations);
+    assert_eq!(found.excused.get("late commit after SIGSTOP runner-2 (process 1)"), Some(&1));
+}
+
+#[test]
 fn a_rerun_after_a_graceful_stop_or_a_join_is_a_violation() {
     let (three, four) = (process("runner-3", 1, 13), process("runner-4", 1, 14));
     let runs = [run(1, "a", 100, &three), run(3, "a", 100, &four)];
