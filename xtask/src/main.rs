@@ -16,6 +16,8 @@
 //!   trace (`--seed S`); each seed runs twice and must give the same history (also run by
 //!   `ci`, 200 seeds).
 //!
+//! - `fuzz [--seconds N] [TARGET...]`: the coverage-guided fuzz targets of `fuzz/` (libFuzzer),
+//!   each for `N` seconds (60 unless given); `ci` runs each for 5 s (see the `fuzz` module).
 //! - `config-doc`: writes `docs/configuration.md`, the configuration reference, from the
 //!   documentation of `ShardingConfig` (a test fails when it is stale).
 //! - `bench [W0|…|W9|W2S|W3S|W3C|W6S|all|scaling|plot|soak|plot-soak]`: the benchmark workloads
@@ -27,6 +29,7 @@
 
 mod bench;
 mod config_doc;
+mod fuzz;
 mod tidy;
 
 use std::env;
@@ -79,6 +82,7 @@ fn main() -> ExitCode {
         Some("sim") => sim(&args[1..]),
         Some("bench") => bench(&args[1..]),
         Some("config-doc") => config_doc::run(&workspace_root()),
+        Some("fuzz") => fuzz::run(&workspace_root(), &args[1..]),
         _ => {
             usage();
             return ExitCode::from(2);
@@ -95,7 +99,7 @@ fn main() -> ExitCode {
 
 fn usage() {
     report(
-        "usage: cargo xtask <ci | tidy | chaos [--failover [--kills N]] | schemathesis | sim [--seeds N] [--from S] [--classic|--extended|--graceful] | sim --seed S [--trace] [--classic|--extended|--graceful] | bench [W0|W1|W2|W3|W4|W5|W6|W7|W8|W9|W2S|W3S|W3C|W6S|all|scaling|plot|soak [--seconds N] [--retention-seconds R] [--sample-seconds S] [--in-flight N] [--entities N] [--no-vacuum]|plot-soak] | config-doc>",
+        "usage: cargo xtask <ci | tidy | chaos [--failover [--kills N]] | schemathesis | sim [--seeds N] [--from S] [--classic|--extended|--graceful] | sim --seed S [--trace] [--classic|--extended|--graceful] | bench [W0|W1|W2|W3|W4|W5|W6|W7|W8|W9|W2S|W3S|W3C|W6S|all|scaling|plot|soak [--seconds N] [--retention-seconds R] [--sample-seconds S] [--in-flight N] [--entities N] [--no-vacuum]|plot-soak] | fuzz [--seconds N] [TARGET...] | config-doc>",
     );
 }
 
@@ -173,6 +177,9 @@ fn ci() -> Result<()> {
     sim(&["--seeds".to_owned(), "100".to_owned(), "--graceful".to_owned()])?;
     chaos_with(&service_env)?;
     three_runners(&service_env)?;
+    // A short pass of every fuzz target; `cargo xtask fuzz` runs them longer.
+    fuzz::run(&root, &["--seconds".to_owned(), "5".to_owned()])?;
+    env::set_current_dir(&root).with_context(|| format!("cannot enter {}", root.display()))?;
     step(
         "docs",
         &["doc", "--workspace", "--all-features", "--no-deps"],

@@ -90,6 +90,9 @@ mod config;
 mod conn;
 mod error;
 mod frame;
+#[cfg(feature = "fuzzing")]
+#[doc(hidden)]
+pub mod fuzzing;
 mod handshake;
 mod server;
 mod tls;

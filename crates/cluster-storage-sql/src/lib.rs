@@ -36,6 +36,9 @@ pub mod options;
 
 #[cfg(any(feature = "postgres", feature = "mysql"))]
 pub(crate) mod batch;
+#[cfg(feature = "fuzzing")]
+#[doc(hidden)]
+pub mod fuzzing;
 pub(crate) mod lock;
 pub mod queue;
 pub(crate) mod row;
