@@ -13,12 +13,12 @@
 //!   it again. Every crash found becomes a regression test in the crate at fault.
 
 use std::env;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::process::Command;
 
 use anyhow::{Context, Result, bail};
 
-use crate::{report, step};
+use crate::{report, sibling_target_dir, step};
 
 /// The fuzz targets (`fuzz/fuzz_targets/<name>.rs`).
 pub(crate) const TARGETS: [&str; 8] = [
@@ -58,10 +58,7 @@ pub(crate) fn run(root: &Path, args: &[String]) -> Result<()> {
         targets.extend(TARGETS);
     }
     env::set_current_dir(root).with_context(|| format!("cannot enter {}", root.display()))?;
-    let target_dir = match env::var_os("CARGO_TARGET_DIR") {
-        Some(dir) => PathBuf::from(format!("{}-fuzz", PathBuf::from(dir).display())),
-        None => root.join("target").join("fuzz"),
-    };
+    let target_dir = sibling_target_dir("fuzz");
     let target_text = target_dir.display().to_string();
     // With the host's triple named, RUSTFLAGS instrument the targets only, not the build
     // scripts and procedural macros (which would not link without libFuzzer).

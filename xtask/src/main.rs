@@ -78,6 +78,7 @@ fn main() -> ExitCode {
         Some("chaos") => chaos(&args[1..]),
         Some("schemathesis") => env::set_current_dir(workspace_root())
             .context("cannot enter the workspace")
+            .and_then(|()| build_binaries())
             .and_then(|()| gateway_schemathesis()),
         Some("sim") => sim(&args[1..]),
         Some("bench") => bench(&args[1..]),
@@ -206,11 +207,7 @@ fn ci() -> Result<()> {
 fn sim(args: &[String]) -> Result<()> {
     let root = workspace_root();
     env::set_current_dir(&root).with_context(|| format!("cannot enter {}", root.display()))?;
-    let target = match env::var_os("CARGO_TARGET_DIR") {
-        Some(dir) => PathBuf::from(format!("{}-sim", PathBuf::from(dir).display())),
-        None => root.join("target").join("sim"),
-    };
-    let target = target.display().to_string();
+    let target = sibling_target_dir("sim").display().to_string();
     let mut cargo_args = vec![
         "run",
         "--package",
@@ -287,6 +284,7 @@ fn chaos(args: &[String]) -> Result<()> {
     let service_env = services()?;
     let service_env: Vec<(&str, &str)> =
         service_env.iter().map(|(name, value)| (*name, value.as_str())).collect();
+    build_binaries()?;
     match args {
         [] => chaos_with(&service_env),
         [flag] if flag == "--failover" => failover_with(&service_env, None),
@@ -303,7 +301,8 @@ fn chaos(args: &[String]) -> Result<()> {
 }
 
 /// The failovers after SIGKILL with the default settings (`chaos failover`), on the PostgreSQL
-/// of `service_env`; `kills` per lock mode (3 unless given).
+/// of `service_env`; `kills` per lock mode (3 unless given). The chaos binary comes from
+/// [`build_binaries`].
 fn failover_with(service_env: &[(&str, &str)], kills: Option<usize>) -> Result<()> {
     let Some((_, url)) = service_env.iter().find(|(name, _)| *name == "CLUSTER_TEST_POSTGRES_URL")
     else {
@@ -311,7 +310,6 @@ fn failover_with(service_env: &[(&str, &str)], kills: Option<usize>) -> Result<(
         return Ok(());
     };
     let kills = kills.unwrap_or(3).to_string();
-    build_binaries()?;
     run_built(
         "chaos failover",
         "chaos",
@@ -321,28 +319,34 @@ fn failover_with(service_env: &[(&str, &str)], kills: Option<usize>) -> Result<(
 }
 
 /// Runs the fault test on the PostgreSQL of `service_env`; skipped (with a message) when
-/// PostgreSQL is not reachable outside CI (`services` already failed the run under CI).
+/// PostgreSQL is not reachable outside CI (`services` already failed the run under CI). The
+/// chaos binary comes from [`build_binaries`].
 fn chaos_with(service_env: &[(&str, &str)]) -> Result<()> {
     let Some((_, url)) = service_env.iter().find(|(name, _)| *name == "CLUSTER_TEST_POSTGRES_URL")
     else {
         report("==> chaos: skipped, PostgreSQL is not reachable");
         return Ok(());
     };
-    build_binaries()?;
     run_built("chaos", "chaos", &["run"], &[("CLUSTER_CHAOS_POSTGRES_URL", url)])?;
     failover_with(service_env, None)
 }
 
 /// Runs `cargo <args>` with extra environment variables; a non-zero exit fails the step.
 pub(crate) fn step(name: &str, args: &[&str], envs: &[(&str, &str)]) -> Result<()> {
-    report(&format!("==> {name}: cargo {}", args.join(" ")));
     let cargo = env::var("CARGO").unwrap_or_else(|_| "cargo".to_owned());
+    run_step(name, Path::new(&cargo), args, envs)
+}
+
+/// Runs `program` with `args` and extra environment variables as the step `name`, reporting
+/// the command and its time; a non-zero exit fails the step.
+fn run_step(name: &str, program: &Path, args: &[&str], envs: &[(&str, &str)]) -> Result<()> {
+    report(&format!("==> {name}: {} {}", program.display(), args.join(" ")));
     let began = started();
-    let status = Command::new(cargo)
+    let status = Command::new(program)
         .args(args)
         .envs(envs.iter().copied())
         .status()
-        .with_context(|| format!("cannot run cargo for step `{name}`"))?;
+        .with_context(|| format!("cannot run {} for step `{name}`", program.display()))?;
     if !status.success() {
         bail!("step `{name}` failed ({status})");
     }
@@ -362,6 +366,15 @@ fn target_dir() -> PathBuf {
     env::var_os("CARGO_TARGET_DIR").map_or_else(|| workspace_root().join("target"), PathBuf::from)
 }
 
+/// A target directory of its own for builds with other flags, beside the usual one:
+/// `<CARGO_TARGET_DIR>-<name>`, or `target/<name>` at the root.
+pub(crate) fn sibling_target_dir(name: &str) -> PathBuf {
+    match env::var_os("CARGO_TARGET_DIR") {
+        Some(dir) => PathBuf::from(format!("{}-{name}", PathBuf::from(dir).display())),
+        None => workspace_root().join("target").join(name),
+    }
+}
+
 /// Builds every binary and example of the workspace with every feature, in the debug build
 /// the tests use: the same features as the test build, so nothing is compiled twice.
 fn build_binaries() -> Result<()> {
@@ -375,30 +388,17 @@ fn build_binaries() -> Result<()> {
 /// Runs `target/debug/<path>` (built by [`build_binaries`]) with `args` and extra environment
 /// variables; a non-zero exit fails the step.
 fn run_built(name: &str, path: &str, args: &[&str], envs: &[(&str, &str)]) -> Result<()> {
-    let binary = target_dir().join("debug").join(path);
-    report(&format!("==> {name}: {} {}", binary.display(), args.join(" ")));
-    let began = started();
-    let status = Command::new(&binary)
-        .args(args)
-        .envs(envs.iter().copied())
-        .status()
-        .with_context(|| format!("cannot run {} for step `{name}`", binary.display()))?;
-    if !status.success() {
-        bail!("step `{name}` failed ({status})");
-    }
-    report(&format!("<== {name}: {:.0} s", began.elapsed().as_secs_f64()));
-    Ok(())
+    run_step(name, &target_dir().join("debug").join(path), args, envs)
 }
 
 /// The version of schemathesis that `gateway_schemathesis` installs.
 const SCHEMATHESIS: &str = "4.32.5";
 
-/// Requests generated from the OpenAPI document of the `http_gateway` example by schemathesis
-/// (from PyPI, installed in a virtual environment under the cache folder) against the running
-/// example: none may answer a 5xx. Without Python or PyPI the step is reported and skipped,
+/// Requests generated from the OpenAPI document of the `http_gateway` example (built by
+/// [`build_binaries`]) by schemathesis (from PyPI, installed in a virtual environment under the
+/// cache folder) against the running example: none may answer a 5xx. Without Python or PyPI the step is reported and skipped,
 /// except under `CI=true`, where it fails.
 fn gateway_schemathesis() -> Result<()> {
-    build_binaries()?;
     let schemathesis = match schemathesis_venv() {
         Ok(schemathesis) => schemathesis,
         Err(error) if env::var("CI").as_deref() != Ok("true") => {

@@ -26,7 +26,7 @@ pub fn read_frames(input: &[u8]) {
     let Some((&mode, stream)) = input.split_first() else { return };
     let mac = (mode & 1 == 1).then(|| FrameMac::new(b"a fuzzing key"));
     let step = usize::from(mode >> 1).max(1);
-    let reader = Trickle { bytes: stream, step };
+    let reader = Scripted { script: stream, step };
     block_on(async move {
         let mut frames = FrameReader::new(reader, MAX_FRAME_BYTES, Duration::from_secs(1), mac);
         let mut names = Names::default();
@@ -93,34 +93,17 @@ fn block_on<F: std::future::Future>(future: F) -> F::Output {
     runtime.block_on(future)
 }
 
-/// A reader that hands out `bytes` at most `step` bytes at a time, then end of file.
-struct Trickle<'a> {
-    bytes: &'a [u8],
+/// A peer that sends its script at most `step` bytes a read and then closes, and swallows
+/// what it is sent.
+struct Scripted<'a> {
+    script: &'a [u8],
     step: usize,
 }
 
-impl AsyncRead for Trickle<'_> {
-    fn poll_read(
-        mut self: Pin<&mut Self>,
-        _: &mut Context<'_>,
-        buf: &mut ReadBuf<'_>,
-    ) -> Poll<std::io::Result<()>> {
-        let take = self.step.min(self.bytes.len()).min(buf.remaining());
-        let (now, rest) = self.bytes.split_at(take);
-        buf.put_slice(now);
-        self.bytes = rest;
-        Poll::Ready(Ok(()))
-    }
-}
-
-/// A peer that sends its script and closes, and swallows what it is sent.
-struct Scripted<'a> {
-    script: &'a [u8],
-}
-
 impl<'a> Scripted<'a> {
+    /// A peer that sends its whole script at once.
     fn new(script: &'a [u8]) -> Scripted<'a> {
-        Scripted { script }
+        Scripted { script, step: usize::MAX }
     }
 }
 
@@ -130,7 +113,7 @@ impl AsyncRead for Scripted<'_> {
         _: &mut Context<'_>,
         buf: &mut ReadBuf<'_>,
     ) -> Poll<std::io::Result<()>> {
-        let take = self.script.len().min(buf.remaining());
+        let take = self.step.min(self.script.len()).min(buf.remaining());
         let (now, rest) = self.script.split_at(take);
         buf.put_slice(now);
         self.script = rest;
