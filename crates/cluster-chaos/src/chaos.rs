@@ -203,7 +203,7 @@ impl Process {
 }
 
 /// Starts this program in `mode` (`runner` or `client`) with `env` and `extra`.
-pub(crate) fn spawn(
+fn spawn(
     name: &str,
     mode: &str,
     env: &[(String, String)],
@@ -226,16 +226,27 @@ pub(crate) fn spawn(
 
 /// Starts process `process` (1 for the first) of runner `name` on a free port.
 fn spawn_runner(name: &str, process: u32, env: &[(String, String)]) -> Result<Process, String> {
-    let port = free_port()?;
-    let extra = [
-        ("HOST", "127.0.0.1".to_owned()),
-        ("PORT", port.to_string()),
+    let audit = [
         ("CHAOS_AUDIT", "1".to_owned()),
         ("CHAOS_RUNNER_NAME", name.to_owned()),
         ("CHAOS_RUNNER_PROCESS", process.to_string()),
         ("CHAOS_DEPOSIT_WORK_MS", DEPOSIT_WORK.as_millis().to_string()),
     ];
-    let (child, pid) = spawn(name, "runner", env, &extra, Stdio::null())?;
+    spawn_runner_with(name, process, env, &audit)
+}
+
+/// Starts process `process` of runner `name` on a free port of 127.0.0.1, with `env` and
+/// `extra`.
+pub(crate) fn spawn_runner_with(
+    name: &str,
+    process: u32,
+    env: &[(String, String)],
+    extra: &[(&str, String)],
+) -> Result<Process, String> {
+    let port = free_port()?;
+    let mut all = vec![("HOST", "127.0.0.1".to_owned()), ("PORT", port.to_string())];
+    all.extend(extra.iter().cloned());
+    let (child, pid) = spawn(name, "runner", env, &all, Stdio::null())?;
     Ok(Process {
         id: ProcessId { runner: name.to_owned(), process, pid },
         port,

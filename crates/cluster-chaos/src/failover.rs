@@ -15,7 +15,6 @@
 //! to expire (35 s), and in lease mode for its leases too.
 
 use std::collections::BTreeSet;
-use std::process::Stdio;
 use std::time::Duration;
 
 use cluster_core::inspect::LockHolder;
@@ -25,7 +24,7 @@ use cluster_storage_sql::TablePrefix;
 use cluster_storage_sql::postgres::PgRunnerStorage;
 use tokio::time::Instant;
 
-use crate::chaos::{Process, drop_tables, free_port, random_secret, say, spawn, wait_for_runners};
+use crate::chaos::{Process, drop_tables, random_secret, say, spawn_runner_with, wait_for_runners};
 use durable_cluster::{Role, RunnerEnv};
 
 /// The longest failover the run accepts: the probe finds a killed runner within about
@@ -163,7 +162,7 @@ async fn run_mode(
 
     let mut runners = Vec::new();
     for n in 1..=RUNNERS {
-        runners.push(start(&format!("runner-{n}"), 1, &env)?);
+        runners.push(spawn_runner_with(&format!("runner-{n}"), 1, &env, &[])?);
     }
     wait_for_runners(&registry, RUNNERS).await?;
     let mut report = FailoverReport { mode, samples: Vec::new() };
@@ -180,14 +179,17 @@ async fn run_mode(
         ));
         let killed = Instant::now();
         runners[victim].signal("-KILL").await?;
-        let _ = runners[victim].child.wait().await;
+        tokio::time::timeout(SETTLE_DEADLINE, runners[victim].child.wait())
+            .await
+            .map_err(|_| format!("{} did not die after SIGKILL", runners[victim].id))?
+            .map_err(|error| format!("waiting for {}: {error}", runners[victim].id))?;
         runners[victim].exited = true;
         let took = served_again(&registry, &held, &gone, killed).await?;
         say(&format!("failover ({mode}): served again after {:.2} s", took.as_secs_f64()));
         report.samples.push(took);
         let process = runners[victim].id.process + 1;
         let name = runners[victim].name().to_owned();
-        runners[victim] = start(&name, process, &env)?;
+        runners[victim] = spawn_runner_with(&name, process, &env, &[])?;
     }
     for runner in runners.iter_mut().filter(|runner| !runner.exited) {
         let _ = runner.signal("-TERM").await;
@@ -195,19 +197,6 @@ async fn run_mode(
         runner.exited = true;
     }
     Ok(report)
-}
-
-/// Starts process `process` of runner `name` on a free port, with the default settings.
-fn start(name: &str, process: u32, env: &[(String, String)]) -> Result<Process, String> {
-    let port = free_port()?;
-    let extra = [("HOST", "127.0.0.1".to_owned()), ("PORT", port.to_string())];
-    let (child, pid) = spawn(name, "runner", env, &extra, Stdio::null())?;
-    Ok(Process {
-        id: crate::runs::ProcessId { runner: name.to_owned(), process, pid },
-        port,
-        child,
-        exited: false,
-    })
 }
 
 fn address(process: &Process) -> RunnerAddress {
