@@ -8,7 +8,7 @@ use cluster_core::{EntityAddress, EntityId, EntityType, ShardGroup, ShardId};
 use crate::row::{LastReplyRow, MessageRow, ProcessedRow, ReplyRow, StoredStateRow};
 
 /// The columns of a message row joined with its last reply, as read.
-#[derive(Clone, Debug, Default)]
+#[derive(Clone, Debug, Default, arbitrary::Arbitrary)]
 pub struct MessageColumns {
     /// `id`.
     pub id: i64,
@@ -41,7 +41,7 @@ pub struct MessageColumns {
 }
 
 /// The columns of a reply row, as read.
-#[derive(Clone, Debug, Default)]
+#[derive(Clone, Debug, Default, arbitrary::Arbitrary)]
 pub struct ReplyColumns {
     /// `id`.
     pub id: i64,
