@@ -64,6 +64,7 @@ async fn answers_its_probes(name: &str, database: TestDatabase) {
     assert_eq!(ready["ready"], true, "{ready}");
     assert_eq!(ready["registered"], true, "{ready}");
     assert!(ready["assigned_shards"].as_u64().unwrap() > 0, "{ready}");
+    assert_eq!(ready["unserved_shards"], 0, "{ready}");
     let (status, metrics) =
         get_until(ops, "/metrics", |_, body| body.contains("effect_cluster_shards ")).await;
     assert_eq!(status, 200);
