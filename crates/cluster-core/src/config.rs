@@ -374,7 +374,8 @@ pub struct ShardingConfig {
     ///   that its shards move within seconds rather than when its heartbeat expires.
     /// - A frozen or partitioned peer does not refuse connections (its socket stays open, or
     ///   the connection times out), so it keeps its shards until its locks expire, as before.
-    /// - Each runner probes up to 8 of the healthy runners that follow it in address order.
+    /// - Each runner probes up to 8 of the runners that hold shards in the assignment, those
+    ///   that follow it in address order.
     /// - Probes need a transport, and stop with `RUNNER_HEALTH_CHECK=heartbeat`.
     ///
     /// Default 1 s. Environment: `RUNNER_PROBE_INTERVAL` (not read by the reference).

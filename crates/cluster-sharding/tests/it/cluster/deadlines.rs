@@ -37,6 +37,8 @@ impl StallingProxy {
             let mut connections = JoinSet::new();
             loop {
                 let Ok((client, _)) = listener.accept().await else { return };
+                // Pipes of closed connections are reaped, so the set holds the open ones only.
+                while connections.try_join_next().is_some() {}
                 let Ok(server) = TcpStream::connect(&upstream).await else { continue };
                 let (client_read, client_write) = client.into_split();
                 let (server_read, server_write) = server.into_split();
