@@ -380,11 +380,14 @@ pub struct ShardingConfig {
     ///
     /// Default 1 s. Environment: `RUNNER_PROBE_INTERVAL` (not read by the reference).
     pub runner_probe_interval: Duration,
-    /// How long a read of storage may take: claims of unprocessed messages, reply, state and
-    /// primary-key lookups, the registry. Greater than 0. At most one hour (`INTERVAL_MAX`).
+    /// How long a read of storage may take: reply, state and primary-key lookups, the
+    /// registry. Greater than 0. At most one hour (`INTERVAL_MAX`).
     ///
     /// A read past it fails with `StorageErrorKind::Timeout`, which the runtime handles as any
-    /// failed read: the read loop reads again at its next poll, a caller's lookup fails.
+    /// failed read: a caller's lookup fails, a reply poll tries again.
+    /// The read loop's claim of unprocessed messages has no deadline: the database may complete
+    /// a claim its caller gave up on, which would hide those messages for 10 minutes
+    /// (`CLAIM_WINDOW`). `effect_cluster_read_loop_lag_seconds` shows a stalled read.
     /// Lock operations have `shard_lock_interval()` instead; the listings of the console and
     /// retention's sweeps have 30 s.
     ///

@@ -9,6 +9,11 @@
 //! (30 s). An operation past its deadline fails with `StorageErrorKind::Timeout`; the storage
 //! may still complete it, as when a connection drops after a statement was sent.
 //!
+//! The read loop's claim (`unprocessed_messages`) has none: a claim the database completes after
+//! its caller gave up would hide those messages from every runner for `CLAIM_WINDOW`, and the
+//! later requests of their entities wait behind them. The read loop waits for its answer
+//! instead; `effect_cluster_read_loop_lag_seconds` shows a stalled read.
+//!
 //! Every method, the contracts' default ones included, goes to the wrapped storage, so that a
 //! backend's own version of a default method keeps running. A transaction begun through the
 //! wrapper is wrapped too, and hands out the backend's own handle.
@@ -85,6 +90,8 @@ enum Op {
 /// The class of an operation, which sets its deadline.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 enum Class {
+    /// Claims, which are not cancel safe: no deadline.
+    Claim,
     Read,
     Write,
     Lock,
@@ -109,16 +116,17 @@ impl Deadlines {
         }
     }
 
-    /// The deadline of `class`, and the setting that sets it.
-    fn of_class(self, class: Class) -> (Duration, &'static str) {
-        match class {
+    /// The deadline of `class`, and the setting that sets it; `None` for claims.
+    fn of_class(self, class: Class) -> Option<(Duration, &'static str)> {
+        Some(match class {
+            Class::Claim => return None,
             Class::Read => (self.read, "STORAGE_READ_TIMEOUT"),
             Class::Write => (self.write, "STORAGE_WRITE_TIMEOUT"),
             Class::Lock => (self.lock, "SHARD_LOCK_REFRESH_INTERVAL"),
             Class::Maintenance => {
                 (cluster_core::retention::CALL_DEADLINE, "a fixed deadline of listings and purges")
             }
-        }
+        })
     }
 }
 
@@ -126,10 +134,10 @@ impl Op {
     /// The class of the operation (see [`Deadlines`]).
     fn class(self) -> Class {
         match self {
+            Op::UnprocessedMessages => Class::Claim,
             Op::RequestIdForPrimaryKey
             | Op::RepliesFor
             | Op::RepliesForUnfiltered
-            | Op::UnprocessedMessages
             | Op::UnprocessedMessagesById
             | Op::UnprocessedBefore
             | Op::UnprocessedMessagesOrdered
@@ -287,7 +295,11 @@ impl Meters {
         operation: impl Future<Output = Result<T, StorageError>>,
     ) -> Result<T, StorageError> {
         let began = tokio::time::Instant::now();
-        let (deadline, setting) = self.deadlines.of_class(op.class());
+        let Some((deadline, setting)) = self.deadlines.of_class(op.class()) else {
+            let result = operation.await;
+            self.record(op, began, &result);
+            return result;
+        };
         let result = match tokio::time::timeout(deadline, operation).await {
             Ok(result) => result,
             Err(_) => {
@@ -308,10 +320,16 @@ impl Meters {
                 ))
             }
         };
+        self.record(op, began, &result);
+        result
+    }
+
+    /// Records how long `op` took and whether it failed.
+    fn record<T>(&self, op: Op, began: tokio::time::Instant, result: &Result<T, StorageError>) {
         if let Some(latency) = self.latency.get(op as usize) {
             latency.record(began.elapsed().as_secs_f64());
         }
-        if let Err(error) = &result {
+        if let Err(error) = result {
             metrics::counter!(
                 STORAGE_ERRORS,
                 "backend" => self.backend,
@@ -320,7 +338,6 @@ impl Meters {
             )
             .increment(1);
         }
-        result
     }
 }
 
@@ -740,19 +757,28 @@ mod tests {
         // An answer in time passes through.
         let answered = meters.measure(Op::Refresh, async { Ok::<_, super::StorageError>(7) }).await;
         assert_eq!(answered.ok(), Some(7));
+
+        // A claim waits for its answer, however long it takes.
+        let began = tokio::time::Instant::now();
+        let slow_claim = async {
+            tokio::time::sleep(Duration::from_secs(60)).await;
+            Ok::<_, super::StorageError>(1)
+        };
+        assert_eq!(meters.measure(Op::UnprocessedMessages, slow_claim).await.ok(), Some(1));
+        assert_eq!(began.elapsed(), Duration::from_secs(60));
     }
 
     #[test]
     fn every_class_has_its_deadline() {
         let deadlines = deadlines();
-        assert_eq!(deadlines.of_class(Class::Read).0, Duration::from_secs(3));
-        assert_eq!(deadlines.of_class(Class::Write).0, Duration::from_secs(5));
-        assert_eq!(deadlines.of_class(Class::Lock).0, Duration::from_secs(1));
-        assert_eq!(
-            deadlines.of_class(Class::Maintenance).0,
-            cluster_core::retention::CALL_DEADLINE
-        );
-        assert_eq!(Op::UnprocessedMessages.class(), Class::Read);
+        let deadline = |class| deadlines.of_class(class).map(|(deadline, _)| deadline);
+        assert_eq!(deadline(Class::Read), Some(Duration::from_secs(3)));
+        assert_eq!(deadline(Class::Write), Some(Duration::from_secs(5)));
+        assert_eq!(deadline(Class::Lock), Some(Duration::from_secs(1)));
+        assert_eq!(deadline(Class::Maintenance), Some(cluster_core::retention::CALL_DEADLINE));
+        assert_eq!(deadline(Class::Claim), None, "a claim is not cancel safe");
+        assert_eq!(Op::UnprocessedMessages.class(), Class::Claim);
+        assert_eq!(Op::UnprocessedMessagesById.class(), Class::Read);
         assert_eq!(Op::TransactionCommit.class(), Class::Write);
         assert_eq!(Op::ReleaseGone.class(), Class::Lock);
         assert_eq!(Op::PurgeProcessed.class(), Class::Maintenance);
